@@ -1,0 +1,16 @@
+# Generates the table of built-in model configs from estimator/models/*.json.
+# Invoked at build time: cmake -DMODELS_DIR=... -DOUTPUT=... -P EmbedModels.cmake
+file(GLOB model_files ${MODELS_DIR}/*.json)
+list(SORT model_files)
+set(content "// Generated from estimator/models/*.json by cmake/EmbedModels.cmake. Do not edit.\n")
+foreach(path IN LISTS model_files)
+  get_filename_component(name ${path} NAME_WE)
+  file(READ ${path} json)
+  string(FIND "${json}" ")memplan_json\"" clash)
+  if(NOT clash EQUAL -1)
+    message(FATAL_ERROR "${path} contains the raw-string delimiter")
+  endif()
+  string(APPEND content "{\"${name}\", R\"memplan_json(${json})memplan_json\"},\n")
+endforeach()
+file(WRITE ${OUTPUT}.tmp "${content}")
+file(COPY_FILE ${OUTPUT}.tmp ${OUTPUT} ONLY_IF_DIFFERENT)

@@ -1,0 +1,60 @@
+// JSON parsing with the limits every reader of user files applies: bounded nesting depth (so a
+// hostile file cannot exhaust the stack) and errors that name the source, never exceptions.
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+
+namespace memplan {
+
+// Deepest nesting of objects/arrays in `text`, counted without parsing (strings skipped).
+inline int JsonNestingDepth(std::string_view text) {
+  int depth = 0, max_depth = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      max_depth = std::max(max_depth, ++depth);
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return max_depth;
+}
+
+// Parses `text` as JSON (nlohmann::json or nlohmann::ordered_json). Invalid JSON, invalid UTF-8 and
+// nesting deeper than `max_depth` are InvalidArgument errors naming `source`.
+template <typename Json = nlohmann::json>
+Result<Json> ParseJson(std::string_view text, const std::string& source, int max_depth = 64) {
+  int depth = JsonNestingDepth(text);
+  if (depth > max_depth) {
+    return Status::InvalidArgument(source + ": JSON nested " + std::to_string(depth) +
+                                   " levels deep (limit " + std::to_string(max_depth) + ")");
+  }
+  try {
+    return Json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    std::string what = e.what();
+    // nlohmann prefixes "[json.exception.parse_error.101] "; users need only the rest.
+    if (auto pos = what.find("] "); pos != std::string::npos) what = what.substr(pos + 2);
+    return Status::InvalidArgument(source + ": invalid JSON: " + what);
+  }
+}
+
+}  // namespace memplan

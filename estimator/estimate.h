@@ -1,0 +1,57 @@
+// Estimate: the estimator's answer for one model on one hardware setup, as a plain struct that
+// serialises to JSON and back (the CLI, the C API and Python all pass this same object).
+//
+// Today it carries the model's counts and DeepSpeed's model-state tables (to the byte); later
+// issues add the itemised per-tier memory model beside them without changing these fields.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "estimator/deepspeed.h"
+#include "estimator/inventory.h"
+
+namespace memplan::estimator {
+
+struct ModelSummary {
+  std::string name;          // as the user named it
+  std::string model_type;    // "llama"; "" for shape lists without one
+  std::string architecture;  // "LlamaForCausalLM"
+  std::string model_class;   // "causal_lm" | "masked_lm" | "seq2seq_lm" | "base" | ""
+  std::string source;        // "builtin" | "config" | "shape-list" | "safetensors"
+  ModelCounts counts;
+};
+
+struct Estimate {
+  ModelSummary model;
+  DeepSpeedHardware hardware;
+  std::vector<Zero2Row> zero2;  // DeepSpeed's order
+  std::vector<Zero3Row> zero3;  // DeepSpeed's order
+  std::vector<std::string> assumptions;  // stated in the output, one sentence each
+};
+
+// Counts the inventory and fills the DeepSpeed tables. Errors: invalid hardware, overflow.
+Result<Estimate> EstimateModelStates(const ModelInventory& inventory,
+                                     const DeepSpeedHardware& hardware);
+
+// JSON form (schema documented in README.md; a public interface: fields are only ever added).
+nlohmann::json ToJson(const Estimate& estimate);
+// Inverse of ToJson; errors name the missing or mistyped field.
+Result<Estimate> EstimateFromJson(const nlohmann::json& json);
+
+// Human-readable report: a model summary line, then DeepSpeed's ZeRO-2 and ZeRO-3 printouts
+// verbatim, then the GiB caveat once.
+std::string FormatEstimateText(const Estimate& estimate);
+
+// `memplan inventory --format json`: model summary plus every tensor.
+nlohmann::json InventoryToJson(const ModelInventory& inventory, const ModelCounts& counts);
+// Human-readable tensor table.
+std::string FormatInventoryText(const ModelInventory& inventory, const ModelCounts& counts);
+
+// 1234567 -> "1,234,567".
+std::string WithThousands(uint64_t value);
+
+}  // namespace memplan::estimator

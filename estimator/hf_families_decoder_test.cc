@@ -1,0 +1,550 @@
+// Tests for the decoder-only config.json builders (hf_families_decoder.cc), through the public
+// InventoryFromHfConfig* entry points.
+//
+// The fixtures under estimator/models/ are the config.json files published on the Hugging Face
+// Hub; each total below is a figure published for that real model (source named beside it), so a
+// wrong shape anywhere in a builder moves the count and fails the test.
+#include <doctest/doctest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "estimator/hf_config.h"
+#include "estimator/inventory.h"
+
+namespace memplan::estimator {
+namespace {
+
+std::string ReadFixture(const std::string& name) {
+  std::ifstream in(std::string(MEMPLAN_SOURCE_DIR) + "/estimator/models/" + name + ".json");
+  REQUIRE_MESSAGE(in.good(), "missing fixture " << name);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+ModelInventory Fixture(const std::string& name,
+                       ModelClassChoice choice = ModelClassChoice::kFromArchitectures) {
+  Result<ModelInventory> inventory = InventoryFromHfConfigText(ReadFixture(name), name, choice);
+  REQUIRE_MESSAGE(inventory.ok(), inventory.status().ToString());
+  return std::move(inventory).value();
+}
+
+nlohmann::json FixtureJson(const std::string& name) {
+  return nlohmann::json::parse(ReadFixture(name));
+}
+
+Result<ModelInventory> Build(const nlohmann::json& config,
+                             ModelClassChoice choice = ModelClassChoice::kFromArchitectures) {
+  return InventoryFromHfConfig(config, "test/config.json", choice);
+}
+
+ModelInventory MustBuild(const nlohmann::json& config,
+                         ModelClassChoice choice = ModelClassChoice::kFromArchitectures) {
+  Result<ModelInventory> inventory = Build(config, choice);
+  REQUIRE_MESSAGE(inventory.ok(), inventory.status().ToString());
+  return std::move(inventory).value();
+}
+
+ModelCounts Counts(const ModelInventory& inventory) {
+  Result<ModelCounts> counts = CountParams(inventory);
+  REQUIRE_MESSAGE(counts.ok(), counts.status().ToString());
+  return *counts;
+}
+
+uint64_t Total(const ModelInventory& inventory) { return Counts(inventory).params_total; }
+
+// The tensor called `name`; fails the test when it is missing.
+const TensorInfo& Tensor(const ModelInventory& inventory, const std::string& name) {
+  int64_t index = inventory.Find(name);
+  REQUIRE_MESSAGE(index >= 0, "no tensor " << name);
+  return inventory.tensors[static_cast<size_t>(index)];
+}
+
+using Shape = std::vector<int64_t>;
+
+// The error message of a build that must fail; fails the test when it succeeds.
+std::string BuildError(const nlohmann::json& config,
+                       ModelClassChoice choice = ModelClassChoice::kFromArchitectures) {
+  Result<ModelInventory> inventory = Build(config, choice);
+  REQUIRE_FALSE_MESSAGE(inventory.ok(), "expected an error for " << config.dump());
+  CHECK(inventory.status().code() == StatusCode::kInvalidArgument);
+  return inventory.status().message();
+}
+
+bool Contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// Names of the tensors of one block, in inventory order.
+std::vector<std::string> BlockNames(const ModelInventory& inventory, const std::string& block) {
+  std::vector<std::string> names;
+  for (const TensorInfo& t : inventory.tensors) {
+    if (t.block == block) names.push_back(t.name);
+  }
+  return names;
+}
+
+}  // namespace
+
+TEST_CASE("decoder: gpt2 matches the published 124,439,808 parameters") {
+  ModelInventory gpt2 = Fixture("gpt2");
+  ModelCounts counts = Counts(gpt2);
+  // REFERENCE.md section 2: gpt2, head tied to wte (also the "124M" of the gpt2 model card).
+  CHECK(counts.params_total == 124'439'808);
+  // DeepSeek's L: the largest module's own parameters, the 50257 x 768 token embedding (the tied
+  // head holds the same Parameter; the tie goes to the first module name).
+  CHECK(counts.largest_layer_params == 38'597'376);
+  CHECK(counts.largest_layer_module == "lm_head");
+  // One GPT-2 block: 12 H^2 + 13 H.
+  CHECK(counts.largest_block_params == 7'087'872);
+  CHECK(counts.largest_block == "transformer.h.0");
+  CHECK(counts.num_blocks == 12);
+  CHECK(counts.num_tensors == 2 + 12 * 12 + 2 + 1);
+  CHECK(counts.num_tied == 1);
+  // No torch_dtype in this config: F32.
+  CHECK(counts.bytes_as_stored == 124'439'808ull * 4);
+  CHECK(gpt2.architecture == "GPT2LMHeadModel");
+  CHECK(gpt2.model_class == "causal_lm");
+  CHECK(gpt2.model_type == "gpt2");
+
+  // Conv1D stores its weight as [in, out].
+  CHECK(Tensor(gpt2, "transformer.h.0.attn.c_attn.weight").shape == Shape{768, 2304});
+  CHECK(Tensor(gpt2, "transformer.h.0.attn.c_attn.bias").shape == Shape{2304});
+  CHECK(Tensor(gpt2, "transformer.h.11.mlp.c_fc.weight").shape == Shape{768, 3072});
+  CHECK(Tensor(gpt2, "transformer.h.11.mlp.c_proj.weight").shape == Shape{3072, 768});
+  CHECK(Tensor(gpt2, "transformer.wpe.weight").shape == Shape{1024, 768});
+  CHECK(Tensor(gpt2, "transformer.h.3.attn.c_proj.weight").dtype == DType::kF32);
+  const TensorInfo& head = gpt2.tensors.back();
+  CHECK(head.name == "lm_head.weight");
+  CHECK(head.tied_to == "transformer.wte.weight");
+  CHECK(head.shape == Shape{50257, 768});
+  CHECK(gpt2.tensors.front().name == "transformer.wte.weight");
+  CHECK(gpt2.Find("transformer.h.0.attn.bias") < 0);  // the causal mask is a buffer
+  CHECK(BlockNames(gpt2, "transformer.h.5") ==
+        std::vector<std::string>{
+            "transformer.h.5.ln_1.weight", "transformer.h.5.ln_1.bias",
+            "transformer.h.5.attn.c_attn.weight", "transformer.h.5.attn.c_attn.bias",
+            "transformer.h.5.attn.c_proj.weight", "transformer.h.5.attn.c_proj.bias",
+            "transformer.h.5.ln_2.weight", "transformer.h.5.ln_2.bias",
+            "transformer.h.5.mlp.c_fc.weight", "transformer.h.5.mlp.c_fc.bias",
+            "transformer.h.5.mlp.c_proj.weight", "transformer.h.5.mlp.c_proj.bias"});
+}
+
+TEST_CASE("decoder: gpt2 base model is GPT2Model without prefix or head") {
+  ModelInventory base = Fixture("gpt2", ModelClassChoice::kBase);
+  CHECK(base.architecture == "GPT2Model");
+  CHECK(base.model_class == "base");
+  // The tied head adds no parameters, so the base model has the same total.
+  CHECK(Total(base) == 124'439'808);
+  CHECK(base.tensors.front().name == "wte.weight");
+  CHECK(Tensor(base, "h.0.ln_1.weight").shape == Shape{768});
+  CHECK(Tensor(base, "ln_f.bias").shape == Shape{768});
+  CHECK(base.Find("lm_head.weight") < 0);
+  CHECK(base.Find("transformer.wte.weight") < 0);
+  CHECK(Counts(base).num_tensors == 2 + 12 * 12 + 2);
+
+  // A config naming the base class builds it too.
+  nlohmann::json config = FixtureJson("gpt2");
+  config["architectures"] = {"GPT2Model"};
+  ModelInventory named = MustBuild(config);
+  CHECK(named.architecture == "GPT2Model");
+  CHECK(named.Find("h.0.ln_1.weight") >= 0);
+}
+
+TEST_CASE("decoder: gpt2 applies GPT2Config defaults for absent fields") {
+  // GPT2Config() is the published gpt2 itself.
+  ModelInventory bare = MustBuild({{"model_type", "gpt2"}});
+  CHECK(Total(bare) == 124'439'808);
+  CHECK(bare.architecture == "GPT2LMHeadModel");
+  CHECK(Tensor(bare, "lm_head.weight").tied_to == "transformer.wte.weight");
+
+  // n_inner given: the MLP width follows it.
+  ModelInventory inner = MustBuild({{"model_type", "gpt2"}, {"n_inner", 1024}});
+  CHECK(Tensor(inner, "transformer.h.0.mlp.c_fc.weight").shape == Shape{768, 1024});
+  CHECK(Total(inner) == 124'439'808 - 12 * 2 * 768 * (3072 - 1024) - 12 * (3072 - 1024));
+  // n_inner null is the same as absent.
+  CHECK(Total(MustBuild({{"model_type", "gpt2"}, {"n_inner", nullptr}})) == 124'439'808);
+
+  // Transformers' attribute_map aliases (hidden_size for n_embd, ...) are honoured.
+  ModelInventory alias = MustBuild({{"model_type", "gpt2"},
+                                    {"hidden_size", 64},
+                                    {"num_attention_heads", 4},
+                                    {"num_hidden_layers", 2},
+                                    {"max_position_embeddings", 32},
+                                    {"vocab_size", 100}});
+  CHECK(Tensor(alias, "transformer.wpe.weight").shape == Shape{32, 64});
+  CHECK(Total(alias) == 100 * 64 + 32 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64);
+
+  // Untied head: its own V x H matrix.
+  ModelInventory untied = MustBuild({{"model_type", "gpt2"}, {"tie_word_embeddings", false}});
+  CHECK(Tensor(untied, "lm_head.weight").tied_to.empty());
+  CHECK(Total(untied) == 124'439'808 + 50257 * 768);
+
+  // Cross-attention adds q_attn, a 2H c_attn and a third LayerNorm per block.
+  ModelInventory cross = MustBuild({{"model_type", "gpt2"}, {"add_cross_attention", true}});
+  CHECK(Tensor(cross, "transformer.h.0.crossattention.c_attn.weight").shape == Shape{768, 1536});
+  CHECK(Tensor(cross, "transformer.h.0.crossattention.q_attn.weight").shape == Shape{768, 768});
+  CHECK(Total(cross) == 124'439'808 + 12 * (768 * 1536 + 1536 + 2 * (768 * 768 + 768) + 2 * 768));
+}
+
+TEST_CASE("decoder: llama-2-7b matches the published counts, causal LM and base") {
+  ModelInventory llama = Fixture("llama-2-7b");
+  ModelCounts counts = Counts(llama);
+  // REFERENCE.md section 2: Llama-2-7b LlamaForCausalLM 6,738,415,616 (Meta's "7B").
+  CHECK(counts.params_total == 6'738'415'616);
+  // REFERENCE.md section 2: L = 131,072,000 (32000 x 4096, embedding or head).
+  CHECK(counts.largest_layer_params == 131'072'000);
+  CHECK(counts.num_tied == 0);
+  CHECK(counts.num_tensors == 1 + 32 * 9 + 1 + 1);
+  // torch_dtype float16.
+  CHECK(counts.bytes_as_stored == 6'738'415'616ull * 2);
+  CHECK(llama.architecture == "LlamaForCausalLM");
+  CHECK(llama.model_class == "causal_lm");
+  CHECK(Tensor(llama, "model.layers.0.self_attn.q_proj.weight").shape == Shape{4096, 4096});
+  CHECK(Tensor(llama, "model.layers.31.mlp.down_proj.weight").shape == Shape{4096, 11008});
+  CHECK(Tensor(llama, "model.layers.31.mlp.down_proj.weight").dtype == DType::kF16);
+  CHECK(Tensor(llama, "lm_head.weight").tied_to.empty());
+  CHECK(llama.tensors.front().name == "model.embed_tokens.weight");
+  CHECK(llama.tensors[llama.tensors.size() - 2].name == "model.norm.weight");
+  CHECK(llama.Find("model.layers.0.self_attn.rotary_emb.inv_freq") < 0);  // a buffer
+  // Registration order of LlamaDecoderLayer: attention, MLP, then both norms.
+  CHECK(BlockNames(llama, "model.layers.0") ==
+        std::vector<std::string>{
+            "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+            "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight",
+            "model.layers.0.post_attention_layernorm.weight"});
+  CHECK(Tensor(llama, "model.layers.7.mlp.up_proj.weight").layer == 7);
+
+  ModelInventory base = Fixture("llama-2-7b", ModelClassChoice::kBase);
+  ModelCounts base_counts = Counts(base);
+  // REFERENCE.md section 2: base LlamaModel 6,607,343,616 (what DeepSpeed's AutoModel examples
+  // count).
+  CHECK(base_counts.params_total == 6'607'343'616);
+  CHECK(base_counts.largest_layer_params == 131'072'000);
+  CHECK(base_counts.largest_layer_module == "embed_tokens");
+  CHECK(base.architecture == "LlamaModel");
+  CHECK(base.model_class == "base");
+  CHECK(base.tensors.front().name == "embed_tokens.weight");
+  CHECK(Tensor(base, "layers.0.self_attn.q_proj.weight").shape == Shape{4096, 4096});
+  CHECK(Tensor(base, "norm.weight").shape == Shape{4096});
+  CHECK(base.Find("lm_head.weight") < 0);
+  CHECK(base.Find("model.embed_tokens.weight") < 0);
+}
+
+TEST_CASE("decoder: mistral-7b matches the published 7,241,732,096 parameters") {
+  ModelInventory mistral = Fixture("mistral-7b");
+  // Brief / Hugging Face Hub safetensors metadata for mistralai/Mistral-7B-v0.1: 7,241,732,096
+  // (the "7.24B params" on the model page).
+  CHECK(Total(mistral) == 7'241'732'096);
+  CHECK(Counts(mistral).largest_layer_params == 131'072'000);
+  CHECK(mistral.architecture == "MistralForCausalLM");
+  // Grouped-query attention: 8 key/value heads of 128.
+  CHECK(Tensor(mistral, "model.layers.0.self_attn.k_proj.weight").shape == Shape{1024, 4096});
+  CHECK(Tensor(mistral, "model.layers.0.self_attn.v_proj.weight").shape == Shape{1024, 4096});
+  CHECK(Tensor(mistral, "model.layers.0.self_attn.o_proj.weight").shape == Shape{4096, 4096});
+  CHECK(Tensor(mistral, "model.layers.0.mlp.gate_proj.weight").dtype == DType::kBF16);
+  CHECK(mistral.Find("model.layers.0.self_attn.q_proj.bias") < 0);
+  CHECK(Counts(mistral).bytes_as_stored == 7'241'732'096ull * 2);
+}
+
+TEST_CASE("decoder: mixtral-8x7b matches the published 46,702,792,704 parameters") {
+  ModelInventory mixtral = Fixture("mixtral-8x7b");
+  ModelCounts counts = Counts(mixtral);
+  // Brief / Hugging Face Hub safetensors metadata for mistralai/Mixtral-8x7B-v0.1:
+  // 46,702,792,704 (the "46.7B" of Mistral AI's announcement).
+  CHECK(counts.params_total == 46'702'792'704);
+  CHECK(counts.largest_layer_params == 131'072'000);
+  CHECK(counts.num_tensors == 1 + 32 * (4 + 1 + 8 * 3 + 2) + 1 + 1);
+  CHECK(mixtral.architecture == "MixtralForCausalLM");
+  // Classic checkpoint layout: router `gate` and per-expert w1/w2/w3.
+  CHECK(Tensor(mixtral, "model.layers.0.block_sparse_moe.gate.weight").shape == Shape{8, 4096});
+  CHECK(Tensor(mixtral, "model.layers.0.block_sparse_moe.experts.0.w1.weight").shape ==
+        Shape{14336, 4096});
+  CHECK(Tensor(mixtral, "model.layers.31.block_sparse_moe.experts.7.w2.weight").shape ==
+        Shape{4096, 14336});
+  CHECK(Tensor(mixtral, "model.layers.31.block_sparse_moe.experts.7.w3.weight").shape ==
+        Shape{14336, 4096});
+  CHECK(mixtral.Find("model.layers.0.block_sparse_moe.experts.8.w1.weight") < 0);
+  CHECK(mixtral.Find("model.layers.0.block_sparse_moe.gate.bias") < 0);
+  CHECK(mixtral.Find("model.layers.0.mlp.gate_proj.weight") < 0);
+  // Experts belong to their decoder layer's block.
+  const TensorInfo& w2 = Tensor(mixtral, "model.layers.5.block_sparse_moe.experts.3.w2.weight");
+  CHECK(w2.block == "model.layers.5");
+  CHECK(w2.layer == 5);
+  CHECK(w2.module == "model.layers.5.block_sparse_moe.experts.3.w2");
+  const std::vector<std::string> order = BlockNames(mixtral, "model.layers.0");
+  REQUIRE(order.size() == 4 + 1 + 24 + 2);
+  CHECK(order[4] == "model.layers.0.block_sparse_moe.gate.weight");
+  CHECK(order[5] == "model.layers.0.block_sparse_moe.experts.0.w1.weight");
+  CHECK(order[6] == "model.layers.0.block_sparse_moe.experts.0.w2.weight");
+  CHECK(order[29] == "model.layers.0.input_layernorm.weight");
+
+  // num_local_experts defaults to 8 (MixtralConfig).
+  nlohmann::json config = FixtureJson("mixtral-8x7b");
+  config.erase("num_local_experts");
+  CHECK(Total(MustBuild(config)) == 46'702'792'704);
+  config["num_local_experts"] = 4;
+  CHECK(Total(MustBuild(config)) == 46'702'792'704 - int64_t{32} * 4 * (3 * 4096 * 14336 + 4096));
+}
+
+TEST_CASE("decoder: qwen2-7b matches the published 7,615,616,512 parameters") {
+  ModelInventory qwen = Fixture("qwen2-7b");
+  // Hugging Face Hub safetensors metadata for Qwen/Qwen2-7B: 7,615,616,512 (the "7.62B params"
+  // on the model page; Qwen2.5-7B, with identical dimensions, publishes the same total).
+  CHECK(Total(qwen) == 7'615'616'512);
+  CHECK(qwen.architecture == "Qwen2ForCausalLM");
+  // Qwen2: q/k/v carry biases, o_proj does not.
+  CHECK(Tensor(qwen, "model.layers.0.self_attn.q_proj.bias").shape == Shape{3584});
+  CHECK(Tensor(qwen, "model.layers.0.self_attn.k_proj.bias").shape == Shape{512});
+  CHECK(Tensor(qwen, "model.layers.0.self_attn.v_proj.bias").shape == Shape{512});
+  CHECK(qwen.Find("model.layers.0.self_attn.o_proj.bias") < 0);
+  CHECK(qwen.Find("model.layers.0.mlp.gate_proj.bias") < 0);
+  CHECK(BlockNames(qwen, "model.layers.0")[0] == "model.layers.0.self_attn.q_proj.weight");
+  CHECK(BlockNames(qwen, "model.layers.0")[1] == "model.layers.0.self_attn.q_proj.bias");
+  // 152064 x 3584 embedding.
+  CHECK(Counts(qwen).largest_layer_params == 544'997'376);
+
+  // Qwen2-0.5B's shape: tied head via the config (qwen2's own default is untied). Published
+  // total: 494,032,768 (Hub safetensors metadata of Qwen/Qwen2-0.5B and Qwen2.5-0.5B).
+  nlohmann::json small = FixtureJson("qwen2-7b");
+  small["hidden_size"] = 896;
+  small["intermediate_size"] = 4864;
+  small["num_hidden_layers"] = 24;
+  small["num_attention_heads"] = 14;
+  small["num_key_value_heads"] = 2;
+  small["vocab_size"] = 151936;
+  small["tie_word_embeddings"] = true;
+  ModelInventory tied = MustBuild(small);
+  CHECK(Total(tied) == 494'032'768);
+  CHECK(Tensor(tied, "lm_head.weight").tied_to == "model.embed_tokens.weight");
+}
+
+TEST_CASE("decoder: gemma-2b matches the Gemma report's parameter counts") {
+  ModelInventory gemma = Fixture("gemma-2b");
+  ModelCounts counts = Counts(gemma);
+  // Gemma report (Gemma Team, 2024), Table 2: 2B non-embedding parameters 1,981,884,416. Its
+  // embedding count (524,550,144) is for a 256,128-entry vocabulary; the Hub checkpoint's
+  // embedding has 256,000 rows, hence 256,000 x 2048 here. Head tied (GemmaConfig default).
+  CHECK(counts.params_total == 1'981'884'416ull + 256'000ull * 2048);
+  CHECK(counts.params_total == 2'506'172'416);
+  CHECK(counts.num_tied == 1);
+  CHECK(gemma.architecture == "GemmaForCausalLM");
+  CHECK(Tensor(gemma, "lm_head.weight").tied_to == "model.embed_tokens.weight");
+  // 8 query heads and 1 key/value head of 256: head_dim does not come from hidden_size.
+  CHECK(Tensor(gemma, "model.layers.0.self_attn.q_proj.weight").shape == Shape{2048, 2048});
+  CHECK(Tensor(gemma, "model.layers.0.self_attn.k_proj.weight").shape == Shape{256, 2048});
+  CHECK(Tensor(gemma, "model.layers.0.self_attn.o_proj.weight").shape == Shape{2048, 2048});
+  CHECK(Tensor(gemma, "model.norm.weight").shape == Shape{2048});
+
+  // Gemma's defaults: head_dim 256 and a tied head when the config says nothing.
+  nlohmann::json config = FixtureJson("gemma-2b");
+  config.erase("head_dim");
+  ModelInventory defaults = MustBuild(config);
+  CHECK(Total(defaults) == 2'506'172'416);
+  CHECK(Tensor(defaults, "lm_head.weight").tied_to == "model.embed_tokens.weight");
+  config["tie_word_embeddings"] = false;
+  CHECK(Total(MustBuild(config)) == 2'506'172'416 + 256'000ull * 2048);
+
+  // The base model loses only the alias.
+  ModelInventory base = Fixture("gemma-2b", ModelClassChoice::kBase);
+  CHECK(base.architecture == "GemmaModel");
+  CHECK(Total(base) == 2'506'172'416);
+  CHECK(Counts(base).num_tied == 0);
+}
+
+TEST_CASE("decoder: pythia-160m (gpt_neox) matches the published 162,322,944 parameters") {
+  ModelInventory pythia = Fixture("pythia-160m");
+  ModelCounts counts = Counts(pythia);
+  // EleutherAI/pythia-160m model card (naming table): 162,322,944 total parameters, of which
+  // 85,056,000 non-embedding; embed_in and embed_out are separate 50304 x 768 matrices.
+  CHECK(counts.params_total == 162'322'944);
+  CHECK(counts.params_total - 2 * 50304 * 768 == 85'056'000);
+  CHECK(counts.largest_layer_params == 50304 * 768);
+  CHECK(counts.num_tied == 0);
+  CHECK(pythia.architecture == "GPTNeoXForCausalLM");
+  CHECK(Tensor(pythia, "gpt_neox.layers.0.attention.query_key_value.weight").shape ==
+        Shape{2304, 768});
+  CHECK(Tensor(pythia, "gpt_neox.layers.0.attention.query_key_value.bias").shape == Shape{2304});
+  CHECK(Tensor(pythia, "gpt_neox.layers.11.mlp.dense_4h_to_h.weight").shape == Shape{768, 3072});
+  CHECK(Tensor(pythia, "embed_out.weight").tied_to.empty());
+  CHECK(pythia.tensors.back().name == "embed_out.weight");
+  CHECK(BlockNames(pythia, "gpt_neox.layers.0")[0] == "gpt_neox.layers.0.input_layernorm.weight");
+  CHECK(BlockNames(pythia, "gpt_neox.layers.0")[4] ==
+        "gpt_neox.layers.0.attention.query_key_value.weight");
+  CHECK(Tensor(pythia, "gpt_neox.final_layer_norm.bias").dtype == DType::kF16);
+
+  ModelInventory base = Fixture("pythia-160m", ModelClassChoice::kBase);
+  CHECK(base.architecture == "GPTNeoXModel");
+  CHECK(Total(base) == 162'322'944 - 50304 * 768);
+  CHECK(base.tensors.front().name == "embed_in.weight");
+  CHECK(base.Find("final_layer_norm.weight") >= 0);
+  CHECK(base.Find("embed_out.weight") < 0);
+
+  // attention_bias false drops the query_key_value and dense biases.
+  nlohmann::json config = FixtureJson("pythia-160m");
+  config["attention_bias"] = false;
+  ModelInventory unbiased = MustBuild(config);
+  CHECK(Total(unbiased) == 162'322'944 - 12 * (2304 + 768));
+  CHECK(unbiased.Find("gpt_neox.layers.0.attention.dense.bias") < 0);
+  config["tie_word_embeddings"] = true;
+  CHECK(Tensor(MustBuild(config), "embed_out.weight").tied_to == "gpt_neox.embed_in.weight");
+}
+
+TEST_CASE("decoder: llama-like defaults and switches") {
+  nlohmann::json config = FixtureJson("llama-2-7b");
+
+  // num_key_value_heads absent: multi-head attention, same model.
+  config.erase("num_key_value_heads");
+  CHECK(Total(MustBuild(config)) == 6'738'415'616);
+  // tie_word_embeddings absent: LlamaConfig's default is untied.
+  config.erase("tie_word_embeddings");
+  CHECK(Tensor(MustBuild(config), "lm_head.weight").tied_to.empty());
+  // Tied (as in Llama 3.2 1B): the head becomes an alias and the base model's total.
+  config["tie_word_embeddings"] = true;
+  ModelInventory tied = MustBuild(config);
+  CHECK(Tensor(tied, "lm_head.weight").tied_to == "model.embed_tokens.weight");
+  CHECK(Total(tied) == 6'607'343'616);
+  config.erase("tie_word_embeddings");
+
+  // attention_bias covers q, k, v and o; mlp_bias all three MLP projections.
+  config["attention_bias"] = true;
+  config["mlp_bias"] = true;
+  ModelInventory biased = MustBuild(config);
+  CHECK(Tensor(biased, "model.layers.0.self_attn.o_proj.bias").shape == Shape{4096});
+  CHECK(Tensor(biased, "model.layers.0.mlp.gate_proj.bias").shape == Shape{11008});
+  CHECK(Tensor(biased, "model.layers.0.mlp.down_proj.bias").shape == Shape{4096});
+  CHECK(Total(biased) == 6'738'415'616 + 32 * (4 * 4096 + 2 * 11008 + 4096));
+  config.erase("attention_bias");
+  config.erase("mlp_bias");
+
+  // An explicit head_dim is honoured even when heads x head_dim != hidden_size
+  // (Mistral-Nemo: hidden 5120, 32 heads of 128, 8 key/value heads).
+  nlohmann::json nemo = FixtureJson("mistral-7b");
+  nemo["hidden_size"] = 5120;
+  nemo["head_dim"] = 128;
+  ModelInventory wide = MustBuild(nemo);
+  CHECK(Tensor(wide, "model.layers.0.self_attn.q_proj.weight").shape == Shape{4096, 5120});
+  CHECK(Tensor(wide, "model.layers.0.self_attn.k_proj.weight").shape == Shape{1024, 5120});
+  CHECK(Tensor(wide, "model.layers.0.self_attn.o_proj.weight").shape == Shape{5120, 4096});
+  // head_dim null means "derive it".
+  nemo["hidden_size"] = 4096;
+  nemo["head_dim"] = nullptr;
+  CHECK(Total(MustBuild(nemo)) == 7'241'732'096);
+
+  // dtype: "dtype" (Transformers >= 4.56) is read too; an unknown spelling falls back to F32.
+  config.erase("torch_dtype");
+  CHECK(Tensor(MustBuild(config), "model.norm.weight").dtype == DType::kF32);
+  config["dtype"] = "bfloat16";
+  CHECK(Tensor(MustBuild(config), "model.norm.weight").dtype == DType::kBF16);
+  config["dtype"] = "auto";
+  CHECK(Tensor(MustBuild(config), "model.norm.weight").dtype == DType::kF32);
+  config["dtype"] = 16;
+  CHECK(Contains(BuildError(config), "'dtype'"));
+}
+
+TEST_CASE("decoder: errors name the field at fault") {
+  nlohmann::json llama = FixtureJson("llama-2-7b");
+
+  SUBCASE("missing hidden_size") {
+    llama.erase("hidden_size");
+    std::string error = BuildError(llama);
+    CHECK(Contains(error, "test/config.json"));
+    CHECK(Contains(error, "'hidden_size'"));
+    CHECK(Contains(error, "missing"));
+  }
+  SUBCASE("missing size fields of gpt_neox") {
+    nlohmann::json pythia = FixtureJson("pythia-160m");
+    pythia.erase("intermediate_size");
+    CHECK(Contains(BuildError(pythia), "'intermediate_size'"));
+  }
+  SUBCASE("zero, negative, fractional and absurd dimensions") {
+    llama["num_hidden_layers"] = 0;
+    CHECK(Contains(BuildError(llama), "'num_hidden_layers'"));
+    llama["num_hidden_layers"] = 32;
+    llama["vocab_size"] = -5;
+    std::string negative = BuildError(llama);
+    CHECK(Contains(negative, "'vocab_size'"));
+    CHECK(Contains(negative, "negative"));
+    llama["vocab_size"] = 32000.5;
+    CHECK(Contains(BuildError(llama), "'vocab_size'"));
+    llama["vocab_size"] = 32000;
+    llama["intermediate_size"] = 1e12;
+    std::string absurd = BuildError(llama);
+    CHECK(Contains(absurd, "'intermediate_size'"));
+    CHECK(Contains(absurd, "absurdly large"));
+    CHECK(Contains(BuildError({{"model_type", "gpt2"}, {"n_embd", 0}}), "'n_embd'"));
+    CHECK(Contains(BuildError({{"model_type", "gpt2"}, {"n_head", -12}}), "'n_head'"));
+  }
+  SUBCASE("heads that do not divide the hidden size") {
+    llama["num_attention_heads"] = 30;
+    llama["num_key_value_heads"] = 30;
+    std::string error = BuildError(llama);
+    CHECK(Contains(error, "'num_attention_heads'"));
+    CHECK(Contains(error, "4096"));
+    CHECK(Contains(BuildError({{"model_type", "gpt2"}, {"n_head", 7}}), "'n_head'"));
+    CHECK(Contains(BuildError({{"model_type", "gpt2"}, {"num_attention_heads", 7}}),
+                   "'num_attention_heads'"));
+    nlohmann::json pythia = FixtureJson("pythia-160m");
+    pythia["num_attention_heads"] = 7;
+    CHECK(Contains(BuildError(pythia), "'num_attention_heads'"));
+  }
+  SUBCASE("key/value heads that do not divide the query heads") {
+    llama["num_key_value_heads"] = 5;
+    CHECK(Contains(BuildError(llama), "'num_key_value_heads'"));
+  }
+  SUBCASE("unknown architecture") {
+    llama["architectures"] = {"LlamaForSequenceClassification"};
+    std::string error = BuildError(llama);
+    CHECK(Contains(error, "'architectures'"));
+    CHECK(Contains(error, "LlamaForSequenceClassification"));
+    CHECK(Contains(error, "LlamaForCausalLM"));
+    CHECK(Contains(error, "LlamaModel"));
+    CHECK(Contains(error, "--model-class base"));
+    // As the message suggests, the base model can still be built.
+    ModelInventory base = MustBuild(llama, ModelClassChoice::kBase);
+    CHECK(Total(base) == 6'607'343'616);
+    CHECK(
+        Contains(BuildError({{"model_type", "gpt2"}, {"architectures", {"GPT2DoubleHeadsModel"}}}),
+                 "GPT2LMHeadModel"));
+  }
+  SUBCASE("layer and expert counts that would build an absurd number of tensors") {
+    llama["num_hidden_layers"] = 2'000'000'000;
+    CHECK(Contains(BuildError(llama), "'num_hidden_layers'"));
+    nlohmann::json mixtral = FixtureJson("mixtral-8x7b");
+    mixtral["num_local_experts"] = 1'000'000;
+    CHECK(Contains(BuildError(mixtral), "'num_local_experts'"));
+    CHECK(Contains(BuildError({{"model_type", "gpt2"}, {"n_layer", 100'000'000}}), "'n_layer'"));
+  }
+  SUBCASE("wrong JSON types") {
+    llama["tie_word_embeddings"] = "no";
+    CHECK(Contains(BuildError(llama), "'tie_word_embeddings'"));
+    llama["tie_word_embeddings"] = false;
+    llama["torch_dtype"] = 16;
+    CHECK(Contains(BuildError(llama), "'torch_dtype'"));
+  }
+}
+
+TEST_CASE("decoder: shapes that overflow are errors, not wrapped numbers") {
+  // Every dim is within limits, but the expert matrices' element counts sum past 2^64.
+  nlohmann::json config = FixtureJson("mixtral-8x7b");
+  config["hidden_size"] = int64_t{1} << 30;
+  config["intermediate_size"] = (int64_t{1} << 31) - 1;
+  config["num_attention_heads"] = 1;
+  config["num_key_value_heads"] = 1;
+  Result<ModelInventory> inventory = Build(config);
+  if (inventory.ok()) {
+    Result<ModelCounts> counts = CountParams(*inventory);
+    CHECK_FALSE(counts.ok());
+    CHECK(counts.status().code() == StatusCode::kOutOfRange);
+  } else {
+    CHECK(inventory.status().code() == StatusCode::kOutOfRange);
+  }
+}
+
+}  // namespace memplan::estimator

@@ -1,0 +1,386 @@
+// Family builders for the encoder families: bert, roberta and t5 (hf_config.h).
+//
+// Each builder emits the tensors of the class Transformers would build, in the order of
+// `model.named_parameters(remove_duplicate=False)`: a module's own parameters before its
+// children's, children in registration order. Buffers (position_ids, token_type_ids) are not
+// parameters and never appear.
+//
+// Where Transformers releases disagree, the checkpoint wins: an inventory should describe the
+// tensors a user trains after `from_pretrained`. So
+//   - BERT's `relative_key` position embeddings add `distance_embedding` (4.x; 5.x dropped the
+//     option but checkpoints still carry the tensor);
+//   - T5 v1.1 (`tie_word_embeddings: false`) keeps a separate lm_head (5.x's T5Config forces the
+//     tie when building from a config, and unties again when a checkpoint's lm_head differs).
+// Where releases differ only in order, the current one (5.x) wins: RoBERTa registers
+// position_embeddings after LayerNorm there (4.x: second).
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "estimator/hf_config.h"
+
+namespace memplan::estimator {
+namespace {
+
+// No real BERT or T5 stack comes near this; the cap keeps a hostile `num_layers: 2147483647` from
+// building billions of tensor records (the input must never hang or exhaust memory).
+constexpr int64_t kMaxLayers = 10000;
+
+// Appends tensors under one dtype, in the order they are added.
+class TensorSink {
+ public:
+  TensorSink(ModelInventory* out, DType dtype) : out_(out), dtype_(dtype) {}
+
+  Status Param(std::string name, std::vector<int64_t> shape, std::string tied_to = "") {
+    return out_->Add(std::move(name), std::move(shape), dtype_, std::move(tied_to));
+  }
+
+  // nn.Linear(in, out): weight [out, in], then bias [out].
+  Status Linear(const std::string& prefix, int64_t in, int64_t out, bool bias) {
+    MEMPLAN_RETURN_IF_ERROR(Param(prefix + ".weight", {out, in}));
+    if (bias) MEMPLAN_RETURN_IF_ERROR(Param(prefix + ".bias", {out}));
+    return Status::Ok();
+  }
+
+  // nn.LayerNorm(dim): weight and bias.
+  Status LayerNorm(const std::string& prefix, int64_t dim) {
+    MEMPLAN_RETURN_IF_ERROR(Param(prefix + ".weight", {dim}));
+    return Param(prefix + ".bias", {dim});
+  }
+
+ private:
+  ModelInventory* out_;
+  DType dtype_;
+};
+
+// The dtype the checkpoint was saved in. Transformers before 4.56 writes `torch_dtype`, later
+// releases `dtype`. Values such as "auto" name no storage type; the estimate then assumes fp32,
+// which is what Transformers builds from a config by default.
+Result<DType> ConfigDType(const ConfigReader& config) {
+  for (std::string_view field : {"torch_dtype", "dtype"}) {
+    if (!config.Has(field)) continue;
+    MEMPLAN_ASSIGN_OR_RETURN(std::string text, config.StringOr(field, ""));
+    Result<DType> parsed = ParseDType(text);
+    return parsed.ok() ? *parsed : DType::kF32;
+  }
+  return DType::kF32;
+}
+
+// `layers` as read from `field` (already a valid dimension), or an error past kMaxLayers.
+Result<int64_t> CheckLayerCount(const ConfigReader& config, std::string_view field,
+                                int64_t layers) {
+  if (layers > kMaxLayers) {
+    return config.FieldError(field, std::to_string(layers) + " layers is absurdly many (limit " +
+                                        std::to_string(kMaxLayers) + ")");
+  }
+  return layers;
+}
+
+// One class a family can build: its name, what it is, and how it differs from the base model.
+struct ClassSpec {
+  std::string_view name;
+  std::string_view model_class;  // "base", "masked_lm", "causal_lm", "seq2seq_lm"
+};
+
+// Finds the class to build: the family's base class for kBase, `default_class` when config.json
+// names none, else the named class if the family supports it.
+Result<ClassSpec> ChooseClass(const FamilyRequest& request, const std::vector<ClassSpec>& classes,
+                              std::string_view default_class) {
+  // classes[0] is the base class by convention.
+  std::string_view wanted = request.choice == ModelClassChoice::kBase ? classes[0].name
+                            : request.architecture.empty()            ? default_class
+                                                                      : request.architecture;
+  for (const ClassSpec& spec : classes) {
+    if (spec.name == wanted) return spec;
+  }
+  std::string supported;
+  for (const ClassSpec& spec : classes) {
+    supported += (supported.empty() ? "" : ", ") + std::string(spec.name);
+  }
+  return request.config.FieldError(
+      "architectures", "'" + std::string(wanted) + "' is not a class memplan can build (supported: " +
+                           supported + "); pass --model-class base to estimate the base model (" +
+                           std::string(classes[0].name) + ") without its task head");
+}
+
+// --- BERT and RoBERTa -----------------------------------------------------------------------
+
+enum class BertFlavor { kBert, kRoberta };
+
+struct BertDims {
+  int64_t vocab = 0;
+  int64_t hidden = 0;
+  int64_t layers = 0;
+  int64_t heads = 0;
+  int64_t intermediate = 0;
+  int64_t max_positions = 0;
+  int64_t type_vocab = 0;
+  bool distance_embedding = false;  // position_embedding_type relative_key(_query)
+  bool cross_attention = false;     // is_decoder with add_cross_attention
+  bool tie_word_embeddings = true;
+};
+
+// The five sizes are required: save_pretrained always writes them (they are not
+// PretrainedConfig fields, so no diff drops them), and a file without them is hand-made or cut
+// short; guessing BERT-base's sizes would give a confident, wrong estimate. The rest follow
+// BertConfig / RobertaConfig defaults.
+Result<BertDims> ReadBertDims(const ConfigReader& config) {
+  BertDims d;
+  MEMPLAN_ASSIGN_OR_RETURN(d.vocab, config.Dim("vocab_size"));
+  MEMPLAN_ASSIGN_OR_RETURN(d.hidden, config.Dim("hidden_size"));
+  MEMPLAN_ASSIGN_OR_RETURN(d.layers, config.Dim("num_hidden_layers"));
+  MEMPLAN_ASSIGN_OR_RETURN(d.layers, CheckLayerCount(config, "num_hidden_layers", d.layers));
+  MEMPLAN_ASSIGN_OR_RETURN(d.heads, config.Dim("num_attention_heads"));
+  MEMPLAN_ASSIGN_OR_RETURN(d.intermediate, config.Dim("intermediate_size"));
+  MEMPLAN_ASSIGN_OR_RETURN(d.max_positions, config.DimOr("max_position_embeddings", 512));
+  // A zero-row embedding is legal in PyTorch, and some exports drop segment ids that way.
+  MEMPLAN_ASSIGN_OR_RETURN(d.type_vocab, config.CountOr("type_vocab_size", 2));
+  if (d.hidden % d.heads != 0) {
+    // BertSelfAttention refuses this too: heads * (hidden / heads) would not equal hidden.
+    return config.FieldError("num_attention_heads",
+                             std::to_string(d.heads) + " does not divide hidden_size " +
+                                 std::to_string(d.hidden));
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(std::string position_type,
+                           config.StringOr("position_embedding_type", "absolute"));
+  d.distance_embedding = position_type == "relative_key" || position_type == "relative_key_query";
+  MEMPLAN_ASSIGN_OR_RETURN(bool is_decoder, config.BoolOr("is_decoder", false));
+  MEMPLAN_ASSIGN_OR_RETURN(d.cross_attention, config.BoolOr("add_cross_attention", false));
+  if (d.cross_attention && !is_decoder) {
+    return config.FieldError("add_cross_attention",
+                             "is true but 'is_decoder' is not; Transformers builds cross-attention "
+                             "only into a decoder");
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(d.tie_word_embeddings, config.BoolOr("tie_word_embeddings", true));
+  return d;
+}
+
+// BertAttention / RobertaAttention: self.{query,key,value}, then output.{dense,LayerNorm}.
+Status AddBertAttention(TensorSink& sink, const std::string& prefix, const BertDims& d,
+                        bool distance_embedding) {
+  for (const char* proj : {"query", "key", "value"}) {
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + ".self." + proj, d.hidden, d.hidden, true));
+  }
+  if (distance_embedding) {
+    MEMPLAN_RETURN_IF_ERROR(sink.Param(prefix + ".self.distance_embedding.weight",
+                                       {2 * d.max_positions - 1, d.hidden / d.heads}));
+  }
+  MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + ".output.dense", d.hidden, d.hidden, true));
+  return sink.LayerNorm(prefix + ".output.LayerNorm", d.hidden);
+}
+
+// BertModel / RobertaModel under `prefix` ("" for the bare model, "bert." or "roberta." inside a
+// head class).
+Status AddBertModel(TensorSink& sink, const std::string& prefix, const BertDims& d,
+                    BertFlavor flavor, bool pooler) {
+  const std::string emb = prefix + "embeddings.";
+  MEMPLAN_RETURN_IF_ERROR(sink.Param(emb + "word_embeddings.weight", {d.vocab, d.hidden}));
+  if (flavor == BertFlavor::kBert) {
+    MEMPLAN_RETURN_IF_ERROR(
+        sink.Param(emb + "position_embeddings.weight", {d.max_positions, d.hidden}));
+  }
+  MEMPLAN_RETURN_IF_ERROR(
+      sink.Param(emb + "token_type_embeddings.weight", {d.type_vocab, d.hidden}));
+  MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(emb + "LayerNorm", d.hidden));
+  if (flavor == BertFlavor::kRoberta) {
+    // RobertaEmbeddings registers its padding-aware position table last (see file comment).
+    MEMPLAN_RETURN_IF_ERROR(
+        sink.Param(emb + "position_embeddings.weight", {d.max_positions, d.hidden}));
+  }
+  for (int64_t i = 0; i < d.layers; ++i) {
+    const std::string layer = prefix + "encoder.layer." + std::to_string(i);
+    MEMPLAN_RETURN_IF_ERROR(AddBertAttention(sink, layer + ".attention", d, d.distance_embedding));
+    if (d.cross_attention) {
+      // Cross-attention always uses absolute positions, so never a distance table.
+      MEMPLAN_RETURN_IF_ERROR(AddBertAttention(sink, layer + ".crossattention", d, false));
+    }
+    MEMPLAN_RETURN_IF_ERROR(
+        sink.Linear(layer + ".intermediate.dense", d.hidden, d.intermediate, true));
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(layer + ".output.dense", d.intermediate, d.hidden, true));
+    MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(layer + ".output.LayerNorm", d.hidden));
+  }
+  if (pooler) MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + "pooler.dense", d.hidden, d.hidden, true));
+  return Status::Ok();
+}
+
+// The masked-LM prediction head shared by BERT's cls.predictions and RoBERTa's lm_head. The head
+// owns a `bias` parameter registered on the head module itself, so named_parameters lists it
+// first; the decoder's bias is that same Parameter, and the decoder's weight is the word
+// embedding unless tie_word_embeddings is false.
+Status AddLmHead(TensorSink& sink, const std::string& head, const std::string& word_embeddings,
+                 const BertDims& d, BertFlavor flavor) {
+  MEMPLAN_RETURN_IF_ERROR(sink.Param(head + ".bias", {d.vocab}));
+  if (flavor == BertFlavor::kBert) {
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(head + ".transform.dense", d.hidden, d.hidden, true));
+    MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(head + ".transform.LayerNorm", d.hidden));
+  } else {
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(head + ".dense", d.hidden, d.hidden, true));
+    MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(head + ".layer_norm", d.hidden));
+  }
+  MEMPLAN_RETURN_IF_ERROR(sink.Param(head + ".decoder.weight", {d.vocab, d.hidden},
+                                     d.tie_word_embeddings ? word_embeddings : ""));
+  return sink.Param(head + ".decoder.bias", {d.vocab}, head + ".bias");
+}
+
+Status BuildBertFamily(const FamilyRequest& request, ModelInventory* out, BertFlavor flavor) {
+  const bool bert = flavor == BertFlavor::kBert;
+  // Each head class builds the bare model with or without its pooler, as Transformers does.
+  static const std::vector<ClassSpec> kBertClasses = {{"BertModel", "base"},
+                                                      {"BertForMaskedLM", "masked_lm"},
+                                                      {"BertForPreTraining", "masked_lm"},
+                                                      {"BertLMHeadModel", "causal_lm"}};
+  static const std::vector<ClassSpec> kRobertaClasses = {{"RobertaModel", "base"},
+                                                         {"RobertaForMaskedLM", "masked_lm"},
+                                                         {"RobertaForCausalLM", "causal_lm"}};
+  MEMPLAN_ASSIGN_OR_RETURN(
+      ClassSpec spec, ChooseClass(request, bert ? kBertClasses : kRobertaClasses,
+                                  bert ? "BertForMaskedLM" : "RobertaForMaskedLM"));
+  MEMPLAN_ASSIGN_OR_RETURN(BertDims dims, ReadBertDims(request.config));
+  MEMPLAN_ASSIGN_OR_RETURN(DType dtype, ConfigDType(request.config));
+  TensorSink sink(out, dtype);
+
+  const bool base = spec.model_class == "base";
+  const bool pretraining = spec.name == "BertForPreTraining";
+  const std::string prefix = base ? "" : bert ? "bert." : "roberta.";
+  // Only the bare model and BertForPreTraining (whose NSP head reads the pooled output) keep
+  // the pooler; the LM heads build the encoder with add_pooling_layer=False.
+  MEMPLAN_RETURN_IF_ERROR(AddBertModel(sink, prefix, dims, flavor, base || pretraining));
+  if (!base) {
+    const std::string head = bert ? "cls.predictions" : "lm_head";
+    MEMPLAN_RETURN_IF_ERROR(
+        AddLmHead(sink, head, prefix + "embeddings.word_embeddings.weight", dims, flavor));
+    if (pretraining) {
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear("cls.seq_relationship", dims.hidden, 2, true));
+    }
+  }
+  out->architecture = std::string(spec.name);
+  out->model_class = std::string(spec.model_class);
+  return Status::Ok();
+}
+
+// --- T5 ---------------------------------------------------------------------------------------
+
+struct T5Dims {
+  int64_t vocab = 0;
+  int64_t model = 0;  // d_model
+  int64_t kv = 0;     // d_kv, per head
+  int64_t ff = 0;     // d_ff
+  int64_t encoder_layers = 0;
+  int64_t decoder_layers = 0;
+  int64_t heads = 0;
+  int64_t buckets = 0;
+  bool gated = false;
+  bool tie_word_embeddings = true;
+};
+
+// Required sizes as for BERT (see ReadBertDims); the rest follow T5Config's defaults.
+Result<T5Dims> ReadT5Dims(const ConfigReader& config) {
+  T5Dims d;
+  MEMPLAN_ASSIGN_OR_RETURN(d.vocab, config.Dim("vocab_size"));
+  MEMPLAN_ASSIGN_OR_RETURN(d.model, config.Dim("d_model"));
+  MEMPLAN_ASSIGN_OR_RETURN(d.kv, config.DimOr("d_kv", 64));
+  MEMPLAN_ASSIGN_OR_RETURN(d.ff, config.Dim("d_ff"));
+  MEMPLAN_ASSIGN_OR_RETURN(d.encoder_layers, config.Dim("num_layers"));
+  MEMPLAN_ASSIGN_OR_RETURN(d.encoder_layers,
+                           CheckLayerCount(config, "num_layers", d.encoder_layers));
+  MEMPLAN_ASSIGN_OR_RETURN(d.decoder_layers,
+                           config.DimOr("num_decoder_layers", d.encoder_layers));
+  MEMPLAN_ASSIGN_OR_RETURN(d.decoder_layers,
+                           CheckLayerCount(config, "num_decoder_layers", d.decoder_layers));
+  MEMPLAN_ASSIGN_OR_RETURN(d.heads, config.Dim("num_heads"));
+  MEMPLAN_ASSIGN_OR_RETURN(d.buckets, config.DimOr("relative_attention_num_buckets", 32));
+  // T5Config accepts "ACT" or "gated-ACT" and refuses anything else.
+  MEMPLAN_ASSIGN_OR_RETURN(std::string proj, config.StringOr("feed_forward_proj", "relu"));
+  std::string_view act = proj;
+  d.gated = act.rfind("gated-", 0) == 0;
+  if (d.gated) act.remove_prefix(6);
+  if (act.empty() || act.find('-') != std::string_view::npos) {
+    return config.FieldError("feed_forward_proj",
+                             "'" + proj + "' is not of the form 'ACT' or 'gated-ACT' (e.g. 'relu', "
+                             "'gated-gelu')");
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(d.tie_word_embeddings, config.BoolOr("tie_word_embeddings", true));
+  return d;
+}
+
+// T5Attention: q, k, v, o without biases; block 0's self-attention also owns the relative
+// position bias table that the later blocks reuse.
+Status AddT5Attention(TensorSink& sink, const std::string& prefix, const T5Dims& d,
+                      bool relative_bias) {
+  const int64_t inner = d.heads * d.kv;
+  for (const char* proj : {"q", "k", "v"}) {
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + "." + proj, d.model, inner, false));
+  }
+  MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + ".o", inner, d.model, false));
+  if (relative_bias) {
+    MEMPLAN_RETURN_IF_ERROR(
+        sink.Param(prefix + ".relative_attention_bias.weight", {d.buckets, d.heads}));
+  }
+  return Status::Ok();
+}
+
+// T5Stack: embed_tokens (the shared embedding module itself), blocks, final_layer_norm. T5's
+// layer norms are RMS norms: a weight and no bias.
+Status AddT5Stack(TensorSink& sink, const std::string& stack, const T5Dims& d, bool decoder) {
+  MEMPLAN_RETURN_IF_ERROR(
+      sink.Param(stack + ".embed_tokens.weight", {d.vocab, d.model}, "shared.weight"));
+  const int64_t layers = decoder ? d.decoder_layers : d.encoder_layers;
+  for (int64_t i = 0; i < layers; ++i) {
+    // T5Block.layer: self-attention, cross-attention (decoder only), feed-forward.
+    const std::string block = stack + ".block." + std::to_string(i) + ".layer.";
+    MEMPLAN_RETURN_IF_ERROR(AddT5Attention(sink, block + "0.SelfAttention", d, i == 0));
+    MEMPLAN_RETURN_IF_ERROR(sink.Param(block + "0.layer_norm.weight", {d.model}));
+    if (decoder) {
+      MEMPLAN_RETURN_IF_ERROR(AddT5Attention(sink, block + "1.EncDecAttention", d, false));
+      MEMPLAN_RETURN_IF_ERROR(sink.Param(block + "1.layer_norm.weight", {d.model}));
+    }
+    const std::string ff = block + (decoder ? "2" : "1");
+    if (d.gated) {
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear(ff + ".DenseReluDense.wi_0", d.model, d.ff, false));
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear(ff + ".DenseReluDense.wi_1", d.model, d.ff, false));
+    } else {
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear(ff + ".DenseReluDense.wi", d.model, d.ff, false));
+    }
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(ff + ".DenseReluDense.wo", d.ff, d.model, false));
+    MEMPLAN_RETURN_IF_ERROR(sink.Param(ff + ".layer_norm.weight", {d.model}));
+  }
+  return sink.Param(stack + ".final_layer_norm.weight", {d.model});
+}
+
+}  // namespace
+
+Status BuildBert(const FamilyRequest& request, ModelInventory* out) {
+  return BuildBertFamily(request, out, BertFlavor::kBert);
+}
+
+Status BuildRoberta(const FamilyRequest& request, ModelInventory* out) {
+  return BuildBertFamily(request, out, BertFlavor::kRoberta);
+}
+
+Status BuildT5(const FamilyRequest& request, ModelInventory* out) {
+  static const std::vector<ClassSpec> kClasses = {{"T5Model", "base"},
+                                                  {"T5ForConditionalGeneration", "seq2seq_lm"},
+                                                  {"T5EncoderModel", "base"}};
+  MEMPLAN_ASSIGN_OR_RETURN(ClassSpec spec,
+                           ChooseClass(request, kClasses, "T5ForConditionalGeneration"));
+  MEMPLAN_ASSIGN_OR_RETURN(T5Dims dims, ReadT5Dims(request.config));
+  MEMPLAN_ASSIGN_OR_RETURN(DType dtype, ConfigDType(request.config));
+  TensorSink sink(out, dtype);
+
+  // Both stacks hold the shared embedding module itself, so embed_tokens is tied whatever
+  // tie_word_embeddings says; that flag only decides whether lm_head is a separate matrix.
+  MEMPLAN_RETURN_IF_ERROR(sink.Param("shared.weight", {dims.vocab, dims.model}));
+  MEMPLAN_RETURN_IF_ERROR(AddT5Stack(sink, "encoder", dims, /*decoder=*/false));
+  if (spec.name != "T5EncoderModel") {
+    MEMPLAN_RETURN_IF_ERROR(AddT5Stack(sink, "decoder", dims, /*decoder=*/true));
+  }
+  if (spec.model_class == "seq2seq_lm") {
+    MEMPLAN_RETURN_IF_ERROR(sink.Param("lm_head.weight", {dims.vocab, dims.model},
+                                       dims.tie_word_embeddings ? "shared.weight" : ""));
+  }
+  out->architecture = std::string(spec.name);
+  out->model_class = std::string(spec.model_class);
+  return Status::Ok();
+}
+
+}  // namespace memplan::estimator

@@ -1,0 +1,95 @@
+// ModelInventory: every parameter tensor of a model, with where it lives in the module tree.
+//
+// It is the estimator's input, built from a Hugging Face config.json (hf_config.h), a tensor-shape
+// list (shape_list.h) or safetensors headers (safetensors.h). Everything later (DeepSpeed tables,
+// activations, plans, offload schedules) is computed from it.
+//
+// Naming follows PyTorch's `named_parameters()` of the model Transformers would build, so
+// inventories can be compared name by name with the real thing. A tied tensor (a Parameter shared
+// by two modules, like GPT-2's lm_head.weight and transformer.wte.weight) appears under each name;
+// all but the first carry `tied_to`, and counts include it once.
+//
+// Thread safety: a plain value; no internal synchronisation.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace memplan::estimator {
+
+enum class DType {
+  kF64,
+  kF32,
+  kF16,
+  kBF16,
+  kF8E4M3,
+  kF8E5M2,
+  kI64,
+  kI32,
+  kI16,
+  kI8,
+  kU8,
+  kBool,
+};
+
+// Safetensors spelling: "F32", "BF16", "I8", ...
+std::string_view DTypeName(DType dtype);
+// Bits per element (F32 -> 32, BOOL -> 8 as stored).
+int DTypeBits(DType dtype);
+// Accepts safetensors ("F32", "BF16"), PyTorch ("float32", "torch.bfloat16", "half", "float") and
+// numpy-like ("fp16", "bf16", "int8") spellings, case-insensitive.
+Result<DType> ParseDType(std::string_view text);
+
+struct TensorInfo {
+  std::string name;            // "model.layers.0.self_attn.q_proj.weight"
+  std::vector<int64_t> shape;  // PyTorch order; [] is a scalar
+  DType dtype = DType::kF32;
+  uint64_t numel = 0;          // product of shape, overflow-checked when added
+  std::string module;          // owning module: name without its last component ("" = root)
+  std::string block;           // enclosing repeated block, "model.layers.0" ("" = none)
+  int layer = -1;              // index of that block within its stack, -1 when none
+  std::string tied_to;         // non-empty: same Parameter as the tensor of that name
+};
+
+struct ModelInventory {
+  std::string name;          // what the user called it: "llama-2-7b", a path, "org/name"
+  std::string model_type;    // config.json's model_type, or "" when unknown (shape lists)
+  std::string architecture;  // class built: "LlamaForCausalLM", "LlamaModel", or ""
+  std::string model_class;   // "causal_lm", "masked_lm", "seq2seq_lm" or "base"; "" if unknown
+  std::string source;        // "config", "builtin", "shape-list", "safetensors"
+  std::vector<TensorInfo> tensors;
+
+  // Appends a tensor, deriving numel, module, block and layer from the name. Fails (naming
+  // `name`) on an empty or duplicate name, a negative dim, an overflowing product, or a `tied_to`
+  // that names no earlier tensor or a tensor of another shape.
+  Status Add(std::string name, std::vector<int64_t> shape, DType dtype = DType::kF32,
+             std::string tied_to = "");
+
+  // Index of the tensor called `name`, or -1.
+  int64_t Find(std::string_view name) const;
+};
+
+// Splits "a.b.3.c.weight" into module "a.b.3.c"; block "a.b.3" and layer 3 come from the first
+// all-digit component (the ModuleList index). Exposed for tests.
+void DeriveModulePath(std::string_view name, std::string* module, std::string* block, int* layer);
+
+struct ModelCounts {
+  uint64_t params_total = 0;          // tied tensors once; buffers are never in an inventory
+  uint64_t largest_layer_params = 0;  // DeepSpeed's: most params held directly by one module
+  std::string largest_layer_module;   // that module's path ("" = the root module)
+  uint64_t largest_block_params = 0;  // largest repeated block (Accelerate's "largest layer")
+  std::string largest_block;          // its path, "" when the model has no repeated blocks
+  uint64_t num_tensors = 0;           // including tied aliases
+  uint64_t num_tied = 0;
+  uint64_t num_blocks = 0;            // number of distinct repeated blocks
+  uint64_t bytes_as_stored = 0;       // sum of numel * dtype size, tied once
+};
+
+// Fails with OutOfRange if a sum overflows 64 bits.
+Result<ModelCounts> CountParams(const ModelInventory& inventory);
+
+}  // namespace memplan::estimator

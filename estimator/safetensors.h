@@ -1,0 +1,35 @@
+// Reads safetensors headers (never the weights) into a ModelInventory: exact names, shapes and
+// dtypes of a checkpoint.
+//
+// File layout: 8-byte little-endian header length N, N bytes of UTF-8 JSON
+// {"tensor": {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}},
+// then the data. The header is validated against the file: N must fit in the file and stay under
+// a 100 MiB cap, every data_offsets range must lie inside the data section and match
+// numel * dtype size, ranges must not overlap, and a JSON key may not repeat. A lying header is
+// an error naming the file and tensor, never a crash or a huge allocation. "__metadata__" is
+// skipped. Dtypes read: F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U8 BOOL (others, such as
+// U32 or F4, are refused by name).
+//
+// inventory.name is the path given, inventory.source "safetensors"; model_type and architecture
+// stay empty (a header does not say them).
+#pragma once
+
+#include <string>
+
+#include "common/status.h"
+#include "estimator/inventory.h"
+
+namespace memplan::estimator {
+
+// One .safetensors file. Tensors are added in header order sorted by data offset.
+Result<ModelInventory> InventoryFromSafetensorsFile(const std::string& path);
+
+// A sharded checkpoint's model.safetensors.index.json: reads the header of every shard named in
+// its weight_map (resolved relative to the index's directory) once, and checks that each tensor
+// the map names is in the shard it names. A shard path that is absolute or contains a ".."
+// component is refused (symlinks inside the directory are followed, as the Hugging Face cache
+// needs). Shards are read in file-name order; a tensor a shard holds beyond the map is kept, a
+// tensor held by two shards is an error.
+Result<ModelInventory> InventoryFromSafetensorsIndex(const std::string& index_path);
+
+}  // namespace memplan::estimator

@@ -1,0 +1,50 @@
+// Builds a ModelInventory from a tensor-shape list: the route for architectures memplan has no
+// config.json builder for. A user dumps it from any PyTorch model, e.g.
+//   json.dump({n: list(p.shape) for n, p in model.named_parameters()}, f)
+//
+// Accepted forms (one JSON document):
+//   {"name": [dims...], ...}
+//   {"name": {"shape": [dims...], "dtype": "bf16", "tied_to": "other.name"}, ...}
+//   [{"name": "...", "shape": [...], "dtype": "...", "tied_to": "..."}, ...]
+//   {"tensors": <any of the above>, "model_type": "...", "dtype": "bf16",
+//    "tied": {"alias": "canonical"}}
+// dtype defaults to F32 (or to the wrapper's "dtype"). A "tied" alias that is not in the list is
+// added with its canonical tensor's shape and dtype, because PyTorch's named_parameters() lists a
+// shared Parameter once. A tensor may be listed before the one it is tied to.
+//
+// Refused, with an error naming the source and the tensor ("shapes.json: tensor 'h.0.w': dim 1
+// is -3, must be >= 0"): non-integer or negative dims, dims above ConfigReader::kMaxDim, shapes
+// whose element count overflows 64 bits, unknown dtypes or entry keys, a tensor listed twice,
+// tied_to naming no tensor of the list (or a tie cycle), and a list with no tensors.
+//
+// Tensors keep the document's order. nlohmann::json sorts object keys, so the text and
+// ordered_json entry points are the ones to use; the nlohmann::json overloads exist for callers
+// that already hold a parsed document (they see the tensors in key order).
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "estimator/inventory.h"
+
+namespace memplan::estimator {
+
+// True when `doc` has the shape of a shape list rather than a config.json (a config.json has a
+// "model_type" string and no object whose values are all dim arrays).
+// Cheap: looks at the top level only, so a malformed shape list still reaches the shape-list
+// reader (whose errors are the useful ones) instead of the config.json reader.
+bool LooksLikeShapeList(const nlohmann::json& doc);
+bool LooksLikeShapeList(const nlohmann::ordered_json& doc);
+
+// inventory.name = `source`, inventory.source = "shape-list", model_type from the wrapper form.
+Result<ModelInventory> InventoryFromShapeList(const nlohmann::json& doc, const std::string& source);
+Result<ModelInventory> InventoryFromShapeList(const nlohmann::ordered_json& doc,
+                                              const std::string& source);
+// Parses `text` keeping key order; refuses JSON nested more than 64 levels before parsing it and
+// a JSON object that repeats a key (a tensor listed twice would otherwise vanish silently).
+Result<ModelInventory> InventoryFromShapeListText(std::string_view text, const std::string& source);
+
+}  // namespace memplan::estimator

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Builds memplan with warnings as errors and runs the whole test suite, including the oracle test
+# against Hugging Face Transformers (its Python environment is created in ./.venv by
+# scripts/python-env.sh). Run scripts/setup.sh first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=$(bash scripts/python-env.sh)
+jobs=$(nproc 2>/dev/null || echo 2)
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMEMPLAN_WERROR=ON \
+  -DMEMPLAN_PYTHON="$python" >/dev/null
+cmake --build build -j"$jobs"
+cd build
+ctest --output-on-failure -j"$jobs" --timeout 600
