@@ -143,7 +143,9 @@ Result<NamedDim> Gpt2Dim(const ConfigReader& config, std::string_view alias, std
 // MLP, grouped-query attention, head) is shared.
 struct LlamaLikeFamily {
   ClassNames names;
-  bool tie_default = false;  // PretrainedConfig's True, or the family config's own default
+  // tie_word_embeddings when absent: the family's config class default (LlamaConfig and the
+  // others pass False over PretrainedConfig's True; GemmaConfig keeps True).
+  bool tie_default = false;
   // head_dim when the config has none; 0 means hidden_size / num_attention_heads.
   int64_t head_dim_default = 0;
   bool attention_bias_field = false;  // q/k/v/o biases follow config `attention_bias`
@@ -198,11 +200,10 @@ Status BuildLlamaLike(const FamilyRequest& request, const LlamaLikeFamily& famil
   if (family.moe) {
     MEMPLAN_ASSIGN_OR_RETURN(experts, config.DimOr("num_local_experts", 8));
     if (experts > kMaxTensors / 4) {
-      return config.FieldError("num_local_experts", std::to_string(experts) +
-                                                        " experts would exceed memplan's limit "
-                                                        "of " +
-                                                        std::to_string(kMaxTensors) +
-                                                        " tensors per model");
+      return config.FieldError("num_local_experts",
+                               std::to_string(experts) +
+                                   " experts would exceed memplan's limit of " +
+                                   std::to_string(kMaxTensors) + " tensors per model");
     }
   }
   MEMPLAN_ASSIGN_OR_RETURN(bool tie, config.BoolOr("tie_word_embeddings", family.tie_default));

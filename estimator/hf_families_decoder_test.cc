@@ -95,10 +95,10 @@ TEST_CASE("decoder: gpt2 matches the published 124,439,808 parameters") {
   ModelCounts counts = Counts(gpt2);
   // REFERENCE.md section 2: gpt2, head tied to wte (also the "124M" of the gpt2 model card).
   CHECK(counts.params_total == 124'439'808);
-  // DeepSeek's L: the largest module's own parameters, the 50257 x 768 token embedding (the tied
-  // head holds the same Parameter; the tie goes to the first module name).
+  // DeepSpeed's L: the largest module's own parameters, the 50257 x 768 token embedding (the tied
+  // head holds the same Parameter; the tie goes to the module registered first).
   CHECK(counts.largest_layer_params == 38'597'376);
-  CHECK(counts.largest_layer_module == "lm_head");
+  CHECK(counts.largest_layer_module == "transformer.wte");
   // One GPT-2 block: 12 H^2 + 13 H.
   CHECK(counts.largest_block_params == 7'087'872);
   CHECK(counts.largest_block == "transformer.h.0");

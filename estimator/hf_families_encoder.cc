@@ -13,8 +13,10 @@
 //     tie when building from a config, and unties again when a checkpoint's lm_head differs).
 // Where releases differ only in order, the current one (5.x) wins: RoBERTa registers
 // position_embeddings after LayerNorm there (4.x: second).
+#include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "estimator/hf_config.h"
@@ -53,11 +55,11 @@ class TensorSink {
   DType dtype_;
 };
 
-// The dtype the checkpoint was saved in. Transformers before 4.56 writes `torch_dtype`, later
-// releases `dtype`. Values such as "auto" name no storage type; the estimate then assumes fp32,
-// which is what Transformers builds from a config by default.
+// The dtype the checkpoint was saved in. Older Transformers write `torch_dtype`; newer ones write
+// `dtype` and prefer it when a file has both. Values such as "auto" name no storage type; the
+// estimate then assumes fp32, which is what Transformers builds from a config by default.
 Result<DType> ConfigDType(const ConfigReader& config) {
-  for (std::string_view field : {"torch_dtype", "dtype"}) {
+  for (std::string_view field : {"dtype", "torch_dtype"}) {
     if (!config.Has(field)) continue;
     MEMPLAN_ASSIGN_OR_RETURN(std::string text, config.StringOr(field, ""));
     Result<DType> parsed = ParseDType(text);
@@ -76,7 +78,7 @@ Result<int64_t> CheckLayerCount(const ConfigReader& config, std::string_view fie
   return layers;
 }
 
-// One class a family can build: its name, what it is, and how it differs from the base model.
+// One class a family can build, and the kind of model it is.
 struct ClassSpec {
   std::string_view name;
   std::string_view model_class;  // "base", "masked_lm", "causal_lm", "seq2seq_lm"
@@ -98,8 +100,9 @@ Result<ClassSpec> ChooseClass(const FamilyRequest& request, const std::vector<Cl
     supported += (supported.empty() ? "" : ", ") + std::string(spec.name);
   }
   return request.config.FieldError(
-      "architectures", "'" + std::string(wanted) + "' is not a class memplan can build (supported: " +
-                           supported + "); pass --model-class base to estimate the base model (" +
+      "architectures", "'" + std::string(wanted) +
+                           "' is not a class memplan can build (supported: " + supported +
+                           "); pass --model-class base to estimate the base model (" +
                            std::string(classes[0].name) + ") without its task head");
 }
 
@@ -137,9 +140,9 @@ Result<BertDims> ReadBertDims(const ConfigReader& config) {
   MEMPLAN_ASSIGN_OR_RETURN(d.type_vocab, config.CountOr("type_vocab_size", 2));
   if (d.hidden % d.heads != 0) {
     // BertSelfAttention refuses this too: heads * (hidden / heads) would not equal hidden.
-    return config.FieldError("num_attention_heads",
-                             std::to_string(d.heads) + " does not divide hidden_size " +
-                                 std::to_string(d.hidden));
+    return config.FieldError(
+        "num_attention_heads",
+        std::to_string(d.heads) + " does not divide hidden_size " + std::to_string(d.hidden));
   }
   MEMPLAN_ASSIGN_OR_RETURN(std::string position_type,
                            config.StringOr("position_embedding_type", "absolute"));
@@ -199,7 +202,9 @@ Status AddBertModel(TensorSink& sink, const std::string& prefix, const BertDims&
     MEMPLAN_RETURN_IF_ERROR(sink.Linear(layer + ".output.dense", d.intermediate, d.hidden, true));
     MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(layer + ".output.LayerNorm", d.hidden));
   }
-  if (pooler) MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + "pooler.dense", d.hidden, d.hidden, true));
+  if (pooler) {
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + "pooler.dense", d.hidden, d.hidden, true));
+  }
   return Status::Ok();
 }
 
@@ -224,7 +229,7 @@ Status AddLmHead(TensorSink& sink, const std::string& head, const std::string& w
 
 Status BuildBertFamily(const FamilyRequest& request, ModelInventory* out, BertFlavor flavor) {
   const bool bert = flavor == BertFlavor::kBert;
-  // Each head class builds the bare model with or without its pooler, as Transformers does.
+  // classes[0] is the base class, what AutoModel builds.
   static const std::vector<ClassSpec> kBertClasses = {{"BertModel", "base"},
                                                       {"BertForMaskedLM", "masked_lm"},
                                                       {"BertForPreTraining", "masked_lm"},
@@ -232,9 +237,9 @@ Status BuildBertFamily(const FamilyRequest& request, ModelInventory* out, BertFl
   static const std::vector<ClassSpec> kRobertaClasses = {{"RobertaModel", "base"},
                                                          {"RobertaForMaskedLM", "masked_lm"},
                                                          {"RobertaForCausalLM", "causal_lm"}};
-  MEMPLAN_ASSIGN_OR_RETURN(
-      ClassSpec spec, ChooseClass(request, bert ? kBertClasses : kRobertaClasses,
-                                  bert ? "BertForMaskedLM" : "RobertaForMaskedLM"));
+  MEMPLAN_ASSIGN_OR_RETURN(ClassSpec spec,
+                           ChooseClass(request, bert ? kBertClasses : kRobertaClasses,
+                                       bert ? "BertForMaskedLM" : "RobertaForMaskedLM"));
   MEMPLAN_ASSIGN_OR_RETURN(BertDims dims, ReadBertDims(request.config));
   MEMPLAN_ASSIGN_OR_RETURN(DType dtype, ConfigDType(request.config));
   TensorSink sink(out, dtype);
@@ -283,8 +288,7 @@ Result<T5Dims> ReadT5Dims(const ConfigReader& config) {
   MEMPLAN_ASSIGN_OR_RETURN(d.encoder_layers, config.Dim("num_layers"));
   MEMPLAN_ASSIGN_OR_RETURN(d.encoder_layers,
                            CheckLayerCount(config, "num_layers", d.encoder_layers));
-  MEMPLAN_ASSIGN_OR_RETURN(d.decoder_layers,
-                           config.DimOr("num_decoder_layers", d.encoder_layers));
+  MEMPLAN_ASSIGN_OR_RETURN(d.decoder_layers, config.DimOr("num_decoder_layers", d.encoder_layers));
   MEMPLAN_ASSIGN_OR_RETURN(d.decoder_layers,
                            CheckLayerCount(config, "num_decoder_layers", d.decoder_layers));
   MEMPLAN_ASSIGN_OR_RETURN(d.heads, config.Dim("num_heads"));
@@ -296,8 +300,9 @@ Result<T5Dims> ReadT5Dims(const ConfigReader& config) {
   if (d.gated) act.remove_prefix(6);
   if (act.empty() || act.find('-') != std::string_view::npos) {
     return config.FieldError("feed_forward_proj",
-                             "'" + proj + "' is not of the form 'ACT' or 'gated-ACT' (e.g. 'relu', "
-                             "'gated-gelu')");
+                             "'" + proj +
+                                 "' is not of the form 'ACT' or 'gated-ACT' (e.g. 'relu', "
+                                 "'gated-gelu')");
   }
   MEMPLAN_ASSIGN_OR_RETURN(d.tie_word_embeddings, config.BoolOr("tie_word_embeddings", true));
   return d;

@@ -140,6 +140,9 @@ Status ModelInventory::Add(std::string tensor_name, std::vector<int64_t> shape, 
 
 Result<ModelCounts> CountParams(const ModelInventory& inventory) {
   ModelCounts counts;
+  // Modules in first-appearance (registration) order, so ties go to the module that holds the
+  // canonical tensor (model.embed_tokens rather than its tied lm_head).
+  std::vector<std::string> module_order;
   std::unordered_map<std::string, uint64_t> per_module;
   std::map<std::string, uint64_t> per_block;
   std::unordered_map<std::string, size_t> seen;
@@ -153,9 +156,11 @@ Result<ModelCounts> CountParams(const ModelInventory& inventory) {
     ++counts.num_tensors;
     // DeepSpeed sums module.parameters(recurse=False): a tied alias counts in every module that
     // holds it.
-    auto m = CheckedAdd(per_module[t.module], t.numel);
+    auto [slot, inserted] = per_module.emplace(t.module, 0);
+    if (inserted) module_order.push_back(t.module);
+    auto m = CheckedAdd(slot->second, t.numel);
     if (!m) return overflow;
-    per_module[t.module] = *m;
+    slot->second = *m;
     if (!t.tied_to.empty()) {
       ++counts.num_tied;
       continue;
@@ -170,9 +175,9 @@ Result<ModelCounts> CountParams(const ModelInventory& inventory) {
     counts.bytes_as_stored = *stored;
     if (!t.block.empty()) per_block[t.block] += t.numel;  // bounded by params_total
   }
-  for (const auto& [module, n] : per_module) {
-    if (n > counts.largest_layer_params ||
-        (n == counts.largest_layer_params && module < counts.largest_layer_module)) {
+  for (const std::string& module : module_order) {
+    uint64_t n = per_module[module];
+    if (n > counts.largest_layer_params) {
       counts.largest_layer_params = n;
       counts.largest_layer_module = module;
     }
