@@ -38,17 +38,17 @@ inline int JsonNestingDepth(std::string_view text) {
   return max_depth;
 }
 
-// Parses `text` as JSON (nlohmann::json or nlohmann::ordered_json). Invalid JSON, invalid UTF-8 and
-// nesting deeper than `max_depth` are InvalidArgument errors naming `source`.
-template <typename Json = nlohmann::json>
-Result<Json> ParseJson(std::string_view text, const std::string& source, int max_depth = 64) {
+// Parses `text` as JSON. Invalid JSON, invalid UTF-8 and nesting deeper than `max_depth` are
+// InvalidArgument errors naming `source`. Key order is not kept: see ParseOrderedJsonText.
+inline Result<nlohmann::json> ParseJson(std::string_view text, const std::string& source,
+                                        int max_depth = 64) {
   int depth = JsonNestingDepth(text);
   if (depth > max_depth) {
     return Status::InvalidArgument(source + ": JSON nested " + std::to_string(depth) +
                                    " levels deep (limit " + std::to_string(max_depth) + ")");
   }
   try {
-    return Json::parse(text);
+    return nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     std::string what = e.what();
     // nlohmann prefixes "[json.exception.parse_error.101] "; users need only the rest.
@@ -56,5 +56,14 @@ Result<Json> ParseJson(std::string_view text, const std::string& source, int max
     return Status::InvalidArgument(source + ": invalid JSON: " + what);
   }
 }
+
+// Parses a user's JSON document keeping key order, in time linear in its size (nlohmann's own
+// ordered_json parse is quadratic in the keys of one object; see Note [Linear ordered parse] in
+// json.cc). Refuses, with errors naming `source`: nesting deeper than `max_depth` (checked before
+// parsing, as ParseJson does), invalid JSON (including invalid UTF-8), and an object that repeats
+// a key, which nlohmann would otherwise resolve silently. Use it for any user document whose key
+// order matters.
+Result<nlohmann::ordered_json> ParseOrderedJsonText(std::string_view text,
+                                                    const std::string& source, int max_depth);
 
 }  // namespace memplan

@@ -28,9 +28,9 @@ bool IsWordChar(char c) {
 // id from naming a path outside the cache.
 Status ValidateRepoId(std::string_view repo_id) {
   auto refuse = [&](std::string_view why) {
-    return Status::InvalidArgument("'" + std::string(repo_id) +
-                                   "' is not a Hugging Face repo id (expected \"org/name\"): " +
-                                   std::string(why));
+    return Status::InvalidArgument(
+        "'" + std::string(repo_id) +
+        "' is not a Hugging Face repo id (expected \"org/name\"): " + std::string(why));
   };
   if (repo_id.empty()) return refuse("it is empty");
   if (repo_id.size() > 96) return refuse("longer than 96 characters");
@@ -41,7 +41,9 @@ Status ValidateRepoId(std::string_view repo_id) {
     return refuse("more than one '/'");
   }
   std::vector<std::string_view> parts = {repo_id};
-  if (slash != std::string_view::npos) parts = {repo_id.substr(0, slash), repo_id.substr(slash + 1)};
+  if (slash != std::string_view::npos) {
+    parts = {repo_id.substr(0, slash), repo_id.substr(slash + 1)};
+  }
   for (std::string_view part : parts) {
     if (part.empty()) return refuse("an empty part (a path is not a repo id)");
     for (char c : part) {
@@ -156,8 +158,8 @@ Result<std::string> FindHfCacheSnapshot(std::string_view repo_id) {
     return Status::NotFound("model '" + std::string(repo_id) +
                             "' is not in the local Hugging Face cache (searched " + searched +
                             "); memplan never downloads: fetch it first, e.g. `huggingface-cli "
-                            "download " + std::string(repo_id) +
-                            " config.json`, or pass a local path");
+                            "download " +
+                            std::string(repo_id) + " config.json`, or pass a local path");
   } catch (const std::exception& e) {
     return Status::Internal("looking up '" + std::string(repo_id) +
                             "' in the Hugging Face cache failed: " + e.what());

@@ -46,7 +46,8 @@ class ScopedCacheEnv {
   ScopedCacheEnv() {
     for (const char* name : kNames) {
       const char* value = std::getenv(name);
-      saved_.emplace_back(name, value == nullptr ? std::nullopt : std::optional(std::string(value)));
+      saved_.emplace_back(name,
+                          value == nullptr ? std::nullopt : std::optional(std::string(value)));
       ::unsetenv(name);
     }
   }
@@ -65,9 +66,9 @@ class ScopedCacheEnv {
   void Set(const char* name, const std::string& value) { ::setenv(name, value.c_str(), 1); }
 
  private:
-  static constexpr const char* kNames[] = {"HF_HUB_CACHE",   "HUGGINGFACE_HUB_CACHE",
-                                           "HF_HOME",        "XDG_CACHE_HOME",
-                                           "HOME",           "TRANSFORMERS_CACHE"};
+  static constexpr const char* kNames[] = {"HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE",
+                                           "HF_HOME",      "XDG_CACHE_HOME",
+                                           "HOME",         "TRANSFORMERS_CACHE"};
   std::vector<std::pair<const char*, std::optional<std::string>>> saved_;
 };
 
@@ -117,7 +118,7 @@ TEST_CASE("source: FindHfCacheSnapshot follows refs/main") {
   env.Set("HF_HUB_CACHE", dir.path());
   fs::path repo = fs::path(dir.path()) / "models--org--name";
   fs::path main = MakeSnapshot(repo, kHash, 100);
-  MakeSnapshot(repo, kOtherHash, 0);  // newer, but not what main points to
+  MakeSnapshot(repo, kOtherHash, 0);         // newer, but not what main points to
   WriteFile(repo / "refs" / "main", kHash);  // huggingface_hub writes no newline
 
   auto found = FindHfCacheSnapshot("org/name");
@@ -181,7 +182,8 @@ TEST_CASE("source: FindHfCacheSnapshot reports what it searched") {
   CHECK(missing.status().code() == StatusCode::kNotFound);
   const std::string searched = dir.path() + "/models--org--absent";
   CHECK(missing.status().message().find("model 'org/absent' is not in the local Hugging Face "
-                                        "cache (searched " + searched + ")") == 0);
+                                        "cache (searched " +
+                                        searched + ")") == 0);
 
   fs::create_directories(fs::path(dir.path()) / "models--org--empty" / "snapshots");
   auto empty = FindHfCacheSnapshot("org/empty");
@@ -202,16 +204,14 @@ TEST_CASE("source: FindHfCacheSnapshot refuses what is not a repo id") {
   // A cache entry an escaping id could otherwise reach.
   MakeSnapshot(fs::path(dir.path()) / "models--a--b", kHash, 0);
   for (const char* bad : {"", "../models--a--b", "/etc/passwd", "a/b/c", "a--b", "a/..", "..",
-                          "org/", "/name", ".hidden", "a/b.", "with space", "a\\b",
-                          "org/name\n"}) {
+                          "org/", "/name", ".hidden", "a/b.", "with space", "a\\b", "org/name\n"}) {
     CAPTURE(bad);
     auto r = FindHfCacheSnapshot(bad);
     REQUIRE_FALSE(r.ok());
     CHECK(r.status().code() == StatusCode::kInvalidArgument);
     CHECK(r.status().message().find("is not a Hugging Face repo id") != std::string::npos);
   }
-  CHECK(FindHfCacheSnapshot(std::string(97, 'a')).status().code() ==
-        StatusCode::kInvalidArgument);
+  CHECK(FindHfCacheSnapshot(std::string(97, 'a')).status().code() == StatusCode::kInvalidArgument);
   // Legal ids with dots, dashes and underscores.
   for (const char* good : {"meta-llama/Llama-2-7b-hf", "Qwen/Qwen2.5-0.5B", "user_1/m_2", "gpt2"}) {
     CAPTURE(good);

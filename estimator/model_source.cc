@@ -15,6 +15,7 @@ namespace {
 // Configs are a few KiB and shape lists of the largest models a few MiB; anything bigger is not
 // one of them, and reading it whole would only waste memory.
 constexpr uint64_t kMaxJsonBytes = uint64_t{32} << 20;
+constexpr int kMaxJsonDepth = 64;
 
 bool EndsWith(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
@@ -30,9 +31,11 @@ PathKind Stat(const std::string& path) {
 
 Result<ModelInventory> LoadJsonFile(const std::string& path, ModelClassChoice choice) {
   MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, kMaxJsonBytes));
-  MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json doc, ParseJson(text, path));
-  if (LooksLikeShapeList(doc)) return InventoryFromShapeListText(text, path);
-  return InventoryFromHfConfig(doc, path, choice);
+  // One ordered parse serves both readers: shape lists keep the document's tensor order.
+  MEMPLAN_ASSIGN_OR_RETURN(nlohmann::ordered_json doc,
+                           ParseOrderedJsonText(text, path, kMaxJsonDepth));
+  if (LooksLikeShapeList(doc)) return InventoryFromShapeList(doc, path);
+  return InventoryFromHfConfig(nlohmann::json(doc), path, choice);
 }
 
 Result<ModelInventory> LoadFile(const std::string& path, ModelClassChoice choice) {

@@ -6,7 +6,6 @@
 #include <map>
 #include <optional>
 #include <unordered_map>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -14,6 +13,8 @@
 
 #include "common/checked_math.h"
 #include "common/file.h"
+#include "common/json.h"
+#include "estimator/shape_list.h"
 
 namespace memplan::estimator {
 namespace {
@@ -26,77 +27,6 @@ constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 constexpr uint64_t kMaxIndexBytes = uint64_t{64} << 20;
 // A header is {"name": {"shape": [..]}}, three levels; an index two. Deeper input is hostile.
 constexpr int kMaxJsonDepth = 16;
-
-// Deepest bracket nesting outside strings; stops counting once past `limit`.
-int JsonNestingDepth(std::string_view text, int limit) {
-  int depth = 0;
-  int max_depth = 0;
-  bool in_string = false;
-  bool escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      max_depth = std::max(max_depth, ++depth);
-      if (max_depth > limit) return max_depth;
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
-  }
-  return max_depth;
-}
-
-// Parses keeping key order and refusing repeated keys: nlohmann would keep the last of two
-// entries for one tensor, hiding a lying header.
-Result<OrderedJson> ParseOrderedJson(std::string_view text, const std::string& source) {
-  if (JsonNestingDepth(text, kMaxJsonDepth) > kMaxJsonDepth) {
-    return Status::InvalidArgument(source + ": JSON nested more than " +
-                                   std::to_string(kMaxJsonDepth) +
-                                   " levels deep; a safetensors header needs 3");
-  }
-  std::vector<std::unordered_set<std::string>> open_objects;
-  std::string repeated_key;
-  auto track_keys = [&](int /*depth*/, OrderedJson::parse_event_t event, OrderedJson& parsed) {
-    switch (event) {
-      case OrderedJson::parse_event_t::object_start:
-        open_objects.emplace_back();
-        break;
-      case OrderedJson::parse_event_t::object_end:
-        if (!open_objects.empty()) open_objects.pop_back();
-        break;
-      case OrderedJson::parse_event_t::key:
-        if (!open_objects.empty() && parsed.is_string() && repeated_key.empty() &&
-            !open_objects.back().insert(parsed.get<std::string>()).second) {
-          repeated_key = parsed.get<std::string>();
-        }
-        break;
-      default:
-        break;
-    }
-    return true;
-  };
-  OrderedJson doc;
-  try {
-    doc = OrderedJson::parse(text, track_keys);
-  } catch (const std::exception& e) {
-    return Status::InvalidArgument(source + ": invalid JSON: " + e.what());
-  }
-  if (!repeated_key.empty()) {
-    return Status::InvalidArgument(source + ": key '" + repeated_key +
-                                   "' appears twice in one JSON object");
-  }
-  return doc;
-}
 
 std::string Describe(const OrderedJson& v) {
   std::string s = v.dump(-1, ' ', false, OrderedJson::error_handler_t::replace);
@@ -137,16 +67,18 @@ Status TensorError(const std::string& path, const std::string& tensor, std::stri
 
 std::optional<uint64_t> AsUnsigned(const OrderedJson& v) {
   if (v.is_number_unsigned()) return v.get<uint64_t>();
-  if (v.is_number_integer() && v.get<int64_t>() >= 0) return static_cast<uint64_t>(v.get<int64_t>());
+  if (v.is_number_integer() && v.get<int64_t>() >= 0) {
+    return static_cast<uint64_t>(v.get<int64_t>());
+  }
   return std::nullopt;
 }
 
 Result<HeaderTensor> ReadEntry(const std::string& path, const std::string& name,
                                const OrderedJson& entry, uint64_t data_bytes) {
   if (!entry.is_object()) {
-    return TensorError(path, name,
-                       "expected an object with dtype, shape and data_offsets, got " +
-                           Describe(entry));
+    return TensorError(
+        path, name,
+        "expected an object with dtype, shape and data_offsets, got " + Describe(entry));
   }
   HeaderTensor t;
   t.name = name;
@@ -192,8 +124,8 @@ Result<HeaderTensor> ReadEntry(const std::string& path, const std::string& name,
   }
   t.begin = *begin;
   t.end = *end;
-  const std::string range = "data_offsets [" + std::to_string(t.begin) + ", " +
-                            std::to_string(t.end) + "]";
+  const std::string range =
+      "data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) + "]";
   if (t.begin > t.end) return TensorError(path, name, range + " end before they begin");
   if (t.end > data_bytes) {
     return TensorError(path, name,
@@ -201,8 +133,8 @@ Result<HeaderTensor> ReadEntry(const std::string& path, const std::string& name,
                            std::to_string(data_bytes) + " bytes (truncated file?)");
   }
   auto numel = CheckedProduct(t.shape);
-  auto bytes = numel ? CheckedMul(*numel, static_cast<uint64_t>(DTypeBits(t.dtype) / 8))
-                     : std::nullopt;
+  auto bytes =
+      numel ? CheckedMul(*numel, static_cast<uint64_t>(DTypeBits(t.dtype) / 8)) : std::nullopt;
   if (!bytes) {
     return Status::OutOfRange(path + ": tensor '" + name + "': shape " + FormatShape(t.shape) +
                               " has more bytes than fit in 64 bits");
@@ -241,7 +173,7 @@ Result<std::vector<HeaderTensor>> ReadHeader(const std::string& path) {
                                    "-byte limit; not a safetensors file");
   }
   MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileRange(path, 8, header_bytes));
-  MEMPLAN_ASSIGN_OR_RETURN(OrderedJson header, ParseOrderedJson(text, path));
+  MEMPLAN_ASSIGN_OR_RETURN(OrderedJson header, ParseOrderedJsonText(text, path, kMaxJsonDepth));
   if (!header.is_object()) {
     return Status::InvalidArgument(path + ": header must be a JSON object, got " +
                                    Describe(header));
@@ -263,8 +195,8 @@ Result<std::vector<HeaderTensor>> ReadHeader(const std::string& path) {
       return TensorError(path, cur.name,
                          "data_offsets [" + std::to_string(cur.begin) + ", " +
                              std::to_string(cur.end) + "] overlap those of tensor '" + prev.name +
-                             "' [" + std::to_string(prev.begin) + ", " +
-                             std::to_string(prev.end) + "]");
+                             "' [" + std::to_string(prev.begin) + ", " + std::to_string(prev.end) +
+                             "]");
     }
   }
   return tensors;
@@ -295,7 +227,8 @@ Status CheckShardPath(const std::string& index_path, const std::string& tensor,
 
 Result<ModelInventory> ReadIndex(const std::string& index_path) {
   MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(index_path, kMaxIndexBytes));
-  MEMPLAN_ASSIGN_OR_RETURN(OrderedJson index, ParseOrderedJson(text, index_path));
+  MEMPLAN_ASSIGN_OR_RETURN(OrderedJson index,
+                           ParseOrderedJsonText(text, index_path, kMaxJsonDepth));
   if (!index.is_object()) {
     return Status::InvalidArgument(index_path + ": expected a JSON object with \"weight_map\"");
   }
@@ -313,8 +246,7 @@ Result<ModelInventory> ReadIndex(const std::string& index_path) {
   for (const auto& [tensor, shard_json] : weight_map->items()) {
     if (!shard_json.is_string()) {
       return Status::InvalidArgument(index_path + ": weight_map: tensor '" + tensor +
-                                     "': shard must be a file name, got " +
-                                     Describe(shard_json));
+                                     "': shard must be a file name, got " + Describe(shard_json));
     }
     std::string shard = shard_json.get<std::string>();
     MEMPLAN_RETURN_IF_ERROR(CheckShardPath(index_path, tensor, shard));
@@ -353,8 +285,8 @@ Result<ModelInventory> ReadIndex(const std::string& index_path) {
   // are real.
   for (const auto& [shard, tensors] : shards) {
     for (const HeaderTensor& t : tensors) {
-      MEMPLAN_RETURN_IF_ERROR(
-          inventory.Add(t.name, t.shape, t.dtype).WithPrefix(index_path + ": shard '" + shard + "'"));
+      Status added = inventory.Add(t.name, t.shape, t.dtype);
+      if (!added.ok()) return added.WithPrefix(index_path + ": shard '" + shard + "'");
     }
   }
   return inventory;

@@ -5,7 +5,8 @@
 // {"tensor": {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}},
 // then the data. The header is validated against the file: N must fit in the file and stay under
 // a 100 MiB cap, every data_offsets range must lie inside the data section and match
-// numel * dtype size, ranges must not overlap, and a JSON key may not repeat. A lying header is
+// numel * dtype size, ranges must not overlap (gaps are harmless and allowed), and a JSON key may
+// not repeat. A lying header is
 // an error naming the file and tensor, never a crash or a huge allocation. "__metadata__" is
 // skipped. Dtypes read: F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U8 BOOL (others, such as
 // U32 or F4, are refused by name).
@@ -21,7 +22,8 @@
 
 namespace memplan::estimator {
 
-// One .safetensors file. Tensors are added in header order sorted by data offset.
+// One .safetensors file. Tensors are added in header order sorted by data offset. A file that
+// holds no tensors is refused (an estimate of nothing would only mislead).
 Result<ModelInventory> InventoryFromSafetensorsFile(const std::string& path);
 
 // A sharded checkpoint's model.safetensors.index.json: reads the header of every shard named in

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cmath>
 #include <exception>
+#include <memory>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
 #include <vector>
 
+#include "common/json.h"
 #include "estimator/config_reader.h"
 
 namespace memplan::estimator {
@@ -16,79 +18,8 @@ namespace {
 using OrderedJson = nlohmann::ordered_json;
 
 // The deepest real shape list is {"tensors": [{"shape": [..]}]}: four levels. The limit only has
-// to stop hostile input before the parser spends memory on it, so it matches hf_config.cc's.
-constexpr int kMaxJsonDepth = 64;
-
-// Deepest bracket nesting outside strings; stops counting once past `limit`.
-int JsonNestingDepth(std::string_view text, int limit) {
-  int depth = 0;
-  int max_depth = 0;
-  bool in_string = false;
-  bool escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      max_depth = std::max(max_depth, ++depth);
-      if (max_depth > limit) return max_depth;
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
-  }
-  return max_depth;
-}
-
-// Parses keeping key order. nlohmann keeps the last of repeated keys without a word; for a shape
-// list that silently drops a tensor, so a repeated key is an error.
-Result<OrderedJson> ParseOrderedJson(std::string_view text, const std::string& source) {
-  if (JsonNestingDepth(text, kMaxJsonDepth) > kMaxJsonDepth) {
-    return Status::InvalidArgument(source + ": JSON nested more than " +
-                                   std::to_string(kMaxJsonDepth) +
-                                   " levels deep; a shape list needs at most 4");
-  }
-  std::vector<std::unordered_set<std::string>> open_objects;
-  std::string repeated_key;
-  auto track_keys = [&](int /*depth*/, OrderedJson::parse_event_t event, OrderedJson& parsed) {
-    switch (event) {
-      case OrderedJson::parse_event_t::object_start:
-        open_objects.emplace_back();
-        break;
-      case OrderedJson::parse_event_t::object_end:
-        if (!open_objects.empty()) open_objects.pop_back();
-        break;
-      case OrderedJson::parse_event_t::key:
-        if (!open_objects.empty() && parsed.is_string() && repeated_key.empty() &&
-            !open_objects.back().insert(parsed.get<std::string>()).second) {
-          repeated_key = parsed.get<std::string>();
-        }
-        break;
-      default:
-        break;
-    }
-    return true;
-  };
-  OrderedJson doc;
-  try {
-    doc = OrderedJson::parse(text, track_keys);
-  } catch (const std::exception& e) {
-    return Status::InvalidArgument(source + ": invalid JSON: " + e.what());
-  }
-  if (!repeated_key.empty()) {
-    return Status::InvalidArgument(source + ": key '" + repeated_key +
-                                   "' appears twice in one JSON object (a tensor listed twice?)");
-  }
-  return doc;
-}
+// to stop hostile input before the parser spends memory on it, so it is common/json.h's default.
+constexpr int kMaxShapeListDepth = 64;
 
 std::string Describe(const OrderedJson& v) {
   std::string s = v.dump(-1, ' ', false, OrderedJson::error_handler_t::replace);
@@ -210,8 +141,10 @@ Status Reader::ReadTensors(const OrderedJson& tensors) {
       MEMPLAN_RETURN_IF_ERROR(ReadSpec(name->get<std::string>(), spec, true));
     }
   } else {
-    return Error("expected a JSON object {\"name\": [dims...]} or an array of "
-                 "{\"name\", \"shape\"} objects, got " + Describe(tensors));
+    return Error(
+        "expected a JSON object {\"name\": [dims...]} or an array of "
+        "{\"name\", \"shape\"} objects, got " +
+        Describe(tensors));
   }
   if (entries_.empty()) {
     return Error("no tensors; a shape list names at least one tensor and its shape");
@@ -227,8 +160,8 @@ Result<int64_t> Reader::ReadDim(const std::string& tensor, size_t index,
   if (v.is_number_unsigned()) {
     uint64_t u = v.get<uint64_t>();
     if (u > static_cast<uint64_t>(ConfigReader::kMaxDim)) {
-      return TensorError(tensor, where + ", above the limit of " +
-                                     std::to_string(ConfigReader::kMaxDim));
+      return TensorError(tensor,
+                         where + ", above the limit of " + std::to_string(ConfigReader::kMaxDim));
     }
     return static_cast<int64_t>(u);
   }
@@ -244,8 +177,8 @@ Result<int64_t> Reader::ReadDim(const std::string& tensor, size_t index,
   }
   if (as_double < 0) return TensorError(tensor, where + ", must be >= 0");
   if (as_double > static_cast<double>(ConfigReader::kMaxDim)) {
-    return TensorError(tensor, where + ", above the limit of " +
-                                   std::to_string(ConfigReader::kMaxDim));
+    return TensorError(tensor,
+                       where + ", above the limit of " + std::to_string(ConfigReader::kMaxDim));
   }
   return static_cast<int64_t>(as_double);
 }
@@ -282,8 +215,8 @@ Status Reader::ReadSpec(std::string name, const OrderedJson& spec, bool name_in_
     }
     if (shape == nullptr) return TensorError(name, "has no \"shape\"");
   } else {
-    return TensorError(name, "expected a list of dims or an object with \"shape\", got " +
-                                 Describe(spec));
+    return TensorError(
+        name, "expected a list of dims or an object with \"shape\", got " + Describe(spec));
   }
   if (!shape->is_array()) {
     return TensorError(name, "shape must be a list of dims, got " + Describe(*shape));
@@ -321,8 +254,8 @@ Status Reader::ApplyTies(const OrderedJson& tied) {
     if (existing != index_.end()) {
       Entry& entry = entries_[existing->second];
       if (!entry.tied_to.empty() && entry.tied_to != canonical) {
-        return TensorError(alias, "tied_to says '" + entry.tied_to + "' but 'tied' says '" +
-                                      canonical + "'");
+        return TensorError(
+            alias, "tied_to says '" + entry.tied_to + "' but 'tied' says '" + canonical + "'");
       }
       entry.tied_to = canonical;
       continue;
@@ -340,8 +273,7 @@ Status Reader::ApplyTies(const OrderedJson& tied) {
 Status Reader::AddAll(ModelInventory* out) const {
   for (const Entry& entry : entries_) {
     if (!entry.tied_to.empty() && index_.count(entry.tied_to) == 0) {
-      return TensorError(entry.name,
-                         "tied_to '" + entry.tied_to + "' names no tensor in the list");
+      return TensorError(entry.name, "tied_to '" + entry.tied_to + "' names no tensor in the list");
     }
   }
   // ModelInventory::Add needs a tie target added first; a tensor listed before its target
@@ -414,7 +346,7 @@ Result<ModelInventory> InventoryFromShapeList(const nlohmann::json& doc,
 
 Result<ModelInventory> InventoryFromShapeListText(std::string_view text,
                                                   const std::string& source) {
-  MEMPLAN_ASSIGN_OR_RETURN(OrderedJson doc, ParseOrderedJson(text, source));
+  MEMPLAN_ASSIGN_OR_RETURN(OrderedJson doc, ParseOrderedJsonText(text, source, kMaxShapeListDepth));
   return InventoryFromShapeList(doc, source);
 }
 

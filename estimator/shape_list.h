@@ -32,10 +32,11 @@
 
 namespace memplan::estimator {
 
-// True when `doc` has the shape of a shape list rather than a config.json (a config.json has a
-// "model_type" string and no object whose values are all dim arrays).
-// Cheap: looks at the top level only, so a malformed shape list still reaches the shape-list
-// reader (whose errors are the useful ones) instead of the config.json reader.
+// True when `doc` has the shape of a shape list rather than a config.json: a non-empty array of
+// objects, the {"tensors": ...} wrapper, or a non-empty object with no string "model_type" whose
+// values are all arrays or objects (every config.json has scalar fields such as hidden_size).
+// Looks at the top level only, so a malformed shape list still reaches the shape-list reader,
+// whose errors are the useful ones, rather than the config.json reader.
 bool LooksLikeShapeList(const nlohmann::json& doc);
 bool LooksLikeShapeList(const nlohmann::ordered_json& doc);
 
@@ -43,8 +44,8 @@ bool LooksLikeShapeList(const nlohmann::ordered_json& doc);
 Result<ModelInventory> InventoryFromShapeList(const nlohmann::json& doc, const std::string& source);
 Result<ModelInventory> InventoryFromShapeList(const nlohmann::ordered_json& doc,
                                               const std::string& source);
-// Parses `text` keeping key order; refuses JSON nested more than 64 levels before parsing it and
-// a JSON object that repeats a key (a tensor listed twice would otherwise vanish silently).
+// Parses `text` with ParseOrderedJsonText (nesting limit 64), so a tensor listed twice is an
+// error rather than silently dropped.
 Result<ModelInventory> InventoryFromShapeListText(std::string_view text, const std::string& source);
 
 }  // namespace memplan::estimator
