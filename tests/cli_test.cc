@@ -1,0 +1,274 @@
+// End-to-end tests of the memplan CLI as a user runs it: exit status, what goes to stdout and
+// stderr, golden output, JSON schema, and every bad-input case of issue 2.
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Run {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+std::string Quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+std::string Slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// A temporary directory removed when the test ends.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "memplan-cli.XXXXXX").string();
+    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
+    path_ = tmpl;
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  const fs::path& path() const { return path_; }
+  fs::path Write(const std::string& name, const std::string& content) const {
+    fs::path p = path_ / name;
+    std::ofstream(p, std::ios::binary) << content;
+    return p;
+  }
+
+ private:
+  fs::path path_;
+};
+
+Run Memplan(const std::vector<std::string>& args) {
+  TempDir tmp;
+  std::string cmd = Quote(MEMPLAN_BINARY);
+  for (const auto& a : args) cmd += " " + Quote(a);
+  cmd += " >" + Quote((tmp.path() / "out").string()) + " 2>" + Quote((tmp.path() / "err").string());
+  int status = std::system(cmd.c_str());
+  Run run;
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  run.out = Slurp(tmp.path() / "out");
+  run.err = Slurp(tmp.path() / "err");
+  return run;
+}
+
+// Bad input: exit 2, nothing on stdout, exactly one line on stderr containing every `needle`.
+void ExpectBadInput(const Run& run, const std::vector<std::string>& needles) {
+  CHECK(run.exit_code == 2);
+  CHECK(run.out.empty());
+  REQUIRE_FALSE(run.err.empty());
+  CHECK(run.err.back() == '\n');
+  CHECK(run.err.find('\n') == run.err.size() - 1);  // one line
+  for (const auto& n : needles) {
+    CAPTURE(n);
+    CHECK(run.err.find(n) != std::string::npos);
+  }
+  CAPTURE(run.err);
+}
+
+std::string Source(const std::string& rel) { return std::string(MEMPLAN_SOURCE_DIR) + "/" + rel; }
+
+TEST_CASE("cli: golden text table for t5-large (base) on 4 GPUs") {
+  Run run = Memplan({"estimate", "--model", "t5-large", "--model-class", "base", "--gpus", "4"});
+  REQUIRE(run.exit_code == 0);
+  CHECK(run.err.empty());
+  std::string golden = Slurp(Source("tests/golden/estimate_t5-large_base_4gpus.txt"));
+  REQUIRE_FALSE(golden.empty());
+  CHECK(run.out == golden);
+}
+
+TEST_CASE("cli: JSON output has the public schema and exact bytes") {
+  Run run = Memplan({"estimate", "--model", "llama-2-7b", "--gpus", "4", "--format", "json"});
+  REQUIRE(run.exit_code == 0);
+  auto j = nlohmann::json::parse(run.out);
+  CHECK(j["model"]["name"] == "llama-2-7b");
+  CHECK(j["model"]["model_type"] == "llama");
+  CHECK(j["model"]["model_class"] == "causal_lm");
+  CHECK(j["model"]["params_total"] == 6738415616);
+  CHECK(j["model"]["largest_layer_params"] == 131072000);
+  CHECK(j["model"]["largest_block_params"] == 202383360);
+  CHECK(j["hardware"]["nodes"] == 1);
+  CHECK(j["hardware"]["gpus_per_node"] == 4);
+  REQUIRE(j["deepspeed"]["zero2"].size() == 2);
+  REQUIRE(j["deepspeed"]["zero3"].size() == 6);
+  // ZeRO-3 no offload, zero_init=1: 4L + int(18P/4); CPU: L * 4 * 4 * 1.5.
+  const auto& row = j["deepspeed"]["zero3"][4];
+  CHECK(row["offload_param"] == "none");
+  CHECK(row["offload_optimizer"] == "none");
+  CHECK(row["zero_init"] == 1);
+  CHECK(row["gpu_bytes"] == uint64_t{4} * 131072000 + uint64_t{18} * 6738415616 / 4);
+  CHECK(row["cpu_bytes"] == uint64_t{131072000} * 4 * 4 * 3 / 2);
+  CHECK(j["deepspeed"]["zero2"][0]["offload_optimizer"] == "cpu");
+  CHECK(j["deepspeed"]["zero2"][0]["gpu_bytes"] == uint64_t{2} * 6738415616);
+  CHECK(j["assumptions"].size() >= 1);
+}
+
+TEST_CASE("cli: --model-class base gives AutoModel's count") {
+  Run run = Memplan({"estimate", "--model", "llama-2-7b", "--model-class", "base", "--format",
+                     "json"});
+  REQUIRE(run.exit_code == 0);
+  auto j = nlohmann::json::parse(run.out);
+  CHECK(j["model"]["params_total"] == 6607343616);
+  CHECK(j["model"]["model_class"] == "base");
+}
+
+TEST_CASE("cli: every built-in model estimates, fast") {
+  Run list = Memplan({"models", "--format", "json"});
+  REQUIRE(list.exit_code == 0);
+  auto models = nlohmann::json::parse(list.out);
+  REQUIRE(models.size() >= 5);
+  std::vector<std::string> names;
+  for (const auto& m : models) names.push_back(m["name"]);
+  for (const char* want : {"gpt2", "bert-base-uncased", "t5-large", "llama-2-7b", "mistral-7b"}) {
+    CHECK(std::find(names.begin(), names.end(), want) != names.end());
+  }
+  for (const auto& name : names) {
+    CAPTURE(name);
+    auto start = std::chrono::steady_clock::now();
+    Run run = Memplan({"estimate", "--model", name, "--gpus", "4"});
+    auto ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start);
+    CHECK(run.exit_code == 0);
+    CHECK(run.out.find("per CPU  |  per GPU") != std::string::npos);
+    // The 50 ms budget is measured by bench/estimate_latency.sh; here a loose bound that a
+    // loaded CI machine still meets but a pathological slowdown does not.
+    CHECK(ms.count() < 1000);
+  }
+  Run text = Memplan({"models"});
+  CHECK(text.exit_code == 0);
+  CHECK(text.out.find("llama-2-7b") != std::string::npos);
+}
+
+TEST_CASE("cli: --version and --help") {
+  Run v = Memplan({"--version"});
+  CHECK(v.exit_code == 0);
+  CHECK(v.out.rfind("memplan ", 0) == 0);
+  Run h = Memplan({"estimate", "--help"});
+  CHECK(h.exit_code == 0);
+  CHECK(h.out.find("--gpus") != std::string::npos);
+  CHECK(h.out.find("--model-class") != std::string::npos);
+  Run none = Memplan({});
+  CHECK(none.exit_code == 2);
+  CHECK(none.out.empty());
+}
+
+TEST_CASE("cli: --output writes the file, and writes nothing when it fails") {
+  TempDir tmp;
+  fs::path out = tmp.path() / "estimate.json";
+  Run run = Memplan({"estimate", "--model", "gpt2", "--format", "json", "-o", out.string()});
+  REQUIRE(run.exit_code == 0);
+  CHECK(run.out.empty());
+  CHECK(nlohmann::json::parse(Slurp(out))["model"]["params_total"] == 124439808);
+  fs::path bad = tmp.path() / "missing-dir" / "x.json";
+  Run fail = Memplan({"estimate", "--model", "gpt2", "-o", bad.string()});
+  ExpectBadInput(fail, {"missing-dir"});
+  Run bad_model = Memplan({"estimate", "--model", "nope", "-o", (tmp.path() / "y.json").string()});
+  CHECK(bad_model.exit_code == 2);
+  CHECK_FALSE(fs::exists(tmp.path() / "y.json"));
+  // Only the output file is in the directory: no temporary left behind.
+  int entries = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(tmp.path())) ++entries;
+  CHECK(entries == 1);
+}
+
+TEST_CASE("cli: bad input gets one line naming the file and field, exit 2, empty stdout") {
+  TempDir tmp;
+  const std::string base = R"("model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+      "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32)";
+  auto config = [&](const std::string& name, const std::string& body) {
+    return tmp.Write(name, body).string();
+  };
+
+  SUBCASE("missing file") {
+    std::string p = (tmp.path() / "absent" / "config.json").string();
+    ExpectBadInput(Memplan({"estimate", "--model", p}), {p});
+  }
+  SUBCASE("unreadable file") {
+    std::string p = config("secret.json", "{" + base + "}");
+    ::chmod(p.c_str(), 0);
+    if (::geteuid() != 0) ExpectBadInput(Memplan({"estimate", "--model", p}), {p});
+  }
+  SUBCASE("directory without a model") {
+    fs::create_directory(tmp.path() / "empty");
+    ExpectBadInput(Memplan({"estimate", "--model", (tmp.path() / "empty").string()}),
+                   {"empty", "config.json"});
+  }
+  SUBCASE("invalid JSON") {
+    std::string p = config("broken.json", "{\"model_type\": \"llama\", ");
+    ExpectBadInput(Memplan({"estimate", "--model", p}), {p, "invalid JSON"});
+  }
+  SUBCASE("unknown model_type lists the supported ones and the shape-list route") {
+    std::string p = config("unknown.json", R"({"model_type": "falcon", "hidden_size": 10})");
+    ExpectBadInput(Memplan({"estimate", "--model", p}),
+                   {p, "'model_type'", "falcon", "llama", "t5", "shape"});
+  }
+  SUBCASE("missing dimension") {
+    std::string p = config("missing.json", R"({"model_type": "llama", "vocab_size": 32000,
+        "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32})");
+    ExpectBadInput(Memplan({"estimate", "--model", p}), {p, "'hidden_size'", "missing"});
+  }
+  SUBCASE("zero, negative and absurd dimensions") {
+    for (const char* value : {"0", "-4096", "1e15", "99999999999"}) {
+      CAPTURE(value);
+      std::string body = "{" + base + R"(, "num_hidden_layers": )" + value + "}";
+      std::string p = config(std::string("dim") + value + ".json", body);
+      ExpectBadInput(Memplan({"estimate", "--model", p}), {p, "'num_hidden_layers'"});
+    }
+  }
+  SUBCASE("--gpus 0 and --nodes -1") {
+    ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--gpus", "0"}), {"--gpus"});
+    ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--nodes", "-1"}), {"--nodes"});
+    ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--gpus", "four"}), {"--gpus"});
+  }
+  SUBCASE("safetensors header that lies about its length") {
+    std::string bytes(8, '\0');
+    uint64_t claimed = uint64_t{1} << 40;
+    for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((claimed >> (8 * i)) & 0xff);
+    bytes += R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})";
+    std::string p = tmp.Write("model.safetensors", bytes).string();
+    ExpectBadInput(Memplan({"estimate", "--model", p}), {p});
+  }
+  SUBCASE("unsupported architecture class") {
+    std::string p = config("head.json", "{" + base + R"(, "architectures": ["LlamaForAudio"]})");
+    ExpectBadInput(Memplan({"estimate", "--model", p}), {p, "'architectures'"});
+  }
+}
+
+TEST_CASE("cli: inventory lists every tensor with tied aliases") {
+  Run run = Memplan({"inventory", "--model", "gpt2", "--format", "json"});
+  REQUIRE(run.exit_code == 0);
+  auto j = nlohmann::json::parse(run.out);
+  CHECK(j["model"]["params_total"] == 124439808);
+  bool found_head = false;
+  for (const auto& t : j["tensors"]) {
+    if (t["name"] == "lm_head.weight") {
+      found_head = true;
+      CHECK(t["tied_to"] == "transformer.wte.weight");
+      CHECK(t["shape"] == nlohmann::json::array({50257, 768}));
+    }
+  }
+  CHECK(found_head);
+}
+
+}  // namespace
