@@ -12,6 +12,7 @@ if(MEMPLAN_SANITIZE)
   string(REPLACE ";" "," _san "${MEMPLAN_SANITIZE}")
   add_compile_options(-fsanitize=${_san} -fno-omit-frame-pointer -fno-sanitize-recover=all)
   add_link_options(-fsanitize=${_san})
+  set(MEMPLAN_SANITIZE_LINK_FLAG -fsanitize=${_san})
 endif()
 
 # memplan_optional(<NAME> <switch-var> <found-bool>): resolves AUTO/ON/OFF into MEMPLAN_HAVE_<NAME>.
