@@ -239,7 +239,7 @@ TEST_CASE("decoder: llama-2-7b matches the published counts, causal LM and base"
 
 TEST_CASE("decoder: mistral-7b matches the published 7,241,732,096 parameters") {
   ModelInventory mistral = Fixture("mistral-7b");
-  // Brief / Hugging Face Hub safetensors metadata for mistralai/Mistral-7B-v0.1: 7,241,732,096
+  // Hugging Face Hub safetensors metadata for mistralai/Mistral-7B-v0.1: 7,241,732,096
   // (the "7.24B params" on the model page).
   CHECK(Total(mistral) == 7'241'732'096);
   CHECK(Counts(mistral).largest_layer_params == 131'072'000);
@@ -256,7 +256,7 @@ TEST_CASE("decoder: mistral-7b matches the published 7,241,732,096 parameters") 
 TEST_CASE("decoder: mixtral-8x7b matches the published 46,702,792,704 parameters") {
   ModelInventory mixtral = Fixture("mixtral-8x7b");
   ModelCounts counts = Counts(mixtral);
-  // Brief / Hugging Face Hub safetensors metadata for mistralai/Mixtral-8x7B-v0.1:
+  // Hugging Face Hub safetensors metadata for mistralai/Mixtral-8x7B-v0.1:
   // 46,702,792,704 (the "46.7B" of Mistral AI's announcement).
   CHECK(counts.params_total == 46'702'792'704);
   CHECK(counts.largest_layer_params == 131'072'000);
