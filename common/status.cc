@@ -1,5 +1,8 @@
 #include "common/status.h"
 
+#include <cerrno>
+#include <cstring>
+
 namespace memplan {
 
 std::string_view StatusCodeName(StatusCode code) {
@@ -12,6 +15,8 @@ std::string_view StatusCodeName(StatusCode code) {
     case StatusCode::kFailedPrecondition: return "FailedPrecondition";
     case StatusCode::kResourceExhausted: return "ResourceExhausted";
     case StatusCode::kUnimplemented: return "Unimplemented";
+    case StatusCode::kDataLoss: return "DataLoss";
+    case StatusCode::kUnavailable: return "Unavailable";
     case StatusCode::kInternal: return "Internal";
   }
   return "Unknown";
@@ -25,6 +30,20 @@ const std::string& Status::message() const {
 std::string Status::ToString() const {
   if (ok()) return "OK";
   return std::string(StatusCodeName(code())) + ": " + rep_->message;
+}
+
+Status Status::FromErrno(int err, std::string_view msg) {
+  std::string text = std::string(msg) + ": " + std::strerror(err);
+  switch (err) {
+    case ENOENT: return NotFound(text);
+    case ENOSPC:
+    case EDQUOT:
+    case ENOMEM: return ResourceExhausted(text);
+    case EAGAIN:
+    case EINTR: return Unavailable(text);
+    case EINVAL: return InvalidArgument(text);
+    default: return IoError(text);
+  }
 }
 
 Status Status::WithPrefix(std::string_view prefix) const {

@@ -30,6 +30,8 @@ enum class StatusCode {
   kFailedPrecondition,  // the system is not in a state to do this
   kResourceExhausted,   // memory, disk, a budget
   kUnimplemented,
+  kDataLoss,            // stored data is corrupt or lost (checksum mismatch, torn write)
+  kUnavailable,         // transient: the same call may succeed if retried (EAGAIN, EINTR)
   kInternal,            // a bug in memplan
 };
 
@@ -51,9 +53,17 @@ class Status {
     return {StatusCode::kResourceExhausted, msg};
   }
   static Status Unimplemented(std::string msg) { return {StatusCode::kUnimplemented, msg}; }
+  static Status DataLoss(std::string msg) { return {StatusCode::kDataLoss, msg}; }
+  static Status Unavailable(std::string msg) { return {StatusCode::kUnavailable, msg}; }
+  // Maps an errno to a code (ENOENT -> NotFound, ENOSPC/EDQUOT/ENOMEM -> ResourceExhausted,
+  // EAGAIN/EINTR -> Unavailable, EINVAL -> InvalidArgument, else IoError) with
+  // "<msg>: <strerror>" as the message.
+  static Status FromErrno(int err, std::string_view msg);
   static Status Internal(std::string msg) { return {StatusCode::kInternal, msg}; }
 
   bool ok() const { return rep_ == nullptr; }
+  // True for errors worth retrying unchanged (kUnavailable).
+  bool retryable() const { return code() == StatusCode::kUnavailable; }
   StatusCode code() const { return rep_ ? rep_->code : StatusCode::kOk; }
   // The user-facing message; empty for OK.
   const std::string& message() const;

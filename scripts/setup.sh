@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(build-essential cmake pkg-config git nlohmann-json3-dev libcli11-dev doctest-dev)
+packages=(build-essential cmake pkg-config git nlohmann-json3-dev libcli11-dev doctest-dev
+  liburing-dev libaio-dev libxxhash-dev fio)
 
 missing=()
 for p in "${packages[@]}"; do
