@@ -1,7 +1,6 @@
 #include "estimator/hf_cache.h"
 
 #include <doctest/doctest.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -9,35 +8,21 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
+
+#include "tests/testing.h"
 
 namespace memplan::estimator {
 namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string pattern =
-        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/memplan_hf_cache_XXXXXX";
-    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
+using testing::TempDir;
 
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+// Prefix of each test case's scratch directory.
+constexpr std::string_view kTempPrefix = "memplan_hf_cache_";
 
 // Clears every variable the lookup reads and puts them all back afterwards, so a developer's
 // real cache never leaks into (or is touched by) a test.
@@ -114,9 +99,9 @@ TEST_CASE("source: HfCacheRoots follows the Hugging Face order of variables") {
 
 TEST_CASE("source: FindHfCacheSnapshot follows refs/main") {
   ScopedCacheEnv env;
-  TempDir dir;
-  env.Set("HF_HUB_CACHE", dir.path());
-  fs::path repo = fs::path(dir.path()) / "models--org--name";
+  TempDir dir(kTempPrefix);
+  env.Set("HF_HUB_CACHE", dir.path().string());
+  fs::path repo = dir.path() / "models--org--name";
   fs::path main = MakeSnapshot(repo, kHash, 100);
   MakeSnapshot(repo, kOtherHash, 0);         // newer, but not what main points to
   WriteFile(repo / "refs" / "main", kHash);  // huggingface_hub writes no newline
@@ -135,9 +120,9 @@ TEST_CASE("source: FindHfCacheSnapshot follows refs/main") {
 
 TEST_CASE("source: FindHfCacheSnapshot falls back to the newest snapshot") {
   ScopedCacheEnv env;
-  TempDir dir;
-  env.Set("HF_HOME", dir.path());
-  fs::path repo = fs::path(dir.path()) / "hub" / "models--gpt2";
+  TempDir dir(kTempPrefix);
+  env.Set("HF_HOME", dir.path().string());
+  fs::path repo = dir.path() / "hub" / "models--gpt2";
   MakeSnapshot(repo, kHash, 3600);
   fs::path newest = MakeSnapshot(repo, kOtherHash, 10);
 
@@ -163,11 +148,11 @@ TEST_CASE("source: FindHfCacheSnapshot falls back to the newest snapshot") {
 
 TEST_CASE("source: FindHfCacheSnapshot searches TRANSFORMERS_CACHE after the hub cache") {
   ScopedCacheEnv env;
-  TempDir hub;
-  TempDir legacy;
-  env.Set("HF_HUB_CACHE", hub.path());
-  env.Set("TRANSFORMERS_CACHE", legacy.path());
-  fs::path snapshot = MakeSnapshot(fs::path(legacy.path()) / "models--org--name", kHash, 0);
+  TempDir hub(kTempPrefix);
+  TempDir legacy(kTempPrefix);
+  env.Set("HF_HUB_CACHE", hub.path().string());
+  env.Set("TRANSFORMERS_CACHE", legacy.path().string());
+  fs::path snapshot = MakeSnapshot(legacy.path() / "models--org--name", kHash, 0);
   auto found = FindHfCacheSnapshot("org/name");
   REQUIRE(found.ok());
   CHECK(*found == snapshot.string());
@@ -175,17 +160,17 @@ TEST_CASE("source: FindHfCacheSnapshot searches TRANSFORMERS_CACHE after the hub
 
 TEST_CASE("source: FindHfCacheSnapshot reports what it searched") {
   ScopedCacheEnv env;
-  TempDir dir;
-  env.Set("HF_HUB_CACHE", dir.path());
+  TempDir dir(kTempPrefix);
+  env.Set("HF_HUB_CACHE", dir.path().string());
   auto missing = FindHfCacheSnapshot("org/absent");
   REQUIRE_FALSE(missing.ok());
   CHECK(missing.status().code() == StatusCode::kNotFound);
-  const std::string searched = dir.path() + "/models--org--absent";
+  const std::string searched = dir.path().string() + "/models--org--absent";
   CHECK(missing.status().message().find("model 'org/absent' is not in the local Hugging Face "
                                         "cache (searched " +
                                         searched + ")") == 0);
 
-  fs::create_directories(fs::path(dir.path()) / "models--org--empty" / "snapshots");
+  fs::create_directories(dir.path() / "models--org--empty" / "snapshots");
   auto empty = FindHfCacheSnapshot("org/empty");
   REQUIRE_FALSE(empty.ok());
   CHECK(empty.status().message().find("models--org--empty (no snapshots)") != std::string::npos);
@@ -199,10 +184,10 @@ TEST_CASE("source: FindHfCacheSnapshot reports what it searched") {
 
 TEST_CASE("source: FindHfCacheSnapshot refuses what is not a repo id") {
   ScopedCacheEnv env;
-  TempDir dir;
-  env.Set("HF_HUB_CACHE", dir.path());
+  TempDir dir(kTempPrefix);
+  env.Set("HF_HUB_CACHE", dir.path().string());
   // A cache entry an escaping id could otherwise reach.
-  MakeSnapshot(fs::path(dir.path()) / "models--a--b", kHash, 0);
+  MakeSnapshot(dir.path() / "models--a--b", kHash, 0);
   for (const char* bad : {"", "../models--a--b", "/etc/passwd", "a/b/c", "a--b", "a/..", "..",
                           "org/", "/name", ".hidden", "a/b.", "with space", "a\\b", "org/name\n"}) {
     CAPTURE(bad);

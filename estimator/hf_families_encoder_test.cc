@@ -9,61 +9,19 @@
 // 4.44.2 (and identical in 5.x for these classes).
 #include <doctest/doctest.h>
 
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "estimator/hf_config.h"
 #include "estimator/inventory.h"
+#include "tests/testing.h"
 
 namespace memplan::estimator {
 namespace {
 
-using Shape = std::vector<int64_t>;
-
-std::string ReadFixture(const std::string& name) {
-  std::ifstream in(std::string(MEMPLAN_SOURCE_DIR) + "/estimator/models/" + name + ".json");
-  REQUIRE_MESSAGE(in.good(), "missing fixture " << name);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-ModelInventory Fixture(const std::string& name,
-                       ModelClassChoice choice = ModelClassChoice::kFromArchitectures) {
-  Result<ModelInventory> inventory = InventoryFromHfConfigText(ReadFixture(name), name, choice);
-  REQUIRE_MESSAGE(inventory.ok(), inventory.status().ToString());
-  return std::move(inventory).value();
-}
-
-Result<ModelInventory> Build(const nlohmann::json& config,
-                             ModelClassChoice choice = ModelClassChoice::kFromArchitectures) {
-  return InventoryFromHfConfig(config, "test/config.json", choice);
-}
-
-ModelInventory MustBuild(const nlohmann::json& config,
-                         ModelClassChoice choice = ModelClassChoice::kFromArchitectures) {
-  Result<ModelInventory> inventory = Build(config, choice);
-  REQUIRE_MESSAGE(inventory.ok(), inventory.status().ToString());
-  return std::move(inventory).value();
-}
-
-ModelCounts Counts(const ModelInventory& inventory) {
-  Result<ModelCounts> counts = CountParams(inventory);
-  REQUIRE_MESSAGE(counts.ok(), counts.status().ToString());
-  return *counts;
-}
-
-uint64_t Total(const ModelInventory& inventory) { return Counts(inventory).params_total; }
-
-// The tensor called `name`; fails the test when it is missing.
-const TensorInfo& Tensor(const ModelInventory& inventory, const std::string& name) {
-  int64_t index = inventory.Find(name);
-  REQUIRE_MESSAGE(index >= 0, "no tensor " << name);
-  return inventory.tensors[static_cast<size_t>(index)];
-}
+// The shared fixture and inventory helpers: Fixture, Build, MustBuild, Counts, Total, Tensor.
+using namespace memplan::testing;
 
 bool Has(const ModelInventory& inventory, const std::string& name) {
   return inventory.Find(name) >= 0;

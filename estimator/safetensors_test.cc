@@ -8,37 +8,22 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "tests/testing.h"
 
 namespace memplan::estimator {
 namespace {
 
 namespace fs = std::filesystem;
 
-// A fresh directory under $TMPDIR (or /tmp), removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string pattern =
-        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/memplan_safetensors_XXXXXX";
-    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
+using testing::TempDir;
 
-  std::string Path(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
+// Prefix of each test case's scratch directory.
+constexpr std::string_view kTempPrefix = "memplan_safetensors_";
 
 std::string LittleEndian64(uint64_t v) {
   std::string out(8, '\0');
@@ -115,8 +100,8 @@ bool StartsWith(const std::string& s, const std::string& prefix) {
 }
 
 TEST_CASE("source: safetensors file gives exact names, shapes and dtypes in offset order") {
-  TempDir dir;
-  const std::string path = dir.Path("model.safetensors");
+  TempDir dir(kTempPrefix);
+  const std::string path = dir.PathOf("model.safetensors");
   // Header order differs from data order: the inventory follows the data.
   const std::string header =
       R"({"__metadata__": {"format": "pt"},)"
@@ -166,7 +151,7 @@ TEST_CASE("source: safetensors file gives exact names, shapes and dtypes in offs
 }
 
 TEST_CASE("source: safetensors reads every supported dtype") {
-  TempDir dir;
+  TempDir dir(kTempPrefix);
   const std::vector<std::pair<std::string, DType>> dtypes = {
       {"F64", DType::kF64},   {"F32", DType::kF32},        {"F16", DType::kF16},
       {"BF16", DType::kBF16}, {"I64", DType::kI64},        {"I32", DType::kI32},
@@ -179,7 +164,7 @@ TEST_CASE("source: safetensors reads every supported dtype") {
     specs.push_back({"t." + name, name, {2, 3}});
     bytes += 6 * static_cast<uint64_t>(BytesPerElement(name));
   }
-  const std::string path = dir.Path("all.safetensors");
+  const std::string path = dir.PathOf("all.safetensors");
   WriteSafetensors(path, specs);
   auto inv = InventoryFromSafetensorsFile(path);
   INFO(inv.status().ToString());
@@ -199,7 +184,7 @@ TEST_CASE("source: safetensors reads every supported dtype") {
 TEST_CASE("source: safetensors reads a header with 50k tensors") {
   // Large MoE checkpoints list tens of thousands of tensors. A parser quadratic in the keys of one
   // object (nlohmann::ordered_json's own) takes tens of seconds here.
-  TempDir dir;
+  TempDir dir(kTempPrefix);
   std::vector<Spec> specs;
   for (int i = 0; i < 50000; ++i) {
     specs.push_back({"model.layers." + std::to_string(i / 256) + ".mlp.experts." +
@@ -207,7 +192,7 @@ TEST_CASE("source: safetensors reads a header with 50k tensors") {
                      "BF16",
                      {2}});
   }
-  const std::string path = dir.Path("moe.safetensors");
+  const std::string path = dir.PathOf("moe.safetensors");
   WriteSafetensors(path, specs);
   auto inv = InventoryFromSafetensorsFile(path);
   INFO(inv.status().ToString());
@@ -221,8 +206,8 @@ TEST_CASE("source: safetensors reads a header with 50k tensors") {
 }
 
 TEST_CASE("source: safetensors refuses a lying length prefix without allocating it") {
-  TempDir dir;
-  const std::string path = dir.Path("bad.safetensors");
+  TempDir dir(kTempPrefix);
+  const std::string path = dir.PathOf("bad.safetensors");
   const std::string header = R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})";
 
   WriteRaw(path, header, 4, 1000);
@@ -247,15 +232,15 @@ TEST_CASE("source: safetensors refuses a lying length prefix without allocating 
   WriteBytes(path, "");
   CHECK(StartsWith(FileError(path), path + ": file is 0 bytes"));
 
-  auto missing = InventoryFromSafetensorsFile(dir.Path("absent.safetensors"));
+  auto missing = InventoryFromSafetensorsFile(dir.PathOf("absent.safetensors"));
   REQUIRE_FALSE(missing.ok());
   CHECK(missing.status().code() == StatusCode::kNotFound);
   CHECK(missing.status().message().find("absent.safetensors") != std::string::npos);
 }
 
 TEST_CASE("source: safetensors refuses offsets that lie, naming file and tensor") {
-  TempDir dir;
-  const std::string path = dir.Path("lie.safetensors");
+  TempDir dir(kTempPrefix);
+  const std::string path = dir.PathOf("lie.safetensors");
   auto error_for = [&](const std::string& header, uint64_t data_bytes) {
     WriteRaw(path, header, data_bytes);
     return FileError(path);
@@ -301,8 +286,8 @@ TEST_CASE("source: safetensors refuses offsets that lie, naming file and tensor"
 }
 
 TEST_CASE("source: safetensors refuses malformed headers, naming file and tensor") {
-  TempDir dir;
-  const std::string path = dir.Path("bad.safetensors");
+  TempDir dir(kTempPrefix);
+  const std::string path = dir.PathOf("bad.safetensors");
   auto error_for = [&](const std::string& header) {
     WriteRaw(path, header, 16);
     return FileError(path);
@@ -344,15 +329,15 @@ TEST_CASE("source: safetensors refuses malformed headers, naming file and tensor
 }
 
 TEST_CASE("source: sharded safetensors index reads each shard and checks the weight map") {
-  TempDir dir;
-  WriteSafetensors(dir.Path("model-00001-of-00002.safetensors"),
+  TempDir dir(kTempPrefix);
+  WriteSafetensors(dir.PathOf("model-00001-of-00002.safetensors"),
                    {{"model.embed_tokens.weight", "BF16", {32, 8}},
                     {"model.layers.0.self_attn.q_proj.weight", "BF16", {8, 8}}});
-  WriteSafetensors(dir.Path("model-00002-of-00002.safetensors"),
+  WriteSafetensors(dir.PathOf("model-00002-of-00002.safetensors"),
                    {{"model.layers.1.self_attn.q_proj.weight", "BF16", {8, 8}},
                     {"model.norm.weight", "F32", {8}},
                     {"lm_head.weight", "BF16", {32, 8}}});
-  const std::string index = dir.Path("model.safetensors.index.json");
+  const std::string index = dir.PathOf("model.safetensors.index.json");
   WriteBytes(index, R"({
     "metadata": {"total_size": 1184},
     "weight_map": {
@@ -383,25 +368,25 @@ TEST_CASE("source: sharded safetensors index reads each shard and checks the wei
 
 TEST_CASE("source: sharded safetensors follows symlinks and subdirectories inside the index dir") {
   // The Hugging Face cache stores shards as symlinks to ../../blobs/<sha>.
-  TempDir dir;
-  fs::create_directories(dir.Path("blobs"));
-  fs::create_directories(dir.Path("snap/sub"));
-  WriteSafetensors(dir.Path("blobs/abc123"), {{"a.weight", "F16", {4, 4}}});
-  fs::create_symlink("../blobs/abc123", dir.Path("snap/model-1.safetensors"));
-  WriteSafetensors(dir.Path("snap/sub/model-2.safetensors"), {{"b.weight", "F16", {2}}});
-  WriteBytes(dir.Path("snap/index.json"), R"({"weight_map": {"a.weight": "model-1.safetensors",)"
+  TempDir dir(kTempPrefix);
+  fs::create_directories(dir.PathOf("blobs"));
+  fs::create_directories(dir.PathOf("snap/sub"));
+  WriteSafetensors(dir.PathOf("blobs/abc123"), {{"a.weight", "F16", {4, 4}}});
+  fs::create_symlink("../blobs/abc123", dir.PathOf("snap/model-1.safetensors"));
+  WriteSafetensors(dir.PathOf("snap/sub/model-2.safetensors"), {{"b.weight", "F16", {2}}});
+  WriteBytes(dir.PathOf("snap/index.json"), R"({"weight_map": {"a.weight": "model-1.safetensors",)"
                                           R"( "b.weight": "sub/model-2.safetensors"}})");
-  auto inv = InventoryFromSafetensorsIndex(dir.Path("snap/index.json"));
+  auto inv = InventoryFromSafetensorsIndex(dir.PathOf("snap/index.json"));
   INFO(inv.status().ToString());
   REQUIRE(inv.ok());
   CHECK(Names(*inv) == std::vector<std::string>{"a.weight", "b.weight"});
 }
 
 TEST_CASE("source: sharded safetensors refuses escaping paths and a map that lies") {
-  TempDir dir;
-  WriteSafetensors(dir.Path("s1.safetensors"), {{"a", "F32", {2}}, {"b", "F32", {2}}});
-  WriteSafetensors(dir.Path("s2.safetensors"), {{"c", "F32", {2}}, {"b", "F32", {2}}});
-  const std::string index = dir.Path("model.safetensors.index.json");
+  TempDir dir(kTempPrefix);
+  WriteSafetensors(dir.PathOf("s1.safetensors"), {{"a", "F32", {2}}, {"b", "F32", {2}}});
+  WriteSafetensors(dir.PathOf("s2.safetensors"), {{"c", "F32", {2}}, {"b", "F32", {2}}});
+  const std::string index = dir.PathOf("model.safetensors.index.json");
   auto error_for = [&](const std::string& text) {
     WriteBytes(index, text);
     return IndexError(index);
@@ -426,19 +411,19 @@ TEST_CASE("source: sharded safetensors refuses escaping paths and a map that lie
   // The map says 'c' is in s1; it is in s2.
   CHECK(error_for(R"({"weight_map": {"a": "s1.safetensors", "c": "s1.safetensors"}})") ==
         index + ": weight_map puts tensor 'c' in 's1.safetensors', but " +
-            dir.Path("s1.safetensors") + " has no tensor of that name");
+            dir.PathOf("s1.safetensors") + " has no tensor of that name");
   CHECK(error_for(R"({"weight_map": {"a": "s1.safetensors", "c": "s1.safetensors",)"
                   R"( "x": "s2.safetensors"}})") ==
         index + ": tensor 'b' is in both 's1.safetensors' and 's2.safetensors'");
 
   std::string missing = error_for(R"({"weight_map": {"a": "s9.safetensors"}})");
-  CHECK(StartsWith(missing, index + ": shard 's9.safetensors': " + dir.Path("s9.safetensors")));
+  CHECK(StartsWith(missing, index + ": shard 's9.safetensors': " + dir.PathOf("s9.safetensors")));
 
   // A hostile shard is reported with both the index and the shard's own path.
-  WriteRaw(dir.Path("s3.safetensors"),
+  WriteRaw(dir.PathOf("s3.safetensors"),
            R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 4]}})", 4);
   CHECK(error_for(R"({"weight_map": {"w": "s3.safetensors"}})") ==
-        index + ": shard 's3.safetensors': " + dir.Path("s3.safetensors") +
+        index + ": shard 's3.safetensors': " + dir.PathOf("s3.safetensors") +
             ": tensor 'w': data_offsets [0, 4] span 4 bytes, but shape [4] of F32 needs 16");
 
   std::string deep = R"({"weight_map": )" + std::string(1000, '[') + std::string(1000, ']') + "}";
@@ -446,9 +431,9 @@ TEST_CASE("source: sharded safetensors refuses escaping paths and a map that lie
 }
 
 TEST_CASE("source: sharded safetensors keeps tensors a shard holds beyond the map") {
-  TempDir dir;
-  WriteSafetensors(dir.Path("s1.safetensors"), {{"a", "F32", {2}}, {"extra", "F32", {3}}});
-  const std::string index = dir.Path("index.json");
+  TempDir dir(kTempPrefix);
+  WriteSafetensors(dir.PathOf("s1.safetensors"), {{"a", "F32", {2}}, {"extra", "F32", {3}}});
+  const std::string index = dir.PathOf("index.json");
   WriteBytes(index, R"({"weight_map": {"a": "s1.safetensors"}})");
   auto inv = InventoryFromSafetensorsIndex(index);
   REQUIRE(inv.ok());

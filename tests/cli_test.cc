@@ -14,9 +14,12 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "tests/testing.h"
 
 namespace {
 
@@ -41,28 +44,13 @@ std::string Slurp(const fs::path& p) {
   return ss.str();
 }
 
-// A temporary directory removed when the test ends.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "memplan-cli.XXXXXX").string();
-    REQUIRE(::mkdtemp(tmpl.data()) != nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-  fs::path Write(const std::string& name, const std::string& content) const {
-    fs::path p = path_ / name;
-    std::ofstream(p, std::ios::binary) << content;
-    return p;
-  }
+using memplan::testing::TempDir;
 
- private:
-  fs::path path_;
-};
+// Prefix of each scratch directory.
+constexpr std::string_view kTempPrefix = "memplan-cli.";
 
 Run Memplan(const std::vector<std::string>& args) {
-  TempDir tmp;
+  TempDir tmp(kTempPrefix);
   std::string cmd = Quote(MEMPLAN_BINARY);
   for (const auto& a : args) cmd += " " + Quote(a);
   cmd += " >" + Quote((tmp.path() / "out").string()) + " 2>" + Quote((tmp.path() / "err").string());
@@ -174,7 +162,7 @@ TEST_CASE("cli: --version and --help") {
 }
 
 TEST_CASE("cli: --output writes the file, and writes nothing when it fails") {
-  TempDir tmp;
+  TempDir tmp(kTempPrefix);
   fs::path out = tmp.path() / "estimate.json";
   Run run = Memplan({"estimate", "--model", "gpt2", "--format", "json", "-o", out.string()});
   REQUIRE(run.exit_code == 0);
@@ -193,7 +181,7 @@ TEST_CASE("cli: --output writes the file, and writes nothing when it fails") {
 }
 
 TEST_CASE("cli: bad input gets one line naming the file and field, exit 2, empty stdout") {
-  TempDir tmp;
+  TempDir tmp(kTempPrefix);
   const std::string base = R"("model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
       "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32)";
   auto config = [&](const std::string& name, const std::string& body) {
