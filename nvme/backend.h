@@ -58,6 +58,9 @@ struct Capabilities {
   bool registered_files = false;
   bool sqpoll = false;              // io_uring kernel submission thread in use
   uint32_t queue_depth = 0;         // most requests in flight at once
+  // What was asked for and not granted, and why (e.g. "SQPOLL refused: Operation not permitted");
+  // empty when everything asked for is in use.
+  std::string note;
 };
 
 enum class BackendKind { kAuto, kUring, kAio, kPosix, kMemory };
@@ -81,6 +84,8 @@ class Backend {
   virtual const Capabilities& capabilities() const = 0;
 
   // Takes a file descriptor the caller opened (and still owns) and returns the index requests use.
+  // The kernel-backed backends refuse an fd that is not open (an error naming the fd), and
+  // complete a request naming an index that is not (or no longer) registered with -EBADF.
   virtual Result<int> RegisterFile(int fd) = 0;
   virtual Status UnregisterFile(int file) = 0;
   // Optional: pins buffers for zero-copy submission (io_uring fixed buffers). Replaces any earlier
@@ -119,6 +124,8 @@ Result<std::unique_ptr<Backend>> CreateMemoryBackend(const BackendOptions& optio
 
 // Opens `path` for the engine. With `direct`, tries O_DIRECT and falls back to buffered I/O when
 // the filesystem refuses it (EINVAL: tmpfs, some network filesystems); `*direct_used` says which.
+// A non-empty file is also probed with one aligned O_DIRECT read at offset 0, because some
+// filesystems accept O_DIRECT at open and refuse the I/O; an empty file is taken as opened.
 // Errors name the path. The fd is O_CLOEXEC; the caller closes it.
 struct OpenOptions {
   bool create = false;     // O_CREAT (mode 0600)
