@@ -9,9 +9,17 @@
 // to the file's alignment, the unaligned head/tail go through pre-allocated aligned bounce buffers
 // (read-modify-write for writes), so callers may pass any byte length.
 //
+// Edge cases callers should know:
+//   - If the backend's own Reap() fails, that error is returned even though requests may still be
+//     in flight (waiting could hang), and the engine refuses all further I/O (FailedPrecondition).
+//   - A direct write whose unaligned end lies past the end of the file extends the file with zeros
+//     up to the next alignment boundary.
+//   - Two concurrent unaligned writes touching the same alignment block must be ordered by the
+//     caller (each does a read-modify-write of that block).
+//
 // Thread safety: one IoEngine may be used by several threads at once; each call of Read/Write
 // blocks its thread until its own transfer completes. Completions of one thread's requests may be
-// reaped by another; the engine routes them.
+// reaped by another; the engine routes them (one thread at a time reaps for all).
 #pragma once
 
 #include <atomic>
@@ -32,12 +40,12 @@ struct IoEngineOptions {
 };
 
 struct IoStats {
-  uint64_t read_bytes = 0;
+  uint64_t read_bytes = 0;      // includes reads done to merge unaligned writes
   uint64_t write_bytes = 0;
   uint64_t read_ops = 0;        // backend requests
   uint64_t write_ops = 0;
   uint64_t short_transfers = 0; // resubmitted remainders
-  uint64_t retries = 0;         // EINTR / EAGAIN
+  uint64_t retries = 0;         // EINTR / EAGAIN, and zero-progress write retries
   uint64_t bounce_bytes = 0;    // bytes that went through bounce buffers (unaligned callers)
 };
 

@@ -1,0 +1,691 @@
+#include "nvme/io_engine.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace memplan::nvme {
+
+// Note [IoEngine transfers]
+//
+// One Read/Write/Sync call is a Transfer. Its thread plans the byte range into pieces, keeps up to
+// the backend's queue depth of them in flight, and handles each piece's completion itself
+// (short-transfer remainders, retries, bounce copies, errors). Pieces live in Slots: a Transfer
+// has one Slot per queue entry, and a Request's user_data points at its Slot, which points at its
+// Transfer.
+//
+// Reaping. Several threads may run transfers on one engine, and a completion reaped by one may
+// belong to another. One thread at a time holds the reaper role (Impl::reaping_): it calls
+// Backend::Reap without the engine lock, then, under the lock, pushes each completion onto its
+// owner's done list and wakes the waiters. A thread waiting for its completions either takes the
+// role (when free) or sleeps on the condition variable. Threads therefore never block each other
+// inside Reap, and whoever reaps routes for everyone. A single condition variable with
+// notify_all keeps this obviously free of lost wake-ups; there are few threads per engine and one
+// wake-up per reaped batch, not per byte.
+//
+// Busy. When the backend takes fewer requests than offered and this transfer has nothing of its
+// own in flight (other threads fill the queue), the thread waits for any reap at all (the
+// engine's reap epoch moving) and offers again.
+//
+// Failure. The first error of a transfer stops it from submitting; it then waits for every piece
+// it still has in flight before returning, so no request referencing the caller's buffer
+// outlives the call. The one exception is a backend whose Reap() itself fails: it cannot say
+// what is still in flight, so the engine reports its error to every waiting transfer and refuses
+// further I/O (FailedPrecondition) rather than hang.
+//
+// Alignment. For a direct (O_DIRECT) file of alignment A, the range [offset, offset + length) is
+// planned as up to three segments: the unaligned head block and tail block go through bounce
+// buffers (read-modify-write for writes: the block is read, the caller's bytes merged in, the
+// whole block written), and the aligned middle goes straight to or from the caller's buffer
+// when the buffer is aligned where the middle starts; otherwise the middle goes through bounce
+// buffers too, in block-size pieces (no read needed: those pieces are fully covered). A fully
+// aligned transfer thus copies nothing. Consequences: a direct write whose end is unaligned and
+// beyond the end of the file extends the file with zeros to the next alignment boundary, and two
+// concurrent unaligned writes that share an alignment block must be serialised by the caller.
+//
+// Allocation. Transfers (with their slots, queues and lazily allocated bounce buffers) are pooled
+// by the engine, so a steady stream of transfers allocates nothing.
+
+namespace {
+
+constexpr uint32_t kMinBlockSize = 4096;
+constexpr uint32_t kMaxBlockSize = 64u << 20;
+constexpr uint32_t kMaxRetriesLimit = 100000;
+constexpr uint32_t kMaxAlignment = 1u << 20;
+// How long a transfer keeps offering requests to a backend that refuses them while nothing at all
+// is in flight, before calling it a backend bug rather than spinning forever.
+constexpr std::chrono::seconds kMaxStall{5};
+
+struct FreeDeleter {
+  void operator()(std::byte* p) const { std::free(p); }
+};
+using AlignedBuffer = std::unique_ptr<std::byte, FreeDeleter>;
+
+uint64_t RoundDown(uint64_t x, uint64_t a) { return x - x % a; }
+uint64_t RoundUp(uint64_t x, uint64_t a) { return RoundDown(x + a - 1, a); }
+
+bool IsPowerOfTwo(uint64_t x) { return x != 0 && (x & (x - 1)) == 0; }
+
+// Sleeps before resubmitting a request that failed with -EINTR / -EAGAIN: 40 us doubling to 1 ms.
+void Backoff(uint32_t attempt) {
+  uint32_t us = std::min<uint32_t>(1000, 20u << std::min<uint32_t>(attempt, 6));
+  std::this_thread::sleep_for(std::chrono::microseconds(us));
+}
+
+struct FileInfo {
+  int backend_file = -1;
+  std::string label;
+  bool direct = false;
+  uint32_t alignment = 1;  // for buffers, offsets and lengths; 1 when not direct
+  bool removed = false;    // GUARDED_BY(Impl::files_mu)
+};
+
+struct Transfer;
+
+// One piece of a transfer in a queue entry; see Note [IoEngine transfers].
+struct Slot {
+  Request request;  // what the backend gets; user_data points at this Slot
+  Transfer* owner = nullptr;
+
+  // Written by the reaper under Impl::mu_, read by the owner after taking its done list.
+  Slot* next_done = nullptr;  // GUARDED_BY(Impl::mu) while on a done list
+  int64_t result = 0;         // GUARDED_BY(Impl::mu) while on a done list
+
+  // The piece, owned by the transfer's thread.
+  uint64_t piece_offset = 0;  // file offset where the piece starts
+  uint32_t piece_length = 0;  // bytes in the piece
+  uint32_t progress = 0;      // bytes of the piece done
+  uint32_t need = 0;          // reads: bytes from the start that must exist (the rest may be EOF)
+  uint32_t retries = 0;       // EINTR / EAGAIN / zero-progress attempts so far
+  std::byte* data = nullptr;  // the piece's bytes: in the caller's buffer, or the bounce buffer
+  bool bounce = false;
+  bool merging = false;         // a write piece reading the old block first (read-modify-write)
+  std::byte* caller = nullptr;  // bounce pieces: the caller's bytes the piece covers...
+  uint32_t copy_at = 0;         // ...found at data + copy_at...
+  uint32_t copy_length = 0;     // ...for this many bytes
+
+  AlignedBuffer bounce_buffer;  // kept across transfers; grown when too small
+  size_t bounce_size = 0;
+  size_t bounce_alignment = 0;
+};
+
+struct Segment {
+  uint64_t begin = 0, end = 0;
+  bool bounce = false;
+};
+
+// A call in progress (pooled); see Note [IoEngine transfers].
+struct Transfer {
+  explicit Transfer(size_t queue_depth) : slots(queue_depth) {
+    free.reserve(queue_depth);
+    ready.reserve(queue_depth);
+    submit.reserve(queue_depth);
+    for (Slot& s : slots) {
+      s.owner = this;
+      free.push_back(&s);
+    }
+  }
+
+  std::vector<Slot> slots;
+  std::vector<Slot*> free;       // slots with no piece
+  std::vector<Slot*> ready;      // pieces to submit (or resubmit), oldest first
+  std::vector<Request*> submit;  // scratch for Backend::Submit
+  Slot* done_head = nullptr;     // GUARDED_BY(Impl::mu): completions routed to this transfer
+
+  // The call; set by Start().
+  OpType op = OpType::kRead;
+  const FileInfo* file = nullptr;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  std::byte* buffer = nullptr;
+  uint32_t chunk = 0;  // most bytes per piece
+  Segment segments[3];
+  int segment_count = 0;
+  int segment = 0;         // next segment to cut pieces from
+  uint64_t cursor = 0;     // next file offset in that segment
+  uint32_t in_flight = 0;  // own pieces submitted and not yet handled
+  Status status;           // first error
+
+  bool more_pieces() const { return segment < segment_count; }
+  bool failed() const { return !status.ok(); }
+  void Fail(Status s) {
+    if (status.ok()) status = std::move(s);
+  }
+};
+
+}  // namespace
+
+Status IoEngineOptions::Validate() const {
+  if (block_size < kMinBlockSize || block_size > kMaxBlockSize || block_size % 4096 != 0) {
+    return Status::InvalidArgument(
+        "I/O block size must be a multiple of 4096 between 4 KiB and 64 MiB, got " +
+        std::to_string(block_size));
+  }
+  if (max_retries > kMaxRetriesLimit) {
+    return Status::InvalidArgument("I/O max retries must be at most " +
+                                   std::to_string(kMaxRetriesLimit) + ", got " +
+                                   std::to_string(max_retries));
+  }
+  return Status::Ok();
+}
+
+struct IoEngine::Impl {
+  Impl(Backend* b, const IoEngineOptions& o)
+      : backend(b),
+        options(o),
+        queue_depth(std::max<uint32_t>(1, b->capabilities().queue_depth)),
+        reap_buffer(queue_depth) {}
+
+  Status Run(OpType op, int file, uint64_t offset, std::byte* buffer, uint64_t length);
+
+  Transfer* Acquire();
+  void Release(Transfer* t);
+  Status Start(Transfer& t, OpType op, const FileInfo* file, uint64_t offset, std::byte* buffer,
+               uint64_t length);
+  Status SetUpPiece(Transfer& t, Slot& s);
+  Status Drive(Transfer& t);
+  Slot* WaitForCompletions(Transfer& t, bool any_reap);
+  void Handle(Transfer& t, Slot& s, int64_t result);
+  void Finish(Transfer& t, Slot& s);
+  std::string Where(const Transfer& t, const Slot& s) const;
+
+  Backend* const backend;
+  const IoEngineOptions options;
+  const uint32_t queue_depth;
+
+  std::mutex files_mu;
+  std::vector<std::unique_ptr<FileInfo>> files;  // GUARDED_BY(files_mu); entries never move
+
+  std::mutex pool_mu;
+  std::vector<std::unique_ptr<Transfer>> pool;  // GUARDED_BY(pool_mu): idle transfers
+
+  // Completion routing; see Note [IoEngine transfers].
+  std::mutex mu;
+  std::condition_variable cv;
+  bool reaping = false;                 // GUARDED_BY(mu): a thread holds the reaper role
+  uint64_t reap_epoch = 0;              // GUARDED_BY(mu): bumped after every reap
+  Status broken;                        // GUARDED_BY(mu): a failed Backend::Reap, sticky
+  std::vector<Completion> reap_buffer;  // used only by the reaper-role holder
+
+  std::atomic<uint64_t> read_bytes{0}, write_bytes{0}, read_ops{0}, write_ops{0},
+      short_transfers{0}, retries{0}, bounce_bytes{0};
+};
+
+// ---- Transfers ----------------------------------------------------------------------------------
+
+Transfer* IoEngine::Impl::Acquire() {
+  {
+    std::lock_guard lock(pool_mu);
+    if (!pool.empty()) {
+      Transfer* t = pool.back().release();
+      pool.pop_back();
+      return t;
+    }
+  }
+  return new Transfer(queue_depth);
+}
+
+void IoEngine::Impl::Release(Transfer* t) {
+  std::lock_guard lock(pool_mu);
+  pool.emplace_back(t);
+}
+
+std::string IoEngine::Impl::Where(const Transfer& t, const Slot& s) const {
+  std::string where = std::string(OpTypeName(t.op)) + " file '" + t.file->label + "'";
+  if (t.op == OpType::kFsync) return where;
+  return where + " at offset " + std::to_string(s.request.offset) + " (" +
+         std::to_string(s.request.length) + " bytes)";
+}
+
+Status IoEngine::Impl::Start(Transfer& t, OpType op, const FileInfo* file, uint64_t offset,
+                             std::byte* buffer, uint64_t length) {
+  t.op = op;
+  t.file = file;
+  t.offset = offset;
+  t.length = length;
+  t.buffer = buffer;
+  t.status = Status::Ok();
+  t.segment = 0;
+  t.segment_count = 0;
+  const uint64_t a = file->alignment;
+  const uint64_t end = offset + length;
+  if (op == OpType::kFsync) {
+    t.chunk = 0;
+    t.segments[t.segment_count++] = Segment{0, 0, false};
+  } else if (a <= 1) {
+    t.chunk = options.block_size;
+    t.segments[t.segment_count++] = Segment{offset, end, false};
+  } else {
+    // Pieces of a direct file start and end on alignment boundaries.
+    t.chunk = static_cast<uint32_t>(std::max<uint64_t>(a, RoundDown(options.block_size, a)));
+    const uint64_t head_end = RoundUp(offset, a);
+    const uint64_t tail_begin = RoundDown(end, a);
+    if (head_end > tail_begin) {
+      // Begins and ends inside one block.
+      t.segments[t.segment_count++] = Segment{RoundDown(offset, a), RoundUp(end, a), true};
+    } else {
+      // The caller's buffer can take the middle directly only if it is aligned where the middle
+      // begins; otherwise the middle goes through bounce buffers as well.
+      const bool middle_bounce =
+          (reinterpret_cast<uintptr_t>(buffer) + (head_end - offset)) % a != 0;
+      if (offset != head_end) {
+        t.segments[t.segment_count++] = Segment{RoundDown(offset, a), head_end, true};
+      }
+      if (head_end < tail_begin) {
+        t.segments[t.segment_count++] = Segment{head_end, tail_begin, middle_bounce};
+      }
+      if (end != tail_begin) {
+        t.segments[t.segment_count++] = Segment{tail_begin, RoundUp(end, a), true};
+      }
+    }
+  }
+  t.cursor = t.segments[0].begin;
+  return Status::Ok();
+}
+
+// Cuts the next piece from the plan into `s`.
+Status IoEngine::Impl::SetUpPiece(Transfer& t, Slot& s) {
+  const Segment& seg = t.segments[t.segment];
+  const uint64_t begin = t.cursor;
+  const uint64_t end = t.op == OpType::kFsync ? begin : std::min(seg.end, begin + t.chunk);
+  t.cursor = end;
+  if (t.cursor >= seg.end && ++t.segment < t.segment_count) t.cursor = t.segments[t.segment].begin;
+
+  s.piece_offset = begin;
+  s.piece_length = static_cast<uint32_t>(end - begin);
+  s.progress = 0;
+  s.retries = 0;
+  s.merging = false;
+  s.bounce = seg.bounce;
+  if (!seg.bounce) {
+    s.data = t.buffer == nullptr ? nullptr : t.buffer + (begin - t.offset);
+    s.need = s.piece_length;
+  } else {
+    const size_t alignment = std::max<size_t>(t.file->alignment, sizeof(void*));
+    if (s.bounce_size < s.piece_length || s.bounce_alignment < alignment) {
+      s.bounce_buffer.reset();
+      s.bounce_size = 0;
+      void* p = nullptr;
+      if (posix_memalign(&p, alignment, s.piece_length) != 0) {
+        return Status::ResourceExhausted(std::string(OpTypeName(t.op)) + " file '" + t.file->label +
+                                         "': cannot allocate a " + std::to_string(s.piece_length) +
+                                         "-byte aligned bounce buffer");
+      }
+      s.bounce_buffer.reset(static_cast<std::byte*>(p));
+      s.bounce_size = s.piece_length;
+      s.bounce_alignment = alignment;
+    }
+    s.data = s.bounce_buffer.get();
+    const uint64_t lo = std::max(begin, t.offset);
+    const uint64_t hi = std::min(end, t.offset + t.length);
+    s.caller = t.buffer + (lo - t.offset);
+    s.copy_at = static_cast<uint32_t>(lo - begin);
+    s.copy_length = static_cast<uint32_t>(hi - lo);
+    s.need = static_cast<uint32_t>(hi - begin);
+    if (t.op == OpType::kWrite) {
+      if (lo != begin || hi != end) {
+        s.merging = true;
+      } else {
+        std::memcpy(s.data, s.caller, s.copy_length);
+        bounce_bytes.fetch_add(s.copy_length, std::memory_order_relaxed);
+      }
+    }
+  }
+  s.request.op = s.merging ? OpType::kRead : t.op;
+  s.request.file = t.file->backend_file;
+  s.request.offset = begin;
+  s.request.buffer = s.data;
+  s.request.length = s.piece_length;
+  s.request.buffer_index = -1;
+  s.request.user_data = reinterpret_cast<uint64_t>(&s);
+  return Status::Ok();
+}
+
+void IoEngine::Impl::Finish(Transfer& t, Slot& s) { t.free.push_back(&s); }
+
+// Handles one completion of `t`'s piece `s`: done, resubmit (short transfer, retry), or fail.
+void IoEngine::Impl::Handle(Transfer& t, Slot& s, int64_t result) {
+  --t.in_flight;
+  const bool reading = s.request.op == OpType::kRead;  // includes the merge read of a write
+  if (result < 0) {
+    const int err = static_cast<int>(-result);
+    const bool transient = err == EINTR || err == EAGAIN;
+    if (transient && !t.failed() && s.retries < options.max_retries) {
+      ++s.retries;
+      retries.fetch_add(1, std::memory_order_relaxed);
+      Backoff(s.retries);
+      t.ready.push_back(&s);
+      return;
+    }
+    std::string where = Where(t, s);
+    if (transient) where += " (gave up after " + std::to_string(s.retries) + " retries)";
+    if (s.merging) where += " (reading the block to merge an unaligned write)";
+    t.Fail(Status::FromErrno(err, where));
+    Finish(t, s);
+    return;
+  }
+  if (t.failed()) {
+    Finish(t, s);  // draining after another piece failed
+    return;
+  }
+  if (static_cast<uint64_t>(result) > s.request.length) {
+    t.Fail(Status::Internal(Where(t, s) + ": backend " + backend->capabilities().name +
+                            " reported " + std::to_string(result) + " bytes transferred"));
+    Finish(t, s);
+    return;
+  }
+  (reading ? read_bytes : write_bytes).fetch_add(result, std::memory_order_relaxed);
+  s.progress += static_cast<uint32_t>(result);
+  if (s.progress < s.piece_length) {
+    // O_DIRECT only stops at an unaligned count at the end of the file; the remainder would be
+    // refused (EINVAL) anyway.
+    const bool eof = result == 0 || (t.file->alignment > 1 && s.progress % t.file->alignment != 0);
+    if (reading && eof) {
+      if (!s.merging && s.progress < s.need) {
+        t.Fail(Status::OutOfRange(std::string(OpTypeName(t.op)) + " file '" + t.file->label +
+                                  "': end of file at offset " +
+                                  std::to_string(s.piece_offset + s.progress) + " (transfer of " +
+                                  std::to_string(t.length) + " bytes at offset " +
+                                  std::to_string(t.offset) + ")"));
+        Finish(t, s);
+        return;
+      }
+      // Enough: a merge read past EOF reads zeros, and a bounce read only needs its window.
+      std::memset(s.data + s.progress, 0, s.piece_length - s.progress);
+      s.progress = s.piece_length;
+    } else if (result == 0) {
+      // A write that moved nothing: bounded retries like EAGAIN, then give up.
+      if (s.retries < options.max_retries) {
+        ++s.retries;
+        retries.fetch_add(1, std::memory_order_relaxed);
+        Backoff(s.retries);
+        t.ready.push_back(&s);
+        return;
+      }
+      t.Fail(Status::IoError(Where(t, s) + ": no progress after " + std::to_string(s.retries) +
+                             " retries"));
+      Finish(t, s);
+      return;
+    } else {
+      short_transfers.fetch_add(1, std::memory_order_relaxed);
+      s.request.offset += static_cast<uint64_t>(result);
+      s.request.buffer = static_cast<std::byte*>(s.request.buffer) + result;
+      s.request.length -= static_cast<uint32_t>(result);
+      t.ready.push_back(&s);
+      return;
+    }
+  }
+  // The piece is complete.
+  if (s.merging) {
+    std::memcpy(s.data + s.copy_at, s.caller, s.copy_length);
+    bounce_bytes.fetch_add(s.copy_length, std::memory_order_relaxed);
+    s.merging = false;
+    s.progress = 0;
+    s.request.op = OpType::kWrite;
+    s.request.offset = s.piece_offset;
+    s.request.buffer = s.data;
+    s.request.length = s.piece_length;
+    t.ready.push_back(&s);
+    return;
+  }
+  if (s.bounce && t.op == OpType::kRead) {
+    std::memcpy(s.caller, s.data + s.copy_at, s.copy_length);
+    bounce_bytes.fetch_add(s.copy_length, std::memory_order_relaxed);
+  }
+  Finish(t, s);
+}
+
+// Returns `t`'s routed completions (a list through next_done), reaping for everyone when no other
+// thread is. With `any_reap`, also returns (possibly empty) once any reap has happened, so a
+// transfer refused by a full queue can offer again. Returns null with `t` failed when the backend
+// is broken.
+Slot* IoEngine::Impl::WaitForCompletions(Transfer& t, bool any_reap) {
+  std::unique_lock lock(mu);
+  const uint64_t epoch = reap_epoch;
+  while (t.done_head == nullptr && !(any_reap && reap_epoch != epoch) && broken.ok()) {
+    if (reaping) {
+      cv.wait(lock);
+      continue;
+    }
+    reaping = true;
+    lock.unlock();
+    // Waits for one completion: this transfer has a request in flight, or the queue is full of
+    // other transfers' (and if it has emptied meanwhile, Reap returns at once).
+    Result<size_t> reaped = backend->Reap(reap_buffer, 1);
+    lock.lock();
+    reaping = false;
+    if (!reaped.ok()) {
+      broken = reaped.status().WithPrefix("backend " + backend->capabilities().name + " reap");
+    } else {
+      for (size_t i = 0; i < *reaped; ++i) {
+        // user_data is the Slot* SetUpPiece stored.
+        auto* slot = reinterpret_cast<Slot*>(  // NOLINT(performance-no-int-to-ptr)
+            reap_buffer[i].request->user_data);
+        slot->result = reap_buffer[i].result;
+        slot->next_done = slot->owner->done_head;
+        slot->owner->done_head = slot;
+      }
+    }
+    ++reap_epoch;
+    cv.notify_all();
+  }
+  // Routed newest first; handle them in completion order.
+  Slot* list = nullptr;
+  while (t.done_head != nullptr) {
+    Slot* next = t.done_head->next_done;
+    t.done_head->next_done = list;
+    list = t.done_head;
+    t.done_head = next;
+  }
+  if (list == nullptr && !broken.ok()) t.Fail(broken);
+  return list;
+}
+
+// Runs `t` to the end; see Note [IoEngine transfers].
+Status IoEngine::Impl::Drive(Transfer& t) {
+  bool stalled = false;
+  std::chrono::steady_clock::time_point stall_start;
+  while (true) {
+    if (t.failed()) {
+      // Pieces waiting to be (re)submitted are not in flight: drop them.
+      for (Slot* s : t.ready) Finish(t, *s);
+      t.ready.clear();
+    }
+    while (!t.failed() && !t.free.empty() && t.more_pieces()) {
+      Slot* s = t.free.back();
+      t.free.pop_back();
+      Status set_up = SetUpPiece(t, *s);
+      if (!set_up.ok()) {
+        t.Fail(set_up);
+        Finish(t, *s);
+        break;
+      }
+      t.ready.push_back(s);
+    }
+    bool refused = false;
+    if (!t.failed() && !t.ready.empty()) {
+      t.submit.clear();
+      for (Slot* s : t.ready) t.submit.push_back(&s->request);
+      Result<size_t> taken = backend->Submit(t.submit);
+      if (!taken.ok()) {
+        t.Fail(taken.status().WithPrefix(std::string(OpTypeName(t.op)) + " file '" + t.file->label +
+                                         "': backend " + backend->capabilities().name));
+        for (Slot* s : t.ready) Finish(t, *s);
+        t.ready.clear();
+      } else {
+        const size_t k = std::min(*taken, t.ready.size());
+        for (size_t i = 0; i < k; ++i) {
+          const OpType op = t.ready[i]->request.op;
+          if (op != OpType::kFsync) {
+            (op == OpType::kWrite ? write_ops : read_ops).fetch_add(1, std::memory_order_relaxed);
+          }
+        }
+        t.in_flight += static_cast<uint32_t>(k);
+        t.ready.erase(t.ready.begin(), t.ready.begin() + static_cast<ptrdiff_t>(k));
+        refused = !t.ready.empty();
+      }
+    }
+    if (t.in_flight == 0) {
+      if (t.failed()) return t.status;
+      if (t.ready.empty() && !t.more_pieces()) return Status::Ok();
+      // Refused with nothing of ours in flight: other transfers fill the queue, and a reap will
+      // make room. With nothing in flight anywhere that can only be a moment (a wrapper between
+      // its inner reap and freeing its own slot), unless the backend refuses work for good.
+      if (backend->in_flight() == 0) {
+        const auto now = std::chrono::steady_clock::now();
+        if (!stalled) {
+          stalled = true;
+          stall_start = now;
+        } else if (now - stall_start > kMaxStall) {
+          t.Fail(Status::Internal(std::string(OpTypeName(t.op)) + " file '" + t.file->label +
+                                  "': backend " + backend->capabilities().name +
+                                  " takes no requests with none in flight"));
+          continue;
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      } else {
+        stalled = false;
+      }
+    } else {
+      stalled = false;
+    }
+    Slot* done = WaitForCompletions(t, refused || t.in_flight == 0);
+    if (done == nullptr && t.failed() && t.in_flight > 0) {
+      // Broken backend: see Note [IoEngine transfers].
+      for (Slot* s : t.ready) Finish(t, *s);
+      t.ready.clear();
+      t.in_flight = 0;
+      for (Slot& s : t.slots) {
+        if (std::find(t.free.begin(), t.free.end(), &s) == t.free.end()) t.free.push_back(&s);
+      }
+      return t.status;
+    }
+    while (done != nullptr) {
+      Slot* next = done->next_done;
+      Handle(t, *done, done->result);
+      done = next;
+    }
+  }
+}
+
+Status IoEngine::Impl::Run(OpType op, int file, uint64_t offset, std::byte* buffer,
+                           uint64_t length) {
+  const FileInfo* info = nullptr;
+  {
+    std::lock_guard lock(files_mu);
+    if (file >= 0 && static_cast<size_t>(file) < files.size() && !files[file]->removed) {
+      info = files[file].get();
+    }
+  }
+  if (info == nullptr) {
+    return Status::InvalidArgument(std::string(OpTypeName(op)) + ": file " + std::to_string(file) +
+                                   " is not registered with the engine");
+  }
+  if (op != OpType::kFsync) {
+    if (length == 0) return Status::Ok();
+    if (buffer == nullptr) {
+      return Status::InvalidArgument(std::string(OpTypeName(op)) + " file '" + info->label +
+                                     "': null buffer for " + std::to_string(length) + " bytes");
+    }
+    // off_t is signed; also keeps the alignment arithmetic clear of overflow.
+    constexpr uint64_t kMaxEnd = std::numeric_limits<int64_t>::max() - kMaxAlignment;
+    if (offset > kMaxEnd || length > kMaxEnd - offset) {
+      return Status::InvalidArgument(std::string(OpTypeName(op)) + " file '" + info->label +
+                                     "': " + std::to_string(length) + " bytes at offset " +
+                                     std::to_string(offset) + " exceed the largest file offset");
+    }
+  }
+  {
+    std::lock_guard lock(mu);
+    if (!broken.ok()) {
+      return Status::FailedPrecondition(
+          std::string(OpTypeName(op)) + " file '" + info->label +
+          "': the engine's backend failed earlier: " + broken.message());
+    }
+  }
+  Transfer* t = Acquire();
+  Status status = Start(*t, op, info, offset, buffer, length);
+  if (status.ok()) status = Drive(*t);
+  Release(t);
+  return status;
+}
+
+// ---- IoEngine -----------------------------------------------------------------------------------
+
+IoEngine::IoEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+IoEngine::~IoEngine() = default;
+
+Result<std::unique_ptr<IoEngine>> IoEngine::Create(Backend* backend,
+                                                   const IoEngineOptions& options) {
+  if (backend == nullptr) return Status::InvalidArgument("I/O engine: no backend");
+  MEMPLAN_RETURN_IF_ERROR(options.Validate());
+  return std::unique_ptr<IoEngine>(new IoEngine(std::make_unique<Impl>(backend, options)));
+}
+
+Result<int> IoEngine::AddFile(int fd, std::string label, bool direct) {
+  auto info = std::make_unique<FileInfo>();
+  info->direct = direct;
+  info->alignment = direct ? DirectIoAlignment(fd, true) : 1;
+  if (info->alignment == 0) info->alignment = 1;
+  if (!IsPowerOfTwo(info->alignment) || info->alignment > kMaxAlignment) {
+    return Status::InvalidArgument("file '" + label + "': unsupported O_DIRECT alignment " +
+                                   std::to_string(info->alignment));
+  }
+  Result<int> index = impl_->backend->RegisterFile(fd);
+  if (!index.ok()) return index.status().WithPrefix("file '" + label + "'");
+  info->backend_file = *index;
+  info->label = std::move(label);
+  std::lock_guard lock(impl_->files_mu);
+  impl_->files.push_back(std::move(info));
+  return static_cast<int>(impl_->files.size() - 1);
+}
+
+Status IoEngine::RemoveFile(int file) {
+  std::lock_guard lock(impl_->files_mu);
+  if (file < 0 || static_cast<size_t>(file) >= impl_->files.size() || impl_->files[file]->removed) {
+    return Status::InvalidArgument("I/O engine: file " + std::to_string(file) +
+                                   " is not registered");
+  }
+  FileInfo& info = *impl_->files[file];
+  MEMPLAN_RETURN_IF_ERROR(
+      impl_->backend->UnregisterFile(info.backend_file).WithPrefix("file '" + info.label + "'"));
+  info.removed = true;
+  return Status::Ok();
+}
+
+Status IoEngine::Read(int file, uint64_t offset, void* buffer, uint64_t length) {
+  return impl_->Run(OpType::kRead, file, offset, static_cast<std::byte*>(buffer), length);
+}
+
+Status IoEngine::Write(int file, uint64_t offset, const void* buffer, uint64_t length) {
+  // Backends only read a write's buffer (FaultBackend's write bit flips aside; see its header).
+  return impl_->Run(OpType::kWrite, file, offset,
+                    static_cast<std::byte*>(const_cast<void*>(buffer)), length);
+}
+
+Status IoEngine::Sync(int file) { return impl_->Run(OpType::kFsync, file, 0, nullptr, 0); }
+
+IoStats IoEngine::stats() const {
+  IoStats s;
+  s.read_bytes = impl_->read_bytes.load(std::memory_order_relaxed);
+  s.write_bytes = impl_->write_bytes.load(std::memory_order_relaxed);
+  s.read_ops = impl_->read_ops.load(std::memory_order_relaxed);
+  s.write_ops = impl_->write_ops.load(std::memory_order_relaxed);
+  s.short_transfers = impl_->short_transfers.load(std::memory_order_relaxed);
+  s.retries = impl_->retries.load(std::memory_order_relaxed);
+  s.bounce_bytes = impl_->bounce_bytes.load(std::memory_order_relaxed);
+  return s;
+}
+
+Backend* IoEngine::backend() const { return impl_->backend; }
+
+}  // namespace memplan::nvme
