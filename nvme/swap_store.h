@@ -11,9 +11,20 @@
 //   - Close() (and the destructor) removes the store's files unless `keep_files`.
 // Files are created 0600 with O_NOFOLLOW | O_EXCL; the directory is created 0700.
 //
-// Thread safety: all methods may be called concurrently; distinct keys proceed in parallel.
+// Thread safety: all methods may be called concurrently; distinct keys proceed in parallel (the
+// index is locked only to look up or allocate, never across I/O). Operations on ONE key are not
+// queued: any number of Get()s of a key may run together, but a Put() or Erase() of a key that
+// another thread is reading or writing, or a Get() of a key being written, fails at once with
+// FailedPrecondition naming the key. Such an overlap is an ordering bug in the caller (a read
+// racing the write it needs), and failing loudly beats returning torn or stale data silently.
+// Close() fails with FailedPrecondition while any operation is in flight; after Close() every
+// other method fails with FailedPrecondition.
+//
+// The index (key -> extent, checksums) lives in memory only: a store reopened after a crash does
+// not yet find its keys (persisting the index is future work; `keep_files` keeps the bytes).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -27,11 +38,11 @@
 namespace memplan::nvme {
 
 struct SwapStoreOptions {
-  std::string directory;               // created if absent (0700); must not be shared
-  uint64_t capacity_bytes = 0;         // preallocated up front; > 0
+  std::string directory;                    // created if absent (0700); must not be shared
+  uint64_t capacity_bytes = 0;              // preallocated up front; > 0
   uint32_t checksum_block_bytes = 1 << 20;  // one XXH3-64 checksum per this many bytes
-  bool direct = true;                  // O_DIRECT, falling back to buffered when refused
-  bool keep_files = false;             // leave the files on Close (for restart after a crash)
+  bool direct = true;                       // O_DIRECT, falling back to buffered when refused
+  bool keep_files = false;                  // leave the files on Close (for restart after a crash)
   BackendKind backend = BackendKind::kAuto;
   BackendOptions backend_options;
   IoEngineOptions engine_options;
@@ -39,6 +50,9 @@ struct SwapStoreOptions {
   Status Validate() const;
 };
 
+// Latency of successful operations. `count` and `max_us` cover the store's lifetime; the
+// percentiles cover the most recent SwapStore::kLatencyWindow operations, so a long run reports
+// its current behaviour at a bounded memory cost.
 struct LatencyStats {
   uint64_t count = 0;
   double p50_us = 0, p90_us = 0, p99_us = 0, max_us = 0;
@@ -46,33 +60,62 @@ struct LatencyStats {
 
 struct SwapStoreStats {
   uint64_t capacity_bytes = 0;
-  uint64_t used_bytes = 0;       // allocated extents
+  uint64_t used_bytes = 0;  // allocated extents
   uint64_t keys = 0;
-  uint64_t put_bytes = 0, get_bytes = 0;
+  uint64_t put_bytes = 0, get_bytes = 0;  // successful operations only
   uint64_t puts = 0, gets = 0;
   LatencyStats put_latency, get_latency;
   IoStats io;
   std::string backend;           // which backend runs it
+  std::string backend_note;      // why that backend (CreateBackend's note); may be empty
   bool direct = false;           // O_DIRECT in use
+  uint32_t alignment_bytes = 0;  // extents start and end on multiples of this
 };
 
 class SwapStore {
  public:
+  // Names of the store's files inside SwapStoreOptions::directory.
+  static constexpr const char* kDataFileName = "memplan-swap.data";
+  static constexpr const char* kLockFileName = "memplan-swap.lock";
+  // Latency samples kept per operation kind for the percentiles in stats().
+  static constexpr size_t kLatencyWindow = 4096;
+
   // Opens (creating) a store. Errors: invalid options; directory not ours or a symlink; store
   // locked by another process (FailedPrecondition naming the pid in the lock file when readable);
   // not enough space (ResourceExhausted with bytes needed and free).
   static Result<std::unique_ptr<SwapStore>> Open(const SwapStoreOptions& options);
+  // The same, running on a backend the caller made (the store owns it from now on; on error it is
+  // destroyed). `options.backend` and `options.backend_options` are then ignored. This is the seam
+  // for tests that wrap a real backend in a FaultBackend.
+  static Result<std::unique_ptr<SwapStore>> Open(const SwapStoreOptions& options,
+                                                 std::unique_ptr<Backend> backend);
   ~SwapStore();
 
+  // Stores `data` under `key`, replacing any earlier value. Errors: no room (ResourceExhausted
+  // naming the key, the bytes needed and the bytes free; the earlier value is then kept); the key
+  // busy in another thread (FailedPrecondition); an I/O error (the key is then removed, since its
+  // bytes on disk are no longer known to be whole).
   Status Put(const std::string& key, std::span<const std::byte> data);
-  Status Get(const std::string& key, std::span<std::byte> out);  // out.size() must equal Size(key)
+  // Reads the value of `key` into `out`, whose size must equal Size(key) (else InvalidArgument).
+  // Errors: NotFound; FailedPrecondition while the key is being written; DataLoss naming the key
+  // and the byte offset (within the value) of the first block whose checksum does not match; an
+  // I/O error. On error the contents of `out` are unspecified.
+  Status Get(const std::string& key, std::span<std::byte> out);
+  // Size of the last value stored under `key`; NotFound when there is none.
   Result<uint64_t> Size(const std::string& key) const;
-  Status Erase(const std::string& key);  // frees the extent
-  std::vector<std::string> Keys() const;
+  Status Erase(const std::string& key);   // frees the extent; NotFound when absent
+  std::vector<std::string> Keys() const;  // sorted
 
   SwapStoreStats stats() const;
-  // Flushes and, unless keep_files, removes the store's files. Idempotent.
+  // Releases the backend, the files and the lock. With `keep_files` the data file is fsynced and
+  // the files stay; otherwise they are removed (without an fsync: bytes about to be deleted need
+  // not reach the device), and so is the directory if Open() created it and it is now empty.
+  // Cleanup runs to the end even when a step fails; the first failure is returned. Idempotent.
   Status Close();
+
+  // FOR TESTS ONLY: the byte offset of `key`'s extent in the data file, so a test can corrupt the
+  // bytes on disk and check that Get() notices. Not part of the supported API.
+  Result<uint64_t> DebugFileOffset(const std::string& key) const;
 
  private:
   struct Impl;

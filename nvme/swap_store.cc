@@ -1,0 +1,715 @@
+// SwapStore: one preallocated data file per store, an in-memory extent allocator and index, and
+// XXH3-64 checksums per block. See swap_store.h for the contract.
+//
+// Note [Why one preallocated file]
+// DeepSpeed opens one swap file per tensor and per request. One file preallocated at Open() means
+// a full disk shows up before training starts, the filesystem never allocates on the hot path,
+// and one registered fd serves every request. The price is our own allocator: first fit over a
+// sorted free list, extents aligned to max(4096, the O_DIRECT alignment) so that no two keys ever
+// share a device block (the engine's read-modify-write of an unaligned tail then only touches the
+// key's own extent, and distinct keys can be written in parallel without coordination).
+//
+// Note [Per-key state instead of per-key locks]
+// The index mutex is held only for lookups and allocation, never across I/O. Each entry records
+// whether a Put is writing it and how many Gets are reading it; a conflicting operation fails at
+// once (FailedPrecondition) instead of waiting. Readers can then use the entry's checksums and
+// extent without copying them: nothing may change an entry while its reader count is non-zero.
+#include "nvme/swap_store.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace memplan::nvme {
+namespace {
+
+// Largest capacity accepted: file offsets are signed 64-bit, and rounding up must not overflow.
+constexpr uint64_t kMaxCapacityBytes = uint64_t{1} << 62;
+constexpr uint32_t kMinBlockBytes = 4096;
+// Attempts at taking the lock file when it keeps being replaced under us (see TakeLock).
+constexpr int kLockAttempts = 8;
+
+uint64_t RoundUp(uint64_t value, uint64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+std::string Quote(const std::string& key) { return "'" + key + "'"; }
+
+// Free extents of the data file, as offset -> length, kept merged: no two entries touch. All
+// offsets and lengths are multiples of the store's alignment. Not thread-safe (the store's mutex
+// guards it).
+class ExtentAllocator {
+ public:
+  explicit ExtentAllocator(uint64_t capacity_bytes) : free_bytes_(capacity_bytes) {
+    if (capacity_bytes > 0) free_[0] = capacity_bytes;
+  }
+
+  // First fit. A zero length allocates nothing and always succeeds (at offset 0).
+  std::optional<uint64_t> Allocate(uint64_t length) {
+    if (length == 0) return uint64_t{0};
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < length) continue;
+      uint64_t offset = it->first;
+      uint64_t rest = it->second - length;
+      free_.erase(it);
+      if (rest > 0) free_[offset + length] = rest;
+      free_bytes_ -= length;
+      return offset;
+    }
+    return std::nullopt;
+  }
+
+  // Takes exactly [offset, offset + length), which must be free; false when it is not.
+  bool AllocateAt(uint64_t offset, uint64_t length) {
+    if (length == 0) return true;
+    auto it = free_.upper_bound(offset);
+    if (it == free_.begin()) return false;
+    --it;
+    uint64_t start = it->first;
+    uint64_t end = start + it->second;
+    if (offset + length > end) return false;
+    free_.erase(it);
+    if (offset > start) free_[start] = offset - start;
+    if (offset + length < end) free_[offset + length] = end - (offset + length);
+    free_bytes_ -= length;
+    return true;
+  }
+
+  // Returns [offset, offset + length) to the free list, merging with free neighbours.
+  void Free(uint64_t offset, uint64_t length) {
+    if (length == 0) return;
+    free_bytes_ += length;
+    auto next = free_.lower_bound(offset);
+    if (next != free_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == offset) {
+        offset = prev->first;
+        length += prev->second;
+        free_.erase(prev);
+      }
+    }
+    if (next != free_.end() && offset + length == next->first) {
+      length += next->second;
+      free_.erase(next);
+    }
+    free_[offset] = length;
+  }
+
+  uint64_t free_bytes() const { return free_bytes_; }
+  uint64_t largest_free_bytes() const {
+    uint64_t largest = 0;
+    for (const auto& [offset, length] : free_) largest = std::max(largest, length);
+    return largest;
+  }
+
+ private:
+  std::map<uint64_t, uint64_t> free_;
+  uint64_t free_bytes_;
+};
+
+// The last kLatencyWindow samples of one operation kind, plus lifetime count and maximum.
+class LatencyWindow {
+ public:
+  void Add(double us) {
+    samples_[next_] = us;
+    next_ = (next_ + 1) % samples_.size();
+    ++count_;
+    max_us_ = std::max(max_us_, us);
+  }
+
+  // Copies the samples out; the caller sorts them outside the store's lock.
+  std::vector<double> Samples() const {
+    size_t n = static_cast<size_t>(std::min<uint64_t>(count_, samples_.size()));
+    return {samples_.begin(), samples_.begin() + static_cast<std::ptrdiff_t>(n)};
+  }
+  uint64_t count() const { return count_; }
+  double max_us() const { return max_us_; }
+
+ private:
+  std::array<double, SwapStore::kLatencyWindow> samples_{};
+  size_t next_ = 0;
+  uint64_t count_ = 0;
+  double max_us_ = 0;
+};
+
+LatencyStats Summarize(std::vector<double> samples, uint64_t count, double max_us) {
+  LatencyStats out;
+  out.count = count;
+  out.max_us = max_us;
+  if (samples.empty()) return out;
+  std::sort(samples.begin(), samples.end());
+  // Nearest rank: the smallest sample with at least p of the samples at or below it.
+  auto rank = [&](double p) {
+    size_t index = static_cast<size_t>(std::ceil(p * static_cast<double>(samples.size())));
+    return samples[std::clamp<size_t>(index, 1, samples.size()) - 1];
+  };
+  out.p50_us = rank(0.50);
+  out.p90_us = rank(0.90);
+  out.p99_us = rank(0.99);
+  return out;
+}
+
+double MicrosSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
+std::vector<uint64_t> BlockChecksums(std::span<const std::byte> data, uint64_t block_bytes) {
+  std::vector<uint64_t> sums;
+  sums.reserve(static_cast<size_t>((data.size() + block_bytes - 1) / block_bytes));
+  for (uint64_t at = 0; at < data.size(); at += block_bytes) {
+    uint64_t n = std::min<uint64_t>(block_bytes, data.size() - at);
+    sums.push_back(XXH3_64bits(data.data() + at, static_cast<size_t>(n)));
+  }
+  return sums;
+}
+
+// Strips trailing slashes so that lstat() sees a symlink as a symlink ("link/" follows it).
+std::string NormalizeDirectory(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir;
+}
+
+}  // namespace
+
+Status SwapStoreOptions::Validate() const {
+  if (directory.empty()) return Status::InvalidArgument("swap store: directory must be given");
+  if (capacity_bytes == 0) {
+    return Status::InvalidArgument("swap store " + directory + ": capacity must be > 0 bytes");
+  }
+  if (capacity_bytes > kMaxCapacityBytes) {
+    return Status::OutOfRange("swap store " + directory + ": capacity " +
+                              std::to_string(capacity_bytes) + " bytes exceeds the limit of " +
+                              std::to_string(kMaxCapacityBytes));
+  }
+  if (checksum_block_bytes < kMinBlockBytes ||
+      (checksum_block_bytes & (checksum_block_bytes - 1)) != 0) {
+    return Status::InvalidArgument("swap store " + directory +
+                                   ": checksum block must be a power of two of at least 4096 "
+                                   "bytes, got " +
+                                   std::to_string(checksum_block_bytes));
+  }
+  MEMPLAN_RETURN_IF_ERROR(backend_options.Validate().WithPrefix("swap store " + directory));
+  MEMPLAN_RETURN_IF_ERROR(engine_options.Validate().WithPrefix("swap store " + directory));
+  return Status::Ok();
+}
+
+struct SwapStore::Impl {
+  struct Entry {
+    uint64_t offset = 0;              // extent start in the data file
+    uint64_t extent_bytes = 0;        // allocated length: size rounded up to the alignment
+    uint64_t size = 0;                // bytes of the committed value
+    std::vector<uint64_t> checksums;  // of the committed value, one per checksum block
+    bool committed = false;           // a value has been written completely at least once
+    bool writing = false;             // a Put is writing the extent
+    uint32_t readers = 0;             // Gets reading the extent
+  };
+
+  explicit Impl(SwapStoreOptions opts) : options(std::move(opts)) {}
+
+  // "store <dir>: <what>", the prefix of every message.
+  std::string Msg(const std::string& what) const {
+    return "store " + options.directory + ": " + what;
+  }
+  std::string KeyMsg(const std::string& key, const std::string& what) const {
+    return Msg("key " + Quote(key) + ": " + what);
+  }
+
+  Status Busy(const std::string& key, const Entry& e) const {
+    if (e.writing) {
+      return Status::FailedPrecondition(KeyMsg(key, "is being written by another thread"));
+    }
+    return Status::FailedPrecondition(
+        KeyMsg(key, "is being read by " + std::to_string(e.readers) + " other thread(s)"));
+  }
+
+  Status NoRoom(const std::string& key, uint64_t needed) const {  // caller holds mu
+    return Status::ResourceExhausted(
+        KeyMsg(key, "no room: needs " + std::to_string(needed) + " bytes, " +
+                        std::to_string(allocator->free_bytes()) + " of " +
+                        std::to_string(capacity_bytes) + " bytes free (largest free extent " +
+                        std::to_string(allocator->largest_free_bytes()) + " bytes)"));
+  }
+
+  // Open() steps; each records what it created so Teardown removes exactly that.
+  Status PrepareDirectory();
+  Status TakeLock();
+  Status CreateDataFile();
+  Status StartEngine(std::unique_ptr<Backend> given);  // null: CreateBackend() picks
+  // Releases everything. `closing`: a normal Close (the files are ours to remove unless
+  // keep_files); otherwise an Open() failure (remove only what this Open created).
+  Status Teardown(bool closing);
+
+  // Fixed at Open(); read without the lock afterwards (Close() changes them only once no
+  // operation is in flight and `closed` stops new ones).
+  const SwapStoreOptions options;
+  std::string data_path, lock_path;
+  bool created_dir = false;
+  bool lock_created = false;
+  bool lock_held = false;
+  bool data_created = false;
+  int lock_fd = -1;
+  int data_fd = -1;
+  bool direct_used = false;
+  uint64_t alignment = kMinBlockBytes;
+  uint64_t capacity_bytes = 0;  // allocatable bytes
+  std::unique_ptr<Backend> backend;
+  std::string backend_name, backend_note;
+  std::unique_ptr<IoEngine> engine;  // destroyed before `backend`
+  int file = -1;                     // engine file index of the data file
+
+  mutable std::mutex mu;
+  bool closed = false;                           // GUARDED_BY(mu)
+  uint64_t active_ops = 0;                       // GUARDED_BY(mu)
+  std::optional<ExtentAllocator> allocator;      // GUARDED_BY(mu)
+  std::unordered_map<std::string, Entry> index;  // GUARDED_BY(mu); entries never move
+  uint64_t put_bytes = 0, get_bytes = 0;         // GUARDED_BY(mu)
+  LatencyWindow put_latency, get_latency;        // GUARDED_BY(mu)
+  IoStats final_io;                              // GUARDED_BY(mu); engine stats at Close
+};
+
+Status SwapStore::Impl::PrepareDirectory() {
+  const std::string& dir = options.directory;
+  if (::mkdir(dir.c_str(), 0700) == 0) {
+    created_dir = true;
+    // mkdir's mode is masked by the umask; the owner must still be able to use the directory.
+    if (::chmod(dir.c_str(), 0700) != 0) return Status::FromErrno(errno, Msg("cannot chmod"));
+  } else if (errno != EEXIST) {
+    return Status::FromErrno(errno, Msg("cannot create the directory"));
+  }
+  struct stat st;
+  if (::lstat(dir.c_str(), &st) != 0) return Status::FromErrno(errno, Msg("cannot stat"));
+  if (S_ISLNK(st.st_mode)) {
+    return Status::FailedPrecondition(
+        Msg("is a symbolic link; give the directory it points to, which must be owned by this "
+            "user"));
+  }
+  if (!S_ISDIR(st.st_mode)) return Status::FailedPrecondition(Msg("exists and is not a directory"));
+  if (st.st_uid != ::geteuid()) {
+    return Status::FailedPrecondition(Msg("is owned by uid " + std::to_string(st.st_uid) +
+                                          ", not by this process (uid " +
+                                          std::to_string(::geteuid()) + ")"));
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return Status::FailedPrecondition(
+        Msg(std::string("is group- or world-writable (mode ") + mode +
+            "); a store directory must not be writable by others (chmod go-w)"));
+  }
+  data_path = dir + "/" + kDataFileName;
+  lock_path = dir + "/" + kLockFileName;
+  return Status::Ok();
+}
+
+// flock() locks an open file, not a name: if a closing store unlinks the lock file between our
+// open() and flock(), we would hold a lock on a file no one else can see. So after locking, check
+// that the name still refers to the file we locked, and start over when it does not.
+Status SwapStore::Impl::TakeLock() {
+  for (int attempt = 0; attempt < kLockAttempts; ++attempt) {
+    int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    const bool created = fd >= 0;
+    if (fd < 0 && errno == EEXIST) {
+      fd = ::open(lock_path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+      if (fd < 0 && errno == ENOENT) continue;  // removed since; create it afresh
+    }
+    if (fd < 0) return Status::FromErrno(errno, Msg("cannot open the lock file " + lock_path));
+    lock_created = created;
+    lock_fd = fd;
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return Status::FromErrno(errno, Msg("cannot stat " + lock_path));
+    if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {
+      return Status::FailedPrecondition(
+          Msg("lock file " + lock_path + " is not a regular file owned by this user"));
+    }
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      if (errno != EWOULDBLOCK) return Status::FromErrno(errno, Msg("cannot lock " + lock_path));
+      char buf[32] = {};
+      ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+      int pid = 0;
+      if (n > 0) std::from_chars(buf, buf + n, pid);
+      return Status::FailedPrecondition(
+          "store " + options.directory + " is in use by " +
+          (pid > 0 ? "pid " + std::to_string(pid) : std::string("another process")) +
+          " (lock file " + lock_path + ")");
+    }
+    lock_held = true;
+    struct stat by_name;
+    if (::lstat(lock_path.c_str(), &by_name) == 0 && by_name.st_dev == st.st_dev &&
+        by_name.st_ino == st.st_ino) {
+      std::string pid = std::to_string(::getpid()) + "\n";
+      if (::ftruncate(fd, 0) != 0 ||
+          ::pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+        return Status::FromErrno(errno, Msg("cannot write the pid into " + lock_path));
+      }
+      return Status::Ok();
+    }
+    // Replaced under us: let go of the stale file and try again.
+    ::close(fd);
+    lock_fd = -1;
+    lock_held = false;
+    lock_created = false;
+  }
+  return Status::Unavailable(Msg("the lock file " + lock_path + " keeps being replaced"));
+}
+
+Status SwapStore::Impl::CreateDataFile() {
+  struct stat st;
+  if (::lstat(data_path.c_str(), &st) == 0) {
+    return Status::FailedPrecondition(
+        Msg("data file " + data_path +
+            " exists (kept by an earlier store?); remove it or use a new directory"));
+  }
+  // Space first: a failed fallocate may leave the filesystem briefly full for everyone else.
+  uint64_t file_bytes = RoundUp(options.capacity_bytes, kMinBlockBytes);
+  struct statvfs vfs;
+  if (::statvfs(options.directory.c_str(), &vfs) != 0) {
+    return Status::FromErrno(errno, Msg("cannot query free space"));
+  }
+  uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  auto no_space = [&](uint64_t free_now) {
+    return Status::ResourceExhausted(Msg("needs " + std::to_string(file_bytes) +
+                                         " bytes for its capacity but the filesystem has " +
+                                         std::to_string(free_now) + " bytes free"));
+  };
+  if (file_bytes > free_bytes) return no_space(free_bytes);
+
+  OpenOptions open_options;
+  open_options.create = true;
+  open_options.exclusive = true;
+  open_options.write = true;
+  open_options.direct = options.direct;
+  open_options.nofollow = true;
+  MEMPLAN_ASSIGN_OR_RETURN(data_fd, OpenFile(data_path, open_options, &direct_used));
+  data_created = true;
+  int err = ::posix_fallocate(data_fd, 0, static_cast<off_t>(file_bytes));
+  if (err == ENOSPC || err == EDQUOT) {
+    uint64_t free_now = ::statvfs(options.directory.c_str(), &vfs) == 0
+                            ? static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize
+                            : free_bytes;
+    return no_space(free_now);
+  }
+  if (err != 0) return Status::FromErrno(err, Msg("cannot preallocate " + data_path));
+
+  alignment = std::max<uint64_t>(kMinBlockBytes, DirectIoAlignment(data_fd, direct_used));
+  capacity_bytes = file_bytes / alignment * alignment;
+  allocator.emplace(capacity_bytes);
+  return Status::Ok();
+}
+
+Status SwapStore::Impl::StartEngine(std::unique_ptr<Backend> given) {
+  if (given != nullptr) {
+    backend = std::move(given);
+    backend_note = "using " + backend->capabilities().name + " as given by the caller";
+  } else {
+    MEMPLAN_ASSIGN_OR_RETURN(BackendChoice choice,
+                             CreateBackend(options.backend, options.backend_options));
+    backend = std::move(choice.backend);
+    backend_note = std::move(choice.note);
+  }
+  backend_name = backend->capabilities().name;
+  MEMPLAN_ASSIGN_OR_RETURN(engine, IoEngine::Create(backend.get(), options.engine_options));
+  MEMPLAN_ASSIGN_OR_RETURN(file, engine->AddFile(data_fd, data_path, direct_used));
+  return Status::Ok();
+}
+
+Status SwapStore::Impl::Teardown(bool closing) {
+  Status first;
+  auto note = [&first](Status s) {
+    if (first.ok() && !s.ok()) first = std::move(s);
+  };
+  const bool remove = !(closing && options.keep_files);
+  if (engine != nullptr && file >= 0) {
+    // Only kept files need their bytes on the device; fsyncing a file about to be unlinked would
+    // only write back what is then thrown away.
+    if (closing && options.keep_files) note(engine->Sync(file).WithPrefix(Msg("fsync")));
+    note(engine->RemoveFile(file));
+    file = -1;
+  }
+  engine.reset();
+  backend.reset();
+  if (data_fd >= 0) {
+    if (::close(data_fd) != 0) note(Status::FromErrno(errno, Msg("closing " + data_path)));
+    data_fd = -1;
+  }
+  if (remove && data_created) {
+    if (::unlink(data_path.c_str()) != 0 && errno != ENOENT) {
+      note(Status::FromErrno(errno, Msg("cannot remove " + data_path)));
+    }
+    data_created = false;
+  }
+  if (lock_fd >= 0) {
+    // Unlink while still holding the lock, so no one can lock the name we are about to delete.
+    if (remove && lock_held && (closing || lock_created)) {
+      if (::unlink(lock_path.c_str()) != 0 && errno != ENOENT) {
+        note(Status::FromErrno(errno, Msg("cannot remove " + lock_path)));
+      }
+    }
+    ::close(lock_fd);  // releases the flock
+    lock_fd = -1;
+    lock_held = false;
+  }
+  if (remove && created_dir) {
+    // Files someone else left there keep the directory; that is theirs to clean up.
+    if (::rmdir(options.directory.c_str()) != 0 && errno != ENOTEMPTY && errno != EEXIST &&
+        errno != ENOENT) {
+      note(Status::FromErrno(errno, Msg("cannot remove the directory")));
+    }
+    created_dir = false;
+  }
+  return first;
+}
+
+SwapStore::SwapStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+SwapStore::~SwapStore() { (void)Close(); }
+
+Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& options) {
+  return Open(options, nullptr);
+}
+
+Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& options,
+                                                   std::unique_ptr<Backend> backend) {
+  MEMPLAN_RETURN_IF_ERROR(options.Validate());
+  SwapStoreOptions normalized = options;
+  normalized.directory = NormalizeDirectory(options.directory);
+  auto impl = std::make_unique<Impl>(std::move(normalized));
+  Status status = impl->PrepareDirectory();
+  if (status.ok()) status = impl->TakeLock();
+  if (status.ok()) status = impl->CreateDataFile();
+  if (status.ok()) status = impl->StartEngine(std::move(backend));
+  if (!status.ok()) {
+    (void)impl->Teardown(/*closing=*/false);  // the Open error is the one worth reporting
+    return status;
+  }
+  return std::unique_ptr<SwapStore>(new SwapStore(std::move(impl)));
+}
+
+Status SwapStore::Put(const std::string& key, std::span<const std::byte> data) {
+  auto start = std::chrono::steady_clock::now();
+  Impl& s = *impl_;
+  const uint64_t size = data.size();
+  // Hashing is the CPU-heavy part; do it before taking the lock.
+  std::vector<uint64_t> sums = BlockChecksums(data, s.options.checksum_block_bytes);
+
+  Impl::Entry* entry = nullptr;
+  uint64_t offset = 0;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.closed) return Status::FailedPrecondition(s.Msg("is closed"));
+    if (size > s.capacity_bytes) return s.NoRoom(key, size);
+    const uint64_t extent = RoundUp(size, s.alignment);
+    auto it = s.index.find(key);
+    if (it != s.index.end()) {
+      Impl::Entry& e = it->second;
+      if (e.writing || e.readers > 0) return s.Busy(key, e);
+      if (e.extent_bytes != extent) {
+        // Free first so the new extent may reuse (and merge with) the old one; put the old one
+        // back if there is still no room, so a failed Put keeps the earlier value.
+        s.allocator->Free(e.offset, e.extent_bytes);
+        std::optional<uint64_t> got = s.allocator->Allocate(extent);
+        if (!got) {
+          bool restored = s.allocator->AllocateAt(e.offset, e.extent_bytes);
+          if (!restored) return Status::Internal(s.KeyMsg(key, "allocator lost an extent"));
+          return s.NoRoom(key, extent);
+        }
+        e.offset = *got;
+        e.extent_bytes = extent;
+      }
+      e.writing = true;
+      entry = &e;
+    } else {
+      std::optional<uint64_t> got = s.allocator->Allocate(extent);
+      if (!got) return s.NoRoom(key, extent);
+      Impl::Entry e;
+      e.offset = *got;
+      e.extent_bytes = extent;
+      e.writing = true;
+      entry = &s.index.emplace(key, std::move(e)).first->second;
+    }
+    offset = entry->offset;
+    ++s.active_ops;
+  }
+
+  Status io = size == 0 ? Status::Ok() : s.engine->Write(s.file, offset, data.data(), size);
+
+  std::lock_guard<std::mutex> lock(s.mu);
+  --s.active_ops;
+  if (!io.ok()) {
+    // Part of the extent may hold the new bytes and part the old: neither value is whole.
+    s.allocator->Free(entry->offset, entry->extent_bytes);
+    s.index.erase(key);
+    return io.WithPrefix(s.KeyMsg(key, "write failed; the key is removed"));
+  }
+  entry->size = size;
+  entry->checksums = std::move(sums);
+  entry->committed = true;
+  entry->writing = false;
+  s.put_bytes += size;
+  s.put_latency.Add(MicrosSince(start));
+  return Status::Ok();
+}
+
+Status SwapStore::Get(const std::string& key, std::span<std::byte> out) {
+  auto start = std::chrono::steady_clock::now();
+  Impl& s = *impl_;
+  Impl::Entry* entry = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.closed) return Status::FailedPrecondition(s.Msg("is closed"));
+    auto it = s.index.find(key);
+    if (it == s.index.end()) return Status::NotFound(s.KeyMsg(key, "not found"));
+    Impl::Entry& e = it->second;
+    if (e.writing) return s.Busy(key, e);
+    if (out.size() != e.size) {
+      return Status::InvalidArgument(
+          s.KeyMsg(key, "the buffer holds " + std::to_string(out.size()) +
+                            " bytes but the value is " + std::to_string(e.size) + " bytes"));
+    }
+    ++e.readers;
+    ++s.active_ops;
+    entry = &e;
+  }
+
+  // The entry cannot change while we are one of its readers (see Note [Per-key state ...]).
+  const uint64_t size = entry->size;
+  Status status =
+      size == 0 ? Status::Ok() : s.engine->Read(s.file, entry->offset, out.data(), size);
+  if (!status.ok()) {
+    status = status.WithPrefix(s.KeyMsg(key, "read failed"));
+  } else {
+    const uint64_t block = s.options.checksum_block_bytes;
+    for (size_t i = 0; i < entry->checksums.size(); ++i) {
+      uint64_t at = i * block;
+      uint64_t n = std::min<uint64_t>(block, size - at);
+      if (XXH3_64bits(out.data() + at, static_cast<size_t>(n)) != entry->checksums[i]) {
+        status = Status::DataLoss(s.KeyMsg(key, "checksum mismatch in block at byte offset " +
+                                                    std::to_string(at) + " (data file " +
+                                                    s.data_path + ", offset " +
+                                                    std::to_string(entry->offset + at) + ")"));
+        break;
+      }
+    }
+  }
+
+  std::lock_guard<std::mutex> lock(s.mu);
+  --entry->readers;
+  --s.active_ops;
+  if (status.ok()) {
+    s.get_bytes += size;
+    s.get_latency.Add(MicrosSince(start));
+  }
+  return status;
+}
+
+Result<uint64_t> SwapStore::Size(const std::string& key) const {
+  const Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.closed) return Status::FailedPrecondition(s.Msg("is closed"));
+  auto it = s.index.find(key);
+  if (it == s.index.end() || !it->second.committed) {
+    return Status::NotFound(s.KeyMsg(key, "not found"));
+  }
+  return it->second.size;
+}
+
+Status SwapStore::Erase(const std::string& key) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.closed) return Status::FailedPrecondition(s.Msg("is closed"));
+  auto it = s.index.find(key);
+  if (it == s.index.end()) return Status::NotFound(s.KeyMsg(key, "not found"));
+  if (it->second.writing || it->second.readers > 0) return s.Busy(key, it->second);
+  s.allocator->Free(it->second.offset, it->second.extent_bytes);
+  s.index.erase(it);
+  return Status::Ok();
+}
+
+std::vector<std::string> SwapStore::Keys() const {
+  const Impl& s = *impl_;
+  std::vector<std::string> keys;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    keys.reserve(s.index.size());
+    for (const auto& [key, entry] : s.index) {
+      if (entry.committed) keys.push_back(key);
+    }
+  }
+  std::sort(keys.begin(), keys.end());
+  return keys;
+}
+
+SwapStoreStats SwapStore::stats() const {
+  const Impl& s = *impl_;
+  SwapStoreStats out;
+  std::vector<double> put_samples, get_samples;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    out.capacity_bytes = s.capacity_bytes;
+    out.used_bytes = s.capacity_bytes - s.allocator->free_bytes();
+    for (const auto& [key, entry] : s.index) out.keys += entry.committed ? 1 : 0;
+    out.put_bytes = s.put_bytes;
+    out.get_bytes = s.get_bytes;
+    out.puts = s.put_latency.count();
+    out.gets = s.get_latency.count();
+    put_samples = s.put_latency.Samples();
+    get_samples = s.get_latency.Samples();
+    out.put_latency.count = s.put_latency.count();
+    out.put_latency.max_us = s.put_latency.max_us();
+    out.get_latency.count = s.get_latency.count();
+    out.get_latency.max_us = s.get_latency.max_us();
+    out.io = s.closed ? s.final_io : s.engine->stats();
+  }
+  out.put_latency =
+      Summarize(std::move(put_samples), out.put_latency.count, out.put_latency.max_us);
+  out.get_latency =
+      Summarize(std::move(get_samples), out.get_latency.count, out.get_latency.max_us);
+  out.backend = s.backend_name;
+  out.backend_note = s.backend_note;
+  out.direct = s.direct_used;
+  out.alignment_bytes = static_cast<uint32_t>(s.alignment);
+  return out;
+}
+
+Status SwapStore::Close() {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.closed) return Status::Ok();
+  if (s.active_ops > 0) {
+    return Status::FailedPrecondition(
+        s.Msg("cannot close: " + std::to_string(s.active_ops) + " operation(s) in flight"));
+  }
+  s.closed = true;
+  s.final_io = s.engine->stats();
+  // Held across the teardown so that stats() never sees a half-released store.
+  return s.Teardown(/*closing=*/true);
+}
+
+Result<uint64_t> SwapStore::DebugFileOffset(const std::string& key) const {
+  const Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  auto it = s.index.find(key);
+  if (it == s.index.end()) return Status::NotFound(s.KeyMsg(key, "not found"));
+  return it->second.offset;
+}
+
+}  // namespace memplan::nvme

@@ -1,0 +1,682 @@
+#include "nvme/swap_store.h"
+
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "nvme/fault_backend.h"
+
+namespace memplan::nvme {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A fresh directory $TMPDIR/memplan_store_XXXXXX (or under /tmp), removed with its contents.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern =
+        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/memplan_store_XXXXXX";
+    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+    path_ = pattern;
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+
+  const std::string& path() const { return path_; }
+  std::string Sub(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+constexpr uint64_t kKiB = 1024;
+constexpr uint64_t kMiB = 1024 * kKiB;
+constexpr uint64_t kBlock = 4096;  // the checksum block of Options()
+
+// Bytes that differ between seeds and positions, so misplaced or stale data cannot pass.
+std::vector<std::byte> Pattern(uint64_t size, uint32_t seed) {
+  std::vector<std::byte> out(size);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ULL + 1;
+  for (auto& b : out) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    b = static_cast<std::byte>(x);
+  }
+  return out;
+}
+
+SwapStoreOptions Options(const std::string& dir, uint64_t capacity_bytes,
+                         BackendKind backend = BackendKind::kPosix, bool direct = false) {
+  SwapStoreOptions o;
+  o.directory = dir;
+  o.capacity_bytes = capacity_bytes;
+  o.checksum_block_bytes = kBlock;
+  o.backend = backend;
+  o.direct = direct;
+  return o;
+}
+
+std::unique_ptr<SwapStore> MustOpen(const SwapStoreOptions& options) {
+  auto store = SwapStore::Open(options);
+  REQUIRE_MESSAGE(store.ok(), store.status().ToString());
+  return std::move(store).value();
+}
+
+void RequireRoundTrip(SwapStore& store, const std::string& key,
+                      const std::vector<std::byte>& data) {
+  std::vector<std::byte> back(data.size(), std::byte{0x5A});
+  Status s = store.Get(key, back);
+  REQUIRE_MESSAGE(s.ok(), s.ToString());
+  REQUIRE(back == data);
+}
+
+bool Contains(const Status& s, std::string_view text) {
+  return s.message().find(text) != std::string::npos;
+}
+
+unsigned Mode(const std::string& path) {
+  struct stat st;
+  REQUIRE(::lstat(path.c_str(), &st) == 0);
+  return static_cast<unsigned>(st.st_mode & 07777);
+}
+
+uint64_t FreeBytes(const std::string& dir) {
+  struct statvfs vfs;
+  REQUIRE(::statvfs(dir.c_str(), &vfs) == 0);
+  return static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+}
+
+TEST_CASE("store: options are validated where they enter") {
+  ScratchDir tmp;
+  SwapStoreOptions ok = Options(tmp.Sub("s"), kMiB);
+  CHECK(ok.Validate().ok());
+
+  SwapStoreOptions o = ok;
+  o.directory = "";
+  CHECK(o.Validate().code() == StatusCode::kInvalidArgument);
+  o = ok;
+  o.capacity_bytes = 0;
+  CHECK(o.Validate().code() == StatusCode::kInvalidArgument);
+  for (uint32_t bad : {0u, 512u, 2048u, 3u * 4096u, 4097u}) {
+    o = ok;
+    o.checksum_block_bytes = bad;
+    CHECK_MESSAGE(o.Validate().code() == StatusCode::kInvalidArgument, bad);
+  }
+  o = ok;
+  o.checksum_block_bytes = 1u << 20;
+  CHECK(o.Validate().ok());
+  o = ok;
+  o.backend_options.queue_depth = 0;
+  CHECK(o.Validate().code() == StatusCode::kInvalidArgument);
+  // A bad option is refused before anything is created.
+  CHECK(SwapStore::Open(o).status().code() == StatusCode::kInvalidArgument);
+  CHECK_FALSE(fs::exists(tmp.Sub("s")));
+}
+
+TEST_CASE("store: values of odd sizes round-trip byte for byte") {
+  struct Config {
+    BackendKind backend;
+    bool direct;
+  };
+  for (Config config : {Config{BackendKind::kPosix, false}, Config{BackendKind::kPosix, true},
+                        Config{BackendKind::kAuto, true}, Config{BackendKind::kMemory, false}}) {
+    CAPTURE(BackendKindName(config.backend));
+    CAPTURE(config.direct);
+    ScratchDir tmp;
+    auto store = MustOpen(Options(tmp.Sub("s"), 16 * kMiB, config.backend, config.direct));
+    const std::vector<uint64_t> sizes = {1, 4095, 4096, 4097, 3 * kMiB + 5, 0};
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      Status s = store->Put("k" + std::to_string(i), Pattern(sizes[i], static_cast<uint32_t>(i)));
+      REQUIRE_MESSAGE(s.ok(), s.ToString());
+    }
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const std::string key = "k" + std::to_string(i);
+      auto size = store->Size(key);
+      REQUIRE(size.ok());
+      CHECK(*size == sizes[i]);
+      RequireRoundTrip(*store, key, Pattern(sizes[i], static_cast<uint32_t>(i)));
+    }
+    CHECK(store->Keys() == std::vector<std::string>{"k0", "k1", "k2", "k3", "k4", "k5"});
+    CHECK(store->Close().ok());
+  }
+}
+
+TEST_CASE("store: lookups of absent keys and wrong buffers fail cleanly") {
+  ScratchDir tmp;
+  auto store = MustOpen(Options(tmp.Sub("s"), kMiB));
+  std::vector<std::byte> buf(10);
+  CHECK(store->Get("nope", buf).code() == StatusCode::kNotFound);
+  CHECK(store->Size("nope").status().code() == StatusCode::kNotFound);
+  CHECK(store->Erase("nope").code() == StatusCode::kNotFound);
+  REQUIRE(store->Put("k", Pattern(100, 1)).ok());
+  Status wrong = store->Get("k", buf);
+  CHECK(wrong.code() == StatusCode::kInvalidArgument);
+  CHECK(Contains(wrong, "'k'"));
+  CHECK(Contains(wrong, "100 bytes"));
+  RequireRoundTrip(*store, "k", Pattern(100, 1));
+}
+
+TEST_CASE("store: filling the capacity, then ResourceExhausted naming the key") {
+  ScratchDir tmp;
+  auto store = MustOpen(Options(tmp.Sub("s"), kMiB));
+  const uint64_t align = store->stats().alignment_bytes;
+  REQUIRE(align >= 4096);
+  const uint64_t capacity = store->stats().capacity_bytes;
+  CHECK(capacity == kMiB);
+  const uint64_t n = capacity / align;
+  for (uint64_t i = 0; i < n; ++i) {
+    Status s = store->Put("k" + std::to_string(i), Pattern(align - 3, static_cast<uint32_t>(i)));
+    REQUIRE_MESSAGE(s.ok(), s.ToString());
+  }
+  CHECK(store->stats().used_bytes == capacity);
+  Status full = store->Put("one-too-many", Pattern(1, 99));
+  CHECK(full.code() == StatusCode::kResourceExhausted);
+  CHECK(Contains(full, "'one-too-many'"));
+  CHECK(Contains(full, "needs " + std::to_string(align) + " bytes"));
+  CHECK(Contains(full, "0 of " + std::to_string(capacity) + " bytes free"));
+  CHECK(store->Size("one-too-many").status().code() == StatusCode::kNotFound);
+  // A value larger than the whole store is refused the same way.
+  CHECK(store->Put("huge", Pattern(2 * kMiB, 1)).code() == StatusCode::kResourceExhausted);
+  // Everything stored before is intact.
+  for (uint64_t i = 0; i < n; ++i) {
+    RequireRoundTrip(*store, "k" + std::to_string(i), Pattern(align - 3, static_cast<uint32_t>(i)));
+  }
+}
+
+TEST_CASE("store: erased neighbours merge into one extent") {
+  ScratchDir tmp;
+  const uint64_t piece = 64 * kKiB;
+  auto store = MustOpen(Options(tmp.Sub("s"), 4 * piece));
+  REQUIRE(piece % store->stats().alignment_bytes == 0);
+  for (uint32_t i = 0; i < 4; ++i) {
+    REQUIRE(store->Put(std::string(1, static_cast<char>('a' + i)), Pattern(piece, i)).ok());
+  }
+  auto offset_b = store->DebugFileOffset("b");
+  REQUIRE(offset_b.ok());
+
+  // a and c free: 2 pieces free, but not adjacent.
+  REQUIRE(store->Erase("a").ok());
+  REQUIRE(store->Erase("c").ok());
+  Status fragmented = store->Put("big", Pattern(2 * piece, 7));
+  CHECK(fragmented.code() == StatusCode::kResourceExhausted);
+  CHECK(Contains(fragmented, "largest free extent " + std::to_string(piece) + " bytes"));
+
+  // b freed too: a, b and c merge; a put needing two pieces fits at the start.
+  REQUIRE(store->Erase("b").ok());
+  Status fits = store->Put("big", Pattern(2 * piece, 7));
+  REQUIRE_MESSAGE(fits.ok(), fits.ToString());
+  CHECK(*store->DebugFileOffset("big") == 0);
+  // And the remaining piece (where c was) takes one more.
+  REQUIRE(store->Put("c2", Pattern(piece, 8)).ok());
+  CHECK(*store->DebugFileOffset("c2") == *offset_b + piece);
+  CHECK(store->stats().used_bytes == 4 * piece);
+  RequireRoundTrip(*store, "big", Pattern(2 * piece, 7));
+  RequireRoundTrip(*store, "c2", Pattern(piece, 8));
+  RequireRoundTrip(*store, "d", Pattern(piece, 3));
+  CHECK(store->Keys() == std::vector<std::string>{"big", "c2", "d"});
+}
+
+TEST_CASE("store: a re-put replaces the value, reusing the extent when the size allows") {
+  ScratchDir tmp;
+  auto store = MustOpen(Options(tmp.Sub("s"), 256 * kKiB));
+  const uint64_t align = store->stats().alignment_bytes;
+  REQUIRE(store->Put("k", Pattern(align - 10, 1)).ok());
+  uint64_t first = *store->DebugFileOffset("k");
+
+  // Same rounded size: same extent, new bytes.
+  REQUIRE(store->Put("k", Pattern(align - 20, 2)).ok());
+  CHECK(*store->DebugFileOffset("k") == first);
+  CHECK(*store->Size("k") == align - 20);
+  RequireRoundTrip(*store, "k", Pattern(align - 20, 2));
+
+  // Larger: a new extent (which may start where the old one did, after merging).
+  REQUIRE(store->Put("k", Pattern(3 * align, 3)).ok());
+  CHECK(*store->Size("k") == 3 * align);
+  CHECK(store->stats().used_bytes == 3 * align);
+  RequireRoundTrip(*store, "k", Pattern(3 * align, 3));
+
+  // Too large for the store: refused, and the earlier value is kept.
+  Status too_big = store->Put("k", Pattern(store->stats().capacity_bytes + 1, 4));
+  CHECK(too_big.code() == StatusCode::kResourceExhausted);
+  REQUIRE(store->Put("other", Pattern(align, 5)).ok());
+  const uint64_t free_now = store->stats().capacity_bytes - store->stats().used_bytes;
+  too_big = store->Put("k", Pattern(free_now + 4 * align, 4));
+  CHECK(too_big.code() == StatusCode::kResourceExhausted);
+  CHECK(*store->Size("k") == 3 * align);
+  RequireRoundTrip(*store, "k", Pattern(3 * align, 3));
+  CHECK(store->stats().keys == 2);
+}
+
+TEST_CASE("store: a flipped bit on disk is DataLoss naming the key and the block") {
+  for (bool direct : {false, true}) {
+    CAPTURE(direct);
+    ScratchDir tmp;
+    auto store = MustOpen(Options(tmp.Sub("s"), kMiB, BackendKind::kPosix, direct));
+    const std::vector<std::byte> value = Pattern(5 * kBlock + 100, 11);
+    REQUIRE(store->Put("victim", value).ok());
+    REQUIRE(store->Put("bystander", Pattern(3 * kBlock, 12)).ok());
+    const uint64_t offset = *store->DebugFileOffset("victim");
+
+    // Corrupt the third checksum block behind the store's back.
+    const std::string data_path = tmp.Sub("s") + "/" + SwapStore::kDataFileName;
+    int fd = ::open(data_path.c_str(), O_RDWR | O_CLOEXEC);
+    REQUIRE(fd >= 0);
+    const uint64_t at = offset + 2 * kBlock + 7;
+    std::byte b;
+    REQUIRE(::pread(fd, &b, 1, static_cast<off_t>(at)) == 1);
+    b ^= std::byte{0x10};
+    REQUIRE(::pwrite(fd, &b, 1, static_cast<off_t>(at)) == 1);
+    REQUIRE(::fsync(fd) == 0);
+    ::close(fd);
+
+    std::vector<std::byte> out(value.size());
+    Status bad = store->Get("victim", out);
+    CHECK(bad.code() == StatusCode::kDataLoss);
+    CHECK(Contains(bad, "key 'victim'"));
+    CHECK(Contains(bad, "checksum mismatch in block at byte offset 8192"));
+    CHECK(Contains(bad, "offset " + std::to_string(offset + 8192)));
+    RequireRoundTrip(*store, "bystander", Pattern(3 * kBlock, 12));
+    // Rewriting the value heals it.
+    REQUIRE(store->Put("victim", value).ok());
+    RequireRoundTrip(*store, "victim", value);
+  }
+}
+
+// A store on the POSIX backend wrapped in a FaultBackend; `faults` stays valid while `store` lives.
+struct FaultyStore {
+  std::unique_ptr<SwapStore> store;
+  FaultBackend* faults = nullptr;
+};
+
+FaultyStore OpenFaulty(const SwapStoreOptions& options) {
+  auto inner = CreatePosixBackend(BackendOptions{});
+  REQUIRE_MESSAGE(inner.ok(), inner.status().ToString());
+  auto wrapped = FaultBackend::Create(std::move(inner).value());
+  REQUIRE_MESSAGE(wrapped.ok(), wrapped.status().ToString());
+  FaultyStore out;
+  out.faults = wrapped->get();
+  auto store = SwapStore::Open(options, std::move(wrapped).value());
+  REQUIRE_MESSAGE(store.ok(), store.status().ToString());
+  out.store = std::move(store).value();
+  return out;
+}
+
+TEST_CASE("store: bits flipped on the way in or out are DataLoss") {
+  ScratchDir tmp;
+  FaultyStore f = OpenFaulty(Options(tmp.Sub("s"), kMiB));
+  CHECK(f.store->stats().backend == "fault(posix)");
+  const std::vector<std::byte> value = Pattern(5 * kBlock + 100, 21);
+  std::vector<std::byte> out(value.size());
+
+  SUBCASE("flipped in a read: reported, and the stored bytes are still good") {
+    REQUIRE(f.store->Put("k", value).ok());
+    FaultPlan plan;
+    plan.flip.op = OpType::kRead;
+    plan.flip.nth = 1;
+    plan.flip_bit = (4 * kBlock + 50) * 8 + 5;  // in the last, partial block
+    REQUIRE(f.faults->SetPlan(plan).ok());
+    Status bad = f.store->Get("k", out);
+    CHECK(bad.code() == StatusCode::kDataLoss);
+    CHECK(Contains(bad, "key 'k': checksum mismatch in block at byte offset 16384"));
+    CHECK(f.faults->counters().read_flips == 1);
+    REQUIRE(f.faults->SetPlan(FaultPlan{}).ok());
+    RequireRoundTrip(*f.store, "k", value);
+  }
+  SUBCASE("flipped in a write: the checksum is of the caller's bytes, so the read notices") {
+    FaultPlan plan;
+    plan.flip.op = OpType::kWrite;
+    plan.flip.nth = 1;
+    plan.flip_bit = 3;
+    REQUIRE(f.faults->SetPlan(plan).ok());
+    REQUIRE(f.store->Put("k", value).ok());
+    REQUIRE(f.faults->SetPlan(FaultPlan{}).ok());
+    Status bad = f.store->Get("k", out);
+    CHECK(bad.code() == StatusCode::kDataLoss);
+    CHECK(Contains(bad, "block at byte offset 0 "));
+  }
+}
+
+TEST_CASE("store: I/O errors fail the operation and leave the store consistent") {
+  ScratchDir tmp;
+  FaultyStore f = OpenFaulty(Options(tmp.Sub("s"), kMiB));
+  const std::vector<std::byte> value = Pattern(3 * kBlock, 31);
+  REQUIRE(f.store->Put("old", value).ok());
+
+  FaultPlan plan;
+  plan.fail.op = OpType::kWrite;
+  plan.fail.nth = 1;
+  plan.error = EIO;
+  REQUIRE(f.faults->SetPlan(plan).ok());
+  Status failed = f.store->Put("new", value);
+  CHECK(failed.code() == StatusCode::kIoError);
+  CHECK(Contains(failed, "key 'new'"));
+  CHECK(f.store->Size("new").status().code() == StatusCode::kNotFound);
+
+  // A failed re-put removes the key: its extent may hold half of each value.
+  REQUIRE(f.faults->SetPlan(plan).ok());
+  failed = f.store->Put("old", Pattern(3 * kBlock, 32));
+  CHECK(failed.code() == StatusCode::kIoError);
+  CHECK(Contains(failed, "removed"));
+  CHECK(f.store->Size("old").status().code() == StatusCode::kNotFound);
+  CHECK(f.store->stats().used_bytes == 0);
+  CHECK(f.store->stats().puts == 1);
+
+  // A failed read leaves the value in place.
+  REQUIRE(f.faults->SetPlan(FaultPlan{}).ok());
+  REQUIRE(f.store->Put("k", value).ok());
+  plan.fail.op = OpType::kRead;
+  REQUIRE(f.faults->SetPlan(plan).ok());
+  std::vector<std::byte> out(value.size());
+  Status read_failed = f.store->Get("k", out);
+  CHECK(read_failed.code() == StatusCode::kIoError);
+  CHECK(Contains(read_failed, "key 'k'"));
+  REQUIRE(f.faults->SetPlan(FaultPlan{}).ok());
+  RequireRoundTrip(*f.store, "k", value);
+  CHECK(f.store->stats().gets == 1);
+  CHECK(f.store->Close().ok());
+}
+
+TEST_CASE("store: a store in use cannot be opened again, by this process or another") {
+  ScratchDir tmp;
+  const SwapStoreOptions options = Options(tmp.Sub("s"), kMiB);
+  auto store = MustOpen(options);
+
+  auto second = SwapStore::Open(options);
+  REQUIRE_FALSE(second.ok());
+  CHECK(second.status().code() == StatusCode::kFailedPrecondition);
+  CHECK(Contains(second.status(), "is in use by pid " + std::to_string(::getpid())));
+
+  // From a child process. The child reports through its exit code only.
+  pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    auto r = SwapStore::Open(options);
+    int code = 0;
+    if (r.ok()) {
+      code = 1;
+    } else if (r.status().code() != StatusCode::kFailedPrecondition) {
+      code = 2;
+    } else if (!Contains(r.status(), "in use by pid " + std::to_string(::getppid()))) {
+      code = 3;
+    }
+    ::_exit(code);
+  }
+  int wstatus = 0;
+  REQUIRE(::waitpid(child, &wstatus, 0) == child);
+  REQUIRE(WIFEXITED(wstatus));
+  CHECK(WEXITSTATUS(wstatus) == 0);
+
+  // The failed opens took nothing away from the first store.
+  REQUIRE(store->Put("k", Pattern(10, 1)).ok());
+  RequireRoundTrip(*store, "k", Pattern(10, 1));
+  REQUIRE(store->Close().ok());
+  auto again = SwapStore::Open(options);
+  CHECK_MESSAGE(again.ok(), again.status().ToString());
+}
+
+TEST_CASE("store: a directory that is a symlink, shared or someone else's is refused") {
+  ScratchDir tmp;
+  fs::create_directory(tmp.Sub("real"));
+  fs::permissions(tmp.Sub("real"), fs::perms::owner_all, fs::perm_options::replace);
+  fs::create_directory_symlink(tmp.Sub("real"), tmp.Sub("link"));
+
+  for (const std::string& dir : {tmp.Sub("link"), tmp.Sub("link") + "/"}) {
+    CAPTURE(dir);
+    auto r = SwapStore::Open(Options(dir, kMiB));
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.status().code() == StatusCode::kFailedPrecondition);
+    CHECK(Contains(r.status(), "symbolic link"));
+    CHECK(fs::is_empty(tmp.Sub("real")));
+  }
+
+  fs::create_directory(tmp.Sub("shared"));
+  ::chmod(tmp.Sub("shared").c_str(), 0777);
+  auto shared = SwapStore::Open(Options(tmp.Sub("shared"), kMiB));
+  CHECK(shared.status().code() == StatusCode::kFailedPrecondition);
+  CHECK(Contains(shared.status(), "group- or world-writable (mode 0777)"));
+  CHECK(fs::is_empty(tmp.Sub("shared")));
+
+  ::close(::open(tmp.Sub("file").c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600));
+  CHECK(SwapStore::Open(Options(tmp.Sub("file"), kMiB)).status().code() ==
+        StatusCode::kFailedPrecondition);
+
+  CHECK(SwapStore::Open(Options(tmp.Sub("no/such/parent"), kMiB)).status().code() ==
+        StatusCode::kNotFound);
+
+  if (::geteuid() == 0) {  // only root can hand a directory to another user
+    fs::create_directory(tmp.Sub("theirs"));
+    REQUIRE(::chown(tmp.Sub("theirs").c_str(), 65534, 65534) == 0);
+    auto theirs = SwapStore::Open(Options(tmp.Sub("theirs"), kMiB));
+    CHECK(theirs.status().code() == StatusCode::kFailedPrecondition);
+    CHECK(Contains(theirs.status(), "owned by uid 65534"));
+  }
+}
+
+TEST_CASE("store: too little free space is ResourceExhausted and leaves nothing behind") {
+  ScratchDir tmp;
+  const uint64_t tib = kMiB * kMiB;
+  const uint64_t capacity = FreeBytes(tmp.path()) + tib;
+
+  // A directory the store would create: gone again.
+  auto r = SwapStore::Open(Options(tmp.Sub("new"), capacity));
+  REQUIRE_FALSE(r.ok());
+  CHECK(r.status().code() == StatusCode::kResourceExhausted);
+  CHECK(
+      Contains(r.status(), "needs " + std::to_string((capacity + 4095) / 4096 * 4096) + " bytes"));
+  CHECK(Contains(r.status(), "bytes free"));
+  CHECK_FALSE(fs::exists(tmp.Sub("new")));
+
+  // A directory that was there: left empty.
+  fs::create_directory(tmp.Sub("old"));
+  fs::permissions(tmp.Sub("old"), fs::perms::owner_all, fs::perm_options::replace);
+  r = SwapStore::Open(Options(tmp.Sub("old"), capacity));
+  CHECK(r.status().code() == StatusCode::kResourceExhausted);
+  CHECK(fs::is_empty(tmp.Sub("old")));
+}
+
+TEST_CASE("store: files are private and Close removes them unless keep_files") {
+  ScratchDir tmp;
+  const std::string dir = tmp.Sub("s");
+  const std::string data = dir + "/" + SwapStore::kDataFileName;
+  const std::string lock = dir + "/" + SwapStore::kLockFileName;
+
+  SUBCASE("removed, with the directory the store created") {
+    auto store = MustOpen(Options(dir, kMiB));
+    CHECK(Mode(dir) == 0700);
+    CHECK(Mode(data) == 0600);
+    CHECK(Mode(lock) == 0600);
+    CHECK(fs::file_size(data) == kMiB);
+    REQUIRE(store->Put("k", Pattern(10, 1)).ok());
+    CHECK(store->Close().ok());
+    CHECK_FALSE(fs::exists(dir));
+    CHECK(store->Close().ok());  // idempotent
+    std::vector<std::byte> buf(10);
+    CHECK(store->Put("k", buf).code() == StatusCode::kFailedPrecondition);
+    CHECK(store->Get("k", buf).code() == StatusCode::kFailedPrecondition);
+    CHECK(store->Erase("k").code() == StatusCode::kFailedPrecondition);
+    CHECK(store->Size("k").status().code() == StatusCode::kFailedPrecondition);
+    CHECK(store->stats().puts == 1);  // stats stay readable after Close
+  }
+  SUBCASE("removed, leaving a directory that was already there") {
+    fs::create_directory(dir);
+    fs::permissions(dir, fs::perms::owner_all, fs::perm_options::replace);
+    MustOpen(Options(dir, kMiB)).reset();  // the destructor closes
+    CHECK(fs::is_directory(dir));
+    CHECK(fs::is_empty(dir));
+  }
+  SUBCASE("kept, and then a new store there is refused") {
+    SwapStoreOptions options = Options(dir, kMiB);
+    options.keep_files = true;
+    auto store = MustOpen(options);
+    REQUIRE(store->Put("k", Pattern(5000, 3)).ok());
+    const uint64_t offset = *store->DebugFileOffset("k");
+    CHECK(store->Close().ok());
+    REQUIRE(fs::exists(data));
+    REQUIRE(fs::exists(lock));
+    // The bytes reached the file.
+    int fd = ::open(data.c_str(), O_RDONLY | O_CLOEXEC);
+    REQUIRE(fd >= 0);
+    std::vector<std::byte> back(5000);
+    CHECK(::pread(fd, back.data(), back.size(), static_cast<off_t>(offset)) == 5000);
+    ::close(fd);
+    CHECK(back == Pattern(5000, 3));
+
+    auto again = SwapStore::Open(Options(dir, kMiB));
+    CHECK(again.status().code() == StatusCode::kFailedPrecondition);
+    CHECK(Contains(again.status(), "exists"));
+    // Refusing did not touch the kept files.
+    CHECK(fs::exists(data));
+    CHECK(fs::exists(lock));
+  }
+}
+
+TEST_CASE("store: four threads put and get distinct keys") {
+  ScratchDir tmp;
+  auto store = MustOpen(Options(tmp.Sub("s"), 64 * kMiB));
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 40;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  threads.reserve(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < kRounds; ++round) {
+        const std::string key = "t" + std::to_string(t) + "-" + std::to_string(round % 7);
+        const uint64_t size = 1 + static_cast<uint64_t>((t * 7919 + round * 104729) % (300 * 1024));
+        const uint32_t seed = static_cast<uint32_t>(t * 1000 + round);
+        const std::vector<std::byte> value = Pattern(size, seed);
+        if (!store->Put(key, value).ok()) ++failures;
+        std::vector<std::byte> back(size);
+        if (!store->Get(key, back).ok() || back != value) ++failures;
+        if (round % 5 == 4 && !store->Erase(key).ok()) ++failures;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(failures.load() == 0);
+  SwapStoreStats stats = store->stats();
+  CHECK(stats.puts == kThreads * kRounds);
+  CHECK(stats.gets == kThreads * kRounds);
+}
+
+TEST_CASE("store: a key written while read never yields torn data") {
+  ScratchDir tmp;
+  auto store = MustOpen(Options(tmp.Sub("s"), 8 * kMiB));
+  constexpr uint64_t kSize = 512 * kKiB;
+  REQUIRE(store->Put("k", std::vector<std::byte>(kSize, std::byte{0})).ok());
+  std::atomic<bool> done{false};
+  std::atomic<int> torn{0}, unexpected{0}, whole_reads{0}, refused{0};
+  std::thread writer([&] {
+    for (int v = 1; v <= 200; ++v) {
+      Status s = store->Put("k", std::vector<std::byte>(kSize, static_cast<std::byte>(v)));
+      // A pause lets the readers in between writes, so whole values are read, not only refused.
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      if (s.ok()) continue;
+      if (s.code() == StatusCode::kFailedPrecondition && Contains(s, "'k'")) {
+        ++refused;
+      } else {
+        ++unexpected;
+      }
+    }
+    done = true;
+  });
+  std::vector<std::thread> readers;
+  readers.reserve(2);
+  for (int r = 0; r < 2; ++r) {
+    readers.emplace_back([&] {
+      std::vector<std::byte> out(kSize);
+      while (!done) {
+        Status s = store->Get("k", out);
+        if (s.ok()) {
+          ++whole_reads;
+          for (std::byte b : out) {
+            if (b != out[0]) {
+              ++torn;
+              break;
+            }
+          }
+        } else if (s.code() == StatusCode::kFailedPrecondition) {
+          ++refused;
+        } else {
+          ++unexpected;
+        }
+      }
+    });
+  }
+  writer.join();
+  for (auto& th : readers) th.join();
+  CHECK(torn.load() == 0);
+  CHECK(unexpected.load() == 0);
+  CHECK(whole_reads.load() > 0);
+}
+
+TEST_CASE("store: stats are exact for a known sequence") {
+  ScratchDir tmp;
+  auto store = MustOpen(Options(tmp.Sub("s"), kMiB, BackendKind::kPosix, /*direct=*/false));
+  const uint64_t align = store->stats().alignment_bytes;
+  auto rounded = [&](uint64_t n) { return (n + align - 1) / align * align; };
+
+  REQUIRE(store->Put("a", Pattern(1000, 1)).ok());
+  REQUIRE(store->Put("b", Pattern(5000, 2)).ok());
+  REQUIRE(store->Put("a", Pattern(1000, 3)).ok());
+  RequireRoundTrip(*store, "a", Pattern(1000, 3));
+  RequireRoundTrip(*store, "b", Pattern(5000, 2));
+  std::vector<std::byte> wrong(7);
+  CHECK_FALSE(store->Get("a", wrong).ok());        // not counted
+  CHECK_FALSE(store->Get("missing", wrong).ok());  // not counted
+  CHECK_FALSE(store->Put("huge", Pattern(2 * kMiB, 4)).ok());
+
+  SwapStoreStats stats = store->stats();
+  CHECK(stats.capacity_bytes == kMiB);
+  CHECK(stats.used_bytes == rounded(1000) + rounded(5000));
+  CHECK(stats.keys == 2);
+  CHECK(stats.puts == 3);
+  CHECK(stats.put_bytes == 7000);
+  CHECK(stats.gets == 2);
+  CHECK(stats.get_bytes == 6000);
+  CHECK(stats.put_latency.count == 3);
+  CHECK(stats.get_latency.count == 2);
+  for (const LatencyStats& l : {stats.put_latency, stats.get_latency}) {
+    CHECK(l.p50_us > 0);
+    CHECK(l.p50_us <= l.p90_us);
+    CHECK(l.p90_us <= l.p99_us);
+    CHECK(l.p99_us <= l.max_us);
+  }
+  // Buffered I/O has no alignment to pad to: the engine moved exactly the values' bytes.
+  CHECK(stats.io.write_bytes == 7000);
+  CHECK(stats.io.read_bytes == 6000);
+  CHECK(stats.backend == "posix");
+  CHECK_FALSE(stats.direct);
+
+  REQUIRE(store->Erase("a").ok());
+  stats = store->stats();
+  CHECK(stats.used_bytes == rounded(5000));
+  CHECK(stats.keys == 1);
+}
+
+}  // namespace
+}  // namespace memplan::nvme
