@@ -24,5 +24,7 @@ struct Outcome {
 void RegisterEstimate(CLI::App& app, Outcome* outcome);
 void RegisterInventory(CLI::App& app, Outcome* outcome);
 void RegisterModels(CLI::App& app, Outcome* outcome);
+// `memplan bench nvme` (tools/bench_nvme.cc).
+void RegisterBench(CLI::App& app, Outcome* outcome);
 
 }  // namespace memplan::tools

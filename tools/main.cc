@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   memplan::tools::RegisterEstimate(app, &outcome);
   memplan::tools::RegisterInventory(app, &outcome);
   memplan::tools::RegisterModels(app, &outcome);
+  memplan::tools::RegisterBench(app, &outcome);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

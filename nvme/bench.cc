@@ -1,0 +1,744 @@
+// nvme bench: see bench.h.
+//
+// Note [Bench method]
+// ~~~~~~~~~~~~~~~~~~~
+// What the offload engine needs from a disk is sequential bandwidth on large transfers, both
+// ways, through its own I/O path. So the bench drives the IoEngine exactly as the engine does:
+// one thread, one aligned buffer, large Read/Write calls that the engine splits into block_size
+// requests and keeps `queue_depth` of in flight.
+//
+// Note [Chunk sizes]
+// ~~~~~~~~~~~~~~~~~~
+// The queue drains at the end of every call: the last queue_depth requests finish with ever
+// fewer in flight, and at 1 MiB x 16 on a 2 GB/s drive that costs about 4 ms per call, 3% of a
+// GiB if it were cut into 256 MiB calls. fio drains once, at the end. So calls are as large as
+// the buffer allows (BenchOptions::chunk_bytes, 1 GiB) and never smaller than block x queue
+// depth. Under a time limit the first call is 64 MiB and each next one is sized, at the rate so
+// far, to end at the limit: a fast drive still does a GiB in two calls, a slow one overshoots
+// the limit by little.
+//
+// The file is filled once, unmeasured, before the first point: reads then always return data the
+// filesystem has on the device (a hole would read as zeros from memory, faster than any disk),
+// and every measured write overwrites written blocks, so the first point does not pay for
+// converting the preallocated (unwritten) extents that later points get for free. The data is a
+// xorshift pattern with no zero word; the first and last words of every read chunk are zeroed
+// before the read and checked after it, so a read that transferred nothing, or read a hole, is
+// caught rather than measured.
+//
+// A write is timed to the end of a final fdatasync: without it a buffered write measures memcpy
+// into the page cache, and even O_DIRECT leaves data in the drive's volatile cache. With buffered
+// I/O (--no-direct, or a filesystem refusing O_DIRECT) the page cache is dropped before each read
+// pass (POSIX_FADV_DONTNEED), so reads come from the device too.
+//
+// The best point maximises read + write bandwidth, as DeepSpeed's ds_nvme_tune does
+// (deepspeed/nvme/perf_generate_param.py sums the read and write GB/s of each setting).
+#include "nvme/bench.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <utility>
+
+#include "common/checked_math.h"
+#include "nvme/io_engine.h"
+
+namespace memplan::nvme {
+namespace {
+
+constexpr uint64_t kKiB = 1024;
+constexpr uint32_t kAlignment = 4096;
+constexpr uint32_t kMinBlock = 4096;
+constexpr uint32_t kMaxBlock = 64u << 20;
+// Settings of the unmeasured fill (any reasonable ones do: it only has to finish).
+constexpr uint32_t kFillBlock = 1u << 20;
+constexpr uint32_t kFillQueueDepth = 32;
+// The first call of a timed pass, before its rate is known: small enough for a slow disk to
+// finish well inside any sensible limit.
+constexpr uint64_t kFirstTimedChunk = uint64_t{64} << 20;
+
+char Lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
+
+std::string LowerCase(std::string_view text) {
+  std::string out(text);
+  for (char& c : out) c = Lower(c);
+  return out;
+}
+
+std::string FilesystemName(const std::string& directory) {
+  struct statfs fs {};
+  if (::statfs(directory.c_str(), &fs) != 0) return "unknown";
+  switch (static_cast<uint64_t>(fs.f_type)) {
+    case 0xEF53: return "ext4";  // ext2/3/4 share the magic
+    case 0x58465342: return "xfs";
+    case 0x9123683E: return "btrfs";
+    case 0xF2F52010: return "f2fs";
+    case 0x2FC12FC1: return "zfs";
+    case 0x01021994: return "tmpfs";
+    case 0x858458F6: return "ramfs";
+    case 0x794C7630: return "overlayfs";
+    case 0x6969: return "nfs";
+    case 0xFF534D42: return "cifs";
+    case 0x65735546: return "fuse";
+    case 0x47504653: return "gpfs";
+    case 0x0BD00BD0: return "lustre";
+    default: break;
+  }
+  char hex[32];
+  std::snprintf(hex, sizeof(hex), "unknown (0x%" PRIx64 ")", static_cast<uint64_t>(fs.f_type));
+  return hex;
+}
+
+bool IsMemoryFilesystem(const std::string& name) { return name == "tmpfs" || name == "ramfs"; }
+
+// The bench file: created O_EXCL inside the directory, closed and unlinked on destruction.
+class BenchFile {
+ public:
+  BenchFile() = default;
+  BenchFile(const BenchFile&) = delete;
+  BenchFile& operator=(const BenchFile&) = delete;
+  ~BenchFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!path_.empty()) ::unlink(path_.c_str());
+  }
+
+  Status Create(const std::string& directory, bool direct) {
+    std::random_device random;
+    uint64_t tag = (uint64_t{random()} << 32) ^ random();
+    char name[96];
+    std::snprintf(name, sizeof(name), "memplan-bench.%d.%016" PRIx64 ".tmp",
+                  static_cast<int>(::getpid()), tag);
+    std::string path = directory;
+    if (path.empty() || path.back() != '/') path += '/';
+    path += name;
+    OpenOptions open;
+    open.create = true;
+    open.exclusive = true;
+    open.write = true;
+    open.direct = direct;
+    MEMPLAN_ASSIGN_OR_RETURN(fd_, OpenFile(path, open, &direct_));
+    path_ = std::move(path);  // only now is it ours to remove
+    return Status::Ok();
+  }
+
+  // Reserves `bytes` on the device, so a full disk fails here rather than mid-measurement.
+  Status Preallocate(uint64_t bytes) {
+    if (::fallocate(fd_, 0, 0, static_cast<off_t>(bytes)) == 0) return Status::Ok();
+    int err = errno;
+    if (err != EOPNOTSUPP && err != ENOSYS) {
+      return Status::FromErrno(err, path_ + ": cannot preallocate " + FormatByteSize(bytes));
+    }
+    // No fallocate here (some network filesystems): the fill writes every byte anyway.
+    if (::ftruncate(fd_, static_cast<off_t>(bytes)) != 0) {
+      return Status::FromErrno(errno, path_ + ": cannot size to " + FormatByteSize(bytes));
+    }
+    return Status::Ok();
+  }
+
+  int fd() const { return fd_; }
+  bool direct() const { return direct_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  bool direct_ = false;
+};
+
+struct FreeDeleter {
+  void operator()(void* p) const { std::free(p); }
+};
+using AlignedBuffer = std::unique_ptr<unsigned char, FreeDeleter>;
+
+Result<AlignedBuffer> AllocateBuffer(uint64_t bytes) {
+  void* raw = nullptr;
+  int err = ::posix_memalign(&raw, kAlignment, bytes);
+  if (err != 0) {
+    return Status::ResourceExhausted("cannot allocate a " + FormatByteSize(bytes) +
+                                     " I/O buffer: " + std::strerror(err));
+  }
+  // A non-repeating pattern, so neither a compressing drive nor a filesystem sees zeros.
+  auto* words = static_cast<uint64_t*>(raw);
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (uint64_t i = 0; i < bytes / sizeof(uint64_t); ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    words[i] = x;
+  }
+  return AlignedBuffer(static_cast<unsigned char*>(raw));
+}
+
+// The bytes one IoEngine call may transfer at one point: at least block x queue depth (else the
+// queue could never fill), at most the larger of that and BenchOptions::chunk_bytes, never more
+// than the file; a whole number of blocks.
+struct ChunkLimits {
+  uint64_t min_bytes = 0;
+  uint64_t max_bytes = 0;
+  uint32_t block_size = 0;
+};
+
+ChunkLimits PlanChunks(const BenchOptions& options, uint32_t block_size, uint32_t queue_depth) {
+  const uint64_t full_queue = uint64_t{block_size} * queue_depth;
+  uint64_t max_bytes = std::min(std::max(full_queue, options.chunk_bytes), options.size_bytes);
+  if (max_bytes >= block_size) max_bytes -= max_bytes % block_size;
+  return {std::min(full_queue, max_bytes), max_bytes, block_size};
+}
+
+// The buffer holds a xorshift pattern, which has no zero word: a word that reads back as zero
+// was not transferred, or came from a hole.
+bool NonZeroWord(const unsigned char* buffer, uint64_t at) {
+  uint64_t word = 0;
+  std::memcpy(&word, buffer + at, sizeof(word));
+  return word != 0;
+}
+
+void ZeroWord(unsigned char* buffer, uint64_t at) { std::memset(buffer + at, 0, sizeof(uint64_t)); }
+
+// One direction's timed loop.
+struct Phase {
+  uint64_t bytes = 0;
+  double seconds = 0;
+  bool stopped = false;  // `stop` was raised
+};
+
+bool StopRequested(const std::atomic<bool>* stop) {
+  return stop != nullptr && stop->load(std::memory_order_relaxed);
+}
+
+// Transfers up to `size` bytes from offset 0; stops early after `limit_seconds` (0: never) or
+// when `stop` is raised. Writes end with fdatasync (timed). See Note [Chunk sizes].
+Result<Phase> RunPhase(IoEngine& engine, int file, const BenchFile& bench_file, OpType op,
+                       uint64_t size, const ChunkLimits& chunks, unsigned char* buffer,
+                       double limit_seconds, const std::atomic<bool>* stop,
+                       uint64_t* largest_chunk) {
+  using Clock = std::chrono::steady_clock;
+  Phase phase;
+  const auto start = Clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
+  auto clamp_chunk = [&](uint64_t bytes) {
+    bytes -= bytes % chunks.block_size;
+    return std::clamp(bytes, chunks.min_bytes, chunks.max_bytes);
+  };
+  uint64_t chunk = limit_seconds > 0 ? clamp_chunk(kFirstTimedChunk) : chunks.max_bytes;
+  uint64_t offset = 0;
+  while (offset < size) {
+    if (StopRequested(stop)) {
+      phase.stopped = true;
+      break;
+    }
+    uint64_t length = std::min(chunk, size - offset);
+    *largest_chunk = std::max(*largest_chunk, length);
+    if (op == OpType::kWrite) {
+      MEMPLAN_RETURN_IF_ERROR(engine.Write(file, offset, buffer, length));
+    } else {
+      const uint64_t last = length - sizeof(uint64_t);
+      ZeroWord(buffer, 0);
+      ZeroWord(buffer, last);
+      MEMPLAN_RETURN_IF_ERROR(engine.Read(file, offset, buffer, length));
+      if (!NonZeroWord(buffer, 0) || !NonZeroWord(buffer, last)) {
+        return Status::DataLoss(bench_file.path() + ": read at offset " + std::to_string(offset) +
+                                " did not return the data written");
+      }
+    }
+    offset += length;
+    if (limit_seconds > 0) {
+      const double seconds = elapsed();
+      if (seconds >= limit_seconds) break;
+      // What should fit in the time left at the rate so far.
+      chunk = clamp_chunk(static_cast<uint64_t>(offset / seconds * (limit_seconds - seconds)));
+    }
+  }
+  if (op == OpType::kWrite && offset > 0 && ::fdatasync(bench_file.fd()) != 0) {
+    return Status::FromErrno(errno, bench_file.path() + ": fdatasync failed");
+  }
+  phase.seconds = elapsed();
+  phase.bytes = offset;
+  return phase;
+}
+
+// Drops the file's pages from the page cache so buffered reads come from the device.
+void DropCache(const BenchFile& file) {
+  if (!file.direct()) ::posix_fadvise(file.fd(), 0, 0, POSIX_FADV_DONTNEED);
+}
+
+std::string PointName(BackendKind backend, uint32_t block_size, uint32_t queue_depth) {
+  return std::string(BackendKindName(backend)) + " block " + FormatByteSize(block_size) +
+         " queue depth " + std::to_string(queue_depth);
+}
+
+BackendOptions BackendOptionsFor(uint32_t queue_depth) {
+  BackendOptions options;
+  options.queue_depth = queue_depth;
+  // A synchronous backend keeps one request in flight per worker thread.
+  options.posix_threads = std::min<uint32_t>(queue_depth, 256);
+  return options;
+}
+
+// A backend and an engine on the bench file for one point.
+struct Rig {
+  BackendChoice choice;
+  std::unique_ptr<IoEngine> engine;  // destroyed before the backend it uses
+  int file = -1;
+
+  ~Rig() {
+    if (engine && file >= 0) (void)engine->RemoveFile(file);
+  }
+};
+
+Result<std::unique_ptr<Rig>> MakeRig(BackendKind kind, uint32_t block_size, uint32_t queue_depth,
+                                     const BenchFile& bench_file) {
+  auto rig = std::make_unique<Rig>();
+  MEMPLAN_ASSIGN_OR_RETURN(rig->choice, CreateBackend(kind, BackendOptionsFor(queue_depth)));
+  IoEngineOptions engine_options;
+  engine_options.block_size = block_size;
+  MEMPLAN_ASSIGN_OR_RETURN(rig->engine,
+                           IoEngine::Create(rig->choice.backend.get(), engine_options));
+  MEMPLAN_ASSIGN_OR_RETURN(
+      rig->file, rig->engine->AddFile(bench_file.fd(), bench_file.path(), bench_file.direct()));
+  return rig;
+}
+
+Status CheckDirectory(const std::string& directory, uint64_t size_bytes) {
+  struct stat st {};
+  if (::stat(directory.c_str(), &st) != 0) {
+    if (errno == ENOENT) return Status::NotFound(directory + ": no such directory");
+    return Status::FromErrno(errno, directory);
+  }
+  if (!S_ISDIR(st.st_mode)) return Status::InvalidArgument(directory + ": not a directory");
+  struct statvfs vfs {};
+  if (::statvfs(directory.c_str(), &vfs) != 0) {
+    return Status::FromErrno(errno, directory + ": cannot read free space");
+  }
+  uint64_t free_bytes = CheckedMul(vfs.f_bavail, vfs.f_frsize).value_or(UINT64_MAX);
+  if (free_bytes < size_bytes) {
+    return Status::ResourceExhausted(directory + ": the bench file needs " +
+                                     FormatByteSize(size_bytes) + " but the filesystem has " +
+                                     FormatByteSize(free_bytes) + " free");
+  }
+  return Status::Ok();
+}
+
+struct Planned {
+  BackendKind backend;
+  uint32_t block_size;
+  uint32_t queue_depth;
+};
+
+int BestIndex(const std::vector<BenchResult>& results, bool aio_only) {
+  int best = -1;
+  for (size_t i = 0; i < results.size(); ++i) {
+    if (aio_only && results[i].backend != BackendKind::kAio) continue;
+    if (best < 0 || results[i].score() > results[static_cast<size_t>(best)].score()) {
+      best = static_cast<int>(i);
+    }
+  }
+  return best;
+}
+
+std::string Join(const std::vector<std::string>& parts, std::string_view separator) {
+  std::string out;
+  for (const auto& part : parts) {
+    if (!out.empty()) out += separator;
+    out += part;
+  }
+  return out;
+}
+
+std::string MegabytesPerSecond(bool measured, double bytes_per_s) {
+  if (!measured) return "-";
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f", bytes_per_s / 1e6);
+  return text;
+}
+
+}  // namespace
+
+Result<uint64_t> ParseByteSize(std::string_view text) {
+  auto bad = [&](std::string_view why) {
+    return Status::InvalidArgument("bad size '" + std::string(text) + "': " + std::string(why));
+  };
+  size_t digits = 0;
+  while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') ++digits;
+  if (digits == 0) return bad("expected a whole number of bytes with an optional K, M, G or T");
+  uint64_t value = 0;
+  for (size_t i = 0; i < digits; ++i) {
+    auto next = CheckedMul(value, 10);
+    if (next) next = CheckedAdd(*next, static_cast<uint64_t>(text[i] - '0'));
+    if (!next) return bad("too large");
+    value = *next;
+  }
+  std::string suffix = LowerCase(text.substr(digits));
+  uint64_t unit = 1;
+  if (suffix.empty() || suffix == "b") {
+    unit = 1;
+  } else if (suffix == "k" || suffix == "kib") {
+    unit = kKiB;
+  } else if (suffix == "m" || suffix == "mib") {
+    unit = kKiB * kKiB;
+  } else if (suffix == "g" || suffix == "gib") {
+    unit = kKiB * kKiB * kKiB;
+  } else if (suffix == "t" || suffix == "tib") {
+    unit = kKiB * kKiB * kKiB * kKiB;
+  } else if (suffix == "kb" || suffix == "mb" || suffix == "gb" || suffix == "tb") {
+    return bad("decimal units are ambiguous; use K/KiB, M/MiB, G/GiB or T/TiB (powers of 1024)");
+  } else {
+    return bad("unknown unit '" + std::string(text.substr(digits)) +
+               "' (use K/KiB, M/MiB, G/GiB or T/TiB)");
+  }
+  auto bytes = CheckedMul(value, unit);
+  if (!bytes) return bad("too large");
+  return *bytes;
+}
+
+std::string FormatByteSize(uint64_t bytes) {
+  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int unit = 0;
+  uint64_t scale = 1;
+  while (unit < 6 && bytes >= scale * kKiB) {
+    scale *= kKiB;
+    ++unit;
+  }
+  char text[48];
+  if (bytes % scale == 0) {
+    std::snprintf(text, sizeof(text), "%" PRIu64 " %s", bytes / scale, kUnits[unit]);
+  } else {
+    std::snprintf(text, sizeof(text), "%.1f %s", static_cast<double>(bytes) / scale, kUnits[unit]);
+  }
+  return text;
+}
+
+std::string_view BenchRwName(BenchRw rw) {
+  switch (rw) {
+    case BenchRw::kRead: return "read";
+    case BenchRw::kWrite: return "write";
+    case BenchRw::kBoth: return "both";
+  }
+  return "?";
+}
+
+Result<BenchRw> ParseBenchRw(std::string_view text) {
+  for (BenchRw rw : {BenchRw::kRead, BenchRw::kWrite, BenchRw::kBoth}) {
+    if (text == BenchRwName(rw)) return rw;
+  }
+  return Status::InvalidArgument("unknown --rw '" + std::string(text) +
+                                 "' (expected read, write or both)");
+}
+
+Status BenchOptions::Validate() const {
+  if (directory.empty()) return Status::InvalidArgument("no directory given for the bench file");
+  if (size_bytes == 0 || size_bytes % kAlignment != 0) {
+    return Status::InvalidArgument("size must be a positive multiple of 4 KiB, got " +
+                                   std::to_string(size_bytes) + " bytes");
+  }
+  if (!(seconds_per_point >= 0) || seconds_per_point > 86400) {
+    return Status::InvalidArgument("seconds per point must be between 0 (no limit) and 86400");
+  }
+  if (backends.empty() || block_sizes.empty() || queue_depths.empty()) {
+    return Status::InvalidArgument(
+        "the sweep needs at least one backend, block size and "
+        "queue depth");
+  }
+  for (BackendKind backend : backends) {
+    if (backend == BackendKind::kMemory) {
+      return Status::InvalidArgument(
+          "the memory backend does not touch the disk; bench uring, "
+          "aio, posix or auto");
+    }
+  }
+  for (uint32_t block : block_sizes) {
+    if (block < kMinBlock || block > kMaxBlock || block % kAlignment != 0) {
+      return Status::InvalidArgument(
+          "block size must be a multiple of 4 KiB from 4 KiB to "
+          "64 MiB, got " +
+          std::to_string(block) + " bytes");
+    }
+    if (block > size_bytes) {
+      return Status::InvalidArgument("size " + FormatByteSize(size_bytes) +
+                                     " is smaller than the block size " + FormatByteSize(block));
+    }
+  }
+  for (uint32_t depth : queue_depths) {
+    MEMPLAN_RETURN_IF_ERROR(BackendOptionsFor(depth).Validate());
+  }
+  if (chunk_bytes == 0) return Status::InvalidArgument("chunk size must be positive");
+  return Status::Ok();
+}
+
+Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn& progress) {
+  MEMPLAN_RETURN_IF_ERROR(options.Validate());
+  MEMPLAN_RETURN_IF_ERROR(CheckDirectory(options.directory, options.size_bytes));
+
+  BenchReport report;
+  report.directory = options.directory;
+  report.filesystem = FilesystemName(options.directory);
+  report.rw = options.rw;
+  report.size_bytes = options.size_bytes;
+  auto report_progress = [&](BenchProgress event) {
+    if (progress) progress(event);
+  };
+
+  // Which backends this machine can run. With one backend named, failing to set it up is the
+  // user's error; in a sweep it is a note.
+  std::vector<BackendKind> backends;
+  const uint32_t probe_depth = options.queue_depths.front();
+  for (BackendKind kind : options.backends) {
+    auto probe = CreateBackend(kind, BackendOptionsFor(probe_depth));
+    if (!probe.ok()) {
+      if (options.backends.size() == 1) {
+        return probe.status().WithPrefix(std::string(BackendKindName(kind)) + " backend");
+      }
+      std::string note = std::string(BackendKindName(kind)) +
+                         ": unavailable, skipped: " + probe.status().message();
+      report_progress({"skip", 0, 0, nullptr, note});
+      report.notes.push_back(std::move(note));
+      continue;
+    }
+    if (kind == BackendKind::kAuto && !probe->note.empty()) {
+      report.notes.push_back("auto: " + probe->note);
+    }
+    if (std::find(backends.begin(), backends.end(), probe->kind) == backends.end()) {
+      backends.push_back(probe->kind);
+    }
+  }
+  if (backends.empty()) {
+    return Status::FailedPrecondition("no I/O backend could be set up: " +
+                                      Join(report.notes, "; "));
+  }
+
+  std::vector<Planned> plan;
+  uint64_t buffer_bytes = PlanChunks(options, kFillBlock, kFillQueueDepth).max_bytes;
+  for (BackendKind backend : backends) {
+    for (uint32_t block : options.block_sizes) {
+      for (uint32_t depth : options.queue_depths) {
+        plan.push_back({backend, block, depth});
+        buffer_bytes = std::max(buffer_bytes, PlanChunks(options, block, depth).max_bytes);
+      }
+    }
+  }
+  report.points_planned = plan.size();
+
+  MEMPLAN_ASSIGN_OR_RETURN(AlignedBuffer buffer, AllocateBuffer(buffer_bytes));
+  BenchFile bench_file;
+  MEMPLAN_RETURN_IF_ERROR(bench_file.Create(options.directory, options.direct));
+  MEMPLAN_RETURN_IF_ERROR(bench_file.Preallocate(options.size_bytes));
+
+  if (!options.direct) {
+    report.notes.push_back(
+        "buffered I/O: writes are timed to the end of fdatasync and the page "
+        "cache is dropped before each read pass");
+  } else if (!bench_file.direct()) {
+    report.notes.push_back("O_DIRECT refused by the filesystem (" + report.filesystem +
+                           "); measured buffered I/O");
+  }
+  if (IsMemoryFilesystem(report.filesystem)) {
+    report.notes.push_back(options.directory + " is on " + report.filesystem +
+                           " (memory, not a disk): these figures say nothing about a drive");
+  }
+  if (std::find(backends.begin(), backends.end(), BackendKind::kPosix) != backends.end()) {
+    report.notes.push_back("posix: one worker thread per queue slot (pread/pwrite)");
+  }
+
+  // The unmeasured fill: see Note [Bench method].
+  report_progress(
+      {"prepare", 0, plan.size(), nullptr,
+       "writing the " + FormatByteSize(options.size_bytes) + " bench file " + bench_file.path()});
+  {
+    auto rig = MakeRig(backends.front(), kFillBlock, kFillQueueDepth, bench_file);
+    if (!rig.ok()) return rig.status().WithPrefix("preparing the bench file");
+    uint64_t largest_chunk = 0;
+    auto fill = RunPhase(*(*rig)->engine, (*rig)->file, bench_file, OpType::kWrite,
+                         options.size_bytes, PlanChunks(options, kFillBlock, kFillQueueDepth),
+                         buffer.get(), 0, options.stop, &largest_chunk);
+    if (!fill.ok()) return fill.status().WithPrefix("preparing the bench file");
+    if (fill->stopped) {
+      report.interrupted = true;
+      return report;
+    }
+    DropCache(bench_file);
+  }
+
+  const bool do_write = options.rw != BenchRw::kRead;
+  const bool do_read = options.rw != BenchRw::kWrite;
+  for (const Planned& point : plan) {
+    if (StopRequested(options.stop)) {
+      report.interrupted = true;
+      break;
+    }
+    const std::string name = PointName(point.backend, point.block_size, point.queue_depth);
+    auto rig = MakeRig(point.backend, point.block_size, point.queue_depth, bench_file);
+    if (!rig.ok()) return rig.status().WithPrefix(name);
+    BenchResult result;
+    result.backend = (*rig)->choice.kind;
+    result.direct = bench_file.direct();
+    result.block_size = point.block_size;
+    result.queue_depth = point.queue_depth;
+    result.size_bytes = options.size_bytes;
+    const ChunkLimits chunks = PlanChunks(options, point.block_size, point.queue_depth);
+    bool stopped = false;
+    for (OpType op : {OpType::kWrite, OpType::kRead}) {
+      if (op == OpType::kWrite ? !do_write : !do_read) continue;
+      auto phase =
+          RunPhase(*(*rig)->engine, (*rig)->file, bench_file, op, options.size_bytes, chunks,
+                   buffer.get(), options.seconds_per_point, options.stop, &result.chunk_bytes);
+      if (!phase.ok()) return phase.status().WithPrefix(name);
+      if (phase->stopped) {
+        stopped = true;
+        break;
+      }
+      if (op == OpType::kWrite) {
+        result.write_measured = true;
+        result.write_bytes = phase->bytes;
+        result.write_seconds = phase->seconds;
+        DropCache(bench_file);
+      } else {
+        result.read_measured = true;
+        result.read_bytes = phase->bytes;
+        result.read_seconds = phase->seconds;
+      }
+    }
+    if (stopped) {
+      report.interrupted = true;
+      break;
+    }
+    report.results.push_back(result);
+    report_progress({"point", report.results.size(), plan.size(), &report.results.back(), name});
+  }
+
+  report.best = BestIndex(report.results, /*aio_only=*/false);
+  report.best_aio = BestIndex(report.results, /*aio_only=*/true);
+  size_t limited =
+      static_cast<size_t>(std::count_if(report.results.begin(), report.results.end(),
+                                        [](const BenchResult& r) { return r.time_limited(); }));
+  if (limited > 0) {
+    report.notes.push_back(std::to_string(limited) +
+                           " point(s) stopped at the time limit "
+                           "before transferring the full size (marked *)");
+  }
+  if (report.best >= 0 && report.best_aio >= 0 && report.best != report.best_aio) {
+    const BenchResult& best = report.results[static_cast<size_t>(report.best)];
+    report.notes.push_back(
+        "the aio block holds the best libaio settings, since DeepSpeed's "
+        "engine is libaio; memplan's engine is fastest with " +
+        PointName(best.backend, best.block_size, best.queue_depth));
+  }
+  if (report.best >= 0) {
+    report.notes.push_back(
+        "intra_op_parallelism 1: one thread issued every request (threads "
+        "are not swept)");
+  }
+  return report;
+}
+
+const BenchResult* AioChoice(const BenchReport& report) {
+  int index = report.best_aio >= 0 ? report.best_aio : report.best;
+  return index >= 0 ? &report.results[static_cast<size_t>(index)] : nullptr;
+}
+
+nlohmann::ordered_json AioConfig(const BenchResult& result) {
+  nlohmann::ordered_json aio;
+  aio["block_size"] = result.block_size;
+  aio["queue_depth"] = result.queue_depth;
+  aio["intra_op_parallelism"] = 1;
+  aio["single_submit"] = false;
+  aio["overlap_events"] = true;
+  aio["use_gds"] = false;
+  nlohmann::ordered_json out;
+  out["aio"] = std::move(aio);
+  return out;
+}
+
+std::string AioConfigText(const BenchResult& result) { return AioConfig(result).dump(2) + "\n"; }
+
+nlohmann::ordered_json ToJson(const BenchResult& result) {
+  nlohmann::ordered_json out;
+  out["backend"] = BackendKindName(result.backend);
+  out["direct"] = result.direct;
+  out["block_size"] = result.block_size;
+  out["queue_depth"] = result.queue_depth;
+  out["size_bytes"] = result.size_bytes;
+  out["read_bytes_per_s"] =
+      result.read_measured ? nlohmann::ordered_json(result.read_bytes_per_s()) : nullptr;
+  out["write_bytes_per_s"] =
+      result.write_measured ? nlohmann::ordered_json(result.write_bytes_per_s()) : nullptr;
+  out["read_bytes"] = result.read_bytes;
+  out["write_bytes"] = result.write_bytes;
+  out["read_seconds"] = result.read_seconds;
+  out["write_seconds"] = result.write_seconds;
+  out["time_limited"] = result.time_limited();
+  return out;
+}
+
+nlohmann::ordered_json ToJson(const BenchReport& report) {
+  nlohmann::ordered_json out;
+  out["path"] = report.directory;
+  out["filesystem"] = report.filesystem;
+  out["rw"] = BenchRwName(report.rw);
+  out["size_bytes"] = report.size_bytes;
+  nlohmann::ordered_json results = nlohmann::ordered_json::array();
+  for (const BenchResult& result : report.results) results.push_back(ToJson(result));
+  out["results"] = std::move(results);
+  out["best"] = report.best >= 0 ? ToJson(report.results[static_cast<size_t>(report.best)])
+                                 : nlohmann::ordered_json(nullptr);
+  const BenchResult* aio = AioChoice(report);
+  out["aio"] = aio != nullptr ? AioConfig(*aio)["aio"] : nlohmann::ordered_json(nullptr);
+  out["note"] = Join(report.notes, "; ");
+  out["interrupted"] = report.interrupted;
+  return out;
+}
+
+std::string FormatBenchText(const BenchReport& report) {
+  std::string out;
+  char line[256];
+  bool direct = !report.results.empty() && report.results.front().direct;
+  std::snprintf(
+      line, sizeof(line), "NVMe bench: %s (%s), %s, sequential %s of %s per point\n",
+      report.directory.c_str(), report.filesystem.c_str(), direct ? "O_DIRECT" : "buffered",
+      report.rw == BenchRw::kBoth ? "write then read" : std::string(BenchRwName(report.rw)).c_str(),
+      FormatByteSize(report.size_bytes).c_str());
+  out += line;
+  std::snprintf(line, sizeof(line), "%-8s %10s %12s %12s %12s\n", "backend", "block_size",
+                "queue_depth", "write MB/s", "read MB/s");
+  out += line;
+  for (const BenchResult& r : report.results) {
+    std::snprintf(line, sizeof(line), "%-8s %10s %12u %12s %12s%s\n",
+                  std::string(BackendKindName(r.backend)).c_str(),
+                  FormatByteSize(r.block_size).c_str(), r.queue_depth,
+                  MegabytesPerSecond(r.write_measured, r.write_bytes_per_s()).c_str(),
+                  MegabytesPerSecond(r.read_measured, r.read_bytes_per_s()).c_str(),
+                  r.time_limited() ? " *" : "");
+    out += line;
+  }
+  if (report.best >= 0) {
+    const BenchResult& b = report.results[static_cast<size_t>(report.best)];
+    std::snprintf(line, sizeof(line),
+                  "Best (read + write): %s, block_size %s, queue_depth %u: write %s MB/s, "
+                  "read %s MB/s\n",
+                  std::string(BackendKindName(b.backend)).c_str(),
+                  FormatByteSize(b.block_size).c_str(), b.queue_depth,
+                  MegabytesPerSecond(b.write_measured, b.write_bytes_per_s()).c_str(),
+                  MegabytesPerSecond(b.read_measured, b.read_bytes_per_s()).c_str());
+    out += line;
+  }
+  if (const BenchResult* aio = AioChoice(report)) {
+    out += "DeepSpeed aio block:\n" + AioConfigText(*aio);
+  }
+  if (!report.notes.empty()) {
+    out += "Notes:\n";
+    for (const auto& note : report.notes) out += "  - " + note + "\n";
+  }
+  return out;
+}
+
+}  // namespace memplan::nvme

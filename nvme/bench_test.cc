@@ -1,0 +1,346 @@
+// Tests of the NVMe bench library: a tiny real sweep on the POSIX backend, the bench file's
+// lifetime (gone after success, error and interruption), the numbers it reports, the `aio` block
+// it emits, and byte-size parsing.
+#include "nvme/bench.h"
+
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <system_error>
+#include <vector>
+
+namespace memplan::nvme {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+// A fresh directory under $TMPDIR (or /tmp), removed with its contents at the end of the test.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern =
+        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/memplan-bench-test.XXXXXX";
+    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
+    path_ = pattern;
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+
+  std::string path() const { return path_.string(); }
+  size_t Entries() const {
+    size_t n = 0;
+    for ([[maybe_unused]] const auto& entry : fs::directory_iterator(path_)) ++n;
+    return n;
+  }
+
+ private:
+  fs::path path_;
+};
+
+// A small POSIX sweep: 2 block sizes x 2 queue depths over a few MiB, no time limit.
+BenchOptions TinySweep(const std::string& directory) {
+  BenchOptions options;
+  options.directory = directory;
+  options.size_bytes = 4 * kMiB;
+  options.seconds_per_point = 0;
+  options.backends = {BackendKind::kPosix};
+  options.block_sizes = {256 << 10, 1 << 20};
+  options.queue_depths = {1, 4};
+  return options;
+}
+
+TEST_CASE("bench: a tiny POSIX sweep measures every point over exactly --size bytes") {
+  ScratchDir dir;
+  BenchOptions options = TinySweep(dir.path());
+  std::vector<std::string> stages;
+  std::vector<size_t> indexes;
+  bool file_seen_during_run = false;
+  auto report = RunBench(options, [&](const BenchProgress& event) {
+    stages.emplace_back(event.stage);
+    indexes.push_back(event.index);
+    CHECK(event.total == 4);
+    if (event.stage == "point") {
+      REQUIRE(event.result != nullptr);
+      CHECK(event.result->write_bytes == options.size_bytes);
+    }
+    file_seen_during_run = file_seen_during_run || dir.Entries() == 1;
+  });
+  REQUIRE_MESSAGE(report.ok(), report.status().ToString());
+  CHECK(file_seen_during_run);
+  CHECK(dir.Entries() == 0);  // the bench file is gone
+  CHECK_FALSE(report->interrupted);
+  CHECK(report->points_planned == 4);
+  CHECK(stages == std::vector<std::string>{"prepare", "point", "point", "point", "point"});
+  CHECK(indexes == std::vector<size_t>{0, 1, 2, 3, 4});
+
+  REQUIRE(report->results.size() == 4);
+  std::vector<std::pair<uint32_t, uint32_t>> points;
+  for (const BenchResult& r : report->results) {
+    CAPTURE(r.block_size);
+    CAPTURE(r.queue_depth);
+    points.emplace_back(r.block_size, r.queue_depth);
+    CHECK(r.backend == BackendKind::kPosix);
+    CHECK(r.size_bytes == 4 * kMiB);
+    CHECK(r.write_measured);
+    CHECK(r.read_measured);
+    CHECK(r.write_bytes == 4 * kMiB);
+    CHECK(r.read_bytes == 4 * kMiB);
+    CHECK(r.write_seconds > 0);
+    CHECK(r.read_seconds > 0);
+    CHECK(r.write_bytes_per_s() == doctest::Approx(4.0 * kMiB / r.write_seconds));
+    CHECK(r.read_bytes_per_s() > 0);
+    CHECK_FALSE(r.time_limited());
+    CHECK(r.chunk_bytes == 4 * kMiB);  // size < the 256 MiB chunk cap: one call per direction
+  }
+  CHECK(points == std::vector<std::pair<uint32_t, uint32_t>>{
+                      {256 << 10, 1}, {256 << 10, 4}, {1 << 20, 1}, {1 << 20, 4}});
+
+  REQUIRE(report->best >= 0);
+  for (const BenchResult& r : report->results) {
+    CHECK(r.score() <= report->results[static_cast<size_t>(report->best)].score());
+  }
+  CHECK(report->best_aio == -1);  // no libaio point: the aio block takes the overall best
+  CHECK(AioChoice(*report) == &report->results[static_cast<size_t>(report->best)]);
+
+  nlohmann::ordered_json json = ToJson(*report);
+  CHECK(json["path"] == dir.path());
+  CHECK(json["results"].size() == 4);
+  CHECK(json["best"]["backend"] == "posix");
+  CHECK(json["best"]["size_bytes"] == 4 * kMiB);
+  CHECK(json["aio"]["intra_op_parallelism"] == 1);
+  CHECK(json["note"].get<std::string>().find("posix") != std::string::npos);
+  std::string text = FormatBenchText(*report);
+  CHECK(text.find("256 KiB") != std::string::npos);
+  CHECK(text.find("Best (read + write): posix") != std::string::npos);
+}
+
+TEST_CASE("bench: --rw read or write measures only that direction") {
+  ScratchDir dir;
+  BenchOptions options = TinySweep(dir.path());
+  options.block_sizes = {1 << 20};
+  options.queue_depths = {4};
+  for (BenchRw rw : {BenchRw::kRead, BenchRw::kWrite}) {
+    CAPTURE(BenchRwName(rw));
+    options.rw = rw;
+    auto report = RunBench(options);
+    REQUIRE_MESSAGE(report.ok(), report.status().ToString());
+    REQUIRE(report->results.size() == 1);
+    const BenchResult& r = report->results[0];
+    CHECK(r.read_measured == (rw == BenchRw::kRead));
+    CHECK(r.write_measured == (rw == BenchRw::kWrite));
+    nlohmann::ordered_json json = ToJson(r);
+    CHECK(json["read_bytes_per_s"].is_null() == (rw == BenchRw::kWrite));
+    CHECK(json["write_bytes_per_s"].is_null() == (rw == BenchRw::kRead));
+    CHECK(dir.Entries() == 0);
+  }
+}
+
+TEST_CASE("bench: buffered I/O (--no-direct) is measured and says so") {
+  ScratchDir dir;
+  BenchOptions options = TinySweep(dir.path());
+  options.direct = false;
+  options.block_sizes = {1 << 20};
+  options.queue_depths = {4};
+  auto report = RunBench(options);
+  REQUIRE_MESSAGE(report.ok(), report.status().ToString());
+  REQUIRE(report->results.size() == 1);
+  CHECK_FALSE(report->results[0].direct);
+  CHECK(ToJson(*report)["note"].get<std::string>().find("buffered") != std::string::npos);
+  CHECK(dir.Entries() == 0);
+}
+
+TEST_CASE("bench: a stop request ends the run cleanly and removes the file") {
+  ScratchDir dir;
+  BenchOptions options = TinySweep(dir.path());
+  std::atomic<bool> stop{false};
+  options.stop = &stop;
+  SUBCASE("before anything is measured") {
+    stop = true;
+    auto report = RunBench(options);
+    REQUIRE_MESSAGE(report.ok(), report.status().ToString());
+    CHECK(report->interrupted);
+    CHECK(report->results.empty());
+  }
+  SUBCASE("after the first point") {
+    auto report = RunBench(options, [&](const BenchProgress& event) {
+      if (event.stage == "point") stop = true;
+    });
+    REQUIRE_MESSAGE(report.ok(), report.status().ToString());
+    CHECK(report->interrupted);
+    CHECK(report->results.size() == 1);
+  }
+  CHECK(dir.Entries() == 0);
+}
+
+TEST_CASE("bench: a time limit stops a point early and marks it") {
+  ScratchDir dir;
+  BenchOptions options = TinySweep(dir.path());
+  options.size_bytes = 8 * kMiB;
+  options.chunk_bytes = 1 * kMiB;  // a chunk per call, so the limit is checked after each MiB
+  options.seconds_per_point = 1e-9;
+  options.block_sizes = {1 << 20};
+  options.queue_depths = {1};
+  auto report = RunBench(options);
+  REQUIRE_MESSAGE(report.ok(), report.status().ToString());
+  REQUIRE(report->results.size() == 1);
+  const BenchResult& r = report->results[0];
+  CHECK(r.write_bytes == 1 * kMiB);
+  CHECK(r.read_bytes == 1 * kMiB);
+  CHECK(r.time_limited());
+  CHECK(FormatBenchText(*report).find(" *\n") != std::string::npos);
+}
+
+TEST_CASE("bench: bad directories and sizes are refused before any file is made") {
+  ScratchDir dir;
+  BenchOptions options = TinySweep(dir.path() + "/missing");
+  auto missing = RunBench(options);
+  REQUIRE_FALSE(missing.ok());
+  CHECK(missing.status().code() == StatusCode::kNotFound);
+  CHECK(missing.status().message().find("/missing") != std::string::npos);
+
+  std::string file = dir.path() + "/plain";
+  std::ofstream(file) << "x";
+  options.directory = file;
+  auto not_dir = RunBench(options);
+  REQUIRE_FALSE(not_dir.ok());
+  CHECK(not_dir.status().code() == StatusCode::kInvalidArgument);
+  CHECK(not_dir.status().message().find("not a directory") != std::string::npos);
+
+  options.directory = dir.path();
+  options.size_bytes = uint64_t{1} << 60;  // 1 EiB: more than any test machine has free
+  auto too_big = RunBench(options);
+  REQUIRE_FALSE(too_big.ok());
+  CHECK(too_big.status().code() == StatusCode::kResourceExhausted);
+  CHECK(too_big.status().message().find("1 EiB") != std::string::npos);
+  CHECK(dir.Entries() == 1);  // only "plain"
+}
+
+TEST_CASE("bench: options are validated") {
+  BenchOptions options = TinySweep("/tmp");
+  CHECK(options.Validate().ok());
+  auto refused = [](const BenchOptions& o, const std::string& needle) {
+    Status status = o.Validate();
+    CAPTURE(status.ToString());
+    CHECK(status.code() == StatusCode::kInvalidArgument);
+    CHECK(status.message().find(needle) != std::string::npos);
+  };
+  BenchOptions bad = options;
+  bad.size_bytes = 4097;
+  refused(bad, "multiple of 4 KiB");
+  bad = options;
+  bad.block_sizes = {6000};
+  refused(bad, "block size");
+  bad = options;
+  bad.block_sizes = {8 << 20};
+  refused(bad, "smaller than the block size 8 MiB");
+  bad = options;
+  bad.queue_depths = {0};
+  refused(bad, "queue depth");
+  bad = options;
+  bad.backends = {BackendKind::kMemory};
+  refused(bad, "memory");
+  bad = options;
+  bad.seconds_per_point = -1;
+  refused(bad, "seconds");
+}
+
+TEST_CASE("bench: the emitted aio block is DeepSpeed's, exactly") {
+  BenchResult best;
+  best.backend = BackendKind::kAio;
+  best.block_size = 1 << 20;
+  best.queue_depth = 32;
+  CHECK(AioConfigText(best) ==
+        "{\n"
+        "  \"aio\": {\n"
+        "    \"block_size\": 1048576,\n"
+        "    \"queue_depth\": 32,\n"
+        "    \"intra_op_parallelism\": 1,\n"
+        "    \"single_submit\": false,\n"
+        "    \"overlap_events\": true,\n"
+        "    \"use_gds\": false\n"
+        "  }\n"
+        "}\n");
+}
+
+TEST_CASE("bench: the best is read + write; the aio block prefers libaio's best") {
+  auto point = [](BackendKind backend, uint32_t block, double read_s, double write_s) {
+    BenchResult r;
+    r.backend = backend;
+    r.block_size = block;
+    r.queue_depth = 32;
+    r.size_bytes = r.read_bytes = r.write_bytes = 1000;
+    r.read_measured = r.write_measured = true;
+    r.read_seconds = read_s;
+    r.write_seconds = write_s;
+    return r;
+  };
+  BenchReport report;
+  // Read + write bytes/s: 1000/0.5 + 1000/1 = 3000; 1000/1 + 1000/0.4 = 3500; 2000 + 1000 = 3000.
+  report.results = {point(BackendKind::kUring, 1 << 20, 0.5, 1.0),
+                    point(BackendKind::kUring, 8 << 20, 1.0, 0.4),
+                    point(BackendKind::kAio, 8 << 20, 0.5, 1.0)};
+  report.best = 1;
+  report.best_aio = 2;
+  CHECK(report.results[1].score() == doctest::Approx(3500));
+  CHECK(AioChoice(report) == &report.results[2]);
+  nlohmann::ordered_json json = ToJson(report);
+  CHECK(json["best"]["backend"] == "uring");
+  CHECK(json["best"]["block_size"] == 8 << 20);
+  CHECK(json["aio"]["block_size"] == 8 << 20);
+  CHECK(json["best"]["read_bytes_per_s"] == 1000.0);
+  CHECK(json["best"]["write_bytes_per_s"] == 2500.0);
+}
+
+TEST_CASE("bench: byte sizes parse with binary suffixes and refuse anything else") {
+  auto ok = [](std::string_view text, uint64_t bytes) {
+    auto parsed = ParseByteSize(text);
+    CAPTURE(text);
+    REQUIRE_MESSAGE(parsed.ok(), parsed.status().ToString());
+    CHECK(*parsed == bytes);
+  };
+  ok("4096", 4096);
+  ok("1G", uint64_t{1} << 30);
+  ok("1g", uint64_t{1} << 30);
+  ok("512MiB", uint64_t{512} << 20);
+  ok("128K", 128 << 10);
+  ok("128kib", 128 << 10);
+  ok("8M", 8 << 20);
+  ok("2T", uint64_t{2} << 40);
+  ok("2TiB", uint64_t{2} << 40);
+  ok("16B", 16);
+  ok("0", 0);
+  for (std::string_view bad :
+       {"", "G", "-1", "+1", "1.5G", "1 G", " 1G", "1G ", "1GB", "1MB", "12X", "1Gi", "0x10",
+        "18446744073709551616", "18446744073709551615K", "17179869184G"}) {
+    CAPTURE(bad);
+    auto parsed = ParseByteSize(bad);
+    REQUIRE_FALSE(parsed.ok());
+    CHECK(parsed.status().code() == StatusCode::kInvalidArgument);
+    CHECK(parsed.status().message().find("'" + std::string(bad) + "'") != std::string::npos);
+  }
+  CHECK(ParseByteSize("1GB").status().message().find("KiB") != std::string::npos);
+}
+
+TEST_CASE("bench: byte sizes format exactly where they can") {
+  CHECK(FormatByteSize(0) == "0 B");
+  CHECK(FormatByteSize(512) == "512 B");
+  CHECK(FormatByteSize(128 << 10) == "128 KiB");
+  CHECK(FormatByteSize(1 << 20) == "1 MiB");
+  CHECK(FormatByteSize(uint64_t{3} << 29) == "1.5 GiB");
+  CHECK(FormatByteSize(uint64_t{1} << 60) == "1 EiB");
+}
+
+}  // namespace
+}  // namespace memplan::nvme

@@ -1,0 +1,173 @@
+// End-to-end tests of `memplan bench nvme` as a user runs it: the JSON schema, the emitted
+// DeepSpeed `aio` file, progress on stderr, and bad input (exit 2, one line, nothing on stdout).
+// Every run measures 8 MiB on the POSIX backend, so the suite takes well under a second.
+#include <sys/wait.h>
+
+#include <doctest/doctest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/testing.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using memplan::testing::TempDir;
+
+struct Run {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+std::string Quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+std::string Slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs memplan with stdout and stderr captured to files (so stderr is not a terminal).
+Run Memplan(const std::vector<std::string>& args) {
+  TempDir tmp("memplan-bench-cli-io.");
+  std::string cmd = Quote(MEMPLAN_BINARY);
+  for (const auto& a : args) cmd += " " + Quote(a);
+  cmd += " >" + Quote((tmp.path() / "out").string()) + " 2>" + Quote((tmp.path() / "err").string());
+  int status = std::system(cmd.c_str());
+  Run run;
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  run.out = Slurp(tmp.path() / "out");
+  run.err = Slurp(tmp.path() / "err");
+  return run;
+}
+
+void ExpectBadInput(const Run& run, const std::string& needle) {
+  CAPTURE(run.err);
+  CHECK(run.exit_code == 2);
+  CHECK(run.out.empty());
+  REQUIRE_FALSE(run.err.empty());
+  CHECK(run.err.find('\n') == run.err.size() - 1);  // exactly one line
+  CHECK(run.err.find(needle) != std::string::npos);
+}
+
+size_t Entries(const fs::path& dir) {
+  size_t n = 0;
+  for ([[maybe_unused]] const auto& entry : fs::directory_iterator(dir)) ++n;
+  return n;
+}
+
+// One small POSIX configuration, plus `extra` flags.
+std::vector<std::string> OneConfig(const TempDir& dir, std::vector<std::string> extra = {}) {
+  std::vector<std::string> args = {"bench",        "nvme", "--path",        dir.path().string(),
+                                   "--size",       "8M",   "--backend",     "posix",
+                                   "--block-size", "1M",   "--queue-depth", "4"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+TEST_CASE("bench cli: one configuration as JSON") {
+  TempDir dir("memplan-bench-cli.");
+  Run run = Memplan(OneConfig(dir, {"--format", "json"}));
+  CAPTURE(run.err);
+  REQUIRE(run.exit_code == 0);
+  CHECK(run.err.empty());           // stderr is not a terminal and --progress was not given
+  CHECK(Entries(dir.path()) == 0);  // the bench file is gone
+  nlohmann::json doc = nlohmann::json::parse(run.out);
+  CHECK(doc["path"] == dir.path().string());
+  CHECK(doc["size_bytes"] == 8u << 20);
+  CHECK(doc["rw"] == "both");
+  CHECK(doc["note"].is_string());
+  CHECK(doc["interrupted"] == false);
+  REQUIRE(doc["results"].is_array());
+  REQUIRE(doc["results"].size() == 1);
+  for (const nlohmann::json& point : {doc["results"][0], doc["best"]}) {
+    CAPTURE(point.dump());
+    for (const char* key : {"backend", "direct", "block_size", "queue_depth", "size_bytes",
+                            "read_bytes_per_s", "write_bytes_per_s"}) {
+      CAPTURE(key);
+      CHECK(point.contains(key));
+    }
+    CHECK(point["backend"] == "posix");
+    CHECK(point["direct"].is_boolean());
+    CHECK(point["block_size"] == 1u << 20);
+    CHECK(point["queue_depth"] == 4);
+    CHECK(point["size_bytes"] == 8u << 20);
+    CHECK(point["read_bytes"] == 8u << 20);
+    CHECK(point["write_bytes"] == 8u << 20);
+    CHECK(point["read_bytes_per_s"].get<double>() > 0);
+    CHECK(point["write_bytes_per_s"].get<double>() > 0);
+  }
+  CHECK(doc["aio"]["block_size"] == 1u << 20);
+  CHECK(doc["aio"]["queue_depth"] == 4);
+}
+
+TEST_CASE("bench cli: --emit-aio writes DeepSpeed's aio block; text shows the table") {
+  TempDir dir("memplan-bench-cli.");
+  TempDir out("memplan-bench-cli-out.");
+  std::string aio_path = (out.path() / "aio.json").string();
+  Run run = Memplan(OneConfig(dir, {"--emit-aio", aio_path, "--progress"}));
+  CAPTURE(run.err);
+  REQUIRE(run.exit_code == 0);
+  CHECK(run.out.find("Best (read + write): posix, block_size 1 MiB, queue_depth 4") !=
+        std::string::npos);
+  CHECK(run.out.find("\"aio\"") != std::string::npos);
+  CHECK(run.err.find("[1/1] posix") != std::string::npos);  // --progress: one line per point
+  nlohmann::json aio = nlohmann::json::parse(Slurp(aio_path));
+  CHECK(aio == nlohmann::json::parse(R"({"aio": {"block_size": 1048576, "queue_depth": 4,
+      "intra_op_parallelism": 1, "single_submit": false, "overlap_events": true,
+      "use_gds": false}})"));
+  CHECK(Entries(out.path()) == 1);  // no temporary left beside it
+  CHECK(Entries(dir.path()) == 0);
+}
+
+TEST_CASE("bench cli: bad input is one line on stderr, exit 2, nothing written") {
+  TempDir dir("memplan-bench-cli.");
+  std::string missing = (dir.path() / "nope").string();
+  ExpectBadInput(Memplan({"bench", "nvme", "--path", missing, "--size", "8M"}), missing);
+  std::string file = dir.Write("plain", "x").string();
+  ExpectBadInput(Memplan({"bench", "nvme", "--path", file, "--size", "8M"}), "not a directory");
+  ExpectBadInput(Memplan({"bench", "nvme", "--path", dir.path().string(), "--size", "12X"}),
+                 "--size");
+  ExpectBadInput(Memplan({"bench", "nvme", "--path", dir.path().string(), "--size", "1.5G"}),
+                 "1.5G");
+  ExpectBadInput(Memplan({"bench", "nvme", "--path", dir.path().string(), "--size", "4097"}),
+                 "multiple of 4 KiB");
+  ExpectBadInput(Memplan({"bench", "nvme", "--path", dir.path().string(), "--block-size", "6000"}),
+                 "block size");
+  ExpectBadInput(Memplan(OneConfig(dir, {"--direct", "--no-direct"})), "--no-direct");
+  ExpectBadInput(Memplan({"bench", "nvme", "--path", dir.path().string(), "--backend", "memory"}),
+                 "--backend");
+  ExpectBadInput(Memplan({"bench", "nvme", "--path", dir.path().string(), "--queue-depth", "0"}),
+                 "--queue-depth");
+  ExpectBadInput(Memplan({"bench", "nvme", "--size", "8M"}), "--path");
+  ExpectBadInput(Memplan({"bench"}), "subcommand");
+  std::string aio_path = (dir.path() / "no-such-dir" / "aio.json").string();
+  ExpectBadInput(Memplan(OneConfig(dir, {"--emit-aio", aio_path})), aio_path);
+  CHECK(Entries(dir.path()) == 1);  // only "plain": no bench file, no aio file
+}
+
+TEST_CASE("bench cli: --help names every option") {
+  Run run = Memplan({"bench", "nvme", "--help"});
+  CHECK(run.exit_code == 0);
+  for (const char* option :
+       {"--path", "--size", "--block-size", "--queue-depth", "--backend", "--rw", "--no-direct",
+        "--format", "--emit-aio", "--progress", "--seconds-per-point"}) {
+    CAPTURE(option);
+    CHECK(run.out.find(option) != std::string::npos);
+  }
+}
+
+}  // namespace

@@ -1,0 +1,236 @@
+// `memplan bench nvme`: the bandwidth of a directory's drive through memplan's own I/O path, over
+// the block size x queue depth x backend sweep DeepSpeed's ds_nvme_tune runs, and the DeepSpeed
+// `aio` block for the best settings. The measuring is nvme/bench.h; this file parses flags,
+// prints progress and routes SIGINT/SIGTERM to a clean stop (the bench file is always removed).
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "common/file.h"
+#include "nvme/bench.h"
+#include "tools/commands.h"
+
+namespace memplan::tools {
+namespace {
+
+// Exit status of a run stopped by SIGINT/SIGTERM (128 + SIGINT, as shells report it).
+constexpr int kExitInterrupted = 130;
+
+std::atomic<bool> g_stop{false};
+static_assert(std::atomic<bool>::is_always_lock_free, "g_stop is set from a signal handler");
+
+extern "C" void HandleStopSignal(int /*signal*/) { g_stop.store(true); }
+
+// Installs HandleStopSignal for SIGINT and SIGTERM while alive. SA_RESETHAND: a second signal
+// kills the process the usual way, for a user who does not want to wait for the clean stop.
+class StopSignals {
+ public:
+  StopSignals() {
+    struct sigaction action {};
+    action.sa_handler = HandleStopSignal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART | SA_RESETHAND;
+    ::sigaction(SIGINT, &action, &old_int_);
+    ::sigaction(SIGTERM, &action, &old_term_);
+  }
+  ~StopSignals() {
+    ::sigaction(SIGINT, &old_int_, nullptr);
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  struct sigaction old_int_ {};
+  struct sigaction old_term_ {};
+};
+
+struct BenchFlags {
+  std::string path;
+  std::string size = "1G";
+  std::string block_size;    // empty: swept
+  uint32_t queue_depth = 0;  // 0: swept
+  std::string backend;       // empty: swept
+  std::string rw = "both";
+  bool direct = false;  // --direct: the default, accepted for explicitness
+  bool no_direct = false;
+  double seconds_per_point = 2.0;
+  std::string format = "text";
+  std::string emit_aio;
+  bool progress = false;
+};
+
+void Fail(Outcome* outcome, const Status& status) {
+  outcome->exit_code = status.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
+  outcome->error = status.message();
+}
+
+// The options for RunBench, or the flag at fault.
+Result<nvme::BenchOptions> ToOptions(const BenchFlags& flags) {
+  nvme::BenchOptions options;
+  options.directory = flags.path;
+  auto size = nvme::ParseByteSize(flags.size);
+  if (!size.ok()) return size.status().WithPrefix("--size");
+  options.size_bytes = *size;
+  MEMPLAN_ASSIGN_OR_RETURN(options.rw, nvme::ParseBenchRw(flags.rw));
+  options.direct = !flags.no_direct;
+  options.seconds_per_point = flags.seconds_per_point;
+  options.stop = &g_stop;
+  // Naming any of the three runs one configuration; the others take these defaults.
+  bool single = !flags.block_size.empty() || flags.queue_depth != 0 || !flags.backend.empty();
+  if (single) {
+    options.backends = {nvme::BackendKind::kAuto};
+    options.block_sizes = {1u << 20};
+    options.queue_depths = {32};
+  }
+  if (!flags.block_size.empty()) {
+    auto block = nvme::ParseByteSize(flags.block_size);
+    if (!block.ok()) return block.status().WithPrefix("--block-size");
+    if (*block > UINT32_MAX) {
+      return Status::InvalidArgument("--block-size: " + flags.block_size + " is too large");
+    }
+    options.block_sizes = {static_cast<uint32_t>(*block)};
+  }
+  if (flags.queue_depth != 0) options.queue_depths = {flags.queue_depth};
+  if (!flags.backend.empty()) {
+    auto kind = nvme::ParseBackendKind(flags.backend);
+    if (!kind.ok()) return kind.status().WithPrefix("--backend");
+    options.backends = {*kind};
+  }
+  Status valid = options.Validate();
+  if (!valid.ok()) return valid;
+  if (!flags.emit_aio.empty()) {
+    // Found out now, not after a sweep of minutes.
+    std::filesystem::path parent = std::filesystem::path(flags.emit_aio).parent_path();
+    std::error_code error;
+    if (!parent.empty() && !std::filesystem::is_directory(parent, error)) {
+      return Status::InvalidArgument("--emit-aio " + flags.emit_aio + ": no directory " +
+                                     parent.string());
+    }
+  }
+  return options;
+}
+
+std::string MegabytesPerSecond(bool measured, double bytes_per_s) {
+  if (!measured) return "-";
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f", bytes_per_s / 1e6);
+  return text;
+}
+
+// One line per configuration on stderr.
+void PrintProgress(const nvme::BenchProgress& event) {
+  if (event.stage == "point" && event.result != nullptr) {
+    const nvme::BenchResult& r = *event.result;
+    int width = std::snprintf(nullptr, 0, "%zu", event.total);
+    std::fprintf(stderr, "[%*zu/%zu] %-5s block %-7s qd %-4u write %9s MB/s  read %9s MB/s%s\n",
+                 width, event.index, event.total,
+                 std::string(nvme::BackendKindName(r.backend)).c_str(),
+                 nvme::FormatByteSize(r.block_size).c_str(), r.queue_depth,
+                 MegabytesPerSecond(r.write_measured, r.write_bytes_per_s()).c_str(),
+                 MegabytesPerSecond(r.read_measured, r.read_bytes_per_s()).c_str(),
+                 r.time_limited() ? " (time limit)" : "");
+  } else {
+    std::fprintf(stderr, "%s\n", event.message.c_str());
+  }
+  std::fflush(stderr);
+}
+
+}  // namespace
+
+void RegisterBench(CLI::App& app, Outcome* outcome) {
+  CLI::App* bench = app.add_subcommand("bench", "Measure this machine: NVMe bandwidth");
+  bench->require_subcommand(1);
+  auto flags = std::make_shared<BenchFlags>();
+  CLI::App* cmd = bench->add_subcommand(
+      "nvme",
+      "Sequential write and read bandwidth of the drive under --path through memplan's I/O "
+      "engine, over block size x queue depth x backend (DeepSpeed's ds_nvme_tune sweep in "
+      "bounded time), and the DeepSpeed `aio` block for the best settings");
+  cmd->add_option("-p,--path", flags->path,
+                  "Directory on the drive to measure; a temporary bench file (--size bytes) is "
+                  "created there and always removed")
+      ->required();
+  cmd->add_option("-s,--size", flags->size,
+                  "Bytes written then read per configuration: a number with an optional K, M, G, "
+                  "T or KiB, MiB, GiB, TiB (powers of 1024); a multiple of 4 KiB")
+      ->capture_default_str();
+  cmd->add_option("--seconds-per-point", flags->seconds_per_point,
+                  "Stop each direction of a configuration after this many seconds even if --size "
+                  "bytes are not done (0: no limit)")
+      ->check(CLI::Range(0.0, 86400.0))
+      ->capture_default_str();
+  cmd->add_option("-b,--block-size", flags->block_size,
+                  "Bytes per request (e.g. 1M; DeepSpeed's aio block_size). Naming --block-size, "
+                  "--queue-depth or --backend runs one configuration; the others default to 1M, "
+                  "32 and auto. Default: sweep 128K, 1M, 8M");
+  cmd->add_option("-q,--queue-depth", flags->queue_depth,
+                  "Requests in flight (DeepSpeed's aio queue_depth). Default: sweep 16, 32, 128")
+      ->check(CLI::Range(1, 4096));
+  cmd->add_option("--backend", flags->backend,
+                  "I/O backend: uring (io_uring), aio (libaio, what DeepSpeed uses), posix "
+                  "(threads) or auto (the first that works, in that order). Default: sweep every "
+                  "one available")
+      ->check(CLI::IsMember({"uring", "aio", "posix", "auto", "io_uring", "libaio"}));
+  cmd->add_option("--rw", flags->rw, "Directions to measure: read, write or both")
+      ->check(CLI::IsMember({"read", "write", "both"}))
+      ->capture_default_str();
+  CLI::Option* direct = cmd->add_flag(
+      "--direct", flags->direct,
+      "O_DIRECT, bypassing the page cache (the default; where the filesystem refuses it, "
+      "buffered I/O is measured and a note says so)");
+  cmd->add_flag("--no-direct", flags->no_direct,
+                "Buffered I/O through the page cache (timed to fdatasync; the cache is dropped "
+                "before reads)")
+      ->excludes(direct);
+  cmd->add_option("--format", flags->format, "Output format: text (a table) or json")
+      ->check(CLI::IsMember({"text", "json"}))
+      ->capture_default_str();
+  cmd->add_option("--emit-aio", flags->emit_aio,
+                  "Write DeepSpeed's `aio` config block for the best settings to this file "
+                  "(atomically; the best libaio settings when libaio was measured)");
+  cmd->add_flag("--progress", flags->progress,
+                "One line per configuration on stderr even when stderr is not a terminal");
+  cmd->footer(
+      "\nExamples:\n"
+      "  memplan bench nvme --path /mnt/nvme --emit-aio aio.json\n"
+      "  memplan bench nvme --path /mnt/nvme --backend uring --block-size 1M --queue-depth 16 "
+      "--format json\n"
+      "\nExit status: 0 on success, 2 on bad input or a failed measurement (one line on stderr), "
+      "130 when interrupted (the bench file is removed either way).");
+  cmd->callback([flags, outcome] {
+    auto options = ToOptions(*flags);
+    if (!options.ok()) return Fail(outcome, options.status());
+    g_stop.store(false);
+    nvme::BenchProgressFn progress;
+    if (flags->progress || ::isatty(STDERR_FILENO) == 1) progress = PrintProgress;
+    Result<nvme::BenchReport> report = Status::Internal("bench did not run");
+    {
+      StopSignals signals;
+      report = nvme::RunBench(*options, progress);
+    }
+    if (g_stop.load() || (report.ok() && report->interrupted)) {
+      outcome->exit_code = kExitInterrupted;
+      outcome->error = "interrupted; the bench file was removed";
+      return;
+    }
+    if (!report.ok()) return Fail(outcome, report.status());
+    if (!flags->emit_aio.empty()) {
+      const nvme::BenchResult* choice = nvme::AioChoice(*report);
+      if (choice == nullptr) {
+        return Fail(outcome, Status::Internal("no configuration was measured"));
+      }
+      Status written = WriteFileAtomically(flags->emit_aio, nvme::AioConfigText(*choice));
+      if (!written.ok()) return Fail(outcome, written);
+    }
+    outcome->stdout_text = flags->format == "json" ? nvme::ToJson(*report).dump(2) + "\n"
+                                                   : nvme::FormatBenchText(*report);
+  });
+}
+
+}  // namespace memplan::tools
