@@ -9,7 +9,8 @@ int main(int argc, char** argv) {
   CLI::App app{
       "memplan: will a training job fit, where should each byte live, and how fast will it run?\n"
       "Estimates GPU/CPU memory per ZeRO stage and offload choice from a Hugging Face "
-      "config.json, a tensor-shape list or safetensors headers, without loading weights."};
+      "config.json, a tensor-shape list or safetensors headers, without loading weights, and "
+      "measures the NVMe bandwidth an offload plan can count on."};
   app.name("memplan");
   app.set_version_flag("--version", std::string("memplan ") + MEMPLAN_VERSION);
   app.require_subcommand(1);
