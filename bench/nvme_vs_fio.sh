@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# memplan's NVMe path against fio on the same directory and settings: sequential write and read of
+# memplan's NVMe path against fio on the same file and settings: sequential write and read of
 # SIZE bytes, block 1 MiB, queue depth 16, O_DIRECT, with fio's io_uring and libaio engines and
-# `memplan bench nvme --backend uring|aio`. ROUNDS rounds (default 3) alternate the tools to spread
-# drift and noise; the table shows each median and the ratio memplan/fio, checked against the
-# acceptance: io_uring >= 0.95 x fio io_uring, libaio >= 0.90 x fio libaio. Exit 0 when every
-# row passes, 1 otherwise.
+# `memplan bench nvme --backend uring|aio`. fio lays the file out once (the unrecorded warm-up) and
+# memplan benches that same file (--file), so both tools measure the same blocks. Per direction
+# both do the same work: the whole SIZE, writes timed to the end of a final sync (fio end_fsync=1,
+# memplan's fdatasync); fio runs a write job then a read job, memplan one invocation that writes
+# then reads. ROUNDS rounds (default 3) alternate the tools to spread drift and noise; the table
+# shows each median and the ratio memplan/fio, checked against the acceptance: io_uring >= 0.95 x
+# fio io_uring, libaio >= 0.90 x fio libaio. Exit 0 when every row passes, 1 otherwise.
 #
 # Usage: bench/nvme_vs_fio.sh [DIR] [SIZE]
 #   DIR   directory on the drive to measure (default: a scratch directory under $TMPDIR, else
 #         /var/tmp, else the repository; never a tmpfs such as /dev/shm). A fresh subdirectory is
-#         made inside it and removed at exit.
+#         made inside it, holding the one bench file, and removed at exit.
 #   SIZE  bytes per run, with an optional K/M/G suffix (powers of 1024; default 1G).
 # Environment: MEMPLAN (the binary; default build/tools/memplan), ROUNDS (default 3).
 set -euo pipefail
@@ -59,6 +62,7 @@ EOF
 ) || exit 2
 
 work=$(mktemp -d "$base/memplan-vs-fio.XXXXXX")
+file=$work/bench.dat  # the one file both tools measure
 results=$work/results.txt
 cleanup() { rm -rf -- "$work"; }
 trap cleanup EXIT
@@ -67,7 +71,7 @@ trap 'exit 130' INT TERM
 # fio: one job, one direction; prints "<bytes/s>". The file is laid out (written in full) by the
 # warm-up below, and overwrite=1 makes fio write over written blocks, as memplan's bench does.
 fio_run() {  # engine rw
-  fio --name=memplan-vs-fio --filename="$work/fio.dat" --size="$size" --bs="$block" \
+  fio --name=memplan-vs-fio --filename="$file" --size="$size" --bs="$block" \
     --iodepth="$depth" --direct=1 --ioengine="$1" --rw="$2" --overwrite=1 --fallocate=none \
     --end_fsync="$([ "$2" = write ] && echo 1 || echo 0)" --output-format=json |
     python3 -c '
@@ -76,22 +80,30 @@ doc = json.load(sys.stdin)
 job = doc["jobs"][0]
 if job.get("error"):
     sys.exit("fio error %s" % job["error"])
-print(job[sys.argv[1]]["bw_bytes"])' "$2"
+rw = job[sys.argv[1]]
+if rw["io_bytes"] != int(sys.argv[2]):
+    sys.exit("fio %s moved %d bytes, not %s" % (sys.argv[1], rw["io_bytes"], sys.argv[2]))
+print(rw["bw_bytes"])' "$2" "$size"
 }
 
-# memplan: one configuration, both directions; prints "<write bytes/s> <read bytes/s>".
+# memplan: one configuration on fio's file, write (timed to its fdatasync) then read, each of the
+# whole SIZE (no time limit); prints "<write bytes/s> <read bytes/s>".
 memplan_run() {  # backend
-  "$memplan" bench nvme --path "$work" --size "$size" --backend "$1" --block-size "$block" \
+  "$memplan" bench nvme --file "$file" --size "$size" --backend "$1" --block-size "$block" \
     --queue-depth "$depth" --seconds-per-point 0 --format json |
     python3 -c '
 import json, sys
 doc = json.load(sys.stdin)
 best = doc["best"]
-if best["backend"] != sys.argv[1]:
-    sys.exit("memplan used %s, not %s" % (best["backend"], sys.argv[1]))
+backend, size = sys.argv[1], int(sys.argv[2])
+if best["backend"] != backend:
+    sys.exit("memplan used %s, not %s" % (best["backend"], backend))
 if not best["direct"]:
     sys.exit("memplan could not use O_DIRECT here: " + doc["note"])
-print(best["write_bytes_per_s"], best["read_bytes_per_s"])' "$1"
+if best["write_bytes"] != size or best["read_bytes"] != size:
+    sys.exit("memplan wrote %d and read %d bytes, not %d each"
+             % (best["write_bytes"], best["read_bytes"], size))
+print(best["write_bytes_per_s"], best["read_bytes_per_s"])' "$1" "$size"
 }
 
 record_fio() {  # engine
@@ -109,9 +121,10 @@ record_memplan() {  # engine backend
   echo "memplan $1 read ${wr#* }" >>"$results"
 }
 
-echo "nvme_vs_fio: $work ($(fstype "$work")), $size bytes, block $block, queue depth $depth," \
+echo "nvme_vs_fio: $file ($(fstype "$work")), $size bytes, block $block, queue depth $depth," \
   "O_DIRECT, $rounds round(s)" >&2
-fio_run io_uring write >/dev/null  # warm-up: lays the fio file out; not recorded
+fio_run io_uring write >/dev/null  # warm-up: lays out the file both tools use; not recorded
+[ "$(stat -c %s "$file")" = "$size" ] || die "fio did not lay $file out at $size bytes"
 : >"$results"
 for ((round = 1; round <= rounds; round++)); do
   echo "nvme_vs_fio: round $round/$rounds" >&2
@@ -127,18 +140,18 @@ for ((round = 1; round <= rounds; round++)); do
     record_fio io_uring
   fi
 done
-rm -f -- "$work/fio.dat"
+rm -f -- "$file"
 
-python3 - "$results" "$work" "$(fstype "$work")" "$size" "$rounds" <<'EOF'
+python3 - "$results" "$file" "$(fstype "$work")" "$size" "$rounds" <<'EOF'
 import statistics, sys
-path, work, fs, size, rounds = sys.argv[1:]
+path, file, fs, size, rounds = sys.argv[1:]
 runs = {}
 for line in open(path):
     tool, engine, direction, value = line.split()
     runs.setdefault((tool, engine, direction), []).append(float(value))
 need = {"io_uring": 0.95, "libaio": 0.90}
-print(f"memplan vs fio: {work} ({fs}), {int(size) >> 20} MiB, block 1 MiB, queue depth 16, "
-      f"O_DIRECT, median of {rounds} round(s)")
+print(f"memplan vs fio, same file: {file} ({fs}), {int(size) >> 20} MiB, block 1 MiB, "
+      f"queue depth 16, O_DIRECT, median of {rounds} round(s)")
 print(f"{'engine':<9} {'dir':<6} {'fio MB/s':>10} {'memplan MB/s':>13} {'ratio':>7} "
       f"{'needs':>6}  result")
 ok = True

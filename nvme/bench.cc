@@ -25,6 +25,19 @@
 // before the read and checked after it, so a read that transferred nothing, or read a hole, is
 // caught rather than measured.
 //
+// Note [Existing bench file]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With BenchOptions::file the bench runs on a file someone else laid out (bench/nvme_vs_fio.sh
+// passes the file fio wrote, so both tools measure the same blocks). That file is used as it is:
+// no fill, no preallocation, no truncation, never removed; only its first size_bytes are
+// overwritten, by the measured write passes. Its content is therefore known only where this run
+// wrote it: the read check covers the prefix [0, pattern_bytes) the write passes have covered so
+// far (all of it from the first write pass on, without a time limit), and a read that goes beyond
+// (--rw read, or a read pass outrunning a time-limited write pass) is checked only for its full
+// length, which the engine enforces (OutOfRange at end of file). Data read from beyond the prefix
+// may hold zero words, so the buffer gets its pattern back before the next write pass. A hole in
+// the file is reported in a note: reads of it would measure memory, not the drive.
+//
 // A write is timed to the end of a final fdatasync: without it a buffered write measures memcpy
 // into the page cache, and even O_DIRECT leaves data in the drive's volatile cache. With buffered
 // I/O (--no-direct, or a filesystem refusing O_DIRECT) the page cache is dropped before each read
@@ -102,7 +115,34 @@ std::string FilesystemName(const std::string& directory) {
 
 bool IsMemoryFilesystem(const std::string& name) { return name == "tmpfs" || name == "ramfs"; }
 
-// The bench file: created O_EXCL inside the directory, closed and unlinked on destruction.
+// `path` as an existing bench file must be: a regular file of at least `size_bytes`.
+Status CheckExistingFile(const std::string& path, const struct stat& st, uint64_t size_bytes) {
+  if (S_ISLNK(st.st_mode)) {
+    return Status::InvalidArgument(path + ": a symlink (not followed: name the file itself)");
+  }
+  if (!S_ISREG(st.st_mode)) return Status::InvalidArgument(path + ": not a regular file");
+  const auto file_bytes = static_cast<uint64_t>(st.st_size);
+  if (file_bytes < size_bytes) {
+    return Status::InvalidArgument(
+        path + ": the file has " + FormatByteSize(file_bytes) + " (" + std::to_string(file_bytes) +
+        " bytes), less than the bench size " + FormatByteSize(size_bytes) + " (" +
+        std::to_string(size_bytes) + " bytes)");
+  }
+  return Status::Ok();
+}
+
+// Checks an existing bench file before anything is opened (a FIFO or device is never opened).
+Status CheckFile(const std::string& path, uint64_t size_bytes) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return Status::NotFound(path + ": no such file");
+    return Status::FromErrno(errno, path);
+  }
+  return CheckExistingFile(path, st, size_bytes);
+}
+
+// The bench file: either created O_EXCL inside the directory, closed and unlinked on destruction,
+// or an existing file opened as it is and only closed. See Note [Existing bench file].
 class BenchFile {
  public:
   BenchFile() = default;
@@ -110,7 +150,7 @@ class BenchFile {
   BenchFile& operator=(const BenchFile&) = delete;
   ~BenchFile() {
     if (fd_ >= 0) ::close(fd_);
-    if (!path_.empty()) ::unlink(path_.c_str());
+    if (remove_) ::unlink(path_.c_str());
   }
 
   Status Create(const std::string& directory, bool direct) {
@@ -129,7 +169,29 @@ class BenchFile {
     open.direct = direct;
     MEMPLAN_ASSIGN_OR_RETURN(fd_, OpenFile(path, open, &direct_));
     path_ = std::move(path);  // only now is it ours to remove
+    remove_ = true;
     return Status::Ok();
+  }
+
+  // Opens an existing regular file (O_NOFOLLOW; never created or truncated) of at least
+  // `size_bytes`, checking the file actually opened, not only the name looked at before.
+  Status OpenExisting(const std::string& path, uint64_t size_bytes, bool direct) {
+    OpenOptions open;
+    open.write = true;
+    open.direct = direct;
+    MEMPLAN_ASSIGN_OR_RETURN(fd_, OpenFile(path, open, &direct_));
+    path_ = path;  // the caller's file: never removed
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) return Status::FromErrno(errno, path_);
+    return CheckExistingFile(path_, st, size_bytes);
+  }
+
+  // The offset of the first hole (or unwritten extent, on filesystems that report those as
+  // holes) before `bytes`, or `bytes` when there is none or the filesystem cannot tell.
+  uint64_t FirstHoleBefore(uint64_t bytes) const {
+    const off_t hole = ::lseek(fd_, 0, SEEK_HOLE);
+    if (hole < 0) return bytes;
+    return std::min(bytes, static_cast<uint64_t>(hole));
   }
 
   // Reserves `bytes` on the device, so a full disk fails here rather than mid-measurement.
@@ -154,12 +216,25 @@ class BenchFile {
   std::string path_;
   int fd_ = -1;
   bool direct_ = false;
+  bool remove_ = false;  // created here: unlinked on destruction
 };
 
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }
 };
 using AlignedBuffer = std::unique_ptr<unsigned char, FreeDeleter>;
+
+// A non-repeating pattern, so neither a compressing drive nor a filesystem sees zeros; xorshift
+// never yields a zero word.
+void FillPattern(unsigned char* buffer, uint64_t bytes) {
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (uint64_t i = 0; i < bytes / sizeof(uint64_t); ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(buffer + i * sizeof(uint64_t), &x, sizeof(x));
+  }
+}
 
 Result<AlignedBuffer> AllocateBuffer(uint64_t bytes) {
   void* raw = nullptr;
@@ -168,15 +243,7 @@ Result<AlignedBuffer> AllocateBuffer(uint64_t bytes) {
     return Status::ResourceExhausted("cannot allocate a " + FormatByteSize(bytes) +
                                      " I/O buffer: " + std::strerror(err));
   }
-  // A non-repeating pattern, so neither a compressing drive nor a filesystem sees zeros.
-  auto* words = static_cast<uint64_t*>(raw);
-  uint64_t x = 0x9E3779B97F4A7C15ull;
-  for (uint64_t i = 0; i < bytes / sizeof(uint64_t); ++i) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    words[i] = x;
-  }
+  FillPattern(static_cast<unsigned char*>(raw), bytes);
   return AlignedBuffer(static_cast<unsigned char*>(raw));
 }
 
@@ -218,10 +285,12 @@ bool StopRequested(const std::atomic<bool>* stop) {
 }
 
 // Transfers up to `size` bytes from offset 0; stops early after `limit_seconds` (0: never) or
-// when `stop` is raised. Writes end with fdatasync (timed). See Note [Chunk sizes].
+// when `stop` is raised. Writes end with fdatasync (timed). Reads check that the first and last
+// words of each chunk hold written data where they lie in [0, pattern_bytes), the prefix this run
+// wrote (see Note [Existing bench file]). See Note [Chunk sizes].
 Result<Phase> RunPhase(IoEngine& engine, int file, const BenchFile& bench_file, OpType op,
                        uint64_t size, const ChunkLimits& chunks, unsigned char* buffer,
-                       double limit_seconds, const std::atomic<bool>* stop,
+                       double limit_seconds, const std::atomic<bool>* stop, uint64_t pattern_bytes,
                        uint64_t* largest_chunk) {
   using Clock = std::chrono::steady_clock;
   Phase phase;
@@ -244,10 +313,12 @@ Result<Phase> RunPhase(IoEngine& engine, int file, const BenchFile& bench_file, 
       MEMPLAN_RETURN_IF_ERROR(engine.Write(file, offset, buffer, length));
     } else {
       const uint64_t last = length - sizeof(uint64_t);
+      const bool check_first = offset + sizeof(uint64_t) <= pattern_bytes;
+      const bool check_last = offset + length <= pattern_bytes;
       ZeroWord(buffer, 0);
       ZeroWord(buffer, last);
       MEMPLAN_RETURN_IF_ERROR(engine.Read(file, offset, buffer, length));
-      if (!NonZeroWord(buffer, 0) || !NonZeroWord(buffer, last)) {
+      if ((check_first && !NonZeroWord(buffer, 0)) || (check_last && !NonZeroWord(buffer, last))) {
         return Status::DataLoss(bench_file.path() + ": read at offset " + std::to_string(offset) +
                                 " did not return the data written");
       }
@@ -437,7 +508,12 @@ Result<BenchRw> ParseBenchRw(std::string_view text) {
 }
 
 Status BenchOptions::Validate() const {
-  if (directory.empty()) return Status::InvalidArgument("no directory given for the bench file");
+  if (directory.empty() && file.empty()) {
+    return Status::InvalidArgument("no directory for a temporary bench file and no existing file");
+  }
+  if (!directory.empty() && !file.empty()) {
+    return Status::InvalidArgument("give a directory or an existing file for the bench, not both");
+  }
   if (size_bytes == 0 || size_bytes % kAlignment != 0) {
     return Status::InvalidArgument("size must be a positive multiple of 4 KiB, got " +
                                    std::to_string(size_bytes) + " bytes");
@@ -478,11 +554,18 @@ Status BenchOptions::Validate() const {
 
 Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn& progress) {
   MEMPLAN_RETURN_IF_ERROR(options.Validate());
-  MEMPLAN_RETURN_IF_ERROR(CheckDirectory(options.directory, options.size_bytes));
+  const bool existing_file = !options.file.empty();
+  if (existing_file) {
+    MEMPLAN_RETURN_IF_ERROR(CheckFile(options.file, options.size_bytes));
+  } else {
+    MEMPLAN_RETURN_IF_ERROR(CheckDirectory(options.directory, options.size_bytes));
+  }
+  const std::string& where = existing_file ? options.file : options.directory;
 
   BenchReport report;
   report.directory = options.directory;
-  report.filesystem = FilesystemName(options.directory);
+  report.file = options.file;
+  report.filesystem = FilesystemName(where);
   report.rw = options.rw;
   report.size_bytes = options.size_bytes;
   auto report_progress = [&](BenchProgress event) {
@@ -531,8 +614,13 @@ Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn&
 
   MEMPLAN_ASSIGN_OR_RETURN(AlignedBuffer buffer, AllocateBuffer(buffer_bytes));
   BenchFile bench_file;
-  MEMPLAN_RETURN_IF_ERROR(bench_file.Create(options.directory, options.direct));
-  MEMPLAN_RETURN_IF_ERROR(bench_file.Preallocate(options.size_bytes));
+  if (existing_file) {
+    MEMPLAN_RETURN_IF_ERROR(
+        bench_file.OpenExisting(options.file, options.size_bytes, options.direct));
+  } else {
+    MEMPLAN_RETURN_IF_ERROR(bench_file.Create(options.directory, options.direct));
+    MEMPLAN_RETURN_IF_ERROR(bench_file.Preallocate(options.size_bytes));
+  }
 
   if (!options.direct) {
     report.notes.push_back(
@@ -543,34 +631,59 @@ Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn&
                            "); measured buffered I/O");
   }
   if (IsMemoryFilesystem(report.filesystem)) {
-    report.notes.push_back(options.directory + " is on " + report.filesystem +
+    report.notes.push_back(where + " is on " + report.filesystem +
                            " (memory, not a disk): these figures say nothing about a drive");
+  }
+  const bool do_write = options.rw != BenchRw::kRead;
+  const bool do_read = options.rw != BenchRw::kWrite;
+  if (existing_file) {
+    report.notes.push_back(do_write
+                               ? "existing file: its first " + FormatByteSize(options.size_bytes) +
+                                     " were overwritten; it was not preallocated or filled"
+                               : "existing file, read only: its contents were not checked, "
+                                 "only that every read returned its full length");
+    const uint64_t hole = bench_file.FirstHoleBefore(options.size_bytes);
+    if (hole < options.size_bytes) {
+      report.notes.push_back(options.file + " has a hole or unwritten blocks at offset " +
+                             std::to_string(hole) +
+                             ": reads of it measure memory, not the drive, and the first "
+                             "write allocates it (write the file in full first)");
+    }
   }
   if (std::find(backends.begin(), backends.end(), BackendKind::kPosix) != backends.end()) {
     report.notes.push_back("posix: one worker thread per queue slot (pread/pwrite)");
   }
 
-  // The unmeasured fill: see Note [Bench method].
-  report_progress(
-      {"prepare", 0, plan.size(), nullptr,
-       "writing the " + FormatByteSize(options.size_bytes) + " bench file " + bench_file.path()});
-  {
+  // The bytes from offset 0 that this run wrote with the pattern: where reads are checked.
+  uint64_t pattern_bytes = 0;
+  // Whether the buffer may hold data not written by this run (with zero words): it gets its
+  // pattern back before the next write. See Note [Existing bench file].
+  bool buffer_foreign = false;
+  if (existing_file) {
+    report_progress(
+        {"prepare", 0, plan.size(), nullptr,
+         "using the existing file " + bench_file.path() +
+             (do_write ? " (its first " + FormatByteSize(options.size_bytes) + " are overwritten)"
+                       : " (read only)")});
+  } else {
+    // The unmeasured fill: see Note [Bench method].
+    report_progress(
+        {"prepare", 0, plan.size(), nullptr,
+         "writing the " + FormatByteSize(options.size_bytes) + " bench file " + bench_file.path()});
     auto rig = MakeRig(backends.front(), kFillBlock, kFillQueueDepth, bench_file);
     if (!rig.ok()) return rig.status().WithPrefix("preparing the bench file");
     uint64_t largest_chunk = 0;
     auto fill = RunPhase(*(*rig)->engine, (*rig)->file, bench_file, OpType::kWrite,
                          options.size_bytes, PlanChunks(options, kFillBlock, kFillQueueDepth),
-                         buffer.get(), 0, options.stop, &largest_chunk);
+                         buffer.get(), 0, options.stop, 0, &largest_chunk);
     if (!fill.ok()) return fill.status().WithPrefix("preparing the bench file");
     if (fill->stopped) {
       report.interrupted = true;
       return report;
     }
-    DropCache(bench_file);
+    pattern_bytes = options.size_bytes;
   }
 
-  const bool do_write = options.rw != BenchRw::kRead;
-  const bool do_read = options.rw != BenchRw::kWrite;
   for (const Planned& point : plan) {
     if (StopRequested(options.stop)) {
       report.interrupted = true;
@@ -589,9 +702,14 @@ Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn&
     bool stopped = false;
     for (OpType op : {OpType::kWrite, OpType::kRead}) {
       if (op == OpType::kWrite ? !do_write : !do_read) continue;
-      auto phase =
-          RunPhase(*(*rig)->engine, (*rig)->file, bench_file, op, options.size_bytes, chunks,
-                   buffer.get(), options.seconds_per_point, options.stop, &result.chunk_bytes);
+      if (op == OpType::kWrite && buffer_foreign) {
+        FillPattern(buffer.get(), buffer_bytes);
+        buffer_foreign = false;
+      }
+      if (op == OpType::kRead) DropCache(bench_file);
+      auto phase = RunPhase(*(*rig)->engine, (*rig)->file, bench_file, op, options.size_bytes,
+                            chunks, buffer.get(), options.seconds_per_point, options.stop,
+                            pattern_bytes, &result.chunk_bytes);
       if (!phase.ok()) return phase.status().WithPrefix(name);
       if (phase->stopped) {
         stopped = true;
@@ -601,11 +719,12 @@ Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn&
         result.write_measured = true;
         result.write_bytes = phase->bytes;
         result.write_seconds = phase->seconds;
-        DropCache(bench_file);
+        pattern_bytes = std::max(pattern_bytes, phase->bytes);
       } else {
         result.read_measured = true;
         result.read_bytes = phase->bytes;
         result.read_seconds = phase->seconds;
+        if (phase->bytes > pattern_bytes) buffer_foreign = true;
       }
     }
     if (stopped) {
@@ -682,7 +801,7 @@ nlohmann::ordered_json ToJson(const BenchResult& result) {
 
 nlohmann::ordered_json ToJson(const BenchReport& report) {
   nlohmann::ordered_json out;
-  out["path"] = report.directory;
+  out["path"] = report.file.empty() ? report.directory : report.file;
   out["filesystem"] = report.filesystem;
   out["rw"] = BenchRwName(report.rw);
   out["size_bytes"] = report.size_bytes;
@@ -702,12 +821,13 @@ std::string FormatBenchText(const BenchReport& report) {
   std::string out;
   char line[256];
   bool direct = !report.results.empty() && report.results.front().direct;
-  std::snprintf(
-      line, sizeof(line), "NVMe bench: %s (%s), %s, sequential %s of %s per point\n",
-      report.directory.c_str(), report.filesystem.c_str(), direct ? "O_DIRECT" : "buffered",
-      report.rw == BenchRw::kBoth ? "write then read" : std::string(BenchRwName(report.rw)).c_str(),
-      FormatByteSize(report.size_bytes).c_str());
-  out += line;
+  // Built, not printed into `line`: a path may be longer than any fixed buffer.
+  out +=
+      "NVMe bench: " + (report.file.empty() ? report.directory : report.file + ", existing file") +
+      " (" + report.filesystem + "), " + (direct ? "O_DIRECT" : "buffered") + ", sequential " +
+      (report.rw == BenchRw::kBoth ? std::string("write then read")
+                                   : std::string(BenchRwName(report.rw))) +
+      " of " + FormatByteSize(report.size_bytes) + " per point\n";
   std::snprintf(line, sizeof(line), "%-8s %10s %12s %12s %12s\n", "backend", "block_size",
                 "queue_depth", "write MB/s", "read MB/s");
   out += line;

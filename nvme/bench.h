@@ -8,6 +8,10 @@
 //     measured, so every measured read returns real data (never a hole) and every measured write
 //     overwrites allocated blocks, as the offload engine's swap files do. The file is removed when
 //     RunBench returns, whatever happened (error, or `stop` raised by a signal handler).
+//   - Or, with `file` instead of `directory`, an existing regular file of at least `size_bytes`
+//     (one fio laid out, say, so both tools measure the same blocks) is used as it is: not
+//     created, preallocated, filled, truncated or removed. Its first `size_bytes` are overwritten
+//     by the write passes; its length never changes.
 //   - Per point: a fresh Backend (queue depth = the point's) and IoEngine (block size = the
 //     point's). One thread writes `size_bytes` sequentially then fdatasyncs, then reads them back
 //     sequentially, through IoEngine::Write/Read on large chunks (at least block x queue depth,
@@ -56,7 +60,10 @@ inline const std::vector<BackendKind> kBenchBackends = {BackendKind::kUring, Bac
                                                         BackendKind::kPosix};
 
 struct BenchOptions {
-  std::string directory;                    // where the bench file goes; must exist
+  // Exactly one of these two: `directory`, where a temporary bench file is made (must exist), or
+  // `file`, an existing regular file (not a symlink) of at least `size_bytes` to bench on instead.
+  std::string directory;
+  std::string file;
   uint64_t size_bytes = uint64_t{1} << 30;  // bytes per direction per point; multiple of 4 KiB
   double seconds_per_point = 2.0;           // per direction; 0: no limit (always `size_bytes`)
   BenchRw rw = BenchRw::kBoth;
@@ -73,7 +80,8 @@ struct BenchOptions {
   // with BenchReport::interrupted set. Not owned.
   const std::atomic<bool>* stop = nullptr;
 
-  // Checks the values above (not the directory): InvalidArgument naming the option.
+  // Checks the values above (not the directory or file on disk): InvalidArgument naming the
+  // option.
   Status Validate() const;
 };
 
@@ -103,7 +111,8 @@ struct BenchResult {
 };
 
 struct BenchReport {
-  std::string directory;
+  std::string directory;   // BenchOptions::directory (empty with `file`)
+  std::string file;        // BenchOptions::file (empty with `directory`)
   std::string filesystem;  // "ext4", "xfs", "tmpfs", ... or "unknown (0x...)"
   BenchRw rw = BenchRw::kBoth;
   uint64_t size_bytes = 0;
@@ -115,7 +124,8 @@ struct BenchReport {
   size_t points_planned = 0;
 };
 
-// Progress: called before the file is filled ("prepare", result null) and after each point
+// Progress: called before the file is filled or, with BenchOptions::file, used ("prepare", result
+// null) and after each point
 // ("point", with its result) or each backend skipped ("skip", message says why).
 struct BenchProgress {
   std::string_view stage;  // "prepare", "point", "skip"
@@ -130,6 +140,8 @@ using BenchProgressFn = std::function<void(const BenchProgress&)>;
 // directory is missing or not a directory (NotFound / InvalidArgument naming it), its filesystem
 // has less than `size_bytes` free (ResourceExhausted), no backend of the sweep can be set up, an
 // explicitly named backend cannot be set up, or an I/O error occurs (the engine's Status).
+// With `file`: fails when it is missing (NotFound), a symlink, not a regular file, or smaller
+// than `size_bytes` (InvalidArgument naming it and both sizes); it is kept whatever happens.
 // Backends of a multi-backend sweep that are unavailable are skipped with a note.
 Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn& progress = {});
 
@@ -145,7 +157,8 @@ std::string AioConfigText(const BenchResult& result);
 // "write_seconds", "time_limited"}; a direction not measured has null bytes_per_s.
 nlohmann::ordered_json ToJson(const BenchResult& result);
 // {"path", "filesystem", "rw", "size_bytes", "results": [...], "best": {...} or null,
-//  "aio": {...} (the block --emit-aio writes) or null, "note": "...", "interrupted"}.
+//  "aio": {...} (the block --emit-aio writes) or null, "note": "...", "interrupted"}; "path" is
+// the directory, or the file with BenchOptions::file.
 nlohmann::ordered_json ToJson(const BenchReport& report);
 // A table for people: one row per point, the best settings, the aio block and the notes.
 std::string FormatBenchText(const BenchReport& report);

@@ -1,16 +1,20 @@
 // Tests of the NVMe bench library: a tiny real sweep on the POSIX backend, the bench file's
-// lifetime (gone after success, error and interruption), the numbers it reports, the `aio` block
-// it emits, and byte-size parsing.
+// lifetime (gone after success, error and interruption), benching an existing file (kept, its
+// length unchanged), the numbers it reports, the `aio` block it emits, and byte-size parsing.
 #include "nvme/bench.h"
 
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
@@ -39,6 +43,7 @@ class ScratchDir {
   ScratchDir& operator=(const ScratchDir&) = delete;
 
   std::string path() const { return path_.string(); }
+  std::string File(const std::string& name) const { return (path_ / name).string(); }
   size_t Entries() const {
     size_t n = 0;
     for ([[maybe_unused]] const auto& entry : fs::directory_iterator(path_)) ++n;
@@ -227,6 +232,176 @@ TEST_CASE("bench: bad directories and sizes are refused before any file is made"
   CHECK(dir.Entries() == 1);  // only "plain"
 }
 
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Writes `bytes` copies of `byte` to `path` (replacing it).
+void WriteFile(const std::string& path, uint64_t bytes, char byte) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << std::string(bytes, byte);
+  out.close();
+  REQUIRE_FALSE(out.fail());
+}
+
+bool AllBytes(std::string_view data, char byte) {
+  return data.find_first_not_of(byte) == std::string_view::npos;
+}
+
+bool HasNote(const BenchReport& report, std::string_view needle) {
+  for (const std::string& note : report.notes) {
+    if (note.find(needle) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST_CASE("bench: an existing file is benched as it is, overwritten in --size and kept") {
+  ScratchDir dir;
+  const std::string file = dir.File("caller.dat");
+  // Zeros: a read of them would fail the check of what the write pass wrote, had it not run.
+  WriteFile(file, 6 * kMiB, '\0');
+  BenchOptions options = TinySweep("");
+  options.file = file;
+  std::vector<std::string> messages;
+  auto report = RunBench(options, [&](const BenchProgress& event) {
+    if (event.stage == "prepare") messages.push_back(event.message);
+  });
+  REQUIRE_MESSAGE(report.ok(), report.status().ToString());
+  CHECK(messages == std::vector<std::string>{"using the existing file " + file +
+                                             " (its first 4 MiB are overwritten)"});
+  REQUIRE(report->results.size() == 4);
+  for (const BenchResult& r : report->results) {
+    CHECK(r.write_bytes == 4 * kMiB);
+    CHECK(r.read_bytes == 4 * kMiB);
+  }
+  CHECK(report->file == file);
+  CHECK(report->directory.empty());
+  CHECK(ToJson(*report)["path"] == file);
+  CHECK(FormatBenchText(*report).find(file + ", existing file") != std::string::npos);
+  CHECK(HasNote(*report, "its first 4 MiB were overwritten"));
+  CHECK_FALSE(HasNote(*report, "hole"));
+
+  // Still there, same length; the first 4 MiB hold the bench's data, the rest is untouched.
+  CHECK(dir.Entries() == 1);
+  REQUIRE(fs::is_regular_file(file));
+  CHECK(fs::file_size(file) == 6 * kMiB);
+  const std::string data = ReadAll(file);
+  REQUIRE(data.size() == 6 * kMiB);
+  size_t zero_words = 0;  // the bench's pattern has none
+  for (size_t at = 0; at < 4 * kMiB; at += sizeof(uint64_t)) {
+    uint64_t word = 0;
+    std::memcpy(&word, data.data() + at, sizeof(word));
+    zero_words += word == 0 ? 1 : 0;
+  }
+  CHECK(zero_words == 0);
+  CHECK(AllBytes(std::string_view(data).substr(4 * kMiB), '\0'));
+}
+
+TEST_CASE("bench: --rw read on an existing file reads what is there, unchecked, and keeps it") {
+  ScratchDir dir;
+  const std::string file = dir.File("caller.dat");
+  WriteFile(file, 4 * kMiB, '\0');  // zeros would fail the content check: it must not run
+  BenchOptions options = TinySweep("");
+  options.file = file;
+  options.rw = BenchRw::kRead;
+  auto report = RunBench(options);
+  REQUIRE_MESSAGE(report.ok(), report.status().ToString());
+  REQUIRE(report->results.size() == 4);
+  for (const BenchResult& r : report->results) {
+    CHECK(r.read_bytes == 4 * kMiB);
+    CHECK_FALSE(r.write_measured);
+  }
+  CHECK(HasNote(*report, "read only: its contents were not checked"));
+  CHECK(fs::file_size(file) == 4 * kMiB);
+  CHECK(AllBytes(ReadAll(file), '\0'));  // not written
+  CHECK(dir.Entries() == 1);
+}
+
+TEST_CASE("bench: a time-limited point on an existing file checks only what it wrote") {
+  ScratchDir dir;
+  const std::string file = dir.File("caller.dat");
+  WriteFile(file, 8 * kMiB, '\0');
+  BenchOptions options = TinySweep("");
+  options.file = file;
+  options.size_bytes = 8 * kMiB;
+  options.chunk_bytes = 1 * kMiB;
+  options.seconds_per_point = 1e-9;  // one 1 MiB call per direction
+  options.block_sizes = {1 << 20};
+  auto report = RunBench(options);
+  REQUIRE_MESSAGE(report.ok(), report.status().ToString());
+  REQUIRE(report->results.size() == 2);
+  for (const BenchResult& r : report->results) {
+    CHECK(r.write_bytes == 1 * kMiB);
+    CHECK(r.read_bytes == 1 * kMiB);
+  }
+  CHECK(fs::file_size(file) == 8 * kMiB);
+}
+
+TEST_CASE("bench: a sparse existing file is measured with a note about its hole") {
+  ScratchDir dir;
+  const std::string file = dir.File("sparse.dat");
+  int fd = ::open(file.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+  REQUIRE(fd >= 0);
+  REQUIRE(::ftruncate(fd, static_cast<off_t>(4 * kMiB)) == 0);
+  const off_t hole = ::lseek(fd, 0, SEEK_HOLE);
+  ::close(fd);
+  BenchOptions options = TinySweep("");
+  options.file = file;
+  options.block_sizes = {1 << 20};
+  options.queue_depths = {4};
+  auto report = RunBench(options);
+  REQUIRE_MESSAGE(report.ok(), report.status().ToString());
+  // Where the filesystem cannot report holes, SEEK_HOLE says end of file and there is no note.
+  CHECK(HasNote(*report, file + " has a hole or unwritten blocks at offset 0") == (hole == 0));
+  CHECK(fs::file_size(file) == 4 * kMiB);
+}
+
+TEST_CASE("bench: an existing file that is missing, too small or not a file is refused") {
+  ScratchDir dir;
+  BenchOptions options = TinySweep("");
+
+  options.file = dir.File("missing.dat");
+  auto missing = RunBench(options);
+  REQUIRE_FALSE(missing.ok());
+  CHECK(missing.status().code() == StatusCode::kNotFound);
+  CHECK(missing.status().message().find(options.file) != std::string::npos);
+  CHECK_FALSE(fs::exists(options.file));  // not created
+
+  const std::string small = dir.File("small.dat");
+  WriteFile(small, 1 * kMiB, 'x');
+  options.file = small;
+  auto too_small = RunBench(options);
+  REQUIRE_FALSE(too_small.ok());
+  CHECK(too_small.status().code() == StatusCode::kInvalidArgument);
+  const std::string message = too_small.status().message();
+  CAPTURE(message);
+  CHECK(message.find(small) != std::string::npos);
+  CHECK(message.find("1 MiB (1048576 bytes)") != std::string::npos);
+  CHECK(message.find("4 MiB (4194304 bytes)") != std::string::npos);
+  CHECK(fs::file_size(small) == 1 * kMiB);  // not extended
+  CHECK(AllBytes(ReadAll(small), 'x'));     // not written
+
+  const std::string link = dir.File("link.dat");
+  const std::string target = dir.File("target.dat");
+  WriteFile(target, 4 * kMiB, 'x');
+  fs::create_symlink(target, link);
+  options.file = link;
+  auto symlink = RunBench(options);
+  REQUIRE_FALSE(symlink.ok());
+  CHECK(symlink.status().code() == StatusCode::kInvalidArgument);
+  CHECK(symlink.status().message().find("symlink") != std::string::npos);
+  CHECK(AllBytes(ReadAll(target), 'x'));
+
+  options.file = dir.path();
+  auto directory = RunBench(options);
+  REQUIRE_FALSE(directory.ok());
+  CHECK(directory.status().code() == StatusCode::kInvalidArgument);
+  CHECK(directory.status().message().find("not a regular file") != std::string::npos);
+
+  CHECK(dir.Entries() == 3);  // small.dat, link.dat, target.dat: nothing made, nothing removed
+}
+
 TEST_CASE("bench: options are validated") {
   BenchOptions options = TinySweep("/tmp");
   CHECK(options.Validate().ok());
@@ -254,6 +429,13 @@ TEST_CASE("bench: options are validated") {
   bad = options;
   bad.seconds_per_point = -1;
   refused(bad, "seconds");
+  bad = options;
+  bad.file = "/tmp/bench.dat";
+  refused(bad, "not both");
+  bad.directory.clear();
+  CHECK(bad.Validate().ok());
+  bad.file.clear();
+  refused(bad, "no directory");
 }
 
 TEST_CASE("bench: the emitted aio block is DeepSpeed's, exactly") {

@@ -1,5 +1,6 @@
 // End-to-end tests of `memplan bench nvme` as a user runs it: the JSON schema, the emitted
-// DeepSpeed `aio` file, progress on stderr, and bad input (exit 2, one line, nothing on stdout).
+// DeepSpeed `aio` file, progress on stderr, benching an existing --file, and bad input (exit 2,
+// one line, nothing on stdout).
 // Every run measures 8 MiB on the POSIX backend, so the suite takes well under a second.
 #include <sys/wait.h>
 
@@ -133,6 +134,57 @@ TEST_CASE("bench cli: --emit-aio writes DeepSpeed's aio block; text shows the ta
   CHECK(Entries(dir.path()) == 0);
 }
 
+TEST_CASE("bench cli: --file benches an existing file and keeps it") {
+  TempDir dir("memplan-bench-cli.");
+  const std::string file = dir.Write("fio.dat", std::string(12u << 20, 'x')).string();
+  Run run = Memplan({"bench", "nvme", "--file", file, "--size", "8M", "--backend", "posix",
+                     "--block-size", "1M", "--queue-depth", "4", "--format", "json"});
+  CAPTURE(run.err);
+  REQUIRE(run.exit_code == 0);
+  nlohmann::json doc = nlohmann::json::parse(run.out);
+  CHECK(doc["path"] == file);
+  CHECK(doc["size_bytes"] == 8u << 20);
+  REQUIRE(doc["results"].size() == 1);
+  CHECK(doc["best"]["read_bytes"] == 8u << 20);
+  CHECK(doc["best"]["write_bytes"] == 8u << 20);
+  CHECK(doc["note"].get<std::string>().find("existing file") != std::string::npos);
+  CHECK(Entries(dir.path()) == 1);  // the file itself, nothing beside it
+  CHECK(fs::file_size(file) == 12u << 20);
+  const std::string data = Slurp(file);
+  CHECK(data.substr(0, 8u << 20).find_first_not_of('x') != std::string::npos);  // overwritten
+  CHECK(data.substr(8u << 20) == std::string(4u << 20, 'x'));                   // beyond --size
+
+  Run read = Memplan({"bench", "nvme", "--file", file, "--size", "8M", "--backend", "posix",
+                      "--block-size", "1M", "--queue-depth", "4", "--rw", "read"});
+  CAPTURE(read.err);
+  REQUIRE(read.exit_code == 0);
+  CHECK(read.out.find(file + ", existing file") != std::string::npos);
+  CHECK(Slurp(file) == data);  // read only: unchanged
+}
+
+TEST_CASE("bench cli: --file and --path are exclusive; a bad --file is one line, exit 2") {
+  TempDir dir("memplan-bench-cli.");
+  const std::string file = dir.Write("fio.dat", std::string(8u << 20, 'x')).string();
+  Run both = Memplan({"bench", "nvme", "--path", dir.path().string(), "--file", file, "--size",
+                      "8M", "--backend", "posix"});
+  ExpectBadInput(both, "--file");
+  CHECK(both.err.find("--path") != std::string::npos);
+  ExpectBadInput(Memplan({"bench", "nvme", "--size", "8M"}), "--file");
+
+  const std::string missing = (dir.path() / "missing.dat").string();
+  ExpectBadInput(Memplan({"bench", "nvme", "--file", missing, "--size", "8M"}), missing);
+  CHECK_FALSE(fs::exists(missing));  // not created
+
+  Run small = Memplan({"bench", "nvme", "--file", file, "--size", "16M", "--backend", "posix"});
+  ExpectBadInput(small, file);
+  CHECK(small.err.find("8 MiB (8388608 bytes)") != std::string::npos);
+  CHECK(small.err.find("16 MiB (16777216 bytes)") != std::string::npos);
+  ExpectBadInput(Memplan({"bench", "nvme", "--file", dir.path().string(), "--size", "8M"}),
+                 "not a regular file");
+  CHECK(Entries(dir.path()) == 1);
+  CHECK(Slurp(file) == std::string(8u << 20, 'x'));  // refused runs never write
+}
+
 TEST_CASE("bench cli: bad input is one line on stderr, exit 2, nothing written") {
   TempDir dir("memplan-bench-cli.");
   std::string missing = (dir.path() / "nope").string();
@@ -163,11 +215,12 @@ TEST_CASE("bench cli: --help names every option") {
   Run run = Memplan({"bench", "nvme", "--help"});
   CHECK(run.exit_code == 0);
   for (const char* option :
-       {"--path", "--size", "--block-size", "--queue-depth", "--backend", "--rw", "--no-direct",
-        "--format", "--emit-aio", "--progress", "--seconds-per-point"}) {
+       {"--path", "--file", "--size", "--block-size", "--queue-depth", "--backend", "--rw",
+        "--no-direct", "--format", "--emit-aio", "--progress", "--seconds-per-point"}) {
     CAPTURE(option);
     CHECK(run.out.find(option) != std::string::npos);
   }
+  CHECK(run.out.find("its contents are overwritten") != std::string::npos);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // `memplan bench nvme`: the bandwidth of a directory's drive through memplan's own I/O path, over
 // the block size x queue depth x backend sweep DeepSpeed's ds_nvme_tune runs, and the DeepSpeed
 // `aio` block for the best settings. The measuring is nvme/bench.h; this file parses flags,
-// prints progress and routes SIGINT/SIGTERM to a clean stop (the bench file is always removed).
+// prints progress and routes SIGINT/SIGTERM to a clean stop (a bench file made in --path is always
+// removed; a --file is always kept).
 #include <signal.h>
 #include <unistd.h>
 
@@ -52,6 +53,7 @@ class StopSignals {
 
 struct BenchFlags {
   std::string path;
+  std::string file;
   std::string size = "1G";
   std::string block_size;    // empty: swept
   uint32_t queue_depth = 0;  // 0: swept
@@ -73,7 +75,13 @@ void Fail(Outcome* outcome, const Status& status) {
 // The options for RunBench, or the flag at fault.
 Result<nvme::BenchOptions> ToOptions(const BenchFlags& flags) {
   nvme::BenchOptions options;
+  if (flags.path.empty() == flags.file.empty()) {
+    return Status::InvalidArgument(
+        "give exactly one of --path DIR (a temporary bench file is made there) or --file FILE "
+        "(an existing file to bench on)");
+  }
   options.directory = flags.path;
+  options.file = flags.file;
   auto size = nvme::ParseByteSize(flags.size);
   if (!size.ok()) return size.status().WithPrefix("--size");
   options.size_bytes = *size;
@@ -149,13 +157,19 @@ void RegisterBench(CLI::App& app, Outcome* outcome) {
   auto flags = std::make_shared<BenchFlags>();
   CLI::App* cmd = bench->add_subcommand(
       "nvme",
-      "Sequential write and read bandwidth of the drive under --path through memplan's I/O "
-      "engine, over block size x queue depth x backend (DeepSpeed's ds_nvme_tune sweep in "
-      "bounded time), and the DeepSpeed `aio` block for the best settings");
-  cmd->add_option("-p,--path", flags->path,
-                  "Directory on the drive to measure; a temporary bench file (--size bytes) is "
-                  "created there and always removed")
-      ->required();
+      "Sequential write and read bandwidth of the drive under --path (or holding --file) through "
+      "memplan's I/O engine, over block size x queue depth x backend (DeepSpeed's ds_nvme_tune "
+      "sweep in bounded time), and the DeepSpeed `aio` block for the best settings");
+  CLI::Option* path = cmd->add_option(
+      "-p,--path", flags->path,
+      "Directory on the drive to measure; a temporary bench file (--size bytes) is created there "
+      "and always removed. Give --path or --file");
+  cmd->add_option("--file", flags->file,
+                  "Existing regular file (not a symlink) of at least --size bytes to bench on "
+                  "instead of a temporary one in --path, e.g. one fio laid out, to measure the "
+                  "same blocks: its contents are overwritten (the first --size bytes, unless "
+                  "--rw read); it is not created, preallocated, truncated or removed")
+      ->excludes(path);
   cmd->add_option("-s,--size", flags->size,
                   "Bytes written then read per configuration: a number with an optional K, M, G, "
                   "T or KiB, MiB, GiB, TiB (powers of 1024); a multiple of 4 KiB")
@@ -201,8 +215,11 @@ void RegisterBench(CLI::App& app, Outcome* outcome) {
       "  memplan bench nvme --path /mnt/nvme --emit-aio aio.json\n"
       "  memplan bench nvme --path /mnt/nvme --backend uring --block-size 1M --queue-depth 16 "
       "--format json\n"
+      "  memplan bench nvme --file /mnt/nvme/fio.dat --size 1G --backend aio --block-size 1M "
+      "--queue-depth 16\n"
       "\nExit status: 0 on success, 2 on bad input or a failed measurement (one line on stderr), "
-      "130 when interrupted (the bench file is removed either way).");
+      "130 when interrupted (a bench file made in --path is removed either way; a --file is "
+      "kept).");
   cmd->callback([flags, outcome] {
     auto options = ToOptions(*flags);
     if (!options.ok()) return Fail(outcome, options.status());
@@ -216,7 +233,8 @@ void RegisterBench(CLI::App& app, Outcome* outcome) {
     }
     if (g_stop.load() || (report.ok() && report->interrupted)) {
       outcome->exit_code = kExitInterrupted;
-      outcome->error = "interrupted; the bench file was removed";
+      outcome->error = flags->file.empty() ? "interrupted; the bench file was removed"
+                                           : "interrupted; " + flags->file + " was kept";
       return;
     }
     if (!report.ok()) return Fail(outcome, report.status());
