@@ -326,14 +326,16 @@ TEST_CASE("bench: a time-limited point on an existing file checks only what it w
   options.file = file;
   options.size_bytes = 8 * kMiB;
   options.chunk_bytes = 1 * kMiB;
-  options.seconds_per_point = 1e-9;  // one 1 MiB call per direction
+  options.seconds_per_point = 1e-9;  // one call per direction, of the smallest chunk allowed
   options.block_sizes = {1 << 20};
   auto report = RunBench(options);
   REQUIRE_MESSAGE(report.ok(), report.status().ToString());
   REQUIRE(report->results.size() == 2);
   for (const BenchResult& r : report->results) {
-    CHECK(r.write_bytes == 1 * kMiB);
-    CHECK(r.read_bytes == 1 * kMiB);
+    CAPTURE(r.queue_depth);
+    // The smallest call fills the queue once: block size x queue depth.
+    CHECK(r.write_bytes == uint64_t{1} * kMiB * r.queue_depth);
+    CHECK(r.read_bytes == uint64_t{1} * kMiB * r.queue_depth);
   }
   CHECK(fs::file_size(file) == 8 * kMiB);
 }
