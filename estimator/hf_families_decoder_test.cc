@@ -12,7 +12,7 @@
 
 #include "estimator/hf_config.h"
 #include "estimator/inventory.h"
-#include "tests/testing.h"
+#include "tests/estimator_testing.h"
 
 namespace memplan::estimator {
 namespace {

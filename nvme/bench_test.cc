@@ -18,6 +18,8 @@
 #include <system_error>
 #include <vector>
 
+#include "tests/testing.h"
+
 namespace memplan::nvme {
 namespace {
 
@@ -26,32 +28,17 @@ namespace fs = std::filesystem;
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 
 // A fresh directory under $TMPDIR (or /tmp), removed with its contents at the end of the test.
-class ScratchDir {
+class ScratchDir : public memplan::testing::TempDir {
  public:
-  ScratchDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string pattern =
-        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/memplan-bench-test.XXXXXX";
-    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
-    path_ = pattern;
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
+  ScratchDir() : TempDir("memplan-bench-test.") {}
 
-  std::string path() const { return path_.string(); }
-  std::string File(const std::string& name) const { return (path_ / name).string(); }
+  std::string path() const { return TempDir::path().string(); }
+  std::string File(const std::string& name) const { return PathOf(name); }
   size_t Entries() const {
     size_t n = 0;
-    for ([[maybe_unused]] const auto& entry : fs::directory_iterator(path_)) ++n;
+    for ([[maybe_unused]] const auto& entry : fs::directory_iterator(TempDir::path())) ++n;
     return n;
   }
-
- private:
-  fs::path path_;
 };
 
 // A small POSIX sweep: 2 block sizes x 2 queue depths over a few MiB, no time limit.

@@ -21,6 +21,8 @@
 #include "nvme/backend.h"
 #include "nvme/fault_backend.h"
 
+#include "tests/testing.h"
+
 namespace memplan::nvme {
 namespace {
 
@@ -28,25 +30,10 @@ constexpr uint64_t kKiB = 1024;
 constexpr uint64_t kMiB = 1024 * 1024;
 
 // A fresh scratch directory under $TMPDIR (or /tmp), removed with its contents afterwards.
-class ScratchDir {
+class ScratchDir : public memplan::testing::TempDir {
  public:
-  ScratchDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string pattern =
-        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/memplan_engine_XXXXXX";
-    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
-    path_ = pattern;
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-  std::string File(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
+  ScratchDir() : TempDir("memplan_engine_") {}
+  std::string File(const std::string& name) const { return PathOf(name); }
 };
 
 // Deterministic bytes that differ between seeds and positions.

@@ -23,33 +23,20 @@
 
 #include "nvme/fault_backend.h"
 
+#include "tests/testing.h"
+
 namespace memplan::nvme {
 namespace {
 
 namespace fs = std::filesystem;
 
 // A fresh directory $TMPDIR/memplan_store_XXXXXX (or under /tmp), removed with its contents.
-class ScratchDir {
+class ScratchDir : public memplan::testing::TempDir {
  public:
-  ScratchDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string pattern =
-        std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/memplan_store_XXXXXX";
-    REQUIRE(::mkdtemp(pattern.data()) != nullptr);
-    path_ = pattern;
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
+  ScratchDir() : TempDir("memplan_store_") {}
 
-  const std::string& path() const { return path_; }
-  std::string Sub(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
+  std::string path() const { return TempDir::path().string(); }
+  std::string Sub(const std::string& name) const { return PathOf(name); }
 };
 
 constexpr uint64_t kKiB = 1024;

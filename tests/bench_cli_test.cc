@@ -20,39 +20,13 @@
 namespace {
 
 namespace fs = std::filesystem;
+using Run = memplan::testing::CommandResult;
+using memplan::testing::ReadWholeFile;
 using memplan::testing::TempDir;
-
-struct Run {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string Quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-std::string Slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // Runs memplan with stdout and stderr captured to files (so stderr is not a terminal).
 Run Memplan(const std::vector<std::string>& args) {
-  TempDir tmp("memplan-bench-cli-io.");
-  std::string cmd = Quote(MEMPLAN_BINARY);
-  for (const auto& a : args) cmd += " " + Quote(a);
-  cmd += " >" + Quote((tmp.path() / "out").string()) + " 2>" + Quote((tmp.path() / "err").string());
-  int status = std::system(cmd.c_str());
-  Run run;
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  run.out = Slurp(tmp.path() / "out");
-  run.err = Slurp(tmp.path() / "err");
-  return run;
+  return memplan::testing::RunCommand(MEMPLAN_BINARY, args);
 }
 
 void ExpectBadInput(const Run& run, const std::string& needle) {
@@ -126,7 +100,7 @@ TEST_CASE("bench cli: --emit-aio writes DeepSpeed's aio block; text shows the ta
         std::string::npos);
   CHECK(run.out.find("\"aio\"") != std::string::npos);
   CHECK(run.err.find("[1/1] posix") != std::string::npos);  // --progress: one line per point
-  nlohmann::json aio = nlohmann::json::parse(Slurp(aio_path));
+  nlohmann::json aio = nlohmann::json::parse(ReadWholeFile(aio_path));
   CHECK(aio == nlohmann::json::parse(R"({"aio": {"block_size": 1048576, "queue_depth": 4,
       "intra_op_parallelism": 1, "single_submit": false, "overlap_events": true,
       "use_gds": false}})"));
@@ -150,7 +124,7 @@ TEST_CASE("bench cli: --file benches an existing file and keeps it") {
   CHECK(doc["note"].get<std::string>().find("existing file") != std::string::npos);
   CHECK(Entries(dir.path()) == 1);  // the file itself, nothing beside it
   CHECK(fs::file_size(file) == 12u << 20);
-  const std::string data = Slurp(file);
+  const std::string data = ReadWholeFile(file);
   CHECK(data.substr(0, 8u << 20).find_first_not_of('x') != std::string::npos);  // overwritten
   CHECK(data.substr(8u << 20) == std::string(4u << 20, 'x'));                   // beyond --size
 
@@ -159,7 +133,7 @@ TEST_CASE("bench cli: --file benches an existing file and keeps it") {
   CAPTURE(read.err);
   REQUIRE(read.exit_code == 0);
   CHECK(read.out.find(file + ", existing file") != std::string::npos);
-  CHECK(Slurp(file) == data);  // read only: unchanged
+  CHECK(ReadWholeFile(file) == data);  // read only: unchanged
 }
 
 TEST_CASE("bench cli: --file and --path are exclusive; a bad --file is one line, exit 2") {
@@ -182,7 +156,7 @@ TEST_CASE("bench cli: --file and --path are exclusive; a bad --file is one line,
   ExpectBadInput(Memplan({"bench", "nvme", "--file", dir.path().string(), "--size", "8M"}),
                  "not a regular file");
   CHECK(Entries(dir.path()) == 1);
-  CHECK(Slurp(file) == std::string(8u << 20, 'x'));  // refused runs never write
+  CHECK(ReadWholeFile(file) == std::string(8u << 20, 'x'));  // refused runs never write
 }
 
 TEST_CASE("bench cli: bad input is one line on stderr, exit 2, nothing written") {

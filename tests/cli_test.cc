@@ -24,42 +24,17 @@
 namespace {
 
 namespace fs = std::filesystem;
-
-struct Run {
-  int exit_code = -1;
-  std::string out;
-  std::string err;
-};
-
-std::string Quote(const std::string& s) {
-  std::string q = "'";
-  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return q + "'";
-}
-
-std::string Slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using Run = memplan::testing::CommandResult;
+using memplan::testing::ReadWholeFile;
 
 using memplan::testing::TempDir;
 
 // Prefix of each scratch directory.
 constexpr std::string_view kTempPrefix = "memplan-cli.";
 
+// Runs memplan with stdout and stderr captured to files (so stderr is not a terminal).
 Run Memplan(const std::vector<std::string>& args) {
-  TempDir tmp(kTempPrefix);
-  std::string cmd = Quote(MEMPLAN_BINARY);
-  for (const auto& a : args) cmd += " " + Quote(a);
-  cmd += " >" + Quote((tmp.path() / "out").string()) + " 2>" + Quote((tmp.path() / "err").string());
-  int status = std::system(cmd.c_str());
-  Run run;
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  run.out = Slurp(tmp.path() / "out");
-  run.err = Slurp(tmp.path() / "err");
-  return run;
+  return memplan::testing::RunCommand(MEMPLAN_BINARY, args);
 }
 
 // Bad input: exit 2, nothing on stdout, exactly one line on stderr containing every `needle`.
@@ -82,7 +57,7 @@ TEST_CASE("cli: golden text table for t5-large (base) on 4 GPUs") {
   Run run = Memplan({"estimate", "--model", "t5-large", "--model-class", "base", "--gpus", "4"});
   REQUIRE(run.exit_code == 0);
   CHECK(run.err.empty());
-  std::string golden = Slurp(Source("tests/golden/estimate_t5-large_base_4gpus.txt"));
+  std::string golden = ReadWholeFile(Source("tests/golden/estimate_t5-large_base_4gpus.txt"));
   REQUIRE_FALSE(golden.empty());
   CHECK(run.out == golden);
 }
@@ -167,7 +142,7 @@ TEST_CASE("cli: --output writes the file, and writes nothing when it fails") {
   Run run = Memplan({"estimate", "--model", "gpt2", "--format", "json", "-o", out.string()});
   REQUIRE(run.exit_code == 0);
   CHECK(run.out.empty());
-  CHECK(nlohmann::json::parse(Slurp(out))["model"]["params_total"] == 124439808);
+  CHECK(nlohmann::json::parse(ReadWholeFile(out))["model"]["params_total"] == 124439808);
   fs::path bad = tmp.path() / "missing-dir" / "x.json";
   Run fail = Memplan({"estimate", "--model", "gpt2", "-o", bad.string()});
   ExpectBadInput(fail, {"missing-dir"});

@@ -1,5 +1,5 @@
-// Shared helpers for the doctest suites: a scratch directory, the model fixtures under
-// estimator/models/, and inventory helpers that fail the running test instead of returning errors.
+// Shared helpers for the doctest suites: a scratch directory, running a command, and the model
+// fixtures under estimator/models/. Estimator-specific helpers are in tests/estimator_testing.h.
 // Header-only; include it as "tests/testing.h" from a test built with MEMPLAN_SOURCE_DIR defined.
 #pragma once
 
@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
+#include <sys/wait.h>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -19,8 +19,6 @@
 #include <utility>
 #include <vector>
 
-#include "estimator/hf_config.h"
-#include "estimator/inventory.h"
 
 #ifndef MEMPLAN_SOURCE_DIR
 #error "tests/testing.h needs MEMPLAN_SOURCE_DIR (the project source directory) defined"
@@ -68,6 +66,42 @@ class TempDir {
   std::filesystem::path path_;
 };
 
+// --- Running a command ------------------------------------------------------------------------
+
+struct CommandResult {
+  int exit_code = -1;  // -1 when the command did not exit normally
+  std::string out;     // its stdout
+  std::string err;     // its stderr
+};
+
+// Single-quotes `s` for /bin/sh.
+inline std::string ShellQuote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+inline std::string ReadWholeFile(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// Runs `program` with `args` through the shell, capturing stdout and stderr separately.
+inline CommandResult RunCommand(const std::string& program, const std::vector<std::string>& args) {
+  TempDir tmp("memplan-run.");
+  std::string cmd = ShellQuote(program);
+  for (const auto& a : args) cmd += " " + ShellQuote(a);
+  cmd += " >" + ShellQuote(tmp.PathOf("out")) + " 2>" + ShellQuote(tmp.PathOf("err"));
+  int status = std::system(cmd.c_str());
+  CommandResult run;
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  run.out = ReadWholeFile(tmp.path() / "out");
+  run.err = ReadWholeFile(tmp.path() / "err");
+  return run;
+}
+
 // --- Model fixtures ---------------------------------------------------------------------------
 
 // The text of estimator/models/<name>.json; fails the test when it is missing.
@@ -77,55 +111,6 @@ inline std::string ReadFixture(const std::string& name) {
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
-}
-
-// --- Inventories ------------------------------------------------------------------------------
-
-using Shape = std::vector<int64_t>;
-
-// The inventory of fixture `name`; fails the test when it does not build.
-inline estimator::ModelInventory Fixture(
-    const std::string& name,
-    estimator::ModelClassChoice choice = estimator::ModelClassChoice::kFromArchitectures) {
-  Result<estimator::ModelInventory> inventory =
-      estimator::InventoryFromHfConfigText(ReadFixture(name), name, choice);
-  REQUIRE_MESSAGE(inventory.ok(), inventory.status().ToString());
-  return std::move(inventory).value();
-}
-
-// Builds `config` as if read from test/config.json.
-inline Result<estimator::ModelInventory> Build(
-    const nlohmann::json& config,
-    estimator::ModelClassChoice choice = estimator::ModelClassChoice::kFromArchitectures) {
-  return estimator::InventoryFromHfConfig(config, "test/config.json", choice);
-}
-
-// Build(), failing the test when the build fails.
-inline estimator::ModelInventory MustBuild(
-    const nlohmann::json& config,
-    estimator::ModelClassChoice choice = estimator::ModelClassChoice::kFromArchitectures) {
-  Result<estimator::ModelInventory> inventory = Build(config, choice);
-  REQUIRE_MESSAGE(inventory.ok(), inventory.status().ToString());
-  return std::move(inventory).value();
-}
-
-// The counts of `inventory`; fails the test when counting fails.
-inline estimator::ModelCounts Counts(const estimator::ModelInventory& inventory) {
-  Result<estimator::ModelCounts> counts = estimator::CountParams(inventory);
-  REQUIRE_MESSAGE(counts.ok(), counts.status().ToString());
-  return *counts;
-}
-
-inline uint64_t Total(const estimator::ModelInventory& inventory) {
-  return Counts(inventory).params_total;
-}
-
-// The tensor called `name`; fails the test when it is missing.
-inline const estimator::TensorInfo& Tensor(const estimator::ModelInventory& inventory,
-                                           const std::string& name) {
-  int64_t index = inventory.Find(name);
-  REQUIRE_MESSAGE(index >= 0, "no tensor " << name);
-  return inventory.tensors[static_cast<size_t>(index)];
 }
 
 }  // namespace memplan::testing
