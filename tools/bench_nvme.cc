@@ -151,9 +151,7 @@ void PrintProgress(const nvme::BenchProgress& event) {
 
 }  // namespace
 
-void RegisterBench(CLI::App& app, Outcome* outcome) {
-  CLI::App* bench = app.add_subcommand("bench", "Measure this machine: NVMe bandwidth");
-  bench->require_subcommand(1);
+void RegisterBenchNvme(CLI::App* bench, Outcome* outcome) {
   auto flags = std::make_shared<BenchFlags>();
   CLI::App* cmd = bench->add_subcommand(
       "nvme",

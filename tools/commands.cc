@@ -154,4 +154,12 @@ void RegisterModels(CLI::App& app, Outcome* outcome) {
   });
 }
 
+void RegisterBench(CLI::App& app, Outcome* outcome) {
+  CLI::App* bench = app.add_subcommand(
+      "bench", "Measure this machine: NVMe bandwidth, CPU optimizer (AdamW) throughput");
+  bench->require_subcommand(1);
+  RegisterBenchNvme(bench, outcome);
+  RegisterBenchAdam(bench, outcome);
+}
+
 }  // namespace memplan::tools

@@ -24,7 +24,11 @@ struct Outcome {
 void RegisterEstimate(CLI::App& app, Outcome* outcome);
 void RegisterInventory(CLI::App& app, Outcome* outcome);
 void RegisterModels(CLI::App& app, Outcome* outcome);
-// `memplan bench nvme` (tools/bench_nvme.cc).
+// `memplan bench`, the parent of the subcommands below (tools/commands.cc).
 void RegisterBench(CLI::App& app, Outcome* outcome);
+// `memplan bench nvme` (tools/bench_nvme.cc) and `memplan bench adam` (tools/bench_adam.cc), added
+// under `bench`.
+void RegisterBenchNvme(CLI::App* bench, Outcome* outcome);
+void RegisterBenchAdam(CLI::App* bench, Outcome* outcome);
 
 }  // namespace memplan::tools

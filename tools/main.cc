@@ -10,7 +10,7 @@ int main(int argc, char** argv) {
       "memplan: will a training job fit, where should each byte live, and how fast will it run?\n"
       "Estimates GPU/CPU memory per ZeRO stage and offload choice from a Hugging Face "
       "config.json, a tensor-shape list or safetensors headers, without loading weights, and "
-      "measures the NVMe bandwidth an offload plan can count on."};
+      "measures the NVMe bandwidth and CPU optimizer speed an offload plan can count on."};
   app.name("memplan");
   app.set_version_flag("--version", std::string("memplan ") + MEMPLAN_VERSION);
   app.require_subcommand(1);
