@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake pkg-config git nlohmann-json3-dev libcli11-dev doctest-dev
-  liburing-dev libaio-dev libxxhash-dev fio)
+  liburing-dev libaio-dev libxxhash-dev libboost-dev fio)
 
 missing=()
 for p in "${packages[@]}"; do
