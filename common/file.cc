@@ -114,16 +114,18 @@ Result<std::string> ReadFileRange(const std::string& path, uint64_t offset, uint
   return out;
 }
 
-Status WriteFileAtomically(const std::string& path, const std::string& contents) {
+Status WriteFileAtomically(const std::string& path, const std::string& contents, uint32_t mode) {
   std::string tmp = path + ".tmp.XXXXXX";
-  int raw = ::mkstemp(tmp.data());
+  int raw = ::mkostemp(tmp.data(), O_CLOEXEC);
   if (raw < 0) return ErrnoStatus(path, "cannot create temporary file", errno);
   Fd fd(raw);
   auto fail = [&](const char* what, int err) {
     ::unlink(tmp.c_str());
     return ErrnoStatus(path, what, err);
   };
-  ::fchmod(fd.get(), 0644);
+  if (::fchmod(fd.get(), static_cast<mode_t>(mode & 07777)) != 0) {
+    return fail("chmod failed", errno);
+  }
   size_t done = 0;
   while (done < contents.size()) {
     ssize_t n = ::write(fd.get(), contents.data() + done, contents.size() - done);
@@ -135,6 +137,19 @@ Status WriteFileAtomically(const std::string& path, const std::string& contents)
   }
   if (::fsync(fd.get()) != 0) return fail("fsync failed", errno);
   if (::rename(tmp.c_str(), path.c_str()) != 0) return fail("rename failed", errno);
+  // The new name lives in the directory: without this a power loss may bring back the old file.
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? std::string(".")
+                          : slash == 0               ? std::string("/")
+                                                     : path.substr(0, slash);
+  int dir_raw = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir_raw < 0) {
+    return ErrnoStatus(path, "written, but cannot open its directory to fsync it", errno);
+  }
+  Fd dir_fd(dir_raw);
+  if (::fsync(dir_fd.get()) != 0 && errno != EINVAL) {
+    return ErrnoStatus(path, "written, but the fsync of its directory failed", errno);
+  }
   return Status::Ok();
 }
 

@@ -19,8 +19,14 @@ Result<std::string> ReadFileRange(const std::string& path, uint64_t offset, uint
 // Size of a regular file; errors name `path`.
 Result<uint64_t> FileSize(const std::string& path);
 
-// Writes `contents` to `path` atomically: a temporary file beside it, fsync, rename. On failure
-// nothing is left behind and the previous file (if any) is untouched.
-Status WriteFileAtomically(const std::string& path, const std::string& contents);
+// Writes `contents` to `path` atomically and durably: a temporary file beside it (created with
+// `mode`, which the umask does not narrow), fsync, rename over `path`, fsync of the directory, so
+// that after a crash `path` holds either the old or the new contents and, once this returns OK,
+// the new ones. When the write, fsync or rename fails, nothing is left behind and the previous
+// file (if any) is untouched; when only the directory fsync fails, the new file is in place but
+// its name may not survive a power loss (filesystems that cannot fsync a directory, EINVAL, count
+// as success). A crash before the rename may leave a "<path>.tmp.XXXXXX" file behind.
+Status WriteFileAtomically(const std::string& path, const std::string& contents,
+                           uint32_t mode = 0644);
 
 }  // namespace memplan

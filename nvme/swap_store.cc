@@ -14,6 +14,18 @@
 // whether a Put is writing it and how many Gets are reading it; a conflicting operation fails at
 // once (FailedPrecondition) instead of waiting. Readers can then use the entry's checksums and
 // extent without copying them: nothing may change an entry while its reader count is non-zero.
+//
+// Note [What Sync() records]
+// Sync() copies the index under the lock, THEN fdatasyncs the data file, THEN writes the copy:
+// every value the copy describes finished writing before the fdatasync began, so the index on disk
+// never points at bytes the device may not hold. Keys whose Put is in flight at the copy are
+// recorded as they were before that Put when it rewrites the key's extent in place (after a crash
+// the key then reads as its old value or as DataLoss, exactly as for a rewrite after the Sync), and
+// left out when it is the key's first Put or moved the key to a new extent (the old extent is
+// already free and may belong to another key, so recording it could make two keys share bytes).
+// Syncs are serialised by their own mutex, held across their I/O, so that an older copy never
+// replaces a newer one; only Sync() and Close() ever wait for it.
+// The format of the index file is Note [Swap index format] in swap_index_internal.h.
 #include "nvme/swap_store.h"
 
 #include <fcntl.h>
@@ -38,6 +50,9 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include "common/file.h"
+#include "nvme/swap_index_internal.h"
 
 namespace memplan::nvme {
 namespace {
@@ -193,7 +208,7 @@ std::string NormalizeDirectory(std::string dir) {
 
 Status SwapStoreOptions::Validate() const {
   if (directory.empty()) return Status::InvalidArgument("swap store: directory must be given");
-  if (capacity_bytes == 0) {
+  if (capacity_bytes == 0 && !open_existing) {
     return Status::InvalidArgument("swap store " + directory + ": capacity must be > 0 bytes");
   }
   if (capacity_bytes > kMaxCapacityBytes) {
@@ -221,6 +236,7 @@ struct SwapStore::Impl {
     std::vector<uint64_t> checksums;  // of the committed value, one per checksum block
     bool committed = false;           // a value has been written completely at least once
     bool writing = false;             // a Put is writing the extent
+    bool relocated = false;           // ... and moved the key to a new extent to do so
     uint32_t readers = 0;             // Gets reading the extent
   };
 
@@ -254,24 +270,33 @@ struct SwapStore::Impl {
   Status PrepareDirectory();
   Status TakeLock();
   Status CreateDataFile();
+  Status OpenDataFile();  // open_existing: the data file an earlier store kept
+  Status LoadIndex();     // open_existing: the index the last Sync() wrote
+  // The index file's bytes for every entry Sync() records (Note [What Sync() records]).
+  std::string EncodeIndex() const;  // caller holds mu
+  Status WriteIndex(const std::string& bytes);
   Status StartEngine(std::unique_ptr<Backend> given);  // null: CreateBackend() picks
   // Releases everything. `closing`: a normal Close (the files are ours to remove unless
-  // keep_files); otherwise an Open() failure (remove only what this Open created).
-  Status Teardown(bool closing);
+  // keep_files; with keep_files, `index_bytes` is written once the data file is fsynced);
+  // otherwise an Open() failure (remove only what this Open created).
+  Status Teardown(bool closing, const std::string* index_bytes = nullptr);
 
   // Fixed at Open(); read without the lock afterwards (Close() changes them only once no
   // operation is in flight and `closed` stops new ones).
   const SwapStoreOptions options;
-  std::string data_path, lock_path;
+  std::string data_path, lock_path, index_path;
   bool created_dir = false;
   bool lock_created = false;
   bool lock_held = false;
-  bool data_created = false;
+  bool data_created = false;  // by this Open(): removed if the Open() fails
+  bool data_ours = false;     // created or reopened: removed by Close() unless keep_files
+  bool index_ours = false;    // loaded or written: removed by Close() unless keep_files
   int lock_fd = -1;
   int data_fd = -1;
   bool direct_used = false;
   uint64_t alignment = kMinBlockBytes;
   uint64_t capacity_bytes = 0;  // allocatable bytes
+  uint64_t data_file_bytes = 0;
   std::unique_ptr<Backend> backend;
   std::string backend_name, backend_note;
   std::unique_ptr<IoEngine> engine;  // destroyed before `backend`
@@ -285,11 +310,15 @@ struct SwapStore::Impl {
   uint64_t put_bytes = 0, get_bytes = 0;         // GUARDED_BY(mu)
   LatencyWindow put_latency, get_latency;        // GUARDED_BY(mu)
   IoStats final_io;                              // GUARDED_BY(mu); engine stats at Close
+  // Held by Sync() across its I/O so Syncs run one at a time (Note [What Sync() records]).
+  std::mutex sync_mu;
 };
 
 Status SwapStore::Impl::PrepareDirectory() {
   const std::string& dir = options.directory;
-  if (::mkdir(dir.c_str(), 0700) == 0) {
+  if (options.open_existing) {
+    // Never created here: a missing directory means a wrong path, not a store to start afresh.
+  } else if (::mkdir(dir.c_str(), 0700) == 0) {
     created_dir = true;
     // mkdir's mode is masked by the umask; the owner must still be able to use the directory.
     if (::chmod(dir.c_str(), 0700) != 0) return Status::FromErrno(errno, Msg("cannot chmod"));
@@ -297,7 +326,14 @@ Status SwapStore::Impl::PrepareDirectory() {
     return Status::FromErrno(errno, Msg("cannot create the directory"));
   }
   struct stat st;
-  if (::lstat(dir.c_str(), &st) != 0) return Status::FromErrno(errno, Msg("cannot stat"));
+  if (::lstat(dir.c_str(), &st) != 0) {
+    if (errno == ENOENT && options.open_existing) {
+      return Status::NotFound(
+          Msg("the directory does not exist (open_existing reopens a store "
+              "an earlier run kept there)"));
+    }
+    return Status::FromErrno(errno, Msg("cannot stat"));
+  }
   if (S_ISLNK(st.st_mode)) {
     return Status::FailedPrecondition(
         Msg("is a symbolic link; give the directory it points to, which must be owned by this "
@@ -318,6 +354,7 @@ Status SwapStore::Impl::PrepareDirectory() {
   }
   data_path = dir + "/" + kDataFileName;
   lock_path = dir + "/" + kLockFileName;
+  index_path = dir + "/" + kIndexFileName;
   return Status::Ok();
 }
 
@@ -401,6 +438,12 @@ Status SwapStore::Impl::CreateDataFile() {
   open_options.nofollow = true;
   MEMPLAN_ASSIGN_OR_RETURN(data_fd, OpenFile(data_path, open_options, &direct_used));
   data_created = true;
+  data_ours = true;
+  // An index left by an earlier store described a data file that is gone; it must not be loaded
+  // against this one if this store is reopened before its first Sync().
+  if (::unlink(index_path.c_str()) != 0 && errno != ENOENT) {
+    return Status::FromErrno(errno, Msg("cannot remove the stale index " + index_path));
+  }
   int err = ::posix_fallocate(data_fd, 0, static_cast<off_t>(file_bytes));
   if (err == ENOSPC || err == EDQUOT) {
     uint64_t free_now = ::statvfs(options.directory.c_str(), &vfs) == 0
@@ -411,9 +454,162 @@ Status SwapStore::Impl::CreateDataFile() {
   if (err != 0) return Status::FromErrno(err, Msg("cannot preallocate " + data_path));
 
   alignment = std::max<uint64_t>(kMinBlockBytes, DirectIoAlignment(data_fd, direct_used));
+  data_file_bytes = file_bytes;
   capacity_bytes = file_bytes / alignment * alignment;
   allocator.emplace(capacity_bytes);
   return Status::Ok();
+}
+
+Status SwapStore::Impl::OpenDataFile() {
+  OpenOptions open_options;
+  open_options.write = true;
+  open_options.direct = options.direct;
+  open_options.nofollow = true;
+  Result<int> fd = OpenFile(data_path, open_options, &direct_used);
+  if (!fd.ok()) {
+    if (fd.status().code() == StatusCode::kNotFound) {
+      return Status::NotFound(Msg("data file " + data_path +
+                                  " does not exist (open_existing reopens a store an earlier run "
+                                  "kept with keep_files)"));
+    }
+    return fd.status().WithPrefix(Msg("cannot open the data file"));
+  }
+  data_fd = *fd;
+  struct stat st;
+  if (::fstat(data_fd, &st) != 0) return Status::FromErrno(errno, Msg("cannot stat " + data_path));
+  if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return Status::FailedPrecondition(
+        Msg("data file " + data_path + " is not a private regular file owned by this user (uid " +
+            std::to_string(st.st_uid) + ", mode " + mode + ")"));
+  }
+  const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
+  if (file_bytes == 0 || file_bytes % kMinBlockBytes != 0 ||
+      file_bytes > RoundUp(kMaxCapacityBytes, kMinBlockBytes)) {
+    return Status::DataLoss(Msg("data file " + data_path + " is " + std::to_string(file_bytes) +
+                                " bytes, not a size this store creates (a positive multiple of "
+                                "4096)"));
+  }
+  if (options.capacity_bytes != 0 &&
+      RoundUp(options.capacity_bytes, kMinBlockBytes) != file_bytes) {
+    return Status::InvalidArgument(
+        Msg("capacity_bytes is " + std::to_string(options.capacity_bytes) + " but the data file " +
+            data_path + " holds " + std::to_string(file_bytes) +
+            " bytes; give the capacity the store was created with, or 0 to take it from the file"));
+  }
+  data_file_bytes = file_bytes;
+  // Recorded only now: an Open() that fails leaves a file it did not create alone, but Close()
+  // removes a reopened store's files unless keep_files, as it would a new store's.
+  data_ours = true;
+  return Status::Ok();
+}
+
+Status SwapStore::Impl::LoadIndex() {
+  const std::string never_synced =
+      " (the store was never synced: Sync() and Close() with keep_files write it)";
+  int fd = ::open(index_path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) {
+      return Status::NotFound(Msg("index file " + index_path + " does not exist" + never_synced));
+    }
+    return Status::FromErrno(errno, Msg("cannot open the index file " + index_path));
+  }
+  std::string bytes;
+  Status read = [&]() -> Status {
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return Status::FromErrno(errno, Msg("cannot stat " + index_path));
+    if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid()) {
+      return Status::FailedPrecondition(
+          Msg("index file " + index_path + " is not a regular file owned by this user"));
+    }
+    const uint64_t size = static_cast<uint64_t>(st.st_size);
+    if (size > internal::kMaxSwapIndexBytes) {
+      return Status::DataLoss(Msg("index file " + index_path + " is " + std::to_string(size) +
+                                  " bytes, larger than any index this store writes"));
+    }
+    bytes.resize(static_cast<size_t>(size));
+    size_t done = 0;
+    while (done < bytes.size()) {
+      ssize_t n = ::pread(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return Status::FromErrno(errno, Msg("cannot read " + index_path));
+      if (n == 0) break;  // shrank under us: the decoder reports the truncation
+      done += static_cast<size_t>(n);
+    }
+    bytes.resize(done);
+    return Status::Ok();
+  }();
+  ::close(fd);
+  MEMPLAN_RETURN_IF_ERROR(read);
+
+  MEMPLAN_ASSIGN_OR_RETURN(internal::SwapIndex loaded,
+                           internal::DecodeSwapIndex(bytes, Msg("index file " + index_path)));
+  bytes.clear();
+  bytes.shrink_to_fit();
+  struct stat st;
+  if (::fstat(data_fd, &st) != 0) return Status::FromErrno(errno, Msg("cannot stat " + data_path));
+  if (loaded.data_file_bytes != static_cast<uint64_t>(st.st_size)) {
+    return Status::DataLoss(Msg("index file " + index_path + " describes a data file of " +
+                                std::to_string(loaded.data_file_bytes) + " bytes, but " +
+                                data_path + " is " + std::to_string(st.st_size) + " bytes"));
+  }
+  if (loaded.checksum_block_bytes != options.checksum_block_bytes) {
+    return Status::InvalidArgument(
+        Msg("checksum_block_bytes is " + std::to_string(options.checksum_block_bytes) +
+            " but the index file " + index_path + " was written with " +
+            std::to_string(loaded.checksum_block_bytes) + "; reopen with the same value"));
+  }
+  // The extents were laid out for the alignment of the run that wrote them; keep it, provided it
+  // also satisfies this run's O_DIRECT alignment (so no two keys share a device block).
+  const uint64_t needed =
+      std::max<uint64_t>(kMinBlockBytes, DirectIoAlignment(data_fd, direct_used));
+  if (loaded.alignment_bytes % needed != 0) {
+    return Status::FailedPrecondition(
+        Msg("the index file " + index_path + " lays extents out on " +
+            std::to_string(loaded.alignment_bytes) + "-byte boundaries, but O_DIRECT on " +
+            data_path + " now needs " + std::to_string(needed) + "; reopen with direct = false"));
+  }
+  alignment = loaded.alignment_bytes;
+  capacity_bytes = loaded.data_file_bytes / alignment * alignment;
+  allocator.emplace(capacity_bytes);
+  index.reserve(loaded.entries.size());
+  for (internal::SwapIndexEntry& e : loaded.entries) {
+    // The decoder has checked bounds and overlaps; a refusal here would be a bug in one of us.
+    if (!allocator->AllocateAt(e.offset, e.extent_bytes)) {
+      return Status::Internal(
+          Msg("index file " + index_path + ": the extent of key " + Quote(e.key) + " is not free"));
+    }
+    Entry entry;
+    entry.offset = e.offset;
+    entry.extent_bytes = e.extent_bytes;
+    entry.size = e.size;
+    entry.checksums = std::move(e.checksums);
+    entry.committed = true;
+    index.emplace(std::move(e.key), std::move(entry));
+  }
+  index_ours = true;
+  return Status::Ok();
+}
+
+std::string SwapStore::Impl::EncodeIndex() const {
+  internal::SwapIndexEncoder encoder(data_file_bytes, options.checksum_block_bytes,
+                                     static_cast<uint32_t>(alignment));
+  for (const auto& [key, e] : index) {
+    if (!e.committed || (e.writing && e.relocated)) continue;
+    encoder.Add(key, e.offset, e.extent_bytes, e.size, e.checksums);
+  }
+  return encoder.Finish();
+}
+
+Status SwapStore::Impl::WriteIndex(const std::string& bytes) {
+  if (bytes.size() > internal::kMaxSwapIndexBytes) {
+    return Status::ResourceExhausted(Msg("the index would be " + std::to_string(bytes.size()) +
+                                         " bytes, more than the " +
+                                         std::to_string(internal::kMaxSwapIndexBytes) +
+                                         "-byte limit; use a larger checksum_block_bytes"));
+  }
+  return WriteFileAtomically(index_path, bytes, 0600).WithPrefix(Msg("cannot write the index"));
 }
 
 Status SwapStore::Impl::StartEngine(std::unique_ptr<Backend> given) {
@@ -432,7 +628,7 @@ Status SwapStore::Impl::StartEngine(std::unique_ptr<Backend> given) {
   return Status::Ok();
 }
 
-Status SwapStore::Impl::Teardown(bool closing) {
+Status SwapStore::Impl::Teardown(bool closing, const std::string* index_bytes) {
   Status first;
   auto note = [&first](Status s) {
     if (first.ok() && !s.ok()) first = std::move(s);
@@ -441,7 +637,16 @@ Status SwapStore::Impl::Teardown(bool closing) {
   if (engine != nullptr && file >= 0) {
     // Only kept files need their bytes on the device; fsyncing a file about to be unlinked would
     // only write back what is then thrown away.
-    if (closing && options.keep_files) note(engine->Sync(file).WithPrefix(Msg("fsync")));
+    if (closing && options.keep_files) {
+      Status synced = engine->Sync(file).WithPrefix(Msg("fsync"));
+      // An index written after a failed fsync could describe bytes the device does not hold;
+      // the previous index (if any) stays, as after a failed Sync().
+      if (synced.ok() && index_bytes != nullptr) {
+        synced = WriteIndex(*index_bytes);
+        if (synced.ok()) index_ours = true;
+      }
+      note(std::move(synced));
+    }
     note(engine->RemoveFile(file));
     file = -1;
   }
@@ -451,11 +656,20 @@ Status SwapStore::Impl::Teardown(bool closing) {
     if (::close(data_fd) != 0) note(Status::FromErrno(errno, Msg("closing " + data_path)));
     data_fd = -1;
   }
-  if (remove && data_created) {
+  // The index first: an index left without its data file (by a crash in between) would be the
+  // more confusing leftover.
+  if (remove && closing && index_ours) {
+    if (::unlink(index_path.c_str()) != 0 && errno != ENOENT) {
+      note(Status::FromErrno(errno, Msg("cannot remove " + index_path)));
+    }
+    index_ours = false;
+  }
+  if (remove && (closing ? data_ours : data_created)) {
     if (::unlink(data_path.c_str()) != 0 && errno != ENOENT) {
       note(Status::FromErrno(errno, Msg("cannot remove " + data_path)));
     }
     data_created = false;
+    data_ours = false;
   }
   if (lock_fd >= 0) {
     // Unlink while still holding the lock, so no one can lock the name we are about to delete.
@@ -495,7 +709,10 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
   auto impl = std::make_unique<Impl>(std::move(normalized));
   Status status = impl->PrepareDirectory();
   if (status.ok()) status = impl->TakeLock();
-  if (status.ok()) status = impl->CreateDataFile();
+  if (status.ok()) {
+    status = options.open_existing ? impl->OpenDataFile() : impl->CreateDataFile();
+  }
+  if (status.ok() && options.open_existing) status = impl->LoadIndex();
   if (status.ok()) status = impl->StartEngine(std::move(backend));
   if (!status.ok()) {
     (void)impl->Teardown(/*closing=*/false);  // the Open error is the one worth reporting
@@ -508,6 +725,11 @@ Status SwapStore::Put(const std::string& key, std::span<const std::byte> data) {
   auto start = std::chrono::steady_clock::now();
   Impl& s = *impl_;
   const uint64_t size = data.size();
+  if (key.size() > kMaxKeyBytes) {
+    return Status::InvalidArgument(s.Msg("a key of " + std::to_string(key.size()) +
+                                         " bytes is longer than the limit of " +
+                                         std::to_string(kMaxKeyBytes)));
+  }
   // Hashing is the CPU-heavy part; do it before taking the lock.
   std::vector<uint64_t> sums = BlockChecksums(data, s.options.checksum_block_bytes);
 
@@ -534,6 +756,7 @@ Status SwapStore::Put(const std::string& key, std::span<const std::byte> data) {
         }
         e.offset = *got;
         e.extent_bytes = extent;
+        e.relocated = true;
       }
       e.writing = true;
       entry = &e;
@@ -564,6 +787,7 @@ Status SwapStore::Put(const std::string& key, std::span<const std::byte> data) {
   entry->checksums = std::move(sums);
   entry->committed = true;
   entry->writing = false;
+  entry->relocated = false;
   s.put_bytes += size;
   s.put_latency.Add(MicrosSince(start));
   return Status::Ok();
@@ -621,6 +845,78 @@ Status SwapStore::Get(const std::string& key, std::span<std::byte> out) {
   return status;
 }
 
+// Reads whole checksum blocks: straight into `out` when the range starts and ends on block
+// boundaries (or at the value's end), else the covered blocks into a scratch buffer of at most
+// out.size() + 2 blocks, from which the range is copied.
+Status SwapStore::GetRange(const std::string& key, uint64_t offset, std::span<std::byte> out) {
+  auto start = std::chrono::steady_clock::now();
+  Impl& s = *impl_;
+  Impl::Entry* entry = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.closed) return Status::FailedPrecondition(s.Msg("is closed"));
+    auto it = s.index.find(key);
+    if (it == s.index.end()) return Status::NotFound(s.KeyMsg(key, "not found"));
+    Impl::Entry& e = it->second;
+    if (e.writing) return s.Busy(key, e);
+    if (offset > e.size || out.size() > e.size - offset) {
+      return Status::OutOfRange(s.KeyMsg(key, "range of " + std::to_string(out.size()) +
+                                                  " bytes at offset " + std::to_string(offset) +
+                                                  " passes the end of the " +
+                                                  std::to_string(e.size) + "-byte value"));
+    }
+    if (out.empty()) {
+      s.get_latency.Add(MicrosSince(start));
+      return Status::Ok();
+    }
+    ++e.readers;
+    ++s.active_ops;
+    entry = &e;
+  }
+
+  // The entry cannot change while we are one of its readers (see Note [Per-key state ...]).
+  const uint64_t block = s.options.checksum_block_bytes;
+  const uint64_t end = offset + out.size();
+  const uint64_t first = offset / block;
+  const uint64_t cover_begin = first * block;
+  const uint64_t cover_end = std::min(RoundUp(end, block), entry->size);
+  std::vector<std::byte> scratch;
+  std::byte* covered = out.data();
+  if (cover_begin != offset || cover_end != end) {
+    scratch.resize(static_cast<size_t>(cover_end - cover_begin));
+    covered = scratch.data();
+  }
+  Status status =
+      s.engine->Read(s.file, entry->offset + cover_begin, covered, cover_end - cover_begin);
+  if (!status.ok()) {
+    status = status.WithPrefix(s.KeyMsg(key, "read failed"));
+  } else {
+    for (uint64_t at = cover_begin; at < cover_end; at += block) {
+      const uint64_t n = std::min(block, cover_end - at);
+      if (XXH3_64bits(covered + (at - cover_begin), static_cast<size_t>(n)) !=
+          entry->checksums[static_cast<size_t>(at / block)]) {
+        status = Status::DataLoss(s.KeyMsg(key, "checksum mismatch in block at byte offset " +
+                                                    std::to_string(at) + " (data file " +
+                                                    s.data_path + ", offset " +
+                                                    std::to_string(entry->offset + at) + ")"));
+        break;
+      }
+    }
+    if (status.ok() && covered != out.data()) {
+      std::memcpy(out.data(), covered + (offset - cover_begin), out.size());
+    }
+  }
+
+  std::lock_guard<std::mutex> lock(s.mu);
+  --entry->readers;
+  --s.active_ops;
+  if (status.ok()) {
+    s.get_bytes += out.size();
+    s.get_latency.Add(MicrosSince(start));
+  }
+  return status;
+}
+
 Result<uint64_t> SwapStore::Size(const std::string& key) const {
   const Impl& s = *impl_;
   std::lock_guard<std::mutex> lock(s.mu);
@@ -656,6 +952,25 @@ std::vector<std::string> SwapStore::Keys() const {
   }
   std::sort(keys.begin(), keys.end());
   return keys;
+}
+
+Status SwapStore::Sync() {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> one_at_a_time(s.sync_mu);
+  std::string bytes;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.closed) return Status::FailedPrecondition(s.Msg("is closed"));
+    bytes = s.EncodeIndex();
+    ++s.active_ops;  // so Close() cannot release the engine under us
+  }
+  Status status = s.engine->Sync(s.file).WithPrefix(s.Msg("fdatasync of " + s.data_path));
+  if (status.ok()) status = s.WriteIndex(bytes);
+
+  std::lock_guard<std::mutex> lock(s.mu);
+  --s.active_ops;
+  if (status.ok()) s.index_ours = true;
+  return status;
 }
 
 SwapStoreStats SwapStore::stats() const {
@@ -700,8 +1015,11 @@ Status SwapStore::Close() {
   }
   s.closed = true;
   s.final_io = s.engine->stats();
+  // Nothing is in flight, so this is every committed key.
+  std::string index_bytes;
+  if (s.options.keep_files) index_bytes = s.EncodeIndex();
   // Held across the teardown so that stats() never sees a half-released store.
-  return s.Teardown(/*closing=*/true);
+  return s.Teardown(/*closing=*/true, s.options.keep_files ? &index_bytes : nullptr);
 }
 
 Result<uint64_t> SwapStore::DebugFileOffset(const std::string& key) const {

@@ -20,8 +20,21 @@
 // Close() fails with FailedPrecondition while any operation is in flight; after Close() every
 // other method fails with FailedPrecondition.
 //
-// The index (key -> extent, checksums) lives in memory only: a store reopened after a crash does
-// not yet find its keys (persisting the index is future work; `keep_files` keeps the bytes).
+// Durability. The index (key -> extent, size, checksums) lives in memory and is written to
+// `kIndexFileName` by Sync() (and by Close() with `keep_files`): the data file is fdatasynced
+// first, then the index replaced atomically (temp file + fsync + rename + directory fsync). A store
+// opened with `open_existing` loads the last synced index, so after a crash it finds every key as
+// of the last Sync(). A key rewritten in place after that Sync() keeps its old checksums in the
+// index, so reading it reports DataLoss rather than returning torn bytes (or its old value, if none
+// of the new bytes reached the file): callers that need the previous value to survive a crash (the
+// optimizer swapper) write new values under new keys and Sync() at their commit points. Keys
+// created after the last Sync() are absent on reopen; their extents are free. Keys erased or moved
+// (re-Put with another rounded size) after it come back with their synced extent: their old value
+// if those bytes were not reused since, else DataLoss. The index file is checked on load (magic,
+// version, its own XXH3-64, every extent inside the data file, aligned and not overlapping
+// another, sizes and checksum counts consistent): a bad index is DataLoss naming the file. The
+// memory backend keeps the bytes in the process only, so a store reopened on it reads no values
+// back (I/O errors); reopening is for the kernel-backed backends.
 #pragma once
 
 #include <cstddef>
@@ -43,6 +56,13 @@ struct SwapStoreOptions {
   uint32_t checksum_block_bytes = 1 << 20;  // one XXH3-64 checksum per this many bytes
   bool direct = true;                       // O_DIRECT, falling back to buffered when refused
   bool keep_files = false;                  // leave the files on Close (for restart after a crash)
+  // Open a store left by an earlier run (its directory, data file and index must exist; the data
+  // file's size must be `capacity_bytes` rounded up to 4 KiB, as Open() created it, or
+  // `capacity_bytes` may be 0 to take it from the file; `checksum_block_bytes` must match the
+  // index). Without it, Open() refuses a directory that already holds a data file (and deletes an
+  // index file found there without one: it describes bytes that are gone). A reopened store keeps
+  // its files on Close() only if `keep_files` is set, as for a new one.
+  bool open_existing = false;
   BackendKind backend = BackendKind::kAuto;
   BackendOptions backend_options;
   IoEngineOptions engine_options;
@@ -63,7 +83,7 @@ struct SwapStoreStats {
   uint64_t used_bytes = 0;  // allocated extents
   uint64_t keys = 0;
   uint64_t put_bytes = 0, get_bytes = 0;  // successful operations only
-  uint64_t puts = 0, gets = 0;
+  uint64_t puts = 0, gets = 0;            // gets (and get_latency, get_bytes) include GetRange()
   LatencyStats put_latency, get_latency;
   IoStats io;
   std::string backend;           // which backend runs it
@@ -77,12 +97,22 @@ class SwapStore {
   // Names of the store's files inside SwapStoreOptions::directory.
   static constexpr const char* kDataFileName = "memplan-swap.data";
   static constexpr const char* kLockFileName = "memplan-swap.lock";
+  static constexpr const char* kIndexFileName = "memplan-swap.index";
+  // Longest key Put() accepts (the index file stores keys up to this length).
+  static constexpr size_t kMaxKeyBytes = 4096;
   // Latency samples kept per operation kind for the percentiles in stats().
   static constexpr size_t kLatencyWindow = 4096;
 
   // Opens (creating) a store. Errors: invalid options; directory not ours or a symlink; store
   // locked by another process (FailedPrecondition naming the pid in the lock file when readable);
   // not enough space (ResourceExhausted with bytes needed and free).
+  // With `open_existing`, reopens the store kept in the directory instead; a lock file left by a
+  // process that died is taken over (the lock is an flock, which dies with its holder). Errors
+  // then also: the directory, data file or index file missing (NotFound; for the index, the
+  // store was never synced); the data file not a private regular file owned by this user
+  // (FailedPrecondition); `capacity_bytes` or `checksum_block_bytes` not the store's
+  // (InvalidArgument naming both values); a corrupt index (DataLoss naming the file and what is
+  // wrong). A failed reopen leaves the files as it found them.
   static Result<std::unique_ptr<SwapStore>> Open(const SwapStoreOptions& options);
   // The same, running on a backend the caller made (the store owns it from now on; on error it is
   // destroyed). `options.backend` and `options.backend_options` are then ignored. This is the seam
@@ -93,23 +123,46 @@ class SwapStore {
 
   // Stores `data` under `key`, replacing any earlier value. Errors: no room (ResourceExhausted
   // naming the key, the bytes needed and the bytes free; the earlier value is then kept); the key
-  // busy in another thread (FailedPrecondition); an I/O error (the key is then removed, since its
-  // bytes on disk are no longer known to be whole).
+  // busy in another thread (FailedPrecondition); a key longer than kMaxKeyBytes
+  // (InvalidArgument); an I/O error (the key is then removed, since its bytes on disk are no
+  // longer known to be whole).
   Status Put(const std::string& key, std::span<const std::byte> data);
   // Reads the value of `key` into `out`, whose size must equal Size(key) (else InvalidArgument).
   // Errors: NotFound; FailedPrecondition while the key is being written; DataLoss naming the key
   // and the byte offset (within the value) of the first block whose checksum does not match; an
   // I/O error. On error the contents of `out` are unspecified.
   Status Get(const std::string& key, std::span<std::byte> out);
+  // Reads `out.size()` bytes of `key`'s value starting at byte `offset` into `out`, verifying only
+  // the checksum blocks the range touches (so a small header can be read without reading the
+  // whole value); it reads exactly those blocks, using a scratch buffer of at most out.size() + 2
+  // blocks when the range does not start and end on block boundaries. Counts as a reader of the
+  // key, as Get() does. An empty range at any offset up to the value's size succeeds without I/O.
+  // Errors as for Get() (DataLoss only for a bad block inside the range); OutOfRange when the
+  // range passes the end of the value.
+  Status GetRange(const std::string& key, uint64_t offset, std::span<std::byte> out);
   // Size of the last value stored under `key`; NotFound when there is none.
   Result<uint64_t> Size(const std::string& key) const;
   Status Erase(const std::string& key);   // frees the extent; NotFound when absent
   std::vector<std::string> Keys() const;  // sorted
 
+  // Makes every Put() and Erase() completed so far durable and findable after a crash: fdatasyncs
+  // the data file, then atomically replaces the index file (see "Durability" above). Operations
+  // still in flight when Sync() is called may or may not be included: a key whose in-flight Put
+  // rewrites its extent in place is recorded with its previous value (which then reads as that
+  // value or as DataLoss after a crash); a key whose first Put is in flight, or whose Put moved it
+  // to a new extent (a different rounded size), is left out. Concurrent Sync()s run one at a time.
+  // Errors: FailedPrecondition after Close(); an I/O error (when the fdatasync, the write or the
+  // rename fails, the previous index file is still in place; when only the fsync of the directory
+  // after the rename fails, the new index is in place but may not survive a power loss);
+  // ResourceExhausted when the index would exceed 1 GiB (use larger checksum blocks).
+  Status Sync();
+
   SwapStoreStats stats() const;
-  // Releases the backend, the files and the lock. With `keep_files` the data file is fsynced and
-  // the files stay; otherwise they are removed (without an fsync: bytes about to be deleted need
-  // not reach the device), and so is the directory if Open() created it and it is now empty.
+  // Releases the backend, the files and the lock. With `keep_files` the data file is fsynced, the
+  // index written as by Sync() (not when the fsync failed) and the files stay; otherwise they are
+  // removed, the index file too (without an fsync: bytes about to be deleted need not reach the
+  // device), and so is the directory if Open() created it and it is now empty (a reopening Open()
+  // never creates it).
   // Cleanup runs to the end even when a step fails; the first failure is returned. Idempotent.
   Status Close();
 

@@ -7,9 +7,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -663,6 +665,452 @@ TEST_CASE("store: stats are exact for a known sequence") {
   stats = store->stats();
   CHECK(stats.used_bytes == rounded(5000));
   CHECK(stats.keys == 1);
+}
+
+// --- Durability: Sync(), open_existing, GetRange -------------------------------------------------
+
+std::string DataPath(const std::string& dir) { return dir + "/" + SwapStore::kDataFileName; }
+std::string IndexPath(const std::string& dir) { return dir + "/" + SwapStore::kIndexFileName; }
+std::string LockPath(const std::string& dir) { return dir + "/" + SwapStore::kLockFileName; }
+
+SwapStoreOptions Reopen(const std::string& dir, uint64_t capacity_bytes = 0) {
+  SwapStoreOptions o = Options(dir, capacity_bytes);
+  o.open_existing = true;
+  return o;
+}
+
+// Overwrites `length` bytes at `offset` of `path` with `bytes` (or XORs them in with `x_or`).
+void Poke(const std::string& path, uint64_t offset, std::vector<std::byte> bytes,
+          bool x_or = false) {
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  if (x_or) {
+    std::vector<std::byte> old(bytes.size());
+    REQUIRE(::pread(fd, old.data(), old.size(), static_cast<off_t>(offset)) ==
+            static_cast<ssize_t>(old.size()));
+    for (size_t i = 0; i < bytes.size(); ++i) bytes[i] ^= old[i];
+  }
+  REQUIRE(::pwrite(fd, bytes.data(), bytes.size(), static_cast<off_t>(offset)) ==
+          static_cast<ssize_t>(bytes.size()));
+  ::close(fd);
+}
+
+TEST_CASE("store: a closed store with keep_files reopens with every key byte for byte") {
+  for (bool direct : {false, true}) {
+    CAPTURE(direct);
+    ScratchDir tmp;
+    const std::string dir = tmp.Sub("s");
+    SwapStoreOptions options = Options(dir, 16 * kMiB, BackendKind::kPosix, direct);
+    options.keep_files = true;
+    const std::vector<uint64_t> sizes = {1, 4095, 4096, 4097, 3 * kMiB + 5, 0, 70000};
+    auto store = MustOpen(options);
+    for (size_t i = 0; i < 4; ++i) {
+      REQUIRE(
+          store->Put("k" + std::to_string(i), Pattern(sizes[i], static_cast<uint32_t>(i))).ok());
+    }
+    Status synced = store->Sync();
+    REQUIRE_MESSAGE(synced.ok(), synced.ToString());
+    CHECK(Mode(IndexPath(dir)) == 0600);
+    // Written after the Sync(): Close() records these too.
+    for (size_t i = 4; i < sizes.size(); ++i) {
+      REQUIRE(
+          store->Put("k" + std::to_string(i), Pattern(sizes[i], static_cast<uint32_t>(i))).ok());
+    }
+    REQUIRE(store->Put("k1", Pattern(sizes[1], 101)).ok());  // rewritten in place, then closed
+    const SwapStoreStats before = store->stats();
+    REQUIRE(store->Close().ok());
+    CHECK(fs::is_empty(dir) == false);
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      CHECK_MESSAGE(entry.path().filename().string().find(".tmp.") == std::string::npos,
+                    entry.path());
+    }
+
+    SwapStoreOptions again = Reopen(dir);
+    again.direct = direct;
+    auto reopened = MustOpen(again);
+    const SwapStoreStats after = reopened->stats();
+    CHECK(after.capacity_bytes == before.capacity_bytes);
+    CHECK(after.used_bytes == before.used_bytes);
+    CHECK(after.keys == sizes.size());
+    CHECK(reopened->Keys() == std::vector<std::string>{"k0", "k1", "k2", "k3", "k4", "k5", "k6"});
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const std::string key = "k" + std::to_string(i);
+      CAPTURE(key);
+      CHECK(*reopened->Size(key) == sizes[i]);
+      RequireRoundTrip(*reopened, key, Pattern(sizes[i], i == 1 ? 101 : static_cast<uint32_t>(i)));
+    }
+    // A reopened store is a store: it takes new keys, and without keep_files Close() removes its
+    // files but not the directory, which this Open() did not create.
+    REQUIRE(reopened->Put("new", Pattern(5000, 77)).ok());
+    RequireRoundTrip(*reopened, "new", Pattern(5000, 77));
+    REQUIRE(reopened->Close().ok());
+    CHECK(fs::is_directory(dir));
+    CHECK(fs::is_empty(dir));
+  }
+}
+
+TEST_CASE("store: after a crash the keys are as of the last Sync()") {
+  ScratchDir tmp;
+  const std::string dir = tmp.Sub("s");
+  const uint64_t piece = 64 * kKiB;
+  SwapStoreOptions options = Options(dir, 5 * piece);
+  options.keep_files = true;
+
+  // The child stores, syncs, changes things, and is killed without closing the store: what a
+  // crash leaves. Buffered writes survive SIGKILL in the page cache, so the rewritten bytes are
+  // deterministically in the file. The child reports a failed step through its exit code.
+  pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    auto r = SwapStore::Open(options);
+    if (!r.ok()) ::_exit(10);
+    SwapStore& store = **r;
+    if (store.stats().alignment_bytes != 4096) ::_exit(11);
+    if (!store.Put("a", Pattern(piece, 1)).ok()) ::_exit(12);  // [0, 1p)
+    if (!store.Put("b", Pattern(piece, 2)).ok()) ::_exit(13);  // [1p, 2p)
+    if (!store.Put("x", Pattern(piece, 3)).ok()) ::_exit(14);  // [2p, 3p)
+    if (!store.Sync().ok()) ::_exit(15);
+    if (!store.Put("b", Pattern(piece, 4)).ok()) ::_exit(16);  // in place
+    if (!store.Erase("x").ok()) ::_exit(17);
+    if (!store.Put("c", Pattern(2 * piece, 5)).ok()) ::_exit(18);  // [2p, 4p): over x
+    if (*store.DebugFileOffset("c") != 2 * piece) ::_exit(19);
+    ::raise(SIGKILL);
+    ::_exit(20);
+  }
+  int wstatus = 0;
+  REQUIRE(::waitpid(child, &wstatus, 0) == child);
+  REQUIRE_MESSAGE(WIFSIGNALED(wstatus), "child exited with " << WEXITSTATUS(wstatus));
+  REQUIRE(WTERMSIG(wstatus) == SIGKILL);
+  // The dead child's lock file is still there; its flock died with it.
+  REQUIRE(fs::exists(LockPath(dir)));
+
+  auto store = MustOpen(Reopen(dir, 5 * piece));
+  CHECK(store->Keys() == std::vector<std::string>{"a", "b", "x"});
+  RequireRoundTrip(*store, "a", Pattern(piece, 1));
+  std::vector<std::byte> out(piece);
+  Status rewritten = store->Get("b", out);
+  CHECK(rewritten.code() == StatusCode::kDataLoss);
+  CHECK(Contains(rewritten, "key 'b': checksum mismatch in block at byte offset 0"));
+  Status reused = store->Get("x", out);  // erased after the Sync, its bytes then reused by c
+  CHECK(reused.code() == StatusCode::kDataLoss);
+  CHECK(store->Size("c").status().code() == StatusCode::kNotFound);
+  // c's extent beyond x's is free again, and first fit hands it out.
+  CHECK(store->stats().used_bytes == 3 * piece);
+  REQUIRE(store->Put("d", Pattern(piece, 6)).ok());
+  CHECK(*store->DebugFileOffset("d") == 3 * piece);
+  REQUIRE(store->Put("e", Pattern(piece, 7)).ok());
+  CHECK(*store->DebugFileOffset("e") == 4 * piece);
+  CHECK(store->Put("f", Pattern(1, 8)).code() == StatusCode::kResourceExhausted);
+  // Rewriting the damaged key heals it.
+  REQUIRE(store->Put("b", Pattern(piece, 9)).ok());
+  RequireRoundTrip(*store, "b", Pattern(piece, 9));
+  RequireRoundTrip(*store, "d", Pattern(piece, 6));
+  RequireRoundTrip(*store, "e", Pattern(piece, 7));
+  // The pid in the lock file is ours now.
+  CHECK(testing::ReadWholeFile(LockPath(dir)) == std::to_string(::getpid()) + "\n");
+}
+
+TEST_CASE("store: a corrupt or truncated index is DataLoss, and the files are left alone") {
+  ScratchDir tmp;
+  const std::string dir = tmp.Sub("s");
+  SwapStoreOptions options = Options(dir, kMiB);
+  options.keep_files = true;
+  {
+    auto store = MustOpen(options);
+    REQUIRE(store->Put("k", Pattern(3 * kBlock + 1, 1)).ok());
+    REQUIRE(store->Put("other", Pattern(10, 2)).ok());
+    REQUIRE(store->Close().ok());
+  }
+  const std::string good = testing::ReadWholeFile(IndexPath(dir));
+  REQUIRE(good.size() > 100);
+
+  auto expect_data_loss = [&](const std::string& index_bytes, std::string_view what) {
+    tmp.Write("s/" + std::string(SwapStore::kIndexFileName), index_bytes);
+    auto r = SwapStore::Open(Reopen(dir));
+    REQUIRE_FALSE(r.ok());
+    CHECK(r.status().code() == StatusCode::kDataLoss);
+    CHECK_MESSAGE(Contains(r.status(), "index file " + IndexPath(dir) + ": "),
+                  r.status().message());
+    CHECK_MESSAGE(Contains(r.status(), what), r.status().message());
+    CHECK(fs::exists(DataPath(dir)));
+    CHECK(fs::exists(IndexPath(dir)));
+    CHECK(fs::exists(LockPath(dir)));
+  };
+  std::string flipped = good;
+  flipped[good.size() / 2] ^= 0x20;
+  expect_data_loss(flipped, "checksum mismatch");
+  expect_data_loss(good.substr(0, good.size() - 1), "checksum mismatch");
+  expect_data_loss(good.substr(0, 20), "truncated");
+  expect_data_loss("", "truncated");
+
+  // The good index still opens the untouched files.
+  tmp.Write("s/" + std::string(SwapStore::kIndexFileName), good);
+  options.open_existing = true;
+  auto store = MustOpen(options);
+  RequireRoundTrip(*store, "k", Pattern(3 * kBlock + 1, 1));
+}
+
+TEST_CASE("store: reopening checks the options and the files against the store") {
+  ScratchDir tmp;
+  const std::string dir = tmp.Sub("s");
+  SwapStoreOptions options = Options(dir, kMiB + 100);  // the file is rounded up to 4 KiB
+  options.keep_files = true;
+  {
+    auto store = MustOpen(options);
+    REQUIRE(store->Put("k", Pattern(100, 1)).ok());
+    REQUIRE(store->Close().ok());
+  }
+
+  SUBCASE("the capacity it was created with, or 0, opens it") {
+    for (uint64_t capacity : {kMiB + 100, kMiB + 4096, uint64_t{0}}) {
+      CAPTURE(capacity);
+      SwapStoreOptions keep = Reopen(dir, capacity);
+      keep.keep_files = true;  // for the next round
+      auto store = MustOpen(keep);
+      CHECK(store->stats().capacity_bytes == kMiB + 4096);
+      RequireRoundTrip(*store, "k", Pattern(100, 1));
+      REQUIRE(store->Close().ok());
+    }
+  }
+  SUBCASE("another capacity is InvalidArgument") {
+    auto r = SwapStore::Open(Reopen(dir, 2 * kMiB));
+    CHECK(r.status().code() == StatusCode::kInvalidArgument);
+    CHECK(Contains(r.status(), "capacity_bytes is 2097152 but the data file"));
+  }
+  SUBCASE("another checksum block size is InvalidArgument naming both") {
+    SwapStoreOptions wrong = Reopen(dir);
+    wrong.checksum_block_bytes = 8192;
+    auto r = SwapStore::Open(wrong);
+    CHECK(r.status().code() == StatusCode::kInvalidArgument);
+    CHECK(Contains(r.status(), "checksum_block_bytes is 8192"));
+    CHECK(Contains(r.status(), "was written with 4096"));
+  }
+  SUBCASE("a missing index says the store was never synced") {
+    REQUIRE(fs::remove(IndexPath(dir)));
+    auto r = SwapStore::Open(Reopen(dir));
+    CHECK(r.status().code() == StatusCode::kNotFound);
+    CHECK(Contains(r.status(), IndexPath(dir)));
+    CHECK(Contains(r.status(), "never synced"));
+  }
+  SUBCASE("a missing data file or directory is NotFound, and nothing is created") {
+    REQUIRE(fs::remove(DataPath(dir)));
+    auto r = SwapStore::Open(Reopen(dir));
+    CHECK(r.status().code() == StatusCode::kNotFound);
+    CHECK(Contains(r.status(), DataPath(dir)));
+    CHECK_FALSE(fs::exists(DataPath(dir)));
+    auto none = SwapStore::Open(Reopen(tmp.Sub("nowhere")));
+    CHECK(none.status().code() == StatusCode::kNotFound);
+    CHECK(Contains(none.status(), "does not exist"));
+    CHECK_FALSE(fs::exists(tmp.Sub("nowhere")));
+    // A new store there drops the index of the old one, which no longer describes its data.
+    REQUIRE(fs::exists(IndexPath(dir)));
+    auto fresh = MustOpen(options);
+    CHECK_FALSE(fs::exists(IndexPath(dir)));
+    fresh.reset();  // keep_files: Close() writes its (empty) index
+    SwapStoreOptions keep = Reopen(dir);
+    keep.keep_files = true;
+    auto reopened = MustOpen(keep);
+    CHECK(reopened->Keys().empty());
+    CHECK(reopened->Size("k").status().code() == StatusCode::kNotFound);
+    REQUIRE(reopened->Close().ok());
+  }
+  SUBCASE("a data file others may read, or a symlink, is refused") {
+    REQUIRE(::chmod(DataPath(dir).c_str(), 0640) == 0);
+    auto r = SwapStore::Open(Reopen(dir));
+    CHECK(r.status().code() == StatusCode::kFailedPrecondition);
+    CHECK(Contains(r.status(), "mode 0640"));
+    REQUIRE(::chmod(DataPath(dir).c_str(), 0600) == 0);
+    fs::rename(DataPath(dir), tmp.Sub("elsewhere"));
+    fs::create_symlink(tmp.Sub("elsewhere"), DataPath(dir));
+    CHECK_FALSE(SwapStore::Open(Reopen(dir)).ok());
+  }
+  SUBCASE("without open_existing the kept store is still refused") {
+    auto r = SwapStore::Open(options);
+    CHECK(r.status().code() == StatusCode::kFailedPrecondition);
+    CHECK(Contains(r.status(), "exists"));
+  }
+  // Whatever was refused, the files are as they were.
+  CHECK(fs::exists(LockPath(dir)));
+}
+
+TEST_CASE("store: a store in use cannot be reopened") {
+  ScratchDir tmp;
+  const std::string dir = tmp.Sub("s");
+  SwapStoreOptions options = Options(dir, kMiB);
+  options.keep_files = true;
+  auto store = MustOpen(options);
+  REQUIRE(store->Put("k", Pattern(10, 1)).ok());
+  REQUIRE(store->Sync().ok());
+  auto second = SwapStore::Open(Reopen(dir));
+  CHECK(second.status().code() == StatusCode::kFailedPrecondition);
+  CHECK(Contains(second.status(), "in use by pid " + std::to_string(::getpid())));
+  REQUIRE(store->Close().ok());
+  auto third = SwapStore::Open(Reopen(dir));
+  REQUIRE_MESSAGE(third.ok(), third.status().ToString());
+  RequireRoundTrip(**third, "k", Pattern(10, 1));
+}
+
+TEST_CASE("store: GetRange reads and verifies only the blocks it touches") {
+  ScratchDir tmp;
+  auto store = MustOpen(Options(tmp.Sub("s"), kMiB));
+  const std::vector<std::byte> value = Pattern(5 * kBlock + 100, 41);
+  REQUIRE(store->Put("v", value).ok());
+  const uint64_t offset = *store->DebugFileOffset("v");
+  // Corrupt the fourth checksum block (value bytes [12288, 16384)).
+  Poke(DataPath(tmp.Sub("s")), offset + 3 * kBlock + 5, {std::byte{0x40}}, /*x_or=*/true);
+
+  auto range = [&](uint64_t at, uint64_t n) {
+    return std::vector<std::byte>(value.begin() + static_cast<std::ptrdiff_t>(at),
+                                  value.begin() + static_cast<std::ptrdiff_t>(at + n));
+  };
+  // A header-sized range inside block 1: one block read, verified, copied.
+  uint64_t read_before = store->stats().io.read_bytes;
+  std::vector<std::byte> header(64);
+  Status s = store->GetRange("v", kBlock + 10, header);
+  REQUIRE_MESSAGE(s.ok(), s.ToString());
+  CHECK(header == range(kBlock + 10, 64));
+  CHECK(store->stats().io.read_bytes - read_before == kBlock);
+  // Across blocks 0..2, unaligned at both ends; and exactly block 2 (read straight into `out`).
+  std::vector<std::byte> across(2 * kBlock + 1);
+  REQUIRE(store->GetRange("v", kBlock - 7, across).ok());
+  CHECK(across == range(kBlock - 7, across.size()));
+  std::vector<std::byte> whole_block(kBlock);
+  read_before = store->stats().io.read_bytes;
+  REQUIRE(store->GetRange("v", 2 * kBlock, whole_block).ok());
+  CHECK(whole_block == range(2 * kBlock, kBlock));
+  CHECK(store->stats().io.read_bytes - read_before == kBlock);
+  // The tail: the partial last block, after the bad one.
+  std::vector<std::byte> tail(150);
+  REQUIRE(store->GetRange("v", value.size() - 150, tail).ok());
+  CHECK(tail == range(value.size() - 150, 150));
+
+  // One byte of the bad block is enough to see it; Get() of the whole value sees it too.
+  std::vector<std::byte> one(1);
+  Status bad = store->GetRange("v", 4 * kBlock - 1, one);
+  CHECK(bad.code() == StatusCode::kDataLoss);
+  CHECK(Contains(bad, "key 'v': checksum mismatch in block at byte offset 12288"));
+  std::vector<std::byte> all(value.size());
+  CHECK(store->Get("v", all).code() == StatusCode::kDataLoss);
+  CHECK(store->GetRange("v", 0, all).code() == StatusCode::kDataLoss);
+}
+
+TEST_CASE("store: GetRange bounds, empty ranges and absent keys") {
+  ScratchDir tmp;
+  auto store = MustOpen(Options(tmp.Sub("s"), kMiB));
+  const std::vector<std::byte> value = Pattern(3 * kBlock, 51);
+  REQUIRE(store->Put("v", value).ok());
+  REQUIRE(store->Put("empty", {}).ok());
+  std::vector<std::byte> eleven(11), none;
+
+  Status past = store->GetRange("v", value.size() - 10, eleven);
+  CHECK(past.code() == StatusCode::kOutOfRange);
+  CHECK(Contains(past,
+                 "key 'v': range of 11 bytes at offset 12278 passes the end of the "
+                 "12288-byte value"));
+  CHECK(store->GetRange("v", value.size() + 1, none).code() == StatusCode::kOutOfRange);
+  CHECK(store->GetRange("v", UINT64_MAX - 5, eleven).code() == StatusCode::kOutOfRange);
+  CHECK(store->GetRange("empty", 0, eleven).code() == StatusCode::kOutOfRange);
+  CHECK(store->GetRange("v", value.size(), none).ok());
+  CHECK(store->GetRange("v", 17, none).ok());
+  CHECK(store->GetRange("empty", 0, none).ok());
+  CHECK(store->GetRange("nope", 0, none).code() == StatusCode::kNotFound);
+  std::vector<std::byte> last(10);
+  REQUIRE(store->GetRange("v", value.size() - 10, last).ok());
+  CHECK(std::equal(last.begin(), last.end(), value.end() - 10));
+  REQUIRE(store->Close().ok());
+  CHECK(store->GetRange("v", 0, last).code() == StatusCode::kFailedPrecondition);
+  CHECK(store->Sync().code() == StatusCode::kFailedPrecondition);
+}
+
+TEST_CASE("store: Put refuses a key longer than the index can hold") {
+  ScratchDir tmp;
+  auto store = MustOpen(Options(tmp.Sub("s"), kMiB));
+  const std::string longest(SwapStore::kMaxKeyBytes, 'k');
+  REQUIRE(store->Put(longest, Pattern(10, 1)).ok());
+  Status too_long = store->Put(longest + "k", Pattern(10, 1));
+  CHECK(too_long.code() == StatusCode::kInvalidArgument);
+  CHECK(Contains(too_long, "4097 bytes"));
+  CHECK(store->stats().keys == 1);
+}
+
+TEST_CASE("store: Sync() while other threads put, get and erase") {
+  ScratchDir tmp;
+  const std::string dir = tmp.Sub("s");
+  SwapStoreOptions options = Options(dir, 64 * kMiB);
+  options.keep_files = true;
+  auto store = MustOpen(options);
+  constexpr int kThreads = 3;
+  constexpr int kRounds = 30;
+  constexpr int kKeys = 7;
+  std::atomic<int> failures{0}, syncs{0};
+  std::atomic<bool> done{false};
+  struct Last {
+    uint64_t size = 0;
+    uint32_t seed = 0;
+    bool present = false;
+  };
+  std::vector<std::vector<Last>> last(kThreads, std::vector<Last>(kKeys));
+  auto key_of = [](int t, int k) { return "t" + std::to_string(t) + "-" + std::to_string(k); };
+  std::vector<std::thread> threads;
+  threads.reserve(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int round = 0; round < kRounds; ++round) {
+        const int k = round % kKeys;
+        const std::string key = key_of(t, k);
+        const uint64_t size = 1 + static_cast<uint64_t>((t * 7919 + round * 104729) % (200 * 1024));
+        const uint32_t seed = static_cast<uint32_t>(t * 1000 + round);
+        const std::vector<std::byte> value = Pattern(size, seed);
+        if (!store->Put(key, value).ok()) ++failures;
+        last[t][k] = Last{size, seed, true};
+        std::vector<std::byte> back(size);
+        if (!store->Get(key, back).ok() || back != value) ++failures;
+        std::vector<std::byte> part(size / 2);
+        if (!store->GetRange(key, size / 3, part).ok() ||
+            !std::equal(part.begin(), part.end(),
+                        value.begin() + static_cast<std::ptrdiff_t>(size / 3))) {
+          ++failures;
+        }
+        if (round % 5 == 4) {
+          if (!store->Erase(key).ok()) ++failures;
+          last[t][k].present = false;
+        }
+      }
+    });
+  }
+  std::thread syncer([&] {
+    while (!done) {
+      if (!store->Sync().ok()) ++failures;
+      ++syncs;
+    }
+  });
+  for (auto& th : threads) th.join();
+  done = true;
+  syncer.join();
+  CHECK(failures.load() == 0);
+  CHECK(syncs.load() > 0);
+
+  // A last Sync() with nothing in flight records every key: Close() then writes the same bytes.
+  REQUIRE(store->Sync().ok());
+  const std::string synced = testing::ReadWholeFile(IndexPath(dir));
+  REQUIRE(store->Close().ok());
+  CHECK(testing::ReadWholeFile(IndexPath(dir)) == synced);
+
+  auto reopened = MustOpen(Reopen(dir));
+  uint64_t present = 0;
+  for (int t = 0; t < kThreads; ++t) {
+    for (int k = 0; k < kKeys; ++k) {
+      CAPTURE(key_of(t, k));
+      const Last& l = last[t][k];
+      if (!l.present) {
+        CHECK(reopened->Size(key_of(t, k)).status().code() == StatusCode::kNotFound);
+        continue;
+      }
+      ++present;
+      RequireRoundTrip(*reopened, key_of(t, k), Pattern(l.size, l.seed));
+    }
+  }
+  CHECK(reopened->stats().keys == present);
 }
 
 }  // namespace
