@@ -1,0 +1,835 @@
+// OptimizerSwapper: see optimizer_swapper.h for the contract.
+//
+// Note [Two slots per sub-group]
+// A step rewrites every sub-group's states. Writing them in place would leave, after a crash
+// mid-step, a mix of new and old sub-groups and no way back to either whole step. So each
+// sub-group has two state values in the store, "state.<i>.0" and "state.<i>.1"; epoch E lives in
+// slot E % 2 and carries a header with E. Step E + 1 reads slot E % 2 and writes slot (E + 1) % 2,
+// never touching the only copy of epoch E. The commit point is SwapStore::Sync() at the end of the
+// step: data fdatasynced, then the index (with the new values' checksums) replaced atomically.
+// After a crash the index on disk is the one of the last commit, so:
+//   - a slot rewritten since then fails its checksum (DataLoss) or, if never synced, is absent;
+//   - slots holding the committed epoch were not written since, and read back whole.
+// Open() takes, for every sub-group, the epochs of its readable slots and resumes from the
+// largest epoch that every sub-group holds. A slot that is unreadable or ahead of it is the torn
+// step; the next step overwrites it. The cost is twice the NVMe space for states, not twice the
+// I/O: each step still reads and writes every state once.
+//
+// Note [The pipeline]
+// Three stages connected by queues of buffer indices: the reader fills free buffers (states,
+// then gradients), the calling thread steps the ready ones in sub-group order, the writer writes
+// them back and frees them. buffer_count bounds the data in flight. Any stage's error aborts the
+// queues, every stage drains and returns, and the first error is the step's.
+#include "offload/optimizer_swapper.h"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <thread>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/json.h"
+
+namespace memplan::offload {
+namespace {
+
+constexpr uint64_t kHeaderBytes = 4096;
+constexpr uint64_t kElementAlign = 1024;  // sub-group sizes are multiples: arrays stay 4 KiB-aligned
+constexpr char kSlotMagic[8] = {'M', 'P', 'S', 'W', 'S', 'L', 'O', 'T'};
+constexpr uint32_t kSlotVersion = 1;
+constexpr const char* kMetaKey = "swapper.meta";
+// The step last begun, committed before its first write (Note [Two slots per sub-group]).
+constexpr const char* kBegunKey = "swapper.begun";
+constexpr const char* kMetaFormat = "memplan-optimizer-swapper";
+constexpr int kMetaVersion = 1;
+
+// The first bytes of every state value. Fixed-width fields, little-endian as the host (a store
+// is not meant to move between machines of different byte order).
+struct SlotHeader {
+  char magic[8];
+  uint32_t version;
+  uint32_t state_count;
+  uint64_t store_id;
+  uint64_t epoch;
+  uint64_t sub_group;
+  uint64_t first_element;
+  uint64_t elements;
+};
+static_assert(sizeof(SlotHeader) <= kHeaderBytes);
+
+uint64_t RoundUp(uint64_t value, uint64_t to) { return (value + to - 1) / to * to; }
+
+Result<std::unique_ptr<nvme::SwapStore>> OpenStore(const OptimizerSwapperOptions& options,
+                                                   const nvme::SwapStoreOptions& store_options) {
+  if (!options.make_backend) return nvme::SwapStore::Open(store_options);
+  MEMPLAN_ASSIGN_OR_RETURN(std::unique_ptr<nvme::Backend> backend, options.make_backend());
+  return nvme::SwapStore::Open(store_options, std::move(backend));
+}
+
+std::string StateKey(uint64_t sub_group, uint64_t slot) {
+  return "state." + std::to_string(sub_group) + "." + std::to_string(slot);
+}
+std::string GradKey(uint64_t sub_group) { return "grad." + std::to_string(sub_group); }
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// A closable queue of buffer indices for one pipeline edge. Abort() wakes every waiter; after it
+// Pop() returns nothing.
+class IndexQueue {
+ public:
+  void Push(size_t value) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      items_.push_back(value);
+    }
+    cv_.notify_one();
+  }
+  std::optional<size_t> Pop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return aborted_ || !items_.empty(); });
+    if (aborted_) return std::nullopt;
+    size_t value = items_.front();
+    items_.pop_front();
+    return value;
+  }
+  void Abort() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      aborted_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<size_t> items_;  // Guarded by mu_.
+  bool aborted_ = false;      // Guarded by mu_.
+};
+
+// The first error of a step, shared by its stages.
+class FirstError {
+ public:
+  void Set(Status status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (status_.ok()) status_ = std::move(status);
+  }
+  Status Get() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return status_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  Status status_;  // Guarded by mu_.
+};
+
+Status CheckStepOptions(SwapOptimizer optimizer, const SwapStepOptions& options) {
+  switch (optimizer) {
+    case SwapOptimizer::kAdam:
+    case SwapOptimizer::kAdamAmsgrad: {
+      const auto* adam = std::get_if<AdamOptions>(&options);
+      if (adam == nullptr) {
+        return Status::InvalidArgument("the swapper runs Adam; the step was given other options");
+      }
+      if (adam->amsgrad != (optimizer == SwapOptimizer::kAdamAmsgrad)) {
+        return Status::InvalidArgument(
+            "AdamOptions::amsgrad must match the swapper's optimizer (" +
+            std::string(SwapOptimizerName(optimizer)) + ")");
+      }
+      return adam->Validate();
+    }
+    case SwapOptimizer::kSgd: {
+      const auto* sgd = std::get_if<SgdOptions>(&options);
+      if (sgd == nullptr) {
+        return Status::InvalidArgument("the swapper runs SGD; the step was given other options");
+      }
+      if (sgd->momentum == 0) {
+        return Status::InvalidArgument(
+            "the swapper's SGD keeps a momentum buffer; momentum must be > 0");
+      }
+      return sgd->Validate();
+    }
+    case SwapOptimizer::kLion: {
+      const auto* lion = std::get_if<LionOptions>(&options);
+      if (lion == nullptr) {
+        return Status::InvalidArgument("the swapper runs Lion; the step was given other options");
+      }
+      return lion->Validate();
+    }
+  }
+  return Status::Internal("unknown optimizer");
+}
+
+}  // namespace
+
+std::string_view SwapOptimizerName(SwapOptimizer optimizer) {
+  switch (optimizer) {
+    case SwapOptimizer::kAdam: return "adam";
+    case SwapOptimizer::kAdamAmsgrad: return "adam-amsgrad";
+    case SwapOptimizer::kSgd: return "sgd";
+    case SwapOptimizer::kLion: return "lion";
+  }
+  return "unknown";
+}
+
+Result<SwapOptimizer> ParseSwapOptimizer(std::string_view name) {
+  for (SwapOptimizer o : {SwapOptimizer::kAdam, SwapOptimizer::kAdamAmsgrad, SwapOptimizer::kSgd,
+                          SwapOptimizer::kLion}) {
+    if (name == SwapOptimizerName(o)) return o;
+  }
+  return Status::InvalidArgument("unknown optimizer \"" + std::string(name) +
+                                 "\" (expected adam, adam-amsgrad, sgd or lion)");
+}
+
+int SwapOptimizerStates(SwapOptimizer optimizer) {
+  switch (optimizer) {
+    case SwapOptimizer::kAdam: return 2;
+    case SwapOptimizer::kAdamAmsgrad: return 3;
+    case SwapOptimizer::kSgd: return 1;
+    case SwapOptimizer::kLion: return 1;
+  }
+  return 0;
+}
+
+Status OptimizerSwapperOptions::Validate() const {
+  if (sub_group_elements == 0 || sub_group_elements % kElementAlign != 0) {
+    return Status::InvalidArgument("sub_group_elements must be a positive multiple of 1024, not " +
+                                   std::to_string(sub_group_elements));
+  }
+  if (sub_group_elements > (uint64_t{1} << 34)) {
+    return Status::InvalidArgument("sub_group_elements " + std::to_string(sub_group_elements) +
+                                   " is too large (at most 2^34)");
+  }
+  if (buffer_count < 2) {
+    return Status::InvalidArgument("buffer_count must be at least 2, not " +
+                                   std::to_string(buffer_count));
+  }
+  if (store.directory.empty()) return Status::InvalidArgument("the store directory is empty");
+  return cpu.Validate();
+}
+
+// Layout of one pinned buffer; every region starts on a 4 KiB boundary:
+//   [header][params][state 0]..[state S-1] | [grads] | [half params]
+// The first part, header through the last state, is exactly one state value in the store.
+struct BufferLayout {
+  uint64_t n = 0;       // elements of the sub-group in this buffer
+  int states = 0;
+  uint64_t value_bytes(uint64_t elements) const { return kHeaderBytes + (1 + states) * 4 * elements; }
+
+  static uint64_t GradOffset(int states, uint64_t cap) {
+    return RoundUp(kHeaderBytes + (1 + states) * 4 * cap, 4096);
+  }
+  static uint64_t HalfOffset(int states, uint64_t cap) {
+    return GradOffset(states, cap) + RoundUp(4 * cap, 4096);
+  }
+  static uint64_t Bytes(int states, uint64_t cap, bool half) {
+    return HalfOffset(states, cap) + (half ? RoundUp(2 * cap, 4096) : 0);
+  }
+};
+
+uint64_t OptimizerSwapper::RequiredSlotBytes(const OptimizerSwapperOptions& options) {
+  return BufferLayout::Bytes(SwapOptimizerStates(options.optimizer), options.sub_group_elements,
+                             options.half_dtype != HalfDtype::kNone);
+}
+
+uint64_t OptimizerSwapper::RequiredStoreBytes(const OptimizerSwapperOptions& options,
+                                              uint64_t num_elements) {
+  // Extents are rounded to the store's alignment, which is at most 64 KiB on any device we know;
+  // round every value to 64 KiB and add 1 MiB for the metadata value.
+  constexpr uint64_t kExtentAlign = uint64_t{64} << 10;
+  const int states = SwapOptimizerStates(options.optimizer);
+  const uint64_t sg = options.sub_group_elements;
+  const uint64_t full = num_elements / sg;
+  const uint64_t tail = num_elements % sg;
+  auto per_group = [&](uint64_t n) {
+    return 2 * RoundUp(kHeaderBytes + (1 + states) * 4 * n, kExtentAlign) +
+           RoundUp(4 * n, kExtentAlign);
+  };
+  return full * per_group(sg) + (tail ? per_group(tail) : 0) + (uint64_t{1} << 20);
+}
+
+struct OptimizerSwapper::Impl {
+  OptimizerSwapperOptions options;
+  int states = 0;
+  uint64_t store_id = 0;
+  std::unique_ptr<nvme::SwapStore> store;
+  std::unique_ptr<PinnedPool> own_pool;
+  PinnedPool* pool = nullptr;
+  std::vector<PinnedSlot> buffers;
+  std::unique_ptr<CpuOptimizer> cpu;
+  std::vector<bool> grads_written;
+  OptimizerSwapperStats stats;
+  bool closed = false;
+
+  // Views into buffer b holding a sub-group of n elements.
+  std::byte* Base(size_t b) const { return buffers[b].data().data(); }
+  std::span<float> Array(size_t b, int index, uint64_t n) const {  // 0 params, 1.. states
+    auto* p = reinterpret_cast<float*>(Base(b) + kHeaderBytes) + static_cast<uint64_t>(index) * n;
+    return {p, static_cast<size_t>(n)};
+  }
+  std::span<float> Grads(size_t b, uint64_t n) const {
+    auto* p = reinterpret_cast<float*>(
+        Base(b) + BufferLayout::GradOffset(states, options.sub_group_elements));
+    return {p, static_cast<size_t>(n)};
+  }
+  std::span<uint16_t> Half(size_t b, uint64_t n) const {
+    if (options.half_dtype == HalfDtype::kNone) return {};
+    auto* p = reinterpret_cast<uint16_t*>(
+        Base(b) + BufferLayout::HalfOffset(states, options.sub_group_elements));
+    return {p, static_cast<size_t>(n)};
+  }
+  std::span<std::byte> Value(size_t b, uint64_t n) const {
+    return {Base(b), static_cast<size_t>(kHeaderBytes + (1 + states) * 4 * n)};
+  }
+
+  SlotHeader MakeHeader(uint64_t epoch, uint64_t sub_group, uint64_t first, uint64_t n) const {
+    SlotHeader h{};
+    std::memcpy(h.magic, kSlotMagic, sizeof(h.magic));
+    h.version = kSlotVersion;
+    h.state_count = static_cast<uint32_t>(states);
+    h.store_id = store_id;
+    h.epoch = epoch;
+    h.sub_group = sub_group;
+    h.first_element = first;
+    h.elements = n;
+    return h;
+  }
+
+  // Checks a header read from slot `slot` of `sub_group`; returns its epoch.
+  Result<uint64_t> CheckHeader(const SlotHeader& h, uint64_t sub_group, uint64_t slot,
+                               uint64_t first, uint64_t n) const {
+    const std::string where = "state slot " + StateKey(sub_group, slot);
+    if (std::memcmp(h.magic, kSlotMagic, sizeof(h.magic)) != 0 || h.version != kSlotVersion) {
+      return Status::DataLoss(where + ": not a memplan optimizer-swapper slot");
+    }
+    if (h.store_id != store_id || h.sub_group != sub_group || h.first_element != first ||
+        h.elements != n || h.state_count != static_cast<uint32_t>(states)) {
+      return Status::DataLoss(where + ": header belongs to another store or sub-group");
+    }
+    if (h.epoch % 2 != slot) {
+      return Status::DataLoss(where + ": holds epoch " + std::to_string(h.epoch) +
+                              ", which belongs in the other slot");
+    }
+    return h.epoch;
+  }
+
+  Status SetUpBuffers() {
+    const uint64_t need = BufferLayout::Bytes(states, options.sub_group_elements,
+                                              options.half_dtype != HalfDtype::kNone);
+    if (options.pool != nullptr) {
+      pool = options.pool;
+      if (pool->slot_bytes() < need) {
+        return Status::InvalidArgument("the pinned pool's slots hold " +
+                                       std::to_string(pool->slot_bytes()) +
+                                       " bytes; the swapper needs " + std::to_string(need) +
+                                       " per buffer (sub_group_elements " +
+                                       std::to_string(options.sub_group_elements) + ")");
+      }
+    } else {
+      PinnedPoolOptions po;
+      po.slot_bytes = need;
+      po.slot_count = options.buffer_count;
+      po.budget_bytes = RoundUp(need, 4096) * options.buffer_count;
+      po.lock_memory = options.lock_memory;
+      po.wait = false;
+      po.node_budget_name = options.node_budget_name;
+      po.node_budget_bytes = options.node_budget_bytes;
+      MEMPLAN_ASSIGN_OR_RETURN(own_pool, PinnedPool::Create(po, options.runtime));
+      pool = own_pool.get();
+    }
+    for (uint32_t i = 0; i < options.buffer_count; ++i) {
+      MEMPLAN_ASSIGN_OR_RETURN(PinnedSlot slot, pool->Acquire());
+      buffers.push_back(std::move(slot));
+    }
+    MEMPLAN_ASSIGN_OR_RETURN(cpu, CpuOptimizer::Create(options.cpu));
+    return Status::Ok();
+  }
+
+  std::string MetaJson(uint64_t num_elements) const {
+    nlohmann::json meta = {{"format", kMetaFormat},
+                           {"version", kMetaVersion},
+                           {"store_id", store_id},
+                           {"num_elements", num_elements},
+                           {"sub_group_elements", options.sub_group_elements},
+                           {"optimizer", std::string(SwapOptimizerName(options.optimizer))}};
+    return meta.dump();
+  }
+
+  Status RunKernel(const SwapStepOptions& step_options, int64_t step, size_t b, uint64_t n) {
+    std::span<const float> grads = Grads(b, n);
+    std::span<uint16_t> half = Half(b, n);
+    const HalfDtype half_dtype = options.half_dtype;
+    switch (options.optimizer) {
+      case SwapOptimizer::kAdam:
+      case SwapOptimizer::kAdamAmsgrad: {
+        AdamTensors t;
+        t.params = Array(b, 0, n);
+        t.grads = grads;
+        t.exp_avg = Array(b, 1, n);
+        t.exp_avg_sq = Array(b, 2, n);
+        if (options.optimizer == SwapOptimizer::kAdamAmsgrad) t.max_exp_avg_sq = Array(b, 3, n);
+        t.half_params = half;
+        t.half_dtype = half_dtype;
+        return cpu->AdamStep(std::get<AdamOptions>(step_options), step, t);
+      }
+      case SwapOptimizer::kSgd:
+        return cpu->SgdStep(std::get<SgdOptions>(step_options), step, Array(b, 0, n), grads,
+                            Array(b, 1, n), half, half_dtype);
+      case SwapOptimizer::kLion:
+        return cpu->LionStep(std::get<LionOptions>(step_options), step, Array(b, 0, n), grads,
+                             Array(b, 1, n), half, half_dtype);
+    }
+    return Status::Internal("unknown optimizer");
+  }
+};
+
+OptimizerSwapper::OptimizerSwapper(std::unique_ptr<Impl> impl, uint64_t num_elements,
+                                   uint64_t sub_group_elements, uint64_t epoch)
+    : impl_(std::move(impl)),
+      num_elements_(num_elements),
+      sub_group_elements_(sub_group_elements),
+      sub_group_count_((num_elements + sub_group_elements - 1) / sub_group_elements),
+      epoch_(epoch) {
+  impl_->grads_written.assign(sub_group_count_, false);
+  impl_->stats.epoch = epoch;
+}
+
+OptimizerSwapper::~OptimizerSwapper() { (void)Close(); }
+
+uint64_t OptimizerSwapper::SubGroupSize(uint64_t i) const {
+  const uint64_t begin = SubGroupBegin(i);
+  return std::min(sub_group_elements_, num_elements_ - begin);
+}
+
+Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Create(
+    const OptimizerSwapperOptions& options, uint64_t num_elements, const ParamFiller& fill) {
+  MEMPLAN_RETURN_IF_ERROR(options.Validate());
+  if (num_elements == 0) return Status::InvalidArgument("num_elements must be > 0");
+  if (!fill) return Status::InvalidArgument("no parameter filler given");
+
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->states = SwapOptimizerStates(options.optimizer);
+  impl->store_id = std::random_device{}() * uint64_t{0x100000000} + std::random_device{}();
+
+  nvme::SwapStoreOptions so = options.store;
+  so.open_existing = false;
+  so.keep_files = true;
+  if (so.capacity_bytes == 0) so.capacity_bytes = RequiredStoreBytes(options, num_elements);
+  struct stat st {};
+  const bool dir_existed = ::stat(so.directory.c_str(), &st) == 0;
+  MEMPLAN_ASSIGN_OR_RETURN(impl->store, OpenStore(options, so));
+
+  const uint64_t sg = options.sub_group_elements;
+  auto initialise = [&]() -> Status {
+    MEMPLAN_RETURN_IF_ERROR(impl->SetUpBuffers());
+    const uint64_t groups = (num_elements + sg - 1) / sg;
+    for (uint64_t i = 0; i < groups; ++i) {
+      const uint64_t first = i * sg;
+      const uint64_t n = std::min(sg, num_elements - first);
+      std::span<std::byte> value = impl->Value(0, n);
+      std::memset(value.data(), 0, value.size());
+      SlotHeader h = impl->MakeHeader(0, i, first, n);
+      std::memcpy(value.data(), &h, sizeof(h));
+      MEMPLAN_RETURN_IF_ERROR(fill(first, impl->Array(0, 0, n))
+                                  .WithPrefix("filling parameters of sub-group " +
+                                              std::to_string(i)));
+      MEMPLAN_RETURN_IF_ERROR(impl->store->Put(StateKey(i, 0), value));
+    }
+    const std::string meta = impl->MetaJson(num_elements);
+    MEMPLAN_RETURN_IF_ERROR(impl->store->Put(
+        kMetaKey, std::span<const std::byte>(reinterpret_cast<const std::byte*>(meta.data()),
+                                             meta.size())));
+    return impl->store->Sync();
+  };
+  if (Status status = initialise(); !status.ok()) {
+    // Nothing was committed: leave nothing behind (the store keeps its files on Close, so remove
+    // them here, and the directory when this call created it).
+    (void)impl->store->Close();
+    for (const char* name : {nvme::SwapStore::kDataFileName, nvme::SwapStore::kIndexFileName,
+                             nvme::SwapStore::kLockFileName}) {
+      ::unlink((so.directory + "/" + name).c_str());
+    }
+    if (!dir_existed) ::rmdir(so.directory.c_str());
+    return status;
+  }
+  return std::unique_ptr<OptimizerSwapper>(new OptimizerSwapper(std::move(impl), num_elements, sg, 0));
+}
+
+Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
+    const OptimizerSwapperOptions& options, RecoveryReport* report) {
+  MEMPLAN_RETURN_IF_ERROR(options.Validate());
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->states = SwapOptimizerStates(options.optimizer);
+
+  nvme::SwapStoreOptions so = options.store;
+  so.open_existing = true;
+  so.keep_files = true;
+  MEMPLAN_ASSIGN_OR_RETURN(impl->store, OpenStore(options, so));
+  const std::string where = "optimizer swapper store " + so.directory;
+
+  // The metadata: geometry and optimizer.
+  auto meta_size_or = impl->store->Size(kMetaKey);
+  if (!meta_size_or.ok()) {
+    return Status::DataLoss(where + ": no metadata; the store was not made by Create(), or its "
+                            "creation never completed");
+  }
+  const uint64_t meta_size = *meta_size_or;
+  if (meta_size > (1 << 16)) return Status::DataLoss(where + ": metadata is implausibly large");
+  std::string meta_text(meta_size, '\0');
+  MEMPLAN_RETURN_IF_ERROR(impl->store->Get(
+      kMetaKey, std::span<std::byte>(reinterpret_cast<std::byte*>(meta_text.data()), meta_size)));
+  auto meta = ParseJson(meta_text, where + " metadata");
+  if (!meta.ok()) return Status::DataLoss(meta.status().message());
+  uint64_t num_elements = 0, sub_group_elements = 0;
+  try {
+    const nlohmann::json& m = *meta;
+    if (m.at("format") != kMetaFormat || m.at("version") != kMetaVersion) {
+      return Status::DataLoss(where + ": metadata of an unknown format or version");
+    }
+    impl->store_id = m.at("store_id").get<uint64_t>();
+    num_elements = m.at("num_elements").get<uint64_t>();
+    sub_group_elements = m.at("sub_group_elements").get<uint64_t>();
+    const std::string optimizer = m.at("optimizer").get<std::string>();
+    if (optimizer != SwapOptimizerName(options.optimizer)) {
+      return Status::InvalidArgument(where + " was created for optimizer " + optimizer +
+                                     ", not " + std::string(SwapOptimizerName(options.optimizer)));
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return Status::DataLoss(where + ": bad metadata: " + e.what());
+  }
+  if (sub_group_elements != options.sub_group_elements) {
+    return Status::InvalidArgument(where + " has sub-groups of " +
+                                   std::to_string(sub_group_elements) + " elements, not " +
+                                   std::to_string(options.sub_group_elements));
+  }
+  if (num_elements == 0 || sub_group_elements == 0 || sub_group_elements % kElementAlign != 0) {
+    return Status::DataLoss(where + ": metadata with an impossible geometry");
+  }
+
+  // Recovery: the epochs each sub-group holds whole (Note [Two slots per sub-group]).
+  const uint64_t groups = (num_elements + sub_group_elements - 1) / sub_group_elements;
+  std::vector<std::array<std::optional<uint64_t>, 2>> held(groups);
+  RecoveryReport found;
+  for (uint64_t i = 0; i < groups; ++i) {
+    const uint64_t first = i * sub_group_elements;
+    const uint64_t n = std::min(sub_group_elements, num_elements - first);
+    for (uint64_t slot = 0; slot < 2; ++slot) {
+      const std::string key = StateKey(i, slot);
+      auto size = impl->store->Size(key);
+      if (!size.ok()) continue;  // never written, or written after the last commit
+      if (*size != kHeaderBytes + (1 + impl->states) * 4 * n) {
+        found.notes.push_back(key + ": wrong size " + std::to_string(*size));
+        continue;
+      }
+      SlotHeader h{};
+      Status read = impl->store->GetRange(
+          key, 0, std::span<std::byte>(reinterpret_cast<std::byte*>(&h), sizeof(h)));
+      if (!read.ok()) {
+        found.notes.push_back(key + ": unreadable (" + read.message() + ")");
+        continue;
+      }
+      auto epoch = impl->CheckHeader(h, i, slot, first, n);
+      if (!epoch.ok()) {
+        found.notes.push_back(epoch.status().message());
+        continue;
+      }
+      held[i][slot] = *epoch;
+    }
+  }
+  // The newest epoch every sub-group holds. Sub-group 0's epochs are the only candidates.
+  std::optional<uint64_t> committed;
+  for (const auto& candidate : held[0]) {
+    if (!candidate) continue;
+    bool everywhere = std::all_of(held.begin(), held.end(), [&](const auto& slots) {
+      return slots[0] == candidate || slots[1] == candidate;
+    });
+    if (everywhere && (!committed || *candidate > *committed)) committed = candidate;
+  }
+  if (!committed) {
+    std::string detail = found.notes.empty() ? "" : " (first problem: " + found.notes[0] + ")";
+    return Status::DataLoss(where + ": no step is held whole by every sub-group" + detail);
+  }
+  found.epoch = *committed;
+  // The other slot of each sub-group should hold epoch - 1 (or nothing at epoch 0); anything else
+  // there, or a damaged slot, is the trace of a step that did not commit.
+  for (uint64_t i = 0; i < groups; ++i) {
+    const uint64_t other = (found.epoch + 1) % 2;
+    const std::string key = StateKey(i, other);
+    const bool exists = impl->store->Size(key).ok();
+    const bool expected_previous =
+        held[i][other] && found.epoch > 0 && *held[i][other] == found.epoch - 1;
+    const bool empty_at_start = !exists && found.epoch == 0;
+    if (!expected_previous && !empty_at_start) {
+      ++found.torn_sub_groups;
+      if (held[i][other] && *held[i][other] > found.epoch) {
+        found.notes.push_back(key + ": holds uncommitted epoch " + std::to_string(*held[i][other]));
+      }
+    }
+  }
+  // A store whose previous-epoch slots were merely never written (epoch 0 only) is not torn; one
+  // where every sub-group has its previous epoch intact is not torn either.
+  uint64_t begun = 0;
+  if (impl->store->Size(kBegunKey).ok()) {
+    Status read = impl->store->Get(
+        kBegunKey, std::span<std::byte>(reinterpret_cast<std::byte*>(&begun), sizeof(begun)));
+    if (!read.ok()) found.notes.push_back(std::string(kBegunKey) + ": " + read.message());
+  }
+  if (begun > found.epoch) {
+    found.notes.push_back("step " + std::to_string(begun) + " was begun and not committed");
+  }
+  found.torn = found.torn_sub_groups > 0 || begun > found.epoch;
+  if (found.torn) found.torn_epoch = found.epoch + 1;
+  if (report != nullptr) *report = found;
+
+  MEMPLAN_RETURN_IF_ERROR(impl->SetUpBuffers());
+  auto swapper = std::unique_ptr<OptimizerSwapper>(
+      new OptimizerSwapper(std::move(impl), num_elements, sub_group_elements, found.epoch));
+  return swapper;
+}
+
+Status OptimizerSwapper::WriteGradients(uint64_t sub_group, std::span<const float> grads) {
+  if (impl_->closed) return Status::FailedPrecondition("the optimizer swapper is closed");
+  if (sub_group >= sub_group_count_) {
+    return Status::InvalidArgument("sub-group " + std::to_string(sub_group) + " out of range (" +
+                                   std::to_string(sub_group_count_) + " sub-groups)");
+  }
+  if (grads.size() != SubGroupSize(sub_group)) {
+    return Status::InvalidArgument("sub-group " + std::to_string(sub_group) + " has " +
+                                   std::to_string(SubGroupSize(sub_group)) + " elements; " +
+                                   std::to_string(grads.size()) + " gradients given");
+  }
+  MEMPLAN_RETURN_IF_ERROR(impl_->store->Put(
+      GradKey(sub_group),
+      std::span<const std::byte>(reinterpret_cast<const std::byte*>(grads.data()),
+                                 grads.size_bytes())));
+  impl_->grads_written[sub_group] = true;
+  return Status::Ok();
+}
+
+Status OptimizerSwapper::Step(const SwapStepOptions& options, const UpdateCallback& on_update) {
+  Impl& s = *impl_;
+  if (s.closed) return Status::FailedPrecondition("the optimizer swapper is closed");
+  MEMPLAN_RETURN_IF_ERROR(CheckStepOptions(s.options.optimizer, options));
+  for (uint64_t i = 0; i < sub_group_count_; ++i) {
+    if (!s.grads_written[i]) {
+      return Status::FailedPrecondition("gradients of sub-group " + std::to_string(i) +
+                                        " have not been written since step " +
+                                        std::to_string(epoch_));
+    }
+  }
+  const uint64_t from = epoch_;
+  const uint64_t to = epoch_ + 1;
+  const size_t nbuf = s.buffers.size();
+  const auto start = std::chrono::steady_clock::now();
+  if (s.options.sync_every_step) {
+    // Record that step `to` has begun before anything of it is written, so that a crash before its
+    // commit is reported as a torn step even where no slot shows it (the first step's slots are
+    // new keys, which a crash simply loses).
+    const uint64_t begun = to;
+    MEMPLAN_RETURN_IF_ERROR(s.store->Put(
+        kBegunKey, std::span<const std::byte>(reinterpret_cast<const std::byte*>(&begun),
+                                              sizeof(begun))));
+    MEMPLAN_RETURN_IF_ERROR(s.store->Sync().WithPrefix("beginning step " + std::to_string(to)));
+  }
+
+  IndexQueue free_q, ready_q, written_q;
+  for (size_t b = 0; b < nbuf; ++b) free_q.Push(b);
+  std::vector<uint64_t> group_of(nbuf, 0);  // which sub-group buffer b holds; set by its producer
+  FirstError error;
+  auto abort_all = [&](Status status) {
+    error.Set(std::move(status));
+    free_q.Abort();
+    ready_q.Abort();
+    written_q.Abort();
+  };
+  double read_s = 0, write_s = 0, compute_s = 0, wait_s = 0;
+  uint64_t read_bytes = 0, write_bytes = 0;
+
+  std::thread reader([&] {
+    for (uint64_t i = 0; i < sub_group_count_; ++i) {
+      std::optional<size_t> b = free_q.Pop();
+      if (!b) return;
+      const auto t0 = std::chrono::steady_clock::now();
+      const uint64_t n = SubGroupSize(i);
+      std::span<std::byte> value = s.Value(*b, n);
+      Status st = s.store->Get(StateKey(i, from % 2), value);
+      if (st.ok()) {
+        SlotHeader h;
+        std::memcpy(&h, value.data(), sizeof(h));
+        auto epoch = s.CheckHeader(h, i, from % 2, SubGroupBegin(i), n);
+        if (!epoch.ok()) {
+          st = epoch.status();
+        } else if (*epoch != from) {
+          st = Status::DataLoss("state slot " + StateKey(i, from % 2) + " holds epoch " +
+                                std::to_string(*epoch) + ", expected " + std::to_string(from));
+        }
+      }
+      std::span<float> grads = s.Grads(*b, n);
+      if (st.ok()) {
+        st = s.store->Get(GradKey(i), std::span<std::byte>(
+                                          reinterpret_cast<std::byte*>(grads.data()),
+                                          grads.size_bytes()));
+      }
+      read_s += SecondsSince(t0);
+      if (!st.ok()) {
+        abort_all(st.WithPrefix("step " + std::to_string(to) + ", reading sub-group " +
+                                std::to_string(i)));
+        return;
+      }
+      read_bytes += value.size() + grads.size_bytes();
+      group_of[*b] = i;
+      ready_q.Push(*b);
+    }
+  });
+  std::thread writer([&] {
+    for (uint64_t k = 0; k < sub_group_count_; ++k) {
+      std::optional<size_t> b = written_q.Pop();
+      if (!b) return;
+      const auto t0 = std::chrono::steady_clock::now();
+      const uint64_t i = group_of[*b];
+      std::span<std::byte> value = s.Value(*b, SubGroupSize(i));
+      Status st = s.store->Put(StateKey(i, to % 2), value);
+      write_s += SecondsSince(t0);
+      if (!st.ok()) {
+        abort_all(st.WithPrefix("step " + std::to_string(to) + ", writing sub-group " +
+                                std::to_string(i)));
+        return;
+      }
+      write_bytes += value.size();
+      free_q.Push(*b);
+    }
+  });
+
+  for (uint64_t k = 0; k < sub_group_count_; ++k) {
+    const auto w0 = std::chrono::steady_clock::now();
+    std::optional<size_t> b = ready_q.Pop();
+    wait_s += SecondsSince(w0);
+    if (!b) break;
+    const auto t0 = std::chrono::steady_clock::now();
+    const uint64_t i = group_of[*b];
+    const uint64_t n = SubGroupSize(i);
+    Status st = s.RunKernel(options, static_cast<int64_t>(to), *b, n);
+    if (st.ok()) {
+      SlotHeader h = s.MakeHeader(to, i, SubGroupBegin(i), n);
+      std::memcpy(s.Base(*b), &h, sizeof(h));
+      if (on_update) {
+        std::span<uint16_t> half = s.Half(*b, n);
+        SubGroupUpdate update{i, SubGroupBegin(i), s.Array(*b, 0, n),
+                              std::span<const uint16_t>(half.data(), half.size())};
+        st = on_update(update).WithPrefix("update callback for sub-group " + std::to_string(i));
+      }
+    }
+    compute_s += SecondsSince(t0);
+    if (!st.ok()) {
+      abort_all(st.WithPrefix("step " + std::to_string(to)));
+      break;
+    }
+    written_q.Push(*b);
+  }
+  reader.join();
+  writer.join();
+
+  Status status = error.Get();
+  double sync_s = 0;
+  if (status.ok() && s.options.sync_every_step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    status = s.store->Sync().WithPrefix("committing step " + std::to_string(to));
+    sync_s = SecondsSince(t0);
+  }
+  SwapStepStats& last = s.stats.last_step;
+  last.total_s = SecondsSince(start);
+  last.read_s = read_s;
+  last.write_s = write_s;
+  last.compute_s = compute_s;
+  last.compute_wait_s = wait_s;
+  last.sync_s = sync_s;
+  last.read_bytes = read_bytes;
+  last.write_bytes = write_bytes;
+  if (!status.ok()) {
+    ++s.stats.failed_steps;
+    return status;
+  }
+  epoch_ = to;
+  s.stats.epoch = to;
+  ++s.stats.steps;
+  std::fill(s.grads_written.begin(), s.grads_written.end(), false);
+  return Status::Ok();
+}
+
+Status OptimizerSwapper::ReadState(uint64_t sub_group, int state, std::span<float> out) {
+  if (state < 0 || state >= impl_->states) {
+    return Status::InvalidArgument("state " + std::to_string(state) + " out of range (" +
+                                   std::to_string(impl_->states) + " states)");
+  }
+  return ReadArray(sub_group, state + 1, out);
+}
+
+Status OptimizerSwapper::ReadParams(uint64_t sub_group, std::span<float> out) {
+  return ReadArray(sub_group, 0, out);
+}
+
+Status OptimizerSwapper::ReadArray(uint64_t sub_group, int array, std::span<float> out) {
+  Impl& s = *impl_;
+  if (s.closed) return Status::FailedPrecondition("the optimizer swapper is closed");
+  if (sub_group >= sub_group_count_) {
+    return Status::InvalidArgument("sub-group " + std::to_string(sub_group) + " out of range (" +
+                                   std::to_string(sub_group_count_) + " sub-groups)");
+  }
+  const uint64_t n = SubGroupSize(sub_group);
+  if (out.size() != n) {
+    return Status::InvalidArgument("sub-group " + std::to_string(sub_group) + " has " +
+                                   std::to_string(n) + " elements; the output holds " +
+                                   std::to_string(out.size()));
+  }
+  const std::string key = StateKey(sub_group, epoch_ % 2);
+  SlotHeader h{};
+  MEMPLAN_RETURN_IF_ERROR(
+      s.store->GetRange(key, 0, std::span<std::byte>(reinterpret_cast<std::byte*>(&h), sizeof(h))));
+  MEMPLAN_ASSIGN_OR_RETURN(uint64_t epoch,
+                           s.CheckHeader(h, sub_group, epoch_ % 2, SubGroupBegin(sub_group), n));
+  if (epoch != epoch_) {
+    return Status::DataLoss("state slot " + key + " holds epoch " + std::to_string(epoch) +
+                            ", expected " + std::to_string(epoch_));
+  }
+  const uint64_t offset = kHeaderBytes + static_cast<uint64_t>(array) * 4 * n;
+  return s.store->GetRange(
+      key, offset, std::span<std::byte>(reinterpret_cast<std::byte*>(out.data()), out.size_bytes()));
+}
+
+Status OptimizerSwapper::Sync() {
+  if (impl_->closed) return Status::FailedPrecondition("the optimizer swapper is closed");
+  return impl_->store->Sync();
+}
+
+OptimizerSwapperStats OptimizerSwapper::stats() const {
+  OptimizerSwapperStats out = impl_->stats;
+  if (impl_->pool != nullptr) out.pool = impl_->pool->stats();
+  if (impl_->store) out.store = impl_->store->stats();
+  return out;
+}
+
+Status OptimizerSwapper::Close() {
+  Impl& s = *impl_;
+  if (s.closed) return Status::Ok();
+  s.closed = true;
+  Status status;
+  if (s.store) status = s.store->Close();  // keep_files: writes the index, fsyncs the data
+  s.buffers.clear();                        // back to the pool before the pool goes
+  s.own_pool.reset();
+  return status;
+}
+
+}  // namespace memplan::offload

@@ -1,0 +1,207 @@
+// OptimizerSwapper: the ZeRO-Infinity optimizer step over states that live on NVMe.
+//
+// The fp32 master weights, the optimizer's states and the fp32 gradients of a flat parameter
+// partition of `num_elements` elements live in an nvme::SwapStore, cut into sub-groups of
+// `sub_group_elements`. A step walks the sub-groups through `buffer_count` pinned buffers from a
+// PinnedPool, in a three-stage pipeline:
+//
+//   reader thread:   read sub-group i+1 (states and gradients)  -> ready queue
+//   calling thread:  step sub-group i with the CPU optimizer     -> written queue
+//   writer thread:   write sub-group i-1 back                    -> free buffers
+//
+// so with enough buffers the step takes max(I/O time, compute time), not their sum.
+//
+// Crash consistency (Note [Two slots per sub-group] in optimizer_swapper.cc). Every sub-group has
+// two state slots in the store; step number E (the "epoch", also the optimizer's step count) is
+// written to slot E % 2, with a header that carries E, so the slot holding step E - 1 is never
+// touched while step E is written. At the end of a step the store is synced (data, then the
+// index), which commits it. A process killed mid-step leaves a store in which some sub-groups hold
+// the new step (or torn bytes that fail their checksums) and all of them still hold the previous
+// one: Open() finds the last epoch that every sub-group holds whole, reports the torn step, and
+// resumes from there. A Step() that fails (an I/O error, a callback's error) likewise leaves the
+// last committed step intact, and may simply be retried once gradients are written again.
+//
+// Gradients are written per sub-group with WriteGradients() before each Step(); a step refuses to
+// run while any sub-group's gradients are missing, so stale gradients are never applied twice.
+//
+// Thread safety: one caller at a time (WriteGradients, Step and ReadParams must not overlap).
+// The swapper runs its own reader and writer threads during Step().
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "common/status.h"
+#include "nvme/swap_store.h"
+#include "offload/cpu_optimizer.h"
+#include "offload/pinned_pool.h"
+
+namespace memplan::offload {
+
+// Which optimizer the swapper runs; fixed when the store is created, because it decides how many
+// state arrays each sub-group has.
+enum class SwapOptimizer {
+  kAdam,         // Adam / AdamW: m, v
+  kAdamAmsgrad,  // Adam / AdamW with AMSGrad: m, v, max v
+  kSgd,          // SGD with momentum: momentum buffer
+  kLion,         // Lion: m
+};
+std::string_view SwapOptimizerName(SwapOptimizer optimizer);  // "adam", "adam-amsgrad", ...
+Result<SwapOptimizer> ParseSwapOptimizer(std::string_view name);
+// Number of fp32 state arrays the optimizer keeps besides the master weights.
+int SwapOptimizerStates(SwapOptimizer optimizer);
+
+// The hyperparameters of one step; the alternative must match the SwapOptimizer (AdamOptions for
+// kAdam and kAdamAmsgrad, with `amsgrad` set accordingly). They may change from step to step
+// (learning-rate schedules, loss scale).
+using SwapStepOptions = std::variant<AdamOptions, SgdOptions, LionOptions>;
+
+struct OptimizerSwapperOptions {
+  // The store: directory, direct I/O, backend, checksum block size... `capacity_bytes` 0 (the
+  // default here) sizes it from the geometry (RequiredStoreBytes). keep_files is forced on: a store
+  // that the swapper persists must survive its process. open_existing is set by Open().
+  nvme::SwapStoreOptions store;
+  // Elements per sub-group (a multiple of 1024, so every array starts 4 KiB-aligned in the store).
+  // Larger sub-groups mean larger, more efficient I/O and more pinned memory. Default 4 Mi.
+  uint64_t sub_group_elements = uint64_t{4} << 20;
+  // Pinned buffers in the pipeline, >= 2 (3 lets reading, stepping and writing all overlap; 4 lets
+  // the reader run one more sub-group ahead). Default 3.
+  uint32_t buffer_count = 3;
+  SwapOptimizer optimizer = SwapOptimizer::kAdam;
+  // Also produce the updated parameters in this 16-bit format for the GPU copy (see UpdateCallback).
+  HalfDtype half_dtype = HalfDtype::kNone;
+  // The CPU optimizer's threads and kernel.
+  CpuOptimizerOptions cpu;
+  // Pinned buffers come from this pool when given (its slots must hold at least
+  // RequiredSlotBytes() bytes; the swapper holds buffer_count of them for its lifetime);
+  // otherwise the swapper creates its own pool of exactly buffer_count slots with these settings.
+  PinnedPool* pool = nullptr;
+  bool lock_memory = false;
+  std::string node_budget_name;
+  uint64_t node_budget_bytes = 0;
+  gpu::Runtime* runtime = nullptr;
+  // fdatasync and persist the store's index at the end of every step (the commit point). Turning
+  // it off makes a crash lose every step since the last sync; Sync() still commits on demand.
+  bool sync_every_step = true;
+  // Test seam: when set, the store runs on the backend this returns (e.g. an nvme::FaultBackend)
+  // instead of one made from store.backend.
+  std::function<Result<std::unique_ptr<nvme::Backend>>()> make_backend;
+
+  Status Validate() const;
+};
+
+// What Open() found in an existing store.
+struct RecoveryReport {
+  uint64_t epoch = 0;             // the last step every sub-group holds whole; training resumes here
+  bool torn = false;              // a step after `epoch` was started and not committed
+  uint64_t torn_epoch = 0;        // that step (epoch + 1) when torn
+  uint64_t torn_sub_groups = 0;   // sub-groups whose other slot holds that step or unreadable bytes
+  std::vector<std::string> notes; // one line per slot found damaged or ahead, for logs
+};
+
+// Timings and volumes of the last step; all times in seconds of wall clock.
+struct SwapStepStats {
+  double total_s = 0;
+  double read_s = 0;      // reader thread busy reading
+  double compute_s = 0;   // optimizer kernels plus the update callback
+  double write_s = 0;     // writer thread busy writing
+  double sync_s = 0;      // the commit at the end
+  double compute_wait_s = 0;  // compute stage waiting for a read to finish
+  uint64_t read_bytes = 0, write_bytes = 0;
+};
+
+struct OptimizerSwapperStats {
+  uint64_t epoch = 0;
+  uint64_t steps = 0;            // steps completed by this object
+  uint64_t failed_steps = 0;
+  SwapStepStats last_step;
+  PinnedPoolStats pool;          // of the pool the buffers come from
+  nvme::SwapStoreStats store;
+};
+
+// One sub-group's updated parameters, handed to the UpdateCallback during Step(). The spans are
+// valid only during the call (they point into a pinned buffer).
+struct SubGroupUpdate {
+  uint64_t sub_group = 0;
+  uint64_t first_element = 0;          // offset of params[0] in the flat partition
+  std::span<const float> params;       // fp32 master weights after the step
+  std::span<const uint16_t> half_params;  // the 16-bit copy; empty when half_dtype is kNone
+};
+using UpdateCallback = std::function<Status(const SubGroupUpdate&)>;
+
+// Fills the initial fp32 parameters of the elements [first_element, first_element + out.size()).
+using ParamFiller = std::function<Status(uint64_t first_element, std::span<float> out)>;
+
+class OptimizerSwapper {
+ public:
+  // Bytes of one pinned buffer for these options (page-rounded by the pool).
+  static uint64_t RequiredSlotBytes(const OptimizerSwapperOptions& options);
+  // Store capacity a partition of `num_elements` needs (two state slots and one gradient per
+  // sub-group, alignment and metadata included).
+  static uint64_t RequiredStoreBytes(const OptimizerSwapperOptions& options, uint64_t num_elements);
+
+  // Creates a new store for a partition of `num_elements` (> 0), filling the initial parameters
+  // sub-group by sub-group through `fill` (states start at zero), and commits it as epoch 0.
+  // Fails, leaving no store behind, on bad options, a directory that already holds a store, a
+  // filler's error, or I/O errors.
+  static Result<std::unique_ptr<OptimizerSwapper>> Create(const OptimizerSwapperOptions& options,
+                                                          uint64_t num_elements,
+                                                          const ParamFiller& fill);
+  // Reopens a store left by Create() (by this process or one that died). The geometry and the
+  // optimizer come from the store; options.sub_group_elements and options.optimizer must match
+  // them. `report` (optional) receives what recovery found.
+  static Result<std::unique_ptr<OptimizerSwapper>> Open(const OptimizerSwapperOptions& options,
+                                                        RecoveryReport* report = nullptr);
+  ~OptimizerSwapper();
+  OptimizerSwapper(const OptimizerSwapper&) = delete;
+  OptimizerSwapper& operator=(const OptimizerSwapper&) = delete;
+
+  uint64_t num_elements() const { return num_elements_; }
+  uint64_t sub_group_elements() const { return sub_group_elements_; }
+  uint64_t sub_group_count() const { return sub_group_count_; }
+  // First element and element count of sub-group i (< sub_group_count()).
+  uint64_t SubGroupBegin(uint64_t i) const { return i * sub_group_elements_; }
+  uint64_t SubGroupSize(uint64_t i) const;
+  // The last committed step (0 right after Create).
+  uint64_t epoch() const { return epoch_; }
+
+  // Stores the fp32 gradients of sub-group i for the next step (grads.size() == SubGroupSize(i)).
+  Status WriteGradients(uint64_t sub_group, std::span<const float> grads);
+  // Runs step epoch() + 1 over every sub-group, pipelined; `on_update` (optional) sees each
+  // sub-group's new parameters in order. Needs every sub-group's gradients written since the last
+  // step (FailedPrecondition naming the first missing one). On success epoch() advances and, with
+  // sync_every_step, the step is committed; on failure epoch() is unchanged and the committed
+  // states are intact, the gradients still written.
+  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update = nullptr);
+  // Reads the fp32 master weights of sub-group i at epoch() (out.size() == SubGroupSize(i)).
+  Status ReadParams(uint64_t sub_group, std::span<float> out);
+  // Reads state array `state` (0 .. SwapOptimizerStates - 1, in the order of SwapOptimizer's
+  // comment) of sub-group i at epoch().
+  Status ReadState(uint64_t sub_group, int state, std::span<float> out);
+  // Commits now (only needed with sync_every_step off).
+  Status Sync();
+
+  OptimizerSwapperStats stats() const;
+  // Commits and closes the store, keeping its files for a later Open(). Idempotent.
+  Status Close();
+
+ private:
+  struct Impl;
+  // Array 0 is the master weights, 1.. the states.
+  Status ReadArray(uint64_t sub_group, int array, std::span<float> out);
+  OptimizerSwapper(std::unique_ptr<Impl> impl, uint64_t num_elements, uint64_t sub_group_elements,
+                   uint64_t epoch);
+
+  std::unique_ptr<Impl> impl_;
+  const uint64_t num_elements_;
+  const uint64_t sub_group_elements_;
+  const uint64_t sub_group_count_;
+  uint64_t epoch_;
+};
+
+}  // namespace memplan::offload

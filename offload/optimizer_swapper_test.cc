@@ -1,0 +1,414 @@
+// OptimizerSwapper: the pipelined step over an NVMe store gives exactly the in-memory optimizer's
+// results, persists across Close/Open, refuses stale gradients, survives injected I/O faults with
+// the committed step intact, and recovers the last complete step after a SIGKILL mid-step.
+#include "offload/optimizer_swapper.h"
+
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "nvme/fault_backend.h"
+#include "tests/testing.h"
+
+namespace memplan::offload {
+namespace {
+
+using memplan::testing::TempDir;
+
+constexpr uint64_t kSubGroup = 1024;
+
+// Deterministic values of element e: initial parameters, and the gradient of step t.
+float InitialParam(uint64_t e) { return static_cast<float>((e % 97) * 0.01 - 0.48); }
+float Grad(uint64_t step, uint64_t e) {
+  return static_cast<float>(((e * 31 + step * 17) % 113) * 0.002 - 0.11);
+}
+
+OptimizerSwapperOptions MakeOptions(const std::string& dir, SwapOptimizer optimizer,
+                                    uint32_t buffers = 3) {
+  OptimizerSwapperOptions o;
+  o.store.directory = dir;
+  o.store.direct = false;  // test directories may sit on tmpfs
+  o.store.backend = nvme::BackendKind::kPosix;
+  o.store.checksum_block_bytes = 4096;
+  o.sub_group_elements = kSubGroup;
+  o.buffer_count = buffers;
+  o.optimizer = optimizer;
+  o.cpu.threads = 2;
+  return o;
+}
+
+AdamOptions Adam(uint64_t step) {
+  AdamOptions a;
+  a.lr = 1e-3 * (1.0 + 0.1 * static_cast<double>(step));  // a schedule: options vary per step
+  a.weight_decay = 0.01;
+  return a;
+}
+
+ParamFiller Filler() {
+  return [](uint64_t first, std::span<float> out) {
+    for (size_t k = 0; k < out.size(); ++k) out[k] = InitialParam(first + k);
+    return Status::Ok();
+  };
+}
+
+Status WriteAllGradients(OptimizerSwapper& swapper, uint64_t step) {
+  for (uint64_t i = 0; i < swapper.sub_group_count(); ++i) {
+    std::vector<float> g(swapper.SubGroupSize(i));
+    for (size_t k = 0; k < g.size(); ++k) g[k] = Grad(step, swapper.SubGroupBegin(i) + k);
+    MEMPLAN_RETURN_IF_ERROR(swapper.WriteGradients(i, g));
+  }
+  return Status::Ok();
+}
+
+// The same optimizer over whole arrays in memory.
+struct Reference {
+  std::vector<float> p, m, v;
+  std::unique_ptr<CpuOptimizer> cpu;
+  explicit Reference(uint64_t n) : p(n), m(n, 0.0f), v(n, 0.0f) {
+    for (uint64_t e = 0; e < n; ++e) p[e] = InitialParam(e);
+    CpuOptimizerOptions o;
+    o.threads = 1;
+    cpu = std::move(CpuOptimizer::Create(o)).value();
+  }
+  void AdamSteps(uint64_t from, uint64_t to) {
+    for (uint64_t t = from + 1; t <= to; ++t) {
+      std::vector<float> g(p.size());
+      for (size_t e = 0; e < g.size(); ++e) g[e] = Grad(t, e);
+      AdamTensors tensors{p, g, m, v, {}, {}, HalfDtype::kNone};
+      REQUIRE(cpu->AdamStep(Adam(t), static_cast<int64_t>(t), tensors).ok());
+    }
+  }
+};
+
+std::vector<float> ReadAll(OptimizerSwapper& swapper, int state) {
+  std::vector<float> out(swapper.num_elements());
+  for (uint64_t i = 0; i < swapper.sub_group_count(); ++i) {
+    std::span<float> part(out.data() + swapper.SubGroupBegin(i), swapper.SubGroupSize(i));
+    Status st = state < 0 ? swapper.ReadParams(i, part) : swapper.ReadState(i, state, part);
+    REQUIRE_MESSAGE(st.ok(), st.ToString());
+  }
+  return out;
+}
+
+void RequireEqualBits(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  size_t mismatches = 0;
+  for (size_t k = 0; k < a.size(); ++k) mismatches += std::memcmp(&a[k], &b[k], 4) != 0;
+  REQUIRE(mismatches == 0);
+}
+
+TEST_CASE("OptimizerSwapper steps bit-identically to the in-memory AdamW, for any buffer count") {
+  for (uint32_t buffers : {2u, 3u, 5u}) {
+    CAPTURE(buffers);
+    TempDir dir("swapper-");
+    const uint64_t n = 7 * kSubGroup + 300;  // 8 sub-groups, the last one short: > 2x the buffers
+    auto swapper = OptimizerSwapper::Create(
+        MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam, buffers), n, Filler());
+    REQUIRE_MESSAGE(swapper.ok(), swapper.status().ToString());
+    OptimizerSwapper& s = **swapper;
+    REQUIRE(s.sub_group_count() == 8);
+    REQUIRE(s.SubGroupSize(7) == 300);
+    for (uint64_t t = 1; t <= 4; ++t) {
+      REQUIRE(WriteAllGradients(s, t).ok());
+      std::vector<uint64_t> seen;
+      Status st = s.Step(Adam(t), [&](const SubGroupUpdate& u) {
+        seen.push_back(u.sub_group);
+        CHECK(u.first_element == u.sub_group * kSubGroup);
+        CHECK(u.half_params.empty());
+        return Status::Ok();
+      });
+      REQUIRE_MESSAGE(st.ok(), st.ToString());
+      CHECK(seen == std::vector<uint64_t>{0, 1, 2, 3, 4, 5, 6, 7});
+      CHECK(s.epoch() == t);
+    }
+    Reference ref(n);
+    ref.AdamSteps(0, 4);
+    RequireEqualBits(ReadAll(s, -1), ref.p);
+    RequireEqualBits(ReadAll(s, 0), ref.m);
+    RequireEqualBits(ReadAll(s, 1), ref.v);
+    const SwapStepStats last = s.stats().last_step;
+    // Each step reads states + gradients and writes states once: 4 KiB header + 12 B/element in,
+    // 16 B/element in total read.
+    CHECK(last.read_bytes == 8 * 4096 + 16 * n);
+    CHECK(last.write_bytes == 8 * 4096 + 12 * n);
+    CHECK(s.stats().pool.peak_bytes <= buffers * OptimizerSwapper::RequiredSlotBytes(
+                                                     MakeOptions("x", SwapOptimizer::kAdam)) +
+                                           buffers * 4096);
+  }
+}
+
+TEST_CASE("OptimizerSwapper hands the bf16 copy of each sub-group to the callback") {
+  TempDir dir("swapper-");
+  auto options = MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam);
+  options.half_dtype = HalfDtype::kBf16;
+  const uint64_t n = 3 * kSubGroup;
+  auto swapper = OptimizerSwapper::Create(options, n, Filler());
+  REQUIRE(swapper.ok());
+  REQUIRE(WriteAllGradients(**swapper, 1).ok());
+  std::vector<uint16_t> half(n);
+  REQUIRE((*swapper)
+              ->Step(Adam(1),
+                     [&](const SubGroupUpdate& u) {
+                       REQUIRE(u.half_params.size() == u.params.size());
+                       std::copy(u.half_params.begin(), u.half_params.end(),
+                                 half.begin() + static_cast<long>(u.first_element));
+                       return Status::Ok();
+                     })
+              .ok());
+  std::vector<float> params = ReadAll(**swapper, -1);
+  std::vector<uint16_t> expected(n);
+  auto cpu = CpuOptimizer::Create({});
+  REQUIRE(cpu.ok());
+  REQUIRE((*cpu)->ConvertToHalf(params, expected, HalfDtype::kBf16).ok());
+  CHECK(half == expected);
+}
+
+TEST_CASE("OptimizerSwapper refuses stale gradients and mismatched options") {
+  TempDir dir("swapper-");
+  auto swapper =
+      OptimizerSwapper::Create(MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam), 2 * kSubGroup,
+                               Filler());
+  REQUIRE(swapper.ok());
+  OptimizerSwapper& s = **swapper;
+  std::vector<float> g(kSubGroup, 0.01f);
+  REQUIRE(s.WriteGradients(0, g).ok());
+  Status st = s.Step(Adam(1));
+  CHECK(st.code() == StatusCode::kFailedPrecondition);
+  CHECK(st.message().find("sub-group 1") != std::string::npos);
+  REQUIRE(s.WriteGradients(1, g).ok());
+  CHECK(s.Step(SgdOptions{}).code() == StatusCode::kInvalidArgument);
+  AdamOptions ams = Adam(1);
+  ams.amsgrad = true;
+  CHECK(s.Step(ams).code() == StatusCode::kInvalidArgument);
+  CHECK(s.WriteGradients(0, std::vector<float>(5)).code() == StatusCode::kInvalidArgument);
+  CHECK(s.WriteGradients(2, g).code() == StatusCode::kInvalidArgument);
+  REQUIRE(s.Step(Adam(1)).ok());
+  // Gradients are consumed by a step: the next one needs new ones.
+  CHECK(s.Step(Adam(2)).code() == StatusCode::kFailedPrecondition);
+  CHECK(s.epoch() == 1);
+}
+
+TEST_CASE("OptimizerSwapper options are validated, and Create leaves nothing behind on failure") {
+  TempDir dir("swapper-");
+  auto options = MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam);
+  options.sub_group_elements = 1000;
+  CHECK(OptimizerSwapper::Create(options, 10, Filler()).status().code() ==
+        StatusCode::kInvalidArgument);
+  options.sub_group_elements = kSubGroup;
+  options.buffer_count = 1;
+  CHECK(OptimizerSwapper::Create(options, 10, Filler()).status().code() ==
+        StatusCode::kInvalidArgument);
+  options.buffer_count = 3;
+  auto failing = [](uint64_t first, std::span<float>) {
+    return first >= kSubGroup ? Status::IoError("checkpoint shard missing") : Status::Ok();
+  };
+  auto created = OptimizerSwapper::Create(options, 3 * kSubGroup, failing);
+  CHECK(created.status().code() == StatusCode::kIoError);
+  CHECK(created.status().message().find("sub-group 1") != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(dir.PathOf("store")));
+  // A pool whose slots are too small is refused with the size needed.
+  PinnedPoolOptions po;
+  po.slot_bytes = 4096;
+  po.slot_count = 3;
+  po.budget_bytes = 3 * 4096;
+  auto pool = PinnedPool::Create(po);
+  REQUIRE(pool.ok());
+  options.pool = pool->get();
+  created = OptimizerSwapper::Create(options, 3 * kSubGroup, Filler());
+  CHECK(created.status().code() == StatusCode::kInvalidArgument);
+  CHECK(created.status().message().find(
+            std::to_string(OptimizerSwapper::RequiredSlotBytes(options))) != std::string::npos);
+}
+
+TEST_CASE("OptimizerSwapper reopens at its last step after Close, and the states carry on") {
+  TempDir dir("swapper-");
+  const uint64_t n = 4 * kSubGroup + 10;
+  auto options = MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam);
+  {
+    auto swapper = OptimizerSwapper::Create(options, n, Filler());
+    REQUIRE(swapper.ok());
+    for (uint64_t t = 1; t <= 3; ++t) {
+      REQUIRE(WriteAllGradients(**swapper, t).ok());
+      REQUIRE((*swapper)->Step(Adam(t)).ok());
+    }
+    REQUIRE((*swapper)->Close().ok());
+  }
+  CHECK(OptimizerSwapper::Create(options, n, Filler()).status().code() != StatusCode::kOk);
+  auto wrong = options;
+  wrong.optimizer = SwapOptimizer::kLion;
+  CHECK(OptimizerSwapper::Open(wrong).status().code() == StatusCode::kInvalidArgument);
+  RecoveryReport report;
+  auto swapper = OptimizerSwapper::Open(options, &report);
+  REQUIRE_MESSAGE(swapper.ok(), swapper.status().ToString());
+  CHECK(report.epoch == 3);
+  CHECK_FALSE(report.torn);
+  CHECK((*swapper)->epoch() == 3);
+  CHECK((*swapper)->num_elements() == n);
+  REQUIRE(WriteAllGradients(**swapper, 4).ok());
+  REQUIRE((*swapper)->Step(Adam(4)).ok());
+  Reference ref(n);
+  ref.AdamSteps(0, 4);
+  RequireEqualBits(ReadAll(**swapper, -1), ref.p);
+  RequireEqualBits(ReadAll(**swapper, 1), ref.v);
+}
+
+TEST_CASE("A step that fails on an I/O error keeps the committed step, and can be retried") {
+  TempDir dir("swapper-");
+  const uint64_t n = 6 * kSubGroup;
+  auto options = MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam);
+  nvme::FaultBackend* faults = nullptr;
+  options.make_backend = [&]() -> Result<std::unique_ptr<nvme::Backend>> {
+    MEMPLAN_ASSIGN_OR_RETURN(auto inner, nvme::CreatePosixBackend({}));
+    MEMPLAN_ASSIGN_OR_RETURN(auto wrapped, nvme::FaultBackend::Create(std::move(inner)));
+    faults = wrapped.get();
+    return std::unique_ptr<nvme::Backend>(std::move(wrapped));
+  };
+  auto swapper = OptimizerSwapper::Create(options, n, Filler());
+  REQUIRE_MESSAGE(swapper.ok(), swapper.status().ToString());
+  OptimizerSwapper& s = **swapper;
+  REQUIRE(WriteAllGradients(s, 1).ok());
+  REQUIRE(s.Step(Adam(1)).ok());
+  REQUIRE(WriteAllGradients(s, 2).ok());
+  // The 4th write request of the step fails with EIO: some sub-groups of step 2 are written, one
+  // fails, the rest never start.
+  nvme::FaultPlan plan;
+  plan.fail.op = nvme::OpType::kWrite;
+  plan.fail.nth = 4;
+  REQUIRE(faults->SetPlan(plan).ok());
+  Status st = s.Step(Adam(2));
+  CHECK(st.code() == StatusCode::kIoError);
+  CHECK(st.message().find("step 2") != std::string::npos);
+  CHECK(s.epoch() == 1);
+  CHECK(s.stats().failed_steps == 1);
+  Reference ref(n);
+  ref.AdamSteps(0, 1);
+  RequireEqualBits(ReadAll(s, -1), ref.p);  // step 1 intact
+  REQUIRE(faults->SetPlan({}).ok());
+  REQUIRE(s.Step(Adam(2)).ok());  // the gradients are still there
+  ref.AdamSteps(1, 2);
+  RequireEqualBits(ReadAll(s, -1), ref.p);
+  RequireEqualBits(ReadAll(s, 0), ref.m);
+}
+
+// Runs steps in a child process that is SIGKILLed mid-step; the parent reopens the store.
+void RunKilledChild(const OptimizerSwapperOptions& options, uint64_t steps_done,
+                    uint64_t kill_in_sub_group) {
+  pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    auto swapper = OptimizerSwapper::Open(options);
+    if (!swapper.ok()) ::_exit(3);
+    OptimizerSwapper& s = **swapper;
+    for (uint64_t t = s.epoch() + 1;; ++t) {
+      if (!WriteAllGradients(s, t).ok()) ::_exit(4);
+      const bool last = t == steps_done + 1;
+      Status st = s.Step(Adam(t), [&](const SubGroupUpdate& u) {
+        if (last && u.sub_group == kill_in_sub_group) {
+          // Give the writer time to put the sub-groups before this one on disk, then die.
+          std::this_thread::sleep_for(std::chrono::milliseconds(300));
+          ::raise(SIGKILL);
+        }
+        return Status::Ok();
+      });
+      if (!st.ok()) ::_exit(5);
+    }
+  }
+  int wstatus = 0;
+  REQUIRE(::waitpid(pid, &wstatus, 0) == pid);
+  REQUIRE(WIFSIGNALED(wstatus));
+  REQUIRE(WTERMSIG(wstatus) == SIGKILL);
+}
+
+TEST_CASE("A process SIGKILLed mid-step leaves a store that reports the torn step and resumes") {
+  TempDir dir("swapper-");
+  const uint64_t n = 8 * kSubGroup;
+  auto options = MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam);
+  {
+    auto swapper = OptimizerSwapper::Create(options, n, Filler());
+    REQUIRE(swapper.ok());
+    REQUIRE((*swapper)->Close().ok());
+  }
+  SUBCASE("killed in the first step") {
+    RunKilledChild(options, 0, 5);
+    RecoveryReport report;
+    auto swapper = OptimizerSwapper::Open(options, &report);
+    REQUIRE_MESSAGE(swapper.ok(), swapper.status().ToString());
+    CHECK(report.torn);
+    CHECK(report.epoch == 0);
+    CHECK(report.torn_epoch == 1);
+    Reference ref(n);
+    RequireEqualBits(ReadAll(**swapper, -1), ref.p);
+  }
+  SUBCASE("killed in the fourth step, after sub-groups were rewritten") {
+    RunKilledChild(options, 3, 6);
+    RecoveryReport report;
+    auto swapper = OptimizerSwapper::Open(options, &report);
+    REQUIRE_MESSAGE(swapper.ok(), swapper.status().ToString());
+    INFO(report.notes.size());
+    CHECK(report.torn);
+    CHECK(report.epoch == 3);
+    CHECK(report.torn_epoch == 4);
+    // Sub-groups 0..5 had step 4 written over their step-2 slot before the kill.
+    CHECK(report.torn_sub_groups >= 5);
+    OptimizerSwapper& s = **swapper;
+    Reference ref(n);
+    ref.AdamSteps(0, 3);
+    RequireEqualBits(ReadAll(s, -1), ref.p);
+    RequireEqualBits(ReadAll(s, 1), ref.v);
+    // Resume: step 4 again, then 5, equal to an uninterrupted run.
+    for (uint64_t t = 4; t <= 5; ++t) {
+      REQUIRE(WriteAllGradients(s, t).ok());
+      REQUIRE(s.Step(Adam(t)).ok());
+    }
+    ref.AdamSteps(3, 5);
+    RequireEqualBits(ReadAll(s, -1), ref.p);
+    RequireEqualBits(ReadAll(s, 0), ref.m);
+    REQUIRE(s.Close().ok());
+    RecoveryReport clean;
+    auto again = OptimizerSwapper::Open(options, &clean);
+    REQUIRE(again.ok());
+    CHECK_FALSE(clean.torn);
+    CHECK(clean.epoch == 5);
+  }
+}
+
+TEST_CASE("SGD and Lion run through the swapper like their in-memory kernels") {
+  for (SwapOptimizer kind : {SwapOptimizer::kSgd, SwapOptimizer::kLion}) {
+    CAPTURE(SwapOptimizerName(kind));
+    TempDir dir("swapper-");
+    const uint64_t n = 3 * kSubGroup + 7;
+    auto swapper = OptimizerSwapper::Create(MakeOptions(dir.PathOf("store"), kind), n, Filler());
+    REQUIRE(swapper.ok());
+    std::vector<float> p(n), state(n, 0.0f);
+    for (uint64_t e = 0; e < n; ++e) p[e] = InitialParam(e);
+    auto cpu = CpuOptimizer::Create({});
+    REQUIRE(cpu.ok());
+    for (uint64_t t = 1; t <= 3; ++t) {
+      REQUIRE(WriteAllGradients(**swapper, t).ok());
+      std::vector<float> g(n);
+      for (uint64_t e = 0; e < n; ++e) g[e] = Grad(t, e);
+      if (kind == SwapOptimizer::kSgd) {
+        SgdOptions o;
+        REQUIRE((*swapper)->Step(o).ok());
+        REQUIRE((*cpu)->SgdStep(o, static_cast<int64_t>(t), p, g, state).ok());
+      } else {
+        LionOptions o;
+        o.weight_decay = 0.1;
+        REQUIRE((*swapper)->Step(o).ok());
+        REQUIRE((*cpu)->LionStep(o, static_cast<int64_t>(t), p, g, state).ok());
+      }
+    }
+    RequireEqualBits(ReadAll(**swapper, -1), p);
+    RequireEqualBits(ReadAll(**swapper, 0), state);
+  }
+}
+
+}  // namespace
+}  // namespace memplan::offload

@@ -1,0 +1,194 @@
+#include "offload/swap_bench.h"
+
+#include <stdlib.h>
+
+#include <cerrno>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <vector>
+
+#include "nvme/bench.h"
+#include "offload/optimizer_swapper.h"
+
+namespace memplan::offload {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// A directory made for the bench and removed with everything in it, whatever happens.
+class ScratchDir {
+ public:
+  static Result<ScratchDir> Make(const std::string& parent) {
+    std::string pattern = parent + "/memplan-swap-bench.XXXXXX";
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      return Status::FromErrno(errno, "cannot make a bench directory in " + parent);
+    }
+    return ScratchDir(pattern);
+  }
+  ScratchDir(ScratchDir&& other) noexcept : path_(std::move(other.path_)) { other.path_.clear(); }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  ScratchDir& operator=(ScratchDir&&) = delete;
+  ~ScratchDir() {
+    if (path_.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  explicit ScratchDir(std::string path) : path_(std::move(path)) {}
+  std::string path_;
+};
+
+// Seconds of one in-memory AdamW pass over `params` elements, sub-group by sub-group (the mean of
+// `steps` passes after a warm-up).
+Result<double> ComputeSeconds(const SwapBenchOptions& options) {
+  CpuOptimizerOptions cpu_options;
+  cpu_options.threads = options.threads;
+  MEMPLAN_ASSIGN_OR_RETURN(auto cpu, CpuOptimizer::Create(cpu_options));
+  const uint64_t sg = options.sub_group_elements;
+  std::vector<float> p(sg, 0.25f), g(sg, 0.01f), m(sg, 0.0f), v(sg, 0.0f);
+  AdamOptions adam;
+  int64_t t = 1;
+  auto pass = [&]() -> Status {
+    for (uint64_t first = 0; first < options.params; first += sg) {
+      const size_t n = std::min(sg, options.params - first);
+      AdamTensors tensors{{p.data(), n}, {g.data(), n}, {m.data(), n}, {v.data(), n},
+                          {},            {},            HalfDtype::kNone};
+      MEMPLAN_RETURN_IF_ERROR(cpu->AdamStep(adam, t++, tensors));
+    }
+    return Status::Ok();
+  };
+  MEMPLAN_RETURN_IF_ERROR(pass());
+  const auto start = Clock::now();
+  for (int s = 0; s < options.steps; ++s) MEMPLAN_RETURN_IF_ERROR(pass());
+  return Since(start) / options.steps;
+}
+
+}  // namespace
+
+Status SwapBenchOptions::Validate() const {
+  if (directory.empty()) return Status::InvalidArgument("the bench directory is empty");
+  if (sub_group_elements == 0 || sub_group_elements % 1024 != 0) {
+    return Status::InvalidArgument("sub-group elements must be a positive multiple of 1024");
+  }
+  if (params < sub_group_elements || params > (uint64_t{1} << 36)) {
+    return Status::InvalidArgument("params must be in [sub-group elements, 2^36], got " +
+                                   std::to_string(params));
+  }
+  if (buffer_count < 2) return Status::InvalidArgument("buffers must be at least 2");
+  if (threads < 1 || threads > 4096) return Status::InvalidArgument("threads must be in 1..4096");
+  if (steps < 1) return Status::InvalidArgument("steps must be at least 1");
+  if (block_size < 4096 || block_size % 4096 != 0) {
+    return Status::InvalidArgument("block size must be a multiple of 4096");
+  }
+  if (queue_depth < 1 || queue_depth > 4096) {
+    return Status::InvalidArgument("queue depth must be in 1..4096");
+  }
+  for (const auto& bw : {read_bytes_per_s, write_bytes_per_s}) {
+    if (bw && !(*bw > 0)) return Status::InvalidArgument("bandwidths must be > 0");
+  }
+  return Status::Ok();
+}
+
+Result<SwapBenchResult> RunSwapBench(const SwapBenchOptions& options) {
+  MEMPLAN_RETURN_IF_ERROR(options.Validate());
+  MEMPLAN_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::Make(options.directory));
+
+  SwapBenchResult r;
+  r.params = options.params;
+  r.sub_group_elements = options.sub_group_elements;
+  r.sub_groups = (options.params + options.sub_group_elements - 1) / options.sub_group_elements;
+  r.buffer_count = options.buffer_count;
+  r.threads = options.threads;
+  r.steps = options.steps;
+  r.state_bytes = 12 * options.params;
+
+  // 1. The device's bandwidth at the store's block size and queue depth.
+  if (options.read_bytes_per_s && options.write_bytes_per_s) {
+    r.read_bytes_per_s = *options.read_bytes_per_s;
+    r.write_bytes_per_s = *options.write_bytes_per_s;
+  } else {
+    nvme::BenchOptions bench;
+    bench.directory = scratch.path();
+    bench.size_bytes = std::min<uint64_t>(uint64_t{1} << 30, r.state_bytes / 4096 * 4096);
+    bench.size_bytes = std::max<uint64_t>(bench.size_bytes, options.block_size);
+    bench.seconds_per_point = 3.0;
+    bench.direct = options.direct;
+    bench.backends = {options.backend};
+    bench.block_sizes = {options.block_size};
+    bench.queue_depths = {options.queue_depth};
+    MEMPLAN_ASSIGN_OR_RETURN(nvme::BenchReport report, nvme::RunBench(bench));
+    if (report.best < 0) return Status::Internal("the NVMe bench measured nothing");
+    const nvme::BenchResult& best = report.results[static_cast<size_t>(report.best)];
+    r.read_bytes_per_s = options.read_bytes_per_s.value_or(best.read_bytes_per_s());
+    r.write_bytes_per_s = options.write_bytes_per_s.value_or(best.write_bytes_per_s());
+    r.bandwidth_measured = true;
+  }
+
+  // 2. The optimizer alone.
+  MEMPLAN_ASSIGN_OR_RETURN(r.compute_seconds, ComputeSeconds(options));
+
+  // 3. The pipelined step over the store.
+  OptimizerSwapperOptions so;
+  so.store.directory = scratch.path() + "/store";
+  so.store.direct = options.direct;
+  so.store.backend = options.backend;
+  so.store.backend_options.queue_depth = options.queue_depth;
+  so.store.engine_options.block_size = options.block_size;
+  so.sub_group_elements = options.sub_group_elements;
+  so.buffer_count = options.buffer_count;
+  so.optimizer = SwapOptimizer::kAdam;
+  so.cpu.threads = options.threads;
+  MEMPLAN_ASSIGN_OR_RETURN(
+      auto swapper,
+      OptimizerSwapper::Create(so, options.params, [](uint64_t, std::span<float> out) {
+        std::fill(out.begin(), out.end(), 0.25f);
+        return Status::Ok();
+      }));
+  std::vector<float> grads(options.sub_group_elements, 0.01f);
+  auto write_grads = [&]() -> Status {
+    for (uint64_t i = 0; i < swapper->sub_group_count(); ++i) {
+      MEMPLAN_RETURN_IF_ERROR(swapper->WriteGradients(
+          i, std::span<const float>(grads.data(), swapper->SubGroupSize(i))));
+    }
+    return Status::Ok();
+  };
+  double total = 0;
+  for (int s = 0; s <= options.steps; ++s) {
+    MEMPLAN_RETURN_IF_ERROR(write_grads());
+    AdamOptions adam;
+    MEMPLAN_RETURN_IF_ERROR(swapper->Step(adam));
+    const SwapStepStats& last = swapper->stats().last_step;
+    if (s == 0) continue;  // warm-up
+    total += last.total_s;
+    r.step_seconds_min = s == 1 ? last.total_s : std::min(r.step_seconds_min, last.total_s);
+  }
+  const OptimizerSwapperStats stats = swapper->stats();
+  r.step_seconds = total / options.steps;
+  r.read_bytes_per_step = stats.last_step.read_bytes;
+  r.write_bytes_per_step = stats.last_step.write_bytes;
+  r.stage_read_s = stats.last_step.read_s;
+  r.stage_write_s = stats.last_step.write_s;
+  r.stage_compute_s = stats.last_step.compute_s;
+  r.compute_wait_s = stats.last_step.compute_wait_s;
+  r.sync_s = stats.last_step.sync_s;
+  r.pinned_bytes = stats.pool.capacity_bytes;
+  r.backend = stats.store.backend;
+  r.direct = stats.store.direct;
+  MEMPLAN_RETURN_IF_ERROR(swapper->Close());
+  r.io_seconds = r.read_bytes_per_step / r.read_bytes_per_s +
+                 r.write_bytes_per_step / r.write_bytes_per_s;
+  r.ratio = r.step_seconds / std::max(r.io_seconds, r.compute_seconds);
+  return r;
+}
+
+}  // namespace memplan::offload
