@@ -42,6 +42,29 @@ struct AdamBenchResult {
   double bytes_per_s = 0;
 };
 
+struct TriadBenchOptions {
+  // Elements of each of the three fp64 arrays (>= 1024). Default 32M (768 MiB in all, as much
+  // memory as the default Adam bench's 50M params touch, and far more than any cache).
+  uint64_t elements = uint64_t{32} << 20;
+  int threads = 1;  // >= 1
+  int repeats = 10; // >= 1, after one untimed pass
+  Status Validate() const;
+};
+
+struct TriadBenchResult {
+  int threads = 1;
+  uint64_t elements = 0;
+  int repeats = 0;
+  uint64_t bytes_per_pass = 0;  // 24 per element: read b and c, write a (STREAM's count)
+  double best_bytes_per_s = 0;  // STREAM reports the best pass
+  double mean_bytes_per_s = 0;
+};
+
+// The STREAM triad a[i] = b[i] + s * c[i] over fp64 arrays, compiled and split over `threads`
+// threads as the optimizer splits its step (each thread first-touches its own part): the memory
+// bandwidth an element-wise optimizer step can hope for on this machine.
+Result<TriadBenchResult> RunTriadBench(const TriadBenchOptions& options);
+
 // Allocates the four fp32 arrays (16 bytes per param, plus 2 with a half copy), runs AdamW steps
 // and times them. ResourceExhausted when the memory cannot be had; InvalidArgument on bad options.
 Result<AdamBenchResult> RunAdamBench(const AdamBenchOptions& options);

@@ -198,3 +198,71 @@ TEST_CASE("bench cli: --help names every option") {
 }
 
 }  // namespace
+
+TEST_CASE("bench adam cli: JSON with the triad, and the roofline fraction is consistent") {
+  Run run = Memplan({"bench", "adam", "--params", "200000", "--threads", "1", "--seconds", "0",
+                     "--triad", "--format", "json"});
+  CAPTURE(run.err);
+  REQUIRE(run.exit_code == 0);
+  nlohmann::json doc = nlohmann::json::parse(run.out);
+  CHECK(doc["params"] == 200000);
+  CHECK(doc["bytes_per_param"] == 28);
+  CHECK(doc["steps"].get<int>() >= 3);
+  const double adam = doc["bytes_per_s"].get<double>();
+  CHECK(adam == doctest::Approx(28.0 * doc["params_per_s"].get<double>()).epsilon(1e-9));
+  const nlohmann::json& triad = doc["triad"];
+  CHECK(triad["threads"] == 1);
+  CHECK(triad["elements"] == 200000 * 16 / 24);  // the Adam arrays' footprint
+  CHECK(triad["bytes_per_element"] == 24);
+  const double best = triad["best_bytes_per_s"].get<double>();
+  CHECK(best > 0);
+  CHECK(triad["mean_bytes_per_s"].get<double>() <= best);
+  CHECK(triad["adam_fraction_of_best"].get<double>() == doctest::Approx(adam / best));
+}
+
+TEST_CASE("bench swap cli: a small NVMe step measured against its limits") {
+  TempDir dir("memplan-bench-swap.");
+  Run run = Memplan({"bench", "swap", "--path", dir.path().string(), "--params", "262144",
+                     "--sub-group", "32768", "--buffers", "2", "--steps", "2", "--backend",
+                     "posix", "--no-direct", "--format", "json"});
+  CAPTURE(run.err);
+  REQUIRE(run.exit_code == 0);
+  CHECK(Entries(dir.path()) == 0);  // the temporary store is gone
+  nlohmann::json doc = nlohmann::json::parse(run.out);
+  CHECK(doc["sub_groups"] == 8);
+  CHECK(doc["backend"] == "posix");
+  CHECK(doc["state_bytes"] == 12 * 262144);
+  // Each step reads weights, m, v and gradients (16 B/param) and writes weights, m, v (12 B), plus
+  // a 4 KiB header per sub-group each way.
+  CHECK(doc["read_bytes_per_step"] == 16 * 262144 + 8 * 4096);
+  CHECK(doc["write_bytes_per_step"] == 12 * 262144 + 8 * 4096);
+  CHECK(doc["states_over_pinned"].get<double>() >= 2.0);
+  CHECK(doc["bandwidth_measured"] == true);
+  const double io = doc["io_seconds"].get<double>();
+  const double compute = doc["compute_seconds"].get<double>();
+  CHECK(io > 0);
+  CHECK(compute > 0);
+  CHECK(doc["ratio"].get<double>() ==
+        doctest::Approx(doc["step_seconds"].get<double>() / std::max(io, compute)));
+}
+
+TEST_CASE("bench swap cli: bandwidths from a bench nvme report; bad input is one line") {
+  TempDir dir("memplan-bench-swap.");
+  dir.Write("nvme.json", R"({"best": {"read_bytes_per_s": 2e9, "write_bytes_per_s": 1e9}})");
+  Run run = Memplan({"bench", "swap", "--path", dir.path().string(), "--params", "65536",
+                     "--sub-group", "16384", "--steps", "1", "--backend", "posix", "--no-direct",
+                     "--nvme-json", dir.PathOf("nvme.json"), "--format", "json"});
+  CAPTURE(run.err);
+  REQUIRE(run.exit_code == 0);
+  nlohmann::json doc = nlohmann::json::parse(run.out);
+  CHECK(doc["bandwidth_measured"] == false);
+  CHECK(doc["io_seconds"].get<double>() ==
+        doctest::Approx((16.0 * 65536 + 4 * 4096) / 2e9 + (12.0 * 65536 + 4 * 4096) / 1e9));
+  dir.Write("bad.json", R"({"results": []})");
+  ExpectBadInput(Memplan({"bench", "swap", "--path", dir.path().string(), "--nvme-json",
+                          dir.PathOf("bad.json")}),
+                 "bench nvme");
+  ExpectBadInput(Memplan({"bench", "swap", "--path", dir.path().string(), "--sub-group", "1000"}),
+                 "multiple of 1024");
+  ExpectBadInput(Memplan({"bench", "swap", "--path", dir.PathOf("missing")}), "missing");
+}

@@ -1,6 +1,7 @@
 // `memplan bench adam`: throughput of memplan's CPU AdamW step on this machine, in parameters and
 // bytes per second. The measuring is offload/cpu_optimizer_bench.h; this file parses flags and
 // formats. bench/adam_vs_torch.py compares the figure with torch.optim.AdamW and a STREAM triad.
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -19,6 +20,7 @@ struct AdamFlags {
   std::string isa = "auto";
   double seconds = 2.0;
   std::string format = "text";
+  bool triad = false;
 };
 
 Result<offload::AdamBenchOptions> ToOptions(const AdamFlags& flags) {
@@ -51,6 +53,28 @@ nlohmann::json ToJson(const offload::AdamBenchResult& r) {
           {"bytes_per_param", r.bytes_per_step / r.params},
           {"params_per_s", r.params_per_s},
           {"bytes_per_s", r.bytes_per_s}};
+}
+
+nlohmann::json TriadJson(const offload::TriadBenchResult& t, double adam_bytes_per_s) {
+  return {{"elements", t.elements},
+          {"threads", t.threads},
+          {"repeats", t.repeats},
+          {"bytes_per_element", 24},
+          {"best_bytes_per_s", t.best_bytes_per_s},
+          {"mean_bytes_per_s", t.mean_bytes_per_s},
+          {"adam_fraction_of_best", adam_bytes_per_s / t.best_bytes_per_s}};
+}
+
+std::string TriadText(const offload::TriadBenchResult& t, double adam_bytes_per_s) {
+  char text[512];
+  std::snprintf(text, sizeof(text),
+                "STREAM triad (fp64, %llu elements, %d thread(s), best of %d)\n"
+                "  best_bytes_per_s  %.4g   mean %.4g  (24 bytes per element)\n"
+                "  AdamW bytes_per_s is %.1f%% of the triad's best\n",
+                static_cast<unsigned long long>(t.elements), t.threads, t.repeats,
+                t.best_bytes_per_s, t.mean_bytes_per_s,
+                100.0 * adam_bytes_per_s / t.best_bytes_per_s);
+  return text;
 }
 
 std::string ToText(const offload::AdamBenchResult& r) {
@@ -101,6 +125,9 @@ void RegisterBenchAdam(CLI::App* bench, Outcome* outcome) {
                   "one warm-up)")
       ->check(CLI::Range(0.0, 86400.0))
       ->capture_default_str();
+  cmd->add_flag("--triad", flags->triad,
+                "Also run a STREAM triad (compiled, same threads, as much memory as the Adam "
+                "arrays) and report AdamW's bytes/s as a fraction of it: the memory roofline");
   cmd->add_option("--format", flags->format, "Output format: text or json")
       ->check(CLI::IsMember({"text", "json"}))
       ->capture_default_str();
@@ -109,6 +136,7 @@ void RegisterBenchAdam(CLI::App* bench, Outcome* outcome) {
       "  memplan bench adam --params 50000000 --threads 2\n"
       "  memplan bench adam --params 50000000 --threads 2 "
       "--param-dtype bf16 --format json\n"
+      "  memplan bench adam --params 50000000 --threads 2 --triad\n"
       "\nExit status: 0 on success, 2 on bad input or when the memory "
       "cannot be had (one line on "
       "stderr).");
@@ -117,12 +145,30 @@ void RegisterBenchAdam(CLI::App* bench, Outcome* outcome) {
     Status status = options.status();
     if (options.ok()) {
       auto result = offload::RunAdamBench(*options);
-      if (result.ok()) {
+      if (result.ok() && flags->triad) {
+        offload::TriadBenchOptions triad_options;
+        triad_options.threads = flags->threads;
+        // The same memory footprint as the Adam arrays (16 bytes per param, 24 per element).
+        triad_options.elements = std::max<uint64_t>(1024, flags->params * 16 / 24);
+        auto triad = offload::RunTriadBench(triad_options);
+        if (!triad.ok()) {
+          status = triad.status();
+        } else if (flags->format == "json") {
+          nlohmann::json out = ToJson(*result);
+          out["triad"] = TriadJson(*triad, result->bytes_per_s);
+          outcome->stdout_text = out.dump(2) + "\n";
+          return;
+        } else {
+          outcome->stdout_text = ToText(*result) + TriadText(*triad, result->bytes_per_s);
+          return;
+        }
+      } else if (result.ok()) {
         outcome->stdout_text =
             flags->format == "json" ? ToJson(*result).dump(2) + "\n" : ToText(*result);
         return;
+      } else {
+        status = result.status();
       }
-      status = result.status();
     }
     outcome->exit_code = status.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
     outcome->error = status.message();

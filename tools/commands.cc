@@ -156,10 +156,13 @@ void RegisterModels(CLI::App& app, Outcome* outcome) {
 
 void RegisterBench(CLI::App& app, Outcome* outcome) {
   CLI::App* bench = app.add_subcommand(
-      "bench", "Measure this machine: NVMe bandwidth, CPU optimizer (AdamW) throughput");
+      "bench",
+      "Measure this machine: NVMe bandwidth, CPU optimizer (AdamW) throughput, the NVMe "
+      "optimizer step");
   bench->require_subcommand(1);
   RegisterBenchNvme(bench, outcome);
   RegisterBenchAdam(bench, outcome);
+  RegisterBenchSwap(bench, outcome);
 }
 
 }  // namespace memplan::tools

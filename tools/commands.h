@@ -30,5 +30,6 @@ void RegisterBench(CLI::App& app, Outcome* outcome);
 // under `bench`.
 void RegisterBenchNvme(CLI::App* bench, Outcome* outcome);
 void RegisterBenchAdam(CLI::App* bench, Outcome* outcome);
+void RegisterBenchSwap(CLI::App* bench, Outcome* outcome);
 
 }  // namespace memplan::tools
