@@ -1,5 +1,6 @@
 #include "offload/node_budget.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -7,10 +8,12 @@
 #include <boost/interprocess/managed_shared_memory.hpp>
 #include <boost/interprocess/permissions.hpp>
 #include <boost/interprocess/shared_memory_object.hpp>
-#include <boost/interprocess/sync/interprocess_mutex.hpp>
-#include <boost/interprocess/sync/scoped_lock.hpp>
-#include <boost/date_time/posix_time/posix_time_types.hpp>
+#include <atomic>
 #include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <string>
 #include <utility>
 
 namespace memplan::offload {
@@ -18,31 +21,121 @@ namespace bip = boost::interprocess;
 namespace {
 
 constexpr int kMaxEntries = 1024;
-constexpr uint64_t kSegmentBytes = 64 * 1024;
+constexpr uint64_t kSegmentBytes = 96 * 1024;
+// The name of the state object in the segment; bumped whenever SharedState's layout changes, so a
+// segment left by an older build is reported, not misread.
+constexpr const char* kStateName = "state-v2";
+
+// What /proc says of a process: its state letter and its start time (clock ticks since boot,
+// field 22 of /proc/<pid>/stat), which tells a pid's reuse from its first owner.
+struct ProcessInfo {
+  char state = '?';
+  uint64_t start_time = 0;
+};
+
+std::optional<ProcessInfo> ReadProcessInfo(int pid) {
+  const std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  std::FILE* f = std::fopen(path.c_str(), "re");
+  if (f == nullptr) return std::nullopt;
+  char buf[1024];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  // The command name (field 2) is in parentheses and may hold anything, ')' included: fields 3 on
+  // start after the last ')'.
+  const char* p = std::strrchr(buf, ')');
+  if (p == nullptr) return std::nullopt;
+  ProcessInfo info;
+  unsigned long long start = 0;
+  // Fields 3 (state) .. 22 (starttime): skip the 18 fields between them.
+  if (std::sscanf(p + 1, " %c %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s "
+                         "%*s %llu",
+                  &info.state, &start) != 2) {
+    return std::nullopt;
+  }
+  info.start_time = start;
+  return info;
+}
+
+// Start time of this process, 0 when /proc cannot tell.
+uint64_t SelfStartTime() {
+  auto info = ReadProcessInfo(static_cast<int>(::getpid()));
+  return info ? info->start_time : 0;
+}
 
 struct Entry {
   int pid = 0;  // 0: free
+  uint64_t start_time = 0;  // of that pid's process when it reserved; 0: unknown
   uint64_t id = 0;
   uint64_t bytes = 0;
 };
 
+// Whether the owner of `e` is gone: no such pid, a zombie (dead but not yet reaped), or the pid
+// now names another process (a different start time).
+bool Dead(const Entry& e) {
+  if (::kill(e.pid, 0) != 0 && errno == ESRCH) return true;
+  auto info = ReadProcessInfo(e.pid);
+  if (!info) return false;  // no /proc (or a race with its exit): trust kill()
+  if (info->state == 'Z' || info->state == 'X') return true;
+  return e.start_time != 0 && info->start_time != e.start_time;
+}
+
 // Lives in the segment; constructed once by find_or_construct, which Boost makes atomic across
-// processes.
+// processes. The mutex is a process-shared ROBUST pthread mutex: when a process dies holding it,
+// the next locker is told (EOWNERDEAD) and takes it over, instead of every rank blocking forever.
 struct SharedState {
-  explicit SharedState(uint64_t budget) : budget_bytes(budget) {}
-  bip::interprocess_mutex mu;
+  explicit SharedState(uint64_t budget) : budget_bytes(budget) {
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    pthread_mutex_init(&mu, &attr);
+    pthread_mutexattr_destroy(&attr);
+  }
+  pthread_mutex_t mu;
   uint64_t budget_bytes;
   uint64_t next_id = 1;
+  uint64_t recovered_locks = 0;  // times a dead holder's lock was taken over
   Entry entries[kMaxEntries];
 };
 
-bool Dead(int pid) { return ::kill(pid, 0) != 0 && errno == ESRCH; }
+// Holds SharedState::mu. Every critical section below leaves the entries valid after each single
+// store (an entry is claimed by writing its pid last), so a holder that died mid-way leaves
+// nothing to repair beyond marking the mutex consistent.
+class SharedLock {
+ public:
+  explicit SharedLock(SharedState& s) : s_(s) {
+    int rc = pthread_mutex_lock(&s_.mu);
+    if (rc == EOWNERDEAD) {
+      pthread_mutex_consistent(&s_.mu);
+      ++s_.recovered_locks;
+      rc = 0;
+    }
+    locked_ = rc == 0;
+    error_ = rc;
+  }
+  ~SharedLock() {
+    if (locked_) pthread_mutex_unlock(&s_.mu);
+  }
+  SharedLock(const SharedLock&) = delete;
+  SharedLock& operator=(const SharedLock&) = delete;
+  Status status(const std::string& name) const {
+    if (locked_) return Status::Ok();
+    return Status::FromErrno(error_, "node budget '" + name + "': cannot lock its mutex");
+  }
+
+ private:
+  SharedState& s_;
+  bool locked_ = false;
+  int error_ = 0;
+};
 
 }  // namespace
 
 struct NodeBudget::Impl {
   bip::managed_shared_memory segment;
   SharedState* state = nullptr;
+  uint64_t start_time = SelfStartTime();
 };
 
 Status NodeBudgetOptions::Validate() const {
@@ -76,7 +169,7 @@ Result<std::shared_ptr<NodeBudget>> NodeBudget::Open(const NodeBudgetOptions& op
     bip::permissions perm(0600);  // per user: other users must not read or change our budget
     impl->segment = bip::managed_shared_memory(bip::open_or_create, segment_name.c_str(),
                                                kSegmentBytes, nullptr, perm);
-    impl->state = impl->segment.find_or_construct<SharedState>("state")(options.budget_bytes);
+    impl->state = impl->segment.find_or_construct<SharedState>(kStateName)(options.budget_bytes);
   } catch (const bip::interprocess_exception& e) {
     return Status::IoError("node budget '" + segment_name + "': " + e.what());
   }
@@ -97,11 +190,12 @@ NodeBudget::~NodeBudget() = default;
 Result<NodeReservation> NodeBudget::Reserve(uint64_t bytes) {
   if (bytes == 0) return Status::InvalidArgument("node budget: reserve 0 bytes");
   SharedState& s = *impl_->state;
-  bip::scoped_lock<bip::interprocess_mutex> lock(s.mu);
+  SharedLock lock(s);
+  MEMPLAN_RETURN_IF_ERROR(lock.status(name_));
   uint64_t used = 0;
   Entry* slot = nullptr;
   for (Entry& e : s.entries) {
-    if (e.pid != 0 && Dead(e.pid)) e = Entry{};  // reclaim a dead process's share
+    if (e.pid != 0 && Dead(e)) e.pid = 0;  // reclaim a dead process's share
     if (e.pid == 0) {
       if (slot == nullptr) slot = &e;
     } else {
@@ -118,7 +212,12 @@ Result<NodeReservation> NodeBudget::Reserve(uint64_t bytes) {
     return Status::ResourceExhausted("node budget '" + name_ + "': more than " +
                                      std::to_string(kMaxEntries) + " live reservations");
   }
-  *slot = Entry{static_cast<int>(::getpid()), s.next_id++, bytes};
+  // Claim the entry with its pid last, so a holder killed half-way leaves a free entry.
+  slot->start_time = impl_->start_time;
+  slot->id = s.next_id++;
+  slot->bytes = bytes;
+  std::atomic_signal_fence(std::memory_order_seq_cst);  // the compiler must not store pid first
+  slot->pid = static_cast<int>(::getpid());
   NodeReservation r;
   r.budget_ = shared_from_this();
   r.id_ = slot->id;
@@ -129,11 +228,13 @@ Result<NodeReservation> NodeBudget::Reserve(uint64_t bytes) {
 
 Result<NodeBudgetUsage> NodeBudget::Usage() {
   SharedState& s = *impl_->state;
-  bip::scoped_lock<bip::interprocess_mutex> lock(s.mu);
+  SharedLock lock(s);
+  MEMPLAN_RETURN_IF_ERROR(lock.status(name_));
   NodeBudgetUsage u;
   u.budget_bytes = s.budget_bytes;
+  u.recovered_locks = s.recovered_locks;
   for (const Entry& e : s.entries) {
-    if (e.pid == 0 || Dead(e.pid)) continue;
+    if (e.pid == 0 || Dead(e)) continue;
     u.used_bytes += e.bytes;
     ++u.reservations;
   }
@@ -142,10 +243,16 @@ Result<NodeBudgetUsage> NodeBudget::Usage() {
 
 void NodeBudget::Release(uint64_t id) {
   SharedState& s = *impl_->state;
-  bip::scoped_lock<bip::interprocess_mutex> lock(s.mu);
+  SharedLock lock(s);
+  if (!lock.status(name_).ok()) return;  // the entry is reclaimed once this process is gone
   for (Entry& e : s.entries) {
-    if (e.pid != 0 && e.id == id) e = Entry{};
+    if (e.pid != 0 && e.id == id) e.pid = 0;
   }
+}
+
+void NodeBudget::DebugWithLockHeld(const std::function<void()>& fn) {
+  SharedLock lock(*impl_->state);
+  fn();
 }
 
 NodeReservation::NodeReservation(NodeReservation&& other) noexcept

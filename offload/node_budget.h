@@ -3,16 +3,20 @@
 // Each rank sizes its own PinnedPool, but the ranks share the machine's RAM; together they can lock
 // more than it has and get OOM-killed. The budget lives in a small POSIX shared-memory segment
 // ("/dev/shm/memplan-<uid>-<name>", mode 0600) holding the node budget and one entry per live
-// reservation with its owner's pid. Reserve() grants bytes only while the sum of live reservations
-// stays within the budget; entries of processes that died (kill(pid, 0) fails with ESRCH) are
-// reclaimed by the next Reserve(). A dead process must have been reaped: a zombie still has its pid.
+// reservation with its owner's pid and start time. Reserve() grants bytes only while the sum of live
+// reservations stays within the budget; entries of processes that are gone are reclaimed by the
+// next Reserve(): no such pid, a zombie not yet reaped, or a pid reused by a newer process (its
+// start time in /proc differs).
 //
 // Thread safety: Reserve, Usage and NodeReservation's destructor may be called from any thread;
-// the segment's interprocess mutex orders them across threads and processes. Every process must
-// see the same pid namespace (one container, or the host).
+// the segment's mutex orders them across threads and processes. It is a robust process-shared
+// mutex: a process killed while holding it does not block the others (the next locker takes it
+// over; NodeBudgetUsage::recovered_locks counts it). Every process must see the same pid namespace
+// (one container, or the host).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -34,6 +38,7 @@ struct NodeBudgetUsage {
   uint64_t budget_bytes = 0;
   uint64_t used_bytes = 0;   // sum of live reservations
   uint64_t reservations = 0;
+  uint64_t recovered_locks = 0;  // times a lock held by a dead process was taken over
 };
 
 class NodeBudget;
@@ -77,6 +82,10 @@ class NodeBudget : public std::enable_shared_from_this<NodeBudget> {
   Result<NodeReservation> Reserve(uint64_t bytes);
   Result<NodeBudgetUsage> Usage();
   const std::string& name() const { return name_; }
+
+  // FOR TESTS ONLY: runs fn while holding the budget's mutex (fn may kill the process, to test
+  // that the others recover). Not part of the supported API.
+  void DebugWithLockHeld(const std::function<void()>& fn);
 
  private:
   struct Impl;
