@@ -90,4 +90,10 @@ Result<double> ConfigReader::NumberOr(std::string_view field, double fallback) c
   return d;
 }
 
+Result<double> ConfigReader::ProbabilityOr(std::string_view field, double fallback) const {
+  MEMPLAN_ASSIGN_OR_RETURN(double p, NumberOr(field, fallback));
+  if (p < 0 || p > 1) return FieldError(field, "must be a probability in [0, 1]");
+  return p;
+}
+
 }  // namespace memplan::estimator

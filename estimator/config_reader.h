@@ -37,6 +37,8 @@ class ConfigReader {
   Result<bool> BoolOr(std::string_view field, bool fallback) const;
   Result<std::string> StringOr(std::string_view field, std::string fallback) const;
   Result<double> NumberOr(std::string_view field, double fallback) const;
+  // An optional number in [0, 1] (a dropout probability).
+  Result<double> ProbabilityOr(std::string_view field, double fallback) const;
 
   // An error naming this source and `field`.
   Status FieldError(std::string_view field, std::string_view problem) const;

@@ -1,6 +1,7 @@
 #include "estimator/estimate.h"
 
 #include <cstdio>
+#include <cstring>
 
 namespace memplan::estimator {
 namespace {
@@ -61,6 +62,127 @@ class Fields {
   std::string where_;
 };
 
+std::vector<std::string> PhaseList(unsigned phases) {
+  std::vector<std::string> out;
+  for (Phase p : kPhases) {
+    if ((phases & p) != 0) out.push_back(PhaseName(p));
+  }
+  return out;
+}
+
+Result<unsigned> PhaseBits(const std::vector<std::string>& names) {
+  unsigned bits = 0;
+  for (const std::string& name : names) {
+    bool found = false;
+    for (Phase p : kPhases) {
+      if (PhaseName(p) == name) {
+        bits |= p;
+        found = true;
+      }
+    }
+    if (!found) return Status::InvalidArgument("estimate JSON: unknown phase '" + name + "'");
+  }
+  return bits;
+}
+
+nlohmann::json PeakToJson(const PeakMemory& p) {
+  return {{"gpu_bytes", p.gpu_bytes},
+          {"cpu_bytes", p.cpu_bytes},
+          {"nvme_bytes", p.nvme_bytes},
+          {"pinned_bytes", p.pinned_bytes},
+          {"phase", p.phase}};
+}
+
+Status PeakFromJson(const Fields& f, PeakMemory* p) {
+  MEMPLAN_RETURN_IF_ERROR(f.Get("gpu_bytes", &p->gpu_bytes));
+  MEMPLAN_RETURN_IF_ERROR(f.Get("cpu_bytes", &p->cpu_bytes));
+  MEMPLAN_RETURN_IF_ERROR(f.Get("nvme_bytes", &p->nvme_bytes));
+  MEMPLAN_RETURN_IF_ERROR(f.Get("pinned_bytes", &p->pinned_bytes));
+  return f.Get("phase", &p->phase);
+}
+
+std::string ConstantText(const ModelConstant& c) {
+  char value[64];
+  std::snprintf(value, sizeof(value), "%.15g", c.value);
+  return c.name + " = " + value + " " + c.unit + ": " + c.source;
+}
+
+// Bytes as GiB with two decimals, right-aligned in `width`.
+std::string GiB(uint64_t bytes, int width = 8) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%*.2f", width, static_cast<double>(bytes) / (1 << 30));
+  return buf;
+}
+
+std::string FormatMemoryText(const Estimate& e) {
+  const MemoryEstimate& m = *e.memory;
+  const TrainingSetup& s = m.setup;
+  std::string out = "\nTraining setup: " + std::string(PrecisionName(s.precision)) + ", " +
+                    std::string(OptimizerName(s.optimizer)) + ", ZeRO-" +
+                    std::to_string(s.zero_stage) + " (offload optimizer " +
+                    std::string(OffloadDeviceName(s.offload_optimizer)) + ", param " +
+                    std::string(OffloadDeviceName(s.offload_param)) + "), micro-batch " +
+                    std::to_string(s.micro_batch) + " x seq " + std::to_string(s.seq_len) +
+                    ", grad-accum " + std::to_string(s.grad_accum) + ", checkpointing " +
+                    std::string(CheckpointingName(s.checkpointing)) + ", flash attention " +
+                    (s.flash_attention ? "on" : "off") + ", tp " + std::to_string(s.tp) + "\n";
+  out += "Trainable: " + WithThousands(m.trainable_params) + " of " +
+         WithThousands(m.params_total + m.lora_params) + " parameters";
+  if (s.lora_rank > 0) {
+    out += " (LoRA rank " + std::to_string(s.lora_rank) + (s.qlora ? ", QLoRA NF4 base" : "") +
+           ")";
+  }
+  out += "\n\nMemory for this setup (GiB; GPU per GPU; CPU, NVMe and pinned per node):\n";
+  char line[512];
+  std::snprintf(line, sizeof(line), "  %-28s %8s %8s %8s %8s  %s\n", "item", "GPU", "CPU", "NVMe",
+                "pinned", "live in");
+  out += line;
+  for (const MemoryItem& item : m.items) {
+    std::string phases;
+    if (item.phases == kAllPhases) {
+      phases = "all";
+    } else {
+      for (const std::string& p : PhaseList(item.phases)) phases += (phases.empty() ? "" : ",") + p;
+    }
+    std::snprintf(line, sizeof(line), "  %-28s %s %s %s %s  %s\n", item.name.c_str(),
+                  GiB(item.gpu_bytes).c_str(), GiB(item.cpu_bytes).c_str(),
+                  GiB(item.nvme_bytes).c_str(), GiB(item.pinned_bytes).c_str(), phases.c_str());
+    out += line;
+  }
+  std::snprintf(line, sizeof(line), "  %-28s %s %s %s %s  GPU peak in %s\n", "peak",
+                GiB(m.peak.gpu_bytes).c_str(), GiB(m.peak.cpu_bytes).c_str(),
+                GiB(m.peak.nvme_bytes).c_str(), GiB(m.peak.pinned_bytes).c_str(),
+                m.peak.phase.c_str());
+  out += line;
+  out += "  GPU by phase:";
+  for (const PhaseTotals& p : m.phases) out += "  " + p.phase + " " + GiB(p.gpu_bytes, 0);
+  out += "\n  The peak is the largest phase total, not the column sum; items are live only in "
+         "their phases.\n";
+
+  out += "\nZeRO stage x offload, same setup (GiB; GPU per GPU; CPU, NVMe and pinned per node):\n";
+  std::snprintf(line, sizeof(line), "  %-5s %-5s %-5s %8s  %-14s %8s %8s %8s %8s\n", "stage",
+                "optim", "param", "GPU", "GPU phase", "activ.", "CPU", "pinned", "NVMe");
+  out += line;
+  for (const ComparisonRow& r : e.comparison) {
+    if (!r.valid) {
+      std::snprintf(line, sizeof(line), "  %-5d %-5s %-5s  n/a: %s\n", r.zero_stage,
+                    std::string(OffloadDeviceName(r.offload_optimizer)).c_str(),
+                    std::string(OffloadDeviceName(r.offload_param)).c_str(), r.reason.c_str());
+    } else {
+      std::snprintf(line, sizeof(line), "  %-5d %-5s %-5s %s  %-14s %s %s %s %s\n", r.zero_stage,
+                    std::string(OffloadDeviceName(r.offload_optimizer)).c_str(),
+                    std::string(OffloadDeviceName(r.offload_param)).c_str(),
+                    GiB(r.peak.gpu_bytes).c_str(), r.peak.phase.c_str(),
+                    GiB(r.activations_gpu_bytes).c_str(), GiB(r.peak.cpu_bytes).c_str(),
+                    GiB(r.peak.pinned_bytes).c_str(), GiB(r.peak.nvme_bytes).c_str());
+    }
+    out += line;
+  }
+  out += "GPU includes activations, buffers, the CUDA context (" + GiB(s.cuda_context_bytes, 0) +
+         " GiB) and a 10% allocator margin. Assumptions and constants: --format json.\n";
+  return out;
+}
+
 }  // namespace
 
 std::string WithThousands(uint64_t value) {
@@ -105,6 +227,20 @@ Result<Estimate> EstimateModelStates(const ModelInventory& inventory,
   return e;
 }
 
+Result<Estimate> EstimateTraining(const ModelInventory& inventory,
+                                  const DeepSpeedHardware& hardware, const TrainingSetup& setup) {
+  MEMPLAN_ASSIGN_OR_RETURN(Estimate e, EstimateModelStates(inventory, hardware));
+  TrainingSetup s = setup;
+  s.gpus_per_node = hardware.gpus_per_node;
+  s.num_nodes = hardware.nodes;
+  MEMPLAN_ASSIGN_OR_RETURN(MemoryEstimate m, EstimateMemory(inventory, s));
+  MEMPLAN_ASSIGN_OR_RETURN(e.comparison, CompareZeroStages(inventory, s));
+  for (const std::string& note : m.notes) e.assumptions.push_back(note);
+  for (const ModelConstant& c : m.constants) e.assumptions.push_back(ConstantText(c));
+  e.memory = std::move(m);
+  return e;
+}
+
 nlohmann::json ToJson(const Estimate& e) {
   nlohmann::json zero2 = nlohmann::json::array();
   for (const Zero2Row& r : e.zero2) {
@@ -120,7 +256,7 @@ nlohmann::json ToJson(const Estimate& e) {
                      {"cpu_bytes", r.cpu_bytes},
                      {"gpu_bytes", r.gpu_bytes}});
   }
-  return {
+  nlohmann::json j = {
       {"model", SummaryToJson(e.model)},
       {"hardware",
        {{"nodes", e.hardware.nodes},
@@ -134,6 +270,59 @@ nlohmann::json ToJson(const Estimate& e) {
         {"zero3", zero3}}},
       {"assumptions", e.assumptions},
   };
+  if (!e.memory.has_value()) return j;
+  const MemoryEstimate& m = *e.memory;
+  j["setup"] = ToJson(m.setup);
+  j["training"] = {{"params_total", m.params_total},
+                   {"trainable_params", m.trainable_params},
+                   {"lora_params", m.lora_params},
+                   {"activation_bytes_per_layer", m.activation_bytes_per_layer}};
+  nlohmann::json items = nlohmann::json::array();
+  for (const MemoryItem& item : m.items) {
+    items.push_back({{"item", item.name},
+                     {"description", item.description},
+                     {"gpu_bytes", item.gpu_bytes},
+                     {"cpu_bytes", item.cpu_bytes},
+                     {"nvme_bytes", item.nvme_bytes},
+                     {"pinned_bytes", item.pinned_bytes},
+                     {"phases", PhaseList(item.phases)}});
+  }
+  j["breakdown"] = items;
+  nlohmann::json phases = nlohmann::json::array();
+  for (const PhaseTotals& p : m.phases) {
+    phases.push_back({{"phase", p.phase},
+                      {"gpu_bytes", p.gpu_bytes},
+                      {"gpu_allocated_bytes", p.gpu_allocated_bytes},
+                      {"cpu_bytes", p.cpu_bytes},
+                      {"nvme_bytes", p.nvme_bytes},
+                      {"pinned_bytes", p.pinned_bytes}});
+  }
+  j["phases"] = phases;
+  j["peak"] = PeakToJson(m.peak);
+  nlohmann::json constants = nlohmann::json::array();
+  for (const ModelConstant& c : m.constants) {
+    constants.push_back(
+        {{"name", c.name}, {"value", c.value}, {"unit", c.unit}, {"source", c.source}});
+  }
+  j["constants"] = constants;
+  nlohmann::json notes = m.notes;
+  j["notes"] = notes;
+  nlohmann::json rows = nlohmann::json::array();
+  for (const ComparisonRow& r : e.comparison) {
+    nlohmann::json row = {{"zero_stage", r.zero_stage},
+                          {"offload_optimizer", std::string(OffloadDeviceName(r.offload_optimizer))},
+                          {"offload_param", std::string(OffloadDeviceName(r.offload_param))},
+                          {"valid", r.valid}};
+    if (r.valid) {
+      row["peak"] = PeakToJson(r.peak);
+      row["activations_gpu_bytes"] = r.activations_gpu_bytes;
+    } else {
+      row["reason"] = r.reason;
+    }
+    rows.push_back(row);
+  }
+  j["comparison"] = rows;
+  return j;
 }
 
 Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
@@ -189,6 +378,76 @@ Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
     e.zero3.push_back(r);
   }
   MEMPLAN_RETURN_IF_ERROR(top.Get("assumptions", &e.assumptions));
+  if (!json.contains("setup")) return e;
+  MemoryEstimate mem;
+  MEMPLAN_ASSIGN_OR_RETURN(mem.setup, TrainingSetupFromJson(json["setup"]));
+  Fields training(json.value("training", nlohmann::json()), "training");
+  MEMPLAN_RETURN_IF_ERROR(training.Get("params_total", &mem.params_total));
+  MEMPLAN_RETURN_IF_ERROR(training.Get("trainable_params", &mem.trainable_params));
+  MEMPLAN_RETURN_IF_ERROR(training.Get("lora_params", &mem.lora_params));
+  MEMPLAN_RETURN_IF_ERROR(
+      training.Get("activation_bytes_per_layer", &mem.activation_bytes_per_layer));
+  for (const char* list : {"breakdown", "phases", "constants", "notes", "comparison"}) {
+    if (!json.contains(list) || !json[list].is_array()) {
+      return Status::InvalidArgument(std::string("estimate JSON: ") + list + " must be a list");
+    }
+  }
+  for (const auto& item_json : json["breakdown"]) {
+    Fields f(item_json, "breakdown[]");
+    MemoryItem item;
+    std::vector<std::string> phases;
+    MEMPLAN_RETURN_IF_ERROR(f.Get("item", &item.name));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("description", &item.description));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("gpu_bytes", &item.gpu_bytes));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("cpu_bytes", &item.cpu_bytes));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("nvme_bytes", &item.nvme_bytes));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("pinned_bytes", &item.pinned_bytes));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("phases", &phases));
+    MEMPLAN_ASSIGN_OR_RETURN(item.phases, PhaseBits(phases));
+    mem.items.push_back(item);
+  }
+  for (const auto& phase_json : json["phases"]) {
+    Fields f(phase_json, "phases[]");
+    PhaseTotals p;
+    MEMPLAN_RETURN_IF_ERROR(f.Get("phase", &p.phase));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("gpu_bytes", &p.gpu_bytes));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("gpu_allocated_bytes", &p.gpu_allocated_bytes));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("cpu_bytes", &p.cpu_bytes));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("nvme_bytes", &p.nvme_bytes));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("pinned_bytes", &p.pinned_bytes));
+    mem.phases.push_back(p);
+  }
+  MEMPLAN_RETURN_IF_ERROR(PeakFromJson(Fields(json.value("peak", nlohmann::json()), "peak"), &mem.peak));
+  for (const auto& c_json : json["constants"]) {
+    Fields f(c_json, "constants[]");
+    ModelConstant c;
+    MEMPLAN_RETURN_IF_ERROR(f.Get("name", &c.name));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("value", &c.value));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("unit", &c.unit));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("source", &c.source));
+    mem.constants.push_back(c);
+  }
+  MEMPLAN_RETURN_IF_ERROR(top.Get("notes", &mem.notes));
+  for (const auto& r_json : json["comparison"]) {
+    Fields f(r_json, "comparison[]");
+    ComparisonRow r;
+    std::string opt, param;
+    MEMPLAN_RETURN_IF_ERROR(f.Get("zero_stage", &r.zero_stage));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("offload_optimizer", &opt));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("offload_param", &param));
+    MEMPLAN_RETURN_IF_ERROR(f.Get("valid", &r.valid));
+    MEMPLAN_ASSIGN_OR_RETURN(r.offload_optimizer, ParseOffloadDevice(opt));
+    MEMPLAN_ASSIGN_OR_RETURN(r.offload_param, ParseOffloadDevice(param));
+    if (r.valid) {
+      MEMPLAN_RETURN_IF_ERROR(
+          PeakFromJson(Fields(r_json.value("peak", nlohmann::json()), "comparison[].peak"), &r.peak));
+      MEMPLAN_RETURN_IF_ERROR(f.Get("activations_gpu_bytes", &r.activations_gpu_bytes));
+    } else {
+      MEMPLAN_RETURN_IF_ERROR(f.Get("reason", &r.reason));
+    }
+    e.comparison.push_back(r);
+  }
+  e.memory = std::move(mem);
   return e;
 }
 
@@ -217,6 +476,7 @@ std::string FormatEstimateText(const Estimate& e) {
   out += "\n\"GB\" above is DeepSpeed's label for GiB (2^30 bytes). CPU is per node, GPU per GPU;\n"
          "model states only (no activations, buffers or CUDA context); buffer factor " +
          std::string(factor) + " on CPU.\nExact bytes: --format json.\n";
+  if (e.memory.has_value()) out += FormatMemoryText(e);
   return out;
 }
 

@@ -1,10 +1,12 @@
 // Estimate: the estimator's answer for one model on one hardware setup, as a plain struct that
 // serialises to JSON and back (the CLI, the C API and Python all pass this same object).
 //
-// Today it carries the model's counts and DeepSpeed's model-state tables (to the byte); later
-// issues add the itemised per-tier memory model beside them without changing these fields.
+// It carries the model's counts and DeepSpeed's model-state tables (to the byte) and, when a
+// training setup is given, the itemised per-tier memory model (memory_model.h) beside them: the
+// breakdown for that setup, its peak and phase, and the ZeRO stage x offload comparison.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,6 +15,8 @@
 #include "common/status.h"
 #include "estimator/deepspeed.h"
 #include "estimator/inventory.h"
+#include "estimator/memory_model.h"
+#include "estimator/training_setup.h"
 
 namespace memplan::estimator {
 
@@ -31,11 +35,20 @@ struct Estimate {
   std::vector<Zero2Row> zero2;  // DeepSpeed's order
   std::vector<Zero3Row> zero3;  // DeepSpeed's order
   std::vector<std::string> assumptions;  // stated in the output, one sentence each
+  // Present when a training setup was given (EstimateTraining).
+  std::optional<MemoryEstimate> memory;
+  std::vector<ComparisonRow> comparison;  // ZeRO stages x offload for the same setup
 };
 
 // Counts the inventory and fills the DeepSpeed tables. Errors: invalid hardware, overflow.
 Result<Estimate> EstimateModelStates(const ModelInventory& inventory,
                                      const DeepSpeedHardware& hardware);
+
+// EstimateModelStates plus the memory model for `setup` (whose gpus_per_node and num_nodes are
+// taken from `hardware`) and the stage x offload comparison. Errors: those of both, and the
+// setup's validation against the model.
+Result<Estimate> EstimateTraining(const ModelInventory& inventory,
+                                  const DeepSpeedHardware& hardware, const TrainingSetup& setup);
 
 // JSON form (schema documented in README.md; a public interface: fields are only ever added).
 nlohmann::json ToJson(const Estimate& estimate);
@@ -43,7 +56,8 @@ nlohmann::json ToJson(const Estimate& estimate);
 Result<Estimate> EstimateFromJson(const nlohmann::json& json);
 
 // Human-readable report: a model summary line, then DeepSpeed's ZeRO-2 and ZeRO-3 printouts
-// verbatim, then the GiB caveat once.
+// verbatim, then the GiB caveat once; with a training setup, then its breakdown table (items x
+// tiers) and the stage x offload comparison.
 std::string FormatEstimateText(const Estimate& estimate);
 
 // `memplan inventory --format json`: model summary plus every tensor.

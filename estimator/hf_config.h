@@ -47,7 +47,8 @@ struct FamilyRequest {
 
 // A builder fills `out->tensors` (via out->Add), `out->architecture` (the class actually built,
 // e.g. "LlamaForCausalLM" or "LlamaModel") and `out->model_class` ("causal_lm", "masked_lm",
-// "seq2seq_lm" or "base"). It must not touch the other fields.
+// "seq2seq_lm" or "base"), and `out->arch` (the hyperparameters activations depend on, with the
+// same defaults the tensors use). It must not touch the other fields.
 using FamilyBuilder = Status (*)(const FamilyRequest& request, ModelInventory* out);
 
 // Defined in hf_families_decoder.cc: gpt2, gpt_neox, llama, mistral, mixtral, qwen2, gemma.

@@ -152,6 +152,9 @@ struct LlamaLikeFamily {
   bool mlp_bias_field = false;        // gate/up/down biases follow config `mlp_bias`
   bool qkv_bias = false;              // q/k/v always biased, o_proj never (Qwen2)
   bool moe = false;                   // Mixtral's block_sparse_moe instead of mlp
+  // max_position_embeddings and hidden_act when absent: the config class defaults.
+  int64_t max_positions_default = 2048;
+  std::string_view hidden_act_default = "silu";
 };
 
 Status BuildLlamaLike(const FamilyRequest& request, const LlamaLikeFamily& family,
@@ -207,6 +210,35 @@ Status BuildLlamaLike(const FamilyRequest& request, const LlamaLikeFamily& famil
     }
   }
   MEMPLAN_ASSIGN_OR_RETURN(bool tie, config.BoolOr("tie_word_embeddings", family.tie_default));
+  ArchitectureInfo arch;
+  arch.hidden = hidden;
+  arch.layers = layers;
+  arch.heads = heads;
+  arch.kv_heads = kv_heads;
+  arch.head_dim = head_dim;
+  arch.intermediate = intermediate;
+  arch.vocab = vocab;
+  // Rotary positions: max_position_embeddings is the trained context, not a table size.
+  MEMPLAN_ASSIGN_OR_RETURN(arch.max_positions,
+                           config.DimOr("max_position_embeddings", family.max_positions_default));
+  // Gemma's newer configs name the MLP activation hidden_activation and keep hidden_act legacy.
+  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act,
+                           config.StringOr("hidden_act", std::string(family.hidden_act_default)));
+  if (config.Has("hidden_activation")) {
+    MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act, config.StringOr("hidden_activation", ""));
+  }
+  arch.gated_mlp = true;
+  MEMPLAN_ASSIGN_OR_RETURN(arch.attention_dropout, config.ProbabilityOr("attention_dropout", 0.0));
+  if (family.moe) {
+    arch.experts = experts;
+    MEMPLAN_ASSIGN_OR_RETURN(arch.experts_per_token, config.DimOr("num_experts_per_tok", 2));
+    if (arch.experts_per_token > experts) {
+      return config.FieldError("num_experts_per_tok",
+                               std::to_string(arch.experts_per_token) + " exceeds the " +
+                                   std::to_string(experts) + " experts");
+    }
+  }
+  out->arch = arch;
   // Attention: up to 8 tensors; MLP: up to 6, or router + 3 per expert; two norms.
   MEMPLAN_RETURN_IF_ERROR(CheckTensorBudget(config, "num_hidden_layers", layers,
                                             8 + 2 + (family.moe ? 1 + 3 * experts : 6)));
@@ -271,6 +303,20 @@ Status BuildGpt2(const FamilyRequest& request, ModelInventory* out) {
                                               std::to_string(hidden.value));
   }
   MEMPLAN_RETURN_IF_ERROR(CheckTensorBudget(config, layers.field, layers.value, 24));
+  ArchitectureInfo arch;
+  arch.hidden = hidden.value;
+  arch.layers = layers.value;
+  arch.heads = arch.kv_heads = heads.value;
+  arch.head_dim = hidden.value / heads.value;
+  arch.intermediate = inner;
+  arch.vocab = vocab;
+  arch.max_positions = positions.value;
+  arch.learned_positions = true;
+  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act, config.StringOr("activation_function", "gelu_new"));
+  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_dropout, config.ProbabilityOr("resid_pdrop", 0.1));
+  MEMPLAN_ASSIGN_OR_RETURN(arch.attention_dropout, config.ProbabilityOr("attn_pdrop", 0.1));
+  MEMPLAN_ASSIGN_OR_RETURN(arch.embedding_dropout, config.ProbabilityOr("embd_pdrop", 0.1));
+  out->arch = arch;
 
   const int64_t h = hidden.value;
   const std::string prefix = base ? "" : "transformer.";
@@ -321,6 +367,18 @@ Status BuildGptNeox(const FamilyRequest& request, ModelInventory* out) {
         std::to_string(heads) + " does not divide hidden_size " + std::to_string(hidden));
   }
   MEMPLAN_RETURN_IF_ERROR(CheckTensorBudget(config, "num_hidden_layers", layers, 12));
+  ArchitectureInfo arch;
+  arch.hidden = hidden;
+  arch.layers = layers;
+  arch.heads = arch.kv_heads = heads;
+  arch.head_dim = hidden / heads;
+  arch.intermediate = intermediate;
+  arch.vocab = vocab;
+  MEMPLAN_ASSIGN_OR_RETURN(arch.max_positions, config.DimOr("max_position_embeddings", 2048));
+  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act, config.StringOr("hidden_act", "gelu"));
+  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_dropout, config.ProbabilityOr("hidden_dropout", 0.0));
+  MEMPLAN_ASSIGN_OR_RETURN(arch.attention_dropout, config.ProbabilityOr("attention_dropout", 0.0));
+  out->arch = arch;
 
   const std::string prefix = base ? "" : "gpt_neox.";
   const std::string embedding = prefix + "embed_in.weight";
@@ -353,6 +411,7 @@ Status BuildLlama(const FamilyRequest& request, ModelInventory* out) {
 Status BuildMistral(const FamilyRequest& request, ModelInventory* out) {
   LlamaLikeFamily family;
   family.names = {"MistralModel", "MistralForCausalLM"};
+  family.max_positions_default = 4096 * 32;
   return BuildLlamaLike(request, family, out);
 }
 
@@ -360,6 +419,7 @@ Status BuildMixtral(const FamilyRequest& request, ModelInventory* out) {
   LlamaLikeFamily family;
   family.names = {"MixtralModel", "MixtralForCausalLM"};
   family.moe = true;
+  family.max_positions_default = 4096 * 32;
   return BuildLlamaLike(request, family, out);
 }
 
@@ -367,6 +427,7 @@ Status BuildQwen2(const FamilyRequest& request, ModelInventory* out) {
   LlamaLikeFamily family;
   family.names = {"Qwen2Model", "Qwen2ForCausalLM"};
   family.qkv_bias = true;
+  family.max_positions_default = 32768;
   return BuildLlamaLike(request, family, out);
 }
 
@@ -375,6 +436,8 @@ Status BuildGemma(const FamilyRequest& request, ModelInventory* out) {
   family.names = {"GemmaModel", "GemmaForCausalLM"};
   family.tie_default = true;
   family.head_dim_default = 256;
+  family.max_positions_default = 8192;
+  family.hidden_act_default = "gelu_pytorch_tanh";
   family.attention_bias_field = true;
   return BuildLlamaLike(request, family, out);
 }

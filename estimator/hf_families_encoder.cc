@@ -13,6 +13,7 @@
 //     tie when building from a config, and unties again when a checkpoint's lm_head differs).
 // Where releases differ only in order, the current one (5.x) wins: RoBERTa registers
 // position_embeddings after LayerNorm there (4.x: second).
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -121,6 +122,9 @@ struct BertDims {
   bool distance_embedding = false;  // position_embedding_type relative_key(_query)
   bool cross_attention = false;     // is_decoder with add_cross_attention
   bool tie_word_embeddings = true;
+  std::string hidden_act;
+  double hidden_dropout = 0;
+  double attention_dropout = 0;
 };
 
 // The five sizes are required: save_pretrained always writes them (they are not
@@ -155,6 +159,10 @@ Result<BertDims> ReadBertDims(const ConfigReader& config) {
                              "only into a decoder");
   }
   MEMPLAN_ASSIGN_OR_RETURN(d.tie_word_embeddings, config.BoolOr("tie_word_embeddings", true));
+  MEMPLAN_ASSIGN_OR_RETURN(d.hidden_act, config.StringOr("hidden_act", "gelu"));
+  MEMPLAN_ASSIGN_OR_RETURN(d.hidden_dropout, config.ProbabilityOr("hidden_dropout_prob", 0.1));
+  MEMPLAN_ASSIGN_OR_RETURN(d.attention_dropout,
+                           config.ProbabilityOr("attention_probs_dropout_prob", 0.1));
   return d;
 }
 
@@ -260,6 +268,21 @@ Status BuildBertFamily(const FamilyRequest& request, ModelInventory* out, BertFl
   }
   out->architecture = std::string(spec.name);
   out->model_class = std::string(spec.model_class);
+  ArchitectureInfo arch;
+  arch.hidden = dims.hidden;
+  arch.layers = dims.layers;
+  arch.heads = arch.kv_heads = dims.heads;
+  arch.head_dim = dims.hidden / dims.heads;
+  arch.intermediate = dims.intermediate;
+  arch.vocab = dims.vocab;
+  // RoBERTa's position ids start after the padding index (1), so two rows are never used.
+  arch.max_positions = bert ? dims.max_positions : std::max<int64_t>(dims.max_positions - 2, 1);
+  arch.learned_positions = true;
+  arch.hidden_act = dims.hidden_act;
+  arch.hidden_dropout = dims.hidden_dropout;
+  arch.attention_dropout = dims.attention_dropout;
+  arch.embedding_dropout = dims.hidden_dropout;
+  out->arch = arch;
   return Status::Ok();
 }
 
@@ -276,6 +299,8 @@ struct T5Dims {
   int64_t buckets = 0;
   bool gated = false;
   bool tie_word_embeddings = true;
+  std::string act;      // "relu", "gelu", ... without the "gated-" prefix
+  double dropout = 0;   // dropout_rate: everywhere T5 drops out
 };
 
 // Required sizes as for BERT (see ReadBertDims); the rest follow T5Config's defaults.
@@ -305,6 +330,8 @@ Result<T5Dims> ReadT5Dims(const ConfigReader& config) {
                                  "'gated-gelu')");
   }
   MEMPLAN_ASSIGN_OR_RETURN(d.tie_word_embeddings, config.BoolOr("tie_word_embeddings", true));
+  d.act = std::string(act);
+  MEMPLAN_ASSIGN_OR_RETURN(d.dropout, config.ProbabilityOr("dropout_rate", 0.1));
   return d;
 }
 
@@ -385,6 +412,19 @@ Status BuildT5(const FamilyRequest& request, ModelInventory* out) {
   }
   out->architecture = std::string(spec.name);
   out->model_class = std::string(spec.model_class);
+  ArchitectureInfo arch;
+  arch.hidden = dims.model;
+  arch.layers = dims.encoder_layers;
+  arch.encoder_decoder = spec.name != "T5EncoderModel";
+  arch.decoder_layers = arch.encoder_decoder ? dims.decoder_layers : 0;
+  arch.heads = arch.kv_heads = dims.heads;
+  arch.head_dim = dims.kv;
+  arch.intermediate = dims.ff;
+  arch.vocab = dims.vocab;
+  arch.hidden_act = dims.act;
+  arch.gated_mlp = dims.gated;
+  arch.hidden_dropout = arch.attention_dropout = arch.embedding_dropout = dims.dropout;
+  out->arch = arch;
   return Status::Ok();
 }
 

@@ -92,6 +92,14 @@ void DeriveModulePath(std::string_view name, std::string* module, std::string* b
   }
 }
 
+std::string ArchitectureInfo::MlpKind() const {
+  if (!gated_mlp) return hidden_act;
+  if (hidden_act == "silu" || hidden_act == "swish") return "swiglu";
+  if (hidden_act.rfind("gelu", 0) == 0) return "geglu";
+  if (hidden_act == "relu") return "reglu";
+  return "gated-" + hidden_act;
+}
+
 int64_t ModelInventory::Find(std::string_view tensor_name) const {
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].name == tensor_name) return static_cast<int64_t>(i);

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -55,6 +56,35 @@ struct TensorInfo {
   std::string tied_to;         // non-empty: same Parameter as the tensor of that name
 };
 
+// The architecture hyperparameters that activation memory depends on (Korthikanti et al.; see
+// memory_model.h). The config.json builders fill it with the same defaults they use for the
+// tensors; tensor-shape lists and safetensors headers do not carry it (heads, activation and
+// dropout cannot be read off shapes), so their inventories leave it empty and the memory model
+// says so instead of guessing.
+struct ArchitectureInfo {
+  int64_t hidden = 0;          // model width h (d_model)
+  int64_t layers = 0;          // transformer blocks; for encoder-decoder models the encoder's
+  int64_t decoder_layers = 0;  // encoder-decoder only: decoder blocks (self + cross attention)
+  int64_t heads = 0;           // query heads a
+  int64_t kv_heads = 0;        // key/value heads (== heads for MHA; fewer for GQA/MQA)
+  int64_t head_dim = 0;        // per head; heads * head_dim need not equal hidden (Gemma, T5)
+  int64_t intermediate = 0;    // FFN width f (per expert for MoE)
+  int64_t vocab = 0;           // V
+  int64_t max_positions = 0;   // learned/usable positions; 0 when relative (no hard limit)
+  bool learned_positions = false;  // absolute position table: seq_len must fit max_positions
+  std::string hidden_act;      // "gelu", "gelu_new", "relu", "silu", ... as the config says
+  bool gated_mlp = false;      // SwiGLU/GeGLU: two input projections and an elementwise product
+  int64_t experts = 0;         // MoE experts per layer; 0 = dense
+  int64_t experts_per_token = 0;  // MoE top-k
+  double hidden_dropout = 0;      // after attention output and MLP (residual dropout)
+  double attention_dropout = 0;   // on the softmax probabilities
+  double embedding_dropout = 0;   // on the embedding output
+  bool encoder_decoder = false;
+
+  // "swiglu", "geglu", "gelu", "relu", ...: the MLP kind for reports.
+  std::string MlpKind() const;
+};
+
 struct ModelInventory {
   std::string name;          // what the user called it: "llama-2-7b", a path, "org/name"
   std::string model_type;    // config.json's model_type, or "" when unknown (shape lists)
@@ -62,6 +92,8 @@ struct ModelInventory {
   std::string model_class;   // "causal_lm", "masked_lm", "seq2seq_lm" or "base"; "" if unknown
   std::string source;        // "config", "builtin", "shape-list", "safetensors"
   std::vector<TensorInfo> tensors;
+  // Filled by the config.json builders; empty for shape lists and safetensors headers.
+  std::optional<ArchitectureInfo> arch;
 
   // Appends a tensor, deriving numel, module, block and layer from the name. Fails (naming
   // `name`) on an empty or duplicate name, a negative dim, an overflowing product, or a `tied_to`

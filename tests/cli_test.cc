@@ -234,4 +234,114 @@ TEST_CASE("cli: inventory lists every tensor with tied aliases") {
   CHECK(found_head);
 }
 
+// --- Training setup (issue 3) -------------------------------------------------------------------
+
+TEST_CASE("cli: golden breakdown and comparison for llama-2-7b, ZeRO-3 on 8 GPUs") {
+  Run run = Memplan({"estimate", "--model", "llama-2-7b", "--gpus", "8", "--zero-stage", "3",
+                     "--seq-len", "4096", "--checkpointing", "full", "--flash-attention"});
+  REQUIRE(run.exit_code == 0);
+  CHECK(run.err.empty());
+  std::string golden =
+      ReadWholeFile(Source("tests/golden/estimate_llama-2-7b_zero3_8gpus_seq4096.txt"));
+  REQUIRE_FALSE(golden.empty());
+  CHECK(run.out == golden);
+  // The DeepSpeed tables come first, unchanged.
+  Run plain = Memplan({"estimate", "--model", "llama-2-7b", "--gpus", "8"});
+  REQUIRE(plain.exit_code == 0);
+  CHECK(run.out.rfind(plain.out, 0) == 0);
+}
+
+TEST_CASE("cli: setup flags add setup, breakdown, peak and assumptions to the JSON") {
+  Run run = Memplan({"estimate", "--model", "gpt2", "--format", "json", "--precision", "fp32",
+                     "--optimizer", "adamw", "--micro-batch", "4", "--seq-len", "512",
+                     "--grad-accum", "2", "--zero-stage", "2", "--gpus", "2"});
+  REQUIRE(run.exit_code == 0);
+  auto j = nlohmann::json::parse(run.out);
+  CHECK(j["model"]["params_total"] == 124439808);  // the old keys stay
+  REQUIRE(j["deepspeed"]["zero2"].size() == 2);
+  CHECK(j["setup"]["precision"] == "fp32");
+  CHECK(j["setup"]["micro_batch"] == 4);
+  CHECK(j["setup"]["seq_len"] == 512);
+  CHECK(j["setup"]["grad_accum"] == 2);
+  CHECK(j["setup"]["zero_stage"] == 2);
+  CHECK(j["setup"]["gpus_per_node"] == 2);
+  bool found_grads = false;
+  for (const auto& item : j["breakdown"]) {
+    REQUIRE(item.contains("gpu_bytes"));
+    REQUIRE(item.contains("cpu_bytes"));
+    REQUIRE(item.contains("nvme_bytes"));
+    REQUIRE(item.contains("pinned_bytes"));
+    if (item["item"] == "grads") {
+      found_grads = true;
+      CHECK(item["gpu_bytes"] == uint64_t{4} * 124439808 / 2);  // fp32, ZeRO-2 over 2 GPUs
+    }
+  }
+  CHECK(found_grads);
+  const auto& peak = j["peak"];
+  for (const char* key : {"gpu_bytes", "cpu_bytes", "nvme_bytes", "pinned_bytes", "phase"}) {
+    CAPTURE(key);
+    CHECK(peak.contains(key));
+  }
+  CHECK(peak["phase"] == "backward");
+  CHECK(peak["gpu_bytes"].get<uint64_t>() > uint64_t{4} * 124439808);
+  CHECK(j["constants"].size() >= 5);
+  bool context = false;
+  for (const auto& c : j["constants"]) context |= c["name"] == "cuda_context_bytes";
+  CHECK(context);
+  CHECK(j["assumptions"].size() > 5);
+  CHECK(j["comparison"].size() == 11);
+}
+
+TEST_CASE("cli: no setup flag, no new keys (old output unchanged)") {
+  Run run = Memplan({"estimate", "--model", "gpt2", "--format", "json"});
+  REQUIRE(run.exit_code == 0);
+  auto j = nlohmann::json::parse(run.out);
+  CHECK_FALSE(j.contains("setup"));
+  CHECK_FALSE(j.contains("peak"));
+}
+
+TEST_CASE("cli: bad training setups get one line and exit 2") {
+  ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--zero-stage", "2", "--offload-param",
+                          "cpu"}),
+                 {"--offload-param", "stage 3"});
+  ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--qlora"}), {"--lora-rank"});
+  ExpectBadInput(Memplan({"estimate", "--model", "llama-2-7b", "--lora-rank", "8", "--optimizer",
+                          "adam8bit"}),
+                 {"adam8bit"});
+  ExpectBadInput(Memplan({"estimate", "--model", "llama-2-7b", "--gpus", "6", "--tp", "6"}),
+                 {"--tp", "heads"});
+  ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--precision", "fp8"}), {"--precision"});
+  ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--seq-len", "4096"}),
+                 {"--seq-len", "1024"});
+  ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--lora-rank", "8", "--lora-targets",
+                          "q_proj"}),
+                 {"q_proj", "c_attn"});
+}
+
+TEST_CASE("cli: --deepspeed reads the config; flags fill its \"auto\" values") {
+  TempDir tmp(kTempPrefix);
+  std::string ds = tmp.Write("ds_config.json", R"({
+      "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
+      "bf16": {"enabled": true},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                            "offload_param": {"device": "cpu"},
+                            "reduce_bucket_size": "auto"}})")
+                       .string();
+  Run missing = Memplan({"estimate", "--model", "llama-2-7b", "--deepspeed", ds});
+  ExpectBadInput(missing, {ds, "train_micro_batch_size_per_gpu", "--micro-batch"});
+  Run run = Memplan({"estimate", "--model", "llama-2-7b", "--gpus", "8", "--deepspeed", ds,
+                     "--micro-batch", "2", "--seq-len", "2048", "--format", "json"});
+  REQUIRE(run.exit_code == 0);
+  auto j = nlohmann::json::parse(run.out);
+  CHECK(j["setup"]["zero_stage"] == 3);
+  CHECK(j["setup"]["offload_optimizer"] == "cpu");
+  CHECK(j["setup"]["offload_param"] == "cpu");
+  CHECK(j["setup"]["micro_batch"] == 2);
+  CHECK(j["setup"]["reduce_bucket_size"] == 4096 * 4096);
+  CHECK(j["peak"]["cpu_bytes"].get<uint64_t>() > 0);
+  std::string bad = tmp.Write("bad.json", R"({"zero_optimization": {"stage": "three"}})").string();
+  ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--deepspeed", bad}),
+                 {bad, "zero_optimization.stage"});
+}
+
 }  // namespace

@@ -1,12 +1,17 @@
 #include "tools/commands.h"
 
 #include <memory>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "common/file.h"
 #include "estimator/builtin_models.h"
 #include "estimator/estimate.h"
 #include "estimator/hf_config.h"
 #include "estimator/model_source.h"
+#include "estimator/training_setup.h"
+#include "common/json.h"
 
 namespace memplan::tools {
 namespace {
@@ -67,13 +72,188 @@ void Emit(const ModelOptions& options, std::string text, Outcome* outcome) {
 
 }  // namespace
 
+namespace {
+
+// The training-setup flags of `memplan estimate` (issue 3's spelling, which `plan` shares). Any of
+// them, or --deepspeed, turns on the memory model's breakdown and comparison tables.
+struct SetupOptions {
+  std::string precision = "bf16-mixed";
+  std::string optimizer = "adamw";
+  int zero_stage = 0;
+  std::string offload_optimizer = "none";
+  std::string offload_param = "none";
+  std::string checkpointing = "none";
+  bool flash_attention = false;
+  int64_t lora_rank = 0;
+  std::vector<std::string> lora_targets;
+  bool qlora = false;
+  bool double_quant = false;
+  int64_t micro_batch = 1;
+  int64_t seq_len = 0;
+  int64_t grad_accum = 1;
+  int64_t tp = 1;
+  std::string deepspeed;
+  double cuda_context_mib = 1343;
+  // Each setup flag with the TrainingSetup field it sets (ApplyDeepSpeedConfig's `supplied`).
+  std::vector<std::pair<CLI::Option*, std::string>> flags;
+  CLI::Option* deepspeed_flag = nullptr;
+
+  void Add(CLI::App* cmd) {
+    auto add = [&](CLI::Option* o, const char* field) {
+      o->group("Training setup");
+      flags.emplace_back(o, field);
+    };
+    add(cmd->add_option("--precision", precision, "fp32 | fp16-mixed | bf16-mixed | bf16-pure")
+            ->check(CLI::IsMember({"fp32", "fp16-mixed", "bf16-mixed", "bf16-pure"}))
+            ->capture_default_str(),
+        "precision");
+    add(cmd->add_option("--optimizer", optimizer, "adamw | adam8bit | sgd | lion | adafactor")
+            ->check(CLI::IsMember({"adamw", "adam8bit", "sgd", "lion", "adafactor"}))
+            ->capture_default_str(),
+        "optimizer");
+    add(cmd->add_option("--zero-stage", zero_stage, "DeepSpeed ZeRO stage 0, 1, 2 or 3")
+            ->check(CLI::Range(0, 3))
+            ->capture_default_str(),
+        "zero_stage");
+    add(cmd->add_option("--offload-optimizer", offload_optimizer,
+                        "none | cpu | nvme (nvme needs stage 3)")
+            ->check(CLI::IsMember({"none", "cpu", "nvme"}))
+            ->capture_default_str(),
+        "offload_optimizer");
+    add(cmd->add_option("--offload-param", offload_param, "none | cpu | nvme (stage 3 only)")
+            ->check(CLI::IsMember({"none", "cpu", "nvme"}))
+            ->capture_default_str(),
+        "offload_param");
+    add(cmd->add_option("--checkpointing", checkpointing,
+                        "Activation checkpointing: none | selective | full")
+            ->check(CLI::IsMember({"none", "selective", "full"}))
+            ->capture_default_str(),
+        "checkpointing");
+    add(cmd->add_flag("--flash-attention", flash_attention,
+                      "Memory-efficient attention (no s x s scores kept); "
+                      "--flash-attention=false turns it off"),
+        "flash_attention");
+    add(cmd->add_option("--lora-rank", lora_rank, "LoRA rank; only the adapters train")
+            ->check(CLI::Range(int64_t{1}, int64_t{65536})),
+        "lora_rank");
+    add(cmd->add_option("--lora-targets", lora_targets,
+                        "Comma-separated module names (q_proj,v_proj) or all-linear; default: "
+                        "PEFT's for the model type")
+            ->delimiter(','),
+        "lora_targets");
+    add(cmd->add_flag("--qlora", qlora, "Frozen base Linears in NF4 (needs --lora-rank)"),
+        "qlora");
+    add(cmd->add_flag("--double-quant", double_quant, "QLoRA double quantisation (4.127 bits)"),
+        "double_quant");
+    add(cmd->add_option("--micro-batch", micro_batch, "Sequences per GPU per forward pass")
+            ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+            ->capture_default_str(),
+        "micro_batch");
+    add(cmd->add_option("--seq-len", seq_len,
+                        "Tokens per sequence (default: the model's positions, at most 2048)")
+            ->check(CLI::Range(int64_t{1}, int64_t{1} << 24)),
+        "seq_len");
+    add(cmd->add_option("--grad-accum", grad_accum, "Gradient accumulation steps")
+            ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+            ->capture_default_str(),
+        "grad_accum");
+    add(cmd->add_option("--tp", tp, "Tensor-parallel degree (divides heads and GPUs)")
+            ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+            ->capture_default_str(),
+        "tp");
+    add(cmd->add_option("--cuda-context-mib", cuda_context_mib,
+                        "CUDA context per GPU in MiB (1343 measured on a V100)")
+            ->check(CLI::Range(0.0, 1048576.0))
+            ->capture_default_str(),
+        "cuda_context_bytes");
+    deepspeed_flag = cmd->add_option("--deepspeed", deepspeed,
+                                     "A DeepSpeed config (ds_config.json) whose settings to use; "
+                                     "flags given as well override it")
+                         ->group("Training setup");
+  }
+
+  bool Given(const std::string& field) const {
+    for (const auto& [option, name] : flags) {
+      if (name == field && option->count() > 0) return true;
+    }
+    return false;
+  }
+  bool Any() const {
+    for (const auto& [option, name] : flags) {
+      if (option->count() > 0) return true;
+    }
+    return deepspeed_flag->count() > 0;
+  }
+
+  // The setup: defaults, then --deepspeed's settings, then the flags given.
+  Result<estimator::TrainingSetup> Build(const estimator::ModelInventory& inventory,
+                                         const estimator::DeepSpeedHardware& hardware) const {
+    estimator::TrainingSetup s;
+    s.gpus_per_node = hardware.gpus_per_node;
+    s.num_nodes = hardware.nodes;
+    std::set<std::string> supplied;
+    for (const auto& [option, name] : flags) {
+      if (option->count() > 0) supplied.insert(name);
+    }
+    if (!deepspeed.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(deepspeed, uint64_t{1} << 24));
+      MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json config, ParseJson(text, deepspeed));
+      // Apply the flags first, so that "auto" keys take their values.
+      MEMPLAN_RETURN_IF_ERROR(ApplyFlags(&s, /*only_given=*/true));
+      const int64_t hidden = inventory.arch.has_value() ? inventory.arch->hidden : 0;
+      MEMPLAN_RETURN_IF_ERROR(
+          estimator::ApplyDeepSpeedConfig(config, deepspeed, supplied, hidden, &s));
+    }
+    MEMPLAN_RETURN_IF_ERROR(ApplyFlags(&s, /*only_given=*/!deepspeed.empty()));
+    return s;
+  }
+
+  Status ApplyFlags(estimator::TrainingSetup* s, bool only_given) const {
+    auto use = [&](const char* field) { return !only_given || Given(field); };
+    if (use("precision")) {
+      MEMPLAN_ASSIGN_OR_RETURN(s->precision, estimator::ParsePrecision(precision));
+    }
+    if (use("optimizer")) {
+      MEMPLAN_ASSIGN_OR_RETURN(s->optimizer, estimator::ParseOptimizer(optimizer));
+    }
+    if (use("zero_stage")) s->zero_stage = zero_stage;
+    if (use("offload_optimizer")) {
+      MEMPLAN_ASSIGN_OR_RETURN(s->offload_optimizer,
+                               estimator::ParseOffloadDevice(offload_optimizer));
+    }
+    if (use("offload_param")) {
+      MEMPLAN_ASSIGN_OR_RETURN(s->offload_param, estimator::ParseOffloadDevice(offload_param));
+    }
+    if (use("checkpointing")) {
+      MEMPLAN_ASSIGN_OR_RETURN(s->checkpointing, estimator::ParseCheckpointing(checkpointing));
+    }
+    if (use("flash_attention")) s->flash_attention = flash_attention;
+    if (use("lora_rank")) s->lora_rank = lora_rank;
+    if (use("lora_targets")) s->lora_targets = lora_targets;
+    if (use("qlora")) s->qlora = qlora;
+    if (use("double_quant")) s->double_quant = double_quant;
+    if (use("micro_batch")) s->micro_batch = micro_batch;
+    if (use("seq_len")) s->seq_len = seq_len;
+    if (use("grad_accum")) s->grad_accum = grad_accum;
+    if (use("tp")) s->tp = tp;
+    if (use("cuda_context_bytes")) {
+      s->cuda_context_bytes = static_cast<int64_t>(cuda_context_mib * 1048576.0);
+    }
+    return Status::Ok();
+  }
+};
+
+}  // namespace
+
 void RegisterEstimate(CLI::App& app, Outcome* outcome) {
   auto options = std::make_shared<ModelOptions>();
   auto hardware = std::make_shared<estimator::DeepSpeedHardware>();
+  auto setup = std::make_shared<SetupOptions>();
   CLI::App* cmd = app.add_subcommand(
       "estimate",
       "Memory needed to train a model: DeepSpeed's ZeRO-2 and ZeRO-3 model-state tables, "
-      "reproduced to the byte, from a config.json alone");
+      "reproduced to the byte, from a config.json alone; with a training setup, every byte per "
+      "GPU, CPU, NVMe and pinned memory");
   options->Add(cmd);
   cmd->add_option("-g,--gpus", hardware->gpus_per_node, "GPUs per node")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
@@ -85,17 +265,29 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
                   "DeepSpeed's additional_buffer_factor (multiplies CPU memory)")
       ->check(CLI::Range(0.0, 1000.0))
       ->capture_default_str();
+  setup->Add(cmd);
   cmd->footer(
       "\nExamples:\n"
       "  memplan estimate --model llama-2-7b --gpus 4\n"
+      "  memplan estimate --model llama-2-7b --gpus 8 --zero-stage 3 --seq-len 4096 "
+      "--checkpointing full\n"
+      "  memplan estimate --model mistral-7b --lora-rank 16 --qlora --micro-batch 4\n"
+      "  memplan estimate --model llama-2-7b --gpus 8 --deepspeed ds_config.json\n"
       "  memplan estimate --model ./config.json --gpus 8 --nodes 2 --format json\n"
       "  memplan estimate --model t5-large --model-class base --gpus 4\n"
       "\nExit status: 0 on success, 2 on bad input (one line on stderr naming the file and "
       "field).");
-  cmd->callback([options, hardware, outcome] {
+  cmd->callback([options, hardware, setup, outcome] {
     auto inventory = estimator::LoadModel(options->model, options->Choice());
     if (!inventory.ok()) return Fail(outcome, inventory.status());
-    auto estimate = estimator::EstimateModelStates(*inventory, *hardware);
+    Result<estimator::Estimate> estimate = Status::Internal("unset");
+    if (setup->Any()) {
+      auto training = setup->Build(*inventory, *hardware);
+      if (!training.ok()) return Fail(outcome, training.status());
+      estimate = estimator::EstimateTraining(*inventory, *hardware, *training);
+    } else {
+      estimate = estimator::EstimateModelStates(*inventory, *hardware);
+    }
     if (!estimate.ok()) return Fail(outcome, estimate.status());
     Emit(*options,
          options->format == "json" ? estimator::ToJson(*estimate).dump(2) + "\n"

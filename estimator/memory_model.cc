@@ -1,0 +1,626 @@
+#include "estimator/memory_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+namespace memplan::estimator {
+namespace {
+
+// Sizes are products of user-given counts (batch x heads x seq^2 ...): computed in 128 bits and
+// narrowed once, so a huge setup is an error rather than a wrapped number.
+__extension__ typedef unsigned __int128 Wide;
+
+constexpr uint64_t kMaxBytes = uint64_t{1} << 62;
+
+uint64_t Saturate(Wide v) {
+  return v > static_cast<Wide>(std::numeric_limits<uint64_t>::max())
+             ? std::numeric_limits<uint64_t>::max()
+             : static_cast<uint64_t>(v);
+}
+
+Wide U(int64_t v) { return static_cast<Wide>(v < 0 ? 0 : v); }
+Wide CeilDiv(Wide a, Wide b) { return b == 0 ? a : (a + b - 1) / b; }
+// bytes * fraction, for the few fractional constants (NF4 bits, 4.5x overlap, 10% margin).
+Wide Scale(Wide bytes, double factor) {
+  long double v = static_cast<long double>(bytes) * static_cast<long double>(factor);
+  return static_cast<Wide>(std::ceil(v));
+}
+
+// --- Constants (each reported in MemoryEstimate::constants) -----------------------------------
+
+constexpr double kDropoutMaskBytes = 1;         // torch.nn.functional.dropout keeps a bool mask
+constexpr double kFlashLseBytes = 4;            // fp32 log-sum-exp per head per token
+constexpr double kNf4Bits = 4.5;                // 4-bit codes + fp32 absmax per 64 weights
+constexpr double kNf4DoubleQuantBits = 4.127;   // absmax quantised to 8 bits per 256 blocks
+constexpr double kAdam8bitBlock = 256;          // bitsandbytes block-wise quantisation block
+constexpr double kOverlapCommFactor = 4.5;      // DeepSpeed docs: overlap_comm ~4.5x buckets
+constexpr double kAllocatorMargin = 0.10;       // reserved over allocated (caching allocator)
+constexpr double kLogitsForwardFp32Bytes = 8;   // fp32 logits + log-softmax output, per element
+constexpr double kLogitsBackwardBytes = 8;      // fp32 grads of log-probs and of the logits
+
+struct Builder {
+  std::vector<MemoryItem> items;
+  bool overflow = false;
+
+  void Add(std::string name, std::string description, Wide gpu, Wide cpu, Wide nvme, Wide pinned,
+           unsigned phases) {
+    if (gpu > kMaxBytes || cpu > kMaxBytes || nvme > kMaxBytes || pinned > kMaxBytes) {
+      overflow = true;
+      return;
+    }
+    if (gpu == 0 && cpu == 0 && nvme == 0 && pinned == 0) return;
+    MemoryItem item;
+    item.name = std::move(name);
+    item.description = std::move(description);
+    item.gpu_bytes = static_cast<uint64_t>(gpu);
+    item.cpu_bytes = static_cast<uint64_t>(cpu);
+    item.nvme_bytes = static_cast<uint64_t>(nvme);
+    item.pinned_bytes = static_cast<uint64_t>(pinned);
+    item.phases = phases;
+    items.push_back(std::move(item));
+  }
+};
+
+bool Mixed(Precision p) { return p == Precision::kFp16Mixed || p == Precision::kBf16Mixed; }
+std::string HalfName(Precision p) {
+  return p == Precision::kFp16Mixed ? "fp16" : p == Precision::kFp32 ? "fp32" : "bf16";
+}
+
+std::string LastComponent(const std::string& module) {
+  size_t dot = module.rfind('.');
+  return dot == std::string::npos ? module : module.substr(dot + 1);
+}
+
+// What the inventory says about the parameters, for the setup's LoRA/QLoRA/ZeRO-3 choices.
+struct ParamFacts {
+  Wide total = 0;            // unique parameters
+  Wide quantizable = 0;      // block Linear weights (what QLoRA stores in NF4)
+  Wide persistent = 0;       // ZeRO-3: tensors at or under the persistence threshold
+  Wide factored = 0;         // Adafactor second-moment elements of the trainable tensors
+  Wide largest_trainable_tensor = 0;
+  Wide lora = 0;             // adapter parameters
+  Wide lora_persistent = 0;  // adapters at or under the persistence threshold
+};
+
+Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& setup) {
+  ParamFacts f;
+  const Wide threshold = U(setup.stage3_param_persistence_threshold);
+  std::vector<const TensorInfo*> targets;
+  if (setup.lora_rank > 0) {
+    MEMPLAN_ASSIGN_OR_RETURN(targets, LoraTargetTensors(inventory, setup));
+  }
+  for (const TensorInfo& t : inventory.tensors) {
+    if (!t.tied_to.empty()) continue;
+    f.total += t.numel;
+    if (t.numel <= threshold) f.persistent += t.numel;
+    const bool linear = !t.block.empty() && t.shape.size() == 2 &&
+                        t.name.size() > 7 && t.name.substr(t.name.size() - 7) == ".weight" &&
+                        LastComponent(t.module).find("embedding") == std::string::npos &&
+                        LastComponent(t.module).find("relative_attention_bias") == std::string::npos;
+    if (linear) f.quantizable += t.numel;
+    if (setup.lora_rank == 0) {
+      f.factored += t.shape.size() >= 2 ? U(t.shape[0]) + U(t.numel / std::max<int64_t>(t.shape[0], 1))
+                                        : static_cast<Wide>(t.numel);
+      f.largest_trainable_tensor = std::max<Wide>(f.largest_trainable_tensor, t.numel);
+    }
+  }
+  const Wide r = U(setup.lora_rank);
+  for (const TensorInfo* t : targets) {
+    // A [r, in] and B [out, r] whichever way the weight is stored (Linear [out, in], Conv1D
+    // [in, out]): r * (in + out).
+    const Wide a = r * U(t->shape[1]), b = r * U(t->shape[0]);
+    f.lora += a + b;
+    for (Wide m : {a, b}) {
+      if (m <= threshold) f.lora_persistent += m;
+      f.largest_trainable_tensor = std::max(f.largest_trainable_tensor, m);
+    }
+    f.factored += (r + U(t->shape[1])) + (U(t->shape[0]) + r);
+  }
+  return f;
+}
+
+// Optimizer state bytes for `trainable` elements (plus Adafactor's factored statistics).
+Wide OptimizerStateBytes(const TrainingSetup& s, Wide trainable, Wide factored) {
+  const bool pure = s.precision == Precision::kBf16Pure;
+  switch (s.optimizer) {
+    case Optimizer::kAdamW: return trainable * (pure ? 4 : 8);
+    case Optimizer::kAdam8bit: return trainable * 2 + CeilDiv(trainable, static_cast<Wide>(kAdam8bitBlock)) * 2 * 4;
+    case Optimizer::kSgd:
+    case Optimizer::kLion: return trainable * (pure ? 2 : 4);
+    case Optimizer::kAdafactor: return trainable * (pure ? 2 : 4) + factored * 4;
+  }
+  return 0;
+}
+
+struct Activations {
+  Wide saved = 0;           // all layers + embeddings/final norm, as kept through forward
+  Wide per_layer = 0;       // one layer (the decoder's for encoder-decoder) as saved
+  Wide recompute = 0;       // live during the first layer's backward (checkpointing)
+  Wide workspace = 0;       // gradient temporaries of one layer
+  Wide logits_forward = 0;
+  Wide logits_backward = 0;
+};
+
+LayerShape ShapeFor(const ArchitectureInfo& a, const TrainingSetup& s, int64_t seq) {
+  LayerShape l;
+  l.seq = l.kv_seq = seq;
+  l.batch = s.micro_batch;
+  l.hidden = a.hidden;
+  l.heads = a.heads;
+  l.kv_heads = a.kv_heads;
+  l.head_dim = a.head_dim;
+  l.ffn = a.intermediate;
+  l.gated = a.gated_mlp;
+  l.experts = a.experts;
+  l.top_k = a.experts_per_token;
+  l.hidden_dropout = a.hidden_dropout > 0;
+  l.attention_dropout = a.attention_dropout > 0;
+  l.tp = s.tp;
+  return l;
+}
+
+Activations CountActivations(const ModelInventory& inventory, const TrainingSetup& s) {
+  const ArchitectureInfo& a = *inventory.arch;
+  const int e = s.precision == Precision::kFp32 ? 4 : 2;
+  const int64_t seq = s.SeqLenFor(&a);
+  Activations out;
+  LayerShape self = ShapeFor(a, s, seq);
+  LayerShape dec = self;
+  dec.cross_attention = a.encoder_decoder;
+  const Wide enc_layer = LayerActivationBytes(self, e, s.flash_attention, s.checkpointing);
+  const Wide dec_layer = LayerActivationBytes(dec, e, s.flash_attention, s.checkpointing);
+  const Wide sbh = U(seq) * U(s.micro_batch) * U(a.hidden);
+  // Per stack, outside the layers: the embedding dropout mask and the final norm's input.
+  const Wide stack_extra = sbh * e + (a.embedding_dropout > 0 ? sbh : 0);
+  if (a.encoder_decoder) {
+    // Encoder stack, decoder stack, and the encoder output every cross-attention reads.
+    out.saved = U(a.layers) * enc_layer + U(a.decoder_layers) * dec_layer + 2 * stack_extra +
+                sbh * e;
+    out.per_layer = dec_layer;
+  } else {
+    out.saved = U(a.layers) * enc_layer + stack_extra;
+    out.per_layer = enc_layer;
+  }
+  const LayerShape& top = a.encoder_decoder ? dec : self;
+  const Wide full = LayerActivationBytes(top, e, s.flash_attention, Checkpointing::kNone);
+  if (s.checkpointing == Checkpointing::kFull) {
+    out.recompute = full;
+  } else if (s.checkpointing == Checkpointing::kSelective) {
+    out.recompute = full - LayerActivationBytes(top, e, s.flash_attention,
+                                                Checkpointing::kSelective);
+  }
+  const Wide t = U(s.tp);
+  const Wide b = U(s.micro_batch);
+  Wide attention_ws = s.flash_attention ? 0 : 2 * e * U(a.heads) * U(seq) * U(seq) * b / t;
+  Wide mlp_ws = 2 * e * U(seq) * b * U(a.intermediate) * (a.gated_mlp ? 2 : 1) *
+                std::max<Wide>(U(a.experts_per_token), 1) / t;
+  out.workspace = std::max({attention_ws, mlp_ws, 2 * e * sbh});
+  if (inventory.model_class != "base" && inventory.model_class != "" && a.vocab > 0) {
+    const Wide elems = CeilDiv(U(seq) * b * U(a.vocab), t);
+    out.logits_forward = elems * (e == 2 ? 2 : 0) + Scale(elems, kLogitsForwardFp32Bytes);
+    out.logits_backward = Scale(elems, kLogitsBackwardBytes);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string PhaseName(Phase phase) {
+  switch (phase) {
+    case kPhaseForward: return "forward";
+    case kPhaseBackward: return "backward";
+    case kPhaseBackwardEnd: return "backward_end";
+    case kPhaseOptimizerStep: return "optimizer_step";
+    case kAllPhases: return "all";
+  }
+  return "?";
+}
+
+uint64_t ZeroPaperBytesPerGpu(uint64_t params, uint64_t gpus, int stage, uint64_t k) {
+  const Wide p = params, n = std::max<uint64_t>(gpus, 1);
+  Wide bytes = 0;
+  switch (stage) {
+    case 0: bytes = (4 + k) * p; break;
+    case 1: bytes = 4 * p + k * p / n; break;
+    case 2: bytes = 2 * p + (2 + k) * p / n; break;
+    default: bytes = (4 + k) * p / n; break;
+  }
+  return Saturate(bytes);
+}
+
+uint64_t LayerActivationBytes(const LayerShape& l, int elem_bytes, bool flash,
+                              Checkpointing checkpointing) {
+  const Wide e = static_cast<Wide>(elem_bytes);
+  const Wide s = U(l.seq), b = U(l.batch), h = U(l.hidden), t = U(std::max<int64_t>(l.tp, 1));
+  const Wide sbh = s * b * h;
+  if (checkpointing == Checkpointing::kFull) return Saturate(e * sbh);  // the layer input
+  const Wide mask = l.hidden_dropout ? 1 : 0;
+  const Wide q_width = U(l.heads) * U(l.head_dim), kv_width = U(l.kv_heads) * U(l.head_dim);
+  // Attention core: softmax output, plus dropout mask and dropout output when dropout is on;
+  // flash attention keeps only the per-head log-sum-exp.
+  auto core = [&](Wide kv_seq) -> Wide {
+    if (flash) return static_cast<Wide>(kFlashLseBytes) * U(l.heads) * s * b / t;
+    Wide per = e + (l.attention_dropout ? static_cast<Wide>(kDropoutMaskBytes) + e : 0);
+    return per * U(l.heads) * s * kv_seq * b / t;
+  };
+  const bool keep_core = checkpointing == Checkpointing::kNone || flash;
+  // Replicated across tensor-parallel ranks: the norm inputs, the inputs of the first Linear of
+  // each block, and the dropout masks after each block.
+  // Self-attention: norm input, QKV input, Q, K, V, output-projection input, dropout mask.
+  Wide replicated = 2 * e * sbh + mask * sbh;
+  Wide sharded = e * s * b * (q_width + 2 * kv_width + q_width);
+  Wide core_bytes = core(U(l.kv_seq));
+  if (l.cross_attention) {
+    // Encoder-decoder attention: norm input, Q input, Q, K and V over the encoder sequence,
+    // output-projection input, dropout mask; its scores are s x kv_seq.
+    const Wide kv_s = U(l.kv_seq);
+    replicated += 2 * e * sbh + mask * sbh;
+    sharded += e * b * (s * q_width + 2 * kv_s * kv_width + s * q_width);
+    core_bytes += core(kv_s);
+  }
+  // MLP: norm input, first-Linear input, then per token the activation's input and output
+  // (gated: gate, up, act(gate) and the product), dropout mask. MoE: each token's MLP runs in
+  // top-k experts, with the token copied in and out of each, and the router's fp32 logits and
+  // probabilities.
+  replicated += 2 * e * sbh + mask * sbh;
+  Wide mlp = e * s * b * U(l.ffn) * (l.gated ? 4 : 2);
+  if (l.experts > 0) {
+    const Wide k = U(std::max<int64_t>(l.top_k, 1));
+    mlp *= k;
+    replicated += 2 * e * k * sbh + 2 * 4 * s * b * U(l.experts);
+  }
+  sharded += mlp;
+  Wide total = replicated + sharded / t + (keep_core ? core_bytes : 0);
+  return Saturate(total);
+}
+
+Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
+                                      const TrainingSetup& input) {
+  MEMPLAN_RETURN_IF_ERROR(input.ValidateFor(inventory));
+  TrainingSetup s = input;
+  const ArchitectureInfo& arch = *inventory.arch;
+  s.seq_len = s.SeqLenFor(&arch);
+  MEMPLAN_ASSIGN_OR_RETURN(ParamFacts f, Facts(inventory, s));
+  if (f.total == 0) return Status::InvalidArgument(inventory.name + ": the model has no parameters");
+
+  const bool lora = s.lora_rank > 0;
+  const bool mixed = Mixed(s.precision);
+  const Wide w = s.precision == Precision::kFp32 ? 4 : 2;  // working params, grads, activations
+  const Wide t = U(s.tp), d = U(s.DataParallel()), g = U(s.gpus_per_node);
+  const Wide trainable = lora ? f.lora : f.total;
+  const Wide frozen_quantized = lora && s.qlora ? f.quantizable : 0;
+  const double nf4_bits = s.double_quant ? kNf4DoubleQuantBits : kNf4Bits;
+  auto tp_share = [&](Wide x) { return CeilDiv(x, t); };
+  // A rank's share of an element count partitioned over the data-parallel group from `stage` on.
+  auto part = [&](Wide x, int from_stage) {
+    return s.zero_stage >= from_stage ? CeilDiv(tp_share(x), d) : tp_share(x);
+  };
+  const std::string half = HalfName(s.precision);
+  const std::string opt_where = std::string(OffloadDeviceName(s.offload_optimizer));
+  Builder out;
+  const unsigned fwd_bwd = kPhaseForward | kPhaseBackward | kPhaseBackwardEnd;
+
+  // --- Parameters ---
+  {
+    // Full-precision (or 16-bit) working copies: everything but QLoRA's quantised Linears;
+    // adapters included.
+    const Wide plain = f.total - frozen_quantized + f.lora;
+    Wide gpu = 0, cpu = 0, nvme = 0, pinned = 0;
+    std::string how;
+    if (s.zero_stage == 3) {
+      const Wide persistent = f.persistent + f.lora_persistent;
+      const Wide persistent_bytes = tp_share(persistent) * w;
+      const Wide shard = CeilDiv(tp_share(plain - persistent), d) * w;
+      gpu = persistent_bytes;
+      how = ", ZeRO-3 partitioned over " + std::to_string(static_cast<uint64_t>(d)) +
+            " GPUs (tensors <= " + std::to_string(s.stage3_param_persistence_threshold) +
+            " elements kept whole)";
+      if (s.offload_param == OffloadDevice::kCpu) {
+        cpu = shard * g;
+        if (s.pin_memory) pinned = cpu;
+        how += ", partitions offloaded to CPU";
+      } else if (s.offload_param == OffloadDevice::kNvme) {
+        nvme = shard * g;
+        how += ", partitions offloaded to NVMe";
+      } else {
+        gpu += shard;
+      }
+    } else {
+      gpu = tp_share(plain) * w;
+    }
+    out.Add("params_working", "parameters, " + half + " working copy" + how, gpu, cpu, nvme,
+            pinned, kAllPhases);
+    if (frozen_quantized > 0) {
+      const Wide q = Scale(part(frozen_quantized, 3), nf4_bits / 8);
+      out.Add("params_quantized",
+              "frozen base Linears in NF4 (" + std::string(s.double_quant ? "4.127" : "4.5") +
+                  " bits per parameter)",
+              q, 0, 0, 0, kAllPhases);
+    }
+  }
+  // Where the optimizer's partition (master weights, states, fp32 gradients) lives.
+  auto place = [&](Wide per_rank, Wide* gpu, Wide* cpu, Wide* nvme) {
+    switch (s.offload_optimizer) {
+      case OffloadDevice::kNone: *gpu = per_rank; break;
+      case OffloadDevice::kCpu: *cpu = per_rank * g; break;
+      case OffloadDevice::kNvme: *nvme = per_rank * g; break;
+    }
+  };
+  if (mixed) {
+    Wide gpu = 0, cpu = 0, nvme = 0;
+    place(part(trainable, 1) * 4, &gpu, &cpu, &nvme);
+    out.Add("params_master", "fp32 master weights of the trainable parameters" +
+                                 std::string(s.zero_stage >= 1 ? ", ZeRO-partitioned" : "") +
+                                 (s.offload_optimizer == OffloadDevice::kNone ? "" : ", on " + opt_where),
+            gpu, cpu, nvme, 0, kAllPhases);
+  }
+
+  // --- Gradients ---
+  if (s.offload_optimizer == OffloadDevice::kNone) {
+    out.Add("grads", half + " gradients of the trainable parameters" +
+                         std::string(s.zero_stage >= 2 ? ", ZeRO-partitioned" : ""),
+            part(trainable, 2) * w, 0, 0, 0, kAllPhases);
+    if (mixed) {
+      out.Add("grads_fp32",
+              "fp32 copy of the gradient partition the optimizer steps on (step transient)",
+              part(trainable, 1) * 4, 0, 0, 0, kPhaseOptimizerStep);
+    }
+  } else {
+    // ZeRO-Offload streams each reduced gradient partition to an fp32 buffer in host memory.
+    const Wide cpu = part(trainable, 1) * 4 * g;
+    out.Add("grads_fp32", "fp32 gradient partitions in host memory (offloaded optimizer)", 0, cpu,
+            0, s.pin_memory ? cpu : 0, kAllPhases);
+    if (s.grad_accum > 1 && s.offload_param == OffloadDevice::kCpu) {
+      const Wide acc = part(trainable, 1) * 2 * g;
+      out.Add("grad_accum_buffer", "16-bit gradient accumulation buffer in host memory", 0, acc,
+              0, s.pin_memory ? acc : 0, kAllPhases);
+    }
+  }
+
+  // --- Optimizer ---
+  {
+    Wide gpu = 0, cpu = 0, nvme = 0;
+    const Wide states = OptimizerStateBytes(s, part(trainable, 1),
+                                            s.zero_stage >= 1 ? CeilDiv(tp_share(f.factored), d)
+                                                              : tp_share(f.factored));
+    place(states, &gpu, &cpu, &nvme);
+    out.Add("optimizer_states",
+            std::string(OptimizerName(s.optimizer)) + " states" +
+                (s.zero_stage >= 1 ? ", ZeRO-partitioned" : "") +
+                (s.offload_optimizer == OffloadDevice::kNone ? "" : ", on " + opt_where),
+            gpu, cpu, nvme, 0, kAllPhases);
+    // PyTorch's foreach AdamW/Lion materialise one state-sized temporary per step; DeepSpeed's
+    // fused and CPU optimizers (ZeRO >= 1) update in place.
+    Wide transient = 0;
+    if (s.zero_stage == 0) {
+      const Wide state_elem = s.precision == Precision::kBf16Pure ? 2 : 4;
+      if (s.optimizer == Optimizer::kAdamW || s.optimizer == Optimizer::kLion) {
+        transient = tp_share(trainable) * state_elem;
+      } else if (s.optimizer == Optimizer::kAdafactor) {
+        transient = 2 * 4 * f.largest_trainable_tensor;
+      }
+    }
+    out.Add("optimizer_step_transient",
+            "temporaries of the optimizer step (torch foreach: one state-sized tensor set)",
+            transient, 0, 0, 0, kPhaseOptimizerStep);
+    if (s.offload_optimizer == OffloadDevice::kNvme) {
+      const Wide sub_group = std::min(U(s.sub_group_size), part(trainable, 1));
+      const Wide buffers = U(s.optimizer_buffer_count) * sub_group * 4 * g;
+      out.Add("nvme_optimizer_swap_buffers",
+              "pinned swap buffers for optimizer state: buffer_count x min(sub_group_size, "
+              "partition) x fp32",
+              0, buffers, 0, buffers, kAllPhases);
+    }
+  }
+  if (s.offload_param == OffloadDevice::kNvme) {
+    const Wide buffers = U(s.param_buffer_count) * U(s.param_buffer_size) * w * g;
+    out.Add("nvme_param_swap_buffers",
+            "pinned swap buffers for parameters: buffer_count x buffer_size x " + half, 0, buffers,
+            0, buffers, kAllPhases);
+  }
+
+  // --- Activations ---
+  const Activations act = CountActivations(inventory, s);
+  out.Add("activations",
+          "saved activations, " + std::to_string(arch.layers + arch.decoder_layers) +
+              " layers (" + std::string(CheckpointingName(s.checkpointing)) + " checkpointing" +
+              (s.flash_attention ? ", flash attention" : "") + ")",
+          act.saved, 0, 0, 0, kPhaseForward | kPhaseBackward);
+  out.Add("activation_recompute",
+          "one layer's recomputed activations during its backward pass", act.recompute, 0, 0, 0,
+          kPhaseBackward);
+  out.Add("backward_workspace", "gradient temporaries of the layer in backward", act.workspace,
+          0, 0, 0, kPhaseBackward | kPhaseBackwardEnd);
+  out.Add("logits_and_loss", "logits b*s*V (" + half + " and fp32) and the log-softmax kept by the loss",
+          act.logits_forward, 0, 0, 0, kPhaseForward | kPhaseBackward);
+  out.Add("logits_grad", "fp32 gradients of the log-probabilities and logits", act.logits_backward,
+          0, 0, 0, kPhaseBackward);
+
+  // --- Communication and ZeRO-3 buffers ---
+  if (s.zero_stage >= 1) {
+    const double factor = s.OverlapComm() ? kOverlapCommFactor : 1.0;
+    const Wide reduce = Scale(std::min(U(s.reduce_bucket_size), tp_share(trainable)) * w, factor);
+    out.Add("comm_reduce_bucket",
+            "gradient reduce buckets (reduce_bucket_size" +
+                std::string(s.OverlapComm() ? " x 4.5 with overlap_comm" : "") + ")",
+            reduce, 0, 0, 0, kPhaseBackward | kPhaseBackwardEnd);
+    if (s.zero_stage <= 2) {
+      const Wide gather =
+          Scale(std::min(U(s.allgather_bucket_size), tp_share(f.total + f.lora)) * w, factor);
+      out.Add("comm_allgather_bucket", "parameter all-gather buckets after the step", gather, 0,
+              0, 0, kPhaseOptimizerStep);
+    }
+  }
+  if (s.zero_stage == 3) {
+    MEMPLAN_ASSIGN_OR_RETURN(ModelCounts counts, CountParams(inventory));
+    const Wide block = tp_share(counts.largest_block_params);
+    const Wide live = std::min(U(s.stage3_max_live_parameters),
+                               block + std::min(U(s.stage3_prefetch_bucket_size), block));
+    out.Add("zero3_live_params",
+            "gathered parameters of the current block plus the prefetch bucket "
+            "(stage3_prefetch_bucket_size), capped by stage3_max_live_parameters",
+            live * w, 0, 0, 0, fwd_bwd);
+    const Wide block_trainable = lora ? CeilDiv(tp_share(f.lora), U(std::max<int64_t>(arch.layers + arch.decoder_layers, 1))) : block;
+    out.Add("zero3_block_grads", "full gradients of the current block before reduce-scatter",
+            block_trainable * w, 0, 0, 0, kPhaseBackward | kPhaseBackwardEnd);
+  }
+  if (out.overflow) {
+    return Status::OutOfRange(inventory.name + ": the memory needed overflows 2^62 bytes; check "
+                                               "--micro-batch and --seq-len");
+  }
+
+  // --- Phases, context and allocator margin ---
+  MemoryEstimate m;
+  m.setup = s;
+  m.params_total = static_cast<uint64_t>(f.total);
+  m.trainable_params = static_cast<uint64_t>(trainable);
+  m.lora_params = static_cast<uint64_t>(f.lora);
+  m.activation_bytes_per_layer = Saturate(act.per_layer);
+  const Wide context = U(s.cuda_context_bytes);
+  Wide peak_margin = 0;
+  for (Phase phase : kPhases) {
+    PhaseTotals totals;
+    totals.phase = PhaseName(phase);
+    Wide gpu = 0, cpu = 0, nvme = 0, pinned = 0;
+    for (const MemoryItem& item : out.items) {
+      if ((item.phases & phase) == 0) continue;
+      gpu += item.gpu_bytes;
+      cpu += item.cpu_bytes;
+      nvme += item.nvme_bytes;
+      pinned += item.pinned_bytes;
+    }
+    const Wide margin = Scale(gpu, kAllocatorMargin);
+    totals.gpu_allocated_bytes = Saturate(gpu);
+    totals.gpu_bytes = Saturate(gpu + margin + context);
+    totals.cpu_bytes = Saturate(cpu);
+    totals.nvme_bytes = Saturate(nvme);
+    totals.pinned_bytes = Saturate(pinned);
+    if (totals.gpu_bytes > m.peak.gpu_bytes || m.peak.phase.empty()) {
+      m.peak.gpu_bytes = totals.gpu_bytes;
+      m.peak.phase = totals.phase;
+      peak_margin = margin;
+    }
+    m.peak.cpu_bytes = std::max(m.peak.cpu_bytes, totals.cpu_bytes);
+    m.peak.nvme_bytes = std::max(m.peak.nvme_bytes, totals.nvme_bytes);
+    m.peak.pinned_bytes = std::max(m.peak.pinned_bytes, totals.pinned_bytes);
+    m.phases.push_back(totals);
+  }
+  out.Add("cuda_context", "CUDA context, runtime and kernels (per GPU process)", context, 0, 0, 0,
+          kAllPhases);
+  out.Add("allocator_margin",
+          "caching-allocator rounding and fragmentation: 10% of allocated bytes at the peak phase",
+          peak_margin, 0, 0, 0, kAllPhases);
+  m.items = std::move(out.items);
+
+  // --- Constants and notes ---
+  const bool fp32 = s.precision == Precision::kFp32;
+  m.constants = {
+      {"activation_element_bytes", fp32 ? 4.0 : 2.0, "bytes",
+       "activations are kept in the compute dtype (Korthikanti et al. 2022 count 16-bit)"},
+      {"dropout_mask_bytes", kDropoutMaskBytes, "bytes/element",
+       "PyTorch dropout keeps a bool mask (Korthikanti: 1 byte)"},
+      {"flash_lse_bytes", kFlashLseBytes, "bytes per head per token",
+       "FlashAttention keeps fp32 log-sum-exp statistics instead of the s x s scores"},
+      {"working_param_bytes", static_cast<double>(w), "bytes/param",
+       fp32 ? "fp32 training" : "16-bit working copy (mixed or pure precision)"},
+      {"master_param_bytes", mixed ? 4.0 : 0.0, "bytes/param",
+       "fp32 master weights in mixed precision (ZeRO paper: part of K = 12)"},
+      {"optimizer_state_bytes",
+       static_cast<double>(OptimizerStateBytes(s, 1 << 20, 0)) / (1 << 20), "bytes/param",
+       "adamw 8 (m, v fp32), adam8bit 2 + fp32 absmax per 256-element block per state, sgd and "
+       "lion 4, adafactor 4 + factored rows/cols; halved states in bf16-pure (REFERENCE 4)"},
+      {"nf4_bits_per_param", frozen_quantized > 0 ? nf4_bits : 0.0, "bits",
+       "QLoRA NF4: 4-bit codes + fp32 absmax per 64 (4.5); double quantisation 4.127"},
+      {"overlap_comm_factor", s.zero_stage >= 1 && s.OverlapComm() ? kOverlapCommFactor : 1.0,
+       "x bucket bytes", "DeepSpeed/HF docs: overlap_comm uses about 4.5x the bucket sizes"},
+      {"logits_forward_bytes", act.logits_forward > 0 ? kLogitsForwardFp32Bytes + (fp32 ? 0 : 2) : 0.0,
+       "bytes per logit", "compute-dtype logits, fp32 upcast and log-softmax kept by the loss"},
+      {"logits_backward_bytes", act.logits_backward > 0 ? kLogitsBackwardBytes : 0.0,
+       "bytes per logit", "fp32 gradients of log-probabilities and logits at backward start"},
+      {"cuda_context_bytes", static_cast<double>(s.cuda_context_bytes), "bytes",
+       "measured 1,343 MiB on a V100 (Hugging Face, model memory anatomy); GPU/driver dependent"},
+      {"allocator_margin_fraction", kAllocatorMargin, "of allocated",
+       "PyTorch caching allocator: reserved exceeds allocated by block rounding and "
+       "fragmentation, typically 5-30%"},
+      {"seq_len", static_cast<double>(s.seq_len), "tokens",
+       input.seq_len > 0 ? "given" : "default: min(max_position_embeddings, 2048), else 512"},
+  };
+  m.notes = {
+      "Peak is the largest of four phases (end of forward; first layer of backward with its "
+      "recompute; end of backward; optimizer step), per tier; the GPU peak's phase is reported.",
+      "Activations per layer follow Korthikanti et al. 2022 (sbh(34 + 5as/h) for a GPT-3 layer), "
+      "with each term derived from the model: GQA key/value width, gated MLP (4 f-wide tensors), "
+      "MoE top-k, dropout masks only where dropout is on, flash attention, tensor parallelism "
+      "without sequence parallelism.",
+      "Gradients are counted in every phase (DeepSpeed keeps its gradient partitions allocated; "
+      "accumulation carries them through the forward pass).",
+      "Tensor parallelism divides all parameters by tp (norms and biases are in fact replicated).",
+      "Encoder-decoder models: the decoder sequence is as long as the encoder's (--seq-len).",
+      "CPU, NVMe and pinned bytes are per node (all local ranks); GPU bytes are per GPU. Model "
+      "loading (a full copy per rank without zero.Init) is not included.",
+  };
+  if (s.zero_stage == 0 && mixed) {
+    m.notes.push_back(
+        "ZeRO-0 in mixed precision is counted like DeepSpeed's: 16-bit working weights and "
+        "gradients plus fp32 master weights (torch.autocast keeps fp32 weights and gradients and "
+        "a 16-bit weight copy instead: about the same total).");
+  }
+  if (lora) {
+    m.notes.push_back("LoRA: only the adapters (" + std::to_string(static_cast<uint64_t>(f.lora)) +
+                      " parameters) train; activations are counted as for full fine-tuning.");
+  }
+  return m;
+}
+
+Result<std::vector<ComparisonRow>> CompareZeroStages(const ModelInventory& inventory,
+                                                     const TrainingSetup& setup) {
+  struct Combo {
+    int stage;
+    OffloadDevice opt, param;
+  };
+  using D = OffloadDevice;
+  const Combo combos[] = {{0, D::kNone, D::kNone}, {1, D::kNone, D::kNone},
+                          {1, D::kCpu, D::kNone},  {2, D::kNone, D::kNone},
+                          {2, D::kCpu, D::kNone},  {3, D::kNone, D::kNone},
+                          {3, D::kCpu, D::kNone},  {3, D::kCpu, D::kCpu},
+                          {3, D::kNvme, D::kNone}, {3, D::kNvme, D::kCpu},
+                          {3, D::kNvme, D::kNvme}};
+  std::vector<ComparisonRow> rows;
+  for (const Combo& c : combos) {
+    TrainingSetup s = setup;
+    s.zero_stage = c.stage;
+    s.offload_optimizer = c.opt;
+    s.offload_param = c.param;
+    ComparisonRow row;
+    row.zero_stage = c.stage;
+    row.offload_optimizer = c.opt;
+    row.offload_param = c.param;
+    Status valid = s.Validate();
+    if (!valid.ok()) {
+      row.reason = valid.message();
+      rows.push_back(row);
+      continue;
+    }
+    Result<MemoryEstimate> m = EstimateMemory(inventory, s);
+    if (!m.ok()) return m.status();
+    row.valid = true;
+    row.peak = m->peak;
+    Phase peak_phase = kPhaseForward;
+    for (Phase p : kPhases) {
+      if (PhaseName(p) == m->peak.phase) peak_phase = p;
+    }
+    for (const MemoryItem& item : m->items) {
+      if ((item.phases & peak_phase) != 0 &&
+          (item.name == "activations" || item.name == "activation_recompute" ||
+           item.name.rfind("logits", 0) == 0)) {
+        row.activations_gpu_bytes += item.gpu_bytes;
+      }
+    }
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+}  // namespace memplan::estimator

@@ -1,0 +1,162 @@
+// The itemised training-memory model: every byte a training step needs, per tier (per GPU; per
+// node CPU, NVMe, and pinned host memory as a subset of CPU), per phase of the step.
+//
+// Beyond DeepSpeed's model states (deepspeed.h, kept exact and separate) it counts activations
+// from the architecture (Korthikanti et al. 2022, generalised to GQA, gated MLPs, MoE top-k,
+// dropout on/off, flash attention, selective/full recompute and tensor parallelism), logits and
+// loss, communication buckets, ZeRO-3 live-parameter and prefetch buffers, NVMe swap buffers, the
+// optimizer-step transient, the CUDA context and the caching allocator's margin.
+//
+// Note [Phases]
+// A step passes through phases that hold different things: at the end of the forward pass every
+// layer's saved activations and the logits are live; at the start of the backward pass those are
+// still live, plus the logits' gradient, the one layer being recomputed (checkpointing) and that
+// layer's gradient temporaries; at the end of the backward pass the activations are gone and all
+// gradients exist; in the optimizer step the fp32 gradients and the optimizer's temporaries
+// appear. Memory falls monotonically through the backward pass in between (each layer frees more
+// activation than it adds gradient), so these four points bound it. The peak is the largest phase
+// total, never a sum of per-item maxima, and the report says which phase sets it.
+//
+// Note [Gradient storage]
+// Gradients count in every phase: DeepSpeed keeps its gradient partitions (and DDP its buckets)
+// allocated across steps, and gradient accumulation carries them through the forward pass. A loop
+// with zero_grad(set_to_none=True), one micro-batch per step and no DDP needs one gradient set
+// less in its forward and early backward.
+//
+// Every constant used is returned in `constants`, with its value and where it comes from.
+//
+// Thread safety: pure functions over plain values.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "estimator/inventory.h"
+#include "estimator/training_setup.h"
+
+namespace memplan::estimator {
+
+// Phases of a training step (see Note [Phases]), as bits for MemoryItem::phases.
+enum Phase : unsigned {
+  kPhaseForward = 1,         // "forward": end of the forward pass
+  kPhaseBackward = 2,        // "backward": first layer of backward, recomputed if checkpointing
+  kPhaseBackwardEnd = 4,     // "backward_end": all gradients produced
+  kPhaseOptimizerStep = 8,   // "optimizer_step"
+  kAllPhases = 15,
+};
+constexpr Phase kPhases[] = {kPhaseForward, kPhaseBackward, kPhaseBackwardEnd,
+                             kPhaseOptimizerStep};
+std::string PhaseName(Phase phase);
+
+struct MemoryItem {
+  std::string name;         // stable key: "params_working", "activations", ...
+  std::string description;  // one line for people: what it is, dtype, how it is split
+  uint64_t gpu_bytes = 0;     // per GPU
+  uint64_t cpu_bytes = 0;     // per node, pinned included
+  uint64_t nvme_bytes = 0;    // per node
+  uint64_t pinned_bytes = 0;  // per node, a part of cpu_bytes
+  unsigned phases = kAllPhases;  // Phase bits where the item is live
+};
+
+// Tier totals of one phase. gpu_bytes includes the allocator margin and the CUDA context.
+struct PhaseTotals {
+  std::string phase;
+  uint64_t gpu_bytes = 0;
+  uint64_t gpu_allocated_bytes = 0;  // what torch.cuda.max_memory_allocated would show
+  uint64_t cpu_bytes = 0;
+  uint64_t nvme_bytes = 0;
+  uint64_t pinned_bytes = 0;
+};
+
+// Each tier's maximum over the phases; `phase` is the phase that sets the GPU peak.
+struct PeakMemory {
+  uint64_t gpu_bytes = 0;
+  uint64_t cpu_bytes = 0;
+  uint64_t nvme_bytes = 0;
+  uint64_t pinned_bytes = 0;
+  std::string phase;
+};
+
+// A constant the model used: name, value, unit, and why that value.
+struct ModelConstant {
+  std::string name;
+  double value = 0;
+  std::string unit;
+  std::string source;
+};
+
+struct MemoryEstimate {
+  TrainingSetup setup;               // as used: seq_len resolved, gpus/nodes filled
+  uint64_t params_total = 0;         // model parameters (tied once), adapters excluded
+  uint64_t trainable_params = 0;     // all of them, or the LoRA adapters
+  uint64_t lora_params = 0;          // adapter parameters; 0 without LoRA
+  uint64_t activation_bytes_per_layer = 0;  // one (decoder or only) layer as saved, per GPU
+  std::vector<MemoryItem> items;     // the breakdown, in report order
+  std::vector<PhaseTotals> phases;   // in step order
+  PeakMemory peak;
+  std::vector<ModelConstant> constants;
+  std::vector<std::string> notes;    // assumptions in sentences
+};
+
+// The model for one setup. Errors: setup.ValidateFor(inventory) failures (bad combinations, an
+// inventory without architecture), overflow.
+Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
+                                      const TrainingSetup& setup);
+
+// One row of the stage x offload comparison: the same setup with another ZeRO stage and offload.
+struct ComparisonRow {
+  int zero_stage = 0;
+  OffloadDevice offload_optimizer = OffloadDevice::kNone;
+  OffloadDevice offload_param = OffloadDevice::kNone;
+  bool valid = false;
+  std::string reason;  // why not valid (the validation error)
+  PeakMemory peak;
+  uint64_t activations_gpu_bytes = 0;  // activations + recompute + logits at the GPU peak phase
+};
+
+// ZeRO 0; 1 and 2 with optimizer offload none/cpu; 3 with (optimizer, param) in (none, none),
+// (cpu, none), (cpu, cpu), (nvme, none), (nvme, cpu), (nvme, nvme). Rows the setup cannot run
+// (an optimizer DeepSpeed cannot offload, QLoRA with parameter offload) are kept with a reason.
+Result<std::vector<ComparisonRow>> CompareZeroStages(const ModelInventory& inventory,
+                                                     const TrainingSetup& setup);
+
+// --- Building blocks, exposed for tests -------------------------------------------------------
+
+// The ZeRO paper's per-GPU model-state accounting (Rajbhandari et al. 2020, §5): 2 bytes of fp16
+// parameters and 2 of fp16 gradients per parameter, plus K bytes of optimizer state (K = 12 for
+// mixed-precision Adam), partitioned over `gpus` by stage: 0 (2+2+K)P; 1 4P + KP/N;
+// 2 2P + (2+K)P/N; 3 (4+K)P/N. Exact rational arithmetic, truncated to bytes.
+uint64_t ZeroPaperBytesPerGpu(uint64_t params, uint64_t gpus, int stage, uint64_t k = 12);
+
+// One transformer layer's shape for activation counting.
+struct LayerShape {
+  int64_t seq = 0;            // s (query side)
+  int64_t kv_seq = 0;         // keys/values length (s for self-attention; encoder's for cross)
+  int64_t batch = 0;          // b
+  int64_t hidden = 0;         // h
+  int64_t heads = 0;          // a
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t ffn = 0;            // f
+  bool gated = false;         // SwiGLU/GeGLU
+  int64_t experts = 0;        // 0 = dense
+  int64_t top_k = 0;
+  bool hidden_dropout = false;
+  bool attention_dropout = false;
+  bool cross_attention = false;  // an encoder-decoder attention block follows self-attention
+  int64_t tp = 1;
+};
+
+// Bytes of activations one layer keeps for its backward pass, per GPU, with `elem_bytes` per
+// activation element (2 for 16-bit, 4 for fp32) and 1 byte per dropout-mask element.
+//   none: Korthikanti's sbh(10 + 24/t + 5as/(ht)) for a GPT-3 layer (f = 4h, GeLU, MHA, dropout),
+//         every term derived from `shape` otherwise;
+//   selective: without the attention core (scores, softmax, dropout): sbh(10 + 24/t);
+//   full: the layer input only, 2sbh.
+// flash: the s x s terms become per-head fp32 log-sum-exp statistics (4 bytes x a x s x b / t).
+uint64_t LayerActivationBytes(const LayerShape& shape, int elem_bytes, bool flash,
+                              Checkpointing checkpointing);
+
+}  // namespace memplan::estimator

@@ -1,0 +1,157 @@
+// TrainingSetup: how a model is to be trained (precision, optimizer, LoRA/QLoRA, batch and
+// sequence, activation checkpointing, tensor parallelism, ZeRO stage and offload, DeepSpeed's
+// buffer sizes), as one plain struct that the CLI, JSON and a DeepSpeed config all fill.
+//
+// The memory model (memory_model.h) reads it; the planner will enumerate it. Names follow
+// DeepSpeed's config keys where a DeepSpeed user would look for them (REFERENCE.md §7), and the
+// CLI spells each field as one flag (`--zero-stage`, `--offload-optimizer`, ...).
+//
+// Validation happens where a setup enters: Validate() checks the setup on its own (ranges and
+// combinations DeepSpeed or PEFT refuse or that make no sense), ValidateFor() checks it against a
+// model (tensor-parallel degree vs heads, sequence length vs learned positions).
+//
+// Thread safety: a plain value; no internal synchronisation.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "estimator/inventory.h"
+
+namespace memplan::estimator {
+
+enum class Precision {
+  kFp32,       // fp32 weights, gradients, optimizer states and activations
+  kFp16Mixed,  // fp16 working weights, gradients and activations; fp32 master weights and states
+  kBf16Mixed,  // the same with bf16
+  kBf16Pure,   // bf16 everywhere, optimizer states included; no fp32 master copy
+};
+enum class Optimizer {
+  kAdamW,     // torch AdamW / DeepSpeed (Fused|CPU)Adam: m and v
+  kAdam8bit,  // bitsandbytes 8-bit AdamW: block-wise quantised m and v
+  kSgd,       // SGD with momentum
+  kLion,      // one momentum buffer
+  kAdafactor, // factored second moment plus a first moment
+};
+enum class Checkpointing {
+  kNone,       // every layer keeps all its activations
+  kSelective,  // Megatron's selective recompute: the attention core (softmax, dropout) recomputed
+  kFull,       // each layer keeps its input only and is recomputed in backward
+};
+enum class OffloadDevice { kNone, kCpu, kNvme };
+
+std::string_view PrecisionName(Precision p);  // "fp32", "fp16-mixed", "bf16-mixed", "bf16-pure"
+std::string_view OptimizerName(Optimizer o);  // "adamw", "adam8bit", "sgd", "lion", "adafactor"
+std::string_view CheckpointingName(Checkpointing c);  // "none", "selective", "full"
+std::string_view OffloadDeviceName(OffloadDevice d);  // "none", "cpu", "nvme"
+// Inverses; errors list the accepted spellings.
+Result<Precision> ParsePrecision(std::string_view text);
+Result<Optimizer> ParseOptimizer(std::string_view text);
+Result<Checkpointing> ParseCheckpointing(std::string_view text);
+Result<OffloadDevice> ParseOffloadDevice(std::string_view text);
+
+struct TrainingSetup {
+  Precision precision = Precision::kBf16Mixed;
+  Optimizer optimizer = Optimizer::kAdamW;
+
+  // LoRA: rank 0 is full fine-tuning. With a rank, only the adapters train: for each targeted
+  // Linear of shape [out, in] an A [r, in] and a B [out, r]; the base model is frozen.
+  int64_t lora_rank = 0;
+  // Module names (the last component of the module path: "q_proj", "c_attn", "query") or
+  // "all-linear" (every Linear inside the repeated blocks). Empty: PEFT's default for the
+  // model_type (q/v projections).
+  std::vector<std::string> lora_targets;
+  bool qlora = false;         // frozen base Linears in NF4 (4.5 bits per parameter)
+  bool double_quant = false;  // QLoRA's double quantisation of the scales (4.127 bits)
+
+  int64_t micro_batch = 1;  // sequences per GPU per forward (train_micro_batch_size_per_gpu)
+  int64_t seq_len = 0;      // tokens per sequence; 0 = min(model's positions, 2048), or 512
+  int64_t grad_accum = 1;   // micro-batches per optimizer step (gradient_accumulation_steps)
+  Checkpointing checkpointing = Checkpointing::kNone;
+  // Memory-efficient attention (FlashAttention, SDPA): no s x s score matrices are kept.
+  bool flash_attention = false;
+  int64_t tp = 1;  // tensor-parallel degree t (Megatron-style, no sequence parallelism)
+
+  int zero_stage = 0;  // 0 (plain data parallel), 1, 2, 3
+  OffloadDevice offload_optimizer = OffloadDevice::kNone;  // stage >= 1; nvme needs stage 3
+  OffloadDevice offload_param = OffloadDevice::kNone;      // stage 3 only
+
+  // DeepSpeed zero_optimization buffer sizes, in elements, with DeepSpeed's defaults.
+  int64_t reduce_bucket_size = 500000000;
+  int64_t allgather_bucket_size = 500000000;
+  // Unset: DeepSpeed's behaviour (on for stage 3, off otherwise).
+  std::optional<bool> overlap_comm;
+  int64_t stage3_prefetch_bucket_size = 50000000;
+  int64_t stage3_param_persistence_threshold = 100000;
+  int64_t stage3_max_live_parameters = 1000000000;
+  int64_t sub_group_size = 1000000000;
+  // offload_param / offload_optimizer: pin_memory, and the NVMe swap buffer pools.
+  bool pin_memory = false;                       // DeepSpeed's default
+  int64_t param_buffer_count = 5;                // offload_param.buffer_count
+  int64_t param_buffer_size = 100000000;         // offload_param.buffer_size, elements
+  int64_t optimizer_buffer_count = 4;            // offload_optimizer.buffer_count
+  int64_t aio_block_size = 1048576;              // aio.block_size, bytes (kept for plans)
+  int64_t aio_queue_depth = 8;                   // aio.queue_depth (kept for plans)
+
+  int64_t gpus_per_node = 1;
+  int64_t num_nodes = 1;
+  // Driver + CUDA runtime + kernels, per GPU; measured 1,343 MiB on a V100 (Hugging Face, "model
+  // memory anatomy"). Depends on GPU, driver and CUDA version (lazy loading lowers it).
+  int64_t cuda_context_bytes = int64_t{1343} << 20;
+
+  // overlap_comm as DeepSpeed applies it.
+  bool OverlapComm() const { return overlap_comm.value_or(zero_stage == 3); }
+  int64_t WorldSize() const { return gpus_per_node * num_nodes; }
+  // Data-parallel degree: world size / tp.
+  int64_t DataParallel() const { return WorldSize() / tp; }
+
+  // Ranges and combinations that make no sense on their own: offload without the ZeRO stage that
+  // supports it, QLoRA without LoRA, 8-bit Adam on LoRA adapters, an optimizer DeepSpeed cannot
+  // offload, a world size tp does not divide. Errors name the flag / field.
+  Status Validate() const;
+  // Validate() plus what depends on the model: tp must divide heads and key/value heads, seq_len
+  // must fit learned position tables, LoRA targets must name modules of the model, activations
+  // need the architecture.
+  Status ValidateFor(const ModelInventory& inventory) const;
+  // seq_len with the 0 default resolved for `arch`.
+  int64_t SeqLenFor(const ArchitectureInfo* arch) const;
+};
+
+// The Linear weights LoRA adapts: 2-D `.weight` tensors inside the repeated blocks whose module's
+// last name component is in setup.lora_targets ("all-linear": all of them; empty: PEFT's default
+// for the model_type). Errors: a target that matches nothing (listing the module names there are),
+// or no default for an unknown model_type.
+Result<std::vector<const TensorInfo*>> LoraTargetTensors(const ModelInventory& inventory,
+                                                         const TrainingSetup& setup);
+// PEFT's default target modules for `model_type` ("llama" -> q_proj, v_proj); empty if unknown.
+std::vector<std::string> DefaultLoraTargets(std::string_view model_type);
+
+// JSON form (README "JSON output", key "setup"); FromJson accepts any subset of the keys (absent
+// keys keep the defaults) and refuses unknown keys and wrong types, naming them.
+nlohmann::json ToJson(const TrainingSetup& setup);
+Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& json);
+
+// Reads the settings of a DeepSpeed config into `setup` (fields the config does not mention are
+// left as they are): zero_optimization (stage, buckets, overlap_comm, offload_optimizer/param
+// with device, pin_memory, buffer_count, buffer_size; legacy cpu_offload), fp16/bf16 enabled,
+// train_micro_batch_size_per_gpu, gradient_accumulation_steps, optimizer.type,
+// activation_checkpointing (present: full checkpointing), aio.
+//
+// A setting whose field is in `supplied` (the TrainingSetup field names the caller set itself,
+// e.g. from flags: "micro_batch", "grad_accum", "precision", "optimizer", "zero_stage",
+// "offload_optimizer", "offload_param", "checkpointing") keeps the caller's value, "auto" or not.
+// Other "auto" values (the Hugging Face Trainer fills those): bucket sizes are filled as the Trainer does from the model width `hidden` (h*h,
+// 0.9*h*h, 10*h) when hidden > 0; any other "auto" is an error naming the key and the flag that
+// supplies it. Errors name `source` and the key.
+Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& source,
+                            const std::set<std::string>& supplied, int64_t hidden,
+                            TrainingSetup* setup);
+
+}  // namespace memplan::estimator
