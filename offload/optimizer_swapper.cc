@@ -134,7 +134,9 @@ class FirstError {
   Status status_;  // Guarded by mu_.
 };
 
-Status CheckStepOptions(SwapOptimizer optimizer, const SwapStepOptions& options) {
+}  // namespace
+
+Status ValidateSwapStepOptions(SwapOptimizer optimizer, const SwapStepOptions& options) {
   switch (optimizer) {
     case SwapOptimizer::kAdam:
     case SwapOptimizer::kAdamAmsgrad: {
@@ -171,7 +173,40 @@ Status CheckStepOptions(SwapOptimizer optimizer, const SwapStepOptions& options)
   return Status::Internal("unknown optimizer");
 }
 
-}  // namespace
+Status RunSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
+                            const SwapStepOptions& options, int64_t step, std::span<float> params,
+                            std::span<const float> grads, std::span<float> states,
+                            std::span<uint16_t> half, HalfDtype half_dtype) {
+  const size_t n = params.size();
+  const int count = SwapOptimizerStates(optimizer);
+  if (states.size() != n * static_cast<size_t>(count)) {
+    return Status::InvalidArgument("optimizer step: " + std::to_string(states.size()) +
+                                   " state elements for " + std::to_string(n) + " params and " +
+                                   std::to_string(count) + " states");
+  }
+  auto state = [&](int k) { return states.subspan(static_cast<size_t>(k) * n, n); };
+  switch (optimizer) {
+    case SwapOptimizer::kAdam:
+    case SwapOptimizer::kAdamAmsgrad: {
+      AdamTensors t;
+      t.params = params;
+      t.grads = grads;
+      t.exp_avg = state(0);
+      t.exp_avg_sq = state(1);
+      if (optimizer == SwapOptimizer::kAdamAmsgrad) t.max_exp_avg_sq = state(2);
+      t.half_params = half;
+      t.half_dtype = half_dtype;
+      return cpu.AdamStep(std::get<AdamOptions>(options), step, t);
+    }
+    case SwapOptimizer::kSgd:
+      return cpu.SgdStep(std::get<SgdOptions>(options), step, params, grads, state(0), half,
+                         half_dtype);
+    case SwapOptimizer::kLion:
+      return cpu.LionStep(std::get<LionOptions>(options), step, params, grads, state(0), half,
+                          half_dtype);
+  }
+  return Status::Internal("unknown optimizer");
+}
 
 std::string_view SwapOptimizerName(SwapOptimizer optimizer) {
   switch (optimizer) {
@@ -367,30 +402,10 @@ struct OptimizerSwapper::Impl {
   }
 
   Status RunKernel(const SwapStepOptions& step_options, int64_t step, size_t b, uint64_t n) {
-    std::span<const float> grads = Grads(b, n);
-    std::span<uint16_t> half = Half(b, n);
-    const HalfDtype half_dtype = options.half_dtype;
-    switch (options.optimizer) {
-      case SwapOptimizer::kAdam:
-      case SwapOptimizer::kAdamAmsgrad: {
-        AdamTensors t;
-        t.params = Array(b, 0, n);
-        t.grads = grads;
-        t.exp_avg = Array(b, 1, n);
-        t.exp_avg_sq = Array(b, 2, n);
-        if (options.optimizer == SwapOptimizer::kAdamAmsgrad) t.max_exp_avg_sq = Array(b, 3, n);
-        t.half_params = half;
-        t.half_dtype = half_dtype;
-        return cpu->AdamStep(std::get<AdamOptions>(step_options), step, t);
-      }
-      case SwapOptimizer::kSgd:
-        return cpu->SgdStep(std::get<SgdOptions>(step_options), step, Array(b, 0, n), grads,
-                            Array(b, 1, n), half, half_dtype);
-      case SwapOptimizer::kLion:
-        return cpu->LionStep(std::get<LionOptions>(step_options), step, Array(b, 0, n), grads,
-                             Array(b, 1, n), half, half_dtype);
-    }
-    return Status::Internal("unknown optimizer");
+    std::span<float> params = Array(b, 0, n);
+    std::span<float> state_arrays(params.data() + n, static_cast<size_t>(states) * n);
+    return RunSwapOptimizerStep(*cpu, options.optimizer, step_options, step, params, Grads(b, n),
+                                state_arrays, Half(b, n), options.half_dtype);
   }
 };
 
@@ -622,7 +637,7 @@ Status OptimizerSwapper::WriteGradients(uint64_t sub_group, std::span<const floa
 Status OptimizerSwapper::Step(const SwapStepOptions& options, const UpdateCallback& on_update) {
   Impl& s = *impl_;
   if (s.closed) return Status::FailedPrecondition("the optimizer swapper is closed");
-  MEMPLAN_RETURN_IF_ERROR(CheckStepOptions(s.options.optimizer, options));
+  MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(s.options.optimizer, options));
   for (uint64_t i = 0; i < sub_group_count_; ++i) {
     if (!s.grads_written[i]) {
       return Status::FailedPrecondition("gradients of sub-group " + std::to_string(i) +

@@ -61,6 +61,18 @@ int SwapOptimizerStates(SwapOptimizer optimizer);
 // (learning-rate schedules, loss scale).
 using SwapStepOptions = std::variant<AdamOptions, SgdOptions, LionOptions>;
 
+// Checks that `options` fit `optimizer` (the right alternative, amsgrad matching, SGD with
+// momentum) and are valid.
+Status ValidateSwapStepOptions(SwapOptimizer optimizer, const SwapStepOptions& options);
+
+// One step of `optimizer` over in-memory arrays, as the swapper runs it on each sub-group:
+// `states` holds SwapOptimizerStates(optimizer) arrays of params.size() elements back to back (in
+// the order of SwapOptimizer's comment); `half` is empty or receives the 16-bit copy.
+Status RunSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
+                            const SwapStepOptions& options, int64_t step, std::span<float> params,
+                            std::span<const float> grads, std::span<float> states,
+                            std::span<uint16_t> half, HalfDtype half_dtype);
+
 struct OptimizerSwapperOptions {
   // The store: directory, direct I/O, backend, checksum block size... `capacity_bytes` 0 (the
   // default here) sizes it from the geometry (RequiredStoreBytes). keep_files is forced on: a store

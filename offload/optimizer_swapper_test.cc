@@ -355,8 +355,9 @@ TEST_CASE("A process SIGKILLed mid-step leaves a store that reports the torn ste
     CHECK(report.torn);
     CHECK(report.epoch == 3);
     CHECK(report.torn_epoch == 4);
-    // Sub-groups 0..5 had step 4 written over their step-2 slot before the kill.
-    CHECK(report.torn_sub_groups >= 5);
+    // With 3 buffers the reader can only have read sub-group 6 into a buffer the writer freed
+    // after writing sub-group 3: sub-groups 0..3 had step 4 written over their step-2 slot.
+    CHECK(report.torn_sub_groups >= 4);
     OptimizerSwapper& s = **swapper;
     Reference ref(n);
     ref.AdamSteps(0, 3);

@@ -1,0 +1,18 @@
+// What the rest of memplan_offload (CreateBestRuntime, the NCCL collective) needs to know about a
+// gpu::Runtime beyond its interface. Implemented in cuda_runtime.cc, or cuda_runtime_stub.cc in a
+// build without CUDA. Not installed.
+#pragma once
+
+#include <string>
+
+#include "offload/gpu_runtime.h"
+
+namespace memplan::gpu::internal {
+
+// The CUDA device ordinal `runtime` runs on, or -1 when it is not the CUDA runtime.
+int CudaDeviceOf(const Runtime& runtime);
+
+// "NVIDIA H100 80GB HBM3, 79.1 GiB, compute capability 9.0" for the CUDA runtime; "" otherwise.
+std::string CudaDescription(const Runtime& runtime);
+
+}  // namespace memplan::gpu::internal

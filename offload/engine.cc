@@ -1,0 +1,713 @@
+// Engine: see engine.h for the contract.
+//
+// Note [Two optimizer homes]
+// The Schedule's optimizer tier decides where the fp32 master weights, states and gradients live:
+// "nvme" runs the OptimizerSwapper (a store on disk, pipelined sub-groups, crash-safe epochs);
+// "cpu" keeps them in ordinary host memory and runs the same kernels over the same sub-groups
+// (ZeRO-Offload). Both present the same small interface below, so the gradient path and the
+// write-back of updated parameters do not care which one runs.
+#include "offload/engine.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "offload/half.h"
+
+namespace memplan::offload {
+namespace {
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+HalfDtype ToHalf(ElementType type) {
+  return type == ElementType::kFloat16 ? HalfDtype::kFp16 : HalfDtype::kBf16;
+}
+
+// The optimizer's home (Note [Two optimizer homes]).
+class OptimizerHome {
+ public:
+  virtual ~OptimizerHome() = default;
+  virtual uint64_t sub_group_elements() const = 0;
+  virtual uint64_t sub_group_count() const = 0;
+  virtual uint64_t SubGroupSize(uint64_t sg) const = 0;
+  virtual Status WriteGradients(uint64_t sg, std::span<const float> grads) = 0;
+  // Where sub-group sg's gradients can be written in place (then WriteGradients is given this
+  // same span and copies nothing); empty when the home has no such buffer.
+  virtual std::span<float> DirectGradients(uint64_t /*sg*/) { return {}; }
+  virtual Status Step(const SwapStepOptions& options, const UpdateCallback& on_update) = 0;
+  virtual Status ReadParams(uint64_t sg, std::span<float> out) = 0;
+  virtual uint64_t epoch() const = 0;
+  virtual uint64_t pinned_bytes() const = 0;
+  virtual uint64_t read_bytes() const = 0;
+  virtual uint64_t write_bytes() const = 0;
+  virtual Status Close() = 0;
+};
+
+class NvmeHome final : public OptimizerHome {
+ public:
+  explicit NvmeHome(std::unique_ptr<OptimizerSwapper> swapper) : s_(std::move(swapper)) {}
+  uint64_t sub_group_elements() const override { return s_->sub_group_elements(); }
+  uint64_t sub_group_count() const override { return s_->sub_group_count(); }
+  uint64_t SubGroupSize(uint64_t sg) const override { return s_->SubGroupSize(sg); }
+  Status WriteGradients(uint64_t sg, std::span<const float> grads) override {
+    return s_->WriteGradients(sg, grads);
+  }
+  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update) override {
+    Status status = s_->Step(options, on_update);
+    const SwapStepStats& last = s_->stats().last_step;
+    read_ += last.read_bytes;
+    write_ += last.write_bytes;
+    return status;
+  }
+  Status ReadParams(uint64_t sg, std::span<float> out) override { return s_->ReadParams(sg, out); }
+  uint64_t epoch() const override { return s_->epoch(); }
+  uint64_t pinned_bytes() const override { return s_->stats().pool.capacity_bytes; }
+  uint64_t read_bytes() const override { return read_; }
+  uint64_t write_bytes() const override { return write_; }
+  Status Close() override { return s_->Close(); }
+
+ private:
+  std::unique_ptr<OptimizerSwapper> s_;
+  uint64_t read_ = 0, write_ = 0;
+};
+
+class MemoryHome final : public OptimizerHome {
+ public:
+  static Result<std::unique_ptr<MemoryHome>> Create(SwapOptimizer optimizer, HalfDtype half,
+                                                    const CpuOptimizerOptions& cpu_options,
+                                                    uint64_t n, uint64_t sub_group,
+                                                    const ParamFiller& fill) {
+    auto home = std::unique_ptr<MemoryHome>(new MemoryHome());
+    home->optimizer_ = optimizer;
+    home->half_ = half;
+    home->n_ = n;
+    home->sg_ = sub_group;
+    home->states_ = SwapOptimizerStates(optimizer);
+    MEMPLAN_ASSIGN_OR_RETURN(home->cpu_, CpuOptimizer::Create(cpu_options));
+    try {
+      home->params_.resize(n);
+      home->grads_.resize(n);
+      home->grads_written_.assign(home->sub_group_count(), false);
+      home->state_.assign(home->sub_group_count(), {});
+      home->half_buffer_.resize(std::min(n, sub_group));
+    } catch (const std::bad_alloc&) {
+      return Status::ResourceExhausted("engine: cannot allocate the optimizer's host memory for " +
+                                       std::to_string(n) + " parameters");
+    }
+    for (uint64_t sg = 0; sg < home->sub_group_count(); ++sg) {
+      const uint64_t first = sg * sub_group;
+      const uint64_t size = home->SubGroupSize(sg);
+      MEMPLAN_RETURN_IF_ERROR(fill(first, std::span<float>(home->params_.data() + first, size)));
+      home->state_[sg].assign(size * home->states_, 0.0f);
+    }
+    return home;
+  }
+  uint64_t sub_group_elements() const override { return sg_; }
+  uint64_t sub_group_count() const override { return (n_ + sg_ - 1) / sg_; }
+  uint64_t SubGroupSize(uint64_t sg) const override { return std::min(sg_, n_ - sg * sg_); }
+  Status WriteGradients(uint64_t sg, std::span<const float> grads) override {
+    if (sg >= sub_group_count() || grads.size() != SubGroupSize(sg)) {
+      return Status::InvalidArgument("engine: bad gradient sub-group");
+    }
+    float* dst = grads_.data() + sg * sg_;
+    if (grads.data() != dst) std::copy(grads.begin(), grads.end(), dst);
+    grads_written_[sg] = true;
+    return Status::Ok();
+  }
+  std::span<float> DirectGradients(uint64_t sg) override {
+    return {grads_.data() + sg * sg_, static_cast<size_t>(SubGroupSize(sg))};
+  }
+  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update) override {
+    MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(optimizer_, options));
+    for (uint64_t sg = 0; sg < sub_group_count(); ++sg) {
+      if (!grads_written_[sg]) {
+        return Status::FailedPrecondition("gradients of sub-group " + std::to_string(sg) +
+                                          " have not been written since step " +
+                                          std::to_string(epoch_));
+      }
+    }
+    const int64_t step = static_cast<int64_t>(epoch_ + 1);
+    for (uint64_t sg = 0; sg < sub_group_count(); ++sg) {
+      const uint64_t first = sg * sg_, size = SubGroupSize(sg);
+      std::span<float> params(params_.data() + first, size);
+      std::span<uint16_t> half(half_buffer_.data(), size);
+      MEMPLAN_RETURN_IF_ERROR(RunSwapOptimizerStep(
+          *cpu_, optimizer_, options, step, params,
+          std::span<const float>(grads_.data() + first, size), state_[sg], half, half_));
+      if (on_update) {
+        MEMPLAN_RETURN_IF_ERROR(
+            on_update({sg, first, params, std::span<const uint16_t>(half.data(), size)}));
+      }
+    }
+    ++epoch_;
+    std::fill(grads_written_.begin(), grads_written_.end(), false);
+    return Status::Ok();
+  }
+  Status ReadParams(uint64_t sg, std::span<float> out) override {
+    if (sg >= sub_group_count() || out.size() != SubGroupSize(sg)) {
+      return Status::InvalidArgument("engine: bad sub-group read");
+    }
+    std::copy_n(params_.begin() + static_cast<int64_t>(sg * sg_), out.size(), out.begin());
+    return Status::Ok();
+  }
+  uint64_t epoch() const override { return epoch_; }
+  uint64_t pinned_bytes() const override { return 0; }
+  uint64_t read_bytes() const override { return 0; }
+  uint64_t write_bytes() const override { return 0; }
+  Status Close() override { return Status::Ok(); }
+
+ private:
+  MemoryHome() = default;
+  SwapOptimizer optimizer_ = SwapOptimizer::kAdam;
+  HalfDtype half_ = HalfDtype::kBf16;
+  uint64_t n_ = 0, sg_ = 0, epoch_ = 0;
+  int states_ = 0;
+  std::unique_ptr<CpuOptimizer> cpu_;
+  std::vector<float> params_, grads_;
+  std::vector<std::vector<float>> state_;  // per sub-group, states back to back
+  std::vector<bool> grads_written_;
+  std::vector<uint16_t> half_buffer_;
+};
+
+// Makes `dir` (mode 0700) unless it exists; it must then be a directory owned by us.
+Status EnsurePrivateDirectory(const std::string& dir) {
+  if (::mkdir(dir.c_str(), 0700) == 0) return Status::Ok();
+  if (errno != EEXIST) return Status::FromErrno(errno, "engine: cannot create " + dir);
+  struct stat st {};
+  if (::lstat(dir.c_str(), &st) != 0) return Status::FromErrno(errno, "engine: cannot stat " + dir);
+  if (!S_ISDIR(st.st_mode) || st.st_uid != ::getuid()) {
+    return Status::FailedPrecondition("engine: " + dir +
+                                      " is not a directory owned by this user (or is a symlink)");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+struct Engine::Impl {
+  EngineOptions options;
+  std::unique_ptr<gpu::Runtime> own_runtime;
+  gpu::Runtime* runtime = nullptr;
+  std::unique_ptr<nvme::SwapStore> param_store;
+  std::unique_ptr<PinnedPool> staging;
+  std::unique_ptr<ParamSwapper> params;
+  std::unique_ptr<OptimizerHome> optimizer;
+  std::unique_ptr<CpuOptimizer> converter;  // fp32 -> 16-bit for the initial write-back
+  std::vector<ParamSpec> specs;             // in registration (= flat) order
+  std::vector<bool> grad_given;
+  uint64_t grads_missing = 0;
+  struct GradBuffer {
+    std::vector<float> data;
+    uint64_t received = 0;
+  };
+  // Note [Asynchronous gradients]: GradReady() queues the device-to-host copy and returns; the
+  // gradient thread waits for it, converts to fp32 into the sub-group buffers and hands full
+  // sub-groups to the optimizer (for the NVMe optimizer that is a store write), so the trainer's
+  // backward pass does not wait for any of it. Step() drains the queue first.
+  struct GradJob {
+    ParamId param = 0;
+    ElementType type = ElementType::kFloat32;
+    gpu::CopyTicket ticket;
+    std::vector<std::byte> host;
+  };
+  static constexpr size_t kMaxGradJobs = 4;
+  mutable std::mutex grad_mu;
+  std::condition_variable grad_cv;             // a job queued / finished, or stop
+  std::deque<GradJob> grad_jobs;               // Guarded by grad_mu.
+  std::vector<std::vector<std::byte>> grad_free;  // Guarded by grad_mu: recycled host buffers.
+  bool grad_busy = false;                      // Guarded by grad_mu.
+  bool grad_stop = false;                      // Guarded by grad_mu.
+  Status grad_error;                           // Guarded by grad_mu: the first failure.
+  uint64_t d2h_bytes = 0;                      // Guarded by grad_mu.
+  std::thread grad_worker;
+  std::unordered_map<uint64_t, GradBuffer> grad_buffers;  // the gradient thread's only
+  std::vector<std::vector<float>> grad_buffer_free;       // the gradient thread's only
+  bool started = false;
+  bool closed = false;
+  EngineStats stats;
+
+  int threads() const {
+    const int t = options.schedule.optimizer_threads;
+    if (t > 0) return t;
+    const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+    return cores > 0 ? static_cast<int>(std::min<long>(cores, 256)) : 1;
+  }
+
+  // Fills flat elements [first, first + out.size()) from the parameters' init functions.
+  Status Fill(uint64_t first, std::span<float> out) {
+    uint64_t at = first;
+    const uint64_t end = first + out.size();
+    // The parameter holding `first`: the last with flat offset <= first.
+    size_t i = 0;
+    {
+      size_t lo = 0, hi = specs.size();
+      while (hi - lo > 1) {
+        size_t mid = (lo + hi) / 2;
+        if (params->FlatOffset(static_cast<ParamId>(mid)) <= first) {
+          lo = mid;
+        } else {
+          hi = mid;
+        }
+      }
+      i = lo;
+    }
+    for (; at < end && i < specs.size(); ++i) {
+      const uint64_t p_first = params->FlatOffset(static_cast<ParamId>(i));
+      const uint64_t p_n = params->Numel(static_cast<ParamId>(i));
+      const uint64_t lo = std::max(at, p_first), hi = std::min(end, p_first + p_n);
+      if (lo >= hi) continue;
+      MEMPLAN_RETURN_IF_ERROR(
+          specs[i].init(lo - p_first, out.subspan(lo - first, hi - lo))
+              .WithPrefix("initialising parameter " + specs[i].name));
+      at = hi;
+    }
+    return Status::Ok();
+  }
+
+  Status WriteBack(const SubGroupUpdate& u) { return params->WriteHalf(u.first_element, u.half_params); }
+
+  // Converts one copied gradient into the sub-group buffers; full sub-groups go to the optimizer.
+  Status Accumulate(const GradJob& job) {
+    const uint64_t n = params->Numel(job.param);
+    const int eb = ElementBytes(job.type);
+    const uint64_t sg_elems = optimizer->sub_group_elements();
+    const uint64_t first = params->FlatOffset(job.param);
+    uint64_t done = 0;
+    while (done < n) {
+      const uint64_t at = first + done;
+      const uint64_t sg = at / sg_elems;
+      const uint64_t in_sg = at - sg * sg_elems;
+      const uint64_t size = optimizer->SubGroupSize(sg);
+      const uint64_t len = std::min(n - done, size - in_sg);
+      GradBuffer& buf = grad_buffers[sg];
+      std::span<float> direct = optimizer->DirectGradients(sg);
+      float* base = direct.data();
+      if (base == nullptr) {
+        if (buf.data.empty()) {
+          if (!grad_buffer_free.empty() && grad_buffer_free.back().size() == size) {
+            buf.data = std::move(grad_buffer_free.back());
+            grad_buffer_free.pop_back();
+          } else {
+            buf.data.resize(size);
+          }
+        }
+        base = buf.data.data();
+      }
+      float* dst = base + in_sg;
+      const std::byte* src = job.host.data() + done * eb;
+      // The host buffer comes from operator new: aligned for uint16_t.
+      const auto* half = reinterpret_cast<const uint16_t*>(src);
+      switch (job.type) {
+        case ElementType::kFloat32: std::memcpy(dst, src, len * 4); break;
+        case ElementType::kBFloat16:
+          for (uint64_t k = 0; k < len; ++k) dst[k] = Bf16ToFloat(half[k]);
+          break;
+        case ElementType::kFloat16:
+          for (uint64_t k = 0; k < len; ++k) dst[k] = Fp16ToFloat(half[k]);
+          break;
+      }
+      buf.received += len;
+      if (buf.received == size) {
+        MEMPLAN_RETURN_IF_ERROR(
+            optimizer->WriteGradients(sg, std::span<const float>(base, size)));
+        if (!buf.data.empty()) grad_buffer_free.push_back(std::move(buf.data));
+        grad_buffers.erase(sg);
+      }
+      done += len;
+    }
+    return Status::Ok();
+  }
+
+  void RunGradients() {
+    for (;;) {
+      GradJob job;
+      {
+        std::unique_lock<std::mutex> lock(grad_mu);
+        grad_cv.wait(lock, [&] { return grad_stop || !grad_jobs.empty(); });
+        if (grad_jobs.empty()) return;  // stopping, nothing left
+        job = std::move(grad_jobs.front());
+        grad_jobs.pop_front();
+        grad_busy = true;
+      }
+      Status status = runtime->Wait(job.ticket);
+      if (status.ok()) status = Accumulate(job);
+      {
+        std::lock_guard<std::mutex> lock(grad_mu);
+        if (!status.ok() && grad_error.ok()) {
+          grad_error = status.WithPrefix("gradient of " + specs[job.param].name);
+        }
+        grad_free.push_back(std::move(job.host));
+        grad_busy = false;
+      }
+      grad_cv.notify_all();
+    }
+  }
+
+  // Waits until every queued gradient is in the optimizer; returns the first failure.
+  Status DrainGradients() {
+    std::unique_lock<std::mutex> lock(grad_mu);
+    grad_cv.wait(lock, [&] { return grad_jobs.empty() && !grad_busy; });
+    return grad_error;
+  }
+
+  void StopGradients() {
+    {
+      std::lock_guard<std::mutex> lock(grad_mu);
+      grad_stop = true;
+    }
+    grad_cv.notify_all();
+    if (grad_worker.joinable()) grad_worker.join();
+  }
+};
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() { (void)Close(); }
+
+Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+  MEMPLAN_RETURN_IF_ERROR(options.schedule.Validate());
+  if (options.schedule.param_dtype == ElementType::kFloat32) {
+    return Status::Unimplemented("engine: fp32 working parameters are not supported yet; use bf16 "
+                                 "or fp16 in params.dtype");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  if (options.runtime != nullptr) {
+    impl->runtime = options.runtime;
+  } else {
+    impl->own_runtime = gpu::CreateBestRuntime();
+    impl->runtime = impl->own_runtime.get();
+  }
+  impl->stats.runtime = std::string(impl->runtime->Name());
+  if (options.collective != nullptr && options.collective->world_size() != 1) {
+    return Status::Unimplemented("engine: world size " +
+                                 std::to_string(options.collective->world_size()) +
+                                 " (ZeRO-3 partitioning across ranks) is not implemented yet");
+  }
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Result<ParamId> Engine::AddParameter(const ParamSpec& spec) {
+  Impl& s = *impl_;
+  if (s.started) return Status::FailedPrecondition("engine: AddParameter() after Start()");
+  if (spec.name.empty() || spec.module.empty()) {
+    return Status::InvalidArgument("engine: a parameter needs a name and a module");
+  }
+  if (!spec.init) return Status::InvalidArgument("engine: parameter " + spec.name + " has no init");
+  uint64_t numel = 1;
+  for (int64_t d : spec.shape) {
+    if (d <= 0) {
+      return Status::InvalidArgument("engine: parameter " + spec.name + " has a dimension " +
+                                     std::to_string(d));
+    }
+    if (numel > (uint64_t{1} << 40) / static_cast<uint64_t>(d)) {
+      return Status::InvalidArgument("engine: parameter " + spec.name + " is implausibly large");
+    }
+    numel *= static_cast<uint64_t>(d);
+  }
+  for (const ParamSpec& other : s.specs) {
+    if (other.name == spec.name) {
+      return Status::InvalidArgument("engine: parameter " + spec.name + " registered twice");
+    }
+  }
+  s.specs.push_back(spec);
+  return static_cast<ParamId>(s.specs.size() - 1);
+}
+
+Status Engine::Start(RecoveryReport* report) {
+  Impl& s = *impl_;
+  if (s.started) return Status::FailedPrecondition("engine: Start() twice");
+  if (s.specs.empty()) return Status::FailedPrecondition("engine: no parameters registered");
+  const Schedule& sc = s.options.schedule;
+  const bool nvme = sc.param_tier == Tier::kNvme || sc.optimizer_tier == Tier::kNvme;
+  if (nvme) MEMPLAN_RETURN_IF_ERROR(EnsurePrivateDirectory(sc.nvme_path));
+
+  ParamSwapperOptions po;
+  po.tier = sc.param_tier;
+  po.dtype = sc.param_dtype;
+  po.persistence_threshold = sc.persistence_threshold;
+  po.prefetch_bytes = sc.prefetch_bytes;
+  po.max_live_bytes = sc.max_live_bytes;
+  po.chunk_elements = sc.sub_group_elements;
+  po.runtime = s.runtime;
+  po.collective = s.options.collective;
+  po.staging_slots = sc.param_buffer_count;
+  uint64_t total = 0;
+  for (const ParamSpec& p : s.specs) {
+    uint64_t n = 1;
+    for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
+    total += n;
+  }
+  if (sc.param_tier == Tier::kNvme) {
+    // The parameters' 16-bit copies are derived from the master weights, so their store is made
+    // afresh each run; one left by a crashed run is removed first.
+    const std::string dir = sc.nvme_path + "/params";
+    if (::access((dir + "/" + nvme::SwapStore::kDataFileName).c_str(), F_OK) == 0) {
+      if (!s.options.resume) {
+        return Status::FailedPrecondition(
+            "engine: " + dir + " holds a parameter store from an earlier run; start with resume, "
+            "or remove it");
+      }
+      for (const char* name : {nvme::SwapStore::kDataFileName, nvme::SwapStore::kIndexFileName,
+                               nvme::SwapStore::kLockFileName}) {
+        ::unlink((dir + "/" + name).c_str());
+      }
+    }
+    nvme::SwapStoreOptions so;
+    so.directory = dir;
+    so.direct = sc.nvme_direct;
+    so.backend = sc.nvme_backend;
+    so.backend_options.queue_depth = sc.nvme_queue_depth;
+    so.engine_options.block_size = sc.nvme_block_size;
+    const uint64_t chunks = (total + sc.sub_group_elements - 1) / sc.sub_group_elements;
+    so.capacity_bytes = total * 2 + chunks * (uint64_t{64} << 10) + (uint64_t{1} << 20);
+    MEMPLAN_ASSIGN_OR_RETURN(s.param_store, nvme::SwapStore::Open(so));
+    PinnedPoolOptions pool;
+    pool.slot_bytes = sc.param_buffer_bytes;
+    pool.slot_count = sc.param_buffer_count;
+    pool.budget_bytes = sc.param_buffer_bytes * sc.param_buffer_count;
+    if (sc.pinned_budget_bytes > 0 && pool.budget_bytes > sc.pinned_budget_bytes) {
+      return Status::ResourceExhausted(
+          "engine: the parameter staging buffers need " + std::to_string(pool.budget_bytes) +
+          " pinned bytes; pinned_budget_bytes is " + std::to_string(sc.pinned_budget_bytes));
+    }
+    MEMPLAN_ASSIGN_OR_RETURN(s.staging, PinnedPool::Create(pool, s.runtime));
+    po.store = s.param_store.get();
+    po.staging = s.staging.get();
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(s.params, ParamSwapper::Create(po));
+  for (const ParamSpec& p : s.specs) {
+    uint64_t n = 1;
+    for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
+    MEMPLAN_ASSIGN_OR_RETURN(ParamId id, s.params->Add(p.name, p.module, n));
+    for (const std::string& m : p.also_used_by) MEMPLAN_RETURN_IF_ERROR(s.params->AddUse(id, m));
+  }
+  MEMPLAN_RETURN_IF_ERROR(s.params->Finalize());
+
+  CpuOptimizerOptions cpu;
+  cpu.threads = s.threads();
+  MEMPLAN_ASSIGN_OR_RETURN(s.converter, CpuOptimizer::Create(cpu));
+  auto fill = [&s](uint64_t first, std::span<float> out) { return s.Fill(first, out); };
+  if (sc.optimizer_tier == Tier::kNvme) {
+    OptimizerSwapperOptions oo;
+    oo.store.directory = sc.nvme_path + "/optimizer";
+    oo.store.direct = sc.nvme_direct;
+    oo.store.backend = sc.nvme_backend;
+    oo.store.backend_options.queue_depth = sc.nvme_queue_depth;
+    oo.store.engine_options.block_size = sc.nvme_block_size;
+    oo.sub_group_elements = sc.sub_group_elements;
+    oo.buffer_count = sc.optimizer_buffer_count;
+    oo.optimizer = sc.optimizer;
+    oo.half_dtype = ToHalf(sc.param_dtype);
+    oo.cpu = cpu;
+    oo.runtime = s.runtime;
+    const uint64_t optimizer_pinned = OptimizerSwapper::RequiredSlotBytes(oo) * oo.buffer_count;
+    const uint64_t staging_pinned = s.staging ? s.staging->stats().capacity_bytes : 0;
+    if (sc.pinned_budget_bytes > 0 && optimizer_pinned + staging_pinned > sc.pinned_budget_bytes) {
+      return Status::ResourceExhausted(
+          "engine: the optimizer's pinned buffers (" + std::to_string(optimizer_pinned) +
+          " bytes) and the parameter staging buffers (" + std::to_string(staging_pinned) +
+          ") exceed pinned_budget_bytes " + std::to_string(sc.pinned_budget_bytes) +
+          "; lower optimizer.sub_group_elements or the buffer counts");
+    }
+    std::unique_ptr<OptimizerSwapper> swapper;
+    if (s.options.resume) {
+      MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Open(oo, report));
+      if (swapper->num_elements() != total) {
+        return Status::InvalidArgument("engine: the optimizer store holds " +
+                                       std::to_string(swapper->num_elements()) +
+                                       " parameters; the model registered " +
+                                       std::to_string(total));
+      }
+    } else {
+      MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Create(oo, total, fill));
+    }
+    s.optimizer = std::make_unique<NvmeHome>(std::move(swapper));
+  } else {
+    if (s.options.resume) {
+      return Status::InvalidArgument("engine: resume needs the optimizer on nvme (a cpu "
+                                     "optimizer keeps nothing across runs)");
+    }
+    MEMPLAN_ASSIGN_OR_RETURN(auto home,
+                             MemoryHome::Create(sc.optimizer, ToHalf(sc.param_dtype), cpu, total,
+                                                sc.sub_group_elements, fill));
+    s.optimizer = std::move(home);
+  }
+  // The 16-bit working copies, from the master weights (which, after a resume, are the last
+  // complete step's).
+  std::vector<float> master(std::min(total, sc.sub_group_elements));
+  std::vector<uint16_t> half(master.size());
+  for (uint64_t sg = 0; sg < s.optimizer->sub_group_count(); ++sg) {
+    const uint64_t n = s.optimizer->SubGroupSize(sg);
+    std::span<float> m(master.data(), n);
+    std::span<uint16_t> h(half.data(), n);
+    MEMPLAN_RETURN_IF_ERROR(s.optimizer->ReadParams(sg, m));
+    MEMPLAN_RETURN_IF_ERROR(s.converter->ConvertToHalf(m, h, ToHalf(sc.param_dtype)));
+    MEMPLAN_RETURN_IF_ERROR(s.params->WriteHalf(sg * sc.sub_group_elements, h));
+  }
+  s.grad_given.assign(s.specs.size(), false);
+  s.grads_missing = s.specs.size();
+  s.grad_worker = std::thread([&s] { s.RunGradients(); });
+  s.stats.params = s.specs.size();
+  s.stats.elements = total;
+  s.stats.epoch = s.optimizer->epoch();
+  s.started = true;
+  return Status::Ok();
+}
+
+Status Engine::Fetch(std::string_view module) {
+  Impl& s = *impl_;
+  if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
+  Status status = s.params->Fetch(module);
+  s.stats.peak_device_bytes = std::max(s.stats.peak_device_bytes, s.runtime->device_bytes_in_use());
+  return status;
+}
+
+Status Engine::Release(std::string_view module) {
+  Impl& s = *impl_;
+  if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
+  return s.params->Release(module);
+}
+
+Result<void*> Engine::DevicePointer(ParamId param) const {
+  const Impl& s = *impl_;
+  if (!s.started) return Status::FailedPrecondition("engine: not started");
+  return s.params->DevicePointer(param);
+}
+
+Status Engine::GradReady(ParamId param, const void* device_grad, ElementType type) {
+  Impl& s = *impl_;
+  if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
+  if (param >= s.specs.size()) return Status::InvalidArgument("engine: unknown parameter id");
+  if (s.grad_given[param]) {
+    return Status::FailedPrecondition("engine: gradient of " + s.specs[param].name +
+                                      " given twice in one step");
+  }
+  const uint64_t bytes = s.params->Numel(param) * ElementBytes(type);
+  Impl::GradJob job;
+  job.param = param;
+  job.type = type;
+  {
+    std::unique_lock<std::mutex> lock(s.grad_mu);
+    if (!s.grad_error.ok()) return s.grad_error;
+    s.grad_cv.wait(lock, [&] { return s.grad_jobs.size() < Impl::kMaxGradJobs; });
+    for (size_t i = 0; i < s.grad_free.size(); ++i) {
+      if (s.grad_free[i].size() >= bytes) {
+        job.host = std::move(s.grad_free[i]);
+        s.grad_free.erase(s.grad_free.begin() + static_cast<int64_t>(i));
+        break;
+      }
+    }
+  }
+  if (job.host.size() < bytes) job.host.resize(bytes);
+  MEMPLAN_ASSIGN_OR_RETURN(job.ticket,
+                           s.runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost, job.host.data(),
+                                                device_grad, bytes));
+  {
+    std::lock_guard<std::mutex> lock(s.grad_mu);
+    s.grad_jobs.push_back(std::move(job));
+    s.d2h_bytes += bytes;
+  }
+  s.grad_cv.notify_all();
+  s.grad_given[param] = true;
+  --s.grads_missing;
+  return Status::Ok();
+}
+
+Status Engine::Step(const SwapStepOptions& options) {
+  Impl& s = *impl_;
+  if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
+  if (s.grads_missing > 0) {
+    for (size_t i = 0; i < s.specs.size(); ++i) {
+      if (!s.grad_given[i]) {
+        return Status::FailedPrecondition("engine: no gradient for " + s.specs[i].name +
+                                          " this step (" + std::to_string(s.grads_missing) +
+                                          " missing)");
+      }
+    }
+  }
+  MEMPLAN_RETURN_IF_ERROR(s.DrainGradients());
+  MEMPLAN_RETURN_IF_ERROR(s.params->EndOfStep());
+  const auto start = std::chrono::steady_clock::now();
+  MEMPLAN_RETURN_IF_ERROR(
+      s.optimizer->Step(options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }));
+  s.stats.last_step_s = SecondsSince(start);
+  std::fill(s.grad_given.begin(), s.grad_given.end(), false);
+  s.grads_missing = s.specs.size();
+  ++s.stats.steps;
+  s.stats.epoch = s.optimizer->epoch();
+  return Status::Ok();
+}
+
+Status Engine::ReadMasterWeights(ParamId param, std::span<float> out) {
+  Impl& s = *impl_;
+  if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
+  if (param >= s.specs.size()) return Status::InvalidArgument("engine: unknown parameter id");
+  const uint64_t n = s.params->Numel(param);
+  if (out.size() != n) return Status::InvalidArgument("engine: output size mismatch");
+  const uint64_t sg_elems = s.optimizer->sub_group_elements();
+  const uint64_t first = s.params->FlatOffset(param);
+  std::vector<float> buffer;
+  uint64_t done = 0;
+  while (done < n) {
+    const uint64_t at = first + done;
+    const uint64_t sg = at / sg_elems;
+    const uint64_t in_sg = at - sg * sg_elems;
+    buffer.resize(s.optimizer->SubGroupSize(sg));
+    MEMPLAN_RETURN_IF_ERROR(s.optimizer->ReadParams(sg, buffer));
+    const uint64_t len = std::min(n - done, buffer.size() - in_sg);
+    std::copy_n(buffer.begin() + static_cast<int64_t>(in_sg), len,
+                out.begin() + static_cast<int64_t>(done));
+    done += len;
+  }
+  return Status::Ok();
+}
+
+EngineStats Engine::stats() const {
+  const Impl& s = *impl_;
+  EngineStats out = s.stats;
+  {
+    std::lock_guard<std::mutex> lock(s.grad_mu);
+    out.d2h_bytes = s.d2h_bytes;
+  }
+  if (s.params) out.param = s.params->stats();
+  if (s.optimizer) {
+    out.optimizer_read_bytes = s.optimizer->read_bytes();
+    out.optimizer_write_bytes = s.optimizer->write_bytes();
+    out.pinned_bytes = out.param.pinned_bytes + s.optimizer->pinned_bytes();
+  }
+  out.peak_device_bytes = std::max(out.peak_device_bytes, s.runtime->device_bytes_in_use());
+  return out;
+}
+
+Status Engine::Close() {
+  Impl& s = *impl_;
+  if (s.closed) return Status::Ok();
+  s.closed = true;
+  s.StopGradients();  // finishes the gradients queued (their copies may still be in flight)
+  Status status;
+  if (s.params) status = s.params->EndOfStep();
+  s.params.reset();  // before the store and staging pool it uses
+  if (s.optimizer) {
+    Status closed = s.optimizer->Close();
+    if (status.ok()) status = closed;
+  }
+  if (s.param_store) {
+    Status closed = s.param_store->Close();
+    if (status.ok()) status = closed;
+  }
+  s.staging.reset();
+  return status;
+}
+
+}  // namespace memplan::offload

@@ -1,0 +1,345 @@
+// Engine and ParamSwapper on the host-only runtime: training steps through every tier combination
+// give exactly the in-memory optimizer's weights; fetched parameters are the 16-bit copies of the
+// master weights; the trace is recorded, followed, invalidated and re-recorded; prefetch stays
+// within its budgets; a resumed engine carries on from the last step; misuse is an error.
+#include "offload/engine.h"
+
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "offload/half.h"
+#include "offload/schedule.h"
+#include "tests/testing.h"
+
+namespace memplan::offload {
+namespace {
+
+using memplan::testing::TempDir;
+
+// A toy model: modules "m0".."m{k-1}", each with a big weight and a small bias (the bias stays on
+// the GPU: it is under the persistence threshold).
+struct ToyModel {
+  struct P {
+    std::string name, module;
+    uint64_t numel;
+  };
+  std::vector<P> params;
+  std::vector<std::string> modules;
+  uint64_t total = 0;
+
+  explicit ToyModel(int layers, uint64_t weight = 3000, uint64_t bias = 40) {
+    for (int l = 0; l < layers; ++l) {
+      const std::string m = "m" + std::to_string(l);
+      modules.push_back(m);
+      params.push_back({m + ".weight", m, weight + 100 * static_cast<uint64_t>(l)});
+      params.push_back({m + ".bias", m, bias});
+    }
+    for (const P& p : params) total += p.numel;
+  }
+  uint64_t Offset(size_t i) const {
+    uint64_t at = 0;
+    for (size_t k = 0; k < i; ++k) at += params[k].numel;
+    return at;
+  }
+};
+
+float Init(uint64_t flat) { return static_cast<float>((flat % 89) * 0.01 - 0.44); }
+// The gradient of flat element e at step t, exactly representable in bf16.
+float GradAt(uint64_t t, uint64_t e) {
+  return Bf16ToFloat(FloatToBf16(static_cast<float>(((e * 7 + t * 13) % 61) * 0.003 - 0.09)));
+}
+
+Schedule MakeSchedule(Tier params, Tier optimizer, const std::string& path) {
+  Schedule s;
+  s.param_tier = params;
+  s.optimizer_tier = optimizer;
+  s.persistence_threshold = 64;
+  s.sub_group_elements = 2048;  // sub-groups cut across parameters
+  s.param_buffer_bytes = 4096;  // parameters span several staging slots
+  s.param_buffer_count = 2;
+  s.optimizer_buffer_count = 3;
+  s.optimizer_threads = 2;
+  s.nvme_path = path;
+  s.nvme_backend = nvme::BackendKind::kPosix;
+  s.nvme_direct = false;
+  return s;
+}
+
+AdamOptions Adam(uint64_t t) {
+  AdamOptions a;
+  a.lr = 1e-2 / static_cast<double>(t);
+  return a;
+}
+
+struct Run {
+  // Each run has its own runtime, destroyed (its copy threads joined) after the engine: the
+  // process-wide one would keep threads alive, and other tests fork.
+  std::unique_ptr<gpu::Runtime> runtime = gpu::CreateHostOnlyRuntime();
+  std::unique_ptr<Engine> engine;
+  std::vector<ParamId> ids;
+};
+
+Run StartEngine(const ToyModel& model, const Schedule& schedule, bool resume = false,
+                RecoveryReport* report = nullptr) {
+  Run run;
+  EngineOptions options;
+  options.schedule = schedule;
+  options.runtime = run.runtime.get();
+  options.resume = resume;
+  auto engine = Engine::Create(options);
+  REQUIRE_MESSAGE(engine.ok(), engine.status().ToString());
+  run.engine = std::move(*engine);
+  for (size_t i = 0; i < model.params.size(); ++i) {
+    const uint64_t base = model.Offset(i);
+    ParamSpec spec;
+    spec.name = model.params[i].name;
+    spec.module = model.params[i].module;
+    spec.shape = {static_cast<int64_t>(model.params[i].numel)};
+    spec.init = [base](uint64_t first, std::span<float> out) {
+      for (size_t k = 0; k < out.size(); ++k) out[k] = Init(base + first + k);
+      return Status::Ok();
+    };
+    auto id = run.engine->AddParameter(spec);
+    REQUIRE(id.ok());
+    run.ids.push_back(*id);
+  }
+  Status started = run.engine->Start(report);
+  REQUIRE_MESSAGE(started.ok(), started.ToString());
+  return run;
+}
+
+// The fetched 16-bit copy of every parameter equals bf16(master weights).
+void CheckFetchedAreMaster(Run& run, const ToyModel& model) {
+  for (size_t i = 0; i < model.params.size(); ++i) {
+    std::vector<float> master(model.params[i].numel);
+    REQUIRE(run.engine->ReadMasterWeights(run.ids[i], master).ok());
+    REQUIRE(run.engine->Fetch(model.params[i].module).ok());
+    auto ptr = run.engine->DevicePointer(run.ids[i]);
+    REQUIRE(ptr.ok());
+    const auto* half = static_cast<const uint16_t*>(*ptr);
+    size_t wrong = 0;
+    for (size_t k = 0; k < master.size(); ++k) wrong += half[k] != FloatToBf16(master[k]);
+    CHECK_MESSAGE(wrong == 0, model.params[i].name);
+    REQUIRE(run.engine->Release(model.params[i].module).ok());
+  }
+}
+
+// One training step: forward over the modules in `order`, backward in reverse with gradients.
+void TrainStep(Run& run, const ToyModel& model, uint64_t t, const std::vector<std::string>& order) {
+  for (const std::string& m : order) {
+    REQUIRE(run.engine->Fetch(m).ok());
+    REQUIRE(run.engine->Release(m).ok());
+  }
+  // Gradients must stay valid until Step(): the engine copies them asynchronously.
+  std::vector<std::vector<uint16_t>> grads(model.params.size());
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    REQUIRE(run.engine->Fetch(*it).ok());
+    for (size_t i = 0; i < model.params.size(); ++i) {
+      if (model.params[i].module != *it) continue;
+      REQUIRE(run.engine->DevicePointer(run.ids[i]).ok());
+      std::vector<uint16_t>& grad = grads[i];
+      grad.resize(model.params[i].numel);
+      for (size_t k = 0; k < grad.size(); ++k) grad[k] = FloatToBf16(GradAt(t, model.Offset(i) + k));
+      // Host-only runtime: device memory is host memory.
+      Status st = run.engine->GradReady(run.ids[i], grad.data(), ElementType::kBFloat16);
+      REQUIRE_MESSAGE(st.ok(), st.ToString());
+    }
+    REQUIRE(run.engine->Release(*it).ok());
+  }
+  Status st = run.engine->Step(Adam(t));
+  REQUIRE_MESSAGE(st.ok(), st.ToString());
+}
+
+// AdamW over the flat space in memory, for comparison.
+std::vector<float> ReferenceWeights(const ToyModel& model, uint64_t steps) {
+  const uint64_t n = model.total;
+  std::vector<float> p(n), m(n, 0.0f), v(n, 0.0f), g(n);
+  for (uint64_t e = 0; e < n; ++e) p[e] = Init(e);
+  auto cpu = CpuOptimizer::Create({});
+  REQUIRE(cpu.ok());
+  for (uint64_t t = 1; t <= steps; ++t) {
+    for (uint64_t e = 0; e < n; ++e) g[e] = GradAt(t, e);
+    AdamTensors tensors{p, g, m, v, {}, {}, HalfDtype::kNone};
+    REQUIRE((*cpu)->AdamStep(Adam(t), static_cast<int64_t>(t), tensors).ok());
+  }
+  return p;
+}
+
+std::vector<float> EngineWeights(Run& run, const ToyModel& model) {
+  std::vector<float> all;
+  for (size_t i = 0; i < model.params.size(); ++i) {
+    std::vector<float> w(model.params[i].numel);
+    REQUIRE(run.engine->ReadMasterWeights(run.ids[i], w).ok());
+    all.insert(all.end(), w.begin(), w.end());
+  }
+  return all;
+}
+
+TEST_CASE("Engine trains bit-identically to in-memory AdamW on every tier combination") {
+  const ToyModel model(4);
+  struct Combo {
+    Tier params, optimizer;
+  };
+  for (Combo c : {Combo{Tier::kGpu, Tier::kCpu}, Combo{Tier::kCpu, Tier::kCpu},
+                  Combo{Tier::kNvme, Tier::kCpu}, Combo{Tier::kCpu, Tier::kNvme},
+                  Combo{Tier::kNvme, Tier::kNvme}}) {
+    CAPTURE(TierName(c.params));
+    CAPTURE(TierName(c.optimizer));
+    TempDir dir("engine-");
+    Run run = StartEngine(model, MakeSchedule(c.params, c.optimizer, dir.PathOf("nvme")));
+    CheckFetchedAreMaster(run, model);
+    for (uint64_t t = 1; t <= 3; ++t) TrainStep(run, model, t, model.modules);
+    const std::vector<float> got = EngineWeights(run, model);
+    const std::vector<float> want = ReferenceWeights(model, 3);
+    REQUIRE(got.size() == want.size());
+    CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
+    CheckFetchedAreMaster(run, model);
+    const EngineStats stats = run.engine->stats();
+    CHECK(stats.steps == 3);
+    CHECK(stats.epoch == 3);
+    CHECK(stats.elements == model.total);
+    CHECK(stats.d2h_bytes == 3 * 2 * model.total);
+    CHECK(stats.runtime == "host-only");
+    if (c.params == Tier::kGpu) {
+      CHECK(stats.param.demand_fetches == 0);
+      CHECK(stats.param.resident_bytes == 2 * model.total);
+    } else {
+      CHECK(stats.param.resident_bytes == 2 * 4 * 40);  // the biases
+      CHECK(stats.param.h2d_bytes > 0);
+    }
+    if (c.params == Tier::kNvme) {
+      CHECK(stats.param.nvme_read_bytes > 0);
+      CHECK(stats.param.nvme_write_bytes == 4 * 2 * model.total);  // start + 3 steps
+    }
+    if (c.optimizer == Tier::kNvme) {
+      CHECK(stats.optimizer_read_bytes > 3 * 16 * model.total);
+      CHECK(stats.pinned_bytes > 0);
+    }
+    REQUIRE(run.engine->Close().ok());
+  }
+}
+
+TEST_CASE("ParamSwapper follows the recorded trace, prefetches within budgets, re-records") {
+  const ToyModel model(6, 2000);
+  TempDir dir("engine-");
+  Schedule s = MakeSchedule(Tier::kNvme, Tier::kCpu, dir.PathOf("nvme"));
+  // Room for about two weights ahead and three live: prefetch must stop at the budgets.
+  s.prefetch_bytes = 2 * 2 * 2500;
+  s.max_live_bytes = 3 * 2 * 2600;
+  Run run = StartEngine(model, s);
+  TrainStep(run, model, 1, model.modules);
+  ParamSwapperStats after1 = run.engine->stats().param;
+  CHECK(after1.prefetches == 0);  // step 1 only records
+  CHECK(after1.trace_complete);
+  CHECK(after1.trace_length == 12);  // 6 forward + 6 backward fetches
+  for (uint64_t t = 2; t <= 3; ++t) TrainStep(run, model, t, model.modules);
+  ParamSwapperStats after3 = run.engine->stats().param;
+  CHECK(after3.prefetches > 0);
+  CHECK(after3.prefetch_hits > 0);
+  CHECK(after3.trace_invalidations == 0);
+  CHECK(after3.peak_ahead_bytes <= s.prefetch_bytes);
+  CHECK(after3.peak_live_bytes <= s.max_live_bytes);
+  CHECK(after3.live_bytes == 0);
+  CHECK(after3.ahead_bytes == 0);
+
+  // A different order invalidates the trace; the new order is then recorded and followed.
+  std::vector<std::string> swapped = model.modules;
+  std::swap(swapped[2], swapped[3]);
+  TrainStep(run, model, 4, swapped);
+  ParamSwapperStats after4 = run.engine->stats().param;
+  CHECK(after4.trace_invalidations == 1);
+  const uint64_t hits_before = after4.prefetch_hits;
+  TrainStep(run, model, 5, swapped);
+  TrainStep(run, model, 6, swapped);
+  ParamSwapperStats after6 = run.engine->stats().param;
+  CHECK(after6.trace_invalidations == 1);
+  CHECK(after6.prefetch_hits > hits_before);
+  CHECK(after6.peak_ahead_bytes <= s.prefetch_bytes);
+  CHECK(after6.peak_live_bytes <= s.max_live_bytes);
+  // The weights are still right.
+  const std::vector<float> got = EngineWeights(run, model);
+  const std::vector<float> want = ReferenceWeights(model, 6);
+  CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
+}
+
+TEST_CASE("Engine resumes from its NVMe optimizer store") {
+  const ToyModel model(3);
+  TempDir dir("engine-");
+  const Schedule s = MakeSchedule(Tier::kNvme, Tier::kNvme, dir.PathOf("nvme"));
+  {
+    Run run = StartEngine(model, s);
+    for (uint64_t t = 1; t <= 2; ++t) TrainStep(run, model, t, model.modules);
+    REQUIRE(run.engine->Close().ok());
+  }
+  RecoveryReport report;
+  Run run = StartEngine(model, s, /*resume=*/true, &report);
+  CHECK(report.epoch == 2);
+  CHECK_FALSE(report.torn);
+  CHECK(run.engine->stats().epoch == 2);
+  CheckFetchedAreMaster(run, model);
+  TrainStep(run, model, 3, model.modules);
+  const std::vector<float> got = EngineWeights(run, model);
+  const std::vector<float> want = ReferenceWeights(model, 3);
+  CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
+}
+
+TEST_CASE("Engine misuse is an error naming what is wrong") {
+  const ToyModel model(2);
+  TempDir dir("engine-");
+  // Declared before the engine: its asynchronous copy may read it until the engine closes.
+  std::vector<uint16_t> grad(model.params[0].numel);
+  Run run = StartEngine(model, MakeSchedule(Tier::kCpu, Tier::kCpu, dir.PathOf("nvme")));
+  Engine& e = *run.engine;
+  CHECK(e.Fetch("nope").code() == StatusCode::kNotFound);
+  CHECK(e.Release("m0").code() == StatusCode::kFailedPrecondition);
+  CHECK(e.DevicePointer(run.ids[0]).status().code() == StatusCode::kFailedPrecondition);
+  CHECK(e.DevicePointer(run.ids[1]).ok());  // the bias is resident
+  REQUIRE(e.GradReady(run.ids[0], grad.data(), ElementType::kBFloat16).ok());
+  CHECK(e.GradReady(run.ids[0], grad.data(), ElementType::kBFloat16).code() ==
+        StatusCode::kFailedPrecondition);
+  Status st = e.Step(Adam(1));
+  CHECK(st.code() == StatusCode::kFailedPrecondition);
+  CHECK(st.message().find("m0.bias") != std::string::npos);
+  ParamSpec late{"late", "m9", {4}, [](uint64_t, std::span<float>) { return Status::Ok(); }, {}};
+  CHECK(e.AddParameter(late).status().code() == StatusCode::kFailedPrecondition);
+
+  EngineOptions options;
+  options.schedule = MakeSchedule(Tier::kCpu, Tier::kCpu, "");
+  options.runtime = &gpu::DefaultHostOnlyRuntime();
+  auto fresh = Engine::Create(options);
+  REQUIRE(fresh.ok());
+  CHECK((*fresh)->AddParameter({"w", "m", {0}, late.init, {}}).status().code() ==
+        StatusCode::kInvalidArgument);
+  CHECK((*fresh)->Start().code() == StatusCode::kFailedPrecondition);  // nothing registered
+  options.schedule.param_tier = Tier::kNvme;  // no nvme.path
+  CHECK(Engine::Create(options).status().code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("Schedule JSON round-trips and rejects what it does not know") {
+  Schedule s = MakeSchedule(Tier::kNvme, Tier::kNvme, "/mnt/nvme/job");
+  s.prefetch_bytes = 12345;
+  auto back = ScheduleFromJson(ToJson(s), "schedule.json");
+  REQUIRE_MESSAGE(back.ok(), back.status().ToString());
+  CHECK(ToJson(*back) == ToJson(s));
+  CHECK(ToJson(Schedule{})["params"]["tier"] == "gpu");
+  auto parse = [](const char* text) {
+    return ScheduleFromJson(nlohmann::json::parse(text), "s.json").status();
+  };
+  CHECK(parse("{}").ok());
+  Status st = parse(R"({"params": {"teir": "cpu"}})");
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK(st.message().find("teir") != std::string::npos);
+  CHECK(parse(R"({"version": 2})").message().find("version") != std::string::npos);
+  CHECK(parse(R"({"params": {"tier": "nvme"}})").message().find("nvme.path") != std::string::npos);
+  CHECK(parse(R"({"optimizer": {"buffer_count": 70000000000}})").message().find(
+            "buffer_count") != std::string::npos);
+  CHECK(parse(R"({"optimizer": {"tier": "gpu"}})").code() == StatusCode::kInvalidArgument);
+  CHECK(parse(R"({"params": {"prefetch_bytes": -1}})").code() == StatusCode::kInvalidArgument);
+  CHECK(parse(R"([])").code() == StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace memplan::offload

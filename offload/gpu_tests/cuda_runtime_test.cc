@@ -1,0 +1,306 @@
+// The CUDA gpu::Runtime and the NCCL collective on a real GPU. Exits 77 (CTest's "skipped") when
+// CreateCudaRuntime answers Unavailable: no GPU, no usable driver, or a build without CUDA. Any
+// other failure to create the runtime is a test failure.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "offload/collective.h"
+#include "offload/gpu_runtime.h"
+
+namespace memplan::gpu {
+namespace {
+
+std::unique_ptr<Runtime> MakeRuntime() {
+  auto rt = CreateCudaRuntime(0);
+  REQUIRE_MESSAGE(rt.ok(), rt.status().ToString());
+  return std::move(rt).value();
+}
+
+std::vector<uint8_t> Pattern(size_t bytes, uint32_t seed) {
+  std::vector<uint8_t> out(bytes);
+  uint32_t x = seed * 2654435761u + 1;
+  for (auto& b : out) {
+    x = x * 1664525u + 1013904223u;
+    b = static_cast<uint8_t>(x >> 24);
+  }
+  return out;
+}
+
+CopyTicket MustCopy(Runtime& rt, CopyDirection d, void* dst, const void* src, uint64_t bytes) {
+  auto t = rt.CopyAsync(d, dst, src, bytes);
+  REQUIRE_MESSAGE(t.ok(), t.status().ToString());
+  return *t;
+}
+
+void* MustAllocate(Runtime& rt, uint64_t bytes) {
+  auto p = rt.AllocateDevice(bytes);
+  REQUIRE_MESSAGE(p.ok(), p.status().ToString());
+  return *p;
+}
+
+TEST_CASE("cuda runtime: name, device, description") {
+  auto rt = MakeRuntime();
+  CHECK(rt->Name() == "cuda:0");
+  CHECK(rt->has_device());
+  std::string note;
+  auto best = CreateBestRuntime(&note);
+  CHECK(best->has_device());
+  CHECK(note.find("cuda:0: ") == 0);
+  MESSAGE(note);
+  CHECK(CreateCudaRuntime(-1).status().code() == StatusCode::kInvalidArgument);
+  CHECK(CreateCudaRuntime(4096).status().code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("cuda runtime: round trip through the device, registered and pageable host memory") {
+  auto rt = MakeRuntime();
+  for (bool registered : {true, false}) {
+    for (uint64_t bytes : {uint64_t{1}, uint64_t{4097}, uint64_t{17} << 20}) {
+      // CUDA pins whole pages, and two small heap buffers may share one: register only buffers
+      // large enough to get pages of their own.
+      if (registered && bytes < (uint64_t{1} << 20)) continue;
+      CAPTURE(registered);
+      CAPTURE(bytes);
+      auto src = Pattern(bytes, static_cast<uint32_t>(bytes));
+      std::vector<uint8_t> back(bytes, 0);
+      if (registered) {
+        REQUIRE(rt->RegisterHost(src.data(), bytes).ok());
+        REQUIRE(rt->RegisterHost(back.data(), bytes).ok());
+      }
+      void* a = MustAllocate(*rt, bytes);
+      void* b = MustAllocate(*rt, bytes);
+      CHECK(reinterpret_cast<uintptr_t>(a) % 256 == 0);
+      const CopyTicket up = MustCopy(*rt, CopyDirection::kHostToDevice, a, src.data(), bytes);
+      // Same stream order across directions is not promised: wait before reading `a` elsewhere.
+      REQUIRE(rt->Wait(up).ok());
+      REQUIRE(rt->Wait(MustCopy(*rt, CopyDirection::kDeviceToDevice, b, a, bytes)).ok());
+      const CopyTicket down = MustCopy(*rt, CopyDirection::kDeviceToHost, back.data(), b, bytes);
+      REQUIRE(rt->Wait(down).ok());
+      CHECK(rt->Done(down));
+      CHECK(back == src);
+      CHECK(rt->FreeDevice(a).ok());
+      CHECK(rt->FreeDevice(b).ok());
+      if (registered) {
+        CHECK(rt->UnregisterHost(src.data()).ok());
+        CHECK(rt->UnregisterHost(back.data()).ok());
+      }
+    }
+  }
+  CHECK(rt->device_bytes_in_use() == 0);
+}
+
+TEST_CASE("cuda runtime: more copies in flight than the event ring holds") {
+  auto rt = MakeRuntime();
+  // 3000 copies > 1024 slots: slots are reused, and tickets whose slot was reused still answer.
+  constexpr int kCopies = 3000;
+  constexpr uint64_t kBytes = 4096;
+  std::vector<uint8_t> host(kBytes * kCopies);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint8_t>(i * 7 + i / 4096);
+  REQUIRE(rt->RegisterHost(host.data(), host.size()).ok());
+  void* dev = MustAllocate(*rt, host.size());
+  std::vector<CopyTicket> tickets;
+  for (int i = 0; i < kCopies; ++i) {
+    tickets.push_back(MustCopy(*rt, CopyDirection::kHostToDevice,
+                               static_cast<uint8_t*>(dev) + i * kBytes, host.data() + i * kBytes,
+                               kBytes));
+    if (i > 0) CHECK(tickets[i].sequence == tickets[i - 1].sequence + 1);
+  }
+  // The oldest ticket's event has been re-recorded twice by now.
+  CHECK(rt->Wait(tickets.front()).ok());
+  CHECK(rt->Wait(tickets.back()).ok());
+  for (const auto& t : tickets) CHECK(rt->Done(t));
+  std::vector<uint8_t> back(host.size());
+  REQUIRE(
+      rt->Wait(MustCopy(*rt, CopyDirection::kDeviceToHost, back.data(), dev, back.size())).ok());
+  CHECK(back == host);
+  CHECK(rt->FreeDevice(dev).ok());
+  CHECK(rt->UnregisterHost(host.data()).ok());
+}
+
+TEST_CASE("cuda runtime: Done polls; Synchronize waits for all directions") {
+  auto rt = MakeRuntime();
+  constexpr uint64_t kBytes = uint64_t{256} << 20;
+  void* a = MustAllocate(*rt, kBytes);
+  void* b = MustAllocate(*rt, kBytes);
+  const CopyTicket t = MustCopy(*rt, CopyDirection::kDeviceToDevice, b, a, kBytes);
+  int polls = 0;
+  while (!rt->Done(t)) ++polls;
+  MESSAGE("Done() polled " << polls << " times for a 256 MiB device-to-device copy");
+  std::vector<uint8_t> up(1 << 20);
+  std::vector<uint8_t> down(1 << 20);
+  for (int i = 0; i < 8; ++i) {
+    MustCopy(*rt, CopyDirection::kHostToDevice, a, up.data(), up.size());
+    MustCopy(*rt, CopyDirection::kDeviceToHost, down.data(), b, down.size());
+  }
+  CHECK(rt->Synchronize().ok());
+  CHECK(rt->FreeDevice(a).ok());
+  CHECK(rt->FreeDevice(b).ok());
+}
+
+TEST_CASE("cuda runtime: threads without a current device copy") {
+  auto rt = MakeRuntime();
+  constexpr int kThreads = 8;
+  constexpr uint64_t kBytes = 1 << 16;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      auto dev = rt->AllocateDevice(kBytes);
+      if (!dev.ok()) {
+        ++failures;
+        return;
+      }
+      for (int r = 0; r < 100; ++r) {
+        const auto src = Pattern(kBytes, static_cast<uint32_t>(t * 1000 + r));
+        std::vector<uint8_t> back(kBytes);
+        auto up = rt->CopyAsync(CopyDirection::kHostToDevice, *dev, src.data(), kBytes);
+        if (!up.ok() || !rt->Wait(*up).ok()) ++failures;
+        auto down = rt->CopyAsync(CopyDirection::kDeviceToHost, back.data(), *dev, kBytes);
+        if (!down.ok() || !rt->Wait(*down).ok() || back != src) ++failures;
+      }
+      if (!rt->FreeDevice(*dev).ok()) ++failures;
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(failures.load() == 0);
+  CHECK(rt->device_bytes_in_use() == 0);
+}
+
+TEST_CASE("cuda runtime: accounting and errors") {
+  auto rt = MakeRuntime();
+  void* a = MustAllocate(*rt, 1000);
+  CHECK(rt->device_bytes_in_use() == 1000);
+  CHECK(rt->FreeDevice(a).ok());
+  CHECK(rt->FreeDevice(a).code() == StatusCode::kInvalidArgument);
+  CHECK(rt->device_bytes_in_use() == 0);
+  CHECK(rt->AllocateDevice(0).status().code() == StatusCode::kInvalidArgument);
+  auto huge = rt->AllocateDevice(uint64_t{1} << 60);
+  CHECK(huge.status().code() == StatusCode::kResourceExhausted);
+  MESSAGE(huge.status().ToString());
+  CHECK(rt->device_bytes_in_use() == 0);
+  // The failed cudaMalloc left no error behind for the next call.
+  void* b = MustAllocate(*rt, 512);
+  CHECK(rt->FreeDevice(b).ok());
+
+  std::vector<uint8_t> host(4096);
+  CHECK(rt->UnregisterHost(host.data()).code() == StatusCode::kInvalidArgument);
+  REQUIRE(rt->RegisterHost(host.data(), host.size()).ok());
+  Status twice = rt->RegisterHost(host.data(), host.size());
+  CHECK(twice.code() == StatusCode::kInvalidArgument);
+  MESSAGE(twice.ToString());  // names the call, the CUDA error and file:line
+  CHECK(twice.message().find("cudaHostRegister") != std::string::npos);
+  CHECK(twice.message().find("cuda_runtime.cc:") != std::string::npos);
+  CHECK(rt->UnregisterHost(host.data()).ok());
+
+  CHECK(rt->CopyAsync(CopyDirection::kHostToDevice, nullptr, host.data(), 8).status().code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(rt->Wait(CopyTicket{CopyDirection::kDeviceToHost, 99}).code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(rt->Done(CopyTicket{}));
+}
+
+}  // namespace
+}  // namespace memplan::gpu
+
+namespace memplan::offload {
+namespace {
+
+TEST_CASE("single-process collective over the CUDA runtime") {
+  auto rt = gpu::MakeRuntime();
+  auto collective = CreateSingleProcessCollective(rt.get());
+  constexpr uint64_t kCount = 4096;
+  std::vector<float> values(kCount);
+  for (uint64_t i = 0; i < kCount; ++i) values[i] = static_cast<float>(i) * 0.5f;
+  void* send = gpu::MustAllocate(*rt, kCount * 4);
+  void* recv = gpu::MustAllocate(*rt, kCount * 4);
+  REQUIRE(rt->Wait(gpu::MustCopy(*rt, gpu::CopyDirection::kHostToDevice, send, values.data(),
+                                 kCount * 4))
+              .ok());
+  REQUIRE(collective->AllGather(send, recv, kCount, ElementType::kFloat32).ok());
+  std::vector<float> back(kCount);
+  REQUIRE(
+      rt->Wait(gpu::MustCopy(*rt, gpu::CopyDirection::kDeviceToHost, back.data(), recv, kCount * 4))
+          .ok());
+  CHECK(back == values);
+  CHECK(rt->FreeDevice(send).ok());
+  CHECK(rt->FreeDevice(recv).ok());
+}
+
+TEST_CASE("NCCL collective, one rank") {
+#if MEMPLAN_HAVE_NCCL
+  auto rt = gpu::MakeRuntime();
+  auto id = NcclUniqueId();
+  REQUIRE_MESSAGE(id.ok(), id.status().ToString());
+  CHECK(id->size() == 128);
+  CHECK(CreateNcclCollective(rt.get(), 0, 1, "short").status().code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(CreateNcclCollective(rt.get(), 1, 1, *id).status().code() == StatusCode::kInvalidArgument);
+  auto made = CreateNcclCollective(rt.get(), 0, 1, *id);
+  REQUIRE_MESSAGE(made.ok(), made.status().ToString());
+  Collective& nccl = **made;
+  CHECK(nccl.Name() == "nccl");
+  CHECK(nccl.rank() == 0);
+  CHECK(nccl.world_size() == 1);
+
+  constexpr uint64_t kCount = 1 << 16;
+  std::vector<float> values(kCount);
+  for (uint64_t i = 0; i < kCount; ++i) values[i] = static_cast<float>(i % 1000) - 3.0f;
+  void* send = gpu::MustAllocate(*rt, kCount * 4);
+  void* recv = gpu::MustAllocate(*rt, kCount * 4);
+  REQUIRE(rt->Wait(gpu::MustCopy(*rt, gpu::CopyDirection::kHostToDevice, send, values.data(),
+                                 kCount * 4))
+              .ok());
+  std::vector<float> back(kCount);
+  auto read_back = [&](void* dev) {
+    REQUIRE(rt->Wait(gpu::MustCopy(*rt, gpu::CopyDirection::kDeviceToHost, back.data(), dev,
+                                   kCount * 4))
+                .ok());
+  };
+  REQUIRE(nccl.AllGather(send, recv, kCount, ElementType::kFloat32).ok());
+  read_back(recv);
+  CHECK(back == values);
+  REQUIRE(nccl.ReduceScatter(send, recv, kCount, ElementType::kFloat32).ok());
+  read_back(recv);
+  CHECK(back == values);
+  REQUIRE(nccl.AllReduce(send, kCount, ElementType::kFloat32).ok());  // sum over one rank
+  read_back(send);
+  CHECK(back == values);
+  REQUIRE(nccl.AllReduce(send, kCount / 2, ElementType::kBFloat16).ok());
+  REQUIRE(nccl.AllReduce(send, kCount / 2, ElementType::kFloat16).ok());
+  CHECK(nccl.AllGather(nullptr, recv, 4, ElementType::kFloat32).code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(rt->FreeDevice(send).ok());
+  CHECK(rt->FreeDevice(recv).ok());
+#else
+  auto id = NcclUniqueId();
+  CHECK(id.status().code() == StatusCode::kUnavailable);
+  MESSAGE("built without NCCL: " << id.status().message());
+#endif
+}
+
+}  // namespace
+}  // namespace memplan::offload
+
+int main(int argc, char** argv) {
+  auto runtime = memplan::gpu::CreateCudaRuntime(0);
+  if (!runtime.ok()) {
+    std::fprintf(stderr, "offload_gpu_test: %s\n", runtime.status().ToString().c_str());
+    if (runtime.status().code() == memplan::StatusCode::kUnavailable) {
+      std::fprintf(stderr, "offload_gpu_test: skipped (no usable GPU)\n");
+      return 77;
+    }
+    return 1;
+  }
+  runtime.value().reset();  // each test makes its own
+  doctest::Context context(argc, argv);
+  return context.run();
+}

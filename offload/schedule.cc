@@ -1,0 +1,215 @@
+#include "offload/schedule.h"
+
+#include <limits>
+#include <set>
+#include <type_traits>
+
+namespace memplan::offload {
+namespace {
+
+// Reads j[key] into *out when present; a wrong type is an error naming `where`.key.
+template <typename T>
+Status Get(const nlohmann::json& j, const std::string& where, const char* key, T* out) {
+  auto it = j.find(key);
+  if (it == j.end()) return Status::Ok();
+  try {
+    if constexpr (std::is_same_v<T, bool>) {
+      if (!it->is_boolean()) throw nlohmann::json::type_error::create(302, "expected a boolean", &*it);
+    } else if constexpr (std::is_integral_v<T>) {
+      if (!it->is_number_integer()) {
+        throw nlohmann::json::type_error::create(302, "expected an integer", &*it);
+      }
+      const bool negative = !it->is_number_unsigned() && it->template get<int64_t>() < 0;
+      const bool fits =
+          negative ? (std::is_signed_v<T> && it->template get<int64_t>() >=
+                                                 static_cast<int64_t>(std::numeric_limits<T>::min()))
+                   : it->template get<uint64_t>() <=
+                         static_cast<uint64_t>(std::numeric_limits<T>::max());
+      if (!fits) throw nlohmann::json::out_of_range::create(406, "integer out of range", &*it);
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      if (!it->is_string()) throw nlohmann::json::type_error::create(302, "expected a string", &*it);
+    }
+    *out = it->template get<T>();
+  } catch (const nlohmann::json::exception& e) {
+    return Status::InvalidArgument(where + "." + key + ": " + e.what());
+  }
+  return Status::Ok();
+}
+
+template <typename T, typename Parse>
+Status GetEnum(const nlohmann::json& j, const std::string& where, const char* key, Parse parse,
+               T* out) {
+  std::string text;
+  if (!j.contains(key)) return Status::Ok();
+  MEMPLAN_RETURN_IF_ERROR(Get(j, where, key, &text));
+  auto value = parse(text);
+  if (!value.ok()) return value.status().WithPrefix(where + "." + key);
+  *out = *value;
+  return Status::Ok();
+}
+
+Status CheckKeys(const nlohmann::json& j, const std::string& where,
+                 const std::set<std::string>& keys) {
+  if (!j.is_object()) return Status::InvalidArgument(where + ": expected an object");
+  for (const auto& item : j.items()) {
+    if (keys.count(item.key()) == 0) {
+      std::string known;
+      for (const auto& k : keys) known += (known.empty() ? "" : ", ") + k;
+      return Status::InvalidArgument(where + ": unknown key \"" + item.key() + "\" (known: " +
+                                     known + ")");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::string_view TierName(Tier tier) {
+  switch (tier) {
+    case Tier::kGpu: return "gpu";
+    case Tier::kCpu: return "cpu";
+    case Tier::kNvme: return "nvme";
+  }
+  return "?";
+}
+
+Result<Tier> ParseTier(std::string_view text) {
+  for (Tier t : {Tier::kGpu, Tier::kCpu, Tier::kNvme}) {
+    if (text == TierName(t)) return t;
+  }
+  return Status::InvalidArgument("unknown tier \"" + std::string(text) +
+                                 "\" (expected gpu, cpu or nvme)");
+}
+
+std::string_view ElementTypeName(ElementType type) {
+  switch (type) {
+    case ElementType::kFloat32: return "fp32";
+    case ElementType::kBFloat16: return "bf16";
+    case ElementType::kFloat16: return "fp16";
+  }
+  return "?";
+}
+
+Result<ElementType> ParseElementType(std::string_view text) {
+  for (ElementType t : {ElementType::kFloat32, ElementType::kBFloat16, ElementType::kFloat16}) {
+    if (text == ElementTypeName(t)) return t;
+  }
+  return Status::InvalidArgument("unknown dtype \"" + std::string(text) +
+                                 "\" (expected fp32, bf16 or fp16)");
+}
+
+Status Schedule::Validate() const {
+  if ((param_tier == Tier::kNvme || optimizer_tier == Tier::kNvme) && nvme_path.empty()) {
+    return Status::InvalidArgument("schedule: nvme.path is needed when a tier is nvme");
+  }
+  if (optimizer_tier == Tier::kGpu) {
+    return Status::InvalidArgument(
+        "schedule: optimizer.tier gpu is not run by the engine (its optimizer is the CPU one); "
+        "use cpu or nvme");
+  }
+  if (prefetch_bytes == 0) return Status::InvalidArgument("schedule: params.prefetch_bytes is 0");
+  if (max_live_bytes == 0) return Status::InvalidArgument("schedule: params.max_live_bytes is 0");
+  if (param_buffer_bytes < 4096 || param_buffer_bytes % 4096 != 0) {
+    return Status::InvalidArgument("schedule: params.buffer_bytes must be a positive multiple of "
+                                   "4096");
+  }
+  if (param_buffer_count < 2) {
+    return Status::InvalidArgument("schedule: params.buffer_count must be at least 2");
+  }
+  if (sub_group_elements == 0 || sub_group_elements % 1024 != 0) {
+    return Status::InvalidArgument(
+        "schedule: optimizer.sub_group_elements must be a positive multiple of 1024");
+  }
+  if (optimizer_buffer_count < 2) {
+    return Status::InvalidArgument("schedule: optimizer.buffer_count must be at least 2");
+  }
+  if (optimizer_threads < 0 || optimizer_threads > 4096) {
+    return Status::InvalidArgument("schedule: optimizer.threads must be in 0..4096");
+  }
+  if (nvme_block_size < 4096 || nvme_block_size % 4096 != 0 || nvme_block_size > (64u << 20)) {
+    return Status::InvalidArgument("schedule: nvme.block_size must be a multiple of 4096, at most "
+                                   "64 MiB");
+  }
+  if (nvme_queue_depth < 1 || nvme_queue_depth > 4096) {
+    return Status::InvalidArgument("schedule: nvme.queue_depth must be in 1..4096");
+  }
+  return Status::Ok();
+}
+
+nlohmann::json ToJson(const Schedule& s) {
+  nlohmann::json j;
+  j["version"] = Schedule::kVersion;
+  j["params"] = {{"tier", std::string(TierName(s.param_tier))},
+                 {"dtype", std::string(ElementTypeName(s.param_dtype))},
+                 {"persistence_threshold", s.persistence_threshold},
+                 {"prefetch_bytes", s.prefetch_bytes},
+                 {"max_live_bytes", s.max_live_bytes},
+                 {"buffer_bytes", s.param_buffer_bytes},
+                 {"buffer_count", s.param_buffer_count}};
+  j["optimizer"] = {{"tier", std::string(TierName(s.optimizer_tier))},
+                    {"name", std::string(SwapOptimizerName(s.optimizer))},
+                    {"sub_group_elements", s.sub_group_elements},
+                    {"buffer_count", s.optimizer_buffer_count},
+                    {"threads", s.optimizer_threads}};
+  j["nvme"] = {{"path", s.nvme_path},
+               {"backend", std::string(nvme::BackendKindName(s.nvme_backend))},
+               {"block_size", s.nvme_block_size},
+               {"queue_depth", s.nvme_queue_depth},
+               {"direct", s.nvme_direct}};
+  j["pinned_budget_bytes"] = s.pinned_budget_bytes;
+  return j;
+}
+
+Result<Schedule> ScheduleFromJson(const nlohmann::json& j, const std::string& source) {
+  const std::string where = source.empty() ? std::string("schedule") : source;
+  MEMPLAN_RETURN_IF_ERROR(
+      CheckKeys(j, where, {"version", "params", "optimizer", "nvme", "pinned_budget_bytes"}));
+  int version = Schedule::kVersion;
+  MEMPLAN_RETURN_IF_ERROR(Get(j, where, "version", &version));
+  if (version != Schedule::kVersion) {
+    return Status::InvalidArgument(where + ".version: " + std::to_string(version) +
+                                   " is not supported (this memplan reads version 1)");
+  }
+  Schedule s;
+  if (j.contains("params")) {
+    const nlohmann::json& p = j["params"];
+    const std::string w = where + ".params";
+    MEMPLAN_RETURN_IF_ERROR(CheckKeys(p, w,
+                                      {"tier", "dtype", "persistence_threshold", "prefetch_bytes",
+                                       "max_live_bytes", "buffer_bytes", "buffer_count"}));
+    MEMPLAN_RETURN_IF_ERROR(GetEnum(p, w, "tier", ParseTier, &s.param_tier));
+    MEMPLAN_RETURN_IF_ERROR(GetEnum(p, w, "dtype", ParseElementType, &s.param_dtype));
+    MEMPLAN_RETURN_IF_ERROR(Get(p, w, "persistence_threshold", &s.persistence_threshold));
+    MEMPLAN_RETURN_IF_ERROR(Get(p, w, "prefetch_bytes", &s.prefetch_bytes));
+    MEMPLAN_RETURN_IF_ERROR(Get(p, w, "max_live_bytes", &s.max_live_bytes));
+    MEMPLAN_RETURN_IF_ERROR(Get(p, w, "buffer_bytes", &s.param_buffer_bytes));
+    MEMPLAN_RETURN_IF_ERROR(Get(p, w, "buffer_count", &s.param_buffer_count));
+  }
+  if (j.contains("optimizer")) {
+    const nlohmann::json& o = j["optimizer"];
+    const std::string w = where + ".optimizer";
+    MEMPLAN_RETURN_IF_ERROR(
+        CheckKeys(o, w, {"tier", "name", "sub_group_elements", "buffer_count", "threads"}));
+    MEMPLAN_RETURN_IF_ERROR(GetEnum(o, w, "tier", ParseTier, &s.optimizer_tier));
+    MEMPLAN_RETURN_IF_ERROR(GetEnum(o, w, "name", ParseSwapOptimizer, &s.optimizer));
+    MEMPLAN_RETURN_IF_ERROR(Get(o, w, "sub_group_elements", &s.sub_group_elements));
+    MEMPLAN_RETURN_IF_ERROR(Get(o, w, "buffer_count", &s.optimizer_buffer_count));
+    MEMPLAN_RETURN_IF_ERROR(Get(o, w, "threads", &s.optimizer_threads));
+  }
+  if (j.contains("nvme")) {
+    const nlohmann::json& n = j["nvme"];
+    const std::string w = where + ".nvme";
+    MEMPLAN_RETURN_IF_ERROR(
+        CheckKeys(n, w, {"path", "backend", "block_size", "queue_depth", "direct"}));
+    MEMPLAN_RETURN_IF_ERROR(Get(n, w, "path", &s.nvme_path));
+    MEMPLAN_RETURN_IF_ERROR(GetEnum(n, w, "backend", nvme::ParseBackendKind, &s.nvme_backend));
+    MEMPLAN_RETURN_IF_ERROR(Get(n, w, "block_size", &s.nvme_block_size));
+    MEMPLAN_RETURN_IF_ERROR(Get(n, w, "queue_depth", &s.nvme_queue_depth));
+    MEMPLAN_RETURN_IF_ERROR(Get(n, w, "direct", &s.nvme_direct));
+  }
+  MEMPLAN_RETURN_IF_ERROR(Get(j, where, "pinned_budget_bytes", &s.pinned_budget_bytes));
+  MEMPLAN_RETURN_IF_ERROR(s.Validate().WithPrefix(where));
+  return s;
+}
+
+}  // namespace memplan::offload

@@ -1,0 +1,90 @@
+// offload::Schedule: what the offload engine must do for one training job, as plain data. The
+// planner produces it (`memplan plan --emit-schedule schedule.json`); a trainer may also write it
+// by hand. Its JSON form is a public interface (README, "Schedule JSON"); keys are only added.
+//
+//   {
+//     "version": 1,
+//     "params":    {"tier": "gpu" | "cpu" | "nvme", "dtype": "bf16" | "fp16" | "fp32",
+//                   "persistence_threshold": 100000, "prefetch_bytes": 268435456,
+//                   "max_live_bytes": 1073741824, "buffer_bytes": 67108864, "buffer_count": 4},
+//     "optimizer": {"tier": "cpu" | "nvme", "name": "adam" | "adam-amsgrad" | "sgd" | "lion",
+//                   "sub_group_elements": 4194304, "buffer_count": 3, "threads": 0},
+//     "nvme":      {"path": "/mnt/nvme/memplan", "backend": "auto", "block_size": 1048576,
+//                   "queue_depth": 32, "direct": true},
+//     "pinned_budget_bytes": 0
+//   }
+//
+// Meaning:
+//   - params.tier: where a parameter's 16-bit working copy lives between uses. "gpu": resident
+//     (no parameter offload); "cpu": pinned host memory, uploaded per use; "nvme": the NVMe store,
+//     read through pinned staging buffers per use. Parameters of at most persistence_threshold
+//     elements stay on the GPU whatever the tier (DeepSpeed's stage3_param_persistence_threshold).
+//   - prefetch_bytes: most bytes being fetched ahead of their use at once
+//     (stage3_prefetch_bucket_size); max_live_bytes: most bytes of fetched parameters on the GPU
+//     at once, prefetched ones included (stage3_max_live_parameters, in bytes). A module that alone
+//     needs more than max_live_bytes is still fetched when asked for (counted in the statistics).
+//   - buffer_bytes x buffer_count: the pinned staging buffers NVMe parameter reads go through.
+//   - optimizer: the CPU optimizer and where its fp32 master weights, states and gradients live:
+//     "cpu" (a SwapStore in memory) or "nvme" (the NVMe store, pipelined in sub-groups). threads 0:
+//     every core.
+//   - nvme.path: a directory the engine may create and own (two stores: params/ and optimizer/).
+//   - pinned_budget_bytes: cap on the engine's pinned memory (0: no cap beyond the buffers above).
+//
+// Thread safety: a plain value.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "nvme/backend.h"
+#include "offload/collective.h"
+#include "offload/optimizer_swapper.h"
+
+namespace memplan::offload {
+
+enum class Tier { kGpu, kCpu, kNvme };
+std::string_view TierName(Tier tier);  // "gpu", "cpu", "nvme"
+Result<Tier> ParseTier(std::string_view text);
+std::string_view ElementTypeName(ElementType type);  // "fp32", "bf16", "fp16"
+Result<ElementType> ParseElementType(std::string_view text);
+
+struct Schedule {
+  static constexpr int kVersion = 1;
+
+  Tier param_tier = Tier::kGpu;
+  ElementType param_dtype = ElementType::kBFloat16;
+  uint64_t persistence_threshold = 100000;      // elements
+  uint64_t prefetch_bytes = uint64_t{256} << 20;
+  uint64_t max_live_bytes = uint64_t{1} << 30;
+  uint64_t param_buffer_bytes = uint64_t{64} << 20;
+  uint32_t param_buffer_count = 4;
+
+  Tier optimizer_tier = Tier::kCpu;  // cpu or nvme
+  SwapOptimizer optimizer = SwapOptimizer::kAdam;
+  uint64_t sub_group_elements = uint64_t{4} << 20;
+  uint32_t optimizer_buffer_count = 3;
+  int optimizer_threads = 0;
+
+  std::string nvme_path;
+  nvme::BackendKind nvme_backend = nvme::BackendKind::kAuto;
+  uint32_t nvme_block_size = 1 << 20;
+  uint32_t nvme_queue_depth = 32;
+  bool nvme_direct = true;
+
+  uint64_t pinned_budget_bytes = 0;
+
+  // Ranges and combinations: nvme tiers need nvme.path, the optimizer cannot be on the GPU (the
+  // engine's optimizer is the CPU one), buffers and sizes positive, sub_group_elements a multiple
+  // of 1024. Errors name the JSON key.
+  Status Validate() const;
+};
+
+nlohmann::json ToJson(const Schedule& schedule);
+// Reads the JSON form; absent keys keep their defaults; unknown keys, wrong types and a version
+// other than 1 are errors naming the key (prefixed with `source`). Validates.
+Result<Schedule> ScheduleFromJson(const nlohmann::json& json, const std::string& source);
+
+}  // namespace memplan::offload
