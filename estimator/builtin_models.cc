@@ -24,10 +24,12 @@ constexpr Embedded kEmbedded[] = {
 const std::map<std::string_view, std::string_view>& HubIds() {
   static const auto* kIds = new std::map<std::string_view, std::string_view>{
       {"bert-base-uncased", "google-bert/bert-base-uncased"},
+      {"bert-large-uncased", "google-bert/bert-large-uncased"},
       {"gemma-2b", "google/gemma-2b"},
       {"gemma-7b", "google/gemma-7b"},
       {"gpt2", "openai-community/gpt2"},
       {"llama-2-7b", "meta-llama/Llama-2-7b-hf"},
+      {"llama-2-70b", "meta-llama/Llama-2-70b-hf"},
       {"mistral-7b", "mistralai/Mistral-7B-v0.1"},
       {"mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1"},
       {"pythia-160m", "EleutherAI/pythia-160m"},

@@ -9,7 +9,8 @@
 #      sudo when not root; `apt-get update` runs only when one of them is missing.
 #   2. A virtual environment at $MEMPLAN_VENV (default: <repo>/.venv) made with
 #      --system-site-packages, so it sees Debian's torch and numpy instead of downloading PyPI's.
-#   3. The pinned packages of tests/oracle/requirements.txt (Transformers and what it needs),
+#   3. The pinned packages of tests/oracle/requirements.txt (Transformers, DeepSpeed and what they
+#      need),
 #      skipped when the same requirements were installed before and still import.
 #   4. Prints the environment's python.
 set -euo pipefail
@@ -62,14 +63,17 @@ python=$venv/bin/python
 
 # ---- 3. pinned packages --------------------------------------------------------------------------
 stamp=$venv/.memplan-oracle-requirements
-check='import torch, transformers, tokenizers, safetensors
-print(f"torch {torch.__version__}, transformers {transformers.__version__}")'
+check='import torch, transformers, tokenizers, safetensors, deepspeed
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")'
 if [[ -f $stamp ]] && cmp -s "$requirements" "$stamp" && versions=$("$python" -c "$check" 2>/dev/null); then
   log "requirements already installed ($(basename "$requirements"))"
 else
   log "installing $(basename "$requirements") into $venv"
-  "$python" -m pip install --disable-pip-version-check --no-input -q -r "$requirements" >&2
-  versions=$("$python" -c "$check") || fail "torch or transformers does not import in $venv after installing"
+  # DeepSpeed ships an sdist whose setup.py imports torch (so no build isolation) and would
+  # compile its CUDA/C++ ops unless told not to (DS_BUILD_OPS=0: ops are JIT-built if ever used).
+  DS_BUILD_OPS=0 "$python" -m pip install --disable-pip-version-check --no-input -q \
+    --no-build-isolation -r "$requirements" >&2
+  versions=$("$python" -c "$check") || fail "torch, transformers or deepspeed does not import in $venv after installing"
   cp "$requirements" "$stamp"
 fi
 

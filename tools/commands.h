@@ -31,5 +31,8 @@ void RegisterBench(CLI::App& app, Outcome* outcome);
 void RegisterBenchNvme(CLI::App* bench, Outcome* outcome);
 void RegisterBenchAdam(CLI::App* bench, Outcome* outcome);
 void RegisterBenchSwap(CLI::App* bench, Outcome* outcome);
+// `memplan plan` (tools/plan_command.cc) and `memplan check` (tools/check_command.cc).
+void RegisterPlan(CLI::App& app, Outcome* outcome);
+void RegisterCheck(CLI::App& app, Outcome* outcome);
 
 }  // namespace memplan::tools

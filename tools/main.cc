@@ -20,6 +20,8 @@ int main(int argc, char** argv) {
   memplan::tools::RegisterInventory(app, &outcome);
   memplan::tools::RegisterModels(app, &outcome);
   memplan::tools::RegisterBench(app, &outcome);
+  memplan::tools::RegisterPlan(app, &outcome);
+  memplan::tools::RegisterCheck(app, &outcome);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

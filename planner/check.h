@@ -1,0 +1,59 @@
+// CheckDeepSpeedConfig: finds the mistakes in an existing DeepSpeed config (ds_config.json) that
+// make DeepSpeed refuse it, silently ignore a setting, or run out of memory: batch arithmetic,
+// unknown or misspelled keys (with the nearest known key), keys in the wrong section, offload
+// without the ZeRO stage that supports it, NVMe offload without nvme_path, renamed keys
+// (aio.thread_count), "auto" outside the Hugging Face Trainer, fp16 and bf16 both on, pinned
+// memory against RAM and RLIMIT_MEMLOCK, and, with a model and GPUs, the predicted fit.
+//
+// Every finding names its key path ("zero_optimization.offload_param.device"). Findings are
+// problems; nothing here prints.
+//
+// Thread safety: pure function.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "estimator/inventory.h"
+#include "planner/cluster.h"
+
+namespace memplan::planner {
+
+struct CheckOptions {
+  bool for_hf_trainer = false;  // "auto" allowed where the Trainer fills it
+  int64_t world_size = 0;       // GPUs in all; 0 = unknown (batch arithmetic checked for whole-ness)
+  // With a model and a cluster: the predicted fit (GPU, CPU, pinned, memlock).
+  const estimator::ModelInventory* model = nullptr;
+  std::optional<Cluster> cluster;  // gpus_per_node/nodes give world_size when it is 0
+  double gpu_safety_fraction = 0.05;
+  // What a DeepSpeed config does not say but the fit depends on (as `memplan plan` assumes).
+  int64_t seq_len = 0;          // 0: the model's default (min(positions, 2048))
+  bool flash_attention = true;  // memory-efficient attention (SDPA / FlashAttention)
+};
+
+struct Finding {
+  std::string path;     // "zero_optimization.offload_param"; "" for the whole config
+  std::string message;  // what is wrong and what to do
+};
+
+struct CheckReport {
+  std::vector<Finding> problems;
+  std::vector<std::string> notes;  // what was checked, predicted memory when computed
+};
+
+// Errors only for input that is not a DeepSpeed config at all (not a JSON object).
+Result<CheckReport> CheckDeepSpeedConfig(const nlohmann::json& config, const CheckOptions& options);
+
+// Levenshtein distance, for suggestions; exposed for tests.
+size_t EditDistance(const std::string& a, const std::string& b);
+
+nlohmann::json ToJson(const CheckReport& report);
+// One line per problem: "<path>: <message>", then "OK: ..." or a count.
+std::string FormatCheckText(const CheckReport& report, const std::string& source);
+
+}  // namespace memplan::planner

@@ -1,0 +1,489 @@
+#include "planner/cluster.h"
+
+#include <dlfcn.h>
+#include <sys/resource.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+namespace memplan::planner {
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+
+std::string Lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+}  // namespace
+
+const std::vector<GpuSpec>& GpuPresets() {
+  // Memory: the total the driver reports (nvidia-smi), in MiB. FLOPs: dense tensor-core peaks
+  // from NVIDIA's datasheets (GeForce: fp16 with fp32 accumulation). Links: per direction.
+  static const auto* kPresets = new std::vector<GpuSpec>{
+      {"v100-16", "NVIDIA V100 16GB SXM2", 16160 * kMiB, 0, 125e12, 15.7e12, 900e9, 150e9, 3,
+       0.40},
+      {"v100-32", "NVIDIA V100 32GB SXM2", 32510 * kMiB, 0, 125e12, 15.7e12, 900e9, 150e9, 3,
+       0.40},
+      {"a100-40", "NVIDIA A100 40GB SXM4", 40960 * kMiB, 312e12, 312e12, 156e12, 1555e9, 300e9, 4,
+       0.45},
+      {"a100-80", "NVIDIA A100 80GB SXM4", 81920 * kMiB, 312e12, 312e12, 156e12, 2039e9, 300e9, 4,
+       0.45},
+      {"a800-80", "NVIDIA A800 80GB SXM4 (NVLink 400 GB/s)", 81920 * kMiB, 312e12, 312e12, 156e12,
+       2039e9, 200e9, 4, 0.45},
+      {"h100-80", "NVIDIA H100 80GB SXM5", 81559 * kMiB, 989e12, 989e12, 494.5e12, 3350e9, 450e9,
+       5, 0.40},
+      {"h200", "NVIDIA H200 141GB SXM", 143771 * kMiB, 989e12, 989e12, 494.5e12, 4800e9, 450e9, 5,
+       0.40},
+      {"l40s", "NVIDIA L40S 48GB (PCIe, no NVLink)", 46068 * kMiB, 362e12, 362e12, 181e12, 864e9,
+       25e9, 4, 0.35},
+      {"rtx3090", "NVIDIA GeForce RTX 3090 24GB", 24576 * kMiB, 71e12, 71e12, 35.6e12, 936e9, 25e9,
+       4, 0.35},
+      {"rtx4090", "NVIDIA GeForce RTX 4090 24GB (no P2P)", 24564 * kMiB, 165.2e12, 165.2e12,
+       82.6e12, 1008e9, 20e9, 4, 0.35},
+  };
+  return *kPresets;
+}
+
+Result<GpuSpec> FindGpuPreset(std::string_view name) {
+  std::string key = Lower(name);
+  static const std::pair<const char*, const char*> kAliases[] = {
+      {"a100", "a100-80"},   {"a800", "a800-80"}, {"h100", "h100-80"},    {"v100", "v100-32"},
+      {"4090", "rtx4090"},   {"3090", "rtx3090"}, {"rtx-4090", "rtx4090"}, {"rtx-3090", "rtx3090"},
+      {"h200-141", "h200"},  {"l40s-48", "l40s"}, {"a100-80gb", "a100-80"}, {"a100-40gb", "a100-40"},
+  };
+  for (const auto& [alias, target] : kAliases) {
+    if (key == alias) key = target;
+  }
+  std::string names;
+  for (const GpuSpec& g : GpuPresets()) {
+    if (g.name == key) return g;
+    names += (names.empty() ? "" : ", ") + g.name;
+  }
+  return Status::InvalidArgument("--gpu '" + std::string(name) + "': not a known GPU; presets: " +
+                                 names + " (or give a cluster JSON file with the GPU's figures)");
+}
+
+double Cluster::PcieBytesPerS() const {
+  const int gen = PcieGen();
+  const double x16 = gen <= 3 ? 16e9 : gen == 4 ? 32e9 : 63e9;
+  return x16 * kPcieEfficiency;
+}
+
+double Cluster::NvmeReadBytesPerS() const {
+  return nvme_read_bytes_per_s > 0 ? nvme_read_bytes_per_s : kNvmeReadPrior;
+}
+double Cluster::NvmeWriteBytesPerS() const {
+  return nvme_write_bytes_per_s > 0 ? nvme_write_bytes_per_s : kNvmeWritePrior;
+}
+
+double Cluster::CpuAdamParamsPerS() const {
+  if (cpu_adam_params_per_s > 0) return cpu_adam_params_per_s;
+  const double cores = static_cast<double>(cpu_cores > 0 ? cpu_cores : 16);
+  return std::min(cores * 5e7, 3e9);
+}
+
+Status Cluster::Validate() const {
+  if (nodes < 1 || nodes > (1 << 20)) {
+    return Status::InvalidArgument("--nodes must be in [1, 1048576], got " +
+                                   std::to_string(nodes));
+  }
+  if (gpus_per_node < 1 || gpus_per_node > 1024) {
+    return Status::InvalidArgument("--gpus must be in [1, 1024], got " +
+                                   std::to_string(gpus_per_node));
+  }
+  if (gpu.memory_bytes == 0) return Status::InvalidArgument("GPU '" + gpu.name + "': memory is 0");
+  if (!(gpu.fp16_flops > 0) && !(gpu.bf16_flops > 0)) {
+    return Status::InvalidArgument("GPU '" + gpu.name + "': no fp16 or bf16 FLOPs given");
+  }
+  if (!(gpu.mfu_prior > 0 && gpu.mfu_prior <= 1)) {
+    return Status::InvalidArgument("GPU '" + gpu.name + "': mfu_prior must be in (0, 1]");
+  }
+  if (pcie_gen != 0 && (pcie_gen < 3 || pcie_gen > 6)) {
+    return Status::InvalidArgument("--pcie-gen must be 3, 4, 5 or 6, got " +
+                                   std::to_string(pcie_gen));
+  }
+  if (cpu_cores < 0) return Status::InvalidArgument("--cpu-cores must be >= 0");
+  for (double v : {inter_node_bytes_per_s, nvme_read_bytes_per_s, nvme_write_bytes_per_s,
+                   cpu_adam_params_per_s, gpu.link_bytes_per_s, gpu.hbm_bytes_per_s}) {
+    if (!std::isfinite(v) || v < 0) {
+      return Status::InvalidArgument("bandwidths and rates must be finite and >= 0");
+    }
+  }
+  if (nodes > 1 && !(inter_node_bytes_per_s > 0)) {
+    return Status::InvalidArgument("--inter-node-bw must be > 0 with more than one node");
+  }
+  return Status::Ok();
+}
+
+Status ApplyNvmeBench(const nlohmann::json& bench, const std::string& source, Cluster* cluster) {
+  if (!bench.is_object()) return Status::InvalidArgument(source + ": not a JSON object");
+  auto best = bench.find("best");
+  if (best == bench.end() || !best->is_object()) {
+    return Status::InvalidArgument(
+        source + ": no 'best' result (is it `memplan bench nvme --format json` output?)");
+  }
+  auto rate = [&](const char* key, double* out) -> Status {
+    auto it = best->find(key);
+    if (it == best->end() || it->is_null()) return Status::Ok();  // direction not measured
+    if (!it->is_number() || !(it->get<double>() > 0)) {
+      return Status::InvalidArgument(source + ": best." + key + " must be a positive number");
+    }
+    *out = it->get<double>();
+    return Status::Ok();
+  };
+  double read = 0, write = 0;
+  MEMPLAN_RETURN_IF_ERROR(rate("read_bytes_per_s", &read));
+  MEMPLAN_RETURN_IF_ERROR(rate("write_bytes_per_s", &write));
+  if (read == 0 && write == 0) {
+    return Status::InvalidArgument(source + ": best has neither read_bytes_per_s nor "
+                                            "write_bytes_per_s");
+  }
+  if (read > 0) cluster->nvme_read_bytes_per_s = read;
+  if (write > 0) cluster->nvme_write_bytes_per_s = write;
+  cluster->nvme_bandwidth_source = "bench";
+  if (auto aio = bench.find("aio"); aio != bench.end() && aio->is_object()) {
+    const nlohmann::json& a = aio->contains("aio") ? (*aio)["aio"] : *aio;
+    if (a.contains("block_size") && a["block_size"].is_number_integer()) {
+      cluster->aio_block_size = a["block_size"].get<int64_t>();
+    }
+    if (a.contains("queue_depth") && a["queue_depth"].is_number_integer()) {
+      cluster->aio_queue_depth = a["queue_depth"].get<int64_t>();
+    }
+  }
+  if (cluster->nvme_path.empty()) {
+    if (auto p = bench.find("path"); p != bench.end() && p->is_string()) {
+      cluster->nvme_path = p->get<std::string>();
+    }
+  }
+  return Status::Ok();
+}
+
+Status ApplyAdamBench(const nlohmann::json& bench, const std::string& source, Cluster* cluster) {
+  if (!bench.is_object()) return Status::InvalidArgument(source + ": not a JSON object");
+  auto it = bench.find("params_per_s");
+  if (it == bench.end() || !it->is_number() || !(it->get<double>() > 0)) {
+    return Status::InvalidArgument(
+        source + ": no positive 'params_per_s' (is it `memplan bench adam --format json` output?)");
+  }
+  double rate = it->get<double>();
+  // The bench runs with `threads`; a node's optimizer uses its cores, but memory bandwidth caps
+  // the gain, so scaling is only applied up to the 3e9 params/s cap of the prior.
+  if (auto t = bench.find("threads"); t != bench.end() && t->is_number_integer() &&
+                                      t->get<int64_t>() > 0 && cluster->cpu_cores > 0 &&
+                                      t->get<int64_t>() < cluster->cpu_cores) {
+    rate = std::max(rate, std::min(rate * static_cast<double>(cluster->cpu_cores) /
+                                       static_cast<double>(t->get<int64_t>()),
+                                   3e9));
+  }
+  cluster->cpu_adam_params_per_s = rate;
+  cluster->cpu_adam_source = "bench";
+  return Status::Ok();
+}
+
+nlohmann::json ToJson(const Cluster& c) {
+  return {{"gpu",
+           {{"name", c.gpu.name},
+            {"description", c.gpu.description},
+            {"memory_bytes", c.gpu.memory_bytes},
+            {"bf16_flops", c.gpu.bf16_flops},
+            {"fp16_flops", c.gpu.fp16_flops},
+            {"fp32_flops", c.gpu.fp32_flops},
+            {"hbm_bytes_per_s", c.gpu.hbm_bytes_per_s},
+            {"link_bytes_per_s", c.gpu.link_bytes_per_s},
+            {"pcie_gen", c.gpu.pcie_gen},
+            {"mfu_prior", c.gpu.mfu_prior}}},
+          {"nodes", c.nodes},
+          {"gpus_per_node", c.gpus_per_node},
+          {"world_size", c.WorldSize()},
+          {"cpu_memory_bytes", c.cpu_memory_bytes},
+          {"cpu_cores", c.cpu_cores},
+          {"pcie_gen", c.PcieGen()},
+          {"pcie_bytes_per_s", c.PcieBytesPerS()},
+          {"inter_node_bytes_per_s", c.inter_node_bytes_per_s},
+          {"memlock_bytes", c.memlock_bytes},
+          {"nvme_path", c.nvme_path},
+          {"nvme_capacity_bytes", c.nvme_capacity_bytes},
+          {"nvme_read_bytes_per_s", c.NvmeReadBytesPerS()},
+          {"nvme_write_bytes_per_s", c.NvmeWriteBytesPerS()},
+          {"nvme_bandwidth_source", c.nvme_bandwidth_source},
+          {"cpu_adam_params_per_s", c.CpuAdamParamsPerS()},
+          {"cpu_adam_source", c.cpu_adam_source}};
+}
+
+namespace {
+
+Result<uint64_t> SizeField(const nlohmann::json& v, const std::string& what) {
+  if (v.is_number_unsigned()) return v.get<uint64_t>();
+  if (v.is_number_integer() && v.get<int64_t>() >= 0) return static_cast<uint64_t>(v.get<int64_t>());
+  if (v.is_number_float() && v.get<double>() >= 0 && v.get<double>() < 1.8e19) {
+    return static_cast<uint64_t>(v.get<double>());
+  }
+  if (v.is_string()) return ParseByteSize(v.get<std::string>(), what);
+  return Status::InvalidArgument(what + ": expected a size (bytes or \"80GiB\")");
+}
+
+Result<double> NumberField(const nlohmann::json& v, const std::string& what) {
+  if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0) {
+    return Status::InvalidArgument(what + ": expected a number >= 0");
+  }
+  return v.get<double>();
+}
+
+Result<GpuSpec> GpuFromJson(const nlohmann::json& j, const std::string& source) {
+  if (j.is_string()) return FindGpuPreset(j.get<std::string>());
+  if (!j.is_object()) return Status::InvalidArgument(source + ": 'gpu' must be a preset name or an object");
+  GpuSpec g;
+  if (auto it = j.find("preset"); it != j.end()) {
+    if (!it->is_string()) return Status::InvalidArgument(source + ": gpu.preset must be a string");
+    MEMPLAN_ASSIGN_OR_RETURN(g, FindGpuPreset(it->get<std::string>()));
+  }
+  for (const auto& [key, value] : j.items()) {
+    const std::string what = source + ": gpu." + key;
+    if (key == "preset") continue;
+    if (key == "name" || key == "description") {
+      if (!value.is_string()) return Status::InvalidArgument(what + ": expected a string");
+      (key == "name" ? g.name : g.description) = value.get<std::string>();
+    } else if (key == "memory_bytes") {
+      MEMPLAN_ASSIGN_OR_RETURN(g.memory_bytes, SizeField(value, what));
+    } else if (key == "pcie_gen") {
+      if (!value.is_number_integer()) return Status::InvalidArgument(what + ": expected 3, 4 or 5");
+      g.pcie_gen = value.get<int>();
+    } else {
+      double* target = key == "bf16_flops"         ? &g.bf16_flops
+                       : key == "fp16_flops"       ? &g.fp16_flops
+                       : key == "fp32_flops"       ? &g.fp32_flops
+                       : key == "hbm_bytes_per_s"  ? &g.hbm_bytes_per_s
+                       : key == "link_bytes_per_s" ? &g.link_bytes_per_s
+                       : key == "mfu_prior"        ? &g.mfu_prior
+                                                   : nullptr;
+      if (target == nullptr) return Status::InvalidArgument(what + ": unknown key");
+      MEMPLAN_ASSIGN_OR_RETURN(*target, NumberField(value, what));
+    }
+  }
+  if (g.name.empty()) g.name = "custom";
+  return g;
+}
+
+}  // namespace
+
+Result<Cluster> ClusterFromJson(const nlohmann::json& json, const std::string& source) {
+  if (!json.is_object()) return Status::InvalidArgument(source + ": a cluster must be a JSON object");
+  if (!json.contains("gpu")) return Status::InvalidArgument(source + ": missing 'gpu'");
+  Cluster c;
+  // Fields ToJson writes that are derived, accepted and ignored on input.
+  static const std::set<std::string> kDerived = {"world_size", "pcie_bytes_per_s"};
+  for (const auto& [key, value] : json.items()) {
+    const std::string what = source + ": " + key;
+    if (kDerived.count(key) > 0) continue;
+    if (key == "gpu") {
+      MEMPLAN_ASSIGN_OR_RETURN(c.gpu, GpuFromJson(value, source));
+    } else if (key == "nodes" || key == "gpus_per_node" || key == "cpu_cores" ||
+               key == "pcie_gen") {
+      if (!value.is_number_integer()) return Status::InvalidArgument(what + ": expected an integer");
+      const int64_t v = value.get<int64_t>();
+      if (key == "nodes") c.nodes = v;
+      if (key == "gpus_per_node") c.gpus_per_node = v;
+      if (key == "cpu_cores") c.cpu_cores = v;
+      if (key == "pcie_gen") c.pcie_gen = static_cast<int>(v);
+    } else if (key == "cpu_memory_bytes") {
+      MEMPLAN_ASSIGN_OR_RETURN(c.cpu_memory_bytes, SizeField(value, what));
+    } else if (key == "memlock_bytes") {
+      MEMPLAN_ASSIGN_OR_RETURN(c.memlock_bytes, SizeField(value, what));
+    } else if (key == "nvme_capacity_bytes") {
+      MEMPLAN_ASSIGN_OR_RETURN(c.nvme_capacity_bytes, SizeField(value, what));
+    } else if (key == "nvme_path" || key == "nvme_bandwidth_source" || key == "cpu_adam_source") {
+      if (!value.is_string()) return Status::InvalidArgument(what + ": expected a string");
+      if (key == "nvme_path") c.nvme_path = value.get<std::string>();
+      if (key == "nvme_bandwidth_source") c.nvme_bandwidth_source = value.get<std::string>();
+      if (key == "cpu_adam_source") c.cpu_adam_source = value.get<std::string>();
+    } else if (key == "inter_node_bytes_per_s") {
+      MEMPLAN_ASSIGN_OR_RETURN(c.inter_node_bytes_per_s, NumberField(value, what));
+    } else if (key == "nvme_read_bytes_per_s") {
+      MEMPLAN_ASSIGN_OR_RETURN(c.nvme_read_bytes_per_s, NumberField(value, what));
+      if (c.nvme_bandwidth_source == "prior") c.nvme_bandwidth_source = "given";
+    } else if (key == "nvme_write_bytes_per_s") {
+      MEMPLAN_ASSIGN_OR_RETURN(c.nvme_write_bytes_per_s, NumberField(value, what));
+      if (c.nvme_bandwidth_source == "prior") c.nvme_bandwidth_source = "given";
+    } else if (key == "cpu_adam_params_per_s") {
+      MEMPLAN_ASSIGN_OR_RETURN(c.cpu_adam_params_per_s, NumberField(value, what));
+    } else {
+      return Status::InvalidArgument(what + ": unknown key");
+    }
+  }
+  MEMPLAN_RETURN_IF_ERROR(c.Validate().WithPrefix(source));
+  return c;
+}
+
+namespace {
+
+// The CUDA driver API, loaded at run time so that the build needs no CUDA and a machine without
+// a driver simply has no GPU.
+struct CudaDriver {
+  using InitFn = int (*)(unsigned);
+  using CountFn = int (*)(int*);
+  using GetFn = int (*)(int*, int);
+  using NameFn = int (*)(char*, int, int);
+  using MemFn = int (*)(size_t*, int);
+};
+
+// GPUs seen through libcuda.so.1: count, name and memory of device 0.
+bool ProbeCuda(int* count, std::string* name, uint64_t* memory, std::string* note) {
+  void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    *note = "no CUDA driver (libcuda.so.1 not found): no GPU";
+    return false;
+  }
+  auto init = reinterpret_cast<CudaDriver::InitFn>(::dlsym(lib, "cuInit"));
+  auto get_count = reinterpret_cast<CudaDriver::CountFn>(::dlsym(lib, "cuDeviceGetCount"));
+  auto get = reinterpret_cast<CudaDriver::GetFn>(::dlsym(lib, "cuDeviceGet"));
+  auto get_name = reinterpret_cast<CudaDriver::NameFn>(::dlsym(lib, "cuDeviceGetName"));
+  auto total_mem = reinterpret_cast<CudaDriver::MemFn>(::dlsym(lib, "cuDeviceTotalMem_v2"));
+  bool ok = false;
+  int device = 0;
+  char buffer[256] = {};
+  size_t bytes = 0;
+  if (init == nullptr || get_count == nullptr || get == nullptr || get_name == nullptr ||
+      total_mem == nullptr) {
+    *note = "CUDA driver lacks the device queries: no GPU";
+  } else if (int rc = init(0); rc != 0) {
+    *note = "cuInit failed (error " + std::to_string(rc) + "): no GPU";
+  } else if (int rc2 = get_count(count); rc2 != 0 || *count <= 0) {
+    *note = "CUDA reports no GPU";
+    *count = 0;
+  } else if (get(&device, 0) == 0 && get_name(buffer, sizeof(buffer) - 1, device) == 0 &&
+             total_mem(&bytes, device) == 0) {
+    *name = buffer;
+    *memory = bytes;
+    ok = true;
+  } else {
+    *note = "CUDA device query failed: no GPU";
+  }
+  ::dlclose(lib);
+  return ok;
+}
+
+GpuSpec MatchGpu(const std::string& name, uint64_t memory) {
+  const std::string n = Lower(name);
+  const GpuSpec* best = nullptr;
+  uint64_t best_gap = UINT64_MAX;
+  for (const GpuSpec& g : GpuPresets()) {
+    const std::string family = g.name.substr(0, g.name.find('-'));
+    std::string token = family.rfind("rtx", 0) == 0 ? family.substr(3) : family;
+    const bool name_match = n.find(token) != std::string::npos;
+    const uint64_t gap = memory > g.memory_bytes ? memory - g.memory_bytes : g.memory_bytes - memory;
+    // A name match wins; among those (or among all when none matches) the closest memory.
+    const uint64_t score = (name_match ? 0 : uint64_t{1} << 62) + gap;
+    if (score < best_gap) {
+      best_gap = score;
+      best = &g;
+    }
+  }
+  GpuSpec g = *best;
+  if (best_gap >= (uint64_t{1} << 62)) g.name = "detected (like " + g.name + ")";
+  g.description = name;
+  g.memory_bytes = memory;
+  return g;
+}
+
+}  // namespace
+
+Result<Cluster> DetectCluster(const std::string& nvme_path, std::string* gpu_note) {
+  Cluster c;
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line.c_str(), "MemTotal: %llu kB", &kib) == 1) {
+      c.cpu_memory_bytes = static_cast<uint64_t>(kib) * 1024;
+      break;
+    }
+  }
+  if (c.cpu_memory_bytes == 0) return Status::IoError("cannot read MemTotal from /proc/meminfo");
+  const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+  c.cpu_cores = cores > 0 ? cores : 0;
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_MEMLOCK, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+    c.memlock_bytes = std::max<uint64_t>(limit.rlim_cur, 1);
+  }
+  if (!nvme_path.empty()) {
+    struct statvfs fs {};
+    if (::statvfs(nvme_path.c_str(), &fs) != 0) {
+      return Status::FromErrno(errno, "--nvme-path " + nvme_path);
+    }
+    c.nvme_path = nvme_path;
+    c.nvme_capacity_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  }
+  int count = 0;
+  std::string name;
+  uint64_t memory = 0;
+  std::string note;
+  if (ProbeCuda(&count, &name, &memory, &note)) {
+    c.gpu = MatchGpu(name, memory);
+    c.gpus_per_node = count;
+    note = "detected " + std::to_string(count) + " x " + name + " (" + FormatGiB(memory) +
+           "), figures of preset " + c.gpu.name;
+  }
+  if (gpu_note != nullptr) *gpu_note = note;
+  (void)kGiB;
+  return c;
+}
+
+Result<uint64_t> ParseByteSize(std::string_view text, std::string_view what) {
+  auto bad = [&] {
+    return Status::InvalidArgument(std::string(what) + ": '" + std::string(text) +
+                                   "' is not a size (bytes, or a number with KiB/MiB/GiB/TiB or "
+                                   "KB/MB/GB/TB)");
+  };
+  std::string s(text);
+  s.erase(std::remove_if(s.begin(), s.end(), [](char c) { return c == ' ' || c == '_'; }),
+          s.end());
+  size_t pos = 0;
+  while (pos < s.size() && (std::isdigit(static_cast<unsigned char>(s[pos])) || s[pos] == '.')) {
+    ++pos;
+  }
+  if (pos == 0) return bad();
+  const std::string number = s.substr(0, pos);
+  const std::string unit = Lower(s.substr(pos));
+  double value = 0;
+  try {
+    size_t used = 0;
+    value = std::stod(number, &used);
+    if (used != number.size()) return bad();
+  } catch (...) {
+    return bad();
+  }
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1},           {"b", 1},          {"k", 0x1p10},     {"ki", 0x1p10},
+      {"kib", 0x1p10},   {"m", 0x1p20},     {"mi", 0x1p20},    {"mib", 0x1p20},
+      {"g", 0x1p30},     {"gi", 0x1p30},    {"gib", 0x1p30},   {"t", 0x1p40},
+      {"ti", 0x1p40},    {"tib", 0x1p40},   {"p", 0x1p50},     {"pib", 0x1p50},
+      {"kb", 1e3},       {"mb", 1e6},       {"gb", 1e9},       {"tb", 1e12},
+      {"pb", 1e15}};
+  for (const auto& [name, scale] : kUnits) {
+    if (unit == name) {
+      const double bytes = value * scale;
+      if (!std::isfinite(bytes) || bytes >= 0x1p63) return bad();
+      return static_cast<uint64_t>(std::llround(bytes));
+    }
+  }
+  return bad();
+}
+
+std::string FormatGiB(uint64_t bytes) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.1f GiB", static_cast<double>(bytes) / 0x1p30);
+  return text;
+}
+
+}  // namespace memplan::planner

@@ -1,0 +1,116 @@
+// Cluster: the hardware a training job runs on, as the planner sees it. GPU presets (memory, peak
+// 16-bit FLOPs, HBM and GPU-to-GPU link bandwidth), nodes, GPUs per node, host RAM and cores,
+// PCIe generation, and the NVMe drive (path, capacity, bandwidth). Measured inputs replace priors:
+// a `memplan bench nvme --format json` result gives the drive's bandwidth, a `memplan bench adam
+// --format json` result the CPU optimizer's speed. A cluster is also a JSON document (ToJson /
+// ClusterFromJson) and can be read off the local machine (DetectCluster).
+//
+// Sizes are bytes, bandwidths bytes per second (decimal, as vendors quote them), FLOPs per second.
+//
+// Thread safety: plain values and pure functions; DetectCluster reads the OS (and the CUDA driver
+// when one is installed) and may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+
+namespace memplan::planner {
+
+struct GpuSpec {
+  std::string name;             // preset key: "a100-80"
+  std::string description;      // "NVIDIA A100 80GB SXM"
+  uint64_t memory_bytes = 0;    // what the driver reports as total memory
+  double bf16_flops = 0;        // dense peak, tensor cores; 0 = bf16 not supported
+  double fp16_flops = 0;        // dense peak with fp32 accumulation
+  double fp32_flops = 0;        // TF32 tensor-core peak where the GPU has it, else FP32
+  double hbm_bytes_per_s = 0;   // device memory bandwidth
+  double link_bytes_per_s = 0;  // GPU-to-GPU inside a node, per direction (NVLink or PCIe)
+  int pcie_gen = 4;             // host link: 3, 4 or 5 (x16)
+  double mfu_prior = 0.45;      // model FLOPs utilisation expected for large dense models
+};
+
+// The presets: v100-16, v100-32, a100-40, a100-80, a800-80, h100-80, h200, l40s, rtx3090,
+// rtx4090 (public datasheet figures, dense, no sparsity).
+const std::vector<GpuSpec>& GpuPresets();
+// Case-insensitive; also accepts "a100" (-> a100-80), "h100", "v100" (-> v100-32), "4090".
+// Errors list the preset names.
+Result<GpuSpec> FindGpuPreset(std::string_view name);
+
+struct Cluster {
+  GpuSpec gpu;
+  int64_t nodes = 1;
+  int64_t gpus_per_node = 1;
+  uint64_t cpu_memory_bytes = 0;  // host RAM per node; 0 = unknown (CPU limits not checked)
+  int64_t cpu_cores = 0;          // per node; 0 = unknown (the CPU-optimizer prior assumes 16)
+  int pcie_gen = 0;               // 0 = the GPU preset's
+  double inter_node_bytes_per_s = 25e9;  // network per node, per direction (200 Gb/s)
+  // RLIMIT_MEMLOCK per process; 0 = unlimited or unknown (not checked).
+  uint64_t memlock_bytes = 0;
+
+  std::string nvme_path;          // empty: no NVMe offload possible
+  uint64_t nvme_capacity_bytes = 0;      // free space for swap files per node; 0 = unknown
+  double nvme_read_bytes_per_s = 0;      // 0 = prior (see kNvmeReadPrior)
+  double nvme_write_bytes_per_s = 0;
+  std::string nvme_bandwidth_source = "prior";  // "prior", "bench", "given"
+  // aio block for DeepSpeed from a bench nvme result (block_size bytes, queue_depth); 0 = defaults.
+  int64_t aio_block_size = 0;
+  int64_t aio_queue_depth = 0;
+
+  double cpu_adam_params_per_s = 0;  // per node; 0 = prior (see CpuAdamParamsPerS)
+  std::string cpu_adam_source = "prior";  // "prior" or "bench"
+
+  int64_t WorldSize() const { return nodes * gpus_per_node; }
+  int PcieGen() const { return pcie_gen > 0 ? pcie_gen : gpu.pcie_gen; }
+  // Host-to-GPU bandwidth per GPU, per direction, pinned memory: 16 / 32 / 63 GB/s (Gen 3/4/5)
+  // times kPcieEfficiency.
+  double PcieBytesPerS() const;
+  double NvmeReadBytesPerS() const;
+  double NvmeWriteBytesPerS() const;
+  // Measured, or the prior: 5e7 params/s per core (16 cores if unknown), at most 3e9 per node
+  // (memory-bandwidth bound: ~30 bytes moved per parameter).
+  double CpuAdamParamsPerS() const;
+
+  // Refuses non-positive counts, absurd sizes, a GPU without memory or FLOPs.
+  Status Validate() const;
+};
+
+// Priors, stated in plan output.
+constexpr double kNvmeReadPrior = 3.2e9;   // one Gen4 drive, DeepSpeed's aio after tuning: 3.7
+constexpr double kNvmeWritePrior = 2.6e9;  // read / 3.2 write GB/s, less a margin for sustained use
+constexpr double kPcieEfficiency = 0.8;    // achieved fraction of the x16 link (pinned memory)
+
+// Applies a `memplan bench nvme --format json` document: best.read_bytes_per_s and
+// best.write_bytes_per_s (best_aio-agnostic), the aio block, and the path when none was given.
+// Errors name `source` and the missing field.
+Status ApplyNvmeBench(const nlohmann::json& bench, const std::string& source, Cluster* cluster);
+// Applies a `memplan bench adam --format json` document: params_per_s (for the threads it ran
+// with; scaled to cpu_cores when the bench used fewer threads).
+Status ApplyAdamBench(const nlohmann::json& bench, const std::string& source, Cluster* cluster);
+
+// JSON form: {"gpu": {...} or "a100-80", "nodes", "gpus_per_node", "cpu_memory_bytes",
+// "cpu_cores", "pcie_gen", "inter_node_bytes_per_s", "memlock_bytes", "nvme_path",
+// "nvme_capacity_bytes", "nvme_read_bytes_per_s", "nvme_write_bytes_per_s", ...}. FromJson
+// accepts any subset (the GPU is required), sizes as numbers or strings ("80GiB"), and refuses
+// unknown keys, naming them.
+nlohmann::json ToJson(const Cluster& cluster);
+Result<Cluster> ClusterFromJson(const nlohmann::json& json, const std::string& source);
+
+// The local machine: RAM (/proc/meminfo MemTotal), online cores, RLIMIT_MEMLOCK, free space at
+// `nvme_path` (statvfs; when given), and GPUs through the CUDA driver (libcuda.so.1, loaded at
+// run time) when one is installed; any CUDA error means "no GPU" and `*gpu_note` says why. The
+// GPU is matched to a preset by name and memory; an unknown GPU gets the preset closest in
+// memory with its own memory size.
+Result<Cluster> DetectCluster(const std::string& nvme_path, std::string* gpu_note);
+
+// "80GiB", "1TiB", "512MiB", "64GB" (decimal), "1.5TiB", or plain bytes. Errors name `what`.
+Result<uint64_t> ParseByteSize(std::string_view text, std::string_view what);
+// 85899345920 -> "80.0 GiB" (binary units, one decimal).
+std::string FormatGiB(uint64_t bytes);
+
+}  // namespace memplan::planner

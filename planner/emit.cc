@@ -1,0 +1,319 @@
+#include "planner/emit.h"
+
+#include <algorithm>
+#include <map>
+
+namespace memplan::planner {
+namespace {
+
+using estimator::Checkpointing;
+using estimator::OffloadDevice;
+using estimator::Precision;
+using nlohmann::ordered_json;
+
+const char* DeviceName(OffloadDevice d) {
+  switch (d) {
+    case OffloadDevice::kNone: return "none";
+    case OffloadDevice::kCpu: return "cpu";
+    case OffloadDevice::kNvme: return "nvme";
+  }
+  return "none";
+}
+
+// Where swap files go: a folder under the NVMe path, as DeepSpeed creates per-rank folders itself.
+std::string NvmePath(const Cluster& c) { return c.nvme_path.empty() ? "/local_nvme" : c.nvme_path; }
+
+}  // namespace
+
+std::string DecoderLayerClass(const std::string& model_type) {
+  static const std::map<std::string, std::string> kClasses = {
+      {"llama", "LlamaDecoderLayer"},   {"mistral", "MistralDecoderLayer"},
+      {"mixtral", "MixtralDecoderLayer"}, {"qwen2", "Qwen2DecoderLayer"},
+      {"gemma", "GemmaDecoderLayer"},   {"gpt2", "GPT2Block"},
+      {"gpt_neox", "GPTNeoXLayer"},     {"bert", "BertLayer"},
+      {"roberta", "RobertaLayer"},      {"t5", "T5Block"}};
+  auto it = kClasses.find(model_type);
+  return it == kClasses.end() ? "" : it->second;
+}
+
+Result<ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
+                                     const estimator::ModelInventory& inventory,
+                                     const EmitOptions& options) {
+  const estimator::TrainingSetup& s = plan.setup;
+  if (s.zero_stage < 0 || s.zero_stage > 3) return Status::Internal("plan with a bad ZeRO stage");
+  const bool hf = options.for_hf_trainer;
+  const ordered_json kAuto = "auto";
+  const int64_t hidden = inventory.arch ? inventory.arch->hidden : 0;
+  ordered_json ds;
+  const int64_t world = cluster.WorldSize();
+  if (hf) {
+    ds["train_batch_size"] = kAuto;
+    ds["train_micro_batch_size_per_gpu"] = kAuto;
+    ds["gradient_accumulation_steps"] = kAuto;
+    ds["gradient_clipping"] = kAuto;
+  } else {
+    ds["train_batch_size"] = s.micro_batch * s.grad_accum * world;
+    ds["train_micro_batch_size_per_gpu"] = s.micro_batch;
+    ds["gradient_accumulation_steps"] = s.grad_accum;
+    ds["gradient_clipping"] = 1.0;
+  }
+  ds["steps_per_print"] = 100;
+  ds["wall_clock_breakdown"] = false;
+  switch (s.precision) {
+    case Precision::kBf16Mixed:
+    case Precision::kBf16Pure:
+      ds["bf16"] = {{"enabled", hf ? kAuto : ordered_json(true)}};
+      break;
+    case Precision::kFp16Mixed:
+      ds["fp16"] = {{"enabled", hf ? kAuto : ordered_json(true)},
+                    {"loss_scale", 0},
+                    {"loss_scale_window", 1000},
+                    {"initial_scale_power", 16},
+                    {"hysteresis", 2},
+                    {"min_loss_scale", 1}};
+      break;
+    case Precision::kFp32: break;
+  }
+  // DeepSpeed's own optimizers (CPU Adam when offloaded); others come from the training script.
+  if (s.optimizer == estimator::Optimizer::kAdamW || s.optimizer == estimator::Optimizer::kLion) {
+    ordered_json params;
+    params["lr"] = hf ? kAuto : ordered_json(options.learning_rate);
+    params["betas"] = hf ? kAuto : ordered_json::array({0.9, s.optimizer == estimator::Optimizer::kLion ? 0.99 : 0.999});
+    if (s.optimizer == estimator::Optimizer::kAdamW) params["eps"] = hf ? kAuto : ordered_json(1e-8);
+    params["weight_decay"] = hf ? kAuto : ordered_json(options.weight_decay);
+    ds["optimizer"] = {
+        {"type", s.optimizer == estimator::Optimizer::kLion ? "Lion" : "AdamW"},
+        {"params", params}};
+  } else {
+    ds["zero_allow_untested_optimizer"] = true;
+  }
+
+  ordered_json z;
+  z["stage"] = s.zero_stage;
+  if (s.zero_stage >= 1) {
+    z["overlap_comm"] = s.OverlapComm();
+    z["contiguous_gradients"] = true;
+    z["reduce_scatter"] = true;
+    z["reduce_bucket_size"] = hf && hidden > 0 ? kAuto : ordered_json(s.reduce_bucket_size);
+    if (s.zero_stage <= 2) {
+      z["allgather_partitions"] = true;
+      z["allgather_bucket_size"] = s.allgather_bucket_size;
+    } else {
+      z["stage3_prefetch_bucket_size"] =
+          hf && hidden > 0 ? kAuto : ordered_json(s.stage3_prefetch_bucket_size);
+      z["stage3_param_persistence_threshold"] =
+          hf && hidden > 0 ? kAuto : ordered_json(s.stage3_param_persistence_threshold);
+      z["stage3_max_live_parameters"] = s.stage3_max_live_parameters;
+      z["stage3_max_reuse_distance"] = 1000000000;
+      z["stage3_gather_16bit_weights_on_model_save"] = true;
+      z["sub_group_size"] = s.sub_group_size;
+    }
+  }
+  if (s.offload_optimizer != OffloadDevice::kNone) {
+    ordered_json o;
+    o["device"] = DeviceName(s.offload_optimizer);
+    if (s.offload_optimizer == OffloadDevice::kNvme) o["nvme_path"] = NvmePath(cluster);
+    o["pin_memory"] = s.pin_memory;
+    if (s.offload_optimizer == OffloadDevice::kNvme) {
+      o["buffer_count"] = s.optimizer_buffer_count;
+      o["pipeline_read"] = true;
+      o["pipeline_write"] = true;
+      o["fast_init"] = false;
+    }
+    z["offload_optimizer"] = o;
+  }
+  if (s.offload_param != OffloadDevice::kNone) {
+    ordered_json p;
+    p["device"] = DeviceName(s.offload_param);
+    if (s.offload_param == OffloadDevice::kNvme) p["nvme_path"] = NvmePath(cluster);
+    p["pin_memory"] = s.pin_memory;
+    if (s.offload_param == OffloadDevice::kNvme) {
+      p["buffer_count"] = s.param_buffer_count;
+      p["buffer_size"] = s.param_buffer_size;
+    }
+    p["max_in_cpu"] = 1000000000;
+    z["offload_param"] = p;
+  }
+  ds["zero_optimization"] = z;
+  if (s.checkpointing != Checkpointing::kNone) {
+    // Configures deepspeed.checkpointing; the model must also checkpoint (for Hugging Face models:
+    // model.gradient_checkpointing_enable()).
+    ds["activation_checkpointing"] = {{"partition_activations", false},
+                                      {"cpu_checkpointing", false},
+                                      {"contiguous_memory_optimization", false},
+                                      {"number_checkpoints", nullptr},
+                                      {"synchronize_checkpoint_boundary", false},
+                                      {"profile", false}};
+  }
+  if (s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme) {
+    ds["aio"] = {{"block_size", s.aio_block_size},
+                 {"queue_depth", s.aio_queue_depth},
+                 {"intra_op_parallelism", 1},
+                 {"single_submit", false},
+                 {"overlap_events", true},
+                 {"use_gds", false}};
+  }
+  return ds;
+}
+
+Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
+                                     const estimator::ModelInventory& inventory,
+                                     const EmitOptions& options) {
+  const estimator::TrainingSetup& s = plan.setup;
+  std::string mixed = s.precision == Precision::kFp16Mixed ? "fp16"
+                      : s.precision == Precision::kFp32    ? "'no'"
+                                                           : "bf16";
+  std::string y = "# accelerate launch --config_file <this file> train.py\n"
+                  "# Written by memplan plan: " +
+                  plan.family + ", micro-batch " + std::to_string(s.micro_batch) + " x " +
+                  std::to_string(s.grad_accum) + " accumulation.\n";
+  y += "compute_environment: LOCAL_MACHINE\ndebug: false\n";
+  if (options.accelerate_plugin == "fsdp") {
+    if (s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme) {
+      return Status::InvalidArgument(
+          "--accelerate-plugin fsdp: the plan offloads to NVMe, which FSDP cannot; use the "
+          "DeepSpeed plugin or another plan (--plan-index)");
+    }
+    const std::string strategy = s.zero_stage == 3   ? "FULL_SHARD"
+                                 : s.zero_stage >= 1 ? "SHARD_GRAD_OP"
+                                                     : "NO_SHARD";
+    const std::string layer = DecoderLayerClass(inventory.model_type);
+    y += "distributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n";
+    y += layer.empty() ? "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 100000000\n"
+                       : "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                         "  fsdp_transformer_layer_cls_to_wrap: " + layer + "\n";
+    y += "  fsdp_backward_prefetch: BACKWARD_PRE\n";
+    y += "  fsdp_cpu_ram_efficient_loading: true\n";
+    y += "  fsdp_forward_prefetch: false\n";
+    y += std::string("  fsdp_offload_params: ") +
+         (s.offload_param != OffloadDevice::kNone || s.offload_optimizer != OffloadDevice::kNone
+              ? "true"
+              : "false") +
+         "\n";
+    y += "  fsdp_sharding_strategy: " + strategy + "\n";
+    y += "  fsdp_state_dict_type: SHARDED_STATE_DICT\n";
+    y += "  fsdp_sync_module_states: true\n";
+    y += "  fsdp_use_orig_params: true\n";
+    y += std::string("  fsdp_activation_checkpointing: ") +
+         (s.checkpointing != Checkpointing::kNone ? "true" : "false") + "\n";
+  } else {
+    y += "distributed_type: DEEPSPEED\ndeepspeed_config:\n";
+    if (!options.deepspeed_config_path.empty()) {
+      y += "  deepspeed_config_file: " + options.deepspeed_config_path + "\n";
+      y += std::string("  zero3_init_flag: ") + (s.zero_stage == 3 ? "true" : "false") + "\n";
+    } else {
+      y += "  gradient_accumulation_steps: " + std::to_string(s.grad_accum) + "\n";
+      y += "  gradient_clipping: 1.0\n";
+      y += std::string("  offload_optimizer_device: ") + DeviceName(s.offload_optimizer) + "\n";
+      if (s.offload_optimizer == OffloadDevice::kNvme) {
+        y += "  offload_optimizer_nvme_path: " + NvmePath(cluster) + "\n";
+      }
+      y += std::string("  offload_param_device: ") + DeviceName(s.offload_param) + "\n";
+      if (s.offload_param == OffloadDevice::kNvme) {
+        y += "  offload_param_nvme_path: " + NvmePath(cluster) + "\n";
+      }
+      y += std::string("  zero3_init_flag: ") + (s.zero_stage == 3 ? "true" : "false") + "\n";
+      if (s.zero_stage == 3) y += "  zero3_save_16bit_model: true\n";
+      y += "  zero_stage: " + std::to_string(s.zero_stage) + "\n";
+    }
+    y += "downcast_bf16: 'no'\n";
+  }
+  y += "machine_rank: 0\nmain_training_function: main\n";
+  // With a ds_config file DeepSpeed's own precision block rules; accelerate must not contradict.
+  y += "mixed_precision: " + mixed + "\n";
+  y += "num_machines: " + std::to_string(cluster.nodes) + "\n";
+  y += "num_processes: " + std::to_string(cluster.WorldSize()) + "\n";
+  y += "rdzv_backend: static\nsame_network: true\ntpu_env: []\ntpu_use_cluster: false\n"
+       "tpu_use_sudo: false\nuse_cpu: false\n";
+  return y;
+}
+
+Result<ordered_json> FsdpConfig(const Plan& plan, const Cluster& cluster,
+                                const estimator::ModelInventory& inventory) {
+  const estimator::TrainingSetup& s = plan.setup;
+  if (s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme) {
+    return Status::InvalidArgument(
+        "--emit-fsdp: the plan offloads to NVMe, which FSDP cannot; choose a plan without NVMe "
+        "(--plan-index)");
+  }
+  const std::string dtype = s.precision == Precision::kFp16Mixed ? "float16"
+                            : s.precision == Precision::kFp32    ? "float32"
+                                                                 : "bfloat16";
+  ordered_json j;
+  j["sharding_strategy"] = s.zero_stage == 3 ? "FULL_SHARD" : s.zero_stage >= 1 ? "SHARD_GRAD_OP"
+                                                                                : "NO_SHARD";
+  j["cpu_offload"] = {{"offload_params", s.offload_param != OffloadDevice::kNone ||
+                                             s.offload_optimizer != OffloadDevice::kNone}};
+  j["mixed_precision"] = {{"param_dtype", dtype}, {"reduce_dtype", dtype}, {"buffer_dtype", dtype}};
+  const std::string layer = DecoderLayerClass(inventory.model_type);
+  if (layer.empty()) {
+    j["auto_wrap_policy"] = {{"policy", "size_based"}, {"min_num_params", 100000000}};
+  } else {
+    j["auto_wrap_policy"] = {{"policy", "transformer"},
+                             {"transformer_layer_cls", ordered_json::array({layer})}};
+  }
+  j["backward_prefetch"] = "BACKWARD_PRE";
+  j["forward_prefetch"] = false;
+  j["limit_all_gathers"] = true;
+  j["use_orig_params"] = true;
+  j["sync_module_states"] = true;
+  j["activation_checkpointing"] = s.checkpointing != Checkpointing::kNone;
+  j["micro_batch_size_per_gpu"] = s.micro_batch;
+  j["gradient_accumulation_steps"] = s.grad_accum;
+  j["world_size"] = cluster.WorldSize();
+  return j;
+}
+
+Result<ordered_json> Schedule(const Plan& plan, const Cluster& cluster,
+                              const estimator::ModelInventory& inventory) {
+  const estimator::TrainingSetup& s = plan.setup;
+  if (s.offload_optimizer == OffloadDevice::kNone) {
+    return Status::InvalidArgument(
+        "--emit-schedule: plan " + plan.family +
+        " offloads nothing, and the offload engine runs only plans whose optimizer is on the CPU "
+        "or NVMe; emit a DeepSpeed config instead, or choose an offload plan (--plan-index)");
+  }
+  if (s.optimizer != estimator::Optimizer::kAdamW && s.optimizer != estimator::Optimizer::kLion) {
+    return Status::InvalidArgument("--emit-schedule: the offload engine's CPU optimizers are "
+                                   "Adam/AdamW and Lion");
+  }
+  (void)inventory;
+  const uint64_t w = s.precision == Precision::kFp32 ? 4 : 2;
+  auto tier = [](OffloadDevice d) {
+    return d == OffloadDevice::kNone ? "gpu" : d == OffloadDevice::kCpu ? "cpu" : "nvme";
+  };
+  const bool nvme =
+      s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme;
+  // The engine's sub-groups are whole multiples of 1024 elements.
+  const uint64_t sub_group =
+      std::max<uint64_t>(1024, static_cast<uint64_t>(s.sub_group_size) / 1024 * 1024);
+  ordered_json j;
+  j["version"] = 1;
+  j["params"] = {
+      {"tier", tier(s.offload_param)},
+      {"dtype", s.precision == Precision::kFp32      ? "fp32"
+                : s.precision == Precision::kFp16Mixed ? "fp16"
+                                                       : "bf16"},
+      {"persistence_threshold", s.stage3_param_persistence_threshold},
+      {"prefetch_bytes", static_cast<uint64_t>(s.stage3_prefetch_bucket_size) * w},
+      {"max_live_bytes", static_cast<uint64_t>(s.stage3_max_live_parameters) * w},
+      // O_DIRECT staging buffers: whole 4 KiB pages.
+      {"buffer_bytes",
+       std::max<uint64_t>(4096, static_cast<uint64_t>(s.param_buffer_size) * w / 4096 * 4096)},
+      {"buffer_count", s.param_buffer_count}};
+  j["optimizer"] = {{"tier", tier(s.offload_optimizer)},
+                    {"name", s.optimizer == estimator::Optimizer::kLion ? "lion" : "adam"},
+                    {"sub_group_elements", sub_group},
+                    {"buffer_count", s.optimizer_buffer_count},
+                    {"threads", 0}};
+  j["nvme"] = {{"path", nvme ? NvmePath(cluster) + "/memplan" : ""},
+               {"backend", "auto"},
+               {"block_size", s.aio_block_size},
+               {"queue_depth", s.aio_queue_depth},
+               {"direct", true}};
+  // Per process: the node's pinned bytes shared by its GPU processes.
+  j["pinned_budget_bytes"] = plan.peak.pinned_bytes / static_cast<uint64_t>(cluster.gpus_per_node);
+  return j;
+}
+
+}  // namespace memplan::planner

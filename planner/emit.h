@@ -1,0 +1,59 @@
+// Emitters: a Plan as the configuration files the ecosystem runs, and as the Schedule the offload
+// engine runs.
+//
+//   DeepSpeed ds_config.json: complete (batch arithmetic, precision, optimizer, zero_optimization
+//     with bucket sizes and offload blocks, nvme_path, aio, activation_checkpointing) and with no
+//     "auto" unless for_hf_trainer, where the keys the Hugging Face Trainer fills are "auto".
+//   Accelerate config (accelerate.yaml): DeepSpeed plugin (pointing at the ds_config when one is
+//     emitted, else inline settings) or FSDP plugin.
+//   FSDP arguments (fsdp.json): the torch FSDP constructor arguments equivalent to the plan.
+//   Schedule (schedule.json), format "memplan.schedule/1" (Note [Schedule format]).
+//
+// Note [Schedule format]
+// The Schedule is offload::Schedule's JSON form, version 1 (offload/schedule.h; README "Schedule
+// JSON"), written here as plain JSON so that the planner does not link the engine: "params" (tier,
+// dtype, persistence_threshold, prefetch_bytes, max_live_bytes, buffer_bytes, buffer_count) from
+// the ZeRO-3 settings and offload_param, "optimizer" (tier cpu|nvme, name, sub_group_elements,
+// buffer_count, threads) from offload_optimizer, "nvme" (path = <nvme_path>/memplan, block_size
+// and queue_depth from the aio settings), and "pinned_budget_bytes" (the plan's pinned bytes per
+// GPU process). Only plans that offload the optimizer have one.
+//
+// Thread safety: pure functions.
+#pragma once
+
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "estimator/inventory.h"
+#include "planner/cluster.h"
+#include "planner/search.h"
+
+namespace memplan::planner {
+
+struct EmitOptions {
+  bool for_hf_trainer = false;  // "auto" for the keys the Hugging Face Trainer fills
+  double learning_rate = 1e-4;  // optimizer.params.lr (not for_hf_trainer)
+  double weight_decay = 0.0;
+  std::string deepspeed_config_path;  // accelerate.yaml refers to it when not empty
+  std::string accelerate_plugin = "deepspeed";  // "deepspeed" or "fsdp"
+};
+
+// Errors: nothing to emit for a plan that is invalid (Internal).
+Result<nlohmann::ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
+                                               const estimator::ModelInventory& inventory,
+                                               const EmitOptions& options);
+// YAML text. FSDP plugin: errors for NVMe offload (FSDP offloads to CPU only) naming the flag.
+Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
+                                     const estimator::ModelInventory& inventory,
+                                     const EmitOptions& options);
+Result<nlohmann::ordered_json> FsdpConfig(const Plan& plan, const Cluster& cluster,
+                                          const estimator::ModelInventory& inventory);
+Result<nlohmann::ordered_json> Schedule(const Plan& plan, const Cluster& cluster,
+                                        const estimator::ModelInventory& inventory);
+
+// The transformer layer class for FSDP auto-wrapping ("LlamaDecoderLayer"), "" when unknown.
+std::string DecoderLayerClass(const std::string& model_type);
+
+}  // namespace memplan::planner

@@ -1,0 +1,351 @@
+#include "planner/search.h"
+
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cstdio>
+
+#include "estimator/model_source.h"
+#include "planner/check.h"
+#include "planner/cluster.h"
+#include "planner/emit.h"
+
+namespace memplan::planner {
+namespace {
+
+using estimator::Checkpointing;
+using estimator::OffloadDevice;
+
+estimator::ModelInventory Model(const std::string& name) {
+  auto m = estimator::LoadModel(name, estimator::ModelClassChoice::kFromArchitectures);
+  REQUIRE_MESSAGE(m.ok(), m.status().message());
+  return *m;
+}
+
+Cluster A100x8() {
+  Cluster c;
+  c.gpu = *FindGpuPreset("a100-80");
+  c.gpus_per_node = 8;
+  c.cpu_memory_bytes = uint64_t{1} << 40;
+  c.cpu_cores = 64;
+  return c;
+}
+
+Job MakeJob(const std::string& model, int64_t global_batch, int64_t seq) {
+  Job job;
+  job.model = model;
+  job.global_batch = global_batch;
+  job.setup.seq_len = seq;
+  job.setup.flash_attention = true;
+  return job;
+}
+
+const Plan* FindFamily(const PlanResult& r, const std::string& family) {
+  for (const Plan& p : r.plans) {
+    if (p.family == family) return &p;
+  }
+  return nullptr;
+}
+
+const Rejection* FindRejected(const PlanResult& r, const std::string& family) {
+  for (const Rejection& x : r.rejected) {
+    if (x.plan == family) return &x;
+  }
+  return nullptr;
+}
+
+TEST_CASE("cluster: sizes, presets and bench inputs") {
+  CHECK(*ParseByteSize("80GiB", "x") == uint64_t{80} << 30);
+  CHECK(*ParseByteSize("1TiB", "x") == uint64_t{1} << 40);
+  CHECK(*ParseByteSize("64GB", "x") == 64000000000ull);
+  CHECK(*ParseByteSize("1.5 KiB", "x") == 1536);
+  CHECK(*ParseByteSize("4096", "x") == 4096);
+  CHECK_FALSE(ParseByteSize("lots", "--cpu-mem").ok());
+  CHECK(ParseByteSize("12XB", "--cpu-mem").status().message().find("--cpu-mem") == 0);
+  CHECK(FindGpuPreset("A100").value().name == "a100-80");
+  CHECK(FindGpuPreset("h200")->memory_bytes == uint64_t{143771} << 20);
+  CHECK(FindGpuPreset("v100-16")->bf16_flops == 0);
+  CHECK_FALSE(FindGpuPreset("tpu-v5").ok());
+
+  Cluster c = A100x8();
+  CHECK(c.PcieBytesPerS() == doctest::Approx(32e9 * 0.8));
+  CHECK(c.NvmeReadBytesPerS() == kNvmeReadPrior);
+  CHECK(c.CpuAdamParamsPerS() == doctest::Approx(3e9));  // 64 cores x 5e7, capped
+  nlohmann::json bench = {{"path", "/mnt/nvme"},
+                          {"best", {{"read_bytes_per_s", 6.5e9}, {"write_bytes_per_s", 5.0e9}}},
+                          {"aio", {{"block_size", 8388608}, {"queue_depth", 32}}}};
+  REQUIRE(ApplyNvmeBench(bench, "nvme.json", &c).ok());
+  CHECK(c.NvmeReadBytesPerS() == 6.5e9);
+  CHECK(c.NvmeWriteBytesPerS() == 5.0e9);
+  CHECK(c.nvme_path == "/mnt/nvme");
+  CHECK(c.aio_block_size == 8388608);
+  CHECK_FALSE(ApplyNvmeBench(nlohmann::json{{"best", nullptr}}, "n.json", &c).ok());
+  REQUIRE(ApplyAdamBench({{"params_per_s", 1.2e9}, {"threads", 64}}, "adam.json", &c).ok());
+  CHECK(c.CpuAdamParamsPerS() == 1.2e9);
+
+  // JSON round trip keeps what the planner uses.
+  auto back = ClusterFromJson(ToJson(c)["gpu"].is_object() ? nlohmann::json{{"gpu", "a100-80"},
+                                                                          {"gpus_per_node", 8},
+                                                                          {"cpu_memory_bytes", "1TiB"}}
+                                                         : nlohmann::json(),
+                              "cluster.json");
+  REQUIRE(back.ok());
+  CHECK(back->WorldSize() == 8);
+  CHECK(back->cpu_memory_bytes == uint64_t{1} << 40);
+  auto bad = ClusterFromJson({{"gpu", "a100-80"}, {"gpus", 8}}, "cluster.json");
+  CHECK(bad.status().message() == "cluster.json: gpus: unknown key");
+}
+
+TEST_CASE("time model: compute, collectives, offload and the optimizer, term by term") {
+  Cluster c = A100x8();
+  TimeModelInputs m;
+  m.params = 7e9;
+  m.trainable = 7e9;
+  m.layers = 32;
+  m.hidden = 4096;
+  m.seq_len = 2048;
+  estimator::TrainingSetup s;
+  s.micro_batch = 1;
+  s.grad_accum = 8;
+  s.zero_stage = 2;
+  // Compute: 64 x 2048 / 8 tokens per GPU, (6N + 12Lhs) FLOPs each, at 45% MFU x 2048/2304.
+  const double tokens = 64.0 * 2048 / 8;
+  const double flops = 6 * 7e9 + 12.0 * 32 * 4096 * 2048;
+  const double eff = 0.45 * 2048.0 / (2048 + 256);
+  StepTime t = PredictStepTime(m, c, s, 64, true);
+  CHECK(t.compute_s == doctest::Approx(tokens * flops / (312e12 * eff)));
+  // ZeRO-2: reduce-scatter of 2-byte gradients every micro-batch, all-gather once, ring at 70%.
+  const double link = 300e9 * 0.7, f = 7.0 / 8;
+  CHECK(t.comm_s == doctest::Approx((8 + 1) * f * 14e9 / link));
+  CHECK(t.exposed_comm_s == doctest::Approx(f * 14e9 / link));  // the rest hides in backward
+  CHECK(t.total_s == doctest::Approx(t.compute_s + f * 14e9 / link));
+  CHECK(t.bound == "compute");
+
+  // ZeRO-3 moves 1.5x the data of ZeRO-2 per micro-batch, and its compute is x1.1.
+  estimator::TrainingSetup s3 = s;
+  s3.zero_stage = 3;
+  StepTime t3 = PredictStepTime(m, c, s3, 64, true);
+  CHECK(t3.comm_s == doctest::Approx(8 * f * 3 * 14e9 / link));
+  CHECK(t3.compute_s == doctest::Approx(t.compute_s * 1.1));
+
+  // Full recompute adds 2N + 4Lhs per token.
+  estimator::TrainingSetup full = s;
+  full.checkpointing = Checkpointing::kFull;
+  CHECK(PredictStepTime(m, c, full, 64, true).compute_s ==
+        doctest::Approx(t.compute_s * (flops + 2 * 7e9 + 4.0 * 32 * 4096 * 2048) / flops));
+
+  // CPU optimizer offload: the node steps all 7e9 parameters at 3e9 params/s, serially, and the
+  // updated parameters come back up over PCIe after the step.
+  estimator::TrainingSetup off = s;
+  off.offload_optimizer = OffloadDevice::kCpu;
+  StepTime to = PredictStepTime(m, c, off, 64, true);
+  CHECK(to.optimizer_s == doctest::Approx(7e9 / 3e9));
+  CHECK(to.exposed_optimizer_s == doctest::Approx(7e9 / 3e9));
+  CHECK(to.pcie_s == doctest::Approx((8 + 1) * (14e9 / 8) / (32e9 * 0.8)));
+  CHECK(to.total_s == doctest::Approx(t.total_s + 7e9 / 3e9 + (14e9 / 8) / (32e9 * 0.8)));
+  // Without pinned memory the transfers take twice as long.
+  CHECK(PredictStepTime(m, c, off, 64, false).pcie_s == doctest::Approx(2 * to.pcie_s));
+
+  // NVMe optimizer: 12 bytes per parameter read and written, pipelined with the CPU step.
+  estimator::TrainingSetup nv = s3;
+  nv.offload_optimizer = OffloadDevice::kNvme;
+  StepTime tn = PredictStepTime(m, c, nv, 64, true);
+  const double io = 7e9 * 12 / kNvmeReadPrior + 7e9 * 12 / kNvmeWritePrior;
+  CHECK(tn.nvme_s == doctest::Approx(io));
+  CHECK(tn.exposed_optimizer_s == doctest::Approx(std::max(io, 7e9 / 3e9)));
+  CHECK(tn.bound == "NVMe");
+
+  // One GPU: no collectives.
+  Cluster one = c;
+  one.gpus_per_node = 1;
+  CHECK(PredictStepTime(m, one, s, 64, true).comm_s == 0);
+}
+
+TEST_CASE("search: llama-2-7b on 8 x A100-80 keeps everything on the GPUs") {
+  estimator::ModelInventory llama = Model("llama-2-7b");
+  auto r = SearchPlans(llama, A100x8(), MakeJob("llama-2-7b", 64, 2048));
+  REQUIRE_MESSAGE(r.ok(), r.status().message());
+  REQUIRE(!r->plans.empty());
+  const Plan& best = r->plans.front();
+  CHECK(best.setup.offload_optimizer == OffloadDevice::kNone);
+  CHECK(best.setup.offload_param == OffloadDevice::kNone);
+  CHECK(best.setup.zero_stage >= 1);
+  CHECK(best.setup.micro_batch * best.setup.grad_accum * 8 == 64);
+  // Plain DDP needs 16+ bytes per parameter on each GPU: about 110 GiB; it cannot fit.
+  const Rejection* ddp = FindRejected(*r, "ZeRO-0 (DDP)");
+  REQUIRE(ddp != nullptr);
+  CHECK(ddp->reason.find("per GPU, has 76.0 usable of 80.0") != std::string::npos);
+  // Ranked fastest first, every plan within its GPU budget.
+  for (size_t i = 0; i < r->plans.size(); ++i) {
+    CHECK(r->plans[i].peak.gpu_bytes <= r->plans[i].gpu_capacity_bytes);
+    if (i > 0) CHECK(r->plans[i].tokens_per_s <= r->plans[i - 1].tokens_per_s * 1.001);
+  }
+  // CPU offload is slower here: the CPU Adam step is exposed.
+  const Plan* offload = FindFamily(*r, "ZeRO-2 + optimizer on CPU");
+  REQUIRE(offload != nullptr);
+  CHECK(offload->tokens_per_s < best.tokens_per_s);
+  CHECK(offload->why.find("the CPU optimizer step") != std::string::npos);
+  // No NVMe path: NVMe families are rejected with the reason.
+  const Rejection* nvme = FindRejected(*r, "ZeRO-3 + optimizer on NVMe");
+  REQUIRE(nvme != nullptr);
+  CHECK(nvme->reason == "no NVMe drive given (--nvme-path)");
+}
+
+TEST_CASE("search: feasibility follows the limits (GPU, CPU, NVMe)") {
+  estimator::ModelInventory llama = Model("llama-2-7b");
+  Cluster c;
+  c.gpu = *FindGpuPreset("rtx4090");
+  c.cpu_memory_bytes = uint64_t{64} << 30;
+  c.cpu_cores = 16;
+  Job job = MakeJob("llama-2-7b", 16, 2048);
+  auto r = SearchPlans(llama, c, job);
+  REQUIRE(r.ok());
+  // Nothing fits a 24 GB card with 64 GiB RAM and no NVMe: the fp32 optimizer states alone are
+  // 12 bytes x 6.7e9 = 75 GiB.
+  CHECK(r->plans.empty());
+  const Rejection* cpu = FindRejected(*r, "ZeRO-3 + optimizer on CPU + params on CPU");
+  REQUIRE(cpu != nullptr);
+  CHECK(cpu->reason.find("GiB of CPU memory per node, has") != std::string::npos);
+
+  c.nvme_path = "/mnt/nvme";
+  c.nvme_capacity_bytes = uint64_t{1} << 40;
+  r = SearchPlans(llama, c, job);
+  REQUIRE(r.ok());
+  REQUIRE(!r->plans.empty());
+  const Plan& best = r->plans.front();
+  CHECK(best.setup.offload_optimizer == OffloadDevice::kNvme);
+  CHECK(best.peak.gpu_bytes <= best.gpu_capacity_bytes);
+  CHECK(best.peak.cpu_bytes <= uint64_t{64} << 30);
+  CHECK(best.peak.nvme_bytes > 0);
+
+  // A small drive rejects NVMe plans on capacity.
+  c.nvme_capacity_bytes = uint64_t{10} << 30;
+  r = SearchPlans(llama, c, job);
+  REQUIRE(r.ok());
+  CHECK(r->plans.empty());
+  const Rejection* small = FindRejected(*r, "ZeRO-3 + optimizer on NVMe + params on NVMe");
+  REQUIRE(small != nullptr);
+  CHECK(small->reason.find("GiB of NVMe per node, has 9.0 usable of 10.0") != std::string::npos);
+}
+
+TEST_CASE("search: bad input is refused with the flag named") {
+  estimator::ModelInventory llama = Model("llama-2-7b");
+  auto r = SearchPlans(llama, A100x8(), MakeJob("llama-2-7b", 12, 2048));
+  CHECK(r.status().message().find("--global-batch 12 is not a multiple of the 8 GPUs") == 0);
+  Cluster v100 = A100x8();
+  v100.gpu = *FindGpuPreset("v100-32");
+  r = SearchPlans(llama, v100, MakeJob("llama-2-7b", 64, 2048));
+  CHECK(r.status().message().find("no bf16 support") != std::string::npos);
+}
+
+TEST_CASE("search: llama-2-70b over the whole grid within the latency budget") {
+  estimator::ModelInventory llama = Model("llama-2-70b");
+  Cluster c = A100x8();
+  c.nvme_path = "/mnt/nvme";
+  c.nvme_capacity_bytes = uint64_t{4} << 40;
+  const auto start = std::chrono::steady_clock::now();
+  auto r = SearchPlans(llama, c, MakeJob("llama-2-70b", 64, 2048));
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
+                                                              start)
+                        .count();
+  REQUIRE(r.ok());
+  std::printf("SearchPlans llama-2-70b, 8 x a100-80, %lld of %lld configurations evaluated: %.1f ms\n",
+              static_cast<long long>(r->configurations), static_cast<long long>(r->grid_size), ms);
+  // 14 families x 3 checkpointing modes x micro-batches {1, 2, 4, 8}; larger micro-batches of a
+  // family are skipped once a smaller one does not fit.
+  CHECK(r->grid_size == 14 * 3 * 4);
+  CHECK(r->configurations > 14);
+  CHECK(ms < 2000);  // the target is 200 ms; generous for sanitizer and debug builds
+  REQUIRE(!r->plans.empty());
+  // 70B needs 16 bytes x 69e9 / 8 = 128 GiB of model states per GPU without offload or ZeRO-3.
+  const Rejection* z2 = FindRejected(*r, "ZeRO-2");
+  REQUIRE(z2 != nullptr);
+  CHECK(z2->reason.find("per GPU, has 76.0 usable of 80.0") != std::string::npos);
+}
+
+TEST_CASE("emit: the DeepSpeed config of each plan passes check and keeps the batch arithmetic") {
+  estimator::ModelInventory llama = Model("llama-2-7b");
+  Cluster c = A100x8();
+  c.nvme_path = "/mnt/nvme";
+  c.nvme_capacity_bytes = uint64_t{4} << 40;
+  auto r = SearchPlans(llama, c, MakeJob("llama-2-7b", 64, 2048));
+  REQUIRE(r.ok());
+  REQUIRE(r->plans.size() >= 5);
+  for (const Plan& plan : r->plans) {
+    CAPTURE(plan.family);
+    auto ds = DeepSpeedConfig(plan, c, llama, {});
+    REQUIRE(ds.ok());
+    CHECK((*ds)["train_batch_size"] == 64);
+    CHECK((*ds)["train_micro_batch_size_per_gpu"].get<int64_t>() *
+              (*ds)["gradient_accumulation_steps"].get<int64_t>() * 8 ==
+          64);
+    CHECK((*ds)["zero_optimization"]["stage"] == plan.setup.zero_stage);
+    CHECK(ds->dump().find("auto") == std::string::npos);
+    CheckOptions options;
+    options.model = &llama;
+    options.cluster = c;
+    options.seq_len = 2048;
+    auto report = CheckDeepSpeedConfig(nlohmann::json::parse(ds->dump()), options);
+    REQUIRE(report.ok());
+    for (const Finding& f : report->problems) FAIL_CHECK(f.path << ": " << f.message);
+    const bool nvme = plan.setup.offload_optimizer == OffloadDevice::kNvme ||
+                      plan.setup.offload_param == OffloadDevice::kNvme;
+    CHECK(ds->contains("aio") == nvme);
+  }
+  // For the Hugging Face Trainer: "auto" where it fills, and check accepts that only so.
+  EmitOptions hf;
+  hf.for_hf_trainer = true;
+  auto ds = DeepSpeedConfig(r->plans.front(), c, llama, hf);
+  REQUIRE(ds.ok());
+  CHECK((*ds)["train_micro_batch_size_per_gpu"] == "auto");
+  CheckOptions trainer;
+  trainer.for_hf_trainer = true;
+  CHECK(CheckDeepSpeedConfig(nlohmann::json::parse(ds->dump()), trainer)->problems.empty());
+  CHECK(!CheckDeepSpeedConfig(nlohmann::json::parse(ds->dump()), {})->problems.empty());
+}
+
+TEST_CASE("emit: Accelerate, FSDP and Schedule") {
+  estimator::ModelInventory llama = Model("llama-2-7b");
+  Cluster c = A100x8();
+  auto r = SearchPlans(llama, c, MakeJob("llama-2-7b", 64, 2048));
+  REQUIRE(r.ok());
+  const Plan& best = r->plans.front();
+  EmitOptions options;
+  auto yaml = AccelerateConfig(best, c, llama, options);
+  REQUIRE(yaml.ok());
+  CHECK(yaml->find("distributed_type: DEEPSPEED\n") != std::string::npos);
+  CHECK(yaml->find("zero_stage: " + std::to_string(best.setup.zero_stage) + "\n") !=
+        std::string::npos);
+  CHECK(yaml->find("num_processes: 8\n") != std::string::npos);
+  options.accelerate_plugin = "fsdp";
+  yaml = AccelerateConfig(best, c, llama, options);
+  REQUIRE(yaml.ok());
+  CHECK(yaml->find("fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n") !=
+        std::string::npos);
+  auto fsdp = FsdpConfig(best, c, llama);
+  REQUIRE(fsdp.ok());
+  CHECK((*fsdp)["sharding_strategy"] ==
+        (best.setup.zero_stage == 3 ? "FULL_SHARD" : "SHARD_GRAD_OP"));
+  // No offload: the engine has nothing to run.
+  CHECK_FALSE(Schedule(best, c, llama).ok());
+  const Plan* offload = FindFamily(*r, "ZeRO-3 + optimizer on CPU + params on CPU");
+  REQUIRE(offload != nullptr);
+  auto schedule = Schedule(*offload, c, llama);
+  REQUIRE(schedule.ok());
+  CHECK((*schedule)["version"] == 1);
+  CHECK((*schedule)["params"]["tier"] == "cpu");
+  CHECK((*schedule)["optimizer"]["tier"] == "cpu");
+  CHECK((*schedule)["optimizer"]["sub_group_elements"].get<uint64_t>() % 1024 == 0);
+}
+
+TEST_CASE("check: suggestions use edit distance") {
+  CHECK(EditDistance("overlap_com", "overlap_comm") == 1);
+  CHECK(EditDistance("contigous_gradients", "contiguous_gradients") == 1);
+  CHECK(EditDistance("", "abc") == 3);
+  CHECK(EditDistance("kitten", "sitting") == 3);
+  CHECK(CheckDeepSpeedConfig(nlohmann::json::array(), {}).status().message() ==
+        "a DeepSpeed config must be a JSON object");
+}
+
+}  // namespace
+}  // namespace memplan::planner

@@ -1,0 +1,190 @@
+// `memplan plan` and `memplan check` end to end: the JSON interface, emitted files, the latency
+// of a 70B plan, and every planted mistake of tests/check_fixtures/ found.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "tests/testing.h"
+
+namespace memplan::testing {
+namespace {
+
+std::vector<std::string> Words(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<std::string> out;
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+CommandResult Memplan(const std::vector<std::string>& args) {
+  return RunCommand(MEMPLAN_BINARY, args);
+}
+
+TEST_CASE("plan --format json: the interface scripts depend on") {
+  CommandResult r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8",
+                             "--nodes", "1", "--cpu-mem", "1TiB", "--nvme-path", "/mnt/nvme",
+                             "--nvme-capacity", "4TiB", "--global-batch", "64", "--seq-len",
+                             "2048", "--format", "json"});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  CHECK(j["cluster"]["gpu"]["name"] == "a100-80");
+  CHECK(j["cluster"]["cpu_memory_bytes"] == uint64_t{1} << 40);
+  CHECK(j["cluster"]["nvme_capacity_bytes"] == uint64_t{4} << 40);
+  CHECK(j["job"]["global_batch"] == 64);
+  CHECK(j["job"]["seq_len"] == 2048);
+  REQUIRE(j["plans"].size() >= 2);
+  for (const char* key : {"zero_stage", "offload_optimizer", "offload_param",
+                          "activation_checkpointing", "micro_batch", "grad_accum", "gpu_bytes",
+                          "cpu_bytes", "nvme_bytes", "pinned_bytes", "step_time_s", "tokens_per_s",
+                          "why"}) {
+    CHECK_MESSAGE(j["plans"][0].contains(key), key);
+  }
+  CHECK(j["plans"][0]["tokens_per_s"].get<double>() >= j["plans"][1]["tokens_per_s"].get<double>());
+  REQUIRE(j["rejected"].size() >= 1);
+  CHECK(j["rejected"][0].contains("plan"));
+  CHECK(j["rejected"][0].contains("reason"));
+}
+
+TEST_CASE("plan: a 70B model over the whole grid answers quickly") {
+  std::vector<std::string> args = {"plan", "--model", "llama-2-70b", "--gpu", "a100-80",
+                                   "--gpus", "8", "--cpu-mem", "1TiB", "--nvme-path",
+                                   "/mnt/nvme", "--nvme-capacity", "4TiB", "--global-batch",
+                                   "64", "--seq-len", "4096", "--format", "json"};
+  double best_ms = 1e9;
+  CommandResult r;
+  for (int i = 0; i < 3; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    r = Memplan(args);
+    best_ms = std::min(best_ms, std::chrono::duration<double, std::milli>(
+                                    std::chrono::steady_clock::now() - start)
+                                    .count());
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  }
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  std::printf("memplan plan llama-2-70b (%d configurations, %d evaluated), whole process: %.1f ms\n",
+              j["grid_size"].get<int>(), j["configurations"].get<int>(), best_ms);
+  // The target is 200 ms; the bound is generous for sanitizer builds and loaded machines.
+  CHECK(best_ms < 2000);
+  CHECK(j["grid_size"].get<int>() == 14 * 3 * 4);
+}
+
+TEST_CASE("plan: emitted files are written, complete, and pass check") {
+  TempDir dir("memplan-plan-");
+  const std::string ds = dir.PathOf("ds_config.json"), yaml = dir.PathOf("accelerate.yaml"),
+                    fsdp = dir.PathOf("fsdp.json"), schedule = dir.PathOf("schedule.json");
+  CommandResult r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem",
+                             "64GiB", "--nvme-path", "/mnt/nvme", "--nvme-capacity", "1TiB",
+                             "--global-batch", "16", "--seq-len", "2048", "--emit-deepspeed", ds,
+                             "--emit-accelerate", yaml, "--emit-schedule", schedule});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.out.find("wrote " + ds) != std::string::npos);
+  nlohmann::json config = nlohmann::json::parse(ReadWholeFile(ds));
+  CHECK(config["train_batch_size"] == 16);
+  CHECK(config["zero_optimization"]["offload_optimizer"]["device"] == "nvme");
+  CHECK(config["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/mnt/nvme");
+  CHECK(config.contains("aio"));
+  CHECK(ReadWholeFile(yaml).find("deepspeed_config_file: " + ds) != std::string::npos);
+  nlohmann::json s = nlohmann::json::parse(ReadWholeFile(schedule));
+  CHECK(s["optimizer"]["tier"] == "nvme");
+  CHECK(s["nvme"]["path"] == "/mnt/nvme/memplan");
+
+  CommandResult check = Memplan({"check", ds, "--model", "llama-2-7b", "--gpu", "rtx4090",
+                                 "--cpu-mem", "64GiB"});
+  CHECK_MESSAGE(check.exit_code == 0, check.out << check.err);
+
+  // FSDP cannot offload to NVMe: refused, and nothing written.
+  r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem", "64GiB",
+               "--nvme-path", "/mnt/nvme", "--global-batch", "16", "--emit-fsdp", fsdp});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("FSDP cannot") != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(fsdp));
+}
+
+TEST_CASE("plan: bad input exits 2 with one line") {
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8", "--global-batch",
+            "12"},
+           {"plan", "--model", "llama-2-7b", "--gpu", "tpu", "--global-batch", "8"},
+           {"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--cpu-mem", "lots",
+            "--global-batch", "8"},
+           {"plan", "--model", "llama-2-7b", "--gpu", "a100-80"},
+           {"plan", "--model", "no-such-model", "--gpu", "a100-80", "--global-batch", "8"}}) {
+    CommandResult r = Memplan(args);
+    CAPTURE(r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.out.empty());
+    CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  }
+}
+
+TEST_CASE("check: every planted mistake in tests/check_fixtures is found, nothing else") {
+  const std::filesystem::path dir = std::filesystem::path(MEMPLAN_SOURCE_DIR) / "tests/check_fixtures";
+  int fixtures = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".json") continue;
+    ++fixtures;
+    const std::string name = entry.path().stem().string();
+    CAPTURE(name);
+    std::vector<std::string> args = {"check", entry.path().string()};
+    std::filesystem::path args_file = dir / (name + ".args");
+    if (std::filesystem::exists(args_file)) {
+      for (const std::string& w : Words(ReadWholeFile(args_file))) args.push_back(w);
+    }
+    CommandResult r = Memplan(args);
+    CAPTURE(r.out);
+    CAPTURE(r.err);
+    std::filesystem::path expected_file = dir / (name + ".expected");
+    if (name.rfind("good_", 0) == 0) {
+      CHECK(r.exit_code == 0);
+      CHECK(r.out.find("OK: ") != std::string::npos);
+      continue;
+    }
+    REQUIRE(std::filesystem::exists(expected_file));
+    CHECK(r.exit_code == 1);
+    // Problem lines are "<path>: <message>"; notes start with "note:", the summary with a count.
+    std::vector<std::string> problems;
+    std::istringstream out(r.out);
+    for (std::string line; std::getline(out, line);) {
+      if (line.rfind("note: ", 0) == 0 || line.find(" problem(s) in ") != std::string::npos) {
+        continue;
+      }
+      problems.push_back(line);
+    }
+    std::istringstream expected(ReadWholeFile(expected_file));
+    size_t count = 0;
+    for (std::string want; std::getline(expected, want);) {
+      if (want.empty()) continue;
+      ++count;
+      const std::string path = want.substr(0, want.find(": "));
+      const std::string words = want.substr(want.find(": ") + 2);
+      bool found = false;
+      for (const std::string& line : problems) {
+        found = found || (line.rfind(path + ": ", 0) == 0 && line.find(words) != std::string::npos);
+      }
+      CHECK_MESSAGE(found, "not found: " << want);
+    }
+    CHECK(problems.size() == count);
+  }
+  CHECK(fixtures >= 8);
+}
+
+TEST_CASE("check: bad input exits 2") {
+  TempDir dir("memplan-check-");
+  CHECK(Memplan({"check", dir.PathOf("missing.json")}).exit_code == 2);
+  CHECK(Memplan({"check", dir.Write("bad.json", "{\"stage\": ").string()}).exit_code == 2);
+  CHECK(Memplan({"check", dir.Write("array.json", "[1, 2]").string()}).exit_code == 2);
+  CommandResult r = Memplan({"check", dir.Write("ok.json", "{\"train_batch_size\": 8}").string(),
+                             "--model", "llama-2-7b"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--model needs --gpu") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace memplan::testing

@@ -1,0 +1,127 @@
+// `memplan check ds_config.json`: the mistakes in an existing DeepSpeed config, each on a line
+// with its key path; with --model and --gpu, the predicted fit.
+#include <memory>
+#include <string>
+
+#include "common/file.h"
+#include "common/json.h"
+#include "estimator/model_source.h"
+#include "planner/check.h"
+#include "planner/cluster.h"
+#include "tools/commands.h"
+
+namespace memplan::tools {
+
+// tools/plan_command.cc.
+Result<planner::Cluster> BuildClusterForCheck(const std::string& gpu, int64_t gpus, int64_t nodes,
+                                              const std::string& cpu_mem,
+                                              const std::string& memlock,
+                                              const std::string& cluster_file);
+
+namespace {
+
+struct CheckFlags {
+  std::string config;
+  std::string model;
+  std::string model_class = "auto";
+  std::string gpu;
+  std::string cluster_file;
+  int64_t gpus = 0;
+  int64_t nodes = 0;
+  std::string cpu_mem;
+  std::string memlock;
+  bool for_hf_trainer = false;
+  int64_t seq_len = 0;
+  bool flash_attention = true;
+  std::string format = "text";
+};
+
+void RunCheck(const CheckFlags& f, Outcome* outcome) {
+  auto fail = [&](const Status& s) {
+    outcome->exit_code = s.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
+    outcome->error = s.message();
+  };
+  auto text = ReadFileToString(f.config, uint64_t{1} << 24);
+  if (!text.ok()) return fail(text.status());
+  auto config = ParseJson(*text, f.config);
+  if (!config.ok()) return fail(config.status());
+  planner::CheckOptions options;
+  options.for_hf_trainer = f.for_hf_trainer;
+  options.seq_len = f.seq_len;
+  options.flash_attention = f.flash_attention;
+  const int64_t gpus = f.gpus > 0 ? f.gpus : 1;
+  const int64_t nodes = f.nodes > 0 ? f.nodes : 1;
+  if (f.gpus > 0 || f.nodes > 0) options.world_size = gpus * nodes;
+  Result<estimator::ModelInventory> inventory = Status::NotFound("no model");
+  if (!f.gpu.empty() || !f.cluster_file.empty()) {
+    auto cluster = BuildClusterForCheck(f.gpu, f.gpus, f.nodes, f.cpu_mem, f.memlock,
+                                        f.cluster_file);
+    if (!cluster.ok()) return fail(cluster.status());
+    options.cluster = *cluster;
+    options.world_size = cluster->WorldSize();
+  } else if (!f.cpu_mem.empty() || !f.memlock.empty()) {
+    return fail(Status::InvalidArgument("--cpu-mem and --memlock need --gpu (or --cluster)"));
+  }
+  if (!f.model.empty()) {
+    if (!options.cluster) {
+      return fail(Status::InvalidArgument("--model needs --gpu (or --cluster) to predict the fit"));
+    }
+    inventory = estimator::LoadModel(f.model, f.model_class == "base"
+                                                  ? estimator::ModelClassChoice::kBase
+                                                  : estimator::ModelClassChoice::kFromArchitectures);
+    if (!inventory.ok()) return fail(inventory.status());
+    if (!inventory->arch) {
+      return fail(Status::InvalidArgument(f.model + ": predicting the fit needs the "
+                                                    "architecture (a config.json or built-in)"));
+    }
+    options.model = &*inventory;
+  }
+  auto report = planner::CheckDeepSpeedConfig(*config, options);
+  if (!report.ok()) return fail(report.status().WithPrefix(f.config));
+  outcome->stdout_text = f.format == "json" ? planner::ToJson(*report).dump(2) + "\n"
+                                            : planner::FormatCheckText(*report, f.config);
+  outcome->exit_code = report->problems.empty() ? kExitOk : kExitInternal;
+}
+
+}  // namespace
+
+void RegisterCheck(CLI::App& app, Outcome* outcome) {
+  auto f = std::make_shared<CheckFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "check",
+      "Find the mistakes in a DeepSpeed config: batch arithmetic, unknown, misspelled, misplaced "
+      "and renamed keys, offload without its ZeRO stage, NVMe without nvme_path, \"auto\" outside "
+      "the Hugging Face Trainer, pinned memory, and (with --model and --gpu) the predicted fit");
+  cmd->add_option("config", f->config, "The ds_config.json to check")->required();
+  cmd->add_option("-m,--model", f->model, "Model (as in `memplan estimate`) to predict the fit");
+  cmd->add_option("--model-class", f->model_class, "auto or base")
+      ->check(CLI::IsMember({"auto", "base"}))
+      ->capture_default_str();
+  cmd->add_option("--gpu", f->gpu, "GPU preset (a100-80, h100-80, ...)");
+  cmd->add_option("--cluster", f->cluster_file, "A cluster JSON file");
+  cmd->add_option("-g,--gpus", f->gpus, "GPUs per node (for the batch arithmetic)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1024}));
+  cmd->add_option("-n,--nodes", f->nodes, "Number of nodes")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--cpu-mem", f->cpu_mem, "Host RAM per node (pinned and CPU memory checks)");
+  cmd->add_option("--memlock", f->memlock, "RLIMIT_MEMLOCK per process (bytes or unlimited)");
+  cmd->add_flag("--for-hf-trainer", f->for_hf_trainer,
+                "The config is for the Hugging Face Trainer (\"auto\" allowed where it fills)");
+  cmd->add_option("--seq-len", f->seq_len,
+                  "Tokens per sequence for the fit (default: min(positions, 2048))")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  cmd->add_flag("--flash-attention,!--no-flash-attention", f->flash_attention,
+                "Memory-efficient attention for the fit (default on, as in `memplan plan`)");
+  cmd->add_option("--format", f->format, "text or json")
+      ->check(CLI::IsMember({"text", "json"}))
+      ->capture_default_str();
+  cmd->footer(
+      "\nExamples:\n"
+      "  memplan check ds_config.json --gpus 8\n"
+      "  memplan check ds_config.json --model llama-2-7b --gpu a100-80 --gpus 8 --cpu-mem 1TiB\n"
+      "\nExit status: 0 no problems, 1 problems found (one line each, with the key path), 2 bad "
+      "input (unreadable file, invalid JSON, bad flags).");
+  cmd->callback([f, outcome] { RunCheck(*f, outcome); });
+}
+
+}  // namespace memplan::tools

@@ -1,0 +1,431 @@
+// `memplan plan`: the fastest configuration that fits a cluster, explained, and emitted as
+// DeepSpeed / Accelerate / FSDP configs and an offload Schedule.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/file.h"
+#include "common/json.h"
+#include "estimator/model_source.h"
+#include "estimator/training_setup.h"
+#include "planner/cluster.h"
+#include "planner/emit.h"
+#include "planner/job.h"
+#include "planner/search.h"
+#include "tools/commands.h"
+
+namespace memplan::tools {
+namespace {
+
+int ExitFor(const Status& status) {
+  return status.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
+}
+
+// The cluster flags shared by `plan` and `check`.
+struct ClusterFlags {
+  std::string cluster_file;
+  bool detect = false;
+  std::string gpu;
+  int64_t gpus = 0;   // 0: 1, or what --detect / --cluster says
+  int64_t nodes = 0;  // 0: 1
+  std::string cpu_mem;
+  int64_t cpu_cores = 0;
+  int pcie_gen = 0;
+  double inter_node_gbps = 0;  // GB/s; 0: default
+  std::string memlock;
+  std::string nvme_path;
+  std::string nvme_capacity;
+  std::string nvme_bench;
+  std::string adam_bench;
+
+  void Add(CLI::App* cmd, bool gpu_required_hint) {
+    const char* group = "Cluster";
+    cmd->add_option("--cluster", cluster_file, "A cluster JSON file (see README); flags override it")
+        ->group(group);
+    cmd->add_flag("--detect", detect,
+                  "Read this machine: RAM, cores, memlock, free space at --nvme-path, GPUs "
+                  "through the CUDA driver")
+        ->group(group);
+    cmd->add_option("--gpu", gpu,
+                    std::string("GPU preset: v100-16, v100-32, a100-40, a100-80, a800-80, "
+                                "h100-80, h200, l40s, rtx3090, rtx4090") +
+                        (gpu_required_hint ? " (needed unless --cluster or --detect finds one)" : ""))
+        ->group(group);
+    cmd->add_option("-g,--gpus", gpus, "GPUs per node (default 1)")
+        ->check(CLI::Range(int64_t{1}, int64_t{1024}))
+        ->group(group);
+    cmd->add_option("-n,--nodes", nodes, "Number of nodes (default 1)")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+        ->group(group);
+    cmd->add_option("--cpu-mem", cpu_mem, "Host RAM per node: 1TiB, 512GiB, or bytes")
+        ->group(group);
+    cmd->add_option("--cpu-cores", cpu_cores, "CPU cores per node (CPU-optimizer prior)")
+        ->check(CLI::Range(int64_t{1}, int64_t{1} << 16))
+        ->group(group);
+    cmd->add_option("--pcie-gen", pcie_gen, "PCIe generation of the GPU links (3, 4, 5)")
+        ->check(CLI::Range(3, 6))
+        ->group(group);
+    cmd->add_option("--inter-node-bw", inter_node_gbps,
+                    "Network bandwidth per node, GB/s per direction (default 25)")
+        ->check(CLI::Range(0.001, 1e6))
+        ->group(group);
+    cmd->add_option("--memlock", memlock,
+                    "RLIMIT_MEMLOCK per process (bytes, 64GiB, or unlimited); default: unchecked "
+                    "(or this machine's with --detect)")
+        ->group(group);
+    cmd->add_option("--nvme-path", nvme_path, "Directory on the NVMe drive for swap files")
+        ->group(group);
+    cmd->add_option("--nvme-capacity", nvme_capacity, "Space for swap files per node: 4TiB")
+        ->group(group);
+    cmd->add_option("--nvme-bench", nvme_bench,
+                    "A `memplan bench nvme --format json` result: measured NVMe bandwidth")
+        ->group(group);
+    cmd->add_option("--adam-bench", adam_bench,
+                    "A `memplan bench adam --format json` result: measured CPU optimizer speed")
+        ->group(group);
+  }
+
+  Result<nlohmann::json> ReadJson(const std::string& path) const {
+    MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, uint64_t{1} << 24));
+    return ParseJson(text, path);
+  }
+
+  // Cluster from --cluster / --detect, then the flags. `need_gpu`: a GPU must be known.
+  Result<planner::Cluster> Build(std::string* note) const {
+    planner::Cluster c;
+    bool have_gpu = false;
+    if (!cluster_file.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json j, ReadJson(cluster_file));
+      MEMPLAN_ASSIGN_OR_RETURN(c, planner::ClusterFromJson(j, cluster_file));
+      have_gpu = true;
+    }
+    if (detect) {
+      MEMPLAN_ASSIGN_OR_RETURN(planner::Cluster d, planner::DetectCluster(nvme_path, note));
+      if (!have_gpu && d.gpu.memory_bytes > 0) {
+        c.gpu = d.gpu;
+        c.gpus_per_node = d.gpus_per_node;
+        have_gpu = true;
+      }
+      c.cpu_memory_bytes = d.cpu_memory_bytes;
+      c.cpu_cores = d.cpu_cores;
+      c.memlock_bytes = d.memlock_bytes;
+      if (!d.nvme_path.empty()) {
+        c.nvme_path = d.nvme_path;
+        c.nvme_capacity_bytes = d.nvme_capacity_bytes;
+      }
+    }
+    if (!gpu.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(c.gpu, planner::FindGpuPreset(gpu));
+      have_gpu = true;
+    }
+    if (!have_gpu) {
+      return Status::InvalidArgument(
+          "no GPU given: use --gpu PRESET, --cluster FILE, or --detect on a machine with GPUs");
+    }
+    if (gpus > 0) c.gpus_per_node = gpus;
+    if (nodes > 0) c.nodes = nodes;
+    if (!cpu_mem.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(c.cpu_memory_bytes, planner::ParseByteSize(cpu_mem, "--cpu-mem"));
+    }
+    if (cpu_cores > 0) c.cpu_cores = cpu_cores;
+    if (pcie_gen > 0) c.pcie_gen = pcie_gen;
+    if (inter_node_gbps > 0) c.inter_node_bytes_per_s = inter_node_gbps * 1e9;
+    if (!memlock.empty()) {
+      if (memlock == "unlimited") {
+        c.memlock_bytes = 0;
+      } else {
+        MEMPLAN_ASSIGN_OR_RETURN(c.memlock_bytes, planner::ParseByteSize(memlock, "--memlock"));
+      }
+    }
+    if (!nvme_path.empty()) c.nvme_path = nvme_path;
+    if (!nvme_capacity.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(c.nvme_capacity_bytes,
+                               planner::ParseByteSize(nvme_capacity, "--nvme-capacity"));
+    }
+    if (!nvme_bench.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json j, ReadJson(nvme_bench));
+      MEMPLAN_RETURN_IF_ERROR(planner::ApplyNvmeBench(j, nvme_bench, &c));
+    }
+    if (!adam_bench.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json j, ReadJson(adam_bench));
+      MEMPLAN_RETURN_IF_ERROR(planner::ApplyAdamBench(j, adam_bench, &c));
+    }
+    MEMPLAN_RETURN_IF_ERROR(c.Validate());
+    return c;
+  }
+};
+
+struct PlanFlags {
+  std::string model;
+  std::string model_class = "auto";
+  ClusterFlags cluster;
+  int64_t global_batch = 0;
+  int64_t global_batch_tokens = 0;
+  int64_t seq_len = 0;
+  std::string precision;  // empty: bf16-mixed, or fp16-mixed on GPUs without bf16
+  std::string optimizer = "adamw";
+  int64_t lora_rank = 0;
+  std::vector<std::string> lora_targets;
+  bool qlora = false;
+  bool flash_attention = true;
+  double cuda_context_mib = 1343;
+  double gpu_margin = 0.05;
+  bool no_nvme = false;
+  size_t top = 5;
+  size_t plan_index = 0;
+  std::string format = "text";
+  std::string output;
+  std::string emit_deepspeed, emit_accelerate, emit_fsdp, emit_schedule;
+  std::string accelerate_plugin = "deepspeed";
+  bool for_hf_trainer = false;
+  double lr = 1e-4;
+};
+
+Status EmitFiles(const PlanFlags& f, const planner::PlanResult& result,
+                 const planner::Cluster& cluster, const estimator::ModelInventory& inventory,
+                 std::string* written) {
+  const bool any = !f.emit_deepspeed.empty() || !f.emit_accelerate.empty() ||
+                   !f.emit_fsdp.empty() || !f.emit_schedule.empty();
+  if (!any) return Status::Ok();
+  if (result.plans.empty()) {
+    return Status::InvalidArgument("no plan fits, so there is nothing to emit");
+  }
+  if (f.plan_index >= result.plans.size()) {
+    return Status::InvalidArgument("--plan-index " + std::to_string(f.plan_index + 1) +
+                                   ": only " + std::to_string(result.plans.size()) +
+                                   " plans fit");
+  }
+  const planner::Plan& plan = result.plans[f.plan_index];
+  planner::EmitOptions options;
+  options.for_hf_trainer = f.for_hf_trainer;
+  options.learning_rate = f.lr;
+  options.deepspeed_config_path = f.emit_deepspeed;
+  options.accelerate_plugin = f.accelerate_plugin;
+  // Build everything first, so that a failure writes nothing.
+  std::vector<std::pair<std::string, std::string>> files;
+  if (!f.emit_deepspeed.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(auto ds, planner::DeepSpeedConfig(plan, cluster, inventory, options));
+    files.emplace_back(f.emit_deepspeed, ds.dump(2) + "\n");
+  }
+  if (!f.emit_accelerate.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(std::string yaml,
+                             planner::AccelerateConfig(plan, cluster, inventory, options));
+    files.emplace_back(f.emit_accelerate, yaml);
+  }
+  if (!f.emit_fsdp.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(auto fsdp, planner::FsdpConfig(plan, cluster, inventory));
+    files.emplace_back(f.emit_fsdp, fsdp.dump(2) + "\n");
+  }
+  if (!f.emit_schedule.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(auto schedule, planner::Schedule(plan, cluster, inventory));
+    files.emplace_back(f.emit_schedule, schedule.dump(2) + "\n");
+  }
+  for (const auto& [path, text] : files) {
+    MEMPLAN_RETURN_IF_ERROR(WriteFileAtomically(path, text));
+    *written += "wrote " + path + " (plan " + std::to_string(f.plan_index + 1) + ": " +
+                plan.family + ")\n";
+  }
+  return Status::Ok();
+}
+
+void RunPlan(const PlanFlags& f, Outcome* outcome) {
+  auto fail = [&](const Status& s) {
+    outcome->exit_code = ExitFor(s);
+    outcome->error = s.message();
+  };
+  if ((f.global_batch > 0) == (f.global_batch_tokens > 0)) {
+    return fail(Status::InvalidArgument("give exactly one of --global-batch (samples) and "
+                                        "--global-batch-tokens"));
+  }
+  auto inventory = estimator::LoadModel(
+      f.model, f.model_class == "base" ? estimator::ModelClassChoice::kBase
+                                       : estimator::ModelClassChoice::kFromArchitectures);
+  if (!inventory.ok()) return fail(inventory.status());
+  if (!inventory->arch) {
+    return fail(Status::InvalidArgument(
+        f.model + ": planning needs the architecture (a config.json or built-in model), not a "
+                  "tensor-shape list or safetensors header"));
+  }
+  std::string note;
+  auto cluster = f.cluster.Build(&note);
+  if (!cluster.ok()) return fail(cluster.status());
+
+  planner::Job job;
+  job.model = f.model;
+  estimator::TrainingSetup& s = job.setup;
+  std::string precision = f.precision;
+  if (precision.empty()) precision = cluster->gpu.bf16_flops > 0 ? "bf16-mixed" : "fp16-mixed";
+  auto p = estimator::ParsePrecision(precision);
+  if (!p.ok()) return fail(p.status());
+  s.precision = *p;
+  auto o = estimator::ParseOptimizer(f.optimizer);
+  if (!o.ok()) return fail(o.status());
+  s.optimizer = *o;
+  s.lora_rank = f.lora_rank;
+  s.lora_targets = f.lora_targets;
+  s.qlora = f.qlora;
+  s.flash_attention = f.flash_attention;
+  s.seq_len = f.seq_len;
+  s.cuda_context_bytes = static_cast<int64_t>(f.cuda_context_mib * 1048576.0);
+  if (f.global_batch_tokens > 0) {
+    auto samples = planner::SamplesFromTokens(f.global_batch_tokens,
+                                              s.SeqLenFor(&*inventory->arch));
+    if (!samples.ok()) return fail(samples.status());
+    job.global_batch = *samples;
+  } else {
+    job.global_batch = f.global_batch;
+  }
+  planner::SearchOptions options;
+  options.gpu_safety_fraction = f.gpu_margin;
+  options.allow_nvme = !f.no_nvme;
+  auto result = planner::SearchPlans(*inventory, *cluster, job, options);
+  if (!result.ok()) return fail(result.status());
+  if (!note.empty()) result->assumptions.push_back("--detect: " + note);
+
+  std::string written;
+  if (Status st = EmitFiles(f, *result, *cluster, *inventory, &written); !st.ok()) {
+    return fail(st);
+  }
+  std::string text;
+  if (f.format == "json") {
+    nlohmann::json j = planner::ToJson(*result, *cluster, job);
+    if (j["plans"].size() > f.top) {
+      nlohmann::json top = nlohmann::json::array();
+      for (size_t i = 0; i < f.top; ++i) top.push_back(j["plans"][i]);
+      j["plans"] = top;
+    }
+    text = j.dump(2) + "\n";
+  } else {
+    text = planner::FormatPlanText(*result, *cluster, job, f.top) +
+           (written.empty() ? "" : "\n" + written);
+  }
+  if (f.output.empty()) {
+    outcome->stdout_text = text;
+  } else if (Status st = WriteFileAtomically(f.output, text); !st.ok()) {
+    return fail(st);
+  }
+}
+
+}  // namespace
+
+void RegisterPlan(CLI::App& app, Outcome* outcome) {
+  auto f = std::make_shared<PlanFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "plan",
+      "The fastest training configuration that fits a cluster (ZeRO stage x offload x "
+      "checkpointing x micro-batch), explained, and written as DeepSpeed / Accelerate / FSDP "
+      "configs");
+  cmd->add_option("-m,--model", f->model,
+                  "A built-in model name (see `memplan models`), a config.json, or a Hugging "
+                  "Face repo id in the local hub cache")
+      ->required();
+  cmd->add_option("--model-class", f->model_class, "auto (the config's architectures) or base")
+      ->check(CLI::IsMember({"auto", "base"}))
+      ->capture_default_str();
+  f->cluster.Add(cmd, true);
+  const char* job = "Job";
+  cmd->add_option("--global-batch", f->global_batch, "Sequences per optimizer step, all GPUs")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
+      ->group(job);
+  cmd->add_option("--global-batch-tokens", f->global_batch_tokens,
+                  "Tokens per optimizer step (a multiple of --seq-len)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
+      ->group(job);
+  cmd->add_option("--seq-len", f->seq_len, "Tokens per sequence (default: min(positions, 2048))")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+      ->group(job);
+  cmd->add_option("--precision", f->precision,
+                  "fp32 | fp16-mixed | bf16-mixed | bf16-pure (default: bf16-mixed, fp16-mixed "
+                  "on GPUs without bf16)")
+      ->check(CLI::IsMember({"fp32", "fp16-mixed", "bf16-mixed", "bf16-pure"}))
+      ->group(job);
+  cmd->add_option("--optimizer", f->optimizer, "adamw | adam8bit | sgd | lion | adafactor")
+      ->check(CLI::IsMember({"adamw", "adam8bit", "sgd", "lion", "adafactor"}))
+      ->capture_default_str()
+      ->group(job);
+  cmd->add_option("--lora-rank", f->lora_rank, "LoRA rank; only the adapters train")
+      ->check(CLI::Range(int64_t{1}, int64_t{65536}))
+      ->group(job);
+  cmd->add_option("--lora-targets", f->lora_targets, "Comma-separated module names or all-linear")
+      ->delimiter(',')
+      ->group(job);
+  cmd->add_flag("--qlora", f->qlora, "Frozen base Linears in NF4 (needs --lora-rank)")->group(job);
+  cmd->add_flag("--flash-attention,!--no-flash-attention", f->flash_attention,
+                "Memory-efficient attention (default on; --no-flash-attention for eager)")
+      ->group(job);
+  cmd->add_option("--cuda-context-mib", f->cuda_context_mib, "CUDA context per GPU, MiB")
+      ->check(CLI::Range(0.0, 1048576.0))
+      ->capture_default_str()
+      ->group(job);
+  const char* search = "Search and output";
+  cmd->add_option("--gpu-margin", f->gpu_margin,
+                  "Fraction of GPU memory kept free beyond the estimate's own margins")
+      ->check(CLI::Range(0.0, 0.9))
+      ->capture_default_str()
+      ->group(search);
+  cmd->add_flag("--no-nvme", f->no_nvme, "Do not consider NVMe offload")->group(search);
+  cmd->add_option("--top", f->top, "Plans to show")
+      ->check(CLI::Range(size_t{1}, size_t{100}))
+      ->capture_default_str()
+      ->group(search);
+  cmd->add_option("--format", f->format, "text or json")
+      ->check(CLI::IsMember({"text", "json"}))
+      ->capture_default_str()
+      ->group(search);
+  cmd->add_option("-o,--output", f->output, "Write the report to this file (atomically)")
+      ->group(search);
+  const char* emit = "Emit (files written atomically)";
+  cmd->add_option("--plan-index", f->plan_index, "Which plan to emit: 1 = the best (default)")
+      ->check(CLI::Range(size_t{1}, size_t{100}))
+      ->group(emit);
+  cmd->add_option("--emit-deepspeed", f->emit_deepspeed, "Write a DeepSpeed ds_config.json")
+      ->group(emit);
+  cmd->add_option("--emit-accelerate", f->emit_accelerate, "Write an Accelerate config (YAML)")
+      ->group(emit);
+  cmd->add_option("--accelerate-plugin", f->accelerate_plugin, "deepspeed or fsdp")
+      ->check(CLI::IsMember({"deepspeed", "fsdp"}))
+      ->capture_default_str()
+      ->group(emit);
+  cmd->add_option("--emit-fsdp", f->emit_fsdp, "Write FSDP arguments (JSON)")->group(emit);
+  cmd->add_option("--emit-schedule", f->emit_schedule,
+                  "Write the offload engine's Schedule (JSON, memplan.schedule/1)")
+      ->group(emit);
+  cmd->add_flag("--for-hf-trainer", f->for_hf_trainer,
+                "Use \"auto\" where the Hugging Face Trainer fills values")
+      ->group(emit);
+  cmd->add_option("--lr", f->lr, "optimizer.params.lr in the DeepSpeed config")
+      ->check(CLI::Range(0.0, 10.0))
+      ->capture_default_str()
+      ->group(emit);
+  cmd->footer(
+      "\nExamples:\n"
+      "  memplan plan --model llama-2-7b --gpu a100-80 --gpus 8 --global-batch 64 --seq-len 2048\n"
+      "  memplan plan --model llama-2-70b --gpu a100-80 --gpus 8 --cpu-mem 1TiB --global-batch 32 "
+      "--emit-deepspeed ds_config.json\n"
+      "  memplan plan --model llama-2-7b --gpu rtx4090 --cpu-mem 64GiB --nvme-path /mnt/nvme "
+      "--nvme-capacity 1TiB --nvme-bench nvme.json --global-batch 16\n"
+      "\nExit status: 0 on success (also when nothing fits: see \"rejected\"), 2 on bad input.");
+  cmd->callback([f, outcome] {
+    PlanFlags flags = *f;
+    if (flags.plan_index > 0) flags.plan_index -= 1;  // 1-based on the command line
+    RunPlan(flags, outcome);
+  });
+}
+
+// Shared with check_command.cc.
+Result<planner::Cluster> BuildClusterForCheck(const std::string& gpu, int64_t gpus, int64_t nodes,
+                                              const std::string& cpu_mem,
+                                              const std::string& memlock,
+                                              const std::string& cluster_file) {
+  ClusterFlags flags;
+  flags.gpu = gpu;
+  flags.gpus = gpus;
+  flags.nodes = nodes;
+  flags.cpu_mem = cpu_mem;
+  flags.memlock = memlock;
+  flags.cluster_file = cluster_file;
+  std::string note;
+  return flags.Build(&note);
+}
+
+}  // namespace memplan::tools
