@@ -116,7 +116,8 @@ class OrderedJsonBuilder {
 
 Result<nlohmann::ordered_json> ParseOrderedJsonText(std::string_view text,
                                                     const std::string& source, int max_depth) {
-  // Same limit and message as common/json.h's ParseJson, whose ordered_json form this replaces.
+  // Same checks and messages as common/json.h's ParseJson, whose ordered_json form this replaces.
+  MEMPLAN_RETURN_IF_ERROR(CheckNoNulByte(text, source));
   int depth = JsonNestingDepth(text);
   if (depth > max_depth) {
     return Status::InvalidArgument(source + ": JSON nested " + std::to_string(depth) +

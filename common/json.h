@@ -38,10 +38,22 @@ inline int JsonNestingDepth(std::string_view text) {
   return max_depth;
 }
 
-// Parses `text` as JSON. Invalid JSON, invalid UTF-8 and nesting deeper than `max_depth` are
-// InvalidArgument errors naming `source`. Key order is not kept: see ParseOrderedJsonText.
+// A NUL byte is never valid in JSON text (raw control characters are not allowed even inside
+// strings), but nlohmann stops at one as at the end of the input: the bytes after it would be
+// silently ignored, and the file read differently from what Python's json module or serde say.
+inline Status CheckNoNulByte(std::string_view text, const std::string& source) {
+  const size_t nul = text.find('\0');
+  if (nul == std::string_view::npos) return Status::Ok();
+  return Status::InvalidArgument(source + ": invalid JSON: NUL byte at offset " +
+                                 std::to_string(nul));
+}
+
+// Parses `text` as JSON. Invalid JSON (a NUL byte included), invalid UTF-8 and nesting deeper
+// than `max_depth` are InvalidArgument errors naming `source`. Key order is not kept: see
+// ParseOrderedJsonText.
 inline Result<nlohmann::json> ParseJson(std::string_view text, const std::string& source,
                                         int max_depth = 64) {
+  MEMPLAN_RETURN_IF_ERROR(CheckNoNulByte(text, source));
   int depth = JsonNestingDepth(text);
   if (depth > max_depth) {
     return Status::InvalidArgument(source + ": JSON nested " + std::to_string(depth) +
@@ -60,9 +72,9 @@ inline Result<nlohmann::json> ParseJson(std::string_view text, const std::string
 // Parses a user's JSON document keeping key order, in time linear in its size (nlohmann's own
 // ordered_json parse is quadratic in the keys of one object; see Note [Linear ordered parse] in
 // json.cc). Refuses, with errors naming `source`: nesting deeper than `max_depth` (checked before
-// parsing, as ParseJson does), invalid JSON (including invalid UTF-8), and an object that repeats
-// a key, which nlohmann would otherwise resolve silently. Use it for any user document whose key
-// order matters.
+// parsing, as ParseJson does), invalid JSON (including invalid UTF-8 and a NUL byte), and an
+// object that repeats a key, which nlohmann would otherwise resolve silently. Use it for any user
+// document whose key order matters.
 Result<nlohmann::ordered_json> ParseOrderedJsonText(std::string_view text,
                                                     const std::string& source, int max_depth);
 

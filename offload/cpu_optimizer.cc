@@ -13,6 +13,10 @@
 
 #include "offload/cpu_optimizer_internal.h"
 
+#if MEMPLAN_OFFLOAD_X86
+#include <cpuid.h>
+#endif
+
 namespace memplan::offload {
 
 // Note [AdamW formula]
@@ -49,14 +53,21 @@ Status CheckRange(const char* name, double value, double low, bool low_open, dou
 
 constexpr double kInf = HUGE_VAL;
 
+#if MEMPLAN_OFFLOAD_X86
+// clang 14's __builtin_cpu_supports does not know "f16c"; CPUID leaf 1 says it in both compilers.
+bool CpuHasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+#endif
+
 bool CpuHas(Isa isa) {
 #if MEMPLAN_OFFLOAD_X86
   switch (isa) {
     case Isa::kScalar:
       return true;
     case Isa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
     case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl");

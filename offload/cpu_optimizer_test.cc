@@ -212,7 +212,8 @@ TEST_CASE(
         CAPTURE(threads);
         RunOutput out = Run(fixture, fixtures.size, fixtures.steps, isa, threads);
         for (const auto& [name, want] : fixture.arrays) {
-          CAPTURE(name);
+          const std::string& array = name;  // clang 14's lambdas cannot capture a binding
+          CAPTURE(array);
           REQUIRE(out.arrays.count(name) == 1);
           double error = MaxRelativeError(out.arrays[name], want);
           CHECK(error <= 1e-6);
@@ -223,7 +224,8 @@ TEST_CASE(
           reference = out;
         } else {
           for (const auto& [name, values] : reference.arrays) {
-            CAPTURE(name);
+            const std::string& array = name;
+            CAPTURE(array);
             CHECK(SameBits(out.arrays[name], values));
           }
         }

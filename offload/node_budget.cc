@@ -1,7 +1,10 @@
 #include "offload/node_budget.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <boost/interprocess/exceptions.hpp>
@@ -160,15 +163,49 @@ Status NodeBudget::Remove(std::string_view name) {
   return Status::Ok();
 }
 
+// The segment's name is predictable, and /dev/shm is writable by every user: another user may
+// create it first, with a mode that lets them change what we read. Refuses a segment that is not a
+// regular file of this user's with no group or other permissions. Once it is ours, no one else can
+// replace it (/dev/shm is sticky). OK when there is no segment yet.
+namespace {
+Status CheckSegmentOwner(const std::string& segment_name) {
+  int fd = ::shm_open(segment_name.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC, 0);
+  if (fd < 0) {
+    if (errno == ENOENT) return Status::Ok();
+    return Status::FromErrno(errno, "node budget '" + segment_name + "': cannot open");
+  }
+  struct stat st {};
+  const int stat_result = ::fstat(fd, &st);
+  const int stat_errno = errno;
+  ::close(fd);
+  if (stat_result != 0) {
+    return Status::FromErrno(stat_errno, "node budget '" + segment_name + "': cannot stat");
+  }
+  if (!S_ISREG(st.st_mode) || st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return Status::FailedPrecondition(
+        "node budget '/dev/shm/" + segment_name + "' is not a private segment of this user (uid " +
+        std::to_string(st.st_uid) + ", mode " + mode +
+        "); another user may have created it: remove it, or use another budget name");
+  }
+  return Status::Ok();
+}
+}  // namespace
+
 Result<std::shared_ptr<NodeBudget>> NodeBudget::Open(const NodeBudgetOptions& options) {
   MEMPLAN_RETURN_IF_ERROR(options.Validate());
   const std::string segment_name = SegmentName(options.name);
+  // Before mapping it (a hostile segment must not be read), and after (it may have been created
+  // in between).
+  MEMPLAN_RETURN_IF_ERROR(CheckSegmentOwner(segment_name));
   auto impl = std::make_unique<Impl>();
   // Boost.Interprocess reports errors by exception; this is the module boundary that converts.
   try {
     bip::permissions perm(0600);  // per user: other users must not read or change our budget
     impl->segment = bip::managed_shared_memory(bip::open_or_create, segment_name.c_str(),
                                                kSegmentBytes, nullptr, perm);
+    MEMPLAN_RETURN_IF_ERROR(CheckSegmentOwner(segment_name));
     impl->state = impl->segment.find_or_construct<SharedState>(kStateName)(options.budget_bytes);
   } catch (const bip::interprocess_exception& e) {
     return Status::IoError("node budget '" + segment_name + "': " + e.what());

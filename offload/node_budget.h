@@ -68,7 +68,8 @@ class NodeReservation {
 class NodeBudget : public std::enable_shared_from_this<NodeBudget> {
  public:
   // Opens the budget, creating its segment (mode 0600) when absent. FailedPrecondition when an
-  // existing segment has another budget_bytes; IoError when shared memory cannot be opened.
+  // existing segment has another budget_bytes, or is not this user's with mode 0600 (another user
+  // created it first); IoError when shared memory cannot be opened.
   static Result<std::shared_ptr<NodeBudget>> Open(const NodeBudgetOptions& options);
   // "memplan-<uid>-<name>", the name under /dev/shm.
   static std::string SegmentName(std::string_view name);

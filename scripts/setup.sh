@@ -5,7 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 packages=(build-essential cmake pkg-config git nlohmann-json3-dev libcli11-dev doctest-dev
-  liburing-dev libaio-dev libxxhash-dev libboost-dev fio)
+  liburing-dev libaio-dev libxxhash-dev libboost-dev fio
+  # clang with its sanitizer and libFuzzer runtimes: scripts/test.sh's sanitizer job and fuzz smoke.
+  clang libclang-rt-dev)
 
 missing=()
 for p in "${packages[@]}"; do

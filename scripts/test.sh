@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds memplan with warnings as errors and runs the whole test suite, including the oracle test
 # against Hugging Face Transformers (its Python environment is created in ./.venv by
-# scripts/python-env.sh), then runs the concurrent NVMe engine and CPU optimizer tests again under ThreadSanitizer.
+# scripts/python-env.sh), then runs the concurrent NVMe engine and CPU optimizer tests again under
+# ThreadSanitizer, the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, and every
+# fuzz target for a few seconds (fuzz/).
 # Run scripts/setup.sh first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,3 +21,36 @@ cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DMEMPLAN_SANITIZE=thread -DME
   >/dev/null
 cmake --build build-tsan -j"$jobs" --target nvme_test offload_test
 (cd build-tsan && TSAN_OPTIONS="halt_on_error=1" ctest --output-on-failure -R '^(nvme|offload)_test$')
+
+# AddressSanitizer + UndefinedBehaviorSanitizer on the unit tests (which include every fuzz seed
+# and regression input, tests/fuzz_regressions_test.cc). Built with clang at -O1 so the libFuzzer
+# targets share the build; MEMPLAN_SANITIZE compiles with -fno-sanitize-recover=all, so any report
+# fails the test that triggered it.
+cmake -S . -B build-san -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+  -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -gline-tables-only" \
+  -DCMAKE_C_FLAGS_DEBUG="-O1 -gline-tables-only" -DMEMPLAN_SANITIZE="address;undefined" \
+  -DMEMPLAN_FUZZ=ON -DMEMPLAN_WITH_CUDA=OFF -DMEMPLAN_WERROR=ON >/dev/null
+fuzz_targets=(hf_config shape_list safetensors deepspeed_config deepspeed_check swap_index)
+unit_tests=$(cd build-san && ctest -N -L unit | sed -n 's/^ *Test *#[0-9]*: //p')
+cmake --build build-san -j"$jobs" --target $unit_tests "${fuzz_targets[@]/%/_fuzz}"
+export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:abort_on_error=0"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+(cd build-san && ctest --output-on-failure -j"$jobs" -L unit --timeout 600)
+
+# Fuzz smoke: each target for a few seconds from its seed corpus (new inputs go to a scratch
+# directory, never into the checked-in corpus). Long runs: fuzz/README.md.
+fuzz_seconds=${MEMPLAN_FUZZ_SECONDS:-10}
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+for t in "${fuzz_targets[@]}"; do
+  mkdir -p "$scratch/$t"
+  if ! build-san/fuzz/"${t}_fuzz" -max_total_time="$fuzz_seconds" -rss_limit_mb=2048 \
+    -timeout=10 -artifact_prefix="build-san/fuzz-$t-" -print_final_stats=1 "$scratch/$t" \
+    "fuzz/corpus/$t" 2>"$scratch/$t.log"; then
+    tail -n 50 "$scratch/$t.log"
+    echo "fuzz smoke: $t failed; the input is build-san/fuzz-$t-*" >&2
+    exit 1
+  fi
+  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$scratch/$t.log")
+  echo "fuzz smoke: $t: $runs runs in ${fuzz_seconds} s, no crash"
+done

@@ -1,0 +1,117 @@
+// Hostile model files through LoadModel, the entry point `memplan estimate --model FILE` uses:
+// deep nesting, invalid UTF-8, a 10 MB config and one over the size limit. Each must end in a
+// clear error naming the file (or, for a big but valid file, a result) in bounded time, never a
+// crash or an allocation sized by the input's claims. Lying safetensors lengths and offsets,
+// overflowing shape products and negative or zero dims are covered beside their readers
+// (safetensors_test.cc, shape_list_test.cc, hf_families_decoder_test.cc).
+#include <doctest/doctest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <string>
+
+#include "estimator/model_source.h"
+#include "tests/testing.h"
+
+namespace memplan::estimator {
+namespace {
+
+using testing::TempDir;
+
+constexpr char kLlama[] = R"("model_type": "llama", "vocab_size": 32000, "hidden_size": 4096,
+    "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32)";
+
+struct Timed {
+  Result<ModelInventory> result = Status::Internal("unset");
+  double seconds = 0;
+};
+
+Timed Load(const std::string& path) {
+  const auto start = std::chrono::steady_clock::now();
+  Timed t;
+  t.result = LoadModel(path, ModelClassChoice::kFromArchitectures);
+  t.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return t;
+}
+
+// The error's message, which must start with `path`; the load must have failed within 5 s.
+std::string ErrorOf(const std::string& path) {
+  Timed t = Load(path);
+  CHECK(t.seconds < 5.0);
+  REQUIRE_FALSE(t.result.ok());
+  const std::string message = t.result.status().message();
+  CHECK(message.rfind(path, 0) == 0);
+  return message;
+}
+
+TEST_CASE("hostile input: a config.json nested 100000 deep is refused before parsing") {
+  TempDir tmp("memplan_hostile_");
+  const std::string nested = "{" + std::string(kLlama) + ", \"x\": " + std::string(100000, '[') +
+                             std::string(100000, ']') + "}";
+  const std::string path = tmp.Write("config.json", nested).string();
+  CHECK(ErrorOf(path) == path + ": JSON nested 100001 levels deep (limit 64)");
+  // As deep as a shape list's limit, through the same entry point.
+  const std::string deep_list = "{\"w\": " + std::string(65, '[') + std::string(65, ']') + "}";
+  const std::string list = tmp.Write("shapes.json", deep_list).string();
+  CHECK(ErrorOf(list) == list + ": JSON nested 66 levels deep (limit 64)");
+}
+
+TEST_CASE("hostile input: invalid UTF-8 in a config.json or a shape list is an error naming it") {
+  TempDir tmp("memplan_hostile_");
+  for (const std::string& bad : {std::string("\xff\xfe"), std::string("\xc0\xaf"),  // overlong
+                                 std::string("\xed\xa0\x80"),                       // surrogate
+                                 std::string("ab\xe2\x82")}) {                      // truncated
+    CAPTURE(bad.size());
+    const std::string config =
+        tmp.Write("config.json",
+                  "{" + std::string(kLlama) + ", \"architectures\": [\"Llama" + bad + "\"]}")
+            .string();
+    std::string error = ErrorOf(config);
+    CHECK(error.find(": invalid JSON") != std::string::npos);
+    CHECK(error.find("UTF-8") != std::string::npos);
+    const std::string list =
+        tmp.Write("shapes.json", "{\"layer" + bad + ".weight\": [4, 4]}").string();
+    error = ErrorOf(list);
+    CHECK(error.find(": invalid JSON") != std::string::npos);
+    CHECK(error.find("UTF-8") != std::string::npos);
+  }
+}
+
+TEST_CASE("hostile input: a 10 MB config.json loads in bounded time") {
+  TempDir tmp("memplan_hostile_");
+  // Real configs can carry big label maps; 400,000 labels is about 10 MB of JSON.
+  std::string labels;
+  for (int i = 0; i < 400000; ++i) {
+    labels +=
+        (i ? ", \"" : "\"") + std::to_string(i) + "\": \"label number " + std::to_string(i) + "\"";
+  }
+  const std::string text = "{" + std::string(kLlama) + ", \"id2label\": {" + labels + "}}";
+  REQUIRE(text.size() > (size_t{10} << 20));
+  const std::string path = tmp.Write("config.json", text).string();
+  Timed t = Load(path);
+  REQUIRE_MESSAGE(t.result.ok(), t.result.status().ToString());
+  CHECK(t.result->tensors.size() == 291);
+  CHECK(t.seconds < 10.0);
+
+  // 10 MB of one string, and 10 MB that is not JSON at all.
+  const std::string blob =
+      "{" + std::string(kLlama) + ", \"notes\": \"" + std::string(size_t{10} << 20, 'x') + "\"}";
+  const std::string blob_path = tmp.Write("blob.json", blob).string();
+  t = Load(blob_path);
+  CHECK(t.result.ok());
+  CHECK(t.seconds < 10.0);
+  const std::string junk = tmp.Write("junk.json", std::string(size_t{10} << 20, '{')).string();
+  CHECK(ErrorOf(junk).find("levels deep") != std::string::npos);
+}
+
+TEST_CASE("hostile input: a model file over the size limit is refused without reading it") {
+  TempDir tmp("memplan_hostile_");
+  // Sparse: 1 GiB of nothing costs no disk, and must not cost memory or time either.
+  const std::string path = tmp.Write("config.json", "{" + std::string(kLlama) + "}").string();
+  REQUIRE(::truncate(path.c_str(), off_t{1} << 30) == 0);
+  std::string error = ErrorOf(path);
+  CHECK(error.find("-byte limit") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace memplan::estimator

@@ -1,0 +1,174 @@
+#include "fuzz/fuzz_targets.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <utility>
+
+#include "common/json.h"
+#include "estimator/builtin_models.h"
+#include "estimator/estimate.h"
+#include "estimator/hf_config.h"
+#include "estimator/model_source.h"
+#include "estimator/safetensors.h"
+#include "estimator/shape_list.h"
+#include "estimator/training_setup.h"
+#include "nvme/swap_index_internal.h"
+#include "planner/check.h"
+#include "planner/cluster.h"
+
+namespace memplan::fuzz {
+namespace {
+
+namespace est = estimator;
+namespace internal = nvme::internal;
+
+// What `memplan estimate` and `memplan inventory` do with an inventory, results thrown away.
+void UseInventory(const est::ModelInventory& inventory, bool training) {
+  auto counts = est::CountParams(inventory);
+  if (counts.ok()) (void)est::FormatInventoryText(inventory, *counts);
+  est::DeepSpeedHardware hardware;
+  hardware.gpus_per_node = 8;
+  auto states = est::EstimateModelStates(inventory, hardware);
+  if (states.ok()) (void)est::ToJson(*states).dump();
+  if (!training) return;
+  est::TrainingSetup setup;  // bf16 mixed AdamW, seq_len from the model
+  setup.zero_stage = 3;
+  setup.gpus_per_node = 8;
+  auto estimate = est::EstimateTraining(inventory, hardware, setup);
+  if (estimate.ok()) (void)est::FormatEstimateText(*estimate);
+}
+
+const est::ModelInventory& Gpt2() {
+  static const est::ModelInventory* model = [] {
+    const est::BuiltinModel* gpt2 = est::FindBuiltinModel("gpt2");
+    auto inventory = est::InventoryFromHfConfigText(gpt2->config_json, "gpt2",
+                                                    est::ModelClassChoice::kFromArchitectures);
+    return new est::ModelInventory(std::move(inventory).value());
+  }();
+  return *model;
+}
+
+// Puts `input` in an anonymous memory file (one per `name`, reused) and returns a path that opens
+// it, for the readers that take a path as the CLI gives them one.
+Result<std::string> MemFile(std::string_view input, const char* name) {
+  static std::map<std::string, int>* fds = new std::map<std::string, int>();
+  auto it = fds->find(name);
+  if (it == fds->end()) {
+    int fd = ::memfd_create(name, 0);
+    if (fd < 0) return Status::FromErrno(errno, "memfd_create");
+    it = fds->emplace(name, fd).first;
+  }
+  const int fd = it->second;
+  if (::ftruncate(fd, 0) != 0) return Status::FromErrno(errno, "ftruncate");
+  size_t done = 0;
+  while (done < input.size()) {
+    ssize_t n = ::pwrite(fd, input.data() + done, input.size() - done, static_cast<off_t>(done));
+    if (n <= 0) return Status::FromErrno(errno, "pwrite");
+    done += static_cast<size_t>(n);
+  }
+  return "/proc/self/fd/" + std::to_string(fd);
+}
+
+}  // namespace
+
+Status HfConfigOne(std::string_view input) {
+  // Through LoadModel, as the CLI reads a .json path: the ordered parse, then the config.json or
+  // the shape-list reader, whichever the document looks like.
+  MEMPLAN_ASSIGN_OR_RETURN(std::string path, MemFile(input, "config.json"));
+  for (auto choice : {est::ModelClassChoice::kFromArchitectures, est::ModelClassChoice::kBase}) {
+    auto inventory = est::LoadModel(path, choice);
+    if (inventory.ok()) UseInventory(*inventory, /*training=*/true);
+  }
+  return Status::Ok();
+}
+
+Status ShapeListOne(std::string_view input) {
+  auto inventory = est::InventoryFromShapeListText(input, "shapes.json");
+  if (inventory.ok()) UseInventory(*inventory, /*training=*/false);
+  return Status::Ok();
+}
+
+Status SafetensorsOne(std::string_view input) {
+  MEMPLAN_ASSIGN_OR_RETURN(std::string path, MemFile(input, "model.safetensors"));
+  auto inventory = est::InventoryFromSafetensorsFile(path);
+  if (inventory.ok()) UseInventory(*inventory, /*training=*/false);
+  return Status::Ok();
+}
+
+Status DeepSpeedConfigOne(std::string_view input) {
+  auto config = ParseJson(input, "ds_config.json");
+  if (!config.ok()) return Status::Ok();
+  const est::ModelInventory& model = Gpt2();
+  const int64_t hidden = model.arch.has_value() ? model.arch->hidden : 0;
+  // Once as the config alone, once with flags that override it (`supplied`).
+  const std::set<std::string> none;
+  const std::set<std::string> flags = {"micro_batch", "precision", "zero_stage", "grad_accum"};
+  for (const auto* supplied : {&none, &flags}) {
+    est::TrainingSetup setup;
+    setup.gpus_per_node = 4;
+    if (!est::ApplyDeepSpeedConfig(*config, "ds_config.json", *supplied, hidden, &setup).ok()) {
+      continue;
+    }
+    est::DeepSpeedHardware hardware;
+    hardware.gpus_per_node = 4;
+    auto estimate = est::EstimateTraining(model, hardware, setup);
+    if (estimate.ok()) (void)est::ToJson(*estimate).dump();
+  }
+  return Status::Ok();
+}
+
+Status DeepSpeedCheckOne(std::string_view input) {
+  auto config = ParseJson(input, "ds_config.json");
+  if (!config.ok()) return Status::Ok();
+  // As `memplan check` runs it: alone, for the Hugging Face Trainer on 8 GPUs, and with a model
+  // and a cluster (the predicted fit, pinned memory against RAM and RLIMIT_MEMLOCK).
+  planner::CheckOptions alone;
+  planner::CheckOptions trainer;
+  trainer.for_hf_trainer = true;
+  trainer.world_size = 8;
+  planner::CheckOptions fit;
+  fit.model = &Gpt2();
+  planner::Cluster cluster;
+  cluster.gpu = planner::GpuPresets().front();
+  cluster.gpus_per_node = 4;
+  cluster.nodes = 2;
+  cluster.cpu_memory_bytes = uint64_t{256} << 30;
+  cluster.memlock_bytes = uint64_t{64} << 30;
+  cluster.nvme_path = "/local_nvme";
+  fit.cluster = cluster;
+  for (const planner::CheckOptions* options : {&alone, &trainer, &fit}) {
+    auto report = planner::CheckDeepSpeedConfig(*config, *options);
+    if (!report.ok()) continue;
+    (void)planner::ToJson(*report).dump();
+    (void)planner::FormatCheckText(*report, "ds_config.json");
+  }
+  return Status::Ok();
+}
+
+Status SwapIndexOne(std::string_view input) {
+  auto check = [](std::string_view bytes) -> Status {
+    auto index = internal::DecodeSwapIndex(bytes, "swap.idx");
+    if (!index.ok()) return Status::Ok();
+    // The format has one spelling: what decodes must encode back to the same bytes.
+    if (internal::EncodeSwapIndex(*index) != bytes) {
+      return Status::Internal("a decoded swap index of " + std::to_string(bytes.size()) +
+                              " bytes does not encode back to the same bytes");
+    }
+    return Status::Ok();
+  };
+  MEMPLAN_RETURN_IF_ERROR(check(input));
+  if (input.size() < internal::kSwapIndexTrailerBytes) return Status::Ok();
+  std::string sealed(input);
+  const size_t body = sealed.size() - internal::kSwapIndexTrailerBytes;
+  const uint64_t sum = internal::SwapIndexChecksum(std::string_view(sealed).substr(0, body));
+  for (size_t i = 0; i < 8; ++i) sealed[body + i] = static_cast<char>(sum >> (8 * i));
+  return check(sealed);
+}
+
+}  // namespace memplan::fuzz

@@ -1,0 +1,33 @@
+// What each fuzz target does with one input, shared by the libFuzzer entry points
+// (fuzz/<name>_fuzz.cc, built with -DMEMPLAN_FUZZ=ON and clang) and by the regression test
+// (tests/fuzz_regressions_test.cc), which replays every checked-in seed and every input that once
+// crashed a target through the same code in the ordinary test suite, with any compiler.
+//
+// Each function feeds `input` to one parser of untrusted bytes and then to what memplan does with
+// the result (count, estimate, format). A parser error is the expected outcome for most inputs and
+// is not reported; the returned Status is an error only when a property that must hold for every
+// input is broken (e.g. a decoded swap index that does not encode back to the same bytes). A
+// crash, a sanitizer report, a hang or an outsized allocation is a bug the fuzzer reports itself.
+#pragma once
+
+#include <string_view>
+
+#include "common/status.h"
+
+namespace memplan::fuzz {
+
+// A .json model file as `memplan estimate --model FILE.json` reads it (LoadModel): a Hugging Face
+// config.json, or a shape list when it looks like one.
+Status HfConfigOne(std::string_view input);
+// A tensor-shape list, as `memplan estimate --model shapes.json` reads it.
+Status ShapeListOne(std::string_view input);
+// A whole .safetensors file (length prefix, JSON header, data).
+Status SafetensorsOne(std::string_view input);
+// A DeepSpeed config, as `memplan estimate --deepspeed ds_config.json` reads it.
+Status DeepSpeedConfigOne(std::string_view input);
+// A DeepSpeed config, as `memplan check ds_config.json` checks it (planner::CheckDeepSpeedConfig).
+Status DeepSpeedCheckOne(std::string_view input);
+// A SwapStore index file, decoded as it is and again with its trailer checksum made valid.
+Status SwapIndexOne(std::string_view input);
+
+}  // namespace memplan::fuzz

@@ -1,0 +1,157 @@
+// SwapStore against a full device and against symlinks planted on a shared mount: ENOSPC while
+// the store fills up names the key and leaves every other value readable; a symlink planted where
+// the store's data, lock or index file goes is refused, and the file it points to is untouched
+// (O_NOFOLLOW / O_EXCL). Mode 0600 files in a 0700 directory, and a directory that is a symlink,
+// shared or someone else's: swap_store_test.cc.
+#include <doctest/doctest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstddef>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "nvme/fault_backend.h"
+#include "nvme/swap_store.h"
+#include "tests/testing.h"
+
+namespace memplan::nvme {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+
+std::vector<std::byte> Bytes(size_t n, int seed) {
+  std::vector<std::byte> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = static_cast<std::byte>((i * 131 + seed * 7) & 0xFF);
+  return out;
+}
+
+SwapStoreOptions Options(const std::string& dir) {
+  SwapStoreOptions o;
+  o.directory = dir;
+  o.capacity_bytes = kMiB;
+  o.checksum_block_bytes = 4096;
+  o.backend = BackendKind::kPosix;
+  o.direct = false;  // test directories may sit on tmpfs
+  return o;
+}
+
+// A directory this user owns with mode 0700, as the store accepts.
+std::string PrivateDir(const testing::TempDir& tmp, const std::string& name) {
+  const std::string dir = tmp.PathOf(name);
+  fs::create_directory(dir);
+  fs::permissions(dir, fs::perms::owner_all, fs::perm_options::replace);
+  return dir;
+}
+
+TEST_CASE("store hostile: ENOSPC while the store fills names the key and keeps the rest") {
+  testing::TempDir tmp("memplan_hostile_store_");
+  auto inner = CreatePosixBackend(BackendOptions{});
+  REQUIRE(inner.ok());
+  auto wrapped = FaultBackend::Create(std::move(inner).value());
+  REQUIRE(wrapped.ok());
+  FaultBackend* faults = wrapped->get();
+  auto opened = SwapStore::Open(Options(tmp.PathOf("s")), std::move(wrapped).value());
+  REQUIRE_MESSAGE(opened.ok(), opened.status().ToString());
+  SwapStore& store = **opened;
+
+  // The device runs out of space from the 3rd value on (thin provisioning, a sparse file on a
+  // full filesystem): every later write fails with ENOSPC.
+  FaultPlan plan;
+  plan.fail.op = OpType::kWrite;
+  plan.fail.nth = 3;
+  plan.fail.times = 0;
+  plan.error = ENOSPC;
+  REQUIRE(faults->SetPlan(plan).ok());
+  std::vector<std::string> stored;
+  Status full;
+  for (int i = 0; i < 8 && full.ok(); ++i) {
+    const std::string key = "layer." + std::to_string(i);
+    full = store.Put(key, Bytes(20000, i));
+    if (full.ok()) stored.push_back(key);
+  }
+  CAPTURE(full.ToString());
+  REQUIRE(stored.size() == 2);
+  CHECK(full.code() == StatusCode::kResourceExhausted);
+  CHECK(full.message().find("key 'layer.2'") != std::string::npos);
+  CHECK(full.message().find("No space left on device") != std::string::npos);
+  CHECK(store.Size("layer.2").status().code() == StatusCode::kNotFound);
+
+  // Reads still work, and the values put before the device filled are intact.
+  for (size_t i = 0; i < stored.size(); ++i) {
+    std::vector<std::byte> back(20000);
+    REQUIRE(store.Get(stored[i], back).ok());
+    CHECK(back == Bytes(20000, static_cast<int>(i)));
+  }
+  // Space comes back: the store carries on.
+  REQUIRE(faults->SetPlan({}).ok());
+  REQUIRE(store.Put("layer.2", Bytes(20000, 2)).ok());
+  CHECK(store.stats().used_bytes == 3 * 20480);
+  CHECK(store.Close().ok());
+}
+
+TEST_CASE("store hostile: a symlink planted at the data or lock file is refused, its target kept") {
+  testing::TempDir tmp("memplan_hostile_store_");
+  const std::string victim = tmp.Write("victim", "precious").string();
+  ::chmod(victim.c_str(), 0600);
+
+  for (const char* name : {SwapStore::kDataFileName, SwapStore::kLockFileName}) {
+    CAPTURE(name);
+    const std::string dir = PrivateDir(tmp, std::string("planted-") + name);
+    fs::create_symlink(victim, dir + "/" + name);
+    auto store = SwapStore::Open(Options(dir));
+    REQUIRE_FALSE(store.ok());
+    CAPTURE(store.status().ToString());
+    CHECK(store.status().message().find(name) != std::string::npos);
+    CHECK(testing::ReadWholeFile(victim) == "precious");
+    CHECK(fs::file_size(victim) == 8);
+    CHECK(fs::is_symlink(dir + "/" + name));  // left where the attacker put it, not followed
+  }
+  // A dangling symlink: following it would create the file wherever it points.
+  const std::string dir = PrivateDir(tmp, "dangling");
+  const std::string elsewhere = tmp.PathOf("created-through-the-link");
+  fs::create_symlink(elsewhere, dir + "/" + SwapStore::kDataFileName);
+  CHECK_FALSE(SwapStore::Open(Options(dir)).ok());
+  CHECK_FALSE(fs::exists(elsewhere));
+}
+
+TEST_CASE("store hostile: reopening refuses a data or index file replaced by a symlink") {
+  testing::TempDir tmp("memplan_hostile_store_");
+  const std::string dir = tmp.PathOf("kept");
+  SwapStoreOptions options = Options(dir);
+  options.keep_files = true;
+  {
+    auto store = SwapStore::Open(options);
+    REQUIRE_MESSAGE(store.ok(), store.status().ToString());
+    REQUIRE((*store)->Put("k", Bytes(5000, 1)).ok());
+    REQUIRE((*store)->Close().ok());
+  }
+  options.open_existing = true;
+  for (const char* name : {SwapStore::kDataFileName, SwapStore::kIndexFileName}) {
+    CAPTURE(name);
+    const std::string path = dir + "/" + name;
+    const std::string moved = tmp.PathOf(std::string("real-") + name);
+    fs::rename(path, moved);
+    fs::create_symlink(moved, path);
+    auto store = SwapStore::Open(options);
+    REQUIRE_FALSE(store.ok());
+    CAPTURE(store.status().ToString());
+    CHECK(store.status().message().find(name) != std::string::npos);
+    fs::remove(path);
+    fs::rename(moved, path);
+  }
+  // With the real files back, the store reopens with its value.
+  auto store = SwapStore::Open(options);
+  REQUIRE_MESSAGE(store.ok(), store.status().ToString());
+  std::vector<std::byte> back(5000);
+  REQUIRE((*store)->Get("k", back).ok());
+  CHECK(back == Bytes(5000, 1));
+  CHECK((*store)->Close().ok());
+}
+
+}  // namespace
+}  // namespace memplan::nvme
