@@ -22,6 +22,8 @@ if ((${#missing[@]})); then
 fi
 
 jobs=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
+# Warnings are errors, as in scripts/test.sh: the same flags mean the test run reuses this build
+# instead of compiling everything again (pass -DMEMPLAN_WERROR=OFF to relax it).
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMEMPLAN_WERROR=ON "$@" >/dev/null
 cmake --build build -j"$jobs"
 echo "memplan setup: built build/tools/memplan" >&2
