@@ -205,6 +205,8 @@ struct Engine::Impl {
   std::unique_ptr<OptimizerHome> optimizer;
   std::unique_ptr<CpuOptimizer> converter;  // fp32 -> 16-bit for the initial write-back
   std::vector<ParamSpec> specs;             // in registration (= flat) order
+  std::vector<uint64_t> numels;             // specs[i]'s element count, checked in AddParameter
+  uint64_t total_elements = 0;              // their sum
   std::vector<bool> grad_given;
   uint64_t grads_missing = 0;
   struct GradBuffer {
@@ -421,6 +423,8 @@ Result<ParamId> Engine::AddParameter(const ParamSpec& spec) {
     }
   }
   s.specs.push_back(spec);
+  s.numels.push_back(numel);
+  s.total_elements += numel;
   return static_cast<ParamId>(s.specs.size() - 1);
 }
 
@@ -442,12 +446,7 @@ Status Engine::Start(RecoveryReport* report) {
   po.runtime = s.runtime;
   po.collective = s.options.collective;
   po.staging_slots = sc.param_buffer_count;
-  uint64_t total = 0;
-  for (const ParamSpec& p : s.specs) {
-    uint64_t n = 1;
-    for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
-    total += n;
-  }
+  const uint64_t total = s.total_elements;
   if (sc.param_tier == Tier::kNvme) {
     // The parameters' 16-bit copies are derived from the master weights, so their store is made
     // afresh each run; one left by a crashed run is removed first.
@@ -486,10 +485,9 @@ Status Engine::Start(RecoveryReport* report) {
     po.staging = s.staging.get();
   }
   MEMPLAN_ASSIGN_OR_RETURN(s.params, ParamSwapper::Create(po));
-  for (const ParamSpec& p : s.specs) {
-    uint64_t n = 1;
-    for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
-    MEMPLAN_ASSIGN_OR_RETURN(ParamId id, s.params->Add(p.name, p.module, n));
+  for (size_t i = 0; i < s.specs.size(); ++i) {
+    const ParamSpec& p = s.specs[i];
+    MEMPLAN_ASSIGN_OR_RETURN(ParamId id, s.params->Add(p.name, p.module, s.numels[i]));
     for (const std::string& m : p.also_used_by) MEMPLAN_RETURN_IF_ERROR(s.params->AddUse(id, m));
   }
   MEMPLAN_RETURN_IF_ERROR(s.params->Finalize());
