@@ -1,5 +1,5 @@
-// `memplan plan` and `memplan check` end to end: the JSON interface, emitted files, the latency
-// of a 70B plan, and every planted mistake of tests/check_fixtures/ found.
+// `memplan plan` and `memplan check` end to end: the JSON interface, emitted files, the --svg
+// picture, the latency of a 70B plan, and every planted mistake of tests/check_fixtures/ found.
 #include <doctest/doctest.h>
 
 #include <chrono>
@@ -105,6 +105,72 @@ TEST_CASE("plan: emitted files are written, complete, and pass check") {
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("FSDP cannot") != std::string::npos);
   CHECK_FALSE(std::filesystem::exists(fsdp));
+}
+
+TEST_CASE("plan --svg: the top plans drawn, written atomically, with json or text") {
+  TempDir dir("memplan-svg-");
+  const std::string svg = dir.PathOf("plans.svg");
+  const std::vector<std::string> base = {
+      "plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8", "--cpu-mem", "1TiB",
+      "--global-batch", "64", "--seq-len", "2048", "--top", "3", "--svg", svg};
+  std::vector<std::string> args = base;
+  args.insert(args.end(), {"--format", "json"});
+  CommandResult r = Memplan(args);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  nlohmann::json j = nlohmann::json::parse(r.out);  // stdout stays pure JSON
+  REQUIRE(j["plans"].size() == 3);
+  std::string picture = ReadWholeFile(svg);
+  CHECK(picture.rfind("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg ", 0) == 0);
+  CHECK(picture.find("</svg>") != std::string::npos);
+  for (size_t i = 0; i < 3; ++i) {
+    const std::string rank = std::to_string(i + 1);
+    const std::string group = "<g id=\"plan-" + rank + "\" class=\"plan\">\n<title>#" + rank + " " +
+                              j["plans"][i]["family"].get<std::string>() + ":";
+    CHECK_MESSAGE(picture.find(group) != std::string::npos, group);
+  }
+  CHECK(picture.find("id=\"plan-4\"") == std::string::npos);
+  // Atomic: the file and nothing else (no temporary left beside it).
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+    names.push_back(entry.path().filename().string());
+  }
+  CHECK(names == std::vector<std::string>{"plans.svg"});
+
+  // Text output: the same picture (byte for byte), and the "wrote" line.
+  std::filesystem::remove(svg);
+  r = Memplan(base);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.out.find("wrote " + svg + " (picture of the top 3 plans)") != std::string::npos);
+  CHECK(ReadWholeFile(svg) == picture);
+
+  // Nothing fits: the picture says why, and plan exits 0 as it does without --svg.
+  r = Memplan({"plan", "--model", "llama-2-70b", "--gpu", "rtx4090", "--cpu-mem", "16GiB",
+               "--no-nvme", "--global-batch", "8", "--svg", svg});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.out.find("wrote " + svg + " (picture: no plan fits)") != std::string::npos);
+  picture = ReadWholeFile(svg);
+  CHECK(picture.find("No configuration fits.") != std::string::npos);
+  CHECK(picture.find("class=\"rejected\"") != std::string::npos);
+
+  // A path that cannot be written: exit 2, one line naming the path.
+  const std::string bad = dir.PathOf("no-such-dir/plans.svg");
+  args = base;
+  args.back() = bad;
+  r = Memplan(args);
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.empty());
+  CHECK_MESSAGE(r.err.find(bad) != std::string::npos, r.err);
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  CHECK_FALSE(std::filesystem::exists(dir.path() / "no-such-dir"));
+
+  // Everything is built before anything is written: an emitter that refuses means no picture.
+  std::filesystem::remove(svg);
+  r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem", "64GiB",
+               "--nvme-path", "/mnt/nvme", "--global-batch", "16", "--emit-fsdp",
+               dir.PathOf("fsdp.json"), "--svg", svg});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("FSDP cannot") != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(svg));
 }
 
 TEST_CASE("plan: bad input exits 2 with one line") {

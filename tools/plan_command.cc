@@ -1,5 +1,6 @@
-// `memplan plan`: the fastest configuration that fits a cluster, explained, and emitted as
-// DeepSpeed / Accelerate / FSDP configs and an offload Schedule.
+// `memplan plan`: the fastest configuration that fits a cluster, explained, emitted as DeepSpeed /
+// Accelerate / FSDP configs and an offload Schedule, and drawn as an SVG picture (--svg).
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "planner/emit.h"
 #include "planner/job.h"
 #include "planner/search.h"
+#include "planner/svg.h"
 #include "tools/commands.h"
 
 namespace memplan::tools {
@@ -176,54 +178,75 @@ struct PlanFlags {
   std::string format = "text";
   std::string output;
   std::string emit_deepspeed, emit_accelerate, emit_fsdp, emit_schedule;
+  std::string svg;  // the picture of the top plans; empty: none
   std::string accelerate_plugin = "deepspeed";
   bool for_hf_trainer = false;
   double lr = 1e-4;
 };
 
-Status EmitFiles(const PlanFlags& f, const planner::PlanResult& result,
-                 const planner::Cluster& cluster, const estimator::ModelInventory& inventory,
-                 std::string* written) {
-  const bool any = !f.emit_deepspeed.empty() || !f.emit_accelerate.empty() ||
-                   !f.emit_fsdp.empty() || !f.emit_schedule.empty();
-  if (!any) return Status::Ok();
-  if (result.plans.empty()) {
-    return Status::InvalidArgument("no plan fits, so there is nothing to emit");
+// A file the flags ask for: where, what, and the note for its "wrote" line.
+struct OutputFile {
+  std::string path;
+  std::string text;
+  std::string note;
+};
+
+// The emitted configs of the chosen plan (--emit-*) and the picture of the top plans (--svg),
+// built before any is written so that a failure writes nothing, then each written atomically
+// with a "wrote PATH (...)" line added to `*written`. Errors: emit flags when no plan fits or
+// --plan-index is past the plans, emitter failures, and write failures (which name the path).
+Status WriteFiles(const PlanFlags& f, const planner::PlanResult& result,
+                  const planner::Cluster& cluster, const planner::Job& job,
+                  const planner::SearchOptions& search_options,
+                  const estimator::ModelInventory& inventory, std::string* written) {
+  std::vector<OutputFile> files;
+  const bool any_emit = !f.emit_deepspeed.empty() || !f.emit_accelerate.empty() ||
+                        !f.emit_fsdp.empty() || !f.emit_schedule.empty();
+  if (any_emit) {
+    if (result.plans.empty()) {
+      return Status::InvalidArgument("no plan fits, so there is nothing to emit");
+    }
+    if (f.plan_index >= result.plans.size()) {
+      return Status::InvalidArgument("--plan-index " + std::to_string(f.plan_index + 1) +
+                                     ": only " + std::to_string(result.plans.size()) +
+                                     " plans fit");
+    }
+    const planner::Plan& plan = result.plans[f.plan_index];
+    const std::string note = "plan " + std::to_string(f.plan_index + 1) + ": " + plan.family;
+    planner::EmitOptions options;
+    options.for_hf_trainer = f.for_hf_trainer;
+    options.learning_rate = f.lr;
+    options.deepspeed_config_path = f.emit_deepspeed;
+    options.accelerate_plugin = f.accelerate_plugin;
+    if (!f.emit_deepspeed.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(auto ds,
+                               planner::DeepSpeedConfig(plan, cluster, inventory, options));
+      files.push_back({f.emit_deepspeed, ds.dump(2) + "\n", note});
+    }
+    if (!f.emit_accelerate.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(std::string yaml,
+                               planner::AccelerateConfig(plan, cluster, inventory, options));
+      files.push_back({f.emit_accelerate, yaml, note});
+    }
+    if (!f.emit_fsdp.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(auto fsdp, planner::FsdpConfig(plan, cluster, inventory));
+      files.push_back({f.emit_fsdp, fsdp.dump(2) + "\n", note});
+    }
+    if (!f.emit_schedule.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(auto schedule, planner::Schedule(plan, cluster, inventory));
+      files.push_back({f.emit_schedule, schedule.dump(2) + "\n", note});
+    }
   }
-  if (f.plan_index >= result.plans.size()) {
-    return Status::InvalidArgument("--plan-index " + std::to_string(f.plan_index + 1) +
-                                   ": only " + std::to_string(result.plans.size()) +
-                                   " plans fit");
+  if (!f.svg.empty()) {
+    const size_t shown = std::min(f.top, result.plans.size());
+    files.push_back({f.svg, planner::PlansSvg(result, cluster, job, f.top, search_options),
+                     shown == 0 ? std::string("picture: no plan fits")
+                                : "picture of the top " + std::to_string(shown) +
+                                      (shown == 1 ? " plan" : " plans")});
   }
-  const planner::Plan& plan = result.plans[f.plan_index];
-  planner::EmitOptions options;
-  options.for_hf_trainer = f.for_hf_trainer;
-  options.learning_rate = f.lr;
-  options.deepspeed_config_path = f.emit_deepspeed;
-  options.accelerate_plugin = f.accelerate_plugin;
-  // Build everything first, so that a failure writes nothing.
-  std::vector<std::pair<std::string, std::string>> files;
-  if (!f.emit_deepspeed.empty()) {
-    MEMPLAN_ASSIGN_OR_RETURN(auto ds, planner::DeepSpeedConfig(plan, cluster, inventory, options));
-    files.emplace_back(f.emit_deepspeed, ds.dump(2) + "\n");
-  }
-  if (!f.emit_accelerate.empty()) {
-    MEMPLAN_ASSIGN_OR_RETURN(std::string yaml,
-                             planner::AccelerateConfig(plan, cluster, inventory, options));
-    files.emplace_back(f.emit_accelerate, yaml);
-  }
-  if (!f.emit_fsdp.empty()) {
-    MEMPLAN_ASSIGN_OR_RETURN(auto fsdp, planner::FsdpConfig(plan, cluster, inventory));
-    files.emplace_back(f.emit_fsdp, fsdp.dump(2) + "\n");
-  }
-  if (!f.emit_schedule.empty()) {
-    MEMPLAN_ASSIGN_OR_RETURN(auto schedule, planner::Schedule(plan, cluster, inventory));
-    files.emplace_back(f.emit_schedule, schedule.dump(2) + "\n");
-  }
-  for (const auto& [path, text] : files) {
-    MEMPLAN_RETURN_IF_ERROR(WriteFileAtomically(path, text));
-    *written += "wrote " + path + " (plan " + std::to_string(f.plan_index + 1) + ": " +
-                plan.family + ")\n";
+  for (const OutputFile& file : files) {
+    MEMPLAN_RETURN_IF_ERROR(WriteFileAtomically(file.path, file.text));
+    *written += "wrote " + file.path + " (" + file.note + ")\n";
   }
   return Status::Ok();
 }
@@ -283,7 +306,7 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   if (!note.empty()) result->assumptions.push_back("--detect: " + note);
 
   std::string written;
-  if (Status st = EmitFiles(f, *result, *cluster, *inventory, &written); !st.ok()) {
+  if (Status st = WriteFiles(f, *result, *cluster, job, options, *inventory, &written); !st.ok()) {
     return fail(st);
   }
   std::string text;
@@ -374,6 +397,11 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       ->group(search);
   cmd->add_option("-o,--output", f->output, "Write the report to this file (atomically)")
       ->group(search);
+  cmd->add_option("--svg", f->svg,
+                  "Draw the top plans side by side as an SVG file (atomically): peak memory per "
+                  "tier against capacity, and the step time split into compute, communication, "
+                  "offload and optimizer; when nothing fits, why")
+      ->group(search);
   const char* emit = "Emit (files written atomically)";
   cmd->add_option("--plan-index", f->plan_index, "Which plan to emit: 1 = the best (default)")
       ->check(CLI::Range(size_t{1}, size_t{100}))
@@ -404,6 +432,8 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       "--emit-deepspeed ds_config.json\n"
       "  memplan plan --model llama-2-7b --gpu rtx4090 --cpu-mem 64GiB --nvme-path /mnt/nvme "
       "--nvme-capacity 1TiB --nvme-bench nvme.json --global-batch 16\n"
+      "  memplan plan --model llama-2-70b --gpu a100-80 --gpus 8 --cpu-mem 1TiB --global-batch 64 "
+      "--svg plans.svg\n"
       "\nExit status: 0 on success (also when nothing fits: see \"rejected\"), 2 on bad input.");
   cmd->callback([f, outcome] {
     PlanFlags flags = *f;
