@@ -45,12 +45,12 @@ void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
     __m256 g = _mm256_loadu_ps(a.grads + i);
     __m256 p = _mm256_loadu_ps(a.params + i);
     if (a.scale_grads) g = _mm256_mul_ps(g, inv_grad_scale);
-    if (a.l2) g = _mm256_add_ps(g, _mm256_mul_ps(l2_decay, p));
+    if (a.l2) g = _mm256_fmadd_ps(p, l2_decay, g);  // Note [torch rounding]
     if (a.decoupled) p = _mm256_mul_ps(p, decay);
-    __m256 m = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(a.exp_avg + i), beta1),
-                             _mm256_mul_ps(one_minus_beta1, g));
-    __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(a.exp_avg_sq + i), beta2),
-                             _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
+    __m256 m =
+        _mm256_fmadd_ps(g, one_minus_beta1, _mm256_mul_ps(_mm256_loadu_ps(a.exp_avg + i), beta1));
+    __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(one_minus_beta2, g), g,
+                               _mm256_mul_ps(_mm256_loadu_ps(a.exp_avg_sq + i), beta2));
     _mm256_storeu_ps(a.exp_avg + i, m);
     _mm256_storeu_ps(a.exp_avg_sq + i, v);
     if constexpr (kAmsgrad) {

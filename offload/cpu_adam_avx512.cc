@@ -45,12 +45,12 @@ void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
     __m512 g = _mm512_loadu_ps(a.grads + i);
     __m512 p = _mm512_loadu_ps(a.params + i);
     if (a.scale_grads) g = _mm512_mul_ps(g, inv_grad_scale);
-    if (a.l2) g = _mm512_add_ps(g, _mm512_mul_ps(l2_decay, p));
+    if (a.l2) g = _mm512_fmadd_ps(p, l2_decay, g);  // Note [torch rounding]
     if (a.decoupled) p = _mm512_mul_ps(p, decay);
-    __m512 m = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(a.exp_avg + i), beta1),
-                             _mm512_mul_ps(one_minus_beta1, g));
-    __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(a.exp_avg_sq + i), beta2),
-                             _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g));
+    __m512 m =
+        _mm512_fmadd_ps(g, one_minus_beta1, _mm512_mul_ps(_mm512_loadu_ps(a.exp_avg + i), beta1));
+    __m512 v = _mm512_fmadd_ps(_mm512_mul_ps(one_minus_beta2, g), g,
+                               _mm512_mul_ps(_mm512_loadu_ps(a.exp_avg_sq + i), beta2));
     _mm512_storeu_ps(a.exp_avg + i, m);
     _mm512_storeu_ps(a.exp_avg_sq + i, v);
     if constexpr (kAmsgrad) {

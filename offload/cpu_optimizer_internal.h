@@ -3,11 +3,20 @@
 //
 // Note [Bit-identical ISAs]
 // Every kernel (scalar, AVX2, AVX-512) does the same IEEE fp32 operations in the same order: only
-// +, *, /, sqrt and max, each correctly rounded, and no fused multiply-add (the files are built
-// with -ffp-contract=off and the intrinsics never use FMA). So each ISA, and each ISA's scalar
-// tail, gives the same bits, and the tests can demand equality rather than a tolerance. FMA would
-// save instructions, but the step is bound by memory bandwidth, not arithmetic.
+// +, *, /, sqrt, max and the explicit fused multiply-adds below, each correctly rounded once. The
+// files are built with -ffp-contract=off, so the compiler never fuses anything else behind our
+// back. So each ISA, and each ISA's scalar tail, gives the same bits, and the tests can demand
+// equality rather than a tolerance.
 //
+// Note [torch rounding]
+// The Adam moments are rounded as torch.optim.Adam/AdamW round them on x86 (measured on torch
+// 1.13's AVX2 kernels): exp_avg.mul_(b1).add_(g, alpha=1-b1) is one FMA, fma(g, 1-b1, m*b1), and
+// exp_avg_sq.mul_(b2).addcmul_(g, g, value=1-b2) is fma((1-b2)*g, g, v*b2); L2 decay
+// (grad.add(p, alpha=wd)) is fma(p, wd, g). The rest is separate operations in torch's order:
+// p*(1-lr*wd); denom = sqrt(v)/sqrt(bc2) + eps; p + (-lr/bc1 * m)/denom. With the same inputs a step
+// therefore gives torch's bits, which is what lets a run through memplan's engine match a plain
+// torch run step for step (Adam amplifies any rounding difference in tiny gradients to the size
+// of a step). The scalar kernel uses std::fma (exact in software where the CPU has no FMA).//
 // The functions here have internal linkage (anonymous namespace): each ISA's file compiles its own
 // copy with its own -m flags, and the linker must never pick an AVX-512 copy for the scalar path.
 #pragma once
@@ -67,10 +76,10 @@ inline void AdamElement(const AdamKernelArgs& a, size_t i) {
   float g = a.grads[i];
   float p = a.params[i];
   if (a.scale_grads) g = g * a.inv_grad_scale;
-  if (a.l2) g = g + a.l2_decay * p;
+  if (a.l2) g = std::fma(p, a.l2_decay, g);  // Note [torch rounding]
   if (a.decoupled) p = p * a.decay;
-  float m = a.exp_avg[i] * a.beta1 + a.one_minus_beta1 * g;
-  float v = a.exp_avg_sq[i] * a.beta2 + a.one_minus_beta2 * g * g;
+  float m = std::fma(g, a.one_minus_beta1, a.exp_avg[i] * a.beta1);
+  float v = std::fma(a.one_minus_beta2 * g, g, a.exp_avg_sq[i] * a.beta2);
   a.exp_avg[i] = m;
   a.exp_avg_sq[i] = v;
   if (a.amsgrad) {
