@@ -6,6 +6,45 @@
 // "cpu" keeps them in ordinary host memory and runs the same kernels over the same sub-groups
 // (ZeRO-Offload). Both present the same small interface below, so the gradient path and the
 // write-back of updated parameters do not care which one runs.
+//
+// Note [fp32 working parameters]
+// With params.dtype fp32 the working copy the trainer computes with is the master weights
+// themselves, so there is no 16-bit copy to make: the optimizer runs with HalfDtype::kNone (the
+// NVMe swapper's buffers then have no half section) and the write-back hands the sub-group's
+// updated fp32 values, as the optimizer left them, to ParamSwapper::WriteFloat(). Every tier then
+// holds 4 bytes per element (the pinned arena, the NVMe chunks "hp.<chunk>", the GPU copies and
+// the budgets, all in bytes, follow ElementBytes(dtype)), and a fetched parameter equals
+// ReadMasterWeights() bit for bit after every Step() and after a resume.
+//
+// Note [ZeRO-3 in the engine]
+// With world size W > 1 the ParamSwapper cuts every parameter into W equal shards (Note [ZeRO-3
+// partitions] in param_swapper.cc) and this rank's partition, its shards back to back, is all the
+// engine's optimizer sees: the sub-groups, the NVMe stores (under <nvme.path>/rank<r>/), Fill()
+// (this rank's part of each parameter's init, zeros for the padding), the write-back and the
+// resume all work in partition coordinates, with no change from world size 1, where the partition
+// is the flat space. What is added is three collectives, all on the trainer's thread so that their
+// order is the order of the API calls, the same on every rank by the contract in engine.h: the
+// gathers in Fetch() (the ParamSwapper), the reduce-scatter of each gradient in GradReady() (Note
+// [Reduce-scattered gradients]) and, after Start()'s and Step()'s write-back, the all-gather of
+// the resident parameters' shards (ParamSwapper::GatherResident()). ReadMasterWeights() gathers the
+// master shards the same way. Neither the gradient thread nor the swapper's transfer thread ever
+// calls the Collective: their progress depends on timing, and two threads on one communicator
+// would break NCCL's one-call-at-a-time rule.
+//
+// Note [Reduce-scattered gradients]
+// GradReady() gets the rank's whole gradient. It is copied into a device buffer of W * shard
+// elements whose padding is zeroed, reduce-scattered in place (slot `rank` receives the sum over
+// ranks of every rank's slot `rank`), and only that shard goes to the host, asynchronously as for
+// world size 1; the buffer returns to a free list when that copy is done. The gradient thread then
+// divides by W while converting to fp32: the optimizer sees the mean gradient over ranks, as with
+// DeepSpeed's default averaging and PyTorch DDP, so hyperparameters tuned with the global batch's
+// mean loss carry over. Summing first and dividing once, in fp32 (rather than dividing each rank's
+// gradient before the sum, DeepSpeed's gradient_predivide_factor), costs no extra pass on the GPU
+// and for W a power of two the division is exact: with the thread collective, whose fp32 sums run
+// in rank order, W ranks then end bit for bit where one rank fed the mean gradient does. The price
+// is that a 16-bit sum can overflow where every term does not (fp16 above 65504): scale the loss
+// for that, as for fp16 training anyway. The reduce-scatter is synchronous (as every Collective
+// call), so `device_grad` is free when GradReady() returns.
 #include "offload/engine.h"
 
 #include <sys/stat.h>
@@ -19,7 +58,9 @@
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
+#include <utility>
 
 #include "offload/half.h"
 
@@ -30,8 +71,15 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// The optimizer's 16-bit output for working parameters of `type`; kNone for fp32, whose working
+// copy is the master weights themselves (Note [fp32 working parameters]).
 HalfDtype ToHalf(ElementType type) {
-  return type == ElementType::kFloat16 ? HalfDtype::kFp16 : HalfDtype::kBf16;
+  switch (type) {
+    case ElementType::kFloat32: return HalfDtype::kNone;
+    case ElementType::kFloat16: return HalfDtype::kFp16;
+    case ElementType::kBFloat16: return HalfDtype::kBf16;
+  }
+  return HalfDtype::kNone;
 }
 
 // The optimizer's home (Note [Two optimizer homes]).
@@ -100,7 +148,7 @@ class MemoryHome final : public OptimizerHome {
       home->grads_.resize(n);
       home->grads_written_.assign(home->sub_group_count(), false);
       home->state_.assign(home->sub_group_count(), {});
-      home->half_buffer_.resize(std::min(n, sub_group));
+      if (half != HalfDtype::kNone) home->half_buffer_.resize(std::min(n, sub_group));
     } catch (const std::bad_alloc&) {
       return Status::ResourceExhausted("engine: cannot allocate the optimizer's host memory for " +
                                        std::to_string(n) + " parameters");
@@ -141,13 +189,13 @@ class MemoryHome final : public OptimizerHome {
     for (uint64_t sg = 0; sg < sub_group_count(); ++sg) {
       const uint64_t first = sg * sg_, size = SubGroupSize(sg);
       std::span<float> params(params_.data() + first, size);
-      std::span<uint16_t> half(half_buffer_.data(), size);
+      std::span<uint16_t> half;  // empty for kNone: no 16-bit copy
+      if (half_ != HalfDtype::kNone) half = std::span<uint16_t>(half_buffer_.data(), size);
       MEMPLAN_RETURN_IF_ERROR(RunSwapOptimizerStep(
           *cpu_, optimizer_, options, step, params,
           std::span<const float>(grads_.data() + first, size), state_[sg], half, half_));
       if (on_update) {
-        MEMPLAN_RETURN_IF_ERROR(
-            on_update({sg, first, params, std::span<const uint16_t>(half.data(), size)}));
+        MEMPLAN_RETURN_IF_ERROR(on_update({sg, first, params, half}));
       }
     }
     ++epoch_;
@@ -220,8 +268,12 @@ struct Engine::Impl {
   struct GradJob {
     ParamId param = 0;
     ElementType type = ElementType::kFloat32;
+    uint64_t first = 0;  // partition offset and element count of what `host` receives: the
+    uint64_t count = 0;  // parameter's shard (all of it for world size 1)
     gpu::CopyTicket ticket;
     std::vector<std::byte> host;
+    void* scratch = nullptr;  // world size > 1: the device buffer the copy reads from
+    uint64_t scratch_bytes = 0;
   };
   static constexpr size_t kMaxGradJobs = 4;
   mutable std::mutex grad_mu;
@@ -232,6 +284,9 @@ struct Engine::Impl {
   bool grad_stop = false;                      // Guarded by grad_mu.
   Status grad_error;                           // Guarded by grad_mu: the first failure.
   uint64_t d2h_bytes = 0;                      // Guarded by grad_mu.
+  // Guarded by grad_mu: world size > 1, device buffers for the reduce-scatter, free, with sizes.
+  std::vector<std::pair<void*, uint64_t>> grad_scratch_free;
+  std::vector<std::byte> grad_zeros;  // world size > 1: the padding of a reduce-scatter's send
   std::thread grad_worker;
   std::unordered_map<uint64_t, GradBuffer> grad_buffers;  // the gradient thread's only
   std::vector<std::vector<float>> grad_buffer_free;       // the gradient thread's only
@@ -246,45 +301,58 @@ struct Engine::Impl {
     return cores > 0 ? static_cast<int>(std::min<long>(cores, 256)) : 1;
   }
 
-  // Fills flat elements [first, first + out.size()) from the parameters' init functions.
+  // Fills partition elements [first, first + out.size()) from the parameters' init functions:
+  // this rank's shard of each parameter, zeros for the padding past a parameter's end (Note
+  // [ZeRO-3 partitions] in param_swapper.cc). With world size 1 the partition is the flat space.
   Status Fill(uint64_t first, std::span<float> out) {
-    uint64_t at = first;
     const uint64_t end = first + out.size();
-    // The parameter holding `first`: the last with flat offset <= first.
-    size_t i = 0;
-    {
-      size_t lo = 0, hi = specs.size();
-      while (hi - lo > 1) {
-        size_t mid = (lo + hi) / 2;
-        if (params->FlatOffset(static_cast<ParamId>(mid)) <= first) {
-          lo = mid;
-        } else {
-          hi = mid;
-        }
+    // The parameter holding `first`: the last with partition offset <= first.
+    size_t lo = 0, hi = specs.size();
+    while (hi - lo > 1) {
+      const size_t mid = (lo + hi) / 2;
+      if (params->PartitionOffset(static_cast<ParamId>(mid)) <= first) {
+        lo = mid;
+      } else {
+        hi = mid;
       }
-      i = lo;
     }
-    for (; at < end && i < specs.size(); ++i) {
-      const uint64_t p_first = params->FlatOffset(static_cast<ParamId>(i));
-      const uint64_t p_n = params->Numel(static_cast<ParamId>(i));
-      const uint64_t lo = std::max(at, p_first), hi = std::min(end, p_first + p_n);
-      if (lo >= hi) continue;
-      MEMPLAN_RETURN_IF_ERROR(
-          specs[i].init(lo - p_first, out.subspan(lo - first, hi - lo))
-              .WithPrefix("initialising parameter " + specs[i].name));
-      at = hi;
+    const auto rank = static_cast<uint64_t>(params->rank());
+    for (size_t i = lo; i < specs.size(); ++i) {
+      const auto id = static_cast<ParamId>(i);
+      const uint64_t local = params->PartitionOffset(id), shard = params->ShardSize(id);
+      if (local >= end) break;
+      const uint64_t a = std::max(first, local), b = std::min(end, local + shard);
+      if (a >= b) continue;
+      // Partition elements [a, b) are the parameter's elements [e, e + (b - a)).
+      const uint64_t e = rank * shard + (a - local);
+      const uint64_t numel = params->Numel(id);
+      std::span<float> dst = out.subspan(a - first, b - a);
+      const uint64_t real = e >= numel ? 0 : std::min(b - a, numel - e);
+      if (real > 0) {
+        Status filled = specs[i].init(e, dst.first(real));
+        MEMPLAN_RETURN_IF_ERROR(filled.WithPrefix("initialising parameter " + specs[i].name));
+      }
+      std::fill(dst.begin() + static_cast<int64_t>(real), dst.end(), 0.0f);
     }
     return Status::Ok();
   }
 
-  Status WriteBack(const SubGroupUpdate& u) { return params->WriteHalf(u.first_element, u.half_params); }
+  // Writes an updated sub-group's working copy back to the parameters' tier: the optimizer's
+  // 16-bit copy, or for fp32 the master weights themselves.
+  Status WriteBack(const SubGroupUpdate& u) {
+    if (options.schedule.param_dtype == ElementType::kFloat32) {
+      return params->WriteFloat(u.first_element, u.params);
+    }
+    return params->WriteHalf(u.first_element, u.half_params);
+  }
 
   // Converts one copied gradient into the sub-group buffers; full sub-groups go to the optimizer.
   Status Accumulate(const GradJob& job) {
-    const uint64_t n = params->Numel(job.param);
+    const uint64_t n = job.count;
     const int eb = ElementBytes(job.type);
     const uint64_t sg_elems = optimizer->sub_group_elements();
-    const uint64_t first = params->FlatOffset(job.param);
+    const uint64_t first = job.first;
+    const int world = params->world_size();
     uint64_t done = 0;
     while (done < n) {
       const uint64_t at = first + done;
@@ -319,6 +387,10 @@ struct Engine::Impl {
           for (uint64_t k = 0; k < len; ++k) dst[k] = Fp16ToFloat(half[k]);
           break;
       }
+      if (world > 1) {  // the sum over ranks -> their mean (Note [Reduce-scattered gradients])
+        const auto w = static_cast<float>(world);
+        for (uint64_t k = 0; k < len; ++k) dst[k] = dst[k] / w;
+      }
       buf.received += len;
       if (buf.received == size) {
         MEMPLAN_RETURN_IF_ERROR(
@@ -350,10 +422,81 @@ struct Engine::Impl {
           grad_error = status.WithPrefix("gradient of " + specs[job.param].name);
         }
         grad_free.push_back(std::move(job.host));
+        if (job.scratch != nullptr) grad_scratch_free.emplace_back(job.scratch, job.scratch_bytes);
         grad_busy = false;
       }
       grad_cv.notify_all();
     }
+  }
+
+  // World size > 1: reduce-scatters `device_grad` (the parameter's whole gradient) across the
+  // ranks and queues the copy of this rank's summed shard to job.host (Note [Reduce-scattered
+  // gradients]). On failure job.scratch is back on the free list.
+  Status ReduceScatterGradient(const void* device_grad, GradJob& job) {
+    const auto eb = static_cast<uint64_t>(ElementBytes(job.type));
+    const uint64_t n = params->Numel(job.param) * eb;
+    const uint64_t shard = job.count * eb;
+    const uint64_t full = shard * static_cast<uint64_t>(params->world_size());
+    {
+      std::lock_guard<std::mutex> lock(grad_mu);
+      for (size_t i = 0; i < grad_scratch_free.size(); ++i) {
+        if (grad_scratch_free[i].second >= full) {
+          std::tie(job.scratch, job.scratch_bytes) = grad_scratch_free[i];
+          grad_scratch_free.erase(grad_scratch_free.begin() + static_cast<int64_t>(i));
+          break;
+        }
+      }
+    }
+    if (job.scratch == nullptr) {
+      MEMPLAN_ASSIGN_OR_RETURN(job.scratch, runtime->AllocateDevice(full));
+      job.scratch_bytes = full;
+    }
+    Status status = [&]() -> Status {
+      auto* base = static_cast<std::byte*>(job.scratch);
+      MEMPLAN_ASSIGN_OR_RETURN(
+          const gpu::CopyTicket copied,
+          runtime->CopyAsync(gpu::CopyDirection::kDeviceToDevice, base, device_grad, n));
+      gpu::CopyTicket zeroed;
+      if (full > n) {
+        MEMPLAN_ASSIGN_OR_RETURN(zeroed, runtime->CopyAsync(gpu::CopyDirection::kHostToDevice,
+                                                            base + n, grad_zeros.data(), full - n));
+      }
+      MEMPLAN_RETURN_IF_ERROR(runtime->Wait(copied));
+      MEMPLAN_RETURN_IF_ERROR(runtime->Wait(zeroed));
+      std::byte* mine = base + static_cast<uint64_t>(params->rank()) * shard;
+      MEMPLAN_RETURN_IF_ERROR(options.collective->ReduceScatter(base, mine, job.count, job.type)
+                                  .WithPrefix("reduce-scattering the gradient"));
+      MEMPLAN_ASSIGN_OR_RETURN(job.ticket, runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost,
+                                                              job.host.data(), mine, shard));
+      return Status::Ok();
+    }();
+    if (!status.ok()) {
+      std::lock_guard<std::mutex> lock(grad_mu);
+      grad_scratch_free.emplace_back(job.scratch, job.scratch_bytes);
+      job.scratch = nullptr;
+      return status;
+    }
+    stats.reduce_scatter_bytes += full;
+    return Status::Ok();
+  }
+
+  // Reads the master weights of partition elements [first, first + out.size()).
+  Status ReadPartition(uint64_t first, std::span<float> out) {
+    const uint64_t sg_elems = optimizer->sub_group_elements();
+    std::vector<float> buffer;
+    uint64_t done = 0;
+    while (done < out.size()) {
+      const uint64_t at = first + done;
+      const uint64_t sg = at / sg_elems;
+      const uint64_t in_sg = at - sg * sg_elems;
+      buffer.resize(optimizer->SubGroupSize(sg));
+      MEMPLAN_RETURN_IF_ERROR(optimizer->ReadParams(sg, buffer));
+      const uint64_t len = std::min<uint64_t>(out.size() - done, buffer.size() - in_sg);
+      std::copy_n(buffer.begin() + static_cast<int64_t>(in_sg), len,
+                  out.begin() + static_cast<int64_t>(done));
+      done += len;
+    }
+    return Status::Ok();
   }
 
   // Waits until every queued gradient is in the optimizer; returns the first failure.
@@ -378,10 +521,6 @@ Engine::~Engine() { (void)Close(); }
 
 Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   MEMPLAN_RETURN_IF_ERROR(options.schedule.Validate());
-  if (options.schedule.param_dtype == ElementType::kFloat32) {
-    return Status::Unimplemented("engine: fp32 working parameters are not supported yet; use bf16 "
-                                 "or fp16 in params.dtype");
-  }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   if (options.runtime != nullptr) {
@@ -391,10 +530,15 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
     impl->runtime = impl->own_runtime.get();
   }
   impl->stats.runtime = std::string(impl->runtime->Name());
-  if (options.collective != nullptr && options.collective->world_size() != 1) {
-    return Status::Unimplemented("engine: world size " +
-                                 std::to_string(options.collective->world_size()) +
-                                 " (ZeRO-3 partitioning across ranks) is not implemented yet");
+  if (options.collective != nullptr) {
+    const int world = options.collective->world_size(), rank = options.collective->rank();
+    if (world < 1 || rank < 0 || rank >= world) {
+      return Status::InvalidArgument(
+          "engine: collective " + std::string(options.collective->Name()) + " has rank " +
+          std::to_string(rank) + " of world size " + std::to_string(world));
+    }
+    impl->stats.rank = rank;
+    impl->stats.world_size = world;
   }
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
@@ -433,8 +577,16 @@ Status Engine::Start(RecoveryReport* report) {
   if (s.started) return Status::FailedPrecondition("engine: Start() twice");
   if (s.specs.empty()) return Status::FailedPrecondition("engine: no parameters registered");
   const Schedule& sc = s.options.schedule;
+  const int world = s.stats.world_size;
   const bool nvme = sc.param_tier == Tier::kNvme || sc.optimizer_tier == Tier::kNvme;
-  if (nvme) MEMPLAN_RETURN_IF_ERROR(EnsurePrivateDirectory(sc.nvme_path));
+  // With world size > 1 every rank has its own stores, under rank<r>/, so that ranks on one node
+  // may share nvme.path.
+  const std::string nvme_dir =
+      world == 1 ? sc.nvme_path : sc.nvme_path + "/rank" + std::to_string(s.stats.rank);
+  if (nvme) {
+    MEMPLAN_RETURN_IF_ERROR(EnsurePrivateDirectory(sc.nvme_path));
+    if (world > 1) MEMPLAN_RETURN_IF_ERROR(EnsurePrivateDirectory(nvme_dir));
+  }
 
   ParamSwapperOptions po;
   po.tier = sc.param_tier;
@@ -446,11 +598,14 @@ Status Engine::Start(RecoveryReport* report) {
   po.runtime = s.runtime;
   po.collective = s.options.collective;
   po.staging_slots = sc.param_buffer_count;
-  const uint64_t total = s.total_elements;
+  // This rank's partition (Note [ZeRO-3 partitions] in param_swapper.cc): what its parameter
+  // tier and its optimizer hold; the flat space itself for world size 1.
+  uint64_t total = 0;
+  for (uint64_t n : s.numels) total += ShardElements(n, world);
   if (sc.param_tier == Tier::kNvme) {
-    // The parameters' 16-bit copies are derived from the master weights, so their store is made
+    // The parameters' working copies are derived from the master weights, so their store is made
     // afresh each run; one left by a crashed run is removed first.
-    const std::string dir = sc.nvme_path + "/params";
+    const std::string dir = nvme_dir + "/params";
     if (::access((dir + "/" + nvme::SwapStore::kDataFileName).c_str(), F_OK) == 0) {
       if (!s.options.resume) {
         return Status::FailedPrecondition(
@@ -469,7 +624,8 @@ Status Engine::Start(RecoveryReport* report) {
     so.backend_options.queue_depth = sc.nvme_queue_depth;
     so.engine_options.block_size = sc.nvme_block_size;
     const uint64_t chunks = (total + sc.sub_group_elements - 1) / sc.sub_group_elements;
-    so.capacity_bytes = total * 2 + chunks * (uint64_t{64} << 10) + (uint64_t{1} << 20);
+    so.capacity_bytes = total * static_cast<uint64_t>(ElementBytes(sc.param_dtype)) +
+                        chunks * (uint64_t{64} << 10) + (uint64_t{1} << 20);
     MEMPLAN_ASSIGN_OR_RETURN(s.param_store, nvme::SwapStore::Open(so));
     PinnedPoolOptions pool;
     pool.slot_bytes = sc.param_buffer_bytes;
@@ -498,7 +654,7 @@ Status Engine::Start(RecoveryReport* report) {
   auto fill = [&s](uint64_t first, std::span<float> out) { return s.Fill(first, out); };
   if (sc.optimizer_tier == Tier::kNvme) {
     OptimizerSwapperOptions oo;
-    oo.store.directory = sc.nvme_path + "/optimizer";
+    oo.store.directory = nvme_dir + "/optimizer";
     oo.store.direct = sc.nvme_direct;
     oo.store.backend = sc.nvme_backend;
     oo.store.backend_options.queue_depth = sc.nvme_queue_depth;
@@ -525,7 +681,9 @@ Status Engine::Start(RecoveryReport* report) {
         return Status::InvalidArgument("engine: the optimizer store holds " +
                                        std::to_string(swapper->num_elements()) +
                                        " parameters; the model registered " +
-                                       std::to_string(total));
+                                       std::to_string(total) +
+                                       (world > 1 ? " for this rank (a different world size?)"
+                                                  : ""));
       }
     } else {
       MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Create(oo, total, fill));
@@ -541,23 +699,31 @@ Status Engine::Start(RecoveryReport* report) {
                                                 sc.sub_group_elements, fill));
     s.optimizer = std::move(home);
   }
-  // The 16-bit working copies, from the master weights (which, after a resume, are the last
-  // complete step's).
+  // The working copies, from the master weights (which, after a resume, are the last complete
+  // step's).
+  const HalfDtype half_dtype = ToHalf(sc.param_dtype);
   std::vector<float> master(std::min(total, sc.sub_group_elements));
-  std::vector<uint16_t> half(master.size());
+  std::vector<uint16_t> half(half_dtype == HalfDtype::kNone ? 0 : master.size());
   for (uint64_t sg = 0; sg < s.optimizer->sub_group_count(); ++sg) {
     const uint64_t n = s.optimizer->SubGroupSize(sg);
     std::span<float> m(master.data(), n);
-    std::span<uint16_t> h(half.data(), n);
     MEMPLAN_RETURN_IF_ERROR(s.optimizer->ReadParams(sg, m));
-    MEMPLAN_RETURN_IF_ERROR(s.converter->ConvertToHalf(m, h, ToHalf(sc.param_dtype)));
+    if (half_dtype == HalfDtype::kNone) {
+      MEMPLAN_RETURN_IF_ERROR(s.params->WriteFloat(sg * sc.sub_group_elements, m));
+      continue;
+    }
+    std::span<uint16_t> h(half.data(), n);
+    MEMPLAN_RETURN_IF_ERROR(s.converter->ConvertToHalf(m, h, half_dtype));
     MEMPLAN_RETURN_IF_ERROR(s.params->WriteHalf(sg * sc.sub_group_elements, h));
   }
+  MEMPLAN_RETURN_IF_ERROR(s.params->GatherResident());
+  if (world > 1) s.grad_zeros.assign(static_cast<size_t>(world) * 4, std::byte{0});
   s.grad_given.assign(s.specs.size(), false);
   s.grads_missing = s.specs.size();
   s.grad_worker = std::thread([&s] { s.RunGradients(); });
   s.stats.params = s.specs.size();
-  s.stats.elements = total;
+  s.stats.elements = s.total_elements;
+  s.stats.partition_elements = total;
   s.stats.epoch = s.optimizer->epoch();
   s.started = true;
   return Status::Ok();
@@ -591,10 +757,13 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
     return Status::FailedPrecondition("engine: gradient of " + s.specs[param].name +
                                       " given twice in one step");
   }
-  const uint64_t bytes = s.params->Numel(param) * ElementBytes(type);
+  if (ElementBytes(type) == 0) return Status::InvalidArgument("engine: invalid gradient type");
   Impl::GradJob job;
   job.param = param;
   job.type = type;
+  job.first = s.params->PartitionOffset(param);
+  job.count = s.params->ShardSize(param);
+  const uint64_t bytes = job.count * static_cast<uint64_t>(ElementBytes(type));
   {
     std::unique_lock<std::mutex> lock(s.grad_mu);
     if (!s.grad_error.ok()) return s.grad_error;
@@ -608,9 +777,12 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
     }
   }
   if (job.host.size() < bytes) job.host.resize(bytes);
-  MEMPLAN_ASSIGN_OR_RETURN(job.ticket,
-                           s.runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost, job.host.data(),
-                                                device_grad, bytes));
+  if (s.params->world_size() == 1) {
+    MEMPLAN_ASSIGN_OR_RETURN(job.ticket, s.runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost,
+                                                              job.host.data(), device_grad, bytes));
+  } else {
+    MEMPLAN_RETURN_IF_ERROR(s.ReduceScatterGradient(device_grad, job));
+  }
   {
     std::lock_guard<std::mutex> lock(s.grad_mu);
     s.grad_jobs.push_back(std::move(job));
@@ -639,6 +811,7 @@ Status Engine::Step(const SwapStepOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   MEMPLAN_RETURN_IF_ERROR(
       s.optimizer->Step(options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }));
+  MEMPLAN_RETURN_IF_ERROR(s.params->GatherResident());
   s.stats.last_step_s = SecondsSince(start);
   std::fill(s.grad_given.begin(), s.grad_given.end(), false);
   s.grads_missing = s.specs.size();
@@ -653,21 +826,37 @@ Status Engine::ReadMasterWeights(ParamId param, std::span<float> out) {
   if (param >= s.specs.size()) return Status::InvalidArgument("engine: unknown parameter id");
   const uint64_t n = s.params->Numel(param);
   if (out.size() != n) return Status::InvalidArgument("engine: output size mismatch");
-  const uint64_t sg_elems = s.optimizer->sub_group_elements();
-  const uint64_t first = s.params->FlatOffset(param);
-  std::vector<float> buffer;
-  uint64_t done = 0;
-  while (done < n) {
-    const uint64_t at = first + done;
-    const uint64_t sg = at / sg_elems;
-    const uint64_t in_sg = at - sg * sg_elems;
-    buffer.resize(s.optimizer->SubGroupSize(sg));
-    MEMPLAN_RETURN_IF_ERROR(s.optimizer->ReadParams(sg, buffer));
-    const uint64_t len = std::min(n - done, buffer.size() - in_sg);
-    std::copy_n(buffer.begin() + static_cast<int64_t>(in_sg), len,
-                out.begin() + static_cast<int64_t>(done));
-    done += len;
-  }
+  const uint64_t first = s.params->PartitionOffset(param);
+  const int world = s.params->world_size();
+  if (world == 1) return s.ReadPartition(first, out);
+  // World size > 1: this rank holds one shard; all-gather every rank's, through device memory as
+  // the Collective needs.
+  const uint64_t shard = s.params->ShardSize(param);
+  const uint64_t shard_bytes = shard * 4;
+  const uint64_t rank = static_cast<uint64_t>(s.params->rank());
+  std::vector<float> all(shard * static_cast<uint64_t>(world));
+  MEMPLAN_RETURN_IF_ERROR(
+      s.ReadPartition(first, std::span<float>(all).subspan(rank * shard, shard)));
+  MEMPLAN_ASSIGN_OR_RETURN(void* device, s.runtime->AllocateDevice(all.size() * 4));
+  Status status = [&]() -> Status {
+    auto* base = static_cast<std::byte*>(device);
+    MEMPLAN_ASSIGN_OR_RETURN(
+        gpu::CopyTicket up,
+        s.runtime->CopyAsync(gpu::CopyDirection::kHostToDevice, base + rank * shard_bytes,
+                             all.data() + rank * shard, shard_bytes));
+    MEMPLAN_RETURN_IF_ERROR(s.runtime->Wait(up));
+    MEMPLAN_RETURN_IF_ERROR(s.options.collective->AllGather(base + rank * shard_bytes, base, shard,
+                                                            ElementType::kFloat32));
+    MEMPLAN_ASSIGN_OR_RETURN(
+        gpu::CopyTicket down,
+        s.runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost, all.data(), base, all.size() * 4));
+    return s.runtime->Wait(down);
+  }();
+  Status freed = s.runtime->FreeDevice(device);
+  MEMPLAN_RETURN_IF_ERROR(
+      status.WithPrefix("engine: gathering the master weights of " + s.specs[param].name));
+  MEMPLAN_RETURN_IF_ERROR(freed);
+  std::copy_n(all.begin(), n, out.begin());
   return Status::Ok();
 }
 
@@ -693,6 +882,8 @@ Status Engine::Close() {
   if (s.closed) return Status::Ok();
   s.closed = true;
   s.StopGradients();  // finishes the gradients queued (their copies may still be in flight)
+  for (auto& [scratch, bytes] : s.grad_scratch_free) (void)s.runtime->FreeDevice(scratch);
+  s.grad_scratch_free.clear();
   Status status;
   if (s.params) status = s.params->EndOfStep();
   s.params.reset();  // before the store and staging pool it uses

@@ -15,19 +15,43 @@
 //                                        Release(module)
 //     Step(adam_options);                                   // CPU optimizer, parameters updated
 //
+// Working parameters are schedule.param_dtype: bf16 or fp16 copies that the optimizer writes in the
+// same pass as it updates the fp32 master weights, or fp32, when the working copy is the master
+// weights themselves (after every Step() a fetched parameter equals ReadMasterWeights() bit for
+// bit).
+//
 // Gradient path: GradReady(param, device_grad, dtype) queues the gradient's copy to the host and
 // returns; a gradient thread converts it to fp32 into the optimizer sub-groups it covers and hands
-// each sub-group to the optimizer as soon as all its gradients are in. Step() runs the optimizer over every sub-group and writes the
-// updated 16-bit parameters back to where the Schedule keeps them (GPU copies, pinned arena, NVMe).
+// each sub-group to the optimizer as soon as all its gradients are in. Step() runs the optimizer
+// over every sub-group and writes the updated working parameters back to where the Schedule keeps
+// them (GPU copies, pinned arena, NVMe).
+//
+// Data parallel (ZeRO-3), with a Collective of world size > 1 (NCCL, or the thread-group one of
+// thread_collective.h): every rank runs its own Engine over the same parameters, and each rank's
+// tiers and optimizer hold only its partition: a 1/world_size shard of every parameter (padded so
+// every rank's shard of a parameter has the same size; stats().partition_elements). Fetch()
+// all-gathers the module's parameters whole onto the GPU (parameters under the persistence
+// threshold are kept whole on every rank; the gpu tier keeps each rank's shards on its GPU and
+// gathers them per Fetch() too); GradReady() takes the rank's full gradient and
+// reduce-scatters it, so each rank's optimizer gets the sum over ranks of its shard, divided by the
+// world size: the mean gradient, as DeepSpeed and DDP average; Step() updates and writes back each
+// rank's shard. The collectives run inside Start, Fetch, GradReady, Step and ReadMasterWeights, on
+// the calling thread, so every rank must make the same calls (these, and Release) in the same
+// order, as with any collective; an error on one rank leaves the others waiting in their next
+// collective, and ends the job. With nvme tiers each rank keeps its stores under
+// <nvme.path>/rank<r>/, so the ranks of a node may share one nvme.path; a resume needs the same
+// world size.
 //
 // Restart: with `resume`, Start() reopens the NVMe optimizer store (the master weights are the
-// truth), reports what recovery found, and rewrites the 16-bit parameters from the master weights
+// truth), reports what recovery found, and rewrites the working parameters from the master weights
 // of the last complete step.
 //
 // Statistics (stats()): bytes moved per tier and direction, stall time, peak GPU and pinned bytes;
 // the estimator's predictions are checked against them.
 //
-// Thread safety: one trainer thread calls the Engine; it runs its own transfer and I/O threads.
+// Thread safety: one trainer thread calls the Engine; it runs its own transfer and I/O threads. The
+// Engines of the ranks of one process (the thread-group collective) are independent objects, each
+// called from its own trainer thread.
 #pragma once
 
 #include <cstdint>
@@ -61,7 +85,7 @@ struct ParamSpec {
 struct EngineOptions {
   Schedule schedule;
   gpu::Runtime* runtime = nullptr;   // not owned; null: CreateBestRuntime()
-  Collective* collective = nullptr;  // not owned; null: single process
+  Collective* collective = nullptr;  // not owned; null: single process; world size > 1: ZeRO-3
   bool resume = false;               // reopen the NVMe optimizer store left by an earlier run
 };
 
@@ -71,8 +95,13 @@ struct EngineStats {
   uint64_t epoch = 0;                 // the optimizer's last committed step
   uint64_t params = 0;                // parameters registered
   uint64_t elements = 0;              // their elements
+  int rank = 0;                       // this rank and the world size (the Collective's; 0 of 1
+  int world_size = 1;                 // without one)
+  uint64_t partition_elements = 0;    // elements this rank's tiers and optimizer hold: `elements`
+                                      // for world size 1, about elements / world_size otherwise
   ParamSwapperStats param;            // fetches, prefetch, stall, NVMe/H2D bytes, live bytes
-  uint64_t d2h_bytes = 0;             // gradients copied to the host
+  uint64_t d2h_bytes = 0;             // gradients copied to the host (this rank's shards)
+  uint64_t reduce_scatter_bytes = 0;  // world size > 1: gradient bytes reduce-scattered (padded)
   uint64_t optimizer_read_bytes = 0;  // NVMe optimizer store, all steps
   uint64_t optimizer_write_bytes = 0;
   double last_step_s = 0;             // the last Step()'s optimizer time
@@ -95,16 +124,21 @@ class Engine {
 
   Status Fetch(std::string_view module);
   Status Release(std::string_view module);
-  // The GPU address of a fetched parameter's working copy (schedule.param_dtype elements).
+  // The GPU address of a fetched parameter's working copy (numel schedule.param_dtype elements;
+  // with world size > 1 the buffer is padded to a multiple of the world size).
   Result<void*> DevicePointer(ParamId param) const;
   // The gradient of `param` (its numel elements of `type`, on the GPU), for this step. The copy is
   // asynchronous: `device_grad` must stay valid and unchanged until Step(). At most a few
   // gradients are in flight; beyond that GradReady() waits. An earlier gradient's failure is
-  // returned by the next GradReady() or Step().
+  // returned by the next GradReady() or Step(). With world size > 1 this is this rank's gradient;
+  // it is reduce-scattered across the ranks before GradReady() returns (`device_grad` may then be
+  // reused at once); 16-bit gradients are summed as the Collective sums them (the thread-group one
+  // in fp32, rounded once; NCCL rounds to the type at every hop).
   Status GradReady(ParamId param, const void* device_grad, ElementType type);
   // Runs the optimizer step over all parameters; every parameter's gradient must have been given.
   Status Step(const SwapStepOptions& options);
-  // Reads a parameter's fp32 master weights (for checkpoints and tests).
+  // Reads a parameter's fp32 master weights (for checkpoints and tests). With world size > 1 this
+  // all-gathers the ranks' shards: a collective, which every rank calls for the same parameter.
   Status ReadMasterWeights(ParamId param, std::span<float> out);
 
   EngineStats stats() const;

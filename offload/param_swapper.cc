@@ -17,6 +17,34 @@
 //           -> failed   (the error is kept for the Fetch() that waits for it)
 //   ready   -> home     (Release() of its last use, or EndOfStep() for an unused prefetch)
 // All transitions happen under `mu`; runtime calls and store reads never do.
+//
+// Note [ZeRO-3 partitions]
+// With world size W > 1 a parameter of n elements is cut into W shards of s = ceil(n / W)
+// elements, rank r owning elements [r * s, (r + 1) * s); past n they are padding, which the engine
+// fills with zeros and whose gradients are zero, so the optimizer keeps them zero. A rank's
+// partition is its shard of every parameter, in registration order: every rank's has the same
+// size (sum of the s), and the tiers hold only that (the pinned arena, the NVMe chunks, the gpu
+// tier's shard buffers), as does the engine's optimizer. Shards per parameter (as DeepSpeed cuts
+// them) rather than one cut of the flat space make every gather an all-gather of equal counts:
+// Load() puts this rank's shard in slot `rank` of a buffer of W * s elements and Fetch()
+// all-gathers in place (send == recv + rank * s elements, which NCCL and the thread collective
+// accept), leaving the parameter whole in the first n elements.
+//
+// Ordering. Every rank must issue the same collectives in the same order. The transfer thread's
+// order depends on timing (a demand fetch jumps the queue, EndOfStep() drops prefetches not yet
+// started), so it never calls the Collective: it only brings this rank's shard from the tier,
+// prefetched along the trace as for world size 1. The gathers run in Fetch(), on the trainer's
+// thread, in the module's parameter order, for the parameters not whole already (`gathered`: a
+// parameter still held by another module, or kept for reuse). Whether a parameter is whole changes
+// only in Fetch(), Release() and EndOfStep(), and what those decide (kept for reuse, prefetched)
+// depends on the trace and the budget counters, which change only in those calls too, never on
+// the transfer thread's progress: the same calls on every rank give the same gathers. The cost is
+// that a gather is not overlapped with compute as the tier read is; that would need a collective
+// thread fed in call order. Resident (small) parameters are kept whole on every rank; their shards
+// are written to a rank-major pack that GatherResident() all-gathers in one call and copies out.
+// A failure on one rank (an NVMe error in a load) is returned there and not seen by the others,
+// which then wait in their next collective (NCCL: until the communicator is aborted; the thread
+// collective: until its timeout breaks the group): as with any DDP job, one rank's error ends it.
 #include "offload/param_swapper.h"
 
 #include <sys/mman.h>
@@ -44,12 +72,19 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
+uint64_t ShardElements(uint64_t numel, int world_size) {
+  const auto world = static_cast<uint64_t>(world_size < 1 ? 1 : world_size);
+  return numel / world + (numel % world != 0 ? 1 : 0);
+}
+
 Status ParamSwapperOptions::Validate() const {
   if (runtime == nullptr) return Status::InvalidArgument("param swapper: no GPU runtime given");
-  if (collective != nullptr && collective->world_size() != 1) {
-    return Status::Unimplemented("param swapper: world size " +
-                                 std::to_string(collective->world_size()) +
-                                 " (ZeRO-3 partitioning across ranks) is not implemented yet");
+  if (collective != nullptr) {
+    const int world = collective->world_size(), rank = collective->rank();
+    if (world < 1 || rank < 0 || rank >= world) {
+      return Status::InvalidArgument("param swapper: collective has rank " + std::to_string(rank) +
+                                     " of world size " + std::to_string(world));
+    }
   }
   if (tier == Tier::kNvme) {
     if (store == nullptr) return Status::InvalidArgument("param swapper: nvme tier without a store");
@@ -68,10 +103,16 @@ struct ParamSwapper::Impl {
   struct Param {
     std::string name;
     uint64_t numel = 0;
-    uint64_t flat = 0;
-    uint64_t bytes = 0;
+    uint64_t flat = 0;        // offset in the flat space of all ranks
+    uint64_t shard = 0;       // elements this rank owns (Note [ZeRO-3 partitions]); numel for 1
+    uint64_t local = 0;       // offset of those in this rank's partition; flat for world size 1
+    uint64_t bytes = 0;       // its GPU buffer: numel, or world_size * shard elements
+    uint64_t load_bytes = 0;  // what a fetch brings from the tier: this rank's shard
+    uint64_t pack = 0;        // resident, world size > 1: offset of its shard in the pack
     bool resident = false;
     void* device = nullptr;
+    void* shard_device = nullptr;  // gpu tier, world size > 1: this rank's shard, for good
+    bool gathered = false;         // world size > 1: `device` holds every rank's shard
     State state = State::kHome;
     bool prefetched = false;  // fetched ahead and not yet used by a Fetch()
     int uses = 0;             // Fetch() calls not yet Released
@@ -81,12 +122,20 @@ struct ParamSwapper::Impl {
 
   ParamSwapperOptions options;
   int elem_bytes = 2;
+  int world = 1;  // the collective's world size and this rank
+  int rank = 0;
   bool finalized = false;
   std::vector<Param> params;
   std::unordered_map<std::string, std::vector<ParamId>> modules;
   uint64_t flat_total = 0;
+  uint64_t partition_total = 0;  // this rank's partition (flat_total for world size 1)
 
-  std::byte* arena = nullptr;  // the cpu tier's pinned copy of the flat space
+  // World size > 1: the resident parameters' shards, every rank's after GatherResident(), rank
+  // major ([rank][resident parameter]); pack_elements per rank.
+  void* pack_device = nullptr;
+  uint64_t pack_elements = 0;
+
+  std::byte* arena = nullptr;  // the cpu tier's pinned copy of this rank's partition
   uint64_t arena_bytes = 0;
   bool arena_registered = false;
   std::vector<PinnedSlot> slots;            // nvme staging; used by the transfer thread only
@@ -118,7 +167,9 @@ struct ParamSwapper::Impl {
     (void)options.runtime->Synchronize();
     for (Param& p : params) {
       if (p.device != nullptr) (void)options.runtime->FreeDevice(p.device);
+      if (p.shard_device != nullptr) (void)options.runtime->FreeDevice(p.shard_device);
     }
+    if (pack_device != nullptr) (void)options.runtime->FreeDevice(pack_device);
     for (auto& [size, list] : free_device) {
       for (void* ptr : list) (void)options.runtime->FreeDevice(ptr);
     }
@@ -160,6 +211,7 @@ struct ParamSwapper::Impl {
     stats.live_bytes -= p.bytes;
     if (p.prefetched) stats.ahead_bytes -= p.bytes;
     p.prefetched = false;
+    p.gathered = false;
     p.error = Status::Ok();
   }
 
@@ -231,7 +283,7 @@ struct ParamSwapper::Impl {
         if (status.ok()) {
           p.ticket = ticket;
           p.state = State::kReady;
-          stats.h2d_bytes += p.bytes;
+          if (options.tier != Tier::kGpu) stats.h2d_bytes += p.load_bytes;
         } else {
           p.error = status.WithPrefix("fetching parameter " + p.name);
           p.state = State::kFailed;
@@ -242,37 +294,50 @@ struct ParamSwapper::Impl {
     }
   }
 
-  // Queues the copies that bring `p` to `device`.
+  // Queues the copies that bring this rank's part of `p` (all of it for world size 1) from the tier
+  // to its place in `device`: slot `rank` of the gathered buffer.
   Status Load(const Param& p, void* device, gpu::CopyTicket* ticket, uint64_t* read) {
     gpu::Runtime& rt = *options.runtime;
-    const uint64_t begin = p.flat * elem_bytes;
+    const uint64_t eb = static_cast<uint64_t>(elem_bytes);
+    std::byte* dst = static_cast<std::byte*>(device) + static_cast<uint64_t>(rank) * p.shard * eb;
+    const uint64_t begin = p.local * eb;
+    if (options.tier == Tier::kGpu) {  // world size > 1: the shard is on the GPU already
+      MEMPLAN_ASSIGN_OR_RETURN(*ticket, rt.CopyAsync(gpu::CopyDirection::kDeviceToDevice, dst,
+                                                     p.shard_device, p.load_bytes));
+      return Status::Ok();
+    }
     if (options.tier == Tier::kCpu) {
-      MEMPLAN_ASSIGN_OR_RETURN(*ticket, rt.CopyAsync(gpu::CopyDirection::kHostToDevice, device,
-                                                     arena + begin, p.bytes));
+      MEMPLAN_ASSIGN_OR_RETURN(*ticket, rt.CopyAsync(gpu::CopyDirection::kHostToDevice, dst,
+                                                     arena + begin, p.load_bytes));
       return Status::Ok();
     }
     // nvme: chunk by chunk, slot by slot; reading slice k+1 overlaps the upload of slice k.
-    const uint64_t chunk_bytes = options.chunk_elements * elem_bytes;
+    const uint64_t chunk_bytes = options.chunk_elements * eb;
     uint64_t done = 0;
-    while (done < p.bytes) {
+    while (done < p.load_bytes) {
       const uint64_t at = begin + done;
       const uint64_t chunk = at / chunk_bytes;
       const uint64_t in_chunk = at - chunk * chunk_bytes;
       const size_t s = next_slot++ % slots.size();
-      const uint64_t len = std::min<uint64_t>(
-          {p.bytes - done, chunk_bytes - in_chunk, slots[s].data().size()});
+      const uint64_t len =
+          std::min<uint64_t>({p.load_bytes - done, chunk_bytes - in_chunk, slots[s].data().size()});
       MEMPLAN_RETURN_IF_ERROR(rt.Wait(slot_ticket[s]));  // the slot's previous upload is done
       std::byte* staging = slots[s].data().data();
       MEMPLAN_RETURN_IF_ERROR(options.store->GetRange(ChunkKey(chunk), in_chunk,
                                                       std::span<std::byte>(staging, len)));
       *read += len;
-      MEMPLAN_ASSIGN_OR_RETURN(
-          slot_ticket[s], rt.CopyAsync(gpu::CopyDirection::kHostToDevice,
-                                       static_cast<std::byte*>(device) + done, staging, len));
+      MEMPLAN_ASSIGN_OR_RETURN(slot_ticket[s], rt.CopyAsync(gpu::CopyDirection::kHostToDevice,
+                                                            dst + done, staging, len));
       *ticket = slot_ticket[s];
       done += len;
     }
     return Status::Ok();
+  }
+
+  // The first parameter whose shard ends after partition element `begin`.
+  std::vector<Param>::iterator FirstOverlapping(uint64_t begin) {
+    return std::lower_bound(params.begin(), params.end(), begin,
+                            [](const Param& p, uint64_t at) { return p.local + p.shard <= at; });
   }
 };
 
@@ -284,6 +349,10 @@ Result<std::unique_ptr<ParamSwapper>> ParamSwapper::Create(const ParamSwapperOpt
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->elem_bytes = ElementBytes(options.dtype);
+  if (options.collective != nullptr) {
+    impl->world = options.collective->world_size();
+    impl->rank = options.collective->rank();
+  }
   return std::unique_ptr<ParamSwapper>(new ParamSwapper(std::move(impl)));
 }
 
@@ -295,13 +364,21 @@ Result<ParamId> ParamSwapper::Add(const std::string& name, const std::string& mo
   if (s.params.size() >= (uint64_t{1} << 31)) {
     return Status::ResourceExhausted("param swapper: too many parameters");
   }
+  const auto eb = static_cast<uint64_t>(s.elem_bytes);
   Impl::Param p;
   p.name = name;
   p.numel = numel;
   p.flat = s.flat_total;
-  p.bytes = numel * s.elem_bytes;
-  p.resident = s.options.tier == Tier::kGpu || numel <= s.options.persistence_threshold;
+  p.shard = ShardElements(numel, s.world);
+  p.local = s.partition_total;
+  p.bytes = (s.world == 1 ? numel : p.shard * static_cast<uint64_t>(s.world)) * eb;
+  p.load_bytes = p.shard * eb;
+  // World size 1 keeps every parameter of the gpu tier there; with more ranks the gpu tier holds
+  // this rank's shards and only small parameters are kept whole (Note [ZeRO-3 partitions]).
+  p.resident =
+      (s.world == 1 && s.options.tier == Tier::kGpu) || numel <= s.options.persistence_threshold;
   s.flat_total += numel;
+  s.partition_total += p.shard;
   const auto id = static_cast<ParamId>(s.params.size());
   s.params.push_back(std::move(p));
   s.modules[module].push_back(id);
@@ -321,14 +398,29 @@ Status ParamSwapper::Finalize() {
   Impl& s = *impl_;
   if (s.finalized) return Status::FailedPrecondition("param swapper: Finalize() twice");
   gpu::Runtime& rt = *s.options.runtime;
+  const auto eb = static_cast<uint64_t>(s.elem_bytes);
   for (Impl::Param& p : s.params) {
-    if (!p.resident) continue;
-    MEMPLAN_ASSIGN_OR_RETURN(p.device, rt.AllocateDevice(p.bytes));
-    p.state = State::kReady;
-    s.stats.resident_bytes += p.bytes;
+    if (p.resident) {
+      MEMPLAN_ASSIGN_OR_RETURN(p.device, rt.AllocateDevice(p.bytes));
+      p.state = State::kReady;
+      p.gathered = true;
+      s.stats.resident_bytes += p.bytes;
+      if (s.world > 1) {
+        p.pack = s.pack_elements;
+        s.pack_elements += p.shard;
+      }
+    } else if (s.world > 1 && s.options.tier == Tier::kGpu) {
+      MEMPLAN_ASSIGN_OR_RETURN(p.shard_device, rt.AllocateDevice(p.load_bytes));
+      s.stats.resident_bytes += p.load_bytes;
+    }
   }
-  if (s.options.tier == Tier::kCpu && s.flat_total > 0) {
-    s.arena_bytes = (s.flat_total * s.elem_bytes + 4095) / 4096 * 4096;
+  if (s.pack_elements > 0) {
+    const uint64_t bytes = s.pack_elements * static_cast<uint64_t>(s.world) * eb;
+    MEMPLAN_ASSIGN_OR_RETURN(s.pack_device, rt.AllocateDevice(bytes));
+    s.stats.resident_bytes += bytes;
+  }
+  if (s.options.tier == Tier::kCpu && s.partition_total > 0) {
+    s.arena_bytes = (s.partition_total * eb + 4095) / 4096 * 4096;
     void* mem = ::mmap(nullptr, s.arena_bytes, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mem == MAP_FAILED) {
@@ -355,57 +447,123 @@ Status ParamSwapper::Finalize() {
 }
 
 uint64_t ParamSwapper::flat_elements() const { return impl_->flat_total; }
+uint64_t ParamSwapper::partition_elements() const { return impl_->partition_total; }
+int ParamSwapper::world_size() const { return impl_->world; }
+int ParamSwapper::rank() const { return impl_->rank; }
+uint64_t ParamSwapper::PartitionOffset(ParamId param) const {
+  return impl_->params.at(param).local;
+}
+uint64_t ParamSwapper::ShardSize(ParamId param) const { return impl_->params.at(param).shard; }
 uint64_t ParamSwapper::FlatOffset(ParamId param) const { return impl_->params.at(param).flat; }
 uint64_t ParamSwapper::Numel(ParamId param) const { return impl_->params.at(param).numel; }
 size_t ParamSwapper::param_count() const { return impl_->params.size(); }
 
 Status ParamSwapper::WriteHalf(uint64_t flat_begin, std::span<const uint16_t> values) {
-  Impl& s = *impl_;
-  if (!s.finalized) return Status::FailedPrecondition("param swapper: WriteHalf() before Finalize()");
-  if (s.elem_bytes != 2) {
-    return Status::Unimplemented("param swapper: fp32 working copies are not supported yet");
+  if (impl_->elem_bytes != 2) {
+    return Status::InvalidArgument("param swapper: WriteHalf() on " +
+                                   std::string(ElementTypeName(impl_->options.dtype)) +
+                                   " working copies; use Write()");
   }
-  const uint64_t end = flat_begin + values.size();
-  if (end > s.flat_total || end < flat_begin) {
-    return Status::OutOfRange("param swapper: WriteHalf past the flat space");
+  return Write(flat_begin, std::as_bytes(values));
+}
+
+Status ParamSwapper::WriteFloat(uint64_t flat_begin, std::span<const float> values) {
+  if (impl_->elem_bytes != 4) {
+    return Status::InvalidArgument("param swapper: WriteFloat() on " +
+                                   std::string(ElementTypeName(impl_->options.dtype)) +
+                                   " working copies; use Write()");
+  }
+  return Write(flat_begin, std::as_bytes(values));
+}
+
+Status ParamSwapper::Write(uint64_t flat_begin, std::span<const std::byte> values) {
+  Impl& s = *impl_;
+  if (!s.finalized) return Status::FailedPrecondition("param swapper: Write() before Finalize()");
+  const uint64_t eb = static_cast<uint64_t>(s.elem_bytes);
+  if (values.size() % eb != 0) {
+    return Status::InvalidArgument("param swapper: Write() of " + std::to_string(values.size()) +
+                                   " bytes, not a whole number of " +
+                                   std::string(ElementTypeName(s.options.dtype)) + " elements");
+  }
+  const uint64_t count = values.size() / eb;
+  const uint64_t end = flat_begin + count;
+  if (end > s.partition_total || end < flat_begin) {
+    return Status::OutOfRange("param swapper: Write() past the partition");
   }
   gpu::Runtime& rt = *s.options.runtime;
-  const auto* bytes = reinterpret_cast<const std::byte*>(values.data());
+  const std::byte* bytes = values.data();
   if (s.options.tier == Tier::kCpu) {
-    std::memcpy(s.arena + flat_begin * 2, bytes, values.size_bytes());
+    std::memcpy(s.arena + flat_begin * eb, bytes, values.size());
   } else if (s.options.tier == Tier::kNvme) {
     const uint64_t chunk = s.options.chunk_elements;
-    if (flat_begin % chunk != 0 || (values.size() % chunk != 0 && end != s.flat_total)) {
-      return Status::InvalidArgument("param swapper: WriteHalf to NVMe must cover whole chunks");
+    if (flat_begin % chunk != 0 || (count % chunk != 0 && end != s.partition_total)) {
+      return Status::InvalidArgument("param swapper: Write() to NVMe must cover whole chunks");
     }
     for (uint64_t at = flat_begin; at < end; at += chunk) {
       const uint64_t n = std::min(chunk, end - at);
-      MEMPLAN_RETURN_IF_ERROR(s.options.store->Put(
-          ChunkKey(at / chunk),
-          std::span<const std::byte>(bytes + (at - flat_begin) * 2, n * 2)));
+      MEMPLAN_RETURN_IF_ERROR(s.options.store->Put(ChunkKey(at / chunk),
+                                                   values.subspan((at - flat_begin) * eb, n * eb)));
     }
     std::lock_guard<std::mutex> lock(s.mu);
-    s.stats.nvme_write_bytes += values.size_bytes();
+    s.stats.nvme_write_bytes += values.size();
   }
-  // Resident parameters overlapping the range get their GPU copy updated.
+  // What lives on the GPU for good gets its copy updated: resident parameters (world size > 1:
+  // their shard in the pack, gathered by GatherResident()) and the gpu tier's shards.
   gpu::CopyTicket last;
   uint64_t uploaded = 0;
-  auto first = std::lower_bound(
-      s.params.begin(), s.params.end(), flat_begin,
-      [](const Impl::Param& p, uint64_t at) { return p.flat + p.numel <= at; });
-  for (auto it = first; it != s.params.end() && it->flat < end; ++it) {
-    if (!it->resident) continue;
-    const uint64_t lo = std::max(it->flat, flat_begin);
-    const uint64_t hi = std::min(it->flat + it->numel, end);
+  for (auto it = s.FirstOverlapping(flat_begin); it != s.params.end() && it->local < end; ++it) {
+    std::byte* base = nullptr;
+    if (it->resident) {
+      base = s.world == 1 ? static_cast<std::byte*>(it->device)
+                          : static_cast<std::byte*>(s.pack_device) +
+                                (static_cast<uint64_t>(s.rank) * s.pack_elements + it->pack) * eb;
+    } else if (it->shard_device != nullptr) {
+      base = static_cast<std::byte*>(it->shard_device);
+    } else {
+      continue;
+    }
+    const uint64_t lo = std::max(it->local, flat_begin);
+    const uint64_t hi = std::min(it->local + it->shard, end);
     MEMPLAN_ASSIGN_OR_RETURN(
-        last, rt.CopyAsync(gpu::CopyDirection::kHostToDevice,
-                           static_cast<std::byte*>(it->device) + (lo - it->flat) * 2,
-                           bytes + (lo - flat_begin) * 2, (hi - lo) * 2));
-    uploaded += (hi - lo) * 2;
+        last, rt.CopyAsync(gpu::CopyDirection::kHostToDevice, base + (lo - it->local) * eb,
+                           bytes + (lo - flat_begin) * eb, (hi - lo) * eb));
+    uploaded += (hi - lo) * eb;
   }
   MEMPLAN_RETURN_IF_ERROR(rt.Wait(last));  // `values` may be reused once we return
   std::lock_guard<std::mutex> lock(s.mu);
   s.stats.h2d_bytes += uploaded;
+  return Status::Ok();
+}
+
+Status ParamSwapper::GatherResident() {
+  Impl& s = *impl_;
+  if (!s.finalized) {
+    return Status::FailedPrecondition("param swapper: GatherResident() before Finalize()");
+  }
+  if (s.world == 1 || s.pack_elements == 0) return Status::Ok();
+  gpu::Runtime& rt = *s.options.runtime;
+  const auto eb = static_cast<uint64_t>(s.elem_bytes);
+  const uint64_t slot_bytes = s.pack_elements * eb;
+  auto* pack = static_cast<std::byte*>(s.pack_device);
+  MEMPLAN_RETURN_IF_ERROR(s.options.collective
+                              ->AllGather(pack + static_cast<uint64_t>(s.rank) * slot_bytes, pack,
+                                          s.pack_elements, s.options.dtype)
+                              .WithPrefix("param swapper: gathering the resident parameters"));
+  // [rank][parameter] -> each parameter's [rank] slots.
+  gpu::CopyTicket last;
+  for (const Impl::Param& p : s.params) {
+    if (!p.resident) continue;
+    for (int r = 0; r < s.world; ++r) {
+      const auto q = static_cast<uint64_t>(r);
+      MEMPLAN_ASSIGN_OR_RETURN(last,
+                               rt.CopyAsync(gpu::CopyDirection::kDeviceToDevice,
+                                            static_cast<std::byte*>(p.device) + q * p.shard * eb,
+                                            pack + q * slot_bytes + p.pack * eb, p.shard * eb));
+    }
+  }
+  MEMPLAN_RETURN_IF_ERROR(rt.Wait(last));
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.stats.allgather_bytes += slot_bytes * static_cast<uint64_t>(s.world);
   return Status::Ok();
 }
 
@@ -478,6 +636,30 @@ Status ParamSwapper::Fetch(std::string_view module) {
     }
     Status waited = s.options.runtime->Wait(ticket);
     if (!waited.ok() && first_error.ok()) first_error = waited.WithPrefix("fetching " + p.name);
+  }
+  // World size > 1: every rank's shard into the buffer, in the module's parameter order, which is
+  // the same on every rank (Note [ZeRO-3 partitions]). A rank whose load failed gathers nothing:
+  // its peers are then left waiting in the collective, as with any failure of one rank.
+  if (s.world > 1 && first_error.ok()) {
+    const auto eb = static_cast<uint64_t>(s.elem_bytes);
+    for (ParamId id : ids) {
+      Impl::Param& p = s.params[id];
+      std::byte* device = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(s.mu);
+        if (p.gathered) continue;  // resident, or gathered by an earlier Fetch() still holding it
+        device = static_cast<std::byte*>(p.device);
+      }
+      Status gathered = s.options.collective->AllGather(
+          device + static_cast<uint64_t>(s.rank) * p.shard * eb, device, p.shard, s.options.dtype);
+      if (!gathered.ok()) {
+        first_error = gathered.WithPrefix("gathering parameter " + p.name);
+        break;
+      }
+      std::lock_guard<std::mutex> lock(s.mu);
+      p.gathered = true;
+      s.stats.allgather_bytes += p.bytes;
+    }
   }
   const double stalled = SecondsSince(start);
   std::lock_guard<std::mutex> lock(s.mu);

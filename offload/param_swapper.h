@@ -1,13 +1,26 @@
 // offload::ParamSwapper: parameters live in a tier (GPU, pinned CPU memory, or NVMe) and are put on
 // the GPU just before the module that uses them runs, then released after, ZeRO-Infinity style.
 //
-// Layout. Parameters are registered in order; each one's 16-bit working copy (`dtype`) occupies a
-// range of a flat element space, [flat_offset, flat_offset + numel). The optimizer's sub-groups
-// cut the same flat space, so an updated sub-group is written back with one WriteHalf() call. On
-// NVMe the flat space is stored in chunks of `chunk_elements` (the optimizer's sub-group size),
-// one store key per chunk ("hp.<chunk>"); in pinned CPU memory it is one registered arena.
-// Parameters of at most `persistence_threshold` elements, and every parameter of the "gpu" tier,
-// stay on the GPU for good.
+// Layout. Parameters are registered in order; each one's working copy (`dtype`: bf16 or fp16 bit
+// patterns, or fp32; every tier, buffer and budget counts ElementBytes(dtype) bytes an element)
+// occupies a range of a flat element space, [flat_offset, flat_offset + numel). The optimizer's
+// sub-groups cut the same space, so an updated sub-group is written back with one Write() call. On
+// NVMe the space is stored in chunks of `chunk_elements` (the optimizer's sub-group size), one
+// store key per chunk ("hp.<chunk>"); in pinned CPU memory it is one registered arena. Parameters
+// of at most `persistence_threshold` elements, and with world size 1 every parameter of the "gpu"
+// tier, stay on the GPU for good ("resident").
+//
+// World size > 1: ZeRO-3 partitions (Note [ZeRO-3 partitions] in param_swapper.cc). Each parameter
+// is cut into world_size shards of ShardElements(numel, world_size) elements (the last padded),
+// and this rank keeps only shard `rank` of every parameter, back to back: its partition, of
+// partition_elements() elements, the same on every rank. The tiers, Write() and the optimizer's
+// sub-groups work in partition coordinates (PartitionOffset(), ShardSize()); with world size 1 the
+// partition is the flat space. Fetch() loads this rank's shards and all-gathers the module's
+// parameters through the Collective into whole GPU buffers (world_size * shard elements, the first
+// numel meaningful); resident parameters are kept whole on every rank and refreshed by
+// GatherResident() after a write. Every rank must make the same calls in the same order: Fetch,
+// Release, EndOfStep, Write and GatherResident (the collectives run inside Fetch and
+// GatherResident, on the calling thread, in an order that follows from that call sequence alone).
 //
 // Fetch and prefetch (Note [Trace-driven prefetch] in param_swapper.cc). Fetch(module) makes the
 // module's parameters available on the GPU and returns when they are; Release(module) lets them go.
@@ -21,11 +34,9 @@
 // forward to backward) is kept on the GPU, counted against the prefetch budget, instead of being
 // read again. Time a Fetch() spends waiting for transfers is the stall time.
 //
-// World size > 1 (ZeRO-3 partitioning through the Collective) is not implemented yet: Create()
-// refuses it with Unimplemented.
-//
-// Thread safety: Add/Finalize/WriteHalf/EndOfStep/Fetch/Release/DevicePointer are called from one
-// thread (the trainer's); the swapper runs one transfer thread of its own.
+// Thread safety: Add/Finalize/Write*/GatherResident/EndOfStep/Fetch/Release/DevicePointer are
+// called from one thread (the trainer's); the swapper runs one transfer thread of its own, which
+// never calls the Collective.
 #pragma once
 
 #include <cstdint>
@@ -45,6 +56,9 @@ namespace memplan::offload {
 
 using ParamId = uint32_t;
 
+// Elements of each rank's shard of a parameter of `numel` elements: ceil(numel / world_size).
+uint64_t ShardElements(uint64_t numel, int world_size);
+
 struct ParamSwapperOptions {
   Tier tier = Tier::kGpu;
   ElementType dtype = ElementType::kBFloat16;
@@ -53,7 +67,8 @@ struct ParamSwapperOptions {
   uint64_t max_live_bytes = uint64_t{1} << 30;
   uint64_t chunk_elements = uint64_t{4} << 20;  // NVMe chunk = the optimizer's sub-group
   gpu::Runtime* runtime = nullptr;              // not owned; required
-  Collective* collective = nullptr;             // not owned; null: single process
+  Collective* collective = nullptr;             // not owned; null: single process; world size
+                                                // > 1 partitions the parameters (ZeRO-3)
   nvme::SwapStore* store = nullptr;             // not owned; required for the nvme tier
   PinnedPool* staging = nullptr;                // not owned; required for the nvme tier (>= 2 slots)
   uint32_t staging_slots = 2;                   // slots taken from `staging`
@@ -76,12 +91,13 @@ struct ParamSwapperStats {
   uint64_t nvme_read_bytes = 0;     // NVMe -> pinned staging
   uint64_t nvme_write_bytes = 0;    // updated parameters written back to NVMe
   uint64_t h2d_bytes = 0;           // pinned host -> GPU (fetches and write-backs)
+  uint64_t allgather_bytes = 0;     // world size > 1: gathered buffers filled (all ranks' bytes)
   uint64_t live_bytes = 0;          // fetched parameters on the GPU now (persistent excluded)
   uint64_t peak_live_bytes = 0;
   uint64_t ahead_bytes = 0;         // prefetched, not yet used
   uint64_t peak_ahead_bytes = 0;
   uint64_t over_budget_fetches = 0; // demand fetches that took live bytes over max_live_bytes
-  uint64_t resident_bytes = 0;      // parameters kept on the GPU for good
+  uint64_t resident_bytes = 0;      // kept on the GPU for good (parameters, gpu-tier shards)
   uint64_t pinned_bytes = 0;        // the CPU tier's arena plus the staging slots held
 };
 
@@ -104,12 +120,35 @@ class ParamSwapper {
   uint64_t FlatOffset(ParamId param) const;
   uint64_t Numel(ParamId param) const;
   size_t param_count() const;
+  int world_size() const;
+  int rank() const;
+  // This rank's partition: its size (flat_elements() for world size 1), where a parameter's shard
+  // starts in it, and the shard's size. The shard holds the parameter's elements [rank * ShardSize,
+  // (rank + 1) * ShardSize), those past Numel() being padding.
+  uint64_t partition_elements() const;
+  uint64_t PartitionOffset(ParamId param) const;
+  uint64_t ShardSize(ParamId param) const;
 
-  // Writes the 16-bit values of flat elements [flat_begin, flat_begin + values.size()) to where the
-  // parameters live (GPU copies, pinned arena, NVMe chunks). For the nvme tier the range must be
-  // whole chunks. Not while parameters are fetched (call after EndOfStep()).
+  // Writes the working-dtype values of partition elements [flat_begin, flat_begin + n), n =
+  // values.size() / ElementBytes(dtype), to where the parameters live (GPU copies, pinned arena,
+  // NVMe chunks); `values` holds n elements of `dtype` (bf16/fp16 bit patterns, or fp32), and may
+  // be reused when this returns. For the nvme tier the range must be whole chunks. Not while
+  // parameters are fetched (call after EndOfStep()). With world size > 1, resident parameters see
+  // the new values after GatherResident(). InvalidArgument for a size that is not whole elements,
+  // OutOfRange past the partition; an NVMe or copy error is returned as is, leaving the range
+  // partly written.
+  Status Write(uint64_t flat_begin, std::span<const std::byte> values);
+  // Write() for a 16-bit dtype (InvalidArgument for fp32) and for fp32 (InvalidArgument otherwise).
   Status WriteHalf(uint64_t flat_begin, std::span<const uint16_t> values);
+  Status WriteFloat(uint64_t flat_begin, std::span<const float> values);
 
+  // World size > 1: all-gathers the resident parameters' shards (a collective: every rank calls
+  // it, after the same writes). A no-op for world size 1.
+  Status GatherResident();
+
+  // Makes the module's parameters available on the GPU (whole: with world size > 1 they are
+  // gathered from every rank); returns when they are, or the first error (the module then needs no
+  // Release()).
   Status Fetch(std::string_view module);
   Status Release(std::string_view module);
   // The GPU address of a fetched (or resident) parameter; FailedPrecondition when not on the GPU.

@@ -15,10 +15,11 @@
 //   }
 //
 // Meaning:
-//   - params.tier: where a parameter's 16-bit working copy lives between uses. "gpu": resident
-//     (no parameter offload); "cpu": pinned host memory, uploaded per use; "nvme": the NVMe store,
-//     read through pinned staging buffers per use. Parameters of at most persistence_threshold
-//     elements stay on the GPU whatever the tier (DeepSpeed's stage3_param_persistence_threshold).
+//   - params.tier: where a parameter's working copy (params.dtype) lives between uses. "gpu":
+//     resident (no parameter offload); "cpu": pinned host memory, uploaded per use; "nvme": the
+//     NVMe store, read through pinned staging buffers per use. Parameters of at most
+//     persistence_threshold elements stay on the GPU whatever the tier (DeepSpeed's
+//     stage3_param_persistence_threshold).
 //   - prefetch_bytes: most bytes being fetched ahead of their use at once
 //     (stage3_prefetch_bucket_size); max_live_bytes: most bytes of fetched parameters on the GPU
 //     at once, prefetched ones included (stage3_max_live_parameters, in bytes). A module that alone
@@ -27,7 +28,8 @@
 //   - optimizer: the CPU optimizer and where its fp32 master weights, states and gradients live:
 //     "cpu" (a SwapStore in memory) or "nvme" (the NVMe store, pipelined in sub-groups). threads 0:
 //     every core.
-//   - nvme.path: a directory the engine may create and own (two stores: params/ and optimizer/).
+//   - nvme.path: a directory the engine may create and own (two stores: params/ and optimizer/;
+//     with world size > 1, under rank<r>/ for each rank).
 //   - pinned_budget_bytes: cap on the engine's pinned memory (0: no cap beyond the buffers above).
 //
 // Thread safety: a plain value.

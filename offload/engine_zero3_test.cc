@@ -1,0 +1,383 @@
+// Engine with world size > 1 (ZeRO-3 partitions) on the host-only runtime: 2 and 4 ranks on
+// threads, joined by the thread-group collective, each with its own Engine, fed different
+// gradients, end every step with exactly the parameters of one rank fed the mean of those
+// gradients; every rank's tiers and optimizer hold about 1/world_size of the elements; a
+// partitioned NVMe run resumes.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "offload/engine.h"
+#include "offload/half.h"
+#include "offload/schedule.h"
+#include "offload/thread_collective.h"
+#include "tests/testing.h"
+
+namespace memplan::offload {
+namespace {
+
+using memplan::testing::TempDir;
+
+// Modules "m0".."m{k-1}": a weight (offloaded; sizes that no world size divides), a bias and, in
+// m0, a 3-element parameter (both resident: under the persistence threshold; the 3-element one has
+// ranks whose shard is all padding). m0's weight is tied: the last module uses it too.
+struct Model {
+  struct P {
+    std::string name, module;
+    uint64_t numel = 0, flat = 0;
+    std::vector<std::string> also_used_by;
+  };
+  std::vector<P> params;
+  std::vector<std::string> modules;
+  uint64_t total = 0;
+
+  explicit Model(int layers) {
+    for (int l = 0; l < layers; ++l) {
+      const std::string m = "m" + std::to_string(l);
+      modules.push_back(m);
+      params.push_back({m + ".weight", m, 3001 + 37 * static_cast<uint64_t>(l), 0, {}});
+      params.push_back({m + ".bias", m, 41, 0, {}});
+    }
+    params.push_back({"m0.scale", "m0", 3, 0, {}});
+    params[0].also_used_by = {modules.back()};
+    for (P& p : params) {
+      p.flat = total;
+      total += p.numel;
+    }
+  }
+};
+
+float Init(uint64_t flat) { return static_cast<float>((flat % 97) * 0.0103 - 0.5); }
+
+// Rank r's gradient of flat element e at step t.
+float RankGrad(int r, uint64_t t, uint64_t e) {
+  const uint64_t h = (e * 7919 + t * 104729 + static_cast<uint64_t>(r) * 15485863) % 1000003;
+  return static_cast<float>(static_cast<double>(h) / 1000003.0 * 0.2 - 0.1) *
+         (1.0f + 0.5f * static_cast<float>(r));
+}
+
+// What the ranks' gradients reduce to: summed in fp32 in rank order (as the thread collective
+// does), rounded to the gradient type, divided by the world size.
+float MeanGrad(int world, uint64_t t, uint64_t e, ElementType type) {
+  float sum = RankGrad(0, t, e);
+  if (type == ElementType::kBFloat16) sum = Bf16ToFloat(FloatToBf16(sum));
+  for (int r = 1; r < world; ++r) {
+    float g = RankGrad(r, t, e);
+    if (type == ElementType::kBFloat16) g = Bf16ToFloat(FloatToBf16(g));
+    sum += g;
+  }
+  if (type == ElementType::kBFloat16) sum = Bf16ToFloat(FloatToBf16(sum));
+  return sum / static_cast<float>(world);
+}
+
+AdamOptions Adam(uint64_t t) {
+  AdamOptions a;
+  a.lr = 2e-2 / static_cast<double>(t);
+  a.weight_decay = 0.05;
+  return a;
+}
+
+Schedule MakeSchedule(Tier params, Tier optimizer, ElementType dtype, const std::string& path) {
+  Schedule s;
+  s.param_tier = params;
+  s.param_dtype = dtype;
+  s.optimizer_tier = optimizer;
+  s.persistence_threshold = 64;
+  s.sub_group_elements = 2048;  // sub-groups cut across shards
+  s.param_buffer_bytes = 4096;
+  s.param_buffer_count = 2;
+  s.optimizer_buffer_count = 3;
+  s.optimizer_threads = 1;
+  s.nvme_path = path;
+  s.nvme_backend = nvme::BackendKind::kPosix;
+  s.nvme_direct = false;
+  return s;
+}
+
+// What one rank (or the single-rank reference) ends with.
+struct Outcome {
+  std::vector<std::vector<std::byte>> fetched;  // per parameter, the fetched working copy
+  std::vector<std::vector<float>> master;       // per parameter, ReadMasterWeights()
+  EngineStats stats;
+};
+
+// The gradient of flat element e at step t that this engine is given.
+using GradFn = std::function<float(uint64_t t, uint64_t e)>;
+
+// Trains `steps` steps from `first_step` on one engine; every rank runs this on its own thread.
+// Gradients are given in `grad_type`; each is overwritten right after GradReady() when `reuse`
+// (world size > 1: the gradient has been reduced when GradReady returns).
+Status TrainRank(const Model& model, const Schedule& schedule, Collective* collective, bool resume,
+                 uint64_t first_step, uint64_t steps, const GradFn& grad, ElementType grad_type,
+                 bool reuse, Outcome* out) {
+  auto runtime = gpu::CreateHostOnlyRuntime();  // destroyed after the engine
+  EngineOptions options;
+  options.schedule = schedule;
+  options.runtime = runtime.get();
+  options.collective = collective;
+  options.resume = resume;
+  MEMPLAN_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options));
+  std::vector<ParamId> ids;
+  for (const Model::P& p : model.params) {
+    const uint64_t base = p.flat;
+    ParamSpec spec{p.name,
+                   p.module,
+                   {static_cast<int64_t>(p.numel)},
+                   [base](uint64_t first, std::span<float> values) {
+                     for (size_t k = 0; k < values.size(); ++k) values[k] = Init(base + first + k);
+                     return Status::Ok();
+                   },
+                   p.also_used_by};
+    MEMPLAN_ASSIGN_OR_RETURN(ParamId id, engine->AddParameter(spec));
+    ids.push_back(id);
+  }
+  MEMPLAN_RETURN_IF_ERROR(engine->Start());
+  const int eb = ElementBytes(grad_type);
+  for (uint64_t t = first_step; t < first_step + steps; ++t) {
+    for (const std::string& m : model.modules) {
+      MEMPLAN_RETURN_IF_ERROR(engine->Fetch(m));
+      MEMPLAN_RETURN_IF_ERROR(engine->Release(m));
+    }
+    std::vector<std::vector<std::byte>> grads(model.params.size());  // kept until Step()
+    for (auto it = model.modules.rbegin(); it != model.modules.rend(); ++it) {
+      MEMPLAN_RETURN_IF_ERROR(engine->Fetch(*it));
+      for (size_t i = 0; i < model.params.size(); ++i) {
+        const Model::P& p = model.params[i];
+        if (p.module != *it) continue;
+        std::vector<std::byte>& g = grads[i];
+        g.resize(p.numel * static_cast<uint64_t>(eb));
+        for (uint64_t k = 0; k < p.numel; ++k) {
+          const float v = grad(t, p.flat + k);
+          if (grad_type == ElementType::kFloat32) {
+            std::memcpy(g.data() + k * 4, &v, 4);
+          } else {
+            const uint16_t h = FloatToBf16(v);
+            std::memcpy(g.data() + k * 2, &h, 2);
+          }
+        }
+        MEMPLAN_RETURN_IF_ERROR(engine->GradReady(ids[i], g.data(), grad_type));
+        if (reuse) std::fill(g.begin(), g.end(), std::byte{0xff});  // NaNs, were they read
+      }
+      MEMPLAN_RETURN_IF_ERROR(engine->Release(*it));
+    }
+    MEMPLAN_RETURN_IF_ERROR(engine->Step(Adam(t)));
+  }
+  const int wb = ElementBytes(schedule.param_dtype);
+  out->fetched.resize(model.params.size());
+  out->master.resize(model.params.size());
+  for (size_t i = 0; i < model.params.size(); ++i) {
+    const Model::P& p = model.params[i];
+    MEMPLAN_RETURN_IF_ERROR(engine->Fetch(p.module));
+    MEMPLAN_ASSIGN_OR_RETURN(void* device, engine->DevicePointer(ids[i]));
+    const auto* bytes = static_cast<const std::byte*>(device);  // host-only runtime
+    out->fetched[i].assign(bytes, bytes + p.numel * static_cast<uint64_t>(wb));
+    MEMPLAN_RETURN_IF_ERROR(engine->Release(p.module));
+    out->master[i].resize(p.numel);
+    MEMPLAN_RETURN_IF_ERROR(engine->ReadMasterWeights(ids[i], out->master[i]));
+  }
+  out->stats = engine->stats();
+  return engine->Close();
+}
+
+// Runs `world` ranks on threads; returns their outcomes.
+std::vector<Outcome> TrainRanks(int world, const Model& model, const Schedule& schedule,
+                                bool resume, uint64_t first_step, uint64_t steps,
+                                ElementType grad_type) {
+  auto group = CreateThreadGroupCollectives(world, nullptr, std::chrono::seconds(20));
+  REQUIRE(group.ok());
+  std::vector<Outcome> outcomes(static_cast<size_t>(world));
+  std::vector<Status> status(static_cast<size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      const auto i = static_cast<size_t>(r);
+      status[i] = TrainRank(
+          model, schedule, (*group)[i].get(), resume, first_step, steps,
+          [r](uint64_t t, uint64_t e) { return RankGrad(r, t, e); }, grad_type, /*reuse=*/true,
+          &outcomes[i]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < world; ++r) {
+    CAPTURE(r);
+    REQUIRE_MESSAGE(status[static_cast<size_t>(r)].ok(), status[static_cast<size_t>(r)].ToString());
+  }
+  return outcomes;
+}
+
+Outcome TrainReference(int world, const Model& model, const Schedule& schedule, uint64_t steps,
+                       ElementType grad_type) {
+  Outcome out;
+  Status st = TrainRank(
+      model, schedule, nullptr, false, 1, steps,
+      [world, grad_type](uint64_t t, uint64_t e) { return MeanGrad(world, t, e, grad_type); },
+      ElementType::kFloat32, /*reuse=*/false, &out);
+  REQUIRE_MESSAGE(st.ok(), st.ToString());
+  return out;
+}
+
+void CheckSameAsReference(const Model& model, const std::vector<Outcome>& ranks,
+                          const Outcome& want) {
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    CAPTURE(r);
+    for (size_t i = 0; i < model.params.size(); ++i) {
+      CAPTURE(model.params[i].name);
+      CHECK(ranks[r].fetched[i] == want.fetched[i]);
+      CHECK(std::memcmp(ranks[r].master[i].data(), want.master[i].data(),
+                        want.master[i].size() * 4) == 0);
+    }
+  }
+}
+
+uint64_t Partition(const Model& model, int world) {
+  uint64_t n = 0;
+  for (const Model::P& p : model.params) n += ShardElements(p.numel, world);
+  return n;
+}
+
+TEST_CASE(
+    "ZeRO-3 on threads: every rank ends with the parameters of one rank fed the mean "
+    "gradient") {
+  const Model model(4);
+  constexpr uint64_t kSteps = 3;
+  struct Combo {
+    Tier params, optimizer;
+  };
+  for (int world : {2, 4}) {
+    for (Combo c : {Combo{Tier::kGpu, Tier::kCpu}, Combo{Tier::kCpu, Tier::kCpu},
+                    Combo{Tier::kNvme, Tier::kCpu}, Combo{Tier::kCpu, Tier::kNvme},
+                    Combo{Tier::kNvme, Tier::kNvme}}) {
+      CAPTURE(world);
+      CAPTURE(TierName(c.params));
+      CAPTURE(TierName(c.optimizer));
+      TempDir dir("engine-zero3-");
+      // Every rank is given the same nvme.path: the engine keeps each rank's stores apart.
+      const Schedule s =
+          MakeSchedule(c.params, c.optimizer, ElementType::kFloat32, dir.PathOf("ranks"));
+      const std::vector<Outcome> ranks =
+          TrainRanks(world, model, s, false, 1, kSteps, ElementType::kFloat32);
+      const Schedule single =
+          MakeSchedule(c.params, c.optimizer, ElementType::kFloat32, dir.PathOf("single"));
+      const Outcome want = TrainReference(world, model, single, kSteps, ElementType::kFloat32);
+      CheckSameAsReference(model, ranks, want);
+      // The fp32 working copy is the master weights.
+      for (size_t i = 0; i < model.params.size(); ++i) {
+        CHECK(std::memcmp(ranks[0].fetched[i].data(), ranks[0].master[i].data(),
+                          ranks[0].master[i].size() * 4) == 0);
+      }
+      const uint64_t partition = Partition(model, world);
+      const auto w = static_cast<uint64_t>(world);
+      CHECK(partition * w >= model.total);
+      CHECK(partition * w < model.total + w * model.params.size());
+      for (int r = 0; r < world; ++r) {
+        CAPTURE(r);
+        const EngineStats& st = ranks[static_cast<size_t>(r)].stats;
+        CHECK(st.rank == r);
+        CHECK(st.world_size == world);
+        CHECK(st.elements == model.total);
+        CHECK(st.partition_elements == partition);
+        CHECK(st.d2h_bytes == kSteps * 4 * partition);
+        CHECK(st.reduce_scatter_bytes == kSteps * 4 * w * partition);
+        CHECK(st.param.allgather_bytes > 0);
+        if (c.params == Tier::kNvme) {
+          // Start and every step write this rank's partition, no more.
+          CHECK(st.param.nvme_write_bytes == (kSteps + 1) * 4 * partition);
+        }
+        if (c.optimizer == Tier::kNvme) {
+          // About 1/world_size of what one rank holding everything writes.
+          CHECK(st.optimizer_write_bytes * w * 10 < want.stats.optimizer_write_bytes * 13);
+          CHECK(st.optimizer_write_bytes * w * 10 > want.stats.optimizer_write_bytes * 7);
+        }
+      }
+      CHECK(want.stats.world_size == 1);
+      CHECK(want.stats.partition_elements == model.total);
+    }
+  }
+}
+
+TEST_CASE("ZeRO-3 on threads: bf16 parameters and gradients gather and reduce in 16 bits") {
+  const Model model(3);
+  TempDir dir("engine-zero3-");
+  const Schedule s =
+      MakeSchedule(Tier::kCpu, Tier::kCpu, ElementType::kBFloat16, dir.PathOf("nvme"));
+  const std::vector<Outcome> ranks = TrainRanks(2, model, s, false, 1, 2, ElementType::kBFloat16);
+  const Outcome want = TrainReference(2, model, s, 2, ElementType::kBFloat16);
+  CheckSameAsReference(model, ranks, want);
+  // The fetched bf16 copy is the rounded master weights.
+  for (size_t i = 0; i < model.params.size(); ++i) {
+    size_t wrong = 0;
+    for (size_t k = 0; k < ranks[1].master[i].size(); ++k) {
+      uint16_t h;
+      std::memcpy(&h, ranks[1].fetched[i].data() + k * 2, 2);
+      wrong += h != FloatToBf16(ranks[1].master[i][k]);
+    }
+    CHECK(wrong == 0);
+  }
+}
+
+TEST_CASE("ZeRO-3 on threads: a partitioned NVMe run resumes on every rank") {
+  const Model model(3);
+  TempDir dir("engine-zero3-");
+  const Schedule s =
+      MakeSchedule(Tier::kNvme, Tier::kNvme, ElementType::kFloat32, dir.PathOf("nvme"));
+  (void)TrainRanks(4, model, s, false, 1, 2, ElementType::kFloat32);
+  const std::vector<Outcome> ranks = TrainRanks(4, model, s, true, 3, 1, ElementType::kFloat32);
+  for (const Outcome& o : ranks) CHECK(o.stats.epoch == 3);
+  const Outcome want = TrainReference(
+      4, model, MakeSchedule(Tier::kNvme, Tier::kNvme, ElementType::kFloat32, dir.PathOf("single")),
+      3, ElementType::kFloat32);
+  CheckSameAsReference(model, ranks, want);
+}
+
+TEST_CASE("ZeRO-3 on threads: ranks that fetch different modules get an error, not a hang") {
+  const Model model(2);
+  TempDir dir("engine-zero3-");
+  auto group = CreateThreadGroupCollectives(2, nullptr, std::chrono::seconds(20));
+  REQUIRE(group.ok());
+  std::vector<Status> fetched(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto runtime = gpu::CreateHostOnlyRuntime();
+      EngineOptions options;
+      options.schedule = MakeSchedule(Tier::kCpu, Tier::kCpu, ElementType::kFloat32, "");
+      options.runtime = runtime.get();
+      options.collective = (*group)[static_cast<size_t>(r)].get();
+      auto engine = Engine::Create(options);
+      if (!engine.ok()) {
+        fetched[static_cast<size_t>(r)] = engine.status();
+        return;
+      }
+      for (const Model::P& p : model.params) {
+        ParamSpec spec{p.name,
+                       p.module,
+                       {static_cast<int64_t>(p.numel)},
+                       [](uint64_t, std::span<float> out) {
+                         std::fill(out.begin(), out.end(), 0.5f);
+                         return Status::Ok();
+                       },
+                       {}};
+        if (!(*engine)->AddParameter(spec).ok()) return;
+      }
+      Status st = (*engine)->Start();
+      // The ranks disagree: rank 0 fetches m0, rank 1 m1, whose weights differ in size.
+      if (st.ok()) st = (*engine)->Fetch(r == 0 ? "m0" : "m1");
+      fetched[static_cast<size_t>(r)] = st;
+      (void)(*engine)->Close();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const Status& st : fetched) {
+    CHECK(st.code() == StatusCode::kInvalidArgument);
+    CHECK(st.message().find("same calls") != std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace memplan::offload
