@@ -1,0 +1,500 @@
+// The C API (memplan.h) over the C++ library: estimate / plan through integration::requests, the
+// offload Engine through a handle that owns it (and, for "runtime": "host" or "cuda", its runtime).
+//
+// Every exported function runs its body inside Guard(), which turns a non-OK Status into a
+// memplan_status plus this thread's last-error message, and catches every C++ exception so that
+// none crosses into C (std::bad_alloc -> MEMPLAN_RESOURCE_EXHAUSTED, anything else ->
+// MEMPLAN_INTERNAL). The library is built with hidden visibility (and links the static libraries
+// with --exclude-libs); MEMPLAN_C_EXPORT marks the memplan_* functions, the only memplan symbols it
+// exports (the c_api_symbols test checks).
+//
+// Note [Deferred registration]: the Engine takes a parameter's tied uses (ParamSpec::also_used_by)
+// with the parameter itself, but the C API adds them one call later (memplan_engine_add_use). So
+// the handle keeps the specs and gives them to Engine::AddParameter in memplan_engine_start, in
+// registration order; the Engine numbers parameters in that order, and the handle checks it got
+// the ids it handed out. memplan_engine_register checks what AddParameter would (name, module,
+// shape, duplicates) so that mistakes are reported by the call that made them.
+//
+// Thread safety: as memplan.h says. The last error is thread-local; one handle is driven by one
+// thread at a time, so the handle has no lock.
+#include "memplan.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <new>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/json.h"
+#include "common/status.h"
+#include "integration/engine_json.h"
+#include "integration/requests.h"
+#include "offload/engine.h"
+#include "offload/gpu_runtime.h"
+#include "offload/schedule.h"
+
+#define MEMPLAN_C_EXPORT extern "C" __attribute__((visibility("default")))
+
+#ifndef MEMPLAN_VERSION
+#define MEMPLAN_VERSION "unknown"
+#endif
+
+using memplan::Result;
+using memplan::Status;
+using memplan::StatusCode;
+
+namespace {
+
+// The dimensions a parameter may have; more is a mistake (a garbage ndim), not a tensor.
+constexpr int32_t kMaxDims = 64;
+
+// This thread's last error. `fallback` is used when the message itself cannot be allocated.
+thread_local std::string last_error;
+thread_local const char* last_error_fallback = nullptr;
+
+void SetLastError(const char* function, const std::string& message) noexcept {
+  try {
+    last_error.assign(function);
+    last_error.append(": ");
+    last_error.append(message);
+    last_error_fallback = nullptr;
+  } catch (...) {
+    last_error_fallback = "out of memory while recording an error message";
+  }
+}
+
+memplan_status ToC(StatusCode code) {
+  switch (code) {
+    case StatusCode::kOk: return MEMPLAN_OK;
+    case StatusCode::kInvalidArgument: return MEMPLAN_INVALID_ARGUMENT;
+    case StatusCode::kNotFound: return MEMPLAN_NOT_FOUND;
+    case StatusCode::kIoError: return MEMPLAN_IO_ERROR;
+    case StatusCode::kOutOfRange: return MEMPLAN_OUT_OF_RANGE;
+    case StatusCode::kFailedPrecondition: return MEMPLAN_FAILED_PRECONDITION;
+    case StatusCode::kResourceExhausted: return MEMPLAN_RESOURCE_EXHAUSTED;
+    case StatusCode::kUnimplemented: return MEMPLAN_UNIMPLEMENTED;
+    case StatusCode::kDataLoss: return MEMPLAN_DATA_LOSS;
+    case StatusCode::kUnavailable: return MEMPLAN_UNAVAILABLE;
+    case StatusCode::kInternal: return MEMPLAN_INTERNAL;
+  }
+  return MEMPLAN_INTERNAL;
+}
+
+// Runs `body` (returning Status) as the C function `function`: the status code, the message
+// recorded on failure, and no exception escaping.
+template <typename Body>
+memplan_status Guard(const char* function, Body&& body) noexcept {
+  try {
+    Status status = body();
+    if (status.ok()) return MEMPLAN_OK;
+    SetLastError(function, status.message());
+    return ToC(status.code());
+  } catch (const std::bad_alloc&) {
+    SetLastError(function, "out of memory");
+    return MEMPLAN_RESOURCE_EXHAUSTED;
+  } catch (const std::exception& e) {
+    SetLastError(function, std::string("internal error: ") + e.what());
+    return MEMPLAN_INTERNAL;
+  } catch (...) {
+    SetLastError(function, "internal error: unknown exception");
+    return MEMPLAN_INTERNAL;
+  }
+}
+
+Status NullArgument(const char* name) {
+  return Status::InvalidArgument(std::string(name) + " is NULL");
+}
+
+// Copies `text` into memory the caller frees with memplan_string_free (free()).
+Status GiveString(const std::string& text, char** out) {
+  char* copy = static_cast<char*>(std::malloc(text.size() + 1));
+  if (copy == nullptr) {
+    return Status::ResourceExhausted("out of memory for a " + std::to_string(text.size()) +
+                                     "-byte answer");
+  }
+  std::memcpy(copy, text.data(), text.size() + 1);
+  *out = copy;
+  return Status::Ok();
+}
+
+// Dumps a JSON answer as the CLI prints it (two-space indent); invalid UTF-8 in a string is
+// replaced rather than thrown about.
+std::string Dump(const nlohmann::json& json) {
+  return json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+Status JsonRequest(const char* text, const char* what,
+                   Result<nlohmann::json> (*answer)(const nlohmann::json&), char** out) {
+  MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json request, memplan::ParseJson(text, what));
+  MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json result, answer(request));
+  return GiveString(Dump(result), out);
+}
+
+}  // namespace
+
+// The handle behind memplan_engine*. Members are destroyed in reverse order: the engine before the
+// runtime it uses.
+struct memplan_engine {
+  struct Param {
+    memplan::offload::ParamSpec spec;
+    uint64_t numel = 0;
+    const float* init = nullptr;  // the caller's, read during start; null: zeros
+  };
+
+  std::unique_ptr<memplan::gpu::Runtime> runtime;  // null: the engine chose (and owns) one
+  std::unique_ptr<memplan::offload::Engine> engine;
+  memplan::offload::SwapOptimizer optimizer = memplan::offload::SwapOptimizer::kAdam;
+  std::vector<Param> params;  // in registration order = ParamId (Note [Deferred registration])
+  size_t params_added = 0;    // how many of `params` the Engine has (a failed start may retry)
+  bool started = false;
+
+  Status CheckParam(uint32_t id) const {
+    if (id >= params.size()) {
+      return Status::InvalidArgument("unknown parameter id " + std::to_string(id) + " (" +
+                                     std::to_string(params.size()) + " registered)");
+    }
+    return Status::Ok();
+  }
+  Status CheckNotStarted() const {
+    if (started) return Status::FailedPrecondition("the engine has already started");
+    return Status::Ok();
+  }
+};
+
+namespace {
+
+using memplan::offload::ElementType;
+
+Result<ElementType> ToElementType(memplan_dtype dtype) {
+  switch (dtype) {
+    case MEMPLAN_FLOAT32: return ElementType::kFloat32;
+    case MEMPLAN_BFLOAT16: return ElementType::kBFloat16;
+    case MEMPLAN_FLOAT16: return ElementType::kFloat16;
+  }
+  return Status::InvalidArgument("dtype " + std::to_string(static_cast<int>(dtype)) +
+                                 " is not a memplan_dtype");
+}
+
+Status Open(const char* schedule_json, const char* options_json, memplan_engine** out) {
+  namespace offload = memplan::offload;
+  MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json schedule_doc,
+                           memplan::ParseJson(schedule_json, "schedule"));
+  MEMPLAN_ASSIGN_OR_RETURN(offload::Schedule schedule,
+                           offload::ScheduleFromJson(schedule_doc, "schedule"));
+  nlohmann::json options_doc;  // null: defaults
+  if (options_json != nullptr) {
+    MEMPLAN_ASSIGN_OR_RETURN(options_doc, memplan::ParseJson(options_json, "engine options"));
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(memplan::integration::EngineOpenOptions open,
+                           memplan::integration::EngineOpenOptionsFromJson(options_doc));
+
+  auto handle = std::make_unique<memplan_engine>();
+  if (open.runtime == "host") {
+    handle->runtime = memplan::gpu::CreateHostOnlyRuntime();
+  } else if (open.runtime == "cuda") {
+    MEMPLAN_ASSIGN_OR_RETURN(handle->runtime, memplan::gpu::CreateCudaRuntime(0));
+  }
+  offload::EngineOptions options;
+  options.schedule = schedule;
+  options.runtime = handle->runtime.get();
+  options.resume = open.resume;
+  MEMPLAN_ASSIGN_OR_RETURN(handle->engine, offload::Engine::Create(options));
+  handle->optimizer = schedule.optimizer;
+  *out = handle.release();
+  return Status::Ok();
+}
+
+Status Register(memplan_engine* e, const char* name, const char* module, const int64_t* shape,
+                int32_t ndim, const float* init, uint32_t* param_id) {
+  MEMPLAN_RETURN_IF_ERROR(e->CheckNotStarted());
+  if (*name == '\0') return Status::InvalidArgument("name is empty");
+  if (*module == '\0') {
+    return Status::InvalidArgument("module of " + std::string(name) + " is empty");
+  }
+  if (ndim < 0 || ndim > kMaxDims) {
+    return Status::InvalidArgument("parameter " + std::string(name) + ": ndim " +
+                                   std::to_string(ndim) + " is not in [0, " +
+                                   std::to_string(kMaxDims) + "]");
+  }
+  if (ndim > 0 && shape == nullptr) return NullArgument("shape");
+  memplan_engine::Param p;
+  p.spec.name = name;
+  p.spec.module = module;
+  p.numel = 1;
+  for (int32_t i = 0; i < ndim; ++i) {
+    const int64_t d = shape[i];
+    if (d <= 0) {
+      return Status::InvalidArgument("parameter " + p.spec.name + ": dimension " +
+                                     std::to_string(i) + " is " + std::to_string(d));
+    }
+    // The Engine's own limit (2^40 elements), checked here so that numel never overflows.
+    if (p.numel > (uint64_t{1} << 40) / static_cast<uint64_t>(d)) {
+      return Status::InvalidArgument("parameter " + p.spec.name + " is implausibly large");
+    }
+    p.numel *= static_cast<uint64_t>(d);
+    p.spec.shape.push_back(d);
+  }
+  for (const memplan_engine::Param& other : e->params) {
+    if (other.spec.name == p.spec.name) {
+      return Status::InvalidArgument("parameter " + p.spec.name + " registered twice");
+    }
+  }
+  if (e->params.size() >= std::numeric_limits<uint32_t>::max()) {
+    return Status::OutOfRange("too many parameters");
+  }
+  p.init = init;
+  e->params.push_back(std::move(p));
+  *param_id = static_cast<uint32_t>(e->params.size() - 1);
+  return Status::Ok();
+}
+
+Status Start(memplan_engine* e) {
+  MEMPLAN_RETURN_IF_ERROR(e->CheckNotStarted());
+  for (; e->params_added < e->params.size(); ++e->params_added) {
+    memplan_engine::Param& p = e->params[e->params_added];
+    const float* init = p.init;
+    const uint64_t numel = p.numel;
+    p.spec.init = [init, numel](uint64_t first, std::span<float> out) -> Status {
+      if (first > numel || out.size() > numel - first) {
+        return Status::Internal("init range [" + std::to_string(first) + ", +" +
+                                std::to_string(out.size()) + ") outside the parameter");
+      }
+      if (init == nullptr) {
+        std::fill(out.begin(), out.end(), 0.0f);
+      } else {
+        std::memcpy(out.data(), init + first, out.size() * sizeof(float));
+      }
+      return Status::Ok();
+    };
+    MEMPLAN_ASSIGN_OR_RETURN(memplan::offload::ParamId id, e->engine->AddParameter(p.spec));
+    if (id != e->params_added) {
+      return Status::Internal("the engine numbered parameter " + p.spec.name + " " +
+                              std::to_string(id) + ", expected " +
+                              std::to_string(e->params_added));
+    }
+  }
+  MEMPLAN_RETURN_IF_ERROR(e->engine->Start());
+  e->started = true;
+  return Status::Ok();
+}
+
+}  // namespace
+
+// ---- Library ------------------------------------------------------------------------------------
+
+MEMPLAN_C_EXPORT uint32_t memplan_abi_version(void) { return MEMPLAN_ABI_VERSION; }
+
+MEMPLAN_C_EXPORT const char* memplan_version(void) { return MEMPLAN_VERSION; }
+
+MEMPLAN_C_EXPORT const char* memplan_status_name(memplan_status status) {
+  switch (status) {
+    case MEMPLAN_OK: return "OK";
+    case MEMPLAN_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case MEMPLAN_NOT_FOUND: return "NOT_FOUND";
+    case MEMPLAN_IO_ERROR: return "IO_ERROR";
+    case MEMPLAN_OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case MEMPLAN_FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case MEMPLAN_RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case MEMPLAN_UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case MEMPLAN_DATA_LOSS: return "DATA_LOSS";
+    case MEMPLAN_UNAVAILABLE: return "UNAVAILABLE";
+    case MEMPLAN_INTERNAL: return "INTERNAL";
+  }
+  return "UNKNOWN";
+}
+
+MEMPLAN_C_EXPORT const char* memplan_last_error(void) {
+  return last_error_fallback != nullptr ? last_error_fallback : last_error.c_str();
+}
+
+MEMPLAN_C_EXPORT void memplan_string_free(char* text) { std::free(text); }
+
+// ---- Estimate and plan --------------------------------------------------------------------------
+
+MEMPLAN_C_EXPORT memplan_status memplan_estimate_json(const char* request_json,
+                                                      char** answer_json) {
+  return Guard(__func__, [&]() -> Status {
+    if (answer_json == nullptr) return NullArgument("answer_json");
+    *answer_json = nullptr;
+    if (request_json == nullptr) return NullArgument("request_json");
+    return JsonRequest(request_json, "estimate request", memplan::integration::Estimate,
+                       answer_json);
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_estimate_path(const char* model, int64_t gpus_per_node,
+                                                      int64_t nodes, char** answer_json) {
+  return Guard(__func__, [&]() -> Status {
+    if (answer_json == nullptr) return NullArgument("answer_json");
+    *answer_json = nullptr;
+    if (model == nullptr) return NullArgument("model");
+    const nlohmann::json request = {{"model", model}, {"gpus", gpus_per_node}, {"nodes", nodes}};
+    MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json answer, memplan::integration::Estimate(request));
+    return GiveString(Dump(answer), answer_json);
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_plan_json(const char* request_json, char** answer_json) {
+  return Guard(__func__, [&]() -> Status {
+    if (answer_json == nullptr) return NullArgument("answer_json");
+    *answer_json = nullptr;
+    if (request_json == nullptr) return NullArgument("request_json");
+    return JsonRequest(request_json, "plan request", memplan::integration::Plan, answer_json);
+  });
+}
+
+// ---- Offload engine -----------------------------------------------------------------------------
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_open(const char* schedule_json,
+                                                    const char* options_json,
+                                                    memplan_engine** engine) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    *engine = nullptr;
+    if (schedule_json == nullptr) return NullArgument("schedule_json");
+    return Open(schedule_json, options_json, engine);
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_register(memplan_engine* engine, const char* name,
+                                                        const char* module, const int64_t* shape,
+                                                        int32_t ndim, const float* init,
+                                                        uint32_t* param_id) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (name == nullptr) return NullArgument("name");
+    if (module == nullptr) return NullArgument("module");
+    if (param_id == nullptr) return NullArgument("param_id");
+    return Register(engine, name, module, shape, ndim, init, param_id);
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_add_use(memplan_engine* engine, uint32_t param_id,
+                                                       const char* module) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (module == nullptr) return NullArgument("module");
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckNotStarted());
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckParam(param_id));
+    if (*module == '\0') return Status::InvalidArgument("module is empty");
+    engine->params[param_id].spec.also_used_by.emplace_back(module);
+    return Status::Ok();
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_start(memplan_engine* engine) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    return Start(engine);
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_fetch(memplan_engine* engine, const char* module) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (module == nullptr) return NullArgument("module");
+    return engine->engine->Fetch(module);
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_release(memplan_engine* engine,
+                                                       const char* module) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (module == nullptr) return NullArgument("module");
+    return engine->engine->Release(module);
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_device_pointer(memplan_engine* engine,
+                                                              uint32_t param_id, void** pointer) {
+  return Guard(__func__, [&]() -> Status {
+    if (pointer == nullptr) return NullArgument("pointer");
+    *pointer = nullptr;
+    if (engine == nullptr) return NullArgument("engine");
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckParam(param_id));
+    MEMPLAN_ASSIGN_OR_RETURN(*pointer, engine->engine->DevicePointer(param_id));
+    return Status::Ok();
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_numel(memplan_engine* engine, uint32_t param_id,
+                                                     uint64_t* numel) {
+  return Guard(__func__, [&]() -> Status {
+    if (numel == nullptr) return NullArgument("numel");
+    *numel = 0;
+    if (engine == nullptr) return NullArgument("engine");
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckParam(param_id));
+    *numel = engine->params[param_id].numel;
+    return Status::Ok();
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_grad_ready(memplan_engine* engine,
+                                                          uint32_t param_id, const void* grad,
+                                                          memplan_dtype dtype) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (grad == nullptr) return NullArgument("grad");
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckParam(param_id));
+    MEMPLAN_ASSIGN_OR_RETURN(ElementType type, ToElementType(dtype));
+    return engine->engine->GradReady(param_id, grad, type);
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_step(memplan_engine* engine,
+                                                    const char* options_json) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    nlohmann::json doc = nlohmann::json::object();
+    if (options_json != nullptr) {
+      MEMPLAN_ASSIGN_OR_RETURN(doc, memplan::ParseJson(options_json, "step options"));
+    }
+    MEMPLAN_ASSIGN_OR_RETURN(memplan::offload::SwapStepOptions options,
+                             memplan::integration::StepOptionsFromJson(doc, engine->optimizer));
+    return engine->engine->Step(options);
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_read_master(memplan_engine* engine,
+                                                           uint32_t param_id, float* out,
+                                                           uint64_t count) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (out == nullptr) return NullArgument("out");
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckParam(param_id));
+    const memplan_engine::Param& p = engine->params[param_id];
+    if (count != p.numel) {
+      return Status::InvalidArgument("count " + std::to_string(count) + ": parameter " +
+                                     p.spec.name + " has " + std::to_string(p.numel) +
+                                     " elements");
+    }
+    return engine->engine->ReadMasterWeights(param_id, std::span<float>(out, count));
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_stats_json(memplan_engine* engine,
+                                                          char** stats_json) {
+  return Guard(__func__, [&]() -> Status {
+    if (stats_json == nullptr) return NullArgument("stats_json");
+    *stats_json = nullptr;
+    if (engine == nullptr) return NullArgument("engine");
+    return GiveString(Dump(memplan::integration::ToJson(engine->engine->stats())), stats_json);
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_close(memplan_engine* engine) {
+  if (engine == nullptr) return MEMPLAN_OK;
+  std::unique_ptr<memplan_engine> owned(engine);  // freed on every path out
+  return Guard(__func__, [&]() -> Status {
+    Status status = owned->engine->Close();
+    owned.reset();  // the engine's threads stop here; its destructor's errors are not reported
+    return status;
+  });
+}

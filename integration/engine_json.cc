@@ -1,0 +1,158 @@
+#include "integration/engine_json.h"
+
+#include <set>
+#include <string>
+
+namespace memplan::integration {
+namespace {
+
+using nlohmann::json;
+
+Status CheckKeys(const json& j, const std::set<std::string>& allowed, const std::string& what) {
+  if (!j.is_object()) return Status::InvalidArgument(what + ": expected a JSON object");
+  for (const auto& [key, value] : j.items()) {
+    if (!allowed.contains(key)) {
+      std::string names;
+      for (const std::string& a : allowed) names += (names.empty() ? "" : ", ") + a;
+      return Status::InvalidArgument(what + ": unknown key \"" + key + "\" (known: " + names +
+                                     ")");
+    }
+  }
+  return Status::Ok();
+}
+
+Status Number(const json& j, const char* key, double* out, const std::string& what) {
+  if (!j.contains(key)) return Status::Ok();
+  if (!j.at(key).is_number()) {
+    return Status::InvalidArgument(what + ": \"" + key + "\" must be a number");
+  }
+  *out = j.at(key).get<double>();
+  return Status::Ok();
+}
+
+Status Flag(const json& j, const char* key, bool* out, const std::string& what) {
+  if (!j.contains(key)) return Status::Ok();
+  if (!j.at(key).is_boolean()) {
+    return Status::InvalidArgument(what + ": \"" + key + "\" must be true or false");
+  }
+  *out = j.at(key).get<bool>();
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<offload::SwapStepOptions> StepOptionsFromJson(const json& j,
+                                                     offload::SwapOptimizer optimizer) {
+  const std::string what =
+      "step options (" + std::string(offload::SwapOptimizerName(optimizer)) + ")";
+  switch (optimizer) {
+    case offload::SwapOptimizer::kAdam:
+    case offload::SwapOptimizer::kAdamAmsgrad: {
+      MEMPLAN_RETURN_IF_ERROR(CheckKeys(j,
+                                        {"lr", "beta1", "beta2", "eps", "weight_decay",
+                                         "decoupled", "bias_correction", "grad_scale"},
+                                        what));
+      offload::AdamOptions o;
+      o.amsgrad = optimizer == offload::SwapOptimizer::kAdamAmsgrad;
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "lr", &o.lr, what));
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "beta1", &o.beta1, what));
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "beta2", &o.beta2, what));
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "eps", &o.eps, what));
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "weight_decay", &o.weight_decay, what));
+      MEMPLAN_RETURN_IF_ERROR(Flag(j, "decoupled", &o.decoupled, what));
+      MEMPLAN_RETURN_IF_ERROR(Flag(j, "bias_correction", &o.bias_correction, what));
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "grad_scale", &o.grad_scale, what));
+      MEMPLAN_RETURN_IF_ERROR(o.Validate());
+      return offload::SwapStepOptions(o);
+    }
+    case offload::SwapOptimizer::kSgd: {
+      MEMPLAN_RETURN_IF_ERROR(CheckKeys(
+          j, {"lr", "momentum", "dampening", "weight_decay", "nesterov", "grad_scale"}, what));
+      offload::SgdOptions o;
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "lr", &o.lr, what));
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "momentum", &o.momentum, what));
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "dampening", &o.dampening, what));
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "weight_decay", &o.weight_decay, what));
+      MEMPLAN_RETURN_IF_ERROR(Flag(j, "nesterov", &o.nesterov, what));
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "grad_scale", &o.grad_scale, what));
+      MEMPLAN_RETURN_IF_ERROR(o.Validate());
+      return offload::SwapStepOptions(o);
+    }
+    case offload::SwapOptimizer::kLion: {
+      MEMPLAN_RETURN_IF_ERROR(
+          CheckKeys(j, {"lr", "beta1", "beta2", "weight_decay", "grad_scale"}, what));
+      offload::LionOptions o;
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "lr", &o.lr, what));
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "beta1", &o.beta1, what));
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "beta2", &o.beta2, what));
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "weight_decay", &o.weight_decay, what));
+      MEMPLAN_RETURN_IF_ERROR(Number(j, "grad_scale", &o.grad_scale, what));
+      MEMPLAN_RETURN_IF_ERROR(o.Validate());
+      return offload::SwapStepOptions(o);
+    }
+  }
+  return Status::Internal("step options: unknown optimizer");
+}
+
+json ToJson(const offload::EngineStats& s) {
+  const offload::ParamSwapperStats& p = s.param;
+  return json{
+      {"runtime", s.runtime},
+      {"steps", s.steps},
+      {"epoch", s.epoch},
+      {"params", s.params},
+      {"elements", s.elements},
+      {"rank", s.rank},
+      {"world_size", s.world_size},
+      {"partition_elements", s.partition_elements},
+      {"param",
+       {{"fetch_calls", p.fetch_calls},
+        {"demand_fetches", p.demand_fetches},
+        {"prefetches", p.prefetches},
+        {"prefetch_hits", p.prefetch_hits},
+        {"prefetch_wasted", p.prefetch_wasted},
+        {"kept_for_reuse", p.kept_for_reuse},
+        {"trace_invalidations", p.trace_invalidations},
+        {"trace_length", p.trace_length},
+        {"trace_complete", p.trace_complete},
+        {"stall_s", p.stall_s},
+        {"nvme_read_bytes", p.nvme_read_bytes},
+        {"nvme_write_bytes", p.nvme_write_bytes},
+        {"h2d_bytes", p.h2d_bytes},
+        {"allgather_bytes", p.allgather_bytes},
+        {"live_bytes", p.live_bytes},
+        {"peak_live_bytes", p.peak_live_bytes},
+        {"ahead_bytes", p.ahead_bytes},
+        {"peak_ahead_bytes", p.peak_ahead_bytes},
+        {"over_budget_fetches", p.over_budget_fetches},
+        {"resident_bytes", p.resident_bytes},
+        {"pinned_bytes", p.pinned_bytes}}},
+      {"d2h_bytes", s.d2h_bytes},
+      {"reduce_scatter_bytes", s.reduce_scatter_bytes},
+      {"optimizer_read_bytes", s.optimizer_read_bytes},
+      {"optimizer_write_bytes", s.optimizer_write_bytes},
+      {"last_step_s", s.last_step_s},
+      {"peak_device_bytes", s.peak_device_bytes},
+      {"pinned_bytes", s.pinned_bytes},
+  };
+}
+
+Result<EngineOpenOptions> EngineOpenOptionsFromJson(const json& j) {
+  EngineOpenOptions o;
+  if (j.is_null()) return o;
+  MEMPLAN_RETURN_IF_ERROR(CheckKeys(j, {"runtime", "resume"}, "engine options"));
+  if (j.contains("runtime")) {
+    if (!j.at("runtime").is_string()) {
+      return Status::InvalidArgument("engine options: \"runtime\" must be a string");
+    }
+    o.runtime = j.at("runtime").get<std::string>();
+    if (o.runtime != "auto" && o.runtime != "host" && o.runtime != "cuda") {
+      return Status::InvalidArgument("engine options: \"runtime\" must be \"auto\", \"host\" or "
+                                     "\"cuda\", not \"" + o.runtime + "\"");
+    }
+  }
+  MEMPLAN_RETURN_IF_ERROR(Flag(j, "resume", &o.resume, "engine options"));
+  return o;
+}
+
+}  // namespace memplan::integration

@@ -1,0 +1,33 @@
+// integration::engine_json: the offload Engine's knobs and statistics as JSON, so that the C API
+// and the Python package drive it with the same documents.
+//
+//   Step options (by the Schedule's optimizer; absent keys keep the C++ defaults, unknown keys are
+//   errors naming the key):
+//     adam / adam-amsgrad: {"lr", "beta1", "beta2", "eps", "weight_decay", "decoupled",
+//                           "bias_correction", "grad_scale"}   (amsgrad follows the Schedule)
+//     sgd:                 {"lr", "momentum", "dampening", "weight_decay", "nesterov", "grad_scale"}
+//     lion:                {"lr", "beta1", "beta2", "weight_decay", "grad_scale"}
+//   Open options: {"runtime": "auto" | "host" | "cuda", "resume": false}
+//   Statistics: every EngineStats field by its C++ name, "param" holding ParamSwapperStats'.
+//
+// Thread safety: plain functions.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include "common/status.h"
+#include "offload/engine.h"
+
+namespace memplan::integration {
+
+Result<offload::SwapStepOptions> StepOptionsFromJson(const nlohmann::json& json,
+                                                     offload::SwapOptimizer optimizer);
+nlohmann::json ToJson(const offload::EngineStats& stats);
+
+struct EngineOpenOptions {
+  std::string runtime = "auto";  // "auto": CUDA when usable, else host; "host"; "cuda"
+  bool resume = false;
+};
+Result<EngineOpenOptions> EngineOpenOptionsFromJson(const nlohmann::json& json);
+
+}  // namespace memplan::integration

@@ -1,0 +1,115 @@
+/* memplan.h: memplan's C API, for C and C++ trainers and for other languages' FFIs.
+ *
+ * Everything a script gets from the CLI's --format json, as functions: estimate and plan take a
+ * JSON request and give back the same JSON document the CLI prints (integration/requests.h
+ * documents the request keys). The offload engine (offload/engine.h) is a handle with
+ * open / register / start / fetch / release / grad-ready / step / stats / close.
+ *
+ * Conventions
+ *   - Every function returns memplan_status; MEMPLAN_OK (0) is success. After a failure,
+ *     memplan_last_error() gives the message (thread-local, valid until the thread's next call).
+ *   - Strings handed out (char** out parameters) are NUL-terminated UTF-8, allocated by memplan,
+ *     freed with memplan_string_free(). On failure *out is set to NULL.
+ *   - ABI: MEMPLAN_ABI_VERSION changes when a function's signature or meaning changes; functions
+ *     are only added within a version. Check memplan_abi_version() == MEMPLAN_ABI_VERSION at start.
+ *   - Thread safety: the stateless functions may be called from any thread. One engine handle is
+ *     driven by one thread at a time (it runs its own transfer and I/O threads).
+ */
+#ifndef MEMPLAN_MEMPLAN_H_
+#define MEMPLAN_MEMPLAN_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MEMPLAN_ABI_VERSION 1
+
+typedef enum memplan_status {
+  MEMPLAN_OK = 0,
+  MEMPLAN_INVALID_ARGUMENT = 1,   /* bad request, flag or file content */
+  MEMPLAN_NOT_FOUND = 2,          /* a file, model or key that does not exist */
+  MEMPLAN_IO_ERROR = 3,           /* the OS refused a read or write */
+  MEMPLAN_OUT_OF_RANGE = 4,       /* a number too large, an overflow */
+  MEMPLAN_FAILED_PRECONDITION = 5,/* not in a state to do this (e.g. fetch before start) */
+  MEMPLAN_RESOURCE_EXHAUSTED = 6, /* memory, disk, a budget */
+  MEMPLAN_UNIMPLEMENTED = 7,
+  MEMPLAN_DATA_LOSS = 8,          /* stored data corrupt or lost */
+  MEMPLAN_UNAVAILABLE = 9,        /* transient, or a component not built in (CUDA) */
+  MEMPLAN_INTERNAL = 10           /* a bug in memplan */
+} memplan_status;
+
+/* Element types of gradients given to memplan_engine_grad_ready. */
+typedef enum memplan_dtype {
+  MEMPLAN_FLOAT32 = 0,
+  MEMPLAN_BFLOAT16 = 1,
+  MEMPLAN_FLOAT16 = 2
+} memplan_dtype;
+
+uint32_t memplan_abi_version(void);
+const char* memplan_version(void);              /* "0.1.0"; static storage */
+const char* memplan_status_name(memplan_status status);  /* "INVALID_ARGUMENT"; static storage */
+/* The message of this thread's last failed call ("" when none). */
+const char* memplan_last_error(void);
+void memplan_string_free(char* text);
+
+/* ---- Estimate and plan ------------------------------------------------------------------------ */
+
+/* `request_json`: an estimate request (integration/requests.h); *answer_json: the document
+ * `memplan estimate --format json` prints. */
+memplan_status memplan_estimate_json(const char* request_json, char** answer_json);
+/* Shorthand: the model-state estimate of a config.json (or any --model spec: built-in name,
+ * shape list, safetensors) for `gpus_per_node` x `nodes` GPUs. */
+memplan_status memplan_estimate_path(const char* model, int64_t gpus_per_node, int64_t nodes,
+                                     char** answer_json);
+/* `request_json`: a plan request; *answer_json: `memplan plan --format json`'s document. */
+memplan_status memplan_plan_json(const char* request_json, char** answer_json);
+
+/* ---- Offload engine --------------------------------------------------------------------------- */
+
+typedef struct memplan_engine memplan_engine;
+
+/* Opens an engine for a Schedule (its JSON form, README "Schedule JSON"). `options_json` may be
+ * NULL or {"runtime": "auto" | "host" | "cuda", "resume": false}. */
+memplan_status memplan_engine_open(const char* schedule_json, const char* options_json,
+                                   memplan_engine** engine);
+/* Registers a parameter (before start): a unique `name`, the `module` whose fetch brings it,
+ * its shape, and its initial fp32 values (`init`, product(shape) floats; NULL: zeros). `init` is
+ * read during memplan_engine_start, so it must stay valid until then. */
+memplan_status memplan_engine_register(memplan_engine* engine, const char* name,
+                                       const char* module, const int64_t* shape, int32_t ndim,
+                                       const float* init, uint32_t* param_id);
+/* Another module that uses the same (tied) parameter; before start. */
+memplan_status memplan_engine_add_use(memplan_engine* engine, uint32_t param_id,
+                                      const char* module);
+/* Creates the stores and writes the initial values (or, with resume, recovers them). */
+memplan_status memplan_engine_start(memplan_engine* engine);
+memplan_status memplan_engine_fetch(memplan_engine* engine, const char* module);
+memplan_status memplan_engine_release(memplan_engine* engine, const char* module);
+/* The device address of a fetched parameter's working copy (the Schedule's params.dtype). */
+memplan_status memplan_engine_device_pointer(memplan_engine* engine, uint32_t param_id,
+                                             void** pointer);
+/* Number of elements of a registered parameter. */
+memplan_status memplan_engine_numel(memplan_engine* engine, uint32_t param_id, uint64_t* numel);
+/* The gradient of `param_id` for this step: numel elements of `dtype` in device memory, which must
+ * stay valid and unchanged until memplan_engine_step. */
+memplan_status memplan_engine_grad_ready(memplan_engine* engine, uint32_t param_id,
+                                         const void* grad, memplan_dtype dtype);
+/* One optimizer step; `options_json` (NULL: defaults) as integration/engine_json.h. */
+memplan_status memplan_engine_step(memplan_engine* engine, const char* options_json);
+/* Copies a parameter's fp32 master weights into `out` (`count` must be its numel). */
+memplan_status memplan_engine_read_master(memplan_engine* engine, uint32_t param_id, float* out,
+                                          uint64_t count);
+/* Statistics as JSON (integration/engine_json.h). */
+memplan_status memplan_engine_stats_json(memplan_engine* engine, char** stats_json);
+/* Commits and closes the engine and frees the handle (NULL is a no-op). The status is that of the
+ * commit; the handle is freed either way. */
+memplan_status memplan_engine_close(memplan_engine* engine);
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif
+
+#endif  /* MEMPLAN_MEMPLAN_H_ */
