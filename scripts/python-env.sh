@@ -5,7 +5,8 @@
 #   cmake -S . -B build -DMEMPLAN_PYTHON="$PY"
 #
 # Steps, each skipped when already done (so running it again is cheap and changes nothing):
-#   1. Debian packages python3-venv and python3-torch (1.13, CPU only, with python3-numpy), through
+#   1. Debian packages python3-venv, python3-torch (1.13, CPU only, with python3-numpy) and
+#      libopenblas0-pthread (the BLAS torch calls), through
 #      sudo when not root; `apt-get update` runs only when one of them is missing.
 #   2. A virtual environment at $MEMPLAN_VENV (default: <repo>/.venv) made with
 #      --system-site-packages, so it sees Debian's torch and numpy instead of downloading PyPI's.
@@ -19,7 +20,9 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${MEMPLAN_VENV:-$root/.venv}
 requirements=$root/tests/oracle/requirements.txt
 system_python=/usr/bin/python3   # Debian's; a pyenv or other python3 earlier on PATH has no torch
-packages=(python3-venv python3-torch)
+# libopenblas0-pthread: Debian's torch calls the system BLAS, which is otherwise the slow reference one
+# (2 GFLOP/s here instead of 15); installing OpenBLAS switches libblas.so.3 to it.
+packages=(python3-venv python3-torch libopenblas0-pthread)
 
 log() { printf 'python-env: %s\n' "$*" >&2; }
 fail() { log "error: $*"; exit 1; }
@@ -63,7 +66,7 @@ python=$venv/bin/python
 
 # ---- 3. pinned packages --------------------------------------------------------------------------
 stamp=$venv/.memplan-oracle-requirements
-check='import torch, transformers, tokenizers, safetensors, deepspeed
+check='import torch, transformers, tokenizers, safetensors, deepspeed, scikit_build_core
 print(f"torch {torch.__version__}, transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")'
 if [[ -f $stamp ]] && cmp -s "$requirements" "$stamp" && versions=$("$python" -c "$check" 2>/dev/null); then
   log "requirements already installed ($(basename "$requirements"))"

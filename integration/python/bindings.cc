@@ -1,0 +1,360 @@
+// memplan._native: the pybind11 extension under the `memplan` Python package.
+//
+// Deliberately thin: estimate and plan take and return JSON text (the package's __init__.py turns
+// dicts into JSON and back), so Python sees exactly the documents the CLI and the C API produce.
+// The Engine class wraps offload::Engine; tensors cross without copies: any object with the buffer
+// protocol (numpy arrays, bytearray, memoryview) or a torch tensor (read through data_ptr(), so
+// CUDA tensors work and the extension does not link libtorch).
+//
+// The GIL is released while the engine works (start, fetch, release, step), so the engine's own
+// threads and other Python threads run meanwhile.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/json.h"
+#include "integration/engine_json.h"
+#include "integration/requests.h"
+#include "offload/engine.h"
+#include "offload/gpu_runtime.h"
+#include "offload/schedule.h"
+
+namespace py = pybind11;
+
+namespace memplan::python {
+namespace {
+
+// Raises the Python exception that matches `status`.
+[[noreturn]] void Raise(const Status& status) {
+  const std::string message = status.message();
+  switch (status.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kOutOfRange:
+      throw py::value_error(message);
+    case StatusCode::kNotFound:
+      throw py::key_error(message);
+    case StatusCode::kIoError:
+    case StatusCode::kDataLoss:
+      PyErr_SetString(PyExc_OSError, message.c_str());
+      throw py::error_already_set();
+    case StatusCode::kResourceExhausted:
+      PyErr_SetString(PyExc_MemoryError, message.c_str());
+      throw py::error_already_set();
+    case StatusCode::kUnimplemented:
+      PyErr_SetString(PyExc_NotImplementedError, message.c_str());
+      throw py::error_already_set();
+    default:
+      throw std::runtime_error(message);
+  }
+}
+
+void Check(const Status& status) {
+  if (!status.ok()) Raise(status);
+}
+
+template <typename T>
+T Value(Result<T> result) {
+  if (!result.ok()) Raise(result.status());
+  return std::move(*result);
+}
+
+nlohmann::json ParseRequest(const std::string& text, const char* what) {
+  return Value(ParseJson(text, what));
+}
+
+// A contiguous block of memory from a Python object, without a copy.
+struct Memory {
+  const void* data = nullptr;
+  uint64_t bytes = 0;
+  std::string dtype;  // "fp32", "bf16", "fp16", or the format we could not map
+  bool device = false;  // memory of a CUDA tensor
+  py::object keep;    // keeps the owner alive (and a buffer_info's release)
+};
+
+Memory MemoryOf(const py::object& obj) {
+  Memory m;
+  if (py::hasattr(obj, "data_ptr") && py::hasattr(obj, "element_size")) {  // a torch tensor
+    if (!obj.attr("is_contiguous")().cast<bool>()) {
+      throw py::value_error("memplan: tensor is not contiguous; call .contiguous() first");
+    }
+    m.data = reinterpret_cast<const void*>(obj.attr("data_ptr")().cast<uintptr_t>());
+    m.bytes = obj.attr("numel")().cast<uint64_t>() * obj.attr("element_size")().cast<uint64_t>();
+    const std::string dtype = py::str(obj.attr("dtype"));
+    m.dtype = dtype == "torch.float32"    ? "fp32"
+              : dtype == "torch.bfloat16" ? "bf16"
+              : dtype == "torch.float16"  ? "fp16"
+                                          : dtype;
+    m.device = py::str(obj.attr("device").attr("type")).cast<std::string>() == "cuda";
+    m.keep = obj;
+    return m;
+  }
+  if (!PyObject_CheckBuffer(obj.ptr())) {
+    throw py::type_error("memplan: expected a torch tensor or a buffer-protocol object, not " +
+                         std::string(py::str(py::type::of(obj))));
+  }
+  py::buffer buffer = py::reinterpret_borrow<py::buffer>(obj);
+  py::buffer_info info = buffer.request();
+  // C-contiguous check: strides of a row-major array.
+  py::ssize_t expected = info.itemsize;
+  for (py::ssize_t d = info.ndim - 1; d >= 0; --d) {
+    if (info.shape[d] > 1 && info.strides[d] != expected) {
+      throw py::value_error("memplan: buffer is not C-contiguous");
+    }
+    expected *= info.shape[d];
+  }
+  m.data = info.ptr;
+  m.bytes = static_cast<uint64_t>(info.size * info.itemsize);
+  m.dtype = info.format == "f" ? "fp32" : info.format == "e" ? "fp16" : info.format;
+  m.keep = obj;
+  return m;
+}
+
+offload::ElementType ElementTypeOf(const Memory& m, const std::string& given) {
+  const std::string name = given.empty() ? m.dtype : given;
+  auto type = offload::ParseElementType(name);
+  if (!type.ok()) {
+    throw py::value_error("memplan: element type " + name +
+                          " is not one of fp32, bf16, fp16 (pass dtype=... for raw buffers)");
+  }
+  return *type;
+}
+
+class PyEngine {
+ public:
+  PyEngine(const std::string& schedule_json, const std::string& options_json) {
+    nlohmann::json schedule_doc = ParseRequest(schedule_json, "schedule");
+    schedule_ = Value(offload::ScheduleFromJson(schedule_doc, "schedule"));
+    integration::EngineOpenOptions open = Value(integration::EngineOpenOptionsFromJson(
+        options_json.empty() ? nlohmann::json() : ParseRequest(options_json, "engine options")));
+    offload::EngineOptions options;
+    options.schedule = schedule_;
+    options.resume = open.resume;
+    if (open.runtime == "host") {
+      runtime_ = gpu::CreateHostOnlyRuntime();
+    } else if (open.runtime == "cuda") {
+      runtime_ = Value(gpu::CreateCudaRuntime(0));
+    } else {
+      runtime_ = gpu::CreateBestRuntime();
+    }
+    options.runtime = runtime_.get();
+    engine_ = Value(offload::Engine::Create(options));
+  }
+
+  uint32_t AddParameter(const std::string& name, const std::string& module,
+                        const std::vector<int64_t>& shape, const py::object& init,
+                        const std::vector<std::string>& also_used_by) {
+    Require();
+    offload::ParamSpec spec;
+    spec.name = name;
+    spec.module = module;
+    spec.shape = shape;
+    spec.also_used_by = also_used_by;
+    uint64_t numel = 1;
+    for (int64_t d : shape) numel *= static_cast<uint64_t>(d > 0 ? d : 0);
+    if (init.is_none()) {
+      spec.init = [](uint64_t, std::span<float> out) {
+        std::fill(out.begin(), out.end(), 0.0f);
+        return Status::Ok();
+      };
+    } else {
+      Memory m = MemoryOf(init);
+      if (m.device) throw py::value_error("memplan: init values must be in host memory");
+      if (m.dtype != "fp32") {
+        throw py::value_error("memplan: init values of " + name + " must be float32, not " +
+                              m.dtype);
+      }
+      if (m.bytes != numel * 4) {
+        throw py::value_error("memplan: init values of " + name + " have " +
+                              std::to_string(m.bytes / 4) + " elements, the shape has " +
+                              std::to_string(numel));
+      }
+      const auto* values = static_cast<const float*>(m.data);
+      spec.init = [values](uint64_t first, std::span<float> out) {
+        std::memcpy(out.data(), values + first, out.size() * sizeof(float));
+        return Status::Ok();
+      };
+      keep_.push_back(m.keep);  // read during start()
+    }
+    const uint32_t id = Value(engine_->AddParameter(spec));
+    if (numels_.size() <= id) numels_.resize(id + 1);
+    numels_[id] = numel;
+    return id;
+  }
+
+  py::dict Start() {
+    Require();
+    offload::RecoveryReport report;
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = engine_->Start(&report);
+    }
+    keep_.clear();
+    Check(status);
+    py::dict out;
+    out["epoch"] = stats_epoch();
+    return out;
+  }
+
+  void Fetch(const std::string& module) {
+    Require();
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = engine_->Fetch(module);
+    }
+    Check(status);
+  }
+
+  void Release(const std::string& module) {
+    Require();
+    Check(engine_->Release(module));
+  }
+
+  uintptr_t DevicePointer(uint32_t param) {
+    Require();
+    return reinterpret_cast<uintptr_t>(Value(engine_->DevicePointer(param)));
+  }
+
+  // The working copy of a fetched parameter as a writable memoryview (host runtime only: the
+  // "device" memory is host memory there). Valid until the parameter's module is released.
+  py::memoryview HostView(uint32_t param, uint64_t numel) {
+    Require();
+    if (runtime_->Name() != "host-only") {
+      throw py::value_error("memplan: host_view() needs the host runtime; on " +
+                            std::string(runtime_->Name()) + " use device_pointer()");
+    }
+    void* p = Value(engine_->DevicePointer(param));
+    const auto bytes = static_cast<py::ssize_t>(
+        numel * static_cast<uint64_t>(offload::ElementBytes(schedule_.param_dtype)));
+    return py::memoryview::from_memory(p, bytes, /*readonly=*/false);
+  }
+
+  void GradReady(uint32_t param, const py::object& grad, const std::string& dtype) {
+    Require();
+    Memory m = MemoryOf(grad);
+    const offload::ElementType type = ElementTypeOf(m, dtype);
+    Check(engine_->GradReady(param, m.data, type));
+    grads_.push_back(m.keep);  // the engine copies asynchronously: keep it until step()
+  }
+
+  void Step(const std::string& options_json) {
+    Require();
+    nlohmann::json doc = options_json.empty() ? nlohmann::json::object()
+                                              : ParseRequest(options_json, "step options");
+    offload::SwapStepOptions options =
+        Value(integration::StepOptionsFromJson(doc, schedule_.optimizer));
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = engine_->Step(options);
+    }
+    grads_.clear();
+    Check(status);
+  }
+
+  void ReadMaster(uint32_t param, const py::object& out) {
+    Require();
+    Memory m = MemoryOf(out);
+    if (m.device || m.dtype != "fp32") {
+      throw py::value_error("memplan: read_master needs a float32 host buffer");
+    }
+    if (param < numels_.size() && m.bytes / 4 != numels_[param]) {
+      throw py::value_error("memplan: read_master: the buffer has " + std::to_string(m.bytes / 4) +
+                            " elements, the parameter " + std::to_string(numels_[param]));
+    }
+    Check(engine_->ReadMasterWeights(
+        param, std::span<float>(static_cast<float*>(const_cast<void*>(m.data)), m.bytes / 4)));
+  }
+
+  std::string StatsJson() const {
+    if (!engine_) throw py::value_error("memplan: engine is closed");
+    return integration::ToJson(engine_->stats()).dump();
+  }
+
+  std::string ParamDtype() const { return std::string(offload::ElementTypeName(schedule_.param_dtype)); }
+  std::string Runtime() const { return std::string(runtime_->Name()); }
+
+  void Close() {
+    if (!engine_) return;
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = engine_->Close();
+    }
+    engine_.reset();
+    grads_.clear();
+    keep_.clear();
+    Check(status);
+  }
+
+ private:
+  void Require() const {
+    if (!engine_) throw py::value_error("memplan: engine is closed");
+  }
+  uint64_t stats_epoch() const { return engine_->stats().epoch; }
+
+  offload::Schedule schedule_;
+  std::unique_ptr<gpu::Runtime> runtime_;
+  std::unique_ptr<offload::Engine> engine_;  // destroyed before runtime_
+  std::vector<uint64_t> numels_;   // by parameter id
+  std::vector<py::object> keep_;   // init buffers until start()
+  std::vector<py::object> grads_;  // gradients until step()
+};
+
+}  // namespace
+}  // namespace memplan::python
+
+PYBIND11_MODULE(_native, m) {
+  using memplan::python::PyEngine;
+  m.doc() = "memplan's native extension; use the memplan package instead";
+  m.attr("__version__") = MEMPLAN_VERSION;
+  m.def(
+      "estimate_json",
+      [](const std::string& request) {
+        nlohmann::json doc = memplan::python::ParseRequest(request, "estimate request");
+        memplan::Result<nlohmann::json> answer = memplan::Status::Internal("unset");
+        {
+          py::gil_scoped_release release;
+          answer = memplan::integration::Estimate(doc);
+        }
+        return memplan::python::Value(std::move(answer)).dump();
+      },
+      py::arg("request"), "Estimate request JSON -> `memplan estimate --format json` JSON");
+  m.def(
+      "plan_json",
+      [](const std::string& request) {
+        nlohmann::json doc = memplan::python::ParseRequest(request, "plan request");
+        memplan::Result<nlohmann::json> answer = memplan::Status::Internal("unset");
+        {
+          py::gil_scoped_release release;
+          answer = memplan::integration::Plan(doc);
+        }
+        return memplan::python::Value(std::move(answer)).dump();
+      },
+      py::arg("request"), "Plan request JSON -> `memplan plan --format json` JSON");
+
+  py::class_<PyEngine>(m, "Engine")
+      .def(py::init<const std::string&, const std::string&>(), py::arg("schedule_json"),
+           py::arg("options_json") = "")
+      .def("add_parameter", &PyEngine::AddParameter, py::arg("name"), py::arg("module"),
+           py::arg("shape"), py::arg("init") = py::none(),
+           py::arg("also_used_by") = std::vector<std::string>())
+      .def("start", &PyEngine::Start)
+      .def("fetch", &PyEngine::Fetch, py::arg("module"))
+      .def("release", &PyEngine::Release, py::arg("module"))
+      .def("device_pointer", &PyEngine::DevicePointer, py::arg("param"))
+      .def("host_view", &PyEngine::HostView, py::arg("param"), py::arg("numel"))
+      .def("grad_ready", &PyEngine::GradReady, py::arg("param"), py::arg("grad"),
+           py::arg("dtype") = "")
+      .def("step", &PyEngine::Step, py::arg("options_json") = "")
+      .def("read_master", &PyEngine::ReadMaster, py::arg("param"), py::arg("out"))
+      .def("stats_json", &PyEngine::StatsJson)
+      .def_property_readonly("param_dtype", &PyEngine::ParamDtype)
+      .def_property_readonly("runtime", &PyEngine::Runtime)
+      .def("close", &PyEngine::Close);
+}

@@ -1,0 +1,188 @@
+"""memplan: memory planning and NVMe offload for training large models.
+
+    import memplan
+    memplan.estimate("llama-2-7b", gpus=4)                     # = memplan estimate --format json
+    memplan.estimate("llama-2-7b", gpus=8, zero_stage=3, seq_len=4096, checkpointing="full")
+    memplan.plan("llama-2-70b", gpu="a100-80", gpus=8, cpu_mem="1TiB", global_batch=64)
+    memplan.estimate_module(torch_model, gpus=4)               # a live or meta-device nn.Module
+
+Every function returns the same JSON document (as a dict) that the CLI prints with
+``--format json``; bad input raises ValueError (KeyError for a model that is not found) with the
+CLI's message. The offload engine is ``memplan.Engine`` (low level) and ``memplan.torch``
+(a PyTorch adapter that keeps a module's parameters and optimizer in the engine).
+"""
+
+import json as _json
+
+from . import _native
+
+__version__ = _native.__version__
+__all__ = ["estimate", "plan", "estimate_module", "Engine", "schedule"]
+
+# Request keys of `estimate` that are not training-setup settings (integration/requests.h).
+_ESTIMATE_KEYS = ("model", "config", "shapes", "name", "model_class", "gpus", "nodes",
+                  "buffer_factor", "deepspeed")
+
+
+def _load_json_arg(value):
+    """A dict, or a path to a JSON file."""
+    if value is None or isinstance(value, dict):
+        return value
+    with open(value, "r", encoding="utf-8") as f:
+        return _json.load(f)
+
+
+def estimate(model=None, *, config=None, shapes=None, name=None, gpus=1, nodes=1,
+             buffer_factor=None, model_class=None, deepspeed=None, **setup):
+    """Memory needed to train a model: ``memplan estimate --format json`` as a dict.
+
+    model: a built-in name ("llama-2-7b"), a path (config.json, shape list, safetensors, a model
+    directory) or a Hugging Face repo id in the local cache. Or give ``config`` (a config.json
+    dict) or ``shapes`` (a tensor-shape list) instead. Training-setup keywords (precision,
+    optimizer, zero_stage, offload_optimizer, offload_param, checkpointing, micro_batch, seq_len,
+    grad_accum, lora_rank, ... as in the JSON "setup" object) add the itemised memory model;
+    ``deepspeed`` (a ds_config dict or path) applies a DeepSpeed config.
+    """
+    request = {"gpus": gpus, "nodes": nodes}
+    for key, value in (("model", model), ("config", _load_json_arg(config) if config else None),
+                       ("shapes", shapes), ("name", name), ("buffer_factor", buffer_factor),
+                       ("model_class", model_class), ("deepspeed", _load_json_arg(deepspeed))):
+        if value is not None:
+            request[key] = value
+    if setup:
+        request["setup"] = setup
+    return _json.loads(_native.estimate_json(_json.dumps(request)))
+
+
+def plan(model=None, *, config=None, **request):
+    """The fastest plan that fits: ``memplan plan --format json`` as a dict.
+
+    Keywords as the plan request (integration/requests.h): gpu="a100-80", gpus, nodes,
+    cpu_mem="1TiB", nvme_path, nvme_capacity, global_batch (or global_batch_tokens), seq_len,
+    precision, optimizer, lora_rank, top, and emit=["deepspeed", "accelerate", "fsdp",
+    "schedule"] to get the configurations of plans[plan_index] under "emitted".
+    """
+    if model is not None:
+        request["model"] = model
+    if config is not None:
+        request["config"] = _load_json_arg(config)
+    return _json.loads(_native.plan_json(_json.dumps(request)))
+
+
+def _shape_list(module):
+    """The parameters of a torch module as a shape list; a shared Parameter is listed once and
+    its other names are recorded as ties (no weights are read: meta tensors work)."""
+    tensors = []
+    first_name = {}
+    for module_name, sub in module.named_modules(remove_duplicate=False):
+        for param_name, p in sub._parameters.items():
+            if p is None:
+                continue
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            entry = {"name": full, "shape": [int(d) for d in p.shape] or [1],
+                     "dtype": str(p.dtype)}
+            key = id(p)
+            if key in first_name:
+                if first_name[key] == full:
+                    continue  # the same module reached twice
+                if any(t["name"] == full for t in tensors):
+                    continue
+                entry["tied_to"] = first_name[key]
+            else:
+                first_name[key] = full
+            tensors.append(entry)
+    if not tensors:
+        raise ValueError("memplan.estimate_module: the module has no parameters")
+    return {"tensors": tensors}
+
+
+def estimate_module(module, *, gpus=1, nodes=1, name=None, buffer_factor=None):
+    """``memplan estimate`` for a live or meta-device torch.nn.Module.
+
+    Shared parameters count once (as DeepSpeed counts them); no weights are touched. Returns the
+    same document as ``estimate`` (model states: DeepSpeed's ZeRO-2 and ZeRO-3 tables).
+    """
+    return estimate(shapes=_shape_list(module), name=name or type(module).__name__, gpus=gpus,
+                    nodes=nodes, buffer_factor=buffer_factor)
+
+
+def schedule(*, path=None, param_tier="nvme", optimizer_tier="nvme", dtype="fp32",
+             optimizer="adam", persistence_threshold=0, prefetch_bytes=64 << 20,
+             max_live_bytes=256 << 20, param_buffer_bytes=16 << 20, param_buffer_count=2,
+             sub_group_elements=1 << 20, optimizer_buffer_count=3, threads=0,
+             pinned_budget_bytes=0, direct=True, backend="auto"):
+    """A Schedule document (README "Schedule JSON") for the offload engine."""
+    doc = {
+        "version": 1,
+        "params": {"tier": param_tier, "dtype": dtype,
+                   "persistence_threshold": persistence_threshold,
+                   "prefetch_bytes": prefetch_bytes, "max_live_bytes": max_live_bytes,
+                   "buffer_bytes": param_buffer_bytes, "buffer_count": param_buffer_count},
+        "optimizer": {"tier": optimizer_tier, "name": optimizer,
+                      "sub_group_elements": sub_group_elements,
+                      "buffer_count": optimizer_buffer_count, "threads": threads},
+        "pinned_budget_bytes": pinned_budget_bytes,
+    }
+    if path is not None:
+        doc["nvme"] = {"path": str(path), "backend": backend, "direct": direct}
+    return doc
+
+
+class Engine:
+    """The offload engine (offload/engine.h) over a Schedule dict: register parameters, start,
+    then per step fetch / release modules, hand gradients over, and step.
+
+    Tensors (torch, CPU or CUDA) and buffer-protocol objects are passed without copies.
+    """
+
+    def __init__(self, schedule, *, runtime="auto", resume=False):
+        self._native = _native.Engine(_json.dumps(schedule),
+                                      _json.dumps({"runtime": runtime, "resume": resume}))
+
+    def add_parameter(self, name, module, shape, init=None, also_used_by=()):
+        return self._native.add_parameter(name, module, [int(d) for d in shape], init,
+                                          list(also_used_by))
+
+    def start(self):
+        return self._native.start()
+
+    def fetch(self, module):
+        self._native.fetch(module)
+
+    def release(self, module):
+        self._native.release(module)
+
+    def device_pointer(self, param):
+        return self._native.device_pointer(param)
+
+    def host_view(self, param, numel):
+        return self._native.host_view(param, numel)
+
+    def grad_ready(self, param, grad, dtype=""):
+        self._native.grad_ready(param, grad, dtype)
+
+    def step(self, **options):
+        self._native.step(_json.dumps(options))
+
+    def read_master(self, param, out):
+        self._native.read_master(param, out)
+
+    def stats(self):
+        return _json.loads(self._native.stats_json())
+
+    @property
+    def param_dtype(self):
+        return self._native.param_dtype
+
+    @property
+    def runtime(self):
+        return self._native.runtime
+
+    def close(self):
+        self._native.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,431 @@
+"""memplan.torch: train a torch.nn.Module with its parameters and optimizer in memplan's engine.
+
+    import memplan.torch
+    model = GPT(...)
+    trainer = memplan.torch.offload(model, path="/mnt/nvme/run1", lr=3e-4, weight_decay=0.1)
+    for batch in data:
+        loss = model(batch)          # parameters fetched per module, released after
+        loss.backward()              # gradients handed to the engine as they are produced
+        trainer.step()               # memplan's CPU AdamW over the (NVMe-resident) states
+
+How it works (the ZeRO-3 pattern, on memplan's Engine):
+  - Every module that owns parameters directly is one engine "module" (a fetch unit). Its
+    parameters are registered with their initial values, then their storage is dropped: the engine
+    holds them (GPU, pinned CPU or NVMe, as the schedule says) and ``param.data`` is empty between
+    uses.
+  - A forward pre-hook fetches the unit and points each ``param.data`` at the engine's working
+    copy (no copy: a view of the engine's memory); a forward hook releases it and wraps the
+    outputs in an identity autograd function whose backward fetches the unit again before the
+    unit's own backward runs.
+  - A hook on each parameter's gradient accumulator hands the gradient to the engine as soon as
+    it is complete; once all of a unit's gradients are in, the unit is released. Anything still
+    fetched is released when the backward pass ends.
+  - ``step()`` runs the engine's optimizer step (AdamW by default, matching torch.optim.AdamW).
+
+Rules (as with DeepSpeed ZeRO-3): a module must use its parameters in its own forward, directly
+in operations that save the parameter itself for backward (nn.Embedding, nn.LayerNorm, conv do;
+F.linear is replaced, while an engine holds parameters, by a version that does, see _Linear). A
+parameter sliced, transposed or reshaped into a view that autograd saves (nn.MultiheadAttention's
+packed in_proj_weight, ``x @ self.w.t()``) would be read from memory the engine has since reused:
+not supported. Parameters
+that get no gradient in a step are stepped with a zero gradient.
+
+Works on CPU-only PyTorch (1.13 and later; the engine's host runtime, where "device" memory is
+host memory) and on CUDA (the engine's CUDA runtime; tensors made through
+__cuda_array_interface__).
+"""
+
+import json
+import math
+
+import torch
+
+import memplan
+
+__all__ = ["offload", "OffloadedModule"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_TYPESTR = {"fp32": "<f4", "bf16": "<i2", "fp16": "<f2"}  # bf16 is viewed back from int16
+
+
+class _CudaArray:
+    """Just enough of __cuda_array_interface__ for torch.as_tensor to wrap engine memory."""
+
+    def __init__(self, pointer, numel, dtype):
+        self.__cuda_array_interface__ = {
+            "shape": (numel,), "typestr": _TYPESTR[dtype], "data": (pointer, False),
+            "version": 2, "strides": None}
+
+
+class _Unit:
+    """One fetch unit: a module with parameters of its own."""
+
+    __slots__ = ("name", "module", "params", "fetched", "pending", "backward_fetches")
+
+    def __init__(self, name, module):
+        self.name = name
+        self.module = module
+        self.params = []          # _Param
+        self.fetched = 0          # engine fetches not yet released
+        self.pending = 0          # gradients still to come in this backward
+        self.backward_fetches = 0
+
+
+class _Param:
+    __slots__ = ("id", "name", "param", "shape", "numel", "units", "views", "accumulator")
+
+    def __init__(self, pid, name, param):
+        self.id = pid
+        self.name = name
+        self.param = param
+        self.shape = tuple(param.shape)
+        self.numel = max(1, param.numel())
+        self.units = []           # _Unit using it
+        self.views = 0            # units that fetched it (param.data points at the engine)
+        self.accumulator = None   # its AccumulateGrad node, kept alive for the hook
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a unit's outputs; its backward fetches the unit before the unit's backward."""
+
+    @staticmethod
+    def forward(ctx, owner, unit, *tensors):
+        ctx.owner = owner
+        ctx.unit = unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.owner._fetch_for_backward(ctx.unit)
+        return (None, None) + grads
+
+
+class _Linear(torch.autograd.Function):
+    """F.linear for engine-held weights that saves the Parameter itself for backward.
+
+    torch's own linear saves ``weight.t()``, a view made in forward: it would keep pointing at the
+    engine memory the weight had then, which the engine may have reused by the time backward runs.
+    The Parameter, saved as itself, points at wherever the backward fetch put it (DeepSpeed ZeRO-3
+    wraps linear for the same reason).
+    """
+
+    @staticmethod
+    def forward(ctx, input, weight, bias):
+        ctx.save_for_backward(input, weight, bias)
+        return _original_linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, weight, bias = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad.matmul(weight)
+        flat = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_weight = flat.t().matmul(input.reshape(-1, input.shape[-1]))
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_bias = flat.sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+_original_linear = torch.nn.functional.linear
+_managed_weights = set()  # id() of the Parameters that live in an engine
+
+
+def _linear(input, weight, bias=None):
+    if id(weight) in _managed_weights and torch.is_grad_enabled() and weight.requires_grad:
+        return _Linear.apply(input, weight, bias)
+    return _original_linear(input, weight, bias)
+
+
+def _manage(params):
+    _managed_weights.update(id(p) for p in params)
+    torch.nn.functional.linear = _linear
+
+
+def _unmanage(params):
+    _managed_weights.difference_update(id(p) for p in params)
+    if not _managed_weights:
+        torch.nn.functional.linear = _original_linear
+
+
+class OffloadedModule:
+    """A torch module whose parameters and optimizer live in memplan's engine.
+
+    Create it with ``memplan.torch.offload(module, ...)``. The module is modified in place (hooks,
+    parameter storage); ``close()`` removes the hooks and gives the parameters their trained values
+    back as ordinary tensors.
+    """
+
+    def __init__(self, module, schedule, *, runtime="auto", optimizer_options=None,
+                 gradient_accumulation_steps=1, device=None):
+        if gradient_accumulation_steps < 1:
+            raise ValueError("gradient_accumulation_steps must be >= 1")
+        self.module = module
+        self.schedule = schedule
+        self.optimizer_options = dict(optimizer_options or {})
+        self.accumulation = int(gradient_accumulation_steps)
+        self.engine = memplan.Engine(schedule, runtime=runtime)
+        self.dtype_name = self.engine.param_dtype
+        self.dtype = _DTYPES[self.dtype_name]
+        self.on_cuda = self.engine.runtime.startswith("cuda")
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cuda", torch.cuda.current_device()) if self.on_cuda
+            else torch.device("cpu"))
+        self.units = []
+        self.params = []
+        self._by_param = {}
+        self._hooks = []
+        self._micro = 0             # backward passes since the last step
+        self._callback_queued = False
+        self._grad_sums = {}        # param id -> summed gradient (accumulation)
+        self._grads_given = set()
+        self._closed = False
+        self._register()
+
+    # ---- set-up ----------------------------------------------------------------------------------
+
+    def _register(self):
+        # First every unit and which units use each parameter (a tied parameter is registered
+        # once, with the other units as further users), then the engine.
+        for module_name, sub in self.module.named_modules():
+            own = [(n, p) for n, p in sub._parameters.items() if p is not None]
+            if not own:
+                continue
+            unit = _Unit(module_name or "<root>", sub)
+            for param_name, p in own:
+                full = f"{module_name}.{param_name}" if module_name else param_name
+                if not p.requires_grad:
+                    raise ValueError(f"memplan.torch: parameter {full} is frozen "
+                                     "(requires_grad=False); the engine trains every parameter "
+                                     "it holds, so keep frozen parameters out of the module")
+                entry = self._by_param.get(id(p))
+                if entry is None:
+                    entry = _Param(None, full, p)
+                    self._by_param[id(p)] = entry
+                    self.params.append(entry)
+                unit.params.append(entry)
+                entry.units.append(unit)
+            self.units.append(unit)
+        if not self.params:
+            raise ValueError("memplan.torch: the module has no parameters")
+        for entry in self.params:
+            init = entry.param.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+            entry.id = self.engine.add_parameter(
+                entry.name, entry.units[0].name, list(entry.shape) or [1], init,
+                [u.name for u in entry.units[1:]])
+        self.engine.start()  # reads the initial values
+        _manage(e.param for e in self.params)
+        for entry in self.params:
+            # The gradient accumulator of a leaf: its hooks run once per backward pass, after the
+            # gradient is complete (every use summed). Made while the parameter still has its
+            # shape, which the accumulator records and checks gradients against; kept alive so
+            # that every backward pass uses this one.
+            accumulator = entry.param.expand_as(entry.param).grad_fn.next_functions[0][0]
+            accumulator.register_hook(self._make_grad_hook(entry))
+            entry.accumulator = accumulator
+        for entry in self.params:
+            entry.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            entry.param.grad = None
+        for unit in self.units:
+            self._hooks.append(unit.module.register_forward_pre_hook(self._make_pre_hook(unit)))
+            self._hooks.append(unit.module.register_forward_hook(self._make_post_hook(unit)))
+    # ---- fetch and release -----------------------------------------------------------------------
+
+    def _view(self, entry):
+        if self.on_cuda:
+            pointer = self.engine.device_pointer(entry.id)
+            t = torch.as_tensor(_CudaArray(pointer, entry.numel, self.dtype_name),
+                                device=self.device)
+            if self.dtype_name == "bf16":
+                t = t.view(torch.bfloat16)
+        else:
+            t = torch.frombuffer(self.engine.host_view(entry.id, entry.numel), dtype=self.dtype)
+        return t.view(entry.shape) if entry.shape else t.view(())
+
+    def _fetch(self, unit):
+        self.engine.fetch(unit.name)
+        unit.fetched += 1
+        for entry in unit.params:
+            if entry.views == 0:
+                entry.param.data = self._view(entry)
+            entry.views += 1
+
+    def _release(self, unit):
+        self.engine.release(unit.name)
+        unit.fetched -= 1
+        for entry in unit.params:
+            entry.views -= 1
+            if entry.views == 0:
+                entry.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def _make_pre_hook(self, unit):
+        def pre_hook(module, inputs):
+            self._fetch(unit)
+        return pre_hook
+
+    def _make_post_hook(self, unit):
+        def post_hook(module, inputs, output):
+            wants_grad = torch.is_grad_enabled() and any(e.param.requires_grad for e in unit.params)
+            if wants_grad:
+                output, wrapped = self._wrap_outputs(unit, output)
+                if not wrapped:
+                    # No tensor to hang the backward fetch on: keep the unit fetched until its
+                    # gradients are in (or the backward pass ends).
+                    unit.backward_fetches += 1
+                    return output
+            self._release(unit)
+            return output
+        return post_hook
+
+    def _wrap_outputs(self, unit, output):
+        if isinstance(output, torch.Tensor):
+            if not output.requires_grad:
+                return output, False
+            return _PreBackward.apply(self, unit, output)[0], True
+        if isinstance(output, (tuple, list)):
+            positions = [i for i, t in enumerate(output)
+                         if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not positions:
+                return output, False
+            wrapped = _PreBackward.apply(self, unit, *[output[i] for i in positions])
+            items = list(output)
+            for i, t in zip(positions, wrapped):
+                items[i] = t
+            return (type(output)(items) if isinstance(output, tuple) else items), True
+        return output, False
+
+    def _fetch_for_backward(self, unit):
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        self._fetch(unit)
+        unit.backward_fetches += 1
+        if unit.pending == 0:
+            unit.pending = sum(1 for e in unit.params if e.param.requires_grad)
+
+    def _make_grad_hook(self, entry):
+        def grad_hook(*unused):
+            grad = entry.param.grad
+            entry.param.grad = None
+            if grad is not None:
+                self._gradient(entry, grad)
+            for unit in entry.units:
+                if unit.backward_fetches > 0 and unit.pending > 0:
+                    unit.pending -= 1
+                    if unit.pending == 0:
+                        self._release_backward(unit)
+        return grad_hook
+
+    def _release_backward(self, unit):
+        while unit.backward_fetches > 0:
+            unit.backward_fetches -= 1
+            self._release(unit)
+
+    def _end_of_backward(self):
+        self._callback_queued = False
+        for unit in self.units:
+            unit.pending = 0
+            self._release_backward(unit)
+        self._micro += 1
+
+    # ---- gradients and the step ------------------------------------------------------------------
+
+    def _gradient(self, entry, grad):
+        grad = grad.detach()
+        if grad.dtype != self.dtype:
+            grad = grad.to(self.dtype)
+        last = self._micro + 1 >= self.accumulation
+        summed = self._grad_sums.pop(entry.id, None)
+        if summed is not None:
+            grad = summed.add_(grad)
+        if not last:
+            self._grad_sums[entry.id] = grad.clone() if summed is None else grad
+            return
+        if entry.id in self._grads_given:
+            raise RuntimeError(f"memplan: gradient of {entry.name} produced twice in one step "
+                               "(call step() after each backward, or set "
+                               "gradient_accumulation_steps)")
+        self.engine.grad_ready(entry.id, grad.contiguous().reshape(-1))
+        self._grads_given.add(entry.id)
+
+    def step(self, **options):
+        """One optimizer step with the schedule's optimizer; keywords override the options given
+        at creation for this and later steps (lr for a schedule, grad_scale for loss scaling)."""
+        if self._micro < self.accumulation:
+            raise RuntimeError(f"memplan: step() after {self._micro} backward passes; "
+                               f"gradient_accumulation_steps is {self.accumulation}")
+        self.optimizer_options.update(options)
+        for entry in self.params:
+            if entry.id not in self._grads_given:
+                summed = self._grad_sums.pop(entry.id, None)
+                zero = summed if summed is not None else torch.zeros(
+                    entry.numel, dtype=self.dtype, device=self.device)
+                self.engine.grad_ready(entry.id, zero.contiguous().reshape(-1))
+        self.engine.step(**self.optimizer_options)
+        self._grads_given.clear()
+        self._grad_sums.clear()
+        self._micro = 0
+
+    def zero_grad(self, set_to_none=True):
+        """Gradients never stay on the parameters: nothing to do (for optimizer-like use)."""
+
+    # ---- inspection ------------------------------------------------------------------------------
+
+    def stats(self):
+        return self.engine.stats()
+
+    def master_weights(self):
+        """{name: fp32 CPU tensor} of the engine's master weights (a checkpoint's content)."""
+        out = {}
+        for entry in self.params:
+            t = torch.empty(entry.numel, dtype=torch.float32)
+            self.engine.read_master(entry.id, t)
+            out[entry.name] = t.view(entry.shape) if entry.shape else t.view(())
+        return out
+
+    def close(self):
+        """Removes the hooks, gives the parameters their trained values (fp32 master weights, in
+        the parameters' original device) and closes the engine."""
+        if self._closed:
+            return
+        weights = self.master_weights()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        _unmanage(e.param for e in self.params)
+        for entry in self.params:
+            entry.param.data = weights[entry.name].to(self.device)
+            entry.accumulator = None
+        self.engine.close()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
+            betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, optimizer="adamw", runtime="auto",
+            dtype="fp32", gradient_accumulation_steps=1, schedule=None, **schedule_options):
+    """Puts `module`'s parameters and its optimizer into memplan's engine.
+
+    path: a directory the engine may create and own (parameters and optimizer states go to NVMe
+    there); without it both stay in host memory (param_tier "cpu", optimizer_tier "cpu").
+    optimizer: "adamw" (decoupled weight decay, as torch.optim.AdamW) or "adam" (L2 decay, as
+    torch.optim.Adam). Other keywords go to memplan.schedule (pinned_budget_bytes,
+    sub_group_elements, prefetch_bytes, max_live_bytes, direct, ...); or pass a whole `schedule`.
+    """
+    if optimizer not in ("adamw", "adam"):
+        raise ValueError(f"optimizer must be 'adamw' or 'adam', not {optimizer!r}")
+    if schedule is None:
+        tier = "nvme" if path is not None else "cpu"
+        schedule = memplan.schedule(path=path, param_tier=param_tier or tier,
+                                    optimizer_tier=optimizer_tier or tier, dtype=dtype,
+                                    optimizer="adam", **schedule_options)
+    options = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps,
+               "weight_decay": weight_decay, "decoupled": optimizer == "adamw"}
+    return OffloadedModule(module, schedule, runtime=runtime, optimizer_options=options,
+                           gradient_accumulation_steps=gradient_accumulation_steps)
