@@ -10,14 +10,20 @@ cd "$(dirname "$0")/.."
 
 python=$(bash scripts/python-env.sh)
 jobs=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMEMPLAN_WERROR=ON \
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
+  -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" -DMEMPLAN_WERROR=ON \
   -DMEMPLAN_PYTHON="$python" >/dev/null
 cmake --build build -j"$jobs"
-(cd build && ctest --output-on-failure -j"$jobs" --timeout 600)
+# The wheel test (`pip install .`, tests/python/wheel_test.sh) compiles the libraries a second
+# time, so it runs only when asked: MEMPLAN_TEST_WHEEL=1 bash scripts/test.sh.
+skip_wheel=(-LE wheel)
+[[ ${MEMPLAN_TEST_WHEEL:-0} == 1 ]] && skip_wheel=()
+(cd build && ctest --output-on-failure -j"$jobs" --timeout 600 "${skip_wheel[@]}")
 
 # The nvme backends, IoEngine and SwapStore, and the CPU optimizer's thread pool, are used from
 # many threads at once.
-cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DMEMPLAN_SANITIZE=thread -DMEMPLAN_WERROR=ON \
+cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
+  -DCMAKE_C_FLAGS_DEBUG="-O1 -g1" -DMEMPLAN_SANITIZE=thread -DMEMPLAN_WERROR=ON \
   >/dev/null
 cmake --build build-tsan -j"$jobs" --target nvme_test offload_test
 (cd build-tsan && TSAN_OPTIONS="halt_on_error=1" ctest --output-on-failure -R '^(nvme|offload)_test$')

@@ -1,6 +1,5 @@
 """The PyTorch adapter (memplan.torch): training through the engine, with parameters and AdamW
 states on NVMe, matches torch.optim.AdamW step for step."""
-import copy
 import json
 import os
 import sys

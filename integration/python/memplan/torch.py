@@ -35,9 +35,6 @@ host memory) and on CUDA (the engine's CUDA runtime; tensors made through
 __cuda_array_interface__).
 """
 
-import json
-import math
-
 import torch
 
 import memplan
@@ -346,7 +343,11 @@ class OffloadedModule:
             raise RuntimeError(f"memplan: gradient of {entry.name} produced twice in one step "
                                "(call step() after each backward, or set "
                                "gradient_accumulation_steps)")
-        self.engine.grad_ready(entry.id, grad.contiguous().reshape(-1))
+        grad = grad.contiguous().reshape(-1)
+        if self.on_cuda:
+            # The engine copies on its own stream: the gradient must be complete on torch's.
+            torch.cuda.current_stream().synchronize()
+        self.engine.grad_ready(entry.id, grad)
         self._grads_given.add(entry.id)
 
     def step(self, **options):
@@ -356,12 +357,19 @@ class OffloadedModule:
             raise RuntimeError(f"memplan: step() after {self._micro} backward passes; "
                                f"gradient_accumulation_steps is {self.accumulation}")
         self.optimizer_options.update(options)
+        # Parameters without a gradient this step (unused): their summed micro-batch gradients,
+        # or zeros.
+        missing = []
         for entry in self.params:
             if entry.id not in self._grads_given:
-                summed = self._grad_sums.pop(entry.id, None)
-                zero = summed if summed is not None else torch.zeros(
-                    entry.numel, dtype=self.dtype, device=self.device)
-                self.engine.grad_ready(entry.id, zero.contiguous().reshape(-1))
+                grad = self._grad_sums.pop(entry.id, None)
+                if grad is None:
+                    grad = torch.zeros(entry.numel, dtype=self.dtype, device=self.device)
+                missing.append((entry, grad.contiguous().reshape(-1)))
+        if missing and self.on_cuda:
+            torch.cuda.current_stream().synchronize()
+        for entry, grad in missing:
+            self.engine.grad_ready(entry.id, grad)
         self.engine.step(**self.optimizer_options)
         self._grads_given.clear()
         self._grad_sums.clear()
