@@ -171,14 +171,24 @@ namespace {
 
 using memplan::offload::ElementType;
 
-Result<ElementType> ToElementType(memplan_dtype dtype) {
+// A C enum argument as the int the C caller passed. C may pass any int; in C++ loading an enum
+// object that holds a value outside the enum's range is undefined, so the bits are copied out.
+template <typename Enum>
+int EnumValue(const Enum& value) {
+  static_assert(sizeof(Enum) == sizeof(int));
+  int raw = 0;
+  std::memcpy(&raw, &value, sizeof raw);
+  return raw;
+}
+
+Result<ElementType> ToElementType(int dtype) {
   switch (dtype) {
     case MEMPLAN_FLOAT32: return ElementType::kFloat32;
     case MEMPLAN_BFLOAT16: return ElementType::kBFloat16;
     case MEMPLAN_FLOAT16: return ElementType::kFloat16;
+    default: break;
   }
-  return Status::InvalidArgument("dtype " + std::to_string(static_cast<int>(dtype)) +
-                                 " is not a memplan_dtype");
+  return Status::InvalidArgument("dtype " + std::to_string(dtype) + " is not a memplan_dtype");
 }
 
 Status Open(const char* schedule_json, const char* options_json, memplan_engine** out) {
@@ -293,7 +303,7 @@ MEMPLAN_C_EXPORT uint32_t memplan_abi_version(void) { return MEMPLAN_ABI_VERSION
 MEMPLAN_C_EXPORT const char* memplan_version(void) { return MEMPLAN_VERSION; }
 
 MEMPLAN_C_EXPORT const char* memplan_status_name(memplan_status status) {
-  switch (status) {
+  switch (EnumValue(status)) {
     case MEMPLAN_OK: return "OK";
     case MEMPLAN_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
     case MEMPLAN_NOT_FOUND: return "NOT_FOUND";
@@ -439,11 +449,12 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_numel(memplan_engine* engine, uin
 MEMPLAN_C_EXPORT memplan_status memplan_engine_grad_ready(memplan_engine* engine,
                                                           uint32_t param_id, const void* grad,
                                                           memplan_dtype dtype) {
+  const int raw_dtype = EnumValue(dtype);
   return Guard(__func__, [&]() -> Status {
     if (engine == nullptr) return NullArgument("engine");
     if (grad == nullptr) return NullArgument("grad");
     MEMPLAN_RETURN_IF_ERROR(engine->CheckParam(param_id));
-    MEMPLAN_ASSIGN_OR_RETURN(ElementType type, ToElementType(dtype));
+    MEMPLAN_ASSIGN_OR_RETURN(ElementType type, ToElementType(raw_dtype));
     return engine->engine->GradReady(param_id, grad, type);
   });
 }
