@@ -66,6 +66,19 @@ nlohmann::json ParseRequest(const std::string& text, const char* what) {
   return Value(ParseJson(text, what));
 }
 
+// A request's JSON text through `answer` (integration/requests.h), with the GIL released while it
+// works; its JSON text back.
+std::string Answer(const std::string& request, const char* what,
+                   Result<nlohmann::json> (*answer)(const nlohmann::json&)) {
+  nlohmann::json doc = ParseRequest(request, what);
+  Result<nlohmann::json> result = Status::Internal("unset");
+  {
+    py::gil_scoped_release release;
+    result = answer(doc);
+  }
+  return Value(std::move(result)).dump();
+}
+
 // A contiguous block of memory from a Python object, without a copy.
 struct Memory {
   const void* data = nullptr;
@@ -316,25 +329,13 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "estimate_json",
       [](const std::string& request) {
-        nlohmann::json doc = memplan::python::ParseRequest(request, "estimate request");
-        memplan::Result<nlohmann::json> answer = memplan::Status::Internal("unset");
-        {
-          py::gil_scoped_release release;
-          answer = memplan::integration::Estimate(doc);
-        }
-        return memplan::python::Value(std::move(answer)).dump();
+        return memplan::python::Answer(request, "estimate request", memplan::integration::Estimate);
       },
       py::arg("request"), "Estimate request JSON -> `memplan estimate --format json` JSON");
   m.def(
       "plan_json",
       [](const std::string& request) {
-        nlohmann::json doc = memplan::python::ParseRequest(request, "plan request");
-        memplan::Result<nlohmann::json> answer = memplan::Status::Internal("unset");
-        {
-          py::gil_scoped_release release;
-          answer = memplan::integration::Plan(doc);
-        }
-        return memplan::python::Value(std::move(answer)).dump();
+        return memplan::python::Answer(request, "plan request", memplan::integration::Plan);
       },
       py::arg("request"), "Plan request JSON -> `memplan plan --format json` JSON");
 
