@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# Makes the Python environment the oracle test (tests/oracle/) runs in, and prints its python.
+# Makes one of the two Python environments the tests run in, and prints its python.
 #
-#   PY=$(scripts/python-env.sh)          # progress goes to stderr, only the path to stdout
-#   cmake -S . -B build -DMEMPLAN_PYTHON="$PY"
+#   PY=$(scripts/python-env.sh)            # progress goes to stderr, only the path to stdout
+#   MODERN=$(scripts/python-env.sh --modern)
+#   cmake -S . -B build -DMEMPLAN_PYTHON="$PY" -DMEMPLAN_MODERN_PYTHON="$MODERN"
 #
-# Steps, each skipped when already done (so running it again is cheap and changes nothing):
+# The default environment ($MEMPLAN_VENV, default <repo>/.venv) is small: Debian's torch 1.13 with
+# the Transformers 4.47 and DeepSpeed 0.16.9 that still run on it (tests/oracle/requirements.txt).
+# The modern one (--modern: $MEMPLAN_MODERN_VENV, default <repo>/.venv-modern; about 5.6 GB and
+# 1-3 minutes) is PyPI's torch 2.x with today's Transformers, Accelerate, PEFT and DeepSpeed
+# (tests/oracle/requirements-modern.txt, pinned exactly): the oracle for model families that
+# Transformers 4.47 lacks and the real peer for DeepSpeed ZeRO-3 on its CPU accelerator. It does
+# not see Debian's packages (no --system-site-packages), so nothing of torch 1.13 leaks into it.
+#
+# Steps for the default environment, each skipped when already done (so running it again is cheap
+# and changes nothing):
 #   1. Debian packages python3-venv, python3-torch (1.13, CPU only, with python3-numpy) and
 #      libopenblas0-pthread (the BLAS torch calls), through
 #      sudo when not root; `apt-get update` runs only when one of them is missing.
@@ -17,12 +27,24 @@
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-venv=${MEMPLAN_VENV:-$root/.venv}
-requirements=$root/tests/oracle/requirements.txt
+modern=0
+case "${1:-}" in
+  "") ;;
+  --modern) modern=1 ;;
+  *) printf 'usage: %s [--modern]\n' "$0" >&2; exit 2 ;;
+esac
+if ((modern)); then
+  venv=${MEMPLAN_MODERN_VENV:-$root/.venv-modern}
+  requirements=$root/tests/oracle/requirements-modern.txt
+else
+  venv=${MEMPLAN_VENV:-$root/.venv}
+  requirements=$root/tests/oracle/requirements.txt
+fi
 system_python=/usr/bin/python3   # Debian's; a pyenv or other python3 earlier on PATH has no torch
 # libopenblas0-pthread: Debian's torch calls the system BLAS, which is otherwise the slow reference one
 # (2 GFLOP/s here instead of 15); installing OpenBLAS switches libblas.so.3 to it.
 packages=(python3-venv python3-torch libopenblas0-pthread)
+((modern)) && packages=(python3-venv)
 
 log() { printf 'python-env: %s\n' "$*" >&2; }
 fail() { log "error: $*"; exit 1; }
@@ -49,18 +71,24 @@ fi
 [[ -x $system_python ]] || fail "$system_python not found"
 
 # ---- 2. the virtual environment ------------------------------------------------------------------
+site_packages=true
+((modern)) && site_packages=false
 venv_ok() {
   [[ -x $venv/bin/python && -f $venv/pyvenv.cfg ]] &&
-    grep -Eq '^include-system-site-packages *= *true' "$venv/pyvenv.cfg"
+    grep -Eq "^include-system-site-packages *= *$site_packages" "$venv/pyvenv.cfg"
 }
 if ! venv_ok; then
   if [[ -e $venv ]]; then
-    log "$venv is not a usable --system-site-packages environment with torch; making it again"
+    log "$venv is not the environment this script makes; making it again"
     rm -rf "$venv"
   fi
   log "creating $venv"
-  "$system_python" -m venv --system-site-packages "$venv" >&2
-  "$venv/bin/python" -c 'import torch' >&2 || fail "the new environment at $venv cannot import torch"
+  if ((modern)); then
+    "$system_python" -m venv "$venv" >&2
+  else
+    "$system_python" -m venv --system-site-packages "$venv" >&2
+    "$venv/bin/python" -c 'import torch' >&2 || fail "the new environment at $venv cannot import torch"
+  fi
 fi
 python=$venv/bin/python
 
@@ -68,15 +96,25 @@ python=$venv/bin/python
 stamp=$venv/.memplan-oracle-requirements
 check='import torch, transformers, tokenizers, safetensors, deepspeed, scikit_build_core
 print(f"torch {torch.__version__}, transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")'
-if [[ -f $stamp ]] && cmp -s "$requirements" "$stamp" && versions=$("$python" -c "$check" 2>/dev/null); then
+((modern)) && check='import torch, transformers, accelerate, peft, safetensors, deepspeed
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, peft {peft.__version__}, deepspeed {deepspeed.__version__}")'
+# DeepSpeed logs its accelerator choice to stdout on import: keep only the last line.
+versions_of() { "$python" -c "$check" 2>/dev/null | tail -n 1; }
+if [[ -f $stamp ]] && cmp -s "$requirements" "$stamp" && versions=$(versions_of) && [[ -n $versions ]]; then
   log "requirements already installed ($(basename "$requirements"))"
 else
   log "installing $(basename "$requirements") into $venv"
-  # DeepSpeed ships an sdist whose setup.py imports torch (so no build isolation) and would
-  # compile its CUDA/C++ ops unless told not to (DS_BUILD_OPS=0: ops are JIT-built if ever used).
-  DS_BUILD_OPS=0 "$python" -m pip install --disable-pip-version-check --no-input -q \
-    --no-build-isolation -r "$requirements" >&2
-  versions=$("$python" -c "$check") || fail "torch, transformers or deepspeed does not import in $venv after installing"
+  pip=("$python" -m pip install --disable-pip-version-check --no-input -q)
+  # DeepSpeed ships an sdist whose setup.py imports torch (so no build isolation, and torch must be
+  # there first) and would compile its CUDA/C++ ops unless told not to (DS_BUILD_OPS=0: ops are
+  # JIT-built if ever used).
+  if ((modern)); then
+    torch_pin=$(grep -E '^torch==' "$requirements") || fail "no torch== pin in $requirements"
+    "${pip[@]}" "$torch_pin" >&2
+  fi
+  DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation -r "$requirements" >&2
+  "$python" -c "$check" >/dev/null || fail "a required package does not import in $venv after installing"
+  versions=$(versions_of)
   cp "$requirements" "$stamp"
 fi
 

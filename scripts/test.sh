@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds memplan with warnings as errors and runs the whole test suite, including the oracle test
-# against Hugging Face Transformers (its Python environment is created in ./.venv by
-# scripts/python-env.sh), then runs the concurrent NVMe engine and CPU optimizer tests again under
+# against Hugging Face Transformers (its Python environments are created in ./.venv and
+# ./.venv-modern by scripts/python-env.sh), then runs the concurrent NVMe engine and CPU optimizer tests again under
 # ThreadSanitizer, the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, and every
 # fuzz target for a few seconds (fuzz/).
 # Run scripts/setup.sh first.
@@ -9,10 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python=$(bash scripts/python-env.sh)
+modern_python=$(bash scripts/python-env.sh --modern)
 jobs=$(nproc 2>/dev/null || echo 2)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
   -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" -DMEMPLAN_WERROR=ON \
-  -DMEMPLAN_PYTHON="$python" >/dev/null
+  -DMEMPLAN_PYTHON="$python" -DMEMPLAN_MODERN_PYTHON="$modern_python" >/dev/null
 cmake --build build -j"$jobs"
 # The wheel test (`pip install .`, tests/python/wheel_test.sh) compiles the libraries a second
 # time, so it runs only when asked: MEMPLAN_TEST_WHEEL=1 bash scripts/test.sh.
