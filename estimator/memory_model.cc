@@ -143,6 +143,12 @@ struct Activations {
   Wide logits_backward = 0;
 };
 
+// Note [Architecture facts for activations]
+// The one place where the model's architecture (ArchitectureInfo, filled by the config.json
+// builders) becomes the per-layer shape that LayerActivationBytes counts. A new architecture fact
+// that changes activations (attention widths that differ from heads x head_dim, shared experts,
+// sliding-window attention, ...) goes into ArchitectureInfo, then LayerShape, is mapped here, and
+// is counted in LayerActivationBytes; nothing else reads ArchitectureInfo for activations.
 LayerShape ShapeFor(const ArchitectureInfo& a, const TrainingSetup& s, int64_t seq) {
   LayerShape l;
   l.seq = l.kv_seq = seq;
@@ -276,215 +282,303 @@ uint64_t LayerActivationBytes(const LayerShape& l, int elem_bytes, bool flash,
   return Saturate(total);
 }
 
-Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
-                                      const TrainingSetup& input) {
-  MEMPLAN_RETURN_IF_ERROR(input.ValidateFor(inventory));
-  TrainingSetup s = input;
-  const ArchitectureInfo& arch = *inventory.arch;
-  s.seq_len = s.SeqLenFor(&arch);
-  MEMPLAN_ASSIGN_OR_RETURN(ParamFacts f, Facts(inventory, s));
-  if (f.total == 0) return Status::InvalidArgument(inventory.name + ": the model has no parameters");
+namespace {
 
-  const bool lora = s.lora_rank > 0;
-  const bool mixed = Mixed(s.precision);
-  const Wide w = s.precision == Precision::kFp32 ? 4 : 2;  // working params, grads, activations
-  const Wide t = U(s.tp), d = U(s.DataParallel()), g = U(s.gpus_per_node);
-  const Wide trainable = lora ? f.lora : f.total;
-  const Wide frozen_quantized = lora && s.qlora ? f.quantizable : 0;
-  const double nf4_bits = s.double_quant ? kNf4DoubleQuantBits : kNf4Bits;
-  auto tp_share = [&](Wide x) { return CeilDiv(x, t); };
+// Note [Memory items]
+// Each memory item is one allocation behaviour of a framework, modelled by one small function
+// below that says what it is, where the framework allocates it (file and function), and in which
+// phases (Note [Phases]) it is live. kItemRules lists them in report order; EstimateMemory runs
+// them over one ItemContext (the facts every item reads, computed once) and takes the peak as the
+// largest phase total. To check one item against DeepSpeed's or PyTorch's source, read its
+// function alone.
+struct ItemContext {
+  const ModelInventory& inventory;
+  const ArchitectureInfo& arch;
+  const TrainingSetup& s;  // seq_len resolved
+  const ParamFacts& f;
+  Activations act;
+  bool lora = false;
+  bool mixed = false;
+  Wide w = 2;  // bytes of working parameters, gradients and activations
+  Wide t = 1, d = 1, g = 1;  // tensor-parallel degree, data-parallel degree, GPUs per node
+  Wide trainable = 0;
+  Wide frozen_quantized = 0;  // QLoRA: parameters stored in NF4
+  double nf4_bits = kNf4Bits;
+  std::string half;       // "bf16", "fp16" or "fp32"
+  std::string opt_where;  // "none", "cpu" or "nvme"
+
+  ItemContext(const ModelInventory& i, const TrainingSetup& setup, const ParamFacts& facts)
+      : inventory(i), arch(*i.arch), s(setup), f(facts) {}
+
+  Wide TpShare(Wide x) const { return CeilDiv(x, t); }
   // A rank's share of an element count partitioned over the data-parallel group from `stage` on.
-  auto part = [&](Wide x, int from_stage) {
-    return s.zero_stage >= from_stage ? CeilDiv(tp_share(x), d) : tp_share(x);
-  };
-  const std::string half = HalfName(s.precision);
-  const std::string opt_where = std::string(OffloadDeviceName(s.offload_optimizer));
-  Builder out;
-  const unsigned fwd_bwd = kPhaseForward | kPhaseBackward | kPhaseBackwardEnd;
-
-  // --- Parameters ---
-  {
-    // Full-precision (or 16-bit) working copies: everything but QLoRA's quantised Linears;
-    // adapters included.
-    const Wide plain = f.total - frozen_quantized + f.lora;
-    Wide gpu = 0, cpu = 0, nvme = 0, pinned = 0;
-    std::string how;
-    if (s.zero_stage == 3) {
-      const Wide persistent = f.persistent + f.lora_persistent;
-      const Wide persistent_bytes = tp_share(persistent) * w;
-      const Wide shard = CeilDiv(tp_share(plain - persistent), d) * w;
-      gpu = persistent_bytes;
-      how = ", ZeRO-3 partitioned over " + std::to_string(static_cast<uint64_t>(d)) +
-            " GPUs (tensors <= " + std::to_string(s.stage3_param_persistence_threshold) +
-            " elements kept whole)";
-      if (s.offload_param == OffloadDevice::kCpu) {
-        cpu = shard * g;
-        if (s.pin_memory) pinned = cpu;
-        how += ", partitions offloaded to CPU";
-      } else if (s.offload_param == OffloadDevice::kNvme) {
-        nvme = shard * g;
-        how += ", partitions offloaded to NVMe";
-      } else {
-        gpu += shard;
-      }
-    } else {
-      gpu = tp_share(plain) * w;
-    }
-    out.Add("params_working", "parameters, " + half + " working copy" + how, gpu, cpu, nvme,
-            pinned, kAllPhases);
-    if (frozen_quantized > 0) {
-      const Wide q = Scale(part(frozen_quantized, 3), nf4_bits / 8);
-      out.Add("params_quantized",
-              "frozen base Linears in NF4 (" + std::string(s.double_quant ? "4.127" : "4.5") +
-                  " bits per parameter)",
-              q, 0, 0, 0, kAllPhases);
-    }
+  Wide Part(Wide x, int from_stage) const {
+    return s.zero_stage >= from_stage ? CeilDiv(TpShare(x), d) : TpShare(x);
   }
-  // Where the optimizer's partition (master weights, states, fp32 gradients) lives.
-  auto place = [&](Wide per_rank, Wide* gpu, Wide* cpu, Wide* nvme) {
+  // Where the optimizer's partition (master weights, states) lives: per GPU, or per node.
+  void PlaceOptimizer(Wide per_rank, Wide* gpu, Wide* cpu, Wide* nvme) const {
     switch (s.offload_optimizer) {
       case OffloadDevice::kNone: *gpu = per_rank; break;
       case OffloadDevice::kCpu: *cpu = per_rank * g; break;
       case OffloadDevice::kNvme: *nvme = per_rank * g; break;
     }
-  };
-  if (mixed) {
-    Wide gpu = 0, cpu = 0, nvme = 0;
-    place(part(trainable, 1) * 4, &gpu, &cpu, &nvme);
-    out.Add("params_master", "fp32 master weights of the trainable parameters" +
-                                 std::string(s.zero_stage >= 1 ? ", ZeRO-partitioned" : "") +
-                                 (s.offload_optimizer == OffloadDevice::kNone ? "" : ", on " + opt_where),
-            gpu, cpu, nvme, 0, kAllPhases);
   }
+};
 
-  // --- Gradients ---
-  if (s.offload_optimizer == OffloadDevice::kNone) {
-    out.Add("grads", half + " gradients of the trainable parameters" +
-                         std::string(s.zero_stage >= 2 ? ", ZeRO-partitioned" : ""),
-            part(trainable, 2) * w, 0, 0, 0, kAllPhases);
-    if (mixed) {
-      out.Add("grads_fp32",
-              "fp32 copy of the gradient partition the optimizer steps on (step transient)",
-              part(trainable, 1) * 4, 0, 0, 0, kPhaseOptimizerStep);
+constexpr unsigned kFwdBwd = kPhaseForward | kPhaseBackward | kPhaseBackwardEnd;
+
+// params_working, params_quantized. The working copy of every parameter (16-bit in mixed and pure
+// precision, fp32 in fp32), adapters included, QLoRA's quantised Linears excluded. ZeRO-3
+// partitions each over the data-parallel group and keeps tensors of at most
+// stage3_param_persistence_threshold elements whole on every GPU (deepspeed/runtime/zero/
+// partition_parameters.py, Init._partition_param; stage3.py persistent_parameters); offload_param
+// moves the partitions to host memory or NVMe (partitioned_param_swapper.py). All phases.
+Status ParamsWorking(const ItemContext& c, Builder* out) {
+  const TrainingSetup& s = c.s;
+  const Wide plain = c.f.total - c.frozen_quantized + c.f.lora;
+  Wide gpu = 0, cpu = 0, nvme = 0, pinned = 0;
+  std::string how;
+  if (s.zero_stage == 3) {
+    const Wide persistent = c.f.persistent + c.f.lora_persistent;
+    const Wide persistent_bytes = c.TpShare(persistent) * c.w;
+    const Wide shard = CeilDiv(c.TpShare(plain - persistent), c.d) * c.w;
+    gpu = persistent_bytes;
+    how = ", ZeRO-3 partitioned over " + std::to_string(static_cast<uint64_t>(c.d)) +
+          " GPUs (tensors <= " + std::to_string(s.stage3_param_persistence_threshold) +
+          " elements kept whole)";
+    if (s.offload_param == OffloadDevice::kCpu) {
+      cpu = shard * c.g;
+      if (s.pin_memory) pinned = cpu;
+      how += ", partitions offloaded to CPU";
+    } else if (s.offload_param == OffloadDevice::kNvme) {
+      nvme = shard * c.g;
+      how += ", partitions offloaded to NVMe";
+    } else {
+      gpu += shard;
     }
   } else {
-    // ZeRO-Offload streams each reduced gradient partition to an fp32 buffer in host memory.
-    const Wide cpu = part(trainable, 1) * 4 * g;
-    out.Add("grads_fp32", "fp32 gradient partitions in host memory (offloaded optimizer)", 0, cpu,
-            0, s.pin_memory ? cpu : 0, kAllPhases);
-    if (s.grad_accum > 1 && s.offload_param == OffloadDevice::kCpu) {
-      const Wide acc = part(trainable, 1) * 2 * g;
-      out.Add("grad_accum_buffer", "16-bit gradient accumulation buffer in host memory", 0, acc,
-              0, s.pin_memory ? acc : 0, kAllPhases);
+    gpu = c.TpShare(plain) * c.w;
+  }
+  out->Add("params_working", "parameters, " + c.half + " working copy" + how, gpu, cpu, nvme,
+           pinned, kAllPhases);
+  if (c.frozen_quantized > 0) {
+    // bitsandbytes Params4bit: 4-bit codes plus the quantisation state (absmax per 64 weights).
+    const Wide q = Scale(c.Part(c.frozen_quantized, 3), c.nf4_bits / 8);
+    out->Add("params_quantized",
+             "frozen base Linears in NF4 (" + std::string(s.double_quant ? "4.127" : "4.5") +
+                 " bits per parameter)",
+             q, 0, 0, 0, kAllPhases);
+  }
+  return Status::Ok();
+}
+
+// params_master. Mixed precision keeps fp32 master weights of the trainable parameters in the
+// optimizer's partition (DeepSpeed stage_1_and_2.py single_partition_of_fp32_groups, stage3.py
+// fp32_partitioned_groups_flat), on the optimizer's device. All phases.
+Status ParamsMaster(const ItemContext& c, Builder* out) {
+  if (!c.mixed) return Status::Ok();
+  Wide gpu = 0, cpu = 0, nvme = 0;
+  c.PlaceOptimizer(c.Part(c.trainable, 1) * 4, &gpu, &cpu, &nvme);
+  out->Add("params_master",
+           "fp32 master weights of the trainable parameters" +
+               std::string(c.s.zero_stage >= 1 ? ", ZeRO-partitioned" : "") +
+               (c.s.offload_optimizer == OffloadDevice::kNone ? "" : ", on " + c.opt_where),
+           gpu, cpu, nvme, 0, kAllPhases);
+  return Status::Ok();
+}
+
+// grads, grads_fp32, grad_accum_buffer. Without optimizer offload: the gradient (partition from
+// ZeRO-2 on) in the working dtype, kept across steps (Note [Gradient storage]), plus in mixed
+// precision an fp32 copy of the partition for the step. With optimizer offload: each reduced
+// gradient partition is copied into an fp32 buffer in host memory (stage_1_and_2.py
+// async_accumulate_grad_in_cpu_via_gpu / stage3.py fp32 grad partitions), and with parameter
+// offload and accumulation a 16-bit accumulation buffer in host memory.
+Status Grads(const ItemContext& c, Builder* out) {
+  const TrainingSetup& s = c.s;
+  if (s.offload_optimizer == OffloadDevice::kNone) {
+    out->Add("grads", c.half + " gradients of the trainable parameters" +
+                          std::string(s.zero_stage >= 2 ? ", ZeRO-partitioned" : ""),
+             c.Part(c.trainable, 2) * c.w, 0, 0, 0, kAllPhases);
+    if (c.mixed) {
+      out->Add("grads_fp32",
+               "fp32 copy of the gradient partition the optimizer steps on (step transient)",
+               c.Part(c.trainable, 1) * 4, 0, 0, 0, kPhaseOptimizerStep);
+    }
+    return Status::Ok();
+  }
+  const Wide cpu = c.Part(c.trainable, 1) * 4 * c.g;
+  out->Add("grads_fp32", "fp32 gradient partitions in host memory (offloaded optimizer)", 0, cpu, 0,
+           s.pin_memory ? cpu : 0, kAllPhases);
+  if (s.grad_accum > 1 && s.offload_param == OffloadDevice::kCpu) {
+    const Wide acc = c.Part(c.trainable, 1) * 2 * c.g;
+    out->Add("grad_accum_buffer", "16-bit gradient accumulation buffer in host memory", 0, acc, 0,
+             s.pin_memory ? acc : 0, kAllPhases);
+  }
+  return Status::Ok();
+}
+
+// optimizer_states. The optimizer's state tensors for the trainable partition (torch.optim's
+// state dict; DeepSpeed's partitioned optimizer), on the optimizer's device. All phases.
+Status OptimizerStates(const ItemContext& c, Builder* out) {
+  const TrainingSetup& s = c.s;
+  Wide gpu = 0, cpu = 0, nvme = 0;
+  const Wide factored =
+      s.zero_stage >= 1 ? CeilDiv(c.TpShare(c.f.factored), c.d) : c.TpShare(c.f.factored);
+  c.PlaceOptimizer(OptimizerStateBytes(s, c.Part(c.trainable, 1), factored), &gpu, &cpu, &nvme);
+  out->Add("optimizer_states",
+           std::string(OptimizerName(s.optimizer)) + " states" +
+               (s.zero_stage >= 1 ? ", ZeRO-partitioned" : "") +
+               (s.offload_optimizer == OffloadDevice::kNone ? "" : ", on " + c.opt_where),
+           gpu, cpu, nvme, 0, kAllPhases);
+  return Status::Ok();
+}
+
+// optimizer_step_transient. PyTorch's foreach AdamW/Lion materialise one state-sized temporary
+// per step (torch/optim/adamw.py _multi_tensor_adamw); DeepSpeed's fused and CPU optimizers
+// (ZeRO >= 1) update in place. Optimizer step only.
+Status OptimizerStepTransient(const ItemContext& c, Builder* out) {
+  const TrainingSetup& s = c.s;
+  Wide transient = 0;
+  if (s.zero_stage == 0) {
+    const Wide state_elem = s.precision == Precision::kBf16Pure ? 2 : 4;
+    if (s.optimizer == Optimizer::kAdamW || s.optimizer == Optimizer::kLion) {
+      transient = c.TpShare(c.trainable) * state_elem;
+    } else if (s.optimizer == Optimizer::kAdafactor) {
+      transient = 2 * 4 * c.f.largest_trainable_tensor;
     }
   }
+  out->Add("optimizer_step_transient",
+           "temporaries of the optimizer step (torch foreach: one state-sized tensor set)",
+           transient, 0, 0, 0, kPhaseOptimizerStep);
+  return Status::Ok();
+}
 
-  // --- Optimizer ---
-  {
-    Wide gpu = 0, cpu = 0, nvme = 0;
-    const Wide states = OptimizerStateBytes(s, part(trainable, 1),
-                                            s.zero_stage >= 1 ? CeilDiv(tp_share(f.factored), d)
-                                                              : tp_share(f.factored));
-    place(states, &gpu, &cpu, &nvme);
-    out.Add("optimizer_states",
-            std::string(OptimizerName(s.optimizer)) + " states" +
-                (s.zero_stage >= 1 ? ", ZeRO-partitioned" : "") +
-                (s.offload_optimizer == OffloadDevice::kNone ? "" : ", on " + opt_where),
-            gpu, cpu, nvme, 0, kAllPhases);
-    // PyTorch's foreach AdamW/Lion materialise one state-sized temporary per step; DeepSpeed's
-    // fused and CPU optimizers (ZeRO >= 1) update in place.
-    Wide transient = 0;
-    if (s.zero_stage == 0) {
-      const Wide state_elem = s.precision == Precision::kBf16Pure ? 2 : 4;
-      if (s.optimizer == Optimizer::kAdamW || s.optimizer == Optimizer::kLion) {
-        transient = tp_share(trainable) * state_elem;
-      } else if (s.optimizer == Optimizer::kAdafactor) {
-        transient = 2 * 4 * f.largest_trainable_tensor;
-      }
-    }
-    out.Add("optimizer_step_transient",
-            "temporaries of the optimizer step (torch foreach: one state-sized tensor set)",
-            transient, 0, 0, 0, kPhaseOptimizerStep);
-    if (s.offload_optimizer == OffloadDevice::kNvme) {
-      const Wide sub_group = std::min(U(s.sub_group_size), part(trainable, 1));
-      const Wide buffers = U(s.optimizer_buffer_count) * sub_group * 4 * g;
-      out.Add("nvme_optimizer_swap_buffers",
-              "pinned swap buffers for optimizer state: buffer_count x min(sub_group_size, "
-              "partition) x fp32",
-              0, buffers, 0, buffers, kAllPhases);
-    }
-  }
-  if (s.offload_param == OffloadDevice::kNvme) {
-    const Wide buffers = U(s.param_buffer_count) * U(s.param_buffer_size) * w * g;
-    out.Add("nvme_param_swap_buffers",
-            "pinned swap buffers for parameters: buffer_count x buffer_size x " + half, 0, buffers,
-            0, buffers, kAllPhases);
-  }
+// nvme_optimizer_swap_buffers. ZeRO-Infinity's optimizer swapper stages sub-groups through
+// buffer_count pinned fp32 buffers of min(sub_group_size, partition) elements
+// (deepspeed/runtime/swap_tensor/optimizer_utils.py, SwapBufferPool). All phases.
+Status NvmeOptimizerSwapBuffers(const ItemContext& c, Builder* out) {
+  if (c.s.offload_optimizer != OffloadDevice::kNvme) return Status::Ok();
+  const Wide sub_group = std::min(U(c.s.sub_group_size), c.Part(c.trainable, 1));
+  const Wide buffers = U(c.s.optimizer_buffer_count) * sub_group * 4 * c.g;
+  out->Add("nvme_optimizer_swap_buffers",
+           "pinned swap buffers for optimizer state: buffer_count x min(sub_group_size, "
+           "partition) x fp32",
+           0, buffers, 0, buffers, kAllPhases);
+  return Status::Ok();
+}
 
-  // --- Activations ---
-  const Activations act = CountActivations(inventory, s);
-  out.Add("activations",
-          "saved activations, " + std::to_string(arch.layers + arch.decoder_layers) +
-              " layers (" + std::string(CheckpointingName(s.checkpointing)) + " checkpointing" +
-              (s.flash_attention ? ", flash attention" : "") + ")",
-          act.saved, 0, 0, 0, kPhaseForward | kPhaseBackward);
-  out.Add("activation_recompute",
-          "one layer's recomputed activations during its backward pass", act.recompute, 0, 0, 0,
-          kPhaseBackward);
-  out.Add("backward_workspace", "gradient temporaries of the layer in backward", act.workspace,
-          0, 0, 0, kPhaseBackward | kPhaseBackwardEnd);
-  out.Add("logits_and_loss", "logits b*s*V (" + half + " and fp32) and the log-softmax kept by the loss",
-          act.logits_forward, 0, 0, 0, kPhaseForward | kPhaseBackward);
-  out.Add("logits_grad", "fp32 gradients of the log-probabilities and logits", act.logits_backward,
-          0, 0, 0, kPhaseBackward);
+// nvme_param_swap_buffers. offload_param: nvme reads partitions through buffer_count pinned
+// buffers of buffer_size elements (deepspeed/runtime/swap_tensor/partitioned_param_swapper.py,
+// AsyncPartitionedParameterSwapper). All phases.
+Status NvmeParamSwapBuffers(const ItemContext& c, Builder* out) {
+  if (c.s.offload_param != OffloadDevice::kNvme) return Status::Ok();
+  const Wide buffers = U(c.s.param_buffer_count) * U(c.s.param_buffer_size) * c.w * c.g;
+  out->Add("nvme_param_swap_buffers",
+           "pinned swap buffers for parameters: buffer_count x buffer_size x " + c.half, 0, buffers,
+           0, buffers, kAllPhases);
+  return Status::Ok();
+}
 
-  // --- Communication and ZeRO-3 buffers ---
-  if (s.zero_stage >= 1) {
-    const double factor = s.OverlapComm() ? kOverlapCommFactor : 1.0;
-    const Wide reduce = Scale(std::min(U(s.reduce_bucket_size), tp_share(trainable)) * w, factor);
-    out.Add("comm_reduce_bucket",
-            "gradient reduce buckets (reduce_bucket_size" +
-                std::string(s.OverlapComm() ? " x 4.5 with overlap_comm" : "") + ")",
-            reduce, 0, 0, 0, kPhaseBackward | kPhaseBackwardEnd);
-    if (s.zero_stage <= 2) {
-      const Wide gather =
-          Scale(std::min(U(s.allgather_bucket_size), tp_share(f.total + f.lora)) * w, factor);
-      out.Add("comm_allgather_bucket", "parameter all-gather buckets after the step", gather, 0,
-              0, 0, kPhaseOptimizerStep);
-    }
-  }
-  if (s.zero_stage == 3) {
-    MEMPLAN_ASSIGN_OR_RETURN(ModelCounts counts, CountParams(inventory));
-    const Wide block = tp_share(counts.largest_block_params);
-    const Wide live = std::min(U(s.stage3_max_live_parameters),
-                               block + std::min(U(s.stage3_prefetch_bucket_size), block));
-    out.Add("zero3_live_params",
-            "gathered parameters of the current block plus the prefetch bucket "
-            "(stage3_prefetch_bucket_size), capped by stage3_max_live_parameters",
-            live * w, 0, 0, 0, fwd_bwd);
-    const Wide block_trainable = lora ? CeilDiv(tp_share(f.lora), U(std::max<int64_t>(arch.layers + arch.decoder_layers, 1))) : block;
-    out.Add("zero3_block_grads", "full gradients of the current block before reduce-scatter",
-            block_trainable * w, 0, 0, 0, kPhaseBackward | kPhaseBackwardEnd);
-  }
-  if (out.overflow) {
-    return Status::OutOfRange(inventory.name + ": the memory needed overflows 2^62 bytes; check "
-                                               "--micro-batch and --seq-len");
-  }
+// activations, activation_recompute, backward_workspace, logits_and_loss, logits_grad: what
+// autograd saves for the backward pass (CountActivations, Korthikanti et al.), live from the
+// forward pass to the first layer of backward; the recomputed layer and the layer's gradient
+// temporaries in backward; the logits and the loss's log-softmax, and their gradients.
+Status ActivationItems(const ItemContext& c, Builder* out) {
+  const TrainingSetup& s = c.s;
+  const Activations& act = c.act;
+  out->Add("activations",
+           "saved activations, " + std::to_string(c.arch.layers + c.arch.decoder_layers) +
+               " layers (" + std::string(CheckpointingName(s.checkpointing)) + " checkpointing" +
+               (s.flash_attention ? ", flash attention" : "") + ")",
+           act.saved, 0, 0, 0, kPhaseForward | kPhaseBackward);
+  out->Add("activation_recompute", "one layer's recomputed activations during its backward pass",
+           act.recompute, 0, 0, 0, kPhaseBackward);
+  out->Add("backward_workspace", "gradient temporaries of the layer in backward", act.workspace, 0,
+           0, 0, kPhaseBackward | kPhaseBackwardEnd);
+  out->Add("logits_and_loss",
+           "logits b*s*V (" + c.half + " and fp32) and the log-softmax kept by the loss",
+           act.logits_forward, 0, 0, 0, kPhaseForward | kPhaseBackward);
+  out->Add("logits_grad", "fp32 gradients of the log-probabilities and logits",
+           act.logits_backward, 0, 0, 0, kPhaseBackward);
+  return Status::Ok();
+}
 
-  // --- Phases, context and allocator margin ---
-  MemoryEstimate m;
-  m.setup = s;
-  m.params_total = static_cast<uint64_t>(f.total);
-  m.trainable_params = static_cast<uint64_t>(trainable);
-  m.lora_params = static_cast<uint64_t>(f.lora);
-  m.activation_bytes_per_layer = Saturate(act.per_layer);
-  const Wide context = U(s.cuda_context_bytes);
+// comm_reduce_bucket, comm_allgather_bucket. ZeRO's gradient reduce buckets during backward and
+// (stages 1-2) the parameter all-gather buckets after the step, x4.5 with overlap_comm (the
+// Hugging Face DeepSpeed guide's rule).
+Status CommBuckets(const ItemContext& c, Builder* out) {
+  const TrainingSetup& s = c.s;
+  if (s.zero_stage < 1) return Status::Ok();
+  const double factor = s.OverlapComm() ? kOverlapCommFactor : 1.0;
+  const Wide reduce = Scale(std::min(U(s.reduce_bucket_size), c.TpShare(c.trainable)) * c.w, factor);
+  out->Add("comm_reduce_bucket",
+           "gradient reduce buckets (reduce_bucket_size" +
+               std::string(s.OverlapComm() ? " x 4.5 with overlap_comm" : "") + ")",
+           reduce, 0, 0, 0, kPhaseBackward | kPhaseBackwardEnd);
+  if (s.zero_stage <= 2) {
+    const Wide gather =
+        Scale(std::min(U(s.allgather_bucket_size), c.TpShare(c.f.total + c.f.lora)) * c.w, factor);
+    out->Add("comm_allgather_bucket", "parameter all-gather buckets after the step", gather, 0, 0,
+             0, kPhaseOptimizerStep);
+  }
+  return Status::Ok();
+}
+
+// zero3_live_params, zero3_block_grads. ZeRO-3 gathers the current block's parameters and
+// prefetches up to stage3_prefetch_bucket_size more, capped by stage3_max_live_parameters
+// (deepspeed/runtime/zero/partitioned_param_coordinator.py, fetch_sub_module); in backward the
+// block's full gradients exist until reduce-scattered.
+Status Zero3Buffers(const ItemContext& c, Builder* out) {
+  const TrainingSetup& s = c.s;
+  if (s.zero_stage != 3) return Status::Ok();
+  MEMPLAN_ASSIGN_OR_RETURN(ModelCounts counts, CountParams(c.inventory));
+  const Wide block = c.TpShare(counts.largest_block_params);
+  const Wide live = std::min(U(s.stage3_max_live_parameters),
+                             block + std::min(U(s.stage3_prefetch_bucket_size), block));
+  out->Add("zero3_live_params",
+           "gathered parameters of the current block plus the prefetch bucket "
+           "(stage3_prefetch_bucket_size), capped by stage3_max_live_parameters",
+           live * c.w, 0, 0, 0, kFwdBwd);
+  const Wide block_trainable =
+      c.lora ? CeilDiv(c.TpShare(c.f.lora),
+                       U(std::max<int64_t>(c.arch.layers + c.arch.decoder_layers, 1)))
+             : block;
+  out->Add("zero3_block_grads", "full gradients of the current block before reduce-scatter",
+           block_trainable * c.w, 0, 0, 0, kPhaseBackward | kPhaseBackwardEnd);
+  return Status::Ok();
+}
+
+struct ItemRule {
+  const char* items;  // the breakdown items it adds, for readers
+  Status (*add)(const ItemContext&, Builder*);
+};
+
+// Every item of the model, in report order (cuda_context and allocator_margin are added with the
+// phase totals).
+constexpr ItemRule kItemRules[] = {
+    {"params_working, params_quantized", ParamsWorking},
+    {"params_master", ParamsMaster},
+    {"grads, grads_fp32, grad_accum_buffer", Grads},
+    {"optimizer_states", OptimizerStates},
+    {"optimizer_step_transient", OptimizerStepTransient},
+    {"nvme_optimizer_swap_buffers", NvmeOptimizerSwapBuffers},
+    {"nvme_param_swap_buffers", NvmeParamSwapBuffers},
+    {"activations, activation_recompute, backward_workspace, logits_and_loss, logits_grad",
+     ActivationItems},
+    {"comm_reduce_bucket, comm_allgather_bucket", CommBuckets},
+    {"zero3_live_params, zero3_block_grads", Zero3Buffers},
+};
+
+// Phase totals and the peak (Note [Phases]); the CUDA context and the allocator margin are added
+// to each phase's GPU total and reported as items.
+void TotalPhases(const ItemContext& c, Builder* out, MemoryEstimate* m) {
+  const Wide context = U(c.s.cuda_context_bytes);
   Wide peak_margin = 0;
   for (Phase phase : kPhases) {
     PhaseTotals totals;
     totals.phase = PhaseName(phase);
     Wide gpu = 0, cpu = 0, nvme = 0, pinned = 0;
-    for (const MemoryItem& item : out.items) {
+    for (const MemoryItem& item : out->items) {
       if ((item.phases & phase) == 0) continue;
       gpu += item.gpu_bytes;
       cpu += item.cpu_bytes;
@@ -497,46 +591,49 @@ Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
     totals.cpu_bytes = Saturate(cpu);
     totals.nvme_bytes = Saturate(nvme);
     totals.pinned_bytes = Saturate(pinned);
-    if (totals.gpu_bytes > m.peak.gpu_bytes || m.peak.phase.empty()) {
-      m.peak.gpu_bytes = totals.gpu_bytes;
-      m.peak.phase = totals.phase;
+    if (totals.gpu_bytes > m->peak.gpu_bytes || m->peak.phase.empty()) {
+      m->peak.gpu_bytes = totals.gpu_bytes;
+      m->peak.phase = totals.phase;
       peak_margin = margin;
     }
-    m.peak.cpu_bytes = std::max(m.peak.cpu_bytes, totals.cpu_bytes);
-    m.peak.nvme_bytes = std::max(m.peak.nvme_bytes, totals.nvme_bytes);
-    m.peak.pinned_bytes = std::max(m.peak.pinned_bytes, totals.pinned_bytes);
-    m.phases.push_back(totals);
+    m->peak.cpu_bytes = std::max(m->peak.cpu_bytes, totals.cpu_bytes);
+    m->peak.nvme_bytes = std::max(m->peak.nvme_bytes, totals.nvme_bytes);
+    m->peak.pinned_bytes = std::max(m->peak.pinned_bytes, totals.pinned_bytes);
+    m->phases.push_back(totals);
   }
-  out.Add("cuda_context", "CUDA context, runtime and kernels (per GPU process)", context, 0, 0, 0,
-          kAllPhases);
-  out.Add("allocator_margin",
-          "caching-allocator rounding and fragmentation: 10% of allocated bytes at the peak phase",
-          peak_margin, 0, 0, 0, kAllPhases);
-  m.items = std::move(out.items);
+  out->Add("cuda_context", "CUDA context, runtime and kernels (per GPU process)", context, 0, 0, 0,
+           kAllPhases);
+  out->Add("allocator_margin",
+           "caching-allocator rounding and fragmentation: 10% of allocated bytes at the peak phase",
+           peak_margin, 0, 0, 0, kAllPhases);
+}
 
-  // --- Constants and notes ---
+std::vector<ModelConstant> Constants(const ItemContext& c, const TrainingSetup& input) {
+  const TrainingSetup& s = c.s;
+  const Activations& act = c.act;
   const bool fp32 = s.precision == Precision::kFp32;
-  m.constants = {
+  return {
       {"activation_element_bytes", fp32 ? 4.0 : 2.0, "bytes",
        "activations are kept in the compute dtype (Korthikanti et al. 2022 count 16-bit)"},
       {"dropout_mask_bytes", kDropoutMaskBytes, "bytes/element",
        "PyTorch dropout keeps a bool mask (Korthikanti: 1 byte)"},
       {"flash_lse_bytes", kFlashLseBytes, "bytes per head per token",
        "FlashAttention keeps fp32 log-sum-exp statistics instead of the s x s scores"},
-      {"working_param_bytes", static_cast<double>(w), "bytes/param",
+      {"working_param_bytes", static_cast<double>(c.w), "bytes/param",
        fp32 ? "fp32 training" : "16-bit working copy (mixed or pure precision)"},
-      {"master_param_bytes", mixed ? 4.0 : 0.0, "bytes/param",
+      {"master_param_bytes", c.mixed ? 4.0 : 0.0, "bytes/param",
        "fp32 master weights in mixed precision (ZeRO paper: part of K = 12)"},
       {"optimizer_state_bytes",
        static_cast<double>(OptimizerStateBytes(s, 1 << 20, 0)) / (1 << 20), "bytes/param",
        "adamw 8 (m, v fp32), adam8bit 2 + fp32 absmax per 256-element block per state, sgd and "
        "lion 4, adafactor 4 + factored rows/cols; halved states in bf16-pure (REFERENCE 4)"},
-      {"nf4_bits_per_param", frozen_quantized > 0 ? nf4_bits : 0.0, "bits",
+      {"nf4_bits_per_param", c.frozen_quantized > 0 ? c.nf4_bits : 0.0, "bits",
        "QLoRA NF4: 4-bit codes + fp32 absmax per 64 (4.5); double quantisation 4.127"},
       {"overlap_comm_factor", s.zero_stage >= 1 && s.OverlapComm() ? kOverlapCommFactor : 1.0,
        "x bucket bytes", "DeepSpeed/HF docs: overlap_comm uses about 4.5x the bucket sizes"},
-      {"logits_forward_bytes", act.logits_forward > 0 ? kLogitsForwardFp32Bytes + (fp32 ? 0 : 2) : 0.0,
-       "bytes per logit", "compute-dtype logits, fp32 upcast and log-softmax kept by the loss"},
+      {"logits_forward_bytes",
+       act.logits_forward > 0 ? kLogitsForwardFp32Bytes + (fp32 ? 0 : 2) : 0.0, "bytes per logit",
+       "compute-dtype logits, fp32 upcast and log-softmax kept by the loss"},
       {"logits_backward_bytes", act.logits_backward > 0 ? kLogitsBackwardBytes : 0.0,
        "bytes per logit", "fp32 gradients of log-probabilities and logits at backward start"},
       {"cuda_context_bytes", static_cast<double>(s.cuda_context_bytes), "bytes",
@@ -547,7 +644,10 @@ Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
       {"seq_len", static_cast<double>(s.seq_len), "tokens",
        input.seq_len > 0 ? "given" : "default: min(max_position_embeddings, 2048), else 512"},
   };
-  m.notes = {
+}
+
+std::vector<std::string> Notes(const ItemContext& c) {
+  std::vector<std::string> notes = {
       "Peak is the largest of four phases (end of forward; first layer of backward with its "
       "recompute; end of backward; optimizer step), per tier; the GPU peak's phase is reported.",
       "Activations per layer follow Korthikanti et al. 2022 (sbh(34 + 5as/h) for a GPT-3 layer), "
@@ -561,16 +661,59 @@ Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
       "CPU, NVMe and pinned bytes are per node (all local ranks); GPU bytes are per GPU. Model "
       "loading (a full copy per rank without zero.Init) is not included.",
   };
-  if (s.zero_stage == 0 && mixed) {
-    m.notes.push_back(
+  if (c.s.zero_stage == 0 && c.mixed) {
+    notes.push_back(
         "ZeRO-0 in mixed precision is counted like DeepSpeed's: 16-bit working weights and "
         "gradients plus fp32 master weights (torch.autocast keeps fp32 weights and gradients and "
         "a 16-bit weight copy instead: about the same total).");
   }
-  if (lora) {
-    m.notes.push_back("LoRA: only the adapters (" + std::to_string(static_cast<uint64_t>(f.lora)) +
-                      " parameters) train; activations are counted as for full fine-tuning.");
+  if (c.lora) {
+    notes.push_back("LoRA: only the adapters (" + std::to_string(static_cast<uint64_t>(c.f.lora)) +
+                    " parameters) train; activations are counted as for full fine-tuning.");
   }
+  return notes;
+}
+
+}  // namespace
+
+Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
+                                      const TrainingSetup& input) {
+  MEMPLAN_RETURN_IF_ERROR(input.ValidateFor(inventory));
+  TrainingSetup s = input;
+  s.seq_len = s.SeqLenFor(&*inventory.arch);
+  MEMPLAN_ASSIGN_OR_RETURN(ParamFacts f, Facts(inventory, s));
+  if (f.total == 0) return Status::InvalidArgument(inventory.name + ": the model has no parameters");
+
+  ItemContext c(inventory, s, f);
+  c.lora = s.lora_rank > 0;
+  c.mixed = Mixed(s.precision);
+  c.w = s.precision == Precision::kFp32 ? 4 : 2;
+  c.t = U(s.tp);
+  c.d = U(s.DataParallel());
+  c.g = U(s.gpus_per_node);
+  c.trainable = c.lora ? f.lora : f.total;
+  c.frozen_quantized = c.lora && s.qlora ? f.quantizable : 0;
+  c.nf4_bits = s.double_quant ? kNf4DoubleQuantBits : kNf4Bits;
+  c.half = HalfName(s.precision);
+  c.opt_where = std::string(OffloadDeviceName(s.offload_optimizer));
+  c.act = CountActivations(inventory, s);
+
+  Builder out;
+  for (const ItemRule& rule : kItemRules) MEMPLAN_RETURN_IF_ERROR(rule.add(c, &out));
+  if (out.overflow) {
+    return Status::OutOfRange(inventory.name + ": the memory needed overflows 2^62 bytes; check "
+                                               "--micro-batch and --seq-len");
+  }
+  MemoryEstimate m;
+  m.setup = s;
+  m.params_total = static_cast<uint64_t>(f.total);
+  m.trainable_params = static_cast<uint64_t>(c.trainable);
+  m.lora_params = static_cast<uint64_t>(f.lora);
+  m.activation_bytes_per_layer = Saturate(c.act.per_layer);
+  TotalPhases(c, &out, &m);
+  m.items = std::move(out.items);
+  m.constants = Constants(c, input);
+  m.notes = Notes(c);
   return m;
 }
 
