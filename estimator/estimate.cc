@@ -117,16 +117,7 @@ std::string GiB(uint64_t bytes, int width = 8) {
 std::string FormatMemoryText(const Estimate& e) {
   const MemoryEstimate& m = *e.memory;
   const TrainingSetup& s = m.setup;
-  std::string out = "\nTraining setup: " + std::string(PrecisionName(s.precision)) + ", " +
-                    std::string(OptimizerName(s.optimizer)) + ", ZeRO-" +
-                    std::to_string(s.zero_stage) + " (offload optimizer " +
-                    std::string(OffloadDeviceName(s.offload_optimizer)) + ", param " +
-                    std::string(OffloadDeviceName(s.offload_param)) + "), micro-batch " +
-                    std::to_string(s.micro_batch) + " x seq " + std::to_string(s.seq_len) +
-                    ", grad-accum " + std::to_string(s.grad_accum) + ", checkpointing " +
-                    std::string(CheckpointingName(s.checkpointing)) + ", flash attention " +
-                    (s.flash_attention ? "on" : "off") + ", tp " + std::to_string(s.tp) + "\n";
-  out += "Trainable: " + WithThousands(m.trainable_params) + " of " +
+  std::string out = "\nTrainable: " + WithThousands(m.trainable_params) + " of " +
          WithThousands(m.params_total + m.lora_params) + " parameters";
   if (s.lora_rank > 0) {
     out += " (LoRA rank " + std::to_string(s.lora_rank) + (s.qlora ? ", QLoRA NF4 base" : "") +
@@ -179,11 +170,41 @@ std::string FormatMemoryText(const Estimate& e) {
     out += line;
   }
   out += "GPU includes activations, buffers, the CUDA context (" + GiB(s.cuda_context_bytes, 0) +
-         " GiB) and a 10% allocator margin. Assumptions and constants: --format json.\n";
+         " GiB) and a 10% allocator margin on activations and temporaries. Assumptions and "
+         "constants: --format json.\n";
   return out;
 }
 
 }  // namespace
+
+std::string SetupLine(const TrainingSetup& s, bool searched) {
+  std::string optimizer = std::string(OptimizerName(s.optimizer));
+  if (s.optimizer == Optimizer::kSgd && s.sgd_momentum > 0) {
+    char m[32];
+    std::snprintf(m, sizeof(m), "%g", s.sgd_momentum);
+    optimizer += std::string(" momentum ") + m;
+  }
+  optimizer += s.fused_optimizer ? " (fused)" : s.foreach ? " (foreach)" : " (for-loop)";
+  std::string out = "Training setup: " + std::string(PrecisionName(s.precision)) +
+                    (s.autocast ? " (torch.autocast)" : "") + ", " + optimizer;
+  if (searched) {
+    out += ", seq " + std::to_string(s.seq_len);
+  } else {
+    out += ", ZeRO-" + std::to_string(s.zero_stage) + " (offload optimizer " +
+           std::string(OffloadDeviceName(s.offload_optimizer)) + ", param " +
+           std::string(OffloadDeviceName(s.offload_param)) + "), micro-batch " +
+           std::to_string(s.micro_batch) + " x seq " + std::to_string(s.seq_len) +
+           ", grad-accum " + std::to_string(s.grad_accum) + ", checkpointing " +
+           std::string(CheckpointingName(s.checkpointing));
+  }
+  out += std::string(", flash attention ") + (s.flash_attention ? "on" : "off") + ", tp " +
+         std::to_string(s.tp) + (s.sequence_parallel ? " (sequence parallel)" : "");
+  if (s.lora_rank > 0) {
+    out += ", LoRA rank " + std::to_string(s.lora_rank) + (s.qlora ? " QLoRA" : "");
+  }
+  if (searched) out += "; searched: ZeRO stage, offload, checkpointing, micro-batch";
+  return out;
+}
 
 std::string WithThousands(uint64_t value) {
   std::string digits = std::to_string(value);
@@ -454,7 +475,8 @@ Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
 std::string FormatEstimateText(const Estimate& e) {
   const ModelSummary& m = e.model;
   const ModelCounts& c = m.counts;
-  std::string out = "Model: " + m.name;
+  std::string out = e.memory.has_value() ? SetupLine(e.memory->setup) + "\n" : std::string();
+  out += "Model: " + m.name;
   std::string kind = m.architecture;
   if (!m.model_type.empty()) kind += (kind.empty() ? "" : ", ") + m.model_type;
   if (!kind.empty()) out += " (" + kind + ")";

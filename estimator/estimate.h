@@ -65,6 +65,12 @@ nlohmann::json InventoryToJson(const ModelInventory& inventory, const ModelCount
 // Human-readable tensor table.
 std::string FormatInventoryText(const ModelInventory& inventory, const ModelCounts& counts);
 
+// The one-line summary of a training setup that every report prints first: precision,
+// optimizer and its implementation, ZeRO stage and offload, batch, sequence, accumulation,
+// checkpointing, attention, parallelism. `searched`: the planner's form, without the settings it
+// searches (stage, offload, checkpointing, micro-batch, accumulation).
+std::string SetupLine(const TrainingSetup& setup, bool searched = false);
+
 // 1234567 -> "1,234,567".
 std::string WithThousands(uint64_t value);
 

@@ -36,16 +36,31 @@ constexpr double kNf4Bits = 4.5;                // 4-bit codes + fp32 absmax per
 constexpr double kNf4DoubleQuantBits = 4.127;   // absmax quantised to 8 bits per 256 blocks
 constexpr double kAdam8bitBlock = 256;          // bitsandbytes block-wise quantisation block
 constexpr double kOverlapCommFactor = 4.5;      // DeepSpeed docs: overlap_comm ~4.5x buckets
-constexpr double kAllocatorMargin = 0.10;       // reserved over allocated (caching allocator)
+constexpr double kAllocatorMargin = 0.10;       // reserved over allocated, transients only
 constexpr double kLogitsForwardFp32Bytes = 8;   // fp32 logits + log-softmax output, per element
 constexpr double kLogitsBackwardBytes = 8;      // fp32 grads of log-probs and of the logits
 
+// Note [Allocator margin]
+// PyTorch's caching allocator reserves more than it hands out where blocks of changing sizes are
+// allocated and freed every step (activations, gradient temporaries, optimizer temporaries):
+// rounding and fragmentation. Model states that are allocated once at start-up as a few large
+// tensors (weights, master weights, optimizer states, gradient buffers, DeepSpeed's flat
+// buffers) reserve what they use. The margin is therefore 10% of the transient items of a phase,
+// not of its total.
+//
+// How an item is allocated, for the allocator margin (Note [Allocator margin]).
+enum class Alloc {
+  kOnce,       // a few large tensors allocated at start-up and kept: no fragmentation margin
+  kTransient,  // allocated and freed every step (activations, temporaries): margin applies
+};
+
 struct Builder {
   std::vector<MemoryItem> items;
+  std::vector<Alloc> allocs;  // parallel to items
   bool overflow = false;
 
   void Add(std::string name, std::string description, Wide gpu, Wide cpu, Wide nvme, Wide pinned,
-           unsigned phases) {
+           unsigned phases, Alloc alloc = Alloc::kOnce) {
     if (gpu > kMaxBytes || cpu > kMaxBytes || nvme > kMaxBytes || pinned > kMaxBytes) {
       overflow = true;
       return;
@@ -60,6 +75,7 @@ struct Builder {
     item.pinned_bytes = static_cast<uint64_t>(pinned);
     item.phases = phases;
     items.push_back(std::move(item));
+    allocs.push_back(alloc);
   }
 };
 
@@ -82,6 +98,8 @@ struct ParamFacts {
   Wide largest_trainable_tensor = 0;
   Wide lora = 0;             // adapter parameters
   Wide lora_persistent = 0;  // adapters at or under the persistence threshold
+  Wide lora_input_width = 0;  // summed input width of the adapted Linears, all layers
+  Wide largest_quantized = 0;  // QLoRA: the largest Linear weight stored in NF4
 };
 
 Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& setup) {
@@ -99,7 +117,10 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
                         t.name.size() > 7 && t.name.substr(t.name.size() - 7) == ".weight" &&
                         LastComponent(t.module).find("embedding") == std::string::npos &&
                         LastComponent(t.module).find("relative_attention_bias") == std::string::npos;
-    if (linear) f.quantizable += t.numel;
+    if (linear) {
+      f.quantizable += t.numel;
+      f.largest_quantized = std::max<Wide>(f.largest_quantized, t.numel);
+    }
     if (setup.lora_rank == 0) {
       f.factored += t.shape.size() >= 2 ? U(t.shape[0]) + U(t.numel / std::max<int64_t>(t.shape[0], 1))
                                         : static_cast<Wide>(t.numel);
@@ -112,6 +133,8 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
     // [in, out]): r * (in + out).
     const Wide a = r * U(t->shape[1]), b = r * U(t->shape[0]);
     f.lora += a + b;
+    // The input width: Linear weights are [out, in], GPT-2's Conv1D weights [in, out].
+    f.lora_input_width += U(inventory.model_type == "gpt2" ? t->shape[0] : t->shape[1]);
     for (Wide m : {a, b}) {
       if (m <= threshold) f.lora_persistent += m;
       f.largest_trainable_tensor = std::max(f.largest_trainable_tensor, m);
@@ -127,7 +150,7 @@ Wide OptimizerStateBytes(const TrainingSetup& s, Wide trainable, Wide factored) 
   switch (s.optimizer) {
     case Optimizer::kAdamW: return trainable * (pure ? 4 : 8);
     case Optimizer::kAdam8bit: return trainable * 2 + CeilDiv(trainable, static_cast<Wide>(kAdam8bitBlock)) * 2 * 4;
-    case Optimizer::kSgd:
+    case Optimizer::kSgd: return s.sgd_momentum > 0 ? trainable * (pure ? 2 : 4) : 0;
     case Optimizer::kLion: return trainable * (pure ? 2 : 4);
     case Optimizer::kAdafactor: return trainable * (pure ? 2 : 4) + factored * 4;
   }
@@ -149,7 +172,17 @@ struct Activations {
 // that changes activations (attention widths that differ from heads x head_dim, shared experts,
 // sliding-window attention, ...) goes into ArchitectureInfo, then LayerShape, is mapped here, and
 // is counted in LayerActivationBytes; nothing else reads ArchitectureInfo for activations.
-LayerShape ShapeFor(const ArchitectureInfo& a, const TrainingSetup& s, int64_t seq) {
+// Families whose Transformers norm upcasts the hidden states to fp32 before normalising and
+// multiplies the weight in after (LlamaRMSNorm and its copies: mistral, mixtral, qwen2, gemma;
+// T5LayerNorm computes its variance in fp32 the same way).
+bool UpcastingNorm(const std::string& model_type) {
+  return model_type == "llama" || model_type == "mistral" || model_type == "mixtral" ||
+         model_type == "qwen2" || model_type == "gemma" || model_type == "t5";
+}
+
+LayerShape ShapeFor(const ModelInventory& inventory, const TrainingSetup& s, int64_t seq,
+                    const ParamFacts& f) {
+  const ArchitectureInfo& a = *inventory.arch;
   LayerShape l;
   l.seq = l.kv_seq = seq;
   l.batch = s.micro_batch;
@@ -164,22 +197,31 @@ LayerShape ShapeFor(const ArchitectureInfo& a, const TrainingSetup& s, int64_t s
   l.hidden_dropout = a.hidden_dropout > 0;
   l.attention_dropout = a.attention_dropout > 0;
   l.tp = s.tp;
+  l.sequence_parallel = s.sequence_parallel && s.tp > 1;
+  const bool sixteen_bit = s.precision != Precision::kFp32;
+  l.norm_fp32 = sixteen_bit && UpcastingNorm(inventory.model_type);
+  l.frozen_linears = s.lora_rank > 0;
+  l.quantized_linears = s.lora_rank > 0 && s.qlora;
+  l.norm_keeps_normalized = UpcastingNorm(inventory.model_type) && !l.frozen_linears;
+  const Wide layers = U(std::max<int64_t>(a.layers + a.decoder_layers, 1));
+  l.adapter_input_width = static_cast<int64_t>(CeilDiv(f.lora_input_width, layers));
   return l;
 }
 
-Activations CountActivations(const ModelInventory& inventory, const TrainingSetup& s) {
+Activations CountActivations(const ModelInventory& inventory, const TrainingSetup& s,
+                             const ParamFacts& f) {
   const ArchitectureInfo& a = *inventory.arch;
   const int e = s.precision == Precision::kFp32 ? 4 : 2;
   const int64_t seq = s.SeqLenFor(&a);
   Activations out;
-  LayerShape self = ShapeFor(a, s, seq);
+  LayerShape self = ShapeFor(inventory, s, seq, f);
   LayerShape dec = self;
   dec.cross_attention = a.encoder_decoder;
   const Wide enc_layer = LayerActivationBytes(self, e, s.flash_attention, s.checkpointing);
   const Wide dec_layer = LayerActivationBytes(dec, e, s.flash_attention, s.checkpointing);
   const Wide sbh = U(seq) * U(s.micro_batch) * U(a.hidden);
   // Per stack, outside the layers: the embedding dropout mask and the final norm's input.
-  const Wide stack_extra = sbh * e + (a.embedding_dropout > 0 ? sbh : 0);
+  const Wide stack_extra = sbh * (self.norm_fp32 ? 4 : e) + (a.embedding_dropout > 0 ? sbh : 0);
   if (a.encoder_decoder) {
     // Encoder stack, decoder stack, and the encoder output every cross-attention reads.
     out.saved = U(a.layers) * enc_layer + U(a.decoder_layers) * dec_layer + 2 * stack_extra +
@@ -251,34 +293,47 @@ uint64_t LayerActivationBytes(const LayerShape& l, int elem_bytes, bool flash,
     Wide per = e + (l.attention_dropout ? static_cast<Wide>(kDropoutMaskBytes) + e : 0);
     return per * U(l.heads) * s * kv_seq * b / t;
   };
-  const bool keep_core = checkpointing == Checkpointing::kNone || flash;
-  // Replicated across tensor-parallel ranks: the norm inputs, the inputs of the first Linear of
-  // each block, and the dropout masks after each block.
-  // Self-attention: norm input, QKV input, Q, K, V, output-projection input, dropout mask.
-  Wide replicated = 2 * e * sbh + mask * sbh;
-  Wide sharded = e * s * b * (q_width + 2 * kv_width + q_width);
+  // Megatron's selective recompute drops the core attention (flash or not) and recomputes it.
+  const bool keep_core = checkpointing == Checkpointing::kNone;
+  // A Linear keeps its input only for its weight's gradient: not when the weight is frozen
+  // (LoRA), unless bitsandbytes' 4-bit matmul keeps it anyway (QLoRA).
+  const bool linear_inputs = !l.frozen_linears || l.quantized_linears;
+  const Wide lin = linear_inputs ? e : 0;
+  // Each norm keeps its input (in fp32 when it upcasts), the normalised tensor when its weight
+  // trains and upcasts, and the following Linear's input.
+  const Wide norm = (l.norm_fp32 ? 4 : e) + (l.norm_keeps_normalized ? e : 0) + lin;
+  // Replicated across tensor-parallel ranks (split with sequence parallelism): the norm and
+  // first-Linear inputs of each block and the dropout masks after each block.
+  // Self-attention: norm, QKV input, Q, K, V, output-projection input (flash attention keeps it
+  // as its output in any case), dropout mask.
+  const Wide out_proj = flash || linear_inputs ? e : 0;
+  Wide replicated = norm * sbh + mask * sbh;
+  Wide sharded = e * s * b * (q_width + 2 * kv_width) + out_proj * s * b * q_width;
   Wide core_bytes = core(U(l.kv_seq));
   if (l.cross_attention) {
-    // Encoder-decoder attention: norm input, Q input, Q, K and V over the encoder sequence,
+    // Encoder-decoder attention: norm, Q input, Q, K and V over the encoder sequence,
     // output-projection input, dropout mask; its scores are s x kv_seq.
     const Wide kv_s = U(l.kv_seq);
-    replicated += 2 * e * sbh + mask * sbh;
-    sharded += e * b * (s * q_width + 2 * kv_s * kv_width + s * q_width);
+    replicated += norm * sbh + mask * sbh;
+    sharded += e * b * (s * q_width + 2 * kv_s * kv_width) + out_proj * b * s * q_width;
     core_bytes += core(kv_s);
   }
-  // MLP: norm input, first-Linear input, then per token the activation's input and output
-  // (gated: gate, up, act(gate) and the product), dropout mask. MoE: each token's MLP runs in
-  // top-k experts, with the token copied in and out of each, and the router's fp32 logits and
-  // probabilities.
-  replicated += 2 * e * sbh + mask * sbh;
-  Wide mlp = e * s * b * U(l.ffn) * (l.gated ? 4 : 2);
+  // MLP: norm, first-Linear input, then per token the activation's input and output (gated:
+  // gate, up, act(gate) and the product, which is the second Linear's input), dropout mask. MoE:
+  // each token's MLP runs in top-k experts, with the token copied in and out of each, and the
+  // router's fp32 logits and probabilities.
+  replicated += norm * sbh + mask * sbh;
+  Wide mlp = s * b * U(l.ffn) * ((l.gated ? 3 : 1) * e + lin);
   if (l.experts > 0) {
     const Wide k = U(std::max<int64_t>(l.top_k, 1));
     mlp *= k;
     replicated += 2 * e * k * sbh + 2 * 4 * s * b * U(l.experts);
   }
   sharded += mlp;
-  Wide total = replicated + sharded / t + (keep_core ? core_bytes : 0);
+  // LoRA adapters (PEFT / Lit-GPT LoRALinear): lora_dropout's mask and output, lora_A's input.
+  replicated += (static_cast<Wide>(kDropoutMaskBytes) + e) * s * b * U(l.adapter_input_width);
+  Wide total = (l.sequence_parallel ? replicated / t : replicated) + sharded / t +
+               (keep_core ? core_bytes : 0);
   return Saturate(total);
 }
 
@@ -298,8 +353,11 @@ struct ItemContext {
   const ParamFacts& f;
   Activations act;
   bool lora = false;
-  bool mixed = false;
-  Wide w = 2;  // bytes of working parameters, gradients and activations
+  bool mixed = false;   // fp16-mixed or bf16-mixed
+  bool master = false;  // mixed precision with 16-bit working weights and an fp32 master copy
+  Wide w = 2;           // bytes of activations (and of DeepSpeed's working weights)
+  Wide param_bytes = 2;  // bytes of a working parameter (fp32 under autocast)
+  Wide grad_bytes = 2;   // bytes of a gradient element (fp32 under autocast)
   Wide t = 1, d = 1, g = 1;  // tensor-parallel degree, data-parallel degree, GPUs per node
   Wide trainable = 0;
   Wide frozen_quantized = 0;  // QLoRA: parameters stored in NF4
@@ -323,16 +381,18 @@ struct ItemContext {
       case OffloadDevice::kNvme: *nvme = per_rank * g; break;
     }
   }
+  bool Offloaded() const { return s.offload_optimizer != OffloadDevice::kNone; }
 };
 
 constexpr unsigned kFwdBwd = kPhaseForward | kPhaseBackward | kPhaseBackwardEnd;
 
-// params_working, params_quantized. The working copy of every parameter (16-bit in mixed and pure
-// precision, fp32 in fp32), adapters included, QLoRA's quantised Linears excluded. ZeRO-3
-// partitions each over the data-parallel group and keeps tensors of at most
-// stage3_param_persistence_threshold elements whole on every GPU (deepspeed/runtime/zero/
-// partition_parameters.py, Init._partition_param; stage3.py persistent_parameters); offload_param
-// moves the partitions to host memory or NVMe (partitioned_param_swapper.py). All phases.
+// params_working, params_quantized, autocast_weight_copies. The working copy of every parameter
+// (16-bit in mixed and pure precision, fp32 in fp32 and under autocast), adapters included,
+// QLoRA's quantised Linears excluded. ZeRO-3 partitions each over the data-parallel group and
+// keeps tensors of at most stage3_param_persistence_threshold elements whole on every GPU
+// (deepspeed/runtime/zero/partition_parameters.py, Init._partition_param; stage3.py
+// persistent_parameters); offload_param moves the partitions to host memory or NVMe
+// (partitioned_param_swapper.py). All phases.
 Status ParamsWorking(const ItemContext& c, Builder* out) {
   const TrainingSetup& s = c.s;
   const Wide plain = c.f.total - c.frozen_quantized + c.f.lora;
@@ -357,10 +417,18 @@ Status ParamsWorking(const ItemContext& c, Builder* out) {
       gpu += shard;
     }
   } else {
-    gpu = c.TpShare(plain) * c.w;
+    gpu = c.TpShare(plain) * c.param_bytes;
   }
-  out->Add("params_working", "parameters, " + c.half + " working copy" + how, gpu, cpu, nvme,
-           pinned, kAllPhases);
+  out->Add("params_working",
+           "parameters, " + std::string(s.autocast ? "fp32" : c.half) + " working copy" + how, gpu,
+           cpu, nvme, pinned, kAllPhases);
+  if (s.autocast) {
+    // torch.autocast casts each weight to 16-bit when an op uses it and keeps the copy in its
+    // cast cache for the rest of the forward pass; backward keeps it for the input gradient
+    // (torch/csrc/autograd/autocast: cached_cast).
+    out->Add("autocast_weight_copies", "16-bit copies of the weights made by torch.autocast",
+             c.TpShare(c.f.total) * 2, 0, 0, 0, kPhaseForward | kPhaseBackward, Alloc::kTransient);
+  }
   if (c.frozen_quantized > 0) {
     // bitsandbytes Params4bit: 4-bit codes plus the quantisation state (absmax per 64 weights).
     const Wide q = Scale(c.Part(c.frozen_quantized, 3), c.nf4_bits / 8);
@@ -368,57 +436,103 @@ Status ParamsWorking(const ItemContext& c, Builder* out) {
              "frozen base Linears in NF4 (" + std::string(s.double_quant ? "4.127" : "4.5") +
                  " bits per parameter)",
              q, 0, 0, 0, kAllPhases);
+    // bitsandbytes MatMul4Bit.forward/backward dequantise each weight to a 16-bit copy for the
+    // matmul (F.dequantize_4bit(B, quant_state).to(A.dtype)); one Linear at a time.
+    out->Add("qlora_dequant_workspace",
+             "16-bit copy of the Linear being dequantised (bitsandbytes MatMul4Bit)",
+             c.TpShare(c.f.largest_quantized) * c.w, 0, 0, 0,
+             kPhaseForward | kPhaseBackward, Alloc::kTransient);
   }
   return Status::Ok();
 }
 
 // params_master. Mixed precision keeps fp32 master weights of the trainable parameters in the
 // optimizer's partition (DeepSpeed stage_1_and_2.py single_partition_of_fp32_groups, stage3.py
-// fp32_partitioned_groups_flat), on the optimizer's device. All phases.
+// fp32_partitioned_groups_flat), on the optimizer's device. Not under autocast, whose weights are
+// fp32 already. All phases.
 Status ParamsMaster(const ItemContext& c, Builder* out) {
-  if (!c.mixed) return Status::Ok();
+  if (!c.master) return Status::Ok();
   Wide gpu = 0, cpu = 0, nvme = 0;
   c.PlaceOptimizer(c.Part(c.trainable, 1) * 4, &gpu, &cpu, &nvme);
   out->Add("params_master",
            "fp32 master weights of the trainable parameters" +
                std::string(c.s.zero_stage >= 1 ? ", ZeRO-partitioned" : "") +
-               (c.s.offload_optimizer == OffloadDevice::kNone ? "" : ", on " + c.opt_where),
+               (c.Offloaded() ? ", on " + c.opt_where : ""),
            gpu, cpu, nvme, 0, kAllPhases);
   return Status::Ok();
 }
 
-// grads, grads_fp32, grad_accum_buffer. Without optimizer offload: the gradient (partition from
-// ZeRO-2 on) in the working dtype, kept across steps (Note [Gradient storage]), plus in mixed
-// precision an fp32 copy of the partition for the step. With optimizer offload: each reduced
-// gradient partition is copied into an fp32 buffer in host memory (stage_1_and_2.py
-// async_accumulate_grad_in_cpu_via_gpu / stage3.py fp32 grad partitions), and with parameter
-// offload and accumulation a 16-bit accumulation buffer in host memory.
+// grads, grads_fp32. Note [Gradient storage]. Without optimizer offload: the gradient (its
+// partition from ZeRO-2 on) in the working dtype, plus in mixed precision the fp32 copy the
+// optimizer steps on: the whole partition for ZeRO-0/1/2 (stage_1_and_2.py
+// single_partition_of_fp32_groups[i].grad), one sub-group at a time for ZeRO-3, which flattens a
+// sub-group's 16-bit gradients, converts them to fp32, steps and frees them
+// (stage3.py _prepare_fp32_grad_for_sub_group / _release_sub_group).
+// With optimizer offload, ZeRO-3 keeps the 16-bit gradient partition in host memory
+// (stage3.py grad_partitions_flat_buffer on the offload device, pinned with pin_memory) and
+// converts each reduced partition to fp32 on the way: into an fp32 buffer per sub-group in host
+// memory for offload_optimizer cpu, swapped out to NVMe for nvme
+// (stage3.py partition_grads -> optimizer_swapper.swap_out_gradients). ZeRO-1/2 copy the reduced
+// partition into an fp32 gradient buffer in host memory (stage_1_and_2.py
+// async_accumulate_grad_in_cpu_via_gpu).
 Status Grads(const ItemContext& c, Builder* out) {
   const TrainingSetup& s = c.s;
-  if (s.offload_optimizer == OffloadDevice::kNone) {
-    out->Add("grads", c.half + " gradients of the trainable parameters" +
-                          std::string(s.zero_stage >= 2 ? ", ZeRO-partitioned" : ""),
-             c.Part(c.trainable, 2) * c.w, 0, 0, 0, kAllPhases);
-    if (c.mixed) {
+  if (!c.Offloaded()) {
+    out->Add("grads",
+             std::string(s.autocast ? "fp32" : c.half) + " gradients of the trainable parameters" +
+                 std::string(s.zero_stage >= 2 ? ", ZeRO-partitioned" : ""),
+             c.Part(c.trainable, 2) * c.grad_bytes, 0, 0, 0, kAllPhases);
+    if (!c.master) return Status::Ok();
+    if (s.zero_stage == 3) {
+      const Wide sub_group = std::min(U(s.sub_group_size), c.Part(c.trainable, 1));
+      out->Add("grads_fp32",
+               "one sub-group's gradients flattened (" + c.half +
+                   ") and converted to fp32 for the step: min(sub_group_size, partition) x " +
+                   std::to_string(static_cast<uint64_t>(4 + c.w)) + " bytes",
+               sub_group * (4 + c.w), 0, 0, 0, kPhaseOptimizerStep, Alloc::kTransient);
+    } else {
       out->Add("grads_fp32",
                "fp32 copy of the gradient partition the optimizer steps on (step transient)",
-               c.Part(c.trainable, 1) * 4, 0, 0, 0, kPhaseOptimizerStep);
+               c.Part(c.trainable, 1) * 4, 0, 0, 0, kPhaseOptimizerStep, Alloc::kTransient);
     }
     return Status::Ok();
   }
-  const Wide cpu = c.Part(c.trainable, 1) * 4 * c.g;
-  out->Add("grads_fp32", "fp32 gradient partitions in host memory (offloaded optimizer)", 0, cpu, 0,
-           s.pin_memory ? cpu : 0, kAllPhases);
-  if (s.grad_accum > 1 && s.offload_param == OffloadDevice::kCpu) {
-    const Wide acc = c.Part(c.trainable, 1) * 2 * c.g;
-    out->Add("grad_accum_buffer", "16-bit gradient accumulation buffer in host memory", 0, acc, 0,
-             s.pin_memory ? acc : 0, kAllPhases);
+  const Wide partition = c.Part(c.trainable, 1);
+  if (s.zero_stage == 3) {
+    const Wide half = partition * c.w * c.g;
+    out->Add("grads", c.half + " gradient partitions in host memory (ZeRO-3 with offloaded optimizer)",
+             0, half, 0, s.pin_memory ? half : 0, kAllPhases);
+  }
+  const Wide fp32 = partition * 4 * c.g;
+  if (s.zero_stage == 3 && s.offload_optimizer == OffloadDevice::kNvme) {
+    out->Add("grads_fp32", "fp32 gradient partitions swapped out to NVMe with the optimizer state",
+             0, 0, fp32, 0, kAllPhases);
+  } else {
+    out->Add("grads_fp32", "fp32 gradient partitions in host memory (offloaded optimizer)", 0,
+             fp32, 0, s.pin_memory ? fp32 : 0, kAllPhases);
   }
   return Status::Ok();
 }
 
+// ddp_grad_buckets. torch DistributedDataParallel's reducer allocates flat buckets covering every
+// gradient when it is built; unless gradient_as_bucket_view, the parameters' .grad tensors are
+// separate and the buckets are a second copy (torch/nn/parallel/distributed.py,
+// gradient_as_bucket_view: "the saved memory size will be equal to the total gradients size").
+// ZeRO-0 on more than one data-parallel rank. All phases.
+Status DdpBuckets(const ItemContext& c, Builder* out) {
+  const TrainingSetup& s = c.s;
+  if (s.zero_stage != 0 || s.DataParallel() <= 1 || s.gradient_as_bucket_view) {
+    return Status::Ok();
+  }
+  out->Add("ddp_grad_buckets",
+           "DDP gradient buckets, a second copy of the gradients (gradient_as_bucket_view off)",
+           c.TpShare(c.trainable) * c.grad_bytes, 0, 0, 0, kAllPhases);
+  return Status::Ok();
+}
+
 // optimizer_states. The optimizer's state tensors for the trainable partition (torch.optim's
-// state dict; DeepSpeed's partitioned optimizer), on the optimizer's device. All phases.
+// state dict; DeepSpeed's partitioned optimizer), on the optimizer's device. SGD keeps a momentum
+// buffer only with momentum > 0 (torch/optim/sgd.py). All phases.
 Status OptimizerStates(const ItemContext& c, Builder* out) {
   const TrainingSetup& s = c.s;
   Wide gpu = 0, cpu = 0, nvme = 0;
@@ -428,34 +542,49 @@ Status OptimizerStates(const ItemContext& c, Builder* out) {
   out->Add("optimizer_states",
            std::string(OptimizerName(s.optimizer)) + " states" +
                (s.zero_stage >= 1 ? ", ZeRO-partitioned" : "") +
-               (s.offload_optimizer == OffloadDevice::kNone ? "" : ", on " + c.opt_where),
+               (c.Offloaded() ? ", on " + c.opt_where : ""),
            gpu, cpu, nvme, 0, kAllPhases);
   return Status::Ok();
 }
 
-// optimizer_step_transient. PyTorch's foreach AdamW/Lion materialise one state-sized temporary
-// per step (torch/optim/adamw.py _multi_tensor_adamw); DeepSpeed's fused and CPU optimizers
-// (ZeRO >= 1) update in place. Optimizer step only.
+// optimizer_step_transient. A PyTorch optimizer on the GPU (ZeRO-0): torch/optim/adam.py
+// _multi_tensor_adam (foreach, PyTorch's default on CUDA) builds exp_avg_sq_sqrt for every
+// parameter at once, one state-sized tensor set; _single_tensor_adam (foreach=False) builds it one
+// tensor at a time (sqrt, then the division: two temporaries of the largest tensor); the fused
+// kernel (fused=True) updates in place. SGD updates in place (torch/optim/sgd.py, no weight
+// decay). DeepSpeed's optimizers (ZeRO >= 1: FusedAdam, CPU Adam) update in place.
 Status OptimizerStepTransient(const ItemContext& c, Builder* out) {
   const TrainingSetup& s = c.s;
+  if (s.zero_stage != 0 || s.fused_optimizer) return Status::Ok();
+  const Wide state_elem = s.precision == Precision::kBf16Pure ? 2 : 4;
   Wide transient = 0;
-  if (s.zero_stage == 0) {
-    const Wide state_elem = s.precision == Precision::kBf16Pure ? 2 : 4;
-    if (s.optimizer == Optimizer::kAdamW || s.optimizer == Optimizer::kLion) {
-      transient = c.TpShare(c.trainable) * state_elem;
-    } else if (s.optimizer == Optimizer::kAdafactor) {
+  std::string how;
+  switch (s.optimizer) {
+    case Optimizer::kAdamW:
+    case Optimizer::kLion:
+      if (s.foreach) {
+        transient = c.TpShare(c.trainable) * state_elem;
+        how = "torch foreach: one state-sized tensor set";
+      } else {
+        transient = 2 * c.f.largest_trainable_tensor * state_elem;
+        how = "per-tensor loop: two temporaries of the largest tensor";
+      }
+      break;
+    case Optimizer::kAdafactor:
       transient = 2 * 4 * c.f.largest_trainable_tensor;
-    }
+      how = "factored update of the largest tensor";
+      break;
+    case Optimizer::kSgd:
+    case Optimizer::kAdam8bit: break;
   }
-  out->Add("optimizer_step_transient",
-           "temporaries of the optimizer step (torch foreach: one state-sized tensor set)",
-           transient, 0, 0, 0, kPhaseOptimizerStep);
+  out->Add("optimizer_step_transient", "temporaries of the optimizer step (" + how + ")",
+           transient, 0, 0, 0, kPhaseOptimizerStep, Alloc::kTransient);
   return Status::Ok();
 }
 
 // nvme_optimizer_swap_buffers. ZeRO-Infinity's optimizer swapper stages sub-groups through
-// buffer_count pinned fp32 buffers of min(sub_group_size, partition) elements
-// (deepspeed/runtime/swap_tensor/optimizer_utils.py, SwapBufferPool). All phases.
+// buffer_count pinned fp32 buffers of the largest sub-group (min(sub_group_size, partition))
+// (deepspeed/runtime/swap_tensor/optimizer_utils.py, SwapBufferManager). All phases.
 Status NvmeOptimizerSwapBuffers(const ItemContext& c, Builder* out) {
   if (c.s.offload_optimizer != OffloadDevice::kNvme) return Status::Ok();
   const Wide sub_group = std::min(U(c.s.sub_group_size), c.Part(c.trainable, 1));
@@ -486,41 +615,49 @@ Status NvmeParamSwapBuffers(const ItemContext& c, Builder* out) {
 Status ActivationItems(const ItemContext& c, Builder* out) {
   const TrainingSetup& s = c.s;
   const Activations& act = c.act;
+  const Alloc tr = Alloc::kTransient;
   out->Add("activations",
            "saved activations, " + std::to_string(c.arch.layers + c.arch.decoder_layers) +
                " layers (" + std::string(CheckpointingName(s.checkpointing)) + " checkpointing" +
                (s.flash_attention ? ", flash attention" : "") + ")",
-           act.saved, 0, 0, 0, kPhaseForward | kPhaseBackward);
+           act.saved, 0, 0, 0, kPhaseForward | kPhaseBackward, tr);
   out->Add("activation_recompute", "one layer's recomputed activations during its backward pass",
-           act.recompute, 0, 0, 0, kPhaseBackward);
+           act.recompute, 0, 0, 0, kPhaseBackward, tr);
   out->Add("backward_workspace", "gradient temporaries of the layer in backward", act.workspace, 0,
-           0, 0, kPhaseBackward | kPhaseBackwardEnd);
+           0, 0, kPhaseBackward | kPhaseBackwardEnd, tr);
   out->Add("logits_and_loss",
            "logits b*s*V (" + c.half + " and fp32) and the log-softmax kept by the loss",
-           act.logits_forward, 0, 0, 0, kPhaseForward | kPhaseBackward);
+           act.logits_forward, 0, 0, 0, kPhaseForward | kPhaseBackward, tr);
   out->Add("logits_grad", "fp32 gradients of the log-probabilities and logits",
-           act.logits_backward, 0, 0, 0, kPhaseBackward);
+           act.logits_backward, 0, 0, 0, kPhaseBackward, tr);
   return Status::Ok();
 }
 
-// comm_reduce_bucket, comm_allgather_bucket. ZeRO's gradient reduce buckets during backward and
-// (stages 1-2) the parameter all-gather buckets after the step, x4.5 with overlap_comm (the
-// Hugging Face DeepSpeed guide's rule).
+// comm_reduce_bucket, comm_allgather_bucket. ZeRO-3 allocates one flat gradient bucket of
+// reduce_bucket_size elements per gradient dtype at start-up when contiguous_gradients is on, its
+// default (stage3.py _setup_for_real_optimizer, the IPG bucket buffer). ZeRO-1/2: the gradient
+// reduce buckets during backward and the parameter all-gather buckets after the step, x4.5 with
+// overlap_comm (the Hugging Face DeepSpeed guide's rule for ZeRO-2).
 Status CommBuckets(const ItemContext& c, Builder* out) {
   const TrainingSetup& s = c.s;
   if (s.zero_stage < 1) return Status::Ok();
+  const Wide reduce_elems = std::min(U(s.reduce_bucket_size), c.TpShare(c.trainable));
+  if (s.zero_stage == 3) {
+    out->Add("comm_reduce_bucket",
+             "flat gradient bucket of reduce_bucket_size elements (contiguous_gradients)",
+             reduce_elems * c.w, 0, 0, 0, kAllPhases);
+    return Status::Ok();
+  }
   const double factor = s.OverlapComm() ? kOverlapCommFactor : 1.0;
-  const Wide reduce = Scale(std::min(U(s.reduce_bucket_size), c.TpShare(c.trainable)) * c.w, factor);
   out->Add("comm_reduce_bucket",
            "gradient reduce buckets (reduce_bucket_size" +
                std::string(s.OverlapComm() ? " x 4.5 with overlap_comm" : "") + ")",
-           reduce, 0, 0, 0, kPhaseBackward | kPhaseBackwardEnd);
-  if (s.zero_stage <= 2) {
-    const Wide gather =
-        Scale(std::min(U(s.allgather_bucket_size), c.TpShare(c.f.total + c.f.lora)) * c.w, factor);
-    out->Add("comm_allgather_bucket", "parameter all-gather buckets after the step", gather, 0, 0,
-             0, kPhaseOptimizerStep);
-  }
+           Scale(reduce_elems * c.w, factor), 0, 0, 0, kPhaseBackward | kPhaseBackwardEnd,
+           Alloc::kTransient);
+  const Wide gather =
+      Scale(std::min(U(s.allgather_bucket_size), c.TpShare(c.f.total + c.f.lora)) * c.w, factor);
+  out->Add("comm_allgather_bucket", "parameter all-gather buckets after the step", gather, 0, 0, 0,
+           kPhaseOptimizerStep, Alloc::kTransient);
   return Status::Ok();
 }
 
@@ -538,13 +675,13 @@ Status Zero3Buffers(const ItemContext& c, Builder* out) {
   out->Add("zero3_live_params",
            "gathered parameters of the current block plus the prefetch bucket "
            "(stage3_prefetch_bucket_size), capped by stage3_max_live_parameters",
-           live * c.w, 0, 0, 0, kFwdBwd);
+           live * c.w, 0, 0, 0, kFwdBwd, Alloc::kTransient);
   const Wide block_trainable =
       c.lora ? CeilDiv(c.TpShare(c.f.lora),
                        U(std::max<int64_t>(c.arch.layers + c.arch.decoder_layers, 1)))
              : block;
   out->Add("zero3_block_grads", "full gradients of the current block before reduce-scatter",
-           block_trainable * c.w, 0, 0, 0, kPhaseBackward | kPhaseBackwardEnd);
+           block_trainable * c.w, 0, 0, 0, kPhaseBackward | kPhaseBackwardEnd, Alloc::kTransient);
   return Status::Ok();
 }
 
@@ -556,9 +693,11 @@ struct ItemRule {
 // Every item of the model, in report order (cuda_context and allocator_margin are added with the
 // phase totals).
 constexpr ItemRule kItemRules[] = {
-    {"params_working, params_quantized", ParamsWorking},
+    {"params_working, autocast_weight_copies, params_quantized, qlora_dequant_workspace",
+     ParamsWorking},
     {"params_master", ParamsMaster},
-    {"grads, grads_fp32, grad_accum_buffer", Grads},
+    {"grads, grads_fp32", Grads},
+    {"ddp_grad_buckets", DdpBuckets},
     {"optimizer_states", OptimizerStates},
     {"optimizer_step_transient", OptimizerStepTransient},
     {"nvme_optimizer_swap_buffers", NvmeOptimizerSwapBuffers},
@@ -577,15 +716,17 @@ void TotalPhases(const ItemContext& c, Builder* out, MemoryEstimate* m) {
   for (Phase phase : kPhases) {
     PhaseTotals totals;
     totals.phase = PhaseName(phase);
-    Wide gpu = 0, cpu = 0, nvme = 0, pinned = 0;
-    for (const MemoryItem& item : out->items) {
+    Wide gpu = 0, cpu = 0, nvme = 0, pinned = 0, transient = 0;
+    for (size_t i = 0; i < out->items.size(); ++i) {
+      const MemoryItem& item = out->items[i];
       if ((item.phases & phase) == 0) continue;
+      if (out->allocs[i] == Alloc::kTransient) transient += item.gpu_bytes;
       gpu += item.gpu_bytes;
       cpu += item.cpu_bytes;
       nvme += item.nvme_bytes;
       pinned += item.pinned_bytes;
     }
-    const Wide margin = Scale(gpu, kAllocatorMargin);
+    const Wide margin = Scale(transient, kAllocatorMargin);
     totals.gpu_allocated_bytes = Saturate(gpu);
     totals.gpu_bytes = Saturate(gpu + margin + context);
     totals.cpu_bytes = Saturate(cpu);
@@ -604,7 +745,8 @@ void TotalPhases(const ItemContext& c, Builder* out, MemoryEstimate* m) {
   out->Add("cuda_context", "CUDA context, runtime and kernels (per GPU process)", context, 0, 0, 0,
            kAllPhases);
   out->Add("allocator_margin",
-           "caching-allocator rounding and fragmentation: 10% of allocated bytes at the peak phase",
+           "caching-allocator rounding and fragmentation: 10% of the activations and "
+           "temporaries at the peak phase",
            peak_margin, 0, 0, 0, kAllPhases);
 }
 
@@ -629,8 +771,11 @@ std::vector<ModelConstant> Constants(const ItemContext& c, const TrainingSetup& 
        "lion 4, adafactor 4 + factored rows/cols; halved states in bf16-pure (REFERENCE 4)"},
       {"nf4_bits_per_param", c.frozen_quantized > 0 ? c.nf4_bits : 0.0, "bits",
        "QLoRA NF4: 4-bit codes + fp32 absmax per 64 (4.5); double quantisation 4.127"},
-      {"overlap_comm_factor", s.zero_stage >= 1 && s.OverlapComm() ? kOverlapCommFactor : 1.0,
-       "x bucket bytes", "DeepSpeed/HF docs: overlap_comm uses about 4.5x the bucket sizes"},
+      {"overlap_comm_factor",
+       s.zero_stage >= 1 && s.zero_stage <= 2 && s.OverlapComm() ? kOverlapCommFactor : 1.0,
+       "x bucket bytes",
+       "ZeRO-1/2: the Hugging Face DeepSpeed guide's overlap_comm rule (about 4.5x the bucket "
+       "sizes); ZeRO-3 allocates one flat reduce bucket (stage3.py IPG buffer)"},
       {"logits_forward_bytes",
        act.logits_forward > 0 ? kLogitsForwardFp32Bytes + (fp32 ? 0 : 2) : 0.0, "bytes per logit",
        "compute-dtype logits, fp32 upcast and log-softmax kept by the loss"},
@@ -638,9 +783,9 @@ std::vector<ModelConstant> Constants(const ItemContext& c, const TrainingSetup& 
        "bytes per logit", "fp32 gradients of log-probabilities and logits at backward start"},
       {"cuda_context_bytes", static_cast<double>(s.cuda_context_bytes), "bytes",
        "measured 1,343 MiB on a V100 (Hugging Face, model memory anatomy); GPU/driver dependent"},
-      {"allocator_margin_fraction", kAllocatorMargin, "of allocated",
+      {"allocator_margin_fraction", kAllocatorMargin, "of activations and temporaries",
        "PyTorch caching allocator: reserved exceeds allocated by block rounding and "
-       "fragmentation, typically 5-30%"},
+       "fragmentation where blocks come and go every step; start-up model states excluded"},
       {"seq_len", static_cast<double>(s.seq_len), "tokens",
        input.seq_len > 0 ? "given" : "default: min(max_position_embeddings, 2048), else 512"},
   };
@@ -652,8 +797,8 @@ std::vector<std::string> Notes(const ItemContext& c) {
       "recompute; end of backward; optimizer step), per tier; the GPU peak's phase is reported.",
       "Activations per layer follow Korthikanti et al. 2022 (sbh(34 + 5as/h) for a GPT-3 layer), "
       "with each term derived from the model: GQA key/value width, gated MLP (4 f-wide tensors), "
-      "MoE top-k, dropout masks only where dropout is on, flash attention, tensor parallelism "
-      "without sequence parallelism.",
+      "MoE top-k, dropout masks only where dropout is on, flash attention, tensor and sequence "
+      "parallelism.",
       "Gradients are counted in every phase (DeepSpeed keeps its gradient partitions allocated; "
       "accumulation carries them through the forward pass).",
       "Tensor parallelism divides all parameters by tp (norms and biases are in fact replicated).",
@@ -661,15 +806,81 @@ std::vector<std::string> Notes(const ItemContext& c) {
       "CPU, NVMe and pinned bytes are per node (all local ranks); GPU bytes are per GPU. Model "
       "loading (a full copy per rank without zero.Init) is not included.",
   };
-  if (c.s.zero_stage == 0 && c.mixed) {
+  if (c.s.zero_stage == 0 && c.master) {
     notes.push_back(
         "ZeRO-0 in mixed precision is counted like DeepSpeed's: 16-bit working weights and "
-        "gradients plus fp32 master weights (torch.autocast keeps fp32 weights and gradients and "
-        "a 16-bit weight copy instead: about the same total).");
+        "gradients plus fp32 master weights (--autocast counts torch.autocast over fp32 "
+        "parameters instead).");
+  }
+  const TrainingSetup& s = c.s;
+  notes.push_back(
+      "The allocator margin (10%) applies to activations and per-step temporaries only; model "
+      "states allocated once at start-up are counted as allocated (Note [Allocator margin]).");
+  if (UpcastingNorm(c.inventory.model_type) && s.precision != Precision::kFp32) {
+    notes.push_back(
+        "The norms keep their input in fp32 (Transformers' LlamaRMSNorm and its copies upcast "
+        "before normalising), and the normalised tensor when their weight trains.");
   }
   if (c.lora) {
-    notes.push_back("LoRA: only the adapters (" + std::to_string(static_cast<uint64_t>(c.f.lora)) +
-                    " parameters) train; activations are counted as for full fine-tuning.");
+    notes.push_back(
+        "LoRA: only the adapters (" + std::to_string(static_cast<uint64_t>(c.f.lora)) +
+        " parameters) train; the frozen Linears keep no input for a weight gradient (autograd's "
+        "mm saves its input only when the weight requires grad), each adapter keeps its dropout "
+        "mask and input" +
+        (s.qlora ? "; bitsandbytes' MatMul4Bit keeps every quantised Linear's input "
+                   "(ctx.tensors = (A, B)) and dequantises one 16-bit weight at a time"
+                 : std::string()) +
+        ".");
+  }
+  if (s.zero_stage == 0 && !c.Offloaded()) {
+    std::string how = s.fused_optimizer ? "fused (in place, no temporaries)"
+                      : s.foreach       ? "foreach (one state-sized temporary per step)"
+                                        : "a per-tensor loop (temporaries of the largest tensor)";
+    notes.push_back("The optimizer step runs PyTorch's " + how +
+                    " implementation (torch/optim/adam.py); --foreach, --no-foreach and "
+                    "--fused-optimizer choose.");
+  }
+  if (s.optimizer == Optimizer::kSgd) {
+    notes.push_back(s.sgd_momentum > 0
+                        ? "SGD with momentum keeps one momentum buffer per parameter."
+                        : "SGD without momentum (PyTorch's default) keeps no optimizer state.");
+  }
+  if (s.autocast) {
+    notes.push_back(
+        "torch.autocast over fp32 parameters: fp32 weights and gradients stepped directly (no "
+        "master copy, no fp32 gradient copy), plus autocast's 16-bit weight copies through "
+        "forward and backward.");
+  }
+  if (s.zero_stage == 0 && s.DataParallel() > 1) {
+    notes.push_back(
+        s.gradient_as_bucket_view
+            ? "DDP with gradient_as_bucket_view: the gradients are views of the reducer's buckets."
+            : "DDP keeps its gradient buckets, a second copy of the gradients "
+              "(gradient_as_bucket_view off, PyTorch's default).");
+  }
+  if (s.zero_stage == 3) {
+    notes.push_back(
+        "ZeRO-3: one flat reduce bucket of reduce_bucket_size elements (contiguous_gradients); "
+        "the optimizer step converts one sub-group (<= sub_group_size elements) of gradients "
+        "to fp32 at a time (stage3.py _prepare_fp32_grad_for_sub_group / _release_sub_group).");
+    if (c.Offloaded()) {
+      notes.push_back(
+          "ZeRO-3 with an offloaded optimizer keeps the 16-bit gradient partition in host memory; "
+          "the fp32 gradients go to an fp32 buffer in host memory (cpu) or are swapped out to "
+          "NVMe with the optimizer state (nvme: stage3.py partition_grads -> "
+          "swap_out_gradients).");
+    }
+  }
+  if (s.tp > 1) {
+    notes.push_back(s.sequence_parallel
+                        ? "Sequence parallelism splits the norm and dropout activations over tp."
+                        : "Tensor parallelism without sequence parallelism replicates the norm and "
+                          "dropout activations on every tp rank.");
+  }
+  if (s.checkpointing == Checkpointing::kSelective) {
+    notes.push_back(
+        "Selective recompute drops the core attention and recomputes it in backward, as "
+        "Megatron's does, with or without flash attention (Korthikanti et al. 2022).");
   }
   return notes;
 }
@@ -687,7 +898,10 @@ Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
   ItemContext c(inventory, s, f);
   c.lora = s.lora_rank > 0;
   c.mixed = Mixed(s.precision);
+  c.master = c.mixed && !s.autocast;
   c.w = s.precision == Precision::kFp32 ? 4 : 2;
+  c.param_bytes = s.autocast ? 4 : c.w;
+  c.grad_bytes = s.autocast ? 4 : c.w;
   c.t = U(s.tp);
   c.d = U(s.DataParallel());
   c.g = U(s.gpus_per_node);
@@ -696,7 +910,7 @@ Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
   c.nf4_bits = s.double_quant ? kNf4DoubleQuantBits : kNf4Bits;
   c.half = HalfName(s.precision);
   c.opt_where = std::string(OffloadDeviceName(s.offload_optimizer));
-  c.act = CountActivations(inventory, s);
+  c.act = CountActivations(inventory, s, f);
 
   Builder out;
   for (const ItemRule& rule : kItemRules) MEMPLAN_RETURN_IF_ERROR(rule.add(c, &out));

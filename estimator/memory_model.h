@@ -147,15 +147,33 @@ struct LayerShape {
   bool attention_dropout = false;
   bool cross_attention = false;  // an encoder-decoder attention block follows self-attention
   int64_t tp = 1;
+  // Megatron sequence parallelism: the norm and dropout activations are split over tp as well.
+  bool sequence_parallel = false;
+  // The norms keep their input in fp32 (Transformers' LlamaRMSNorm and its copies upcast the
+  // hidden states before normalising) instead of the activation dtype.
+  bool norm_fp32 = false;
+  // The norm's weight trains and its multiply keeps the normalised tensor for the weight's
+  // gradient (Transformers' RMSNorm: weight * hidden_states.to(input_dtype)).
+  bool norm_keeps_normalized = false;
+  // LoRA: the base Linears are frozen, so autograd keeps no input for their weight gradients.
+  bool frozen_linears = false;
+  // QLoRA: bitsandbytes' MatMul4Bit keeps each quantised Linear's input anyway.
+  bool quantized_linears = false;
+  // LoRA adapters: the summed input width of the adapted Linears of one layer; each keeps its
+  // dropout mask and the dropped-out input for lora_A's gradient.
+  int64_t adapter_input_width = 0;
 };
 
 // Bytes of activations one layer keeps for its backward pass, per GPU, with `elem_bytes` per
 // activation element (2 for 16-bit, 4 for fp32) and 1 byte per dropout-mask element.
 //   none: Korthikanti's sbh(10 + 24/t + 5as/(ht)) for a GPT-3 layer (f = 4h, GeLU, MHA, dropout),
-//         every term derived from `shape` otherwise;
-//   selective: without the attention core (scores, softmax, dropout): sbh(10 + 24/t);
+//         every term derived from `shape` otherwise; with sequence parallelism sbh(34/t + 5as/(ht));
+//   selective: without the attention core (scores, softmax, dropout; with flash attention its
+//         output statistics), as Megatron's selective recompute: sbh(10 + 24/t);
 //   full: the layer input only, 2sbh.
 // flash: the s x s terms become per-head fp32 log-sum-exp statistics (4 bytes x a x s x b / t).
+// frozen_linears: the inputs kept only for Linear weight gradients are not kept (autograd's mm
+// saves its first operand only when the weight requires grad), unless quantized_linears.
 uint64_t LayerActivationBytes(const LayerShape& shape, int elem_bytes, bool flash,
                               Checkpointing checkpointing);
 

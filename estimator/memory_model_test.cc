@@ -80,7 +80,9 @@ TEST_CASE("memory model: model states follow the paper's partitioning, plus fp32
     CHECK(Gpu(m, "params_master") == 4 * os);
     CHECK(Gpu(m, "optimizer_states") == 8 * os);
     CHECK(Gpu(m, "grads") == 2 * gr);
-    CHECK(Gpu(m, "grads_fp32") == 4 * os);
+    // ZeRO-0/1/2: the whole fp32 partition; ZeRO-3 one sub-group (<= 1e9 elements) at a time,
+    // flattened in 16-bit and converted (stage3.py _prepare_fp32_grad_for_sub_group).
+    CHECK(Gpu(m, "grads_fp32") == (stage < 3 ? 4 * os : 6 * os));
     CHECK((Item(m, "grads_fp32")->phases & kPhaseForward) == 0);  // a step transient
     if (stage < 3) CHECK(Gpu(m, "params_working") == 2 * p);
   }
@@ -173,6 +175,8 @@ TEST_CASE("memory model: bert-large fp32 AdamW batch 4 x 512 lands within 10% of
   s.optimizer = Optimizer::kAdamW;
   s.micro_batch = 4;
   s.seq_len = 512;
+  s.flash_attention = false;  // the page's run used eager attention
+  s.foreach = false;          // and the Trainer's AdamW of the time, a per-tensor loop
   s.cuda_context_bytes = kContextMiB * kMiB;
   MemoryEstimate m = MustEstimate(*bert, s);
   CHECK(m.params_total == 335141888);  // + 2,050 classifier parameters in the measured model
@@ -218,10 +222,9 @@ TEST_CASE("memory model: offload moves optimizer state and parameters off the GP
   CHECK(Item(nvme, "nvme_param_swap_buffers")->pinned_bytes == uint64_t{5} * 100000000 * 2 * 8);
   CHECK(nvme.peak.nvme_bytes > 0);
   // With DeepSpeed's default sub_group_size (1e9 > this 842M-element partition) the optimizer
-  // swap buffers hold 4 whole partitions in fp32: more host memory than CPU offload needs.
+  // swap buffers hold 4 whole partitions in fp32.
   const uint64_t partition = (6738415616 + 7) / 8;
   CHECK(Item(nvme, "nvme_optimizer_swap_buffers")->pinned_bytes == 4 * partition * 4 * 8);
-  CHECK(nvme.peak.cpu_bytes > cpu.peak.cpu_bytes);
   // A smaller sub_group_size (what DeepSpeed recommends for NVMe) shrinks them.
   s.sub_group_size = 100000000;
   MemoryEstimate small = MustEstimate(llama, s);
@@ -301,6 +304,255 @@ TEST_CASE("memory model: a shape list has no architecture, and the error says wh
   REQUIRE_FALSE(m.ok());
   CHECK(m.status().message().find("config.json") != std::string::npos);
   CHECK(kGiB > 0);
+}
+
+// --- Framework behaviours (issue 14) -------------------------------------------------------------
+
+TEST_CASE("memory model: ZeRO-3 with the optimizer on NVMe keeps only 16-bit gradients in host memory") {
+  // deepspeed/runtime/zero/stage3.py: _setup_for_real_optimizer allocates grad_partitions_flat_buffer
+  // (the 16-bit gradient partition, gradient_accumulation_dtype = the model dtype) on the offload
+  // device, and partition_grads -> _swap_out_offload_fp32_gradients ->
+  // optimizer_swapper.swap_out_gradients writes the fp32 gradients of swappable sub-groups to NVMe.
+  ModelInventory llama = memplan::testing::Fixture("llama-2-7b");
+  TrainingSetup s;
+  s.gpus_per_node = 8;
+  s.seq_len = 1024;
+  s.zero_stage = 3;
+  s.offload_optimizer = OffloadDevice::kNvme;
+  s.offload_param = OffloadDevice::kNvme;
+  s.pin_memory = true;
+  MemoryEstimate m = MustEstimate(llama, s);
+  const uint64_t partition = (6738415616 + 7) / 8;
+  REQUIRE(Item(m, "grads") != nullptr);
+  CHECK(Item(m, "grads")->cpu_bytes == partition * 2 * 8);
+  CHECK(Item(m, "grads")->pinned_bytes == partition * 2 * 8);
+  CHECK(Item(m, "grads_fp32")->cpu_bytes == 0);
+  CHECK(Item(m, "grads_fp32")->nvme_bytes == partition * 4 * 8);
+  // NVMe holds fp32 master weights, both Adam moments and the fp32 gradients: 16 B/param.
+  CHECK(Item(m, "params_master")->nvme_bytes + Item(m, "optimizer_states")->nvme_bytes +
+            Item(m, "grads_fp32")->nvme_bytes ==
+        partition * 8 * 16);
+  // With the optimizer in host memory, fp32 gradient buffers per sub-group stay there.
+  s.offload_optimizer = OffloadDevice::kCpu;
+  MemoryEstimate cpu = MustEstimate(llama, s);
+  CHECK(Item(cpu, "grads_fp32")->cpu_bytes == partition * 4 * 8);
+  CHECK(Item(cpu, "grads")->cpu_bytes == partition * 2 * 8);
+}
+
+TEST_CASE("memory model: ZeRO-3 charges one flat reduce bucket, not 4.5x overlap_comm") {
+  // stage3.py _setup_for_real_optimizer: with contiguous_gradients (the default) one IPG bucket
+  // buffer of reduce_bucket_size elements per gradient dtype, allocated at start-up.
+  ModelInventory llama = memplan::testing::Fixture("llama-2-7b");
+  TrainingSetup s;
+  s.gpus_per_node = 8;
+  s.seq_len = 1024;
+  s.zero_stage = 3;
+  MemoryEstimate m = MustEstimate(llama, s);
+  CHECK(Gpu(m, "comm_reduce_bucket") == uint64_t{500000000} * 2);
+  CHECK(Item(m, "comm_reduce_bucket")->phases == kAllPhases);
+  // A small model no longer peaks higher under ZeRO-3 than under ZeRO-2.
+  ModelInventory gpt2 = MustBuild({{"model_type", "gpt2"}});
+  s.seq_len = 512;
+  s.zero_stage = 2;
+  const uint64_t zero2 = MustEstimate(gpt2, s).peak.gpu_bytes;
+  s.zero_stage = 3;
+  CHECK(MustEstimate(gpt2, s).peak.gpu_bytes < zero2);
+}
+
+TEST_CASE("memory model: the ZeRO-3 step converts one sub-group of gradients to fp32 at a time") {
+  // stage3.py step: _prepare_fp32_grad_for_sub_group flattens a sub-group's 16-bit gradients and
+  // converts them to fp32, _optimizer_step, then _release_sub_group sets .grad = None.
+  ModelInventory llama = memplan::testing::Fixture("llama-2-70b");
+  TrainingSetup s;
+  s.gpus_per_node = 8;
+  s.num_nodes = 2;
+  s.seq_len = 2048;
+  s.zero_stage = 3;
+  s.checkpointing = Checkpointing::kFull;
+  MemoryEstimate m = MustEstimate(llama, s);
+  CHECK(Gpu(m, "grads_fp32") == uint64_t{1000000000} * (4 + 2));
+  CHECK(Item(m, "grads_fp32")->phases == kPhaseOptimizerStep);
+  s.sub_group_size = 100000000;
+  CHECK(Gpu(MustEstimate(llama, s), "grads_fp32") == uint64_t{100000000} * 6);
+}
+
+TEST_CASE("memory model: the allocator margin covers activations and temporaries, not model states") {
+  // PyTorch's caching allocator rounds and fragments blocks that come and go every step;
+  // weights, master weights, optimizer states and gradient buffers are allocated once.
+  ModelInventory gpt2 = MustBuild({{"model_type", "gpt2"}});
+  TrainingSetup s;
+  s.precision = Precision::kFp32;
+  s.micro_batch = 4;
+  s.seq_len = 512;
+  MemoryEstimate m = MustEstimate(gpt2, s);
+  const PhaseTotals& peak = PhaseOf(m, m.peak.phase);
+  uint64_t transient = 0;
+  Phase phase = kPhaseForward;
+  for (Phase p : kPhases) {
+    if (PhaseName(p) == m.peak.phase) phase = p;
+  }
+  for (const char* name : {"activations", "activation_recompute", "backward_workspace",
+                           "logits_and_loss", "logits_grad", "optimizer_step_transient"}) {
+    const MemoryItem* item = Item(m, name);
+    if (item != nullptr && (item->phases & phase) != 0) transient += item->gpu_bytes;
+  }
+  const uint64_t margin = Gpu(m, "allocator_margin");
+  CHECK(margin >= transient / 10);  // 10%, rounded up
+  CHECK(margin <= transient / 10 + 1);
+  CHECK(peak.gpu_bytes == peak.gpu_allocated_bytes + margin + s.cuda_context_bytes);
+}
+
+TEST_CASE("memory model: the PyTorch optimizer step's temporaries follow foreach, fused, momentum") {
+  // torch/optim/adam.py: _multi_tensor_adam (foreach) builds exp_avg_sq_sqrt for all parameters
+  // at once; _single_tensor_adam (foreach=False) one tensor at a time; fused=True updates in
+  // place. torch/optim/sgd.py: momentum 0 (the default) keeps no momentum_buffer.
+  ModelInventory gpt2 = MustBuild({{"model_type", "gpt2"}});
+  TrainingSetup s;
+  s.precision = Precision::kFp32;
+  s.seq_len = 128;
+  const uint64_t p = 124439808;
+  const uint64_t wte = uint64_t{50257} * 768;
+  CHECK(Gpu(MustEstimate(gpt2, s), "optimizer_step_transient") == 4 * p);
+  s.foreach = false;
+  CHECK(Gpu(MustEstimate(gpt2, s), "optimizer_step_transient") == 2 * wte * 4);
+  s.fused_optimizer = true;
+  CHECK(Item(MustEstimate(gpt2, s), "optimizer_step_transient") == nullptr);
+  s.fused_optimizer = false;
+  s.optimizer = Optimizer::kSgd;
+  MemoryEstimate sgd = MustEstimate(gpt2, s);
+  CHECK(Item(sgd, "optimizer_states") == nullptr);
+  CHECK(Item(sgd, "optimizer_step_transient") == nullptr);
+  s.sgd_momentum = 0.9;
+  CHECK(Gpu(MustEstimate(gpt2, s), "optimizer_states") == 4 * p);
+}
+
+TEST_CASE("memory model: torch.autocast keeps fp32 weights and gradients, no master or fp32 copy") {
+  // torch.autocast over fp32 parameters (Hugging Face Trainer fp16/bf16 without DeepSpeed): the
+  // optimizer steps the fp32 parameters on their fp32 gradients; autocast caches 16-bit weight
+  // copies for the forward pass (torch/csrc/autograd ... cached_cast).
+  ModelInventory gpt2 = MustBuild({{"model_type", "gpt2"}});
+  TrainingSetup s;
+  s.precision = Precision::kBf16Mixed;
+  s.seq_len = 128;
+  const uint64_t p = 124439808;
+  MemoryEstimate ds = MustEstimate(gpt2, s);
+  CHECK(Gpu(ds, "params_master") == 4 * p);
+  CHECK(Gpu(ds, "grads_fp32") == 4 * p);
+  s.autocast = true;
+  MemoryEstimate amp = MustEstimate(gpt2, s);
+  CHECK(Gpu(amp, "params_working") == 4 * p);
+  CHECK(Gpu(amp, "grads") == 4 * p);
+  CHECK(Item(amp, "params_master") == nullptr);
+  CHECK(Item(amp, "grads_fp32") == nullptr);
+  CHECK(Gpu(amp, "autocast_weight_copies") == 2 * p);
+  s.zero_stage = 2;
+  CHECK_FALSE(s.Validate().ok());
+}
+
+TEST_CASE("memory model: DDP keeps a second copy of the gradients in its buckets") {
+  // torch/nn/parallel/distributed.py: the reducer's buckets cover every gradient; with
+  // gradient_as_bucket_view=False (the default) .grad is a separate tensor.
+  ModelInventory gpt2 = MustBuild({{"model_type", "gpt2"}});
+  TrainingSetup s;
+  s.precision = Precision::kFp32;
+  s.seq_len = 256;
+  const uint64_t one_gpu = MustEstimate(gpt2, s).peak.gpu_bytes;
+  CHECK(Item(MustEstimate(gpt2, s), "ddp_grad_buckets") == nullptr);
+  s.gpus_per_node = 2;
+  MemoryEstimate ddp = MustEstimate(gpt2, s);
+  CHECK(Gpu(ddp, "ddp_grad_buckets") == uint64_t{124439808} * 4);
+  CHECK(ddp.peak.gpu_bytes == one_gpu + uint64_t{124439808} * 4);
+  s.gradient_as_bucket_view = true;
+  CHECK(MustEstimate(gpt2, s).peak.gpu_bytes == one_gpu);
+}
+
+TEST_CASE("memory model: LoRA keeps no frozen Linear inputs; QLoRA's bitsandbytes matmul does") {
+  // Autograd's mm keeps its first operand only for the weight's gradient (derivatives.yaml, mm:
+  // mat2 needs self), so frozen Linears keep no input; bitsandbytes' MatMul4Bit.forward keeps
+  // ctx.tensors = (A, B) whenever the input needs a gradient, and dequantises the weight to a
+  // 16-bit copy (F.dequantize_4bit(B, quant_state).to(A.dtype)) in forward and backward.
+  ModelInventory llama = memplan::testing::Fixture("llama-2-7b");
+  TrainingSetup s;
+  s.precision = Precision::kBf16Pure;
+  s.seq_len = 1024;
+  MemoryEstimate full = MustEstimate(llama, s);
+  s.lora_rank = 8;
+  MemoryEstimate lora = MustEstimate(llama, s);
+  s.qlora = true;
+  MemoryEstimate qlora = MustEstimate(llama, s);
+  const uint64_t sbh = uint64_t{1024} * 4096;
+  // Frozen: no QKV, output-projection... inputs of the Linears (flash keeps the attention output),
+  // nor the MLP's first and second Linear inputs; the norms keep fp32 inputs either way; the
+  // adapters (q_proj, v_proj: 2 x 4096 wide) keep mask and input.
+  const uint64_t linear_inputs = 2 * sbh + 2 * sbh + 2 * uint64_t{1024} * 11008;
+  const uint64_t normalized = 2 * 2 * sbh;  // the norm weights are frozen too
+  const uint64_t adapters = (1 + 2) * uint64_t{1024} * 2 * 4096;
+  CHECK(lora.activation_bytes_per_layer ==
+        full.activation_bytes_per_layer - linear_inputs - normalized + adapters);
+  CHECK(qlora.activation_bytes_per_layer == lora.activation_bytes_per_layer + linear_inputs);
+  CHECK(Gpu(qlora, "qlora_dequant_workspace") == uint64_t{4096} * 11008 * 2);
+}
+
+TEST_CASE("memory model: Transformers' RMSNorm keeps its input in fp32") {
+  // transformers/models/llama/modeling_llama.py LlamaRMSNorm.forward: hidden_states.to(float32),
+  // then weight * hidden_states.to(input_dtype): the fp32 input and, for the weight's gradient,
+  // the normalised 16-bit tensor are kept.
+  LayerShape l = Gpt3Layer(1);
+  const uint64_t sbh = uint64_t{2048} * 12288;
+  const uint64_t plain = LayerActivationBytes(l, 2, true, Checkpointing::kNone);
+  l.norm_fp32 = true;
+  CHECK(LayerActivationBytes(l, 2, true, Checkpointing::kNone) == plain + 2 * (4 - 2) * sbh);
+  l.norm_keeps_normalized = true;
+  CHECK(LayerActivationBytes(l, 2, true, Checkpointing::kNone) == plain + 2 * (4 - 2) * sbh + 2 * 2 * sbh);
+}
+
+TEST_CASE("memory model: sequence parallelism and selective recompute with flash attention") {
+  // Korthikanti et al. 2022, Table 2: tensor + sequence parallel sbh(34/t + 5as/(ht)); selective
+  // recompute with sequence parallelism sbh(34/t). Megatron's selective recompute checkpoints the
+  // core attention whether or not it is a flash kernel (megatron/core/transformer: recompute
+  // "core_attn"), so flash attention's statistics are recomputed too.
+  const uint64_t s = 2048, b = 1, h = 12288, a = 96;
+  const uint64_t sbh = s * b * h;
+  LayerShape l = Gpt3Layer(8);
+  l.sequence_parallel = true;
+  CHECK(LayerActivationBytes(l, 2, false, Checkpointing::kNone) ==
+        sbh * 34 / 8 + 5 * a * s * s * b / 8);
+  CHECK(LayerActivationBytes(l, 2, false, Checkpointing::kSelective) == sbh * 34 / 8);
+  l.sequence_parallel = false;
+  CHECK(LayerActivationBytes(l, 2, true, Checkpointing::kSelective) == sbh * 13);
+  CHECK(LayerActivationBytes(l, 2, true, Checkpointing::kNone) == sbh * 13 + 4 * a * s * b / 8);
+  // In a model, selective recompute with flash now holds one layer's core attention in backward.
+  ModelInventory llama = memplan::testing::Fixture("llama-2-7b");
+  TrainingSetup setup;
+  setup.gpus_per_node = 8;
+  setup.tp = 8;
+  setup.seq_len = 4096;
+  setup.checkpointing = Checkpointing::kSelective;
+  CHECK(Gpu(MustEstimate(llama, setup), "activation_recompute") == 4 * uint64_t{32} * 4096 / 8);
+  setup.sequence_parallel = true;
+  setup.checkpointing = Checkpointing::kNone;
+  const uint64_t sp = MustEstimate(llama, setup).activation_bytes_per_layer;
+  setup.sequence_parallel = false;
+  CHECK(sp < MustEstimate(llama, setup).activation_bytes_per_layer);
+}
+
+TEST_CASE("memory model: one set of defaults: memory-efficient attention on") {
+  // Transformers' default attention is SDPA since 4.36; estimate, check, plan and the JSON
+  // requests all start from TrainingSetup's defaults.
+  TrainingSetup s;
+  CHECK(s.flash_attention);
+  CHECK(s.foreach);
+  CHECK_FALSE(s.fused_optimizer);
+  CHECK(s.sgd_momentum == 0);
+  Result<TrainingSetup> from_json = TrainingSetupFromJson(nlohmann::json::object());
+  REQUIRE(from_json.ok());
+  CHECK(ToJson(*from_json) == ToJson(s));
+  nlohmann::json j = ToJson(s);
+  for (const char* key : {"foreach", "fused_optimizer", "sgd_momentum", "sequence_parallel",
+                          "autocast", "gradient_as_bucket_view"}) {
+    CAPTURE(key);
+    CHECK(j.contains(key));
+  }
 }
 
 TEST_CASE("memory model: the estimate's new JSON keys round-trip") {

@@ -154,6 +154,20 @@ Status TrainingSetup::Validate() const {
         " cannot be offloaded: DeepSpeed's CPU optimizers are Adam/AdamW, Adagrad and Lion; use "
         "--optimizer adamw or lion, or --offload-optimizer none");
   }
+  if (!(sgd_momentum >= 0 && sgd_momentum <= 1)) {
+    return Status::InvalidArgument("--sgd-momentum must be in [0, 1], got " +
+                                   std::to_string(sgd_momentum));
+  }
+  if (autocast && precision != Precision::kFp16Mixed && precision != Precision::kBf16Mixed) {
+    return Status::InvalidArgument(
+        "--autocast is mixed precision over fp32 parameters: use --precision fp16-mixed or "
+        "bf16-mixed");
+  }
+  if (autocast && zero_stage != 0) {
+    return Status::InvalidArgument(
+        "--autocast describes a plain PyTorch trainer (ZeRO-0); DeepSpeed's ZeRO stages keep "
+        "their own 16-bit weights and fp32 master copy");
+  }
   if (qlora && lora_rank == 0) {
     return Status::InvalidArgument(
         "--qlora trains LoRA adapters on a 4-bit frozen base: give --lora-rank too");
@@ -280,6 +294,12 @@ nlohmann::json ToJson(const TrainingSetup& s) {
       {"checkpointing", std::string(CheckpointingName(s.checkpointing))},
       {"flash_attention", s.flash_attention},
       {"tp", s.tp},
+      {"sequence_parallel", s.sequence_parallel},
+      {"foreach", s.foreach},
+      {"fused_optimizer", s.fused_optimizer},
+      {"sgd_momentum", s.sgd_momentum},
+      {"autocast", s.autocast},
+      {"gradient_as_bucket_view", s.gradient_as_bucket_view},
       {"zero_stage", s.zero_stage},
       {"offload_optimizer", std::string(OffloadDeviceName(s.offload_optimizer))},
       {"offload_param", std::string(OffloadDeviceName(s.offload_param))},
@@ -335,6 +355,8 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
   static const std::set<std::string> kKeys = {
       "precision", "optimizer", "lora_rank", "lora_targets", "qlora", "double_quant",
       "micro_batch", "seq_len", "grad_accum", "checkpointing", "flash_attention", "tp",
+      "sequence_parallel", "foreach", "fused_optimizer", "sgd_momentum", "autocast",
+      "gradient_as_bucket_view",
       "zero_stage", "offload_optimizer", "offload_param", "reduce_bucket_size",
       "allgather_bucket_size", "overlap_comm", "stage3_prefetch_bucket_size",
       "stage3_param_persistence_threshold", "stage3_max_live_parameters", "sub_group_size",
@@ -358,6 +380,12 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
   MEMPLAN_RETURN_IF_ERROR(GetEnum(j, "checkpointing", ParseCheckpointing, &s.checkpointing));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "flash_attention", &s.flash_attention));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "tp", &s.tp));
+  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "sequence_parallel", &s.sequence_parallel));
+  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "foreach", &s.foreach));
+  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "fused_optimizer", &s.fused_optimizer));
+  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "sgd_momentum", &s.sgd_momentum));
+  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "autocast", &s.autocast));
+  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "gradient_as_bucket_view", &s.gradient_as_bucket_view));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "zero_stage", &s.zero_stage));
   MEMPLAN_RETURN_IF_ERROR(
       GetEnum(j, "offload_optimizer", ParseOffloadDevice, &s.offload_optimizer));
@@ -522,7 +550,8 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
       s.precision = Precision::kFp16Mixed;
     } else if (bf16_on) {
       s.precision = Precision::kBf16Mixed;
-    } else if (top.Has("fp16") || top.Has("bf16") || top.Has("bfloat16")) {
+    } else {
+      // Neither enabled (or neither section at all): DeepSpeed trains in fp32.
       s.precision = Precision::kFp32;
     }
   }
@@ -545,6 +574,14 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
                                      "' is not an optimizer memplan models (Adam, AdamW, Lion; "
                                      "pass --optimizer for others)");
     }
+    // DeepSpeed builds its own kernels for these (runtime/engine.py _configure_basic_optimizer:
+    // FusedAdam, FusedLion, CPU Adam), which update in place, unless params.torch_adam asks for
+    // torch.optim's.
+    MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json params, opt_r.Object("params"));
+    DsReader params_r(params, source, "optimizer.params.");
+    bool torch_adam = false;
+    MEMPLAN_RETURN_IF_ERROR(params_r.Bool("torch_adam", &torch_adam));
+    if (!given("fused_optimizer")) s.fused_optimizer = !torch_adam;
   }
 
   // ZeRO.
@@ -618,7 +655,15 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
   MEMPLAN_RETURN_IF_ERROR(aio_r.Int("block_size", 1, kMaxBufferElements, &s.aio_block_size));
   MEMPLAN_RETURN_IF_ERROR(aio_r.Int("queue_depth", 1, 1 << 16, &s.aio_queue_depth));
 
-  // train_batch_size = micro * accumulation * data-parallel world: check it when stated.
+  // train_batch_size = micro * accumulation * data-parallel world: DeepSpeed derives the micro
+  // batch from it when train_micro_batch_size_per_gpu is absent, and checks it when both are set.
+  if (top.Has("train_batch_size") && !top.IsAuto("train_batch_size") &&
+      !top.Has("train_micro_batch_size_per_gpu") && !given("micro_batch") && s.tp >= 1 &&
+      s.WorldSize() % s.tp == 0) {
+    int64_t total = 0;
+    MEMPLAN_RETURN_IF_ERROR(top.Int("train_batch_size", 1, int64_t{1} << 50, &total));
+    s.micro_batch = std::max<int64_t>(1, total / (s.grad_accum * s.DataParallel()));
+  }
   if (top.Has("train_batch_size") && !top.IsAuto("train_batch_size")) {
     int64_t total = 0;
     MEMPLAN_RETURN_IF_ERROR(top.Int("train_batch_size", 1, int64_t{1} << 50, &total));

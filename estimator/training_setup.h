@@ -36,7 +36,7 @@ enum class Precision {
 enum class Optimizer {
   kAdamW,     // torch AdamW / DeepSpeed (Fused|CPU)Adam: m and v
   kAdam8bit,  // bitsandbytes 8-bit AdamW: block-wise quantised m and v
-  kSgd,       // SGD with momentum
+  kSgd,       // SGD; a momentum buffer only with sgd_momentum > 0 (PyTorch's default is 0)
   kLion,      // one momentum buffer
   kAdafactor, // factored second moment plus a first moment
 };
@@ -75,9 +75,31 @@ struct TrainingSetup {
   int64_t seq_len = 0;      // tokens per sequence; 0 = min(model's positions, 2048), or 512
   int64_t grad_accum = 1;   // micro-batches per optimizer step (gradient_accumulation_steps)
   Checkpointing checkpointing = Checkpointing::kNone;
-  // Memory-efficient attention (FlashAttention, SDPA): no s x s score matrices are kept.
-  bool flash_attention = false;
-  int64_t tp = 1;  // tensor-parallel degree t (Megatron-style, no sequence parallelism)
+  // Memory-efficient attention (FlashAttention, SDPA): no s x s score matrices are kept. On by
+  // default, as in Transformers since 4.36 (SDPA) and in every memplan command.
+  bool flash_attention = true;
+  int64_t tp = 1;  // tensor-parallel degree t (Megatron-style)
+  // Megatron's sequence parallelism (with tp > 1): the norm and dropout activations, which tensor
+  // parallelism alone replicates, are split over the tp ranks too.
+  bool sequence_parallel = false;
+
+  // How the optimizer step runs (ZeRO-0, a PyTorch optimizer on the GPU):
+  // foreach: torch.optim's multi-tensor path, PyTorch's default on CUDA (one state-sized
+  // temporary for the whole step); false: the per-tensor loop (temporaries of the largest tensor).
+  bool foreach = true;
+  // fused: torch.optim.AdamW(fused=True), one in-place kernel without temporaries (overrides
+  // foreach).
+  bool fused_optimizer = false;
+  // SGD momentum; 0 (PyTorch's default) keeps no momentum buffer.
+  double sgd_momentum = 0;
+  // Mixed precision through torch.autocast over fp32 parameters (the Hugging Face Trainer or
+  // Accelerate without DeepSpeed): fp32 weights and gradients that the optimizer steps directly,
+  // no master copy and no fp32 gradient copy, and autocast's 16-bit weight copies through forward
+  // and backward. ZeRO-0 only; needs fp16-mixed or bf16-mixed.
+  bool autocast = false;
+  // torch DistributedDataParallel(gradient_as_bucket_view=...): with false (PyTorch's default) the
+  // reducer's buckets hold a second copy of every gradient. ZeRO-0 on more than one GPU only.
+  bool gradient_as_bucket_view = false;
 
   int zero_stage = 0;  // 0 (plain data parallel), 1, 2, 3
   OffloadDevice offload_optimizer = OffloadDevice::kNone;  // stage >= 1; nvme needs stage 3

@@ -179,7 +179,9 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
       {"model", "config", "name", "model_class", "cluster", "gpu", "gpus", "nodes", "cpu_mem",
        "cpu_cores", "pcie_gen", "memlock", "nvme_path", "nvme_capacity", "global_batch",
        "global_batch_tokens", "seq_len", "precision", "optimizer", "lora_rank", "lora_targets",
-       "qlora", "flash_attention", "cuda_context_mib", "gpu_margin", "allow_nvme", "top", "emit",
+       "qlora", "flash_attention", "foreach", "fused_optimizer", "sgd_momentum",
+       "sequence_parallel", "autocast", "gradient_as_bucket_view", "cuda_context_mib",
+       "gpu_margin", "allow_nvme", "top", "emit",
        "plan_index", "for_hf_trainer", "lr", "accelerate_plugin"},
       "plan"));
   std::string label;
@@ -243,8 +245,15 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
     }
   }
   MEMPLAN_RETURN_IF_ERROR(GetBool(request, "qlora", &s.qlora));
-  s.flash_attention = true;
+  // The same defaults as `memplan estimate` and `check` (TrainingSetup's own).
   MEMPLAN_RETURN_IF_ERROR(GetBool(request, "flash_attention", &s.flash_attention));
+  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "foreach", &s.foreach));
+  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "fused_optimizer", &s.fused_optimizer));
+  MEMPLAN_RETURN_IF_ERROR(GetDouble(request, "sgd_momentum", &s.sgd_momentum));
+  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "sequence_parallel", &s.sequence_parallel));
+  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "autocast", &s.autocast));
+  MEMPLAN_RETURN_IF_ERROR(
+      GetBool(request, "gradient_as_bucket_view", &s.gradient_as_bucket_view));
   MEMPLAN_RETURN_IF_ERROR(GetInt(request, "seq_len", &s.seq_len));
   double cuda_context_mib = 1343;
   MEMPLAN_RETURN_IF_ERROR(GetDouble(request, "cuda_context_mib", &cuda_context_mib));

@@ -5,6 +5,7 @@
 #include <map>
 #include <set>
 
+#include "estimator/estimate.h"
 #include "estimator/memory_model.h"
 #include "estimator/training_setup.h"
 
@@ -298,24 +299,14 @@ class Checker {
       return;
     }
     const Cluster& cluster = *options_.cluster;
-    estimator::TrainingSetup s;
+    // The same setup `memplan estimate --deepspeed` builds: defaults, then the config (which
+    // fills DeepSpeed's own defaults where it is silent: fp32, the micro-batch from
+    // train_batch_size).
+    estimator::TrainingSetup s = options_.setup;
     s.gpus_per_node = cluster.gpus_per_node;
     s.num_nodes = cluster.nodes;
     s.seq_len = options_.seq_len;
     s.flash_attention = options_.flash_attention;
-    // Defaults DeepSpeed would take where the config is silent.
-    if (c.contains("bf16")) s.precision = estimator::Precision::kBf16Mixed;
-    else if (c.contains("fp16")) s.precision = estimator::Precision::kFp16Mixed;
-    else s.precision = estimator::Precision::kFp32;
-    if (c.contains("train_batch_size") && !c.contains("train_micro_batch_size_per_gpu") &&
-        c["train_batch_size"].is_number_integer()) {
-      int64_t accum = c.contains("gradient_accumulation_steps") &&
-                              c["gradient_accumulation_steps"].is_number_integer()
-                          ? c["gradient_accumulation_steps"].get<int64_t>()
-                          : 1;
-      s.micro_batch = std::max<int64_t>(1, c["train_batch_size"].get<int64_t>() /
-                                                (accum * cluster.WorldSize()));
-    }
     const int64_t hidden = options_.model->arch ? options_.model->arch->hidden : 0;
     Status applied = estimator::ApplyDeepSpeedConfig(c, "config", {}, hidden, &s);
     if (!applied.ok()) {
@@ -323,6 +314,10 @@ class Checker {
       return;
     }
     auto m = estimator::EstimateMemory(*options_.model, s);
+    if (m.ok()) {
+      report_.setup_line = estimator::SetupLine(m->setup);
+      report_.predicted = m->peak;
+    }
     if (!m.ok()) {
       report_.notes.push_back("memory not predicted: " + m.status().message());
       return;
@@ -408,11 +403,19 @@ nlohmann::json ToJson(const CheckReport& report) {
   for (const Finding& f : report.problems) {
     problems.push_back({{"path", f.path}, {"message", f.message}});
   }
-  return {{"ok", report.problems.empty()}, {"problems", problems}, {"notes", report.notes}};
+  nlohmann::json j = {{"ok", report.problems.empty()}, {"problems", problems}, {"notes", report.notes}};
+  if (!report.setup_line.empty()) j["setup_line"] = report.setup_line;
+  if (report.predicted) {
+    const estimator::PeakMemory& p = *report.predicted;
+    j["predicted"] = {{"gpu_bytes", p.gpu_bytes}, {"cpu_bytes", p.cpu_bytes},
+                      {"nvme_bytes", p.nvme_bytes}, {"pinned_bytes", p.pinned_bytes},
+                      {"phase", p.phase}};
+  }
+  return j;
 }
 
 std::string FormatCheckText(const CheckReport& report, const std::string& source) {
-  std::string out;
+  std::string out = report.setup_line.empty() ? std::string() : report.setup_line + "\n";
   for (const Finding& f : report.problems) out += f.path + ": " + f.message + "\n";
   for (const std::string& n : report.notes) out += "note: " + n + "\n";
   out += report.problems.empty()

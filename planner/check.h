@@ -20,6 +20,8 @@
 
 #include "common/status.h"
 #include "estimator/inventory.h"
+#include "estimator/memory_model.h"
+#include "estimator/training_setup.h"
 #include "planner/cluster.h"
 
 namespace memplan::planner {
@@ -34,6 +36,9 @@ struct CheckOptions {
   // What a DeepSpeed config does not say but the fit depends on (as `memplan plan` assumes).
   int64_t seq_len = 0;          // 0: the model's default (min(positions, 2048))
   bool flash_attention = true;  // memory-efficient attention (SDPA / FlashAttention)
+  // The rest of the setup the config does not say (the optimizer implementation, sequence
+  // parallelism, ...): the fit starts from it, then seq_len, flash_attention and the config.
+  estimator::TrainingSetup setup;
 };
 
 struct Finding {
@@ -42,6 +47,8 @@ struct Finding {
 };
 
 struct CheckReport {
+  std::string setup_line;  // the setup the fit was predicted for (estimator SetupLine); "" if none
+  std::optional<estimator::PeakMemory> predicted;  // the predicted peak, when computed
   std::vector<Finding> problems;
   std::vector<std::string> notes;  // what was checked, predicted memory when computed
 };

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <map>
 
+#include "estimator/estimate.h"
+
 namespace memplan::planner {
 namespace {
 
@@ -527,7 +529,10 @@ nlohmann::json ToJson(const PlanResult& r, const Cluster& cluster, const Job& jo
 }
 
 std::string FormatPlanText(const PlanResult& r, const Cluster& c, const Job& job, size_t top) {
-  std::string out = "Plans for " + job.model + " on " + std::to_string(c.nodes) + " node(s) x " +
+  estimator::TrainingSetup fixed = job.setup;
+  fixed.seq_len = r.seq_len;
+  std::string out = estimator::SetupLine(fixed, /*searched=*/true) + "\n";
+  out += "Plans for " + job.model + " on " + std::to_string(c.nodes) + " node(s) x " +
                     std::to_string(c.gpus_per_node) + " " + c.gpu.name + " (" +
                     GiB(c.gpu.memory_bytes) + " GiB)";
   if (c.cpu_memory_bytes > 0) out += ", " + GiB(c.cpu_memory_bytes) + " GiB RAM per node";

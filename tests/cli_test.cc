@@ -245,10 +245,11 @@ TEST_CASE("cli: golden breakdown and comparison for llama-2-7b, ZeRO-3 on 8 GPUs
       ReadWholeFile(Source("tests/golden/estimate_llama-2-7b_zero3_8gpus_seq4096.txt"));
   REQUIRE_FALSE(golden.empty());
   CHECK(run.out == golden);
-  // The DeepSpeed tables come first, unchanged.
+  // The setup line first, then the DeepSpeed tables, unchanged.
   Run plain = Memplan({"estimate", "--model", "llama-2-7b", "--gpus", "8"});
   REQUIRE(plain.exit_code == 0);
-  CHECK(run.out.rfind(plain.out, 0) == 0);
+  CHECK(run.out.rfind("Training setup: ", 0) == 0);
+  CHECK(run.out.find(plain.out) == run.out.find('\n') + 1);
 }
 
 TEST_CASE("cli: setup flags add setup, breakdown, peak and assumptions to the JSON") {

@@ -107,6 +107,59 @@ TEST_CASE("plan: emitted files are written, complete, and pass check") {
   CHECK_FALSE(std::filesystem::exists(fsdp));
 }
 
+TEST_CASE("plan, check and estimate: one setup, one set of defaults, the same peak") {
+  // Issue 14: the plan's configuration, emitted as a DeepSpeed config, gives the same peak from
+  // `check` and from `estimate --deepspeed` (same defaults: memory-efficient attention on), and
+  // every report prints its setup line first.
+  TempDir dir("memplan-same-");
+  for (const std::string gpu : {"a100-80", "rtx4090"}) {
+    CAPTURE(gpu);
+    const std::string ds = dir.PathOf("ds_" + gpu + ".json");
+    const std::vector<std::string> cluster = {"--gpu", gpu, "--gpus", "8", "--cpu-mem", "512GiB"};
+    std::vector<std::string> plan = {"plan", "--model", "llama-2-7b", "--global-batch", "64",
+                                     "--seq-len", "2048", "--format", "json",
+                                     "--emit-deepspeed", ds};
+    plan.insert(plan.end(), cluster.begin(), cluster.end());
+    CommandResult r = Memplan(plan);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    nlohmann::json best = nlohmann::json::parse(r.out)["plans"][0];
+    REQUIRE(best["zero_stage"].get<int>() >= 1);  // DeepSpeed's own optimizer from here on
+    const std::string ckpt = best["activation_checkpointing"];
+    REQUIRE(ckpt != "selective");  // a DeepSpeed config cannot say selective
+
+    std::vector<std::string> check = {"check", ds, "--model", "llama-2-7b", "--seq-len", "2048"};
+    check.insert(check.end(), cluster.begin(), cluster.end());
+    std::vector<std::string> check_json = check;
+    check_json.insert(check_json.end(), {"--format", "json"});
+    CommandResult c = Memplan(check_json);
+    REQUIRE_MESSAGE(c.exit_code == 0, c.out << c.err);
+    nlohmann::json cj = nlohmann::json::parse(c.out);
+    CommandResult e = Memplan({"estimate", "--model", "llama-2-7b", "--gpus", "8", "--deepspeed",
+                               ds, "--seq-len", "2048", "--format", "json"});
+    REQUIRE_MESSAGE(e.exit_code == 0, e.err);
+    nlohmann::json ej = nlohmann::json::parse(e.out);
+    CHECK(ej["setup"]["flash_attention"] == true);
+    CHECK(cj["predicted"]["gpu_bytes"] == best["gpu_bytes"]);
+    CHECK(ej["peak"]["gpu_bytes"] == best["gpu_bytes"]);
+    CHECK(ej["peak"]["cpu_bytes"] == best["cpu_bytes"]);
+    CHECK(cj["predicted"]["cpu_bytes"] == best["cpu_bytes"]);
+
+    // The setup line comes first in every text report.
+    plan.erase(plan.begin() + 7, plan.begin() + 11);  // no --format json, no --emit-deepspeed
+    const std::string prefix = "Training setup: ";
+    CHECK(Memplan(plan).out.rfind(prefix, 0) == 0);
+    CHECK(Memplan(check).out.rfind(prefix, 0) == 0);
+    CHECK(Memplan({"estimate", "--model", "llama-2-7b", "--gpus", "8", "--deepspeed", ds,
+                   "--seq-len", "2048"})
+              .out.rfind(prefix, 0) == 0);
+  }
+  // --no-flash-attention is accepted by every command.
+  CHECK(Memplan({"estimate", "--model", "gpt2", "--no-flash-attention"}).exit_code == 0);
+  CHECK(Memplan({"plan", "--model", "gpt2", "--gpu", "a100-80", "--global-batch", "8",
+                 "--no-flash-attention"})
+            .exit_code == 0);
+}
+
 TEST_CASE("plan --svg: the top plans drawn, written atomically, with json or text") {
   TempDir dir("memplan-svg-");
   const std::string svg = dir.PathOf("plans.svg");
@@ -218,7 +271,8 @@ TEST_CASE("check: every planted mistake in tests/check_fixtures is found, nothin
     std::vector<std::string> problems;
     std::istringstream out(r.out);
     for (std::string line; std::getline(out, line);) {
-      if (line.rfind("note: ", 0) == 0 || line.find(" problem(s) in ") != std::string::npos) {
+      if (line.rfind("note: ", 0) == 0 || line.find(" problem(s) in ") != std::string::npos ||
+          line.rfind("Training setup: ", 0) == 0) {
         continue;
       }
       problems.push_back(line);

@@ -9,6 +9,7 @@
 #include "planner/check.h"
 #include "planner/cluster.h"
 #include "tools/commands.h"
+#include "tools/setup_flags.h"
 
 namespace memplan::tools {
 
@@ -32,7 +33,7 @@ struct CheckFlags {
   std::string memlock;
   bool for_hf_trainer = false;
   int64_t seq_len = 0;
-  bool flash_attention = true;
+  SharedSetupFlags shared;  // --flash-attention/--no-flash-attention, --foreach, ...
   std::string format = "text";
 };
 
@@ -48,7 +49,8 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
   planner::CheckOptions options;
   options.for_hf_trainer = f.for_hf_trainer;
   options.seq_len = f.seq_len;
-  options.flash_attention = f.flash_attention;
+  f.shared.Apply(&options.setup, /*only_given=*/false);
+  options.flash_attention = options.setup.flash_attention;
   const int64_t gpus = f.gpus > 0 ? f.gpus : 1;
   const int64_t nodes = f.nodes > 0 ? f.nodes : 1;
   if (f.gpus > 0 || f.nodes > 0) options.world_size = gpus * nodes;
@@ -110,8 +112,7 @@ void RegisterCheck(CLI::App& app, Outcome* outcome) {
   cmd->add_option("--seq-len", f->seq_len,
                   "Tokens per sequence for the fit (default: min(positions, 2048))")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
-  cmd->add_flag("--flash-attention,!--no-flash-attention", f->flash_attention,
-                "Memory-efficient attention for the fit (default on, as in `memplan plan`)");
+  f->shared.Add(cmd, "Fit prediction");
   cmd->add_option("--format", f->format, "text or json")
       ->check(CLI::IsMember({"text", "json"}))
       ->capture_default_str();

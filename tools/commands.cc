@@ -12,6 +12,7 @@
 #include "estimator/model_source.h"
 #include "estimator/training_setup.h"
 #include "common/json.h"
+#include "tools/setup_flags.h"
 
 namespace memplan::tools {
 namespace {
@@ -83,7 +84,7 @@ struct SetupOptions {
   std::string offload_optimizer = "none";
   std::string offload_param = "none";
   std::string checkpointing = "none";
-  bool flash_attention = false;
+  SharedSetupFlags shared;  // --flash-attention/--no-flash-attention, --foreach, ...
   int64_t lora_rank = 0;
   std::vector<std::string> lora_targets;
   bool qlora = false;
@@ -129,10 +130,8 @@ struct SetupOptions {
             ->check(CLI::IsMember({"none", "selective", "full"}))
             ->capture_default_str(),
         "checkpointing");
-    add(cmd->add_flag("--flash-attention", flash_attention,
-                      "Memory-efficient attention (no s x s scores kept); "
-                      "--flash-attention=false turns it off"),
-        "flash_attention");
+    shared.Add(cmd, "Training setup");
+    for (const auto& option : shared.options) flags.push_back(option);
     add(cmd->add_option("--lora-rank", lora_rank, "LoRA rank; only the adapters train")
             ->check(CLI::Range(int64_t{1}, int64_t{65536})),
         "lora_rank");
@@ -227,7 +226,7 @@ struct SetupOptions {
     if (use("checkpointing")) {
       MEMPLAN_ASSIGN_OR_RETURN(s->checkpointing, estimator::ParseCheckpointing(checkpointing));
     }
-    if (use("flash_attention")) s->flash_attention = flash_attention;
+    shared.Apply(s, only_given);
     if (use("lora_rank")) s->lora_rank = lora_rank;
     if (use("lora_targets")) s->lora_targets = lora_targets;
     if (use("qlora")) s->qlora = qlora;

@@ -15,6 +15,7 @@
 #include "planner/search.h"
 #include "planner/svg.h"
 #include "tools/commands.h"
+#include "tools/setup_flags.h"
 
 namespace memplan::tools {
 namespace {
@@ -169,7 +170,7 @@ struct PlanFlags {
   int64_t lora_rank = 0;
   std::vector<std::string> lora_targets;
   bool qlora = false;
-  bool flash_attention = true;
+  SharedSetupFlags shared;  // --flash-attention/--no-flash-attention, --foreach, ...
   double cuda_context_mib = 1343;
   double gpu_margin = 0.05;
   bool no_nvme = false;
@@ -287,7 +288,7 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   s.lora_rank = f.lora_rank;
   s.lora_targets = f.lora_targets;
   s.qlora = f.qlora;
-  s.flash_attention = f.flash_attention;
+  f.shared.Apply(&s, /*only_given=*/false);
   s.seq_len = f.seq_len;
   s.cuda_context_bytes = static_cast<int64_t>(f.cuda_context_mib * 1048576.0);
   if (f.global_batch_tokens > 0) {
@@ -373,9 +374,7 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       ->delimiter(',')
       ->group(job);
   cmd->add_flag("--qlora", f->qlora, "Frozen base Linears in NF4 (needs --lora-rank)")->group(job);
-  cmd->add_flag("--flash-attention,!--no-flash-attention", f->flash_attention,
-                "Memory-efficient attention (default on; --no-flash-attention for eager)")
-      ->group(job);
+  f->shared.Add(cmd, job);
   cmd->add_option("--cuda-context-mib", f->cuda_context_mib, "CUDA context per GPU, MiB")
       ->check(CLI::Range(0.0, 1048576.0))
       ->capture_default_str()

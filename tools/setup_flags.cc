@@ -1,0 +1,58 @@
+#include "tools/setup_flags.h"
+
+namespace memplan::tools {
+
+void SharedSetupFlags::Add(CLI::App* cmd, const std::string& group) {
+  estimator::TrainingSetup& v = values;
+  auto add = [&](CLI::Option* o, const char* field) {
+    o->group(group);
+    options.emplace_back(o, field);
+  };
+  add(cmd->add_flag("--flash-attention,!--no-flash-attention", v.flash_attention,
+                    "Memory-efficient attention (SDPA / FlashAttention: no s x s scores kept); on "
+                    "by default, --no-flash-attention for eager attention"),
+      "flash_attention");
+  add(cmd->add_flag("--foreach,!--no-foreach", v.foreach,
+                    "PyTorch optimizer step (ZeRO-0): the foreach implementation, PyTorch's "
+                    "default on CUDA (one state-sized temporary); --no-foreach for the "
+                    "per-tensor loop"),
+      "foreach");
+  add(cmd->add_flag("--fused-optimizer", v.fused_optimizer,
+                    "torch.optim.AdamW(fused=True): an in-place step without temporaries"),
+      "fused_optimizer");
+  add(cmd->add_option("--sgd-momentum", v.sgd_momentum,
+                      "SGD momentum; 0 (PyTorch's default) keeps no momentum buffer")
+          ->check(CLI::Range(0.0, 1.0))
+          ->capture_default_str(),
+      "sgd_momentum");
+  add(cmd->add_flag("--sequence-parallel", v.sequence_parallel,
+                    "Megatron sequence parallelism with --tp: norm and dropout activations split "
+                    "over the tensor-parallel ranks"),
+      "sequence_parallel");
+  add(cmd->add_flag("--autocast", v.autocast,
+                    "Mixed precision through torch.autocast over fp32 parameters (the Hugging "
+                    "Face Trainer without DeepSpeed): fp32 gradients, no master copy; ZeRO-0"),
+      "autocast");
+  add(cmd->add_flag("--gradient-as-bucket-view", v.gradient_as_bucket_view,
+                    "DDP's gradient_as_bucket_view: no second gradient copy in the buckets"),
+      "gradient_as_bucket_view");
+}
+
+void SharedSetupFlags::Apply(estimator::TrainingSetup* s, bool only_given) const {
+  auto use = [&](const char* field) {
+    if (!only_given) return true;
+    for (const auto& [option, name] : options) {
+      if (name == field && option->count() > 0) return true;
+    }
+    return false;
+  };
+  if (use("flash_attention")) s->flash_attention = values.flash_attention;
+  if (use("foreach")) s->foreach = values.foreach;
+  if (use("fused_optimizer")) s->fused_optimizer = values.fused_optimizer;
+  if (use("sgd_momentum")) s->sgd_momentum = values.sgd_momentum;
+  if (use("sequence_parallel")) s->sequence_parallel = values.sequence_parallel;
+  if (use("autocast")) s->autocast = values.autocast;
+  if (use("gradient_as_bucket_view")) s->gradient_as_bucket_view = values.gradient_as_bucket_view;
+}
+
+}  // namespace memplan::tools
