@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""memplan's predictions against published measurements of real training runs.
+
+    python3 bench/accuracy.py [--memplan build/tools/memplan] [--records tests/accuracy/published.json]
+        [--check] [--json]
+
+Reads the records (one published run each: source, hardware, setup, the measured figure and
+what it is, and the memplan flags that express it), asks `memplan estimate --format json` for
+each, and prints predicted vs measured with the signed error, then the median and the worst
+|error| over the fully specified rows. Peak rows compare like with like: an nvidia-smi figure
+(CUDA context included) with memplan's peak gpu_bytes, a max_memory_allocated figure with the
+gpu_allocated_bytes of memplan's peak phase. Verdict rows (oom / fits) compare the predicted peak
+with the GPU's memory; max_micro_batch rows find the largest micro-batch memplan fits there and
+must land within +-1 of the published one and keep the published order within their order_group;
+ratio_group rows are judged on the ratio between the runs of the group.
+
+--check exits 1 when a fully specified row is off by more than its tolerance (10% unless the
+record says), a verdict is wrong, a fully specified batch limit is off by more than 1, or a ratio
+is off by more than its tolerance. --strict also fails on the rest of issue 14's acceptance: the
+median |error| over the fully specified rows above 5%, and batch limits out of the published
+order (both are printed either way). Python 3 standard library only; the paths in the records
+are relative to the repository root.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MEDIAN_LIMIT = 0.05
+DEFAULT_TOLERANCE = 0.10
+MAX_BATCH_SEARCH = 128
+
+
+def load_records(path):
+    with open(path) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict) or not isinstance(doc.get("records"), list):
+        sys.exit(f"{path}: expected an object with a 'records' list")
+    for r in doc["records"]:
+        for key in ("id", "source", "hardware", "measured", "memplan"):
+            if key not in r:
+                sys.exit(f"{path}: record {r.get('id', '?')} has no '{key}'")
+    return doc
+
+
+def measured_bytes(m):
+    """The measured figure in bytes (peak rows)."""
+    scale = {"MiB": 2**20, "GiB": 2**30, "GB": 1e9, "MB": 1e6, "bytes": 1}[m["units"]]
+    return float(m["value"]) * scale
+
+
+def estimate(memplan, flags, micro_batch=None):
+    args = list(flags)
+    if micro_batch is not None:
+        if "--micro-batch" in args:
+            args[args.index("--micro-batch") + 1] = str(micro_batch)
+        else:
+            args += ["--micro-batch", str(micro_batch)]
+    run = subprocess.run([memplan, "estimate", *args, "--format", "json"], capture_output=True,
+                         text=True, cwd=ROOT)
+    if run.returncode != 0:
+        raise RuntimeError(f"memplan estimate {' '.join(args)}: {run.stderr.strip()}")
+    j = json.loads(run.stdout)
+    peak = j["peak"]
+    allocated = next(p["gpu_allocated_bytes"] for p in j["phases"] if p["phase"] == peak["phase"])
+    return {"gpu_bytes": peak["gpu_bytes"], "allocated_bytes": allocated, "phase": peak["phase"],
+            "cpu_bytes": peak["cpu_bytes"]}
+
+
+def predicted_for(kind, p):
+    return p["allocated_bytes"] if kind == "max_memory_allocated" else p["gpu_bytes"]
+
+
+def evaluate(memplan, doc):
+    rows = []
+    for r in doc["records"]:
+        m = r["measured"]
+        kind = m["kind"]
+        capacity = r["hardware"].get("gpu_memory_bytes", 0)
+        row = {"id": r["id"], "kind": kind, "fully_specified": bool(r.get("fully_specified")),
+               "tolerance": r.get("tolerance", DEFAULT_TOLERANCE), "record": r}
+        if kind in ("nvidia-smi", "max_memory_allocated"):
+            p = estimate(memplan, r["memplan"])
+            row["predicted"] = predicted_for(kind, p)
+            row["measured"] = measured_bytes(m)
+            row["error"] = row["predicted"] / row["measured"] - 1
+            row["phase"] = p["phase"]
+        elif kind in ("oom", "fits"):
+            p = estimate(memplan, r["memplan"])
+            row["predicted"] = p["gpu_bytes"]
+            row["verdict"] = "fits" if p["gpu_bytes"] <= capacity else "oom"
+            row["ok"] = row["verdict"] == kind
+        elif kind == "max_micro_batch":
+            limit = 0
+            for b in range(1, MAX_BATCH_SEARCH + 1):
+                if estimate(memplan, r["memplan"], b)["gpu_bytes"] > capacity:
+                    break
+                limit = b
+            row["predicted"] = limit
+            row["measured"] = int(m["value"])
+            row["ok"] = abs(limit - row["measured"]) <= 1
+        else:
+            raise RuntimeError(f"record {r['id']}: unknown measured.kind {kind}")
+        rows.append(row)
+    return rows
+
+
+def judge(rows):
+    """(problems, strict problems), one line each; empty when every check holds."""
+    problems = []
+    strict = []
+    exact = [r for r in rows if "error" in r and r["fully_specified"]]
+    for r in exact:
+        if abs(r["error"]) > r["tolerance"]:
+            problems.append(f"{r['id']}: error {r['error']:+.1%} beyond {r['tolerance']:.0%}")
+    if exact:
+        median = statistics.median(abs(r["error"]) for r in exact)
+        if median > MEDIAN_LIMIT:
+            strict.append(f"median |error| {median:.1%} beyond {MEDIAN_LIMIT:.0%}")
+    for r in rows:
+        if r["kind"] in ("oom", "fits") and not r["ok"]:
+            problems.append(f"{r['id']}: predicted {r['verdict']}, published {r['kind']}")
+    groups = {}
+    for r in rows:
+        if r["kind"] == "max_micro_batch":
+            groups.setdefault(r["record"].get("order_group"), []).append(r)
+    for name, members in groups.items():
+        for r in members:
+            if not r["ok"] and r["fully_specified"]:
+                problems.append(f"{r['id']}: batch limit {r['predicted']}, published {r['measured']}")
+        members = sorted(members, key=lambda r: r["record"].get("order", 0))
+        for a, b in zip(members, members[1:]):
+            published = (a["measured"] > b["measured"]) - (a["measured"] < b["measured"])
+            predicted = (a["predicted"] > b["predicted"]) - (a["predicted"] < b["predicted"])
+            if published != predicted:
+                strict.append(f"{name}: {a['id']} ({a['predicted']}) vs {b['id']} "
+                                f"({b['predicted']}) is out of the published order "
+                                f"({a['measured']} vs {b['measured']})")
+    ratios = {}
+    for r in rows:
+        if "error" in r and r["record"].get("ratio_group"):
+            ratios.setdefault(r["record"]["ratio_group"], []).append(r)
+    for name, members in ratios.items():
+        base, *others = members
+        for r in others:
+            published = r["measured"] / base["measured"]
+            predicted = r["predicted"] / base["predicted"]
+            r["ratio"] = (predicted, published)
+            if abs(predicted / published - 1) > r["tolerance"]:
+                problems.append(f"{name}: {r['id']} / {base['id']} predicted {predicted:.3f}, "
+                                f"published {published:.3f}")
+    return problems, strict
+
+
+def fmt(v, kind):
+    if kind == "max_micro_batch":
+        return f"{v:>9}"
+    return f"{v / 2**30:9.2f}"
+
+
+def print_table(rows, problems, strict):
+    print(f"{'record':38} {'measured':>9} {'predicted':>9} {'error':>7}  what (GiB unless a batch)")
+    for r in rows:
+        kind = r["kind"]
+        if "error" in r:
+            tag = "" if r["fully_specified"] else "  (not fully specified)"
+            if "ratio" in r:
+                tag += f"  ratio {r['ratio'][0]:.3f} vs {r['ratio'][1]:.3f}"
+            print(f"{r['id']:38} {fmt(r['measured'], kind)} {fmt(r['predicted'], kind)} "
+                  f"{r['error']:+7.1%}  {kind}, peak in {r['phase']}{tag}")
+        elif kind in ("oom", "fits"):
+            print(f"{r['id']:38} {kind:>9} {r['verdict']:>9} {'ok' if r['ok'] else 'WRONG':>7}  "
+                  f"verdict ({r['predicted'] / 2**30:.2f} GiB predicted of "
+                  f"{r['record']['hardware']['gpu_memory_bytes'] / 2**30:.0f})")
+        else:
+            print(f"{r['id']:38} {fmt(r['measured'], kind)} {fmt(r['predicted'], kind)} "
+                  f"{r['predicted'] - r['measured']:+7d}  max micro-batch "
+                  f"({r['record'].get('order_group')} #{r['record'].get('order')})")
+    exact = [r for r in rows if "error" in r and r["fully_specified"]]
+    if exact:
+        errors = [abs(r["error"]) for r in exact]
+        worst = max(exact, key=lambda r: abs(r["error"]))
+        print(f"\nfully specified peak rows: {len(exact)}; median |error| "
+              f"{statistics.median(errors):.1%}; worst {worst['id']} {worst['error']:+.1%}")
+    print("per-row checks hold" if not problems else "\n".join(["PROBLEMS:"] + problems))
+    print("median and orders hold" if not strict
+          else "\n".join(["NOT MET (fails --strict):"] + strict))
+
+
+def find_memplan(given):
+    for c in [given, os.path.join(ROOT, "build/tools/memplan")]:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    sys.exit("memplan binary not found; pass --memplan PATH")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--memplan", default=None)
+    ap.add_argument("--records", default=os.path.join(ROOT, "tests/accuracy/published.json"))
+    ap.add_argument("--check", action="store_true", help="exit 1 when a per-row check fails")
+    ap.add_argument("--strict", action="store_true",
+                    help="with --check, also fail on the median and the batch-limit orders")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = ap.parse_args()
+    memplan = find_memplan(args.memplan)
+    rows = evaluate(memplan, load_records(args.records))
+    problems, strict = judge(rows)
+    if args.json:
+        for r in rows:
+            r.pop("record")
+        print(json.dumps({"rows": rows, "problems": problems, "not_met": strict}, indent=2))
+    else:
+        print_table(rows, problems, strict)
+    if args.check and (problems or (args.strict and strict)):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
