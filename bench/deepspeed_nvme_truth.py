@@ -101,6 +101,14 @@ def main():
     with open(ds_path, "w") as f:
         json.dump(ds_config, f)
 
+    # zero.Init patches torch's tensor constructors; modules that Transformers imports lazily
+    # while building the model (torch._dynamo among them) must be imported before it.
+    import torch._dynamo  # noqa: F401
+    import transformers.models.gpt2.modeling_gpt2  # noqa: F401
+    try:
+        import transformers.integrations.flash_attention  # noqa: F401
+    except ImportError:
+        pass
     deepspeed.init_distributed(dist_backend="gloo")
     phases = {"start": (status_kib("VmRSS"), status_kib("VmLck"))}
     cfg = transformers.GPT2Config(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})
