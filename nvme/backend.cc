@@ -145,6 +145,37 @@ Result<BackendChoice> CreateBackend(BackendKind kind, const BackendOptions& opti
                                    skipped.substr(0, skipped.size() - 2));
 }
 
+std::vector<Backend*> BackendSet::pointers() const {
+  std::vector<Backend*> out;
+  for (const auto& b : backends) out.push_back(b.get());
+  return out;
+}
+
+Result<BackendSet> CreateBackends(BackendKind kind, const BackendOptions& options,
+                                  uint32_t threads) {
+  if (threads < 1 || threads > 64) {
+    return Status::InvalidArgument("I/O threads (intra_op_parallelism) must be between 1 and 64, "
+                                   "got " + std::to_string(threads));
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(BackendChoice first, CreateBackend(kind, options));
+  BackendSet set;
+  set.kind = first.kind;
+  set.note = std::move(first.note);
+  set.backends.push_back(std::move(first.backend));
+  const uint32_t count = set.kind == BackendKind::kMemory ? 1 : threads;
+  while (set.backends.size() < count) {
+    Result<std::unique_ptr<Backend>> more = CreateOfKind(set.kind, options);
+    if (!more.ok()) {
+      return more.status().WithPrefix(std::string(DisplayName(set.kind)) + " backend " +
+                                      std::to_string(set.backends.size() + 1) + " of " +
+                                      std::to_string(count));
+    }
+    set.backends.push_back(std::move(more).value());
+  }
+  if (count > 1) set.note += "; " + std::to_string(count) + " of them, one per I/O thread";
+  return set;
+}
+
 Result<int> OpenFile(const std::string& path, const OpenOptions& options, bool* direct_used) {
   return internal::OpenFileWithFaults(path, options, direct_used, internal::OpenFaults{});
 }

@@ -28,6 +28,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/status.h"
 
@@ -114,6 +115,19 @@ struct BackendChoice {
 // kAuto probes io_uring -> libaio -> POSIX at run time (and what this build has). An explicit kind
 // that cannot be set up is an error saying why. kMemory is the in-memory test backend.
 Result<BackendChoice> CreateBackend(BackendKind kind, const BackendOptions& options);
+
+// Backends for an IoEngine of `threads` threads (1..64): one per thread, all of the kind
+// CreateBackend picks for `kind` (kAuto probes once), so that each thread has its own io_uring ring
+// or libaio context, as DeepSpeed gives each of its threads. The memory backend keeps a file's
+// bytes inside one backend object, so for kMemory there is one, which the threads share.
+struct BackendSet {
+  std::vector<std::unique_ptr<Backend>> backends;  // at least one
+  BackendKind kind = BackendKind::kAuto;
+  std::string note;  // CreateBackend's, for the first
+  std::vector<Backend*> pointers() const;
+};
+Result<BackendSet> CreateBackends(BackendKind kind, const BackendOptions& options,
+                                  uint32_t threads);
 
 // Individual constructors (each returns Unimplemented/FailedPrecondition when unavailable).
 Result<std::unique_ptr<Backend>> CreateUringBackend(const BackendOptions& options);

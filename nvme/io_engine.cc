@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -55,12 +56,35 @@ namespace memplan::nvme {
 // Allocation. Transfers (with their slots, queues and lazily allocated bounce buffers) are pooled
 // by the engine, so a steady stream of transfers allocates nothing.
 
+// Note [Parallel slices]
+// With options.threads T > 1 a Read/Write of L bytes (L of at least two blocks) is cut into
+// n = min(T, ceil(L / block_size)) slices of about L / n bytes. Cut points are file offsets rounded
+// down to the file's alignment, so each slice is an ordinary transfer (its own head/tail bounce
+// and read-modify-write when the call is unaligned) and no two slices share an alignment block;
+// the bytes each thread moves are therefore exactly those of the call, as with T = 1.
+//
+// Lanes. Each backend the engine was given is a Lane: its routing state (the reaper role, the
+// reap epoch, the broken flag; Note [IoEngine transfers]) and its pool of transfers. The calling
+// thread runs its slices on lane 0 and worker w on lane (w + 1) % lanes, so with T backends every
+// thread has its own io_uring ring or libaio context, as DeepSpeed gives every thread its own
+// context; with fewer backends some threads share one, which the routing above already handles.
+//
+// Hand-off. A split call is a Job on the caller's stack: the caller queues it once per extra slice
+// for the T - 1 workers, then claims slices (an atomic counter) and runs them itself until none
+// is left; a worker that pops the job claims from the same counter. So a slice never waits for a
+// busy worker: when the workers are taken (another caller's slices), the caller runs its own
+// slices one after another, as with T = 1. Before returning, the caller takes its job's
+// unconsumed queue entries back and waits for the workers that popped one (`holders`) to let go,
+// so no worker touches the job after the call returns. The first error of any slice is the
+// call's; the other slices run to their end (every request finished before the call returns).
+
 namespace {
 
 constexpr uint32_t kMinBlockSize = 4096;
 constexpr uint32_t kMaxBlockSize = 64u << 20;
 constexpr uint32_t kMaxRetriesLimit = 100000;
 constexpr uint32_t kMaxAlignment = 1u << 20;
+constexpr uint32_t kMaxThreads = 64;
 // How long a transfer keeps offering requests to a backend that refuses them while nothing at all
 // is in flight, before calling it a backend bug rather than spinning forever.
 constexpr std::chrono::seconds kMaxStall{5};
@@ -82,7 +106,7 @@ void Backoff(uint32_t attempt) {
 }
 
 struct FileInfo {
-  int backend_file = -1;
+  std::vector<int> backend_files;  // by lane: the index RegisterFile returned there
   std::string label;
   bool direct = false;
   uint32_t alignment = 1;  // for buffers, offsets and lengths; 1 when not direct
@@ -90,6 +114,7 @@ struct FileInfo {
 };
 
 struct Transfer;
+struct Lane;
 
 // One piece of a transfer in a queue entry; see Note [IoEngine transfers].
 struct Slot {
@@ -125,7 +150,7 @@ struct Segment {
 
 // A call in progress (pooled); see Note [IoEngine transfers].
 struct Transfer {
-  explicit Transfer(size_t queue_depth) : slots(queue_depth) {
+  Transfer(Lane* l, size_t queue_depth) : slots(queue_depth), lane(l) {
     free.reserve(queue_depth);
     ready.reserve(queue_depth);
     submit.reserve(queue_depth);
@@ -139,7 +164,8 @@ struct Transfer {
   std::vector<Slot*> free;       // slots with no piece
   std::vector<Slot*> ready;      // pieces to submit (or resubmit), oldest first
   std::vector<Request*> submit;  // scratch for Backend::Submit
-  Slot* done_head = nullptr;     // GUARDED_BY(Impl::mu): completions routed to this transfer
+  Slot* done_head = nullptr;     // GUARDED_BY(Lane::mu): completions routed to this transfer
+  Lane* const lane;              // the backend this transfer runs on
 
   // The call; set by Start().
   OpType op = OpType::kRead;
@@ -162,48 +188,16 @@ struct Transfer {
   }
 };
 
-}  // namespace
-
-Status IoEngineOptions::Validate() const {
-  if (block_size < kMinBlockSize || block_size > kMaxBlockSize || block_size % 4096 != 0) {
-    return Status::InvalidArgument(
-        "I/O block size must be a multiple of 4096 between 4 KiB and 64 MiB, got " +
-        std::to_string(block_size));
-  }
-  if (max_retries > kMaxRetriesLimit) {
-    return Status::InvalidArgument("I/O max retries must be at most " +
-                                   std::to_string(kMaxRetriesLimit) + ", got " +
-                                   std::to_string(max_retries));
-  }
-  return Status::Ok();
-}
-
-struct IoEngine::Impl {
-  Impl(Backend* b, const IoEngineOptions& o)
+// One backend and its completion routing; see Note [Parallel slices].
+struct Lane {
+  explicit Lane(Backend* b)
       : backend(b),
-        options(o),
         queue_depth(std::max<uint32_t>(1, b->capabilities().queue_depth)),
         reap_buffer(queue_depth) {}
 
-  Status Run(OpType op, int file, uint64_t offset, std::byte* buffer, uint64_t length);
-
-  Transfer* Acquire();
-  void Release(Transfer* t);
-  Status Start(Transfer& t, OpType op, const FileInfo* file, uint64_t offset, std::byte* buffer,
-               uint64_t length);
-  Status SetUpPiece(Transfer& t, Slot& s);
-  Status Drive(Transfer& t);
-  Slot* WaitForCompletions(Transfer& t, bool any_reap);
-  void Handle(Transfer& t, Slot& s, int64_t result);
-  void Finish(Transfer& t, Slot& s);
-  std::string Where(const Transfer& t, const Slot& s) const;
-
   Backend* const backend;
-  const IoEngineOptions options;
   const uint32_t queue_depth;
-
-  std::mutex files_mu;
-  std::vector<std::unique_ptr<FileInfo>> files;  // GUARDED_BY(files_mu); entries never move
+  int index = 0;  // in Impl::lanes
 
   std::mutex pool_mu;
   std::vector<std::unique_ptr<Transfer>> pool;  // GUARDED_BY(pool_mu): idle transfers
@@ -215,28 +209,133 @@ struct IoEngine::Impl {
   uint64_t reap_epoch = 0;              // GUARDED_BY(mu): bumped after every reap
   Status broken;                        // GUARDED_BY(mu): a failed Backend::Reap, sticky
   std::vector<Completion> reap_buffer;  // used only by the reaper-role holder
+};
+
+// A split call; see Note [Parallel slices]. Lives on the caller's stack.
+struct Slice {
+  uint64_t offset = 0, length = 0;
+  std::byte* buffer = nullptr;
+};
+struct Job {
+  OpType op = OpType::kRead;
+  const FileInfo* file = nullptr;
+  std::vector<Slice> slices;
+  std::atomic<size_t> next{0};  // next slice to claim
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t done = 0;     // GUARDED_BY(mu): slices finished
+  int holders = 0;     // GUARDED_BY(Impl::work_mu): workers that popped this job and run it
+  Status status;       // GUARDED_BY(mu): the first error
+};
+
+}  // namespace
+
+Status IoEngineOptions::Validate() const {
+  if (block_size < kMinBlockSize || block_size > kMaxBlockSize || block_size % 4096 != 0) {
+    return Status::InvalidArgument(
+        "I/O block size must be a multiple of 4096 between 4 KiB and 64 MiB, got " +
+        std::to_string(block_size));
+  }
+  if (threads < 1 || threads > kMaxThreads) {
+    return Status::InvalidArgument("I/O threads (intra_op_parallelism) must be between 1 and " +
+                                   std::to_string(kMaxThreads) + ", got " +
+                                   std::to_string(threads));
+  }
+  if (max_retries > kMaxRetriesLimit) {
+    return Status::InvalidArgument("I/O max retries must be at most " +
+                                   std::to_string(kMaxRetriesLimit) + ", got " +
+                                   std::to_string(max_retries));
+  }
+  return Status::Ok();
+}
+
+struct IoEngine::Impl {
+  Impl(std::span<Backend* const> backends, const IoEngineOptions& o) : options(o) {
+    for (Backend* b : backends) {
+      lanes.push_back(std::make_unique<Lane>(b));
+      lanes.back()->index = static_cast<int>(lanes.size() - 1);
+    }
+    for (uint32_t w = 0; w + 1 < options.threads; ++w) {
+      workers.emplace_back([this, w] { WorkerLoop(*lanes[(w + 1) % lanes.size()]); });
+    }
+  }
+  ~Impl() {
+    {
+      std::lock_guard lock(work_mu);
+      stop = true;
+    }
+    work_cv.notify_all();
+    for (std::thread& w : workers) w.join();
+  }
+
+  Status Run(OpType op, int file, uint64_t offset, std::byte* buffer, uint64_t length);
+  Status RunSlice(Lane& lane, OpType op, const FileInfo* file, uint64_t offset, std::byte* buffer,
+                  uint64_t length);
+  void PlanSlices(const FileInfo& file, uint64_t offset, uint64_t length, std::byte* buffer,
+                  std::vector<Slice>& out) const;
+  Status RunSplit(Job& job);
+  void ClaimAndRun(Job& job, Lane& lane);
+  void WorkerLoop(Lane& lane);
+
+  Transfer* Acquire(Lane& lane);
+  void Release(Transfer* t);
+  Status Start(Transfer& t, OpType op, const FileInfo* file, uint64_t offset, std::byte* buffer,
+               uint64_t length);
+  Status SetUpPiece(Transfer& t, Slot& s);
+  Status Drive(Transfer& t);
+  Slot* WaitForCompletions(Transfer& t, bool any_reap);
+  void Handle(Transfer& t, Slot& s, int64_t result);
+  void Finish(Transfer& t, Slot& s);
+  std::string Where(const Transfer& t, const Slot& s) const;
+
+  // The registered region holding [data, data + length), or -1. Regions are set while no
+  // transfer runs (RegisterBuffers' contract), so reading them needs no lock.
+  int RegisteredIndex(const std::byte* data, uint64_t length) const {
+    for (size_t i = 0; i < registered.size(); ++i) {
+      const auto* begin = static_cast<const std::byte*>(registered[i].iov_base);
+      if (data >= begin && length <= registered[i].iov_len &&
+          static_cast<uint64_t>(data - begin) <= registered[i].iov_len - length) {
+        return static_cast<int>(i);
+      }
+    }
+    return -1;
+  }
+
+  const IoEngineOptions options;
+  std::vector<std::unique_ptr<Lane>> lanes;  // fixed after construction
+  std::vector<iovec> registered;             // see RegisteredIndex
+
+  std::mutex files_mu;
+  std::vector<std::unique_ptr<FileInfo>> files;  // GUARDED_BY(files_mu); entries never move
+
+  // Parallel slices; see Note [Parallel slices].
+  std::mutex work_mu;
+  std::condition_variable work_cv;
+  std::deque<Job*> work;  // GUARDED_BY(work_mu): one entry per slice offered to the workers
+  bool stop = false;      // GUARDED_BY(work_mu)
+  std::vector<std::thread> workers;
 
   std::atomic<uint64_t> read_bytes{0}, write_bytes{0}, read_ops{0}, write_ops{0},
-      short_transfers{0}, retries{0}, bounce_bytes{0};
+      short_transfers{0}, retries{0}, bounce_bytes{0}, split_transfers{0}, registered_ops{0};
 };
 
 // ---- Transfers ----------------------------------------------------------------------------------
 
-Transfer* IoEngine::Impl::Acquire() {
+Transfer* IoEngine::Impl::Acquire(Lane& lane) {
   {
-    std::lock_guard lock(pool_mu);
-    if (!pool.empty()) {
-      Transfer* t = pool.back().release();
-      pool.pop_back();
+    std::lock_guard lock(lane.pool_mu);
+    if (!lane.pool.empty()) {
+      Transfer* t = lane.pool.back().release();
+      lane.pool.pop_back();
       return t;
     }
   }
-  return new Transfer(queue_depth);
+  return new Transfer(&lane, lane.queue_depth);
 }
 
 void IoEngine::Impl::Release(Transfer* t) {
-  std::lock_guard lock(pool_mu);
-  pool.emplace_back(t);
+  std::lock_guard lock(t->lane->pool_mu);
+  t->lane->pool.emplace_back(t);
 }
 
 std::string IoEngine::Impl::Where(const Transfer& t, const Slot& s) const {
@@ -341,11 +440,13 @@ Status IoEngine::Impl::SetUpPiece(Transfer& t, Slot& s) {
     }
   }
   s.request.op = s.merging ? OpType::kRead : t.op;
-  s.request.file = t.file->backend_file;
+  s.request.file = t.file->backend_files[t.lane->index];
   s.request.offset = begin;
   s.request.buffer = s.data;
   s.request.length = s.piece_length;
-  s.request.buffer_index = -1;
+  s.request.buffer_index =
+      s.bounce || s.data == nullptr ? -1 : RegisteredIndex(s.data, s.piece_length);
+  if (s.request.buffer_index >= 0) registered_ops.fetch_add(1, std::memory_order_relaxed);
   s.request.user_data = reinterpret_cast<uint64_t>(&s);
   return Status::Ok();
 }
@@ -378,7 +479,7 @@ void IoEngine::Impl::Handle(Transfer& t, Slot& s, int64_t result) {
     return;
   }
   if (static_cast<uint64_t>(result) > s.request.length) {
-    t.Fail(Status::Internal(Where(t, s) + ": backend " + backend->capabilities().name +
+    t.Fail(Status::Internal(Where(t, s) + ": backend " + t.lane->backend->capabilities().name +
                             " reported " + std::to_string(result) + " bytes transferred"));
     Finish(t, s);
     return;
@@ -449,34 +550,36 @@ void IoEngine::Impl::Handle(Transfer& t, Slot& s, int64_t result) {
 // transfer refused by a full queue can offer again. Returns null with `t` failed when the backend
 // is broken.
 Slot* IoEngine::Impl::WaitForCompletions(Transfer& t, bool any_reap) {
-  std::unique_lock lock(mu);
-  const uint64_t epoch = reap_epoch;
-  while (t.done_head == nullptr && !(any_reap && reap_epoch != epoch) && broken.ok()) {
-    if (reaping) {
-      cv.wait(lock);
+  Lane& l = *t.lane;
+  std::unique_lock lock(l.mu);
+  const uint64_t epoch = l.reap_epoch;
+  while (t.done_head == nullptr && !(any_reap && l.reap_epoch != epoch) && l.broken.ok()) {
+    if (l.reaping) {
+      l.cv.wait(lock);
       continue;
     }
-    reaping = true;
+    l.reaping = true;
     lock.unlock();
     // Waits for one completion: this transfer has a request in flight, or the queue is full of
     // other transfers' (and if it has emptied meanwhile, Reap returns at once).
-    Result<size_t> reaped = backend->Reap(reap_buffer, 1);
+    Result<size_t> reaped = l.backend->Reap(l.reap_buffer, 1);
     lock.lock();
-    reaping = false;
+    l.reaping = false;
     if (!reaped.ok()) {
-      broken = reaped.status().WithPrefix("backend " + backend->capabilities().name + " reap");
+      l.broken =
+          reaped.status().WithPrefix("backend " + l.backend->capabilities().name + " reap");
     } else {
       for (size_t i = 0; i < *reaped; ++i) {
         // user_data is the Slot* SetUpPiece stored.
         auto* slot = reinterpret_cast<Slot*>(  // NOLINT(performance-no-int-to-ptr)
-            reap_buffer[i].request->user_data);
-        slot->result = reap_buffer[i].result;
+            l.reap_buffer[i].request->user_data);
+        slot->result = l.reap_buffer[i].result;
         slot->next_done = slot->owner->done_head;
         slot->owner->done_head = slot;
       }
     }
-    ++reap_epoch;
-    cv.notify_all();
+    ++l.reap_epoch;
+    l.cv.notify_all();
   }
   // Routed newest first; handle them in completion order.
   Slot* list = nullptr;
@@ -486,12 +589,13 @@ Slot* IoEngine::Impl::WaitForCompletions(Transfer& t, bool any_reap) {
     list = t.done_head;
     t.done_head = next;
   }
-  if (list == nullptr && !broken.ok()) t.Fail(broken);
+  if (list == nullptr && !l.broken.ok()) t.Fail(l.broken);
   return list;
 }
 
 // Runs `t` to the end; see Note [IoEngine transfers].
 Status IoEngine::Impl::Drive(Transfer& t) {
+  Backend* const backend = t.lane->backend;
   bool stalled = false;
   std::chrono::steady_clock::time_point stall_start;
   while (true) {
@@ -604,19 +708,106 @@ Status IoEngine::Impl::Run(OpType op, int file, uint64_t offset, std::byte* buff
                                      std::to_string(offset) + " exceed the largest file offset");
     }
   }
+  if (op == OpType::kFsync || options.threads == 1 ||
+      length < 2 * static_cast<uint64_t>(options.block_size)) {
+    return RunSlice(*lanes[0], op, info, offset, buffer, length);
+  }
+  Job job;
+  job.op = op;
+  job.file = info;
+  PlanSlices(*info, offset, length, buffer, job.slices);
+  if (job.slices.size() == 1) return RunSlice(*lanes[0], op, info, offset, buffer, length);
+  split_transfers.fetch_add(1, std::memory_order_relaxed);
+  return RunSplit(job);
+}
+
+Status IoEngine::Impl::RunSlice(Lane& lane, OpType op, const FileInfo* file, uint64_t offset,
+                                std::byte* buffer, uint64_t length) {
   {
-    std::lock_guard lock(mu);
-    if (!broken.ok()) {
+    std::lock_guard lock(lane.mu);
+    if (!lane.broken.ok()) {
       return Status::FailedPrecondition(
-          std::string(OpTypeName(op)) + " file '" + info->label +
-          "': the engine's backend failed earlier: " + broken.message());
+          std::string(OpTypeName(op)) + " file '" + file->label +
+          "': the engine's backend failed earlier: " + lane.broken.message());
     }
   }
-  Transfer* t = Acquire();
-  Status status = Start(*t, op, info, offset, buffer, length);
+  Transfer* t = Acquire(lane);
+  Status status = Start(*t, op, file, offset, buffer, length);
   if (status.ok()) status = Drive(*t);
   Release(t);
   return status;
+}
+
+// Cuts [offset, offset + length) into slices; see Note [Parallel slices].
+void IoEngine::Impl::PlanSlices(const FileInfo& file, uint64_t offset, uint64_t length,
+                                std::byte* buffer, std::vector<Slice>& out) const {
+  const uint64_t block = options.block_size;
+  const uint64_t n = std::min<uint64_t>(options.threads, (length + block - 1) / block);
+  const uint64_t per = (length + n - 1) / n;
+  const uint64_t a = file.alignment;
+  const uint64_t end = offset + length;
+  uint64_t begin = offset;
+  for (uint64_t k = 1; k <= n && begin < end; ++k) {
+    uint64_t cut = k == n ? end : RoundDown(offset + k * per, a);
+    if (cut <= begin) continue;  // a slice smaller than one alignment block: merged into the next
+    cut = std::min(cut, end);
+    out.push_back(Slice{begin, cut - begin, buffer + (begin - offset)});
+    begin = cut;
+  }
+}
+
+void IoEngine::Impl::ClaimAndRun(Job& job, Lane& lane) {
+  for (;;) {
+    const size_t k = job.next.fetch_add(1, std::memory_order_relaxed);
+    if (k >= job.slices.size()) return;
+    const Slice& slice = job.slices[k];
+    Status status = RunSlice(lane, job.op, job.file, slice.offset, slice.buffer, slice.length);
+    {
+      std::lock_guard lock(job.mu);
+      if (!status.ok() && job.status.ok()) job.status = std::move(status);
+      ++job.done;
+    }
+    job.cv.notify_all();
+  }
+}
+
+Status IoEngine::Impl::RunSplit(Job& job) {
+  {
+    std::lock_guard lock(work_mu);
+    for (size_t k = 1; k < job.slices.size(); ++k) work.push_back(&job);
+  }
+  work_cv.notify_all();
+  ClaimAndRun(job, *lanes[0]);
+  {
+    // Take back the entries no worker popped; wait for those that did to let go of the job.
+    std::unique_lock lock(work_mu);
+    work.erase(std::remove(work.begin(), work.end(), &job), work.end());
+    work_cv.wait(lock, [&] { return job.holders == 0; });
+  }
+  std::unique_lock lock(job.mu);
+  job.cv.wait(lock, [&] { return job.done == job.slices.size(); });
+  return job.status;
+}
+
+void IoEngine::Impl::WorkerLoop(Lane& lane) {
+  for (;;) {
+    Job* job = nullptr;
+    {
+      std::unique_lock lock(work_mu);
+      work_cv.wait(lock, [&] { return stop || !work.empty(); });
+      if (stop) return;
+      job = work.front();
+      work.pop_front();
+      ++job->holders;
+    }
+    ClaimAndRun(*job, lane);
+    {
+      std::lock_guard lock(work_mu);
+      --job->holders;
+    }
+    // The owner waits on work_cv for holders to reach 0.
+    work_cv.notify_all();
+  }
 }
 
 // ---- IoEngine -----------------------------------------------------------------------------------
@@ -626,9 +817,30 @@ IoEngine::~IoEngine() = default;
 
 Result<std::unique_ptr<IoEngine>> IoEngine::Create(Backend* backend,
                                                    const IoEngineOptions& options) {
-  if (backend == nullptr) return Status::InvalidArgument("I/O engine: no backend");
+  Backend* const one[] = {backend};
+  return Create(std::span<Backend* const>(one), options);
+}
+
+Result<std::unique_ptr<IoEngine>> IoEngine::Create(std::span<Backend* const> backends,
+                                                   const IoEngineOptions& options) {
+  if (backends.empty()) return Status::InvalidArgument("I/O engine: no backend");
+  for (Backend* b : backends) {
+    if (b == nullptr) return Status::InvalidArgument("I/O engine: no backend");
+  }
   MEMPLAN_RETURN_IF_ERROR(options.Validate());
-  return std::unique_ptr<IoEngine>(new IoEngine(std::make_unique<Impl>(backend, options)));
+  if (backends.size() > options.threads) {
+    return Status::InvalidArgument("I/O engine: " + std::to_string(backends.size()) +
+                                   " backends for " + std::to_string(options.threads) +
+                                   " threads (at most one backend per thread)");
+  }
+  for (size_t i = 0; i < backends.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (backends[i] == backends[j]) {
+        return Status::InvalidArgument("I/O engine: the same backend given twice");
+      }
+    }
+  }
+  return std::unique_ptr<IoEngine>(new IoEngine(std::make_unique<Impl>(backends, options)));
 }
 
 Result<int> IoEngine::AddFile(int fd, std::string label, bool direct) {
@@ -640,9 +852,17 @@ Result<int> IoEngine::AddFile(int fd, std::string label, bool direct) {
     return Status::InvalidArgument("file '" + label + "': unsupported O_DIRECT alignment " +
                                    std::to_string(info->alignment));
   }
-  Result<int> index = impl_->backend->RegisterFile(fd);
-  if (!index.ok()) return index.status().WithPrefix("file '" + label + "'");
-  info->backend_file = *index;
+  for (const auto& lane : impl_->lanes) {
+    Result<int> index = lane->backend->RegisterFile(fd);
+    if (!index.ok()) {
+      // Undo the lanes done so far, so a failed AddFile leaves nothing registered.
+      for (size_t i = 0; i < info->backend_files.size(); ++i) {
+        (void)impl_->lanes[i]->backend->UnregisterFile(info->backend_files[i]);
+      }
+      return index.status().WithPrefix("file '" + label + "'");
+    }
+    info->backend_files.push_back(*index);
+  }
   info->label = std::move(label);
   std::lock_guard lock(impl_->files_mu);
   impl_->files.push_back(std::move(info));
@@ -656,8 +876,12 @@ Status IoEngine::RemoveFile(int file) {
                                    " is not registered");
   }
   FileInfo& info = *impl_->files[file];
-  MEMPLAN_RETURN_IF_ERROR(
-      impl_->backend->UnregisterFile(info.backend_file).WithPrefix("file '" + info.label + "'"));
+  Status first;
+  for (size_t i = 0; i < impl_->lanes.size(); ++i) {
+    Status status = impl_->lanes[i]->backend->UnregisterFile(info.backend_files[i]);
+    if (!status.ok() && first.ok()) first = status.WithPrefix("file '" + info.label + "'");
+  }
+  MEMPLAN_RETURN_IF_ERROR(first);
   info.removed = true;
   return Status::Ok();
 }
@@ -674,6 +898,24 @@ Status IoEngine::Write(int file, uint64_t offset, const void* buffer, uint64_t l
 
 Status IoEngine::Sync(int file) { return impl_->Run(OpType::kFsync, file, 0, nullptr, 0); }
 
+Status IoEngine::RegisterBuffers(std::span<const iovec> buffers) {
+  impl_->registered.clear();
+  Status first;
+  for (const auto& lane : impl_->lanes) {
+    Status status = lane->backend->RegisterBuffers(buffers);
+    if (!status.ok() && first.ok()) first = status;
+  }
+  if (!first.ok()) {
+    // Some backend refused: use none, so no request names a region a backend does not have.
+    for (const auto& lane : impl_->lanes) (void)lane->backend->RegisterBuffers({});
+    return first;
+  }
+  bool any = false;
+  for (const auto& lane : impl_->lanes) any = any || lane->backend->capabilities().registered_buffers;
+  if (any) impl_->registered.assign(buffers.begin(), buffers.end());
+  return Status::Ok();
+}
+
 IoStats IoEngine::stats() const {
   IoStats s;
   s.read_bytes = impl_->read_bytes.load(std::memory_order_relaxed);
@@ -683,9 +925,13 @@ IoStats IoEngine::stats() const {
   s.short_transfers = impl_->short_transfers.load(std::memory_order_relaxed);
   s.retries = impl_->retries.load(std::memory_order_relaxed);
   s.bounce_bytes = impl_->bounce_bytes.load(std::memory_order_relaxed);
+  s.split_transfers = impl_->split_transfers.load(std::memory_order_relaxed);
+  s.registered_ops = impl_->registered_ops.load(std::memory_order_relaxed);
   return s;
 }
 
-Backend* IoEngine::backend() const { return impl_->backend; }
+Backend* IoEngine::backend() const { return impl_->lanes[0]->backend; }
+uint32_t IoEngine::threads() const { return impl_->options.threads; }
+size_t IoEngine::backend_count() const { return impl_->lanes.size(); }
 
 }  // namespace memplan::nvme

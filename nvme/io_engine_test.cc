@@ -780,5 +780,193 @@ TEST_CASE("engine: four threads through random EINTR, EAGAIN and short transfers
   CHECK(fault->in_flight() == 0);
 }
 
+// ---- Parallel slices (intra_op_parallelism) -----------------------------------------------------
+
+// Counts the requests and bytes each backend is given, and the threads that submit them.
+class Counting : public Forwarding {
+ public:
+  using Forwarding::Forwarding;
+  Result<size_t> Submit(std::span<Request* const> requests) override {
+    Result<size_t> taken = inner_->Submit(requests);
+    if (taken.ok()) {
+      for (size_t i = 0; i < *taken; ++i) {
+        bytes.fetch_add(requests[i]->length);
+        if (requests[i]->buffer_index >= 0) registered.fetch_add(1);
+      }
+      requests_taken.fetch_add(*taken);
+    }
+    return taken;
+  }
+  std::atomic<uint64_t> requests_taken{0}, bytes{0}, registered{0};
+};
+
+std::unique_ptr<IoEngine> ParallelEngine(std::span<Backend* const> backends, uint32_t threads,
+                                         uint32_t block_size) {
+  IoEngineOptions options;
+  options.block_size = block_size;
+  options.threads = threads;
+  Result<std::unique_ptr<IoEngine>> engine = IoEngine::Create(backends, options);
+  REQUIRE_MESSAGE(engine.ok(), engine.status().ToString());
+  return std::move(engine).value();
+}
+
+TEST_CASE("engine: threads and backends are validated") {
+  IoEngineOptions options;
+  options.threads = 0;
+  CHECK(options.Validate().code() == StatusCode::kInvalidArgument);
+  options.threads = 65;
+  Status too_many = options.Validate();
+  CHECK(too_many.code() == StatusCode::kInvalidArgument);
+  CHECK(Contains(too_many.message(), "intra_op_parallelism"));
+  options.threads = 2;
+  std::unique_ptr<Backend> a = Memory(), b = Memory(), c = Memory();
+  Backend* three[] = {a.get(), b.get(), c.get()};
+  CHECK(IoEngine::Create(std::span<Backend* const>(three), options).status().code() ==
+        StatusCode::kInvalidArgument);  // more backends than threads
+  Backend* twice[] = {a.get(), a.get()};
+  CHECK(IoEngine::Create(std::span<Backend* const>(twice), options).status().code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(IoEngine::Create(std::span<Backend* const>(), options).status().code() ==
+        StatusCode::kInvalidArgument);
+}
+
+TEST_CASE("engine: a split transfer round-trips at odd sizes with threads sharing one backend") {
+  for (uint32_t threads : {2u, 3u, 8u}) {
+    CAPTURE(threads);
+    std::unique_ptr<Backend> backend = Memory(8);
+    Backend* one[] = {backend.get()};
+    std::unique_ptr<IoEngine> engine = ParallelEngine(one, threads, 64 * 1024);
+    CHECK(engine->threads() == threads);
+    Result<int> file = engine->AddFile(0, "mem", false);
+    REQUIRE(file.ok());
+    RoundTrips(*engine, *file);
+    CHECK(engine->stats().split_transfers > 0);
+    CHECK(backend->in_flight() == 0);
+  }
+}
+
+TEST_CASE("engine: every thread drives its own backend, and the slices cover the call exactly") {
+  // Two real backends of one kind on one O_DIRECT file: each slice on its own ring or context.
+  ScratchDir dir;
+  for (BackendKind kind : {BackendKind::kUring, BackendKind::kAio, BackendKind::kPosix}) {
+    CAPTURE(BackendKindName(kind));
+    std::vector<std::unique_ptr<Counting>> backends;
+    for (int i = 0; i < 2; ++i) {
+      Result<BackendChoice> choice = CreateBackend(kind, BackendOptions{});
+      if (!choice.ok()) break;
+      backends.push_back(std::make_unique<Counting>(std::move(choice->backend)));
+    }
+    if (backends.size() < 2) {
+      MESSAGE("skipping " << BackendKindName(kind) << ": not available here");
+      continue;
+    }
+    Backend* both[] = {backends[0].get(), backends[1].get()};
+    OpenedFile f(dir, "split_" + std::string(BackendKindName(kind)));
+    std::unique_ptr<IoEngine> engine = ParallelEngine(both, 2, 256 * 1024);
+    Result<int> file = engine->AddFile(f.fd, f.path, f.direct);
+    REQUIRE(file.ok());
+    // Aligned: exactly the call's bytes, split between the two backends.
+    Buffer out(8 * kMiB, 0);
+    out.Set(Pattern(out.size(), 11));
+    REQUIRE(engine->Write(*file, 0, out.data(), out.size()).ok());
+    CHECK(backends[0]->bytes + backends[1]->bytes == out.size());
+    CHECK(backends[0]->bytes > 0);
+    CHECK(backends[1]->bytes > 0);
+    Buffer in(out.size(), 0);
+    REQUIRE(engine->Read(*file, 0, in.data(), in.size()).ok());
+    CHECK(in.Equals(out.data()));
+    CHECK(engine->stats().split_transfers == 2);
+    // Unaligned calls, split: the head/tail merges of one slice never touch another's blocks.
+    std::vector<unsigned char> model = RoundTrips(*engine, *file);
+    int plain = ::open(f.path.c_str(), O_RDONLY | O_CLOEXEC);
+    REQUIRE(plain >= 0);
+    std::vector<unsigned char> on_disk(model.size());
+    CHECK(::pread(plain, on_disk.data(), on_disk.size(), 0) ==
+          static_cast<ssize_t>(on_disk.size()));
+    ::close(plain);
+    CHECK(on_disk == model);
+    CHECK(engine->RemoveFile(*file).ok());
+    CHECK(backends[0]->in_flight() == 0);
+    CHECK(backends[1]->in_flight() == 0);
+  }
+}
+
+TEST_CASE("engine: a failed slice fails the call, and no slice is left in flight") {
+  FaultPlan plan;
+  plan.fail.op = OpType::kRead;
+  plan.fail.nth = 5;
+  plan.error = EIO;
+  std::unique_ptr<FaultBackend> fault = Faulty(Memory(4), plan);
+  // The memory backends keep separate data: one backend, shared by the four threads.
+  Backend* one[] = {fault.get()};
+  std::unique_ptr<IoEngine> engine = ParallelEngine(one, 4, 4096);
+  Result<int> file = engine->AddFile(0, "sliced.swp", false);
+  REQUIRE(file.ok());
+  std::vector<unsigned char> data = Pattern(256 * kKiB, 4);
+  REQUIRE(engine->Write(*file, 0, data.data(), data.size()).ok());
+  std::vector<unsigned char> in(data.size());
+  Status s = engine->Read(*file, 0, in.data(), in.size());
+  CHECK(s.code() == StatusCode::kIoError);
+  CHECK(Contains(s.message(), "read file 'sliced.swp' at offset"));
+  CHECK(fault->in_flight() == 0);
+  CHECK(engine->Read(*file, 0, in.data(), in.size()).ok());  // the plan hit one read only
+  CHECK(in == data);
+}
+
+TEST_CASE("engine: split transfers from four threads at once (workers busy: callers run slices)") {
+  std::unique_ptr<Backend> backend = Memory(4);
+  Backend* one[] = {backend.get()};
+  std::unique_ptr<IoEngine> engine = ParallelEngine(one, 3, 4096);
+  Result<int> file = engine->AddFile(0, "shared", false);
+  REQUIRE(file.ok());
+  RunWorkers(*engine, *file, 10);
+  CHECK(engine->stats().split_transfers > 0);
+  CHECK(backend->in_flight() == 0);
+}
+
+// ---- Registered buffers -------------------------------------------------------------------------
+
+TEST_CASE("engine: requests inside a registered buffer name it; others do not") {
+  std::vector<std::unique_ptr<Backend>> real = RealBackends();
+  ScratchDir dir;
+  for (std::unique_ptr<Backend>& inner : real) {
+    const std::string name = inner->capabilities().name;
+    const bool capable = inner->capabilities().registered_buffers;
+    CAPTURE(name);
+    auto counting = std::make_unique<Counting>(std::move(inner));
+    std::unique_ptr<IoEngine> engine = Engine(counting.get(), 64 * 1024);
+    OpenedFile f(dir, "fixed_" + name);
+    Result<int> file = engine->AddFile(f.fd, f.path, f.direct);
+    REQUIRE(file.ok());
+    Buffer pinned(kMiB, 0), other(kMiB, 0);
+    pinned.Set(Pattern(kMiB, 21));
+    other.Set(Pattern(kMiB, 22));
+    const iovec region{pinned.data(), kMiB};
+    REQUIRE(engine->RegisterBuffers(std::span<const iovec>(&region, 1)).ok());
+    REQUIRE(engine->Write(*file, 0, pinned.data(), kMiB).ok());
+    const uint64_t after_pinned = counting->registered;
+    REQUIRE(engine->Write(*file, kMiB, other.data(), kMiB).ok());
+    CHECK(counting->registered == after_pinned);  // `other` is not registered
+    Buffer check(2 * kMiB, 0);
+    REQUIRE(engine->Read(*file, 0, check.data(), 2 * kMiB).ok());
+    CHECK(std::memcmp(check.data(), pinned.data(), kMiB) == 0);
+    CHECK(std::memcmp(check.data() + kMiB, other.data(), kMiB) == 0);
+    // Reading into the registered buffer names it too.
+    pinned.Fill(0);
+    REQUIRE(engine->Read(*file, kMiB, pinned.data(), kMiB).ok());
+    CHECK(pinned.Equals(other.data()));
+    if (capable) {
+      CHECK(after_pinned == kMiB / (64 * 1024));
+      CHECK(engine->stats().registered_ops == 2 * kMiB / (64 * 1024));
+    } else {
+      CHECK(counting->registered == 0);
+    }
+    REQUIRE(engine->RegisterBuffers({}).ok());
+    const uint64_t before = counting->registered;
+    REQUIRE(engine->Write(*file, 0, pinned.data(), kMiB).ok());
+    CHECK(counting->registered == before);  // unregistered again
+  }
+}
+
 }  // namespace
 }  // namespace memplan::nvme

@@ -297,10 +297,12 @@ struct SwapStore::Impl {
   uint64_t alignment = kMinBlockBytes;
   uint64_t capacity_bytes = 0;  // allocatable bytes
   uint64_t data_file_bytes = 0;
-  std::unique_ptr<Backend> backend;
+  std::vector<std::unique_ptr<Backend>> backends;  // one per I/O thread (or one, shared)
   std::string backend_name, backend_note;
-  std::unique_ptr<IoEngine> engine;  // destroyed before `backend`
+  uint32_t backend_count = 0;
+  std::unique_ptr<IoEngine> engine;  // destroyed before `backends`
   int file = -1;                     // engine file index of the data file
+  uint64_t registered_bytes = 0;     // GUARDED_BY(mu): what RegisterBuffers gave the backends
 
   mutable std::mutex mu;
   bool closed = false;                           // GUARDED_BY(mu)
@@ -613,17 +615,23 @@ Status SwapStore::Impl::WriteIndex(const std::string& bytes) {
 }
 
 Status SwapStore::Impl::StartEngine(std::unique_ptr<Backend> given) {
+  std::vector<Backend*> pointers;
   if (given != nullptr) {
-    backend = std::move(given);
-    backend_note = "using " + backend->capabilities().name + " as given by the caller";
+    // One backend, shared by the engine's threads.
+    backend_note = "using " + given->capabilities().name + " as given by the caller";
+    pointers.push_back(given.get());
+    backends.push_back(std::move(given));
   } else {
-    MEMPLAN_ASSIGN_OR_RETURN(BackendChoice choice,
-                             CreateBackend(options.backend, options.backend_options));
-    backend = std::move(choice.backend);
-    backend_note = std::move(choice.note);
+    MEMPLAN_ASSIGN_OR_RETURN(BackendSet set,
+                             CreateBackends(options.backend, options.backend_options,
+                                            options.engine_options.threads));
+    pointers = set.pointers();
+    backends = std::move(set.backends);
+    backend_note = std::move(set.note);
   }
-  backend_name = backend->capabilities().name;
-  MEMPLAN_ASSIGN_OR_RETURN(engine, IoEngine::Create(backend.get(), options.engine_options));
+  backend_name = backends[0]->capabilities().name;
+  backend_count = static_cast<uint32_t>(backends.size());
+  MEMPLAN_ASSIGN_OR_RETURN(engine, IoEngine::Create(pointers, options.engine_options));
   MEMPLAN_ASSIGN_OR_RETURN(file, engine->AddFile(data_fd, data_path, direct_used));
   return Status::Ok();
 }
@@ -651,7 +659,7 @@ Status SwapStore::Impl::Teardown(bool closing, const std::string* index_bytes) {
     file = -1;
   }
   engine.reset();
-  backend.reset();
+  backends.clear();
   if (data_fd >= 0) {
     if (::close(data_fd) != 0) note(Status::FromErrno(errno, Msg("closing " + data_path)));
     data_fd = -1;
@@ -973,6 +981,23 @@ Status SwapStore::Sync() {
   return status;
 }
 
+Status SwapStore::RegisterBuffers(std::span<const iovec> buffers) {
+  Impl& s = *impl_;
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.closed) return Status::FailedPrecondition("swap store " + s.options.directory + ": closed");
+  if (s.active_ops > 0) {
+    return Status::FailedPrecondition("swap store " + s.options.directory +
+                                      ": RegisterBuffers with operations in flight");
+  }
+  s.registered_bytes = 0;
+  MEMPLAN_RETURN_IF_ERROR(
+      s.engine->RegisterBuffers(buffers).WithPrefix("swap store " + s.options.directory));
+  if (s.backends[0]->capabilities().registered_buffers) {
+    for (const iovec& b : buffers) s.registered_bytes += b.iov_len;
+  }
+  return Status::Ok();
+}
+
 SwapStoreStats SwapStore::stats() const {
   const Impl& s = *impl_;
   SwapStoreStats out;
@@ -1002,6 +1027,12 @@ SwapStoreStats SwapStore::stats() const {
   out.backend_note = s.backend_note;
   out.direct = s.direct_used;
   out.alignment_bytes = static_cast<uint32_t>(s.alignment);
+  out.io_threads = s.options.engine_options.threads;
+  out.io_backends = s.backend_count;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    out.registered_buffer_bytes = s.registered_bytes;
+  }
   return out;
 }
 

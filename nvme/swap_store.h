@@ -90,6 +90,9 @@ struct SwapStoreStats {
   std::string backend_note;      // why that backend (CreateBackend's note); may be empty
   bool direct = false;           // O_DIRECT in use
   uint32_t alignment_bytes = 0;  // extents start and end on multiples of this
+  uint32_t io_threads = 1;       // engine_options.threads: threads one transfer is split across
+  uint32_t io_backends = 1;      // backends (rings, contexts) those threads use
+  uint64_t registered_buffer_bytes = 0;  // bytes registered through RegisterBuffers (in use)
 };
 
 class SwapStore {
@@ -156,6 +159,13 @@ class SwapStore {
   // after the rename fails, the new index is in place but may not survive a power loss);
   // ResourceExhausted when the index would exceed 1 GiB (use larger checksum blocks).
   Status Sync();
+
+  // Registers long-lived buffers (a pinned pool's memory) with the store's backends, so that
+  // Get/Put from and into them skip per-request page pinning (io_uring fixed buffers); replaces an
+  // earlier registration; empty: none. Errors: FailedPrecondition while any operation is in
+  // flight or after Close(); a backend's refusal (ENOMEM: RLIMIT_MEMLOCK), after which no
+  // buffers are registered, which costs only speed.
+  Status RegisterBuffers(std::span<const iovec> buffers);
 
   SwapStoreStats stats() const;
   // Releases the backend, the files and the lock. With `keep_files` the data file is fsynced, the
