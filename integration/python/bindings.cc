@@ -11,6 +11,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <unistd.h>
+
 #include <cstring>
 #include <memory>
 #include <string>
@@ -19,6 +21,9 @@
 #include "common/json.h"
 #include "integration/engine_json.h"
 #include "integration/requests.h"
+#include "nvme/backend.h"
+#include "nvme/io_engine.h"
+#include "offload/cpu_optimizer.h"
 #include "offload/engine.h"
 #include "offload/gpu_runtime.h"
 #include "offload/schedule.h"
@@ -319,11 +324,205 @@ class PyEngine {
   std::vector<py::object> grads_;  // gradients until step()
 };
 
+// memplan.IoFile: one file read and written through the NVMe IoEngine, for benchmarks that put
+// memplan beside another I/O stack in one process (bench/vs_deepspeed.py). The GIL is released
+// during transfers.
+class PyIoFile {
+ public:
+  PyIoFile(const std::string& path, const std::string& backend, uint32_t block_size,
+           uint32_t queue_depth, uint32_t threads, bool direct, bool create, bool sqpoll) {
+    nvme::BackendKind kind = Value(nvme::ParseBackendKind(backend));
+    nvme::BackendOptions options;
+    options.queue_depth = queue_depth;
+    options.sqpoll = sqpoll;
+    nvme::IoEngineOptions engine_options;
+    engine_options.block_size = block_size;
+    engine_options.threads = threads;
+    Check(engine_options.Validate());
+    set_ = Value(nvme::CreateBackends(kind, options, threads));
+    nvme::OpenOptions open;
+    open.create = create;
+    open.direct = direct;
+    fd_ = Value(nvme::OpenFile(path, open, &direct_));
+    engine_ = Value(nvme::IoEngine::Create(set_.pointers(), engine_options));
+    file_ = Value(engine_->AddFile(fd_, path, direct_));
+    path_ = path;
+  }
+  ~PyIoFile() { Close(); }
+
+  void Read(const py::object& buffer, uint64_t offset) { Transfer(buffer, offset, false); }
+  void Write(const py::object& buffer, uint64_t offset) { Transfer(buffer, offset, true); }
+
+  void Sync() {
+    Require();
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = engine_->Sync(file_);
+    }
+    Check(status);
+  }
+
+  // Registers the buffers (io_uring fixed buffers); they must stay alive and unmoved until
+  // register_buffers([]) or close().
+  void RegisterBuffers(const std::vector<py::object>& buffers) {
+    Require();
+    std::vector<iovec> regions;
+    std::vector<py::object> keep;
+    for (const py::object& b : buffers) {
+      Memory m = MemoryOf(b);
+      regions.push_back(iovec{const_cast<void*>(m.data), m.bytes});
+      keep.push_back(m.keep);
+    }
+    Check(engine_->RegisterBuffers(regions));
+    registered_ = std::move(keep);
+  }
+
+  py::dict Info() const {
+    Require();
+    py::dict out;
+    const nvme::Capabilities& caps = engine_->backend()->capabilities();
+    out["path"] = path_;
+    out["backend"] = caps.name;
+    out["backends"] = engine_->backend_count();
+    out["threads"] = engine_->threads();
+    out["direct"] = direct_;
+    out["alignment"] = nvme::DirectIoAlignment(fd_, direct_);
+    out["registered_buffers"] = caps.registered_buffers;
+    out["registered_files"] = caps.registered_files;
+    out["sqpoll"] = caps.sqpoll;
+    out["note"] = set_.note;
+    return out;
+  }
+
+  py::dict Stats() const {
+    Require();
+    const nvme::IoStats s = engine_->stats();
+    py::dict out;
+    out["read_bytes"] = s.read_bytes;
+    out["write_bytes"] = s.write_bytes;
+    out["read_ops"] = s.read_ops;
+    out["write_ops"] = s.write_ops;
+    out["short_transfers"] = s.short_transfers;
+    out["retries"] = s.retries;
+    out["bounce_bytes"] = s.bounce_bytes;
+    out["split_transfers"] = s.split_transfers;
+    out["registered_ops"] = s.registered_ops;
+    return out;
+  }
+
+  void Close() {
+    if (!engine_) return;
+    Status status = engine_->RemoveFile(file_);
+    engine_.reset();
+    set_.backends.clear();
+    registered_.clear();
+    ::close(fd_);
+    fd_ = -1;
+    Check(status);
+  }
+
+ private:
+  void Require() const {
+    if (!engine_) throw py::value_error("memplan: IoFile is closed");
+  }
+  void Transfer(const py::object& buffer, uint64_t offset, bool write) {
+    Require();
+    Memory m = MemoryOf(buffer);
+    if (m.device) throw py::value_error("memplan: IoFile needs host memory");
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = write ? engine_->Write(file_, offset, m.data, m.bytes)
+                     : engine_->Read(file_, offset, const_cast<void*>(m.data), m.bytes);
+    }
+    Check(status);
+  }
+
+  nvme::BackendSet set_;
+  std::unique_ptr<nvme::IoEngine> engine_;  // destroyed before set_'s backends
+  int fd_ = -1;
+  int file_ = -1;
+  bool direct_ = false;
+  std::string path_;
+  std::vector<py::object> registered_;
+};
+
+// memplan.CpuAdam: the CPU optimizer's Adam/AdamW step over caller arrays (numpy, torch CPU
+// tensors), as the engine runs it on each sub-group; for benchmarks and numeric checks.
+class PyCpuAdam {
+ public:
+  PyCpuAdam(int threads, const std::string& isa) {
+    offload::CpuOptimizerOptions options;
+    options.threads = threads;
+    if (!isa.empty()) options.isa = Value(offload::ParseIsa(isa));
+    cpu_ = Value(offload::CpuOptimizer::Create(options));
+  }
+
+  void Step(int64_t step, const py::object& params, const py::object& grads,
+            const py::object& exp_avg, const py::object& exp_avg_sq, double lr, double beta1,
+            double beta2, double eps, double weight_decay, bool decoupled, double grad_scale,
+            const py::object& half_params, const std::string& half_dtype) {
+    Memory p = Host(params, "params"), g = Host(grads, "grads"), m = Host(exp_avg, "exp_avg"),
+           v = Host(exp_avg_sq, "exp_avg_sq");
+    for (const Memory* f : {&p, &m, &v}) {
+      if (f->dtype != "fp32") throw py::value_error("memplan: CpuAdam: fp32 arrays expected");
+    }
+    const size_t n = p.bytes / 4;
+    offload::AdamOptions options;
+    options.lr = lr;
+    options.beta1 = beta1;
+    options.beta2 = beta2;
+    options.eps = eps;
+    options.weight_decay = weight_decay;
+    options.decoupled = decoupled;
+    options.grad_scale = grad_scale;
+    offload::AdamTensors t;
+    t.params = {static_cast<float*>(const_cast<void*>(p.data)), n};
+    if (g.dtype != "fp32") {
+      throw py::value_error("memplan: CpuAdam: gradients must be fp32, not " + g.dtype);
+    }
+    t.grads = {static_cast<const float*>(g.data), g.bytes / 4};
+    t.exp_avg = {static_cast<float*>(const_cast<void*>(m.data)), m.bytes / 4};
+    t.exp_avg_sq = {static_cast<float*>(const_cast<void*>(v.data)), v.bytes / 4};
+    if (!half_params.is_none()) {
+      Memory h = Host(half_params, "half_params");
+      t.half_params = {static_cast<uint16_t*>(const_cast<void*>(h.data)), h.bytes / 2};
+      t.half_dtype = HalfOf(half_dtype.empty() ? h.dtype : half_dtype);
+    }
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = cpu_->AdamStep(options, step, t);
+    }
+    Check(status);
+  }
+
+  std::string Isa() const { return std::string(offload::IsaName(cpu_->isa())); }
+  int Threads() const { return cpu_->threads(); }
+
+ private:
+  static Memory Host(const py::object& obj, const char* what) {
+    Memory m = MemoryOf(obj);
+    if (m.device) throw py::value_error(std::string("memplan: CpuAdam: ") + what + " on a GPU");
+    return m;
+  }
+  static offload::HalfDtype HalfOf(const std::string& name) {
+    if (name == "bf16") return offload::HalfDtype::kBf16;
+    if (name == "fp16") return offload::HalfDtype::kFp16;
+    throw py::value_error("memplan: 16-bit type " + name + " is not bf16 or fp16");
+  }
+
+  std::unique_ptr<offload::CpuOptimizer> cpu_;
+};
+
 }  // namespace
 }  // namespace memplan::python
 
 PYBIND11_MODULE(_native, m) {
+  using memplan::python::PyCpuAdam;
   using memplan::python::PyEngine;
+  using memplan::python::PyIoFile;
   m.doc() = "memplan's native extension; use the memplan package instead";
   m.attr("__version__") = MEMPLAN_VERSION;
   m.def(
@@ -358,4 +557,29 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("param_dtype", &PyEngine::ParamDtype)
       .def_property_readonly("runtime", &PyEngine::Runtime)
       .def("close", &PyEngine::Close);
+
+  py::class_<PyIoFile>(m, "IoFile")
+      .def(py::init<const std::string&, const std::string&, uint32_t, uint32_t, uint32_t, bool,
+                    bool, bool>(),
+           py::arg("path"), py::arg("backend") = "auto", py::arg("block_size") = 1u << 20,
+           py::arg("queue_depth") = 32u, py::arg("threads") = 1u, py::arg("direct") = true,
+           py::arg("create") = false, py::arg("sqpoll") = false)
+      .def("read", &PyIoFile::Read, py::arg("buffer"), py::arg("offset") = 0)
+      .def("write", &PyIoFile::Write, py::arg("buffer"), py::arg("offset") = 0)
+      .def("sync", &PyIoFile::Sync)
+      .def("register_buffers", &PyIoFile::RegisterBuffers, py::arg("buffers"))
+      .def("info", &PyIoFile::Info)
+      .def("stats", &PyIoFile::Stats)
+      .def("close", &PyIoFile::Close);
+
+  py::class_<PyCpuAdam>(m, "CpuAdam")
+      .def(py::init<int, const std::string&>(), py::arg("threads") = 1, py::arg("isa") = "")
+      .def("step", &PyCpuAdam::Step, py::arg("step"), py::arg("params"), py::arg("grads"),
+           py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("lr") = 1e-3,
+           py::arg("beta1") = 0.9, py::arg("beta2") = 0.999, py::arg("eps") = 1e-8,
+           py::arg("weight_decay") = 0.01, py::arg("decoupled") = true,
+           py::arg("grad_scale") = 1.0, py::arg("half_params") = py::none(),
+           py::arg("half_dtype") = "")
+      .def_property_readonly("isa", &PyCpuAdam::Isa)
+      .def_property_readonly("threads", &PyCpuAdam::Threads);
 }

@@ -209,5 +209,48 @@ class EngineBindingTest(unittest.TestCase):
             engine.fetch("x")
 
 
+class LowLevelTest(unittest.TestCase):
+    def test_io_file_round_trips_split_across_threads(self):
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "io.dat")
+            data = torch.randint(0, 256, (5 << 20,), dtype=torch.uint8,
+                                 generator=torch.Generator().manual_seed(0))
+            f = memplan.IoFile(path, backend="auto", block_size=1 << 20, queue_depth=8,
+                               threads=2, create=True)
+            info = f.info()
+            self.assertEqual(info["threads"], 2)
+            f.write(data, 4097)  # an odd offset and a torch buffer of any alignment
+            f.sync()
+            back = torch.zeros_like(data)
+            f.read(back, 4097)
+            self.assertTrue(torch.equal(back, data))
+            self.assertEqual(f.stats()["split_transfers"], 2)
+            f.register_buffers([back])
+            f.read(back, 4097)
+            self.assertTrue(torch.equal(back, data))
+            f.close()
+            with self.assertRaisesRegex(ValueError, "closed"):
+                f.read(back, 0)
+            with self.assertRaisesRegex(ValueError, "intra_op_parallelism"):
+                memplan.IoFile(path, threads=0)
+
+    def test_cpu_adam_is_torchs_adamw(self):
+        torch.manual_seed(5)
+        n = 4099
+        p = torch.randn(n) * 0.02
+        m, v = torch.zeros(n), torch.zeros(n)
+        ref = p.clone().requires_grad_()
+        opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.01)
+        adam = memplan.CpuAdam(threads=2)
+        half = torch.empty(n, dtype=torch.bfloat16)
+        for step in range(1, 4):
+            g = torch.randn(n) * 1e-3
+            adam.step(step, p, g, m, v, lr=1e-3, weight_decay=0.01, half_params=half)
+            ref.grad = g
+            opt.step()
+            self.assertTrue(torch.equal(p, ref.detach()))
+            self.assertTrue(torch.equal(half, p.to(torch.bfloat16)))
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -17,7 +17,13 @@ import json as _json
 from . import _native
 
 __version__ = _native.__version__
-__all__ = ["estimate", "plan", "estimate_module", "Engine", "schedule"]
+__all__ = ["estimate", "plan", "estimate_module", "Engine", "schedule", "IoFile", "CpuAdam"]
+
+# Low-level pieces of the offload engine, for benchmarks and numeric checks: IoFile reads and
+# writes one file through the NVMe I/O engine (backend, block size, queue depth, threads);
+# CpuAdam runs the engine's Adam/AdamW kernel over caller arrays.
+IoFile = _native.IoFile
+CpuAdam = _native.CpuAdam
 
 # Request keys of `estimate` that are not training-setup settings (integration/requests.h).
 _ESTIMATE_KEYS = ("model", "config", "shapes", "name", "model_class", "gpus", "nodes",
