@@ -1,0 +1,322 @@
+#!/usr/bin/env python3
+"""The whole offloaded training step: the same GPT trained through memplan and DeepSpeed ZeRO-Infinity.
+
+    PY=$(bash scripts/python-env.sh --modern)       # PyPI torch 2 + DeepSpeed 0.19 (the peer)
+    PYTHONPATH=build/python $PY bench/train_vs_deepspeed.py --path /var/tmp [--models 25M,100M]
+        [--steps 8] [--warmup 3] [--rounds 3] [--arms torch,memplan,deepspeed] [--json out.json]
+
+The model is examples/train_gpt.py's GPT (tied embedding and head, GPT-2 initialisation), trained
+on CPU in fp32 with AdamW (lr 1e-3, weight decay 0.01) on the same batches (batch 8, sequence 64,
+vocabulary 512) by three arms, each in a fresh process:
+  torch      torch.optim.AdamW with everything in memory: the loss reference and the compute floor
+  memplan    memplan.torch.offload: parameters and AdamW states on NVMe under --path (O_DIRECT)
+  deepspeed  DeepSpeed ZeRO-3 with offload_param and offload_optimizer on NVMe under --path, on
+             its CPU accelerator (gloo, world size 1); aio block 1 MiB, queue depth 16, one
+             thread; offload_param.buffer_size holds the largest parameter (DeepSpeed asserts
+             otherwise), buffer_count 5, pin_memory
+Model sizes: 25M (hidden 512, 8 layers: 25.5 M parameters) and 100M (hidden 1024, 8 layers:
+101 M), or any hidden x layers given as e.g. 768x12.
+
+Each round runs every arm once, in a rotated order, so the machine's drift and its other users'
+load fall on all of them; a run's step time is the median of its steps after --warmup. The table
+shows medians over rounds: seconds per step, memplan / DeepSpeed, memplan / max(in-memory step,
+I/O time), and the largest |loss - torch's loss| over the steps. I/O time is memplan's NVMe bytes
+per step (parameters read and written back, optimizer states and gradients read and written) at
+the drive's bandwidth measured in the same round (memplan.IoFile, 256 MiB each way, O_DIRECT,
+--path), i.e. what the step would take if it did nothing but its I/O.
+
+Environment: as bench/vs_deepspeed.py (memplan's extension imports in the modern venv unchanged;
+DeepSpeed JIT-builds its ops once into build/torch_extensions). A benchmark, not a test.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+import deepspeed_peer as peer  # noqa: E402  (sets DS_ACCELERATOR, TORCH_EXTENSIONS_DIR)
+
+PRESETS = {"4.9M": (256, 6), "25M": (512, 8), "100M": (1024, 8)}
+BATCH, SEQ, VOCAB, LR, WD = 8, 64, 512, 1e-3, 0.01
+
+
+def model_shape(name):
+    if name in PRESETS:
+        return PRESETS[name]
+    hidden, layers = name.lower().split("x")
+    return int(hidden), int(layers)
+
+
+# ---- one arm, in its own process ------------------------------------------------------------------
+
+def run_arm(args):
+    import torch
+    from train_gpt import GPT, batches
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.torch_threads)
+    model = GPT(vocab=VOCAB, hidden=args.hidden, layers=args.layers, seq=SEQ)
+    n_params = sum(p.numel() for p in model.parameters())
+    largest = max(p.numel() for p in model.parameters())
+    data = list(batches(args.warmup + args.steps, BATCH, SEQ + 1, VOCAB))
+    out = {"arm": args.arm, "params": n_params, "losses": [], "step_s": []}
+    nvme = os.path.join(args.path, f"{args.arm}-{os.getpid()}")
+
+    def optimizer_phase(fn):
+        # The optimizer step runs with --optimizer-threads in every arm (DeepSpeed's cpu_adam
+        # uses torch's OpenMP pool; memplan's optimizer its own threads, set in the schedule).
+        torch.set_num_threads(args.optimizer_threads)
+        try:
+            fn()
+        finally:
+            torch.set_num_threads(args.torch_threads)
+
+    if args.arm == "torch":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+
+        def step(tokens):
+            optimizer.zero_grad()
+            loss = model(tokens)
+            loss.backward()
+            optimizer_phase(optimizer.step)
+            return loss
+        finish = None
+    elif args.arm == "memplan":
+        import memplan.torch
+        trainer = memplan.torch.offload(
+            model, nvme, lr=LR, weight_decay=WD, direct=True,
+            param_buffer_bytes=max(16 << 20, 4 * largest), threads=args.optimizer_threads,
+            **json.loads(args.memplan_options))
+
+        def step(tokens):
+            loss = model(tokens)
+            loss.backward()
+            trainer.step()
+            return loss
+
+        def finish():
+            out["stats"] = trainer.stats()
+            trainer.close()
+    else:
+        import deepspeed
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(29500 + os.getpid() % 1000))
+        os.makedirs(nvme, mode=0o700)
+        config = {
+            "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD,
+                                                      "betas": [0.9, 0.999], "eps": 1e-8}},
+            "zero_optimization": {
+                "stage": 3,
+                "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True,
+                                  "buffer_count": 5, "buffer_size": max(int(1e8), largest)},
+                "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True}},
+            "aio": {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": 1,
+                    "single_submit": False, "overlap_events": True},
+            "steps_per_print": 1 << 30}
+        config["zero_optimization"].update(json.loads(args.deepspeed_options))
+        deepspeed.init_distributed(dist_backend="gloo")
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=config)
+
+        def step(tokens):
+            loss = engine(tokens)
+            engine.backward(loss)
+            optimizer_phase(engine.step)
+            return loss
+        finish = None
+    try:
+        for i, tokens in enumerate(data):
+            start = time.perf_counter()
+            loss = step(tokens)
+            elapsed = time.perf_counter() - start
+            out["losses"].append(float(loss.detach()))
+            if i >= args.warmup:
+                out["step_s"].append(elapsed)
+            if args.arm == "memplan" and i == args.warmup - 1:
+                out["stats_after_warmup"] = trainer.stats()
+        if finish is not None:
+            finish()
+    finally:
+        shutil.rmtree(nvme, ignore_errors=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(out, f)
+
+
+# ---- the parent: rounds of interleaved arms -------------------------------------------------------
+
+def io_bytes(stats):
+    """NVMe bytes memplan moved, by direction, from the engine's statistics."""
+    param = stats["param"]
+    read = param["nvme_read_bytes"] + stats["optimizer_read_bytes"]
+    write = param["nvme_write_bytes"] + stats["optimizer_write_bytes"]
+    # Gradients stored for the optimizer: their reads are in optimizer_read_bytes, their writes
+    # in grad_write_bytes where the engine reports them, else fp32 gradients of every element.
+    write += stats.get("grad_write_bytes", 4 * stats["partition_elements"] * stats["steps"])
+    return read, write
+
+
+def drive_bandwidth(path, memplan, torch):
+    """Read and write bytes/s of 256 MiB through memplan's engine at `path`, O_DIRECT."""
+    import mmap
+    size = 256 << 20
+    buf = mmap.mmap(-1, size)
+    tensor = torch.frombuffer(buf, dtype=torch.uint8)
+    tensor.fill_(1)
+    fd, name = tempfile.mkstemp(dir=path, prefix="memplan-bw.")
+    os.close(fd)
+    try:
+        f = memplan.IoFile(name, block_size=1 << 20, queue_depth=16)
+        f.write(tensor, 0)
+        start = time.perf_counter()
+        f.write(tensor, 0)
+        f.sync()
+        write = size / (time.perf_counter() - start)
+        start = time.perf_counter()
+        f.read(tensor, 0)
+        read = size / (time.perf_counter() - start)
+        f.close()
+    finally:
+        os.unlink(name)
+        del tensor
+        buf.close()
+    return read, write
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--path", default="/var/tmp", help="a directory on the real drive")
+    p.add_argument("--models", default="25M,100M")
+    p.add_argument("--arms", default="torch,memplan,deepspeed")
+    p.add_argument("--steps", type=int, default=8, help="measured steps per run")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch's threads for forward and backward, in every arm (default 1: on a "
+                        "shared 2-core machine OpenMP barriers collapse under others' load)")
+    p.add_argument("--optimizer-threads", type=int, default=os.cpu_count() or 1,
+                   help="threads of the optimizer step, in every arm")
+    p.add_argument("--memplan-options", default="{}",
+                   help="JSON of extra memplan.schedule keywords, e.g. '{\"io_threads\": 2}'")
+    p.add_argument("--deepspeed-options", default="{}",
+                   help="JSON merged into DeepSpeed's zero_optimization block")
+    p.add_argument("--json", help="write every run and the summary here")
+    # A child process running one arm.
+    p.add_argument("--arm", help=argparse.SUPPRESS)
+    p.add_argument("--hidden", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.arm:
+        run_arm(args)
+        return 0
+
+    import torch
+    import memplan
+    arms = args.arms.split(",")
+    report = {"versions": peer.versions(), "uptime_start": peer.uptime_line(),
+              "args": {k: v for k, v in vars(args).items() if k != "json"}, "runs": []}
+    print("train vs DeepSpeed:", report["versions"], "|", report["uptime_start"], flush=True)
+    work = tempfile.mkdtemp(prefix="train-vs-ds.")
+    try:
+        for model in args.models.split(","):
+            hidden, layers = model_shape(model)
+            for r in range(args.rounds):
+                read_bw, write_bw = drive_bandwidth(args.path, memplan, torch)
+                order = arms[r % len(arms):] + arms[:r % len(arms)]
+                for arm in order:
+                    out = os.path.join(work, f"{model}-{arm}-{r}.json")
+                    command = [sys.executable, os.path.abspath(__file__), "--arm", arm,
+                               "--hidden", str(hidden), "--layers", str(layers), "--out", out,
+                               "--path", args.path, "--steps", str(args.steps),
+                               "--warmup", str(args.warmup),
+                               "--torch-threads", str(args.torch_threads),
+                               "--optimizer-threads", str(args.optimizer_threads),
+                               "--memplan-options", args.memplan_options,
+                               "--deepspeed-options", args.deepspeed_options]
+                    load = peer.load_average()
+                    done = subprocess.run(command, capture_output=True, text=True, check=False)
+                    if done.returncode != 0:
+                        sys.exit(f"{arm} ({model}) failed:\n{done.stderr[-3000:]}")
+                    with open(out, encoding="utf-8") as f:
+                        run = json.load(f)
+                    run.update(model=model, round=r, load=load, drive_read_bytes_per_s=read_bw,
+                               drive_write_bytes_per_s=write_bw,
+                               step_median_s=peer.median(run["step_s"]))
+                    if arm == "memplan":
+                        before = io_bytes(run["stats_after_warmup"])
+                        after = io_bytes(run["stats"])
+                        steps = len(run["step_s"])
+                        run["io_read_bytes_per_step"] = (after[0] - before[0]) / steps
+                        run["io_write_bytes_per_step"] = (after[1] - before[1]) / steps
+                        run["io_s"] = (run["io_read_bytes_per_step"] / read_bw +
+                                       run["io_write_bytes_per_step"] / write_bw)
+                    report["runs"].append(run)
+                    print(f"{model} round {r + 1}/{args.rounds} {arm:<9} "
+                          f"{run['step_median_s']:.3f} s/step (load {load:.2f})", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report["summary"] = summarize(report["runs"], args)
+    report["uptime_end"] = peer.uptime_line()
+    print_summary(report["summary"])
+    print(report["uptime_end"])
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def summarize(runs, args):
+    out = []
+    for model in args.models.split(","):
+        by = {}
+        for run in runs:
+            if run["model"] == model:
+                by.setdefault(run["arm"], {})[run["round"]] = run
+        entry = {"model": model, "params": next(iter(next(iter(by.values())).values()))["params"]}
+        for arm, rounds in by.items():
+            entry[f"{arm}_s"] = peer.median([r["step_median_s"] for r in rounds.values()])
+        rounds = range(args.rounds)
+        if "memplan" in by and "deepspeed" in by:
+            entry["memplan_over_deepspeed"] = peer.median(
+                [by["memplan"][k]["step_median_s"] / by["deepspeed"][k]["step_median_s"]
+                 for k in rounds])
+        if "memplan" in by:
+            entry["io_s"] = peer.median([by["memplan"][k]["io_s"] for k in rounds])
+            if "torch" in by:
+                entry["memplan_over_floor"] = peer.median(
+                    [by["memplan"][k]["step_median_s"] /
+                     max(by["torch"][k]["step_median_s"], by["memplan"][k]["io_s"])
+                     for k in rounds])
+        if "torch" in by:
+            for arm in ("memplan", "deepspeed"):
+                if arm in by:
+                    entry[f"{arm}_max_loss_diff"] = max(
+                        max(abs(a - b) for a, b in zip(by[arm][k]["losses"],
+                                                       by["torch"][k]["losses"]))
+                        for k in rounds)
+        out.append(entry)
+    return out
+
+
+def print_summary(summary):
+    print(f"\n{'model':<7} {'params':>11} {'torch s':>8} {'memplan s':>10} {'DeepSpeed s':>12} "
+          f"{'I/O s':>6} {'mp/DS':>6} {'mp/max(torch,I/O)':>18} {'mp dloss':>9} {'DS dloss':>9}")
+    for e in summary:
+        def f(key, fmt):
+            return format(e[key], fmt) if key in e else "-"
+        print(f"{e['model']:<7} {e['params']:>11,} {f('torch_s', '8.3f'):>8} "
+              f"{f('memplan_s', '10.3f'):>10} {f('deepspeed_s', '12.3f'):>12} "
+              f"{f('io_s', '6.3f'):>6} {f('memplan_over_deepspeed', '6.3f'):>6} "
+              f"{f('memplan_over_floor', '18.3f'):>18} {f('memplan_max_loss_diff', '9.2g'):>9} "
+              f"{f('deepspeed_max_loss_diff', '9.2g'):>9}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
