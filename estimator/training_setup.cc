@@ -124,6 +124,7 @@ Status TrainingSetup::Validate() const {
   MEMPLAN_RETURN_IF_ERROR(
       Range("offload_optimizer.buffer_count", optimizer_buffer_count, 1, 1024));
   MEMPLAN_RETURN_IF_ERROR(Range("aio.queue_depth", aio_queue_depth, 1, 1 << 16));
+  MEMPLAN_RETURN_IF_ERROR(Range("aio.intra_op_parallelism", aio_intra_op_parallelism, 1, 64));
   if (WorldSize() % tp != 0) {
     return Status::InvalidArgument("--tp " + std::to_string(tp) + " does not divide the " +
                                    std::to_string(WorldSize()) +
@@ -316,6 +317,7 @@ nlohmann::json ToJson(const TrainingSetup& s) {
       {"optimizer_buffer_count", s.optimizer_buffer_count},
       {"aio_block_size", s.aio_block_size},
       {"aio_queue_depth", s.aio_queue_depth},
+      {"aio_intra_op_parallelism", s.aio_intra_op_parallelism},
       {"gpus_per_node", s.gpus_per_node},
       {"num_nodes", s.num_nodes},
       {"cuda_context_bytes", s.cuda_context_bytes},
@@ -361,7 +363,8 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
       "allgather_bucket_size", "overlap_comm", "stage3_prefetch_bucket_size",
       "stage3_param_persistence_threshold", "stage3_max_live_parameters", "sub_group_size",
       "pin_memory", "param_buffer_count", "param_buffer_size", "optimizer_buffer_count",
-      "aio_block_size", "aio_queue_depth", "gpus_per_node", "num_nodes", "cuda_context_bytes"};
+      "aio_block_size", "aio_queue_depth", "aio_intra_op_parallelism", "gpus_per_node",
+      "num_nodes", "cuda_context_bytes"};
   for (const auto& [key, value] : j.items()) {
     if (kKeys.count(key) == 0) {
       return Status::InvalidArgument("setup JSON: unknown key '" + key + "'");
@@ -410,6 +413,7 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "optimizer_buffer_count", &s.optimizer_buffer_count));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "aio_block_size", &s.aio_block_size));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "aio_queue_depth", &s.aio_queue_depth));
+  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "aio_intra_op_parallelism", &s.aio_intra_op_parallelism));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "gpus_per_node", &s.gpus_per_node));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "num_nodes", &s.num_nodes));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "cuda_context_bytes", &s.cuda_context_bytes));
@@ -654,6 +658,8 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
   DsReader aio_r(aio, source, "aio.");
   MEMPLAN_RETURN_IF_ERROR(aio_r.Int("block_size", 1, kMaxBufferElements, &s.aio_block_size));
   MEMPLAN_RETURN_IF_ERROR(aio_r.Int("queue_depth", 1, 1 << 16, &s.aio_queue_depth));
+  MEMPLAN_RETURN_IF_ERROR(
+      aio_r.Int("intra_op_parallelism", 1, 64, &s.aio_intra_op_parallelism));
 
   // train_batch_size = micro * accumulation * data-parallel world: DeepSpeed derives the micro
   // batch from it when train_micro_batch_size_per_gpu is absent, and checks it when both are set.

@@ -121,6 +121,8 @@ struct TrainingSetup {
   int64_t optimizer_buffer_count = 4;            // offload_optimizer.buffer_count
   int64_t aio_block_size = 1048576;              // aio.block_size, bytes (kept for plans)
   int64_t aio_queue_depth = 8;                   // aio.queue_depth (kept for plans)
+  int64_t aio_intra_op_parallelism = 1;          // aio.intra_op_parallelism: I/O threads per
+                                                 // transfer (kept for plans)
 
   int64_t gpus_per_node = 1;
   int64_t num_nodes = 1;

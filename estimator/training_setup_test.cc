@@ -155,7 +155,7 @@ TEST_CASE("training setup: a DeepSpeed config's settings are read") {
       "offload_param": {"device": "cpu", "buffer_count": 7, "buffer_size": 2e8}
     },
     "activation_checkpointing": {"partition_activations": false},
-    "aio": {"block_size": 8388608, "queue_depth": 32}
+    "aio": {"block_size": 8388608, "queue_depth": 32, "intra_op_parallelism": 4}
   })");
   TrainingSetup s;
   s.gpus_per_node = 8;
@@ -179,6 +179,7 @@ TEST_CASE("training setup: a DeepSpeed config's settings are read") {
   CHECK(s.checkpointing == Checkpointing::kFull);
   CHECK(s.aio_block_size == 8388608);
   CHECK(s.aio_queue_depth == 32);
+  CHECK(s.aio_intra_op_parallelism == 4);
 }
 
 TEST_CASE("training setup: DeepSpeed \"auto\" values") {

@@ -256,8 +256,10 @@ struct ChunkLimits {
   uint32_t block_size = 0;
 };
 
-ChunkLimits PlanChunks(const BenchOptions& options, uint32_t block_size, uint32_t queue_depth) {
-  const uint64_t full_queue = uint64_t{block_size} * queue_depth;
+ChunkLimits PlanChunks(const BenchOptions& options, uint32_t block_size, uint32_t queue_depth,
+                       uint32_t threads = 1) {
+  // With T threads each fills its own queue with its slice of the call.
+  const uint64_t full_queue = uint64_t{block_size} * queue_depth * threads;
   uint64_t max_bytes = std::min(std::max(full_queue, options.chunk_bytes), options.size_bytes);
   if (max_bytes >= block_size) max_bytes -= max_bytes % block_size;
   return {std::min(full_queue, max_bytes), max_bytes, block_size};
@@ -344,9 +346,11 @@ void DropCache(const BenchFile& file) {
   if (!file.direct()) ::posix_fadvise(file.fd(), 0, 0, POSIX_FADV_DONTNEED);
 }
 
-std::string PointName(BackendKind backend, uint32_t block_size, uint32_t queue_depth) {
+std::string PointName(BackendKind backend, uint32_t block_size, uint32_t queue_depth,
+                      uint32_t threads) {
   return std::string(BackendKindName(backend)) + " block " + FormatByteSize(block_size) +
-         " queue depth " + std::to_string(queue_depth);
+         " queue depth " + std::to_string(queue_depth) +
+         (threads > 1 ? " threads " + std::to_string(threads) : "");
 }
 
 BackendOptions BackendOptionsFor(uint32_t queue_depth) {
@@ -357,10 +361,10 @@ BackendOptions BackendOptionsFor(uint32_t queue_depth) {
   return options;
 }
 
-// A backend and an engine on the bench file for one point.
+// Backends and an engine on the bench file for one point.
 struct Rig {
-  BackendChoice choice;
-  std::unique_ptr<IoEngine> engine;  // destroyed before the backend it uses
+  BackendSet set;
+  std::unique_ptr<IoEngine> engine;  // destroyed before the backends it uses
   int file = -1;
 
   ~Rig() {
@@ -369,13 +373,14 @@ struct Rig {
 };
 
 Result<std::unique_ptr<Rig>> MakeRig(BackendKind kind, uint32_t block_size, uint32_t queue_depth,
-                                     const BenchFile& bench_file) {
+                                     uint32_t threads, const BenchFile& bench_file) {
   auto rig = std::make_unique<Rig>();
-  MEMPLAN_ASSIGN_OR_RETURN(rig->choice, CreateBackend(kind, BackendOptionsFor(queue_depth)));
+  MEMPLAN_ASSIGN_OR_RETURN(rig->set,
+                           CreateBackends(kind, BackendOptionsFor(queue_depth), threads));
   IoEngineOptions engine_options;
   engine_options.block_size = block_size;
-  MEMPLAN_ASSIGN_OR_RETURN(rig->engine,
-                           IoEngine::Create(rig->choice.backend.get(), engine_options));
+  engine_options.threads = threads;
+  MEMPLAN_ASSIGN_OR_RETURN(rig->engine, IoEngine::Create(rig->set.pointers(), engine_options));
   MEMPLAN_ASSIGN_OR_RETURN(
       rig->file, rig->engine->AddFile(bench_file.fd(), bench_file.path(), bench_file.direct()));
   return rig;
@@ -405,6 +410,7 @@ struct Planned {
   BackendKind backend;
   uint32_t block_size;
   uint32_t queue_depth;
+  uint32_t threads;
 };
 
 int BestIndex(const std::vector<BenchResult>& results, bool aio_only) {
@@ -548,6 +554,12 @@ Status BenchOptions::Validate() const {
   for (uint32_t depth : queue_depths) {
     MEMPLAN_RETURN_IF_ERROR(BackendOptionsFor(depth).Validate());
   }
+  if (threads.empty()) return Status::InvalidArgument("the sweep needs at least one thread count");
+  for (uint32_t t : threads) {
+    IoEngineOptions engine_options;
+    engine_options.threads = t;
+    MEMPLAN_RETURN_IF_ERROR(engine_options.Validate());
+  }
   if (chunk_bytes == 0) return Status::InvalidArgument("chunk size must be positive");
   return Status::Ok();
 }
@@ -605,8 +617,11 @@ Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn&
   for (BackendKind backend : backends) {
     for (uint32_t block : options.block_sizes) {
       for (uint32_t depth : options.queue_depths) {
-        plan.push_back({backend, block, depth});
-        buffer_bytes = std::max(buffer_bytes, PlanChunks(options, block, depth).max_bytes);
+        for (uint32_t threads : options.threads) {
+          plan.push_back({backend, block, depth, threads});
+          buffer_bytes =
+              std::max(buffer_bytes, PlanChunks(options, block, depth, threads).max_bytes);
+        }
       }
     }
   }
@@ -670,7 +685,7 @@ Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn&
     report_progress(
         {"prepare", 0, plan.size(), nullptr,
          "writing the " + FormatByteSize(options.size_bytes) + " bench file " + bench_file.path()});
-    auto rig = MakeRig(backends.front(), kFillBlock, kFillQueueDepth, bench_file);
+    auto rig = MakeRig(backends.front(), kFillBlock, kFillQueueDepth, 1, bench_file);
     if (!rig.ok()) return rig.status().WithPrefix("preparing the bench file");
     uint64_t largest_chunk = 0;
     auto fill = RunPhase(*(*rig)->engine, (*rig)->file, bench_file, OpType::kWrite,
@@ -689,16 +704,20 @@ Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn&
       report.interrupted = true;
       break;
     }
-    const std::string name = PointName(point.backend, point.block_size, point.queue_depth);
-    auto rig = MakeRig(point.backend, point.block_size, point.queue_depth, bench_file);
+    const std::string name =
+        PointName(point.backend, point.block_size, point.queue_depth, point.threads);
+    auto rig = MakeRig(point.backend, point.block_size, point.queue_depth, point.threads,
+                       bench_file);
     if (!rig.ok()) return rig.status().WithPrefix(name);
     BenchResult result;
-    result.backend = (*rig)->choice.kind;
+    result.backend = (*rig)->set.kind;
     result.direct = bench_file.direct();
     result.block_size = point.block_size;
     result.queue_depth = point.queue_depth;
+    result.threads = point.threads;
     result.size_bytes = options.size_bytes;
-    const ChunkLimits chunks = PlanChunks(options, point.block_size, point.queue_depth);
+    const ChunkLimits chunks =
+        PlanChunks(options, point.block_size, point.queue_depth, point.threads);
     bool stopped = false;
     for (OpType op : {OpType::kWrite, OpType::kRead}) {
       if (op == OpType::kWrite ? !do_write : !do_read) continue;
@@ -750,12 +769,15 @@ Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn&
     report.notes.push_back(
         "the aio block holds the best libaio settings, since DeepSpeed's "
         "engine is libaio; memplan's engine is fastest with " +
-        PointName(best.backend, best.block_size, best.queue_depth));
+        PointName(best.backend, best.block_size, best.queue_depth, best.threads));
   }
-  if (report.best >= 0) {
+  if (report.best >= 0 && options.threads.size() == 1) {
     report.notes.push_back(
-        "intra_op_parallelism 1: one thread issued every request (threads "
-        "are not swept)");
+        "intra_op_parallelism " + std::to_string(options.threads.front()) + ": " +
+        (options.threads.front() == 1 ? std::string("one thread issued every request")
+                                      : std::to_string(options.threads.front()) +
+                                            " threads split every call") +
+        " (threads not swept; --threads 1,2,4 sweeps them)");
   }
   return report;
 }
@@ -769,7 +791,7 @@ nlohmann::ordered_json AioConfig(const BenchResult& result) {
   nlohmann::ordered_json aio;
   aio["block_size"] = result.block_size;
   aio["queue_depth"] = result.queue_depth;
-  aio["intra_op_parallelism"] = 1;
+  aio["intra_op_parallelism"] = result.threads;
   aio["single_submit"] = false;
   aio["overlap_events"] = true;
   aio["use_gds"] = false;
@@ -786,6 +808,7 @@ nlohmann::ordered_json ToJson(const BenchResult& result) {
   out["direct"] = result.direct;
   out["block_size"] = result.block_size;
   out["queue_depth"] = result.queue_depth;
+  out["threads"] = result.threads;
   out["size_bytes"] = result.size_bytes;
   out["read_bytes_per_s"] =
       result.read_measured ? nlohmann::ordered_json(result.read_bytes_per_s()) : nullptr;
@@ -828,13 +851,13 @@ std::string FormatBenchText(const BenchReport& report) {
       (report.rw == BenchRw::kBoth ? std::string("write then read")
                                    : std::string(BenchRwName(report.rw))) +
       " of " + FormatByteSize(report.size_bytes) + " per point\n";
-  std::snprintf(line, sizeof(line), "%-8s %10s %12s %12s %12s\n", "backend", "block_size",
-                "queue_depth", "write MB/s", "read MB/s");
+  std::snprintf(line, sizeof(line), "%-8s %10s %12s %8s %12s %12s\n", "backend", "block_size",
+                "queue_depth", "threads", "write MB/s", "read MB/s");
   out += line;
   for (const BenchResult& r : report.results) {
-    std::snprintf(line, sizeof(line), "%-8s %10s %12u %12s %12s%s\n",
+    std::snprintf(line, sizeof(line), "%-8s %10s %12u %8u %12s %12s%s\n",
                   std::string(BackendKindName(r.backend)).c_str(),
-                  FormatByteSize(r.block_size).c_str(), r.queue_depth,
+                  FormatByteSize(r.block_size).c_str(), r.queue_depth, r.threads,
                   MegabytesPerSecond(r.write_measured, r.write_bytes_per_s()).c_str(),
                   MegabytesPerSecond(r.read_measured, r.read_bytes_per_s()).c_str(),
                   r.time_limited() ? " *" : "");
@@ -843,10 +866,10 @@ std::string FormatBenchText(const BenchReport& report) {
   if (report.best >= 0) {
     const BenchResult& b = report.results[static_cast<size_t>(report.best)];
     std::snprintf(line, sizeof(line),
-                  "Best (read + write): %s, block_size %s, queue_depth %u: write %s MB/s, "
-                  "read %s MB/s\n",
+                  "Best (read + write): %s, block_size %s, queue_depth %u, threads %u: write %s "
+                  "MB/s, read %s MB/s\n",
                   std::string(BackendKindName(b.backend)).c_str(),
-                  FormatByteSize(b.block_size).c_str(), b.queue_depth,
+                  FormatByteSize(b.block_size).c_str(), b.queue_depth, b.threads,
                   MegabytesPerSecond(b.write_measured, b.write_bytes_per_s()).c_str(),
                   MegabytesPerSecond(b.read_measured, b.read_bytes_per_s()).c_str());
     out += line;

@@ -12,8 +12,9 @@
 //     (one fio laid out, say, so both tools measure the same blocks) is used as it is: not
 //     created, preallocated, filled, truncated or removed. Its first `size_bytes` are overwritten
 //     by the write passes; its length never changes.
-//   - Per point: a fresh Backend (queue depth = the point's) and IoEngine (block size = the
-//     point's). One thread writes `size_bytes` sequentially then fdatasyncs, then reads them back
+//   - Per point: fresh Backends (queue depth = the point's; one per I/O thread) and an IoEngine
+//     (block size and threads = the point's: with T threads each call is split across T threads,
+//     DeepSpeed's intra_op_parallelism). One thread writes `size_bytes` sequentially then fdatasyncs, then reads them back
 //     sequentially, through IoEngine::Write/Read on large chunks (at least block x queue depth,
 //     up to `chunk_bytes`), so the engine keeps the queue full. Each direction is timed
 //     separately (wall time of the transfer loop) and stops early at `seconds_per_point`.
@@ -72,6 +73,9 @@ struct BenchOptions {
   std::vector<BackendKind> backends = kBenchBackends;
   std::vector<uint32_t> block_sizes = kBenchBlockSizes;    // multiples of 4 KiB, 4 KiB..64 MiB
   std::vector<uint32_t> queue_depths = kBenchQueueDepths;  // 1..4096
+  // I/O threads one call is split across (DeepSpeed's intra_op_parallelism), 1..64; each value
+  // is a point of its own (for the posix backend too, whose worker pool then serves T callers).
+  std::vector<uint32_t> threads = {1};
   // Most bytes one IoEngine call transfers, and so the I/O buffer's size (never more than
   // size_bytes; never less than block x queue depth, or the queue could not fill). Larger calls
   // drain the queue less often: see Note [Chunk sizes] in bench.cc.
@@ -91,6 +95,7 @@ struct BenchResult {
   bool direct = false;                       // O_DIRECT was in effect
   uint32_t block_size = 0;
   uint32_t queue_depth = 0;
+  uint32_t threads = 1;      // intra_op_parallelism
   uint64_t size_bytes = 0;   // requested bytes per direction (BenchOptions::size_bytes)
   uint64_t chunk_bytes = 0;  // the largest IoEngine call made
   bool write_measured = false;
@@ -146,13 +151,13 @@ using BenchProgressFn = std::function<void(const BenchProgress&)>;
 Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn& progress = {});
 
 // DeepSpeed's `aio` block for `result`: {"aio": {"block_size", "queue_depth",
-// "intra_op_parallelism": 1, "single_submit": false, "overlap_events": true, "use_gds": false}}
-// in that key order (one thread issues all requests, as the bench measured).
+// "intra_op_parallelism" (the result's threads), "single_submit": false, "overlap_events": true,
+// "use_gds": false}} in that key order.
 nlohmann::ordered_json AioConfig(const BenchResult& result);
 // AioConfig as the text --emit-aio writes: two-space indented, trailing newline.
 std::string AioConfigText(const BenchResult& result);
 
-// The result as {"backend", "direct", "block_size", "queue_depth", "size_bytes",
+// The result as {"backend", "direct", "block_size", "queue_depth", "threads", "size_bytes",
 // "read_bytes_per_s", "write_bytes_per_s", "read_bytes", "write_bytes", "read_seconds",
 // "write_seconds", "time_limited"}; a direction not measured has null bytes_per_s.
 nlohmann::ordered_json ToJson(const BenchResult& result);

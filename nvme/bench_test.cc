@@ -118,6 +118,36 @@ TEST_CASE("bench: a tiny POSIX sweep measures every point over exactly --size by
   CHECK(text.find("Best (read + write): posix") != std::string::npos);
 }
 
+TEST_CASE("bench: threads are swept as points, and the aio block carries the best's") {
+  ScratchDir dir;
+  BenchOptions options = TinySweep(dir.path());
+  options.block_sizes = {256 << 10};
+  options.queue_depths = {2};
+  options.threads = {1, 2};
+  auto report = RunBench(options);
+  REQUIRE_MESSAGE(report.ok(), report.status().ToString());
+  REQUIRE(report->results.size() == 2);
+  CHECK(report->results[0].threads == 1);
+  CHECK(report->results[1].threads == 2);
+  for (const BenchResult& r : report->results) {
+    CHECK(r.write_bytes == 4 * kMiB);
+    CHECK(r.read_bytes == 4 * kMiB);
+  }
+  const BenchResult& best = report->results[static_cast<size_t>(report->best)];
+  nlohmann::ordered_json json = ToJson(*report);
+  CHECK(json["results"][1]["threads"] == 2);
+  CHECK(json["aio"]["intra_op_parallelism"] == best.threads);
+  CHECK(FormatBenchText(*report).find("threads") != std::string::npos);
+
+  BenchOptions bad = options;
+  bad.threads = {};
+  CHECK(bad.Validate().code() == StatusCode::kInvalidArgument);
+  bad.threads = {0};
+  CHECK(bad.Validate().code() == StatusCode::kInvalidArgument);
+  bad.threads = {65};
+  CHECK(bad.Validate().code() == StatusCode::kInvalidArgument);
+}
+
 TEST_CASE("bench: --rw read or write measures only that direction") {
   ScratchDir dir;
   BenchOptions options = TinySweep(dir.path());

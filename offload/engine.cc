@@ -623,6 +623,7 @@ Status Engine::Start(RecoveryReport* report) {
     so.backend = sc.nvme_backend;
     so.backend_options.queue_depth = sc.nvme_queue_depth;
     so.engine_options.block_size = sc.nvme_block_size;
+    so.engine_options.threads = sc.nvme_io_threads;
     const uint64_t chunks = (total + sc.sub_group_elements - 1) / sc.sub_group_elements;
     so.capacity_bytes = total * static_cast<uint64_t>(ElementBytes(sc.param_dtype)) +
                         chunks * (uint64_t{64} << 10) + (uint64_t{1} << 20);
@@ -659,6 +660,7 @@ Status Engine::Start(RecoveryReport* report) {
     oo.store.backend = sc.nvme_backend;
     oo.store.backend_options.queue_depth = sc.nvme_queue_depth;
     oo.store.engine_options.block_size = sc.nvme_block_size;
+    oo.store.engine_options.threads = sc.nvme_io_threads;
     oo.sub_group_elements = sc.sub_group_elements;
     oo.buffer_count = sc.optimizer_buffer_count;
     oo.optimizer = sc.optimizer;

@@ -321,9 +321,12 @@ TEST_CASE("Engine misuse is an error naming what is wrong") {
 TEST_CASE("Schedule JSON round-trips and rejects what it does not know") {
   Schedule s = MakeSchedule(Tier::kNvme, Tier::kNvme, "/mnt/nvme/job");
   s.prefetch_bytes = 12345;
+  s.nvme_io_threads = 4;
   auto back = ScheduleFromJson(ToJson(s), "schedule.json");
   REQUIRE_MESSAGE(back.ok(), back.status().ToString());
   CHECK(ToJson(*back) == ToJson(s));
+  CHECK(back->nvme_io_threads == 4);
+  CHECK(ToJson(s)["nvme"]["intra_op_parallelism"] == 4);
   CHECK(ToJson(Schedule{})["params"]["tier"] == "gpu");
   auto parse = [](const char* text) {
     return ScheduleFromJson(nlohmann::json::parse(text), "s.json").status();
@@ -339,6 +342,10 @@ TEST_CASE("Schedule JSON round-trips and rejects what it does not know") {
   CHECK(parse(R"({"optimizer": {"tier": "gpu"}})").code() == StatusCode::kInvalidArgument);
   CHECK(parse(R"({"params": {"prefetch_bytes": -1}})").code() == StatusCode::kInvalidArgument);
   CHECK(parse(R"([])").code() == StatusCode::kInvalidArgument);
+  CHECK(parse(R"({"nvme": {"intra_op_parallelism": 0}})").message().find(
+            "nvme.intra_op_parallelism") != std::string::npos);
+  CHECK(parse(R"({"nvme": {"intra_op_parallelism": 65}})").code() ==
+        StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -130,6 +130,9 @@ Status Schedule::Validate() const {
     return Status::InvalidArgument("schedule: nvme.block_size must be a multiple of 4096, at most "
                                    "64 MiB");
   }
+  if (nvme_io_threads < 1 || nvme_io_threads > 64) {
+    return Status::InvalidArgument("schedule: nvme.intra_op_parallelism must be in 1..64");
+  }
   if (nvme_queue_depth < 1 || nvme_queue_depth > 4096) {
     return Status::InvalidArgument("schedule: nvme.queue_depth must be in 1..4096");
   }
@@ -155,6 +158,7 @@ nlohmann::json ToJson(const Schedule& s) {
                {"backend", std::string(nvme::BackendKindName(s.nvme_backend))},
                {"block_size", s.nvme_block_size},
                {"queue_depth", s.nvme_queue_depth},
+               {"intra_op_parallelism", s.nvme_io_threads},
                {"direct", s.nvme_direct}};
   j["pinned_budget_bytes"] = s.pinned_budget_bytes;
   return j;
@@ -200,11 +204,13 @@ Result<Schedule> ScheduleFromJson(const nlohmann::json& j, const std::string& so
     const nlohmann::json& n = j["nvme"];
     const std::string w = where + ".nvme";
     MEMPLAN_RETURN_IF_ERROR(
-        CheckKeys(n, w, {"path", "backend", "block_size", "queue_depth", "direct"}));
+        CheckKeys(n, w, {"path", "backend", "block_size", "queue_depth", "intra_op_parallelism",
+                         "direct"}));
     MEMPLAN_RETURN_IF_ERROR(Get(n, w, "path", &s.nvme_path));
     MEMPLAN_RETURN_IF_ERROR(GetEnum(n, w, "backend", nvme::ParseBackendKind, &s.nvme_backend));
     MEMPLAN_RETURN_IF_ERROR(Get(n, w, "block_size", &s.nvme_block_size));
     MEMPLAN_RETURN_IF_ERROR(Get(n, w, "queue_depth", &s.nvme_queue_depth));
+    MEMPLAN_RETURN_IF_ERROR(Get(n, w, "intra_op_parallelism", &s.nvme_io_threads));
     MEMPLAN_RETURN_IF_ERROR(Get(n, w, "direct", &s.nvme_direct));
   }
   MEMPLAN_RETURN_IF_ERROR(Get(j, where, "pinned_budget_bytes", &s.pinned_budget_bytes));

@@ -10,7 +10,7 @@
 //     "optimizer": {"tier": "cpu" | "nvme", "name": "adam" | "adam-amsgrad" | "sgd" | "lion",
 //                   "sub_group_elements": 4194304, "buffer_count": 3, "threads": 0},
 //     "nvme":      {"path": "/mnt/nvme/memplan", "backend": "auto", "block_size": 1048576,
-//                   "queue_depth": 32, "direct": true},
+//                   "queue_depth": 32, "intra_op_parallelism": 1, "direct": true},
 //     "pinned_budget_bytes": 0
 //   }
 //
@@ -74,6 +74,9 @@ struct Schedule {
   nvme::BackendKind nvme_backend = nvme::BackendKind::kAuto;
   uint32_t nvme_block_size = 1 << 20;
   uint32_t nvme_queue_depth = 32;
+  // Threads each transfer is split across, each with its own ring or aio context (DeepSpeed's
+  // aio.intra_op_parallelism), 1..64: for storage one thread cannot saturate (RAID-0).
+  uint32_t nvme_io_threads = 1;
   bool nvme_direct = true;
 
   uint64_t pinned_budget_bytes = 0;

@@ -93,6 +93,9 @@ Status SwapBenchOptions::Validate() const {
   if (queue_depth < 1 || queue_depth > 4096) {
     return Status::InvalidArgument("queue depth must be in 1..4096");
   }
+  if (io_threads < 1 || io_threads > 64) {
+    return Status::InvalidArgument("I/O threads must be in 1..64");
+  }
   for (const auto& bw : {read_bytes_per_s, write_bytes_per_s}) {
     if (bw && !(*bw > 0)) return Status::InvalidArgument("bandwidths must be > 0");
   }
@@ -109,6 +112,7 @@ Result<SwapBenchResult> RunSwapBench(const SwapBenchOptions& options) {
   r.sub_groups = (options.params + options.sub_group_elements - 1) / options.sub_group_elements;
   r.buffer_count = options.buffer_count;
   r.threads = options.threads;
+  r.io_threads = options.io_threads;
   r.steps = options.steps;
   r.state_bytes = 12 * options.params;
 
@@ -126,6 +130,7 @@ Result<SwapBenchResult> RunSwapBench(const SwapBenchOptions& options) {
     bench.backends = {options.backend};
     bench.block_sizes = {options.block_size};
     bench.queue_depths = {options.queue_depth};
+    bench.threads = {options.io_threads};
     MEMPLAN_ASSIGN_OR_RETURN(nvme::BenchReport report, nvme::RunBench(bench));
     if (report.best < 0) return Status::Internal("the NVMe bench measured nothing");
     const nvme::BenchResult& best = report.results[static_cast<size_t>(report.best)];
@@ -144,6 +149,7 @@ Result<SwapBenchResult> RunSwapBench(const SwapBenchOptions& options) {
   so.store.backend = options.backend;
   so.store.backend_options.queue_depth = options.queue_depth;
   so.store.engine_options.block_size = options.block_size;
+  so.store.engine_options.threads = options.io_threads;
   so.sub_group_elements = options.sub_group_elements;
   so.buffer_count = options.buffer_count;
   so.optimizer = SwapOptimizer::kAdam;

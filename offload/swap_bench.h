@@ -39,6 +39,7 @@ struct SwapBenchOptions {
   bool direct = true;
   uint32_t block_size = 1 << 20;  // IoEngine request size
   uint32_t queue_depth = 32;
+  uint32_t io_threads = 1;  // threads each transfer is split across (intra_op_parallelism)
   // Device bandwidths to compare with (bytes/s), e.g. from `memplan bench nvme`; when absent they
   // are measured here over min(1 GiB, the states' size).
   std::optional<double> read_bytes_per_s, write_bytes_per_s;
@@ -50,6 +51,7 @@ struct SwapBenchResult {
   uint64_t params = 0, sub_group_elements = 0, sub_groups = 0;
   uint32_t buffer_count = 0;
   int threads = 0, steps = 0;
+  uint32_t io_threads = 1;
   std::string backend;  // what the store ran on
   bool direct = false;
   uint64_t pinned_bytes = 0;       // the swapper's pinned buffers

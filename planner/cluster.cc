@@ -160,6 +160,10 @@ Status ApplyNvmeBench(const nlohmann::json& bench, const std::string& source, Cl
     if (a.contains("queue_depth") && a["queue_depth"].is_number_integer()) {
       cluster->aio_queue_depth = a["queue_depth"].get<int64_t>();
     }
+    if (a.contains("intra_op_parallelism") && a["intra_op_parallelism"].is_number_integer()) {
+      const int64_t threads = a["intra_op_parallelism"].get<int64_t>();
+      if (threads >= 1 && threads <= 64) cluster->aio_intra_op_parallelism = threads;
+    }
   }
   if (cluster->nvme_path.empty()) {
     if (auto p = bench.find("path"); p != bench.end() && p->is_string()) {

@@ -61,6 +61,7 @@ struct Cluster {
   // aio block for DeepSpeed from a bench nvme result (block_size bytes, queue_depth); 0 = defaults.
   int64_t aio_block_size = 0;
   int64_t aio_queue_depth = 0;
+  int64_t aio_intra_op_parallelism = 0;  // from a bench's aio block; 0: not measured
 
   double cpu_adam_params_per_s = 0;  // per node; 0 = prior (see CpuAdamParamsPerS)
   std::string cpu_adam_source = "prior";  // "prior" or "bench"

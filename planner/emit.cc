@@ -148,7 +148,7 @@ Result<ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
   if (s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme) {
     ds["aio"] = {{"block_size", s.aio_block_size},
                  {"queue_depth", s.aio_queue_depth},
-                 {"intra_op_parallelism", 1},
+                 {"intra_op_parallelism", s.aio_intra_op_parallelism},
                  {"single_submit", false},
                  {"overlap_events", true},
                  {"use_gds", false}};
@@ -310,6 +310,7 @@ Result<ordered_json> Schedule(const Plan& plan, const Cluster& cluster,
                {"backend", "auto"},
                {"block_size", s.aio_block_size},
                {"queue_depth", s.aio_queue_depth},
+               {"intra_op_parallelism", s.aio_intra_op_parallelism},
                {"direct", true}};
   // Per process: the node's pinned bytes shared by its GPU processes.
   j["pinned_budget_bytes"] = plan.peak.pinned_bytes / static_cast<uint64_t>(cluster.gpus_per_node);

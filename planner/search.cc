@@ -393,6 +393,9 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
     base.pin_memory = family.opt != OffloadDevice::kNone || family.param != OffloadDevice::kNone;
     if (cluster.aio_block_size > 0) base.aio_block_size = cluster.aio_block_size;
     if (cluster.aio_queue_depth > 0) base.aio_queue_depth = cluster.aio_queue_depth;
+    if (cluster.aio_intra_op_parallelism > 0) {
+      base.aio_intra_op_parallelism = cluster.aio_intra_op_parallelism;
+    }
     if (Status valid = base.Validate(); !valid.ok()) {
       result.rejected.push_back({name, valid.message()});
       continue;

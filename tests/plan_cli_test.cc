@@ -99,6 +99,28 @@ TEST_CASE("plan: emitted files are written, complete, and pass check") {
                                  "--cpu-mem", "64GiB"});
   CHECK_MESSAGE(check.exit_code == 0, check.out << check.err);
 
+  // Without a bench, one thread per transfer; a bench's aio block carries its threads through.
+  CHECK(config["aio"]["intra_op_parallelism"] == 1);
+  CHECK(s["nvme"]["intra_op_parallelism"] == 1);
+  const std::string bench = dir.PathOf("nvme.json");
+  {
+    std::ofstream out(bench);
+    out << R"({"path": "/mnt/nvme", "best": {"read_bytes_per_s": 6e9, "write_bytes_per_s": 5e9},
+               "aio": {"block_size": 1048576, "queue_depth": 16, "intra_op_parallelism": 2}})";
+  }
+  r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem", "64GiB",
+               "--nvme-path", "/mnt/nvme", "--nvme-capacity", "1TiB", "--nvme-bench", bench,
+               "--global-batch", "16", "--seq-len", "2048", "--emit-deepspeed", ds,
+               "--emit-schedule", schedule});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  config = nlohmann::json::parse(ReadWholeFile(ds));
+  s = nlohmann::json::parse(ReadWholeFile(schedule));
+  CHECK(config["aio"]["intra_op_parallelism"] == 2);
+  CHECK(config["aio"]["queue_depth"] == 16);
+  CHECK(s["nvme"]["intra_op_parallelism"] == 2);
+  check = Memplan({"check", ds, "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem", "64GiB"});
+  CHECK_MESSAGE(check.exit_code == 0, check.out << check.err);
+
   // FSDP cannot offload to NVMe: refused, and nothing written.
   r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem", "64GiB",
                "--nvme-path", "/mnt/nvme", "--global-batch", "16", "--emit-fsdp", fsdp});

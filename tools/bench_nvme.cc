@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/file.h"
 #include "nvme/bench.h"
@@ -58,6 +59,7 @@ struct BenchFlags {
   std::string block_size;    // empty: swept
   uint32_t queue_depth = 0;  // 0: swept
   std::string backend;       // empty: swept
+  std::vector<uint32_t> threads = {1};  // intra_op_parallelism values swept
   std::string rw = "both";
   bool direct = false;  // --direct: the default, accepted for explicitness
   bool no_direct = false;
@@ -105,6 +107,7 @@ Result<nvme::BenchOptions> ToOptions(const BenchFlags& flags) {
     options.block_sizes = {static_cast<uint32_t>(*block)};
   }
   if (flags.queue_depth != 0) options.queue_depths = {flags.queue_depth};
+  options.threads = flags.threads;
   if (!flags.backend.empty()) {
     auto kind = nvme::ParseBackendKind(flags.backend);
     if (!kind.ok()) return kind.status().WithPrefix("--backend");
@@ -136,10 +139,12 @@ void PrintProgress(const nvme::BenchProgress& event) {
   if (event.stage == "point" && event.result != nullptr) {
     const nvme::BenchResult& r = *event.result;
     int width = std::snprintf(nullptr, 0, "%zu", event.total);
-    std::fprintf(stderr, "[%*zu/%zu] %-5s block %-7s qd %-4u write %9s MB/s  read %9s MB/s%s\n",
+    std::fprintf(stderr,
+                 "[%*zu/%zu] %-5s block %-7s qd %-4u threads %-2u write %9s MB/s  read %9s "
+                 "MB/s%s\n",
                  width, event.index, event.total,
                  std::string(nvme::BackendKindName(r.backend)).c_str(),
-                 nvme::FormatByteSize(r.block_size).c_str(), r.queue_depth,
+                 nvme::FormatByteSize(r.block_size).c_str(), r.queue_depth, r.threads,
                  MegabytesPerSecond(r.write_measured, r.write_bytes_per_s()).c_str(),
                  MegabytesPerSecond(r.read_measured, r.read_bytes_per_s()).c_str(),
                  r.time_limited() ? " (time limit)" : "");
@@ -184,6 +189,13 @@ void RegisterBenchNvme(CLI::App* bench, Outcome* outcome) {
   cmd->add_option("-q,--queue-depth", flags->queue_depth,
                   "Requests in flight (DeepSpeed's aio queue_depth). Default: sweep 16, 32, 128")
       ->check(CLI::Range(1, 4096));
+  cmd->add_option("-t,--threads", flags->threads,
+                  "I/O threads one transfer is split across, each with its own io_uring ring or "
+                  "libaio context (DeepSpeed's aio intra_op_parallelism); several values sweep "
+                  "them, e.g. --threads 1,2,4")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
   cmd->add_option("--backend", flags->backend,
                   "I/O backend: uring (io_uring), aio (libaio, what DeepSpeed uses), posix "
                   "(threads) or auto (the first that works, in that order). Default: sweep every "
@@ -215,6 +227,8 @@ void RegisterBenchNvme(CLI::App* bench, Outcome* outcome) {
       "--format json\n"
       "  memplan bench nvme --file /mnt/nvme/fio.dat --size 1G --backend aio --block-size 1M "
       "--queue-depth 16\n"
+      "  memplan bench nvme --path /mnt/raid0 --backend uring --block-size 1M --queue-depth 16 "
+      "--threads 1,2,4\n"
       "\nExit status: 0 on success, 2 on bad input or a failed measurement (one line on stderr), "
       "130 when interrupted (a bench file made in --path is removed either way; a --file is "
       "kept).");

@@ -25,6 +25,7 @@ struct SwapFlags {
   std::string backend = "auto";
   std::string block_size = "1M";
   uint32_t queue_depth = 32;
+  uint32_t io_threads = 1;
   bool no_direct = false;
   std::string nvme_json;
   std::string format = "text";
@@ -60,6 +61,7 @@ Result<offload::SwapBenchOptions> ToOptions(const SwapFlags& flags) {
   options.steps = flags.steps;
   options.direct = !flags.no_direct;
   options.queue_depth = flags.queue_depth;
+  options.io_threads = flags.io_threads;
   auto backend = nvme::ParseBackendKind(flags.backend);
   if (!backend.ok()) return backend.status().WithPrefix("--backend");
   options.backend = *backend;
@@ -79,6 +81,7 @@ nlohmann::json ToJson(const offload::SwapBenchResult& r) {
           {"sub_groups", r.sub_groups},
           {"buffer_count", r.buffer_count},
           {"threads", r.threads},
+          {"io_threads", r.io_threads},
           {"steps", r.steps},
           {"backend", r.backend},
           {"direct", r.direct},
@@ -108,7 +111,7 @@ std::string ToText(const offload::SwapBenchResult& r) {
   std::snprintf(
       text, sizeof(text),
       "NVMe optimizer step (AdamW): %llu params in %llu sub-groups of %llu, %u pinned buffers "
-      "(%.1f MiB), %d thread(s), backend %s%s\n"
+      "(%.1f MiB), %d thread(s), %u I/O thread(s), backend %s%s\n"
       "  states on NVMe  %.1f MiB (%.1fx the pinned buffers)\n"
       "  per step        read %.1f MiB, write %.1f MiB\n"
       "  drive           read %.3g B/s, write %.3g B/s (%s)\n"
@@ -118,7 +121,7 @@ std::string ToText(const offload::SwapBenchResult& r) {
       "  step / max(I/O, compute) = %.3f\n",
       static_cast<unsigned long long>(r.params), static_cast<unsigned long long>(r.sub_groups),
       static_cast<unsigned long long>(r.sub_group_elements), r.buffer_count,
-      r.pinned_bytes / 1048576.0, r.threads, r.backend.c_str(), r.direct ? ", O_DIRECT" : "",
+      r.pinned_bytes / 1048576.0, r.threads, r.io_threads, r.backend.c_str(), r.direct ? ", O_DIRECT" : "",
       r.state_bytes / 1048576.0, static_cast<double>(r.state_bytes) / r.pinned_bytes,
       r.read_bytes_per_step / 1048576.0, r.write_bytes_per_step / 1048576.0, r.read_bytes_per_s,
       r.write_bytes_per_s, r.bandwidth_measured ? "measured here" : "given", r.io_seconds,
@@ -161,6 +164,10 @@ void RegisterBenchSwap(CLI::App* bench, Outcome* outcome) {
       ->capture_default_str();
   cmd->add_option("-q,--queue-depth", flags->queue_depth, "Requests in flight")
       ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  cmd->add_option("--io-threads", flags->io_threads,
+                  "Threads each I/O transfer is split across (DeepSpeed's intra_op_parallelism)")
+      ->check(CLI::Range(1, 64))
       ->capture_default_str();
   cmd->add_flag("--no-direct", flags->no_direct, "Buffered I/O instead of O_DIRECT");
   cmd->add_option("--nvme-json", flags->nvme_json,

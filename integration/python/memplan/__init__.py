@@ -116,8 +116,11 @@ def schedule(*, path=None, param_tier="nvme", optimizer_tier="nvme", dtype="fp32
              optimizer="adam", persistence_threshold=0, prefetch_bytes=64 << 20,
              max_live_bytes=256 << 20, param_buffer_bytes=16 << 20, param_buffer_count=2,
              sub_group_elements=1 << 20, optimizer_buffer_count=3, threads=0,
-             pinned_budget_bytes=0, direct=True, backend="auto"):
-    """A Schedule document (README "Schedule JSON") for the offload engine."""
+             pinned_budget_bytes=0, direct=True, backend="auto", block_size=1 << 20,
+             queue_depth=32, io_threads=1):
+    """A Schedule document (README "Schedule JSON") for the offload engine.
+
+    io_threads: threads each NVMe transfer is split across (nvme.intra_op_parallelism)."""
     doc = {
         "version": 1,
         "params": {"tier": param_tier, "dtype": dtype,
@@ -130,7 +133,9 @@ def schedule(*, path=None, param_tier="nvme", optimizer_tier="nvme", dtype="fp32
         "pinned_budget_bytes": pinned_budget_bytes,
     }
     if path is not None:
-        doc["nvme"] = {"path": str(path), "backend": backend, "direct": direct}
+        doc["nvme"] = {"path": str(path), "backend": backend, "direct": direct,
+                       "block_size": block_size, "queue_depth": queue_depth,
+                       "intra_op_parallelism": io_threads}
     return doc
 
 
