@@ -1,12 +1,20 @@
 #include "common/file.h"
 
+#include "common/file_internal.h"
+
 #include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <set>
 #include <string>
+#include <tuple>
 
 namespace memplan {
 namespace {
@@ -27,13 +35,31 @@ class Fd {
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
   int get() const { return fd_; }
+  // Closes now, reporting close()'s result (-1 with errno set on failure).
+  int Close() {
+    const int fd = fd_;
+    fd_ = -1;
+    return ::close(fd);
+  }
 
  private:
   int fd_;
 };
 
+const char* KindName(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISLNK(mode)) return "a symlink";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+// Opens a user's input file. O_NONBLOCK: opening a FIFO no one writes to would otherwise block
+// forever; the fstat then refuses it (and devices, sockets, directories) before any read.
 Result<int> OpenForRead(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd < 0) return ErrnoStatus(path, "cannot open", errno);
   struct stat st;
   if (::fstat(fd, &st) != 0) {
@@ -44,6 +70,11 @@ Result<int> OpenForRead(const std::string& path) {
   if (S_ISDIR(st.st_mode)) {
     ::close(fd);
     return Status::InvalidArgument(path + ": is a directory, expected a file");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Status::InvalidArgument(path + ": is " + KindName(st.st_mode) +
+                                   ", expected a regular file");
   }
   return fd;
 }
@@ -65,12 +96,137 @@ Status ReadFull(int fd, const std::string& path, uint64_t offset, char* out, uin
   return Status::Ok();
 }
 
+// --- Staged temporary files, for the signal handler -------------------------------------------
+
+// Note [Staged files]: a fixed table, so that the handler needs no allocation and no lock. A slot
+// is 0 (free), 1 (being filled) or 2 (holds a path to remove).
+constexpr int kStagedSlots = 32;
+struct StagedSlot {
+  std::atomic<int> state{0};
+  char path[4096];
+};
+StagedSlot g_staged[kStagedSlots];
+
+void (*g_before_rename)(const std::string& path) = nullptr;
+
+int RegisterStaged(const std::string& path) {
+  if (path.size() >= sizeof(g_staged[0].path)) return -1;
+  for (int i = 0; i < kStagedSlots; ++i) {
+    int expected = 0;
+    if (!g_staged[i].state.compare_exchange_strong(expected, 1)) continue;
+    std::memcpy(g_staged[i].path, path.c_str(), path.size() + 1);
+    g_staged[i].state.store(2);
+    return i;
+  }
+  return -1;  // best effort: more than 32 files staged at once are not removed on a signal
+}
+
+void UnregisterStaged(int slot) {
+  if (slot >= 0) g_staged[slot].state.store(0);
+}
+
+// A name beside `path` that does not exist yet: "<path><infix>XXXXXX".
+std::string RandomSibling(const std::string& path, const char* infix) {
+  static constexpr char kChars[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+  unsigned char bytes[6];
+  if (::getrandom(bytes, sizeof(bytes), 0) != static_cast<ssize_t>(sizeof(bytes))) {
+    static std::atomic<uint64_t> counter{0};
+    uint64_t x = counter.fetch_add(1) * 0x9E3779B97F4A7C15ull ^ static_cast<uint64_t>(::getpid());
+    for (unsigned char& b : bytes) {
+      b = static_cast<unsigned char>(x);
+      x >>= 8;
+    }
+  }
+  std::string out = path + infix;
+  for (unsigned char b : bytes) out += kChars[b % (sizeof(kChars) - 1)];
+  return out;
+}
+
+std::string ParentDirectory(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? std::string(".")
+         : slash == 0               ? std::string("/")
+                                    : path.substr(0, slash);
+}
+
+// Holds the signals that end a process (and would run tools/' clean-up) while alive.
+class HoldSignals {
+ public:
+  HoldSignals() {
+    sigset_t hold;
+    sigemptyset(&hold);
+    for (int s : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&hold, s);
+    held_ = ::pthread_sigmask(SIG_BLOCK, &hold, &old_) == 0;
+  }
+  ~HoldSignals() {
+    if (held_) ::pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  HoldSignals(const HoldSignals&) = delete;
+  HoldSignals& operator=(const HoldSignals&) = delete;
+
+ private:
+  sigset_t old_;
+  bool held_ = false;
+};
+
+// One file of a group on its way in.
+struct Staged {
+  std::string path;
+  std::string tmp;     // written and fsynced; empty once renamed
+  std::string backup;  // a hard link to the old file while the group commits; empty: none
+  bool existed = false;
+  int slot = -1;
+};
+
+void RemoveStaged(std::vector<Staged>& staged) {
+  for (Staged& s : staged) {
+    if (!s.tmp.empty()) ::unlink(s.tmp.c_str());
+    UnregisterStaged(s.slot);
+    s.slot = -1;
+    if (!s.backup.empty()) ::unlink(s.backup.c_str());
+  }
+}
+
+// Creates, fills and fsyncs the temporary file of `path`.
+Status Stage(const std::string& path, const std::string& contents, std::optional<uint32_t> mode,
+             const struct stat* old, Staged* out) {
+  int raw = -1;
+  std::string tmp;
+  for (int attempt = 0; attempt < 100 && raw < 0; ++attempt) {
+    tmp = RandomSibling(path, ".tmp.");
+    // 0666: the kernel applies the umask (and a default ACL), as for any new file.
+    raw = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+    if (raw < 0 && errno != EEXIST) break;
+  }
+  if (raw < 0) return ErrnoStatus(path, "cannot create temporary file", errno);
+  Fd fd(raw);
+  out->tmp = tmp;
+  out->slot = RegisterStaged(tmp);
+  if (mode || old != nullptr) {
+    const mode_t want = static_cast<mode_t>((mode ? *mode : old->st_mode) & 07777);
+    if (::fchmod(fd.get(), want) != 0) return ErrnoStatus(path, "chmod failed", errno);
+  }
+  size_t done = 0;
+  while (done < contents.size()) {
+    ssize_t n = ::write(fd.get(), contents.data() + done, contents.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus(path, "write failed", errno);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd.get()) != 0) return ErrnoStatus(path, "fsync failed", errno);
+  if (fd.Close() != 0) return ErrnoStatus(path, "close failed", errno);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<uint64_t> FileSize(const std::string& path) {
+  MEMPLAN_ASSIGN_OR_RETURN(int raw_fd, OpenForRead(path));
+  Fd fd(raw_fd);
   struct stat st;
-  if (::stat(path.c_str(), &st) != 0) return ErrnoStatus(path, "cannot stat", errno);
-  if (!S_ISREG(st.st_mode)) return Status::InvalidArgument(path + ": not a regular file");
+  if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(path, "cannot stat", errno);
   return static_cast<uint64_t>(st.st_size);
 }
 
@@ -79,16 +235,15 @@ Result<std::string> ReadFileToString(const std::string& path, uint64_t max_bytes
   Fd fd(raw_fd);
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return ErrnoStatus(path, "cannot stat", errno);
-  if (S_ISREG(st.st_mode)) {
-    uint64_t size = static_cast<uint64_t>(st.st_size);
-    if (size > max_bytes) {
-      return Status::ResourceExhausted(path + ": file is " + std::to_string(size) +
-                                       " bytes, larger than the " + std::to_string(max_bytes) +
-                                       "-byte limit for this kind of file");
-    }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size > max_bytes) {
+    return Status::ResourceExhausted(path + ": file is " + std::to_string(size) +
+                                     " bytes, larger than the " + std::to_string(max_bytes) +
+                                     "-byte limit for this kind of file");
   }
-  // Read until EOF (also works for pipes such as /dev/stdin), still bounded by max_bytes.
+  // Read until EOF (a file may grow while it is read), still bounded by max_bytes.
   std::string out;
+  out.reserve(static_cast<size_t>(size));
   char buf[65536];
   while (true) {
     ssize_t n = ::read(fd.get(), buf, sizeof(buf));
@@ -114,43 +269,144 @@ Result<std::string> ReadFileRange(const std::string& path, uint64_t offset, uint
   return out;
 }
 
-Status WriteFileAtomically(const std::string& path, const std::string& contents, uint32_t mode) {
-  std::string tmp = path + ".tmp.XXXXXX";
-  int raw = ::mkostemp(tmp.data(), O_CLOEXEC);
-  if (raw < 0) return ErrnoStatus(path, "cannot create temporary file", errno);
-  Fd fd(raw);
-  auto fail = [&](const char* what, int err) {
-    ::unlink(tmp.c_str());
-    return ErrnoStatus(path, what, err);
-  };
-  if (::fchmod(fd.get(), static_cast<mode_t>(mode & 07777)) != 0) {
-    return fail("chmod failed", errno);
+Status RequireDirectory(const std::string& path, std::string_view what) {
+  const std::string name = std::string(what) + (what.empty() ? "" : " ") + path;
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return Status::NotFound(name + ": no such directory");
+    return Status::FromErrno(errno, name);
   }
-  size_t done = 0;
-  while (done < contents.size()) {
-    ssize_t n = ::write(fd.get(), contents.data() + done, contents.size() - done);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return fail("write failed", errno);
+  if (!S_ISDIR(st.st_mode)) return Status::InvalidArgument(name + ": not a directory");
+  return Status::Ok();
+}
+
+void AtomicFileGroup::Add(std::string path, std::string contents, std::optional<uint32_t> mode) {
+  files_.push_back({std::move(path), std::move(contents), mode});
+}
+
+Status AtomicFileGroup::Commit() {
+  std::vector<File> files = std::move(files_);
+  files_.clear();
+  // 1. Every target is a new path or a regular file, and none is given twice.
+  std::vector<std::optional<struct stat>> old(files.size());
+  std::set<std::tuple<dev_t, ino_t, std::string>> seen;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const std::string& path = files[i].path;
+    if (path.empty()) return Status::InvalidArgument("an output path is empty");
+    if (path.back() == '/') return Status::InvalidArgument(path + ": names a directory");
+    struct stat st;
+    if (::lstat(path.c_str(), &st) == 0) {
+      if (!S_ISREG(st.st_mode)) {
+        return Status::InvalidArgument(path + ": is " + KindName(st.st_mode) +
+                                       "; only a regular file is replaced");
+      }
+      old[i] = st;
+    } else if (errno != ENOENT) {
+      return ErrnoStatus(path, "cannot stat", errno);
     }
-    done += static_cast<size_t>(n);
+    struct stat dir;
+    const std::string parent = ParentDirectory(path);
+    if (::stat(parent.c_str(), &dir) != 0) return ErrnoStatus(path, "cannot create", errno);
+    const std::string base = path.substr(path.rfind('/') == std::string::npos
+                                             ? 0
+                                             : path.rfind('/') + 1);
+    if (!seen.insert({dir.st_dev, dir.st_ino, base}).second) {
+      return Status::InvalidArgument(path + ": the same output file is given twice");
+    }
   }
-  if (::fsync(fd.get()) != 0) return fail("fsync failed", errno);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) return fail("rename failed", errno);
-  // The new name lives in the directory: without this a power loss may bring back the old file.
-  const size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? std::string(".")
-                          : slash == 0               ? std::string("/")
-                                                     : path.substr(0, slash);
-  int dir_raw = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_raw < 0) {
-    return ErrnoStatus(path, "written, but cannot open its directory to fsync it", errno);
+  // 2. Each written to its temporary file.
+  std::vector<Staged> staged(files.size());
+  for (size_t i = 0; i < files.size(); ++i) {
+    staged[i].path = files[i].path;
+    staged[i].existed = old[i].has_value();
+    Status st = Stage(files[i].path, files[i].contents, files[i].mode,
+                      old[i] ? &*old[i] : nullptr, &staged[i]);
+    if (!st.ok()) {
+      RemoveStaged(staged);
+      return st;
+    }
+    files[i].contents.clear();
+    files[i].contents.shrink_to_fit();
   }
-  Fd dir_fd(dir_raw);
-  if (::fsync(dir_fd.get()) != 0 && errno != EINVAL) {
-    return ErrnoStatus(path, "written, but the fsync of its directory failed", errno);
+  // 3. Renamed into place, all or none.
+  {
+    HoldSignals hold;
+    if (staged.size() > 1) {
+      for (Staged& s : staged) {
+        if (!s.existed) continue;
+        for (int attempt = 0; attempt < 100; ++attempt) {
+          std::string backup = RandomSibling(s.path, ".old.");
+          if (::link(s.path.c_str(), backup.c_str()) == 0) {
+            s.backup = backup;
+            break;
+          }
+          if (errno != EEXIST) break;  // no hard links here: this file cannot be rolled back
+        }
+      }
+    }
+    for (size_t i = 0; i < staged.size(); ++i) {
+      if (g_before_rename != nullptr) g_before_rename(staged[i].path);
+      if (::rename(staged[i].tmp.c_str(), staged[i].path.c_str()) == 0) {
+        staged[i].tmp.clear();
+        UnregisterStaged(staged[i].slot);
+        staged[i].slot = -1;
+        continue;
+      }
+      const int err = errno;
+      bool restored = true;
+      for (size_t j = 0; j < i; ++j) {
+        Staged& done = staged[j];
+        const bool back = done.existed
+                              ? !done.backup.empty() &&
+                                    ::rename(done.backup.c_str(), done.path.c_str()) == 0
+                              : ::unlink(done.path.c_str()) == 0;
+        // A backup that could not be put back is kept: the only name left of the old contents.
+        done.backup.clear();
+        restored &= back;
+      }
+      RemoveStaged(staged);
+      return ErrnoStatus(staged[i].path,
+                         restored ? "rename failed (no file of the group was written)"
+                                  : "rename failed, and earlier files of the group could not all "
+                                    "be restored (look for *.old.* beside them)",
+                         err);
+    }
+    RemoveStaged(staged);  // the backups
+  }
+  // 4. The new names live in their directories: without this a power loss may bring back the old
+  // files.
+  std::set<std::string> dirs;
+  for (const Staged& s : staged) dirs.insert(ParentDirectory(s.path));
+  for (const std::string& dir : dirs) {
+    int dir_raw = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir_raw < 0) {
+      return ErrnoStatus(dir, "written, but cannot open the directory to fsync it", errno);
+    }
+    Fd dir_fd(dir_raw);
+    if (::fsync(dir_fd.get()) != 0 && errno != EINVAL) {
+      return ErrnoStatus(dir, "written, but the fsync of the directory failed", errno);
+    }
   }
   return Status::Ok();
+}
+
+Status WriteFileAtomically(const std::string& path, const std::string& contents,
+                           std::optional<uint32_t> mode) {
+  AtomicFileGroup group;
+  group.Add(path, contents, mode);
+  return group.Commit();
+}
+
+namespace internal {
+void SetBeforeRenameHookForTesting(void (*hook)(const std::string& path)) {
+  g_before_rename = hook;
+}
+}  // namespace internal
+
+void RemoveStagedFilesForSignal() noexcept {
+  for (StagedSlot& slot : g_staged) {
+    if (slot.state.load() == 2) ::unlink(slot.path);
+  }
 }
 
 }  // namespace memplan

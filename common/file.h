@@ -1,15 +1,26 @@
 // Small file helpers shared by every module that reads or writes user files.
+//
+// Note [User files]: every file a user names is read through ReadFileToString / ReadFileRange /
+// FileSize, which open it with O_NONBLOCK and refuse anything but a regular file (a FIFO, a
+// device, a socket, a directory), so a hostile path can neither hang memplan (a FIFO no one writes
+// to) nor make it read forever (/dev/zero). Every file memplan writes goes through
+// AtomicFileGroup (WriteFileAtomically for one file), which replaces only a regular file or
+// creates a new one, never a symlink or a device node, and keeps the old file's mode.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "common/status.h"
 
 namespace memplan {
 
-// Reads the whole file. Errors (NotFound / IoError / ResourceExhausted) name `path`. Files larger
-// than `max_bytes` are refused without being read, so hostile inputs cannot exhaust memory.
+// Reads the whole file. Errors (NotFound / IoError / ResourceExhausted / InvalidArgument for a
+// path that is not a regular file) name `path`. Files larger than `max_bytes` are refused without
+// being read, so hostile inputs cannot exhaust memory.
 Result<std::string> ReadFileToString(const std::string& path,
                                      uint64_t max_bytes = uint64_t{64} << 20);
 
@@ -19,14 +30,52 @@ Result<std::string> ReadFileRange(const std::string& path, uint64_t offset, uint
 // Size of a regular file; errors name `path`.
 Result<uint64_t> FileSize(const std::string& path);
 
-// Writes `contents` to `path` atomically and durably: a temporary file beside it (created with
-// `mode`, which the umask does not narrow), fsync, rename over `path`, fsync of the directory, so
-// that after a crash `path` holds either the old or the new contents and, once this returns OK,
-// the new ones. When the write, fsync or rename fails, nothing is left behind and the previous
-// file (if any) is untouched; when only the directory fsync fails, the new file is in place but
-// its name may not survive a power loss (filesystems that cannot fsync a directory, EINVAL, count
-// as success). A crash before the rename may leave a "<path>.tmp.XXXXXX" file behind.
+// OK when `path` is a directory (symlinks followed); otherwise NotFound / InvalidArgument naming
+// `what` and `path`, e.g. RequireDirectory("/etc/passwd", "--nvme-path") ->
+// "--nvme-path /etc/passwd: not a directory".
+Status RequireDirectory(const std::string& path, std::string_view what);
+
+// A set of output files written all-or-nothing: Commit() first writes each to a temporary file
+// beside it ("<path>.tmp.XXXXXX": written and fsynced), and only when every one is written renames
+// them into place, then fsyncs their directories. If anything fails before or during the renames,
+// every target keeps its previous contents (or stays absent) and no temporary file is left; the
+// error names the path. A target must be a new path or an existing regular file: a symlink, a
+// device, a FIFO or a directory is refused before anything is written, as is the same file given
+// twice. Mode: the one given, else the old file's (a replaced file keeps its permissions), else
+// 0666 less the umask (as any new file). SIGINT, SIGTERM, SIGHUP and SIGQUIT are held during the
+// renames (milliseconds), so a signal cannot leave half of a group in place. A crash (not a signal:
+// see RemoveStagedFilesForSignal) may leave "<path>.tmp.*" or "<path>.old.*" files behind.
+// Not thread-safe; use one group per thread.
+class AtomicFileGroup {
+ public:
+  AtomicFileGroup() = default;
+  AtomicFileGroup(const AtomicFileGroup&) = delete;
+  AtomicFileGroup& operator=(const AtomicFileGroup&) = delete;
+
+  void Add(std::string path, std::string contents, std::optional<uint32_t> mode = std::nullopt);
+  bool empty() const { return files_.empty(); }
+  // Writes every file added, or none. The group is empty afterwards either way.
+  Status Commit();
+
+ private:
+  struct File {
+    std::string path;
+    std::string contents;
+    std::optional<uint32_t> mode;
+  };
+  std::vector<File> files_;
+};
+
+// One file, as an AtomicFileGroup of one: after a crash `path` holds either the old or the new
+// contents and, once this returns OK, the new ones. When only the directory fsync fails, the new
+// file is in place but its name may not survive a power loss (filesystems that cannot fsync a
+// directory, EINVAL, count as success).
 Status WriteFileAtomically(const std::string& path, const std::string& contents,
-                           uint32_t mode = 0644);
+                           std::optional<uint32_t> mode = std::nullopt);
+
+// Removes the temporary files that AtomicFileGroup::Commit has created and not yet renamed (up to
+// 32 at a time). Async-signal-safe: for the SIGINT / SIGTERM handler of a program (tools/) that
+// then ends the process, so an interrupted write leaves nothing behind.
+void RemoveStagedFilesForSignal() noexcept;
 
 }  // namespace memplan

@@ -1,11 +1,20 @@
 #include "common/file.h"
 
 #include <doctest/doctest.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/types.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "common/file_internal.h"
 #include "tests/testing.h"
 
 namespace memplan {
@@ -19,51 +28,192 @@ unsigned Mode(const std::string& path) {
   return static_cast<unsigned>(st.st_mode & 07777);
 }
 
-TEST_CASE("file: WriteFileAtomically replaces the file with the mode asked for") {
-  testing::TempDir tmp("memplan_file_");
-  const std::string path = tmp.PathOf("out.json");
-
-  REQUIRE(WriteFileAtomically(path, "first").ok());
-  CHECK(testing::ReadWholeFile(path) == "first");
-  CHECK(Mode(path) == 0644);  // the default, whatever the umask
-
-  REQUIRE(WriteFileAtomically(path, std::string(100000, 'x'), 0600).ok());
-  CHECK(testing::ReadWholeFile(path) == std::string(100000, 'x'));
-  CHECK(Mode(path) == 0600);
-
-  REQUIRE(WriteFileAtomically(path, "").ok());
-  CHECK(fs::file_size(path) == 0);
-
-  // No temporary file is left beside it.
-  int entries = 0;
-  for (const auto& entry : fs::directory_iterator(tmp.path())) {
-    ++entries;
-    CHECK(entry.path().filename() == "out.json");
-  }
-  CHECK(entries == 1);
+std::vector<std::string> Entries(const fs::path& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.push_back(e.path().filename().string());
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
-TEST_CASE("file: a failed WriteFileAtomically leaves the old file and no temporary") {
-  testing::TempDir tmp("memplan_file_");
-  const std::string path = tmp.PathOf("out");
-  REQUIRE(WriteFileAtomically(path, "old").ok());
+// Sets the umask while alive.
+class Umask {
+ public:
+  explicit Umask(mode_t mask) : old_(::umask(mask)) {}
+  ~Umask() { ::umask(old_); }
+  Umask(const Umask&) = delete;
+  Umask& operator=(const Umask&) = delete;
 
-  // rename() of a file over a directory fails: the old contents must survive elsewhere too.
-  const std::string dir_path = tmp.PathOf("sub");
-  fs::create_directory(dir_path);
-  Status over_dir = WriteFileAtomically(dir_path, "new");
-  CHECK(over_dir.code() == StatusCode::kIoError);
-  CHECK(over_dir.message().find(dir_path) != std::string::npos);
-  CHECK(over_dir.message().find("rename failed") != std::string::npos);
-  CHECK(fs::is_directory(dir_path));
+ private:
+  mode_t old_;
+};
+
+TEST_CASE("file: WriteFileAtomically replaces the file; a new one gets the umask, an old its mode") {
+  testing::TempDir tmp("memplan_file_");
+  const std::string path = tmp.PathOf("out.json");
+  {
+    Umask mask(077);
+    REQUIRE(WriteFileAtomically(path, "first").ok());
+  }
+  CHECK(testing::ReadWholeFile(path) == "first");
+  CHECK(Mode(path) == 0600);  // 0666 less the umask, as for any new file
+
+  REQUIRE(::chmod(path.c_str(), 0640) == 0);
+  REQUIRE(WriteFileAtomically(path, std::string(100000, 'x')).ok());
+  CHECK(testing::ReadWholeFile(path) == std::string(100000, 'x'));
+  CHECK(Mode(path) == 0640);  // kept
+
+  REQUIRE(WriteFileAtomically(path, "", 0604).ok());
+  CHECK(fs::file_size(path) == 0);
+  CHECK(Mode(path) == 0604);  // asked for
+
+  {
+    Umask mask(022);
+    REQUIRE(WriteFileAtomically(tmp.PathOf("second"), "x").ok());
+  }
+  CHECK(Mode(tmp.PathOf("second")) == 0644);
+  // No temporary file is left beside them.
+  CHECK(Entries(tmp.path()) == std::vector<std::string>{"out.json", "second"});
+}
+
+TEST_CASE("file: only a regular file or a new path is written; symlinks, FIFOs, dirs refused") {
+  testing::TempDir tmp("memplan_file_");
+  const std::string target = tmp.Write("target", "precious").string();
+  const std::string link = tmp.PathOf("link");
+  REQUIRE(::symlink(target.c_str(), link.c_str()) == 0);
+  const std::string fifo = tmp.PathOf("fifo");
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const std::string dir = tmp.PathOf("sub");
+  fs::create_directory(dir);
+
+  for (const auto& target_kind : std::vector<std::pair<std::string, std::string>>{
+           {link, "a symlink"}, {fifo, "a FIFO"}, {dir, "a directory"}}) {
+    const std::string& path = target_kind.first;
+    const std::string& kind = target_kind.second;
+    CAPTURE(path);
+    Status st = WriteFileAtomically(path, "new");
+    CHECK(st.code() == StatusCode::kInvalidArgument);
+    CHECK(st.message() == path + ": is " + kind + "; only a regular file is replaced");
+  }
+  CHECK(fs::is_symlink(link));
+  CHECK(testing::ReadWholeFile(target) == "precious");
+  CHECK(fs::is_fifo(fifo));
+  CHECK(fs::is_directory(dir));
+  if (::geteuid() == 0) {  // only root can make a device node
+    const std::string null = tmp.PathOf("null");
+    REQUIRE(::mknod(null.c_str(), S_IFCHR | 0666, makedev(1, 3)) == 0);
+    CHECK(WriteFileAtomically(null, "new").message() ==
+          null + ": is a character device; only a regular file is replaced");
+    CHECK(fs::is_character_file(null));
+    fs::remove(null);
+  }
 
   Status no_parent = WriteFileAtomically(tmp.PathOf("missing/out"), "new");
   CHECK(no_parent.code() == StatusCode::kNotFound);
+  CHECK(Entries(tmp.path()) == std::vector<std::string>{"fifo", "link", "sub", "target"});
+}
 
-  CHECK(testing::ReadWholeFile(path) == "old");
-  int entries = 0;
-  for ([[maybe_unused]] const auto& entry : fs::directory_iterator(tmp.path())) ++entries;
-  CHECK(entries == 2);  // "out" and "sub"
+TEST_CASE("file: a group is written all or nothing") {
+  testing::TempDir tmp("memplan_file_");
+  const std::string a = tmp.Write("a.json", "old a").string();
+  const std::string b = tmp.PathOf("b.yaml");  // new
+
+  SUBCASE("a file that cannot be written: none is") {
+    AtomicFileGroup group;
+    group.Add(a, "new a");
+    group.Add(b, "new b");
+    group.Add(tmp.PathOf("nodir/c.json"), "new c");
+    Status st = group.Commit();
+    CHECK(st.code() == StatusCode::kNotFound);
+    CHECK(st.message().find("nodir/c.json") != std::string::npos);
+    CHECK(group.empty());
+  }
+  SUBCASE("a refused target: none is written") {
+    AtomicFileGroup group;
+    group.Add(a, "new a");
+    group.Add(b, "new b");
+    group.Add(tmp.path().string(), "a directory");
+    CHECK(group.Commit().code() == StatusCode::kInvalidArgument);
+  }
+  SUBCASE("the same file twice, under two names") {
+    AtomicFileGroup group;
+    group.Add(a, "new a");
+    group.Add(tmp.PathOf("./a.json"), "other a");
+    Status st = group.Commit();
+    CHECK(st.message() == tmp.PathOf("./a.json") + ": the same output file is given twice");
+  }
+  SUBCASE("a rename that fails part way: the ones before it are put back") {
+    // The third target turns into a directory just before its rename.
+    static std::string victim;
+    victim = tmp.PathOf("c.json");
+    tmp.Write("c.json", "old c");
+    internal::SetBeforeRenameHookForTesting([](const std::string& path) {
+      if (path != victim) return;
+      fs::remove(victim);
+      fs::create_directories(victim + "/full");
+    });
+    AtomicFileGroup group;
+    group.Add(a, "new a");
+    group.Add(b, "new b");
+    group.Add(victim, "new c");
+    Status st = group.Commit();
+    internal::SetBeforeRenameHookForTesting(nullptr);
+    CHECK(st.code() == StatusCode::kIoError);
+    CHECK(st.message().find("rename failed (no file of the group was written)") !=
+          std::string::npos);
+    fs::remove_all(victim);
+  }
+  CHECK(testing::ReadWholeFile(a) == "old a");
+  CHECK_FALSE(fs::exists(b));
+  CHECK(Entries(tmp.path()) == std::vector<std::string>{"a.json"});
+
+  AtomicFileGroup group;
+  group.Add(a, "new a");
+  group.Add(b, "new b");
+  REQUIRE(group.Commit().ok());
+  CHECK(testing::ReadWholeFile(a) == "new a");
+  CHECK(testing::ReadWholeFile(b) == "new b");
+  CHECK(Entries(tmp.path()) == std::vector<std::string>{"a.json", "b.yaml"});
+}
+
+TEST_CASE("file: inputs must be regular files; a FIFO is refused at once, not waited on") {
+  testing::TempDir tmp("memplan_file_");
+  const std::string fifo = tmp.PathOf("config.json");
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  const auto start = std::chrono::steady_clock::now();
+  auto text = ReadFileToString(fifo);
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(2));
+  REQUIRE_FALSE(text.ok());
+  CHECK(text.status().message() == fifo + ": is a FIFO, expected a regular file");
+  CHECK(ReadFileRange(fifo, 0, 8).status().message() == text.status().message());
+  CHECK(FileSize(fifo).status().message() == text.status().message());
+  CHECK(ReadFileToString("/dev/zero", 100).status().message() ==
+        "/dev/zero: is a character device, expected a regular file");
+  CHECK(ReadFileToString(tmp.path().string()).status().message() ==
+        tmp.path().string() + ": is a directory, expected a file");
+
+  CHECK(RequireDirectory(tmp.path().string(), "--path").ok());
+  CHECK(RequireDirectory("/etc/passwd", "--nvme-path").message() ==
+        "--nvme-path /etc/passwd: not a directory");
+  CHECK(RequireDirectory(tmp.PathOf("none"), "--path").code() == StatusCode::kNotFound);
+}
+
+TEST_CASE("file: a signal handler's clean-up removes a staged file, and only while staged") {
+  testing::TempDir tmp("memplan_file_");
+  RemoveStagedFilesForSignal();  // nothing staged: nothing happens
+  REQUIRE(WriteFileAtomically(tmp.PathOf("out"), "x").ok());
+  RemoveStagedFilesForSignal();
+  CHECK(Entries(tmp.path()) == std::vector<std::string>{"out"});
+  // While a file is staged (the hook runs just before its rename), the clean-up removes it.
+  static std::string dir;
+  dir = tmp.path().string();
+  internal::SetBeforeRenameHookForTesting([](const std::string&) {
+    RemoveStagedFilesForSignal();
+    CHECK(Entries(dir) == std::vector<std::string>{"out"});
+  });
+  Status st = WriteFileAtomically(tmp.PathOf("out"), "y");
+  internal::SetBeforeRenameHookForTesting(nullptr);
+  CHECK(st.message().find("rename failed") != std::string::npos);
+  CHECK(testing::ReadWholeFile(tmp.PathOf("out")) == "x");
 }
 
 }  // namespace
