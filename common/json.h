@@ -48,6 +48,14 @@ inline Status CheckNoNulByte(std::string_view text, const std::string& source) {
                                  std::to_string(nul));
 }
 
+// JSON text for output (stdout, files): indented by 2, with a final newline. Strings that are not
+// valid UTF-8 (a path from the command line may be anything) get U+FFFD for the bad bytes, where
+// nlohmann's dump() would throw.
+template <typename Json>
+std::string JsonOutput(const Json& json) {
+  return json.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
+}
+
 // Parses `text` as JSON. Invalid JSON (a NUL byte included), invalid UTF-8 and nesting deeper
 // than `max_depth` are InvalidArgument errors naming `source`. Key order is not kept: see
 // ParseOrderedJsonText.

@@ -1,0 +1,77 @@
+// Printable: the one escaping helper for text that came from a file or a path and is printed to a
+// terminal (error lines, text reports). A hostile name must not split an error over several lines
+// nor send the terminal escape sequences.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace memplan {
+
+// `text` with every character a terminal would act on written as an escape: C0 controls and DEL
+// as \n, \r, \t or \xHH (\x1b for ESC), C1 controls (U+0080..U+009F) and the bidirectional
+// overrides (U+202A..U+202E, U+2066..U+2069) as \uXXXX, and bytes that are not UTF-8 as \xHH.
+// Everything else, other UTF-8 included, is kept. With `keep_newlines`, '\n' and '\t' are kept (for
+// a multi-line report whose own line breaks are wanted; names in it should be escaped on their own).
+inline std::string Printable(std::string_view text, bool keep_newlines = false) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  auto hex_byte = [&](unsigned char c) {
+    out += "\\x";
+    out += kHex[c >> 4];
+    out += kHex[c & 15];
+  };
+  size_t i = 0;
+  while (i < text.size()) {
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c < 0x80) {
+      if (c >= 0x20 && c != 0x7f) {
+        out += static_cast<char>(c);
+      } else if (keep_newlines && (c == '\n' || c == '\t')) {
+        out += static_cast<char>(c);
+      } else if (c == '\n') {
+        out += "\\n";
+      } else if (c == '\r') {
+        out += "\\r";
+      } else if (c == '\t') {
+        out += "\\t";
+      } else {
+        hex_byte(c);
+      }
+      ++i;
+      continue;
+    }
+    // A UTF-8 sequence: its length from the lead byte, then its continuation bytes and value.
+    const size_t length = c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3
+                          : c >= 0xf0 && c <= 0xf4                           ? 4
+                                                                             : 0;
+    uint32_t code = length == 2 ? c & 0x1fu : length == 3 ? c & 0x0fu : c & 0x07u;
+    bool valid = length > 0 && i + length <= text.size();
+    for (size_t k = 1; valid && k < length; ++k) {
+      const unsigned char next = static_cast<unsigned char>(text[i + k]);
+      valid = (next & 0xc0) == 0x80;
+      code = (code << 6) | (next & 0x3fu);
+    }
+    // Overlong forms, surrogates and values past U+10FFFF are not UTF-8.
+    valid = valid && !(length == 3 && (code < 0x800 || (code >= 0xd800 && code <= 0xdfff))) &&
+            !(length == 4 && (code < 0x10000 || code > 0x10ffff));
+    if (!valid) {
+      hex_byte(c);
+      ++i;
+      continue;
+    }
+    if ((code >= 0x80 && code <= 0x9f) || (code >= 0x202a && code <= 0x202e) ||
+        (code >= 0x2066 && code <= 0x2069)) {
+      out += "\\u";
+      for (int shift = 12; shift >= 0; shift -= 4) out += kHex[(code >> shift) & 15];
+    } else {
+      out.append(text.substr(i, length));
+    }
+    i += length;
+  }
+  return out;
+}
+
+}  // namespace memplan
