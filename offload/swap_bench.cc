@@ -8,6 +8,7 @@
 #include <chrono>
 #include <filesystem>
 #include <memory>
+#include <new>
 #include <vector>
 
 #include "nvme/bench.h"
@@ -17,6 +18,13 @@ namespace memplan::offload {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+Status Stopped(const SwapBenchOptions& options) {
+  if (options.stop != nullptr && options.stop->load(std::memory_order_relaxed)) {
+    return Status::Unavailable("interrupted");
+  }
+  return Status::Ok();
+}
 
 double Since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -60,6 +68,7 @@ Result<double> ComputeSeconds(const SwapBenchOptions& options) {
   int64_t t = 1;
   auto pass = [&]() -> Status {
     for (uint64_t first = 0; first < options.params; first += sg) {
+      MEMPLAN_RETURN_IF_ERROR(Stopped(options));
       const size_t n = std::min(sg, options.params - first);
       AdamTensors tensors{{p.data(), n}, {g.data(), n}, {m.data(), n}, {v.data(), n},
                           {},            {},            HalfDtype::kNone};
@@ -102,8 +111,9 @@ Status SwapBenchOptions::Validate() const {
   return Status::Ok();
 }
 
-Result<SwapBenchResult> RunSwapBench(const SwapBenchOptions& options) {
-  MEMPLAN_RETURN_IF_ERROR(options.Validate());
+namespace {
+
+Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
   MEMPLAN_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::Make(options.directory));
 
   SwapBenchResult r;
@@ -131,7 +141,9 @@ Result<SwapBenchResult> RunSwapBench(const SwapBenchOptions& options) {
     bench.block_sizes = {options.block_size};
     bench.queue_depths = {options.queue_depth};
     bench.threads = {options.io_threads};
+    bench.stop = options.stop;
     MEMPLAN_ASSIGN_OR_RETURN(nvme::BenchReport report, nvme::RunBench(bench));
+    MEMPLAN_RETURN_IF_ERROR(Stopped(options));
     if (report.best < 0) return Status::Internal("the NVMe bench measured nothing");
     const nvme::BenchResult& best = report.results[static_cast<size_t>(report.best)];
     r.read_bytes_per_s = options.read_bytes_per_s.value_or(best.read_bytes_per_s());
@@ -156,13 +168,14 @@ Result<SwapBenchResult> RunSwapBench(const SwapBenchOptions& options) {
   so.cpu.threads = options.threads;
   MEMPLAN_ASSIGN_OR_RETURN(
       auto swapper,
-      OptimizerSwapper::Create(so, options.params, [](uint64_t, std::span<float> out) {
+      OptimizerSwapper::Create(so, options.params, [&](uint64_t, std::span<float> out) {
         std::fill(out.begin(), out.end(), 0.25f);
-        return Status::Ok();
+        return Stopped(options);
       }));
   std::vector<float> grads(options.sub_group_elements, 0.01f);
   auto write_grads = [&]() -> Status {
     for (uint64_t i = 0; i < swapper->sub_group_count(); ++i) {
+      MEMPLAN_RETURN_IF_ERROR(Stopped(options));
       MEMPLAN_RETURN_IF_ERROR(swapper->WriteGradients(
           i, std::span<const float>(grads.data(), swapper->SubGroupSize(i))));
     }
@@ -195,6 +208,21 @@ Result<SwapBenchResult> RunSwapBench(const SwapBenchOptions& options) {
                  r.write_bytes_per_step / r.write_bytes_per_s;
   r.ratio = r.step_seconds / std::max(r.io_seconds, r.compute_seconds);
   return r;
+}
+
+}  // namespace
+
+Result<SwapBenchResult> RunSwapBench(const SwapBenchOptions& options) {
+  MEMPLAN_RETURN_IF_ERROR(options.Validate());
+  // The buffers are as large as the flags say; a size this machine cannot hold ends here, with the
+  // scratch directory already removed by the unwinding.
+  try {
+    return Run(options);
+  } catch (const std::bad_alloc&) {
+    return Status::ResourceExhausted(
+        "not enough memory for " + std::to_string(options.params) + " parameters in sub-groups of " +
+        std::to_string(options.sub_group_elements) + " (about 16 bytes each in RAM)");
+  }
 }
 
 }  // namespace memplan::offload

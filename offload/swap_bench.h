@@ -16,6 +16,7 @@
 // the swapper's reader and writer.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -43,6 +44,9 @@ struct SwapBenchOptions {
   // Device bandwidths to compare with (bytes/s), e.g. from `memplan bench nvme`; when absent they
   // are measured here over min(1 GiB, the states' size).
   std::optional<double> read_bytes_per_s, write_bytes_per_s;
+  // When set (by a signal handler, say), the bench stops at the next sub-group, removes its store
+  // and returns an error (kUnavailable "interrupted").
+  const std::atomic<bool>* stop = nullptr;
 
   Status Validate() const;
 };
@@ -68,6 +72,8 @@ struct SwapBenchResult {
   double stage_read_s = 0, stage_write_s = 0, stage_compute_s = 0, compute_wait_s = 0, sync_s = 0;
 };
 
+// The store under options.directory is removed whatever happens: an error, `stop`, or memory that
+// cannot be had (kResourceExhausted; never an exception).
 Result<SwapBenchResult> RunSwapBench(const SwapBenchOptions& options);
 
 }  // namespace memplan::offload
