@@ -9,7 +9,9 @@ packages=(build-essential cmake pkg-config git nlohmann-json3-dev libcli11-dev d
   # The Python extension (memplan._native): pybind11 and Python's headers.
   pybind11-dev python3-dev
   # clang with its sanitizer and libFuzzer runtimes: scripts/test.sh's sanitizer job and fuzz smoke.
-  clang libclang-rt-dev)
+  clang libclang-rt-dev
+  # valgrind: tests/reliability_cli_test.cc checks a reproduction with it (skipped without).
+  valgrind)
 
 missing=()
 for p in "${packages[@]}"; do

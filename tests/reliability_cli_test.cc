@@ -2,15 +2,29 @@
 // `-o FILE` is written, and DeepSpeed configs that are deeply nested, not UTF-8, huge or over the
 // size limit. Each must end in exit 2 with one line on stderr naming the file, in bounded time and
 // memory, leaving no partial output file behind and any previous one untouched.
+//
+// Then the probes of issue 21's red-team pass (each "reliability #N"), and their neighbours: each
+// run is limited to 5 s (a hang fails the test), must not die on a signal, must give its
+// documented exit status with one line on stderr, and must leave no file behind.
 #include <doctest/doctest.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <string>
+#include <thread>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "tests/testing.h"
 
@@ -133,6 +147,419 @@ TEST_CASE("reliability: hostile DeepSpeed configs get one line naming the file, 
   }
   // No hostile file made memplan hold more than a few hundred MiB (sanitizer builds included).
   CHECK(PeakChildMiB() < 1024);
+}
+
+// --- Issue 21's probes -------------------------------------------------------------------------
+
+// How a probe run ended.
+struct Probe {
+  int exit_code = -1;    // -1: did not exit
+  int term_signal = 0;   // the signal that killed it, 0: none
+  bool hung = false;     // still running at the limit (then killed)
+  double seconds = 0;
+  std::string out, err;  // stdout (when captured) and stderr
+};
+
+struct ProbeOptions {
+  std::string stdout_path;  // empty: captured; "-": closed
+  mode_t umask = 022;
+  rlim_t address_space_bytes = 0;  // RLIMIT_AS; 0: unchanged
+  std::vector<std::pair<std::string, std::string>> env;
+  double limit_seconds = 5;  // from the start, or from the signal when one is sent
+  // Called every 10 ms while it runs; a signal number it returns is sent once. Until then the run
+  // may take up to a minute (a loaded machine is slow to reach the state wanted).
+  std::function<int()> signal_when;
+};
+
+ProbeOptions StdoutTo(std::string path) {
+  ProbeOptions o;
+  o.stdout_path = std::move(path);
+  return o;
+}
+ProbeOptions WithUmask(mode_t mask) {
+  ProbeOptions o;
+  o.umask = mask;
+  return o;
+}
+ProbeOptions WithEnv(std::string name, std::string value) {
+  ProbeOptions o;
+  o.env = {{std::move(name), std::move(value)}};
+  return o;
+}
+ProbeOptions WithAddressSpace(rlim_t bytes) {
+  ProbeOptions o;
+  o.address_space_bytes = bytes;
+  return o;
+}
+ProbeOptions SignalWhen(std::function<int()> when) {
+  ProbeOptions o;
+  o.signal_when = std::move(when);
+  return o;
+}
+
+// Runs the memplan binary with `args` under `options`, killing it at the time limit.
+Probe RunProbe(const std::vector<std::string>& args, const ProbeOptions& options = {}) {
+  TempDir io("memplan-probe.");
+  const std::string out_path = io.PathOf("out"), err_path = io.PathOf("err");
+  const auto start = std::chrono::steady_clock::now();
+  pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::umask(options.umask);
+    if (options.address_space_bytes > 0) {
+      struct rlimit limit = {options.address_space_bytes, options.address_space_bytes};
+      ::setrlimit(RLIMIT_AS, &limit);
+    }
+    for (const auto& [name, value] : options.env) ::setenv(name.c_str(), value.c_str(), 1);
+    int in = ::open("/dev/null", O_RDONLY);
+    int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (in < 0 || err < 0 || ::dup2(in, 0) < 0 || ::dup2(err, 2) < 0) ::_exit(120);
+    if (options.stdout_path == "-") {
+      ::close(1);
+    } else {
+      const std::string& path = options.stdout_path.empty() ? out_path : options.stdout_path;
+      int out = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      if (out < 0 || ::dup2(out, 1) < 0) ::_exit(121);
+    }
+    std::vector<char*> argv = {const_cast<char*>(MEMPLAN_BINARY)};
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv(MEMPLAN_BINARY, argv.data());
+    ::_exit(122);
+  }
+  Probe probe;
+  bool signalled = false;
+  auto since = start;
+  int status = 0;
+  while (true) {
+    pid_t done = ::waitpid(child, &status, WNOHANG);
+    if (done < 0) FAIL("waitpid failed");
+    if (done == child) break;
+    const double limit = options.signal_when && !signalled ? 60 : options.limit_seconds;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count() > limit) {
+      probe.hung = true;
+      ::kill(child, SIGKILL);
+      REQUIRE(::waitpid(child, &status, 0) == child);
+      break;
+    }
+    if (options.signal_when && !signalled) {
+      if (int signal = options.signal_when(); signal != 0) {
+        ::kill(child, signal);
+        signalled = true;
+        since = std::chrono::steady_clock::now();
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  probe.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (WIFEXITED(status)) probe.exit_code = WEXITSTATUS(status);
+  if (WIFSIGNALED(status) && !probe.hung) probe.term_signal = WTERMSIG(status);
+  probe.out = ReadWholeFile(out_path);
+  probe.err = ReadWholeFile(err_path);
+  return probe;
+}
+
+// Ended by itself, in time, with `exit_code` and one line on stderr holding every needle.
+void ExpectFailure(const Probe& p, int exit_code, const std::vector<std::string>& needles) {
+  CAPTURE(p.err);
+  CHECK_FALSE(p.hung);
+  CHECK(p.term_signal == 0);
+  CHECK(p.exit_code == exit_code);
+  CHECK(p.out.empty());
+  REQUIRE_FALSE(p.err.empty());
+  CHECK(p.err.find('\n') == p.err.size() - 1);
+  CHECK(p.err.rfind("memplan: error: ", 0) == 0);
+  for (const auto& n : needles) {
+    CAPTURE(n);
+    CHECK(p.err.find(n) != std::string::npos);
+  }
+}
+
+void ExpectSuccess(const Probe& p) {
+  CAPTURE(p.err);
+  CHECK_FALSE(p.hung);
+  CHECK(p.term_signal == 0);
+  CHECK(p.exit_code == 0);
+}
+
+const std::vector<std::string> kPlan7b = {"plan",   "--model", "llama-2-7b", "--gpu",
+                                          "a100-80", "--gpus", "8",          "--global-batch",
+                                          "64"};
+
+std::vector<std::string> With(std::vector<std::string> base, const std::vector<std::string>& more) {
+  base.insert(base.end(), more.begin(), more.end());
+  return base;
+}
+
+unsigned ModeOf(const fs::path& path) {
+  struct stat st;
+  REQUIRE(::lstat(path.c_str(), &st) == 0);
+  return static_cast<unsigned>(st.st_mode & 07777);
+}
+
+TEST_CASE("reliability #2, #18: a stdout that cannot be written is exit 2, whatever the size") {
+  const std::vector<std::vector<std::string>> commands = {
+      {"inventory", "--model", "gpt2"},          // > 4 KiB: stdio wrote it past the buffer
+      {"estimate", "--model", "gpt2"},           // < 4 KiB: the final flush fails
+      {"inventory", "--model", "gpt2", "--format", "json"},
+      {"models"},
+      {"--help"},
+      {"plan", "--help"},
+      {"bench", "swap", "--help"},
+      {"--version"},
+      kPlan7b,
+  };
+  for (const auto& args : commands) {
+    CAPTURE(args.front());
+    CAPTURE(args.back());
+    ExpectFailure(RunProbe(args, StdoutTo("/dev/full")), 2,
+                  {"cannot write to stdout: No space left on device"});
+    // A closed stdout (>&-) too.
+    ExpectFailure(RunProbe(args, StdoutTo("-")), 2, {"cannot write to stdout"});
+  }
+  // check's report goes to stdout: "problems found" (1) is not what happened.
+  TempDir tmp("memplan-reliability.");
+  const std::string good =
+      tmp.Write("good.json", R"({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1})");
+  CHECK(RunProbe({"check", good, "--gpus", "8"}).exit_code == 0);
+  ExpectFailure(RunProbe({"check", good, "--gpus", "8"}, StdoutTo("/dev/full")), 2,
+                {"cannot write to stdout"});
+  const std::string bad = tmp.Write("bad.json", R"({"train_batch_size": 7})");
+  ExpectFailure(RunProbe({"check", bad, "--gpus", "8"}, StdoutTo("/dev/full")), 2,
+                {"cannot write to stdout"});
+}
+
+TEST_CASE("reliability #3: outputs replace only regular files; symlinks, devices, FIFOs refused") {
+  TempDir tmp("memplan-reliability.");
+  const fs::path target = tmp.Write("target", "precious\n");
+  fs::create_symlink(target, tmp.path() / "link");
+  REQUIRE(::mkfifo(tmp.PathOf("fifo").c_str(), 0600) == 0);
+  fs::create_directory(tmp.path() / "dir");
+  std::vector<std::pair<std::string, std::string>> targets = {
+      {"link", "is a symlink"}, {"fifo", "is a FIFO"}, {"dir", "is a directory"}};
+  if (::geteuid() == 0) {  // mknod needs root
+    REQUIRE(::mknod(tmp.PathOf("null").c_str(), S_IFCHR | 0666, makedev(1, 3)) == 0);
+    targets.push_back({"null", "is a character device"});
+  }
+  const std::vector<std::string> before = Entries(tmp.path());
+  for (const auto& name_why : targets) {
+    const std::string path = tmp.PathOf(name_why.first);
+    const std::string& why = name_why.second;
+    CAPTURE(path);
+    ExpectFailure(RunProbe({"estimate", "--model", "gpt2", "-o", path}), 2, {path, why});
+    ExpectFailure(RunProbe({"inventory", "--model", "gpt2", "--output", path}), 2, {path, why});
+    ExpectFailure(RunProbe(With(kPlan7b, {"--emit-deepspeed", path})), 2, {path, why});
+    ExpectFailure(RunProbe(With(kPlan7b, {"--svg", path})), 2, {path, why});
+  }
+  CHECK(Entries(tmp.path()) == before);
+  CHECK(ReadWholeFile(target) == "precious\n");
+  CHECK(fs::is_symlink(tmp.path() / "link"));
+  CHECK(fs::is_fifo(tmp.path() / "fifo"));
+  if (::geteuid() == 0) CHECK(fs::is_character_file(tmp.path() / "null"));
+}
+
+TEST_CASE("reliability #17: a new output file gets the umask, a replaced one keeps its mode") {
+  TempDir tmp("memplan-reliability.");
+  const fs::path out = tmp.path() / "p.json";
+  ExpectSuccess(RunProbe({"estimate", "--model", "gpt2", "-o", out.string()}, WithUmask(077)));
+  CHECK(ModeOf(out) == 0600);
+  fs::permissions(out, fs::perms(0640));
+  ExpectSuccess(RunProbe({"estimate", "--model", "gpt2", "--format", "json", "-o", out.string()}));
+  CHECK(ModeOf(out) == 0640);
+  CHECK(ReadWholeFile(out).front() == '{');
+  ExpectSuccess(RunProbe(With(kPlan7b, {"--emit-deepspeed", tmp.PathOf("ds.json")}),
+                         WithUmask(027)));
+  CHECK(ModeOf(tmp.path() / "ds.json") == 0640);
+  CHECK(Entries(tmp.path()) == std::vector<std::string>{"ds.json", "p.json"});
+}
+
+TEST_CASE("reliability #6: a FIFO, a device or a directory as an input is refused, never waited on") {
+  TempDir tmp("memplan-reliability.");
+  fs::create_directory(tmp.path() / "m");
+  REQUIRE(::mkfifo(tmp.PathOf("m/config.json").c_str(), 0600) == 0);
+  REQUIRE(::mkfifo(tmp.PathOf("fifo.json").c_str(), 0600) == 0);
+  const std::string fifo = tmp.PathOf("fifo.json");
+  const std::string why = "is a FIFO, expected a regular file";
+  ExpectFailure(RunProbe({"estimate", "--model", tmp.PathOf("m")}), 2,
+                {tmp.PathOf("m/config.json"), why});
+  ExpectFailure(RunProbe({"estimate", "--model", fifo}), 2, {fifo, why});
+  ExpectFailure(RunProbe({"check", fifo}), 2, {fifo, why});
+  ExpectFailure(RunProbe({"estimate", "--model", "gpt2", "--deepspeed", fifo}), 2, {fifo, why});
+  ExpectFailure(RunProbe({"plan", "--model", "gpt2", "--cluster", fifo, "--global-batch", "8"}), 2,
+                {fifo, why});
+  ExpectFailure(RunProbe(With(kPlan7b, {"--nvme-bench", fifo})), 2, {fifo, why});
+  ExpectFailure(RunProbe(With(kPlan7b, {"--adam-bench", fifo})), 2, {fifo, why});
+  ExpectFailure(RunProbe({"bench", "swap", "--path", tmp.path().string(), "--nvme-json", fifo}), 2,
+                {fifo, why});
+  ExpectFailure(RunProbe({"check", "/dev/zero"}), 2, {"/dev/zero: is a character device"});
+  ExpectFailure(RunProbe({"estimate", "--model", "gpt2", "--deepspeed", "/dev/stdin"}), 2,
+                {"/dev/stdin: is a character device"});
+
+  // A Hugging Face cache whose refs/main is a FIFO: the newest snapshot is used instead.
+  const fs::path repo = tmp.path() / "hub" / "models--org--tiny";
+  fs::create_directories(repo / "refs");
+  fs::create_directories(repo / "snapshots" / "abc123");
+  REQUIRE(::mkfifo((repo / "refs" / "main").c_str(), 0600) == 0);
+  fs::copy_file(std::string(MEMPLAN_SOURCE_DIR) + "/estimator/models/gpt2.json",
+                repo / "snapshots" / "abc123" / "config.json");
+  Probe cached = RunProbe({"estimate", "--model", "org/tiny"},
+                          WithEnv("HF_HUB_CACHE", (tmp.path() / "hub").string()));
+  ExpectSuccess(cached);
+  CHECK(cached.out.find("124,439,808") != std::string::npos);
+}
+
+TEST_CASE("reliability #8: the output files of a run are written all or none") {
+  TempDir tmp("memplan-reliability.");
+  const std::string ds = tmp.PathOf("ds.json"), svg = tmp.PathOf("plans.svg"),
+                    report = tmp.PathOf("report.txt");
+  SUBCASE("a new set: nothing is written") {
+    ExpectFailure(RunProbe(With(kPlan7b, {"--emit-deepspeed", ds, "--svg", svg, "-o", report,
+                                          "--emit-fsdp", tmp.PathOf("nodir/f.json")})),
+                  2, {tmp.PathOf("nodir/f.json")});
+    CHECK(Entries(tmp.path()).empty());
+  }
+  SUBCASE("an old set: every file keeps its old contents") {
+    for (const std::string& path : {ds, svg, report}) tmp.Write(fs::path(path).filename(), "old");
+    fs::create_directory(tmp.path() / "dir");
+    ExpectFailure(RunProbe(With(kPlan7b, {"--emit-deepspeed", ds, "--svg", svg, "-o", report,
+                                          "--emit-accelerate", tmp.PathOf("dir")})),
+                  2, {tmp.PathOf("dir"), "is a directory"});
+    for (const std::string& path : {ds, svg, report}) CHECK(ReadWholeFile(path) == "old");
+    CHECK(Entries(tmp.path()) ==
+          std::vector<std::string>{"dir", "ds.json", "plans.svg", "report.txt"});
+  }
+  SUBCASE("the same file twice") {
+    ExpectFailure(RunProbe(With(kPlan7b, {"--emit-deepspeed", ds, "--svg", ds})), 2,
+                  {ds, "given twice"});
+    CHECK(Entries(tmp.path()).empty());
+  }
+  SUBCASE("all written when all can be") {
+    Probe ok = RunProbe(With(kPlan7b, {"--emit-deepspeed", ds, "--svg", svg, "-o", report}));
+    ExpectSuccess(ok);
+    CHECK(ok.out.empty());
+    CHECK(ReadWholeFile(report).find("wrote " + ds) != std::string::npos);
+    CHECK(nlohmann::json::parse(ReadWholeFile(ds)).contains("zero_optimization"));
+    CHECK(Entries(tmp.path()) == std::vector<std::string>{"ds.json", "plans.svg", "report.txt"});
+  }
+}
+
+TEST_CASE("reliability #9: bench swap --nvme-json with a missing field is one line, no crash") {
+  TempDir tmp("memplan-reliability.");
+  fs::create_directory(tmp.path() / "swp");
+  for (const char* text : {R"({"best": {"write_bytes_per_s": 1e9}})",
+                           R"({"best": {"read_bytes_per_s": 1e9}})", R"({"best": 5})", "[1]",
+                           R"({"best": {"read_bytes_per_s": "1e9", "write_bytes_per_s": 1e9}})"}) {
+    CAPTURE(text);
+    const std::string n = tmp.Write("n.json", text).string();
+    ExpectFailure(RunProbe({"bench", "swap", "--path", tmp.PathOf("swp"), "--nvme-json", n}), 2,
+                  {n, "best.read_bytes_per_s and best.write_bytes_per_s"});
+  }
+  CHECK(Entries(tmp.path() / "swp").empty());
+}
+
+// The defect was an out-of-bounds read (const operator[] on a missing key) with the right exit
+// status, so only a memory checker sees it: valgrind, when installed (scripts/setup.sh installs it).
+TEST_CASE("reliability #9: bench swap --nvme-json reads no memory it does not own (valgrind)") {
+  if (std::system("command -v valgrind >/dev/null 2>&1") != 0) {
+    MESSAGE("valgrind not installed: skipped");
+    return;
+  }
+  TempDir tmp("memplan-reliability.");
+  fs::create_directory(tmp.path() / "swp");
+  const std::string n = tmp.Write("n.json", R"({"best": {"write_bytes_per_s": 1e9}})").string();
+  CommandResult run = memplan::testing::RunCommand(
+      "valgrind", {"-q", "--error-exitcode=99", MEMPLAN_BINARY, "bench", "swap", "--path",
+                   tmp.PathOf("swp"), "--nvme-json", n});
+  CAPTURE(run.err);
+  CHECK(run.exit_code == 2);
+  CHECK(run.err.find("Invalid read") == std::string::npos);
+  CHECK(Entries(tmp.path() / "swp").empty());
+}
+
+TEST_CASE("reliability #10: NaN, infinities and odd integers are refused by every number flag") {
+  TempDir tmp("memplan-reliability.");
+  const std::vector<std::vector<std::string>> cases = {
+      With(kPlan7b, {"--lr", "nan"}),
+      With(kPlan7b, {"--lr", "NaN"}),
+      With(kPlan7b, {"--cuda-context-mib", "nan"}),
+      With(kPlan7b, {"--cuda-context-mib", "inf"}),
+      With(kPlan7b, {"--gpu-margin", "-nan"}),
+      With(kPlan7b, {"--inter-node-bw", "1e999"}),
+      {"estimate", "--model", "gpt2", "--buffer-factor", "nan"},
+      {"estimate", "--model", "gpt2", "--cuda-context-mib", "infinity"},
+      {"bench", "adam", "--seconds", "nan"},
+      {"bench", "nvme", "--path", tmp.path().string(), "--seconds-per-point", "nan"},
+  };
+  for (const auto& args : cases) {
+    CAPTURE(args[args.size() - 2]);
+    ExpectFailure(RunProbe(args), 2, {args[args.size() - 2], "must be a finite number"});
+  }
+  ExpectFailure(RunProbe({"bench", "swap", "--path", tmp.path().string(), "--sub-group", "-1024"}),
+                2, {"--sub-group", "must be >= 0"});
+  ExpectFailure(RunProbe({"estimate", "--model", "gpt2", "--gpus", "0x10"}), 2,
+                {"--gpus", "whole decimal number"});
+  // Leading zeros are decimal, not octal.
+  Probe padded = RunProbe({"estimate", "--model", "gpt2", "--gpus", "010", "--format", "json"});
+  ExpectSuccess(padded);
+  CHECK(nlohmann::json::parse(padded.out)["hardware"]["gpus_per_node"] == 10);
+  CHECK(Entries(tmp.path()).empty());
+}
+
+TEST_CASE("reliability #4: SIGINT and SIGTERM remove bench swap's store and bench nvme's file") {
+  TempDir tmp("memplan-reliability.");
+  const fs::path dir = tmp.path() / "swp";
+  fs::create_directory(dir);
+  tmp.Write("n.json", R"({"best": {"read_bytes_per_s": 2e9, "write_bytes_per_s": 1e9}})");
+  // Signalled once the bench has made its store and written into it.
+  auto when_busy = [&](int signal) {
+    return [&dir, signal]() {
+      uintmax_t bytes = 0;
+      std::error_code ec;
+      for (auto it = fs::recursive_directory_iterator(dir, ec);
+           !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+        if (it->is_regular_file(ec)) bytes += it->file_size(ec);
+      }
+      return bytes > (uintmax_t{4} << 20) ? signal : 0;
+    };
+  };
+  for (int signal : {SIGINT, SIGTERM}) {
+    CAPTURE(signal);
+    Probe swap = RunProbe({"bench", "swap", "--path", dir.string(), "--params", "8388608",
+                           "--sub-group", "1048576", "--steps", "50", "--backend", "posix",
+                           "--no-direct", "--nvme-json", tmp.PathOf("n.json")},
+                          SignalWhen(when_busy(signal)));
+    ExpectFailure(swap, 128 + signal, {"interrupted; the temporary store was removed"});
+    CHECK(Entries(dir).empty());
+
+    Probe nvme = RunProbe({"bench", "nvme", "--path", dir.string(), "--size", "4G",
+                           "--backend", "posix", "--block-size", "1M", "--queue-depth", "4",
+                           "--no-direct", "--seconds-per-point", "60"},
+                          SignalWhen(when_busy(signal)));
+    ExpectFailure(nvme, 128 + signal, {"interrupted; the bench file was removed"});
+    CHECK(Entries(dir).empty());
+  }
+}
+
+TEST_CASE("reliability #5: memory that cannot be had is one line and exit 2; the store is removed") {
+  TempDir tmp("memplan-reliability.");
+  const fs::path dir = tmp.path() / "swp";
+  fs::create_directory(dir);
+  tmp.Write("n.json", R"({"best": {"read_bytes_per_s": 2e9, "write_bytes_per_s": 1e9}})");
+  // 2^30 parameters in one sub-group: 4 GiB per buffer, past a 2 GiB address space.
+  Probe swap = RunProbe({"bench", "swap", "--path", dir.string(), "--params", "1073741824",
+                         "--sub-group", "1073741824", "--nvme-json", tmp.PathOf("n.json")},
+                        WithAddressSpace(rlim_t{2} << 30));
+  ExpectFailure(swap, 2, {"memory"});
+  CHECK(Entries(dir).empty());
+}
+
+TEST_CASE("reliability #5: a path that is not UTF-8 in JSON output is written, not a crash") {
+  TempDir tmp("memplan-reliability.");
+  const std::string model = tmp.PathOf("g\xff.json");
+  fs::copy_file(std::string(MEMPLAN_SOURCE_DIR) + "/estimator/models/gpt2.json", model);
+  Probe run = RunProbe({"estimate", "--model", model, "--format", "json"});
+  ExpectSuccess(run);
+  CHECK(nlohmann::json::parse(run.out)["model"]["name"] == tmp.PathOf("g\xef\xbf\xbd.json"));
 }
 
 }  // namespace

@@ -1,56 +1,23 @@
 // `memplan bench nvme`: the bandwidth of a directory's drive through memplan's own I/O path, over
 // the block size x queue depth x backend sweep DeepSpeed's ds_nvme_tune runs, and the DeepSpeed
 // `aio` block for the best settings. The measuring is nvme/bench.h; this file parses flags,
-// prints progress and routes SIGINT/SIGTERM to a clean stop (a bench file made in --path is always
-// removed; a --file is always kept).
-#include <signal.h>
+// prints progress and routes SIGINT/SIGTERM to a clean stop (tools/signals.h: a bench file made in
+// --path is always removed; a --file is always kept).
 #include <unistd.h>
 
-#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "common/file.h"
+#include "common/json.h"
 #include "nvme/bench.h"
 #include "tools/commands.h"
+#include "tools/signals.h"
 
 namespace memplan::tools {
 namespace {
-
-// Exit status of a run stopped by SIGINT/SIGTERM (128 + SIGINT, as shells report it).
-constexpr int kExitInterrupted = 130;
-
-std::atomic<bool> g_stop{false};
-static_assert(std::atomic<bool>::is_always_lock_free, "g_stop is set from a signal handler");
-
-extern "C" void HandleStopSignal(int /*signal*/) { g_stop.store(true); }
-
-// Installs HandleStopSignal for SIGINT and SIGTERM while alive. SA_RESETHAND: a second signal
-// kills the process the usual way, for a user who does not want to wait for the clean stop.
-class StopSignals {
- public:
-  StopSignals() {
-    struct sigaction action {};
-    action.sa_handler = HandleStopSignal;
-    sigemptyset(&action.sa_mask);
-    action.sa_flags = SA_RESTART | SA_RESETHAND;
-    ::sigaction(SIGINT, &action, &old_int_);
-    ::sigaction(SIGTERM, &action, &old_term_);
-  }
-  ~StopSignals() {
-    ::sigaction(SIGINT, &old_int_, nullptr);
-    ::sigaction(SIGTERM, &old_term_, nullptr);
-  }
-  StopSignals(const StopSignals&) = delete;
-  StopSignals& operator=(const StopSignals&) = delete;
-
- private:
-  struct sigaction old_int_ {};
-  struct sigaction old_term_ {};
-};
 
 struct BenchFlags {
   std::string path;
@@ -69,13 +36,8 @@ struct BenchFlags {
   bool progress = false;
 };
 
-void Fail(Outcome* outcome, const Status& status) {
-  outcome->exit_code = status.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
-  outcome->error = status.message();
-}
-
 // The options for RunBench, or the flag at fault.
-Result<nvme::BenchOptions> ToOptions(const BenchFlags& flags) {
+Result<nvme::BenchOptions> ToOptions(const BenchFlags& flags, const std::atomic<bool>* stop) {
   nvme::BenchOptions options;
   if (flags.path.empty() == flags.file.empty()) {
     return Status::InvalidArgument(
@@ -90,7 +52,7 @@ Result<nvme::BenchOptions> ToOptions(const BenchFlags& flags) {
   MEMPLAN_ASSIGN_OR_RETURN(options.rw, nvme::ParseBenchRw(flags.rw));
   options.direct = !flags.no_direct;
   options.seconds_per_point = flags.seconds_per_point;
-  options.stop = &g_stop;
+  options.stop = stop;
   // Naming any of the three runs one configuration; the others take these defaults.
   bool single = !flags.block_size.empty() || flags.queue_depth != 0 || !flags.backend.empty();
   if (single) {
@@ -230,21 +192,17 @@ void RegisterBenchNvme(CLI::App* bench, Outcome* outcome) {
       "  memplan bench nvme --path /mnt/raid0 --backend uring --block-size 1M --queue-depth 16 "
       "--threads 1,2,4\n"
       "\nExit status: 0 on success, 2 on bad input or a failed measurement (one line on stderr), "
-      "130 when interrupted (a bench file made in --path is removed either way; a --file is "
-      "kept).");
+      "130 on SIGINT and 143 on SIGTERM (a bench file made in --path is removed either way; a "
+      "--file is kept).");
   cmd->callback([flags, outcome] {
-    auto options = ToOptions(*flags);
+    StopScope stop;
+    auto options = ToOptions(*flags, stop.flag());
     if (!options.ok()) return Fail(outcome, options.status());
-    g_stop.store(false);
     nvme::BenchProgressFn progress;
     if (flags->progress || ::isatty(STDERR_FILENO) == 1) progress = PrintProgress;
-    Result<nvme::BenchReport> report = Status::Internal("bench did not run");
-    {
-      StopSignals signals;
-      report = nvme::RunBench(*options, progress);
-    }
-    if (g_stop.load() || (report.ok() && report->interrupted)) {
-      outcome->exit_code = kExitInterrupted;
+    Result<nvme::BenchReport> report = nvme::RunBench(*options, progress);
+    if (stop.stopped()) {
+      outcome->exit_code = stop.ExitCode();
       outcome->error = flags->file.empty() ? "interrupted; the bench file was removed"
                                            : "interrupted; " + flags->file + " was kept";
       return;
@@ -255,10 +213,9 @@ void RegisterBenchNvme(CLI::App* bench, Outcome* outcome) {
       if (choice == nullptr) {
         return Fail(outcome, Status::Internal("no configuration was measured"));
       }
-      Status written = WriteFileAtomically(flags->emit_aio, nvme::AioConfigText(*choice));
-      if (!written.ok()) return Fail(outcome, written);
+      outcome->files.push_back({flags->emit_aio, nvme::AioConfigText(*choice)});
     }
-    outcome->stdout_text = flags->format == "json" ? nvme::ToJson(*report).dump(2) + "\n"
+    outcome->stdout_text = flags->format == "json" ? JsonOutput(nvme::ToJson(*report))
                                                    : nvme::FormatBenchText(*report);
   });
 }

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "common/file.h"
@@ -11,6 +12,7 @@
 #include "nvme/bench.h"
 #include "offload/swap_bench.h"
 #include "tools/commands.h"
+#include "tools/signals.h"
 
 namespace memplan::tools {
 namespace {
@@ -35,24 +37,33 @@ struct SwapFlags {
 Status ReadNvmeJson(const std::string& path, offload::SwapBenchOptions* options) {
   MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, 64 << 20));
   MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json doc, ParseJson(text, path));
-  const nlohmann::json* best = doc.is_object() && doc.contains("best") ? &doc["best"] : nullptr;
-  if (best == nullptr || !best->is_object() || !(*best)["read_bytes_per_s"].is_number() ||
-      !(*best)["write_bytes_per_s"].is_number()) {
+  auto rate = [&](const char* key) -> std::optional<double> {
+    if (!doc.is_object()) return std::nullopt;
+    auto best = doc.find("best");
+    if (best == doc.end() || !best->is_object()) return std::nullopt;
+    auto value = best->find(key);
+    if (value == best->end() || !value->is_number()) return std::nullopt;
+    return value->get<double>();
+  };
+  const std::optional<double> read = rate("read_bytes_per_s");
+  const std::optional<double> write = rate("write_bytes_per_s");
+  if (!read || !write) {
     return Status::InvalidArgument(path + ": not a `memplan bench nvme --format json` report "
                                    "(no best.read_bytes_per_s and best.write_bytes_per_s)");
   }
-  const double read = (*best)["read_bytes_per_s"].get<double>();
-  const double write = (*best)["write_bytes_per_s"].get<double>();
-  if (!(read > 0) || !(write > 0)) {
+  if (!(*read > 0) || !(*write > 0)) {
     return Status::InvalidArgument(path + ": the best point measured no read or no write");
   }
-  options->read_bytes_per_s = read;
-  options->write_bytes_per_s = write;
+  options->read_bytes_per_s = *read;
+  options->write_bytes_per_s = *write;
   return Status::Ok();
 }
 
-Result<offload::SwapBenchOptions> ToOptions(const SwapFlags& flags) {
+Result<offload::SwapBenchOptions> ToOptions(const SwapFlags& flags,
+                                            const std::atomic<bool>* stop) {
+  MEMPLAN_RETURN_IF_ERROR(RequireDirectory(flags.path, "--path"));
   offload::SwapBenchOptions options;
+  options.stop = stop;
   options.directory = flags.path;
   options.params = flags.params;
   options.sub_group_elements = flags.sub_group;
@@ -183,21 +194,19 @@ void RegisterBenchSwap(CLI::App* bench, Outcome* outcome) {
       "--format json > nvme.json\n"
       "  memplan bench swap --path /mnt/nvme --nvme-json nvme.json --format json\n"
       "\nExit status: 0 on success, 2 on bad input or a failed measurement (one line on "
-      "stderr). The temporary store is removed either way.");
+      "stderr), 130 on SIGINT and 143 on SIGTERM. The temporary store is removed either way.");
   cmd->callback([flags, outcome] {
-    auto options = ToOptions(*flags);
-    Status status = options.status();
-    if (options.ok()) {
-      auto result = offload::RunSwapBench(*options);
-      if (result.ok()) {
-        outcome->stdout_text =
-            flags->format == "json" ? ToJson(*result).dump(2) + "\n" : ToText(*result);
-        return;
-      }
-      status = result.status();
+    StopScope stop;
+    auto options = ToOptions(*flags, stop.flag());
+    if (!options.ok()) return Fail(outcome, options.status());
+    auto result = offload::RunSwapBench(*options);
+    if (stop.stopped()) {
+      outcome->exit_code = stop.ExitCode();
+      outcome->error = "interrupted; the temporary store was removed";
+      return;
     }
-    outcome->exit_code = status.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
-    outcome->error = status.message();
+    if (!result.ok()) return Fail(outcome, result.status());
+    outcome->stdout_text = flags->format == "json" ? JsonOutput(ToJson(*result)) : ToText(*result);
   });
 }
 

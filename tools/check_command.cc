@@ -38,10 +38,7 @@ struct CheckFlags {
 };
 
 void RunCheck(const CheckFlags& f, Outcome* outcome) {
-  auto fail = [&](const Status& s) {
-    outcome->exit_code = s.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
-    outcome->error = s.message();
-  };
+  auto fail = [&](const Status& s) { Fail(outcome, s); };
   auto text = ReadFileToString(f.config, uint64_t{1} << 24);
   if (!text.ok()) return fail(text.status());
   auto config = ParseJson(*text, f.config);
@@ -80,7 +77,7 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
   }
   auto report = planner::CheckDeepSpeedConfig(*config, options);
   if (!report.ok()) return fail(report.status().WithPrefix(f.config));
-  outcome->stdout_text = f.format == "json" ? planner::ToJson(*report).dump(2) + "\n"
+  outcome->stdout_text = f.format == "json" ? JsonOutput(planner::ToJson(*report))
                                             : planner::FormatCheckText(*report, f.config);
   outcome->exit_code = report->problems.empty() ? kExitOk : kExitInternal;
 }

@@ -19,15 +19,6 @@ namespace {
 
 using estimator::ModelClassChoice;
 
-int ExitCodeFor(const Status& status) {
-  return status.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
-}
-
-void Fail(Outcome* outcome, const Status& status) {
-  outcome->exit_code = ExitCodeFor(status);
-  outcome->error = status.message();
-}
-
 // Options shared by the subcommands that read a model.
 struct ModelOptions {
   std::string model;
@@ -52,8 +43,8 @@ struct ModelOptions {
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();
     cmd->add_option("-o,--output", output,
-                    "Write the output to this file (atomically: temp file + rename) instead of "
-                    "stdout");
+                    "Write the output to this file (atomically: temp file + rename; a new file "
+                    "or a regular one, whose mode is kept) instead of stdout");
   }
 
   ModelClassChoice Choice() const {
@@ -65,10 +56,9 @@ struct ModelOptions {
 void Emit(const ModelOptions& options, std::string text, Outcome* outcome) {
   if (options.output.empty()) {
     outcome->stdout_text = std::move(text);
-    return;
+  } else {
+    outcome->files.push_back({options.output, std::move(text)});
   }
-  Status status = WriteFileAtomically(options.output, text);
-  if (!status.ok()) Fail(outcome, status);
 }
 
 }  // namespace
@@ -244,6 +234,11 @@ struct SetupOptions {
 
 }  // namespace
 
+void Fail(Outcome* outcome, const Status& status) {
+  outcome->exit_code = status.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
+  outcome->error = status.message();
+}
+
 void RegisterEstimate(CLI::App& app, Outcome* outcome) {
   auto options = std::make_shared<ModelOptions>();
   auto hardware = std::make_shared<estimator::DeepSpeedHardware>();
@@ -289,7 +284,7 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
     }
     if (!estimate.ok()) return Fail(outcome, estimate.status());
     Emit(*options,
-         options->format == "json" ? estimator::ToJson(*estimate).dump(2) + "\n"
+         options->format == "json" ? JsonOutput(estimator::ToJson(*estimate))
                                    : estimator::FormatEstimateText(*estimate),
          outcome);
   });
@@ -307,7 +302,7 @@ void RegisterInventory(CLI::App& app, Outcome* outcome) {
     auto counts = estimator::CountParams(*inventory);
     if (!counts.ok()) return Fail(outcome, counts.status());
     Emit(*options,
-         options->format == "json" ? estimator::InventoryToJson(*inventory, *counts).dump(2) + "\n"
+         options->format == "json" ? JsonOutput(estimator::InventoryToJson(*inventory, *counts))
                                    : estimator::FormatInventoryText(*inventory, *counts),
          outcome);
   });
@@ -341,7 +336,7 @@ void RegisterModels(CLI::App& app, Outcome* outcome) {
                     std::string(model.hub_id).c_str());
       text += line;
     }
-    outcome->stdout_text = *format == "json" ? list.dump(2) + "\n" : text;
+    outcome->stdout_text = *format == "json" ? JsonOutput(list) : text;
   });
 }
 

@@ -3,22 +3,39 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
+#include "common/status.h"
+
 namespace memplan::tools {
 
-// Exit codes: 0 success, 2 bad input or usage (file, field, flag), 1 an internal error.
+// Exit codes: 0 success, 2 bad input or usage (file, field, flag), a failed write (stdout or an
+// output file) or an unexpected exception, 1 an internal error (and `check`'s "problems found"),
+// 128 + N when stopped by signal N (130 SIGINT, 143 SIGTERM).
 constexpr int kExitOk = 0;
 constexpr int kExitInternal = 1;
 constexpr int kExitBadInput = 2;
 
-// What a subcommand produced: text for stdout, or one error line for stderr.
+// A file a subcommand asks for (-o, --emit-*, --svg): written by the driver (tools/cli.cc) after
+// the command succeeds, with every other file of the run, all or nothing (AtomicFileGroup).
+struct OutputFile {
+  std::string path;
+  std::string contents;
+};
+
+// What a subcommand produced: text for stdout and files to write, or one error line for stderr.
+// Subcommands never print or write themselves: the driver does, checking every write.
 struct Outcome {
   int exit_code = kExitOk;
   std::string stdout_text;
+  std::vector<OutputFile> files;
   std::string error;  // one line, no trailing newline
 };
+
+// Records `status` (an error) as the outcome: its message, and exit 1 for kInternal, else 2.
+void Fail(Outcome* outcome, const Status& status);
 
 // Each Register* adds a subcommand to `app` whose callback stores its Outcome in `*outcome`.
 void RegisterEstimate(CLI::App& app, Outcome* outcome);

@@ -20,10 +20,6 @@
 namespace memplan::tools {
 namespace {
 
-int ExitFor(const Status& status) {
-  return status.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
-}
-
 // The cluster flags shared by `plan` and `check`.
 struct ClusterFlags {
   std::string cluster_file;
@@ -186,21 +182,22 @@ struct PlanFlags {
 };
 
 // A file the flags ask for: where, what, and the note for its "wrote" line.
-struct OutputFile {
+struct NotedFile {
   std::string path;
   std::string text;
   std::string note;
 };
 
 // The emitted configs of the chosen plan (--emit-*) and the picture of the top plans (--svg),
-// built before any is written so that a failure writes nothing, then each written atomically
-// with a "wrote PATH (...)" line added to `*written`. Errors: emit flags when no plan fits or
-// --plan-index is past the plans, emitter failures, and write failures (which name the path).
-Status WriteFiles(const PlanFlags& f, const planner::PlanResult& result,
-                  const planner::Cluster& cluster, const planner::Job& job,
-                  const planner::SearchOptions& search_options,
-                  const estimator::ModelInventory& inventory, std::string* written) {
-  std::vector<OutputFile> files;
+// added to `*outcome`'s files (which the driver writes all or nothing, with -o's), each with a
+// "wrote PATH (...)" line added to `*written`. Errors: emit flags when no plan fits or
+// --plan-index is past the plans, and emitter failures.
+Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
+                const planner::Cluster& cluster, const planner::Job& job,
+                const planner::SearchOptions& search_options,
+                const estimator::ModelInventory& inventory, std::string* written,
+                Outcome* outcome) {
+  std::vector<NotedFile> files;
   const bool any_emit = !f.emit_deepspeed.empty() || !f.emit_accelerate.empty() ||
                         !f.emit_fsdp.empty() || !f.emit_schedule.empty();
   if (any_emit) {
@@ -222,7 +219,7 @@ Status WriteFiles(const PlanFlags& f, const planner::PlanResult& result,
     if (!f.emit_deepspeed.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(auto ds,
                                planner::DeepSpeedConfig(plan, cluster, inventory, options));
-      files.push_back({f.emit_deepspeed, ds.dump(2) + "\n", note});
+      files.push_back({f.emit_deepspeed, JsonOutput(ds), note});
     }
     if (!f.emit_accelerate.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(std::string yaml,
@@ -231,11 +228,11 @@ Status WriteFiles(const PlanFlags& f, const planner::PlanResult& result,
     }
     if (!f.emit_fsdp.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(auto fsdp, planner::FsdpConfig(plan, cluster, inventory));
-      files.push_back({f.emit_fsdp, fsdp.dump(2) + "\n", note});
+      files.push_back({f.emit_fsdp, JsonOutput(fsdp), note});
     }
     if (!f.emit_schedule.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(auto schedule, planner::Schedule(plan, cluster, inventory));
-      files.push_back({f.emit_schedule, schedule.dump(2) + "\n", note});
+      files.push_back({f.emit_schedule, JsonOutput(schedule), note});
     }
   }
   if (!f.svg.empty()) {
@@ -245,18 +242,15 @@ Status WriteFiles(const PlanFlags& f, const planner::PlanResult& result,
                                 : "picture of the top " + std::to_string(shown) +
                                       (shown == 1 ? " plan" : " plans")});
   }
-  for (const OutputFile& file : files) {
-    MEMPLAN_RETURN_IF_ERROR(WriteFileAtomically(file.path, file.text));
+  for (NotedFile& file : files) {
     *written += "wrote " + file.path + " (" + file.note + ")\n";
+    outcome->files.push_back({std::move(file.path), std::move(file.text)});
   }
   return Status::Ok();
 }
 
 void RunPlan(const PlanFlags& f, Outcome* outcome) {
-  auto fail = [&](const Status& s) {
-    outcome->exit_code = ExitFor(s);
-    outcome->error = s.message();
-  };
+  auto fail = [&](const Status& s) { Fail(outcome, s); };
   if ((f.global_batch > 0) == (f.global_batch_tokens > 0)) {
     return fail(Status::InvalidArgument("give exactly one of --global-batch (samples) and "
                                         "--global-batch-tokens"));
@@ -307,7 +301,8 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   if (!note.empty()) result->assumptions.push_back("--detect: " + note);
 
   std::string written;
-  if (Status st = WriteFiles(f, *result, *cluster, job, options, *inventory, &written); !st.ok()) {
+  if (Status st = AddFiles(f, *result, *cluster, job, options, *inventory, &written, outcome);
+      !st.ok()) {
     return fail(st);
   }
   std::string text;
@@ -318,15 +313,15 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
       for (size_t i = 0; i < f.top; ++i) top.push_back(j["plans"][i]);
       j["plans"] = top;
     }
-    text = j.dump(2) + "\n";
+    text = JsonOutput(j);
   } else {
     text = planner::FormatPlanText(*result, *cluster, job, f.top) +
            (written.empty() ? "" : "\n" + written);
   }
   if (f.output.empty()) {
     outcome->stdout_text = text;
-  } else if (Status st = WriteFileAtomically(f.output, text); !st.ok()) {
-    return fail(st);
+  } else {
+    outcome->files.push_back({f.output, text});
   }
 }
 
@@ -394,7 +389,9 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       ->check(CLI::IsMember({"text", "json"}))
       ->capture_default_str()
       ->group(search);
-  cmd->add_option("-o,--output", f->output, "Write the report to this file (atomically)")
+  cmd->add_option("-o,--output", f->output,
+                  "Write the report to this file (atomically, with the --emit-* and --svg files: "
+                  "all are written or none)")
       ->group(search);
   cmd->add_option("--svg", f->svg,
                   "Draw the top plans side by side as an SVG file (atomically): peak memory per "
