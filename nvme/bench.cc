@@ -333,7 +333,9 @@ Result<Phase> RunPhase(IoEngine& engine, int file, const BenchFile& bench_file, 
       chunk = clamp_chunk(static_cast<uint64_t>(offset / seconds * (limit_seconds - seconds)));
     }
   }
-  if (op == OpType::kWrite && offset > 0 && ::fdatasync(bench_file.fd()) != 0) {
+  // A stopped run throws its data away: syncing gigabytes of it would only delay the stop.
+  if (op == OpType::kWrite && offset > 0 && !phase.stopped &&
+      ::fdatasync(bench_file.fd()) != 0) {
     return Status::FromErrno(errno, bench_file.path() + ": fdatasync failed");
   }
   phase.seconds = elapsed();

@@ -531,7 +531,7 @@ TEST_CASE("reliability #4: SIGINT and SIGTERM remove bench swap's store and benc
     ExpectFailure(swap, 128 + signal, {"interrupted; the temporary store was removed"});
     CHECK(Entries(dir).empty());
 
-    Probe nvme = RunProbe({"bench", "nvme", "--path", dir.string(), "--size", "4G",
+    Probe nvme = RunProbe({"bench", "nvme", "--path", dir.string(), "--size", "512M",
                            "--backend", "posix", "--block-size", "1M", "--queue-depth", "4",
                            "--no-direct", "--seconds-per-point", "60"},
                           SignalWhen(when_busy(signal)));
