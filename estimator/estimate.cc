@@ -23,7 +23,24 @@ nlohmann::json SummaryToJson(const ModelSummary& m) {
       {"num_tensors", c.num_tensors},
       {"num_tied_tensors", c.num_tied},
       {"bytes_as_stored", c.bytes_as_stored},
+      {"buffers_total", c.buffers_total},
+      {"accelerate_total_bytes", c.accelerate_total_bytes},
+      {"accelerate_largest_layer_bytes", c.accelerate_largest_layer_bytes},
+      {"accelerate_largest_layer", c.accelerate_largest_layer},
   };
+}
+
+// Fields added after the first release: read when present, so older estimate JSON still loads.
+template <typename T>
+Status GetIfPresent(const nlohmann::json& object, const char* key, T* out) {
+  if (!object.is_object() || !object.contains(key)) return Status::Ok();
+  try {
+    *out = object.at(key).get<T>();
+  } catch (const nlohmann::json::exception&) {
+    return Status::InvalidArgument(std::string("estimate JSON: model.") + key +
+                                   " has the wrong type");
+  }
+  return Status::Ok();
 }
 
 const char* Device(bool offloaded) { return offloaded ? "cpu" : "none"; }
@@ -366,6 +383,14 @@ Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
   MEMPLAN_RETURN_IF_ERROR(model.Get("num_tensors", &m.counts.num_tensors));
   MEMPLAN_RETURN_IF_ERROR(model.Get("num_tied_tensors", &m.counts.num_tied));
   MEMPLAN_RETURN_IF_ERROR(model.Get("bytes_as_stored", &m.counts.bytes_as_stored));
+  const nlohmann::json model_json = json.value("model", nlohmann::json());
+  MEMPLAN_RETURN_IF_ERROR(GetIfPresent(model_json, "buffers_total", &m.counts.buffers_total));
+  MEMPLAN_RETURN_IF_ERROR(
+      GetIfPresent(model_json, "accelerate_total_bytes", &m.counts.accelerate_total_bytes));
+  MEMPLAN_RETURN_IF_ERROR(GetIfPresent(model_json, "accelerate_largest_layer_bytes",
+                                       &m.counts.accelerate_largest_layer_bytes));
+  MEMPLAN_RETURN_IF_ERROR(
+      GetIfPresent(model_json, "accelerate_largest_layer", &m.counts.accelerate_largest_layer));
   Fields hw(json.value("hardware", nlohmann::json()), "hardware");
   MEMPLAN_RETURN_IF_ERROR(hw.Get("nodes", &e.hardware.nodes));
   MEMPLAN_RETURN_IF_ERROR(hw.Get("gpus_per_node", &e.hardware.gpus_per_node));
@@ -516,7 +541,22 @@ nlohmann::json InventoryToJson(const ModelInventory& inventory, const ModelCount
                        {"layer", t.layer},
                        {"tied_to", t.tied_to}});
   }
-  return {{"model", SummaryToJson(summary)}, {"tensors", tensors}};
+  nlohmann::json buffers = nlohmann::json::array();
+  for (const TensorInfo& b : inventory.buffers) {
+    buffers.push_back({{"name", b.name},
+                       {"shape", b.shape},
+                       {"dtype", std::string(DTypeName(b.dtype))},
+                       {"numel", b.numel}});
+  }
+  nlohmann::json out = {{"model", SummaryToJson(summary)}, {"tensors", tensors}, {"buffers", buffers}};
+  if (inventory.arch.has_value() && inventory.arch->mtp_params > 0) {
+    out["model"]["mtp_layers"] = inventory.arch->mtp_layers;
+    out["model"]["mtp_params"] = inventory.arch->mtp_params;
+  }
+  if (!inventory.no_split_modules.empty() && inventory.arch.has_value()) {
+    out["model"]["no_split_class"] = inventory.arch->no_split_class;
+  }
+  return out;
 }
 
 std::string FormatInventoryText(const ModelInventory& inventory, const ModelCounts& counts) {

@@ -81,9 +81,36 @@ struct ArchitectureInfo {
   double embedding_dropout = 0;   // on the embedding output
   bool encoder_decoder = false;
 
+  // Structures beyond the classic block (filled where the family has them; 0/false/empty = not
+  // present). See Note [Architecture beyond the classic block] in hf_family.h.
+  int64_t dense_intermediate = 0;  // MoE models: FFN width of their dense (non-MoE) layers
+  int64_t moe_layers = 0;          // MoE models: how many of `layers` route through experts
+  int64_t shared_intermediate = 0;  // MoE: total width of the always-on shared expert MLP(s)
+  int64_t kv_lora_rank = 0;         // MLA: compressed key/value latent width (what is cached)
+  int64_t q_lora_rank = 0;          // MLA: query low-rank width (0: a full q_proj)
+  int64_t qk_rope_head_dim = 0;     // MLA: rotary part of each query/key head (cached, shared)
+  int64_t qk_nope_head_dim = 0;     // MLA: non-rotary part of each query/key head
+  int64_t v_head_dim = 0;           // MLA: value head width
+  int64_t sliding_window = 0;       // tokens a sliding-window layer attends to (0 = none)
+  // Per layer (size `layers`, or empty when every layer is full attention): true where the layer
+  // attends within `sliding_window` only.
+  std::vector<bool> sliding_layers;
+  bool attention_sinks = false;     // a learned per-head sink logit (gpt-oss)
+  bool parallel_attention = false;  // attention and MLP read the same input (GPT-J, Falcon, Phi)
+  int64_t mtp_layers = 0;           // multi-token-prediction modules the checkpoint adds (DeepSeek)
+  uint64_t mtp_params = 0;          // their parameters: in the checkpoint, not in the model built
+  std::string no_split_class;       // the block class Accelerate/FSDP keep whole: "LlamaDecoderLayer"
+
   // "swiglu", "geglu", "gelu", "relu", ...: the MLP kind for reports.
   std::string MlpKind() const;
 };
+
+// Where an inventory's mixture-of-experts weights live. Transformers >= 5 builds each MoE layer's
+// experts as one module holding 3-D tensors (`mlp.experts.gate_up_proj` [E, 2F, h]); checkpoints
+// and Transformers 4 hold one Linear per expert (`mlp.experts.0.gate_proj.weight`). Counts are
+// the same; DeepSpeed's largest layer and ZeRO-3's live parameters are not (see
+// Note [Expert layout] in hf_family.h).
+enum class ExpertLayout { kFused, kPerExpert };
 
 struct ModelInventory {
   std::string name;          // what the user called it: "llama-2-7b", a path, "org/name"
@@ -92,6 +119,13 @@ struct ModelInventory {
   std::string model_class;   // "causal_lm", "masked_lm", "seq2seq_lm" or "base"; "" if unknown
   std::string source;        // "config", "builtin", "shape-list", "safetensors"
   std::vector<TensorInfo> tensors;
+  // Buffers the model registers (rotary inv_freq, position ids, ...), as PyTorch builds them in
+  // fp32: never parameters, never trained, but in Accelerate's sizes (CountParams). Filled by the
+  // config.json builders only.
+  std::vector<TensorInfo> buffers;
+  // Modules Accelerate keeps whole (instances of the model's `_no_split_modules` classes, e.g.
+  // "model.layers.0"); empty when unknown (shape lists, safetensors headers).
+  std::vector<std::string> no_split_modules;
   // Filled by the config.json builders; empty for shape lists and safetensors headers.
   std::optional<ArchitectureInfo> arch;
 
@@ -100,6 +134,9 @@ struct ModelInventory {
   // that names no earlier tensor or a tensor of another shape.
   Status Add(std::string name, std::vector<int64_t> shape, DType dtype = DType::kF32,
              std::string tied_to = "");
+
+  // Appends a buffer (validated as Add, without ties).
+  Status AddBuffer(std::string name, std::vector<int64_t> shape, DType dtype = DType::kF32);
 
   // Index of the tensor called `name`, or -1.
   int64_t Find(std::string_view name) const;
@@ -113,12 +150,22 @@ struct ModelCounts {
   uint64_t params_total = 0;          // tied tensors once; buffers are never in an inventory
   uint64_t largest_layer_params = 0;  // DeepSpeed's: most params held directly by one module
   std::string largest_layer_module;   // that module's path ("" = the root module)
-  uint64_t largest_block_params = 0;  // largest repeated block (Accelerate's "largest layer")
+  uint64_t largest_block_params = 0;  // largest element of a ModuleList (a repeated block)
   std::string largest_block;          // its path, "" when the model has no repeated blocks
   uint64_t num_tensors = 0;           // including tied aliases
   uint64_t num_tied = 0;
   uint64_t num_blocks = 0;            // number of distinct repeated blocks
   uint64_t bytes_as_stored = 0;       // sum of numel * dtype size, tied once
+  uint64_t buffers_total = 0;         // buffer elements (not parameters)
+  // Accelerate's calculate_maximum_sizes on the model built in fp32 (what `accelerate
+  // estimate-memory` starts from): every parameter once and every buffer, at 4 bytes per float
+  // element (8 per int64), and its "largest layer": the largest module that is either one of
+  // `no_split_modules` or has no submodules, found by descending from the root (see
+  // Note [Accelerate's largest layer] in inventory.cc). 0 when the inventory has no module tree
+  // information (shape lists and safetensors headers still get a leaf-module figure).
+  uint64_t accelerate_total_bytes = 0;
+  uint64_t accelerate_largest_layer_bytes = 0;
+  std::string accelerate_largest_layer;  // its module path (the first when several tie)
 };
 
 // Fails with OutOfRange if a sum overflows 64 bits.

@@ -46,6 +46,42 @@ TEST_CASE("inventory: tied tensors count once in totals, in every module for Dee
   CHECK(counts->bytes_as_stored == 800 * 4 + 288 * 2 + 256 * 4);
 }
 
+TEST_CASE("inventory: Accelerate's largest layer keeps no-split modules whole") {
+  ModelInventory inv;
+  inv.name = "tiny";
+  REQUIRE(inv.Add("embed.weight", {10, 4}).ok());               // 40 elements, a leaf
+  REQUIRE(inv.Add("layers.0.attn.q.weight", {4, 4}).ok());      // layer 0: 16 + 16 + 4
+  REQUIRE(inv.Add("layers.0.mlp.up.weight", {4, 4}).ok());
+  REQUIRE(inv.Add("layers.0.norm.weight", {4}).ok());
+  REQUIRE(inv.Add("layers.1.attn.q.weight", {4, 4}).ok());
+  // A parameter of a module that also has submodules is never a layer (BERT's
+  // cls.predictions.bias), and a tied alias counts once, under its first name.
+  REQUIRE(inv.Add("head.bias", {100}).ok());
+  REQUIRE(inv.Add("head.decoder.weight", {10, 4}, DType::kF32, "embed.weight").ok());
+  REQUIRE(inv.AddBuffer("rotary.inv_freq", {2}).ok());
+  REQUIRE(inv.AddBuffer("embed.ids", {1, 3}, DType::kI64).ok());
+  inv.no_split_modules = {"layers.0", "layers.1"};
+  auto count = [&] {
+    Result<ModelCounts> c = CountParams(inv);
+    REQUIRE(c.ok());
+    return *c;
+  };
+  ModelCounts counts = count();
+  CHECK(counts.buffers_total == 5);
+  CHECK(counts.accelerate_total_bytes == 4 * (40 + 36 + 16 + 100 + 2) + 8 * 3);
+  // embed (40 x 4 + its 3 int64 ids = 184 bytes) beats layers.0 (36 x 4 = 144 bytes).
+  CHECK(counts.accelerate_largest_layer == "embed");
+  CHECK(counts.accelerate_largest_layer_bytes == 40 * 4 + 3 * 8);
+  // Without no-split modules each leaf stands alone; head.bias is still never a layer.
+  inv.no_split_modules.clear();
+  counts = count();
+  CHECK(counts.accelerate_largest_layer == "embed");
+  inv.no_split_modules = {"layers"};  // the whole stack as one
+  counts = count();
+  CHECK(counts.accelerate_largest_layer == "layers");
+  CHECK(counts.accelerate_largest_layer_bytes == (36 + 16) * 4);
+}
+
 TEST_CASE("inventory: bad tensors are refused with the tensor's name") {
   ModelInventory inv;
   Status s = inv.Add("a.weight", {4, -1});
