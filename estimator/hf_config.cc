@@ -1,18 +1,19 @@
 #include "estimator/hf_config.h"
 
+#include <algorithm>
 #include <map>
 
 #include "common/json.h"
+#include "estimator/hf_family.h"
 
 namespace memplan::estimator {
 namespace {
 
 const std::map<std::string, FamilyBuilder, std::less<>>& Families() {
+  // Families with a hand-written builder; the declared ones are in family::Families().
   static const auto* kFamilies = new std::map<std::string, FamilyBuilder, std::less<>>{
-      {"gpt2", &BuildGpt2},       {"gpt_neox", &BuildGptNeox}, {"llama", &BuildLlama},
-      {"mistral", &BuildMistral}, {"mixtral", &BuildMixtral},  {"qwen2", &BuildQwen2},
-      {"gemma", &BuildGemma},     {"bert", &BuildBert},        {"roberta", &BuildRoberta},
-      {"t5", &BuildT5},
+      {"bert", &BuildBert}, {"roberta", &BuildRoberta}, {"xlm-roberta", &BuildXlmRoberta},
+      {"distilbert", &BuildDistilBert}, {"t5", &BuildT5},
   };
   return *kFamilies;
 }
@@ -25,20 +26,45 @@ std::string JoinSupported() {
 
 }  // namespace
 
+Result<DType> ConfigDType(const ConfigReader& config) {
+  for (std::string_view field : {std::string_view("dtype"), std::string_view("torch_dtype")}) {
+    if (!config.Has(field)) continue;
+    MEMPLAN_ASSIGN_OR_RETURN(std::string text, config.StringOr(field, ""));
+    Result<DType> parsed = ParseDType(text);
+    return parsed.ok() ? *parsed : DType::kF32;
+  }
+  return DType::kF32;
+}
+
 std::vector<std::string> SupportedModelTypes() {
   std::vector<std::string> out;
   for (const auto& [name, builder] : Families()) out.push_back(name);
+  for (const family::FamilySpec* spec : family::Families()) {
+    out.push_back(std::string(spec->model_type));
+  }
+  std::sort(out.begin(), out.end());
   return out;
 }
 
 Result<ModelInventory> InventoryFromHfConfigText(std::string_view text, const std::string& source,
                                                  ModelClassChoice choice) {
-  MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json config, ParseJson(text, source));
-  return InventoryFromHfConfig(config, source, choice);
+  return InventoryFromHfConfigText(text, source, BuildOptions{choice});
 }
 
 Result<ModelInventory> InventoryFromHfConfig(const nlohmann::json& config,
                                              const std::string& source, ModelClassChoice choice) {
+  return InventoryFromHfConfig(config, source, BuildOptions{choice});
+}
+
+Result<ModelInventory> InventoryFromHfConfigText(std::string_view text, const std::string& source,
+                                                 const BuildOptions& options) {
+  MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json config, ParseJson(text, source));
+  return InventoryFromHfConfig(config, source, options);
+}
+
+Result<ModelInventory> InventoryFromHfConfig(const nlohmann::json& config,
+                                             const std::string& source,
+                                             const BuildOptions& options) {
   if (!config.is_object()) {
     return Status::InvalidArgument(source + ": expected a JSON object (a Hugging Face config.json)");
   }
@@ -51,7 +77,8 @@ Result<ModelInventory> InventoryFromHfConfig(const nlohmann::json& config,
   }
   MEMPLAN_ASSIGN_OR_RETURN(std::string model_type, reader.StringOr("model_type", ""));
   auto it = Families().find(model_type);
-  if (it == Families().end()) {
+  const family::FamilySpec* spec = family::FindFamily(model_type);
+  if (it == Families().end() && spec == nullptr) {
     return reader.FieldError("model_type",
                              "'" + model_type + "' is not supported. Supported: " +
                                  JoinSupported() +
@@ -71,8 +98,12 @@ Result<ModelInventory> InventoryFromHfConfig(const nlohmann::json& config,
   inventory.name = source;
   inventory.model_type = model_type;
   inventory.source = "config";
-  FamilyRequest request{reader, choice, architecture};
-  MEMPLAN_RETURN_IF_ERROR(it->second(request, &inventory));
+  FamilyRequest request{reader, options.choice, architecture, options.experts};
+  if (spec != nullptr) {
+    MEMPLAN_RETURN_IF_ERROR(family::Build(*spec, request, &inventory));
+  } else {
+    MEMPLAN_RETURN_IF_ERROR(it->second(request, &inventory));
+  }
   return inventory;
 }
 

@@ -1,7 +1,6 @@
 // Builds a ModelInventory from a Hugging Face config.json, without weights and without Python.
 //
-// Supported `model_type`s: gpt2, gpt_neox, llama, mistral, mixtral, qwen2, gemma, bert, roberta,
-// t5. Each family builder reproduces the parameter names and shapes that Transformers'
+// Supported `model_type`s: SupportedModelTypes(). Each family builder reproduces the parameter names and shapes that Transformers'
 // `named_parameters()` gives for the same config, applying Transformers' defaults for absent fields.
 // Unsupported types are an error that lists the supported ones and points to the shape-list route.
 #pragma once
@@ -24,12 +23,25 @@ namespace memplan::estimator {
 // what `AutoModel` builds: no task head (what DeepSpeed's and Accelerate's examples use).
 enum class ModelClassChoice { kFromArchitectures, kBase };
 
+// How to build an inventory from a config.json.
+struct BuildOptions {
+  ModelClassChoice choice = ModelClassChoice::kFromArchitectures;
+  // MoE weights as Transformers >= 5 builds them (fused, the default) or as checkpoints and
+  // Transformers 4 hold them (one Linear per expert); see Note [Expert layout] in hf_family.h.
+  ExpertLayout experts = ExpertLayout::kFused;
+};
+
 // Parses `text` (the contents of a config.json; `source` names it in errors) and builds the
 // inventory. inventory.name is set to `source`; callers may rename it.
 Result<ModelInventory> InventoryFromHfConfigText(std::string_view text, const std::string& source,
                                                  ModelClassChoice choice);
 Result<ModelInventory> InventoryFromHfConfig(const nlohmann::json& config,
                                              const std::string& source, ModelClassChoice choice);
+Result<ModelInventory> InventoryFromHfConfigText(std::string_view text, const std::string& source,
+                                                 const BuildOptions& options);
+Result<ModelInventory> InventoryFromHfConfig(const nlohmann::json& config,
+                                             const std::string& source,
+                                             const BuildOptions& options);
 
 // The model_types InventoryFromHfConfig accepts, sorted.
 std::vector<std::string> SupportedModelTypes();
@@ -43,6 +55,7 @@ struct FamilyRequest {
   const ConfigReader& config;
   ModelClassChoice choice;
   std::string architecture;
+  ExpertLayout experts = ExpertLayout::kFused;
 };
 
 // A builder fills `out->tensors` (via out->Add), `out->architecture` (the class actually built,
@@ -51,17 +64,18 @@ struct FamilyRequest {
 // same defaults the tensors use). It must not touch the other fields.
 using FamilyBuilder = Status (*)(const FamilyRequest& request, ModelInventory* out);
 
-// Defined in hf_families_decoder.cc: gpt2, gpt_neox, llama, mistral, mixtral, qwen2, gemma.
-Status BuildGpt2(const FamilyRequest& request, ModelInventory* out);
-Status BuildGptNeox(const FamilyRequest& request, ModelInventory* out);
-Status BuildLlama(const FamilyRequest& request, ModelInventory* out);
-Status BuildMistral(const FamilyRequest& request, ModelInventory* out);
-Status BuildMixtral(const FamilyRequest& request, ModelInventory* out);
-Status BuildQwen2(const FamilyRequest& request, ModelInventory* out);
-Status BuildGemma(const FamilyRequest& request, ModelInventory* out);
-// Defined in hf_families_encoder.cc: bert, roberta, t5.
+// The storage dtype config.json states: `dtype` (Transformers >= 4.56, preferred as Transformers
+// does when both are present) or `torch_dtype`; a spelling ParseDType does not know ("auto")
+// means F32, what Transformers builds from a config when told nothing.
+Result<DType> ConfigDType(const ConfigReader& config);
+
+// The decoder-only families are tables for the one builder of hf_family.h
+// (hf_families_decoder.cc). Defined in hf_families_encoder.cc: bert, roberta, xlm-roberta,
+// distilbert, t5.
 Status BuildBert(const FamilyRequest& request, ModelInventory* out);
 Status BuildRoberta(const FamilyRequest& request, ModelInventory* out);
+Status BuildXlmRoberta(const FamilyRequest& request, ModelInventory* out);
+Status BuildDistilBert(const FamilyRequest& request, ModelInventory* out);
 Status BuildT5(const FamilyRequest& request, ModelInventory* out);
 
 }  // namespace memplan::estimator

@@ -1,445 +1,997 @@
-// Config.json -> inventory builders for the decoder-only families: gpt2, gpt_neox, and the
-// Llama-like families (llama, mistral, mixtral, qwen2, gemma).
+// The decoder-only families as tables for the one builder of hf_family.h: gpt2, gpt_neox, llama,
+// mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, gemma, gemma2, gemma3_text, olmo2,
+// starcoder2, phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon, bloom, gptj, opt.
 //
 // Note [Names and order]
-// Each builder emits the parameters of the class Transformers builds for the config, named and
-// ordered as `named_parameters(remove_duplicate=False)` yields them: submodules in the order their
-// __init__ registers them, a Linear's weight before its bias, a tied head last. Buffers (rotary
-// inv_freq, GPT-2's causal "bias" mask) are not parameters and never appear. Layouts are the
-// classic ones that published safetensors checkpoints use, so an inventory compares name by name
-// with a checkpoint's headers: Mixtral's per-expert `block_sparse_moe.experts.E.w1/w2/w3`, not
-// the fused `mlp.experts.gate_up_proj` that newer Transformers builds in memory.
+// Each table lists the parameters of the class Transformers (5.x) builds for the config, named and
+// ordered as `named_parameters(remove_duplicate=False)` yields them: a module's own parameters
+// before its submodules', submodules in the order their __init__ registers them, a Linear's weight
+// before its bias, a tied head last; and its buffers (rotary inv_freq, ...), which are never
+// parameters but count in Accelerate's sizes. Where Transformers 5 renamed what checkpoints and
+// Transformers 4 call otherwise, the checkpoint's name stays when the structure is the same
+// (GPT-NeoX's `embed_out`); MoE experts follow ExpertLayout (Note [Expert layout] in hf_family.h).
+// tests/oracle/modern_oracle_test.py checks every table against Transformers 5, names and order
+// included; oracle_test.py checks the families Transformers 4.47 knows against it.
 //
 // Note [Required size fields]
 // Transformers fills every absent field from the config class's defaults. For most fields memplan
 // does the same (key/value heads, head_dim, biases, experts, tying). The size-defining fields of
-// the Llama-like and GPT-NeoX families (hidden_size, num_hidden_layers, num_attention_heads,
-// intermediate_size, vocab_size) are required instead: their class defaults describe one
-// particular 7B/20B model, so a truncated or hand-written config would silently come out as that
-// model. Every config Transformers saves carries them. GPT-2 is the exception: GPT2Config's
-// defaults are exactly the published gpt2 checkpoint, and early GPT-2-family configs rely on them.
-#include <cstdint>
-#include <string>
+// every family but GPT-2 (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size,
+// vocab_size, under each family's names) are required instead: their class defaults describe one
+// particular model, so a truncated or hand-written config would silently come out as that model.
+// Every config Transformers saves carries them. GPT-2 is the exception: GPT2Config's defaults are
+// exactly the published gpt2 checkpoint, and early GPT-2-family configs rely on them.
+#include <iterator>
+#include <span>
 #include <string_view>
-#include <utility>
-#include <vector>
 
-#include "estimator/hf_config.h"
+#include "estimator/hf_family.h"
 
-namespace memplan::estimator {
+namespace memplan::estimator::family {
 namespace {
 
-// No published model comes near this (DeepSeek-V3, with 256 experts in 58 MoE layers, has about
-// 45,000 tensors), yet a config asking for more would cost hundreds of MiB of inventory before
-// any later check could refuse it.
-constexpr int64_t kMaxTensors = int64_t{1} << 18;
-
-// Appends tensors of one dtype to an inventory. The first failure (an overflowing shape) is kept
-// and later calls do nothing, so a builder reads as the plain list of modules it mirrors; the
-// caller returns status() at the end.
-class TensorSink {
- public:
-  TensorSink(ModelInventory* out, DType dtype) : out_(out), dtype_(dtype) {}
-
-  void Add(std::string name, std::vector<int64_t> shape, std::string tied_to = "") {
-    if (!status_.ok()) return;
-    status_ = out_->Add(std::move(name), std::move(shape), dtype_, std::move(tied_to));
-  }
-  // torch.nn.Linear(in, out): weight [out, in], bias [out].
-  void Linear(const std::string& module, int64_t in, int64_t out, bool bias) {
-    Add(module + ".weight", {out, in});
-    if (bias) Add(module + ".bias", {out});
-  }
-  // transformers' Conv1D(nf=out, nx=in), GPT-2's projection: weight stored transposed, [in, out],
-  // and always a bias.
-  void Conv1D(const std::string& module, int64_t in, int64_t out) {
-    Add(module + ".weight", {in, out});
-    Add(module + ".bias", {out});
-  }
-  // nn.LayerNorm has weight and bias; the RMSNorms of the Llama-like families have a weight only.
-  void Norm(const std::string& module, int64_t dim, bool bias) {
-    Add(module + ".weight", {dim});
-    if (bias) Add(module + ".bias", {dim});
-  }
-
-  const Status& status() const { return status_; }
-
- private:
-  ModelInventory* out_;
-  DType dtype_;
-  Status status_;
+// The size fields every Llama-descended config writes under these names (see Note [Required size
+// fields]).
+constexpr DimField kLlamaCore[] = {
+    Required(Dim::kHidden, "hidden_size"),
+    Required(Dim::kLayers, "num_hidden_layers"),
+    Required(Dim::kHeads, "num_attention_heads"),
+    SameAs(Dim::kKvHeads, "num_key_value_heads", Dim::kHeads),
+    Required(Dim::kIntermediate, "intermediate_size"),
+    Required(Dim::kVocab, "vocab_size"),
 };
 
-// The two classes a family builder can build.
-struct ClassNames {
-  std::string_view base;    // what AutoModel builds: "LlamaModel"
-  std::string_view causal;  // the causal-LM class: "LlamaForCausalLM"
+// --- Shared parts ---
+
+// Self-attention of the Llama descendants: q, k, v, o, with the optional learned sinks (a Parameter
+// of the attention module itself, so listed before its Linears) and q/k norms.
+constexpr Part kLlamaAttention[] = {
+    Param("self_attn.sinks", W::kHeads, W::kNone, W::kNone, If(Flag::kAlways)),
+    Linear("self_attn.q_proj", W::kHidden, W::kQ, If(Flag::kQkvBias)),
+    Linear("self_attn.k_proj", W::kHidden, W::kKv, If(Flag::kQkvBias)),
+    Linear("self_attn.v_proj", W::kHidden, W::kKv, If(Flag::kQkvBias)),
+    Linear("self_attn.o_proj", W::kQ, W::kHidden, If(Flag::kOBias)),
+    Norm("self_attn.q_norm", W::kHeadDim, kNo, If(Flag::kHeadQkNorm)),
+    Norm("self_attn.k_norm", W::kHeadDim, kNo, If(Flag::kHeadQkNorm)),
+    Norm("self_attn.q_norm", W::kQ, kNo, If(Flag::kFullQkNorm)),
+    Norm("self_attn.k_norm", W::kKv, kNo, If(Flag::kFullQkNorm)),
+};
+// Without sinks (the first entry only exists for gpt-oss).
+constexpr std::span<const Part> kLlamaAttentionNoSinks = std::span(kLlamaAttention).subspan(1);
+
+constexpr Part kGatedMlp[] = {
+    Linear("mlp.gate_proj", W::kHidden, W::kFfn, If(Flag::kMlpBias)),
+    Linear("mlp.up_proj", W::kHidden, W::kFfn, If(Flag::kMlpBias)),
+    Linear("mlp.down_proj", W::kFfn, W::kHidden, If(Flag::kMlpBias)),
 };
 
-// Picks the class from the request, records it in `out`, and returns true for the base model.
-// A config whose architectures[0] is the base class builds the base class: that is what
-// AutoModel.from_config and the checkpoint's own weights agree on.
-Result<bool> ChooseClass(const FamilyRequest& request, const ClassNames& names,
-                         ModelInventory* out) {
-  const bool base = request.choice == ModelClassChoice::kBase || request.architecture == names.base;
-  if (!base && !request.architecture.empty() && request.architecture != names.causal) {
-    return request.config.FieldError(
-        "architectures", "'" + request.architecture +
-                             "' is not a class memplan can build for this model_type; " +
-                             "supported: " + std::string(names.causal) + " (causal LM) and " +
-                             std::string(names.base) +
-                             " (base model). To size the base model without its task head, pass "
-                             "--model-class base");
-  }
-  out->architecture = std::string(base ? names.base : names.causal);
-  out->model_class = base ? "base" : "causal_lm";
-  return base;
+constexpr Part kLlamaNorms[] = {
+    Norm("input_layernorm", W::kHidden, If(Flag::kNormBias), IfNot(Flag::kNoInputNorm)),
+    Norm("post_attention_layernorm", W::kHidden, If(Flag::kNormBias)),
+    Norm("pre_feedforward_layernorm", W::kHidden, kNo, If(Flag::kSandwichNorms)),
+    Norm("post_feedforward_layernorm", W::kHidden, kNo, If(Flag::kPostFfNorm)),
+};
+
+constexpr Part kLlamaLayer[] = {
+    Include(kLlamaAttentionNoSinks),
+    Include(kGatedMlp),
+    Include(kLlamaNorms),
+};
+
+constexpr Part kLlamaBefore[] = {
+    Embedding("embed_tokens", W::kVocab, W::kHidden),
+    Buffer("embed_tokens.embed_scale", W::kNone, W::kNone, If(Flag::kScaledEmbedding)),
+};
+
+// The final norm, then the rotary embedding's inv_freq and original_inv_freq buffers.
+constexpr Part kRotary[] = {
+    Buffer("rotary_emb.inv_freq", W::kRotaryHalf),
+    Buffer("rotary_emb.original_inv_freq", W::kRotaryHalf),
+};
+constexpr Part kLlamaAfter[] = {
+    Norm("norm", W::kHidden, If(Flag::kNormBias)),
+    Include(kRotary, IfNot(Flag::kRotaryPerType)),
+    {Kind::kRotaryPerLayerType, "rotary_emb", W::kNone, W::kNone, W::kNone, kNo,
+     If(Flag::kRotaryPerType)},
+};
+
+// --- Task heads (Transformers' Generic* heads and their older per-family copies) ---
+
+constexpr Part kScore[] = {Linear("score", W::kHidden, W::kLabels)};
+constexpr Part kScoreBiased[] = {Linear("score", W::kHidden, W::kLabels, kYes)};
+constexpr Part kClassifierHead[] = {Linear("classifier", W::kHidden, W::kLabels, kYes)};
+constexpr Part kQaOutputs[] = {Linear("qa_outputs", W::kHidden, W::kTwo, kYes)};
+
+constexpr HeadSpec Seq(std::string_view prefix = "model") {
+  return {HeadKind::kSequence, "ForSequenceClassification", prefix, kScore};
+}
+constexpr HeadSpec Token(std::string_view prefix = "model") {
+  return {HeadKind::kToken, "ForTokenClassification", prefix, kScoreBiased};
+}
+constexpr HeadSpec Qa(std::string_view prefix) {
+  return {HeadKind::kQuestionAnswering, "ForQuestionAnswering", prefix, kQaOutputs};
 }
 
-// Storage dtype of the checkpoint. Transformers 4.56 renamed the saved field from `torch_dtype`
-// to `dtype`; both are read. A spelling ParseDType does not know ("auto", a typo) falls back to
-// F32, the dtype Transformers builds a model in when told nothing.
-Result<DType> ReadDType(const ConfigReader& config) {
-  for (std::string_view field : {std::string_view("torch_dtype"), std::string_view("dtype")}) {
-    if (!config.Has(field)) continue;
-    MEMPLAN_ASSIGN_OR_RETURN(std::string text, config.StringOr(field, ""));
-    Result<DType> parsed = ParseDType(text);
-    return parsed.ok() ? *parsed : DType::kF32;
-  }
-  return DType::kF32;
-}
+// Llama, Qwen2, Qwen3 and Qwen3-MoE build their QA head around `transformer`.
+constexpr HeadSpec kHeadsQaTransformer[] = {Seq(), Token(), Qa("transformer")};
+constexpr HeadSpec kHeadsQaModel[] = {Seq(), Token(), Qa("model")};
+constexpr HeadSpec kHeadsSeqToken[] = {Seq(), Token()};
+constexpr HeadSpec kHeadsSeq[] = {Seq()};
 
-// Refuses a config whose layer count would build more than kMaxTensors tensors (see there).
-Status CheckTensorBudget(const ConfigReader& config, std::string_view layers_field, int64_t layers,
-                         int64_t per_layer) {
-  // The handful of tensors outside the blocks (embeddings, final norm, head) is under 16.
-  if (layers > (kMaxTensors - 16) / per_layer) {
-    return config.FieldError(layers_field,
-                             std::to_string(layers) + " layers of " + std::to_string(per_layer) +
-                                 " tensors each would exceed memplan's limit of " +
-                                 std::to_string(kMaxTensors) +
-                                 " tensors per model (no published model comes close)");
+// --- llama ---
+
+constexpr DimField kLlamaDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 2048),
+};
+constexpr FlagField kLlamaFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kQkvBias, "attention_bias", false},
+    {Flag::kOBias, "attention_bias", false},
+    {Flag::kMlpBias, "mlp_bias", false},
+};
+
+// --- mistral, mixtral ---
+
+constexpr DimField kMistralDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 4096 * 32),
+    Optional(Dim::kSlidingWindow, "sliding_window", 4096),
+};
+constexpr DimField kMixtralDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 4096 * 32),
+    Optional(Dim::kSlidingWindow, "sliding_window", 0),
+    Default(Dim::kExperts, "num_local_experts", 8),
+    Default(Dim::kTopK, "num_experts_per_tok", 2),
+};
+constexpr FlagField kUntied[] = {{Flag::kTie, "tie_word_embeddings", false}};
+constexpr FlagField kUntiedAttentionBias[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kQkvBias, "attention_bias", false},
+    {Flag::kOBias, "attention_bias", false},
+};
+
+// Mixtral's experts, fused (Transformers >= 5: `mlp`, router first) or per expert
+// (checkpoints: `block_sparse_moe`, w1 = gate, w2 = down, w3 = up).
+constexpr Part kMixtralMoe[] = {
+    Param("mlp.gate.weight", W::kExperts, W::kHidden, W::kNone, If(Flag::kFused)),
+    Param("mlp.experts.gate_up_proj", W::kExperts, W::kFfn2, W::kHidden, If(Flag::kFused)),
+    Param("mlp.experts.down_proj", W::kExperts, W::kHidden, W::kFfn, If(Flag::kFused)),
+    Linear("block_sparse_moe.gate", W::kHidden, W::kExperts, kNo, If(Flag::kPerExpert)),
+    PerExpert(3, If(Flag::kPerExpert)),
+    Linear("block_sparse_moe.experts.{e}.w1", W::kHidden, W::kFfn),
+    Linear("block_sparse_moe.experts.{e}.w2", W::kFfn, W::kHidden),
+    Linear("block_sparse_moe.experts.{e}.w3", W::kHidden, W::kFfn),
+};
+constexpr Part kMixtralLayer[] = {
+    Include(kLlamaAttentionNoSinks),
+    Include(kMixtralMoe),
+    Include(kLlamaNorms),
+};
+
+// --- qwen2, qwen3 ---
+
+constexpr DimField kQwenDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 32768),
+    Optional(Dim::kSlidingWindow, "sliding_window", 4096),
+    Default(Dim::kMaxWindowLayers, "max_window_layers", 28),
+};
+constexpr DimField kQwen3Dims[] = {
+    Default(Dim::kHeadDim, "head_dim", 128),
+    Default(Dim::kPositions, "max_position_embeddings", 32768),
+    Optional(Dim::kSlidingWindow, "sliding_window", 4096),
+    Default(Dim::kMaxWindowLayers, "max_window_layers", 28),
+};
+constexpr FlagField kQwen2Flags[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kUseSlidingWindow, "use_sliding_window", false},
+};
+constexpr FlagField kQwen3Flags[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kQkvBias, "attention_bias", false},
+    {Flag::kOBias, "attention_bias", false},
+    {Flag::kUseSlidingWindow, "use_sliding_window", false},
+};
+
+// --- qwen2_moe, qwen3_moe ---
+
+constexpr DimField kQwen2MoeDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 32768),
+    Optional(Dim::kSlidingWindow, "sliding_window", 4096),
+    Default(Dim::kMaxWindowLayers, "max_window_layers", 28),
+    Default(Dim::kSparseStep, "decoder_sparse_step", 1),
+    Default(Dim::kExperts, "num_experts", 60),
+    Default(Dim::kTopK, "num_experts_per_tok", 4),
+    Default(Dim::kMoeIntermediate, "moe_intermediate_size", 1408),
+    Default(Dim::kSharedIntermediate, "shared_expert_intermediate_size", 5632),
+};
+constexpr DimField kQwen3MoeDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 32768),
+    Optional(Dim::kSlidingWindow, "sliding_window", 4096),
+    Default(Dim::kSparseStep, "decoder_sparse_step", 1),
+    // Qwen3MoeConfig's attribute_map reads num_experts as num_local_experts.
+    {Dim::kExperts, "num_experts", DimField::kDefault, 128, Dim::kHidden, Dim::kHeads,
+     "num_local_experts"},
+    Default(Dim::kTopK, "num_experts_per_tok", 8),
+    Default(Dim::kMoeIntermediate, "moe_intermediate_size", 768),
+};
+constexpr FlagField kQwen2MoeFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kQkvBias, "qkv_bias", true},
+    {Flag::kUseSlidingWindow, "use_sliding_window", false},
+};
+
+// Routed experts of one width (moe_intermediate_size), fused or one MLP per expert, and their
+// router: a plain weight (a Linear without bias when per expert: the same tensor).
+constexpr Part kRoutedExperts[] = {
+    Param("mlp.experts.gate_up_proj", W::kExperts, W::kMoeFfn2, W::kHidden, If(Flag::kFused)),
+    Param("mlp.experts.down_proj", W::kExperts, W::kHidden, W::kMoeFfn, If(Flag::kFused)),
+    PerExpert(3, If(Flag::kPerExpert)),
+    Linear("mlp.experts.{e}.gate_proj", W::kHidden, W::kMoeFfn),
+    Linear("mlp.experts.{e}.up_proj", W::kHidden, W::kMoeFfn),
+    Linear("mlp.experts.{e}.down_proj", W::kMoeFfn, W::kHidden),
+};
+constexpr Part kRouter[] = {Param("mlp.gate.weight", W::kExperts, W::kHidden)};
+
+// Qwen2-MoE: router, experts, then the shared expert and its sigmoid gate.
+constexpr Part kQwen2Moe[] = {
+    Include(kRouter),
+    Include(kRoutedExperts),
+    Linear("mlp.shared_expert.gate_proj", W::kHidden, W::kSharedFfn),
+    Linear("mlp.shared_expert.up_proj", W::kHidden, W::kSharedFfn),
+    Linear("mlp.shared_expert.down_proj", W::kSharedFfn, W::kHidden),
+    Linear("mlp.shared_expert_gate", W::kHidden, W::kOne),
+};
+constexpr Part kQwen2MoeLayer[] = {
+    Include(kLlamaAttentionNoSinks),
+    Include(kGatedMlp, If(Flag::kDenseLayer)),
+    Include(kQwen2Moe, If(Flag::kMoeLayer)),
+    Include(kLlamaNorms),
+};
+// Qwen3-MoE registers its experts before the router.
+constexpr Part kQwen3Moe[] = {Include(kRoutedExperts), Include(kRouter)};
+constexpr Part kQwen3MoeLayer[] = {
+    Include(kLlamaAttentionNoSinks),
+    Include(kGatedMlp, If(Flag::kDenseLayer)),
+    Include(kQwen3Moe, If(Flag::kMoeLayer)),
+    Include(kLlamaNorms),
+};
+
+// --- gemma, gemma2, gemma3_text ---
+
+constexpr DimField kGemmaDims[] = {
+    Default(Dim::kHeadDim, "head_dim", 256),
+    Default(Dim::kPositions, "max_position_embeddings", 8192),
+};
+constexpr DimField kGemma2Dims[] = {
+    Default(Dim::kHeadDim, "head_dim", 256),
+    Default(Dim::kPositions, "max_position_embeddings", 8192),
+    Optional(Dim::kSlidingWindow, "sliding_window", 4096),
+};
+constexpr DimField kGemma3Dims[] = {
+    Default(Dim::kHeadDim, "head_dim", 256),
+    Default(Dim::kPositions, "max_position_embeddings", 131072),
+    Optional(Dim::kSlidingWindow, "sliding_window", 4096),
+    Default(Dim::kSlidingPattern, "sliding_window_pattern", 6),
+};
+// tie_word_embeddings true by default; attention_bias on all four projections.
+constexpr FlagField kGemmaFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", true},
+    {Flag::kQkvBias, "attention_bias", false},
+    {Flag::kOBias, "attention_bias", false},
+};
+constexpr HeadSpec kGemma3Heads[] = {
+    {HeadKind::kSequence, "TextForSequenceClassification", "model", kScore}};
+
+// --- olmo2, starcoder2 ---
+
+constexpr DimField kOlmo2Dims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 2048),
+};
+
+constexpr DimField kStarcoder2Dims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 4096),
+    Optional(Dim::kSlidingWindow, "sliding_window", 0),
+};
+constexpr FlagField kStarcoder2Flags[] = {
+    {Flag::kTie, "tie_word_embeddings", true},
+    {Flag::kQkvBias, "use_bias", true},
+    {Flag::kOBias, "use_bias", true},
+    {Flag::kMlpBias, "use_bias", true},
+};
+constexpr Part kStarcoder2Layer[] = {
+    Include(kLlamaAttentionNoSinks),
+    Linear("mlp.c_fc", W::kHidden, W::kFfn, If(Flag::kMlpBias)),
+    Linear("mlp.c_proj", W::kFfn, W::kHidden, If(Flag::kMlpBias)),
+    Include(kLlamaNorms),
+};
+
+// --- phi, phi3 ---
+
+constexpr DimField kPhiDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 2048),
+};
+constexpr FlagField kPhiFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kQkLayerNorm, "qk_layernorm", false},
+};
+// Phi's attention output is `dense`; its optional q/k LayerNorms span hidden / heads.
+constexpr Part kPhiLayer[] = {
+    Linear("self_attn.q_proj", W::kHidden, W::kQ, kYes),
+    Linear("self_attn.k_proj", W::kHidden, W::kKv, kYes),
+    Linear("self_attn.v_proj", W::kHidden, W::kKv, kYes),
+    Linear("self_attn.dense", W::kQ, W::kHidden, kYes),
+    Norm("self_attn.q_layernorm", W::kHeadDim, kYes, If(Flag::kQkLayerNorm)),
+    Norm("self_attn.k_layernorm", W::kHeadDim, kYes, If(Flag::kQkLayerNorm)),
+    Linear("mlp.fc1", W::kHidden, W::kFfn, kYes),
+    Linear("mlp.fc2", W::kFfn, W::kHidden, kYes),
+    Norm("input_layernorm", W::kHidden, kYes),
+};
+constexpr Part kPhiAfter[] = {
+    Norm("final_layernorm", W::kHidden, kYes),
+    Include(kRotary),
+};
+
+constexpr DimField kPhi3Dims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 4096),
+    Optional(Dim::kSlidingWindow, "sliding_window", 0),
+};
+// Phi-3 fuses q/k/v and gate/up, and registers o_proj before qkv_proj.
+constexpr Part kPhi3Layer[] = {
+    Linear("self_attn.o_proj", W::kQ, W::kHidden),
+    Linear("self_attn.qkv_proj", W::kHidden, W::kQkv),
+    Linear("mlp.gate_up_proj", W::kHidden, W::kFfn2),
+    Linear("mlp.down_proj", W::kFfn, W::kHidden),
+    Include(kLlamaNorms),
+};
+
+// --- deepseek_v2, deepseek_v3 ---
+
+// Multi-head latent attention's ranks and head widths: the same fields and defaults in V2 and V3.
+constexpr DimField kMlaDims[] = {
+    Optional(Dim::kQLoraRank, "q_lora_rank", 1536),
+    Default(Dim::kKvLoraRank, "kv_lora_rank", 512),
+    Default(Dim::kQkNopeHeadDim, "qk_nope_head_dim", 128),
+    Default(Dim::kQkRopeHeadDim, "qk_rope_head_dim", 64),
+    Default(Dim::kVHeadDim, "v_head_dim", 128),
+    SameAs(Dim::kHeadDim, "", Dim::kQkRopeHeadDim),
+};
+constexpr DimField kDeepseekV2Dims[] = {
+    Default(Dim::kPositions, "max_position_embeddings", 2048),
+    {Dim::kExperts, "n_routed_experts", DimField::kDefault, 64, Dim::kHidden, Dim::kHeads,
+     "num_experts"},
+    // DeepseekV2Config's default is None, which only a config without MoE layers survives.
+    Default(Dim::kTopK, "num_experts_per_tok", 0),
+    Default(Dim::kMoeIntermediate, "moe_intermediate_size", 1407),
+    Default(Dim::kSharedExperts, "n_shared_experts", 2),
+    Default(Dim::kFirstDense, "first_k_dense_replace", 0),
+};
+constexpr DimField kDeepseekV3Dims[] = {
+    Default(Dim::kPositions, "max_position_embeddings", 4096),
+    {Dim::kExperts, "n_routed_experts", DimField::kDefault, 256, Dim::kHidden, Dim::kHeads,
+     "num_local_experts"},
+    Default(Dim::kTopK, "num_experts_per_tok", 8),
+    Default(Dim::kMoeIntermediate, "moe_intermediate_size", 2048),
+    Default(Dim::kSharedExperts, "n_shared_experts", 1),
+    Default(Dim::kFirstDense, "first_k_dense_replace", 3),
+    {Dim::kMtpLayers, "num_nextn_predict_layers", DimField::kDefault, 1, Dim::kHidden, Dim::kHeads,
+     "num_mtp_layers", true},
+};
+constexpr FlagField kDeepseekV2Flags[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kQkvBias, "attention_bias", false},
+    {Flag::kMlpBias, "mlp_bias", false},
+};
+constexpr FlagField kDeepseekV3Flags[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kQkvBias, "attention_bias", false},
+};
+// Multi-head latent attention: the query through a q_lora_rank bottleneck (or a full q_proj),
+// keys and values from one compressed latent plus a shared rotary key. attention_bias covers the
+// down-projections and o_proj.
+constexpr Part kMlaAttention[] = {
+    Linear("self_attn.q_proj", W::kHidden, W::kQHeads, kNo, IfNot(Flag::kQLora)),
+    Linear("self_attn.q_a_proj", W::kHidden, W::kQRank, If(Flag::kQkvBias), If(Flag::kQLora)),
+    Norm("self_attn.q_a_layernorm", W::kQRank, kNo, If(Flag::kQLora)),
+    Linear("self_attn.q_b_proj", W::kQRank, W::kQHeads, kNo, If(Flag::kQLora)),
+    Linear("self_attn.kv_a_proj_with_mqa", W::kHidden, W::kKvA, If(Flag::kQkvBias)),
+    Norm("self_attn.kv_a_layernorm", W::kKvRank),
+    Linear("self_attn.kv_b_proj", W::kKvRank, W::kKvB),
+    Linear("self_attn.o_proj", W::kVOut, W::kHidden, If(Flag::kQkvBias)),
+};
+// Routed experts, the router, then the shared experts (one MLP n_shared_experts wide). V3's
+// router keeps its e_score_correction_bias as a buffer.
+constexpr Part kDeepseekMoe[] = {
+    Include(kRoutedExperts),
+    Include(kRouter),
+    Buffer("mlp.gate.e_score_correction_bias", W::kExperts, W::kNone,
+           If(Flag::kRouterBiasBuffer)),
+    Linear("mlp.shared_experts.gate_proj", W::kHidden, W::kSharedFfn, If(Flag::kMlpBias)),
+    Linear("mlp.shared_experts.up_proj", W::kHidden, W::kSharedFfn, If(Flag::kMlpBias)),
+    Linear("mlp.shared_experts.down_proj", W::kSharedFfn, W::kHidden, If(Flag::kMlpBias)),
+};
+constexpr Part kDeepseekLayer[] = {
+    Include(kMlaAttention),
+    Include(kGatedMlp, If(Flag::kDenseLayer)),
+    Include(kDeepseekMoe, If(Flag::kMoeLayer)),
+    Include(kLlamaNorms),
+};
+constexpr Part kDeepseekBefore[] = {Embedding("embed_tokens", W::kVocab, W::kHidden)};
+
+// --- gpt_oss ---
+
+constexpr DimField kGptOssDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 131072),
+    Optional(Dim::kSlidingWindow, "sliding_window", 128),
+    {Dim::kExperts, "num_local_experts", DimField::kDefault, 128, Dim::kHidden, Dim::kHeads,
+     "num_experts"},
+    Default(Dim::kTopK, "num_experts_per_tok", 4),
+};
+constexpr FlagField kGptOssFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kQkvBias, "attention_bias", true},
+    {Flag::kOBias, "attention_bias", true},
+};
+// A biased router, and experts stored [E, in, out] with biases: published this way.
+constexpr Part kGptOssMoe[] = {
+    Param("mlp.router.weight", W::kExperts, W::kHidden),
+    Param("mlp.router.bias", W::kExperts),
+    Param("mlp.experts.gate_up_proj", W::kExperts, W::kHidden, W::kFfn2),
+    Param("mlp.experts.gate_up_proj_bias", W::kExperts, W::kFfn2),
+    Param("mlp.experts.down_proj", W::kExperts, W::kFfn, W::kHidden),
+    Param("mlp.experts.down_proj_bias", W::kExperts, W::kHidden),
+};
+constexpr Part kGptOssLayer[] = {
+    Include(kLlamaAttention),
+    Include(kGptOssMoe),
+    Include(kLlamaNorms),
+};
+
+// --- falcon ---
+
+constexpr DimField kFalconDims[] = {
+    {Dim::kHidden, "hidden_size", DimField::kRequired, 0, Dim::kHidden, Dim::kHeads, "n_embed"},
+    Required(Dim::kLayers, "num_hidden_layers"),
+    Required(Dim::kHeads, "num_attention_heads"),
+    SameAs(Dim::kKvHeads, "num_kv_heads", Dim::kHeads),
+    Quotient(Dim::kHeadDim, "", Dim::kHidden, Dim::kHeads),
+    Multiple(Dim::kIntermediate, "ffn_hidden_size", 4, Dim::kHidden),
+    Required(Dim::kVocab, "vocab_size"),
+    Default(Dim::kPositions, "max_position_embeddings", 2048),
+};
+constexpr FlagField kFalconFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", true},
+    {Flag::kQkvBias, "bias", false},
+    {Flag::kNewDecoderArch, "new_decoder_architecture", false},
+    {Flag::kMultiQuery, "multi_query", true},
+    {Flag::kParallelAttn, "parallel_attn", true},
+};
+
+// FalconAttention: the fused projection holds heads + 2 x kv_heads heads, where kv_heads is
+// num_kv_heads with the new decoder architecture, else 1 (multi-query) or all heads; the norms
+// are post_attention + input (sequential), ln_attn + ln_mlp (num_ln_in_parallel_attn 2, the
+// default of the new architecture) or one input_layernorm.
+Status AdjustFalcon(const ConfigReader& config, Values* v) {
+  if (v->Get(Dim::kHidden) % v->Get(Dim::kHeads) != 0) {
+    return config.FieldError("num_attention_heads", std::to_string(v->Get(Dim::kHeads)) +
+                                                        " does not divide hidden_size " +
+                                                        std::to_string(v->Get(Dim::kHidden)));
   }
+  if (!v->Is(Flag::kNewDecoderArch)) {
+    v->Set(Dim::kKvHeads, v->Is(Flag::kMultiQuery) ? 1 : v->Get(Dim::kHeads));
+  }
+  int64_t parallel_norms = v->Is(Flag::kNewDecoderArch) ? 2 : 1;
+  MEMPLAN_ASSIGN_OR_RETURN(parallel_norms, config.DimOr("num_ln_in_parallel_attn", parallel_norms));
+  v->Set(Flag::kTwoNorms, parallel_norms == 2);
   return Status::Ok();
 }
 
-// A dimension with the field it was read from, so that later checks name the right one.
-struct NamedDim {
-  int64_t value = 0;
-  std::string_view field;
+constexpr Part kFalconLayer[] = {
+    Linear("self_attention.query_key_value", W::kHidden, W::kQkv, If(Flag::kQkvBias)),
+    Linear("self_attention.dense", W::kHidden, W::kHidden, If(Flag::kQkvBias)),
+    Linear("mlp.dense_h_to_4h", W::kHidden, W::kFfn, If(Flag::kQkvBias)),
+    Linear("mlp.dense_4h_to_h", W::kFfn, W::kHidden, If(Flag::kQkvBias)),
+    Norm("post_attention_layernorm", W::kHidden, kYes, IfNot(Flag::kParallelAttn)),
+    Norm("input_layernorm", W::kHidden, kYes, IfNot(Flag::kParallelAttn)),
+    Norm("ln_attn", W::kHidden, kYes, Both(Flag::kParallelAttn, Flag::kTwoNorms)),
+    Norm("ln_mlp", W::kHidden, kYes, Both(Flag::kParallelAttn, Flag::kTwoNorms)),
+    Norm("input_layernorm", W::kHidden, kYes, {Flag::kParallelAttn, false, Flag::kTwoNorms, true}),
+};
+constexpr Part kWordEmbeddings[] = {Embedding("word_embeddings", W::kVocab, W::kHidden)};
+constexpr Part kLnF[] = {Norm("ln_f", W::kHidden, kYes)};
+constexpr Part kFalconAfter[] = {Norm("ln_f", W::kHidden, kYes), Include(kRotary)};
+// GPT-2, Falcon, Bloom: score, classifier and qa_outputs around `transformer`.
+constexpr HeadSpec kTransformerHeads[] = {
+    {HeadKind::kSequence, "ForSequenceClassification", "transformer", kScore},
+    {HeadKind::kToken, "ForTokenClassification", "transformer", kClassifierHead},
+    Qa("transformer"),
 };
 
-// GPT2Config's attribute_map lets a config spell n_embd as hidden_size (and so on), and
-// PretrainedConfig applies such leftover keys after the class's own arguments, so the alias wins
-// when a config has both.
-Result<NamedDim> Gpt2Dim(const ConfigReader& config, std::string_view alias, std::string_view field,
-                         int64_t fallback) {
-  std::string_view used = config.Has(alias) ? alias : field;
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t value, config.DimOr(used, fallback));
-  return NamedDim{value, used};
-}
+// --- bloom ---
 
-// Switches that tell the Llama-like families apart. Everything else (embedding, RMSNorms, SwiGLU
-// MLP, grouped-query attention, head) is shared.
-struct LlamaLikeFamily {
-  ClassNames names;
-  // tie_word_embeddings when absent: the family's config class default (LlamaConfig and the
-  // others pass False over PretrainedConfig's True; GemmaConfig keeps True).
-  bool tie_default = false;
-  // head_dim when the config has none; 0 means hidden_size / num_attention_heads.
-  int64_t head_dim_default = 0;
-  bool attention_bias_field = false;  // q/k/v/o biases follow config `attention_bias`
-  bool mlp_bias_field = false;        // gate/up/down biases follow config `mlp_bias`
-  bool qkv_bias = false;              // q/k/v always biased, o_proj never (Qwen2)
-  bool moe = false;                   // Mixtral's block_sparse_moe instead of mlp
-  // max_position_embeddings and hidden_act when absent: the config class defaults.
-  int64_t max_positions_default = 2048;
-  std::string_view hidden_act_default = "silu";
+constexpr DimField kBloomDims[] = {
+    {Dim::kHidden, "hidden_size", DimField::kRequired, 0, Dim::kHidden, Dim::kHeads, "n_embed"},
+    {Dim::kLayers, "n_layer", DimField::kRequired, 0, Dim::kHidden, Dim::kHeads,
+     "num_hidden_layers"},
+    {Dim::kHeads, "n_head", DimField::kRequired, 0, Dim::kHidden, Dim::kHeads,
+     "num_attention_heads"},
+    SameAs(Dim::kKvHeads, "", Dim::kHeads),
+    Quotient(Dim::kHeadDim, "", Dim::kHidden, Dim::kHeads),
+    Multiple(Dim::kIntermediate, "", 4, Dim::kHidden),
+    Required(Dim::kVocab, "vocab_size"),
+};
+constexpr FlagField kBloomFlags[] = {{Flag::kTie, "tie_word_embeddings", true}};
+constexpr Part kBloomBefore[] = {
+    Embedding("word_embeddings", W::kVocab, W::kHidden),
+    Norm("word_embeddings_layernorm", W::kHidden, kYes),
+};
+constexpr Part kBloomLayer[] = {
+    Norm("input_layernorm", W::kHidden, kYes),
+    Linear("self_attention.query_key_value", W::kHidden, W::kQkv, kYes),
+    Linear("self_attention.dense", W::kHidden, W::kHidden, kYes),
+    Norm("post_attention_layernorm", W::kHidden, kYes),
+    Linear("mlp.dense_h_to_4h", W::kHidden, W::kFfn, kYes),
+    Linear("mlp.dense_4h_to_h", W::kFfn, W::kHidden, kYes),
 };
 
-Status BuildLlamaLike(const FamilyRequest& request, const LlamaLikeFamily& family,
-                      ModelInventory* out) {
-  const ConfigReader& config = request.config;
-  MEMPLAN_ASSIGN_OR_RETURN(bool base, ChooseClass(request, family.names, out));
-  MEMPLAN_ASSIGN_OR_RETURN(DType dtype, ReadDType(config));
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t hidden, config.Dim("hidden_size"));
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t layers, config.Dim("num_hidden_layers"));
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t heads, config.Dim("num_attention_heads"));
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t intermediate, config.Dim("intermediate_size"));
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t vocab, config.Dim("vocab_size"));
-  // Absent means multi-head attention, as in the original Llama configs.
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t kv_heads, config.DimOr("num_key_value_heads", heads));
-  if (heads % kv_heads != 0) {
-    return config.FieldError("num_key_value_heads",
-                             std::to_string(kv_heads) + " does not divide num_attention_heads " +
-                                 std::to_string(heads) +
-                                 " (each key/value head serves a whole group of query heads)");
-  }
-  // Newer configs (Mistral-Nemo, Llama 3.2, Gemma) state head_dim, which then need not divide the
-  // hidden size; without it Transformers derives it and older versions refuse a remainder.
-  int64_t head_dim = 0;
-  if (config.Has("head_dim")) {
-    MEMPLAN_ASSIGN_OR_RETURN(head_dim, config.Dim("head_dim"));
-  } else if (family.head_dim_default > 0) {
-    head_dim = family.head_dim_default;
-  } else {
-    if (hidden % heads != 0) {
-      return config.FieldError("num_attention_heads",
-                               std::to_string(heads) + " does not divide hidden_size " +
-                                   std::to_string(hidden) +
-                                   " and the config has no head_dim to say otherwise");
-    }
-    head_dim = hidden / heads;
-  }
-  bool attention_bias = false;
-  if (family.attention_bias_field) {
-    MEMPLAN_ASSIGN_OR_RETURN(attention_bias, config.BoolOr("attention_bias", false));
-  }
-  bool mlp_bias = false;
-  if (family.mlp_bias_field) {
-    MEMPLAN_ASSIGN_OR_RETURN(mlp_bias, config.BoolOr("mlp_bias", false));
-  }
-  int64_t experts = 0;
-  if (family.moe) {
-    MEMPLAN_ASSIGN_OR_RETURN(experts, config.DimOr("num_local_experts", 8));
-    if (experts > kMaxTensors / 4) {
-      return config.FieldError("num_local_experts",
-                               std::to_string(experts) +
-                                   " experts would exceed memplan's limit of " +
-                                   std::to_string(kMaxTensors) + " tensors per model");
-    }
-  }
-  MEMPLAN_ASSIGN_OR_RETURN(bool tie, config.BoolOr("tie_word_embeddings", family.tie_default));
-  ArchitectureInfo arch;
-  arch.hidden = hidden;
-  arch.layers = layers;
-  arch.heads = heads;
-  arch.kv_heads = kv_heads;
-  arch.head_dim = head_dim;
-  arch.intermediate = intermediate;
-  arch.vocab = vocab;
-  // Rotary positions: max_position_embeddings is the trained context, not a table size.
-  MEMPLAN_ASSIGN_OR_RETURN(arch.max_positions,
-                           config.DimOr("max_position_embeddings", family.max_positions_default));
-  // Gemma's newer configs name the MLP activation hidden_activation and keep hidden_act legacy.
-  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act,
-                           config.StringOr("hidden_act", std::string(family.hidden_act_default)));
-  if (config.Has("hidden_activation")) {
-    MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act, config.StringOr("hidden_activation", ""));
-  }
-  arch.gated_mlp = true;
-  MEMPLAN_ASSIGN_OR_RETURN(arch.attention_dropout, config.ProbabilityOr("attention_dropout", 0.0));
-  if (family.moe) {
-    arch.experts = experts;
-    MEMPLAN_ASSIGN_OR_RETURN(arch.experts_per_token, config.DimOr("num_experts_per_tok", 2));
-    if (arch.experts_per_token > experts) {
-      return config.FieldError("num_experts_per_tok",
-                               std::to_string(arch.experts_per_token) + " exceeds the " +
-                                   std::to_string(experts) + " experts");
-    }
-  }
-  out->arch = arch;
-  // Attention: up to 8 tensors; MLP: up to 6, or router + 3 per expert; two norms.
-  MEMPLAN_RETURN_IF_ERROR(CheckTensorBudget(config, "num_hidden_layers", layers,
-                                            8 + 2 + (family.moe ? 1 + 3 * experts : 6)));
+// --- gptj ---
 
-  const int64_t q_dim = heads * head_dim;  // both factors <= 2^31: no overflow
-  const int64_t kv_dim = kv_heads * head_dim;
-  const bool qkv_bias = attention_bias || family.qkv_bias;
-  const std::string prefix = base ? "" : "model.";
-  const std::string embedding = prefix + "embed_tokens.weight";
+constexpr DimField kGptjDims[] = {
+    {Dim::kHidden, "n_embd", DimField::kRequired, 0, Dim::kHidden, Dim::kHeads, "hidden_size"},
+    {Dim::kLayers, "n_layer", DimField::kRequired, 0, Dim::kHidden, Dim::kHeads,
+     "num_hidden_layers"},
+    {Dim::kHeads, "n_head", DimField::kRequired, 0, Dim::kHidden, Dim::kHeads,
+     "num_attention_heads"},
+    SameAs(Dim::kKvHeads, "", Dim::kHeads),
+    Quotient(Dim::kHeadDim, "", Dim::kHidden, Dim::kHeads),
+    Multiple(Dim::kIntermediate, "n_inner", 4, Dim::kHidden),
+    Required(Dim::kVocab, "vocab_size"),
+    {Dim::kPositions, "n_positions", DimField::kDefault, 2048, Dim::kHidden, Dim::kHeads,
+     "max_position_embeddings"},
+    Optional(Dim::kRotaryDim, "rotary_dim", 64),
+};
+constexpr FlagField kGptjFlags[] = {{Flag::kTie, "tie_word_embeddings", false}};
+// GPT-J's sinusoid table is a buffer of every attention layer.
+constexpr Part kGptjLayer[] = {
+    Norm("ln_1", W::kHidden, kYes),
+    Buffer("attn.embed_positions", W::kPositions, W::kRotaryDim),
+    Linear("attn.k_proj", W::kHidden, W::kHidden),
+    Linear("attn.v_proj", W::kHidden, W::kHidden),
+    Linear("attn.q_proj", W::kHidden, W::kHidden),
+    Linear("attn.out_proj", W::kHidden, W::kHidden),
+    Linear("mlp.fc_in", W::kHidden, W::kFfn, kYes),
+    Linear("mlp.fc_out", W::kFfn, W::kHidden, kYes),
+};
+constexpr Part kWte[] = {Embedding("wte", W::kVocab, W::kHidden)};
+// GPTJForQuestionAnswering sizes its output by num_labels, not 2.
+constexpr Part kGptjQa[] = {Linear("qa_outputs", W::kHidden, W::kLabels, kYes)};
+constexpr HeadSpec kGptjHeads[] = {
+    {HeadKind::kSequence, "ForSequenceClassification", "transformer", kScore},
+    {HeadKind::kQuestionAnswering, "ForQuestionAnswering", "transformer", kGptjQa},
+};
 
-  TensorSink sink(out, dtype);
-  sink.Add(embedding, {vocab, hidden});
-  for (int64_t i = 0; i < layers; ++i) {
-    const std::string layer = prefix + "layers." + std::to_string(i) + ".";
-    sink.Linear(layer + "self_attn.q_proj", hidden, q_dim, qkv_bias);
-    sink.Linear(layer + "self_attn.k_proj", hidden, kv_dim, qkv_bias);
-    sink.Linear(layer + "self_attn.v_proj", hidden, kv_dim, qkv_bias);
-    sink.Linear(layer + "self_attn.o_proj", q_dim, hidden, attention_bias);
-    if (family.moe) {
-      const std::string moe = layer + "block_sparse_moe.";
-      sink.Linear(moe + "gate", hidden, experts, /*bias=*/false);
-      for (int64_t e = 0; e < experts; ++e) {
-        const std::string expert = moe + "experts." + std::to_string(e) + ".";
-        sink.Linear(expert + "w1", hidden, intermediate, /*bias=*/false);
-        sink.Linear(expert + "w2", intermediate, hidden, /*bias=*/false);
-        sink.Linear(expert + "w3", hidden, intermediate, /*bias=*/false);
-      }
-    } else {
-      sink.Linear(layer + "mlp.gate_proj", hidden, intermediate, mlp_bias);
-      sink.Linear(layer + "mlp.up_proj", hidden, intermediate, mlp_bias);
-      sink.Linear(layer + "mlp.down_proj", intermediate, hidden, mlp_bias);
-    }
-    sink.Norm(layer + "input_layernorm", hidden, /*bias=*/false);
-    sink.Norm(layer + "post_attention_layernorm", hidden, /*bias=*/false);
-  }
-  sink.Norm(prefix + "norm", hidden, /*bias=*/false);
-  if (!base) sink.Add("lm_head.weight", {vocab, hidden}, tie ? embedding : "");
-  return sink.status();
+// --- opt ---
+
+constexpr DimField kOptDims[] = {
+    Required(Dim::kHidden, "hidden_size"),
+    Required(Dim::kLayers, "num_hidden_layers"),
+    Required(Dim::kHeads, "num_attention_heads"),
+    SameAs(Dim::kKvHeads, "", Dim::kHeads),
+    Quotient(Dim::kHeadDim, "", Dim::kHidden, Dim::kHeads),
+    Required(Dim::kIntermediate, "ffn_dim"),
+    Required(Dim::kVocab, "vocab_size"),
+    Default(Dim::kPositions, "max_position_embeddings", 2048),
+    SameAs(Dim::kEmbedProj, "word_embed_proj_dim", Dim::kHidden),
+};
+constexpr FlagField kOptFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", true},
+    {Flag::kQkvBias, "enable_bias", true},
+    {Flag::kNormAffine, "layer_norm_elementwise_affine", true},
+    {Flag::kFinalNorm, "do_layer_norm_before", true},
+    {Flag::kRemoveFinalNorm, "_remove_final_layer_norm", false},
+};
+Status AdjustOpt(const ConfigReader&, Values* v) {
+  v->Set(Flag::kFinalNorm, v->Is(Flag::kFinalNorm) && !v->Is(Flag::kRemoveFinalNorm));
+  return Status::Ok();
 }
+constexpr Part kOptBefore[] = {
+    Embedding("decoder.embed_tokens", W::kVocab, W::kEmbedProj),
+    Embedding("decoder.embed_positions", W::kPositionsOpt, W::kHidden),
+    Linear("decoder.project_out", W::kHidden, W::kEmbedProj, kNo, If(Flag::kProjectInOut)),
+    Linear("decoder.project_in", W::kEmbedProj, W::kHidden, kNo, If(Flag::kProjectInOut)),
+    Norm("decoder.final_layer_norm", W::kHidden, kYes, Both(Flag::kFinalNorm, Flag::kNormAffine)),
+};
+constexpr Part kOptLayer[] = {
+    Linear("self_attn.k_proj", W::kHidden, W::kHidden, If(Flag::kQkvBias)),
+    Linear("self_attn.v_proj", W::kHidden, W::kHidden, If(Flag::kQkvBias)),
+    Linear("self_attn.q_proj", W::kHidden, W::kHidden, If(Flag::kQkvBias)),
+    Linear("self_attn.out_proj", W::kHidden, W::kHidden, If(Flag::kQkvBias)),
+    Norm("self_attn_layer_norm", W::kHidden, kYes, If(Flag::kNormAffine)),
+    Linear("fc1", W::kHidden, W::kFfn, If(Flag::kQkvBias)),
+    Linear("fc2", W::kFfn, W::kHidden, If(Flag::kQkvBias)),
+    Norm("final_layer_norm", W::kHidden, kYes, If(Flag::kNormAffine)),
+};
+// OPT's heads read the projected width.
+constexpr Part kOptScore[] = {Linear("score", W::kEmbedProj, W::kLabels)};
+constexpr Part kOptQa[] = {Linear("qa_outputs", W::kEmbedProj, W::kTwo, kYes)};
+constexpr HeadSpec kOptHeads[] = {
+    {HeadKind::kSequence, "ForSequenceClassification", "model", kOptScore},
+    {HeadKind::kQuestionAnswering, "ForQuestionAnswering", "model", kOptQa},
+};
+
+// --- gpt2 ---
+
+// GPT2Config's defaults are the published gpt2 (Note [Required size fields]); its attribute_map
+// lets hidden_size etc. stand for n_embd etc., and then wins.
+constexpr DimField kGpt2Dims[] = {
+    Default(Dim::kHidden, "n_embd", 768, "hidden_size"),
+    Default(Dim::kLayers, "n_layer", 12, "num_hidden_layers"),
+    Default(Dim::kHeads, "n_head", 12, "num_attention_heads"),
+    SameAs(Dim::kKvHeads, "", Dim::kHeads),
+    Quotient(Dim::kHeadDim, "", Dim::kHidden, Dim::kHeads),
+    Multiple(Dim::kIntermediate, "n_inner", 4, Dim::kHidden),
+    Default(Dim::kVocab, "vocab_size", 50257),
+    Default(Dim::kPositions, "n_positions", 1024, "max_position_embeddings"),
+};
+constexpr FlagField kGpt2Flags[] = {
+    {Flag::kTie, "tie_word_embeddings", true},
+    {Flag::kCrossAttention, "add_cross_attention", false},
+};
+constexpr Part kGpt2Before[] = {
+    Embedding("wte", W::kVocab, W::kHidden),
+    Embedding("wpe", W::kPositions, W::kHidden),
+};
+// Cross-attention projects keys and values from the encoder (c_attn) and queries from the decoder
+// (q_attn) separately.
+constexpr Part kGpt2Layer[] = {
+    Norm("ln_1", W::kHidden, kYes),
+    Conv1D("attn.c_attn", W::kHidden, W::kQkv),
+    Conv1D("attn.c_proj", W::kHidden, W::kHidden),
+    Norm("ln_2", W::kHidden, kYes),
+    Conv1D("crossattention.c_attn", W::kHidden, W::kKvPair, If(Flag::kCrossAttention)),
+    Conv1D("crossattention.q_attn", W::kHidden, W::kHidden, If(Flag::kCrossAttention)),
+    Conv1D("crossattention.c_proj", W::kHidden, W::kHidden, If(Flag::kCrossAttention)),
+    Norm("ln_cross_attn", W::kHidden, kYes, If(Flag::kCrossAttention)),
+    Conv1D("mlp.c_fc", W::kHidden, W::kFfn),
+    Conv1D("mlp.c_proj", W::kFfn, W::kHidden),
+};
+// --- gpt_neox ---
+
+constexpr DimField kGptNeoxDims[] = {
+    Required(Dim::kHidden, "hidden_size"),
+    Required(Dim::kLayers, "num_hidden_layers"),
+    Required(Dim::kHeads, "num_attention_heads"),
+    SameAs(Dim::kKvHeads, "", Dim::kHeads),
+    Quotient(Dim::kHeadDim, "", Dim::kHidden, Dim::kHeads),
+    Required(Dim::kIntermediate, "intermediate_size"),
+    Required(Dim::kVocab, "vocab_size"),
+    Default(Dim::kPositions, "max_position_embeddings", 2048),
+};
+constexpr FlagField kGptNeoxFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kQkvBias, "attention_bias", true},
+};
+// GPTNeoXLayer registers both norms before the attention and the MLP.
+constexpr Part kGptNeoxLayer[] = {
+    Norm("input_layernorm", W::kHidden, kYes),
+    Norm("post_attention_layernorm", W::kHidden, kYes),
+    Linear("attention.query_key_value", W::kHidden, W::kQkv, If(Flag::kQkvBias)),
+    Linear("attention.dense", W::kHidden, W::kHidden, If(Flag::kQkvBias)),
+    Linear("mlp.dense_h_to_4h", W::kHidden, W::kFfn, kYes),
+    Linear("mlp.dense_4h_to_h", W::kFfn, W::kHidden, kYes),
+};
+constexpr Part kGptNeoxBefore[] = {Embedding("embed_in", W::kVocab, W::kHidden)};
+constexpr Part kGptNeoxAfter[] = {Norm("final_layer_norm", W::kHidden, kYes), Include(kRotary)};
+constexpr HeadSpec kGptNeoxHeads[] = {
+    {HeadKind::kSequence, "ForSequenceClassification", "gpt_neox", kScore},
+    {HeadKind::kToken, "ForTokenClassification", "gpt_neox", kClassifierHead},
+    Qa("gpt_neox"),
+};
+
+// --- The table ---
+
+// A Llama descendant: the Llama size fields, embedding, layer and final norm unless the family
+// says otherwise. Each entry then states only how the family differs.
+constexpr FamilySpec LlamaLike(FamilySpec spec) {
+  if (spec.common_dims.empty()) spec.common_dims = kLlamaCore;
+  if (spec.before.empty()) spec.before = kLlamaBefore;
+  if (spec.layer.empty()) spec.layer = kLlamaLayer;
+  if (spec.after.empty()) spec.after = kLlamaAfter;
+  return spec;
+}
+
+constexpr FamilySpec kFamilies[] = {
+    {.model_type = "gpt2",
+     .class_prefix = "GPT2",
+     .causal_class = "GPT2LMHeadModel",
+     .no_split_class = "GPT2Block",
+     .prefix = "transformer",
+     .dims = kGpt2Dims,
+     .flags = kGpt2Flags,
+     .before = kGpt2Before,
+     .layers = "h",
+     .layer = kGpt2Layer,
+     .after = kLnF,
+     .tied_embedding = "wte.weight",
+     .heads = kTransformerHeads,
+     .gated_mlp = false,
+     .learned_positions = true,
+     .act_field = "activation_function",
+     .act_default = "gelu_new",
+     .attention_dropout_field = "attn_pdrop",
+     .attention_dropout_default = 0.1,
+     .hidden_dropout_field = "resid_pdrop",
+     .hidden_dropout_default = 0.1,
+     .embedding_dropout_field = "embd_pdrop",
+     .embedding_dropout_default = 0.1},
+    {.model_type = "gpt_neox",
+     .class_prefix = "GPTNeoX",
+     .no_split_class = "GPTNeoXLayer",
+     .prefix = "gpt_neox",
+     .dims = kGptNeoxDims,
+     .flags = kGptNeoxFlags,
+     .before = kGptNeoxBefore,
+     .layer = kGptNeoxLayer,
+     .after = kGptNeoxAfter,
+     .lm_head = Linear("embed_out", W::kHidden, W::kVocab),
+     .tied_embedding = "embed_in.weight",
+     .heads = kGptNeoxHeads,
+     .gated_mlp = false,
+     .partial_rotary = true,
+     .partial_rotary_default = 0.25,
+     .partial_rotary_field = "rotary_pct",
+     .act_default = "gelu",
+     .hidden_dropout_field = "hidden_dropout"},
+    LlamaLike({.model_type = "llama",
+               .class_prefix = "Llama",
+               .dims = kLlamaDims,
+               .flags = kLlamaFlags,
+               .heads = kHeadsQaTransformer}),
+    LlamaLike({.model_type = "mistral",
+               .class_prefix = "Mistral",
+               .dims = kMistralDims,
+               .flags = kUntied,
+               .heads = kHeadsQaModel,
+               .sliding = SlidingRule::kEveryLayer}),
+    LlamaLike({.model_type = "mixtral",
+               .class_prefix = "Mixtral",
+               .dims = kMixtralDims,
+               .flags = kUntied,
+               .layer = kMixtralLayer,
+               .heads = kHeadsQaModel,
+               .moe = MoePlacement::kEveryLayer,
+               .sliding = SlidingRule::kEveryLayer}),
+    LlamaLike({.model_type = "qwen2",
+               .class_prefix = "Qwen2",
+               .dims = kQwenDims,
+               .flags = kQwen2Flags,
+               .on = On(Flag::kQkvBias),
+               .heads = kHeadsQaTransformer,
+               .sliding = SlidingRule::kQwen}),
+    LlamaLike({.model_type = "qwen3",
+               .class_prefix = "Qwen3",
+               .dims = kQwen3Dims,
+               .flags = kQwen3Flags,
+               .on = On(Flag::kHeadQkNorm),
+               .heads = kHeadsQaTransformer,
+               .sliding = SlidingRule::kQwen}),
+    LlamaLike({.model_type = "qwen2_moe",
+               .class_prefix = "Qwen2Moe",
+               .dims = kQwen2MoeDims,
+               .flags = kQwen2MoeFlags,
+               .layer = kQwen2MoeLayer,
+               .heads = kHeadsQaModel,
+               .moe = MoePlacement::kSparseStep,
+               .sliding = SlidingRule::kQwen2Moe}),
+    LlamaLike({.model_type = "qwen3_moe",
+               .class_prefix = "Qwen3Moe",
+               .dims = kQwen3MoeDims,
+               .flags = kQwen3Flags,
+               .on = On(Flag::kHeadQkNorm),
+               .layer = kQwen3MoeLayer,
+               .heads = kHeadsQaTransformer,
+               .moe = MoePlacement::kSparseStep,
+               .sliding = SlidingRule::kEveryLayerIfUsed}),
+    LlamaLike({.model_type = "gemma",
+               .class_prefix = "Gemma",
+               .dims = kGemmaDims,
+               .flags = kGemmaFlags,
+               .on = On(Flag::kScaledEmbedding),
+               .heads = kHeadsSeqToken,
+               .act_alias = "hidden_activation",
+               .act_default = "gelu_pytorch_tanh"}),
+    LlamaLike({.model_type = "gemma2",
+               .class_prefix = "Gemma2",
+               .dims = kGemma2Dims,
+               .flags = kGemmaFlags,
+               .on = On(Flag::kScaledEmbedding, Flag::kSandwichNorms, Flag::kPostFfNorm),
+               .heads = kHeadsSeqToken,
+               .sliding = SlidingRule::kAlternate,
+               .act_field = "hidden_activation",
+               .act_default = "gelu_pytorch_tanh"}),
+    LlamaLike({.model_type = "gemma3_text",
+               .class_prefix = "Gemma3",
+               .base_class = "Gemma3TextModel",
+               .dims = kGemma3Dims,
+               .flags = kGemmaFlags,
+               .on = On(Flag::kScaledEmbedding, Flag::kSandwichNorms, Flag::kPostFfNorm,
+                        Flag::kHeadQkNorm, Flag::kRotaryPerType),
+               .heads = kGemma3Heads,
+               .sliding = SlidingRule::kPattern,
+               .act_field = "hidden_activation",
+               .act_default = "gelu_pytorch_tanh"}),
+    LlamaLike({.model_type = "olmo2",
+               .class_prefix = "Olmo2",
+               .dims = kOlmo2Dims,
+               .flags = kUntiedAttentionBias,
+               .on = On(Flag::kFullQkNorm, Flag::kNoInputNorm, Flag::kPostFfNorm),
+               .heads = kHeadsSeq}),
+    LlamaLike({.model_type = "starcoder2",
+               .class_prefix = "Starcoder2",
+               .dims = kStarcoder2Dims,
+               .flags = kStarcoder2Flags,
+               .on = On(Flag::kNormBias),
+               .layer = kStarcoder2Layer,
+               .heads = kHeadsSeqToken,
+               .sliding = SlidingRule::kEveryLayer,
+               .gated_mlp = false,
+               .act_default = "gelu_pytorch_tanh",
+               .hidden_dropout_field = "residual_dropout",
+               .embedding_dropout_field = "embedding_dropout"}),
+    LlamaLike({.model_type = "phi",
+               .class_prefix = "Phi",
+               .dims = kPhiDims,
+               .flags = kPhiFlags,
+               .layer = kPhiLayer,
+               .after = kPhiAfter,
+               .lm_head = Linear("lm_head", W::kHidden, W::kVocab, kYes),
+               .heads = kHeadsSeqToken,
+               .gated_mlp = false,
+               .parallel_attention = true,
+               .partial_rotary = true,
+               .partial_rotary_default = 0.5,
+               .act_default = "gelu_new",
+               .hidden_dropout_field = "resid_pdrop",
+               .embedding_dropout_field = "embd_pdrop"}),
+    LlamaLike({.model_type = "phi3",
+               .class_prefix = "Phi3",
+               .dims = kPhi3Dims,
+               .flags = kUntied,
+               .layer = kPhi3Layer,
+               .heads = kHeadsSeqToken,
+               .sliding = SlidingRule::kEveryLayer,
+               .partial_rotary = true,
+               .hidden_dropout_field = "resid_pdrop",
+               .embedding_dropout_field = "embd_pdrop"}),
+    LlamaLike({.model_type = "deepseek_v2",
+               .class_prefix = "DeepseekV2",
+               .dims = kDeepseekV2Dims,
+               .more_dims = kMlaDims,
+               .flags = kDeepseekV2Flags,
+               .before = kDeepseekBefore,
+               .layer = kDeepseekLayer,
+               .heads = kHeadsSeq,
+               .moe = MoePlacement::kAfterDense,
+               .mla = true}),
+    LlamaLike({.model_type = "deepseek_v3",
+               .class_prefix = "DeepseekV3",
+               .dims = kDeepseekV3Dims,
+               .more_dims = kMlaDims,
+               .flags = kDeepseekV3Flags,
+               .on = On(Flag::kRouterBiasBuffer),
+               .before = kDeepseekBefore,
+               .layer = kDeepseekLayer,
+               .heads = kHeadsSeqToken,
+               .moe = MoePlacement::kAfterDense,
+               .mla = true,
+               .mtp = true}),
+    LlamaLike({.model_type = "gpt_oss",
+               .class_prefix = "GptOss",
+               .dims = kGptOssDims,
+               .flags = kGptOssFlags,
+               .layer = kGptOssLayer,
+               .heads = kHeadsSeqToken,
+               .moe = MoePlacement::kEveryLayer,
+               .sliding = SlidingRule::kAlternate,
+               .attention_sinks = true}),
+    {.model_type = "falcon",
+     .class_prefix = "Falcon",
+     .prefix = "transformer",
+     .dims = kFalconDims,
+     .flags = kFalconFlags,
+     .on = On(Flag::kNormBias),
+     .adjust = &AdjustFalcon,
+     .before = kWordEmbeddings,
+     .layers = "h",
+     .layer = kFalconLayer,
+     .after = kFalconAfter,
+     .tied_embedding = "word_embeddings.weight",
+     .heads = kTransformerHeads,
+     .gated_mlp = false,
+     .act_field = "activation",
+     .act_default = "gelu",
+     .hidden_dropout_field = "hidden_dropout"},
+    {.model_type = "bloom",
+     .class_prefix = "Bloom",
+     .no_split_class = "BloomBlock",
+     .prefix = "transformer",
+     .dims = kBloomDims,
+     .flags = kBloomFlags,
+     .before = kBloomBefore,
+     .layers = "h",
+     .layer = kBloomLayer,
+     .after = kLnF,
+     .tied_embedding = "word_embeddings.weight",
+     .heads = kTransformerHeads,
+     .gated_mlp = false,
+     .act_field = {},
+     .act_default = "gelu",
+     .hidden_dropout_field = "hidden_dropout"},
+    {.model_type = "gptj",
+     .class_prefix = "GPTJ",
+     .no_split_class = "GPTJBlock",
+     .prefix = "transformer",
+     .dims = kGptjDims,
+     .flags = kGptjFlags,
+     .before = kWte,
+     .layers = "h",
+     .layer = kGptjLayer,
+     .after = kLnF,
+     .lm_head = Linear("lm_head", W::kHidden, W::kVocab, kYes),
+     .tied_embedding = "wte.weight",
+     .heads = kGptjHeads,
+     .gated_mlp = false,
+     .parallel_attention = true,
+     .act_field = "activation_function",
+     .act_default = "gelu_new",
+     .attention_dropout_field = "attn_pdrop",
+     .hidden_dropout_field = "resid_pdrop",
+     .embedding_dropout_field = "embd_pdrop"},
+    {.model_type = "opt",
+     .class_prefix = "OPT",
+     .dims = kOptDims,
+     .flags = kOptFlags,
+     .adjust = &AdjustOpt,
+     .before = kOptBefore,
+     .layers = "decoder.layers",
+     .layer = kOptLayer,
+     .lm_head = Linear("lm_head", W::kEmbedProj, W::kVocab),
+     .tied_embedding = "decoder.embed_tokens.weight",
+     .heads = kOptHeads,
+     .gated_mlp = false,
+     .learned_positions = true,
+     .act_field = "activation_function",
+     .act_default = "relu",
+     .hidden_dropout_field = "dropout",
+     .hidden_dropout_default = 0.1},
+};
+
+constexpr const FamilySpec* kFamilyList[] = {
+    &kFamilies[0],  &kFamilies[1],  &kFamilies[2],  &kFamilies[3],  &kFamilies[4],  &kFamilies[5],
+    &kFamilies[6],  &kFamilies[7],  &kFamilies[8],  &kFamilies[9],  &kFamilies[10], &kFamilies[11],
+    &kFamilies[12], &kFamilies[13], &kFamilies[14], &kFamilies[15], &kFamilies[16], &kFamilies[17],
+    &kFamilies[18], &kFamilies[19], &kFamilies[20], &kFamilies[21], &kFamilies[22],
+};
+static_assert(std::size(kFamilyList) == std::size(kFamilies));
 
 }  // namespace
 
-Status BuildGpt2(const FamilyRequest& request, ModelInventory* out) {
-  const ConfigReader& config = request.config;
-  MEMPLAN_ASSIGN_OR_RETURN(bool base, ChooseClass(request, {"GPT2Model", "GPT2LMHeadModel"}, out));
-  MEMPLAN_ASSIGN_OR_RETURN(DType dtype, ReadDType(config));
-  // GPT2Config defaults: the published 124M gpt2 (see Note [Required size fields]).
-  MEMPLAN_ASSIGN_OR_RETURN(NamedDim hidden, Gpt2Dim(config, "hidden_size", "n_embd", 768));
-  MEMPLAN_ASSIGN_OR_RETURN(NamedDim layers, Gpt2Dim(config, "num_hidden_layers", "n_layer", 12));
-  MEMPLAN_ASSIGN_OR_RETURN(NamedDim heads, Gpt2Dim(config, "num_attention_heads", "n_head", 12));
-  MEMPLAN_ASSIGN_OR_RETURN(NamedDim positions,
-                           Gpt2Dim(config, "max_position_embeddings", "n_positions", 1024));
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t vocab, config.DimOr("vocab_size", 50257));
-  // n_inner: null in the config means 4 * n_embd.
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t inner, config.DimOr("n_inner", 4 * hidden.value));
-  MEMPLAN_ASSIGN_OR_RETURN(bool cross, config.BoolOr("add_cross_attention", false));
-  MEMPLAN_ASSIGN_OR_RETURN(bool tie, config.BoolOr("tie_word_embeddings", true));
-  if (hidden.value % heads.value != 0) {
-    // GPT2Attention raises the same.
-    return config.FieldError(heads.field, std::to_string(heads.value) + " does not divide " +
-                                              std::string(hidden.field) + " " +
-                                              std::to_string(hidden.value));
+std::span<const FamilySpec* const> Families() { return kFamilyList; }
+
+const FamilySpec* FindFamily(std::string_view model_type) {
+  for (const FamilySpec* spec : kFamilyList) {
+    if (spec->model_type == model_type) return spec;
   }
-  MEMPLAN_RETURN_IF_ERROR(CheckTensorBudget(config, layers.field, layers.value, 24));
-  ArchitectureInfo arch;
-  arch.hidden = hidden.value;
-  arch.layers = layers.value;
-  arch.heads = arch.kv_heads = heads.value;
-  arch.head_dim = hidden.value / heads.value;
-  arch.intermediate = inner;
-  arch.vocab = vocab;
-  arch.max_positions = positions.value;
-  arch.learned_positions = true;
-  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act, config.StringOr("activation_function", "gelu_new"));
-  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_dropout, config.ProbabilityOr("resid_pdrop", 0.1));
-  MEMPLAN_ASSIGN_OR_RETURN(arch.attention_dropout, config.ProbabilityOr("attn_pdrop", 0.1));
-  MEMPLAN_ASSIGN_OR_RETURN(arch.embedding_dropout, config.ProbabilityOr("embd_pdrop", 0.1));
-  out->arch = arch;
-
-  const int64_t h = hidden.value;
-  const std::string prefix = base ? "" : "transformer.";
-  const std::string embedding = prefix + "wte.weight";
-
-  TensorSink sink(out, dtype);
-  sink.Add(embedding, {vocab, h});
-  sink.Add(prefix + "wpe.weight", {positions.value, h});
-  for (int64_t i = 0; i < layers.value; ++i) {
-    const std::string block = prefix + "h." + std::to_string(i) + ".";
-    sink.Norm(block + "ln_1", h, /*bias=*/true);
-    sink.Conv1D(block + "attn.c_attn", h, 3 * h);
-    sink.Conv1D(block + "attn.c_proj", h, h);
-    sink.Norm(block + "ln_2", h, /*bias=*/true);
-    if (cross) {
-      // Cross-attention projects keys and values from the encoder (c_attn) and queries from
-      // the decoder (q_attn) separately.
-      sink.Conv1D(block + "crossattention.c_attn", h, 2 * h);
-      sink.Conv1D(block + "crossattention.q_attn", h, h);
-      sink.Conv1D(block + "crossattention.c_proj", h, h);
-      sink.Norm(block + "ln_cross_attn", h, /*bias=*/true);
-    }
-    sink.Conv1D(block + "mlp.c_fc", h, inner);
-    sink.Conv1D(block + "mlp.c_proj", inner, h);
-  }
-  sink.Norm(prefix + "ln_f", h, /*bias=*/true);
-  if (!base) sink.Add("lm_head.weight", {vocab, h}, tie ? embedding : "");
-  return sink.status();
+  return nullptr;
 }
 
-Status BuildGptNeox(const FamilyRequest& request, ModelInventory* out) {
-  const ConfigReader& config = request.config;
-  MEMPLAN_ASSIGN_OR_RETURN(bool base,
-                           ChooseClass(request, {"GPTNeoXModel", "GPTNeoXForCausalLM"}, out));
-  MEMPLAN_ASSIGN_OR_RETURN(DType dtype, ReadDType(config));
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t hidden, config.Dim("hidden_size"));
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t layers, config.Dim("num_hidden_layers"));
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t heads, config.Dim("num_attention_heads"));
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t intermediate, config.Dim("intermediate_size"));
-  MEMPLAN_ASSIGN_OR_RETURN(int64_t vocab, config.Dim("vocab_size"));
-  // Both default as in GPTNeoXConfig: biased attention projections, untied embed_out.
-  MEMPLAN_ASSIGN_OR_RETURN(bool attention_bias, config.BoolOr("attention_bias", true));
-  MEMPLAN_ASSIGN_OR_RETURN(bool tie, config.BoolOr("tie_word_embeddings", false));
-  if (hidden % heads != 0) {
-    // GPTNeoXConfig raises the same.
-    return config.FieldError(
-        "num_attention_heads",
-        std::to_string(heads) + " does not divide hidden_size " + std::to_string(hidden));
-  }
-  MEMPLAN_RETURN_IF_ERROR(CheckTensorBudget(config, "num_hidden_layers", layers, 12));
-  ArchitectureInfo arch;
-  arch.hidden = hidden;
-  arch.layers = layers;
-  arch.heads = arch.kv_heads = heads;
-  arch.head_dim = hidden / heads;
-  arch.intermediate = intermediate;
-  arch.vocab = vocab;
-  MEMPLAN_ASSIGN_OR_RETURN(arch.max_positions, config.DimOr("max_position_embeddings", 2048));
-  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act, config.StringOr("hidden_act", "gelu"));
-  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_dropout, config.ProbabilityOr("hidden_dropout", 0.0));
-  MEMPLAN_ASSIGN_OR_RETURN(arch.attention_dropout, config.ProbabilityOr("attention_dropout", 0.0));
-  out->arch = arch;
-
-  const std::string prefix = base ? "" : "gpt_neox.";
-  const std::string embedding = prefix + "embed_in.weight";
-
-  TensorSink sink(out, dtype);
-  sink.Add(embedding, {vocab, hidden});
-  for (int64_t i = 0; i < layers; ++i) {
-    const std::string layer = prefix + "layers." + std::to_string(i) + ".";
-    // GPTNeoXLayer registers both norms before the attention and the MLP.
-    sink.Norm(layer + "input_layernorm", hidden, /*bias=*/true);
-    sink.Norm(layer + "post_attention_layernorm", hidden, /*bias=*/true);
-    sink.Linear(layer + "attention.query_key_value", hidden, 3 * hidden, attention_bias);
-    sink.Linear(layer + "attention.dense", hidden, hidden, attention_bias);
-    sink.Linear(layer + "mlp.dense_h_to_4h", hidden, intermediate, /*bias=*/true);
-    sink.Linear(layer + "mlp.dense_4h_to_h", intermediate, hidden, /*bias=*/true);
-  }
-  sink.Norm(prefix + "final_layer_norm", hidden, /*bias=*/true);
-  if (!base) sink.Add("embed_out.weight", {vocab, hidden}, tie ? embedding : "");
-  return sink.status();
-}
-
-Status BuildLlama(const FamilyRequest& request, ModelInventory* out) {
-  LlamaLikeFamily family;
-  family.names = {"LlamaModel", "LlamaForCausalLM"};
-  family.attention_bias_field = true;
-  family.mlp_bias_field = true;
-  return BuildLlamaLike(request, family, out);
-}
-
-Status BuildMistral(const FamilyRequest& request, ModelInventory* out) {
-  LlamaLikeFamily family;
-  family.names = {"MistralModel", "MistralForCausalLM"};
-  family.max_positions_default = 4096 * 32;
-  return BuildLlamaLike(request, family, out);
-}
-
-Status BuildMixtral(const FamilyRequest& request, ModelInventory* out) {
-  LlamaLikeFamily family;
-  family.names = {"MixtralModel", "MixtralForCausalLM"};
-  family.moe = true;
-  family.max_positions_default = 4096 * 32;
-  return BuildLlamaLike(request, family, out);
-}
-
-Status BuildQwen2(const FamilyRequest& request, ModelInventory* out) {
-  LlamaLikeFamily family;
-  family.names = {"Qwen2Model", "Qwen2ForCausalLM"};
-  family.qkv_bias = true;
-  family.max_positions_default = 32768;
-  return BuildLlamaLike(request, family, out);
-}
-
-Status BuildGemma(const FamilyRequest& request, ModelInventory* out) {
-  LlamaLikeFamily family;
-  family.names = {"GemmaModel", "GemmaForCausalLM"};
-  family.tie_default = true;
-  family.head_dim_default = 256;
-  family.max_positions_default = 8192;
-  family.hidden_act_default = "gelu_pytorch_tanh";
-  family.attention_bias_field = true;
-  return BuildLlamaLike(request, family, out);
-}
-
-}  // namespace memplan::estimator
+}  // namespace memplan::estimator::family

@@ -212,11 +212,17 @@ TEST_CASE("decoder: mistral-7b matches the published 7,241,732,096 parameters") 
 }
 
 TEST_CASE("decoder: mixtral-8x7b matches the published 46,702,792,704 parameters") {
-  ModelInventory mixtral = Fixture("mixtral-8x7b");
+  BuildOptions per_expert;
+  per_expert.experts = ExpertLayout::kPerExpert;
+  Result<ModelInventory> built =
+      InventoryFromHfConfigText(ReadFixture("mixtral-8x7b"), "mixtral-8x7b", per_expert);
+  REQUIRE(built.ok());
+  ModelInventory mixtral = *built;
   ModelCounts counts = Counts(mixtral);
   // Hugging Face Hub safetensors metadata for mistralai/Mixtral-8x7B-v0.1:
   // 46,702,792,704 (the "46.7B" of Mistral AI's announcement).
   CHECK(counts.params_total == 46'702'792'704);
+  // One Linear per expert: DeepSpeed's largest module is the token embedding.
   CHECK(counts.largest_layer_params == 131'072'000);
   CHECK(counts.num_tensors == 1 + 32 * (4 + 1 + 8 * 3 + 2) + 1 + 1);
   CHECK(mixtral.architecture == "MixtralForCausalLM");
@@ -242,6 +248,24 @@ TEST_CASE("decoder: mixtral-8x7b matches the published 46,702,792,704 parameters
   CHECK(order[5] == "model.layers.0.block_sparse_moe.experts.0.w1.weight");
   CHECK(order[6] == "model.layers.0.block_sparse_moe.experts.0.w2.weight");
   CHECK(order[29] == "model.layers.0.input_layernorm.weight");
+
+  // Fused, as Transformers >= 5 builds it (the default): the router, then every expert of a layer
+  // in two 3-D tensors; the same total, but DeepSpeed's largest module holds all 8 experts.
+  ModelInventory fused = Fixture("mixtral-8x7b");
+  ModelCounts fused_counts = Counts(fused);
+  CHECK(fused_counts.params_total == 46'702'792'704);
+  CHECK(fused_counts.largest_layer_params == 8ull * 3 * 4096 * 14336);
+  CHECK(fused_counts.largest_layer_module == "model.layers.0.mlp.experts");
+  CHECK(BlockNames(fused, "model.layers.0") ==
+        std::vector<std::string>{
+            "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+            "model.layers.0.mlp.gate.weight", "model.layers.0.mlp.experts.gate_up_proj",
+            "model.layers.0.mlp.experts.down_proj", "model.layers.0.input_layernorm.weight",
+            "model.layers.0.post_attention_layernorm.weight"});
+  CHECK(Tensor(fused, "model.layers.0.mlp.experts.gate_up_proj").shape ==
+        Shape{8, 2 * 14336, 4096});
+  CHECK(Tensor(fused, "model.layers.0.mlp.experts.down_proj").shape == Shape{8, 4096, 14336});
 
   // num_local_experts defaults to 8 (MixtralConfig).
   nlohmann::json config = FixtureJson("mixtral-8x7b");
@@ -457,9 +481,10 @@ TEST_CASE("decoder: errors name the field at fault") {
     CHECK(Contains(BuildError(llama), "'num_key_value_heads'"));
   }
   SUBCASE("unknown architecture") {
-    llama["architectures"] = {"LlamaForSequenceClassification"};
+    llama["architectures"] = {"LlamaForMultipleChoice"};
     std::string error = BuildError(llama);
     CHECK(Contains(error, "'architectures'"));
+    CHECK(Contains(error, "LlamaForMultipleChoice"));
     CHECK(Contains(error, "LlamaForSequenceClassification"));
     CHECK(Contains(error, "LlamaForCausalLM"));
     CHECK(Contains(error, "LlamaModel"));

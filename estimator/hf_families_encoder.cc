@@ -1,9 +1,11 @@
-// Family builders for the encoder families: bert, roberta and t5 (hf_config.h).
+// Family builders for the encoder families: bert, roberta, xlm-roberta, distilbert and t5
+// (hf_config.h), with their task heads.
 //
 // Each builder emits the tensors of the class Transformers would build, in the order of
 // `model.named_parameters(remove_duplicate=False)`: a module's own parameters before its
-// children's, children in registration order. Buffers (position_ids, token_type_ids) are not
-// parameters and never appear.
+// children's, children in registration order; then the buffers (position_ids, token_type_ids:
+// never parameters, but in Accelerate's sizes), and the modules Accelerate keeps whole
+// (`_no_split_modules`).
 //
 // Where Transformers releases disagree, the checkpoint wins: an inventory should describe the
 // tensors a user trains after `from_pretrained`. So
@@ -12,7 +14,8 @@
 //   - T5 v1.1 (`tie_word_embeddings: false`) keeps a separate lm_head (5.x's T5Config forces the
 //     tie when building from a config, and unties again when a checkpoint's lm_head differs).
 // Where releases differ only in order, the current one (5.x) wins: RoBERTa registers
-// position_embeddings after LayerNorm there (4.x: second).
+// position_embeddings after LayerNorm there (4.x: second), and XLM-RoBERTa's head classes
+// register their head before the encoder (so the head's decoder holds the tied embedding first).
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -21,6 +24,7 @@
 #include <vector>
 
 #include "estimator/hf_config.h"
+#include "estimator/hf_family.h"
 
 namespace memplan::estimator {
 namespace {
@@ -51,23 +55,15 @@ class TensorSink {
     return Param(prefix + ".bias", {dim});
   }
 
+  // The position ids (and BERT's token type ids) embeddings register: int64 [1, positions].
+  Status IdBuffer(const std::string& name, int64_t positions) {
+    return out_->AddBuffer(name, {1, positions}, DType::kI64);
+  }
+
  private:
   ModelInventory* out_;
   DType dtype_;
 };
-
-// The dtype the checkpoint was saved in. Older Transformers write `torch_dtype`; newer ones write
-// `dtype` and prefer it when a file has both. Values such as "auto" name no storage type; the
-// estimate then assumes fp32, which is what Transformers builds from a config by default.
-Result<DType> ConfigDType(const ConfigReader& config) {
-  for (std::string_view field : {"dtype", "torch_dtype"}) {
-    if (!config.Has(field)) continue;
-    MEMPLAN_ASSIGN_OR_RETURN(std::string text, config.StringOr(field, ""));
-    Result<DType> parsed = ParseDType(text);
-    return parsed.ok() ? *parsed : DType::kF32;
-  }
-  return DType::kF32;
-}
 
 // `layers` as read from `field` (already a valid dimension), or an error past kMaxLayers.
 Result<int64_t> CheckLayerCount(const ConfigReader& config, std::string_view field,
@@ -79,11 +75,49 @@ Result<int64_t> CheckLayerCount(const ConfigReader& config, std::string_view fie
   return layers;
 }
 
-// One class a family can build, and the kind of model it is.
-struct ClassSpec {
-  std::string_view name;
-  std::string_view model_class;  // "base", "masked_lm", "causal_lm", "seq2seq_lm"
+// The task head a class adds to its encoder.
+enum class EncoderHead {
+  kNone,
+  kMaskedLm,         // the MLM prediction head (BertForMaskedLM, RobertaForMaskedLM)
+  kCausalLm,         // the same head used causally (BertLMHeadModel, RobertaForCausalLM)
+  kPreTraining,      // MLM head + next-sentence classifier
+  kNextSentence,     // next-sentence classifier alone
+  kSequence,         // ...ForSequenceClassification
+  kToken,            // ...ForTokenClassification
+  kQuestionAnswering,
+  kMultipleChoice,
 };
+
+// One class a family can build: its name, the kind of model it is, its head, and whether its
+// encoder keeps the pooler.
+struct ClassSpec {
+  std::string name;
+  std::string_view model_class;  // "base", "masked_lm", "causal_lm", "seq2seq_lm", ...
+  EncoderHead head = EncoderHead::kNone;
+  bool pooler = false;
+};
+
+std::string_view HeadModelClass(EncoderHead head) {
+  switch (head) {
+    case EncoderHead::kNone: return "base";
+    case EncoderHead::kMaskedLm:
+    case EncoderHead::kPreTraining: return "masked_lm";
+    case EncoderHead::kCausalLm: return "causal_lm";
+    case EncoderHead::kNextSentence:
+    case EncoderHead::kSequence: return "sequence_classification";
+    case EncoderHead::kToken: return "token_classification";
+    case EncoderHead::kQuestionAnswering: return "question_answering";
+    case EncoderHead::kMultipleChoice: return "multiple_choice";
+  }
+  return "base";
+}
+
+// Older class names Transformers dropped, and the class they stood for (config.json files on the
+// Hub still carry them: t5-3b and t5-11b say T5WithLMHeadModel).
+std::string_view CurrentClassName(std::string_view name) {
+  if (name == "T5WithLMHeadModel") return "T5ForConditionalGeneration";
+  return name;
+}
 
 // Finds the class to build: the family's base class for kBase, `default_class` when config.json
 // names none, else the named class if the family supports it.
@@ -93,23 +127,26 @@ Result<ClassSpec> ChooseClass(const FamilyRequest& request, const std::vector<Cl
   std::string_view wanted = request.choice == ModelClassChoice::kBase ? classes[0].name
                             : request.architecture.empty()            ? default_class
                                                                       : request.architecture;
+  wanted = CurrentClassName(wanted);
   for (const ClassSpec& spec : classes) {
     if (spec.name == wanted) return spec;
   }
   std::string supported;
   for (const ClassSpec& spec : classes) {
-    supported += (supported.empty() ? "" : ", ") + std::string(spec.name);
+    supported += (supported.empty() ? "" : ", ") + spec.name;
   }
   return request.config.FieldError(
       "architectures", "'" + std::string(wanted) +
                            "' is not a class memplan can build (supported: " + supported +
                            "); pass --model-class base to estimate the base model (" +
-                           std::string(classes[0].name) + ") without its task head");
+                           classes[0].name + ") without its task head");
 }
 
 // --- BERT and RoBERTa -----------------------------------------------------------------------
 
-enum class BertFlavor { kBert, kRoberta };
+// RoBERTa and XLM-RoBERTa share structure and names (`roberta.`); XLM-RoBERTa's classes only
+// register their head first.
+enum class BertFlavor { kBert, kRoberta, kXlmRoberta };
 
 struct BertDims {
   int64_t vocab = 0;
@@ -122,6 +159,7 @@ struct BertDims {
   bool distance_embedding = false;  // position_embedding_type relative_key(_query)
   bool cross_attention = false;     // is_decoder with add_cross_attention
   bool tie_word_embeddings = true;
+  int64_t labels = 2;
   std::string hidden_act;
   double hidden_dropout = 0;
   double attention_dropout = 0;
@@ -159,6 +197,7 @@ Result<BertDims> ReadBertDims(const ConfigReader& config) {
                              "only into a decoder");
   }
   MEMPLAN_ASSIGN_OR_RETURN(d.tie_word_embeddings, config.BoolOr("tie_word_embeddings", true));
+  MEMPLAN_ASSIGN_OR_RETURN(d.labels, family::NumLabels(config));
   MEMPLAN_ASSIGN_OR_RETURN(d.hidden_act, config.StringOr("hidden_act", "gelu"));
   MEMPLAN_ASSIGN_OR_RETURN(d.hidden_dropout, config.ProbabilityOr("hidden_dropout_prob", 0.1));
   MEMPLAN_ASSIGN_OR_RETURN(d.attention_dropout,
@@ -181,11 +220,13 @@ Status AddBertAttention(TensorSink& sink, const std::string& prefix, const BertD
 }
 
 // BertModel / RobertaModel under `prefix` ("" for the bare model, "bert." or "roberta." inside a
-// head class).
+// head class). `word_embeddings_tied_to` names the head's decoder when the head came first.
 Status AddBertModel(TensorSink& sink, const std::string& prefix, const BertDims& d,
-                    BertFlavor flavor, bool pooler) {
+                    BertFlavor flavor, bool pooler, const std::string& word_embeddings_tied_to,
+                    ModelInventory* out) {
   const std::string emb = prefix + "embeddings.";
-  MEMPLAN_RETURN_IF_ERROR(sink.Param(emb + "word_embeddings.weight", {d.vocab, d.hidden}));
+  MEMPLAN_RETURN_IF_ERROR(
+      sink.Param(emb + "word_embeddings.weight", {d.vocab, d.hidden}, word_embeddings_tied_to));
   if (flavor == BertFlavor::kBert) {
     MEMPLAN_RETURN_IF_ERROR(
         sink.Param(emb + "position_embeddings.weight", {d.max_positions, d.hidden}));
@@ -193,7 +234,7 @@ Status AddBertModel(TensorSink& sink, const std::string& prefix, const BertDims&
   MEMPLAN_RETURN_IF_ERROR(
       sink.Param(emb + "token_type_embeddings.weight", {d.type_vocab, d.hidden}));
   MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(emb + "LayerNorm", d.hidden));
-  if (flavor == BertFlavor::kRoberta) {
+  if (flavor != BertFlavor::kBert) {
     // RobertaEmbeddings registers its padding-aware position table last (see file comment).
     MEMPLAN_RETURN_IF_ERROR(
         sink.Param(emb + "position_embeddings.weight", {d.max_positions, d.hidden}));
@@ -213,6 +254,13 @@ Status AddBertModel(TensorSink& sink, const std::string& prefix, const BertDims&
   if (pooler) {
     MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + "pooler.dense", d.hidden, d.hidden, true));
   }
+  MEMPLAN_RETURN_IF_ERROR(sink.IdBuffer(emb + "position_ids", d.max_positions));
+  MEMPLAN_RETURN_IF_ERROR(sink.IdBuffer(emb + "token_type_ids", d.max_positions));
+  // _no_split_modules: the embeddings and every layer.
+  out->no_split_modules.push_back(prefix + "embeddings");
+  for (int64_t i = 0; i < d.layers; ++i) {
+    out->no_split_modules.push_back(prefix + "encoder.layer." + std::to_string(i));
+  }
   return Status::Ok();
 }
 
@@ -222,6 +270,8 @@ Status AddBertModel(TensorSink& sink, const std::string& prefix, const BertDims&
 // embedding unless tie_word_embeddings is false.
 Status AddLmHead(TensorSink& sink, const std::string& head, const std::string& word_embeddings,
                  const BertDims& d, BertFlavor flavor) {
+  // Registered before the encoder (XLM-RoBERTa), the head's decoder holds the tied matrix and the
+  // word embedding becomes its alias; `word_embeddings` is then empty.
   MEMPLAN_RETURN_IF_ERROR(sink.Param(head + ".bias", {d.vocab}));
   if (flavor == BertFlavor::kBert) {
     MEMPLAN_RETURN_IF_ERROR(sink.Linear(head + ".transform.dense", d.hidden, d.hidden, true));
@@ -235,39 +285,81 @@ Status AddLmHead(TensorSink& sink, const std::string& head, const std::string& w
   return sink.Param(head + ".decoder.bias", {d.vocab}, head + ".bias");
 }
 
+// The classes of a BERT-like family, base first. The LM classes and the token and QA heads build
+// their encoder without the pooler; sequence classification keeps it for BERT only (RoBERTa's
+// classification head pools by itself).
+std::vector<ClassSpec> BertClasses(BertFlavor flavor) {
+  const std::string p = flavor == BertFlavor::kBert       ? "Bert"
+                        : flavor == BertFlavor::kRoberta ? "Roberta"
+                                                          : "XLMRoberta";
+  const bool bert = flavor == BertFlavor::kBert;
+  std::vector<ClassSpec> classes = {
+      {p + "Model", "base", EncoderHead::kNone, true},
+      {p + "ForMaskedLM", "masked_lm", EncoderHead::kMaskedLm, false},
+      {bert ? p + "LMHeadModel" : p + "ForCausalLM", "causal_lm", EncoderHead::kCausalLm, false},
+      {p + "ForSequenceClassification", "", EncoderHead::kSequence, bert},
+      {p + "ForTokenClassification", "", EncoderHead::kToken, false},
+      {p + "ForQuestionAnswering", "", EncoderHead::kQuestionAnswering, false},
+      {p + "ForMultipleChoice", "", EncoderHead::kMultipleChoice, true},
+  };
+  if (bert) {
+    classes.push_back({"BertForPreTraining", "masked_lm", EncoderHead::kPreTraining, true});
+    classes.push_back({"BertForNextSentencePrediction", "", EncoderHead::kNextSentence, true});
+  }
+  return classes;
+}
+
+// The head of `spec` for a BERT-like model whose encoder sits under `prefix`.
+Status AddBertHead(TensorSink& sink, const ClassSpec& spec, const std::string& prefix,
+                   const BertDims& d, BertFlavor flavor) {
+  const bool bert = flavor == BertFlavor::kBert;
+  const bool head_first = flavor == BertFlavor::kXlmRoberta;
+  const std::string word_embeddings =
+      head_first ? "" : prefix + "embeddings.word_embeddings.weight";
+  switch (spec.head) {
+    case EncoderHead::kNone: return Status::Ok();
+    case EncoderHead::kMaskedLm:
+    case EncoderHead::kCausalLm:
+      return AddLmHead(sink, bert ? "cls.predictions" : "lm_head", word_embeddings, d, flavor);
+    case EncoderHead::kPreTraining:
+      MEMPLAN_RETURN_IF_ERROR(AddLmHead(sink, "cls.predictions", word_embeddings, d, flavor));
+      return sink.Linear("cls.seq_relationship", d.hidden, 2, true);
+    case EncoderHead::kNextSentence: return sink.Linear("cls.seq_relationship", d.hidden, 2, true);
+    case EncoderHead::kSequence:
+      if (bert) return sink.Linear("classifier", d.hidden, d.labels, true);
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear("classifier.dense", d.hidden, d.hidden, true));
+      return sink.Linear("classifier.out_proj", d.hidden, d.labels, true);
+    case EncoderHead::kToken: return sink.Linear("classifier", d.hidden, d.labels, true);
+    case EncoderHead::kQuestionAnswering:
+      return sink.Linear("qa_outputs", d.hidden, d.labels, true);
+    case EncoderHead::kMultipleChoice: return sink.Linear("classifier", d.hidden, 1, true);
+  }
+  return Status::Ok();
+}
+
 Status BuildBertFamily(const FamilyRequest& request, ModelInventory* out, BertFlavor flavor) {
   const bool bert = flavor == BertFlavor::kBert;
-  // classes[0] is the base class, what AutoModel builds.
-  static const std::vector<ClassSpec> kBertClasses = {{"BertModel", "base"},
-                                                      {"BertForMaskedLM", "masked_lm"},
-                                                      {"BertForPreTraining", "masked_lm"},
-                                                      {"BertLMHeadModel", "causal_lm"}};
-  static const std::vector<ClassSpec> kRobertaClasses = {{"RobertaModel", "base"},
-                                                         {"RobertaForMaskedLM", "masked_lm"},
-                                                         {"RobertaForCausalLM", "causal_lm"}};
-  MEMPLAN_ASSIGN_OR_RETURN(ClassSpec spec,
-                           ChooseClass(request, bert ? kBertClasses : kRobertaClasses,
-                                       bert ? "BertForMaskedLM" : "RobertaForMaskedLM"));
+  const std::vector<ClassSpec> classes = BertClasses(flavor);
+  MEMPLAN_ASSIGN_OR_RETURN(ClassSpec spec, ChooseClass(request, classes, classes[1].name));
   MEMPLAN_ASSIGN_OR_RETURN(BertDims dims, ReadBertDims(request.config));
   MEMPLAN_ASSIGN_OR_RETURN(DType dtype, ConfigDType(request.config));
   TensorSink sink(out, dtype);
 
-  const bool base = spec.model_class == "base";
-  const bool pretraining = spec.name == "BertForPreTraining";
+  const bool base = spec.head == EncoderHead::kNone;
   const std::string prefix = base ? "" : bert ? "bert." : "roberta.";
-  // Only the bare model and BertForPreTraining (whose NSP head reads the pooled output) keep
-  // the pooler; the LM heads build the encoder with add_pooling_layer=False.
-  MEMPLAN_RETURN_IF_ERROR(AddBertModel(sink, prefix, dims, flavor, base || pretraining));
-  if (!base) {
-    const std::string head = bert ? "cls.predictions" : "lm_head";
-    MEMPLAN_RETURN_IF_ERROR(
-        AddLmHead(sink, head, prefix + "embeddings.word_embeddings.weight", dims, flavor));
-    if (pretraining) {
-      MEMPLAN_RETURN_IF_ERROR(sink.Linear("cls.seq_relationship", dims.hidden, 2, true));
-    }
+  const bool lm_head = spec.head == EncoderHead::kMaskedLm ||
+                       spec.head == EncoderHead::kCausalLm ||
+                       spec.head == EncoderHead::kPreTraining;
+  if (flavor == BertFlavor::kXlmRoberta && !base) {
+    MEMPLAN_RETURN_IF_ERROR(AddBertHead(sink, spec, prefix, dims, flavor));
+    const std::string tied = lm_head && dims.tie_word_embeddings ? "lm_head.decoder.weight" : "";
+    MEMPLAN_RETURN_IF_ERROR(AddBertModel(sink, prefix, dims, flavor, spec.pooler, tied, out));
+  } else {
+    MEMPLAN_RETURN_IF_ERROR(AddBertModel(sink, prefix, dims, flavor, spec.pooler, "", out));
+    MEMPLAN_RETURN_IF_ERROR(AddBertHead(sink, spec, prefix, dims, flavor));
   }
-  out->architecture = std::string(spec.name);
-  out->model_class = std::string(spec.model_class);
+  out->architecture = spec.name;
+  out->model_class = std::string(HeadModelClass(spec.head));
   ArchitectureInfo arch;
   arch.hidden = dims.hidden;
   arch.layers = dims.layers;
@@ -282,6 +374,107 @@ Status BuildBertFamily(const FamilyRequest& request, ModelInventory* out, BertFl
   arch.hidden_dropout = dims.hidden_dropout;
   arch.attention_dropout = dims.attention_dropout;
   arch.embedding_dropout = dims.hidden_dropout;
+  arch.no_split_class = bert ? "BertLayer" : flavor == BertFlavor::kRoberta ? "RobertaLayer"
+                                                                           : "XLMRobertaLayer";
+  out->arch = arch;
+  return Status::Ok();
+}
+
+// --- DistilBERT -------------------------------------------------------------------------------
+
+// DistilBertConfig names its sizes dim, n_layers, n_heads and hidden_dim (hidden_size etc. through
+// its attribute_map, which then win); required as for BERT.
+Status BuildDistilBertImpl(const FamilyRequest& request, ModelInventory* out) {
+  const ConfigReader& config = request.config;
+  const std::vector<ClassSpec> classes = {
+      {"DistilBertModel", "base", EncoderHead::kNone, false},
+      {"DistilBertForMaskedLM", "masked_lm", EncoderHead::kMaskedLm, false},
+      {"DistilBertForSequenceClassification", "", EncoderHead::kSequence, false},
+      {"DistilBertForTokenClassification", "", EncoderHead::kToken, false},
+      {"DistilBertForQuestionAnswering", "", EncoderHead::kQuestionAnswering, false},
+      {"DistilBertForMultipleChoice", "", EncoderHead::kMultipleChoice, false},
+  };
+  MEMPLAN_ASSIGN_OR_RETURN(ClassSpec spec, ChooseClass(request, classes, classes[1].name));
+  auto dim = [&](std::string_view field, std::string_view alias) -> Result<int64_t> {
+    return config.Dim(config.Has(alias) ? alias : field);
+  };
+  MEMPLAN_ASSIGN_OR_RETURN(int64_t vocab, config.Dim("vocab_size"));
+  MEMPLAN_ASSIGN_OR_RETURN(int64_t hidden, dim("dim", "hidden_size"));
+  MEMPLAN_ASSIGN_OR_RETURN(int64_t layers, dim("n_layers", "num_hidden_layers"));
+  MEMPLAN_ASSIGN_OR_RETURN(layers, CheckLayerCount(config, "n_layers", layers));
+  MEMPLAN_ASSIGN_OR_RETURN(int64_t heads, dim("n_heads", "num_attention_heads"));
+  MEMPLAN_ASSIGN_OR_RETURN(int64_t ffn, config.Dim("hidden_dim"));
+  MEMPLAN_ASSIGN_OR_RETURN(int64_t positions, config.DimOr("max_position_embeddings", 512));
+  MEMPLAN_ASSIGN_OR_RETURN(bool tie, config.BoolOr("tie_word_embeddings", true));
+  MEMPLAN_ASSIGN_OR_RETURN(int64_t labels, family::NumLabels(config));
+  if (spec.head == EncoderHead::kQuestionAnswering && labels != 2) {
+    // DistilBertForQuestionAnswering refuses any other count: it predicts start and end.
+    return config.FieldError(config.Has("id2label") ? "id2label" : "num_labels",
+                             "DistilBertForQuestionAnswering needs 2 labels (start, end), got " +
+                                 std::to_string(labels));
+  }
+  if (hidden % heads != 0) {
+    return config.FieldError(config.Has("num_attention_heads") ? "num_attention_heads" : "n_heads",
+                             std::to_string(heads) + " does not divide dim " +
+                                 std::to_string(hidden));
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(DType dtype, ConfigDType(config));
+  TensorSink sink(out, dtype);
+  const bool base = spec.head == EncoderHead::kNone;
+  const std::string prefix = base ? "" : "distilbert.";
+  const std::string emb = prefix + "embeddings.";
+  MEMPLAN_RETURN_IF_ERROR(sink.Param(emb + "word_embeddings.weight", {vocab, hidden}));
+  MEMPLAN_RETURN_IF_ERROR(sink.Param(emb + "position_embeddings.weight", {positions, hidden}));
+  MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(emb + "LayerNorm", hidden));
+  for (int64_t i = 0; i < layers; ++i) {
+    const std::string layer = prefix + "transformer.layer." + std::to_string(i) + ".";
+    for (const char* proj : {"q_lin", "k_lin", "v_lin", "out_lin"}) {
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear(layer + "attention." + proj, hidden, hidden, true));
+    }
+    MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(layer + "sa_layer_norm", hidden));
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(layer + "ffn.lin1", hidden, ffn, true));
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(layer + "ffn.lin2", ffn, hidden, true));
+    MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(layer + "output_layer_norm", hidden));
+  }
+  MEMPLAN_RETURN_IF_ERROR(sink.IdBuffer(emb + "position_ids", positions));
+  switch (spec.head) {
+    case EncoderHead::kMaskedLm:
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear("vocab_transform", hidden, hidden, true));
+      MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm("vocab_layer_norm", hidden));
+      MEMPLAN_RETURN_IF_ERROR(sink.Param("vocab_projector.weight", {vocab, hidden},
+                                         tie ? emb + "word_embeddings.weight" : ""));
+      MEMPLAN_RETURN_IF_ERROR(sink.Param("vocab_projector.bias", {vocab}));
+      break;
+    case EncoderHead::kSequence:
+    case EncoderHead::kMultipleChoice:
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear("pre_classifier", hidden, hidden, true));
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear(
+          "classifier", hidden, spec.head == EncoderHead::kSequence ? labels : 1, true));
+      break;
+    case EncoderHead::kToken:
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear("classifier", hidden, labels, true));
+      break;
+    case EncoderHead::kQuestionAnswering:
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear("qa_outputs", hidden, labels, true));
+      break;
+    default: break;
+  }
+  out->architecture = spec.name;
+  out->model_class = std::string(HeadModelClass(spec.head));
+  ArchitectureInfo arch;
+  arch.hidden = hidden;
+  arch.layers = layers;
+  arch.heads = arch.kv_heads = heads;
+  arch.head_dim = hidden / heads;
+  arch.intermediate = ffn;
+  arch.vocab = vocab;
+  arch.max_positions = positions;
+  arch.learned_positions = true;
+  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act, config.StringOr("activation", "gelu"));
+  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_dropout, config.ProbabilityOr("dropout", 0.1));
+  MEMPLAN_ASSIGN_OR_RETURN(arch.attention_dropout, config.ProbabilityOr("attention_dropout", 0.1));
+  arch.embedding_dropout = arch.hidden_dropout;
+  arch.no_split_class = "TransformerBlock";
   out->arch = arch;
   return Status::Ok();
 }
@@ -353,12 +546,14 @@ Status AddT5Attention(TensorSink& sink, const std::string& prefix, const T5Dims&
 
 // T5Stack: embed_tokens (the shared embedding module itself), blocks, final_layer_norm. T5's
 // layer norms are RMS norms: a weight and no bias.
-Status AddT5Stack(TensorSink& sink, const std::string& stack, const T5Dims& d, bool decoder) {
-  MEMPLAN_RETURN_IF_ERROR(
-      sink.Param(stack + ".embed_tokens.weight", {d.vocab, d.model}, "shared.weight"));
+// `shared` names the shared embedding; blocks are recorded as Accelerate's no-split modules.
+Status AddT5Stack(TensorSink& sink, const std::string& stack, const std::string& shared,
+                  const T5Dims& d, bool decoder, ModelInventory* out) {
+  MEMPLAN_RETURN_IF_ERROR(sink.Param(stack + ".embed_tokens.weight", {d.vocab, d.model}, shared));
   const int64_t layers = decoder ? d.decoder_layers : d.encoder_layers;
   for (int64_t i = 0; i < layers; ++i) {
     // T5Block.layer: self-attention, cross-attention (decoder only), feed-forward.
+    out->no_split_modules.push_back(stack + ".block." + std::to_string(i));
     const std::string block = stack + ".block." + std::to_string(i) + ".layer.";
     MEMPLAN_RETURN_IF_ERROR(AddT5Attention(sink, block + "0.SelfAttention", d, i == 0));
     MEMPLAN_RETURN_IF_ERROR(sink.Param(block + "0.layer_norm.weight", {d.model}));
@@ -389,22 +584,57 @@ Status BuildRoberta(const FamilyRequest& request, ModelInventory* out) {
   return BuildBertFamily(request, out, BertFlavor::kRoberta);
 }
 
+Status BuildXlmRoberta(const FamilyRequest& request, ModelInventory* out) {
+  return BuildBertFamily(request, out, BertFlavor::kXlmRoberta);
+}
+
+Status BuildDistilBert(const FamilyRequest& request, ModelInventory* out) {
+  return BuildDistilBertImpl(request, out);
+}
+
 Status BuildT5(const FamilyRequest& request, ModelInventory* out) {
-  static const std::vector<ClassSpec> kClasses = {{"T5Model", "base"},
-                                                  {"T5ForConditionalGeneration", "seq2seq_lm"},
-                                                  {"T5EncoderModel", "base"}};
+  // T5ForSequenceClassification wraps a T5Model and T5ForTokenClassification a T5EncoderModel
+  // under `transformer`; T5ForQuestionAnswering holds the stacks itself.
+  static const std::vector<ClassSpec> kClasses = {
+      {"T5Model", "base"},
+      {"T5ForConditionalGeneration", "seq2seq_lm"},
+      {"T5EncoderModel", "base"},
+      {"T5ForSequenceClassification", "sequence_classification", EncoderHead::kSequence},
+      {"T5ForTokenClassification", "token_classification", EncoderHead::kToken},
+      {"T5ForQuestionAnswering", "question_answering", EncoderHead::kQuestionAnswering}};
   MEMPLAN_ASSIGN_OR_RETURN(ClassSpec spec,
                            ChooseClass(request, kClasses, "T5ForConditionalGeneration"));
   MEMPLAN_ASSIGN_OR_RETURN(T5Dims dims, ReadT5Dims(request.config));
   MEMPLAN_ASSIGN_OR_RETURN(DType dtype, ConfigDType(request.config));
+  MEMPLAN_ASSIGN_OR_RETURN(int64_t labels, family::NumLabels(request.config));
   TensorSink sink(out, dtype);
 
+  const bool encoder_only =
+      spec.name == "T5EncoderModel" || spec.head == EncoderHead::kToken;
+  const std::string prefix =
+      spec.head == EncoderHead::kSequence || spec.head == EncoderHead::kToken ? "transformer." : "";
   // Both stacks hold the shared embedding module itself, so embed_tokens is tied whatever
   // tie_word_embeddings says; that flag only decides whether lm_head is a separate matrix.
-  MEMPLAN_RETURN_IF_ERROR(sink.Param("shared.weight", {dims.vocab, dims.model}));
-  MEMPLAN_RETURN_IF_ERROR(AddT5Stack(sink, "encoder", dims, /*decoder=*/false));
-  if (spec.name != "T5EncoderModel") {
-    MEMPLAN_RETURN_IF_ERROR(AddT5Stack(sink, "decoder", dims, /*decoder=*/true));
+  const std::string shared = prefix + "shared.weight";
+  MEMPLAN_RETURN_IF_ERROR(sink.Param(shared, {dims.vocab, dims.model}));
+  MEMPLAN_RETURN_IF_ERROR(AddT5Stack(sink, prefix + "encoder", shared, dims, false, out));
+  if (!encoder_only) {
+    MEMPLAN_RETURN_IF_ERROR(AddT5Stack(sink, prefix + "decoder", shared, dims, true, out));
+  }
+  switch (spec.head) {
+    case EncoderHead::kSequence:
+      MEMPLAN_RETURN_IF_ERROR(
+          sink.Linear("classification_head.dense", dims.model, dims.model, true));
+      MEMPLAN_RETURN_IF_ERROR(
+          sink.Linear("classification_head.out_proj", dims.model, labels, true));
+      break;
+    case EncoderHead::kToken:
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear("classifier", dims.model, labels, true));
+      break;
+    case EncoderHead::kQuestionAnswering:
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear("qa_outputs", dims.model, labels, true));
+      break;
+    default: break;
   }
   if (spec.model_class == "seq2seq_lm") {
     MEMPLAN_RETURN_IF_ERROR(sink.Param("lm_head.weight", {dims.vocab, dims.model},
@@ -415,7 +645,7 @@ Status BuildT5(const FamilyRequest& request, ModelInventory* out) {
   ArchitectureInfo arch;
   arch.hidden = dims.model;
   arch.layers = dims.encoder_layers;
-  arch.encoder_decoder = spec.name != "T5EncoderModel";
+  arch.encoder_decoder = !encoder_only;
   arch.decoder_layers = arch.encoder_decoder ? dims.decoder_layers : 0;
   arch.heads = arch.kv_heads = dims.heads;
   arch.head_dim = dims.kv;
@@ -424,6 +654,7 @@ Status BuildT5(const FamilyRequest& request, ModelInventory* out) {
   arch.hidden_act = dims.act;
   arch.gated_mlp = dims.gated;
   arch.hidden_dropout = arch.attention_dropout = arch.embedding_dropout = dims.dropout;
+  arch.no_split_class = "T5Block";
   out->arch = arch;
   return Status::Ok();
 }

@@ -491,12 +491,12 @@ TEST_CASE("encoder: heads must divide hidden_size; cross-attention needs a decod
 
 TEST_CASE("encoder: an unknown architecture lists the supported classes and the way out") {
   nlohmann::json config = TinyBert();
-  config["architectures"] = {"BertForSequenceClassification"};
+  config["architectures"] = {"BertForDocumentRanking"};
   Status s = BuildError(config);
   CHECK(s.code() == StatusCode::kInvalidArgument);
   CHECK(Mentions(s, "'architectures'"));
-  CHECK(Mentions(s, "BertForSequenceClassification"));
-  CHECK(Mentions(s, "BertModel, BertForMaskedLM, BertForPreTraining, BertLMHeadModel"));
+  CHECK(Mentions(s, "BertForDocumentRanking"));
+  CHECK(Mentions(s, "BertModel, BertForMaskedLM, BertLMHeadModel, BertForSequenceClassification"));
   CHECK(Mentions(s, "--model-class base"));
   // The base model needs no head, so the same config builds with the override.
   ModelInventory base = MustBuild(config, ModelClassChoice::kBase);
@@ -504,7 +504,7 @@ TEST_CASE("encoder: an unknown architecture lists the supported classes and the 
   CHECK(Has(base, "pooler.dense.weight"));
 
   nlohmann::json t5 = TinyT5();
-  t5["architectures"] = {"T5ForQuestionAnswering"};
+  t5["architectures"] = {"T5ForMultipleChoice"};
   s = BuildError(t5);
   CHECK(Mentions(s, "T5Model, T5ForConditionalGeneration, T5EncoderModel"));
   CHECK(MustBuild(t5, ModelClassChoice::kBase).architecture == "T5Model");
@@ -514,6 +514,101 @@ TEST_CASE("encoder: an unknown architecture lists the supported classes and the 
   roberta["architectures"] = {"BertForMaskedLM"};  // another family's class
   s = BuildError(roberta);
   CHECK(Mentions(s, "RobertaModel, RobertaForMaskedLM, RobertaForCausalLM"));
+  CHECK_FALSE(Mentions(s, "XLMRoberta"));
+}
+
+TEST_CASE("encoder: task heads for bert, roberta and t5, sized by num_labels") {
+  nlohmann::json config = TinyBert();
+  config["id2label"] = {{"0", "a"}, {"1", "b"}, {"2", "c"}};
+  const uint64_t encoder = Total(MustBuild(TinyBert(), ModelClassChoice::kBase)) - (8 * 8 + 8);
+  // BertForSequenceClassification keeps the pooler; token and QA heads drop it.
+  config["architectures"] = {"BertForSequenceClassification"};
+  ModelInventory seq = MustBuild(config);
+  CHECK(seq.model_class == "sequence_classification");
+  CHECK(Tensor(seq, "classifier.weight").shape == Shape{3, 8});
+  CHECK(Total(seq) == encoder + (8 * 8 + 8) + (3 * 8 + 3));
+  config["architectures"] = {"BertForTokenClassification"};
+  CHECK(Total(MustBuild(config)) == encoder + (3 * 8 + 3));
+  config["architectures"] = {"BertForQuestionAnswering"};
+  CHECK(Tensor(MustBuild(config), "qa_outputs.weight").shape == Shape{3, 8});
+  config["architectures"] = {"BertForMultipleChoice"};
+  CHECK(Tensor(MustBuild(config), "classifier.weight").shape == Shape{1, 8});
+  // RoBERTa's sequence head pools by itself: dense + out_proj, and no pooler.
+  config["model_type"] = "roberta";
+  config["architectures"] = {"RobertaForSequenceClassification"};
+  ModelInventory roberta = MustBuild(config);
+  CHECK(Tensor(roberta, "classifier.out_proj.weight").shape == Shape{3, 8});
+  CHECK_FALSE(Has(roberta, "roberta.pooler.dense.weight"));
+  // T5: around a T5Model, a T5EncoderModel, or the stacks themselves.
+  nlohmann::json t5 = TinyT5();
+  t5["num_labels"] = 4;
+  t5["architectures"] = {"T5ForSequenceClassification"};
+  ModelInventory t5_seq = MustBuild(t5);
+  CHECK(Tensor(t5_seq, "classification_head.out_proj.weight").shape == Shape{4, 8});
+  CHECK(Has(t5_seq, "transformer.decoder.block.0.layer.1.EncDecAttention.q.weight"));
+  t5["architectures"] = {"T5ForTokenClassification"};
+  ModelInventory t5_token = MustBuild(t5);
+  CHECK_FALSE(Has(t5_token, "transformer.decoder.final_layer_norm.weight"));
+  CHECK(Tensor(t5_token, "classifier.bias").shape == Shape{4});
+  t5["architectures"] = {"T5ForQuestionAnswering"};
+  CHECK(Has(MustBuild(t5), "decoder.final_layer_norm.weight"));
+}
+
+TEST_CASE("encoder: T5WithLMHeadModel, t5-3b's class name, is T5ForConditionalGeneration") {
+  nlohmann::json t5 = TinyT5();
+  t5["architectures"] = {"T5WithLMHeadModel"};
+  ModelInventory inv = MustBuild(t5);
+  CHECK(inv.architecture == "T5ForConditionalGeneration");
+  CHECK(inv.model_class == "seq2seq_lm");
+  CHECK(Tensor(inv, "lm_head.weight").tied_to == "shared.weight");
+}
+
+TEST_CASE("encoder: xlm-roberta registers its heads first; distilbert") {
+  nlohmann::json config = TinyBert();
+  config["model_type"] = "xlm-roberta";
+  config["architectures"] = {"XLMRobertaForMaskedLM"};
+  ModelInventory xlmr = MustBuild(config);
+  CHECK(xlmr.tensors.front().name == "lm_head.bias");
+  // The head's decoder comes first, so the word embedding is the tied alias.
+  CHECK(Tensor(xlmr, "roberta.embeddings.word_embeddings.weight").tied_to ==
+        "lm_head.decoder.weight");
+  config["model_type"] = "roberta";
+  config["architectures"] = {"RobertaForMaskedLM"};
+  CHECK(Total(MustBuild(config)) == Total(xlmr));
+
+  nlohmann::json distil = {{"model_type", "distilbert"}, {"vocab_size", 11}, {"dim", 8},
+                           {"n_layers", 2},              {"n_heads", 2},     {"hidden_dim", 16}};
+  ModelInventory mlm = MustBuild(distil);
+  CHECK(mlm.architecture == "DistilBertForMaskedLM");
+  CHECK(Tensor(mlm, "vocab_projector.weight").tied_to ==
+        "distilbert.embeddings.word_embeddings.weight");
+  CHECK(Tensor(mlm, "distilbert.transformer.layer.1.ffn.lin1.weight").shape == Shape{16, 8});
+  // distilbert-base-uncased: 66,985,530 with its MLM head (Transformers' count).
+  distil["dim"] = 768;
+  distil["n_layers"] = 6;
+  distil["n_heads"] = 12;
+  distil["hidden_dim"] = 3072;
+  distil["vocab_size"] = 30522;
+  CHECK(Total(MustBuild(distil)) == 66'985'530);
+  distil["architectures"] = {"DistilBertForQuestionAnswering"};
+  distil["num_labels"] = 3;
+  CHECK(Mentions(BuildError(distil), "2 labels"));
+}
+
+TEST_CASE("encoder: buffers and Accelerate's no-split modules") {
+  ModelInventory bert = Fixture("bert-base-uncased");
+  REQUIRE(bert.buffers.size() == 2);
+  CHECK(bert.buffers[0].name == "bert.embeddings.position_ids");
+  CHECK(bert.buffers[0].dtype == DType::kI64);
+  CHECK(bert.buffers[0].shape == Shape{1, 512});
+  CHECK(bert.no_split_modules.front() == "bert.embeddings");
+  CHECK(bert.no_split_modules.size() == 13);
+  // Accelerate keeps BertEmbeddings whole: word, position and type tables, LayerNorm and the
+  // two int64 id buffers, in fp32.
+  ModelCounts counts = Counts(bert);
+  CHECK(counts.accelerate_largest_layer == "bert.embeddings");
+  CHECK(counts.accelerate_largest_layer_bytes ==
+        4ull * (30522 + 512 + 2) * 768 + 4 * 2 * 768 + 2 * 8 * 512);
 }
 
 }  // namespace

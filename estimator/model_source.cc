@@ -29,36 +29,36 @@ PathKind Stat(const std::string& path) {
   return S_ISDIR(st.st_mode) ? PathKind::kDirectory : PathKind::kFile;
 }
 
-Result<ModelInventory> LoadJsonFile(const std::string& path, ModelClassChoice choice) {
+Result<ModelInventory> LoadJsonFile(const std::string& path, const BuildOptions& options) {
   MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, kMaxJsonBytes));
   // One ordered parse serves both readers: shape lists keep the document's tensor order.
   MEMPLAN_ASSIGN_OR_RETURN(nlohmann::ordered_json doc,
                            ParseOrderedJsonText(text, path, kMaxJsonDepth));
   if (LooksLikeShapeList(doc)) return InventoryFromShapeList(doc, path);
-  return InventoryFromHfConfig(nlohmann::json(doc), path, choice);
+  return InventoryFromHfConfig(nlohmann::json(doc), path, options);
 }
 
-Result<ModelInventory> LoadFile(const std::string& path, ModelClassChoice choice) {
+Result<ModelInventory> LoadFile(const std::string& path, const BuildOptions& options) {
   if (EndsWith(path, ".safetensors")) return InventoryFromSafetensorsFile(path);
   if (EndsWith(path, ".safetensors.index.json")) return InventoryFromSafetensorsIndex(path);
-  return LoadJsonFile(path, choice);
+  return LoadJsonFile(path, options);
 }
 
-Result<ModelInventory> LoadDirectory(const std::string& dir, ModelClassChoice choice) {
+Result<ModelInventory> LoadDirectory(const std::string& dir, const BuildOptions& options) {
   for (const char* name : {"config.json", "model.safetensors.index.json", "model.safetensors"}) {
     std::string path = dir + "/" + name;
-    if (Stat(path) == PathKind::kFile) return LoadFile(path, choice);
+    if (Stat(path) == PathKind::kFile) return LoadFile(path, options);
   }
   return Status::NotFound(dir +
                           ": directory has no config.json, model.safetensors.index.json or "
                           "model.safetensors");
 }
 
-Result<ModelInventory> LoadBuiltin(const BuiltinModel& model, ModelClassChoice choice) {
+Result<ModelInventory> LoadBuiltin(const BuiltinModel& model, const BuildOptions& options) {
   MEMPLAN_ASSIGN_OR_RETURN(
       ModelInventory inventory,
       InventoryFromHfConfigText(model.config_json, std::string(model.name) + " (built-in)",
-                                choice));
+                                options));
   inventory.source = "builtin";
   return inventory;
 }
@@ -72,23 +72,27 @@ bool LooksLikeRepoId(std::string_view spec) {
 }  // namespace
 
 Result<ModelInventory> LoadModel(const std::string& spec, ModelClassChoice choice) {
+  return LoadModel(spec, BuildOptions{choice});
+}
+
+Result<ModelInventory> LoadModel(const std::string& spec, const BuildOptions& options) {
   if (spec.empty()) return Status::InvalidArgument("--model is empty");
   Result<ModelInventory> result = Status::Internal("unresolved");
   const BuiltinModel* builtin = FindBuiltinModel(spec);
   const BuiltinModel* published = FindBuiltinModelByHubId(spec);
   PathKind kind = Stat(spec);
   if (kind == PathKind::kFile) {
-    result = LoadFile(spec, choice);
+    result = LoadFile(spec, options);
   } else if (kind == PathKind::kDirectory) {
-    result = LoadDirectory(spec, choice);
+    result = LoadDirectory(spec, options);
   } else if (builtin != nullptr) {
-    result = LoadBuiltin(*builtin, choice);
+    result = LoadBuiltin(*builtin, options);
   } else if (LooksLikeRepoId(spec)) {
     Result<std::string> snapshot = FindHfCacheSnapshot(spec);
     if (snapshot.ok()) {
-      result = LoadDirectory(*snapshot, choice);
+      result = LoadDirectory(*snapshot, options);
     } else if (published != nullptr) {
-      result = LoadBuiltin(*published, choice);  // not in the local cache, but built in
+      result = LoadBuiltin(*published, options);  // not in the local cache, but built in
     } else {
       return Status::NotFound("model '" + spec +
                               "': not a file or directory, not a built-in model (see `memplan "

@@ -15,5 +15,6 @@
 namespace memplan::estimator {
 
 Result<ModelInventory> LoadModel(const std::string& spec, ModelClassChoice choice);
+Result<ModelInventory> LoadModel(const std::string& spec, const BuildOptions& options);
 
 }  // namespace memplan::estimator

@@ -206,6 +206,11 @@ std::vector<std::string> DefaultLoraTargets(std::string_view model_type) {
       {"mixtral", {"q_proj", "v_proj"}}, {"qwen2", {"q_proj", "v_proj"}},
       {"gemma", {"q_proj", "v_proj"}}, {"bert", {"query", "value"}},
       {"roberta", {"query", "value"}}, {"t5", {"q", "v"}},
+      {"qwen3", {"q_proj", "v_proj"}}, {"gemma2", {"q_proj", "v_proj"}},
+      {"gemma3_text", {"q_proj", "v_proj"}}, {"phi", {"q_proj", "v_proj", "fc1", "fc2"}},
+      {"falcon", {"query_key_value"}}, {"bloom", {"query_key_value"}},
+      {"gptj", {"q_proj", "v_proj"}}, {"opt", {"q_proj", "v_proj"}},
+      {"xlm-roberta", {"query", "value"}},
   };
   auto it = kDefaults->find(model_type);
   return it == kDefaults->end() ? std::vector<std::string>{} : it->second;

@@ -36,6 +36,13 @@ std::string DecoderLayerClass(const std::string& model_type) {
   return it == kClasses.end() ? "" : it->second;
 }
 
+std::string DecoderLayerClass(const estimator::ModelInventory& inventory) {
+  if (inventory.arch.has_value() && !inventory.arch->no_split_class.empty()) {
+    return inventory.arch->no_split_class;
+  }
+  return DecoderLayerClass(inventory.model_type);
+}
+
 Result<ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
                                      const estimator::ModelInventory& inventory,
                                      const EmitOptions& options) {
@@ -177,7 +184,7 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
     const std::string strategy = s.zero_stage == 3   ? "FULL_SHARD"
                                  : s.zero_stage >= 1 ? "SHARD_GRAD_OP"
                                                      : "NO_SHARD";
-    const std::string layer = DecoderLayerClass(inventory.model_type);
+    const std::string layer = DecoderLayerClass(inventory);
     y += "distributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n";
     y += layer.empty() ? "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 100000000\n"
                        : "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
@@ -245,7 +252,7 @@ Result<ordered_json> FsdpConfig(const Plan& plan, const Cluster& cluster,
   j["cpu_offload"] = {{"offload_params", s.offload_param != OffloadDevice::kNone ||
                                              s.offload_optimizer != OffloadDevice::kNone}};
   j["mixed_precision"] = {{"param_dtype", dtype}, {"reduce_dtype", dtype}, {"buffer_dtype", dtype}};
-  const std::string layer = DecoderLayerClass(inventory.model_type);
+  const std::string layer = DecoderLayerClass(inventory);
   if (layer.empty()) {
     j["auto_wrap_policy"] = {{"policy", "size_based"}, {"min_num_params", 100000000}};
   } else {

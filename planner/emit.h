@@ -55,5 +55,8 @@ Result<nlohmann::ordered_json> Schedule(const Plan& plan, const Cluster& cluster
 
 // The transformer layer class for FSDP auto-wrapping ("LlamaDecoderLayer"), "" when unknown.
 std::string DecoderLayerClass(const std::string& model_type);
+// The same for a built inventory: the block class its builder recorded (every family memplan
+// builds from a config.json), else by model_type.
+std::string DecoderLayerClass(const estimator::ModelInventory& inventory);
 
 }  // namespace memplan::planner

@@ -182,9 +182,9 @@ TEST_CASE("cli: bad input gets one line naming the file and field, exit 2, empty
     ExpectBadInput(Memplan({"estimate", "--model", p}), {p, "invalid JSON"});
   }
   SUBCASE("unknown model_type lists the supported ones and the shape-list route") {
-    std::string p = config("unknown.json", R"({"model_type": "falcon", "hidden_size": 10})");
+    std::string p = config("unknown.json", R"({"model_type": "mamba", "hidden_size": 10})");
     ExpectBadInput(Memplan({"estimate", "--model", p}),
-                   {p, "'model_type'", "falcon", "llama", "t5", "shape"});
+                   {p, "'model_type'", "mamba", "llama", "t5", "shape"});
   }
   SUBCASE("missing dimension") {
     std::string p = config("missing.json", R"({"model_type": "llama", "vocab_size": 32000,

@@ -23,6 +23,7 @@ using estimator::ModelClassChoice;
 struct ModelOptions {
   std::string model;
   std::string model_class = "auto";
+  std::string expert_layout = "fused";
   std::string format = "text";
   std::string output;  // empty: stdout
 
@@ -39,6 +40,13 @@ struct ModelOptions {
                     "DeepSpeed's and Accelerate's examples)")
         ->check(CLI::IsMember({"auto", "base"}))
         ->capture_default_str();
+    cmd->add_option("--expert-layout", expert_layout,
+                    "MoE weights: fused (one 3-D tensor per layer's experts, as Transformers >= 5 "
+                    "builds them; DeepSpeed's largest layer is then all of a layer's experts) or "
+                    "per-expert (one Linear per expert, as checkpoints and Transformers 4 hold "
+                    "them)")
+        ->check(CLI::IsMember({"fused", "per-expert"}))
+        ->capture_default_str();
     cmd->add_option("--format", format, "Output format: text (for people) or json (for scripts)")
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();
@@ -49,6 +57,13 @@ struct ModelOptions {
 
   ModelClassChoice Choice() const {
     return model_class == "base" ? ModelClassChoice::kBase : ModelClassChoice::kFromArchitectures;
+  }
+  estimator::BuildOptions Build() const {
+    estimator::BuildOptions build;
+    build.choice = Choice();
+    build.experts = expert_layout == "per-expert" ? estimator::ExpertLayout::kPerExpert
+                                                  : estimator::ExpertLayout::kFused;
+    return build;
   }
 };
 
@@ -272,7 +287,7 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
       "\nExit status: 0 on success, 2 on bad input (one line on stderr naming the file and "
       "field).");
   cmd->callback([options, hardware, setup, outcome] {
-    auto inventory = estimator::LoadModel(options->model, options->Choice());
+    auto inventory = estimator::LoadModel(options->model, options->Build());
     if (!inventory.ok()) return Fail(outcome, inventory.status());
     Result<estimator::Estimate> estimate = Status::Internal("unset");
     if (setup->Any()) {
@@ -297,7 +312,7 @@ void RegisterInventory(CLI::App& app, Outcome* outcome) {
       "Every parameter tensor of a model: name, shape, dtype, module, block, tied-to");
   options->Add(cmd);
   cmd->callback([options, outcome] {
-    auto inventory = estimator::LoadModel(options->model, options->Choice());
+    auto inventory = estimator::LoadModel(options->model, options->Build());
     if (!inventory.ok()) return Fail(outcome, inventory.status());
     auto counts = estimator::CountParams(*inventory);
     if (!counts.ok()) return Fail(outcome, counts.status());

@@ -38,12 +38,14 @@ import sys
 import time
 from typing import NoReturn
 
+from oracle_common import deepspeed_largest_layer, listed, parameter_table
+import oracle_common
+
 MAX_LISTED = 10
 
 
 def die(message: str) -> NoReturn:
-    print(f"oracle: error: {message}", file=sys.stderr)
-    sys.exit(2)
+    oracle_common.die("oracle", message)
 
 
 try:
@@ -102,19 +104,8 @@ class TorchInventory:
 
     def __init__(self, model: nn.Module):
         self.class_name = type(model).__name__
-        self.tensors = {}   # name -> (shape tuple, tied_to or "")
-        self.order = []     # names in named_parameters(remove_duplicate=False) order
-        canonical = {}      # id(Parameter) -> first name
-        for prefix, module in model.named_modules(remove_duplicate=False):
-            for leaf, param in module._parameters.items():
-                if param is None:
-                    continue
-                name = f"{prefix}.{leaf}" if prefix else leaf
-                if name in self.tensors:
-                    continue
-                first = canonical.setdefault(id(param), name)
-                self.tensors[name] = (tuple(param.shape), "" if first == name else first)
-                self.order.append(name)
+        # names in named_parameters(remove_duplicate=False) order; name -> (shape, tied_to or "")
+        self.order, self.tensors = parameter_table(model)
         unique = {id(p): p for p in model.parameters()}
         self.params_total = sum(p.numel() for p in unique.values())
         for param in unique.values():
@@ -122,12 +113,7 @@ class TorchInventory:
                 raise RuntimeError(f"{self.class_name}: a parameter was allocated on {param.device}")
 
         # DeepSpeed (estimate_zero3_model_states_mem_needs_all_live / model_to_params).
-        self.largest_layer_params, self.largest_layer_module = 0, ""
-        names = {id(m): n for n, m in model.named_modules()}
-        for module in model.modules():
-            held = sum(p.numel() for p in module.parameters(recurse=False))
-            if held > self.largest_layer_params:
-                self.largest_layer_params, self.largest_layer_module = held, names[id(module)]
+        self.largest_layer_params, self.largest_layer_module = deepspeed_largest_layer(model)
 
         # Largest repeated block: an element of any nn.ModuleList, its parameters once each.
         self.largest_block_params, self.largest_block = 0, ""
@@ -180,7 +166,9 @@ def build(cls, config) -> TorchInventory:
 # ---- the memplan side ---------------------------------------------------------------------------
 
 def run_memplan(memplan: str, config_path: str, base: bool):
-    command = [memplan, "inventory", "--model", config_path, "--format", "json"]
+    # Transformers 4 builds one Linear per MoE expert, as checkpoints hold them.
+    command = [memplan, "inventory", "--model", config_path, "--expert-layout", "per-expert",
+               "--format", "json"]
     if base:
         command[4:4] = ["--model-class", "base"]
     try:
@@ -201,14 +189,6 @@ def run_memplan(memplan: str, config_path: str, base: bool):
 
 
 # ---- comparison ---------------------------------------------------------------------------------
-
-def listed(items, limit=MAX_LISTED):
-    items = list(items)
-    text = ", ".join(items[:limit])
-    if len(items) > limit:
-        text += f", ... ({len(items) - limit} more)"
-    return text
-
 
 def compare(torch_side: TorchInventory, document):
     """Differences between memplan's document and PyTorch's truth, as lines of text."""

@@ -1,0 +1,607 @@
+// The one builder for declared families (hf_family.h): reads the sizes and switches a FamilySpec
+// names, then emits its parts in order.
+#include "estimator/hf_family.h"
+
+#include <algorithm>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace memplan::estimator::family {
+namespace {
+
+// No published model comes near this (DeepSeek-V3 per expert: about 45,000 tensors), yet a config
+// asking for more would cost hundreds of MiB of inventory before any later check could refuse it.
+constexpr int64_t kMaxTensors = int64_t{1} << 18;
+
+// Reads one size as `field` describes it; `values` holds the sizes read before it.
+Status ReadDim(const ConfigReader& config, const DimField& f, Values* values) {
+  std::string_view used = !f.alias.empty() && config.Has(f.alias) ? f.alias : f.field;
+  values->fields[static_cast<int>(f.dim)] = used;
+  if (config.Has(used)) {
+    int64_t v = 0;
+    if (f.zero_allowed) {
+      MEMPLAN_ASSIGN_OR_RETURN(v, config.CountOr(used, 0));
+    } else {
+      MEMPLAN_ASSIGN_OR_RETURN(v, config.Dim(used));
+    }
+    values->Set(f.dim, v);
+    return Status::Ok();
+  }
+  const nlohmann::json& json = config.json();
+  if (f.zero_allowed && json.contains(used)) {  // present and null: "none"
+    values->Set(f.dim, 0);
+    return Status::Ok();
+  }
+  switch (f.kind) {
+    case DimField::kRequired:
+      return config.Dim(used).status();
+    case DimField::kDefault:
+      values->Set(f.dim, f.value);
+      break;
+    case DimField::kSameAs:
+      values->Set(f.dim, values->Get(f.a));
+      break;
+    case DimField::kQuotient: {
+      const int64_t num = values->Get(f.a), den = values->Get(f.b);
+      if (den == 0 || num % den != 0) {
+        // Name the field the user can fix, as the modelling code's own check does.
+        return config.FieldError(
+            values->Field(f.b),
+            std::to_string(den) + " does not divide " + std::string(values->Field(f.a)) + " " +
+                std::to_string(num) +
+                (f.field.empty()
+                     ? std::string()
+                     : " and the config has no " + std::string(f.field) + " to say otherwise"));
+      }
+      values->Set(f.dim, num / den);
+      break;
+    }
+    case DimField::kMultiple: {
+      const int64_t v = f.value * values->Get(f.a);
+      if (v > ConfigReader::kMaxDim) {
+        return config.FieldError(
+            used, "is absent and its default, " + std::to_string(v) + ", is absurdly large");
+      }
+      values->Set(f.dim, v);
+      break;
+    }
+  }
+  return Status::Ok();
+}
+
+// partial_rotary_factor: in rope_parameters (Transformers >= 4.56), rope_scaling, or at the top
+// (older configs, under `field`: GPT-NeoX's rotary_pct).
+Result<double> PartialRotary(const ConfigReader& config, std::string_view field, double fallback) {
+  for (const char* nested : {"rope_parameters", "rope_scaling"}) {
+    if (!config.Has(nested) || !config.json()[nested].is_object()) continue;
+    const nlohmann::json& rope = config.json()[nested];
+    auto it = rope.find("partial_rotary_factor");
+    if (it != rope.end() && it->is_number()) fallback = it->get<double>();
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(double p, config.NumberOr(field, fallback));
+  if (!(p > 0 && p <= 1)) return config.FieldError(field, "must be in (0, 1]");
+  return p;
+}
+
+}  // namespace
+
+Result<int64_t> NumLabels(const ConfigReader& config) {
+  if (config.Has("id2label")) {
+    const nlohmann::json& map = config.json()["id2label"];
+    if (!map.is_object() || map.empty()) {
+      return config.FieldError("id2label", "must be a non-empty object {\"0\": \"LABEL\", ...}");
+    }
+    if (map.size() > static_cast<size_t>(ConfigReader::kMaxDim)) {
+      return config.FieldError("id2label", "has absurdly many labels");
+    }
+    return static_cast<int64_t>(map.size());
+  }
+  return config.DimOr("num_labels", 2);
+}
+
+namespace {
+
+Result<Values> ReadValues(const FamilySpec& spec, const FamilyRequest& request) {
+  const ConfigReader& config = request.config;
+  Values v;
+  for (const DimField& f : spec.common_dims) MEMPLAN_RETURN_IF_ERROR(ReadDim(config, f, &v));
+  for (const DimField& f : spec.dims) MEMPLAN_RETURN_IF_ERROR(ReadDim(config, f, &v));
+  for (const DimField& f : spec.more_dims) MEMPLAN_RETURN_IF_ERROR(ReadDim(config, f, &v));
+  v.Set(Flag::kAlways, true);
+  for (int f = 0; f < static_cast<int>(Flag::kCount); ++f) {
+    if ((spec.on >> f) & 1) v.Set(static_cast<Flag>(f), true);
+  }
+  for (const FlagField& f : spec.flags) {
+    bool b = f.value;
+    if (!f.field.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(b, config.BoolOr(f.field, f.value));
+    }
+    v.Set(f.flag, b);
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(v.labels, NumLabels(config));
+  if (spec.partial_rotary) {
+    MEMPLAN_ASSIGN_OR_RETURN(v.partial_rotary, PartialRotary(config, spec.partial_rotary_field,
+                                                             spec.partial_rotary_default));
+  }
+  v.Set(Flag::kProjectInOut,
+        v.Get(Dim::kEmbedProj) != 0 && v.Get(Dim::kEmbedProj) != v.Get(Dim::kHidden));
+  v.Set(Flag::kQLora, v.Get(Dim::kQLoraRank) > 0);
+  v.Set(Flag::kFused, request.experts == ExpertLayout::kFused);
+  v.Set(Flag::kPerExpert, request.experts == ExpertLayout::kPerExpert);
+  if (spec.adjust != nullptr) MEMPLAN_RETURN_IF_ERROR(spec.adjust(config, &v));
+  const int64_t heads = v.Get(Dim::kHeads), kv = v.Get(Dim::kKvHeads);
+  if (heads > 0 && kv > 0 && heads % kv != 0) {
+    return config.FieldError(v.Field(Dim::kKvHeads),
+                             std::to_string(kv) + " does not divide " +
+                                 std::string(v.Field(Dim::kHeads)) + " " + std::to_string(heads) +
+                                 " (each key/value head serves a whole group of query heads)");
+  }
+  if (spec.moe != MoePlacement::kNone && v.Get(Dim::kTopK) > v.Get(Dim::kExperts)) {
+    return config.FieldError(v.Field(Dim::kTopK),
+                             std::to_string(v.Get(Dim::kTopK)) + " exceeds the " +
+                                 std::to_string(v.Get(Dim::kExperts)) + " experts");
+  }
+  return v;
+}
+
+bool Holds(const Cond& c, const Values& v) {
+  return v.Is(c.flag) != c.negate && v.Is(c.also) != c.also_negate;
+}
+
+int64_t RotaryHalf(const Values& v) {
+  const int64_t dim =
+      static_cast<int64_t>(static_cast<double>(v.Get(Dim::kHeadDim)) * v.partial_rotary);
+  return (dim + 1) / 2;
+}
+
+// Every width is a sum of products of two dimensions below 2^31: no overflow in 64 bits.
+int64_t Width(W w, const Values& v) {
+  const int64_t h = v.Get(Dim::kHidden), a = v.Get(Dim::kHeads), kv = v.Get(Dim::kKvHeads),
+                d = v.Get(Dim::kHeadDim);
+  switch (w) {
+    case W::kNone:
+      return 0;
+    case W::kOne:
+      return 1;
+    case W::kTwo:
+      return 2;
+    case W::kHidden:
+      return h;
+    case W::kVocab:
+      return v.Get(Dim::kVocab);
+    case W::kQ:
+      return a * d;
+    case W::kKv:
+      return kv * d;
+    case W::kQkv:
+      return (a + 2 * kv) * d;
+    case W::kKvPair:
+      return 2 * kv * d;
+    case W::kFfn:
+      return v.Get(Dim::kIntermediate);
+    case W::kFfn2:
+      return 2 * v.Get(Dim::kIntermediate);
+    case W::kExperts:
+      return v.Get(Dim::kExperts);
+    case W::kMoeFfn:
+      return v.Get(Dim::kMoeIntermediate);
+    case W::kMoeFfn2:
+      return 2 * v.Get(Dim::kMoeIntermediate);
+    case W::kSharedFfn:
+      return v.Get(Dim::kSharedExperts) > 0
+                 ? v.Get(Dim::kSharedExperts) * v.Get(Dim::kMoeIntermediate)
+                 : v.Get(Dim::kSharedIntermediate);
+    case W::kHeadDim:
+      return d;
+    case W::kHeads:
+      return a;
+    case W::kQRank:
+      return v.Get(Dim::kQLoraRank);
+    case W::kQHeads:
+      return a * (v.Get(Dim::kQkNopeHeadDim) + v.Get(Dim::kQkRopeHeadDim));
+    case W::kKvA:
+      return v.Get(Dim::kKvLoraRank) + v.Get(Dim::kQkRopeHeadDim);
+    case W::kKvRank:
+      return v.Get(Dim::kKvLoraRank);
+    case W::kKvB:
+      return a * (v.Get(Dim::kQkNopeHeadDim) + v.Get(Dim::kVHeadDim));
+    case W::kVOut:
+      return a * v.Get(Dim::kVHeadDim);
+    case W::kEmbedProj:
+      return v.Get(Dim::kEmbedProj) > 0 ? v.Get(Dim::kEmbedProj) : h;
+    case W::kPositions:
+      return v.Get(Dim::kPositions);
+    case W::kPositionsOpt:
+      return v.Get(Dim::kPositions) + 2;
+    case W::kLabels:
+      return v.labels;
+    case W::kRotaryHalf:
+      return RotaryHalf(v);
+    case W::kRotaryDim:
+      return v.Get(Dim::kRotaryDim) > 0 ? v.Get(Dim::kRotaryDim) : h;
+  }
+  return 0;
+}
+
+std::vector<int64_t> Shape(const Part& p, const Values& v) {
+  std::vector<int64_t> shape;
+  for (W w : {p.a, p.b, p.c}) {
+    if (w != W::kNone) shape.push_back(Width(w, v));
+  }
+  return shape;
+}
+
+// Appends tensors; the first failure is kept and later calls do nothing.
+class Sink {
+ public:
+  Sink(ModelInventory* out, DType dtype) : out_(out), dtype_(dtype) {}
+  void Param(std::string name, std::vector<int64_t> shape, std::string tied_to = "") {
+    if (status_.ok()) status_ = out_->Add(std::move(name), std::move(shape), dtype_, tied_to);
+  }
+  void Buffer(std::string name, std::vector<int64_t> shape) {
+    if (status_.ok()) status_ = out_->AddBuffer(std::move(name), std::move(shape), DType::kF32);
+  }
+  const Status& status() const { return status_; }
+
+ private:
+  ModelInventory* out_;
+  DType dtype_;
+  Status status_;
+};
+
+std::string Expand(std::string_view pattern, int64_t expert) {
+  std::string out(pattern);
+  size_t at = out.find("{e}");
+  if (at != std::string::npos) out.replace(at, 3, std::to_string(expert));
+  return out;
+}
+
+// The layer types present, for Gemma-3's per-type rotary tables.
+struct LayerContext {
+  std::set<std::string> attention_types;  // "full_attention", "sliding_attention"
+};
+
+void EmitPart(const Part& p, const std::string& prefix, int64_t expert, const Values& v,
+              const LayerContext& ctx, Sink* sink) {
+  const std::string name = prefix + Expand(p.name, expert);
+  switch (p.kind) {
+    case Kind::kLinear:
+      sink->Param(name + ".weight", {Width(p.b, v), Width(p.a, v)});
+      if (Holds(p.bias, v)) sink->Param(name + ".bias", {Width(p.b, v)});
+      break;
+    case Kind::kConv1D:
+      sink->Param(name + ".weight", {Width(p.a, v), Width(p.b, v)});
+      sink->Param(name + ".bias", {Width(p.b, v)});
+      break;
+    case Kind::kEmbedding:
+      sink->Param(name + ".weight", {Width(p.a, v), Width(p.b, v)});
+      break;
+    case Kind::kNorm:
+      sink->Param(name + ".weight", {Width(p.a, v)});
+      if (Holds(p.bias, v)) sink->Param(name + ".bias", {Width(p.a, v)});
+      break;
+    case Kind::kParam:
+      sink->Param(name, Shape(p, v));
+      break;
+    case Kind::kBuffer:
+      sink->Buffer(name, Shape(p, v));
+      break;
+    case Kind::kRotaryPerLayerType:
+      for (const std::string& type : ctx.attention_types) {
+        sink->Buffer(name + "." + type + "_inv_freq", {RotaryHalf(v)});
+        sink->Buffer(name + "." + type + "_original_inv_freq", {RotaryHalf(v)});
+      }
+      break;
+    case Kind::kPerExpert:
+    case Kind::kInclude:
+      break;  // handled by EmitParts
+  }
+}
+
+void EmitParts(std::span<const Part> parts, const std::string& prefix, const Values& v,
+               const LayerContext& ctx, Sink* sink) {
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const Part& p = parts[i];
+    if (p.kind == Kind::kPerExpert) {
+      const size_t n = std::min(static_cast<size_t>(p.group), parts.size() - i - 1);
+      if (Holds(p.when, v)) {
+        for (int64_t e = 0; e < v.Get(Dim::kExperts); ++e) {
+          for (size_t j = 1; j <= n; ++j) {
+            if (Holds(parts[i + j].when, v)) EmitPart(parts[i + j], prefix, e, v, ctx, sink);
+          }
+        }
+      }
+      i += n;
+      continue;
+    }
+    if (!Holds(p.when, v)) continue;
+    if (p.kind == Kind::kInclude) {
+      EmitParts(p.include, prefix, v, ctx, sink);
+    } else {
+      EmitPart(p, prefix, -1, v, ctx, sink);
+    }
+  }
+}
+
+// Upper bound on the tensors one layer emits (two per part, experts expanded).
+int64_t TensorsPerLayer(std::span<const Part> parts, const Values& v) {
+  int64_t n = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (parts[i].kind == Kind::kPerExpert) {
+      n += 2 * parts[i].group * std::max<int64_t>(v.Get(Dim::kExperts), 1);
+      i += static_cast<size_t>(parts[i].group);
+    } else if (parts[i].kind == Kind::kInclude) {
+      n += TensorsPerLayer(parts[i].include, v);
+    } else {
+      n += 2;
+    }
+  }
+  return n;
+}
+
+// mlp_only_layers: the layers Qwen-MoE keeps dense.
+Result<std::set<int64_t>> MlpOnlyLayers(const ConfigReader& config) {
+  std::set<int64_t> out;
+  if (!config.Has("mlp_only_layers")) return out;
+  const nlohmann::json& list = config.json()["mlp_only_layers"];
+  if (!list.is_array()) return config.FieldError("mlp_only_layers", "must be a list of layers");
+  for (const auto& item : list) {
+    if (!item.is_number_integer() || item.get<int64_t>() < 0) {
+      return config.FieldError("mlp_only_layers", "must list layer indices (integers >= 0)");
+    }
+    out.insert(item.get<int64_t>());
+  }
+  return out;
+}
+
+bool MoeLayer(const FamilySpec& spec, const Values& v, const std::set<int64_t>& mlp_only,
+              int64_t i) {
+  switch (spec.moe) {
+    case MoePlacement::kNone:
+      return false;
+    case MoePlacement::kEveryLayer:
+      return true;
+    case MoePlacement::kSparseStep: {
+      const int64_t step = std::max<int64_t>(v.Get(Dim::kSparseStep), 1);
+      return mlp_only.count(i) == 0 && v.Get(Dim::kExperts) > 0 && (i + 1) % step == 0;
+    }
+    case MoePlacement::kAfterDense:
+      return i >= v.Get(Dim::kFirstDense);
+  }
+  return false;
+}
+
+// Which layers attend within the sliding window: config.json's `layer_types` when present, else
+// the family's rule (the one its configuration class applies).
+Result<std::vector<bool>> SlidingLayers(const FamilySpec& spec, const ConfigReader& config,
+                                        const Values& v) {
+  const int64_t layers = v.Get(Dim::kLayers);
+  std::vector<bool> sliding(static_cast<size_t>(layers), false);
+  if (config.Has("layer_types")) {
+    const nlohmann::json& types = config.json()["layer_types"];
+    if (!types.is_array() || static_cast<int64_t>(types.size()) != layers) {
+      return config.FieldError(
+          "layer_types", "must list one attention type per layer (" + std::to_string(layers) + ")");
+    }
+    for (size_t i = 0; i < types.size(); ++i) {
+      if (!types[i].is_string()) {
+        return config.FieldError("layer_types", "must be a list of strings");
+      }
+      sliding[i] = types[i].get<std::string>() == "sliding_attention";
+    }
+    return sliding;
+  }
+  const bool use = v.Is(Flag::kUseSlidingWindow);
+  for (int64_t i = 0; i < layers; ++i) {
+    bool s = false;
+    switch (spec.sliding) {
+      case SlidingRule::kNone:
+        break;
+      case SlidingRule::kEveryLayer:
+        s = v.Get(Dim::kSlidingWindow) > 0;
+        break;
+      case SlidingRule::kEveryLayerIfUsed:
+        s = use && v.Get(Dim::kSlidingWindow) > 0;
+        break;
+      case SlidingRule::kAlternate:
+        s = (i + 1) % 2 != 0;
+        break;
+      case SlidingRule::kPattern: {
+        const int64_t pattern = std::max<int64_t>(v.Get(Dim::kSlidingPattern), 1);
+        s = (i + 1) % pattern != 0;
+        break;
+      }
+      case SlidingRule::kQwen:
+        s = use && v.Get(Dim::kSlidingWindow) > 0 && i >= v.Get(Dim::kMaxWindowLayers);
+        break;
+      case SlidingRule::kQwen2Moe:
+        s = use && (i + 1) % 2 != 0 && i < v.Get(Dim::kMaxWindowLayers);
+        break;
+    }
+    sliding[static_cast<size_t>(i)] = s;
+  }
+  return sliding;
+}
+
+std::string ClassName(std::string_view prefix, std::string_view suffix) {
+  return std::string(prefix) + std::string(suffix);
+}
+
+}  // namespace
+
+Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventory* out) {
+  const ConfigReader& config = request.config;
+  // The class: base, causal LM, or one of the task heads.
+  const std::string base_class = spec.base_class.empty() ? ClassName(spec.class_prefix, "Model")
+                                                         : std::string(spec.base_class);
+  const std::string causal_class = spec.causal_class.empty()
+                                       ? ClassName(spec.class_prefix, "ForCausalLM")
+                                       : std::string(spec.causal_class);
+  const HeadSpec* head = nullptr;
+  bool base = request.choice == ModelClassChoice::kBase || request.architecture == base_class;
+  if (!base && !request.architecture.empty() && request.architecture != causal_class) {
+    for (const HeadSpec& h : spec.heads) {
+      if (request.architecture == ClassName(spec.class_prefix, h.suffix)) head = &h;
+    }
+    if (head == nullptr) {
+      std::string supported = causal_class + ", " + base_class;
+      for (const HeadSpec& h : spec.heads)
+        supported += ", " + ClassName(spec.class_prefix, h.suffix);
+      return config.FieldError("architectures",
+                               "'" + request.architecture +
+                                   "' is not a class memplan can build for this model_type "
+                                   "(supported: " +
+                                   supported +
+                                   "); pass --model-class base to size the base model without "
+                                   "its task head");
+    }
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(Values v, ReadValues(spec, request));
+  MEMPLAN_ASSIGN_OR_RETURN(DType dtype, ConfigDType(config));
+  MEMPLAN_ASSIGN_OR_RETURN(std::set<int64_t> mlp_only, MlpOnlyLayers(config));
+  MEMPLAN_ASSIGN_OR_RETURN(std::vector<bool> sliding, SlidingLayers(spec, config, v));
+  const int64_t layers = v.Get(Dim::kLayers);
+  if (v.Get(Dim::kExperts) > kMaxTensors / 8) {
+    return config.FieldError(v.Field(Dim::kExperts),
+                             std::to_string(v.Get(Dim::kExperts)) +
+                                 " experts would exceed memplan's limit of " +
+                                 std::to_string(kMaxTensors) + " tensors per model");
+  }
+  const int64_t per_layer = std::max<int64_t>(TensorsPerLayer(spec.layer, v), 1);
+  if (layers > (kMaxTensors - 64) / per_layer) {
+    return config.FieldError(
+        v.Field(Dim::kLayers),
+        std::to_string(layers) + " layers of up to " + std::to_string(per_layer) +
+            " tensors each would exceed memplan's limit of " + std::to_string(kMaxTensors) +
+            " tensors per model (no published model comes close)");
+  }
+
+  std::string prefix;
+  if (base) {
+    out->architecture = base_class;
+    out->model_class = "base";
+  } else if (head != nullptr) {
+    out->architecture = ClassName(spec.class_prefix, head->suffix);
+    out->model_class = head->kind == HeadKind::kSequence ? "sequence_classification"
+                       : head->kind == HeadKind::kToken  ? "token_classification"
+                                                         : "question_answering";
+    prefix = std::string(head->prefix) + ".";
+  } else {
+    out->architecture = causal_class;
+    out->model_class = "causal_lm";
+    prefix = std::string(spec.prefix) + ".";
+  }
+
+  LayerContext ctx;
+  for (bool s : sliding) ctx.attention_types.insert(s ? "sliding_attention" : "full_attention");
+  // Sized up front: a per-expert DeepSeek-V3 has 45,000 tensors, moved many times otherwise.
+  out->tensors.reserve(static_cast<size_t>(layers * per_layer / 2 + 64));
+  Sink sink(out, dtype);
+  EmitParts(spec.before, prefix, v, ctx, &sink);
+  int64_t moe_layers = 0;
+  for (int64_t i = 0; i < layers; ++i) {
+    const bool moe = MoeLayer(spec, v, mlp_only, i);
+    moe_layers += moe ? 1 : 0;
+    Values layer = v;
+    layer.Set(Flag::kMoeLayer, moe);
+    layer.Set(Flag::kDenseLayer, !moe);
+    const std::string path = prefix + std::string(spec.layers) + "." + std::to_string(i);
+    out->no_split_modules.push_back(path);
+    EmitParts(spec.layer, path + ".", layer, ctx, &sink);
+  }
+  EmitParts(spec.after, prefix, v, ctx, &sink);
+  if (!base && head == nullptr) {
+    const Part& lm = spec.lm_head;
+    sink.Param(std::string(lm.name) + ".weight", {Width(lm.b, v), Width(lm.a, v)},
+               v.Is(Flag::kTie) ? prefix + std::string(spec.tied_embedding) : "");
+    if (Holds(lm.bias, v)) sink.Param(std::string(lm.name) + ".bias", {Width(lm.b, v)});
+  } else if (head != nullptr) {
+    EmitParts(head->parts, "", v, ctx, &sink);
+  }
+  MEMPLAN_RETURN_IF_ERROR(sink.status());
+
+  // The multi-token-prediction modules a DeepSeek-V3 checkpoint carries beyond the built layers:
+  // one more MoE decoder layer with its own embedding, two norms, a 2h -> h projection and a head.
+  uint64_t mtp_params = 0;
+  if (spec.mtp && v.Get(Dim::kMtpLayers) > 0) {
+    ModelInventory scratch;
+    Sink mtp(&scratch, dtype);
+    Values layer = v;
+    layer.Set(Flag::kMoeLayer, spec.moe != MoePlacement::kNone);
+    layer.Set(Flag::kDenseLayer, spec.moe == MoePlacement::kNone);
+    EmitParts(spec.layer, "mtp.", layer, ctx, &mtp);
+    MEMPLAN_RETURN_IF_ERROR(mtp.status());
+    const uint64_t h = static_cast<uint64_t>(v.Get(Dim::kHidden));
+    uint64_t per = 2 * static_cast<uint64_t>(v.Get(Dim::kVocab)) * h + 3 * h + 2 * h * h;
+    for (const TensorInfo& t : scratch.tensors) per += t.numel;
+    mtp_params = per * static_cast<uint64_t>(v.Get(Dim::kMtpLayers));
+  }
+
+  ArchitectureInfo arch;
+  arch.hidden = v.Get(Dim::kHidden);
+  arch.layers = layers;
+  arch.heads = v.Get(Dim::kHeads);
+  arch.kv_heads = v.Get(Dim::kKvHeads);
+  arch.head_dim = v.Get(Dim::kHeadDim);
+  arch.vocab = v.Get(Dim::kVocab);
+  arch.max_positions = v.Get(Dim::kPositions);
+  arch.learned_positions = spec.learned_positions;
+  arch.gated_mlp = spec.gated_mlp;
+  arch.intermediate = v.Get(Dim::kIntermediate);
+  if (spec.moe != MoePlacement::kNone && moe_layers > 0) {
+    arch.experts = v.Get(Dim::kExperts);
+    arch.experts_per_token = v.Get(Dim::kTopK);
+    arch.moe_layers = moe_layers;
+    if (v.Get(Dim::kMoeIntermediate) > 0) {
+      arch.intermediate = v.Get(Dim::kMoeIntermediate);
+      if (moe_layers < layers) arch.dense_intermediate = v.Get(Dim::kIntermediate);
+    }
+    arch.shared_intermediate = Width(W::kSharedFfn, v);
+  }
+  if (spec.mla) {
+    arch.q_lora_rank = v.Get(Dim::kQLoraRank);
+    arch.kv_lora_rank = v.Get(Dim::kKvLoraRank);
+    arch.qk_nope_head_dim = v.Get(Dim::kQkNopeHeadDim);
+    arch.qk_rope_head_dim = v.Get(Dim::kQkRopeHeadDim);
+    arch.v_head_dim = v.Get(Dim::kVHeadDim);
+    arch.head_dim = arch.qk_nope_head_dim + arch.qk_rope_head_dim;
+    arch.kv_heads = arch.heads;
+  }
+  if (std::find(sliding.begin(), sliding.end(), true) != sliding.end() &&
+      v.Get(Dim::kSlidingWindow) > 0) {
+    arch.sliding_window = v.Get(Dim::kSlidingWindow);
+    arch.sliding_layers = sliding;
+  }
+  arch.attention_sinks = spec.attention_sinks;
+  arch.parallel_attention = spec.parallel_attention || v.Is(Flag::kParallelAttn);
+  arch.mtp_layers = spec.mtp ? v.Get(Dim::kMtpLayers) : 0;
+  arch.mtp_params = mtp_params;
+  arch.no_split_class = spec.no_split_class.empty() ? ClassName(spec.class_prefix, "DecoderLayer")
+                                                    : std::string(spec.no_split_class);
+  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act,
+                           config.StringOr(spec.act_field, std::string(spec.act_default)));
+  if (!spec.act_alias.empty() && config.Has(spec.act_alias)) {
+    MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act, config.StringOr(spec.act_alias, ""));
+  }
+  if (!spec.attention_dropout_field.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(
+        arch.attention_dropout,
+        config.ProbabilityOr(spec.attention_dropout_field, spec.attention_dropout_default));
+  }
+  if (!spec.hidden_dropout_field.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(
+        arch.hidden_dropout,
+        config.ProbabilityOr(spec.hidden_dropout_field, spec.hidden_dropout_default));
+  }
+  if (!spec.embedding_dropout_field.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(
+        arch.embedding_dropout,
+        config.ProbabilityOr(spec.embedding_dropout_field, spec.embedding_dropout_default));
+  }
+  out->arch = arch;
+  return Status::Ok();
+}
+
+}  // namespace memplan::estimator::family
