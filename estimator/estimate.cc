@@ -271,8 +271,8 @@ Result<Estimate> EstimateTraining(const ModelInventory& inventory,
   TrainingSetup s = setup;
   s.gpus_per_node = hardware.gpus_per_node;
   s.num_nodes = hardware.nodes;
-  MEMPLAN_ASSIGN_OR_RETURN(MemoryEstimate m, EstimateMemory(inventory, s));
-  MEMPLAN_ASSIGN_OR_RETURN(e.comparison, CompareZeroStages(inventory, s));
+  MEMPLAN_ASSIGN_OR_RETURN(MemoryEstimate m, EstimateMemory(inventory, s, e.model.counts));
+  MEMPLAN_ASSIGN_OR_RETURN(e.comparison, CompareZeroStages(inventory, s, e.model.counts));
   for (const std::string& note : m.notes) e.assumptions.push_back(note);
   for (const ModelConstant& c : m.constants) e.assumptions.push_back(ConstantText(c));
   e.memory = std::move(m);

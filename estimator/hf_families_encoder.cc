@@ -655,6 +655,7 @@ Status BuildT5(const FamilyRequest& request, ModelInventory* out) {
   arch.gated_mlp = dims.gated;
   arch.hidden_dropout = arch.attention_dropout = arch.embedding_dropout = dims.dropout;
   arch.no_split_class = "T5Block";
+  arch.norm_upcasts = true;  // T5LayerNorm computes its variance in fp32
   out->arch = arch;
   return Status::Ok();
 }

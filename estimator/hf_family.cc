@@ -341,6 +341,20 @@ int64_t TensorsPerLayer(std::span<const Part> parts, const Values& v) {
   return n;
 }
 
+// Whether the block's norms are RMS norms (no bias), which in these families (LlamaRMSNorm and its
+// copies) upcast their input to fp32: true when every norm the block has is bias-free.
+bool RmsNorms(std::span<const Part> parts, const Values& v, bool* any) {
+  for (const Part& p : parts) {
+    if (!Holds(p.when, v)) continue;
+    if (p.kind == Kind::kInclude && !RmsNorms(p.include, v, any)) return false;
+    if (p.kind == Kind::kNorm) {
+      if (Holds(p.bias, v)) return false;
+      *any = true;
+    }
+  }
+  return true;
+}
+
 // mlp_only_layers: the layers Qwen-MoE keeps dense.
 Result<std::set<int64_t>> MlpOnlyLayers(const ConfigReader& config) {
   std::set<int64_t> out;
@@ -578,6 +592,8 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
   arch.parallel_attention = spec.parallel_attention || v.Is(Flag::kParallelAttn);
   arch.mtp_layers = spec.mtp ? v.Get(Dim::kMtpLayers) : 0;
   arch.mtp_params = mtp_params;
+  bool any_norm = false;
+  arch.norm_upcasts = RmsNorms(spec.layer, v, &any_norm) && any_norm;
   arch.no_split_class = spec.no_split_class.empty() ? ClassName(spec.class_prefix, "DecoderLayer")
                                                     : std::string(spec.no_split_class);
   MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act,

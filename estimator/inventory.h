@@ -100,6 +100,9 @@ struct ArchitectureInfo {
   int64_t mtp_layers = 0;           // multi-token-prediction modules the checkpoint adds (DeepSeek)
   uint64_t mtp_params = 0;          // their parameters: in the checkpoint, not in the model built
   std::string no_split_class;       // the block class Accelerate/FSDP keep whole: "LlamaDecoderLayer"
+  // The norms upcast their input to fp32 before normalising and multiply the weight in after
+  // (LlamaRMSNorm and its copies, T5LayerNorm): they keep fp32 inputs under autocast.
+  bool norm_upcasts = false;
 
   // "swiglu", "geglu", "gelu", "relu", ...: the MLP kind for reports.
   std::string MlpKind() const;

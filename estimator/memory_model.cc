@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
 
 namespace memplan::estimator {
@@ -84,9 +85,9 @@ std::string HalfName(Precision p) {
   return p == Precision::kFp16Mixed ? "fp16" : p == Precision::kFp32 ? "fp32" : "bf16";
 }
 
-std::string LastComponent(const std::string& module) {
+std::string_view LastComponent(std::string_view module) {
   size_t dot = module.rfind('.');
-  return dot == std::string::npos ? module : module.substr(dot + 1);
+  return dot == std::string_view::npos ? module : module.substr(dot + 1);
 }
 
 // What the inventory says about the parameters, for the setup's LoRA/QLoRA/ZeRO-3 choices.
@@ -115,8 +116,9 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
     if (t.numel <= threshold) f.persistent += t.numel;
     const bool linear = !t.block.empty() && t.shape.size() == 2 &&
                         t.name.size() > 7 && t.name.substr(t.name.size() - 7) == ".weight" &&
-                        LastComponent(t.module).find("embedding") == std::string::npos &&
-                        LastComponent(t.module).find("relative_attention_bias") == std::string::npos;
+                        LastComponent(t.module).find("embedding") == std::string_view::npos &&
+                        LastComponent(t.module).find("relative_attention_bias") ==
+                            std::string_view::npos;
     if (linear) {
       f.quantizable += t.numel;
       f.largest_quantized = std::max<Wide>(f.largest_quantized, t.numel);
@@ -175,10 +177,8 @@ struct Activations {
 // Families whose Transformers norm upcasts the hidden states to fp32 before normalising and
 // multiplies the weight in after (LlamaRMSNorm and its copies: mistral, mixtral, qwen2, gemma;
 // T5LayerNorm computes its variance in fp32 the same way).
-bool UpcastingNorm(const std::string& model_type) {
-  return model_type == "llama" || model_type == "mistral" || model_type == "mixtral" ||
-         model_type == "qwen2" || model_type == "gemma" || model_type == "t5";
-}
+// The family builders record it (ArchitectureInfo::norm_upcasts).
+bool UpcastingNorm(const ArchitectureInfo& a) { return a.norm_upcasts; }
 
 LayerShape ShapeFor(const ModelInventory& inventory, const TrainingSetup& s, int64_t seq,
                     const ParamFacts& f) {
@@ -199,12 +199,23 @@ LayerShape ShapeFor(const ModelInventory& inventory, const TrainingSetup& s, int
   l.tp = s.tp;
   l.sequence_parallel = s.sequence_parallel && s.tp > 1;
   const bool sixteen_bit = s.precision != Precision::kFp32;
-  l.norm_fp32 = sixteen_bit && UpcastingNorm(inventory.model_type);
+  l.norm_fp32 = sixteen_bit && UpcastingNorm(a);
   l.frozen_linears = s.lora_rank > 0;
   l.quantized_linears = s.lora_rank > 0 && s.qlora;
-  l.norm_keeps_normalized = UpcastingNorm(inventory.model_type) && !l.frozen_linears;
+  l.norm_keeps_normalized = UpcastingNorm(a) && !l.frozen_linears;
   const Wide layers = U(std::max<int64_t>(a.layers + a.decoder_layers, 1));
   l.adapter_input_width = static_cast<int64_t>(CeilDiv(f.lora_input_width, layers));
+  // MLA: keys are heads x (qk_nope + qk_rope) wide (head_dim), values heads x v_head_dim; each
+  // token also keeps the query latent (q_a_proj output and its norm) and the key/value latent
+  // (kv_a_proj output, and the norm of its kv_lora_rank part).
+  if (a.kv_lora_rank > 0) {
+    l.v_width = a.heads * a.v_head_dim;
+    l.latent_width = 2 * a.q_lora_rank + (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank;
+  }
+  l.shared_ffn = a.shared_intermediate;
+  // Sliding windows and attention sinks leave the saved tensors as they are: eager and SDPA
+  // attention compute the full s x s scores and mask them, and flash attention keeps one
+  // log-sum-exp per query either way; a sink adds one column to s x s scores.
   return l;
 }
 
@@ -217,7 +228,19 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
   LayerShape self = ShapeFor(inventory, s, seq, f);
   LayerShape dec = self;
   dec.cross_attention = a.encoder_decoder;
-  const Wide enc_layer = LayerActivationBytes(self, e, s.flash_attention, s.checkpointing);
+  Wide enc_layer = LayerActivationBytes(self, e, s.flash_attention, s.checkpointing);
+  // MoE models whose first (DeepSeek) or listed (Qwen mlp_only_layers) layers are dense: those
+  // layers hold one dense_intermediate-wide MLP instead of the experts.
+  const int64_t dense_layers =
+      a.experts > 0 && a.moe_layers > 0 ? std::max<int64_t>(a.layers - a.moe_layers, 0) : 0;
+  Wide dense_layer_bytes = 0;
+  if (dense_layers > 0) {
+    LayerShape dense = self;
+    dense.experts = dense.top_k = 0;
+    dense.shared_ffn = 0;
+    dense.ffn = a.dense_intermediate > 0 ? a.dense_intermediate : a.intermediate;
+    dense_layer_bytes = LayerActivationBytes(dense, e, s.flash_attention, s.checkpointing);
+  }
   const Wide dec_layer = LayerActivationBytes(dec, e, s.flash_attention, s.checkpointing);
   const Wide sbh = U(seq) * U(s.micro_batch) * U(a.hidden);
   // Per stack, outside the layers: the embedding dropout mask and the final norm's input.
@@ -228,7 +251,8 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
                 sbh * e;
     out.per_layer = dec_layer;
   } else {
-    out.saved = U(a.layers) * enc_layer + stack_extra;
+    out.saved = U(a.layers - dense_layers) * enc_layer + U(dense_layers) * dense_layer_bytes +
+                stack_extra;
     out.per_layer = enc_layer;
   }
   const LayerShape& top = a.encoder_decoder ? dec : self;
@@ -245,7 +269,12 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
   Wide mlp_ws = 2 * e * U(seq) * b * U(a.intermediate) * (a.gated_mlp ? 2 : 1) *
                 std::max<Wide>(U(a.experts_per_token), 1) / t;
   out.workspace = std::max({attention_ws, mlp_ws, 2 * e * sbh});
-  if (inventory.model_class != "base" && inventory.model_class != "" && a.vocab > 0) {
+  // Vocabulary-wide logits only for the language-model heads; a classification or QA head's
+  // handful of outputs per token is negligible.
+  const bool lm_head = inventory.model_class == "causal_lm" ||
+                       inventory.model_class == "masked_lm" ||
+                       inventory.model_class == "seq2seq_lm";
+  if (lm_head && a.vocab > 0) {
     const Wide elems = CeilDiv(U(seq) * b * U(a.vocab), t);
     out.logits_forward = elems * (e == 2 ? 2 : 0) + Scale(elems, kLogitsForwardFp32Bytes);
     out.logits_backward = Scale(elems, kLogitsBackwardBytes);
@@ -307,8 +336,11 @@ uint64_t LayerActivationBytes(const LayerShape& l, int elem_bytes, bool flash,
   // Self-attention: norm, QKV input, Q, K, V, output-projection input (flash attention keeps it
   // as its output in any case), dropout mask.
   const Wide out_proj = flash || linear_inputs ? e : 0;
-  Wide replicated = norm * sbh + mask * sbh;
-  Wide sharded = e * s * b * (q_width + 2 * kv_width) + out_proj * s * b * q_width;
+  const Wide v_width = l.v_width > 0 ? U(l.v_width) : kv_width;
+  // The output projection reads the values' width (heads x v_head_dim under MLA).
+  const Wide o_width = l.v_width > 0 ? v_width : q_width;
+  Wide replicated = norm * sbh + mask * sbh + e * s * b * U(l.latent_width);
+  Wide sharded = e * s * b * (q_width + kv_width + v_width) + out_proj * s * b * o_width;
   Wide core_bytes = core(U(l.kv_seq));
   if (l.cross_attention) {
     // Encoder-decoder attention: norm, Q input, Q, K and V over the encoder sequence,
@@ -328,6 +360,8 @@ uint64_t LayerActivationBytes(const LayerShape& l, int elem_bytes, bool flash,
     const Wide k = U(std::max<int64_t>(l.top_k, 1));
     mlp *= k;
     replicated += 2 * e * k * sbh + 2 * 4 * s * b * U(l.experts);
+    // The shared expert(s): one more dense MLP every token passes, with its own input.
+    if (l.shared_ffn > 0) mlp += s * b * U(l.shared_ffn) * ((l.gated ? 3 : 1) * e + lin) + lin * sbh;
   }
   sharded += mlp;
   // LoRA adapters (PEFT / Lit-GPT LoRALinear): lora_dropout's mask and output, lora_A's input.
@@ -365,8 +399,11 @@ struct ItemContext {
   std::string half;       // "bf16", "fp16" or "fp32"
   std::string opt_where;  // "none", "cpu" or "nvme"
 
-  ItemContext(const ModelInventory& i, const TrainingSetup& setup, const ParamFacts& facts)
-      : inventory(i), arch(*i.arch), s(setup), f(facts) {}
+  const ModelCounts& counts;  // CountParams(inventory), computed once per inventory
+
+  ItemContext(const ModelInventory& i, const TrainingSetup& setup, const ParamFacts& facts,
+              const ModelCounts& model_counts)
+      : inventory(i), arch(*i.arch), s(setup), f(facts), counts(model_counts) {}
 
   Wide TpShare(Wide x) const { return CeilDiv(x, t); }
   // A rank's share of an element count partitioned over the data-parallel group from `stage` on.
@@ -668,8 +705,7 @@ Status CommBuckets(const ItemContext& c, Builder* out) {
 Status Zero3Buffers(const ItemContext& c, Builder* out) {
   const TrainingSetup& s = c.s;
   if (s.zero_stage != 3) return Status::Ok();
-  MEMPLAN_ASSIGN_OR_RETURN(ModelCounts counts, CountParams(c.inventory));
-  const Wide block = c.TpShare(counts.largest_block_params);
+  const Wide block = c.TpShare(c.counts.largest_block_params);
   const Wide live = std::min(U(s.stage3_max_live_parameters),
                              block + std::min(U(s.stage3_prefetch_bucket_size), block));
   out->Add("zero3_live_params",
@@ -816,7 +852,7 @@ std::vector<std::string> Notes(const ItemContext& c) {
   notes.push_back(
       "The allocator margin (10%) applies to activations and per-step temporaries only; model "
       "states allocated once at start-up are counted as allocated (Note [Allocator margin]).");
-  if (UpcastingNorm(c.inventory.model_type) && s.precision != Precision::kFp32) {
+  if (UpcastingNorm(c.arch) && s.precision != Precision::kFp32) {
     notes.push_back(
         "The norms keep their input in fp32 (Transformers' LlamaRMSNorm and its copies upcast "
         "before normalising), and the normalised tensor when their weight trains.");
@@ -885,17 +921,42 @@ std::vector<std::string> Notes(const ItemContext& c) {
   return notes;
 }
 
-}  // namespace
+// The facts of an inventory that do not depend on the ZeRO stage or offload, computed once for
+// all rows of a comparison: a per-expert DeepSeek-V3 has 45,000 tensors.
+struct InventoryFacts {
+  ParamFacts f;
+  ModelCounts counts;
+};
 
-Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
-                                      const TrainingSetup& input) {
+// `counts` is CountParams(inventory) when the caller has it, else nullptr.
+Result<InventoryFacts> FactsFor(const ModelInventory& inventory, const TrainingSetup& s,
+                                const ModelCounts* counts) {
+  InventoryFacts out;
+  MEMPLAN_ASSIGN_OR_RETURN(out.f, Facts(inventory, s));
+  if (out.f.total == 0) {
+    return Status::InvalidArgument(inventory.name + ": the model has no parameters");
+  }
+  if (counts != nullptr) {
+    out.counts = *counts;
+  } else {
+    MEMPLAN_ASSIGN_OR_RETURN(out.counts, CountParams(inventory));
+  }
+  return out;
+}
+
+Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const TrainingSetup& input,
+                                    const InventoryFacts* known, const ModelCounts* counts) {
   MEMPLAN_RETURN_IF_ERROR(input.ValidateFor(inventory));
   TrainingSetup s = input;
   s.seq_len = s.SeqLenFor(&*inventory.arch);
-  MEMPLAN_ASSIGN_OR_RETURN(ParamFacts f, Facts(inventory, s));
-  if (f.total == 0) return Status::InvalidArgument(inventory.name + ": the model has no parameters");
+  InventoryFacts computed;
+  if (known == nullptr) {
+    MEMPLAN_ASSIGN_OR_RETURN(computed, FactsFor(inventory, s, counts));
+    known = &computed;
+  }
+  const ParamFacts& f = known->f;
 
-  ItemContext c(inventory, s, f);
+  ItemContext c(inventory, s, f, known->counts);
   c.lora = s.lora_rank > 0;
   c.mixed = Mixed(s.precision);
   c.master = c.mixed && !s.autocast;
@@ -931,8 +992,24 @@ Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
   return m;
 }
 
-Result<std::vector<ComparisonRow>> CompareZeroStages(const ModelInventory& inventory,
-                                                     const TrainingSetup& setup) {
+}  // namespace
+
+Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
+                                      const TrainingSetup& input) {
+  return EstimateWith(inventory, input, nullptr, nullptr);
+}
+
+Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& input,
+                                      const ModelCounts& counts) {
+  return EstimateWith(inventory, input, nullptr, &counts);
+}
+
+namespace {
+
+Result<std::vector<ComparisonRow>> Compare(const ModelInventory& inventory,
+                                           const TrainingSetup& setup,
+                                           const ModelCounts* counts) {
+
   struct Combo {
     int stage;
     OffloadDevice opt, param;
@@ -945,6 +1022,7 @@ Result<std::vector<ComparisonRow>> CompareZeroStages(const ModelInventory& inven
                           {3, D::kNvme, D::kNone}, {3, D::kNvme, D::kCpu},
                           {3, D::kNvme, D::kNvme}};
   std::vector<ComparisonRow> rows;
+  std::optional<InventoryFacts> facts;  // the same for every row: computed at the first
   for (const Combo& c : combos) {
     TrainingSetup s = setup;
     s.zero_stage = c.stage;
@@ -960,7 +1038,11 @@ Result<std::vector<ComparisonRow>> CompareZeroStages(const ModelInventory& inven
       rows.push_back(row);
       continue;
     }
-    Result<MemoryEstimate> m = EstimateMemory(inventory, s);
+    if (!facts.has_value()) {
+      MEMPLAN_RETURN_IF_ERROR(s.ValidateFor(inventory));
+      MEMPLAN_ASSIGN_OR_RETURN(facts, FactsFor(inventory, s, counts));
+    }
+    Result<MemoryEstimate> m = EstimateWith(inventory, s, &*facts, nullptr);
     if (!m.ok()) return m.status();
     row.valid = true;
     row.peak = m->peak;
@@ -978,6 +1060,19 @@ Result<std::vector<ComparisonRow>> CompareZeroStages(const ModelInventory& inven
     rows.push_back(row);
   }
   return rows;
+}
+
+}  // namespace
+
+Result<std::vector<ComparisonRow>> CompareZeroStages(const ModelInventory& inventory,
+                                                     const TrainingSetup& setup) {
+  return Compare(inventory, setup, nullptr);
+}
+
+Result<std::vector<ComparisonRow>> CompareZeroStages(const ModelInventory& inventory,
+                                                     const TrainingSetup& setup,
+                                                     const ModelCounts& counts) {
+  return Compare(inventory, setup, &counts);
 }
 
 }  // namespace memplan::estimator

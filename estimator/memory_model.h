@@ -104,6 +104,10 @@ struct MemoryEstimate {
 // inventory without architecture), overflow.
 Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
                                       const TrainingSetup& setup);
+// The same, for a caller that has counted the inventory already (`counts` must be
+// CountParams(inventory)): a per-expert DeepSeek-V3 has 45,000 tensors to count.
+Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& setup,
+                                      const ModelCounts& counts);
 
 // One row of the stage x offload comparison: the same setup with another ZeRO stage and offload.
 struct ComparisonRow {
@@ -121,6 +125,9 @@ struct ComparisonRow {
 // (an optimizer DeepSpeed cannot offload, QLoRA with parameter offload) are kept with a reason.
 Result<std::vector<ComparisonRow>> CompareZeroStages(const ModelInventory& inventory,
                                                      const TrainingSetup& setup);
+Result<std::vector<ComparisonRow>> CompareZeroStages(const ModelInventory& inventory,
+                                                     const TrainingSetup& setup,
+                                                     const ModelCounts& counts);
 
 // --- Building blocks, exposed for tests -------------------------------------------------------
 
@@ -162,6 +169,12 @@ struct LayerShape {
   // LoRA adapters: the summed input width of the adapted Linears of one layer; each keeps its
   // dropout mask and the dropped-out input for lora_A's gradient.
   int64_t adapter_input_width = 0;
+  // Attention whose widths are not heads x head_dim (MLA): the value width (0 = the key width),
+  // and the compressed latents each token keeps (MLA's q_a and kv_a outputs and their norms).
+  int64_t v_width = 0;
+  int64_t latent_width = 0;
+  // MoE: the always-on shared-expert MLP's width beside the routed experts (0 = none).
+  int64_t shared_ffn = 0;
 };
 
 // Bytes of activations one layer keeps for its backward pass, per GPU, with `elem_bytes` per

@@ -149,6 +149,63 @@ TEST_CASE("memory model: GQA, SwiGLU, no dropout and MoE change the constants") 
         sbh * (32 + 16) + 2 * 2 * 2 * sbh + 2 * 4 * s * 8 + 2 * a * s * s);
 }
 
+TEST_CASE("memory model: MLA's narrower values and latents, shared experts, dense layers") {
+  LayerShape l = Gpt3Layer(1);
+  const uint64_t s = 2048, h = 12288, a = 96;
+  const uint64_t sbh = s * h;
+  l.hidden_dropout = l.attention_dropout = false;
+  const uint64_t plain = LayerActivationBytes(l, 2, false, Checkpointing::kNone);
+  // MLA: values of 64 per head instead of 128 (V and the output projection's input halve), and
+  // 1000 latent elements per token.
+  l.v_width = a * 64;
+  l.latent_width = 1000;
+  CHECK(LayerActivationBytes(l, 2, false, Checkpointing::kNone) ==
+        plain - 2 * 2 * s * a * 64 + 2 * s * 1000);
+  // A shared expert of width h beside top-2 of 8 routed experts: one more ungated MLP, with its
+  // own input.
+  l = Gpt3Layer(1);
+  l.hidden_dropout = l.attention_dropout = false;
+  l.experts = 8;
+  l.top_k = 2;
+  const uint64_t routed = LayerActivationBytes(l, 2, false, Checkpointing::kNone);
+  l.shared_ffn = static_cast<int64_t>(h);
+  CHECK(LayerActivationBytes(l, 2, false, Checkpointing::kNone) ==
+        routed + s * h * (2 + 2) + 2 * sbh);
+
+  // The mapping from the built models: DeepSeek-V2-Lite's first layer is dense, the other 26
+  // route through 6 of 64 experts beside two shared ones, and its attention is MLA.
+  ModelInventory lite = memplan::testing::Fixture("deepseek-v2-lite");
+  TrainingSetup setup;
+  setup.seq_len = 1024;
+  setup.flash_attention = true;
+  MemoryEstimate m = MustEstimate(lite, setup);
+  LayerShape moe;
+  moe.seq = moe.kv_seq = 1024;
+  moe.batch = 1;
+  moe.hidden = 2048;
+  moe.heads = moe.kv_heads = 16;
+  moe.head_dim = 192;
+  moe.ffn = 1408;
+  moe.gated = true;
+  moe.experts = 64;
+  moe.top_k = 6;
+  moe.norm_fp32 = moe.norm_keeps_normalized = true;
+  moe.v_width = 16 * 128;
+  moe.latent_width = (512 + 64) + 512;  // no query latent: q_lora_rank is null
+  moe.shared_ffn = 2 * 1408;
+  CHECK(m.activation_bytes_per_layer == LayerActivationBytes(moe, 2, true, Checkpointing::kNone));
+  LayerShape dense = moe;
+  dense.experts = dense.top_k = 0;
+  dense.shared_ffn = 0;
+  dense.ffn = 10944;
+  const MemoryItem* activations = Item(m, "activations");
+  REQUIRE(activations != nullptr);
+  const uint64_t layers = 26 * LayerActivationBytes(moe, 2, true, Checkpointing::kNone) +
+                          LayerActivationBytes(dense, 2, true, Checkpointing::kNone);
+  CHECK(activations->gpu_bytes >= layers);
+  CHECK(activations->gpu_bytes < layers + 4 * 1024 * 2048 * 2);  // + embedding and final norm
+}
+
 // --- Published measurement --------------------------------------------------------------------
 
 // bert-large-uncased's config.json as published on the Hugging Face Hub.

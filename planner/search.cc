@@ -409,7 +409,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         s.micro_batch = mb;
         s.grad_accum = per_gpu / mb;
         ++result.configurations;
-        MEMPLAN_ASSIGN_OR_RETURN(estimator::MemoryEstimate m, estimator::EstimateMemory(inventory, s));
+        MEMPLAN_ASSIGN_OR_RETURN(estimator::MemoryEstimate m, estimator::EstimateMemory(inventory, s, counts));
         if (result.seq_len == 0) result.seq_len = m.setup.seq_len;
         bool pinned_only = false;
         std::string misfit = Misfit(m.peak, limits, cluster, s, &pinned_only);
@@ -417,7 +417,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
           // Try again without pinned host buffers (slower transfers).
           TrainingSetup unpinned = s;
           unpinned.pin_memory = false;
-          MEMPLAN_ASSIGN_OR_RETURN(m, estimator::EstimateMemory(inventory, unpinned));
+          MEMPLAN_ASSIGN_OR_RETURN(m, estimator::EstimateMemory(inventory, unpinned, counts));
           std::string again = Misfit(m.peak, limits, cluster, unpinned, &pinned_only);
           if (again.empty()) s = unpinned;
           misfit = again;
