@@ -1,8 +1,10 @@
 #include "estimator/memory_model.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <optional>
 #include <string>
 
@@ -40,6 +42,7 @@ constexpr double kOverlapCommFactor = 4.5;      // DeepSpeed docs: overlap_comm 
 constexpr double kAllocatorMargin = 0.10;       // reserved over allocated, transients only
 constexpr double kLogitsForwardFp32Bytes = 8;   // fp32 logits + log-softmax output, per element
 constexpr double kLogitsBackwardBytes = 8;      // fp32 grads of log-probs and of the logits
+constexpr uint64_t kLitGptLmHeadChunk = 128;    // Lit-GPT's lm_head_chunk_size in finetune/*.py
 
 // Note [Allocator margin]
 // PyTorch's caching allocator reserves more than it hands out where blocks of changing sizes are
@@ -101,7 +104,29 @@ struct ParamFacts {
   Wide lora_persistent = 0;  // adapters at or under the persistence threshold
   Wide lora_input_width = 0;  // summed input width of the adapted Linears, all layers
   Wide largest_quantized = 0;  // QLoRA: the largest Linear weight stored in NF4
+  // Lit-GPT's LoRA, all layers: the input width once per block whose query/key/value are
+  // adapted (one LoRAQKVLinear, one dropout) plus the inputs of the other adapted Linears, and
+  // the adapted query/key/value output width in blocks that adapt only some of the three
+  // (zero_pad's index_copy keeps that update).
+  Wide litgpt_lora_input_width = 0;
+  Wide litgpt_lora_padded_width = 0;
+  // The output head (lm_head): Lightning's bitsandbytes plugin replaces every torch.nn.Linear,
+  // the head included.
+  Wide head = 0;
 };
+
+// Which of query (1), key (2), value (4) a Linear computes, by its module name; 7 for a fused
+// QKV projection; 0 for any other Linear.
+unsigned QkvPart(std::string_view leaf) {
+  if (leaf == "q_proj" || leaf == "query" || leaf == "q") return 1;
+  if (leaf == "k_proj" || leaf == "key" || leaf == "k") return 2;
+  if (leaf == "v_proj" || leaf == "value" || leaf == "v") return 4;
+  if (leaf == "c_attn" || leaf == "query_key_value" || leaf == "qkv_proj" || leaf == "Wqkv" ||
+      leaf == "W_pack") {
+    return 7;
+  }
+  return 0;
+}
 
 Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& setup) {
   ParamFacts f;
@@ -123,6 +148,10 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
       f.quantizable += t.numel;
       f.largest_quantized = std::max<Wide>(f.largest_quantized, t.numel);
     }
+    const std::string_view leaf = LastComponent(t.module);
+    if (t.block.empty() && t.shape.size() == 2 && (leaf == "lm_head" || leaf == "embed_out")) {
+      f.head += t.numel;
+    }
     if (setup.lora_rank == 0) {
       f.factored += t.shape.size() >= 2 ? U(t.shape[0]) + U(t.numel / std::max<int64_t>(t.shape[0], 1))
                                         : static_cast<Wide>(t.numel);
@@ -130,18 +159,39 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
     }
   }
   const Wide r = U(setup.lora_rank);
+  // Per block: which of q/k/v are adapted, their input width and adapted output width.
+  struct QkvLora {
+    unsigned parts = 0;
+    Wide input = 0, output = 0;
+  };
+  std::map<std::string, QkvLora> qkv_by_block;
   for (const TensorInfo* t : targets) {
     // A [r, in] and B [out, r] whichever way the weight is stored (Linear [out, in], Conv1D
     // [in, out]): r * (in + out).
     const Wide a = r * U(t->shape[1]), b = r * U(t->shape[0]);
     f.lora += a + b;
     // The input width: Linear weights are [out, in], GPT-2's Conv1D weights [in, out].
-    f.lora_input_width += U(inventory.model_type == "gpt2" ? t->shape[0] : t->shape[1]);
+    const Wide in_width = U(inventory.model_type == "gpt2" ? t->shape[0] : t->shape[1]);
+    const Wide out_width = U(inventory.model_type == "gpt2" ? t->shape[1] : t->shape[0]);
+    f.lora_input_width += in_width;
+    const unsigned part = QkvPart(LastComponent(t->module));
+    if (part == 0) {
+      f.litgpt_lora_input_width += in_width;
+    } else {
+      QkvLora& q = qkv_by_block[t->block];
+      q.parts |= part;
+      q.input = in_width;
+      q.output += out_width;
+    }
     for (Wide m : {a, b}) {
       if (m <= threshold) f.lora_persistent += m;
       f.largest_trainable_tensor = std::max(f.largest_trainable_tensor, m);
     }
     f.factored += (r + U(t->shape[1])) + (U(t->shape[0]) + r);
+  }
+  for (const auto& [block, q] : qkv_by_block) {
+    f.litgpt_lora_input_width += q.input;
+    if (q.parts != 7) f.litgpt_lora_padded_width += q.output;
   }
   return f;
 }
@@ -180,6 +230,20 @@ struct Activations {
 // The family builders record it (ArchitectureInfo::norm_upcasts).
 bool UpcastingNorm(const ArchitectureInfo& a) { return a.norm_upcasts; }
 
+// Transformers' activations (transformers/activations.py ACT2FN), by config name: the f-wide
+// tensors autograd keeps beyond the activation's input. The Python formulas keep their
+// intermediates: NewGELUActivation ("gelu_new", also "gelu_accurate"), 0.5 * x * (1 + tanh(...)),
+// keeps 0.5x, tanh(...) and 1 + tanh(...); FastGELUActivation ("gelu_fast") those and the
+// products inside tanh's argument (six); QuickGELUActivation, x * sigmoid(1.702x), the sigmoid. F.gelu,
+// F.silu and the tanh-approximate F.gelu ("gelu_pytorch_tanh") are fused kernels keeping their
+// input only.
+int ActivationExtraTensors(const std::string& hidden_act) {
+  if (hidden_act == "gelu_new" || hidden_act == "gelu_accurate") return 3;
+  if (hidden_act == "gelu_fast") return 6;
+  if (hidden_act == "quick_gelu") return 1;
+  return 0;
+}
+
 LayerShape ShapeFor(const ModelInventory& inventory, const TrainingSetup& s, int64_t seq,
                     const ParamFacts& f) {
   const ArchitectureInfo& a = *inventory.arch;
@@ -204,7 +268,6 @@ LayerShape ShapeFor(const ModelInventory& inventory, const TrainingSetup& s, int
   l.quantized_linears = s.lora_rank > 0 && s.qlora;
   l.norm_keeps_normalized = UpcastingNorm(a) && !l.frozen_linears;
   const Wide layers = U(std::max<int64_t>(a.layers + a.decoder_layers, 1));
-  l.adapter_input_width = static_cast<int64_t>(CeilDiv(f.lora_input_width, layers));
   // MLA: keys are heads x (qk_nope + qk_rope) wide (head_dim), values heads x v_head_dim; each
   // token also keeps the query latent (q_a_proj output and its norm) and the key/value latent
   // (kv_a_proj output, and the norm of its kv_lora_rank part).
@@ -213,6 +276,15 @@ LayerShape ShapeFor(const ModelInventory& inventory, const TrainingSetup& s, int
     l.latent_width = 2 * a.q_lora_rank + (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank;
   }
   l.shared_ffn = a.shared_intermediate;
+  const bool litgpt = s.framework == Framework::kLitGpt;
+  l.adapter_input_width = static_cast<int64_t>(
+      CeilDiv(litgpt ? f.litgpt_lora_input_width : f.lora_input_width, layers));
+  l.adapter_padded_width =
+      litgpt ? static_cast<int64_t>(CeilDiv(f.litgpt_lora_padded_width, layers)) : 0;
+  l.fused_qkv_kept = litgpt;
+  // Lit-GPT's MLPs call the fused torch.nn.functional.gelu / silu.
+  l.mlp_activation_extra = litgpt ? 0 : ActivationExtraTensors(a.hidden_act);
+  l.softmax_keeps_input = s.TorchBefore(1, 11);
   // Sliding windows and attention sinks leave the saved tensors as they are: eager and SDPA
   // attention compute the full s x s scores and mask them, and flash attention keeps one
   // log-sum-exp per query either way; a sink adds one column to s x s scores.
@@ -243,8 +315,11 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
   }
   const Wide dec_layer = LayerActivationBytes(dec, e, s.flash_attention, s.checkpointing);
   const Wide sbh = U(seq) * U(s.micro_batch) * U(a.hidden);
-  // Per stack, outside the layers: the embedding dropout mask and the final norm's input.
-  const Wide stack_extra = sbh * (self.norm_fp32 ? 4 : e) + (a.embedding_dropout > 0 ? sbh : 0);
+  // Per stack, outside the layers: the embedding dropout mask and the final norm's input; a
+  // quantised output head (Lit-GPT QLoRA) keeps the final norm's output too (MatMul4Bit's A).
+  const bool litgpt = s.framework == Framework::kLitGpt;
+  const Wide stack_extra = sbh * (self.norm_fp32 ? 4 : e) + (a.embedding_dropout > 0 ? sbh : 0) +
+                           (litgpt && self.quantized_linears && f.head > 0 ? sbh * e : 0);
   if (a.encoder_decoder) {
     // Encoder stack, decoder stack, and the encoder output every cross-attention reads.
     out.saved = U(a.layers) * enc_layer + U(a.decoder_layers) * dec_layer + 2 * stack_extra +
@@ -276,8 +351,19 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
                        inventory.model_class == "seq2seq_lm";
   if (lm_head && a.vocab > 0) {
     const Wide elems = CeilDiv(U(seq) * b * U(a.vocab), t);
-    out.logits_forward = elems * (e == 2 ? 2 : 0) + Scale(elems, kLogitsForwardFp32Bytes);
-    out.logits_backward = Scale(elems, kLogitsBackwardBytes);
+    if (litgpt) {
+      // Lit-GPT (finetune/*.py): the head runs in chunks of 128 positions (lm_head_chunk_size)
+      // and Fabric's precision plugin returns them converted to fp32 (convert_output), which
+      // chunked_cross_entropy's fp32 log-softmax keeps; backward then goes chunk by chunk.
+      out.logits_forward = Scale(elems, kLogitsForwardFp32Bytes);
+      const Wide chunk = CeilDiv(std::min<Wide>(U(seq), kLitGptLmHeadChunk) * b * U(a.vocab), t);
+      out.logits_backward = Scale(chunk, kLogitsBackwardBytes);
+    } else {
+      out.logits_forward = elems * (e == 2 ? 2 : 0) + Scale(elems, kLogitsForwardFp32Bytes);
+      out.logits_backward = Scale(elems, kLogitsBackwardBytes);
+    }
+    // PyTorch before 1.11: log_softmax keeps its input (the fp32 logits copy) as well.
+    if (s.TorchBefore(1, 11)) out.logits_forward += elems * 4;
   }
   return out;
 }
@@ -319,7 +405,8 @@ uint64_t LayerActivationBytes(const LayerShape& l, int elem_bytes, bool flash,
   // flash attention keeps only the per-head log-sum-exp.
   auto core = [&](Wide kv_seq) -> Wide {
     if (flash) return static_cast<Wide>(kFlashLseBytes) * U(l.heads) * s * b / t;
-    Wide per = e + (l.attention_dropout ? static_cast<Wide>(kDropoutMaskBytes) + e : 0);
+    Wide per = e + (l.attention_dropout ? static_cast<Wide>(kDropoutMaskBytes) + e : 0) +
+               (l.softmax_keeps_input ? e : 0);
     return per * U(l.heads) * s * kv_seq * b / t;
   };
   // Megatron's selective recompute drops the core attention (flash or not) and recomputes it.
@@ -340,7 +427,15 @@ uint64_t LayerActivationBytes(const LayerShape& l, int elem_bytes, bool flash,
   // The output projection reads the values' width (heads x v_head_dim under MLA).
   const Wide o_width = l.v_width > 0 ? v_width : q_width;
   Wide replicated = norm * sbh + mask * sbh + e * s * b * U(l.latent_width);
-  Wide sharded = e * s * b * (q_width + kv_width + v_width) + out_proj * s * b * o_width;
+  // Query, key and value as the attention keeps them. Lit-GPT (fused_qkv_kept): the fused
+  // output, kept whole by the value view, plus the roped query and key copies; with grouped
+  // keys and values the key and value are expanded to query width and copied, and the fused
+  // output is freed.
+  Wide qkv_width = q_width + kv_width + v_width;
+  if (l.fused_qkv_kept) {
+    qkv_width = l.kv_heads == l.heads ? qkv_width + q_width + kv_width : 3 * q_width;
+  }
+  Wide sharded = e * s * b * qkv_width + out_proj * s * b * o_width;
   Wide core_bytes = core(U(l.kv_seq));
   if (l.cross_attention) {
     // Encoder-decoder attention: norm, Q input, Q, K and V over the encoder sequence,
@@ -355,7 +450,7 @@ uint64_t LayerActivationBytes(const LayerShape& l, int elem_bytes, bool flash,
   // each token's MLP runs in top-k experts, with the token copied in and out of each, and the
   // router's fp32 logits and probabilities.
   replicated += norm * sbh + mask * sbh;
-  Wide mlp = s * b * U(l.ffn) * ((l.gated ? 3 : 1) * e + lin);
+  Wide mlp = s * b * U(l.ffn) * ((l.gated ? 3 : 1) * e + lin + U(l.mlp_activation_extra) * e);
   if (l.experts > 0) {
     const Wide k = U(std::max<int64_t>(l.top_k, 1));
     mlp *= k;
@@ -366,6 +461,7 @@ uint64_t LayerActivationBytes(const LayerShape& l, int elem_bytes, bool flash,
   sharded += mlp;
   // LoRA adapters (PEFT / Lit-GPT LoRALinear): lora_dropout's mask and output, lora_A's input.
   replicated += (static_cast<Wide>(kDropoutMaskBytes) + e) * s * b * U(l.adapter_input_width);
+  sharded += e * s * b * U(l.adapter_padded_width);
   Wide total = (l.sequence_parallel ? replicated / t : replicated) + sharded / t +
                (keep_core ? core_bytes : 0);
   return Saturate(total);
@@ -395,7 +491,14 @@ struct ItemContext {
   Wide t = 1, d = 1, g = 1;  // tensor-parallel degree, data-parallel degree, GPUs per node
   Wide trainable = 0;
   Wide frozen_quantized = 0;  // QLoRA: parameters stored in NF4
+  Wide largest_quantized = 0;  // QLoRA: the largest of them
   double nf4_bits = kNf4Bits;
+  // PyTorch FSDP (the strategy FSDP really uses, NO_SHARD for one rank) and its CPU offload;
+  // kNone for DeepSpeed and plain PyTorch.
+  FsdpSharding fsdp = FsdpSharding::kNone;
+  bool fsdp_offload = false;
+  Wide fsdp_param_bytes = 4;  // FSDP's sharded parameters, gradients: fp32 unless bf16-pure
+  Wide largest_unit = 0;      // the largest repeated block (FSDP's wrapped unit), tp-split
   std::string half;       // "bf16", "fp16" or "fp32"
   std::string opt_where;  // "none", "cpu" or "nvme"
 
@@ -419,6 +522,16 @@ struct ItemContext {
     }
   }
   bool Offloaded() const { return s.offload_optimizer != OffloadDevice::kNone; }
+  bool Fsdp() const { return fsdp != FsdpSharding::kNone; }
+  // FSDP's share of `x` elements on a rank: all of them with NO_SHARD.
+  Wide FsdpShard(Wide x) const {
+    return fsdp == FsdpSharding::kNoShard ? TpShare(x) : CeilDiv(TpShare(x), d);
+  }
+  std::string FsdpName() const {
+    std::string name(FsdpShardingName(fsdp));
+    for (char& ch : name) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+    return "FSDP " + name + (fsdp_offload ? " + CPU offload" : "");
+  }
 };
 
 constexpr unsigned kFwdBwd = kPhaseForward | kPhaseBackward | kPhaseBackwardEnd;
@@ -435,7 +548,25 @@ Status ParamsWorking(const ItemContext& c, Builder* out) {
   const Wide plain = c.f.total - c.frozen_quantized + c.f.lora;
   Wide gpu = 0, cpu = 0, nvme = 0, pinned = 0;
   std::string how;
-  if (s.zero_stage == 3) {
+  if (c.Fsdp()) {
+    // FSDP flattens each wrapped unit's parameters and keeps this rank's shard in the parameter
+    // dtype (fp32 under MixedPrecision, which casts only the gathered copy): FlatParamHandle's
+    // local shard (torch/distributed/fsdp/_flat_param.py); CPUOffload(offload_params=True)
+    // keeps it in pinned host memory.
+    const Wide shard = c.FsdpShard(plain) * c.fsdp_param_bytes;
+    how = ", " + c.FsdpName() +
+          (c.fsdp == FsdpSharding::kNoShard
+               ? std::string(" (not sharded)")
+               : " (sharded over " + std::to_string(static_cast<uint64_t>(c.d)) + " GPUs)");
+    if (c.fsdp_offload) {
+      cpu = pinned = shard * c.g;
+    } else {
+      gpu = shard;
+    }
+    out->Add("params_working",
+             "parameters, " + std::string(c.fsdp_param_bytes == 4 ? "fp32" : "bf16") + how, gpu,
+             cpu, 0, pinned, kAllPhases);
+  } else if (s.zero_stage == 3) {
     const Wide persistent = c.f.persistent + c.f.lora_persistent;
     const Wide persistent_bytes = c.TpShare(persistent) * c.w;
     const Wide shard = CeilDiv(c.TpShare(plain - persistent), c.d) * c.w;
@@ -456,9 +587,11 @@ Status ParamsWorking(const ItemContext& c, Builder* out) {
   } else {
     gpu = c.TpShare(plain) * c.param_bytes;
   }
-  out->Add("params_working",
-           "parameters, " + std::string(s.autocast ? "fp32" : c.half) + " working copy" + how, gpu,
-           cpu, nvme, pinned, kAllPhases);
+  if (!c.Fsdp()) {
+    out->Add("params_working",
+             "parameters, " + std::string(s.autocast ? "fp32" : c.half) + " working copy" + how,
+             gpu, cpu, nvme, pinned, kAllPhases);
+  }
   if (s.autocast) {
     // torch.autocast casts each weight to 16-bit when an op uses it and keeps the copy in its
     // cast cache for the rest of the forward pass; backward keeps it for the input gradient
@@ -474,10 +607,16 @@ Status ParamsWorking(const ItemContext& c, Builder* out) {
                  " bits per parameter)",
              q, 0, 0, 0, kAllPhases);
     // bitsandbytes MatMul4Bit.forward/backward dequantise each weight to a 16-bit copy for the
-    // matmul (F.dequantize_4bit(B, quant_state).to(A.dtype)); one Linear at a time.
+    // matmul (F.dequantize_4bit(B, quant_state).to(A.dtype)); one Linear at a time. The copy is
+    // in the dtype the weight was quantised from: Transformers quantises the loaded bf16 weights
+    // (one copy), Lightning's plugin (fabric/plugins/precision/bitsandbytes.py, _Linear4bit)
+    // quantises an fp16 copy, so dequantize_4bit returns fp16 and .to(bf16) makes a second.
+    const Wide copies = s.framework == Framework::kLitGpt && c.w == 2 ? 2 : 1;
     out->Add("qlora_dequant_workspace",
-             "16-bit copy of the Linear being dequantised (bitsandbytes MatMul4Bit)",
-             c.TpShare(c.f.largest_quantized) * c.w, 0, 0, 0,
+             copies == 2 ? "fp16 and bf16 copies of the Linear being dequantised (bitsandbytes "
+                           "MatMul4Bit on weights Lightning quantised from fp16)"
+                         : "16-bit copy of the Linear being dequantised (bitsandbytes MatMul4Bit)",
+             copies * c.TpShare(c.largest_quantized) * c.w, 0, 0, 0,
              kPhaseForward | kPhaseBackward, Alloc::kTransient);
   }
   return Status::Ok();
@@ -514,6 +653,18 @@ Status ParamsMaster(const ItemContext& c, Builder* out) {
 // async_accumulate_grad_in_cpu_via_gpu).
 Status Grads(const ItemContext& c, Builder* out) {
   const TrainingSetup& s = c.s;
+  if (c.Fsdp()) {
+    // FSDP reduce-scatters each unit's gradient and keeps this rank's shard as the flat
+    // parameter's .grad, in the parameter dtype (_post_backward_hook, _cast_grad_to_param_dtype);
+    // with CPUOffload the shard is copied to pinned host memory (_offload_grad).
+    const Wide bytes = c.FsdpShard(c.trainable) * c.fsdp_param_bytes;
+    out->Add("grads",
+             "gradients of the trainable parameters, " + c.FsdpName() +
+                 (c.fsdp == FsdpSharding::kNoShard ? "" : ", sharded"),
+             c.fsdp_offload ? 0 : bytes, c.fsdp_offload ? bytes * c.g : 0, 0,
+             c.fsdp_offload ? bytes * c.g : 0, kAllPhases);
+    return Status::Ok();
+  }
   if (!c.Offloaded()) {
     out->Add("grads",
              std::string(s.autocast ? "fp32" : c.half) + " gradients of the trainable parameters" +
@@ -558,7 +709,7 @@ Status Grads(const ItemContext& c, Builder* out) {
 // ZeRO-0 on more than one data-parallel rank. All phases.
 Status DdpBuckets(const ItemContext& c, Builder* out) {
   const TrainingSetup& s = c.s;
-  if (s.zero_stage != 0 || s.DataParallel() <= 1 || s.gradient_as_bucket_view) {
+  if (s.zero_stage != 0 || c.Fsdp() || s.DataParallel() <= 1 || s.gradient_as_bucket_view) {
     return Status::Ok();
   }
   out->Add("ddp_grad_buckets",
@@ -572,6 +723,17 @@ Status DdpBuckets(const ItemContext& c, Builder* out) {
 // buffer only with momentum > 0 (torch/optim/sgd.py). All phases.
 Status OptimizerStates(const ItemContext& c, Builder* out) {
   const TrainingSetup& s = c.s;
+  if (c.Fsdp()) {
+    // A torch.optim optimizer over the sharded flat parameters: its states are shard-sized, on
+    // the CPU with CPUOffload (the parameters it steps live there).
+    const Wide factored = c.FsdpShard(c.f.factored);
+    const Wide bytes = OptimizerStateBytes(s, c.FsdpShard(c.trainable), factored);
+    out->Add("optimizer_states",
+             std::string(OptimizerName(s.optimizer)) + " states, " + c.FsdpName() +
+                 (c.fsdp_offload ? ", on cpu" : ""),
+             c.fsdp_offload ? 0 : bytes, c.fsdp_offload ? bytes * c.g : 0, 0, 0, kAllPhases);
+    return Status::Ok();
+  }
   Wide gpu = 0, cpu = 0, nvme = 0;
   const Wide factored =
       s.zero_stage >= 1 ? CeilDiv(c.TpShare(c.f.factored), c.d) : c.TpShare(c.f.factored);
@@ -592,23 +754,33 @@ Status OptimizerStates(const ItemContext& c, Builder* out) {
 // decay). DeepSpeed's optimizers (ZeRO >= 1: FusedAdam, CPU Adam) update in place.
 Status OptimizerStepTransient(const ItemContext& c, Builder* out) {
   const TrainingSetup& s = c.s;
-  if (s.zero_stage != 0 || s.fused_optimizer) return Status::Ok();
+  if ((s.zero_stage != 0 && !c.Fsdp()) || c.fsdp_offload || s.fused_optimizer) {
+    return Status::Ok();
+  }
   const Wide state_elem = s.precision == Precision::kBf16Pure ? 2 : 4;
+  // Under FSDP the optimizer sees one flat parameter per wrapped unit (its shard).
+  const Wide largest = c.Fsdp() && !c.lora ? c.FsdpShard(c.largest_unit)
+                                           : c.f.largest_trainable_tensor;
+  const Wide all = c.Fsdp() ? c.FsdpShard(c.trainable) : c.TpShare(c.trainable);
   Wide transient = 0;
   std::string how;
+  // torch.optim takes its foreach path only for plain Tensors and Parameters
+  // (torch/optim/optimizer.py _default_to_fused_or_foreach checks the exact type): FSDP's
+  // FlatParameter gets the per-tensor loop.
+  const bool foreach = s.foreach && !c.Fsdp();
   switch (s.optimizer) {
     case Optimizer::kAdamW:
     case Optimizer::kLion:
-      if (s.foreach) {
-        transient = c.TpShare(c.trainable) * state_elem;
+      if (foreach) {
+        transient = all * state_elem;
         how = "torch foreach: one state-sized tensor set";
       } else {
-        transient = 2 * c.f.largest_trainable_tensor * state_elem;
+        transient = 2 * largest * state_elem;
         how = "per-tensor loop: two temporaries of the largest tensor";
       }
       break;
     case Optimizer::kAdafactor:
-      transient = 2 * 4 * c.f.largest_trainable_tensor;
+      transient = 2 * 4 * largest;
       how = "factored update of the largest tensor";
       break;
     case Optimizer::kSgd:
@@ -677,7 +849,7 @@ Status ActivationItems(const ItemContext& c, Builder* out) {
 // overlap_comm (the Hugging Face DeepSpeed guide's rule for ZeRO-2).
 Status CommBuckets(const ItemContext& c, Builder* out) {
   const TrainingSetup& s = c.s;
-  if (s.zero_stage < 1) return Status::Ok();
+  if (s.zero_stage < 1 || c.Fsdp()) return Status::Ok();
   const Wide reduce_elems = std::min(U(s.reduce_bucket_size), c.TpShare(c.trainable));
   if (s.zero_stage == 3) {
     out->Add("comm_reduce_bucket",
@@ -704,7 +876,7 @@ Status CommBuckets(const ItemContext& c, Builder* out) {
 // block's full gradients exist until reduce-scattered.
 Status Zero3Buffers(const ItemContext& c, Builder* out) {
   const TrainingSetup& s = c.s;
-  if (s.zero_stage != 3) return Status::Ok();
+  if (s.zero_stage != 3 || c.Fsdp()) return Status::Ok();
   const Wide block = c.TpShare(c.counts.largest_block_params);
   const Wide live = std::min(U(s.stage3_max_live_parameters),
                              block + std::min(U(s.stage3_prefetch_bucket_size), block));
@@ -718,6 +890,50 @@ Status Zero3Buffers(const ItemContext& c, Builder* out) {
              : block;
   out->Add("zero3_block_grads", "full gradients of the current block before reduce-scatter",
            block_trainable * c.w, 0, 0, 0, kPhaseBackward | kPhaseBackwardEnd, Alloc::kTransient);
+  return Status::Ok();
+}
+
+// fsdp_unsharded_params, fsdp_unit_grads. FSDP all-gathers a wrapped unit's flat parameter
+// in the compute dtype before the unit runs (FlatParamHandle.unshard from _pre_forward and
+// _pre_backward_hook, torch/distributed/fsdp/_runtime_utils.py). FULL_SHARD frees it after the
+// unit's forward and after its backward (reshard) and prefetches the next unit in backward
+// (BackwardPrefetch.BACKWARD_PRE); SHARD_GRAD_OP keeps every unit unsharded from its forward
+// until its backward; NO_SHARD with CPU offload copies each unit to the GPU and frees nothing
+// before backward. In backward the unit's unsharded gradient lives until it is reduce-scattered
+// (or copied to the CPU).
+Status FsdpUnits(const ItemContext& c, Builder* out) {
+  if (!c.Fsdp()) return Status::Ok();
+  const Wide all = c.TpShare(c.f.total - c.frozen_quantized + c.f.lora);
+  const Wide unit = std::min(all, c.largest_unit);
+  const unsigned live_phases = kPhaseForward | kPhaseBackward;
+  Wide live = 0;
+  std::string how;
+  switch (c.fsdp) {
+    case FsdpSharding::kFullShard:
+      live = std::min(all, 2 * unit);
+      how = "the current unit and the one prefetched";
+      break;
+    case FsdpSharding::kShardGradOp:
+      live = all;
+      how = "every unit, kept from its forward until its backward (SHARD_GRAD_OP)";
+      break;
+    case FsdpSharding::kNoShard:
+      live = c.fsdp_offload ? all : 0;
+      how = "every unit copied from the CPU, kept until after backward (NO_SHARD)";
+      break;
+    case FsdpSharding::kNone: break;
+  }
+  out->Add("fsdp_unsharded_params", "unsharded parameters on the GPU: " + how, live * c.w, 0, 0,
+           0, live_phases, Alloc::kTransient);
+  if (c.fsdp != FsdpSharding::kNoShard || c.fsdp_offload) {
+    const Wide grads = c.lora ? CeilDiv(c.TpShare(c.f.lora), U(std::max<int64_t>(
+                                                                c.arch.layers + c.arch.decoder_layers, 1)))
+                              : unit;
+    out->Add("fsdp_unit_grads",
+             "the unit's unsharded gradient before reduce-scatter (or the copy to the CPU)",
+             (grads + (c.fsdp == FsdpSharding::kNoShard ? 0 : CeilDiv(grads, c.d))) * c.w, 0, 0, 0,
+             kPhaseBackward | kPhaseBackwardEnd, Alloc::kTransient);
+  }
   return Status::Ok();
 }
 
@@ -742,6 +958,7 @@ constexpr ItemRule kItemRules[] = {
      ActivationItems},
     {"comm_reduce_bucket, comm_allgather_bucket", CommBuckets},
     {"zero3_live_params, zero3_block_grads", Zero3Buffers},
+    {"fsdp_unsharded_params, fsdp_unit_grads", FsdpUnits},
 };
 
 // Phase totals and the peak (Note [Phases]); the CUDA context and the allocator margin are added
@@ -868,10 +1085,11 @@ std::vector<std::string> Notes(const ItemContext& c) {
                  : std::string()) +
         ".");
   }
-  if (s.zero_stage == 0 && !c.Offloaded()) {
-    std::string how = s.fused_optimizer ? "fused (in place, no temporaries)"
-                      : s.foreach       ? "foreach (one state-sized temporary per step)"
-                                        : "a per-tensor loop (temporaries of the largest tensor)";
+  if ((s.zero_stage == 0 || c.Fsdp()) && !c.Offloaded() && !c.fsdp_offload) {
+    std::string how = s.fused_optimizer       ? "fused (in place, no temporaries)"
+                      : s.foreach && !c.Fsdp() ? "foreach (one state-sized temporary per step)"
+                                               : "a per-tensor loop (temporaries of the largest "
+                                                 "tensor; FSDP's FlatParameters get no foreach)";
     notes.push_back("The optimizer step runs PyTorch's " + how +
                     " implementation (torch/optim/adam.py); --foreach, --no-foreach and "
                     "--fused-optimizer choose.");
@@ -906,6 +1124,40 @@ std::vector<std::string> Notes(const ItemContext& c) {
           "NVMe with the optimizer state (nvme: stage3.py partition_grads -> "
           "swap_out_gradients).");
     }
+  }
+  if (c.Fsdp()) {
+    notes.push_back(
+        c.FsdpName() + ": each rank keeps its shard of the flat parameters, gradients and optimizer "
+        "states (parameters and gradients in fp32 under mixed precision, on the CPU with CPU "
+        "offload, where the optimizer then steps); a wrapped unit (the largest repeated block) is "
+        "gathered in the compute dtype while it runs" +
+        (s.fsdp != c.fsdp ? std::string("; with one data-parallel rank FSDP uses NO_SHARD, which "
+                                         "keeps every gathered unit on the GPU from forward to "
+                                         "backward (torch/distributed/fsdp/_init_utils.py)")
+                          : std::string()) +
+        ".");
+  }
+  if (s.framework == Framework::kLitGpt) {
+    notes.push_back(
+        "Lit-GPT: LoRA on the fused QKV Linear keeps one dropout per block input and, when only "
+        "some of q/k/v are adapted, the zero-padded update (index_copy's source); the fused QKV "
+        "output stays alive through the value view beside the roped query and key; the head runs "
+        "in 128-position chunks that Fabric converts to fp32 for the loss" +
+        (s.qlora ? std::string("; QLoRA quantises every Linear, the head included, from fp16 "
+                               "copies, so dequantising makes an fp16 and a bf16 copy")
+                 : std::string()) +
+        ".");
+  }
+  if (s.TorchBefore(1, 11)) {
+    notes.push_back("PyTorch " + s.torch_version +
+                    ": softmax and log_softmax keep their input as well as their output for "
+                    "backward (fixed in 1.11, pytorch#64000).");
+  }
+  if (ActivationExtraTensors(c.arch.hidden_act) > 0 && s.framework == Framework::kTransformers) {
+    notes.push_back("The MLP activation '" + c.arch.hidden_act +
+                    "' is a Python formula in Transformers (transformers/activations.py); autograd "
+                    "keeps " + std::to_string(ActivationExtraTensors(c.arch.hidden_act)) +
+                    " intermediate tensors of the MLP width besides its input.");
   }
   if (s.tp > 1) {
     notes.push_back(s.sequence_parallel
@@ -967,7 +1219,15 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
   c.d = U(s.DataParallel());
   c.g = U(s.gpus_per_node);
   c.trainable = c.lora ? f.lora : f.total;
-  c.frozen_quantized = c.lora && s.qlora ? f.quantizable : 0;
+  const bool litgpt = s.framework == Framework::kLitGpt;
+  c.frozen_quantized = c.lora && s.qlora ? f.quantizable + (litgpt ? f.head : 0) : 0;
+  c.largest_quantized = std::max(f.largest_quantized, litgpt ? f.head : Wide{0});
+  c.fsdp = s.EffectiveFsdp();
+  c.fsdp_offload = c.Fsdp() && s.offload_param == OffloadDevice::kCpu;
+  c.fsdp_param_bytes = s.precision == Precision::kBf16Pure ? 2 : 4;
+  if (c.Fsdp()) c.master = false;  // FSDP's sharded parameters are the fp32 copy
+  c.largest_unit = c.TpShare(c.counts.largest_block_params > 0 ? c.counts.largest_block_params
+                                                             : f.largest_trainable_tensor);
   c.nf4_bits = s.double_quant ? kNf4DoubleQuantBits : kNf4Bits;
   c.half = HalfName(s.precision);
   c.opt_where = std::string(OffloadDeviceName(s.offload_optimizer));

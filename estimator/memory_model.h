@@ -175,6 +175,19 @@ struct LayerShape {
   int64_t latent_width = 0;
   // MoE: the always-on shared-expert MLP's width beside the routed experts (0 = none).
   int64_t shared_ffn = 0;
+  // Lit-GPT's LoRAQKVLinear on a subset of the fused query/key/value: zero_pad's index_copy keeps
+  // the adapters' update (this width, the adapted output features) for its backward.
+  int64_t adapter_padded_width = 0;
+  // Lit-GPT's attention: the fused QKV output stays alive as long as the value (a view of it) is
+  // kept by the attention, beside the roped query and key copies; with grouped keys and values it
+  // keeps query-wide copies of all three instead.
+  bool fused_qkv_kept = false;
+  // The MLP activation's own saved tensors beyond its input, each f wide: Transformers' Python
+  // formulas (NewGELUActivation, "gelu_new", keeps 0.5x, tanh(...) and 1 + tanh(...): 3);
+  // fused kernels (F.gelu, F.silu) keep none.
+  int mlp_activation_extra = 0;
+  // PyTorch before 1.11: softmax keeps its input (the masked scores) as well as its output.
+  bool softmax_keeps_input = false;
 };
 
 // Bytes of activations one layer keeps for its backward pass, per GPU, with `elem_bytes` per

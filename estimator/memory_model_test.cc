@@ -638,5 +638,178 @@ TEST_CASE("memory model: the estimate's new JSON keys round-trip") {
   CHECK_FALSE(EstimateFromJson(broken).ok());
 }
 
+// --- Framework and version behaviours (issue 14, second round) ---------------------------------
+
+TEST_CASE("memory model: before PyTorch 1.11 softmax keeps its input too") {
+  // pytorch/pytorch#64000: _softmax's derivative was _softmax_backward_data(grad, result, dim,
+  // self), so autograd saved the input (the masked scores) beside the output; #65242 (PyTorch
+  // 1.11) passes the input dtype instead. The Hugging Face anatomy runs date from January 2022.
+  LayerShape l = Gpt3Layer(1);
+  const uint64_t s = 2048, a = 96;
+  const uint64_t current = LayerActivationBytes(l, 2, false, Checkpointing::kNone);
+  const uint64_t flash = LayerActivationBytes(l, 2, true, Checkpointing::kNone);
+  l.softmax_keeps_input = true;
+  CHECK(LayerActivationBytes(l, 2, false, Checkpointing::kNone) == current + 2 * a * s * s);
+  CHECK(LayerActivationBytes(l, 2, true, Checkpointing::kNone) == flash);  // no score matrix
+
+  Result<ModelInventory> bert =
+      InventoryFromHfConfigText(kBertLarge, "bert-large-uncased", ModelClassChoice::kBase);
+  REQUIRE(bert.ok());
+  TrainingSetup setup;
+  setup.precision = Precision::kFp32;
+  setup.micro_batch = 4;
+  setup.seq_len = 512;
+  setup.flash_attention = false;
+  const uint64_t sbh = 512 * 4 * 1024, as2b = uint64_t{16} * 512 * 512 * 4;
+  setup.torch_version = "2.1";
+  CHECK(MustEstimate(*bert, setup).activation_bytes_per_layer == 66 * sbh + 9 * as2b);
+  setup.torch_version = "1.10.1+cu113";
+  CHECK(MustEstimate(*bert, setup).activation_bytes_per_layer == 66 * sbh + 13 * as2b);
+  for (const char* bad : {"1", "abc", "1.x", "2.1x", ".1"}) {
+    CAPTURE(bad);
+    setup.torch_version = bad;
+    CHECK_FALSE(setup.Validate().ok());
+  }
+}
+
+TEST_CASE("memory model: Transformers' gelu_new keeps three more MLP-wide tensors") {
+  // transformers/activations.py NewGELUActivation: 0.5 * x * (1 + tanh(c * (x + 0.044715 x^3)))
+  // in Python: autograd keeps tanh's output, 1 + tanh(...) and 0.5 * x (the final product's
+  // operands) besides x; GELUActivation ("gelu") calls the fused F.gelu, which keeps x only.
+  const uint64_t s = 256, h = 768, f = 3072;
+  ModelInventory gelu_new = MustBuild({{"model_type", "gpt2"}});
+  ModelInventory gelu = MustBuild({{"model_type", "gpt2"}, {"activation_function", "gelu"}});
+  TrainingSetup setup;
+  setup.precision = Precision::kFp32;
+  setup.seq_len = s;
+  const uint64_t fused = MustEstimate(gelu, setup).activation_bytes_per_layer;
+  CHECK(MustEstimate(gelu_new, setup).activation_bytes_per_layer == fused + 3 * 4 * s * f);
+  LayerShape l = Gpt3Layer(1);
+  const uint64_t base = LayerActivationBytes(l, 2, true, Checkpointing::kNone);
+  l.mlp_activation_extra = 6;  // FastGELUActivation ("gelu_fast")
+  CHECK(LayerActivationBytes(l, 2, true, Checkpointing::kNone) ==
+        base + 6 * 2 * uint64_t{2048} * 4 * 12288);
+  (void)h;
+}
+
+TEST_CASE("memory model: Lit-GPT's LoRA, fused QKV, fp32 logits and QLoRA of every Linear") {
+  // Lit-GPT at 8641822 (tutorials/resource-tables.md): lit_gpt/lora.py LoRAQKVLinear applies one
+  // lora_dropout to the block input and zero_pad()s the q/v update with index_copy, which keeps
+  // its source for backward; lit_gpt/model.py CausalSelfAttention keeps the fused qkv output
+  // alive through the value view given to SDPA, beside the roped query and key (torch.cat
+  // copies); RMSNorm upcasts to fp32; finetune/lora.py runs lm_head in 128-position chunks that
+  // Fabric's precision plugin converts to fp32 (convert_output) for chunked_cross_entropy.
+  ModelInventory llama = memplan::testing::Fixture("llama-2-7b");
+  TrainingSetup s;
+  s.precision = Precision::kBf16Pure;
+  s.lora_rank = 8;
+  s.lora_targets = {"q_proj", "v_proj"};
+  s.seq_len = 1304;
+  s.framework = Framework::kLitGpt;
+  const uint64_t sbh = uint64_t{1304} * 4096, sbf = uint64_t{1304} * 11008;
+  MemoryEstimate lora = MustEstimate(llama, s);
+  // Bytes per token x width: norms 2 x 4 (fp32), fused qkv 6, roped q and k 4, SDPA output 2,
+  // lora_dropout mask and output 3, zero-padded update 2 x 2 (q and v) = 27; MLP 3 x 2 = 6;
+  // plus SDPA's fp32 log-sum-exp.
+  CHECK(lora.activation_bytes_per_layer == 27 * sbh + 6 * sbf + 4 * 32 * 1304);
+  CHECK(Gpu(lora, "logits_and_loss") == 8 * uint64_t{1304} * 32000);
+  CHECK(Gpu(lora, "logits_grad") == 8 * uint64_t{128} * 32000);
+  // The same model under Transformers + PEFT: two dropouts (q_proj, v_proj), no padded update,
+  // q/k/v as the attention keeps them (3 x 2).
+  s.framework = Framework::kTransformers;
+  CHECK(MustEstimate(llama, s).activation_bytes_per_layer ==
+        8 * sbh + 6 * sbh + 2 * sbh + 2 * 3 * sbh + 6 * sbf + 4 * 32 * 1304);
+  // QLoRA: Lightning's BitsandbytesPrecision quantises lm_head too, from fp16 copies, so the
+  // dequantised head exists in fp16 and bf16 at once; MatMul4Bit keeps every Linear's input.
+  s.framework = Framework::kLitGpt;
+  s.qlora = true;
+  MemoryEstimate qlora = MustEstimate(llama, s);
+  CHECK(Gpu(qlora, "qlora_dequant_workspace") == 2 * 2 * uint64_t{32000} * 4096);
+  CHECK(qlora.activation_bytes_per_layer == lora.activation_bytes_per_layer + 4 * sbh + 2 * sbf);
+  s.framework = Framework::kTransformers;
+  MemoryEstimate peft = MustEstimate(llama, s);
+  CHECK(Gpu(peft, "params_working") - Gpu(qlora, "params_working") == 2 * uint64_t{32000} * 4096);
+  CHECK(Gpu(peft, "qlora_dequant_workspace") == 2 * uint64_t{4096} * 11008);
+}
+
+ModelInventory Gpt2Xl() {
+  return MustBuild({{"model_type", "gpt2"}, {"n_embd", 1600}, {"n_layer", 48}, {"n_head", 25}});
+}
+
+TEST_CASE("memory model: FSDP shards flat parameters, gradients and states; units gathered") {
+  // torch/distributed/fsdp: each rank keeps its shard of every wrapped unit's FlatParameter in
+  // the parameter dtype, reduce-scatters the unit's gradient into a sharded .grad, and a
+  // torch.optim optimizer steps the shards (states shard-sized); FULL_SHARD gathers a unit for
+  // its forward and backward and frees it after (one more prefetched); no DeepSpeed buckets.
+  ModelInventory xl = Gpt2Xl();
+  const uint64_t p = memplan::testing::Total(xl);
+  const uint64_t block = memplan::testing::Counts(xl).largest_block_params;
+  TrainingSetup s;
+  s.precision = Precision::kFp32;
+  s.gpus_per_node = 2;
+  s.seq_len = 128;
+  s.flash_attention = false;
+  s.fsdp = FsdpSharding::kFullShard;
+  MemoryEstimate full = MustEstimate(xl, s);
+  CHECK(Gpu(full, "params_working") == 4 * ((p + 1) / 2));
+  CHECK(Gpu(full, "grads") == 4 * ((p + 1) / 2));
+  CHECK(Gpu(full, "optimizer_states") == 8 * ((p + 1) / 2));
+  CHECK(Item(full, "params_master") == nullptr);
+  CHECK(Item(full, "comm_reduce_bucket") == nullptr);
+  CHECK(Item(full, "ddp_grad_buckets") == nullptr);
+  CHECK(Gpu(full, "fsdp_unsharded_params") == 2 * block * 4);
+  CHECK((Item(full, "fsdp_unsharded_params")->phases & kPhaseOptimizerStep) == 0);
+  // torch.optim's foreach path admits plain Tensors and Parameters only: FlatParameters get the
+  // per-tensor loop, two temporaries of the largest flat shard.
+  CHECK(Gpu(full, "optimizer_step_transient") == 2 * ((block + 1) / 2) * 4);
+  // SHARD_GRAD_OP keeps every unit gathered from its forward to its backward.
+  s.fsdp = FsdpSharding::kShardGradOp;
+  CHECK(Gpu(MustEstimate(xl, s), "fsdp_unsharded_params") == p * 4);
+  // CPU offload: shards of parameters and gradients and the states in (pinned) host memory.
+  s.fsdp = FsdpSharding::kFullShard;
+  s.offload_param = OffloadDevice::kCpu;
+  MemoryEstimate offload = MustEstimate(xl, s);
+  CHECK(Gpu(offload, "params_working") == 0);
+  CHECK(Item(offload, "params_working")->cpu_bytes == 2 * 4 * ((p + 1) / 2));
+  CHECK(Item(offload, "params_working")->pinned_bytes == 2 * 4 * ((p + 1) / 2));
+  CHECK(Item(offload, "optimizer_states")->cpu_bytes == 2 * 8 * ((p + 1) / 2));
+  CHECK(Item(offload, "optimizer_step_transient") == nullptr);
+  CHECK(Gpu(offload, "fsdp_unsharded_params") == 2 * block * 4);
+  // One GPU: FSDP clamps to NO_SHARD (torch/distributed/fsdp/_init_utils.py), which with CPU
+  // offload copies every unit to the GPU and frees none before backward.
+  s.gpus_per_node = 1;
+  CHECK(s.EffectiveFsdp() == FsdpSharding::kNoShard);
+  MemoryEstimate one = MustEstimate(xl, s);
+  CHECK(Gpu(one, "fsdp_unsharded_params") == p * 4);
+  CHECK(PhaseOf(one, "backward").gpu_allocated_bytes >
+        PhaseOf(offload, "backward").gpu_allocated_bytes + (p - 2 * block) * 4 - kGiB);
+  // Contradictory or impossible combinations name the flags.
+  s.gpus_per_node = 2;
+  s.zero_stage = 2;
+  CHECK(s.Validate().message().find("--fsdp") != std::string::npos);
+  s.zero_stage = 0;
+  s.offload_param = OffloadDevice::kNvme;
+  CHECK_FALSE(s.Validate().ok());
+  s.offload_param = OffloadDevice::kNone;
+  s.offload_optimizer = OffloadDevice::kCpu;
+  CHECK(s.Validate().message().find("--offload-param cpu") != std::string::npos);
+}
+
+TEST_CASE("memory model: framework, torch_version and fsdp round-trip through JSON") {
+  TrainingSetup s;
+  s.framework = Framework::kLitGpt;
+  s.torch_version = "1.10";
+  s.fsdp = FsdpSharding::kShardGradOp;
+  s.gpus_per_node = 2;
+  const nlohmann::json j = ToJson(s);
+  CHECK(j["framework"] == "litgpt");
+  CHECK(j["fsdp"] == "shard_grad_op");
+  Result<TrainingSetup> back = TrainingSetupFromJson(j);
+  REQUIRE_MESSAGE(back.ok(), back.status().ToString());
+  CHECK(ToJson(*back) == j);
+  CHECK(ParseFsdpSharding("FULL_SHARD").ok());
+  CHECK_FALSE(ParseFramework("megatron").ok());
+}
+
 }  // namespace
 }  // namespace memplan::estimator

@@ -34,6 +34,31 @@ constexpr Names<Checkpointing> kCheckpointings[] = {{Checkpointing::kNone, "none
                                                     {Checkpointing::kFull, "full"}};
 constexpr Names<OffloadDevice> kDevices[] = {
     {OffloadDevice::kNone, "none"}, {OffloadDevice::kCpu, "cpu"}, {OffloadDevice::kNvme, "nvme"}};
+constexpr Names<Framework> kFrameworks[] = {{Framework::kTransformers, "transformers"},
+                                            {Framework::kLitGpt, "litgpt"}};
+constexpr Names<FsdpSharding> kFsdpShardings[] = {{FsdpSharding::kNone, "none"},
+                                                  {FsdpSharding::kFullShard, "full_shard"},
+                                                  {FsdpSharding::kShardGradOp, "shard_grad_op"},
+                                                  {FsdpSharding::kNoShard, "no_shard"}};
+
+// "MAJOR.MINOR" (a patch or local suffix after it is ignored: "1.10.1", "2.1.0+cu121").
+bool ParseTorchVersion(std::string_view text, int* major, int* minor) {
+  size_t i = 0;
+  auto number = [&](int* out) {
+    size_t start = i;
+    int64_t v = 0;
+    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])) && i - start < 4) {
+      v = v * 10 + (text[i] - '0');
+      ++i;
+    }
+    *out = static_cast<int>(v);
+    return i > start;
+  };
+  if (!number(major) || i >= text.size() || text[i] != '.') return false;
+  ++i;
+  if (!number(minor)) return false;
+  return i == text.size() || text[i] == '.' || text[i] == '+';
+}
 
 template <typename E, size_t N>
 std::string_view NameOf(const Names<E> (&table)[N], E value) {
@@ -85,6 +110,26 @@ std::string_view PrecisionName(Precision p) { return NameOf(kPrecisions, p); }
 std::string_view OptimizerName(Optimizer o) { return NameOf(kOptimizers, o); }
 std::string_view CheckpointingName(Checkpointing c) { return NameOf(kCheckpointings, c); }
 std::string_view OffloadDeviceName(OffloadDevice d) { return NameOf(kDevices, d); }
+std::string_view FrameworkName(Framework f) { return NameOf(kFrameworks, f); }
+std::string_view FsdpShardingName(FsdpSharding f) { return NameOf(kFsdpShardings, f); }
+Result<Framework> ParseFramework(std::string_view text) {
+  if (text == "lit-gpt") return Framework::kLitGpt;
+  return Parse(kFrameworks, text, "framework");
+}
+Result<FsdpSharding> ParseFsdpSharding(std::string_view text) {
+  std::string lower(text);
+  for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return Parse(kFsdpShardings, lower, "FSDP sharding strategy");
+}
+
+bool TrainingSetup::TorchBefore(int major, int minor) const {
+  int have_major = 0, have_minor = 0;
+  if (torch_version.empty() || !ParseTorchVersion(torch_version, &have_major, &have_minor)) {
+    return false;
+  }
+  return have_major < major || (have_major == major && have_minor < minor);
+}
+
 Result<Precision> ParsePrecision(std::string_view text) {
   return Parse(kPrecisions, text, "precision");
 }
@@ -125,19 +170,42 @@ Status TrainingSetup::Validate() const {
       Range("offload_optimizer.buffer_count", optimizer_buffer_count, 1, 1024));
   MEMPLAN_RETURN_IF_ERROR(Range("aio.queue_depth", aio_queue_depth, 1, 1 << 16));
   MEMPLAN_RETURN_IF_ERROR(Range("aio.intra_op_parallelism", aio_intra_op_parallelism, 1, 64));
+  int major = 0, minor = 0;
+  if (!torch_version.empty() && !ParseTorchVersion(torch_version, &major, &minor)) {
+    return Status::InvalidArgument("--torch-version '" + torch_version +
+                                   "': expected MAJOR.MINOR, e.g. 1.10 or 2.1");
+  }
   if (WorldSize() % tp != 0) {
     return Status::InvalidArgument("--tp " + std::to_string(tp) + " does not divide the " +
                                    std::to_string(WorldSize()) +
                                    " GPUs (--gpus x --nodes); the data-parallel degree would not "
                                    "be whole");
   }
-  if (offload_param != OffloadDevice::kNone && zero_stage != 3) {
+  if (fsdp != FsdpSharding::kNone) {
+    const int stage = fsdp == FsdpSharding::kFullShard     ? 3
+                      : fsdp == FsdpSharding::kShardGradOp ? 2
+                                                           : 0;
+    if (zero_stage != 0 && zero_stage != stage) {
+      return Status::InvalidArgument("--zero-stage " + std::to_string(zero_stage) +
+                                     " contradicts --fsdp " + std::string(FsdpShardingName(fsdp)) +
+                                     " (which shards like stage " + std::to_string(stage) + ")");
+    }
+    if (offload_param == OffloadDevice::kNvme || offload_optimizer == OffloadDevice::kNvme) {
+      return Status::InvalidArgument("--fsdp offloads to the CPU only (CPUOffload); NVMe offload is "
+                                     "DeepSpeed's (drop --fsdp, use --zero-stage 3)");
+    }
+    if (offload_optimizer == OffloadDevice::kCpu && offload_param != OffloadDevice::kCpu) {
+      return Status::InvalidArgument(
+          "--fsdp with --offload-optimizer cpu: FSDP moves the optimizer to the CPU only with the "
+          "parameters (CPUOffload(offload_params=True)); add --offload-param cpu");
+    }
+  } else if (offload_param != OffloadDevice::kNone && zero_stage != 3) {
     return Status::InvalidArgument(
         "--offload-param " + std::string(OffloadDeviceName(offload_param)) +
         " needs --zero-stage 3 (DeepSpeed offloads parameters only in ZeRO-3), got stage " +
         std::to_string(zero_stage));
   }
-  if (offload_optimizer != OffloadDevice::kNone && zero_stage == 0) {
+  if (fsdp == FsdpSharding::kNone && offload_optimizer != OffloadDevice::kNone && zero_stage == 0) {
     return Status::InvalidArgument("--offload-optimizer " +
                                    std::string(OffloadDeviceName(offload_optimizer)) +
                                    " needs ZeRO (--zero-stage 1, 2 or 3)");
@@ -147,7 +215,7 @@ Status TrainingSetup::Validate() const {
         "--offload-optimizer nvme needs --zero-stage 3 (ZeRO-Infinity); stages 1 and 2 offload "
         "the optimizer to cpu only");
   }
-  if (offload_optimizer != OffloadDevice::kNone &&
+  if (fsdp == FsdpSharding::kNone && offload_optimizer != OffloadDevice::kNone &&
       (optimizer == Optimizer::kAdam8bit || optimizer == Optimizer::kSgd ||
        optimizer == Optimizer::kAdafactor)) {
     return Status::InvalidArgument(
@@ -164,7 +232,7 @@ Status TrainingSetup::Validate() const {
         "--autocast is mixed precision over fp32 parameters: use --precision fp16-mixed or "
         "bf16-mixed");
   }
-  if (autocast && zero_stage != 0) {
+  if (autocast && (zero_stage != 0 || fsdp != FsdpSharding::kNone)) {
     return Status::InvalidArgument(
         "--autocast describes a plain PyTorch trainer (ZeRO-0); DeepSpeed's ZeRO stages keep "
         "their own 16-bit weights and fp32 master copy");
@@ -306,6 +374,9 @@ nlohmann::json ToJson(const TrainingSetup& s) {
       {"sgd_momentum", s.sgd_momentum},
       {"autocast", s.autocast},
       {"gradient_as_bucket_view", s.gradient_as_bucket_view},
+      {"framework", std::string(FrameworkName(s.framework))},
+      {"torch_version", s.torch_version},
+      {"fsdp", std::string(FsdpShardingName(s.fsdp))},
       {"zero_stage", s.zero_stage},
       {"offload_optimizer", std::string(OffloadDeviceName(s.offload_optimizer))},
       {"offload_param", std::string(OffloadDeviceName(s.offload_param))},
@@ -363,7 +434,7 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
       "precision", "optimizer", "lora_rank", "lora_targets", "qlora", "double_quant",
       "micro_batch", "seq_len", "grad_accum", "checkpointing", "flash_attention", "tp",
       "sequence_parallel", "foreach", "fused_optimizer", "sgd_momentum", "autocast",
-      "gradient_as_bucket_view",
+      "gradient_as_bucket_view", "framework", "torch_version", "fsdp",
       "zero_stage", "offload_optimizer", "offload_param", "reduce_bucket_size",
       "allgather_bucket_size", "overlap_comm", "stage3_prefetch_bucket_size",
       "stage3_param_persistence_threshold", "stage3_max_live_parameters", "sub_group_size",
@@ -394,6 +465,9 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "sgd_momentum", &s.sgd_momentum));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "autocast", &s.autocast));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "gradient_as_bucket_view", &s.gradient_as_bucket_view));
+  MEMPLAN_RETURN_IF_ERROR(GetEnum(j, "framework", ParseFramework, &s.framework));
+  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "torch_version", &s.torch_version));
+  MEMPLAN_RETURN_IF_ERROR(GetEnum(j, "fsdp", ParseFsdpSharding, &s.fsdp));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "zero_stage", &s.zero_stage));
   MEMPLAN_RETURN_IF_ERROR(
       GetEnum(j, "offload_optimizer", ParseOffloadDevice, &s.offload_optimizer));

@@ -46,16 +46,31 @@ enum class Checkpointing {
   kFull,       // each layer keeps its input only and is recomputed in backward
 };
 enum class OffloadDevice { kNone, kCpu, kNvme };
+// Which model code and training loop allocate the activations (the model states do not depend on
+// it): Hugging Face Transformers (with PEFT and bitsandbytes through Transformers, the Trainer or
+// Accelerate), or Lit-GPT / LitGPT (its own GPT, LoRA and chunked loss under Lightning Fabric).
+enum class Framework { kTransformers, kLitGpt };
+// PyTorch FSDP's sharding strategy, when FSDP rather than DeepSpeed shards the model states.
+enum class FsdpSharding {
+  kNone,         // no FSDP (DeepSpeed ZeRO per zero_stage, or plain PyTorch / DDP)
+  kFullShard,    // parameters, gradients and optimizer state sharded; units resharded after use
+  kShardGradOp,  // gradients and optimizer state sharded; parameters unsharded forward to backward
+  kNoShard,      // nothing sharded (FSDP's own choice whenever the world size is 1)
+};
 
 std::string_view PrecisionName(Precision p);  // "fp32", "fp16-mixed", "bf16-mixed", "bf16-pure"
 std::string_view OptimizerName(Optimizer o);  // "adamw", "adam8bit", "sgd", "lion", "adafactor"
 std::string_view CheckpointingName(Checkpointing c);  // "none", "selective", "full"
 std::string_view OffloadDeviceName(OffloadDevice d);  // "none", "cpu", "nvme"
+std::string_view FrameworkName(Framework f);          // "transformers", "litgpt"
+std::string_view FsdpShardingName(FsdpSharding f);    // "none", "full_shard", ...
 // Inverses; errors list the accepted spellings.
 Result<Precision> ParsePrecision(std::string_view text);
 Result<Optimizer> ParseOptimizer(std::string_view text);
 Result<Checkpointing> ParseCheckpointing(std::string_view text);
 Result<OffloadDevice> ParseOffloadDevice(std::string_view text);
+Result<Framework> ParseFramework(std::string_view text);
+Result<FsdpSharding> ParseFsdpSharding(std::string_view text);  // also FULL_SHARD, ...
 
 struct TrainingSetup {
   Precision precision = Precision::kBf16Mixed;
@@ -101,6 +116,22 @@ struct TrainingSetup {
   // reducer's buckets hold a second copy of every gradient. ZeRO-0 on more than one GPU only.
   bool gradient_as_bucket_view = false;
 
+  // The training code (see Framework). Lit-GPT: LoRA on its fused QKV Linear (one dropout for the
+  // shared input; the zero-padded update kept by index_copy), the fused QKV output kept whole by
+  // the value view next to the roped query and key, Fabric's fp32 copy of the chunked logits, and
+  // QLoRA quantising every Linear (lm_head included) through fp16.
+  Framework framework = Framework::kTransformers;
+  // The PyTorch release the job runs ("1.10", "2.1"); empty: a current one. Before 1.11, softmax
+  // and log_softmax kept their input for backward as well as their output (pytorch#64000, fixed
+  // for 1.11 by #65242).
+  std::string torch_version;
+
+  // PyTorch FSDP shards the model states instead of DeepSpeed (zero_stage then stays 0 or names
+  // the matching stage: full_shard 3, shard_grad_op 2, no_shard 0). offload_param cpu is FSDP's
+  // CPUOffload(offload_params=True): parameters and gradients on the CPU, where the optimizer
+  // steps. With one data-parallel rank FSDP uses NO_SHARD whatever is asked.
+  FsdpSharding fsdp = FsdpSharding::kNone;
+
   int zero_stage = 0;  // 0 (plain data parallel), 1, 2, 3
   OffloadDevice offload_optimizer = OffloadDevice::kNone;  // stage >= 1; nvme needs stage 3
   OffloadDevice offload_param = OffloadDevice::kNone;      // stage 3 only
@@ -135,6 +166,13 @@ struct TrainingSetup {
   int64_t WorldSize() const { return gpus_per_node * num_nodes; }
   // Data-parallel degree: world size / tp.
   int64_t DataParallel() const { return WorldSize() / tp; }
+  // The FSDP strategy FSDP really uses: NO_SHARD when there is one data-parallel rank
+  // (torch/distributed/fsdp/_init_utils.py clamps it, "functionally equivalent").
+  FsdpSharding EffectiveFsdp() const {
+    return fsdp != FsdpSharding::kNone && DataParallel() == 1 ? FsdpSharding::kNoShard : fsdp;
+  }
+  // torch_version before MAJOR.MINOR (false when torch_version is empty: a current release).
+  bool TorchBefore(int major, int minor) const;
 
   // Ranges and combinations that make no sense on their own: offload without the ZeRO stage that
   // supports it, QLoRA without LoRA, 8-bit Adam on LoRA adapters, an optimizer DeepSpeed cannot

@@ -86,6 +86,7 @@ struct SetupOptions {
   std::string precision = "bf16-mixed";
   std::string optimizer = "adamw";
   int zero_stage = 0;
+  std::string fsdp = "none";
   std::string offload_optimizer = "none";
   std::string offload_param = "none";
   std::string checkpointing = "none";
@@ -121,6 +122,13 @@ struct SetupOptions {
             ->check(CLI::Range(0, 3))
             ->capture_default_str(),
         "zero_stage");
+    add(cmd->add_option("--fsdp", fsdp,
+                        "PyTorch FSDP instead of DeepSpeed: full_shard | shard_grad_op | no_shard "
+                        "(--offload-param cpu: FSDP's CPU offload)")
+            ->check(CLI::IsMember({"none", "full_shard", "shard_grad_op", "no_shard", "FULL_SHARD",
+                                   "SHARD_GRAD_OP", "NO_SHARD"}))
+            ->capture_default_str(),
+        "fsdp");
     add(cmd->add_option("--offload-optimizer", offload_optimizer,
                         "none | cpu | nvme (nvme needs stage 3)")
             ->check(CLI::IsMember({"none", "cpu", "nvme"}))
@@ -221,6 +229,9 @@ struct SetupOptions {
       MEMPLAN_ASSIGN_OR_RETURN(s->optimizer, estimator::ParseOptimizer(optimizer));
     }
     if (use("zero_stage")) s->zero_stage = zero_stage;
+    if (use("fsdp")) {
+      MEMPLAN_ASSIGN_OR_RETURN(s->fsdp, estimator::ParseFsdpSharding(fsdp));
+    }
     if (use("offload_optimizer")) {
       MEMPLAN_ASSIGN_OR_RETURN(s->offload_optimizer,
                                estimator::ParseOffloadDevice(offload_optimizer));

@@ -33,6 +33,16 @@ void SharedSetupFlags::Add(CLI::App* cmd, const std::string& group) {
                     "Mixed precision through torch.autocast over fp32 parameters (the Hugging "
                     "Face Trainer without DeepSpeed): fp32 gradients, no master copy; ZeRO-0"),
       "autocast");
+  add(cmd->add_option("--framework", framework,
+                      "The training code: transformers (Transformers + PEFT, Trainer or "
+                      "Accelerate) or litgpt (Lit-GPT / LitGPT under Lightning Fabric)")
+          ->check(CLI::IsMember({"transformers", "litgpt", "lit-gpt"}))
+          ->capture_default_str(),
+      "framework");
+  add(cmd->add_option("--torch-version", v.torch_version,
+                      "The PyTorch release (MAJOR.MINOR) where its memory behaviour changed: "
+                      "before 1.11 softmax keeps its input too; default: a current release"),
+      "torch_version");
   add(cmd->add_flag("--gradient-as-bucket-view", v.gradient_as_bucket_view,
                     "DDP's gradient_as_bucket_view: no second gradient copy in the buckets"),
       "gradient_as_bucket_view");
@@ -53,6 +63,12 @@ void SharedSetupFlags::Apply(estimator::TrainingSetup* s, bool only_given) const
   if (use("sequence_parallel")) s->sequence_parallel = values.sequence_parallel;
   if (use("autocast")) s->autocast = values.autocast;
   if (use("gradient_as_bucket_view")) s->gradient_as_bucket_view = values.gradient_as_bucket_view;
+  if (use("framework")) {
+    // The option's check admits only names ParseFramework accepts.
+    Result<estimator::Framework> parsed = estimator::ParseFramework(framework);
+    if (parsed.ok()) s->framework = *parsed;
+  }
+  if (use("torch_version")) s->torch_version = values.torch_version;
 }
 
 }  // namespace memplan::tools

@@ -1,7 +1,7 @@
 // The training-setup knobs that `memplan estimate`, `plan` and `check` all accept, spelled and
 // defaulted once (the defaults are TrainingSetup's): memory-efficient attention, the optimizer
-// step's implementation, SGD momentum, sequence parallelism, torch.autocast and DDP's
-// gradient_as_bucket_view.
+// step's implementation, SGD momentum, sequence parallelism, torch.autocast, DDP's
+// gradient_as_bucket_view, the training code (--framework) and the PyTorch release.
 #pragma once
 
 #include <string>
@@ -16,6 +16,7 @@ namespace memplan::tools {
 
 struct SharedSetupFlags {
   estimator::TrainingSetup values;  // only the fields below are read
+  std::string framework = "transformers";  // parsed into values.framework by Apply
   // Each registered option with the TrainingSetup field it sets.
   std::vector<std::pair<CLI::Option*, std::string>> options;
 
