@@ -1,29 +1,36 @@
 #!/usr/bin/env python3
-"""Ground truth for memplan's training-memory model: measured GPU peaks next to its predictions.
+"""Measure published setups on a GPU and append the results as records of the same format.
 
-    python3 bench/measure_peak.py --memplan build/tools/memplan [--dry-run] [--only NAME,...]
-        [--steps 3] [--json]
+    python3 bench/measure_peak.py --memplan build/tools/memplan \\
+        [--records tests/accuracy/published.json] [--append OUT.json] [--only ID,...] \\
+        [--steps 3] [--dry-run]
 
-For each setup in SETUPS (dense MHA, GQA, MoE, LoRA, checkpointing on and off, fp32 and
-bf16-mixed) it
-  1. asks memplan for its prediction (`memplan estimate --model <config> --format json` with the
-     setup's flags): the GPU peak, its phase, and the allocated bytes of that phase;
-  2. unless --dry-run: builds the model from the config with random weights (Transformers
-     `from_config`; nothing is downloaded), trains it for --steps steps on random tokens on one GPU
-     and records torch.cuda.max_memory_allocated and max_memory_reserved;
-then prints one table. memplan's peak includes the CUDA context, which PyTorch's counters do not,
-so the table compares reserved with (predicted peak - context) and allocated with the predicted
-allocated bytes of the peak phase. The issue's acceptance: |ratio - 1| <= 10% for every row.
+Reads the records of tests/accuracy/published.json (one published run each, with the memplan
+flags that express it; see bench/accuracy.py), picks the runnable ones and, on the local GPU,
+trains each again with PyTorch and Transformers (random weights from the model's config, random
+tokens, nothing downloaded), measuring what the record measured: torch.cuda.max_memory_allocated
+for "max_memory_allocated" records, the GPU's used memory (NVML, as nvidia-smi shows it: the
+CUDA context included) for "nvidia-smi" records. Each measurement becomes a new record, in the
+same format, appended to --append (default: the records file itself), with the id suffixed by
+the GPU, the source naming this script, the date, torch and Transformers, the measured CUDA
+context, and memplan flags that describe the run as it happened (this PyTorch, this context).
+bench/accuracy.py and tests/accuracy_test then judge memplan against it like any published row.
 
---dry-run needs neither a GPU nor PyTorch: it exercises the setup table and memplan's side only.
+A record is runnable when its figure is a peak (not a verdict or a batch limit) and every memplan
+flag is one this runner reproduces: one GPU, no ZeRO/FSDP/DeepSpeed/offload/tensor parallelism,
+Transformers model code (not --framework litgpt), no QLoRA, and a model it can build (a config
+path in the repository, or a name listed in CONFIGS). The reason is printed for the others.
+Precisions: fp32; bf16-pure (weights, gradients and optimizer states in bf16); bf16-mixed or
+fp16-mixed with --autocast (torch.autocast over fp32 weights). The optimizer is torch's, with
+foreach/fused as the flags say; zero_grad keeps gradients (set_to_none=False).
 
-The training loop matches memplan's stated assumptions: ZeRO-0 on one GPU, torch AdamW (foreach),
-zero_grad(set_to_none=False) (gradient storage kept across steps, as DeepSpeed keeps it),
-`bf16-mixed` as torch.autocast over fp32 weights, `--flash-attention` as SDPA (else eager
-attention), `--checkpointing full` as gradient_checkpointing_enable(). LoRA rows need `peft`;
-without it they are reported as skipped.
+--dry-run needs neither a GPU nor PyTorch: it lists what would run and, with --append, writes the
+records it would append with memplan's prediction in place of the measurement (marked
+"dry_run": true, ids suffixed -dry-run), so that the record handling can be tested.
 """
 import argparse
+import copy
+import datetime
 import json
 import os
 import shutil
@@ -31,190 +38,264 @@ import subprocess
 import sys
 import tempfile
 
-# Small configs in the shape of real families, sized so that every setup trains on one 80 GB GPU.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Hugging Face configs of the memplan builtin names the records use.
 CONFIGS = {
-    "gpt2-medium": {  # dense MHA, GeLU, dropout 0.1, learned positions
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 1024,
-        "n_layer": 24, "n_head": 16, "n_positions": 1024, "vocab_size": 50257,
-    },
-    "bert-large": {  # the Hugging Face "model memory anatomy" model
+    "bert-large-uncased": {
         "model_type": "bert", "architectures": ["BertForMaskedLM"], "hidden_size": 1024,
         "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096,
         "vocab_size": 30522, "max_position_embeddings": 512, "type_vocab_size": 2,
         "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
     },
-    "llama-1b-gqa": {  # GQA 32/8, SwiGLU, no dropout, RoPE
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048,
-        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "intermediate_size": 5632, "vocab_size": 32000, "max_position_embeddings": 4096,
-        "tie_word_embeddings": False,
-    },
-    "mixtral-small-moe": {  # MoE 8 experts top-2, GQA
-        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 1024,
-        "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
-        "intermediate_size": 2816, "vocab_size": 32000, "num_local_experts": 8,
-        "num_experts_per_tok": 2, "max_position_embeddings": 4096,
+    "llama-2-7b": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
     },
 }
 
-# name, config, memplan flags. Every flag is one memplan also reads, so the prediction and the
-# run describe the same job.
-SETUPS = [
-    ("gpt2-medium fp32", "gpt2-medium",
-     ["--precision", "fp32", "--micro-batch", "8", "--seq-len", "1024"]),
-    ("gpt2-medium bf16-mixed", "gpt2-medium",
-     ["--precision", "bf16-mixed", "--micro-batch", "8", "--seq-len", "1024"]),
-    ("gpt2-medium bf16 ckpt", "gpt2-medium",
-     ["--precision", "bf16-mixed", "--micro-batch", "8", "--seq-len", "1024",
-      "--checkpointing", "full"]),
-    ("bert-large fp32 b4 s512", "bert-large",
-     ["--precision", "fp32", "--micro-batch", "4", "--seq-len", "512"]),
-    ("llama-1b GQA bf16 flash", "llama-1b-gqa",
-     ["--precision", "bf16-mixed", "--micro-batch", "4", "--seq-len", "2048",
-      "--flash-attention"]),
-    ("llama-1b GQA bf16 eager", "llama-1b-gqa",
-     ["--precision", "bf16-mixed", "--micro-batch", "2", "--seq-len", "2048"]),
-    ("llama-1b GQA bf16 ckpt", "llama-1b-gqa",
-     ["--precision", "bf16-mixed", "--micro-batch", "8", "--seq-len", "2048",
-      "--flash-attention", "--checkpointing", "full"]),
-    ("mixtral-small MoE bf16", "mixtral-small-moe",
-     ["--precision", "bf16-mixed", "--micro-batch", "4", "--seq-len", "2048",
-      "--flash-attention"]),
-    ("llama-1b LoRA r16 bf16", "llama-1b-gqa",
-     ["--precision", "bf16-mixed", "--micro-batch", "4", "--seq-len", "2048",
-      "--flash-attention", "--lora-rank", "16"]),
-]
+PEAK_KINDS = ("max_memory_allocated", "nvidia-smi")
+# Flags this runner reproduces, with how many values each takes.
+SUPPORTED = {"--model": 1, "--model-class": 1, "--precision": 1, "--optimizer": 1,
+             "--micro-batch": 1, "--seq-len": 1, "--grad-accum": 1, "--checkpointing": 1,
+             "--flash-attention": 0, "--no-flash-attention": 0, "--foreach": 0, "--no-foreach": 0,
+             "--fused-optimizer": 0, "--sgd-momentum": 1, "--autocast": 0, "--lora-rank": 1,
+             "--lora-targets": 1, "--cuda-context-mib": 1, "--torch-version": 1,
+             "--framework": 1, "--gpus": 1, "--zero-stage": 1}
+
+
+def parse_flags(flags):
+    """{flag: value or True}; raises ValueError on a flag the runner does not reproduce."""
+    out, i = {}, 0
+    while i < len(flags):
+        flag = flags[i]
+        if flag not in SUPPORTED:
+            raise ValueError(f"{flag} is not reproduced by this runner")
+        n = SUPPORTED[flag]
+        out[flag] = flags[i + 1] if n else True
+        i += 1 + n
+    return out
+
+
+def runnable(record):
+    """(plan, reason): the run's plan, or None and why not."""
+    kind = record["measured"].get("kind")
+    if kind not in PEAK_KINDS:
+        return None, f"a {kind} figure (only peaks are measured)"
+    try:
+        f = parse_flags(record["memplan"])
+    except ValueError as e:
+        return None, str(e)
+    if f.get("--framework", "transformers") != "transformers":
+        return None, f"--framework {f['--framework']} (this runner trains Transformers models)"
+    if f.get("--gpus", "1") != "1" or f.get("--zero-stage", "0") != "0":
+        return None, "more than one GPU or a ZeRO stage"
+    precision = f.get("--precision", "bf16-mixed")
+    if precision in ("bf16-mixed", "fp16-mixed") and "--autocast" not in f:
+        return None, (f"--precision {precision} without --autocast (DeepSpeed-style 16-bit "
+                      "weights with an fp32 master copy; this runner trains with torch.autocast)")
+    model = f.get("--model", "")
+    if model in CONFIGS:
+        config = CONFIGS[model]
+    else:
+        path = os.path.join(ROOT, model)
+        if not (model.endswith(".json") and os.path.isfile(path)):
+            return None, f"no config for model '{model}' (add it to CONFIGS)"
+        with open(path) as fh:
+            config = json.load(fh)
+    optimizer = f.get("--optimizer", "adamw")
+    if optimizer not in ("adamw", "sgd"):
+        return None, f"--optimizer {optimizer}"
+    plan = {"config": config, "model_class": f.get("--model-class", ""), "precision": precision,
+            "optimizer": optimizer, "micro_batch": int(f.get("--micro-batch", "1")),
+            "seq_len": int(f.get("--seq-len", "512")), "grad_accum": int(f.get("--grad-accum", "1")),
+            "checkpointing": f.get("--checkpointing", "none") == "full",
+            "selective": f.get("--checkpointing", "none") == "selective",
+            "attention": "eager" if "--no-flash-attention" in f else "sdpa",
+            "foreach": "--no-foreach" not in f, "fused": "--fused-optimizer" in f,
+            "sgd_momentum": float(f.get("--sgd-momentum", "0")),
+            "lora_rank": int(f.get("--lora-rank", "0")),
+            "lora_targets": f.get("--lora-targets", ""), "kind": kind}
+    if plan["selective"]:
+        return None, "--checkpointing selective (Megatron's; Transformers has none)"
+    return plan, ""
 
 
 def find_memplan(given):
-    for candidate in [given, "build-est/tools/memplan", "build/tools/memplan",
-                      shutil.which("memplan")]:
+    for candidate in [given, os.path.join(ROOT, "build/tools/memplan"), shutil.which("memplan")]:
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     sys.exit("memplan binary not found; pass --memplan PATH")
 
 
-def flag_value(flags, name, default=None):
-    return flags[flags.index(name) + 1] if name in flags else default
-
-
-def predict(memplan, config_path, flags):
-    run = subprocess.run([memplan, "estimate", "--model", config_path, "--format", "json"] + flags,
-                         capture_output=True, text=True)
+def predict(memplan, flags):
+    run = subprocess.run([memplan, "estimate", *flags, "--format", "json"], capture_output=True,
+                         text=True, cwd=ROOT)
     if run.returncode != 0:
-        raise RuntimeError(run.stderr.strip())
+        raise RuntimeError(f"memplan estimate {' '.join(flags)}: {run.stderr.strip()}")
     j = json.loads(run.stdout)
     peak = j["peak"]
     allocated = next(p["gpu_allocated_bytes"] for p in j["phases"] if p["phase"] == peak["phase"])
-    return {"gpu_bytes": peak["gpu_bytes"], "phase": peak["phase"],
-            "allocated_bytes": allocated,
-            "reserved_bytes": peak["gpu_bytes"] - j["setup"]["cuda_context_bytes"]}
+    return {"gpu_bytes": peak["gpu_bytes"], "allocated_bytes": allocated}
 
 
-def measure(config, flags, steps):
-    """Trains the setup on the GPU; returns (max allocated, max reserved) bytes."""
+def used_gpu_bytes(torch):
+    """The device's used memory as nvidia-smi shows it (NVML), else total - free."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).used
+    except Exception:  # no NVML binding: CUDA's view of the same device
+        free, total = torch.cuda.mem_get_info()
+        return total - free
+
+
+def measure(plan, steps):
+    """Trains the plan on the GPU: (peak figure in bytes, CUDA context in bytes, environment)."""
     import torch
     import transformers
 
-    precision = flag_value(flags, "--precision", "bf16-mixed")
-    batch = int(flag_value(flags, "--micro-batch", "1"))
-    seq = int(flag_value(flags, "--seq-len", "512"))
-    attn = "sdpa" if "--flash-attention" in flags else "eager"
-    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items()
-                                               if k != "architectures"})
-    cls = getattr(transformers, config["architectures"][0])
-    torch.manual_seed(0)
-    model = cls._from_config(cfg, attn_implementation=attn, torch_dtype=torch.float32).cuda()
-    if flag_value(flags, "--checkpointing") == "full":
+    torch.ones(1, device="cuda")
+    context = used_gpu_bytes(torch)
+    config = {k: v for k, v in plan["config"].items() if k != "architectures"}
+    cfg = transformers.AutoConfig.for_model(**config)
+    cfg._attn_implementation = plan["attention"]
+    dtype = torch.bfloat16 if plan["precision"] == "bf16-pure" else torch.float32
+    if plan["model_class"] == "base" and config["model_type"] == "bert":
+        model = transformers.AutoModelForSequenceClassification.from_config(cfg, dtype=dtype)
+        labels_like_ids = False
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        labels_like_ids = True
+    model = model.cuda()
+    if plan["checkpointing"]:
         model.gradient_checkpointing_enable()
-    if "--lora-rank" in flags:
-        import peft  # ImportError -> the caller reports the row as skipped
-        model = peft.get_peft_model(model, peft.LoraConfig(r=int(flag_value(flags, "--lora-rank")),
-                                                           lora_alpha=16, lora_dropout=0.0))
-        if precision != "fp32":
-            # Frozen base in 16-bit, adapters in fp32 (what PEFT users train with).
-            for name, p in model.named_parameters():
-                if not p.requires_grad:
-                    p.data = p.data.to(torch.bfloat16)
+    if plan["lora_rank"]:
+        import peft
+        targets = plan["lora_targets"].split(",") if plan["lora_targets"] else None
+        model = peft.get_peft_model(model, peft.LoraConfig(r=plan["lora_rank"], lora_alpha=16,
+                                                           target_modules=targets))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    vocab = config["vocab_size"]
+    if plan["optimizer"] == "sgd":
+        opt = torch.optim.SGD(params, lr=1e-4, momentum=plan["sgd_momentum"],
+                              foreach=plan["foreach"])
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=None if plan["fused"] else plan["foreach"],
+                                fused=plan["fused"] or None)
+    autocast = plan["precision"] in ("bf16-mixed", "fp16-mixed")
+    amp_dtype = torch.bfloat16 if plan["precision"] == "bf16-mixed" else torch.float16
+    vocab = config.get("vocab_size", 32000)
     torch.cuda.reset_peak_memory_stats()
     for _ in range(steps):
-        ids = torch.randint(0, vocab, (batch, seq), device="cuda")
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision != "fp32"):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        for _ in range(plan["grad_accum"]):
+            ids = torch.randint(0, vocab, (plan["micro_batch"], plan["seq_len"]), device="cuda")
+            labels = ids if labels_like_ids else torch.zeros(plan["micro_batch"], dtype=torch.long,
+                                                             device="cuda")
+            with torch.autocast("cuda", dtype=amp_dtype, enabled=autocast):
+                loss = model(input_ids=ids, labels=labels).loss / plan["grad_accum"]
+            loss.backward()
+            del loss
+        opt.step()
+        opt.zero_grad(set_to_none=False)
     torch.cuda.synchronize()
-    result = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-    del model, optimizer
-    torch.cuda.empty_cache()
-    return result
+    figure = (torch.cuda.max_memory_allocated() if plan["kind"] == "max_memory_allocated"
+              else used_gpu_bytes(torch))
+    env = {"gpu": torch.cuda.get_device_name(), "gpu_memory_bytes":
+           torch.cuda.get_device_properties(0).total_memory, "torch": torch.__version__,
+           "transformers": transformers.__version__}
+    return figure, context, env
 
 
-def gib(b):
-    return f"{b / 2**30:8.2f}" if b is not None else "       -"
+def measured_record(record, plan, figure_bytes, context_bytes, env, dry_run=False):
+    """A record of the same format for a run of `record`'s setup on this machine."""
+    out = copy.deepcopy(record)
+    gpu_tag = "".join(ch if ch.isalnum() else "-" for ch in env["gpu"].lower()).strip("-")
+    out["id"] = f"{record['id']}-{'dry-run' if dry_run else 'measured-' + gpu_tag}"
+    out["source"] = (f"bench/measure_peak.py on {env['gpu']}, {datetime.date.today()}, "
+                     f"torch {env['torch']}, transformers {env['transformers']}"
+                     + (" (dry run: memplan's prediction in place of a measurement)"
+                        if dry_run else ""))
+    out["hardware"] = {"gpu": env["gpu"], "gpus": 1, "gpu_memory_bytes": env["gpu_memory_bytes"]}
+    out["setup"] = f"as {record['id']}, re-run by bench/measure_peak.py (random weights)"
+    mib = context_bytes / 2**20
+    out["measured"] = {"value": figure_bytes, "units": "bytes", "kind": plan["kind"]}
+    if plan["kind"] == "nvidia-smi":
+        out["measured"]["context_mib"] = round(mib)
+    flags = list(record["memplan"])
+    if "--torch-version" in flags:  # the run used this PyTorch, not the published one's
+        i = flags.index("--torch-version")
+        del flags[i:i + 2]
+    if "--cuda-context-mib" in flags:
+        flags[flags.index("--cuda-context-mib") + 1] = str(round(mib))
+    elif plan["kind"] == "nvidia-smi":
+        flags += ["--cuda-context-mib", str(round(mib))]
+    out["memplan"] = flags
+    out["assumptions"] = [f"re-run of {record['id']} with this machine's PyTorch and CUDA context "
+                          f"({round(mib)} MiB measured)"]
+    if dry_run:
+        out["dry_run"] = True
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--memplan", default=None, help="path to the memplan binary")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="predictions only: no GPU, no PyTorch needed")
-    ap.add_argument("--only", default="", help="comma-separated setup names to run")
+    ap.add_argument("--records", default=os.path.join(ROOT, "tests/accuracy/published.json"))
+    ap.add_argument("--append", default=None,
+                    help="records file to append the measured rows to (default: --records)")
+    ap.add_argument("--only", default="", help="comma-separated record ids to run")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="no GPU, no PyTorch: list what would run, write predicted stand-ins")
     args = ap.parse_args()
-    memplan = find_memplan(args.memplan)
-    only = [s for s in args.only.split(",") if s]
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="memplan-peak.") as tmp:
-        for name, config_name, flags in SETUPS:
-            if only and name not in only:
-                continue
-            config = CONFIGS[config_name]
-            path = os.path.join(tmp, config_name + ".json")
-            with open(path, "w") as f:
-                json.dump(config, f)
-            row = {"setup": name, "flags": flags}
-            row["predicted"] = predict(memplan, path, flags)
-            if not args.dry_run:
-                try:
-                    allocated, reserved = measure(config, flags, args.steps)
-                    row["measured"] = {"max_memory_allocated": allocated,
-                                       "max_memory_reserved": reserved}
-                    row["ratio_reserved"] = row["predicted"]["reserved_bytes"] / reserved
-                    row["ratio_allocated"] = row["predicted"]["allocated_bytes"] / allocated
-                except ImportError as e:
-                    row["skipped"] = f"missing module: {e.name}"
-            rows.append(row)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return
-    print(f"{'setup':28} {'pred peak':>9} {'phase':14} {'pred res':>8} {'meas res':>8} "
-          f"{'ratio':>6} {'pred alloc':>10} {'meas alloc':>10} {'ratio':>6}   (GiB)")
-    ok = True
-    for r in rows:
-        p, m = r["predicted"], r.get("measured")
-        line = (f"{r['setup']:28} {gib(p['gpu_bytes']):>9} {p['phase']:14} "
-                f"{gib(p['reserved_bytes'])}")
-        if m:
-            ok &= abs(r["ratio_reserved"] - 1) <= 0.10
-            line += (f" {gib(m['max_memory_reserved'])} {r['ratio_reserved']:6.3f}   "
-                     f"{gib(p['allocated_bytes'])}   {gib(m['max_memory_allocated'])} "
-                     f"{r['ratio_allocated']:6.3f}")
+    with open(args.records) as f:
+        doc = json.load(f)
+    only = {s for s in args.only.split(",") if s}
+    new = []
+    for record in doc["records"]:
+        if (only and record["id"] not in only) or record.get("dry_run"):
+            continue
+        plan, why = runnable(record)
+        if plan is None:
+            print(f"{record['id']:38} not runnable: {why}")
+            continue
+        if args.dry_run:
+            context = int(float(dict(zip(record["memplan"], record["memplan"][1:]))
+                                .get("--cuda-context-mib", "0")) * 2**20)
+            env = {"gpu": "dry-run", "gpu_memory_bytes": record["hardware"]["gpu_memory_bytes"],
+                   "torch": "-", "transformers": "-"}
+            out = measured_record(record, plan, 0, context, env, dry_run=True)
+            p = predict(find_memplan(args.memplan), out["memplan"])  # the flags as re-run
+            out["measured"]["value"] = (p["allocated_bytes"] if plan["kind"] == "max_memory_allocated"
+                                        else p["gpu_bytes"])
+            new.append(out)
+            print(f"{record['id']:38} would run: {plan['config']['model_type']} {plan['precision']} "
+                  f"batch {plan['micro_batch']} x {plan['seq_len']}, {plan['attention']}, "
+                  f"{plan['optimizer']}; measures {plan['kind']}")
+            continue
+        figure, context, env = measure(plan, args.steps)
+        new.append(measured_record(record, plan, figure, context, env))
+        print(f"{record['id']:38} measured {figure / 2**30:.2f} GiB on {env['gpu']}")
+    target = args.append or args.records
+    if new and (args.append or not args.dry_run):
+        if os.path.exists(target):
+            with open(target) as f:
+                out_doc = json.load(f)
         else:
-            line += "        -      -   " + gib(p["allocated_bytes"]) + "          -      -"
-            if "skipped" in r:
-                line += "  skipped: " + r["skipped"]
-        print(line)
-    if args.dry_run:
-        print("dry run: predictions only (no GPU measurement)")
-    elif not ok:
-        print("some setups are off by more than 10% (reserved)")
-        sys.exit(1)
+            out_doc = {"version": doc.get("version", 1), "about": doc.get("about", ""),
+                       "records": []}
+        ids = {r["id"] for r in new}
+        out_doc["records"] = [r for r in out_doc["records"] if r["id"] not in ids] + new
+        tmp = tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(target)),
+                                          delete=False, suffix=".tmp")
+        with tmp:
+            json.dump(out_doc, tmp, indent=2)
+            tmp.write("\n")
+        os.replace(tmp.name, target)
+        print(f"{len(new)} record(s) written to {target}")
 
 
 if __name__ == "__main__":
