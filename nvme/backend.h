@@ -71,6 +71,13 @@ Result<BackendKind> ParseBackendKind(std::string_view text);
 struct BackendOptions {
   uint32_t queue_depth = 32;  // requests in flight; 1..4096
   bool sqpoll = false;        // io_uring only: ask for a kernel submission thread; falls back
+  // io_uring only: register the files in a fixed-file table (the kernel skips the fd lookup and
+  // reference per request). Default on; off only to measure what it gains.
+  bool fixed_files = true;
+  // io_uring only: most requests handed to the kernel per io_uring_enter; 0 (default): every
+  // request that fits goes in one call (batched submission). 1 submits them one by one, for
+  // measuring what batching gains.
+  uint32_t submit_batch = 0;
   uint32_t posix_threads = 4; // POSIX backend worker threads; 1..256
 
   Status Validate() const;

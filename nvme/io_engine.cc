@@ -812,6 +812,16 @@ void IoEngine::Impl::WorkerLoop(Lane& lane) {
 
 // ---- IoEngine -----------------------------------------------------------------------------------
 
+std::vector<iovec> RegistrationRegions(void* base, uint64_t bytes) {
+  constexpr uint64_t kMaxRegion = uint64_t{1} << 30;  // io_uring refuses larger fixed buffers
+  std::vector<iovec> out;
+  auto* p = static_cast<std::byte*>(base);
+  for (uint64_t at = 0; at < bytes; at += kMaxRegion) {
+    out.push_back(iovec{p + at, static_cast<size_t>(std::min(kMaxRegion, bytes - at))});
+  }
+  return out;
+}
+
 IoEngine::IoEngine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 IoEngine::~IoEngine() = default;
 

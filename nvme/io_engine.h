@@ -71,6 +71,10 @@ struct IoStats {
   uint64_t registered_ops = 0;  // requests that named a registered buffer
 };
 
+// `bytes` of memory at `base` cut into the regions one registration takes (io_uring: at most
+// 1 GiB a buffer), for IoEngine::RegisterBuffers / SwapStore::RegisterBuffers.
+std::vector<iovec> RegistrationRegions(void* base, uint64_t bytes);
+
 class IoEngine {
  public:
   // The engine does not own the backend; it must outlive the engine.

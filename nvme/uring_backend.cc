@@ -44,7 +44,8 @@ std::string ErrnoText(int negative_errno) {
 
 class UringBackend final : public Backend {
  public:
-  explicit UringBackend(uint32_t queue_depth) : depth_(queue_depth), cqes_(queue_depth) {
+  UringBackend(uint32_t queue_depth, uint32_t submit_batch)
+      : depth_(queue_depth), submit_batch_(submit_batch), cqes_(queue_depth) {
     capabilities_.name = "io_uring";
     capabilities_.asynchronous = true;
     capabilities_.queue_depth = depth_;
@@ -132,13 +133,18 @@ class UringBackend final : public Backend {
     if (getrlimit(RLIMIT_NOFILE, &files_limit) == 0 && files_limit.rlim_cur < slots) {
       slots = static_cast<unsigned>(files_limit.rlim_cur);
     }
-    const int rc = slots > 0 ? io_uring_register_files_sparse(&ring_, slots) : -EMFILE;
-    if (rc == 0) {
+    const int rc = !options.fixed_files ? 0
+                   : slots > 0          ? io_uring_register_files_sparse(&ring_, slots)
+                                        : -EMFILE;
+    if (!options.fixed_files) {
+      notes.push_back("fixed files off");
+    } else if (rc == 0) {
       fixed_file_slots_ = slots;
       capabilities_.registered_files = true;
     } else {
       notes.push_back("fixed files unavailable: " + ErrnoText(rc));
     }
+    if (submit_batch_ == 1) notes.push_back("one request per submission");
     for (size_t i = 0; i < notes.size(); ++i) {
       capabilities_.note += (i > 0 ? "; " : "") + notes[i];
     }
@@ -204,30 +210,38 @@ class UringBackend final : public Backend {
     const int64_t in_flight = std::max<int64_t>(0, in_flight_.load(std::memory_order_acquire));
     const size_t room = depth_ - std::min<size_t>(static_cast<size_t>(in_flight), depth_);
     const size_t wanted = std::min(requests.size(), room);
-    size_t prepared = 0;
-    while (prepared < wanted) {
-      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-      if (sqe == nullptr) break;  // SQ ring full (SQPOLL thread behind): busy
-      Prepare(sqe, *requests[prepared]);
-      ++prepared;
-    }
-    if (prepared == 0) return size_t{0};
-
-    handoff_.fetch_add(1, std::memory_order_release);  // Note [kernel handoff]
-    const int rc = io_uring_submit(&ring_);
-    size_t taken = prepared;
-    if (sqpoll_) {
-      // The SQEs are in the ring and the kernel thread consumes them on its own; a failure here
-      // means that thread is gone, and nothing more can be submitted.
-      if (rc < 0) return Status::FromErrno(-rc, "io_uring_submit (SQPOLL thread)");
-    } else {
-      taken = prepared - RetractUnsubmitted();
-      if (rc < 0 && taken == 0 && rc != -EAGAIN && rc != -EBUSY && rc != -EINTR) {
-        return Status::FromErrno(-rc, "io_uring_submit");
+    const size_t batch = submit_batch_ == 0 ? wanted : submit_batch_;
+    size_t taken_total = 0;
+    while (taken_total < wanted) {
+      const size_t this_batch = std::min(batch, wanted - taken_total);
+      size_t prepared = 0;
+      while (prepared < this_batch) {
+        io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+        if (sqe == nullptr) break;  // SQ ring full (SQPOLL thread behind): busy
+        Prepare(sqe, *requests[taken_total + prepared]);
+        ++prepared;
       }
+      if (prepared == 0) break;
+
+      handoff_.fetch_add(1, std::memory_order_release);  // Note [kernel handoff]
+      const int rc = io_uring_submit(&ring_);
+      size_t taken = prepared;
+      if (sqpoll_) {
+        // The SQEs are in the ring and the kernel thread consumes them on its own; a failure here
+        // means that thread is gone, and nothing more can be submitted.
+        if (rc < 0) return Status::FromErrno(-rc, "io_uring_submit (SQPOLL thread)");
+      } else {
+        taken = prepared - RetractUnsubmitted();
+        if (rc < 0 && taken == 0 && taken_total == 0 && rc != -EAGAIN && rc != -EBUSY &&
+            rc != -EINTR) {
+          return Status::FromErrno(-rc, "io_uring_submit");
+        }
+      }
+      in_flight_.fetch_add(static_cast<int64_t>(taken), std::memory_order_release);
+      taken_total += taken;
+      if (taken < prepared) break;  // the kernel is busy: the caller reaps, then offers the rest
     }
-    in_flight_.fetch_add(static_cast<int64_t>(taken), std::memory_order_release);
-    return taken;
+    return taken_total;
   }
 
   Result<size_t> Reap(std::span<Completion> out, size_t min_complete) override {
@@ -334,6 +348,7 @@ class UringBackend final : public Backend {
   }
 
   const size_t depth_;
+  const size_t submit_batch_;  // BackendOptions::submit_batch
   Capabilities capabilities_;  // immutable after Init
   io_uring ring_ = {};         // SQ side under submit_mu_, CQ side under complete_mu_
   bool ring_ready_ = false;    // set once by Init
@@ -362,7 +377,7 @@ class UringBackend final : public Backend {
 
 Result<std::unique_ptr<Backend>> CreateUringBackend(const BackendOptions& options) {
   MEMPLAN_RETURN_IF_ERROR(options.Validate());
-  auto backend = std::make_unique<UringBackend>(options.queue_depth);
+  auto backend = std::make_unique<UringBackend>(options.queue_depth, options.submit_batch);
   MEMPLAN_RETURN_IF_ERROR(backend->Init(options));
   return std::unique_ptr<Backend>(std::move(backend));
 }
