@@ -28,7 +28,22 @@ inline void StoreHalf(uint16_t* dst, __m256 x, HalfDtype dtype) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), half);
 }
 
-template <bool kAmsgrad, bool kHalf>
+// 8 gradients as fp32: loaded, or widened from bf16 (a shift) or fp16 (F16C), both exact.
+template <GradFormat kGrad>
+inline __m256 LoadGrads(const AdamKernelArgs& a, size_t i) {
+  if constexpr (kGrad == GradFormat::kFp32) {
+    return _mm256_loadu_ps(a.grads + i);
+  } else {
+    __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.half_grads + i));
+    if constexpr (kGrad == GradFormat::kBf16) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+    } else {
+      return _mm256_cvtph_ps(half);
+    }
+  }
+}
+
+template <bool kAmsgrad, bool kHalf, GradFormat kGrad>
 void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
   const __m256 inv_grad_scale = _mm256_set1_ps(a.inv_grad_scale);
   const __m256 l2_decay = _mm256_set1_ps(a.l2_decay);
@@ -42,7 +57,7 @@ void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
   const __m256 neg_step_size = _mm256_set1_ps(a.neg_step_size);
   size_t i = begin;
   for (; i + 8 <= end; i += 8) {
-    __m256 g = _mm256_loadu_ps(a.grads + i);
+    __m256 g = LoadGrads<kGrad>(a, i);
     __m256 p = _mm256_loadu_ps(a.params + i);
     if (a.scale_grads) g = _mm256_mul_ps(g, inv_grad_scale);
     if (a.l2) g = _mm256_fmadd_ps(p, l2_decay, g);  // Note [torch rounding]
@@ -65,14 +80,27 @@ void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
   for (; i < end; ++i) AdamElement(a, i);
 }
 
+template <GradFormat kGrad>
+void AdamFor(const AdamKernelArgs& args, size_t begin, size_t end) {
+  bool half = args.half != nullptr;
+  if (args.amsgrad) {
+    half ? AdamLoop<true, true, kGrad>(args, begin, end)
+         : AdamLoop<true, false, kGrad>(args, begin, end);
+  } else {
+    half ? AdamLoop<false, true, kGrad>(args, begin, end)
+         : AdamLoop<false, false, kGrad>(args, begin, end);
+  }
+}
+
 }  // namespace
 
 void AdamAvx2(const AdamKernelArgs& args, size_t begin, size_t end) {
-  bool half = args.half != nullptr;
-  if (args.amsgrad) {
-    half ? AdamLoop<true, true>(args, begin, end) : AdamLoop<true, false>(args, begin, end);
+  if (args.half_grads == nullptr) {
+    AdamFor<GradFormat::kFp32>(args, begin, end);
+  } else if (args.grad_dtype == HalfDtype::kBf16) {
+    AdamFor<GradFormat::kBf16>(args, begin, end);
   } else {
-    half ? AdamLoop<false, true>(args, begin, end) : AdamLoop<false, false>(args, begin, end);
+    AdamFor<GradFormat::kFp16>(args, begin, end);
   }
 }
 

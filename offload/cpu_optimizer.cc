@@ -320,7 +320,18 @@ Status CpuOptimizer::AdamStep(const AdamOptions& options, int64_t step,
   MEMPLAN_RETURN_IF_ERROR(options.Validate());
   MEMPLAN_RETURN_IF_ERROR(CheckStep(step));
   size_t n = tensors.params.size();
-  MEMPLAN_RETURN_IF_ERROR(CheckSize("grads", tensors.grads.size(), n));
+  const bool half_grads = tensors.grad_dtype != HalfDtype::kNone;
+  if (half_grads) {
+    if (!tensors.grads.empty()) {
+      return Status::InvalidArgument("grads: give fp32 grads or 16-bit half_grads, not both");
+    }
+    MEMPLAN_RETURN_IF_ERROR(CheckSize("half_grads", tensors.half_grads.size(), n));
+  } else {
+    if (!tensors.half_grads.empty()) {
+      return Status::InvalidArgument("half_grads given but grad_dtype is none");
+    }
+    MEMPLAN_RETURN_IF_ERROR(CheckSize("grads", tensors.grads.size(), n));
+  }
   MEMPLAN_RETURN_IF_ERROR(CheckSize("exp_avg", tensors.exp_avg.size(), n));
   MEMPLAN_RETURN_IF_ERROR(CheckSize("exp_avg_sq", tensors.exp_avg_sq.size(), n));
   if (options.amsgrad) {
@@ -336,7 +347,9 @@ Status CpuOptimizer::AdamStep(const AdamOptions& options, int64_t step,
   double bias_correction2 = options.bias_correction ? 1.0 - std::pow(options.beta2, t) : 1.0;
   internal::AdamKernelArgs args{};
   args.params = tensors.params.data();
-  args.grads = tensors.grads.data();
+  args.grads = half_grads ? nullptr : tensors.grads.data();
+  args.half_grads = half_grads ? tensors.half_grads.data() : nullptr;
+  args.grad_dtype = tensors.grad_dtype;
   args.exp_avg = tensors.exp_avg.data();
   args.exp_avg_sq = tensors.exp_avg_sq.data();
   args.max_exp_avg_sq = options.amsgrad ? tensors.max_exp_avg_sq.data() : nullptr;

@@ -108,13 +108,19 @@ struct LionOptions {
 // The tensors of one Adam step; every span has params.size() elements unless said otherwise.
 struct AdamTensors {
   std::span<float> params;  // fp32 master weights, updated in place
-  std::span<const float> grads;
+  std::span<const float> grads;     // fp32 gradients; empty when half_grads are given
   std::span<float> exp_avg;         // m, updated in place (zero before step 1)
   std::span<float> exp_avg_sq;      // v, updated in place (zero before step 1)
   std::span<float> max_exp_avg_sq;  // amsgrad only (zero before step 1); otherwise empty
   // Empty, or receives the updated params converted to half_dtype (bit patterns).
   std::span<uint16_t> half_params;
   HalfDtype half_dtype = HalfDtype::kNone;
+  // Instead of `grads`: the gradients as bf16 or fp16 bit patterns (grad_dtype), as a mixed-
+  // precision backward produces them, widened to fp32 (exactly) as the kernel loads them, so the
+  // step reads 2 bytes a gradient instead of 4 and nobody makes an fp32 copy first. The result is
+  // bit for bit the step on the gradients converted to fp32.
+  std::span<const uint16_t> half_grads;
+  HalfDtype grad_dtype = HalfDtype::kNone;
 };
 
 struct CpuOptimizerOptions {
@@ -147,7 +153,8 @@ class CpuOptimizer {
   // One Adam/AdamW step; `step` is the 1-based step number (torch's state['step'] after its
   // increment), used for bias correction. Returns InvalidArgument (touching nothing) for bad
   // options, a step < 1, or spans of the wrong sizes (max_exp_avg_sq must be given exactly when
-  // amsgrad; half_params exactly when half_dtype is not kNone). Vectorised on every ISA.
+  // amsgrad; half_params exactly when half_dtype is not kNone; grads, or half_grads with a
+  // grad_dtype, not both). Vectorised on every ISA.
   Status AdamStep(const AdamOptions& options, int64_t step, const AdamTensors& tensors);
 
   // One SGD step as torch.optim.SGD: on step 1 the momentum buffer is set to the (decayed)

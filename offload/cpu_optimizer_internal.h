@@ -33,7 +33,9 @@ namespace memplan::offload::internal {
 // Per-step scalars of an Adam step, already rounded to float (Note [AdamW formula]).
 struct AdamKernelArgs {
   float* params;
-  const float* grads;
+  const float* grads;           // null when half_grads
+  const uint16_t* half_grads;   // bf16 / fp16 gradients (grad_dtype), or null
+  HalfDtype grad_dtype;
   float* exp_avg;
   float* exp_avg_sq;
   float* max_exp_avg_sq;  // null unless amsgrad
@@ -71,9 +73,17 @@ inline uint16_t ToHalf(float value, HalfDtype dtype) {
   return dtype == HalfDtype::kBf16 ? FloatToBf16(value) : FloatToFp16(value);
 }
 
+// Exact: every bf16 and fp16 value is an fp32 value.
+inline float FromHalf(uint16_t value, HalfDtype dtype) {
+  return dtype == HalfDtype::kBf16 ? Bf16ToFloat(value) : Fp16ToFloat(value);
+}
+
+// Which gradient format a vector loop is compiled for.
+enum class GradFormat { kFp32, kBf16, kFp16 };
+
 // One element of an Adam step: the reference every vector lane reproduces.
 inline void AdamElement(const AdamKernelArgs& a, size_t i) {
-  float g = a.grads[i];
+  float g = a.half_grads != nullptr ? FromHalf(a.half_grads[i], a.grad_dtype) : a.grads[i];
   float p = a.params[i];
   if (a.scale_grads) g = g * a.inv_grad_scale;
   if (a.l2) g = std::fma(p, a.l2_decay, g);  // Note [torch rounding]

@@ -398,6 +398,126 @@ TEST_CASE(
   CHECK(CpuOptimizer::Create(options).status().code() == StatusCode::kInvalidArgument);
 }
 
+// Gradients as a mixed-precision backward leaves them: the fixtures' gradients rounded to 16
+// bits, with the values a real run meets at the edges (zeros of both signs, subnormals, the
+// largest finite, infinities, NaN).
+std::vector<uint16_t> HalfGrads(const std::vector<float>& grads, HalfDtype dtype) {
+  std::vector<uint16_t> out(grads.size());
+  // fp16 holds far less range: scale into it (a loss scale does the same).
+  const float into = dtype == HalfDtype::kFp16 ? 0x1p14f : 1.0f;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const float g = grads[i] * into;
+    out[i] = dtype == HalfDtype::kBf16 ? FloatToBf16(g) : FloatToFp16(g);
+  }
+  const std::vector<uint16_t> edges =
+      dtype == HalfDtype::kBf16
+          ? std::vector<uint16_t>{0x0000, 0x8000, 0x0001, 0x807f, 0x7f7f, 0xff7f, 0x7f80, 0xff80,
+                                  0x7fc0, 0x7f81}
+          : std::vector<uint16_t>{0x0000, 0x8000, 0x0001, 0x83ff, 0x7bff, 0xfbff, 0x7c00, 0xfc00,
+                                  0x7e00, 0x7c01};
+  for (size_t k = 0; k < edges.size() && 37 * k + 5 < out.size(); ++k) out[37 * k + 5] = edges[k];
+  return out;
+}
+
+TEST_CASE("16-bit gradients: the fused step is the step on the converted gradients, bit for bit") {
+  const size_t n = 1003;  // vector bodies, tiles for two threads, and a scalar tail
+  for (HalfDtype grad_dtype : {HalfDtype::kBf16, HalfDtype::kFp16}) {
+    for (bool amsgrad : {false, true}) {
+      for (bool decoupled : {true, false}) {
+        for (double grad_scale : {1.0, 3.0}) {
+          CAPTURE(HalfDtypeName(grad_dtype));
+          CAPTURE(amsgrad);
+          CAPTURE(decoupled);
+          CAPTURE(grad_scale);
+          AdamOptions options;
+          options.lr = 1e-3;
+          options.weight_decay = 0.1;
+          options.decoupled = decoupled;
+          options.amsgrad = amsgrad;
+          options.grad_scale = grad_scale;
+          for (Isa isa : AvailableIsas()) {
+            for (int threads : {1, 2}) {
+              CAPTURE(IsaName(isa));
+              CAPTURE(threads);
+              auto optimizer = MakeOptimizer(isa, threads);
+              // fused: 16-bit gradients in; plain: the same gradients converted to fp32 first.
+              std::vector<float> p_fused = Draw(7, n, -23), p_plain = p_fused;
+              std::vector<float> m_fused(n, 0), m_plain(n, 0), v_fused(n, 0), v_plain(n, 0),
+                  x_fused(n, 0), x_plain(n, 0);
+              std::vector<uint16_t> h_fused(n, 0), h_plain(n, 0);
+              for (int step = 1; step <= 5; ++step) {
+                const std::vector<uint16_t> half = HalfGrads(Grad(7, step, n), grad_dtype);
+                std::vector<float> converted(n);
+                for (size_t i = 0; i < n; ++i) {
+                  converted[i] = grad_dtype == HalfDtype::kBf16 ? Bf16ToFloat(half[i])
+                                                                : Fp16ToFloat(half[i]);
+                }
+                AdamTensors fused;
+                fused.params = p_fused;
+                fused.half_grads = half;
+                fused.grad_dtype = grad_dtype;
+                fused.exp_avg = m_fused;
+                fused.exp_avg_sq = v_fused;
+                if (amsgrad) fused.max_exp_avg_sq = x_fused;
+                fused.half_params = h_fused;
+                fused.half_dtype = HalfDtype::kBf16;
+                AdamTensors plain = fused;
+                plain.params = p_plain;
+                plain.half_grads = {};
+                plain.grad_dtype = HalfDtype::kNone;
+                plain.grads = converted;
+                plain.exp_avg = m_plain;
+                plain.exp_avg_sq = v_plain;
+                if (amsgrad) plain.max_exp_avg_sq = x_plain;
+                plain.half_params = h_plain;
+                REQUIRE(optimizer->AdamStep(options, step, fused).ok());
+                REQUIRE(optimizer->AdamStep(options, step, plain).ok());
+              }
+              CHECK(SameBits(p_fused, p_plain));
+              CHECK(SameBits(m_fused, m_plain));
+              CHECK(SameBits(v_fused, v_plain));
+              CHECK(SameBits(x_fused, x_plain));
+              CHECK(h_fused == h_plain);
+              // The edge values reached the update: infinities and NaN make NaN parameters.
+              CHECK(std::count_if(p_fused.begin(), p_fused.end(),
+                                  [](float x) { return std::isnan(x); }) > 0);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("16-bit gradients: fp32 or 16-bit, one of them, of the right size") {
+  auto optimizer = MakeOptimizer(BestIsa(), 1);
+  std::vector<float> p(8, 1.0f), g(8, 0.5f), m(8, 0), v(8, 0);
+  std::vector<uint16_t> h(8, 0x3f00), short_h(7, 0);
+  AdamTensors t;
+  t.params = p;
+  t.exp_avg = m;
+  t.exp_avg_sq = v;
+  t.grads = g;
+  t.half_grads = h;
+  t.grad_dtype = HalfDtype::kBf16;
+  Status both = optimizer->AdamStep(AdamOptions{}, 1, t);
+  CHECK(both.code() == StatusCode::kInvalidArgument);
+  CHECK(both.message().find("not both") != std::string::npos);
+  t.grads = {};
+  t.grad_dtype = HalfDtype::kNone;
+  CHECK(optimizer->AdamStep(AdamOptions{}, 1, t).message().find("grad_dtype") !=
+        std::string::npos);
+  t.grad_dtype = HalfDtype::kFp16;
+  t.half_grads = short_h;
+  CHECK(optimizer->AdamStep(AdamOptions{}, 1, t).message().find("half_grads") !=
+        std::string::npos);
+  CHECK(p == std::vector<float>(8, 1.0f));  // nothing touched
+  t.half_grads = h;
+  t.grad_dtype = HalfDtype::kBf16;
+  REQUIRE(optimizer->AdamStep(AdamOptions{}, 1, t).ok());
+  CHECK(p[0] < 1.0f);  // 0x3f00 is bf16 0.5
+}
+
 TEST_CASE("bias_correction off uses the raw moments") {
   auto optimizer = MakeOptimizer(BestIsa(), 1);
   std::vector<float> p(1, 1.0f), g(1, 0.5f), m(1, 0.0f), v(1, 0.0f);

@@ -162,7 +162,7 @@ std::vector<float> ReferenceWeights(const ToyModel& model, uint64_t steps) {
   REQUIRE(cpu.ok());
   for (uint64_t t = 1; t <= steps; ++t) {
     for (uint64_t e = 0; e < n; ++e) g[e] = GradAt(t, e);
-    AdamTensors tensors{p, g, m, v, {}, {}, HalfDtype::kNone};
+    AdamTensors tensors{p, g, m, v, {}, {}, HalfDtype::kNone, {}, HalfDtype::kNone};
     REQUIRE((*cpu)->AdamStep(Adam(t), static_cast<int64_t>(t), tensors).ok());
   }
   return p;

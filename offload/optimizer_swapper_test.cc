@@ -81,7 +81,7 @@ struct Reference {
     for (uint64_t t = from + 1; t <= to; ++t) {
       std::vector<float> g(p.size());
       for (size_t e = 0; e < g.size(); ++e) g[e] = Grad(t, e);
-      AdamTensors tensors{p, g, m, v, {}, {}, HalfDtype::kNone};
+      AdamTensors tensors{p, g, m, v, {}, {}, HalfDtype::kNone, {}, HalfDtype::kNone};
       REQUIRE(cpu->AdamStep(Adam(t), static_cast<int64_t>(t), tensors).ok());
     }
   }

@@ -70,8 +70,11 @@ Result<double> ComputeSeconds(const SwapBenchOptions& options) {
     for (uint64_t first = 0; first < options.params; first += sg) {
       MEMPLAN_RETURN_IF_ERROR(Stopped(options));
       const size_t n = std::min(sg, options.params - first);
-      AdamTensors tensors{{p.data(), n}, {g.data(), n}, {m.data(), n}, {v.data(), n},
-                          {},            {},            HalfDtype::kNone};
+      AdamTensors tensors;
+      tensors.params = {p.data(), n};
+      tensors.grads = {g.data(), n};
+      tensors.exp_avg = {m.data(), n};
+      tensors.exp_avg_sq = {v.data(), n};
       MEMPLAN_RETURN_IF_ERROR(cpu->AdamStep(adam, t++, tensors));
     }
     return Status::Ok();

@@ -330,11 +330,14 @@ class PyEngine {
 class PyIoFile {
  public:
   PyIoFile(const std::string& path, const std::string& backend, uint32_t block_size,
-           uint32_t queue_depth, uint32_t threads, bool direct, bool create, bool sqpoll) {
+           uint32_t queue_depth, uint32_t threads, bool direct, bool create, bool sqpoll,
+           bool fixed_files, uint32_t submit_batch) {
     nvme::BackendKind kind = Value(nvme::ParseBackendKind(backend));
     nvme::BackendOptions options;
     options.queue_depth = queue_depth;
     options.sqpoll = sqpoll;
+    options.fixed_files = fixed_files;
+    options.submit_batch = submit_batch;
     nvme::IoEngineOptions engine_options;
     engine_options.block_size = block_size;
     engine_options.threads = threads;
@@ -479,10 +482,13 @@ class PyCpuAdam {
     options.grad_scale = grad_scale;
     offload::AdamTensors t;
     t.params = {static_cast<float*>(const_cast<void*>(p.data)), n};
-    if (g.dtype != "fp32") {
-      throw py::value_error("memplan: CpuAdam: gradients must be fp32, not " + g.dtype);
+    if (g.dtype == "fp32") {
+      t.grads = {static_cast<const float*>(g.data), g.bytes / 4};
+    } else {
+      // bf16 / fp16 gradients: the fused kernel widens them as it loads them.
+      t.half_grads = {static_cast<const uint16_t*>(g.data), g.bytes / 2};
+      t.grad_dtype = HalfOf(g.dtype);
     }
-    t.grads = {static_cast<const float*>(g.data), g.bytes / 4};
     t.exp_avg = {static_cast<float*>(const_cast<void*>(m.data)), m.bytes / 4};
     t.exp_avg_sq = {static_cast<float*>(const_cast<void*>(v.data)), v.bytes / 4};
     if (!half_params.is_none()) {
@@ -560,10 +566,11 @@ PYBIND11_MODULE(_native, m) {
 
   py::class_<PyIoFile>(m, "IoFile")
       .def(py::init<const std::string&, const std::string&, uint32_t, uint32_t, uint32_t, bool,
-                    bool, bool>(),
+                    bool, bool, bool, uint32_t>(),
            py::arg("path"), py::arg("backend") = "auto", py::arg("block_size") = 1u << 20,
            py::arg("queue_depth") = 32u, py::arg("threads") = 1u, py::arg("direct") = true,
-           py::arg("create") = false, py::arg("sqpoll") = false)
+           py::arg("create") = false, py::arg("sqpoll") = false, py::arg("fixed_files") = true,
+           py::arg("submit_batch") = 0u)
       .def("read", &PyIoFile::Read, py::arg("buffer"), py::arg("offset") = 0)
       .def("write", &PyIoFile::Write, py::arg("buffer"), py::arg("offset") = 0)
       .def("sync", &PyIoFile::Sync)

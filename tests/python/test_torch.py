@@ -251,6 +251,25 @@ class LowLevelTest(unittest.TestCase):
             self.assertTrue(torch.equal(p, ref.detach()))
             self.assertTrue(torch.equal(half, p.to(torch.bfloat16)))
 
+    def test_cpu_adam_from_16_bit_gradients_is_torchs_on_their_fp32_values(self):
+        # The fused kernel widens bf16 / fp16 gradients as it loads them: the same bits as
+        # torch.optim.AdamW given those gradients as fp32.
+        for dtype in (torch.bfloat16, torch.float16):
+            with self.subTest(dtype=dtype):
+                torch.manual_seed(6)
+                n = 4099
+                p = torch.randn(n) * 0.02
+                m, v = torch.zeros(n), torch.zeros(n)
+                ref = p.clone().requires_grad_()
+                opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.01)
+                adam = memplan.CpuAdam(threads=2)
+                for step in range(1, 4):
+                    g = (torch.randn(n) * 1e-3).to(dtype)
+                    adam.step(step, p, g, m, v, lr=1e-3, weight_decay=0.01)
+                    ref.grad = g.float()
+                    opt.step()
+                    self.assertTrue(torch.equal(p, ref.detach()))
+
 
 if __name__ == "__main__":
     unittest.main()
