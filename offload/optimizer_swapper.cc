@@ -176,8 +176,14 @@ Status ValidateSwapStepOptions(SwapOptimizer optimizer, const SwapStepOptions& o
 Status RunSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
                             const SwapStepOptions& options, int64_t step, std::span<float> params,
                             std::span<const float> grads, std::span<float> states,
-                            std::span<uint16_t> half, HalfDtype half_dtype) {
+                            std::span<uint16_t> half, HalfDtype half_dtype,
+                            std::span<const uint16_t> half_grads, HalfDtype grad_dtype) {
   const size_t n = params.size();
+  if (grad_dtype != HalfDtype::kNone && optimizer != SwapOptimizer::kAdam &&
+      optimizer != SwapOptimizer::kAdamAmsgrad) {
+    return Status::InvalidArgument("16-bit gradients are stepped by Adam only, not " +
+                                   std::string(SwapOptimizerName(optimizer)));
+  }
   const int count = SwapOptimizerStates(optimizer);
   if (states.size() != n * static_cast<size_t>(count)) {
     return Status::InvalidArgument("optimizer step: " + std::to_string(states.size()) +
@@ -196,6 +202,8 @@ Status RunSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
       if (optimizer == SwapOptimizer::kAdamAmsgrad) t.max_exp_avg_sq = state(2);
       t.half_params = half;
       t.half_dtype = half_dtype;
+      t.half_grads = half_grads;
+      t.grad_dtype = grad_dtype;
       return cpu.AdamStep(std::get<AdamOptions>(options), step, t);
     }
     case SwapOptimizer::kSgd:
@@ -251,31 +259,35 @@ Status OptimizerSwapperOptions::Validate() const {
                                    std::to_string(buffer_count));
   }
   if (store.directory.empty()) return Status::InvalidArgument("the store directory is empty");
+  if (grad_dtype != HalfDtype::kNone && optimizer != SwapOptimizer::kAdam &&
+      optimizer != SwapOptimizer::kAdamAmsgrad) {
+    return Status::InvalidArgument("grad_dtype " + std::string(HalfDtypeName(grad_dtype)) +
+                                   " needs Adam; " + std::string(SwapOptimizerName(optimizer)) +
+                                   " steps fp32 gradients");
+  }
   return cpu.Validate();
 }
 
 // Layout of one pinned buffer; every region starts on a 4 KiB boundary:
 //   [header][params][state 0]..[state S-1] | [grads] | [half params]
-// The first part, header through the last state, is exactly one state value in the store.
+// The first part, header through the last state, is exactly one state value in the store. The
+// grads region holds 4 bytes an element, or 2 with a 16-bit grad_dtype.
 struct BufferLayout {
-  uint64_t n = 0;       // elements of the sub-group in this buffer
-  int states = 0;
-  uint64_t value_bytes(uint64_t elements) const { return kHeaderBytes + (1 + states) * 4 * elements; }
-
+  static uint64_t GradBytes(HalfDtype grad_dtype) { return grad_dtype == HalfDtype::kNone ? 4 : 2; }
   static uint64_t GradOffset(int states, uint64_t cap) {
     return RoundUp(kHeaderBytes + (1 + states) * 4 * cap, 4096);
   }
-  static uint64_t HalfOffset(int states, uint64_t cap) {
-    return GradOffset(states, cap) + RoundUp(4 * cap, 4096);
+  static uint64_t HalfOffset(int states, uint64_t cap, HalfDtype grad_dtype) {
+    return GradOffset(states, cap) + RoundUp(GradBytes(grad_dtype) * cap, 4096);
   }
-  static uint64_t Bytes(int states, uint64_t cap, bool half) {
-    return HalfOffset(states, cap) + (half ? RoundUp(2 * cap, 4096) : 0);
+  static uint64_t Bytes(int states, uint64_t cap, bool half, HalfDtype grad_dtype) {
+    return HalfOffset(states, cap, grad_dtype) + (half ? RoundUp(2 * cap, 4096) : 0);
   }
 };
 
 uint64_t OptimizerSwapper::RequiredSlotBytes(const OptimizerSwapperOptions& options) {
   return BufferLayout::Bytes(SwapOptimizerStates(options.optimizer), options.sub_group_elements,
-                             options.half_dtype != HalfDtype::kNone);
+                             options.half_dtype != HalfDtype::kNone, options.grad_dtype);
 }
 
 uint64_t OptimizerSwapper::RequiredStoreBytes(const OptimizerSwapperOptions& options,
@@ -289,7 +301,7 @@ uint64_t OptimizerSwapper::RequiredStoreBytes(const OptimizerSwapperOptions& opt
   const uint64_t tail = num_elements % sg;
   auto per_group = [&](uint64_t n) {
     return 2 * RoundUp(kHeaderBytes + (1 + states) * 4 * n, kExtentAlign) +
-           RoundUp(4 * n, kExtentAlign);
+           RoundUp(BufferLayout::GradBytes(options.grad_dtype) * n, kExtentAlign);
   };
   return full * per_group(sg) + (tail ? per_group(tail) : 0) + (uint64_t{1} << 20);
 }
@@ -313,15 +325,24 @@ struct OptimizerSwapper::Impl {
     auto* p = reinterpret_cast<float*>(Base(b) + kHeaderBytes) + static_cast<uint64_t>(index) * n;
     return {p, static_cast<size_t>(n)};
   }
+  // The gradients region, as bytes: 4 or 2 an element (grad_dtype).
+  std::span<std::byte> GradBytes(size_t b, uint64_t n) const {
+    return {Base(b) + BufferLayout::GradOffset(states, options.sub_group_elements),
+            static_cast<size_t>(n * BufferLayout::GradBytes(options.grad_dtype))};
+  }
   std::span<float> Grads(size_t b, uint64_t n) const {
-    auto* p = reinterpret_cast<float*>(
-        Base(b) + BufferLayout::GradOffset(states, options.sub_group_elements));
-    return {p, static_cast<size_t>(n)};
+    if (options.grad_dtype != HalfDtype::kNone) return {};
+    return {reinterpret_cast<float*>(GradBytes(b, n).data()), static_cast<size_t>(n)};
+  }
+  std::span<const uint16_t> HalfGrads(size_t b, uint64_t n) const {
+    if (options.grad_dtype == HalfDtype::kNone) return {};
+    return {reinterpret_cast<const uint16_t*>(GradBytes(b, n).data()), static_cast<size_t>(n)};
   }
   std::span<uint16_t> Half(size_t b, uint64_t n) const {
     if (options.half_dtype == HalfDtype::kNone) return {};
     auto* p = reinterpret_cast<uint16_t*>(
-        Base(b) + BufferLayout::HalfOffset(states, options.sub_group_elements));
+        Base(b) +
+        BufferLayout::HalfOffset(states, options.sub_group_elements, options.grad_dtype));
     return {p, static_cast<size_t>(n)};
   }
   std::span<std::byte> Value(size_t b, uint64_t n) const {
@@ -361,7 +382,8 @@ struct OptimizerSwapper::Impl {
 
   Status SetUpBuffers() {
     const uint64_t need = BufferLayout::Bytes(states, options.sub_group_elements,
-                                              options.half_dtype != HalfDtype::kNone);
+                                              options.half_dtype != HalfDtype::kNone,
+                                              options.grad_dtype);
     if (options.pool != nullptr) {
       pool = options.pool;
       if (pool->slot_bytes() < need) {
@@ -387,6 +409,12 @@ struct OptimizerSwapper::Impl {
       MEMPLAN_ASSIGN_OR_RETURN(PinnedSlot slot, pool->Acquire());
       buffers.push_back(std::move(slot));
     }
+    if (options.register_buffers) {
+      // Every transfer of a step goes to or from these buffers: io_uring then skips pinning
+      // their pages per request. Refused (RLIMIT_MEMLOCK) is only slower; the store says so.
+      const std::span<std::byte> memory = pool->memory();
+      (void)store->RegisterBuffers(nvme::RegistrationRegions(memory.data(), memory.size()));
+    }
     MEMPLAN_ASSIGN_OR_RETURN(cpu, CpuOptimizer::Create(options.cpu));
     return Status::Ok();
   }
@@ -405,7 +433,8 @@ struct OptimizerSwapper::Impl {
     std::span<float> params = Array(b, 0, n);
     std::span<float> state_arrays(params.data() + n, static_cast<size_t>(states) * n);
     return RunSwapOptimizerStep(*cpu, options.optimizer, step_options, step, params, Grads(b, n),
-                                state_arrays, Half(b, n), options.half_dtype);
+                                state_arrays, Half(b, n), options.half_dtype, HalfGrads(b, n),
+                                options.grad_dtype);
   }
 };
 
@@ -616,20 +645,35 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
 }
 
 Status OptimizerSwapper::WriteGradients(uint64_t sub_group, std::span<const float> grads) {
+  if (impl_->options.grad_dtype != HalfDtype::kNone) {
+    return Status::FailedPrecondition(
+        "the optimizer swapper takes " + std::string(HalfDtypeName(impl_->options.grad_dtype)) +
+        " gradients (WriteHalfGradients), not fp32");
+  }
+  return PutGradients(sub_group, std::as_bytes(grads), grads.size());
+}
+
+Status OptimizerSwapper::WriteHalfGradients(uint64_t sub_group, std::span<const uint16_t> grads) {
+  if (impl_->options.grad_dtype == HalfDtype::kNone) {
+    return Status::FailedPrecondition(
+        "the optimizer swapper takes fp32 gradients (WriteGradients), not 16-bit ones");
+  }
+  return PutGradients(sub_group, std::as_bytes(grads), grads.size());
+}
+
+Status OptimizerSwapper::PutGradients(uint64_t sub_group, std::span<const std::byte> bytes,
+                                      size_t count) {
   if (impl_->closed) return Status::FailedPrecondition("the optimizer swapper is closed");
   if (sub_group >= sub_group_count_) {
     return Status::InvalidArgument("sub-group " + std::to_string(sub_group) + " out of range (" +
                                    std::to_string(sub_group_count_) + " sub-groups)");
   }
-  if (grads.size() != SubGroupSize(sub_group)) {
+  if (count != SubGroupSize(sub_group)) {
     return Status::InvalidArgument("sub-group " + std::to_string(sub_group) + " has " +
                                    std::to_string(SubGroupSize(sub_group)) + " elements; " +
-                                   std::to_string(grads.size()) + " gradients given");
+                                   std::to_string(count) + " gradients given");
   }
-  MEMPLAN_RETURN_IF_ERROR(impl_->store->Put(
-      GradKey(sub_group),
-      std::span<const std::byte>(reinterpret_cast<const std::byte*>(grads.data()),
-                                 grads.size_bytes())));
+  MEMPLAN_RETURN_IF_ERROR(impl_->store->Put(GradKey(sub_group), bytes));
   impl_->grads_written[sub_group] = true;
   return Status::Ok();
 }
@@ -692,19 +736,15 @@ Status OptimizerSwapper::Step(const SwapStepOptions& options, const UpdateCallba
                                 std::to_string(*epoch) + ", expected " + std::to_string(from));
         }
       }
-      std::span<float> grads = s.Grads(*b, n);
-      if (st.ok()) {
-        st = s.store->Get(GradKey(i), std::span<std::byte>(
-                                          reinterpret_cast<std::byte*>(grads.data()),
-                                          grads.size_bytes()));
-      }
+      std::span<std::byte> grads = s.GradBytes(*b, n);
+      if (st.ok()) st = s.store->Get(GradKey(i), grads);
       read_s += SecondsSince(t0);
       if (!st.ok()) {
         abort_all(st.WithPrefix("step " + std::to_string(to) + ", reading sub-group " +
                                 std::to_string(i)));
         return;
       }
-      read_bytes += value.size() + grads.size_bytes();
+      read_bytes += value.size() + grads.size();
       group_of[*b] = i;
       ready_q.Push(*b);
     }

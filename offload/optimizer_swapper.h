@@ -21,8 +21,11 @@
 // resumes from there. A Step() that fails (an I/O error, a callback's error) likewise leaves the
 // last committed step intact, and may simply be retried once gradients are written again.
 //
-// Gradients are written per sub-group with WriteGradients() before each Step(); a step refuses to
-// run while any sub-group's gradients are missing, so stale gradients are never applied twice.
+// Gradients are written per sub-group with WriteGradients() (fp32) or, when the swapper was made
+// with a 16-bit grad_dtype, WriteHalfGradients() (bf16 / fp16, as a mixed-precision backward
+// leaves them: half the bytes to store and read, and the Adam kernel widens them as it loads them)
+// before each Step(); a step refuses to run while any sub-group's gradients are missing, so stale
+// gradients are never applied twice.
 //
 // Thread safety: one caller at a time (WriteGradients, Step and ReadParams must not overlap).
 // The swapper runs its own reader and writer threads during Step().
@@ -68,10 +71,13 @@ Status ValidateSwapStepOptions(SwapOptimizer optimizer, const SwapStepOptions& o
 // One step of `optimizer` over in-memory arrays, as the swapper runs it on each sub-group:
 // `states` holds SwapOptimizerStates(optimizer) arrays of params.size() elements back to back (in
 // the order of SwapOptimizer's comment); `half` is empty or receives the 16-bit copy.
+// `half_grads` (grad_dtype bf16 / fp16), for Adam only, replaces `grads` (then empty).
 Status RunSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
                             const SwapStepOptions& options, int64_t step, std::span<float> params,
                             std::span<const float> grads, std::span<float> states,
-                            std::span<uint16_t> half, HalfDtype half_dtype);
+                            std::span<uint16_t> half, HalfDtype half_dtype,
+                            std::span<const uint16_t> half_grads = {},
+                            HalfDtype grad_dtype = HalfDtype::kNone);
 
 struct OptimizerSwapperOptions {
   // The store: directory, direct I/O, backend, checksum block size... `capacity_bytes` 0 (the
@@ -87,6 +93,12 @@ struct OptimizerSwapperOptions {
   SwapOptimizer optimizer = SwapOptimizer::kAdam;
   // Also produce the updated parameters in this 16-bit format for the GPU copy (see UpdateCallback).
   HalfDtype half_dtype = HalfDtype::kNone;
+  // The gradients' format: kNone (fp32, WriteGradients) or bf16 / fp16 (WriteHalfGradients: stored
+  // and read at 2 bytes an element, stepped by the fused kernel). 16-bit needs Adam.
+  HalfDtype grad_dtype = HalfDtype::kNone;
+  // Register the pinned buffers with the store's backends (io_uring fixed buffers), so reads and
+  // writes of them skip per-request page pinning. Default on; a refusal only costs speed.
+  bool register_buffers = true;
   // The CPU optimizer's threads and kernel.
   CpuOptimizerOptions cpu;
   // Pinned buffers come from this pool when given (its slots must hold at least
@@ -183,7 +195,10 @@ class OptimizerSwapper {
   uint64_t epoch() const { return epoch_; }
 
   // Stores the fp32 gradients of sub-group i for the next step (grads.size() == SubGroupSize(i)).
+  // FailedPrecondition when the swapper takes 16-bit gradients.
   Status WriteGradients(uint64_t sub_group, std::span<const float> grads);
+  // The same for a swapper made with a 16-bit grad_dtype: the bit patterns of that format.
+  Status WriteHalfGradients(uint64_t sub_group, std::span<const uint16_t> grads);
   // Runs step epoch() + 1 over every sub-group, pipelined; `on_update` (optional) sees each
   // sub-group's new parameters in order. Needs every sub-group's gradients written since the last
   // step (FailedPrecondition naming the first missing one). On success epoch() advances and, with
@@ -206,6 +221,7 @@ class OptimizerSwapper {
   struct Impl;
   // Array 0 is the master weights, 1.. the states.
   Status ReadArray(uint64_t sub_group, int array, std::span<float> out);
+  Status PutGradients(uint64_t sub_group, std::span<const std::byte> bytes, size_t count);
   OptimizerSwapper(std::unique_ptr<Impl> impl, uint64_t num_elements, uint64_t sub_group_elements,
                    uint64_t epoch);
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "nvme/fault_backend.h"
+#include "offload/half.h"
 #include "tests/testing.h"
 
 namespace memplan::offload {
@@ -142,6 +143,73 @@ TEST_CASE("OptimizerSwapper steps bit-identically to the in-memory AdamW, for an
                                                      MakeOptions("x", SwapOptimizer::kAdam)) +
                                            buffers * 4096);
   }
+}
+
+TEST_CASE("OptimizerSwapper steps 16-bit gradients: half the gradient bytes, the same bits") {
+  for (HalfDtype grad_dtype : {HalfDtype::kBf16, HalfDtype::kFp16}) {
+    for (nvme::BackendKind backend : {nvme::BackendKind::kPosix, nvme::BackendKind::kAuto}) {
+      CAPTURE(HalfDtypeName(grad_dtype));
+      CAPTURE(nvme::BackendKindName(backend));
+      TempDir dir("swapper-");
+      auto options = MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam);
+      options.grad_dtype = grad_dtype;
+      options.half_dtype = HalfDtype::kBf16;
+      options.store.backend = backend;
+      const uint64_t n = 5 * kSubGroup + 77;
+      auto swapper = OptimizerSwapper::Create(options, n, Filler());
+      REQUIRE_MESSAGE(swapper.ok(), swapper.status().ToString());
+      OptimizerSwapper& s = **swapper;
+      // The reference: the same gradients, rounded to 16 bits, widened back to fp32 first.
+      Reference ref(n);
+      std::vector<uint16_t> half_params(n), ref_half(n);
+      for (uint64_t t = 1; t <= 3; ++t) {
+        std::vector<float> widened(n);
+        for (uint64_t i = 0; i < s.sub_group_count(); ++i) {
+          std::vector<uint16_t> g(s.SubGroupSize(i));
+          for (size_t k = 0; k < g.size(); ++k) {
+            const uint64_t e = s.SubGroupBegin(i) + k;
+            g[k] = grad_dtype == HalfDtype::kBf16 ? FloatToBf16(Grad(t, e)) : FloatToFp16(Grad(t, e));
+            widened[e] = grad_dtype == HalfDtype::kBf16 ? Bf16ToFloat(g[k]) : Fp16ToFloat(g[k]);
+          }
+          CHECK(s.WriteGradients(i, std::vector<float>(g.size())).code() ==
+                StatusCode::kFailedPrecondition);
+          REQUIRE(s.WriteHalfGradients(i, g).ok());
+        }
+        REQUIRE(s.Step(Adam(t), [&](const SubGroupUpdate& u) {
+                   std::copy(u.half_params.begin(), u.half_params.end(),
+                             half_params.begin() + static_cast<int64_t>(u.first_element));
+                   return Status::Ok();
+                 }).ok());
+        AdamTensors tensors{ref.p, widened, ref.m, ref.v, {}, ref_half, HalfDtype::kBf16,
+                            {},    HalfDtype::kNone};
+        REQUIRE(ref.cpu->AdamStep(Adam(t), static_cast<int64_t>(t), tensors).ok());
+      }
+      RequireEqualBits(ReadAll(s, -1), ref.p);
+      RequireEqualBits(ReadAll(s, 0), ref.m);
+      RequireEqualBits(ReadAll(s, 1), ref.v);
+      CHECK(half_params == ref_half);
+      // 6 sub-groups: states and 2-byte gradients in, states out.
+      const SwapStepStats last = s.stats().last_step;
+      CHECK(last.read_bytes == 6 * 4096 + 14 * n);
+      CHECK(last.write_bytes == 6 * 4096 + 12 * n);
+      const nvme::SwapStoreStats store = s.stats().store;
+      if (store.backend == "io_uring") {
+        // Its pinned buffers are registered: every request of a step names one.
+        CHECK(store.registered_buffer_bytes >= 3 * OptimizerSwapper::RequiredSlotBytes(options));
+        CHECK(store.io.registered_ops > 0);
+      }
+      REQUIRE(s.Close().ok());
+    }
+  }
+  TempDir dir("swapper-");
+  auto fp32 = OptimizerSwapper::Create(MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam),
+                                       kSubGroup, Filler());
+  REQUIRE(fp32.ok());
+  CHECK((*fp32)->WriteHalfGradients(0, std::vector<uint16_t>(kSubGroup)).code() ==
+        StatusCode::kFailedPrecondition);
+  auto sgd = MakeOptions(dir.PathOf("sgd"), SwapOptimizer::kSgd);
+  sgd.grad_dtype = HalfDtype::kBf16;
+  CHECK(sgd.Validate().message().find("needs Adam") != std::string::npos);
 }
 
 TEST_CASE("OptimizerSwapper hands the bf16 copy of each sub-group to the callback") {

@@ -109,6 +109,11 @@ class PinnedPool {
   PinnedPoolStats stats() const;
   uint64_t slot_bytes() const { return slot_bytes_; }
   uint64_t slot_count() const { return slot_count_; }
+  // The whole allocation, every slot in it: what an I/O engine registers once (io_uring fixed
+  // buffers) so that transfers into any slot skip per-request page pinning.
+  std::span<std::byte> memory() const {
+    return {base_, static_cast<size_t>(slot_bytes_ * slot_count_)};
+  }
 
  private:
   friend class PinnedSlot;

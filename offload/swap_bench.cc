@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "nvme/bench.h"
+#include "offload/half.h"
 #include "offload/optimizer_swapper.h"
 
 namespace memplan::offload {
@@ -64,6 +65,7 @@ Result<double> ComputeSeconds(const SwapBenchOptions& options) {
   MEMPLAN_ASSIGN_OR_RETURN(auto cpu, CpuOptimizer::Create(cpu_options));
   const uint64_t sg = options.sub_group_elements;
   std::vector<float> p(sg, 0.25f), g(sg, 0.01f), m(sg, 0.0f), v(sg, 0.0f);
+  std::vector<uint16_t> g16(sg, FloatToBf16(0.01f));
   AdamOptions adam;
   int64_t t = 1;
   auto pass = [&]() -> Status {
@@ -72,7 +74,12 @@ Result<double> ComputeSeconds(const SwapBenchOptions& options) {
       const size_t n = std::min(sg, options.params - first);
       AdamTensors tensors;
       tensors.params = {p.data(), n};
-      tensors.grads = {g.data(), n};
+      if (options.grad_dtype == HalfDtype::kNone) {
+        tensors.grads = {g.data(), n};
+      } else {
+        tensors.half_grads = {g16.data(), n};
+        tensors.grad_dtype = options.grad_dtype;
+      }
       tensors.exp_avg = {m.data(), n};
       tensors.exp_avg_sq = {v.data(), n};
       MEMPLAN_RETURN_IF_ERROR(cpu->AdamStep(adam, t++, tensors));
@@ -126,6 +133,8 @@ Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
   r.buffer_count = options.buffer_count;
   r.threads = options.threads;
   r.io_threads = options.io_threads;
+  r.grad_dtype = options.grad_dtype;
+  r.register_buffers = options.register_buffers;
   r.steps = options.steps;
   r.state_bytes = 12 * options.params;
 
@@ -168,6 +177,8 @@ Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
   so.sub_group_elements = options.sub_group_elements;
   so.buffer_count = options.buffer_count;
   so.optimizer = SwapOptimizer::kAdam;
+  so.grad_dtype = options.grad_dtype;
+  so.register_buffers = options.register_buffers;
   so.cpu.threads = options.threads;
   MEMPLAN_ASSIGN_OR_RETURN(
       auto swapper,
@@ -176,11 +187,17 @@ Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
         return Stopped(options);
       }));
   std::vector<float> grads(options.sub_group_elements, 0.01f);
+  std::vector<uint16_t> half_grads(options.sub_group_elements,
+                                   options.grad_dtype == HalfDtype::kFp16 ? FloatToFp16(0.01f)
+                                                                          : FloatToBf16(0.01f));
   auto write_grads = [&]() -> Status {
     for (uint64_t i = 0; i < swapper->sub_group_count(); ++i) {
       MEMPLAN_RETURN_IF_ERROR(Stopped(options));
-      MEMPLAN_RETURN_IF_ERROR(swapper->WriteGradients(
-          i, std::span<const float>(grads.data(), swapper->SubGroupSize(i))));
+      const size_t n = swapper->SubGroupSize(i);
+      MEMPLAN_RETURN_IF_ERROR(
+          options.grad_dtype == HalfDtype::kNone
+              ? swapper->WriteGradients(i, std::span<const float>(grads.data(), n))
+              : swapper->WriteHalfGradients(i, std::span<const uint16_t>(half_grads.data(), n)));
     }
     return Status::Ok();
   };
@@ -205,6 +222,7 @@ Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
   r.sync_s = stats.last_step.sync_s;
   r.pinned_bytes = stats.pool.capacity_bytes;
   r.backend = stats.store.backend;
+  r.registered_ops = stats.store.io.registered_ops;
   r.direct = stats.store.direct;
   MEMPLAN_RETURN_IF_ERROR(swapper->Close());
   r.io_seconds = r.read_bytes_per_step / r.read_bytes_per_s +

@@ -23,6 +23,7 @@
 
 #include "common/status.h"
 #include "nvme/backend.h"
+#include "offload/cpu_optimizer.h"
 
 namespace memplan::offload {
 
@@ -41,6 +42,10 @@ struct SwapBenchOptions {
   uint32_t block_size = 1 << 20;  // IoEngine request size
   uint32_t queue_depth = 32;
   uint32_t io_threads = 1;  // threads each transfer is split across (intra_op_parallelism)
+  // Gradients as fp32 (kNone) or 16-bit (the fused kernel; half the gradient bytes), in the step
+  // and in the compute reference alike.
+  HalfDtype grad_dtype = HalfDtype::kNone;
+  bool register_buffers = true;  // the swapper's pinned buffers as io_uring fixed buffers
   // Device bandwidths to compare with (bytes/s), e.g. from `memplan bench nvme`; when absent they
   // are measured here over min(1 GiB, the states' size).
   std::optional<double> read_bytes_per_s, write_bytes_per_s;
@@ -56,6 +61,9 @@ struct SwapBenchResult {
   uint32_t buffer_count = 0;
   int threads = 0, steps = 0;
   uint32_t io_threads = 1;
+  HalfDtype grad_dtype = HalfDtype::kNone;
+  bool register_buffers = true;
+  uint64_t registered_ops = 0;  // requests of the store that named a registered buffer
   std::string backend;  // what the store ran on
   bool direct = false;
   uint64_t pinned_bytes = 0;       // the swapper's pinned buffers

@@ -258,6 +258,17 @@ TEST_CASE("bench swap cli: bandwidths from a bench nvme report; bad input is one
   CHECK(doc["bandwidth_measured"] == false);
   CHECK(doc["io_seconds"].get<double>() ==
         doctest::Approx((16.0 * 65536 + 4 * 4096) / 2e9 + (12.0 * 65536 + 4 * 4096) / 1e9));
+  // bf16 gradients through the fused kernel: 2 bytes a gradient read instead of 4.
+  run = Memplan({"bench", "swap", "--path", dir.path().string(), "--params", "65536", "--sub-group",
+                 "16384", "--steps", "1", "--backend", "posix", "--no-direct", "--grad-dtype",
+                 "bf16", "--io-threads", "2", "--nvme-json", dir.PathOf("nvme.json"), "--format",
+                 "json"});
+  CAPTURE(run.err);
+  REQUIRE(run.exit_code == 0);
+  doc = nlohmann::json::parse(run.out);
+  CHECK(doc["grad_dtype"] == "bf16");
+  CHECK(doc["io_threads"] == 2);
+  CHECK(doc["read_bytes_per_step"] == 14 * 65536 + 4 * 4096);
   dir.Write("bad.json", R"({"results": []})");
   ExpectBadInput(Memplan({"bench", "swap", "--path", dir.path().string(), "--nvme-json",
                           dir.PathOf("bad.json")}),

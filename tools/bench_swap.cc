@@ -28,6 +28,8 @@ struct SwapFlags {
   std::string block_size = "1M";
   uint32_t queue_depth = 32;
   uint32_t io_threads = 1;
+  std::string grad_dtype = "fp32";
+  bool no_fixed_buffers = false;
   bool no_direct = false;
   std::string nvme_json;
   std::string format = "text";
@@ -73,6 +75,10 @@ Result<offload::SwapBenchOptions> ToOptions(const SwapFlags& flags,
   options.direct = !flags.no_direct;
   options.queue_depth = flags.queue_depth;
   options.io_threads = flags.io_threads;
+  options.grad_dtype = flags.grad_dtype == "bf16"   ? offload::HalfDtype::kBf16
+                       : flags.grad_dtype == "fp16" ? offload::HalfDtype::kFp16
+                                                    : offload::HalfDtype::kNone;
+  options.register_buffers = !flags.no_fixed_buffers;
   auto backend = nvme::ParseBackendKind(flags.backend);
   if (!backend.ok()) return backend.status().WithPrefix("--backend");
   options.backend = *backend;
@@ -93,6 +99,9 @@ nlohmann::json ToJson(const offload::SwapBenchResult& r) {
           {"buffer_count", r.buffer_count},
           {"threads", r.threads},
           {"io_threads", r.io_threads},
+          {"grad_dtype", std::string(offload::HalfDtypeName(r.grad_dtype))},
+          {"fixed_buffers", r.register_buffers},
+          {"registered_ops", r.registered_ops},
           {"steps", r.steps},
           {"backend", r.backend},
           {"direct", r.direct},
@@ -180,6 +189,13 @@ void RegisterBenchSwap(CLI::App* bench, Outcome* outcome) {
                   "Threads each I/O transfer is split across (DeepSpeed's intra_op_parallelism)")
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
+  cmd->add_option("--grad-dtype", flags->grad_dtype,
+                  "Gradients as fp32, or bf16 / fp16 stepped by the fused kernel (2 bytes a "
+                  "gradient stored and read)")
+      ->check(CLI::IsMember({"fp32", "bf16", "fp16"}))
+      ->capture_default_str();
+  cmd->add_flag("--no-fixed-buffers", flags->no_fixed_buffers,
+                "Do not register the pinned buffers with io_uring (to measure what it gains)");
   cmd->add_flag("--no-direct", flags->no_direct, "Buffered I/O instead of O_DIRECT");
   cmd->add_option("--nvme-json", flags->nvme_json,
                   "Take the drive's bandwidth from this `memplan bench nvme --format json` "
