@@ -4,7 +4,8 @@
     PY=$(bash scripts/python-env.sh --modern)       # PyPI torch 2 + DeepSpeed 0.19 (the peer)
     PYTHONPATH=build/python $PY bench/vs_deepspeed.py --path /var/tmp [--size 1G]
         [--block-size 1M] [--queue-depth 16] [--threads 1,2] [--rounds 3] [--fio]
-        [--adam-params 50M] [--adam-threads 2] [--skip-io] [--skip-adam] [--json out.json]
+        [--adam-params 50M] [--adam-threads 2] [--skip-io] [--skip-adam] [--uring-features]
+        [--json out.json]
 
 Environment. memplan's extension (build/python/memplan/_native.cpython-311-*.so) is built for
 Debian's python3, the Python of the .venv the test suite uses; the modern venv's Python is the same
@@ -39,6 +40,11 @@ Numerics: memplan from bf16 against memplan on the same gradients converted to f
 expected) and against torch.optim.AdamW (largest difference; torch 2's CPU AdamW uses lerp for
 the first moment, so a few ulps are expected here; the test suite holds memplan to torch 1.13's
 exact bits).
+
+--uring-features: memplan's io_uring alone on the same file and buffer, each feature turned off
+(or, for SQPOLL, on) against the default (fixed buffers, fixed files, batched submission, no
+SQPOLL), interleaved as above: the ratio feature-changed / default per location, thread count and
+direction says what each feature is worth here.
 
 A benchmark, not a test: figures move with the machine's load, which is printed with them.
 """
@@ -164,6 +170,78 @@ def io_location(args, aio_op, memplan, torch, directory, label):
         if os.path.exists(path):
             os.unlink(path)
     return rows, info, stats
+
+
+URING_VARIANTS = {
+    "default": {},
+    "no fixed buffers": {"register": False},
+    "no fixed files": {"fixed_files": False},
+    "one request per submit": {"submit_batch": 1},
+    "sqpoll": {"sqpoll": True},
+}
+
+
+def uring_features(args, memplan, torch, directory, label):
+    """memplan's io_uring with each feature toggled, interleaved round by round."""
+    import mmap
+    size, block, depth = args.size, args.block_size, args.queue_depth
+    path = os.path.join(directory, f"memplan-uring-features.{os.getpid()}.dat")
+    area = mmap.mmap(-1, size)
+    buffer = torch.frombuffer(area, dtype=torch.uint8)
+    rows = []
+    try:
+        buffer.fill_(0x5a)
+        first = memplan.IoFile(path, backend="uring", block_size=block, queue_depth=depth,
+                               create=True)
+        first.write(buffer, 0)
+        first.close()
+        for r in range(args.rounds):
+            for t in args.threads:
+                names = list(URING_VARIANTS)
+                if (r + t) % 2:
+                    names.reverse()
+                for name in names:
+                    v = URING_VARIANTS[name]
+                    f = memplan.IoFile(path, backend="uring", block_size=block, queue_depth=depth,
+                                       threads=t, sqpoll=v.get("sqpoll", False),
+                                       fixed_files=v.get("fixed_files", True),
+                                       submit_batch=v.get("submit_batch", 0))
+                    if v.get("register", True):
+                        f.register_buffers([buffer])
+                    for op in ("write", "read"):
+                        call = f.write if op == "write" else f.read
+                        seconds = timed(lambda: call(buffer, 0))
+                        rows.append({"location": label, "variant": name, "threads": t, "op": op,
+                                     "round": r, "bytes_per_s": size / seconds,
+                                     "sqpoll_granted": f.info()["sqpoll"]})
+                    f.close()
+            print(f"{label} io_uring features: round {r + 1}/{args.rounds} done (load "
+                  f"{peer.load_average():.2f})", file=sys.stderr, flush=True)
+    finally:
+        del buffer
+        area.close()
+        if os.path.exists(path):
+            os.unlink(path)
+    return rows
+
+
+def summarize_features(rows, args):
+    out = []
+    for label in sorted({r["location"] for r in rows}):
+        for t in args.threads:
+            for op in ("write", "read"):
+                base = {r["round"]: r["bytes_per_s"] for r in rows if r["location"] == label and
+                        r["threads"] == t and r["op"] == op and r["variant"] == "default"}
+                for name in URING_VARIANTS:
+                    if name == "default":
+                        continue
+                    mine = {r["round"]: r["bytes_per_s"] for r in rows if r["location"] == label
+                            and r["threads"] == t and r["op"] == op and r["variant"] == name}
+                    out.append({"location": label, "threads": t, "op": op, "variant": name,
+                                "default_bytes_per_s": peer.median(list(base.values())),
+                                "ratio_vs_default": peer.median(
+                                    [mine[k] / base[k] for k in mine if k in base])})
+    return out
 
 
 def check_ds(result, op):
@@ -369,6 +447,8 @@ def main(argv=None):
     p.add_argument("--adam-steps", type=int, default=5, help="timed steps per variant per round")
     p.add_argument("--skip-io", action="store_true")
     p.add_argument("--skip-adam", action="store_true")
+    p.add_argument("--uring-features", action="store_true",
+                   help="also measure each of memplan's io_uring features on and off")
     p.add_argument("--json", help="write every measurement and the summary here")
     args = p.parse_args(argv)
     args.threads = [int(x) for x in args.threads.split(",")]
@@ -399,6 +479,20 @@ def main(argv=None):
         print(f"\nI/O: {args.size >> 20} MiB, block {args.block_size >> 10} KiB, queue depth "
               f"{args.queue_depth}, O_DIRECT, median of {args.rounds} interleaved rounds")
         print_io(report["io_summary"])
+    if args.uring_features:
+        rows = []
+        for directory, label in ((args.path, "drive"), (args.shm, "shm")):
+            if directory:
+                rows += uring_features(args, memplan, torch, directory, label)
+        report["uring_feature_rows"] = rows
+        report["uring_features"] = summarize_features(rows, args)
+        print(f"\nmemplan io_uring features (ratio to the default: fixed buffers, fixed files, "
+              f"batched submission, no SQPOLL; median of {args.rounds} rounds)")
+        print(f"{'location':<10} {'T':>2} {'op':<6} {'variant':<24} {'default GB/s':>13} "
+              f"{'ratio':>7}")
+        for e in report["uring_features"]:
+            print(f"{e['location']:<10} {e['threads']:>2} {e['op']:<6} {e['variant']:<24} "
+                  f"{e['default_bytes_per_s'] / 1e9:>13.2f} {e['ratio_vs_default']:>7.3f}")
     if not args.skip_adam:
         adam_op = peer.load_op("cpu_adam")
         rows, checks, fused = adam_section(args, adam_op, memplan, torch)
