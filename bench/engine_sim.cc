@@ -3,7 +3,8 @@
 //
 //   build/bench/engine_sim --path DIR [--layers 16] [--layer-elements 8388608]
 //       [--compute-ms 20] [--steps 4] [--buffer-bytes 16M] [--buffer-count 4]
-//       [--prefetch-bytes 64M] [--max-live-bytes 96M] [--backend auto] [--no-direct] [--json]
+//       [--prefetch-bytes 64M] [--max-live-bytes 96M] [--backend auto] [--io-threads 1]
+//       [--no-direct] [--json]
 //
 // Each layer is one module with one bf16 weight of --layer-elements elements on NVMe. A step runs
 // forward (Fetch, compute, Release per layer) and backward (the same in reverse, plus the
@@ -47,6 +48,7 @@ struct Flags {
   uint64_t prefetch_bytes = uint64_t{64} << 20;
   uint64_t max_live_bytes = uint64_t{96} << 20;
   uint32_t queue_depth = 32;
+  uint32_t io_threads = 1;  // Schedule::nvme_io_threads; the drive is measured at the same count
   std::string backend = "auto";
   bool direct = true;
   bool json = false;
@@ -81,6 +83,7 @@ Flags Parse(int argc, char** argv) {
     else if (a == "--prefetch-bytes") f.prefetch_bytes = ParseSize(next());
     else if (a == "--max-live-bytes") f.max_live_bytes = ParseSize(next());
     else if (a == "--queue-depth") f.queue_depth = static_cast<uint32_t>(std::stoul(next()));
+    else if (a == "--io-threads") f.io_threads = static_cast<uint32_t>(std::stoul(next()));
     else if (a == "--backend") f.backend = next();
     else if (a == "--no-direct") f.direct = false;
     else if (a == "--json") f.json = true;
@@ -136,6 +139,7 @@ int main(int argc, char** argv) {
   bench.backends = {*backend};
   bench.block_sizes = {static_cast<uint32_t>(std::min<uint64_t>(f.buffer_bytes, 64u << 20))};
   bench.queue_depths = {f.queue_depth};
+  bench.threads = {f.io_threads};
   auto report = memplan::nvme::RunBench(bench);
   if (!report.ok()) Die(report.status().message());
   if (report->best < 0) Die("the drive bench measured nothing");
@@ -155,6 +159,7 @@ int main(int argc, char** argv) {
   s.nvme_path = dir + "/engine";
   s.nvme_backend = *backend;
   s.nvme_queue_depth = f.queue_depth;
+  s.nvme_io_threads = f.io_threads;
   s.nvme_block_size = 1 << 20;
   s.nvme_direct = f.direct;
   options.runtime = &memplan::gpu::DefaultHostOnlyRuntime();
@@ -244,6 +249,7 @@ int main(int argc, char** argv) {
       {"prefetch_bytes", f.prefetch_bytes},
       {"max_live_bytes", f.max_live_bytes},
       {"compute_ms_per_module", f.compute_ms},
+      {"io_threads", f.io_threads},
       {"drive_read_bytes_per_s", read_bw},
       {"steps", steps},
       {"mean_after_first",
@@ -261,9 +267,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   std::printf("engine_sim: %d layers x %llu bf16 elements (%.1f MiB on NVMe, %.1fx the %.1f MiB "
-              "pinned staging), compute %.1f ms per module pass, drive read %.3g B/s\n",
+              "pinned staging), compute %.1f ms per module pass, drive read %.3g B/s with %u I/O "
+              "thread(s)\n",
               f.layers, static_cast<unsigned long long>(f.layer_elements), param_bytes / 1048576.0,
-              static_cast<double>(param_bytes) / pinned, pinned / 1048576.0, f.compute_ms, read_bw);
+              static_cast<double>(param_bytes) / pinned, pinned / 1048576.0, f.compute_ms, read_bw,
+              f.io_threads);
   std::printf("  step   pass_s  stall_s  stall%%   io_s  ideal_s  pass/ideal  grad_s  optim_s\n");
   for (const auto& st : steps) {
     std::printf("  %4d  %7.3f  %7.3f  %5.1f  %6.3f  %7.3f  %9.3f  %6.3f  %7.3f\n",
