@@ -536,6 +536,46 @@ struct ItemContext {
 
 constexpr unsigned kFwdBwd = kPhaseForward | kPhaseBackward | kPhaseBackwardEnd;
 
+// Note [NVMe partitions]
+// ZeRO-3 with offload_param nvme swaps a parameter's 16-bit partition out only when
+// AsyncPartitionedParameterSwapper.swappable_tensor holds: at least max(MIN_AIO_BYTES = 1 MiB,
+// aio.block_size) bytes (deepspeed/runtime/swap_tensor/partitioned_param_swapper.py; the caller is
+// partition_parameters.py Init._partition_param). A smaller partition stays in host memory, pinned
+// with pin_memory. Each swapped partition has a file of its own, its length rounded up to
+// AIO_ALIGNED_BYTES (1024, swap_tensor/utils.py). Transformers builds a tied output head as a
+// Linear of its own inside zero.Init and ties it to the embedding afterwards, so that Linear's
+// partition is swapped out once and its file stays on the drive beside the embedding's.
+// The optimizer swapper applies the same size rule to each parameter's fp32 gradient partition
+// (swap_tensor/optimizer_utils.py _swap_out_gradients): a smaller one is kept in host memory
+// (unswapped_gradients). Measured with DeepSpeed 0.19 (tests/accuracy/deepspeed_nvme.json).
+constexpr Wide kMinAioBytes = Wide{1} << 20;
+constexpr Wide kAioAlignedBytes = 1024;
+
+struct NvmeSplit {
+  Wide nvme = 0;    // bytes written to swap files, per GPU
+  Wide memory = 0;  // bytes kept in host memory, per GPU
+};
+
+// The inventory's partitions of `elem_bytes` per element, split by the swapper's size rule.
+// `params`: the 16-bit working partitions (persistent tensors excluded: they stay whole on the
+// GPU; tied aliases count as the file their construction left); otherwise the fp32 gradients.
+NvmeSplit NvmePartitions(const ItemContext& c, Wide elem_bytes, bool params) {
+  NvmeSplit out;
+  const Wide min_aio = std::max<Wide>(kMinAioBytes, U(c.s.aio_block_size));
+  const Wide threshold = U(c.s.stage3_param_persistence_threshold);
+  for (const TensorInfo& t : c.inventory.tensors) {
+    const bool alias = !t.tied_to.empty();
+    if (params ? U(t.numel) <= threshold : alias) continue;
+    const Wide bytes = CeilDiv(c.TpShare(U(t.numel)), c.d) * elem_bytes;
+    if (bytes >= min_aio) {
+      out.nvme += params ? CeilDiv(bytes, kAioAlignedBytes) * kAioAlignedBytes : bytes;
+    } else if (!alias) {
+      out.memory += bytes;
+    }
+  }
+  return out;
+}
+
 // params_working, params_quantized, autocast_weight_copies. The working copy of every parameter
 // (16-bit in mixed and pure precision, fp32 in fp32 and under autocast), adapters included,
 // QLoRA's quantised Linears excluded. ZeRO-3 partitions each over the data-parallel group and
@@ -581,6 +621,17 @@ Status ParamsWorking(const ItemContext& c, Builder* out) {
     } else if (s.offload_param == OffloadDevice::kNvme) {
       nvme = shard * c.g;
       how += ", partitions offloaded to NVMe";
+      if (c.frozen_quantized == 0) {  // Note [NVMe partitions]
+        const NvmeSplit split = NvmePartitions(c, c.w, /*params=*/true);
+        const Wide adapters = CeilDiv(c.TpShare(c.f.lora - c.f.lora_persistent), c.d) * c.w;
+        nvme = (split.nvme + adapters) * c.g;
+        // The small partitions of trainable tensors move into nvme_param_flat_buffer with the
+        // rest when it holds the whole partition; frozen ones (LoRA's base) stay where they are.
+        const bool flat_holds_all = U(s.param_max_in_cpu) >= c.Part(c.trainable, 1);
+        cpu = (c.lora || !flat_holds_all ? split.memory : 0) * c.g;
+        if (s.pin_memory) pinned = cpu;
+        how += " (those under max(1 MiB, aio.block_size) kept in host memory)";
+      }
     } else {
       gpu += shard;
     }
@@ -693,8 +744,16 @@ Status Grads(const ItemContext& c, Builder* out) {
   }
   const Wide fp32 = partition * 4 * c.g;
   if (s.zero_stage == 3 && s.offload_optimizer == OffloadDevice::kNvme) {
-    out->Add("grads_fp32", "fp32 gradient partitions swapped out to NVMe with the optimizer state",
-             0, 0, fp32, 0, kAllPhases);
+    Wide swapped = fp32, kept = 0;
+    if (!c.lora && c.frozen_quantized == 0) {  // Note [NVMe partitions]
+      const NvmeSplit split = NvmePartitions(c, 4, /*params=*/false);
+      swapped = split.nvme * c.g;
+      kept = split.memory * c.g;
+    }
+    out->Add("grads_fp32",
+             "fp32 gradient partitions swapped out to NVMe with the optimizer state (those under "
+             "max(1 MiB, aio.block_size) kept in host memory)",
+             0, kept, swapped, 0, kAllPhases);
   } else {
     out->Add("grads_fp32", "fp32 gradient partitions in host memory (offloaded optimizer)", 0,
              fp32, 0, s.pin_memory ? fp32 : 0, kAllPhases);
@@ -802,6 +861,31 @@ Status NvmeOptimizerSwapBuffers(const ItemContext& c, Builder* out) {
            "pinned swap buffers for optimizer state: buffer_count x min(sub_group_size, "
            "partition) x fp32",
            0, buffers, 0, buffers, kAllPhases);
+  return Status::Ok();
+}
+
+// nvme_param_flat_buffer. With offload_param nvme, ZeRO-3 still gives the trainable parameters
+// 16-bit partitions a flat host buffer, pinned, of up to offload_param.max_in_cpu elements
+// (default 1e9) per rank, and moves the partitions into it: they live in host memory as well as
+// in their swap files (deepspeed/runtime/zero/stage3.py _create_param_groups_fp16_flat_cpu_memory,
+// _configure_tensor_swapping). Sub-groups beyond max_in_cpu stay on NVMe and are swapped out
+// after the step through one pinned buffer of the largest sub-group's parameters
+// (partitioned_param_swapper.py reserve_partitioned_swap_space). All phases.
+Status NvmeParamFlatBuffer(const ItemContext& c, Builder* out) {
+  if (c.s.zero_stage != 3 || c.s.offload_param != OffloadDevice::kNvme) return Status::Ok();
+  const Wide partition = c.Part(c.trainable, 1);
+  const Wide flat = std::min(U(c.s.param_max_in_cpu), partition);
+  Wide bytes = flat * c.w;
+  std::string how = "min(max_in_cpu, partition)";
+  if (flat < partition) {
+    bytes += std::min(U(c.s.sub_group_size), partition) * c.d * c.w;
+    how += " + a reuse buffer of the largest sub-group";
+  }
+  bytes *= c.g;
+  out->Add("nvme_param_flat_buffer",
+           "pinned flat " + c.half + " buffer of the trainable parameters' partitions in host "
+           "memory beside their swap files: " + how,
+           0, bytes, 0, bytes, kAllPhases);
   return Status::Ok();
 }
 
@@ -954,6 +1038,7 @@ constexpr ItemRule kItemRules[] = {
     {"optimizer_step_transient", OptimizerStepTransient},
     {"nvme_optimizer_swap_buffers", NvmeOptimizerSwapBuffers},
     {"nvme_param_swap_buffers", NvmeParamSwapBuffers},
+    {"nvme_param_flat_buffer", NvmeParamFlatBuffer},
     {"activations, activation_recompute, backward_workspace, logits_and_loss, logits_grad",
      ActivationItems},
     {"comm_reduce_bucket, comm_allgather_bucket", CommBuckets},
@@ -1123,6 +1208,16 @@ std::vector<std::string> Notes(const ItemContext& c) {
           "the fp32 gradients go to an fp32 buffer in host memory (cpu) or are swapped out to "
           "NVMe with the optimizer state (nvme: stage3.py partition_grads -> "
           "swap_out_gradients).");
+    }
+    if (s.offload_param == OffloadDevice::kNvme || s.offload_optimizer == OffloadDevice::kNvme) {
+      notes.push_back(
+          "NVMe: a partition of at least max(1 MiB, aio.block_size) bytes gets a swap file of its "
+          "own (1 KiB aligned), a smaller one stays in host memory (swappable_tensor); a tied "
+          "output head built inside zero.Init leaves a file of its own; with offload_param nvme "
+          "the trainable 16-bit partitions also live in a pinned flat host buffer of up to "
+          "offload_param.max_in_cpu elements (stage3.py "
+          "_create_param_groups_fp16_flat_cpu_memory). Measured with DeepSpeed 0.19 "
+          "(bench/deepspeed_nvme_truth.py).");
     }
   }
   if (c.Fsdp()) {

@@ -383,17 +383,75 @@ TEST_CASE("memory model: ZeRO-3 with the optimizer on NVMe keeps only 16-bit gra
   REQUIRE(Item(m, "grads") != nullptr);
   CHECK(Item(m, "grads")->cpu_bytes == partition * 2 * 8);
   CHECK(Item(m, "grads")->pinned_bytes == partition * 2 * 8);
-  CHECK(Item(m, "grads_fp32")->cpu_bytes == 0);
-  CHECK(Item(m, "grads_fp32")->nvme_bytes == partition * 4 * 8);
+  // The 65 RMSNorm weights' fp32 gradient partitions (4096 / 8 elements, 2 KiB) are under the
+  // swapper's 1 MiB minimum and stay in host memory (Note [NVMe partitions]); every other
+  // tensor divides evenly by 8.
+  const uint64_t norms = 65 * 4096;
+  CHECK(Item(m, "grads_fp32")->cpu_bytes == norms / 8 * 4 * 8);
+  CHECK(Item(m, "grads_fp32")->nvme_bytes == (partition - norms / 8) * 4 * 8);
   // NVMe holds fp32 master weights, both Adam moments and the fp32 gradients: 16 B/param.
   CHECK(Item(m, "params_master")->nvme_bytes + Item(m, "optimizer_states")->nvme_bytes +
-            Item(m, "grads_fp32")->nvme_bytes ==
+            Item(m, "grads_fp32")->nvme_bytes + Item(m, "grads_fp32")->cpu_bytes ==
         partition * 8 * 16);
   // With the optimizer in host memory, fp32 gradient buffers per sub-group stay there.
   s.offload_optimizer = OffloadDevice::kCpu;
   MemoryEstimate cpu = MustEstimate(llama, s);
   CHECK(Item(cpu, "grads_fp32")->cpu_bytes == partition * 4 * 8);
   CHECK(Item(cpu, "grads")->cpu_bytes == partition * 2 * 8);
+}
+
+TEST_CASE("memory model: ZeRO-3 NVMe swap files are the bytes DeepSpeed 0.19 wrote") {
+  // Measured by bench/deepspeed_nvme_truth.py --preset gpt2 (tests/accuracy/deepspeed_nvme.json):
+  // GPT-2 124M (n_positions 128), ZeRO-3 bf16, offload_param and offload_optimizer on NVMe, one
+  // rank, aio.block_size 1 MiB. deepspeed/runtime/swap_tensor/partitioned_param_swapper.py
+  // swappable_tensor: a 16-bit partition of at least max(MIN_AIO_BYTES, block_size) = 1 MiB goes
+  // to a file of its own, rounded up to AIO_ALIGNED_BYTES (the embedding: 50257 x 768 x 2 ->
+  // 77,195,264); a smaller one stays in host memory. Transformers builds the tied lm_head as its
+  // own Linear inside zero.Init before tying it: its partition leaves a second embedding-sized
+  // file. optimizer_utils.py _swap_out_gradients: fp32 gradients under 1 MiB (biases, norms, the
+  // 128 x 768 position embedding) stay in memory as unswapped_gradients.
+  ModelInventory gpt2 = MustBuild({{"model_type", "gpt2"},
+                                   {"architectures", {"GPT2LMHeadModel"}},
+                                   {"n_embd", 768},
+                                   {"n_layer", 12},
+                                   {"n_head", 12},
+                                   {"n_positions", 128},
+                                   {"vocab_size", 50257}});
+  TrainingSetup s;
+  s.seq_len = 128;
+  s.micro_batch = 2;
+  s.zero_stage = 3;
+  s.offload_optimizer = OffloadDevice::kNvme;
+  s.offload_param = OffloadDevice::kNvme;
+  s.pin_memory = true;
+  MemoryEstimate m = MustEstimate(gpt2, s);
+  REQUIRE(m.params_total == 123751680);
+  // 12 x (768x768 + 768x2304 + 2 x 768x3072) x 2 bytes, and two embedding-sized files.
+  CHECK(Item(m, "params_working")->nvme_bytes == 12 * (1179648 + 3538944 + 2 * 4718592) +
+                                                      2 * uint64_t{77195264});
+  CHECK(Item(m, "params_working")->nvme_bytes == 324259840);
+  CHECK(Item(m, "grads_fp32")->nvme_bytes == 494128128);
+  CHECK(Item(m, "grads_fp32")->cpu_bytes == 123751680 * uint64_t{4} - 494128128);
+  CHECK(m.peak.nvme_bytes == 2303408128);
+  // A larger aio.block_size raises the minimum: the 768 x 768 projections (1,179,648 bytes in
+  // bf16) then stay in host memory.
+  s.aio_block_size = 2 * 1048576;
+  MemoryEstimate big = MustEstimate(gpt2, s);
+  CHECK(Item(big, "params_working")->nvme_bytes == 324259840 - 12 * uint64_t{1179648});
+  // stage3.py _create_param_groups_fp16_flat_cpu_memory: every trainable partition also lives
+  // in a pinned 16-bit flat host buffer (max_in_cpu defaults to 1e9 elements), the small ones
+  // included; measured as resident memory (bench/deepspeed_nvme_truth.py).
+  CHECK(Item(big, "params_working")->cpu_bytes == 0);
+  CHECK(Item(m, "nvme_param_flat_buffer")->cpu_bytes == 123751680 * uint64_t{2});
+  CHECK(Item(m, "nvme_param_flat_buffer")->pinned_bytes == 123751680 * uint64_t{2});
+  // Beyond max_in_cpu the rest stays on NVMe, swapped out through one buffer of the largest
+  // sub-group (partitioned_param_swapper.py reserve_partitioned_swap_space).
+  s.param_max_in_cpu = 50000000;
+  s.sub_group_size = 100000000;
+  MemoryEstimate capped = MustEstimate(gpt2, s);
+  CHECK(Item(capped, "nvme_param_flat_buffer")->cpu_bytes == (50000000 + 100000000) * uint64_t{2});
+  s.offload_param = OffloadDevice::kCpu;
+  CHECK(Item(MustEstimate(gpt2, s), "nvme_param_flat_buffer") == nullptr);
 }
 
 TEST_CASE("memory model: ZeRO-3 charges one flat reduce bucket, not 4.5x overlap_comm") {

@@ -161,6 +161,7 @@ Status TrainingSetup::Validate() const {
       {"stage3_max_live_parameters", stage3_max_live_parameters},
       {"sub_group_size", sub_group_size},
       {"offload_param.buffer_size", param_buffer_size},
+      {"offload_param.max_in_cpu", param_max_in_cpu},
       {"aio.block_size", aio_block_size}};
   for (const auto& [name, value] : buffers) {
     MEMPLAN_RETURN_IF_ERROR(Range(name, value, 0, kMaxBufferElements));
@@ -390,6 +391,7 @@ nlohmann::json ToJson(const TrainingSetup& s) {
       {"pin_memory", s.pin_memory},
       {"param_buffer_count", s.param_buffer_count},
       {"param_buffer_size", s.param_buffer_size},
+      {"param_max_in_cpu", s.param_max_in_cpu},
       {"optimizer_buffer_count", s.optimizer_buffer_count},
       {"aio_block_size", s.aio_block_size},
       {"aio_queue_depth", s.aio_queue_depth},
@@ -438,7 +440,8 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
       "zero_stage", "offload_optimizer", "offload_param", "reduce_bucket_size",
       "allgather_bucket_size", "overlap_comm", "stage3_prefetch_bucket_size",
       "stage3_param_persistence_threshold", "stage3_max_live_parameters", "sub_group_size",
-      "pin_memory", "param_buffer_count", "param_buffer_size", "optimizer_buffer_count",
+      "pin_memory", "param_buffer_count", "param_buffer_size", "param_max_in_cpu",
+      "optimizer_buffer_count",
       "aio_block_size", "aio_queue_depth", "aio_intra_op_parallelism", "gpus_per_node",
       "num_nodes", "cuda_context_bytes"};
   for (const auto& [key, value] : j.items()) {
@@ -489,6 +492,7 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "pin_memory", &s.pin_memory));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "param_buffer_count", &s.param_buffer_count));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "param_buffer_size", &s.param_buffer_size));
+  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "param_max_in_cpu", &s.param_max_in_cpu));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "optimizer_buffer_count", &s.optimizer_buffer_count));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "aio_block_size", &s.aio_block_size));
   MEMPLAN_RETURN_IF_ERROR(GetKey(j, "aio_queue_depth", &s.aio_queue_depth));
@@ -724,6 +728,7 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
   s.pin_memory = s.pin_memory || param_pin;
   MEMPLAN_RETURN_IF_ERROR(op.Int("buffer_count", 1, 1024, &s.param_buffer_count));
   MEMPLAN_RETURN_IF_ERROR(op.Int("buffer_size", 0, kMaxBufferElements, &s.param_buffer_size));
+  MEMPLAN_RETURN_IF_ERROR(op.Int("max_in_cpu", 0, kMaxBufferElements, &s.param_max_in_cpu));
 
   // Activation checkpointing: DeepSpeed's block configures deepspeed.checkpointing, which
   // checkpoints whole layers; its presence says the job checkpoints.

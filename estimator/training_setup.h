@@ -149,6 +149,7 @@ struct TrainingSetup {
   bool pin_memory = false;                       // DeepSpeed's default
   int64_t param_buffer_count = 5;                // offload_param.buffer_count
   int64_t param_buffer_size = 100000000;         // offload_param.buffer_size, elements
+  int64_t param_max_in_cpu = 1000000000;         // offload_param.max_in_cpu, elements
   int64_t optimizer_buffer_count = 4;            // offload_optimizer.buffer_count
   int64_t aio_block_size = 1048576;              // aio.block_size, bytes (kept for plans)
   int64_t aio_queue_depth = 8;                   // aio.queue_depth (kept for plans)

@@ -152,7 +152,8 @@ TEST_CASE("training setup: a DeepSpeed config's settings are read") {
       "stage3_max_live_parameters": 1e9, "sub_group_size": 1e8,
       "offload_optimizer": {"device": "nvme", "nvme_path": "/local", "pin_memory": true,
                             "buffer_count": 6},
-      "offload_param": {"device": "cpu", "buffer_count": 7, "buffer_size": 2e8}
+      "offload_param": {"device": "cpu", "buffer_count": 7, "buffer_size": 2e8,
+                        "max_in_cpu": 3e8}
     },
     "activation_checkpointing": {"partition_activations": false},
     "aio": {"block_size": 8388608, "queue_depth": 32, "intra_op_parallelism": 4}
@@ -176,6 +177,7 @@ TEST_CASE("training setup: a DeepSpeed config's settings are read") {
   CHECK(s.optimizer_buffer_count == 6);
   CHECK(s.param_buffer_count == 7);
   CHECK(s.param_buffer_size == 200000000);
+  CHECK(s.param_max_in_cpu == 300000000);
   CHECK(s.checkpointing == Checkpointing::kFull);
   CHECK(s.aio_block_size == 8388608);
   CHECK(s.aio_queue_depth == 32);
