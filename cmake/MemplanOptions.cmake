@@ -65,6 +65,22 @@ if(MEMPLAN_HAVE_CUDA AND NOT MEMPLAN_WITH_NCCL STREQUAL "OFF")
 endif()
 memplan_optional(NCCL MEMPLAN_WITH_NCCL "${_nccl_found}")
 
+# The emulated GPU (tests/gpu_emulation) needs the real headers only: it stands in for the
+# libraries, so CUDA and NCCL are "found" whenever their headers are.
+if(MEMPLAN_GPU_EMULATION)
+  if(NOT MEMPLAN_BUILD_TESTS)
+    message(FATAL_ERROR "MEMPLAN_GPU_EMULATION=ON is a test build: it needs MEMPLAN_BUILD_TESTS=ON")
+  endif()
+  find_package(CUDAToolkit QUIET)
+  find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
+  if(NOT CUDAToolkit_INCLUDE_DIRS OR NOT NCCL_INCLUDE_DIR)
+    message(FATAL_ERROR "MEMPLAN_GPU_EMULATION=ON needs the CUDA toolkit's and NCCL's headers "
+      "(cuda_runtime_api.h, nccl.h); none were found")
+  endif()
+  set(MEMPLAN_HAVE_CUDA ON)
+  set(MEMPLAN_HAVE_NCCL ON)
+endif()
+
 # memplan_module_tests(<module>): one doctest binary per module from its *_test.cc files.
 function(memplan_module_tests module)
   if(NOT MEMPLAN_BUILD_TESTS)
