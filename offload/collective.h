@@ -18,6 +18,7 @@
 // Thread safety: one call at a time per Collective (NCCL communicators are not thread-safe).
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -51,15 +52,25 @@ class Collective {
 // gpu::DefaultHostOnlyRuntime()).
 std::unique_ptr<Collective> CreateSingleProcessCollective(gpu::Runtime* runtime);
 
-// NCCL over the CUDA runtime `runtime` (not owned; must outlive the collective), on its device.
-// `unique_id` is the 128-byte ncclUniqueId that rank 0 made with NcclUniqueId() and every rank was
-// given; this blocks until all `world_size` ranks have joined. Unavailable without NCCL;
-// InvalidArgument for a runtime that is not CUDA's, a rank outside [0, world_size) or an id of
-// the wrong size. A call that fails inside NCCL (a peer died, the network failed) aborts the
-// communicator, and every later call is FailedPrecondition: make a new collective.
+struct NcclOptions {
+  // The longest any wait for the other ranks may take: creating the communicator (every rank must
+  // join) and each collective. Past it the communicator is aborted and the call fails with IoError
+  // naming the rank, the call and the wait, instead of hanging. Default 10 minutes (PyTorch's).
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+};
+
+// NCCL over the CUDA runtime `runtime` (not owned; must outlive the collective), on its device
+// (each rank's runtime on a GPU of its own: NCCL refuses two ranks on one GPU). `unique_id` is the
+// 128-byte ncclUniqueId that rank 0 made with NcclUniqueId() and every rank was given; this blocks
+// until all `world_size` ranks have joined, or options.timeout has passed (IoError). Unavailable
+// without NCCL; InvalidArgument for a runtime that is not CUDA's, a rank outside [0, world_size)
+// or an id of the wrong size. A call that fails inside NCCL (a peer died, the network failed) or
+// outlasts the timeout aborts the communicator, and every later call is FailedPrecondition: make a
+// new collective. bf16 calls on an NCCL older than 2.10 are Unimplemented.
 Result<std::unique_ptr<Collective>> CreateNcclCollective(gpu::Runtime* runtime, int rank,
                                                          int world_size,
-                                                         const std::string& unique_id);
+                                                         const std::string& unique_id,
+                                                         const NcclOptions& options = {});
 Result<std::string> NcclUniqueId();
 
 }  // namespace memplan::offload

@@ -50,6 +50,7 @@ inline Status CudaStatus(cudaError_t err, const char* call, const char* file, in
     case cudaErrorHostMemoryAlreadyRegistered:
     case cudaErrorHostMemoryNotRegistered:
     case cudaErrorInvalidDevice:
+    case cudaErrorInvalidResourceHandle:
       return Status::InvalidArgument(std::move(msg));
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:

@@ -37,6 +37,60 @@ constexpr int kDirections = 3;
 // later copy of the same stream, which implies theirs.
 constexpr uint64_t kRingSize = 1024;
 
+// Note [Blocking waits]: events are made with cudaEventBlockingSync, so a thread in Wait() or
+// WaitFenceOnHost() sleeps until the copy is done instead of spinning a core in
+// cudaEventSynchronize (CUDA's default), which the CPU optimizer and the NVMe threads need.
+constexpr unsigned kEventFlags = cudaEventDisableTiming | cudaEventBlockingSync;
+
+// Note [Streams of the caller]: a Fence is an event recorded on the caller's stream; WaitFence
+// queues cudaStreamWaitEvent on a copy stream, which captures the event's state at that call, so
+// the copy stream waits for exactly the work the fence marked, and the event may be re-recorded
+// at once. Fences come and go by the thousand (one per Release), so their events are recycled
+// through a pool; the pool is shared with the fences (a fence may outlive nothing of the runtime
+// but its pool), and destroys its events when the last of them is gone.
+class EventPool {
+ public:
+  explicit EventPool(int device) : device_(device) {}
+  ~EventPool() {
+    ScopedDevice device(device_);
+    (void)device.Enter();
+    for (cudaEvent_t event : free_) (void)cudaEventDestroy(event);
+    (void)cudaGetLastError();
+  }
+  // An event of the pool's device; the caller's device must be current.
+  Result<cudaEvent_t> Take() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        cudaEvent_t event = free_.back();
+        free_.pop_back();
+        return event;
+      }
+    }
+    cudaEvent_t event = nullptr;
+    MEMPLAN_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, kEventFlags));
+    return event;
+  }
+  void Give(cudaEvent_t event) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(event);
+  }
+
+ private:
+  const int device_;
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_;  // guarded by mu_
+};
+
+struct FenceState {
+  const void* owner = nullptr;  // the runtime that recorded it
+  cudaEvent_t event = nullptr;
+  std::shared_ptr<EventPool> pool;
+  ~FenceState() {
+    if (event != nullptr) pool->Give(event);
+  }
+};
+
 struct Slot {
   cudaEvent_t event = nullptr;
   uint64_t sequence = 0;  // the copy whose completion the event records; 0: none yet
@@ -110,6 +164,7 @@ class CudaRuntime final : public Runtime {
       }
       if (lane.stream != nullptr) (void)cudaStreamDestroy(lane.stream);
     }
+    events_.reset();  // outstanding fences keep the pool alive until they go
     for (const auto& [ptr, bytes] : device_memory_) (void)cudaFree(ptr);
     for (const auto& [ptr, bytes] : registered_) (void)cudaHostUnregister(ptr);
     (void)cudaGetLastError();
@@ -117,7 +172,7 @@ class CudaRuntime final : public Runtime {
 
   std::string_view Name() const override { return name_; }
   bool has_device() const override { return true; }
-  int device() const { return device_; }
+  int device() const override { return device_; }
   const std::string& description() const { return description_; }
 
   Status RegisterHost(void* ptr, uint64_t bytes) override {
@@ -168,7 +223,9 @@ class CudaRuntime final : public Runtime {
     if (err != cudaSuccess) return MEMPLAN_CUDA_STATUS(err, "cudaMalloc(&ptr, bytes)");
     std::lock_guard<std::mutex> lock(mem_mu_);
     device_memory_.emplace(ptr, bytes);
-    device_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+    const uint64_t in_use = device_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    peak_device_bytes_.store(std::max(peak_device_bytes_.load(std::memory_order_relaxed), in_use),
+                             std::memory_order_relaxed);
     return ptr;
   }
 
@@ -214,7 +271,7 @@ class CudaRuntime final : public Runtime {
     Slot& slot = lane.ring[sequence % kRingSize];
     if (slot.event == nullptr) {
       cudaEvent_t event = nullptr;  // assigned only on success: the destructor destroys it
-      MEMPLAN_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+      MEMPLAN_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&event, kEventFlags));
       slot.event = event;
     } else if (slot.sequence > lane.completed) {
       // The ring is full; see Note [Event ring].
@@ -304,11 +361,66 @@ class CudaRuntime final : public Runtime {
     return first;
   }
 
+  uint64_t peak_device_bytes() const override {
+    return peak_device_bytes_.load(std::memory_order_relaxed);
+  }
+
+  Result<Fence> RecordFence(Stream stream) override {
+    MEMPLAN_CUDA_ON_DEVICE(device_);
+    auto state = std::make_shared<FenceState>();
+    state->owner = this;
+    state->pool = events_;
+    MEMPLAN_ASSIGN_OR_RETURN(cudaEvent_t event, events_->Take());
+    const cudaError_t err = cudaEventRecord(event, static_cast<cudaStream_t>(stream.handle));
+    if (err != cudaSuccess) {
+      events_->Give(event);
+      return MEMPLAN_CUDA_STATUS(err, "cudaEventRecord(fence, caller's stream)")
+          .WithPrefix(name_ + ": the caller's stream (of another device?)");
+    }
+    state->event = event;
+    return Fence(std::shared_ptr<void>(std::move(state)));
+  }
+
+  Status WaitFence(CopyDirection direction, const Fence& fence) override {
+    if (!ValidDirection(direction)) {
+      return Status::InvalidArgument(name_ + ": WaitFence with an invalid direction");
+    }
+    if (fence.empty()) return Status::Ok();
+    MEMPLAN_ASSIGN_OR_RETURN(cudaEvent_t event, EventOf(fence));
+    MEMPLAN_CUDA_ON_DEVICE(device_);
+    Lane& lane = lanes_[static_cast<int>(direction)];
+    std::lock_guard<std::mutex> lock(lane.mu);  // ordered with CopyAsync's enqueues
+    MEMPLAN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(lane.stream, event, 0));
+    return Status::Ok();
+  }
+
+  Status WaitFenceOnHost(const Fence& fence) override {
+    if (fence.empty()) return Status::Ok();
+    MEMPLAN_ASSIGN_OR_RETURN(cudaEvent_t event, EventOf(fence));
+    MEMPLAN_CUDA_ON_DEVICE(device_);
+    MEMPLAN_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(event));
+    return Status::Ok();
+  }
+
+  Stream CopyStream(CopyDirection direction) const override {
+    if (!ValidDirection(direction)) return Stream();
+    return Stream{lanes_[static_cast<int>(direction)].stream};
+  }
+
  private:
   CudaRuntime(int device, std::string description)
       : device_(device),
         name_("cuda:" + std::to_string(device)),
-        description_(std::move(description)) {}
+        description_(std::move(description)),
+        events_(std::make_shared<EventPool>(device)) {}
+
+  Result<cudaEvent_t> EventOf(const Fence& fence) const {
+    const auto* state = static_cast<const FenceState*>(fence.state());
+    if (state->owner != this) {
+      return Status::InvalidArgument(name_ + ": a fence another runtime recorded");
+    }
+    return state->event;
+  }
 
   // Creates the streams. On failure the destructor releases what was made.
   Status Init() {
@@ -337,6 +449,8 @@ class CudaRuntime final : public Runtime {
   std::map<void*, uint64_t> device_memory_;  // guarded by mem_mu_: cudaMalloc'd pointer -> bytes
   std::map<void*, uint64_t> registered_;     // guarded by mem_mu_: registered pointer -> bytes
   std::atomic<uint64_t> device_bytes_{0};    // written under mem_mu_, read without
+  std::atomic<uint64_t> peak_device_bytes_{0};  // written under mem_mu_, read without
+  std::shared_ptr<EventPool> events_;          // the fences' events (Note [Streams of the caller])
 };
 
 Result<std::unique_ptr<Runtime>> CudaRuntime::Create(int device) {
@@ -350,6 +464,10 @@ Result<std::unique_ptr<Runtime>> CudaRuntime::Create(int device) {
                                cudaGetErrorString(err) + " (" + cudaGetErrorName(err) + ")");
   }
   if (count == 0) return Status::Unavailable("no usable GPU: CUDA sees no device");
+  if (device == kCurrentDevice) {
+    // The caller's choice (torch.cuda.set_device), read without creating a context.
+    MEMPLAN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  }
   if (device < 0 || device >= count) {
     return Status::InvalidArgument("no CUDA device " + std::to_string(device) +
                                    ": the machine has " + std::to_string(count));

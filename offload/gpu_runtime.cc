@@ -3,6 +3,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -147,7 +148,9 @@ class HostOnlyRuntime final : public Runtime {
     }
     std::lock_guard<std::mutex> lock(mem_mu_);
     device_.emplace(reinterpret_cast<uintptr_t>(ptr), bytes);
-    device_bytes_.fetch_add(bytes, std::memory_order_relaxed);
+    const uint64_t in_use = device_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    peak_device_bytes_.store(std::max(peak_device_bytes_.load(std::memory_order_relaxed), in_use),
+                             std::memory_order_relaxed);
     return ptr;
   }
 
@@ -221,6 +224,29 @@ class HostOnlyRuntime final : public Runtime {
     return Status::Ok();
   }
 
+  uint64_t peak_device_bytes() const override {
+    return peak_device_bytes_.load(std::memory_order_relaxed);
+  }
+
+  // No streams here: the caller's work is done when it calls, so every fence is already passed.
+  Result<Fence> RecordFence(Stream stream) override {
+    if (stream.handle != nullptr) {
+      return Status::InvalidArgument(
+          "host-only runtime: given a GPU stream; the host-only runtime has no streams (a CUDA "
+          "caller needs the CUDA runtime)");
+    }
+    return Fence();
+  }
+  Status WaitFence(CopyDirection direction, const Fence& fence) override {
+    if (!ValidDirection(direction)) {
+      return Status::InvalidArgument("host-only runtime: WaitFence with an invalid direction");
+    }
+    return CheckFence(fence);
+  }
+  Status WaitFenceOnHost(const Fence& fence) override { return CheckFence(fence); }
+  Stream CopyStream(CopyDirection /*direction*/) const override { return Stream(); }
+  int device() const override { return -1; }
+
  private:
   static void RunLane(Lane& lane) {
     std::unique_lock<std::mutex> lock(lane.mu);
@@ -236,6 +262,13 @@ class HostOnlyRuntime final : public Runtime {
       lane.completed = copy.sequence;
       lane.done.notify_all();
     }
+  }
+
+  static Status CheckFence(const Fence& fence) {
+    if (!fence.empty()) {
+      return Status::InvalidArgument("host-only runtime: a fence another runtime recorded");
+    }
+    return Status::Ok();
   }
 
   Status CheckTicket(CopyTicket ticket) {
@@ -258,6 +291,7 @@ class HostOnlyRuntime final : public Runtime {
   std::map<uintptr_t, uint64_t> device_;      // guarded by mem_mu_: address -> bytes
   std::map<uintptr_t, uint64_t> registered_;  // guarded by mem_mu_: address -> bytes
   std::atomic<uint64_t> device_bytes_{0};     // written under mem_mu_, read without
+  std::atomic<uint64_t> peak_device_bytes_{0};  // written under mem_mu_, read without
 };
 
 }  // namespace
@@ -271,8 +305,13 @@ Runtime& DefaultHostOnlyRuntime() {
   return *runtime;
 }
 
-std::unique_ptr<Runtime> CreateBestRuntime(std::string* note) {
-  Result<std::unique_ptr<Runtime>> cuda = CreateCudaRuntime(0);
+Status Runtime::OrderAfter(CopyDirection direction, Stream stream) {
+  MEMPLAN_ASSIGN_OR_RETURN(Fence fence, RecordFence(stream));
+  return WaitFence(direction, fence);
+}
+
+std::unique_ptr<Runtime> CreateBestRuntime(std::string* note, int device) {
+  Result<std::unique_ptr<Runtime>> cuda = CreateCudaRuntime(device);
   if (cuda.ok()) {
     if (note != nullptr) {
       *note = std::string((*cuda)->Name()) + ": " + internal::CudaDescription(**cuda);

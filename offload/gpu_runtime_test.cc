@@ -322,6 +322,33 @@ TEST_CASE("host-only runtime: bad arguments are errors") {
   }
 }
 
+TEST_CASE("host-only runtime: no streams; a GPU stream or a foreign fence is refused") {
+  auto rt = CreateHostOnlyRuntime();
+  auto fence = rt->RecordFence(Stream{});
+  REQUIRE(fence.ok());
+  CHECK(fence->empty());
+  CHECK(rt->WaitFence(CopyDirection::kHostToDevice, *fence).ok());
+  CHECK(rt->WaitFenceOnHost(*fence).ok());
+  CHECK(rt->OrderAfter(CopyDirection::kDeviceToHost, Stream{}).ok());
+  int not_a_stream = 0;
+  auto refused = rt->RecordFence(Stream{&not_a_stream});
+  CHECK(refused.status().code() == StatusCode::kInvalidArgument);
+  CHECK(refused.status().message().find("no streams") != std::string::npos);
+  CHECK(rt->OrderAfter(CopyDirection::kDeviceToHost, Stream{&not_a_stream}).code() ==
+        StatusCode::kInvalidArgument);
+  const Fence foreign(std::make_shared<int>(1));
+  CHECK(rt->WaitFence(CopyDirection::kHostToDevice, foreign).code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(rt->CopyStream(CopyDirection::kDeviceToHost).handle == nullptr);
+  CHECK(rt->device() == -1);
+  void* a = *rt->AllocateDevice(1000);
+  void* b = *rt->AllocateDevice(3000);
+  CHECK(rt->FreeDevice(a).ok());
+  CHECK(rt->peak_device_bytes() == 4000);  // counted at each allocation
+  CHECK(rt->FreeDevice(b).ok());
+  CHECK(rt->peak_device_bytes() == 4000);
+}
+
 TEST_CASE("CreateCudaRuntime and CreateBestRuntime say why there is no GPU") {
   auto cuda = CreateCudaRuntime(0);
   std::string note;

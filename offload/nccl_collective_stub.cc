@@ -5,7 +5,8 @@ namespace memplan::offload {
 
 Result<std::unique_ptr<Collective>> CreateNcclCollective(gpu::Runtime* /*runtime*/, int /*rank*/,
                                                          int /*world_size*/,
-                                                         const std::string& /*unique_id*/) {
+                                                         const std::string& /*unique_id*/,
+                                                         const NcclOptions& /*options*/) {
   return Status::Unavailable("nccl collective: memplan was built without NCCL");
 }
 
