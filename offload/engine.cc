@@ -261,21 +261,34 @@ struct Engine::Impl {
     std::vector<float> data;
     uint64_t received = 0;
   };
-  // Note [Asynchronous gradients]: GradReady() queues the device-to-host copy and returns; the
-  // gradient thread waits for it, converts to fp32 into the sub-group buffers and hands full
-  // sub-groups to the optimizer (for the NVMe optimizer that is a store write), so the trainer's
-  // backward pass does not wait for any of it. Step() drains the queue first.
+  // Note [Asynchronous gradients]: GradReady() orders the engine's device-to-host stream after the
+  // trainer's stream (a fence: the gradient's kernels may still be queued), queues the gradient's
+  // copy into pinned staging slots, a slot's worth at a time, and returns; no thread waits for the
+  // GPU there. The gradient thread waits for each slot's copy, converts to fp32 into the sub-group
+  // buffers, gives the slot back, and hands full sub-groups to the optimizer (for the NVMe
+  // optimizer that is a store write), so the trainer's backward pass does not wait for any of it;
+  // GradReady() waits only when every slot is taken. Pinned slots make the copies truly
+  // asynchronous (CUDA copies to pageable memory synchronously, through its own staging) and bound
+  // the host memory. On a runtime without a device there are no streams and nothing to pin: the
+  // gradient is copied whole into a recycled host buffer before GradReady() returns (so the
+  // caller's buffer is free at once) and converted by the gradient thread as above. Step() drains
+  // the queue first.
   struct GradJob {
     ParamId param = 0;
     ElementType type = ElementType::kFloat32;
-    uint64_t first = 0;  // partition offset and element count of what `host` receives: the
-    uint64_t count = 0;  // parameter's shard (all of it for world size 1)
+    uint64_t first = 0;  // partition offset and element count of what `slot` receives: the
+    uint64_t count = 0;  // parameter's shard (all of it for world size 1), a slot at a time
     gpu::CopyTicket ticket;
-    std::vector<std::byte> host;
-    void* scratch = nullptr;  // world size > 1: the device buffer the copy reads from
-    uint64_t scratch_bytes = 0;
+    PinnedSlot slot;              // a runtime with a device: the pinned staging slot
+    std::vector<std::byte> host;  // the host-only runtime: a recycled host buffer
+    void* scratch = nullptr;  // world size > 1, last slot of a gradient: the device buffer the
+                              // copies read from, free once this copy is done
+    const std::byte* data() const { return slot.empty() ? host.data() : slot.data().data(); }
   };
-  static constexpr size_t kMaxGradJobs = 4;
+  static constexpr uint64_t kGradSlots = 4;
+  static constexpr uint64_t kMaxGradSlotBytes = uint64_t{4} << 20;
+  static constexpr uint64_t kPageBytes = 4096;
+  std::unique_ptr<PinnedPool> grad_staging;    // kGradSlots pinned slots (a runtime with a device)
   mutable std::mutex grad_mu;
   std::condition_variable grad_cv;             // a job queued / finished, or stop
   std::deque<GradJob> grad_jobs;               // Guarded by grad_mu.
@@ -284,9 +297,12 @@ struct Engine::Impl {
   bool grad_stop = false;                      // Guarded by grad_mu.
   Status grad_error;                           // Guarded by grad_mu: the first failure.
   uint64_t d2h_bytes = 0;                      // Guarded by grad_mu.
-  // Guarded by grad_mu: world size > 1, device buffers for the reduce-scatter, free, with sizes.
-  std::vector<std::pair<void*, uint64_t>> grad_scratch_free;
-  std::vector<std::byte> grad_zeros;  // world size > 1: the padding of a reduce-scatter's send
+  // World size > 1 (Note [Reduce-scattered gradients]): two device buffers of world_size times the
+  // largest shard, allocated in Start(), and a device buffer of zeros for the padding.
+  std::vector<void*> grad_scratch_free;        // Guarded by grad_mu.
+  std::vector<void*> grad_scratch_all;
+  uint64_t grad_scratch_bytes = 0;
+  void* grad_zeros = nullptr;
   std::thread grad_worker;
   std::unordered_map<uint64_t, GradBuffer> grad_buffers;  // the gradient thread's only
   std::vector<std::vector<float>> grad_buffer_free;       // the gradient thread's only
@@ -375,8 +391,8 @@ struct Engine::Impl {
         base = buf.data.data();
       }
       float* dst = base + in_sg;
-      const std::byte* src = job.host.data() + done * eb;
-      // The host buffer comes from operator new: aligned for uint16_t.
+      const std::byte* src = job.data() + done * eb;
+      // Slots are page-aligned, host buffers come from operator new: aligned for uint16_t.
       const auto* half = reinterpret_cast<const uint16_t*>(src);
       switch (job.type) {
         case ElementType::kFloat32: std::memcpy(dst, src, len * 4); break;
@@ -416,67 +432,120 @@ struct Engine::Impl {
       }
       Status status = runtime->Wait(job.ticket);
       if (status.ok()) status = Accumulate(job);
+      job.slot.Release();  // GradReady() may be waiting for it
       {
         std::lock_guard<std::mutex> lock(grad_mu);
         if (!status.ok() && grad_error.ok()) {
           grad_error = status.WithPrefix("gradient of " + specs[job.param].name);
         }
-        grad_free.push_back(std::move(job.host));
-        if (job.scratch != nullptr) grad_scratch_free.emplace_back(job.scratch, job.scratch_bytes);
+        if (!job.host.empty()) grad_free.push_back(std::move(job.host));
+        if (job.scratch != nullptr) grad_scratch_free.push_back(job.scratch);
         grad_busy = false;
       }
       grad_cv.notify_all();
     }
   }
 
-  // World size > 1: reduce-scatters `device_grad` (the parameter's whole gradient) across the
-  // ranks and queues the copy of this rank's summed shard to job.host (Note [Reduce-scattered
-  // gradients]). On failure job.scratch is back on the free list.
-  Status ReduceScatterGradient(const void* device_grad, GradJob& job) {
-    const auto eb = static_cast<uint64_t>(ElementBytes(job.type));
-    const uint64_t n = params->Numel(job.param) * eb;
-    const uint64_t shard = job.count * eb;
+  // World size > 1: reduce-scatters `device_grad` (the parameter's whole gradient, `count`
+  // elements of `type` per rank's shard) across the ranks into a scratch buffer, after the
+  // trainer's work queued on `stream` (Note [Reduce-scattered gradients]). Returns the scratch
+  // buffer, whose slot `rank` then holds this rank's summed shard; the caller gives it back to
+  // grad_scratch_free (on failure it is back there already).
+  Result<void*> ReduceScatterGradient(ParamId param, const void* device_grad, ElementType type,
+                                      uint64_t count, gpu::Stream stream) {
+    const auto eb = static_cast<uint64_t>(ElementBytes(type));
+    const uint64_t n = params->Numel(param) * eb;
+    const uint64_t shard = count * eb;
     const uint64_t full = shard * static_cast<uint64_t>(params->world_size());
+    void* scratch = nullptr;
     {
-      std::lock_guard<std::mutex> lock(grad_mu);
-      for (size_t i = 0; i < grad_scratch_free.size(); ++i) {
-        if (grad_scratch_free[i].second >= full) {
-          std::tie(job.scratch, job.scratch_bytes) = grad_scratch_free[i];
-          grad_scratch_free.erase(grad_scratch_free.begin() + static_cast<int64_t>(i));
-          break;
-        }
-      }
-    }
-    if (job.scratch == nullptr) {
-      MEMPLAN_ASSIGN_OR_RETURN(job.scratch, runtime->AllocateDevice(full));
-      job.scratch_bytes = full;
+      // At most two gradients are between their reduce-scatter and their copy to the host.
+      std::unique_lock<std::mutex> lock(grad_mu);
+      grad_cv.wait(lock, [&] { return !grad_scratch_free.empty() || !grad_error.ok(); });
+      if (!grad_error.ok()) return grad_error;
+      scratch = grad_scratch_free.back();
+      grad_scratch_free.pop_back();
     }
     Status status = [&]() -> Status {
-      auto* base = static_cast<std::byte*>(job.scratch);
+      auto* base = static_cast<std::byte*>(scratch);
+      MEMPLAN_RETURN_IF_ERROR(runtime->OrderAfter(gpu::CopyDirection::kDeviceToDevice, stream));
       MEMPLAN_ASSIGN_OR_RETURN(
           const gpu::CopyTicket copied,
           runtime->CopyAsync(gpu::CopyDirection::kDeviceToDevice, base, device_grad, n));
       gpu::CopyTicket zeroed;
       if (full > n) {
-        MEMPLAN_ASSIGN_OR_RETURN(zeroed, runtime->CopyAsync(gpu::CopyDirection::kHostToDevice,
-                                                            base + n, grad_zeros.data(), full - n));
+        MEMPLAN_ASSIGN_OR_RETURN(zeroed, runtime->CopyAsync(gpu::CopyDirection::kDeviceToDevice,
+                                                            base + n, grad_zeros, full - n));
       }
       MEMPLAN_RETURN_IF_ERROR(runtime->Wait(copied));
       MEMPLAN_RETURN_IF_ERROR(runtime->Wait(zeroed));
       std::byte* mine = base + static_cast<uint64_t>(params->rank()) * shard;
-      MEMPLAN_RETURN_IF_ERROR(options.collective->ReduceScatter(base, mine, job.count, job.type)
-                                  .WithPrefix("reduce-scattering the gradient"));
-      MEMPLAN_ASSIGN_OR_RETURN(job.ticket, runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost,
-                                                              job.host.data(), mine, shard));
-      return Status::Ok();
+      return options.collective->ReduceScatter(base, mine, count, type)
+          .WithPrefix("reduce-scattering the gradient");
     }();
     if (!status.ok()) {
-      std::lock_guard<std::mutex> lock(grad_mu);
-      grad_scratch_free.emplace_back(job.scratch, job.scratch_bytes);
-      job.scratch = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(grad_mu);
+        grad_scratch_free.push_back(scratch);
+      }
+      grad_cv.notify_all();
       return status;
     }
     stats.reduce_scatter_bytes += full;
+    return scratch;
+  }
+
+  // World size > 1: the reduce-scatter's scratch buffers and the padding's zeros (Note
+  // [Reduce-scattered gradients]), sized for the largest shard in any gradient type.
+  Status AllocateGradientScratch() {
+    const auto world = static_cast<uint64_t>(params->world_size());
+    uint64_t largest = 0;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      largest = std::max(largest, params->ShardSize(static_cast<ParamId>(i)));
+    }
+    grad_scratch_bytes = largest * world * 4;
+    for (int i = 0; i < 2; ++i) {
+      MEMPLAN_ASSIGN_OR_RETURN(void* scratch, runtime->AllocateDevice(grad_scratch_bytes));
+      grad_scratch_all.push_back(scratch);
+      grad_scratch_free.push_back(scratch);
+    }
+    const std::vector<std::byte> zeros(world * 4, std::byte{0});
+    MEMPLAN_ASSIGN_OR_RETURN(grad_zeros, runtime->AllocateDevice(zeros.size()));
+    MEMPLAN_ASSIGN_OR_RETURN(gpu::CopyTicket ticket,
+                             runtime->CopyAsync(gpu::CopyDirection::kHostToDevice, grad_zeros,
+                                                zeros.data(), zeros.size()));
+    return runtime->Wait(ticket);
+  }
+
+  // The pinned staging of the gradients (Note [Asynchronous gradients]): kGradSlots slots of up to
+  // kMaxGradSlotBytes (less when the largest gradient is smaller, or when the pinned budget left
+  // after `pinned_used` bytes is short). ResourceExhausted when not even a page per slot fits the
+  // budget.
+  Status CreateGradientStaging(uint64_t pinned_used) {
+    const Schedule& sc = options.schedule;
+    uint64_t largest = 0;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      largest = std::max(largest, params->ShardSize(static_cast<ParamId>(i)) * 4);
+    }
+    uint64_t slot = std::min(kMaxGradSlotBytes, (largest + kPageBytes - 1) / kPageBytes * kPageBytes);
+    if (sc.pinned_budget_bytes > 0) {
+      const uint64_t left = sc.pinned_budget_bytes > pinned_used
+                                ? sc.pinned_budget_bytes - pinned_used
+                                : 0;
+      slot = std::min(slot, left / kGradSlots / kPageBytes * kPageBytes);
+      if (slot < kPageBytes) {
+        return Status::ResourceExhausted(
+            "engine: pinned_budget_bytes " + std::to_string(sc.pinned_budget_bytes) +
+            " leaves " + std::to_string(left) + " bytes after the other pinned buffers (" +
+            std::to_string(pinned_used) + "); the gradient staging needs at least " +
+            std::to_string(kGradSlots * kPageBytes));
+      }
+    }
+    PinnedPoolOptions pool;
+    pool.slot_bytes = slot;
+    pool.slot_count = kGradSlots;
+    pool.budget_bytes = slot * kGradSlots;
+    MEMPLAN_ASSIGN_OR_RETURN(grad_staging, PinnedPool::Create(pool, runtime));
     return Status::Ok();
   }
 
@@ -514,6 +583,82 @@ struct Engine::Impl {
     grad_cv.notify_all();
     if (grad_worker.joinable()) grad_worker.join();
   }
+
+  // Queues the copies of `bytes` of a gradient at `src` (device memory, ordered for the
+  // device-to-host lane already) into staging slots, as jobs for the gradient thread; `first` is
+  // the partition element the first byte belongs to. `scratch` goes with the last job.
+  Status QueueGradientCopies(ParamId param, ElementType type, uint64_t first, const std::byte* src,
+                             uint64_t bytes, void* scratch) {
+    if (!runtime->has_device()) {
+      Status copied = CopyGradientToHost(param, type, first, src, bytes);
+      if (scratch != nullptr) {  // read already
+        {
+          std::lock_guard<std::mutex> lock(grad_mu);
+          grad_scratch_free.push_back(scratch);
+        }
+        grad_cv.notify_all();
+      }
+      return copied;
+    }
+    const auto eb = static_cast<uint64_t>(ElementBytes(type));
+    const uint64_t chunk = grad_staging->slot_bytes() / eb * eb;
+    gpu::CopyTicket last;
+    for (uint64_t done = 0; done < bytes;) {
+      const uint64_t len = std::min(chunk, bytes - done);
+      GradJob job;
+      job.param = param;
+      job.type = type;
+      job.first = first + done / eb;
+      job.count = len / eb;
+      MEMPLAN_ASSIGN_OR_RETURN(job.slot, grad_staging->Acquire());  // waits for the thread
+      MEMPLAN_ASSIGN_OR_RETURN(job.ticket, runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost,
+                                                              job.slot.data().data(), src + done,
+                                                              len));
+      last = job.ticket;
+      done += len;
+      if (done == bytes) job.scratch = scratch;
+      {
+        std::lock_guard<std::mutex> lock(grad_mu);
+        grad_jobs.push_back(std::move(job));
+        d2h_bytes += len;
+      }
+      grad_cv.notify_all();
+    }
+    return Status::Ok();
+  }
+
+  // The host-only runtime's QueueGradientCopies (Note [Asynchronous gradients]): the whole
+  // gradient into a recycled host buffer, copied before this returns.
+  Status CopyGradientToHost(ParamId param, ElementType type, uint64_t first, const std::byte* src,
+                            uint64_t bytes) {
+    GradJob job;
+    job.param = param;
+    job.type = type;
+    job.first = first;
+    job.count = bytes / static_cast<uint64_t>(ElementBytes(type));
+    {
+      std::unique_lock<std::mutex> lock(grad_mu);
+      grad_cv.wait(lock, [&] { return grad_jobs.size() < kGradSlots; });
+      for (size_t i = 0; i < grad_free.size(); ++i) {
+        if (grad_free[i].size() >= bytes) {
+          job.host = std::move(grad_free[i]);
+          grad_free.erase(grad_free.begin() + static_cast<int64_t>(i));
+          break;
+        }
+      }
+    }
+    if (job.host.size() < bytes) job.host.resize(bytes);
+    MEMPLAN_ASSIGN_OR_RETURN(job.ticket, runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost,
+                                                            job.host.data(), src, bytes));
+    MEMPLAN_RETURN_IF_ERROR(runtime->Wait(job.ticket));
+    {
+      std::lock_guard<std::mutex> lock(grad_mu);
+      grad_jobs.push_back(std::move(job));
+      d2h_bytes += bytes;
+    }
+    grad_cv.notify_all();
+    return Status::Ok();
+  }
 };
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -526,7 +671,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   if (options.runtime != nullptr) {
     impl->runtime = options.runtime;
   } else {
-    impl->own_runtime = gpu::CreateBestRuntime();
+    impl->own_runtime = gpu::CreateBestRuntime(nullptr, options.device);
     impl->runtime = impl->own_runtime.get();
   }
   impl->stats.runtime = std::string(impl->runtime->Name());
@@ -719,7 +864,12 @@ Status Engine::Start(RecoveryReport* report) {
     MEMPLAN_RETURN_IF_ERROR(s.params->WriteHalf(sg * sc.sub_group_elements, h));
   }
   MEMPLAN_RETURN_IF_ERROR(s.params->GatherResident());
-  if (world > 1) s.grad_zeros.assign(static_cast<size_t>(world) * 4, std::byte{0});
+  // The pinned buffers pinned_budget_bytes covers (as checked above): the parameter staging and
+  // the optimizer's; the gradient staging takes what they leave.
+  const uint64_t pinned_used =
+      (s.staging ? s.staging->stats().capacity_bytes : 0) + s.optimizer->pinned_bytes();
+  if (s.runtime->has_device()) MEMPLAN_RETURN_IF_ERROR(s.CreateGradientStaging(pinned_used));
+  if (world > 1) MEMPLAN_RETURN_IF_ERROR(s.AllocateGradientScratch());
   s.grad_given.assign(s.specs.size(), false);
   s.grads_missing = s.specs.size();
   s.grad_worker = std::thread([&s] { s.RunGradients(); });
@@ -739,10 +889,14 @@ Status Engine::Fetch(std::string_view module) {
   return status;
 }
 
-Status Engine::Release(std::string_view module) {
+Status Engine::Release(std::string_view module, gpu::Stream stream) {
   Impl& s = *impl_;
   if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
-  return s.params->Release(module);
+  return s.params->Release(module, stream);
+}
+
+gpu::Stream Engine::GradientStream() const {
+  return impl_->runtime->CopyStream(gpu::CopyDirection::kDeviceToHost);
 }
 
 Result<void*> Engine::DevicePointer(ParamId param) const {
@@ -751,7 +905,8 @@ Result<void*> Engine::DevicePointer(ParamId param) const {
   return s.params->DevicePointer(param);
 }
 
-Status Engine::GradReady(ParamId param, const void* device_grad, ElementType type) {
+Status Engine::GradReady(ParamId param, const void* device_grad, ElementType type,
+                         gpu::Stream stream) {
   Impl& s = *impl_;
   if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
   if (param >= s.specs.size()) return Status::InvalidArgument("engine: unknown parameter id");
@@ -760,37 +915,35 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
                                       " given twice in one step");
   }
   if (ElementBytes(type) == 0) return Status::InvalidArgument("engine: invalid gradient type");
-  Impl::GradJob job;
-  job.param = param;
-  job.type = type;
-  job.first = s.params->PartitionOffset(param);
-  job.count = s.params->ShardSize(param);
-  const uint64_t bytes = job.count * static_cast<uint64_t>(ElementBytes(type));
-  {
-    std::unique_lock<std::mutex> lock(s.grad_mu);
-    if (!s.grad_error.ok()) return s.grad_error;
-    s.grad_cv.wait(lock, [&] { return s.grad_jobs.size() < Impl::kMaxGradJobs; });
-    for (size_t i = 0; i < s.grad_free.size(); ++i) {
-      if (s.grad_free[i].size() >= bytes) {
-        job.host = std::move(s.grad_free[i]);
-        s.grad_free.erase(s.grad_free.begin() + static_cast<int64_t>(i));
-        break;
-      }
-    }
-  }
-  if (job.host.size() < bytes) job.host.resize(bytes);
-  if (s.params->world_size() == 1) {
-    MEMPLAN_ASSIGN_OR_RETURN(job.ticket, s.runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost,
-                                                              job.host.data(), device_grad, bytes));
-  } else {
-    MEMPLAN_RETURN_IF_ERROR(s.ReduceScatterGradient(device_grad, job));
+  if (device_grad == nullptr) {
+    return Status::InvalidArgument("engine: gradient of " + s.specs[param].name + " is null");
   }
   {
     std::lock_guard<std::mutex> lock(s.grad_mu);
-    s.grad_jobs.push_back(std::move(job));
-    s.d2h_bytes += bytes;
+    if (!s.grad_error.ok()) return s.grad_error;
   }
-  s.grad_cv.notify_all();
+  const uint64_t first = s.params->PartitionOffset(param);
+  const uint64_t count = s.params->ShardSize(param);
+  const auto eb = static_cast<uint64_t>(ElementBytes(type));
+  const std::byte* src = static_cast<const std::byte*>(device_grad);
+  void* scratch = nullptr;
+  if (s.params->world_size() == 1) {
+    // The gradient may still be being computed on the trainer's stream (Note [Asynchronous
+    // gradients]).
+    MEMPLAN_RETURN_IF_ERROR(s.runtime->OrderAfter(gpu::CopyDirection::kDeviceToHost, stream));
+  } else {
+    MEMPLAN_ASSIGN_OR_RETURN(scratch, s.ReduceScatterGradient(param, device_grad, type, count,
+                                                              stream));
+    src = static_cast<const std::byte*>(scratch) + static_cast<uint64_t>(s.params->rank()) *
+                                                       count * eb;
+  }
+  Status queued = s.QueueGradientCopies(param, type, first, src, count * eb, scratch);
+  if (!queued.ok()) {
+    // Part of the gradient may be queued already: the step cannot be completed.
+    std::lock_guard<std::mutex> lock(s.grad_mu);
+    if (s.grad_error.ok()) s.grad_error = queued.WithPrefix("gradient of " + s.specs[param].name);
+    return s.grad_error;
+  }
   s.grad_given[param] = true;
   --s.grads_missing;
   return Status::Ok();
@@ -873,9 +1026,11 @@ EngineStats Engine::stats() const {
   if (s.optimizer) {
     out.optimizer_read_bytes = s.optimizer->read_bytes();
     out.optimizer_write_bytes = s.optimizer->write_bytes();
-    out.pinned_bytes = out.param.pinned_bytes + s.optimizer->pinned_bytes();
+    out.pinned_bytes = out.param.pinned_bytes + s.optimizer->pinned_bytes() +
+                       (s.grad_staging ? s.grad_staging->stats().capacity_bytes : 0);
   }
-  out.peak_device_bytes = std::max(out.peak_device_bytes, s.runtime->device_bytes_in_use());
+  out.peak_device_bytes = std::max(out.peak_device_bytes, s.runtime->peak_device_bytes());
+  out.device_arena_bytes = out.param.device_arena_bytes + 2 * s.grad_scratch_bytes;
   return out;
 }
 
@@ -884,8 +1039,19 @@ Status Engine::Close() {
   if (s.closed) return Status::Ok();
   s.closed = true;
   s.StopGradients();  // finishes the gradients queued (their copies may still be in flight)
-  for (auto& [scratch, bytes] : s.grad_scratch_free) (void)s.runtime->FreeDevice(scratch);
+  {
+    std::lock_guard<std::mutex> lock(s.grad_mu);
+    s.grad_jobs.clear();  // (none: StopGradients finished them)
+  }
+  s.grad_staging.reset();
+  if (!s.grad_scratch_all.empty() || s.grad_zeros != nullptr) {
+    (void)s.runtime->Synchronize();  // a copy may still read a scratch buffer
+  }
+  for (void* scratch : s.grad_scratch_all) (void)s.runtime->FreeDevice(scratch);
+  s.grad_scratch_all.clear();
   s.grad_scratch_free.clear();
+  if (s.grad_zeros != nullptr) (void)s.runtime->FreeDevice(s.grad_zeros);
+  s.grad_zeros = nullptr;
   Status status;
   if (s.params) status = s.params->EndOfStep();
   s.params.reset();  // before the store and staging pool it uses

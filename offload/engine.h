@@ -10,19 +10,42 @@
 //   ParamId w = engine->AddParameter({"layers.0.w", "layers.0", {1024, 1024}, init}).value();
 //   engine->Start();                                        // builds the stores, fills weights
 //   for each step:
-//     for each module in forward order:  Fetch(module); DevicePointer(...); compute; Release(module)
-//     for each module in backward order: Fetch(module); compute grads; GradReady(param, grad);
-//                                        Release(module)
+//     for each module in forward order:  Fetch(module); DevicePointer(...); compute on stream s;
+//                                        Release(module, s)
+//     for each module in backward order: Fetch(module); compute grads on s;
+//                                        GradReady(param, grad, dtype, s); Release(module, s)
 //     Step(adam_options);                                   // CPU optimizer, parameters updated
+//
+// Streams (the contract with a trainer's GPU work). The trainer queues its kernels on streams of
+// its own (PyTorch's current stream) and the engine copies on streams of the runtime's; nothing
+// orders the two unless the trainer says which of its streams it used:
+//   - Fetch(module) returns when the parameters are on the GPU: kernels on any stream queued after
+//     it may read them, until Release.
+//   - Release(module, stream): the trainer's kernels reading the parameters were queued on `stream`
+//     (they may still be running: a forward hook releases at launch). The engine does not reuse the
+//     buffers before that stream's work queued so far has run.
+//   - GradReady(param, grad, type, stream): the gradient is being (or has been) written by work
+//     queued on `stream`; the engine's copy waits for that work. The copy reads `grad` later, on
+//     GradientStream(): the trainer must not write or free `grad` before that copy is done: record
+//     it on GradientStream() (PyTorch: grad.record_stream(torch.cuda.ExternalStream(...)), so the
+//     caching allocator waits for the copy before reusing the memory), or keep it until Step().
+//     With world size > 1, or on the host-only runtime, `grad` is free when GradReady returns.
+//   - The default stream {} is CUDA's legacy default stream (PyTorch's default stream), which CUDA
+//     orders after every blocking stream. The host-only runtime has no streams and refuses one.
+// The engine never waits for the trainer's streams on a thread: it orders its own copy streams
+// after them (cudaStreamWaitEvent).
+//
+// Device: a runtime the engine makes itself (options.runtime null) is on options.device, by default
+// the calling thread's current CUDA device (torch.cuda.set_device), never a fixed GPU 0.
 //
 // Working parameters are schedule.param_dtype: bf16 or fp16 copies that the optimizer writes in the
 // same pass as it updates the fp32 master weights, or fp32, when the working copy is the master
 // weights themselves (after every Step() a fetched parameter equals ReadMasterWeights() bit for
 // bit).
 //
-// Gradient path: GradReady(param, device_grad, dtype) queues the gradient's copy to the host and
-// returns; a gradient thread converts it to fp32 into the optimizer sub-groups it covers and hands
-// each sub-group to the optimizer as soon as all its gradients are in. Step() runs the optimizer
+// Gradient path: GradReady(param, device_grad, dtype, stream) queues the gradient's copy into pinned
+// host staging and returns; a gradient thread converts it to fp32 into the optimizer sub-groups it
+// covers and hands each sub-group to the optimizer as soon as all its gradients are in. Step() runs the optimizer
 // over every sub-group and writes the updated working parameters back to where the Schedule keeps
 // them (GPU copies, pinned arena, NVMe).
 //
@@ -47,7 +70,10 @@
 // of the last complete step.
 //
 // Statistics (stats()): bytes moved per tier and direction, stall time, peak GPU and pinned bytes;
-// the estimator's predictions are checked against them.
+// the estimator's predictions are checked against them. GPU memory: the engine reserves its share
+// at Start() (the parameter swapper's DeviceArena, and for world size > 1 two reduce-scatter
+// buffers) and keeps to it: stats().device_arena_bytes, known before the first step, is what the
+// trainer's allocator must leave free.
 //
 // Thread safety: one trainer thread calls the Engine; it runs its own transfer and I/O threads. The
 // Engines of the ranks of one process (the thread-group collective) are independent objects, each
@@ -84,7 +110,8 @@ struct ParamSpec {
 
 struct EngineOptions {
   Schedule schedule;
-  gpu::Runtime* runtime = nullptr;   // not owned; null: CreateBestRuntime()
+  gpu::Runtime* runtime = nullptr;   // not owned; null: CreateBestRuntime(nullptr, device)
+  int device = gpu::kCurrentDevice;  // the CUDA device of a runtime the engine makes itself
   Collective* collective = nullptr;  // not owned; null: single process; world size > 1: ZeRO-3
   bool resume = false;               // reopen the NVMe optimizer store left by an earlier run
 };
@@ -105,8 +132,10 @@ struct EngineStats {
   uint64_t optimizer_read_bytes = 0;  // NVMe optimizer store, all steps
   uint64_t optimizer_write_bytes = 0;
   double last_step_s = 0;             // the last Step()'s optimizer time
-  uint64_t peak_device_bytes = 0;     // the runtime's device bytes in use, highest seen
+  uint64_t peak_device_bytes = 0;     // the runtime's device bytes in use, highest ever (counted
+                                      // at every allocation, like cudaMemGetInfo would see them)
   uint64_t pinned_bytes = 0;          // pinned memory the engine holds
+  uint64_t device_arena_bytes = 0;    // device memory the engine reserved at Start() and keeps
 };
 
 class Engine {
@@ -123,18 +152,24 @@ class Engine {
   Status Start(RecoveryReport* report = nullptr);
 
   Status Fetch(std::string_view module);
-  Status Release(std::string_view module);
+  // `stream`: where the trainer queued the kernels that read the module's parameters (see Streams
+  // above). InvalidArgument for a stream the runtime refuses; nothing is released then.
+  Status Release(std::string_view module, gpu::Stream stream = {});
   // The GPU address of a fetched parameter's working copy (numel schedule.param_dtype elements;
   // with world size > 1 the buffer is padded to a multiple of the world size).
   Result<void*> DevicePointer(ParamId param) const;
-  // The gradient of `param` (its numel elements of `type`, on the GPU), for this step. The copy is
-  // asynchronous: `device_grad` must stay valid and unchanged until Step(). At most a few
-  // gradients are in flight; beyond that GradReady() waits. An earlier gradient's failure is
-  // returned by the next GradReady() or Step(). With world size > 1 this is this rank's gradient;
-  // it is reduce-scattered across the ranks before GradReady() returns (`device_grad` may then be
-  // reused at once); 16-bit gradients are summed as the Collective sums them (the thread-group one
-  // in fp32, rounded once; NCCL rounds to the type at every hop).
-  Status GradReady(ParamId param, const void* device_grad, ElementType type);
+  // The gradient of `param` (its numel elements of `type`, on the GPU), for this step, written by
+  // work queued on `stream`. The copy is asynchronous: `device_grad` must stay valid and unchanged
+  // until the copy, ordered on GradientStream(), is done (see Streams above), at the latest until
+  // Step(). A few staging slots are in flight; beyond that GradReady() waits. An earlier
+  // gradient's failure is returned by the next GradReady() or Step(). With world size > 1 this is
+  // this rank's gradient; it is reduce-scattered across the ranks before GradReady() returns
+  // (`device_grad` may then be reused at once); 16-bit gradients are summed as the Collective sums
+  // them (the thread-group one in fp32, rounded once; NCCL rounds to the type at every hop).
+  Status GradReady(ParamId param, const void* device_grad, ElementType type,
+                   gpu::Stream stream = {});
+  // The stream the engine's gradient copies read on ({} on the host-only runtime).
+  gpu::Stream GradientStream() const;
   // Runs the optimizer step over all parameters; every parameter's gradient must have been given.
   Status Step(const SwapStepOptions& options);
   // Reads a parameter's fp32 master weights (for checkpoints and tests). With world size > 1 this

@@ -18,6 +18,27 @@
 //   ready   -> home     (Release() of its last use, or EndOfStep() for an unused prefetch)
 // All transitions happen under `mu`; runtime calls and store reads never do.
 //
+// Note [Device memory of the swapper]
+// Every buffer the swapper puts on the GPU is carved from one DeviceArena, allocated in
+// Finalize(): the resident parameters, the gpu tier's shards and the resident pack, which are
+// fixed, plus room for fetched parameters: max_live_bytes, two of the largest modules (a demand
+// fetch may go over the budget while the module before is still held) and the largest parameter
+// (fragmentation), but never more than all the parameters that are fetched at all. When a demand
+// fetch finds no room, prefetched parameters not yet used are given back and the allocation is
+// tried again; a prefetch finding no room is dropped. Only a module set held at once that is
+// larger than the arena fails, with ResourceExhausted saying so.
+//
+// Note [Released buffers and the trainer's stream]
+// Release(module, stream) is called when the trainer has *queued* its last kernels on the
+// module's parameters, not when they have run (PyTorch's forward hook runs at launch). So a
+// released buffer keeps a fence of the trainer's stream, and before the transfer thread hands
+// released memory to a new load it makes the load's copy stream wait for those fences
+// (cudaStreamWaitEvent: no thread waits). Buffers leave through `pending_free`: ToHomeLocked puts
+// them there with their fences, and the transfer thread, before allocating, orders its lane after
+// the fences and only then returns the buffers to the arena; copies of one lane run in order, so
+// nothing queued later on the lane can touch that memory before the trainer is done with it. A
+// parameter kept for reuse keeps its fences until it goes home.
+//
 // Note [ZeRO-3 partitions]
 // With world size W > 1 a parameter of n elements is cut into W shards of s = ceil(n / W)
 // elements, rank r owning elements [r * s, (r + 1) * s); past n they are padding, which the engine
@@ -48,6 +69,8 @@
 #include "offload/param_swapper.h"
 
 #include <sys/mman.h>
+
+#include "offload/device_arena.h"
 
 #include <algorithm>
 #include <chrono>
@@ -116,8 +139,17 @@ struct ParamSwapper::Impl {
     State state = State::kHome;
     bool prefetched = false;  // fetched ahead and not yet used by a Fetch()
     int uses = 0;             // Fetch() calls not yet Released
+    bool wanted = false;      // a Fetch() waits for it (a prefetch then may not be dropped)
     gpu::CopyTicket ticket;
     Status error;
+    // The trainer's streams at its Releases, the latest per stream (Note [Released buffers and
+    // the trainer's stream]).
+    std::vector<std::pair<void*, gpu::Fence>> fences;
+  };
+
+  struct PendingFree {
+    void* device = nullptr;
+    std::vector<std::pair<void*, gpu::Fence>> fences;
   };
 
   ParamSwapperOptions options;
@@ -148,7 +180,8 @@ struct ParamSwapper::Impl {
   std::deque<ParamId> jobs;            // Guarded by mu.
   bool loading = false;                // Guarded by mu: the thread is working on a job.
   bool stop = false;                   // Guarded by mu.
-  std::unordered_map<uint64_t, std::vector<void*>> free_device;  // Guarded by mu: by size.
+  std::vector<PendingFree> pending_free;  // Guarded by mu (Note [Device memory of the swapper]).
+  std::unique_ptr<DeviceArena> device_arena;
   ParamSwapperStats stats;             // Guarded by mu.
   std::thread worker;
 
@@ -165,14 +198,14 @@ struct ParamSwapper::Impl {
     job_ready.notify_all();
     if (worker.joinable()) worker.join();
     (void)options.runtime->Synchronize();
+    for (PendingFree& f : pending_free) {
+      for (const auto& [stream, fence] : f.fences) (void)options.runtime->WaitFenceOnHost(fence);
+    }
     for (Param& p : params) {
-      if (p.device != nullptr) (void)options.runtime->FreeDevice(p.device);
-      if (p.shard_device != nullptr) (void)options.runtime->FreeDevice(p.shard_device);
+      for (const auto& [stream, fence] : p.fences) (void)options.runtime->WaitFenceOnHost(fence);
     }
-    if (pack_device != nullptr) (void)options.runtime->FreeDevice(pack_device);
-    for (auto& [size, list] : free_device) {
-      for (void* ptr : list) (void)options.runtime->FreeDevice(ptr);
-    }
+    pending_free.clear();
+    device_arena.reset();  // every buffer above was carved from it
     slots.clear();
     if (arena != nullptr) {
       if (arena_registered) (void)options.runtime->UnregisterHost(arena);
@@ -203,10 +236,19 @@ struct ParamSwapper::Impl {
     }
   }
 
-  // Returns a home parameter's GPU memory to the cache. Caller holds mu.
+  // The copy lane that loads parameters of this tier.
+  gpu::CopyDirection LoadLane() const {
+    return options.tier == Tier::kGpu ? gpu::CopyDirection::kDeviceToDevice
+                                      : gpu::CopyDirection::kHostToDevice;
+  }
+
+  // Sends a parameter home; its GPU memory leaves through pending_free with the fences of the
+  // trainer's releases (Note [Released buffers and the trainer's stream]). Caller holds mu.
   void ToHomeLocked(Param& p) {
-    if (p.device != nullptr) free_device[p.bytes].push_back(p.device);
+    if (p.device != nullptr) pending_free.push_back({p.device, std::move(p.fences)});
+    p.fences.clear();
     p.device = nullptr;
+    p.wanted = false;
     p.state = State::kHome;
     stats.live_bytes -= p.bytes;
     if (p.prefetched) stats.ahead_bytes -= p.bytes;
@@ -256,22 +298,24 @@ struct ParamSwapper::Impl {
       }
       Param& p = params[id];  // fields other than state are only touched by this thread now
       void* device = nullptr;
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        auto it = free_device.find(p.bytes);
-        if (it != free_device.end() && !it->second.empty()) {
-          device = it->second.back();
-          it->second.pop_back();
-        }
-      }
       Status status;
-      if (device == nullptr) {
-        auto allocated = options.runtime->AllocateDevice(p.bytes);
-        if (allocated.ok()) {
-          device = *allocated;
-        } else {
-          status = allocated.status();
-        }
+      bool dropped = false;
+      for (;;) {
+        status = AllocateFor(id, &device);
+        if (device != nullptr || !status.ok()) break;
+        // A prefetch that found no room is given up, quietly (Note [Device memory of the
+        // swapper]), unless a Fetch() has come to want it meanwhile: then it is a demand fetch.
+        std::lock_guard<std::mutex> lock(mu);
+        if (p.wanted) continue;
+        ToHomeLocked(p);
+        ++stats.prefetch_wasted;
+        loading = false;
+        dropped = true;
+        break;
+      }
+      if (dropped) {
+        job_done.notify_all();
+        continue;
       }
       gpu::CopyTicket ticket;
       uint64_t read = 0;
@@ -292,6 +336,92 @@ struct ParamSwapper::Impl {
       }
       job_done.notify_all();
     }
+  }
+
+  // Returns the buffers of pending_free to the arena, after ordering the load lane after their
+  // fences (Note [Released buffers and the trainer's stream]). The transfer thread's, and
+  // Finalize's; never under mu.
+  Status FlushPendingFrees() {
+    std::vector<PendingFree> freed;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      freed.swap(pending_free);
+    }
+    Status first;
+    for (PendingFree& f : freed) {
+      for (const auto& [stream, fence] : f.fences) {
+        Status waited = options.runtime->WaitFence(LoadLane(), fence);
+        if (first.ok() && !waited.ok()) first = waited;
+      }
+      Status freed_one = device_arena->Free(f.device);
+      if (first.ok() && !freed_one.ok()) first = freed_one;
+    }
+    return first;
+  }
+
+  // A buffer for parameter `id` from the arena (Note [Device memory of the swapper]). A prefetch
+  // that finds no room gets *device == nullptr and OK; a wanted parameter evicts unused prefetches
+  // and tries again.
+  Status AllocateFor(ParamId id, void** device) {
+    const Param& p = params[id];
+    for (;;) {
+      MEMPLAN_RETURN_IF_ERROR(FlushPendingFrees());
+      Result<void*> allocated = device_arena->Allocate(p.bytes);
+      if (allocated.ok()) {
+        *device = *allocated;
+        return Status::Ok();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      if (!p.wanted) return Status::Ok();
+      bool evicted = false;
+      for (ParamId q = 0; q < params.size(); ++q) {
+        Param& other = params[q];
+        // Not a parameter a Fetch() is waiting for (`wanted`): only prefetches nobody uses yet.
+        if (q == id || other.resident || other.uses > 0 || other.wanted ||
+            other.state != State::kReady) {
+          continue;
+        }
+        if (other.prefetched) ++stats.prefetch_wasted;
+        ToHomeLocked(other);
+        ++stats.arena_evictions;
+        evicted = true;
+      }
+      if (!evicted) {
+        return allocated.status().WithPrefix(
+            "param swapper: the parameters fetched at once outgrow the GPU memory reserved for "
+            "them (raise params.max_live_bytes)");
+      }
+    }
+  }
+
+  // The arena's size (Note [Device memory of the swapper]): what Finalize carves for good, plus
+  // the room for fetched parameters.
+  uint64_t ArenaBytes() const {
+    uint64_t fixed = 0, fetchable = 0, largest = 0;
+    std::unordered_map<std::string, uint64_t> module_bytes;
+    for (const Param& p : params) {
+      if (p.resident) {
+        fixed += DeviceArena::Rounded(p.bytes);
+      } else {
+        fetchable += DeviceArena::Rounded(p.bytes);
+        largest = std::max(largest, DeviceArena::Rounded(p.bytes));
+        if (world > 1 && options.tier == Tier::kGpu) fixed += DeviceArena::Rounded(p.load_bytes);
+      }
+    }
+    uint64_t largest_module = 0;
+    for (const auto& [name, ids] : modules) {
+      uint64_t bytes = 0;
+      for (ParamId id : ids) {
+        if (!params[id].resident) bytes += DeviceArena::Rounded(params[id].bytes);
+      }
+      largest_module = std::max(largest_module, bytes);
+    }
+    if (pack_elements > 0) {
+      fixed += DeviceArena::Rounded(pack_elements * static_cast<uint64_t>(world) *
+                                    static_cast<uint64_t>(elem_bytes));
+    }
+    const uint64_t room = options.max_live_bytes + 2 * largest_module + largest;
+    return fixed + std::min(fetchable, room);
   }
 
   // Queues the copies that bring this rank's part of `p` (all of it for world size 1) from the tier
@@ -400,25 +530,31 @@ Status ParamSwapper::Finalize() {
   gpu::Runtime& rt = *s.options.runtime;
   const auto eb = static_cast<uint64_t>(s.elem_bytes);
   for (Impl::Param& p : s.params) {
+    if (p.resident && s.world > 1) {
+      p.pack = s.pack_elements;
+      s.pack_elements += p.shard;
+    }
+  }
+  if (!s.params.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(s.device_arena, DeviceArena::Create(&rt, s.ArenaBytes()));
+  }
+  for (Impl::Param& p : s.params) {
     if (p.resident) {
-      MEMPLAN_ASSIGN_OR_RETURN(p.device, rt.AllocateDevice(p.bytes));
+      MEMPLAN_ASSIGN_OR_RETURN(p.device, s.device_arena->Allocate(p.bytes));
       p.state = State::kReady;
       p.gathered = true;
       s.stats.resident_bytes += p.bytes;
-      if (s.world > 1) {
-        p.pack = s.pack_elements;
-        s.pack_elements += p.shard;
-      }
     } else if (s.world > 1 && s.options.tier == Tier::kGpu) {
-      MEMPLAN_ASSIGN_OR_RETURN(p.shard_device, rt.AllocateDevice(p.load_bytes));
+      MEMPLAN_ASSIGN_OR_RETURN(p.shard_device, s.device_arena->Allocate(p.load_bytes));
       s.stats.resident_bytes += p.load_bytes;
     }
   }
   if (s.pack_elements > 0) {
     const uint64_t bytes = s.pack_elements * static_cast<uint64_t>(s.world) * eb;
-    MEMPLAN_ASSIGN_OR_RETURN(s.pack_device, rt.AllocateDevice(bytes));
+    MEMPLAN_ASSIGN_OR_RETURN(s.pack_device, s.device_arena->Allocate(bytes));
     s.stats.resident_bytes += bytes;
   }
+  if (s.device_arena) s.stats.device_arena_bytes = s.device_arena->stats().capacity_bytes;
   if (s.options.tier == Tier::kCpu && s.partition_total > 0) {
     s.arena_bytes = (s.partition_total * eb + 4095) / 4096 * 4096;
     void* mem = ::mmap(nullptr, s.arena_bytes, PROT_READ | PROT_WRITE,
@@ -429,6 +565,9 @@ Status ParamSwapper::Finalize() {
                                        "-byte pinned parameter arena");
     }
     s.arena = static_cast<std::byte*>(mem);
+    // Not inherited by a fork (a DataLoader worker): see Note [Pinned memory and fork] in
+    // pinned_pool.cc.
+    (void)::madvise(s.arena, s.arena_bytes, MADV_DONTFORK);
     MEMPLAN_RETURN_IF_ERROR(rt.RegisterHost(s.arena, s.arena_bytes));
     s.arena_registered = true;
     s.stats.pinned_bytes += s.arena_bytes;
@@ -592,6 +731,7 @@ Status ParamSwapper::Fetch(std::string_view module) {
     for (ParamId id : ids) {
       Impl::Param& p = s.params[id];
       if (p.resident) continue;
+      p.wanted = true;
       if (p.state == State::kHome) {
         s.EnqueueLocked(id, /*front=*/true, /*prefetch=*/false);
         ++s.stats.demand_fetches;
@@ -677,13 +817,16 @@ Status ParamSwapper::Fetch(std::string_view module) {
   return first_error;
 }
 
-Status ParamSwapper::Release(std::string_view module) {
+Status ParamSwapper::Release(std::string_view module, gpu::Stream stream) {
   Impl& s = *impl_;
   auto mod = s.modules.find(std::string(module));
   if (mod == s.modules.end()) {
     return Status::NotFound("param swapper: no parameters registered for module " +
                             std::string(module));
   }
+  // Where the trainer's kernels on these parameters were queued (Note [Released buffers and the
+  // trainer's stream]); recorded before taking the lock, as every runtime call.
+  MEMPLAN_ASSIGN_OR_RETURN(gpu::Fence fence, s.options.runtime->RecordFence(stream));
   std::lock_guard<std::mutex> lock(s.mu);
   for (ParamId id : mod->second) {
     Impl::Param& p = s.params[id];
@@ -696,7 +839,18 @@ Status ParamSwapper::Release(std::string_view module) {
   for (ParamId id : mod->second) {
     Impl::Param& p = s.params[id];
     --p.uses;
-    if (p.uses > 0 || p.resident) continue;
+    if (p.resident) continue;
+    if (!fence.empty()) {
+      auto same = std::find_if(p.fences.begin(), p.fences.end(),
+                               [&](const auto& f) { return f.first == stream.handle; });
+      if (same != p.fences.end()) {
+        same->second = fence;  // later on the same stream: implies the earlier one
+      } else {
+        p.fences.emplace_back(stream.handle, fence);
+      }
+    }
+    if (p.uses > 0) continue;
+    p.wanted = false;
     if (s.NextUseSoonLocked(id) && s.stats.ahead_bytes + p.bytes <= s.options.prefetch_bytes) {
       // Used again by one of the next modules (the forward/backward turn): keep it, counted as
       // fetched ahead, instead of reading it again.
@@ -757,8 +911,13 @@ Status ParamSwapper::EndOfStep() {
 }
 
 ParamSwapperStats ParamSwapper::stats() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->stats;
+  ParamSwapperStats out;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    out = impl_->stats;
+  }
+  if (impl_->device_arena) out.device_arena_peak_bytes = impl_->device_arena->stats().peak_in_use_bytes;
+  return out;
 }
 
 }  // namespace memplan::offload

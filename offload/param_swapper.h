@@ -34,6 +34,15 @@
 // forward to backward) is kept on the GPU, counted against the prefetch budget, instead of being
 // read again. Time a Fetch() spends waiting for transfers is the stall time.
 //
+// GPU memory (Note [Device memory of the swapper] in param_swapper.cc): one DeviceArena, sized in
+// Finalize() from the parameters and max_live_bytes, holds every buffer the swapper puts on the
+// GPU; stats().device_arena_bytes is its size, the swapper's whole share of the GPU.
+//
+// Streams: Fetch() returns when the module's parameters are on the GPU (its copies are complete),
+// so the trainer may use them from any stream. Release(module, stream) takes the stream the
+// trainer queued its kernels on: the buffers are not reused before that stream's work queued so
+// far has run (Note [Released buffers and the trainer's stream]).
+//
 // Thread safety: Add/Finalize/Write*/GatherResident/EndOfStep/Fetch/Release/DevicePointer are
 // called from one thread (the trainer's); the swapper runs one transfer thread of its own, which
 // never calls the Collective.
@@ -99,6 +108,9 @@ struct ParamSwapperStats {
   uint64_t over_budget_fetches = 0; // demand fetches that took live bytes over max_live_bytes
   uint64_t resident_bytes = 0;      // kept on the GPU for good (parameters, gpu-tier shards)
   uint64_t pinned_bytes = 0;        // the CPU tier's arena plus the staging slots held
+  uint64_t device_arena_bytes = 0;  // the GPU memory the swapper reserved at Finalize()
+  uint64_t device_arena_peak_bytes = 0;  // the most of it in use at once
+  uint64_t arena_evictions = 0;     // unused prefetches given back to make room for a fetch
 };
 
 class ParamSwapper {
@@ -150,7 +162,11 @@ class ParamSwapper {
   // gathered from every rank); returns when they are, or the first error (the module then needs no
   // Release()).
   Status Fetch(std::string_view module);
-  Status Release(std::string_view module);
+  // `stream`: where the trainer queued its work on the module's parameters (see "Streams" above;
+  // {}: the legacy default stream on CUDA). InvalidArgument for a stream the runtime refuses (a
+  // CUDA stream given to the host-only runtime, a stream of another device); nothing is released
+  // then.
+  Status Release(std::string_view module, gpu::Stream stream = {});
   // The GPU address of a fetched (or resident) parameter; FailedPrecondition when not on the GPU.
   Result<void*> DevicePointer(ParamId param) const;
   // The end of a training step's forward and backward passes: waits for transfers in flight,

@@ -77,6 +77,16 @@ Result<std::unique_ptr<PinnedPool>> PinnedPool::Create(const PinnedPoolOptions& 
   if (base == MAP_FAILED) {
     return Status::FromErrno(errno, "pinned pool: mmap of " + std::to_string(total) + " bytes");
   }
+  // Note [Pinned memory and fork]: a fork (a DataLoader worker, a subprocess) would otherwise share
+  // these pages copy-on-write; the first write to them in either process then moves the parent's
+  // page to a new physical page behind the back of the DMA engine, which keeps writing the old one
+  // (silently lost copies), and the child holds pinned memory it never uses. MADV_DONTFORK keeps
+  // the mapping out of children, as CUDA's own pinned allocations are kept.
+  if (::madvise(base, total, MADV_DONTFORK) != 0) {
+    const int err = errno;
+    ::munmap(base, total);
+    return Status::FromErrno(err, "pinned pool: madvise(MADV_DONTFORK)");
+  }
   if (options.lock_memory && ::mlock(base, total) != 0) {
     const int err = errno;
     ::munmap(base, total);

@@ -3,11 +3,13 @@
 #include "offload/pinned_pool.h"
 
 #include <doctest/doctest.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -48,6 +50,27 @@ TEST_CASE("PinnedPool hands out distinct page-aligned slots and takes them back"
   slots.clear();
   CHECK((*pool)->stats().current_bytes == 0);
   CHECK((*pool)->Acquire().ok());
+}
+
+TEST_CASE("PinnedPool memory is not inherited by a fork (a DataLoader worker)") {
+  PinnedPoolOptions o;
+  o.slot_bytes = 4096;
+  o.slot_count = 2;
+  o.budget_bytes = 8192;
+  auto pool = PinnedPool::Create(o);
+  REQUIRE(pool.ok());
+  auto slot = (*pool)->Acquire();
+  REQUIRE(slot.ok());
+  void* page = slot->data().data();
+  const pid_t child = ::fork();
+  if (child == 0) {
+    // In the child the range must not be mapped: msync answers ENOMEM for unmapped memory.
+    ::_exit(::msync(page, 4096, MS_ASYNC) != 0 && errno == ENOMEM ? 0 : 1);
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  CHECK(::msync(page, 4096, MS_ASYNC) == 0);  // still mapped here
 }
 
 TEST_CASE("PinnedPool slot bytes are rounded up to the page size") {

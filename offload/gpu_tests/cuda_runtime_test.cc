@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -15,7 +16,11 @@
 #include <vector>
 
 #include "offload/collective.h"
+#include "offload/engine.h"
 #include "offload/gpu_runtime.h"
+#include "offload/half.h"
+#include "offload/thread_collective.h"
+#include "tests/testing.h"
 
 namespace memplan::gpu {
 namespace {
@@ -57,7 +62,8 @@ TEST_CASE("cuda runtime: name, device, description") {
   CHECK(best->has_device());
   CHECK(note.find("cuda:0: ") == 0);
   MESSAGE(note);
-  CHECK(CreateCudaRuntime(-1).status().code() == StatusCode::kInvalidArgument);
+  CHECK(CreateCudaRuntime(-2).status().code() == StatusCode::kInvalidArgument);
+  CHECK(CreateCudaRuntime(kCurrentDevice).ok());  // the thread's current device
   CHECK(CreateCudaRuntime(4096).status().code() == StatusCode::kInvalidArgument);
 }
 
@@ -284,6 +290,159 @@ TEST_CASE("NCCL collective, one rank") {
   auto id = NcclUniqueId();
   CHECK(id.status().code() == StatusCode::kUnavailable);
   MESSAGE("built without NCCL: " << id.status().message());
+#endif
+}
+
+// ---- The engine on the GPU -----------------------------------------------------------------------
+
+// Trains three steps of four one-parameter modules on `runtime` (the CUDA runtime, or the host-only
+// one for the reference); gradients are computed on the host from the fetched parameters and
+// uploaded, as a trainer without kernels of its own would. Returns every parameter's master
+// weights.
+std::vector<std::vector<float>> TrainEngine(gpu::Runtime& runtime, Collective* collective,
+                                            ElementType dtype, Tier tier, const std::string& dir,
+                                            int rank) {
+  constexpr int kModules = 4;
+  constexpr uint64_t kNumel = 5000;
+  Schedule s;
+  s.param_tier = tier;
+  s.param_dtype = dtype;
+  s.optimizer_tier = tier == Tier::kNvme ? Tier::kNvme : Tier::kCpu;
+  s.persistence_threshold = 0;
+  s.prefetch_bytes = kNumel * 4;
+  s.max_live_bytes = 2 * kNumel * 4;
+  s.sub_group_elements = 4096;
+  s.param_buffer_bytes = 8192;
+  s.param_buffer_count = 2;
+  s.optimizer_threads = 1;
+  s.nvme_path = dir;
+  s.nvme_backend = nvme::BackendKind::kPosix;
+  s.nvme_direct = false;
+  EngineOptions options;
+  options.schedule = s;
+  options.runtime = &runtime;
+  options.collective = collective;
+  auto engine = Engine::Create(options);
+  REQUIRE_MESSAGE(engine.ok(), engine.status().ToString());
+  std::vector<ParamId> ids;
+  for (int m = 0; m < kModules; ++m) {
+    ParamSpec spec{"m" + std::to_string(m) + ".w", "m" + std::to_string(m),
+                   {static_cast<int64_t>(kNumel)},
+                   [m](uint64_t first, std::span<float> out) {
+                     for (size_t k = 0; k < out.size(); ++k) {
+                       out[k] = 0.01f * static_cast<float>((first + k + 3 * m) % 17) - 0.08f;
+                     }
+                     return Status::Ok();
+                   },
+                   {}};
+    ids.push_back(*(*engine)->AddParameter(spec));
+  }
+  Status started = (*engine)->Start();
+  REQUIRE_MESSAGE(started.ok(), started.ToString());
+  const auto pb = static_cast<uint64_t>(ElementBytes(dtype));
+  std::vector<std::byte> host(kNumel * 4);  // pageable on purpose: the trainer's own memory
+  void* grad = gpu::MustAllocate(runtime, kNumel * 4);
+  for (int step = 0; step < 3; ++step) {
+    for (int m = kModules - 1; m >= 0; --m) {
+      const std::string module = "m" + std::to_string(m);
+      REQUIRE((*engine)->Fetch(module).ok());
+      void* w = *(*engine)->DevicePointer(ids[m]);
+      REQUIRE(runtime.Wait(gpu::MustCopy(runtime, gpu::CopyDirection::kDeviceToHost, host.data(),
+                                         w, kNumel * pb))
+                  .ok());
+      std::vector<float> g(kNumel);
+      for (uint64_t i = 0; i < kNumel; ++i) {
+        float v;
+        if (pb == 4) {
+          std::memcpy(&v, host.data() + i * 4, 4);
+        } else {
+          uint16_t h;
+          std::memcpy(&h, host.data() + i * 2, 2);
+          v = Bf16ToFloat(h);
+        }
+        g[i] = v * 0.5f + static_cast<float>((i + static_cast<uint64_t>(step)) % 7) * 1e-3f +
+               static_cast<float>(rank) * 1e-3f;
+      }
+      REQUIRE(runtime.Wait(gpu::MustCopy(runtime, gpu::CopyDirection::kHostToDevice, grad,
+                                         g.data(), kNumel * 4))
+                  .ok());
+      REQUIRE((*engine)->GradReady(ids[m], grad, ElementType::kFloat32).ok());
+      // The copy reads `grad` later, on the gradient stream: wait before it is overwritten.
+      REQUIRE(runtime.Synchronize().ok());
+      REQUIRE((*engine)->Release(module).ok());
+    }
+    AdamOptions adam;
+    adam.lr = 1e-2;
+    Status stepped = (*engine)->Step(SwapStepOptions(adam));
+    REQUIRE_MESSAGE(stepped.ok(), stepped.ToString());
+  }
+  std::vector<std::vector<float>> out;
+  for (ParamId id : ids) {
+    out.emplace_back(kNumel);
+    REQUIRE((*engine)->ReadMasterWeights(id, out.back()).ok());
+  }
+  CHECK((*engine)->stats().peak_device_bytes >= (*engine)->stats().device_arena_bytes);
+  CHECK(runtime.FreeDevice(grad).ok());
+  REQUIRE((*engine)->Close().ok());
+  return out;
+}
+
+TEST_CASE("engine on the GPU trains as on the host, bit for bit: fp32 and bf16, cpu and nvme") {
+  for (ElementType dtype : {ElementType::kFloat32, ElementType::kBFloat16}) {
+    for (Tier tier : {Tier::kCpu, Tier::kNvme}) {
+      CAPTURE(ElementTypeName(dtype));
+      CAPTURE(TierName(tier));
+      testing::TempDir host_dir("gpu-engine-host-"), gpu_dir("gpu-engine-gpu-");
+      auto host = gpu::CreateHostOnlyRuntime();
+      auto cuda = gpu::MakeRuntime();
+      const auto want = TrainEngine(*host, nullptr, dtype, tier, host_dir.PathOf("nvme"), 0);
+      const auto got = TrainEngine(*cuda, nullptr, dtype, tier, gpu_dir.PathOf("nvme"), 0);
+      for (size_t i = 0; i < want.size(); ++i) {
+        CHECK(std::memcmp(got[i].data(), want[i].data(), want[i].size() * 4) == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("ZeRO-3 over two GPUs through NCCL trains as the thread-group collective on the host") {
+#if MEMPLAN_HAVE_NCCL
+  if (!gpu::CreateCudaRuntime(1).ok()) {
+    MESSAGE("one GPU: ZeRO-3 over NCCL needs two");
+    return;
+  }
+  auto group = CreateThreadGroupCollectives(2, nullptr, std::chrono::seconds(60));
+  REQUIRE(group.ok());
+  const std::string id = *NcclUniqueId();
+  std::vector<std::vector<std::vector<float>>> want(2), got(2);
+  testing::TempDir dir("gpu-engine-zero3-");
+  for (bool nccl : {false, true}) {
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < 2; ++r) {
+      ranks.emplace_back([&, nccl, r] {
+        std::unique_ptr<gpu::Runtime> runtime;
+        std::unique_ptr<Collective> own;
+        Collective* collective = (*group)[static_cast<size_t>(r)].get();
+        if (nccl) {
+          runtime = std::move(gpu::CreateCudaRuntime(r)).value();
+          own = std::move(CreateNcclCollective(runtime.get(), r, 2, id)).value();
+          collective = own.get();
+        } else {
+          runtime = gpu::CreateHostOnlyRuntime();
+        }
+        (nccl ? got : want)[static_cast<size_t>(r)] =
+            TrainEngine(*runtime, collective, ElementType::kBFloat16, Tier::kCpu,
+                        dir.PathOf(nccl ? "nccl" : "host"), r);
+      });
+    }
+    for (std::thread& t : ranks) t.join();
+  }
+  for (int r = 0; r < 2; ++r) {
+    for (size_t i = 0; i < want[0].size(); ++i) {
+      CHECK(std::memcmp(got[r][i].data(), want[r][i].data(), want[r][i].size() * 4) == 0);
+    }
+  }
+#else
+  MESSAGE("built without NCCL");
 #endif
 }
 
