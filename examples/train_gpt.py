@@ -55,7 +55,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, tokens):
-        x = self.tok(tokens[:, :-1]) + self.pos(torch.arange(tokens.shape[1] - 1))
+        x = self.tok(tokens[:, :-1]) + self.pos(torch.arange(tokens.shape[1] - 1,
+                                                             device=tokens.device))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln(x))
@@ -83,21 +84,26 @@ def main(argv=None):
     p.add_argument("--compare", action="store_true", help="also train with torch.optim.AdamW")
     p.add_argument("--tolerance", type=float, default=1e-5)
     p.add_argument("--json", help="write losses and engine statistics here")
+    p.add_argument("--device", default="cpu",
+                   help="where torch computes: cpu (the engine's host runtime) or cuda[:N] (its "
+                        "CUDA runtime, on that GPU)")
     args = p.parse_args(argv)
 
+    device = torch.device(args.device)
     torch.manual_seed(0)
-    model = GPT(hidden=args.hidden, layers=args.layers, seq=args.seq)
+    model = GPT(hidden=args.hidden, layers=args.layers, seq=args.seq).to(device)
     reference = copy.deepcopy(model) if args.compare else None
     n_params = sum(p.numel() for p in model.parameters())
     trainer = memplan.torch.offload(
         model, args.nvme, lr=args.lr, weight_decay=0.01, pinned_budget_bytes=args.pinned_budget,
-        sub_group_elements=128 << 10, param_buffer_bytes=512 << 10, direct=False)
+        sub_group_elements=128 << 10, param_buffer_bytes=512 << 10, direct=False,
+        device=device if device.type == "cuda" else None)
     print(f"GPT: {args.layers} layers, hidden {args.hidden}, {n_params:,} parameters; params + "
           f"AdamW states {16 * n_params / 2**20:.1f} MiB, pinned budget "
           f"{args.pinned_budget / 2**20:.1f} MiB")
     losses = []
     for step, tokens in enumerate(batches(args.steps, args.batch, args.seq + 1, 512)):
-        loss = model(tokens)
+        loss = model(tokens.to(device))
         loss.backward()
         trainer.step()
         losses.append(loss.item())
@@ -117,7 +123,7 @@ def main(argv=None):
         ref_losses = []
         for tokens in batches(args.steps, args.batch, args.seq + 1, 512):
             optimizer.zero_grad()
-            loss = reference(tokens)
+            loss = reference(tokens.to(device))
             loss.backward()
             optimizer.step()
             ref_losses.append(loss.item())

@@ -208,11 +208,12 @@ Status Open(const char* schedule_json, const char* options_json, memplan_engine*
   if (open.runtime == "host") {
     handle->runtime = memplan::gpu::CreateHostOnlyRuntime();
   } else if (open.runtime == "cuda") {
-    MEMPLAN_ASSIGN_OR_RETURN(handle->runtime, memplan::gpu::CreateCudaRuntime(0));
+    MEMPLAN_ASSIGN_OR_RETURN(handle->runtime, memplan::gpu::CreateCudaRuntime(open.device));
   }
   offload::EngineOptions options;
   options.schedule = schedule;
   options.runtime = handle->runtime.get();
+  options.device = open.device;
   options.resume = open.resume;
   MEMPLAN_ASSIGN_OR_RETURN(handle->engine, offload::Engine::Create(options));
   handle->optimizer = schedule.optimizer;
@@ -422,6 +423,27 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_release(memplan_engine* engine,
   });
 }
 
+MEMPLAN_C_EXPORT memplan_status memplan_engine_release_on_stream(memplan_engine* engine,
+                                                                 const char* module,
+                                                                 void* stream) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (module == nullptr) return NullArgument("module");
+    return engine->engine->Release(module, memplan::gpu::Stream{stream});
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_gradient_stream(memplan_engine* engine,
+                                                               void** stream) {
+  return Guard(__func__, [&]() -> Status {
+    if (stream == nullptr) return NullArgument("stream");
+    *stream = nullptr;
+    if (engine == nullptr) return NullArgument("engine");
+    *stream = engine->engine->GradientStream().handle;
+    return Status::Ok();
+  });
+}
+
 MEMPLAN_C_EXPORT memplan_status memplan_engine_device_pointer(memplan_engine* engine,
                                                               uint32_t param_id, void** pointer) {
   return Guard(__func__, [&]() -> Status {
@@ -456,6 +478,21 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_grad_ready(memplan_engine* engine
     MEMPLAN_RETURN_IF_ERROR(engine->CheckParam(param_id));
     MEMPLAN_ASSIGN_OR_RETURN(ElementType type, ToElementType(raw_dtype));
     return engine->engine->GradReady(param_id, grad, type);
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_grad_ready_on_stream(memplan_engine* engine,
+                                                                    uint32_t param_id,
+                                                                    const void* grad,
+                                                                    memplan_dtype dtype,
+                                                                    void* stream) {
+  const int raw_dtype = EnumValue(dtype);
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (grad == nullptr) return NullArgument("grad");
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckParam(param_id));
+    MEMPLAN_ASSIGN_OR_RETURN(ElementType type, ToElementType(raw_dtype));
+    return engine->engine->GradReady(param_id, grad, type, memplan::gpu::Stream{stream});
   });
 }
 

@@ -126,7 +126,10 @@ json ToJson(const offload::EngineStats& s) {
         {"peak_ahead_bytes", p.peak_ahead_bytes},
         {"over_budget_fetches", p.over_budget_fetches},
         {"resident_bytes", p.resident_bytes},
-        {"pinned_bytes", p.pinned_bytes}}},
+        {"pinned_bytes", p.pinned_bytes},
+        {"device_arena_bytes", p.device_arena_bytes},
+        {"device_arena_peak_bytes", p.device_arena_peak_bytes},
+        {"arena_evictions", p.arena_evictions}}},
       {"d2h_bytes", s.d2h_bytes},
       {"reduce_scatter_bytes", s.reduce_scatter_bytes},
       {"optimizer_read_bytes", s.optimizer_read_bytes},
@@ -134,13 +137,14 @@ json ToJson(const offload::EngineStats& s) {
       {"last_step_s", s.last_step_s},
       {"peak_device_bytes", s.peak_device_bytes},
       {"pinned_bytes", s.pinned_bytes},
+      {"device_arena_bytes", s.device_arena_bytes},
   };
 }
 
 Result<EngineOpenOptions> EngineOpenOptionsFromJson(const json& j) {
   EngineOpenOptions o;
   if (j.is_null()) return o;
-  MEMPLAN_RETURN_IF_ERROR(CheckKeys(j, {"runtime", "resume"}, "engine options"));
+  MEMPLAN_RETURN_IF_ERROR(CheckKeys(j, {"runtime", "resume", "device"}, "engine options"));
   if (j.contains("runtime")) {
     if (!j.at("runtime").is_string()) {
       return Status::InvalidArgument("engine options: \"runtime\" must be a string");
@@ -152,6 +156,15 @@ Result<EngineOpenOptions> EngineOpenOptionsFromJson(const json& j) {
     }
   }
   MEMPLAN_RETURN_IF_ERROR(Flag(j, "resume", &o.resume, "engine options"));
+  if (j.contains("device") && !j.at("device").is_null()) {
+    const json& d = j.at("device");
+    if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > 1024) {
+      return Status::InvalidArgument(
+          "engine options: \"device\" must be a CUDA device ordinal (0, 1, ...) or null (the "
+          "calling thread's current device)");
+    }
+    o.device = static_cast<int>(d.get<int64_t>());
+  }
   return o;
 }
 

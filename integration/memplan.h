@@ -71,8 +71,23 @@ memplan_status memplan_plan_json(const char* request_json, char** answer_json);
 
 typedef struct memplan_engine memplan_engine;
 
+/* Streams (offload/engine.h, "Streams"). The engine copies on CUDA streams of its own; a trainer
+ * computes on streams of its own. Calls that hand over GPU memory the trainer's kernels use say
+ * which stream (a cudaStream_t, as void*) those kernels were queued on: the engine orders its
+ * copies after that stream's work (it never waits for it on a thread). NULL is CUDA's legacy
+ * default stream (PyTorch's default stream); the functions without a stream argument use it. On
+ * the host runtime there are no streams: pass NULL.
+ *   - memplan_engine_fetch returns when the parameters are on the GPU: any stream may use them.
+ *   - memplan_engine_release_on_stream: the module's buffers are not reused before the work queued
+ *     on `stream` so far has run (a trainer may release right after launching its kernels).
+ *   - memplan_engine_grad_ready_on_stream: the copy of `grad` starts after the work queued on
+ *     `stream`; it reads `grad` on the engine's gradient stream (memplan_engine_gradient_stream),
+ *     so the trainer must not write or free `grad` until that stream has done so (record the
+ *     memory on it, as PyTorch's tensor.record_stream does, or keep `grad` until step). */
+
 /* Opens an engine for a Schedule (its JSON form, README "Schedule JSON"). `options_json` may be
- * NULL or {"runtime": "auto" | "host" | "cuda", "resume": false}. */
+ * NULL or {"runtime": "auto" | "host" | "cuda", "resume": false, "device": null}: "device" is the
+ * CUDA device ordinal, null (the default) the calling thread's current device. */
 memplan_status memplan_engine_open(const char* schedule_json, const char* options_json,
                                    memplan_engine** engine);
 /* Registers a parameter (before start): a unique `name`, the `module` whose fetch brings it,
@@ -87,16 +102,27 @@ memplan_status memplan_engine_add_use(memplan_engine* engine, uint32_t param_id,
 /* Creates the stores and writes the initial values (or, with resume, recovers them). */
 memplan_status memplan_engine_start(memplan_engine* engine);
 memplan_status memplan_engine_fetch(memplan_engine* engine, const char* module);
+/* memplan_engine_release_on_stream with the legacy default stream (NULL). */
 memplan_status memplan_engine_release(memplan_engine* engine, const char* module);
+/* Releases a fetched module; its kernels were queued on `stream` (see Streams above). */
+memplan_status memplan_engine_release_on_stream(memplan_engine* engine, const char* module,
+                                                void* stream);
 /* The device address of a fetched parameter's working copy (the Schedule's params.dtype). */
 memplan_status memplan_engine_device_pointer(memplan_engine* engine, uint32_t param_id,
                                              void** pointer);
 /* Number of elements of a registered parameter. */
 memplan_status memplan_engine_numel(memplan_engine* engine, uint32_t param_id, uint64_t* numel);
-/* The gradient of `param_id` for this step: numel elements of `dtype` in device memory, which must
- * stay valid and unchanged until memplan_engine_step. */
+/* The gradient of `param_id` for this step: numel elements of `dtype` in device memory, written
+ * on the legacy default stream; it must stay valid and unchanged until memplan_engine_step (or
+ * until the gradient stream has read it, see Streams above). */
 memplan_status memplan_engine_grad_ready(memplan_engine* engine, uint32_t param_id,
                                          const void* grad, memplan_dtype dtype);
+/* memplan_engine_grad_ready for a gradient written by work queued on `stream`. */
+memplan_status memplan_engine_grad_ready_on_stream(memplan_engine* engine, uint32_t param_id,
+                                                   const void* grad, memplan_dtype dtype,
+                                                   void* stream);
+/* The stream the engine's gradient copies read on (a cudaStream_t; NULL on the host runtime). */
+memplan_status memplan_engine_gradient_stream(memplan_engine* engine, void** stream);
 /* One optimizer step; `options_json` (NULL: defaults) as integration/engine_json.h. */
 memplan_status memplan_engine_step(memplan_engine* engine, const char* options_json);
 /* Copies a parameter's fp32 master weights into `out` (`count` must be its numel). */

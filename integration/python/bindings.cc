@@ -6,8 +6,15 @@
 // protocol (numpy arrays, bytearray, memoryview) or a torch tensor (read through data_ptr(), so
 // CUDA tensors work and the extension does not link libtorch).
 //
-// The GIL is released while the engine works (start, fetch, release, step), so the engine's own
-// threads and other Python threads run meanwhile.
+// The GIL is released while the engine works (start, fetch, release, grad_ready, step), so the
+// engine's own threads and other Python threads run meanwhile.
+//
+// Streams (offload/engine.h, "Streams"): release and grad_ready take the caller's CUDA stream as
+// an integer handle (torch.cuda.current_stream().cuda_stream; 0: the legacy default stream). A
+// CUDA gradient is copied on the engine's gradient stream after grad_ready returns; the binding
+// records the tensor on that stream (tensor.record_stream, so PyTorch's caching allocator does not
+// reuse its memory before the copy has read it) and drops its reference at once, so backward does
+// not keep every gradient alive until step().
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -154,9 +161,9 @@ class PyEngine {
     if (open.runtime == "host") {
       runtime_ = gpu::CreateHostOnlyRuntime();
     } else if (open.runtime == "cuda") {
-      runtime_ = Value(gpu::CreateCudaRuntime(0));
+      runtime_ = Value(gpu::CreateCudaRuntime(open.device));
     } else {
-      runtime_ = gpu::CreateBestRuntime();
+      runtime_ = gpu::CreateBestRuntime(nullptr, open.device);
     }
     options.runtime = runtime_.get();
     engine_ = Value(offload::Engine::Create(options));
@@ -228,9 +235,19 @@ class PyEngine {
     Check(status);
   }
 
-  void Release(const std::string& module) {
+  void Release(const std::string& module, uintptr_t stream) {
     Require();
-    Check(engine_->Release(module));
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = engine_->Release(module, gpu::Stream{reinterpret_cast<void*>(stream)});
+    }
+    Check(status);
+  }
+
+  uintptr_t GradientStream() const {
+    Require();
+    return reinterpret_cast<uintptr_t>(engine_->GradientStream().handle);
   }
 
   uintptr_t DevicePointer(uint32_t param) {
@@ -252,12 +269,36 @@ class PyEngine {
     return py::memoryview::from_memory(p, bytes, /*readonly=*/false);
   }
 
-  void GradReady(uint32_t param, const py::object& grad, const std::string& dtype) {
+  void GradReady(uint32_t param, const py::object& grad, const std::string& dtype,
+                 uintptr_t stream) {
     Require();
     Memory m = MemoryOf(grad);
     const offload::ElementType type = ElementTypeOf(m, dtype);
-    Check(engine_->GradReady(param, m.data, type));
-    grads_.push_back(m.keep);  // the engine copies asynchronously: keep it until step()
+    const bool device_runtime = runtime_->has_device();
+    if (m.device && !device_runtime) {
+      throw py::value_error("memplan: a CUDA gradient given to the " +
+                            std::string(runtime_->Name()) +
+                            " runtime; open the engine with runtime=\"cuda\"");
+    }
+    if (!m.device && device_runtime) {
+      throw py::value_error("memplan: a host gradient given to the " +
+                            std::string(runtime_->Name()) +
+                            " runtime, which copies gradients from GPU memory");
+    }
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = engine_->GradReady(param, m.data, type, gpu::Stream{reinterpret_cast<void*>(stream)});
+    }
+    Check(status);
+    if (!device_runtime) return;  // copied before GradReady returned
+    if (py::hasattr(grad, "record_stream")) {
+      // Read later on the gradient stream: the caching allocator must wait for that copy before it
+      // reuses the memory; then nothing needs the tensor any more.
+      grad.attr("record_stream")(GradientStreamObject(grad));
+      return;
+    }
+    grads_.push_back(m.keep);  // no allocator to tell: keep the buffer until step()
   }
 
   void Step(const std::string& options_json) {
@@ -296,6 +337,7 @@ class PyEngine {
 
   std::string ParamDtype() const { return std::string(offload::ElementTypeName(schedule_.param_dtype)); }
   std::string Runtime() const { return std::string(runtime_->Name()); }
+  int Device() const { return runtime_->device(); }
 
   void Close() {
     if (!engine_) return;
@@ -307,10 +349,20 @@ class PyEngine {
     engine_.reset();
     grads_.clear();
     keep_.clear();
+    gradient_stream_ = py::object();
     Check(status);
   }
 
  private:
+  // torch.cuda.ExternalStream over the engine's gradient stream, made once.
+  py::object GradientStreamObject(const py::object& tensor) {
+    if (!gradient_stream_) {
+      py::object external = py::module_::import("torch").attr("cuda").attr("ExternalStream");
+      gradient_stream_ = external(GradientStream(), py::arg("device") = tensor.attr("device"));
+    }
+    return gradient_stream_;
+  }
+
   void Require() const {
     if (!engine_) throw py::value_error("memplan: engine is closed");
   }
@@ -321,7 +373,8 @@ class PyEngine {
   std::unique_ptr<offload::Engine> engine_;  // destroyed before runtime_
   std::vector<uint64_t> numels_;   // by parameter id
   std::vector<py::object> keep_;   // init buffers until start()
-  std::vector<py::object> grads_;  // gradients until step()
+  std::vector<py::object> grads_;  // gradients without record_stream, until step()
+  py::object gradient_stream_;     // GradientStreamObject's
 };
 
 // memplan.IoFile: one file read and written through the NVMe IoEngine, for benchmarks that put
@@ -552,11 +605,13 @@ PYBIND11_MODULE(_native, m) {
            py::arg("also_used_by") = std::vector<std::string>())
       .def("start", &PyEngine::Start)
       .def("fetch", &PyEngine::Fetch, py::arg("module"))
-      .def("release", &PyEngine::Release, py::arg("module"))
+      .def("release", &PyEngine::Release, py::arg("module"), py::arg("stream") = 0)
       .def("device_pointer", &PyEngine::DevicePointer, py::arg("param"))
       .def("host_view", &PyEngine::HostView, py::arg("param"), py::arg("numel"))
       .def("grad_ready", &PyEngine::GradReady, py::arg("param"), py::arg("grad"),
-           py::arg("dtype") = "")
+           py::arg("dtype") = "", py::arg("stream") = 0)
+      .def_property_readonly("gradient_stream", &PyEngine::GradientStream)
+      .def_property_readonly("device", &PyEngine::Device)
       .def("step", &PyEngine::Step, py::arg("options_json") = "")
       .def("read_master", &PyEngine::ReadMaster, py::arg("param"), py::arg("out"))
       .def("stats_json", &PyEngine::StatsJson)

@@ -135,6 +135,90 @@ class AdapterTest(unittest.TestCase):
         trainer.close()
 
 
+class StreamContractTest(unittest.TestCase):
+    """Issue 17: on CUDA every release and every gradient names torch's stream (the engine orders
+    its copies after it instead of anyone waiting), gradients are not kept alive until step(), and
+    a CUDA gradient given to the host runtime is refused. Checked here on CPU torch, through a
+    recording engine and a stand-in stream."""
+
+    def test_every_release_and_gradient_carries_the_stream_micro_steps_too(self):
+        model = mlp()
+        trainer = memplan.torch.offload(model, gradient_accumulation_steps=2)
+        real = trainer.engine
+        calls = []
+
+        class Recorder:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def release(self, module, stream=0):
+                calls.append(("release", stream))
+                real.release(module)  # the host runtime has no streams
+
+            def grad_ready(self, param, grad, dtype="", stream=0):
+                calls.append(("grad_ready", stream))
+                real.grad_ready(param, grad, dtype)
+
+        trainer.engine = Recorder()
+        trainer._stream = lambda: 4242  # as torch.cuda.current_stream().cuda_stream would be
+        for x, y in data(2):
+            nn.functional.mse_loss(model(x), y).backward()
+        trainer.step()
+        releases = [s for kind, s in calls if kind == "release"]
+        grads = [s for kind, s in calls if kind == "grad_ready"]
+        # Both micro-steps release each of the 4 units in forward and in backward: with no gradient
+        # handed over in the first, the stream is all that orders those releases.
+        self.assertEqual(len(releases), 2 * 2 * 4)
+        self.assertEqual(len(grads), len(list(model.parameters())))
+        self.assertEqual(set(releases + grads), {4242})
+        trainer.engine = real
+        trainer.close()
+
+    def test_gradients_are_not_kept_until_step_and_runtimes_are_not_mixed(self):
+        import gc
+        import weakref
+        sched = memplan.schedule(param_tier="cpu", optimizer_tier="cpu", dtype="fp32")
+        with memplan.Engine(sched, runtime="host") as engine:
+            pid = engine.add_parameter("w", "m", [16])
+            engine.start()
+            self.assertEqual(engine.device, -1)
+            self.assertEqual(engine.gradient_stream, 0)
+            engine.fetch("m")
+            with self.assertRaisesRegex(ValueError, "no streams"):
+                engine.release("m", stream=4242)
+            engine.release("m")
+
+            class CudaLooking:  # what a CUDA tensor looks like to the binding
+                device = torch.device("cuda", 0)
+
+                def __init__(self):
+                    self.t = torch.zeros(16)
+                    self.dtype = self.t.dtype
+
+                def data_ptr(self):
+                    return self.t.data_ptr()
+
+                def element_size(self):
+                    return 4
+
+                def numel(self):
+                    return 16
+
+                def is_contiguous(self):
+                    return True
+
+            with self.assertRaisesRegex(ValueError, "CUDA gradient given to the host-only"):
+                engine.grad_ready(pid, CudaLooking())
+            grad = torch.full((16,), 0.5)
+            alive = weakref.ref(grad)
+            engine.grad_ready(pid, grad)
+            del grad
+            gc.collect()
+            self.assertIsNone(alive(), "the engine kept the gradient alive until step()")
+            engine.step(lr=0.1)
+            self.assertEqual(engine.stats()["steps"], 1)
+
+
 class EngineBindingTest(unittest.TestCase):
     def test_buffers_without_copies_and_an_adamw_step(self):
         import numpy as np

@@ -144,11 +144,19 @@ class Engine:
     then per step fetch / release modules, hand gradients over, and step.
 
     Tensors (torch, CPU or CUDA) and buffer-protocol objects are passed without copies.
+
+
+    Streams: ``release`` and ``grad_ready`` take the CUDA stream the caller queued its work on
+    (``torch.cuda.current_stream().cuda_stream``; 0, the default, is the legacy default stream):
+    the engine orders its copies after that work instead of waiting for it. A CUDA gradient is read
+    later, on ``gradient_stream``; ``grad_ready`` records the tensor there (``record_stream``), so
+    the caller may drop it at once.
     """
 
-    def __init__(self, schedule, *, runtime="auto", resume=False):
-        self._native = _native.Engine(_json.dumps(schedule),
-                                      _json.dumps({"runtime": runtime, "resume": resume}))
+    def __init__(self, schedule, *, runtime="auto", resume=False, device=None):
+        """device: the CUDA device ordinal (None: the calling thread's current device)."""
+        self._native = _native.Engine(_json.dumps(schedule), _json.dumps(
+            {"runtime": runtime, "resume": resume, "device": device}))
 
     def add_parameter(self, name, module, shape, init=None, also_used_by=()):
         return self._native.add_parameter(name, module, [int(d) for d in shape], init,
@@ -160,8 +168,8 @@ class Engine:
     def fetch(self, module):
         self._native.fetch(module)
 
-    def release(self, module):
-        self._native.release(module)
+    def release(self, module, stream=0):
+        self._native.release(module, stream)
 
     def device_pointer(self, param):
         return self._native.device_pointer(param)
@@ -169,8 +177,8 @@ class Engine:
     def host_view(self, param, numel):
         return self._native.host_view(param, numel)
 
-    def grad_ready(self, param, grad, dtype=""):
-        self._native.grad_ready(param, grad, dtype)
+    def grad_ready(self, param, grad, dtype="", stream=0):
+        self._native.grad_ready(param, grad, dtype, stream)
 
     def step(self, **options):
         self._native.step(_json.dumps(options))
@@ -188,6 +196,16 @@ class Engine:
     @property
     def runtime(self):
         return self._native.runtime
+
+    @property
+    def device(self):
+        """The CUDA device ordinal the engine runs on; -1 for the host runtime."""
+        return self._native.device
+
+    @property
+    def gradient_stream(self):
+        """The CUDA stream gradients are copied on (0 for the host runtime)."""
+        return self._native.gradient_stream
 
     def close(self):
         self._native.close()

@@ -33,6 +33,14 @@ that get no gradient in a step are stepped with a zero gradient.
 Works on CPU-only PyTorch (1.13 and later; the engine's host runtime, where "device" memory is
 host memory) and on CUDA (the engine's CUDA runtime; tensors made through
 __cuda_array_interface__).
+
+On CUDA, work is ordered with streams, never with waits (offload/engine.h, "Streams"): every
+release and every gradient hand-over passes torch's current stream, so the engine does not reuse a
+released unit's memory before the kernels launched on it have run (a forward hook runs when the
+kernels are launched, not when they finish), and copies a gradient only after the kernels that
+write it. Gradients are recorded on the engine's gradient stream and dropped: torch's allocator
+reuses their memory once the engine has read it, not at the end of the step. The engine runs on
+the module's CUDA device (``device``, else torch's current device).
 """
 
 import torch
@@ -162,13 +170,27 @@ class OffloadedModule:
         self.schedule = schedule
         self.optimizer_options = dict(optimizer_options or {})
         self.accumulation = int(gradient_accumulation_steps)
-        self.engine = memplan.Engine(schedule, runtime=runtime)
+        if device is None:
+            first = next(module.parameters(), None)
+            if first is not None and first.device.type == "cuda":
+                device = first.device
+        device = torch.device(device) if device is not None else None
+        if device is not None and device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        wants_cuda = device is not None and device.type == "cuda"
+        if runtime == "auto" and wants_cuda:
+            # Never fall back to the host runtime while torch trains on the GPU (an old driver, a
+            # build without CUDA): that must be an error, not a slow, wrong-device run.
+            runtime = "cuda"
+        self.engine = memplan.Engine(schedule, runtime=runtime,
+                                     device=device.index if wants_cuda else None)
         self.dtype_name = self.engine.param_dtype
         self.dtype = _DTYPES[self.dtype_name]
         self.on_cuda = self.engine.runtime.startswith("cuda")
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if self.on_cuda
-            else torch.device("cpu"))
+        if self.on_cuda:
+            self.device = torch.device("cuda", self.engine.device)
+        else:
+            self.device = device if device is not None else torch.device("cpu")
         self.units = []
         self.params = []
         self._by_param = {}
@@ -248,8 +270,16 @@ class OffloadedModule:
                 entry.param.data = self._view(entry)
             entry.views += 1
 
+    def _stream(self):
+        """torch's current stream on the engine's device, as the engine takes it (0 on CPU)."""
+        if not self.on_cuda:
+            return 0
+        return torch.cuda.current_stream(self.device).cuda_stream
+
     def _release(self, unit):
-        self.engine.release(unit.name)
+        # The unit's kernels may still be queued: the engine waits for this stream before reusing
+        # the memory (no host synchronisation).
+        self.engine.release(unit.name, stream=self._stream())
         unit.fetched -= 1
         for entry in unit.params:
             entry.views -= 1
@@ -344,10 +374,8 @@ class OffloadedModule:
                                "(call step() after each backward, or set "
                                "gradient_accumulation_steps)")
         grad = grad.contiguous().reshape(-1)
-        if self.on_cuda:
-            # The engine copies on its own stream: the gradient must be complete on torch's.
-            torch.cuda.current_stream().synchronize()
-        self.engine.grad_ready(entry.id, grad)
+        # The engine's copy waits for torch's stream, where the gradient is being computed.
+        self.engine.grad_ready(entry.id, grad, stream=self._stream())
         self._grads_given.add(entry.id)
 
     def step(self, **options):
@@ -366,10 +394,8 @@ class OffloadedModule:
                 if grad is None:
                     grad = torch.zeros(entry.numel, dtype=self.dtype, device=self.device)
                 missing.append((entry, grad.contiguous().reshape(-1)))
-        if missing and self.on_cuda:
-            torch.cuda.current_stream().synchronize()
         for entry, grad in missing:
-            self.engine.grad_ready(entry.id, grad)
+            self.engine.grad_ready(entry.id, grad, stream=self._stream())
         self.engine.step(**self.optimizer_options)
         self._grads_given.clear()
         self._grad_sums.clear()
@@ -417,7 +443,8 @@ class OffloadedModule:
 
 def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
             betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, optimizer="adamw", runtime="auto",
-            dtype="fp32", gradient_accumulation_steps=1, schedule=None, **schedule_options):
+            dtype="fp32", gradient_accumulation_steps=1, schedule=None, device=None,
+            **schedule_options):
     """Puts `module`'s parameters and its optimizer into memplan's engine.
 
     path: a directory the engine may create and own (parameters and optimizer states go to NVMe
@@ -425,6 +452,8 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     optimizer: "adamw" (decoupled weight decay, as torch.optim.AdamW) or "adam" (L2 decay, as
     torch.optim.Adam). Other keywords go to memplan.schedule (pinned_budget_bytes,
     sub_group_elements, prefetch_bytes, max_live_bytes, direct, ...); or pass a whole `schedule`.
+    device: the CUDA device to train on ("cuda:1", 1, a torch.device); default: the module's
+    parameters' device if they are on CUDA, else torch's current device when runtime is "cuda".
     """
     if optimizer not in ("adamw", "adam"):
         raise ValueError(f"optimizer must be 'adamw' or 'adam', not {optimizer!r}")
@@ -436,4 +465,4 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     options = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps,
                "weight_decay": weight_decay, "decoupled": optimizer == "adamw"}
     return OffloadedModule(module, schedule, runtime=runtime, optimizer_options=options,
-                           gradient_accumulation_steps=gradient_accumulation_steps)
+                           gradient_accumulation_steps=gradient_accumulation_steps, device=device)
