@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds memplan with warnings as errors and runs the whole test suite, including the oracle test
 # against Hugging Face Transformers (its Python environments are created in ./.venv and
-# ./.venv-modern by scripts/python-env.sh), then runs the concurrent NVMe engine and CPU optimizer tests again under
-# ThreadSanitizer, the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, and every
-# fuzz target for a few seconds (fuzz/).
+# ./.venv-modern by scripts/python-env.sh), then runs the concurrent NVMe engine and CPU optimizer
+# tests again under ThreadSanitizer together with the GPU path on the emulated GPU
+# (tests/gpu_emulation), the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, and
+# every fuzz target for a few seconds (fuzz/).
 # Run scripts/setup.sh first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,12 +23,33 @@ skip_wheel=(-LE wheel)
 (cd build && ctest --output-on-failure -j"$jobs" --timeout 600 "${skip_wheel[@]}")
 
 # The nvme backends, IoEngine and SwapStore, and the CPU optimizer's thread pool, are used from
-# many threads at once.
+# many threads at once. The same build is the GPU emulation build (tests/gpu_emulation/README.md):
+# the real CUDA runtime, NCCL collective, engine and C API run on an emulated CUDA and NCCL, whose
+# streams are threads, so ThreadSanitizer also sees the GPU path's ordering. It needs the CUDA and
+# NCCL headers (not a GPU); without them those tests are left out, and said so.
+gpu_emulation=OFF
+gpu_targets=()
+gpu_tests=""
+have_header() {  # have_header NAME: in one of the places CMake looks for CUDA and NCCL
+  local dir
+  for dir in /usr/local/cuda/include /usr/local/include /usr/include; do
+    [[ -f $dir/$1 ]] && return 0
+  done
+  return 1
+}
+if have_header cuda_runtime_api.h && have_header nccl.h; then
+  gpu_emulation=ON
+  gpu_targets=(offload_gpu_test gpu_emulation_test c_api_emulated_test)
+  gpu_tests="|offload_gpu_test|gpu_emulation_test|c_api_emulated_test"
+else
+  echo "test.sh: no CUDA/NCCL headers: the emulated GPU tests are skipped" >&2
+fi
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
   -DCMAKE_C_FLAGS_DEBUG="-O1 -g1" -DMEMPLAN_SANITIZE=thread -DMEMPLAN_WERROR=ON \
-  >/dev/null
-cmake --build build-tsan -j"$jobs" --target nvme_test offload_test
-(cd build-tsan && TSAN_OPTIONS="halt_on_error=1" ctest --output-on-failure -R '^(nvme|offload)_test$')
+  -DMEMPLAN_GPU_EMULATION="$gpu_emulation" >/dev/null
+cmake --build build-tsan -j"$jobs" --target nvme_test offload_test "${gpu_targets[@]}"
+(cd build-tsan && TSAN_OPTIONS="halt_on_error=1" ctest --output-on-failure -j"$jobs" \
+  -R "^(nvme_test|offload_test$gpu_tests)\$")
 
 # AddressSanitizer + UndefinedBehaviorSanitizer on the unit tests (which include every fuzz seed
 # and regression input, tests/fuzz_regressions_test.cc). Built with clang at -O1 so the libFuzzer
