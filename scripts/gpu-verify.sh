@@ -53,6 +53,7 @@ run() {
   local took=$((SECONDS - start))
   local last
   last=$(tail -n 1 "$log" | tr '|' '/' | cut -c1-160)
+  [[ $last == "==== $name:"* ]] && last="output in $report_dir"
   case $rc in
     0) record "$name" pass "$took" "$last" ;;
     77) record "$name" skipped "$took" "$last" ;;
