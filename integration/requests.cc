@@ -182,7 +182,9 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
        "qlora", "flash_attention", "foreach", "fused_optimizer", "sgd_momentum",
        "sequence_parallel", "autocast", "gradient_as_bucket_view", "cuda_context_mib",
        "gpu_margin", "allow_nvme", "top", "emit",
-       "plan_index", "for_hf_trainer", "lr", "accelerate_plugin"},
+       "plan_index", "for_hf_trainer", "lr", "accelerate_plugin", "inter_node_bw", "zero_stage",
+       "offload_optimizer", "offload_param", "checkpointing", "micro_batch", "sharding",
+       "default_buffers"},
       "plan"));
   std::string label;
   MEMPLAN_ASSIGN_OR_RETURN(estimator::ModelInventory inventory,
@@ -221,6 +223,14 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
   }
   MEMPLAN_RETURN_IF_ERROR(GetString(request, "nvme_path", &cluster.nvme_path));
   MEMPLAN_RETURN_IF_ERROR(GetBytes(request, "nvme_capacity", &cluster.nvme_capacity_bytes));
+  double inter_node_gbps = 0;
+  MEMPLAN_RETURN_IF_ERROR(GetDouble(request, "inter_node_bw", &inter_node_gbps));
+  if (request.contains("inter_node_bw")) {
+    if (!(inter_node_gbps > 0 && inter_node_gbps <= 1e6)) {
+      return Status::InvalidArgument("request: \"inter_node_bw\" must be in (0, 1e6] GB/s");
+    }
+    cluster.inter_node_bytes_per_s = inter_node_gbps * 1e9;
+  }
   MEMPLAN_RETURN_IF_ERROR(cluster.Validate());
 
   // The job.
@@ -276,31 +286,65 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
     job.global_batch = samples;
   }
 
+  // As `memplan plan`: 8-bit AdamW is a candidate unless the optimizer was chosen; the "what if"
+  // keys restrict the search.
   planner::SearchOptions options;
   MEMPLAN_RETURN_IF_ERROR(GetDouble(request, "gpu_margin", &options.gpu_safety_fraction));
   MEMPLAN_RETURN_IF_ERROR(GetBool(request, "allow_nvme", &options.allow_nvme));
+  options.consider_8bit = !request.contains("optimizer");
+  int64_t zero_stage = -1, micro_batch = 0;
+  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "zero_stage", &zero_stage));
+  if (zero_stage < -1 || zero_stage > 3) {
+    return Status::InvalidArgument("request: \"zero_stage\" must be 0-3");
+  }
+  options.only_stage = static_cast<int>(zero_stage);
+  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "micro_batch", &micro_batch));
+  if (micro_batch < 0) return Status::InvalidArgument("request: \"micro_batch\" must be >= 1");
+  options.only_micro_batch = micro_batch;
+  std::string text;
+  if (request.contains("offload_optimizer")) {
+    MEMPLAN_RETURN_IF_ERROR(GetString(request, "offload_optimizer", &text));
+    MEMPLAN_ASSIGN_OR_RETURN(options.only_offload_optimizer, estimator::ParseOffloadDevice(text));
+  }
+  if (request.contains("offload_param")) {
+    MEMPLAN_RETURN_IF_ERROR(GetString(request, "offload_param", &text));
+    MEMPLAN_ASSIGN_OR_RETURN(options.only_offload_param, estimator::ParseOffloadDevice(text));
+  }
+  if (request.contains("checkpointing")) {
+    MEMPLAN_RETURN_IF_ERROR(GetString(request, "checkpointing", &text));
+    MEMPLAN_ASSIGN_OR_RETURN(options.only_checkpointing, estimator::ParseCheckpointing(text));
+  }
+  if (request.contains("sharding")) {
+    MEMPLAN_RETURN_IF_ERROR(GetString(request, "sharding", &text));
+    if (text != "full" && text != "hybrid") {
+      return Status::InvalidArgument("request: \"sharding\" must be \"full\" or \"hybrid\"");
+    }
+    options.only_sharding = text == "hybrid" ? planner::Sharding::kHybrid : planner::Sharding::kFull;
+  }
+  bool default_buffers = false;
+  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "default_buffers", &default_buffers));
+  options.tune_buffers = !default_buffers;
   MEMPLAN_ASSIGN_OR_RETURN(planner::PlanResult result,
                            planner::SearchPlans(inventory, cluster, job, options));
 
-  int64_t top = 5;
+  int64_t top = 5, index = 0;
   MEMPLAN_RETURN_IF_ERROR(GetInt(request, "top", &top));
   if (top < 1) return Status::InvalidArgument("request: \"top\" must be at least 1");
-  json answer = planner::ToJson(result, cluster, job);
-  if (answer["plans"].size() > static_cast<size_t>(top)) {
-    json kept = json::array();
-    for (int64_t i = 0; i < top; ++i) kept.push_back(answer["plans"][i]);
-    answer["plans"] = kept;
-  }
+  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "plan_index", &index));
+  bool for_hf_trainer = false;
+  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "for_hf_trainer", &for_hf_trainer));
+  json answer = planner::PlanReportJson(result, cluster, job, inventory, static_cast<size_t>(top),
+                                        index >= 0 ? static_cast<size_t>(index) : SIZE_MAX,
+                                        for_hf_trainer);
 
   // Emitted configurations for one plan.
   if (!request.contains("emit")) return answer;
   const json& emit = request.at("emit");
   if (!emit.is_array()) {
     return Status::InvalidArgument(
-        "request: \"emit\" must be a list of \"deepspeed\", \"accelerate\", \"fsdp\", \"schedule\"");
+        "request: \"emit\" must be a list of \"deepspeed\", \"accelerate\", \"fsdp\", "
+        "\"schedule\", \"trainer\"");
   }
-  int64_t index = 0;
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "plan_index", &index));
   if (result.plans.empty()) {
     return Status::InvalidArgument("no plan fits, so there is nothing to emit");
   }
@@ -310,30 +354,42 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
   }
   const planner::Plan& plan = result.plans[static_cast<size_t>(index)];
   planner::EmitOptions emit_options;
-  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "for_hf_trainer", &emit_options.for_hf_trainer));
+  emit_options.for_hf_trainer = for_hf_trainer;
   MEMPLAN_RETURN_IF_ERROR(GetDouble(request, "lr", &emit_options.learning_rate));
   MEMPLAN_RETURN_IF_ERROR(GetString(request, "accelerate_plugin", &emit_options.accelerate_plugin));
-  json emitted = json::object();
+  // Each emitter that applies writes its document; one that does not (FSDP for an NVMe plan, a
+  // Schedule for a plan that offloads nothing) says why under "not_emitted", as the CLI does.
+  json emitted = json::object(), not_emitted = json::object();
+  auto keep = [&](const std::string& kind, Result<json> document) {
+    if (document.ok()) {
+      emitted[kind] = *document;
+    } else {
+      not_emitted[kind] = document.status().message();
+    }
+  };
+  auto plain = [](Result<nlohmann::ordered_json> j) -> Result<json> {
+    if (!j.ok()) return j.status();
+    return json::parse(j->dump());
+  };
   for (const json& what : emit) {
     const std::string kind = what.is_string() ? what.get<std::string>() : what.dump();
     if (kind == "deepspeed") {
-      MEMPLAN_ASSIGN_OR_RETURN(auto ds,
-                               planner::DeepSpeedConfig(plan, cluster, inventory, emit_options));
-      emitted["deepspeed"] = json::parse(ds.dump());
+      keep(kind, plain(planner::DeepSpeedConfig(plan, cluster, inventory, emit_options)));
     } else if (kind == "accelerate") {
-      MEMPLAN_ASSIGN_OR_RETURN(emitted["accelerate"],
-                               planner::AccelerateConfig(plan, cluster, inventory, emit_options));
+      auto yaml = planner::AccelerateConfig(plan, cluster, inventory, emit_options);
+      keep(kind, yaml.ok() ? Result<json>(json(*yaml)) : Result<json>(yaml.status()));
     } else if (kind == "fsdp") {
-      MEMPLAN_ASSIGN_OR_RETURN(auto fsdp, planner::FsdpConfig(plan, cluster, inventory));
-      emitted["fsdp"] = json::parse(fsdp.dump());
+      keep(kind, plain(planner::FsdpConfig(plan, cluster, inventory)));
     } else if (kind == "schedule") {
-      MEMPLAN_ASSIGN_OR_RETURN(auto schedule, planner::Schedule(plan, cluster, inventory));
-      emitted["schedule"] = json::parse(schedule.dump());
+      keep(kind, plain(planner::Schedule(plan, cluster, inventory)));
+    } else if (kind == "trainer") {
+      keep(kind, plain(planner::TrainerArguments(plan, cluster, inventory, emit_options)));
     } else {
       return Status::InvalidArgument("request: \"emit\": unknown kind " + kind +
-                                     " (deepspeed, accelerate, fsdp, schedule)");
+                                     " (deepspeed, accelerate, fsdp, schedule, trainer)");
     }
   }
+  if (!not_emitted.empty()) answer["not_emitted"] = not_emitted;
   answer["emitted"] = emitted;
   answer["emitted_plan_index"] = index;
   return answer;

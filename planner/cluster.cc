@@ -30,27 +30,60 @@ std::string Lower(std::string_view s) {
 const std::vector<GpuSpec>& GpuPresets() {
   // Memory: the total the driver reports (nvidia-smi), in MiB. FLOPs: dense tensor-core peaks
   // from NVIDIA's datasheets (GeForce: fp16 with fp32 accumulation). Links: per direction.
+  // gemm_efficiency: sustained cuBLAS bf16/fp16 GEMM rate / dense peak (A100 ~270 of 312
+  // TFLOPS, H100 SXM ~700 of 989 at 700 W, V100 ~95 of 125, Ada/Ampere GeForce ~75%);
+  // attention_efficiency: FlashAttention-2's forward + backward rate / peak (Dao 2023: ~190 of
+  // 312 TFLOPS causal on A100; ~350 of 989 on H100, where FA2 is not Hopper-tuned; V100 has no
+  // FlashAttention-2: its memory-efficient SDPA kernels reach about 40%).
+  // node_network_bytes_per_s: the reference server's network per direction: DGX A100 and A800
+  // HGX 8 x 200 Gb/s HDR, DGX H100/H200 8 x 400 Gb/s NDR, DGX-1V 4 x 100 Gb/s EDR, PCIe servers
+  // (L40S) 2 x 200 Gb/s, workstations (GeForce) 25 Gb/s Ethernet.
+  // gpus_per_pcie_switch: DGX A100/H100 put two GPUs behind each PCIe switch's host uplink.
+  auto gpu = [](const char* name, const char* description, uint64_t memory, double bf16,
+                double fp16, double fp32, double hbm, double link, int pcie, double mfu,
+                double gemm, double attention, double network, int per_switch) {
+    GpuSpec g;
+    g.name = name;
+    g.description = description;
+    g.memory_bytes = memory;
+    g.bf16_flops = bf16;
+    g.fp16_flops = fp16;
+    g.fp32_flops = fp32;
+    g.hbm_bytes_per_s = hbm;
+    g.link_bytes_per_s = link;
+    g.pcie_gen = pcie;
+    g.mfu_prior = mfu;
+    g.gemm_efficiency = gemm;
+    g.attention_efficiency = attention;
+    g.node_network_bytes_per_s = network;
+    g.gpus_per_pcie_switch = per_switch;
+    return g;
+  };
   static const auto* kPresets = new std::vector<GpuSpec>{
-      {"v100-16", "NVIDIA V100 16GB SXM2", 16160 * kMiB, 0, 125e12, 15.7e12, 900e9, 150e9, 3,
-       0.40},
-      {"v100-32", "NVIDIA V100 32GB SXM2", 32510 * kMiB, 0, 125e12, 15.7e12, 900e9, 150e9, 3,
-       0.40},
-      {"a100-40", "NVIDIA A100 40GB SXM4", 40960 * kMiB, 312e12, 312e12, 156e12, 1555e9, 300e9, 4,
-       0.45},
-      {"a100-80", "NVIDIA A100 80GB SXM4", 81920 * kMiB, 312e12, 312e12, 156e12, 2039e9, 300e9, 4,
-       0.45},
-      {"a800-80", "NVIDIA A800 80GB SXM4 (NVLink 400 GB/s)", 81920 * kMiB, 312e12, 312e12, 156e12,
-       2039e9, 200e9, 4, 0.45},
-      {"h100-80", "NVIDIA H100 80GB SXM5", 81559 * kMiB, 989e12, 989e12, 494.5e12, 3350e9, 450e9,
-       5, 0.40},
-      {"h200", "NVIDIA H200 141GB SXM", 143771 * kMiB, 989e12, 989e12, 494.5e12, 4800e9, 450e9, 5,
-       0.40},
-      {"l40s", "NVIDIA L40S 48GB (PCIe, no NVLink)", 46068 * kMiB, 362e12, 362e12, 181e12, 864e9,
-       25e9, 4, 0.35},
-      {"rtx3090", "NVIDIA GeForce RTX 3090 24GB", 24576 * kMiB, 71e12, 71e12, 35.6e12, 936e9, 25e9,
-       4, 0.35},
-      {"rtx4090", "NVIDIA GeForce RTX 4090 24GB (no P2P)", 24564 * kMiB, 165.2e12, 165.2e12,
-       82.6e12, 1008e9, 20e9, 4, 0.35},
+      gpu("v100-16", "NVIDIA V100 16GB SXM2", 16160 * kMiB, 0, 125e12, 15.7e12, 900e9, 150e9, 3,
+          0.40, 0.76, 0.40, 50e9, 2),
+      gpu("v100-32", "NVIDIA V100 32GB SXM2", 32510 * kMiB, 0, 125e12, 15.7e12, 900e9, 150e9, 3,
+          0.40, 0.76, 0.40, 50e9, 2),
+      gpu("a100-40", "NVIDIA A100 40GB SXM4", 40960 * kMiB, 312e12, 312e12, 156e12, 1555e9, 300e9,
+          4, 0.45, 0.80, 0.50, 200e9, 2),
+      gpu("a100-80", "NVIDIA A100 80GB SXM4", 81920 * kMiB, 312e12, 312e12, 156e12, 2039e9, 300e9,
+          4, 0.45, 0.80, 0.50, 200e9, 2),
+      gpu("a800-80", "NVIDIA A800 80GB SXM4 (NVLink 400 GB/s)", 81920 * kMiB, 312e12, 312e12,
+          156e12, 2039e9, 200e9, 4, 0.45, 0.80, 0.50, 200e9, 2),
+      gpu("h100-80", "NVIDIA H100 80GB SXM5", 81559 * kMiB, 989e12, 989e12, 494.5e12, 3350e9,
+          450e9, 5, 0.40, 0.62, 0.35, 400e9, 2),
+      // torchtitan's benchmark GPU (Grand Teton): H100 SXM with 96 GB HBM2e at 2.4 TB/s and a
+      // 500 W power limit; its peak is "between SXM and NVL" (989 and 835 TFLOPS): the midpoint.
+      gpu("h100-96", "NVIDIA H100 96GB HBM2e SXM, 500 W (Grand Teton)", 98304 * kMiB, 912e12,
+          912e12, 456e12, 2400e9, 450e9, 5, 0.40, 0.62, 0.35, 400e9, 2),
+      gpu("h200", "NVIDIA H200 141GB SXM", 143771 * kMiB, 989e12, 989e12, 494.5e12, 4800e9, 450e9,
+          5, 0.40, 0.62, 0.35, 400e9, 2),
+      gpu("l40s", "NVIDIA L40S 48GB (PCIe, no NVLink)", 46068 * kMiB, 362e12, 362e12, 181e12,
+          864e9, 25e9, 4, 0.35, 0.65, 0.45, 50e9, 1),
+      gpu("rtx3090", "NVIDIA GeForce RTX 3090 24GB", 24576 * kMiB, 71e12, 71e12, 35.6e12, 936e9,
+          25e9, 4, 0.35, 0.75, 0.50, 3.125e9, 1),
+      gpu("rtx4090", "NVIDIA GeForce RTX 4090 24GB (no P2P)", 24564 * kMiB, 165.2e12, 165.2e12,
+          82.6e12, 1008e9, 20e9, 4, 0.35, 0.75, 0.50, 3.125e9, 1),
   };
   return *kPresets;
 }
@@ -74,10 +107,15 @@ Result<GpuSpec> FindGpuPreset(std::string_view name) {
                                  names + " (or give a cluster JSON file with the GPU's figures)");
 }
 
-double Cluster::PcieBytesPerS() const {
+double Cluster::PcieLineBytesPerS() const {
   const int gen = PcieGen();
-  const double x16 = gen <= 3 ? 16e9 : gen == 4 ? 32e9 : 63e9;
-  return x16 * kPcieEfficiency;
+  return gen <= 3 ? 16e9 : gen == 4 ? 32e9 : gen == 5 ? 63e9 : 121e9;
+}
+
+double Cluster::PcieBytesPerS() const { return PcieLineBytesPerS() * kPcieEfficiency; }
+
+double Cluster::InterNodeBytesPerS() const {
+  return inter_node_bytes_per_s > 0 ? inter_node_bytes_per_s : gpu.node_network_bytes_per_s;
 }
 
 double Cluster::NvmeReadBytesPerS() const {
@@ -90,7 +128,7 @@ double Cluster::NvmeWriteBytesPerS() const {
 double Cluster::CpuAdamParamsPerS() const {
   if (cpu_adam_params_per_s > 0) return cpu_adam_params_per_s;
   const double cores = static_cast<double>(cpu_cores > 0 ? cpu_cores : 16);
-  return std::min(cores * 5e7, 3e9);
+  return std::min(cores * kCpuAdamPerCorePrior, kCpuAdamNodePrior);
 }
 
 Status Cluster::Validate() const {
@@ -115,13 +153,23 @@ Status Cluster::Validate() const {
   }
   if (cpu_cores < 0) return Status::InvalidArgument("--cpu-cores must be >= 0");
   for (double v : {inter_node_bytes_per_s, nvme_read_bytes_per_s, nvme_write_bytes_per_s,
-                   cpu_adam_params_per_s, gpu.link_bytes_per_s, gpu.hbm_bytes_per_s}) {
+                   cpu_adam_params_per_s, gpu.link_bytes_per_s, gpu.hbm_bytes_per_s,
+                   gpu.node_network_bytes_per_s}) {
     if (!std::isfinite(v) || v < 0) {
       return Status::InvalidArgument("bandwidths and rates must be finite and >= 0");
     }
   }
-  if (nodes > 1 && !(inter_node_bytes_per_s > 0)) {
+  if (nodes > 1 && !(InterNodeBytesPerS() > 0)) {
     return Status::InvalidArgument("--inter-node-bw must be > 0 with more than one node");
+  }
+  for (double v : {gpu.gemm_efficiency, gpu.attention_efficiency}) {
+    if (!(v > 0 && v <= 1)) {
+      return Status::InvalidArgument("GPU '" + gpu.name +
+                                     "': gemm_efficiency and attention_efficiency must be in (0, 1]");
+    }
+  }
+  if (gpu.gpus_per_pcie_switch < 1 || gpu.gpus_per_pcie_switch > 64) {
+    return Status::InvalidArgument("GPU '" + gpu.name + "': gpus_per_pcie_switch must be 1-64");
   }
   return Status::Ok();
 }
@@ -206,7 +254,11 @@ nlohmann::json ToJson(const Cluster& c) {
             {"hbm_bytes_per_s", c.gpu.hbm_bytes_per_s},
             {"link_bytes_per_s", c.gpu.link_bytes_per_s},
             {"pcie_gen", c.gpu.pcie_gen},
-            {"mfu_prior", c.gpu.mfu_prior}}},
+            {"mfu_prior", c.gpu.mfu_prior},
+            {"gemm_efficiency", c.gpu.gemm_efficiency},
+            {"attention_efficiency", c.gpu.attention_efficiency},
+            {"node_network_bytes_per_s", c.gpu.node_network_bytes_per_s},
+            {"gpus_per_pcie_switch", c.gpu.gpus_per_pcie_switch}}},
           {"nodes", c.nodes},
           {"gpus_per_node", c.gpus_per_node},
           {"world_size", c.WorldSize()},
@@ -214,7 +266,7 @@ nlohmann::json ToJson(const Cluster& c) {
           {"cpu_cores", c.cpu_cores},
           {"pcie_gen", c.PcieGen()},
           {"pcie_bytes_per_s", c.PcieBytesPerS()},
-          {"inter_node_bytes_per_s", c.inter_node_bytes_per_s},
+          {"inter_node_bytes_per_s", c.InterNodeBytesPerS()},
           {"memlock_bytes", c.memlock_bytes},
           {"nvme_path", c.nvme_path},
           {"nvme_capacity_bytes", c.nvme_capacity_bytes},
@@ -263,6 +315,9 @@ Result<GpuSpec> GpuFromJson(const nlohmann::json& j, const std::string& source) 
     } else if (key == "pcie_gen") {
       if (!value.is_number_integer()) return Status::InvalidArgument(what + ": expected 3, 4 or 5");
       g.pcie_gen = value.get<int>();
+    } else if (key == "gpus_per_pcie_switch") {
+      if (!value.is_number_integer()) return Status::InvalidArgument(what + ": expected an integer");
+      g.gpus_per_pcie_switch = value.get<int>();
     } else {
       double* target = key == "bf16_flops"         ? &g.bf16_flops
                        : key == "fp16_flops"       ? &g.fp16_flops
@@ -270,6 +325,9 @@ Result<GpuSpec> GpuFromJson(const nlohmann::json& j, const std::string& source) 
                        : key == "hbm_bytes_per_s"  ? &g.hbm_bytes_per_s
                        : key == "link_bytes_per_s" ? &g.link_bytes_per_s
                        : key == "mfu_prior"        ? &g.mfu_prior
+                       : key == "gemm_efficiency"  ? &g.gemm_efficiency
+                       : key == "attention_efficiency" ? &g.attention_efficiency
+                       : key == "node_network_bytes_per_s" ? &g.node_network_bytes_per_s
                                                    : nullptr;
       if (target == nullptr) return Status::InvalidArgument(what + ": unknown key");
       MEMPLAN_ASSIGN_OR_RETURN(*target, NumberField(value, what));

@@ -32,7 +32,16 @@ struct GpuSpec {
   double hbm_bytes_per_s = 0;   // device memory bandwidth
   double link_bytes_per_s = 0;  // GPU-to-GPU inside a node, per direction (NVLink or PCIe)
   int pcie_gen = 4;             // host link: 3, 4 or 5 (x16)
-  double mfu_prior = 0.45;      // model FLOPs utilisation expected for large dense models
+  double mfu_prior = 0.45;      // informational: MFU of large dense models (the time model
+                                // derives its own, Note [Step-time model])
+  // Fraction of the dense peak a large 16-bit cuBLAS GEMM sustains at the GPU's clocks under load.
+  double gemm_efficiency = 0.75;
+  // Fraction of the dense peak FlashAttention-2 sustains over forward + backward (causal FLOPs).
+  double attention_efficiency = 0.5;
+  // Per-node network of the GPU's reference server, per direction (DGX A100: 8 x 200 Gb/s).
+  double node_network_bytes_per_s = 25e9;
+  // GPUs of a node behind one PCIe switch, sharing its host link (2 in DGX-class servers).
+  int gpus_per_pcie_switch = 1;
 };
 
 // The presets: v100-16, v100-32, a100-40, a100-80, a800-80, h100-80, h200, l40s, rtx3090,
@@ -49,7 +58,9 @@ struct Cluster {
   uint64_t cpu_memory_bytes = 0;  // host RAM per node; 0 = unknown (CPU limits not checked)
   int64_t cpu_cores = 0;          // per node; 0 = unknown (the CPU-optimizer prior assumes 16)
   int pcie_gen = 0;               // 0 = the GPU preset's
-  double inter_node_bytes_per_s = 25e9;  // network per node, per direction (200 Gb/s)
+  // Network per node, per direction; 0 = the GPU preset's reference server
+  // (GpuSpec::node_network_bytes_per_s).
+  double inter_node_bytes_per_s = 0;
   // RLIMIT_MEMLOCK per process; 0 = unlimited or unknown (not checked).
   uint64_t memlock_bytes = 0;
 
@@ -71,10 +82,14 @@ struct Cluster {
   // Host-to-GPU bandwidth per GPU, per direction, pinned memory: 16 / 32 / 63 GB/s (Gen 3/4/5)
   // times kPcieEfficiency.
   double PcieBytesPerS() const;
+  // The x16 line rate per direction: 16 / 32 / 63 / 121 GB/s (Gen 3/4/5/6).
+  double PcieLineBytesPerS() const;
+  // inter_node_bytes_per_s, or the GPU preset's node network when it is 0.
+  double InterNodeBytesPerS() const;
   double NvmeReadBytesPerS() const;
   double NvmeWriteBytesPerS() const;
-  // Measured, or the prior: 5e7 params/s per core (16 cores if unknown), at most 3e9 per node
-  // (memory-bandwidth bound: ~30 bytes moved per parameter).
+  // Measured, or the prior: kCpuAdamPerCorePrior per core (16 cores if unknown), at most
+  // kCpuAdamNodePrior per node (memory-bandwidth bound).
   double CpuAdamParamsPerS() const;
 
   // Refuses non-positive counts, absurd sizes, a GPU without memory or FLOPs.
@@ -85,6 +100,14 @@ struct Cluster {
 constexpr double kNvmeReadPrior = 3.2e9;   // one Gen4 drive, DeepSpeed's aio after tuning: 3.7
 constexpr double kNvmeWritePrior = 2.6e9;  // read / 3.2 write GB/s, less a margin for sustained use
 constexpr double kPcieEfficiency = 0.8;    // achieved fraction of the x16 link (pinned memory)
+// DeepSpeed's CPU Adam as published runs see it, per node: memory-bound at about 3.5e9
+// parameters/s on two-socket servers (~100 GB/s of the 28 bytes it moves per parameter): between
+// what DeepSpeed's ZenFlow core-binding study implies on 2 x EPYC 7742 (1.5B and 3B models with
+// ZeRO-Offload) and the ZeRO-Offload paper's CPU-Adam latency on a DGX-2 (48 Xeon cores); and
+// 1e8 per core below that (a loaded server gives each core ~3 GB/s of memory bandwidth, 28 bytes
+// per parameter; memplan's own AVX-512 AdamW runs 2.8e8 params/s on one idle core).
+constexpr double kCpuAdamPerCorePrior = 1e8;
+constexpr double kCpuAdamNodePrior = 3.5e9;
 
 // Applies a `memplan bench nvme --format json` document: best.read_bytes_per_s and
 // best.write_bytes_per_s (best_aio-agnostic), the aio block, and the path when none was given.

@@ -324,4 +324,29 @@ Result<ordered_json> Schedule(const Plan& plan, const Cluster& cluster,
   return j;
 }
 
+Result<ordered_json> TrainerArguments(const Plan& plan, const Cluster& cluster,
+                                      const estimator::ModelInventory& inventory,
+                                      const EmitOptions& options) {
+  const estimator::TrainingSetup& s = plan.setup;
+  ordered_json args;
+  args["per_device_train_batch_size"] = s.micro_batch;
+  args["gradient_accumulation_steps"] = s.grad_accum;
+  args["bf16"] = s.precision == Precision::kBf16Mixed || s.precision == Precision::kBf16Pure;
+  args["fp16"] = s.precision == Precision::kFp16Mixed;
+  args["gradient_checkpointing"] = s.checkpointing != Checkpointing::kNone;
+  args["learning_rate"] = options.learning_rate;
+  args["weight_decay"] = options.weight_decay;
+  args["max_grad_norm"] = 1.0;
+  if (s.optimizer == estimator::Optimizer::kAdam8bit) args["optim"] = "adamw_bnb_8bit";
+  if (!options.deepspeed_config_path.empty()) args["deepspeed"] = options.deepspeed_config_path;
+  ordered_json model;
+  model["attn_implementation"] = s.flash_attention ? "sdpa" : "eager";
+  ordered_json j;
+  j["training_arguments"] = args;
+  j["model"] = model;
+  j["world_size"] = cluster.WorldSize();
+  j["notes"] = TrainerSettings(plan, inventory, options.for_hf_trainer);
+  return j;
+}
+
 }  // namespace memplan::planner

@@ -52,6 +52,14 @@ Result<nlohmann::ordered_json> FsdpConfig(const Plan& plan, const Cluster& clust
                                           const estimator::ModelInventory& inventory);
 Result<nlohmann::ordered_json> Schedule(const Plan& plan, const Cluster& cluster,
                                         const estimator::ModelInventory& inventory);
+// What the training script sets outside the DeepSpeed / Accelerate files (--emit-trainer):
+// {"training_arguments": {...}} with Hugging Face TrainingArguments keyword names (batch,
+// accumulation, precision, gradient_checkpointing, the optimizer for 8-bit AdamW, deepspeed when
+// a DeepSpeed config is emitted) and {"model": {"attn_implementation": ...}} for
+// from_pretrained, plus "notes" in sentences.
+Result<nlohmann::ordered_json> TrainerArguments(const Plan& plan, const Cluster& cluster,
+                                                const estimator::ModelInventory& inventory,
+                                                const EmitOptions& options);
 
 // The transformer layer class for FSDP auto-wrapping ("LlamaDecoderLayer"), "" when unknown.
 std::string DecoderLayerClass(const std::string& model_type);

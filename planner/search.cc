@@ -12,13 +12,9 @@ namespace {
 
 using estimator::Checkpointing;
 using estimator::OffloadDevice;
+using estimator::Optimizer;
 using estimator::Precision;
 using estimator::TrainingSetup;
-
-constexpr double kCommEfficiency = 0.7;        // NCCL bus bandwidth / link peak
-constexpr double kSmallBatchTokens = 256;      // b s / (b s + 256) efficiency factor
-constexpr double kZero3ComputeOverhead = 1.1;  // per-layer gather/release hooks
-constexpr double kUnpinnedFactor = 0.5;        // pageable host memory: half the PCIe rate
 
 std::string Fmt(const char* format, double v) {
   char text[64];
@@ -28,22 +24,275 @@ std::string Fmt(const char* format, double v) {
 
 std::string GiB(uint64_t bytes) { return Fmt("%.1f", static_cast<double>(bytes) / 0x1p30); }
 
-double PeakFlops(const GpuSpec& gpu, Precision precision) {
-  switch (precision) {
-    case Precision::kFp32: return gpu.fp32_flops > 0 ? gpu.fp32_flops : gpu.fp16_flops / 8;
-    case Precision::kFp16Mixed: return gpu.fp16_flops;
-    case Precision::kBf16Mixed:
-    case Precision::kBf16Pure: return gpu.bf16_flops;
-  }
-  return gpu.fp16_flops;
+bool Offloads(const TrainingSetup& s) {
+  return s.offload_optimizer != OffloadDevice::kNone || s.offload_param != OffloadDevice::kNone;
+}
+bool UsesNvme(const TrainingSetup& s) {
+  return s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme;
 }
 
-double FlopsPerToken(const TimeModelInputs& m, const TrainingSetup& s, bool lora) {
-  const double attention = 12 * m.layers * m.hidden * m.seq_len;
-  double f = (lora ? 4 : 6) * m.params + attention;
-  if (s.checkpointing == Checkpointing::kFull) f += 2 * m.params + attention / 3;
-  if (s.checkpointing == Checkpointing::kSelective) f += attention / 3;
-  return f;
+struct Limits {
+  uint64_t gpu = 0;
+  uint64_t cpu = 0;     // 0: unknown, unchecked
+  uint64_t pinned = 0;  // 0: unchecked
+  uint64_t nvme = 0;    // 0: unknown capacity, unchecked
+};
+
+struct Misfit {
+  std::string reason;  // empty: fits
+  std::string tier;
+  double ratio = 0;    // needed / usable
+  bool pinned_only = false;  // only pinned (or locked) memory is short
+  bool ok() const { return reason.empty(); }
+};
+
+double Ratio(uint64_t need, uint64_t have) {
+  return have == 0 ? 1e9 : static_cast<double>(need) / static_cast<double>(have);
+}
+
+Misfit CheckFit(const estimator::PeakMemory& peak, const Limits& limits, const Cluster& c,
+                const TrainingSetup& s) {
+  Misfit m;
+  if (peak.gpu_bytes > limits.gpu) {
+    m.reason = "needs " + GiB(peak.gpu_bytes) + " GiB per GPU, has " + GiB(limits.gpu) +
+               " usable of " + GiB(c.gpu.memory_bytes);
+    m.tier = "gpu";
+    m.ratio = Ratio(peak.gpu_bytes, limits.gpu);
+    return m;
+  }
+  if (limits.cpu > 0 && peak.cpu_bytes > limits.cpu) {
+    m.reason = "needs " + GiB(peak.cpu_bytes) + " GiB of CPU memory per node, has " +
+               GiB(limits.cpu) + " usable of " + GiB(c.cpu_memory_bytes);
+    m.tier = "cpu";
+    m.ratio = Ratio(peak.cpu_bytes, limits.cpu);
+    return m;
+  }
+  if (UsesNvme(s) && limits.nvme > 0 && peak.nvme_bytes > limits.nvme) {
+    m.reason = "needs " + GiB(peak.nvme_bytes) + " GiB of NVMe per node, has " + GiB(limits.nvme) +
+               " usable of " + GiB(c.nvme_capacity_bytes);
+    m.tier = "nvme";
+    m.ratio = Ratio(peak.nvme_bytes, limits.nvme);
+    return m;
+  }
+  if (limits.pinned > 0 && peak.pinned_bytes > limits.pinned) {
+    m.pinned_only = true;
+    m.reason = "needs " + GiB(peak.pinned_bytes) + " GiB of pinned memory per node, has " +
+               GiB(limits.pinned) + " (half the RAM)";
+    m.tier = "pinned";
+    m.ratio = Ratio(peak.pinned_bytes, limits.pinned);
+    return m;
+  }
+  const uint64_t per_process = peak.pinned_bytes / static_cast<uint64_t>(c.gpus_per_node);
+  if (UsesNvme(s) && c.memlock_bytes > 0 && per_process > c.memlock_bytes) {
+    m.pinned_only = true;
+    m.reason = "needs " + GiB(per_process) + " GiB of locked memory per process, RLIMIT_MEMLOCK is " +
+               GiB(c.memlock_bytes);
+    m.tier = "memlock";
+    m.ratio = Ratio(per_process, c.memlock_bytes);
+  }
+  return m;
+}
+
+// What the buffer choices are made from (Note [Tuned buffers]).
+struct BufferFacts {
+  int64_t hidden = 0;
+  int64_t largest_block = 0;   // parameters of the largest transformer layer
+  int64_t largest_tensor = 0;  // elements of the largest parameter tensor
+  int64_t trainable = 0;
+  uint64_t pinned_budget = 0;  // bytes per GPU process; 0 = unknown
+};
+
+int64_t RoundTo(double v, double unit) {
+  return static_cast<int64_t>(std::max(unit, std::floor(v / unit) * unit));
+}
+
+// Sets DeepSpeed's buffer sizes in `s` for `level` 0 (tuned) or 1 (tight); -1 leaves DeepSpeed's
+// defaults. Returns the label.
+std::string ApplyBuffers(TrainingSetup* s, const BufferFacts& f, double partition_ranks,
+                         int level) {
+  if (level < 0) return "defaults";
+  const bool tight = level > 0;
+  const double h2 = static_cast<double>(f.hidden) * static_cast<double>(f.hidden);
+  if (s->zero_stage == 1 || s->zero_stage == 2) {
+    const int64_t bucket = tight ? RoundTo(std::min(h2, 2e8), 1e6) : 200000000;
+    s->reduce_bucket_size = bucket;
+    s->allgather_bucket_size = bucket;
+  }
+  if (s->zero_stage == 3) {
+    s->reduce_bucket_size = RoundTo(tight ? h2 / 4 : h2, 1e6);
+    const double block = static_cast<double>(std::max<int64_t>(f.largest_block, 1));
+    int64_t prefetch = tight ? RoundTo(0.9 * h2, 1e6) : RoundTo(block, 1e6);
+    if (s->offload_param == OffloadDevice::kNvme) {
+      // One tensor ahead: every prefetched tensor holds an NVMe swap buffer.
+      prefetch = RoundTo(2.0 * static_cast<double>(f.largest_tensor) / partition_ranks, 1e6);
+    }
+    s->stage3_prefetch_bucket_size = prefetch;
+    s->stage3_param_persistence_threshold = std::max<int64_t>(10 * f.hidden, 10000);
+    s->stage3_max_live_parameters = std::max<int64_t>(RoundTo(3 * block, 1e6), 100000000);
+  }
+  if (s->zero_stage >= 2 || s->offload_optimizer != OffloadDevice::kNone) {
+    int64_t sub_group = tight ? 100000000 : 1000000000;
+    if (s->offload_optimizer == OffloadDevice::kNvme) {
+      // buffer_count pinned fp32 sub-groups within half the pinned budget per process.
+      const double budget = f.pinned_budget > 0 ? static_cast<double>(f.pinned_budget) / 2 : 16e9;
+      const double fit = budget / (4.0 * static_cast<double>(s->optimizer_buffer_count));
+      sub_group = RoundTo(std::clamp(fit, 1e7, tight ? 1e8 : 1e9), 1e6);
+    }
+    s->sub_group_size = sub_group;
+  }
+  if (s->offload_param == OffloadDevice::kNvme) {
+    // DeepSpeed's partitioned_param_swapper asserts that a buffer holds the largest partition.
+    const double largest = std::ceil(static_cast<double>(f.largest_tensor) / partition_ranks);
+    s->param_buffer_size = static_cast<int64_t>(std::ceil(largest / 1e6) * 1e6);
+    s->param_buffer_count = 5;
+  }
+  return tight ? "tight" : "tuned";
+}
+
+std::string CheckpointPhrase(Checkpointing c) {
+  switch (c) {
+    case Checkpointing::kNone: return "no recomputation";
+    case Checkpointing::kSelective: return "selective recomputation";
+    case Checkpointing::kFull: return "full activation checkpointing";
+  }
+  return "";
+}
+
+std::string PlacePhrase(const Plan& p) {
+  const TrainingSetup& s = p.setup;
+  if (!Offloads(s)) {
+    if (s.zero_stage == 0) return "keeps a full replica on every GPU";
+    return p.sharding == Sharding::kHybrid ? "shards all state within each node"
+                                           : "keeps all state on the GPUs, sharded";
+  }
+  std::string out = "moves";
+  if (s.offload_optimizer != OffloadDevice::kNone) {
+    out += std::string(" the optimizer to ") +
+           (s.offload_optimizer == OffloadDevice::kCpu ? "CPU RAM" : "NVMe");
+  }
+  if (s.offload_param != OffloadDevice::kNone) {
+    out += std::string(s.offload_optimizer != OffloadDevice::kNone ? " and" : "") +
+           " the parameters to " + (s.offload_param == OffloadDevice::kCpu ? "CPU RAM" : "NVMe");
+  }
+  return out;
+}
+
+// Why `plan` ranks where it does, against the best plan and the others that fit.
+std::string Explain(const Plan& plan, const std::vector<Plan>& plans, const Cluster& c,
+                    double tie_fraction) {
+  const StepTime& t = plan.time;
+  const Plan& best = plans.front();
+  std::string why = plan.family + " " + PlacePhrase(plan) + " (" + GiB(plan.peak.gpu_bytes) +
+                    " of " + GiB(plan.gpu_capacity_bytes) + " GiB usable per GPU) at micro-batch " +
+                    std::to_string(plan.setup.micro_batch) + " x " +
+                    std::to_string(plan.setup.grad_accum) + " accumulation with " +
+                    CheckpointPhrase(plan.setup.checkpointing) + "; the " +
+                    Fmt("%.2f", t.total_s) + " s step is " +
+                    Fmt("%.0f", 100 * t.compute_s / t.total_s) + "% compute";
+  if (t.bound != "compute") why += ", bound by " + t.bound;
+  why += ".";
+  if (&plan == &best) {
+    why += " Fastest that fits";
+    for (const Plan& p : plans) {
+      if (p.setup.optimizer != best.setup.optimizer && p.tokens_per_s > best.tokens_per_s) {
+        why += " with the job's optimizer (" + p.family + " would be " +
+               Fmt("%.0f", 100 * (p.tokens_per_s / best.tokens_per_s - 1)) +
+               "% faster with bitsandbytes' 8-bit states: --optimizer adam8bit)";
+        break;
+      }
+    }
+    bool plain_fits = false;
+    for (const Plan& p : plans) plain_fits = plain_fits || !Offloads(p.setup);
+    const Plan* runner_up = plans.size() > 1 ? &plans[1] : nullptr;
+    if (runner_up != nullptr && best.tokens_per_s <= runner_up->tokens_per_s * (1 + tie_fraction)) {
+      why += " (" + runner_up->family + " is within the time model's noise; the tie goes to " +
+             (Offloads(runner_up->setup) && !Offloads(best.setup)
+                  ? std::string("the plan without offload")
+                  : std::string("the plan with more headroom")) +
+             ")";
+    } else if (!Offloads(best.setup) && best.setup.zero_stage == 3 &&
+               plan.sharding == Sharding::kFull) {
+      why += ": lower stages do not fit or need more recomputation";
+    } else if (Offloads(best.setup) && !plain_fits) {
+      why += ": nothing without offload fits " + std::to_string(c.WorldSize()) + " x " +
+             c.gpu.name;
+    }
+    return why + ".";
+  }
+  const StepTime& b = best.time;
+  struct Delta {
+    const char* what;
+    double seconds;
+  };
+  const Delta deltas[] = {
+      {"more compute (recomputation or a smaller micro-batch)", t.compute_s - b.compute_s},
+      {"more exposed communication", t.exposed_comm_s - b.exposed_comm_s},
+      {"host/NVMe transfers", t.exposed_offload_s - b.exposed_offload_s},
+      {"the optimizer step (CPU optimizer when offloaded)",
+       t.exposed_optimizer_s - b.exposed_optimizer_s},
+  };
+  const Delta* top = &deltas[0];
+  for (const Delta& d : deltas) {
+    if (d.seconds > top->seconds) top = &d;
+  }
+  why += " " + Fmt("%.2f", t.total_s / b.total_s) + "x the best step time";
+  if (top->seconds > 0) {
+    why += std::string(", mostly ") + top->what + " (+" + Fmt("%.2f", top->seconds) + " s)";
+  }
+  return why + ".";
+}
+
+// Note [Ranking]: the order within a tie.
+bool Preferred(const Plan& a, const Plan& b, const Optimizer job_optimizer) {
+  const bool a_own = a.setup.optimizer == job_optimizer, b_own = b.setup.optimizer == job_optimizer;
+  if (a_own != b_own) return a_own;
+  const int a_off = (a.setup.offload_optimizer != OffloadDevice::kNone) +
+                    (a.setup.offload_param != OffloadDevice::kNone);
+  const int b_off = (b.setup.offload_optimizer != OffloadDevice::kNone) +
+                    (b.setup.offload_param != OffloadDevice::kNone);
+  if (a_off != b_off) return a_off < b_off;
+  if (a.HeadroomBytes() != b.HeadroomBytes()) return a.HeadroomBytes() > b.HeadroomBytes();
+  return a.tokens_per_s > b.tokens_per_s;
+}
+
+// Orders `plans` by Note [Ranking] (stable for exact ties). Plans that change the job's optimizer
+// (8-bit AdamW candidates) follow every plan that keeps it.
+void Rank(std::vector<Plan>* plans, double tie_fraction, Optimizer job_optimizer) {
+  std::vector<Plan> changed;
+  for (auto it = plans->begin(); it != plans->end();) {
+    if (it->setup.optimizer != job_optimizer) {
+      changed.push_back(std::move(*it));
+      it = plans->erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (!changed.empty()) {
+    Rank(plans, tie_fraction, job_optimizer);
+    for (Plan& p : changed) p.setup.optimizer = job_optimizer;  // rank among themselves
+    Rank(&changed, tie_fraction, job_optimizer);
+    for (Plan& p : changed) {
+      p.setup.optimizer = Optimizer::kAdam8bit;
+      plans->push_back(std::move(p));
+    }
+    return;
+  }
+  std::vector<Plan> left = std::move(*plans);
+  plans->clear();
+  std::stable_sort(left.begin(), left.end(),
+                   [](const Plan& a, const Plan& b) { return a.tokens_per_s > b.tokens_per_s; });
+  while (!left.empty()) {
+    const double fastest = left.front().tokens_per_s;
+    auto end = std::find_if(left.begin(), left.end(), [&](const Plan& p) {
+      return p.tokens_per_s * (1 + tie_fraction) < fastest;
+    });
+    std::vector<Plan> tier(left.begin(), end);
+    left.erase(left.begin(), end);
+    std::stable_sort(tier.begin(), tier.end(), [&](const Plan& a, const Plan& b) {
+      return Preferred(a, b, job_optimizer);
+    });
+    for (Plan& p : tier) plans->push_back(std::move(p));
+  }
 }
 
 }  // namespace
@@ -59,250 +308,24 @@ Status SearchOptions::Validate() const {
   MEMPLAN_RETURN_IF_ERROR(fraction(1 - cpu_usable_fraction, "CPU usable fraction"));
   MEMPLAN_RETURN_IF_ERROR(fraction(1 - pinned_fraction, "pinned fraction"));
   MEMPLAN_RETURN_IF_ERROR(fraction(1 - nvme_usable_fraction, "NVMe usable fraction"));
+  MEMPLAN_RETURN_IF_ERROR(fraction(tie_fraction, "tie fraction"));
   if (only_stage < -1 || only_stage > 3) {
     return Status::InvalidArgument("--zero-stage must be 0-3");
   }
+  if (only_micro_batch < 0) return Status::InvalidArgument("--micro-batch must be >= 1");
   return Status::Ok();
 }
 
-std::string FamilyName(int stage, OffloadDevice optimizer, OffloadDevice param) {
+std::string FamilyName(int stage, OffloadDevice optimizer, OffloadDevice param, Sharding sharding,
+                       bool eight_bit) {
   auto where = [](OffloadDevice d) { return d == OffloadDevice::kCpu ? "CPU" : "NVMe"; };
   std::string name = stage == 0 ? "ZeRO-0 (DDP)" : "ZeRO-" + std::to_string(stage);
+  if (stage == 3 && sharding == Sharding::kHybrid) name += " hybrid (shard per node)";
+  if (eight_bit) name += " + 8-bit AdamW";
   if (optimizer != OffloadDevice::kNone) name += std::string(" + optimizer on ") + where(optimizer);
   if (param != OffloadDevice::kNone) name += std::string(" + params on ") + where(param);
   return name;
 }
-
-StepTime PredictStepTime(const TimeModelInputs& m, const Cluster& c, const TrainingSetup& s,
-                         int64_t global_batch, bool pinned) {
-  StepTime t;
-  const bool lora = s.lora_rank > 0;
-  const double d = static_cast<double>(c.WorldSize());
-  const double nodes = static_cast<double>(c.nodes);
-  const double ga = static_cast<double>(s.grad_accum);
-  const double w = s.precision == Precision::kFp32 ? 4 : 2;
-  const double tokens_per_gpu = static_cast<double>(global_batch) * m.seq_len / d;
-  const double micro_tokens = static_cast<double>(s.micro_batch) * m.seq_len;
-  const double efficiency =
-      c.gpu.mfu_prior * micro_tokens / (micro_tokens + kSmallBatchTokens);
-  t.compute_s = tokens_per_gpu * FlopsPerToken(m, s, lora) /
-                (PeakFlops(c.gpu, s.precision) * efficiency);
-  if (s.zero_stage == 3) t.compute_s *= kZero3ComputeOverhead;
-  const double recompute_share =
-      s.checkpointing == Checkpointing::kFull ? 0.25 : 0.0;  // recompute runs inside backward
-  const double backward_s = t.compute_s * (2.0 / 3.0 + recompute_share / 3.0);
-
-  // Collectives.
-  double link = c.gpu.link_bytes_per_s;
-  if (c.nodes > 1) link = std::min(link, c.inter_node_bytes_per_s);
-  link *= kCommEfficiency;
-  const double f = d > 1 ? (d - 1) / d : 0;
-  const double grads = m.trainable * w;
-  const double params = m.params * w;
-  double comm_overlapped = 0, comm_serial = 0, comm_window = backward_s;
-  if (f > 0) {
-    switch (s.zero_stage) {
-      case 0: comm_overlapped = 2 * f * grads / link; break;
-      case 1:
-        comm_overlapped = f * grads / link;
-        comm_serial = f * grads / link;
-        break;
-      case 2:
-        comm_overlapped = ga * f * grads / link;
-        comm_serial = f * grads / link;
-        break;
-      default:
-        comm_overlapped = ga * f * (2 * params + grads) / link;
-        comm_window = t.compute_s;
-        break;
-    }
-  }
-  t.comm_s = comm_overlapped + comm_serial;
-
-  // PCIe and NVMe.
-  const double pcie = c.PcieBytesPerS() * (pinned ? 1.0 : kUnpinnedFactor);
-  const double grad_partition = grads / d;
-  const double param_partition = params / d;
-  double pcie_backward = 0, pcie_forward = 0, pcie_serial = 0;
-  if (s.offload_optimizer != OffloadDevice::kNone) {
-    pcie_backward += ga * grad_partition / pcie;
-    pcie_serial += grad_partition / pcie;  // updated 16-bit parameters up after the step
-  }
-  if (s.offload_param != OffloadDevice::kNone) {
-    pcie_forward += ga * 2 * param_partition / pcie;
-  }
-  t.pcie_s = pcie_backward + pcie_forward + pcie_serial;
-
-  const double per_node_trainable = m.trainable / nodes;
-  double optimizer_s = 0, nvme_optimizer_s = 0, nvme_param_read = 0, nvme_param_write = 0;
-  if (s.offload_optimizer != OffloadDevice::kNone) {
-    optimizer_s = per_node_trainable / c.CpuAdamParamsPerS();
-  }
-  if (s.offload_optimizer == OffloadDevice::kNvme) {
-    const bool mixed = s.precision == Precision::kFp16Mixed || s.precision == Precision::kBf16Mixed;
-    const double state_bytes =
-        (mixed ? 4 : 0) + (s.optimizer == estimator::Optimizer::kLion ? 4 : 8);
-    const double bytes = per_node_trainable * state_bytes;
-    nvme_optimizer_s = bytes / c.NvmeReadBytesPerS() + bytes / c.NvmeWriteBytesPerS();
-  }
-  if (s.offload_param == OffloadDevice::kNvme) {
-    const double node_params = params / nodes;
-    nvme_param_read = ga * 2 * node_params / c.NvmeReadBytesPerS();
-    nvme_param_write = node_params / c.NvmeWriteBytesPerS();
-  }
-  t.optimizer_s = optimizer_s;
-  t.nvme_s = nvme_optimizer_s + nvme_param_read + nvme_param_write;
-
-  // Overlap: each overlapped component adds what exceeds its window; only the largest excess
-  // counts, since they run on different links.
-  const double comm_excess = std::max(0.0, comm_overlapped - comm_window);
-  const double pcie_excess = std::max(0.0, pcie_backward - backward_s) +
-                             std::max(0.0, pcie_forward - t.compute_s);
-  const double nvme_excess = std::max(0.0, nvme_param_read - t.compute_s);
-  const double excess = std::max({comm_excess, pcie_excess, nvme_excess});
-  t.exposed_comm_s = comm_serial + (excess == comm_excess ? comm_excess : 0);
-  t.exposed_offload_s = pcie_serial + nvme_param_write +
-                        (excess != comm_excess || comm_excess == 0
-                             ? std::max(pcie_excess, nvme_excess) * (excess > 0 ? 1 : 0)
-                             : 0);
-  t.exposed_optimizer_s = std::max(optimizer_s, nvme_optimizer_s);
-  t.total_s = t.compute_s + excess + comm_serial + pcie_serial + nvme_param_write +
-              t.exposed_optimizer_s;
-  // Recompute the split so that the parts add up to total_s exactly.
-  t.exposed_offload_s =
-      std::max(0.0, t.total_s - t.compute_s - t.exposed_comm_s - t.exposed_optimizer_s);
-
-  struct Part {
-    const char* name;
-    double seconds;
-  };
-  const Part parts[] = {
-      {"compute", t.compute_s},
-      {"communication", t.exposed_comm_s},
-      {"PCIe", pcie_serial + pcie_excess * (excess == pcie_excess && excess > 0 ? 1 : 0)},
-      {"CPU optimizer", optimizer_s >= nvme_optimizer_s ? optimizer_s : 0},
-      {"NVMe", (nvme_optimizer_s > optimizer_s ? nvme_optimizer_s : 0) + nvme_param_write +
-                   (excess == nvme_excess && excess > 0 ? nvme_excess : 0)},
-  };
-  const Part* top = &parts[0];
-  for (const Part& p : parts) {
-    if (p.seconds > top->seconds) top = &p;
-  }
-  t.bound = top->name;
-  return t;
-}
-
-namespace {
-
-struct Limits {
-  uint64_t gpu = 0;
-  uint64_t cpu = 0;     // 0: unknown, unchecked
-  uint64_t pinned = 0;  // 0: unchecked
-  uint64_t nvme = 0;    // 0: unknown capacity, unchecked
-};
-
-// Empty when `peak` fits; otherwise why not.
-std::string Misfit(const estimator::PeakMemory& peak, const Limits& limits, const Cluster& c,
-                   const TrainingSetup& s, bool* pinned_only) {
-  *pinned_only = false;
-  if (peak.gpu_bytes > limits.gpu) {
-    return "needs " + GiB(peak.gpu_bytes) + " GiB per GPU, has " + GiB(limits.gpu) +
-           " usable of " + GiB(c.gpu.memory_bytes);
-  }
-  if (limits.cpu > 0 && peak.cpu_bytes > limits.cpu) {
-    return "needs " + GiB(peak.cpu_bytes) + " GiB of CPU memory per node, has " +
-           GiB(limits.cpu) + " usable of " + GiB(c.cpu_memory_bytes);
-  }
-  const bool nvme = s.offload_optimizer == OffloadDevice::kNvme ||
-                    s.offload_param == OffloadDevice::kNvme;
-  if (nvme && limits.nvme > 0 && peak.nvme_bytes > limits.nvme) {
-    return "needs " + GiB(peak.nvme_bytes) + " GiB of NVMe per node, has " + GiB(limits.nvme) +
-           " usable of " + GiB(c.nvme_capacity_bytes);
-  }
-  if (limits.pinned > 0 && peak.pinned_bytes > limits.pinned) {
-    *pinned_only = true;
-    return "needs " + GiB(peak.pinned_bytes) + " GiB of pinned memory per node, has " +
-           GiB(limits.pinned) + " (half the RAM)";
-  }
-  if (nvme && c.memlock_bytes > 0 && peak.pinned_bytes / c.gpus_per_node > c.memlock_bytes) {
-    *pinned_only = true;
-    return "needs " + GiB(peak.pinned_bytes / c.gpus_per_node) +
-           " GiB of locked memory per process, RLIMIT_MEMLOCK is " + GiB(c.memlock_bytes);
-  }
-  return "";
-}
-
-std::string CheckpointPhrase(Checkpointing c) {
-  switch (c) {
-    case Checkpointing::kNone: return "no recomputation";
-    case Checkpointing::kSelective: return "selective recomputation";
-    case Checkpointing::kFull: return "full activation checkpointing";
-  }
-  return "";
-}
-
-std::string PlacePhrase(const TrainingSetup& s) {
-  if (s.offload_optimizer == OffloadDevice::kNone && s.offload_param == OffloadDevice::kNone) {
-    return s.zero_stage == 0 ? "keeps a full replica on every GPU"
-                             : "keeps all state on the GPUs, sharded";
-  }
-  std::string out = "moves";
-  if (s.offload_optimizer != OffloadDevice::kNone) {
-    out += std::string(" the optimizer to ") +
-           (s.offload_optimizer == OffloadDevice::kCpu ? "CPU RAM" : "NVMe");
-  }
-  if (s.offload_param != OffloadDevice::kNone) {
-    out += std::string(s.offload_optimizer != OffloadDevice::kNone ? " and" : "") +
-           " the parameters to " + (s.offload_param == OffloadDevice::kCpu ? "CPU RAM" : "NVMe");
-  }
-  return out;
-}
-
-// Why `plan` ranks where it does, against the best plan.
-std::string Explain(const Plan& plan, const Plan* best, const Cluster& c) {
-  const StepTime& t = plan.time;
-  std::string why = plan.family + " " + PlacePhrase(plan.setup) + " (" + GiB(plan.peak.gpu_bytes) +
-                    " of " + GiB(plan.gpu_capacity_bytes) + " GiB usable per GPU) at micro-batch " +
-                    std::to_string(plan.setup.micro_batch) + " x " +
-                    std::to_string(plan.setup.grad_accum) + " accumulation with " +
-                    CheckpointPhrase(plan.setup.checkpointing) + "; the " +
-                    Fmt("%.2f", t.total_s) + " s step is " +
-                    Fmt("%.0f", 100 * t.compute_s / t.total_s) + "% compute";
-  if (t.bound != "compute") why += ", bound by " + t.bound;
-  why += ".";
-  if (best == nullptr || best == &plan) {
-    why += " Fastest that fits";
-    if (plan.setup.zero_stage == 3 && plan.setup.offload_optimizer == OffloadDevice::kNone &&
-        plan.setup.offload_param == OffloadDevice::kNone) {
-      why += ": lower stages do not fit or need more recomputation";
-    } else if (plan.setup.offload_optimizer != OffloadDevice::kNone ||
-               plan.setup.offload_param != OffloadDevice::kNone) {
-      why += ": nothing without this offload fits " + std::to_string(c.WorldSize()) + " x " +
-             c.gpu.name;
-    }
-    return why + ".";
-  }
-  const StepTime& b = best->time;
-  struct Delta {
-    const char* what;
-    double seconds;
-  };
-  const Delta deltas[] = {
-      {"more compute (recomputation or a smaller micro-batch)", t.compute_s - b.compute_s},
-      {"more exposed communication", t.exposed_comm_s - b.exposed_comm_s},
-      {"host/NVMe transfers", t.exposed_offload_s - b.exposed_offload_s},
-      {"the CPU optimizer step", t.exposed_optimizer_s - b.exposed_optimizer_s},
-  };
-  const Delta* top = &deltas[0];
-  for (const Delta& d : deltas) {
-    if (d.seconds > top->seconds) top = &d;
-  }
-  why += " " + Fmt("%.2f", t.total_s / b.total_s) + "x the best step time, mostly " + top->what +
-         " (+" + Fmt("%.2f", top->seconds) + " s).";
-  return why;
-}
-
-}  // namespace
 
 Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const Cluster& cluster,
                                const Job& job, const SearchOptions& options) {
@@ -324,11 +347,20 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
   const int64_t per_gpu = job.global_batch / world;
   std::vector<int64_t> micro_batches;
   for (int64_t b = 1; b <= per_gpu; ++b) {
-    if (per_gpu % b == 0) micro_batches.push_back(b);
+    if (per_gpu % b != 0) continue;
+    if (options.only_micro_batch > 0 && b != options.only_micro_batch) continue;
+    micro_batches.push_back(b);
+  }
+  if (options.only_micro_batch > 0 && micro_batches.empty()) {
+    return Status::InvalidArgument("--micro-batch " + std::to_string(options.only_micro_batch) +
+                                   " does not divide the " + std::to_string(per_gpu) +
+                                   " sequences per GPU of --global-batch " +
+                                   std::to_string(job.global_batch));
   }
 
   const estimator::ArchitectureInfo& arch = *inventory.arch;
   MEMPLAN_ASSIGN_OR_RETURN(estimator::ModelCounts counts, estimator::CountParams(inventory));
+  MEMPLAN_ASSIGN_OR_RETURN(ModelShape shape, ModelShapeFor(inventory, job.setup));
 
   Limits limits;
   limits.gpu = static_cast<uint64_t>(static_cast<double>(cluster.gpu.memory_bytes) *
@@ -347,46 +379,86 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
                                         options.nvme_usable_fraction);
   }
 
+  BufferFacts facts;
+  facts.hidden = arch.hidden;
+  facts.largest_block = static_cast<int64_t>(counts.largest_block_params);
+  for (const estimator::TensorInfo& t : inventory.tensors) {
+    facts.largest_tensor = std::max<int64_t>(facts.largest_tensor, static_cast<int64_t>(t.numel));
+  }
+  facts.trainable = static_cast<int64_t>(shape.trainable);
+  {
+    uint64_t budget = limits.pinned > 0 ? limits.pinned / static_cast<uint64_t>(cluster.gpus_per_node) : 0;
+    if (cluster.memlock_bytes > 0) budget = budget > 0 ? std::min(budget, cluster.memlock_bytes)
+                                                       : cluster.memlock_bytes;
+    facts.pinned_budget = budget;
+  }
+
   PlanResult result;
-  TimeModelInputs model;
-  model.params = static_cast<double>(counts.params_total);
-  model.layers = static_cast<double>(arch.layers + arch.decoder_layers);
-  model.hidden = static_cast<double>(arch.hidden);
+  result.host_ram_checked = cluster.cpu_memory_bytes > 0;
 
   struct Family {
     int stage;
     OffloadDevice opt, param;
+    Sharding sharding;
+    bool eight_bit;
   };
   std::vector<Family> families;
   const OffloadDevice devices[] = {OffloadDevice::kNone, OffloadDevice::kCpu, OffloadDevice::kNvme};
+  const bool try_8bit = options.consider_8bit && job.setup.optimizer == Optimizer::kAdamW &&
+                        job.setup.lora_rank == 0;
   for (int stage = 0; stage <= 3; ++stage) {
     if (options.only_stage >= 0 && stage != options.only_stage) continue;
     for (OffloadDevice opt : devices) {
+      if (options.only_offload_optimizer && opt != *options.only_offload_optimizer) continue;
       for (OffloadDevice param : devices) {
+        if (options.only_offload_param && param != *options.only_offload_param) continue;
         // Combinations DeepSpeed has no code for are not families at all.
         if (param != OffloadDevice::kNone && stage != 3) continue;
         if (opt != OffloadDevice::kNone && stage == 0) continue;
         if (opt == OffloadDevice::kNvme && stage != 3) continue;
-        families.push_back({stage, opt, param});
+        for (Sharding sharding : {Sharding::kFull, Sharding::kHybrid}) {
+          // Hybrid sharding only means something across nodes, and offloads nothing (FSDP's
+          // HYBRID_SHARD offloads to CPU only as FULL_SHARD does; MiCS none).
+          if (sharding == Sharding::kHybrid &&
+              (stage != 3 || cluster.nodes < 2 || opt != OffloadDevice::kNone ||
+               param != OffloadDevice::kNone)) {
+            continue;
+          }
+          if (options.only_sharding && sharding != *options.only_sharding) continue;
+          families.push_back({stage, opt, param, sharding, false});
+          if (try_8bit && opt == OffloadDevice::kNone && param == OffloadDevice::kNone &&
+              sharding == Sharding::kFull) {
+            families.push_back({stage, opt, param, sharding, true});
+          }
+        }
       }
     }
   }
-  const Checkpointing checkpointings[] = {Checkpointing::kNone, Checkpointing::kSelective,
-                                          Checkpointing::kFull};
-  result.grid_size = static_cast<int64_t>(families.size() * 3 * micro_batches.size());
+  std::vector<Checkpointing> checkpointings = {Checkpointing::kNone, Checkpointing::kSelective,
+                                               Checkpointing::kFull};
+  if (options.only_checkpointing) checkpointings = {*options.only_checkpointing};
+  result.grid_size =
+      static_cast<int64_t>(families.size() * checkpointings.size() * micro_batches.size());
 
+  const double peak_flops = PeakFlops(cluster.gpu, job.setup.precision);
   for (const Family& family : families) {
-    const std::string name = FamilyName(family.stage, family.opt, family.param);
-    const bool uses_nvme =
-        family.opt == OffloadDevice::kNvme || family.param == OffloadDevice::kNvme;
-    if (uses_nvme && (cluster.nvme_path.empty() || !options.allow_nvme)) {
-      result.rejected.push_back({name, "no NVMe drive given (--nvme-path)"});
-      continue;
+    const std::string name =
+        FamilyName(family.stage, family.opt, family.param, family.sharding, family.eight_bit);
+    Rejection rejection;
+    rejection.plan = name;
+    rejection.sharding = family.sharding;
+    if (family.opt == OffloadDevice::kNvme || family.param == OffloadDevice::kNvme) {
+      if (cluster.nvme_path.empty() || !options.allow_nvme) {
+        rejection.reason = "no NVMe drive given (--nvme-path)";
+        result.rejected.push_back(rejection);
+        continue;
+      }
     }
     TrainingSetup base = job.setup;
     base.zero_stage = family.stage;
     base.offload_optimizer = family.opt;
     base.offload_param = family.param;
+    if (family.eight_bit) base.optimizer = Optimizer::kAdam8bit;
     base.gpus_per_node = cluster.gpus_per_node;
     base.num_nodes = cluster.nodes;
     base.tp = 1;
@@ -397,109 +469,330 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
       base.aio_intra_op_parallelism = cluster.aio_intra_op_parallelism;
     }
     if (Status valid = base.Validate(); !valid.ok()) {
-      result.rejected.push_back({name, valid.message()});
+      rejection.reason = valid.message();
+      result.rejected.push_back(rejection);
       continue;
     }
-    std::optional<Plan> best;
-    std::string tightest_reason;  // from the smallest configuration: mb 1, full checkpointing
+    // Hybrid sharding partitions over one node's GPUs: the memory of a one-node job.
+    const double partition_ranks = static_cast<double>(
+        family.sharding == Sharding::kHybrid ? cluster.gpus_per_node : world);
+    std::vector<Plan> fitting;
+    Misfit tightest;  // the smallest configuration: micro-batch 1, full checkpointing
     for (Checkpointing ckpt : checkpointings) {
       for (int64_t mb : micro_batches) {
         TrainingSetup s = base;
         s.checkpointing = ckpt;
         s.micro_batch = mb;
         s.grad_accum = per_gpu / mb;
-        ++result.configurations;
-        MEMPLAN_ASSIGN_OR_RETURN(estimator::MemoryEstimate m, estimator::EstimateMemory(inventory, s, counts));
-        if (result.seq_len == 0) result.seq_len = m.setup.seq_len;
-        bool pinned_only = false;
-        std::string misfit = Misfit(m.peak, limits, cluster, s, &pinned_only);
-        if (!misfit.empty() && pinned_only && s.pin_memory) {
-          // Try again without pinned host buffers (slower transfers).
-          TrainingSetup unpinned = s;
-          unpinned.pin_memory = false;
-          MEMPLAN_ASSIGN_OR_RETURN(m, estimator::EstimateMemory(inventory, unpinned, counts));
-          std::string again = Misfit(m.peak, limits, cluster, unpinned, &pinned_only);
-          if (again.empty()) s = unpinned;
-          misfit = again;
+        std::optional<estimator::MemoryEstimate> m;
+        Misfit misfit;
+        std::string buffers;
+        for (int level = options.tune_buffers ? 0 : -1; level <= (options.tune_buffers ? 1 : -1);
+             ++level) {
+          TrainingSetup tried = s;
+          std::string label = ApplyBuffers(&tried, facts, partition_ranks, level);
+          TrainingSetup for_memory = tried;
+          if (family.sharding == Sharding::kHybrid) for_memory.num_nodes = 1;
+          ++result.configurations;
+          MEMPLAN_ASSIGN_OR_RETURN(estimator::MemoryEstimate e,
+                                   estimator::EstimateMemory(inventory, for_memory, counts));
+          Misfit fit = CheckFit(e.peak, limits, cluster, tried);
+          if (!fit.ok() && fit.pinned_only && tried.pin_memory) {
+            // Try again without pinned host buffers (slower transfers).
+            TrainingSetup unpinned = tried;
+            unpinned.pin_memory = false;
+            TrainingSetup unpinned_memory = for_memory;
+            unpinned_memory.pin_memory = false;
+            MEMPLAN_ASSIGN_OR_RETURN(e, estimator::EstimateMemory(inventory, unpinned_memory, counts));
+            fit = CheckFit(e.peak, limits, cluster, unpinned);
+            if (fit.ok()) tried = unpinned;
+          }
+          if (result.seq_len == 0) result.seq_len = e.setup.seq_len;
+          m = e;
+          m->setup = tried;
+          m->setup.seq_len = e.setup.seq_len;
+          misfit = fit;
+          buffers = label;
+          if (fit.ok() || (fit.tier != "gpu" && !fit.pinned_only)) break;
         }
-        if (!misfit.empty()) {
-          if (ckpt == Checkpointing::kFull && mb == 1) tightest_reason = misfit;
+        if (!misfit.ok()) {
+          if (ckpt == checkpointings.back() && mb == micro_batches.front()) tightest = misfit;
           break;  // a larger micro-batch needs more memory still
         }
-        model.seq_len = static_cast<double>(m.setup.seq_len);
-        model.trainable = static_cast<double>(m.trainable_params);
         Plan plan;
-        plan.setup = m.setup;
-        plan.peak = m.peak;
+        plan.setup = m->setup;
+        plan.sharding = family.sharding;
+        plan.buffers = buffers;
+        plan.peak = m->peak;
         plan.gpu_capacity_bytes = limits.gpu;
-        plan.time = PredictStepTime(model, cluster, plan.setup, job.global_batch, s.pin_memory);
+        plan.time = PredictStepTime(shape, cluster, plan.setup, job.global_batch,
+                                    plan.setup.pin_memory, family.sharding);
         plan.tokens_per_s =
-            static_cast<double>(job.global_batch) * model.seq_len / plan.time.total_s;
-        plan.mfu = 6 * model.params * plan.tokens_per_s /
-                   (PeakFlops(cluster.gpu, s.precision) * static_cast<double>(world));
+            static_cast<double>(job.global_batch) * shape.seq_len / plan.time.total_s;
+        plan.mfu = plan.time.model_flops / (plan.time.total_s * peak_flops);
+        plan.hfu = plan.time.hardware_flops / (plan.time.total_s * peak_flops);
         plan.family = name;
-        // Ties (within 0.1%) go to less recomputation, then the smaller micro-batch.
-        if (!best || plan.tokens_per_s > best->tokens_per_s * 1.001) best = plan;
+        fitting.push_back(plan);
       }
     }
-    if (best) {
-      result.plans.push_back(*best);
+    if (!fitting.empty()) {
+      // The family's representative: the first of Note [Ranking] among its configurations.
+      Rank(&fitting, options.tie_fraction, job.setup.optimizer);
+      result.plans.push_back(fitting.front());
     } else {
-      result.rejected.push_back({name, tightest_reason.empty()
-                                           ? "does not fit even at micro-batch 1 with full "
-                                             "checkpointing"
-                                           : tightest_reason});
+      rejection.reason = tightest.ok() ? "does not fit even at micro-batch 1 with full "
+                                         "checkpointing"
+                                       : tightest.reason;
+      rejection.over_ratio = tightest.ratio;
+      rejection.tier = tightest.tier;
+      rejection.setup = base;
+      rejection.setup.checkpointing = checkpointings.back();
+      rejection.setup.micro_batch = micro_batches.front();
+      rejection.setup.grad_accum = per_gpu / micro_batches.front();
+      result.rejected.push_back(rejection);
     }
   }
-  // Fastest first; ties to the simpler plan (lower stage, less offload: the order generated).
-  std::stable_sort(result.plans.begin(), result.plans.end(), [](const Plan& a, const Plan& b) {
-    return a.tokens_per_s > b.tokens_per_s * 1.001;
-  });
+  Rank(&result.plans, options.tie_fraction, job.setup.optimizer);
   for (Plan& plan : result.plans) {
-    plan.why = Explain(plan, &result.plans.front(), cluster);
+    plan.why = Explain(plan, result.plans, cluster, options.tie_fraction);
   }
+  // Closest to fitting first; families that could not be tried at all last.
+  std::stable_sort(result.rejected.begin(), result.rejected.end(),
+                   [](const Rejection& a, const Rejection& b) {
+                     const bool a_tried = a.over_ratio > 0, b_tried = b.over_ratio > 0;
+                     if (a_tried != b_tried) return a_tried;
+                     return a.over_ratio < b.over_ratio;
+                   });
+
+  // What would make the closest family fit, each checked with the memory model.
+  if (result.plans.empty()) {
+    for (const Rejection& r : result.rejected) {
+      if (r.over_ratio <= 0) continue;
+      auto fits = [&](TrainingSetup s, const Cluster& c2) -> std::optional<estimator::PeakMemory> {
+        Limits l = limits;
+        s.gpus_per_node = c2.gpus_per_node;
+        s.num_nodes = r.sharding == Sharding::kHybrid ? 1 : c2.nodes;
+        auto e = estimator::EstimateMemory(inventory, s, counts);
+        if (!e.ok()) return std::nullopt;
+        if (!CheckFit(e->peak, l, c2, s).ok()) return std::nullopt;
+        return e->peak;
+      };
+      const TrainingSetup& s0 = r.setup;
+      if (r.tier == "gpu" && s0.zero_stage == 3) {
+        for (int64_t nodes = cluster.nodes * 2; nodes <= cluster.nodes * 64; nodes *= 2) {
+          Cluster more = cluster;
+          more.nodes = nodes;
+          if (auto p = fits(s0, more)) {
+            result.suggestions.push_back(
+                std::to_string(nodes) + " nodes of " + std::to_string(cluster.gpus_per_node) +
+                " x " + cluster.gpu.name + ": " + r.plan + " needs " + GiB(p->gpu_bytes) +
+                " GiB per GPU (--nodes " + std::to_string(nodes) + ", --global-batch a multiple of " +
+                std::to_string(nodes * cluster.gpus_per_node) + ")");
+            break;
+          }
+        }
+      }
+      if (s0.optimizer == Optimizer::kAdamW && s0.lora_rank == 0 && !Offloads(s0)) {
+        TrainingSetup eight = s0;
+        eight.optimizer = Optimizer::kAdam8bit;
+        if (auto p = fits(eight, cluster)) {
+          result.suggestions.push_back("8-bit AdamW (--optimizer adam8bit): " + r.plan + " needs " +
+                                       GiB(p->gpu_bytes) + " GiB per GPU");
+        }
+      }
+      if (cluster.nvme_path.empty() && s0.zero_stage == 3) {
+        TrainingSetup nvme = s0;
+        nvme.offload_optimizer = nvme.offload_param = OffloadDevice::kNvme;
+        nvme.pin_memory = true;
+        Cluster with = cluster;
+        with.nvme_path = "/nvme";
+        if (nvme.Validate().ok()) {
+          if (auto p = fits(nvme, with)) {
+            result.suggestions.push_back(
+                "an NVMe drive (--nvme-path, --nvme-capacity): ZeRO-3 with optimizer and "
+                "parameters on NVMe needs " + GiB(p->gpu_bytes) + " GiB per GPU and " +
+                GiB(p->nvme_bytes) + " GiB of NVMe per node");
+          }
+        }
+      }
+      if (r.tier == "cpu") {
+        const double need = r.over_ratio * static_cast<double>(limits.cpu);
+        result.suggestions.push_back(
+            "more host RAM: " + r.plan + " needs " + GiB(static_cast<uint64_t>(need)) +
+            " GiB of CPU memory per node (" +
+            GiB(static_cast<uint64_t>((need + static_cast<double>(options.cpu_per_process_bytes) *
+                                                  static_cast<double>(cluster.gpus_per_node)) /
+                                      options.cpu_usable_fraction)) +
+            " GiB of RAM)");
+      }
+      if (s0.seq_len == 0 || s0.micro_batch == 1) {
+        TrainingSetup shorter = s0;
+        shorter.seq_len = std::max<int64_t>(result.seq_len / 2, 1);
+        if (result.seq_len > 256) {
+          if (auto p = fits(shorter, cluster)) {
+            result.suggestions.push_back("a shorter sequence (--seq-len " +
+                                         std::to_string(shorter.seq_len) + "): " + r.plan +
+                                         " needs " + GiB(p->gpu_bytes) + " GiB per GPU");
+          }
+        }
+      }
+      break;  // the closest family only
+    }
+    if (result.suggestions.empty() && !result.rejected.empty() &&
+        result.rejected.front().over_ratio > 0) {
+      result.suggestions.push_back("nothing simple: the closest, " + result.rejected.front().plan +
+                                   ", " + result.rejected.front().reason +
+                                   "; more GPUs or nodes are needed");
+    }
+  }
+
+  if (!result.host_ram_checked) {
+    result.gaps.push_back(
+        "host RAM not checked: give --cpu-mem (or --detect, or cpu_memory_bytes in --cluster); "
+        "offload plans may need more RAM than the nodes have");
+  }
+  if (cluster.memlock_bytes == 0) {
+    bool pinned = false;
+    for (const Plan& p : result.plans) pinned = pinned || (p.setup.pin_memory && UsesNvme(p.setup));
+    if (pinned) {
+      result.gaps.push_back("RLIMIT_MEMLOCK not checked (--memlock or --detect): NVMe offload "
+                            "locks its swap buffers");
+    }
+  }
+
+  const TimeConstants& k = DefaultTimeConstants();
   result.assumptions = {
       "Fit: GPU peak (CUDA context and 10% allocator margin included) <= GPU memory less " +
-          Fmt("%.0f", options.gpu_safety_fraction * 100) +
-          "%; CPU per node <= " + Fmt("%.0f", options.cpu_usable_fraction * 100) +
-          "% of RAM less " + GiB(options.cpu_per_process_bytes) +
-          " GiB per GPU process; pinned <= " + Fmt("%.0f", options.pinned_fraction * 100) +
-          "% of RAM; NVMe <= " + Fmt("%.0f", options.nvme_usable_fraction * 100) +
-          "% of capacity.",
-      "Compute: 6N + 12Lhs FLOPs per token (+2N + 4Lhs full recompute, +4Lhs selective; LoRA 4N) "
-      "at " + Fmt("%.0f", cluster.gpu.mfu_prior * 100) +
-          "% MFU prior x bs/(bs+256); ZeRO-3 x1.1.",
-      "Collectives: ring at 70% of " + Fmt("%.0f", cluster.gpu.link_bytes_per_s / 1e9) +
-          " GB/s per GPU link" +
-          (cluster.nodes > 1
-               ? " (" + Fmt("%.0f", cluster.inter_node_bytes_per_s / 1e9) + " GB/s between nodes)"
-               : std::string()) +
-          "; ZeRO-3 moves 1.5x the data of ZeRO-1/2 per micro-batch.",
+          Fmt("%.0f", options.gpu_safety_fraction * 100) + "%; " +
+          (result.host_ram_checked
+               ? "CPU per node <= " + Fmt("%.0f", options.cpu_usable_fraction * 100) +
+                     "% of RAM less " + GiB(options.cpu_per_process_bytes) +
+                     " GiB per GPU process; pinned <= " +
+                     Fmt("%.0f", options.pinned_fraction * 100) + "% of RAM"
+               : std::string("host RAM not checked")) +
+          "; NVMe <= " + Fmt("%.0f", options.nvme_usable_fraction * 100) + "% of capacity.",
+      "Compute (Note [Step-time model]): each Linear as an M x K x N GEMM (M = micro-batch x "
+      "sequence tokens) at " + Fmt("%.0f", cluster.gpu.gemm_efficiency * 100) + "% of " +
+          Fmt("%.0f", peak_flops / 1e12) + " TFLOPS plus its operands at " +
+          Fmt("%.0f", k.hbm_efficiency * 100) + "% of " +
+          Fmt("%.0f", cluster.gpu.hbm_bytes_per_s / 1e9) +
+          " GB/s HBM; attention at " + Fmt("%.0f", cluster.gpu.attention_efficiency * 100) +
+          "% of peak; elementwise kernels memory-bound; MFU counts 6N + 12Lsd per token "
+          "(LoRA 4N + 6N_adapters), HFU adds recomputation.",
+      "Collectives: NCCL ring at " + Fmt("%.0f", k.link_efficiency * 100) + "% of " +
+          Fmt("%.0f", cluster.gpu.link_bytes_per_s / 1e9) + " GB/s per GPU link" +
+          (cluster.nodes > 1 ? "; across nodes " + Fmt("%.0f", k.network_efficiency * 100) +
+                                   "% of " + Fmt("%.0f", cluster.InterNodeBytesPerS() / 1e9) +
+                                   " GB/s per node" +
+                                   (cluster.inter_node_bytes_per_s > 0
+                                        ? std::string()
+                                        : " (the " + cluster.gpu.name +
+                                              " reference server's network; --inter-node-bw for "
+                                              "yours)")
+                             : std::string()) +
+          "; ZeRO-3 gathers the 16-bit parameters twice and reduce-scatters the gradients every "
+          "micro-batch.",
       "PCIe Gen" + std::to_string(cluster.PcieGen()) + ": " +
-          Fmt("%.1f", cluster.PcieBytesPerS() / 1e9) +
-          " GB/s per GPU pinned, half unpinned; CPU Adam " +
-          Fmt("%.2g", cluster.CpuAdamParamsPerS()) + " params/s per node (" +
-          cluster.cpu_adam_source + "); NVMe " + Fmt("%.1f", cluster.NvmeReadBytesPerS() / 1e9) +
-          " / " + Fmt("%.1f", cluster.NvmeWriteBytesPerS() / 1e9) + " GB/s read / write (" +
+          Fmt("%.1f", cluster.PcieLineBytesPerS() * k.pcie_efficiency / 1e9) +
+          " GB/s per host link pinned (" + std::to_string(cluster.gpu.gpus_per_pcie_switch) +
+          " GPU(s) per link), half unpinned; CPU Adam " + Fmt("%.2g", cluster.CpuAdamParamsPerS()) +
+          " params/s per node (" + cluster.cpu_adam_source + "); NVMe " +
+          Fmt("%.1f", cluster.NvmeReadBytesPerS() / 1e9) + " / " +
+          Fmt("%.1f", cluster.NvmeWriteBytesPerS() / 1e9) + " GB/s read / write (" +
           cluster.nvme_bandwidth_source + ").",
-      "Overlap: gradient reduction hides behind backward, ZeRO-3 gathers and parameter fetches "
-      "behind compute; the optimizer step, the post-step all-gather and parameter upload are "
-      "serial.",
+      "Overlap: gathers and parameter fetches hide behind forward, gradient reduction and copies "
+      "behind backward (" + Fmt("%.0f", k.overlap_interference * 100) +
+          "% of the overlapped time still slows compute); the optimizer step, the post-step "
+          "all-gather and parameter upload are serial; " + Fmt("%.0f", k.step_fixed_s * 1000) +
+          " ms fixed per step.",
+      "Ranking: plans within " + Fmt("%.0f", options.tie_fraction * 100) +
+          "% of each other tie; ties go to the job's own optimizer, less offload, then more GPU "
+          "headroom.",
   };
+  if (options.tune_buffers) {
+    result.assumptions.push_back(
+        "DeepSpeed buffers tuned from the model (Note [Tuned buffers]): buckets, prefetch and "
+        "live-parameter limits from h = " + std::to_string(arch.hidden) +
+        " and the largest layer, sub-groups and NVMe buffers from the pinned budget; a tighter set "
+        "is tried when the first does not fit.");
+  }
   return result;
+}
+
+std::vector<std::string> TrainerSettings(const Plan& plan,
+                                         const estimator::ModelInventory& inventory,
+                                         bool for_hf_trainer) {
+  const TrainingSetup& s = plan.setup;
+  std::vector<std::string> out;
+  if (s.checkpointing == Checkpointing::kFull) {
+    out.push_back("turn on gradient checkpointing in the model: "
+                  "model.gradient_checkpointing_enable() (Hugging Face) or "
+                  "TrainingArguments(gradient_checkpointing=True); DeepSpeed's "
+                  "activation_checkpointing block only configures deepspeed.checkpointing");
+  } else if (s.checkpointing == Checkpointing::kSelective) {
+    out.push_back("recompute the attention core only (Megatron's --recompute-granularity "
+                  "selective, or torch.utils.checkpoint around the attention of each layer)");
+  } else {
+    out.push_back("leave gradient checkpointing off (the plan keeps every activation)");
+  }
+  out.push_back(s.flash_attention
+                    ? "use memory-efficient attention: attn_implementation=\"sdpa\" (or "
+                      "\"flash_attention_2\") when loading the model"
+                    : "eager attention was assumed (--no-flash-attention): "
+                      "attn_implementation=\"eager\"");
+  const std::string precision =
+      s.precision == Precision::kFp16Mixed ? "fp16=True"
+      : s.precision == Precision::kFp32    ? "neither bf16 nor fp16"
+                                           : "bf16=True";
+  out.push_back(std::string(for_hf_trainer ? "Hugging Face Trainer (the DeepSpeed file says "
+                                             "\"auto\"): "
+                                           : "Hugging Face Trainer: ") +
+                "per_device_train_batch_size=" + std::to_string(s.micro_batch) +
+                ", gradient_accumulation_steps=" + std::to_string(s.grad_accum) + ", " +
+                precision);
+  if (s.optimizer == Optimizer::kAdam8bit) {
+    out.push_back("use bitsandbytes' 8-bit AdamW: TrainingArguments(optim=\"adamw_bnb_8bit\") or "
+                  "bnb.optim.AdamW8bit");
+  }
+  if (s.lora_rank > 0) {
+    out.push_back("wrap the model with PEFT LoRA r=" + std::to_string(s.lora_rank) +
+                  (s.qlora ? " over a 4-bit base (BitsAndBytesConfig(load_in_4bit=True, "
+                             "bnb_4bit_quant_type=\"nf4\"))"
+                           : ""));
+  }
+  (void)inventory;
+  return out;
+}
+
+nlohmann::json TrainerSettingsJson(const Plan& plan, const estimator::ModelInventory& inventory) {
+  const TrainingSetup& s = plan.setup;
+  nlohmann::json j = {
+      {"gradient_checkpointing", s.checkpointing != Checkpointing::kNone},
+      {"attn_implementation", s.flash_attention ? "sdpa" : "eager"},
+      {"per_device_train_batch_size", s.micro_batch},
+      {"gradient_accumulation_steps", s.grad_accum},
+      {"bf16", s.precision == Precision::kBf16Mixed || s.precision == Precision::kBf16Pure},
+      {"fp16", s.precision == Precision::kFp16Mixed}};
+  if (s.optimizer == Optimizer::kAdam8bit) j["optim"] = "adamw_bnb_8bit";
+  (void)inventory;
+  return j;
 }
 
 nlohmann::json ToJson(const Plan& p) {
   return {{"family", p.family},
           {"zero_stage", p.setup.zero_stage},
+          {"sharding", p.sharding == Sharding::kHybrid ? "hybrid" : "full"},
+          {"optimizer", std::string(OptimizerName(p.setup.optimizer))},
           {"offload_optimizer", std::string(OffloadDeviceName(p.setup.offload_optimizer))},
           {"offload_param", std::string(OffloadDeviceName(p.setup.offload_param))},
           {"activation_checkpointing", std::string(CheckpointingName(p.setup.checkpointing))},
           {"micro_batch", p.setup.micro_batch},
           {"grad_accum", p.setup.grad_accum},
           {"pin_memory", p.setup.pin_memory},
+          {"buffers", p.buffers},
           {"gpu_bytes", p.peak.gpu_bytes},
           {"gpu_capacity_bytes", p.gpu_capacity_bytes},
+          {"gpu_headroom_bytes", p.HeadroomBytes()},
           {"cpu_bytes", p.peak.cpu_bytes},
           {"nvme_bytes", p.peak.nvme_bytes},
           {"pinned_bytes", p.peak.pinned_bytes},
@@ -514,21 +807,71 @@ nlohmann::json ToJson(const Plan& p) {
             {"exposed_comm_s", p.time.exposed_comm_s},
             {"exposed_offload_s", p.time.exposed_offload_s},
             {"exposed_optimizer_s", p.time.exposed_optimizer_s},
+            {"gemm_s", p.time.gemm_s},
+            {"attention_s", p.time.attention_s},
+            {"elementwise_s", p.time.elementwise_s},
+            {"host_wait_s", p.time.host_wait_s},
             {"bound", p.time.bound}}},
           {"tokens_per_s", p.tokens_per_s},
           {"mfu", p.mfu},
+          {"hfu", p.hfu},
+          {"buckets",
+           {{"reduce_bucket_size", p.setup.reduce_bucket_size},
+            {"allgather_bucket_size", p.setup.allgather_bucket_size},
+            {"stage3_prefetch_bucket_size", p.setup.stage3_prefetch_bucket_size},
+            {"stage3_param_persistence_threshold", p.setup.stage3_param_persistence_threshold},
+            {"stage3_max_live_parameters", p.setup.stage3_max_live_parameters},
+            {"sub_group_size", p.setup.sub_group_size},
+            {"param_buffer_size", p.setup.param_buffer_size},
+            {"param_buffer_count", p.setup.param_buffer_count},
+            {"optimizer_buffer_count", p.setup.optimizer_buffer_count}}},
           {"why", p.why}};
 }
 
 nlohmann::json ToJson(const PlanResult& r, const Cluster& cluster, const Job& job) {
   nlohmann::json plans = nlohmann::json::array();
-  for (const Plan& p : r.plans) plans.push_back(ToJson(p));
+  for (const Plan& p : r.plans) {
+    nlohmann::json j = ToJson(p);
+    j["tokens_per_s_per_gpu"] = p.tokens_per_s / static_cast<double>(cluster.WorldSize());
+    plans.push_back(j);
+  }
   nlohmann::json rejected = nlohmann::json::array();
-  for (const Rejection& x : r.rejected) rejected.push_back({{"plan", x.plan}, {"reason", x.reason}});
-  return {{"cluster", ToJson(cluster)}, {"job", ToJson(job, r.seq_len)},
-          {"plans", plans},             {"rejected", rejected},
-          {"assumptions", r.assumptions}, {"configurations", r.configurations},
+  for (const Rejection& x : r.rejected) {
+    nlohmann::json j = {{"plan", x.plan}, {"reason", x.reason}};
+    if (x.over_ratio > 0) {
+      j["over_ratio"] = x.over_ratio;
+      j["tier"] = x.tier;
+    }
+    rejected.push_back(j);
+  }
+  return {{"cluster", ToJson(cluster)},
+          {"job", ToJson(job, r.seq_len)},
+          {"plans", plans},
+          {"rejected", rejected},
+          {"suggestions", r.suggestions},
+          {"gaps", r.gaps},
+          {"host_ram_checked", r.host_ram_checked},
+          {"assumptions", r.assumptions},
+          {"configurations", r.configurations},
           {"grid_size", r.grid_size}};
+}
+
+nlohmann::json PlanReportJson(const PlanResult& result, const Cluster& cluster, const Job& job,
+                              const estimator::ModelInventory& inventory, size_t top,
+                              size_t plan_index, bool for_hf_trainer) {
+  nlohmann::json j = ToJson(result, cluster, job);
+  if (j["plans"].size() > top) {
+    nlohmann::json kept = nlohmann::json::array();
+    for (size_t i = 0; i < top; ++i) kept.push_back(j["plans"][i]);
+    j["plans"] = kept;
+  }
+  if (plan_index < result.plans.size()) {
+    const Plan& chosen = result.plans[plan_index];
+    j["trainer"] = TrainerSettingsJson(chosen, inventory);
+    j["trainer"]["plan_index"] = plan_index + 1;
+    j["trainer"]["notes"] = TrainerSettings(chosen, inventory, for_hf_trainer);
+  }
+  return j;
 }
 
 std::string FormatPlanText(const PlanResult& r, const Cluster& c, const Job& job, size_t top) {
@@ -536,9 +879,10 @@ std::string FormatPlanText(const PlanResult& r, const Cluster& c, const Job& job
   fixed.seq_len = r.seq_len;
   std::string out = estimator::SetupLine(fixed, /*searched=*/true) + "\n";
   out += "Plans for " + job.model + " on " + std::to_string(c.nodes) + " node(s) x " +
-                    std::to_string(c.gpus_per_node) + " " + c.gpu.name + " (" +
-                    GiB(c.gpu.memory_bytes) + " GiB)";
-  if (c.cpu_memory_bytes > 0) out += ", " + GiB(c.cpu_memory_bytes) + " GiB RAM per node";
+         std::to_string(c.gpus_per_node) + " " + c.gpu.name + " (" + GiB(c.gpu.memory_bytes) +
+         " GiB)";
+  out += c.cpu_memory_bytes > 0 ? ", " + GiB(c.cpu_memory_bytes) + " GiB RAM per node"
+                                : std::string(", host RAM not checked");
   if (!c.nvme_path.empty()) out += ", NVMe at " + c.nvme_path;
   out += "\nGlobal batch " + std::to_string(job.global_batch) + " x " + std::to_string(r.seq_len) +
          " tokens; " + std::to_string(r.grid_size) + " configurations, " +
@@ -547,19 +891,20 @@ std::string FormatPlanText(const PlanResult& r, const Cluster& c, const Job& job
     out += "No configuration fits.\n";
   } else {
     char line[512];
-    std::snprintf(line, sizeof(line), "%-3s %-38s %-9s %4s %4s %9s %9s %9s %8s %10s\n", "#",
+    std::snprintf(line, sizeof(line), "%-3s %-40s %-9s %4s %4s %8s %8s %8s %8s %10s %5s\n", "#",
                   "plan", "ckpt", "mb", "ga", "GPU GiB", "CPU GiB", "NVMe GiB", "step s",
-                  "tokens/s");
+                  "tok/s/GPU", "MFU");
     out += line;
     for (size_t i = 0; i < r.plans.size() && i < top; ++i) {
       const Plan& p = r.plans[i];
-      std::snprintf(line, sizeof(line), "%-3zu %-38s %-9s %4lld %4lld %9s %9s %9s %8.2f %10.0f\n",
-                    i + 1, p.family.c_str(),
-                    std::string(CheckpointingName(p.setup.checkpointing)).c_str(),
+      std::snprintf(line, sizeof(line),
+                    "%-3zu %-40s %-9s %4lld %4lld %8s %8s %8s %8.2f %10.0f %4.0f%%\n", i + 1,
+                    p.family.c_str(), std::string(CheckpointingName(p.setup.checkpointing)).c_str(),
                     static_cast<long long>(p.setup.micro_batch),
                     static_cast<long long>(p.setup.grad_accum), GiB(p.peak.gpu_bytes).c_str(),
                     GiB(p.peak.cpu_bytes).c_str(), GiB(p.peak.nvme_bytes).c_str(),
-                    p.time.total_s, p.tokens_per_s);
+                    p.time.total_s, p.tokens_per_s / static_cast<double>(c.WorldSize()),
+                    p.mfu * 100);
       out += line;
     }
     out += "\n";
@@ -567,15 +912,24 @@ std::string FormatPlanText(const PlanResult& r, const Cluster& c, const Job& job
       const Plan& p = r.plans[i];
       std::snprintf(line, sizeof(line),
                     "%zu. step %.2f s = compute %.2f + comm %.2f + offload %.2f + optimizer %.2f "
-                    "(MFU %.0f%%)\n   ",
+                    "(MFU %.0f%%, HFU %.0f%%)\n   ",
                     i + 1, p.time.total_s, p.time.compute_s, p.time.exposed_comm_s,
-                    p.time.exposed_offload_s, p.time.exposed_optimizer_s, p.mfu * 100);
+                    p.time.exposed_offload_s, p.time.exposed_optimizer_s, p.mfu * 100,
+                    p.hfu * 100);
       out += line + p.why + "\n";
     }
   }
   if (!r.rejected.empty()) {
-    out += "\nRejected:\n";
+    out += r.plans.empty() ? "\nRejected (closest to fitting first):\n" : "\nRejected:\n";
     for (const Rejection& x : r.rejected) out += "  " + x.plan + ": " + x.reason + "\n";
+  }
+  if (!r.suggestions.empty()) {
+    out += "\nWhat would make it fit:\n";
+    for (const std::string& s : r.suggestions) out += "  - " + s + "\n";
+  }
+  if (!r.gaps.empty()) {
+    out += "\nNot checked:\n";
+    for (const std::string& g : r.gaps) out += "  - " + g + "\n";
   }
   out += "\nAssumptions:\n";
   for (const std::string& a : r.assumptions) out += "  - " + a + "\n";

@@ -15,42 +15,35 @@
 // configuration is tried again with pin_memory off (PCIe at half speed); (d) NVMe bytes per node
 // are at most nvme_usable_fraction (90%) of the capacity, and an NVMe path is given.
 //
-// Note [Step-time model]
-// Per optimizer step (global batch B sequences of s tokens, data-parallel degree d = GPUs):
-//   compute   = (B s / d) x F / (peak x MFU x b s / (b s + 256)), F = 6N + 12 L h s FLOPs per token
-//               (LoRA: 4N, no weight gradients), + 2N + 4 L h s for full recompute, + 4 L h s for
-//               selective; peak is the GPU's dense bf16/fp16/TF32 figure; the b s / (b s + 256)
-//               factor is the small-micro-batch efficiency loss; ZeRO-3 compute is x1.1 (per-layer
-//               gather/release hooks and synchronisation).
-//   collectives (ring, at 70% of the link's per-direction bandwidth; across nodes the slower of
-//               the GPU link and the per-node network): with S = trainable x 2 bytes (16-bit
-//               gradients) and f = (d - 1) / d: stage 0 all-reduce 2 f S once per step; stage 1
-//               reduce-scatter f S once plus all-gather f S after the step; stage 2 reduce-scatter
-//               f S every micro-batch plus the all-gather after the step; stage 3 all-gather of
-//               the 16-bit parameters in forward and in backward plus the reduce-scatter, every
-//               micro-batch (1.5x the data of stages 1/2 per micro-batch).
-//   PCIe       (per GPU x16 link at 80% of 16/32/63 GB/s for Gen 3/4/5, half without pinned
-//               memory): optimizer offload moves each micro-batch's 16-bit gradient partition
-//               down and the updated 16-bit parameters up once per step (4 bytes/param);
-//               parameter offload uploads the parameter partition in forward and in backward.
-//   CPU optimizer: trainable parameters per node / the node's Adam rate (`bench adam`, or the
-//               prior 5e7 params/s per core, at most 3e9 per node).
-//   NVMe       (`bench nvme`, or the prior 3.2 / 2.6 GB/s read / write): optimizer offload reads
-//               and writes the fp32 master weights and optimizer states once per step, pipelined
-//               with the CPU optimizer (read i+1 | step i | write i-1), so that phase takes the
-//               larger of the two; parameter offload reads the 16-bit parameters in forward and
-//               backward and writes them after the step.
-// Overlap rules: gradient reduction (stages 0-2) overlaps the backward pass (2/3 of compute);
-// ZeRO-3 collectives, parameter uploads and parameter reads from NVMe overlap all of compute
-// (prefetch); gradient copies to the host overlap the backward pass. Each overlapped component
-// adds only what exceeds its window, and since they use different links only the largest excess
-// counts. Serial: the all-gather after the step (stages 1-2), the parameter upload after an
-// offloaded step, the CPU optimizer / NVMe optimizer phase, NVMe parameter writes.
+// The step-time model is planner/step_time.h (Note [Step-time model]).
 //
+// Note [Ranking]
+// Plans are compared by tokens per second. Two plans whose speeds differ by less than the time
+// model's noise (tie_fraction, 3%) are a tie: the tie goes to the plan that keeps the user's
+// choices (their optimizer), offloads less (host memory, pinned buffers and PCIe traffic are what
+// breaks on a shared node), then has more GPU headroom. Ties are resolved in tiers: the fastest
+// plan and every plan within the noise of it form the first tier, ordered by those rules; the
+// rest are ranked the same way.
+//
+// Note [Tuned buffers]
+// DeepSpeed's buffers are chosen from the model, not left at DeepSpeed's defaults, and the search
+// tries a second, tighter set when the first does not fit:
+//   reduce / allgather bucket (ZeRO-1/2): 2e8 elements (each collective moves ~400 MB, far above
+//     NCCL's latency-bound sizes), tight h^2; ZeRO-3 reduce bucket h^2 (the Hugging Face "auto"),
+//     tight h^2 / 4;
+//   stage3_prefetch_bucket_size: one transformer layer (the next layer's gather overlaps this
+//     layer's compute), tight 0.9 h^2 (Hugging Face "auto"); stage3_param_persistence_threshold
+//     10 h (norms and biases stay whole); stage3_max_live_parameters: three layers, at least 1e8;
+//   sub_group_size: 1e9 (DeepSpeed's default) when the fp32 conversion of a sub-group fits, tight
+//     1e8; with NVMe optimizer offload, the largest that keeps buffer_count pinned sub-groups within
+//     the pinned budget per process (memlock, half the RAM);
+//   offload_param buffer_size: the largest parameter tensor (DeepSpeed asserts it holds one),
+//     buffer_count 5, fewer when the pinned budget is tight; the aio block from --nvme-bench.
 // Thread safety: pure functions over plain values.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -62,6 +55,7 @@
 #include "estimator/training_setup.h"
 #include "planner/cluster.h"
 #include "planner/job.h"
+#include "planner/step_time.h"
 
 namespace memplan::planner {
 
@@ -73,50 +67,67 @@ struct SearchOptions {
   double pinned_fraction = 0.5;            // of RAM that may be pinned
   double nvme_usable_fraction = 0.9;       // of the NVMe capacity
   bool allow_nvme = true;                  // false: no NVMe offload even with a path
-  // Restrict the grid (empty = all). Stage -1 = all.
+  // Restrict the grid ("what if": a given configuration scored like any plan). Stage -1 = all.
   int only_stage = -1;
+  std::optional<estimator::OffloadDevice> only_offload_optimizer;
+  std::optional<estimator::OffloadDevice> only_offload_param;
+  std::optional<estimator::Checkpointing> only_checkpointing;
+  int64_t only_micro_batch = 0;  // 0 = all divisors of the per-GPU batch
+  std::optional<Sharding> only_sharding;  // ZeRO-3 on several nodes: full or hybrid
+  // Candidates beyond the job's own optimizer: 8-bit AdamW (bitsandbytes) for an AdamW job, on the
+  // GPU, where it is faster. Off when the user chose the optimizer.
+  bool consider_8bit = false;
+  bool tune_buffers = true;  // Note [Tuned buffers]; false: DeepSpeed's defaults
+  double tie_fraction = 0.03;  // Note [Ranking]
   Status Validate() const;
-};
-
-// Predicted step time, each part in seconds (Note [Step-time model]).
-struct StepTime {
-  double compute_s = 0;
-  double comm_s = 0;         // collectives, total
-  double pcie_s = 0;         // host <-> GPU transfers, total
-  double optimizer_s = 0;    // CPU optimizer step (offloaded optimizer)
-  double nvme_s = 0;         // NVMe reads and writes, total
-  double exposed_comm_s = 0;     // the part of comm_s not hidden behind compute
-  double exposed_offload_s = 0;  // the part of pcie_s + nvme_s not hidden (optimizer phase aside)
-  double exposed_optimizer_s = 0;  // the optimizer phase: max(CPU optimizer, NVMe optimizer I/O)
-  double total_s = 0;
-  std::string bound;  // "compute", "communication", "PCIe", "CPU optimizer", "NVMe"
 };
 
 struct Plan {
   estimator::TrainingSetup setup;  // stage, offload, checkpointing, micro_batch, grad_accum, ...
+  Sharding sharding = Sharding::kFull;  // ZeRO-3: over all GPUs, or hybrid (within each node)
   estimator::PeakMemory peak;
   uint64_t gpu_capacity_bytes = 0;  // usable, after the safety margin
   StepTime time;
-  double tokens_per_s = 0;
-  double mfu = 0;  // 6N x tokens/s / (peak FLOPs x GPUs)
+  double tokens_per_s = 0;      // all GPUs
+  double mfu = 0;  // model FLOPs x tokens/s / (peak FLOPs x GPUs) (LoRA: LoRA's FLOPs)
+  double hfu = 0;  // the same with the recomputed FLOPs
   std::string family;  // "ZeRO-2", "ZeRO-3 + optimizer on CPU", ...
+  std::string buffers;  // "tuned" or "tight" (Note [Tuned buffers]), "defaults"
   std::string why;     // one or two sentences for people
+  // GPU headroom: usable minus peak, per GPU.
+  uint64_t HeadroomBytes() const {
+    return gpu_capacity_bytes > peak.gpu_bytes ? gpu_capacity_bytes - peak.gpu_bytes : 0;
+  }
 };
 
 struct Rejection {
   std::string plan;    // family name
   std::string reason;  // "needs 93.1 GiB per GPU, has 76.0 usable of 80.0"
+  // How close it came: needed / usable of the tier that failed (>= 1); 0 when the family could
+  // not be tried at all (no NVMe drive, an optimizer DeepSpeed cannot offload).
+  double over_ratio = 0;
+  std::string tier = "";  // "gpu", "cpu", "pinned", "memlock", "nvme", "" (not tried)
+  // The smallest configuration tried (micro-batch 1, full checkpointing): its setup.
+  estimator::TrainingSetup setup = {};
+  Sharding sharding = Sharding::kFull;
 };
 
 struct PlanResult {
   std::vector<Plan> plans;  // best configuration of each feasible family, fastest first
+  // Families that cannot run, closest to fitting first (Rejection::over_ratio).
   std::vector<Rejection> rejected;
+  // When nothing fits: what would make the closest family fit, each checked with the memory
+  // model ("2 nodes: ZeRO-3 needs 61.2 GiB per GPU").
+  std::vector<std::string> suggestions;
+  // What the report cannot check and says so ("host RAM not checked: ...").
+  std::vector<std::string> gaps;
   std::vector<std::string> assumptions;
   int64_t seq_len = 0;
   int64_t configurations = 0;  // grid points evaluated with the memory model
   // All grid points: families x checkpointing x micro-batches; those not evaluated were skipped
   // because a smaller micro-batch of the same family already did not fit GPU memory.
   int64_t grid_size = 0;
+  bool host_ram_checked = false;  // the cluster's RAM is known (--cpu-mem, --detect, --cluster)
 };
 
 // Runs the search. Errors: an invalid cluster, job or options; a global batch the GPUs do not
@@ -124,28 +135,29 @@ struct PlanResult {
 Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const Cluster& cluster,
                                const Job& job, const SearchOptions& options = {});
 
-// Model facts the time model needs.
-struct TimeModelInputs {
-  double params = 0;     // N, all parameters
-  double trainable = 0;  // trained parameters (N, or the LoRA adapters)
-  double layers = 0;     // L (encoder + decoder)
-  double hidden = 0;     // h
-  double seq_len = 0;    // s
-};
-
-// The step time of `setup` for `global_batch` sequences (Note [Step-time model]); `pinned`: host
-// buffers are pinned.
-StepTime PredictStepTime(const TimeModelInputs& model, const Cluster& cluster,
-                         const estimator::TrainingSetup& setup, int64_t global_batch, bool pinned);
-
-// "ZeRO-3 + optimizer on NVMe + params on CPU".
+// "ZeRO-3 + optimizer on NVMe + params on CPU"; hybrid: "ZeRO-3 hybrid (shard per node)"; the
+// 8-bit optimizer when it replaces the job's: " + 8-bit AdamW".
 std::string FamilyName(int stage, estimator::OffloadDevice optimizer,
-                       estimator::OffloadDevice param);
+                       estimator::OffloadDevice param, Sharding sharding = Sharding::kFull,
+                       bool eight_bit = false);
+
+// What the training script must do besides loading the emitted configs, for `plan`: turn on
+// gradient checkpointing in the model, the attention implementation, the Hugging Face Trainer's
+// settings when --for-hf-trainer leaves them "auto". One sentence each.
+std::vector<std::string> TrainerSettings(const Plan& plan, const estimator::ModelInventory& inventory,
+                                         bool for_hf_trainer);
+nlohmann::json TrainerSettingsJson(const Plan& plan, const estimator::ModelInventory& inventory);
 
 // `memplan plan --format json`: {"cluster", "job", "plans": [...], "rejected": [...],
 // "assumptions", "configurations"}.
 nlohmann::json ToJson(const Plan& plan);
 nlohmann::json ToJson(const PlanResult& result, const Cluster& cluster, const Job& job);
+// The document `plan --format json` prints and the Python / C requests return: ToJson(result)
+// with its plans cut to `top`, and "trainer" (TrainerSettingsJson plus "plan_index", 1-based, and
+// "notes") for the plan at `plan_index` (0-based) when it exists.
+nlohmann::json PlanReportJson(const PlanResult& result, const Cluster& cluster, const Job& job,
+                              const estimator::ModelInventory& inventory, size_t top,
+                              size_t plan_index, bool for_hf_trainer);
 // The table people read: top `top` plans, then rejected families, then assumptions.
 std::string FormatPlanText(const PlanResult& result, const Cluster& cluster, const Job& job,
                            size_t top);

@@ -168,6 +168,12 @@ int Main(int argc, char** argv) {
   std::set_terminate(OnTerminate);
   Outcome outcome = RunCli(std::vector<std::string>(argv, argv + argc));
   if (!outcome.error.empty()) {
+    // A report that explains the error (`plan --emit-*` when no plan fits: why, and what would
+    // make one fit) goes to stdout first.
+    if (outcome.report_with_error) {
+      [[maybe_unused]] Status ignored =
+          WriteStdoutAndClose(Printable(outcome.stdout_text, /*keep_newlines=*/true));
+    }
     PrintError(outcome.error);
     return outcome.exit_code == kExitOk ? kExitBadInput : outcome.exit_code;
   }

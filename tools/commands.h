@@ -32,6 +32,9 @@ struct Outcome {
   std::string stdout_text;
   std::vector<OutputFile> files;
   std::string error;  // one line, no trailing newline
+  // With an error: stdout_text is a report that explains it, printed before the error line
+  // (`plan --emit-*` when no plan fits). Otherwise an error prints nothing on stdout.
+  bool report_with_error = false;
 };
 
 // Records `status` (an error) as the outcome: its message, and exit 1 for kInternal, else 2.

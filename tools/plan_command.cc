@@ -163,6 +163,12 @@ struct PlanFlags {
   int64_t seq_len = 0;
   std::string precision;  // empty: bf16-mixed, or fp16-mixed on GPUs without bf16
   std::string optimizer = "adamw";
+  bool optimizer_given = false;  // --optimizer on the command line: no 8-bit candidates
+  // "What if": restrict the search to a given configuration (scored like any plan).
+  int zero_stage = -1;
+  std::string offload_optimizer, offload_param, checkpointing, sharding;
+  int64_t micro_batch = 0;
+  bool default_buffers = false;  // DeepSpeed's default buffer sizes instead of tuned ones
   int64_t lora_rank = 0;
   std::vector<std::string> lora_targets;
   bool qlora = false;
@@ -174,7 +180,7 @@ struct PlanFlags {
   size_t plan_index = 0;
   std::string format = "text";
   std::string output;
-  std::string emit_deepspeed, emit_accelerate, emit_fsdp, emit_schedule;
+  std::string emit_deepspeed, emit_accelerate, emit_fsdp, emit_schedule, emit_trainer;
   std::string svg;  // the picture of the top plans; empty: none
   std::string accelerate_plugin = "deepspeed";
   bool for_hf_trainer = false;
@@ -190,8 +196,10 @@ struct NotedFile {
 
 // The emitted configs of the chosen plan (--emit-*) and the picture of the top plans (--svg),
 // added to `*outcome`'s files (which the driver writes all or nothing, with -o's), each with a
-// "wrote PATH (...)" line added to `*written`. Errors: emit flags when no plan fits or
-// --plan-index is past the plans, and emitter failures.
+// "wrote PATH (...)" line added to `*written`. An emitter that does not apply to the plan (FSDP
+// for an NVMe plan, a Schedule for a plan that offloads nothing) is skipped with a "not written
+// PATH: why" line while the others are written. Errors: emit flags when no plan fits or
+// --plan-index is past the plans.
 Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
                 const planner::Cluster& cluster, const planner::Job& job,
                 const planner::SearchOptions& search_options,
@@ -199,10 +207,13 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
                 Outcome* outcome) {
   std::vector<NotedFile> files;
   const bool any_emit = !f.emit_deepspeed.empty() || !f.emit_accelerate.empty() ||
-                        !f.emit_fsdp.empty() || !f.emit_schedule.empty();
+                        !f.emit_fsdp.empty() || !f.emit_schedule.empty() ||
+                        !f.emit_trainer.empty();
   if (any_emit) {
     if (result.plans.empty()) {
-      return Status::InvalidArgument("no plan fits, so there is nothing to emit");
+      return Status::InvalidArgument(
+          "no plan fits, so there is nothing to emit (the report above says why and what would "
+          "make one fit)");
     }
     if (f.plan_index >= result.plans.size()) {
       return Status::InvalidArgument("--plan-index " + std::to_string(f.plan_index + 1) +
@@ -216,23 +227,31 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
     options.learning_rate = f.lr;
     options.deepspeed_config_path = f.emit_deepspeed;
     options.accelerate_plugin = f.accelerate_plugin;
+    auto add = [&](const std::string& path, Result<std::string> text) {
+      if (text.ok()) {
+        files.push_back({path, *text, note});
+      } else {
+        *written += "not written " + path + ": " + text.status().message() + "\n";
+      }
+    };
+    auto dump = [](Result<nlohmann::ordered_json> j) -> Result<std::string> {
+      if (!j.ok()) return j.status();
+      return JsonOutput(*j);
+    };
     if (!f.emit_deepspeed.empty()) {
-      MEMPLAN_ASSIGN_OR_RETURN(auto ds,
-                               planner::DeepSpeedConfig(plan, cluster, inventory, options));
-      files.push_back({f.emit_deepspeed, JsonOutput(ds), note});
+      add(f.emit_deepspeed, dump(planner::DeepSpeedConfig(plan, cluster, inventory, options)));
     }
     if (!f.emit_accelerate.empty()) {
-      MEMPLAN_ASSIGN_OR_RETURN(std::string yaml,
-                               planner::AccelerateConfig(plan, cluster, inventory, options));
-      files.push_back({f.emit_accelerate, yaml, note});
+      add(f.emit_accelerate, planner::AccelerateConfig(plan, cluster, inventory, options));
     }
     if (!f.emit_fsdp.empty()) {
-      MEMPLAN_ASSIGN_OR_RETURN(auto fsdp, planner::FsdpConfig(plan, cluster, inventory));
-      files.push_back({f.emit_fsdp, JsonOutput(fsdp), note});
+      add(f.emit_fsdp, dump(planner::FsdpConfig(plan, cluster, inventory)));
     }
     if (!f.emit_schedule.empty()) {
-      MEMPLAN_ASSIGN_OR_RETURN(auto schedule, planner::Schedule(plan, cluster, inventory));
-      files.push_back({f.emit_schedule, JsonOutput(schedule), note});
+      add(f.emit_schedule, dump(planner::Schedule(plan, cluster, inventory)));
+    }
+    if (!f.emit_trainer.empty()) {
+      add(f.emit_trainer, dump(planner::TrainerArguments(plan, cluster, inventory, options)));
     }
   }
   if (!f.svg.empty()) {
@@ -296,27 +315,62 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   planner::SearchOptions options;
   options.gpu_safety_fraction = f.gpu_margin;
   options.allow_nvme = !f.no_nvme;
+  options.only_stage = f.zero_stage;
+  options.only_micro_batch = f.micro_batch;
+  options.consider_8bit = !f.optimizer_given;
+  options.tune_buffers = !f.default_buffers;
+  if (!f.offload_optimizer.empty()) {
+    auto d = estimator::ParseOffloadDevice(f.offload_optimizer);
+    if (!d.ok()) return fail(d.status());
+    options.only_offload_optimizer = *d;
+  }
+  if (!f.offload_param.empty()) {
+    auto d = estimator::ParseOffloadDevice(f.offload_param);
+    if (!d.ok()) return fail(d.status());
+    options.only_offload_param = *d;
+  }
+  if (!f.checkpointing.empty()) {
+    auto c = estimator::ParseCheckpointing(f.checkpointing);
+    if (!c.ok()) return fail(c.status());
+    options.only_checkpointing = *c;
+  }
+  if (!f.sharding.empty()) {
+    options.only_sharding = f.sharding == "hybrid" ? planner::Sharding::kHybrid
+                                                   : planner::Sharding::kFull;
+  }
   auto result = planner::SearchPlans(*inventory, *cluster, job, options);
   if (!result.ok()) return fail(result.status());
   if (!note.empty()) result->assumptions.push_back("--detect: " + note);
 
   std::string written;
-  if (Status st = AddFiles(f, *result, *cluster, job, options, *inventory, &written, outcome);
-      !st.ok()) {
-    return fail(st);
-  }
+  Status emitted = AddFiles(f, *result, *cluster, job, options, *inventory, &written, outcome);
+  // The plan the emitters write (or would write): what the trainer must also do.
+  const planner::Plan* chosen = nullptr;
+  if (f.plan_index < result->plans.size()) chosen = &result->plans[f.plan_index];
   std::string text;
   if (f.format == "json") {
-    nlohmann::json j = planner::ToJson(*result, *cluster, job);
-    if (j["plans"].size() > f.top) {
-      nlohmann::json top = nlohmann::json::array();
-      for (size_t i = 0; i < f.top; ++i) top.push_back(j["plans"][i]);
-      j["plans"] = top;
-    }
-    text = JsonOutput(j);
+    text = JsonOutput(planner::PlanReportJson(*result, *cluster, job, *inventory, f.top,
+                                              f.plan_index, f.for_hf_trainer));
   } else {
-    text = planner::FormatPlanText(*result, *cluster, job, f.top) +
-           (written.empty() ? "" : "\n" + written);
+    text = planner::FormatPlanText(*result, *cluster, job, f.top);
+    if (chosen != nullptr) {
+      text += "\nThe trainer must also (plan " + std::to_string(f.plan_index + 1) + "):\n";
+      for (const std::string& line : planner::TrainerSettings(*chosen, *inventory, f.for_hf_trainer)) {
+        text += "  - " + line + "\n";
+      }
+    }
+    text += written.empty() ? "" : "\n" + written;
+  }
+  if (!emitted.ok()) {
+    // Nothing fits: the report first (why, and what would make a plan fit), then the error,
+    // exit 2; no file is written.
+    outcome->files.clear();
+    fail(emitted);
+    if (result->plans.empty() && f.output.empty()) {
+      outcome->stdout_text = text;
+      outcome->report_with_error = true;
+    }
+    return;
   }
   if (f.output.empty()) {
     outcome->stdout_text = text;
@@ -358,10 +412,12 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
                   "on GPUs without bf16)")
       ->check(CLI::IsMember({"fp32", "fp16-mixed", "bf16-mixed", "bf16-pure"}))
       ->group(job);
-  cmd->add_option("--optimizer", f->optimizer, "adamw | adam8bit | sgd | lion | adafactor")
-      ->check(CLI::IsMember({"adamw", "adam8bit", "sgd", "lion", "adafactor"}))
-      ->capture_default_str()
-      ->group(job);
+  CLI::Option* optimizer =
+      cmd->add_option("--optimizer", f->optimizer,
+                      "adamw | adam8bit | sgd | lion | adafactor (default adamw; without the flag "
+                      "8-bit AdamW is also tried where it is faster)")
+          ->check(CLI::IsMember({"adamw", "adam8bit", "sgd", "lion", "adafactor"}))
+          ->group(job);
   cmd->add_option("--lora-rank", f->lora_rank, "LoRA rank; only the adapters train")
       ->check(CLI::Range(int64_t{1}, int64_t{65536}))
       ->group(job);
@@ -374,6 +430,31 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       ->check(CLI::Range(0.0, 1048576.0))
       ->capture_default_str()
       ->group(job);
+  const char* what_if = "What if (restrict the search; a given configuration is scored like any plan)";
+  cmd->add_option("--zero-stage", f->zero_stage, "Only this ZeRO stage (0-3)")
+      ->check(CLI::Range(0, 3))
+      ->group(what_if);
+  cmd->add_option("--offload-optimizer", f->offload_optimizer, "Only this optimizer placement")
+      ->check(CLI::IsMember({"none", "cpu", "nvme"}))
+      ->group(what_if);
+  cmd->add_option("--offload-param", f->offload_param, "Only this parameter placement (stage 3)")
+      ->check(CLI::IsMember({"none", "cpu", "nvme"}))
+      ->group(what_if);
+  cmd->add_option("--checkpointing", f->checkpointing, "Only this activation checkpointing")
+      ->check(CLI::IsMember({"none", "selective", "full"}))
+      ->group(what_if);
+  cmd->add_option("--micro-batch", f->micro_batch,
+                  "Only this micro-batch (it must divide the sequences per GPU)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+      ->group(what_if);
+  cmd->add_option("--sharding", f->sharding,
+                  "ZeRO-3 across nodes: full (over all GPUs) or hybrid (within each node: FSDP "
+                  "HYBRID_SHARD, DeepSpeed MiCS)")
+      ->check(CLI::IsMember({"full", "hybrid"}))
+      ->group(what_if);
+  cmd->add_flag("--default-buffers", f->default_buffers,
+                "Keep DeepSpeed's default bucket and buffer sizes instead of tuning them")
+      ->group(what_if);
   const char* search = "Search and output";
   cmd->add_option("--gpu-margin", f->gpu_margin,
                   "Fraction of GPU memory kept free beyond the estimate's own margins")
@@ -414,6 +495,10 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
   cmd->add_option("--emit-schedule", f->emit_schedule,
                   "Write the offload engine's Schedule (JSON, memplan.schedule/1)")
       ->group(emit);
+  cmd->add_option("--emit-trainer", f->emit_trainer,
+                  "Write the Hugging Face TrainingArguments and model settings the plan assumes "
+                  "(JSON: gradient checkpointing, attention implementation, batch, precision)")
+      ->group(emit);
   cmd->add_flag("--for-hf-trainer", f->for_hf_trainer,
                 "Use \"auto\" where the Hugging Face Trainer fills values")
       ->group(emit);
@@ -431,8 +516,9 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       "  memplan plan --model llama-2-70b --gpu a100-80 --gpus 8 --cpu-mem 1TiB --global-batch 64 "
       "--svg plans.svg\n"
       "\nExit status: 0 on success (also when nothing fits: see \"rejected\"), 2 on bad input.");
-  cmd->callback([f, outcome] {
+  cmd->callback([f, outcome, optimizer] {
     PlanFlags flags = *f;
+    flags.optimizer_given = optimizer->count() > 0;
     if (flags.plan_index > 0) flags.plan_index -= 1;  // 1-based on the command line
     RunPlan(flags, outcome);
   });

@@ -71,10 +71,17 @@ class PlanTest(unittest.TestCase):
         self.assertEqual(ds["zero_optimization"]["stage"], best["zero_stage"])
         self.assertEqual(ds["train_batch_size"], 64)
         self.assertIn("fsdp", ours["emitted"])
-        # The offload engine's Schedule exists only for plans that offload.
-        with self.assertRaisesRegex(ValueError, "offloads nothing"):
-            memplan.plan("llama-2-7b", gpu="a100-80", gpus=8, global_batch=64, seq_len=2048,
-                         emit=["schedule"])
+        # The offload engine's Schedule exists only for plans that offload: said so, while the
+        # others are emitted (as the CLI's "not written" lines).
+        both = memplan.plan("llama-2-7b", gpu="a100-80", gpus=8, global_batch=64, seq_len=2048,
+                            emit=["schedule", "trainer"])
+        self.assertIn("offloads nothing", both["not_emitted"]["schedule"])
+        self.assertNotIn("schedule", both["emitted"])
+        self.assertEqual(both["emitted"]["trainer"]["training_arguments"]["bf16"], True)
+        # Nothing fits: nothing to emit.
+        with self.assertRaisesRegex(ValueError, "nothing to emit"):
+            memplan.plan("llama-2-70b", gpu="rtx4090", cpu_mem="16GiB", allow_nvme=False,
+                         global_batch=8, emit=["deepspeed"])
         with self.assertRaisesRegex(ValueError, "emit"):
             memplan.plan("llama-2-7b", gpu="a100-80", global_batch=8, emit=["nonsense"])
 
