@@ -23,6 +23,29 @@ const char* DeviceName(OffloadDevice d) {
 // Where swap files go: a folder under the NVMe path, as DeepSpeed creates per-rank folders itself.
 std::string NvmePath(const Cluster& c) { return c.nvme_path.empty() ? "/local_nvme" : c.nvme_path; }
 
+// A YAML scalar in single quotes: a path with " #", ": " or a leading "-" stays one string.
+std::string YamlQuoted(const std::string& v) {
+  std::string out = "'";
+  for (char c : v) out += c == '\'' ? std::string("''") : std::string(1, c);
+  return out + "'";
+}
+
+// DeepSpeed 0.19 removed MiCS, its only ZeRO-3 sharding within a node group.
+Status HybridForDeepSpeed(const Plan& plan, const std::string& flag) {
+  if (plan.sharding != Sharding::kHybrid || plan.setup.zero_stage != 3) return Status::Ok();
+  return Status::InvalidArgument(
+      flag + ": plan " + plan.family +
+      " shards within each node, which DeepSpeed cannot since it removed MiCS (0.19); emit it "
+      "for FSDP (--emit-fsdp, --accelerate-plugin fsdp: HYBRID_SHARD) or choose --sharding full");
+}
+
+// FSDP's name for the plan's sharding.
+std::string FsdpStrategy(const Plan& plan) {
+  const int stage = plan.setup.zero_stage;
+  if (stage == 3) return plan.sharding == Sharding::kHybrid ? "HYBRID_SHARD" : "FULL_SHARD";
+  return stage >= 1 ? "SHARD_GRAD_OP" : "NO_SHARD";
+}
+
 }  // namespace
 
 std::string DecoderLayerClass(const std::string& model_type) {
@@ -48,6 +71,7 @@ Result<ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
                                      const EmitOptions& options) {
   const estimator::TrainingSetup& s = plan.setup;
   if (s.zero_stage < 0 || s.zero_stage > 3) return Status::Internal("plan with a bad ZeRO stage");
+  MEMPLAN_RETURN_IF_ERROR(HybridForDeepSpeed(plan, "--emit-deepspeed"));
   const bool hf = options.for_hf_trainer;
   const ordered_json kAuto = "auto";
   const int64_t hidden = inventory.arch ? inventory.arch->hidden : 0;
@@ -111,7 +135,10 @@ Result<ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
       z["stage3_param_persistence_threshold"] =
           hf && hidden > 0 ? kAuto : ordered_json(s.stage3_param_persistence_threshold);
       z["stage3_max_live_parameters"] = s.stage3_max_live_parameters;
-      z["stage3_max_reuse_distance"] = 1000000000;
+      // With the parameters on NVMe every gathered parameter holds a swap buffer: keep no more
+      // than the live limit gathered for reuse (Note [Tuned buffers]).
+      z["stage3_max_reuse_distance"] =
+          s.offload_param == OffloadDevice::kNvme ? s.stage3_max_live_parameters : 1000000000;
       z["stage3_gather_16bit_weights_on_model_save"] = true;
       z["sub_group_size"] = s.sub_group_size;
     }
@@ -181,9 +208,7 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
           "--accelerate-plugin fsdp: the plan offloads to NVMe, which FSDP cannot; use the "
           "DeepSpeed plugin or another plan (--plan-index)");
     }
-    const std::string strategy = s.zero_stage == 3   ? "FULL_SHARD"
-                                 : s.zero_stage >= 1 ? "SHARD_GRAD_OP"
-                                                     : "NO_SHARD";
+    const std::string strategy = FsdpStrategy(plan);
     const std::string layer = DecoderLayerClass(inventory);
     y += "distributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n";
     y += layer.empty() ? "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 100000000\n"
@@ -197,27 +222,31 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
               ? "true"
               : "false") +
          "\n";
-    y += "  fsdp_sharding_strategy: " + strategy + "\n";
+    // Accelerate 1.x reads the strategy from reshard_after_forward (sharding_strategy is
+    // deprecated there).
+    y += "  fsdp_reshard_after_forward: " + strategy + "\n";
     y += "  fsdp_state_dict_type: SHARDED_STATE_DICT\n";
     y += "  fsdp_sync_module_states: true\n";
     y += "  fsdp_use_orig_params: true\n";
+    y += "  fsdp_version: 1\n";
     y += std::string("  fsdp_activation_checkpointing: ") +
          (s.checkpointing != Checkpointing::kNone ? "true" : "false") + "\n";
   } else {
+    MEMPLAN_RETURN_IF_ERROR(HybridForDeepSpeed(plan, "--emit-accelerate"));
     y += "distributed_type: DEEPSPEED\ndeepspeed_config:\n";
     if (!options.deepspeed_config_path.empty()) {
-      y += "  deepspeed_config_file: " + options.deepspeed_config_path + "\n";
+      y += "  deepspeed_config_file: " + YamlQuoted(options.deepspeed_config_path) + "\n";
       y += std::string("  zero3_init_flag: ") + (s.zero_stage == 3 ? "true" : "false") + "\n";
     } else {
       y += "  gradient_accumulation_steps: " + std::to_string(s.grad_accum) + "\n";
       y += "  gradient_clipping: 1.0\n";
       y += std::string("  offload_optimizer_device: ") + DeviceName(s.offload_optimizer) + "\n";
       if (s.offload_optimizer == OffloadDevice::kNvme) {
-        y += "  offload_optimizer_nvme_path: " + NvmePath(cluster) + "\n";
+        y += "  offload_optimizer_nvme_path: " + YamlQuoted(NvmePath(cluster)) + "\n";
       }
       y += std::string("  offload_param_device: ") + DeviceName(s.offload_param) + "\n";
       if (s.offload_param == OffloadDevice::kNvme) {
-        y += "  offload_param_nvme_path: " + NvmePath(cluster) + "\n";
+        y += "  offload_param_nvme_path: " + YamlQuoted(NvmePath(cluster)) + "\n";
       }
       y += std::string("  zero3_init_flag: ") + (s.zero_stage == 3 ? "true" : "false") + "\n";
       if (s.zero_stage == 3) y += "  zero3_save_16bit_model: true\n";
@@ -226,8 +255,12 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
     y += "downcast_bf16: 'no'\n";
   }
   y += "machine_rank: 0\nmain_training_function: main\n";
-  // With a ds_config file DeepSpeed's own precision block rules; accelerate must not contradict.
-  y += "mixed_precision: " + mixed + "\n";
+  // With a DeepSpeed config file its precision block rules, and Accelerate's launcher refuses a
+  // mixed_precision beside it (DeepSpeedPlugin._deepspeed_config_checks); Accelerate reads the
+  // precision back from the file.
+  const bool deepspeed_file =
+      options.accelerate_plugin != "fsdp" && !options.deepspeed_config_path.empty();
+  if (!deepspeed_file) y += "mixed_precision: " + mixed + "\n";
   y += "num_machines: " + std::to_string(cluster.nodes) + "\n";
   y += "num_processes: " + std::to_string(cluster.WorldSize()) + "\n";
   y += "rdzv_backend: static\nsame_network: true\ntpu_env: []\ntpu_use_cluster: false\n"
@@ -247,8 +280,8 @@ Result<ordered_json> FsdpConfig(const Plan& plan, const Cluster& cluster,
                             : s.precision == Precision::kFp32    ? "float32"
                                                                  : "bfloat16";
   ordered_json j;
-  j["sharding_strategy"] = s.zero_stage == 3 ? "FULL_SHARD" : s.zero_stage >= 1 ? "SHARD_GRAD_OP"
-                                                                                : "NO_SHARD";
+  const std::string strategy = FsdpStrategy(plan);
+  j["sharding_strategy"] = strategy;
   j["cpu_offload"] = {{"offload_params", s.offload_param != OffloadDevice::kNone ||
                                              s.offload_optimizer != OffloadDevice::kNone}};
   j["mixed_precision"] = {{"param_dtype", dtype}, {"reduce_dtype", dtype}, {"buffer_dtype", dtype}};
@@ -268,6 +301,47 @@ Result<ordered_json> FsdpConfig(const Plan& plan, const Cluster& cluster,
   j["micro_batch_size_per_gpu"] = s.micro_batch;
   j["gradient_accumulation_steps"] = s.grad_accum;
   j["world_size"] = cluster.WorldSize();
+  const bool offload = j["cpu_offload"]["offload_params"].get<bool>();
+  const std::string short_dtype = s.precision == Precision::kFp16Mixed ? "fp16"
+                                  : s.precision == Precision::kFp32    ? "fp32"
+                                                                       : "bf16";
+  // The same plan as keyword arguments of Accelerate's FullyShardedDataParallelPlugin (FSDP1
+  // names of Accelerate 1.x) ...
+  ordered_json acc;
+  acc["fsdp_version"] = 1;
+  acc["reshard_after_forward"] = strategy;
+  acc["cpu_offload"] = offload;
+  acc["backward_prefetch"] = "BACKWARD_PRE";
+  acc["mixed_precision_policy"] = short_dtype;
+  if (layer.empty()) {
+    acc["auto_wrap_policy"] = "size_based_wrap";
+    acc["min_num_params"] = 100000000;
+  } else {
+    acc["auto_wrap_policy"] = "transformer_based_wrap";
+    acc["transformer_cls_names_to_wrap"] = ordered_json::array({layer});
+  }
+  acc["state_dict_type"] = "SHARDED_STATE_DICT";
+  acc["limit_all_gathers"] = true;
+  acc["use_orig_params"] = true;
+  acc["sync_module_states"] = true;
+  acc["forward_prefetch"] = false;
+  acc["activation_checkpointing"] = s.checkpointing != Checkpointing::kNone;
+  acc["cpu_ram_efficient_loading"] = true;
+  j["accelerate"] = acc;
+  // ... and of torch FSDP2's fully_shard, applied to each decoder layer and then the root: the
+  // mesh is (replicas, shards): one replica per node under hybrid sharding, one shard group per
+  // GPU without sharding.
+  const int64_t world = cluster.WorldSize();
+  const int64_t shards = strategy == "HYBRID_SHARD" ? cluster.gpus_per_node
+                         : strategy == "NO_SHARD"   ? 1
+                                                    : world;
+  ordered_json fs;
+  fs["reshard_after_forward"] = strategy == "FULL_SHARD" || strategy == "HYBRID_SHARD";
+  fs["mp_policy"] = {{"param_dtype", dtype}, {"reduce_dtype", dtype}};
+  fs["offload_policy"] = offload ? "CPUOffloadPolicy" : "OffloadPolicy";
+  fs["mesh"] = {{"shape", ordered_json::array({world / shards, shards})},
+                {"mesh_dim_names", ordered_json::array({"replicate", "shard"})}};
+  j["fully_shard"] = fs;
   return j;
 }
 

@@ -100,7 +100,41 @@ struct BufferFacts {
   int64_t largest_tensor = 0;  // elements of the largest parameter tensor
   int64_t trainable = 0;
   uint64_t pinned_budget = 0;  // bytes per GPU process; 0 = unknown
+  // Parameters on NVMe: the reuse window (elements) and the swap buffers it needs, Note [Tuned
+  // buffers].
+  int64_t nvme_reuse_window = 0;
+  int64_t nvme_buffers = 0;
 };
+
+// The most swap buffers DeepSpeed holds at once with parameters on NVMe when the coordinator keeps
+// parameters reused within `window` elements: the tensors above the persistence threshold in any
+// stretch of `window` elements of the module order, plus one module's (swapped in together).
+int64_t NvmeBuffersNeeded(const estimator::ModelInventory& inventory, int64_t window,
+                          int64_t persistence_threshold) {
+  std::vector<const estimator::TensorInfo*> live;
+  for (const estimator::TensorInfo& t : inventory.tensors) {
+    if (t.tied_to.empty()) live.push_back(&t);
+  }
+  auto swapped = [&](const estimator::TensorInfo* t) {
+    return static_cast<int64_t>(t->numel) > persistence_threshold ? 1 : 0;
+  };
+  int64_t held = 0, in_window = 0, span = 0, module_most = 0, in_module = 0;
+  size_t lo = 0;
+  for (size_t hi = 0; hi < live.size(); ++hi) {
+    span += static_cast<int64_t>(live[hi]->numel);
+    in_window += swapped(live[hi]);
+    while (span > window && lo <= hi) {
+      span -= static_cast<int64_t>(live[lo]->numel);
+      in_window -= swapped(live[lo]);
+      ++lo;
+    }
+    held = std::max(held, in_window);
+    in_module = hi > 0 && live[hi]->module == live[hi - 1]->module ? in_module + swapped(live[hi])
+                                                                  : swapped(live[hi]);
+    module_most = std::max(module_most, in_module);
+  }
+  return held + module_most;
+}
 
 int64_t RoundTo(double v, double unit) {
   return static_cast<int64_t>(std::max(unit, std::floor(v / unit) * unit));
@@ -130,21 +164,35 @@ std::string ApplyBuffers(TrainingSetup* s, const BufferFacts& f, double partitio
     s->stage3_param_persistence_threshold = std::max<int64_t>(10 * f.hidden, 10000);
     s->stage3_max_live_parameters = std::max<int64_t>(RoundTo(3 * block, 1e6), 100000000);
   }
+  const bool nvme_params = s->offload_param == OffloadDevice::kNvme;
   if (s->zero_stage >= 2 || s->offload_optimizer != OffloadDevice::kNone) {
     int64_t sub_group = tight ? 100000000 : 1000000000;
     if (s->offload_optimizer == OffloadDevice::kNvme) {
-      // buffer_count pinned fp32 sub-groups within half the pinned budget per process.
+      // buffer_count pinned fp32 sub-groups (and, with the parameters on NVMe too, the parameter
+      // swap buffers that must each hold a sub-group's 16-bit copy) within half the pinned budget
+      // per process.
       const double budget = f.pinned_budget > 0 ? static_cast<double>(f.pinned_budget) / 2 : 16e9;
-      const double fit = budget / (4.0 * static_cast<double>(s->optimizer_buffer_count));
-      sub_group = RoundTo(std::clamp(fit, 1e7, tight ? 1e8 : 1e9), 1e6);
+      const double per_element = 4.0 * static_cast<double>(s->optimizer_buffer_count) +
+                                 (nvme_params ? 2.0 * static_cast<double>(f.nvme_buffers) : 0.0);
+      sub_group = RoundTo(std::clamp(budget / per_element, 1e7, tight ? 1e8 : 1e9), 1e6);
     }
     s->sub_group_size = sub_group;
   }
-  if (s->offload_param == OffloadDevice::kNvme) {
-    // DeepSpeed's partitioned_param_swapper asserts that a buffer holds the largest partition.
+  if (nvme_params) {
+    // DeepSpeed's partitioned_param_swapper asserts that a buffer holds the largest partition;
+    // with the optimizer on NVMe too, optimizer_utils asserts that it holds the largest optimizer
+    // sub-group (partitions accumulate until sub_group_size is reached, so up to one partition
+    // more). Every gathered parameter keeps its buffer: the coordinator keeps those reused within
+    // stage3_max_reuse_distance, which the DeepSpeed file sets to stage3_max_live_parameters, one
+    // layer, so buffer_count covers the tensors of one layer's window and one module.
     const double largest = std::ceil(static_cast<double>(f.largest_tensor) / partition_ranks);
-    s->param_buffer_size = static_cast<int64_t>(std::ceil(largest / 1e6) * 1e6);
-    s->param_buffer_count = 5;
+    double size = largest;
+    if (s->offload_optimizer == OffloadDevice::kNvme) {
+      size = std::max(size, static_cast<double>(s->sub_group_size) + largest);
+    }
+    s->param_buffer_size = static_cast<int64_t>(std::ceil(size / 1e6) * 1e6);
+    s->param_buffer_count = std::max<int64_t>(5, f.nvme_buffers);
+    s->stage3_max_live_parameters = f.nvme_reuse_window;
   }
   return tight ? "tight" : "tuned";
 }
@@ -386,6 +434,11 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
     facts.largest_tensor = std::max<int64_t>(facts.largest_tensor, static_cast<int64_t>(t.numel));
   }
   facts.trainable = static_cast<int64_t>(shape.trainable);
+  facts.nvme_reuse_window = RoundTo(std::ceil(static_cast<double>(
+                                        std::max<int64_t>(facts.largest_block, 1)) / 1e6) * 1e6,
+                                    1e6);
+  facts.nvme_buffers = NvmeBuffersNeeded(inventory, facts.nvme_reuse_window,
+                                         std::max<int64_t>(10 * facts.hidden, 10000));
   {
     uint64_t budget = limits.pinned > 0 ? limits.pinned / static_cast<uint64_t>(cluster.gpus_per_node) : 0;
     if (cluster.memlock_bytes > 0) budget = budget > 0 ? std::min(budget, cluster.memlock_bytes)

@@ -37,8 +37,15 @@
 //   sub_group_size: 1e9 (DeepSpeed's default) when the fp32 conversion of a sub-group fits, tight
 //     1e8; with NVMe optimizer offload, the largest that keeps buffer_count pinned sub-groups within
 //     the pinned budget per process (memlock, half the RAM);
-//   offload_param buffer_size: the largest parameter tensor (DeepSpeed asserts it holds one),
-//     buffer_count 5, fewer when the pinned budget is tight; the aio block from --nvme-bench.
+//   parameters on NVMe: every gathered parameter holds a swap buffer until it is released, and
+//     DeepSpeed keeps gathered the parameters reused within stage3_max_reuse_distance, so the
+//     DeepSpeed file sets that distance and stage3_max_live_parameters to one layer, and
+//     offload_param buffer_count covers the tensors above the persistence threshold in any
+//     layer-long stretch of the model plus one module's (at least DeepSpeed's 5); buffer_size is
+//     the largest parameter partition (DeepSpeed asserts a buffer holds one) and, with the
+//     optimizer on NVMe too, the largest optimizer sub-group (optimizer_utils asserts the 16-bit
+//     buffers hold one for the fp32 initialisation); sub_group_size then keeps both sets of pinned
+//     buffers within the budget. The aio block comes from --nvme-bench.
 // Thread safety: pure functions over plain values.
 #pragma once
 

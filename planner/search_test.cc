@@ -277,6 +277,79 @@ TEST_CASE("emit: Accelerate, FSDP and Schedule") {
   CHECK((*schedule)["optimizer"]["sub_group_elements"].get<uint64_t>() % 1024 == 0);
 }
 
+TEST_CASE("emit: what the consumers refuse (tests/plan_consumers runs them for real)") {
+  estimator::ModelInventory llama = Model("llama-2-7b");
+  Cluster c = A100x8();
+  c.nodes = 2;
+  auto r = SearchPlans(llama, c, MakeJob("llama-2-7b", 64, 2048));
+  REQUIRE(r.ok());
+  const Plan& best = r->plans.front();
+  // Accelerate's launcher refuses mixed_precision beside a DeepSpeed config file; the path is
+  // quoted so that " #" does not start a comment.
+  EmitOptions options;
+  options.deepspeed_config_path = "/runs/a #1: b/ds'config.json";
+  auto yaml = AccelerateConfig(best, c, llama, options);
+  REQUIRE(yaml.ok());
+  CHECK(yaml->find("  deepspeed_config_file: '/runs/a #1: b/ds''config.json'\n") !=
+        std::string::npos);
+  CHECK(yaml->find("mixed_precision") == std::string::npos);
+  options.deepspeed_config_path.clear();
+  yaml = AccelerateConfig(best, c, llama, options);
+  REQUIRE(yaml.ok());
+  CHECK(yaml->find("mixed_precision: bf16\n") != std::string::npos);
+
+  // Hybrid sharding: FSDP's HYBRID_SHARD over (nodes, GPUs per node); DeepSpeed 0.19 has no
+  // MiCS, so its emitters decline.
+  Plan hybrid = best;
+  hybrid.setup.zero_stage = 3;
+  hybrid.sharding = Sharding::kHybrid;
+  auto fsdp = FsdpConfig(hybrid, c, llama);
+  REQUIRE(fsdp.ok());
+  CHECK((*fsdp)["sharding_strategy"] == "HYBRID_SHARD");
+  CHECK((*fsdp)["accelerate"]["reshard_after_forward"] == "HYBRID_SHARD");
+  CHECK((*fsdp)["fully_shard"]["mesh"]["shape"] == nlohmann::ordered_json::array({2, 8}));
+  CHECK((*fsdp)["fully_shard"]["reshard_after_forward"] == true);
+  auto ds = DeepSpeedConfig(hybrid, c, llama, {});
+  REQUIRE_FALSE(ds.ok());
+  CHECK(ds.status().message().find("MiCS") != std::string::npos);
+  CHECK_FALSE(AccelerateConfig(hybrid, c, llama, {}).ok());
+  options.accelerate_plugin = "fsdp";
+  yaml = AccelerateConfig(hybrid, c, llama, options);
+  REQUIRE(yaml.ok());
+  CHECK(yaml->find("  fsdp_reshard_after_forward: HYBRID_SHARD\n") != std::string::npos);
+}
+
+TEST_CASE("emit: parameters on NVMe get the swap buffers DeepSpeed asserts on") {
+  estimator::ModelInventory llama = Model("llama-2-7b");
+  Cluster c;
+  c.gpu = *FindGpuPreset("rtx4090");
+  c.cpu_memory_bytes = uint64_t{128} << 30;
+  c.nvme_path = "/mnt/nvme";
+  c.nvme_capacity_bytes = uint64_t{4} << 40;
+  auto r = SearchPlans(llama, c, MakeJob("llama-2-7b", 16, 2048));
+  REQUIRE(r.ok());
+  int checked = 0;
+  for (const Plan& plan : r->plans) {
+    if (plan.setup.offload_param != OffloadDevice::kNvme) continue;
+    ++checked;
+    auto ds = DeepSpeedConfig(plan, c, llama, {});
+    REQUIRE(ds.ok());
+    const nlohmann::ordered_json& z = (*ds)["zero_optimization"];
+    // One layer (202,383,360 elements, rounded up to a million) stays gathered for reuse; its
+    // seven Linears and the next module's one each hold a buffer.
+    CHECK(z["stage3_max_reuse_distance"] == 203000000);
+    CHECK(z["stage3_max_live_parameters"] == 203000000);
+    CHECK(z["offload_param"]["buffer_count"].get<int64_t>() >= 8);
+    // The largest partition: the embedding (one GPU), 131,072,000 elements.
+    int64_t size = 131072000;
+    if (plan.setup.offload_optimizer == OffloadDevice::kNvme) {
+      size += z["sub_group_size"].get<int64_t>();  // a sub-group of 16-bit parameters
+    }
+    CHECK(z["offload_param"]["buffer_size"].get<int64_t>() >= size);
+  }
+  CHECK(checked >= 1);
+}
+
 TEST_CASE("check: suggestions use edit distance") {
   CHECK(EditDistance("overlap_com", "overlap_comm") == 1);
   CHECK(EditDistance("contigous_gradients", "contiguous_gradients") == 1);

@@ -449,7 +449,7 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       ->group(what_if);
   cmd->add_option("--sharding", f->sharding,
                   "ZeRO-3 across nodes: full (over all GPUs) or hybrid (within each node: FSDP "
-                  "HYBRID_SHARD, DeepSpeed MiCS)")
+                  "HYBRID_SHARD; DeepSpeed removed MiCS in 0.19, so only the FSDP files apply)")
       ->check(CLI::IsMember({"full", "hybrid"}))
       ->group(what_if);
   cmd->add_flag("--default-buffers", f->default_buffers,
