@@ -566,7 +566,9 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
           m->setup.seq_len = e.setup.seq_len;
           misfit = fit;
           buffers = label;
-          if (fit.ok() || (fit.tier != "gpu" && !fit.pinned_only)) break;
+          // Tight buffers shrink GPU, host and pinned memory alike (with parameters on NVMe the
+          // swap buffers hold a sub-group each); only an NVMe shortfall is not theirs to fix.
+          if (fit.ok() || fit.tier == "nvme") break;
         }
         if (!misfit.ok()) {
           if (ckpt == checkpointings.back() && mb == micro_batches.front()) tightest = misfit;
