@@ -2,6 +2,9 @@
 // checked against their published parameter counts.
 #include <doctest/doctest.h>
 
+#include <filesystem>
+#include <string>
+
 #include "estimator/builtin_models.h"
 #include "estimator/inventory.h"
 #include "tests/estimator_testing.h"
@@ -32,6 +35,23 @@ TEST_CASE("builtin: bert-large-uncased has 335,141,888 parameters as BertModel w
   CHECK(Counts(Fixture("bert-large-uncased", ModelClassChoice::kBase)).params_total ==
         335'141'888ull);
   CHECK(Counts(Fixture("bert-large-uncased")).params_total == 335'174'458ull);
+}
+
+TEST_CASE("builtin: every file of estimator/models is a model by its whole name, with its Hub id") {
+  // "qwen2.5-7b.json" is qwen2.5-7b, not "qwen2" (the name ends at the last dot only).
+  size_t files = 0;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(std::string(MEMPLAN_SOURCE_DIR) + "/estimator/models")) {
+    const std::string name = entry.path().stem().string();
+    CAPTURE(name);
+    ++files;
+    const BuiltinModel* model = FindBuiltinModel(name);
+    REQUIRE(model != nullptr);
+    CHECK(model->name == name);
+    CHECK_FALSE(model->hub_id.empty());
+    CHECK(FindBuiltinModelByHubId(model->hub_id) == model);
+  }
+  CHECK(BuiltinModels().size() == files);
 }
 
 }  // namespace
