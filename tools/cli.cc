@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -14,6 +15,7 @@
 
 #include "common/file.h"
 #include "common/printable.h"
+#include "common/suggest.h"
 #include "tools/output.h"
 #include "tools/signals.h"
 
@@ -109,6 +111,25 @@ void PrintError(const std::string& message) {
   ::_exit(kExitBadInput);
 }
 
+// " (did you mean --x?)" for the first argument that looks like a long flag the chosen subcommand
+// does not have, from that subcommand's own flags; "" when none is close.
+std::string SuggestFlag(const CLI::App& app, const std::vector<std::string>& args) {
+  const CLI::App* command = &app;
+  for (const CLI::App* sub : app.get_subcommands()) command = sub;
+  std::vector<std::string> flags;
+  for (const CLI::Option* option : command->get_options()) {
+    for (const std::string& name : option->get_lnames()) flags.push_back("--" + name);
+  }
+  for (size_t i = 1; i < args.size(); ++i) {
+    const std::string flag = args[i].substr(0, args[i].find('='));
+    if (flag.rfind("--", 0) != 0 || flag.size() < 4) continue;
+    if (std::find(flags.begin(), flags.end(), flag) != flags.end()) continue;
+    std::string hint = DidYouMean(ClosestMatches(flag, flags));
+    if (!hint.empty()) return hint;
+  }
+  return "";
+}
+
 }  // namespace
 
 Outcome RunCli(const std::vector<std::string>& args) {
@@ -144,7 +165,9 @@ Outcome RunCli(const std::vector<std::string>& args) {
         outcome.stdout_text = out.str();
       } else {
         outcome.exit_code = kExitBadInput;
-        outcome.error = WithoutTrailingNewlines(e.what()) + " (see --help)";
+        const bool unknown_flag = dynamic_cast<const CLI::ExtrasError*>(&e) != nullptr;
+        outcome.error = WithoutTrailingNewlines(e.what()) +
+                        (unknown_flag ? SuggestFlag(app, copy) : std::string()) + " (see --help)";
       }
     }
   } catch (const std::bad_alloc&) {
