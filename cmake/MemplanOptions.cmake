@@ -48,6 +48,13 @@ if(NOT MEMPLAN_WITH_AIO STREQUAL "OFF")
 endif()
 memplan_optional(AIO MEMPLAN_WITH_AIO "${_aio_found}")
 
+set(_curl_found OFF)
+if(NOT MEMPLAN_WITH_CURL STREQUAL "OFF")
+  find_package(CURL QUIET)
+  set(_curl_found ${CURL_FOUND})
+endif()
+memplan_optional(CURL MEMPLAN_WITH_CURL "${_curl_found}")
+
 set(_cuda_found OFF)
 if(NOT MEMPLAN_WITH_CUDA STREQUAL "OFF")
   find_package(CUDAToolkit QUIET)

@@ -27,6 +27,7 @@ nlohmann::json SummaryToJson(const ModelSummary& m) {
       {"accelerate_total_bytes", c.accelerate_total_bytes},
       {"accelerate_largest_layer_bytes", c.accelerate_largest_layer_bytes},
       {"accelerate_largest_layer", c.accelerate_largest_layer},
+      {"notes", m.notes},
   };
 }
 
@@ -262,6 +263,8 @@ Result<Estimate> EstimateModelStates(const ModelInventory& inventory,
     e.assumptions.push_back(
         "Base model without task head (what AutoModel builds), as in DeepSpeed's examples.");
   }
+  for (const std::string& note : inventory.notes) e.assumptions.push_back(note);
+  e.model.notes = inventory.notes;
   return e;
 }
 
@@ -391,6 +394,7 @@ Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
                                        &m.counts.accelerate_largest_layer_bytes));
   MEMPLAN_RETURN_IF_ERROR(
       GetIfPresent(model_json, "accelerate_largest_layer", &m.counts.accelerate_largest_layer));
+  MEMPLAN_RETURN_IF_ERROR(GetIfPresent(model_json, "notes", &m.notes));
   Fields hw(json.value("hardware", nlohmann::json()), "hardware");
   MEMPLAN_RETURN_IF_ERROR(hw.Get("nodes", &e.hardware.nodes));
   MEMPLAN_RETURN_IF_ERROR(hw.Get("gpus_per_node", &e.hardware.gpus_per_node));
@@ -514,6 +518,7 @@ std::string FormatEstimateText(const Estimate& e) {
     out += "\n  largest_block_params  " + WithThousands(c.largest_block_params) + "  (" +
            c.largest_block + ", one of " + std::to_string(c.num_blocks) + " blocks)";
   }
+  for (const std::string& note : m.notes) out += "\n  note: " + note;
   out += "\n\nZeRO-2, DeepSpeed estimate_zero2_model_states_mem_needs:\n";
   out += FormatZero2Text(c.params_total, e.hardware, e.zero2);
   out += "\nZeRO-3, DeepSpeed estimate_zero3_model_states_mem_needs:\n";
@@ -528,8 +533,9 @@ std::string FormatEstimateText(const Estimate& e) {
 }
 
 nlohmann::json InventoryToJson(const ModelInventory& inventory, const ModelCounts& counts) {
-  ModelSummary summary{inventory.name, inventory.model_type, inventory.architecture,
-                       inventory.model_class, inventory.source, counts};
+  ModelSummary summary{inventory.name,         inventory.model_type, inventory.architecture,
+                       inventory.model_class,  inventory.source,     counts,
+                       inventory.notes};
   nlohmann::json tensors = nlohmann::json::array();
   for (const TensorInfo& t : inventory.tensors) {
     tensors.push_back({{"name", t.name},

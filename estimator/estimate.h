@@ -27,6 +27,7 @@ struct ModelSummary {
   std::string model_class;   // "causal_lm" | "masked_lm" | "seq2seq_lm" | "base" | ""
   std::string source;        // "builtin" | "config" | "shape-list" | "safetensors"
   ModelCounts counts;
+  std::vector<std::string> notes;  // ModelInventory::notes (also among the assumptions)
 };
 
 struct Estimate {

@@ -1,5 +1,7 @@
 #include "estimator/hf_cache.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
@@ -22,6 +24,8 @@ std::string Env(const char* name) {
 bool IsWordChar(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
 }
+
+}  // namespace
 
 // huggingface_hub's validate_repo_id, ASCII only: one or two parts of [\w.-] that begin and end
 // with a word character, no "--" or "..", at most 96 characters. This is also what keeps a repo
@@ -57,6 +61,8 @@ Status ValidateRepoId(std::string_view repo_id) {
   }
   return Status::Ok();
 }
+
+namespace {
 
 // A commit hash: refs/main is a file anyone can write, so its content must not become a path
 // (no '/', no '.').
@@ -112,7 +118,49 @@ std::optional<fs::path> NewestSnapshot(const fs::path& repo_dir) {
   return best;
 }
 
+bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
+  return a.size() == b.size() &&
+         std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           return std::tolower(static_cast<unsigned char>(x)) ==
+                  std::tolower(static_cast<unsigned char>(y));
+         });
+}
+
+// `root`/`folder`, or the entry of `root` equal to it ignoring case (the Hub's ids are
+// case-insensitive, and users type them as they remember them).
+std::optional<fs::path> RepoFolderIn(const std::string& root, const std::string& folder) {
+  fs::path exact = fs::path(root) / folder;
+  if (IsDirectory(exact)) return exact;
+  std::error_code ec;
+  fs::directory_iterator it(root, ec);
+  if (ec) return std::nullopt;
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) break;
+    if (EqualsIgnoreCase(it->path().filename().string(), folder) && IsDirectory(it->path())) {
+      return it->path();
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace
+
+bool IsHfCacheRepoFolder(const std::string& dir) {
+  // "hub/models--org--name/" names the folder as well as "hub/models--org--name".
+  fs::path path = fs::path(dir).lexically_normal();
+  if (path.filename().empty()) path = path.parent_path();
+  return path.filename().string().rfind("models--", 0) == 0 && IsDirectory(path / "snapshots");
+}
+
+Result<std::string> SnapshotOfRepoFolder(const std::string& dir) {
+  try {
+    if (auto snapshot = SnapshotFromRef(dir)) return snapshot->string();
+    if (auto snapshot = NewestSnapshot(dir)) return snapshot->string();
+    return Status::NotFound(dir + ": a Hugging Face cache folder with no snapshots");
+  } catch (const std::exception& e) {
+    return Status::Internal(dir + ": reading the cache folder failed: " + e.what());
+  }
+}
 
 std::vector<std::string> HfCacheRoots() {
   std::vector<std::string> roots;
@@ -145,11 +193,11 @@ Result<std::string> FindHfCacheSnapshot(std::string_view repo_id) {
     std::vector<std::string> roots = HfCacheRoots();
     std::string searched;
     for (const std::string& root : roots) {
-      fs::path repo_dir = fs::path(root) / folder;
-      searched += (searched.empty() ? "" : ", ") + repo_dir.string();
-      if (!IsDirectory(repo_dir)) continue;
-      if (auto snapshot = SnapshotFromRef(repo_dir)) return snapshot->string();
-      if (auto snapshot = NewestSnapshot(repo_dir)) return snapshot->string();
+      searched += (searched.empty() ? "" : ", ") + (fs::path(root) / folder).string();
+      std::optional<fs::path> repo_dir = RepoFolderIn(root, folder);
+      if (!repo_dir) continue;
+      if (auto snapshot = SnapshotFromRef(*repo_dir)) return snapshot->string();
+      if (auto snapshot = NewestSnapshot(*repo_dir)) return snapshot->string();
       searched += " (no snapshots)";
     }
     if (roots.empty()) {
@@ -157,9 +205,7 @@ Result<std::string> FindHfCacheSnapshot(std::string_view repo_id) {
     }
     return Status::NotFound("model '" + std::string(repo_id) +
                             "' is not in the local Hugging Face cache (searched " + searched +
-                            "); memplan never downloads: fetch it first, e.g. `huggingface-cli "
-                            "download " +
-                            std::string(repo_id) + " config.json`, or pass a local path");
+                            ")");
   } catch (const std::exception& e) {
     return Status::Internal("looking up '" + std::string(repo_id) +
                             "' in the Hugging Face cache failed: " + e.what());

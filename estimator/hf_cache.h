@@ -24,7 +24,16 @@ std::vector<std::string> HfCacheRoots();
 
 // Snapshot directory of `repo_id` ("org/name" or "name", validated as huggingface_hub does, so
 // "..", "--", absolute paths and extra '/' are InvalidArgument and never touch the disk).
-// NotFound lists the directories searched.
+// The Hub's ids are case-insensitive, so when models--org--name is not there a folder whose name
+// matches it ignoring case is taken. NotFound lists the directories searched.
 Result<std::string> FindHfCacheSnapshot(std::string_view repo_id);
+
+// InvalidArgument unless `repo_id` is a valid Hugging Face repo id (see FindHfCacheSnapshot).
+Status ValidateRepoId(std::string_view repo_id);
+
+// True when `dir` is a repository folder of the cache (models--org--name with snapshots/), and
+// then the snapshot it resolves to, as for FindHfCacheSnapshot: refs/main, else the newest.
+bool IsHfCacheRepoFolder(const std::string& dir);
+Result<std::string> SnapshotOfRepoFolder(const std::string& dir);
 
 }  // namespace memplan::estimator

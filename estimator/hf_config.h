@@ -43,8 +43,19 @@ Result<ModelInventory> InventoryFromHfConfig(const nlohmann::json& config,
                                              const std::string& source,
                                              const BuildOptions& options);
 
-// The model_types InventoryFromHfConfig accepts, sorted.
+// The model_types InventoryFromHfConfig accepts, sorted. Any other is refused with
+// StatusCode::kUnimplemented, so that callers can fall back to the weights' headers.
 std::vector<std::string> SupportedModelTypes();
+
+// Gives `inventory` (read from a shape list or safetensors headers, which carry no architecture)
+// the architecture `config` describes, so that activations and plans work for it: what the
+// family's builder records when memplan builds that model_type (with the no-split modules whose
+// paths the inventory has), else the fields most configs name alike (hidden_size / n_embd /
+// d_model, num_hidden_layers / n_layer / num_layers, num_attention_heads / n_head, ...), the MLP
+// kind judged from the inventory's first block. Sets model_type from the config. Errors name the
+// fields looked for; `inventory` is unchanged then.
+Status AttachArchitecture(const nlohmann::json& config, const std::string& source,
+                          ModelInventory* inventory);
 
 // --- For family builders (hf_families_*.cc) -------------------------------------------------
 

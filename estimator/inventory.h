@@ -131,6 +131,9 @@ struct ModelInventory {
   std::vector<std::string> no_split_modules;
   // Filled by the config.json builders; empty for shape lists and safetensors headers.
   std::optional<ArchitectureInfo> arch;
+  // What the user should know about how the inventory was obtained (a fallback taken, a file
+  // fetched), one sentence each; estimates repeat them among their assumptions.
+  std::vector<std::string> notes;
 
   // Appends a tensor, deriving numel, module, block and layer from the name. Fails (naming
   // `name`) on an empty or duplicate name, a negative dim, an overflowing product, or a `tied_to`

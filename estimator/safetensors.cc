@@ -73,8 +73,10 @@ std::optional<uint64_t> AsUnsigned(const OrderedJson& v) {
   return std::nullopt;
 }
 
+// `data_bytes` is std::nullopt for a header-only file (its first 8 + N bytes, as an HTTP range
+// request returns them): the offsets are then checked against each other only.
 Result<HeaderTensor> ReadEntry(const std::string& path, const std::string& name,
-                               const OrderedJson& entry, uint64_t data_bytes) {
+                               const OrderedJson& entry, std::optional<uint64_t> data_bytes) {
   if (!entry.is_object()) {
     return TensorError(
         path, name,
@@ -127,10 +129,10 @@ Result<HeaderTensor> ReadEntry(const std::string& path, const std::string& name,
   const std::string range =
       "data_offsets [" + std::to_string(t.begin) + ", " + std::to_string(t.end) + "]";
   if (t.begin > t.end) return TensorError(path, name, range + " end before they begin");
-  if (t.end > data_bytes) {
+  if (data_bytes && t.end > *data_bytes) {
     return TensorError(path, name,
                        range + " lie outside the data section, which holds " +
-                           std::to_string(data_bytes) + " bytes (truncated file?)");
+                           std::to_string(*data_bytes) + " bytes (truncated file?)");
   }
   auto numel = CheckedProduct(t.shape);
   auto bytes =
@@ -178,7 +180,10 @@ Result<std::vector<HeaderTensor>> ReadHeader(const std::string& path) {
     return Status::InvalidArgument(path + ": header must be a JSON object, got " +
                                    Describe(header));
   }
-  const uint64_t data_bytes = file_bytes - 8 - header_bytes;
+  // A file that ends where its header does holds no data at all: a header-only copy (memplan
+  // fetches headers that way). A file cut anywhere else is refused by the offsets' check.
+  std::optional<uint64_t> data_bytes = file_bytes - 8 - header_bytes;
+  if (*data_bytes == 0) data_bytes.reset();
   std::vector<HeaderTensor> tensors;
   tensors.reserve(header.size());
   for (const auto& [name, entry] : header.items()) {
@@ -257,7 +262,13 @@ Result<ModelInventory> ReadIndex(const std::string& index_path) {
   // Each shard's header is read once, however many tensors the map puts in it.
   std::unordered_map<std::string, const std::string*> owner;  // tensor -> shard holding it
   for (auto& [shard, tensors] : shards) {
-    const std::string shard_path = (dir / shard).string();
+    // A shard not downloaded may be there as its header alone (hub.h writes <shard>.header).
+    std::string shard_path = (dir / shard).string();
+    std::error_code ec;
+    if (!std::filesystem::exists(shard_path, ec) &&
+        std::filesystem::exists(shard_path + ".header", ec)) {
+      shard_path += ".header";
+    }
     auto header = ReadHeader(shard_path);
     if (!header.ok()) return header.status().WithPrefix(index_path + ": shard '" + shard + "'");
     tensors = std::move(header).value();

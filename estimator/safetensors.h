@@ -3,8 +3,10 @@
 //
 // File layout: 8-byte little-endian header length N, N bytes of UTF-8 JSON
 // {"tensor": {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, "__metadata__": {..}},
-// then the data. The header is validated against the file: N must fit in the file and stay under
-// a 100 MiB cap, every data_offsets range must lie inside the data section and match
+// then the data. A file of exactly 8 + N bytes is a header without its data (what an HTTP range
+// request fetches) and is read as such. The header is validated against the file: N must fit in
+// the file and stay under a 100 MiB cap, every data_offsets range must lie inside the data section
+// (unless the file is header-only) and match
 // numel * dtype size, ranges must not overlap (gaps are harmless and allowed), and a JSON key may
 // not repeat. A lying header is
 // an error naming the file and tensor, never a crash or a huge allocation. "__metadata__" is
@@ -30,8 +32,9 @@ Result<ModelInventory> InventoryFromSafetensorsFile(const std::string& path);
 // its weight_map (resolved relative to the index's directory) once, and checks that each tensor
 // the map names is in the shard it names. A shard path that is absolute or contains a ".."
 // component is refused (symlinks inside the directory are followed, as the Hugging Face cache
-// needs). Shards are read in file-name order; a tensor a shard holds beyond the map is kept, a
-// tensor held by two shards is an error.
+// needs). A shard that is absent but has a "<shard>.header" beside it is read from that. Shards are
+// read in file-name order; a tensor a shard holds beyond the map is kept, a tensor held by two
+// shards is an error.
 Result<ModelInventory> InventoryFromSafetensorsIndex(const std::string& index_path);
 
 }  // namespace memplan::estimator

@@ -285,6 +285,28 @@ TEST_CASE("source: safetensors refuses offsets that lie, naming file and tensor"
                   64) == prefix + "data_offsets [8, 16] overlap those of tensor 'a' [0, 16]");
 }
 
+TEST_CASE("source: a header-only safetensors file (8 + N bytes, as a range request returns)") {
+  TempDir dir(kTempPrefix);
+  const std::string path = dir.PathOf("model.safetensors.header");
+  const std::string header =
+      R"({"a": {"dtype": "BF16", "shape": [4, 8], "data_offsets": [0, 64]},)"
+      R"( "b": {"dtype": "F32", "shape": [3], "data_offsets": [64, 76]}})";
+  WriteRaw(path, header, 0);
+  auto inv = InventoryFromSafetensorsFile(path);
+  REQUIRE_MESSAGE(inv.ok(), inv.status().ToString());
+  CHECK(Names(*inv) == std::vector<std::string>{"a", "b"});
+  CHECK(inv->tensors[0].numel == 32);
+  // Without data the offsets are still checked against the shapes and each other.
+  WriteRaw(path, R"({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}})", 0);
+  CHECK(FileError(path) == path +
+                               ": tensor 'w': data_offsets [0, 12] span 12 bytes, but shape [4] "
+                               "of F32 needs 16");
+  // Some data but not all of it is a truncated file, as before.
+  WriteRaw(path, header, 10);
+  CHECK(FileError(path).find("lie outside the data section, which holds 10 bytes") !=
+        std::string::npos);
+}
+
 TEST_CASE("source: safetensors refuses malformed headers, naming file and tensor") {
   TempDir dir(kTempPrefix);
   const std::string path = dir.PathOf("bad.safetensors");

@@ -9,6 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Tests never reach the network: a run of memplan that would fetch from the Hugging Face Hub is
+# refused instead (the Hub's own tests set up a loopback server and clear this).
+export HF_HUB_OFFLINE=1
+
 python=$(bash scripts/python-env.sh)
 modern_python=$(bash scripts/python-env.sh --modern)
 jobs=$(nproc 2>/dev/null || echo 2)

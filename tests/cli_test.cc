@@ -19,6 +19,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tests/loopback_http.h"
 #include "tests/testing.h"
 
 namespace {
@@ -343,6 +344,62 @@ TEST_CASE("cli: --deepspeed reads the config; flags fill its \"auto\" values") {
   std::string bad = tmp.Write("bad.json", R"({"zero_optimization": {"stage": "three"}})").string();
   ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--deepspeed", bad}),
                  {bad, "zero_optimization.stage"});
+}
+
+// --- The Hub (a fake one on loopback: tests never reach the network) -------------------------
+
+// memplan run with `env` set first (HF_* variables), capturing as Memplan does.
+Run MemplanWithEnv(const std::vector<std::string>& env, const std::vector<std::string>& args) {
+  std::vector<std::string> all = {"-u", "HF_TOKEN", "-u", "HF_HUB_OFFLINE", "-u",
+                                  "TRANSFORMERS_OFFLINE"};
+  all.insert(all.end(), env.begin(), env.end());
+  all.push_back(MEMPLAN_BINARY);
+  all.insert(all.end(), args.begin(), args.end());
+  return memplan::testing::RunCommand("env", all);
+}
+
+TEST_CASE("cli: --model org/name is fetched from the Hub into the cache, never when offline") {
+  TempDir tmp(kTempPrefix);
+  memplan::testing::FakeHub hub;
+  hub.files["org/tiny"]["config.json"] = ReadWholeFile(Source("estimator/models/gpt2.json"));
+  const std::vector<std::string> env = {"HF_ENDPOINT=" + hub.endpoint(),
+                                        "HF_HUB_CACHE=" + tmp.PathOf("hub"),
+                                        "HF_HOME=" + tmp.PathOf("home")};
+  // --offline and HF_HUB_OFFLINE=1: not one connection, and the error says why.
+  Run offline = MemplanWithEnv(env, {"estimate", "--model", "org/tiny", "--offline"});
+  ExpectBadInput(offline, {"org/tiny", "not in the local Hugging Face cache",
+                           "fetching from the Hub is off (--offline)"});
+  std::vector<std::string> env_offline = env;
+  env_offline.push_back("HF_HUB_OFFLINE=1");
+  Run offline_env = MemplanWithEnv(env_offline, {"plan", "--model", "org/tiny", "--gpu",
+                                                 "a100-80", "--global-batch", "8"});
+  ExpectBadInput(offline_env, {"fetching from the Hub is off (HF_HUB_OFFLINE=1)"});
+  CHECK(hub.connections() == 0);
+  CHECK_FALSE(fs::exists(tmp.PathOf("hub")));
+
+  Run fetched = MemplanWithEnv(env, {"estimate", "--model", "org/tiny"});
+  REQUIRE(fetched.exit_code == 0);
+  CHECK(fetched.out.find("124,439,808") != std::string::npos);
+  CHECK(fetched.err == "memplan: fetching org/tiny config.json from " + hub.endpoint() + "\n");
+  CHECK(hub.connections() == 1);
+  // Now in the cache: offline works, and nothing more is asked of the server.
+  Run cached = MemplanWithEnv(env_offline, {"estimate", "--model", "org/tiny", "--format", "json"});
+  REQUIRE(cached.exit_code == 0);
+  CHECK(cached.err.empty());
+  CHECK(hub.connections() == 1);
+
+  // A gated repository: the error says to accept the licence and log in.
+  hub.gated = {"meta-llama/Llama-4-Secret"};
+  Run gated = MemplanWithEnv(env, {"estimate", "--model", "meta-llama/Llama-4-Secret"});
+  CHECK(gated.exit_code == 2);
+  CHECK(gated.err.find("gated repository: accept its licence") != std::string::npos);
+}
+
+TEST_CASE("cli: did you mean, for built-in names and flags") {
+  ExpectBadInput(Memplan({"estimate", "--model", "lama-3.1-8b"}),
+                 {"model 'lama-3.1-8b'", "(did you mean llama-3.1-8b?)"});
+  ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--gpu", "4"}),
+                 {"--gpu", "(did you mean --gpus?)"});
 }
 
 }  // namespace

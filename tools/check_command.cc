@@ -25,6 +25,7 @@ struct CheckFlags {
   std::string config;
   std::string model;
   std::string model_class = "auto";
+  ModelSourceFlags source;
   std::string gpu;
   std::string cluster_file;
   int64_t gpus = 0;
@@ -65,9 +66,11 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
     if (!options.cluster) {
       return fail(Status::InvalidArgument("--model needs --gpu (or --cluster) to predict the fit"));
     }
-    inventory = estimator::LoadModel(f.model, f.model_class == "base"
-                                                  ? estimator::ModelClassChoice::kBase
-                                                  : estimator::ModelClassChoice::kFromArchitectures);
+    inventory = LoadModelForCli(f.model,
+                              f.model_class == "base"
+                                  ? estimator::ModelClassChoice::kBase
+                                  : estimator::ModelClassChoice::kFromArchitectures,
+                              f.source);
     if (!inventory.ok()) return fail(inventory.status());
     if (!inventory->arch) {
       return fail(Status::InvalidArgument(f.model + ": predicting the fit needs the "
@@ -96,6 +99,7 @@ void RegisterCheck(CLI::App& app, Outcome* outcome) {
   cmd->add_option("--model-class", f->model_class, "auto or base")
       ->check(CLI::IsMember({"auto", "base"}))
       ->capture_default_str();
+  f->source.Add(cmd);
   cmd->add_option("--gpu", f->gpu, "GPU preset (a100-80, h100-80, ...)");
   cmd->add_option("--cluster", f->cluster_file, "A cluster JSON file");
   cmd->add_option("-g,--gpus", f->gpus, "GPUs per node (for the batch arithmetic)")

@@ -5,7 +5,10 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "common/file.h"
+#include "common/printable.h"
 #include "estimator/builtin_models.h"
 #include "estimator/estimate.h"
 #include "estimator/hf_config.h"
@@ -23,7 +26,7 @@ using estimator::ModelClassChoice;
 struct ModelOptions {
   std::string model;
   std::string model_class = "auto";
-  std::string expert_layout = "fused";
+  ModelSourceFlags source;
   std::string format = "text";
   std::string output;  // empty: stdout
 
@@ -31,8 +34,9 @@ struct ModelOptions {
     cmd->add_option("-m,--model", model,
                     "A built-in model name (see `memplan models`), a config.json, a tensor-shape "
                     "list (.json), a .safetensors file, a model.safetensors.index.json, a "
-                    "directory holding one of these, or a Hugging Face repo id (org/name) found "
-                    "in the local hub cache (never downloaded)")
+                    "directory holding one of these (a Hugging Face cache folder models--org--name "
+                    "too), or a Hugging Face repo id (org/name): from the local hub cache, else "
+                    "fetched from the Hub (config.json, or safetensors headers) unless --offline")
         ->required();
     cmd->add_option("--model-class", model_class,
                     "auto: the class in config.json's `architectures` (task head included, tied "
@@ -40,13 +44,7 @@ struct ModelOptions {
                     "DeepSpeed's and Accelerate's examples)")
         ->check(CLI::IsMember({"auto", "base"}))
         ->capture_default_str();
-    cmd->add_option("--expert-layout", expert_layout,
-                    "MoE weights: fused (one 3-D tensor per layer's experts, as Transformers >= 5 "
-                    "builds them; DeepSpeed's largest layer is then all of a layer's experts) or "
-                    "per-expert (one Linear per expert, as checkpoints and Transformers 4 hold "
-                    "them)")
-        ->check(CLI::IsMember({"fused", "per-expert"}))
-        ->capture_default_str();
+    source.Add(cmd);
     cmd->add_option("--format", format, "Output format: text (for people) or json (for scripts)")
         ->check(CLI::IsMember({"text", "json"}))
         ->capture_default_str();
@@ -58,13 +56,7 @@ struct ModelOptions {
   ModelClassChoice Choice() const {
     return model_class == "base" ? ModelClassChoice::kBase : ModelClassChoice::kFromArchitectures;
   }
-  estimator::BuildOptions Build() const {
-    estimator::BuildOptions build;
-    build.choice = Choice();
-    build.experts = expert_layout == "per-expert" ? estimator::ExpertLayout::kPerExpert
-                                                  : estimator::ExpertLayout::kFused;
-    return build;
-  }
+  Result<estimator::ModelInventory> Load() const { return LoadModelForCli(model, Choice(), source); }
 };
 
 // Sends `text` to stdout or to the --output file.
@@ -77,6 +69,45 @@ void Emit(const ModelOptions& options, std::string text, Outcome* outcome) {
 }
 
 }  // namespace
+
+void ModelSourceFlags::Add(CLI::App* cmd) {
+  cmd->add_flag("--offline", offline,
+                "Never use the network: a repo id must be in the local Hugging Face cache (as "
+                "HF_HUB_OFFLINE=1)");
+  cmd->add_option("--model-config", model_config,
+                  "A config.json giving the architecture of a tensor-shape list or safetensors "
+                  "headers (hidden size, layers, heads, ...), so that activations and plans work "
+                  "for any model");
+  cmd->add_option("--expert-layout", expert_layout,
+                  "MoE weights: fused (one 3-D tensor per layer's experts, as Transformers >= 5 "
+                  "builds them; DeepSpeed's largest layer is then all of a layer's experts) or "
+                  "per-expert (one Linear per expert, as checkpoints and Transformers 4 hold "
+                  "them)")
+      ->check(CLI::IsMember({"fused", "per-expert"}))
+      ->capture_default_str();
+}
+
+Result<estimator::ModelInventory> LoadModelForCli(const std::string& spec,
+                                                  estimator::ModelClassChoice choice,
+                                                  const ModelSourceFlags& flags) {
+  estimator::LoadOptions load;
+  load.build.choice = choice;
+  load.build.experts = flags.expert_layout == "per-expert" ? estimator::ExpertLayout::kPerExpert
+                                                           : estimator::ExpertLayout::kFused;
+  load.model_config = flags.model_config;
+  load.hub = estimator::HubOptionsFromEnvironment();
+  if (flags.offline) {
+    load.hub.allow_network = false;
+    load.hub.offline_reason = "--offline";
+  }
+  load.hub.progress = [](const estimator::HubProgress& p) {
+    const std::string line =
+        "memplan: fetching " + Printable(p.repo_id) + " " + Printable(p.file) + " from " +
+        Printable(p.url.substr(0, p.url.find("/", p.url.find("://") + 3))) + "\n";
+    [[maybe_unused]] ssize_t ignored = ::write(STDERR_FILENO, line.data(), line.size());
+  };
+  return estimator::LoadModel(spec, load);
+}
 
 namespace {
 
@@ -298,7 +329,7 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
       "\nExit status: 0 on success, 2 on bad input (one line on stderr naming the file and "
       "field).");
   cmd->callback([options, hardware, setup, outcome] {
-    auto inventory = estimator::LoadModel(options->model, options->Build());
+    auto inventory = options->Load();
     if (!inventory.ok()) return Fail(outcome, inventory.status());
     Result<estimator::Estimate> estimate = Status::Internal("unset");
     if (setup->Any()) {
@@ -323,7 +354,7 @@ void RegisterInventory(CLI::App& app, Outcome* outcome) {
       "Every parameter tensor of a model: name, shape, dtype, module, block, tied-to");
   options->Add(cmd);
   cmd->callback([options, outcome] {
-    auto inventory = estimator::LoadModel(options->model, options->Build());
+    auto inventory = options->Load();
     if (!inventory.ok()) return Fail(outcome, inventory.status());
     auto counts = estimator::CountParams(*inventory);
     if (!counts.ok()) return Fail(outcome, counts.status());

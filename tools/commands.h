@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 
 #include "common/status.h"
+#include "estimator/model_source.h"
 
 namespace memplan::tools {
 
@@ -39,6 +40,23 @@ struct Outcome {
 
 // Records `status` (an error) as the outcome: its message, and exit 1 for kInternal, else 2.
 void Fail(Outcome* outcome, const Status& status);
+
+// The model flags every subcommand that reads a model shares beyond --model and --model-class:
+// --offline, --model-config, --expert-layout.
+struct ModelSourceFlags {
+  bool offline = false;
+  std::string model_config;
+  std::string expert_layout = "fused";
+
+  void Add(CLI::App* cmd);
+};
+
+// Loads `spec` as the CLI does: repo ids not in the cache are fetched from the Hugging Face Hub
+// (environment as huggingface_hub reads it) unless --offline or HF_HUB_OFFLINE; each fetch is
+// announced on stderr as it starts (the only live output of a subcommand).
+Result<estimator::ModelInventory> LoadModelForCli(const std::string& spec,
+                                                  estimator::ModelClassChoice choice,
+                                                  const ModelSourceFlags& flags);
 
 // Each Register* adds a subcommand to `app` whose callback stores its Outcome in `*outcome`.
 void RegisterEstimate(CLI::App& app, Outcome* outcome);

@@ -157,6 +157,7 @@ struct ClusterFlags {
 struct PlanFlags {
   std::string model;
   std::string model_class = "auto";
+  ModelSourceFlags source;
   ClusterFlags cluster;
   int64_t global_batch = 0;
   int64_t global_batch_tokens = 0;
@@ -274,9 +275,11 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
     return fail(Status::InvalidArgument("give exactly one of --global-batch (samples) and "
                                         "--global-batch-tokens"));
   }
-  auto inventory = estimator::LoadModel(
-      f.model, f.model_class == "base" ? estimator::ModelClassChoice::kBase
-                                       : estimator::ModelClassChoice::kFromArchitectures);
+  auto inventory = LoadModelForCli(f.model,
+                              f.model_class == "base"
+                                  ? estimator::ModelClassChoice::kBase
+                                  : estimator::ModelClassChoice::kFromArchitectures,
+                              f.source);
   if (!inventory.ok()) return fail(inventory.status());
   if (!inventory->arch) {
     return fail(Status::InvalidArgument(
@@ -389,12 +392,14 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       "checkpointing x micro-batch), explained, and written as DeepSpeed / Accelerate / FSDP "
       "configs");
   cmd->add_option("-m,--model", f->model,
-                  "A built-in model name (see `memplan models`), a config.json, or a Hugging "
-                  "Face repo id in the local hub cache")
+                  "A model as in `memplan estimate`: a built-in name (see `memplan models`), a "
+                  "config.json, or a Hugging Face repo id (the local hub cache, else the Hub "
+                  "unless --offline)")
       ->required();
   cmd->add_option("--model-class", f->model_class, "auto (the config's architectures) or base")
       ->check(CLI::IsMember({"auto", "base"}))
       ->capture_default_str();
+  f->source.Add(cmd);
   f->cluster.Add(cmd, true);
   const char* job = "Job";
   cmd->add_option("--global-batch", f->global_batch, "Sequences per optimizer step, all GPUs")
