@@ -268,6 +268,135 @@ Result<Estimate> EstimateModelStates(const ModelInventory& inventory,
   return e;
 }
 
+nlohmann::json InferenceToJson(const InferenceEstimate& x) {
+  nlohmann::json weights = nlohmann::json::array();
+  for (const WeightsRow& r : x.weights) {
+    weights.push_back({{"dtype", r.dtype},
+                       {"bits", r.bits},
+                       {"total_bytes", r.total_bytes},
+                       {"largest_layer_bytes", r.largest_layer_bytes}});
+  }
+  nlohmann::json j = {
+      {"reproduces", "accelerate estimate-memory (calculate_maximum_sizes of the model in fp32, "
+                     "divided per dtype); KV cache: transformers DynamicCache"},
+      {"batch", x.setup.batch},
+      {"context", x.setup.context},
+      {"largest_layer", x.largest_layer},
+      {"weights", weights},
+      {"notes", x.notes},
+  };
+  if (x.kv_cache.has_value()) {
+    const KvCache& k = *x.kv_cache;
+    j["kv_cache"] = {{"dtype", k.dtype},
+                     {"batch", k.batch},
+                     {"context", k.context},
+                     {"layers", k.layers},
+                     {"sliding_layers", k.sliding_layers},
+                     {"sliding_window", k.sliding_window},
+                     {"heads", k.heads},
+                     {"key_dim", k.key_dim},
+                     {"value_dim", k.value_dim},
+                     {"bytes_per_token", k.bytes_per_token},
+                     {"bytes", k.bytes},
+                     {"kind", k.kind}};
+  }
+  return j;
+}
+
+Result<InferenceEstimate> InferenceFromJson(const nlohmann::json& json) {
+  InferenceEstimate x;
+  Fields f(json, "inference");
+  MEMPLAN_RETURN_IF_ERROR(f.Get("batch", &x.setup.batch));
+  MEMPLAN_RETURN_IF_ERROR(f.Get("context", &x.setup.context));
+  MEMPLAN_RETURN_IF_ERROR(f.Get("largest_layer", &x.largest_layer));
+  MEMPLAN_RETURN_IF_ERROR(f.Get("notes", &x.notes));
+  if (!json.contains("weights") || !json["weights"].is_array()) {
+    return Status::InvalidArgument("estimate JSON: inference.weights must be a list");
+  }
+  for (const auto& row_json : json["weights"]) {
+    Fields row(row_json, "inference.weights[]");
+    WeightsRow r;
+    MEMPLAN_RETURN_IF_ERROR(row.Get("dtype", &r.dtype));
+    MEMPLAN_RETURN_IF_ERROR(row.Get("bits", &r.bits));
+    MEMPLAN_RETURN_IF_ERROR(row.Get("total_bytes", &r.total_bytes));
+    MEMPLAN_RETURN_IF_ERROR(row.Get("largest_layer_bytes", &r.largest_layer_bytes));
+    x.weights.push_back(r);
+  }
+  if (json.contains("kv_cache")) {
+    Fields k(json["kv_cache"], "inference.kv_cache");
+    KvCache kv;
+    MEMPLAN_RETURN_IF_ERROR(k.Get("dtype", &kv.dtype));
+    MEMPLAN_RETURN_IF_ERROR(k.Get("batch", &kv.batch));
+    MEMPLAN_RETURN_IF_ERROR(k.Get("context", &kv.context));
+    MEMPLAN_RETURN_IF_ERROR(k.Get("layers", &kv.layers));
+    MEMPLAN_RETURN_IF_ERROR(k.Get("sliding_layers", &kv.sliding_layers));
+    MEMPLAN_RETURN_IF_ERROR(k.Get("sliding_window", &kv.sliding_window));
+    MEMPLAN_RETURN_IF_ERROR(k.Get("heads", &kv.heads));
+    MEMPLAN_RETURN_IF_ERROR(k.Get("key_dim", &kv.key_dim));
+    MEMPLAN_RETURN_IF_ERROR(k.Get("value_dim", &kv.value_dim));
+    MEMPLAN_RETURN_IF_ERROR(k.Get("bytes_per_token", &kv.bytes_per_token));
+    MEMPLAN_RETURN_IF_ERROR(k.Get("bytes", &kv.bytes));
+    MEMPLAN_RETURN_IF_ERROR(k.Get("kind", &kv.kind));
+    x.kv_cache = kv;
+  }
+  return x;
+}
+
+// Bytes in the unit that reads best (KiB .. TiB, two decimals), as Accelerate's convert_bytes.
+std::string Readable(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  char text[32];
+  std::snprintf(text, sizeof text, unit == 0 ? "%.0f %s" : "%.2f %s", value, units[unit]);
+  return text;
+}
+
+std::string FormatInferenceText(const InferenceEstimate& x) {
+  std::string out =
+      "\nLoading the weights (accelerate estimate-memory: calculate_maximum_sizes of the model in "
+      "fp32, divided per dtype):\n";
+  char line[160];
+  std::snprintf(line, sizeof line, "  %-18s %14s %14s\n", "dtype", "largest layer", "total size");
+  out += line;
+  for (const WeightsRow& r : x.weights) {
+    std::snprintf(line, sizeof line, "  %-18s %14s %14s\n", r.dtype.c_str(),
+                  Readable(r.largest_layer_bytes).c_str(), Readable(r.total_bytes).c_str());
+    out += line;
+  }
+  if (!x.largest_layer.empty()) out += "  largest layer: " + x.largest_layer + "\n";
+  if (x.kv_cache.has_value()) {
+    const KvCache& k = *x.kv_cache;
+    out += "\nKV cache (Transformers' DynamicCache), " + k.dtype + ", batch " +
+           std::to_string(k.batch) + " x context " + std::to_string(k.context) + ": " +
+           Readable(k.bytes) + "\n";
+    std::string shape = k.kind == "mla"
+                            ? "MLA latent " + std::to_string(k.key_dim) + " + rotary key " +
+                                  std::to_string(k.value_dim)
+                            : std::to_string(k.heads) + " KV heads x " +
+                                  std::to_string(k.key_dim) + " (" + k.kind + ")";
+    out += "  " + std::to_string(k.layers) + " layers, " + shape + ": " +
+           Readable(k.bytes_per_token) + " per token";
+    if (k.sliding_layers > 0) {
+      out += "; " + std::to_string(k.sliding_layers) + " sliding-window layers keep at most " +
+             std::to_string(k.sliding_window - 1) + " tokens";
+    }
+    out += "\n";
+    for (const WeightsRow& r : x.weights) {
+      if (r.bits == 16) {
+        out += "  weights (" + r.dtype + ") + KV cache: " + Readable(r.total_bytes + k.bytes) +
+               "\n";
+      }
+    }
+  }
+  for (const std::string& note : x.notes) out += "  note: " + note + "\n";
+  return out;
+}
+
 Result<Estimate> EstimateTraining(const ModelInventory& inventory,
                                   const DeepSpeedHardware& hardware, const TrainingSetup& setup) {
   MEMPLAN_ASSIGN_OR_RETURN(Estimate e, EstimateModelStates(inventory, hardware));
@@ -280,6 +409,15 @@ Result<Estimate> EstimateTraining(const ModelInventory& inventory,
   for (const ModelConstant& c : m.constants) e.assumptions.push_back(ConstantText(c));
   e.memory = std::move(m);
   return e;
+}
+
+Status AddInference(const ModelInventory& inventory, const InferenceSetup& setup,
+                    Estimate* estimate) {
+  MEMPLAN_ASSIGN_OR_RETURN(InferenceEstimate x,
+                           EstimateInference(inventory, estimate->model.counts, setup));
+  for (const std::string& note : x.notes) estimate->assumptions.push_back(note);
+  estimate->inference = std::move(x);
+  return Status::Ok();
 }
 
 nlohmann::json ToJson(const Estimate& e) {
@@ -311,6 +449,7 @@ nlohmann::json ToJson(const Estimate& e) {
         {"zero3", zero3}}},
       {"assumptions", e.assumptions},
   };
+  if (e.inference.has_value()) j["inference"] = InferenceToJson(*e.inference);
   if (!e.memory.has_value()) return j;
   const MemoryEstimate& m = *e.memory;
   j["setup"] = ToJson(m.setup);
@@ -399,6 +538,9 @@ Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
   MEMPLAN_RETURN_IF_ERROR(hw.Get("nodes", &e.hardware.nodes));
   MEMPLAN_RETURN_IF_ERROR(hw.Get("gpus_per_node", &e.hardware.gpus_per_node));
   MEMPLAN_RETURN_IF_ERROR(hw.Get("buffer_factor", &e.hardware.buffer_factor));
+  if (json.contains("inference")) {
+    MEMPLAN_ASSIGN_OR_RETURN(e.inference, InferenceFromJson(json["inference"]));
+  }
   MEMPLAN_RETURN_IF_ERROR(e.hardware.Validate());
   const nlohmann::json ds = json.value("deepspeed", nlohmann::json());
   for (const char* stage : {"zero2", "zero3"}) {
@@ -519,6 +661,10 @@ std::string FormatEstimateText(const Estimate& e) {
            c.largest_block + ", one of " + std::to_string(c.num_blocks) + " blocks)";
   }
   for (const std::string& note : m.notes) out += "\n  note: " + note;
+  if (e.inference.has_value() && !e.memory.has_value()) {
+    return out + "\n" + FormatInferenceText(*e.inference);
+  }
+  if (e.inference.has_value()) out += "\n" + FormatInferenceText(*e.inference);
   out += "\n\nZeRO-2, DeepSpeed estimate_zero2_model_states_mem_needs:\n";
   out += FormatZero2Text(c.params_total, e.hardware, e.zero2);
   out += "\nZeRO-3, DeepSpeed estimate_zero3_model_states_mem_needs:\n";

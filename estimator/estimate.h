@@ -14,6 +14,7 @@
 
 #include "common/status.h"
 #include "estimator/deepspeed.h"
+#include "estimator/inference.h"
 #include "estimator/inventory.h"
 #include "estimator/memory_model.h"
 #include "estimator/training_setup.h"
@@ -39,6 +40,8 @@ struct Estimate {
   // Present when a training setup was given (EstimateTraining).
   std::optional<MemoryEstimate> memory;
   std::vector<ComparisonRow> comparison;  // ZeRO stages x offload for the same setup
+  // Present when the inference table was asked for (AddInference; `estimate --inference`).
+  std::optional<InferenceEstimate> inference;
 };
 
 // Counts the inventory and fills the DeepSpeed tables. Errors: invalid hardware, overflow.
@@ -51,6 +54,11 @@ Result<Estimate> EstimateModelStates(const ModelInventory& inventory,
 Result<Estimate> EstimateTraining(const ModelInventory& inventory,
                                   const DeepSpeedHardware& hardware, const TrainingSetup& setup);
 
+// Adds the inference and loading table (inference.h) for `inventory`, counted as in `estimate`,
+// to `estimate`; its notes join the assumptions.
+Status AddInference(const ModelInventory& inventory, const InferenceSetup& setup,
+                    Estimate* estimate);
+
 // JSON form (schema documented in README.md; a public interface: fields are only ever added).
 nlohmann::json ToJson(const Estimate& estimate);
 // Inverse of ToJson; errors name the missing or mistyped field.
@@ -58,7 +66,8 @@ Result<Estimate> EstimateFromJson(const nlohmann::json& json);
 
 // Human-readable report: a model summary line, then DeepSpeed's ZeRO-2 and ZeRO-3 printouts
 // verbatim, then the GiB caveat once; with a training setup, then its breakdown table (items x
-// tiers) and the stage x offload comparison.
+// tiers) and the stage x offload comparison. With the inference table (and no training setup),
+// the summary and that table only, as `accelerate estimate-memory` prints it.
 std::string FormatEstimateText(const Estimate& estimate);
 
 // `memplan inventory --format json`: model summary plus every tensor.

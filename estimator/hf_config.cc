@@ -257,6 +257,18 @@ Status AttachArchitecture(const nlohmann::json& config, const std::string& sourc
       a.learned_positions = true;
     }
   }
+  // Decoder-only when the config names a causal-LM class or says it is a decoder.
+  if (reader.Has("architectures") && config["architectures"].is_array()) {
+    for (const auto& name : config["architectures"]) {
+      if (name.is_string() && name.get<std::string>().find("ForCausalLM") != std::string::npos) {
+        a.causal = true;
+      }
+    }
+  }
+  if (reader.Has("is_decoder") && config["is_decoder"].is_boolean() &&
+      config["is_decoder"].get<bool>()) {
+    a.causal = true;
+  }
   inventory->arch = a;
   if (!model_type.empty()) inventory->model_type = model_type;
   return Status::Ok();

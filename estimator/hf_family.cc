@@ -589,6 +589,8 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
     arch.sliding_layers = sliding;
   }
   arch.attention_sinks = spec.attention_sinks;
+  arch.causal = true;  // every family of this builder is a decoder-only model
+  if (v.Is(Flag::kNewDecoderArch)) arch.cached_kv_heads = arch.heads;
   arch.parallel_attention = spec.parallel_attention || v.Is(Flag::kParallelAttn);
   arch.mtp_layers = spec.mtp ? v.Get(Dim::kMtpLayers) : 0;
   arch.mtp_params = mtp_params;

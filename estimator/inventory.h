@@ -80,6 +80,11 @@ struct ArchitectureInfo {
   double attention_dropout = 0;   // on the softmax probabilities
   double embedding_dropout = 0;   // on the embedding output
   bool encoder_decoder = false;
+  // Decoder-only: each token attends to those before it, so generation keeps a KV cache.
+  bool causal = false;
+  // Heads the KV cache holds per layer when that is not kv_heads (0 = kv_heads): Falcon's new
+  // decoder architecture broadcasts its KV heads to every query head before caching them.
+  int64_t cached_kv_heads = 0;
 
   // Structures beyond the classic block (filled where the family has them; 0/false/empty = not
   // present). See Note [Architecture beyond the classic block] in hf_family.h.

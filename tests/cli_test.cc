@@ -402,4 +402,66 @@ TEST_CASE("cli: did you mean, for built-in names and flags") {
                  {"--gpu", "(did you mean --gpus?)"});
 }
 
+TEST_CASE("cli: estimate --inference prints accelerate's table and the KV cache") {
+  Run text = Memplan({"estimate", "--model", "llama-3.1-8b", "--inference", "--context", "8192",
+                      "--batch", "2"});
+  REQUIRE(text.exit_code == 0);
+  CHECK(text.err.empty());
+  CHECK(text.out.find("accelerate estimate-memory") != std::string::npos);
+  CHECK(text.out.find("float16/bfloat16") != std::string::npos);
+  CHECK(text.out.find("int4") != std::string::npos);
+  // 32 layers x 2 x 8 heads x 128 x 2 bytes = 128 KiB a token; x 8192 x 2 = 2 GiB.
+  CHECK(text.out.find("bfloat16, batch 2 x context 8192: 2.00 GiB") != std::string::npos);
+  CHECK(text.out.find("128.00 KiB per token") != std::string::npos);
+  CHECK(text.out.find("ZeRO-2") == std::string::npos);
+
+  Run json = Memplan({"estimate", "--model", "llama-3.1-8b", "--context", "8192", "--batch", "2",
+                      "--kv-dtype", "fp8", "--format", "json"});
+  REQUIRE(json.exit_code == 0);
+  auto doc = nlohmann::json::parse(json.out);
+  const auto& inference = doc["inference"];
+  CHECK(inference["kv_cache"]["bytes"] == 131072ull * 8192 * 2 / 2);
+  CHECK(inference["kv_cache"]["dtype"] == "float8_e4m3fn");
+  CHECK(inference["weights"][0]["total_bytes"] == doc["model"]["accelerate_total_bytes"]);
+  CHECK(doc.contains("deepspeed"));  // JSON keeps every table
+
+  ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--inference", "--kv-dtype", "int3"}),
+                 {"--kv-dtype"});
+  ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--context", "0"}), {"--context"});
+}
+
+TEST_CASE("cli: every causal LM built in or in the oracle's configs estimates training and plans") {
+  std::vector<fs::path> configs;
+  for (const char* dir : {"estimator/models", "tests/oracle/modern_configs"}) {
+    for (const auto& entry : fs::directory_iterator(Source(dir))) configs.push_back(entry.path());
+  }
+  int causal = 0;
+  for (const fs::path& path : configs) {
+    auto config = nlohmann::json::parse(ReadWholeFile(path));
+    const std::string arch = config.value("architectures", nlohmann::json::array()).empty()
+                                 ? std::string()
+                                 : config["architectures"][0].get<std::string>();
+    if (arch.find("ForCausalLM") == std::string::npos &&
+        arch.find("LMHeadModel") == std::string::npos) {
+      continue;
+    }
+    if (arch.rfind("T5", 0) == 0) continue;
+    ++causal;
+    CAPTURE(path.string());
+    Run estimate = Memplan({"estimate", "--model", path.string(), "--micro-batch", "1",
+                            "--seq-len", "1024", "--zero-stage", "3", "--format", "json"});
+    CHECK(estimate.exit_code == 0);
+    CAPTURE(estimate.err);
+    Run plan = Memplan({"plan", "--model", path.string(), "--gpu", "h100-80", "--gpus", "8",
+                        "--nodes", "4", "--global-batch", "256", "--seq-len", "1024"});
+    CHECK(plan.exit_code == 0);
+    CAPTURE(plan.err);
+    Run inference = Memplan({"estimate", "--model", path.string(), "--inference", "--format",
+                             "json"});
+    REQUIRE(inference.exit_code == 0);
+    CHECK(nlohmann::json::parse(inference.out)["inference"].contains("kv_cache"));
+  }
+  CHECK(causal >= 40);
+}
+
 }  // namespace

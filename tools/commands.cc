@@ -111,6 +111,44 @@ Result<estimator::ModelInventory> LoadModelForCli(const std::string& spec,
 
 namespace {
 
+// `memplan estimate --inference [--context N] [--batch B] [--kv-dtype D]`: any of the last three
+// implies the first.
+struct InferenceFlags {
+  bool inference = false;
+  int64_t context = 4096;
+  int64_t batch = 1;
+  std::string kv_dtype;
+  CLI::Option* context_option = nullptr;
+  CLI::Option* batch_option = nullptr;
+  CLI::Option* kv_dtype_option = nullptr;
+
+  void Add(CLI::App* cmd) {
+    const char* group = "Inference (accelerate estimate-memory's table and the KV cache)";
+    cmd->add_flag("--inference", inference,
+                  "The weights per dtype and largest layer as `accelerate estimate-memory` prints "
+                  "them, and the KV cache of generating --batch sequences of --context tokens")
+        ->group(group);
+    context_option = cmd->add_option("--context", context,
+                                     "Tokens per sequence held in the KV cache (prompt + output)")
+                         ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+                         ->capture_default_str()
+                         ->group(group);
+    batch_option = cmd->add_option("--batch", batch, "Sequences generated at once")
+                       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30))
+                       ->capture_default_str()
+                       ->group(group);
+    kv_dtype_option = cmd->add_option("--kv-dtype", kv_dtype,
+                                      "KV cache dtype (bf16, fp16, fp32, fp8, ...); default: the "
+                                      "weights' dtype from the config")
+                          ->group(group);
+  }
+  bool Any() const {
+    return inference || context_option->count() > 0 || batch_option->count() > 0 ||
+           kv_dtype_option->count() > 0;
+  }
+  estimator::InferenceSetup Setup() const { return {batch, context, kv_dtype}; }
+};
+
 // The training-setup flags of `memplan estimate` (issue 3's spelling, which `plan` shares). Any of
 // them, or --deepspeed, turns on the memory model's breakdown and comparison tables.
 struct SetupOptions {
@@ -317,6 +355,8 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
       ->check(CLI::Range(0.0, 1000.0))
       ->capture_default_str();
   setup->Add(cmd);
+  auto inference = std::make_shared<InferenceFlags>();
+  inference->Add(cmd);
   cmd->footer(
       "\nExamples:\n"
       "  memplan estimate --model llama-2-7b --gpus 4\n"
@@ -326,9 +366,10 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
       "  memplan estimate --model llama-2-7b --gpus 8 --deepspeed ds_config.json\n"
       "  memplan estimate --model ./config.json --gpus 8 --nodes 2 --format json\n"
       "  memplan estimate --model t5-large --model-class base --gpus 4\n"
+      "  memplan estimate --model meta-llama/Llama-3.1-8B --inference --context 8192 --batch 4\n"
       "\nExit status: 0 on success, 2 on bad input (one line on stderr naming the file and "
       "field).");
-  cmd->callback([options, hardware, setup, outcome] {
+  cmd->callback([options, hardware, setup, inference, outcome] {
     auto inventory = options->Load();
     if (!inventory.ok()) return Fail(outcome, inventory.status());
     Result<estimator::Estimate> estimate = Status::Internal("unset");
@@ -340,6 +381,10 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
       estimate = estimator::EstimateModelStates(*inventory, *hardware);
     }
     if (!estimate.ok()) return Fail(outcome, estimate.status());
+    if (inference->Any()) {
+      Status added = estimator::AddInference(*inventory, inference->Setup(), &*estimate);
+      if (!added.ok()) return Fail(outcome, added);
+    }
     Emit(*options,
          options->format == "json" ? JsonOutput(estimator::ToJson(*estimate))
                                    : estimator::FormatEstimateText(*estimate),

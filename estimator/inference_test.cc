@@ -1,0 +1,101 @@
+#include "estimator/inference.h"
+
+#include <doctest/doctest.h>
+
+#include <string>
+
+#include "estimator/model_source.h"
+#include "tests/estimator_testing.h"
+
+namespace memplan::estimator {
+namespace {
+
+using testing::Counts;
+
+InferenceEstimate Infer(const std::string& model, int64_t batch, int64_t context,
+                        const std::string& kv_dtype = "bf16") {
+  auto inventory = LoadModel(model, ModelClassChoice::kFromArchitectures);
+  REQUIRE_MESSAGE(inventory.ok(), inventory.status().ToString());
+  auto inference = EstimateInference(*inventory, Counts(*inventory), {batch, context, kv_dtype});
+  REQUIRE_MESSAGE(inference.ok(), inference.status().ToString());
+  return *inference;
+}
+
+uint64_t KvBytes(const std::string& model, int64_t batch, int64_t context) {
+  InferenceEstimate e = Infer(model, batch, context);
+  REQUIRE(e.kv_cache.has_value());
+  return e.kv_cache->bytes;
+}
+
+std::string Source(const std::string& rel) { return std::string(MEMPLAN_SOURCE_DIR) + "/" + rel; }
+
+TEST_CASE("inference: KV cache bytes are those of Transformers' DynamicCache") {
+  // Each figure: the bytes of the keys and values a DynamicCache holds after a bf16 forward of
+  // 2 x 5000 tokens on the meta device (Transformers 5.23; tests/oracle/inference_oracle_test.py
+  // checks the same in CI for more families).
+  CHECK(KvBytes("llama-3.2-1b", 2, 24) == 1'572'864);  // GQA: 16 x 2 x 2 x 8 x 24 x 64 x 2
+  CHECK(KvBytes("gemma-2-2b", 2, 5000) == 968'581'120);  // every other layer keeps 4095 tokens
+  CHECK(KvBytes("gemma-3-1b", 2, 5000) == 63'983'616);   // five in six layers keep 511
+  CHECK(KvBytes("mistral-7b", 2, 5000) == 1'073'479'680);  // every layer keeps 4095
+  CHECK(KvBytes("phi-3-mini", 2, 5000) == 1'609'039'872);  // every layer keeps 2046
+  CHECK(KvBytes("gpt-oss-20b", 2, 5000) == 252'002'304);   // sliding layers keep 127
+  CHECK(KvBytes("deepseek-v2-lite", 2, 5000) == 311'040'000);  // MLA: 512 + 64 per token
+  CHECK(KvBytes(Source("tests/oracle/modern_configs/falcon-7b.json"), 2, 5000) ==
+        81'920'000);  // multi-query: one head
+  // Falcon's new decoder architecture broadcasts its 8 KV heads to all 128 before caching.
+  CHECK(KvBytes(Source("tests/oracle/modern_configs/falcon-40b.json"), 2, 5000) ==
+        19'660'800'000);
+}
+
+TEST_CASE("inference: the weights rows are accelerate estimate-memory's") {
+  auto inventory = LoadModel("llama-3.1-8b", ModelClassChoice::kFromArchitectures);
+  REQUIRE(inventory.ok());
+  const ModelCounts counts = Counts(*inventory);
+  InferenceEstimate e = Infer("llama-3.1-8b", 1, 4096);
+  REQUIRE(e.weights.size() == 5);
+  CHECK(e.weights[0].dtype == "float32");
+  CHECK(e.weights[0].total_bytes == counts.accelerate_total_bytes);
+  CHECK(e.weights[0].largest_layer_bytes == counts.accelerate_largest_layer_bytes);
+  CHECK(e.weights[1].total_bytes == counts.accelerate_total_bytes / 2);
+  CHECK(e.weights[3].dtype == "int8");
+  CHECK(e.weights[3].total_bytes == counts.accelerate_total_bytes / 4);
+  CHECK(e.weights[4].dtype == "int4");
+  CHECK(e.weights[4].total_bytes == (counts.accelerate_total_bytes + 7) / 8);
+  CHECK(e.largest_layer == counts.accelerate_largest_layer);
+  // Llama 3.1 8B: 32 layers x 2 x 8 heads x 128 x 2 bytes = 128 KiB per token.
+  REQUIRE(e.kv_cache.has_value());
+  CHECK(e.kv_cache->bytes_per_token == 131'072);
+  CHECK(e.kv_cache->bytes == 131'072ull * 4096);
+  CHECK(e.kv_cache->kind == "gqa");
+  CHECK(e.kv_cache->dtype == "bfloat16");
+  // Default KV dtype: the weights' (the config's torch_dtype).
+  CHECK(Infer("llama-3.1-8b", 1, 4096, "").kv_cache->dtype == "bfloat16");
+  CHECK(Infer("llama-3.1-8b", 1, 4096, "fp8").kv_cache->bytes == 131'072ull * 4096 / 2);
+}
+
+TEST_CASE("inference: encoders have no KV cache; bad settings are named") {
+  InferenceEstimate bert = Infer("bert-base-uncased", 1, 128);
+  CHECK_FALSE(bert.kv_cache.has_value());
+  REQUIRE(bert.notes.size() == 1);
+  CHECK(bert.notes[0].find("encoder") != std::string::npos);
+  auto inventory = LoadModel("gpt2", ModelClassChoice::kFromArchitectures);
+  REQUIRE(inventory.ok());
+  CHECK(EstimateInference(*inventory, Counts(*inventory), {0, 10, ""}).status().message() ==
+        "--batch must be at least 1, got 0");
+  CHECK(EstimateInference(*inventory, Counts(*inventory), {1, -1, ""}).status().message() ==
+        "--context must be at least 1, got -1");
+  CHECK(EstimateInference(*inventory, Counts(*inventory), {1, 10, "int3"})
+            .status()
+            .message()
+            .find("--kv-dtype") == 0);
+  // GPT-2: MHA, learned positions; a context past them is noted.
+  InferenceEstimate gpt2 = Infer("gpt2", 1, 2048);
+  REQUIRE(gpt2.kv_cache.has_value());
+  CHECK(gpt2.kv_cache->kind == "mha");
+  CHECK(gpt2.kv_cache->bytes == 12ull * 2 * 12 * 64 * 2 * 2048);
+  REQUIRE(gpt2.notes.size() == 1);
+  CHECK(gpt2.notes[0].find("exceeds the model's 1024 learned positions") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace memplan::estimator
