@@ -3,21 +3,51 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <span>
 
 namespace memplan {
 
-inline std::optional<uint64_t> CheckedMul(uint64_t a, uint64_t b) {
-  uint64_t out;
+namespace internal {
+template <typename T>
+std::optional<T> Mul(T a, T b) {
+  T out;
   if (__builtin_mul_overflow(a, b, &out)) return std::nullopt;
   return out;
 }
-
-inline std::optional<uint64_t> CheckedAdd(uint64_t a, uint64_t b) {
-  uint64_t out;
+template <typename T>
+std::optional<T> Add(T a, T b) {
+  T out;
   if (__builtin_add_overflow(a, b, &out)) return std::nullopt;
   return out;
+}
+}  // namespace internal
+
+inline std::optional<uint64_t> CheckedMul(uint64_t a, uint64_t b) { return internal::Mul(a, b); }
+inline std::optional<uint64_t> CheckedAdd(uint64_t a, uint64_t b) { return internal::Add(a, b); }
+
+// Signed forms, for counts a user gives as int64 (batch sizes, accumulation steps, GPUs): a
+// product that does not fit is nullopt, never a wrapped number (signed overflow is undefined; a
+// wrap to 0 once made `check` divide by zero).
+inline std::optional<int64_t> CheckedMulInt64(int64_t a, int64_t b) { return internal::Mul(a, b); }
+inline std::optional<int64_t> CheckedAddInt64(int64_t a, int64_t b) { return internal::Add(a, b); }
+
+// a x b x ...; nullopt when any partial product overflows.
+inline std::optional<int64_t> CheckedProductInt64(std::initializer_list<int64_t> factors) {
+  int64_t out = 1;
+  for (int64_t f : factors) {
+    auto next = CheckedMulInt64(out, f);
+    if (!next) return std::nullopt;
+    out = *next;
+  }
+  return out;
+}
+
+// floor(value x numerator / denominator) without overflow (numerator, denominator > 0 and small):
+// a fraction of a byte size, e.g. 85% of RAM.
+inline uint64_t ScaleDown(uint64_t value, uint64_t numerator, uint64_t denominator) {
+  return value / denominator * numerator + value % denominator * numerator / denominator;
 }
 
 // Product of dims; nullopt when a dim is negative or the product overflows. Empty span -> 1

@@ -1,8 +1,10 @@
 #include "common/json.h"
 
+#include <cmath>
 #include <exception>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -10,35 +12,47 @@
 namespace memplan {
 namespace {
 
-using OrderedJson = nlohmann::ordered_json;
+enum class Repeats { kRefuse, kLastWins };
 
 // Note [Linear ordered parse]: ordered_json's own parser inserts each key with a linear search
 // of its object (50k keys: 10 s optimised), so a big MoE checkpoint's header or index takes
 // minutes and a hostile one hours. This SAX handler appends to the object's underlying vector
-// instead and catches repeated keys itself, which nlohmann would otherwise resolve silently.
-class OrderedJsonBuilder {
+// instead and catches repeated keys itself, which nlohmann would otherwise resolve silently. The
+// same handler builds plain nlohmann::json documents (ParseJson, ParseJsonNoRepeatedKeys), so
+// every JSON reader applies the same limits (Note [JSON limits] in json.h) while it parses.
+template <typename Json>
+class JsonBuilder {
  public:
-  using Json = nlohmann::ordered_json;
+  static constexpr bool kOrdered = std::is_same_v<Json, nlohmann::ordered_json>;
+
+  explicit JsonBuilder(Repeats repeats) : repeats_(repeats) {}
 
   Json& root() { return root_; }
   const std::string& error() const { return error_; }
-  const std::string& repeated_key() const { return repeated_key_; }
+  const std::string& refusal() const { return refusal_; }
 
   bool null() { return Put(Json(nullptr)); }
   bool boolean(bool v) { return Put(Json(v)); }
-  bool number_integer(Json::number_integer_t v) { return Put(Json(v)); }
-  bool number_unsigned(Json::number_unsigned_t v) { return Put(Json(v)); }
-  bool number_float(Json::number_float_t v, const std::string& /*text*/) { return Put(Json(v)); }
+  bool number_integer(typename Json::number_integer_t v) { return Put(Json(v)); }
+  bool number_unsigned(typename Json::number_unsigned_t v) { return Put(Json(v)); }
+  bool number_float(typename Json::number_float_t v, const std::string& text) {
+    // nlohmann refuses 1e999 itself; this keeps any other road to an infinity or NaN closed.
+    if (!std::isfinite(v)) return Refuse("number " + text + " is not finite");
+    return Put(Json(v));
+  }
   bool string(std::string& v) { return Put(Json(std::move(v))); }
-  bool binary(Json::binary_t& v) { return Put(Json::binary(std::move(v))); }
+  bool binary(typename Json::binary_t& v) { return Put(Json::binary(std::move(v))); }
   bool start_object(std::size_t /*elements*/) {
     open_keys_.emplace_back();
     return Open(Json::object());
   }
   bool key(std::string& k) {
-    if (IsRepeated(k)) {
-      repeated_key_ = k;
-      return false;
+    if (k.size() > kMaxJsonKeyBytes) {
+      return Refuse("a key of " + std::to_string(k.size()) + " bytes (limit " +
+                    std::to_string(kMaxJsonKeyBytes) + ")");
+    }
+    if (repeats_ == Repeats::kRefuse && IsRepeated(k)) {
+      return Refuse("key '" + k + "' appears twice in one JSON object");
     }
     key_ = std::move(k);
     return true;
@@ -54,7 +68,7 @@ class OrderedJsonBuilder {
     return true;
   }
   bool parse_error(std::size_t /*position*/, const std::string& /*last_token*/,
-                   const Json::exception& e) {
+                   const typename Json::exception& e) {
     error_ = e.what();
     return false;
   }
@@ -62,8 +76,13 @@ class OrderedJsonBuilder {
  private:
   static constexpr size_t kScanLimit = 16;  // object size from which repeated keys use a set
 
+  bool Refuse(std::string why) {
+    refusal_ = std::move(why);
+    return false;
+  }
   // Stores `v` where the parser is; returns where it went. A pointer to an open container stays
-  // valid: only the innermost open container grows, and it is the last element of its parent.
+  // valid: only the innermost open container grows, and it is the last element of its parent (or
+  // a node of a std::map, which does not move).
   Json* Place(Json v) {
     if (open_.empty()) {
       root_ = std::move(v);
@@ -71,29 +90,39 @@ class OrderedJsonBuilder {
     }
     Json& parent = *open_.back();
     if (parent.is_array()) {
-      auto& array = parent.get_ref<Json::array_t&>();
+      auto& array = parent.template get_ref<typename Json::array_t&>();
       array.push_back(std::move(v));
       return &array.back();
     }
-    // The vector's own emplace_back: key uniqueness was checked in key().
-    auto& object = parent.get_ref<Json::object_t&>();
-    object.emplace_back(std::move(key_), std::move(v));
-    return &object.back().second;
+    auto& object = parent.template get_ref<typename Json::object_t&>();
+    if constexpr (kOrdered) {
+      // The vector's own emplace_back: key uniqueness was checked in key().
+      object.emplace_back(std::move(key_), std::move(v));
+      return &object.back().second;
+    } else {
+      Json& slot = object[std::move(key_)];  // a repeated key (kLastWins) takes the last value
+      slot = std::move(v);
+      return &slot;
+    }
   }
   // Most objects are a tensor's three fields: scanning them beats building a hash set, which
   // only pays once an object is large.
   bool IsRepeated(const std::string& k) {
-    const auto& object = open_.back()->get_ref<const Json::object_t&>();
-    std::unique_ptr<std::unordered_set<std::string>>& keys = open_keys_.back();
-    if (!keys && object.size() < kScanLimit) {
-      return std::any_of(object.begin(), object.end(),
-                         [&](const auto& entry) { return entry.first == k; });
+    const auto& object = open_.back()->template get_ref<const typename Json::object_t&>();
+    if constexpr (!kOrdered) {
+      return object.count(k) > 0;
+    } else {
+      std::unique_ptr<std::unordered_set<std::string>>& keys = open_keys_.back();
+      if (!keys && object.size() < kScanLimit) {
+        return std::any_of(object.begin(), object.end(),
+                           [&](const auto& entry) { return entry.first == k; });
+      }
+      if (!keys) {
+        keys = std::make_unique<std::unordered_set<std::string>>();
+        for (const auto& entry : object) keys->insert(entry.first);
+      }
+      return !keys->insert(k).second;
     }
-    if (!keys) {
-      keys = std::make_unique<std::unordered_set<std::string>>();
-      for (const auto& entry : object) keys->insert(entry.first);
-    }
-    return !keys->insert(k).second;
   }
   bool Put(Json v) {
     Place(std::move(v));
@@ -104,19 +133,18 @@ class OrderedJsonBuilder {
     return true;
   }
 
+  Repeats repeats_;
   Json root_;
   std::vector<Json*> open_;
   std::vector<std::unique_ptr<std::unordered_set<std::string>>> open_keys_;  // per open object
   std::string key_;
   std::string error_;
-  std::string repeated_key_;
+  std::string refusal_;
 };
 
-}  // namespace
-
-Result<nlohmann::ordered_json> ParseOrderedJsonText(std::string_view text,
-                                                    const std::string& source, int max_depth) {
-  // Same checks and messages as common/json.h's ParseJson, whose ordered_json form this replaces.
+template <typename Json>
+Result<Json> Parse(std::string_view text, const std::string& source, int max_depth,
+                   Repeats repeats) {
   MEMPLAN_RETURN_IF_ERROR(CheckNoNulByte(text, source));
   int depth = JsonNestingDepth(text);
   if (depth > max_depth) {
@@ -124,11 +152,10 @@ Result<nlohmann::ordered_json> ParseOrderedJsonText(std::string_view text,
                                    " levels deep (limit " + std::to_string(max_depth) + ")");
   }
   try {
-    OrderedJsonBuilder builder;
-    bool ok = OrderedJson::sax_parse(text, &builder);
-    if (!builder.repeated_key().empty()) {
-      return Status::InvalidArgument(source + ": key '" + builder.repeated_key() +
-                                     "' appears twice in one JSON object");
+    JsonBuilder<Json> builder(repeats);
+    bool ok = Json::sax_parse(text, &builder);
+    if (!builder.refusal().empty()) {
+      return Status::InvalidArgument(source + ": " + builder.refusal());
     }
     if (!ok) {
       std::string what = builder.error();
@@ -141,6 +168,23 @@ Result<nlohmann::ordered_json> ParseOrderedJsonText(std::string_view text,
     // sax_parse reports syntax errors through the builder; only allocation failure throws.
     return Status::ResourceExhausted(source + ": cannot parse JSON: " + e.what());
   }
+}
+
+}  // namespace
+
+Result<nlohmann::json> ParseJson(std::string_view text, const std::string& source,
+                                 int max_depth) {
+  return Parse<nlohmann::json>(text, source, max_depth, Repeats::kLastWins);
+}
+
+Result<nlohmann::json> ParseJsonNoRepeatedKeys(std::string_view text, const std::string& source,
+                                               int max_depth) {
+  return Parse<nlohmann::json>(text, source, max_depth, Repeats::kRefuse);
+}
+
+Result<nlohmann::ordered_json> ParseOrderedJsonText(std::string_view text,
+                                                    const std::string& source, int max_depth) {
+  return Parse<nlohmann::ordered_json>(text, source, max_depth, Repeats::kRefuse);
 }
 
 }  // namespace memplan

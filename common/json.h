@@ -56,33 +56,29 @@ std::string JsonOutput(const Json& json) {
   return json.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
 }
 
-// Parses `text` as JSON. Invalid JSON (a NUL byte included), invalid UTF-8 and nesting deeper
-// than `max_depth` are InvalidArgument errors naming `source`. Key order is not kept: see
+// Note [JSON limits]: every JSON reader below refuses, with an InvalidArgument error naming
+// `source`: invalid JSON (a NUL byte and invalid UTF-8 included), nesting deeper than `max_depth`
+// (checked before parsing, so a hostile file cannot exhaust the stack), a key longer than
+// kMaxJsonKeyBytes (no real config, header or shape list comes near it; a 15 MiB key made `check`'s
+// suggestions take 35 s), and a number that is not finite.
+constexpr size_t kMaxJsonKeyBytes = 4096;
+
+// Parses `text` as JSON (Note [JSON limits]). A key repeated in one object keeps its last value, as
+// Python's json module does (Hugging Face reads config.json that way). Key order is not kept: see
 // ParseOrderedJsonText.
-inline Result<nlohmann::json> ParseJson(std::string_view text, const std::string& source,
-                                        int max_depth = 64) {
-  MEMPLAN_RETURN_IF_ERROR(CheckNoNulByte(text, source));
-  int depth = JsonNestingDepth(text);
-  if (depth > max_depth) {
-    return Status::InvalidArgument(source + ": JSON nested " + std::to_string(depth) +
-                                   " levels deep (limit " + std::to_string(max_depth) + ")");
-  }
-  try {
-    return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    std::string what = e.what();
-    // nlohmann prefixes "[json.exception.parse_error.101] "; users need only the rest.
-    if (auto pos = what.find("] "); pos != std::string::npos) what = what.substr(pos + 2);
-    return Status::InvalidArgument(source + ": invalid JSON: " + what);
-  }
-}
+Result<nlohmann::json> ParseJson(std::string_view text, const std::string& source,
+                                 int max_depth = 64);
+
+// ParseJson, but a key repeated in one object is an error, as DeepSpeed's config loader makes it
+// (its object_pairs_hook refuses duplicates): for DeepSpeed configs.
+Result<nlohmann::json> ParseJsonNoRepeatedKeys(std::string_view text, const std::string& source,
+                                               int max_depth = 64);
 
 // Parses a user's JSON document keeping key order, in time linear in its size (nlohmann's own
 // ordered_json parse is quadratic in the keys of one object; see Note [Linear ordered parse] in
-// json.cc). Refuses, with errors naming `source`: nesting deeper than `max_depth` (checked before
-// parsing, as ParseJson does), invalid JSON (including invalid UTF-8 and a NUL byte), and an
-// object that repeats a key, which nlohmann would otherwise resolve silently. Use it for any user
-// document whose key order matters.
+// json.cc). Refuses what ParseJson refuses (Note [JSON limits]) and an object that repeats a key,
+// which nlohmann would otherwise resolve silently. Use it for any user document whose key order
+// matters.
 Result<nlohmann::ordered_json> ParseOrderedJsonText(std::string_view text,
                                                     const std::string& source, int max_depth);
 

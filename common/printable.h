@@ -9,6 +9,33 @@
 
 namespace memplan {
 
+// The length of the UTF-8 sequence at text[i] (1 to 4), with its code point in `*code`; 0 when
+// the bytes there are not UTF-8 (a stray continuation byte, a truncated or overlong sequence, a
+// surrogate, a value past U+10FFFF).
+inline size_t DecodeUtf8(std::string_view text, size_t i, uint32_t* code) {
+  const unsigned char c = static_cast<unsigned char>(text[i]);
+  if (c < 0x80) {
+    *code = c;
+    return 1;
+  }
+  const size_t length = c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3
+                        : c >= 0xf0 && c <= 0xf4                           ? 4
+                                                                           : 0;
+  if (length == 0 || i + length > text.size()) return 0;
+  uint32_t value = length == 2 ? c & 0x1fu : length == 3 ? c & 0x0fu : c & 0x07u;
+  for (size_t k = 1; k < length; ++k) {
+    const unsigned char next = static_cast<unsigned char>(text[i + k]);
+    if ((next & 0xc0) != 0x80) return 0;
+    value = (value << 6) | (next & 0x3fu);
+  }
+  if ((length == 3 && (value < 0x800 || (value >= 0xd800 && value <= 0xdfff))) ||
+      (length == 4 && (value < 0x10000 || value > 0x10ffff))) {
+    return 0;
+  }
+  *code = value;
+  return length;
+}
+
 // `text` with every character a terminal would act on written as an escape: C0 controls and DEL
 // as \n, \r, \t or \xHH (\x1b for ESC), C1 controls (U+0080..U+009F) and the bidirectional
 // overrides (U+202A..U+202E, U+2066..U+2069) as \uXXXX, and bytes that are not UTF-8 as \xHH.
@@ -43,21 +70,9 @@ inline std::string Printable(std::string_view text, bool keep_newlines = false) 
       ++i;
       continue;
     }
-    // A UTF-8 sequence: its length from the lead byte, then its continuation bytes and value.
-    const size_t length = c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3
-                          : c >= 0xf0 && c <= 0xf4                           ? 4
-                                                                             : 0;
-    uint32_t code = length == 2 ? c & 0x1fu : length == 3 ? c & 0x0fu : c & 0x07u;
-    bool valid = length > 0 && i + length <= text.size();
-    for (size_t k = 1; valid && k < length; ++k) {
-      const unsigned char next = static_cast<unsigned char>(text[i + k]);
-      valid = (next & 0xc0) == 0x80;
-      code = (code << 6) | (next & 0x3fu);
-    }
-    // Overlong forms, surrogates and values past U+10FFFF are not UTF-8.
-    valid = valid && !(length == 3 && (code < 0x800 || (code >= 0xd800 && code <= 0xdfff))) &&
-            !(length == 4 && (code < 0x10000 || code > 0x10ffff));
-    if (!valid) {
+    uint32_t code = 0;
+    const size_t length = DecodeUtf8(text, i, &code);
+    if (length == 0) {
       hex_byte(c);
       ++i;
       continue;
