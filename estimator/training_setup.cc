@@ -4,6 +4,9 @@
 #include <cctype>
 #include <cmath>
 #include <map>
+#include <optional>
+
+#include "common/checked_math.h"
 
 namespace memplan::estimator {
 namespace {
@@ -752,18 +755,23 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
       s.WorldSize() % s.tp == 0) {
     int64_t total = 0;
     MEMPLAN_RETURN_IF_ERROR(top.Int("train_batch_size", 1, int64_t{1} << 50, &total));
-    s.micro_batch = std::max<int64_t>(1, total / (s.grad_accum * s.DataParallel()));
+    // --gpus x --nodes reach 2^40, the accumulation 2^24: the product is checked. Past 2^63 no
+    // total can fill a micro-batch; the check below then reports the mismatch.
+    const std::optional<int64_t> per_micro = CheckedMulInt64(s.grad_accum, s.DataParallel());
+    s.micro_batch = per_micro ? std::max<int64_t>(1, total / *per_micro) : 1;
   }
   if (top.Has("train_batch_size") && !top.IsAuto("train_batch_size")) {
     int64_t total = 0;
     MEMPLAN_RETURN_IF_ERROR(top.Int("train_batch_size", 1, int64_t{1} << 50, &total));
-    const int64_t want = s.micro_batch * s.grad_accum * s.DataParallel();
-    if (s.tp >= 1 && s.WorldSize() % s.tp == 0 && total != want) {
+    const std::optional<int64_t> product =
+        CheckedProductInt64({s.micro_batch, s.grad_accum, s.DataParallel()});
+    const std::string want = product ? std::to_string(*product) : "more than 2^63";
+    if (s.tp >= 1 && s.WorldSize() % s.tp == 0 && product != total) {
       return top.Error("train_batch_size",
                        "is " + std::to_string(total) + " but micro batch " +
                            std::to_string(s.micro_batch) + " x accumulation " +
                            std::to_string(s.grad_accum) + " x " + std::to_string(s.DataParallel()) +
-                           " data-parallel GPUs = " + std::to_string(want));
+                           " data-parallel GPUs = " + want);
     }
   }
   MEMPLAN_RETURN_IF_ERROR(s.Validate().WithPrefix(source));

@@ -6,6 +6,8 @@
 #include <set>
 
 #include "estimator/estimate.h"
+#include "common/checked_math.h"
+#include "common/printable.h"
 #include "estimator/memory_model.h"
 #include "estimator/training_setup.h"
 
@@ -143,16 +145,22 @@ class Checker {
                           " (DeepSpeed ignores or rejects it here)");
         continue;
       }
+      // Note [Bounded suggestions]: a suggestion is within `limit` edits, and an edit distance is
+      // at least the difference in length, so a candidate that differs more in length is not
+      // measured: a long key (up to common/json.h's kMaxJsonKeyBytes) costs nothing.
+      const size_t limit = std::max<size_t>(2, key.size() / 4);
       std::string nearest;
       size_t best = SIZE_MAX;
       for (const std::string& candidate : known->second) {
+        const size_t gap = key.size() > candidate.size() ? key.size() - candidate.size()
+                                                         : candidate.size() - key.size();
+        if (gap > limit) continue;
         const size_t d = EditDistance(key, candidate);
         if (d < best) {
           best = d;
           nearest = candidate;
         }
       }
-      const size_t limit = std::max<size_t>(2, key.size() / 4);
       Problem(path, "unknown key" + (best <= limit ? "; did you mean " + nearest + "?"
                                                    : std::string()));
     }
@@ -186,6 +194,15 @@ class Checker {
     return v.get<int64_t>();
   }
 
+  // The factors are any positive int64 a config holds: every product is checked (a wrapped
+  // micro x accumulation once reached 0 and the modulo below killed `check` with SIGFPE).
+  static std::string Product(std::optional<int64_t> value) {
+    return value ? std::to_string(*value) : std::string("more than 2^63");
+  }
+  static bool MultipleOf(int64_t total, std::optional<int64_t> step) {
+    return step && total % *step == 0;
+  }
+
   void Batch(const nlohmann::json& c) {
     auto total = PositiveInt(c, "", "train_batch_size");
     auto micro = PositiveInt(c, "", "train_micro_batch_size_per_gpu");
@@ -193,18 +210,21 @@ class Checker {
     int64_t world = options_.world_size;
     if (world == 0 && options_.cluster) world = options_.cluster->WorldSize();
     if (total && micro && accum) {
-      if (world > 0 && *total != *micro * *accum * world) {
+      const std::optional<int64_t> want = CheckedProductInt64({*micro, *accum, world});
+      const std::optional<int64_t> step = CheckedProductInt64({*micro, *accum});
+      if (world > 0 && want != total) {
         Problem("train_batch_size",
                 "is " + std::to_string(*total) + " but train_micro_batch_size_per_gpu " +
                     std::to_string(*micro) + " x gradient_accumulation_steps " +
                     std::to_string(*accum) + " x " + std::to_string(world) +
-                    " GPUs = " + std::to_string(*micro * *accum * world));
-      } else if (world == 0 && *total % (*micro * *accum) != 0) {
+                    " GPUs = " + Product(want));
+      } else if (world == 0 && !MultipleOf(*total, step)) {
         Problem("train_batch_size", "is " + std::to_string(*total) +
                                         ", not a multiple of micro-batch x accumulation = " +
-                                        std::to_string(*micro * *accum));
+                                        Product(step));
       }
-    } else if (total && micro && world > 0 && *total % (*micro * world) != 0) {
+    } else if (total && micro && world > 0 &&
+               !MultipleOf(*total, CheckedProductInt64({*micro, world}))) {
       Problem("train_batch_size", "is " + std::to_string(*total) +
                                       ", not a multiple of train_micro_batch_size_per_gpu x " +
                                       std::to_string(world) + " GPUs");
@@ -336,7 +356,7 @@ class Checker {
                   Gib(cluster.gpu.memory_bytes) + "); try `memplan plan`");
     }
     if (cluster.cpu_memory_bytes > 0) {
-      if (m->peak.cpu_bytes > cluster.cpu_memory_bytes * 85 / 100) {
+      if (m->peak.cpu_bytes > ScaleDown(cluster.cpu_memory_bytes, 85, 100)) {
         Problem("zero_optimization.offload_optimizer",
                 "predicted CPU memory " + Gib(m->peak.cpu_bytes) + " per node exceeds 85% of " +
                     Gib(cluster.cpu_memory_bytes) + " RAM");
@@ -415,12 +435,17 @@ nlohmann::json ToJson(const CheckReport& report) {
 }
 
 std::string FormatCheckText(const CheckReport& report, const std::string& source) {
+  // Key paths and messages quote the config's keys, and `source` is a path: escaped, one line
+  // each whatever they hold.
   std::string out = report.setup_line.empty() ? std::string() : report.setup_line + "\n";
-  for (const Finding& f : report.problems) out += f.path + ": " + f.message + "\n";
-  for (const std::string& n : report.notes) out += "note: " + n + "\n";
+  for (const Finding& f : report.problems) {
+    out += Printable(f.path) + ": " + Printable(f.message) + "\n";
+  }
+  for (const std::string& n : report.notes) out += "note: " + Printable(n) + "\n";
   out += report.problems.empty()
-             ? "OK: " + source + " has no problems memplan knows of\n"
-             : std::to_string(report.problems.size()) + " problem(s) in " + source + "\n";
+             ? "OK: " + Printable(source) + " has no problems memplan knows of\n"
+             : std::to_string(report.problems.size()) + " problem(s) in " + Printable(source) +
+                   "\n";
   return out;
 }
 

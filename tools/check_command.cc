@@ -3,6 +3,7 @@
 #include <memory>
 #include <string>
 
+#include "common/checked_math.h"
 #include "common/file.h"
 #include "common/json.h"
 #include "estimator/model_source.h"
@@ -42,7 +43,8 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
   auto fail = [&](const Status& s) { Fail(outcome, s); };
   auto text = ReadFileToString(f.config, uint64_t{1} << 24);
   if (!text.ok()) return fail(text.status());
-  auto config = ParseJson(*text, f.config);
+  // DeepSpeed refuses a config that repeats a key; so does check (bad input, exit 2).
+  auto config = ParseJsonNoRepeatedKeys(*text, f.config);
   if (!config.ok()) return fail(config.status());
   planner::CheckOptions options;
   options.for_hf_trainer = f.for_hf_trainer;
@@ -51,7 +53,7 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
   options.flash_attention = options.setup.flash_attention;
   const int64_t gpus = f.gpus > 0 ? f.gpus : 1;
   const int64_t nodes = f.nodes > 0 ? f.nodes : 1;
-  if (f.gpus > 0 || f.nodes > 0) options.world_size = gpus * nodes;
+  if (f.gpus > 0 || f.nodes > 0) options.world_size = CheckedMulInt64(gpus, nodes).value_or(0);
   Result<estimator::ModelInventory> inventory = Status::NotFound("no model");
   if (!f.gpu.empty() || !f.cluster_file.empty()) {
     auto cluster = BuildClusterForCheck(f.gpu, f.gpus, f.nodes, f.cpu_mem, f.memlock,
