@@ -89,6 +89,8 @@ struct State {
   bool configured = false;
   Device devices[kMaxDevices];
   std::map<Stream*, std::shared_ptr<Stream>> streams;  // user-created
+  // Destroyed streams whose queued work may still be running (Note [Destroyed streams]).
+  std::vector<std::shared_ptr<Stream>> retired;
   std::map<Event*, std::shared_ptr<Event>> events;
   std::map<uintptr_t, uint64_t> registered;  // exact start -> bytes
   Counters counters;
@@ -240,7 +242,10 @@ std::shared_ptr<Stream> StartStream(int device, bool blocking, bool legacy) {
   stream->rng.seed(s.config.seed * 0x9e3779b97f4a7c15ull + id);
   stream->max_delay_us = s.config.max_delay_us;
   Stream* raw = stream.get();
-  stream->worker = std::thread([raw] {
+  // The worker holds its stream, so that a destroyed stream's worker can finish its queue after
+  // cudaStreamDestroy let go of it (Note [Destroyed streams]).
+  stream->worker = std::thread([raw, keep = stream] {
+    (void)keep;
     std::unique_lock<std::mutex> lock(raw->mu);
     for (;;) {
       raw->cv.wait(lock, [raw] { return raw->stop || !raw->queue.empty(); });
@@ -299,6 +304,9 @@ void SyncDevice(int d) {
   {
     std::lock_guard<std::mutex> lock(S().mu);
     streams = StreamsOfLocked(d);
+    for (auto& stream : S().retired) {
+      if (stream->device == d) streams.push_back(stream);
+    }
     ++S().counters.device_syncs;
   }
   for (auto& stream : streams) stream->WaitIdle();
@@ -481,6 +489,12 @@ void Reset(const Config& config) {
   }
   if (internal::LiveCommunicators() > 0) internal::Die("Reset while communicators are alive");
   for (auto& stream : legacy) internal::StopStream(stream);
+  std::vector<std::shared_ptr<internal::Stream>> retired;
+  {
+    std::lock_guard<std::mutex> lock(S().mu);
+    retired.swap(S().retired);
+  }
+  for (auto& stream : retired) stream->WaitIdle();  // before their memory is unmapped
   std::lock_guard<std::mutex> lock(S().mu);
   internal::State& s = S();
   for (auto& dev : s.devices) internal::UnmapLocked(dev);
@@ -897,8 +911,17 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
     }
     s = it->second;
     S().streams.erase(it);
+    S().retired.push_back(s);
   }
-  emu::StopStream(s);  // queued work still runs, as with CUDA
+  // Note [Destroyed streams]: as with CUDA, the call returns at once and the work queued still
+  // runs; cudaDeviceSynchronize and cudaFree wait for it, and Reset. The worker, which holds the
+  // stream, stops once the queue is empty.
+  {
+    std::lock_guard<std::mutex> lock(s->mu);
+    s->stop = true;
+  }
+  s->cv.notify_all();
+  s->worker.detach();
   return cudaSuccess;
 }
 

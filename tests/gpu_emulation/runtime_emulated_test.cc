@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include "gpu_emulation.h"
 #include "offload/collective.h"
 #include "offload/gpu_runtime.h"
+#include "offload/param_swapper.h"
 #ifdef MEMPLAN_TEST_OLD_API
 #include "old_api.h"
 #endif
@@ -349,6 +351,238 @@ TEST_CASE("nccl collective: bf16 on an NCCL without it is Unimplemented, not a g
   CHECK((*nccl)->AllReduce(d, 1024, offload::ElementType::kFloat16).ok());
   CHECK(rt->FreeDevice(d).ok());
 }
+
+// ---- Synchronisations a test must see go missing (mutate.py beside this file)
+// ------------------------------------------------
+
+#ifndef MEMPLAN_TEST_OLD_API  // fences are new
+// A kernel on `stream` that runs until `*release` is set (or for 10 s, so that a broken test ends)
+// and then sets `*done`: work that holds whatever is ordered after it.
+void HeldKernel(cudaStream_t stream, std::shared_ptr<std::atomic<bool>> release,
+                std::shared_ptr<std::atomic<bool>> done) {
+  gpu_emulation::LaunchKernel(stream, [release, done] {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!release->load() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    done->store(true);
+  });
+}
+
+TEST_CASE("cuda runtime: WaitFenceOnHost returns only after the fence's work has run") {
+  Fresh fresh;
+  auto rt = Cuda();
+  TrainerStream trainer;
+  auto release = std::make_shared<std::atomic<bool>>(false);
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  HeldKernel(trainer.stream, release, done);
+  auto fence = rt->RecordFence(gpu::Stream{trainer.stream});
+  REQUIRE(fence.ok());
+  std::thread releaser([release] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    release->store(true);
+  });
+  // The host may free or reuse what the kernel reads once this returns.
+  CHECK(rt->WaitFenceOnHost(*fence).ok());
+  CHECK(done->load());
+  releaser.join();
+}
+
+TEST_CASE("cuda runtime: destroying it waits for the copies it queued") {
+  // gpu_runtime.h: "Destroying a runtime waits for the copies it has queued". cudaStreamDestroy
+  // does not (it returns at once and lets the work finish), so a copy into memory the runtime does
+  // not own (a tensor's, here a buffer registered outside it) could land after the destructor.
+  Fresh fresh;
+  TrainerStream trainer;
+  void* device = nullptr;
+  REQUIRE(cudaMalloc(&device, 4096) == cudaSuccess);
+  gpu_emulation::KernelWrite(trainer.stream, device, std::vector<std::byte>(4096, std::byte{7}));
+  REQUIRE(cudaStreamSynchronize(trainer.stream) == cudaSuccess);
+  auto* host = static_cast<std::byte*>(::operator new (4096, std::align_val_t{4096}));
+  std::memset(host, 0, 4096);
+  REQUIRE(cudaHostRegister(host, 4096, cudaHostRegisterPortable) == cudaSuccess);
+  auto release = std::make_shared<std::atomic<bool>>(false);
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  std::thread releaser;
+  {
+    auto rt = Cuda();
+    HeldKernel(trainer.stream, release, done);
+    REQUIRE(rt->OrderAfter(CopyDirection::kDeviceToHost, gpu::Stream{trainer.stream}).ok());
+    REQUIRE(rt->CopyAsync(CopyDirection::kDeviceToHost, host, device, 4096).ok());
+    releaser = std::thread([release] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      release->store(true);
+    });
+  }  // the runtime goes with its copy queued behind the kernel
+  CHECK(host[0] == std::byte{7});
+  CHECK(host[4095] == std::byte{7});
+  releaser.join();
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(cudaHostUnregister(host) == cudaSuccess);
+  ::operator delete (host, std::align_val_t{4096});
+  CHECK(cudaFree(device) == cudaSuccess);
+}
+
+TEST_CASE("cuda runtime: a full event ring makes CopyAsync wait for the oldest copy") {
+  // gpu_runtime.h: CopyAsync blocks when 1024 copies of the direction are in flight until the
+  // oldest is done (Note [Event ring]); a caller that never waits cannot queue without bound.
+  Fresh fresh;
+  auto rt = Cuda();
+  TrainerStream trainer;
+  void* device = *rt->AllocateDevice(4096);
+  {
+    Pinned host(*rt, 4096);
+    auto release = std::make_shared<std::atomic<bool>>(false);
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    HeldKernel(trainer.stream, release, done);
+    // Every copy below starts after the held kernel.
+    REQUIRE(rt->OrderAfter(CopyDirection::kHostToDevice, gpu::Stream{trainer.stream}).ok());
+    constexpr int kRing = 1024;
+    auto first = rt->CopyAsync(CopyDirection::kHostToDevice, device, host.data, 64);
+    REQUIRE(first.ok());
+    CHECK_FALSE(rt->Done(*first));  // held: Done polls, it does not guess
+    std::atomic<int> queued{1};
+    std::atomic<bool> last_saw_kernel_done{false};
+    std::thread producer([&] {
+      for (int i = 1; i <= kRing; ++i) {
+        if (!rt->CopyAsync(CopyDirection::kHostToDevice, device, host.data, 64).ok()) return;
+        if (i == kRing) last_saw_kernel_done = done->load();
+        ++queued;
+      }
+    });
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (queued.load() < kRing && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    CHECK(queued.load() == kRing);  // the ring is full: copy 1025 waits for copy 1
+    release->store(true);
+    producer.join();
+    CHECK(queued.load() == kRing + 1);
+    CHECK(last_saw_kernel_done.load());  // copy 1 ran, so the kernel before it had
+    CHECK(rt->Done(*first));
+    CHECK(rt->Synchronize().ok());
+  }
+  CHECK(rt->FreeDevice(device).ok());
+}
+
+TEST_CASE("param swapper: EndOfStep waits for the copies of the prefetches it drops") {
+  // A prefetch dropped at the end of a step may still be copying from the pinned arena into its
+  // buffer; EndOfStep must not return before that copy is done, since the optimizer then writes
+  // the arena (Write) and the buffer is handed out again.
+  Fresh fresh;
+  auto rt = Cuda();
+  TrainerStream trainer;
+  constexpr uint64_t kBig = 16384, kSmall = 4096;  // bf16 elements
+  offload::ParamSwapperOptions o;
+  o.tier = offload::Tier::kCpu;
+  o.dtype = offload::ElementType::kBFloat16;
+  o.persistence_threshold = 0;
+  o.runtime = rt.get();
+  // C is prefetched only once A has been released (live budget), so its load is ordered after
+  // the fence of A's release: after the trainer's held kernel.
+  o.max_live_bytes = 2 * kBig * 2;
+  o.prefetch_bytes = (kBig + kSmall) * 2;
+  auto made = offload::ParamSwapper::Create(o);
+  REQUIRE(made.ok());
+  offload::ParamSwapper& swapper = **made;
+  REQUIRE(swapper.Add("a", "A", kBig).ok());
+  REQUIRE(swapper.Add("b", "B", kBig).ok());
+  REQUIRE(swapper.Add("c", "C", kSmall).ok());
+  REQUIRE(swapper.Finalize().ok());
+  const gpu::Stream stream{trainer.stream};
+  for (const char* m : {"A", "B", "C"}) {  // step 1 records the trace
+    REQUIRE(swapper.Fetch(m).ok());
+    REQUIRE(swapper.Release(m, stream).ok());
+  }
+  REQUIRE(swapper.EndOfStep().ok());
+  const uint64_t loaded_before = swapper.stats().h2d_bytes;
+  REQUIRE(swapper.Fetch("A").ok());
+  // B, prefetched with A, is loaded before the kernel below holds the lane.
+  const auto wait_loaded = [&](uint64_t bytes) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (swapper.stats().h2d_bytes < bytes && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return swapper.stats().h2d_bytes;
+  };
+  REQUIRE(wait_loaded(loaded_before + 2 * (2 * kBig)) == loaded_before + 2 * (2 * kBig));
+  auto release = std::make_shared<std::atomic<bool>>(false);
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  HeldKernel(trainer.stream, release, done);
+  REQUIRE(swapper.Release("A", stream).ok());
+  REQUIRE(swapper.Fetch("B").ok());  // prefetches C, whose copy waits for the kernel
+  const uint64_t want = loaded_before + 2 * (2 * kBig + kSmall);
+  REQUIRE(wait_loaded(want) == want);  // C's copy is queued
+  REQUIRE(swapper.Release("B", stream).ok());
+  std::thread releaser([release] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    release->store(true);
+  });
+  REQUIRE(swapper.EndOfStep().ok());  // the step ends before C: its prefetch is dropped
+  CHECK(done->load());                // ... and its copy, after the kernel, has run
+  CHECK(swapper.stats().prefetch_wasted >= 1);
+  // The optimizer's write-back into the arena C's copy read (ThreadSanitizer sees a race here
+  // when EndOfStep did not wait).
+  std::vector<uint16_t> values(swapper.partition_elements(), 0x3f80);
+  CHECK(swapper.WriteHalf(0, values).ok());
+  releaser.join();
+}
+
+TEST_CASE("param swapper: GatherResident returns with the gathered parameters in place") {
+  // ZeRO-3 keeps small parameters whole on every rank: GatherResident all-gathers their shards
+  // into a pack and copies each out on the device-to-device lane, which nothing orders with the
+  // trainer's kernels that read them next: it must wait for those copies.
+  Fresh fresh(2);
+  const std::string id = *offload::NcclUniqueId();
+  constexpr uint64_t kNumel = 1000;  // a shard of 500 per rank
+  auto status = OnRanks(2, [&](int r) -> Status {
+    MEMPLAN_ASSIGN_OR_RETURN(auto rt, gpu::CreateCudaRuntime());
+    MEMPLAN_ASSIGN_OR_RETURN(auto nccl, offload::CreateNcclCollective(rt.get(), r, 2, id));
+    TrainerStream trainer(r);
+    offload::ParamSwapperOptions o;
+    o.tier = offload::Tier::kCpu;
+    o.dtype = offload::ElementType::kFloat32;
+    o.persistence_threshold = kNumel;  // resident
+    o.runtime = rt.get();
+    o.collective = nccl.get();
+    MEMPLAN_ASSIGN_OR_RETURN(auto swapper, offload::ParamSwapper::Create(o));
+    MEMPLAN_ASSIGN_OR_RETURN(offload::ParamId w, swapper->Add("w", "M", kNumel));
+    MEMPLAN_RETURN_IF_ERROR(swapper->Finalize());
+    std::vector<float> shard(swapper->partition_elements());
+    for (size_t i = 0; i < shard.size(); ++i) shard[i] = static_cast<float>(r * 1000 + i);
+    MEMPLAN_RETURN_IF_ERROR(swapper->WriteFloat(0, shard));
+    // The device-to-device lane is held until 50 ms from now.
+    auto release = std::make_shared<std::atomic<bool>>(false);
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    HeldKernel(trainer.stream, release, done);
+    MEMPLAN_RETURN_IF_ERROR(
+        rt->OrderAfter(CopyDirection::kDeviceToDevice, gpu::Stream{trainer.stream}));
+    std::thread releaser([release] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      release->store(true);
+    });
+    Status gathered = swapper->GatherResident();
+    releaser.join();
+    MEMPLAN_RETURN_IF_ERROR(gathered);
+    MEMPLAN_ASSIGN_OR_RETURN(void* device, swapper->DevicePointer(w));
+    std::vector<float> whole(kNumel);
+    MEMPLAN_ASSIGN_OR_RETURN(CopyTicket down, rt->CopyAsync(CopyDirection::kDeviceToHost,
+                                                            whole.data(), device, kNumel * 4));
+    MEMPLAN_RETURN_IF_ERROR(rt->Wait(down));
+    for (uint64_t i = 0; i < kNumel; ++i) {
+      const float want = static_cast<float>(i < 500 ? i : 1000 + (i - 500));
+      if (whole[i] != want) {
+        return Status::Internal("rank " + std::to_string(r) + ": element " + std::to_string(i) +
+                                " is " + std::to_string(whole[i]) + ", not " +
+                                std::to_string(want));
+      }
+    }
+    return Status::Ok();
+  });
+  for (const Status& s : status) CHECK_MESSAGE(s.ok(), s.ToString());
+}
+#endif
 
 }  // namespace
 }  // namespace memplan::emulated
