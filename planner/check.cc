@@ -1,6 +1,8 @@
 #include "planner/check.h"
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
 #include <cstdio>
 #include <map>
 #include <set>
@@ -10,11 +12,13 @@
 #include "common/printable.h"
 #include "estimator/memory_model.h"
 #include "estimator/training_setup.h"
+#include "planner/search.h"
 
 namespace memplan::planner {
 namespace {
 
 using Keys = std::set<std::string>;
+using estimator::MemoryItem;
 
 // The keys DeepSpeed (0.16) reads in each section this checker knows. Sections not listed here
 // (optimizer/scheduler params, monitors, profilers) are free-form or checked by DeepSpeed itself.
@@ -115,7 +119,7 @@ class Checker {
   explicit Checker(const CheckOptions& options) : options_(options) {}
 
   void Problem(std::string path, std::string message) {
-    report_.problems.push_back({std::move(path), std::move(message)});
+    report_.problems.push_back({std::move(path), std::move(message), {}});
   }
 
   void CheckKeys(const nlohmann::json& object, const std::string& section) {
@@ -311,6 +315,316 @@ class Checker {
     }
   }
 
+  // Note [Values DeepSpeed refuses]
+  // DeepSpeed's pydantic config classes (0.19: runtime/zero/config.py, offload_config.py) refuse
+  // reduce_bucket_size <= 0 (0.16 took 0), a negative count, size or threshold anywhere in
+  // zero_optimization and its offload sections, and an offload ratio outside [0, 1]; JSON floats
+  // with an integral value (5e8) are integers to them, 5.5 is not. Other values pass the config
+  // and break at engine start, which check reports the same way:
+  //   aio (swap_tensor/aio_config.py reads it unchecked; csrc/aio takes C ints): queue_depth < 1
+  //     gives io_queue_init no queue and the submit loop no slot, intra_op_parallelism < 1 no I/O
+  //     thread and a zero alignment (a division by it in the swappers), block_size < 1 a division
+  //     by it; block_size must also be a multiple of 4096, since the files are opened O_DIRECT and
+  //     each request starts at a multiple of block_size; every one must fit a C int.
+  //   NVMe offload (partitioned_param_swapper, optimizer_utils): buffer_count 0 leaves no buffer
+  //     to swap into, buffer_size 0 none that holds a parameter; with the model, a buffer must hold
+  //     the largest swappable parameter partition (get_buffer asserts) and, with the optimizer on
+  //     NVMe too, the largest optimizer sub-group (_initialize_from_swapped_fp16_params asserts).
+  //   sub_group_size above 2^50 elements (4 PiB of fp32 state) is no sub-grouping at all: absurd.
+  // The same configs go through DeepSpeed's own classes in tests/plan_consumers/check_verdicts_test.py.
+  std::optional<int64_t> Integer(const nlohmann::json& object, const std::string& section,
+                                 const std::string& key, int64_t lo, int64_t hi,
+                                 const std::string& why) {
+    if (!object.is_object() || !object.contains(key)) return std::nullopt;
+    const nlohmann::json& v = object[key];
+    if (v.is_null() || (v.is_string() && v.get<std::string>() == "auto")) return std::nullopt;
+    const double d = v.is_number() && !v.is_boolean() ? v.get<double>() : 0.5;
+    if (!v.is_number() || std::floor(d) != d || d < static_cast<double>(lo) ||
+        d > static_cast<double>(hi)) {
+      Problem(Join(section, key), "must be an integer in [" + std::to_string(lo) + ", " +
+                                      std::to_string(hi) + "], got " + v.dump() + ": " + why);
+      return std::nullopt;
+    }
+    return v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(d);
+  }
+
+  void Values(const nlohmann::json& c) {
+    const size_t before = report_.problems.size();
+    ValuesOf(c);
+    // The swap-buffer checks read these values: not from a config whose values are refused.
+    values_ok_ = report_.problems.size() == before;
+  }
+
+  void ValuesOf(const nlohmann::json& c) {
+    static constexpr int64_t kMax = INT64_MAX;
+    static constexpr int64_t kAbsurd = int64_t{1} << 50;
+    const std::string refused = "DeepSpeed's config refuses it";
+    if (c.contains("zero_optimization") && c["zero_optimization"].is_object()) {
+      const nlohmann::json& z = c["zero_optimization"];
+      const std::string zs = "zero_optimization";
+      Integer(z, zs, "reduce_bucket_size", 1, kMax,
+              "DeepSpeed 0.19 refuses 0 (0.16 took it) and every version a negative size");
+      for (const char* key :
+           {"allgather_bucket_size", "prefetch_bucket_size", "stage3_prefetch_bucket_size",
+            "param_persistence_threshold", "stage3_param_persistence_threshold",
+            "model_persistence_threshold", "stage3_model_persistence_threshold",
+            "max_live_parameters", "stage3_max_live_parameters", "max_reuse_distance",
+            "stage3_max_reuse_distance", "zero_hpz_partition_size"}) {
+        const auto value = Integer(z, zs, key, 0, kMax, refused);
+        if (value && std::string(key).find("max_reuse_distance") != std::string::npos) {
+          reuse_distance_ = *value;
+        }
+      }
+      sub_group_size_ = Integer(z, zs, "sub_group_size", 0, kAbsurd,
+                                "DeepSpeed refuses a negative one, and more than 2^50 elements "
+                                "(4 PiB of fp32 state) is no sub-grouping, only a typo: a "
+                                "sub-group's fp32 state is converted and swapped whole, so give at "
+                                "most the parameters per GPU (DeepSpeed's default is 1e9)")
+                            .value_or(1000000000);
+      const bool stage3 = z.contains("stage") && z["stage"] == 3;
+      for (const char* which : {"offload_param", "offload_optimizer"}) {
+        if (!z.contains(which) || !z[which].is_object()) continue;
+        const nlohmann::json& o = z[which];
+        const std::string os = zs + "." + which;
+        const bool param = std::string(which) == "offload_param";
+        const bool nvme = stage3 && o.contains("device") && o["device"] == "nvme";
+        const std::string empty = param ? "an NVMe parameter offload swaps through these buffers; "
+                                          "DeepSpeed asserts at start-up with none"
+                                        : "an NVMe optimizer offload swaps through these buffers; "
+                                          "DeepSpeed has none to swap into";
+        const auto count = Integer(o, os, "buffer_count", nvme ? 1 : 0, kMax,
+                                   nvme ? empty : refused);
+        if (param) {
+          param_nvme_ = nvme;
+          param_buffer_count_ = count.value_or(5);
+          param_buffer_size_ = Integer(o, os, "buffer_size", nvme ? 1 : 0, kMax,
+                                       nvme ? empty : refused)
+                                   .value_or(100000000);
+          Integer(o, os, "max_in_cpu", 0, kMax, refused);
+        } else {
+          optimizer_nvme_ = nvme;
+          if (o.contains("ratio") && !o["ratio"].is_null() &&
+              (!o["ratio"].is_number() || o["ratio"].is_boolean() ||
+               o["ratio"].get<double>() < 0 || o["ratio"].get<double>() > 1)) {
+            Problem(os + ".ratio", "must be a number in [0, 1], got " + o["ratio"].dump() + ": " +
+                                       refused);
+          }
+        }
+      }
+      const nlohmann::json threshold = z.contains("stage3_param_persistence_threshold")
+                                           ? z["stage3_param_persistence_threshold"]
+                                           : z.value("param_persistence_threshold",
+                                                     nlohmann::json(100000));
+      if (threshold.is_number()) persistence_threshold_ = threshold.get<double>();
+    }
+    if (!c.contains("aio") || !c["aio"].is_object()) return;
+    const nlohmann::json& a = c["aio"];
+    const std::string why_int = "DeepSpeed's aio op takes a C int";
+    const int64_t kInt = INT32_MAX;
+    if (auto block = Integer(a, "aio", "block_size", 1, kInt,
+                             "each request of the O_DIRECT swap files is block_size long; " +
+                                 why_int)) {
+      if (*block % 4096 != 0) {
+        Problem("aio.block_size",
+                "is " + std::to_string(*block) + ", not a multiple of 4096: the swap files are "
+                "opened O_DIRECT and each request starts at a multiple of block_size, which the "
+                "kernel refuses (EINVAL) unless it is aligned to the device's 4096-byte blocks");
+      }
+      aio_block_size_ = *block;
+    }
+    Integer(a, "aio", "queue_depth", 1, kInt,
+            "libaio's io_setup needs at least one slot and DeepSpeed's submit loop waits forever "
+            "for one");
+    if (auto threads = Integer(a, "aio", "intra_op_parallelism", 1, kInt,
+                               "DeepSpeed starts that many I/O threads and divides its alignment "
+                               "by it; 0 breaks the first swap")) {
+      aio_threads_ = *threads;
+    }
+    for (const char* key : {"single_submit", "overlap_events", "use_gds"}) {
+      if (a.contains(key) && !a[key].is_boolean()) {
+        Problem(Join("aio", key), "must be true or false, got " + a[key].dump());
+      }
+    }
+  }
+
+  bool HalfPrecision(const nlohmann::json& c) const {
+    for (const char* section : {"fp16", "bf16"}) {
+      if (c.contains(section) && c[section].is_object() && c[section].value("enabled", false) ==
+                                                                 true) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  // bf16 on a GPU without it: DeepSpeed's engine raises "Type bf16 is not supported on your
+  // device" (engine._do_sanity_check).
+  void Bf16(const nlohmann::json& c) {
+    if (!options_.cluster || options_.cluster->gpu.bf16_flops > 0) return;
+    if (c.contains("bf16") && c["bf16"].is_object() && c["bf16"].value("enabled", false) == true) {
+      Problem("bf16.enabled", options_.cluster->gpu.name +
+                                  " has no bf16 (DeepSpeed's engine raises \"Type bf16 is not "
+                                  "supported on your device\"); use fp16 with loss scaling");
+    }
+  }
+
+  // Swap buffers against the model (Note [Values DeepSpeed refuses]), as DeepSpeed lays them
+  // out: a parameter is swapped when it is above the persistence threshold and its partition
+  // (ceil(numel / GPUs) elements) is at least max(1 MiB, aio block) long.
+  void SwapBuffers(const nlohmann::json& c) {
+    if (!values_ok_ || !param_nvme_ || options_.model == nullptr || !options_.cluster) return;
+    const uint64_t world = static_cast<uint64_t>(std::max<int64_t>(options_.cluster->WorldSize(), 1));
+    const uint64_t elem = HalfPrecision(c) ? 2 : 4;
+    const uint64_t min_aio_bytes = std::max<uint64_t>(uint64_t{1} << 20,
+                                                      static_cast<uint64_t>(aio_block_size_));
+    const uint64_t align = std::max<uint64_t>(1024 * static_cast<uint64_t>(aio_threads_) / elem, 1);
+    auto aligned = [&](uint64_t n) { return (n + align - 1) / align * align; };
+    uint64_t largest = 0, largest_group = 0, group = 0;
+    std::string largest_name;
+    for (const estimator::TensorInfo& t : options_.model->tensors) {
+      if (!t.tied_to.empty()) continue;
+      const uint64_t part = (t.numel + world - 1) / world;
+      if (static_cast<double>(t.numel) > persistence_threshold_ && part * elem >= min_aio_bytes &&
+          part > largest) {
+        largest = part;
+        largest_name = t.name;
+      }
+      group += part;  // stage3._create_fp16_sub_groups: partitions accumulate to sub_group_size
+      if (group >= static_cast<uint64_t>(sub_group_size_)) {
+        largest_group = std::max(largest_group, group);
+        group = 0;
+      }
+    }
+    largest_group = std::max(largest_group, group);
+    // A gathered parameter keeps its buffer while it is reused within stage3_max_reuse_distance
+    // (partitioned_param_swapper.swap_in asserts "Not enough swap buffers" otherwise).
+    const int64_t need = NvmeBuffersNeeded(
+        *options_.model, reuse_distance_, static_cast<int64_t>(persistence_threshold_),
+        static_cast<int64_t>((min_aio_bytes + elem - 1) / elem), static_cast<int64_t>(world));
+    if (param_buffer_count_ < need) {
+      report_.problems.push_back(
+          {"zero_optimization.offload_param.buffer_count",
+           "is " + std::to_string(param_buffer_count_) + ", fewer than the " +
+               std::to_string(need) + " swap buffers DeepSpeed holds at once: the swapped "
+               "parameters within stage3_max_reuse_distance (" + std::to_string(reuse_distance_) +
+               " elements) stay gathered, plus one module's (partitioned_param_swapper asserts "
+               "\"Not enough swap buffers\"); raise buffer_count or lower "
+               "stage3_max_reuse_distance",
+           {"zero_optimization.stage3_max_reuse_distance"}});
+    }
+    const std::string path = "zero_optimization.offload_param.buffer_size";
+    if (largest > static_cast<uint64_t>(param_buffer_size_)) {
+      Problem(path, "is " + std::to_string(param_buffer_size_) + " elements, less than " +
+                        Printable(largest_name) + "'s partition of " + std::to_string(largest) +
+                        " on " + std::to_string(world) +
+                        " GPUs: DeepSpeed's partitioned_param_swapper asserts \"More elements than "
+                        "buffer size\" at start-up; give at least " + std::to_string(largest));
+    } else if (optimizer_nvme_ && aligned(static_cast<uint64_t>(param_buffer_size_)) <
+                                      aligned(largest_group)) {
+      Finding f{path,
+                "is " + std::to_string(param_buffer_size_) +
+                    " elements, less than the largest optimizer sub-group of " +
+                    std::to_string(aligned(largest_group)) +
+                    " (sub_group_size " + std::to_string(sub_group_size_) +
+                    "): DeepSpeed's optimizer swapper asserts \"numel of fp16 buffers ... is too "
+                    "small for initializing fp32 params\"; raise buffer_size or lower "
+                    "sub_group_size",
+                {"zero_optimization.sub_group_size"}};
+      report_.problems.push_back(std::move(f));
+    }
+  }
+
+  // Without the model, the parameter swap buffers alone (buffer_count x buffer_size, locked by
+  // DeepSpeed's aio handle whatever pin_memory says) against RLIMIT_MEMLOCK; with the model, Fit
+  // compares every pinned buffer.
+  void LockedWithoutModel(const nlohmann::json& c) {
+    if (!values_ok_ || !param_nvme_ || options_.model != nullptr || !options_.cluster ||
+        options_.cluster->memlock_bytes == 0) {
+      return;
+    }
+    const std::optional<int64_t> bytes =
+        CheckedProductInt64({param_buffer_count_, param_buffer_size_, HalfPrecision(c) ? 2 : 4});
+    if (bytes && static_cast<uint64_t>(*bytes) <= options_.cluster->memlock_bytes) return;
+    report_.problems.push_back(
+        {"zero_optimization.offload_param.buffer_size",
+         "buffer_count " + std::to_string(param_buffer_count_) + " x buffer_size " +
+             std::to_string(param_buffer_size_) + " elements lock " +
+             (bytes ? Gib(static_cast<uint64_t>(*bytes)) : std::string("more than 2^63 bytes")) +
+             " per process but RLIMIT_MEMLOCK is " + Gib(options_.cluster->memlock_bytes) +
+             " (DeepSpeed's aio handle locks them at start-up); raise it (ulimit -l unlimited) or "
+             "lower buffer_count / buffer_size",
+         {"zero_optimization.offload_param.buffer_count"}});
+  }
+
+  // Note [Keys that fill the GPU]
+  // An out-of-memory finding names what to change, not only the stage: the largest items of the
+  // predicted breakdown at the peak phase (per GPU, or pinned per node for memlock), each with the
+  // config keys that size it, and those keys in Finding::keys.
+  static std::vector<std::string> KeysOf(const std::string& item) {
+    static const auto* kKeys = new std::map<std::string, std::vector<std::string>>{
+        {"params_working", {"zero_optimization.stage", "zero_optimization.offload_param"}},
+        {"params_master", {"zero_optimization.stage", "zero_optimization.offload_optimizer"}},
+        {"grads", {"zero_optimization.stage"}},
+        {"grads_fp32", {"zero_optimization.stage"}},
+        {"ddp_grad_buckets", {"zero_optimization.reduce_bucket_size"}},
+        {"optimizer_states", {"zero_optimization.stage", "zero_optimization.offload_optimizer"}},
+        {"optimizer_step_transient", {"zero_optimization.sub_group_size"}},
+        {"nvme_optimizer_swap_buffers",
+         {"zero_optimization.offload_optimizer.buffer_count", "zero_optimization.sub_group_size"}},
+        {"nvme_param_swap_buffers",
+         {"zero_optimization.offload_param.buffer_count",
+          "zero_optimization.offload_param.buffer_size"}},
+        {"nvme_param_flat_buffer", {"zero_optimization.sub_group_size"}},
+        {"activations", {"train_micro_batch_size_per_gpu"}},
+        {"activation_recompute", {"train_micro_batch_size_per_gpu"}},
+        {"backward_workspace", {"train_micro_batch_size_per_gpu"}},
+        {"logits_and_loss", {"train_micro_batch_size_per_gpu"}},
+        {"logits_grad", {"train_micro_batch_size_per_gpu"}},
+        {"comm_reduce_bucket",
+         {"zero_optimization.reduce_bucket_size", "zero_optimization.overlap_comm"}},
+        {"comm_allgather_bucket",
+         {"zero_optimization.allgather_bucket_size", "zero_optimization.overlap_comm"}},
+        {"zero3_live_params",
+         {"zero_optimization.stage3_prefetch_bucket_size",
+          "zero_optimization.stage3_max_live_parameters"}},
+        {"zero3_block_grads", {"zero_optimization.stage"}},
+    };
+    auto it = kKeys->find(item);
+    return it == kKeys->end() ? std::vector<std::string>{} : it->second;
+  }
+
+  static std::string Culprits(const estimator::MemoryEstimate& m, uint64_t MemoryItem::*bytes,
+                              std::vector<std::string>* keys) {
+    // GPU items at the GPU's peak phase; pinned buffers live through the step (per node).
+    const bool gpu = bytes == &MemoryItem::gpu_bytes;
+    unsigned phase = estimator::kAllPhases;
+    for (estimator::Phase p : estimator::kPhases) {
+      if (gpu && estimator::PhaseName(p) == m.peak.phase) phase = p;
+    }
+    std::vector<const MemoryItem*> items;
+    for (const MemoryItem& item : m.items) {
+      if ((item.phases & phase) != 0 && item.*bytes > 0 && !KeysOf(item.name).empty()) {
+        items.push_back(&item);
+      }
+    }
+    std::stable_sort(items.begin(), items.end(), [&](const MemoryItem* a, const MemoryItem* b) {
+      return a->*bytes > b->*bytes;
+    });
+    if (items.size() > 4) items.resize(4);
+    std::string out;
+    for (const MemoryItem* item : items) {
+      std::string names;
+      for (const std::string& key : KeysOf(item->name)) {
+        names += (names.empty() ? "" : ", ") + key;
+        if (std::find(keys->begin(), keys->end(), key) == keys->end()) keys->push_back(key);
+      }
+      out += (out.empty() ? "" : "; ") + item->name + " " + Gib(item->*bytes) + " (" + names + ")";
+    }
+    if (out.empty()) return out;
+    return (gpu ? ", the most at " + m.peak.phase + ": " : std::string(", per node the most: ")) +
+           out;
+  }
+
   // Predicted memory with a model and a cluster: fit on the GPUs, CPU RAM, pinned memory, memlock.
   void Fit(const nlohmann::json& c) {
     if (options_.model == nullptr || !options_.cluster) return;
@@ -350,10 +664,13 @@ class Checker {
                             Gib(m->peak.nvme_bytes) + ", seq_len " +
                             std::to_string(m->setup.seq_len));
     if (m->peak.gpu_bytes > usable) {
-      Problem("zero_optimization.stage",
-              "predicted peak " + Gib(m->peak.gpu_bytes) + " per GPU does not fit " +
-                  cluster.gpu.name + " (" + Gib(usable) + " usable of " +
-                  Gib(cluster.gpu.memory_bytes) + "); try `memplan plan`");
+      Finding f{"zero_optimization.stage",
+                "predicted peak " + Gib(m->peak.gpu_bytes) + " per GPU does not fit " +
+                    cluster.gpu.name + " (" + Gib(usable) + " usable of " +
+                    Gib(cluster.gpu.memory_bytes) + ")",
+                {}};
+      f.message += Culprits(*m, &MemoryItem::gpu_bytes, &f.keys) + "; try `memplan plan`";
+      report_.problems.push_back(std::move(f));
     }
     if (cluster.cpu_memory_bytes > 0) {
       if (m->peak.cpu_bytes > ScaleDown(cluster.cpu_memory_bytes, 85, 100)) {
@@ -372,10 +689,14 @@ class Checker {
     if (nvme && cluster.memlock_bytes > 0 &&
         m->peak.pinned_bytes / static_cast<uint64_t>(cluster.gpus_per_node) >
             cluster.memlock_bytes) {
-      Problem("aio", "each process locks " +
-                         Gib(m->peak.pinned_bytes / static_cast<uint64_t>(cluster.gpus_per_node)) +
-                         " of swap buffers but RLIMIT_MEMLOCK is " + Gib(cluster.memlock_bytes) +
-                         "; raise it (ulimit -l unlimited) or lower buffer_count / buffer_size");
+      Finding f{"aio",
+                "each process locks " +
+                    Gib(m->peak.pinned_bytes / static_cast<uint64_t>(cluster.gpus_per_node)) +
+                    " of swap buffers but RLIMIT_MEMLOCK is " + Gib(cluster.memlock_bytes),
+                {}};
+      f.message += Culprits(*m, &MemoryItem::pinned_bytes, &f.keys) +
+                   "; raise it (ulimit -l unlimited) or lower those";
+      report_.problems.push_back(std::move(f));
     }
   }
 
@@ -384,6 +705,17 @@ class Checker {
  private:
   const CheckOptions& options_;
   CheckReport report_;
+  // What Values read for the checks that follow (DeepSpeed's defaults where the config is silent).
+  bool values_ok_ = true;
+  int64_t sub_group_size_ = 1000000000;
+  bool param_nvme_ = false;
+  bool optimizer_nvme_ = false;
+  int64_t param_buffer_count_ = 5;
+  int64_t param_buffer_size_ = 100000000;
+  double persistence_threshold_ = 100000;
+  int64_t reuse_distance_ = 1000000000;
+  int64_t aio_block_size_ = 1048576;
+  int64_t aio_threads_ = 1;
 };
 
 }  // namespace
@@ -414,6 +746,10 @@ Result<CheckReport> CheckDeepSpeedConfig(const nlohmann::json& config,
   checker.Batch(config);
   checker.Precision(config);
   checker.Zero(config);
+  checker.Values(config);
+  checker.Bf16(config);
+  checker.SwapBuffers(config);
+  checker.LockedWithoutModel(config);
   checker.Fit(config);
   return checker.Take();
 }
@@ -421,7 +757,9 @@ Result<CheckReport> CheckDeepSpeedConfig(const nlohmann::json& config,
 nlohmann::json ToJson(const CheckReport& report) {
   nlohmann::json problems = nlohmann::json::array();
   for (const Finding& f : report.problems) {
-    problems.push_back({{"path", f.path}, {"message", f.message}});
+    nlohmann::json finding = {{"path", f.path}, {"message", f.message}};
+    if (!f.keys.empty()) finding["keys"] = f.keys;
+    problems.push_back(std::move(finding));
   }
   nlohmann::json j = {{"ok", report.problems.empty()}, {"problems", problems}, {"notes", report.notes}};
   if (!report.setup_line.empty()) j["setup_line"] = report.setup_line;

@@ -2,8 +2,11 @@
 // make DeepSpeed refuse it, silently ignore a setting, or run out of memory: batch arithmetic,
 // unknown or misspelled keys (with the nearest known key), keys in the wrong section, offload
 // without the ZeRO stage that supports it, NVMe offload without nvme_path, renamed keys
-// (aio.thread_count), "auto" outside the Hugging Face Trainer, fp16 and bf16 both on, pinned
-// memory against RAM and RLIMIT_MEMLOCK, and, with a model and GPUs, the predicted fit.
+// (aio.thread_count), "auto" outside the Hugging Face Trainer, fp16 and bf16 both on, values
+// DeepSpeed's config classes refuse or that break its engine start (Note [Values DeepSpeed
+// refuses] in check.cc: negative buckets, aio queue_depth 0, a block not O_DIRECT-aligned, swap
+// buffers too small for the largest parameter), bf16 on a GPU without it, pinned memory against
+// RAM and RLIMIT_MEMLOCK, and, with a model and GPUs, the predicted fit with the keys that fill it.
 //
 // Every finding names its key path ("zero_optimization.offload_param.device"). Findings are
 // problems; nothing here prints.
@@ -44,6 +47,9 @@ struct CheckOptions {
 struct Finding {
   std::string path;     // "zero_optimization.offload_param"; "" for the whole config
   std::string message;  // what is wrong and what to do
+  // The config keys whose values cause it, when they are others than `path` (an out-of-memory
+  // finding names the buckets and batch that fill the GPU, a memlock one the swap buffers).
+  std::vector<std::string> keys;
 };
 
 struct CheckReport {

@@ -106,17 +106,22 @@ struct BufferFacts {
   int64_t nvme_buffers = 0;
 };
 
-// The most swap buffers DeepSpeed holds at once with parameters on NVMe when the coordinator keeps
-// parameters reused within `window` elements: the tensors above the persistence threshold in any
-// stretch of `window` elements of the module order, plus one module's (swapped in together).
+}  // namespace
+
 int64_t NvmeBuffersNeeded(const estimator::ModelInventory& inventory, int64_t window,
-                          int64_t persistence_threshold) {
+                          int64_t persistence_threshold, int64_t min_partition_numel,
+                          int64_t partition_ranks) {
   std::vector<const estimator::TensorInfo*> live;
   for (const estimator::TensorInfo& t : inventory.tensors) {
     if (t.tied_to.empty()) live.push_back(&t);
   }
+  const uint64_t ranks = static_cast<uint64_t>(std::max<int64_t>(partition_ranks, 1));
   auto swapped = [&](const estimator::TensorInfo* t) {
-    return static_cast<int64_t>(t->numel) > persistence_threshold ? 1 : 0;
+    const uint64_t partition = (t->numel + ranks - 1) / ranks;
+    return static_cast<int64_t>(t->numel) > persistence_threshold &&
+                   partition >= static_cast<uint64_t>(std::max<int64_t>(min_partition_numel, 0))
+               ? 1
+               : 0;
   };
   int64_t held = 0, in_window = 0, span = 0, module_most = 0, in_module = 0;
   size_t lo = 0;
@@ -135,6 +140,8 @@ int64_t NvmeBuffersNeeded(const estimator::ModelInventory& inventory, int64_t wi
   }
   return held + module_most;
 }
+
+namespace {
 
 int64_t RoundTo(double v, double unit) {
   return static_cast<int64_t>(std::max(unit, std::floor(v / unit) * unit));

@@ -137,6 +137,16 @@ struct PlanResult {
   bool host_ram_checked = false;  // the cluster's RAM is known (--cpu-mem, --detect, --cluster)
 };
 
+// The most swap buffers DeepSpeed holds at once with parameters on NVMe when the coordinator keeps
+// parameters reused within `window` elements: the swapped tensors in any stretch of `window`
+// elements of the module order, plus one module's (swapped in together). A tensor is swapped when
+// it is above the persistence threshold and its partition over `partition_ranks` has at least
+// `min_partition_numel` elements (partitioned_param_swapper.swappable_tensor: smaller ones stay
+// in CPU memory); the planner counts every tensor above the threshold (the defaults).
+int64_t NvmeBuffersNeeded(const estimator::ModelInventory& inventory, int64_t window,
+                          int64_t persistence_threshold, int64_t min_partition_numel = 0,
+                          int64_t partition_ranks = 1);
+
 // Runs the search. Errors: an invalid cluster, job or options; a global batch the GPUs do not
 // divide; bf16 on a GPU without it; estimator failures other than a setup the grid skips.
 Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const Cluster& cluster,

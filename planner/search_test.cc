@@ -350,6 +350,81 @@ TEST_CASE("emit: parameters on NVMe get the swap buffers DeepSpeed asserts on") 
   CHECK(checked >= 1);
 }
 
+// Issue 16, build 5: an out-of-memory finding names the keys that fill the GPU, and a memlock one
+// the swap buffers, both in the message and in Finding::keys (JSON "keys").
+TEST_CASE("check: out-of-memory and memlock findings name the keys that cause them") {
+  estimator::ModelInventory llama = Model("llama-2-7b");
+  CheckOptions options;
+  options.model = &llama;
+  options.cluster = A100x8();
+  options.cluster->gpu = *FindGpuPreset("a100-40");
+  options.seq_len = 2048;
+  nlohmann::json ds = {{"train_batch_size", 64},
+                       {"train_micro_batch_size_per_gpu", 8},
+                       {"bf16", {{"enabled", true}}},
+                       {"zero_optimization", {{"stage", 1}, {"reduce_bucket_size", 4000000000}}}};
+  auto report = CheckDeepSpeedConfig(ds, options);
+  REQUIRE(report.ok());
+  REQUIRE(report->problems.size() == 1);
+  const Finding& oom = report->problems[0];
+  CHECK(oom.path == "zero_optimization.stage");
+  const auto& keys = oom.keys;
+  auto has = [&](const std::string& k) {
+    return std::find(keys.begin(), keys.end(), k) != keys.end();
+  };
+  CHECK(has("train_micro_batch_size_per_gpu"));
+  CHECK(has("zero_optimization.reduce_bucket_size"));  // a 4e9-element bucket is 7.5 GiB x 4.5
+  CHECK(oom.message.find("comm_reduce_bucket") != std::string::npos);
+  CHECK(ToJson(*report)["problems"][0]["keys"].size() == keys.size());
+
+  // NVMe swap buffers beyond RLIMIT_MEMLOCK: the buffer keys are named.
+  options.cluster->gpu = *FindGpuPreset("a100-80");
+  options.cluster->memlock_bytes = uint64_t{1} << 30;
+  nlohmann::json nvme = {
+      {"train_batch_size", 8},
+      {"train_micro_batch_size_per_gpu", 1},
+      {"bf16", {{"enabled", true}}},
+      {"zero_optimization",
+       {{"stage", 3},
+        {"stage3_max_reuse_distance", 0},
+        {"offload_param",
+         {{"device", "nvme"}, {"nvme_path", "/nvme"}, {"buffer_count", 5},
+          {"buffer_size", 200000000}}}}}};
+  report = CheckDeepSpeedConfig(nvme, options);
+  REQUIRE(report.ok());
+  REQUIRE(report->problems.size() == 1);
+  CHECK(report->problems[0].path == "aio");
+  CHECK(report->problems[0].message.find("nvme_param_swap_buffers") != std::string::npos);
+  CHECK(std::find(report->problems[0].keys.begin(), report->problems[0].keys.end(),
+                  "zero_optimization.offload_param.buffer_size") !=
+        report->problems[0].keys.end());
+  // Without the model: buffer_count x buffer_size x 2 bytes = 2.0 GiB against the same 1 GiB.
+  options.model = nullptr;
+  report = CheckDeepSpeedConfig(nvme, options);
+  REQUIRE(report.ok());
+  REQUIRE(report->problems.size() == 1);
+  CHECK(report->problems[0].path == "zero_optimization.offload_param.buffer_size");
+  CHECK(report->problems[0].message.find("lock 1.9 GiB per process") != std::string::npos);
+  options.cluster->memlock_bytes = uint64_t{2} << 30;  // 2e9 bytes fit 2 GiB
+  CHECK(CheckDeepSpeedConfig(nvme, options)->problems.empty());
+}
+
+TEST_CASE("check: bf16 on a GPU without it") {
+  CheckOptions options;
+  options.cluster = A100x8();
+  nlohmann::json ds = {{"train_batch_size", 8}, {"bf16", {{"enabled", true}}}};
+  CHECK(CheckDeepSpeedConfig(ds, options)->problems.empty());
+  for (const char* gpu : {"v100-32", "v100-16"}) {
+    options.cluster->gpu = *FindGpuPreset(gpu);
+    auto report = CheckDeepSpeedConfig(ds, options);
+    REQUIRE(report->problems.size() == 1);
+    CHECK(report->problems[0].path == "bf16.enabled");
+  }
+  ds["bf16"]["enabled"] = false;
+  ds["fp16"] = {{"enabled", true}};
+  CHECK(CheckDeepSpeedConfig(ds, options)->problems.empty());
+}
+
 TEST_CASE("check: suggestions use edit distance") {
   CHECK(EditDistance("overlap_com", "overlap_comm") == 1);
   CHECK(EditDistance("contigous_gradients", "contiguous_gradients") == 1);

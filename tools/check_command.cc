@@ -95,7 +95,9 @@ void RegisterCheck(CLI::App& app, Outcome* outcome) {
       "check",
       "Find the mistakes in a DeepSpeed config: batch arithmetic, unknown, misspelled, misplaced "
       "and renamed keys, offload without its ZeRO stage, NVMe without nvme_path, \"auto\" outside "
-      "the Hugging Face Trainer, pinned memory, and (with --model and --gpu) the predicted fit");
+      "the Hugging Face Trainer, values DeepSpeed refuses or breaks on at start-up (buckets, aio, "
+      "swap buffers), bf16 on a GPU without it, pinned memory, and (with --model and --gpu) the "
+      "predicted fit with the keys that fill it");
   cmd->add_option("config", f->config, "The ds_config.json to check")->required();
   cmd->add_option("-m,--model", f->model, "Model (as in `memplan estimate`) to predict the fit");
   cmd->add_option("--model-class", f->model_class, "auto or base")
