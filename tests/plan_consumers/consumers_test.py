@@ -179,7 +179,9 @@ def startup_problems(config, tensors, world, gpus_per_node, pinned_budget):
         if block < 4096 or block % 4096:
             problems.append(f"aio.block_size {block}: O_DIRECT needs a multiple of 4096")
         if threads < 1:
+            # No I/O thread, and the swappers divide by their alignment (1024 x threads).
             problems.append(f"aio.intra_op_parallelism {threads} < 1")
+            return problems
     op = z.get("offload_param") or {}
     oo = z.get("offload_optimizer") or {}
     if op.get("device") != "nvme" and oo.get("device") != "nvme":
@@ -249,6 +251,9 @@ def startup_problems(config, tensors, world, gpus_per_node, pinned_budget):
                     f"{largest_group} (optimizer_utils._initialize_from_swapped_fp16_params: "
                     "'numel of fp16 buffers ... is too small for initializing fp32 params')")
     if oo.get("device") == "nvme":
+        if oo.get("buffer_count", 4) < 1:
+            problems.append("offload_optimizer.buffer_count 0: no swap buffer to read a sub-group "
+                            "into (partitioned_optimizer_swapper asserts pinned_buffers)")
         sub_group_size = z.get("sub_group_size", 1000000000)
         total = sum(parts)
         pinned += oo.get("buffer_count", 4) * aligned(min(sub_group_size + max(parts), total)) * 4
@@ -315,6 +320,16 @@ def check_deepspeed(memplan, emitted):
                     budget = int(memlock[:-3]) << 30
                 problems += startup_problems(config, inventory(memplan, e.scenario[1]), world,
                                              int(flag(e.scenario, "--gpus", 1)), budget)
+                # memplan's own checker must pass what memplan emits (it restates the same asserts
+                # and predicts the fit), where the file says all the fit depends on: not for LoRA
+                # or 8-bit AdamW, which live in the training script, not the DeepSpeed file.
+                cluster = [a for n in ("--model", "--gpu", "--gpus", "--nodes", "--cpu-mem",
+                                       "--memlock", "--seq-len")
+                           if n in e.scenario for a in (n, flag(e.scenario, n, None))]
+                script_only = "--lora-rank" in e.scenario or "8-bit" in e.family
+                r = run([memplan, "check", e.path(name), *cluster])
+                if r.returncode != 0 and not script_only:
+                    problems.append("memplan check: " + (r.stdout + r.stderr).strip())
             results.append((e.name() + f" {name}", problems))
     return results
 
