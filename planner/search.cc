@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <set>
 
 #include "estimator/estimate.h"
 
@@ -626,8 +627,15 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
                      return a.over_ratio < b.over_ratio;
                    });
 
-  // What would make the closest family fit, each checked with the memory model.
+  // What would make a family fit, each checked with the memory model: each kind of change once,
+  // for the closest family it makes fit (more nodes do nothing for ZeRO-1's replicated
+  // parameters, and NVMe applies to ZeRO-3 only, so the closest family alone can leave the
+  // changes that work for the next one unsaid).
   if (result.plans.empty()) {
+    std::set<std::string> kinds;
+    auto suggest = [&](const std::string& kind, std::string text) {
+      if (kinds.insert(kind).second) result.suggestions.push_back(std::move(text));
+    };
     for (const Rejection& r : result.rejected) {
       if (r.over_ratio <= 0) continue;
       auto fits = [&](TrainingSetup s, const Cluster& c2) -> std::optional<estimator::PeakMemory> {
@@ -640,12 +648,12 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         return e->peak;
       };
       const TrainingSetup& s0 = r.setup;
-      if (r.tier == "gpu" && s0.zero_stage == 3) {
+      if (r.tier == "gpu" && s0.zero_stage == 3 && kinds.count("nodes") == 0) {
         for (int64_t nodes = cluster.nodes * 2; nodes <= cluster.nodes * 64; nodes *= 2) {
           Cluster more = cluster;
           more.nodes = nodes;
           if (auto p = fits(s0, more)) {
-            result.suggestions.push_back(
+            suggest("nodes",
                 std::to_string(nodes) + " nodes of " + std::to_string(cluster.gpus_per_node) +
                 " x " + cluster.gpu.name + ": " + r.plan + " needs " + GiB(p->gpu_bytes) +
                 " GiB per GPU (--nodes " + std::to_string(nodes) + ", --global-batch a multiple of " +
@@ -654,15 +662,16 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
           }
         }
       }
-      if (s0.optimizer == Optimizer::kAdamW && s0.lora_rank == 0 && !Offloads(s0)) {
+      if (s0.optimizer == Optimizer::kAdamW && s0.lora_rank == 0 && !Offloads(s0) &&
+          kinds.count("8bit") == 0) {
         TrainingSetup eight = s0;
         eight.optimizer = Optimizer::kAdam8bit;
         if (auto p = fits(eight, cluster)) {
-          result.suggestions.push_back("8-bit AdamW (--optimizer adam8bit): " + r.plan + " needs " +
+          suggest("8bit", "8-bit AdamW (--optimizer adam8bit): " + r.plan + " needs " +
                                        GiB(p->gpu_bytes) + " GiB per GPU");
         }
       }
-      if (cluster.nvme_path.empty() && s0.zero_stage == 3) {
+      if (cluster.nvme_path.empty() && s0.zero_stage == 3 && kinds.count("nvme") == 0) {
         TrainingSetup nvme = s0;
         nvme.offload_optimizer = nvme.offload_param = OffloadDevice::kNvme;
         nvme.pin_memory = true;
@@ -670,16 +679,16 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         with.nvme_path = "/nvme";
         if (nvme.Validate().ok()) {
           if (auto p = fits(nvme, with)) {
-            result.suggestions.push_back(
+            suggest("nvme",
                 "an NVMe drive (--nvme-path, --nvme-capacity): ZeRO-3 with optimizer and "
                 "parameters on NVMe needs " + GiB(p->gpu_bytes) + " GiB per GPU and " +
                 GiB(p->nvme_bytes) + " GiB of NVMe per node");
           }
         }
       }
-      if (r.tier == "cpu") {
+      if (r.tier == "cpu" && kinds.count("ram") == 0) {
         const double need = r.over_ratio * static_cast<double>(limits.cpu);
-        result.suggestions.push_back(
+        suggest("ram",
             "more host RAM: " + r.plan + " needs " + GiB(static_cast<uint64_t>(need)) +
             " GiB of CPU memory per node (" +
             GiB(static_cast<uint64_t>((need + static_cast<double>(options.cpu_per_process_bytes) *
@@ -690,15 +699,14 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
       if (s0.seq_len == 0 || s0.micro_batch == 1) {
         TrainingSetup shorter = s0;
         shorter.seq_len = std::max<int64_t>(result.seq_len / 2, 1);
-        if (result.seq_len > 256) {
+        if (result.seq_len > 256 && kinds.count("seq") == 0) {
           if (auto p = fits(shorter, cluster)) {
-            result.suggestions.push_back("a shorter sequence (--seq-len " +
+            suggest("seq", "a shorter sequence (--seq-len " +
                                          std::to_string(shorter.seq_len) + "): " + r.plan +
                                          " needs " + GiB(p->gpu_bytes) + " GiB per GPU");
           }
         }
       }
-      break;  // the closest family only
     }
     if (result.suggestions.empty() && !result.rejected.empty() &&
         result.rejected.front().over_ratio > 0) {

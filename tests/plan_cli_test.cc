@@ -396,6 +396,52 @@ TEST_CASE("plan --svg: the top plans drawn, written atomically, with json or tex
   CHECK_FALSE(std::filesystem::exists(dir.PathOf("fsdp.json")));
 }
 
+// Issue 16, build 3: when nothing fits, the report comes first, the rejections sorted by how close
+// they came, with what would make one fit, each kind of change for the closest family it helps
+// (more nodes do nothing for ZeRO-1, the closest here); --emit-* then exits 2 after the report and
+// writes nothing.
+TEST_CASE("plan: nothing fits: the report, closest first, what would fit, then exit 2") {
+  TempDir dir("memplan-nofit-");
+  const std::vector<std::string> args = {"plan", "--model", "llama-2-70b", "--gpu", "rtx4090",
+                                         "--cpu-mem", "64GiB", "--global-batch", "8"};
+  std::vector<std::string> json_args = args;
+  json_args.insert(json_args.end(), {"--format", "json"});
+  CommandResult r = Memplan(json_args);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  CHECK(j["plans"].empty());
+  REQUIRE(j["rejected"].size() >= 10);
+  double last = 0;
+  bool untried = false;
+  for (const auto& rejection : j["rejected"]) {
+    const double over = rejection.value("over_ratio", 0.0);
+    if (over <= 0) {
+      untried = true;  // families that could not be tried come last
+      continue;
+    }
+    CHECK_FALSE(untried);
+    CHECK(over >= last);
+    last = over;
+  }
+  CHECK(j["rejected"][0]["plan"] == "ZeRO-1 + optimizer on CPU");
+  bool nodes = false;
+  for (const auto& s : j["suggestions"]) {
+    nodes = nodes || s.get<std::string>().find(" nodes of 1 x rtx4090: ZeRO-3") != std::string::npos;
+  }
+  CHECK_MESSAGE(nodes, j["suggestions"].dump());
+
+  std::vector<std::string> emit = args;
+  const std::string ds = dir.PathOf("ds.json");
+  emit.insert(emit.end(), {"--emit-deepspeed", ds});
+  r = Memplan(emit);
+  CHECK(r.exit_code == 2);
+  CHECK(r.out.find("Rejected (closest to fitting first):") != std::string::npos);
+  CHECK(r.out.find("What would make it fit:") != std::string::npos);
+  CHECK(r.err.find("no plan fits, so there is nothing to emit") != std::string::npos);
+  CHECK(std::count(r.err.begin(), r.err.end(), '\n') == 1);
+  CHECK_FALSE(std::filesystem::exists(ds));
+}
+
 TEST_CASE("plan: bad input exits 2 with one line") {
   for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
            {"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8", "--global-batch",
