@@ -239,13 +239,15 @@ class Checker {
     }
   }
 
+  // fp16 / bf16 "enabled": true (not "auto", which the Trainer fills, nor anything else).
+  static bool Enabled(const nlohmann::json& c, const char* section) {
+    if (!c.contains(section) || !c[section].is_object()) return false;
+    const nlohmann::json& s = c[section];
+    return s.contains("enabled") && s["enabled"].is_boolean() && s["enabled"].get<bool>();
+  }
+
   void Precision(const nlohmann::json& c) {
-    auto enabled = [&](const char* section) {
-      if (!c.contains(section) || !c[section].is_object()) return false;
-      const nlohmann::json& s = c[section];
-      return s.contains("enabled") && s["enabled"].is_boolean() && s["enabled"].get<bool>();
-    };
-    if (enabled("fp16") && enabled("bf16")) {
+    if (Enabled(c, "fp16") && Enabled(c, "bf16")) {
       Problem("bf16.enabled", "fp16 and bf16 are both enabled; DeepSpeed refuses this");
     }
   }
@@ -338,14 +340,23 @@ class Checker {
     if (!object.is_object() || !object.contains(key)) return std::nullopt;
     const nlohmann::json& v = object[key];
     if (v.is_null() || (v.is_string() && v.get<std::string>() == "auto")) return std::nullopt;
-    const double d = v.is_number() && !v.is_boolean() ? v.get<double>() : 0.5;
-    if (!v.is_number() || std::floor(d) != d || d < static_cast<double>(lo) ||
-        d > static_cast<double>(hi)) {
+    // An int64 when the value is one: integers as they are (an unsigned one above 2^63 - 1 is
+    // not), floats with an integral value within (-2^63, 2^63) cast.
+    std::optional<int64_t> n;
+    if (v.is_number_unsigned()) {
+      if (v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)) n = v.get<int64_t>();
+    } else if (v.is_number_integer()) {
+      n = v.get<int64_t>();
+    } else if (v.is_number_float()) {
+      const double d = v.get<double>();
+      if (std::floor(d) == d && std::fabs(d) < 0x1p63) n = static_cast<int64_t>(d);
+    }
+    if (!n || *n < lo || *n > hi) {
       Problem(Join(section, key), "must be an integer in [" + std::to_string(lo) + ", " +
                                       std::to_string(hi) + "], got " + v.dump() + ": " + why);
       return std::nullopt;
     }
-    return v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(d);
+    return n;
   }
 
   void Values(const nlohmann::json& c) {
@@ -447,21 +458,15 @@ class Checker {
     }
   }
 
-  bool HalfPrecision(const nlohmann::json& c) const {
-    for (const char* section : {"fp16", "bf16"}) {
-      if (c.contains(section) && c[section].is_object() && c[section].value("enabled", false) ==
-                                                                 true) {
-        return true;
-      }
-    }
-    return false;
+  static bool HalfPrecision(const nlohmann::json& c) {
+    return Enabled(c, "fp16") || Enabled(c, "bf16");
   }
 
   // bf16 on a GPU without it: DeepSpeed's engine raises "Type bf16 is not supported on your
   // device" (engine._do_sanity_check).
   void Bf16(const nlohmann::json& c) {
     if (!options_.cluster || options_.cluster->gpu.bf16_flops > 0) return;
-    if (c.contains("bf16") && c["bf16"].is_object() && c["bf16"].value("enabled", false) == true) {
+    if (Enabled(c, "bf16")) {
       Problem("bf16.enabled", options_.cluster->gpu.name +
                                   " has no bf16 (DeepSpeed's engine raises \"Type bf16 is not "
                                   "supported on your device\"); use fp16 with loss scaling");

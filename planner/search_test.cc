@@ -423,6 +423,32 @@ TEST_CASE("check: bf16 on a GPU without it") {
   ds["bf16"]["enabled"] = false;
   ds["fp16"] = {{"enabled", true}};
   CHECK(CheckDeepSpeedConfig(ds, options)->problems.empty());
+  // "auto" (the Trainer fills it from its own flags): not a finding, and no exception either.
+  options.for_hf_trainer = true;
+  ds["bf16"]["enabled"] = "auto";
+  ds["fp16"]["enabled"] = "auto";
+  ds["zero_optimization"] = {{"stage", 3},
+                             {"offload_param", {{"device", "nvme"}, {"nvme_path", "/nvme"}}}};
+  options.cluster->memlock_bytes = uint64_t{1} << 20;
+  auto report = CheckDeepSpeedConfig(ds, options);
+  REQUIRE(report.ok());
+  REQUIRE(report->problems.size() == 1);  // 5 x 1e8 fp32 elements (no 16-bit enabled) > 1 MiB
+  CHECK(report->problems[0].message.find("lock 1.9 GiB") != std::string::npos);
+}
+
+TEST_CASE("check: integers as DeepSpeed reads them, and no more than int64 holds") {
+  auto problems = [](const nlohmann::json& value) {
+    nlohmann::json ds = {{"train_batch_size", 8},
+                         {"zero_optimization", {{"stage", 2}, {"allgather_bucket_size", value}}}};
+    return CheckDeepSpeedConfig(ds, {})->problems.size();
+  };
+  CHECK(problems(5e8) == 0);
+  CHECK(problems(int64_t{0}) == 0);
+  CHECK(problems(INT64_MAX) == 0);
+  CHECK(problems(uint64_t{1} << 63) == 1);  // once wrapped to a negative int64
+  CHECK(problems(9.3e18) == 1);             // a cast beyond int64 is undefined
+  CHECK(problems(-1) == 1);
+  CHECK(problems(5.5) == 1);
 }
 
 TEST_CASE("check: suggestions use edit distance") {
