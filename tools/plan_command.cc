@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/file.h"
+#include "common/byte_size.h"
 #include "common/json.h"
 #include "estimator/model_source.h"
 #include "estimator/training_setup.h"
@@ -124,7 +125,7 @@ struct ClusterFlags {
     if (gpus > 0) c.gpus_per_node = gpus;
     if (nodes > 0) c.nodes = nodes;
     if (!cpu_mem.empty()) {
-      MEMPLAN_ASSIGN_OR_RETURN(c.cpu_memory_bytes, planner::ParseByteSize(cpu_mem, "--cpu-mem"));
+      MEMPLAN_ASSIGN_OR_RETURN(c.cpu_memory_bytes, ParseByteSize(cpu_mem, "--cpu-mem"));
     }
     if (cpu_cores > 0) c.cpu_cores = cpu_cores;
     if (pcie_gen > 0) c.pcie_gen = pcie_gen;
@@ -133,13 +134,13 @@ struct ClusterFlags {
       if (memlock == "unlimited") {
         c.memlock_bytes = 0;
       } else {
-        MEMPLAN_ASSIGN_OR_RETURN(c.memlock_bytes, planner::ParseByteSize(memlock, "--memlock"));
+        MEMPLAN_ASSIGN_OR_RETURN(c.memlock_bytes, ParseByteSize(memlock, "--memlock"));
       }
     }
     if (!nvme_path.empty()) c.nvme_path = nvme_path;
     if (!nvme_capacity.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(c.nvme_capacity_bytes,
-                               planner::ParseByteSize(nvme_capacity, "--nvme-capacity"));
+                               ParseByteSize(nvme_capacity, "--nvme-capacity"));
     }
     if (!nvme_bench.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json j, ReadJson(nvme_bench));
