@@ -515,12 +515,12 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
   cmd->footer(
       "\nExamples:\n"
       "  memplan plan --model llama-2-7b --gpu a100-80 --gpus 8 --global-batch 64 --seq-len 2048\n"
-      "  memplan plan --model llama-2-70b --gpu a100-80 --gpus 8 --cpu-mem 1TiB --global-batch 32 "
-      "--emit-deepspeed ds_config.json\n"
+      "  memplan plan --model llama-2-70b --gpu a100-80 --gpus 8 --nodes 2 --cpu-mem 1TiB "
+      "--global-batch 32 --emit-deepspeed ds_config.json\n"
       "  memplan plan --model llama-2-7b --gpu rtx4090 --cpu-mem 64GiB --nvme-path /mnt/nvme "
       "--nvme-capacity 1TiB --nvme-bench nvme.json --global-batch 16\n"
-      "  memplan plan --model llama-2-70b --gpu a100-80 --gpus 8 --cpu-mem 1TiB --global-batch 64 "
-      "--svg plans.svg\n"
+      "  memplan plan --model llama-2-70b --gpu a100-80 --gpus 8 --nodes 2 --cpu-mem 1TiB "
+      "--global-batch 64 --svg plans.svg\n"
       "\nExit status: 0 on success (also when nothing fits: see \"rejected\"), 2 on bad input.");
   cmd->callback([f, outcome, optimizer] {
     PlanFlags flags = *f;
