@@ -552,6 +552,22 @@ TEST_CASE("reliability #5: memory that cannot be had is one line and exit 2; the
                         WithAddressSpace(rlim_t{2} << 30));
   ExpectFailure(swap, 2, {"memory"});
   CHECK(Entries(dir).empty());
+  // Checked before anything is allocated (Note [Bench swap resources]): 2^36 sub-group elements
+  // are terabytes of buffers on any machine this runs on.
+  ExpectFailure(RunProbe({"bench", "swap", "--path", dir.string(), "--params", "68719476736",
+                          "--sub-group", "68719476736", "--nvme-json", tmp.PathOf("n.json")}),
+                2, {"not enough memory", "of RAM", "--sub-group"});
+  // ... and the disk: 2^36 parameters need 1.75 TiB of state.
+  ExpectFailure(RunProbe({"bench", "swap", "--path", dir.string(), "--params", "68719476736",
+                          "--nvme-json", tmp.PathOf("n.json")}),
+                2, {"not enough disk", "--params"});
+  // Within the machine's RAM but past a 2 GiB address space: the allocation fails part-way, the
+  // store it had begun is removed.
+  swap = RunProbe({"bench", "swap", "--path", dir.string(), "--params", "67108864", "--sub-group",
+                   "67108864", "--nvme-json", tmp.PathOf("n.json")},
+                  WithAddressSpace(rlim_t{2} << 30));
+  ExpectFailure(swap, 2, {"memory"});
+  CHECK(Entries(dir).empty());
 }
 
 TEST_CASE("reliability #5: a path that is not UTF-8 in JSON output is written, not a crash") {
