@@ -238,8 +238,8 @@ Status CheckArithmeticOne(std::string_view input) {
   auto divides = [](Wide step, Wide n) { return n % step == 0; };
   bool wrong = false;
   if (has_total && has_micro && has_accum) {
-    wrong = world > 0 ? Wide{micro} * accum * world != total
-                      : !divides(Wide{micro} * accum, total);
+    const Wide step = Wide{micro} * accum;  // < 2^126; beyond int64 it cannot equal the total
+    wrong = world > 0 ? step > INT64_MAX || step * world != total : !divides(step, total);
   } else if (has_total && has_micro) {
     wrong = world > 0 && !divides(Wide{micro} * world, total);
   } else if (has_total && has_accum) {
