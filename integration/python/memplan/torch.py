@@ -34,6 +34,31 @@ Works on CPU-only PyTorch (1.13 and later; the engine's host runtime, where "dev
 host memory) and on CUDA (the engine's CUDA runtime; tensors made through
 __cuda_array_interface__).
 
+Across processes (ZeRO-3 over torch.distributed). When torch.distributed is initialised (or a
+``process_group`` is given) and has more than one rank, every rank runs its own engine over the
+same parameters and holds a 1/world-size shard of each (ZeRO-3): its tiers and its optimizer hold
+only that partition, a fetch all-gathers a unit's parameters whole, and each gradient is
+reduce-scattered and divided by the world size, so every rank's optimizer sees the mean gradient
+over the ranks, as DDP averages. Data-parallel semantics are DDP's: launch one process per rank
+(``torchrun --nproc_per_node N train.py``), give each rank its own micro-batch (the global batch is
+their union; with equal micro-batches and a mean loss the result is the global batch's mean
+gradient), and call forward, backward and step() on every rank in the same order with the same
+model (the ranks must produce the same gradients in the same order, as DDP without
+find_unused_parameters). The initial values are broadcast from the group's first rank, as DDP
+does. With ``path`` each rank keeps its stores under ``<path>/rank<r>/``.
+
+Note [The collective across processes]
+The engine's Collective is called from C++, on the thread that called into the engine, while the
+binding has released the GIL (every engine call releases it). On CUDA the engine uses its own
+NcclCollective: the first rank makes the NCCL unique id and broadcasts it over the process group,
+and no Python runs in the collectives at all. On the host runtime (CPU, gloo) the collective is
+_ProcessGroupCollective below, called through a C++ Collective in the binding that takes the GIL
+back on that same thread for each call (Note [A collective backed by Python] in bindings.cc):
+simpler than moving the engine's collectives out to Python around every engine call, and correct
+because the engine never calls its Collective from a thread of its own. gloo has no
+reduce-scatter, so it is an fp32 all-reduce of the whole buffer of which each rank keeps its slot
+(16-bit values summed in fp32 and rounded once, as the engine's thread collective does).
+
 On CUDA, work is ordered with streams, never with waits (offload/engine.h, "Streams"): every
 release and every gradient hand-over passes torch's current stream, so the engine does not reuse a
 released unit's memory before the kernels launched on it have run (a forward hook runs when the
@@ -42,6 +67,8 @@ write it. Gradients are recorded on the engine's gradient stream and dropped: to
 reuses their memory once the engine has read it, not at the end of the step. The engine runs on
 the module's CUDA device (``device``, else torch's current device).
 """
+
+import types
 
 import torch
 
@@ -60,6 +87,68 @@ class _CudaArray:
         self.__cuda_array_interface__ = {
             "shape": (numel,), "typestr": _TYPESTR[dtype], "data": (pointer, False),
             "version": 2, "strides": None}
+
+
+class _ProcessGroupCollective:
+    """The engine's Collective over a torch.distributed process group, for host memory (Note [The
+    collective across processes]). Called by the engine with memoryviews of its host buffers."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+        self.dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def _tensor(self, view, count, dtype):
+        return torch.frombuffer(view, dtype=_DTYPES[dtype], count=count)
+
+    def all_gather(self, send, recv, count, dtype):
+        # Bytes: the values are only moved, and gloo gathers uint8 on every version.
+        src = torch.frombuffer(send, dtype=torch.uint8)
+        dst = torch.frombuffer(recv, dtype=torch.uint8)
+        outputs = list(dst.view(self.world_size, -1).unbind(0))
+        if src.data_ptr() == outputs[self.rank].data_ptr():
+            src = src.clone()  # in place (send is this rank's slot of recv)
+        self.dist.all_gather(outputs, src, group=self.group)
+
+    def reduce_scatter(self, send, recv, count, dtype):
+        full = self._tensor(send, count * self.world_size, dtype)
+        summed = full.to(torch.float32, copy=True)
+        self.dist.all_reduce(summed, group=self.group)
+        mine = summed[self.rank * count:(self.rank + 1) * count]
+        self._tensor(recv, count, dtype).copy_(mine)
+
+    def all_reduce(self, send, recv, count, dtype):
+        buffer = self._tensor(send, count, dtype)
+        summed = buffer.to(torch.float32, copy=True)
+        self.dist.all_reduce(summed, group=self.group)
+        buffer.copy_(summed)
+
+
+def _process_group(process_group):
+    """(group, rank, world size) of the process group to train over: the one given, else
+    torch.distributed's default group when it is initialised; (None, 0, 1) for one process."""
+    import torch.distributed as dist
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None, 0, 1
+        process_group = dist.group.WORLD
+    elif not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("memplan.torch: process_group given but torch.distributed is not "
+                         "initialised")
+    return process_group, dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def _group_source(group):
+    """The global rank of the group's first rank (the source of broadcasts)."""
+    import torch.distributed as dist
+    if group is None or group is dist.group.WORLD:
+        return 0
+    try:
+        return dist.get_global_rank(group, 0)
+    except AttributeError:  # torch < 2.0
+        return dist.distributed_c10d._get_global_rank(group, 0)
 
 
 class _Unit:
@@ -163,9 +252,10 @@ class OffloadedModule:
     """
 
     def __init__(self, module, schedule, *, runtime="auto", optimizer_options=None,
-                 gradient_accumulation_steps=1, device=None):
+                 gradient_accumulation_steps=1, device=None, process_group=None):
         if gradient_accumulation_steps < 1:
             raise ValueError("gradient_accumulation_steps must be >= 1")
+        self.group, self.rank, self.world_size = _process_group(process_group)
         self.module = module
         self.schedule = schedule
         self.optimizer_options = dict(optimizer_options or {})
@@ -182,8 +272,12 @@ class OffloadedModule:
             # Never fall back to the host runtime while torch trains on the GPU (an old driver, a
             # build without CUDA): that must be an error, not a slow, wrong-device run.
             runtime = "cuda"
+        collective = None
+        if self.world_size > 1:
+            collective = self._collective(wants_cuda, runtime)
         self.engine = memplan.Engine(schedule, runtime=runtime,
-                                     device=device.index if wants_cuda else None)
+                                     device=device.index if wants_cuda else None,
+                                     collective=collective)
         self.dtype_name = self.engine.param_dtype
         self.dtype = _DTYPES[self.dtype_name]
         self.on_cuda = self.engine.runtime.startswith("cuda")
@@ -203,6 +297,28 @@ class OffloadedModule:
         self._register()
 
     # ---- set-up ----------------------------------------------------------------------------------
+
+    def _collective(self, wants_cuda, runtime):
+        """The engine's collective over self.group (Note [The collective across processes])."""
+        import torch.distributed as dist
+        if wants_cuda or runtime == "cuda":
+            unique_id = [memplan.nccl_unique_id() if self.rank == 0 else None]
+            dist.broadcast_object_list(unique_id, src=_group_source(self.group), group=self.group)
+            return types.SimpleNamespace(rank=self.rank, world_size=self.world_size,
+                                         nccl_unique_id=unique_id[0])
+        return _ProcessGroupCollective(self.group)
+
+    def _broadcast(self, tensor):
+        """The group's first rank's values of `tensor` (a CPU float32 tensor), as DDP starts."""
+        import torch.distributed as dist
+        if self.world_size == 1:
+            return tensor
+        if dist.get_backend(self.group) == "nccl":
+            moved = tensor.to(self.device)
+            dist.broadcast(moved, src=_group_source(self.group), group=self.group)
+            return moved.cpu()
+        dist.broadcast(tensor, src=_group_source(self.group), group=self.group)
+        return tensor
 
     def _register(self):
         # First every unit and which units use each parameter (a tied parameter is registered
@@ -230,6 +346,7 @@ class OffloadedModule:
             raise ValueError("memplan.torch: the module has no parameters")
         for entry in self.params:
             init = entry.param.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+            init = self._broadcast(init)
             entry.id = self.engine.add_parameter(
                 entry.name, entry.units[0].name, list(entry.shape) or [1], init,
                 [u.name for u in entry.units[1:]])
@@ -444,7 +561,7 @@ class OffloadedModule:
 def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
             betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, optimizer="adamw", runtime="auto",
             dtype="fp32", gradient_accumulation_steps=1, schedule=None, device=None,
-            **schedule_options):
+            process_group=None, **schedule_options):
     """Puts `module`'s parameters and its optimizer into memplan's engine.
 
     path: a directory the engine may create and own (parameters and optimizer states go to NVMe
@@ -454,6 +571,9 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     sub_group_elements, prefetch_bytes, max_live_bytes, direct, ...); or pass a whole `schedule`.
     device: the CUDA device to train on ("cuda:1", 1, a torch.device); default: the module's
     parameters' device if they are on CUDA, else torch's current device when runtime is "cuda".
+    process_group: the torch.distributed group to train over (ZeRO-3, one shard per rank); None:
+    the default group when torch.distributed is initialised with more than one rank, else one
+    process. Every rank calls offload() with the same module and arguments.
     """
     if optimizer not in ("adamw", "adam"):
         raise ValueError(f"optimizer must be 'adamw' or 'adam', not {optimizer!r}")
@@ -465,4 +585,5 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     options = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps,
                "weight_decay": weight_decay, "decoupled": optimizer == "adamw"}
     return OffloadedModule(module, schedule, runtime=runtime, optimizer_options=options,
-                           gradient_accumulation_steps=gradient_accumulation_steps, device=device)
+                           gradient_accumulation_steps=gradient_accumulation_steps, device=device,
+                           process_group=process_group)
