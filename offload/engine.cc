@@ -45,6 +45,17 @@
 // is that a 16-bit sum can overflow where every term does not (fp16 above 65504): scale the loss
 // for that, as for fp16 training anyway. The reduce-scatter is synchronous (as every Collective
 // call), so `device_grad` is free when GradReady() returns.
+// Note [Frozen parameters]
+// A frozen parameter is in the ParamSwapper like any other (fetched, gathered, on its tier) but not
+// in the optimizer. The swapper's partition is laid out trainable parameters first, in
+// registration order, then the frozen ones, so the optimizer's sub-groups cover a prefix of it,
+// [0, optimizer_elements), with no holes: nothing of the optimizer (its NVMe store, its pinned
+// buffers, the gradient scratch and staging, sized by the largest trainable shard) grows with a
+// frozen base. The frozen part starts at a chunk boundary (ParamSwapper::Pad()), so the NVMe
+// write-back of the last trainable sub-group never touches a chunk holding frozen values; those
+// are written once, in Start(), from their init (with resume too: they never change, and their
+// init gives them again), and never after. ParamIds stay the registration indices; swap_id maps
+// them to the swapper's.
 #include "offload/engine.h"
 
 #include <sys/stat.h>
@@ -254,6 +265,10 @@ struct Engine::Impl {
   std::unique_ptr<CpuOptimizer> converter;  // fp32 -> 16-bit for the initial write-back
   std::vector<ParamSpec> specs;             // in registration (= flat) order
   std::vector<uint64_t> numels;             // specs[i]'s element count, checked in AddParameter
+  // Note [Frozen parameters]: the swapper's id of specs[i], and the spec of each swapper id.
+  std::vector<ParamId> swap_id;
+  std::vector<size_t> spec_of;
+  uint64_t trainable_params = 0;
   uint64_t total_elements = 0;              // their sum
   std::vector<bool> grad_given;
   uint64_t grads_missing = 0;
@@ -323,7 +338,7 @@ struct Engine::Impl {
   Status Fill(uint64_t first, std::span<float> out) {
     const uint64_t end = first + out.size();
     // The parameter holding `first`: the last with partition offset <= first.
-    size_t lo = 0, hi = specs.size();
+    size_t lo = 0, hi = spec_of.size();
     while (hi - lo > 1) {
       const size_t mid = (lo + hi) / 2;
       if (params->PartitionOffset(static_cast<ParamId>(mid)) <= first) {
@@ -333,8 +348,9 @@ struct Engine::Impl {
       }
     }
     const auto rank = static_cast<uint64_t>(params->rank());
-    for (size_t i = lo; i < specs.size(); ++i) {
-      const auto id = static_cast<ParamId>(i);
+    for (size_t k = lo; k < spec_of.size(); ++k) {
+      const auto id = static_cast<ParamId>(k);
+      const size_t i = spec_of[k];
       const uint64_t local = params->PartitionOffset(id), shard = params->ShardSize(id);
       if (local >= end) break;
       const uint64_t a = std::max(first, local), b = std::min(end, local + shard);
@@ -451,7 +467,8 @@ struct Engine::Impl {
   // trainer's work queued on `stream` (Note [Reduce-scattered gradients]). Returns the scratch
   // buffer, whose slot `rank` then holds this rank's summed shard; the caller gives it back to
   // grad_scratch_free (on failure it is back there already).
-  Result<void*> ReduceScatterGradient(ParamId param, const void* device_grad, ElementType type,
+  Result<void*> ReduceScatterGradient(ParamId param /* the swapper's id */,
+                                      const void* device_grad, ElementType type,
                                       uint64_t count, gpu::Stream stream) {
     const auto eb = static_cast<uint64_t>(ElementBytes(type));
     const uint64_t n = params->Numel(param) * eb;
@@ -501,7 +518,7 @@ struct Engine::Impl {
     const auto world = static_cast<uint64_t>(params->world_size());
     uint64_t largest = 0;
     for (size_t i = 0; i < specs.size(); ++i) {
-      largest = std::max(largest, params->ShardSize(static_cast<ParamId>(i)));
+      if (!specs[i].frozen) largest = std::max(largest, params->ShardSize(swap_id[i]));
     }
     grad_scratch_bytes = largest * world * 4;
     for (int i = 0; i < 2; ++i) {
@@ -525,7 +542,7 @@ struct Engine::Impl {
     const Schedule& sc = options.schedule;
     uint64_t largest = 0;
     for (size_t i = 0; i < specs.size(); ++i) {
-      largest = std::max(largest, params->ShardSize(static_cast<ParamId>(i)) * 4);
+      if (!specs[i].frozen) largest = std::max(largest, params->ShardSize(swap_id[i]) * 4);
     }
     uint64_t slot = std::min(kMaxGradSlotBytes, (largest + kPageBytes - 1) / kPageBytes * kPageBytes);
     if (sc.pinned_budget_bytes > 0) {
@@ -745,8 +762,32 @@ Status Engine::Start(RecoveryReport* report) {
   po.staging_slots = sc.param_buffer_count;
   // This rank's partition (Note [ZeRO-3 partitions] in param_swapper.cc): what its parameter
   // tier and its optimizer hold; the flat space itself for world size 1.
-  uint64_t total = 0;
-  for (uint64_t n : s.numels) total += ShardElements(n, world);
+  // Trainable parameters first, then the frozen ones from a chunk boundary (Note [Frozen
+  // parameters]); `total` is what the optimizer holds, `partition` what the parameter tier holds.
+  s.swap_id.assign(s.specs.size(), 0);
+  s.spec_of.clear();
+  uint64_t total = 0, frozen_total = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t i = 0; i < s.specs.size(); ++i) {
+      if (s.specs[i].frozen != (pass == 1)) continue;
+      s.swap_id[i] = static_cast<ParamId>(s.spec_of.size());
+      s.spec_of.push_back(i);
+      (pass == 0 ? total : frozen_total) += ShardElements(s.numels[i], world);
+      if (pass == 1) {
+        ++s.stats.frozen_params;
+        s.stats.frozen_elements += s.numels[i];
+      }
+    }
+  }
+  s.trainable_params = s.specs.size() - s.stats.frozen_params;
+  if (total == 0) {
+    return Status::InvalidArgument("engine: every parameter is frozen; nothing to train");
+  }
+  const uint64_t frozen_begin =
+      frozen_total == 0 ? total
+                        : (total + sc.sub_group_elements - 1) / sc.sub_group_elements *
+                              sc.sub_group_elements;
+  const uint64_t partition = frozen_begin + frozen_total;
   if (sc.param_tier == Tier::kNvme) {
     // The parameters' working copies are derived from the master weights, so their store is made
     // afresh each run; one left by a crashed run is removed first.
@@ -769,8 +810,8 @@ Status Engine::Start(RecoveryReport* report) {
     so.backend_options.queue_depth = sc.nvme_queue_depth;
     so.engine_options.block_size = sc.nvme_block_size;
     so.engine_options.threads = sc.nvme_io_threads;
-    const uint64_t chunks = (total + sc.sub_group_elements - 1) / sc.sub_group_elements;
-    so.capacity_bytes = total * static_cast<uint64_t>(ElementBytes(sc.param_dtype)) +
+    const uint64_t chunks = (partition + sc.sub_group_elements - 1) / sc.sub_group_elements;
+    so.capacity_bytes = partition * static_cast<uint64_t>(ElementBytes(sc.param_dtype)) +
                         chunks * (uint64_t{64} << 10) + (uint64_t{1} << 20);
     MEMPLAN_ASSIGN_OR_RETURN(s.param_store, nvme::SwapStore::Open(so));
     PinnedPoolOptions pool;
@@ -787,8 +828,12 @@ Status Engine::Start(RecoveryReport* report) {
     po.staging = s.staging.get();
   }
   MEMPLAN_ASSIGN_OR_RETURN(s.params, ParamSwapper::Create(po));
-  for (size_t i = 0; i < s.specs.size(); ++i) {
+  for (size_t k = 0; k < s.spec_of.size(); ++k) {
+    const size_t i = s.spec_of[k];
     const ParamSpec& p = s.specs[i];
+    if (k == s.trainable_params && frozen_begin > total) {
+      MEMPLAN_RETURN_IF_ERROR(s.params->Pad(frozen_begin - total));
+    }
     MEMPLAN_ASSIGN_OR_RETURN(ParamId id, s.params->Add(p.name, p.module, s.numels[i]));
     for (const std::string& m : p.also_used_by) MEMPLAN_RETURN_IF_ERROR(s.params->AddUse(id, m));
   }
@@ -863,6 +908,21 @@ Status Engine::Start(RecoveryReport* report) {
     MEMPLAN_RETURN_IF_ERROR(s.converter->ConvertToHalf(m, h, half_dtype));
     MEMPLAN_RETURN_IF_ERROR(s.params->WriteHalf(sg * sc.sub_group_elements, h));
   }
+  // The frozen parameters' working copies, from their init, once (Note [Frozen parameters]).
+  for (uint64_t at = frozen_begin; at < partition; at += sc.sub_group_elements) {
+    const uint64_t n = std::min(sc.sub_group_elements, partition - at);
+    if (master.size() < n) master.resize(n);
+    std::span<float> m(master.data(), n);
+    MEMPLAN_RETURN_IF_ERROR(s.Fill(at, m));
+    if (half_dtype == HalfDtype::kNone) {
+      MEMPLAN_RETURN_IF_ERROR(s.params->WriteFloat(at, m));
+      continue;
+    }
+    if (half.size() < n) half.resize(n);
+    std::span<uint16_t> h(half.data(), n);
+    MEMPLAN_RETURN_IF_ERROR(s.converter->ConvertToHalf(m, h, half_dtype));
+    MEMPLAN_RETURN_IF_ERROR(s.params->WriteHalf(at, h));
+  }
   MEMPLAN_RETURN_IF_ERROR(s.params->GatherResident());
   // The pinned buffers pinned_budget_bytes covers (as checked above): the parameter staging and
   // the optimizer's; the gradient staging takes what they leave.
@@ -871,11 +931,12 @@ Status Engine::Start(RecoveryReport* report) {
   if (s.runtime->has_device()) MEMPLAN_RETURN_IF_ERROR(s.CreateGradientStaging(pinned_used));
   if (world > 1) MEMPLAN_RETURN_IF_ERROR(s.AllocateGradientScratch());
   s.grad_given.assign(s.specs.size(), false);
-  s.grads_missing = s.specs.size();
+  s.grads_missing = s.trainable_params;
   s.grad_worker = std::thread([&s] { s.RunGradients(); });
   s.stats.params = s.specs.size();
   s.stats.elements = s.total_elements;
-  s.stats.partition_elements = total;
+  s.stats.partition_elements = partition;
+  s.stats.optimizer_elements = total;
   s.stats.epoch = s.optimizer->epoch();
   s.started = true;
   return Status::Ok();
@@ -902,7 +963,8 @@ gpu::Stream Engine::GradientStream() const {
 Result<void*> Engine::DevicePointer(ParamId param) const {
   const Impl& s = *impl_;
   if (!s.started) return Status::FailedPrecondition("engine: not started");
-  return s.params->DevicePointer(param);
+  if (param >= s.specs.size()) return Status::InvalidArgument("engine: unknown parameter id");
+  return s.params->DevicePointer(s.swap_id[param]);
 }
 
 Status Engine::GradReady(ParamId param, const void* device_grad, ElementType type,
@@ -914,6 +976,10 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
     return Status::FailedPrecondition("engine: gradient of " + s.specs[param].name +
                                       " given twice in one step");
   }
+  if (s.specs[param].frozen) {
+    return Status::InvalidArgument("engine: " + s.specs[param].name +
+                                   " is frozen; it takes no gradient");
+  }
   if (ElementBytes(type) == 0) return Status::InvalidArgument("engine: invalid gradient type");
   if (device_grad == nullptr) {
     return Status::InvalidArgument("engine: gradient of " + s.specs[param].name + " is null");
@@ -922,8 +988,9 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
     std::lock_guard<std::mutex> lock(s.grad_mu);
     if (!s.grad_error.ok()) return s.grad_error;
   }
-  const uint64_t first = s.params->PartitionOffset(param);
-  const uint64_t count = s.params->ShardSize(param);
+  const ParamId sid = s.swap_id[param];
+  const uint64_t first = s.params->PartitionOffset(sid);
+  const uint64_t count = s.params->ShardSize(sid);
   const auto eb = static_cast<uint64_t>(ElementBytes(type));
   const std::byte* src = static_cast<const std::byte*>(device_grad);
   void* scratch = nullptr;
@@ -932,7 +999,7 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
     // gradients]).
     MEMPLAN_RETURN_IF_ERROR(s.runtime->OrderAfter(gpu::CopyDirection::kDeviceToHost, stream));
   } else {
-    MEMPLAN_ASSIGN_OR_RETURN(scratch, s.ReduceScatterGradient(param, device_grad, type, count,
+    MEMPLAN_ASSIGN_OR_RETURN(scratch, s.ReduceScatterGradient(sid, device_grad, type, count,
                                                               stream));
     src = static_cast<const std::byte*>(scratch) + static_cast<uint64_t>(s.params->rank()) *
                                                        count * eb;
@@ -954,7 +1021,7 @@ Status Engine::Step(const SwapStepOptions& options) {
   if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
   if (s.grads_missing > 0) {
     for (size_t i = 0; i < s.specs.size(); ++i) {
-      if (!s.grad_given[i]) {
+      if (!s.grad_given[i] && !s.specs[i].frozen) {
         return Status::FailedPrecondition("engine: no gradient for " + s.specs[i].name +
                                           " this step (" + std::to_string(s.grads_missing) +
                                           " missing)");
@@ -969,7 +1036,7 @@ Status Engine::Step(const SwapStepOptions& options) {
   MEMPLAN_RETURN_IF_ERROR(s.params->GatherResident());
   s.stats.last_step_s = SecondsSince(start);
   std::fill(s.grad_given.begin(), s.grad_given.end(), false);
-  s.grads_missing = s.specs.size();
+  s.grads_missing = s.trainable_params;
   ++s.stats.steps;
   s.stats.epoch = s.optimizer->epoch();
   return Status::Ok();
@@ -979,14 +1046,20 @@ Status Engine::ReadMasterWeights(ParamId param, std::span<float> out) {
   Impl& s = *impl_;
   if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
   if (param >= s.specs.size()) return Status::InvalidArgument("engine: unknown parameter id");
-  const uint64_t n = s.params->Numel(param);
+  if (s.specs[param].frozen) {
+    return Status::FailedPrecondition("engine: " + s.specs[param].name +
+                                      " is frozen: it has no master weights (read a fetched "
+                                      "working copy)");
+  }
+  const ParamId sid = s.swap_id[param];
+  const uint64_t n = s.params->Numel(sid);
   if (out.size() != n) return Status::InvalidArgument("engine: output size mismatch");
-  const uint64_t first = s.params->PartitionOffset(param);
+  const uint64_t first = s.params->PartitionOffset(sid);
   const int world = s.params->world_size();
   if (world == 1) return s.ReadPartition(first, out);
   // World size > 1: this rank holds one shard; all-gather every rank's, through device memory as
   // the Collective needs.
-  const uint64_t shard = s.params->ShardSize(param);
+  const uint64_t shard = s.params->ShardSize(sid);
   const uint64_t shard_bytes = shard * 4;
   const uint64_t rank = static_cast<uint64_t>(s.params->rank());
   std::vector<float> all(shard * static_cast<uint64_t>(world));

@@ -222,6 +222,103 @@ TEST_CASE("Engine trains bit-identically to in-memory AdamW on every tier combin
   }
 }
 
+TEST_CASE("Engine holds frozen parameters: fetched every step, never stepped nor written") {
+  // m0 and m2's weights frozen (LoRA's base), between trainable ones: the engine lays them out
+  // after the trainable ones, on a chunk boundary (Note [Frozen parameters]).
+  const ToyModel model(4);
+  auto frozen = [&](size_t i) { return i == 0 || i == 4; };
+  uint64_t trainable = 0;
+  for (size_t i = 0; i < model.params.size(); ++i) {
+    if (!frozen(i)) trainable += model.params[i].numel;
+  }
+  for (Tier tier : {Tier::kNvme, Tier::kCpu}) {
+    CAPTURE(TierName(tier));
+    TempDir dir("engine-");
+    Run run;
+    EngineOptions options;
+    options.schedule = MakeSchedule(tier, tier, dir.PathOf("nvme"));
+    options.runtime = run.runtime.get();
+    run.engine = std::move(Engine::Create(options).value());
+    for (size_t i = 0; i < model.params.size(); ++i) {
+      const uint64_t base = model.Offset(i);
+      ParamSpec spec;
+      spec.name = model.params[i].name;
+      spec.module = model.params[i].module;
+      spec.shape = {static_cast<int64_t>(model.params[i].numel)};
+      spec.init = [base](uint64_t first, std::span<float> out) {
+        for (size_t k = 0; k < out.size(); ++k) out[k] = Init(base + first + k);
+        return Status::Ok();
+      };
+      spec.frozen = frozen(i);
+      run.ids.push_back(run.engine->AddParameter(spec).value());
+    }
+    REQUIRE(run.engine->Start().ok());
+    const uint64_t writes_at_start = run.engine->stats().param.nvme_write_bytes;
+    std::vector<std::vector<uint16_t>> grads(model.params.size());
+    for (uint64_t t = 1; t <= 3; ++t) {
+      for (const std::string& m : model.modules) {
+        REQUIRE(run.engine->Fetch(m).ok());
+        REQUIRE(run.engine->Release(m).ok());
+      }
+      for (auto it = model.modules.rbegin(); it != model.modules.rend(); ++it) {
+        REQUIRE(run.engine->Fetch(*it).ok());
+        for (size_t i = 0; i < model.params.size(); ++i) {
+          if (model.params[i].module != *it) continue;
+          // A frozen parameter is on the GPU like the others: its init values, unchanged.
+          auto ptr = run.engine->DevicePointer(run.ids[i]);
+          REQUIRE(ptr.ok());
+          const auto* half = static_cast<const uint16_t*>(*ptr);
+          grads[i].resize(model.params[i].numel);
+          for (size_t k = 0; k < grads[i].size(); ++k) {
+            grads[i][k] = FloatToBf16(GradAt(t, model.Offset(i) + k));
+          }
+          if (frozen(i)) {
+            size_t wrong = 0;
+            for (size_t k = 0; k < grads[i].size(); ++k) {
+              wrong += half[k] != FloatToBf16(Init(model.Offset(i) + k));
+            }
+            CHECK(wrong == 0);
+            Status refused =
+                run.engine->GradReady(run.ids[i], grads[i].data(), ElementType::kBFloat16);
+            CHECK(refused.code() == StatusCode::kInvalidArgument);
+            CHECK(refused.message().find("frozen") != std::string::npos);
+            continue;
+          }
+          REQUIRE(
+              run.engine->GradReady(run.ids[i], grads[i].data(), ElementType::kBFloat16).ok());
+        }
+        REQUIRE(run.engine->Release(*it).ok());
+      }
+      Status stepped = run.engine->Step(Adam(t));
+      REQUIRE_MESSAGE(stepped.ok(), stepped.ToString());
+    }
+    // The trainable parameters are where AdamW (elementwise) takes them; frozen ones refuse.
+    const std::vector<float> want = ReferenceWeights(model, 3);
+    for (size_t i = 0; i < model.params.size(); ++i) {
+      std::vector<float> w(model.params[i].numel);
+      Status read = run.engine->ReadMasterWeights(run.ids[i], w);
+      if (frozen(i)) {
+        CHECK(read.code() == StatusCode::kFailedPrecondition);
+        continue;
+      }
+      REQUIRE(read.ok());
+      CHECK(std::memcmp(w.data(), want.data() + model.Offset(i), w.size() * 4) == 0);
+    }
+    const EngineStats stats = run.engine->stats();
+    CHECK(stats.frozen_params == 2);
+    CHECK(stats.frozen_elements == model.total - trainable);
+    CHECK(stats.optimizer_elements == trainable);
+    CHECK(stats.d2h_bytes == 3 * 2 * trainable);
+    if (tier == Tier::kNvme) {
+      // Each step writes back the trainable parameters only; the frozen ones were written once.
+      CHECK(writes_at_start == 2 * model.total);
+      CHECK(stats.param.nvme_write_bytes - writes_at_start == 3 * 2 * trainable);
+      CHECK(stats.optimizer_write_bytes < 3 * 16 * (trainable + 2048));
+    }
+    REQUIRE(run.engine->Close().ok());
+  }
+}
+
 TEST_CASE("ParamSwapper follows the recorded trace, prefetches within budgets, re-records") {
   const ToyModel model(6, 2000);
   TempDir dir("engine-");

@@ -279,9 +279,10 @@ class PyEngine {
 
   uint32_t AddParameter(const std::string& name, const std::string& module,
                         const std::vector<int64_t>& shape, const py::object& init,
-                        const std::vector<std::string>& also_used_by) {
+                        const std::vector<std::string>& also_used_by, bool frozen) {
     Require();
     offload::ParamSpec spec;
+    spec.frozen = frozen;
     spec.name = name;
     spec.module = module;
     spec.shape = shape;
@@ -726,7 +727,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("collective") = py::none())
       .def("add_parameter", &PyEngine::AddParameter, py::arg("name"), py::arg("module"),
            py::arg("shape"), py::arg("init") = py::none(),
-           py::arg("also_used_by") = std::vector<std::string>())
+           py::arg("also_used_by") = std::vector<std::string>(), py::arg("frozen") = false)
       .def("start", &PyEngine::Start)
       .def("fetch", &PyEngine::Fetch, py::arg("module"))
       .def("release", &PyEngine::Release, py::arg("module"), py::arg("stream") = 0)

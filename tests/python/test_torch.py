@@ -112,16 +112,40 @@ class AdapterTest(unittest.TestCase):
             trainer.close()
         self.assertLess(max(abs(a - b) for a, b in zip(losses, ref_losses)), 1e-6)
 
-    def test_step_before_backward_and_frozen_parameters_are_refused(self):
+    def test_step_before_backward_is_refused(self):
         model = mlp()
         trainer = memplan.torch.offload(model)
         with self.assertRaisesRegex(RuntimeError, "backward"):
             trainer.step()
         trainer.close()
-        frozen = mlp()
-        frozen[0].weight.requires_grad_(False)
-        with self.assertRaisesRegex(ValueError, "frozen"):
-            memplan.torch.offload(frozen)
+
+    def test_frozen_parameters_match_torch_and_stay_unchanged(self):
+        # A frozen first layer (held by the engine, fetched, never stepped) and a frozen bias in
+        # the middle of a trainable layer's unit.
+        model, ref = mlp(), mlp()
+        for m in (model, ref):
+            m[0].requires_grad_(False)
+            m[2].bias.requires_grad_(False)
+        frozen = {n: p.detach().clone() for n, p in model.named_parameters()
+                  if not p.requires_grad}
+        batches = data(6)
+        trainer, losses = self.run_offloaded(model, batches)
+        opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
+                                weight_decay=0.01)
+        ref_losses = []
+        for x, y in batches:
+            loss = nn.functional.mse_loss(ref(x), y)
+            loss.backward()
+            ref_losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        self.assertEqual(losses, ref_losses)
+        self.assertEqual(trainer.stats()["frozen_params"], 3)
+        trainer.close()
+        for name, p in model.named_parameters():
+            if name in frozen:
+                self.assertTrue(torch.equal(p.detach(), frozen[name]), name)
+            self.assertTrue(torch.equal(p.detach(), dict(ref.named_parameters())[name].detach()))
 
     def test_inference_under_no_grad_releases_everything(self):
         model, ref = mlp(), mlp()

@@ -168,9 +168,11 @@ class Engine:
         self._native = _native.Engine(_json.dumps(schedule), _json.dumps(
             {"runtime": runtime, "resume": resume, "device": device}), collective)
 
-    def add_parameter(self, name, module, shape, init=None, also_used_by=()):
+    def add_parameter(self, name, module, shape, init=None, also_used_by=(), frozen=False):
+        """frozen: held and fetched like the others, never given a gradient nor stepped nor
+        written after start() (LoRA's base weights); read_master refuses it."""
         return self._native.add_parameter(name, module, [int(d) for d in shape], init,
-                                          list(also_used_by))
+                                          list(also_used_by), frozen)
 
     def start(self):
         return self._native.start()

@@ -30,6 +30,15 @@ packed in_proj_weight, ``x @ self.w.t()``) would be read from memory the engine 
 not supported. Parameters
 that get no gradient in a step are stepped with a zero gradient.
 
+Frozen parameters (``requires_grad=False`` when offload() is called: LoRA's base weights) are held
+by the engine like the others, on the schedule's tier (NVMe included), and fetched for forward and
+for backward (their module's backward needs them for the input's gradient), but they take no
+gradient, have no optimizer state and are never written after offload() (the engine's Note
+[Frozen parameters]). A module with frozen parameters is released for backward once its inputs'
+gradients are computed (an identity function on its positional inputs), or at the end of the
+backward pass when no positional input needs a gradient. Freezing or unfreezing a parameter after
+offload() is not seen.
+
 Works on CPU-only PyTorch (1.13 and later; the engine's host runtime, where "device" memory is
 host memory) and on CUDA (the engine's CUDA runtime; tensors made through
 __cuda_array_interface__).
@@ -154,7 +163,7 @@ def _group_source(group):
 class _Unit:
     """One fetch unit: a module with parameters of its own."""
 
-    __slots__ = ("name", "module", "params", "fetched", "pending", "backward_fetches")
+    __slots__ = ("name", "module", "params", "fetched", "pending", "backward_fetches", "frozen")
 
     def __init__(self, name, module):
         self.name = name
@@ -163,10 +172,12 @@ class _Unit:
         self.fetched = 0          # engine fetches not yet released
         self.pending = 0          # gradients still to come in this backward
         self.backward_fetches = 0
+        self.frozen = False       # holds a frozen parameter (released after its inputs' backward)
 
 
 class _Param:
-    __slots__ = ("id", "name", "param", "shape", "numel", "units", "views", "accumulator")
+    __slots__ = ("id", "name", "param", "shape", "numel", "units", "views", "accumulator",
+                 "frozen")
 
     def __init__(self, pid, name, param):
         self.id = pid
@@ -177,6 +188,7 @@ class _Param:
         self.units = []           # _Unit using it
         self.views = 0            # units that fetched it (param.data points at the engine)
         self.accumulator = None   # its AccumulateGrad node, kept alive for the hook
+        self.frozen = not param.requires_grad  # decided at offload(): held, never stepped
 
 
 class _PreBackward(torch.autograd.Function):
@@ -191,6 +203,23 @@ class _PreBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ctx.owner._fetch_for_backward(ctx.unit)
+        return (None, None) + grads
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the unit's backward is done (the
+    inputs' gradients are complete), and releases a unit that holds frozen parameters: they
+    give no gradient whose arrival could say so."""
+
+    @staticmethod
+    def forward(ctx, owner, unit, *tensors):
+        ctx.owner = owner
+        ctx.unit = unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.owner._release_after_backward(ctx.unit)
         return (None, None) + grads
 
 
@@ -227,7 +256,9 @@ _managed_weights = set()  # id() of the Parameters that live in an engine
 
 
 def _linear(input, weight, bias=None):
-    if id(weight) in _managed_weights and torch.is_grad_enabled() and weight.requires_grad:
+    # A frozen weight too, when the input needs a gradient: its backward reads the weight.
+    if (id(weight) in _managed_weights and torch.is_grad_enabled() and
+            (weight.requires_grad or input.requires_grad)):
         return _Linear.apply(input, weight, bias)
     return _original_linear(input, weight, bias)
 
@@ -330,29 +361,31 @@ class OffloadedModule:
             unit = _Unit(module_name or "<root>", sub)
             for param_name, p in own:
                 full = f"{module_name}.{param_name}" if module_name else param_name
-                if not p.requires_grad:
-                    raise ValueError(f"memplan.torch: parameter {full} is frozen "
-                                     "(requires_grad=False); the engine trains every parameter "
-                                     "it holds, so keep frozen parameters out of the module")
                 entry = self._by_param.get(id(p))
                 if entry is None:
                     entry = _Param(None, full, p)
                     self._by_param[id(p)] = entry
                     self.params.append(entry)
                 unit.params.append(entry)
+                unit.frozen = unit.frozen or entry.frozen
                 entry.units.append(unit)
             self.units.append(unit)
         if not self.params:
             raise ValueError("memplan.torch: the module has no parameters")
+        if all(e.frozen for e in self.params):
+            raise ValueError("memplan.torch: every parameter is frozen (requires_grad=False); "
+                             "nothing to train")
         for entry in self.params:
             init = entry.param.detach().to("cpu", torch.float32).contiguous().reshape(-1)
             init = self._broadcast(init)
             entry.id = self.engine.add_parameter(
                 entry.name, entry.units[0].name, list(entry.shape) or [1], init,
-                [u.name for u in entry.units[1:]])
+                [u.name for u in entry.units[1:]], frozen=entry.frozen)
         self.engine.start()  # reads the initial values
         _manage(e.param for e in self.params)
         for entry in self.params:
+            if entry.frozen:
+                continue
             # The gradient accumulator of a leaf: its hooks run once per backward pass, after the
             # gradient is complete (every use summed). Made while the parameter still has its
             # shape, which the accumulator records and checks gradients against; kept alive so
@@ -406,13 +439,40 @@ class OffloadedModule:
     def _make_pre_hook(self, unit):
         def pre_hook(module, inputs):
             self._fetch(unit)
+            if unit.frozen and torch.is_grad_enabled():
+                return self._wrap_inputs(unit, inputs)
+            return None
         return pre_hook
+
+    def _wrap_inputs(self, unit, inputs):
+        """A unit with frozen parameters is released when its inputs' gradients are computed
+        (_PostBackward); positional tensor inputs only (torch < 2 gives hooks no keywords)."""
+        positions = [i for i, t in enumerate(inputs)
+                     if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not positions:
+            return None  # released at the end of the backward pass instead
+        wrapped = _PostBackward.apply(self, unit, *[inputs[i] for i in positions])
+        items = list(inputs)
+        for i, t in zip(positions, wrapped):
+            items[i] = t
+        return tuple(items)
+
+    def _release_after_backward(self, unit):
+        if unit.backward_fetches > 0:
+            unit.backward_fetches -= 1
+            self._release(unit)
 
     def _make_post_hook(self, unit):
         def post_hook(module, inputs, output):
-            wants_grad = torch.is_grad_enabled() and any(e.param.requires_grad for e in unit.params)
+            wants_grad = torch.is_grad_enabled() and (
+                unit.frozen or any(e.param.requires_grad for e in unit.params))
             if wants_grad:
                 output, wrapped = self._wrap_outputs(unit, output)
+                frozen_only = all(e.frozen for e in unit.params)
+                if not wrapped and frozen_only and isinstance(output, (torch.Tensor, tuple, list)):
+                    # Nothing of it needs a gradient: backward never comes through this unit.
+                    self._release(unit)
+                    return output
                 if not wrapped:
                     # No tensor to hang the backward fetch on: keep the unit fetched until its
                     # gradients are in (or the backward pass ends).
@@ -445,8 +505,10 @@ class OffloadedModule:
             self._callback_queued = True
         self._fetch(unit)
         unit.backward_fetches += 1
-        if unit.pending == 0:
-            unit.pending = sum(1 for e in unit.params if e.param.requires_grad)
+        if unit.pending == 0 and not unit.frozen:
+            # Released when its gradients are all in; a unit with frozen parameters is released
+            # after its inputs' backward instead (_PostBackward) or at the end of the pass.
+            unit.pending = len(unit.params)
 
     def _make_grad_hook(self, entry):
         def grad_hook(*unused):
@@ -506,7 +568,7 @@ class OffloadedModule:
         # or zeros.
         missing = []
         for entry in self.params:
-            if entry.id not in self._grads_given:
+            if entry.id not in self._grads_given and not entry.frozen:
                 grad = self._grad_sums.pop(entry.id, None)
                 if grad is None:
                     grad = torch.zeros(entry.numel, dtype=self.dtype, device=self.device)
@@ -530,10 +592,23 @@ class OffloadedModule:
         """{name: fp32 CPU tensor} of the engine's master weights (a checkpoint's content)."""
         out = {}
         for entry in self.params:
-            t = torch.empty(entry.numel, dtype=torch.float32)
-            self.engine.read_master(entry.id, t)
+            if entry.frozen:
+                t = self._frozen_values(entry)
+            else:
+                t = torch.empty(entry.numel, dtype=torch.float32)
+                self.engine.read_master(entry.id, t)
             out[entry.name] = t.view(entry.shape) if entry.shape else t.view(())
         return out
+
+    def _frozen_values(self, entry):
+        """A frozen parameter's values (it has no master weights): its working copy, fetched."""
+        unit = entry.units[0]
+        self._fetch(unit)
+        try:
+            return self._view(entry).reshape(-1)[:entry.numel].to("cpu", torch.float32,
+                                                                  copy=True)
+        finally:
+            self._release(unit)
 
     def close(self):
         """Removes the hooks, gives the parameters their trained values (fp32 master weights, in
