@@ -122,5 +122,120 @@ class LoraTest(unittest.TestCase):
             memplan.torch.offload(model)
 
 
+def tiny_causal_lm(kind):
+    """A Transformers causal LM of a real architecture, tiny, random init (no download)."""
+    import transformers
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, use_cache=False)
+    if kind == "llama":
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, max_position_embeddings=32,
+                                          **common)
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "gpt2":
+        config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=32,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         **common)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, max_position_embeddings=32,
+                                          tie_word_embeddings=True, **common)
+        model = transformers.Qwen2ForCausalLM(config)
+    return model
+
+
+def lm_loss(model, tokens):
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+class TransformersTest(unittest.TestCase):
+    BLOCKS = {"llama": "LlamaDecoderLayer", "gpt2": "GPT2Block", "qwen2": "Qwen2DecoderLayer"}
+
+    def check(self, kind, steps=6, lr=3e-3):
+        model, ref = tiny_causal_lm(kind), tiny_causal_lm(kind)
+        batches = token_batches(steps, batch=2, seq=16)
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = memplan.torch.offload(model, os.path.join(tmp, "swap"), lr=lr,
+                                            weight_decay=0.01, sub_group_elements=16 << 10,
+                                            param_buffer_bytes=128 << 10, direct=False)
+            units = trainer.fetch_units()
+            losses = []
+            for tokens in batches:
+                loss = lm_loss(model, tokens)
+                loss.backward()
+                trainer.step()
+                losses.append(loss.item())
+            stats = trainer.stats()
+            trainer.close()
+        ref_losses = reference_losses(ref, batches, lm_loss, lr)
+        self.assertLessEqual(max(abs(a - b) for a, b in zip(losses, ref_losses)), 1e-5,
+                             f"{kind}: {losses} vs {ref_losses}")
+        self.assertLess(losses[-1], losses[0])
+        # One unit per decoder layer (the model's _no_split_modules class), holding all of it.
+        blocks = [u for u in units if u["type"] == self.BLOCKS[kind]]
+        self.assertEqual(len(blocks), 2, units)
+        layer = sum(p.numel() for p in ref.base_model.get_submodule(
+            "h" if kind == "gpt2" else "layers")[0].parameters())
+        self.assertEqual(blocks[0]["elements"], layer)
+        self.assertEqual(stats["elements"], sum(p.numel() for p in ref.parameters()))
+        # A tied parameter is in each unit that uses it (GPT-2's and Qwen2's embedding and head).
+        tied = sum(p.numel() for p in ref.get_input_embeddings().parameters()) if (
+            ref.get_output_embeddings().weight is ref.get_input_embeddings().weight) else 0
+        self.assertEqual(sum(u["elements"] for u in units), stats["elements"] + tied)
+        self.assertLessEqual(len(units), 2 + 5, units)  # blocks, embeddings, norms, head
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            self.assertLess((p.detach() - q.detach()).abs().max().item(), 1e-4, name)
+
+    def test_llama(self):
+        self.check("llama")
+
+    def test_gpt2(self):
+        self.check("gpt2")
+
+    def test_qwen2(self):
+        self.check("qwen2")
+
+    def test_per_module_units_on_request(self):
+        model = tiny_causal_lm("llama")
+        trainer = memplan.torch.offload(model, fetch_units="module")
+        units = trainer.fetch_units()
+        self.assertFalse(any(u["type"] == "LlamaDecoderLayer" for u in units))
+        self.assertIn("model.layers.0.self_attn.q_proj", [u["name"] for u in units])
+        trainer.close()
+        with self.assertRaisesRegex(ValueError, "fetch_units"):
+            memplan.torch.offload(tiny_causal_lm("llama"), fetch_units=[3])
+
+    def test_a_saved_view_of_a_parameter_is_refused_naming_the_module(self):
+        class Transposed(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.randn(8, 8))
+
+            def forward(self, x):
+                return x @ self.w.t()  # matmul saves the transposed view for backward
+
+        model = nn.Sequential(nn.Linear(8, 8), Transposed())
+        trainer = memplan.torch.offload(model)
+        with self.assertRaisesRegex(RuntimeError, r"memplan.torch: 1 \(Transposed\) saves a "
+                                    r"view of parameter 1.w"):
+            model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+        trainer.close()
+        # Under no_grad nothing is saved: inference works.
+        trainer = memplan.torch.offload(model)
+        with torch.no_grad():
+            self.assertEqual(model(torch.randn(2, 8)).shape, (2, 8))
+        trainer.close()
+
+    def test_multihead_attention_is_refused_naming_the_module(self):
+        model = nn.Sequential(nn.Linear(8, 8), nn.TransformerEncoderLayer(8, 2))
+        with self.assertRaisesRegex(ValueError, r"1\.self_attn is an nn.MultiheadAttention"):
+            memplan.torch.offload(model)
+        # Nothing was changed: the module still trains as an ordinary module.
+        self.assertGreater(model[0].weight.numel(), 0)
+
+
 if __name__ == "__main__":
     unittest.main()

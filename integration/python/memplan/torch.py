@@ -9,7 +9,10 @@
         trainer.step()               # memplan's CPU AdamW over the (NVMe-resident) states
 
 How it works (the ZeRO-3 pattern, on memplan's Engine):
-  - Every module that owns parameters directly is one engine "module" (a fetch unit). Its
+  - Every module that owns parameters directly is one engine "module" (a fetch unit), except
+    inside a block (``fetch_units``; by default a Transformers model's ``_no_split_modules``
+    class, its decoder layer), which is one unit with every parameter of its sub-tree: one fetch
+    per layer instead of one per Linear. ``fetch_units()`` reports the grouping. Its
     parameters are registered with their initial values, then their storage is dropped: the engine
     holds them (GPU, pinned CPU or NVMe, as the schedule says) and ``param.data`` is empty between
     uses.
@@ -21,6 +24,14 @@ How it works (the ZeRO-3 pattern, on memplan's Engine):
     it is complete; once all of a unit's gradients are in, the unit is released. Anything still
     fetched is released when the backward pass ends.
   - ``step()`` runs the engine's optimizer step (AdamW by default, matching torch.optim.AdamW).
+
+Note [Views of parameters]
+A view of a parameter saved for backward would keep pointing at the engine memory the parameter
+had in forward, which the engine has reused by then: backward would compute with other values,
+silently. So during the first step (until its step() returns) every unit's forward runs under a
+saved-tensors pack hook that compares each saved tensor's storage with those of the parameters
+fetched now; a saved view of one (not the Parameter itself) raises RuntimeError naming the module
+and the parameter. Later steps run the same code, so they are not checked again.
 
 Rules (as with DeepSpeed ZeRO-3): a module must use its parameters in its own forward, directly
 in operations that save the parameter itself for backward (nn.Embedding, nn.LayerNorm, conv do;
@@ -135,6 +146,29 @@ class _ProcessGroupCollective:
         buffer.copy_(summed)
 
 
+def _storage_address(tensor):
+    """The address of the storage under `tensor` (shared by all views of it)."""
+    if hasattr(tensor, "untyped_storage"):
+        return tensor.untyped_storage().data_ptr()
+    return tensor.storage().data_ptr()
+
+
+def _block_types(module, fetch_units):
+    """The module classes (names or types) fetched as one unit with their whole sub-tree."""
+    if fetch_units == "module":
+        return ()
+    if fetch_units == "auto":
+        # A Transformers model names the blocks it must not split (its decoder layer).
+        return tuple(getattr(module, "_no_split_modules", None) or ())
+    if isinstance(fetch_units, (str, type)):
+        fetch_units = (fetch_units,)
+    types_ = tuple(fetch_units)
+    if not all(isinstance(t, (str, type)) for t in types_):
+        raise ValueError("memplan.torch: fetch_units must be 'auto', 'module', or module classes "
+                         "(types or class names)")
+    return types_
+
+
 def _process_group(process_group):
     """(group, rank, world size) of the process group to train over: the one given, else
     torch.distributed's default group when it is initialised; (None, 0, 1) for one process."""
@@ -161,7 +195,8 @@ def _group_source(group):
 
 
 class _Unit:
-    """One fetch unit: a module with parameters of its own."""
+    """One fetch unit: a module with parameters of its own, or a block (fetch_units) with every
+    parameter of its sub-tree."""
 
     __slots__ = ("name", "module", "params", "fetched", "pending", "backward_fetches", "frozen")
 
@@ -283,9 +318,11 @@ class OffloadedModule:
     """
 
     def __init__(self, module, schedule, *, runtime="auto", optimizer_options=None,
-                 gradient_accumulation_steps=1, device=None, process_group=None):
+                 gradient_accumulation_steps=1, device=None, process_group=None,
+                 fetch_units="auto"):
         if gradient_accumulation_steps < 1:
             raise ValueError("gradient_accumulation_steps must be >= 1")
+        self.block_types = _block_types(module, fetch_units)
         self.group, self.rank, self.world_size = _process_group(process_group)
         self.module = module
         self.schedule = schedule
@@ -325,9 +362,21 @@ class OffloadedModule:
         self._grad_sums = {}        # param id -> summed gradient (accumulation)
         self._grads_given = set()
         self._closed = False
+        # Note [Views of parameters]: until the first step ends, every tensor a unit's forward
+        # saves for backward is checked; a view of an engine-held parameter is refused.
+        self._check_views = True
+        self._view_storages = {}    # storage address of a fetched parameter's view -> _Param
+        self._view_checks = []      # saved_tensors_hooks contexts entered by pre-hooks
         self._register()
 
     # ---- set-up ----------------------------------------------------------------------------------
+
+    def _is_block(self, module):
+        """Whether `module` is one fetch unit with its whole sub-tree (fetch_units)."""
+        if not self.block_types:
+            return False
+        return any(type(module).__name__ == t if isinstance(t, str) else isinstance(module, t)
+                   for t in self.block_types)
 
     def _collective(self, wants_cuda, runtime):
         """The engine's collective over self.group (Note [The collective across processes])."""
@@ -355,7 +404,22 @@ class OffloadedModule:
         # First every unit and which units use each parameter (a tied parameter is registered
         # once, with the other units as further users), then the engine.
         for module_name, sub in self.module.named_modules():
-            own = [(n, p) for n, p in sub._parameters.items() if p is not None]
+            if isinstance(sub, torch.nn.MultiheadAttention):
+                raise ValueError(
+                    f"memplan.torch: {module_name or '<root>'} is an nn.MultiheadAttention: its "
+                    "forward slices the packed in_proj_weight into views that autograd saves for "
+                    "backward, by when the engine has reused their memory; not supported (use "
+                    "separate q/k/v nn.Linear layers and F.scaled_dot_product_attention, as "
+                    "Transformers models do)")
+        covered = set()  # modules inside a block unit
+        for module_name, sub in self.module.named_modules():
+            if id(sub) in covered:
+                continue
+            if self._is_block(sub):
+                covered.update(id(m) for m in sub.modules())
+                own = list(sub.named_parameters())
+            else:
+                own = [(n, p) for n, p in sub._parameters.items() if p is not None]
             if not own:
                 continue
             unit = _Unit(module_name or "<root>", sub)
@@ -418,6 +482,8 @@ class OffloadedModule:
         for entry in unit.params:
             if entry.views == 0:
                 entry.param.data = self._view(entry)
+                if self._check_views:
+                    self._view_storages[_storage_address(entry.param)] = entry
             entry.views += 1
 
     def _stream(self):
@@ -434,11 +500,17 @@ class OffloadedModule:
         for entry in unit.params:
             entry.views -= 1
             if entry.views == 0:
+                self._view_storages.pop(_storage_address(entry.param), None)
                 entry.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
 
     def _make_pre_hook(self, unit):
         def pre_hook(module, inputs):
             self._fetch(unit)
+            if self._check_views and torch.is_grad_enabled():
+                check = torch.autograd.graph.saved_tensors_hooks(
+                    lambda t: self._check_saved(unit, t), lambda t: t)
+                check.__enter__()
+                self._view_checks.append(check)
             if unit.frozen and torch.is_grad_enabled():
                 return self._wrap_inputs(unit, inputs)
             return None
@@ -457,6 +529,22 @@ class OffloadedModule:
             items[i] = t
         return tuple(items)
 
+    def _check_saved(self, unit, tensor):
+        """The pack hook of Note [Views of parameters]: refuses a saved view of a parameter."""
+        if id(tensor) in _managed_weights or tensor.layout != torch.strided:
+            return tensor
+        entry = self._view_storages.get(_storage_address(tensor))
+        if entry is not None:
+            while self._view_checks:
+                self._view_checks.pop().__exit__(None, None, None)
+            raise RuntimeError(
+                f"memplan.torch: {unit.name} ({type(unit.module).__name__}) saves a view of "
+                f"parameter {entry.name} for backward (a slice, transpose or reshape of it); the "
+                "engine reuses that memory before backward runs, so this is not supported: use "
+                "the parameter itself in the operation (as nn.Linear, nn.Embedding and "
+                "nn.LayerNorm do)")
+        return tensor
+
     def _release_after_backward(self, unit):
         if unit.backward_fetches > 0:
             unit.backward_fetches -= 1
@@ -464,6 +552,8 @@ class OffloadedModule:
 
     def _make_post_hook(self, unit):
         def post_hook(module, inputs, output):
+            if self._check_views and torch.is_grad_enabled() and self._view_checks:
+                self._view_checks.pop().__exit__(None, None, None)
             wants_grad = torch.is_grad_enabled() and (
                 unit.frozen or any(e.param.requires_grad for e in unit.params))
             if wants_grad:
@@ -576,6 +666,11 @@ class OffloadedModule:
         for entry, grad in missing:
             self.engine.grad_ready(entry.id, grad, stream=self._stream())
         self.engine.step(**self.optimizer_options)
+        if self._check_views:
+            self._check_views = False  # the first step's forward saw every pattern
+            self._view_storages.clear()
+            while self._view_checks:  # left by a forward that raised
+                self._view_checks.pop().__exit__(None, None, None)
         self._grads_given.clear()
         self._grad_sums.clear()
         self._micro = 0
@@ -587,6 +682,13 @@ class OffloadedModule:
 
     def stats(self):
         return self.engine.stats()
+
+    def fetch_units(self):
+        """The fetch units, in registration order: [{"name", "type", "params", "elements",
+        "frozen_params"}]; a block (fetch_units) holds every parameter of its sub-tree."""
+        return [{"name": u.name, "type": type(u.module).__name__, "params": len(u.params),
+                 "elements": sum(e.numel for e in u.params),
+                 "frozen_params": sum(1 for e in u.params if e.frozen)} for u in self.units]
 
     def master_weights(self):
         """{name: fp32 CPU tensor} of the engine's master weights (a checkpoint's content)."""
@@ -636,7 +738,7 @@ class OffloadedModule:
 def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
             betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, optimizer="adamw", runtime="auto",
             dtype="fp32", gradient_accumulation_steps=1, schedule=None, device=None,
-            process_group=None, **schedule_options):
+            process_group=None, fetch_units="auto", **schedule_options):
     """Puts `module`'s parameters and its optimizer into memplan's engine.
 
     path: a directory the engine may create and own (parameters and optimizer states go to NVMe
@@ -649,6 +751,11 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     process_group: the torch.distributed group to train over (ZeRO-3, one shard per rank); None:
     the default group when torch.distributed is initialised with more than one rank, else one
     process. Every rank calls offload() with the same module and arguments.
+    fetch_units: which modules are fetched as one unit with their whole sub-tree: "auto" (the
+    model's ``_no_split_modules`` classes, a Transformers model's decoder layer; otherwise
+    "module"), "module" (every module with parameters of its own is a unit), or a list of module
+    classes or class names. ``fetch_units()`` on the result reports the grouping.
+    nn.MultiheadAttention is refused (it saves views of its packed weight for backward).
     """
     if optimizer not in ("adamw", "adam"):
         raise ValueError(f"optimizer must be 'adamw' or 'adam', not {optimizer!r}")
@@ -661,4 +768,4 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
                "weight_decay": weight_decay, "decoupled": optimizer == "adamw"}
     return OffloadedModule(module, schedule, runtime=runtime, optimizer_options=options,
                            gradient_accumulation_steps=gradient_accumulation_steps, device=device,
-                           process_group=process_group)
+                           process_group=process_group, fetch_units=fetch_units)
