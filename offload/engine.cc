@@ -31,6 +31,15 @@
 // calls the Collective: their progress depends on timing, and two threads on one communicator
 // would break NCCL's one-call-at-a-time rule.
 //
+// Note [Resuming ranks]
+// Each rank commits its own optimizer store at the end of its Step(), and nothing orders those
+// commits across ranks: a rank killed between them (Step() has no collective once no parameter is
+// resident) leaves the others one step ahead of it. So with resume and world size > 1, Start()
+// all-gathers the ranks' last complete steps and every rank resumes at the oldest: a rank ahead
+// reopens its store at that step (OptimizerSwapperOptions::max_epoch), which each sub-group still
+// holds in its other slot. Two steps apart cannot happen (no rank starts step E + 1 before every
+// rank's gradients of step E were reduced, which needs them all alive past their backward).
+//
 // Note [Reduce-scattered gradients]
 // GradReady() gets the rank's whole gradient. It is copied into a device buffer of W * shard
 // elements whose padding is zeroed, reduce-scattered in place (slot `rank` receives the sum over
@@ -566,6 +575,33 @@ struct Engine::Impl {
     return Status::Ok();
   }
 
+  // World size > 1: the smallest of the ranks' `epoch` (a collective: an all-gather of each
+  // rank's 8 bytes, as two fp32 elements that are only moved, never computed on).
+  Result<uint64_t> OldestEpoch(uint64_t epoch) {
+    const auto world = static_cast<uint64_t>(params->world_size());
+    const auto rank = static_cast<uint64_t>(params->rank());
+    std::vector<uint64_t> all(world, 0);
+    all[rank] = epoch;
+    MEMPLAN_ASSIGN_OR_RETURN(void* device, runtime->AllocateDevice(world * 8));
+    Status status = [&]() -> Status {
+      auto* base = static_cast<std::byte*>(device);
+      MEMPLAN_ASSIGN_OR_RETURN(gpu::CopyTicket up,
+                               runtime->CopyAsync(gpu::CopyDirection::kHostToDevice,
+                                                  base + rank * 8, &all[rank], 8));
+      MEMPLAN_RETURN_IF_ERROR(runtime->Wait(up));
+      MEMPLAN_RETURN_IF_ERROR(
+          options.collective->AllGather(base + rank * 8, base, 2, ElementType::kFloat32));
+      MEMPLAN_ASSIGN_OR_RETURN(gpu::CopyTicket down,
+                               runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost, all.data(),
+                                                  base, world * 8));
+      return runtime->Wait(down);
+    }();
+    Status freed = runtime->FreeDevice(device);
+    MEMPLAN_RETURN_IF_ERROR(status.WithPrefix("engine: agreeing on the step to resume from"));
+    MEMPLAN_RETURN_IF_ERROR(freed);
+    return *std::min_element(all.begin(), all.end());
+  }
+
   // Reads the master weights of partition elements [first, first + out.size()).
   Status ReadPartition(uint64_t first, std::span<float> out) {
     const uint64_t sg_elems = optimizer->sub_group_elements();
@@ -869,6 +905,16 @@ Status Engine::Start(RecoveryReport* report) {
     std::unique_ptr<OptimizerSwapper> swapper;
     if (s.options.resume) {
       MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Open(oo, report));
+      if (world > 1) {
+        // Note [Resuming ranks]: every rank resumes at the oldest rank's last complete step.
+        MEMPLAN_ASSIGN_OR_RETURN(const uint64_t agreed, s.OldestEpoch(swapper->epoch()));
+        if (agreed < swapper->epoch()) {
+          MEMPLAN_RETURN_IF_ERROR(swapper->Close());
+          swapper.reset();
+          oo.max_epoch = agreed;
+          MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Open(oo, report));
+        }
+      }
       if (swapper->num_elements() != total) {
         return Status::InvalidArgument("engine: the optimizer store holds " +
                                        std::to_string(swapper->num_elements()) +

@@ -73,7 +73,9 @@
 //
 // Restart: with `resume`, Start() reopens the NVMe optimizer store (the master weights are the
 // truth), reports what recovery found, and rewrites the working parameters from the master weights
-// of the last complete step.
+// of the last complete step. With world size > 1 that is the last step every rank completed: a
+// rank one step ahead of another (killed between their commits) goes back one step (a collective
+// in Start(); Note [Resuming ranks] in engine.cc).
 //
 // Statistics (stats()): bytes moved per tier and direction, stall time, peak GPU and pinned bytes;
 // the estimator's predictions are checked against them. GPU memory: the engine reserves its share

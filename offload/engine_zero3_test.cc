@@ -110,12 +110,16 @@ struct Outcome {
 // The gradient of flat element e at step t that this engine is given.
 using GradFn = std::function<float(uint64_t t, uint64_t e)>;
 
+// TrainRank's `crash`: kNoCrash; kCrashBeforeLastStep, the rank is killed before its last Step();
+// kSurvivor, another rank is, and this one stops after its last Step(). Neither reads out.
+constexpr int kNoCrash = 0, kCrashBeforeLastStep = 1, kSurvivor = 2;
+
 // Trains `steps` steps from `first_step` on one engine; every rank runs this on its own thread.
 // Gradients are given in `grad_type`; each is overwritten right after GradReady() when `reuse`
 // (world size > 1: the gradient has been reduced when GradReady returns).
 Status TrainRank(const Model& model, const Schedule& schedule, Collective* collective, bool resume,
                  uint64_t first_step, uint64_t steps, const GradFn& grad, ElementType grad_type,
-                 bool reuse, Outcome* out) {
+                 bool reuse, Outcome* out, int crash = kNoCrash) {
   auto runtime = gpu::CreateHostOnlyRuntime();  // destroyed after the engine
   EngineOptions options;
   options.schedule = schedule;
@@ -166,8 +170,10 @@ Status TrainRank(const Model& model, const Schedule& schedule, Collective* colle
       }
       MEMPLAN_RETURN_IF_ERROR(engine->Release(*it));
     }
+    if (crash == kCrashBeforeLastStep && t + 1 == first_step + steps) break;
     MEMPLAN_RETURN_IF_ERROR(engine->Step(Adam(t)));
   }
+  if (crash != kNoCrash) return engine->Close();  // what a killed job leaves on disk
   const int wb = ElementBytes(schedule.param_dtype);
   out->fetched.resize(model.params.size());
   out->master.resize(model.params.size());
@@ -188,7 +194,7 @@ Status TrainRank(const Model& model, const Schedule& schedule, Collective* colle
 // Runs `world` ranks on threads; returns their outcomes.
 std::vector<Outcome> TrainRanks(int world, const Model& model, const Schedule& schedule,
                                 bool resume, uint64_t first_step, uint64_t steps,
-                                ElementType grad_type) {
+                                ElementType grad_type, int skip_last_step_rank = -1) {
   auto group = CreateThreadGroupCollectives(world, nullptr, std::chrono::seconds(20));
   REQUIRE(group.ok());
   std::vector<Outcome> outcomes(static_cast<size_t>(world));
@@ -200,7 +206,9 @@ std::vector<Outcome> TrainRanks(int world, const Model& model, const Schedule& s
       status[i] = TrainRank(
           model, schedule, (*group)[i].get(), resume, first_step, steps,
           [r](uint64_t t, uint64_t e) { return RankGrad(r, t, e); }, grad_type, /*reuse=*/true,
-          &outcomes[i]);
+          &outcomes[i],
+          skip_last_step_rank < 0 ? kNoCrash
+                                  : (r == skip_last_step_rank ? kCrashBeforeLastStep : kSurvivor));
     });
   }
   for (std::thread& t : threads) t.join();
@@ -333,6 +341,21 @@ TEST_CASE("ZeRO-3 on threads: a partitioned NVMe run resumes on every rank") {
       4, model, MakeSchedule(Tier::kNvme, Tier::kNvme, ElementType::kFloat32, dir.PathOf("single")),
       3, ElementType::kFloat32);
   CheckSameAsReference(model, ranks, want);
+}
+
+TEST_CASE("ZeRO-3 on threads: a rank a step behind the others makes them all resume there") {
+  // No resident parameters: Step() has no collective, so one rank can commit a step another never
+  // reached (killed between them). On resume the ranks agree on the oldest rank's last step.
+  const Model model(2);
+  TempDir dir("engine-zero3-");
+  Schedule s = MakeSchedule(Tier::kNvme, Tier::kNvme, ElementType::kFloat32, dir.PathOf("nvme"));
+  s.persistence_threshold = 0;
+  (void)TrainRanks(2, model, s, false, 1, 3, ElementType::kFloat32, /*skip_last_step_rank=*/1);
+  const std::vector<Outcome> ranks = TrainRanks(2, model, s, true, 3, 2, ElementType::kFloat32);
+  for (const Outcome& o : ranks) CHECK(o.stats.epoch == 4);
+  Schedule single = s;
+  single.nvme_path = dir.PathOf("single");
+  CheckSameAsReference(model, ranks, TrainReference(2, model, single, 4, ElementType::kFloat32));
 }
 
 TEST_CASE("ZeRO-3 on threads: ranks that fetch different modules get an error, not a hang") {

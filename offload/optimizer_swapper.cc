@@ -596,7 +596,7 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
   // The newest epoch every sub-group holds. Sub-group 0's epochs are the only candidates.
   std::optional<uint64_t> committed;
   for (const auto& candidate : held[0]) {
-    if (!candidate) continue;
+    if (!candidate || *candidate > impl->options.max_epoch) continue;
     bool everywhere = std::all_of(held.begin(), held.end(), [&](const auto& slots) {
       return slots[0] == candidate || slots[1] == candidate;
     });
@@ -604,6 +604,12 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
   }
   if (!committed) {
     std::string detail = found.notes.empty() ? "" : " (first problem: " + found.notes[0] + ")";
+    if (impl->options.max_epoch != UINT64_MAX) {
+      return Status::DataLoss(where + ": no step up to " +
+                              std::to_string(impl->options.max_epoch) +
+                              " is held whole by every sub-group (a store keeps its last two "
+                              "steps)" + detail);
+    }
     return Status::DataLoss(where + ": no step is held whole by every sub-group" + detail);
   }
   found.epoch = *committed;

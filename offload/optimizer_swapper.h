@@ -112,6 +112,11 @@ struct OptimizerSwapperOptions {
   // fdatasync and persist the store's index at the end of every step (the commit point). Turning
   // it off makes a crash lose every step since the last sync; Sync() still commits on demand.
   bool sync_every_step = true;
+  // Open(): resume no later than this step. The ranks of a data-parallel job resume at the step
+  // every rank completed: a rank killed between two ranks' commits is one step behind the others,
+  // which then go back one step. Each sub-group keeps the step before its newest in its other
+  // slot, so one step back is possible; DataLoss beyond that. Default: the newest complete step.
+  uint64_t max_epoch = UINT64_MAX;
   // Test seam: when set, the store runs on the backend this returns (e.g. an nvme::FaultBackend)
   // instead of one made from store.backend.
   std::function<Result<std::unique_ptr<nvme::Backend>>()> make_backend;

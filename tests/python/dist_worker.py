@@ -9,7 +9,9 @@ uses, so both runs see the same model and data.
 import argparse
 import json
 import os
+import signal
 import sys
+import time
 
 import torch
 
@@ -48,6 +50,13 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=8, help="global batch")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--resume", action="store_true", help="continue from the stores in --nvme")
+    p.add_argument("--kill-step", type=int, default=-1,
+                   help="at this step, --kill-rank SIGKILLs itself after its backward, once the "
+                        "other ranks have committed the step (so they are one step ahead)")
+    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--save", help="save() the trained model here; rank 0 also writes the "
+                                  "trained model's logits on a fixed input to <out>/logits.pt")
     args = p.parse_args(argv)
 
     import torch.distributed as dist
@@ -57,25 +66,43 @@ def main(argv=None):
     model, loss_of = build(args.model)
     trainer = memplan.torch.offload(model, args.nvme, lr=args.lr, weight_decay=0.01,
                                     sub_group_elements=16 << 10, param_buffer_bytes=256 << 10,
-                                    direct=False)
+                                    direct=False, resume=args.resume)
     local = args.batch // world
     losses = []
-    for tokens in global_batches(args.steps, args.batch):
+    marker = os.path.join(args.out, "committed")
+    for step, tokens in enumerate(global_batches(args.steps, args.batch)):
+        if step < trainer.resumed_step:
+            continue  # seen before the restart
         loss = loss_of(model, tokens[rank * local:(rank + 1) * local])
         loss.backward()
+        if step == args.kill_step and rank == args.kill_rank:
+            deadline = time.time() + 60
+            while not os.path.exists(marker) and time.time() < deadline:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
         trainer.step()
+        if step == args.kill_step and rank != args.kill_rank:
+            with open(marker, "w", encoding="utf-8") as f:
+                f.write(str(step))
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     stats = trainer.stats()
     weights = trainer.master_weights()
+    if args.save:
+        trainer.save(args.save)
+    resumed_step = trainer.resumed_step
     trainer.close()
+    if args.save and rank == 0:
+        with torch.no_grad():
+            probe = global_batches(1, 2)[0]
+            torch.save(model(input_ids=probe).logits, os.path.join(args.out, "logits.pt"))
     checksum = sum(float(w.double().sum()) for w in weights.values())
     if rank == 0:
         torch.save(weights, os.path.join(args.out, "weights.pt"))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump({"rank": rank, "world_size": world, "losses": losses, "stats": stats,
-                   "checksum": checksum}, f)
+                   "checksum": checksum, "resumed_step": resumed_step}, f)
     dist.destroy_process_group()
     return 0
 

@@ -41,6 +41,11 @@ def torchrun(nproc, args, timeout=240):
     return done.returncode, done.stdout
 
 
+def read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def reference(kind):
     """Plain torch.optim.AdamW over the whole global batch, one process."""
     model, loss_of = dist_worker.build(kind)
@@ -104,6 +109,51 @@ class DistributedTest(unittest.TestCase):
 
     def test_llama_two_ranks_equal_one_process(self):
         self.check("llama")
+
+    def test_sigkill_of_one_rank_resumes_both_to_identical_weights(self):
+        # Rank 1 is SIGKILLed after its backward of step 4, once rank 0 has committed step 4:
+        # the ranks' stores are a step apart. The restarted run resumes both at step 4 (the
+        # step both completed) and ends with the weights of a run never interrupted, bit for
+        # bit. The uninterrupted run also saves a checkpoint from both ranks, which
+        # from_pretrained loads to the same logits.
+        steps, kill = 8, 4
+        common = ["--model", "llama", "--steps", str(steps), "--batch", str(BATCH),
+                  "--lr", str(LR)]
+        with tempfile.TemporaryDirectory() as tmp:
+            whole, broken = os.path.join(tmp, "whole"), os.path.join(tmp, "broken")
+            os.makedirs(whole)
+            os.makedirs(broken)
+            ckpt = os.path.join(whole, "ckpt")
+            status, output = torchrun(2, common + ["--nvme", os.path.join(whole, "swap"),
+                                                   "--out", whole, "--save", ckpt])
+            self.assertEqual(status, 0, output[-4000:])
+            nvme = os.path.join(broken, "swap")
+            status, output = torchrun(2, common + ["--nvme", nvme, "--out", broken,
+                                                   "--kill-step", str(kill)])
+            self.assertNotEqual(status, 0, "the killed run should fail")
+            self.assertTrue(os.path.exists(os.path.join(broken, "committed")))
+            status, output = torchrun(2, common + ["--nvme", nvme, "--out", broken,
+                                                   "--resume"])
+            self.assertEqual(status, 0, output[-4000:])
+            want = [read_json(os.path.join(whole, f"rank{r}.json")) for r in range(2)]
+            got = [read_json(os.path.join(broken, f"rank{r}.json")) for r in range(2)]
+            for r in range(2):
+                self.assertEqual(got[r]["resumed_step"], kill)
+                self.assertEqual(got[r]["stats"]["epoch"], steps)
+                self.assertEqual(got[r]["checksum"], want[r]["checksum"])
+                self.assertEqual(got[r]["losses"], want[r]["losses"][kill:])
+            self.assertEqual(got[0]["checksum"], got[1]["checksum"])
+            # The checkpoint of the uninterrupted run, written by two ranks.
+            import transformers
+            self.assertTrue(os.path.exists(os.path.join(ckpt, "model.safetensors")))
+            self.assertTrue(os.path.exists(os.path.join(ckpt, "config.json")))
+            loaded = transformers.LlamaForCausalLM.from_pretrained(
+                ckpt, attn_implementation="eager")
+            with torch.no_grad():
+                logits = loaded(input_ids=dist_worker.global_batches(1, 2)[0]).logits
+            self.assertTrue(torch.equal(logits, torch.load(os.path.join(whole, "logits.pt"))))
+            self.assertEqual(sorted(os.listdir(whole)).count("ckpt"), 1)
+            self.assertFalse([n for n in os.listdir(whole) if n.startswith(".memplan-save")])
 
     def test_process_group_without_torch_distributed_is_refused(self):
         import memplan.torch

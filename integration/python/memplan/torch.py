@@ -88,6 +88,9 @@ reuses their memory once the engine has read it, not at the end of the step. The
 the module's CUDA device (``device``, else torch's current device).
 """
 
+import os
+import shutil
+import tempfile
 import types
 
 import torch
@@ -144,6 +147,37 @@ class _ProcessGroupCollective:
         summed = buffer.to(torch.float32, copy=True)
         self.dist.all_reduce(summed, group=self.group)
         buffer.copy_(summed)
+
+
+def _write_checkpoint(module, state, path):
+    """save()'s writing, on one rank (see OffloadedModule.save)."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{path} exists and is not a directory")
+    tmp = tempfile.mkdtemp(prefix=".memplan-save-", dir=parent)
+    try:
+        if hasattr(module, "save_pretrained"):
+            module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        else:
+            from safetensors.torch import save_file
+            seen = set()
+            unique = {}
+            for name, t in state.items():  # safetensors stores a shared tensor once
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    unique[name] = t.contiguous()
+            save_file(unique, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if os.path.isdir(path):
+            for name in os.listdir(tmp):
+                os.replace(os.path.join(tmp, name), os.path.join(path, name))
+            os.rmdir(tmp)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _storage_address(tensor):
@@ -319,7 +353,7 @@ class OffloadedModule:
 
     def __init__(self, module, schedule, *, runtime="auto", optimizer_options=None,
                  gradient_accumulation_steps=1, device=None, process_group=None,
-                 fetch_units="auto"):
+                 fetch_units="auto", resume=False):
         if gradient_accumulation_steps < 1:
             raise ValueError("gradient_accumulation_steps must be >= 1")
         self.block_types = _block_types(module, fetch_units)
@@ -345,7 +379,8 @@ class OffloadedModule:
             collective = self._collective(wants_cuda, runtime)
         self.engine = memplan.Engine(schedule, runtime=runtime,
                                      device=device.index if wants_cuda else None,
-                                     collective=collective)
+                                     collective=collective, resume=resume)
+        self.resumed_step = 0  # with resume: the step the engine's stores continue from
         self.dtype_name = self.engine.param_dtype
         self.dtype = _DTYPES[self.dtype_name]
         self.on_cuda = self.engine.runtime.startswith("cuda")
@@ -445,7 +480,8 @@ class OffloadedModule:
             entry.id = self.engine.add_parameter(
                 entry.name, entry.units[0].name, list(entry.shape) or [1], init,
                 [u.name for u in entry.units[1:]], frozen=entry.frozen)
-        self.engine.start()  # reads the initial values
+        # Reads the initial values (with resume, the frozen ones only: the others are the stores').
+        self.resumed_step = self.engine.start()["epoch"]
         _manage(e.param for e in self.params)
         for entry in self.params:
             if entry.frozen:
@@ -702,6 +738,41 @@ class OffloadedModule:
             out[entry.name] = t.view(entry.shape) if entry.shape else t.view(())
         return out
 
+    def state_dict(self):
+        """The module's state_dict() with the engine's values: {name: CPU tensor}, parameters as
+        fp32 master weights (frozen ones as held), buffers as they are, under the module's own
+        names (a tied parameter under each of its names, one tensor). With world size > 1 this is
+        a collective (the shards are gathered): every rank calls it."""
+        weights = self.master_weights()
+        by_param = {id(e.param): weights[e.name] for e in self.params}
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            out[name] = by_param[id(t)] if id(t) in by_param else t.detach().cpu()
+        return out
+
+    def save(self, path):
+        """Writes the trained weights as safetensors into the directory `path`: for a
+        Transformers model (``save_pretrained``) its own layout (config.json, model.safetensors,
+        tied weights once), which ``from_pretrained`` loads; for another module
+        ``model.safetensors`` with state_dict() names (tied tensors once). Every rank calls it
+        (the weights are gathered from the shards); the first rank writes, into a temporary
+        directory beside `path` that is renamed into place, so a failure leaves nothing half
+        written. Raises on every rank if the write failed."""
+        state = self.state_dict()
+        error = None
+        if self.rank == 0:
+            try:
+                _write_checkpoint(self.module, state, path)
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                error = f"{type(e).__name__}: {e}"
+        if self.world_size > 1:
+            import torch.distributed as dist
+            box = [error]
+            dist.broadcast_object_list(box, src=_group_source(self.group), group=self.group)
+            error = box[0]
+        if error is not None:
+            raise OSError(f"memplan.torch: writing the checkpoint {path} failed: {error}")
+
     def _frozen_values(self, entry):
         """A frozen parameter's values (it has no master weights): its working copy, fetched."""
         unit = entry.units[0]
@@ -738,7 +809,7 @@ class OffloadedModule:
 def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
             betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, optimizer="adamw", runtime="auto",
             dtype="fp32", gradient_accumulation_steps=1, schedule=None, device=None,
-            process_group=None, fetch_units="auto", **schedule_options):
+            process_group=None, fetch_units="auto", resume=False, **schedule_options):
     """Puts `module`'s parameters and its optimizer into memplan's engine.
 
     path: a directory the engine may create and own (parameters and optimizer states go to NVMe
@@ -756,6 +827,10 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     "module"), "module" (every module with parameters of its own is a unit), or a list of module
     classes or class names. ``fetch_units()`` on the result reports the grouping.
     nn.MultiheadAttention is refused (it saves views of its packed weight for backward).
+    resume: continue from the engine's last complete step in `path` (the optimizer on NVMe):
+    trained parameters and optimizer states come from the stores (the module's values are used
+    for frozen parameters only); ``resumed_step`` on the result says which step, so the caller
+    skips the data already seen. With several ranks, the last step every rank completed.
     """
     if optimizer not in ("adamw", "adam"):
         raise ValueError(f"optimizer must be 'adamw' or 'adam', not {optimizer!r}")
@@ -768,4 +843,4 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
                "weight_decay": weight_decay, "decoupled": optimizer == "adamw"}
     return OffloadedModule(module, schedule, runtime=runtime, optimizer_options=options,
                            gradient_accumulation_steps=gradient_accumulation_steps, device=device,
-                           process_group=process_group, fetch_units=fetch_units)
+                           process_group=process_group, fetch_units=fetch_units, resume=resume)
