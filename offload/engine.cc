@@ -31,6 +31,21 @@
 // calls the Collective: their progress depends on timing, and two threads on one communicator
 // would break NCCL's one-call-at-a-time rule.
 //
+// Note [Skipped parameters]
+// torch's optimizers skip a parameter whose gradient is None: its weights and states stay as they
+// are and its own step count (the bias correction's t) does not advance. NoGradient() declares
+// that for a parameter in this step; Step() then feeds zeros for it through the gradient path
+// (so every sub-group's gradients are whole, as the homes require) and runs the optimizer over
+// segments (StepSegment): each trainable parameter's shard at its own count + 1, a skipped one not
+// at all (its 16-bit copy is still produced for the write-back). Counts are kept per parameter
+// (param_steps); until a parameter is first skipped they all equal the epoch and the step runs
+// unsegmented, as before. With the optimizer on NVMe they are saved, once any differ, beside the
+// stores in param_steps.json before each step (written atomically, with which parameters that
+// step advances), so a resume at the store's step, or at the step before (a step written there
+// but not committed in the store), restores them exactly. A forgotten gradient (neither given nor
+// declared) is still an error. NoGradient() calls no collective: with world size > 1 every rank
+// must skip the same parameters (as every rank must give the same gradients).
+//
 // Note [Resuming ranks]
 // Each rank commits its own optimizer store at the end of its Step(), and nothing orders those
 // commits across ranks: a rank killed between them (Step() has no collective once no parameter is
@@ -82,6 +97,10 @@
 #include <unordered_map>
 #include <utility>
 
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
 #include "offload/half.h"
 
 namespace memplan::offload {
@@ -113,7 +132,10 @@ class OptimizerHome {
   // Where sub-group sg's gradients can be written in place (then WriteGradients is given this
   // same span and copies nothing); empty when the home has no such buffer.
   virtual std::span<float> DirectGradients(uint64_t /*sg*/) { return {}; }
-  virtual Status Step(const SwapStepOptions& options, const UpdateCallback& on_update) = 0;
+  // `segments`: per-parameter step counts and skipped parameters (Note [Skipped parameters]);
+  // null: every element at the home's epoch + 1.
+  virtual Status Step(const SwapStepOptions& options, const UpdateCallback& on_update,
+                      const SegmentFn& segments) = 0;
   virtual Status ReadParams(uint64_t sg, std::span<float> out) = 0;
   virtual uint64_t epoch() const = 0;
   virtual uint64_t pinned_bytes() const = 0;
@@ -131,8 +153,9 @@ class NvmeHome final : public OptimizerHome {
   Status WriteGradients(uint64_t sg, std::span<const float> grads) override {
     return s_->WriteGradients(sg, grads);
   }
-  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update) override {
-    Status status = s_->Step(options, on_update);
+  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update,
+              const SegmentFn& segments) override {
+    Status status = s_->Step(options, on_update, segments);
     const SwapStepStats& last = s_->stats().last_step;
     read_ += last.read_bytes;
     write_ += last.write_bytes;
@@ -196,7 +219,8 @@ class MemoryHome final : public OptimizerHome {
   std::span<float> DirectGradients(uint64_t sg) override {
     return {grads_.data() + sg * sg_, static_cast<size_t>(SubGroupSize(sg))};
   }
-  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update) override {
+  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update,
+              const SegmentFn& segments) override {
     MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(optimizer_, options));
     for (uint64_t sg = 0; sg < sub_group_count(); ++sg) {
       if (!grads_written_[sg]) {
@@ -211,9 +235,16 @@ class MemoryHome final : public OptimizerHome {
       std::span<float> params(params_.data() + first, size);
       std::span<uint16_t> half;  // empty for kNone: no 16-bit copy
       if (half_ != HalfDtype::kNone) half = std::span<uint16_t>(half_buffer_.data(), size);
-      MEMPLAN_RETURN_IF_ERROR(RunSwapOptimizerStep(
-          *cpu_, optimizer_, options, step, params,
-          std::span<const float>(grads_.data() + first, size), state_[sg], half, half_));
+      const std::span<const float> grads(grads_.data() + first, size);
+      const std::vector<StepSegment> parts = segments ? segments(sg) : std::vector<StepSegment>();
+      if (parts.empty()) {
+        MEMPLAN_RETURN_IF_ERROR(RunSwapOptimizerStep(*cpu_, optimizer_, options, step, params,
+                                                     grads, state_[sg], half, half_));
+      } else {
+        MEMPLAN_RETURN_IF_ERROR(RunSegmentedSwapOptimizerStep(*cpu_, optimizer_, options, parts,
+                                                              params, grads, state_[sg], half,
+                                                              half_));
+      }
       if (on_update) {
         MEMPLAN_RETURN_IF_ERROR(on_update({sg, first, params, half}));
       }
@@ -281,6 +312,14 @@ struct Engine::Impl {
   uint64_t total_elements = 0;              // their sum
   std::vector<bool> grad_given;
   uint64_t grads_missing = 0;
+  // Note [Skipped parameters]: per trainable parameter (by spec), torch's per-parameter step
+  // count; NoGradient() marks; whether this step's skipped ones had their zeros fed; whether the
+  // counts may differ (then every Step() runs segmented).
+  std::vector<uint64_t> param_steps;
+  std::vector<bool> no_gradient;
+  bool zeros_fed = false;
+  bool segmented = false;
+  std::string steps_path;  // optimizer on NVMe: where the counts are kept for a resume
   struct GradBuffer {
     std::vector<float> data;
     uint64_t received = 0;
@@ -573,6 +612,113 @@ struct Engine::Impl {
     pool.budget_bytes = slot * kGradSlots;
     MEMPLAN_ASSIGN_OR_RETURN(grad_staging, PinnedPool::Create(pool, runtime));
     return Status::Ok();
+  }
+
+  // Completes the gradients of a parameter declared with NoGradient(): zeros into its partition
+  // range, through Accumulate(), so its sub-groups are whole; the segments then skip it. On the
+  // trainer's thread, after DrainGradients() (the gradient thread is idle).
+  Status FeedZeros(size_t spec) {
+    const ParamId sid = swap_id[spec];
+    const uint64_t first = params->PartitionOffset(sid), count = params->ShardSize(sid);
+    constexpr uint64_t kPiece = uint64_t{1} << 20;
+    GradJob job;
+    job.param = static_cast<ParamId>(spec);
+    job.type = ElementType::kFloat32;
+    job.host.assign(std::min(count, kPiece) * 4, std::byte{0});
+    for (uint64_t done = 0; done < count; done += job.count) {
+      job.first = first + done;
+      job.count = std::min(kPiece, count - done);
+      MEMPLAN_RETURN_IF_ERROR(Accumulate(job));
+    }
+    return Status::Ok();
+  }
+
+  // Writes the step counts after step `epoch` (and which parameters that step advances) to
+  // steps_path, atomically (Note [Skipped parameters]).
+  Status SaveStepCounts(uint64_t epoch) {
+    nlohmann::json doc = {{"epoch", epoch}, {"params", nlohmann::json::object()}};
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (specs[i].frozen) continue;
+      const bool stepped = !no_gradient[i];
+      doc["params"][specs[i].name] = {param_steps[i] + (stepped ? 1 : 0), stepped ? 1 : 0};
+    }
+    const std::string tmp = steps_path + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << doc.dump();
+      out.flush();
+      if (!out) return Status::IoError("engine: cannot write " + tmp);
+    }
+    if (::rename(tmp.c_str(), steps_path.c_str()) != 0) {
+      return Status::FromErrno(errno, "engine: cannot rename " + tmp);
+    }
+    return Status::Ok();
+  }
+
+  // With resume: the step counts of the store's step `epoch`, from steps_path (absent: every
+  // parameter at `epoch`, no step ever skipped).
+  Status LoadStepCounts(uint64_t epoch) {
+    param_steps.assign(specs.size(), epoch);
+    std::ifstream in(steps_path);
+    if (!in) return Status::Ok();
+    nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (doc.is_discarded() || !doc.is_object() || !doc.contains("epoch") ||
+        !doc["epoch"].is_number_unsigned() || !doc.contains("params") ||
+        !doc["params"].is_object()) {
+      return Status::DataLoss("engine: " + steps_path + " is not a step-count file");
+    }
+    const uint64_t saved = doc["epoch"].get<uint64_t>();
+    if (saved != epoch && saved != epoch + 1) {
+      return Status::DataLoss("engine: " + steps_path + " holds the step counts of step " +
+                              std::to_string(saved) + "; the optimizer store is at step " +
+                              std::to_string(epoch));
+    }
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (specs[i].frozen) continue;
+      const auto it = doc["params"].find(specs[i].name);
+      if (it == doc["params"].end() || !it->is_array() || it->size() != 2 ||
+          !(*it)[0].is_number_unsigned() || !(*it)[1].is_number_unsigned()) {
+        return Status::DataLoss("engine: " + steps_path + " has no step count for " +
+                                specs[i].name);
+      }
+      // A file one step ahead was written for a step the store did not commit: undo it.
+      param_steps[i] = (*it)[0].get<uint64_t>() - (saved == epoch ? 0 : (*it)[1].get<uint64_t>());
+    }
+    segmented = true;
+    return Status::Ok();
+  }
+
+  // The segments of optimizer sub-group `sg` (Note [Skipped parameters]): each trainable
+  // parameter's shard at its own next step, or 0 when it has no gradient this step; neighbours at
+  // the same step merged.
+  std::vector<StepSegment> Segments(uint64_t sg) {
+    const uint64_t sg_elems = optimizer->sub_group_elements();
+    const uint64_t begin = sg * sg_elems, end = begin + optimizer->SubGroupSize(sg);
+    size_t lo = 0, hi = trainable_params;
+    while (hi - lo > 1) {
+      const size_t mid = (lo + hi) / 2;
+      if (params->PartitionOffset(static_cast<ParamId>(mid)) <= begin) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    std::vector<StepSegment> out;
+    for (size_t k = lo; k < trainable_params; ++k) {
+      const auto id = static_cast<ParamId>(k);
+      const uint64_t local = params->PartitionOffset(id), shard = params->ShardSize(id);
+      if (local >= end) break;
+      const uint64_t a = std::max(begin, local), b = std::min(end, local + shard);
+      if (a >= b) continue;
+      const size_t i = spec_of[k];
+      const int64_t step = no_gradient[i] ? 0 : static_cast<int64_t>(param_steps[i] + 1);
+      if (!out.empty() && out.back().step == step) {
+        out.back().count += b - a;
+      } else {
+        out.push_back({a - begin, b - a, step});
+      }
+    }
+    return out;
   }
 
   // World size > 1: the smallest of the ranks' `epoch` (a collective: an all-gather of each
@@ -927,6 +1073,8 @@ Status Engine::Start(RecoveryReport* report) {
       MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Create(oo, total, fill));
     }
     s.optimizer = std::make_unique<NvmeHome>(std::move(swapper));
+    s.steps_path = nvme_dir + "/param_steps.json";
+    if (!s.options.resume) ::unlink(s.steps_path.c_str());  // a crashed run's; ours starts at 0
   } else {
     if (s.options.resume) {
       return Status::InvalidArgument("engine: resume needs the optimizer on nvme (a cpu "
@@ -977,7 +1125,13 @@ Status Engine::Start(RecoveryReport* report) {
   if (s.runtime->has_device()) MEMPLAN_RETURN_IF_ERROR(s.CreateGradientStaging(pinned_used));
   if (world > 1) MEMPLAN_RETURN_IF_ERROR(s.AllocateGradientScratch());
   s.grad_given.assign(s.specs.size(), false);
+  s.no_gradient.assign(s.specs.size(), false);
   s.grads_missing = s.trainable_params;
+  if (s.options.resume && !s.steps_path.empty()) {
+    MEMPLAN_RETURN_IF_ERROR(s.LoadStepCounts(s.optimizer->epoch()));
+  } else {
+    s.param_steps.assign(s.specs.size(), s.optimizer->epoch());
+  }
   s.grad_worker = std::thread([&s] { s.RunGradients(); });
   s.stats.params = s.specs.size();
   s.stats.elements = s.total_elements;
@@ -1062,6 +1216,25 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
   return Status::Ok();
 }
 
+Status Engine::NoGradient(ParamId param) {
+  Impl& s = *impl_;
+  if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
+  if (param >= s.specs.size()) return Status::InvalidArgument("engine: unknown parameter id");
+  if (s.specs[param].frozen) {
+    return Status::InvalidArgument("engine: " + s.specs[param].name + " is frozen");
+  }
+  if (s.grad_given[param]) {
+    return Status::FailedPrecondition("engine: " + s.specs[param].name +
+                                      " already has a gradient this step");
+  }
+  if (!s.no_gradient[param]) {
+    s.no_gradient[param] = true;
+    s.grad_given[param] = true;
+    --s.grads_missing;
+  }
+  return Status::Ok();
+}
+
 Status Engine::Step(const SwapStepOptions& options) {
   Impl& s = *impl_;
   if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
@@ -1070,15 +1243,34 @@ Status Engine::Step(const SwapStepOptions& options) {
       if (!s.grad_given[i] && !s.specs[i].frozen) {
         return Status::FailedPrecondition("engine: no gradient for " + s.specs[i].name +
                                           " this step (" + std::to_string(s.grads_missing) +
-                                          " missing)");
+                                          " missing; NoGradient() skips a parameter)");
       }
     }
   }
+  const bool skipping =
+      std::find(s.no_gradient.begin(), s.no_gradient.end(), true) != s.no_gradient.end();
   MEMPLAN_RETURN_IF_ERROR(s.DrainGradients());
+  if (skipping && !s.zeros_fed) {
+    for (size_t i = 0; i < s.specs.size(); ++i) {
+      if (s.no_gradient[i]) MEMPLAN_RETURN_IF_ERROR(s.FeedZeros(i));
+    }
+    s.zeros_fed = true;  // once, should this step be retried
+  }
   MEMPLAN_RETURN_IF_ERROR(s.params->EndOfStep());
   const auto start = std::chrono::steady_clock::now();
-  MEMPLAN_RETURN_IF_ERROR(
-      s.optimizer->Step(options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }));
+  s.segmented = s.segmented || skipping;
+  if (s.segmented && !s.steps_path.empty()) {
+    MEMPLAN_RETURN_IF_ERROR(s.SaveStepCounts(s.optimizer->epoch() + 1));
+  }
+  SegmentFn segments;
+  if (s.segmented) segments = [&s](uint64_t sg) { return s.Segments(sg); };
+  MEMPLAN_RETURN_IF_ERROR(s.optimizer->Step(
+      options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }, segments));
+  for (size_t i = 0; i < s.specs.size(); ++i) {
+    if (!s.specs[i].frozen && !s.no_gradient[i]) ++s.param_steps[i];
+  }
+  std::fill(s.no_gradient.begin(), s.no_gradient.end(), false);
+  s.zeros_fed = false;
   MEMPLAN_RETURN_IF_ERROR(s.params->GatherResident());
   s.stats.last_step_s = SecondsSince(start);
   std::fill(s.grad_given.begin(), s.grad_given.end(), false);

@@ -184,6 +184,12 @@ class Engine {
   // them (the thread-group one in fp32, rounded once; NCCL rounds to the type at every hop).
   Status GradReady(ParamId param, const void* device_grad, ElementType type,
                    gpu::Stream stream = {});
+  // `param` has no gradient this step (torch: its grad is None): Step() leaves its weights and
+  // optimizer states unchanged and does not advance its own step count, as torch's optimizers
+  // skip it (Note [Skipped parameters] in engine.cc). Instead of GradReady(), before Step(); no
+  // collective: every rank must skip the same parameters. InvalidArgument for a frozen parameter,
+  // FailedPrecondition when its gradient was given.
+  Status NoGradient(ParamId param);
   // The stream the engine's gradient copies read on ({} on the host-only runtime).
   gpu::Stream GradientStream() const;
   // Runs the optimizer step over all parameters; every parameter's gradient must have been given.

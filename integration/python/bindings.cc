@@ -354,6 +354,11 @@ class PyEngine {
     Check(status);
   }
 
+  void NoGradient(uint32_t param) {
+    Require();
+    Check(engine_->NoGradient(param));
+  }
+
   uintptr_t GradientStream() const {
     Require();
     return reinterpret_cast<uintptr_t>(engine_->GradientStream().handle);
@@ -735,6 +740,7 @@ PYBIND11_MODULE(_native, m) {
       .def("host_view", &PyEngine::HostView, py::arg("param"), py::arg("numel"))
       .def("grad_ready", &PyEngine::GradReady, py::arg("param"), py::arg("grad"),
            py::arg("dtype") = "", py::arg("stream") = 0)
+      .def("no_gradient", &PyEngine::NoGradient, py::arg("param"))
       .def_property_readonly("gradient_stream", &PyEngine::GradientStream)
       .def_property_readonly("device", &PyEngine::Device)
       .def("step", &PyEngine::Step, py::arg("options_json") = "")

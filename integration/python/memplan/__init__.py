@@ -157,7 +157,8 @@ class Engine:
     """
 
     def __init__(self, schedule, *, runtime="auto", resume=False, device=None, collective=None):
-        """device: the CUDA device ordinal (None: the calling thread's current device).
+        """schedule: a Schedule dict, or the path of its JSON file.
+        device: the CUDA device ordinal (None: the calling thread's current device).
 
         collective: None (one process), or the ranks' collective (ZeRO-3 across processes): an
         object with ``rank``, ``world_size`` and either ``nccl_unique_id`` (bytes from
@@ -165,6 +166,8 @@ class Engine:
         ``all_gather``, ``reduce_scatter`` and ``all_reduce(send, recv, count, dtype)`` over
         memoryviews of host memory (the host runtime; memplan.torch's over torch.distributed).
         Every rank then makes the same engine calls in the same order."""
+        if not isinstance(schedule, dict):  # a path: `memplan plan --emit-schedule s.json`
+            schedule = _load_json_arg(str(schedule))
         self._native = _native.Engine(_json.dumps(schedule), _json.dumps(
             {"runtime": runtime, "resume": resume, "device": device}), collective)
 
@@ -191,6 +194,11 @@ class Engine:
 
     def grad_ready(self, param, grad, dtype="", stream=0):
         self._native.grad_ready(param, grad, dtype, stream)
+
+    def no_gradient(self, param):
+        """`param` has no gradient this step (torch: grad None): step() skips it, its weights,
+        states and step count unchanged."""
+        self._native.no_gradient(param)
 
     def step(self, **options):
         self._native.step(_json.dumps(options))

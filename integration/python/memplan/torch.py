@@ -38,8 +38,11 @@ in operations that save the parameter itself for backward (nn.Embedding, nn.Laye
 F.linear is replaced, while an engine holds parameters, by a version that does, see _Linear). A
 parameter sliced, transposed or reshaped into a view that autograd saves (nn.MultiheadAttention's
 packed in_proj_weight, ``x @ self.w.t()``) would be read from memory the engine has since reused:
-not supported. Parameters
-that get no gradient in a step are stepped with a zero gradient.
+not supported. A parameter
+that gets no gradient in a step (an unused branch, a MoE expert no token reached) is skipped as
+torch's optimizers skip a parameter whose grad is None: no weight decay, no moment decay, and its
+own step count does not advance (the engine's Note [Skipped parameters]). With several ranks,
+every rank must skip the same parameters.
 
 Frozen parameters (``requires_grad=False`` when offload() is called: LoRA's base weights) are held
 by the engine like the others, on the schedule's tier (NVMe included), and fetched for forward and
@@ -690,17 +693,17 @@ class OffloadedModule:
             raise RuntimeError(f"memplan: step() after {self._micro} backward passes; "
                                f"gradient_accumulation_steps is {self.accumulation}")
         self.optimizer_options.update(options)
-        # Parameters without a gradient this step (unused): their summed micro-batch gradients,
-        # or zeros.
-        missing = []
+        # Parameters without a gradient in the last micro-batch: their summed gradients of the
+        # earlier ones; without any, skipped as torch's optimizers skip a parameter whose grad is
+        # None (weights, states and its step count unchanged).
         for entry in self.params:
             if entry.id not in self._grads_given and not entry.frozen:
                 grad = self._grad_sums.pop(entry.id, None)
                 if grad is None:
-                    grad = torch.zeros(entry.numel, dtype=self.dtype, device=self.device)
-                missing.append((entry, grad.contiguous().reshape(-1)))
-        for entry, grad in missing:
-            self.engine.grad_ready(entry.id, grad, stream=self._stream())
+                    self.engine.no_gradient(entry.id)
+                else:
+                    self.engine.grad_ready(entry.id, grad.contiguous().reshape(-1),
+                                           stream=self._stream())
         self.engine.step(**self.optimizer_options)
         if self._check_views:
             self._check_views = False  # the first step's forward saw every pattern
@@ -816,7 +819,8 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     there); without it both stay in host memory (param_tier "cpu", optimizer_tier "cpu").
     optimizer: "adamw" (decoupled weight decay, as torch.optim.AdamW) or "adam" (L2 decay, as
     torch.optim.Adam). Other keywords go to memplan.schedule (pinned_budget_bytes,
-    sub_group_elements, prefetch_bytes, max_live_bytes, direct, ...); or pass a whole `schedule`.
+    sub_group_elements, prefetch_bytes, max_live_bytes, direct, ...); or pass a whole `schedule`
+    (a dict, or the path of a Schedule JSON file such as ``memplan plan --emit-schedule`` writes).
     device: the CUDA device to train on ("cuda:1", 1, a torch.device); default: the module's
     parameters' device if they are on CUDA, else torch's current device when runtime is "cuda".
     process_group: the torch.distributed group to train over (ZeRO-3, one shard per rank); None:
