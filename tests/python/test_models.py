@@ -115,6 +115,36 @@ class LoraTest(unittest.TestCase):
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             self.assertTrue(torch.equal(p.detach(), q.detach()), name)
 
+    def test_save_writes_safetensors_of_the_trained_and_frozen_weights(self):
+        from safetensors.torch import load_file
+        torch.manual_seed(0)
+        model = LoraModel(hidden=32, layers=2)
+        model.head.weight = model.embed.weight  # tied: stored once
+        batches = token_batches(2)
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = memplan.torch.offload(model, os.path.join(tmp, "swap"), lr=1e-2,
+                                            direct=False, sub_group_elements=4096)
+            for tokens in batches:
+                model(tokens).backward()
+                trainer.step()
+            state = trainer.state_dict()
+            out = os.path.join(tmp, "ckpt")
+            trainer.save(out)
+            trainer.save(out)  # over an existing checkpoint
+            with open(os.path.join(tmp, "file"), "w", encoding="utf-8") as f:
+                f.write("x")
+            with self.assertRaisesRegex(OSError, "not a directory"):
+                trainer.save(os.path.join(tmp, "file"))
+            trainer.close()
+            saved = load_file(os.path.join(out, "model.safetensors"))
+            self.assertEqual(sorted(os.listdir(out)), ["model.safetensors"])
+            self.assertFalse([n for n in os.listdir(tmp) if n.startswith(".memplan-save")])
+        self.assertIn("embed.weight", saved)
+        self.assertNotIn("head.weight", saved)  # the tied copy
+        for name, t in saved.items():
+            self.assertTrue(torch.equal(t, state[name]), name)
+            self.assertTrue(torch.equal(t, model.state_dict()[name]), name)
+
     def test_every_parameter_frozen_is_refused(self):
         model = nn.Linear(4, 4)
         model.requires_grad_(False)
