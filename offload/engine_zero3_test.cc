@@ -32,6 +32,7 @@ struct Model {
     std::string name, module;
     uint64_t numel = 0, flat = 0;
     std::vector<std::string> also_used_by;
+    bool frozen = false;
   };
   std::vector<P> params;
   std::vector<std::string> modules;
@@ -138,6 +139,7 @@ Status TrainRank(const Model& model, const Schedule& schedule, Collective* colle
                      return Status::Ok();
                    },
                    p.also_used_by};
+    spec.frozen = p.frozen;
     MEMPLAN_ASSIGN_OR_RETURN(ParamId id, engine->AddParameter(spec));
     ids.push_back(id);
   }
@@ -153,7 +155,7 @@ Status TrainRank(const Model& model, const Schedule& schedule, Collective* colle
       MEMPLAN_RETURN_IF_ERROR(engine->Fetch(*it));
       for (size_t i = 0; i < model.params.size(); ++i) {
         const Model::P& p = model.params[i];
-        if (p.module != *it) continue;
+        if (p.module != *it || p.frozen) continue;
         std::vector<std::byte>& g = grads[i];
         g.resize(p.numel * static_cast<uint64_t>(eb));
         for (uint64_t k = 0; k < p.numel; ++k) {
@@ -184,6 +186,7 @@ Status TrainRank(const Model& model, const Schedule& schedule, Collective* colle
     const auto* bytes = static_cast<const std::byte*>(device);  // host-only runtime
     out->fetched[i].assign(bytes, bytes + p.numel * static_cast<uint64_t>(wb));
     MEMPLAN_RETURN_IF_ERROR(engine->Release(p.module));
+    if (p.frozen) continue;  // no master weights: its fetched copy is compared
     out->master[i].resize(p.numel);
     MEMPLAN_RETURN_IF_ERROR(engine->ReadMasterWeights(ids[i], out->master[i]));
   }
@@ -356,6 +359,38 @@ TEST_CASE("ZeRO-3 on threads: a rank a step behind the others makes them all res
   Schedule single = s;
   single.nvme_path = dir.PathOf("single");
   CheckSameAsReference(model, ranks, TrainReference(2, model, single, 4, ElementType::kFloat32));
+}
+
+TEST_CASE("ZeRO-3 on threads: frozen parameters are sharded, gathered, never stepped") {
+  // m0's and m2's weights frozen (m0's is tied to the last module too): every rank holds a shard
+  // of them after the trainable ones, fetches gather them whole, and the trainable ones end as
+  // one rank fed the mean gradient.
+  Model model(3);
+  model.params[0].frozen = true;
+  model.params[4].frozen = true;
+  TempDir dir("engine-zero3-");
+  const Schedule s =
+      MakeSchedule(Tier::kNvme, Tier::kNvme, ElementType::kBFloat16, dir.PathOf("nvme"));
+  const std::vector<Outcome> ranks = TrainRanks(2, model, s, false, 1, 3, ElementType::kFloat32);
+  Schedule single = s;
+  single.nvme_path = dir.PathOf("single");
+  const Outcome want = TrainReference(2, model, single, 3, ElementType::kFloat32);
+  CheckSameAsReference(model, ranks, want);
+  for (const Outcome& o : ranks) {
+    CHECK(o.stats.frozen_params == 2);
+    CHECK(o.stats.optimizer_elements * 2 < o.stats.elements - o.stats.frozen_elements + 8);
+    // The frozen weights are their init values, rounded to bf16.
+    for (size_t i : {size_t{0}, size_t{4}}) {
+      const Model::P& p = model.params[i];
+      size_t wrong = 0;
+      for (uint64_t k = 0; k < p.numel; ++k) {
+        uint16_t h = 0;
+        std::memcpy(&h, o.fetched[i].data() + k * 2, 2);
+        wrong += h != FloatToBf16(Init(p.flat + k));
+      }
+      CHECK(wrong == 0);
+    }
+  }
 }
 
 TEST_CASE("ZeRO-3 on threads: ranks that fetch different modules get an error, not a hang") {
