@@ -237,6 +237,15 @@ class TransformersTest(unittest.TestCase):
         trainer.close()
         with self.assertRaisesRegex(ValueError, "fetch_units"):
             memplan.torch.offload(tiny_causal_lm("llama"), fetch_units=[3])
+        with self.assertRaisesRegex(ValueError, "names GPT2Block, but no module"):
+            memplan.torch.offload(tiny_causal_lm("llama"), fetch_units=["GPT2Block"])
+        # Named by class: the same grouping as "auto".
+        import transformers
+        trainer = memplan.torch.offload(
+            tiny_causal_lm("llama"),
+            fetch_units=[transformers.models.llama.modeling_llama.LlamaDecoderLayer])
+        self.assertEqual(sum(u["type"] == "LlamaDecoderLayer" for u in trainer.fetch_units()), 2)
+        trainer.close()
 
     def test_a_saved_view_of_a_parameter_is_refused_naming_the_module(self):
         class Transposed(nn.Module):

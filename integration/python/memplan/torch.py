@@ -360,6 +360,7 @@ class OffloadedModule:
         if gradient_accumulation_steps < 1:
             raise ValueError("gradient_accumulation_steps must be >= 1")
         self.block_types = _block_types(module, fetch_units)
+        self.block_types_given = fetch_units not in ("auto", "module")
         self.group, self.rank, self.world_size = _process_group(process_group)
         self.module = module
         self.schedule = schedule
@@ -474,6 +475,15 @@ class OffloadedModule:
             self.units.append(unit)
         if not self.params:
             raise ValueError("memplan.torch: the module has no parameters")
+        if self.block_types and self.block_types_given:
+            found = {type(u.module).__name__ for u in self.units} | {
+                t for u in self.units for t in self.block_types
+                if not isinstance(t, str) and isinstance(u.module, t)}
+            missing = [t if isinstance(t, str) else t.__name__ for t in self.block_types
+                       if (t if isinstance(t, str) else t) not in found]
+            if missing:
+                raise ValueError(f"memplan.torch: fetch_units names {', '.join(missing)}, but no "
+                                 "module with parameters in the model is of that class")
         if all(e.frozen for e in self.params):
             raise ValueError("memplan.torch: every parameter is frozen (requires_grad=False); "
                              "nothing to train")
