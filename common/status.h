@@ -5,6 +5,9 @@
 // third-party library catches at that boundary and converts. Only tools/ turns a Status into an
 // exit code and a one-line message.
 //
+// Both are [[nodiscard]]: a dropped error does not compile (-Werror; tests/compile_fail); code
+// that means to ignore one says so with (void).
+//
 // An OK Status holds no allocation and costs one pointer test. Messages are meant for users: they
 // name the file and the field at fault ("config.json: field 'hidden_size': must be > 0, got -4").
 //
@@ -37,7 +40,7 @@ enum class StatusCode {
 
 std::string_view StatusCodeName(StatusCode code);
 
-class Status {
+class [[nodiscard]] Status {
  public:
   Status() = default;  // OK
 
@@ -86,7 +89,7 @@ class Status {
 
 // Holds a T or a non-OK Status. Constructing from an OK Status is a bug and yields kInternal.
 template <typename T>
-class Result {
+class [[nodiscard]] Result {
  public:
   Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
   Result(Status status)                       // NOLINT(google-explicit-constructor)
