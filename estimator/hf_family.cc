@@ -3,6 +3,7 @@
 #include "estimator/hf_family.h"
 
 #include <algorithm>
+#include <charconv>
 #include <set>
 #include <string>
 #include <utility>
@@ -233,30 +234,48 @@ std::vector<int64_t> Shape(const Part& p, const Values& v) {
   return shape;
 }
 
-// Appends tensors; the first failure is kept and later calls do nothing.
+// Appends tensors; the first failure is kept and later calls do nothing. Names are composed in
+// one reused buffer and each tensor's name allocated once: a per-expert DeepSeek-V3 has 47,000
+// tensors, and temporaries per name cost more than the tensors themselves.
 class Sink {
  public:
   Sink(ModelInventory* out, DType dtype) : out_(out), dtype_(dtype) {}
-  void Param(std::string name, std::vector<int64_t> shape, std::string tied_to = "") {
-    if (status_.ok()) status_ = out_->Add(std::move(name), std::move(shape), dtype_, tied_to);
+  // Starts a module name: `prefix` then `pattern` with "{e}" replaced by `expert`.
+  void Begin(std::string_view prefix, std::string_view pattern, int64_t expert) {
+    base_.assign(prefix);
+    const size_t at = expert >= 0 ? pattern.find("{e}") : std::string_view::npos;
+    if (at == std::string_view::npos) {
+      base_.append(pattern);
+      return;
+    }
+    base_.append(pattern.substr(0, at));
+    char digits[24];
+    const auto [end, error] = std::to_chars(digits, digits + sizeof(digits), expert);
+    base_.append(digits, end);
+    base_.append(pattern.substr(at + 3));
   }
-  void Buffer(std::string name, std::vector<int64_t> shape) {
-    if (status_.ok()) status_ = out_->AddBuffer(std::move(name), std::move(shape), DType::kF32);
+  // Adds `base + suffix` (suffix "" for a bare Parameter).
+  void Param(std::string_view suffix, std::vector<int64_t> shape, std::string tied_to = "") {
+    if (status_.ok()) status_ = out_->Add(Name(suffix), std::move(shape), dtype_, tied_to);
+  }
+  void Buffer(std::string_view suffix, std::vector<int64_t> shape) {
+    if (status_.ok()) status_ = out_->AddBuffer(Name(suffix), std::move(shape), DType::kF32);
   }
   const Status& status() const { return status_; }
 
  private:
+  std::string Name(std::string_view suffix) const {
+    std::string name;
+    name.reserve(base_.size() + suffix.size());
+    name.append(base_).append(suffix);
+    return name;
+  }
+
   ModelInventory* out_;
   DType dtype_;
   Status status_;
+  std::string base_;
 };
-
-std::string Expand(std::string_view pattern, int64_t expert) {
-  std::string out(pattern);
-  size_t at = out.find("{e}");
-  if (at != std::string::npos) out.replace(at, 3, std::to_string(expert));
-  return out;
-}
 
 // The layer types present, for Gemma-3's per-type rotary tables.
 struct LayerContext {
@@ -265,33 +284,33 @@ struct LayerContext {
 
 void EmitPart(const Part& p, const std::string& prefix, int64_t expert, const Values& v,
               const LayerContext& ctx, Sink* sink) {
-  const std::string name = prefix + Expand(p.name, expert);
+  sink->Begin(prefix, p.name, expert);
   switch (p.kind) {
     case Kind::kLinear:
-      sink->Param(name + ".weight", {Width(p.b, v), Width(p.a, v)});
-      if (Holds(p.bias, v)) sink->Param(name + ".bias", {Width(p.b, v)});
+      sink->Param(".weight", {Width(p.b, v), Width(p.a, v)});
+      if (Holds(p.bias, v)) sink->Param(".bias", {Width(p.b, v)});
       break;
     case Kind::kConv1D:
-      sink->Param(name + ".weight", {Width(p.a, v), Width(p.b, v)});
-      sink->Param(name + ".bias", {Width(p.b, v)});
+      sink->Param(".weight", {Width(p.a, v), Width(p.b, v)});
+      sink->Param(".bias", {Width(p.b, v)});
       break;
     case Kind::kEmbedding:
-      sink->Param(name + ".weight", {Width(p.a, v), Width(p.b, v)});
+      sink->Param(".weight", {Width(p.a, v), Width(p.b, v)});
       break;
     case Kind::kNorm:
-      sink->Param(name + ".weight", {Width(p.a, v)});
-      if (Holds(p.bias, v)) sink->Param(name + ".bias", {Width(p.a, v)});
+      sink->Param(".weight", {Width(p.a, v)});
+      if (Holds(p.bias, v)) sink->Param(".bias", {Width(p.a, v)});
       break;
     case Kind::kParam:
-      sink->Param(name, Shape(p, v));
+      sink->Param("", Shape(p, v));
       break;
     case Kind::kBuffer:
-      sink->Buffer(name, Shape(p, v));
+      sink->Buffer("", Shape(p, v));
       break;
     case Kind::kRotaryPerLayerType:
       for (const std::string& type : ctx.attention_types) {
-        sink->Buffer(name + "." + type + "_inv_freq", {RotaryHalf(v)});
-        sink->Buffer(name + "." + type + "_original_inv_freq", {RotaryHalf(v)});
+        sink->Buffer("." + type + "_inv_freq", {RotaryHalf(v)});
+        sink->Buffer("." + type + "_original_inv_freq", {RotaryHalf(v)});
       }
       break;
     case Kind::kPerExpert:
@@ -528,9 +547,10 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
   EmitParts(spec.after, prefix, v, ctx, &sink);
   if (!base && head == nullptr) {
     const Part& lm = spec.lm_head;
-    sink.Param(std::string(lm.name) + ".weight", {Width(lm.b, v), Width(lm.a, v)},
+    sink.Begin("", lm.name, -1);
+    sink.Param(".weight", {Width(lm.b, v), Width(lm.a, v)},
                v.Is(Flag::kTie) ? prefix + std::string(spec.tied_embedding) : "");
-    if (Holds(lm.bias, v)) sink.Param(std::string(lm.name) + ".bias", {Width(lm.b, v)});
+    if (Holds(lm.bias, v)) sink.Param(".bias", {Width(lm.b, v)});
   } else if (head != nullptr) {
     EmitParts(head->parts, "", v, ctx, &sink);
   }
