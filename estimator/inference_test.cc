@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "estimator/estimate.h"
 #include "estimator/hf_config.h"
 #include "estimator/model_source.h"
 #include "tests/estimator_testing.h"
@@ -165,6 +166,20 @@ TEST_CASE("inference: T5's EncoderDecoderCache: decoder self-attention and cross
   e = EstimateInference(*t5, Counts(*t5), setup);
   REQUIRE(e.ok());
   CHECK(e->kv_cache->bytes == 196'608ull * 20 * 2);
+  // The estimate's JSON carries the new fields and reads back (a public interface).
+  auto with_states = EstimateModelStates(*t5, DeepSpeedHardware{});
+  REQUIRE(with_states.ok());
+  setup.encoder_context = 300;
+  REQUIRE(AddInference(*t5, setup, &*with_states).ok());
+  auto parsed = EstimateFromJson(ToJson(*with_states));
+  REQUIRE(parsed.ok());
+  REQUIRE(parsed->inference.has_value());
+  CHECK(parsed->inference->kv_cache->encoder_context == 300);
+  CHECK(parsed->inference->kv_cache->cross_attention_bytes == 196'608ull * 300 * 2);
+  CHECK(parsed->inference->weights[7].method == "gptq");
+  CHECK(parsed->inference->weights[7].quantized_params ==
+        with_states->inference->weights[7].quantized_params);
+  CHECK(ToJson(*parsed) == ToJson(*with_states));
   setup.encoder_context = -3;
   CHECK(EstimateInference(*t5, Counts(*t5), setup).status().message() ==
         "--encoder-context must be at least 1, got -3");
