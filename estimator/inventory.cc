@@ -112,6 +112,26 @@ int64_t ModelInventory::Find(std::string_view tensor_name) const {
   return -1;
 }
 
+int64_t ModelInventory::FindTieTarget(std::string_view tensor_name) {
+  if (tie_indexed_ > tensors.size()) {  // tensors were removed behind Add's back
+    tie_index_.clear();
+    tie_indexed_ = 0;
+  }
+  for (; tie_indexed_ < tensors.size(); ++tie_indexed_) {
+    tie_index_.emplace(std::hash<std::string_view>{}(tensors[tie_indexed_].name), tie_indexed_);
+  }
+  // The first tensor of that name, as Find gives it (a duplicate is CountParams' error).
+  int64_t found = -1;
+  auto [first, last] = tie_index_.equal_range(std::hash<std::string_view>{}(tensor_name));
+  for (auto it = first; it != last; ++it) {
+    if (it->second < tensors.size() && tensors[it->second].name == tensor_name &&
+        (found < 0 || it->second < static_cast<size_t>(found))) {
+      found = static_cast<int64_t>(it->second);
+    }
+  }
+  return found >= 0 ? found : Find(tensor_name);
+}
+
 namespace {
 
 // The element count of a tensor or buffer (`what`) called `name`, refusing an empty name, a
@@ -139,7 +159,7 @@ Status ModelInventory::Add(std::string tensor_name, std::vector<int64_t> shape, 
                            std::string tied) {
   MEMPLAN_ASSIGN_OR_RETURN(uint64_t numel, ValidNumel("tensor", tensor_name, shape));
   if (!tied.empty()) {
-    int64_t target = Find(tied);
+    int64_t target = FindTieTarget(tied);
     if (target < 0) {
       return Status::InvalidArgument("tensor '" + tensor_name + "' is tied to '" + tied +
                                      "', which is not in the model");

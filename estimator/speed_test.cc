@@ -16,9 +16,12 @@
 #include "estimator/hf_config.h"
 #include "estimator/inventory.h"
 #include "estimator/model_source.h"
+#include "tests/estimator_testing.h"
 
 namespace memplan::estimator {
 namespace {
+
+using memplan::testing::Tensor;
 
 // Sanitizers and unoptimised builds are many times slower; the bounds are for the release build
 // and scale with them.
@@ -200,6 +203,34 @@ TEST_CASE("speed: a module with 100,000 submodules counts in linear time") {
   const double small_ms = FastestMs(5, [&] { (void)CountParams(small); });
   const double large_ms = FastestMs(5, [&] { (void)CountParams(large); });
   CHECK(large_ms < 32 * std::max(small_ms, 0.02));
+}
+
+TEST_CASE("speed: tying tensors costs the same per tie, however many there are") {
+  // A shape list may tie every layer's weight to another (ALBERT-like sharing): each tie looks
+  // its target up by name.
+  auto build = [](int n) {
+    ModelInventory m;
+    m.name = "shared";
+    Status added;
+    for (int i = 0; i < n && added.ok(); ++i) {
+      added = m.Add("layers." + std::to_string(i) + ".w.weight", {8, 8});
+    }
+    for (int i = 0; i < n && added.ok(); ++i) {
+      added = m.Add("layers." + std::to_string(i) + ".alias.weight", {8, 8}, DType::kF32,
+                    "layers." + std::to_string(i) + ".w.weight");
+    }
+    REQUIRE(added.ok());
+    return m;
+  };
+  const ModelInventory tied = build(1000);
+  CHECK(Tensor(tied, "layers.999.alias.weight").tied_to == "layers.999.w.weight");
+  auto counts = CountParams(tied);
+  REQUIRE(counts.ok());
+  CHECK(counts->params_total == 64'000);
+  CHECK(counts->num_tied == 1000);
+  const double small_ms = FastestMs(3, [&] { build(5000); });
+  const double large_ms = FastestMs(3, [&] { build(40'000); });
+  CHECK(large_ms < 32 * std::max(small_ms, 0.05));
 }
 
 }  // namespace
