@@ -32,7 +32,7 @@ TEST_CASE("suggest: EditDistance counts insertions, deletions, substitutions and
   CHECK(EditDistance("abc", "") == 3);
   CHECK(EditDistance("kitten", "sitting") == 3);
   CHECK(EditDistance("overlpa_comm", "overlap_comm") == 1);  // a swap
-  CHECK(EditDistance("ca", "abc") == 3);  // no edit of a substring twice (not Damerau's 2)
+  CHECK(EditDistance("ca", "abc") == 3);     // no edit of a substring twice (not Damerau's 2)
   CHECK(EditDistance("Same", "same") == 1);  // exactly as written: ClosestMatches folds case
 }
 

@@ -282,9 +282,10 @@ nlohmann::json InferenceToJson(const InferenceEstimate& x) {
     weights.push_back(std::move(row));
   }
   nlohmann::json j = {
-      {"reproduces", "accelerate estimate-memory (calculate_maximum_sizes of the model in fp32, "
-                     "divided per dtype); nf4, nf4-dq, gptq-int4: the quantizers' storage per "
-                     "tensor; KV cache: transformers DynamicCache (EncoderDecoderCache for T5)"},
+      {"reproduces",
+       "accelerate estimate-memory (calculate_maximum_sizes of the model in fp32, "
+       "divided per dtype); nf4, nf4-dq, gptq-int4: the quantizers' storage per "
+       "tensor; KV cache: transformers DynamicCache (EncoderDecoderCache for T5)"},
       {"batch", x.setup.batch},
       {"context", x.setup.context},
       {"largest_layer", x.largest_layer},
@@ -397,9 +398,8 @@ std::string FormatInferenceText(const InferenceEstimate& x) {
     const KvCache& k = *x.kv_cache;
     out += std::string(k.encoder_context > 0 ? "\nKV cache (Transformers' EncoderDecoderCache), "
                                              : "\nKV cache (Transformers' DynamicCache), ") +
-           k.dtype + ", batch " +
-           std::to_string(k.batch) + " x context " + std::to_string(k.context) + ": " +
-           Readable(k.bytes) + "\n";
+           k.dtype + ", batch " + std::to_string(k.batch) + " x context " +
+           std::to_string(k.context) + ": " + Readable(k.bytes) + "\n";
     std::string shape = k.kind == "mla"
                             ? "MLA latent " + std::to_string(k.key_dim) + " + rotary key " +
                                   std::to_string(k.value_dim)

@@ -226,8 +226,8 @@ int64_t Width(W w, const Values& v) {
       return v.Get(Dim::kChannels);
     case W::kPatches:
     case W::kPatchesPlusOne: {
-      const int64_t side = v.Get(Dim::kPatchSize) > 0 ? v.Get(Dim::kImageSize) / v.Get(Dim::kPatchSize)
-                                                      : 0;
+      const int64_t side =
+          v.Get(Dim::kPatchSize) > 0 ? v.Get(Dim::kImageSize) / v.Get(Dim::kPatchSize) : 0;
       return side * side + (w == W::kPatchesPlusOne ? 1 : 0);
     }
     case W::kVisionHidden:
@@ -732,9 +732,9 @@ Result<SubModel> BuildSub(const ConfigReader& config, const SubConfig& sub,
     known += (known.empty() ? "" : ", ") + std::string(f->model_type);
   }
   if (built.spec == nullptr) {
-    return config.FieldError(sub.field, "model_type '" + type +
-                                            "' is not one memplan builds here (supported: " +
-                                            known + ")");
+    return config.FieldError(
+        sub.field,
+        "model_type '" + type + "' is not one memplan builds here (supported: " + known + ")");
   }
   ConfigReader reader(json, config.source() + " (" + std::string(sub.field) + ")");
   FamilyRequest request{reader, ModelClassChoice::kBase, "", experts, within};
@@ -800,14 +800,15 @@ Status BuildComposite(const CompositeSpec& spec, const FamilyRequest& request,
   // Registered as vision tower, projector, language model; the projector needs both widths, so
   // the language model is built first, aside, and appended after it.
   const std::string prefix =
-      request.within + (base ? std::string() : std::string(head != nullptr ? head->prefix : "model") + ".");
+      request.within +
+      (base ? std::string() : std::string(head != nullptr ? head->prefix : "model") + ".");
   ModelInventory text;
-  MEMPLAN_ASSIGN_OR_RETURN(SubModel language, BuildSub(config, spec.text, Families(),
-                                                       prefix + "language_model.",
-                                                       request.experts, &text));
-  MEMPLAN_ASSIGN_OR_RETURN(SubModel vision, BuildSub(config, spec.vision, VisionTowers(),
-                                                     prefix + "vision_tower.", request.experts,
-                                                     out));
+  MEMPLAN_ASSIGN_OR_RETURN(
+      SubModel language,
+      BuildSub(config, spec.text, Families(), prefix + "language_model.", request.experts, &text));
+  MEMPLAN_ASSIGN_OR_RETURN(SubModel vision,
+                           BuildSub(config, spec.vision, VisionTowers(), prefix + "vision_tower.",
+                                    request.experts, out));
   const int64_t vision_layers = out->arch->layers;
   v.Set(Dim::kHidden, language.hidden);
   v.Set(Dim::kVisionHidden, vision.hidden);
@@ -840,9 +841,9 @@ Status BuildComposite(const CompositeSpec& spec, const FamilyRequest& request,
   }
   MEMPLAN_RETURN_IF_ERROR(sink.status());
   out->arch = text.arch;
-  out->notes.push_back(
-      "Activations are the language model's; the vision tower's (" +
-      std::to_string(vision_layers) + " layers over each image's patches) are not modelled");
+  out->notes.push_back("Activations are the language model's; the vision tower's (" +
+                       std::to_string(vision_layers) +
+                       " layers over each image's patches) are not modelled");
   return Status::Ok();
 }
 

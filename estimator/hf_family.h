@@ -205,20 +205,20 @@ enum class W : uint8_t {
   kSharedFfn,  // the shared-expert MLP's width
   kHeadDim,
   kHeads,
-  kQRank,         // MLA q_lora_rank
-  kQHeads,        // MLA heads x (qk_nope + qk_rope)
-  kKvA,           // MLA kv_lora_rank + qk_rope
-  kKvRank,        // MLA kv_lora_rank
-  kKvB,           // MLA heads x (qk_nope + v_head_dim)
-  kVOut,          // MLA heads x v_head_dim
-  kEmbedProj,     // OPT word_embed_proj_dim
-  kPositions,     // max_position_embeddings
-  kPositionsOpt,  // OPT's learned positions: max_position_embeddings + 2
-  kLabels,        // num_labels (or len(id2label))
-  kRotaryHalf,    // rotary inv_freq length: ceil(rotary dims / 2)
-  kRotaryDim,     // GPT-J rotary_dim (or h when absent)
-  kChannels,      // vision towers: image channels
-  kPatches,       // vision towers: (image_size / patch_size)^2
+  kQRank,           // MLA q_lora_rank
+  kQHeads,          // MLA heads x (qk_nope + qk_rope)
+  kKvA,             // MLA kv_lora_rank + qk_rope
+  kKvRank,          // MLA kv_lora_rank
+  kKvB,             // MLA heads x (qk_nope + v_head_dim)
+  kVOut,            // MLA heads x v_head_dim
+  kEmbedProj,       // OPT word_embed_proj_dim
+  kPositions,       // max_position_embeddings
+  kPositionsOpt,    // OPT's learned positions: max_position_embeddings + 2
+  kLabels,          // num_labels (or len(id2label))
+  kRotaryHalf,      // rotary inv_freq length: ceil(rotary dims / 2)
+  kRotaryDim,       // GPT-J rotary_dim (or h when absent)
+  kChannels,        // vision towers: image channels
+  kPatches,         // vision towers: (image_size / patch_size)^2
   kPatchesPlusOne,  // CLIP: the patches and the class token
   kVisionHidden,    // multimodal: the vision tower's width
   kVisionFeatures,  // Llava: vision width x feature layers (the projector's input)
@@ -399,8 +399,8 @@ struct SubConfigDefault {
   int64_t value;
 };
 struct SubConfig {
-  std::string_view field;              // "vision_config", "text_config"
-  std::string_view default_type;       // "clip_vision_model", "llama"
+  std::string_view field;                           // "vision_config", "text_config"
+  std::string_view default_type;                    // "clip_vision_model", "llama"
   std::span<const SubConfigDefault> defaults = {};  // used when the field is absent
   // The defaults of the whole sub-config when the composite's config has none at all
   // (LlavaConfig's SubConfigSpec init_kwargs).
@@ -408,9 +408,9 @@ struct SubConfig {
 };
 
 struct CompositeSpec {
-  std::string_view model_type;       // "llava"
-  std::string_view class_prefix;     // "Llava": LlavaModel, Llava + head suffix
-  std::string_view causal_class;     // "LlavaForConditionalGeneration"
+  std::string_view model_type;    // "llava"
+  std::string_view class_prefix;  // "Llava": LlavaModel, Llava + head suffix
+  std::string_view causal_class;  // "LlavaForConditionalGeneration"
   SubConfig vision;
   SubConfig text;
   std::span<const DimField> dims = {};  // the composite's own (vision_feature_layer)
@@ -426,7 +426,6 @@ struct CompositeSpec {
 std::span<const FamilySpec* const> VisionTowers();
 const CompositeSpec* FindComposite(std::string_view model_type);
 std::span<const CompositeSpec* const> Composites();
-Status BuildComposite(const CompositeSpec& spec, const FamilyRequest& request,
-                      ModelInventory* out);
+Status BuildComposite(const CompositeSpec& spec, const FamilyRequest& request, ModelInventory* out);
 
 }  // namespace memplan::estimator::family

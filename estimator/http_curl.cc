@@ -176,9 +176,9 @@ class CurlHttpClient : public HttpClient {
                                  " s (HF_HUB_DOWNLOAD_TIMEOUT sets the limit)");
     }
     if (code != CURLE_OK) {
-      return Status::Unavailable(request.url + ": " +
-                                 (error[0] != '\0' ? std::string(error)
-                                                   : std::string(api->easy_strerror(code))));
+      return Status::Unavailable(
+          request.url + ": " +
+          (error[0] != '\0' ? std::string(error) : std::string(api->easy_strerror(code))));
     }
     x.response.status = static_cast<int>(status);
     return std::move(x.response);

@@ -84,7 +84,7 @@ uint64_t Nf4DoubleQuantBytes(uint64_t n) {
 uint64_t GptqBytes(uint64_t out, uint64_t in) {
   constexpr uint64_t kGroup = 128;
   const uint64_t groups = CeilDiv(in, kGroup);
-  return CeilDiv(in, 8) * out * 4      // qweight: eight 4-bit values per int32
+  return CeilDiv(in, 8) * out * 4        // qweight: eight 4-bit values per int32
          + groups * CeilDiv(out, 8) * 4  // qzeros
          + groups * out * 2              // scales, fp16
          + in * 4;                       // g_idx
@@ -98,8 +98,10 @@ uint64_t BufferBytes(const TensorInfo& b) {
     case DType::kI16:
     case DType::kI8:
     case DType::kU8:
-    case DType::kBool: return b.numel * static_cast<uint64_t>(DTypeBits(b.dtype) / 8);
-    default: return b.numel * 4;
+    case DType::kBool:
+      return b.numel * static_cast<uint64_t>(DTypeBits(b.dtype) / 8);
+    default:
+      return b.numel * 4;
   }
 }
 
@@ -140,9 +142,9 @@ Result<std::vector<WeightsRow>> QuantizedRows(const ModelInventory& inventory,
     const uint64_t kept = 2 * t.numel;  // 16 bits
     const bool linear = LinearWeight(t, experts);
     const std::string_view leaf = LastComponent(t.module);
-    const bool head = leaf == "lm_head" || leaf == "embed_out" || t.module == last_module ||
-                      std::find(tied_targets.begin(), tied_targets.end(), t.name) !=
-                          tied_targets.end();
+    const bool head =
+        leaf == "lm_head" || leaf == "embed_out" || t.module == last_module ||
+        std::find(tied_targets.begin(), tied_targets.end(), t.name) != tied_targets.end();
     // replace_with_bnb_linear takes `type(module) is nn.Linear`: Falcon's projections are
     // FalconLinear, a subclass, and stay as they are.
     const bool bnb = linear && !head && !falcon;
@@ -158,7 +160,7 @@ Result<std::vector<WeightsRow>> QuantizedRows(const ModelInventory& inventory,
       if (!total) return overflow;
       rows[i].total_bytes = *total;
       if (in_largest) rows[i].largest_layer_bytes += bytes[i];  // <= the total
-      if (quantized[i]) rows[i].quantized_params += t.numel;   // <= params_total
+      if (quantized[i]) rows[i].quantized_params += t.numel;    // <= params_total
     }
   }
   for (const TensorInfo& b : inventory.buffers) {
@@ -188,10 +190,9 @@ Result<InferenceEstimate> EncoderDecoderCache(const ArchitectureInfo& a,
   kv.key_dim = kv.value_dim = a.head_dim;
   kv.kind = kv.heads == a.heads ? "mha" : kv.heads == 1 ? "mqa" : "gqa";
   const uint64_t element_bytes = static_cast<uint64_t>(DTypeBits(kv_dtype) / 8);
-  MEMPLAN_ASSIGN_OR_RETURN(
-      const uint64_t per_token_layer,
-      Product({element_bytes, static_cast<uint64_t>(kv.heads),
-               static_cast<uint64_t>(kv.key_dim + kv.value_dim)}));
+  MEMPLAN_ASSIGN_OR_RETURN(const uint64_t per_token_layer,
+                           Product({element_bytes, static_cast<uint64_t>(kv.heads),
+                                    static_cast<uint64_t>(kv.key_dim + kv.value_dim)}));
   MEMPLAN_ASSIGN_OR_RETURN(kv.bytes_per_token,
                            Product({per_token_layer, static_cast<uint64_t>(kv.layers)}));
   MEMPLAN_ASSIGN_OR_RETURN(const uint64_t self_bytes,

@@ -59,7 +59,7 @@ struct WeightsRow {
   // "float32", "float16/bfloat16", "fp8", "int8", "int4" (Accelerate's division); "nf4",
   // "nf4-dq", "gptq-int4" (Note [Quantized weights])
   std::string dtype;
-  double bits = 0;    // per element, as Accelerate divides; per quantized weight for the others
+  double bits = 0;  // per element, as Accelerate divides; per quantized weight for the others
   uint64_t total_bytes = 0;
   uint64_t largest_layer_bytes = 0;
   // "accelerate" (its division of the fp32 size), "bitsandbytes" or "gptq" (the quantizers'

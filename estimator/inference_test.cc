@@ -103,9 +103,12 @@ TEST_CASE("inference: NF4 and GPTQ hold 4-bit Linear weights and their scales, t
   // A one-layer Llama (h 64, FFN 128, 4 heads, vocabulary 100, untied): seven Linears, q/k/v/o
   // 64 x 64 and gate/up/down 64 x 128 (40,960 weights); the embedding, the head and three norms
   // (12,992) stay 16-bit; two rotary buffers of 8 fp32 (64 bytes).
-  nlohmann::json config = {{"model_type", "llama"},      {"hidden_size", 64},
-                           {"intermediate_size", 128},   {"num_hidden_layers", 1},
-                           {"num_attention_heads", 4},   {"vocab_size", 100},
+  nlohmann::json config = {{"model_type", "llama"},
+                           {"hidden_size", 64},
+                           {"intermediate_size", 128},
+                           {"num_hidden_layers", 1},
+                           {"num_attention_heads", 4},
+                           {"vocab_size", 100},
                            {"architectures", {"LlamaForCausalLM"}}};
   ModelInventory tiny = testing::MustBuild(config);
   InferenceSetup setup;

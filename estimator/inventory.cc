@@ -4,8 +4,8 @@
 #include <bit>
 #include <cctype>
 #include <cstring>
-#include <map>
 #include <functional>
+#include <map>
 #include <unordered_map>
 
 #include "common/checked_math.h"
@@ -224,12 +224,12 @@ uint64_t AccelerateBytes(const TensorInfo& t) {
 struct ModuleEntry {
   std::string_view path;
   int32_t parent = -1;
-  int32_t outermost = -1;     // the outermost no-split module at or above (-1: none)
-  int32_t first_leaf = -1;    // the tensors held directly, a list in ModuleTree::leaves_
-  int32_t first_child = -1;   // the submodules, a list through next_sibling
+  int32_t outermost = -1;    // the outermost no-split module at or above (-1: none)
+  int32_t first_leaf = -1;   // the tensors held directly, a list in ModuleTree::leaves_
+  int32_t first_child = -1;  // the submodules, a list through next_sibling
   int32_t next_sibling = -1;
   int32_t children = 0;
-  bool indexed = false;       // its children are in ModuleTree's table (too many to scan)
+  bool indexed = false;  // its children are in ModuleTree's table (too many to scan)
   bool unsplit_known = false;
   bool no_split = false;
   bool accelerate_layer = false;
@@ -332,8 +332,8 @@ class ModuleTree {
       std::memcpy(&y, b.data() + i, 8);
       if (x != y) {
         const uint64_t d = x ^ y;
-        const int bits = std::endian::native == std::endian::little ? std::countr_zero(d)
-                                                                    : std::countl_zero(d);
+        const int bits =
+            std::endian::native == std::endian::little ? std::countr_zero(d) : std::countl_zero(d);
         return i + static_cast<size_t>(bits / 8);
       }
     }

@@ -89,8 +89,7 @@ TEST_CASE("speed: every built-in model, both expert layouts, estimates in well u
         REQUIRE(probe.ok());
         if (layout == ExpertLayout::kPerExpert && !HasExperts(*probe)) continue;
       }
-      const std::string label =
-          name + (layout == ExpertLayout::kPerExpert ? " (per-expert)" : "");
+      const std::string label = name + (layout == ExpertLayout::kPerExpert ? " (per-expert)" : "");
       CAPTURE(label);
       const double states_ms = FastestMs(3, [&] {
         auto inventory = LoadModel(name, options);
@@ -176,10 +175,10 @@ TEST_CASE("speed: building and counting grow linearly with the tensors, in any o
   const double mixed_large = FastestMs(5, [&] { (void)CountParams(shuffled_large); });
   CHECK(count_large < 32 * std::max(count_small, 0.02));
   CHECK(mixed_large < 32 * std::max(mixed_small, 0.02));
-  MESSAGE("build " << build_small << " / " << build_large << " ms, count " << count_small
-                   << " / " << count_large << " ms, shuffled " << mixed_small << " / "
-                   << mixed_large << " ms (" << small.tensors.size() << " / "
-                   << large.tensors.size() << " tensors)");
+  MESSAGE("build " << build_small << " / " << build_large << " ms, count " << count_small << " / "
+                   << count_large << " ms, shuffled " << mixed_small << " / " << mixed_large
+                   << " ms (" << small.tensors.size() << " / " << large.tensors.size()
+                   << " tensors)");
 }
 
 TEST_CASE("speed: a module with 100,000 submodules counts in linear time") {
