@@ -16,25 +16,27 @@ std::string Normalize(std::string_view s) {
   return out;
 }
 
-// Optimal string alignment distance (Damerau-Levenshtein without repeated edits of a substring).
-size_t Distance(const std::string& a, const std::string& b) {
-  const size_t n = a.size(), m = b.size();
-  std::vector<std::vector<size_t>> d(n + 1, std::vector<size_t>(m + 1));
-  for (size_t i = 0; i <= n; ++i) d[i][0] = i;
-  for (size_t j = 0; j <= m; ++j) d[0][j] = j;
-  for (size_t i = 1; i <= n; ++i) {
+}  // namespace
+
+size_t EditDistance(std::string_view a, std::string_view b) {
+  // Three rows of the dynamic programme: two back for a swap.
+  const size_t m = b.size();
+  std::vector<size_t> before(m + 1), previous(m + 1), current(m + 1);
+  for (size_t j = 0; j <= m; ++j) previous[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    current[0] = i;
     for (size_t j = 1; j <= m; ++j) {
       const size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
-      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost});
+      current[j] = std::min({previous[j] + 1, current[j - 1] + 1, previous[j - 1] + cost});
       if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
-        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+        current[j] = std::min(current[j], before[j - 2] + 1);
       }
     }
+    std::swap(before, previous);
+    std::swap(previous, current);
   }
-  return d[n][m];
+  return previous[m];
 }
-
-}  // namespace
 
 std::vector<std::string> ClosestMatches(std::string_view word,
                                         const std::vector<std::string>& candidates, size_t max) {
@@ -45,7 +47,7 @@ std::vector<std::string> ClosestMatches(std::string_view word,
   for (const std::string& c : candidates) {
     const std::string n = Normalize(c);
     if (n.size() > 128) continue;
-    size_t d = Distance(w, n);
+    size_t d = EditDistance(w, n);
     if (n.rfind(w, 0) == 0 && w.size() >= 3) d = std::min<size_t>(d, 1);  // a prefix
     if (d <= limit) scored.emplace_back(d, c);
   }

@@ -15,6 +15,12 @@ std::vector<std::string> ClosestMatches(std::string_view word,
                                         const std::vector<std::string>& candidates,
                                         size_t max = 3);
 
+// The optimal string alignment distance between `a` and `b`: insertions, deletions,
+// substitutions and swaps of two neighbours count one each, exactly as written (no folding).
+// O(|a| x |b|) time, O(|b|) memory: callers bound the lengths they compare (ClosestMatches
+// ignores words over 128 characters).
+size_t EditDistance(std::string_view a, std::string_view b);
+
 // " (did you mean a, b or c?)", or "" when `matches` is empty.
 std::string DidYouMean(const std::vector<std::string>& matches);
 

@@ -25,6 +25,17 @@ TEST_CASE("suggest: the closest names, best first, ignoring case and separators"
   CHECK(ClosestMatches("gpt2", kNames, 1) == std::vector<std::string>{"gpt2"});
 }
 
+TEST_CASE("suggest: EditDistance counts insertions, deletions, substitutions and swaps") {
+  CHECK(EditDistance("overlap_com", "overlap_comm") == 1);
+  CHECK(EditDistance("contigous_gradients", "contiguous_gradients") == 1);
+  CHECK(EditDistance("", "abc") == 3);
+  CHECK(EditDistance("abc", "") == 3);
+  CHECK(EditDistance("kitten", "sitting") == 3);
+  CHECK(EditDistance("overlpa_comm", "overlap_comm") == 1);  // a swap
+  CHECK(EditDistance("ca", "abc") == 3);     // no edit of a substring twice (not Damerau's 2)
+  CHECK(EditDistance("Same", "same") == 1);  // exactly as written: ClosestMatches folds case
+}
+
 TEST_CASE("suggest: DidYouMean phrases the list") {
   CHECK(DidYouMean({}).empty());
   CHECK(DidYouMean({"a"}) == " (did you mean a?)");

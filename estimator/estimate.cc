@@ -276,14 +276,21 @@ Result<Estimate> EstimateModelStates(const ModelInventory& inventory,
 nlohmann::json InferenceToJson(const InferenceEstimate& x) {
   nlohmann::json weights = nlohmann::json::array();
   for (const WeightsRow& r : x.weights) {
-    weights.push_back({{"dtype", r.dtype},
-                       {"bits", r.bits},
-                       {"total_bytes", r.total_bytes},
-                       {"largest_layer_bytes", r.largest_layer_bytes}});
+    nlohmann::json row = {{"dtype", r.dtype},
+                          {"bits", r.bits},
+                          {"total_bytes", r.total_bytes},
+                          {"largest_layer_bytes", r.largest_layer_bytes}};
+    if (r.method != "accelerate") {
+      row["method"] = r.method;
+      row["quantized_params"] = r.quantized_params;
+    }
+    weights.push_back(std::move(row));
   }
   nlohmann::json j = {
-      {"reproduces", "accelerate estimate-memory (calculate_maximum_sizes of the model in fp32, "
-                     "divided per dtype); KV cache: transformers DynamicCache"},
+      {"reproduces",
+       "accelerate estimate-memory (calculate_maximum_sizes of the model in fp32, "
+       "divided per dtype); nf4, nf4-dq, gptq-int4: the quantizers' storage per "
+       "tensor; KV cache: transformers DynamicCache (EncoderDecoderCache for T5)"},
       {"batch", x.setup.batch},
       {"context", x.setup.context},
       {"largest_layer", x.largest_layer},
@@ -304,6 +311,10 @@ nlohmann::json InferenceToJson(const InferenceEstimate& x) {
                      {"bytes_per_token", k.bytes_per_token},
                      {"bytes", k.bytes},
                      {"kind", k.kind}};
+    if (k.encoder_context > 0) {
+      j["kv_cache"]["encoder_context"] = k.encoder_context;
+      j["kv_cache"]["cross_attention_bytes"] = k.cross_attention_bytes;
+    }
   }
   return j;
 }
@@ -325,6 +336,8 @@ Result<InferenceEstimate> InferenceFromJson(const nlohmann::json& json) {
     MEMPLAN_RETURN_IF_ERROR(row.Get("bits", &r.bits));
     MEMPLAN_RETURN_IF_ERROR(row.Get("total_bytes", &r.total_bytes));
     MEMPLAN_RETURN_IF_ERROR(row.Get("largest_layer_bytes", &r.largest_layer_bytes));
+    MEMPLAN_RETURN_IF_ERROR(GetIfPresent(row_json, "method", &r.method));
+    MEMPLAN_RETURN_IF_ERROR(GetIfPresent(row_json, "quantized_params", &r.quantized_params));
     x.weights.push_back(r);
   }
   if (json.contains("kv_cache")) {
@@ -342,6 +355,9 @@ Result<InferenceEstimate> InferenceFromJson(const nlohmann::json& json) {
     MEMPLAN_RETURN_IF_ERROR(k.Get("bytes_per_token", &kv.bytes_per_token));
     MEMPLAN_RETURN_IF_ERROR(k.Get("bytes", &kv.bytes));
     MEMPLAN_RETURN_IF_ERROR(k.Get("kind", &kv.kind));
+    MEMPLAN_RETURN_IF_ERROR(GetIfPresent(json["kv_cache"], "encoder_context", &kv.encoder_context));
+    MEMPLAN_RETURN_IF_ERROR(
+        GetIfPresent(json["kv_cache"], "cross_attention_bytes", &kv.cross_attention_bytes));
     x.kv_cache = kv;
   }
   return x;
@@ -368,24 +384,39 @@ std::string FormatInferenceText(const InferenceEstimate& x) {
   char line[160];
   std::snprintf(line, sizeof line, "  %-18s %14s %14s\n", "dtype", "largest layer", "total size");
   out += line;
+  bool quantizers = false;
   for (const WeightsRow& r : x.weights) {
-    std::snprintf(line, sizeof line, "  %-18s %14s %14s\n", r.dtype.c_str(),
+    if (r.method != "accelerate" && !quantizers) {
+      quantizers = true;
+      out += "4-bit quantizers, tensor by tensor (the rest kept in 16 bits):\n";
+    }
+    std::snprintf(line, sizeof line, "  %-18s %14s %14s", r.dtype.c_str(),
                   Readable(r.largest_layer_bytes).c_str(), Readable(r.total_bytes).c_str());
     out += line;
+    if (r.method != "accelerate") {
+      out += "  (" + WithThousands(r.quantized_params) + " params quantized, " + r.method + ")";
+    }
+    out += "\n";
   }
   if (!x.largest_layer.empty()) out += "  largest layer: " + x.largest_layer + "\n";
   if (x.kv_cache.has_value()) {
     const KvCache& k = *x.kv_cache;
-    out += "\nKV cache (Transformers' DynamicCache), " + k.dtype + ", batch " +
-           std::to_string(k.batch) + " x context " + std::to_string(k.context) + ": " +
-           Readable(k.bytes) + "\n";
+    out += std::string(k.encoder_context > 0 ? "\nKV cache (Transformers' EncoderDecoderCache), "
+                                             : "\nKV cache (Transformers' DynamicCache), ") +
+           k.dtype + ", batch " + std::to_string(k.batch) + " x context " +
+           std::to_string(k.context) + ": " + Readable(k.bytes) + "\n";
     std::string shape = k.kind == "mla"
                             ? "MLA latent " + std::to_string(k.key_dim) + " + rotary key " +
                                   std::to_string(k.value_dim)
                             : std::to_string(k.heads) + " KV heads x " +
                                   std::to_string(k.key_dim) + " (" + k.kind + ")";
-    out += "  " + std::to_string(k.layers) + " layers, " + shape + ": " +
-           Readable(k.bytes_per_token) + " per token";
+    out += "  " + std::to_string(k.layers) + (k.encoder_context > 0 ? " decoder" : "") +
+           " layers, " + shape + ": " + Readable(k.bytes_per_token) + " per token";
+    if (k.encoder_context > 0) {
+      out += "; self-attention over " + std::to_string(k.context) +
+             " decoder tokens and cross-attention over " + std::to_string(k.encoder_context) +
+             " encoder tokens (" + Readable(k.cross_attention_bytes) + ")";
+    }
     if (k.sliding_layers > 0) {
       out += "; " + std::to_string(k.sliding_layers) + " sliding-window layers keep at most " +
              std::to_string(k.sliding_window - 1) + " tokens";

@@ -44,6 +44,9 @@ std::vector<std::string> SupportedModelTypes() {
   for (const family::FamilySpec* spec : family::Families()) {
     out.push_back(std::string(spec->model_type));
   }
+  for (const family::CompositeSpec* spec : family::Composites()) {
+    out.push_back(std::string(spec->model_type));
+  }
   std::sort(out.begin(), out.end());
   return out;
 }
@@ -80,7 +83,8 @@ Result<ModelInventory> InventoryFromHfConfig(const nlohmann::json& config,
   MEMPLAN_ASSIGN_OR_RETURN(std::string model_type, reader.StringOr("model_type", ""));
   auto it = Families().find(model_type);
   const family::FamilySpec* spec = family::FindFamily(model_type);
-  if (it == Families().end() && spec == nullptr) {
+  const family::CompositeSpec* composite = family::FindComposite(model_type);
+  if (it == Families().end() && spec == nullptr && composite == nullptr) {
     return Status::Unimplemented(
         source + ": field 'model_type': '" + model_type + "' is not supported" +
         DidYouMean(ClosestMatches(model_type, SupportedModelTypes())) +
@@ -104,6 +108,8 @@ Result<ModelInventory> InventoryFromHfConfig(const nlohmann::json& config,
   FamilyRequest request{reader, options.choice, architecture, options.experts};
   if (spec != nullptr) {
     MEMPLAN_RETURN_IF_ERROR(family::Build(*spec, request, &inventory));
+  } else if (composite != nullptr) {
+    MEMPLAN_RETURN_IF_ERROR(family::BuildComposite(*composite, request, &inventory));
   } else {
     MEMPLAN_RETURN_IF_ERROR(it->second(request, &inventory));
   }
@@ -165,7 +171,8 @@ Status AttachArchitecture(const nlohmann::json& config, const std::string& sourc
   MEMPLAN_ASSIGN_OR_RETURN(std::string model_type, reader.StringOr("model_type", ""));
   // A family memplan builds: its own architecture, exactly.
   if (!model_type.empty() &&
-      (Families().count(model_type) > 0 || family::FindFamily(model_type) != nullptr)) {
+      (Families().count(model_type) > 0 || family::FindFamily(model_type) != nullptr ||
+       family::FindComposite(model_type) != nullptr)) {
     MEMPLAN_ASSIGN_OR_RETURN(ModelInventory built,
                              InventoryFromHfConfig(config, source, ModelClassChoice::kBase));
     std::unordered_set<std::string_view> blocks;

@@ -67,6 +67,8 @@ struct FamilyRequest {
   ModelClassChoice choice;
   std::string architecture;
   ExpertLayout experts = ExpertLayout::kFused;
+  // Where the model sits inside a larger one ("model.language_model."): prefixed to every name.
+  std::string within = {};
 };
 
 // A builder fills `out->tensors` (via out->Add), `out->architecture` (the class actually built,

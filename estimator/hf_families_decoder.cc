@@ -372,7 +372,7 @@ constexpr DimField kDeepseekV2Dims[] = {
     Default(Dim::kTopK, "num_experts_per_tok", 0),
     Default(Dim::kMoeIntermediate, "moe_intermediate_size", 1407),
     Default(Dim::kSharedExperts, "n_shared_experts", 2),
-    Default(Dim::kFirstDense, "first_k_dense_replace", 0),
+    Optional(Dim::kFirstDense, "first_k_dense_replace", 0),  // 0: every layer is MoE
 };
 constexpr DimField kDeepseekV3Dims[] = {
     Default(Dim::kPositions, "max_position_embeddings", 4096),
@@ -381,7 +381,7 @@ constexpr DimField kDeepseekV3Dims[] = {
     Default(Dim::kTopK, "num_experts_per_tok", 8),
     Default(Dim::kMoeIntermediate, "moe_intermediate_size", 2048),
     Default(Dim::kSharedExperts, "n_shared_experts", 1),
-    Default(Dim::kFirstDense, "first_k_dense_replace", 3),
+    Optional(Dim::kFirstDense, "first_k_dense_replace", 3),
     {Dim::kMtpLayers, "num_nextn_predict_layers", DimField::kDefault, 1, Dim::kHidden, Dim::kHeads,
      "num_mtp_layers", true},
 };

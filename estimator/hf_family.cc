@@ -3,6 +3,7 @@
 #include "estimator/hf_family.h"
 
 #include <algorithm>
+#include <charconv>
 #include <set>
 #include <string>
 #include <utility>
@@ -221,6 +222,18 @@ int64_t Width(W w, const Values& v) {
       return RotaryHalf(v);
     case W::kRotaryDim:
       return v.Get(Dim::kRotaryDim) > 0 ? v.Get(Dim::kRotaryDim) : h;
+    case W::kChannels:
+      return v.Get(Dim::kChannels);
+    case W::kPatches:
+    case W::kPatchesPlusOne: {
+      const int64_t side =
+          v.Get(Dim::kPatchSize) > 0 ? v.Get(Dim::kImageSize) / v.Get(Dim::kPatchSize) : 0;
+      return side * side + (w == W::kPatchesPlusOne ? 1 : 0);
+    }
+    case W::kVisionHidden:
+      return v.Get(Dim::kVisionHidden);
+    case W::kVisionFeatures:
+      return v.Get(Dim::kVisionHidden) * std::max<int64_t>(v.Get(Dim::kFeatureLayers), 1);
   }
   return 0;
 }
@@ -233,30 +246,48 @@ std::vector<int64_t> Shape(const Part& p, const Values& v) {
   return shape;
 }
 
-// Appends tensors; the first failure is kept and later calls do nothing.
+// Appends tensors; the first failure is kept and later calls do nothing. Names are composed in
+// one reused buffer and each tensor's name allocated once: a per-expert DeepSeek-V3 has 47,000
+// tensors, and temporaries per name cost more than the tensors themselves.
 class Sink {
  public:
   Sink(ModelInventory* out, DType dtype) : out_(out), dtype_(dtype) {}
-  void Param(std::string name, std::vector<int64_t> shape, std::string tied_to = "") {
-    if (status_.ok()) status_ = out_->Add(std::move(name), std::move(shape), dtype_, tied_to);
+  // Starts a module name: `prefix` then `pattern` with "{e}" replaced by `expert`.
+  void Begin(std::string_view prefix, std::string_view pattern, int64_t expert) {
+    base_.assign(prefix);
+    const size_t at = expert >= 0 ? pattern.find("{e}") : std::string_view::npos;
+    if (at == std::string_view::npos) {
+      base_.append(pattern);
+      return;
+    }
+    base_.append(pattern.substr(0, at));
+    char digits[24];
+    const auto [end, error] = std::to_chars(digits, digits + sizeof(digits), expert);
+    base_.append(digits, end);
+    base_.append(pattern.substr(at + 3));
   }
-  void Buffer(std::string name, std::vector<int64_t> shape) {
-    if (status_.ok()) status_ = out_->AddBuffer(std::move(name), std::move(shape), DType::kF32);
+  // Adds `base + suffix` (suffix "" for a bare Parameter).
+  void Param(std::string_view suffix, std::vector<int64_t> shape, std::string tied_to = "") {
+    if (status_.ok()) status_ = out_->Add(Name(suffix), std::move(shape), dtype_, tied_to);
+  }
+  void Buffer(std::string_view suffix, std::vector<int64_t> shape, DType dtype = DType::kF32) {
+    if (status_.ok()) status_ = out_->AddBuffer(Name(suffix), std::move(shape), dtype);
   }
   const Status& status() const { return status_; }
 
  private:
+  std::string Name(std::string_view suffix) const {
+    std::string name;
+    name.reserve(base_.size() + suffix.size());
+    name.append(base_).append(suffix);
+    return name;
+  }
+
   ModelInventory* out_;
   DType dtype_;
   Status status_;
+  std::string base_;
 };
-
-std::string Expand(std::string_view pattern, int64_t expert) {
-  std::string out(pattern);
-  size_t at = out.find("{e}");
-  if (at != std::string::npos) out.replace(at, 3, std::to_string(expert));
-  return out;
-}
 
 // The layer types present, for Gemma-3's per-type rotary tables.
 struct LayerContext {
@@ -265,33 +296,42 @@ struct LayerContext {
 
 void EmitPart(const Part& p, const std::string& prefix, int64_t expert, const Values& v,
               const LayerContext& ctx, Sink* sink) {
-  const std::string name = prefix + Expand(p.name, expert);
+  sink->Begin(prefix, p.name, expert);
   switch (p.kind) {
     case Kind::kLinear:
-      sink->Param(name + ".weight", {Width(p.b, v), Width(p.a, v)});
-      if (Holds(p.bias, v)) sink->Param(name + ".bias", {Width(p.b, v)});
+      sink->Param(".weight", {Width(p.b, v), Width(p.a, v)});
+      if (Holds(p.bias, v)) sink->Param(".bias", {Width(p.b, v)});
       break;
     case Kind::kConv1D:
-      sink->Param(name + ".weight", {Width(p.a, v), Width(p.b, v)});
-      sink->Param(name + ".bias", {Width(p.b, v)});
+      sink->Param(".weight", {Width(p.a, v), Width(p.b, v)});
+      sink->Param(".bias", {Width(p.b, v)});
       break;
     case Kind::kEmbedding:
-      sink->Param(name + ".weight", {Width(p.a, v), Width(p.b, v)});
+      sink->Param(".weight", {Width(p.a, v), Width(p.b, v)});
       break;
     case Kind::kNorm:
-      sink->Param(name + ".weight", {Width(p.a, v)});
-      if (Holds(p.bias, v)) sink->Param(name + ".bias", {Width(p.a, v)});
+      sink->Param(".weight", {Width(p.a, v)});
+      if (Holds(p.bias, v)) sink->Param(".bias", {Width(p.a, v)});
       break;
     case Kind::kParam:
-      sink->Param(name, Shape(p, v));
+      sink->Param("", Shape(p, v));
       break;
     case Kind::kBuffer:
-      sink->Buffer(name, Shape(p, v));
+      sink->Buffer("", Shape(p, v));
       break;
+    case Kind::kIdsBuffer:
+      sink->Buffer("", Shape(p, v), DType::kI64);
+      break;
+    case Kind::kConv2d: {
+      const int64_t patch = v.Get(Dim::kPatchSize);
+      sink->Param(".weight", {Width(p.b, v), Width(p.a, v), patch, patch});
+      if (Holds(p.bias, v)) sink->Param(".bias", {Width(p.b, v)});
+      break;
+    }
     case Kind::kRotaryPerLayerType:
       for (const std::string& type : ctx.attention_types) {
-        sink->Buffer(name + "." + type + "_inv_freq", {RotaryHalf(v)});
-        sink->Buffer(name + "." + type + "_original_inv_freq", {RotaryHalf(v)});
+        sink->Buffer("." + type + "_inv_freq", {RotaryHalf(v)});
+        sink->Buffer("." + type + "_original_inv_freq", {RotaryHalf(v)});
       }
       break;
     case Kind::kPerExpert:
@@ -492,7 +532,7 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
             " tensors per model (no published model comes close)");
   }
 
-  std::string prefix;
+  std::string prefix = request.within;
   if (base) {
     out->architecture = base_class;
     out->model_class = "base";
@@ -501,11 +541,11 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
     out->model_class = head->kind == HeadKind::kSequence ? "sequence_classification"
                        : head->kind == HeadKind::kToken  ? "token_classification"
                                                          : "question_answering";
-    prefix = std::string(head->prefix) + ".";
+    prefix += std::string(head->prefix) + ".";
   } else {
     out->architecture = causal_class;
     out->model_class = "causal_lm";
-    prefix = std::string(spec.prefix) + ".";
+    prefix += std::string(spec.prefix) + ".";
   }
 
   LayerContext ctx;
@@ -526,13 +566,24 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
     EmitParts(spec.layer, path + ".", layer, ctx, &sink);
   }
   EmitParts(spec.after, prefix, v, ctx, &sink);
+  for (std::string_view part : spec.no_split_parts) {
+    const std::string path = prefix + std::string(part);
+    for (const TensorInfo& t : out->tensors) {
+      if (t.name.size() > path.size() && t.name.compare(0, path.size(), path) == 0 &&
+          t.name[path.size()] == '.') {
+        out->no_split_modules.push_back(path);
+        break;
+      }
+    }
+  }
   if (!base && head == nullptr) {
     const Part& lm = spec.lm_head;
-    sink.Param(std::string(lm.name) + ".weight", {Width(lm.b, v), Width(lm.a, v)},
+    sink.Begin(request.within, lm.name, -1);
+    sink.Param(".weight", {Width(lm.b, v), Width(lm.a, v)},
                v.Is(Flag::kTie) ? prefix + std::string(spec.tied_embedding) : "");
-    if (Holds(lm.bias, v)) sink.Param(std::string(lm.name) + ".bias", {Width(lm.b, v)});
+    if (Holds(lm.bias, v)) sink.Param(".bias", {Width(lm.b, v)});
   } else if (head != nullptr) {
-    EmitParts(head->parts, "", v, ctx, &sink);
+    EmitParts(head->parts, request.within, v, ctx, &sink);
   }
   MEMPLAN_RETURN_IF_ERROR(sink.status());
 
@@ -619,6 +670,180 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
         config.ProbabilityOr(spec.embedding_dropout_field, spec.embedding_dropout_default));
   }
   out->arch = arch;
+  return Status::Ok();
+}
+
+namespace {
+
+// The JSON of sub-model `sub` as its configuration class would complete it: its model_type
+// (the composite's default when absent), the class defaults of the size fields it leaves out,
+// and the composite's dtype (the whole model is built in one).
+Result<nlohmann::json> SubConfigJson(const ConfigReader& config, const SubConfig& sub) {
+  const nlohmann::json& top = config.json();
+  nlohmann::json out = nlohmann::json::object();
+  const bool absent = !config.Has(sub.field);
+  if (!absent) {
+    if (!top[std::string(sub.field)].is_object()) {
+      return config.FieldError(sub.field, "must be an object (the sub-model's config)");
+    }
+    out = top[std::string(sub.field)];
+  }
+  if (!out.contains("model_type") || out["model_type"].is_null()) {
+    out["model_type"] = std::string(sub.default_type);
+  }
+  if (!out["model_type"].is_string()) {
+    return config.FieldError(sub.field, "its model_type must be a string");
+  }
+  const std::string type = out["model_type"].get<std::string>();
+  for (const SubConfigDefault& d : absent ? sub.when_absent : sub.defaults) {
+    if (d.model_type == type && (!out.contains(d.field) || out[std::string(d.field)].is_null())) {
+      out[std::string(d.field)] = d.value;
+    }
+  }
+  for (const char* dtype : {"dtype", "torch_dtype"}) {
+    if (top.contains(dtype) && !top[dtype].is_null()) {
+      out.erase("dtype");
+      out.erase("torch_dtype");
+      out[dtype] = top[dtype];
+      break;
+    }
+  }
+  return out;
+}
+
+// What building a sub-model gave: its family, the width of its hidden states, and whether its
+// config ties its embeddings.
+struct SubModel {
+  const FamilySpec* spec = nullptr;
+  int64_t hidden = 0;
+  bool tie = false;
+};
+
+// Builds sub-model `sub` of `config` (its base model) under `within`.
+Result<SubModel> BuildSub(const ConfigReader& config, const SubConfig& sub,
+                          std::span<const FamilySpec* const> families, const std::string& within,
+                          ExpertLayout experts, ModelInventory* out) {
+  MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json json, SubConfigJson(config, sub));
+  const std::string type = json["model_type"].get<std::string>();
+  SubModel built;
+  std::string known;
+  for (const FamilySpec* f : families) {
+    if (f->model_type == type) built.spec = f;
+    known += (known.empty() ? "" : ", ") + std::string(f->model_type);
+  }
+  if (built.spec == nullptr) {
+    return config.FieldError(
+        sub.field,
+        "model_type '" + type + "' is not one memplan builds here (supported: " + known + ")");
+  }
+  ConfigReader reader(json, config.source() + " (" + std::string(sub.field) + ")");
+  FamilyRequest request{reader, ModelClassChoice::kBase, "", experts, within};
+  MEMPLAN_RETURN_IF_ERROR(Build(*built.spec, request, out));
+  built.hidden = out->arch->hidden;
+  for (const FlagField& f : built.spec->flags) {
+    if (f.flag == Flag::kTie && !f.field.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(built.tie, reader.BoolOr(f.field, f.value));
+    }
+  }
+  return built;
+}
+
+}  // namespace
+
+Status BuildComposite(const CompositeSpec& spec, const FamilyRequest& request,
+                      ModelInventory* out) {
+  const ConfigReader& config = request.config;
+  const std::string base_class = std::string(spec.class_prefix) + "Model";
+  const HeadSpec* head = nullptr;
+  const bool base = request.choice == ModelClassChoice::kBase || request.architecture == base_class;
+  if (!base && !request.architecture.empty() && request.architecture != spec.causal_class) {
+    for (const HeadSpec& h : spec.heads) {
+      if (request.architecture == ClassName(spec.class_prefix, h.suffix)) head = &h;
+    }
+    if (head == nullptr) {
+      std::string supported = std::string(spec.causal_class) + ", " + base_class;
+      for (const HeadSpec& h : spec.heads) {
+        supported += ", " + ClassName(spec.class_prefix, h.suffix);
+      }
+      return config.FieldError("architectures",
+                               "'" + request.architecture +
+                                   "' is not a class memplan can build for this model_type "
+                                   "(supported: " +
+                                   supported +
+                                   "); pass --model-class base to size the base model without "
+                                   "its task head");
+    }
+  }
+  // The composite's own sizes and switches, read as the families read theirs.
+  Values v;
+  for (const DimField& f : spec.dims) MEMPLAN_RETURN_IF_ERROR(ReadDim(config, f, &v));
+  v.Set(Flag::kAlways, true);
+  for (const FlagField& f : spec.flags) {
+    bool b = f.value;
+    if (!f.field.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(b, config.BoolOr(f.field, f.value));
+    }
+    v.Set(f.flag, b);
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(v.labels, NumLabels(config));
+  MEMPLAN_ASSIGN_OR_RETURN(DType dtype, ConfigDType(config));
+  // Llava's vision_feature_layer: one layer (an index) or several (a list), concatenated.
+  int64_t feature_layers = 1;
+  if (config.Has("vision_feature_layer") && config.json()["vision_feature_layer"].is_array()) {
+    feature_layers = static_cast<int64_t>(config.json()["vision_feature_layer"].size());
+    if (feature_layers == 0) {
+      return config.FieldError("vision_feature_layer", "must name at least one layer");
+    }
+  }
+  v.Set(Dim::kFeatureLayers, feature_layers);
+
+  // Registered as vision tower, projector, language model; the projector needs both widths, so
+  // the language model is built first, aside, and appended after it.
+  const std::string prefix =
+      request.within +
+      (base ? std::string() : std::string(head != nullptr ? head->prefix : "model") + ".");
+  ModelInventory text;
+  MEMPLAN_ASSIGN_OR_RETURN(
+      SubModel language,
+      BuildSub(config, spec.text, Families(), prefix + "language_model.", request.experts, &text));
+  MEMPLAN_ASSIGN_OR_RETURN(SubModel vision,
+                           BuildSub(config, spec.vision, VisionTowers(), prefix + "vision_tower.",
+                                    request.experts, out));
+  const int64_t vision_layers = out->arch->layers;
+  v.Set(Dim::kHidden, language.hidden);
+  v.Set(Dim::kVisionHidden, vision.hidden);
+  v.Set(Dim::kVocab, text.arch->vocab);
+  LayerContext ctx;
+  Sink sink(out, dtype);
+  EmitParts(spec.projector, prefix, v, ctx, &sink);
+  MEMPLAN_RETURN_IF_ERROR(sink.status());
+  out->tensors.insert(out->tensors.end(), std::make_move_iterator(text.tensors.begin()),
+                      std::make_move_iterator(text.tensors.end()));
+  out->buffers.insert(out->buffers.end(), std::make_move_iterator(text.buffers.begin()),
+                      std::make_move_iterator(text.buffers.end()));
+  out->no_split_modules.insert(out->no_split_modules.end(), text.no_split_modules.begin(),
+                               text.no_split_modules.end());
+  if (base) {
+    out->architecture = base_class;
+    out->model_class = "base";
+  } else if (head != nullptr) {
+    out->architecture = ClassName(spec.class_prefix, head->suffix);
+    out->model_class = "sequence_classification";
+    EmitParts(head->parts, request.within, v, ctx, &sink);
+  } else {
+    out->architecture = std::string(spec.causal_class);
+    out->model_class = "causal_lm";
+    MEMPLAN_ASSIGN_OR_RETURN(bool tie, config.BoolOr("tie_word_embeddings", spec.tie_default));
+    if (spec.tie_from_text && language.tie) tie = true;
+    sink.Begin(request.within, "lm_head", -1);
+    sink.Param(".weight", {v.Get(Dim::kVocab), language.hidden},
+               tie ? prefix + "language_model." + std::string(language.spec->tied_embedding) : "");
+  }
+  MEMPLAN_RETURN_IF_ERROR(sink.status());
+  out->arch = text.arch;
+  out->notes.push_back("Activations are the language model's; the vision tower's (" +
+                       std::to_string(vision_layers) +
+                       " layers over each image's patches) are not modelled");
   return Status::Ok();
 }
 

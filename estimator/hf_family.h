@@ -74,6 +74,11 @@ enum class Dim : uint8_t {
   kMaxWindowLayers,  // Qwen max_window_layers
   kSlidingPattern,   // Gemma-3 sliding_window_pattern
   kMtpLayers,        // DeepSeek-V3 num_nextn_predict_layers
+  kChannels,         // vision towers: image channels (num_channels)
+  kImageSize,        // vision towers: image side in pixels
+  kPatchSize,        // vision towers: patch side in pixels
+  kVisionHidden,     // multimodal models: the vision tower's width (for the projector)
+  kFeatureLayers,    // Llava: vision layers whose outputs the projector concatenates
   kCount,
 };
 
@@ -143,6 +148,7 @@ enum class Flag : uint8_t {
   kUseSlidingWindow,
   kRouterBiasBuffer,  // DeepSeek-V3: the router's e_score_correction_bias buffer
   kCrossAttention,    // GPT-2's add_cross_attention
+  kVisionHead,        // SigLIP's vision_use_head: the attention-pooling head
   // Set by the builder:
   kProjectInOut,  // OPT: word_embed_proj_dim != hidden_size
   kQLora,         // MLA: q_lora_rank is set
@@ -199,18 +205,23 @@ enum class W : uint8_t {
   kSharedFfn,  // the shared-expert MLP's width
   kHeadDim,
   kHeads,
-  kQRank,         // MLA q_lora_rank
-  kQHeads,        // MLA heads x (qk_nope + qk_rope)
-  kKvA,           // MLA kv_lora_rank + qk_rope
-  kKvRank,        // MLA kv_lora_rank
-  kKvB,           // MLA heads x (qk_nope + v_head_dim)
-  kVOut,          // MLA heads x v_head_dim
-  kEmbedProj,     // OPT word_embed_proj_dim
-  kPositions,     // max_position_embeddings
-  kPositionsOpt,  // OPT's learned positions: max_position_embeddings + 2
-  kLabels,        // num_labels (or len(id2label))
-  kRotaryHalf,    // rotary inv_freq length: ceil(rotary dims / 2)
-  kRotaryDim,     // GPT-J rotary_dim (or h when absent)
+  kQRank,           // MLA q_lora_rank
+  kQHeads,          // MLA heads x (qk_nope + qk_rope)
+  kKvA,             // MLA kv_lora_rank + qk_rope
+  kKvRank,          // MLA kv_lora_rank
+  kKvB,             // MLA heads x (qk_nope + v_head_dim)
+  kVOut,            // MLA heads x v_head_dim
+  kEmbedProj,       // OPT word_embed_proj_dim
+  kPositions,       // max_position_embeddings
+  kPositionsOpt,    // OPT's learned positions: max_position_embeddings + 2
+  kLabels,          // num_labels (or len(id2label))
+  kRotaryHalf,      // rotary inv_freq length: ceil(rotary dims / 2)
+  kRotaryDim,       // GPT-J rotary_dim (or h when absent)
+  kChannels,        // vision towers: image channels
+  kPatches,         // vision towers: (image_size / patch_size)^2
+  kPatchesPlusOne,  // CLIP: the patches and the class token
+  kVisionHidden,    // multimodal: the vision tower's width
+  kVisionFeatures,  // Llava: vision width x feature layers (the projector's input)
 };
 
 enum class Kind : uint8_t {
@@ -220,6 +231,8 @@ enum class Kind : uint8_t {
   kNorm,       // weight [a], bias [a] when `bias` holds (RMSNorm: bias never)
   kParam,      // a bare nn.Parameter named `name`, shape [a] / [a, b] / [a, b, c]
   kBuffer,     // a buffer (fp32), shape as kParam
+  kIdsBuffer,  // an int64 buffer (position ids), shape as kParam
+  kConv2d,     // nn.Conv2d(a channels -> b, kernel = stride = the patch): weight [b, a, p, p]
   kRotaryPerLayerType,  // Gemma-3: inv_freq and original_inv_freq per attention type present
   kPerExpert,  // the next `group` parts repeat once per expert, "{e}" replaced by its index
   kInclude,    // the parts of `include`, in order (shared sub-lists: one attention, one MLP)
@@ -254,6 +267,12 @@ constexpr Part Param(std::string_view n, W a, W b = W::kNone, W c = W::kNone, Co
 }
 constexpr Part Buffer(std::string_view n, W a, W b = W::kNone, Cond when = kYes) {
   return {Kind::kBuffer, n, a, b, W::kNone, kNo, when};
+}
+constexpr Part IdsBuffer(std::string_view n, W a, W b = W::kNone) {
+  return {Kind::kIdsBuffer, n, a, b, W::kNone, kNo, kYes};
+}
+constexpr Part PatchConv(std::string_view n, W in, W out, Cond bias) {
+  return {Kind::kConv2d, n, in, out, W::kNone, bias, kYes};
 }
 constexpr Part PerExpert(int parts, Cond when) {
   return {Kind::kPerExpert, "", W::kNone, W::kNone, W::kNone, kNo, when, parts};
@@ -321,6 +340,9 @@ struct FamilySpec {
   Status (*adjust)(const ConfigReader& config, Values* values) = nullptr;
   std::span<const Part> before = {};  // relative to the base model
   std::string_view layers = "layers";
+  // Modules outside the layers whose classes are in `_no_split_modules` (a vision tower's
+  // embeddings), kept whole by Accelerate when the model has them.
+  std::span<const std::string_view> no_split_parts = {};
   std::span<const Part> layer = {};  // relative to one layer
   std::span<const Part> after = {};
   Part lm_head = Linear("lm_head", W::kHidden, W::kVocab);
@@ -359,5 +381,51 @@ Result<int64_t> NumLabels(const ConfigReader& config);
 const FamilySpec* FindFamily(std::string_view model_type);
 std::span<const FamilySpec* const> Families();
 Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventory* out);
+
+// Note [Multimodal models]
+// A vision-language model (Llava, Gemma-3) is three models in one: a vision tower (a FamilySpec
+// of its own, built from `vision_config`), a projector from the tower's width to the language
+// model's (parts of the composite), and a language model built by its own family from
+// `text_config`, each under the composite's module path. Published configs leave most sub-config
+// fields to their classes' defaults (llava-1.5-7b's text_config has no hidden_size), so a
+// composite names those defaults, as its configuration class does. Activations are the language
+// model's; the vision tower's are not modelled, and the inventory says so.
+
+// A sub-model's configuration: the field, its model_type when absent, and the defaults its
+// configuration class gives the size fields for each model_type it may hold.
+struct SubConfigDefault {
+  std::string_view model_type;
+  std::string_view field;
+  int64_t value;
+};
+struct SubConfig {
+  std::string_view field;                           // "vision_config", "text_config"
+  std::string_view default_type;                    // "clip_vision_model", "llama"
+  std::span<const SubConfigDefault> defaults = {};  // used when the field is absent
+  // The defaults of the whole sub-config when the composite's config has none at all
+  // (LlavaConfig's SubConfigSpec init_kwargs).
+  std::span<const SubConfigDefault> when_absent = {};
+};
+
+struct CompositeSpec {
+  std::string_view model_type;    // "llava"
+  std::string_view class_prefix;  // "Llava": LlavaModel, Llava + head suffix
+  std::string_view causal_class;  // "LlavaForConditionalGeneration"
+  SubConfig vision;
+  SubConfig text;
+  std::span<const DimField> dims = {};  // the composite's own (vision_feature_layer)
+  std::span<const FlagField> flags = {};
+  std::span<const Part> projector = {};  // relative to the base model
+  std::span<const HeadSpec> heads = {};
+  bool tie_default = false;  // tie_word_embeddings when the config does not say
+  // LlavaConfig ties when either it or its text_config says so.
+  bool tie_from_text = false;
+};
+
+// The vision towers composites build (hf_families_vision.cc): CLIP's and SigLIP's.
+std::span<const FamilySpec* const> VisionTowers();
+const CompositeSpec* FindComposite(std::string_view model_type);
+std::span<const CompositeSpec* const> Composites();
+Status BuildComposite(const CompositeSpec& spec, const FamilyRequest& request, ModelInventory* out);
 
 }  // namespace memplan::estimator::family

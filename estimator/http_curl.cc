@@ -1,19 +1,88 @@
 // The HttpClient of hub.h over libcurl (Debian's libcurl4-openssl-dev), when memplan is built
 // with it (MEMPLAN_WITH_CURL, AUTO by default); otherwise MakeCurlHttpClient returns nullptr and
 // the hub layer says how to get it.
+//
+// Note [libcurl loaded on first use]
+// libcurl is opened with dlopen when the first request is made, not linked: linked, its ~30
+// libraries (TLS, Kerberos, LDAP, ...) are loaded and relocated at every start of every program
+// that links the estimator, about 4 ms of CPU, which is most of what `memplan estimate` costs for
+// a dense model; only a Hub fetch needs them. The build still needs curl/curl.h (the types and
+// option numbers are libcurl's stable ABI); a machine without the library gets an error saying
+// which package to install when it first fetches.
 #include "estimator/hub.h"
 
 #if MEMPLAN_HAVE_CURL
 #include <curl/curl.h>
+#include <dlfcn.h>
 
 #include <cctype>
 #include <mutex>
+#include <type_traits>
 #endif
 
 namespace memplan::estimator {
 
 #if MEMPLAN_HAVE_CURL
 namespace {
+
+// The libcurl functions memplan calls, resolved once (Note [libcurl loaded on first use]).
+struct CurlApi {
+  CURLcode (*global_init)(long flags) = nullptr;
+  CURL* (*easy_init)() = nullptr;
+  CURLcode (*easy_setopt)(CURL* curl, CURLoption option, ...) = nullptr;
+  CURLcode (*easy_perform)(CURL* curl) = nullptr;
+  CURLcode (*easy_getinfo)(CURL* curl, CURLINFO info, ...) = nullptr;
+  void (*easy_cleanup)(CURL* curl) = nullptr;
+  const char* (*easy_strerror)(CURLcode code) = nullptr;
+  curl_slist* (*slist_append)(curl_slist* list, const char* text) = nullptr;
+  void (*slist_free_all)(curl_slist* list) = nullptr;
+};
+
+// Loads libcurl and initialises it, once per process; the error says what is missing.
+Result<const CurlApi*> LoadCurl() {
+  static CurlApi api;
+  static Status status = Status::Ok();
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* library = nullptr;
+    std::string tried;
+    // Debian's libcurl4 (OpenSSL), then libcurl3-gnutls: the same ABI.
+    for (const char* name : {"libcurl.so.4", "libcurl-gnutls.so.4"}) {
+      library = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+      if (library != nullptr) break;
+      const char* why = dlerror();
+      tried += (tried.empty() ? "" : "; ") + std::string(why != nullptr ? why : name);
+    }
+    if (library == nullptr) {
+      status = Status::Unavailable(
+          "fetching from the Hub needs libcurl, which cannot be loaded (" + tried +
+          "); install it (Debian: apt-get install libcurl4), or pass a local config.json");
+      return;
+    }
+    auto bind = [&](auto* target, const char* symbol) {
+      void* address = dlsym(library, symbol);
+      if (address == nullptr && status.ok()) {
+        status = Status::Unavailable(std::string("libcurl lacks ") + symbol +
+                                     "; it is too old for memplan");
+      }
+      *target = reinterpret_cast<std::remove_pointer_t<decltype(target)>>(address);
+    };
+    bind(&api.global_init, "curl_global_init");
+    bind(&api.easy_init, "curl_easy_init");
+    bind(&api.easy_setopt, "curl_easy_setopt");
+    bind(&api.easy_perform, "curl_easy_perform");
+    bind(&api.easy_getinfo, "curl_easy_getinfo");
+    bind(&api.easy_cleanup, "curl_easy_cleanup");
+    bind(&api.easy_strerror, "curl_easy_strerror");
+    bind(&api.slist_append, "curl_slist_append");
+    bind(&api.slist_free_all, "curl_slist_free_all");
+    if (status.ok() && api.global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
+      status = Status::Unavailable("libcurl failed to initialise");
+    }
+  });
+  if (!status.ok()) return status;
+  return &api;
+}
 
 struct Exchange {
   HttpResponse response;
@@ -57,13 +126,10 @@ size_t OnHeader(char* data, size_t size, size_t count, void* user) {
 
 class CurlHttpClient : public HttpClient {
  public:
-  CurlHttpClient() {
-    static std::once_flag once;
-    std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
-  }
-
   Result<HttpResponse> Get(const HttpRequest& request) override {
-    CURL* curl = curl_easy_init();
+    MEMPLAN_ASSIGN_OR_RETURN(const CurlApi* api, LoadCurl());
+    const auto curl_easy_setopt = api->easy_setopt;
+    CURL* curl = api->easy_init();
     if (curl == nullptr) return Status::ResourceExhausted("libcurl: cannot start a transfer");
     struct curl_slist* headers = nullptr;
     Exchange x;
@@ -73,7 +139,7 @@ class CurlHttpClient : public HttpClient {
     std::string auth;
     if (!request.bearer_token.empty()) {
       auth = "Authorization: Bearer " + request.bearer_token;
-      headers = curl_slist_append(headers, auth.c_str());
+      headers = api->slist_append(headers, auth.c_str());
     }
     std::string range;
     if (request.range_first >= 0) {
@@ -95,11 +161,11 @@ class CurlHttpClient : public HttpClient {
     curl_easy_setopt(curl, CURLOPT_WRITEDATA, &x);
     curl_easy_setopt(curl, CURLOPT_HEADERFUNCTION, &OnHeader);
     curl_easy_setopt(curl, CURLOPT_HEADERDATA, &x);
-    const CURLcode code = curl_easy_perform(curl);
+    const CURLcode code = api->easy_perform(curl);
     long status = 0;
-    curl_easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &status);
-    curl_slist_free_all(headers);
-    curl_easy_cleanup(curl);
+    api->easy_getinfo(curl, CURLINFO_RESPONSE_CODE, &status);
+    api->slist_free_all(headers);
+    api->easy_cleanup(curl);
     if (x.too_large) {
       return Status::ResourceExhausted(request.url + ": the answer exceeds " +
                                        std::to_string(request.max_body_bytes) + " bytes");
@@ -110,9 +176,9 @@ class CurlHttpClient : public HttpClient {
                                  " s (HF_HUB_DOWNLOAD_TIMEOUT sets the limit)");
     }
     if (code != CURLE_OK) {
-      return Status::Unavailable(request.url + ": " +
-                                 (error[0] != '\0' ? std::string(error)
-                                                   : std::string(curl_easy_strerror(code))));
+      return Status::Unavailable(
+          request.url + ": " +
+          (error[0] != '\0' ? std::string(error) : std::string(api->easy_strerror(code))));
     }
     x.response.status = static_cast<int>(status);
     return std::move(x.response);

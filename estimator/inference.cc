@@ -50,6 +50,164 @@ Result<uint64_t> Product(std::initializer_list<uint64_t> factors) {
   return out;
 }
 
+std::string_view LastComponent(std::string_view module) {
+  const size_t dot = module.rfind('.');
+  return dot == std::string_view::npos ? module : module.substr(dot + 1);
+}
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+uint64_t CeilDiv(uint64_t a, uint64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
+
+// The weight of an nn.Linear (or GPT-2's Conv1D), as far as names and shapes tell: 2-D, not an
+// embedding table, not a router (in Transformers 5 a bare Parameter of E x h).
+bool LinearWeight(const TensorInfo& t, int64_t experts) {
+  if (t.shape.size() != 2 || !EndsWith(t.name, ".weight")) return false;
+  const std::string_view leaf = LastComponent(t.module);
+  if (leaf.find("embed") != std::string_view::npos ||
+      leaf.find("relative_attention_bias") != std::string_view::npos || leaf == "wte" ||
+      leaf == "wpe" || leaf == "shared") {
+    return false;
+  }
+  if ((leaf == "gate" || leaf == "router") && experts > 0 && t.shape[0] == experts) return false;
+  return true;
+}
+
+// What each 4-bit quantizer stores for `t`, in bytes (Note [Quantized weights]).
+uint64_t Nf4Bytes(uint64_t n) { return CeilDiv(n, 2) + 4 * CeilDiv(n, 64); }
+uint64_t Nf4DoubleQuantBytes(uint64_t n) {
+  const uint64_t blocks = CeilDiv(n, 64);
+  return CeilDiv(n, 2) + blocks + 4 * CeilDiv(blocks, 256) + 4;
+}
+uint64_t GptqBytes(uint64_t out, uint64_t in) {
+  constexpr uint64_t kGroup = 128;
+  const uint64_t groups = CeilDiv(in, kGroup);
+  return CeilDiv(in, 8) * out * 4        // qweight: eight 4-bit values per int32
+         + groups * CeilDiv(out, 8) * 4  // qzeros
+         + groups * out * 2              // scales, fp16
+         + in * 4;                       // g_idx
+}
+
+// Bytes as Accelerate counts a buffer (fp32, integers their own width).
+uint64_t BufferBytes(const TensorInfo& b) {
+  switch (b.dtype) {
+    case DType::kI64:
+    case DType::kI32:
+    case DType::kI16:
+    case DType::kI8:
+    case DType::kU8:
+    case DType::kBool:
+      return b.numel * static_cast<uint64_t>(DTypeBits(b.dtype) / 8);
+    default:
+      return b.numel * 4;
+  }
+}
+
+bool InModule(const std::string& name, const std::string& module) {
+  if (module.empty()) return true;
+  return name == module ||
+         (name.size() > module.size() && name.compare(0, module.size(), module) == 0 &&
+          name[module.size()] == '.');
+}
+
+// The rows of the 4-bit quantizers, for the whole model and for Accelerate's largest layer.
+Result<std::vector<WeightsRow>> QuantizedRows(const ModelInventory& inventory,
+                                              const ModelCounts& counts) {
+  const Status overflow = Status::OutOfRange("the quantized weights' size overflows 64 bits");
+  const int64_t experts = inventory.arch.has_value() ? inventory.arch->experts : 0;
+  const std::string& largest = counts.accelerate_largest_layer;
+  // bitsandbytes leaves the output head, tied weights and the last parameter's module alone
+  // (Transformers' get_keys_to_not_convert).
+  std::string last_module;  // of the last parameter named_parameters() yields (tied ones once)
+  for (auto t = inventory.tensors.rbegin(); t != inventory.tensors.rend(); ++t) {
+    if (t->tied_to.empty()) {
+      last_module = t->module;
+      break;
+    }
+  }
+  std::vector<std::string_view> tied_targets;
+  for (const TensorInfo& t : inventory.tensors) {
+    if (!t.tied_to.empty()) tied_targets.push_back(t.tied_to);
+  }
+  WeightsRow rows[3] = {{"nf4", 4.5}, {"nf4-dq", 4.127}, {"gptq-int4", 4}};
+  rows[0].method = rows[1].method = "bitsandbytes";
+  rows[2].method = "gptq";
+  const bool conv1d = inventory.model_type == "gpt2";
+  const bool falcon = inventory.model_type == "falcon";
+  for (const TensorInfo& t : inventory.tensors) {
+    if (!t.tied_to.empty()) continue;  // the same storage as its target
+    const bool in_largest = !largest.empty() && InModule(t.name, largest);
+    const uint64_t kept = 2 * t.numel;  // 16 bits
+    const bool linear = LinearWeight(t, experts);
+    const std::string_view leaf = LastComponent(t.module);
+    const bool head =
+        leaf == "lm_head" || leaf == "embed_out" || t.module == last_module ||
+        std::find(tied_targets.begin(), tied_targets.end(), t.name) != tied_targets.end();
+    // replace_with_bnb_linear takes `type(module) is nn.Linear`: Falcon's projections are
+    // FalconLinear, a subclass, and stay as they are.
+    const bool bnb = linear && !head && !falcon;
+    const bool gptq = linear && !t.block.empty();
+    const uint64_t out = static_cast<uint64_t>(t.shape.size() == 2 ? t.shape[conv1d ? 1 : 0] : 0);
+    const uint64_t in = static_cast<uint64_t>(t.shape.size() == 2 ? t.shape[conv1d ? 0 : 1] : 0);
+    const uint64_t bytes[3] = {bnb ? Nf4Bytes(t.numel) : kept,
+                               bnb ? Nf4DoubleQuantBytes(t.numel) : kept,
+                               gptq ? GptqBytes(out, in) : kept};
+    const bool quantized[3] = {bnb, bnb, gptq};
+    for (int i = 0; i < 3; ++i) {
+      auto total = CheckedAdd(rows[i].total_bytes, bytes[i]);
+      if (!total) return overflow;
+      rows[i].total_bytes = *total;
+      if (in_largest) rows[i].largest_layer_bytes += bytes[i];  // <= the total
+      if (quantized[i]) rows[i].quantized_params += t.numel;    // <= params_total
+    }
+  }
+  for (const TensorInfo& b : inventory.buffers) {
+    for (WeightsRow& row : rows) {
+      auto total = CheckedAdd(row.total_bytes, BufferBytes(b));
+      if (!total) return overflow;
+      row.total_bytes = *total;
+      if (!largest.empty() && InModule(b.name, largest)) row.largest_layer_bytes += BufferBytes(b);
+    }
+  }
+  return std::vector<WeightsRow>{rows[0], rows[1], rows[2]};
+}
+
+// T5's EncoderDecoderCache: per decoder layer, keys and values of every head (d_kv each) for the
+// decoder's tokens (self-attention) and for the encoder's (cross-attention, computed once from
+// the encoder's output).
+Result<InferenceEstimate> EncoderDecoderCache(const ArchitectureInfo& a,
+                                              const InferenceSetup& setup, DType kv_dtype,
+                                              InferenceEstimate out) {
+  KvCache kv;
+  kv.dtype = TorchName(kv_dtype);
+  kv.batch = setup.batch;
+  kv.context = setup.context;
+  kv.encoder_context = setup.encoder_context > 0 ? setup.encoder_context : setup.context;
+  kv.layers = a.decoder_layers;
+  kv.heads = a.kv_heads > 0 ? a.kv_heads : a.heads;
+  kv.key_dim = kv.value_dim = a.head_dim;
+  kv.kind = kv.heads == a.heads ? "mha" : kv.heads == 1 ? "mqa" : "gqa";
+  const uint64_t element_bytes = static_cast<uint64_t>(DTypeBits(kv_dtype) / 8);
+  MEMPLAN_ASSIGN_OR_RETURN(const uint64_t per_token_layer,
+                           Product({element_bytes, static_cast<uint64_t>(kv.heads),
+                                    static_cast<uint64_t>(kv.key_dim + kv.value_dim)}));
+  MEMPLAN_ASSIGN_OR_RETURN(kv.bytes_per_token,
+                           Product({per_token_layer, static_cast<uint64_t>(kv.layers)}));
+  MEMPLAN_ASSIGN_OR_RETURN(const uint64_t self_bytes,
+                           Product({kv.bytes_per_token, static_cast<uint64_t>(setup.context),
+                                    static_cast<uint64_t>(setup.batch)}));
+  MEMPLAN_ASSIGN_OR_RETURN(kv.cross_attention_bytes,
+                           Product({kv.bytes_per_token, static_cast<uint64_t>(kv.encoder_context),
+                                    static_cast<uint64_t>(setup.batch)}));
+  auto bytes = CheckedAdd(self_bytes, kv.cross_attention_bytes);
+  if (!bytes) return Status::OutOfRange("the KV cache's size overflows 64 bits");
+  kv.bytes = *bytes;
+  out.kv_cache = kv;
+  return out;
+}
+
 }  // namespace
 
 Result<InferenceEstimate> EstimateInference(const ModelInventory& inventory,
@@ -62,6 +220,10 @@ Result<InferenceEstimate> EstimateInference(const ModelInventory& inventory,
   if (setup.context < 1) {
     return Status::InvalidArgument("--context must be at least 1, got " +
                                    std::to_string(setup.context));
+  }
+  if (setup.encoder_context < 0) {
+    return Status::InvalidArgument("--encoder-context must be at least 1, got " +
+                                   std::to_string(setup.encoder_context));
   }
   InferenceEstimate out;
   out.setup = setup;
@@ -77,6 +239,8 @@ Result<InferenceEstimate> EstimateInference(const ModelInventory& inventory,
     out.weights.push_back({r.dtype, r.bits, Divide(counts.accelerate_total_bytes, r.divisor),
                            Divide(counts.accelerate_largest_layer_bytes, r.divisor)});
   }
+  MEMPLAN_ASSIGN_OR_RETURN(std::vector<WeightsRow> quantized, QuantizedRows(inventory, counts));
+  for (WeightsRow& row : quantized) out.weights.push_back(std::move(row));
 
   DType kv_dtype = WeightsDType(inventory);
   if (!setup.kv_dtype.empty()) {
@@ -95,10 +259,9 @@ Result<InferenceEstimate> EstimateInference(const ModelInventory& inventory,
     return out;
   }
   const ArchitectureInfo& a = *inventory.arch;
+  if (a.encoder_decoder) return EncoderDecoderCache(a, setup, kv_dtype, std::move(out));
   if (!a.causal) {
-    out.notes.push_back(a.encoder_decoder
-                            ? "No KV cache figure: encoder-decoder models are not covered yet"
-                            : "No KV cache: an encoder reads the whole input at once");
+    out.notes.push_back("No KV cache: an encoder reads the whole input at once");
     return out;
   }
   KvCache kv;

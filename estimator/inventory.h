@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "common/status.h"
@@ -151,6 +152,15 @@ struct ModelInventory {
 
   // Index of the tensor called `name`, or -1.
   int64_t Find(std::string_view name) const;
+
+ private:
+  // Add's lookup of tie targets: a shape list may tie thousands of tensors, and a scan per tie
+  // made that quadratic. Hashes of the names -> indices, built at the first tie and extended as
+  // tensors are added; every hit is checked against the name, and a miss falls back to Find, so
+  // tensors changed behind Add's back cost time, never correctness.
+  int64_t FindTieTarget(std::string_view name);
+  std::unordered_multimap<size_t, size_t> tie_index_;
+  size_t tie_indexed_ = 0;  // tensors[0, tie_indexed_) are in tie_index_
 };
 
 // Splits "a.b.3.c.weight" into module "a.b.3.c"; block "a.b.3" and layer 3 come from the first

@@ -10,6 +10,7 @@
 #include "estimator/estimate.h"
 #include "common/checked_math.h"
 #include "common/printable.h"
+#include "common/suggest.h"
 #include "estimator/memory_model.h"
 #include "estimator/training_setup.h"
 #include "planner/search.h"
@@ -730,21 +731,6 @@ class Checker {
 };
 
 }  // namespace
-
-size_t EditDistance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = up;
-    }
-  }
-  return row[b.size()];
-}
 
 Result<CheckReport> CheckDeepSpeedConfig(const nlohmann::json& config,
                                          const CheckOptions& options) {

@@ -62,10 +62,6 @@ struct CheckReport {
 // Errors only for input that is not a DeepSpeed config at all (not a JSON object).
 Result<CheckReport> CheckDeepSpeedConfig(const nlohmann::json& config, const CheckOptions& options);
 
-// Levenshtein distance, for suggestions (only measured against known keys within the suggestion's
-// limit in length: Note [Bounded suggestions] in check.cc); exposed for tests.
-size_t EditDistance(const std::string& a, const std::string& b);
-
 nlohmann::json ToJson(const CheckReport& report);
 // One line per problem: "<path>: <message>", then "OK: ..." or a count.
 std::string FormatCheckText(const CheckReport& report, const std::string& source);

@@ -428,6 +428,22 @@ TEST_CASE("cli: estimate --inference prints accelerate's table and the KV cache"
   ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--inference", "--kv-dtype", "int3"}),
                  {"--kv-dtype"});
   ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--context", "0"}), {"--context"});
+  ExpectBadInput(Memplan({"estimate", "--model", "t5-large", "--encoder-context", "0"}),
+                 {"--encoder-context"});
+
+  // The quantizers' rows, and T5's cache: 24 decoder layers x 8 KiB a token (fp32), over 16
+  // decoder tokens and 512 encoder tokens.
+  CHECK(text.out.find("nf4") != std::string::npos);
+  CHECK(text.out.find("6,979,321,856 params quantized, gptq") != std::string::npos);
+  Run t5 = Memplan({"estimate", "--model", "t5-large", "--context", "16", "--encoder-context",
+                    "512", "--format", "json"});
+  REQUIRE(t5.exit_code == 0);
+  auto t5_doc = nlohmann::json::parse(t5.out)["inference"];
+  CHECK(t5_doc["kv_cache"]["encoder_context"] == 512);
+  CHECK(t5_doc["kv_cache"]["cross_attention_bytes"] == 196'608ull * 512);
+  CHECK(t5_doc["kv_cache"]["bytes"] == 196'608ull * (16 + 512));
+  CHECK(t5_doc["weights"][5]["dtype"] == "nf4");
+  CHECK(t5_doc["weights"][5]["method"] == "bitsandbytes");
 }
 
 TEST_CASE("cli: every causal LM built in or in the oracle's configs estimates training and plans") {
@@ -442,7 +458,8 @@ TEST_CASE("cli: every causal LM built in or in the oracle's configs estimates tr
                                  ? std::string()
                                  : config["architectures"][0].get<std::string>();
     if (arch.find("ForCausalLM") == std::string::npos &&
-        arch.find("LMHeadModel") == std::string::npos) {
+        arch.find("LMHeadModel") == std::string::npos &&
+        arch.find("ForConditionalGeneration") == std::string::npos) {  // and Llava, Gemma-3
       continue;
     }
     if (arch.rfind("T5", 0) == 0) continue;

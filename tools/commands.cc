@@ -111,22 +111,25 @@ Result<estimator::ModelInventory> LoadModelForCli(const std::string& spec,
 
 namespace {
 
-// `memplan estimate --inference [--context N] [--batch B] [--kv-dtype D]`: any of the last three
-// implies the first.
+// `memplan estimate --inference [--context N] [--batch B] [--kv-dtype D] [--encoder-context M]`:
+// any of the others implies the first.
 struct InferenceFlags {
   bool inference = false;
   int64_t context = 4096;
   int64_t batch = 1;
   std::string kv_dtype;
+  int64_t encoder_context = 0;
   CLI::Option* context_option = nullptr;
   CLI::Option* batch_option = nullptr;
   CLI::Option* kv_dtype_option = nullptr;
+  CLI::Option* encoder_context_option = nullptr;
 
   void Add(CLI::App* cmd) {
     const char* group = "Inference (accelerate estimate-memory's table and the KV cache)";
     cmd->add_flag("--inference", inference,
                   "The weights per dtype and largest layer as `accelerate estimate-memory` prints "
-                  "them, and the KV cache of generating --batch sequences of --context tokens")
+                  "them, what NF4 (bitsandbytes) and GPTQ int4 hold tensor by tensor, and the KV "
+                  "cache of generating --batch sequences of --context tokens")
         ->group(group);
     context_option = cmd->add_option("--context", context,
                                      "Tokens per sequence held in the KV cache (prompt + output)")
@@ -141,12 +144,26 @@ struct InferenceFlags {
                                       "KV cache dtype (bf16, fp16, fp32, fp8, ...); default: the "
                                       "weights' dtype from the config")
                           ->group(group);
+    encoder_context_option =
+        cmd->add_option("--encoder-context", encoder_context,
+                        "Encoder-decoder models (T5): encoder tokens, whose keys and values each "
+                        "decoder layer's cross-attention caches; --context is then the decoder's "
+                        "(default: the same as --context)")
+            ->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+            ->group(group);
   }
   bool Any() const {
     return inference || context_option->count() > 0 || batch_option->count() > 0 ||
-           kv_dtype_option->count() > 0;
+           kv_dtype_option->count() > 0 || encoder_context_option->count() > 0;
   }
-  estimator::InferenceSetup Setup() const { return {batch, context, kv_dtype}; }
+  estimator::InferenceSetup Setup() const {
+    estimator::InferenceSetup setup;
+    setup.batch = batch;
+    setup.context = context;
+    setup.kv_dtype = kv_dtype;
+    setup.encoder_context = encoder_context;
+    return setup;
+  }
 };
 
 // The training-setup flags of `memplan estimate` (issue 3's spelling, which `plan` shares). Any of

@@ -11,7 +11,14 @@ read), it
   2. runs a forward of --batch x --context tokens on the meta device with use_cache=True and adds
      up the bytes of every tensor the returned DynamicCache holds: memplan's kv_cache.bytes (with
      --kv-dtype float32, the model's dtype here) must equal it. The default context is longer than
-     the 4096-token sliding windows, so windowed layers are capped as Transformers caps them.
+     the 4096-token sliding windows, so windowed layers are capped as Transformers caps them. An
+     encoder-decoder model (T5) reads --encoder-context tokens and its decoder --context: the
+     EncoderDecoderCache holds both (self-attention and cross-attention), and memplan gets the
+     same --encoder-context;
+  3. counts the weights bitsandbytes would quantize in 4 bits (Transformers' own rule:
+     replace_with_bnb_linear's nn.Linear / Conv1D modules outside get_keys_to_not_convert, matched
+     as should_convert_module matches): memplan's nf4 row must quantize exactly those parameters.
+     bitsandbytes itself is not installed; its bytes per weight follow its documented layout.
 
 Runs in the modern environment (scripts/python-env.sh --modern); exits 1 on any mismatch, 2 on a
 usage or environment error.
@@ -38,7 +45,7 @@ try:
     import torch
     import transformers
     from accelerate.utils import calculate_maximum_sizes
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 except ImportError as error:
     die(f"cannot import torch/transformers/accelerate ({error}); run scripts/python-env.sh --modern")
 
@@ -49,7 +56,7 @@ DIVISORS = {"float32": 1, "float16/bfloat16": 2, "int8": 4, "int4": 8}
 def cut(data, max_layers):
     """The config with at most max_layers decoder layers (and its per-layer lists cut alike)."""
     data = dict(data)
-    for field in ("num_hidden_layers", "n_layer", "num_layers"):
+    for field in ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers"):
         if field in data and data[field] > max_layers:
             data[field] = max_layers
             for per_layer in ("layer_types",):
@@ -58,20 +65,44 @@ def cut(data, max_layers):
     return data
 
 
-def truth(data, batch, context):
+def truth(data, batch, context, encoder_context):
     config = CONFIG_MAPPING[data["model_type"]].from_dict(dict(data))
     config.dtype = torch.float32
+    seq2seq = getattr(config, "is_encoder_decoder", False)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if seq2seq:
+            model = AutoModelForSeq2SeqLM.from_config(config, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         total, (largest, _) = calculate_maximum_sizes(model)
-        ids = torch.zeros(batch, context, dtype=torch.long)
-        cache = model(input_ids=ids, use_cache=True).past_key_values
+        bnb = bnb_quantized(model)
+        ids = torch.zeros(batch, encoder_context if seq2seq else context, dtype=torch.long)
+        if seq2seq:
+            decoder_ids = torch.zeros(batch, context, dtype=torch.long)
+            cache = model(input_ids=ids, decoder_input_ids=decoder_ids,
+                          use_cache=True).past_key_values
+            caches = [cache.self_attention_cache, cache.cross_attention_cache]
+        else:
+            caches = [model(input_ids=ids, use_cache=True).past_key_values]
     kv = 0
-    for layer in cache.layers:
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if tensor is not None:
-                kv += tensor.numel() * tensor.element_size()
-    return int(total), int(largest), kv
+    for part in caches:
+        for layer in part.layers:
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if tensor is not None:
+                    kv += tensor.numel() * tensor.element_size()
+    return int(total), int(largest), kv, bnb
+
+
+def bnb_quantized(model):
+    """Parameters Transformers' bitsandbytes integration stores in 4 bits."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+    keep = get_keys_to_not_convert(model)
+    return sum(module.weight.numel() for name, module in model.named_modules()
+               if should_convert_module(name, keep)
+               and (isinstance(module, Conv1D) or type(module) is nn.Linear))
 
 
 def main() -> int:
@@ -80,6 +111,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--context", type=int, default=4100)
     parser.add_argument("--max-layers", type=int, default=8)
+    parser.add_argument("--encoder-context", type=int, default=1500,
+                        help="encoder tokens of encoder-decoder models")
     parser.add_argument("configs", nargs="+")
     args = parser.parse_args()
     print(f"inference-oracle: transformers {transformers.__version__}, torch {torch.__version__}, "
@@ -94,11 +127,12 @@ def main() -> int:
             variant = os.path.join(scratch, label)
             with open(variant, "w", encoding="utf-8") as file:
                 json.dump(data, file)
-            total, largest, kv = truth(data, args.batch, args.context)
+            total, largest, kv, bnb = truth(data, args.batch, args.context, args.encoder_context)
             result = subprocess.run(
                 [args.memplan, "estimate", "--model", variant, "--inference", "--batch",
                  str(args.batch), "--context", str(args.context), "--kv-dtype", "float32",
-                 "--format", "json"], capture_output=True, text=True, timeout=120, check=False)
+                 "--encoder-context", str(args.encoder_context), "--format", "json"],
+                capture_output=True, text=True, timeout=120, check=False)
             if result.returncode != 0:
                 print(f"FAIL  {label}: memplan exit {result.returncode}: {result.stderr.strip()[:300]}")
                 failed += 1
@@ -111,6 +145,9 @@ def main() -> int:
                 got = (rows[dtype]["total_bytes"], rows[dtype]["largest_layer_bytes"])
                 if got != want:
                     problems.append(f"weights {dtype}: memplan {got}, accelerate {want}")
+            nf4 = rows.get("nf4", {}).get("quantized_params")
+            if nf4 != bnb:
+                problems.append(f"nf4: memplan quantizes {nf4} parameters, bitsandbytes {bnb}")
             mine = (inference.get("kv_cache") or {}).get("bytes")
             if mine != kv:
                 problems.append(f"kv cache: memplan {mine}, transformers {kv}")
@@ -121,7 +158,7 @@ def main() -> int:
                     print(f"        {problem}")
             else:
                 print(f"PASS  {label}: weights {total:,} B fp32, largest {largest:,} B, "
-                      f"kv cache {kv:,} B ({inference['kv_cache']['kind']})")
+                      f"nf4 {bnb:,} params, kv cache {kv:,} B ({inference['kv_cache']['kind']})")
     print(f"inference-oracle: {time.monotonic() - started:.1f}s; {len(args.configs) - failed} "
           f"passed, {failed} failed")
     return 1 if failed else 0

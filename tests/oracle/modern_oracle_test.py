@@ -215,6 +215,12 @@ def main() -> int:
                 # torch_dtype=float32); head classes would otherwise build their base model in
                 # the config's dtype through AutoModel.from_config.
                 cfg.dtype = torch.float32
+                # A composite (Llava) builds each sub-model in its sub-config's dtype unless told
+                # otherwise; from_config(torch_dtype=float32), as Accelerate calls it, builds all
+                # of it in fp32.
+                for sub in getattr(cfg, "sub_configs", {}) or {}:
+                    if getattr(cfg, sub, None) is not None:
+                        getattr(cfg, sub).dtype = torch.float32
                 try:
                     with torch.device("meta"):
                         truth = Truth(cls(cfg))
