@@ -589,7 +589,8 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         plan.peak = m->peak;
         plan.gpu_capacity_bytes = limits.gpu;
         plan.time = PredictStepTime(shape, cluster, plan.setup, job.global_batch,
-                                    plan.setup.pin_memory, family.sharding);
+                                    plan.setup.pin_memory, family.sharding,
+                                    options.time_constants);
         plan.tokens_per_s =
             static_cast<double>(job.global_batch) * shape.seq_len / plan.time.total_s;
         plan.mfu = plan.time.model_flops / (plan.time.total_s * peak_flops);
@@ -730,7 +731,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
     }
   }
 
-  const TimeConstants& k = DefaultTimeConstants();
+  const TimeConstants& k = options.time_constants;
   result.assumptions = {
       "Fit: GPU peak (CUDA context and 10% allocator margin included) <= GPU memory less " +
           Fmt("%.0f", options.gpu_safety_fraction * 100) + "%; " +
@@ -779,6 +780,10 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
           "% of each other tie; ties go to the job's own optimizer, less offload, then more GPU "
           "headroom.",
   };
+  if (!options.calibration_note.empty()) {
+    result.assumptions.push_back("Step-time constants calibrated from measured runs: " +
+                                 options.calibration_note + ".");
+  }
   if (options.tune_buffers) {
     result.assumptions.push_back(
         "DeepSpeed buffers tuned from the model (Note [Tuned buffers]): buckets, prefetch and "
