@@ -141,7 +141,7 @@ Result<std::string> LaunchScript(const Plan& plan, const Cluster& cluster,
     out += "export MASTER_ADDR\nexport MASTER_PORT=" + port + "\n";
     if (!o.accelerate_config.empty()) {
       out += "srun --kill-on-bad-exit=1 bash -c " +
-             ShellQuote("exec accelerate launch --config_file " +
+             ShellQuote("accelerate launch --config_file " +
                         ShellQuote(o.accelerate_config) + " --num_machines " +
                         std::to_string(nodes) + " --num_processes " +
                         std::to_string(nodes * per_node) +
