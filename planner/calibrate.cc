@@ -169,6 +169,11 @@ Result<std::vector<MeasuredRun>> RunsFromJson(const nlohmann::json& json, const 
         auto setup = estimator::TrainingSetupFromJson(value);
         if (!setup.ok()) return setup.status().WithPrefix(where);
         run.setup = *setup;
+      } else if (key == "model_class") {
+        if (value != "auto" && value != "base") {
+          return Status::InvalidArgument(where + ".model_class: expected \"auto\" or \"base\"");
+        }
+        run.base_class = value == "base";
       } else if (key == "sharding") {
         if (value != "full" && value != "hybrid") {
           return Status::InvalidArgument(where + ".sharding: expected \"full\" or \"hybrid\"");
@@ -198,6 +203,7 @@ Result<std::vector<MeasuredRun>> RunsFromJson(const nlohmann::json& json, const 
 nlohmann::json ToJson(const MeasuredRun& run) {
   return {{"id", run.id},
           {"model", run.model},
+          {"model_class", run.base_class ? "base" : "auto"},
           {"cluster", ToJson(run.cluster)},
           {"setup", estimator::ToJson(run.setup)},
           {"sharding", run.sharding == Sharding::kHybrid ? "hybrid" : "full"},

@@ -51,6 +51,7 @@ namespace memplan::planner {
 struct MeasuredRun {
   std::string id;
   std::string model;               // as --model takes it (built-in name, config.json, repo id)
+  bool base_class = false;         // "model_class": "base" (AutoModel), else the architectures'
   Cluster cluster;                 // GPU, nodes, GPUs per node, network, RAM, NVMe
   estimator::TrainingSetup setup;  // precision, optimizer, stage, offload, checkpointing,
                                    // micro_batch, grad_accum, seq_len, pin_memory, ...
@@ -60,7 +61,8 @@ struct MeasuredRun {
 };
 
 // The runs file, format "memplan.runs/1":
-//   {"format": "memplan.runs/1", "runs": [{"id", "model", "cluster": {plan's --cluster form},
+//   {"format": "memplan.runs/1", "runs": [{"id", "model", "model_class": "auto" | "base",
+//     "cluster": {plan's --cluster form},
 //     "setup": {estimate's "setup" form}, "sharding": "full" | "hybrid", "step_time_s",
 //     "source", "environment": {...}}]}
 // ("environment" is free-form and ignored). Errors name `source`, the run and the key: a missing

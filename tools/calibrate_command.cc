@@ -43,10 +43,13 @@ void RunCalibrate(const CalibrateFlags& f, Outcome* outcome) {
   std::map<std::string, std::unique_ptr<estimator::ModelInventory>> models;
   std::vector<planner::CalibrationRun> inputs;
   for (const planner::MeasuredRun& run : *runs) {
-    auto& slot = models[run.model];
+    auto& slot = models[(run.base_class ? "base:" : "auto:") + run.model];
     if (!slot) {
-      auto inventory =
-          LoadModelForCli(run.model, estimator::ModelClassChoice::kFromArchitectures, f.source);
+      auto inventory = LoadModelForCli(run.model,
+                                       run.base_class
+                                           ? estimator::ModelClassChoice::kBase
+                                           : estimator::ModelClassChoice::kFromArchitectures,
+                                       f.source);
       if (!inventory.ok()) {
         return fail(inventory.status().WithPrefix(f.runs_file + ": run '" + run.id + "'"));
       }
