@@ -23,25 +23,31 @@ std::string Fmt(const char* format, double v) {
 
 // One fitted quantity: where it lives, its scale (the fit works in value / scale) and bounds.
 struct Parameter {
-  std::string name;
-  std::string gpu;  // gemm_efficiency: the GPU it belongs to
+  std::string name;  // "gemm_efficiency[a100-80]", "network_efficiency", ...
+  std::string base;  // the constant: "gemm_efficiency", "link_efficiency", ...
+  std::string gpu;   // per-GPU constants: the GPU it belongs to
   double scale = 1, lo = 0, hi = 1;
 };
 
 // The constants of Note [Calibration], in priority order, for the runs' GPUs.
 std::vector<Parameter> Candidates(const std::vector<CalibrationRun>& runs) {
   std::vector<Parameter> out;
-  std::set<std::string> gpus;
+  std::vector<std::string> gpus;
   for (const CalibrationRun& r : runs) {
-    if (gpus.insert(r.run.cluster.gpu.name).second) {
-      out.push_back({"gemm_efficiency[" + r.run.cluster.gpu.name + "]", r.run.cluster.gpu.name,
-                     r.run.cluster.gpu.gemm_efficiency, 0.01, 1.0});
+    if (std::find(gpus.begin(), gpus.end(), r.run.cluster.gpu.name) == gpus.end()) {
+      gpus.push_back(r.run.cluster.gpu.name);
     }
   }
-  out.push_back({"link_efficiency", "", 1, 0.01, 1.0});
-  out.push_back({"network_efficiency", "", 1, 0.01, 1.0});
-  out.push_back({"offload_overlap", "", 1, 0.0, 1.0});
-  out.push_back({"gemm_tokens_half", "", 1000, 0.0, 1e6});
+  for (const std::string& g : gpus) {
+    out.push_back({"gemm_efficiency[" + g + "]", "gemm_efficiency", g, 1, 0.01, 1.0});
+  }
+  for (const std::string& g : gpus) {
+    out.push_back({"link_efficiency[" + g + "]", "link_efficiency", g, 1, 0.01, 1.0});
+  }
+  out.push_back({"network_efficiency", "network_efficiency", "", 1, 0.01, 1.0});
+  out.push_back({"offload_overlap", "offload_overlap", "", 1, 0.0, 1.0});
+  out.push_back({"cpu_adam_factor", "cpu_adam_factor", "", 1, 0.05, 5.0});
+  out.push_back({"gemm_tokens_half", "gemm_tokens_half", "", 1000, 0.0, 1e6});
   return out;
 }
 
@@ -53,10 +59,11 @@ struct Model {
   TimeConstants base;
 
   double Get(const Parameter& p, const TimeConstants& k, const GpuSpec& gpu) const {
-    if (!p.gpu.empty()) return gpu.gemm_efficiency;
-    if (p.name == "link_efficiency") return k.link_efficiency;
+    if (p.base == "gemm_efficiency") return gpu.gemm_efficiency;
+    if (p.base == "link_efficiency") return k.link_efficiency;
     if (p.name == "network_efficiency") return k.network_efficiency;
     if (p.name == "offload_overlap") return k.offload_overlap;
+    if (p.name == "cpu_adam_factor") return k.cpu_adam_factor;
     return k.gemm_tokens_half;
   }
 
@@ -68,13 +75,15 @@ struct Model {
     for (size_t j = 0; j < params.size(); ++j) {
       const Parameter& p = params[j];
       if (!p.gpu.empty()) {
-        if (p.gpu == c.gpu.name) c.gpu.gemm_efficiency = v[static_cast<Eigen::Index>(j)];
-      } else if (p.name == "link_efficiency") {
-        k.link_efficiency = v[static_cast<Eigen::Index>(j)];
+        if (p.gpu != c.gpu.name) continue;
+        (p.base == "gemm_efficiency" ? c.gpu.gemm_efficiency : k.link_efficiency) =
+            v[static_cast<Eigen::Index>(j)];
       } else if (p.name == "network_efficiency") {
         k.network_efficiency = v[static_cast<Eigen::Index>(j)];
       } else if (p.name == "offload_overlap") {
         k.offload_overlap = v[static_cast<Eigen::Index>(j)];
+      } else if (p.name == "cpu_adam_factor") {
+        k.cpu_adam_factor = v[static_cast<Eigen::Index>(j)];
       } else {
         k.gemm_tokens_half = v[static_cast<Eigen::Index>(j)];
       }
@@ -228,26 +237,28 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
   std::vector<Parameter> candidates = Candidates(runs);
   std::set<std::string> asked(options.constants.begin(), options.constants.end());
   if (!asked.empty()) {
-    std::set<std::string> known = {"gemm_efficiency"};
-    for (const Parameter& p : candidates) known.insert(p.gpu.empty() ? p.name : "gemm_efficiency");
+    std::set<std::string> known = {"gemm_efficiency", "link_efficiency"};
+    for (const Parameter& p : candidates) known.insert(p.base);
     for (const std::string& name : asked) {
       if (known.count(name) == 0) {
         return Status::InvalidArgument(
             "--constants " + name +
             ": not a calibrated constant (gemm_efficiency, gemm_tokens_half, link_efficiency, "
-            "network_efficiency, offload_overlap)");
+            "network_efficiency, offload_overlap, cpu_adam_factor)");
       }
     }
     std::vector<Parameter> kept;
     for (const Parameter& p : candidates) {
-      if (asked.count(p.gpu.empty() ? p.name : "gemm_efficiency") > 0) kept.push_back(p);
+      if (asked.count(p.base) > 0) kept.push_back(p);
     }
     candidates = kept;
   }
   // Values at the prior.
   auto prior_of = [&](const Parameter& p) {
     for (const CalibrationRun& r : runs) {
-      if (!p.gpu.empty() && r.run.cluster.gpu.name == p.gpu) return r.run.cluster.gpu.gemm_efficiency;
+      if (p.base == "gemm_efficiency" && r.run.cluster.gpu.name == p.gpu) {
+        return r.run.cluster.gpu.gemm_efficiency;
+      }
     }
     return model.Get(p, options.start, GpuSpec{});
   };
@@ -257,7 +268,6 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
     v[static_cast<Eigen::Index>(j)] = std::clamp(prior_of(candidates[j]), candidates[j].lo,
                                                  candidates[j].hi);
   }
-  const Eigen::VectorXd prior = v;
 
   // Which candidates the runs determine: each normalised column, in priority order, must raise
   // the rank of those kept (Note [Calibration]).
@@ -267,8 +277,9 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
   std::vector<size_t> kept;
   auto why_not = [&](const Parameter& p, bool touched) -> std::string {
     if (!touched) {
-      if (p.name == "link_efficiency") return p.name + ": no run has more than one GPU";
+      if (p.base == "link_efficiency") return p.name + ": no run has more than one GPU";
       if (p.name == "network_efficiency") return p.name + ": no run spans nodes";
+      if (p.name == "cpu_adam_factor") return p.name + ": no run offloads the optimizer";
       if (p.name == "offload_overlap") {
         return p.name + ": no run offloads (or its offload time has nothing to overlap)";
       }
@@ -280,30 +291,34 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
              ": every run has the same micro-batch x sequence per GPU, which cannot tell it from "
              "gemm_efficiency (measure two or more sizes)";
     }
-    return p.name + ": the runs cannot tell it from the constants fitted before it";
+    return p.name + ": the runs cannot tell it from the other constants";
   };
+  // Which candidates the runs touch at all; of those, which ones the runs cannot tell from the
+  // candidates before them (the normalised columns, in priority order, do not raise the rank):
+  // these are fitted all the same, since the priors make the fit well posed, and when one of
+  // them turns out too uncertain, that is the reason given.
   const double column_floor = 1e-6;
+  std::vector<bool> collinear(candidates.size(), false);
+  std::vector<size_t> independent;
   for (size_t c = 0; c < candidates.size(); ++c) {
     const Eigen::VectorXd col = j0.col(static_cast<Eigen::Index>(c));
     const bool touched = col.norm() > column_floor;
-    bool raises = false;
-    if (touched && static_cast<Eigen::Index>(kept.size() + 1) > j0.rows()) {
-      raises = true;  // more constants than runs: the error below says so
-    } else if (touched) {
-      Eigen::MatrixXd sub(j0.rows(), static_cast<Eigen::Index>(kept.size() + 1));
-      for (size_t k = 0; k < kept.size(); ++k) {
-        const Eigen::VectorXd kc = j0.col(static_cast<Eigen::Index>(kept[k]));
+    if (touched && static_cast<Eigen::Index>(independent.size() + 1) <= j0.rows()) {
+      Eigen::MatrixXd sub(j0.rows(), static_cast<Eigen::Index>(independent.size() + 1));
+      for (size_t k = 0; k < independent.size(); ++k) {
+        const Eigen::VectorXd kc = j0.col(static_cast<Eigen::Index>(independent[k]));
         sub.col(static_cast<Eigen::Index>(k)) = kc / kc.norm();
       }
-      sub.col(static_cast<Eigen::Index>(kept.size())) = col / col.norm();
+      sub.col(static_cast<Eigen::Index>(independent.size())) = col / col.norm();
       Eigen::JacobiSVD<Eigen::MatrixXd> svd(sub);
       const Eigen::VectorXd sv = svd.singularValues();
-      raises = sv[sv.size() - 1] > 1e-3 * sv[0];
+      collinear[c] = !(sv[sv.size() - 1] > 1e-3 * sv[0]);
+      if (!collinear[c]) independent.push_back(c);
     }
     const Parameter& p = candidates[c];
-    if (raises) {
+    if (touched) {
       kept.push_back(c);
-    } else if (asked.count(p.gpu.empty() ? p.name : "gemm_efficiency") > 0) {
+    } else if (asked.count(p.base) > 0) {
       return Status::InvalidArgument("--constants: cannot fit " + why_not(p, touched));
     } else {
       result.not_determined.push_back(why_not(p, touched));
@@ -325,69 +340,140 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
         " runs, or fit fewer with --constants");
   }
 
-  // Levenberg-Marquardt over the kept parameters, in value / scale units.
+  // Levenberg-Marquardt over the kept parameters, in value / scale units; then the standard
+  // errors. A constant the runs pin down too loosely (standard error above kMaxRelativeError of
+  // its value, or of its scale for gemm_tokens_half) is not determined after all: the least
+  // certain one goes back to its prior and the rest are fitted again (unless asked for by name).
+  const double prior_cost = model.Residuals(v).squaredNorm();
   std::vector<Parameter> fit_params;
-  for (size_t c : kept) fit_params.push_back(candidates[c]);
-  model.params = fit_params;
-  Eigen::VectorXd x(static_cast<Eigen::Index>(kept.size()));
-  for (size_t k = 0; k < kept.size(); ++k) x[static_cast<Eigen::Index>(k)] = v[static_cast<Eigen::Index>(kept[k])];
-  const Eigen::VectorXd x_prior = x;
-  auto clamp = [&](Eigen::VectorXd y) {
-    for (Eigen::Index k = 0; k < y.size(); ++k) {
-      y[k] = std::clamp(y[k], fit_params[static_cast<size_t>(k)].lo,
-                        fit_params[static_cast<size_t>(k)].hi);
-    }
-    return y;
-  };
-  Eigen::VectorXd scales(x.size());
-  for (Eigen::Index k = 0; k < x.size(); ++k) scales[k] = fit_params[static_cast<size_t>(k)].scale;
-  Eigen::VectorXd r = model.Residuals(x);
-  double cost = r.squaredNorm();
-  const double prior_cost = cost;
-  double lambda = 1e-3;
-  int it = 0;
-  for (; it < options.max_iterations; ++it) {
-    const Eigen::MatrixXd j = model.Jacobian(x);
-    const Eigen::MatrixXd a = j.transpose() * j;
-    const Eigen::VectorXd g = j.transpose() * r;
-    bool improved = false;
-    double gain = 0;
-    for (int tries = 0; tries < 40 && !improved; ++tries) {
-      Eigen::MatrixXd damped = a;
-      for (Eigen::Index k = 0; k < a.rows(); ++k) damped(k, k) += lambda * std::max(a(k, k), 1e-12);
-      const Eigen::VectorXd step = damped.ldlt().solve(-g);
-      const Eigen::VectorXd candidate = clamp(x + step.cwiseProduct(scales));
-      const Eigen::VectorXd rc = model.Residuals(candidate);
-      const double c2 = rc.squaredNorm();
-      if (std::isfinite(c2) && c2 < cost) {
-        gain = cost - c2;
-        x = candidate;
-        r = rc;
-        cost = c2;
-        lambda = std::max(lambda / 3, 1e-9);
-        improved = true;
-      } else {
-        lambda *= 4;
-      }
-    }
-    // Converged: no step lowers the cost, or the last one barely did.
-    if (!improved || gain <= 1e-12 * std::max(cost, 1e-20)) break;
-  }
-  for (Eigen::Index k = 0; k < x.size(); ++k) {
-    if (!std::isfinite(x[k])) return Status::Internal("calibrate: the fit diverged");
-  }
-  result.iterations = it;
-
-  // Standard errors: s^2 (J^T J)^-1 at the solution, in value units.
-  const Eigen::MatrixXd jf = model.Jacobian(x);
+  Eigen::VectorXd x, x_prior, se;
+  double cost = 0;
   const auto n = static_cast<double>(runs.size());
-  const auto m = static_cast<double>(kept.size());
-  Eigen::VectorXd se = Eigen::VectorXd::Zero(x.size());
-  if (n > m) {
-    const double s2 = cost / (n - m);
-    const Eigen::MatrixXd cov = (jf.transpose() * jf).completeOrthogonalDecomposition().pseudoInverse() * s2;
+  while (true) {
+    fit_params.clear();
+    for (size_t c : kept) fit_params.push_back(candidates[c]);
+    model.params = fit_params;
+    x.resize(static_cast<Eigen::Index>(kept.size()));
+    for (size_t k = 0; k < kept.size(); ++k) {
+      x[static_cast<Eigen::Index>(k)] = v[static_cast<Eigen::Index>(kept[k])];
+    }
+    x_prior = x;
+    auto clamp = [&](Eigen::VectorXd y) {
+      for (Eigen::Index k = 0; k < y.size(); ++k) {
+        y[k] = std::clamp(y[k], fit_params[static_cast<size_t>(k)].lo,
+                          fit_params[static_cast<size_t>(k)].hi);
+      }
+      return y;
+    };
+    Eigen::VectorXd scales(x.size());
+    for (Eigen::Index k = 0; k < x.size(); ++k) scales[k] = fit_params[static_cast<size_t>(k)].scale;
+    // Prior widths (Note [Calibration]).
+    Eigen::VectorXd widths(x.size());
+    for (Eigen::Index k = 0; k < x.size(); ++k) {
+      const Parameter& p = fit_params[static_cast<size_t>(k)];
+      widths[k] = p.name == "gemm_tokens_half"  ? 1000.0
+                  : p.name == "offload_overlap" ? 0.3
+                  : p.name == "cpu_adam_factor" ? 0.5
+                                                : 0.3 * std::max(x_prior[k], 0.05);
+    }
+    // The objective: data residuals / `noise`, and, when `with_prior`, (x - prior) / width.
+    auto residuals = [&](const Eigen::VectorXd& y, double noise, bool with_prior) {
+      const Eigen::VectorXd rd = model.Residuals(y) / noise;
+      if (!with_prior) return rd;
+      Eigen::VectorXd out(rd.size() + y.size());
+      out << rd, (y - x_prior).cwiseQuotient(widths);
+      return out;
+    };
+    auto jacobian = [&](const Eigen::VectorXd& y, double noise, bool with_prior) {
+      const Eigen::MatrixXd jd = model.Jacobian(y) / noise;
+      if (!with_prior) return jd;
+      Eigen::MatrixXd out(jd.rows() + y.size(), y.size());
+      out << jd, Eigen::MatrixXd(scales.cwiseQuotient(widths).asDiagonal());
+      return out;
+    };
+    auto minimise = [&](double noise, bool with_prior) {
+      Eigen::VectorXd r = residuals(x, noise, with_prior);
+      double c = r.squaredNorm();
+      double lambda = 1e-3;
+      int it = 0;
+      for (; it < options.max_iterations; ++it) {
+        const Eigen::MatrixXd j = jacobian(x, noise, with_prior);
+        const Eigen::MatrixXd a = j.transpose() * j;
+        const Eigen::VectorXd g = j.transpose() * r;
+        bool improved = false;
+        double gain = 0, moved = 0;
+        for (int tries = 0; tries < 40 && !improved; ++tries) {
+          Eigen::MatrixXd damped = a;
+          for (Eigen::Index k = 0; k < a.rows(); ++k) {
+            damped(k, k) += lambda * std::max(a(k, k), 1e-12);
+          }
+          const Eigen::VectorXd step = damped.ldlt().solve(-g);
+          const Eigen::VectorXd candidate = clamp(x + step.cwiseProduct(scales));
+          const Eigen::VectorXd rc = residuals(candidate, noise, with_prior);
+          const double c2 = rc.squaredNorm();
+          if (std::isfinite(c2) && c2 < c) {
+            gain = c - c2;
+            moved = (candidate - x).cwiseQuotient(scales).norm();
+            x = candidate;
+            r = rc;
+            c = c2;
+            lambda = std::max(lambda / 3, 1e-9);
+            improved = true;
+          } else {
+            lambda *= 4;
+          }
+        }
+        // Converged: no step lowers the cost, or the last one barely did or barely moved.
+        if (!improved || gain <= 1e-12 * std::max(c, 1e-20) || moved < 1e-9) break;
+      }
+      result.iterations += it;
+    };
+    // First the data alone: its scatter is the measurement noise (at least kNoiseFloor); then the
+    // data against the priors, each residual weighed by that noise (a maximum a posteriori fit).
+    constexpr double kNoiseFloor = 0.002;
+    minimise(1.0, false);
+    const auto m = static_cast<double>(kept.size());
+    const double data_cost = model.Residuals(x).squaredNorm();
+    const double noise = std::max(kNoiseFloor, n > m ? std::sqrt(data_cost / (n - m)) : 0.02);
+    minimise(noise, true);
+    for (Eigen::Index k = 0; k < x.size(); ++k) {
+      if (!std::isfinite(x[k])) return Status::Internal("calibrate: the fit diverged");
+    }
+    cost = model.Residuals(x).squaredNorm();
+
+    // Standard errors from the curvature of the objective at the solution, in value units.
+    const Eigen::MatrixXd jf = jacobian(x, noise, true);
+    const Eigen::MatrixXd cov =
+        (jf.transpose() * jf).completeOrthogonalDecomposition().pseudoInverse();
+    se = Eigen::VectorXd::Zero(x.size());
     for (Eigen::Index k = 0; k < x.size(); ++k) {
       se[k] = std::sqrt(std::max(0.0, cov(k, k))) * scales[k];
+    }
+    // The least certain constant not asked for by name, if any is too uncertain.
+    constexpr double kMaxRelativeError = 0.25;
+    Eigen::Index worst = -1;
+    double worst_ratio = kMaxRelativeError;
+    for (Eigen::Index k = 0; k < x.size(); ++k) {
+      const Parameter& p = fit_params[static_cast<size_t>(k)];
+      if (asked.count(p.base) > 0) continue;
+      const double ratio =
+          se[k] / std::max(std::fabs(x[k]), p.base == "gemm_tokens_half" ? p.scale : 1e-9);
+      if (ratio > worst_ratio) {
+        worst_ratio = ratio;
+        worst = k;
+      }
+    }
+    if (worst < 0) break;
+    const Parameter& dropped = fit_params[static_cast<size_t>(worst)];
+    result.not_determined.push_back(
+        (collinear[kept[static_cast<size_t>(worst)]] ? why_not(dropped, true) + "; "
+                                                     : dropped.name + ": ") +
+        "too uncertain from these runs (" + Fmt("%.3g", x[worst]) + " +- " +
+        Fmt("%.2g", se[worst]) + "); prior " + Fmt("%.4g", x_prior[worst]) + " kept");
+    kept.erase(kept.begin() + worst);
+    if (kept.empty()) {
+      return Status::InvalidArgument("calibrate: the runs determine none of the constants "
+                                     "precisely (" + result.not_determined.back() + ")");
     }
   }
   for (size_t k = 0; k < kept.size(); ++k) {
@@ -400,14 +486,16 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
     f.standard_error = se[e];
     f.at_bound = (x[e] <= p.lo + 1e-12 || x[e] >= p.hi - 1e-12) && x[e] != x_prior[e];
     result.fitted.push_back(f);
-    if (!p.gpu.empty()) {
+    if (p.base == "gemm_efficiency") {
       result.gemm_efficiency[p.gpu] = x[e];
-    } else if (p.name == "link_efficiency") {
-      result.constants.link_efficiency = x[e];
+    } else if (p.base == "link_efficiency") {
+      result.link_efficiency[p.gpu] = x[e];
     } else if (p.name == "network_efficiency") {
       result.constants.network_efficiency = x[e];
     } else if (p.name == "offload_overlap") {
       result.constants.offload_overlap = x[e];
+    } else if (p.name == "cpu_adam_factor") {
+      result.constants.cpu_adam_factor = x[e];
     } else {
       result.constants.gemm_tokens_half = x[e];
     }
@@ -438,9 +526,11 @@ nlohmann::json ToJson(const Calibration& c) {
     if (f.name == "link_efficiency") constants[f.name] = c.constants.link_efficiency;
     if (f.name == "network_efficiency") constants[f.name] = c.constants.network_efficiency;
     if (f.name == "offload_overlap") constants[f.name] = c.constants.offload_overlap;
+    if (f.name == "cpu_adam_factor") constants[f.name] = c.constants.cpu_adam_factor;
     if (f.name == "gemm_tokens_half") constants[f.name] = c.constants.gemm_tokens_half;
   }
-  for (const auto& [gpu, value] : c.gemm_efficiency) gpus[gpu] = {{"gemm_efficiency", value}};
+  for (const auto& [gpu, value] : c.gemm_efficiency) gpus[gpu]["gemm_efficiency"] = value;
+  for (const auto& [gpu, value] : c.link_efficiency) gpus[gpu]["link_efficiency"] = value;
   nlohmann::json runs = nlohmann::json::array();
   for (const RunResidual& r : c.runs) {
     runs.push_back({{"id", r.id},
@@ -482,11 +572,13 @@ Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::s
         double* target = name == "link_efficiency"      ? &c.constants.link_efficiency
                          : name == "network_efficiency" ? &c.constants.network_efficiency
                          : name == "offload_overlap"    ? &c.constants.offload_overlap
+                         : name == "cpu_adam_factor"    ? &c.constants.cpu_adam_factor
                          : name == "gemm_tokens_half"   ? &c.constants.gemm_tokens_half
                                                         : nullptr;
         if (target == nullptr) return Status::InvalidArgument(what + ": unknown constant");
         const bool ok = name == "gemm_tokens_half" ? (x >= 0 && x <= 1e6)
                         : name == "offload_overlap" ? (x >= 0 && x <= 1)
+                        : name == "cpu_adam_factor" ? (x >= 0.05 && x <= 5)
                                                     : (x >= 0.01 && x <= 1);
         if (!ok) return Status::InvalidArgument(what + ": outside its bounds");
         *target = x;
@@ -498,16 +590,17 @@ Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::s
         const std::string what = source + ": gpus." + gpu;
         if (!entry.is_object()) return Status::InvalidArgument(what + ": expected an object");
         for (const auto& [name, v] : entry.items()) {
-          if (name != "gemm_efficiency") {
+          if (name != "gemm_efficiency" && name != "link_efficiency") {
             return Status::InvalidArgument(what + "." + name + ": unknown constant");
           }
           if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0.01 ||
               v.get<double>() > 1) {
-            return Status::InvalidArgument(what + ".gemm_efficiency: expected a number in "
+            return Status::InvalidArgument(what + "." + name + ": expected a number in "
                                                   "[0.01, 1]");
           }
-          c.gemm_efficiency[gpu] = v.get<double>();
-          c.fitted.push_back({"gemm_efficiency[" + gpu + "]", 0, v.get<double>(), 0, false});
+          (name == "gemm_efficiency" ? c.gemm_efficiency : c.link_efficiency)[gpu] =
+              v.get<double>();
+          c.fitted.push_back({name + "[" + gpu + "]", 0, v.get<double>(), 0, false});
         }
       }
     } else {
@@ -568,14 +661,21 @@ void ApplyCalibration(const Calibration& c, GpuSpec* gpu, SearchOptions* options
   }
   if (options != nullptr) {
     options->time_constants.link_efficiency = c.constants.link_efficiency;
+    if (gpu != nullptr) {
+      if (auto it = c.link_efficiency.find(gpu->name); it != c.link_efficiency.end()) {
+        options->time_constants.link_efficiency = it->second;
+      }
+    }
     options->time_constants.network_efficiency = c.constants.network_efficiency;
     options->time_constants.offload_overlap = c.constants.offload_overlap;
+    options->time_constants.cpu_adam_factor = c.constants.cpu_adam_factor;
     options->time_constants.gemm_tokens_half = c.constants.gemm_tokens_half;
     std::string names;
     for (const FittedConstant& f : c.fitted) {
-      // Another GPU's efficiency does not apply to this search's GPU.
-      if (gpu != nullptr && f.name.rfind("gemm_efficiency[", 0) == 0 &&
-          f.name != "gemm_efficiency[" + gpu->name + "]") {
+      // Another GPU's efficiencies do not apply to this search's GPU.
+      const size_t bracket = f.name.find('[');
+      if (gpu != nullptr && bracket != std::string::npos &&
+          f.name.substr(bracket) != "[" + gpu->name + "]") {
         continue;
       }
       names += (names.empty() ? "" : ", ") + f.name + " = " + Fmt("%.4g", f.value);

@@ -10,12 +10,20 @@
 //   gemm_tokens_half      the micro-batch x sequence at which GEMMs reach half of it
 //                          (TimeConstants::gemm_tokens_half): compute efficiency against
 //                          micro-batch and sequence;
-//   link_efficiency       NCCL bus bandwidth / GPU link peak;
+//   link_efficiency[GPU]  NCCL bus bandwidth / GPU link peak, per GPU type (each has its own
+//                          interconnect: NVLink generations, NVSwitch or not, PCIe);
 //   network_efficiency    NCCL bus bandwidth / node network (runs on several nodes only);
-//   offload_overlap       the fraction of overlappable offload time that overlaps.
+//   offload_overlap       the fraction of overlappable offload time that overlaps;
+//   cpu_adam_factor       the CPU optimizer's speed over the node's rate (bench adam or the
+//                          prior; runs that offload the optimizer only).
 // Every run is predicted by PredictStepTime with the run's own model, cluster and configuration;
 // the residual of a run is predicted / measured - 1 (relative, so that a 20 s step and a 0.2 s step
-// count alike), and the sum of squared residuals is minimised by Levenberg-Marquardt (Eigen's
+// count alike). The fit is maximum a posteriori: first the sum of squared residuals alone, whose
+// scatter gives the measurement noise s (at least 0.2%); then the residuals / s together with
+// each constant's distance from its prior / the prior's width (30% of an efficiency, 0.3 of the
+// overlap, 50% of the CPU Adam factor, 1000 tokens for gemm_tokens_half), so that precise runs move a constant wherever they
+// pin it and a handful of noisy ones move it only as far as they justify. Both are minimised by
+// Levenberg-Marquardt (Eigen's
 // dense least-squares solvers for each step, the Jacobian by finite differences of the model
 // itself: the exposed-time terms are piecewise linear, so the model is used as it is, not a
 // linearisation of it). Bounds: efficiencies in [0.01, 1], overlap in [0, 1], gemm_tokens_half in
@@ -24,9 +32,13 @@
 // fitted constant can (the Jacobian's normalised columns, taken in the order above, each raise its
 // rank): link_efficiency needs runs on several GPUs, network_efficiency runs across nodes,
 // offload_overlap runs that offload, gemm_tokens_half runs at two or more micro-batch x sequence
-// sizes. Constants the runs do not determine keep their prior and the result says why; asked for
-// by name (CalibrateOptions::constants) they are an error. Fewer runs than constants to fit is an
-// error. Standard errors come from the Jacobian at the solution and the residual variance.
+// sizes. Standard errors come from the curvature of that objective at the solution; a
+// constant whose standard error is above 25% of its value (of 1000 tokens for gemm_tokens_half) is
+// not determined either: the least certain one goes back to its prior and the rest are fitted
+// again, so that a few noisy runs move only what they pin down. Constants the runs do not
+// determine keep their prior and the result says why; asked for by name
+// (CalibrateOptions::constants) the first kind is an error and the second is kept with its
+// standard error. Fewer runs than constants to fit is an error.
 //
 // Thread safety: pure functions over plain values.
 #pragma once
@@ -104,6 +116,7 @@ struct RunResidual {
 struct Calibration {
   TimeConstants constants = DefaultTimeConstants();  // fitted values in place of priors
   std::map<std::string, double> gemm_efficiency;    // fitted, per GPU name
+  std::map<std::string, double> link_efficiency;    // fitted, per GPU name
   std::vector<FittedConstant> fitted;
   std::vector<std::string> not_determined;  // "network_efficiency: no run spans nodes"
   std::vector<RunResidual> runs;
@@ -120,10 +133,12 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
                               const CalibrateOptions& options = {});
 
 // The calibration file, format "memplan.calibration/1": {"format", "constants": {name: value},
-// "gpus": {name: {"gemm_efficiency": v}}, "fitted": [{"name", "prior", "value",
+// "gpus": {name: {"gemm_efficiency": v, "link_efficiency": v}}, "fitted": [{"name", "prior", "value",
 // "standard_error", "at_bound"}], "not_determined": [...], "runs": [{"id", "measured_s",
 // "prior_s", "fitted_s"}], "rms_error": {"prior", "fitted"}, "iterations"}. FromJson reads
-// "constants" (the names of Note [Calibration] but gemm_efficiency) and "gpus"; the other keys
+// "constants" (network_efficiency, offload_overlap, cpu_adam_factor, gemm_tokens_half, and a
+// link_efficiency for
+// every GPU) and "gpus" (gemm_efficiency, link_efficiency); the other keys
 // are a report and are accepted as they are; unknown keys, values outside the bounds and a wrong
 // format are errors naming `source` and the key.
 nlohmann::json ToJson(const Calibration& calibration);
@@ -133,8 +148,9 @@ Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::s
 std::string FormatCalibrationText(const Calibration& calibration);
 
 // Applies `calibration` to a search: its TimeConstants into `options` (with a note for the
-// assumptions), and `gpu`'s gemm_efficiency when the calibration has one for its name. Either
-// pointer may be null.
+// assumptions; link_efficiency the one fitted for `gpu` when there is one), and `gpu`'s
+// gemm_efficiency when the calibration has one for its name. Either pointer may be null; with
+// several GPU types, call it once per GPU with its own options.
 void ApplyCalibration(const Calibration& calibration, GpuSpec* gpu, SearchOptions* options);
 
 }  // namespace memplan::planner

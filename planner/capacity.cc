@@ -287,7 +287,9 @@ Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, 
         continue;
       }
       const Cluster c = PointCluster(request, offer, p.gpus);
-      auto r = SearchPlans(inventory, c, point_job, request.search);
+      SearchOptions options = request.search;
+      if (offer.time_constants) options.time_constants = *offer.time_constants;
+      auto r = SearchPlans(inventory, c, point_job, options);
       if (!r.ok()) {
         errors[i] = r.status().WithPrefix(p.gpu + " x " + std::to_string(p.gpus));
         continue;

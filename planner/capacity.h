@@ -44,6 +44,9 @@ struct GpuOffer {
   GpuSpec gpu;
   double price_per_gpu_hour = 0;  // in the user's currency; 0 = not priced (no cost computed)
   int64_t gpus_per_node = 8;      // node size: GPUs per node of this type
+  // Step-time constants calibrated for this GPU (`memplan calibrate`'s per-GPU link efficiency);
+  // empty: the request's.
+  std::optional<TimeConstants> time_constants;
 };
 
 struct CapacityRequest {

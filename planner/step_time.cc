@@ -89,6 +89,7 @@ const TimeConstants& DefaultTimeConstants() {
     k.step_fixed_s = 0.02;
     k.gemm_tokens_half = 0;
     k.offload_overlap = 1;
+    k.cpu_adam_factor = 1;
     return k;
   }();
   return kDefaults;
@@ -154,6 +155,9 @@ std::vector<std::string> DescribeTimeConstants(const TimeConstants& k) {
       line("offload_overlap", k.offload_overlap, "of the overlappable offload time",
            "host transfers and the CPU-optimizer / NVMe pipeline overlap ideally unless "
            "calibrated from measured runs (`memplan calibrate`)"),
+      line("cpu_adam_factor", k.cpu_adam_factor, "of the node's CPU Adam rate",
+           "the CPU optimizer runs at the `bench adam` rate or the prior unless calibrated from "
+           "measured runs (`memplan calibrate`)"),
   };
 }
 
@@ -463,7 +467,7 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   // --- Optimizer -----------------------------------------------------------------------------
   double optimizer_phase = 0;
   if (opt_off) {
-    const double rate = c.CpuAdamParamsPerS();
+    const double rate = c.CpuAdamParamsPerS() * k.cpu_adam_factor;
     const double cpu_step = per_node_trainable / rate;
     const double host_bw = rate * k.cpu_adam_bytes_per_param;
     const double extra = per_node_trainable * k.cpu_extra_bytes_per_param / host_bw;

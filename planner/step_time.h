@@ -124,6 +124,9 @@ struct TimeConstants {
   // fetches) and of the CPU optimizer / NVMe pipeline that actually does: the rest is exposed.
   // 1 (the default) is the ideal overlap of Note [Step-time model]; `memplan calibrate` fits it.
   double offload_overlap = 1;
+  // The CPU optimizer's speed as measured runs see it, over the node's rate (`bench adam` or the
+  // prior of Cluster::CpuAdamParamsPerS): 1 (the default) unless calibrated.
+  double cpu_adam_factor = 1;
 };
 const TimeConstants& DefaultTimeConstants();
 // One line per constant: "name = value unit: source" (for the plan's assumptions).

@@ -338,7 +338,7 @@ TEST_CASE("calibrate: recovers the constants plan was given, and moves a held-ou
   INFO(f.dump(1));
   CHECK(f["gpus"]["a100-80"]["gemm_efficiency"].get<double>() == doctest::Approx(0.66).epsilon(0.02));
   CHECK(f["constants"]["gemm_tokens_half"].get<double>() == doctest::Approx(600).epsilon(0.02));
-  CHECK(f["constants"]["link_efficiency"].get<double>() == doctest::Approx(0.62).epsilon(0.02));
+  CHECK(f["gpus"]["a100-80"]["link_efficiency"].get<double>() == doctest::Approx(0.62).epsilon(0.02));
   CHECK(f["constants"]["network_efficiency"].get<double>() == doctest::Approx(0.5).epsilon(0.02));
   CHECK(f["constants"]["offload_overlap"].get<double>() == doctest::Approx(0.7).epsilon(0.02));
   CHECK(f["rms_error"]["fitted"].get<double>() < 0.01);

@@ -85,7 +85,8 @@ void RegisterCalibrate(CLI::App& app, Outcome* outcome) {
   CLI::App* cmd = app.add_subcommand(
       "calibrate",
       "Fit the step-time model's constants (GEMM efficiency against micro-batch x sequence, link "
-      "and network efficiency, offload overlap) to measured step times by least squares");
+      "and network efficiency, offload overlap, CPU optimizer speed) to measured step times by "
+      "least squares");
   cmd->add_option("runs", f->runs_file,
                   "Measured runs, format memplan.runs/1 (README; bench/measure_peak.py --runs "
                   "writes it)")
@@ -95,8 +96,8 @@ void RegisterCalibrate(CLI::App& app, Outcome* outcome) {
                   "`capacity --calibration`");
   cmd->add_option("--constants", f->constants,
                   "Fit only these (comma-separated): gemm_efficiency, gemm_tokens_half, "
-                  "link_efficiency, network_efficiency, offload_overlap; default: every one the "
-                  "runs determine")
+                  "link_efficiency, network_efficiency, offload_overlap, cpu_adam_factor; "
+                  "default: every one the runs determine precisely")
       ->delimiter(',');
   cmd->add_option("--format", f->format,
                   "text (a report) or json (the calibration file's contents)")

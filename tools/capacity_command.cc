@@ -235,8 +235,11 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
     auto calibration = ReadCalibrationFile(f.calibration);
     if (!calibration.ok()) return fail(calibration.status());
     for (planner::GpuOffer& offer : request.offers) {
-      planner::ApplyCalibration(*calibration, &offer.gpu, &request.search);
+      planner::SearchOptions own = request.search;
+      planner::ApplyCalibration(*calibration, &offer.gpu, &own);
+      offer.time_constants = own.time_constants;
     }
+    planner::ApplyCalibration(*calibration, nullptr, &request.search);
   }
   auto result = planner::PlanCapacity(*inventory, job, request);
   if (!result.ok()) return fail(result.status());

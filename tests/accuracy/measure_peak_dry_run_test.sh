@@ -46,7 +46,7 @@ for r in runs["runs"]:
     assert r["cluster"]["gpu"] == "a100-80" and r["setup"]["zero_stage"] == 0, r
 assert cal["rms_error"]["fitted"] < 1e-6 and cal["rms_error"]["prior"] < 1e-6, cal["rms_error"]
 assert abs(cal["gpus"]["a100-80"]["gemm_efficiency"] - 0.80) < 1e-6, cal["gpus"]
-assert any(n.startswith("link_efficiency: no run has more than one GPU")
+assert any(n.startswith("link_efficiency[a100-80]: no run has more than one GPU")
            for n in cal["not_determined"]), cal["not_determined"]
 PY
 echo "measure_peak dry run: record handling ok"
