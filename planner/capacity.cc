@@ -28,6 +28,14 @@ std::string Duration(double hours) {
   return Fmt("%.0f min", hours * 60);
 }
 
+// "1T", "300B", "2.5M" tokens.
+std::string Tokens(double v) {
+  if (v >= 1e12) return Fmt("%.4g", v / 1e12) + "T";
+  if (v >= 1e9) return Fmt("%.4g", v / 1e9) + "B";
+  if (v >= 1e6) return Fmt("%.4g", v / 1e6) + "M";
+  return Fmt("%.0f", v);
+}
+
 // "1,234,567" for money and GPU-hours.
 std::string Thousands(double v) {
   if (!std::isfinite(v)) return "-";
@@ -108,6 +116,9 @@ Status CapacityRequest::Validate() const {
     if (g < 1 || g > (int64_t{1} << 20)) {
       return Status::InvalidArgument("--gpus: a GPU count must be in [1, 1048576]");
     }
+  }
+  if (!(std::isfinite(max_train_hours) && max_train_hours >= 0 && max_train_hours < 1e9)) {
+    return Status::InvalidArgument("--max-days must be a positive number of days");
   }
   if (!(std::isfinite(tokens) && tokens > 0 && tokens < 1e18)) {
     return Status::InvalidArgument("--tokens must be a positive number of tokens below 1e18");
@@ -339,11 +350,6 @@ Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, 
   for (size_t i = 0; i < result.points.size(); ++i) {
     const CapacityPoint& p = result.points[i];
     if (!p.fits) continue;
-    if (!result.fewest || p.gpus < result.points[*result.fewest].gpus ||
-        (p.gpus == result.points[*result.fewest].gpus &&
-         p.train_hours < result.points[*result.fewest].train_hours)) {
-      result.fewest = i;
-    }
     if (!result.fastest) {
       result.fastest = i;
     } else {
@@ -352,6 +358,12 @@ Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, 
           (!Better(f.train_hours, p.train_hours, tie) && p.gpus < f.gpus)) {
         result.fastest = i;
       }
+    }
+    if (request.max_train_hours > 0 && p.train_hours > request.max_train_hours) continue;
+    if (!result.fewest || p.gpus < result.points[*result.fewest].gpus ||
+        (p.gpus == result.points[*result.fewest].gpus &&
+         p.train_hours < result.points[*result.fewest].train_hours)) {
+      result.fewest = i;
     }
     if (any_price && !p.priced) continue;
     const double value = any_price ? p.cost : p.gpu_hours;
@@ -367,18 +379,23 @@ Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, 
     }
   }
 
-  result.assumptions = {
+  if (request.max_train_hours > 0) {
+    result.assumptions.push_back(
+        "Deadline " + Duration(request.max_train_hours) +
+        ": the fewest GPUs and the cheapest are chosen among the points that train within it.");
+  }
+  result.assumptions.insert(result.assumptions.begin(), {
       "Each GPU type x count is one `memplan plan` search (the whole ZeRO x offload x "
       "checkpointing x micro-batch grid) with the same job and node settings; counts above the "
       "node size run on whole nodes.",
-      "Time to train = " + Fmt("%.4g", request.tokens) +
+      "Time to train = " + Tokens(request.tokens) +
           " tokens / the best plan's tokens per second (the step-time model's prediction, not "
           "a measurement; no restarts, evaluation or checkpoint saves).",
       any_price ? std::string("Cost = time to train x GPUs x the price per GPU-hour given; GPU "
                               "types without a price are not candidates for the cheapest.")
                 : std::string("No price given (--price or price_per_gpu_hour): the cheapest is "
                               "the fewest GPU-hours."),
-  };
+  });
   if (result.points.size() > static_cast<size_t>(result.searches)) {
     result.assumptions.push_back(
         "Points that cannot run (not whole nodes, a global batch the count does not divide, a "
@@ -462,6 +479,8 @@ nlohmann::json ToJson(const CapacityResult& r, const CapacityRequest& request, c
   node.erase("world_size");
   return {{"job", ToJson(job, r.seq_len)},
           {"tokens", request.tokens},
+          {"deadline_hours", request.max_train_hours > 0 ? nlohmann::json(request.max_train_hours)
+                                                         : nlohmann::json()},
           {"node", node},
           {"offers", offers},
           {"gpu_counts", request.gpu_counts},
@@ -480,19 +499,30 @@ std::string FormatCapacityText(const CapacityResult& r, const CapacityRequest& r
   estimator::TrainingSetup fixed = job.setup;
   fixed.seq_len = r.seq_len;
   std::string out = estimator::SetupLine(fixed, /*searched=*/true) + "\n";
-  out += "Capacity for " + job.model + ": " + Fmt("%.4g", request.tokens) + " tokens, global batch " +
+  out += "Capacity for " + job.model + ": " + Tokens(request.tokens) + " tokens" +
+         (request.max_train_hours > 0 ? " within " + Duration(request.max_train_hours)
+                                      : std::string()) +
+         ", global batch " +
          std::to_string(job.global_batch) + " x " + std::to_string(r.seq_len) + " tokens; " +
          std::to_string(request.offers.size()) + " GPU type(s) x " +
          std::to_string(request.gpu_counts.size()) + " count(s): " + std::to_string(r.searches) +
          " searched, " + std::to_string(r.configurations) + " configurations evaluated.\n\n";
-  if (!r.fewest) {
+  if (!r.fastest) {
     out += "No GPU type and count fits.\n";
   } else {
-    out += "Fewest GPUs: " + PointLine(r.points[*r.fewest], true) + "\n";
+    if (r.fewest) {
+      out += "Fewest GPUs: " + PointLine(r.points[*r.fewest], true) + "\n";
+    }
     out += "Fastest:     " + PointLine(r.points[*r.fastest], true) + "\n";
-    out += std::string(r.cheapest_by_gpu_hours ? "Cheapest (fewest GPU-hours; no price given): "
-                                               : "Cheapest:    ") +
-           PointLine(r.points[*r.cheapest], true) + "\n";
+    if (r.cheapest) {
+      out += std::string(r.cheapest_by_gpu_hours ? "Cheapest (fewest GPU-hours; no price given): "
+                                                 : "Cheapest:    ") +
+             PointLine(r.points[*r.cheapest], true) + "\n";
+    }
+    if (!r.fewest) {
+      out += "Nothing trains within " + Duration(request.max_train_hours) +
+             ": the fastest above is the closest.\n";
+    }
   }
   out += "\n";
   char line[512];

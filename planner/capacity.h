@@ -19,7 +19,9 @@
 //   cost         = GPU-hours x price per GPU-hour (no cost without a price)
 // Fewest GPUs: the smallest G that fits (ties: the faster). Fastest: the shortest time to train
 // (ties within 1%: fewer GPUs). Cheapest: the lowest cost among the priced offers (ties within
-// 1%: the faster); with no price at all, the fewest GPU-hours, and the answer says so.
+// 1%: the faster); with no price at all, the fewest GPU-hours, and the answer says so. With a
+// deadline (max_train_hours), the fewest and the cheapest are chosen among the points that meet
+// it; when none does, they are absent (the fastest still says how close the fastest comes).
 //
 // Thread safety: pure functions over plain values (PlanCapacity starts and joins its own threads).
 #pragma once
@@ -56,6 +58,9 @@ struct CapacityRequest {
   // gpus_per_node are ignored (the offers and counts set them).
   Cluster node;
   double tokens = 0;  // the training budget: tokens to train on (> 0)
+  // A deadline: the fewest-GPUs and cheapest answers only among points that train within it
+  // (the fastest is the fastest either way); 0: none.
+  double max_train_hours = 0;
   SearchOptions search;
   int threads = 0;  // 0: the hardware's concurrency, at most 8
   // The job's precision was the default (bf16-mixed): GPUs without bf16 run fp16-mixed instead
@@ -97,7 +102,8 @@ struct CapacityResult {
 Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, const Job& job,
                                     const CapacityRequest& request);
 
-// `memplan capacity --format json`: {"job", "tokens", "node", "offers": [...], "points": [...],
+// `memplan capacity --format json`: {"job", "tokens", "deadline_hours" (null: none), "node",
+// "offers": [...], "points": [...],
 // "fewest_gpus", "fastest", "cheapest" (each a point or null), "cheapest_by", "searches",
 // "configurations", "assumptions"}. A point: {"gpu", "gpus", "nodes", "gpus_per_node", "fits",
 // "reason" | "plan" (search.h's ToJson(Plan)), "train_hours", "train_days", "gpu_hours",

@@ -598,8 +598,8 @@ std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request,
   const double plot_w = kWidth - kLeft - kRight, plot_h = kHeightC - kTop - kBottom;
   const bool by_cost = !r.cheapest_by_gpu_hours;
   std::string out;
-  const std::string title = "memplan capacity: " + job.model + ", " + Fmt("%.4g", request.tokens) +
-                            " tokens";
+  const std::string title = "memplan capacity: " + job.model + ", " +
+                            Fmt("%.4g", request.tokens / 1e9) + "B tokens";
   out += "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
   out += "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"" + N(kWidth) +
          "\" height=\"" + N(kHeightC) + "\" viewBox=\"0 0 " + N(kWidth) + " " + N(kHeightC) +

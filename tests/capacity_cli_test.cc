@@ -4,6 +4,7 @@
 // output, and a calibration that recovers constants `plan` itself was given.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -112,6 +113,26 @@ TEST_CASE("capacity: Llama-3-70B, 1T tokens, three GPU types, 8-512 GPUs, in und
   args.back() = dir.PathOf("again.svg");
   REQUIRE(Memplan(args).exit_code == 0);
   CHECK(ReadWholeFile(dir.PathOf("again.svg")) == svg);
+
+  // A deadline: the fewest GPUs and the cheapest among the points that train within it.
+  std::vector<std::string> deadline = kAcceptance;
+  deadline.insert(deadline.end(), {"--max-days", "60", "--format", "json"});
+  r = Memplan(deadline);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  nlohmann::json d = nlohmann::json::parse(r.out);
+  CHECK(d["deadline_hours"] == 1440.0);
+  REQUIRE(d["fewest_gpus"].is_object());
+  CHECK(d["fewest_gpus"]["train_hours"].get<double>() <= 1440);
+  CHECK(d["fewest_gpus"]["gpus"].get<double>() > j["fewest_gpus"]["gpus"].get<double>());
+  CHECK(d["cheapest"]["train_hours"].get<double>() <= 1440);
+  CHECK(d["fastest"] == j["fastest"]);
+  *std::find(deadline.begin(), deadline.end(), "8-512") = "8-32";
+  r = Memplan(deadline);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  d = nlohmann::json::parse(r.out);
+  CHECK(d["fewest_gpus"].is_null());
+  CHECK(d["cheapest"].is_null());
+  CHECK(d["fastest"].is_object());
 
   // The text report names the three answers with their plans.
   std::vector<std::string> text_args = kAcceptance;

@@ -29,6 +29,7 @@ struct CapacityFlags {
   int64_t gpus_per_node = 0;       // 0: 8, or the cluster file's
   std::vector<std::string> prices;  // "2.5" (every type) or "h100-80=2.5"
   std::string tokens_text;
+  double max_days = 0;
   std::string cluster_file;
   std::string cpu_mem;
   int64_t cpu_cores = 0;
@@ -164,6 +165,7 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
   if (!tokens.ok()) return fail(tokens.status());
   request.tokens = *tokens;
   request.threads = f.threads;
+  request.max_train_hours = f.max_days * 24;
   planner::Cluster& node = request.node;
   if (!f.cpu_mem.empty()) {
     auto v = planner::ParseByteSize(f.cpu_mem, "--cpu-mem");
@@ -295,6 +297,11 @@ void RegisterCapacity(CLI::App& app, Outcome* outcome) {
       ->group(gpus);
   cmd->add_option("--tokens", f->tokens_text,
                   "The training budget in tokens: 1T, 300B, 15e12 (required)")
+      ->group(gpus);
+  cmd->add_option("--max-days", f->max_days,
+                  "A deadline: the fewest GPUs and the cheapest among the points that train "
+                  "within it")
+      ->check(CLI::Range(0.001, 1e7))
       ->group(gpus);
   cmd->add_option("--cluster", f->cluster_file,
                   "A capacity cluster JSON: {\"gpus\": [\"a100-80\", {\"preset\": \"h100-80\", "
