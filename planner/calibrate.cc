@@ -682,7 +682,8 @@ void ApplyCalibration(const Calibration& c, GpuSpec* gpu, SearchOptions* options
     }
     options->calibration_note = (c.source.empty() ? std::string("calibration") : c.source) +
                                 (c.runs.empty() ? std::string()
-                                                : " (" + std::to_string(c.runs.size()) + " runs)") +
+                                                : " (" + std::to_string(c.runs.size()) +
+                                      (c.runs.size() == 1 ? " run)" : " runs)")) +
                                 ": " + names;
   }
 }
