@@ -129,7 +129,8 @@ Result<double> PositiveNumber(const nlohmann::json& v, const std::string& what) 
 
 }  // namespace
 
-Result<std::vector<MeasuredRun>> RunsFromJson(const nlohmann::json& json, const std::string& source) {
+Result<std::vector<MeasuredRun>> RunsFromJson(const nlohmann::json& json,
+                                              const std::string& source) {
   if (!json.is_object()) return Status::InvalidArgument(source + ": expected a JSON object");
   for (const auto& [key, value] : json.items()) {
     if (key != "format" && key != "runs" && key != "about") {
@@ -168,7 +169,8 @@ Result<std::vector<MeasuredRun>> RunsFromJson(const nlohmann::json& json, const 
     for (const auto& [key, value] : r.items()) {
       if (key == "id" || key == "environment") continue;
       if (key == "model" || key == "source") {
-        if (!value.is_string()) return Status::InvalidArgument(where + "." + key + ": expected a string");
+        if (!value.is_string())
+          return Status::InvalidArgument(where + "." + key + ": expected a string");
         (key == "model" ? run.model : run.source) = value.get<std::string>();
       } else if (key == "cluster") {
         auto cluster = ClusterFromJson(value, "cluster");
@@ -198,8 +200,9 @@ Result<std::vector<MeasuredRun>> RunsFromJson(const nlohmann::json& json, const 
     if (!r.contains("cluster")) return Status::InvalidArgument(where + ": missing 'cluster'");
     if (!r.contains("setup")) return Status::InvalidArgument(where + ": missing 'setup'");
     if (run.step_time_s <= 0) {
-      return Status::InvalidArgument(where + ": missing 'step_time_s' (measured seconds per "
-                                             "optimizer step)");
+      return Status::InvalidArgument(where +
+                                     ": missing 'step_time_s' (measured seconds per "
+                                     "optimizer step)");
     }
     run.setup.gpus_per_node = run.cluster.gpus_per_node;
     run.setup.num_nodes = run.cluster.nodes;
@@ -265,12 +268,11 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
   model.params = candidates;
   Eigen::VectorXd v(static_cast<Eigen::Index>(candidates.size()));
   for (size_t j = 0; j < candidates.size(); ++j) {
-    v[static_cast<Eigen::Index>(j)] = std::clamp(prior_of(candidates[j]), candidates[j].lo,
-                                                 candidates[j].hi);
+    v[static_cast<Eigen::Index>(j)] =
+        std::clamp(prior_of(candidates[j]), candidates[j].lo, candidates[j].hi);
   }
 
-  // Which candidates the runs determine: each normalised column, in priority order, must raise
-  // the rank of those kept (Note [Calibration]).
+  // The Jacobian at the priors says which candidates the runs touch (Note [Calibration]).
   Calibration result;
   result.constants = options.start;
   const Eigen::MatrixXd j0 = model.Jacobian(v);
@@ -325,19 +327,19 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
     }
   }
   if (kept.empty()) {
-    return Status::InvalidArgument("calibrate: the runs determine none of the constants (" +
-                                   (result.not_determined.empty() ? std::string("none asked")
-                                                                  : result.not_determined[0]) +
-                                   ")");
+    return Status::InvalidArgument(
+        "calibrate: the runs determine none of the constants (" +
+        (result.not_determined.empty() ? std::string("none asked") : result.not_determined[0]) +
+        ")");
   }
   if (runs.size() < kept.size()) {
     std::string names;
     for (size_t c : kept) names += (names.empty() ? "" : ", ") + candidates[c].name;
-    return Status::InvalidArgument(
-        "calibrate: " + std::to_string(runs.size()) + (runs.size() == 1 ? " run" : " runs") +
-        " cannot determine " + std::to_string(kept.size()) + " constants (" + names +
-        "): measure at least " + std::to_string(kept.size()) +
-        " runs, or fit fewer with --constants");
+    return Status::InvalidArgument("calibrate: " + std::to_string(runs.size()) +
+                                   (runs.size() == 1 ? " run" : " runs") + " cannot determine " +
+                                   std::to_string(kept.size()) + " constants (" + names +
+                                   "): measure at least " + std::to_string(kept.size()) +
+                                   " runs, or fit fewer with --constants");
   }
 
   // Levenberg-Marquardt over the kept parameters, in value / scale units; then the standard
@@ -366,7 +368,8 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
       return y;
     };
     Eigen::VectorXd scales(x.size());
-    for (Eigen::Index k = 0; k < x.size(); ++k) scales[k] = fit_params[static_cast<size_t>(k)].scale;
+    for (Eigen::Index k = 0; k < x.size(); ++k)
+      scales[k] = fit_params[static_cast<size_t>(k)].scale;
     // Prior widths (Note [Calibration]).
     Eigen::VectorXd widths(x.size());
     for (Eigen::Index k = 0; k < x.size(); ++k) {
@@ -472,8 +475,10 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
         Fmt("%.2g", se[worst]) + "); prior " + Fmt("%.4g", x_prior[worst]) + " kept");
     kept.erase(kept.begin() + worst);
     if (kept.empty()) {
-      return Status::InvalidArgument("calibrate: the runs determine none of the constants "
-                                     "precisely (" + result.not_determined.back() + ")");
+      return Status::InvalidArgument(
+          "calibrate: the runs determine none of the constants "
+          "precisely (" +
+          result.not_determined.back() + ")");
     }
   }
   for (size_t k = 0; k < kept.size(); ++k) {
@@ -555,14 +560,15 @@ Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::s
     return Status::InvalidArgument(source + ": 'format' must be \"" + kCalibrationFormat +
                                    "\" (the file `memplan calibrate` writes)");
   }
-  static const std::set<std::string> kReport = {"format", "fitted", "not_determined", "runs",
-                                                "rms_error", "iterations"};
+  static const std::set<std::string> kReport = {"format", "fitted",    "not_determined",
+                                                "runs",   "rms_error", "iterations"};
   Calibration c;
   c.source = source;
   for (const auto& [key, value] : json.items()) {
     if (kReport.count(key) > 0) continue;
     if (key == "constants") {
-      if (!value.is_object()) return Status::InvalidArgument(source + ": 'constants' must be an object");
+      if (!value.is_object())
+        return Status::InvalidArgument(source + ": 'constants' must be an object");
       for (const auto& [name, v] : value.items()) {
         const std::string what = source + ": constants." + name;
         if (!v.is_number() || !std::isfinite(v.get<double>())) {
@@ -576,7 +582,7 @@ Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::s
                          : name == "gemm_tokens_half"   ? &c.constants.gemm_tokens_half
                                                         : nullptr;
         if (target == nullptr) return Status::InvalidArgument(what + ": unknown constant");
-        const bool ok = name == "gemm_tokens_half" ? (x >= 0 && x <= 1e6)
+        const bool ok = name == "gemm_tokens_half"  ? (x >= 0 && x <= 1e6)
                         : name == "offload_overlap" ? (x >= 0 && x <= 1)
                         : name == "cpu_adam_factor" ? (x >= 0.05 && x <= 5)
                                                     : (x >= 0.01 && x <= 1);
@@ -595,8 +601,9 @@ Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::s
           }
           if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0.01 ||
               v.get<double>() > 1) {
-            return Status::InvalidArgument(what + "." + name + ": expected a number in "
-                                                  "[0.01, 1]");
+            return Status::InvalidArgument(what + "." + name +
+                                           ": expected a number in "
+                                           "[0.01, 1]");
           }
           (name == "gemm_efficiency" ? c.gemm_efficiency : c.link_efficiency)[gpu] =
               v.get<double>();
@@ -638,8 +645,8 @@ std::string FormatCalibrationText(const Calibration& c) {
     for (const std::string& s : c.not_determined) out += "  - " + s + "\n";
   }
   out += "\n";
-  std::snprintf(line, sizeof(line), "  %-34s %10s %10s %8s %10s %8s\n", "run", "measured",
-                "prior", "error", "fitted", "error");
+  std::snprintf(line, sizeof(line), "  %-34s %10s %10s %8s %10s %8s\n", "run", "measured", "prior",
+                "error", "fitted", "error");
   out += line;
   for (const RunResidual& r : c.runs) {
     std::snprintf(line, sizeof(line), "  %-34s %10.4g %10.4g %+7.1f%% %10.4g %+7.1f%%\n",
@@ -683,7 +690,7 @@ void ApplyCalibration(const Calibration& c, GpuSpec* gpu, SearchOptions* options
     options->calibration_note = (c.source.empty() ? std::string("calibration") : c.source) +
                                 (c.runs.empty() ? std::string()
                                                 : " (" + std::to_string(c.runs.size()) +
-                                      (c.runs.size() == 1 ? " run)" : " runs)")) +
+                                                      (c.runs.size() == 1 ? " run)" : " runs)")) +
                                 ": " + names;
   }
 }

@@ -21,24 +21,23 @@
 // count alike). The fit is maximum a posteriori: first the sum of squared residuals alone, whose
 // scatter gives the measurement noise s (at least 0.2%); then the residuals / s together with
 // each constant's distance from its prior / the prior's width (30% of an efficiency, 0.3 of the
-// overlap, 50% of the CPU Adam factor, 1000 tokens for gemm_tokens_half), so that precise runs move a constant wherever they
-// pin it and a handful of noisy ones move it only as far as they justify. Both are minimised by
-// Levenberg-Marquardt (Eigen's
-// dense least-squares solvers for each step, the Jacobian by finite differences of the model
-// itself: the exposed-time terms are piecewise linear, so the model is used as it is, not a
-// linearisation of it). Bounds: efficiencies in [0.01, 1], overlap in [0, 1], gemm_tokens_half in
-// [0, 1e6].
-// A constant is determined by the runs when moving it moves their predictions in a way no other
-// fitted constant can (the Jacobian's normalised columns, taken in the order above, each raise its
-// rank): link_efficiency needs runs on several GPUs, network_efficiency runs across nodes,
-// offload_overlap runs that offload, gemm_tokens_half runs at two or more micro-batch x sequence
-// sizes. Standard errors come from the curvature of that objective at the solution; a
-// constant whose standard error is above 25% of its value (of 1000 tokens for gemm_tokens_half) is
-// not determined either: the least certain one goes back to its prior and the rest are fitted
-// again, so that a few noisy runs move only what they pin down. Constants the runs do not
-// determine keep their prior and the result says why; asked for by name
-// (CalibrateOptions::constants) the first kind is an error and the second is kept with its
-// standard error. Fewer runs than constants to fit is an error.
+// overlap, 50% of the CPU Adam factor, 1000 tokens for gemm_tokens_half), so that precise runs move
+// a constant wherever they pin it and a handful of noisy ones move it only as far as they justify.
+// Both are minimised by Levenberg-Marquardt (Eigen's dense solvers for each step, the
+// Jacobian by finite differences of the model itself: the exposed-time terms are piecewise linear,
+// so the model is used as it is, not a linearisation of it). Bounds: efficiencies in [0.01, 1],
+// overlap in [0, 1], CPU Adam factor in [0.05, 5], gemm_tokens_half in [0, 1e6].
+// Which constants are fitted: those the runs touch at all (link_efficiency needs runs on several
+// GPUs of that type, network_efficiency runs across nodes, offload_overlap and cpu_adam_factor
+// runs that offload), fewer runs than those being an error. Standard errors come from the
+// curvature of the objective at the solution; a constant whose standard error stays above 25% of
+// its value (of 1000 tokens for gemm_tokens_half) is not determined after all: the least certain
+// one goes back to its prior and the rest are fitted again. The reason given is the kind of run
+// that would determine it, or, when its Jacobian column (normalised, in the order above) adds no
+// rank to those before it, that the runs cannot tell it from the other constants (for
+// gemm_tokens_half: every run has the same micro-batch x sequence). Constants asked for by name
+// (CalibrateOptions::constants) are kept whatever their standard error; one the runs do not touch
+// is an error.
 //
 // Thread safety: pure functions over plain values.
 #pragma once
@@ -68,8 +67,8 @@ struct MeasuredRun {
   estimator::TrainingSetup setup;  // precision, optimizer, stage, offload, checkpointing,
                                    // micro_batch, grad_accum, seq_len, pin_memory, ...
   Sharding sharding = Sharding::kFull;
-  double step_time_s = 0;          // measured seconds per optimizer step (> 0)
-  std::string source;              // who measured it, how (free text)
+  double step_time_s = 0;  // measured seconds per optimizer step (> 0)
+  std::string source;      // who measured it, how (free text)
 };
 
 // The runs file, format "memplan.runs/1":
@@ -80,7 +79,8 @@ struct MeasuredRun {
 // ("environment" is free-form and ignored). Errors name `source`, the run and the key: a missing
 // or non-positive or non-finite step time, an unknown GPU, an unknown key, a setup the estimator
 // refuses.
-Result<std::vector<MeasuredRun>> RunsFromJson(const nlohmann::json& json, const std::string& source);
+Result<std::vector<MeasuredRun>> RunsFromJson(const nlohmann::json& json,
+                                              const std::string& source);
 nlohmann::json ToJson(const MeasuredRun& run);
 
 // A run with its model, for Calibrate.
@@ -99,11 +99,11 @@ struct CalibrateOptions {
 };
 
 struct FittedConstant {
-  std::string name;        // "gemm_efficiency[a100-80]", "link_efficiency", ...
-  double prior = 0;        // the value before the fit
-  double value = 0;        // fitted
+  std::string name;           // "gemm_efficiency[a100-80]", "link_efficiency", ...
+  double prior = 0;           // the value before the fit
+  double value = 0;           // fitted
   double standard_error = 0;  // 0 when the runs leave no degrees of freedom
-  bool at_bound = false;   // the fit stopped at a bound of Note [Calibration]
+  bool at_bound = false;      // the fit stopped at a bound of Note [Calibration]
 };
 
 struct RunResidual {
@@ -115,8 +115,8 @@ struct RunResidual {
 
 struct Calibration {
   TimeConstants constants = DefaultTimeConstants();  // fitted values in place of priors
-  std::map<std::string, double> gemm_efficiency;    // fitted, per GPU name
-  std::map<std::string, double> link_efficiency;    // fitted, per GPU name
+  std::map<std::string, double> gemm_efficiency;     // fitted, per GPU name
+  std::map<std::string, double> link_efficiency;     // fitted, per GPU name
   std::vector<FittedConstant> fitted;
   std::vector<std::string> not_determined;  // "network_efficiency: no run spans nodes"
   std::vector<RunResidual> runs;
@@ -133,8 +133,8 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
                               const CalibrateOptions& options = {});
 
 // The calibration file, format "memplan.calibration/1": {"format", "constants": {name: value},
-// "gpus": {name: {"gemm_efficiency": v, "link_efficiency": v}}, "fitted": [{"name", "prior", "value",
-// "standard_error", "at_bound"}], "not_determined": [...], "runs": [{"id", "measured_s",
+// "gpus": {name: {"gemm_efficiency": v, "link_efficiency": v}}, "fitted": [{"name", "prior",
+// "value", "standard_error", "at_bound"}], "not_determined": [...], "runs": [{"id", "measured_s",
 // "prior_s", "fitted_s"}], "rms_error": {"prior", "fitted"}, "iterations"}. FromJson reads
 // "constants" (network_efficiency, offload_overlap, cpu_adam_factor, gemm_tokens_half, and a
 // link_efficiency for

@@ -79,8 +79,8 @@ std::vector<CalibrationRun> SyntheticRuns(const Truth& truth, uint32_t seed) {
   for (int64_t nodes : {1, 2}) {
     for (int64_t mb : {1, 2, 4}) {
       for (int64_t seq : {256, 512, 2048}) {
-        runs.push_back(MakeRun(id(), nodes, 3, OffloadDevice::kNone, OffloadDevice::kNone, mb, seq,
-                               2));
+        runs.push_back(
+            MakeRun(id(), nodes, 3, OffloadDevice::kNone, OffloadDevice::kNone, mb, seq, 2));
       }
     }
     // Short steps where the collectives show, and offload runs whose transfers overlap.
@@ -136,12 +136,13 @@ TEST_CASE("calibrate: constants synthesised with noise are recovered within 2%")
     for (const auto& [name, value] : expected) {
       const FittedConstant* f = Find(*fit, name);
       REQUIRE_MESSAGE(f != nullptr, name);
-      INFO(std::string(name) << " fitted " << f->value << " +- " << f->standard_error << ", truth " << value);
+      INFO(std::string(name) << " fitted " << f->value << " +- " << f->standard_error << ", truth "
+                             << value);
       CHECK(std::fabs(f->value / value - 1) < 0.02);
       CHECK(f->standard_error > 0);
     }
-    CHECK(fit->rms_error_fitted < 0.01);   // about the noise
-    CHECK(fit->rms_error_prior > 0.10);    // the priors are far off
+    CHECK(fit->rms_error_fitted < 0.01);  // about the noise
+    CHECK(fit->rms_error_prior > 0.10);   // the priors are far off
   }
 }
 
@@ -160,16 +161,17 @@ TEST_CASE("calibrate: a calibrated prediction moves toward held-out measured run
   for (const CalibrationRun& r : held_out) {
     auto shape = ModelShapeFor(Llama7b(), r.run.setup);
     REQUIRE(shape.ok());
-    const int64_t batch = r.run.setup.micro_batch * r.run.setup.grad_accum * r.run.cluster.WorldSize();
+    const int64_t batch =
+        r.run.setup.micro_batch * r.run.setup.grad_accum * r.run.cluster.WorldSize();
     const double prior = PredictStepTime(*shape, r.run.cluster, r.run.setup, batch,
                                          r.run.setup.pin_memory, r.run.sharding)
                              .total_s;
     Cluster calibrated = r.run.cluster;
     calibrated.gpu = gpu;
-    const double fitted = PredictStepTime(*shape, calibrated, r.run.setup, batch,
-                                          r.run.setup.pin_memory, r.run.sharding,
-                                          options.time_constants)
-                              .total_s;
+    const double fitted =
+        PredictStepTime(*shape, calibrated, r.run.setup, batch, r.run.setup.pin_memory,
+                        r.run.sharding, options.time_constants)
+            .total_s;
     const double e_prior = prior / r.run.step_time_s - 1, e_fitted = fitted / r.run.step_time_s - 1;
     INFO(r.run.id << ": measured " << r.run.step_time_s << " prior " << prior << " fitted "
                   << fitted);

@@ -224,7 +224,8 @@ Result<std::vector<GpuOffer>> OffersFromJson(const nlohmann::json& json, const s
       }
       if (auto it = gpu.find("gpus_per_node"); it != gpu.end()) {
         if (!it->is_number_integer() || it->get<int64_t>() < 1 || it->get<int64_t>() > 1024) {
-          return Status::InvalidArgument(where + ".gpus_per_node: expected an integer in [1, 1024]");
+          return Status::InvalidArgument(where +
+                                         ".gpus_per_node: expected an integer in [1, 1024]");
         }
         offer.gpus_per_node = it->get<int64_t>();
         node_size_given = true;
@@ -308,9 +309,10 @@ Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, 
       found[i] = std::move(*r);
     }
   };
-  int threads = request.threads > 0
-                    ? request.threads
-                    : static_cast<int>(std::min(8u, std::max(1u, std::thread::hardware_concurrency())));
+  int threads =
+      request.threads > 0
+          ? request.threads
+          : static_cast<int>(std::min(8u, std::max(1u, std::thread::hardware_concurrency())));
   threads = std::max(1, std::min<int>(threads, static_cast<int>(result.points.size())));
   {
     std::vector<std::thread> pool;
@@ -384,18 +386,20 @@ Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, 
         "Deadline " + Duration(request.max_train_hours) +
         ": the fewest GPUs and the cheapest are chosen among the points that train within it.");
   }
-  result.assumptions.insert(result.assumptions.begin(), {
-      "Each GPU type x count is one `memplan plan` search (the whole ZeRO x offload x "
-      "checkpointing x micro-batch grid) with the same job and node settings; counts above the "
-      "node size run on whole nodes.",
-      "Time to train = " + Tokens(request.tokens) +
-          " tokens / the best plan's tokens per second (the step-time model's prediction, not "
-          "a measurement; no restarts, evaluation or checkpoint saves).",
-      any_price ? std::string("Cost = time to train x GPUs x the price per GPU-hour given; GPU "
-                              "types without a price are not candidates for the cheapest.")
-                : std::string("No price given (--price or price_per_gpu_hour): the cheapest is "
-                              "the fewest GPU-hours."),
-  });
+  result.assumptions.insert(
+      result.assumptions.begin(),
+      {
+          "Each GPU type x count is one `memplan plan` search (the whole ZeRO x offload x "
+          "checkpointing x micro-batch grid) with the same job and node settings; counts above the "
+          "node size run on whole nodes.",
+          "Time to train = " + Tokens(request.tokens) +
+              " tokens / the best plan's tokens per second (the step-time model's prediction, not "
+              "a measurement; no restarts, evaluation or checkpoint saves).",
+          any_price ? std::string("Cost = time to train x GPUs x the price per GPU-hour given; GPU "
+                                  "types without a price are not candidates for the cheapest.")
+                    : std::string("No price given (--price or price_per_gpu_hour): the cheapest is "
+                                  "the fewest GPU-hours."),
+      });
   if (result.points.size() > static_cast<size_t>(result.searches)) {
     result.assumptions.push_back(
         "Points that cannot run (not whole nodes, a global batch the count does not divide, a "
@@ -457,15 +461,15 @@ std::string PointLine(const CapacityPoint& p, bool with_plan) {
 nlohmann::json ToJson(const CapacityResult& r, const CapacityRequest& request, const Job& job) {
   nlohmann::json offers = nlohmann::json::array();
   for (const GpuOffer& o : request.offers) {
-    offers.push_back({{"gpu", o.gpu.name},
-                      {"description", o.gpu.description},
-                      {"memory_bytes", o.gpu.memory_bytes},
-                      {"bf16_flops", o.gpu.bf16_flops},
-                      {"fp16_flops", o.gpu.fp16_flops},
-                      {"gpus_per_node", o.gpus_per_node},
-                      {"price_per_gpu_hour",
-                       o.price_per_gpu_hour > 0 ? nlohmann::json(o.price_per_gpu_hour)
-                                                : nlohmann::json()}});
+    offers.push_back(
+        {{"gpu", o.gpu.name},
+         {"description", o.gpu.description},
+         {"memory_bytes", o.gpu.memory_bytes},
+         {"bf16_flops", o.gpu.bf16_flops},
+         {"fp16_flops", o.gpu.fp16_flops},
+         {"gpus_per_node", o.gpus_per_node},
+         {"price_per_gpu_hour",
+          o.price_per_gpu_hour > 0 ? nlohmann::json(o.price_per_gpu_hour) : nlohmann::json()}});
   }
   nlohmann::json points = nlohmann::json::array();
   for (const CapacityPoint& p : r.points) points.push_back(PointJson(p, request));
@@ -502,9 +506,8 @@ std::string FormatCapacityText(const CapacityResult& r, const CapacityRequest& r
   out += "Capacity for " + job.model + ": " + Tokens(request.tokens) + " tokens" +
          (request.max_train_hours > 0 ? " within " + Duration(request.max_train_hours)
                                       : std::string()) +
-         ", global batch " +
-         std::to_string(job.global_batch) + " x " + std::to_string(r.seq_len) + " tokens; " +
-         std::to_string(request.offers.size()) + " GPU type(s) x " +
+         ", global batch " + std::to_string(job.global_batch) + " x " + std::to_string(r.seq_len) +
+         " tokens; " + std::to_string(request.offers.size()) + " GPU type(s) x " +
          std::to_string(request.gpu_counts.size()) + " count(s): " + std::to_string(r.searches) +
          " searched, " + std::to_string(r.configurations) + " configurations evaluated.\n\n";
   if (!r.fastest) {

@@ -77,17 +77,17 @@ struct CapacityPoint {
   std::string gpu;   // its name
   int64_t gpus = 0, nodes = 0, gpus_per_node = 0;
   bool fits = false;
-  std::string reason;              // when it does not fit: why (the closest family's reason)
-  std::optional<Plan> plan;        // the fastest plan, when it fits
-  double train_hours = 0;          // tokens / plan tokens per second / 3600
+  std::string reason;        // when it does not fit: why (the closest family's reason)
+  std::optional<Plan> plan;  // the fastest plan, when it fits
+  double train_hours = 0;    // tokens / plan tokens per second / 3600
   double gpu_hours = 0;
-  double cost = 0;                 // 0 when the offer has no price
+  double cost = 0;  // 0 when the offer has no price
   bool priced = false;
-  int64_t configurations = 0;      // grid points evaluated by the search
+  int64_t configurations = 0;  // grid points evaluated by the search
 };
 
 struct CapacityResult {
-  std::vector<CapacityPoint> points;  // offers in the given order, counts ascending
+  std::vector<CapacityPoint> points;                // offers in the given order, counts ascending
   std::optional<size_t> fewest, fastest, cheapest;  // indexes into points
   bool cheapest_by_gpu_hours = false;  // no offer has a price: "cheapest" is the fewest GPU-hours
   int64_t seq_len = 0;
@@ -108,8 +108,7 @@ Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, 
 // "configurations", "assumptions"}. A point: {"gpu", "gpus", "nodes", "gpus_per_node", "fits",
 // "reason" | "plan" (search.h's ToJson(Plan)), "train_hours", "train_days", "gpu_hours",
 // "cost" (null without a price), "price_per_gpu_hour"}.
-nlohmann::json ToJson(const CapacityResult& result, const CapacityRequest& request,
-                      const Job& job);
+nlohmann::json ToJson(const CapacityResult& result, const CapacityRequest& request, const Job& job);
 // The table people read: the three answers with their plans, then every point.
 std::string FormatCapacityText(const CapacityResult& result, const CapacityRequest& request,
                                const Job& job);

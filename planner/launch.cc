@@ -68,8 +68,7 @@ std::string ShellQuote(const std::string& text) {
   return out + "'";
 }
 
-Result<std::string> LaunchScript(const Plan& plan, const Cluster& cluster,
-                                 const LaunchOptions& o) {
+Result<std::string> LaunchScript(const Plan& plan, const Cluster& cluster, const LaunchOptions& o) {
   if (o.command.empty() || o.command.front().empty()) {
     return Status::InvalidArgument("--launch-script: no training script given");
   }
@@ -141,9 +140,8 @@ Result<std::string> LaunchScript(const Plan& plan, const Cluster& cluster,
     out += "export MASTER_ADDR\nexport MASTER_PORT=" + port + "\n";
     if (!o.accelerate_config.empty()) {
       out += "srun --kill-on-bad-exit=1 bash -c " +
-             ShellQuote("accelerate launch --config_file " +
-                        ShellQuote(o.accelerate_config) + " --num_machines " +
-                        std::to_string(nodes) + " --num_processes " +
+             ShellQuote("accelerate launch --config_file " + ShellQuote(o.accelerate_config) +
+                        " --num_machines " + std::to_string(nodes) + " --num_processes " +
                         std::to_string(nodes * per_node) +
                         " --machine_rank \"$SLURM_NODEID\" --main_process_ip \"$MASTER_ADDR\" "
                         "--main_process_port \"$MASTER_PORT\" " +
@@ -160,15 +158,18 @@ Result<std::string> LaunchScript(const Plan& plan, const Cluster& cluster,
   }
   out += about;
   if (nodes > 1 && o.launcher == Launcher::kDeepSpeed) {
-    out += "# Start on node 0 only: DeepSpeed reaches the other nodes over ssh (pdsh) from the "
-           "hostfile, one line per node: \"HOST slots=" + std::to_string(per_node) + "\".\n";
+    out +=
+        "# Start on node 0 only: DeepSpeed reaches the other nodes over ssh (pdsh) from the "
+        "hostfile, one line per node: \"HOST slots=" +
+        std::to_string(per_node) + "\".\n";
   } else if (nodes > 1) {
     out += "# Run on every node with NODE_RANK (0 .. " + std::to_string(nodes - 1) +
            ") and MASTER_ADDR (node 0's address) set.\n";
   }
   if (o.launcher == Launcher::kDeepSpeed && !deepspeed_engine) {
-    out += "# No DeepSpeed config was emitted (--emit-deepspeed): the script configures "
-           "DeepSpeed itself.\n";
+    out +=
+        "# No DeepSpeed config was emitted (--emit-deepspeed): the script configures "
+        "DeepSpeed itself.\n";
   }
   out += "set -euo pipefail\n";
   switch (o.launcher) {
@@ -186,12 +187,12 @@ Result<std::string> LaunchScript(const Plan& plan, const Cluster& cluster,
       break;
     case Launcher::kDeepSpeed:
       if (nodes == 1) {
-        out += "deepspeed --num_gpus=" + std::to_string(per_node) + " --master_port=" + port +
-               " " + script + "\n";
+        out += "deepspeed --num_gpus=" + std::to_string(per_node) + " --master_port=" + port + " " +
+               script + "\n";
       } else {
         out += "deepspeed --hostfile=" + ShellQuote(o.hostfile) +
-               " --num_nodes=" + std::to_string(nodes) + " --num_gpus=" +
-               std::to_string(per_node) + " --master_port=" + port + " " + script + "\n";
+               " --num_nodes=" + std::to_string(nodes) + " --num_gpus=" + std::to_string(per_node) +
+               " --master_port=" + port + " " + script + "\n";
       }
       break;
     case Launcher::kAccelerate:

@@ -42,10 +42,10 @@ struct LaunchOptions {
   std::string accelerate_config;  // the emitted Accelerate YAML's path; empty: none
   bool for_hf_trainer = false;    // --deepspeed PATH (Trainer) instead of --deepspeed_config PATH
   int master_port = 29500;
-  std::string job_name = "memplan";  // sbatch --job-name (made safe)
+  std::string job_name = "memplan";   // sbatch --job-name (made safe)
   std::string hostfile = "hostfile";  // deepspeed on several nodes: its --hostfile
-  std::string slurm_partition;  // #SBATCH --partition, when given
-  std::string slurm_time;       // #SBATCH --time, when given ("2-00:00:00")
+  std::string slurm_partition;        // #SBATCH --partition, when given
+  std::string slurm_time;             // #SBATCH --time, when given ("2-00:00:00")
 };
 
 // The script. Errors: an empty command, a port outside [1, 65535], a partition or time with

@@ -36,9 +36,10 @@ size_t Count(const std::string& text, const std::string& what) {
 
 // Llama-3-70B's architecture is llama-3.1-70b's (the same shapes; only RoPE scaling differs).
 const std::vector<std::string> kAcceptance = {
-    "capacity", "--model", "llama-3.1-70b", "--gpu", "a100-80,h100-80,mi300x", "--gpus", "8-512",
-    "--tokens", "1T", "--global-batch-tokens", "4194304", "--seq-len", "8192", "--price",
-    "a100-80=1.8,h100-80=2.9,mi300x=2.5", "--cpu-mem", "2TiB"};
+    "capacity",  "--model",   "llama-3.1-70b", "--gpu",   "a100-80,h100-80,mi300x",
+    "--gpus",    "8-512",     "--tokens",      "1T",      "--global-batch-tokens",
+    "4194304",   "--seq-len", "8192",          "--price", "a100-80=1.8,h100-80=2.9,mi300x=2.5",
+    "--cpu-mem", "2TiB"};
 
 TEST_CASE("capacity: Llama-3-70B, 1T tokens, three GPU types, 8-512 GPUs, in under a second") {
   TempDir dir("memplan-capacity-");
@@ -49,15 +50,16 @@ TEST_CASE("capacity: Llama-3-70B, 1T tokens, three GPU types, 8-512 GPUs, in und
   for (int i = 0; i < 3; ++i) {
     const auto start = std::chrono::steady_clock::now();
     r = Memplan(args);
-    best_ms = std::min(best_ms, std::chrono::duration<double, std::milli>(
-                                    std::chrono::steady_clock::now() - start)
-                                    .count());
+    best_ms = std::min(
+        best_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                     .count());
     REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   }
   nlohmann::json j = nlohmann::json::parse(r.out);
-  std::printf("memplan capacity llama-3.1-70b, 3 GPU types x 7 counts (%d searches, %d "
-              "configurations), whole process: %.1f ms\n",
-              j["searches"].get<int>(), j["configurations"].get<int>(), best_ms);
+  std::printf(
+      "memplan capacity llama-3.1-70b, 3 GPU types x 7 counts (%d searches, %d "
+      "configurations), whole process: %.1f ms\n",
+      j["searches"].get<int>(), j["configurations"].get<int>(), best_ms);
   CHECK(best_ms < 1000);
   REQUIRE(j["points"].size() == 21);  // 8, 16, ..., 512 for each type
   CHECK(j["searches"] == 21);
@@ -145,13 +147,13 @@ TEST_CASE("capacity: Llama-3-70B, 1T tokens, three GPU types, 8-512 GPUs, in und
 }
 
 TEST_CASE("capacity: one GPU type and count is exactly `memplan plan`'s best plan") {
-  const std::vector<std::string> job = {"--model", "llama-2-7b", "--global-batch", "64",
-                                        "--seq-len", "2048", "--cpu-mem", "1TiB"};
-  std::vector<std::string> cap = {"capacity", "--gpu", "a100-80", "--gpus", "16", "--tokens",
-                                  "1e9", "--format", "json"};
+  const std::vector<std::string> job = {"--model",   "llama-2-7b", "--global-batch", "64",
+                                        "--seq-len", "2048",       "--cpu-mem",      "1TiB"};
+  std::vector<std::string> cap = {"capacity", "--gpu", "a100-80",  "--gpus", "16",
+                                  "--tokens", "1e9",   "--format", "json"};
   cap.insert(cap.end(), job.begin(), job.end());
-  std::vector<std::string> plan = {"plan", "--gpu", "a100-80", "--gpus", "8", "--nodes", "2",
-                                   "--format", "json"};
+  std::vector<std::string> plan = {"plan",    "--gpu", "a100-80",  "--gpus", "8",
+                                   "--nodes", "2",     "--format", "json"};
   plan.insert(plan.end(), job.begin(), job.end());
   CommandResult c = Memplan(cap), p = Memplan(plan);
   REQUIRE_MESSAGE(c.exit_code == 0, c.err);
@@ -173,10 +175,10 @@ TEST_CASE("capacity: one GPU type and count is exactly `memplan plan`'s best pla
 TEST_CASE("capacity: prices, node sizes, GPUs without bf16 and custom GPUs") {
   TempDir dir("memplan-capacity-");
   // T4 has no bf16: with the default precision it runs fp16-mixed instead of being skipped.
-  CommandResult r = Memplan({"capacity", "--model", "gpt2", "--gpu", "t4,l4,a10g", "--gpus",
-                             "1,2,4,12", "--gpus-per-node", "4", "--tokens", "10B",
-                             "--global-batch", "48", "--seq-len", "1024", "--price", "0.5",
-                             "--format", "json"});
+  CommandResult r =
+      Memplan({"capacity", "--model", "gpt2", "--gpu", "t4,l4,a10g", "--gpus", "1,2,4,12",
+               "--gpus-per-node", "4", "--tokens", "10B", "--global-batch", "48", "--seq-len",
+               "1024", "--price", "0.5", "--format", "json"});
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("with several GPU types give TYPE=PRICE") != std::string::npos);
   r = Memplan({"capacity", "--model", "gpt2", "--gpu", "t4,l4,a10g", "--gpus", "1,2,4,12",
@@ -227,17 +229,17 @@ TEST_CASE("capacity: prices, node sizes, GPUs without bf16 and custom GPUs") {
   CHECK(j["node"]["cpu_memory_bytes"] == uint64_t{512} << 30);
   CHECK(j["node"]["cpu_cores"] == 32);
   // --price overrides the file's, and an alias names the preset.
-  r = Memplan({"capacity", "--model", "llama-2-7b", "--cluster", cluster, "--gpus", "8",
-               "--tokens", "100B", "--global-batch", "64", "--seq-len", "2048", "--price",
-               "a100=2.0", "--format", "json"});
+  r = Memplan({"capacity", "--model", "llama-2-7b", "--cluster", cluster, "--gpus", "8", "--tokens",
+               "100B", "--global-batch", "64", "--seq-len", "2048", "--price", "a100=2.0",
+               "--format", "json"});
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(nlohmann::json::parse(r.out)["offers"][0]["price_per_gpu_hour"] == 2.0);
 }
 
 TEST_CASE("capacity: bad input is one line, exit 2, and nothing written") {
   TempDir dir("memplan-capacity-");
-  const std::vector<std::string> base = {"capacity", "--model", "llama-2-7b", "--global-batch",
-                                         "64", "--seq-len", "2048"};
+  const std::vector<std::string> base = {"capacity", "--model",   "llama-2-7b", "--global-batch",
+                                         "64",       "--seq-len", "2048"};
   auto run = [&](std::vector<std::string> extra) {
     std::vector<std::string> args = base;
     args.insert(args.end(), extra.begin(), extra.end());
@@ -270,8 +272,8 @@ TEST_CASE("capacity: bad input is one line, exit 2, and nothing written") {
   }
   // -o and --svg together: when one cannot be written, neither is.
   const std::string report = dir.PathOf("report.txt");
-  CommandResult r = run({"--gpu", "a100-80", "--gpus", "8", "--tokens", "1T", "-o", report,
-                         "--svg", dir.PathOf("missing/dir/cost.svg")});
+  CommandResult r = run({"--gpu", "a100-80", "--gpus", "8", "--tokens", "1T", "-o", report, "--svg",
+                         dir.PathOf("missing/dir/cost.svg")});
   CHECK(r.exit_code == 2);
   CHECK_FALSE(std::filesystem::exists(report));
 }
@@ -304,14 +306,43 @@ TEST_CASE("calibrate: recovers the constants plan was given, and moves a held-ou
   }
   auto plan_step = [&](const Config& c, const std::string& calibration, nlohmann::json* setup) {
     const int64_t world = 8 * c.nodes;
-    std::vector<std::string> args = {
-        "plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8", "--nodes",
-        std::to_string(c.nodes), "--inter-node-bw", "12.5", "--cpu-mem", "2TiB", "--cpu-cores",
-        "64", "--optimizer", "adamw", "--global-batch",
-        std::to_string(c.micro_batch * c.grad_accum * world), "--seq-len", std::to_string(c.seq),
-        "--zero-stage", std::to_string(c.stage), "--offload-optimizer", c.offload,
-        "--offload-param", "none", "--checkpointing", "full", "--micro-batch",
-        std::to_string(c.micro_batch), "--sharding", "full", "--format", "json", "--top", "1"};
+    std::vector<std::string> args = {"plan",
+                                     "--model",
+                                     "llama-2-7b",
+                                     "--gpu",
+                                     "a100-80",
+                                     "--gpus",
+                                     "8",
+                                     "--nodes",
+                                     std::to_string(c.nodes),
+                                     "--inter-node-bw",
+                                     "12.5",
+                                     "--cpu-mem",
+                                     "2TiB",
+                                     "--cpu-cores",
+                                     "64",
+                                     "--optimizer",
+                                     "adamw",
+                                     "--global-batch",
+                                     std::to_string(c.micro_batch * c.grad_accum * world),
+                                     "--seq-len",
+                                     std::to_string(c.seq),
+                                     "--zero-stage",
+                                     std::to_string(c.stage),
+                                     "--offload-optimizer",
+                                     c.offload,
+                                     "--offload-param",
+                                     "none",
+                                     "--checkpointing",
+                                     "full",
+                                     "--micro-batch",
+                                     std::to_string(c.micro_batch),
+                                     "--sharding",
+                                     "full",
+                                     "--format",
+                                     "json",
+                                     "--top",
+                                     "1"};
     if (!calibration.empty()) args.insert(args.end(), {"--calibration", calibration});
     CommandResult r = Memplan(args);
     REQUIRE_MESSAGE(r.exit_code == 0, r.err);
@@ -357,9 +388,11 @@ TEST_CASE("calibrate: recovers the constants plan was given, and moves a held-ou
   CHECK(r.out.find("wrote " + fit) != std::string::npos);
   nlohmann::json f = nlohmann::json::parse(ReadWholeFile(fit));
   INFO(f.dump(1));
-  CHECK(f["gpus"]["a100-80"]["gemm_efficiency"].get<double>() == doctest::Approx(0.66).epsilon(0.02));
+  CHECK(f["gpus"]["a100-80"]["gemm_efficiency"].get<double>() ==
+        doctest::Approx(0.66).epsilon(0.02));
   CHECK(f["constants"]["gemm_tokens_half"].get<double>() == doctest::Approx(600).epsilon(0.02));
-  CHECK(f["gpus"]["a100-80"]["link_efficiency"].get<double>() == doctest::Approx(0.62).epsilon(0.02));
+  CHECK(f["gpus"]["a100-80"]["link_efficiency"].get<double>() ==
+        doctest::Approx(0.62).epsilon(0.02));
   CHECK(f["constants"]["network_efficiency"].get<double>() == doctest::Approx(0.5).epsilon(0.02));
   CHECK(f["constants"]["offload_overlap"].get<double>() == doctest::Approx(0.7).epsilon(0.02));
   CHECK(f["rms_error"]["fitted"].get<double>() < 0.01);
@@ -374,17 +407,17 @@ TEST_CASE("calibrate: recovers the constants plan was given, and moves a held-ou
   CHECK(std::fabs(calibrated / measured - 1) < 0.02);
   CHECK(std::fabs(calibrated / measured - 1) < std::fabs(prior / measured - 1) / 4);
   // The plan says it is calibrated.
-  r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8",
-               "--global-batch", "64", "--seq-len", "2048", "--calibration", fit});
+  r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8", "--global-batch",
+               "64", "--seq-len", "2048", "--calibration", fit});
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(r.out.find("Step-time constants calibrated from measured runs: " + fit) !=
         std::string::npos);
 
   // Too little data, and bad files: one line, exit 2, no calibration file.
   const std::string one = dir.PathOf("one.json");
-  Write(one, nlohmann::json({{"format", "memplan.runs/1"},
-                             {"runs", nlohmann::json::array({runs[0]})}})
-                 .dump());
+  Write(one,
+        nlohmann::json({{"format", "memplan.runs/1"}, {"runs", nlohmann::json::array({runs[0]})}})
+            .dump());
   const std::string out = dir.PathOf("never.json");
   r = Memplan({"calibrate", one, "-o", out});
   CHECK(r.exit_code == 2);

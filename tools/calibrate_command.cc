@@ -45,11 +45,11 @@ void RunCalibrate(const CalibrateFlags& f, Outcome* outcome) {
   for (const planner::MeasuredRun& run : *runs) {
     auto& slot = models[(run.base_class ? "base:" : "auto:") + run.model];
     if (!slot) {
-      auto inventory = LoadModelForCli(run.model,
-                                       run.base_class
-                                           ? estimator::ModelClassChoice::kBase
-                                           : estimator::ModelClassChoice::kFromArchitectures,
-                                       f.source);
+      auto inventory =
+          LoadModelForCli(run.model,
+                          run.base_class ? estimator::ModelClassChoice::kBase
+                                         : estimator::ModelClassChoice::kFromArchitectures,
+                          f.source);
       if (!inventory.ok()) {
         return fail(inventory.status().WithPrefix(f.runs_file + ": run '" + run.id + "'"));
       }
@@ -71,8 +71,8 @@ void RunCalibrate(const CalibrateFlags& f, Outcome* outcome) {
   if (!f.output.empty()) {
     outcome->files.push_back({f.output, file});
     if (f.format != "json") {
-      report += "\nwrote " + f.output + " (use it with `memplan plan --calibration " + f.output +
-                "`)\n";
+      report +=
+          "\nwrote " + f.output + " (use it with `memplan plan --calibration " + f.output + "`)\n";
     }
   }
   outcome->stdout_text = report;

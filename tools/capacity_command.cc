@@ -24,9 +24,9 @@ struct CapacityFlags {
   std::string model;
   std::string model_class = "auto";
   ModelSourceFlags source;
-  std::string gpus_text;           // GPU types, comma-separated
+  std::string gpus_text;  // GPU types, comma-separated
   std::string counts_text = "1-64";
-  int64_t gpus_per_node = 0;       // 0: 8, or the cluster file's
+  int64_t gpus_per_node = 0;        // 0: 8, or the cluster file's
   std::vector<std::string> prices;  // "2.5" (every type) or "h100-80=2.5"
   std::string tokens_text;
   double max_days = 0;
@@ -108,8 +108,9 @@ Result<std::vector<planner::GpuOffer>> BuildOffers(const CapacityFlags& f, plann
     offers = std::move(chosen);
   }
   if (offers.empty()) {
-    return Status::InvalidArgument("no GPU type given: use --gpu a100-80,h100-80,... or --cluster "
-                                   "FILE with a 'gpus' list");
+    return Status::InvalidArgument(
+        "no GPU type given: use --gpu a100-80,h100-80,... or --cluster "
+        "FILE with a 'gpus' list");
   }
   if (f.gpus_per_node > 0) {
     for (planner::GpuOffer& o : offers) o.gpus_per_node = f.gpus_per_node;
@@ -118,7 +119,8 @@ Result<std::vector<planner::GpuOffer>> BuildOffers(const CapacityFlags& f, plann
     const size_t eq = price.find('=');
     if (eq == std::string::npos) {
       if (offers.size() > 1 && f.prices.size() == 1) {
-        return Status::InvalidArgument("--price " + price + ": with several GPU types give "
+        return Status::InvalidArgument("--price " + price +
+                                       ": with several GPU types give "
                                        "TYPE=PRICE for each (--price a100-80=1.8,h100-80=2.9)");
       }
       MEMPLAN_ASSIGN_OR_RETURN(double v, ParsePrice(price, "for every GPU type"));
@@ -151,8 +153,9 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
     return fail(Status::InvalidArgument("--tokens is required: the training budget (1T, 300B)"));
   }
   if ((f.global_batch > 0) == !f.global_batch_tokens.empty()) {
-    return fail(Status::InvalidArgument("give exactly one of --global-batch (samples) and "
-                                        "--global-batch-tokens"));
+    return fail(
+        Status::InvalidArgument("give exactly one of --global-batch (samples) and "
+                                "--global-batch-tokens"));
   }
   planner::CapacityRequest request;
   auto offers = BuildOffers(f, &request.node);
@@ -189,16 +192,17 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
     node.nvme_capacity_bytes = *v;
   }
 
-  auto inventory = LoadModelForCli(f.model,
-                                   f.model_class == "base"
-                                       ? estimator::ModelClassChoice::kBase
-                                       : estimator::ModelClassChoice::kFromArchitectures,
-                                   f.source);
+  auto inventory =
+      LoadModelForCli(f.model,
+                      f.model_class == "base" ? estimator::ModelClassChoice::kBase
+                                              : estimator::ModelClassChoice::kFromArchitectures,
+                      f.source);
   if (!inventory.ok()) return fail(inventory.status());
   if (!inventory->arch) {
     return fail(Status::InvalidArgument(
-        f.model + ": capacity planning needs the architecture (a config.json or built-in "
-                  "model), not a tensor-shape list or safetensors header"));
+        f.model +
+        ": capacity planning needs the architecture (a config.json or built-in "
+        "model), not a tensor-shape list or safetensors header"));
   }
   planner::Job job;
   job.model = f.model;
@@ -220,8 +224,9 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
     auto batch_tokens = planner::ParseTokenCount(f.global_batch_tokens, "--global-batch-tokens");
     if (!batch_tokens.ok()) return fail(batch_tokens.status());
     if (*batch_tokens > 1e15 || *batch_tokens != std::floor(*batch_tokens)) {
-      return fail(Status::InvalidArgument("--global-batch-tokens must be a whole number of tokens "
-                                          "below 1e15"));
+      return fail(
+          Status::InvalidArgument("--global-batch-tokens must be a whole number of tokens "
+                                  "below 1e15"));
     }
     auto samples = planner::SamplesFromTokens(static_cast<int64_t>(*batch_tokens),
                                               s.SeqLenFor(&*inventory->arch));
