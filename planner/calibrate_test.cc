@@ -133,10 +133,13 @@ TEST_CASE("calibrate: constants synthesised with noise are recovered within 2%")
         {"network_efficiency", truth.network_efficiency},
         {"offload_overlap", truth.offload_overlap},
         {"cpu_adam_factor", truth.cpu_adam_factor}};
-    for (const auto& [name, value] : expected) {
+    for (const auto& item : expected) {
+      // (Not a structured binding: clang cannot capture one in doctest's lambdas.)
+      const std::string name = item.first;
+      const double value = item.second;
       const FittedConstant* f = Find(*fit, name);
       REQUIRE_MESSAGE(f != nullptr, name);
-      INFO(std::string(name) << " fitted " << f->value << " +- " << f->standard_error << ", truth "
+      INFO(name << " fitted " << f->value << " +- " << f->standard_error << ", truth "
                              << value);
       CHECK(std::fabs(f->value / value - 1) < 0.02);
       CHECK(f->standard_error > 0);
