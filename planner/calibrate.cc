@@ -241,7 +241,10 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
   std::set<std::string> asked(options.constants.begin(), options.constants.end());
   if (!asked.empty()) {
     std::set<std::string> known = {"gemm_efficiency", "link_efficiency"};
-    for (const Parameter& p : candidates) known.insert(p.base);
+    for (const Parameter& p : candidates) {
+      known.insert(p.base);
+      known.insert(p.name);  // one GPU's: "gemm_efficiency[a100-80]"
+    }
     for (const std::string& name : asked) {
       if (known.count(name) == 0) {
         return Status::InvalidArgument(
@@ -252,7 +255,7 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
     }
     std::vector<Parameter> kept;
     for (const Parameter& p : candidates) {
-      if (asked.count(p.base) > 0) kept.push_back(p);
+      if (asked.count(p.base) > 0 || asked.count(p.name) > 0) kept.push_back(p);
     }
     candidates = kept;
   }
@@ -320,7 +323,7 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
     const Parameter& p = candidates[c];
     if (touched) {
       kept.push_back(c);
-    } else if (asked.count(p.base) > 0) {
+    } else if (asked.count(p.base) > 0 || asked.count(p.name) > 0) {
       return Status::InvalidArgument("--constants: cannot fit " + why_not(p, touched));
     } else {
       result.not_determined.push_back(why_not(p, touched));
@@ -458,7 +461,7 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
     double worst_ratio = kMaxRelativeError;
     for (Eigen::Index k = 0; k < x.size(); ++k) {
       const Parameter& p = fit_params[static_cast<size_t>(k)];
-      if (asked.count(p.base) > 0) continue;
+      if (asked.count(p.base) > 0 || asked.count(p.name) > 0) continue;
       const double ratio =
           se[k] / std::max(std::fabs(x[k]), p.base == "gemm_tokens_half" ? p.scale : 1e-9);
       if (ratio > worst_ratio) {

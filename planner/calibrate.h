@@ -90,7 +90,8 @@ struct CalibrationRun {
 };
 
 struct CalibrateOptions {
-  // The constants to fit, by name (Note [Calibration]; "gemm_efficiency" means every GPU's);
+  // The constants to fit, by name (Note [Calibration]; "gemm_efficiency" means every GPU's,
+  // "gemm_efficiency[a100-80]" one GPU's);
   // empty: every constant the runs determine.
   std::vector<std::string> constants;
   int max_iterations = 200;

@@ -139,8 +139,7 @@ TEST_CASE("calibrate: constants synthesised with noise are recovered within 2%")
       const double value = item.second;
       const FittedConstant* f = Find(*fit, name);
       REQUIRE_MESSAGE(f != nullptr, name);
-      INFO(name << " fitted " << f->value << " +- " << f->standard_error << ", truth "
-                             << value);
+      INFO(name << " fitted " << f->value << " +- " << f->standard_error << ", truth " << value);
       CHECK(std::fabs(f->value / value - 1) < 0.02);
       CHECK(f->standard_error > 0);
     }
@@ -213,6 +212,11 @@ TEST_CASE("calibrate: what the runs cannot determine is said, or refused when as
   auto refused = Calibrate(runs, asked);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().message().find("no run spans nodes") != std::string::npos);
+  asked.constants = {"gemm_efficiency[a100-80]"};
+  auto one_gpu = Calibrate(runs, asked);
+  REQUIRE_MESSAGE(one_gpu.ok(), one_gpu.status().message());
+  REQUIRE(one_gpu->fitted.size() == 1);
+  CHECK(one_gpu->fitted[0].name == "gemm_efficiency[a100-80]");
   asked.constants = {"warp_speed"};
   CHECK(Calibrate(runs, asked).status().message().find("not a calibrated constant") !=
         std::string::npos);

@@ -234,13 +234,12 @@ Result<std::vector<GpuOffer>> OffersFromJson(const nlohmann::json& json, const s
     }
     nlohmann::json cluster = rest;
     cluster["gpu"] = gpu;
-    if (!node_size_given && !list && rest.contains("gpus_per_node")) {
-      // A plain cluster file: its gpus_per_node is the node size.
-      node_size_given = true;
-    }
     auto parsed = ClusterFromJson(cluster, where);
     if (!parsed.ok()) return parsed.status();
-    if (!list && node_size_given) offer.gpus_per_node = parsed->gpus_per_node;
+    // The file's gpus_per_node is the node size of every type that does not give its own.
+    if (!node_size_given && rest.contains("gpus_per_node")) {
+      offer.gpus_per_node = parsed->gpus_per_node;
+    }
     offer.gpu = parsed->gpu;
     if (i == 0 && node != nullptr) *node = *parsed;
     offers.push_back(std::move(offer));

@@ -228,6 +228,37 @@ TEST_CASE("capacity: prices, node sizes, GPUs without bf16 and custom GPUs") {
   CHECK(j["offers"][0]["gpus_per_node"] == 8);
   CHECK(j["node"]["cpu_memory_bytes"] == uint64_t{512} << 30);
   CHECK(j["node"]["cpu_cores"] == 32);
+  // A node size for every type that gives none, and a plain plan cluster file as one offer.
+  Write(cluster, R"({"gpus": ["a100-80", {"preset": "l40s", "gpus_per_node": 2}],
+      "gpus_per_node": 4})");
+  r = Memplan({"capacity", "--model", "llama-2-7b", "--cluster", cluster, "--gpus", "8", "--tokens",
+               "1B", "--global-batch", "64", "--seq-len", "2048", "--format", "json"});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  j = nlohmann::json::parse(r.out);
+  CHECK(j["offers"][0]["gpus_per_node"] == 4);
+  CHECK(j["offers"][1]["gpus_per_node"] == 2);
+  CHECK(j["points"][0]["nodes"] == 2);
+  Write(cluster, R"({"gpu": {"preset": "h100-80"}, "gpus_per_node": 4, "nodes": 3,
+      "cpu_memory_bytes": "1TiB"})");
+  r = Memplan({"capacity", "--model", "llama-2-7b", "--cluster", cluster, "--gpus", "8", "--tokens",
+               "1B", "--global-batch", "64", "--seq-len", "2048", "--format", "json"});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  j = nlohmann::json::parse(r.out);
+  CHECK(j["offers"][0]["gpu"] == "h100-80");
+  CHECK(j["offers"][0]["gpus_per_node"] == 4);
+  CHECK(j["points"][0]["nodes"] == 2);
+  Write(cluster, R"({"gpus": ["a100-80"], "gpu": "h100-80"})");
+  r = Memplan({"capacity", "--model", "llama-2-7b", "--cluster", cluster, "--gpus", "8", "--tokens",
+               "1B", "--global-batch", "64"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("give 'gpus' (the GPU types to choose from) or 'gpu', not both") !=
+        std::string::npos);
+  // Restore the two-type file for the --price case below.
+  Write(cluster, R"({"gpus": [{"preset": "a100-80", "price_per_gpu_hour": 1.5},
+      {"name": "lab-gpu", "memory_bytes": "48GiB", "bf16_flops": 3e14, "fp16_flops": 3e14,
+       "hbm_bytes_per_s": 1e12, "link_bytes_per_s": 5e10, "price_per_gpu_hour": 0.9,
+       "gpus_per_node": 4}],
+      "cpu_memory_bytes": "512GiB", "cpu_cores": 32})");
   // --price overrides the file's, and an alias names the preset.
   r = Memplan({"capacity", "--model", "llama-2-7b", "--cluster", cluster, "--gpus", "8", "--tokens",
                "100B", "--global-batch", "64", "--seq-len", "2048", "--price", "a100=2.0",
