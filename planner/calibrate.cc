@@ -146,7 +146,7 @@ Result<std::vector<MeasuredRun>> RunsFromJson(const nlohmann::json& json,
   if (list == json.end() || !list->is_array()) {
     return Status::InvalidArgument(source + ": 'runs' must be a list of measured runs");
   }
-  if (list->size() > 100000) return Status::InvalidArgument(source + ": more than 100000 runs");
+  if (list->size() > 10000) return Status::InvalidArgument(source + ": more than 10000 runs");
   std::vector<MeasuredRun> runs;
   std::set<std::string> ids;
   for (size_t i = 0; i < list->size(); ++i) {
@@ -404,8 +404,19 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
       int it = 0;
       for (; it < options.max_iterations; ++it) {
         const Eigen::MatrixXd j = jacobian(x, noise, with_prior);
-        const Eigen::MatrixXd a = j.transpose() * j;
-        const Eigen::VectorXd g = j.transpose() * r;
+        Eigen::MatrixXd a = j.transpose() * j;
+        Eigen::VectorXd g = j.transpose() * r;
+        // A constant at a bound that the descent pushes further out stays there this step (an
+        // active set), so the others are not dragged along a clamped direction.
+        for (Eigen::Index k = 0; k < x.size(); ++k) {
+          const Parameter& p = fit_params[static_cast<size_t>(k)];
+          if ((x[k] <= p.lo && g[k] > 0) || (x[k] >= p.hi && g[k] < 0)) {
+            a.row(k).setZero();
+            a.col(k).setZero();
+            a(k, k) = 1;
+            g[k] = 0;
+          }
+        }
         bool improved = false;
         double gain = 0, moved = 0;
         for (int tries = 0; tries < 40 && !improved; ++tries) {
@@ -430,7 +441,7 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
           }
         }
         // Converged: no step lowers the cost, or the last one barely did or barely moved.
-        if (!improved || gain <= 1e-12 * std::max(c, 1e-20) || moved < 1e-9) break;
+        if (!improved || gain <= 1e-10 * std::max(c, 1e-20) || moved < 1e-9) break;
       }
       result.iterations += it;
     };
