@@ -28,6 +28,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/byte_size.h"
 #include "nvme/bench.h"
 #include "offload/engine.h"
 
@@ -60,7 +61,7 @@ struct Flags {
 }
 
 uint64_t ParseSize(const std::string& text) {
-  auto v = memplan::nvme::ParseByteSize(text);
+  auto v = memplan::ParseByteSize(text, "size");
   if (!v.ok()) Die(v.status().message());
   return *v;
 }

@@ -1,6 +1,7 @@
 #include "common/json.h"
 
 #include <cmath>
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <string>
@@ -25,7 +26,8 @@ class JsonBuilder {
  public:
   static constexpr bool kOrdered = std::is_same_v<Json, nlohmann::ordered_json>;
 
-  explicit JsonBuilder(Repeats repeats) : repeats_(repeats) {}
+  JsonBuilder(Repeats repeats, size_t max_root_members)
+      : repeats_(repeats), max_root_members_(max_root_members) {}
 
   Json& root() { return root_; }
   const std::string& error() const { return error_; }
@@ -124,16 +126,27 @@ class JsonBuilder {
       return !keys->insert(k).second;
     }
   }
+  // Only the document's own entries are counted (a shape list's tensors); nested containers
+  // (a config.json's id2label map) are bounded by the file's size alone.
+  bool Full() {
+    if (open_.size() != 1 || open_.back()->size() < max_root_members_) return false;
+    Refuse("more than " + std::to_string(max_root_members_) +
+           " entries at the top level (the limit for this file)");
+    return true;
+  }
   bool Put(Json v) {
+    if (Full()) return false;
     Place(std::move(v));
     return true;
   }
   bool Open(Json v) {
+    if (Full()) return false;
     open_.push_back(Place(std::move(v)));
     return true;
   }
 
   Repeats repeats_;
+  size_t max_root_members_;
   Json root_;
   std::vector<Json*> open_;
   std::vector<std::unique_ptr<std::unordered_set<std::string>>> open_keys_;  // per open object
@@ -144,7 +157,7 @@ class JsonBuilder {
 
 template <typename Json>
 Result<Json> Parse(std::string_view text, const std::string& source, int max_depth,
-                   Repeats repeats) {
+                   Repeats repeats, size_t max_root_members = SIZE_MAX) {
   MEMPLAN_RETURN_IF_ERROR(CheckNoNulByte(text, source));
   int depth = JsonNestingDepth(text);
   if (depth > max_depth) {
@@ -152,7 +165,7 @@ Result<Json> Parse(std::string_view text, const std::string& source, int max_dep
                                    " levels deep (limit " + std::to_string(max_depth) + ")");
   }
   try {
-    JsonBuilder<Json> builder(repeats);
+    JsonBuilder<Json> builder(repeats, max_root_members);
     bool ok = Json::sax_parse(text, &builder);
     if (!builder.refusal().empty()) {
       return Status::InvalidArgument(source + ": " + builder.refusal());
@@ -183,8 +196,27 @@ Result<nlohmann::json> ParseJsonNoRepeatedKeys(std::string_view text, const std:
 }
 
 Result<nlohmann::ordered_json> ParseOrderedJsonText(std::string_view text,
-                                                    const std::string& source, int max_depth) {
-  return Parse<nlohmann::ordered_json>(text, source, max_depth, Repeats::kRefuse);
+                                                    const std::string& source, int max_depth,
+                                                    size_t max_root_members) {
+  return Parse<nlohmann::ordered_json>(text, source, max_depth, Repeats::kRefuse,
+                                       max_root_members);
+}
+
+Result<int64_t> JsonInteger(const nlohmann::json& value, const std::string& what, int64_t lo,
+                            int64_t hi) {
+  const std::string range = "an integer from " + std::to_string(lo) + " to " + std::to_string(hi);
+  if (!value.is_number_integer()) {
+    const bool number = value.is_number_float();
+    return Status::InvalidArgument(what + ": must be " + range + ", got " +
+                                   (number ? value.dump() : std::string("a ") + value.type_name()));
+  }
+  const bool beyond_int64 =
+      value.is_number_unsigned() && value.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX);
+  const int64_t v = beyond_int64 ? INT64_MAX : value.get<int64_t>();
+  if (beyond_int64 || v < lo || v > hi) {
+    return Status::InvalidArgument(what + ": must be " + range + ", got " + value.dump());
+  }
+  return v;
 }
 
 }  // namespace memplan

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -77,9 +78,19 @@ Result<nlohmann::json> ParseJsonNoRepeatedKeys(std::string_view text, const std:
 // Parses a user's JSON document keeping key order, in time linear in its size (nlohmann's own
 // ordered_json parse is quadratic in the keys of one object; see Note [Linear ordered parse] in
 // json.cc). Refuses what ParseJson refuses (Note [JSON limits]) and an object that repeats a key,
-// which nlohmann would otherwise resolve silently. Use it for any user document whose key order
-// matters.
+// which nlohmann would otherwise resolve silently, and a top-level object or array of more than
+// `max_root_members` entries, refused as soon as the parse reaches entry max_root_members + 1 (so
+// a 10^6-tensor shape list costs no more than its limit). Use it for any user document whose key
+// order matters.
 Result<nlohmann::ordered_json> ParseOrderedJsonText(std::string_view text,
-                                                    const std::string& source, int max_depth);
+                                                    const std::string& source, int max_depth,
+                                                    size_t max_root_members = SIZE_MAX);
+
+// An integer field of a user's JSON file, in [lo, hi]. Refuses (InvalidArgument naming `what`)
+// anything but a JSON integer (1.0, "4", true) and any value outside the range, including the
+// values nlohmann holds as unsigned beyond int64 and those that a narrowing cast would wrap
+// (2^32 + 4 read as an int is 4). The one way to read an integer setting from a file.
+Result<int64_t> JsonInteger(const nlohmann::json& value, const std::string& what, int64_t lo,
+                            int64_t hi);
 
 }  // namespace memplan

@@ -1,7 +1,12 @@
 #include "estimator/estimate.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/printable.h"
 
 namespace memplan::estimator {
 namespace {
@@ -647,20 +652,22 @@ std::string FormatEstimateText(const Estimate& e) {
   const ModelSummary& m = e.model;
   const ModelCounts& c = m.counts;
   std::string out = e.memory.has_value() ? SetupLine(e.memory->setup) + "\n" : std::string();
-  out += "Model: " + m.name;
+  // Names and notes may carry text from the user's files: escaped (common/printable.h).
+  out += "Model: " + Printable(m.name);
   std::string kind = m.architecture;
   if (!m.model_type.empty()) kind += (kind.empty() ? "" : ", ") + m.model_type;
-  if (!kind.empty()) out += " (" + kind + ")";
+  if (!kind.empty()) out += " (" + Printable(kind) + ")";
   out += "\n  params_total          " + WithThousands(c.params_total) +
          "\n  largest_layer_params  " + WithThousands(c.largest_layer_params);
   if (c.largest_layer_params > 0) {
-    out += "  (" + (c.largest_layer_module.empty() ? "<root>" : c.largest_layer_module) + ")";
+    out += "  (" + (c.largest_layer_module.empty() ? "<root>" : Printable(c.largest_layer_module)) +
+           ")";
   }
   if (c.largest_block_params > 0) {
     out += "\n  largest_block_params  " + WithThousands(c.largest_block_params) + "  (" +
-           c.largest_block + ", one of " + std::to_string(c.num_blocks) + " blocks)";
+           Printable(c.largest_block) + ", one of " + std::to_string(c.num_blocks) + " blocks)";
   }
-  for (const std::string& note : m.notes) out += "\n  note: " + note;
+  for (const std::string& note : m.notes) out += "\n  note: " + Printable(note);
   if (e.inference.has_value() && !e.memory.has_value()) {
     return out + "\n" + FormatInferenceText(*e.inference);
   }
@@ -712,21 +719,33 @@ nlohmann::json InventoryToJson(const ModelInventory& inventory, const ModelCount
 }
 
 std::string FormatInventoryText(const ModelInventory& inventory, const ModelCounts& counts) {
-  std::string out;
+  // Names come from the user's file: escaped (a '\n' or an escape sequence in a tensor name must
+  // not split a row or reach the terminal), and padded by what is printed, never cut.
+  auto pad = [](std::string text, size_t to) {
+    if (text.size() < to) text.append(to - text.size(), ' ');
+    return text;
+  };
+  std::vector<std::string> names;
+  names.reserve(inventory.tensors.size());
   size_t width = 4;
-  for (const TensorInfo& t : inventory.tensors) width = std::max(width, t.name.size());
-  char line[1024];
   for (const TensorInfo& t : inventory.tensors) {
+    names.push_back(Printable(t.name));
+    width = std::max(width, names.back().size());
+  }
+  std::string out;
+  for (size_t k = 0; k < inventory.tensors.size(); ++k) {
+    const TensorInfo& t = inventory.tensors[k];
     std::string shape = "[";
     for (size_t i = 0; i < t.shape.size(); ++i) {
       shape += (i ? ", " : "") + std::to_string(t.shape[i]);
     }
     shape += "]";
-    std::string note = t.tied_to.empty() ? "" : "  tied to " + t.tied_to;
-    std::snprintf(line, sizeof(line), "%-*s  %-6s %-20s %15s%s\n", static_cast<int>(width),
-                  t.name.c_str(), std::string(DTypeName(t.dtype)).c_str(), shape.c_str(),
-                  WithThousands(t.numel).c_str(), note.c_str());
-    out += line;
+    const std::string numel = WithThousands(t.numel);
+    out += pad(names[k], width) + "  " + pad(std::string(DTypeName(t.dtype)), 6) + " " +
+           pad(shape, 20) + " " + std::string(numel.size() < 15 ? 15 - numel.size() : 0, ' ') +
+           numel;
+    if (!t.tied_to.empty()) out += "  tied to " + Printable(t.tied_to);
+    out += "\n";
   }
   out += std::to_string(counts.num_tensors) + " tensors (" + std::to_string(counts.num_tied) +
          " tied), " + WithThousands(counts.params_total) + " parameters\n";

@@ -38,7 +38,7 @@ PathKind Stat(const std::string& path) {
 
 Result<nlohmann::ordered_json> ReadJson(const std::string& path) {
   MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, kMaxJsonBytes));
-  return ParseOrderedJsonText(text, path, kMaxJsonDepth);
+  return ParseOrderedJsonText(text, path, kMaxJsonDepth, kMaxShapeListTensors);
 }
 
 Result<ModelInventory> LoadJsonFile(const std::string& path, const BuildOptions& options) {

@@ -125,6 +125,10 @@ Status Reader::Read(const OrderedJson& doc, ModelInventory* out) {
 }
 
 Status Reader::ReadTensors(const OrderedJson& tensors) {
+  if ((tensors.is_object() || tensors.is_array()) && tensors.size() > kMaxShapeListTensors) {
+    return Error("more than " + std::to_string(kMaxShapeListTensors) + " tensors (" +
+                 std::to_string(tensors.size()) + "; the limit for a shape list)");
+  }
   if (tensors.is_object()) {
     for (const auto& [name, spec] : tensors.items()) {
       MEMPLAN_RETURN_IF_ERROR(ReadSpec(name, spec, false));
@@ -346,7 +350,8 @@ Result<ModelInventory> InventoryFromShapeList(const nlohmann::json& doc,
 
 Result<ModelInventory> InventoryFromShapeListText(std::string_view text,
                                                   const std::string& source) {
-  MEMPLAN_ASSIGN_OR_RETURN(OrderedJson doc, ParseOrderedJsonText(text, source, kMaxShapeListDepth));
+  MEMPLAN_ASSIGN_OR_RETURN(OrderedJson doc, ParseOrderedJsonText(text, source, kMaxShapeListDepth,
+                                                                 kMaxShapeListTensors));
   return InventoryFromShapeList(doc, source);
 }
 

@@ -15,13 +15,16 @@
 // Refused, with an error naming the source and the tensor ("shapes.json: tensor 'h.0.w': dim 1
 // is -3, must be >= 0"): non-integer or negative dims, dims above ConfigReader::kMaxDim, shapes
 // whose element count overflows 64 bits, unknown dtypes or entry keys, a tensor listed twice,
-// tied_to naming no tensor of the list (or a tie cycle), and a list with no tensors.
+// tied_to naming no tensor of the list (or a tie cycle), a list with no tensors, and a list of
+// more than kMaxShapeListTensors tensors (the text entry point and LoadModel stop the parse of a
+// top-level list at entry kMaxShapeListTensors + 1).
 //
 // Tensors keep the document's order. nlohmann::json sorts object keys, so the text and
 // ordered_json entry points are the ones to use; the nlohmann::json overloads exist for callers
 // that already hold a parsed document (they see the tensors in key order).
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <string_view>
 
@@ -31,6 +34,12 @@
 #include "estimator/inventory.h"
 
 namespace memplan::estimator {
+
+// The most tensors a shape list may hold (and the most top-level entries of a JSON file given as
+// --model): 262,144. The largest real checkpoints list about 10^5 tensors (a
+// DeepSeek-V3 or Kimi-K2 index with one tensor per expert and its scales); a list of 10^6
+// tensors (18 MiB of text) took 2.7 GiB and 26 s before this cap.
+inline constexpr size_t kMaxShapeListTensors = size_t{1} << 18;
 
 // True when `doc` has the shape of a shape list rather than a config.json: a non-empty array of
 // objects, the {"tensors": ...} wrapper, or a non-empty object with no string "model_type" whose

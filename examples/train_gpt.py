@@ -2,16 +2,23 @@
 """Train a small GPT with its parameters and AdamW states offloaded to an NVMe directory.
 
     PYTHONPATH=build/python python3 examples/train_gpt.py --nvme /mnt/nvme/gpt --steps 50
+    PYTHONPATH=build/python torchrun --nproc_per_node 2 examples/train_gpt.py --nvme /mnt/nvme/gpt
 
 The model's parameters and optimizer states live in memplan's engine (on NVMe under --nvme, read
 through a small pinned budget); each module's parameters are fetched just before it runs and
 released after. With --compare the same model is also trained with plain torch.optim.AdamW and
 the largest loss difference is printed (and checked against --tolerance).
+
+Under torchrun every rank holds half (a 1/N shard) of every parameter and of the AdamW states
+(ZeRO-3 over torch.distributed: gloo on CPU, NCCL on CUDA), trains on its slice of each batch
+(--batch is the global batch), and the losses printed are the global batch's mean; --compare
+then trains the reference on the whole global batch in each process.
 """
 import argparse
 import copy
 import json
 import math
+import os
 import sys
 
 import torch
@@ -89,6 +96,17 @@ def main(argv=None):
                         "CUDA runtime, on that GPU)")
     args = p.parse_args(argv)
 
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), 0
+    if world > 1:  # launched by torchrun: data parallel, one shard of everything per rank
+        import torch.distributed as dist
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        rank = dist.get_rank()
+        if args.device.startswith("cuda"):
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            torch.cuda.set_device(torch.device(args.device))
+        if args.batch % world != 0:
+            p.error(f"--batch {args.batch} is not a multiple of the {world} ranks")
+    local = args.batch // world
     device = torch.device(args.device)
     torch.manual_seed(0)
     model = GPT(hidden=args.hidden, layers=args.layers, seq=args.seq).to(device)
@@ -98,20 +116,25 @@ def main(argv=None):
         model, args.nvme, lr=args.lr, weight_decay=0.01, pinned_budget_bytes=args.pinned_budget,
         sub_group_elements=128 << 10, param_buffer_bytes=512 << 10, direct=False,
         device=device if device.type == "cuda" else None)
-    print(f"GPT: {args.layers} layers, hidden {args.hidden}, {n_params:,} parameters; params + "
-          f"AdamW states {16 * n_params / 2**20:.1f} MiB, pinned budget "
-          f"{args.pinned_budget / 2**20:.1f} MiB")
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"GPT: {args.layers} layers, hidden {args.hidden}, {n_params:,} parameters; params + "
+        f"AdamW states {16 * n_params / 2**20:.1f} MiB, pinned budget "
+        f"{args.pinned_budget / 2**20:.1f} MiB" + (f"; {world} ranks" if world > 1 else ""))
     losses = []
     for step, tokens in enumerate(batches(args.steps, args.batch, args.seq + 1, 512)):
-        loss = model(tokens.to(device))
+        loss = model(tokens[rank * local:(rank + 1) * local].to(device))
         loss.backward()
         trainer.step()
-        losses.append(loss.item())
+        value = loss.detach()
+        if world > 1:
+            dist.all_reduce(value)
+            value = value / world
+        losses.append(value.item())
         if step % 10 == 0 or step == args.steps - 1:
-            print(f"step {step:3d}  loss {loss.item():.6f}")
+            say(f"step {step:3d}  loss {losses[-1]:.6f}")
     stats = trainer.stats()
     trainer.close()
-    print("engine:", json.dumps({k: stats[k] for k in ("steps", "d2h_bytes",
+    say("engine:", json.dumps({k: stats[k] for k in ("steps", "d2h_bytes",
                                  "optimizer_read_bytes", "optimizer_write_bytes",
                                  "pinned_bytes")}),
           json.dumps({k: stats["param"][k] for k in ("nvme_read_bytes", "prefetch_hits",
@@ -128,13 +151,15 @@ def main(argv=None):
             optimizer.step()
             ref_losses.append(loss.item())
         diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        print(f"torch.optim.AdamW: final loss {ref_losses[-1]:.6f}; max |loss difference| over "
+        say(f"torch.optim.AdamW: final loss {ref_losses[-1]:.6f}; max |loss difference| over "
               f"{args.steps} steps: {diff:.3g} (tolerance {args.tolerance:g})")
         result.update(reference_losses=ref_losses, max_abs_diff=diff)
         status = 0 if diff <= args.tolerance else 1
-    if args.json:
+    if args.json and rank == 0:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f)
+    if world > 1:
+        dist.destroy_process_group()
     return status
 
 

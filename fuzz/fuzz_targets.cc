@@ -3,12 +3,16 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <map>
 #include <set>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "common/json.h"
 #include "estimator/builtin_models.h"
@@ -21,6 +25,7 @@
 #include "nvme/swap_index_internal.h"
 #include "planner/check.h"
 #include "planner/cluster.h"
+#include "tools/cli.h"
 
 namespace memplan::fuzz {
 namespace {
@@ -169,6 +174,84 @@ Status SwapIndexOne(std::string_view input) {
   const uint64_t sum = internal::SwapIndexChecksum(std::string_view(sealed).substr(0, body));
   for (size_t i = 0; i < 8; ++i) sealed[body + i] = static_cast<char>(sum >> (8 * i));
   return check(sealed);
+}
+
+Status CliOne(std::string_view input) {
+  static const bool offline = [] { return ::setenv("HF_HUB_OFFLINE", "1", 1) == 0; }();
+  (void)offline;
+  if (input.empty()) return Status::Ok();
+  static constexpr const char* kCommands[] = {"estimate", "inventory", "plan", "check"};
+  std::vector<std::string> args = {"memplan", kCommands[static_cast<uint8_t>(input[0]) % 4]};
+  size_t start = 1;
+  while (start <= input.size()) {
+    size_t end = input.find('\n', start);
+    if (end == std::string_view::npos) end = input.size();
+    if (end > start || end < input.size()) args.emplace_back(input.substr(start, end - start));
+    start = end + 1;
+    if (args.size() > 64) break;
+  }
+  for (const std::string& arg : args) {
+    if (arg == "bench") return Status::Ok();  // benches write files: not fuzzed here
+  }
+  const tools::Outcome outcome = tools::RunCli(args);
+  if (outcome.exit_code < 0 || outcome.exit_code > 2) {
+    return Status::Internal("exit status " + std::to_string(outcome.exit_code));
+  }
+  if ((outcome.exit_code == 0) != outcome.error.empty()) {
+    return Status::Internal("exit status " + std::to_string(outcome.exit_code) +
+                            " with the error '" + outcome.error + "'");
+  }
+  if (outcome.error.find('\n') != std::string::npos) {
+    return Status::Internal("an error of more than one line: " + outcome.error);
+  }
+  return Status::Ok();
+}
+
+Status CheckArithmeticOne(std::string_view input) {
+  // Byte 0: which fields are present (bits 0-2) and which values are small (bits 3-6); then four
+  // little-endian int64 values (total, micro, accumulation, world), made positive.
+  uint8_t bytes[33] = {};
+  std::memcpy(bytes, input.data(), std::min(input.size(), sizeof(bytes)));
+  auto value = [&](int i) {
+    uint64_t raw = 0;
+    std::memcpy(&raw, bytes + 1 + 8 * i, 8);
+    raw &= uint64_t{INT64_MAX};
+    if (bytes[0] & (8 << i)) raw = raw % 64;
+    return static_cast<int64_t>(raw);
+  };
+  const bool has_total = bytes[0] & 1, has_micro = bytes[0] & 2, has_accum = bytes[0] & 4;
+  const int64_t total = std::max<int64_t>(value(0), 1), micro = std::max<int64_t>(value(1), 1),
+                accum = std::max<int64_t>(value(2), 1);
+  const int64_t world = value(3) % (int64_t{1} << 31);  // 0: unknown
+  nlohmann::json config = nlohmann::json::object();
+  if (has_total) config["train_batch_size"] = total;
+  if (has_micro) config["train_micro_batch_size_per_gpu"] = micro;
+  if (has_accum) config["gradient_accumulation_steps"] = accum;
+  planner::CheckOptions options;
+  options.world_size = world;
+  MEMPLAN_ASSIGN_OR_RETURN(planner::CheckReport report,
+                           planner::CheckDeepSpeedConfig(config, options));
+  bool flagged = false;
+  for (const planner::Finding& f : report.problems) flagged |= f.path == "train_batch_size";
+  // DeepSpeed's rule (runtime/config.py _configure_train_batch_size), in 128 bits.
+  __extension__ typedef __int128 Wide;  // GCC and clang; -Wpedantic wants the marker
+  auto divides = [](Wide step, Wide n) { return n % step == 0; };
+  bool wrong = false;
+  if (has_total && has_micro && has_accum) {
+    const Wide step = Wide{micro} * accum;  // < 2^126; beyond int64 it cannot equal the total
+    wrong = world > 0 ? step > INT64_MAX || step * world != total : !divides(step, total);
+  } else if (has_total && has_micro) {
+    wrong = world > 0 && !divides(Wide{micro} * world, total);
+  } else if (has_total && has_accum) {
+    wrong = world > 0 && !divides(Wide{accum} * world, total);
+  } else if (!has_total && !has_micro) {
+    wrong = true;  // DeepSpeed needs one of them
+  }
+  if (flagged != wrong) {
+    return Status::Internal(std::string("check ") + (flagged ? "flags" : "accepts") + " " +
+                            config.dump() + " on " + std::to_string(world) + " GPUs");
+  }
+  return Status::Ok();
 }
 
 }  // namespace memplan::fuzz

@@ -29,5 +29,15 @@ Status DeepSpeedConfigOne(std::string_view input);
 Status DeepSpeedCheckOne(std::string_view input);
 // A SwapStore index file, decoded as it is and again with its trailer checksum made valid.
 Status SwapIndexOne(std::string_view input);
+// A memplan command line, one argument per line of `input`, after the subcommand its first byte
+// picks (estimate, inventory, plan, check; never `bench`, which writes files), run through
+// tools::RunCli (which writes nothing) with the Hub offline. Broken when the exit status is not
+// 0, 1 or 2, when an error has no message or a success has one, or when an error spans lines.
+Status CliOne(std::string_view input);
+// `memplan check`'s batch arithmetic: train_batch_size, micro-batch, accumulation (each present
+// or not) and the world size, taken from the input's bytes over the whole int64 range, checked
+// against the same rule computed in 128 bits. Broken when check's verdict on train_batch_size
+// differs from DeepSpeed's rule.
+Status CheckArithmeticOne(std::string_view input);
 
 }  // namespace memplan::fuzz

@@ -399,6 +399,26 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_add_use(memplan_engine* engine, u
   });
 }
 
+MEMPLAN_C_EXPORT memplan_status memplan_engine_no_gradient(memplan_engine* engine,
+                                                           uint32_t param_id) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (engine->engine == nullptr) return Status::FailedPrecondition("engine: not started");
+    return engine->engine->NoGradient(param_id);
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_freeze(memplan_engine* engine,
+                                                      uint32_t param_id) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckNotStarted());
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckParam(param_id));
+    engine->params[param_id].spec.frozen = true;
+    return Status::Ok();
+  });
+}
+
 MEMPLAN_C_EXPORT memplan_status memplan_engine_start(memplan_engine* engine) {
   return Guard(__func__, [&]() -> Status {
     if (engine == nullptr) return NullArgument("engine");

@@ -313,6 +313,54 @@ TEST_CASE("c api: tied parameter, zero init, and a step without every gradient")
         MEMPLAN_INVALID_ARGUMENT);
   CHECK(memplan_engine_step(engine, nullptr) == MEMPLAN_FAILED_PRECONDITION);
   CHECK(LastError().find("head.bias") != std::string::npos);
+  // Declared without a gradient, head.bias is skipped (left at its zeros); the step runs.
+  std::vector<float> before(2);  // head.bias: shape {2}
+  REQUIRE(memplan_engine_read_master(engine, head, before.data(), 2) == MEMPLAN_OK);
+  REQUIRE_MESSAGE(memplan_engine_no_gradient(engine, head) == MEMPLAN_OK, LastError());
+  REQUIRE_MESSAGE(memplan_engine_step(engine, nullptr) == MEMPLAN_OK, LastError());
+  std::vector<float> after(2);
+  REQUIRE(memplan_engine_read_master(engine, head, after.data(), 2) == MEMPLAN_OK);
+  CHECK(before == after);
+  std::vector<float> embedding(8);
+  REQUIRE(memplan_engine_read_master(engine, embed, embedding.data(), 8) == MEMPLAN_OK);
+  CHECK(embedding[0] != 0.0f);  // stepped: its gradient was given
+  CHECK(memplan_engine_close(engine) == MEMPLAN_OK);
+}
+
+TEST_CASE("c api: a frozen parameter is fetched with its values and never stepped") {
+  TempDir dir("memplan_capi_");
+  memplan_engine* engine = nullptr;
+  Open("fp32", dir.PathOf("nvme"), &engine);
+  const int64_t shape[] = {3000};
+  std::vector<float> base(3000), adapter(3000, 0.5f);
+  for (size_t i = 0; i < base.size(); ++i) base[i] = static_cast<float>(i) * 0.001f;
+  uint32_t frozen = 0, trained = 0;
+  REQUIRE(memplan_engine_register(engine, "base", "m", shape, 1, base.data(), &frozen) ==
+          MEMPLAN_OK);
+  REQUIRE(memplan_engine_register(engine, "adapter", "m", shape, 1, adapter.data(), &trained) ==
+          MEMPLAN_OK);
+  REQUIRE_MESSAGE(memplan_engine_freeze(engine, frozen) == MEMPLAN_OK, LastError());
+  CHECK(memplan_engine_freeze(engine, 9) == MEMPLAN_INVALID_ARGUMENT);
+  REQUIRE_MESSAGE(memplan_engine_start(engine) == MEMPLAN_OK, LastError());
+  CHECK(memplan_engine_freeze(engine, frozen) == MEMPLAN_FAILED_PRECONDITION);
+  const std::vector<float> grad(3000, 1.0f);
+  for (int step = 0; step < 2; ++step) {
+    REQUIRE(memplan_engine_fetch(engine, "m") == MEMPLAN_OK);
+    void* pointer = nullptr;
+    REQUIRE(memplan_engine_device_pointer(engine, frozen, &pointer) == MEMPLAN_OK);
+    CHECK(std::memcmp(pointer, base.data(), base.size() * 4) == 0);
+    REQUIRE(memplan_engine_release(engine, "m") == MEMPLAN_OK);
+    CHECK(memplan_engine_grad_ready(engine, frozen, grad.data(), MEMPLAN_FLOAT32) ==
+          MEMPLAN_INVALID_ARGUMENT);
+    REQUIRE(memplan_engine_grad_ready(engine, trained, grad.data(), MEMPLAN_FLOAT32) ==
+            MEMPLAN_OK);
+    REQUIRE_MESSAGE(memplan_engine_step(engine, nullptr) == MEMPLAN_OK, LastError());
+  }
+  std::vector<float> out(3000);
+  CHECK(memplan_engine_read_master(engine, frozen, out.data(), out.size()) ==
+        MEMPLAN_FAILED_PRECONDITION);
+  REQUIRE(memplan_engine_read_master(engine, trained, out.data(), out.size()) == MEMPLAN_OK);
+  CHECK(out[0] < 0.5f);  // stepped against a positive gradient
   CHECK(memplan_engine_close(engine) == MEMPLAN_OK);
 }
 

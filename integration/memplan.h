@@ -99,6 +99,10 @@ memplan_status memplan_engine_register(memplan_engine* engine, const char* name,
 /* Another module that uses the same (tied) parameter; before start. */
 memplan_status memplan_engine_add_use(memplan_engine* engine, uint32_t param_id,
                                       const char* module);
+/* Marks a registered parameter frozen (before start): held and fetched like the others, on the
+ * Schedule's tier, but never given a gradient (grad_ready refuses it), never stepped, never
+ * written after start, with no optimizer state (LoRA's base weights); read_master refuses it. */
+memplan_status memplan_engine_freeze(memplan_engine* engine, uint32_t param_id);
 /* Creates the stores and writes the initial values (or, with resume, recovers them). */
 memplan_status memplan_engine_start(memplan_engine* engine);
 memplan_status memplan_engine_fetch(memplan_engine* engine, const char* module);
@@ -123,6 +127,10 @@ memplan_status memplan_engine_grad_ready_on_stream(memplan_engine* engine, uint3
                                                    void* stream);
 /* The stream the engine's gradient copies read on (a cudaStream_t; NULL on the host runtime). */
 memplan_status memplan_engine_gradient_stream(memplan_engine* engine, void** stream);
+/* `param_id` has no gradient this step (torch: grad None): memplan_engine_step skips it, leaving
+ * its weights, optimizer states and step count unchanged, as torch's optimizers do. Instead of
+ * grad_ready, before step; every rank must skip the same parameters. */
+memplan_status memplan_engine_no_gradient(memplan_engine* engine, uint32_t param_id);
 /* One optimizer step; `options_json` (NULL: defaults) as integration/engine_json.h. */
 memplan_status memplan_engine_step(memplan_engine* engine, const char* options_json);
 /* Copies a parameter's fp32 master weights into `out` (`count` must be its numel). */

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "common/byte_size.h"
 #include "estimator/estimate.h"
 #include "estimator/hf_config.h"
 #include "estimator/model_source.h"
@@ -77,7 +78,7 @@ Status GetBytes(const json& j, const char* key, uint64_t* out) {
     return Status::Ok();
   }
   if (v.is_string()) {
-    MEMPLAN_ASSIGN_OR_RETURN(*out, planner::ParseByteSize(v.get<std::string>(), key));
+    MEMPLAN_ASSIGN_OR_RETURN(*out, ParseByteSize(v.get<std::string>(), key));
     return Status::Ok();
   }
   return Status::InvalidArgument(std::string("request: \"") + key +

@@ -64,13 +64,13 @@
 #include <random>
 #include <utility>
 
+#include "common/byte_size.h"
 #include "common/checked_math.h"
 #include "nvme/io_engine.h"
 
 namespace memplan::nvme {
 namespace {
 
-constexpr uint64_t kKiB = 1024;
 constexpr uint32_t kAlignment = 4096;
 constexpr uint32_t kMinBlock = 4096;
 constexpr uint32_t kMaxBlock = 64u << 20;
@@ -80,14 +80,6 @@ constexpr uint32_t kFillQueueDepth = 32;
 // The first call of a timed pass, before its rate is known: small enough for a slow disk to
 // finish well inside any sensible limit.
 constexpr uint64_t kFirstTimedChunk = uint64_t{64} << 20;
-
-char Lower(char c) { return (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c; }
-
-std::string LowerCase(std::string_view text) {
-  std::string out(text);
-  for (char& c : out) c = Lower(c);
-  return out;
-}
 
 std::string FilesystemName(const std::string& directory) {
   struct statfs fs {};
@@ -444,59 +436,6 @@ std::string MegabytesPerSecond(bool measured, double bytes_per_s) {
 
 }  // namespace
 
-Result<uint64_t> ParseByteSize(std::string_view text) {
-  auto bad = [&](std::string_view why) {
-    return Status::InvalidArgument("bad size '" + std::string(text) + "': " + std::string(why));
-  };
-  size_t digits = 0;
-  while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') ++digits;
-  if (digits == 0) return bad("expected a whole number of bytes with an optional K, M, G or T");
-  uint64_t value = 0;
-  for (size_t i = 0; i < digits; ++i) {
-    auto next = CheckedMul(value, 10);
-    if (next) next = CheckedAdd(*next, static_cast<uint64_t>(text[i] - '0'));
-    if (!next) return bad("too large");
-    value = *next;
-  }
-  std::string suffix = LowerCase(text.substr(digits));
-  uint64_t unit = 1;
-  if (suffix.empty() || suffix == "b") {
-    unit = 1;
-  } else if (suffix == "k" || suffix == "kib") {
-    unit = kKiB;
-  } else if (suffix == "m" || suffix == "mib") {
-    unit = kKiB * kKiB;
-  } else if (suffix == "g" || suffix == "gib") {
-    unit = kKiB * kKiB * kKiB;
-  } else if (suffix == "t" || suffix == "tib") {
-    unit = kKiB * kKiB * kKiB * kKiB;
-  } else if (suffix == "kb" || suffix == "mb" || suffix == "gb" || suffix == "tb") {
-    return bad("decimal units are ambiguous; use K/KiB, M/MiB, G/GiB or T/TiB (powers of 1024)");
-  } else {
-    return bad("unknown unit '" + std::string(text.substr(digits)) +
-               "' (use K/KiB, M/MiB, G/GiB or T/TiB)");
-  }
-  auto bytes = CheckedMul(value, unit);
-  if (!bytes) return bad("too large");
-  return *bytes;
-}
-
-std::string FormatByteSize(uint64_t bytes) {
-  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  int unit = 0;
-  uint64_t scale = 1;
-  while (unit < 6 && bytes >= scale * kKiB) {
-    scale *= kKiB;
-    ++unit;
-  }
-  char text[48];
-  if (bytes % scale == 0) {
-    std::snprintf(text, sizeof(text), "%" PRIu64 " %s", bytes / scale, kUnits[unit]);
-  } else {
-    std::snprintf(text, sizeof(text), "%.1f %s", static_cast<double>(bytes) / scale, kUnits[unit]);
-  }
-  return text;
-}
 
 std::string_view BenchRwName(BenchRw rw) {
   switch (rw) {

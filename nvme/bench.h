@@ -39,15 +39,6 @@
 
 namespace memplan::nvme {
 
-// Parses a byte count: digits with an optional binary suffix K, M, G, T or KiB, MiB, GiB, TiB
-// (case-insensitive; all powers of 1024): "4096", "1G", "512MiB". Refuses (InvalidArgument
-// naming `text`) an empty string, signs, fractions, spaces, decimal suffixes (KB, MB, GB: say
-// KiB or K) and values that overflow 64 bits.
-Result<uint64_t> ParseByteSize(std::string_view text);
-
-// "128 KiB", "1 MiB", "1.5 GiB", "512 B": exact when a whole number of the unit, else one decimal.
-std::string FormatByteSize(uint64_t bytes);
-
 enum class BenchRw { kRead, kWrite, kBoth };
 std::string_view BenchRwName(BenchRw rw);  // "read", "write", "both"
 Result<BenchRw> ParseBenchRw(std::string_view text);

@@ -162,7 +162,7 @@ std::string_view HalfDtypeName(HalfDtype dtype) {
 }
 
 Status AdamOptions::Validate() const {
-  MEMPLAN_RETURN_IF_ERROR(CheckRange("lr", lr, 0, true, kInf, true));
+  MEMPLAN_RETURN_IF_ERROR(CheckRange("lr", lr, 0, false, kInf, true));  // 0: as torch (warm-up)
   MEMPLAN_RETURN_IF_ERROR(CheckRange("beta1", beta1, 0, false, 1, true));
   MEMPLAN_RETURN_IF_ERROR(CheckRange("beta2", beta2, 0, false, 1, true));
   MEMPLAN_RETURN_IF_ERROR(CheckRange("eps", eps, 0, true, kInf, true));
@@ -171,7 +171,7 @@ Status AdamOptions::Validate() const {
 }
 
 Status SgdOptions::Validate() const {
-  MEMPLAN_RETURN_IF_ERROR(CheckRange("lr", lr, 0, true, kInf, true));
+  MEMPLAN_RETURN_IF_ERROR(CheckRange("lr", lr, 0, false, kInf, true));  // 0: as torch (warm-up)
   MEMPLAN_RETURN_IF_ERROR(CheckRange("momentum", momentum, 0, false, kInf, true));
   MEMPLAN_RETURN_IF_ERROR(CheckRange("dampening", dampening, 0, false, 1, false));
   MEMPLAN_RETURN_IF_ERROR(CheckRange("weight_decay", weight_decay, 0, false, kInf, true));
@@ -183,7 +183,7 @@ Status SgdOptions::Validate() const {
 }
 
 Status LionOptions::Validate() const {
-  MEMPLAN_RETURN_IF_ERROR(CheckRange("lr", lr, 0, true, kInf, true));
+  MEMPLAN_RETURN_IF_ERROR(CheckRange("lr", lr, 0, false, kInf, true));  // 0: as torch (warm-up)
   MEMPLAN_RETURN_IF_ERROR(CheckRange("beta1", beta1, 0, false, 1, true));
   MEMPLAN_RETURN_IF_ERROR(CheckRange("beta2", beta2, 0, false, 1, true));
   MEMPLAN_RETURN_IF_ERROR(CheckRange("weight_decay", weight_decay, 0, false, kInf, true));

@@ -369,6 +369,12 @@ TEST_CASE(
   AdamOptions bad = adam;
   bad.lr = -1;
   CHECK(optimizer->AdamStep(bad, 2, tensors).code() == StatusCode::kInvalidArgument);
+  // lr 0 (a warm-up's first step) is a step, as in torch: the moments move, the weights do not.
+  AdamOptions zero = adam;
+  zero.lr = 0;
+  const std::vector<float> params_before = p;
+  CHECK(optimizer->AdamStep(zero, 2, tensors).ok());
+  CHECK(SameBits(p, params_before));
   bad = adam;
   bad.beta2 = 1.0;
   CHECK(optimizer->AdamStep(bad, 2, tensors).code() == StatusCode::kInvalidArgument);

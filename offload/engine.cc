@@ -31,6 +31,30 @@
 // calls the Collective: their progress depends on timing, and two threads on one communicator
 // would break NCCL's one-call-at-a-time rule.
 //
+// Note [Skipped parameters]
+// torch's optimizers skip a parameter whose gradient is None: its weights and states stay as they
+// are and its own step count (the bias correction's t) does not advance. NoGradient() declares
+// that for a parameter in this step; Step() then feeds zeros for it through the gradient path
+// (so every sub-group's gradients are whole, as the homes require) and runs the optimizer over
+// segments (StepSegment): each trainable parameter's shard at its own count + 1, a skipped one not
+// at all (its 16-bit copy is still produced for the write-back). Counts are kept per parameter
+// (param_steps); until a parameter is first skipped they all equal the epoch and the step runs
+// unsegmented, as before. With the optimizer on NVMe they are saved, once any differ, beside the
+// stores in param_steps.json before each step (written atomically, with which parameters that
+// step advances), so a resume at the store's step, or at the step before (a step written there
+// but not committed in the store), restores them exactly. A forgotten gradient (neither given nor
+// declared) is still an error. NoGradient() calls no collective: with world size > 1 every rank
+// must skip the same parameters (as every rank must give the same gradients).
+//
+// Note [Resuming ranks]
+// Each rank commits its own optimizer store at the end of its Step(), and nothing orders those
+// commits across ranks: a rank killed between them (Step() has no collective once no parameter is
+// resident) leaves the others one step ahead of it. So with resume and world size > 1, Start()
+// all-gathers the ranks' last complete steps and every rank resumes at the oldest: a rank ahead
+// reopens its store at that step (OptimizerSwapperOptions::max_epoch), which each sub-group still
+// holds in its other slot. Two steps apart cannot happen (no rank starts step E + 1 before every
+// rank's gradients of step E were reduced, which needs them all alive past their backward).
+//
 // Note [Reduce-scattered gradients]
 // GradReady() gets the rank's whole gradient. It is copied into a device buffer of W * shard
 // elements whose padding is zeroed, reduce-scattered in place (slot `rank` receives the sum over
@@ -45,6 +69,17 @@
 // is that a 16-bit sum can overflow where every term does not (fp16 above 65504): scale the loss
 // for that, as for fp16 training anyway. The reduce-scatter is synchronous (as every Collective
 // call), so `device_grad` is free when GradReady() returns.
+// Note [Frozen parameters]
+// A frozen parameter is in the ParamSwapper like any other (fetched, gathered, on its tier) but not
+// in the optimizer. The swapper's partition is laid out trainable parameters first, in
+// registration order, then the frozen ones, so the optimizer's sub-groups cover a prefix of it,
+// [0, optimizer_elements), with no holes: nothing of the optimizer (its NVMe store, its pinned
+// buffers, the gradient scratch and staging, sized by the largest trainable shard) grows with a
+// frozen base. The frozen part starts at a chunk boundary (ParamSwapper::Pad()), so the NVMe
+// write-back of the last trainable sub-group never touches a chunk holding frozen values; those
+// are written once, in Start(), from their init (with resume too: they never change, and their
+// init gives them again), and never after. ParamIds stay the registration indices; swap_id maps
+// them to the swapper's.
 #include "offload/engine.h"
 
 #include <sys/stat.h>
@@ -61,6 +96,10 @@
 #include <tuple>
 #include <unordered_map>
 #include <utility>
+
+#include <fstream>
+
+#include <nlohmann/json.hpp>
 
 #include "offload/half.h"
 
@@ -93,7 +132,10 @@ class OptimizerHome {
   // Where sub-group sg's gradients can be written in place (then WriteGradients is given this
   // same span and copies nothing); empty when the home has no such buffer.
   virtual std::span<float> DirectGradients(uint64_t /*sg*/) { return {}; }
-  virtual Status Step(const SwapStepOptions& options, const UpdateCallback& on_update) = 0;
+  // `segments`: per-parameter step counts and skipped parameters (Note [Skipped parameters]);
+  // null: every element at the home's epoch + 1.
+  virtual Status Step(const SwapStepOptions& options, const UpdateCallback& on_update,
+                      const SegmentFn& segments) = 0;
   virtual Status ReadParams(uint64_t sg, std::span<float> out) = 0;
   virtual uint64_t epoch() const = 0;
   virtual uint64_t pinned_bytes() const = 0;
@@ -111,8 +153,9 @@ class NvmeHome final : public OptimizerHome {
   Status WriteGradients(uint64_t sg, std::span<const float> grads) override {
     return s_->WriteGradients(sg, grads);
   }
-  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update) override {
-    Status status = s_->Step(options, on_update);
+  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update,
+              const SegmentFn& segments) override {
+    Status status = s_->Step(options, on_update, segments);
     const SwapStepStats& last = s_->stats().last_step;
     read_ += last.read_bytes;
     write_ += last.write_bytes;
@@ -176,7 +219,8 @@ class MemoryHome final : public OptimizerHome {
   std::span<float> DirectGradients(uint64_t sg) override {
     return {grads_.data() + sg * sg_, static_cast<size_t>(SubGroupSize(sg))};
   }
-  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update) override {
+  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update,
+              const SegmentFn& segments) override {
     MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(optimizer_, options));
     for (uint64_t sg = 0; sg < sub_group_count(); ++sg) {
       if (!grads_written_[sg]) {
@@ -191,9 +235,16 @@ class MemoryHome final : public OptimizerHome {
       std::span<float> params(params_.data() + first, size);
       std::span<uint16_t> half;  // empty for kNone: no 16-bit copy
       if (half_ != HalfDtype::kNone) half = std::span<uint16_t>(half_buffer_.data(), size);
-      MEMPLAN_RETURN_IF_ERROR(RunSwapOptimizerStep(
-          *cpu_, optimizer_, options, step, params,
-          std::span<const float>(grads_.data() + first, size), state_[sg], half, half_));
+      const std::span<const float> grads(grads_.data() + first, size);
+      const std::vector<StepSegment> parts = segments ? segments(sg) : std::vector<StepSegment>();
+      if (parts.empty()) {
+        MEMPLAN_RETURN_IF_ERROR(RunSwapOptimizerStep(*cpu_, optimizer_, options, step, params,
+                                                     grads, state_[sg], half, half_));
+      } else {
+        MEMPLAN_RETURN_IF_ERROR(RunSegmentedSwapOptimizerStep(*cpu_, optimizer_, options, parts,
+                                                              params, grads, state_[sg], half,
+                                                              half_));
+      }
       if (on_update) {
         MEMPLAN_RETURN_IF_ERROR(on_update({sg, first, params, half}));
       }
@@ -254,9 +305,21 @@ struct Engine::Impl {
   std::unique_ptr<CpuOptimizer> converter;  // fp32 -> 16-bit for the initial write-back
   std::vector<ParamSpec> specs;             // in registration (= flat) order
   std::vector<uint64_t> numels;             // specs[i]'s element count, checked in AddParameter
+  // Note [Frozen parameters]: the swapper's id of specs[i], and the spec of each swapper id.
+  std::vector<ParamId> swap_id;
+  std::vector<size_t> spec_of;
+  uint64_t trainable_params = 0;
   uint64_t total_elements = 0;              // their sum
   std::vector<bool> grad_given;
   uint64_t grads_missing = 0;
+  // Note [Skipped parameters]: per trainable parameter (by spec), torch's per-parameter step
+  // count; NoGradient() marks; whether this step's skipped ones had their zeros fed; whether the
+  // counts may differ (then every Step() runs segmented).
+  std::vector<uint64_t> param_steps;
+  std::vector<bool> no_gradient;
+  bool zeros_fed = false;
+  bool segmented = false;
+  std::string steps_path;  // optimizer on NVMe: where the counts are kept for a resume
   struct GradBuffer {
     std::vector<float> data;
     uint64_t received = 0;
@@ -323,7 +386,7 @@ struct Engine::Impl {
   Status Fill(uint64_t first, std::span<float> out) {
     const uint64_t end = first + out.size();
     // The parameter holding `first`: the last with partition offset <= first.
-    size_t lo = 0, hi = specs.size();
+    size_t lo = 0, hi = spec_of.size();
     while (hi - lo > 1) {
       const size_t mid = (lo + hi) / 2;
       if (params->PartitionOffset(static_cast<ParamId>(mid)) <= first) {
@@ -333,8 +396,9 @@ struct Engine::Impl {
       }
     }
     const auto rank = static_cast<uint64_t>(params->rank());
-    for (size_t i = lo; i < specs.size(); ++i) {
-      const auto id = static_cast<ParamId>(i);
+    for (size_t k = lo; k < spec_of.size(); ++k) {
+      const auto id = static_cast<ParamId>(k);
+      const size_t i = spec_of[k];
       const uint64_t local = params->PartitionOffset(id), shard = params->ShardSize(id);
       if (local >= end) break;
       const uint64_t a = std::max(first, local), b = std::min(end, local + shard);
@@ -451,7 +515,8 @@ struct Engine::Impl {
   // trainer's work queued on `stream` (Note [Reduce-scattered gradients]). Returns the scratch
   // buffer, whose slot `rank` then holds this rank's summed shard; the caller gives it back to
   // grad_scratch_free (on failure it is back there already).
-  Result<void*> ReduceScatterGradient(ParamId param, const void* device_grad, ElementType type,
+  Result<void*> ReduceScatterGradient(ParamId param /* the swapper's id */,
+                                      const void* device_grad, ElementType type,
                                       uint64_t count, gpu::Stream stream) {
     const auto eb = static_cast<uint64_t>(ElementBytes(type));
     const uint64_t n = params->Numel(param) * eb;
@@ -501,7 +566,7 @@ struct Engine::Impl {
     const auto world = static_cast<uint64_t>(params->world_size());
     uint64_t largest = 0;
     for (size_t i = 0; i < specs.size(); ++i) {
-      largest = std::max(largest, params->ShardSize(static_cast<ParamId>(i)));
+      if (!specs[i].frozen) largest = std::max(largest, params->ShardSize(swap_id[i]));
     }
     grad_scratch_bytes = largest * world * 4;
     for (int i = 0; i < 2; ++i) {
@@ -525,7 +590,7 @@ struct Engine::Impl {
     const Schedule& sc = options.schedule;
     uint64_t largest = 0;
     for (size_t i = 0; i < specs.size(); ++i) {
-      largest = std::max(largest, params->ShardSize(static_cast<ParamId>(i)) * 4);
+      if (!specs[i].frozen) largest = std::max(largest, params->ShardSize(swap_id[i]) * 4);
     }
     uint64_t slot = std::min(kMaxGradSlotBytes, (largest + kPageBytes - 1) / kPageBytes * kPageBytes);
     if (sc.pinned_budget_bytes > 0) {
@@ -547,6 +612,140 @@ struct Engine::Impl {
     pool.budget_bytes = slot * kGradSlots;
     MEMPLAN_ASSIGN_OR_RETURN(grad_staging, PinnedPool::Create(pool, runtime));
     return Status::Ok();
+  }
+
+  // Completes the gradients of a parameter declared with NoGradient(): zeros into its partition
+  // range, through Accumulate(), so its sub-groups are whole; the segments then skip it. On the
+  // trainer's thread, after DrainGradients() (the gradient thread is idle).
+  Status FeedZeros(size_t spec) {
+    const ParamId sid = swap_id[spec];
+    const uint64_t first = params->PartitionOffset(sid), count = params->ShardSize(sid);
+    constexpr uint64_t kPiece = uint64_t{1} << 20;
+    GradJob job;
+    job.param = static_cast<ParamId>(spec);
+    job.type = ElementType::kFloat32;
+    job.host.assign(std::min(count, kPiece) * 4, std::byte{0});
+    for (uint64_t done = 0; done < count; done += job.count) {
+      job.first = first + done;
+      job.count = std::min(kPiece, count - done);
+      MEMPLAN_RETURN_IF_ERROR(Accumulate(job));
+    }
+    return Status::Ok();
+  }
+
+  // Writes the step counts after step `epoch` (and which parameters that step advances) to
+  // steps_path, atomically (Note [Skipped parameters]).
+  Status SaveStepCounts(uint64_t epoch) {
+    nlohmann::json doc = {{"epoch", epoch}, {"params", nlohmann::json::object()}};
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (specs[i].frozen) continue;
+      const bool stepped = !no_gradient[i];
+      doc["params"][specs[i].name] = {param_steps[i] + (stepped ? 1 : 0), stepped ? 1 : 0};
+    }
+    const std::string tmp = steps_path + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << doc.dump();
+      out.flush();
+      if (!out) return Status::IoError("engine: cannot write " + tmp);
+    }
+    if (::rename(tmp.c_str(), steps_path.c_str()) != 0) {
+      return Status::FromErrno(errno, "engine: cannot rename " + tmp);
+    }
+    return Status::Ok();
+  }
+
+  // With resume: the step counts of the store's step `epoch`, from steps_path (absent: every
+  // parameter at `epoch`, no step ever skipped).
+  Status LoadStepCounts(uint64_t epoch) {
+    param_steps.assign(specs.size(), epoch);
+    std::ifstream in(steps_path);
+    if (!in) return Status::Ok();
+    nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (doc.is_discarded() || !doc.is_object() || !doc.contains("epoch") ||
+        !doc["epoch"].is_number_unsigned() || !doc.contains("params") ||
+        !doc["params"].is_object()) {
+      return Status::DataLoss("engine: " + steps_path + " is not a step-count file");
+    }
+    const uint64_t saved = doc["epoch"].get<uint64_t>();
+    if (saved != epoch && saved != epoch + 1) {
+      return Status::DataLoss("engine: " + steps_path + " holds the step counts of step " +
+                              std::to_string(saved) + "; the optimizer store is at step " +
+                              std::to_string(epoch));
+    }
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (specs[i].frozen) continue;
+      const auto it = doc["params"].find(specs[i].name);
+      if (it == doc["params"].end() || !it->is_array() || it->size() != 2 ||
+          !(*it)[0].is_number_unsigned() || !(*it)[1].is_number_unsigned()) {
+        return Status::DataLoss("engine: " + steps_path + " has no step count for " +
+                                specs[i].name);
+      }
+      // A file one step ahead was written for a step the store did not commit: undo it.
+      param_steps[i] = (*it)[0].get<uint64_t>() - (saved == epoch ? 0 : (*it)[1].get<uint64_t>());
+    }
+    segmented = true;
+    return Status::Ok();
+  }
+
+  // The segments of optimizer sub-group `sg` (Note [Skipped parameters]): each trainable
+  // parameter's shard at its own next step, or 0 when it has no gradient this step; neighbours at
+  // the same step merged.
+  std::vector<StepSegment> Segments(uint64_t sg) {
+    const uint64_t sg_elems = optimizer->sub_group_elements();
+    const uint64_t begin = sg * sg_elems, end = begin + optimizer->SubGroupSize(sg);
+    size_t lo = 0, hi = trainable_params;
+    while (hi - lo > 1) {
+      const size_t mid = (lo + hi) / 2;
+      if (params->PartitionOffset(static_cast<ParamId>(mid)) <= begin) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    std::vector<StepSegment> out;
+    for (size_t k = lo; k < trainable_params; ++k) {
+      const auto id = static_cast<ParamId>(k);
+      const uint64_t local = params->PartitionOffset(id), shard = params->ShardSize(id);
+      if (local >= end) break;
+      const uint64_t a = std::max(begin, local), b = std::min(end, local + shard);
+      if (a >= b) continue;
+      const size_t i = spec_of[k];
+      const int64_t step = no_gradient[i] ? 0 : static_cast<int64_t>(param_steps[i] + 1);
+      if (!out.empty() && out.back().step == step) {
+        out.back().count += b - a;
+      } else {
+        out.push_back({a - begin, b - a, step});
+      }
+    }
+    return out;
+  }
+
+  // World size > 1: the smallest of the ranks' `epoch` (a collective: an all-gather of each
+  // rank's 8 bytes, as two fp32 elements that are only moved, never computed on).
+  Result<uint64_t> OldestEpoch(uint64_t epoch) {
+    const auto world = static_cast<uint64_t>(params->world_size());
+    const auto rank = static_cast<uint64_t>(params->rank());
+    std::vector<uint64_t> all(world, 0);
+    all[rank] = epoch;
+    MEMPLAN_ASSIGN_OR_RETURN(void* device, runtime->AllocateDevice(world * 8));
+    Status status = [&]() -> Status {
+      auto* base = static_cast<std::byte*>(device);
+      MEMPLAN_ASSIGN_OR_RETURN(gpu::CopyTicket up,
+                               runtime->CopyAsync(gpu::CopyDirection::kHostToDevice,
+                                                  base + rank * 8, &all[rank], 8));
+      MEMPLAN_RETURN_IF_ERROR(runtime->Wait(up));
+      MEMPLAN_RETURN_IF_ERROR(
+          options.collective->AllGather(base + rank * 8, base, 2, ElementType::kFloat32));
+      MEMPLAN_ASSIGN_OR_RETURN(gpu::CopyTicket down,
+                               runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost, all.data(),
+                                                  base, world * 8));
+      return runtime->Wait(down);
+    }();
+    Status freed = runtime->FreeDevice(device);
+    MEMPLAN_RETURN_IF_ERROR(status.WithPrefix("engine: agreeing on the step to resume from"));
+    MEMPLAN_RETURN_IF_ERROR(freed);
+    return *std::min_element(all.begin(), all.end());
   }
 
   // Reads the master weights of partition elements [first, first + out.size()).
@@ -745,8 +944,32 @@ Status Engine::Start(RecoveryReport* report) {
   po.staging_slots = sc.param_buffer_count;
   // This rank's partition (Note [ZeRO-3 partitions] in param_swapper.cc): what its parameter
   // tier and its optimizer hold; the flat space itself for world size 1.
-  uint64_t total = 0;
-  for (uint64_t n : s.numels) total += ShardElements(n, world);
+  // Trainable parameters first, then the frozen ones from a chunk boundary (Note [Frozen
+  // parameters]); `total` is what the optimizer holds, `partition` what the parameter tier holds.
+  s.swap_id.assign(s.specs.size(), 0);
+  s.spec_of.clear();
+  uint64_t total = 0, frozen_total = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t i = 0; i < s.specs.size(); ++i) {
+      if (s.specs[i].frozen != (pass == 1)) continue;
+      s.swap_id[i] = static_cast<ParamId>(s.spec_of.size());
+      s.spec_of.push_back(i);
+      (pass == 0 ? total : frozen_total) += ShardElements(s.numels[i], world);
+      if (pass == 1) {
+        ++s.stats.frozen_params;
+        s.stats.frozen_elements += s.numels[i];
+      }
+    }
+  }
+  s.trainable_params = s.specs.size() - s.stats.frozen_params;
+  if (total == 0) {
+    return Status::InvalidArgument("engine: every parameter is frozen; nothing to train");
+  }
+  const uint64_t frozen_begin =
+      frozen_total == 0 ? total
+                        : (total + sc.sub_group_elements - 1) / sc.sub_group_elements *
+                              sc.sub_group_elements;
+  const uint64_t partition = frozen_begin + frozen_total;
   if (sc.param_tier == Tier::kNvme) {
     // The parameters' working copies are derived from the master weights, so their store is made
     // afresh each run; one left by a crashed run is removed first.
@@ -769,8 +992,8 @@ Status Engine::Start(RecoveryReport* report) {
     so.backend_options.queue_depth = sc.nvme_queue_depth;
     so.engine_options.block_size = sc.nvme_block_size;
     so.engine_options.threads = sc.nvme_io_threads;
-    const uint64_t chunks = (total + sc.sub_group_elements - 1) / sc.sub_group_elements;
-    so.capacity_bytes = total * static_cast<uint64_t>(ElementBytes(sc.param_dtype)) +
+    const uint64_t chunks = (partition + sc.sub_group_elements - 1) / sc.sub_group_elements;
+    so.capacity_bytes = partition * static_cast<uint64_t>(ElementBytes(sc.param_dtype)) +
                         chunks * (uint64_t{64} << 10) + (uint64_t{1} << 20);
     MEMPLAN_ASSIGN_OR_RETURN(s.param_store, nvme::SwapStore::Open(so));
     PinnedPoolOptions pool;
@@ -787,8 +1010,12 @@ Status Engine::Start(RecoveryReport* report) {
     po.staging = s.staging.get();
   }
   MEMPLAN_ASSIGN_OR_RETURN(s.params, ParamSwapper::Create(po));
-  for (size_t i = 0; i < s.specs.size(); ++i) {
+  for (size_t k = 0; k < s.spec_of.size(); ++k) {
+    const size_t i = s.spec_of[k];
     const ParamSpec& p = s.specs[i];
+    if (k == s.trainable_params && frozen_begin > total) {
+      MEMPLAN_RETURN_IF_ERROR(s.params->Pad(frozen_begin - total));
+    }
     MEMPLAN_ASSIGN_OR_RETURN(ParamId id, s.params->Add(p.name, p.module, s.numels[i]));
     for (const std::string& m : p.also_used_by) MEMPLAN_RETURN_IF_ERROR(s.params->AddUse(id, m));
   }
@@ -824,6 +1051,16 @@ Status Engine::Start(RecoveryReport* report) {
     std::unique_ptr<OptimizerSwapper> swapper;
     if (s.options.resume) {
       MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Open(oo, report));
+      if (world > 1) {
+        // Note [Resuming ranks]: every rank resumes at the oldest rank's last complete step.
+        MEMPLAN_ASSIGN_OR_RETURN(const uint64_t agreed, s.OldestEpoch(swapper->epoch()));
+        if (agreed < swapper->epoch()) {
+          MEMPLAN_RETURN_IF_ERROR(swapper->Close());
+          swapper.reset();
+          oo.max_epoch = agreed;
+          MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Open(oo, report));
+        }
+      }
       if (swapper->num_elements() != total) {
         return Status::InvalidArgument("engine: the optimizer store holds " +
                                        std::to_string(swapper->num_elements()) +
@@ -836,6 +1073,8 @@ Status Engine::Start(RecoveryReport* report) {
       MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Create(oo, total, fill));
     }
     s.optimizer = std::make_unique<NvmeHome>(std::move(swapper));
+    s.steps_path = nvme_dir + "/param_steps.json";
+    if (!s.options.resume) ::unlink(s.steps_path.c_str());  // a crashed run's; ours starts at 0
   } else {
     if (s.options.resume) {
       return Status::InvalidArgument("engine: resume needs the optimizer on nvme (a cpu "
@@ -863,6 +1102,21 @@ Status Engine::Start(RecoveryReport* report) {
     MEMPLAN_RETURN_IF_ERROR(s.converter->ConvertToHalf(m, h, half_dtype));
     MEMPLAN_RETURN_IF_ERROR(s.params->WriteHalf(sg * sc.sub_group_elements, h));
   }
+  // The frozen parameters' working copies, from their init, once (Note [Frozen parameters]).
+  for (uint64_t at = frozen_begin; at < partition; at += sc.sub_group_elements) {
+    const uint64_t n = std::min(sc.sub_group_elements, partition - at);
+    if (master.size() < n) master.resize(n);
+    std::span<float> m(master.data(), n);
+    MEMPLAN_RETURN_IF_ERROR(s.Fill(at, m));
+    if (half_dtype == HalfDtype::kNone) {
+      MEMPLAN_RETURN_IF_ERROR(s.params->WriteFloat(at, m));
+      continue;
+    }
+    if (half.size() < n) half.resize(n);
+    std::span<uint16_t> h(half.data(), n);
+    MEMPLAN_RETURN_IF_ERROR(s.converter->ConvertToHalf(m, h, half_dtype));
+    MEMPLAN_RETURN_IF_ERROR(s.params->WriteHalf(at, h));
+  }
   MEMPLAN_RETURN_IF_ERROR(s.params->GatherResident());
   // The pinned buffers pinned_budget_bytes covers (as checked above): the parameter staging and
   // the optimizer's; the gradient staging takes what they leave.
@@ -871,11 +1125,18 @@ Status Engine::Start(RecoveryReport* report) {
   if (s.runtime->has_device()) MEMPLAN_RETURN_IF_ERROR(s.CreateGradientStaging(pinned_used));
   if (world > 1) MEMPLAN_RETURN_IF_ERROR(s.AllocateGradientScratch());
   s.grad_given.assign(s.specs.size(), false);
-  s.grads_missing = s.specs.size();
+  s.no_gradient.assign(s.specs.size(), false);
+  s.grads_missing = s.trainable_params;
+  if (s.options.resume && !s.steps_path.empty()) {
+    MEMPLAN_RETURN_IF_ERROR(s.LoadStepCounts(s.optimizer->epoch()));
+  } else {
+    s.param_steps.assign(s.specs.size(), s.optimizer->epoch());
+  }
   s.grad_worker = std::thread([&s] { s.RunGradients(); });
   s.stats.params = s.specs.size();
   s.stats.elements = s.total_elements;
-  s.stats.partition_elements = total;
+  s.stats.partition_elements = partition;
+  s.stats.optimizer_elements = total;
   s.stats.epoch = s.optimizer->epoch();
   s.started = true;
   return Status::Ok();
@@ -902,7 +1163,8 @@ gpu::Stream Engine::GradientStream() const {
 Result<void*> Engine::DevicePointer(ParamId param) const {
   const Impl& s = *impl_;
   if (!s.started) return Status::FailedPrecondition("engine: not started");
-  return s.params->DevicePointer(param);
+  if (param >= s.specs.size()) return Status::InvalidArgument("engine: unknown parameter id");
+  return s.params->DevicePointer(s.swap_id[param]);
 }
 
 Status Engine::GradReady(ParamId param, const void* device_grad, ElementType type,
@@ -914,6 +1176,10 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
     return Status::FailedPrecondition("engine: gradient of " + s.specs[param].name +
                                       " given twice in one step");
   }
+  if (s.specs[param].frozen) {
+    return Status::InvalidArgument("engine: " + s.specs[param].name +
+                                   " is frozen; it takes no gradient");
+  }
   if (ElementBytes(type) == 0) return Status::InvalidArgument("engine: invalid gradient type");
   if (device_grad == nullptr) {
     return Status::InvalidArgument("engine: gradient of " + s.specs[param].name + " is null");
@@ -922,8 +1188,9 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
     std::lock_guard<std::mutex> lock(s.grad_mu);
     if (!s.grad_error.ok()) return s.grad_error;
   }
-  const uint64_t first = s.params->PartitionOffset(param);
-  const uint64_t count = s.params->ShardSize(param);
+  const ParamId sid = s.swap_id[param];
+  const uint64_t first = s.params->PartitionOffset(sid);
+  const uint64_t count = s.params->ShardSize(sid);
   const auto eb = static_cast<uint64_t>(ElementBytes(type));
   const std::byte* src = static_cast<const std::byte*>(device_grad);
   void* scratch = nullptr;
@@ -932,7 +1199,7 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
     // gradients]).
     MEMPLAN_RETURN_IF_ERROR(s.runtime->OrderAfter(gpu::CopyDirection::kDeviceToHost, stream));
   } else {
-    MEMPLAN_ASSIGN_OR_RETURN(scratch, s.ReduceScatterGradient(param, device_grad, type, count,
+    MEMPLAN_ASSIGN_OR_RETURN(scratch, s.ReduceScatterGradient(sid, device_grad, type, count,
                                                               stream));
     src = static_cast<const std::byte*>(scratch) + static_cast<uint64_t>(s.params->rank()) *
                                                        count * eb;
@@ -949,27 +1216,65 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
   return Status::Ok();
 }
 
+Status Engine::NoGradient(ParamId param) {
+  Impl& s = *impl_;
+  if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
+  if (param >= s.specs.size()) return Status::InvalidArgument("engine: unknown parameter id");
+  if (s.specs[param].frozen) {
+    return Status::InvalidArgument("engine: " + s.specs[param].name + " is frozen");
+  }
+  if (s.grad_given[param]) {
+    return Status::FailedPrecondition("engine: " + s.specs[param].name +
+                                      " already has a gradient this step");
+  }
+  if (!s.no_gradient[param]) {
+    s.no_gradient[param] = true;
+    s.grad_given[param] = true;
+    --s.grads_missing;
+  }
+  return Status::Ok();
+}
+
 Status Engine::Step(const SwapStepOptions& options) {
   Impl& s = *impl_;
   if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
   if (s.grads_missing > 0) {
     for (size_t i = 0; i < s.specs.size(); ++i) {
-      if (!s.grad_given[i]) {
+      if (!s.grad_given[i] && !s.specs[i].frozen) {
         return Status::FailedPrecondition("engine: no gradient for " + s.specs[i].name +
                                           " this step (" + std::to_string(s.grads_missing) +
-                                          " missing)");
+                                          " missing; NoGradient() skips a parameter)");
       }
     }
   }
+  const bool skipping =
+      std::find(s.no_gradient.begin(), s.no_gradient.end(), true) != s.no_gradient.end();
   MEMPLAN_RETURN_IF_ERROR(s.DrainGradients());
+  if (skipping && !s.zeros_fed) {
+    for (size_t i = 0; i < s.specs.size(); ++i) {
+      if (s.no_gradient[i]) MEMPLAN_RETURN_IF_ERROR(s.FeedZeros(i));
+    }
+    s.zeros_fed = true;  // once, should this step be retried
+  }
   MEMPLAN_RETURN_IF_ERROR(s.params->EndOfStep());
   const auto start = std::chrono::steady_clock::now();
-  MEMPLAN_RETURN_IF_ERROR(
-      s.optimizer->Step(options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }));
+  s.segmented = s.segmented || skipping;
+  if (s.segmented && !s.steps_path.empty()) {
+    MEMPLAN_RETURN_IF_ERROR(s.SaveStepCounts(s.optimizer->epoch() + 1));
+  }
+  SegmentFn segments;
+  if (s.segmented) segments = [&s](uint64_t sg) { return s.Segments(sg); };
+  MEMPLAN_RETURN_IF_ERROR(s.optimizer->Step(
+      options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }, segments));
+  for (size_t i = 0; i < s.specs.size(); ++i) {
+    if (!s.specs[i].frozen && !s.no_gradient[i]) ++s.param_steps[i];
+  }
+  std::fill(s.no_gradient.begin(), s.no_gradient.end(), false);
+  s.zeros_fed = false;
   MEMPLAN_RETURN_IF_ERROR(s.params->GatherResident());
   s.stats.last_step_s = SecondsSince(start);
   std::fill(s.grad_given.begin(), s.grad_given.end(), false);
-  s.grads_missing = s.specs.size();
+  s.grads_missing = s.trainable_params;
   ++s.stats.steps;
   s.stats.epoch = s.optimizer->epoch();
   return Status::Ok();
@@ -979,14 +1284,20 @@ Status Engine::ReadMasterWeights(ParamId param, std::span<float> out) {
   Impl& s = *impl_;
   if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
   if (param >= s.specs.size()) return Status::InvalidArgument("engine: unknown parameter id");
-  const uint64_t n = s.params->Numel(param);
+  if (s.specs[param].frozen) {
+    return Status::FailedPrecondition("engine: " + s.specs[param].name +
+                                      " is frozen: it has no master weights (read a fetched "
+                                      "working copy)");
+  }
+  const ParamId sid = s.swap_id[param];
+  const uint64_t n = s.params->Numel(sid);
   if (out.size() != n) return Status::InvalidArgument("engine: output size mismatch");
-  const uint64_t first = s.params->PartitionOffset(param);
+  const uint64_t first = s.params->PartitionOffset(sid);
   const int world = s.params->world_size();
   if (world == 1) return s.ReadPartition(first, out);
   // World size > 1: this rank holds one shard; all-gather every rank's, through device memory as
   // the Collective needs.
-  const uint64_t shard = s.params->ShardSize(param);
+  const uint64_t shard = s.params->ShardSize(sid);
   const uint64_t shard_bytes = shard * 4;
   const uint64_t rank = static_cast<uint64_t>(s.params->rank());
   std::vector<float> all(shard * static_cast<uint64_t>(world));

@@ -65,9 +65,17 @@
 // <nvme.path>/rank<r>/, so the ranks of a node may share one nvme.path; a resume needs the same
 // world size.
 //
+// Frozen parameters (ParamSpec::frozen): fetched like the others and held on the same tier, but
+// never given a gradient (GradReady() refuses them), never stepped, never written after Start()
+// (they have no master weights: ReadMasterWeights() refuses them; read a fetched working copy).
+// The optimizer, its stores and its pinned buffers cover only the other parameters, so a frozen
+// base many times the host memory costs only its parameter tier (LoRA).
+//
 // Restart: with `resume`, Start() reopens the NVMe optimizer store (the master weights are the
 // truth), reports what recovery found, and rewrites the working parameters from the master weights
-// of the last complete step.
+// of the last complete step. With world size > 1 that is the last step every rank completed: a
+// rank one step ahead of another (killed between their commits) goes back one step (a collective
+// in Start(); Note [Resuming ranks] in engine.cc).
 //
 // Statistics (stats()): bytes moved per tier and direction, stall time, peak GPU and pinned bytes;
 // the estimator's predictions are checked against them. GPU memory: the engine reserves its share
@@ -106,6 +114,10 @@ struct ParamSpec {
   std::vector<int64_t> shape;        // all > 0
   ParamInit init;                    // required
   std::vector<std::string> also_used_by;  // other modules that use the same parameter (tied)
+  // A frozen parameter (requires_grad=False: LoRA's base weights) is held and fetched like the
+  // others, on the Schedule's tier, but takes no gradient, has no optimizer state and is never
+  // written after Start() (Note [Frozen parameters] in engine.cc).
+  bool frozen = false;
 };
 
 struct EngineOptions {
@@ -124,8 +136,12 @@ struct EngineStats {
   uint64_t elements = 0;              // their elements
   int rank = 0;                       // this rank and the world size (the Collective's; 0 of 1
   int world_size = 1;                 // without one)
-  uint64_t partition_elements = 0;    // elements this rank's tiers and optimizer hold: `elements`
-                                      // for world size 1, about elements / world_size otherwise
+  uint64_t partition_elements = 0;    // elements this rank's tiers hold: `elements` for world
+                                      // size 1, about elements / world_size otherwise
+  uint64_t frozen_params = 0;         // of `params`, the frozen ones
+  uint64_t frozen_elements = 0;       // their elements (in `elements`)
+  uint64_t optimizer_elements = 0;    // elements this rank's optimizer holds: its partition of
+                                      // the parameters that are not frozen
   ParamSwapperStats param;            // fetches, prefetch, stall, NVMe/H2D bytes, live bytes
   uint64_t d2h_bytes = 0;             // gradients copied to the host (this rank's shards)
   uint64_t reduce_scatter_bytes = 0;  // world size > 1: gradient bytes reduce-scattered (padded)
@@ -168,12 +184,19 @@ class Engine {
   // them (the thread-group one in fp32, rounded once; NCCL rounds to the type at every hop).
   Status GradReady(ParamId param, const void* device_grad, ElementType type,
                    gpu::Stream stream = {});
+  // `param` has no gradient this step (torch: its grad is None): Step() leaves its weights and
+  // optimizer states unchanged and does not advance its own step count, as torch's optimizers
+  // skip it (Note [Skipped parameters] in engine.cc). Instead of GradReady(), before Step(); no
+  // collective: every rank must skip the same parameters. InvalidArgument for a frozen parameter,
+  // FailedPrecondition when its gradient was given.
+  Status NoGradient(ParamId param);
   // The stream the engine's gradient copies read on ({} on the host-only runtime).
   gpu::Stream GradientStream() const;
   // Runs the optimizer step over all parameters; every parameter's gradient must have been given.
   Status Step(const SwapStepOptions& options);
   // Reads a parameter's fp32 master weights (for checkpoints and tests). With world size > 1 this
   // all-gathers the ranks' shards: a collective, which every rank calls for the same parameter.
+  // FailedPrecondition for a frozen parameter (it has no master weights).
   Status ReadMasterWeights(ParamId param, std::span<float> out);
 
   EngineStats stats() const;

@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -219,6 +220,196 @@ TEST_CASE("Engine trains bit-identically to in-memory AdamW on every tier combin
       CHECK(stats.pinned_bytes > 0);
     }
     REQUIRE(run.engine->Close().ok());
+  }
+}
+
+TEST_CASE("Engine holds frozen parameters: fetched every step, never stepped nor written") {
+  // m0 and m2's weights frozen (LoRA's base), between trainable ones: the engine lays them out
+  // after the trainable ones, on a chunk boundary (Note [Frozen parameters]).
+  const ToyModel model(4);
+  auto frozen = [&](size_t i) { return i == 0 || i == 4; };
+  uint64_t trainable = 0;
+  for (size_t i = 0; i < model.params.size(); ++i) {
+    if (!frozen(i)) trainable += model.params[i].numel;
+  }
+  for (Tier tier : {Tier::kNvme, Tier::kCpu}) {
+    CAPTURE(TierName(tier));
+    TempDir dir("engine-");
+    Run run;
+    EngineOptions options;
+    options.schedule = MakeSchedule(tier, tier, dir.PathOf("nvme"));
+    options.runtime = run.runtime.get();
+    run.engine = std::move(Engine::Create(options).value());
+    for (size_t i = 0; i < model.params.size(); ++i) {
+      const uint64_t base = model.Offset(i);
+      ParamSpec spec;
+      spec.name = model.params[i].name;
+      spec.module = model.params[i].module;
+      spec.shape = {static_cast<int64_t>(model.params[i].numel)};
+      spec.init = [base](uint64_t first, std::span<float> out) {
+        for (size_t k = 0; k < out.size(); ++k) out[k] = Init(base + first + k);
+        return Status::Ok();
+      };
+      spec.frozen = frozen(i);
+      run.ids.push_back(run.engine->AddParameter(spec).value());
+    }
+    REQUIRE(run.engine->Start().ok());
+    const uint64_t writes_at_start = run.engine->stats().param.nvme_write_bytes;
+    std::vector<std::vector<uint16_t>> grads(model.params.size());
+    for (uint64_t t = 1; t <= 3; ++t) {
+      for (const std::string& m : model.modules) {
+        REQUIRE(run.engine->Fetch(m).ok());
+        REQUIRE(run.engine->Release(m).ok());
+      }
+      for (auto it = model.modules.rbegin(); it != model.modules.rend(); ++it) {
+        REQUIRE(run.engine->Fetch(*it).ok());
+        for (size_t i = 0; i < model.params.size(); ++i) {
+          if (model.params[i].module != *it) continue;
+          // A frozen parameter is on the GPU like the others: its init values, unchanged.
+          auto ptr = run.engine->DevicePointer(run.ids[i]);
+          REQUIRE(ptr.ok());
+          const auto* half = static_cast<const uint16_t*>(*ptr);
+          grads[i].resize(model.params[i].numel);
+          for (size_t k = 0; k < grads[i].size(); ++k) {
+            grads[i][k] = FloatToBf16(GradAt(t, model.Offset(i) + k));
+          }
+          if (frozen(i)) {
+            size_t wrong = 0;
+            for (size_t k = 0; k < grads[i].size(); ++k) {
+              wrong += half[k] != FloatToBf16(Init(model.Offset(i) + k));
+            }
+            CHECK(wrong == 0);
+            Status refused =
+                run.engine->GradReady(run.ids[i], grads[i].data(), ElementType::kBFloat16);
+            CHECK(refused.code() == StatusCode::kInvalidArgument);
+            CHECK(refused.message().find("frozen") != std::string::npos);
+            continue;
+          }
+          REQUIRE(
+              run.engine->GradReady(run.ids[i], grads[i].data(), ElementType::kBFloat16).ok());
+        }
+        REQUIRE(run.engine->Release(*it).ok());
+      }
+      Status stepped = run.engine->Step(Adam(t));
+      REQUIRE_MESSAGE(stepped.ok(), stepped.ToString());
+    }
+    // The trainable parameters are where AdamW (elementwise) takes them; frozen ones refuse.
+    const std::vector<float> want = ReferenceWeights(model, 3);
+    for (size_t i = 0; i < model.params.size(); ++i) {
+      std::vector<float> w(model.params[i].numel);
+      Status read = run.engine->ReadMasterWeights(run.ids[i], w);
+      if (frozen(i)) {
+        CHECK(read.code() == StatusCode::kFailedPrecondition);
+        continue;
+      }
+      REQUIRE(read.ok());
+      CHECK(std::memcmp(w.data(), want.data() + model.Offset(i), w.size() * 4) == 0);
+    }
+    const EngineStats stats = run.engine->stats();
+    CHECK(stats.frozen_params == 2);
+    CHECK(stats.frozen_elements == model.total - trainable);
+    CHECK(stats.optimizer_elements == trainable);
+    CHECK(stats.d2h_bytes == 3 * 2 * trainable);
+    if (tier == Tier::kNvme) {
+      // Each step writes back the trainable parameters only; the frozen ones were written once.
+      CHECK(writes_at_start == 2 * model.total);
+      CHECK(stats.param.nvme_write_bytes - writes_at_start == 3 * 2 * trainable);
+      CHECK(stats.optimizer_write_bytes < 3 * 16 * (trainable + 2048));
+    }
+    REQUIRE(run.engine->Close().ok());
+  }
+}
+
+// Trains steps [first, last] with every parameter's gradient except those `skip(i, t)` says have
+// none (NoGradient).
+void TrainSkipping(Run& run, const ToyModel& model, uint64_t first, uint64_t last,
+                   const std::function<bool(size_t, uint64_t)>& skip) {
+  std::vector<std::vector<uint16_t>> grads(model.params.size());
+  for (uint64_t t = first; t <= last; ++t) {
+    for (const std::string& m : model.modules) {
+      REQUIRE(run.engine->Fetch(m).ok());
+      REQUIRE(run.engine->Release(m).ok());
+    }
+    for (size_t i = 0; i < model.params.size(); ++i) {
+      if (skip(i, t)) {
+        REQUIRE(run.engine->NoGradient(run.ids[i]).ok());
+        continue;
+      }
+      grads[i].resize(model.params[i].numel);
+      for (size_t k = 0; k < grads[i].size(); ++k) {
+        grads[i][k] = FloatToBf16(GradAt(t, model.Offset(i) + k));
+      }
+      REQUIRE(run.engine->GradReady(run.ids[i], grads[i].data(), ElementType::kBFloat16).ok());
+    }
+    Status st = run.engine->Step(Adam(t));
+    REQUIRE_MESSAGE(st.ok(), st.ToString());
+  }
+}
+
+TEST_CASE("Engine skips a parameter without a gradient as torch does, across a resume") {
+  // m1.weight has no gradient in step 2 and m2.bias none in steps 2 and 3: they keep their values
+  // and states, and their own step counts (bias correction) lag the others', as torch's AdamW
+  // keeps state["step"] per parameter.
+  const ToyModel model(3);
+  auto skip = [](size_t i, uint64_t t) {
+    return (i == 2 && t == 2) || (i == 5 && t >= 2 && t <= 3);
+  };
+  std::vector<float> want;
+  {
+    std::vector<float> p(model.total), m(model.total, 0.0f), v(model.total, 0.0f);
+    for (uint64_t e = 0; e < model.total; ++e) p[e] = Init(e);
+    auto cpu = CpuOptimizer::Create({});
+    REQUIRE(cpu.ok());
+    std::vector<int64_t> count(model.params.size(), 0);
+    for (uint64_t t = 1; t <= 4; ++t) {
+      for (size_t i = 0; i < model.params.size(); ++i) {
+        if (skip(i, t)) continue;
+        const uint64_t at = model.Offset(i), n = model.params[i].numel;
+        std::vector<float> g(n);
+        for (uint64_t k = 0; k < n; ++k) g[k] = GradAt(t, at + k);
+        AdamTensors tensors{std::span<float>(p).subspan(at, n), g,
+                            std::span<float>(m).subspan(at, n), std::span<float>(v).subspan(at, n),
+                            {}, {}, HalfDtype::kNone, {}, HalfDtype::kNone};
+        REQUIRE((*cpu)->AdamStep(Adam(t), ++count[i], tensors).ok());
+      }
+    }
+    want = p;
+  }
+  for (Tier tier : {Tier::kCpu, Tier::kNvme}) {
+    CAPTURE(TierName(tier));
+    TempDir dir("engine-");
+    const Schedule schedule = MakeSchedule(tier, tier, dir.PathOf("nvme"));
+    std::vector<float> got;
+    if (tier == Tier::kNvme) {
+      {
+        Run run = StartEngine(model, schedule);
+        TrainSkipping(run, model, 1, 2, skip);
+        REQUIRE(run.engine->Close().ok());
+      }
+      Run run = StartEngine(model, schedule, /*resume=*/true);
+      CHECK(run.engine->stats().epoch == 2);
+      TrainSkipping(run, model, 3, 4, skip);
+      got = EngineWeights(run, model);
+      CheckFetchedAreMaster(run, model);
+      REQUIRE(run.engine->Close().ok());
+    } else {
+      Run run = StartEngine(model, schedule);
+      // A given gradient cannot be declared missing too; an unknown parameter is refused.
+      std::vector<uint16_t> grad(model.params[0].numel);
+      REQUIRE(run.engine->GradReady(run.ids[0], grad.data(), ElementType::kBFloat16).ok());
+      CHECK(run.engine->NoGradient(run.ids[0]).code() == StatusCode::kFailedPrecondition);
+      CHECK(run.engine->NoGradient(999).code() == StatusCode::kInvalidArgument);
+      REQUIRE(run.engine->Close().ok());
+      Run fresh = StartEngine(model, schedule);
+      TrainSkipping(fresh, model, 1, 4, skip);
+      got = EngineWeights(fresh, model);
+      CheckFetchedAreMaster(fresh, model);
+      REQUIRE(fresh.engine->Close().ok());
+    }
+    REQUIRE(got.size() == want.size());
+    size_t wrong = 0;
+    for (size_t k = 0; k < got.size(); ++k) wrong += std::memcmp(&got[k], &want[k], 4) != 0;
+    CHECK(wrong == 0);
   }
 }
 

@@ -32,6 +32,7 @@ struct Model {
     std::string name, module;
     uint64_t numel = 0, flat = 0;
     std::vector<std::string> also_used_by;
+    bool frozen = false;
   };
   std::vector<P> params;
   std::vector<std::string> modules;
@@ -110,12 +111,16 @@ struct Outcome {
 // The gradient of flat element e at step t that this engine is given.
 using GradFn = std::function<float(uint64_t t, uint64_t e)>;
 
+// TrainRank's `crash`: kNoCrash; kCrashBeforeLastStep, the rank is killed before its last Step();
+// kSurvivor, another rank is, and this one stops after its last Step(). Neither reads out.
+constexpr int kNoCrash = 0, kCrashBeforeLastStep = 1, kSurvivor = 2;
+
 // Trains `steps` steps from `first_step` on one engine; every rank runs this on its own thread.
 // Gradients are given in `grad_type`; each is overwritten right after GradReady() when `reuse`
 // (world size > 1: the gradient has been reduced when GradReady returns).
 Status TrainRank(const Model& model, const Schedule& schedule, Collective* collective, bool resume,
                  uint64_t first_step, uint64_t steps, const GradFn& grad, ElementType grad_type,
-                 bool reuse, Outcome* out) {
+                 bool reuse, Outcome* out, int crash = kNoCrash) {
   auto runtime = gpu::CreateHostOnlyRuntime();  // destroyed after the engine
   EngineOptions options;
   options.schedule = schedule;
@@ -134,6 +139,7 @@ Status TrainRank(const Model& model, const Schedule& schedule, Collective* colle
                      return Status::Ok();
                    },
                    p.also_used_by};
+    spec.frozen = p.frozen;
     MEMPLAN_ASSIGN_OR_RETURN(ParamId id, engine->AddParameter(spec));
     ids.push_back(id);
   }
@@ -149,7 +155,7 @@ Status TrainRank(const Model& model, const Schedule& schedule, Collective* colle
       MEMPLAN_RETURN_IF_ERROR(engine->Fetch(*it));
       for (size_t i = 0; i < model.params.size(); ++i) {
         const Model::P& p = model.params[i];
-        if (p.module != *it) continue;
+        if (p.module != *it || p.frozen) continue;
         std::vector<std::byte>& g = grads[i];
         g.resize(p.numel * static_cast<uint64_t>(eb));
         for (uint64_t k = 0; k < p.numel; ++k) {
@@ -166,8 +172,10 @@ Status TrainRank(const Model& model, const Schedule& schedule, Collective* colle
       }
       MEMPLAN_RETURN_IF_ERROR(engine->Release(*it));
     }
+    if (crash == kCrashBeforeLastStep && t + 1 == first_step + steps) break;
     MEMPLAN_RETURN_IF_ERROR(engine->Step(Adam(t)));
   }
+  if (crash != kNoCrash) return engine->Close();  // what a killed job leaves on disk
   const int wb = ElementBytes(schedule.param_dtype);
   out->fetched.resize(model.params.size());
   out->master.resize(model.params.size());
@@ -178,6 +186,7 @@ Status TrainRank(const Model& model, const Schedule& schedule, Collective* colle
     const auto* bytes = static_cast<const std::byte*>(device);  // host-only runtime
     out->fetched[i].assign(bytes, bytes + p.numel * static_cast<uint64_t>(wb));
     MEMPLAN_RETURN_IF_ERROR(engine->Release(p.module));
+    if (p.frozen) continue;  // no master weights: its fetched copy is compared
     out->master[i].resize(p.numel);
     MEMPLAN_RETURN_IF_ERROR(engine->ReadMasterWeights(ids[i], out->master[i]));
   }
@@ -188,7 +197,7 @@ Status TrainRank(const Model& model, const Schedule& schedule, Collective* colle
 // Runs `world` ranks on threads; returns their outcomes.
 std::vector<Outcome> TrainRanks(int world, const Model& model, const Schedule& schedule,
                                 bool resume, uint64_t first_step, uint64_t steps,
-                                ElementType grad_type) {
+                                ElementType grad_type, int skip_last_step_rank = -1) {
   auto group = CreateThreadGroupCollectives(world, nullptr, std::chrono::seconds(20));
   REQUIRE(group.ok());
   std::vector<Outcome> outcomes(static_cast<size_t>(world));
@@ -200,7 +209,9 @@ std::vector<Outcome> TrainRanks(int world, const Model& model, const Schedule& s
       status[i] = TrainRank(
           model, schedule, (*group)[i].get(), resume, first_step, steps,
           [r](uint64_t t, uint64_t e) { return RankGrad(r, t, e); }, grad_type, /*reuse=*/true,
-          &outcomes[i]);
+          &outcomes[i],
+          skip_last_step_rank < 0 ? kNoCrash
+                                  : (r == skip_last_step_rank ? kCrashBeforeLastStep : kSurvivor));
     });
   }
   for (std::thread& t : threads) t.join();
@@ -333,6 +344,53 @@ TEST_CASE("ZeRO-3 on threads: a partitioned NVMe run resumes on every rank") {
       4, model, MakeSchedule(Tier::kNvme, Tier::kNvme, ElementType::kFloat32, dir.PathOf("single")),
       3, ElementType::kFloat32);
   CheckSameAsReference(model, ranks, want);
+}
+
+TEST_CASE("ZeRO-3 on threads: a rank a step behind the others makes them all resume there") {
+  // No resident parameters: Step() has no collective, so one rank can commit a step another never
+  // reached (killed between them). On resume the ranks agree on the oldest rank's last step.
+  const Model model(2);
+  TempDir dir("engine-zero3-");
+  Schedule s = MakeSchedule(Tier::kNvme, Tier::kNvme, ElementType::kFloat32, dir.PathOf("nvme"));
+  s.persistence_threshold = 0;
+  (void)TrainRanks(2, model, s, false, 1, 3, ElementType::kFloat32, /*skip_last_step_rank=*/1);
+  const std::vector<Outcome> ranks = TrainRanks(2, model, s, true, 3, 2, ElementType::kFloat32);
+  for (const Outcome& o : ranks) CHECK(o.stats.epoch == 4);
+  Schedule single = s;
+  single.nvme_path = dir.PathOf("single");
+  CheckSameAsReference(model, ranks, TrainReference(2, model, single, 4, ElementType::kFloat32));
+}
+
+TEST_CASE("ZeRO-3 on threads: frozen parameters are sharded, gathered, never stepped") {
+  // m0's and m2's weights frozen (m0's is tied to the last module too): every rank holds a shard
+  // of them after the trainable ones, fetches gather them whole, and the trainable ones end as
+  // one rank fed the mean gradient.
+  Model model(3);
+  model.params[0].frozen = true;
+  model.params[4].frozen = true;
+  TempDir dir("engine-zero3-");
+  const Schedule s =
+      MakeSchedule(Tier::kNvme, Tier::kNvme, ElementType::kBFloat16, dir.PathOf("nvme"));
+  const std::vector<Outcome> ranks = TrainRanks(2, model, s, false, 1, 3, ElementType::kFloat32);
+  Schedule single = s;
+  single.nvme_path = dir.PathOf("single");
+  const Outcome want = TrainReference(2, model, single, 3, ElementType::kFloat32);
+  CheckSameAsReference(model, ranks, want);
+  for (const Outcome& o : ranks) {
+    CHECK(o.stats.frozen_params == 2);
+    CHECK(o.stats.optimizer_elements * 2 < o.stats.elements - o.stats.frozen_elements + 8);
+    // The frozen weights are their init values, rounded to bf16.
+    for (size_t i : {size_t{0}, size_t{4}}) {
+      const Model::P& p = model.params[i];
+      size_t wrong = 0;
+      for (uint64_t k = 0; k < p.numel; ++k) {
+        uint16_t h = 0;
+        std::memcpy(&h, o.fetched[i].data() + k * 2, 2);
+        wrong += h != FloatToBf16(Init(p.flat + k));
+      }
+      CHECK(wrong == 0);
+    }
+  }
 }
 
 TEST_CASE("ZeRO-3 on threads: ranks that fetch different modules get an error, not a hang") {

@@ -173,6 +173,57 @@ Status ValidateSwapStepOptions(SwapOptimizer optimizer, const SwapStepOptions& o
   return Status::Internal("unknown optimizer");
 }
 
+Status RunSegmentedSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
+                                     const SwapStepOptions& options,
+                                     std::span<const StepSegment> segments,
+                                     std::span<float> params, std::span<const float> grads,
+                                     std::span<float> states, std::span<uint16_t> half,
+                                     HalfDtype half_dtype) {
+  const uint64_t n = params.size();
+  const auto count = static_cast<uint64_t>(SwapOptimizerStates(optimizer));
+  if (states.size() != n * count || grads.size() != n ||
+      (half_dtype != HalfDtype::kNone && half.size() != n)) {
+    return Status::InvalidArgument("segmented optimizer step: array sizes do not match");
+  }
+  uint64_t at = 0;
+  for (const StepSegment& seg : segments) {
+    if (seg.offset != at || seg.count == 0 || seg.count > n - at || seg.step < 0) {
+      return Status::InvalidArgument("segmented optimizer step: segments must cover the "
+                                     "sub-group in order");
+    }
+    at += seg.count;
+  }
+  if (at != n) {
+    return Status::InvalidArgument("segmented optimizer step: segments cover " +
+                                   std::to_string(at) + " of " + std::to_string(n) + " elements");
+  }
+  std::vector<float> scratch;
+  for (const StepSegment& seg : segments) {
+    const size_t a = seg.offset, len = seg.count;
+    std::span<uint16_t> seg_half =
+        half_dtype == HalfDtype::kNone ? std::span<uint16_t>() : half.subspan(a, len);
+    if (seg.step == 0) {  // skipped: only the 16-bit copy of the unchanged weights
+      if (half_dtype != HalfDtype::kNone) {
+        MEMPLAN_RETURN_IF_ERROR(cpu.ConvertToHalf(params.subspan(a, len), seg_half, half_dtype));
+      }
+      continue;
+    }
+    scratch.resize(len * count);
+    for (uint64_t k = 0; k < count; ++k) {
+      std::copy_n(states.begin() + static_cast<int64_t>(k * n + a), len,
+                  scratch.begin() + static_cast<int64_t>(k * len));
+    }
+    MEMPLAN_RETURN_IF_ERROR(RunSwapOptimizerStep(cpu, optimizer, options, seg.step,
+                                                 params.subspan(a, len), grads.subspan(a, len),
+                                                 scratch, seg_half, half_dtype));
+    for (uint64_t k = 0; k < count; ++k) {
+      std::copy_n(scratch.begin() + static_cast<int64_t>(k * len), len,
+                  states.begin() + static_cast<int64_t>(k * n + a));
+    }
+  }
+  return Status::Ok();
+}
+
 Status RunSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
                             const SwapStepOptions& options, int64_t step, std::span<float> params,
                             std::span<const float> grads, std::span<float> states,
@@ -429,9 +480,18 @@ struct OptimizerSwapper::Impl {
     return meta.dump();
   }
 
-  Status RunKernel(const SwapStepOptions& step_options, int64_t step, size_t b, uint64_t n) {
+  Status RunKernel(const SwapStepOptions& step_options, int64_t step, size_t b, uint64_t n,
+                   const std::vector<StepSegment>& segments) {
     std::span<float> params = Array(b, 0, n);
     std::span<float> state_arrays(params.data() + n, static_cast<size_t>(states) * n);
+    if (!segments.empty()) {
+      if (options.grad_dtype != HalfDtype::kNone) {
+        return Status::InvalidArgument("skipped parameters need fp32 gradients in the swapper");
+      }
+      return RunSegmentedSwapOptimizerStep(*cpu, options.optimizer, step_options, segments,
+                                           params, Grads(b, n), state_arrays, Half(b, n),
+                                           options.half_dtype);
+    }
     return RunSwapOptimizerStep(*cpu, options.optimizer, step_options, step, params, Grads(b, n),
                                 state_arrays, Half(b, n), options.half_dtype, HalfGrads(b, n),
                                 options.grad_dtype);
@@ -596,7 +656,7 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
   // The newest epoch every sub-group holds. Sub-group 0's epochs are the only candidates.
   std::optional<uint64_t> committed;
   for (const auto& candidate : held[0]) {
-    if (!candidate) continue;
+    if (!candidate || *candidate > impl->options.max_epoch) continue;
     bool everywhere = std::all_of(held.begin(), held.end(), [&](const auto& slots) {
       return slots[0] == candidate || slots[1] == candidate;
     });
@@ -604,6 +664,12 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
   }
   if (!committed) {
     std::string detail = found.notes.empty() ? "" : " (first problem: " + found.notes[0] + ")";
+    if (impl->options.max_epoch != UINT64_MAX) {
+      return Status::DataLoss(where + ": no step up to " +
+                              std::to_string(impl->options.max_epoch) +
+                              " is held whole by every sub-group (a store keeps its last two "
+                              "steps)" + detail);
+    }
     return Status::DataLoss(where + ": no step is held whole by every sub-group" + detail);
   }
   found.epoch = *committed;
@@ -678,7 +744,8 @@ Status OptimizerSwapper::PutGradients(uint64_t sub_group, std::span<const std::b
   return Status::Ok();
 }
 
-Status OptimizerSwapper::Step(const SwapStepOptions& options, const UpdateCallback& on_update) {
+Status OptimizerSwapper::Step(const SwapStepOptions& options, const UpdateCallback& on_update,
+                              const SegmentFn& segments) {
   Impl& s = *impl_;
   if (s.closed) return Status::FailedPrecondition("the optimizer swapper is closed");
   MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(s.options.optimizer, options));
@@ -776,7 +843,8 @@ Status OptimizerSwapper::Step(const SwapStepOptions& options, const UpdateCallba
     const auto t0 = std::chrono::steady_clock::now();
     const uint64_t i = group_of[*b];
     const uint64_t n = SubGroupSize(i);
-    Status st = s.RunKernel(options, static_cast<int64_t>(to), *b, n);
+    Status st = s.RunKernel(options, static_cast<int64_t>(to), *b, n,
+                            segments ? segments(i) : std::vector<StepSegment>());
     if (st.ok()) {
       SlotHeader h = s.MakeHeader(to, i, SubGroupBegin(i), n);
       std::memcpy(s.Base(*b), &h, sizeof(h));

@@ -112,6 +112,11 @@ struct OptimizerSwapperOptions {
   // fdatasync and persist the store's index at the end of every step (the commit point). Turning
   // it off makes a crash lose every step since the last sync; Sync() still commits on demand.
   bool sync_every_step = true;
+  // Open(): resume no later than this step. The ranks of a data-parallel job resume at the step
+  // every rank completed: a rank killed between two ranks' commits is one step behind the others,
+  // which then go back one step. Each sub-group keeps the step before its newest in its other
+  // slot, so one step back is possible; DataLoss beyond that. Default: the newest complete step.
+  uint64_t max_epoch = UINT64_MAX;
   // Test seam: when set, the store runs on the backend this returns (e.g. an nvme::FaultBackend)
   // instead of one made from store.backend.
   std::function<Result<std::unique_ptr<nvme::Backend>>()> make_backend;
@@ -157,6 +162,30 @@ struct SubGroupUpdate {
   std::span<const uint16_t> half_params;  // the 16-bit copy; empty when half_dtype is kNone
 };
 using UpdateCallback = std::function<Status(const SubGroupUpdate&)>;
+
+// Part of a sub-group stepped at a step count of its own, or not at all: the optimizer's per-
+// parameter step counts, as torch keeps them (a parameter without a gradient in a step is skipped
+// and its count does not advance). [offset, offset + count) within the sub-group; step 0: skipped
+// (its master weights and states unchanged; the 16-bit copy is still produced for the write-back).
+struct StepSegment {
+  uint64_t offset = 0;
+  uint64_t count = 0;
+  int64_t step = 0;
+};
+// The segments of sub-group `sub_group` for this step, covering it in order with no gap. Empty:
+// the whole sub-group at the step the caller runs (the swapper's epoch + 1).
+using SegmentFn = std::function<std::vector<StepSegment>(uint64_t sub_group)>;
+
+// RunSwapOptimizerStep over `segments` of the arrays (params.size() elements; states as there):
+// each segment at its own step, step 0 skipped. A segment's states are copied out and back, so
+// the kernels see contiguous arrays. InvalidArgument for segments that do not cover the arrays in
+// order, and for 16-bit gradients (not supported here).
+Status RunSegmentedSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
+                                     const SwapStepOptions& options,
+                                     std::span<const StepSegment> segments,
+                                     std::span<float> params, std::span<const float> grads,
+                                     std::span<float> states, std::span<uint16_t> half,
+                                     HalfDtype half_dtype);
 
 // Fills the initial fp32 parameters of the elements [first_element, first_element + out.size()).
 using ParamFiller = std::function<Status(uint64_t first_element, std::span<float> out)>;
@@ -204,7 +233,10 @@ class OptimizerSwapper {
   // step (FailedPrecondition naming the first missing one). On success epoch() advances and, with
   // sync_every_step, the step is committed; on failure epoch() is unchanged and the committed
   // states are intact, the gradients still written.
-  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update = nullptr);
+  // `segments` (optional): per-parameter step counts and skipped parameters (StepSegment); the
+  // epoch still advances by one.
+  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update = nullptr,
+              const SegmentFn& segments = nullptr);
   // Reads the fp32 master weights of sub-group i at epoch() (out.size() == SubGroupSize(i)).
   Status ReadParams(uint64_t sub_group, std::span<float> out);
   // Reads state array `state` (0 .. SwapOptimizerStates - 1, in the order of SwapOptimizer's

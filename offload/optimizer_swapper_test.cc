@@ -327,6 +327,49 @@ TEST_CASE("OptimizerSwapper reopens at its last step after Close, and the states
   RequireEqualBits(ReadAll(**swapper, 1), ref.v);
 }
 
+TEST_CASE("OptimizerSwapper goes back one step on request (max_epoch), not two") {
+  // A data-parallel rank one step ahead of another resumes at the other's step.
+  TempDir dir("swapper-");
+  const uint64_t n = 3 * kSubGroup + 7;
+  auto options = MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam);
+  {
+    auto swapper = OptimizerSwapper::Create(options, n, Filler());
+    REQUIRE(swapper.ok());
+    for (uint64_t t = 1; t <= 3; ++t) {
+      REQUIRE(WriteAllGradients(**swapper, t).ok());
+      REQUIRE((*swapper)->Step(Adam(t)).ok());
+    }
+    REQUIRE((*swapper)->Close().ok());
+  }
+  auto too_far = options;
+  too_far.max_epoch = 1;
+  Status refused = OptimizerSwapper::Open(too_far).status();
+  CHECK(refused.code() == StatusCode::kDataLoss);
+  CHECK(refused.message().find("no step up to 1") != std::string::npos);
+  auto back = options;
+  back.max_epoch = 2;
+  RecoveryReport report;
+  auto swapper = OptimizerSwapper::Open(back, &report);
+  REQUIRE_MESSAGE(swapper.ok(), swapper.status().ToString());
+  CHECK(report.epoch == 2);
+  CHECK((*swapper)->epoch() == 2);
+  Reference ref(n);
+  ref.AdamSteps(0, 2);
+  RequireEqualBits(ReadAll(**swapper, -1), ref.p);
+  // Step 3 again, over the step-3 slot, and the run carries on as if never ahead.
+  for (uint64_t t = 3; t <= 4; ++t) {
+    REQUIRE(WriteAllGradients(**swapper, t).ok());
+    REQUIRE((*swapper)->Step(Adam(t)).ok());
+  }
+  ref.AdamSteps(2, 4);
+  RequireEqualBits(ReadAll(**swapper, -1), ref.p);
+  RequireEqualBits(ReadAll(**swapper, 0), ref.m);
+  REQUIRE((*swapper)->Close().ok());
+  auto reopened = OptimizerSwapper::Open(options, &report);
+  REQUIRE(reopened.ok());
+  CHECK(report.epoch == 4);
+}
+
 TEST_CASE("A step that fails on an I/O error keeps the committed step, and can be retried") {
   TempDir dir("swapper-");
   const uint64_t n = 6 * kSubGroup;

@@ -161,6 +161,7 @@ struct ParamSwapper::Impl {
   std::unordered_map<std::string, std::vector<ParamId>> modules;
   uint64_t flat_total = 0;
   uint64_t partition_total = 0;  // this rank's partition (flat_total for world size 1)
+  std::vector<uint64_t> segment_ends;  // partition offsets where a Pad() gap starts
 
   // World size > 1: the resident parameters' shards, every rank's after GatherResident(), rank
   // major ([rank][resident parameter]); pack_elements per rank.
@@ -515,6 +516,15 @@ Result<ParamId> ParamSwapper::Add(const std::string& name, const std::string& mo
   return id;
 }
 
+Status ParamSwapper::Pad(uint64_t elements) {
+  Impl& s = *impl_;
+  if (s.finalized) return Status::FailedPrecondition("param swapper: Pad() after Finalize()");
+  s.segment_ends.push_back(s.partition_total);
+  s.partition_total += elements;
+  if (s.world == 1) s.flat_total += elements;  // the flat space is the partition
+  return Status::Ok();
+}
+
 Status ParamSwapper::AddUse(ParamId param, const std::string& module) {
   Impl& s = *impl_;
   if (s.finalized) return Status::FailedPrecondition("param swapper: AddUse() after Finalize()");
@@ -635,7 +645,10 @@ Status ParamSwapper::Write(uint64_t flat_begin, std::span<const std::byte> value
     std::memcpy(s.arena + flat_begin * eb, bytes, values.size());
   } else if (s.options.tier == Tier::kNvme) {
     const uint64_t chunk = s.options.chunk_elements;
-    if (flat_begin % chunk != 0 || (count % chunk != 0 && end != s.partition_total)) {
+    const bool segment_end =
+        end == s.partition_total ||
+        std::find(s.segment_ends.begin(), s.segment_ends.end(), end) != s.segment_ends.end();
+    if (flat_begin % chunk != 0 || (count % chunk != 0 && !segment_end)) {
       return Status::InvalidArgument("param swapper: Write() to NVMe must cover whole chunks");
     }
     for (uint64_t at = flat_begin; at < end; at += chunk) {

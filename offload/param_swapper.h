@@ -124,6 +124,11 @@ class ParamSwapper {
   // two modules is added once and named in both with AddUse). Before Finalize() only.
   Result<ParamId> Add(const std::string& name, const std::string& module, uint64_t numel);
   Status AddUse(ParamId param, const std::string& module);
+  // Leaves `elements` partition elements unused before the next parameter (every rank's
+  // partition alike), so that it starts where the caller needs it (the engine starts its frozen
+  // parameters on a chunk boundary). The range before the gap then ends a segment: a Write() to
+  // NVMe may end there with a partial chunk, as at the end of the partition. Before Finalize().
+  Status Pad(uint64_t elements);
   // Allocates the tier's storage (GPU copies of resident parameters, the pinned arena) and starts
   // the transfer thread. Values are undefined until written with WriteHalf().
   Status Finalize();

@@ -1,16 +1,21 @@
 #include "offload/swap_bench.h"
 
 #include <stdlib.h>
+#include <sys/statvfs.h>
 
 #include <cerrno>
+#include <cstdio>
 
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <memory>
+#include <string>
 #include <new>
 #include <vector>
 
+#include "common/byte_size.h"
 #include "nvme/bench.h"
 #include "offload/half.h"
 #include "offload/optimizer_swapper.h"
@@ -233,8 +238,57 @@ Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
 
 }  // namespace
 
+namespace {
+
+// MemAvailable of /proc/meminfo in bytes; 0 when it cannot be read (then nothing is checked).
+uint64_t MemAvailableBytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1) return kib * 1024;
+  }
+  return 0;
+}
+
+// Note [Bench swap resources]: what the flags ask for is checked against the machine before
+// anything is allocated or written, so that a size it cannot hold is one line and exit 2 rather
+// than an allocation failure part-way (which valgrind, or an overcommitting kernel's OOM killer,
+// turns into a crash) or a disk filled to ENOSPC. RAM: the swapper's pinned buffers (value, fp32
+// and 16-bit gradients: about 18 bytes an element each), the compute reference's four fp32 arrays
+// and the gradient source vectors, per sub-group element. Disk: two state slots of 12 bytes and
+// the gradients, per parameter, plus the bandwidth file (at most 1 GiB).
+Status CheckResources(const SwapBenchOptions& options) {
+  const uint64_t sg = options.sub_group_elements;
+  const double ram = static_cast<double>(sg) * (20.0 * options.buffer_count + 32.0);
+  if (const uint64_t available = MemAvailableBytes();
+      available > 0 && ram > static_cast<double>(available)) {
+    return Status::ResourceExhausted(
+        "not enough memory: " + std::to_string(options.buffer_count) + " buffers of sub-groups of " +
+        std::to_string(sg) + " elements need about " +
+        FormatByteSize(static_cast<uint64_t>(std::min(ram, 0x1p63))) + " of RAM, " +
+        FormatByteSize(available) + " is available (use a smaller --sub-group or --buffers)");
+  }
+  struct statvfs fs {};
+  if (::statvfs(options.directory.c_str(), &fs) == 0) {
+    const double disk = 28.0 * static_cast<double>(options.params) + 0x1p30;
+    const double free_bytes = static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize);
+    if (disk > free_bytes) {
+      return Status::ResourceExhausted(
+          "not enough disk at " + options.directory + ": " + std::to_string(options.params) +
+          " parameters need about " + FormatByteSize(static_cast<uint64_t>(std::min(disk, 0x1p63))) +
+          ", " + FormatByteSize(static_cast<uint64_t>(free_bytes)) +
+          " is free (use a smaller --params)");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<SwapBenchResult> RunSwapBench(const SwapBenchOptions& options) {
   MEMPLAN_RETURN_IF_ERROR(options.Validate());
+  MEMPLAN_RETURN_IF_ERROR(CheckResources(options));
   // The buffers are as large as the flags say; a size this machine cannot hold ends here, with the
   // scratch directory already removed by the unwinding.
   try {

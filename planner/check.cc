@@ -232,6 +232,12 @@ class Checker {
       Problem("train_batch_size", "is " + std::to_string(*total) +
                                       ", not a multiple of train_micro_batch_size_per_gpu x " +
                                       std::to_string(world) + " GPUs");
+    } else if (total && accum && !micro && world > 0 &&
+               !MultipleOf(*total, CheckedProductInt64({*accum, world}))) {
+      // DeepSpeed derives the micro-batch as train_batch_size / (accumulation x GPUs).
+      Problem("train_batch_size", "is " + std::to_string(*total) +
+                                      ", not a multiple of gradient_accumulation_steps x " +
+                                      std::to_string(world) + " GPUs");
     } else if (!c.contains("train_batch_size") && !c.contains("train_micro_batch_size_per_gpu")) {
       Problem("train_batch_size",
               "neither train_batch_size nor train_micro_batch_size_per_gpu is given; DeepSpeed "

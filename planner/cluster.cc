@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -13,11 +14,22 @@
 #include <set>
 #include <sstream>
 
+#include "common/byte_size.h"
+#include "common/json.h"
+#include "common/printable.h"
+
 namespace memplan::planner {
 namespace {
 
 constexpr uint64_t kMiB = uint64_t{1} << 20;
 constexpr uint64_t kGiB = uint64_t{1} << 30;
+
+// A rate for an error message: "1e+06", "0", "nan".
+std::string FormatRate(double v) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", v);
+  return text;
+}
 
 std::string Lower(std::string_view s) {
   std::string out(s);
@@ -193,11 +205,40 @@ Status Cluster::Validate() const {
                                    std::to_string(pcie_gen));
   }
   if (cpu_cores < 0) return Status::InvalidArgument("--cpu-cores must be >= 0");
-  for (double v : {inter_node_bytes_per_s, nvme_read_bytes_per_s, nvme_write_bytes_per_s,
-                   cpu_adam_params_per_s, gpu.link_bytes_per_s, gpu.hbm_bytes_per_s,
-                   gpu.node_network_bytes_per_s}) {
-    if (!std::isfinite(v) || v < 0) {
-      return Status::InvalidArgument("bandwidths and rates must be finite and >= 0");
+  // Note [Rate floors]: every rate below divides a byte or FLOP count in the time model. A rate
+  // of 0 (or 1e-300) would give an infinite step, 0 tokens/s and `null` in JSON, and rank every
+  // plan as equal; a rate beyond any hardware would hide every cost. So each is checked against a
+  // floor and a ceiling far outside real machines (a PCIe Gen1 lane, a CPU core's FLOPs; 1000x
+  // the fastest GPU). Rates with a prior take 0 as "not given, use the prior".
+  struct Rate {
+    const char* name;
+    double value;
+    bool zero_means_prior;
+    double floor, ceiling;
+  };
+  constexpr double kMinBytesPerS = 1e6, kMaxBytesPerS = 1e15;
+  constexpr double kMinFlops = 1e9, kMaxFlops = 1e19;
+  const Rate rates[] = {
+      {"inter_node_bytes_per_s (--inter-node-bw)", inter_node_bytes_per_s, true, kMinBytesPerS,
+       kMaxBytesPerS},
+      {"nvme_read_bytes_per_s", nvme_read_bytes_per_s, true, kMinBytesPerS, kMaxBytesPerS},
+      {"nvme_write_bytes_per_s", nvme_write_bytes_per_s, true, kMinBytesPerS, kMaxBytesPerS},
+      {"cpu_adam_params_per_s", cpu_adam_params_per_s, true, 1e3, 1e15},
+      {"gpu.link_bytes_per_s", gpu.link_bytes_per_s, false, kMinBytesPerS, kMaxBytesPerS},
+      {"gpu.hbm_bytes_per_s", gpu.hbm_bytes_per_s, false, kMinBytesPerS, kMaxBytesPerS},
+      {"gpu.node_network_bytes_per_s", gpu.node_network_bytes_per_s, false, kMinBytesPerS,
+       kMaxBytesPerS},
+      {"gpu.bf16_flops", gpu.bf16_flops, true, kMinFlops, kMaxFlops},
+      {"gpu.fp16_flops", gpu.fp16_flops, true, kMinFlops, kMaxFlops},
+      {"gpu.fp32_flops", gpu.fp32_flops, true, kMinFlops, kMaxFlops},
+  };
+  for (const Rate& r : rates) {
+    if (r.zero_means_prior && r.value == 0) continue;
+    if (!std::isfinite(r.value) || r.value < r.floor || r.value > r.ceiling) {
+      return Status::InvalidArgument(
+          "GPU '" + gpu.name + "': " + r.name + " must be " +
+          (r.zero_means_prior ? "0 (not given) or " : "") + "between " + FormatRate(r.floor) +
+          " and " + FormatRate(r.ceiling) + ", got " + FormatRate(r.value));
     }
   }
   if (nodes > 1 && !(InterNodeBytesPerS() > 0)) {
@@ -354,11 +395,11 @@ Result<GpuSpec> GpuFromJson(const nlohmann::json& j, const std::string& source) 
     } else if (key == "memory_bytes") {
       MEMPLAN_ASSIGN_OR_RETURN(g.memory_bytes, SizeField(value, what));
     } else if (key == "pcie_gen") {
-      if (!value.is_number_integer()) return Status::InvalidArgument(what + ": expected 3, 4 or 5");
-      g.pcie_gen = value.get<int>();
+      MEMPLAN_ASSIGN_OR_RETURN(int64_t v, JsonInteger(value, what, 3, 6));
+      g.pcie_gen = static_cast<int>(v);
     } else if (key == "gpus_per_pcie_switch") {
-      if (!value.is_number_integer()) return Status::InvalidArgument(what + ": expected an integer");
-      g.gpus_per_pcie_switch = value.get<int>();
+      MEMPLAN_ASSIGN_OR_RETURN(int64_t v, JsonInteger(value, what, 1, 64));
+      g.gpus_per_pcie_switch = static_cast<int>(v);
     } else {
       double* target = key == "bf16_flops"         ? &g.bf16_flops
                        : key == "fp16_flops"       ? &g.fp16_flops
@@ -391,14 +432,17 @@ Result<Cluster> ClusterFromJson(const nlohmann::json& json, const std::string& s
     if (kDerived.count(key) > 0) continue;
     if (key == "gpu") {
       MEMPLAN_ASSIGN_OR_RETURN(c.gpu, GpuFromJson(value, source));
-    } else if (key == "nodes" || key == "gpus_per_node" || key == "cpu_cores" ||
-               key == "pcie_gen") {
-      if (!value.is_number_integer()) return Status::InvalidArgument(what + ": expected an integer");
-      const int64_t v = value.get<int64_t>();
-      if (key == "nodes") c.nodes = v;
-      if (key == "gpus_per_node") c.gpus_per_node = v;
-      if (key == "cpu_cores") c.cpu_cores = v;
-      if (key == "pcie_gen") c.pcie_gen = static_cast<int>(v);
+    } else if (key == "nodes") {
+      MEMPLAN_ASSIGN_OR_RETURN(c.nodes, JsonInteger(value, what, 1, int64_t{1} << 20));
+    } else if (key == "gpus_per_node") {
+      MEMPLAN_ASSIGN_OR_RETURN(c.gpus_per_node, JsonInteger(value, what, 1, 1024));
+    } else if (key == "cpu_cores") {
+      MEMPLAN_ASSIGN_OR_RETURN(c.cpu_cores, JsonInteger(value, what, 0, int64_t{1} << 16));
+    } else if (key == "pcie_gen") {
+      // 0: the GPU's own generation.
+      MEMPLAN_ASSIGN_OR_RETURN(int64_t v, JsonInteger(value, what, 0, 6));
+      if (v != 0 && v < 3) return Status::InvalidArgument(what + ": must be 0, 3, 4, 5 or 6");
+      c.pcie_gen = static_cast<int>(v);
     } else if (key == "cpu_memory_bytes") {
       MEMPLAN_ASSIGN_OR_RETURN(c.cpu_memory_bytes, SizeField(value, what));
     } else if (key == "memlock_bytes") {
@@ -520,9 +564,19 @@ Result<Cluster> DetectCluster(const std::string& nvme_path, std::string* gpu_not
     c.memlock_bytes = std::max<uint64_t>(limit.rlim_cur, 1);
   }
   if (!nvme_path.empty()) {
+    // The swap files go in this directory: a file or a device here would be measured as the
+    // filesystem holding it and then given to DeepSpeed as its nvme_path, which it cannot use.
+    struct stat st {};
+    if (::stat(nvme_path.c_str(), &st) != 0) {
+      return Status::FromErrno(errno, "--nvme-path " + Printable(nvme_path));
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      return Status::InvalidArgument("--nvme-path " + Printable(nvme_path) +
+                                     ": not a directory (the directory for the swap files)");
+    }
     struct statvfs fs {};
     if (::statvfs(nvme_path.c_str(), &fs) != 0) {
-      return Status::FromErrno(errno, "--nvme-path " + nvme_path);
+      return Status::FromErrno(errno, "--nvme-path " + Printable(nvme_path));
     }
     c.nvme_path = nvme_path;
     c.nvme_capacity_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
@@ -542,46 +596,6 @@ Result<Cluster> DetectCluster(const std::string& nvme_path, std::string* gpu_not
   return c;
 }
 
-Result<uint64_t> ParseByteSize(std::string_view text, std::string_view what) {
-  auto bad = [&] {
-    return Status::InvalidArgument(std::string(what) + ": '" + std::string(text) +
-                                   "' is not a size (bytes, or a number with KiB/MiB/GiB/TiB or "
-                                   "KB/MB/GB/TB)");
-  };
-  std::string s(text);
-  s.erase(std::remove_if(s.begin(), s.end(), [](char c) { return c == ' ' || c == '_'; }),
-          s.end());
-  size_t pos = 0;
-  while (pos < s.size() && (std::isdigit(static_cast<unsigned char>(s[pos])) || s[pos] == '.')) {
-    ++pos;
-  }
-  if (pos == 0) return bad();
-  const std::string number = s.substr(0, pos);
-  const std::string unit = Lower(s.substr(pos));
-  double value = 0;
-  try {
-    size_t used = 0;
-    value = std::stod(number, &used);
-    if (used != number.size()) return bad();
-  } catch (...) {
-    return bad();
-  }
-  static const std::pair<const char*, double> kUnits[] = {
-      {"", 1},           {"b", 1},          {"k", 0x1p10},     {"ki", 0x1p10},
-      {"kib", 0x1p10},   {"m", 0x1p20},     {"mi", 0x1p20},    {"mib", 0x1p20},
-      {"g", 0x1p30},     {"gi", 0x1p30},    {"gib", 0x1p30},   {"t", 0x1p40},
-      {"ti", 0x1p40},    {"tib", 0x1p40},   {"p", 0x1p50},     {"pib", 0x1p50},
-      {"kb", 1e3},       {"mb", 1e6},       {"gb", 1e9},       {"tb", 1e12},
-      {"pb", 1e15}};
-  for (const auto& [name, scale] : kUnits) {
-    if (unit == name) {
-      const double bytes = value * scale;
-      if (!std::isfinite(bytes) || bytes >= 0x1p63) return bad();
-      return static_cast<uint64_t>(std::llround(bytes));
-    }
-  }
-  return bad();
-}
 
 std::string FormatGiB(uint64_t bytes) {
   char text[64];

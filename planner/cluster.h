@@ -133,8 +133,6 @@ Result<Cluster> ClusterFromJson(const nlohmann::json& json, const std::string& s
 // memory with its own memory size.
 Result<Cluster> DetectCluster(const std::string& nvme_path, std::string* gpu_note);
 
-// "80GiB", "1TiB", "512MiB", "64GB" (decimal), "1.5TiB", or plain bytes. Errors name `what`.
-Result<uint64_t> ParseByteSize(std::string_view text, std::string_view what);
 // 85899345920 -> "80.0 GiB" (binary units, one decimal).
 std::string FormatGiB(uint64_t bytes);
 

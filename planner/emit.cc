@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <map>
 
+#include "common/printable.h"
+
 namespace memplan::planner {
 namespace {
 
@@ -24,10 +26,37 @@ const char* DeviceName(OffloadDevice d) {
 std::string NvmePath(const Cluster& c) { return c.nvme_path.empty() ? "/local_nvme" : c.nvme_path; }
 
 // A YAML scalar in single quotes: a path with " #", ": " or a leading "-" stays one string.
-std::string YamlQuoted(const std::string& v) {
-  std::string out = "'";
-  for (char c : v) out += c == '\'' ? std::string("''") : std::string(1, c);
-  return out + "'";
+// A YAML double-quoted scalar that reads back as exactly `v`: '"' and '\\' escaped, and every
+// control character as an escape, because a plain or single-quoted scalar folds a newline into a
+// space (and a plain one ends at " #" or ": "), silently pointing the swap files elsewhere.
+// YAML text is Unicode, so a value that is not UTF-8 has no form at all: refused, naming `what`.
+Result<std::string> YamlQuoted(const std::string& v, const std::string& what) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out = "\"";
+  for (size_t i = 0; i < v.size();) {
+    uint32_t code = 0;
+    const size_t length = DecodeUtf8(v, i, &code);
+    if (length == 0) {
+      return Status::InvalidArgument(what + ": '" + Printable(v) +
+                                     "' is not UTF-8, which a YAML file cannot hold");
+    }
+    if (code == '"' || code == '\\') {
+      out += '\\';
+      out += static_cast<char>(code);
+    } else if (code == '\n') {
+      out += "\\n";
+    } else if (code == '\t') {
+      out += "\\t";
+    } else if (code < 0x20 || code == 0x7f || (code >= 0x80 && code <= 0x9f)) {
+      out += "\\x";
+      out += kHex[code >> 4];
+      out += kHex[code & 15];
+    } else {
+      out.append(v, i, length);
+    }
+    i += length;
+  }
+  return out + "\"";
 }
 
 // DeepSpeed 0.19 removed MiCS, its only ZeRO-3 sharding within a node group.
@@ -235,18 +264,22 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
     MEMPLAN_RETURN_IF_ERROR(HybridForDeepSpeed(plan, "--emit-accelerate"));
     y += "distributed_type: DEEPSPEED\ndeepspeed_config:\n";
     if (!options.deepspeed_config_path.empty()) {
-      y += "  deepspeed_config_file: " + YamlQuoted(options.deepspeed_config_path) + "\n";
+      MEMPLAN_ASSIGN_OR_RETURN(std::string config_file,
+                               YamlQuoted(options.deepspeed_config_path, "--emit-accelerate"));
+      y += "  deepspeed_config_file: " + config_file + "\n";
       y += std::string("  zero3_init_flag: ") + (s.zero_stage == 3 ? "true" : "false") + "\n";
     } else {
       y += "  gradient_accumulation_steps: " + std::to_string(s.grad_accum) + "\n";
       y += "  gradient_clipping: 1.0\n";
       y += std::string("  offload_optimizer_device: ") + DeviceName(s.offload_optimizer) + "\n";
       if (s.offload_optimizer == OffloadDevice::kNvme) {
-        y += "  offload_optimizer_nvme_path: " + YamlQuoted(NvmePath(cluster)) + "\n";
+        MEMPLAN_ASSIGN_OR_RETURN(std::string path, YamlQuoted(NvmePath(cluster), "--nvme-path"));
+        y += "  offload_optimizer_nvme_path: " + path + "\n";
       }
       y += std::string("  offload_param_device: ") + DeviceName(s.offload_param) + "\n";
       if (s.offload_param == OffloadDevice::kNvme) {
-        y += "  offload_param_nvme_path: " + YamlQuoted(NvmePath(cluster)) + "\n";
+        MEMPLAN_ASSIGN_OR_RETURN(std::string path, YamlQuoted(NvmePath(cluster), "--nvme-path"));
+        y += "  offload_param_nvme_path: " + path + "\n";
       }
       y += std::string("  zero3_init_flag: ") + (s.zero_stage == 3 ? "true" : "false") + "\n";
       if (s.zero_stage == 3) y += "  zero3_save_16bit_model: true\n";

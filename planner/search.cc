@@ -6,6 +6,7 @@
 #include <map>
 #include <set>
 
+#include "common/printable.h"
 #include "estimator/estimate.h"
 
 namespace memplan::planner {
@@ -591,6 +592,13 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         plan.time = PredictStepTime(shape, cluster, plan.setup, job.global_batch,
                                     plan.setup.pin_memory, family.sharding,
                                     options.time_constants);
+        if (!(std::isfinite(plan.time.total_s) && plan.time.total_s > 0)) {
+          // Cluster::Validate's rate floors (Note [Rate floors]) make this unreachable; a
+          // ranking of infinite steps would be meaningless, so it is a bug, not a plan.
+          return Status::Internal("the time model gave a step of " +
+                                  Fmt("%g", plan.time.total_s) + " s for " + name +
+                                  "; please report it with the cluster and model");
+        }
         plan.tokens_per_s =
             static_cast<double>(job.global_batch) * shape.seq_len / plan.time.total_s;
         plan.mfu = plan.time.model_flops / (plan.time.total_s * peak_flops);
@@ -953,12 +961,14 @@ std::string FormatPlanText(const PlanResult& r, const Cluster& c, const Job& job
   estimator::TrainingSetup fixed = job.setup;
   fixed.seq_len = r.seq_len;
   std::string out = estimator::SetupLine(fixed, /*searched=*/true) + "\n";
-  out += "Plans for " + job.model + " on " + std::to_string(c.nodes) + " node(s) x " +
-         std::to_string(c.gpus_per_node) + " " + c.gpu.name + " (" + GiB(c.gpu.memory_bytes) +
+  // The model, GPU and path names come from the user's files and flags: escaped.
+  out += "Plans for " + Printable(job.model) + " on " + std::to_string(c.nodes) + " node(s) x " +
+         std::to_string(c.gpus_per_node) + " " + Printable(c.gpu.name) + " (" +
+         GiB(c.gpu.memory_bytes) +
          " GiB)";
   out += c.cpu_memory_bytes > 0 ? ", " + GiB(c.cpu_memory_bytes) + " GiB RAM per node"
                                 : std::string(", host RAM not checked");
-  if (!c.nvme_path.empty()) out += ", NVMe at " + c.nvme_path;
+  if (!c.nvme_path.empty()) out += ", NVMe at " + Printable(c.nvme_path);
   out += "\nGlobal batch " + std::to_string(job.global_batch) + " x " + std::to_string(r.seq_len) +
          " tokens; " + std::to_string(r.grid_size) + " configurations, " +
          std::to_string(r.configurations) + " evaluated (the rest cannot fit).\n\n";

@@ -54,14 +54,7 @@ const Rejection* FindRejected(const PlanResult& r, const std::string& family) {
   return nullptr;
 }
 
-TEST_CASE("cluster: sizes, presets and bench inputs") {
-  CHECK(*ParseByteSize("80GiB", "x") == uint64_t{80} << 30);
-  CHECK(*ParseByteSize("1TiB", "x") == uint64_t{1} << 40);
-  CHECK(*ParseByteSize("64GB", "x") == 64000000000ull);
-  CHECK(*ParseByteSize("1.5 KiB", "x") == 1536);
-  CHECK(*ParseByteSize("4096", "x") == 4096);
-  CHECK_FALSE(ParseByteSize("lots", "--cpu-mem").ok());
-  CHECK(ParseByteSize("12XB", "--cpu-mem").status().message().find("--cpu-mem") == 0);
+TEST_CASE("cluster: presets and bench inputs") {
   CHECK(FindGpuPreset("A100").value().name == "a100-80");
   CHECK(FindGpuPreset("h200")->memory_bytes == uint64_t{143771} << 20);
   CHECK(FindGpuPreset("v100-16")->bf16_flops == 0);
@@ -287,11 +280,19 @@ TEST_CASE("emit: what the consumers refuse (tests/plan_consumers runs them for r
   // Accelerate's launcher refuses mixed_precision beside a DeepSpeed config file; the path is
   // quoted so that " #" does not start a comment.
   EmitOptions options;
-  options.deepspeed_config_path = "/runs/a #1: b/ds'config.json";
+  options.deepspeed_config_path = "/runs/a #1: b/ds'\"config\n.json";
   auto yaml = AccelerateConfig(best, c, llama, options);
   REQUIRE(yaml.ok());
-  CHECK(yaml->find("  deepspeed_config_file: '/runs/a #1: b/ds''config.json'\n") !=
+  // Double-quoted, so that a newline is kept rather than folded into a space.
+  CHECK(yaml->find("  deepspeed_config_file: \"/runs/a #1: b/ds'\\\"config\\n.json\"\n") !=
         std::string::npos);
+  options.deepspeed_config_path = "/runs/\xff.json";  // YAML cannot hold bytes that are not UTF-8
+  yaml = AccelerateConfig(best, c, llama, options);
+  REQUIRE_FALSE(yaml.ok());
+  CHECK(yaml.status().message().find("not UTF-8") != std::string::npos);
+  options.deepspeed_config_path = "/runs/a #1: b/ds.json";
+  yaml = AccelerateConfig(best, c, llama, options);
+  REQUIRE(yaml.ok());
   CHECK(yaml->find("mixed_precision") == std::string::npos);
   options.deepspeed_config_path.clear();
   yaml = AccelerateConfig(best, c, llama, options);

@@ -167,8 +167,10 @@ TEST_CASE("bench cli: bad input is one line on stderr, exit 2, nothing written")
   ExpectBadInput(Memplan({"bench", "nvme", "--path", file, "--size", "8M"}), "not a directory");
   ExpectBadInput(Memplan({"bench", "nvme", "--path", dir.path().string(), "--size", "12X"}),
                  "--size");
-  ExpectBadInput(Memplan({"bench", "nvme", "--path", dir.path().string(), "--size", "1.5G"}),
-                 "1.5G");
+  ExpectBadInput(Memplan({"bench", "nvme", "--path", dir.path().string(), "--size", "0"}),
+                 "--size: '0' must be at least 1 byte");
+  ExpectBadInput(Memplan({"bench", "nvme", "--path", dir.path().string(), "--size", "1.5K"}),
+                 "multiple of 4 KiB");
   ExpectBadInput(Memplan({"bench", "nvme", "--path", dir.path().string(), "--size", "4097"}),
                  "multiple of 4 KiB");
   ExpectBadInput(Memplan({"bench", "nvme", "--path", dir.path().string(), "--block-size", "6000"}),

@@ -94,7 +94,7 @@ TEST_CASE("plan: emitted files are written, complete, and pass check") {
   CHECK(config["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/mnt/nvme");
   CHECK(config.contains("aio"));
   // Quoted: a path with " #" or ": " stays one YAML string.
-  CHECK(ReadWholeFile(yaml).find("deepspeed_config_file: '" + ds + "'") != std::string::npos);
+  CHECK(ReadWholeFile(yaml).find("deepspeed_config_file: \"" + ds + "\"") != std::string::npos);
   nlohmann::json s = nlohmann::json::parse(ReadWholeFile(schedule));
   CHECK(s["optimizer"]["tier"] == "nvme");
   CHECK(s["nvme"]["path"] == "/mnt/nvme/memplan");

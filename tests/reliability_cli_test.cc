@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
@@ -551,6 +552,22 @@ TEST_CASE("reliability #5: memory that cannot be had is one line and exit 2; the
                         WithAddressSpace(rlim_t{2} << 30));
   ExpectFailure(swap, 2, {"memory"});
   CHECK(Entries(dir).empty());
+  // Checked before anything is allocated (Note [Bench swap resources]): 2^36 sub-group elements
+  // are terabytes of buffers on any machine this runs on.
+  ExpectFailure(RunProbe({"bench", "swap", "--path", dir.string(), "--params", "68719476736",
+                          "--sub-group", "68719476736", "--nvme-json", tmp.PathOf("n.json")}),
+                2, {"not enough memory", "of RAM", "--sub-group"});
+  // ... and the disk: 2^36 parameters need 1.75 TiB of state.
+  ExpectFailure(RunProbe({"bench", "swap", "--path", dir.string(), "--params", "68719476736",
+                          "--nvme-json", tmp.PathOf("n.json")}),
+                2, {"not enough disk", "--params"});
+  // Within the machine's RAM but past a 2 GiB address space: the allocation fails part-way, the
+  // store it had begun is removed.
+  swap = RunProbe({"bench", "swap", "--path", dir.string(), "--params", "67108864", "--sub-group",
+                   "67108864", "--nvme-json", tmp.PathOf("n.json")},
+                  WithAddressSpace(rlim_t{2} << 30));
+  ExpectFailure(swap, 2, {"memory"});
+  CHECK(Entries(dir).empty());
 }
 
 TEST_CASE("reliability #5: a path that is not UTF-8 in JSON output is written, not a crash") {
@@ -563,3 +580,164 @@ TEST_CASE("reliability #5: a path that is not UTF-8 in JSON output is written, n
 }
 
 }  // namespace
+
+void WriteFile(const fs::path& path, const std::string& text) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  REQUIRE(f != nullptr);
+  REQUIRE(std::fwrite(text.data(), 1, text.size(), f) == text.size());
+  REQUIRE(std::fclose(f) == 0);
+}
+
+TEST_CASE("reliability #1: check's batch products of any int64 are a finding, never SIGFPE") {
+  TempDir tmp("memplan-reliability.");
+  const std::string config = tmp.PathOf("c.json");
+  WriteFile(config,
+            R"({"train_batch_size":8,"train_micro_batch_size_per_gpu":4294967296,)"
+            R"("gradient_accumulation_steps":4294967296})");
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{}, {"--gpus", "8"}, {"--gpus", "1024", "--nodes", "1048576"}}) {
+    Probe p = RunProbe(With({"check", config}, extra));
+    CAPTURE(p.out);
+    CHECK_FALSE(p.hung);
+    CHECK(p.term_signal == 0);
+    CHECK(p.exit_code == 1);  // problems found
+    CHECK(p.out.find("more than 2^63") != std::string::npos);
+  }
+}
+
+TEST_CASE("reliability #7: Accelerate YAML values survive ' #', ': ', quotes and newlines") {
+  TempDir tmp("memplan-reliability.");
+  const std::string yaml = tmp.PathOf("a.yaml");
+  const std::string nvme = "/mnt/nvme #2\nx: y'z\"\\";
+  const std::vector<std::string> plan = {
+      "plan", "--model", "mixtral-8x7b", "--gpu", "rtx4090", "--cpu-mem", "128GiB",
+      "--nvme-path", nvme, "--nvme-capacity", "4TiB", "--global-batch", "8", "--seq-len", "1024",
+      "--emit-accelerate", yaml};
+  ExpectSuccess(RunProbe(plan));
+  const std::string text = ReadWholeFile(yaml);
+  CHECK(text.find("offload_param_nvme_path: \"/mnt/nvme #2\\nx: y'z\\\"\\\\\"\n") !=
+        std::string::npos);
+  // A path that is not UTF-8 has no YAML form: reported, the file not written.
+  fs::remove(yaml);
+  Probe bad = RunProbe(With(
+      {"plan", "--model", "mixtral-8x7b", "--gpu", "rtx4090", "--cpu-mem", "128GiB",
+       "--nvme-capacity", "4TiB", "--global-batch", "8", "--seq-len", "1024", "--emit-accelerate",
+       yaml},
+      {"--nvme-path", "/mnt/\xff"}));
+  CHECK(bad.out.find("not UTF-8") != std::string::npos);
+  CHECK_FALSE(fs::exists(yaml));
+}
+
+TEST_CASE("reliability #11: rates a time model cannot divide by are refused where they are read") {
+  TempDir tmp("memplan-reliability.");
+  const std::string cluster = tmp.PathOf("c.json");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"gpu":{"preset":"a100-80","link_bytes_per_s":0},"gpus_per_node":8})",
+       "gpu.link_bytes_per_s must be between"},
+      {R"({"gpu":{"preset":"a100-80","hbm_bytes_per_s":1e-300},"gpus_per_node":8})",
+       "gpu.hbm_bytes_per_s must be between"},
+      {R"({"gpu":{"preset":"a100-80","bf16_flops":1e-300},"gpus_per_node":8})",
+       "gpu.bf16_flops must be 0 (not given) or between"},
+      {R"({"gpu":{"preset":"a100-80","node_network_bytes_per_s":1e300},"nodes":2})",
+       "gpu.node_network_bytes_per_s must be between"},
+      {R"({"gpu":"a100-80","nodes":2,"inter_node_bytes_per_s":0.5})",
+       "inter_node_bytes_per_s (--inter-node-bw) must be 0 (not given) or between"},
+      {R"({"gpu":"a100-80","cpu_adam_params_per_s":1e-9})", "cpu_adam_params_per_s must be"},
+  };
+  for (const auto& [json, needle] : cases) {
+    CAPTURE(json);
+    WriteFile(cluster, json);
+    ExpectFailure(RunProbe({"plan", "--model", "llama-2-7b", "--cluster", cluster,
+                            "--global-batch", "64"}),
+                  2, {"c.json", needle});
+  }
+  // The slowest rates allowed still give a finite step and a non-zero rate in the JSON.
+  WriteFile(cluster,
+            R"({"gpu":{"preset":"a100-80","link_bytes_per_s":1e6,"bf16_flops":1e9,)"
+            R"("hbm_bytes_per_s":1e6},"gpus_per_node":8})");
+  ProbeOptions patient;
+  patient.limit_seconds = 20;
+  Probe slow = RunProbe({"plan", "--model", "llama-2-7b", "--cluster", cluster, "--global-batch",
+                         "64", "--format", "json"},
+                        patient);
+  ExpectSuccess(slow);
+  const auto plan = nlohmann::json::parse(slow.out)["plans"][0];
+  CHECK(plan["step_time_s"].is_number());
+  CHECK(plan["tokens_per_s"].get<double>() > 0);
+}
+
+TEST_CASE("reliability #12: text from files is printed escaped, one line") {
+  TempDir tmp("memplan-reliability.");
+  const std::string config = tmp.PathOf("t.json");
+  WriteFile(config, "{\"model_type\": \"ll\\nama\\u001b[2J\"}");
+  ExpectFailure(RunProbe({"estimate", "--model", config}), 2, {"ll\\nama\\x1b[2J"});
+  const std::string shapes = tmp.PathOf("s.json");
+  WriteFile(shapes, "{\"evil\\nname\\u001b]0;x\\u0007\": [4, 4], \"ok\": [2]}");
+  Probe p = RunProbe({"inventory", "--model", shapes});
+  ExpectSuccess(p);
+  CHECK(p.out.find("evil\\nname\\x1b]0;x\\x07") != std::string::npos);
+  CHECK(p.out.find('\x1b') == std::string::npos);
+}
+
+TEST_CASE("reliability #13: a key repeated in a DeepSpeed config is refused, as DeepSpeed does") {
+  TempDir tmp("memplan-reliability.");
+  const std::string config = tmp.PathOf("d.json");
+  WriteFile(config,
+            R"({"train_batch_size":8,"zero_optimization":{"stage":0},"zero_optimization":{"stage":3}})");
+  ExpectFailure(RunProbe({"check", config}), 2, {"d.json", "'zero_optimization' appears twice"});
+  ExpectFailure(RunProbe({"estimate", "--model", "gpt2", "--deepspeed", config}), 2,
+                {"d.json", "appears twice"});
+}
+
+TEST_CASE("reliability #14: a size of 0 is bad input, never 'unchecked'") {
+  for (const std::string flag : {"--cpu-mem", "--nvme-capacity", "--memlock"}) {
+    for (const std::string value : {"0", "0.4", "0GiB"}) {
+      CAPTURE(flag);
+      CAPTURE(value);
+      ExpectFailure(RunProbe(With(kPlan7b, {flag, value})), 2,
+                    {flag + ": '" + value + "' must be at least 1 byte"});
+    }
+  }
+  // The same parser everywhere: decimal units mean powers of 1000 for every size flag.
+  TempDir tmp("memplan-reliability.");
+  ExpectFailure(RunProbe({"bench", "nvme", "--path", tmp.path().string(), "--size", "0"}), 2,
+                {"--size: '0' must be at least 1 byte"});
+  CHECK(Entries(tmp.path()).empty());
+}
+
+TEST_CASE("reliability #15: a shape list past the tensor cap is refused at the cap, quickly") {
+  TempDir tmp("memplan-reliability.");
+  const std::string shapes = tmp.PathOf("s.json");
+  std::string text = "{";
+  for (int i = 0; i < 1000000; ++i) text += (i ? ",\"t" : "\"t") + std::to_string(i) + "\":[4,4]";
+  text += "}";
+  WriteFile(shapes, text);
+  Probe p = RunProbe({"inventory", "--model", shapes, "--format", "json"});
+  ExpectFailure(p, 2, {"s.json", "more than 262144 entries at the top level"});
+  CHECK(p.seconds < 5);
+  // The {"tensors": ...} form: refused by the shape-list reader, with the count.
+  text = "{\"tensors\": {";
+  for (int i = 0; i < 300000; ++i) text += (i ? ",\"t" : "\"t") + std::to_string(i) + "\":[4]";
+  text += "}}";
+  WriteFile(shapes, text);
+  ExpectFailure(RunProbe({"inventory", "--model", shapes}), 2,
+                {"s.json", "more than 262144 tensors (300000; the limit for a shape list)"});
+}
+
+TEST_CASE("reliability #18: integers past int range and non-directories are refused") {
+  TempDir tmp("memplan-reliability.");
+  const std::string cluster = tmp.PathOf("c.json");
+  for (const std::string json :
+       {R"({"gpu":{"preset":"a100-80","pcie_gen":4294967300},"gpus_per_node":8})",
+        R"({"gpu":"a100-80","pcie_gen":4294967300})",
+        R"({"gpu":"a100-80","gpus_per_node":18446744073709551615})",
+        R"({"gpu":{"preset":"a100-80","gpus_per_pcie_switch":-4294967294}})"}) {
+    CAPTURE(json);
+    WriteFile(cluster, json);
+    ExpectFailure(
+        RunProbe({"plan", "--model", "llama-2-7b", "--cluster", cluster, "--global-batch", "64"}),
+        2, {"c.json", "must be an integer from"});
+  }
+  ExpectFailure(RunProbe(With(kPlan7b, {"--detect", "--nvme-path", "/etc/passwd"})), 2,
+                {"--nvme-path /etc/passwd: not a directory"});
+}

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/byte_size.h"
 #include "common/json.h"
 #include "nvme/bench.h"
 #include "tools/commands.h"
@@ -46,8 +47,8 @@ Result<nvme::BenchOptions> ToOptions(const BenchFlags& flags, const std::atomic<
   }
   options.directory = flags.path;
   options.file = flags.file;
-  auto size = nvme::ParseByteSize(flags.size);
-  if (!size.ok()) return size.status().WithPrefix("--size");
+  auto size = ParseByteSize(flags.size, "--size");
+  if (!size.ok()) return size.status();
   options.size_bytes = *size;
   MEMPLAN_ASSIGN_OR_RETURN(options.rw, nvme::ParseBenchRw(flags.rw));
   options.direct = !flags.no_direct;
@@ -61,8 +62,8 @@ Result<nvme::BenchOptions> ToOptions(const BenchFlags& flags, const std::atomic<
     options.queue_depths = {32};
   }
   if (!flags.block_size.empty()) {
-    auto block = nvme::ParseByteSize(flags.block_size);
-    if (!block.ok()) return block.status().WithPrefix("--block-size");
+    auto block = ParseByteSize(flags.block_size, "--block-size");
+    if (!block.ok()) return block.status();
     if (*block > UINT32_MAX) {
       return Status::InvalidArgument("--block-size: " + flags.block_size + " is too large");
     }
@@ -106,7 +107,7 @@ void PrintProgress(const nvme::BenchProgress& event) {
                  "MB/s%s\n",
                  width, event.index, event.total,
                  std::string(nvme::BackendKindName(r.backend)).c_str(),
-                 nvme::FormatByteSize(r.block_size).c_str(), r.queue_depth, r.threads,
+                 FormatByteSize(r.block_size).c_str(), r.queue_depth, r.threads,
                  MegabytesPerSecond(r.write_measured, r.write_bytes_per_s()).c_str(),
                  MegabytesPerSecond(r.read_measured, r.read_bytes_per_s()).c_str(),
                  r.time_limited() ? " (time limit)" : "");

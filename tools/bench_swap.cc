@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/file.h"
+#include "common/byte_size.h"
 #include "common/json.h"
 #include "nvme/bench.h"
 #include "offload/swap_bench.h"
@@ -82,8 +83,8 @@ Result<offload::SwapBenchOptions> ToOptions(const SwapFlags& flags,
   auto backend = nvme::ParseBackendKind(flags.backend);
   if (!backend.ok()) return backend.status().WithPrefix("--backend");
   options.backend = *backend;
-  auto block = nvme::ParseByteSize(flags.block_size);
-  if (!block.ok()) return block.status().WithPrefix("--block-size");
+  auto block = ParseByteSize(flags.block_size, "--block-size");
+  if (!block.ok()) return block.status();
   if (*block > (uint64_t{64} << 20)) return Status::InvalidArgument("--block-size: at most 64M");
   options.block_size = static_cast<uint32_t>(*block);
   if (!flags.nvme_json.empty()) MEMPLAN_RETURN_IF_ERROR(ReadNvmeJson(flags.nvme_json, &options));

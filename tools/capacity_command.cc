@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "common/byte_size.h"
 #include "common/file.h"
 #include "common/json.h"
 #include "estimator/model_source.h"
@@ -171,7 +172,7 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
   request.max_train_hours = f.max_days * 24;
   planner::Cluster& node = request.node;
   if (!f.cpu_mem.empty()) {
-    auto v = planner::ParseByteSize(f.cpu_mem, "--cpu-mem");
+    auto v = ParseByteSize(f.cpu_mem, "--cpu-mem");
     if (!v.ok()) return fail(v.status());
     node.cpu_memory_bytes = *v;
   }
@@ -179,7 +180,7 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
   if (f.pcie_gen > 0) node.pcie_gen = f.pcie_gen;
   if (f.inter_node_gbps > 0) node.inter_node_bytes_per_s = f.inter_node_gbps * 1e9;
   if (!f.memlock.empty() && f.memlock != "unlimited") {
-    auto v = planner::ParseByteSize(f.memlock, "--memlock");
+    auto v = ParseByteSize(f.memlock, "--memlock");
     if (!v.ok()) return fail(v.status());
     node.memlock_bytes = *v;
   } else if (f.memlock == "unlimited") {
@@ -187,7 +188,7 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
   }
   if (!f.nvme_path.empty()) node.nvme_path = f.nvme_path;
   if (!f.nvme_capacity.empty()) {
-    auto v = planner::ParseByteSize(f.nvme_capacity, "--nvme-capacity");
+    auto v = ParseByteSize(f.nvme_capacity, "--nvme-capacity");
     if (!v.ok()) return fail(v.status());
     node.nvme_capacity_bytes = *v;
   }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/file.h"
+#include "common/byte_size.h"
 #include "common/json.h"
 #include "estimator/model_source.h"
 #include "estimator/training_setup.h"
@@ -128,7 +129,7 @@ struct ClusterFlags {
     if (gpus > 0) c.gpus_per_node = gpus;
     if (nodes > 0) c.nodes = nodes;
     if (!cpu_mem.empty()) {
-      MEMPLAN_ASSIGN_OR_RETURN(c.cpu_memory_bytes, planner::ParseByteSize(cpu_mem, "--cpu-mem"));
+      MEMPLAN_ASSIGN_OR_RETURN(c.cpu_memory_bytes, ParseByteSize(cpu_mem, "--cpu-mem"));
     }
     if (cpu_cores > 0) c.cpu_cores = cpu_cores;
     if (pcie_gen > 0) c.pcie_gen = pcie_gen;
@@ -137,13 +138,13 @@ struct ClusterFlags {
       if (memlock == "unlimited") {
         c.memlock_bytes = 0;
       } else {
-        MEMPLAN_ASSIGN_OR_RETURN(c.memlock_bytes, planner::ParseByteSize(memlock, "--memlock"));
+        MEMPLAN_ASSIGN_OR_RETURN(c.memlock_bytes, ParseByteSize(memlock, "--memlock"));
       }
     }
     if (!nvme_path.empty()) c.nvme_path = nvme_path;
     if (!nvme_capacity.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(c.nvme_capacity_bytes,
-                               planner::ParseByteSize(nvme_capacity, "--nvme-capacity"));
+                               ParseByteSize(nvme_capacity, "--nvme-capacity"));
     }
     if (!nvme_bench.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json j, ReadJson(nvme_bench));
@@ -590,12 +591,12 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
   cmd->footer(
       "\nExamples:\n"
       "  memplan plan --model llama-2-7b --gpu a100-80 --gpus 8 --global-batch 64 --seq-len 2048\n"
-      "  memplan plan --model llama-2-70b --gpu a100-80 --gpus 8 --cpu-mem 1TiB --global-batch 32 "
-      "--emit-deepspeed ds_config.json\n"
+      "  memplan plan --model llama-2-70b --gpu a100-80 --gpus 8 --nodes 2 --cpu-mem 1TiB "
+      "--global-batch 32 --emit-deepspeed ds_config.json\n"
       "  memplan plan --model llama-2-7b --gpu rtx4090 --cpu-mem 64GiB --nvme-path /mnt/nvme "
       "--nvme-capacity 1TiB --nvme-bench nvme.json --global-batch 16\n"
-      "  memplan plan --model llama-2-70b --gpu a100-80 --gpus 8 --cpu-mem 1TiB --global-batch 64 "
-      "--svg plans.svg\n"
+      "  memplan plan --model llama-2-70b --gpu a100-80 --gpus 8 --nodes 2 --cpu-mem 1TiB "
+      "--global-batch 64 --svg plans.svg\n"
       "  memplan plan --model llama-2-70b --gpu a800-80 --gpus 8 --nodes 4 --cpu-mem 1TiB "
       "--global-batch 256 --emit-deepspeed ds.json --emit-launch slurm job.sbatch\n"
       "\nExit status: 0 on success (also when nothing fits: see \"rejected\"), 2 on bad input.");

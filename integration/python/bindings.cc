@@ -15,6 +15,18 @@
 // records the tensor on that stream (tensor.record_stream, so PyTorch's caching allocator does not
 // reuse its memory before the copy has read it) and drops its reference at once, so backward does
 // not keep every gradient alive until step().
+//
+// Note [A collective backed by Python]
+// Across processes (memplan.torch with torch.distributed) the engine's Collective is either NCCL
+// (CUDA: the engine's own NcclCollective; the ranks agree on its unique id through the process
+// group) or, for the host runtime, PyCollective below: a Collective whose three calls go to a
+// Python object (memplan.torch's process-group collective, over gloo). The engine stays free of
+// Python: it only sees the Collective seam. The engine calls its Collective only on the thread
+// that called it (engine.h: Start, Fetch, GradReady, Step, ReadMasterWeights), and every binding
+// releases the GIL around those calls; so PyCollective takes the GIL back for the Python call
+// (gil_scoped_acquire on the same thread: no other thread is involved, nothing can deadlock on
+// the GIL) and releases it again when it returns. A Python exception becomes an IoError naming the
+// call, raised to the caller of the engine call as OSError; the ranks then fail as with NCCL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -148,9 +160,103 @@ offload::ElementType ElementTypeOf(const Memory& m, const std::string& given) {
   return *type;
 }
 
+// The Collective over a Python object with rank, world_size and all_gather / reduce_scatter /
+// all_reduce(send, recv, count, dtype) taking writable memoryviews of host memory (Note [A
+// collective backed by Python]). Host memory only: the engine's host runtime.
+class PyCollective final : public offload::Collective {
+ public:
+  PyCollective(py::object impl, int rank, int world_size)
+      : impl_(std::move(impl)), rank_(rank), world_size_(world_size) {}
+  ~PyCollective() override {
+    py::gil_scoped_acquire gil;
+    impl_ = py::object();
+  }
+
+  std::string_view Name() const override { return "torch.distributed"; }
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+
+  Status AllGather(const void* send, void* recv, uint64_t count,
+                   offload::ElementType type) override {
+    const uint64_t bytes = count * static_cast<uint64_t>(offload::ElementBytes(type));
+    return Call("all_gather", send, bytes, recv, bytes * static_cast<uint64_t>(world_size_),
+                count, type);
+  }
+  Status ReduceScatter(const void* send, void* recv, uint64_t count,
+                       offload::ElementType type) override {
+    const uint64_t bytes = count * static_cast<uint64_t>(offload::ElementBytes(type));
+    return Call("reduce_scatter", send, bytes * static_cast<uint64_t>(world_size_), recv, bytes,
+                count, type);
+  }
+  Status AllReduce(void* buffer, uint64_t count, offload::ElementType type) override {
+    const uint64_t bytes = count * static_cast<uint64_t>(offload::ElementBytes(type));
+    return Call("all_reduce", buffer, bytes, buffer, bytes, count, type);
+  }
+
+ private:
+  Status Call(const char* what, const void* send, uint64_t send_bytes, void* recv,
+              uint64_t recv_bytes, uint64_t count, offload::ElementType type) {
+    if (count == 0) return Status::Ok();
+    py::gil_scoped_acquire gil;
+    try {
+      auto view = [](const void* p, uint64_t bytes) {
+        return py::memoryview::from_memory(const_cast<void*>(p),
+                                           static_cast<py::ssize_t>(bytes), /*readonly=*/false);
+      };
+      impl_.attr(what)(view(send, send_bytes), view(recv, recv_bytes), count,
+                       std::string(offload::ElementTypeName(type)));
+      return Status::Ok();
+    } catch (py::error_already_set& e) {
+      return Status::IoError(std::string("torch.distributed ") + what + " failed: " + e.what());
+    } catch (const std::exception& e) {
+      return Status::IoError(std::string("torch.distributed ") + what + " failed: " + e.what());
+    }
+  }
+
+  py::object impl_;
+  int rank_;
+  int world_size_;
+};
+
+// The engine's collective from the `collective` argument of Engine(): None (one process); an
+// object with `nccl_unique_id` (bytes), `rank` and `world_size` (NCCL on the CUDA runtime); or an
+// object with `rank`, `world_size` and the three calls (PyCollective, host runtime).
+std::unique_ptr<offload::Collective> MakeCollective(const py::object& collective,
+                                                    gpu::Runtime* runtime) {
+  if (collective.is_none()) return nullptr;
+  const int rank = collective.attr("rank").cast<int>();
+  const int world_size = collective.attr("world_size").cast<int>();
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw py::value_error("memplan: collective rank " + std::to_string(rank) +
+                          " is outside world size " + std::to_string(world_size));
+  }
+  if (py::hasattr(collective, "nccl_unique_id")) {
+    const std::string id = collective.attr("nccl_unique_id").cast<py::bytes>();
+    std::unique_ptr<offload::Collective> nccl;
+    Status status;
+    {
+      py::gil_scoped_release release;  // blocks until every rank has joined
+      auto made = offload::CreateNcclCollective(runtime, rank, world_size, id);
+      if (made.ok()) {
+        nccl = std::move(*made);
+      } else {
+        status = made.status();
+      }
+    }
+    Check(status);
+    return nccl;
+  }
+  if (runtime->has_device()) {
+    throw py::value_error("memplan: a Python-backed collective needs the host runtime; on " +
+                          std::string(runtime->Name()) + " the ranks use NCCL");
+  }
+  return std::make_unique<PyCollective>(collective, rank, world_size);
+}
+
 class PyEngine {
  public:
-  PyEngine(const std::string& schedule_json, const std::string& options_json) {
+  PyEngine(const std::string& schedule_json, const std::string& options_json,
+           const py::object& collective) {
     nlohmann::json schedule_doc = ParseRequest(schedule_json, "schedule");
     schedule_ = Value(offload::ScheduleFromJson(schedule_doc, "schedule"));
     integration::EngineOpenOptions open = Value(integration::EngineOpenOptionsFromJson(
@@ -166,14 +272,17 @@ class PyEngine {
       runtime_ = gpu::CreateBestRuntime(nullptr, open.device);
     }
     options.runtime = runtime_.get();
+    collective_ = MakeCollective(collective, runtime_.get());
+    options.collective = collective_.get();
     engine_ = Value(offload::Engine::Create(options));
   }
 
   uint32_t AddParameter(const std::string& name, const std::string& module,
                         const std::vector<int64_t>& shape, const py::object& init,
-                        const std::vector<std::string>& also_used_by) {
+                        const std::vector<std::string>& also_used_by, bool frozen) {
     Require();
     offload::ParamSpec spec;
+    spec.frozen = frozen;
     spec.name = name;
     spec.module = module;
     spec.shape = shape;
@@ -243,6 +352,11 @@ class PyEngine {
       status = engine_->Release(module, gpu::Stream{reinterpret_cast<void*>(stream)});
     }
     Check(status);
+  }
+
+  void NoGradient(uint32_t param) {
+    Require();
+    Check(engine_->NoGradient(param));
   }
 
   uintptr_t GradientStream() const {
@@ -326,8 +440,13 @@ class PyEngine {
       throw py::value_error("memplan: read_master: the buffer has " + std::to_string(m.bytes / 4) +
                             " elements, the parameter " + std::to_string(numels_[param]));
     }
-    Check(engine_->ReadMasterWeights(
-        param, std::span<float>(static_cast<float*>(const_cast<void*>(m.data)), m.bytes / 4)));
+    Status status;
+    {
+      py::gil_scoped_release release;  // a collective with world size > 1
+      status = engine_->ReadMasterWeights(
+          param, std::span<float>(static_cast<float*>(const_cast<void*>(m.data)), m.bytes / 4));
+    }
+    Check(status);
   }
 
   std::string StatsJson() const {
@@ -370,7 +489,8 @@ class PyEngine {
 
   offload::Schedule schedule_;
   std::unique_ptr<gpu::Runtime> runtime_;
-  std::unique_ptr<offload::Engine> engine_;  // destroyed before runtime_
+  std::unique_ptr<offload::Collective> collective_;  // null: one process
+  std::unique_ptr<offload::Engine> engine_;  // destroyed before collective_ and runtime_
   std::vector<uint64_t> numels_;   // by parameter id
   std::vector<py::object> keep_;   // init buffers until start()
   std::vector<py::object> grads_;  // gradients without record_stream, until step()
@@ -597,12 +717,22 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("request"), "Plan request JSON -> `memplan plan --format json` JSON");
 
+  m.def(
+      "nccl_unique_id",
+      []() {
+        auto id = memplan::offload::NcclUniqueId();
+        if (!id.ok()) memplan::python::Raise(id.status());
+        return py::bytes(*id);
+      },
+      "A new ncclUniqueId (128 bytes) for rank 0 to share; NotImplementedError without NCCL");
+
   py::class_<PyEngine>(m, "Engine")
-      .def(py::init<const std::string&, const std::string&>(), py::arg("schedule_json"),
-           py::arg("options_json") = "")
+      .def(py::init<const std::string&, const std::string&, const py::object&>(),
+           py::arg("schedule_json"), py::arg("options_json") = "",
+           py::arg("collective") = py::none())
       .def("add_parameter", &PyEngine::AddParameter, py::arg("name"), py::arg("module"),
            py::arg("shape"), py::arg("init") = py::none(),
-           py::arg("also_used_by") = std::vector<std::string>())
+           py::arg("also_used_by") = std::vector<std::string>(), py::arg("frozen") = false)
       .def("start", &PyEngine::Start)
       .def("fetch", &PyEngine::Fetch, py::arg("module"))
       .def("release", &PyEngine::Release, py::arg("module"), py::arg("stream") = 0)
@@ -610,6 +740,7 @@ PYBIND11_MODULE(_native, m) {
       .def("host_view", &PyEngine::HostView, py::arg("param"), py::arg("numel"))
       .def("grad_ready", &PyEngine::GradReady, py::arg("param"), py::arg("grad"),
            py::arg("dtype") = "", py::arg("stream") = 0)
+      .def("no_gradient", &PyEngine::NoGradient, py::arg("param"))
       .def_property_readonly("gradient_stream", &PyEngine::GradientStream)
       .def_property_readonly("device", &PyEngine::Device)
       .def("step", &PyEngine::Step, py::arg("options_json") = "")

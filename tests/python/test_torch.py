@@ -112,16 +112,83 @@ class AdapterTest(unittest.TestCase):
             trainer.close()
         self.assertLess(max(abs(a - b) for a, b in zip(losses, ref_losses)), 1e-6)
 
-    def test_step_before_backward_and_frozen_parameters_are_refused(self):
+    def test_a_parameter_without_a_gradient_is_skipped_as_torch_skips_it(self):
+        # A branch used only on even steps: on odd steps its parameters get no gradient, and
+        # torch's AdamW leaves them (and their step counts) alone; so must the engine.
+        class Branchy(nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(4)
+                self.trunk = nn.Linear(16, 16)
+                self.branch = nn.Linear(16, 16)
+                self.head = nn.Linear(16, 4)
+                self.use_branch = True
+
+            def forward(self, x):
+                x = torch.relu(self.trunk(x))
+                if self.use_branch:
+                    x = x + self.branch(x)
+                return self.head(x)
+
+        model, ref = Branchy(), Branchy()
+        batches = data(7)
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = memplan.torch.offload(model, os.path.join(tmp, "swap"), lr=1e-2,
+                                            weight_decay=0.1, direct=False,
+                                            sub_group_elements=1024)
+            opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+            losses, ref_losses = [], []
+            for i, (x, y) in enumerate(batches):
+                model.use_branch = ref.use_branch = i % 2 == 0
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                trainer.step()
+                losses.append(loss.item())
+                loss = nn.functional.mse_loss(ref(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                ref_losses.append(loss.item())
+            self.assertEqual(losses, ref_losses)
+            trainer.close()
+        self.assertEqual(opt.state[ref.branch.weight]["step"].item(), 4)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            self.assertTrue(torch.equal(p.detach(), q.detach()), name)
+
+    def test_step_before_backward_is_refused(self):
         model = mlp()
         trainer = memplan.torch.offload(model)
         with self.assertRaisesRegex(RuntimeError, "backward"):
             trainer.step()
         trainer.close()
-        frozen = mlp()
-        frozen[0].weight.requires_grad_(False)
-        with self.assertRaisesRegex(ValueError, "frozen"):
-            memplan.torch.offload(frozen)
+
+    def test_frozen_parameters_match_torch_and_stay_unchanged(self):
+        # A frozen first layer (held by the engine, fetched, never stepped) and a frozen bias in
+        # the middle of a trainable layer's unit.
+        model, ref = mlp(), mlp()
+        for m in (model, ref):
+            m[0].requires_grad_(False)
+            m[2].bias.requires_grad_(False)
+        frozen = {n: p.detach().clone() for n, p in model.named_parameters()
+                  if not p.requires_grad}
+        batches = data(6)
+        trainer, losses = self.run_offloaded(model, batches)
+        opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
+                                weight_decay=0.01)
+        ref_losses = []
+        for x, y in batches:
+            loss = nn.functional.mse_loss(ref(x), y)
+            loss.backward()
+            ref_losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        self.assertEqual(losses, ref_losses)
+        self.assertEqual(trainer.stats()["frozen_params"], 3)
+        trainer.close()
+        for name, p in model.named_parameters():
+            if name in frozen:
+                self.assertTrue(torch.equal(p.detach(), frozen[name]), name)
+            self.assertTrue(torch.equal(p.detach(), dict(ref.named_parameters())[name].detach()))
 
     def test_inference_under_no_grad_releases_everything(self):
         model, ref = mlp(), mlp()
@@ -291,6 +358,27 @@ class EngineBindingTest(unittest.TestCase):
         engine.close()
         with self.assertRaisesRegex(ValueError, "closed"):
             engine.fetch("x")
+
+    def test_schedule_from_a_file(self):
+        # What `memplan plan --emit-schedule s.json` writes is what offload(schedule=) reads.
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "s.json")
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(memplan.schedule(param_tier="cpu", optimizer_tier="cpu",
+                                           sub_group_elements=2048), f)
+            model, ref = mlp(), mlp()
+            trainer = memplan.torch.offload(model, schedule=path, lr=1e-2)
+            x, y = data(1)[0]
+            nn.functional.mse_loss(model(x), y).backward()
+            trainer.step()
+            self.assertEqual(trainer.stats()["steps"], 1)
+            trainer.close()
+            with open(path, "w", encoding="utf-8") as f:
+                f.write('{"version": 1, "params": {"tier": "tape"}}')
+            with self.assertRaisesRegex(ValueError, "tier"):
+                memplan.torch.offload(ref, schedule=path)
+            with self.assertRaises(FileNotFoundError):
+                memplan.torch.offload(ref, schedule=os.path.join(tmp, "missing.json"))
 
 
 class LowLevelTest(unittest.TestCase):

@@ -27,3 +27,12 @@ cli = json.loads(subprocess.run([sys.argv[1], "estimate", "--model", "llama-2-7b
 assert memplan.estimate("llama-2-7b", gpus=4) == cli
 print("installed memplan", memplan.__version__, "from", memplan.__file__, "answers as the CLI")
 PY
+# The wheel's `memplan` command: the same answers as the build's CLI, and its exit statuses.
+test -x "$scratch/venv/bin/memplan"
+diff <("$scratch/venv/bin/memplan" estimate --model gpt2 --gpus 4 --format json) \
+  <("$memplan" estimate --model gpt2 --gpus 4 --format json)
+if "$scratch/venv/bin/memplan" estimate --model no-such-model-xyz 2>/dev/null; then
+  echo "wheel: memplan accepted an unknown model" >&2
+  exit 1
+fi
+echo "installed memplan command answers as the CLI"

@@ -17,13 +17,16 @@ import json as _json
 from . import _native
 
 __version__ = _native.__version__
-__all__ = ["estimate", "plan", "estimate_module", "Engine", "schedule", "IoFile", "CpuAdam"]
+__all__ = ["estimate", "plan", "estimate_module", "Engine", "schedule", "IoFile", "CpuAdam",
+           "nccl_unique_id"]
 
 # Low-level pieces of the offload engine, for benchmarks and numeric checks: IoFile reads and
 # writes one file through the NVMe I/O engine (backend, block size, queue depth, threads);
 # CpuAdam runs the engine's Adam/AdamW kernel over caller arrays.
 IoFile = _native.IoFile
 CpuAdam = _native.CpuAdam
+# A new ncclUniqueId (bytes) for an Engine's NCCL collective; NotImplementedError without NCCL.
+nccl_unique_id = _native.nccl_unique_id
 
 # Request keys of `estimate` that are not training-setup settings (integration/requests.h).
 _ESTIMATE_KEYS = ("model", "config", "shapes", "name", "model_class", "gpus", "nodes",
@@ -153,14 +156,26 @@ class Engine:
     the caller may drop it at once.
     """
 
-    def __init__(self, schedule, *, runtime="auto", resume=False, device=None):
-        """device: the CUDA device ordinal (None: the calling thread's current device)."""
-        self._native = _native.Engine(_json.dumps(schedule), _json.dumps(
-            {"runtime": runtime, "resume": resume, "device": device}))
+    def __init__(self, schedule, *, runtime="auto", resume=False, device=None, collective=None):
+        """schedule: a Schedule dict, or the path of its JSON file.
+        device: the CUDA device ordinal (None: the calling thread's current device).
 
-    def add_parameter(self, name, module, shape, init=None, also_used_by=()):
+        collective: None (one process), or the ranks' collective (ZeRO-3 across processes): an
+        object with ``rank``, ``world_size`` and either ``nccl_unique_id`` (bytes from
+        ``nccl_unique_id()`` on rank 0, shared by every rank: NCCL on the CUDA runtime) or
+        ``all_gather``, ``reduce_scatter`` and ``all_reduce(send, recv, count, dtype)`` over
+        memoryviews of host memory (the host runtime; memplan.torch's over torch.distributed).
+        Every rank then makes the same engine calls in the same order."""
+        if not isinstance(schedule, dict):  # a path: `memplan plan --emit-schedule s.json`
+            schedule = _load_json_arg(str(schedule))
+        self._native = _native.Engine(_json.dumps(schedule), _json.dumps(
+            {"runtime": runtime, "resume": resume, "device": device}), collective)
+
+    def add_parameter(self, name, module, shape, init=None, also_used_by=(), frozen=False):
+        """frozen: held and fetched like the others, never given a gradient nor stepped nor
+        written after start() (LoRA's base weights); read_master refuses it."""
         return self._native.add_parameter(name, module, [int(d) for d in shape], init,
-                                          list(also_used_by))
+                                          list(also_used_by), frozen)
 
     def start(self):
         return self._native.start()
@@ -179,6 +194,11 @@ class Engine:
 
     def grad_ready(self, param, grad, dtype="", stream=0):
         self._native.grad_ready(param, grad, dtype, stream)
+
+    def no_gradient(self, param):
+        """`param` has no gradient this step (torch: grad None): step() skips it, its weights,
+        states and step count unchanged."""
+        self._native.no_gradient(param)
 
     def step(self, **options):
         self._native.step(_json.dumps(options))
