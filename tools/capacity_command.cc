@@ -391,7 +391,7 @@ void RegisterCapacity(CLI::App& app, Outcome* outcome) {
       ->group(search);
   cmd->footer(
       "\nExamples:\n"
-      "  memplan capacity --model llama-3-70b --gpu a100-80,h100-80,mi300x --gpus 8-512 "
+      "  memplan capacity --model llama-3.1-70b --gpu a100-80,h100-80,mi300x --gpus 8-512 "
       "--tokens 1T --global-batch-tokens 4194304 --seq-len 8192 --price "
       "a100-80=1.8,h100-80=2.9,mi300x=2.5 --svg cost.svg\n"
       "  memplan capacity --model llama-2-7b --cluster offers.json --gpus 1-64 --tokens 300B "
