@@ -3,7 +3,7 @@
 
     python3 bench/measure_peak.py --memplan build/tools/memplan \\
         [--records tests/accuracy/published.json] [--append OUT.json] [--only ID,...] \\
-        [--steps 3] [--dry-run]
+        [--steps 3] [--runs RUNS.json] [--gpu-preset a100-80] [--dry-run]
 
 Reads the records of tests/accuracy/published.json (one published run each, with the memplan
 flags that express it; see bench/accuracy.py), picks the runnable ones and, on the local GPU,
@@ -24,9 +24,17 @@ Precisions: fp32; bf16-pure (weights, gradients and optimizer states in bf16); b
 fp16-mixed with --autocast (torch.autocast over fp32 weights). The optimizer is torch's, with
 foreach/fused as the flags say; zero_grad keeps gradients (set_to_none=False).
 
+--runs RUNS.json also records each run's step time (the median over the steps after the first,
+timed with the GPU synchronised) as a measured run of `memplan calibrate`'s format
+(memplan.runs/1: model, cluster, setup, step_time_s), appended to RUNS.json (a run of the same
+id is replaced). The GPU is named by its memplan preset: --gpu-preset, else the preset whose name
+the device's name matches (PRESETS); an unknown GPU stops the script before anything runs.
+
 --dry-run needs neither a GPU nor PyTorch: it lists what would run and, with --append, writes the
 records it would append with memplan's prediction in place of the measurement (marked
-"dry_run": true, ids suffixed -dry-run), so that the record handling can be tested.
+"dry_run": true, ids suffixed -dry-run), so that the record handling can be tested; with --runs, the step time stand-in is memplan's
+own prediction for the run (`memplan plan` with its configuration given), so that calibrating on
+the dry-run runs gives back memplan's priors.
 """
 import argparse
 import copy
@@ -34,9 +42,11 @@ import datetime
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,6 +65,14 @@ CONFIGS = {
         "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
     },
 }
+
+# memplan GPU presets by the device name torch reports (first match; more specific names first).
+PRESETS = [("H200 NVL", "h200-nvl"), ("H200", "h200"), ("H100", "h100-80"), ("B200", "b200"),
+           ("A100-SXM4-40GB", "a100-40"), ("A100-PCIE-40GB", "a100-40"), ("A100", "a100-80"),
+           ("A800", "a800-80"), ("L40S", "l40s"), ("A10G", "a10g"), ("L4", "l4"), ("T4", "t4"),
+           ("V100-SXM2-16GB", "v100-16"), ("V100", "v100-32"), ("RTX 4090", "rtx4090"),
+           ("RTX 3090", "rtx3090"), ("MI300X", "mi300x")]
+RUNS_FORMAT = "memplan.runs/1"
 
 PEAK_KINDS = ("max_memory_allocated", "nvidia-smi")
 # Flags this runner reproduces, with how many values each takes.
@@ -153,8 +171,98 @@ def used_gpu_bytes(torch):
         return total - free
 
 
+def gpu_preset(name):
+    """The memplan preset of a device name, or None."""
+    for token, preset in PRESETS:
+        if token.lower() in name.lower():
+            return preset
+    return None
+
+
+def run_setup(plan):
+    """The memplan TrainingSetup (estimate's "setup" JSON) of a runnable plan, as it ran."""
+    setup = {"precision": plan["precision"], "optimizer": plan["optimizer"],
+             "micro_batch": plan["micro_batch"], "seq_len": plan["seq_len"],
+             "grad_accum": plan["grad_accum"], "zero_stage": 0,
+             "checkpointing": "full" if plan["checkpointing"] else "none",
+             "flash_attention": plan["attention"] != "eager", "foreach": plan["foreach"],
+             "fused_optimizer": plan["fused"],
+             "autocast": plan["precision"] in ("bf16-mixed", "fp16-mixed")}
+    if plan["optimizer"] == "sgd":
+        setup["sgd_momentum"] = plan["sgd_momentum"]
+    if plan["lora_rank"]:
+        setup["lora_rank"] = plan["lora_rank"]
+        if plan["lora_targets"]:
+            setup["lora_targets"] = plan["lora_targets"].split(",")
+    return setup
+
+
+def run_record(record, plan, step_s, env, preset, dry_run=False):
+    """A measured run of `memplan calibrate`'s format for `record`'s setup on this machine."""
+    flags = parse_flags(record["memplan"])
+    return {"id": f"{record['id']}-{'dry-run' if dry_run else 'measured-' + preset}",
+            "model": flags["--model"],
+            "model_class": "base" if plan["model_class"] == "base" else "auto",
+            "cluster": {"gpu": preset, "gpus_per_node": 1, "nodes": 1},
+            "setup": run_setup(plan), "step_time_s": step_s,
+            "source": (f"bench/measure_peak.py on {env['gpu']}, {datetime.date.today()}"
+                       + (" (dry run: memplan's prediction in place of a measurement)"
+                          if dry_run else "")),
+            "environment": env}
+
+
+def predicted_step(memplan, run):
+    """memplan's step time for a run's configuration (the dry run's stand-in)."""
+    s = run["setup"]
+    args = ["plan", "--model", run["model"], "--model-class", run["model_class"], "--gpu",
+            run["cluster"]["gpu"], "--gpus", "1", "--gpu-margin", "0",
+            "--global-batch", str(s["micro_batch"] * s["grad_accum"]),
+            "--micro-batch", str(s["micro_batch"]), "--seq-len", str(s["seq_len"]),
+            "--precision", s["precision"], "--optimizer", s["optimizer"], "--zero-stage", "0",
+            "--offload-optimizer", "none", "--offload-param", "none",
+            "--checkpointing", s["checkpointing"], "--format", "json", "--top", "1"]
+    args += [] if s["flash_attention"] else ["--no-flash-attention"]
+    args += ["--foreach"] if s["foreach"] else ["--no-foreach"]
+    args += ["--fused-optimizer"] if s["fused_optimizer"] else []
+    args += ["--autocast"] if s["autocast"] else []
+    if "sgd_momentum" in s:
+        args += ["--sgd-momentum", str(s["sgd_momentum"])]
+    if "lora_rank" in s:
+        args += ["--lora-rank", str(s["lora_rank"])]
+        if "lora_targets" in s:
+            args += ["--lora-targets", ",".join(s["lora_targets"])]
+    out = subprocess.run([memplan, *args], capture_output=True, text=True, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"memplan {' '.join(args)}: {out.stderr.strip()}")
+    plans = json.loads(out.stdout)["plans"]
+    return plans[0]["step_time_s"] if plans else None
+
+
+def write_json_atomically(doc, target):
+    tmp = tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(target)),
+                                      delete=False, suffix=".tmp")
+    with tmp:
+        json.dump(doc, tmp, indent=2)
+        tmp.write("\n")
+    os.replace(tmp.name, target)
+
+
+def append_runs(runs, target):
+    doc = {"format": RUNS_FORMAT, "runs": []}
+    if os.path.exists(target):
+        with open(target) as f:
+            doc = json.load(f)
+        if doc.get("format") != RUNS_FORMAT:
+            sys.exit(f"{target}: not a {RUNS_FORMAT} file")
+    ids = {r["id"] for r in runs}
+    doc["runs"] = [r for r in doc["runs"] if r["id"] not in ids] + runs
+    write_json_atomically(doc, target)
+    print(f"{len(runs)} run(s) written to {target}")
+
+
 def measure(plan, steps):
-    """Trains the plan on the GPU: (peak figure in bytes, CUDA context in bytes, environment)."""
+    """Trains the plan on the GPU: (peak figure in bytes, CUDA context in bytes, environment,
+    seconds per optimizer step: the median of the steps after the first)."""
     import torch
     import transformers
 
@@ -189,7 +297,10 @@ def measure(plan, steps):
     amp_dtype = torch.bfloat16 if plan["precision"] == "bf16-mixed" else torch.float16
     vocab = config.get("vocab_size", 32000)
     torch.cuda.reset_peak_memory_stats()
+    step_times = []
     for _ in range(steps):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
         for _ in range(plan["grad_accum"]):
             ids = torch.randint(0, vocab, (plan["micro_batch"], plan["seq_len"]), device="cuda")
             labels = ids if labels_like_ids else torch.zeros(plan["micro_batch"], dtype=torch.long,
@@ -200,13 +311,16 @@ def measure(plan, steps):
             del loss
         opt.step()
         opt.zero_grad(set_to_none=False)
+        torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - started)
     torch.cuda.synchronize()
     figure = (torch.cuda.max_memory_allocated() if plan["kind"] == "max_memory_allocated"
               else used_gpu_bytes(torch))
     env = {"gpu": torch.cuda.get_device_name(), "gpu_memory_bytes":
            torch.cuda.get_device_properties(0).total_memory, "torch": torch.__version__,
            "transformers": transformers.__version__}
-    return figure, context, env
+    step_s = statistics.median(step_times[1:]) if len(step_times) > 1 else step_times[0]
+    return figure, context, env, step_s
 
 
 def measured_record(record, plan, figure_bytes, context_bytes, env, dry_run=False):
@@ -248,13 +362,26 @@ def main():
                     help="records file to append the measured rows to (default: --records)")
     ap.add_argument("--only", default="", help="comma-separated record ids to run")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--runs", default=None,
+                    help="also record step times as memplan.runs/1 runs (memplan calibrate)")
+    ap.add_argument("--gpu-preset", default=None,
+                    help="the memplan GPU preset of this GPU (default: from its name)")
     ap.add_argument("--dry-run", action="store_true",
                     help="no GPU, no PyTorch: list what would run, write predicted stand-ins")
     args = ap.parse_args()
     with open(args.records) as f:
         doc = json.load(f)
     only = {s for s in args.only.split(",") if s}
-    new = []
+    preset = args.gpu_preset
+    if args.runs and preset is None:
+        if args.dry_run:
+            preset = "a100-80"
+        else:
+            import torch
+            preset = gpu_preset(torch.cuda.get_device_name())
+            if preset is None:
+                sys.exit(f"no memplan preset for {torch.cuda.get_device_name()}: give --gpu-preset")
+    new, runs = [], []
     for record in doc["records"]:
         if (only and record["id"] not in only) or record.get("dry_run"):
             continue
@@ -272,13 +399,23 @@ def main():
             out["measured"]["value"] = (p["allocated_bytes"] if plan["kind"] == "max_memory_allocated"
                                         else p["gpu_bytes"])
             new.append(out)
+            if args.runs:
+                run = run_record(record, plan, 0, env, preset, dry_run=True)
+                run["step_time_s"] = predicted_step(find_memplan(args.memplan), run)
+                if run["step_time_s"]:
+                    runs.append(run)
+                else:
+                    print(f"{record['id']:38} no step time: it does not fit a {preset}")
             print(f"{record['id']:38} would run: {plan['config']['model_type']} {plan['precision']} "
                   f"batch {plan['micro_batch']} x {plan['seq_len']}, {plan['attention']}, "
                   f"{plan['optimizer']}; measures {plan['kind']}")
             continue
-        figure, context, env = measure(plan, args.steps)
+        figure, context, env, step_s = measure(plan, args.steps)
         new.append(measured_record(record, plan, figure, context, env))
-        print(f"{record['id']:38} measured {figure / 2**30:.2f} GiB on {env['gpu']}")
+        if args.runs:
+            runs.append(run_record(record, plan, step_s, env, preset))
+        print(f"{record['id']:38} measured {figure / 2**30:.2f} GiB, {step_s:.3f} s/step on "
+              f"{env['gpu']}")
     target = args.append or args.records
     if new and (args.append or not args.dry_run):
         if os.path.exists(target):
@@ -289,13 +426,10 @@ def main():
                        "records": []}
         ids = {r["id"] for r in new}
         out_doc["records"] = [r for r in out_doc["records"] if r["id"] not in ids] + new
-        tmp = tempfile.NamedTemporaryFile("w", dir=os.path.dirname(os.path.abspath(target)),
-                                          delete=False, suffix=".tmp")
-        with tmp:
-            json.dump(out_doc, tmp, indent=2)
-            tmp.write("\n")
-        os.replace(tmp.name, target)
+        write_json_atomically(out_doc, target)
         print(f"{len(new)} record(s) written to {target}")
+    if runs:
+        append_runs(runs, args.runs)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,46 @@ const std::vector<GpuSpec>& GpuPresets() {
           25e9, 4, 0.35, 0.75, 0.50, 3.125e9, 1),
       gpu("rtx4090", "NVIDIA GeForce RTX 4090 24GB (no P2P)", 24564 * kMiB, 165.2e12, 165.2e12,
           82.6e12, 1008e9, 20e9, 4, 0.35, 0.75, 0.50, 3.125e9, 1),
+      // Capacity-planning presets (issue 22). Cloud GPUs in PCIe servers (no NVLink) reach each
+      // other over PCIe P2P; their node network is the reference instance's (AWS g4dn/g5/g6
+      // .48xlarge/metal: 100 Gb/s, 8 GPUs). gemm_efficiency of power-capped cards (T4 70 W, L4
+      // 72 W, A10G 300 W at lower clocks) is below the big parts': clocks fall under sustained
+      // tensor-core load.
+      // A10G (AWS g5): 24 GB GDDR6 at 600 GB/s, PCIe Gen4; no public NVIDIA datasheet: AWS's A10
+      // variant with ~70 dense bf16/fp16 tensor TFLOPS (vs A10's 125; Baseten's A10 vs A10G spec
+      // comparison), 35 TF32; the driver reports 23028 MiB.
+      gpu("a10g", "NVIDIA A10G 24GB (AWS g5, PCIe)", 23028 * kMiB, 70e12, 70e12, 35e12, 600e9,
+          25e9, 4, 0.35, 0.70, 0.45, 12.5e9, 1),
+      // L4: NVIDIA L4 datasheet: 24 GB GDDR6 at 300 GB/s, bf16/fp16 121 dense TFLOPS (242 with
+      // sparsity), TF32 60, PCIe Gen4 x16, 72 W; the driver reports 23034 MiB.
+      gpu("l4", "NVIDIA L4 24GB (PCIe, 72 W)", 23034 * kMiB, 121e12, 121e12, 60e12, 300e9, 25e9,
+          4, 0.30, 0.60, 0.40, 12.5e9, 1),
+      // T4: NVIDIA T4 datasheet: 16 GB GDDR6 at 320 GB/s, fp16 mixed-precision 65 TFLOPS, no bf16,
+      // FP32 8.1 (no TF32), PCIe Gen3 x16, 70 W; the driver reports 15360 MiB.
+      gpu("t4", "NVIDIA T4 16GB (PCIe, 70 W, no bf16)", 15360 * kMiB, 0, 65e12, 8.1e12, 320e9,
+          12e9, 3, 0.25, 0.55, 0.35, 12.5e9, 1),
+      // B200: NVIDIA DGX B200 datasheet: 8 x B200, 1.44 TB HBM3e in all (the driver reports
+      // 183359 MiB each), bf16 2.25 dense PFLOPS per GPU (72 PFLOPS FP8 training / 8 / 2 x 0.5
+      // for sparsity), TF32 1.1 PFLOPS, HBM 7.7 TB/s (7680-bit bus at 3996 MHz as the driver
+      // reports; the datasheet says 8), NVLink 5 1.8 TB/s per GPU (900 GB/s per direction),
+      // PCIe Gen5, 8 x 400 Gb/s ConnectX-7 per node. Efficiencies as H100's (same cuBLAS
+      // generation gap to peak, FlashAttention-2 not Blackwell-tuned).
+      gpu("b200", "NVIDIA B200 180GB SXM (HGX/DGX B200)", 183359 * kMiB, 2250e12, 2250e12,
+          1100e12, 7700e9, 900e9, 5, 0.40, 0.62, 0.35, 400e9, 2),
+      // H200 NVL: NVIDIA H200 NVL datasheet: 141 GB HBM3e at 4.8 TB/s, bf16/fp16 835 dense TFLOPS
+      // (1,671 with sparsity), TF32 418, PCIe Gen5, 600 W; 2- or 4-way NVLink bridges (900 GB/s per
+      // GPU). In the usual 8-GPU server the ring crosses PCIe Gen5 between the two 4-way NVLink
+      // groups, so the ring's link is PCIe (63 GB/s per direction); node network as the 2-8-5-200
+      // enterprise reference design's 4 x 400 Gb/s east-west.
+      gpu("h200-nvl", "NVIDIA H200 NVL 141GB (PCIe, 4-way NVLink bridges)", 143771 * kMiB,
+          835e12, 835e12, 418e12, 4800e9, 63e9, 5, 0.40, 0.62, 0.35, 200e9, 2),
+      // MI300X: AMD Instinct MI300X datasheet: 192 GB HBM3 at 5.3 TB/s, bf16/fp16 1,307.4 dense
+      // TFLOPS, TF32 653.7, PCIe Gen5; 7 Infinity Fabric links of 64 GB/s per direction to the
+      // other 7 GPUs of the platform (448 GB/s per GPU, fully connected); 8 x 400 Gb/s per node
+      // in the reference platform. gemm_efficiency 0.5: hipBLASLt bf16 GEMMs sustain ~650 of the
+      // 1,307 TFLOPS in published MI300X training benchmarks; attention 0.3 (CK FlashAttention-2).
+      gpu("mi300x", "AMD Instinct MI300X 192GB (OAM, Infinity Fabric)", 196608 * kMiB, 1307.4e12,
+          1307.4e12, 653.7e12, 5300e9, 448e9, 5, 0.35, 0.50, 0.30, 400e9, 2),
   };
   return *kPresets;
 }
@@ -106,6 +146,7 @@ Result<GpuSpec> FindGpuPreset(std::string_view name) {
       {"a100", "a100-80"},   {"a800", "a800-80"}, {"h100", "h100-80"},    {"v100", "v100-32"},
       {"4090", "rtx4090"},   {"3090", "rtx3090"}, {"rtx-4090", "rtx4090"}, {"rtx-3090", "rtx3090"},
       {"h200-141", "h200"},  {"l40s-48", "l40s"}, {"a100-80gb", "a100-80"}, {"a100-40gb", "a100-40"},
+      {"b200-180", "b200"},  {"h200nvl", "h200-nvl"}, {"mi300", "mi300x"}, {"a10g-24", "a10g"},
   };
   for (const auto& [alias, target] : kAliases) {
     if (key == alias) key = target;

@@ -44,8 +44,9 @@ struct GpuSpec {
   int gpus_per_pcie_switch = 1;
 };
 
-// The presets: v100-16, v100-32, a100-40, a100-80, a800-80, h100-80, h200, l40s, rtx3090,
-// rtx4090 (public datasheet figures, dense, no sparsity).
+// The presets: v100-16, v100-32, a100-40, a100-80, a800-80, h100-80, h100-96, h200, l40s,
+// rtx3090, rtx4090, a10g, l4, t4, b200, h200-nvl, mi300x (public datasheet figures, dense, no
+// sparsity; each with its source beside it in cluster.cc).
 const std::vector<GpuSpec>& GpuPresets();
 // Case-insensitive; also accepts "a100" (-> a100-80), "h100", "v100" (-> v100-32), "4090".
 // Errors list the preset names.

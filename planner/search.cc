@@ -590,7 +590,8 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         plan.peak = m->peak;
         plan.gpu_capacity_bytes = limits.gpu;
         plan.time = PredictStepTime(shape, cluster, plan.setup, job.global_batch,
-                                    plan.setup.pin_memory, family.sharding);
+                                    plan.setup.pin_memory, family.sharding,
+                                    options.time_constants);
         if (!(std::isfinite(plan.time.total_s) && plan.time.total_s > 0)) {
           // Cluster::Validate's rate floors (Note [Rate floors]) make this unreachable; a
           // ranking of infinite steps would be meaningless, so it is a bug, not a plan.
@@ -738,7 +739,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
     }
   }
 
-  const TimeConstants& k = DefaultTimeConstants();
+  const TimeConstants& k = options.time_constants;
   result.assumptions = {
       "Fit: GPU peak (CUDA context and 10% allocator margin included) <= GPU memory less " +
           Fmt("%.0f", options.gpu_safety_fraction * 100) + "%; " +
@@ -787,6 +788,10 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
           "% of each other tie; ties go to the job's own optimizer, less offload, then more GPU "
           "headroom.",
   };
+  if (!options.calibration_note.empty()) {
+    result.assumptions.push_back("Step-time constants calibrated from measured runs: " +
+                                 options.calibration_note + ".");
+  }
   if (options.tune_buffers) {
     result.assumptions.push_back(
         "DeepSpeed buffers tuned from the model (Note [Tuned buffers]): buckets, prefetch and "

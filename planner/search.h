@@ -86,6 +86,12 @@ struct SearchOptions {
   bool consider_8bit = false;
   bool tune_buffers = true;  // Note [Tuned buffers]; false: DeepSpeed's defaults
   double tie_fraction = 0.03;  // Note [Ranking]
+  // The step-time model's constants: the defaults, or fitted to measured runs (`memplan
+  // calibrate`, planner/calibrate.h; the GPU's own efficiencies are in Cluster::gpu).
+  TimeConstants time_constants = DefaultTimeConstants();
+  // Where calibrated constants came from ("calibration.json: 12 runs, ..."), stated in the
+  // assumptions; empty: the defaults.
+  std::string calibration_note;
   Status Validate() const;
 };
 

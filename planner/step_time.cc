@@ -28,10 +28,10 @@ bool EndsWith(const std::string& s, const std::string& suffix) {
 // Time of one M x K x N GEMM: the roofline of Note [Step-time model], the larger of its compute at
 // the tensor cores' sustained rate and its operands' bytes at HBM speed.
 double GemmSeconds(double m, double k, double n, double elem_bytes, double flops_per_s,
-                   double hbm_bytes_per_s, double k_overhead) {
+                   double hbm_bytes_per_s, double k_overhead, double tokens_half) {
   if (m <= 0 || k <= 0 || n <= 0) return 0;
   const double tile = (k + k_overhead) / k * 8192 / (8192 + k_overhead);
-  return std::max(2 * m * k * n * tile / flops_per_s,
+  return std::max(2 * m * k * n * tile * (1 + tokens_half / m) / flops_per_s,
                   elem_bytes * (m * k + k * n + m * n) / hbm_bytes_per_s);
 }
 
@@ -87,6 +87,9 @@ const TimeConstants& DefaultTimeConstants() {
     k.cpu_extra_bytes_per_param = 18;
     k.gpu_clip_bytes_per_param = 4;
     k.step_fixed_s = 0.02;
+    k.gemm_tokens_half = 0;
+    k.offload_overlap = 1;
+    k.cpu_adam_factor = 1;
     return k;
   }();
   return kDefaults;
@@ -146,6 +149,15 @@ std::vector<std::string> DescribeTimeConstants(const TimeConstants& k) {
            "gradient-norm pass for clipping over the local fp32 gradients"),
       line("step_fixed_s", k.step_fixed_s, "s",
            "per optimizer step: data loader, loss synchronisation, zero_grad, scheduler"),
+      line("gemm_tokens_half", k.gemm_tokens_half, "tokens",
+           "GEMM efficiency x M / (M + this) for M micro-batch tokens: 0 unless calibrated from "
+           "measured runs (`memplan calibrate`)"),
+      line("offload_overlap", k.offload_overlap, "of the overlappable offload time",
+           "host transfers and the CPU-optimizer / NVMe pipeline overlap ideally unless "
+           "calibrated from measured runs (`memplan calibrate`)"),
+      line("cpu_adam_factor", k.cpu_adam_factor, "of the node's CPU Adam rate",
+           "the CPU optimizer runs at the `bench adam` rate or the prior unless calibrated from "
+           "measured runs (`memplan calibrate`)"),
   };
 }
 
@@ -306,7 +318,8 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   for (const Gemm& x : m.layer_gemms) {
     // All layers' Linears, averaged over the layers.
     const double rows = tokens * x.token_fraction;
-    const double one = x.count / layers * GemmSeconds(rows, x.k, x.n, w, gemm_rate, hbm, k.gemm_k_overhead);
+    const double one = x.count / layers * GemmSeconds(rows, x.k, x.n, w, gemm_rate, hbm, k.gemm_k_overhead,
+                                                      k.gemm_tokens_half);
     layer_fwd_gemm += one;
     layer_bwd_gemm += (x.frozen ? 1 : 2) * one;
     layer_model_flops += x.count / layers * (x.frozen ? 4 : 6) * rows * x.k * x.n;
@@ -339,7 +352,8 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   // Output layer and head: GEMMs plus the fp32 logits.
   double head_fwd = 0, head_bwd = 0, head_model_flops = 0;
   for (const Gemm& x : m.head_gemms) {
-    const double one = x.count * GemmSeconds(tokens * x.token_fraction, x.k, x.n, w, gemm_rate, hbm, k.gemm_k_overhead);
+    const double one = x.count * GemmSeconds(tokens * x.token_fraction, x.k, x.n, w, gemm_rate, hbm,
+                                         k.gemm_k_overhead, k.gemm_tokens_half);
     head_fwd += one;
     head_bwd += (x.frozen ? 1 : 2) * one;
     head_model_flops += x.count * (x.frozen ? 4 : 6) * tokens * x.token_fraction * x.k * x.n;
@@ -453,12 +467,13 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   // --- Optimizer -----------------------------------------------------------------------------
   double optimizer_phase = 0;
   if (opt_off) {
-    const double rate = c.CpuAdamParamsPerS();
+    const double rate = c.CpuAdamParamsPerS() * k.cpu_adam_factor;
     const double cpu_step = per_node_trainable / rate;
     const double host_bw = rate * k.cpu_adam_bytes_per_param;
     const double extra = per_node_trainable * k.cpu_extra_bytes_per_param / host_bw;
     t.optimizer_s = cpu_step + extra;
-    optimizer_phase = std::max(t.optimizer_s, nvme_optimizer_s);
+    optimizer_phase = std::max(t.optimizer_s, nvme_optimizer_s) +
+                      (1 - k.offload_overlap) * std::min(t.optimizer_s, nvme_optimizer_s);
   } else {
     const double local = s.zero_stage >= 1 ? partition : m.trainable;
     t.optimizer_s = local * (GpuOptimizerBytesPerParam(s) + k.gpu_clip_bytes_per_param) / hbm;
@@ -484,6 +499,10 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   exposed_comm += ga * exposed(bwd_pipe_comm, bwd_window);
   exposed_host += ga * std::max(0.0, exposed(bwd_stream_host, bwd_window) -
                                          exposed(bwd_pipe_comm, bwd_window));
+  // Imperfect overlap (offload_overlap < 1): that fraction of the host streams hidden behind
+  // each window is exposed after all.
+  exposed_host += (1 - k.offload_overlap) * ga *
+                  (std::min(fwd_stream_host, fwd_window) + std::min(bwd_stream_host, bwd_window));
   // Only the last micro-batch reduces (ZeRO-0/1).
   exposed_comm += exposed(comm_bwd_last, bwd_window);
   interference += ga * (std::min(fwd_stream_comm, fwd_window) + std::min(bwd_stream_comm, bwd_window)) +

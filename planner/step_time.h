@@ -114,6 +114,19 @@ struct TimeConstants {
   double cpu_extra_bytes_per_param = 0;  // other host passes per offloaded parameter per step
   double gpu_clip_bytes_per_param = 0;   // gradient-norm pass for clipping, per parameter
   double step_fixed_s = 0;          // host work per optimizer step outside the model
+  // GEMM efficiency against the micro-batch: a GEMM of M rows (micro-batch x sequence tokens)
+  // runs at gemm_efficiency x M / (M + gemm_tokens_half) of its compute roofline (wave
+  // quantisation and launch overheads that the operand-bytes roofline misses). 0 (the default)
+  // leaves the roofline alone; `memplan calibrate` fits it from runs at several micro-batch x
+  // sequence sizes.
+  double gemm_tokens_half = 0;
+  // Fraction of the host transfers that can overlap compute (gradient copies, parameter
+  // fetches) and of the CPU optimizer / NVMe pipeline that actually does: the rest is exposed.
+  // 1 (the default) is the ideal overlap of Note [Step-time model]; `memplan calibrate` fits it.
+  double offload_overlap = 1;
+  // The CPU optimizer's speed as measured runs see it, over the node's rate (`bench adam` or the
+  // prior of Cluster::CpuAdamParamsPerS): 1 (the default) unless calibrated.
+  double cpu_adam_factor = 1;
 };
 const TimeConstants& DefaultTimeConstants();
 // One line per constant: "name = value unit: source" (for the plan's assumptions).

@@ -561,4 +561,183 @@ std::string PlansSvg(const PlanResult& r, const Cluster& c, const Job& job, size
   return out;
 }
 
+namespace {
+
+// One colour per GPU type (Tableau 10), in the order the types were given.
+constexpr const char* kTypeColours[] = {"#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#b07aa1",
+                                        "#76b7b2", "#edc948", "#ff9da7", "#9c755f", "#bab0ac"};
+
+// Decade ticks of a log axis over [lo, hi]: 1, 2, 5 x 10^k when few decades, else 10^k.
+std::vector<double> LogTicks(double lo, double hi) {
+  std::vector<double> ticks;
+  const int first = static_cast<int>(std::floor(std::log10(lo)));
+  const int last = static_cast<int>(std::ceil(std::log10(hi)));
+  const bool fine = last - first <= 3;
+  for (int e = first; e <= last; ++e) {
+    for (double m : {1.0, 2.0, 5.0}) {
+      if (!fine && m != 1.0) continue;
+      const double v = m * std::pow(10.0, e);
+      if (v >= lo * 0.999 && v <= hi * 1.001) ticks.push_back(v);
+    }
+  }
+  return ticks;
+}
+
+std::string Compact(double v) {
+  if (v >= 1e9) return Fmt("%.3g", v / 1e9) + "G";
+  if (v >= 1e6) return Fmt("%.3g", v / 1e6) + "M";
+  if (v >= 1e3) return Fmt("%.3g", v / 1e3) + "k";
+  return Fmt("%.3g", v);
+}
+
+}  // namespace
+
+std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request, const Job& job) {
+  constexpr double kWidth = 900, kHeightC = 640;
+  constexpr double kLeft = 96, kRight = 200, kTop = 96, kBottom = 96;
+  const double plot_w = kWidth - kLeft - kRight, plot_h = kHeightC - kTop - kBottom;
+  const bool by_cost = !r.cheapest_by_gpu_hours;
+  std::string out;
+  const std::string title = "memplan capacity: " + job.model + ", " +
+                            Fmt("%.4g", request.tokens / 1e9) + "B tokens";
+  out += "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+  out += "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"" + N(kWidth) +
+         "\" height=\"" + N(kHeightC) + "\" viewBox=\"0 0 " + N(kWidth) + " " + N(kHeightC) +
+         "\" font-family=\"" + kFont + "\">\n";
+  out += "<title>" + Escape(title) + "</title>\n";
+  out += "<desc>Predictions from memplan's memory and step-time models, not measurements.</desc>\n";
+  Rect(&out, 0, 0, kWidth, kHeightC, "fill=\"#ffffff\"");
+  Text(&out, kMargin, 32, 18, Fit(title, kWidth - 2 * kMargin, 18), "font-weight=\"bold\"");
+  const std::string subtitle =
+      std::string(by_cost ? "Cost" : "GPU-hours (no price given)") +
+      " against time to train, one point per GPU type x count that fits (labelled with the GPU "
+      "count); global batch " + std::to_string(job.global_batch) + " x " +
+      std::to_string(r.seq_len) + " tokens";
+  Text(&out, kMargin, 52, 12, Fit(subtitle, kWidth - 2 * kMargin, 12));
+
+  std::vector<size_t> shown;
+  for (size_t i = 0; i < r.points.size(); ++i) {
+    const CapacityPoint& p = r.points[i];
+    const double y = by_cost ? p.cost : p.gpu_hours;
+    if (p.fits && p.train_hours > 0 && y > 0 && (!by_cost || p.priced)) shown.push_back(i);
+  }
+  if (shown.empty()) {
+    Text(&out, kMargin, 96, 14,
+         Escape(r.fewest ? "No priced GPU type fits: give --price for the types that do."
+                         : "No GPU type and count fits: see the text or JSON report for why."),
+         "font-weight=\"bold\"");
+    out += "</svg>\n";
+    return out;
+  }
+  double x_lo = 1e300, x_hi = 0, y_lo = 1e300, y_hi = 0;
+  for (size_t i : shown) {
+    const CapacityPoint& p = r.points[i];
+    const double days = p.train_hours / 24, y = by_cost ? p.cost : p.gpu_hours;
+    x_lo = std::min(x_lo, days);
+    x_hi = std::max(x_hi, days);
+    y_lo = std::min(y_lo, y);
+    y_hi = std::max(y_hi, y);
+  }
+  // Whole decades around the data (at least one decade each way).
+  auto widen = [](double* lo, double* hi) {
+    *lo = std::pow(10.0, std::floor(std::log10(*lo)));
+    *hi = std::pow(10.0, std::ceil(std::log10(*hi)));
+    if (*hi <= *lo * 1.0001) *hi = *lo * 10;
+  };
+  widen(&x_lo, &x_hi);
+  widen(&y_lo, &y_hi);
+  auto px = [&](double v) {
+    return kLeft + (std::log10(v) - std::log10(x_lo)) / (std::log10(x_hi) - std::log10(x_lo)) *
+                       plot_w;
+  };
+  auto py = [&](double v) {
+    return kTop + plot_h -
+           (std::log10(v) - std::log10(y_lo)) / (std::log10(y_hi) - std::log10(y_lo)) * plot_h;
+  };
+  Rect(&out, kLeft, kTop, plot_w, plot_h, "fill=\"none\" stroke=\"#333333\" stroke-width=\"1\"");
+  const std::string grey = std::string("fill=\"") + kGrey + "\"";
+  for (double t : LogTicks(x_lo, x_hi)) {
+    Line(&out, px(t), kTop, px(t), kTop + plot_h, "stroke=\"#dddddd\"");
+    Text(&out, px(t), kTop + plot_h + 16, 10.5, Escape(Compact(t)),
+         "text-anchor=\"middle\" " + grey);
+  }
+  for (double t : LogTicks(y_lo, y_hi)) {
+    Line(&out, kLeft, py(t), kLeft + plot_w, py(t), "stroke=\"#dddddd\"");
+    Text(&out, kLeft - 6, py(t) + 4, 10.5, Escape(Compact(t)), "text-anchor=\"end\" " + grey);
+  }
+  Text(&out, kLeft + plot_w / 2, kTop + plot_h + 36, 12, "Time to train (days, log scale)",
+       "text-anchor=\"middle\"");
+  Text(&out, 20, kTop + plot_h / 2, 12,
+       by_cost ? "Cost (log scale)" : "GPU-hours (log scale)",
+       "text-anchor=\"middle\" transform=\"rotate(-90 20 " + N(kTop + plot_h / 2) + ")\"");
+
+  // Points, then the three answers ringed and named.
+  for (size_t i : shown) {
+    const CapacityPoint& p = r.points[i];
+    const char* colour = kTypeColours[p.offer % (sizeof(kTypeColours) / sizeof(kTypeColours[0]))];
+    const double x = px(p.train_hours / 24), y = py(by_cost ? p.cost : p.gpu_hours);
+    out += "<circle cx=\"" + N(x) + "\" cy=\"" + N(y) + "\" r=\"5\" fill=\"" + colour +
+           "\"><title>" +
+           Escape(std::to_string(p.gpus) + " x " + p.gpu + ": " + Fmt("%.1f days", p.train_hours / 24) +
+                  (p.priced ? ", cost " + Fmt("%.0f", p.cost) : std::string()) + ", " +
+                  (p.plan ? p.plan->family : std::string())) +
+           "</title></circle>\n";
+    Text(&out, x + 7, y - 5, 9, Escape(std::to_string(p.gpus)), grey);
+  }
+  struct Answer {
+    const std::optional<size_t>& index;
+    const char* name;
+  };
+  const Answer answers[] = {{r.fewest, "fewest GPUs"}, {r.fastest, "fastest"},
+                            {r.cheapest, by_cost ? "cheapest" : "fewest GPU-hours"}};
+  double label_y = kTop + 12;
+  for (const Answer& a : answers) {
+    if (!a.index || std::find(shown.begin(), shown.end(), *a.index) == shown.end()) continue;
+    const CapacityPoint& p = r.points[*a.index];
+    const double x = px(p.train_hours / 24), y = py(by_cost ? p.cost : p.gpu_hours);
+    out += "<circle cx=\"" + N(x) + "\" cy=\"" + N(y) +
+           "\" r=\"10\" fill=\"none\" stroke=\"#333333\" stroke-width=\"1.5\"/>\n";
+    const double lx = kLeft + plot_w + 16;
+    Line(&out, x + 10, y, lx - 4, label_y - 4, "stroke=\"#999999\" stroke-dasharray=\"3 3\"");
+    Text(&out, lx, label_y, 11, Fit(std::string(a.name) + ": " + std::to_string(p.gpus) + " x " +
+                                        p.gpu, kRight - 24, 11),
+         "font-weight=\"bold\"");
+    Text(&out, lx, label_y + 14, 10,
+         Fit(Fmt("%.1f days", p.train_hours / 24) +
+                 (p.priced ? ", " + Compact(p.cost) : ", " + Compact(p.gpu_hours) + " GPU-h"),
+             kRight - 24, 10),
+         grey);
+    label_y += 40;
+  }
+  // Legend of GPU types.
+  double ly = label_y + 10;
+  for (size_t o = 0; o < request.offers.size(); ++o) {
+    const char* colour = kTypeColours[o % (sizeof(kTypeColours) / sizeof(kTypeColours[0]))];
+    const double lx = kLeft + plot_w + 16;
+    out += "<circle cx=\"" + N(lx + 5) + "\" cy=\"" + N(ly - 4) + "\" r=\"5\" fill=\"" +
+           colour + "\"/>\n";
+    const GpuOffer& offer = request.offers[o];
+    Text(&out, lx + 16, ly, 10.5,
+         Fit(offer.gpu.name + (offer.price_per_gpu_hour > 0
+                                   ? " @ " + Fmt("%.2f", offer.price_per_gpu_hour) + "/GPU-h"
+                                   : std::string(" (no price)")),
+             kRight - 36, 10.5));
+    ly += 18;
+  }
+  const size_t missing = r.points.size() - shown.size();
+  Text(&out, kMargin, kHeightC - 40, 10,
+       Fit(std::to_string(missing) + " of " + std::to_string(r.points.size()) +
+               " GPU type x count points are not drawn (they do not fit, cannot run, or have no "
+               "price): see the text or JSON report.",
+           kWidth - 2 * kMargin, 10),
+       grey);
+  Text(&out, kMargin, kHeightC - 24, 10,
+       Fit("These are predictions from memplan's model, not measurements (planner/capacity.h: "
+           "Note [Capacity search]).",
+           kWidth - 2 * kMargin, 10),
+       grey);
+  out += "</svg>\n";
+  return out;
+}
+
 }  // namespace memplan::planner

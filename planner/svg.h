@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <string>
 
+#include "planner/capacity.h"
 #include "planner/cluster.h"
 #include "planner/job.h"
 #include "planner/search.h"
@@ -28,5 +29,12 @@ namespace memplan::planner {
 // tier whose capacity is unknown (0) is drawn as "no capacity given". Never fails.
 std::string PlansSvg(const PlanResult& result, const Cluster& cluster, const Job& job, size_t top,
                      const SearchOptions& options = {});
+
+// `memplan capacity --svg FILE`: cost (GPU-hours when no price is given) against time to train,
+// both on log scales, one point per GPU type x count that fits (colour per type, labelled with
+// the count), the fewest-GPUs, fastest and cheapest answers ringed and named. The same
+// guarantees as PlansSvg (standalone, escaped, deterministic). Never fails.
+std::string CapacitySvg(const CapacityResult& result, const CapacityRequest& request,
+                        const Job& job);
 
 }  // namespace memplan::planner

@@ -8,6 +8,8 @@ packages=(build-essential cmake pkg-config git nlohmann-json3-dev libcli11-dev d
   liburing-dev libaio-dev libxxhash-dev libboost-dev fio
   # libcurl: `--model org/name` fetches config.json (and safetensors headers) from the Hub.
   libcurl4-openssl-dev
+  # Eigen: the least-squares fit of `memplan calibrate` (planner/calibrate.cc).
+  libeigen3-dev
   # The Python extension (memplan._native): pybind11 and Python's headers.
   pybind11-dev python3-dev
   # clang with its sanitizer and libFuzzer runtimes: scripts/test.sh's sanitizer job and fuzz smoke.

@@ -150,6 +150,8 @@ Outcome RunCli(const std::vector<std::string>& args) {
     RegisterBench(app, &outcome);
     RegisterPlan(app, &outcome);
     RegisterCheck(app, &outcome);
+    RegisterCapacity(app, &outcome);
+    RegisterCalibrate(app, &outcome);
     AddNumberChecks(&app);
     std::vector<char*> argv;
     std::vector<std::string> copy = args.empty() ? std::vector<std::string>{"memplan"} : args;

@@ -72,5 +72,9 @@ void RegisterBenchSwap(CLI::App* bench, Outcome* outcome);
 // `memplan plan` (tools/plan_command.cc) and `memplan check` (tools/check_command.cc).
 void RegisterPlan(CLI::App& app, Outcome* outcome);
 void RegisterCheck(CLI::App& app, Outcome* outcome);
+// `memplan capacity` (tools/capacity_command.cc) and `memplan calibrate`
+// (tools/calibrate_command.cc).
+void RegisterCapacity(CLI::App& app, Outcome* outcome);
+void RegisterCalibrate(CLI::App& app, Outcome* outcome);
 
 }  // namespace memplan::tools

@@ -2,6 +2,7 @@
 // Accelerate / FSDP configs and an offload Schedule, and drawn as an SVG picture (--svg).
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -13,8 +14,10 @@
 #include "planner/cluster.h"
 #include "planner/emit.h"
 #include "planner/job.h"
+#include "planner/launch.h"
 #include "planner/search.h"
 #include "planner/svg.h"
+#include "tools/calibration_flags.h"
 #include "tools/commands.h"
 #include "tools/setup_flags.h"
 
@@ -48,7 +51,8 @@ struct ClusterFlags {
         ->group(group);
     cmd->add_option("--gpu", gpu,
                     std::string("GPU preset: v100-16, v100-32, a100-40, a100-80, a800-80, "
-                                "h100-80, h200, l40s, rtx3090, rtx4090") +
+                                "h100-80, h100-96, h200, h200-nvl, b200, mi300x, l40s, a10g, l4, "
+                                "t4, rtx3090, rtx4090") +
                         (gpu_required_hint ? " (needed unless --cluster or --detect finds one)" : ""))
         ->group(group);
     cmd->add_option("-g,--gpus", gpus, "GPUs per node (default 1)")
@@ -187,6 +191,13 @@ struct PlanFlags {
   std::string accelerate_plugin = "deepspeed";
   bool for_hf_trainer = false;
   double lr = 1e-4;
+  // --emit-launch KIND FILE and what the launch runs.
+  std::vector<std::string> emit_launch;
+  std::string launch_script = "train.py";
+  std::vector<std::string> launch_args;
+  int master_port = 29500;
+  std::string slurm_partition, slurm_time;
+  std::string calibration;  // --calibration FILE: fitted step-time constants
 };
 
 // A file the flags ask for: where, what, and the note for its "wrote" line.
@@ -210,7 +221,7 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
   std::vector<NotedFile> files;
   const bool any_emit = !f.emit_deepspeed.empty() || !f.emit_accelerate.empty() ||
                         !f.emit_fsdp.empty() || !f.emit_schedule.empty() ||
-                        !f.emit_trainer.empty();
+                        !f.emit_trainer.empty() || !f.emit_launch.empty();
   if (any_emit) {
     if (result.plans.empty()) {
       return Status::InvalidArgument(
@@ -255,6 +266,35 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
     if (!f.emit_trainer.empty()) {
       add(f.emit_trainer, dump(planner::TrainerArguments(plan, cluster, inventory, options)));
     }
+    if (!f.emit_launch.empty()) {
+      MEMPLAN_ASSIGN_OR_RETURN(planner::Launcher launcher, planner::ParseLauncher(f.emit_launch[0]));
+      planner::LaunchOptions launch;
+      launch.launcher = launcher;
+      launch.command = {f.launch_script};
+      launch.command.insert(launch.command.end(), f.launch_args.begin(), f.launch_args.end());
+      // The launch passes the DeepSpeed config it was emitted with; a DeepSpeed file that was
+      // not written (a hybrid plan) is not passed.
+      if (!f.emit_deepspeed.empty() &&
+          std::any_of(files.begin(), files.end(),
+                      [&](const NotedFile& x) { return x.path == f.emit_deepspeed; })) {
+        launch.deepspeed_config = f.emit_deepspeed;
+      }
+      if (!f.emit_accelerate.empty() &&
+          std::any_of(files.begin(), files.end(),
+                      [&](const NotedFile& x) { return x.path == f.emit_accelerate; })) {
+        launch.accelerate_config = f.emit_accelerate;
+      }
+      launch.for_hf_trainer = f.for_hf_trainer;
+      launch.master_port = f.master_port;
+      launch.job_name = "memplan-" + f.model.substr(f.model.find_last_of('/') + 1);
+      launch.slurm_partition = f.slurm_partition;
+      launch.slurm_time = f.slurm_time;
+      Result<std::string> script = planner::LaunchScript(plan, cluster, launch);
+      const bool hybrid_deepspeed = launcher == planner::Launcher::kDeepSpeed &&
+                                    plan.sharding == planner::Sharding::kHybrid;
+      if (!script.ok() && !hybrid_deepspeed) return script.status();
+      add(f.emit_launch[1], script);
+    }
   }
   if (!f.svg.empty()) {
     const size_t shown = std::min(f.top, result.plans.size());
@@ -290,6 +330,13 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   std::string note;
   auto cluster = f.cluster.Build(&note);
   if (!cluster.ok()) return fail(cluster.status());
+  std::optional<planner::Calibration> calibration;
+  if (!f.calibration.empty()) {
+    auto c = ReadCalibrationFile(f.calibration);
+    if (!c.ok()) return fail(c.status());
+    calibration = std::move(*c);
+    planner::ApplyCalibration(*calibration, &cluster->gpu, nullptr);
+  }
 
   planner::Job job;
   job.model = f.model;
@@ -323,6 +370,7 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   options.only_micro_batch = f.micro_batch;
   options.consider_8bit = !f.optimizer_given;
   options.tune_buffers = !f.default_buffers;
+  if (calibration) planner::ApplyCalibration(*calibration, &cluster->gpu, &options);
   if (!f.offload_optimizer.empty()) {
     auto d = estimator::ParseOffloadDevice(f.offload_optimizer);
     if (!d.ok()) return fail(d.status());
@@ -512,6 +560,34 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       ->check(CLI::Range(0.0, 10.0))
       ->capture_default_str()
       ->group(emit);
+  cmd->add_option("--emit-launch", f->emit_launch,
+                  "KIND FILE: write what starts the job (a bash script): slurm (an sbatch script: "
+                  "nodes, tasks, --gres=gpu:N, srun torchrun or accelerate launch), torchrun, "
+                  "deepspeed or accelerate (the launcher's command line), passing the configs "
+                  "emitted with it")
+      ->expected(2)
+      ->group(emit);
+  cmd->add_option("--launch-script", f->launch_script,
+                  "The training script the launch runs")
+      ->capture_default_str()
+      ->group(emit);
+  cmd->add_option("--launch-arg", f->launch_args,
+                  "One argument for the training script, verbatim (repeat for several; "
+                  "--launch-arg=--epochs for one that starts with -)")
+      ->group(emit);
+  cmd->add_option("--master-port", f->master_port, "Rendezvous port of the launch")
+      ->check(CLI::Range(1, 65535))
+      ->capture_default_str()
+      ->group(emit);
+  cmd->add_option("--slurm-partition", f->slurm_partition, "#SBATCH --partition of the sbatch "
+                  "script")
+      ->group(emit);
+  cmd->add_option("--slurm-time", f->slurm_time, "#SBATCH --time of the sbatch script "
+                  "(D-HH:MM:SS)")
+      ->group(emit);
+  cmd->add_option("--calibration", f->calibration,
+                  "Step-time constants fitted to your runs (`memplan calibrate` output)")
+      ->group(search);
   cmd->footer(
       "\nExamples:\n"
       "  memplan plan --model llama-2-7b --gpu a100-80 --gpus 8 --global-batch 64 --seq-len 2048\n"
@@ -521,6 +597,8 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       "--nvme-capacity 1TiB --nvme-bench nvme.json --global-batch 16\n"
       "  memplan plan --model llama-2-70b --gpu a100-80 --gpus 8 --nodes 2 --cpu-mem 1TiB "
       "--global-batch 64 --svg plans.svg\n"
+      "  memplan plan --model llama-2-70b --gpu a800-80 --gpus 8 --nodes 4 --cpu-mem 1TiB "
+      "--global-batch 256 --emit-deepspeed ds.json --emit-launch slurm job.sbatch\n"
       "\nExit status: 0 on success (also when nothing fits: see \"rejected\"), 2 on bad input.");
   cmd->callback([f, outcome, optimizer] {
     PlanFlags flags = *f;

@@ -3,7 +3,8 @@
 # records, writes the records it would append (memplan's prediction standing in for the
 # measurement) in the published format, and bench/accuracy.py reads them back and finds each one
 # equal to memplan's prediction for the re-run's flags (the flags are rewritten for the re-run:
-# no --torch-version, the context measured).
+# no --torch-version, the context measured). With --runs it also writes the step times as
+# `memplan calibrate` runs, which calibrate back to memplan's priors.
 # Usage: measure_peak_dry_run_test.sh MEMPLAN
 set -euo pipefail
 memplan=$1
@@ -11,7 +12,7 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 python3 "$root/bench/measure_peak.py" --memplan "$memplan" --dry-run --append "$tmp/out.json" \
-  > "$tmp/log"
+  --runs "$tmp/runs.json" > "$tmp/log"
 cat "$tmp/log"
 # The runnable ones: the anatomy runs and torchtune's (Transformers code on one GPU).
 for id in hf-anatomy-bs4 hf-anatomy-ga4 hf-anatomy-ga4-gc torchtune-llama2-7b-sgd \
@@ -32,4 +33,20 @@ for r in doc["records"]:
     assert r["dry_run"] is True and r["measured"]["units"] == "bytes", r["id"]
 PY
 python3 "$root/bench/accuracy.py" --memplan "$memplan" --records "$tmp/out.json" --check
+# The step times, as `memplan calibrate` runs: memplan's own predictions stand in for the
+# measurements, so calibrating on them must give back its priors exactly.
+(cd "$root" && "$memplan" calibrate "$tmp/runs.json" --format json) > "$tmp/calibration.json"
+python3 - "$tmp/runs.json" "$tmp/calibration.json" <<'PY'
+import json, sys
+runs = json.load(open(sys.argv[1]))
+cal = json.load(open(sys.argv[2]))
+assert runs["format"] == "memplan.runs/1" and len(runs["runs"]) == 5, runs
+for r in runs["runs"]:
+    assert r["id"].endswith("-dry-run") and r["step_time_s"] > 0, r
+    assert r["cluster"]["gpu"] == "a100-80" and r["setup"]["zero_stage"] == 0, r
+assert cal["rms_error"]["fitted"] < 1e-6 and cal["rms_error"]["prior"] < 1e-6, cal["rms_error"]
+assert abs(cal["gpus"]["a100-80"]["gemm_efficiency"] - 0.80) < 1e-6, cal["gpus"]
+assert any(n.startswith("link_efficiency[a100-80]: no run has more than one GPU")
+           for n in cal["not_determined"]), cal["not_determined"]
+PY
 echo "measure_peak dry run: record handling ok"

@@ -32,7 +32,8 @@ README = os.path.join(SOURCE, "README.md")
 # Commands that must fail, with a part of the error they must give: none today.
 EXPECTED_FAILURES = {}
 
-SUBCOMMANDS = ["estimate", "inventory", "models", "plan", "check", "bench"]
+SUBCOMMANDS = ["estimate", "inventory", "models", "plan", "check", "bench", "capacity",
+               "calibrate"]
 
 
 def fenced_blocks(text):
@@ -50,11 +51,22 @@ def fenced_blocks(text):
     return blocks
 
 
+def joined(lines):
+    """The lines with shell continuations (a trailing backslash) joined."""
+    out = []
+    for line in lines:
+        if out and out[-1].endswith("\\"):
+            out[-1] = out[-1][:-1] + " " + line.strip()
+        else:
+            out.append(line)
+    return out
+
+
 def readme_commands(text):
     """The memplan command lines of the README, as argument lists without the program."""
     commands = []
     for lang, lines in fenced_blocks(text):
-        for line in lines:
+        for line in joined(lines):
             if lang == "sh" and "memplan " in line:
                 # "bash scripts/setup.sh && build/tools/memplan ...": the set-up ran already.
                 line = line.split("&&")[-1].strip()
@@ -95,6 +107,21 @@ class ReadmeCommands(unittest.TestCase):
                     os.path.join(cls.tmp, "config.json"))
         with open(os.path.join(cls.tmp, "nvme.json"), "w") as f:
             json.dump({"best": {"read_bytes_per_s": 3.5e9, "write_bytes_per_s": 2.8e9}}, f)
+        # capacity's GPU types with prices, and calibrate's measured runs and their calibration.
+        with open(os.path.join(cls.tmp, "offers.json"), "w") as f:
+            json.dump({"gpus": ["a100-80", {"preset": "h100-80", "price_per_gpu_hour": 2.9}],
+                       "cpu_memory_bytes": "1TiB"}, f)
+        runs = []
+        for i, (mb, seq, step) in enumerate([(1, 1024, 2.9), (2, 2048, 10.4), (4, 4096, 41.0)]):
+            runs.append({"id": f"run{i}", "model": "llama-2-7b",
+                         "cluster": {"gpu": "a100-80", "gpus_per_node": 8},
+                         "setup": {"zero_stage": 3, "checkpointing": "full", "micro_batch": mb,
+                                   "grad_accum": 4, "seq_len": seq},
+                         "step_time_s": step})
+        with open(os.path.join(cls.tmp, "runs.json"), "w") as f:
+            json.dump({"format": "memplan.runs/1", "runs": runs}, f)
+        subprocess.run([MEMPLAN, "calibrate", "runs.json", "-o", "calibration.json"],
+                       cwd=cls.tmp, env=cls.env, check=True, capture_output=True)
 
     @classmethod
     def tearDownClass(cls):
@@ -105,7 +132,8 @@ class ReadmeCommands(unittest.TestCase):
         ds_config.json must not change what the next one reads)."""
         key = " ".join(args)
         self.cwd = tempfile.mkdtemp(dir=self.tmp)
-        for name in ("ds_config.json", "config.json", "nvme.json"):
+        for name in ("ds_config.json", "config.json", "nvme.json", "offers.json", "runs.json",
+                     "calibration.json"):
             shutil.copy(os.path.join(self.tmp, name), self.cwd)
         with self.subTest(command=key):
             run = subprocess.run([MEMPLAN] + args, cwd=self.cwd, env=self.env,
@@ -131,7 +159,7 @@ class ReadmeCommands(unittest.TestCase):
         for args in commands:
             run = self.run_memplan(args)  # None when it failed (recorded by its subTest)
             # Files an example writes go where it says.
-            for flag in ("--emit-deepspeed", "--svg"):
+            for flag in ("--emit-deepspeed", "--svg", "-o"):
                 if flag in args and run is not None and run.returncode == 0:
                     self.assertTrue(os.path.exists(os.path.join(self.cwd, args[args.index(flag) + 1])))
 

@@ -1,0 +1,15 @@
+// `--calibration FILE` of `plan` and `capacity`: the step-time constants `memplan calibrate`
+// fitted, read once (tools/calibrate_command.cc).
+#pragma once
+
+#include <string>
+
+#include "common/status.h"
+#include "planner/calibrate.h"
+
+namespace memplan::tools {
+
+// Reads a calibration file (planner::CalibrationFromJson). Errors name the file and the key.
+Result<planner::Calibration> ReadCalibrationFile(const std::string& path);
+
+}  // namespace memplan::tools
