@@ -923,6 +923,18 @@ Status ParamSwapper::EndOfStep() {
   return Status::Ok();
 }
 
+Status ParamSwapper::PrefetchNextStep() {
+  Impl& s = *impl_;
+  if (!s.finalized) return Status::Ok();
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.recording || s.pos != 0 || s.trace.empty()) return Status::Ok();
+    s.PrefetchLocked(0);
+  }
+  s.job_ready.notify_all();
+  return Status::Ok();
+}
+
 ParamSwapperStats ParamSwapper::stats() const {
   ParamSwapperStats out;
   {
