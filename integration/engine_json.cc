@@ -137,6 +137,7 @@ json ToJson(const offload::EngineStats& s) {
       {"reduce_scatter_bytes", s.reduce_scatter_bytes},
       {"optimizer_read_bytes", s.optimizer_read_bytes},
       {"optimizer_write_bytes", s.optimizer_write_bytes},
+      {"grad_write_bytes", s.grad_write_bytes},
       {"last_step_s", s.last_step_s},
       {"step_profile",
        {{"overlapped", s.step_profile.overlapped},

@@ -126,6 +126,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -198,6 +199,8 @@ class OptimizerHome {
   virtual uint64_t pinned_bytes() const = 0;
   virtual uint64_t read_bytes() const = 0;
   virtual uint64_t write_bytes() const = 0;
+  // Gradients written to the store for a serial step (read back by it: in read_bytes).
+  virtual uint64_t grad_write_bytes() const { return 0; }
   virtual Status Close() = 0;
 };
 
@@ -208,7 +211,9 @@ class NvmeHome final : public OptimizerHome {
   uint64_t sub_group_count() const override { return s_->sub_group_count(); }
   uint64_t SubGroupSize(uint64_t sg) const override { return s_->SubGroupSize(sg); }
   Status WriteGradients(uint64_t sg, std::span<const float> grads) override {
-    return s_->WriteGradients(sg, grads);
+    MEMPLAN_RETURN_IF_ERROR(s_->WriteGradients(sg, grads));
+    grad_write_.fetch_add(grads.size_bytes(), std::memory_order_relaxed);
+    return Status::Ok();
   }
   Status Step(const SwapStepOptions& options, const UpdateCallback& on_update,
               const SegmentFn& segments) override {
@@ -242,11 +247,15 @@ class NvmeHome final : public OptimizerHome {
   uint64_t pinned_bytes() const override { return s_->stats().pool.capacity_bytes; }
   uint64_t read_bytes() const override { return read_; }
   uint64_t write_bytes() const override { return write_; }
+  uint64_t grad_write_bytes() const override {
+    return grad_write_.load(std::memory_order_relaxed);
+  }
   Status Close() override { return s_->Close(); }
 
  private:
   std::unique_ptr<OptimizerSwapper> s_;
   uint64_t read_ = 0, write_ = 0;
+  std::atomic<uint64_t> grad_write_{0};  // written by the gradient thread
 };
 
 class MemoryHome final : public OptimizerHome {
@@ -1609,6 +1618,7 @@ EngineStats Engine::stats() const {
   if (s.optimizer) {
     out.optimizer_read_bytes = s.optimizer->read_bytes();
     out.optimizer_write_bytes = s.optimizer->write_bytes();
+    out.grad_write_bytes = s.optimizer->grad_write_bytes();
     out.pinned_bytes = out.param.pinned_bytes + s.optimizer->pinned_bytes() +
                        (s.grad_staging ? s.grad_staging->stats().capacity_bytes : 0);
   }

@@ -178,6 +178,8 @@ struct EngineStats {
   uint64_t reduce_scatter_bytes = 0;  // world size > 1: gradient bytes reduce-scattered (padded)
   uint64_t optimizer_read_bytes = 0;  // NVMe optimizer store, all steps
   uint64_t optimizer_write_bytes = 0;
+  uint64_t grad_write_bytes = 0;      // gradients written to the NVMe optimizer store for serial
+                                      // steps (an overlapped step keeps them in memory)
   double last_step_s = 0;             // the last Step()'s optimizer time
   EngineStepProfile step_profile;     // the last Step(), stage by stage
   uint64_t peak_device_bytes = 0;     // the runtime's device bytes in use, highest ever (counted

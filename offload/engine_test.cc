@@ -240,6 +240,7 @@ TEST_CASE("Engine trains bit-identically to in-memory AdamW on every tier combin
       const uint64_t states = 4096 * sub_groups + 12 * model.total;
       CHECK(stats.optimizer_read_bytes == 3 * (states + (prepare ? 0 : 4 * model.total)));
       CHECK(stats.optimizer_write_bytes == 3 * states);
+      CHECK(stats.grad_write_bytes == (prepare ? 0 : 3 * 4 * model.total));
       CHECK(stats.pinned_bytes > 0);
       CHECK(profile.read_s > 0);
       CHECK(profile.write_s > 0);
