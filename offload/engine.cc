@@ -181,7 +181,8 @@ class OptimizerHome {
   // The overlapped step (Note [Optimizer overlapped with backward]), as the OptimizerSwapper's
   // calls of the same names; only a home that CanOverlap() has them.
   virtual bool CanOverlap() const { return false; }
-  virtual Status BeginStep(const SwapStepOptions& /*options*/, const UpdateCallback& /*on_update*/) {
+  virtual Status BeginStep(const SwapStepOptions& /*options*/,
+                           const UpdateCallback& /*on_update*/) {
     return Status::Unimplemented("engine: this optimizer home steps serially");
   }
   virtual Status StepSubGroup(uint64_t /*sg*/, std::span<const float> /*grads*/,

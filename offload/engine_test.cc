@@ -199,58 +199,58 @@ TEST_CASE("Engine trains bit-identically to in-memory AdamW on every tier combin
   for (Combo c : {Combo{Tier::kGpu, Tier::kCpu}, Combo{Tier::kCpu, Tier::kCpu},
                   Combo{Tier::kNvme, Tier::kCpu}, Combo{Tier::kCpu, Tier::kNvme},
                   Combo{Tier::kNvme, Tier::kNvme}, Combo{Tier::kGpu, Tier::kNvme}}) {
-   for (bool prepare : {false, true}) {
-    CAPTURE(TierName(c.params));
-    CAPTURE(TierName(c.optimizer));
-    CAPTURE(prepare);
-    TempDir dir("engine-");
-    Run run = StartEngine(model, MakeSchedule(c.params, c.optimizer, dir.PathOf("nvme")));
-    CheckFetchedAreMaster(run, model);
-    for (uint64_t t = 1; t <= 3; ++t) TrainStep(run, model, t, model.modules, prepare);
-    const std::vector<float> got = EngineWeights(run, model);
-    const std::vector<float> want = ReferenceWeights(model, 3);
-    REQUIRE(got.size() == want.size());
-    CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
-    CheckFetchedAreMaster(run, model);
-    const EngineStats stats = run.engine->stats();
-    CHECK(stats.steps == 3);
-    CHECK(stats.epoch == 3);
-    CHECK(stats.elements == model.total);
-    CHECK(stats.d2h_bytes == 3 * 2 * model.total);
-    CHECK(stats.runtime == "host-only");
-    if (c.params == Tier::kGpu) {
-      CHECK(stats.param.demand_fetches == 0);
-      CHECK(stats.param.resident_bytes == 2 * model.total);
-    } else {
-      CHECK(stats.param.resident_bytes == 2 * 4 * 40);  // the biases
-      CHECK(stats.param.h2d_bytes > 0);
+    for (bool prepare : {false, true}) {
+      CAPTURE(TierName(c.params));
+      CAPTURE(TierName(c.optimizer));
+      CAPTURE(prepare);
+      TempDir dir("engine-");
+      Run run = StartEngine(model, MakeSchedule(c.params, c.optimizer, dir.PathOf("nvme")));
+      CheckFetchedAreMaster(run, model);
+      for (uint64_t t = 1; t <= 3; ++t) TrainStep(run, model, t, model.modules, prepare);
+      const std::vector<float> got = EngineWeights(run, model);
+      const std::vector<float> want = ReferenceWeights(model, 3);
+      REQUIRE(got.size() == want.size());
+      CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
+      CheckFetchedAreMaster(run, model);
+      const EngineStats stats = run.engine->stats();
+      CHECK(stats.steps == 3);
+      CHECK(stats.epoch == 3);
+      CHECK(stats.elements == model.total);
+      CHECK(stats.d2h_bytes == 3 * 2 * model.total);
+      CHECK(stats.runtime == "host-only");
+      if (c.params == Tier::kGpu) {
+        CHECK(stats.param.demand_fetches == 0);
+        CHECK(stats.param.resident_bytes == 2 * model.total);
+      } else {
+        CHECK(stats.param.resident_bytes == 2 * 4 * 40);  // the biases
+        CHECK(stats.param.h2d_bytes > 0);
+      }
+      if (c.params == Tier::kNvme) {
+        CHECK(stats.param.nvme_read_bytes > 0);
+        CHECK(stats.param.nvme_write_bytes == 4 * 2 * model.total);  // start + 3 steps
+      }
+      const uint64_t sub_groups = (model.total + 2047) / 2048;
+      const EngineStepProfile& profile = stats.step_profile;
+      CHECK(profile.sub_groups == sub_groups);
+      CHECK(profile.step_s > 0);
+      CHECK(profile.overlapped == (prepare && c.optimizer == Tier::kNvme));
+      if (c.optimizer == Tier::kNvme) {
+        // Each step reads every sub-group's header and fp32 master, m, v; serially the gradients
+        // too (written during backward, read back), overlapped never.
+        const uint64_t states = 4096 * sub_groups + 12 * model.total;
+        CHECK(stats.optimizer_read_bytes == 3 * (states + (prepare ? 0 : 4 * model.total)));
+        CHECK(stats.optimizer_write_bytes == 3 * states);
+        CHECK(stats.grad_write_bytes == (prepare ? 0 : 3 * 4 * model.total));
+        CHECK(stats.pinned_bytes > 0);
+        CHECK(profile.read_s > 0);
+        CHECK(profile.write_s > 0);
+        CHECK(profile.sub_groups_before_step <= sub_groups);
+        CHECK(profile.overlapped_fraction ==
+              doctest::Approx(static_cast<double>(profile.sub_groups_before_step) / sub_groups));
+        if (prepare) CHECK(profile.backward_s > 0);
+      }
+      REQUIRE(run.engine->Close().ok());
     }
-    if (c.params == Tier::kNvme) {
-      CHECK(stats.param.nvme_read_bytes > 0);
-      CHECK(stats.param.nvme_write_bytes == 4 * 2 * model.total);  // start + 3 steps
-    }
-    const uint64_t sub_groups = (model.total + 2047) / 2048;
-    const EngineStepProfile& profile = stats.step_profile;
-    CHECK(profile.sub_groups == sub_groups);
-    CHECK(profile.step_s > 0);
-    CHECK(profile.overlapped == (prepare && c.optimizer == Tier::kNvme));
-    if (c.optimizer == Tier::kNvme) {
-      // Each step reads every sub-group's header and fp32 master, m, v; serially the gradients
-      // too (written during backward, read back), overlapped never.
-      const uint64_t states = 4096 * sub_groups + 12 * model.total;
-      CHECK(stats.optimizer_read_bytes == 3 * (states + (prepare ? 0 : 4 * model.total)));
-      CHECK(stats.optimizer_write_bytes == 3 * states);
-      CHECK(stats.grad_write_bytes == (prepare ? 0 : 3 * 4 * model.total));
-      CHECK(stats.pinned_bytes > 0);
-      CHECK(profile.read_s > 0);
-      CHECK(profile.write_s > 0);
-      CHECK(profile.sub_groups_before_step <= sub_groups);
-      CHECK(profile.overlapped_fraction ==
-            doctest::Approx(static_cast<double>(profile.sub_groups_before_step) / sub_groups));
-      if (prepare) CHECK(profile.backward_s > 0);
-    }
-    REQUIRE(run.engine->Close().ok());
-   }
   }
 }
 
@@ -479,44 +479,44 @@ TEST_CASE("Engine skips a parameter without a gradient as torch does, across a r
     want = p;
   }
   for (Tier tier : {Tier::kCpu, Tier::kNvme}) {
-   for (bool prepare : {false, true}) {
-    if (tier == Tier::kCpu && prepare) continue;
-    CAPTURE(TierName(tier));
-    CAPTURE(prepare);
-    TempDir dir("engine-");
-    const Schedule schedule = MakeSchedule(tier, tier, dir.PathOf("nvme"));
-    std::vector<float> got;
-    if (tier == Tier::kNvme) {
-      {
-        Run run = StartEngine(model, schedule);
-        TrainSkipping(run, model, 1, 2, skip, prepare);
+    for (bool prepare : {false, true}) {
+      if (tier == Tier::kCpu && prepare) continue;
+      CAPTURE(TierName(tier));
+      CAPTURE(prepare);
+      TempDir dir("engine-");
+      const Schedule schedule = MakeSchedule(tier, tier, dir.PathOf("nvme"));
+      std::vector<float> got;
+      if (tier == Tier::kNvme) {
+        {
+          Run run = StartEngine(model, schedule);
+          TrainSkipping(run, model, 1, 2, skip, prepare);
+          REQUIRE(run.engine->Close().ok());
+        }
+        Run run = StartEngine(model, schedule, /*resume=*/true);
+        CHECK(run.engine->stats().epoch == 2);
+        TrainSkipping(run, model, 3, 4, skip, prepare);
+        got = EngineWeights(run, model);
+        CheckFetchedAreMaster(run, model);
         REQUIRE(run.engine->Close().ok());
+      } else {
+        Run run = StartEngine(model, schedule);
+        // A given gradient cannot be declared missing too; an unknown parameter is refused.
+        std::vector<uint16_t> grad(model.params[0].numel);
+        REQUIRE(run.engine->GradReady(run.ids[0], grad.data(), ElementType::kBFloat16).ok());
+        CHECK(run.engine->NoGradient(run.ids[0]).code() == StatusCode::kFailedPrecondition);
+        CHECK(run.engine->NoGradient(999).code() == StatusCode::kInvalidArgument);
+        REQUIRE(run.engine->Close().ok());
+        Run fresh = StartEngine(model, schedule);
+        TrainSkipping(fresh, model, 1, 4, skip);
+        got = EngineWeights(fresh, model);
+        CheckFetchedAreMaster(fresh, model);
+        REQUIRE(fresh.engine->Close().ok());
       }
-      Run run = StartEngine(model, schedule, /*resume=*/true);
-      CHECK(run.engine->stats().epoch == 2);
-      TrainSkipping(run, model, 3, 4, skip, prepare);
-      got = EngineWeights(run, model);
-      CheckFetchedAreMaster(run, model);
-      REQUIRE(run.engine->Close().ok());
-    } else {
-      Run run = StartEngine(model, schedule);
-      // A given gradient cannot be declared missing too; an unknown parameter is refused.
-      std::vector<uint16_t> grad(model.params[0].numel);
-      REQUIRE(run.engine->GradReady(run.ids[0], grad.data(), ElementType::kBFloat16).ok());
-      CHECK(run.engine->NoGradient(run.ids[0]).code() == StatusCode::kFailedPrecondition);
-      CHECK(run.engine->NoGradient(999).code() == StatusCode::kInvalidArgument);
-      REQUIRE(run.engine->Close().ok());
-      Run fresh = StartEngine(model, schedule);
-      TrainSkipping(fresh, model, 1, 4, skip);
-      got = EngineWeights(fresh, model);
-      CheckFetchedAreMaster(fresh, model);
-      REQUIRE(fresh.engine->Close().ok());
+      REQUIRE(got.size() == want.size());
+      size_t wrong = 0;
+      for (size_t k = 0; k < got.size(); ++k) wrong += std::memcmp(&got[k], &want[k], 4) != 0;
+      CHECK(wrong == 0);
     }
-    REQUIRE(got.size() == want.size());
-    size_t wrong = 0;
-    for (size_t k = 0; k < got.size(); ++k) wrong += std::memcmp(&got[k], &want[k], 4) != 0;
-    CHECK(wrong == 0);
-   }
   }
 }
 

@@ -23,6 +23,19 @@
 // data in flight. Any stage's error aborts the queues, every stage drains and returns, and the
 // first error is the step's. Step() hands every sub-group over at once, in order.
 //
+// Note [Reading states ahead]
+// A sub-group's states do not depend on its gradients, so the reader need not wait for the
+// hand-over to read them: while nothing handed over is waiting, it reads the states of the
+// sub-group expected next into a free buffer. The expectation is the order of the last overlapped
+// step's hand-overs (training repeats it), at first backward's (the last sub-group first), and
+// Step()'s ascending order for Step(). When the sub-group is handed over its buffer goes straight
+// to the compute stage (after its stored gradients, if any, are read); at the end of backward the
+// last sub-groups' states are then already in memory and only their update and write remain. A
+// wrong guess costs one read, never a deadlock: a sub-group handed over that finds no free buffer
+// takes the one holding the guess expected last, and the buffers the other stages hold come back
+// without the reader. The reader's one queue carries both hand-overs and freed buffers, so that it
+// waits for whichever comes first.
+//
 // Note [Sub-groups as their gradients arrive]
 // In a training step the optimizer's sub-groups get their last gradient one after another as
 // backward runs (the last sub-group first), so the sub-groups' optimizer work need not wait for
@@ -119,6 +132,15 @@ class IndexQueue {
     items_.pop_front();
     return value;
   }
+  // Pop() without waiting: nothing when empty; `aborted` set when the queue was aborted.
+  std::optional<size_t> TryPop(bool* aborted) {
+    std::lock_guard<std::mutex> lock(mu_);
+    *aborted = aborted_;
+    if (aborted_ || items_.empty()) return std::nullopt;
+    size_t value = items_.front();
+    items_.pop_front();
+    return value;
+  }
   void Abort() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -133,6 +155,10 @@ class IndexQueue {
   std::deque<size_t> items_;  // Guarded by mu_.
   bool aborted_ = false;      // Guarded by mu_.
 };
+
+// The reader's one queue: sub-groups handed over and buffers freed, as tagged values (a freed
+// buffer b is kFreed + b), so that it waits for either (Note [Reading states ahead]).
+constexpr size_t kFreed = size_t{1} << 62;
 
 // The first error of a step, shared by its stages.
 class FirstError {
@@ -387,6 +413,8 @@ struct OptimizerSwapper::Impl {
   OptimizerSwapperStats stats;
   bool closed = false;
   std::unique_ptr<StepRun> run;  // the begun step, if any
+  std::vector<uint64_t> last_order;  // the hand-over order of the last overlapped step
+  bool serial = false;               // Step() is beginning its step
 
   // Views into buffer b holding a sub-group of n elements.
   std::byte* Base(size_t b) const { return buffers[b].data().data(); }
@@ -779,7 +807,10 @@ Status OptimizerSwapper::Step(const SwapStepOptions& options, const UpdateCallba
   }
   // The serial step is the overlapped one with every sub-group handed over at once, in order,
   // its gradients read from the store.
-  MEMPLAN_RETURN_IF_ERROR(BeginStep(options, on_update, segments));
+  s.serial = true;
+  Status begun = BeginStep(options, on_update, segments);
+  s.serial = false;
+  MEMPLAN_RETURN_IF_ERROR(begun);
   for (uint64_t i = 0; i < sub_group_count_; ++i) {
     Status handed = StepSubGroup(i, {});
     if (!handed.ok()) {
@@ -807,7 +838,10 @@ struct OptimizerSwapper::StepRun {
   SegmentFn segments;
   uint64_t from = 0, to = 0;
   std::chrono::steady_clock::time_point start;
-  IndexQueue submit_q, free_q, ready_q, written_q;
+  IndexQueue reader_q, ready_q, written_q;  // reader_q: sub-groups handed over, freed buffers
+  std::vector<uint64_t> predicted;  // the expected order of the hand-overs (read-ahead)
+  std::vector<uint64_t> order;      // the order they came in (the reader's)
+  bool serial = false;              // begun by Step()
   std::vector<Job> jobs;
   std::vector<uint64_t> group_of;  // which sub-group buffer b holds; set by its producer
   uint64_t submitted = 0;          // the caller's
@@ -820,15 +854,14 @@ struct OptimizerSwapper::StepRun {
   double updates_done_s = 0;   // Guarded by mu.
   // Written by one stage each, read after the join.
   double read_s = 0, write_s = 0, compute_s = 0, wait_s = 0, grad_wait_s = 0;
-  uint64_t read_bytes = 0, write_bytes = 0, in_memory = 0;
+  uint64_t read_bytes = 0, write_bytes = 0, in_memory = 0, read_ahead = 0, evicted = 0;
 
   // Stops the step: every stage returns at its next queue operation, and the gradients handed
   // over that the compute thread has not taken are released at once (the producer may be waiting
   // for them).
   void Abort(Status status) {
     error.Set(std::move(status));
-    submit_q.Abort();
-    free_q.Abort();
+    reader_q.Abort();
     ready_q.Abort();
     written_q.Abort();
     std::vector<std::function<void()>> release;
@@ -893,36 +926,59 @@ Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateC
     MEMPLAN_RETURN_IF_ERROR(
         s.store->Sync().WithPrefix("beginning step " + std::to_string(run->to)));
   }
-  for (size_t b = 0; b < s.buffers.size(); ++b) run->free_q.Push(b);
+  for (size_t b = 0; b < s.buffers.size(); ++b) run->reader_q.Push(kFreed + b);
+  run->serial = s.serial;
+  run->predicted.resize(sub_group_count_);
+  if (s.serial) {  // Step(): in order
+    for (uint64_t k = 0; k < sub_group_count_; ++k) run->predicted[k] = k;
+  } else if (s.last_order.size() == sub_group_count_) {
+    run->predicted = s.last_order;
+  } else {  // backward's order: the last sub-group first
+    for (uint64_t k = 0; k < sub_group_count_; ++k) run->predicted[k] = sub_group_count_ - 1 - k;
+  }
   StepRun& r = *run;
   const uint64_t count = sub_group_count_;
   r.reader = std::thread([this, &s, &r, count] {
-    for (uint64_t k = 0; k < count; ++k) {
-      const auto g0 = std::chrono::steady_clock::now();
-      std::optional<size_t> next = r.submit_q.Pop();
-      r.grad_wait_s += SecondsSince(g0);
-      if (!next) return;
-      const uint64_t i = *next;
-      std::optional<size_t> b = r.free_q.Pop();
-      if (!b) return;
+    // Note [Reading states ahead].
+    std::deque<size_t> free;               // buffers free to fill
+    std::deque<uint64_t> pending;          // handed over, not yet read
+    std::vector<int64_t> ahead(count, -1); // the buffer holding sub-group i's states read ahead
+    std::vector<bool> handed(count, false);
+    size_t guess = 0;                      // next candidate in r.predicted
+    uint64_t dispatched = 0;
+    auto take = [&](size_t value) {
+      if (value >= kFreed) {
+        free.push_back(value - kFreed);
+      } else {
+        pending.push_back(value);
+        handed[value] = true;
+        r.order.push_back(value);
+      }
+    };
+    // Reads sub-group i's states into buffer b (and its stored gradients when `with_grads`).
+    auto read = [&](uint64_t i, size_t b, bool states, bool with_grads) -> bool {
       const auto t0 = std::chrono::steady_clock::now();
       const uint64_t n = SubGroupSize(i);
-      std::span<std::byte> value = s.Value(*b, n);
-      Status st = s.store->Get(StateKey(i, r.from % 2), value);
-      if (st.ok()) {
-        SlotHeader h;
-        std::memcpy(&h, value.data(), sizeof(h));
-        auto epoch = s.CheckHeader(h, i, r.from % 2, SubGroupBegin(i), n);
-        if (!epoch.ok()) {
-          st = epoch.status();
-        } else if (*epoch != r.from) {
-          st = Status::DataLoss("state slot " + StateKey(i, r.from % 2) + " holds epoch " +
-                                std::to_string(*epoch) + ", expected " + std::to_string(r.from));
+      std::span<std::byte> value = s.Value(b, n);
+      Status st;
+      if (states) {
+        st = s.store->Get(StateKey(i, r.from % 2), value);
+        if (st.ok()) {
+          SlotHeader h;
+          std::memcpy(&h, value.data(), sizeof(h));
+          auto epoch = s.CheckHeader(h, i, r.from % 2, SubGroupBegin(i), n);
+          if (!epoch.ok()) {
+            st = epoch.status();
+          } else if (*epoch != r.from) {
+            st = Status::DataLoss("state slot " + StateKey(i, r.from % 2) + " holds epoch " +
+                                  std::to_string(*epoch) + ", expected " +
+                                  std::to_string(r.from));
+          }
         }
       }
       uint64_t grad_bytes = 0;
-      if (st.ok() && r.jobs[i].grads.empty()) {
-        std::span<std::byte> grads = s.GradBytes(*b, n);
+      if (st.ok() && with_grads) {
+        std::span<std::byte> grads = s.GradBytes(b, n);
         st = s.store->Get(GradKey(i), grads);
         grad_bytes = grads.size();
       }
@@ -930,11 +986,72 @@ Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateC
       if (!st.ok()) {
         r.Abort(st.WithPrefix("step " + std::to_string(r.to) + ", reading sub-group " +
                               std::to_string(i)));
-        return;
+        return false;
       }
-      r.read_bytes += value.size() + grad_bytes;
-      r.group_of[*b] = i;
-      r.ready_q.Push(*b);
+      r.read_bytes += (states ? value.size() : 0) + grad_bytes;
+      return true;
+    };
+    while (dispatched < count) {
+      bool aborted = false;
+      if (std::optional<size_t> value = r.reader_q.TryPop(&aborted)) {
+        take(*value);
+        continue;
+      }
+      if (aborted) return;
+      if (!pending.empty()) {
+        const uint64_t i = pending.front();
+        const bool with_grads = r.jobs[i].grads.empty();
+        size_t b;
+        bool states = true;
+        if (ahead[i] >= 0) {
+          b = static_cast<size_t>(ahead[i]);
+          ahead[i] = -1;
+          states = false;
+        } else if (!free.empty()) {
+          b = free.front();
+          free.pop_front();
+        } else {
+          // Every buffer is busy or holds a guess: give up the guess expected last.
+          int64_t victim = -1;
+          for (size_t k = r.predicted.size(); k-- > 0 && victim < 0;) {
+            if (ahead[r.predicted[k]] >= 0) victim = static_cast<int64_t>(r.predicted[k]);
+          }
+          if (victim < 0) {
+            std::optional<size_t> value = r.reader_q.Pop();
+            if (!value) return;
+            take(*value);
+            continue;
+          }
+          b = static_cast<size_t>(ahead[victim]);
+          ahead[victim] = -1;
+          ++r.evicted;
+        }
+        if (!read(i, b, states, with_grads)) return;
+        pending.pop_front();
+        r.group_of[b] = i;
+        ++dispatched;
+        r.ready_q.Push(b);
+        continue;
+      }
+      // Nothing handed over: read the expected next sub-group's states ahead, into a free buffer.
+      while (guess < r.predicted.size() &&
+             (handed[r.predicted[guess]] || ahead[r.predicted[guess]] >= 0)) {
+        ++guess;
+      }
+      if (!free.empty() && guess < r.predicted.size()) {
+        const uint64_t i = r.predicted[guess++];
+        const size_t b = free.front();
+        free.pop_front();
+        if (!read(i, b, /*states=*/true, /*with_grads=*/false)) return;
+        ahead[i] = static_cast<int64_t>(b);
+        ++r.read_ahead;
+        continue;
+      }
+      const auto g0 = std::chrono::steady_clock::now();
+      std::optional<size_t> value = r.reader_q.Pop();
+      r.grad_wait_s += SecondsSince(g0);
+      if (!value) return;
+      take(*value);
     }
   });
   r.computer = std::thread([this, &s, &r, count] {
@@ -992,7 +1109,7 @@ Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateC
         return;
       }
       r.write_bytes += value.size();
-      r.free_q.Push(*b);
+      r.reader_q.Push(kFreed + *b);
     }
   });
   s.run = std::move(run);
@@ -1048,7 +1165,7 @@ Status OptimizerSwapper::StepSubGroup(uint64_t sub_group, std::span<const float>
     if (done) done();
     return Status::Ok();
   }
-  r.submit_q.Push(sub_group);
+  r.reader_q.Push(sub_group);
   return Status::Ok();
 }
 
@@ -1102,7 +1219,9 @@ Status OptimizerSwapper::FinishStep() {
     std::lock_guard<std::mutex> lock(r.mu);
     last.updates_done_s = r.updates_done_s;
   }
+  last.sub_groups_read_ahead = r.read_ahead;
   const uint64_t to = r.to;
+  if (!r.serial && r.order.size() == sub_group_count_) s.last_order = r.order;
   s.run.reset();
   if (!status.ok()) {
     ++s.stats.failed_steps;

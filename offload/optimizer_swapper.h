@@ -160,6 +160,7 @@ struct SwapStepStats {
   double grad_wait_s = 0;
   double updates_done_s = 0;
   uint64_t sub_groups_in_memory = 0;  // sub-groups stepped from gradients handed over in memory
+  uint64_t sub_groups_read_ahead = 0;  // states read before their sub-group was handed over
   uint64_t read_bytes = 0, write_bytes = 0;
 };
 

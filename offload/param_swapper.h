@@ -154,9 +154,9 @@ class ParamSwapper {
   // NVMe chunks); `values` holds n elements of `dtype` (bf16/fp16 bit patterns, or fp32), and may
   // be reused when this returns. For the nvme tier the range must be whole chunks. Not while
   // parameters of the range are fetched (see Thread safety). With world size > 1, resident
-  // parameters see the new values after GatherResident(). InvalidArgument for a size that is not whole elements,
-  // OutOfRange past the partition; an NVMe or copy error is returned as is, leaving the range
-  // partly written.
+  // parameters see the new values after GatherResident(). InvalidArgument for a size that is not
+  // whole elements, OutOfRange past the partition; an NVMe or copy error is returned as is, leaving
+  // the range partly written.
   Status Write(uint64_t flat_begin, std::span<const std::byte> values);
   // Write() for a 16-bit dtype (InvalidArgument for fp32) and for fp32 (InvalidArgument otherwise).
   Status WriteHalf(uint64_t flat_begin, std::span<const uint16_t> values);
