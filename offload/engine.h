@@ -53,9 +53,10 @@
 //
 // Gradient path: GradReady(param, device_grad, dtype, stream) queues the gradient's copy into pinned
 // host staging and returns; a gradient thread converts it to fp32 into the optimizer sub-groups it
-// covers and hands each sub-group to the optimizer as soon as all its gradients are in. Step() runs the optimizer
-// over every sub-group and writes the updated working parameters back to where the Schedule keeps
-// them (GPU copies, pinned arena, NVMe).
+// covers and hands each sub-group to the optimizer as soon as all its gradients are in (stored for
+// Step(), or, in a prepared step, stepped at once). Step() runs the optimizer over every sub-group
+// (in a prepared step: over those left) and writes the updated working parameters back to where
+// the Schedule keeps them (GPU copies, pinned arena, NVMe).
 //
 // Data parallel (ZeRO-3), with a Collective of world size > 1 (NCCL, or the thread-group one of
 // thread_collective.h): every rank runs its own Engine over the same parameters, and each rank's
@@ -86,7 +87,8 @@
 // in Start(); Note [Resuming ranks] in engine.cc).
 //
 // Statistics (stats()): bytes moved per tier and direction, stall time, peak GPU and pinned bytes;
-// the estimator's predictions are checked against them. GPU memory: the engine reserves its share
+// the estimator's predictions are checked against them. step_profile says where the last Step()'s
+// time went (EngineStepProfile). GPU memory: the engine reserves its share
 // at Start() (the parameter swapper's DeviceArena, and for world size > 1 two reduce-scatter
 // buffers) and keeps to it: stats().device_arena_bytes, known before the first step, is what the
 // trainer's allocator must leave free.
