@@ -206,7 +206,11 @@ TEST_CASE("Engine trains bit-identically to in-memory AdamW on every tier combin
       TempDir dir("engine-");
       Run run = StartEngine(model, MakeSchedule(c.params, c.optimizer, dir.PathOf("nvme")));
       CheckFetchedAreMaster(run, model);
-      for (uint64_t t = 1; t <= 3; ++t) TrainStep(run, model, t, model.modules, prepare);
+      EngineStats before_last;
+      for (uint64_t t = 1; t <= 3; ++t) {
+        if (t == 3) before_last = run.engine->stats();
+        TrainStep(run, model, t, model.modules, prepare);
+      }
       const std::vector<float> got = EngineWeights(run, model);
       const std::vector<float> want = ReferenceWeights(model, 3);
       REQUIRE(got.size() == want.size());
@@ -236,9 +240,14 @@ TEST_CASE("Engine trains bit-identically to in-memory AdamW on every tier combin
       CHECK(profile.overlapped == (prepare && c.optimizer == Tier::kNvme));
       if (c.optimizer == Tier::kNvme) {
         // Each step reads every sub-group's header and fp32 master, m, v; serially the gradients
-        // too (written during backward, read back), overlapped never.
+        // too (written during backward, read back), overlapped never. (Overlapped, the first step
+        // may read a sub-group's states twice: its reader guessed backward's order before it had
+        // seen it; Note [Reading states ahead] in optimizer_swapper.cc. The last step reads each
+        // once.)
         const uint64_t states = 4096 * sub_groups + 12 * model.total;
-        CHECK(stats.optimizer_read_bytes == 3 * (states + (prepare ? 0 : 4 * model.total)));
+        CHECK(stats.optimizer_read_bytes - before_last.optimizer_read_bytes ==
+              states + (prepare ? 0 : 4 * model.total));
+        CHECK(stats.optimizer_read_bytes >= 3 * (states + (prepare ? 0 : 4 * model.total)));
         CHECK(stats.optimizer_write_bytes == 3 * states);
         CHECK(stats.grad_write_bytes == (prepare ? 0 : 3 * 4 * model.total));
         CHECK(stats.pinned_bytes > 0);

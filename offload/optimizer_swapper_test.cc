@@ -551,7 +551,7 @@ TEST_CASE("A step that fails on an I/O error keeps the committed step, and can b
     if (attempt == 0) REQUIRE(faults->SetPlan(plan).ok());
     REQUIRE(s.BeginStep(Adam(3)).ok());
     std::vector<std::vector<float>> grads(s.sub_group_count());
-    uint64_t released = 0;
+    std::atomic<uint64_t> released{0};  // `done` runs on the pipeline's threads
     for (uint64_t i = s.sub_group_count(); i-- > 0;) {
       grads[i] = GradientsOf(s, 3, i);
       REQUIRE(s.StepSubGroup(i, grads[i], {}, [&released] { ++released; }).ok());
