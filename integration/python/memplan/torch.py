@@ -502,7 +502,13 @@ class OffloadedModule:
             # The gradient accumulator of a leaf: its hooks run once per backward pass, after the
             # gradient is complete (every use summed). Made while the parameter still has its
             # shape, which the accumulator records and checks gradients against; kept alive so
-            # that every backward pass uses this one.
+            # that every backward pass uses this one. And made with the working dtype and device
+            # the parameter has from now on: torch drops a leaf's accumulator when `.data` changes
+            # dtype or device, so one made on the fp32 parameter would never see a bf16 gradient
+            # (the hook silent, the parameter skipped every step). A zero-stride view has the
+            # shape without the memory.
+            entry.param.data = torch.zeros((), dtype=self.dtype, device=self.device).expand(
+                entry.param.shape)
             accumulator = entry.param.expand_as(entry.param).grad_fn.next_functions[0][0]
             accumulator.register_hook(self._make_grad_hook(entry))
             entry.accumulator = accumulator
