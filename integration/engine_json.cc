@@ -137,6 +137,8 @@ json ToJson(const offload::EngineStats& s) {
       {"reduce_scatter_bytes", s.reduce_scatter_bytes},
       {"optimizer_read_bytes", s.optimizer_read_bytes},
       {"optimizer_write_bytes", s.optimizer_write_bytes},
+      {"nvme_read_bytes", s.nvme_read_bytes},
+      {"nvme_write_bytes", s.nvme_write_bytes},
       {"last_step_s", s.last_step_s},
       {"peak_device_bytes", s.peak_device_bytes},
       {"pinned_bytes", s.pinned_bytes},

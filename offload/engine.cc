@@ -141,6 +141,8 @@ class OptimizerHome {
   virtual uint64_t pinned_bytes() const = 0;
   virtual uint64_t read_bytes() const = 0;
   virtual uint64_t write_bytes() const = 0;
+  // The optimizer store's own counters (gradients included); 0 in memory.
+  virtual nvme::SwapStoreStats store_stats() const { return {}; }
   virtual Status Close() = 0;
 };
 
@@ -166,6 +168,7 @@ class NvmeHome final : public OptimizerHome {
   uint64_t pinned_bytes() const override { return s_->stats().pool.capacity_bytes; }
   uint64_t read_bytes() const override { return read_; }
   uint64_t write_bytes() const override { return write_; }
+  nvme::SwapStoreStats store_stats() const override { return s_->stats().store; }
   Status Close() override { return s_->Close(); }
 
  private:
@@ -1339,6 +1342,14 @@ EngineStats Engine::stats() const {
     out.optimizer_write_bytes = s.optimizer->write_bytes();
     out.pinned_bytes = out.param.pinned_bytes + s.optimizer->pinned_bytes() +
                        (s.grad_staging ? s.grad_staging->stats().capacity_bytes : 0);
+    const nvme::SwapStoreStats store = s.optimizer->store_stats();
+    out.nvme_read_bytes += store.get_bytes;
+    out.nvme_write_bytes += store.put_bytes;
+  }
+  if (s.param_store) {
+    const nvme::SwapStoreStats store = s.param_store->stats();
+    out.nvme_read_bytes += store.get_bytes;
+    out.nvme_write_bytes += store.put_bytes;
   }
   out.peak_device_bytes = std::max(out.peak_device_bytes, s.runtime->peak_device_bytes());
   out.device_arena_bytes = out.param.device_arena_bytes + 2 * s.grad_scratch_bytes;

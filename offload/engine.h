@@ -147,6 +147,11 @@ struct EngineStats {
   uint64_t reduce_scatter_bytes = 0;  // world size > 1: gradient bytes reduce-scattered (padded)
   uint64_t optimizer_read_bytes = 0;  // NVMe optimizer store, all steps
   uint64_t optimizer_write_bytes = 0;
+  // Bytes the NVMe stores (parameters and optimizer) read and wrote since Start() began, as they
+  // count them: every parameter read, write-back, sub-group state, gradient and step mark
+  // (optimizer_write_bytes above leaves out the gradients). What planner/engine_model.h predicts.
+  uint64_t nvme_read_bytes = 0;
+  uint64_t nvme_write_bytes = 0;
   double last_step_s = 0;             // the last Step()'s optimizer time
   uint64_t peak_device_bytes = 0;     // the runtime's device bytes in use, highest ever (counted
                                       // at every allocation, like cudaMemGetInfo would see them)
