@@ -41,8 +41,12 @@ class SwapperBookkeeping {
 
   SwapperBookkeeping(std::vector<Param> params, std::vector<std::vector<size_t>> units,
                      uint64_t prefetch_bytes, uint64_t max_live_bytes)
-      : p_(std::move(params)), units_(std::move(units)), prefetch_(prefetch_bytes),
-        max_live_(max_live_bytes) {}
+      : p_(std::move(params)), units_(std::move(units)), units_of_(p_.size()),
+        prefetch_(prefetch_bytes), max_live_(max_live_bytes) {
+    for (size_t u = 0; u < units_.size(); ++u) {
+      for (size_t id : units_[u]) units_of_[id].push_back(u);
+    }
+  }
 
   void Fetch(size_t unit) {
     if (recording_) {
@@ -109,9 +113,9 @@ class SwapperBookkeeping {
   }
   bool NextUseSoon(size_t id) const {
     if (recording_) return false;
+    const std::vector<size_t>& uses = units_of_[id];  // one unit, or a few for a tied one
     for (size_t i = pos_; i < std::min(trace_.size(), pos_ + kReuseModules); ++i) {
-      const std::vector<size_t>& list = units_[trace_[i]];
-      if (std::find(list.begin(), list.end(), id) != list.end()) return true;
+      if (std::find(uses.begin(), uses.end(), trace_[i]) != uses.end()) return true;
     }
     return false;
   }
@@ -128,6 +132,7 @@ class SwapperBookkeeping {
 
   std::vector<Param> p_;
   std::vector<std::vector<size_t>> units_;
+  std::vector<std::vector<size_t>> units_of_;  // per parameter: the units that use it
   uint64_t prefetch_, max_live_;
   std::vector<size_t> trace_;
   bool recording_ = true;
@@ -250,7 +255,10 @@ Result<EnginePrediction> PredictEngine(const EngineSchedule& s,
       params.push_back(p);
       param_of[t.name] = id;
     }
-    if (std::find(unit.begin(), unit.end(), id) == unit.end()) unit.push_back(id);
+    // A new parameter is in no unit yet; a tied one may be in this one already.
+    if (tied == param_of.end() || std::find(unit.begin(), unit.end(), id) == unit.end()) {
+      unit.push_back(id);
+    }
   }
   if (params.empty()) return Status::InvalidArgument("engine model: the model has no parameters");
   out.params = params.size();
