@@ -31,7 +31,7 @@ def llama():
     return transformers.LlamaForCausalLM(config)
 
 
-def plan(tmp, model):
+def plan(tmp, model, extra=()):
     """`memplan plan` for the model's config.json on one GPU, both tiers on NVMe under tmp."""
     model.config.to_json_file(os.path.join(tmp, "config.json"))
     nvme = os.path.join(tmp, "nvme")
@@ -41,7 +41,7 @@ def plan(tmp, model):
         [MEMPLAN, "plan", "--model", os.path.join(tmp, "config.json"), "--gpu", "rtx4090",
          "--gpus", "1", "--cpu-mem", "64GiB", "--global-batch", "2", "--seq-len", "16",
          "--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-param", "nvme",
-         "--nvme-path", nvme, "--emit-schedule", schedule, "--format", "json"],
+         "--nvme-path", nvme, "--emit-schedule", schedule, "--format", "json", *extra],
         check=True, capture_output=True, text=True)
     return schedule, json.loads(out.stdout)["schedule_prediction"]
 
@@ -105,6 +105,29 @@ class PlanToRunTest(unittest.TestCase):
             library = os.environ.get("MEMPLAN_C_LIBRARY")
             if library:
                 self.check_c_api(library, schedule, llama(), pinned)
+
+    def test_a_lion_plan_runs_as_predicted(self):
+        # `plan --optimizer lion` emits a Lion schedule: one optimizer state, Lion's step options.
+        model = llama()
+        with tempfile.TemporaryDirectory() as tmp:
+            schedule, predicted = plan(tmp, model, ["--optimizer", "lion"])
+            with open(schedule) as f:
+                self.assertEqual(json.load(f)["optimizer"]["name"], "lion")
+            trainer = memplan.torch.offload(model, schedule=schedule, lr=1e-4, runtime="host")
+            tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+            losses, stats = [], []
+            for _ in range(3):
+                loss = model(input_ids=tokens, labels=tokens).loss
+                loss.backward()
+                trainer.step()
+                losses.append(loss.item())
+                stats.append(trainer.stats())
+            trainer.close()
+            self.assertLess(losses[-1], losses[0], losses)
+            pinned = predicted["pinned_bytes"] - predicted["pinned"]["gradient_staging_bytes"]
+            self.assertNear(stats[-1]["pinned_bytes"], pinned, "pinned bytes (Lion)")
+            self.assertNear((stats[-1]["nvme_write_bytes"] - stats[0]["nvme_write_bytes"]) / 2,
+                            predicted["nvme_write_bytes_per_step"], "NVMe written (Lion)")
 
     def check_c_api(self, library, schedule, model, pinned):
         c = ctypes.CDLL(library)
