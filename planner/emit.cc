@@ -402,7 +402,8 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
   e.param_tier = engine_tier(s.offload_param);
   e.param_dtype_bytes = static_cast<int>(w);
   e.persistence_threshold = static_cast<uint64_t>(s.stage3_param_persistence_threshold);
-  e.prefetch_bytes = std::max<uint64_t>(1, static_cast<uint64_t>(s.stage3_prefetch_bucket_size) * w);
+  e.prefetch_bytes =
+      std::max<uint64_t>(1, static_cast<uint64_t>(s.stage3_prefetch_bucket_size) * w);
   e.max_live_bytes = std::max<uint64_t>(1, static_cast<uint64_t>(s.stage3_max_live_parameters) * w);
   e.optimizer_tier = engine_tier(s.offload_optimizer);
   e.optimizer_states = s.optimizer == estimator::Optimizer::kLion ? 1 : 2;
@@ -429,16 +430,18 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
     e.pinned_budget_bytes = 0;
     // Staging slots as large as the largest piece a fetch reads into one (a parameter's shard,
     // within a chunk), never larger than DeepSpeed's buffer; two to four of them.
-    e.param_buffer_bytes = std::max<uint64_t>(
-        4096, static_cast<uint64_t>(s.param_buffer_size) * w / 4096 * 4096);
+    e.param_buffer_bytes =
+        std::max<uint64_t>(4096, static_cast<uint64_t>(s.param_buffer_size) * w / 4096 * 4096);
     e.param_buffer_count = static_cast<uint32_t>(std::clamp<int64_t>(s.param_buffer_count, 2, 4));
     MEMPLAN_ASSIGN_OR_RETURN(EnginePrediction first, PredictEngine(e, inventory, run));
     if (first.largest_piece_bytes > 0) {
-      e.param_buffer_bytes = std::max<uint64_t>(4096, (first.largest_piece_bytes + 4095) / 4096 * 4096);
+      e.param_buffer_bytes =
+          std::max<uint64_t>(4096, (first.largest_piece_bytes + 4095) / 4096 * 4096);
     }
     // Never more optimizer buffers than sub-groups (the engine needs two).
     e.optimizer_buffer_count = static_cast<uint32_t>(std::clamp<uint64_t>(
-        first.sub_groups, 2, static_cast<uint64_t>(std::max<int64_t>(2, s.optimizer_buffer_count))));
+        first.sub_groups, 2,
+        static_cast<uint64_t>(std::max<int64_t>(2, s.optimizer_buffer_count))));
     MEMPLAN_ASSIGN_OR_RETURN(out.prediction, PredictEngine(e, inventory, run));
     if (limit == 0 || out.prediction.pinned_bytes <= limit || sub_group <= 1024) break;
     sub_group = std::max<uint64_t>(1024, sub_group / 2 / 1024 * 1024);
@@ -446,9 +449,9 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
   if (limit > 0 && out.prediction.pinned_bytes > limit) {
     return Status::InvalidArgument(
         "--emit-schedule: memplan's engine needs " + std::to_string(out.prediction.pinned_bytes) +
-        " pinned bytes per process for plan " + plan.family + " even with the smallest "
-        "sub-groups; the limit is " + std::to_string(limit) + " (half the RAM per GPU process, "
-        "RLIMIT_MEMLOCK)");
+        " pinned bytes per process for plan " + plan.family +
+        " even with the smallest sub-groups; the limit is " + std::to_string(limit) +
+        " (half the RAM per GPU process, RLIMIT_MEMLOCK)");
   }
   // The budget is what the engine will pin: it starts with exactly that, and refuses a change
   // that would take more.
@@ -462,7 +465,7 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
   ordered_json j;
   j["version"] = 1;
   j["params"] = {{"tier", tier_name(e.param_tier)},
-                 {"dtype", s.precision == Precision::kFp32      ? "fp32"
+                 {"dtype", s.precision == Precision::kFp32        ? "fp32"
                            : s.precision == Precision::kFp16Mixed ? "fp16"
                                                                   : "bf16"},
                  {"persistence_threshold", e.persistence_threshold},

@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <map>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace memplan::planner {
 namespace {
@@ -41,8 +44,11 @@ class SwapperBookkeeping {
 
   SwapperBookkeeping(std::vector<Param> params, std::vector<std::vector<size_t>> units,
                      uint64_t prefetch_bytes, uint64_t max_live_bytes)
-      : p_(std::move(params)), units_(std::move(units)), units_of_(p_.size()),
-        prefetch_(prefetch_bytes), max_live_(max_live_bytes) {
+      : p_(std::move(params)),
+        units_(std::move(units)),
+        units_of_(p_.size()),
+        prefetch_(prefetch_bytes),
+        max_live_(max_live_bytes) {
     for (size_t u = 0; u < units_.size(); ++u) {
       for (size_t id : units_[u]) units_of_[id].push_back(u);
     }
@@ -241,15 +247,15 @@ Result<EnginePrediction> PredictEngine(const EngineSchedule& s,
       const uint64_t shard = Shard(t.numel, world);
       p.bytes = (world == 1 ? t.numel : shard * static_cast<uint64_t>(world)) * eb;
       p.load = s.param_tier == EngineTier::kNvme ? shard * eb : 0;
-      p.resident = (world == 1 && s.param_tier == EngineTier::kGpu) ||
-                   t.numel <= s.persistence_threshold;
+      p.resident =
+          (world == 1 && s.param_tier == EngineTier::kGpu) || t.numel <= s.persistence_threshold;
       out.partition_elements += shard;
       largest_shard = std::max(largest_shard, shard);
       if (p.resident) {
         out.resident_param_bytes += p.bytes;
       } else if (s.param_tier == EngineTier::kNvme) {
-        largest_piece = std::max(largest_piece, std::min({shard * eb, chunk_bytes,
-                                                          Pages(s.param_buffer_bytes)}));
+        largest_piece = std::max(largest_piece,
+                                 std::min({shard * eb, chunk_bytes, Pages(s.param_buffer_bytes)}));
       }
       id = params.size();
       params.push_back(p);
@@ -301,11 +307,11 @@ Result<EnginePrediction> PredictEngine(const EngineSchedule& s,
       const uint64_t left = s.pinned_budget_bytes > used ? s.pinned_budget_bytes - used : 0;
       slot = std::min(slot, left / kGradSlots / kPage * kPage);
       if (slot < kPage) {
-        return Status::ResourceExhausted(
-            "the engine refuses this schedule: pinned_budget_bytes " +
-            std::to_string(s.pinned_budget_bytes) + " leaves " + std::to_string(left) +
-            " bytes for the gradient staging, which needs at least " +
-            std::to_string(kGradSlots * kPage));
+        return Status::ResourceExhausted("the engine refuses this schedule: pinned_budget_bytes " +
+                                         std::to_string(s.pinned_budget_bytes) + " leaves " +
+                                         std::to_string(left) +
+                                         " bytes for the gradient staging, which needs at least " +
+                                         std::to_string(kGradSlots * kPage));
       }
     }
     out.gradient_staging_pinned_bytes = kGradSlots * slot;
@@ -337,7 +343,8 @@ Result<EnginePrediction> PredictEngine(const EngineSchedule& s,
   if (s.optimizer_tier == EngineTier::kNvme) {
     for (uint64_t first = 0; first < partition; first += sg) {
       const uint64_t n = std::min(sg, partition - first);
-      const uint64_t value = kSlotHeaderBytes + static_cast<uint64_t>(1 + s.optimizer_states) * 4 * n;
+      const uint64_t value =
+          kSlotHeaderBytes + static_cast<uint64_t>(1 + s.optimizer_states) * 4 * n;
       out.optimizer_read_bytes_per_step += value + 4 * n;   // state slot, fp32 gradients
       out.optimizer_write_bytes_per_step += value + 4 * n;  // new state slot, gradients put
     }

@@ -55,17 +55,17 @@ enum class EngineTier { kGpu, kCpu, kNvme };
 // and moves, with the same defaults.
 struct EngineSchedule {
   EngineTier param_tier = EngineTier::kGpu;
-  int param_dtype_bytes = 2;                      // bf16/fp16 2, fp32 4
-  uint64_t persistence_threshold = 100000;        // elements
+  int param_dtype_bytes = 2;                // bf16/fp16 2, fp32 4
+  uint64_t persistence_threshold = 100000;  // elements
   uint64_t prefetch_bytes = uint64_t{256} << 20;
   uint64_t max_live_bytes = uint64_t{1} << 30;
   uint64_t param_buffer_bytes = uint64_t{64} << 20;
   uint32_t param_buffer_count = 4;
-  EngineTier optimizer_tier = EngineTier::kCpu;   // cpu or nvme
-  int optimizer_states = 2;                       // fp32 arrays besides the master weights
+  EngineTier optimizer_tier = EngineTier::kCpu;  // cpu or nvme
+  int optimizer_states = 2;                      // fp32 arrays besides the master weights
   uint64_t sub_group_elements = uint64_t{4} << 20;
   uint32_t optimizer_buffer_count = 3;
-  uint64_t pinned_budget_bytes = 0;               // 0: no cap
+  uint64_t pinned_budget_bytes = 0;  // 0: no cap
 };
 
 // Reads the fields above from a Schedule's JSON form (README "Schedule JSON"); an absent key keeps

@@ -23,11 +23,10 @@ estimator::TensorInfo Tensor(const std::string& name, uint64_t numel, const std:
 // Four fetch units: an embedding, two blocks (one with a persistent norm) and a head.
 estimator::ModelInventory Toy() {
   estimator::ModelInventory m;
-  m.tensors = {Tensor("emb.weight", 1000, "emb"),
-               Tensor("blocks.0.w", 2000, "blocks.0.lin", "blocks.0"),
-               Tensor("blocks.0.n", 10, "blocks.0.norm", "blocks.0"),
-               Tensor("blocks.1.w", 2000, "blocks.1.lin", "blocks.1"),
-               Tensor("head.weight", 1000, "head")};
+  m.tensors = {
+      Tensor("emb.weight", 1000, "emb"), Tensor("blocks.0.w", 2000, "blocks.0.lin", "blocks.0"),
+      Tensor("blocks.0.n", 10, "blocks.0.norm", "blocks.0"),
+      Tensor("blocks.1.w", 2000, "blocks.1.lin", "blocks.1"), Tensor("head.weight", 1000, "head")};
   return m;
 }
 
@@ -177,8 +176,9 @@ TEST_CASE("emit: the Schedule is sized for memplan's engine and predicted by its
   // The file and the fields the prediction used are the same schedule.
   auto read = EngineScheduleFromJson(nlohmann::json::parse(j.dump()));
   REQUIRE(read.ok());
-  auto again = PredictEngine(*read, *model, EngineRunOptions{1, true,
-      static_cast<uint32_t>(r->plans.front().setup.grad_accum)});
+  auto again = PredictEngine(
+      *read, *model,
+      EngineRunOptions{1, true, static_cast<uint32_t>(r->plans.front().setup.grad_accum)});
   REQUIRE(again.ok());
   CHECK(again->pinned_bytes == e->prediction.pinned_bytes);
   CHECK(again->nvme_read_bytes_per_step == e->prediction.nvme_read_bytes_per_step);

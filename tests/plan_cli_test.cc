@@ -102,10 +102,10 @@ TEST_CASE("plan: emitted files are written, complete, and pass check") {
   CHECK(r.out.find("memplan's engine on " + schedule + " (predicted, per GPU process): ") !=
         std::string::npos);
   {
-    CommandResult j = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem",
-                               "64GiB", "--nvme-path", "/mnt/nvme", "--nvme-capacity", "1TiB",
-                               "--global-batch", "16", "--seq-len", "2048", "--emit-schedule",
-                               schedule, "--format", "json"});
+    CommandResult j =
+        Memplan({"plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem", "64GiB",
+                 "--nvme-path", "/mnt/nvme", "--nvme-capacity", "1TiB", "--global-batch", "16",
+                 "--seq-len", "2048", "--emit-schedule", schedule, "--format", "json"});
     REQUIRE_MESSAGE(j.exit_code == 0, j.err);
     const nlohmann::json report = nlohmann::json::parse(j.out);
     REQUIRE(report.contains("schedule_prediction"));
