@@ -6,6 +6,8 @@
 #include <utility>
 #include <vector>
 
+#include "common/byte_size.h"
+
 namespace memplan::planner {
 namespace {
 
@@ -390,6 +392,15 @@ nlohmann::ordered_json ToJson(const EnginePrediction& p) {
   j["largest_piece_bytes"] = p.largest_piece_bytes;
   j["assumptions"] = p.assumptions;
   return j;
+}
+
+std::string FormatEnginePrediction(const EnginePrediction& p, const std::string& schedule) {
+  return "memplan's engine on " + schedule + " (predicted, per GPU process): " +
+         FormatByteSize(p.pinned_bytes) + " pinned, NVMe " +
+         FormatByteSize(p.nvme_read_bytes_per_step) + " read and " +
+         FormatByteSize(p.nvme_write_bytes_per_step) + " written per step, at most " +
+         FormatByteSize(p.peak_live_param_bytes) + " of fetched parameters on the GPU (" +
+         FormatByteSize(p.resident_param_bytes) + " resident)\n";
 }
 
 }  // namespace memplan::planner

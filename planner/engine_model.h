@@ -114,5 +114,9 @@ Result<EnginePrediction> PredictEngine(const EngineSchedule& schedule,
 
 // JSON form (plan's "schedule_prediction"): the fields above by their names.
 nlohmann::ordered_json ToJson(const EnginePrediction& prediction);
+// One line for people: "memplan's engine on <schedule> (predicted, per GPU process): 1.3 GiB
+// pinned, NVMe ... read and ... written per step, at most ... of fetched parameters on the GPU
+// (... resident)\n".
+std::string FormatEnginePrediction(const EnginePrediction& prediction, const std::string& schedule);
 
 }  // namespace memplan::planner

@@ -117,6 +117,26 @@ TEST_CASE("plan: emitted files are written, complete, and pass check") {
     CHECK(s["pinned_budget_bytes"] == p["pinned_bytes"]);
     CHECK(s["optimizer"]["sub_group_elements"].get<uint64_t>() <= (uint64_t{16} << 20));
     CHECK(p["nvme_read_bytes_per_step"].get<uint64_t>() > 0);
+    // `estimate --schedule` predicts the same for the file (with the plan's accumulation).
+    const std::string accumulation =
+        std::to_string(report["plans"][0]["grad_accum"].get<int64_t>());
+    CommandResult e = Memplan({"estimate", "--model", "llama-2-7b", "--schedule", schedule,
+                               "--grad-accum", accumulation, "--format", "json"});
+    REQUIRE_MESSAGE(e.exit_code == 0, e.err);
+    const nlohmann::json estimated = nlohmann::json::parse(e.out)["schedule_prediction"];
+    for (const char* key : {"pinned_bytes", "nvme_read_bytes_per_step",
+                            "nvme_write_bytes_per_step", "peak_live_param_bytes"}) {
+      CHECK_MESSAGE(estimated[key] == p[key], key);
+    }
+    // An edit the engine would refuse is refused here too, naming the file.
+    nlohmann::json edited = s;
+    edited["pinned_budget_bytes"] = 4096;
+    const std::string bad = dir.PathOf("bad-schedule.json");
+    std::ofstream(bad) << edited.dump();
+    e = Memplan({"estimate", "--model", "llama-2-7b", "--schedule", bad});
+    CHECK(e.exit_code == 2);
+    CHECK(e.err.find("bad-schedule.json") != std::string::npos);
+    CHECK(e.err.find("pinned_budget_bytes") != std::string::npos);
   }
 
   CommandResult check = Memplan({"check", ds, "--model", "llama-2-7b", "--gpu", "rtx4090",

@@ -270,13 +270,7 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
         *schedule_prediction = planner::ToJson(p);
         (*schedule_prediction)["path"] = f.emit_schedule;
         // Said after the "wrote" lines (Note [Schedule for memplan's engine]).
-        schedule_note = "memplan's engine on " + f.emit_schedule +
-                        " (predicted, per GPU process): " + FormatByteSize(p.pinned_bytes) +
-                        " pinned, NVMe " + FormatByteSize(p.nvme_read_bytes_per_step) +
-                        " read and " + FormatByteSize(p.nvme_write_bytes_per_step) +
-                        " written per step, at most " + FormatByteSize(p.peak_live_param_bytes) +
-                        " of fetched parameters on the GPU (" +
-                        FormatByteSize(p.resident_param_bytes) + " resident)\n";
+        schedule_note = planner::FormatEnginePrediction(p, f.emit_schedule);
       } else {
         add(f.emit_schedule, emitted.status());
       }
