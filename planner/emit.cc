@@ -443,14 +443,23 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
         first.sub_groups, 2,
         static_cast<uint64_t>(std::max<int64_t>(2, s.optimizer_buffer_count))));
     MEMPLAN_ASSIGN_OR_RETURN(out.prediction, PredictEngine(e, inventory, run));
-    if (limit == 0 || out.prediction.pinned_bytes <= limit || sub_group <= 1024) break;
+    // Smaller sub-groups shrink only the optimizer's buffers.
+    if (limit == 0 || out.prediction.pinned_bytes <= limit || sub_group <= 1024 ||
+        out.prediction.optimizer_pinned_bytes == 0) {
+      break;
+    }
     sub_group = std::max<uint64_t>(1024, sub_group / 2 / 1024 * 1024);
   }
   if (limit > 0 && out.prediction.pinned_bytes > limit) {
+    const EnginePrediction& p = out.prediction;
     return Status::InvalidArgument(
-        "--emit-schedule: memplan's engine needs " + std::to_string(out.prediction.pinned_bytes) +
-        " pinned bytes per process for plan " + plan.family +
-        " even with the smallest sub-groups; the limit is " + std::to_string(limit) +
+        "--emit-schedule: memplan's engine needs " + std::to_string(p.pinned_bytes) +
+        " pinned bytes per process for plan " + plan.family + " (parameter arena " +
+        std::to_string(p.param_arena_pinned_bytes) + ", optimizer buffers " +
+        std::to_string(p.optimizer_pinned_bytes) + " with sub-groups of " +
+        std::to_string(e.sub_group_elements) + " elements, staging " +
+        std::to_string(p.param_staging_pinned_bytes + p.gradient_staging_pinned_bytes) +
+        "); the limit is " + std::to_string(limit) +
         " (half the RAM per GPU process, RLIMIT_MEMLOCK)");
   }
   // The budget is what the engine will pin: it starts with exactly that, and refuses a change

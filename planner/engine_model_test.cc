@@ -193,6 +193,7 @@ TEST_CASE("emit: the Schedule is sized for memplan's engine and predicted by its
   auto refused = EngineScheduleFor(r->plans.front(), tiny, *model);
   REQUIRE_FALSE(refused.ok());
   CHECK(refused.status().message().find("pinned bytes per process") != std::string::npos);
+  CHECK(refused.status().message().find("optimizer buffers") != std::string::npos);
 }
 
 }  // namespace
