@@ -138,6 +138,8 @@ json ToJson(const offload::EngineStats& s) {
       {"optimizer_read_bytes", s.optimizer_read_bytes},
       {"optimizer_write_bytes", s.optimizer_write_bytes},
       {"grad_write_bytes", s.grad_write_bytes},
+      {"nvme_read_bytes", s.nvme_read_bytes},
+      {"nvme_write_bytes", s.nvme_write_bytes},
       {"last_step_s", s.last_step_s},
       {"step_profile",
        {{"overlapped", s.step_profile.overlapped},

@@ -382,7 +382,14 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
     } else if (kind == "fsdp") {
       keep(kind, plain(planner::FsdpConfig(plan, cluster, inventory)));
     } else if (kind == "schedule") {
-      keep(kind, plain(planner::Schedule(plan, cluster, inventory)));
+      // With the engine model's prediction for it (planner/engine_model.h), as the CLI's JSON.
+      auto schedule = planner::EngineScheduleFor(plan, cluster, inventory);
+      if (schedule.ok()) {
+        answer["schedule_prediction"] = json::parse(planner::ToJson(schedule->prediction).dump());
+        keep(kind, plain(std::move(schedule->json)));
+      } else {
+        keep(kind, schedule.status());
+      }
     } else if (kind == "trainer") {
       keep(kind, plain(planner::TrainerArguments(plan, cluster, inventory, emit_options)));
     } else {

@@ -202,6 +202,8 @@ class OptimizerHome {
   virtual uint64_t write_bytes() const = 0;
   // Gradients written to the store for a serial step (read back by it: in read_bytes).
   virtual uint64_t grad_write_bytes() const { return 0; }
+  // The optimizer store's own counters (gradients included); 0 in memory.
+  virtual nvme::SwapStoreStats store_stats() const { return {}; }
   virtual Status Close() = 0;
 };
 
@@ -251,6 +253,7 @@ class NvmeHome final : public OptimizerHome {
   uint64_t grad_write_bytes() const override {
     return grad_write_.load(std::memory_order_relaxed);
   }
+  nvme::SwapStoreStats store_stats() const override { return s_->stats().store; }
   Status Close() override { return s_->Close(); }
 
  private:
@@ -1622,6 +1625,14 @@ EngineStats Engine::stats() const {
     out.grad_write_bytes = s.optimizer->grad_write_bytes();
     out.pinned_bytes = out.param.pinned_bytes + s.optimizer->pinned_bytes() +
                        (s.grad_staging ? s.grad_staging->stats().capacity_bytes : 0);
+    const nvme::SwapStoreStats store = s.optimizer->store_stats();
+    out.nvme_read_bytes += store.get_bytes;
+    out.nvme_write_bytes += store.put_bytes;
+  }
+  if (s.param_store) {
+    const nvme::SwapStoreStats store = s.param_store->stats();
+    out.nvme_read_bytes += store.get_bytes;
+    out.nvme_write_bytes += store.put_bytes;
   }
   out.peak_device_bytes = std::max(out.peak_device_bytes, s.runtime->peak_device_bytes());
   out.device_arena_bytes = out.param.device_arena_bytes + 2 * s.grad_scratch_bytes;

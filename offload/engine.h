@@ -182,6 +182,11 @@ struct EngineStats {
   uint64_t optimizer_write_bytes = 0;
   uint64_t grad_write_bytes = 0;      // gradients written to the NVMe optimizer store for serial
                                       // steps (an overlapped step keeps them in memory)
+  // Bytes the NVMe stores (parameters and optimizer) read and wrote since Start() began, as they
+  // count them: every parameter read, write-back, sub-group state, gradient and step mark
+  // (optimizer_write_bytes above leaves out the gradients). What planner/engine_model.h predicts.
+  uint64_t nvme_read_bytes = 0;
+  uint64_t nvme_write_bytes = 0;
   double last_step_s = 0;             // the last Step()'s optimizer time
   EngineStepProfile step_profile;     // the last Step(), stage by stage
   uint64_t peak_device_bytes = 0;     // the runtime's device bytes in use, highest ever (counted

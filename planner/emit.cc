@@ -378,8 +378,8 @@ Result<ordered_json> FsdpConfig(const Plan& plan, const Cluster& cluster,
   return j;
 }
 
-Result<ordered_json> Schedule(const Plan& plan, const Cluster& cluster,
-                              const estimator::ModelInventory& inventory) {
+Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& cluster,
+                                          const estimator::ModelInventory& inventory) {
   const estimator::TrainingSetup& s = plan.setup;
   if (s.offload_optimizer == OffloadDevice::kNone) {
     return Status::InvalidArgument(
@@ -391,34 +391,101 @@ Result<ordered_json> Schedule(const Plan& plan, const Cluster& cluster,
     return Status::InvalidArgument("--emit-schedule: the offload engine's CPU optimizers are "
                                    "Adam/AdamW and Lion");
   }
-  (void)inventory;
-  const uint64_t w = s.precision == Precision::kFp32 ? 4 : 2;
-  auto tier = [](OffloadDevice d) {
-    return d == OffloadDevice::kNone ? "gpu" : d == OffloadDevice::kCpu ? "cpu" : "nvme";
+  auto engine_tier = [](OffloadDevice d) {
+    return d == OffloadDevice::kNone  ? EngineTier::kGpu
+           : d == OffloadDevice::kCpu ? EngineTier::kCpu
+                                      : EngineTier::kNvme;
   };
+  const uint64_t w = s.precision == Precision::kFp32 ? 4 : 2;
+  EmittedSchedule out;
+  EngineSchedule& e = out.schedule;
+  e.param_tier = engine_tier(s.offload_param);
+  e.param_dtype_bytes = static_cast<int>(w);
+  e.persistence_threshold = static_cast<uint64_t>(s.stage3_param_persistence_threshold);
+  e.prefetch_bytes =
+      std::max<uint64_t>(1, static_cast<uint64_t>(s.stage3_prefetch_bucket_size) * w);
+  e.max_live_bytes = std::max<uint64_t>(1, static_cast<uint64_t>(s.stage3_max_live_parameters) * w);
+  e.optimizer_tier = engine_tier(s.offload_optimizer);
+  e.optimizer_states = s.optimizer == estimator::Optimizer::kLion ? 1 : 2;
+  EngineRunOptions run;
+  run.world_size = static_cast<int>(cluster.WorldSize());
+  run.gpu = true;
+  run.micro_batches = static_cast<uint32_t>(std::max<int64_t>(1, s.grad_accum));
+
+  // Note [Schedule for memplan's engine]: sized from the model, within the pinned memory a
+  // process may lock.
+  MEMPLAN_ASSIGN_OR_RETURN(EnginePrediction shape, PredictEngine(e, inventory, run));
+  const uint64_t partition = (shape.partition_elements + 1023) / 1024 * 1024;
+  uint64_t sub_group = std::min<uint64_t>(
+      {std::max<uint64_t>(1024, static_cast<uint64_t>(s.sub_group_size) / 1024 * 1024),
+       kMaxEngineSubGroupElements, partition});
+  uint64_t limit = 0;  // pinned bytes per process; 0: unknown
+  const auto per_node = static_cast<uint64_t>(std::max<int64_t>(1, cluster.gpus_per_node));
+  if (cluster.cpu_memory_bytes > 0) limit = cluster.cpu_memory_bytes / 2 / per_node;
+  if (cluster.memlock_bytes > 0) {
+    limit = limit > 0 ? std::min(limit, cluster.memlock_bytes) : cluster.memlock_bytes;
+  }
+  for (;;) {
+    e.sub_group_elements = sub_group;
+    e.pinned_budget_bytes = 0;
+    // Staging slots as large as the largest piece a fetch reads into one (a parameter's shard,
+    // within a chunk), never larger than DeepSpeed's buffer; two to four of them.
+    e.param_buffer_bytes =
+        std::max<uint64_t>(4096, static_cast<uint64_t>(s.param_buffer_size) * w / 4096 * 4096);
+    e.param_buffer_count = static_cast<uint32_t>(std::clamp<int64_t>(s.param_buffer_count, 2, 4));
+    MEMPLAN_ASSIGN_OR_RETURN(EnginePrediction first, PredictEngine(e, inventory, run));
+    if (first.largest_piece_bytes > 0) {
+      e.param_buffer_bytes =
+          std::max<uint64_t>(4096, (first.largest_piece_bytes + 4095) / 4096 * 4096);
+    }
+    // Never more optimizer buffers than sub-groups (the engine needs two).
+    e.optimizer_buffer_count = static_cast<uint32_t>(std::clamp<uint64_t>(
+        first.sub_groups, 2,
+        static_cast<uint64_t>(std::max<int64_t>(2, s.optimizer_buffer_count))));
+    MEMPLAN_ASSIGN_OR_RETURN(out.prediction, PredictEngine(e, inventory, run));
+    // Smaller sub-groups shrink only the optimizer's buffers.
+    if (limit == 0 || out.prediction.pinned_bytes <= limit || sub_group <= 1024 ||
+        out.prediction.optimizer_pinned_bytes == 0) {
+      break;
+    }
+    sub_group = std::max<uint64_t>(1024, sub_group / 2 / 1024 * 1024);
+  }
+  if (limit > 0 && out.prediction.pinned_bytes > limit) {
+    const EnginePrediction& p = out.prediction;
+    return Status::InvalidArgument(
+        "--emit-schedule: memplan's engine needs " + std::to_string(p.pinned_bytes) +
+        " pinned bytes per process for plan " + plan.family + " (parameter arena " +
+        std::to_string(p.param_arena_pinned_bytes) + ", optimizer buffers " +
+        std::to_string(p.optimizer_pinned_bytes) + " with sub-groups of " +
+        std::to_string(e.sub_group_elements) + " elements, staging " +
+        std::to_string(p.param_staging_pinned_bytes + p.gradient_staging_pinned_bytes) +
+        "); the limit is " + std::to_string(limit) +
+        " (half the RAM per GPU process, RLIMIT_MEMLOCK)");
+  }
+  // The budget is what the engine will pin: it starts with exactly that, and refuses a change
+  // that would take more.
+  e.pinned_budget_bytes = out.prediction.pinned_bytes;
+
   const bool nvme =
       s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme;
-  // The engine's sub-groups are whole multiples of 1024 elements.
-  const uint64_t sub_group =
-      std::max<uint64_t>(1024, static_cast<uint64_t>(s.sub_group_size) / 1024 * 1024);
+  auto tier_name = [](EngineTier t) {
+    return t == EngineTier::kGpu ? "gpu" : t == EngineTier::kCpu ? "cpu" : "nvme";
+  };
   ordered_json j;
   j["version"] = 1;
-  j["params"] = {
-      {"tier", tier(s.offload_param)},
-      {"dtype", s.precision == Precision::kFp32      ? "fp32"
-                : s.precision == Precision::kFp16Mixed ? "fp16"
-                                                       : "bf16"},
-      {"persistence_threshold", s.stage3_param_persistence_threshold},
-      {"prefetch_bytes", static_cast<uint64_t>(s.stage3_prefetch_bucket_size) * w},
-      {"max_live_bytes", static_cast<uint64_t>(s.stage3_max_live_parameters) * w},
-      // O_DIRECT staging buffers: whole 4 KiB pages.
-      {"buffer_bytes",
-       std::max<uint64_t>(4096, static_cast<uint64_t>(s.param_buffer_size) * w / 4096 * 4096)},
-      {"buffer_count", s.param_buffer_count}};
-  j["optimizer"] = {{"tier", tier(s.offload_optimizer)},
+  j["params"] = {{"tier", tier_name(e.param_tier)},
+                 {"dtype", s.precision == Precision::kFp32        ? "fp32"
+                           : s.precision == Precision::kFp16Mixed ? "fp16"
+                                                                  : "bf16"},
+                 {"persistence_threshold", e.persistence_threshold},
+                 {"prefetch_bytes", e.prefetch_bytes},
+                 {"max_live_bytes", e.max_live_bytes},
+                 {"buffer_bytes", e.param_buffer_bytes},
+                 {"buffer_count", e.param_buffer_count}};
+  j["optimizer"] = {{"tier", tier_name(e.optimizer_tier)},
                     {"name", s.optimizer == estimator::Optimizer::kLion ? "lion" : "adam"},
-                    {"sub_group_elements", sub_group},
-                    {"buffer_count", s.optimizer_buffer_count},
+                    {"sub_group_elements", e.sub_group_elements},
+                    {"buffer_count", e.optimizer_buffer_count},
                     {"threads", 0}};
   j["nvme"] = {{"path", nvme ? NvmePath(cluster) + "/memplan" : ""},
                {"backend", "auto"},
@@ -426,9 +493,15 @@ Result<ordered_json> Schedule(const Plan& plan, const Cluster& cluster,
                {"queue_depth", s.aio_queue_depth},
                {"intra_op_parallelism", s.aio_intra_op_parallelism},
                {"direct", true}};
-  // Per process: the node's pinned bytes shared by its GPU processes.
-  j["pinned_budget_bytes"] = plan.peak.pinned_bytes / static_cast<uint64_t>(cluster.gpus_per_node);
-  return j;
+  j["pinned_budget_bytes"] = e.pinned_budget_bytes;
+  out.json = std::move(j);
+  return out;
+}
+
+Result<ordered_json> Schedule(const Plan& plan, const Cluster& cluster,
+                              const estimator::ModelInventory& inventory) {
+  MEMPLAN_ASSIGN_OR_RETURN(EmittedSchedule emitted, EngineScheduleFor(plan, cluster, inventory));
+  return std::move(emitted.json);
 }
 
 Result<ordered_json> TrainerArguments(const Plan& plan, const Cluster& cluster,

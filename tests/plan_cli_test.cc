@@ -98,6 +98,46 @@ TEST_CASE("plan: emitted files are written, complete, and pass check") {
   nlohmann::json s = nlohmann::json::parse(ReadWholeFile(schedule));
   CHECK(s["optimizer"]["tier"] == "nvme");
   CHECK(s["nvme"]["path"] == "/mnt/nvme/memplan");
+  // Beside the file, what memplan's engine will do with it (planner/engine_model.h).
+  CHECK(r.out.find("memplan's engine on " + schedule + " (predicted, per GPU process): ") !=
+        std::string::npos);
+  {
+    CommandResult j =
+        Memplan({"plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem", "64GiB",
+                 "--nvme-path", "/mnt/nvme", "--nvme-capacity", "1TiB", "--global-batch", "16",
+                 "--seq-len", "2048", "--emit-schedule", schedule, "--format", "json"});
+    REQUIRE_MESSAGE(j.exit_code == 0, j.err);
+    const nlohmann::json report = nlohmann::json::parse(j.out);
+    REQUIRE(report.contains("schedule_prediction"));
+    const nlohmann::json& p = report["schedule_prediction"];
+    CHECK(p["path"] == schedule);
+    // The budget is exactly what the engine will pin; sub-groups sized for the engine, not
+    // DeepSpeed's 1e9 elements.
+    s = nlohmann::json::parse(ReadWholeFile(schedule));
+    CHECK(s["pinned_budget_bytes"] == p["pinned_bytes"]);
+    CHECK(s["optimizer"]["sub_group_elements"].get<uint64_t>() <= (uint64_t{16} << 20));
+    CHECK(p["nvme_read_bytes_per_step"].get<uint64_t>() > 0);
+    // `estimate --schedule` predicts the same for the file (with the plan's accumulation).
+    const std::string accumulation =
+        std::to_string(report["plans"][0]["grad_accum"].get<int64_t>());
+    CommandResult e = Memplan({"estimate", "--model", "llama-2-7b", "--schedule", schedule,
+                               "--grad-accum", accumulation, "--format", "json"});
+    REQUIRE_MESSAGE(e.exit_code == 0, e.err);
+    const nlohmann::json estimated = nlohmann::json::parse(e.out)["schedule_prediction"];
+    for (const char* key : {"pinned_bytes", "nvme_read_bytes_per_step",
+                            "nvme_write_bytes_per_step", "peak_live_param_bytes"}) {
+      CHECK_MESSAGE(estimated[key] == p[key], key);
+    }
+    // An edit the engine would refuse is refused here too, naming the file.
+    nlohmann::json edited = s;
+    edited["pinned_budget_bytes"] = 4096;
+    const std::string bad = dir.PathOf("bad-schedule.json");
+    std::ofstream(bad) << edited.dump();
+    e = Memplan({"estimate", "--model", "llama-2-7b", "--schedule", bad});
+    CHECK(e.exit_code == 2);
+    CHECK(e.err.find("bad-schedule.json") != std::string::npos);
+    CHECK(e.err.find("pinned_budget_bytes") != std::string::npos);
+  }
 
   CommandResult check = Memplan({"check", ds, "--model", "llama-2-7b", "--gpu", "rtx4090",
                                  "--cpu-mem", "64GiB"});

@@ -1,6 +1,8 @@
 #include "tools/commands.h"
 
+#include <algorithm>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -14,6 +16,8 @@
 #include "estimator/hf_config.h"
 #include "estimator/model_source.h"
 #include "estimator/training_setup.h"
+#include "offload/schedule.h"
+#include "planner/engine_model.h"
 #include "common/json.h"
 #include "tools/setup_flags.h"
 
@@ -374,6 +378,13 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
   setup->Add(cmd);
   auto inference = std::make_shared<InferenceFlags>();
   inference->Add(cmd);
+  auto schedule = std::make_shared<std::string>();
+  cmd->add_option("--schedule", *schedule,
+                  "Also predict what memplan's offload engine does running this Schedule (from "
+                  "`plan --emit-schedule`, or edited): pinned bytes, NVMe bytes per step, peak "
+                  "fetched parameter bytes on the GPU, per process of --gpus x --nodes, with "
+                  "--grad-accum micro-batches a step (planner/engine_model.h)")
+      ->group("Offload engine");
   cmd->footer(
       "\nExamples:\n"
       "  memplan estimate --model llama-2-7b --gpus 4\n"
@@ -384,11 +395,30 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
       "  memplan estimate --model ./config.json --gpus 8 --nodes 2 --format json\n"
       "  memplan estimate --model t5-large --model-class base --gpus 4\n"
       "  memplan estimate --model meta-llama/Llama-3.1-8B --inference --context 8192 --batch 4\n"
+      "  memplan estimate --model llama-2-7b --schedule schedule.json\n"
       "\nExit status: 0 on success, 2 on bad input (one line on stderr naming the file and "
       "field).");
-  cmd->callback([options, hardware, setup, inference, outcome] {
+  cmd->callback([options, hardware, setup, inference, schedule, outcome] {
     auto inventory = options->Load();
     if (!inventory.ok()) return Fail(outcome, inventory.status());
+    // --schedule: read as the engine reads it (defaults, validation), then the engine model.
+    std::optional<planner::EnginePrediction> prediction;
+    if (!schedule->empty()) {
+      auto text = ReadFileToString(*schedule);
+      if (!text.ok()) return Fail(outcome, text.status());
+      auto doc = ParseJson(*text, *schedule);
+      if (!doc.ok()) return Fail(outcome, doc.status());
+      auto read = offload::ScheduleFromJson(*doc, *schedule);
+      if (!read.ok()) return Fail(outcome, read.status());
+      auto fields = planner::EngineScheduleFromJson(offload::ToJson(*read));
+      if (!fields.ok()) return Fail(outcome, fields.status().WithPrefix(*schedule));
+      planner::EngineRunOptions run;
+      run.world_size = static_cast<int>(hardware->gpus_per_node * hardware->nodes);
+      run.micro_batches = static_cast<uint32_t>(std::max<int64_t>(1, setup->grad_accum));
+      auto predicted = planner::PredictEngine(*fields, *inventory, run);
+      if (!predicted.ok()) return Fail(outcome, predicted.status().WithPrefix(*schedule));
+      prediction = std::move(*predicted);
+    }
     Result<estimator::Estimate> estimate = Status::Internal("unset");
     if (setup->Any()) {
       auto training = setup->Build(*inventory, *hardware);
@@ -402,10 +432,17 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
       Status added = estimator::AddInference(*inventory, inference->Setup(), &*estimate);
       if (!added.ok()) return Fail(outcome, added);
     }
-    Emit(*options,
-         options->format == "json" ? JsonOutput(estimator::ToJson(*estimate))
-                                   : estimator::FormatEstimateText(*estimate),
-         outcome);
+    if (options->format == "json") {
+      auto doc = estimator::ToJson(*estimate);
+      if (prediction) {
+        doc["schedule_prediction"] = nlohmann::json::parse(planner::ToJson(*prediction).dump());
+        doc["schedule_prediction"]["path"] = *schedule;
+      }
+      return Emit(*options, JsonOutput(doc), outcome);
+    }
+    std::string text = estimator::FormatEstimateText(*estimate);
+    if (prediction) text += "\n" + planner::FormatEnginePrediction(*prediction, *schedule);
+    Emit(*options, text, outcome);
   });
 }
 

@@ -217,8 +217,9 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
                 const planner::Cluster& cluster, const planner::Job& job,
                 const planner::SearchOptions& search_options,
                 const estimator::ModelInventory& inventory, std::string* written,
-                Outcome* outcome) {
+                nlohmann::ordered_json* schedule_prediction, Outcome* outcome) {
   std::vector<NotedFile> files;
+  std::string schedule_note;
   const bool any_emit = !f.emit_deepspeed.empty() || !f.emit_accelerate.empty() ||
                         !f.emit_fsdp.empty() || !f.emit_schedule.empty() ||
                         !f.emit_trainer.empty() || !f.emit_launch.empty();
@@ -261,7 +262,18 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
       add(f.emit_fsdp, dump(planner::FsdpConfig(plan, cluster, inventory)));
     }
     if (!f.emit_schedule.empty()) {
-      add(f.emit_schedule, dump(planner::Schedule(plan, cluster, inventory)));
+      Result<planner::EmittedSchedule> emitted =
+          planner::EngineScheduleFor(plan, cluster, inventory);
+      if (emitted.ok()) {
+        add(f.emit_schedule, JsonOutput(emitted->json));
+        const planner::EnginePrediction& p = emitted->prediction;
+        *schedule_prediction = planner::ToJson(p);
+        (*schedule_prediction)["path"] = f.emit_schedule;
+        // Said after the "wrote" lines (Note [Schedule for memplan's engine]).
+        schedule_note = planner::FormatEnginePrediction(p, f.emit_schedule);
+      } else {
+        add(f.emit_schedule, emitted.status());
+      }
     }
     if (!f.emit_trainer.empty()) {
       add(f.emit_trainer, dump(planner::TrainerArguments(plan, cluster, inventory, options)));
@@ -307,6 +319,7 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
     *written += "wrote " + file.path + " (" + file.note + ")\n";
     outcome->files.push_back({std::move(file.path), std::move(file.text)});
   }
+  *written += schedule_note;
   return Status::Ok();
 }
 
@@ -395,14 +408,18 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   if (!note.empty()) result->assumptions.push_back("--detect: " + note);
 
   std::string written;
-  Status emitted = AddFiles(f, *result, *cluster, job, options, *inventory, &written, outcome);
+  nlohmann::ordered_json schedule_prediction;  // --emit-schedule: the engine model's prediction
+  Status emitted = AddFiles(f, *result, *cluster, job, options, *inventory, &written,
+                            &schedule_prediction, outcome);
   // The plan the emitters write (or would write): what the trainer must also do.
   const planner::Plan* chosen = nullptr;
   if (f.plan_index < result->plans.size()) chosen = &result->plans[f.plan_index];
   std::string text;
   if (f.format == "json") {
-    text = JsonOutput(planner::PlanReportJson(*result, *cluster, job, *inventory, f.top,
-                                              f.plan_index, f.for_hf_trainer));
+    nlohmann::json report = planner::PlanReportJson(*result, *cluster, job, *inventory, f.top,
+                                                    f.plan_index, f.for_hf_trainer);
+    if (!schedule_prediction.is_null()) report["schedule_prediction"] = schedule_prediction;
+    text = JsonOutput(report);
   } else {
     text = planner::FormatPlanText(*result, *cluster, job, f.top);
     if (chosen != nullptr) {

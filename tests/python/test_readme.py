@@ -8,8 +8,9 @@ What is run:
   temporary directory;
 - the lines that start with `memplan ` in each subcommand's --help (under "Examples").
 
-Each runs in a scratch directory that holds the files the examples name (ds_config.json written by
-`memplan plan`, a config.json, an NVMe bench report), with the Hub offline. A command succeeds
+Each runs in a scratch directory that holds the files the examples name (ds_config.json and
+schedule.json written by `memplan plan`, a config.json, an NVMe bench report), with the Hub
+offline. A command succeeds
 (exit 0, output on stdout) unless it is listed in EXPECTED_FAILURES with the message the README
 gives for it. A README or --help example that names a file this test does not make fails here, so
 an example cannot quietly stop working.
@@ -103,6 +104,10 @@ class ReadmeCommands(unittest.TestCase):
         subprocess.run([MEMPLAN, "plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus",
                         "8", "--global-batch", "64", "--emit-deepspeed", "ds_config.json"],
                        cwd=cls.tmp, env=cls.env, check=True, capture_output=True)
+        subprocess.run([MEMPLAN, "plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem",
+                        "64GiB", "--nvme-path", "/mnt/nvme", "--nvme-capacity", "1TiB",
+                        "--global-batch", "16", "--emit-schedule", "schedule.json"],
+                       cwd=cls.tmp, env=cls.env, check=True, capture_output=True)
         shutil.copy(os.path.join(SOURCE, "estimator", "models", "llama-2-7b.json"),
                     os.path.join(cls.tmp, "config.json"))
         with open(os.path.join(cls.tmp, "nvme.json"), "w") as f:
@@ -133,7 +138,7 @@ class ReadmeCommands(unittest.TestCase):
         key = " ".join(args)
         self.cwd = tempfile.mkdtemp(dir=self.tmp)
         for name in ("ds_config.json", "config.json", "nvme.json", "offers.json", "runs.json",
-                     "calibration.json"):
+                     "calibration.json", "schedule.json"):
             shutil.copy(os.path.join(self.tmp, name), self.cwd)
         with self.subTest(command=key):
             run = subprocess.run([MEMPLAN] + args, cwd=self.cwd, env=self.env,

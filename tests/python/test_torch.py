@@ -101,6 +101,26 @@ class AdapterTest(unittest.TestCase):
         x, _ = batches[0]
         self.assertTrue(torch.allclose(model(x), ref(x), atol=1e-5))
 
+    def test_bf16_parameters_get_their_gradients(self):
+        # torch drops a leaf's gradient accumulator when its .data changes dtype: the adapter's
+        # hooks must sit on the one the bf16 working copies feed, or no gradient ever reaches the
+        # engine and every step silently skips every parameter.
+        model = mlp()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer = memplan.torch.offload(model, lr=1e-2, dtype="bf16")
+        x, y = data(1)[0]
+        losses = []
+        for _ in range(5):
+            loss = nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+            loss.backward()
+            trainer.step()
+            losses.append(loss.item())
+        master = trainer.master_weights()
+        trainer.close()
+        for name, p in before.items():
+            self.assertGreater((master[name] - p).abs().max().item(), 1e-4, name)
+        self.assertLess(losses[-1], losses[0])
+
     def test_gradient_accumulation(self):
         model, ref = mlp(), mlp()
         batches = data(12)

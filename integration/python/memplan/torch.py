@@ -100,6 +100,7 @@ reuses their memory once the engine has read it, not at the end of the step. The
 the module's CUDA device (``device``, else torch's current device).
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -513,7 +514,13 @@ class OffloadedModule:
             # The gradient accumulator of a leaf: its hooks run once per backward pass, after the
             # gradient is complete (every use summed). Made while the parameter still has its
             # shape, which the accumulator records and checks gradients against; kept alive so
-            # that every backward pass uses this one.
+            # that every backward pass uses this one. And made with the working dtype and device
+            # the parameter has from now on: torch drops a leaf's accumulator when `.data` changes
+            # dtype or device, so one made on the fp32 parameter would never see a bf16 gradient
+            # (the hook silent, the parameter skipped every step). A zero-stride view has the
+            # shape without the memory.
+            entry.param.data = torch.zeros((), dtype=self.dtype, device=self.device).expand(
+                entry.param.shape)
             accumulator = entry.param.expand_as(entry.param).grad_fn.next_functions[0][0]
             accumulator.register_hook(self._make_grad_hook(entry))
             entry.accumulator = accumulator
@@ -867,7 +874,7 @@ class OffloadedModule:
 
 
 def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
-            betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, optimizer="adamw", runtime="auto",
+            betas=None, eps=1e-8, weight_decay=0.01, optimizer="adamw", runtime="auto",
             dtype="fp32", gradient_accumulation_steps=1, schedule=None, device=None,
             process_group=None, fetch_units="auto", resume=False, overlap_optimizer=False,
             **schedule_options):
@@ -876,9 +883,12 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     path: a directory the engine may create and own (parameters and optimizer states go to NVMe
     there); without it both stay in host memory (param_tier "cpu", optimizer_tier "cpu").
     optimizer: "adamw" (decoupled weight decay, as torch.optim.AdamW) or "adam" (L2 decay, as
-    torch.optim.Adam). Other keywords go to memplan.schedule (pinned_budget_bytes,
-    sub_group_elements, prefetch_bytes, max_live_bytes, direct, ...); or pass a whole `schedule`
-    (a dict, or the path of a Schedule JSON file such as ``memplan plan --emit-schedule`` writes).
+    torch.optim.Adam); betas default (0.9, 0.999). With a `schedule` whose optimizer is "lion"
+    (``memplan plan --optimizer lion``), the step is Lion's: lr, betas (default (0.9, 0.99)) and
+    weight_decay apply, eps and `optimizer` do not. Other keywords go to memplan.schedule
+    (pinned_budget_bytes, sub_group_elements, prefetch_bytes, max_live_bytes, direct, ...); or
+    pass a whole `schedule` (a dict, or the path of a Schedule JSON file such as ``memplan plan
+    --emit-schedule`` writes), which is run as it is.
     device: the CUDA device to train on ("cuda:1", 1, a torch.device); default: the module's
     parameters' device if they are on CUDA, else torch's current device when runtime is "cuda".
     process_group: the torch.distributed group to train over (ZeRO-3, one shard per rank); None:
@@ -904,8 +914,17 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
         schedule = memplan.schedule(path=path, param_tier=param_tier or tier,
                                     optimizer_tier=optimizer_tier or tier, dtype=dtype,
                                     optimizer="adam", **schedule_options)
-    options = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps,
-               "weight_decay": weight_decay, "decoupled": optimizer == "adamw"}
+    elif not isinstance(schedule, dict):  # a path: `memplan plan --emit-schedule s.json`
+        with open(schedule) as f:
+            schedule = json.load(f)
+    # The step options follow the schedule's optimizer: a plan for Lion emits "lion".
+    if schedule.get("optimizer", {}).get("name") == "lion":
+        betas = betas or (0.9, 0.99)
+        options = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "weight_decay": weight_decay}
+    else:
+        betas = betas or (0.9, 0.999)
+        options = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps,
+                   "weight_decay": weight_decay, "decoupled": optimizer == "adamw"}
     return OffloadedModule(module, schedule, runtime=runtime, optimizer_options=options,
                            gradient_accumulation_steps=gradient_accumulation_steps, device=device,
                            process_group=process_group, fetch_units=fetch_units, resume=resume,
