@@ -348,7 +348,7 @@ struct SetupOptions {
 
 void Fail(Outcome* outcome, const Status& status) {
   outcome->exit_code = status.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
-  outcome->error = status.message();
+  outcome->error = FieldsToFlags(status.message());
 }
 
 void RegisterEstimate(CLI::App& app, Outcome* outcome) {
@@ -403,8 +403,9 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
       if (!added.ok()) return Fail(outcome, added);
     }
     Emit(*options,
-         options->format == "json" ? JsonOutput(estimator::ToJson(*estimate))
-                                   : estimator::FormatEstimateText(*estimate),
+         options->format == "json"
+             ? JsonOutput(estimator::ToJson(*estimate))
+             : FieldsToFlags(estimator::FormatEstimateText(*estimate)),
          outcome);
   });
 }

@@ -404,7 +404,7 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
     text = JsonOutput(planner::PlanReportJson(*result, *cluster, job, *inventory, f.top,
                                               f.plan_index, f.for_hf_trainer));
   } else {
-    text = planner::FormatPlanText(*result, *cluster, job, f.top);
+    text = FieldsToFlags(planner::FormatPlanText(*result, *cluster, job, f.top));
     if (chosen != nullptr) {
       text += "\nThe trainer must also (plan " + std::to_string(f.plan_index + 1) + "):\n";
       for (const std::string& line : planner::TrainerSettings(*chosen, *inventory, f.for_hf_trainer)) {
