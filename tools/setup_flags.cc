@@ -74,8 +74,9 @@ void SharedSetupFlags::Apply(estimator::TrainingSetup* s, bool only_given) const
 }
 
 std::string FieldsToFlags(std::string_view text) {
-  // Each TrainingSetup field a library message may name, with the flag that sets it.
-  static constexpr std::array<std::pair<std::string_view, std::string_view>, 18> kFlags = {{
+  // Each field of TrainingSetup, DeepSpeedHardware and Job that a library message may name, with
+  // the flag that sets it.
+  static constexpr std::array<std::pair<std::string_view, std::string_view>, 22> kFlags = {{
       {"micro_batch", "--micro-batch"},
       {"seq_len", "--seq-len"},
       {"grad_accum", "--grad-accum"},
@@ -86,6 +87,10 @@ std::string FieldsToFlags(std::string_view text) {
       {"qlora", "--qlora"},
       {"gpus_per_node", "--gpus"},
       {"num_nodes", "--nodes"},
+      {"nodes", "--nodes"},
+      {"buffer_factor", "--buffer-factor"},
+      {"global_batch", "--global-batch"},
+      {"global_batch_tokens", "--global-batch-tokens"},
       {"torch_version", "--torch-version"},
       {"fsdp", "--fsdp"},
       {"offload_param", "--offload-param"},
