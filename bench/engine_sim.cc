@@ -4,16 +4,22 @@
 //   build/bench/engine_sim --path DIR [--layers 16] [--layer-elements 8388608]
 //       [--compute-ms 20] [--steps 4] [--buffer-bytes 16M] [--buffer-count 4]
 //       [--prefetch-bytes 64M] [--max-live-bytes 96M] [--backend auto] [--io-threads 1]
-//       [--no-direct] [--json]
+//       [--no-direct] [--optimizer-tier cpu|nvme] [--overlap] [--json]
 //
 // Each layer is one module with one bf16 weight of --layer-elements elements on NVMe. A step runs
 // forward (Fetch, compute, Release per layer) and backward (the same in reverse, plus the
-// gradient), then the optimizer step (CPU, in memory). "Compute" is a busy loop of --compute-ms per
-// module pass. Printed per step (the first step only records the trace and is left out):
+// gradient), then the optimizer step (CPU; its fp32 master weights and AdamW states in memory, or
+// with --optimizer-tier nvme on NVMe, one sub-group per layer). With --overlap every step is
+// prepared (Engine::PrepareStep) so the optimizer steps each layer's sub-group during backward,
+// as soon as its gradient is in. "Compute" is a busy loop of --compute-ms per module pass.
+// Printed per step (the first step only records the trace and is left out):
 //   - pass time (forward + backward) and the stall time in it (Fetch() waiting for transfers);
 //   - NVMe bytes read, and what they take at the drive's read bandwidth, measured in the same run
 //     (bench::RunNvmeBench at the staging buffer size and queue depth);
-//   - the ideal pass time, max(compute, I/O), and pass / ideal.
+//   - the ideal pass time, max(compute, I/O), and pass / ideal;
+//   - the whole step (pass + Step()), and where the optimizer's time went (the engine's
+//     step_profile: Step()'s wait, optimizer compute, state reads and writes, the optimizer
+//     waiting for backward, GradReady() stalls, the sub-groups done before Step()).
 // Acceptance (issue 6): with compute covering I/O, stall <= 5% of the pass; with --compute-ms 0
 // (bandwidth-bound), pass within 10% of bytes / bandwidth.
 #include <stdlib.h>
@@ -53,6 +59,8 @@ struct Flags {
   std::string backend = "auto";
   bool direct = true;
   bool json = false;
+  std::string optimizer_tier = "cpu";
+  bool overlap = false;
 };
 
 [[noreturn]] void Die(const std::string& message) {
@@ -87,6 +95,8 @@ Flags Parse(int argc, char** argv) {
     else if (a == "--io-threads") f.io_threads = static_cast<uint32_t>(std::stoul(next()));
     else if (a == "--backend") f.backend = next();
     else if (a == "--no-direct") f.direct = false;
+    else if (a == "--optimizer-tier") f.optimizer_tier = next();
+    else if (a == "--overlap") f.overlap = true;
     else if (a == "--json") f.json = true;
     else if (a == "--help" || a == "-h") {
       std::printf("see the comment at the top of bench/engine_sim.cc\n");
@@ -96,6 +106,9 @@ Flags Parse(int argc, char** argv) {
     }
   }
   if (f.path.empty()) Die("--path DIR is required");
+  if (f.optimizer_tier != "cpu" && f.optimizer_tier != "nvme") {
+    Die("--optimizer-tier must be cpu or nvme");
+  }
   if (f.layers < 2 || f.steps < 2 || f.layer_elements < 1024) Die("need >= 2 layers and steps");
   return f;
 }
@@ -148,11 +161,11 @@ int main(int argc, char** argv) {
   if (report->best < 0) Die("the drive bench measured nothing");
   const double read_bw = report->results[static_cast<size_t>(report->best)].read_bytes_per_s();
 
-  // 2. The engine: parameters on NVMe, optimizer in memory.
+  // 2. The engine: parameters on NVMe, the optimizer in memory or on NVMe.
   off::EngineOptions options;
   off::Schedule& s = options.schedule;
   s.param_tier = off::Tier::kNvme;
-  s.optimizer_tier = off::Tier::kCpu;
+  s.optimizer_tier = f.optimizer_tier == "nvme" ? off::Tier::kNvme : off::Tier::kCpu;
   s.persistence_threshold = 0;
   s.prefetch_bytes = f.prefetch_bytes;
   s.max_live_bytes = f.max_live_bytes;
@@ -192,9 +205,12 @@ int main(int argc, char** argv) {
   nlohmann::json steps = nlohmann::json::array();
   double sum_pass = 0, sum_stall = 0, sum_ideal = 0, sum_io = 0;
   uint64_t sum_read = 0;
+  double sum_total = 0, sum_step_wait = 0;
+  memplan::offload::AdamOptions adam;
   for (int step = 1; step <= f.steps; ++step) {
     const off::EngineStats before = engine.stats();
     const auto start = Clock::now();
+    if (f.overlap) Check(engine.PrepareStep(adam), "prepare step");
     for (int l = 0; l < f.layers; ++l) {
       Check(engine.Fetch(modules[l]), "fetch");
       BusyFor(f.compute_ms);
@@ -211,10 +227,11 @@ int main(int argc, char** argv) {
     }
     const double pass = Since(start);
     const auto opt_start = Clock::now();
-    memplan::offload::AdamOptions adam;
     Check(engine.Step(adam), "step");
     const double optimizer_s = Since(opt_start);
+    const double total = Since(start);
     const off::EngineStats after = engine.stats();
+    const off::EngineStepProfile& prof = after.step_profile;
     const double stall = after.param.stall_s - before.param.stall_s;
     const uint64_t read = after.param.nvme_read_bytes - before.param.nvme_read_bytes;
     const double io = read / read_bw;
@@ -230,6 +247,19 @@ int main(int argc, char** argv) {
                      {"ideal_s", ideal},
                      {"pass_over_ideal", pass / ideal},
                      {"optimizer_s", optimizer_s},
+                     {"step_total_s", total},
+                     {"step_profile",
+                      {{"overlapped", prof.overlapped},
+                       {"step_s", prof.step_s},
+                       {"optimizer_s", prof.optimizer_s},
+                       {"read_s", prof.read_s},
+                       {"write_s", prof.write_s},
+                       {"sync_s", prof.sync_s},
+                       {"backward_wait_s", prof.backward_wait_s},
+                       {"stall_s", prof.stall_s},
+                       {"sub_groups", prof.sub_groups},
+                       {"sub_groups_before_step", prof.sub_groups_before_step},
+                       {"overlapped_fraction", prof.overlapped_fraction}}},
                      {"grad_s", grad_s},
                      {"prefetch_hits", after.param.prefetch_hits - before.param.prefetch_hits},
                      {"peak_live_bytes", after.param.peak_live_bytes},
@@ -240,6 +270,8 @@ int main(int argc, char** argv) {
       sum_ideal += ideal;
       sum_io += io;
       sum_read += read;
+      sum_total += total;
+      sum_step_wait += optimizer_s;
     }
   }
   const off::EngineStats final_stats = engine.stats();
@@ -253,6 +285,8 @@ int main(int argc, char** argv) {
       {"max_live_bytes", f.max_live_bytes},
       {"compute_ms_per_module", f.compute_ms},
       {"io_threads", f.io_threads},
+      {"optimizer_tier", f.optimizer_tier},
+      {"overlap", f.overlap},
       {"drive_read_bytes_per_s", read_bw},
       {"steps", steps},
       {"mean_after_first",
@@ -261,6 +295,8 @@ int main(int argc, char** argv) {
         {"io_s", sum_io / (f.steps - 1)},
         {"ideal_s", sum_ideal / (f.steps - 1)},
         {"pass_over_ideal", sum_pass / sum_ideal},
+        {"step_total_s", sum_total / (f.steps - 1)},
+        {"step_wait_s", sum_step_wait / (f.steps - 1)},
         {"nvme_read_bytes", sum_read / (f.steps - 1)}}},
       {"budgets_held",
        final_stats.param.peak_live_bytes <= f.max_live_bytes &&
@@ -275,18 +311,29 @@ int main(int argc, char** argv) {
               f.layers, static_cast<unsigned long long>(f.layer_elements), param_bytes / 1048576.0,
               static_cast<double>(param_bytes) / pinned, pinned / 1048576.0, f.compute_ms, read_bw,
               f.io_threads);
-  std::printf("  step   pass_s  stall_s  stall%%   io_s  ideal_s  pass/ideal  grad_s  optim_s\n");
+  std::printf("  optimizer %s%s\n", f.optimizer_tier.c_str(),
+              f.overlap ? ", overlapped with backward (PrepareStep)" : ", after backward");
+  std::printf("  step   pass_s  stall_s  stall%%   io_s  ideal_s  pass/ideal  grad_s  step_s  "
+              "total_s | opt_s  read_s write_s  sync_s bwait_s gstall_s  overlap\n");
   for (const auto& st : steps) {
-    std::printf("  %4d  %7.3f  %7.3f  %5.1f  %6.3f  %7.3f  %9.3f  %6.3f  %7.3f\n",
+    const auto& p = st["step_profile"];
+    std::printf("  %4d  %7.3f  %7.3f  %5.1f  %6.3f  %7.3f  %9.3f  %6.3f  %6.3f  %7.3f | %5.3f  "
+                "%6.3f  %6.3f  %6.3f  %6.3f  %7.3f  %3llu/%-3llu\n",
                 st["step"].get<int>(), st["pass_s"].get<double>(), st["stall_s"].get<double>(),
                 100 * st["stall_fraction"].get<double>(), st["io_s"].get<double>(),
                 st["ideal_s"].get<double>(), st["pass_over_ideal"].get<double>(),
-                st["grad_s"].get<double>(), st["optimizer_s"].get<double>());
+                st["grad_s"].get<double>(), st["optimizer_s"].get<double>(),
+                st["step_total_s"].get<double>(), p["optimizer_s"].get<double>(),
+                p["read_s"].get<double>(), p["write_s"].get<double>(), p["sync_s"].get<double>(),
+                p["backward_wait_s"].get<double>(), p["stall_s"].get<double>(),
+                static_cast<unsigned long long>(p["sub_groups_before_step"].get<uint64_t>()),
+                static_cast<unsigned long long>(p["sub_groups"].get<uint64_t>()));
   }
   const auto& m = out["mean_after_first"];
-  std::printf("  after step 1: stall %.2f%% of the pass, pass / max(compute, I/O) = %.3f; budgets "
-              "%s\n",
+  std::printf("  after step 1: stall %.2f%% of the pass, pass / max(compute, I/O) = %.3f; whole "
+              "step %.3f s (Step() %.3f s); budgets %s\n",
               100 * m["stall_fraction"].get<double>(), m["pass_over_ideal"].get<double>(),
+              m["step_total_s"].get<double>(), m["step_wait_s"].get<double>(),
               out["budgets_held"].get<bool>() ? "held" : "EXCEEDED");
   return 0;
 }

@@ -17,6 +17,14 @@ vocabulary 512) by three arms, each in a fresh process:
 Model sizes: 25M (hidden 512, 8 layers: 25.5 M parameters) and 100M (hidden 1024, 8 layers:
 101 M), or any hidden x layers given as e.g. 768x12.
 
+memplan runs with the optimizer overlapped with backward (overlap_optimizer: each sub-group of the
+AdamW step read, updated and written back during backward as soon as its gradients are in);
+--no-overlap measures the serial step instead. For memplan the table below the summary shows
+where its step went (medians of the engine's step_profile over the measured steps and rounds):
+backward window (the step's first gradient to step()), step() wait, optimizer compute, state
+reads and writes, the commit, the optimizer waiting for backward, backward waiting for the
+engine, and the optimizer sub-groups done before step() was called.
+
 Each round runs every arm once, in a rotated order, so the machine's drift and its other users'
 load fall on all of them; a run's step time is the median of its steps after --warmup. The table
 shows medians over rounds: seconds per step, memplan / DeepSpeed, memplan / max(in-memory step,
@@ -92,12 +100,14 @@ def run_arm(args):
         trainer = memplan.torch.offload(
             model, nvme, lr=LR, weight_decay=WD, direct=True,
             param_buffer_bytes=max(16 << 20, 4 * largest), threads=args.optimizer_threads,
-            **json.loads(args.memplan_options))
+            overlap_optimizer=not args.no_overlap, **json.loads(args.memplan_options))
+        out["profiles"] = []
 
         def step(tokens):
             loss = model(tokens)
             loss.backward()
             trainer.step()
+            out["profiles"].append(trainer.stats()["step_profile"])
             return loss
 
         def finish():
@@ -156,9 +166,9 @@ def io_bytes(stats):
     param = stats["param"]
     read = param["nvme_read_bytes"] + stats["optimizer_read_bytes"]
     write = param["nvme_write_bytes"] + stats["optimizer_write_bytes"]
-    # Gradients stored for the optimizer: their reads are in optimizer_read_bytes, their writes
-    # in grad_write_bytes where the engine reports them, else fp32 gradients of every element.
-    write += stats.get("grad_write_bytes", 4 * stats["partition_elements"] * stats["steps"])
+    # Gradients stored for a serial optimizer step: their reads are in optimizer_read_bytes,
+    # their writes in grad_write_bytes (an overlapped step keeps them in memory).
+    write += stats["grad_write_bytes"]
     return read, write
 
 
@@ -206,6 +216,8 @@ def main(argv=None):
                    help="JSON of extra memplan.schedule keywords, e.g. '{\"io_threads\": 2}'")
     p.add_argument("--deepspeed-options", default="{}",
                    help="JSON merged into DeepSpeed's zero_optimization block")
+    p.add_argument("--no-overlap", action="store_true",
+                   help="memplan's optimizer after backward (serial), not overlapped with it")
     p.add_argument("--json", help="write every run and the summary here")
     # A child process running one arm.
     p.add_argument("--arm", help=argparse.SUPPRESS)
@@ -240,6 +252,8 @@ def main(argv=None):
                                "--optimizer-threads", str(args.optimizer_threads),
                                "--memplan-options", args.memplan_options,
                                "--deepspeed-options", args.deepspeed_options]
+                    if args.no_overlap:
+                        command.append("--no-overlap")
                     load = peer.load_average()
                     done = subprocess.run(command, capture_output=True, text=True, check=False)
                     if done.returncode != 0:
@@ -294,6 +308,12 @@ def summarize(runs, args):
                     [by["memplan"][k]["step_median_s"] /
                      max(by["torch"][k]["step_median_s"], by["memplan"][k]["io_s"])
                      for k in rounds])
+        if "memplan" in by:
+            # The step profile after warm-up, every round's steps together.
+            profiles = [p for k in rounds for p in by["memplan"][k]["profiles"][args.warmup:]]
+            entry["memplan_profile"] = {
+                key: peer.median([p[key] for p in profiles]) for key in PROFILE_KEYS}
+            entry["memplan_profile"]["overlapped"] = all(p["overlapped"] for p in profiles)
         if "torch" in by:
             for arm in ("memplan", "deepspeed"):
                 if arm in by:
@@ -303,6 +323,11 @@ def summarize(runs, args):
                         for k in rounds)
         out.append(entry)
     return out
+
+
+PROFILE_KEYS = ("backward_s", "step_s", "optimizer_s", "read_s", "write_s", "sync_s",
+                "backward_wait_s", "stall_s", "sub_groups", "sub_groups_before_step",
+                "overlapped_fraction")
 
 
 def print_summary(summary):
@@ -316,6 +341,18 @@ def print_summary(summary):
               f"{f('io_s', '6.3f'):>6} {f('memplan_over_deepspeed', '6.3f'):>6} "
               f"{f('memplan_over_floor', '18.3f'):>18} {f('memplan_max_loss_diff', '9.2g'):>9} "
               f"{f('deepspeed_max_loss_diff', '9.2g'):>9}")
+    profiled = [e for e in summary if "memplan_profile" in e]
+    if profiled:
+        print(f"\nmemplan's step (medians, s): {'model':<7} {'overlap':>7} {'backward':>8} "
+              f"{'step()':>7} {'optim':>6} {'read':>6} {'write':>6} {'sync':>6} {'opt wait':>8} "
+              f"{'bw stall':>8} {'before step()':>13}")
+        for e in profiled:
+            p = e["memplan_profile"]
+            print(f"{'':28} {e['model']:<7} {'yes' if p['overlapped'] else 'no':>7} "
+                  f"{p['backward_s']:8.3f} {p['step_s']:7.3f} {p['optimizer_s']:6.3f} "
+                  f"{p['read_s']:6.3f} {p['write_s']:6.3f} {p['sync_s']:6.3f} "
+                  f"{p['backward_wait_s']:8.3f} {p['stall_s']:8.3f} "
+                  f"{p['sub_groups_before_step']:>6.0f}/{p['sub_groups']:<6.0f}")
 
 
 if __name__ == "__main__":

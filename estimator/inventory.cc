@@ -6,7 +6,9 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "common/checked_math.h"
 
@@ -229,6 +231,7 @@ struct ModuleEntry {
   int32_t first_child = -1;  // the submodules, a list through next_sibling
   int32_t next_sibling = -1;
   int32_t children = 0;
+  int32_t leaves = 0;  // tensors held directly
   bool indexed = false;  // its children are in ModuleTree's table (too many to scan)
   bool unsplit_known = false;
   bool no_split = false;
@@ -287,13 +290,28 @@ class ModuleTree {
   }
   // Records that `id` holds tensor `tensor` directly; false when it already holds one of that
   // name (the names of one module's tensors differ in their leaf only).
+  // A module's leaves are scanned while few; past kScanLeaves (a shape list of 10^5 tensors at the
+  // root, a flat safetensors file) their names go into a set of the module's own, so that adding
+  // n leaves stays linear.
   bool AddLeaf(int32_t id, int32_t tensor, const std::vector<TensorInfo>& tensors) {
     const std::string& name = tensors[tensor].name;
-    for (int32_t i = entries_[id].first_leaf; i >= 0; i = leaves_[i].next) {
-      if (tensors[leaves_[i].tensor].name == name) return false;
+    ModuleEntry& e = entries_[id];
+    if (e.leaves < kScanLeaves) {
+      for (int32_t i = e.first_leaf; i >= 0; i = leaves_[i].next) {
+        if (tensors[leaves_[i].tensor].name == name) return false;
+      }
+    } else {
+      auto& names = leaf_names_[id];
+      if (names.empty()) {
+        for (int32_t i = e.first_leaf; i >= 0; i = leaves_[i].next) {
+          names.insert(tensors[leaves_[i].tensor].name);
+        }
+      }
+      if (!names.insert(name).second) return false;
     }
-    leaves_.push_back({tensor, entries_[id].first_leaf});
-    entries_[id].first_leaf = static_cast<int32_t>(leaves_.size() - 1);
+    leaves_.push_back({tensor, e.first_leaf});
+    e.first_leaf = static_cast<int32_t>(leaves_.size() - 1);
+    ++e.leaves;
     return true;
   }
   int32_t Outermost(int32_t id) {
@@ -312,6 +330,7 @@ class ModuleTree {
  private:
   // Children scanned in their list; more go into the table.
   static constexpr int32_t kScanChildren = 16;
+  static constexpr int32_t kScanLeaves = 16;
 
   struct Slot {
     uint64_t hash = 0;
@@ -418,6 +437,7 @@ class ModuleTree {
   std::vector<Slot> slots_;
   size_t indexed_ = 0;
   std::vector<Leaf> leaves_;
+  std::unordered_map<int32_t, std::unordered_set<std::string_view>> leaf_names_;  // past kScanLeaves
 };
 
 }  // namespace

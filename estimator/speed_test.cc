@@ -204,6 +204,30 @@ TEST_CASE("speed: a module with 100,000 submodules counts in linear time") {
   CHECK(large_ms < 32 * std::max(small_ms, 0.02));
 }
 
+TEST_CASE("speed: a module holding 100,000 tensors directly counts in linear time") {
+  // A flat shape list (every tensor at the root) or a flat safetensors file: the duplicate-name
+  // check of one module's tensors must not scan them all for each new one (issue 21 #15: a list
+  // at the 2^18-tensor cap took minutes).
+  auto build = [](int n) {
+    ModelInventory m;
+    m.name = "flat";
+    Status added;
+    for (int i = 0; i < n && added.ok(); ++i) added = m.Add("t" + std::to_string(i), {4});
+    REQUIRE(added.ok());
+    return m;
+  };
+  const ModelInventory small = build(12'500), large = build(100'000);
+  auto counts = CountParams(large);
+  REQUIRE(counts.ok());
+  CHECK(counts->params_total == 400'000);
+  ModelInventory twice = build(20);
+  REQUIRE(twice.Add("t3", {4}).ok());  // a name repeated past the scanned leaves is still found
+  CHECK_FALSE(CountParams(twice).ok());
+  const double small_ms = FastestMs(5, [&] { (void)CountParams(small); });
+  const double large_ms = FastestMs(5, [&] { (void)CountParams(large); });
+  CHECK(large_ms < 32 * std::max(small_ms, 0.02));
+}
+
 TEST_CASE("speed: tying tensors costs the same per tie, however many there are") {
   // A shape list may tie every layer's weight to another (ALBERT-like sharing): each tie looks
   // its target up by name.

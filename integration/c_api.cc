@@ -530,6 +530,20 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_step(memplan_engine* engine,
   });
 }
 
+MEMPLAN_C_EXPORT memplan_status memplan_engine_prepare_step(memplan_engine* engine,
+                                                            const char* options_json) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    nlohmann::json doc = nlohmann::json::object();
+    if (options_json != nullptr) {
+      MEMPLAN_ASSIGN_OR_RETURN(doc, memplan::ParseJson(options_json, "step options"));
+    }
+    MEMPLAN_ASSIGN_OR_RETURN(memplan::offload::SwapStepOptions options,
+                             memplan::integration::StepOptionsFromJson(doc, engine->optimizer));
+    return engine->engine->PrepareStep(options);
+  });
+}
+
 MEMPLAN_C_EXPORT memplan_status memplan_engine_read_master(memplan_engine* engine,
                                                            uint32_t param_id, float* out,
                                                            uint64_t count) {

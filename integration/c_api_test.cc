@@ -364,6 +364,82 @@ TEST_CASE("c api: a frozen parameter is fetched with its values and never steppe
   CHECK(memplan_engine_close(engine) == MEMPLAN_OK);
 }
 
+TEST_CASE("c api: a prepared step runs during backward and ends where the serial one does") {
+  TempDir dir("memplan_capi_");
+  // Both stores on NVMe; sub-groups of 1024 elements, so the 3000-element parameters span several.
+  json schedule = json::parse(ScheduleJson("fp32", dir.PathOf("serial")));
+  schedule["optimizer"]["tier"] = "nvme";
+  std::vector<std::vector<float>> results;
+  for (bool prepare : {false, true}) {
+    CAPTURE(prepare);
+    schedule["nvme"]["path"] = dir.PathOf(prepare ? "prepared" : "serial");
+    memplan_engine* engine = nullptr;
+    REQUIRE_MESSAGE(memplan_engine_open(schedule.dump().c_str(), R"({"runtime": "host"})",
+                                        &engine) == MEMPLAN_OK,
+                    LastError());
+    const int64_t shape[] = {3000};
+    std::vector<std::vector<float>> init(3, std::vector<float>(3000));
+    uint32_t ids[3];
+    for (int p = 0; p < 3; ++p) {
+      for (size_t i = 0; i < 3000; ++i) init[p][i] = static_cast<float>((i * (p + 3)) % 17) * 0.01f;
+      const std::string name = "w" + std::to_string(p), module = "m" + std::to_string(p);
+      REQUIRE(memplan_engine_register(engine, name.c_str(), module.c_str(), shape, 1,
+                                      init[p].data(), &ids[p]) == MEMPLAN_OK);
+    }
+    REQUIRE_MESSAGE(memplan_engine_start(engine) == MEMPLAN_OK, LastError());
+    CHECK(memplan_engine_prepare_step(nullptr, nullptr) == MEMPLAN_INVALID_ARGUMENT);
+    std::vector<float> grad(3000);
+    for (int step = 1; step <= 3; ++step) {
+      const std::string options = R"({"lr": )" + std::to_string(0.01 * step) + "}";
+      if (prepare) {
+        REQUIRE_MESSAGE(memplan_engine_prepare_step(engine, options.c_str()) == MEMPLAN_OK,
+                        LastError());
+      }
+      for (int p = 2; p >= 0; --p) {  // backward: the last parameter's gradient first
+        for (size_t i = 0; i < grad.size(); ++i) {
+          grad[i] = static_cast<float>((i * 7 + step * 3 + p) % 23) * 0.01f - 0.1f;
+        }
+        REQUIRE(memplan_engine_grad_ready(engine, ids[p], grad.data(), MEMPLAN_FLOAT32) ==
+                MEMPLAN_OK);
+        if (prepare) {
+          CHECK(memplan_engine_prepare_step(engine, options.c_str()) ==
+                MEMPLAN_FAILED_PRECONDITION);
+        }
+      }
+      REQUIRE_MESSAGE(memplan_engine_step(engine, options.c_str()) == MEMPLAN_OK, LastError());
+    }
+    char* text = nullptr;
+    REQUIRE(memplan_engine_stats_json(engine, &text) == MEMPLAN_OK);
+    const json stats = json::parse(text);
+    memplan_string_free(text);
+    CHECK(stats.at("step_profile").at("overlapped") == prepare);
+    CHECK(stats.at("step_profile").at("sub_groups") == 9);
+    CHECK(stats.at("step_profile").at("step_s").get<double>() > 0);
+    std::vector<float> all;
+    for (uint32_t id : ids) {
+      std::vector<float> out(3000);
+      REQUIRE(memplan_engine_read_master(engine, id, out.data(), out.size()) == MEMPLAN_OK);
+      all.insert(all.end(), out.begin(), out.end());
+    }
+    results.push_back(all);
+    if (prepare) {
+      // Other options at step(): refused, and the step is abandoned (nothing applied).
+      REQUIRE(memplan_engine_prepare_step(engine, R"({"lr": 0.5})") == MEMPLAN_OK);
+      for (uint32_t id : ids) {
+        REQUIRE(memplan_engine_grad_ready(engine, id, grad.data(), MEMPLAN_FLOAT32) == MEMPLAN_OK);
+      }
+      CHECK(memplan_engine_step(engine, R"({"lr": 0.25})") == MEMPLAN_FAILED_PRECONDITION);
+      CHECK(LastError().find("other options") != std::string::npos);
+      std::vector<float> out(3000);
+      REQUIRE(memplan_engine_read_master(engine, ids[0], out.data(), out.size()) == MEMPLAN_OK);
+      CHECK(std::memcmp(out.data(), all.data(), out.size() * 4) == 0);
+    }
+    CHECK(memplan_engine_close(engine) == MEMPLAN_OK);
+  }
+  REQUIRE(results[0].size() == results[1].size());
+  CHECK(std::memcmp(results[0].data(), results[1].data(), results[0].size() * 4) == 0);
+}
+
 TEST_CASE("c api: engine argument errors") {
   TempDir dir("memplan_capi_");
   memplan_engine* engine = reinterpret_cast<memplan_engine*>(&engine);  // garbage to overwrite

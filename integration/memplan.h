@@ -131,8 +131,17 @@ memplan_status memplan_engine_gradient_stream(memplan_engine* engine, void** str
  * its weights, optimizer states and step count unchanged, as torch's optimizers do. Instead of
  * grad_ready, before step; every rank must skip the same parameters. */
 memplan_status memplan_engine_no_gradient(memplan_engine* engine, uint32_t param_id);
-/* One optimizer step; `options_json` (NULL: defaults) as integration/engine_json.h. */
+/* One optimizer step; `options_json` (NULL: defaults) as integration/engine_json.h. After
+ * memplan_engine_prepare_step the options must be the prepared ones (FAILED_PRECONDITION
+ * otherwise, and the step is abandoned: run its forward and backward again). */
 memplan_status memplan_engine_step(memplan_engine* engine, const char* options_json);
+/* The options of the coming memplan_engine_step, given before the step's first gradient: the
+ * engine then steps each optimizer sub-group during backward, as soon as its gradients are in
+ * (the optimizer on nvme; results identical to the serial step). For options known only after
+ * backward (clipping by the global norm, an fp16 overflow check), do not call it. A failure of the
+ * prepared step is returned by memplan_engine_step, which abandons it (nothing committed, the
+ * weights as before the step). */
+memplan_status memplan_engine_prepare_step(memplan_engine* engine, const char* options_json);
 /* Copies a parameter's fp32 master weights into `out` (`count` must be its numel). */
 memplan_status memplan_engine_read_master(memplan_engine* engine, uint32_t param_id, float* out,
                                           uint64_t count);

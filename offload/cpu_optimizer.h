@@ -71,6 +71,7 @@ struct AdamOptions {
   double grad_scale = 1.0;
 
   Status Validate() const;
+  bool operator==(const AdamOptions&) const = default;
 };
 
 struct SgdOptions {
@@ -88,6 +89,7 @@ struct SgdOptions {
   double grad_scale = 1.0;
 
   Status Validate() const;
+  bool operator==(const SgdOptions&) const = default;
 };
 
 struct LionOptions {
@@ -103,6 +105,7 @@ struct LionOptions {
   double grad_scale = 1.0;
 
   Status Validate() const;
+  bool operator==(const LionOptions&) const = default;
 };
 
 // The tensors of one Adam step; every span has params.size() elements unless said otherwise.

@@ -69,6 +69,46 @@
 // is that a 16-bit sum can overflow where every term does not (fp16 above 65504): scale the loss
 // for that, as for fp16 training anyway. The reduce-scatter is synchronous (as every Collective
 // call), so `device_grad` is free when GradReady() returns.
+// Note [Optimizer overlapped with backward]
+// Serially, Step() runs the whole optimizer after backward: for NVMe states the step is then about
+// backward + (read, update, write of every sub-group), not their maximum. Backward completes the
+// optimizer's sub-groups one by one (the last first: gradients come in reverse registration
+// order), so with PrepareStep() the engine begins the swapper's overlapped step (BeginStep, Note
+// [Sub-groups as their gradients arrive] in optimizer_swapper.cc) before backward, and the
+// gradient thread hands each sub-group over (HandOver) the moment Accumulate() completes it, its
+// fp32 gradients in memory: never written to the store nor read back. The swapper's pipeline reads
+// the sub-group's states, steps it, writes the working parameters back to their tier (WriteBack,
+// on the pipeline's compute thread: ParamSwapper::Write may run beside the trainer's fetches for
+// parameters whose gradients are complete, which this backward does not use again) and writes
+// the states to their other slot. Step() then drains the gradients, completes the skipped
+// parameters' sub-groups (FeedZeros), waits for the last update, starts prefetching the next
+// step's first parameters (ParamSwapper::PrefetchNextStep) and commits. What stays as it was:
+//   - Results, bit for bit: each sub-group is stepped by the same kernel with the same options and
+//     step counts (Segments(), computed when the sub-group completes: its parameters' counts and
+//     skips are final then), and its gradients are the same fp32 values.
+//   - Crash consistency: the swapper's begun marker is committed in PrepareStep(), the states go
+//     to the other slots, and only Step() commits. param_steps.json is written in Step() before
+//     the commit, as LoadStepCounts() accepts (a file one step ahead of the store is undone).
+//   - ZeRO-3: the reduce-scatters stay in GradReady() on the trainer's thread, in call order; the
+//     background threads call no collective; GatherResident() stays after the commit.
+//   - Gradient accumulation: the engine takes one gradient per parameter per step (a trainer sums
+//     its micro-steps first, as memplan.torch does), so only the last micro-step's gradients
+//     complete a sub-group.
+//   - Frozen parameters are outside the optimizer's sub-groups; parameters without a gradient
+//     complete theirs in Step(), stepped as segments.
+// Options: they must be known before backward. Step() compares its options with the prepared ones
+// and abandons the step when they differ. A trainer that clips by the global gradient norm (its
+// coefficient needs every gradient) or checks fp16 gradients for overflow before stepping (a
+// dynamic loss scaler skips the whole step) does not prepare: those steps run serially, as
+// before. Errors: an I/O error in a background sub-group, or the write-back's, fails Step() naming
+// the step and the sub-group; the step is abandoned (Abandon()): nothing committed, its gradients
+// dropped, the working parameters already written rewritten from the committed master weights,
+// so the trainer can run the step again. With world size > 1 a failed step ends the job, as any
+// one rank's error does (the ranks would no longer make the same collectives).
+// Bounds: at most optimizer_buffer_count + 2 sub-groups' fp32 gradients wait for the optimizer;
+// beyond that the gradient thread waits, and so, through the staging slots, does backward
+// (stats().step_profile.stall_s). The cpu optimizer tier steps serially even when prepared.
+//
 // Note [Frozen parameters]
 // A frozen parameter is in the ParamSwapper like any other (fetched, gathered, on its tier) but not
 // in the optimizer. The swapper's partition is laid out trainable parameters first, in
@@ -86,6 +126,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -137,10 +178,30 @@ class OptimizerHome {
   virtual Status Step(const SwapStepOptions& options, const UpdateCallback& on_update,
                       const SegmentFn& segments) = 0;
   virtual Status ReadParams(uint64_t sg, std::span<float> out) = 0;
+  // The overlapped step (Note [Optimizer overlapped with backward]), as the OptimizerSwapper's
+  // calls of the same names; only a home that CanOverlap() has them.
+  virtual bool CanOverlap() const { return false; }
+  virtual Status BeginStep(const SwapStepOptions& /*options*/,
+                           const UpdateCallback& /*on_update*/) {
+    return Status::Unimplemented("engine: this optimizer home steps serially");
+  }
+  virtual Status StepSubGroup(uint64_t /*sg*/, std::span<const float> /*grads*/,
+                              std::vector<StepSegment> /*segments*/,
+                              std::function<void()> /*done*/) {
+    return Status::Unimplemented("engine: this optimizer home steps serially");
+  }
+  virtual uint64_t SubGroupsUpdated() const { return 0; }
+  virtual Status WaitForUpdates() { return Status::Ok(); }
+  virtual Status FinishStep() { return Status::Ok(); }
+  virtual void AbortStep() {}
+  // The last step's stage times (the swapper's; the in-memory home fills compute only).
+  virtual SwapStepStats last_step() const = 0;
   virtual uint64_t epoch() const = 0;
   virtual uint64_t pinned_bytes() const = 0;
   virtual uint64_t read_bytes() const = 0;
   virtual uint64_t write_bytes() const = 0;
+  // Gradients written to the store for a serial step (read back by it: in read_bytes).
+  virtual uint64_t grad_write_bytes() const { return 0; }
   virtual Status Close() = 0;
 };
 
@@ -151,7 +212,9 @@ class NvmeHome final : public OptimizerHome {
   uint64_t sub_group_count() const override { return s_->sub_group_count(); }
   uint64_t SubGroupSize(uint64_t sg) const override { return s_->SubGroupSize(sg); }
   Status WriteGradients(uint64_t sg, std::span<const float> grads) override {
-    return s_->WriteGradients(sg, grads);
+    MEMPLAN_RETURN_IF_ERROR(s_->WriteGradients(sg, grads));
+    grad_write_.fetch_add(grads.size_bytes(), std::memory_order_relaxed);
+    return Status::Ok();
   }
   Status Step(const SwapStepOptions& options, const UpdateCallback& on_update,
               const SegmentFn& segments) override {
@@ -162,15 +225,38 @@ class NvmeHome final : public OptimizerHome {
     return status;
   }
   Status ReadParams(uint64_t sg, std::span<float> out) override { return s_->ReadParams(sg, out); }
+  bool CanOverlap() const override { return true; }
+  Status BeginStep(const SwapStepOptions& options, const UpdateCallback& on_update) override {
+    return s_->BeginStep(options, on_update);
+  }
+  Status StepSubGroup(uint64_t sg, std::span<const float> grads, std::vector<StepSegment> segments,
+                      std::function<void()> done) override {
+    return s_->StepSubGroup(sg, grads, std::move(segments), std::move(done));
+  }
+  uint64_t SubGroupsUpdated() const override { return s_->SubGroupsUpdated(); }
+  Status WaitForUpdates() override { return s_->WaitForUpdates(); }
+  Status FinishStep() override {
+    Status status = s_->FinishStep();
+    const SwapStepStats& last = s_->stats().last_step;
+    read_ += last.read_bytes;
+    write_ += last.write_bytes;
+    return status;
+  }
+  void AbortStep() override { s_->AbortStep(); }
+  SwapStepStats last_step() const override { return s_->stats().last_step; }
   uint64_t epoch() const override { return s_->epoch(); }
   uint64_t pinned_bytes() const override { return s_->stats().pool.capacity_bytes; }
   uint64_t read_bytes() const override { return read_; }
   uint64_t write_bytes() const override { return write_; }
+  uint64_t grad_write_bytes() const override {
+    return grad_write_.load(std::memory_order_relaxed);
+  }
   Status Close() override { return s_->Close(); }
 
  private:
   std::unique_ptr<OptimizerSwapper> s_;
   uint64_t read_ = 0, write_ = 0;
+  std::atomic<uint64_t> grad_write_{0};  // written by the gradient thread
 };
 
 class MemoryHome final : public OptimizerHome {
@@ -230,6 +316,8 @@ class MemoryHome final : public OptimizerHome {
       }
     }
     const int64_t step = static_cast<int64_t>(epoch_ + 1);
+    const auto start = std::chrono::steady_clock::now();
+    last_ = SwapStepStats();
     for (uint64_t sg = 0; sg < sub_group_count(); ++sg) {
       const uint64_t first = sg * sg_, size = SubGroupSize(sg);
       std::span<float> params(params_.data() + first, size);
@@ -251,8 +339,10 @@ class MemoryHome final : public OptimizerHome {
     }
     ++epoch_;
     std::fill(grads_written_.begin(), grads_written_.end(), false);
+    last_.total_s = last_.compute_s = SecondsSince(start);
     return Status::Ok();
   }
+  SwapStepStats last_step() const override { return last_; }
   Status ReadParams(uint64_t sg, std::span<float> out) override {
     if (sg >= sub_group_count() || out.size() != SubGroupSize(sg)) {
       return Status::InvalidArgument("engine: bad sub-group read");
@@ -277,6 +367,7 @@ class MemoryHome final : public OptimizerHome {
   std::vector<std::vector<float>> state_;  // per sub-group, states back to back
   std::vector<bool> grads_written_;
   std::vector<uint16_t> half_buffer_;
+  SwapStepStats last_;
 };
 
 // Makes `dir` (mode 0700) unless it exists; it must then be a directory owned by us.
@@ -316,7 +407,7 @@ struct Engine::Impl {
   // count; NoGradient() marks; whether this step's skipped ones had their zeros fed; whether the
   // counts may differ (then every Step() runs segmented).
   std::vector<uint64_t> param_steps;
-  std::vector<bool> no_gradient;
+  std::vector<uint8_t> no_gradient;  // bytes: the gradient thread reads its sub-groups' entries
   bool zeros_fed = false;
   bool segmented = false;
   std::string steps_path;  // optimizer on NVMe: where the counts are kept for a resume
@@ -369,6 +460,22 @@ struct Engine::Impl {
   std::thread grad_worker;
   std::unordered_map<uint64_t, GradBuffer> grad_buffers;  // the gradient thread's only
   std::vector<std::vector<float>> grad_buffer_free;       // the gradient thread's only
+  // Note [Optimizer overlapped with backward]. `overlap` and `prepared` are the trainer thread's,
+  // written only while the gradient thread is idle (before the step's first gradient is queued,
+  // after DrainGradients()); the gradient thread reads `overlap` for the jobs queued after.
+  bool prepared = false;  // PrepareStep() was called for the coming step
+  bool overlap = false;   // ... and the optimizer runs it beside backward
+  SwapStepOptions prepared_options;
+  std::chrono::steady_clock::time_point prepared_at;
+  // Sub-groups' gradients handed to the optimizer and not yet read by it: at most overlap_limit
+  // (the optimizer's buffers and two more); the gradient thread waits beyond that.
+  uint64_t overlap_limit = 0;
+  std::mutex overlap_mu;
+  std::condition_variable overlap_cv;
+  uint64_t overlap_outstanding = 0;              // Guarded by overlap_mu.
+  std::vector<std::vector<float>> overlap_free;  // Guarded by overlap_mu: buffers read, to reuse.
+  bool overlap_abandoned = false;                // Guarded by overlap_mu: drop hand-overs.
+  double stall_s = 0;  // the trainer thread's: GradReady() blocked this step
   bool started = false;
   bool closed = false;
   EngineStats stats;
@@ -445,6 +552,13 @@ struct Engine::Impl {
       float* base = direct.data();
       if (base == nullptr) {
         if (buf.data.empty()) {
+          if (grad_buffer_free.empty()) {
+            std::lock_guard<std::mutex> lock(overlap_mu);
+            if (!overlap_free.empty()) {
+              grad_buffer_free.push_back(std::move(overlap_free.back()));
+              overlap_free.pop_back();
+            }
+          }
           if (!grad_buffer_free.empty() && grad_buffer_free.back().size() == size) {
             buf.data = std::move(grad_buffer_free.back());
             grad_buffer_free.pop_back();
@@ -473,14 +587,117 @@ struct Engine::Impl {
       }
       buf.received += len;
       if (buf.received == size) {
-        MEMPLAN_RETURN_IF_ERROR(
-            optimizer->WriteGradients(sg, std::span<const float>(base, size)));
-        if (!buf.data.empty()) grad_buffer_free.push_back(std::move(buf.data));
+        if (overlap) {
+          MEMPLAN_RETURN_IF_ERROR(HandOver(sg, std::move(buf.data)));
+        } else {
+          MEMPLAN_RETURN_IF_ERROR(
+              optimizer->WriteGradients(sg, std::span<const float>(base, size)));
+          if (!buf.data.empty()) grad_buffer_free.push_back(std::move(buf.data));
+        }
         grad_buffers.erase(sg);
       }
       done += len;
     }
     return Status::Ok();
+  }
+
+  // An overlapped step's sub-group `sg` has all its gradients (in `grads`): hands it to the
+  // optimizer, which steps it in the background and gives the buffer back once it has read it
+  // (Note [Optimizer overlapped with backward]). Waits while overlap_limit sub-groups are handed
+  // over and unread: backward then waits for the optimizer (the stall).
+  Status HandOver(uint64_t sg, std::vector<float> grads) {
+    {
+      std::unique_lock<std::mutex> lock(overlap_mu);
+      overlap_cv.wait(lock, [&] {
+        return overlap_outstanding < overlap_limit || overlap_abandoned;
+      });
+      if (overlap_abandoned) {
+        overlap_free.push_back(std::move(grads));
+        return Status::Ok();
+      }
+      ++overlap_outstanding;
+    }
+    auto held = std::make_shared<std::vector<float>>(std::move(grads));
+    std::function<void()> done = [this, held] {
+      {
+        std::lock_guard<std::mutex> lock(overlap_mu);
+        overlap_free.push_back(std::move(*held));
+        --overlap_outstanding;
+      }
+      overlap_cv.notify_all();
+    };
+    // Each trainable parameter's shard at its own next step: one segment at the optimizer's next
+    // step is the unsegmented step, bit for bit, and cheaper.
+    std::vector<StepSegment> parts = Segments(sg);
+    if (parts.size() == 1 && parts[0].step == static_cast<int64_t>(optimizer->epoch() + 1)) {
+      parts.clear();
+    }
+    const std::span<const float> view(held->data(), held->size());
+    Status handed = optimizer->StepSubGroup(sg, view, std::move(parts), done);
+    if (!handed.ok()) done();  // refused: the optimizer keeps nothing of it
+    return handed;
+  }
+
+  // Writes the working copies of the trainable parameters from the optimizer's master weights
+  // (after Start(), which may have resumed, and after an abandoned step).
+  Status WriteWorkingCopies() {
+    const Schedule& sc = options.schedule;
+    const HalfDtype half_dtype = ToHalf(sc.param_dtype);
+    const uint64_t sg_elems = optimizer->sub_group_elements();
+    std::vector<float> master(std::min(sg_elems, optimizer->SubGroupSize(0)));
+    std::vector<uint16_t> half(half_dtype == HalfDtype::kNone ? 0 : master.size());
+    for (uint64_t sg = 0; sg < optimizer->sub_group_count(); ++sg) {
+      const uint64_t n = optimizer->SubGroupSize(sg);
+      std::span<float> m(master.data(), n);
+      MEMPLAN_RETURN_IF_ERROR(optimizer->ReadParams(sg, m));
+      if (half_dtype == HalfDtype::kNone) {
+        MEMPLAN_RETURN_IF_ERROR(params->WriteFloat(sg * sg_elems, m));
+        continue;
+      }
+      std::span<uint16_t> h(half.data(), n);
+      MEMPLAN_RETURN_IF_ERROR(converter->ConvertToHalf(m, h, half_dtype));
+      MEMPLAN_RETURN_IF_ERROR(params->WriteHalf(sg * sg_elems, h));
+    }
+    return Status::Ok();
+  }
+
+  // Ends a prepared step that failed (Note [Optimizer overlapped with backward]): the optimizer's
+  // step is abandoned (nothing of it committed), the gradients of the step are dropped, and the
+  // working parameters, some of which the step had already written, are rewritten from the last
+  // committed step. Returns `error` with what the clean-up found added.
+  Status Abandon(Status error) {
+    {
+      std::lock_guard<std::mutex> lock(overlap_mu);
+      overlap_abandoned = true;  // the gradient thread drops what it would still hand over
+    }
+    overlap_cv.notify_all();
+    optimizer->AbortStep();
+    (void)DrainGradients();  // the step's gradients are dropped, a failed copy's included
+    {
+      std::lock_guard<std::mutex> lock(grad_mu);
+      grad_error = Status::Ok();
+    }
+    {
+      std::lock_guard<std::mutex> lock(overlap_mu);
+      overlap_abandoned = false;
+    }
+    for (auto& [sg, buf] : grad_buffers) {
+      if (!buf.data.empty()) grad_buffer_free.push_back(std::move(buf.data));
+    }
+    grad_buffers.clear();
+    overlap = false;
+    prepared = false;
+    std::fill(grad_given.begin(), grad_given.end(), false);
+    std::fill(no_gradient.begin(), no_gradient.end(), uint8_t{0});
+    zeros_fed = false;
+    grads_missing = trainable_params;
+    Status restored = params->EndOfStep();
+    if (restored.ok()) restored = WriteWorkingCopies();
+    if (!restored.ok()) {
+      return restored.WithPrefix(error.ToString() + "; then rewriting the working parameters "
+                                 "from step " + std::to_string(optimizer->epoch()));
+    }
+    return error;
   }
 
   void RunGradients() {
@@ -809,7 +1026,9 @@ struct Engine::Impl {
       job.type = type;
       job.first = first + done / eb;
       job.count = len / eb;
+      const auto waited = std::chrono::steady_clock::now();
       MEMPLAN_ASSIGN_OR_RETURN(job.slot, grad_staging->Acquire());  // waits for the thread
+      stall_s += SecondsSince(waited);
       MEMPLAN_ASSIGN_OR_RETURN(job.ticket, runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost,
                                                               job.slot.data().data(), src + done,
                                                               len));
@@ -837,7 +1056,9 @@ struct Engine::Impl {
     job.count = bytes / static_cast<uint64_t>(ElementBytes(type));
     {
       std::unique_lock<std::mutex> lock(grad_mu);
+      const auto waited = std::chrono::steady_clock::now();
       grad_cv.wait(lock, [&] { return grad_jobs.size() < kGradSlots; });
+      stall_s += SecondsSince(waited);
       for (size_t i = 0; i < grad_free.size(); ++i) {
         if (grad_free[i].size() >= bytes) {
           job.host = std::move(grad_free[i]);
@@ -1039,6 +1260,7 @@ Status Engine::Start(RecoveryReport* report) {
     oo.half_dtype = ToHalf(sc.param_dtype);
     oo.cpu = cpu;
     oo.runtime = s.runtime;
+    oo.make_backend = s.options.make_optimizer_backend;
     const uint64_t optimizer_pinned = OptimizerSwapper::RequiredSlotBytes(oo) * oo.buffer_count;
     const uint64_t staging_pinned = s.staging ? s.staging->stats().capacity_bytes : 0;
     if (sc.pinned_budget_bytes > 0 && optimizer_pinned + staging_pinned > sc.pinned_budget_bytes) {
@@ -1087,21 +1309,10 @@ Status Engine::Start(RecoveryReport* report) {
   }
   // The working copies, from the master weights (which, after a resume, are the last complete
   // step's).
+  MEMPLAN_RETURN_IF_ERROR(s.WriteWorkingCopies());
   const HalfDtype half_dtype = ToHalf(sc.param_dtype);
-  std::vector<float> master(std::min(total, sc.sub_group_elements));
-  std::vector<uint16_t> half(half_dtype == HalfDtype::kNone ? 0 : master.size());
-  for (uint64_t sg = 0; sg < s.optimizer->sub_group_count(); ++sg) {
-    const uint64_t n = s.optimizer->SubGroupSize(sg);
-    std::span<float> m(master.data(), n);
-    MEMPLAN_RETURN_IF_ERROR(s.optimizer->ReadParams(sg, m));
-    if (half_dtype == HalfDtype::kNone) {
-      MEMPLAN_RETURN_IF_ERROR(s.params->WriteFloat(sg * sc.sub_group_elements, m));
-      continue;
-    }
-    std::span<uint16_t> h(half.data(), n);
-    MEMPLAN_RETURN_IF_ERROR(s.converter->ConvertToHalf(m, h, half_dtype));
-    MEMPLAN_RETURN_IF_ERROR(s.params->WriteHalf(sg * sc.sub_group_elements, h));
-  }
+  std::vector<float> master;
+  std::vector<uint16_t> half;
   // The frozen parameters' working copies, from their init, once (Note [Frozen parameters]).
   for (uint64_t at = frozen_begin; at < partition; at += sc.sub_group_elements) {
     const uint64_t n = std::min(sc.sub_group_elements, partition - at);
@@ -1235,9 +1446,43 @@ Status Engine::NoGradient(ParamId param) {
   return Status::Ok();
 }
 
+Status Engine::PrepareStep(const SwapStepOptions& options) {
+  Impl& s = *impl_;
+  if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
+  if (s.grads_missing != s.trainable_params) {
+    return Status::FailedPrecondition(
+        "engine: PrepareStep() after the step's first GradReady() or NoGradient(); give the "
+        "options before backward, or at Step()");
+  }
+  MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(s.options.schedule.optimizer, options)
+                              .WithPrefix("engine: PrepareStep()"));
+  if (s.overlap) {  // replaced: nothing was handed over yet
+    s.optimizer->AbortStep();
+    s.overlap = false;
+  }
+  s.prepared = true;
+  s.prepared_options = options;
+  s.prepared_at = std::chrono::steady_clock::now();
+  if (!s.optimizer->CanOverlap()) return Status::Ok();  // the cpu optimizer: serial
+  MEMPLAN_RETURN_IF_ERROR(s.optimizer->BeginStep(
+      options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }));
+  s.overlap_limit = s.options.schedule.optimizer_buffer_count + 2;
+  s.overlap = true;
+  return Status::Ok();
+}
+
 Status Engine::Step(const SwapStepOptions& options) {
   Impl& s = *impl_;
   if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
+  const auto start = std::chrono::steady_clock::now();
+  if (s.prepared && !(options == s.prepared_options)) {
+    const Status refused = Status::FailedPrecondition(
+        "engine: Step() was given other options than PrepareStep(); the step is abandoned "
+        "(nothing of it applied): run its forward and backward again");
+    if (s.overlap) return s.Abandon(refused);
+    s.prepared = false;
+    return refused;
+  }
   if (s.grads_missing > 0) {
     for (size_t i = 0; i < s.specs.size(); ++i) {
       if (!s.grad_given[i] && !s.specs[i].frozen) {
@@ -1247,29 +1492,47 @@ Status Engine::Step(const SwapStepOptions& options) {
       }
     }
   }
+  const bool overlapped = s.overlap;
+  const uint64_t before_step = overlapped ? s.optimizer->SubGroupsUpdated() : 0;
   const bool skipping =
-      std::find(s.no_gradient.begin(), s.no_gradient.end(), true) != s.no_gradient.end();
-  MEMPLAN_RETURN_IF_ERROR(s.DrainGradients());
-  if (skipping && !s.zeros_fed) {
-    for (size_t i = 0; i < s.specs.size(); ++i) {
-      if (s.no_gradient[i]) MEMPLAN_RETURN_IF_ERROR(s.FeedZeros(i));
+      std::find(s.no_gradient.begin(), s.no_gradient.end(), uint8_t{1}) != s.no_gradient.end();
+  auto run = [&]() -> Status {
+    MEMPLAN_RETURN_IF_ERROR(s.DrainGradients());
+    if (skipping && !s.zeros_fed) {
+      for (size_t i = 0; i < s.specs.size(); ++i) {
+        if (s.no_gradient[i]) MEMPLAN_RETURN_IF_ERROR(s.FeedZeros(i));
+      }
+      s.zeros_fed = true;  // once, should this step be retried
     }
-    s.zeros_fed = true;  // once, should this step be retried
+    MEMPLAN_RETURN_IF_ERROR(s.params->EndOfStep());
+    s.segmented = s.segmented || skipping;
+    if (s.segmented && !s.steps_path.empty()) {
+      MEMPLAN_RETURN_IF_ERROR(s.SaveStepCounts(s.optimizer->epoch() + 1));
+    }
+    if (!overlapped) {
+      SegmentFn segments;
+      if (s.segmented) segments = [&s](uint64_t sg) { return s.Segments(sg); };
+      return s.optimizer->Step(
+          options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }, segments);
+    }
+    // Every working parameter is written: the next step's first parameters can be read while
+    // the last states are written and the step commits.
+    MEMPLAN_RETURN_IF_ERROR(s.optimizer->WaitForUpdates());
+    MEMPLAN_RETURN_IF_ERROR(s.params->PrefetchNextStep());
+    return s.optimizer->FinishStep();
+  };
+  Status status = run();
+  if (!status.ok()) {
+    if (overlapped) return s.Abandon(status.WithPrefix("engine: overlapped step " +
+                                                       std::to_string(s.optimizer->epoch() + 1)));
+    return status;
   }
-  MEMPLAN_RETURN_IF_ERROR(s.params->EndOfStep());
-  const auto start = std::chrono::steady_clock::now();
-  s.segmented = s.segmented || skipping;
-  if (s.segmented && !s.steps_path.empty()) {
-    MEMPLAN_RETURN_IF_ERROR(s.SaveStepCounts(s.optimizer->epoch() + 1));
-  }
-  SegmentFn segments;
-  if (s.segmented) segments = [&s](uint64_t sg) { return s.Segments(sg); };
-  MEMPLAN_RETURN_IF_ERROR(s.optimizer->Step(
-      options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }, segments));
+  s.overlap = false;
+  s.prepared = false;
   for (size_t i = 0; i < s.specs.size(); ++i) {
     if (!s.specs[i].frozen && !s.no_gradient[i]) ++s.param_steps[i];
   }
-  std::fill(s.no_gradient.begin(), s.no_gradient.end(), false);
+  std::fill(s.no_gradient.begin(), s.no_gradient.end(), uint8_t{0});
   s.zeros_fed = false;
   MEMPLAN_RETURN_IF_ERROR(s.params->GatherResident());
   s.stats.last_step_s = SecondsSince(start);
@@ -1277,6 +1540,25 @@ Status Engine::Step(const SwapStepOptions& options) {
   s.grads_missing = s.trainable_params;
   ++s.stats.steps;
   s.stats.epoch = s.optimizer->epoch();
+  // Note [Optimizer overlapped with backward]: where the step's time went.
+  const SwapStepStats last = s.optimizer->last_step();
+  EngineStepProfile& p = s.stats.step_profile;
+  p = EngineStepProfile();
+  p.overlapped = overlapped;
+  p.backward_s =
+      overlapped ? std::chrono::duration<double>(start - s.prepared_at).count() : 0.0;
+  p.step_s = s.stats.last_step_s;
+  p.optimizer_s = last.compute_s;
+  p.read_s = last.read_s;
+  p.write_s = last.write_s;
+  p.sync_s = last.sync_s;
+  p.backward_wait_s = overlapped ? last.grad_wait_s : 0.0;
+  p.stall_s = s.stall_s;
+  p.sub_groups = s.optimizer->sub_group_count();
+  p.sub_groups_before_step = before_step;
+  p.overlapped_fraction =
+      static_cast<double>(before_step) / static_cast<double>(std::max<uint64_t>(p.sub_groups, 1));
+  s.stall_s = 0;
   return Status::Ok();
 }
 
@@ -1337,6 +1619,7 @@ EngineStats Engine::stats() const {
   if (s.optimizer) {
     out.optimizer_read_bytes = s.optimizer->read_bytes();
     out.optimizer_write_bytes = s.optimizer->write_bytes();
+    out.grad_write_bytes = s.optimizer->grad_write_bytes();
     out.pinned_bytes = out.param.pinned_bytes + s.optimizer->pinned_bytes() +
                        (s.grad_staging ? s.grad_staging->stats().capacity_bytes : 0);
   }
@@ -1349,6 +1632,14 @@ Status Engine::Close() {
   Impl& s = *impl_;
   if (s.closed) return Status::Ok();
   s.closed = true;
+  if (s.overlap) {  // a prepared step never finished: nothing of it is committed
+    {
+      std::lock_guard<std::mutex> lock(s.overlap_mu);
+      s.overlap_abandoned = true;
+    }
+    s.overlap_cv.notify_all();
+    s.optimizer->AbortStep();
+  }
   s.StopGradients();  // finishes the gradients queued (their copies may still be in flight)
   {
     std::lock_guard<std::mutex> lock(s.grad_mu);

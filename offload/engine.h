@@ -16,6 +16,14 @@
 //                                        GradReady(param, grad, dtype, s); Release(module, s)
 //     Step(adam_options);                                   // CPU optimizer, parameters updated
 //
+// Overlapping the optimizer with backward: PrepareStep(adam_options) before a step's first
+// GradReady() lets the engine step each optimizer sub-group as soon as its last gradient is in,
+// during backward, and Step(adam_options) then only finishes what is left (Note [Optimizer
+// overlapped with backward] in engine.cc). The results are those of the serial order, bit for
+// bit. The step's options must be known before backward to do this: a trainer that clips by the
+// global gradient norm, or skips fp16 steps whose gradients overflowed, knows them only after
+// backward, so it does not call PrepareStep() and its steps stay serial.
+//
 // Streams (the contract with a trainer's GPU work). The trainer queues its kernels on streams of
 // its own (PyTorch's current stream) and the engine copies on streams of the runtime's; nothing
 // orders the two unless the trainer says which of its streams it used:
@@ -45,9 +53,10 @@
 //
 // Gradient path: GradReady(param, device_grad, dtype, stream) queues the gradient's copy into pinned
 // host staging and returns; a gradient thread converts it to fp32 into the optimizer sub-groups it
-// covers and hands each sub-group to the optimizer as soon as all its gradients are in. Step() runs the optimizer
-// over every sub-group and writes the updated working parameters back to where the Schedule keeps
-// them (GPU copies, pinned arena, NVMe).
+// covers and hands each sub-group to the optimizer as soon as all its gradients are in (stored for
+// Step(), or, in a prepared step, stepped at once). Step() runs the optimizer over every sub-group
+// (in a prepared step: over those left) and writes the updated working parameters back to where
+// the Schedule keeps them (GPU copies, pinned arena, NVMe).
 //
 // Data parallel (ZeRO-3), with a Collective of world size > 1 (NCCL, or the thread-group one of
 // thread_collective.h): every rank runs its own Engine over the same parameters, and each rank's
@@ -78,7 +87,8 @@
 // in Start(); Note [Resuming ranks] in engine.cc).
 //
 // Statistics (stats()): bytes moved per tier and direction, stall time, peak GPU and pinned bytes;
-// the estimator's predictions are checked against them. GPU memory: the engine reserves its share
+// the estimator's predictions are checked against them. step_profile says where the last Step()'s
+// time went (EngineStepProfile). GPU memory: the engine reserves its share
 // at Start() (the parameter swapper's DeviceArena, and for world size > 1 two reduce-scatter
 // buffers) and keeps to it: stats().device_arena_bytes, known before the first step, is what the
 // trainer's allocator must leave free.
@@ -126,6 +136,29 @@ struct EngineOptions {
   int device = gpu::kCurrentDevice;  // the CUDA device of a runtime the engine makes itself
   Collective* collective = nullptr;  // not owned; null: single process; world size > 1: ZeRO-3
   bool resume = false;               // reopen the NVMe optimizer store left by an earlier run
+  // Test seam: when set, the NVMe optimizer store runs on the backend this returns (e.g. an
+  // nvme::FaultBackend) instead of one made from the schedule.
+  std::function<Result<std::unique_ptr<nvme::Backend>>()> make_optimizer_backend;
+};
+
+// Where the last Step()'s time went. Times are seconds of wall clock; busy times of the optimizer's
+// stages may overlap each other (they are threads of a pipeline) and the trainer's backward.
+struct EngineStepProfile {
+  bool overlapped = false;          // the step was prepared (PrepareStep) and ran during backward
+  double backward_s = 0;            // overlapped: from PrepareStep() to the Step() call, the
+                                    // window the optimizer ran in beside backward; 0 otherwise
+  double step_s = 0;                // the Step() call: what the trainer waited after backward
+  double optimizer_s = 0;           // CPU optimizer kernels and working-parameter write-backs
+  double read_s = 0;                // optimizer state reads (and stored gradients), NVMe busy time
+  double write_s = 0;               // optimizer state writes, NVMe busy time
+  double sync_s = 0;                // the step's commit (fdatasync and index)
+  double backward_wait_s = 0;       // overlapped: the optimizer idle, waiting for backward to
+                                    // complete its next sub-group
+  double stall_s = 0;               // GradReady() blocked this step: backward waiting for the
+                                    // engine (staging slots full; overlapped: the optimizer behind)
+  uint64_t sub_groups = 0;          // optimizer sub-groups stepped
+  uint64_t sub_groups_before_step = 0;  // of those, updated before Step() was called
+  double overlapped_fraction = 0;   // sub_groups_before_step / sub_groups
 };
 
 struct EngineStats {
@@ -147,7 +180,10 @@ struct EngineStats {
   uint64_t reduce_scatter_bytes = 0;  // world size > 1: gradient bytes reduce-scattered (padded)
   uint64_t optimizer_read_bytes = 0;  // NVMe optimizer store, all steps
   uint64_t optimizer_write_bytes = 0;
+  uint64_t grad_write_bytes = 0;      // gradients written to the NVMe optimizer store for serial
+                                      // steps (an overlapped step keeps them in memory)
   double last_step_s = 0;             // the last Step()'s optimizer time
+  EngineStepProfile step_profile;     // the last Step(), stage by stage
   uint64_t peak_device_bytes = 0;     // the runtime's device bytes in use, highest ever (counted
                                       // at every allocation, like cudaMemGetInfo would see them)
   uint64_t pinned_bytes = 0;          // pinned memory the engine holds
@@ -193,7 +229,23 @@ class Engine {
   // The stream the engine's gradient copies read on ({} on the host-only runtime).
   gpu::Stream GradientStream() const;
   // Runs the optimizer step over all parameters; every parameter's gradient must have been given.
+  // After PrepareStep(): finishes the overlapped step; `options` must equal the prepared ones.
   Status Step(const SwapStepOptions& options);
+  // Gives the options of the coming Step() before its gradients, so that its optimizer runs
+  // overlapped with backward (Note [Optimizer overlapped with backward] in engine.cc): each
+  // sub-group is stepped (states read, updated, written back, working parameters written to
+  // their tier) as soon as its last gradient arrives. Call it before the step's first GradReady()
+  // or NoGradient() (FailedPrecondition after), on every rank; calling it again before then
+  // replaces the options. Needs the optimizer on nvme: with the cpu optimizer tier it is accepted
+  // and the step runs serially (stats().step_profile.overlapped false). If the prepared step
+  // fails (an I/O error in a sub-group's step, the write-back, or Step() given other options:
+  // FailedPrecondition), Step() returns the error naming the sub-group, and the step is
+  // abandoned: nothing of it is committed, the working parameters are rewritten from the last
+  // committed step, and its gradients are dropped, so the trainer runs the step's forward and
+  // backward again. A parameter's updated working copy is written to its tier while backward
+  // still runs: that backward does not read it again, since a parameter's gradient is complete
+  // only after its last use.
+  Status PrepareStep(const SwapStepOptions& options);
   // Reads a parameter's fp32 master weights (for checkpoints and tests). With world size > 1 this
   // all-gathers the ranks' shards: a collective, which every rank calls for the same parameter.
   // FailedPrecondition for a frozen parameter (it has no master weights).

@@ -9,8 +9,10 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "nvme/fault_backend.h"
 #include "offload/half.h"
 #include "offload/schedule.h"
 #include "tests/testing.h"
@@ -83,13 +85,11 @@ struct Run {
   std::vector<ParamId> ids;
 };
 
-Run StartEngine(const ToyModel& model, const Schedule& schedule, bool resume = false,
-                RecoveryReport* report = nullptr) {
+// `options.runtime` must be `runtime`'s.
+Run StartEngineWith(const ToyModel& model, const EngineOptions& options,
+                    std::unique_ptr<gpu::Runtime> runtime, RecoveryReport* report = nullptr) {
   Run run;
-  EngineOptions options;
-  options.schedule = schedule;
-  options.runtime = run.runtime.get();
-  options.resume = resume;
+  run.runtime = std::move(runtime);
   auto engine = Engine::Create(options);
   REQUIRE_MESSAGE(engine.ok(), engine.status().ToString());
   run.engine = std::move(*engine);
@@ -112,6 +112,16 @@ Run StartEngine(const ToyModel& model, const Schedule& schedule, bool resume = f
   return run;
 }
 
+Run StartEngine(const ToyModel& model, const Schedule& schedule, bool resume = false,
+                RecoveryReport* report = nullptr) {
+  std::unique_ptr<gpu::Runtime> runtime = gpu::CreateHostOnlyRuntime();
+  EngineOptions options;
+  options.schedule = schedule;
+  options.runtime = runtime.get();
+  options.resume = resume;
+  return StartEngineWith(model, options, std::move(runtime), report);
+}
+
 // The fetched 16-bit copy of every parameter equals bf16(master weights).
 void CheckFetchedAreMaster(Run& run, const ToyModel& model) {
   for (size_t i = 0; i < model.params.size(); ++i) {
@@ -129,7 +139,10 @@ void CheckFetchedAreMaster(Run& run, const ToyModel& model) {
 }
 
 // One training step: forward over the modules in `order`, backward in reverse with gradients.
-void TrainStep(Run& run, const ToyModel& model, uint64_t t, const std::vector<std::string>& order) {
+// `prepare`: the optimizer overlapped with backward (PrepareStep before the step's gradients).
+void TrainStep(Run& run, const ToyModel& model, uint64_t t, const std::vector<std::string>& order,
+               bool prepare = false) {
+  if (prepare) REQUIRE(run.engine->PrepareStep(Adam(t)).ok());
   for (const std::string& m : order) {
     REQUIRE(run.engine->Fetch(m).ok());
     REQUIRE(run.engine->Release(m).ok());
@@ -186,39 +199,138 @@ TEST_CASE("Engine trains bit-identically to in-memory AdamW on every tier combin
   };
   for (Combo c : {Combo{Tier::kGpu, Tier::kCpu}, Combo{Tier::kCpu, Tier::kCpu},
                   Combo{Tier::kNvme, Tier::kCpu}, Combo{Tier::kCpu, Tier::kNvme},
-                  Combo{Tier::kNvme, Tier::kNvme}}) {
-    CAPTURE(TierName(c.params));
-    CAPTURE(TierName(c.optimizer));
+                  Combo{Tier::kNvme, Tier::kNvme}, Combo{Tier::kGpu, Tier::kNvme}}) {
+    for (bool prepare : {false, true}) {
+      CAPTURE(TierName(c.params));
+      CAPTURE(TierName(c.optimizer));
+      CAPTURE(prepare);
+      TempDir dir("engine-");
+      Run run = StartEngine(model, MakeSchedule(c.params, c.optimizer, dir.PathOf("nvme")));
+      CheckFetchedAreMaster(run, model);
+      EngineStats before_last;
+      for (uint64_t t = 1; t <= 3; ++t) {
+        if (t == 3) before_last = run.engine->stats();
+        TrainStep(run, model, t, model.modules, prepare);
+      }
+      const std::vector<float> got = EngineWeights(run, model);
+      const std::vector<float> want = ReferenceWeights(model, 3);
+      REQUIRE(got.size() == want.size());
+      CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
+      CheckFetchedAreMaster(run, model);
+      const EngineStats stats = run.engine->stats();
+      CHECK(stats.steps == 3);
+      CHECK(stats.epoch == 3);
+      CHECK(stats.elements == model.total);
+      CHECK(stats.d2h_bytes == 3 * 2 * model.total);
+      CHECK(stats.runtime == "host-only");
+      if (c.params == Tier::kGpu) {
+        CHECK(stats.param.demand_fetches == 0);
+        CHECK(stats.param.resident_bytes == 2 * model.total);
+      } else {
+        CHECK(stats.param.resident_bytes == 2 * 4 * 40);  // the biases
+        CHECK(stats.param.h2d_bytes > 0);
+      }
+      if (c.params == Tier::kNvme) {
+        CHECK(stats.param.nvme_read_bytes > 0);
+        CHECK(stats.param.nvme_write_bytes == 4 * 2 * model.total);  // start + 3 steps
+      }
+      const uint64_t sub_groups = (model.total + 2047) / 2048;
+      const EngineStepProfile& profile = stats.step_profile;
+      CHECK(profile.sub_groups == sub_groups);
+      CHECK(profile.step_s > 0);
+      CHECK(profile.overlapped == (prepare && c.optimizer == Tier::kNvme));
+      if (c.optimizer == Tier::kNvme) {
+        // Each step reads every sub-group's header and fp32 master, m, v; serially the gradients
+        // too (written during backward, read back), overlapped never. (Overlapped, the first step
+        // may read a sub-group's states twice: its reader guessed backward's order before it had
+        // seen it; Note [Reading states ahead] in optimizer_swapper.cc. The last step reads each
+        // once.)
+        const uint64_t states = 4096 * sub_groups + 12 * model.total;
+        CHECK(stats.optimizer_read_bytes - before_last.optimizer_read_bytes ==
+              states + (prepare ? 0 : 4 * model.total));
+        CHECK(stats.optimizer_read_bytes >= 3 * (states + (prepare ? 0 : 4 * model.total)));
+        CHECK(stats.optimizer_write_bytes == 3 * states);
+        CHECK(stats.grad_write_bytes == (prepare ? 0 : 3 * 4 * model.total));
+        CHECK(stats.pinned_bytes > 0);
+        CHECK(profile.read_s > 0);
+        CHECK(profile.write_s > 0);
+        CHECK(profile.sub_groups_before_step <= sub_groups);
+        CHECK(profile.overlapped_fraction ==
+              doctest::Approx(static_cast<double>(profile.sub_groups_before_step) / sub_groups));
+        if (prepare) CHECK(profile.backward_s > 0);
+      }
+      REQUIRE(run.engine->Close().ok());
+    }
+  }
+}
+
+TEST_CASE("A prepared step that fails is abandoned: nothing applied, the weights as before") {
+  const ToyModel model(4);
+  for (Tier params : {Tier::kCpu, Tier::kNvme}) {
+    CAPTURE(TierName(params));
     TempDir dir("engine-");
-    Run run = StartEngine(model, MakeSchedule(c.params, c.optimizer, dir.PathOf("nvme")));
+    nvme::FaultBackend* faults = nullptr;
+    Run run;
+    {
+      EngineOptions options;
+      options.schedule = MakeSchedule(params, Tier::kNvme, dir.PathOf("nvme"));
+      options.runtime = run.runtime.get();
+      options.make_optimizer_backend = [&]() -> Result<std::unique_ptr<nvme::Backend>> {
+        MEMPLAN_ASSIGN_OR_RETURN(auto inner, nvme::CreatePosixBackend({}));
+        MEMPLAN_ASSIGN_OR_RETURN(auto wrapped, nvme::FaultBackend::Create(std::move(inner)));
+        faults = wrapped.get();
+        return std::unique_ptr<nvme::Backend>(std::move(wrapped));
+      };
+      run = StartEngineWith(model, options, std::move(run.runtime));
+    }
+    REQUIRE(faults != nullptr);
+    TrainStep(run, model, 1, model.modules, /*prepare=*/true);
+    const std::vector<float> after_1 = EngineWeights(run, model);
+
+    // Step() given other options than prepared: refused, the step abandoned.
+    REQUIRE(run.engine->PrepareStep(Adam(2)).ok());
+    CHECK(run.engine->PrepareStep(Adam(2)).ok());  // replaced before any gradient
+    std::vector<std::vector<uint16_t>> grads(model.params.size());
+    for (size_t i = model.params.size(); i-- > 0;) {
+      grads[i].resize(model.params[i].numel);
+      for (size_t k = 0; k < grads[i].size(); ++k) {
+        grads[i][k] = FloatToBf16(GradAt(2, model.Offset(i) + k));
+      }
+      REQUIRE(run.engine->GradReady(run.ids[i], grads[i].data(), ElementType::kBFloat16).ok());
+    }
+    CHECK(run.engine->PrepareStep(Adam(2)).code() == StatusCode::kFailedPrecondition);
+    Status st = run.engine->Step(Adam(3));
+    CHECK(st.code() == StatusCode::kFailedPrecondition);
+    CHECK(st.message().find("other options") != std::string::npos);
+    CHECK(run.engine->stats().epoch == 1);
+    CHECK(EngineWeights(run, model) == after_1);
+    CheckFetchedAreMaster(run, model);  // the working copies written early were rewritten
+
+    // An I/O error writing a sub-group's states in the background: Step() fails naming it.
+    nvme::FaultPlan plan;
+    plan.fail.op = nvme::OpType::kWrite;
+    plan.fail.nth = 3;
+    REQUIRE(faults->SetPlan(plan).ok());
+    REQUIRE(run.engine->PrepareStep(Adam(2)).ok());
+    for (size_t i = model.params.size(); i-- > 0;) {
+      REQUIRE(run.engine->GradReady(run.ids[i], grads[i].data(), ElementType::kBFloat16).ok());
+    }
+    st = run.engine->Step(Adam(2));
+    CHECK(st.code() == StatusCode::kIoError);
+    CHECK(st.message().find("step 2, writing sub-group") != std::string::npos);
+    CHECK(run.engine->stats().epoch == 1);
+    CHECK(EngineWeights(run, model) == after_1);
     CheckFetchedAreMaster(run, model);
-    for (uint64_t t = 1; t <= 3; ++t) TrainStep(run, model, t, model.modules);
+
+    // The step again, and one more: as if nothing had failed.
+    REQUIRE(faults->SetPlan({}).ok());
+    TrainStep(run, model, 2, model.modules, /*prepare=*/true);
+    TrainStep(run, model, 3, model.modules, /*prepare=*/true);
     const std::vector<float> got = EngineWeights(run, model);
     const std::vector<float> want = ReferenceWeights(model, 3);
     REQUIRE(got.size() == want.size());
     CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
     CheckFetchedAreMaster(run, model);
-    const EngineStats stats = run.engine->stats();
-    CHECK(stats.steps == 3);
-    CHECK(stats.epoch == 3);
-    CHECK(stats.elements == model.total);
-    CHECK(stats.d2h_bytes == 3 * 2 * model.total);
-    CHECK(stats.runtime == "host-only");
-    if (c.params == Tier::kGpu) {
-      CHECK(stats.param.demand_fetches == 0);
-      CHECK(stats.param.resident_bytes == 2 * model.total);
-    } else {
-      CHECK(stats.param.resident_bytes == 2 * 4 * 40);  // the biases
-      CHECK(stats.param.h2d_bytes > 0);
-    }
-    if (c.params == Tier::kNvme) {
-      CHECK(stats.param.nvme_read_bytes > 0);
-      CHECK(stats.param.nvme_write_bytes == 4 * 2 * model.total);  // start + 3 steps
-    }
-    if (c.optimizer == Tier::kNvme) {
-      CHECK(stats.optimizer_read_bytes > 3 * 16 * model.total);
-      CHECK(stats.pinned_bytes > 0);
-    }
     REQUIRE(run.engine->Close().ok());
   }
 }
@@ -232,8 +344,12 @@ TEST_CASE("Engine holds frozen parameters: fetched every step, never stepped nor
   for (size_t i = 0; i < model.params.size(); ++i) {
     if (!frozen(i)) trainable += model.params[i].numel;
   }
-  for (Tier tier : {Tier::kNvme, Tier::kCpu}) {
+  // Prepared (the optimizer overlapped with backward, NVMe only): the write-backs during backward
+  // never touch the frozen parameters, which backward keeps fetching.
+  for (auto [tier, prepare] : {std::pair{Tier::kNvme, false}, std::pair{Tier::kCpu, false},
+                               std::pair{Tier::kNvme, true}}) {
     CAPTURE(TierName(tier));
+    CAPTURE(prepare);
     TempDir dir("engine-");
     Run run;
     EngineOptions options;
@@ -257,6 +373,7 @@ TEST_CASE("Engine holds frozen parameters: fetched every step, never stepped nor
     const uint64_t writes_at_start = run.engine->stats().param.nvme_write_bytes;
     std::vector<std::vector<uint16_t>> grads(model.params.size());
     for (uint64_t t = 1; t <= 3; ++t) {
+      if (prepare) REQUIRE(run.engine->PrepareStep(Adam(t)).ok());
       for (const std::string& m : model.modules) {
         REQUIRE(run.engine->Fetch(m).ok());
         REQUIRE(run.engine->Release(m).ok());
@@ -315,6 +432,7 @@ TEST_CASE("Engine holds frozen parameters: fetched every step, never stepped nor
       CHECK(writes_at_start == 2 * model.total);
       CHECK(stats.param.nvme_write_bytes - writes_at_start == 3 * 2 * trainable);
       CHECK(stats.optimizer_write_bytes < 3 * 16 * (trainable + 2048));
+      CHECK(stats.step_profile.overlapped == prepare);
     }
     REQUIRE(run.engine->Close().ok());
   }
@@ -323,9 +441,10 @@ TEST_CASE("Engine holds frozen parameters: fetched every step, never stepped nor
 // Trains steps [first, last] with every parameter's gradient except those `skip(i, t)` says have
 // none (NoGradient).
 void TrainSkipping(Run& run, const ToyModel& model, uint64_t first, uint64_t last,
-                   const std::function<bool(size_t, uint64_t)>& skip) {
+                   const std::function<bool(size_t, uint64_t)>& skip, bool prepare = false) {
   std::vector<std::vector<uint16_t>> grads(model.params.size());
   for (uint64_t t = first; t <= last; ++t) {
+    if (prepare) REQUIRE(run.engine->PrepareStep(Adam(t)).ok());
     for (const std::string& m : model.modules) {
       REQUIRE(run.engine->Fetch(m).ok());
       REQUIRE(run.engine->Release(m).ok());
@@ -376,40 +495,44 @@ TEST_CASE("Engine skips a parameter without a gradient as torch does, across a r
     want = p;
   }
   for (Tier tier : {Tier::kCpu, Tier::kNvme}) {
-    CAPTURE(TierName(tier));
-    TempDir dir("engine-");
-    const Schedule schedule = MakeSchedule(tier, tier, dir.PathOf("nvme"));
-    std::vector<float> got;
-    if (tier == Tier::kNvme) {
-      {
-        Run run = StartEngine(model, schedule);
-        TrainSkipping(run, model, 1, 2, skip);
+    for (bool prepare : {false, true}) {
+      if (tier == Tier::kCpu && prepare) continue;
+      CAPTURE(TierName(tier));
+      CAPTURE(prepare);
+      TempDir dir("engine-");
+      const Schedule schedule = MakeSchedule(tier, tier, dir.PathOf("nvme"));
+      std::vector<float> got;
+      if (tier == Tier::kNvme) {
+        {
+          Run run = StartEngine(model, schedule);
+          TrainSkipping(run, model, 1, 2, skip, prepare);
+          REQUIRE(run.engine->Close().ok());
+        }
+        Run run = StartEngine(model, schedule, /*resume=*/true);
+        CHECK(run.engine->stats().epoch == 2);
+        TrainSkipping(run, model, 3, 4, skip, prepare);
+        got = EngineWeights(run, model);
+        CheckFetchedAreMaster(run, model);
         REQUIRE(run.engine->Close().ok());
+      } else {
+        Run run = StartEngine(model, schedule);
+        // A given gradient cannot be declared missing too; an unknown parameter is refused.
+        std::vector<uint16_t> grad(model.params[0].numel);
+        REQUIRE(run.engine->GradReady(run.ids[0], grad.data(), ElementType::kBFloat16).ok());
+        CHECK(run.engine->NoGradient(run.ids[0]).code() == StatusCode::kFailedPrecondition);
+        CHECK(run.engine->NoGradient(999).code() == StatusCode::kInvalidArgument);
+        REQUIRE(run.engine->Close().ok());
+        Run fresh = StartEngine(model, schedule);
+        TrainSkipping(fresh, model, 1, 4, skip);
+        got = EngineWeights(fresh, model);
+        CheckFetchedAreMaster(fresh, model);
+        REQUIRE(fresh.engine->Close().ok());
       }
-      Run run = StartEngine(model, schedule, /*resume=*/true);
-      CHECK(run.engine->stats().epoch == 2);
-      TrainSkipping(run, model, 3, 4, skip);
-      got = EngineWeights(run, model);
-      CheckFetchedAreMaster(run, model);
-      REQUIRE(run.engine->Close().ok());
-    } else {
-      Run run = StartEngine(model, schedule);
-      // A given gradient cannot be declared missing too; an unknown parameter is refused.
-      std::vector<uint16_t> grad(model.params[0].numel);
-      REQUIRE(run.engine->GradReady(run.ids[0], grad.data(), ElementType::kBFloat16).ok());
-      CHECK(run.engine->NoGradient(run.ids[0]).code() == StatusCode::kFailedPrecondition);
-      CHECK(run.engine->NoGradient(999).code() == StatusCode::kInvalidArgument);
-      REQUIRE(run.engine->Close().ok());
-      Run fresh = StartEngine(model, schedule);
-      TrainSkipping(fresh, model, 1, 4, skip);
-      got = EngineWeights(fresh, model);
-      CheckFetchedAreMaster(fresh, model);
-      REQUIRE(fresh.engine->Close().ok());
+      REQUIRE(got.size() == want.size());
+      size_t wrong = 0;
+      for (size_t k = 0; k < got.size(); ++k) wrong += std::memcmp(&got[k], &want[k], 4) != 0;
+      CHECK(wrong == 0);
     }
-    REQUIRE(got.size() == want.size());
-    size_t wrong = 0;
-    for (size_t k = 0; k < got.size(); ++k) wrong += std::memcmp(&got[k], &want[k], 4) != 0;
-    CHECK(wrong == 0);
   }
 }
 

@@ -120,7 +120,7 @@ constexpr int kNoCrash = 0, kCrashBeforeLastStep = 1, kSurvivor = 2;
 // (world size > 1: the gradient has been reduced when GradReady returns).
 Status TrainRank(const Model& model, const Schedule& schedule, Collective* collective, bool resume,
                  uint64_t first_step, uint64_t steps, const GradFn& grad, ElementType grad_type,
-                 bool reuse, Outcome* out, int crash = kNoCrash) {
+                 bool reuse, Outcome* out, int crash = kNoCrash, bool prepare = false) {
   auto runtime = gpu::CreateHostOnlyRuntime();  // destroyed after the engine
   EngineOptions options;
   options.schedule = schedule;
@@ -146,6 +146,7 @@ Status TrainRank(const Model& model, const Schedule& schedule, Collective* colle
   MEMPLAN_RETURN_IF_ERROR(engine->Start());
   const int eb = ElementBytes(grad_type);
   for (uint64_t t = first_step; t < first_step + steps; ++t) {
+    if (prepare) MEMPLAN_RETURN_IF_ERROR(engine->PrepareStep(Adam(t)));
     for (const std::string& m : model.modules) {
       MEMPLAN_RETURN_IF_ERROR(engine->Fetch(m));
       MEMPLAN_RETURN_IF_ERROR(engine->Release(m));
@@ -197,7 +198,8 @@ Status TrainRank(const Model& model, const Schedule& schedule, Collective* colle
 // Runs `world` ranks on threads; returns their outcomes.
 std::vector<Outcome> TrainRanks(int world, const Model& model, const Schedule& schedule,
                                 bool resume, uint64_t first_step, uint64_t steps,
-                                ElementType grad_type, int skip_last_step_rank = -1) {
+                                ElementType grad_type, int skip_last_step_rank = -1,
+                                bool prepare = false) {
   auto group = CreateThreadGroupCollectives(world, nullptr, std::chrono::seconds(20));
   REQUIRE(group.ok());
   std::vector<Outcome> outcomes(static_cast<size_t>(world));
@@ -211,7 +213,8 @@ std::vector<Outcome> TrainRanks(int world, const Model& model, const Schedule& s
           [r](uint64_t t, uint64_t e) { return RankGrad(r, t, e); }, grad_type, /*reuse=*/true,
           &outcomes[i],
           skip_last_step_rank < 0 ? kNoCrash
-                                  : (r == skip_last_step_rank ? kCrashBeforeLastStep : kSurvivor));
+                                  : (r == skip_last_step_rank ? kCrashBeforeLastStep : kSurvivor),
+          prepare);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -310,6 +313,41 @@ TEST_CASE(
       CHECK(want.stats.partition_elements == model.total);
     }
   }
+}
+
+TEST_CASE("ZeRO-3 on threads, the optimizer overlapped with backward: the serial results") {
+  // Every rank prepares its steps; the reduce-scatters stay in GradReady() in call order and the
+  // background sub-group steps call no collective, so the ranks end where one rank stepping
+  // serially on the mean gradient does, bit for bit, and a rank that stopped before its last
+  // step still resumes with the others at the step they all completed.
+  const Model model(4);
+  for (Tier params : {Tier::kCpu, Tier::kNvme}) {
+    CAPTURE(TierName(params));
+    TempDir dir("engine-zero3-");
+    const Schedule s =
+        MakeSchedule(params, Tier::kNvme, ElementType::kFloat32, dir.PathOf("ranks"));
+    const std::vector<Outcome> ranks = TrainRanks(2, model, s, false, 1, 3, ElementType::kFloat32,
+                                                  -1, /*prepare=*/true);
+    const Schedule single =
+        MakeSchedule(params, Tier::kNvme, ElementType::kFloat32, dir.PathOf("single"));
+    const Outcome want = TrainReference(2, model, single, 3, ElementType::kFloat32);
+    CheckSameAsReference(model, ranks, want);
+    for (const Outcome& rank : ranks) CHECK(rank.stats.step_profile.overlapped);
+  }
+  // A rank that stopped with its last step prepared (half stepped during its backward) and never
+  // finished: nothing of that step is committed, and the ranks resume together (no resident
+  // parameters, so Step() has no collective; Note [Resuming ranks]).
+  TempDir dir("engine-zero3-");
+  Schedule s = MakeSchedule(Tier::kNvme, Tier::kNvme, ElementType::kFloat32, dir.PathOf("ranks"));
+  s.persistence_threshold = 0;
+  (void)TrainRanks(2, model, s, false, 1, 3, ElementType::kFloat32, /*skip_last_step_rank=*/1,
+                   /*prepare=*/true);
+  const std::vector<Outcome> ranks =
+      TrainRanks(2, model, s, true, 3, 2, ElementType::kFloat32, -1, /*prepare=*/true);
+  for (const Outcome& o : ranks) CHECK(o.stats.epoch == 4);
+  Schedule single = s;
+  single.nvme_path = dir.PathOf("single");
+  CheckSameAsReference(model, ranks, TrainReference(2, model, single, 4, ElementType::kFloat32));
 }
 
 TEST_CASE("ZeRO-3 on threads: bf16 parameters and gradients gather and reduce in 16 bits") {

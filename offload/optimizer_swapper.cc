@@ -16,10 +16,40 @@
 // I/O: each step still reads and writes every state once.
 //
 // Note [The pipeline]
-// Three stages connected by queues of buffer indices: the reader fills free buffers (states,
-// then gradients), the calling thread steps the ready ones in sub-group order, the writer writes
-// them back and frees them. buffer_count bounds the data in flight. Any stage's error aborts the
-// queues, every stage drains and returns, and the first error is the step's.
+// Three stages, each a thread of the step, connected by queues of buffer indices: the reader
+// takes the sub-groups in the order they are handed over and fills free buffers (states, then
+// gradients unless they were handed over in memory), the compute thread steps the ready ones and
+// runs the update callback, the writer writes them back and frees them. buffer_count bounds the
+// data in flight. Any stage's error aborts the queues, every stage drains and returns, and the
+// first error is the step's. Step() hands every sub-group over at once, in order.
+//
+// Note [Reading states ahead]
+// A sub-group's states do not depend on its gradients, so the reader need not wait for the
+// hand-over to read them: while nothing handed over is waiting, it reads the states of the
+// sub-group expected next into a free buffer. The expectation is the order of the last overlapped
+// step's hand-overs (training repeats it), at first backward's (the last sub-group first), and
+// Step()'s ascending order for Step(). When the sub-group is handed over its buffer goes straight
+// to the compute stage (after its stored gradients, if any, are read); at the end of backward the
+// last sub-groups' states are then already in memory and only their update and write remain. A
+// wrong guess costs one read, never a deadlock: a sub-group handed over that finds no free buffer
+// takes the one holding the guess expected last, and the buffers the other stages hold come back
+// without the reader. The reader's one queue carries both hand-overs and freed buffers, so that it
+// waits for whichever comes first.
+//
+// Note [Sub-groups as their gradients arrive]
+// In a training step the optimizer's sub-groups get their last gradient one after another as
+// backward runs (the last sub-group first), so the sub-groups' optimizer work need not wait for
+// the whole backward: BeginStep() starts the pipeline before backward, with the step's options
+// (which must therefore be known then: a trainer that clips by the global norm, or checks fp16
+// gradients for overflow, learns its options only after backward and uses Step()), and each
+// StepSubGroup() feeds it one sub-group. The pipeline is Step()'s, stage for stage; only the order
+// of the sub-groups and the source of the gradients differ. Neither changes a result: every
+// sub-group is stepped by the same kernel over its own elements with the same options and step
+// count, and in-memory fp32 gradients are the values WriteGradients() would have stored. Nor the
+// crash consistency: BeginStep() commits the begun marker before the first write, every sub-group
+// is written to its other slot, and only FinishStep() syncs, so a crash or an error anywhere in
+// between leaves step epoch() whole. The gradients handed over in memory are also never written
+// to the store nor read back: the step moves (4 + 4) bytes less per element than Step().
 #include "offload/optimizer_swapper.h"
 
 #include <algorithm>
@@ -102,6 +132,15 @@ class IndexQueue {
     items_.pop_front();
     return value;
   }
+  // Pop() without waiting: nothing when empty; `aborted` set when the queue was aborted.
+  std::optional<size_t> TryPop(bool* aborted) {
+    std::lock_guard<std::mutex> lock(mu_);
+    *aborted = aborted_;
+    if (aborted_ || items_.empty()) return std::nullopt;
+    size_t value = items_.front();
+    items_.pop_front();
+    return value;
+  }
   void Abort() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -116,6 +155,10 @@ class IndexQueue {
   std::deque<size_t> items_;  // Guarded by mu_.
   bool aborted_ = false;      // Guarded by mu_.
 };
+
+// The reader's one queue: sub-groups handed over and buffers freed, as tagged values (a freed
+// buffer b is kFreed + b), so that it waits for either (Note [Reading states ahead]).
+constexpr size_t kFreed = size_t{1} << 62;
 
 // The first error of a step, shared by its stages.
 class FirstError {
@@ -369,6 +412,9 @@ struct OptimizerSwapper::Impl {
   std::vector<bool> grads_written;
   OptimizerSwapperStats stats;
   bool closed = false;
+  std::unique_ptr<StepRun> run;  // the begun step, if any
+  std::vector<uint64_t> last_order;  // the hand-over order of the last overlapped step
+  bool serial = false;               // Step() is beginning its step
 
   // Views into buffer b holding a sub-group of n elements.
   std::byte* Base(size_t b) const { return buffers[b].data().data(); }
@@ -480,19 +526,21 @@ struct OptimizerSwapper::Impl {
     return meta.dump();
   }
 
+  // `in_memory`: fp32 gradients handed over (StepSubGroup); empty: those read into buffer b.
   Status RunKernel(const SwapStepOptions& step_options, int64_t step, size_t b, uint64_t n,
-                   const std::vector<StepSegment>& segments) {
+                   const std::vector<StepSegment>& segments, std::span<const float> in_memory) {
     std::span<float> params = Array(b, 0, n);
     std::span<float> state_arrays(params.data() + n, static_cast<size_t>(states) * n);
+    const std::span<const float> grads = in_memory.empty() ? Grads(b, n) : in_memory;
     if (!segments.empty()) {
       if (options.grad_dtype != HalfDtype::kNone) {
         return Status::InvalidArgument("skipped parameters need fp32 gradients in the swapper");
       }
       return RunSegmentedSwapOptimizerStep(*cpu, options.optimizer, step_options, segments,
-                                           params, Grads(b, n), state_arrays, Half(b, n),
+                                           params, grads, state_arrays, Half(b, n),
                                            options.half_dtype);
     }
-    return RunSwapOptimizerStep(*cpu, options.optimizer, step_options, step, params, Grads(b, n),
+    return RunSwapOptimizerStep(*cpu, options.optimizer, step_options, step, params, grads,
                                 state_arrays, Half(b, n), options.half_dtype, HalfGrads(b, n),
                                 options.grad_dtype);
   }
@@ -748,6 +796,7 @@ Status OptimizerSwapper::Step(const SwapStepOptions& options, const UpdateCallba
                               const SegmentFn& segments) {
   Impl& s = *impl_;
   if (s.closed) return Status::FailedPrecondition("the optimizer swapper is closed");
+  if (s.run) return Status::FailedPrecondition("an overlapped step is begun; FinishStep() it");
   MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(s.options.optimizer, options));
   for (uint64_t i = 0; i < sub_group_count_; ++i) {
     if (!s.grads_written[i]) {
@@ -756,131 +805,424 @@ Status OptimizerSwapper::Step(const SwapStepOptions& options, const UpdateCallba
                                         std::to_string(epoch_));
     }
   }
-  const uint64_t from = epoch_;
-  const uint64_t to = epoch_ + 1;
-  const size_t nbuf = s.buffers.size();
-  const auto start = std::chrono::steady_clock::now();
+  // The serial step is the overlapped one with every sub-group handed over at once, in order,
+  // its gradients read from the store.
+  s.serial = true;
+  Status begun = BeginStep(options, on_update, segments);
+  s.serial = false;
+  MEMPLAN_RETURN_IF_ERROR(begun);
+  for (uint64_t i = 0; i < sub_group_count_; ++i) {
+    Status handed = StepSubGroup(i, {});
+    if (!handed.ok()) {
+      AbortStep();
+      return handed;
+    }
+  }
+  return FinishStep();
+}
+
+// One begun step: its pipeline (Note [The pipeline]) and what each sub-group was handed over with.
+struct OptimizerSwapper::StepRun {
+  // Set by StepSubGroup() under mu before the sub-group is queued; afterwards only `claimed`
+  // changes, under mu: whoever claims a job calls its `done` (the compute thread once the kernel
+  // has read the gradients, or Abort() for a job the compute thread will never take).
+  struct Job {
+    bool submitted = false;
+    std::span<const float> grads;      // empty: read from the store
+    std::vector<StepSegment> segments;  // empty: the SegmentFn's
+    std::function<void()> done;
+    bool claimed = false;
+  };
+  SwapStepOptions options;
+  UpdateCallback on_update;
+  SegmentFn segments;
+  uint64_t from = 0, to = 0;
+  std::chrono::steady_clock::time_point start;
+  IndexQueue reader_q, ready_q, written_q;  // reader_q: sub-groups handed over, freed buffers
+  std::vector<uint64_t> predicted;  // the expected order of the hand-overs (read-ahead)
+  std::vector<uint64_t> order;      // the order they came in (the reader's)
+  bool serial = false;              // begun by Step()
+  std::vector<Job> jobs;
+  std::vector<uint64_t> group_of;  // which sub-group buffer b holds; set by its producer
+  uint64_t submitted = 0;          // the caller's
+  FirstError error;
+  std::thread reader, computer, writer;
+  std::mutex mu;
+  std::condition_variable cv;  // an update done, or the step aborted
+  uint64_t updated = 0;        // Guarded by mu.
+  bool aborted = false;        // Guarded by mu.
+  double updates_done_s = 0;   // Guarded by mu.
+  // Written by one stage each, read after the join.
+  double read_s = 0, write_s = 0, compute_s = 0, wait_s = 0, grad_wait_s = 0;
+  uint64_t read_bytes = 0, write_bytes = 0, in_memory = 0, read_ahead = 0, evicted = 0;
+
+  // Stops the step: every stage returns at its next queue operation, and the gradients handed
+  // over that the compute thread has not taken are released at once (the producer may be waiting
+  // for them).
+  void Abort(Status status) {
+    error.Set(std::move(status));
+    reader_q.Abort();
+    ready_q.Abort();
+    written_q.Abort();
+    std::vector<std::function<void()>> release;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      aborted = true;
+      for (Job& job : jobs) {
+        if (job.submitted && !job.claimed) {
+          job.claimed = true;
+          if (job.done) release.push_back(std::move(job.done));
+        }
+      }
+    }
+    cv.notify_all();
+    for (auto& done : release) done();
+  }
+  // Claims job i for the compute thread; false when Abort() has released it.
+  bool Claim(uint64_t i) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (jobs[i].claimed) return false;
+    jobs[i].claimed = true;
+    return true;
+  }
+  void Join() {
+    if (reader.joinable()) reader.join();
+    if (computer.joinable()) computer.join();
+    if (writer.joinable()) writer.join();
+  }
+};
+
+bool OptimizerSwapper::step_begun() const { return impl_->run != nullptr; }
+
+uint64_t OptimizerSwapper::SubGroupsUpdated() const {
+  if (!impl_->run) return 0;
+  std::lock_guard<std::mutex> lock(impl_->run->mu);
+  return impl_->run->updated;
+}
+
+Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateCallback& on_update,
+                                   const SegmentFn& segments) {
+  Impl& s = *impl_;
+  if (s.closed) return Status::FailedPrecondition("the optimizer swapper is closed");
+  if (s.run) return Status::FailedPrecondition("a step is begun already");
+  MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(s.options.optimizer, options));
+  auto run = std::make_unique<StepRun>();
+  run->options = options;
+  run->on_update = on_update;
+  run->segments = segments;
+  run->from = epoch_;
+  run->to = epoch_ + 1;
+  run->start = std::chrono::steady_clock::now();
+  run->jobs.resize(sub_group_count_);
+  run->group_of.assign(s.buffers.size(), 0);
   if (s.options.sync_every_step) {
     // Record that step `to` has begun before anything of it is written, so that a crash before its
     // commit is reported as a torn step even where no slot shows it (the first step's slots are
     // new keys, which a crash simply loses).
-    const uint64_t begun = to;
+    const uint64_t begun = run->to;
     MEMPLAN_RETURN_IF_ERROR(s.store->Put(
         kBegunKey, std::span<const std::byte>(reinterpret_cast<const std::byte*>(&begun),
                                               sizeof(begun))));
-    MEMPLAN_RETURN_IF_ERROR(s.store->Sync().WithPrefix("beginning step " + std::to_string(to)));
+    MEMPLAN_RETURN_IF_ERROR(
+        s.store->Sync().WithPrefix("beginning step " + std::to_string(run->to)));
   }
-
-  IndexQueue free_q, ready_q, written_q;
-  for (size_t b = 0; b < nbuf; ++b) free_q.Push(b);
-  std::vector<uint64_t> group_of(nbuf, 0);  // which sub-group buffer b holds; set by its producer
-  FirstError error;
-  auto abort_all = [&](Status status) {
-    error.Set(std::move(status));
-    free_q.Abort();
-    ready_q.Abort();
-    written_q.Abort();
-  };
-  double read_s = 0, write_s = 0, compute_s = 0, wait_s = 0;
-  uint64_t read_bytes = 0, write_bytes = 0;
-
-  std::thread reader([&] {
-    for (uint64_t i = 0; i < sub_group_count_; ++i) {
-      std::optional<size_t> b = free_q.Pop();
-      if (!b) return;
+  for (size_t b = 0; b < s.buffers.size(); ++b) run->reader_q.Push(kFreed + b);
+  run->serial = s.serial;
+  run->predicted.resize(sub_group_count_);
+  if (s.serial) {  // Step(): in order
+    for (uint64_t k = 0; k < sub_group_count_; ++k) run->predicted[k] = k;
+  } else if (s.last_order.size() == sub_group_count_) {
+    run->predicted = s.last_order;
+  } else {  // backward's order: the last sub-group first
+    for (uint64_t k = 0; k < sub_group_count_; ++k) run->predicted[k] = sub_group_count_ - 1 - k;
+  }
+  StepRun& r = *run;
+  const uint64_t count = sub_group_count_;
+  r.reader = std::thread([this, &s, &r, count] {
+    // Note [Reading states ahead].
+    std::deque<size_t> free;               // buffers free to fill
+    std::deque<uint64_t> pending;          // handed over, not yet read
+    std::vector<int64_t> ahead(count, -1); // the buffer holding sub-group i's states read ahead
+    std::vector<bool> handed(count, false);
+    size_t guess = 0;                      // next candidate in r.predicted
+    uint64_t dispatched = 0;
+    auto take = [&](size_t value) {
+      if (value >= kFreed) {
+        free.push_back(value - kFreed);
+      } else {
+        pending.push_back(value);
+        handed[value] = true;
+        r.order.push_back(value);
+      }
+    };
+    // Reads sub-group i's states into buffer b (and its stored gradients when `with_grads`).
+    auto read = [&](uint64_t i, size_t b, bool states, bool with_grads) -> bool {
       const auto t0 = std::chrono::steady_clock::now();
       const uint64_t n = SubGroupSize(i);
-      std::span<std::byte> value = s.Value(*b, n);
-      Status st = s.store->Get(StateKey(i, from % 2), value);
-      if (st.ok()) {
-        SlotHeader h;
-        std::memcpy(&h, value.data(), sizeof(h));
-        auto epoch = s.CheckHeader(h, i, from % 2, SubGroupBegin(i), n);
-        if (!epoch.ok()) {
-          st = epoch.status();
-        } else if (*epoch != from) {
-          st = Status::DataLoss("state slot " + StateKey(i, from % 2) + " holds epoch " +
-                                std::to_string(*epoch) + ", expected " + std::to_string(from));
+      std::span<std::byte> value = s.Value(b, n);
+      Status st;
+      if (states) {
+        st = s.store->Get(StateKey(i, r.from % 2), value);
+        if (st.ok()) {
+          SlotHeader h;
+          std::memcpy(&h, value.data(), sizeof(h));
+          auto epoch = s.CheckHeader(h, i, r.from % 2, SubGroupBegin(i), n);
+          if (!epoch.ok()) {
+            st = epoch.status();
+          } else if (*epoch != r.from) {
+            st = Status::DataLoss("state slot " + StateKey(i, r.from % 2) + " holds epoch " +
+                                  std::to_string(*epoch) + ", expected " +
+                                  std::to_string(r.from));
+          }
         }
       }
-      std::span<std::byte> grads = s.GradBytes(*b, n);
-      if (st.ok()) st = s.store->Get(GradKey(i), grads);
-      read_s += SecondsSince(t0);
-      if (!st.ok()) {
-        abort_all(st.WithPrefix("step " + std::to_string(to) + ", reading sub-group " +
-                                std::to_string(i)));
-        return;
+      uint64_t grad_bytes = 0;
+      if (st.ok() && with_grads) {
+        std::span<std::byte> grads = s.GradBytes(b, n);
+        st = s.store->Get(GradKey(i), grads);
+        grad_bytes = grads.size();
       }
-      read_bytes += value.size() + grads.size();
-      group_of[*b] = i;
-      ready_q.Push(*b);
+      r.read_s += SecondsSince(t0);
+      if (!st.ok()) {
+        r.Abort(st.WithPrefix("step " + std::to_string(r.to) + ", reading sub-group " +
+                              std::to_string(i)));
+        return false;
+      }
+      r.read_bytes += (states ? value.size() : 0) + grad_bytes;
+      return true;
+    };
+    while (dispatched < count) {
+      bool aborted = false;
+      if (std::optional<size_t> value = r.reader_q.TryPop(&aborted)) {
+        take(*value);
+        continue;
+      }
+      if (aborted) return;
+      if (!pending.empty()) {
+        const uint64_t i = pending.front();
+        const bool with_grads = r.jobs[i].grads.empty();
+        size_t b;
+        bool states = true;
+        if (ahead[i] >= 0) {
+          b = static_cast<size_t>(ahead[i]);
+          ahead[i] = -1;
+          states = false;
+        } else if (!free.empty()) {
+          b = free.front();
+          free.pop_front();
+        } else {
+          // Every buffer is busy or holds a guess: give up the guess expected last.
+          int64_t victim = -1;
+          for (size_t k = r.predicted.size(); k-- > 0 && victim < 0;) {
+            if (ahead[r.predicted[k]] >= 0) victim = static_cast<int64_t>(r.predicted[k]);
+          }
+          if (victim < 0) {
+            std::optional<size_t> value = r.reader_q.Pop();
+            if (!value) return;
+            take(*value);
+            continue;
+          }
+          b = static_cast<size_t>(ahead[victim]);
+          ahead[victim] = -1;
+          ++r.evicted;
+        }
+        if (!read(i, b, states, with_grads)) return;
+        pending.pop_front();
+        r.group_of[b] = i;
+        ++dispatched;
+        r.ready_q.Push(b);
+        continue;
+      }
+      // Nothing handed over: read the expected next sub-group's states ahead, into a free buffer.
+      while (guess < r.predicted.size() &&
+             (handed[r.predicted[guess]] || ahead[r.predicted[guess]] >= 0)) {
+        ++guess;
+      }
+      if (!free.empty() && guess < r.predicted.size()) {
+        const uint64_t i = r.predicted[guess++];
+        const size_t b = free.front();
+        free.pop_front();
+        if (!read(i, b, /*states=*/true, /*with_grads=*/false)) return;
+        ahead[i] = static_cast<int64_t>(b);
+        ++r.read_ahead;
+        continue;
+      }
+      const auto g0 = std::chrono::steady_clock::now();
+      std::optional<size_t> value = r.reader_q.Pop();
+      r.grad_wait_s += SecondsSince(g0);
+      if (!value) return;
+      take(*value);
     }
   });
-  std::thread writer([&] {
-    for (uint64_t k = 0; k < sub_group_count_; ++k) {
-      std::optional<size_t> b = written_q.Pop();
+  r.computer = std::thread([this, &s, &r, count] {
+    for (uint64_t k = 0; k < count; ++k) {
+      const auto w0 = std::chrono::steady_clock::now();
+      std::optional<size_t> b = r.ready_q.Pop();
+      r.wait_s += SecondsSince(w0);
       if (!b) return;
       const auto t0 = std::chrono::steady_clock::now();
-      const uint64_t i = group_of[*b];
-      std::span<std::byte> value = s.Value(*b, SubGroupSize(i));
-      Status st = s.store->Put(StateKey(i, to % 2), value);
-      write_s += SecondsSince(t0);
+      const uint64_t i = r.group_of[*b];
+      const uint64_t n = SubGroupSize(i);
+      StepRun::Job& job = r.jobs[i];
+      if (!r.Claim(i)) return;  // aborted meanwhile
+      std::vector<StepSegment> parts = job.segments;
+      if (parts.empty() && r.segments) parts = r.segments(i);
+      Status st = s.RunKernel(r.options, static_cast<int64_t>(r.to), *b, n, parts, job.grads);
+      if (!job.grads.empty()) ++r.in_memory;
+      if (job.done) job.done();  // the gradients are read
+      if (st.ok()) {
+        SlotHeader h = s.MakeHeader(r.to, i, SubGroupBegin(i), n);
+        std::memcpy(s.Base(*b), &h, sizeof(h));
+        if (r.on_update) {
+          std::span<uint16_t> half = s.Half(*b, n);
+          SubGroupUpdate update{i, SubGroupBegin(i), s.Array(*b, 0, n),
+                                std::span<const uint16_t>(half.data(), half.size())};
+          st = r.on_update(update).WithPrefix("update callback for sub-group " +
+                                              std::to_string(i));
+        }
+      }
+      r.compute_s += SecondsSince(t0);
       if (!st.ok()) {
-        abort_all(st.WithPrefix("step " + std::to_string(to) + ", writing sub-group " +
-                                std::to_string(i)));
+        r.Abort(st.WithPrefix("step " + std::to_string(r.to)));
         return;
       }
-      write_bytes += value.size();
-      free_q.Push(*b);
+      {
+        std::lock_guard<std::mutex> lock(r.mu);
+        if (++r.updated == count) r.updates_done_s = SecondsSince(r.start);
+      }
+      r.cv.notify_all();
+      r.written_q.Push(*b);
     }
   });
+  r.writer = std::thread([this, &s, &r, count] {
+    for (uint64_t k = 0; k < count; ++k) {
+      std::optional<size_t> b = r.written_q.Pop();
+      if (!b) return;
+      const auto t0 = std::chrono::steady_clock::now();
+      const uint64_t i = r.group_of[*b];
+      std::span<std::byte> value = s.Value(*b, SubGroupSize(i));
+      Status st = s.store->Put(StateKey(i, r.to % 2), value);
+      r.write_s += SecondsSince(t0);
+      if (!st.ok()) {
+        r.Abort(st.WithPrefix("step " + std::to_string(r.to) + ", writing sub-group " +
+                              std::to_string(i)));
+        return;
+      }
+      r.write_bytes += value.size();
+      r.reader_q.Push(kFreed + *b);
+    }
+  });
+  s.run = std::move(run);
+  return Status::Ok();
+}
 
-  for (uint64_t k = 0; k < sub_group_count_; ++k) {
-    const auto w0 = std::chrono::steady_clock::now();
-    std::optional<size_t> b = ready_q.Pop();
-    wait_s += SecondsSince(w0);
-    if (!b) break;
-    const auto t0 = std::chrono::steady_clock::now();
-    const uint64_t i = group_of[*b];
-    const uint64_t n = SubGroupSize(i);
-    Status st = s.RunKernel(options, static_cast<int64_t>(to), *b, n,
-                            segments ? segments(i) : std::vector<StepSegment>());
-    if (st.ok()) {
-      SlotHeader h = s.MakeHeader(to, i, SubGroupBegin(i), n);
-      std::memcpy(s.Base(*b), &h, sizeof(h));
-      if (on_update) {
-        std::span<uint16_t> half = s.Half(*b, n);
-        SubGroupUpdate update{i, SubGroupBegin(i), s.Array(*b, 0, n),
-                              std::span<const uint16_t>(half.data(), half.size())};
-        st = on_update(update).WithPrefix("update callback for sub-group " + std::to_string(i));
+Status OptimizerSwapper::StepSubGroup(uint64_t sub_group, std::span<const float> grads,
+                                      std::vector<StepSegment> segments,
+                                      std::function<void()> done) {
+  Impl& s = *impl_;
+  if (!s.run) return Status::FailedPrecondition("no step is begun (BeginStep)");
+  StepRun& r = *s.run;
+  if (sub_group >= sub_group_count_) {
+    return Status::InvalidArgument("sub-group " + std::to_string(sub_group) + " out of range (" +
+                                   std::to_string(sub_group_count_) + " sub-groups)");
+  }
+  StepRun::Job& job = r.jobs[sub_group];
+  if (job.submitted) {
+    return Status::InvalidArgument("sub-group " + std::to_string(sub_group) +
+                                   " handed to step " + std::to_string(r.to) + " twice");
+  }
+  if (grads.empty()) {
+    if (!s.grads_written[sub_group]) {
+      return Status::FailedPrecondition("gradients of sub-group " + std::to_string(sub_group) +
+                                        " have not been written since step " +
+                                        std::to_string(epoch_));
+    }
+  } else {
+    if (s.options.grad_dtype != HalfDtype::kNone) {
+      return Status::FailedPrecondition(
+          "the optimizer swapper takes " + std::string(HalfDtypeName(s.options.grad_dtype)) +
+          " gradients; fp32 ones cannot be handed over");
+    }
+    if (grads.size() != SubGroupSize(sub_group)) {
+      return Status::InvalidArgument("sub-group " + std::to_string(sub_group) + " has " +
+                                     std::to_string(SubGroupSize(sub_group)) + " elements; " +
+                                     std::to_string(grads.size()) + " gradients given");
+    }
+  }
+  ++r.submitted;
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    job.submitted = true;
+    if (!r.aborted) {
+      job.grads = grads;
+      job.segments = std::move(segments);
+      job.done = std::move(done);
+    } else {
+      job.claimed = true;  // the step has failed: nothing will read them
+    }
+  }
+  if (job.claimed) {
+    if (done) done();
+    return Status::Ok();
+  }
+  r.reader_q.Push(sub_group);
+  return Status::Ok();
+}
+
+Status OptimizerSwapper::WaitForUpdates() {
+  Impl& s = *impl_;
+  if (!s.run) return Status::FailedPrecondition("no step is begun (BeginStep)");
+  StepRun& r = *s.run;
+  if (r.submitted < sub_group_count_) {
+    for (uint64_t i = 0; i < sub_group_count_; ++i) {
+      if (!r.jobs[i].submitted) {
+        return Status::FailedPrecondition("step " + std::to_string(r.to) + ": sub-group " +
+                                          std::to_string(i) + " was never handed over");
       }
     }
-    compute_s += SecondsSince(t0);
-    if (!st.ok()) {
-      abort_all(st.WithPrefix("step " + std::to_string(to)));
-      break;
-    }
-    written_q.Push(*b);
   }
-  reader.join();
-  writer.join();
+  std::unique_lock<std::mutex> lock(r.mu);
+  r.cv.wait(lock, [&] { return r.aborted || r.updated == sub_group_count_; });
+  lock.unlock();
+  return r.error.Get();
+}
 
-  Status status = error.Get();
+Status OptimizerSwapper::FinishStep() {
+  Impl& s = *impl_;
+  if (!s.run) return Status::FailedPrecondition("no step is begun (BeginStep)");
+  StepRun& r = *s.run;
+  Status status;
+  if (r.submitted < sub_group_count_) {
+    status = WaitForUpdates();  // names the sub-group never handed over
+    r.Abort(status);
+  }
+  r.Join();
+  if (status.ok()) status = r.error.Get();
   double sync_s = 0;
   if (status.ok() && s.options.sync_every_step) {
     const auto t0 = std::chrono::steady_clock::now();
-    status = s.store->Sync().WithPrefix("committing step " + std::to_string(to));
+    status = s.store->Sync().WithPrefix("committing step " + std::to_string(r.to));
     sync_s = SecondsSince(t0);
   }
   SwapStepStats& last = s.stats.last_step;
-  last.total_s = SecondsSince(start);
-  last.read_s = read_s;
-  last.write_s = write_s;
-  last.compute_s = compute_s;
-  last.compute_wait_s = wait_s;
+  last.total_s = SecondsSince(r.start);
+  last.read_s = r.read_s;
+  last.write_s = r.write_s;
+  last.compute_s = r.compute_s;
+  last.compute_wait_s = r.wait_s;
+  last.grad_wait_s = r.grad_wait_s;
   last.sync_s = sync_s;
-  last.read_bytes = read_bytes;
-  last.write_bytes = write_bytes;
+  last.read_bytes = r.read_bytes;
+  last.write_bytes = r.write_bytes;
+  last.sub_groups_in_memory = r.in_memory;
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    last.updates_done_s = r.updates_done_s;
+  }
+  last.sub_groups_read_ahead = r.read_ahead;
+  const uint64_t to = r.to;
+  if (!r.serial && r.order.size() == sub_group_count_) s.last_order = r.order;
+  s.run.reset();
   if (!status.ok()) {
     ++s.stats.failed_steps;
     return status;
@@ -890,6 +1232,14 @@ Status OptimizerSwapper::Step(const SwapStepOptions& options, const UpdateCallba
   ++s.stats.steps;
   std::fill(s.grads_written.begin(), s.grads_written.end(), false);
   return Status::Ok();
+}
+
+void OptimizerSwapper::AbortStep() {
+  Impl& s = *impl_;
+  if (!s.run) return;
+  s.run->Abort(Status::FailedPrecondition("step " + std::to_string(s.run->to) + " abandoned"));
+  s.run->Join();
+  s.run.reset();
 }
 
 Status OptimizerSwapper::ReadState(uint64_t sub_group, int state, std::span<float> out) {
@@ -945,8 +1295,9 @@ OptimizerSwapperStats OptimizerSwapper::stats() const {
 }
 
 Status OptimizerSwapper::Close() {
+  if (impl_->closed) return Status::Ok();
+  AbortStep();  // a begun step is not committed
   Impl& s = *impl_;
-  if (s.closed) return Status::Ok();
   s.closed = true;
   Status status;
   if (s.store) status = s.store->Close();  // keep_files: writes the index, fsyncs the data

@@ -27,8 +27,21 @@
 // before each Step(); a step refuses to run while any sub-group's gradients are missing, so stale
 // gradients are never applied twice.
 //
-// Thread safety: one caller at a time (WriteGradients, Step and ReadParams must not overlap).
-// The swapper runs its own reader and writer threads during Step().
+// Overlapped steps (Note [Sub-groups as their gradients arrive] in optimizer_swapper.cc). Step()
+// needs every gradient first. A trainer whose backward produces the sub-groups' gradients one by
+// one (in reverse, as backward runs) can instead BeginStep() with the step's options before
+// backward, hand each sub-group to StepSubGroup() as soon as its gradients are complete (in
+// memory: they are never written to the store nor read back), and FinishStep() after backward:
+// the pipeline reads, steps and writes each sub-group while backward goes on, and FinishStep()
+// waits for what is left and commits. The results are those of Step() with the same options and
+// gradients, bit for bit (every sub-group is stepped on its own, whatever the order), and the
+// crash consistency is Step()'s: the begun marker is committed in BeginStep(), the new states go
+// to the other slots, and only FinishStep() commits them.
+//
+// Thread safety: one caller at a time (WriteGradients, Step, the overlapped-step calls and
+// ReadParams must not overlap; StepSubGroup() may come from another thread than BeginStep() and
+// FinishStep(), one call at a time). The swapper runs its own reader, compute and writer threads
+// during a step; the update callback runs on the compute thread.
 #pragma once
 
 #include <cstdint>
@@ -141,6 +154,13 @@ struct SwapStepStats {
   double write_s = 0;     // writer thread busy writing
   double sync_s = 0;      // the commit at the end
   double compute_wait_s = 0;  // compute stage waiting for a read to finish
+  // Overlapped steps: the reader waiting for the next sub-group to be handed over (the
+  // optimizer idle, waiting for backward's gradients), and the time from BeginStep() until the
+  // last sub-group's update callback returned.
+  double grad_wait_s = 0;
+  double updates_done_s = 0;
+  uint64_t sub_groups_in_memory = 0;  // sub-groups stepped from gradients handed over in memory
+  uint64_t sub_groups_read_ahead = 0;  // states read before their sub-group was handed over
   uint64_t read_bytes = 0, write_bytes = 0;
 };
 
@@ -237,6 +257,39 @@ class OptimizerSwapper {
   // epoch still advances by one.
   Status Step(const SwapStepOptions& options, const UpdateCallback& on_update = nullptr,
               const SegmentFn& segments = nullptr);
+
+  // The overlapped step (see the header comment). BeginStep() validates `options`, commits the
+  // begun marker of step epoch() + 1 and starts the pipeline, which then waits for sub-groups;
+  // `on_update` and `segments` as for Step(). FailedPrecondition when a step is begun already.
+  Status BeginStep(const SwapStepOptions& options, const UpdateCallback& on_update = nullptr,
+                   const SegmentFn& segments = nullptr);
+  // Hands sub-group i to the begun step. `grads`: its SubGroupSize(i) fp32 gradients in memory
+  // (not for a 16-bit grad_dtype), which the compute thread reads: they must stay valid and
+  // unchanged until `done` is called (once, from a pipeline thread when the kernel has read them,
+  // or from FinishStep() / AbortStep() when the step ends without it); empty: the gradients
+  // written with WriteGradients() since the last step. `segments` (non-empty) replace the
+  // SegmentFn's for this sub-group. Returns at once. InvalidArgument for a sub-group out of range,
+  // given twice, or gradients of the wrong size; FailedPrecondition without a begun step, or for
+  // empty `grads` with none written. A failure of the step itself is not returned here but by
+  // WaitForUpdates() / FinishStep() (`done` is then called at once): the caller's producer, a
+  // backward pass, is not interrupted by it.
+  Status StepSubGroup(uint64_t sub_group, std::span<const float> grads,
+                      std::vector<StepSegment> segments = {},
+                      std::function<void()> done = nullptr);
+  // Waits until every sub-group's update callback has returned (all must have been handed over:
+  // FailedPrecondition naming the first that was not). Returns the step's first error; the step
+  // then still needs FinishStep() or AbortStep().
+  Status WaitForUpdates();
+  // Ends the begun step: waits for the pipeline, commits (sync_every_step) and advances epoch().
+  // On failure (an I/O error, the callback's error, a sub-group never handed over) the step is
+  // over and nothing of it is committed: epoch() and the committed states are unchanged, and the
+  // error names the step and the sub-group.
+  Status FinishStep();
+  // Abandons the begun step (a no-op without one): the pipeline stops, nothing is committed.
+  void AbortStep();
+  bool step_begun() const;
+  // Sub-groups of the begun step whose update callback has returned (0 without one).
+  uint64_t SubGroupsUpdated() const;
   // Reads the fp32 master weights of sub-group i at epoch() (out.size() == SubGroupSize(i)).
   Status ReadParams(uint64_t sub_group, std::span<float> out);
   // Reads state array `state` (0 .. SwapOptimizerStates - 1, in the order of SwapOptimizer's
@@ -254,6 +307,7 @@ class OptimizerSwapper {
   // Array 0 is the master weights, 1.. the states.
   Status ReadArray(uint64_t sub_group, int array, std::span<float> out);
   Status PutGradients(uint64_t sub_group, std::span<const std::byte> bytes, size_t count);
+  struct StepRun;
   OptimizerSwapper(std::unique_ptr<Impl> impl, uint64_t num_elements, uint64_t sub_group_elements,
                    uint64_t epoch);
 

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <csignal>
 #include <cstdint>
@@ -143,6 +144,141 @@ TEST_CASE("OptimizerSwapper steps bit-identically to the in-memory AdamW, for an
                                                      MakeOptions("x", SwapOptimizer::kAdam)) +
                                            buffers * 4096);
   }
+}
+
+// The gradients of step t for sub-group i, as a trainer's backward leaves them in memory.
+std::vector<float> GradientsOf(const OptimizerSwapper& s, uint64_t step, uint64_t i) {
+  std::vector<float> g(s.SubGroupSize(i));
+  for (size_t k = 0; k < g.size(); ++k) g[k] = Grad(step, s.SubGroupBegin(i) + k);
+  return g;
+}
+
+TEST_CASE("An overlapped step, sub-groups handed over in reverse from another thread, is Step()") {
+  for (uint32_t buffers : {2u, 3u}) {
+    CAPTURE(buffers);
+    TempDir dir("swapper-");
+    const uint64_t n = 7 * kSubGroup + 300;
+    auto swapper = OptimizerSwapper::Create(
+        MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam, buffers), n, Filler());
+    REQUIRE_MESSAGE(swapper.ok(), swapper.status().ToString());
+    OptimizerSwapper& s = **swapper;
+    uint64_t read_ahead = 0;
+    for (uint64_t t = 1; t <= 4; ++t) {
+      // Step 3 takes sub-groups 0 and 5 from the store (written the old way), the rest in memory.
+      if (t == 3) {
+        REQUIRE(s.WriteGradients(0, GradientsOf(s, t, 0)).ok());
+        REQUIRE(s.WriteGradients(5, GradientsOf(s, t, 5)).ok());
+      }
+      std::vector<uint64_t> seen;
+      REQUIRE(s.BeginStep(Adam(t), [&](const SubGroupUpdate& u) {
+                 seen.push_back(u.sub_group);
+                 return Status::Ok();
+               }).ok());
+      CHECK(s.step_begun());
+      CHECK(s.BeginStep(Adam(t)).code() == StatusCode::kFailedPrecondition);
+      std::vector<std::vector<float>> grads(s.sub_group_count());
+      std::atomic<uint64_t> released{0};
+      std::thread backward([&] {
+        for (uint64_t i = s.sub_group_count(); i-- > 0;) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));  // backward computing
+          const bool stored = t == 3 && (i == 0 || i == 5);
+          if (!stored) grads[i] = GradientsOf(s, t, i);
+          Status st = s.StepSubGroup(i, grads[i], {}, [&released] { ++released; });
+          CHECK_MESSAGE(st.ok(), st.ToString());
+        }
+      });
+      backward.join();
+      CHECK(s.StepSubGroup(2, grads[2]).code() == StatusCode::kInvalidArgument);  // twice
+      REQUIRE(s.WaitForUpdates().ok());
+      const Status finished = s.FinishStep();
+      REQUIRE_MESSAGE(finished.ok(), finished.ToString());
+      CHECK_FALSE(s.step_begun());
+      CHECK(released == s.sub_group_count());  // every `done` once, the stored ones' included
+      CHECK(seen == std::vector<uint64_t>{7, 6, 5, 4, 3, 2, 1, 0});
+      CHECK(s.epoch() == t);
+      const SwapStepStats last = s.stats().last_step;
+      // Gradients in memory are neither written nor read: only the states move.
+      const uint64_t stored_grads = t == 3 ? 4 * 2 * kSubGroup : 0;
+      CHECK(last.read_bytes == 8 * 4096 + 12 * n + stored_grads);
+      CHECK(last.write_bytes == 8 * 4096 + 12 * n);
+      CHECK(last.sub_groups_in_memory == (t == 3 ? 6u : 8u));
+      CHECK(last.updates_done_s > 0);
+      read_ahead += last.sub_groups_read_ahead;
+    }
+    // The reader is idle between hand-overs: it reads the next sub-groups' states before they
+    // come (Note [Reading states ahead]); the exact byte counts above show none was read twice.
+    CHECK(read_ahead > 0);
+    Reference ref(n);
+    ref.AdamSteps(0, 4);
+    RequireEqualBits(ReadAll(s, -1), ref.p);
+    RequireEqualBits(ReadAll(s, 0), ref.m);
+    RequireEqualBits(ReadAll(s, 1), ref.v);
+  }
+}
+
+TEST_CASE("Sub-groups handed over in an unexpected order: guesses given up, results the same") {
+  // The first overlapped step expects backward's order (the last sub-group first); these come
+  // first to last, so the states read ahead are given up for the sub-groups that do come. The
+  // next step expects the order seen, and reads nothing twice.
+  TempDir dir("swapper-");
+  const uint64_t n = 6 * kSubGroup;
+  auto swapper = OptimizerSwapper::Create(
+      MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam, /*buffers=*/2), n, Filler());
+  REQUIRE(swapper.ok());
+  OptimizerSwapper& s = **swapper;
+  for (uint64_t t = 1; t <= 3; ++t) {
+    REQUIRE(s.BeginStep(Adam(t)).ok());
+    std::vector<std::vector<float>> grads(s.sub_group_count());
+    for (uint64_t i = 0; i < s.sub_group_count(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(3));
+      grads[i] = GradientsOf(s, t, i);
+      REQUIRE(s.StepSubGroup(i, grads[i]).ok());
+    }
+    REQUIRE(s.FinishStep().ok());
+    const SwapStepStats last = s.stats().last_step;
+    CHECK(last.read_bytes >= 6 * 4096 + 12 * n);
+    if (t > 1) CHECK(last.read_bytes == 6 * 4096 + 12 * n);
+  }
+  Reference ref(n);
+  ref.AdamSteps(0, 3);
+  RequireEqualBits(ReadAll(s, -1), ref.p);
+  RequireEqualBits(ReadAll(s, 1), ref.v);
+}
+
+TEST_CASE("An overlapped step refuses misuse and reports a sub-group never handed over") {
+  TempDir dir("swapper-");
+  const uint64_t n = 4 * kSubGroup;
+  auto swapper = OptimizerSwapper::Create(MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam),
+                                          n, Filler());
+  REQUIRE(swapper.ok());
+  OptimizerSwapper& s = **swapper;
+  std::vector<float> g = GradientsOf(s, 1, 1);
+  CHECK(s.StepSubGroup(1, g).code() == StatusCode::kFailedPrecondition);  // nothing begun
+  CHECK(s.FinishStep().code() == StatusCode::kFailedPrecondition);
+  CHECK(s.BeginStep(SgdOptions{}).code() == StatusCode::kInvalidArgument);
+  REQUIRE(s.BeginStep(Adam(1)).ok());
+  CHECK(s.Step(Adam(1)).code() == StatusCode::kFailedPrecondition);
+  CHECK(s.StepSubGroup(9, g).code() == StatusCode::kInvalidArgument);
+  CHECK(s.StepSubGroup(1, std::span<const float>(g).first(10)).code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(s.StepSubGroup(2, {}).code() == StatusCode::kFailedPrecondition);  // none written
+  REQUIRE(s.StepSubGroup(1, g).ok());
+  const Status waited = s.WaitForUpdates();
+  CHECK(waited.code() == StatusCode::kFailedPrecondition);
+  CHECK(waited.message().find("sub-group 0") != std::string::npos);
+  const Status finished = s.FinishStep();
+  CHECK(finished.code() == StatusCode::kFailedPrecondition);
+  CHECK(finished.message().find("sub-group 0 was never handed over") != std::string::npos);
+  CHECK(s.epoch() == 0);
+  CHECK_FALSE(s.step_begun());
+  // Abandoned without a trace; the next step is whole.
+  REQUIRE(s.BeginStep(Adam(1)).ok());
+  s.AbortStep();
+  REQUIRE(WriteAllGradients(s, 1).ok());
+  REQUIRE(s.Step(Adam(1)).ok());
+  Reference ref(n);
+  ref.AdamSteps(0, 1);
+  RequireEqualBits(ReadAll(s, -1), ref.p);
 }
 
 TEST_CASE("OptimizerSwapper steps 16-bit gradients: half the gradient bytes, the same bits") {
@@ -406,11 +542,40 @@ TEST_CASE("A step that fails on an I/O error keeps the committed step, and can b
   ref.AdamSteps(1, 2);
   RequireEqualBits(ReadAll(s, -1), ref.p);
   RequireEqualBits(ReadAll(s, 0), ref.m);
+
+  // Overlapped: the same fault in step 3, its sub-groups handed over in memory, in reverse. The
+  // step fails naming the sub-group, every gradient handed over is released, step 2 stays whole,
+  // and the step runs again.
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    CAPTURE(attempt);
+    if (attempt == 0) REQUIRE(faults->SetPlan(plan).ok());
+    REQUIRE(s.BeginStep(Adam(3)).ok());
+    std::vector<std::vector<float>> grads(s.sub_group_count());
+    std::atomic<uint64_t> released{0};  // `done` runs on the pipeline's threads
+    for (uint64_t i = s.sub_group_count(); i-- > 0;) {
+      grads[i] = GradientsOf(s, 3, i);
+      REQUIRE(s.StepSubGroup(i, grads[i], {}, [&released] { ++released; }).ok());
+    }
+    const Status finished = s.FinishStep();
+    CHECK(released == s.sub_group_count());
+    if (attempt == 0) {
+      CHECK(finished.code() == StatusCode::kIoError);
+      CHECK(finished.message().find("step 3, writing sub-group") != std::string::npos);
+      CHECK(s.epoch() == 2);
+      RequireEqualBits(ReadAll(s, -1), ref.p);
+      REQUIRE(faults->SetPlan({}).ok());
+    } else {
+      REQUIRE_MESSAGE(finished.ok(), finished.ToString());
+    }
+  }
+  ref.AdamSteps(2, 3);
+  RequireEqualBits(ReadAll(s, -1), ref.p);
+  RequireEqualBits(ReadAll(s, 1), ref.v);
 }
 
 // Runs steps in a child process that is SIGKILLed mid-step; the parent reopens the store.
 void RunKilledChild(const OptimizerSwapperOptions& options, uint64_t steps_done,
-                    uint64_t kill_in_sub_group) {
+                    uint64_t kill_in_sub_group, bool overlapped = false) {
   pid_t pid = ::fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {
@@ -418,16 +583,28 @@ void RunKilledChild(const OptimizerSwapperOptions& options, uint64_t steps_done,
     if (!swapper.ok()) ::_exit(3);
     OptimizerSwapper& s = **swapper;
     for (uint64_t t = s.epoch() + 1;; ++t) {
-      if (!WriteAllGradients(s, t).ok()) ::_exit(4);
       const bool last = t == steps_done + 1;
-      Status st = s.Step(Adam(t), [&](const SubGroupUpdate& u) {
+      auto on_update = [&](const SubGroupUpdate& u) {
         if (last && u.sub_group == kill_in_sub_group) {
           // Give the writer time to put the sub-groups before this one on disk, then die.
           std::this_thread::sleep_for(std::chrono::milliseconds(300));
           ::raise(SIGKILL);
         }
         return Status::Ok();
-      });
+      };
+      Status st;
+      if (overlapped) {  // in reverse, from memory, as backward hands them over
+        if (!s.BeginStep(Adam(t), on_update).ok()) ::_exit(4);
+        std::vector<std::vector<float>> grads(s.sub_group_count());
+        for (uint64_t i = s.sub_group_count(); i-- > 0;) {
+          grads[i] = GradientsOf(s, t, i);
+          if (!s.StepSubGroup(i, grads[i]).ok()) ::_exit(4);
+        }
+        st = s.FinishStep();
+      } else {
+        if (!WriteAllGradients(s, t).ok()) ::_exit(4);
+        st = s.Step(Adam(t), on_update);
+      }
       if (!st.ok()) ::_exit(5);
     }
   }
@@ -445,6 +622,26 @@ TEST_CASE("A process SIGKILLed mid-step leaves a store that reports the torn ste
     auto swapper = OptimizerSwapper::Create(options, n, Filler());
     REQUIRE(swapper.ok());
     REQUIRE((*swapper)->Close().ok());
+  }
+  SUBCASE("killed in an overlapped step, sub-groups stepped in reverse") {
+    RunKilledChild(options, 2, 1, /*overlapped=*/true);
+    RecoveryReport report;
+    auto swapper = OptimizerSwapper::Open(options, &report);
+    REQUIRE_MESSAGE(swapper.ok(), swapper.status().ToString());
+    CHECK(report.torn);
+    CHECK(report.epoch == 2);
+    CHECK(report.torn_epoch == 3);
+    // Sub-groups 7..2 had step 3 written over their step-1 slot before 1's update died.
+    CHECK(report.torn_sub_groups >= 4);
+    OptimizerSwapper& s = **swapper;
+    Reference ref(n);
+    ref.AdamSteps(0, 2);
+    RequireEqualBits(ReadAll(s, -1), ref.p);
+    RequireEqualBits(ReadAll(s, 0), ref.m);
+    REQUIRE(WriteAllGradients(s, 3).ok());
+    REQUIRE(s.Step(Adam(3)).ok());
+    ref.AdamSteps(2, 3);
+    RequireEqualBits(ReadAll(s, -1), ref.p);
   }
   SUBCASE("killed in the first step") {
     RunKilledChild(options, 0, 5);

@@ -39,6 +39,17 @@
 // nothing queued later on the lane can touch that memory before the trainer is done with it. A
 // parameter kept for reuse keeps its fences until it goes home.
 //
+// Note [Writes beside loads]
+// The engine's overlapped optimizer writes a sub-group's updated working copies to the tier
+// (Write(), on its own thread) while the trainer goes on fetching. The parameters it writes have
+// had their gradients, so the trainer does not fetch them again in this step, but a load of them
+// may still be in flight: a prefetch of the next step's first modules (PrefetchNextStep) that the
+// trainer never used, its copy from the pinned arena or its NVMe read not yet done. Write() first
+// drops the prefetches of its range not yet started and waits for the loads and copies of the
+// others, so that no copy reads bytes being rewritten (and no NVMe read races the chunk's Put,
+// which the store would refuse). A parameter of the range fetched after that would get the new
+// values, as a fetch after Write() always did.
+//
 // Note [ZeRO-3 partitions]
 // With world size W > 1 a parameter of n elements is cut into W shards of s = ceil(n / W)
 // elements, rank r owning elements [r * s, (r + 1) * s); past n they are padding, which the engine
@@ -465,6 +476,39 @@ struct ParamSwapper::Impl {
     return Status::Ok();
   }
 
+  // Before partition elements [begin, end) of the tier are rewritten: no load may still read them
+  // (Note [Writes beside loads]). Prefetches of those parameters not yet started are dropped, the
+  // one loading is waited for, and so are the copies of those loaded.
+  Status QuiesceLoads(uint64_t begin, uint64_t end) {
+    std::vector<gpu::CopyTicket> copies;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      auto overlapping = [&](auto&& fn) {
+        for (auto it = FirstOverlapping(begin); it != params.end() && it->local < end; ++it) {
+          if (!it->resident) fn(*it, static_cast<ParamId>(it - params.begin()));
+        }
+      };
+      overlapping([&](Param& p, ParamId id) {
+        if (p.state != State::kQueued || p.wanted) return;
+        jobs.erase(std::remove(jobs.begin(), jobs.end(), id), jobs.end());
+        ToHomeLocked(p);
+        ++stats.prefetch_wasted;
+      });
+      job_done.wait(lock, [&] {
+        bool busy = false;
+        overlapping([&](Param& p, ParamId) {
+          busy = busy || p.state == State::kQueued || p.state == State::kLoading;
+        });
+        return !busy;
+      });
+      overlapping([&](Param& p, ParamId) {
+        if (p.state == State::kReady) copies.push_back(p.ticket);
+      });
+    }
+    for (const gpu::CopyTicket& t : copies) MEMPLAN_RETURN_IF_ERROR(options.runtime->Wait(t));
+    return Status::Ok();
+  }
+
   // The first parameter whose shard ends after partition element `begin`.
   std::vector<Param>::iterator FirstOverlapping(uint64_t begin) {
     return std::lower_bound(params.begin(), params.end(), begin,
@@ -641,6 +685,7 @@ Status ParamSwapper::Write(uint64_t flat_begin, std::span<const std::byte> value
   }
   gpu::Runtime& rt = *s.options.runtime;
   const std::byte* bytes = values.data();
+  if (s.options.tier != Tier::kGpu) MEMPLAN_RETURN_IF_ERROR(s.QuiesceLoads(flat_begin, end));
   if (s.options.tier == Tier::kCpu) {
     std::memcpy(s.arena + flat_begin * eb, bytes, values.size());
   } else if (s.options.tier == Tier::kNvme) {
@@ -920,6 +965,18 @@ Status ParamSwapper::EndOfStep() {
   }
   // Memory freed above may still be the target of a copy: wait before anyone reuses it.
   for (const gpu::CopyTicket& t : pending) MEMPLAN_RETURN_IF_ERROR(s.options.runtime->Wait(t));
+  return Status::Ok();
+}
+
+Status ParamSwapper::PrefetchNextStep() {
+  Impl& s = *impl_;
+  if (!s.finalized) return Status::Ok();
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (s.recording || s.pos != 0 || s.trace.empty()) return Status::Ok();
+    s.PrefetchLocked(0);
+  }
+  s.job_ready.notify_all();
   return Status::Ok();
 }
 

@@ -43,9 +43,12 @@
 // trainer queued its kernels on: the buffers are not reused before that stream's work queued so
 // far has run (Note [Released buffers and the trainer's stream]).
 //
-// Thread safety: Add/Finalize/Write*/GatherResident/EndOfStep/Fetch/Release/DevicePointer are
-// called from one thread (the trainer's); the swapper runs one transfer thread of its own, which
-// never calls the Collective.
+// Thread safety: Add/Finalize/Write*/GatherResident/EndOfStep/PrefetchNextStep/Fetch/Release/
+// DevicePointer are called from one thread (the trainer's), with one exception: Write*() may also
+// run on another thread (the engine's optimizer, overlapped with backward) while the trainer
+// fetches and releases, for ranges of parameters that are not fetched nor fetched again until
+// the next EndOfStep() (a parameter whose gradient is complete). The swapper runs one transfer
+// thread of its own, which never calls the Collective.
 #pragma once
 
 #include <cstdint>
@@ -150,10 +153,10 @@ class ParamSwapper {
   // values.size() / ElementBytes(dtype), to where the parameters live (GPU copies, pinned arena,
   // NVMe chunks); `values` holds n elements of `dtype` (bf16/fp16 bit patterns, or fp32), and may
   // be reused when this returns. For the nvme tier the range must be whole chunks. Not while
-  // parameters are fetched (call after EndOfStep()). With world size > 1, resident parameters see
-  // the new values after GatherResident(). InvalidArgument for a size that is not whole elements,
-  // OutOfRange past the partition; an NVMe or copy error is returned as is, leaving the range
-  // partly written.
+  // parameters of the range are fetched (see Thread safety). With world size > 1, resident
+  // parameters see the new values after GatherResident(). InvalidArgument for a size that is not
+  // whole elements, OutOfRange past the partition; an NVMe or copy error is returned as is, leaving
+  // the range partly written.
   Status Write(uint64_t flat_begin, std::span<const std::byte> values);
   // Write() for a 16-bit dtype (InvalidArgument for fp32) and for fp32 (InvalidArgument otherwise).
   Status WriteHalf(uint64_t flat_begin, std::span<const uint16_t> values);
@@ -178,6 +181,10 @@ class ParamSwapper {
   // releases prefetched parameters that were not used, and ends the trace recording (or notes
   // that the step did not follow it to the end).
   Status EndOfStep();
+  // After EndOfStep() and the write-back of every updated parameter: starts fetching the first
+  // modules of the next step along the trace, within the budgets, so that they load while the
+  // optimizer finishes its step (its last writes and the commit). A no-op without a whole trace.
+  Status PrefetchNextStep();
 
   ParamSwapperStats stats() const;
 

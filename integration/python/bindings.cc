@@ -430,6 +430,20 @@ class PyEngine {
     Check(status);
   }
 
+  void PrepareStep(const std::string& options_json) {
+    Require();
+    nlohmann::json doc = options_json.empty() ? nlohmann::json::object()
+                                              : ParseRequest(options_json, "step options");
+    offload::SwapStepOptions options =
+        Value(integration::StepOptionsFromJson(doc, schedule_.optimizer));
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = engine_->PrepareStep(options);
+    }
+    Check(status);
+  }
+
   void ReadMaster(uint32_t param, const py::object& out) {
     Require();
     Memory m = MemoryOf(out);
@@ -744,6 +758,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("gradient_stream", &PyEngine::GradientStream)
       .def_property_readonly("device", &PyEngine::Device)
       .def("step", &PyEngine::Step, py::arg("options_json") = "")
+      .def("prepare_step", &PyEngine::PrepareStep, py::arg("options_json") = "")
       .def("read_master", &PyEngine::ReadMaster, py::arg("param"), py::arg("out"))
       .def("stats_json", &PyEngine::StatsJson)
       .def_property_readonly("param_dtype", &PyEngine::ParamDtype)

@@ -112,6 +112,56 @@ class AdapterTest(unittest.TestCase):
             trainer.close()
         self.assertLess(max(abs(a - b) for a, b in zip(losses, ref_losses)), 1e-6)
 
+    def test_overlapped_optimizer_gives_the_serial_results_to_the_bit(self):
+        # overlap_optimizer steps each sub-group during backward; an lr schedule given before
+        # each backward (set_options) ends, with gradient accumulation too, exactly where the
+        # serial run, given the same lr at step(), does.
+        batches = data(12)
+        lrs = [1e-2 / (1 + i) for i in range(len(batches))]
+        runs = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for overlap in (False, True):
+                model = mlp()
+                trainer = memplan.torch.offload(
+                    model, os.path.join(tmp, f"swap{int(overlap)}"), lr=1e-2, weight_decay=0.01,
+                    gradient_accumulation_steps=2, direct=False, sub_group_elements=1024,
+                    overlap_optimizer=overlap)
+                losses = []
+                for i, (x, y) in enumerate(batches):
+                    if overlap and i % 2 == 0:
+                        trainer.set_options(lr=lrs[i // 2])
+                    loss = nn.functional.mse_loss(model(x), y) / 2
+                    loss.backward()
+                    losses.append(loss.item())
+                    if i % 2 == 1:
+                        if overlap:
+                            trainer.step()
+                        else:
+                            trainer.step(lr=lrs[i // 2])
+                profile = trainer.stats()["step_profile"]
+                self.assertEqual(profile["overlapped"], overlap)
+                self.assertEqual(profile["sub_groups"], 2)
+                runs.append((losses, trainer.master_weights(), trainer))
+            (serial_losses, serial_w, serial), (losses, weights, trainer) = runs
+            self.assertEqual(losses, serial_losses)
+            for name, w in serial_w.items():
+                self.assertTrue(torch.equal(weights[name], w), name)
+            # Another lr at step() than the backward began with: refused, the step dropped.
+            x, y = batches[0]
+            for _ in range(2):
+                nn.functional.mse_loss(trainer.module(x), y).backward()
+            with self.assertRaisesRegex(ValueError, "changed lr"):
+                trainer.step(lr=0.5)
+            for name, w in trainer.master_weights().items():
+                self.assertTrue(torch.equal(w, weights[name]), name)
+            self.assertEqual(trainer.stats()["steps"], 6)
+            for _ in range(2):  # the next step runs, with the lr given last
+                nn.functional.mse_loss(trainer.module(x), y).backward()
+            trainer.step()
+            self.assertEqual(trainer.stats()["steps"], 7)
+            serial.close()
+            trainer.close()
+
     def test_a_parameter_without_a_gradient_is_skipped_as_torch_skips_it(self):
         # A branch used only on even steps: on odd steps its parameters get no gradient, and
         # torch's AdamW leaves them (and their step counts) alone; so must the engine.

@@ -203,6 +203,12 @@ class Engine:
     def step(self, **options):
         self._native.step(_json.dumps(options))
 
+    def prepare_step(self, **options):
+        """The options of the coming step(), before its first gradient: the optimizer then runs
+        during backward, each sub-group as soon as its gradients are in (the optimizer on NVMe).
+        step() must then be given the same options."""
+        self._native.prepare_step(_json.dumps(options))
+
     def read_master(self, param, out):
         self._native.read_master(param, out)
 

@@ -24,6 +24,15 @@ How it works (the ZeRO-3 pattern, on memplan's Engine):
     it is complete; once all of a unit's gradients are in, the unit is released. Anything still
     fetched is released when the backward pass ends.
   - ``step()`` runs the engine's optimizer step (AdamW by default, matching torch.optim.AdamW).
+  - With ``overlap_optimizer=True`` the optimizer runs during backward instead: when a step's first
+    gradient reaches the engine, the step's options are given to it (``Engine.prepare_step``), and
+    each optimizer sub-group is stepped (states read, updated, written back, new weights written
+    to their tier) as soon as its last gradient is in; ``step()`` only finishes what is left. The
+    results are the serial ones, bit for bit. The options of a step are those in effect when its
+    backward begins: change them before the backward (``set_options(lr=...)``), not in that step's
+    ``step()`` call, which then raises ValueError and drops the step (the weights as before it).
+    Leave it off when the options are known only after backward (clipping by the global gradient
+    norm, skipping fp16 steps whose gradients overflowed): those steps need every gradient first.
 
 Note [Views of parameters]
 A view of a parameter saved for backward would keep pointing at the engine memory the parameter
@@ -356,7 +365,7 @@ class OffloadedModule:
 
     def __init__(self, module, schedule, *, runtime="auto", optimizer_options=None,
                  gradient_accumulation_steps=1, device=None, process_group=None,
-                 fetch_units="auto", resume=False):
+                 fetch_units="auto", resume=False, overlap_optimizer=False):
         if gradient_accumulation_steps < 1:
             raise ValueError("gradient_accumulation_steps must be >= 1")
         self.block_types = _block_types(module, fetch_units)
@@ -400,6 +409,8 @@ class OffloadedModule:
         self._callback_queued = False
         self._grad_sums = {}        # param id -> summed gradient (accumulation)
         self._grads_given = set()
+        self.overlap_optimizer = bool(overlap_optimizer)
+        self._prepared = None       # the options given to the engine for the step in progress
         self._closed = False
         # Note [Views of parameters]: until the first step ends, every tensor a unit's forward
         # saves for backward is checked; a view of an engine-held parameter is refused.
@@ -692,17 +703,45 @@ class OffloadedModule:
                                "(call step() after each backward, or set "
                                "gradient_accumulation_steps)")
         grad = grad.contiguous().reshape(-1)
+        self._prepare()
         # The engine's copy waits for torch's stream, where the gradient is being computed.
         self.engine.grad_ready(entry.id, grad, stream=self._stream())
         self._grads_given.add(entry.id)
 
+    def _prepare(self):
+        """overlap_optimizer: the step's options to the engine before its first gradient."""
+        if self.overlap_optimizer and self._prepared is None:
+            self.engine.prepare_step(**self.optimizer_options)
+            self._prepared = dict(self.optimizer_options)
+
+    def set_options(self, **options):
+        """Overrides optimizer options (lr, grad_scale, ...) for the coming steps. With
+        overlap_optimizer a step's options are taken when its backward hands the first gradient
+        over: call this before the backward of the first step they are for."""
+        self.optimizer_options.update(options)
+
     def step(self, **options):
         """One optimizer step with the schedule's optimizer; keywords override the options given
-        at creation for this and later steps (lr for a schedule, grad_scale for loss scaling)."""
+        at creation for this and later steps (lr for a schedule, grad_scale for loss scaling).
+        With overlap_optimizer the step was prepared with the options in effect when its backward
+        began: keywords that change them raise ValueError, and the step is dropped (weights,
+        states and step counts as before it; run its forward and backward again)."""
         if self._micro < self.accumulation:
             raise RuntimeError(f"memplan: step() after {self._micro} backward passes; "
                                f"gradient_accumulation_steps is {self.accumulation}")
         self.optimizer_options.update(options)
+        if self._prepared is not None and self._prepared != self.optimizer_options:
+            changed = sorted(k for k in set(self._prepared) | set(self.optimizer_options)
+                             if self._prepared.get(k) != self.optimizer_options.get(k))
+            try:
+                self.engine.step(**self.optimizer_options)  # refused: the engine drops the step
+            except RuntimeError:
+                pass
+            self._end_step()
+            raise ValueError(
+                f"memplan.torch: step() changed {', '.join(changed)} after the step's backward "
+                "had begun with the old values (overlap_optimizer=True); the step was dropped. "
+                "Give new options before the backward: trainer.set_options(...)")
         # Parameters without a gradient in the last micro-batch: their summed gradients of the
         # earlier ones; without any, skipped as torch's optimizers skip a parameter whose grad is
         # None (weights, states and its step count unchanged).
@@ -714,15 +753,23 @@ class OffloadedModule:
                 else:
                     self.engine.grad_ready(entry.id, grad.contiguous().reshape(-1),
                                            stream=self._stream())
-        self.engine.step(**self.optimizer_options)
+        try:
+            self.engine.step(**self.optimizer_options)
+        finally:
+            if self._prepared is not None:
+                self._end_step()  # done, or failed and dropped by the engine
         if self._check_views:
             self._check_views = False  # the first step's forward saw every pattern
             self._view_storages.clear()
             while self._view_checks:  # left by a forward that raised
                 self._view_checks.pop().__exit__(None, None, None)
+        self._end_step()
+
+    def _end_step(self):
         self._grads_given.clear()
         self._grad_sums.clear()
         self._micro = 0
+        self._prepared = None
 
     def zero_grad(self, set_to_none=True):
         """Gradients never stay on the parameters: nothing to do (for optimizer-like use)."""
@@ -822,7 +869,8 @@ class OffloadedModule:
 def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
             betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, optimizer="adamw", runtime="auto",
             dtype="fp32", gradient_accumulation_steps=1, schedule=None, device=None,
-            process_group=None, fetch_units="auto", resume=False, **schedule_options):
+            process_group=None, fetch_units="auto", resume=False, overlap_optimizer=False,
+            **schedule_options):
     """Puts `module`'s parameters and its optimizer into memplan's engine.
 
     path: a directory the engine may create and own (parameters and optimizer states go to NVMe
@@ -845,6 +893,9 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     trained parameters and optimizer states come from the stores (the module's values are used
     for frozen parameters only); ``resumed_step`` on the result says which step, so the caller
     skips the data already seen. With several ranks, the last step every rank completed.
+    overlap_optimizer: run each step's optimizer during its backward (with the optimizer on NVMe;
+    see the module's description): the options of a step are those in effect when its backward
+    begins (``set_options``). Off by default: the step runs after backward, as before.
     """
     if optimizer not in ("adamw", "adam"):
         raise ValueError(f"optimizer must be 'adamw' or 'adam', not {optimizer!r}")
@@ -857,4 +908,5 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
                "weight_decay": weight_decay, "decoupled": optimizer == "adamw"}
     return OffloadedModule(module, schedule, runtime=runtime, optimizer_options=options,
                            gradient_accumulation_steps=gradient_accumulation_steps, device=device,
-                           process_group=process_group, fetch_units=fetch_units, resume=resume)
+                           process_group=process_group, fetch_units=fetch_units, resume=resume,
+                           overlap_optimizer=overlap_optimizer)
