@@ -15,7 +15,7 @@
 // Printed per step (the first step only records the trace and is left out):
 //   - pass time (forward + backward) and the stall time in it (Fetch() waiting for transfers);
 //   - NVMe bytes read, and what they take at the drive's read bandwidth, measured in the same run
-//     (nvme::RunBench at the staging buffer size and queue depth);
+//     (bench::RunNvmeBench at the staging buffer size and queue depth);
 //   - the ideal pass time, max(compute, I/O), and pass / ideal;
 //   - the whole step (pass + Step()), and where the optimizer's time went (the engine's
 //     step_profile: Step()'s wait, optimizer compute, state reads and writes, the optimizer
@@ -35,7 +35,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/byte_size.h"
-#include "nvme/bench.h"
+#include "bench/nvme_bench.h"
 #include "offload/engine.h"
 
 namespace {
@@ -123,7 +123,9 @@ void BusyFor(double ms) {
   }
 }
 
-double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 }  // namespace
 
@@ -144,7 +146,7 @@ int main(int argc, char** argv) {
   } cleanup{dir};
 
   // 1. The drive's read bandwidth at the staging buffer size.
-  memplan::nvme::BenchOptions bench;
+  memplan::bench::NvmeBenchOptions bench;
   bench.directory = dir;
   bench.size_bytes = std::min<uint64_t>(uint64_t{1} << 30, f.layer_elements * 2 * f.layers);
   bench.size_bytes = bench.size_bytes / 4096 * 4096;
@@ -154,7 +156,7 @@ int main(int argc, char** argv) {
   bench.block_sizes = {static_cast<uint32_t>(std::min<uint64_t>(f.buffer_bytes, 64u << 20))};
   bench.queue_depths = {f.queue_depth};
   bench.threads = {f.io_threads};
-  auto report = memplan::nvme::RunBench(bench);
+  auto report = memplan::bench::RunNvmeBench(bench);
   if (!report.ok()) Die(report.status().message());
   if (report->best < 0) Die("the drive bench measured nothing");
   const double read_bw = report->results[static_cast<size_t>(report->best)].read_bytes_per_s();

@@ -83,13 +83,13 @@ std::string Millions(uint64_t params) {
 }  // namespace
 
 Status DeepSpeedHardware::Validate() const {
-  if (nodes < 1) return Status::InvalidArgument("--nodes must be at least 1");
-  if (gpus_per_node < 1) return Status::InvalidArgument("--gpus must be at least 1");
+  if (nodes < 1) return Status::InvalidArgument("`nodes` must be at least 1");
+  if (gpus_per_node < 1) return Status::InvalidArgument("`gpus_per_node` must be at least 1");
   if (nodes > kMaxGpus || gpus_per_node > kMaxGpus || nodes * gpus_per_node > kMaxGpus) {
-    return Status::InvalidArgument("--nodes x --gpus is absurdly large (limit 1048576 GPUs)");
+    return Status::InvalidArgument("`nodes` x `gpus_per_node` is absurdly large (limit 1048576 GPUs)");
   }
   if (!std::isfinite(buffer_factor) || buffer_factor < 0 || buffer_factor > 1000) {
-    return Status::InvalidArgument("--buffer-factor must be a number between 0 and 1000");
+    return Status::InvalidArgument("`buffer_factor` must be a number between 0 and 1000");
   }
   return Status::Ok();
 }

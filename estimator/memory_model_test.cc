@@ -841,16 +841,16 @@ TEST_CASE("memory model: FSDP shards flat parameters, gradients and states; unit
   CHECK(Gpu(one, "fsdp_unsharded_params") == p * 4);
   CHECK(PhaseOf(one, "backward").gpu_allocated_bytes >
         PhaseOf(offload, "backward").gpu_allocated_bytes + (p - 2 * block) * 4 - kGiB);
-  // Contradictory or impossible combinations name the flags.
+  // Contradictory or impossible combinations name the fields (Note [Field names in errors]).
   s.gpus_per_node = 2;
   s.zero_stage = 2;
-  CHECK(s.Validate().message().find("--fsdp") != std::string::npos);
+  CHECK(s.Validate().message().find("`fsdp`") != std::string::npos);
   s.zero_stage = 0;
   s.offload_param = OffloadDevice::kNvme;
   CHECK_FALSE(s.Validate().ok());
   s.offload_param = OffloadDevice::kNone;
   s.offload_optimizer = OffloadDevice::kCpu;
-  CHECK(s.Validate().message().find("--offload-param cpu") != std::string::npos);
+  CHECK(s.Validate().message().find("`offload_param` cpu") != std::string::npos);
 }
 
 TEST_CASE("memory model: framework, torch_version and fsdp round-trip through JSON") {

@@ -147,14 +147,14 @@ Result<OffloadDevice> ParseOffloadDevice(std::string_view text) {
 }
 
 Status TrainingSetup::Validate() const {
-  MEMPLAN_RETURN_IF_ERROR(Range("--micro-batch", micro_batch, 1, kMaxCount));
-  MEMPLAN_RETURN_IF_ERROR(Range("--seq-len", seq_len, 0, kMaxCount));
-  MEMPLAN_RETURN_IF_ERROR(Range("--grad-accum", grad_accum, 1, kMaxCount));
-  MEMPLAN_RETURN_IF_ERROR(Range("--tp", tp, 1, kMaxCount));
-  MEMPLAN_RETURN_IF_ERROR(Range("--zero-stage", zero_stage, 0, 3));
-  MEMPLAN_RETURN_IF_ERROR(Range("--lora-rank", lora_rank, 0, 65536));
-  MEMPLAN_RETURN_IF_ERROR(Range("--gpus", gpus_per_node, 1, kMaxCount));
-  MEMPLAN_RETURN_IF_ERROR(Range("--nodes", num_nodes, 1, kMaxCount));
+  MEMPLAN_RETURN_IF_ERROR(Range("`micro_batch`", micro_batch, 1, kMaxCount));
+  MEMPLAN_RETURN_IF_ERROR(Range("`seq_len`", seq_len, 0, kMaxCount));
+  MEMPLAN_RETURN_IF_ERROR(Range("`grad_accum`", grad_accum, 1, kMaxCount));
+  MEMPLAN_RETURN_IF_ERROR(Range("`tp`", tp, 1, kMaxCount));
+  MEMPLAN_RETURN_IF_ERROR(Range("`zero_stage`", zero_stage, 0, 3));
+  MEMPLAN_RETURN_IF_ERROR(Range("`lora_rank`", lora_rank, 0, 65536));
+  MEMPLAN_RETURN_IF_ERROR(Range("`gpus_per_node`", gpus_per_node, 1, kMaxCount));
+  MEMPLAN_RETURN_IF_ERROR(Range("`num_nodes`", num_nodes, 1, kMaxCount));
   MEMPLAN_RETURN_IF_ERROR(Range("cuda_context_bytes", cuda_context_bytes, 0, int64_t{1} << 40));
   const std::pair<std::string_view, int64_t> buffers[] = {
       {"reduce_bucket_size", reduce_bucket_size},
@@ -176,90 +176,90 @@ Status TrainingSetup::Validate() const {
   MEMPLAN_RETURN_IF_ERROR(Range("aio.intra_op_parallelism", aio_intra_op_parallelism, 1, 64));
   int major = 0, minor = 0;
   if (!torch_version.empty() && !ParseTorchVersion(torch_version, &major, &minor)) {
-    return Status::InvalidArgument("--torch-version '" + torch_version +
+    return Status::InvalidArgument("`torch_version` '" + torch_version +
                                    "': expected MAJOR.MINOR, e.g. 1.10 or 2.1");
   }
   if (WorldSize() % tp != 0) {
-    return Status::InvalidArgument("--tp " + std::to_string(tp) + " does not divide the " +
+    return Status::InvalidArgument("`tp` " + std::to_string(tp) + " does not divide the " +
                                    std::to_string(WorldSize()) +
-                                   " GPUs (--gpus x --nodes); the data-parallel degree would not "
-                                   "be whole");
+                                   " GPUs (`gpus_per_node` x `num_nodes`); the data-parallel "
+                                   "degree would not be whole");
   }
   if (fsdp != FsdpSharding::kNone) {
     const int stage = fsdp == FsdpSharding::kFullShard     ? 3
                       : fsdp == FsdpSharding::kShardGradOp ? 2
                                                            : 0;
     if (zero_stage != 0 && zero_stage != stage) {
-      return Status::InvalidArgument("--zero-stage " + std::to_string(zero_stage) +
-                                     " contradicts --fsdp " + std::string(FsdpShardingName(fsdp)) +
+      return Status::InvalidArgument("`zero_stage` " + std::to_string(zero_stage) +
+                                     " contradicts `fsdp` " + std::string(FsdpShardingName(fsdp)) +
                                      " (which shards like stage " + std::to_string(stage) + ")");
     }
     if (offload_param == OffloadDevice::kNvme || offload_optimizer == OffloadDevice::kNvme) {
-      return Status::InvalidArgument("--fsdp offloads to the CPU only (CPUOffload); NVMe offload is "
-                                     "DeepSpeed's (drop --fsdp, use --zero-stage 3)");
+      return Status::InvalidArgument("`fsdp` offloads to the CPU only (CPUOffload); NVMe offload is "
+                                     "DeepSpeed's (drop `fsdp`, use `zero_stage` 3)");
     }
     if (offload_optimizer == OffloadDevice::kCpu && offload_param != OffloadDevice::kCpu) {
       return Status::InvalidArgument(
-          "--fsdp with --offload-optimizer cpu: FSDP moves the optimizer to the CPU only with the "
-          "parameters (CPUOffload(offload_params=True)); add --offload-param cpu");
+          "`fsdp` with `offload_optimizer` cpu: FSDP moves the optimizer to the CPU only with the "
+          "parameters (CPUOffload(offload_params=True)); add `offload_param` cpu");
     }
   } else if (offload_param != OffloadDevice::kNone && zero_stage != 3) {
     return Status::InvalidArgument(
-        "--offload-param " + std::string(OffloadDeviceName(offload_param)) +
-        " needs --zero-stage 3 (DeepSpeed offloads parameters only in ZeRO-3), got stage " +
+        "`offload_param` " + std::string(OffloadDeviceName(offload_param)) +
+        " needs `zero_stage` 3 (DeepSpeed offloads parameters only in ZeRO-3), got stage " +
         std::to_string(zero_stage));
   }
   if (fsdp == FsdpSharding::kNone && offload_optimizer != OffloadDevice::kNone && zero_stage == 0) {
-    return Status::InvalidArgument("--offload-optimizer " +
+    return Status::InvalidArgument("`offload_optimizer` " +
                                    std::string(OffloadDeviceName(offload_optimizer)) +
-                                   " needs ZeRO (--zero-stage 1, 2 or 3)");
+                                   " needs ZeRO (`zero_stage` 1, 2 or 3)");
   }
   if (offload_optimizer == OffloadDevice::kNvme && zero_stage != 3) {
     return Status::InvalidArgument(
-        "--offload-optimizer nvme needs --zero-stage 3 (ZeRO-Infinity); stages 1 and 2 offload "
+        "`offload_optimizer` nvme needs `zero_stage` 3 (ZeRO-Infinity); stages 1 and 2 offload "
         "the optimizer to cpu only");
   }
   if (fsdp == FsdpSharding::kNone && offload_optimizer != OffloadDevice::kNone &&
       (optimizer == Optimizer::kAdam8bit || optimizer == Optimizer::kSgd ||
        optimizer == Optimizer::kAdafactor)) {
     return Status::InvalidArgument(
-        "--optimizer " + std::string(OptimizerName(optimizer)) +
+        "`optimizer` " + std::string(OptimizerName(optimizer)) +
         " cannot be offloaded: DeepSpeed's CPU optimizers are Adam/AdamW, Adagrad and Lion; use "
-        "--optimizer adamw or lion, or --offload-optimizer none");
+        "`optimizer` adamw or lion, or `offload_optimizer` none");
   }
   if (!(sgd_momentum >= 0 && sgd_momentum <= 1)) {
-    return Status::InvalidArgument("--sgd-momentum must be in [0, 1], got " +
+    return Status::InvalidArgument("`sgd_momentum` must be in [0, 1], got " +
                                    std::to_string(sgd_momentum));
   }
   if (autocast && precision != Precision::kFp16Mixed && precision != Precision::kBf16Mixed) {
     return Status::InvalidArgument(
-        "--autocast is mixed precision over fp32 parameters: use --precision fp16-mixed or "
+        "`autocast` is mixed precision over fp32 parameters: use `precision` fp16-mixed or "
         "bf16-mixed");
   }
   if (autocast && (zero_stage != 0 || fsdp != FsdpSharding::kNone)) {
     return Status::InvalidArgument(
-        "--autocast describes a plain PyTorch trainer (ZeRO-0); DeepSpeed's ZeRO stages keep "
+        "`autocast` describes a plain PyTorch trainer (ZeRO-0); DeepSpeed's ZeRO stages keep "
         "their own 16-bit weights and fp32 master copy");
   }
   if (qlora && lora_rank == 0) {
     return Status::InvalidArgument(
-        "--qlora trains LoRA adapters on a 4-bit frozen base: give --lora-rank too");
+        "`qlora` trains LoRA adapters on a 4-bit frozen base: give `lora_rank` too");
   }
   if (double_quant && !qlora) {
-    return Status::InvalidArgument("double quantisation applies to QLoRA's 4-bit base: add --qlora");
+    return Status::InvalidArgument("double quantisation applies to QLoRA's 4-bit base: add `qlora`");
   }
   if (!lora_targets.empty() && lora_rank == 0) {
-    return Status::InvalidArgument("--lora-targets needs --lora-rank");
+    return Status::InvalidArgument("`lora_targets` needs `lora_rank`");
   }
   if (lora_rank > 0 && optimizer == Optimizer::kAdam8bit) {
     return Status::InvalidArgument(
-        "--optimizer adam8bit with LoRA: the base model is frozen and only the small adapters "
+        "`optimizer` adam8bit with LoRA: the base model is frozen and only the small adapters "
         "train, which bitsandbytes keeps in 32-bit anyway (tensors under 4096 elements), so 8-bit "
-        "states save nothing; use --optimizer adamw");
+        "states save nothing; use `optimizer` adamw");
   }
   if (qlora && offload_param != OffloadDevice::kNone) {
     return Status::InvalidArgument(
-        "--qlora with --offload-param: DeepSpeed cannot offload bitsandbytes 4-bit weights");
+        "`qlora` with `offload_param`: DeepSpeed cannot offload bitsandbytes 4-bit weights");
   }
   return Status::Ok();
 }
@@ -295,7 +295,7 @@ Result<std::vector<const TensorInfo*>> LoraTargetTensors(const ModelInventory& i
     targets = DefaultLoraTargets(inventory.model_type);
     if (targets.empty()) {
       return Status::InvalidArgument(
-          "--lora-targets is needed: PEFT has no default target modules for this model (" +
+          "`lora_targets` is needed: PEFT has no default target modules for this model (" +
           (inventory.model_type.empty() ? std::string("no model_type") : inventory.model_type) +
           "); name the Linear modules (e.g. q_proj,v_proj) or pass all-linear");
     }
@@ -316,7 +316,7 @@ Result<std::vector<const TensorInfo*>> LoraTargetTensors(const ModelInventory& i
     if (target == "all-linear" || matched.count(target) > 0) continue;
     std::string names;
     for (const auto& a : available) names += (names.empty() ? "" : ", ") + a;
-    return Status::InvalidArgument("--lora-targets: '" + target +
+    return Status::InvalidArgument("`lora_targets`: '" + target +
                                    "' names no Linear inside the model's blocks (there are: " +
                                    (names.empty() ? std::string("none") : names) + ")");
   }
@@ -334,18 +334,18 @@ Status TrainingSetup::ValidateFor(const ModelInventory& inventory) const {
   }
   const ArchitectureInfo& a = *inventory.arch;
   if (a.heads % tp != 0 || a.kv_heads % tp != 0) {
-    return Status::InvalidArgument("--tp " + std::to_string(tp) + " must divide the " +
+    return Status::InvalidArgument("`tp` " + std::to_string(tp) + " must divide the " +
                                    std::to_string(a.heads) + " attention heads and " +
                                    std::to_string(a.kv_heads) +
                                    " key/value heads (Megatron splits attention by heads)");
   }
   if (a.intermediate % tp != 0) {
-    return Status::InvalidArgument("--tp " + std::to_string(tp) + " must divide the MLP width " +
+    return Status::InvalidArgument("`tp` " + std::to_string(tp) + " must divide the MLP width " +
                                    std::to_string(a.intermediate));
   }
   const int64_t s = SeqLenFor(&a);
   if (a.learned_positions && s > a.max_positions) {
-    return Status::InvalidArgument("--seq-len " + std::to_string(s) + " exceeds the model's " +
+    return Status::InvalidArgument("`seq_len` " + std::to_string(s) + " exceeds the model's " +
                                    std::to_string(a.max_positions) +
                                    " learned positions (max_position_embeddings)");
   }
@@ -610,12 +610,12 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
 
   // Batch.
   if (top.IsAuto("train_micro_batch_size_per_gpu")) {
-    if (!given("micro_batch")) return top.AutoError("train_micro_batch_size_per_gpu", "--micro-batch");
+    if (!given("micro_batch")) return top.AutoError("train_micro_batch_size_per_gpu", "`micro_batch`");
   } else if (!given("micro_batch")) {
     MEMPLAN_RETURN_IF_ERROR(top.Int("train_micro_batch_size_per_gpu", 1, kMaxCount, &s.micro_batch));
   }
   if (top.IsAuto("gradient_accumulation_steps")) {
-    if (!given("grad_accum")) return top.AutoError("gradient_accumulation_steps", "--grad-accum");
+    if (!given("grad_accum")) return top.AutoError("gradient_accumulation_steps", "`grad_accum`");
   } else if (!given("grad_accum")) {
     MEMPLAN_RETURN_IF_ERROR(top.Int("gradient_accumulation_steps", 1, kMaxCount, &s.grad_accum));
   }
@@ -626,8 +626,8 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
   DsReader fp16_r(fp16, source, "fp16.");
   DsReader bf16_r(bf16, source, top.Has("bf16") ? "bf16." : "bfloat16.");
   if (!given("precision")) {
-    if (fp16_r.IsAuto("enabled")) return fp16_r.AutoError("enabled", "--precision");
-    if (bf16_r.IsAuto("enabled")) return bf16_r.AutoError("enabled", "--precision");
+    if (fp16_r.IsAuto("enabled")) return fp16_r.AutoError("enabled", "`precision`");
+    if (bf16_r.IsAuto("enabled")) return bf16_r.AutoError("enabled", "`precision`");
     bool fp16_on = false, bf16_on = false;
     MEMPLAN_RETURN_IF_ERROR(fp16_r.Bool("enabled", &fp16_on));
     MEMPLAN_RETURN_IF_ERROR(bf16_r.Bool("enabled", &bf16_on));

@@ -10,6 +10,14 @@
 // combinations DeepSpeed or PEFT refuse or that make no sense), ValidateFor() checks it against a
 // model (tensor-parallel degree vs heads, sequence length vs learned positions).
 //
+// Note [Field names in errors]
+// The library is called from the CLI, from C and from Python, whose users typed different names
+// for the same knob (`--micro-batch`, "micro_batch", micro_batch=). So its errors name a field as
+// the setup's JSON spells it, in backquotes: "`micro_batch` must be in [1, 1073741824], got 0".
+// The CLI turns each backquoted field into its flag (tools/setup_flags.h, FieldsToFlags) in what
+// it prints for people (error lines and text output), so a CLI user reads "--micro-batch ...";
+// JSON documents keep the field names, the same for every caller.
+//
 // Thread safety: a plain value; no internal synchronisation.
 #pragma once
 
@@ -177,7 +185,7 @@ struct TrainingSetup {
 
   // Ranges and combinations that make no sense on their own: offload without the ZeRO stage that
   // supports it, QLoRA without LoRA, 8-bit Adam on LoRA adapters, an optimizer DeepSpeed cannot
-  // offload, a world size tp does not divide. Errors name the flag / field.
+  // offload, a world size tp does not divide. Errors name the field (Note [Field names in errors]).
   Status Validate() const;
   // Validate() plus what depends on the model: tp must divide heads and key/value heads, seq_len
   // must fit learned position tables, LoRA targets must name modules of the model, activations

@@ -30,7 +30,7 @@ TEST_CASE("training setup: bad combinations are refused, naming the flag") {
   SUBCASE("offload_param without stage 3") {
     s.zero_stage = 2;
     s.offload_param = OffloadDevice::kCpu;
-    ExpectError(s.Validate(), "--offload-param cpu needs --zero-stage 3");
+    ExpectError(s.Validate(), "`offload_param` cpu needs `zero_stage` 3");
   }
   SUBCASE("optimizer offload without ZeRO") {
     s.offload_optimizer = OffloadDevice::kCpu;
@@ -43,7 +43,7 @@ TEST_CASE("training setup: bad combinations are refused, naming the flag") {
   }
   SUBCASE("QLoRA without LoRA") {
     s.qlora = true;
-    ExpectError(s.Validate(), "--lora-rank");
+    ExpectError(s.Validate(), "`lora_rank`");
   }
   SUBCASE("LoRA with 8-bit Adam on a frozen model") {
     s.lora_rank = 8;
@@ -59,11 +59,11 @@ TEST_CASE("training setup: bad combinations are refused, naming the flag") {
   SUBCASE("tp not dividing the GPUs") {
     s.gpus_per_node = 4;
     s.tp = 3;
-    ExpectError(s.Validate(), "--tp 3 does not divide");
+    ExpectError(s.Validate(), "`tp` 3 does not divide");
   }
   SUBCASE("zero micro-batch") {
     s.micro_batch = 0;
-    ExpectError(s.Validate(), "--micro-batch");
+    ExpectError(s.Validate(), "`micro_batch`");
   }
 }
 
@@ -193,7 +193,7 @@ TEST_CASE("training setup: DeepSpeed \"auto\" values") {
   TrainingSetup s;
   Status missing = ApplyDeepSpeedConfig(config, "ds.json", {}, 4096, &s);
   ExpectError(missing, "ds.json: 'train_micro_batch_size_per_gpu' is \"auto\"");
-  CHECK(missing.message().find("--micro-batch") != std::string::npos);
+  CHECK(missing.message().find("pass `micro_batch`") != std::string::npos);
   s.micro_batch = 3;
   Status precision = ApplyDeepSpeedConfig(config, "ds.json", {"micro_batch", "grad_accum"}, 4096, &s);
   ExpectError(precision, "'fp16.enabled' is \"auto\"");
@@ -221,7 +221,7 @@ TEST_CASE("training setup: DeepSpeed config errors name the key") {
   ExpectError(ApplyDeepSpeedConfig(
                   {{"zero_optimization", {{"stage", 2}, {"offload_param", {{"device", "cpu"}}}}}},
                   "ds.json", {}, 0, &s),
-              "needs --zero-stage 3");
+              "needs `zero_stage` 3");
   ExpectError(ApplyDeepSpeedConfig({{"train_micro_batch_size_per_gpu", 2},
                                     {"gradient_accumulation_steps", 1},
                                     {"train_batch_size", 5}},

@@ -4,7 +4,7 @@ namespace memplan::planner {
 
 Status Job::ValidateFor(const estimator::ModelInventory& inventory) const {
   if (global_batch < 1 || global_batch > (int64_t{1} << 30)) {
-    return Status::InvalidArgument("--global-batch must be in [1, 2^30] samples, got " +
+    return Status::InvalidArgument("`global_batch` must be in [1, 2^30] samples, got " +
                                    std::to_string(global_batch));
   }
   estimator::TrainingSetup s = setup;
@@ -17,10 +17,10 @@ Status Job::ValidateFor(const estimator::ModelInventory& inventory) const {
 
 Result<int64_t> SamplesFromTokens(int64_t tokens, int64_t seq_len) {
   if (tokens < 1 || seq_len < 1) {
-    return Status::InvalidArgument("--global-batch-tokens must be >= 1");
+    return Status::InvalidArgument("`global_batch_tokens` must be >= 1");
   }
   if (tokens % seq_len != 0) {
-    return Status::InvalidArgument("--global-batch-tokens " + std::to_string(tokens) +
+    return Status::InvalidArgument("`global_batch_tokens` " + std::to_string(tokens) +
                                    " is not a multiple of the sequence length " +
                                    std::to_string(seq_len));
   }

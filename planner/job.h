@@ -29,7 +29,8 @@ struct Job {
   Status ValidateFor(const estimator::ModelInventory& inventory) const;
 };
 
-// Samples from a token count: tokens / seq_len, which must divide exactly. Errors name the flag.
+// Samples from a token count: tokens / seq_len, which must divide exactly. Errors name the field
+// (Note [Field names in errors] in estimator/training_setup.h).
 Result<int64_t> SamplesFromTokens(int64_t tokens, int64_t seq_len);
 
 // {"model", "global_batch", "seq_len", "tokens_per_step", "precision", "optimizer", "lora_rank",

@@ -320,6 +320,27 @@ TEST_CASE("cli: bad training setups get one line and exit 2") {
                  {"q_proj", "c_attn"});
 }
 
+TEST_CASE("cli: the library names setup fields, the CLI prints them as flags") {
+  // Note [Field names in errors]: C and Python callers read `tp`, `gpus_per_node`; people at the
+  // command line read the flags they typed, in errors and in text output alike.
+  Run tp = Memplan({"estimate", "--model", "llama-2-7b", "--gpus", "8", "--tp", "3"});
+  ExpectBadInput(tp, {"--tp 3 does not divide the 8 GPUs (--gpus x --nodes)"});
+  CHECK(tp.err.find('`') == std::string::npos);
+  const std::vector<std::string> sgd = {"estimate", "--model", "gpt2", "--optimizer", "sgd",
+                                        "--zero-stage", "3"};
+  Run text = Memplan(sgd);
+  REQUIRE(text.exit_code == 0);
+  CHECK(text.out.find("--optimizer sgd cannot be offloaded") != std::string::npos);
+  CHECK(text.out.find("use --optimizer adamw or lion, or --offload-optimizer none") !=
+        std::string::npos);
+  CHECK(text.out.find('`') == std::string::npos);
+  std::vector<std::string> as_json = sgd;
+  as_json.insert(as_json.end(), {"--format", "json"});
+  Run json = Memplan(as_json);
+  REQUIRE(json.exit_code == 0);
+  CHECK(json.out.find("`optimizer` sgd cannot be offloaded") != std::string::npos);
+}
+
 TEST_CASE("cli: --deepspeed reads the config; flags fill its \"auto\" values") {
   TempDir tmp(kTempPrefix);
   std::string ds = tmp.Write("ds_config.json", R"({

@@ -1,13 +1,13 @@
 // `memplan bench adam`: throughput of memplan's CPU AdamW step on this machine, in parameters and
-// bytes per second. The measuring is offload/cpu_optimizer_bench.h; this file parses flags and
-// formats. bench/adam_vs_torch.py compares the figure with torch.optim.AdamW and a STREAM triad.
+// bytes per second. The measuring is bench/adam_bench.h; this file parses flags and formats.
+// bench/adam_vs_torch.py compares the figure with torch.optim.AdamW and a STREAM triad.
 #include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "offload/cpu_optimizer_bench.h"
+#include "bench/adam_bench.h"
 #include "tools/commands.h"
 
 namespace memplan::tools {
@@ -23,8 +23,8 @@ struct AdamFlags {
   bool triad = false;
 };
 
-Result<offload::AdamBenchOptions> ToOptions(const AdamFlags& flags) {
-  offload::AdamBenchOptions options;
+Result<bench::AdamBenchOptions> ToOptions(const AdamFlags& flags) {
+  bench::AdamBenchOptions options;
   options.params = flags.params;
   options.threads = flags.threads;
   options.seconds = flags.seconds;
@@ -42,7 +42,7 @@ Result<offload::AdamBenchOptions> ToOptions(const AdamFlags& flags) {
   return options;
 }
 
-nlohmann::json ToJson(const offload::AdamBenchResult& r) {
+nlohmann::json ToJson(const bench::AdamBenchResult& r) {
   return {{"optimizer", "adamw"},
           {"isa", std::string(offload::IsaName(r.isa))},
           {"threads", r.threads},
@@ -55,7 +55,7 @@ nlohmann::json ToJson(const offload::AdamBenchResult& r) {
           {"bytes_per_s", r.bytes_per_s}};
 }
 
-nlohmann::json TriadJson(const offload::TriadBenchResult& t, double adam_bytes_per_s) {
+nlohmann::json TriadJson(const bench::TriadBenchResult& t, double adam_bytes_per_s) {
   return {{"elements", t.elements},
           {"threads", t.threads},
           {"repeats", t.repeats},
@@ -65,7 +65,7 @@ nlohmann::json TriadJson(const offload::TriadBenchResult& t, double adam_bytes_p
           {"adam_fraction_of_best", adam_bytes_per_s / t.best_bytes_per_s}};
 }
 
-std::string TriadText(const offload::TriadBenchResult& t, double adam_bytes_per_s) {
+std::string TriadText(const bench::TriadBenchResult& t, double adam_bytes_per_s) {
   char text[512];
   std::snprintf(text, sizeof(text),
                 "STREAM triad (fp64, %llu elements, %d thread(s), best of %d)\n"
@@ -77,7 +77,7 @@ std::string TriadText(const offload::TriadBenchResult& t, double adam_bytes_per_
   return text;
 }
 
-std::string ToText(const offload::AdamBenchResult& r) {
+std::string ToText(const bench::AdamBenchResult& r) {
   char text[512];
   std::snprintf(text, sizeof(text),
                 "CPU AdamW: %llu params, %d thread(s), isa %s, params also "
@@ -144,13 +144,13 @@ void RegisterBenchAdam(CLI::App* bench, Outcome* outcome) {
     auto options = ToOptions(*flags);
     Status status = options.status();
     if (options.ok()) {
-      auto result = offload::RunAdamBench(*options);
+      auto result = bench::RunAdamBench(*options);
       if (result.ok() && flags->triad) {
-        offload::TriadBenchOptions triad_options;
+        bench::TriadBenchOptions triad_options;
         triad_options.threads = flags->threads;
         // The same memory footprint as the Adam arrays (16 bytes per param, 24 per element).
         triad_options.elements = std::max<uint64_t>(1024, flags->params * 16 / 24);
-        auto triad = offload::RunTriadBench(triad_options);
+        auto triad = bench::RunTriadBench(triad_options);
         if (!triad.ok()) {
           status = triad.status();
         } else if (flags->format == "json") {

@@ -1,6 +1,6 @@
 // `memplan bench nvme`: the bandwidth of a directory's drive through memplan's own I/O path, over
 // the block size x queue depth x backend sweep DeepSpeed's ds_nvme_tune runs, and the DeepSpeed
-// `aio` block for the best settings. The measuring is nvme/bench.h; this file parses flags,
+// `aio` block for the best settings. The measuring is bench/nvme_bench.h; this file parses flags,
 // prints progress and routes SIGINT/SIGTERM to a clean stop (tools/signals.h: a bench file made in
 // --path is always removed; a --file is always kept).
 #include <unistd.h>
@@ -13,7 +13,7 @@
 
 #include "common/byte_size.h"
 #include "common/json.h"
-#include "nvme/bench.h"
+#include "bench/nvme_bench.h"
 #include "tools/commands.h"
 #include "tools/signals.h"
 
@@ -37,9 +37,9 @@ struct BenchFlags {
   bool progress = false;
 };
 
-// The options for RunBench, or the flag at fault.
-Result<nvme::BenchOptions> ToOptions(const BenchFlags& flags, const std::atomic<bool>* stop) {
-  nvme::BenchOptions options;
+// The options for RunNvmeBench, or the flag at fault.
+Result<bench::NvmeBenchOptions> ToOptions(const BenchFlags& flags, const std::atomic<bool>* stop) {
+  bench::NvmeBenchOptions options;
   if (flags.path.empty() == flags.file.empty()) {
     return Status::InvalidArgument(
         "give exactly one of --path DIR (a temporary bench file is made there) or --file FILE "
@@ -50,7 +50,7 @@ Result<nvme::BenchOptions> ToOptions(const BenchFlags& flags, const std::atomic<
   auto size = ParseByteSize(flags.size, "--size");
   if (!size.ok()) return size.status();
   options.size_bytes = *size;
-  MEMPLAN_ASSIGN_OR_RETURN(options.rw, nvme::ParseBenchRw(flags.rw));
+  MEMPLAN_ASSIGN_OR_RETURN(options.rw, bench::ParseBenchRw(flags.rw));
   options.direct = !flags.no_direct;
   options.seconds_per_point = flags.seconds_per_point;
   options.stop = stop;
@@ -98,9 +98,9 @@ std::string MegabytesPerSecond(bool measured, double bytes_per_s) {
 }
 
 // One line per configuration on stderr.
-void PrintProgress(const nvme::BenchProgress& event) {
+void PrintProgress(const bench::NvmeBenchProgress& event) {
   if (event.stage == "point" && event.result != nullptr) {
-    const nvme::BenchResult& r = *event.result;
+    const bench::NvmeBenchResult& r = *event.result;
     int width = std::snprintf(nullptr, 0, "%zu", event.total);
     std::fprintf(stderr,
                  "[%*zu/%zu] %-5s block %-7s qd %-4u threads %-2u write %9s MB/s  read %9s "
@@ -199,9 +199,9 @@ void RegisterBenchNvme(CLI::App* bench, Outcome* outcome) {
     StopScope stop;
     auto options = ToOptions(*flags, stop.flag());
     if (!options.ok()) return Fail(outcome, options.status());
-    nvme::BenchProgressFn progress;
+    bench::NvmeBenchProgressFn progress;
     if (flags->progress || ::isatty(STDERR_FILENO) == 1) progress = PrintProgress;
-    Result<nvme::BenchReport> report = nvme::RunBench(*options, progress);
+    Result<bench::NvmeBenchReport> report = bench::RunNvmeBench(*options, progress);
     if (stop.stopped()) {
       outcome->exit_code = stop.ExitCode();
       outcome->error = flags->file.empty() ? "interrupted; the bench file was removed"
@@ -210,14 +210,14 @@ void RegisterBenchNvme(CLI::App* bench, Outcome* outcome) {
     }
     if (!report.ok()) return Fail(outcome, report.status());
     if (!flags->emit_aio.empty()) {
-      const nvme::BenchResult* choice = nvme::AioChoice(*report);
+      const bench::NvmeBenchResult* choice = bench::AioChoice(*report);
       if (choice == nullptr) {
         return Fail(outcome, Status::Internal("no configuration was measured"));
       }
-      outcome->files.push_back({flags->emit_aio, nvme::AioConfigText(*choice)});
+      outcome->files.push_back({flags->emit_aio, bench::AioConfigText(*choice)});
     }
-    outcome->stdout_text = flags->format == "json" ? JsonOutput(nvme::ToJson(*report))
-                                                   : nvme::FormatBenchText(*report);
+    outcome->stdout_text = flags->format == "json" ? JsonOutput(bench::ToJson(*report))
+                                                   : bench::FormatNvmeBenchText(*report);
   });
 }
 

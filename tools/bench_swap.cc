@@ -1,6 +1,6 @@
 // `memplan bench swap`: the NVMe optimizer step (OptimizerSwapper) against its limits, I/O time at
 // the drive's bandwidth and the optimizer's compute time, measured in one run. The measuring is
-// offload/swap_bench.h; this file parses flags and formats.
+// bench/swap_bench.h; this file parses flags and formats.
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -10,8 +10,8 @@
 #include "common/file.h"
 #include "common/byte_size.h"
 #include "common/json.h"
-#include "nvme/bench.h"
-#include "offload/swap_bench.h"
+#include "bench/nvme_bench.h"
+#include "bench/swap_bench.h"
 #include "tools/commands.h"
 #include "tools/signals.h"
 
@@ -37,7 +37,7 @@ struct SwapFlags {
 };
 
 // Bandwidths from a `memplan bench nvme --format json` report: its "best" point.
-Status ReadNvmeJson(const std::string& path, offload::SwapBenchOptions* options) {
+Status ReadNvmeJson(const std::string& path, bench::SwapBenchOptions* options) {
   MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, 64 << 20));
   MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json doc, ParseJson(text, path));
   auto rate = [&](const char* key) -> std::optional<double> {
@@ -62,10 +62,10 @@ Status ReadNvmeJson(const std::string& path, offload::SwapBenchOptions* options)
   return Status::Ok();
 }
 
-Result<offload::SwapBenchOptions> ToOptions(const SwapFlags& flags,
+Result<bench::SwapBenchOptions> ToOptions(const SwapFlags& flags,
                                             const std::atomic<bool>* stop) {
   MEMPLAN_RETURN_IF_ERROR(RequireDirectory(flags.path, "--path"));
-  offload::SwapBenchOptions options;
+  bench::SwapBenchOptions options;
   options.stop = stop;
   options.directory = flags.path;
   options.params = flags.params;
@@ -92,7 +92,7 @@ Result<offload::SwapBenchOptions> ToOptions(const SwapFlags& flags,
   return options;
 }
 
-nlohmann::json ToJson(const offload::SwapBenchResult& r) {
+nlohmann::json ToJson(const bench::SwapBenchResult& r) {
   return {{"optimizer", "adamw"},
           {"params", r.params},
           {"sub_group_elements", r.sub_group_elements},
@@ -127,7 +127,7 @@ nlohmann::json ToJson(const offload::SwapBenchResult& r) {
             {"sync_s", r.sync_s}}}};
 }
 
-std::string ToText(const offload::SwapBenchResult& r) {
+std::string ToText(const bench::SwapBenchResult& r) {
   char text[1024];
   std::snprintf(
       text, sizeof(text),
@@ -142,11 +142,12 @@ std::string ToText(const offload::SwapBenchResult& r) {
       "  step / max(I/O, compute) = %.3f\n",
       static_cast<unsigned long long>(r.params), static_cast<unsigned long long>(r.sub_groups),
       static_cast<unsigned long long>(r.sub_group_elements), r.buffer_count,
-      r.pinned_bytes / 1048576.0, r.threads, r.io_threads, r.backend.c_str(), r.direct ? ", O_DIRECT" : "",
-      r.state_bytes / 1048576.0, static_cast<double>(r.state_bytes) / r.pinned_bytes,
-      r.read_bytes_per_step / 1048576.0, r.write_bytes_per_step / 1048576.0, r.read_bytes_per_s,
-      r.write_bytes_per_s, r.bandwidth_measured ? "measured here" : "given", r.io_seconds,
-      r.compute_seconds, r.step_seconds, r.steps, r.step_seconds_min, r.ratio);
+      r.pinned_bytes / 1048576.0, r.threads, r.io_threads, r.backend.c_str(),
+      r.direct ? ", O_DIRECT" : "", r.state_bytes / 1048576.0,
+      static_cast<double>(r.state_bytes) / r.pinned_bytes, r.read_bytes_per_step / 1048576.0,
+      r.write_bytes_per_step / 1048576.0, r.read_bytes_per_s, r.write_bytes_per_s,
+      r.bandwidth_measured ? "measured here" : "given", r.io_seconds, r.compute_seconds,
+      r.step_seconds, r.steps, r.step_seconds_min, r.ratio);
   return text;
 }
 
@@ -216,7 +217,7 @@ void RegisterBenchSwap(CLI::App* bench, Outcome* outcome) {
     StopScope stop;
     auto options = ToOptions(*flags, stop.flag());
     if (!options.ok()) return Fail(outcome, options.status());
-    auto result = offload::RunSwapBench(*options);
+    auto result = bench::RunSwapBench(*options);
     if (stop.stopped()) {
       outcome->exit_code = stop.ExitCode();
       outcome->error = "interrupted; the temporary store was removed";

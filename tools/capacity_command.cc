@@ -251,8 +251,9 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
   }
   auto result = planner::PlanCapacity(*inventory, job, request);
   if (!result.ok()) return fail(result.status());
-  std::string text = f.format == "json" ? JsonOutput(planner::ToJson(*result, request, job))
-                                        : planner::FormatCapacityText(*result, request, job);
+  std::string text = f.format == "json"
+                         ? JsonOutput(planner::ToJson(*result, request, job))
+                         : FieldsToFlags(planner::FormatCapacityText(*result, request, job));
   if (!f.svg.empty()) {
     outcome->files.push_back({f.svg, planner::CapacitySvg(*result, request, job)});
     if (f.format != "json") text += "\nwrote " + f.svg + " (cost against time to train)\n";

@@ -82,8 +82,9 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
   }
   auto report = planner::CheckDeepSpeedConfig(*config, options);
   if (!report.ok()) return fail(report.status().WithPrefix(f.config));
-  outcome->stdout_text = f.format == "json" ? JsonOutput(planner::ToJson(*report))
-                                            : planner::FormatCheckText(*report, f.config);
+  outcome->stdout_text = f.format == "json"
+                             ? JsonOutput(planner::ToJson(*report))
+                             : FieldsToFlags(planner::FormatCheckText(*report, f.config));
   outcome->exit_code = report->problems.empty() ? kExitOk : kExitInternal;
 }
 

@@ -352,7 +352,7 @@ struct SetupOptions {
 
 void Fail(Outcome* outcome, const Status& status) {
   outcome->exit_code = status.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
-  outcome->error = status.message();
+  outcome->error = FieldsToFlags(status.message());
 }
 
 void RegisterEstimate(CLI::App& app, Outcome* outcome) {
@@ -440,7 +440,7 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
       }
       return Emit(*options, JsonOutput(doc), outcome);
     }
-    std::string text = estimator::FormatEstimateText(*estimate);
+    std::string text = FieldsToFlags(estimator::FormatEstimateText(*estimate));
     if (prediction) text += "\n" + planner::FormatEnginePrediction(*prediction, *schedule);
     Emit(*options, text, outcome);
   });

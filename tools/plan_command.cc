@@ -421,7 +421,7 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
     if (!schedule_prediction.is_null()) report["schedule_prediction"] = schedule_prediction;
     text = JsonOutput(report);
   } else {
-    text = planner::FormatPlanText(*result, *cluster, job, f.top);
+    text = FieldsToFlags(planner::FormatPlanText(*result, *cluster, job, f.top));
     if (chosen != nullptr) {
       text += "\nThe trainer must also (plan " + std::to_string(f.plan_index + 1) + "):\n";
       for (const std::string& line : planner::TrainerSettings(*chosen, *inventory, f.for_hf_trainer)) {

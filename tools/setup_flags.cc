@@ -1,5 +1,7 @@
 #include "tools/setup_flags.h"
 
+#include <array>
+
 namespace memplan::tools {
 
 void SharedSetupFlags::Add(CLI::App* cmd, const std::string& group) {
@@ -69,6 +71,59 @@ void SharedSetupFlags::Apply(estimator::TrainingSetup* s, bool only_given) const
     if (parsed.ok()) s->framework = *parsed;
   }
   if (use("torch_version")) s->torch_version = values.torch_version;
+}
+
+std::string FieldsToFlags(std::string_view text) {
+  // Each field of TrainingSetup, DeepSpeedHardware and Job that a library message may name, with
+  // the flag that sets it.
+  static constexpr std::array<std::pair<std::string_view, std::string_view>, 22> kFlags = {{
+      {"micro_batch", "--micro-batch"},
+      {"seq_len", "--seq-len"},
+      {"grad_accum", "--grad-accum"},
+      {"tp", "--tp"},
+      {"zero_stage", "--zero-stage"},
+      {"lora_rank", "--lora-rank"},
+      {"lora_targets", "--lora-targets"},
+      {"qlora", "--qlora"},
+      {"gpus_per_node", "--gpus"},
+      {"num_nodes", "--nodes"},
+      {"nodes", "--nodes"},
+      {"buffer_factor", "--buffer-factor"},
+      {"global_batch", "--global-batch"},
+      {"global_batch_tokens", "--global-batch-tokens"},
+      {"torch_version", "--torch-version"},
+      {"fsdp", "--fsdp"},
+      {"offload_param", "--offload-param"},
+      {"offload_optimizer", "--offload-optimizer"},
+      {"optimizer", "--optimizer"},
+      {"sgd_momentum", "--sgd-momentum"},
+      {"autocast", "--autocast"},
+      {"precision", "--precision"},
+  }};
+  std::string out;
+  out.reserve(text.size());
+  size_t i = 0;
+  while (i < text.size()) {
+    const size_t open = text.find('`', i);
+    const size_t close = open == std::string_view::npos ? open : text.find('`', open + 1);
+    if (close == std::string_view::npos) break;
+    const std::string_view name = text.substr(open + 1, close - open - 1);
+    std::string_view flag;
+    for (const auto& [field, f] : kFlags) {
+      if (field == name) flag = f;
+    }
+    if (flag.empty()) {
+      // Not a field: keep the first backquote and look again from the second, which may open one.
+      out.append(text.substr(i, close - i));
+      i = close;
+      continue;
+    }
+    out.append(text.substr(i, open - i));
+    out.append(flag);
+    i = close + 1;
+  }
+  out.append(text.substr(i));
+  return out;
 }
 
 }  // namespace memplan::tools

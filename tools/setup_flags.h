@@ -5,6 +5,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -25,5 +26,12 @@ struct SharedSetupFlags {
   // Copies the flags into `setup`: all of them, or with `only_given` those on the command line.
   void Apply(estimator::TrainingSetup* setup, bool only_given) const;
 };
+
+// The library names a training-setup field in its messages as the setup's JSON spells it, in
+// backquotes (Note [Field names in errors] in estimator/training_setup.h); people at the command
+// line typed flags. Returns `text` with each backquoted field that has a flag replaced by the flag
+// ("`micro_batch` must be ..." -> "--micro-batch must be ..."); anything else, backquoted or not,
+// is left as it is. For what the CLI prints for people (error lines, text output), not JSON.
+std::string FieldsToFlags(std::string_view text);
 
 }  // namespace memplan::tools

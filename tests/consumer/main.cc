@@ -1,14 +1,19 @@
-// Links memplan::estimator and memplan::nvme from an installed tree and checks known answers:
-// GPT-2's parameter count (124,439,808), DeepSpeed's ZeRO-3 no-offload row for it on 4 GPUs, and a
-// round trip through the NVMe I/O engine (which pulls in liburing, libaio and xxhash).
+// Links memplan::estimator, memplan::nvme and memplan::offload from an installed tree and checks
+// known answers: GPT-2's parameter count (124,439,808), DeepSpeed's ZeRO-3 no-offload row for it on
+// 4 GPUs, a round trip through the NVMe I/O engine (which pulls in liburing, libaio and xxhash), and
+// one AdamW step of the offload engine on the host-only runtime (which pulls in the CUDA runtime
+// and NCCL where memplan was built with them).
 #include <cstdio>
 #include <cstring>
+#include <memory>
+#include <span>
 #include <vector>
 
 #include "estimator/estimate.h"
 #include "estimator/model_source.h"
 #include "nvme/backend.h"
 #include "nvme/io_engine.h"
+#include "offload/engine.h"
 
 static bool NvmeRoundTrip() {
   using namespace memplan::nvme;
@@ -23,6 +28,40 @@ static bool NvmeRoundTrip() {
   if (!(*engine)->Write(*file, 13, out.data(), out.size()).ok()) return false;
   if (!(*engine)->Read(*file, 13, in.data(), in.size()).ok()) return false;
   return std::memcmp(out.data(), in.data(), out.size()) == 0;
+}
+
+// One parameter of ones, gradient ones, one AdamW step with torch's defaults (lr 1e-3, weight decay
+// 0.01): every weight becomes (1 - 1e-5) - 1e-3 * m_hat / (sqrt(v_hat) + eps), about 0.99899.
+static bool EngineStep() {
+  using namespace memplan::offload;
+  std::unique_ptr<memplan::gpu::Runtime> runtime = memplan::gpu::CreateHostOnlyRuntime();
+  EngineOptions options;
+  options.schedule.param_tier = Tier::kCpu;
+  options.schedule.param_dtype = ElementType::kFloat32;
+  options.runtime = runtime.get();
+  auto engine = Engine::Create(options);
+  if (!engine.ok()) return false;
+  ParamSpec spec;
+  spec.name = "layer.weight";
+  spec.module = "layer";
+  spec.shape = {64, 64};
+  spec.init = [](uint64_t, std::span<float> out) {
+    for (float& x : out) x = 1.0f;
+    return memplan::Status::Ok();
+  };
+  auto id = (*engine)->AddParameter(spec);
+  if (!id.ok() || !(*engine)->Start().ok()) return false;
+  std::vector<float> grad(64 * 64, 1.0f), weights(64 * 64);
+  if (!(*engine)->Fetch("layer").ok() ||
+      !(*engine)->GradReady(*id, grad.data(), ElementType::kFloat32).ok() ||
+      !(*engine)->Release("layer").ok() || !(*engine)->Step(AdamOptions{}).ok() ||
+      !(*engine)->ReadMasterWeights(*id, weights).ok() || !(*engine)->Close().ok()) {
+    return false;
+  }
+  for (float w : weights) {
+    if (w < 0.99898f || w > 0.99900f) return false;
+  }
+  return true;
 }
 
 int main() {
@@ -45,8 +84,10 @@ int main() {
   // 4 * 38,597,376 (wte) + int(18 * 124,439,808 / 4)
   bool nvme_ok = NvmeRoundTrip();
   std::printf("nvme round trip: %s\n", nvme_ok ? "ok" : "FAILED");
+  bool engine_ok = EngineStep();
+  std::printf("engine step: %s\n", engine_ok ? "ok" : "FAILED");
   return counts.params_total == 124439808 && row.gpu_bytes == 154389504ull + 559979136ull &&
-                 nvme_ok
+                 nvme_ok && engine_ok
              ? 0
              : 1;
 }

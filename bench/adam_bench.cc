@@ -1,4 +1,4 @@
-#include "offload/cpu_optimizer_bench.h"
+#include "bench/adam_bench.h"
 
 #include <algorithm>
 #include <chrono>
@@ -9,7 +9,14 @@
 #include <thread>
 #include <vector>
 
-namespace memplan::offload {
+namespace memplan::bench {
+
+using offload::AdamOptions;
+using offload::AdamTensors;
+using offload::CpuOptimizer;
+using offload::CpuOptimizerOptions;
+using offload::HalfDtype;
+
 namespace {
 
 struct FreeDeleter {
@@ -155,7 +162,8 @@ Result<TriadBenchResult> RunTriadBench(const TriadBenchOptions& options) {
     }
   });
   const double scalar = 3.0;
-  Parallel(options.threads, n, [=](uint64_t x, uint64_t y) { TriadRange(pa, pb, pc, scalar, x, y); });
+  Parallel(options.threads, n,
+           [=](uint64_t x, uint64_t y) { TriadRange(pa, pb, pc, scalar, x, y); });
   using Clock = std::chrono::steady_clock;
   TriadBenchResult result;
   result.threads = options.threads;
@@ -177,4 +185,4 @@ Result<TriadBenchResult> RunTriadBench(const TriadBenchOptions& options) {
   return result;
 }
 
-}  // namespace memplan::offload
+}  // namespace memplan::bench

@@ -1,10 +1,12 @@
-// The NVMe optimizer step measured against its two limits: the behind `memplan bench swap`.
+// The NVMe optimizer step measured against its two limits: the measuring behind `memplan bench
+// swap`.
 //
 // A pipelined step over states on NVMe can be no faster than the slower of moving its bytes at the
 // device's bandwidth and running the optimizer over its elements in memory; a good pipeline is
 // hardly slower than that. So the bench measures all three on the same directory, threads and
 // geometry, in one run:
-//   - the device's read and write bandwidth (nvme::RunBench, the store's backend, block size and
+//   - the device's read and write bandwidth (bench::RunNvmeBench, the store's backend, block size
+//   and
 //     queue depth), unless the caller passes figures from `memplan bench nvme`;
 //   - the compute time: the same CPU AdamW over the same number of elements, sub-group by
 //     sub-group, in ordinary memory;
@@ -25,7 +27,7 @@
 #include "nvme/backend.h"
 #include "offload/cpu_optimizer.h"
 
-namespace memplan::offload {
+namespace memplan::bench {
 
 struct SwapBenchOptions {
   // An existing directory; the bench makes a store in a new subdirectory and removes it.
@@ -44,7 +46,7 @@ struct SwapBenchOptions {
   uint32_t io_threads = 1;  // threads each transfer is split across (intra_op_parallelism)
   // Gradients as fp32 (kNone) or 16-bit (the fused kernel; half the gradient bytes), in the step
   // and in the compute reference alike.
-  HalfDtype grad_dtype = HalfDtype::kNone;
+  offload::HalfDtype grad_dtype = offload::HalfDtype::kNone;
   bool register_buffers = true;  // the swapper's pinned buffers as io_uring fixed buffers
   // Device bandwidths to compare with (bytes/s), e.g. from `memplan bench nvme`; when absent they
   // are measured here over min(1 GiB, the states' size).
@@ -61,7 +63,7 @@ struct SwapBenchResult {
   uint32_t buffer_count = 0;
   int threads = 0, steps = 0;
   uint32_t io_threads = 1;
-  HalfDtype grad_dtype = HalfDtype::kNone;
+  offload::HalfDtype grad_dtype = offload::HalfDtype::kNone;
   bool register_buffers = true;
   uint64_t registered_ops = 0;  // requests of the store that named a registered buffer
   std::string backend;  // what the store ran on
@@ -84,4 +86,4 @@ struct SwapBenchResult {
 // cannot be had (kResourceExhausted; never an exception).
 Result<SwapBenchResult> RunSwapBench(const SwapBenchOptions& options);
 
-}  // namespace memplan::offload
+}  // namespace memplan::bench

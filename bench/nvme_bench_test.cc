@@ -1,7 +1,7 @@
 // Tests of the NVMe bench library: a tiny real sweep on the POSIX backend, the bench file's
 // lifetime (gone after success, error and interruption), benching an existing file (kept, its
 // length unchanged), the numbers it reports, the `aio` block it emits, and byte-size parsing.
-#include "nvme/bench.h"
+#include "bench/nvme_bench.h"
 
 #include <doctest/doctest.h>
 #include <fcntl.h>
@@ -20,8 +20,10 @@
 
 #include "tests/testing.h"
 
-namespace memplan::nvme {
+namespace memplan::bench {
 namespace {
+
+using nvme::BackendKind;
 
 namespace fs = std::filesystem;
 
@@ -42,8 +44,8 @@ class ScratchDir : public memplan::testing::TempDir {
 };
 
 // A small POSIX sweep: 2 block sizes x 2 queue depths over a few MiB, no time limit.
-BenchOptions TinySweep(const std::string& directory) {
-  BenchOptions options;
+NvmeBenchOptions TinySweep(const std::string& directory) {
+  NvmeBenchOptions options;
   options.directory = directory;
   options.size_bytes = 4 * kMiB;
   options.seconds_per_point = 0;
@@ -55,11 +57,11 @@ BenchOptions TinySweep(const std::string& directory) {
 
 TEST_CASE("bench: a tiny POSIX sweep measures every point over exactly --size bytes") {
   ScratchDir dir;
-  BenchOptions options = TinySweep(dir.path());
+  NvmeBenchOptions options = TinySweep(dir.path());
   std::vector<std::string> stages;
   std::vector<size_t> indexes;
   bool file_seen_during_run = false;
-  auto report = RunBench(options, [&](const BenchProgress& event) {
+  auto report = RunNvmeBench(options, [&](const NvmeBenchProgress& event) {
     stages.emplace_back(event.stage);
     indexes.push_back(event.index);
     CHECK(event.total == 4);
@@ -79,7 +81,7 @@ TEST_CASE("bench: a tiny POSIX sweep measures every point over exactly --size by
 
   REQUIRE(report->results.size() == 4);
   std::vector<std::pair<uint32_t, uint32_t>> points;
-  for (const BenchResult& r : report->results) {
+  for (const NvmeBenchResult& r : report->results) {
     CAPTURE(r.block_size);
     CAPTURE(r.queue_depth);
     points.emplace_back(r.block_size, r.queue_depth);
@@ -100,7 +102,7 @@ TEST_CASE("bench: a tiny POSIX sweep measures every point over exactly --size by
                       {256 << 10, 1}, {256 << 10, 4}, {1 << 20, 1}, {1 << 20, 4}});
 
   REQUIRE(report->best >= 0);
-  for (const BenchResult& r : report->results) {
+  for (const NvmeBenchResult& r : report->results) {
     CHECK(r.score() <= report->results[static_cast<size_t>(report->best)].score());
   }
   CHECK(report->best_aio == -1);  // no libaio point: the aio block takes the overall best
@@ -113,33 +115,33 @@ TEST_CASE("bench: a tiny POSIX sweep measures every point over exactly --size by
   CHECK(json["best"]["size_bytes"] == 4 * kMiB);
   CHECK(json["aio"]["intra_op_parallelism"] == 1);
   CHECK(json["note"].get<std::string>().find("posix") != std::string::npos);
-  std::string text = FormatBenchText(*report);
+  std::string text = FormatNvmeBenchText(*report);
   CHECK(text.find("256 KiB") != std::string::npos);
   CHECK(text.find("Best (read + write): posix") != std::string::npos);
 }
 
 TEST_CASE("bench: threads are swept as points, and the aio block carries the best's") {
   ScratchDir dir;
-  BenchOptions options = TinySweep(dir.path());
+  NvmeBenchOptions options = TinySweep(dir.path());
   options.block_sizes = {256 << 10};
   options.queue_depths = {2};
   options.threads = {1, 2};
-  auto report = RunBench(options);
+  auto report = RunNvmeBench(options);
   REQUIRE_MESSAGE(report.ok(), report.status().ToString());
   REQUIRE(report->results.size() == 2);
   CHECK(report->results[0].threads == 1);
   CHECK(report->results[1].threads == 2);
-  for (const BenchResult& r : report->results) {
+  for (const NvmeBenchResult& r : report->results) {
     CHECK(r.write_bytes == 4 * kMiB);
     CHECK(r.read_bytes == 4 * kMiB);
   }
-  const BenchResult& best = report->results[static_cast<size_t>(report->best)];
+  const NvmeBenchResult& best = report->results[static_cast<size_t>(report->best)];
   nlohmann::ordered_json json = ToJson(*report);
   CHECK(json["results"][1]["threads"] == 2);
   CHECK(json["aio"]["intra_op_parallelism"] == best.threads);
-  CHECK(FormatBenchText(*report).find("threads") != std::string::npos);
+  CHECK(FormatNvmeBenchText(*report).find("threads") != std::string::npos);
 
-  BenchOptions bad = options;
+  NvmeBenchOptions bad = options;
   bad.threads = {};
   CHECK(bad.Validate().code() == StatusCode::kInvalidArgument);
   bad.threads = {0};
@@ -150,16 +152,16 @@ TEST_CASE("bench: threads are swept as points, and the aio block carries the bes
 
 TEST_CASE("bench: --rw read or write measures only that direction") {
   ScratchDir dir;
-  BenchOptions options = TinySweep(dir.path());
+  NvmeBenchOptions options = TinySweep(dir.path());
   options.block_sizes = {1 << 20};
   options.queue_depths = {4};
   for (BenchRw rw : {BenchRw::kRead, BenchRw::kWrite}) {
     CAPTURE(BenchRwName(rw));
     options.rw = rw;
-    auto report = RunBench(options);
+    auto report = RunNvmeBench(options);
     REQUIRE_MESSAGE(report.ok(), report.status().ToString());
     REQUIRE(report->results.size() == 1);
-    const BenchResult& r = report->results[0];
+    const NvmeBenchResult& r = report->results[0];
     CHECK(r.read_measured == (rw == BenchRw::kRead));
     CHECK(r.write_measured == (rw == BenchRw::kWrite));
     nlohmann::ordered_json json = ToJson(r);
@@ -171,11 +173,11 @@ TEST_CASE("bench: --rw read or write measures only that direction") {
 
 TEST_CASE("bench: buffered I/O (--no-direct) is measured and says so") {
   ScratchDir dir;
-  BenchOptions options = TinySweep(dir.path());
+  NvmeBenchOptions options = TinySweep(dir.path());
   options.direct = false;
   options.block_sizes = {1 << 20};
   options.queue_depths = {4};
-  auto report = RunBench(options);
+  auto report = RunNvmeBench(options);
   REQUIRE_MESSAGE(report.ok(), report.status().ToString());
   REQUIRE(report->results.size() == 1);
   CHECK_FALSE(report->results[0].direct);
@@ -185,18 +187,18 @@ TEST_CASE("bench: buffered I/O (--no-direct) is measured and says so") {
 
 TEST_CASE("bench: a stop request ends the run cleanly and removes the file") {
   ScratchDir dir;
-  BenchOptions options = TinySweep(dir.path());
+  NvmeBenchOptions options = TinySweep(dir.path());
   std::atomic<bool> stop{false};
   options.stop = &stop;
   SUBCASE("before anything is measured") {
     stop = true;
-    auto report = RunBench(options);
+    auto report = RunNvmeBench(options);
     REQUIRE_MESSAGE(report.ok(), report.status().ToString());
     CHECK(report->interrupted);
     CHECK(report->results.empty());
   }
   SUBCASE("after the first point") {
-    auto report = RunBench(options, [&](const BenchProgress& event) {
+    auto report = RunNvmeBench(options, [&](const NvmeBenchProgress& event) {
       if (event.stage == "point") stop = true;
     });
     REQUIRE_MESSAGE(report.ok(), report.status().ToString());
@@ -208,26 +210,26 @@ TEST_CASE("bench: a stop request ends the run cleanly and removes the file") {
 
 TEST_CASE("bench: a time limit stops a point early and marks it") {
   ScratchDir dir;
-  BenchOptions options = TinySweep(dir.path());
+  NvmeBenchOptions options = TinySweep(dir.path());
   options.size_bytes = 8 * kMiB;
   options.chunk_bytes = 1 * kMiB;  // a chunk per call, so the limit is checked after each MiB
   options.seconds_per_point = 1e-9;
   options.block_sizes = {1 << 20};
   options.queue_depths = {1};
-  auto report = RunBench(options);
+  auto report = RunNvmeBench(options);
   REQUIRE_MESSAGE(report.ok(), report.status().ToString());
   REQUIRE(report->results.size() == 1);
-  const BenchResult& r = report->results[0];
+  const NvmeBenchResult& r = report->results[0];
   CHECK(r.write_bytes == 1 * kMiB);
   CHECK(r.read_bytes == 1 * kMiB);
   CHECK(r.time_limited());
-  CHECK(FormatBenchText(*report).find(" *\n") != std::string::npos);
+  CHECK(FormatNvmeBenchText(*report).find(" *\n") != std::string::npos);
 }
 
 TEST_CASE("bench: bad directories and sizes are refused before any file is made") {
   ScratchDir dir;
-  BenchOptions options = TinySweep(dir.path() + "/missing");
-  auto missing = RunBench(options);
+  NvmeBenchOptions options = TinySweep(dir.path() + "/missing");
+  auto missing = RunNvmeBench(options);
   REQUIRE_FALSE(missing.ok());
   CHECK(missing.status().code() == StatusCode::kNotFound);
   CHECK(missing.status().message().find("/missing") != std::string::npos);
@@ -235,14 +237,14 @@ TEST_CASE("bench: bad directories and sizes are refused before any file is made"
   std::string file = dir.path() + "/plain";
   std::ofstream(file) << "x";
   options.directory = file;
-  auto not_dir = RunBench(options);
+  auto not_dir = RunNvmeBench(options);
   REQUIRE_FALSE(not_dir.ok());
   CHECK(not_dir.status().code() == StatusCode::kInvalidArgument);
   CHECK(not_dir.status().message().find("not a directory") != std::string::npos);
 
   options.directory = dir.path();
   options.size_bytes = uint64_t{1} << 60;  // 1 EiB: more than any test machine has free
-  auto too_big = RunBench(options);
+  auto too_big = RunNvmeBench(options);
   REQUIRE_FALSE(too_big.ok());
   CHECK(too_big.status().code() == StatusCode::kResourceExhausted);
   CHECK(too_big.status().message().find("1 EiB") != std::string::npos);
@@ -266,7 +268,7 @@ bool AllBytes(std::string_view data, char byte) {
   return data.find_first_not_of(byte) == std::string_view::npos;
 }
 
-bool HasNote(const BenchReport& report, std::string_view needle) {
+bool HasNote(const NvmeBenchReport& report, std::string_view needle) {
   for (const std::string& note : report.notes) {
     if (note.find(needle) != std::string::npos) return true;
   }
@@ -278,24 +280,24 @@ TEST_CASE("bench: an existing file is benched as it is, overwritten in --size an
   const std::string file = dir.File("caller.dat");
   // Zeros: a read of them would fail the check of what the write pass wrote, had it not run.
   WriteFile(file, 6 * kMiB, '\0');
-  BenchOptions options = TinySweep("");
+  NvmeBenchOptions options = TinySweep("");
   options.file = file;
   std::vector<std::string> messages;
-  auto report = RunBench(options, [&](const BenchProgress& event) {
+  auto report = RunNvmeBench(options, [&](const NvmeBenchProgress& event) {
     if (event.stage == "prepare") messages.push_back(event.message);
   });
   REQUIRE_MESSAGE(report.ok(), report.status().ToString());
   CHECK(messages == std::vector<std::string>{"using the existing file " + file +
                                              " (its first 4 MiB are overwritten)"});
   REQUIRE(report->results.size() == 4);
-  for (const BenchResult& r : report->results) {
+  for (const NvmeBenchResult& r : report->results) {
     CHECK(r.write_bytes == 4 * kMiB);
     CHECK(r.read_bytes == 4 * kMiB);
   }
   CHECK(report->file == file);
   CHECK(report->directory.empty());
   CHECK(ToJson(*report)["path"] == file);
-  CHECK(FormatBenchText(*report).find(file + ", existing file") != std::string::npos);
+  CHECK(FormatNvmeBenchText(*report).find(file + ", existing file") != std::string::npos);
   CHECK(HasNote(*report, "its first 4 MiB were overwritten"));
   CHECK_FALSE(HasNote(*report, "hole"));
 
@@ -319,13 +321,13 @@ TEST_CASE("bench: --rw read on an existing file reads what is there, unchecked, 
   ScratchDir dir;
   const std::string file = dir.File("caller.dat");
   WriteFile(file, 4 * kMiB, '\0');  // zeros would fail the content check: it must not run
-  BenchOptions options = TinySweep("");
+  NvmeBenchOptions options = TinySweep("");
   options.file = file;
   options.rw = BenchRw::kRead;
-  auto report = RunBench(options);
+  auto report = RunNvmeBench(options);
   REQUIRE_MESSAGE(report.ok(), report.status().ToString());
   REQUIRE(report->results.size() == 4);
-  for (const BenchResult& r : report->results) {
+  for (const NvmeBenchResult& r : report->results) {
     CHECK(r.read_bytes == 4 * kMiB);
     CHECK_FALSE(r.write_measured);
   }
@@ -339,16 +341,16 @@ TEST_CASE("bench: a time-limited point on an existing file checks only what it w
   ScratchDir dir;
   const std::string file = dir.File("caller.dat");
   WriteFile(file, 8 * kMiB, '\0');
-  BenchOptions options = TinySweep("");
+  NvmeBenchOptions options = TinySweep("");
   options.file = file;
   options.size_bytes = 8 * kMiB;
   options.chunk_bytes = 1 * kMiB;
   options.seconds_per_point = 1e-9;  // one call per direction, of the smallest chunk allowed
   options.block_sizes = {1 << 20};
-  auto report = RunBench(options);
+  auto report = RunNvmeBench(options);
   REQUIRE_MESSAGE(report.ok(), report.status().ToString());
   REQUIRE(report->results.size() == 2);
-  for (const BenchResult& r : report->results) {
+  for (const NvmeBenchResult& r : report->results) {
     CAPTURE(r.queue_depth);
     // The smallest call fills the queue once: block size x queue depth.
     CHECK(r.write_bytes == uint64_t{1} * kMiB * r.queue_depth);
@@ -365,11 +367,11 @@ TEST_CASE("bench: a sparse existing file is measured with a note about its hole"
   REQUIRE(::ftruncate(fd, static_cast<off_t>(4 * kMiB)) == 0);
   const off_t hole = ::lseek(fd, 0, SEEK_HOLE);
   ::close(fd);
-  BenchOptions options = TinySweep("");
+  NvmeBenchOptions options = TinySweep("");
   options.file = file;
   options.block_sizes = {1 << 20};
   options.queue_depths = {4};
-  auto report = RunBench(options);
+  auto report = RunNvmeBench(options);
   REQUIRE_MESSAGE(report.ok(), report.status().ToString());
   // Where the filesystem cannot report holes, SEEK_HOLE says end of file and there is no note.
   CHECK(HasNote(*report, file + " has a hole or unwritten blocks at offset 0") == (hole == 0));
@@ -378,10 +380,10 @@ TEST_CASE("bench: a sparse existing file is measured with a note about its hole"
 
 TEST_CASE("bench: an existing file that is missing, too small or not a file is refused") {
   ScratchDir dir;
-  BenchOptions options = TinySweep("");
+  NvmeBenchOptions options = TinySweep("");
 
   options.file = dir.File("missing.dat");
-  auto missing = RunBench(options);
+  auto missing = RunNvmeBench(options);
   REQUIRE_FALSE(missing.ok());
   CHECK(missing.status().code() == StatusCode::kNotFound);
   CHECK(missing.status().message().find(options.file) != std::string::npos);
@@ -390,7 +392,7 @@ TEST_CASE("bench: an existing file that is missing, too small or not a file is r
   const std::string small = dir.File("small.dat");
   WriteFile(small, 1 * kMiB, 'x');
   options.file = small;
-  auto too_small = RunBench(options);
+  auto too_small = RunNvmeBench(options);
   REQUIRE_FALSE(too_small.ok());
   CHECK(too_small.status().code() == StatusCode::kInvalidArgument);
   const std::string message = too_small.status().message();
@@ -406,14 +408,14 @@ TEST_CASE("bench: an existing file that is missing, too small or not a file is r
   WriteFile(target, 4 * kMiB, 'x');
   fs::create_symlink(target, link);
   options.file = link;
-  auto symlink = RunBench(options);
+  auto symlink = RunNvmeBench(options);
   REQUIRE_FALSE(symlink.ok());
   CHECK(symlink.status().code() == StatusCode::kInvalidArgument);
   CHECK(symlink.status().message().find("symlink") != std::string::npos);
   CHECK(AllBytes(ReadAll(target), 'x'));
 
   options.file = dir.path();
-  auto directory = RunBench(options);
+  auto directory = RunNvmeBench(options);
   REQUIRE_FALSE(directory.ok());
   CHECK(directory.status().code() == StatusCode::kInvalidArgument);
   CHECK(directory.status().message().find("not a regular file") != std::string::npos);
@@ -422,15 +424,15 @@ TEST_CASE("bench: an existing file that is missing, too small or not a file is r
 }
 
 TEST_CASE("bench: options are validated") {
-  BenchOptions options = TinySweep("/tmp");
+  NvmeBenchOptions options = TinySweep("/tmp");
   CHECK(options.Validate().ok());
-  auto refused = [](const BenchOptions& o, const std::string& needle) {
+  auto refused = [](const NvmeBenchOptions& o, const std::string& needle) {
     Status status = o.Validate();
     CAPTURE(status.ToString());
     CHECK(status.code() == StatusCode::kInvalidArgument);
     CHECK(status.message().find(needle) != std::string::npos);
   };
-  BenchOptions bad = options;
+  NvmeBenchOptions bad = options;
   bad.size_bytes = 4097;
   refused(bad, "multiple of 4 KiB");
   bad = options;
@@ -458,7 +460,7 @@ TEST_CASE("bench: options are validated") {
 }
 
 TEST_CASE("bench: the emitted aio block is DeepSpeed's, exactly") {
-  BenchResult best;
+  NvmeBenchResult best;
   best.backend = BackendKind::kAio;
   best.block_size = 1 << 20;
   best.queue_depth = 32;
@@ -477,7 +479,7 @@ TEST_CASE("bench: the emitted aio block is DeepSpeed's, exactly") {
 
 TEST_CASE("bench: the best is read + write; the aio block prefers libaio's best") {
   auto point = [](BackendKind backend, uint32_t block, double read_s, double write_s) {
-    BenchResult r;
+    NvmeBenchResult r;
     r.backend = backend;
     r.block_size = block;
     r.queue_depth = 32;
@@ -487,7 +489,7 @@ TEST_CASE("bench: the best is read + write; the aio block prefers libaio's best"
     r.write_seconds = write_s;
     return r;
   };
-  BenchReport report;
+  NvmeBenchReport report;
   // Read + write bytes/s: 1000/0.5 + 1000/1 = 3000; 1000/1 + 1000/0.4 = 3500; 2000 + 1000 = 3000.
   report.results = {point(BackendKind::kUring, 1 << 20, 0.5, 1.0),
                     point(BackendKind::kUring, 8 << 20, 1.0, 0.4),
@@ -505,4 +507,4 @@ TEST_CASE("bench: the best is read + write; the aio block prefers libaio's best"
 }
 
 }  // namespace
-}  // namespace memplan::nvme
+}  // namespace memplan::bench

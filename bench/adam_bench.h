@@ -11,7 +11,7 @@
 #include "common/status.h"
 #include "offload/cpu_optimizer.h"
 
-namespace memplan::offload {
+namespace memplan::bench {
 
 struct AdamBenchOptions {
   // Parameters updated per step (>= 1). Default 50M, large enough to defeat the caches.
@@ -19,9 +19,9 @@ struct AdamBenchOptions {
   // As CpuOptimizerOptions::threads. Default 1.
   int threads = 1;
   // Also write the updated params as bf16 or fp16 (kNone: fp32 only). Default kNone.
-  HalfDtype half_dtype = HalfDtype::kNone;
+  offload::HalfDtype half_dtype = offload::HalfDtype::kNone;
   // Kernel; empty: the best available.
-  std::optional<Isa> isa;
+  std::optional<offload::Isa> isa;
   // Time spent in timed steps (>= 0); at least min_steps steps run. Default 2 s.
   double seconds = 2.0;
   // Timed steps at least (>= 1), after one untimed warm-up step. Default 3.
@@ -31,10 +31,10 @@ struct AdamBenchOptions {
 };
 
 struct AdamBenchResult {
-  Isa isa = Isa::kScalar;
+  offload::Isa isa = offload::Isa::kScalar;
   int threads = 1;
   uint64_t params = 0;
-  HalfDtype half_dtype = HalfDtype::kNone;
+  offload::HalfDtype half_dtype = offload::HalfDtype::kNone;
   int steps = 0;                // timed steps
   double seconds = 0;           // time of the timed steps
   uint64_t bytes_per_step = 0;  // 28 per param (read p, g, m, v; write p, m, v) + 2 with half
@@ -69,4 +69,4 @@ Result<TriadBenchResult> RunTriadBench(const TriadBenchOptions& options);
 // and times them. ResourceExhausted when the memory cannot be had; InvalidArgument on bad options.
 Result<AdamBenchResult> RunAdamBench(const AdamBenchOptions& options);
 
-}  // namespace memplan::offload
+}  // namespace memplan::bench

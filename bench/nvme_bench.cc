@@ -1,4 +1,4 @@
-// nvme bench: see bench.h.
+// NVMe bench: see nvme_bench.h.
 //
 // Note [Bench method]
 // ~~~~~~~~~~~~~~~~~~~
@@ -12,7 +12,7 @@
 // The queue drains at the end of every call: the last queue_depth requests finish with ever
 // fewer in flight, and at 1 MiB x 16 on a 2 GB/s drive that costs about 4 ms per call, 3% of a
 // GiB if it were cut into 256 MiB calls. fio drains once, at the end. So calls are as large as
-// the buffer allows (BenchOptions::chunk_bytes, 1 GiB) and never smaller than block x queue
+// the buffer allows (NvmeBenchOptions::chunk_bytes, 1 GiB) and never smaller than block x queue
 // depth. Under a time limit the first call is 64 MiB and each next one is sized, at the rate so
 // far, to end at the limit: a fast drive still does a GiB in two calls, a slow one overshoots
 // the limit by little.
@@ -27,7 +27,7 @@
 //
 // Note [Existing bench file]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~
-// With BenchOptions::file the bench runs on a file someone else laid out (bench/nvme_vs_fio.sh
+// With NvmeBenchOptions::file the bench runs on a file someone else laid out (bench/nvme_vs_fio.sh
 // passes the file fio wrote, so both tools measure the same blocks). That file is used as it is:
 // no fill, no preallocation, no truncation, never removed; only its first size_bytes are
 // overwritten, by the measured write passes. Its content is therefore known only where this run
@@ -45,7 +45,7 @@
 //
 // The best point maximises read + write bandwidth, as DeepSpeed's ds_nvme_tune does
 // (deepspeed/nvme/perf_generate_param.py sums the read and write GB/s of each setting).
-#include "nvme/bench.h"
+#include "bench/nvme_bench.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -68,7 +68,17 @@
 #include "common/checked_math.h"
 #include "nvme/io_engine.h"
 
-namespace memplan::nvme {
+namespace memplan::bench {
+
+using nvme::BackendKind;
+using nvme::BackendOptions;
+using nvme::BackendSet;
+using nvme::IoEngine;
+using nvme::IoEngineOptions;
+using nvme::OpenFile;
+using nvme::OpenOptions;
+using nvme::OpType;
+
 namespace {
 
 constexpr uint32_t kAlignment = 4096;
@@ -240,7 +250,7 @@ Result<AlignedBuffer> AllocateBuffer(uint64_t bytes) {
 }
 
 // The bytes one IoEngine call may transfer at one point: at least block x queue depth (else the
-// queue could never fill), at most the larger of that and BenchOptions::chunk_bytes, never more
+// queue could never fill), at most the larger of that and NvmeBenchOptions::chunk_bytes, never more
 // than the file; a whole number of blocks.
 struct ChunkLimits {
   uint64_t min_bytes = 0;
@@ -248,7 +258,7 @@ struct ChunkLimits {
   uint32_t block_size = 0;
 };
 
-ChunkLimits PlanChunks(const BenchOptions& options, uint32_t block_size, uint32_t queue_depth,
+ChunkLimits PlanChunks(const NvmeBenchOptions& options, uint32_t block_size, uint32_t queue_depth,
                        uint32_t threads = 1) {
   // With T threads each fills its own queue with its slice of the call.
   const uint64_t full_queue = uint64_t{block_size} * queue_depth * threads;
@@ -407,7 +417,7 @@ struct Planned {
   uint32_t threads;
 };
 
-int BestIndex(const std::vector<BenchResult>& results, bool aio_only) {
+int BestIndex(const std::vector<NvmeBenchResult>& results, bool aio_only) {
   int best = -1;
   for (size_t i = 0; i < results.size(); ++i) {
     if (aio_only && results[i].backend != BackendKind::kAio) continue;
@@ -454,7 +464,7 @@ Result<BenchRw> ParseBenchRw(std::string_view text) {
                                  "' (expected read, write or both)");
 }
 
-Status BenchOptions::Validate() const {
+Status NvmeBenchOptions::Validate() const {
   if (directory.empty() && file.empty()) {
     return Status::InvalidArgument("no directory for a temporary bench file and no existing file");
   }
@@ -505,7 +515,8 @@ Status BenchOptions::Validate() const {
   return Status::Ok();
 }
 
-Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn& progress) {
+Result<NvmeBenchReport> RunNvmeBench(const NvmeBenchOptions& options,
+                                     const NvmeBenchProgressFn& progress) {
   MEMPLAN_RETURN_IF_ERROR(options.Validate());
   const bool existing_file = !options.file.empty();
   if (existing_file) {
@@ -515,13 +526,13 @@ Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn&
   }
   const std::string& where = existing_file ? options.file : options.directory;
 
-  BenchReport report;
+  NvmeBenchReport report;
   report.directory = options.directory;
   report.file = options.file;
   report.filesystem = FilesystemName(where);
   report.rw = options.rw;
   report.size_bytes = options.size_bytes;
-  auto report_progress = [&](BenchProgress event) {
+  auto report_progress = [&](NvmeBenchProgress event) {
     if (progress) progress(event);
   };
 
@@ -650,7 +661,7 @@ Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn&
     auto rig = MakeRig(point.backend, point.block_size, point.queue_depth, point.threads,
                        bench_file);
     if (!rig.ok()) return rig.status().WithPrefix(name);
-    BenchResult result;
+    NvmeBenchResult result;
     result.backend = (*rig)->set.kind;
     result.direct = bench_file.direct();
     result.block_size = point.block_size;
@@ -699,14 +710,14 @@ Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn&
   report.best_aio = BestIndex(report.results, /*aio_only=*/true);
   size_t limited =
       static_cast<size_t>(std::count_if(report.results.begin(), report.results.end(),
-                                        [](const BenchResult& r) { return r.time_limited(); }));
+                                        [](const NvmeBenchResult& r) { return r.time_limited(); }));
   if (limited > 0) {
     report.notes.push_back(std::to_string(limited) +
                            " point(s) stopped at the time limit "
                            "before transferring the full size (marked *)");
   }
   if (report.best >= 0 && report.best_aio >= 0 && report.best != report.best_aio) {
-    const BenchResult& best = report.results[static_cast<size_t>(report.best)];
+    const NvmeBenchResult& best = report.results[static_cast<size_t>(report.best)];
     report.notes.push_back(
         "the aio block holds the best libaio settings, since DeepSpeed's "
         "engine is libaio; memplan's engine is fastest with " +
@@ -723,12 +734,12 @@ Result<BenchReport> RunBench(const BenchOptions& options, const BenchProgressFn&
   return report;
 }
 
-const BenchResult* AioChoice(const BenchReport& report) {
+const NvmeBenchResult* AioChoice(const NvmeBenchReport& report) {
   int index = report.best_aio >= 0 ? report.best_aio : report.best;
   return index >= 0 ? &report.results[static_cast<size_t>(index)] : nullptr;
 }
 
-nlohmann::ordered_json AioConfig(const BenchResult& result) {
+nlohmann::ordered_json AioConfig(const NvmeBenchResult& result) {
   nlohmann::ordered_json aio;
   aio["block_size"] = result.block_size;
   aio["queue_depth"] = result.queue_depth;
@@ -741,9 +752,11 @@ nlohmann::ordered_json AioConfig(const BenchResult& result) {
   return out;
 }
 
-std::string AioConfigText(const BenchResult& result) { return AioConfig(result).dump(2) + "\n"; }
+std::string AioConfigText(const NvmeBenchResult& result) {
+  return AioConfig(result).dump(2) + "\n";
+}
 
-nlohmann::ordered_json ToJson(const BenchResult& result) {
+nlohmann::ordered_json ToJson(const NvmeBenchResult& result) {
   nlohmann::ordered_json out;
   out["backend"] = BackendKindName(result.backend);
   out["direct"] = result.direct;
@@ -763,25 +776,25 @@ nlohmann::ordered_json ToJson(const BenchResult& result) {
   return out;
 }
 
-nlohmann::ordered_json ToJson(const BenchReport& report) {
+nlohmann::ordered_json ToJson(const NvmeBenchReport& report) {
   nlohmann::ordered_json out;
   out["path"] = report.file.empty() ? report.directory : report.file;
   out["filesystem"] = report.filesystem;
   out["rw"] = BenchRwName(report.rw);
   out["size_bytes"] = report.size_bytes;
   nlohmann::ordered_json results = nlohmann::ordered_json::array();
-  for (const BenchResult& result : report.results) results.push_back(ToJson(result));
+  for (const NvmeBenchResult& result : report.results) results.push_back(ToJson(result));
   out["results"] = std::move(results);
   out["best"] = report.best >= 0 ? ToJson(report.results[static_cast<size_t>(report.best)])
                                  : nlohmann::ordered_json(nullptr);
-  const BenchResult* aio = AioChoice(report);
+  const NvmeBenchResult* aio = AioChoice(report);
   out["aio"] = aio != nullptr ? AioConfig(*aio)["aio"] : nlohmann::ordered_json(nullptr);
   out["note"] = Join(report.notes, "; ");
   out["interrupted"] = report.interrupted;
   return out;
 }
 
-std::string FormatBenchText(const BenchReport& report) {
+std::string FormatNvmeBenchText(const NvmeBenchReport& report) {
   std::string out;
   char line[256];
   bool direct = !report.results.empty() && report.results.front().direct;
@@ -795,7 +808,7 @@ std::string FormatBenchText(const BenchReport& report) {
   std::snprintf(line, sizeof(line), "%-8s %10s %12s %8s %12s %12s\n", "backend", "block_size",
                 "queue_depth", "threads", "write MB/s", "read MB/s");
   out += line;
-  for (const BenchResult& r : report.results) {
+  for (const NvmeBenchResult& r : report.results) {
     std::snprintf(line, sizeof(line), "%-8s %10s %12u %8u %12s %12s%s\n",
                   std::string(BackendKindName(r.backend)).c_str(),
                   FormatByteSize(r.block_size).c_str(), r.queue_depth, r.threads,
@@ -805,7 +818,7 @@ std::string FormatBenchText(const BenchReport& report) {
     out += line;
   }
   if (report.best >= 0) {
-    const BenchResult& b = report.results[static_cast<size_t>(report.best)];
+    const NvmeBenchResult& b = report.results[static_cast<size_t>(report.best)];
     std::snprintf(line, sizeof(line),
                   "Best (read + write): %s, block_size %s, queue_depth %u, threads %u: write %s "
                   "MB/s, read %s MB/s\n",
@@ -815,7 +828,7 @@ std::string FormatBenchText(const BenchReport& report) {
                   MegabytesPerSecond(b.read_measured, b.read_bytes_per_s()).c_str());
     out += line;
   }
-  if (const BenchResult* aio = AioChoice(report)) {
+  if (const NvmeBenchResult* aio = AioChoice(report)) {
     out += "DeepSpeed aio block:\n" + AioConfigText(*aio);
   }
   if (!report.notes.empty()) {
@@ -825,4 +838,4 @@ std::string FormatBenchText(const BenchReport& report) {
   return out;
 }
 
-}  // namespace memplan::nvme
+}  // namespace memplan::bench

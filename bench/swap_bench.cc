@@ -1,4 +1,4 @@
-#include "offload/swap_bench.h"
+#include "bench/swap_bench.h"
 
 #include <stdlib.h>
 #include <sys/statvfs.h>
@@ -16,11 +16,25 @@
 #include <vector>
 
 #include "common/byte_size.h"
-#include "nvme/bench.h"
+#include "bench/nvme_bench.h"
 #include "offload/half.h"
 #include "offload/optimizer_swapper.h"
 
-namespace memplan::offload {
+namespace memplan::bench {
+
+using offload::AdamOptions;
+using offload::AdamTensors;
+using offload::CpuOptimizer;
+using offload::CpuOptimizerOptions;
+using offload::FloatToBf16;
+using offload::FloatToFp16;
+using offload::HalfDtype;
+using offload::OptimizerSwapper;
+using offload::OptimizerSwapperOptions;
+using offload::OptimizerSwapperStats;
+using offload::SwapOptimizer;
+using offload::SwapStepStats;
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -148,7 +162,7 @@ Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
     r.read_bytes_per_s = *options.read_bytes_per_s;
     r.write_bytes_per_s = *options.write_bytes_per_s;
   } else {
-    nvme::BenchOptions bench;
+    NvmeBenchOptions bench;
     bench.directory = scratch.path();
     bench.size_bytes = std::min<uint64_t>(uint64_t{1} << 30, r.state_bytes / 4096 * 4096);
     bench.size_bytes = std::max<uint64_t>(bench.size_bytes, options.block_size);
@@ -159,10 +173,10 @@ Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
     bench.queue_depths = {options.queue_depth};
     bench.threads = {options.io_threads};
     bench.stop = options.stop;
-    MEMPLAN_ASSIGN_OR_RETURN(nvme::BenchReport report, nvme::RunBench(bench));
+    MEMPLAN_ASSIGN_OR_RETURN(NvmeBenchReport report, RunNvmeBench(bench));
     MEMPLAN_RETURN_IF_ERROR(Stopped(options));
     if (report.best < 0) return Status::Internal("the NVMe bench measured nothing");
-    const nvme::BenchResult& best = report.results[static_cast<size_t>(report.best)];
+    const NvmeBenchResult& best = report.results[static_cast<size_t>(report.best)];
     r.read_bytes_per_s = options.read_bytes_per_s.value_or(best.read_bytes_per_s());
     r.write_bytes_per_s = options.write_bytes_per_s.value_or(best.write_bytes_per_s());
     r.bandwidth_measured = true;
@@ -264,8 +278,8 @@ Status CheckResources(const SwapBenchOptions& options) {
   if (const uint64_t available = MemAvailableBytes();
       available > 0 && ram > static_cast<double>(available)) {
     return Status::ResourceExhausted(
-        "not enough memory: " + std::to_string(options.buffer_count) + " buffers of sub-groups of " +
-        std::to_string(sg) + " elements need about " +
+        "not enough memory: " + std::to_string(options.buffer_count) +
+        " buffers of sub-groups of " + std::to_string(sg) + " elements need about " +
         FormatByteSize(static_cast<uint64_t>(std::min(ram, 0x1p63))) + " of RAM, " +
         FormatByteSize(available) + " is available (use a smaller --sub-group or --buffers)");
   }
@@ -276,9 +290,9 @@ Status CheckResources(const SwapBenchOptions& options) {
     if (disk > free_bytes) {
       return Status::ResourceExhausted(
           "not enough disk at " + options.directory + ": " + std::to_string(options.params) +
-          " parameters need about " + FormatByteSize(static_cast<uint64_t>(std::min(disk, 0x1p63))) +
-          ", " + FormatByteSize(static_cast<uint64_t>(free_bytes)) +
-          " is free (use a smaller --params)");
+          " parameters need about " +
+          FormatByteSize(static_cast<uint64_t>(std::min(disk, 0x1p63))) + ", " +
+          FormatByteSize(static_cast<uint64_t>(free_bytes)) + " is free (use a smaller --params)");
     }
   }
   return Status::Ok();
@@ -294,10 +308,11 @@ Result<SwapBenchResult> RunSwapBench(const SwapBenchOptions& options) {
   try {
     return Run(options);
   } catch (const std::bad_alloc&) {
-    return Status::ResourceExhausted(
-        "not enough memory for " + std::to_string(options.params) + " parameters in sub-groups of " +
-        std::to_string(options.sub_group_elements) + " (about 16 bytes each in RAM)");
+    return Status::ResourceExhausted("not enough memory for " + std::to_string(options.params) +
+                                     " parameters in sub-groups of " +
+                                     std::to_string(options.sub_group_elements) +
+                                     " (about 16 bytes each in RAM)");
   }
 }
 
-}  // namespace memplan::offload
+}  // namespace memplan::bench
