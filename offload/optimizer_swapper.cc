@@ -48,7 +48,8 @@
 // count, and in-memory fp32 gradients are the values WriteGradients() would have stored. Nor the
 // crash consistency: BeginStep() commits the begun marker before the first write, every sub-group
 // is written to its other slot, and only FinishStep() syncs, so a crash or an error anywhere in
-// between leaves step epoch() whole. The gradients handed over in memory are also never written
+// between leaves step epoch() whole, and Open() takes no step past the one FinishStep() last
+// committed (kCommittedKey), so an abandoned step is never resumed from. The gradients handed over in memory are also never written
 // to the store nor read back: the step moves (4 + 4) bytes less per element than Step().
 #include "offload/optimizer_swapper.h"
 
@@ -78,6 +79,11 @@ constexpr uint32_t kSlotVersion = 1;
 constexpr const char* kMetaKey = "swapper.meta";
 // The step last begun, committed before its first write (Note [Two slots per sub-group]).
 constexpr const char* kBegunKey = "swapper.begun";
+// The step last committed, written by FinishStep() just before its sync: Open() takes no newer
+// step, even one every sub-group holds whole. An abandoned step (AbortStep, or a Close() with a
+// step begun) may have written every sub-group's other slot in place (its keys exist from two
+// steps before), and must still not be resumed from (Note [Two slots per sub-group]).
+constexpr const char* kCommittedKey = "swapper.committed";
 constexpr const char* kMetaFormat = "memplan-optimizer-swapper";
 constexpr int kMetaVersion = 1;
 
@@ -701,10 +707,20 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
       held[i][slot] = *epoch;
     }
   }
-  // The newest epoch every sub-group holds. Sub-group 0's epochs are the only candidates.
+  // The newest epoch every sub-group holds, and not past the commit marker (stores written before
+  // the marker existed have none). Sub-group 0's epochs are the only candidates.
+  uint64_t marker = UINT64_MAX;
+  if (impl->store->Size(kCommittedKey).ok()) {
+    Status read = impl->store->Get(
+        kCommittedKey, std::span<std::byte>(reinterpret_cast<std::byte*>(&marker), sizeof(marker)));
+    if (!read.ok()) {
+      found.notes.push_back(std::string(kCommittedKey) + ": " + read.message());
+      marker = UINT64_MAX;
+    }
+  }
   std::optional<uint64_t> committed;
   for (const auto& candidate : held[0]) {
-    if (!candidate || *candidate > impl->options.max_epoch) continue;
+    if (!candidate || *candidate > impl->options.max_epoch || *candidate > marker) continue;
     bool everywhere = std::all_of(held.begin(), held.end(), [&](const auto& slots) {
       return slots[0] == candidate || slots[1] == candidate;
     });
@@ -1199,6 +1215,14 @@ Status OptimizerSwapper::FinishStep() {
   r.Join();
   if (status.ok()) status = r.error.Get();
   double sync_s = 0;
+  if (status.ok()) {
+    const uint64_t committed = r.to;
+    status = s.store
+                 ->Put(kCommittedKey,
+                       std::span<const std::byte>(reinterpret_cast<const std::byte*>(&committed),
+                                                  sizeof(committed)))
+                 .WithPrefix("committing step " + std::to_string(r.to));
+  }
   if (status.ok() && s.options.sync_every_step) {
     const auto t0 = std::chrono::steady_clock::now();
     status = s.store->Sync().WithPrefix("committing step " + std::to_string(r.to));

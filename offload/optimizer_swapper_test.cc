@@ -245,6 +245,42 @@ TEST_CASE("Sub-groups handed over in an unexpected order: guesses given up, resu
   RequireEqualBits(ReadAll(s, 1), ref.v);
 }
 
+TEST_CASE("An abandoned step is not resumed from, even with every sub-group written") {
+  // From the third step on, a step writes its sub-groups' other slots in place (their keys exist
+  // from two steps before), so a step abandoned after its last sub-group leaves every sub-group
+  // holding it whole. Only FinishStep() commits: reopening finds the step before.
+  TempDir dir("swapper-");
+  const uint64_t n = 4 * kSubGroup;
+  const OptimizerSwapperOptions options = MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam);
+  {
+    auto swapper = OptimizerSwapper::Create(options, n, Filler());
+    REQUIRE(swapper.ok());
+    OptimizerSwapper& s = **swapper;
+    for (uint64_t t = 1; t <= 3; ++t) {
+      REQUIRE(s.BeginStep(Adam(t)).ok());
+      std::vector<std::vector<float>> grads(s.sub_group_count());
+      for (uint64_t i = 0; i < s.sub_group_count(); ++i) {
+        grads[i] = GradientsOf(s, t, i);
+        REQUIRE(s.StepSubGroup(i, grads[i]).ok());
+      }
+      if (t < 3) {
+        REQUIRE(s.FinishStep().ok());
+      } else {
+        REQUIRE(s.WaitForUpdates().ok());  // every sub-group of step 3 is written
+        s.AbortStep();
+      }
+    }
+    REQUIRE(s.Close().ok());
+  }
+  RecoveryReport report;
+  auto reopened = OptimizerSwapper::Open(options, &report);
+  REQUIRE_MESSAGE(reopened.ok(), reopened.status().ToString());
+  CHECK((*reopened)->epoch() == 2);
+  Reference ref(n);
+  ref.AdamSteps(0, 2);
+  RequireEqualBits(ReadAll(**reopened, -1), ref.p);
+}
+
 TEST_CASE("An overlapped step refuses misuse and reports a sub-group never handed over") {
   TempDir dir("swapper-");
   const uint64_t n = 4 * kSubGroup;
