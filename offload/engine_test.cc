@@ -346,8 +346,11 @@ TEST_CASE("Engine holds frozen parameters: fetched every step, never stepped nor
   }
   // Prepared (the optimizer overlapped with backward, NVMe only): the write-backs during backward
   // never touch the frozen parameters, which backward keeps fetching.
-  for (auto [tier, prepare] : {std::pair{Tier::kNvme, false}, std::pair{Tier::kCpu, false},
-                               std::pair{Tier::kNvme, true}}) {
+  // Not a structured binding: clang 14 cannot capture one in CAPTURE's lambda.
+  for (const auto& tier_and_prepare : {std::pair{Tier::kNvme, false}, std::pair{Tier::kCpu, false},
+                                       std::pair{Tier::kNvme, true}}) {
+    const Tier tier = tier_and_prepare.first;
+    const bool prepare = tier_and_prepare.second;
     CAPTURE(TierName(tier));
     CAPTURE(prepare);
     TempDir dir("engine-");
