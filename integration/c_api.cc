@@ -36,7 +36,7 @@
 #include "integration/engine_json.h"
 #include "integration/requests.h"
 #include "offload/engine.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 #include "offload/schedule.h"
 
 #define MEMPLAN_C_EXPORT extern "C" __attribute__((visibility("default")))

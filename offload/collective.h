@@ -25,7 +25,7 @@
 #include <string_view>
 
 #include "common/status.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 
 namespace memplan::offload {
 

@@ -7,7 +7,7 @@
 #include <numeric>
 #include <vector>
 
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 
 namespace memplan::offload {
 namespace {

@@ -21,7 +21,7 @@
 #include <mutex>
 
 #include "common/status.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 
 namespace memplan::offload {
 

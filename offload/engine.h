@@ -108,7 +108,7 @@
 
 #include "common/status.h"
 #include "offload/collective.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 #include "offload/optimizer_swapper.h"
 #include "offload/param_swapper.h"
 #include "offload/schedule.h"

@@ -24,8 +24,8 @@
 #include "common/checked_math.h"
 #include "offload/collective.h"
 #include "offload/collective_internal.h"
-#include "offload/cuda_check.h"
-#include "offload/cuda_runtime_internal.h"
+#include "gpu/cuda_check.h"
+#include "gpu/cuda_runtime_internal.h"
 
 namespace memplan::offload {
 namespace {

@@ -60,7 +60,7 @@
 #include "common/status.h"
 #include "nvme/swap_store.h"
 #include "offload/collective.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 #include "offload/pinned_pool.h"
 #include "offload/schedule.h"
 

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 #include "offload/node_budget.h"
 
 namespace memplan::offload {

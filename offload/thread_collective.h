@@ -28,7 +28,7 @@
 
 #include "common/status.h"
 #include "offload/collective.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 
 namespace memplan::offload {
 

@@ -26,11 +26,11 @@ skip_wheel=(-LE wheel)
 [[ ${MEMPLAN_TEST_WHEEL:-0} == 1 ]] && skip_wheel=()
 (cd build && ctest --output-on-failure -j"$jobs" --timeout 600 "${skip_wheel[@]}")
 
-# The nvme backends, IoEngine and SwapStore, the NVMe bench's sweep (bench/), and the CPU
-# optimizer's thread pool, are used from many threads at once. The same build is the GPU emulation
-# build (tests/gpu_emulation/README.md): the real CUDA runtime, NCCL collective, engine and C API
-# run on an emulated CUDA and NCCL, whose streams are threads, so ThreadSanitizer also sees the GPU
-# path's ordering. It needs the CUDA and NCCL headers (not a GPU); without them those tests are
+# The nvme backends, IoEngine and SwapStore, the host-only GPU runtime's copy threads (gpu/), the
+# NVMe bench's sweep (bench/), and the CPU optimizer's thread pool, are used from many threads at
+# once. The same build is the GPU emulation build (tests/gpu_emulation/README.md): the real CUDA
+# runtime, NCCL collective, engine and C API run on an emulated CUDA and NCCL, whose streams are
+# threads, so ThreadSanitizer also sees the GPU path's ordering. It needs the CUDA and NCCL headers (not a GPU); without them those tests are
 # left out, and said so.
 gpu_emulation=OFF
 gpu_targets=()
@@ -52,10 +52,10 @@ fi
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
   -DCMAKE_C_FLAGS_DEBUG="-O1 -g1" -DMEMPLAN_SANITIZE=thread -DMEMPLAN_WERROR=ON \
   -DMEMPLAN_GPU_EMULATION="$gpu_emulation" >/dev/null
-cmake --build build-tsan -j"$jobs" --target nvme_test bench_test offload_test \
+cmake --build build-tsan -j"$jobs" --target nvme_test gpu_test bench_test offload_test \
   "${gpu_targets[@]}"
 (cd build-tsan && TSAN_OPTIONS="halt_on_error=1" ctest --output-on-failure -j"$jobs" \
-  -R "^(nvme_test|bench_test|offload_test$gpu_tests)\$")
+  -R "^(nvme_test|gpu_test|bench_test|offload_test$gpu_tests)\$")
 
 # AddressSanitizer + UndefinedBehaviorSanitizer on the unit tests (which include every fuzz seed
 # and regression input, tests/fuzz_regressions_test.cc). Built with clang at -O1 so the libFuzzer

@@ -44,7 +44,7 @@
 #include "nvme/io_engine.h"
 #include "offload/cpu_optimizer.h"
 #include "offload/engine.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 #include "offload/schedule.h"
 
 namespace py = pybind11;

@@ -17,7 +17,7 @@
 
 #include "offload/collective.h"
 #include "offload/engine.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 #include "offload/half.h"
 #include "offload/thread_collective.h"
 #include "tests/testing.h"

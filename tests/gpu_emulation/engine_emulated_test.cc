@@ -17,7 +17,7 @@
 #include "gpu_emulation.h"
 #include "offload/collective.h"
 #include "offload/engine.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 #include "offload/thread_collective.h"
 #include "tests/testing.h"
 #ifdef MEMPLAN_TEST_OLD_API

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "offload/collective.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 
 namespace memplan::gpu {
 constexpr int kCurrentDevice = 0;  // the old code's fixed device

@@ -16,7 +16,7 @@
 
 #include "gpu_emulation.h"
 #include "offload/collective.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 #include "offload/param_swapper.h"
 #ifdef MEMPLAN_TEST_OLD_API
 #include "old_api.h"

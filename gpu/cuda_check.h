@@ -3,7 +3,7 @@
 //
 //   MEMPLAN_CUDA_RETURN_IF_ERROR(cudaMalloc(&ptr, bytes));
 //     -> ResourceExhausted: "cudaMalloc(&ptr, bytes): cudaErrorMemoryAllocation: out of memory
-//        (offload/cuda_runtime.cc:210)"
+//        (gpu/cuda_runtime.cc:210)"
 //   MEMPLAN_CUDA_ON_DEVICE(device_);  // `device_` current until the end of the scope
 #pragma once
 
@@ -16,7 +16,7 @@
 
 namespace memplan::gpu::internal {
 
-// "offload/cuda_runtime.cc" from __FILE__'s full path: enough to find the line, short enough for a
+// "gpu/cuda_runtime.cc" from __FILE__'s full path: enough to find the line, short enough for a
 // one-line message.
 inline const char* ShortFile(const char* file) {
   const char* last = nullptr;

@@ -34,7 +34,7 @@
 //
 // These calls may be slow and may take the runtime's own locks (cudaHostRegister serialises with
 // every other CUDA call in the process), so callers never make them while holding a lock of their
-// own; see Note [No runtime call under the lock] in pinned_pool.cc.
+// own; see Note [No runtime call under the lock] in offload/pinned_pool.cc.
 //
 // Thread safety: implementations are safe to call from any thread.
 #pragma once

@@ -1,5 +1,5 @@
 // The host-only gpu::Runtime, and the choice between it and CUDA.
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 
 #include <unistd.h>
 
@@ -17,7 +17,7 @@
 #include <thread>
 #include <utility>
 
-#include "offload/cuda_runtime_internal.h"
+#include "gpu/cuda_runtime_internal.h"
 
 namespace memplan::gpu {
 namespace {

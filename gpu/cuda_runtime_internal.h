@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 
 namespace memplan::gpu::internal {
 

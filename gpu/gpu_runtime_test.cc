@@ -1,4 +1,4 @@
-#include "offload/gpu_runtime.h"
+#include "gpu/gpu_runtime.h"
 
 #include <doctest/doctest.h>
 

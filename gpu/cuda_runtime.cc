@@ -13,9 +13,9 @@
 #include <utility>
 #include <vector>
 
-#include "offload/cuda_check.h"
-#include "offload/cuda_runtime_internal.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/cuda_check.h"
+#include "gpu/cuda_runtime_internal.h"
+#include "gpu/gpu_runtime.h"
 
 namespace memplan::gpu {
 namespace {

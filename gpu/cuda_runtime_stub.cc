@@ -1,6 +1,6 @@
 // CreateCudaRuntime in a build without the CUDA toolkit (MEMPLAN_WITH_CUDA=OFF, or not found).
-#include "offload/cuda_runtime_internal.h"
-#include "offload/gpu_runtime.h"
+#include "gpu/cuda_runtime_internal.h"
+#include "gpu/gpu_runtime.h"
 
 namespace memplan::gpu {
 
