@@ -562,10 +562,13 @@ TEST_CASE("reliability #5: memory that cannot be had is one line and exit 2; the
                           "--nvme-json", tmp.PathOf("n.json")}),
                 2, {"not enough disk", "--params"});
   // Within the machine's RAM but past a 2 GiB address space: the allocation fails part-way, the
-  // store it had begun is removed.
+  // store it had begun is removed. A gigabyte is allocated and touched first: 2 s on an idle
+  // machine, more than the usual 5 s limit on a loaded one.
+  ProbeOptions part_way = WithAddressSpace(rlim_t{2} << 30);
+  part_way.limit_seconds = 60;
   swap = RunProbe({"bench", "swap", "--path", dir.string(), "--params", "67108864", "--sub-group",
                    "67108864", "--nvme-json", tmp.PathOf("n.json")},
-                  WithAddressSpace(rlim_t{2} << 30));
+                  part_way);
   ExpectFailure(swap, 2, {"memory"});
   CHECK(Entries(dir).empty());
 }
