@@ -380,10 +380,7 @@ void RegisterCapacity(CLI::App& app, Outcome* outcome) {
                   "not depend on it")
       ->check(CLI::Range(1, 256))
       ->group(search);
-  cmd->add_option("--format", f->format, "text or json")
-      ->check(CLI::IsMember({"text", "json"}))
-      ->capture_default_str()
-      ->group(search);
+  AddFormatOption(cmd, &f->format, "text or json")->group(search);
   cmd->add_option("-o,--output", f->output,
                   "Write the report to this file (atomically, with --svg: both or neither)")
       ->group(search);

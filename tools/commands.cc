@@ -49,9 +49,7 @@ struct ModelOptions {
         ->check(CLI::IsMember({"auto", "base"}))
         ->capture_default_str();
     source.Add(cmd);
-    cmd->add_option("--format", format, "Output format: text (for people) or json (for scripts)")
-        ->check(CLI::IsMember({"text", "json"}))
-        ->capture_default_str();
+    AddFormatOption(cmd, &format, "Output format: text (for people) or json (for scripts)");
     cmd->add_option("-o,--output", output,
                     "Write the output to this file (atomically: temp file + rename; a new file "
                     "or a regular one, whose mode is kept) instead of stdout");
@@ -350,6 +348,12 @@ struct SetupOptions {
 
 }  // namespace
 
+CLI::Option* AddFormatOption(CLI::App* cmd, std::string* format, const std::string& help) {
+  return cmd->add_option("--format", *format, help)
+      ->check(CLI::IsMember({"text", "json"}))
+      ->capture_default_str();
+}
+
 void Fail(Outcome* outcome, const Status& status) {
   outcome->exit_code = status.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
   outcome->error = FieldsToFlags(status.message());
@@ -467,9 +471,7 @@ void RegisterInventory(CLI::App& app, Outcome* outcome) {
 void RegisterModels(CLI::App& app, Outcome* outcome) {
   auto format = std::make_shared<std::string>("text");
   CLI::App* cmd = app.add_subcommand("models", "List the built-in models usable as --model NAME");
-  cmd->add_option("--format", *format, "Output format: text or json")
-      ->check(CLI::IsMember({"text", "json"}))
-      ->capture_default_str();
+  AddFormatOption(cmd, format.get(), "Output format: text or json");
   cmd->callback([format, outcome] {
     nlohmann::json list = nlohmann::json::array();
     std::string text = "Built-in models (use as --model NAME):\n";

@@ -537,10 +537,7 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       ->check(CLI::Range(size_t{1}, size_t{100}))
       ->capture_default_str()
       ->group(search);
-  cmd->add_option("--format", f->format, "text or json")
-      ->check(CLI::IsMember({"text", "json"}))
-      ->capture_default_str()
-      ->group(search);
+  AddFormatOption(cmd, &f->format, "text or json")->group(search);
   cmd->add_option("-o,--output", f->output,
                   "Write the report to this file (atomically, with the --emit-* and --svg files: "
                   "all are written or none)")
