@@ -3,6 +3,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/byte_size.h"
@@ -258,11 +259,7 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
     outcome->files.push_back({f.svg, planner::CapacitySvg(*result, request, job)});
     if (f.format != "json") text += "\nwrote " + f.svg + " (cost against time to train)\n";
   }
-  if (f.output.empty()) {
-    outcome->stdout_text = text;
-  } else {
-    outcome->files.push_back({f.output, text});
-  }
+  EmitReport(f.output, std::move(text), outcome);
 }
 
 }  // namespace

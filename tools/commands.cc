@@ -63,11 +63,7 @@ struct ModelOptions {
 
 // Sends `text` to stdout or to the --output file.
 void Emit(const ModelOptions& options, std::string text, Outcome* outcome) {
-  if (options.output.empty()) {
-    outcome->stdout_text = std::move(text);
-  } else {
-    outcome->files.push_back({options.output, std::move(text)});
-  }
+  EmitReport(options.output, std::move(text), outcome);
 }
 
 }  // namespace
@@ -347,6 +343,14 @@ struct SetupOptions {
 };
 
 }  // namespace
+
+void EmitReport(const std::string& output, std::string text, Outcome* outcome) {
+  if (output.empty()) {
+    outcome->stdout_text = std::move(text);
+  } else {
+    outcome->files.push_back({output, std::move(text)});
+  }
+}
 
 CLI::Option* AddFormatOption(CLI::App* cmd, std::string* format, const std::string& help) {
   return cmd->add_option("--format", *format, help)

@@ -51,6 +51,9 @@ struct ModelSourceFlags {
   void Add(CLI::App* cmd);
 };
 
+// Sends a subcommand's report to stdout, or to the file `output` (-o) when that is not empty.
+void EmitReport(const std::string& output, std::string text, Outcome* outcome);
+
 // Registers --format on `cmd`: text (for people) or json (for scripts), its default what `*format`
 // holds. `help` is the command's own description of the two. Returns the option (to put it in a
 // group).

@@ -4,6 +4,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/file.h"
@@ -441,11 +442,7 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
     }
     return;
   }
-  if (f.output.empty()) {
-    outcome->stdout_text = text;
-  } else {
-    outcome->files.push_back({f.output, text});
-  }
+  EmitReport(f.output, std::move(text), outcome);
 }
 
 }  // namespace
