@@ -32,10 +32,12 @@ namespace memplan::nvme {
 
 namespace {
 
-class AioBackend final : public Backend {
+// Files and buffers: Note [File table under the submission lock] in nvme/backend_internal.h.
+class AioBackend final : public internal::FileTableBackend {
  public:
   explicit AioBackend(uint32_t queue_depth)
-      : depth_(queue_depth),
+      : FileTableBackend("libaio", /*asynchronous=*/true, queue_depth),
+        depth_(queue_depth),
         iocbs_(depth_),
         batch_(depth_),
         batch_slots_(depth_),
@@ -44,9 +46,6 @@ class AioBackend final : public Backend {
         free_slots_(depth_),
         synthetic_(depth_),
         events_(depth_) {
-    capabilities_.name = "libaio";
-    capabilities_.asynchronous = true;
-    capabilities_.queue_depth = depth_;
     for (size_t i = 0; i < depth_; ++i) free_slots_[i] = static_cast<uint32_t>(depth_ - 1 - i);
     free_count_ = depth_;
   }
@@ -67,21 +66,6 @@ class AioBackend final : public Backend {
     }
     return Status::Ok();
   }
-
-  const Capabilities& capabilities() const override { return capabilities_; }
-
-  Result<int> RegisterFile(int fd) override {
-    std::lock_guard<std::mutex> lock(submit_mu_);
-    return files_.Add(fd);
-  }
-
-  Status UnregisterFile(int file) override {
-    std::lock_guard<std::mutex> lock(submit_mu_);
-    return files_.Remove(file);
-  }
-
-  // Native AIO has no registered buffers; accepted and ignored, as the contract allows.
-  Status RegisterBuffers(std::span<const iovec> /*buffers*/) override { return Status::Ok(); }
 
   Result<size_t> Submit(std::span<Request* const> requests) override {
     MEMPLAN_RETURN_IF_ERROR(internal::CheckRequests(requests));
@@ -220,7 +204,6 @@ class AioBackend final : public Backend {
   }
 
   const size_t depth_;
-  Capabilities capabilities_;   // immutable after construction
   io_context_t ctx_ = nullptr;  // set once by Init
 
   // Requests submitted and not yet reaped (kernel and synthetic). Raised by Submit after
@@ -233,8 +216,7 @@ class AioBackend final : public Backend {
 
   std::vector<iocb> iocbs_;  // the pool; an iocb is owned by whoever holds its slot index
 
-  std::mutex submit_mu_;
-  internal::FileTable files_;          // GUARDED_BY(submit_mu_)
+  // submit_mu_ and files_: FileTableBackend.
   std::vector<iocb*> batch_;           // GUARDED_BY(submit_mu_); io_submit's argument
   std::vector<uint32_t> batch_slots_;  // GUARDED_BY(submit_mu_); their iocb indexes
   std::vector<bool> batch_queued_;     // GUARDED_BY(submit_mu_); accepted by io_submit

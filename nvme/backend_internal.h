@@ -3,8 +3,11 @@
 // nvme/ includes this header.
 #pragma once
 
+#include <cstdint>
+#include <mutex>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -34,6 +37,45 @@ class FileTable {
 
  private:
   std::vector<int> fds_;  // -1 marks a free slot
+};
+
+// Note [File table under the submission lock]
+// The libaio and POSIX backends turn a request's file index into its fd while Submit queues it,
+// under their submission mutex, so that neither a worker thread nor the kernel path ever reads
+// the table. Registering and unregistering a file take that same mutex: a request submitted after
+// UnregisterFile returns finds no fd and completes with -EBADF, never with a reused one. Neither
+// backend can use registered buffers (pread/pwrite and io_submit take plain addresses). The
+// io_uring backend keeps its own table, as it also mirrors it into the ring's fixed files.
+//
+// The base of those two backends: their capabilities, the submission mutex (which the derived
+// class's Submit also holds for its own queue) and the file table it guards.
+class FileTableBackend : public Backend {
+ public:
+  const Capabilities& capabilities() const final { return capabilities_; }
+
+  Result<int> RegisterFile(int fd) final {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    return files_.Add(fd);
+  }
+
+  Status UnregisterFile(int file) final {
+    std::lock_guard<std::mutex> lock(submit_mu_);
+    return files_.Remove(file);
+  }
+
+  // Accepted and ignored, as the contract allows.
+  Status RegisterBuffers(std::span<const iovec> /*buffers*/) final { return Status::Ok(); }
+
+ protected:
+  FileTableBackend(std::string name, bool asynchronous, uint32_t queue_depth) {
+    capabilities_.name = std::move(name);
+    capabilities_.asynchronous = asynchronous;
+    capabilities_.queue_depth = queue_depth;
+  }
+
+  Capabilities capabilities_;  // immutable after construction
+  std::mutex submit_mu_;
+  FileTable files_;  // GUARDED_BY(submit_mu_)
 };
 
 // Rejects a span containing a null request before anything is queued (a caller bug that would

@@ -30,14 +30,14 @@ namespace memplan::nvme {
 
 namespace {
 
-class PosixBackend final : public Backend {
+// Files and buffers: Note [File table under the submission lock] in nvme/backend_internal.h.
+class PosixBackend final : public internal::FileTableBackend {
  public:
   explicit PosixBackend(const BackendOptions& options)
-      : depth_(options.queue_depth), pending_(depth_), done_(depth_) {
-    capabilities_.name = "posix";
-    capabilities_.asynchronous = false;
-    capabilities_.queue_depth = depth_;
-  }
+      : FileTableBackend("posix", /*asynchronous=*/false, options.queue_depth),
+        depth_(options.queue_depth),
+        pending_(depth_),
+        done_(depth_) {}
 
   ~PosixBackend() override {
     {
@@ -63,21 +63,6 @@ class PosixBackend final : public Backend {
     }
     return Status::Ok();
   }
-
-  const Capabilities& capabilities() const override { return capabilities_; }
-
-  Result<int> RegisterFile(int fd) override {
-    std::lock_guard<std::mutex> lock(submit_mu_);
-    return files_.Add(fd);
-  }
-
-  Status UnregisterFile(int file) override {
-    std::lock_guard<std::mutex> lock(submit_mu_);
-    return files_.Remove(file);
-  }
-
-  // pread/pwrite cannot use registered buffers; accepted and ignored, as the contract allows.
-  Status RegisterBuffers(std::span<const iovec> /*buffers*/) override { return Status::Ok(); }
 
   Result<size_t> Submit(std::span<Request* const> requests) override {
     MEMPLAN_RETURN_IF_ERROR(internal::CheckRequests(requests));
@@ -183,16 +168,14 @@ class PosixBackend final : public Backend {
   }
 
   const size_t depth_;
-  Capabilities capabilities_;  // immutable after construction
   std::vector<std::thread> workers_;
 
   // Requests submitted and not yet reaped: raised by Submit under submit_mu_, lowered by Reap
   // under complete_mu_; read without a lock by in_flight().
   std::atomic<size_t> in_flight_{0};
 
-  std::mutex submit_mu_;
+  // submit_mu_ (FileTableBackend's) also guards the request ring.
   std::condition_variable work_cv_;  // workers wait for pending_count_ > 0 or stopping_
-  internal::FileTable files_;        // GUARDED_BY(submit_mu_)
   std::vector<Pending> pending_;     // GUARDED_BY(submit_mu_); ring of depth_ slots
   size_t pending_head_ = 0;          // GUARDED_BY(submit_mu_)
   size_t pending_count_ = 0;         // GUARDED_BY(submit_mu_)

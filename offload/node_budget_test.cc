@@ -30,6 +30,35 @@ class ScopedBudgetName {
   std::string name_;
 };
 
+// What a forked holder does once it holds its bytes.
+enum class HolderEnd {
+  kWaitForKill,  // waits until it is killed
+  kExit,         // exits at once without releasing them: its entry stays in the segment
+};
+
+// Forks a process that opens the budget `name` (1000 bytes), reserves 900 of them and then ends
+// as `end` says. Returns its pid once it holds the bytes; the caller reaps it.
+pid_t ForkHolder(const std::string& name, HolderEnd end) {
+  int ready[2];
+  REQUIRE(::pipe(ready) == 0);
+  pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    auto mine = NodeBudget::Open({name, 1000});
+    auto r = mine.ok() ? (*mine)->Reserve(900) : Result<NodeReservation>(mine.status());
+    char c = r.ok() ? 'y' : 'n';
+    (void)!::write(ready[1], &c, 1);
+    if (end == HolderEnd::kExit) ::_exit(0);
+    for (;;) ::pause();
+  }
+  ::close(ready[1]);
+  char c = 0;
+  REQUIRE(::read(ready[0], &c, 1) == 1);
+  ::close(ready[0]);
+  REQUIRE(c == 'y');
+  return pid;
+}
+
 TEST_CASE("NodeBudget segment is per user with mode 0600 and removed at the end") {
   ScopedBudgetName name("mode");
   const std::string path = "/dev/shm/" + NodeBudget::SegmentName(name.get());
@@ -122,22 +151,7 @@ TEST_CASE("NodeBudget reclaims the share of a process killed with SIGKILL") {
   ScopedBudgetName name("kill");
   auto budget = NodeBudget::Open({name.get(), 1000});
   REQUIRE(budget.ok());
-  int ready[2];
-  REQUIRE(::pipe(ready) == 0);
-  pid_t pid = ::fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    auto mine = NodeBudget::Open({name.get(), 1000});
-    auto r = mine.ok() ? (*mine)->Reserve(900) : Result<NodeReservation>(mine.status());
-    char c = r.ok() ? 'y' : 'n';
-    (void)!::write(ready[1], &c, 1);
-    for (;;) ::pause();
-  }
-  ::close(ready[1]);
-  char c = 0;
-  REQUIRE(::read(ready[0], &c, 1) == 1);
-  ::close(ready[0]);
-  REQUIRE(c == 'y');
+  const pid_t pid = ForkHolder(name.get(), HolderEnd::kWaitForKill);
   CHECK_FALSE((*budget)->Reserve(200).ok());
   ::kill(pid, SIGKILL);
   int status = 0;
@@ -151,22 +165,8 @@ TEST_CASE("NodeBudget reclaims the share of a zombie (exited, not yet reaped)") 
   ScopedBudgetName name("zombie");
   auto budget = NodeBudget::Open({name.get(), 1000});
   REQUIRE(budget.ok());
-  int ready[2];
-  REQUIRE(::pipe(ready) == 0);
-  pid_t pid = ::fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    auto mine = NodeBudget::Open({name.get(), 1000});
-    auto r = mine.ok() ? (*mine)->Reserve(900) : Result<NodeReservation>(mine.status());
-    char c = r.ok() ? 'y' : 'n';
-    (void)!::write(ready[1], &c, 1);
-    ::_exit(0);  // exits holding the entry; the parent does not reap it yet
-  }
-  ::close(ready[1]);
-  char c = 0;
-  REQUIRE(::read(ready[0], &c, 1) == 1);
-  ::close(ready[0]);
-  REQUIRE(c == 'y');
+  // It exits holding the entry; the parent does not reap it yet.
+  const pid_t pid = ForkHolder(name.get(), HolderEnd::kExit);
   // Wait until the child is a zombie (its pid still exists: kill(pid, 0) succeeds).
   siginfo_t info{};
   REQUIRE(::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT) == 0);

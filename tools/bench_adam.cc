@@ -128,9 +128,7 @@ void RegisterBenchAdam(CLI::App* bench, Outcome* outcome) {
   cmd->add_flag("--triad", flags->triad,
                 "Also run a STREAM triad (compiled, same threads, as much memory as the Adam "
                 "arrays) and report AdamW's bytes/s as a fraction of it: the memory roofline");
-  cmd->add_option("--format", flags->format, "Output format: text or json")
-      ->check(CLI::IsMember({"text", "json"}))
-      ->capture_default_str();
+  AddFormatOption(cmd, &flags->format, "Output format: text or json");
   cmd->footer(
       "\nExamples:\n"
       "  memplan bench adam --params 50000000 --threads 2\n"

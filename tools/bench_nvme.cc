@@ -175,9 +175,7 @@ void RegisterBenchNvme(CLI::App* bench, Outcome* outcome) {
                 "Buffered I/O through the page cache (timed to fdatasync; the cache is dropped "
                 "before reads)")
       ->excludes(direct);
-  cmd->add_option("--format", flags->format, "Output format: text (a table) or json")
-      ->check(CLI::IsMember({"text", "json"}))
-      ->capture_default_str();
+  AddFormatOption(cmd, &flags->format, "Output format: text (a table) or json");
   cmd->add_option("--emit-aio", flags->emit_aio,
                   "Write DeepSpeed's `aio` config block for the best settings to this file "
                   "(atomically; the best libaio settings when libaio was measured)");

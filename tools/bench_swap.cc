@@ -202,9 +202,7 @@ void RegisterBenchSwap(CLI::App* bench, Outcome* outcome) {
   cmd->add_option("--nvme-json", flags->nvme_json,
                   "Take the drive's bandwidth from this `memplan bench nvme --format json` "
                   "report (its best point) instead of measuring it");
-  cmd->add_option("--format", flags->format, "Output format: text or json")
-      ->check(CLI::IsMember({"text", "json"}))
-      ->capture_default_str();
+  AddFormatOption(cmd, &flags->format, "Output format: text or json");
   cmd->footer(
       "\nExamples:\n"
       "  memplan bench swap --path /mnt/nvme --threads 2\n"

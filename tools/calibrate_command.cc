@@ -99,10 +99,8 @@ void RegisterCalibrate(CLI::App& app, Outcome* outcome) {
                   "link_efficiency, network_efficiency, offload_overlap, cpu_adam_factor; "
                   "default: every one the runs determine precisely")
       ->delimiter(',');
-  cmd->add_option("--format", f->format,
-                  "text (a report) or json (the calibration file's contents)")
-      ->check(CLI::IsMember({"text", "json"}))
-      ->capture_default_str();
+  AddFormatOption(cmd, &f->format,
+                  "text (a report) or json (the calibration file's contents)");
   f->source.Add(cmd);
   cmd->footer(
       "\nExamples:\n"

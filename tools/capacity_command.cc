@@ -3,6 +3,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/byte_size.h"
@@ -40,15 +41,7 @@ struct CapacityFlags {
   std::string nvme_path, nvme_capacity;
   int64_t global_batch = 0;
   std::string global_batch_tokens;
-  int64_t seq_len = 0;
-  std::string precision;
-  std::string optimizer = "adamw";
-  bool optimizer_given = false;
-  int64_t lora_rank = 0;
-  std::vector<std::string> lora_targets;
-  bool qlora = false;
-  SharedSetupFlags shared;
-  double cuda_context_mib = 1343;
+  JobSetupFlags job;  // --seq-len, --precision, --optimizer, ...
   double gpu_margin = 0.05;
   bool no_nvme = false;
   int threads = 0;
@@ -208,19 +201,9 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
   planner::Job job;
   job.model = f.model;
   estimator::TrainingSetup& s = job.setup;
-  auto p = estimator::ParsePrecision(f.precision.empty() ? "bf16-mixed" : f.precision);
-  if (!p.ok()) return fail(p.status());
-  s.precision = *p;
-  request.fp16_fallback = f.precision.empty();
-  auto o = estimator::ParseOptimizer(f.optimizer);
-  if (!o.ok()) return fail(o.status());
-  s.optimizer = *o;
-  s.lora_rank = f.lora_rank;
-  s.lora_targets = f.lora_targets;
-  s.qlora = f.qlora;
-  f.shared.Apply(&s, /*only_given=*/false);
-  s.seq_len = f.seq_len;
-  s.cuda_context_bytes = static_cast<int64_t>(f.cuda_context_mib * 1048576.0);
+  Status applied = f.job.Apply(f.job.precision.empty() ? "bf16-mixed" : f.job.precision, &s);
+  if (!applied.ok()) return fail(applied);
+  request.fp16_fallback = f.job.precision.empty();
   if (!f.global_batch_tokens.empty()) {
     auto batch_tokens = planner::ParseTokenCount(f.global_batch_tokens, "--global-batch-tokens");
     if (!batch_tokens.ok()) return fail(batch_tokens.status());
@@ -238,7 +221,7 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
   }
   request.search.gpu_safety_fraction = f.gpu_margin;
   request.search.allow_nvme = !f.no_nvme;
-  request.search.consider_8bit = !f.optimizer_given;
+  request.search.consider_8bit = !f.job.OptimizerGiven();
   if (!f.calibration.empty()) {
     auto calibration = ReadCalibrationFile(f.calibration);
     if (!calibration.ok()) return fail(calibration.status());
@@ -258,11 +241,7 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
     outcome->files.push_back({f.svg, planner::CapacitySvg(*result, request, job)});
     if (f.format != "json") text += "\nwrote " + f.svg + " (cost against time to train)\n";
   }
-  if (f.output.empty()) {
-    outcome->stdout_text = text;
-  } else {
-    outcome->files.push_back({f.output, text});
-  }
+  EmitReport(f.output, std::move(text), outcome);
 }
 
 }  // namespace
@@ -339,32 +318,11 @@ void RegisterCapacity(CLI::App& app, Outcome* outcome) {
   cmd->add_option("--global-batch-tokens", f->global_batch_tokens,
                   "Tokens per optimizer step (4M, 4194304; a multiple of --seq-len)")
       ->group(job);
-  cmd->add_option("--seq-len", f->seq_len, "Tokens per sequence (default: min(positions, 2048))")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
-      ->group(job);
-  cmd->add_option("--precision", f->precision,
-                  "fp32 | fp16-mixed | bf16-mixed | bf16-pure (default bf16-mixed; fp16-mixed "
-                  "on GPUs without bf16)")
-      ->check(CLI::IsMember({"fp32", "fp16-mixed", "bf16-mixed", "bf16-pure"}))
-      ->group(job);
-  CLI::Option* optimizer =
-      cmd->add_option("--optimizer", f->optimizer,
-                      "adamw | adam8bit | sgd | lion | adafactor (default adamw; without the flag "
-                      "8-bit AdamW is also tried)")
-          ->check(CLI::IsMember({"adamw", "adam8bit", "sgd", "lion", "adafactor"}))
-          ->group(job);
-  cmd->add_option("--lora-rank", f->lora_rank, "LoRA rank; only the adapters train")
-      ->check(CLI::Range(int64_t{1}, int64_t{65536}))
-      ->group(job);
-  cmd->add_option("--lora-targets", f->lora_targets, "Comma-separated module names or all-linear")
-      ->delimiter(',')
-      ->group(job);
-  cmd->add_flag("--qlora", f->qlora, "Frozen base Linears in NF4 (needs --lora-rank)")->group(job);
-  f->shared.Add(cmd, job);
-  cmd->add_option("--cuda-context-mib", f->cuda_context_mib, "CUDA context per GPU, MiB")
-      ->check(CLI::Range(0.0, 1048576.0))
-      ->capture_default_str()
-      ->group(job);
+  f->job.Add(cmd, job,
+             "fp32 | fp16-mixed | bf16-mixed | bf16-pure (default bf16-mixed; fp16-mixed on GPUs "
+             "without bf16)",
+             "adamw | adam8bit | sgd | lion | adafactor (default adamw; without the flag 8-bit "
+             "AdamW is also tried)");
   const char* search = "Search and output";
   cmd->add_option("--gpu-margin", f->gpu_margin,
                   "Fraction of GPU memory kept free beyond the estimate's own margins")
@@ -380,10 +338,7 @@ void RegisterCapacity(CLI::App& app, Outcome* outcome) {
                   "not depend on it")
       ->check(CLI::Range(1, 256))
       ->group(search);
-  cmd->add_option("--format", f->format, "text or json")
-      ->check(CLI::IsMember({"text", "json"}))
-      ->capture_default_str()
-      ->group(search);
+  AddFormatOption(cmd, &f->format, "text or json")->group(search);
   cmd->add_option("-o,--output", f->output,
                   "Write the report to this file (atomically, with --svg: both or neither)")
       ->group(search);
@@ -400,11 +355,7 @@ void RegisterCapacity(CLI::App& app, Outcome* outcome) {
       "\nEach GPU type x count is a full `memplan plan` search; rerun `memplan plan` with the "
       "chosen --gpu, --gpus (per node) and --nodes to emit its configs and launch script.\n"
       "Exit status: 0 on success (also when nothing fits), 2 on bad input.");
-  cmd->callback([f, outcome, optimizer] {
-    CapacityFlags flags = *f;
-    flags.optimizer_given = optimizer->count() > 0;
-    RunCapacity(flags, outcome);
-  });
+  cmd->callback([f, outcome] { RunCapacity(*f, outcome); });
 }
 
 }  // namespace memplan::tools

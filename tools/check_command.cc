@@ -119,9 +119,7 @@ void RegisterCheck(CLI::App& app, Outcome* outcome) {
                   "Tokens per sequence for the fit (default: min(positions, 2048))")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
   f->shared.Add(cmd, "Fit prediction");
-  cmd->add_option("--format", f->format, "text or json")
-      ->check(CLI::IsMember({"text", "json"}))
-      ->capture_default_str();
+  AddFormatOption(cmd, &f->format, "text or json");
   cmd->footer(
       "\nExamples:\n"
       "  memplan check ds_config.json --gpus 8\n"

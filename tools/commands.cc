@@ -49,9 +49,7 @@ struct ModelOptions {
         ->check(CLI::IsMember({"auto", "base"}))
         ->capture_default_str();
     source.Add(cmd);
-    cmd->add_option("--format", format, "Output format: text (for people) or json (for scripts)")
-        ->check(CLI::IsMember({"text", "json"}))
-        ->capture_default_str();
+    AddFormatOption(cmd, &format, "Output format: text (for people) or json (for scripts)");
     cmd->add_option("-o,--output", output,
                     "Write the output to this file (atomically: temp file + rename; a new file "
                     "or a regular one, whose mode is kept) instead of stdout");
@@ -65,11 +63,7 @@ struct ModelOptions {
 
 // Sends `text` to stdout or to the --output file.
 void Emit(const ModelOptions& options, std::string text, Outcome* outcome) {
-  if (options.output.empty()) {
-    outcome->stdout_text = std::move(text);
-  } else {
-    outcome->files.push_back({options.output, std::move(text)});
-  }
+  EmitReport(options.output, std::move(text), outcome);
 }
 
 }  // namespace
@@ -350,6 +344,20 @@ struct SetupOptions {
 
 }  // namespace
 
+void EmitReport(const std::string& output, std::string text, Outcome* outcome) {
+  if (output.empty()) {
+    outcome->stdout_text = std::move(text);
+  } else {
+    outcome->files.push_back({output, std::move(text)});
+  }
+}
+
+CLI::Option* AddFormatOption(CLI::App* cmd, std::string* format, const std::string& help) {
+  return cmd->add_option("--format", *format, help)
+      ->check(CLI::IsMember({"text", "json"}))
+      ->capture_default_str();
+}
+
 void Fail(Outcome* outcome, const Status& status) {
   outcome->exit_code = status.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
   outcome->error = FieldsToFlags(status.message());
@@ -467,9 +475,7 @@ void RegisterInventory(CLI::App& app, Outcome* outcome) {
 void RegisterModels(CLI::App& app, Outcome* outcome) {
   auto format = std::make_shared<std::string>("text");
   CLI::App* cmd = app.add_subcommand("models", "List the built-in models usable as --model NAME");
-  cmd->add_option("--format", *format, "Output format: text or json")
-      ->check(CLI::IsMember({"text", "json"}))
-      ->capture_default_str();
+  AddFormatOption(cmd, format.get(), "Output format: text or json");
   cmd->callback([format, outcome] {
     nlohmann::json list = nlohmann::json::array();
     std::string text = "Built-in models (use as --model NAME):\n";

@@ -51,6 +51,14 @@ struct ModelSourceFlags {
   void Add(CLI::App* cmd);
 };
 
+// Sends a subcommand's report to stdout, or to the file `output` (-o) when that is not empty.
+void EmitReport(const std::string& output, std::string text, Outcome* outcome);
+
+// Registers --format on `cmd`: text (for people) or json (for scripts), its default what `*format`
+// holds. `help` is the command's own description of the two. Returns the option (to put it in a
+// group).
+CLI::Option* AddFormatOption(CLI::App* cmd, std::string* format, const std::string& help);
+
 // Loads `spec` as the CLI does: repo ids not in the cache are fetched from the Hugging Face Hub
 // (environment as huggingface_hub reads it) unless --offline or HF_HUB_OFFLINE; each fetch is
 // announced on stderr as it starts (the only live output of a subcommand).

@@ -4,6 +4,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/file.h"
@@ -166,20 +167,13 @@ struct PlanFlags {
   ClusterFlags cluster;
   int64_t global_batch = 0;
   int64_t global_batch_tokens = 0;
-  int64_t seq_len = 0;
-  std::string precision;  // empty: bf16-mixed, or fp16-mixed on GPUs without bf16
-  std::string optimizer = "adamw";
-  bool optimizer_given = false;  // --optimizer on the command line: no 8-bit candidates
+  // --precision empty: bf16-mixed, or fp16-mixed on GPUs without bf16.
+  JobSetupFlags job;
   // "What if": restrict the search to a given configuration (scored like any plan).
   int zero_stage = -1;
   std::string offload_optimizer, offload_param, checkpointing, sharding;
   int64_t micro_batch = 0;
   bool default_buffers = false;  // DeepSpeed's default buffer sizes instead of tuned ones
-  int64_t lora_rank = 0;
-  std::vector<std::string> lora_targets;
-  bool qlora = false;
-  SharedSetupFlags shared;  // --flash-attention/--no-flash-attention, --foreach, ...
-  double cuda_context_mib = 1343;
   double gpu_margin = 0.05;
   bool no_nvme = false;
   size_t top = 5;
@@ -354,20 +348,10 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   planner::Job job;
   job.model = f.model;
   estimator::TrainingSetup& s = job.setup;
-  std::string precision = f.precision;
+  std::string precision = f.job.precision;
   if (precision.empty()) precision = cluster->gpu.bf16_flops > 0 ? "bf16-mixed" : "fp16-mixed";
-  auto p = estimator::ParsePrecision(precision);
-  if (!p.ok()) return fail(p.status());
-  s.precision = *p;
-  auto o = estimator::ParseOptimizer(f.optimizer);
-  if (!o.ok()) return fail(o.status());
-  s.optimizer = *o;
-  s.lora_rank = f.lora_rank;
-  s.lora_targets = f.lora_targets;
-  s.qlora = f.qlora;
-  f.shared.Apply(&s, /*only_given=*/false);
-  s.seq_len = f.seq_len;
-  s.cuda_context_bytes = static_cast<int64_t>(f.cuda_context_mib * 1048576.0);
+  Status applied = f.job.Apply(precision, &s);
+  if (!applied.ok()) return fail(applied);
   if (f.global_batch_tokens > 0) {
     auto samples = planner::SamplesFromTokens(f.global_batch_tokens,
                                               s.SeqLenFor(&*inventory->arch));
@@ -381,7 +365,7 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   options.allow_nvme = !f.no_nvme;
   options.only_stage = f.zero_stage;
   options.only_micro_batch = f.micro_batch;
-  options.consider_8bit = !f.optimizer_given;
+  options.consider_8bit = !f.job.OptimizerGiven();
   options.tune_buffers = !f.default_buffers;
   if (calibration) planner::ApplyCalibration(*calibration, &cluster->gpu, &options);
   if (!f.offload_optimizer.empty()) {
@@ -441,11 +425,7 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
     }
     return;
   }
-  if (f.output.empty()) {
-    outcome->stdout_text = text;
-  } else {
-    outcome->files.push_back({f.output, text});
-  }
+  EmitReport(f.output, std::move(text), outcome);
 }
 
 }  // namespace
@@ -475,32 +455,11 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
                   "Tokens per optimizer step (a multiple of --seq-len)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 50))
       ->group(job);
-  cmd->add_option("--seq-len", f->seq_len, "Tokens per sequence (default: min(positions, 2048))")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
-      ->group(job);
-  cmd->add_option("--precision", f->precision,
-                  "fp32 | fp16-mixed | bf16-mixed | bf16-pure (default: bf16-mixed, fp16-mixed "
-                  "on GPUs without bf16)")
-      ->check(CLI::IsMember({"fp32", "fp16-mixed", "bf16-mixed", "bf16-pure"}))
-      ->group(job);
-  CLI::Option* optimizer =
-      cmd->add_option("--optimizer", f->optimizer,
-                      "adamw | adam8bit | sgd | lion | adafactor (default adamw; without the flag "
-                      "8-bit AdamW is also tried where it is faster)")
-          ->check(CLI::IsMember({"adamw", "adam8bit", "sgd", "lion", "adafactor"}))
-          ->group(job);
-  cmd->add_option("--lora-rank", f->lora_rank, "LoRA rank; only the adapters train")
-      ->check(CLI::Range(int64_t{1}, int64_t{65536}))
-      ->group(job);
-  cmd->add_option("--lora-targets", f->lora_targets, "Comma-separated module names or all-linear")
-      ->delimiter(',')
-      ->group(job);
-  cmd->add_flag("--qlora", f->qlora, "Frozen base Linears in NF4 (needs --lora-rank)")->group(job);
-  f->shared.Add(cmd, job);
-  cmd->add_option("--cuda-context-mib", f->cuda_context_mib, "CUDA context per GPU, MiB")
-      ->check(CLI::Range(0.0, 1048576.0))
-      ->capture_default_str()
-      ->group(job);
+  f->job.Add(cmd, job,
+             "fp32 | fp16-mixed | bf16-mixed | bf16-pure (default: bf16-mixed, fp16-mixed on "
+             "GPUs without bf16)",
+             "adamw | adam8bit | sgd | lion | adafactor (default adamw; without the flag 8-bit "
+             "AdamW is also tried where it is faster)");
   const char* what_if = "What if (restrict the search; a given configuration is scored like any plan)";
   cmd->add_option("--zero-stage", f->zero_stage, "Only this ZeRO stage (0-3)")
       ->check(CLI::Range(0, 3))
@@ -537,10 +496,7 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       ->check(CLI::Range(size_t{1}, size_t{100}))
       ->capture_default_str()
       ->group(search);
-  cmd->add_option("--format", f->format, "text or json")
-      ->check(CLI::IsMember({"text", "json"}))
-      ->capture_default_str()
-      ->group(search);
+  AddFormatOption(cmd, &f->format, "text or json")->group(search);
   cmd->add_option("-o,--output", f->output,
                   "Write the report to this file (atomically, with the --emit-* and --svg files: "
                   "all are written or none)")
@@ -617,9 +573,8 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       "  memplan plan --model llama-2-70b --gpu a800-80 --gpus 8 --nodes 4 --cpu-mem 1TiB "
       "--global-batch 256 --emit-deepspeed ds.json --emit-launch slurm job.sbatch\n"
       "\nExit status: 0 on success (also when nothing fits: see \"rejected\"), 2 on bad input.");
-  cmd->callback([f, outcome, optimizer] {
+  cmd->callback([f, outcome] {
     PlanFlags flags = *f;
-    flags.optimizer_given = optimizer->count() > 0;
     if (flags.plan_index > 0) flags.plan_index -= 1;  // 1-based on the command line
     RunPlan(flags, outcome);
   });

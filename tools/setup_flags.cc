@@ -73,6 +73,44 @@ void SharedSetupFlags::Apply(estimator::TrainingSetup* s, bool only_given) const
   if (use("torch_version")) s->torch_version = values.torch_version;
 }
 
+void JobSetupFlags::Add(CLI::App* cmd, const std::string& group,
+                        const std::string& precision_help, const std::string& optimizer_help) {
+  cmd->add_option("--seq-len", seq_len, "Tokens per sequence (default: min(positions, 2048))")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+      ->group(group);
+  cmd->add_option("--precision", precision, precision_help)
+      ->check(CLI::IsMember({"fp32", "fp16-mixed", "bf16-mixed", "bf16-pure"}))
+      ->group(group);
+  optimizer_option = cmd->add_option("--optimizer", optimizer, optimizer_help)
+                         ->check(CLI::IsMember({"adamw", "adam8bit", "sgd", "lion", "adafactor"}))
+                         ->group(group);
+  cmd->add_option("--lora-rank", lora_rank, "LoRA rank; only the adapters train")
+      ->check(CLI::Range(int64_t{1}, int64_t{65536}))
+      ->group(group);
+  cmd->add_option("--lora-targets", lora_targets, "Comma-separated module names or all-linear")
+      ->delimiter(',')
+      ->group(group);
+  cmd->add_flag("--qlora", qlora, "Frozen base Linears in NF4 (needs --lora-rank)")->group(group);
+  shared.Add(cmd, group);
+  cmd->add_option("--cuda-context-mib", cuda_context_mib, "CUDA context per GPU, MiB")
+      ->check(CLI::Range(0.0, 1048576.0))
+      ->capture_default_str()
+      ->group(group);
+}
+
+Status JobSetupFlags::Apply(const std::string& precision_name,
+                            estimator::TrainingSetup* s) const {
+  MEMPLAN_ASSIGN_OR_RETURN(s->precision, estimator::ParsePrecision(precision_name));
+  MEMPLAN_ASSIGN_OR_RETURN(s->optimizer, estimator::ParseOptimizer(optimizer));
+  s->lora_rank = lora_rank;
+  s->lora_targets = lora_targets;
+  s->qlora = qlora;
+  shared.Apply(s, /*only_given=*/false);
+  s->seq_len = seq_len;
+  s->cuda_context_bytes = static_cast<int64_t>(cuda_context_mib * 1048576.0);
+  return Status::Ok();
+}
+
 std::string FieldsToFlags(std::string_view text) {
   // Each field of TrainingSetup, DeepSpeedHardware and Job that a library message may name, with
   // the flag that sets it.

@@ -4,6 +4,7 @@
 // gradient_as_bucket_view, the training code (--framework) and the PyTorch release.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -25,6 +26,34 @@ struct SharedSetupFlags {
   void Add(CLI::App* cmd, const std::string& group);
   // Copies the flags into `setup`: all of them, or with `only_given` those on the command line.
   void Apply(estimator::TrainingSetup* setup, bool only_given) const;
+};
+
+// The job flags `memplan plan` and `memplan capacity` both take after --global-batch and
+// --global-batch-tokens (which each parses its own way): --seq-len, --precision, --optimizer, the
+// LoRA flags, the SharedSetupFlags and --cuda-context-mib, in that order in the help.
+struct JobSetupFlags {
+  int64_t seq_len = 0;
+  std::string precision;  // empty: the command's default (Apply's `precision`)
+  std::string optimizer = "adamw";
+  int64_t lora_rank = 0;
+  std::vector<std::string> lora_targets;
+  bool qlora = false;
+  SharedSetupFlags shared;  // --flash-attention/--no-flash-attention, --foreach, ...
+  double cuda_context_mib = 1343;
+  CLI::Option* optimizer_option = nullptr;  // set by Add
+
+  // Registers the flags on `cmd` in option group `group`. The help of --precision and --optimizer
+  // is each command's own: it says that command's defaults.
+  void Add(CLI::App* cmd, const std::string& group, const std::string& precision_help,
+           const std::string& optimizer_help);
+  // --optimizer was on the command line: the search tries no 8-bit variant of it.
+  bool OptimizerGiven() const {
+    return optimizer_option != nullptr && optimizer_option->count() > 0;
+  }
+  // Copies the flags into `setup`, with `precision` (--precision, or the command's default for
+  // it) parsed. Fails, leaving `setup` partly set, when `precision` or --optimizer is not a name
+  // the estimator knows.
+  Status Apply(const std::string& precision, estimator::TrainingSetup* setup) const;
 };
 
 // The library names a training-setup field in its messages as the setup's JSON spells it, in

@@ -235,6 +235,23 @@ void Sum(const std::vector<const std::byte*>& sends, std::byte* out, uint64_t co
   }
 }
 
+// Sum over a 16-bit float format: each element widened to float, each partial sum rounded back.
+template <float (*ToFloat)(uint16_t), uint16_t (*FromFloat)(float)>
+void SumHalf(const std::vector<const std::byte*>& sends, std::byte* out, uint64_t count) {
+  Sum(
+      sends, out, count, 2,
+      [](const std::byte* p) {
+        uint16_t h;
+        std::memcpy(&h, p, 2);
+        return ToFloat(h);
+      },
+      [](float v, std::byte* p) {
+        const uint16_t h = FromFloat(v);
+        if (p) std::memcpy(p, &h, 2);
+        return ToFloat(h);
+      });
+}
+
 // out[i] = sum over ranks of sends[r][i], in rank order, rounded to the type after each addition.
 void SumTyped(ncclDataType_t type, const std::vector<const std::byte*>& sends, std::byte* out,
               uint64_t count) {
@@ -253,32 +270,10 @@ void SumTyped(ncclDataType_t type, const std::vector<const std::byte*>& sends, s
           });
       break;
     case ncclBfloat16:
-      Sum(
-          sends, out, count, 2,
-          [](const std::byte* p) {
-            uint16_t h;
-            std::memcpy(&h, p, 2);
-            return offload::Bf16ToFloat(h);
-          },
-          [](float v, std::byte* p) {
-            const uint16_t h = offload::FloatToBf16(v);
-            if (p) std::memcpy(p, &h, 2);
-            return offload::Bf16ToFloat(h);
-          });
+      SumHalf<offload::Bf16ToFloat, offload::FloatToBf16>(sends, out, count);
       break;
     case ncclFloat16:
-      Sum(
-          sends, out, count, 2,
-          [](const std::byte* p) {
-            uint16_t h;
-            std::memcpy(&h, p, 2);
-            return offload::Fp16ToFloat(h);
-          },
-          [](float v, std::byte* p) {
-            const uint16_t h = offload::FloatToFp16(v);
-            if (p) std::memcpy(p, &h, 2);
-            return offload::Fp16ToFloat(h);
-          });
+      SumHalf<offload::Fp16ToFloat, offload::FloatToFp16>(sends, out, count);
       break;
     default:
       break;

@@ -22,6 +22,12 @@ import subprocess
 import sys
 import tempfile
 
+# The Trainer's "auto" filling, the DeepSpeed log capture and the world size are the ones the
+# modern-environment test uses on the same configs (tests/plan_consumers/consumers_test.py).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                "plan_consumers"))
+from consumers_test import Capture, fill_auto, world_size  # noqa: E402
+
 SCENARIOS = [
     ["--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem", "64GiB", "--nvme-path",
      "/local_nvme", "--nvme-capacity", "2TiB", "--global-batch", "16", "--seq-len", "2048"],
@@ -36,39 +42,6 @@ SCENARIOS = [
     ["--model", "llama-2-7b", "--gpu", "h100-80", "--gpus", "8", "--nodes", "2",
      "--global-batch", "128", "--seq-len", "4096", "--optimizer", "lion"],
 ]
-
-
-class Capture(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.records = []
-
-    def emit(self, record):
-        self.records.append(record.getMessage())
-
-
-def world_size(args):
-    gpus = int(args[args.index("--gpus") + 1]) if "--gpus" in args else 1
-    nodes = int(args[args.index("--nodes") + 1]) if "--nodes" in args else 1
-    return gpus * nodes
-
-
-def fill_auto(config, world, hidden=4096):
-    """What the Hugging Face Trainer's HfTrainerDeepSpeedConfig does for the keys we emit."""
-    def walk(node, path):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                node[k] = walk(v, path + [k])
-        elif node == "auto":
-            key = path[-1]
-            return {"train_batch_size": 8 * world, "train_micro_batch_size_per_gpu": 8,
-                    "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "enabled": True,
-                    "lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
-                    "reduce_bucket_size": hidden * hidden,
-                    "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
-                    "stage3_param_persistence_threshold": 10 * hidden}[key]
-        return node
-    return walk(config, [])
 
 
 def main():
