@@ -1,5 +1,7 @@
 #include "common/json.h"
 
+#include "common/suggest.h"
+
 #include <cmath>
 #include <cstdint>
 #include <exception>
@@ -217,6 +219,77 @@ Result<int64_t> JsonInteger(const nlohmann::json& value, const std::string& what
     return Status::InvalidArgument(what + ": must be " + range + ", got " + value.dump());
   }
   return v;
+}
+
+JsonFieldReader::JsonFieldReader(const nlohmann::json& object, std::string where, std::string path)
+    : object_(object), where_(std::move(where)), path_(std::move(path)) {}
+
+Status JsonFieldReader::CheckKeys(const std::vector<std::string>& known) const {
+  if (!object_.is_object()) {
+    const std::string what = path_.empty() ? "" : " '" + path_.substr(0, path_.size() - 1) + "'";
+    return Status::InvalidArgument(where_ + ":" + what + " expected an object, got " +
+                                   Got(object_));
+  }
+  for (const auto& item : object_.items()) {
+    if (std::find(known.begin(), known.end(), item.key()) == known.end()) {
+      return Status::InvalidArgument(where_ + ": unknown key '" + Path(item.key().c_str()) + "'" +
+                                     DidYouMean(ClosestMatches(item.key(), known)));
+    }
+  }
+  return Status::Ok();
+}
+
+Status JsonFieldReader::CheckKeys(std::initializer_list<std::string_view> known) const {
+  return CheckKeys(std::vector<std::string>(known.begin(), known.end()));
+}
+
+bool JsonFieldReader::Has(const char* key) const {
+  return object_.is_object() && object_.contains(key);
+}
+
+Status JsonFieldReader::Require(const char* key) const {
+  return Has(key) ? Status::Ok() : Error(key, "is missing");
+}
+
+JsonFieldReader JsonFieldReader::Child(const char* key) const {
+  return JsonFieldReader(object_.at(key), where_, Path(key) + ".");
+}
+
+Status JsonFieldReader::Bool(const char* key, bool* out) const {
+  if (!Has(key)) return Status::Ok();
+  const nlohmann::json& v = object_.at(key);
+  if (!v.is_boolean()) return Error(key, "must be true or false, got " + Got(v));
+  *out = v.get<bool>();
+  return Status::Ok();
+}
+
+Status JsonFieldReader::Number(const char* key, double* out) const {
+  if (!Has(key)) return Status::Ok();
+  const nlohmann::json& v = object_.at(key);
+  if (!v.is_number()) return Error(key, "must be a number, got " + Got(v));
+  *out = v.get<double>();
+  return Status::Ok();
+}
+
+Status JsonFieldReader::String(const char* key, std::string* out) const {
+  if (!Has(key)) return Status::Ok();
+  const nlohmann::json& v = object_.at(key);
+  if (!v.is_string()) return Error(key, "must be a string, got " + Got(v));
+  *out = v.get<std::string>();
+  return Status::Ok();
+}
+
+Status JsonFieldReader::Error(const char* key, const std::string& problem) const {
+  return Status::InvalidArgument(where_ + ": '" + Path(key) + "' " + problem);
+}
+
+std::string JsonFieldReader::Got(const nlohmann::json& value) {
+  if (value.is_object()) return "an object";
+  if (value.is_array()) return "an array";
+  constexpr size_t kMaxShown = 64;
+  std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  if (text.size() > kMaxShown) text = text.substr(0, kMaxShown) + "...";
+  return text;
 }
 
 }  // namespace memplan
