@@ -279,6 +279,16 @@ Status JsonFieldReader::String(const char* key, std::string* out) const {
   return Status::Ok();
 }
 
+Status JsonFieldReader::Strings(const char* key, std::vector<std::string>* out) const {
+  if (!Has(key)) return Status::Ok();
+  const nlohmann::json& v = object_.at(key);
+  const bool strings =
+      v.is_array() && std::all_of(v.begin(), v.end(), [](const auto& e) { return e.is_string(); });
+  if (!strings) return Error(key, "must be a list of strings, got " + Got(v));
+  *out = v.get<std::vector<std::string>>();
+  return Status::Ok();
+}
+
 Status JsonFieldReader::Error(const char* key, const std::string& problem) const {
   return Status::InvalidArgument(where_ + ": '" + Path(key) + "' " + problem);
 }

@@ -133,6 +133,24 @@ class JsonFieldReader {
   // Any JSON number (integers included).
   Status Number(const char* key, double* out) const;
   Status String(const char* key, std::string* out) const;
+  // An array of strings.
+  Status Strings(const char* key, std::vector<std::string>* out) const;
+  // The getter for `out`'s type: Bool, Integer (T's range), Number, String or Strings.
+  template <typename T>
+  Status Get(const char* key, T* out) const {
+    if constexpr (std::is_same_v<T, bool>) {
+      return Bool(key, out);
+    } else if constexpr (std::is_integral_v<T>) {
+      return Integer(key, out);
+    } else if constexpr (std::is_same_v<T, double>) {
+      return Number(key, out);
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      return String(key, out);
+    } else {
+      static_assert(std::is_same_v<T, std::vector<std::string>>);
+      return Strings(key, out);
+    }
+  }
   // A JSON integer (not 1.0, "4" or true) in [lo, hi]; the default range is T's.
   template <typename T>
   Status Integer(const char* key, T* out, T lo = std::numeric_limits<T>::min(),

@@ -2,6 +2,7 @@
 // type, out of range, missing, and for a misspelt key.
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <doctest/doctest.h>
 
@@ -21,7 +22,8 @@ TEST_CASE("JsonFieldReader: a wrong type names the field and what it got") {
   CHECK(Message(r.Number("lr", &lr)) == "step options: 'lr' must be a number, got \"fast\"");
   CHECK(lr == 0.5);
   bool resume = false;
-  CHECK(Message(r.Bool("resume", &resume)) == "step options: 'resume' must be true or false, got 1");
+  CHECK(Message(r.Bool("resume", &resume)) ==
+        "step options: 'resume' must be true or false, got 1");
   std::string name;
   CHECK(Message(r.String("name", &name)) == "step options: 'name' must be a string, got 3");
   int count = 0;
@@ -84,6 +86,21 @@ TEST_CASE("JsonFieldReader: unknown keys, with the closest known ones") {
   CHECK(Message(root.CheckKeys({"nvme"})) == "schedule: unknown key 'params'");
   CHECK(Message(JsonFieldReader(nested, "schedule").Child("nvme").CheckKeys({"path"})) ==
         "schedule: 'nvme' expected an object, got 1");
+}
+
+TEST_CASE("JsonFieldReader: Get picks the getter by the field's type") {
+  const json j = {{"targets", {"q_proj", 3}}, {"names", {"q_proj", "v_proj"}}, {"rate", 2}};
+  JsonFieldReader r(j, "setup JSON");
+  std::vector<std::string> targets;
+  CHECK(Message(r.Get("targets", &targets)) ==
+        "setup JSON: 'targets' must be a list of strings, got an array");
+  CHECK(r.Get("names", &targets).ok());
+  CHECK(targets == std::vector<std::string>{"q_proj", "v_proj"});
+  double rate = 0;
+  CHECK(r.Get("rate", &rate).ok());
+  CHECK(rate == 2.0);
+  bool flag = false;
+  CHECK(Message(r.Get("rate", &flag)) == "setup JSON: 'rate' must be true or false, got 2");
 }
 
 TEST_CASE("JsonFieldReader: an enum's parse error is prefixed with the field") {
