@@ -256,50 +256,61 @@ Status Cluster::Validate() const {
   return Status::Ok();
 }
 
-Status ApplyNvmeBench(const nlohmann::json& bench, const std::string& source, Cluster* cluster) {
-  if (!bench.is_object()) return Status::InvalidArgument(source + ": not a JSON object");
-  auto best = bench.find("best");
-  if (best == bench.end() || !best->is_object()) {
+Result<NvmeBenchReading> NvmeBenchFromJson(const nlohmann::json& bench,
+                                           const std::string& source) {
+  auto best = bench.is_object() ? bench.find("best") : bench.end();
+  if (!bench.is_object() || best == bench.end() || !best->is_object()) {
     return Status::InvalidArgument(
         source + ": no 'best' result (is it `memplan bench nvme --format json` output?)");
   }
+  const JsonFieldReader fields(*best, source, "best.");
   auto rate = [&](const char* key, double* out) -> Status {
-    auto it = best->find(key);
-    if (it == best->end() || it->is_null()) return Status::Ok();  // direction not measured
-    if (!it->is_number() || !(it->get<double>() > 0)) {
-      return Status::InvalidArgument(source + ": best." + key + " must be a positive number");
+    if (!fields.Has(key) || best->at(key).is_null()) return Status::Ok();  // not measured
+    MEMPLAN_RETURN_IF_ERROR(fields.Number(key, out));
+    if (!(*out > 0)) {
+      return fields.Error(key, "must be a positive number, got " + best->at(key).dump());
     }
-    *out = it->get<double>();
     return Status::Ok();
   };
-  double read = 0, write = 0;
-  MEMPLAN_RETURN_IF_ERROR(rate("read_bytes_per_s", &read));
-  MEMPLAN_RETURN_IF_ERROR(rate("write_bytes_per_s", &write));
-  if (read == 0 && write == 0) {
+  NvmeBenchReading reading;
+  MEMPLAN_RETURN_IF_ERROR(rate("read_bytes_per_s", &reading.read_bytes_per_s));
+  MEMPLAN_RETURN_IF_ERROR(rate("write_bytes_per_s", &reading.write_bytes_per_s));
+  if (reading.read_bytes_per_s == 0 && reading.write_bytes_per_s == 0) {
     return Status::InvalidArgument(source + ": best has neither read_bytes_per_s nor "
                                             "write_bytes_per_s");
   }
-  if (read > 0) cluster->nvme_read_bytes_per_s = read;
-  if (write > 0) cluster->nvme_write_bytes_per_s = write;
-  cluster->nvme_bandwidth_source = "bench";
+  // The aio block is a hint: a setting of another type is passed over, not refused.
   if (auto aio = bench.find("aio"); aio != bench.end() && aio->is_object()) {
     const nlohmann::json& a = aio->contains("aio") ? (*aio)["aio"] : *aio;
-    if (a.contains("block_size") && a["block_size"].is_number_integer()) {
-      cluster->aio_block_size = a["block_size"].get<int64_t>();
-    }
-    if (a.contains("queue_depth") && a["queue_depth"].is_number_integer()) {
-      cluster->aio_queue_depth = a["queue_depth"].get<int64_t>();
-    }
-    if (a.contains("intra_op_parallelism") && a["intra_op_parallelism"].is_number_integer()) {
-      const int64_t threads = a["intra_op_parallelism"].get<int64_t>();
-      if (threads >= 1 && threads <= 64) cluster->aio_intra_op_parallelism = threads;
-    }
-  }
-  if (cluster->nvme_path.empty()) {
-    if (auto p = bench.find("path"); p != bench.end() && p->is_string()) {
-      cluster->nvme_path = p->get<std::string>();
+    auto setting = [&](const char* key) -> std::optional<int64_t> {
+      if (a.contains(key) && a[key].is_number_integer()) return a[key].get<int64_t>();
+      return std::nullopt;
+    };
+    reading.aio_block_size = setting("block_size");
+    reading.aio_queue_depth = setting("queue_depth");
+    reading.aio_intra_op_parallelism = setting("intra_op_parallelism");
+    if (reading.aio_intra_op_parallelism &&
+        (*reading.aio_intra_op_parallelism < 1 || *reading.aio_intra_op_parallelism > 64)) {
+      reading.aio_intra_op_parallelism.reset();
     }
   }
+  if (auto p = bench.find("path"); p != bench.end() && p->is_string()) {
+    reading.path = p->get<std::string>();
+  }
+  return reading;
+}
+
+Status ApplyNvmeBench(const nlohmann::json& bench, const std::string& source, Cluster* cluster) {
+  MEMPLAN_ASSIGN_OR_RETURN(NvmeBenchReading reading, NvmeBenchFromJson(bench, source));
+  if (reading.read_bytes_per_s > 0) cluster->nvme_read_bytes_per_s = reading.read_bytes_per_s;
+  if (reading.write_bytes_per_s > 0) cluster->nvme_write_bytes_per_s = reading.write_bytes_per_s;
+  cluster->nvme_bandwidth_source = "bench";
+  if (reading.aio_block_size) cluster->aio_block_size = *reading.aio_block_size;
+  if (reading.aio_queue_depth) cluster->aio_queue_depth = *reading.aio_queue_depth;
+  if (reading.aio_intra_op_parallelism) {
+    cluster->aio_intra_op_parallelism = *reading.aio_intra_op_parallelism;
+  }
+  if (cluster->nvme_path.empty()) cluster->nvme_path = reading.path;
   return Status::Ok();
 }
 

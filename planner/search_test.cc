@@ -73,6 +73,20 @@ TEST_CASE("cluster: presets and bench inputs") {
   CHECK(c.nvme_path == "/mnt/nvme");
   CHECK(c.aio_block_size == 8388608);
   CHECK_FALSE(ApplyNvmeBench(nlohmann::json{{"best", nullptr}}, "n.json", &c).ok());
+  // One reader of the report for the planner and `bench swap`: a direction not measured (null) is
+  // 0, a measured one must be positive, and the aio block is a hint.
+  Result<NvmeBenchReading> reading = NvmeBenchFromJson(
+      {{"best", {{"read_bytes_per_s", nullptr}, {"write_bytes_per_s", 2e9}}},
+       {"aio", {{"aio", {{"queue_depth", 8}, {"intra_op_parallelism", 99}, {"block_size", "1M"}}}}}},
+      "n.json");
+  REQUIRE(reading.ok());
+  CHECK(reading->read_bytes_per_s == 0);
+  CHECK(reading->write_bytes_per_s == 2e9);
+  CHECK(reading->aio_queue_depth == 8);
+  CHECK_FALSE(reading->aio_intra_op_parallelism.has_value());
+  CHECK_FALSE(reading->aio_block_size.has_value());
+  CHECK(NvmeBenchFromJson({{"best", {{"read_bytes_per_s", -1}}}}, "n.json").status().message() ==
+        "n.json: 'best.read_bytes_per_s' must be a positive number, got -1");
   REQUIRE(ApplyAdamBench({{"params_per_s", 1.2e9}, {"threads", 64}}, "adam.json", &c).ok());
   CHECK(c.CpuAdamParamsPerS() == 1.2e9);
 
