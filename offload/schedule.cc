@@ -79,8 +79,8 @@ Status Schedule::Validate() const {
   return Status::Ok();
 }
 
-nlohmann::json ToJson(const Schedule& s) {
-  nlohmann::json j;
+nlohmann::ordered_json ToOrderedJson(const Schedule& s) {
+  nlohmann::ordered_json j;
   j["version"] = Schedule::kVersion;
   j["params"] = {{"tier", std::string(TierName(s.param_tier))},
                  {"dtype", std::string(ElementTypeName(s.param_dtype))},
@@ -103,6 +103,8 @@ nlohmann::json ToJson(const Schedule& s) {
   j["pinned_budget_bytes"] = s.pinned_budget_bytes;
   return j;
 }
+
+nlohmann::json ToJson(const Schedule& s) { return nlohmann::json(ToOrderedJson(s)); }
 
 Result<Schedule> ScheduleFromJson(const nlohmann::json& j, const std::string& source) {
   const std::string where = source.empty() ? std::string("schedule") : source;
