@@ -1,5 +1,6 @@
 #include "common/json.h"
 
+#include "common/byte_size.h"
 #include "common/suggest.h"
 
 #include <cmath>
@@ -276,6 +277,25 @@ Status JsonFieldReader::String(const char* key, std::string* out) const {
   const nlohmann::json& v = object_.at(key);
   if (!v.is_string()) return Error(key, "must be a string, got " + Got(v));
   *out = v.get<std::string>();
+  return Status::Ok();
+}
+
+Status JsonFieldReader::ByteSize(const char* key, uint64_t* out) const {
+  if (!Has(key)) return Status::Ok();
+  const nlohmann::json& v = object_.at(key);
+  if (v.is_number_unsigned()) {
+    *out = v.get<uint64_t>();
+  } else if (v.is_number_integer() && v.get<int64_t>() >= 0) {
+    *out = static_cast<uint64_t>(v.get<int64_t>());
+  } else if (v.is_number_float() && v.get<double>() >= 0 && v.get<double>() < 1.8e19) {
+    *out = static_cast<uint64_t>(v.get<double>());
+  } else if (v.is_string()) {
+    Result<uint64_t> bytes = ParseByteSize(v.get<std::string>(), where_ + ": '" + Path(key) + "'");
+    if (!bytes.ok()) return bytes.status();
+    *out = *bytes;
+  } else {
+    return Error(key, "must be a byte count or a size such as \"80GiB\", got " + Got(v));
+  }
   return Status::Ok();
 }
 

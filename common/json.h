@@ -133,6 +133,9 @@ class JsonFieldReader {
   // Any JSON number (integers included).
   Status Number(const char* key, double* out) const;
   Status String(const char* key, std::string* out) const;
+  // A byte count: a non-negative JSON number (a fraction is dropped) or a size string ("80GiB",
+  // common/byte_size.h).
+  Status ByteSize(const char* key, uint64_t* out) const;
   // An array of strings.
   Status Strings(const char* key, std::vector<std::string>* out) const;
   // The getter for `out`'s type: Bool, Integer (T's range), Number, String or Strings.

@@ -103,6 +103,22 @@ TEST_CASE("JsonFieldReader: Get picks the getter by the field's type") {
   CHECK(Message(r.Get("rate", &flag)) == "setup JSON: 'rate' must be true or false, got 2");
 }
 
+TEST_CASE("JsonFieldReader: byte sizes as numbers or size strings") {
+  const json j = {{"a", 4096}, {"b", "2KiB"}, {"c", 1e3}, {"d", -1}, {"e", "lots"}};
+  JsonFieldReader r(j, "cluster.json");
+  uint64_t bytes = 0;
+  CHECK(r.ByteSize("a", &bytes).ok());
+  CHECK(bytes == 4096);
+  CHECK(r.ByteSize("b", &bytes).ok());
+  CHECK(bytes == 2048);
+  CHECK(r.ByteSize("c", &bytes).ok());
+  CHECK(bytes == 1000);
+  CHECK(Message(r.ByteSize("d", &bytes)) ==
+        "cluster.json: 'd' must be a byte count or a size such as \"80GiB\", got -1");
+  CHECK(Message(r.ByteSize("e", &bytes)).find("cluster.json: 'e'") == 0);
+  CHECK(bytes == 1000);
+}
+
 TEST_CASE("JsonFieldReader: an enum's parse error is prefixed with the field") {
   const json j = {{"tier", "disk"}};
   JsonFieldReader r(j, "schedule", "params.");

@@ -30,22 +30,6 @@ Status CheckKeys(const json& request, std::initializer_list<std::string_view> al
   return JsonFieldReader(request, std::string(what) + " request").CheckKeys(allowed);
 }
 
-// A byte size: a non-negative integer or a string such as "80GiB".
-Status GetBytes(const json& j, const char* key, uint64_t* out) {
-  if (!j.contains(key)) return Status::Ok();
-  const json& v = j.at(key);
-  if (v.is_number_unsigned()) {
-    *out = v.get<uint64_t>();
-    return Status::Ok();
-  }
-  if (v.is_string()) {
-    MEMPLAN_ASSIGN_OR_RETURN(*out, ParseByteSize(v.get<std::string>(), key));
-    return Status::Ok();
-  }
-  return Fields(j).Error(key, "must be a byte count or a size such as \"80GiB\", got " +
-                                   JsonFieldReader::Got(v));
-}
-
 Result<estimator::ModelClassChoice> ModelClass(const json& request) {
   std::string text = "auto";
   MEMPLAN_RETURN_IF_ERROR(Fields(request).String("model_class", &text));
@@ -173,7 +157,7 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
   if (!have_gpu) return Status::InvalidArgument("request: give \"gpu\" (a preset) or \"cluster\"");
   MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("gpus", &cluster.gpus_per_node));
   MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("nodes", &cluster.nodes));
-  MEMPLAN_RETURN_IF_ERROR(GetBytes(request, "cpu_mem", &cluster.cpu_memory_bytes));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).ByteSize("cpu_mem", &cluster.cpu_memory_bytes));
   MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("cpu_cores", &cluster.cpu_cores));
   int64_t pcie_gen = cluster.pcie_gen;
   MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("pcie_gen", &pcie_gen));
@@ -181,10 +165,11 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
   if (request.contains("memlock") && request.at("memlock") == "unlimited") {
     cluster.memlock_bytes = 0;
   } else {
-    MEMPLAN_RETURN_IF_ERROR(GetBytes(request, "memlock", &cluster.memlock_bytes));
+    MEMPLAN_RETURN_IF_ERROR(Fields(request).ByteSize("memlock", &cluster.memlock_bytes));
   }
   MEMPLAN_RETURN_IF_ERROR(Fields(request).String("nvme_path", &cluster.nvme_path));
-  MEMPLAN_RETURN_IF_ERROR(GetBytes(request, "nvme_capacity", &cluster.nvme_capacity_bytes));
+  MEMPLAN_RETURN_IF_ERROR(
+      Fields(request).ByteSize("nvme_capacity", &cluster.nvme_capacity_bytes));
   double inter_node_gbps = 0;
   MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("inter_node_bw", &inter_node_gbps));
   if (request.contains("inter_node_bw")) {

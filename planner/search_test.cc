@@ -100,7 +100,14 @@ TEST_CASE("cluster: presets and bench inputs") {
   CHECK(back->WorldSize() == 8);
   CHECK(back->cpu_memory_bytes == uint64_t{1} << 40);
   auto bad = ClusterFromJson({{"gpu", "a100-80"}, {"gpus", 8}}, "cluster.json");
-  CHECK(bad.status().message() == "cluster.json: gpus: unknown key");
+  CHECK(bad.status().message() ==
+        "cluster.json: unknown key 'gpus' (did you mean gpu or gpus_per_node?)");
+  bad = ClusterFromJson({{"gpu", {{"preset", "a100-80"}, {"hbm_bytes", 1}}}}, "cluster.json");
+  CHECK(bad.status().message() ==
+        "cluster.json: unknown key 'gpu.hbm_bytes' (did you mean hbm_bytes_per_s?)");
+  bad = ClusterFromJson({{"gpu", "a100-80"}, {"nodes", 0}}, "cluster.json");
+  CHECK(bad.status().message() ==
+        "cluster.json: 'nodes' must be an integer from 1 to 1048576, got 0");
 }
 
 TEST_CASE("search: llama-2-7b on 8 x A100-80 keeps everything on the GPUs") {
