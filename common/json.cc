@@ -256,28 +256,31 @@ JsonFieldReader JsonFieldReader::Child(const char* key) const {
   return JsonFieldReader(object_.at(key), where_, Path(key) + ".");
 }
 
-Status JsonFieldReader::Bool(const char* key, bool* out) const {
-  if (!Has(key)) return Status::Ok();
-  const nlohmann::json& v = object_.at(key);
-  if (!v.is_boolean()) return Error(key, "must be true or false, got " + Got(v));
-  *out = v.get<bool>();
+namespace {
+
+// A field whose JSON type `is` says it holds a T, read as one; `kind` names the type for errors.
+template <typename T>
+Status ReadScalar(const JsonFieldReader& r, const char* key,
+                  bool (nlohmann::json::*is)() const noexcept, const char* kind, T* out) {
+  if (!r.Has(key)) return Status::Ok();
+  const nlohmann::json& v = r.object().at(key);
+  if (!(v.*is)()) return r.Error(key, std::string("must be ") + kind + ", got " + r.Got(v));
+  *out = v.get<T>();
   return Status::Ok();
+}
+
+}  // namespace
+
+Status JsonFieldReader::Bool(const char* key, bool* out) const {
+  return ReadScalar(*this, key, &nlohmann::json::is_boolean, "true or false", out);
 }
 
 Status JsonFieldReader::Number(const char* key, double* out) const {
-  if (!Has(key)) return Status::Ok();
-  const nlohmann::json& v = object_.at(key);
-  if (!v.is_number()) return Error(key, "must be a number, got " + Got(v));
-  *out = v.get<double>();
-  return Status::Ok();
+  return ReadScalar(*this, key, &nlohmann::json::is_number, "a number", out);
 }
 
 Status JsonFieldReader::String(const char* key, std::string* out) const {
-  if (!Has(key)) return Status::Ok();
-  const nlohmann::json& v = object_.at(key);
-  if (!v.is_string()) return Error(key, "must be a string, got " + Got(v));
-  *out = v.get<std::string>();
-  return Status::Ok();
+  return ReadScalar(*this, key, &nlohmann::json::is_string, "a string", out);
 }
 
 Status JsonFieldReader::ByteSize(const char* key, uint64_t* out) const {
