@@ -1,5 +1,8 @@
 #include "common/json.h"
 
+#include "common/byte_size.h"
+#include "common/suggest.h"
+
 #include <cmath>
 #include <cstdint>
 #include <exception>
@@ -217,6 +220,109 @@ Result<int64_t> JsonInteger(const nlohmann::json& value, const std::string& what
     return Status::InvalidArgument(what + ": must be " + range + ", got " + value.dump());
   }
   return v;
+}
+
+JsonFieldReader::JsonFieldReader(const nlohmann::json& object, std::string where, std::string path)
+    : object_(object), where_(std::move(where)), path_(std::move(path)) {}
+
+Status JsonFieldReader::CheckKeys(const std::vector<std::string>& known) const {
+  if (!object_.is_object()) {
+    const std::string what = path_.empty() ? "" : " '" + path_.substr(0, path_.size() - 1) + "'";
+    return Status::InvalidArgument(where_ + ":" + what + " expected an object, got " +
+                                   Got(object_));
+  }
+  for (const auto& item : object_.items()) {
+    if (std::find(known.begin(), known.end(), item.key()) == known.end()) {
+      return Status::InvalidArgument(where_ + ": unknown key '" + Path(item.key().c_str()) + "'" +
+                                     DidYouMean(ClosestMatches(item.key(), known)));
+    }
+  }
+  return Status::Ok();
+}
+
+Status JsonFieldReader::CheckKeys(std::initializer_list<std::string_view> known) const {
+  return CheckKeys(std::vector<std::string>(known.begin(), known.end()));
+}
+
+bool JsonFieldReader::Has(const char* key) const {
+  return object_.is_object() && object_.contains(key);
+}
+
+Status JsonFieldReader::Require(const char* key) const {
+  return Has(key) ? Status::Ok() : Error(key, "is missing");
+}
+
+JsonFieldReader JsonFieldReader::Child(const char* key) const {
+  return JsonFieldReader(object_.at(key), where_, Path(key) + ".");
+}
+
+namespace {
+
+// A field whose JSON type `is` says it holds a T, read as one; `kind` names the type for errors.
+template <typename T>
+Status ReadScalar(const JsonFieldReader& r, const char* key,
+                  bool (nlohmann::json::*is)() const noexcept, const char* kind, T* out) {
+  if (!r.Has(key)) return Status::Ok();
+  const nlohmann::json& v = r.object().at(key);
+  if (!(v.*is)()) return r.Error(key, std::string("must be ") + kind + ", got " + r.Got(v));
+  *out = v.get<T>();
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status JsonFieldReader::Bool(const char* key, bool* out) const {
+  return ReadScalar(*this, key, &nlohmann::json::is_boolean, "true or false", out);
+}
+
+Status JsonFieldReader::Number(const char* key, double* out) const {
+  return ReadScalar(*this, key, &nlohmann::json::is_number, "a number", out);
+}
+
+Status JsonFieldReader::String(const char* key, std::string* out) const {
+  return ReadScalar(*this, key, &nlohmann::json::is_string, "a string", out);
+}
+
+Status JsonFieldReader::ByteSize(const char* key, uint64_t* out) const {
+  if (!Has(key)) return Status::Ok();
+  const nlohmann::json& v = object_.at(key);
+  if (v.is_number_unsigned()) {
+    *out = v.get<uint64_t>();
+  } else if (v.is_number_integer() && v.get<int64_t>() >= 0) {
+    *out = static_cast<uint64_t>(v.get<int64_t>());
+  } else if (v.is_number_float() && v.get<double>() >= 0 && v.get<double>() < 1.8e19) {
+    *out = static_cast<uint64_t>(v.get<double>());
+  } else if (v.is_string()) {
+    Result<uint64_t> bytes = ParseByteSize(v.get<std::string>(), where_ + ": '" + Path(key) + "'");
+    if (!bytes.ok()) return bytes.status();
+    *out = *bytes;
+  } else {
+    return Error(key, "must be a byte count or a size such as \"80GiB\", got " + Got(v));
+  }
+  return Status::Ok();
+}
+
+Status JsonFieldReader::Strings(const char* key, std::vector<std::string>* out) const {
+  if (!Has(key)) return Status::Ok();
+  const nlohmann::json& v = object_.at(key);
+  const bool strings =
+      v.is_array() && std::all_of(v.begin(), v.end(), [](const auto& e) { return e.is_string(); });
+  if (!strings) return Error(key, "must be a list of strings, got " + Got(v));
+  *out = v.get<std::vector<std::string>>();
+  return Status::Ok();
+}
+
+Status JsonFieldReader::Error(const char* key, const std::string& problem) const {
+  return Status::InvalidArgument(where_ + ": '" + Path(key) + "' " + problem);
+}
+
+std::string JsonFieldReader::Got(const nlohmann::json& value) {
+  if (value.is_object()) return "an object";
+  if (value.is_array()) return "an array";
+  constexpr size_t kMaxShown = 64;
+  std::string text = value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  if (text.size() > kMaxShown) text = text.substr(0, kMaxShown) + "...";
+  return text;
 }
 
 }  // namespace memplan

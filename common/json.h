@@ -5,7 +5,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <initializer_list>
+#include <limits>
 #include <string_view>
+#include <type_traits>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -92,5 +96,124 @@ Result<nlohmann::ordered_json> ParseOrderedJsonText(std::string_view text,
 // (2^32 + 4 read as an int is 4). The one way to read an integer setting from a file.
 Result<int64_t> JsonInteger(const nlohmann::json& value, const std::string& what, int64_t lo,
                             int64_t hi);
+
+// Note [JSON field reader]: the one way a library reads the fields of a JSON object it was given
+// (a setup, a schedule, a request, a cluster, a calibration or bench file). Every reader of such an
+// object used to carry its own getters, each with its own wording; one reader gives one wording:
+//
+//   WHERE: 'PATH' must be a number, got "fast"
+//   WHERE: 'PATH' must be an integer from 1 to 64, got 0
+//   WHERE: 'PATH' is missing
+//   WHERE: unknown key 'KEY' (did you mean ...?)
+//
+// WHERE names the document ("setup JSON", "schedule", "cluster.json"); PATH is the key with the
+// path of the object that holds it ("params.buffer_bytes"). Fields are named as they are spelled
+// in the JSON, never as CLI flags and never backquoted: the CLI maps backquoted fields to flags
+// (tools::FieldsToFlags), and a key in a file is not a flag. An absent key keeps `*out` (the
+// caller's default); a present key of the wrong type, null included, is an error.
+class JsonFieldReader {
+ public:
+  // `object` must outlive the reader. `path` is the position of `object` in its document, ending
+  // in '.' ("params."), or "" for the root.
+  JsonFieldReader(const nlohmann::json& object, std::string where, std::string path = "");
+
+  // Refuses anything but an object ("WHERE: PATH expected an object") and a key not in `known`,
+  // with the closest known keys as a suggestion. Call it first: the getters assume an object.
+  Status CheckKeys(const std::vector<std::string>& known) const;
+  Status CheckKeys(std::initializer_list<std::string_view> known) const;
+
+  bool Has(const char* key) const;
+  // "WHERE: 'PATH' is missing" when `key` is absent, Ok otherwise.
+  Status Require(const char* key) const;
+  // A reader for the object at `key` (which the caller has checked is present); its errors name
+  // the key's path.
+  JsonFieldReader Child(const char* key) const;
+
+  Status Bool(const char* key, bool* out) const;
+  // Any JSON number (integers included).
+  Status Number(const char* key, double* out) const;
+  Status String(const char* key, std::string* out) const;
+  // A byte count: a non-negative JSON number (a fraction is dropped) or a size string ("80GiB",
+  // common/byte_size.h).
+  Status ByteSize(const char* key, uint64_t* out) const;
+  // An array of strings.
+  Status Strings(const char* key, std::vector<std::string>* out) const;
+  // The getter for `out`'s type: Bool, Integer (T's range), Number, String or Strings.
+  template <typename T>
+  Status Get(const char* key, T* out) const {
+    if constexpr (std::is_same_v<T, bool>) {
+      return Bool(key, out);
+    } else if constexpr (std::is_integral_v<T>) {
+      return Integer(key, out);
+    } else if constexpr (std::is_same_v<T, double>) {
+      return Number(key, out);
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      return String(key, out);
+    } else {
+      static_assert(std::is_same_v<T, std::vector<std::string>>);
+      return Strings(key, out);
+    }
+  }
+  // A JSON integer (not 1.0, "4" or true) in [lo, hi]; the default range is T's.
+  template <typename T>
+  Status Integer(const char* key, T* out, T lo = std::numeric_limits<T>::min(),
+                 T hi = std::numeric_limits<T>::max()) const {
+    static_assert(std::is_integral_v<T> && !std::is_same_v<T, bool>);
+    if (!Has(key)) return Status::Ok();
+    const nlohmann::json& v = object_.at(key);
+    const bool in_range = Fits(v, lo, hi);
+    if (!in_range) {
+      return Error(key, "must be an integer from " + std::to_string(lo) + " to " +
+                            std::to_string(hi) + ", got " + Got(v));
+    }
+    *out = v.is_number_unsigned() ? static_cast<T>(v.get<uint64_t>())
+                                  : static_cast<T>(v.get<int64_t>());
+    return Status::Ok();
+  }
+  // A string that `parse` (std::string_view -> Result<E>) accepts; its error is prefixed with
+  // "WHERE: 'PATH'".
+  template <typename E, typename Parse>
+  Status Enum(const char* key, Parse parse, E* out) const {
+    if (!Has(key)) return Status::Ok();
+    std::string text;
+    MEMPLAN_RETURN_IF_ERROR(String(key, &text));
+    Result<E> value = parse(text);
+    if (!value.ok()) return value.status().WithPrefix(where_ + ": '" + Path(key) + "'");
+    *out = *value;
+    return Status::Ok();
+  }
+
+  // "WHERE: 'PATH' PROBLEM", for the checks a caller makes beyond the type.
+  Status Error(const char* key, const std::string& problem) const;
+  std::string Path(const char* key) const { return path_ + key; }
+  const nlohmann::json& object() const { return object_; }
+
+  // How a value appears in an error: scalars as JSON (long ones cut), containers by their type.
+  static std::string Got(const nlohmann::json& value);
+
+ private:
+  template <typename T>
+  static bool Fits(const nlohmann::json& v, T lo, T hi) {
+    if (!v.is_number_integer()) return false;
+    if (v.is_number_unsigned()) {
+      const uint64_t u = v.get<uint64_t>();
+      if constexpr (std::is_signed_v<T>) {
+        return hi >= 0 && u <= static_cast<uint64_t>(hi) && (lo <= 0 || u >= static_cast<uint64_t>(lo));
+      } else {
+        return u >= lo && u <= hi;
+      }
+    }
+    const int64_t n = v.get<int64_t>();
+    if constexpr (std::is_signed_v<T>) {
+      return n >= lo && n <= hi;
+    } else {
+      return n >= 0 && static_cast<uint64_t>(n) >= lo && static_cast<uint64_t>(n) <= hi;
+    }
+  }
+
+  const nlohmann::json& object_;
+  std::string where_;
+  std::string path_;
+};
 
 }  // namespace memplan

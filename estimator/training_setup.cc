@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "common/checked_math.h"
+#include "common/json.h"
 
 namespace memplan::estimator {
 namespace {
@@ -406,36 +407,8 @@ nlohmann::json ToJson(const TrainingSetup& s) {
   return j;
 }
 
-namespace {
-
-// Reads one key of a setup JSON object into `out`, refusing a wrong type.
-template <typename T>
-Status GetKey(const nlohmann::json& j, const char* key, T* out) {
-  if (!j.contains(key)) return Status::Ok();
-  try {
-    *out = j.at(key).get<T>();
-  } catch (const nlohmann::json::exception&) {
-    return Status::InvalidArgument(std::string("setup JSON: '") + key + "' has the wrong type");
-  }
-  return Status::Ok();
-}
-
-template <typename E, typename ParseFn>
-Status GetEnum(const nlohmann::json& j, const char* key, ParseFn parse, E* out) {
-  if (!j.contains(key)) return Status::Ok();
-  std::string text;
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, key, &text));
-  Result<E> value = parse(text);
-  if (!value.ok()) return value.status().WithPrefix(std::string("setup JSON: '") + key + "'");
-  *out = *value;
-  return Status::Ok();
-}
-
-}  // namespace
-
 Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
-  if (!j.is_object()) return Status::InvalidArgument("setup JSON: expected an object");
-  static const std::set<std::string> kKeys = {
+  static const std::vector<std::string> kKeys = {
       "precision", "optimizer", "lora_rank", "lora_targets", "qlora", "double_quant",
       "micro_batch", "seq_len", "grad_accum", "checkpointing", "flash_attention", "tp",
       "sequence_parallel", "foreach", "fused_optimizer", "sgd_momentum", "autocast",
@@ -447,62 +420,59 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
       "optimizer_buffer_count",
       "aio_block_size", "aio_queue_depth", "aio_intra_op_parallelism", "gpus_per_node",
       "num_nodes", "cuda_context_bytes"};
-  for (const auto& [key, value] : j.items()) {
-    if (kKeys.count(key) == 0) {
-      return Status::InvalidArgument("setup JSON: unknown key '" + key + "'");
-    }
-  }
+  const JsonFieldReader r(j, "setup JSON");
+  MEMPLAN_RETURN_IF_ERROR(r.CheckKeys(kKeys));
   TrainingSetup s;
-  MEMPLAN_RETURN_IF_ERROR(GetEnum(j, "precision", ParsePrecision, &s.precision));
-  MEMPLAN_RETURN_IF_ERROR(GetEnum(j, "optimizer", ParseOptimizer, &s.optimizer));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "lora_rank", &s.lora_rank));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "lora_targets", &s.lora_targets));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "qlora", &s.qlora));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "double_quant", &s.double_quant));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "micro_batch", &s.micro_batch));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "seq_len", &s.seq_len));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "grad_accum", &s.grad_accum));
-  MEMPLAN_RETURN_IF_ERROR(GetEnum(j, "checkpointing", ParseCheckpointing, &s.checkpointing));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "flash_attention", &s.flash_attention));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "tp", &s.tp));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "sequence_parallel", &s.sequence_parallel));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "foreach", &s.foreach));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "fused_optimizer", &s.fused_optimizer));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "sgd_momentum", &s.sgd_momentum));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "autocast", &s.autocast));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "gradient_as_bucket_view", &s.gradient_as_bucket_view));
-  MEMPLAN_RETURN_IF_ERROR(GetEnum(j, "framework", ParseFramework, &s.framework));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "torch_version", &s.torch_version));
-  MEMPLAN_RETURN_IF_ERROR(GetEnum(j, "fsdp", ParseFsdpSharding, &s.fsdp));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "zero_stage", &s.zero_stage));
+  MEMPLAN_RETURN_IF_ERROR(r.Enum("precision", ParsePrecision, &s.precision));
+  MEMPLAN_RETURN_IF_ERROR(r.Enum("optimizer", ParseOptimizer, &s.optimizer));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("lora_rank", &s.lora_rank));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("lora_targets", &s.lora_targets));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("qlora", &s.qlora));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("double_quant", &s.double_quant));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("micro_batch", &s.micro_batch));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("seq_len", &s.seq_len));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("grad_accum", &s.grad_accum));
+  MEMPLAN_RETURN_IF_ERROR(r.Enum("checkpointing", ParseCheckpointing, &s.checkpointing));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("flash_attention", &s.flash_attention));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("tp", &s.tp));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("sequence_parallel", &s.sequence_parallel));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("foreach", &s.foreach));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("fused_optimizer", &s.fused_optimizer));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("sgd_momentum", &s.sgd_momentum));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("autocast", &s.autocast));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("gradient_as_bucket_view", &s.gradient_as_bucket_view));
+  MEMPLAN_RETURN_IF_ERROR(r.Enum("framework", ParseFramework, &s.framework));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("torch_version", &s.torch_version));
+  MEMPLAN_RETURN_IF_ERROR(r.Enum("fsdp", ParseFsdpSharding, &s.fsdp));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("zero_stage", &s.zero_stage));
   MEMPLAN_RETURN_IF_ERROR(
-      GetEnum(j, "offload_optimizer", ParseOffloadDevice, &s.offload_optimizer));
-  MEMPLAN_RETURN_IF_ERROR(GetEnum(j, "offload_param", ParseOffloadDevice, &s.offload_param));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "reduce_bucket_size", &s.reduce_bucket_size));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "allgather_bucket_size", &s.allgather_bucket_size));
-  if (j.contains("overlap_comm")) {
+      r.Enum("offload_optimizer", ParseOffloadDevice, &s.offload_optimizer));
+  MEMPLAN_RETURN_IF_ERROR(r.Enum("offload_param", ParseOffloadDevice, &s.offload_param));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("reduce_bucket_size", &s.reduce_bucket_size));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("allgather_bucket_size", &s.allgather_bucket_size));
+  if (r.Has("overlap_comm")) {
     bool overlap = false;
-    MEMPLAN_RETURN_IF_ERROR(GetKey(j, "overlap_comm", &overlap));
+    MEMPLAN_RETURN_IF_ERROR(r.Get("overlap_comm", &overlap));
     s.overlap_comm = overlap;
   }
   MEMPLAN_RETURN_IF_ERROR(
-      GetKey(j, "stage3_prefetch_bucket_size", &s.stage3_prefetch_bucket_size));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "stage3_param_persistence_threshold",
+      r.Get("stage3_prefetch_bucket_size", &s.stage3_prefetch_bucket_size));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("stage3_param_persistence_threshold",
                                  &s.stage3_param_persistence_threshold));
   MEMPLAN_RETURN_IF_ERROR(
-      GetKey(j, "stage3_max_live_parameters", &s.stage3_max_live_parameters));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "sub_group_size", &s.sub_group_size));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "pin_memory", &s.pin_memory));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "param_buffer_count", &s.param_buffer_count));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "param_buffer_size", &s.param_buffer_size));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "param_max_in_cpu", &s.param_max_in_cpu));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "optimizer_buffer_count", &s.optimizer_buffer_count));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "aio_block_size", &s.aio_block_size));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "aio_queue_depth", &s.aio_queue_depth));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "aio_intra_op_parallelism", &s.aio_intra_op_parallelism));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "gpus_per_node", &s.gpus_per_node));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "num_nodes", &s.num_nodes));
-  MEMPLAN_RETURN_IF_ERROR(GetKey(j, "cuda_context_bytes", &s.cuda_context_bytes));
+      r.Get("stage3_max_live_parameters", &s.stage3_max_live_parameters));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("sub_group_size", &s.sub_group_size));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("pin_memory", &s.pin_memory));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("param_buffer_count", &s.param_buffer_count));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("param_buffer_size", &s.param_buffer_size));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("param_max_in_cpu", &s.param_max_in_cpu));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("optimizer_buffer_count", &s.optimizer_buffer_count));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("aio_block_size", &s.aio_block_size));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("aio_queue_depth", &s.aio_queue_depth));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("aio_intra_op_parallelism", &s.aio_intra_op_parallelism));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("gpus_per_node", &s.gpus_per_node));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("num_nodes", &s.num_nodes));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("cuda_context_bytes", &s.cuda_context_bytes));
   MEMPLAN_RETURN_IF_ERROR(s.Validate().WithPrefix("setup JSON"));
   return s;
 }

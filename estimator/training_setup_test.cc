@@ -137,6 +137,13 @@ TEST_CASE("training setup: JSON round trip") {
   ExpectError(TrainingSetupFromJson({{"zero_stage", "three"}}).status(), "'zero_stage'");
   ExpectError(TrainingSetupFromJson({{"precision", "fp8"}}).status(), "unknown precision 'fp8'");
   ExpectError(TrainingSetupFromJson({{"bogus", 1}}).status(), "unknown key 'bogus'");
+  // nlohmann's get<int> would read 2.5 as 2 and true as 1; a setup field is read strictly.
+  ExpectError(TrainingSetupFromJson({{"micro_batch", 2.5}}).status(),
+              "setup JSON: 'micro_batch' must be an integer from");
+  ExpectError(TrainingSetupFromJson({{"grad_accum", true}}).status(),
+              "setup JSON: 'grad_accum' must be an integer from");
+  ExpectError(TrainingSetupFromJson({{"micro_bach", 2}}).status(),
+              "setup JSON: unknown key 'micro_bach' (did you mean micro_batch?)");
 }
 
 TEST_CASE("training setup: a DeepSpeed config's settings are read") {

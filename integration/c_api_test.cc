@@ -71,12 +71,12 @@ TEST_CASE("c api: a bad request is INVALID_ARGUMENT naming the key, and *out is 
   CHECK(memplan_estimate_json(R"({"model": "llama-2-7b", "gpuz": 4})", &answer) ==
         MEMPLAN_INVALID_ARGUMENT);
   CHECK(answer == nullptr);
-  CHECK(LastError().find("gpuz") != std::string::npos);
+  CHECK(LastError().find("unknown key 'gpuz' (did you mean gpus?)") != std::string::npos);
   CHECK(LastError().find("memplan_estimate_json") == 0);
 
   CHECK(memplan_estimate_json(R"({"model": "llama-2-7b", "gpus": "four"})", &answer) ==
         MEMPLAN_INVALID_ARGUMENT);
-  CHECK(LastError().find("\"gpus\"") != std::string::npos);
+  CHECK(LastError().find("request: 'gpus' must be an integer") != std::string::npos);
 
   CHECK(memplan_estimate_json("{not json", &answer) == MEMPLAN_INVALID_ARGUMENT);
   CHECK(LastError().find("invalid JSON") != std::string::npos);

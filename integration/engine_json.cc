@@ -1,43 +1,13 @@
 #include "integration/engine_json.h"
 
-#include <set>
 #include <string>
+
+#include "common/json.h"
 
 namespace memplan::integration {
 namespace {
 
 using nlohmann::json;
-
-Status CheckKeys(const json& j, const std::set<std::string>& allowed, const std::string& what) {
-  if (!j.is_object()) return Status::InvalidArgument(what + ": expected a JSON object");
-  for (const auto& [key, value] : j.items()) {
-    if (!allowed.contains(key)) {
-      std::string names;
-      for (const std::string& a : allowed) names += (names.empty() ? "" : ", ") + a;
-      return Status::InvalidArgument(what + ": unknown key \"" + key + "\" (known: " + names +
-                                     ")");
-    }
-  }
-  return Status::Ok();
-}
-
-Status Number(const json& j, const char* key, double* out, const std::string& what) {
-  if (!j.contains(key)) return Status::Ok();
-  if (!j.at(key).is_number()) {
-    return Status::InvalidArgument(what + ": \"" + key + "\" must be a number");
-  }
-  *out = j.at(key).get<double>();
-  return Status::Ok();
-}
-
-Status Flag(const json& j, const char* key, bool* out, const std::string& what) {
-  if (!j.contains(key)) return Status::Ok();
-  if (!j.at(key).is_boolean()) {
-    return Status::InvalidArgument(what + ": \"" + key + "\" must be true or false");
-  }
-  *out = j.at(key).get<bool>();
-  return Status::Ok();
-}
 
 }  // namespace
 
@@ -45,48 +15,46 @@ Result<offload::SwapStepOptions> StepOptionsFromJson(const json& j,
                                                      offload::SwapOptimizer optimizer) {
   const std::string what =
       "step options (" + std::string(offload::SwapOptimizerName(optimizer)) + ")";
+  const JsonFieldReader r(j, what);
   switch (optimizer) {
     case offload::SwapOptimizer::kAdam:
     case offload::SwapOptimizer::kAdamAmsgrad: {
-      MEMPLAN_RETURN_IF_ERROR(CheckKeys(j,
-                                        {"lr", "beta1", "beta2", "eps", "weight_decay",
-                                         "decoupled", "bias_correction", "grad_scale"},
-                                        what));
+      MEMPLAN_RETURN_IF_ERROR(r.CheckKeys({"lr", "beta1", "beta2", "eps", "weight_decay",
+                                           "decoupled", "bias_correction", "grad_scale"}));
       offload::AdamOptions o;
       o.amsgrad = optimizer == offload::SwapOptimizer::kAdamAmsgrad;
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "lr", &o.lr, what));
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "beta1", &o.beta1, what));
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "beta2", &o.beta2, what));
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "eps", &o.eps, what));
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "weight_decay", &o.weight_decay, what));
-      MEMPLAN_RETURN_IF_ERROR(Flag(j, "decoupled", &o.decoupled, what));
-      MEMPLAN_RETURN_IF_ERROR(Flag(j, "bias_correction", &o.bias_correction, what));
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "grad_scale", &o.grad_scale, what));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("lr", &o.lr));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("beta1", &o.beta1));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("beta2", &o.beta2));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("eps", &o.eps));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("weight_decay", &o.weight_decay));
+      MEMPLAN_RETURN_IF_ERROR(r.Bool("decoupled", &o.decoupled));
+      MEMPLAN_RETURN_IF_ERROR(r.Bool("bias_correction", &o.bias_correction));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("grad_scale", &o.grad_scale));
       MEMPLAN_RETURN_IF_ERROR(o.Validate());
       return offload::SwapStepOptions(o);
     }
     case offload::SwapOptimizer::kSgd: {
-      MEMPLAN_RETURN_IF_ERROR(CheckKeys(
-          j, {"lr", "momentum", "dampening", "weight_decay", "nesterov", "grad_scale"}, what));
+      MEMPLAN_RETURN_IF_ERROR(r.CheckKeys(
+          {"lr", "momentum", "dampening", "weight_decay", "nesterov", "grad_scale"}));
       offload::SgdOptions o;
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "lr", &o.lr, what));
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "momentum", &o.momentum, what));
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "dampening", &o.dampening, what));
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "weight_decay", &o.weight_decay, what));
-      MEMPLAN_RETURN_IF_ERROR(Flag(j, "nesterov", &o.nesterov, what));
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "grad_scale", &o.grad_scale, what));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("lr", &o.lr));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("momentum", &o.momentum));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("dampening", &o.dampening));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("weight_decay", &o.weight_decay));
+      MEMPLAN_RETURN_IF_ERROR(r.Bool("nesterov", &o.nesterov));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("grad_scale", &o.grad_scale));
       MEMPLAN_RETURN_IF_ERROR(o.Validate());
       return offload::SwapStepOptions(o);
     }
     case offload::SwapOptimizer::kLion: {
-      MEMPLAN_RETURN_IF_ERROR(
-          CheckKeys(j, {"lr", "beta1", "beta2", "weight_decay", "grad_scale"}, what));
+      MEMPLAN_RETURN_IF_ERROR(r.CheckKeys({"lr", "beta1", "beta2", "weight_decay", "grad_scale"}));
       offload::LionOptions o;
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "lr", &o.lr, what));
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "beta1", &o.beta1, what));
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "beta2", &o.beta2, what));
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "weight_decay", &o.weight_decay, what));
-      MEMPLAN_RETURN_IF_ERROR(Number(j, "grad_scale", &o.grad_scale, what));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("lr", &o.lr));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("beta1", &o.beta1));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("beta2", &o.beta2));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("weight_decay", &o.weight_decay));
+      MEMPLAN_RETURN_IF_ERROR(r.Number("grad_scale", &o.grad_scale));
       MEMPLAN_RETURN_IF_ERROR(o.Validate());
       return offload::SwapStepOptions(o);
     }
@@ -163,26 +131,21 @@ json ToJson(const offload::EngineStats& s) {
 Result<EngineOpenOptions> EngineOpenOptionsFromJson(const json& j) {
   EngineOpenOptions o;
   if (j.is_null()) return o;
-  MEMPLAN_RETURN_IF_ERROR(CheckKeys(j, {"runtime", "resume", "device"}, "engine options"));
-  if (j.contains("runtime")) {
-    if (!j.at("runtime").is_string()) {
-      return Status::InvalidArgument("engine options: \"runtime\" must be a string");
-    }
-    o.runtime = j.at("runtime").get<std::string>();
-    if (o.runtime != "auto" && o.runtime != "host" && o.runtime != "cuda") {
-      return Status::InvalidArgument("engine options: \"runtime\" must be \"auto\", \"host\" or "
-                                     "\"cuda\", not \"" + o.runtime + "\"");
-    }
+  const JsonFieldReader r(j, "engine options");
+  MEMPLAN_RETURN_IF_ERROR(r.CheckKeys({"runtime", "resume", "device"}));
+  MEMPLAN_RETURN_IF_ERROR(r.String("runtime", &o.runtime));
+  if (o.runtime != "auto" && o.runtime != "host" && o.runtime != "cuda") {
+    return r.Error("runtime", "must be \"auto\", \"host\" or \"cuda\", not \"" + o.runtime + "\"");
   }
-  MEMPLAN_RETURN_IF_ERROR(Flag(j, "resume", &o.resume, "engine options"));
-  if (j.contains("device") && !j.at("device").is_null()) {
-    const json& d = j.at("device");
-    if (!d.is_number_integer() || d.get<int64_t>() < 0 || d.get<int64_t>() > 1024) {
-      return Status::InvalidArgument(
-          "engine options: \"device\" must be a CUDA device ordinal (0, 1, ...) or null (the "
-          "calling thread's current device)");
+  MEMPLAN_RETURN_IF_ERROR(r.Bool("resume", &o.resume));
+  if (r.Has("device") && !j.at("device").is_null()) {
+    int device = 0;
+    if (!r.Integer("device", &device, 0, 1024).ok()) {
+      return r.Error("device",
+                     "must be a CUDA device ordinal (0, 1, ...) or null (the calling thread's "
+                     "current device)");
     }
-    o.device = static_cast<int>(d.get<int64_t>());
+    o.device = device;
   }
   return o;
 }

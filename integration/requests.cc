@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "common/byte_size.h"
+#include "common/json.h"
 #include "estimator/estimate.h"
 #include "estimator/hf_config.h"
 #include "estimator/model_source.h"
@@ -20,74 +21,18 @@ namespace {
 
 using nlohmann::json;
 
-Status CheckKeys(const json& request, const std::set<std::string>& allowed, const char* what) {
-  if (!request.is_object()) {
-    return Status::InvalidArgument(std::string(what) + " request: expected a JSON object");
-  }
-  for (const auto& [key, value] : request.items()) {
-    if (!allowed.contains(key)) {
-      return Status::InvalidArgument(std::string(what) + " request: unknown key \"" + key + "\"");
-    }
-  }
-  return Status::Ok();
-}
+// The fields of a request; errors name the key ("request: 'gpus' must be ...").
+JsonFieldReader Fields(const json& request) { return JsonFieldReader(request, "request"); }
 
-// Typed getters: absent keys keep `*out`; a present key of the wrong type is an error naming it.
-Status GetInt(const json& j, const char* key, int64_t* out) {
-  if (!j.contains(key)) return Status::Ok();
-  const json& v = j.at(key);
-  if (!v.is_number_integer()) {
-    return Status::InvalidArgument(std::string("request: \"") + key + "\" must be an integer");
-  }
-  *out = v.get<int64_t>();
-  return Status::Ok();
-}
-Status GetDouble(const json& j, const char* key, double* out) {
-  if (!j.contains(key)) return Status::Ok();
-  const json& v = j.at(key);
-  if (!v.is_number()) {
-    return Status::InvalidArgument(std::string("request: \"") + key + "\" must be a number");
-  }
-  *out = v.get<double>();
-  return Status::Ok();
-}
-Status GetBool(const json& j, const char* key, bool* out) {
-  if (!j.contains(key)) return Status::Ok();
-  const json& v = j.at(key);
-  if (!v.is_boolean()) {
-    return Status::InvalidArgument(std::string("request: \"") + key + "\" must be true or false");
-  }
-  *out = v.get<bool>();
-  return Status::Ok();
-}
-Status GetString(const json& j, const char* key, std::string* out) {
-  if (!j.contains(key)) return Status::Ok();
-  const json& v = j.at(key);
-  if (!v.is_string()) {
-    return Status::InvalidArgument(std::string("request: \"") + key + "\" must be a string");
-  }
-  *out = v.get<std::string>();
-  return Status::Ok();
-}
-// A byte size: a non-negative integer or a string such as "80GiB".
-Status GetBytes(const json& j, const char* key, uint64_t* out) {
-  if (!j.contains(key)) return Status::Ok();
-  const json& v = j.at(key);
-  if (v.is_number_unsigned()) {
-    *out = v.get<uint64_t>();
-    return Status::Ok();
-  }
-  if (v.is_string()) {
-    MEMPLAN_ASSIGN_OR_RETURN(*out, ParseByteSize(v.get<std::string>(), key));
-    return Status::Ok();
-  }
-  return Status::InvalidArgument(std::string("request: \"") + key +
-                                 "\" must be a byte count or a size such as \"80GiB\"");
+// Refuses a request that is not an object or has a key not in `allowed`.
+Status CheckKeys(const json& request, std::initializer_list<std::string_view> allowed,
+                 const char* what) {
+  return JsonFieldReader(request, std::string(what) + " request").CheckKeys(allowed);
 }
 
 Result<estimator::ModelClassChoice> ModelClass(const json& request) {
   std::string text = "auto";
-  MEMPLAN_RETURN_IF_ERROR(GetString(request, "model_class", &text));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("model_class", &text));
   if (text == "auto") return estimator::ModelClassChoice::kFromArchitectures;
   if (text == "base") return estimator::ModelClassChoice::kBase;
   return Status::InvalidArgument("request: \"model_class\" must be \"auto\" or \"base\", not \"" +
@@ -106,9 +51,9 @@ Result<estimator::ModelInventory> RequestModel(const json& request, bool allow_s
   }
   MEMPLAN_ASSIGN_OR_RETURN(estimator::ModelClassChoice choice, ModelClass(request));
   std::string name = "request";
-  MEMPLAN_RETURN_IF_ERROR(GetString(request, "name", &name));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("name", &name));
   if (request.contains("model")) {
-    MEMPLAN_RETURN_IF_ERROR(GetString(request, "model", label));
+    MEMPLAN_RETURN_IF_ERROR(Fields(request).String("model", label));
     if (label->empty()) return Status::InvalidArgument("request: \"model\" is empty");
     return estimator::LoadModel(*label, choice);
   }
@@ -141,9 +86,9 @@ Result<nlohmann::json> Estimate(const nlohmann::json& request) {
   MEMPLAN_ASSIGN_OR_RETURN(estimator::ModelInventory inventory,
                            RequestModel(request, /*allow_shapes=*/true, &label));
   estimator::DeepSpeedHardware hardware;
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "gpus", &hardware.gpus_per_node));
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "nodes", &hardware.nodes));
-  MEMPLAN_RETURN_IF_ERROR(GetDouble(request, "buffer_factor", &hardware.buffer_factor));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("gpus", &hardware.gpus_per_node));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("nodes", &hardware.nodes));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("buffer_factor", &hardware.buffer_factor));
   MEMPLAN_RETURN_IF_ERROR(hardware.Validate());
   if (!request.contains("setup") && !request.contains("deepspeed")) {
     MEMPLAN_ASSIGN_OR_RETURN(estimator::Estimate e,
@@ -204,28 +149,29 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
     have_gpu = true;
   }
   std::string gpu;
-  MEMPLAN_RETURN_IF_ERROR(GetString(request, "gpu", &gpu));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("gpu", &gpu));
   if (!gpu.empty()) {
     MEMPLAN_ASSIGN_OR_RETURN(cluster.gpu, planner::FindGpuPreset(gpu));
     have_gpu = true;
   }
   if (!have_gpu) return Status::InvalidArgument("request: give \"gpu\" (a preset) or \"cluster\"");
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "gpus", &cluster.gpus_per_node));
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "nodes", &cluster.nodes));
-  MEMPLAN_RETURN_IF_ERROR(GetBytes(request, "cpu_mem", &cluster.cpu_memory_bytes));
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "cpu_cores", &cluster.cpu_cores));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("gpus", &cluster.gpus_per_node));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("nodes", &cluster.nodes));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).ByteSize("cpu_mem", &cluster.cpu_memory_bytes));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("cpu_cores", &cluster.cpu_cores));
   int64_t pcie_gen = cluster.pcie_gen;
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "pcie_gen", &pcie_gen));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("pcie_gen", &pcie_gen));
   cluster.pcie_gen = static_cast<int>(pcie_gen);
   if (request.contains("memlock") && request.at("memlock") == "unlimited") {
     cluster.memlock_bytes = 0;
   } else {
-    MEMPLAN_RETURN_IF_ERROR(GetBytes(request, "memlock", &cluster.memlock_bytes));
+    MEMPLAN_RETURN_IF_ERROR(Fields(request).ByteSize("memlock", &cluster.memlock_bytes));
   }
-  MEMPLAN_RETURN_IF_ERROR(GetString(request, "nvme_path", &cluster.nvme_path));
-  MEMPLAN_RETURN_IF_ERROR(GetBytes(request, "nvme_capacity", &cluster.nvme_capacity_bytes));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("nvme_path", &cluster.nvme_path));
+  MEMPLAN_RETURN_IF_ERROR(
+      Fields(request).ByteSize("nvme_capacity", &cluster.nvme_capacity_bytes));
   double inter_node_gbps = 0;
-  MEMPLAN_RETURN_IF_ERROR(GetDouble(request, "inter_node_bw", &inter_node_gbps));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("inter_node_bw", &inter_node_gbps));
   if (request.contains("inter_node_bw")) {
     if (!(inter_node_gbps > 0 && inter_node_gbps <= 1e6)) {
       return Status::InvalidArgument("request: \"inter_node_bw\" must be in (0, 1e6] GB/s");
@@ -239,12 +185,12 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
   job.model = label;
   estimator::TrainingSetup& s = job.setup;
   std::string precision = cluster.gpu.bf16_flops > 0 ? "bf16-mixed" : "fp16-mixed";
-  MEMPLAN_RETURN_IF_ERROR(GetString(request, "precision", &precision));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("precision", &precision));
   MEMPLAN_ASSIGN_OR_RETURN(s.precision, estimator::ParsePrecision(precision));
   std::string optimizer = "adamw";
-  MEMPLAN_RETURN_IF_ERROR(GetString(request, "optimizer", &optimizer));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("optimizer", &optimizer));
   MEMPLAN_ASSIGN_OR_RETURN(s.optimizer, estimator::ParseOptimizer(optimizer));
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "lora_rank", &s.lora_rank));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("lora_rank", &s.lora_rank));
   if (request.contains("lora_targets")) {
     const json& t = request.at("lora_targets");
     if (!t.is_array()) return Status::InvalidArgument("request: \"lora_targets\" must be a list");
@@ -255,26 +201,26 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
       s.lora_targets.push_back(name.get<std::string>());
     }
   }
-  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "qlora", &s.qlora));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("qlora", &s.qlora));
   // The same defaults as `memplan estimate` and `check` (TrainingSetup's own).
-  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "flash_attention", &s.flash_attention));
-  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "foreach", &s.foreach));
-  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "fused_optimizer", &s.fused_optimizer));
-  MEMPLAN_RETURN_IF_ERROR(GetDouble(request, "sgd_momentum", &s.sgd_momentum));
-  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "sequence_parallel", &s.sequence_parallel));
-  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "autocast", &s.autocast));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("flash_attention", &s.flash_attention));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("foreach", &s.foreach));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("fused_optimizer", &s.fused_optimizer));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("sgd_momentum", &s.sgd_momentum));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("sequence_parallel", &s.sequence_parallel));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("autocast", &s.autocast));
   MEMPLAN_RETURN_IF_ERROR(
-      GetBool(request, "gradient_as_bucket_view", &s.gradient_as_bucket_view));
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "seq_len", &s.seq_len));
+      Fields(request).Bool("gradient_as_bucket_view", &s.gradient_as_bucket_view));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("seq_len", &s.seq_len));
   double cuda_context_mib = 1343;
-  MEMPLAN_RETURN_IF_ERROR(GetDouble(request, "cuda_context_mib", &cuda_context_mib));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("cuda_context_mib", &cuda_context_mib));
   if (!(cuda_context_mib >= 0 && cuda_context_mib <= 1048576)) {
     return Status::InvalidArgument("request: \"cuda_context_mib\" must be in [0, 1048576]");
   }
   s.cuda_context_bytes = static_cast<int64_t>(cuda_context_mib * 1048576.0);
   int64_t samples = 0, tokens = 0;
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "global_batch", &samples));
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "global_batch_tokens", &tokens));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("global_batch", &samples));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("global_batch_tokens", &tokens));
   if ((samples > 0) == (tokens > 0)) {
     return Status::InvalidArgument(
         "request: give exactly one of \"global_batch\" (samples) and \"global_batch_tokens\", "
@@ -290,50 +236,50 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
   // As `memplan plan`: 8-bit AdamW is a candidate unless the optimizer was chosen; the "what if"
   // keys restrict the search.
   planner::SearchOptions options;
-  MEMPLAN_RETURN_IF_ERROR(GetDouble(request, "gpu_margin", &options.gpu_safety_fraction));
-  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "allow_nvme", &options.allow_nvme));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("gpu_margin", &options.gpu_safety_fraction));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("allow_nvme", &options.allow_nvme));
   options.consider_8bit = !request.contains("optimizer");
   int64_t zero_stage = -1, micro_batch = 0;
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "zero_stage", &zero_stage));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("zero_stage", &zero_stage));
   if (zero_stage < -1 || zero_stage > 3) {
     return Status::InvalidArgument("request: \"zero_stage\" must be 0-3");
   }
   options.only_stage = static_cast<int>(zero_stage);
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "micro_batch", &micro_batch));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("micro_batch", &micro_batch));
   if (micro_batch < 0) return Status::InvalidArgument("request: \"micro_batch\" must be >= 1");
   options.only_micro_batch = micro_batch;
   std::string text;
   if (request.contains("offload_optimizer")) {
-    MEMPLAN_RETURN_IF_ERROR(GetString(request, "offload_optimizer", &text));
+    MEMPLAN_RETURN_IF_ERROR(Fields(request).String("offload_optimizer", &text));
     MEMPLAN_ASSIGN_OR_RETURN(options.only_offload_optimizer, estimator::ParseOffloadDevice(text));
   }
   if (request.contains("offload_param")) {
-    MEMPLAN_RETURN_IF_ERROR(GetString(request, "offload_param", &text));
+    MEMPLAN_RETURN_IF_ERROR(Fields(request).String("offload_param", &text));
     MEMPLAN_ASSIGN_OR_RETURN(options.only_offload_param, estimator::ParseOffloadDevice(text));
   }
   if (request.contains("checkpointing")) {
-    MEMPLAN_RETURN_IF_ERROR(GetString(request, "checkpointing", &text));
+    MEMPLAN_RETURN_IF_ERROR(Fields(request).String("checkpointing", &text));
     MEMPLAN_ASSIGN_OR_RETURN(options.only_checkpointing, estimator::ParseCheckpointing(text));
   }
   if (request.contains("sharding")) {
-    MEMPLAN_RETURN_IF_ERROR(GetString(request, "sharding", &text));
+    MEMPLAN_RETURN_IF_ERROR(Fields(request).String("sharding", &text));
     if (text != "full" && text != "hybrid") {
       return Status::InvalidArgument("request: \"sharding\" must be \"full\" or \"hybrid\"");
     }
     options.only_sharding = text == "hybrid" ? planner::Sharding::kHybrid : planner::Sharding::kFull;
   }
   bool default_buffers = false;
-  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "default_buffers", &default_buffers));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("default_buffers", &default_buffers));
   options.tune_buffers = !default_buffers;
   MEMPLAN_ASSIGN_OR_RETURN(planner::PlanResult result,
                            planner::SearchPlans(inventory, cluster, job, options));
 
   int64_t top = 5, index = 0;
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "top", &top));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("top", &top));
   if (top < 1) return Status::InvalidArgument("request: \"top\" must be at least 1");
-  MEMPLAN_RETURN_IF_ERROR(GetInt(request, "plan_index", &index));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("plan_index", &index));
   bool for_hf_trainer = false;
-  MEMPLAN_RETURN_IF_ERROR(GetBool(request, "for_hf_trainer", &for_hf_trainer));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("for_hf_trainer", &for_hf_trainer));
   json answer = planner::PlanReportJson(result, cluster, job, inventory, static_cast<size_t>(top),
                                         index >= 0 ? static_cast<size_t>(index) : SIZE_MAX,
                                         for_hf_trainer);
@@ -356,8 +302,8 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
   const planner::Plan& plan = result.plans[static_cast<size_t>(index)];
   planner::EmitOptions emit_options;
   emit_options.for_hf_trainer = for_hf_trainer;
-  MEMPLAN_RETURN_IF_ERROR(GetDouble(request, "lr", &emit_options.learning_rate));
-  MEMPLAN_RETURN_IF_ERROR(GetString(request, "accelerate_plugin", &emit_options.accelerate_plugin));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("lr", &emit_options.learning_rate));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("accelerate_plugin", &emit_options.accelerate_plugin));
   // Each emitter that applies writes its document; one that does not (FSDP for an NVMe plan, a
   // Schedule for a plan that offloads nothing) says why under "not_emitted", as the CLI does.
   json emitted = json::object(), not_emitted = json::object();

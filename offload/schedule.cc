@@ -1,68 +1,8 @@
 #include "offload/schedule.h"
 
-#include <limits>
-#include <set>
-#include <type_traits>
+#include "common/json.h"
 
 namespace memplan::offload {
-namespace {
-
-// Reads j[key] into *out when present; a wrong type is an error naming `where`.key.
-template <typename T>
-Status Get(const nlohmann::json& j, const std::string& where, const char* key, T* out) {
-  auto it = j.find(key);
-  if (it == j.end()) return Status::Ok();
-  try {
-    if constexpr (std::is_same_v<T, bool>) {
-      if (!it->is_boolean()) throw nlohmann::json::type_error::create(302, "expected a boolean", &*it);
-    } else if constexpr (std::is_integral_v<T>) {
-      if (!it->is_number_integer()) {
-        throw nlohmann::json::type_error::create(302, "expected an integer", &*it);
-      }
-      const bool negative = !it->is_number_unsigned() && it->template get<int64_t>() < 0;
-      const bool fits =
-          negative ? (std::is_signed_v<T> && it->template get<int64_t>() >=
-                                                 static_cast<int64_t>(std::numeric_limits<T>::min()))
-                   : it->template get<uint64_t>() <=
-                         static_cast<uint64_t>(std::numeric_limits<T>::max());
-      if (!fits) throw nlohmann::json::out_of_range::create(406, "integer out of range", &*it);
-    } else if constexpr (std::is_same_v<T, std::string>) {
-      if (!it->is_string()) throw nlohmann::json::type_error::create(302, "expected a string", &*it);
-    }
-    *out = it->template get<T>();
-  } catch (const nlohmann::json::exception& e) {
-    return Status::InvalidArgument(where + "." + key + ": " + e.what());
-  }
-  return Status::Ok();
-}
-
-template <typename T, typename Parse>
-Status GetEnum(const nlohmann::json& j, const std::string& where, const char* key, Parse parse,
-               T* out) {
-  std::string text;
-  if (!j.contains(key)) return Status::Ok();
-  MEMPLAN_RETURN_IF_ERROR(Get(j, where, key, &text));
-  auto value = parse(text);
-  if (!value.ok()) return value.status().WithPrefix(where + "." + key);
-  *out = *value;
-  return Status::Ok();
-}
-
-Status CheckKeys(const nlohmann::json& j, const std::string& where,
-                 const std::set<std::string>& keys) {
-  if (!j.is_object()) return Status::InvalidArgument(where + ": expected an object");
-  for (const auto& item : j.items()) {
-    if (keys.count(item.key()) == 0) {
-      std::string known;
-      for (const auto& k : keys) known += (known.empty() ? "" : ", ") + k;
-      return Status::InvalidArgument(where + ": unknown key \"" + item.key() + "\" (known: " +
-                                     known + ")");
-    }
-  }
-  return Status::Ok();
-}
-
-}  // namespace
 
 std::string_view TierName(Tier tier) {
   switch (tier) {
@@ -139,8 +79,8 @@ Status Schedule::Validate() const {
   return Status::Ok();
 }
 
-nlohmann::json ToJson(const Schedule& s) {
-  nlohmann::json j;
+nlohmann::ordered_json ToOrderedJson(const Schedule& s) {
+  nlohmann::ordered_json j;
   j["version"] = Schedule::kVersion;
   j["params"] = {{"tier", std::string(TierName(s.param_tier))},
                  {"dtype", std::string(ElementTypeName(s.param_dtype))},
@@ -164,56 +104,55 @@ nlohmann::json ToJson(const Schedule& s) {
   return j;
 }
 
+nlohmann::json ToJson(const Schedule& s) { return nlohmann::json(ToOrderedJson(s)); }
+
 Result<Schedule> ScheduleFromJson(const nlohmann::json& j, const std::string& source) {
   const std::string where = source.empty() ? std::string("schedule") : source;
+  const JsonFieldReader r(j, where);
   MEMPLAN_RETURN_IF_ERROR(
-      CheckKeys(j, where, {"version", "params", "optimizer", "nvme", "pinned_budget_bytes"}));
+      r.CheckKeys({"version", "params", "optimizer", "nvme", "pinned_budget_bytes"}));
   int version = Schedule::kVersion;
-  MEMPLAN_RETURN_IF_ERROR(Get(j, where, "version", &version));
+  MEMPLAN_RETURN_IF_ERROR(r.Integer("version", &version));
   if (version != Schedule::kVersion) {
-    return Status::InvalidArgument(where + ".version: " + std::to_string(version) +
-                                   " is not supported (this memplan reads version 1)");
+    return r.Error("version", std::to_string(version) +
+                                  " is not supported (this memplan reads version 1)");
   }
   Schedule s;
-  if (j.contains("params")) {
-    const nlohmann::json& p = j["params"];
-    const std::string w = where + ".params";
-    MEMPLAN_RETURN_IF_ERROR(CheckKeys(p, w,
-                                      {"tier", "dtype", "persistence_threshold", "prefetch_bytes",
-                                       "max_live_bytes", "buffer_bytes", "buffer_count"}));
-    MEMPLAN_RETURN_IF_ERROR(GetEnum(p, w, "tier", ParseTier, &s.param_tier));
-    MEMPLAN_RETURN_IF_ERROR(GetEnum(p, w, "dtype", ParseElementType, &s.param_dtype));
-    MEMPLAN_RETURN_IF_ERROR(Get(p, w, "persistence_threshold", &s.persistence_threshold));
-    MEMPLAN_RETURN_IF_ERROR(Get(p, w, "prefetch_bytes", &s.prefetch_bytes));
-    MEMPLAN_RETURN_IF_ERROR(Get(p, w, "max_live_bytes", &s.max_live_bytes));
-    MEMPLAN_RETURN_IF_ERROR(Get(p, w, "buffer_bytes", &s.param_buffer_bytes));
-    MEMPLAN_RETURN_IF_ERROR(Get(p, w, "buffer_count", &s.param_buffer_count));
+  if (r.Has("params")) {
+    const JsonFieldReader p = r.Child("params");
+    MEMPLAN_RETURN_IF_ERROR(p.CheckKeys({"tier", "dtype", "persistence_threshold",
+                                         "prefetch_bytes", "max_live_bytes", "buffer_bytes",
+                                         "buffer_count"}));
+    MEMPLAN_RETURN_IF_ERROR(p.Enum("tier", ParseTier, &s.param_tier));
+    MEMPLAN_RETURN_IF_ERROR(p.Enum("dtype", ParseElementType, &s.param_dtype));
+    MEMPLAN_RETURN_IF_ERROR(p.Integer("persistence_threshold", &s.persistence_threshold));
+    MEMPLAN_RETURN_IF_ERROR(p.Integer("prefetch_bytes", &s.prefetch_bytes));
+    MEMPLAN_RETURN_IF_ERROR(p.Integer("max_live_bytes", &s.max_live_bytes));
+    MEMPLAN_RETURN_IF_ERROR(p.Integer("buffer_bytes", &s.param_buffer_bytes));
+    MEMPLAN_RETURN_IF_ERROR(p.Integer("buffer_count", &s.param_buffer_count));
   }
-  if (j.contains("optimizer")) {
-    const nlohmann::json& o = j["optimizer"];
-    const std::string w = where + ".optimizer";
+  if (r.Has("optimizer")) {
+    const JsonFieldReader o = r.Child("optimizer");
     MEMPLAN_RETURN_IF_ERROR(
-        CheckKeys(o, w, {"tier", "name", "sub_group_elements", "buffer_count", "threads"}));
-    MEMPLAN_RETURN_IF_ERROR(GetEnum(o, w, "tier", ParseTier, &s.optimizer_tier));
-    MEMPLAN_RETURN_IF_ERROR(GetEnum(o, w, "name", ParseSwapOptimizer, &s.optimizer));
-    MEMPLAN_RETURN_IF_ERROR(Get(o, w, "sub_group_elements", &s.sub_group_elements));
-    MEMPLAN_RETURN_IF_ERROR(Get(o, w, "buffer_count", &s.optimizer_buffer_count));
-    MEMPLAN_RETURN_IF_ERROR(Get(o, w, "threads", &s.optimizer_threads));
+        o.CheckKeys({"tier", "name", "sub_group_elements", "buffer_count", "threads"}));
+    MEMPLAN_RETURN_IF_ERROR(o.Enum("tier", ParseTier, &s.optimizer_tier));
+    MEMPLAN_RETURN_IF_ERROR(o.Enum("name", ParseSwapOptimizer, &s.optimizer));
+    MEMPLAN_RETURN_IF_ERROR(o.Integer("sub_group_elements", &s.sub_group_elements));
+    MEMPLAN_RETURN_IF_ERROR(o.Integer("buffer_count", &s.optimizer_buffer_count));
+    MEMPLAN_RETURN_IF_ERROR(o.Integer("threads", &s.optimizer_threads));
   }
-  if (j.contains("nvme")) {
-    const nlohmann::json& n = j["nvme"];
-    const std::string w = where + ".nvme";
-    MEMPLAN_RETURN_IF_ERROR(
-        CheckKeys(n, w, {"path", "backend", "block_size", "queue_depth", "intra_op_parallelism",
-                         "direct"}));
-    MEMPLAN_RETURN_IF_ERROR(Get(n, w, "path", &s.nvme_path));
-    MEMPLAN_RETURN_IF_ERROR(GetEnum(n, w, "backend", nvme::ParseBackendKind, &s.nvme_backend));
-    MEMPLAN_RETURN_IF_ERROR(Get(n, w, "block_size", &s.nvme_block_size));
-    MEMPLAN_RETURN_IF_ERROR(Get(n, w, "queue_depth", &s.nvme_queue_depth));
-    MEMPLAN_RETURN_IF_ERROR(Get(n, w, "intra_op_parallelism", &s.nvme_io_threads));
-    MEMPLAN_RETURN_IF_ERROR(Get(n, w, "direct", &s.nvme_direct));
+  if (r.Has("nvme")) {
+    const JsonFieldReader n = r.Child("nvme");
+    MEMPLAN_RETURN_IF_ERROR(n.CheckKeys(
+        {"path", "backend", "block_size", "queue_depth", "intra_op_parallelism", "direct"}));
+    MEMPLAN_RETURN_IF_ERROR(n.String("path", &s.nvme_path));
+    MEMPLAN_RETURN_IF_ERROR(n.Enum("backend", nvme::ParseBackendKind, &s.nvme_backend));
+    MEMPLAN_RETURN_IF_ERROR(n.Integer("block_size", &s.nvme_block_size));
+    MEMPLAN_RETURN_IF_ERROR(n.Integer("queue_depth", &s.nvme_queue_depth));
+    MEMPLAN_RETURN_IF_ERROR(n.Integer("intra_op_parallelism", &s.nvme_io_threads));
+    MEMPLAN_RETURN_IF_ERROR(n.Bool("direct", &s.nvme_direct));
   }
-  MEMPLAN_RETURN_IF_ERROR(Get(j, where, "pinned_budget_bytes", &s.pinned_budget_bytes));
+  MEMPLAN_RETURN_IF_ERROR(r.Integer("pinned_budget_bytes", &s.pinned_budget_bytes));
   MEMPLAN_RETURN_IF_ERROR(s.Validate().WithPrefix(where));
   return s;
 }

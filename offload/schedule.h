@@ -87,6 +87,9 @@ struct Schedule {
   Status Validate() const;
 };
 
+// The JSON form, keys in the order the README documents them (version, params, optimizer, nvme,
+// pinned_budget_bytes): the one writer of a Schedule, `plan --emit-schedule` included.
+nlohmann::ordered_json ToOrderedJson(const Schedule& schedule);
 nlohmann::json ToJson(const Schedule& schedule);
 // Reads the JSON form; absent keys keep their defaults; unknown keys, wrong types and a version
 // other than 1 are errors naming the key (prefixed with `source`). Validates.

@@ -256,50 +256,61 @@ Status Cluster::Validate() const {
   return Status::Ok();
 }
 
-Status ApplyNvmeBench(const nlohmann::json& bench, const std::string& source, Cluster* cluster) {
-  if (!bench.is_object()) return Status::InvalidArgument(source + ": not a JSON object");
-  auto best = bench.find("best");
-  if (best == bench.end() || !best->is_object()) {
+Result<NvmeBenchReading> NvmeBenchFromJson(const nlohmann::json& bench,
+                                           const std::string& source) {
+  auto best = bench.is_object() ? bench.find("best") : bench.end();
+  if (!bench.is_object() || best == bench.end() || !best->is_object()) {
     return Status::InvalidArgument(
         source + ": no 'best' result (is it `memplan bench nvme --format json` output?)");
   }
+  const JsonFieldReader fields(*best, source, "best.");
   auto rate = [&](const char* key, double* out) -> Status {
-    auto it = best->find(key);
-    if (it == best->end() || it->is_null()) return Status::Ok();  // direction not measured
-    if (!it->is_number() || !(it->get<double>() > 0)) {
-      return Status::InvalidArgument(source + ": best." + key + " must be a positive number");
+    if (!fields.Has(key) || best->at(key).is_null()) return Status::Ok();  // not measured
+    MEMPLAN_RETURN_IF_ERROR(fields.Number(key, out));
+    if (!(*out > 0)) {
+      return fields.Error(key, "must be a positive number, got " + best->at(key).dump());
     }
-    *out = it->get<double>();
     return Status::Ok();
   };
-  double read = 0, write = 0;
-  MEMPLAN_RETURN_IF_ERROR(rate("read_bytes_per_s", &read));
-  MEMPLAN_RETURN_IF_ERROR(rate("write_bytes_per_s", &write));
-  if (read == 0 && write == 0) {
+  NvmeBenchReading reading;
+  MEMPLAN_RETURN_IF_ERROR(rate("read_bytes_per_s", &reading.read_bytes_per_s));
+  MEMPLAN_RETURN_IF_ERROR(rate("write_bytes_per_s", &reading.write_bytes_per_s));
+  if (reading.read_bytes_per_s == 0 && reading.write_bytes_per_s == 0) {
     return Status::InvalidArgument(source + ": best has neither read_bytes_per_s nor "
                                             "write_bytes_per_s");
   }
-  if (read > 0) cluster->nvme_read_bytes_per_s = read;
-  if (write > 0) cluster->nvme_write_bytes_per_s = write;
-  cluster->nvme_bandwidth_source = "bench";
+  // The aio block is a hint: a setting of another type is passed over, not refused.
   if (auto aio = bench.find("aio"); aio != bench.end() && aio->is_object()) {
     const nlohmann::json& a = aio->contains("aio") ? (*aio)["aio"] : *aio;
-    if (a.contains("block_size") && a["block_size"].is_number_integer()) {
-      cluster->aio_block_size = a["block_size"].get<int64_t>();
-    }
-    if (a.contains("queue_depth") && a["queue_depth"].is_number_integer()) {
-      cluster->aio_queue_depth = a["queue_depth"].get<int64_t>();
-    }
-    if (a.contains("intra_op_parallelism") && a["intra_op_parallelism"].is_number_integer()) {
-      const int64_t threads = a["intra_op_parallelism"].get<int64_t>();
-      if (threads >= 1 && threads <= 64) cluster->aio_intra_op_parallelism = threads;
-    }
-  }
-  if (cluster->nvme_path.empty()) {
-    if (auto p = bench.find("path"); p != bench.end() && p->is_string()) {
-      cluster->nvme_path = p->get<std::string>();
+    auto setting = [&](const char* key) -> std::optional<int64_t> {
+      if (a.contains(key) && a[key].is_number_integer()) return a[key].get<int64_t>();
+      return std::nullopt;
+    };
+    reading.aio_block_size = setting("block_size");
+    reading.aio_queue_depth = setting("queue_depth");
+    reading.aio_intra_op_parallelism = setting("intra_op_parallelism");
+    if (reading.aio_intra_op_parallelism &&
+        (*reading.aio_intra_op_parallelism < 1 || *reading.aio_intra_op_parallelism > 64)) {
+      reading.aio_intra_op_parallelism.reset();
     }
   }
+  if (auto p = bench.find("path"); p != bench.end() && p->is_string()) {
+    reading.path = p->get<std::string>();
+  }
+  return reading;
+}
+
+Status ApplyNvmeBench(const nlohmann::json& bench, const std::string& source, Cluster* cluster) {
+  MEMPLAN_ASSIGN_OR_RETURN(NvmeBenchReading reading, NvmeBenchFromJson(bench, source));
+  if (reading.read_bytes_per_s > 0) cluster->nvme_read_bytes_per_s = reading.read_bytes_per_s;
+  if (reading.write_bytes_per_s > 0) cluster->nvme_write_bytes_per_s = reading.write_bytes_per_s;
+  cluster->nvme_bandwidth_source = "bench";
+  if (reading.aio_block_size) cluster->aio_block_size = *reading.aio_block_size;
+  if (reading.aio_queue_depth) cluster->aio_queue_depth = *reading.aio_queue_depth;
+  if (reading.aio_intra_op_parallelism) {
+    cluster->aio_intra_op_parallelism = *reading.aio_intra_op_parallelism;
+  }
+  if (cluster->nvme_path.empty()) cluster->nvme_path = reading.path;
   return Status::Ok();
 }
 
@@ -361,60 +372,49 @@ nlohmann::json ToJson(const Cluster& c) {
 
 namespace {
 
-Result<uint64_t> SizeField(const nlohmann::json& v, const std::string& what) {
-  if (v.is_number_unsigned()) return v.get<uint64_t>();
-  if (v.is_number_integer() && v.get<int64_t>() >= 0) return static_cast<uint64_t>(v.get<int64_t>());
-  if (v.is_number_float() && v.get<double>() >= 0 && v.get<double>() < 1.8e19) {
-    return static_cast<uint64_t>(v.get<double>());
+// A finite number >= 0.
+Status NonNegative(const JsonFieldReader& r, const char* key, double* out) {
+  if (!r.Has(key)) return Status::Ok();
+  double v = 0;
+  MEMPLAN_RETURN_IF_ERROR(r.Number(key, &v));
+  if (!std::isfinite(v) || v < 0) {
+    return r.Error(key, "must be a number >= 0, got " + JsonFieldReader::Got(r.object().at(key)));
   }
-  if (v.is_string()) return ParseByteSize(v.get<std::string>(), what);
-  return Status::InvalidArgument(what + ": expected a size (bytes or \"80GiB\")");
-}
-
-Result<double> NumberField(const nlohmann::json& v, const std::string& what) {
-  if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0) {
-    return Status::InvalidArgument(what + ": expected a number >= 0");
-  }
-  return v.get<double>();
+  *out = v;
+  return Status::Ok();
 }
 
 Result<GpuSpec> GpuFromJson(const nlohmann::json& j, const std::string& source) {
   if (j.is_string()) return FindGpuPreset(j.get<std::string>());
-  if (!j.is_object()) return Status::InvalidArgument(source + ": 'gpu' must be a preset name or an object");
+  if (!j.is_object()) {
+    return Status::InvalidArgument(source + ": 'gpu' must be a preset name or an object");
+  }
+  const JsonFieldReader r(j, source, "gpu.");
+  MEMPLAN_RETURN_IF_ERROR(r.CheckKeys(
+      {"preset", "name", "description", "memory_bytes", "pcie_gen", "gpus_per_pcie_switch",
+       "bf16_flops", "fp16_flops", "fp32_flops", "hbm_bytes_per_s", "link_bytes_per_s",
+       "mfu_prior", "gemm_efficiency", "attention_efficiency", "node_network_bytes_per_s"}));
   GpuSpec g;
-  if (auto it = j.find("preset"); it != j.end()) {
-    if (!it->is_string()) return Status::InvalidArgument(source + ": gpu.preset must be a string");
-    MEMPLAN_ASSIGN_OR_RETURN(g, FindGpuPreset(it->get<std::string>()));
+  if (r.Has("preset")) {
+    std::string preset;
+    MEMPLAN_RETURN_IF_ERROR(r.String("preset", &preset));
+    MEMPLAN_ASSIGN_OR_RETURN(g, FindGpuPreset(preset));
   }
-  for (const auto& [key, value] : j.items()) {
-    const std::string what = source + ": gpu." + key;
-    if (key == "preset") continue;
-    if (key == "name" || key == "description") {
-      if (!value.is_string()) return Status::InvalidArgument(what + ": expected a string");
-      (key == "name" ? g.name : g.description) = value.get<std::string>();
-    } else if (key == "memory_bytes") {
-      MEMPLAN_ASSIGN_OR_RETURN(g.memory_bytes, SizeField(value, what));
-    } else if (key == "pcie_gen") {
-      MEMPLAN_ASSIGN_OR_RETURN(int64_t v, JsonInteger(value, what, 3, 6));
-      g.pcie_gen = static_cast<int>(v);
-    } else if (key == "gpus_per_pcie_switch") {
-      MEMPLAN_ASSIGN_OR_RETURN(int64_t v, JsonInteger(value, what, 1, 64));
-      g.gpus_per_pcie_switch = static_cast<int>(v);
-    } else {
-      double* target = key == "bf16_flops"         ? &g.bf16_flops
-                       : key == "fp16_flops"       ? &g.fp16_flops
-                       : key == "fp32_flops"       ? &g.fp32_flops
-                       : key == "hbm_bytes_per_s"  ? &g.hbm_bytes_per_s
-                       : key == "link_bytes_per_s" ? &g.link_bytes_per_s
-                       : key == "mfu_prior"        ? &g.mfu_prior
-                       : key == "gemm_efficiency"  ? &g.gemm_efficiency
-                       : key == "attention_efficiency" ? &g.attention_efficiency
-                       : key == "node_network_bytes_per_s" ? &g.node_network_bytes_per_s
-                                                   : nullptr;
-      if (target == nullptr) return Status::InvalidArgument(what + ": unknown key");
-      MEMPLAN_ASSIGN_OR_RETURN(*target, NumberField(value, what));
-    }
-  }
+  MEMPLAN_RETURN_IF_ERROR(r.String("name", &g.name));
+  MEMPLAN_RETURN_IF_ERROR(r.String("description", &g.description));
+  MEMPLAN_RETURN_IF_ERROR(r.ByteSize("memory_bytes", &g.memory_bytes));
+  MEMPLAN_RETURN_IF_ERROR(r.Integer("pcie_gen", &g.pcie_gen, 3, 6));
+  MEMPLAN_RETURN_IF_ERROR(r.Integer("gpus_per_pcie_switch", &g.gpus_per_pcie_switch, 1, 64));
+  MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "bf16_flops", &g.bf16_flops));
+  MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "fp16_flops", &g.fp16_flops));
+  MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "fp32_flops", &g.fp32_flops));
+  MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "hbm_bytes_per_s", &g.hbm_bytes_per_s));
+  MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "link_bytes_per_s", &g.link_bytes_per_s));
+  MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "mfu_prior", &g.mfu_prior));
+  MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "gemm_efficiency", &g.gemm_efficiency));
+  MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "attention_efficiency", &g.attention_efficiency));
+  MEMPLAN_RETURN_IF_ERROR(
+      NonNegative(r, "node_network_bytes_per_s", &g.node_network_bytes_per_s));
   if (g.name.empty()) g.name = "custom";
   return g;
 }
@@ -424,50 +424,34 @@ Result<GpuSpec> GpuFromJson(const nlohmann::json& j, const std::string& source) 
 Result<Cluster> ClusterFromJson(const nlohmann::json& json, const std::string& source) {
   if (!json.is_object()) return Status::InvalidArgument(source + ": a cluster must be a JSON object");
   if (!json.contains("gpu")) return Status::InvalidArgument(source + ": missing 'gpu'");
+  const JsonFieldReader r(json, source);
+  // world_size and pcie_bytes_per_s are derived: ToJson writes them, and they are accepted and
+  // ignored on input.
+  MEMPLAN_RETURN_IF_ERROR(r.CheckKeys(
+      {"gpu", "nodes", "gpus_per_node", "cpu_cores", "pcie_gen", "cpu_memory_bytes",
+       "memlock_bytes", "nvme_capacity_bytes", "nvme_path", "nvme_bandwidth_source",
+       "cpu_adam_source", "inter_node_bytes_per_s", "nvme_read_bytes_per_s",
+       "nvme_write_bytes_per_s", "cpu_adam_params_per_s", "world_size", "pcie_bytes_per_s"}));
   Cluster c;
-  // Fields ToJson writes that are derived, accepted and ignored on input.
-  static const std::set<std::string> kDerived = {"world_size", "pcie_bytes_per_s"};
-  for (const auto& [key, value] : json.items()) {
-    const std::string what = source + ": " + key;
-    if (kDerived.count(key) > 0) continue;
-    if (key == "gpu") {
-      MEMPLAN_ASSIGN_OR_RETURN(c.gpu, GpuFromJson(value, source));
-    } else if (key == "nodes") {
-      MEMPLAN_ASSIGN_OR_RETURN(c.nodes, JsonInteger(value, what, 1, int64_t{1} << 20));
-    } else if (key == "gpus_per_node") {
-      MEMPLAN_ASSIGN_OR_RETURN(c.gpus_per_node, JsonInteger(value, what, 1, 1024));
-    } else if (key == "cpu_cores") {
-      MEMPLAN_ASSIGN_OR_RETURN(c.cpu_cores, JsonInteger(value, what, 0, int64_t{1} << 16));
-    } else if (key == "pcie_gen") {
-      // 0: the GPU's own generation.
-      MEMPLAN_ASSIGN_OR_RETURN(int64_t v, JsonInteger(value, what, 0, 6));
-      if (v != 0 && v < 3) return Status::InvalidArgument(what + ": must be 0, 3, 4, 5 or 6");
-      c.pcie_gen = static_cast<int>(v);
-    } else if (key == "cpu_memory_bytes") {
-      MEMPLAN_ASSIGN_OR_RETURN(c.cpu_memory_bytes, SizeField(value, what));
-    } else if (key == "memlock_bytes") {
-      MEMPLAN_ASSIGN_OR_RETURN(c.memlock_bytes, SizeField(value, what));
-    } else if (key == "nvme_capacity_bytes") {
-      MEMPLAN_ASSIGN_OR_RETURN(c.nvme_capacity_bytes, SizeField(value, what));
-    } else if (key == "nvme_path" || key == "nvme_bandwidth_source" || key == "cpu_adam_source") {
-      if (!value.is_string()) return Status::InvalidArgument(what + ": expected a string");
-      if (key == "nvme_path") c.nvme_path = value.get<std::string>();
-      if (key == "nvme_bandwidth_source") c.nvme_bandwidth_source = value.get<std::string>();
-      if (key == "cpu_adam_source") c.cpu_adam_source = value.get<std::string>();
-    } else if (key == "inter_node_bytes_per_s") {
-      MEMPLAN_ASSIGN_OR_RETURN(c.inter_node_bytes_per_s, NumberField(value, what));
-    } else if (key == "nvme_read_bytes_per_s") {
-      MEMPLAN_ASSIGN_OR_RETURN(c.nvme_read_bytes_per_s, NumberField(value, what));
-      if (c.nvme_bandwidth_source == "prior") c.nvme_bandwidth_source = "given";
-    } else if (key == "nvme_write_bytes_per_s") {
-      MEMPLAN_ASSIGN_OR_RETURN(c.nvme_write_bytes_per_s, NumberField(value, what));
-      if (c.nvme_bandwidth_source == "prior") c.nvme_bandwidth_source = "given";
-    } else if (key == "cpu_adam_params_per_s") {
-      MEMPLAN_ASSIGN_OR_RETURN(c.cpu_adam_params_per_s, NumberField(value, what));
-    } else {
-      return Status::InvalidArgument(what + ": unknown key");
-    }
-  }
+  MEMPLAN_ASSIGN_OR_RETURN(c.gpu, GpuFromJson(json.at("gpu"), source));
+  MEMPLAN_RETURN_IF_ERROR(r.Integer<int64_t>("nodes", &c.nodes, 1, int64_t{1} << 20));
+  MEMPLAN_RETURN_IF_ERROR(r.Integer<int64_t>("gpus_per_node", &c.gpus_per_node, 1, 1024));
+  MEMPLAN_RETURN_IF_ERROR(r.Integer<int64_t>("cpu_cores", &c.cpu_cores, 0, int64_t{1} << 16));
+  // 0: the GPU's own generation.
+  MEMPLAN_RETURN_IF_ERROR(r.Integer("pcie_gen", &c.pcie_gen, 0, 6));
+  if (c.pcie_gen != 0 && c.pcie_gen < 3) return r.Error("pcie_gen", "must be 0, 3, 4, 5 or 6");
+  MEMPLAN_RETURN_IF_ERROR(r.ByteSize("cpu_memory_bytes", &c.cpu_memory_bytes));
+  MEMPLAN_RETURN_IF_ERROR(r.ByteSize("memlock_bytes", &c.memlock_bytes));
+  MEMPLAN_RETURN_IF_ERROR(r.ByteSize("nvme_capacity_bytes", &c.nvme_capacity_bytes));
+  MEMPLAN_RETURN_IF_ERROR(r.String("nvme_path", &c.nvme_path));
+  MEMPLAN_RETURN_IF_ERROR(r.String("nvme_bandwidth_source", &c.nvme_bandwidth_source));
+  MEMPLAN_RETURN_IF_ERROR(r.String("cpu_adam_source", &c.cpu_adam_source));
+  MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "inter_node_bytes_per_s", &c.inter_node_bytes_per_s));
+  MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "nvme_read_bytes_per_s", &c.nvme_read_bytes_per_s));
+  MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "nvme_write_bytes_per_s", &c.nvme_write_bytes_per_s));
+  const bool rates = r.Has("nvme_read_bytes_per_s") || r.Has("nvme_write_bytes_per_s");
+  if (rates && c.nvme_bandwidth_source == "prior") c.nvme_bandwidth_source = "given";
+  MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "cpu_adam_params_per_s", &c.cpu_adam_params_per_s));
   MEMPLAN_RETURN_IF_ERROR(c.Validate().WithPrefix(source));
   return c;
 }

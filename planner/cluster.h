@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -109,6 +110,21 @@ constexpr double kPcieEfficiency = 0.8;    // achieved fraction of the x16 link 
 // per parameter; memplan's own AVX-512 AdamW runs 2.8e8 params/s on one idle core).
 constexpr double kCpuAdamPerCorePrior = 1e8;
 constexpr double kCpuAdamNodePrior = 3.5e9;
+
+// What a `memplan bench nvme --format json` report says, read by the one reader of that format
+// (NvmeBenchFromJson) for `plan --nvme-bench` (ApplyNvmeBench) and `bench swap --nvme-json`.
+struct NvmeBenchReading {
+  double read_bytes_per_s = 0;   // best.read_bytes_per_s; 0: not measured (absent or null)
+  double write_bytes_per_s = 0;  // best.write_bytes_per_s; 0: not measured
+  // The "aio" block's settings where given as integers (older reports nest them in "aio.aio").
+  std::optional<int64_t> aio_block_size;
+  std::optional<int64_t> aio_queue_depth;
+  std::optional<int64_t> aio_intra_op_parallelism;  // only when in 1..64
+  std::string path;  // "path", "" when absent
+};
+// Refuses (naming `source`) a document without a "best" object, a measured direction that is not
+// a positive number, and a "best" with neither direction.
+Result<NvmeBenchReading> NvmeBenchFromJson(const nlohmann::json& bench, const std::string& source);
 
 // Applies a `memplan bench nvme --format json` document: best.read_bytes_per_s and
 // best.write_bytes_per_s (best_aio-agnostic), the aio block, and the path when none was given.

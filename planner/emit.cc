@@ -4,6 +4,7 @@
 #include <map>
 
 #include "common/printable.h"
+#include "offload/schedule.h"
 
 namespace memplan::planner {
 namespace {
@@ -468,32 +469,42 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
 
   const bool nvme =
       s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme;
-  auto tier_name = [](EngineTier t) {
-    return t == EngineTier::kGpu ? "gpu" : t == EngineTier::kCpu ? "cpu" : "nvme";
+  auto tier = [](EngineTier t) {
+    return t == EngineTier::kGpu   ? offload::Tier::kGpu
+           : t == EngineTier::kCpu ? offload::Tier::kCpu
+                                   : offload::Tier::kNvme;
   };
-  ordered_json j;
-  j["version"] = 1;
-  j["params"] = {{"tier", tier_name(e.param_tier)},
-                 {"dtype", s.precision == Precision::kFp32        ? "fp32"
-                           : s.precision == Precision::kFp16Mixed ? "fp16"
-                                                                  : "bf16"},
-                 {"persistence_threshold", e.persistence_threshold},
-                 {"prefetch_bytes", e.prefetch_bytes},
-                 {"max_live_bytes", e.max_live_bytes},
-                 {"buffer_bytes", e.param_buffer_bytes},
-                 {"buffer_count", e.param_buffer_count}};
-  j["optimizer"] = {{"tier", tier_name(e.optimizer_tier)},
-                    {"name", s.optimizer == estimator::Optimizer::kLion ? "lion" : "adam"},
-                    {"sub_group_elements", e.sub_group_elements},
-                    {"buffer_count", e.optimizer_buffer_count},
-                    {"threads", 0}};
-  j["nvme"] = {{"path", nvme ? NvmePath(cluster) + "/memplan" : ""},
-               {"backend", "auto"},
-               {"block_size", s.aio_block_size},
-               {"queue_depth", s.aio_queue_depth},
-               {"intra_op_parallelism", s.aio_intra_op_parallelism},
-               {"direct", true}};
-  j["pinned_budget_bytes"] = e.pinned_budget_bytes;
+  offload::Schedule schedule;
+  schedule.param_tier = tier(e.param_tier);
+  schedule.param_dtype = s.precision == Precision::kFp32        ? offload::ElementType::kFloat32
+                         : s.precision == Precision::kFp16Mixed ? offload::ElementType::kFloat16
+                                                                : offload::ElementType::kBFloat16;
+  schedule.persistence_threshold = e.persistence_threshold;
+  schedule.prefetch_bytes = e.prefetch_bytes;
+  schedule.max_live_bytes = e.max_live_bytes;
+  schedule.param_buffer_bytes = e.param_buffer_bytes;
+  schedule.param_buffer_count = e.param_buffer_count;
+  schedule.optimizer_tier = tier(e.optimizer_tier);
+  schedule.optimizer = s.optimizer == estimator::Optimizer::kLion ? offload::SwapOptimizer::kLion
+                                                                   : offload::SwapOptimizer::kAdam;
+  schedule.sub_group_elements = e.sub_group_elements;
+  schedule.optimizer_buffer_count = e.optimizer_buffer_count;
+  schedule.optimizer_threads = 0;  // the engine picks
+  schedule.nvme_path = nvme ? NvmePath(cluster) + "/memplan" : "";
+  schedule.nvme_backend = nvme::BackendKind::kAuto;
+  // The setup allows aio block sizes up to 2^50; the Schedule holds 32 bits (and the engine
+  // refuses blocks over 64 MiB), so a larger one is refused here rather than cut.
+  if (s.aio_block_size > int64_t{UINT32_MAX}) {
+    return Status::InvalidArgument("--emit-schedule: aio.block_size " +
+                                   std::to_string(s.aio_block_size) +
+                                   " is larger than memplan's engine reads");
+  }
+  schedule.nvme_block_size = static_cast<uint32_t>(s.aio_block_size);
+  schedule.nvme_queue_depth = static_cast<uint32_t>(s.aio_queue_depth);       // 1..2^16
+  schedule.nvme_io_threads = static_cast<uint32_t>(s.aio_intra_op_parallelism);  // 1..64
+  schedule.nvme_direct = true;
+  schedule.pinned_budget_bytes = e.pinned_budget_bytes;
+  ordered_json j = offload::ToOrderedJson(schedule);
   out.json = std::move(j);
   return out;
 }

@@ -73,6 +73,20 @@ TEST_CASE("cluster: presets and bench inputs") {
   CHECK(c.nvme_path == "/mnt/nvme");
   CHECK(c.aio_block_size == 8388608);
   CHECK_FALSE(ApplyNvmeBench(nlohmann::json{{"best", nullptr}}, "n.json", &c).ok());
+  // One reader of the report for the planner and `bench swap`: a direction not measured (null) is
+  // 0, a measured one must be positive, and the aio block is a hint.
+  Result<NvmeBenchReading> reading = NvmeBenchFromJson(
+      {{"best", {{"read_bytes_per_s", nullptr}, {"write_bytes_per_s", 2e9}}},
+       {"aio", {{"aio", {{"queue_depth", 8}, {"intra_op_parallelism", 99}, {"block_size", "1M"}}}}}},
+      "n.json");
+  REQUIRE(reading.ok());
+  CHECK(reading->read_bytes_per_s == 0);
+  CHECK(reading->write_bytes_per_s == 2e9);
+  CHECK(reading->aio_queue_depth == 8);
+  CHECK_FALSE(reading->aio_intra_op_parallelism.has_value());
+  CHECK_FALSE(reading->aio_block_size.has_value());
+  CHECK(NvmeBenchFromJson({{"best", {{"read_bytes_per_s", -1}}}}, "n.json").status().message() ==
+        "n.json: 'best.read_bytes_per_s' must be a positive number, got -1");
   REQUIRE(ApplyAdamBench({{"params_per_s", 1.2e9}, {"threads", 64}}, "adam.json", &c).ok());
   CHECK(c.CpuAdamParamsPerS() == 1.2e9);
 
@@ -86,7 +100,14 @@ TEST_CASE("cluster: presets and bench inputs") {
   CHECK(back->WorldSize() == 8);
   CHECK(back->cpu_memory_bytes == uint64_t{1} << 40);
   auto bad = ClusterFromJson({{"gpu", "a100-80"}, {"gpus", 8}}, "cluster.json");
-  CHECK(bad.status().message() == "cluster.json: gpus: unknown key");
+  CHECK(bad.status().message() ==
+        "cluster.json: unknown key 'gpus' (did you mean gpu or gpus_per_node?)");
+  bad = ClusterFromJson({{"gpu", {{"preset", "a100-80"}, {"hbm_bytes", 1}}}}, "cluster.json");
+  CHECK(bad.status().message() ==
+        "cluster.json: unknown key 'gpu.hbm_bytes' (did you mean hbm_bytes_per_s?)");
+  bad = ClusterFromJson({{"gpu", "a100-80"}, {"nodes", 0}}, "cluster.json");
+  CHECK(bad.status().message() ==
+        "cluster.json: 'nodes' must be an integer from 1 to 1048576, got 0");
 }
 
 TEST_CASE("search: llama-2-7b on 8 x A100-80 keeps everything on the GPUs") {

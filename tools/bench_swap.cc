@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <optional>
 #include <string>
 
 #include "common/file.h"
@@ -12,6 +11,7 @@
 #include "common/json.h"
 #include "bench/nvme_bench.h"
 #include "bench/swap_bench.h"
+#include "planner/cluster.h"
 #include "tools/commands.h"
 #include "tools/signals.h"
 
@@ -36,29 +36,18 @@ struct SwapFlags {
   std::string format = "text";
 };
 
-// Bandwidths from a `memplan bench nvme --format json` report: its "best" point.
+// Bandwidths from a `memplan bench nvme --format json` report: its "best" point, both directions.
 Status ReadNvmeJson(const std::string& path, bench::SwapBenchOptions* options) {
   MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, 64 << 20));
   MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json doc, ParseJson(text, path));
-  auto rate = [&](const char* key) -> std::optional<double> {
-    if (!doc.is_object()) return std::nullopt;
-    auto best = doc.find("best");
-    if (best == doc.end() || !best->is_object()) return std::nullopt;
-    auto value = best->find(key);
-    if (value == best->end() || !value->is_number()) return std::nullopt;
-    return value->get<double>();
-  };
-  const std::optional<double> read = rate("read_bytes_per_s");
-  const std::optional<double> write = rate("write_bytes_per_s");
-  if (!read || !write) {
-    return Status::InvalidArgument(path + ": not a `memplan bench nvme --format json` report "
-                                   "(no best.read_bytes_per_s and best.write_bytes_per_s)");
+  MEMPLAN_ASSIGN_OR_RETURN(planner::NvmeBenchReading reading,
+                           planner::NvmeBenchFromJson(doc, path));
+  if (!(reading.read_bytes_per_s > 0) || !(reading.write_bytes_per_s > 0)) {
+    return Status::InvalidArgument(path + ": the swap bench needs both best.read_bytes_per_s and "
+                                          "best.write_bytes_per_s; the report measured one");
   }
-  if (!(*read > 0) || !(*write > 0)) {
-    return Status::InvalidArgument(path + ": the best point measured no read or no write");
-  }
-  options->read_bytes_per_s = *read;
-  options->write_bytes_per_s = *write;
+  options->read_bytes_per_s = reading.read_bytes_per_s;
+  options->write_bytes_per_s = reading.write_bytes_per_s;
   return Status::Ok();
 }
 
