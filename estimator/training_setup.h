@@ -81,6 +81,14 @@ Result<Framework> ParseFramework(std::string_view text);
 Result<FsdpSharding> ParseFsdpSharding(std::string_view text);  // also FULL_SHARD, ...
 
 struct TrainingSetup {
+  // The largest batch, sequence, accumulation or parallel degree accepted (by Validate and by the
+  // DeepSpeed config reader): far beyond any real job, and small enough that products of a few of
+  // them cannot overflow 64 bits.
+  static constexpr int64_t kMaxCount = int64_t{1} << 24;
+  // The largest DeepSpeed buffer size (elements) accepted: 2^50 (DeepSpeed configs write up to
+  // 1e12).
+  static constexpr int64_t kMaxBufferElements = int64_t{1} << 50;
+
   Precision precision = Precision::kBf16Mixed;
   Optimizer optimizer = Optimizer::kAdamW;
 
@@ -208,21 +216,5 @@ std::vector<std::string> DefaultLoraTargets(std::string_view model_type);
 // keys keep the defaults) and refuses unknown keys and wrong types, naming them.
 nlohmann::json ToJson(const TrainingSetup& setup);
 Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& json);
-
-// Reads the settings of a DeepSpeed config into `setup` (fields the config does not mention are
-// left as they are): zero_optimization (stage, buckets, overlap_comm, offload_optimizer/param
-// with device, pin_memory, buffer_count, buffer_size; legacy cpu_offload), fp16/bf16 enabled,
-// train_micro_batch_size_per_gpu, gradient_accumulation_steps, optimizer.type,
-// activation_checkpointing (present: full checkpointing), aio.
-//
-// A setting whose field is in `supplied` (the TrainingSetup field names the caller set itself,
-// e.g. from flags: "micro_batch", "grad_accum", "precision", "optimizer", "zero_stage",
-// "offload_optimizer", "offload_param", "checkpointing") keeps the caller's value, "auto" or not.
-// Other "auto" values (the Hugging Face Trainer fills those): bucket sizes are filled as the Trainer does from the model width `hidden` (h*h,
-// 0.9*h*h, 10*h) when hidden > 0; any other "auto" is an error naming the key and the flag that
-// supplies it. Errors name `source` and the key.
-Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& source,
-                            const std::set<std::string>& supplied, int64_t hidden,
-                            TrainingSetup* setup);
 
 }  // namespace memplan::estimator

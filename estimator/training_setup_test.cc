@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "estimator/deepspeed_config.h"
 #include "tests/estimator_testing.h"
 
 namespace memplan::estimator {

@@ -16,6 +16,7 @@
 
 #include "common/json.h"
 #include "estimator/builtin_models.h"
+#include "estimator/deepspeed_config.h"
 #include "estimator/estimate.h"
 #include "estimator/hf_config.h"
 #include "estimator/model_source.h"

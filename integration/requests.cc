@@ -6,6 +6,7 @@
 
 #include "common/byte_size.h"
 #include "common/json.h"
+#include "estimator/deepspeed_config.h"
 #include "estimator/estimate.h"
 #include "estimator/hf_config.h"
 #include "estimator/model_source.h"

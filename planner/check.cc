@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 
+#include "estimator/deepspeed_config.h"
 #include "estimator/estimate.h"
 #include "common/checked_math.h"
 #include "common/printable.h"

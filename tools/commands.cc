@@ -12,6 +12,7 @@
 #include "common/file.h"
 #include "common/printable.h"
 #include "estimator/builtin_models.h"
+#include "estimator/deepspeed_config.h"
 #include "estimator/estimate.h"
 #include "estimator/hf_config.h"
 #include "estimator/model_source.h"
