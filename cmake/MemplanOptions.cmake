@@ -4,6 +4,11 @@ add_library(memplan_warnings INTERFACE)
 target_compile_options(memplan_warnings INTERFACE
   $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor
     -Wimplicit-fallthrough>)
+# Note [Thread-safety analysis] (common/thread_annotations.h): clang checks the GUARDED_BY /
+# REQUIRES annotations; gcc has no such analysis, and the annotations expand to nothing there.
+if(CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+  target_compile_options(memplan_warnings INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Wthread-safety>)
+endif()
 if(MEMPLAN_WERROR)
   target_compile_options(memplan_warnings INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Werror>)
 endif()

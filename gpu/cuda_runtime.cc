@@ -8,11 +8,11 @@
 #include <atomic>
 #include <cstdio>
 #include <map>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "common/mutex.h"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_runtime_internal.h"
 #include "gpu/gpu_runtime.h"
@@ -60,7 +60,7 @@ class EventPool {
   // An event of the pool's device; the caller's device must be current.
   Result<cudaEvent_t> Take() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (!free_.empty()) {
         cudaEvent_t event = free_.back();
         free_.pop_back();
@@ -72,14 +72,14 @@ class EventPool {
     return event;
   }
   void Give(cudaEvent_t event) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     free_.push_back(event);
   }
 
  private:
   const int device_;
-  std::mutex mu_;
-  std::vector<cudaEvent_t> free_;  // guarded by mu_
+  Mutex mu_;
+  std::vector<cudaEvent_t> free_ GUARDED_BY(mu_);
 };
 
 struct FenceState {
@@ -97,12 +97,12 @@ struct Slot {
 };
 
 struct Lane {
-  std::mutex mu;
+  Mutex mu;
   cudaStream_t stream = nullptr;  // created by Init, destroyed by the destructor; fixed between
-  std::vector<Slot> ring;         // kRingSize slots; guarded by mu
-  uint64_t submitted = 0;         // guarded by mu: the last sequence handed out
-  uint64_t completed = 0;         // guarded by mu: every sequence <= completed is done
-  Status error;                   // guarded by mu: the first error Wait has not reported yet
+  std::vector<Slot> ring GUARDED_BY(mu);  // kRingSize slots
+  uint64_t submitted GUARDED_BY(mu) = 0;  // the last sequence handed out
+  uint64_t completed GUARDED_BY(mu) = 0;  // every sequence <= completed is done
+  Status error GUARDED_BY(mu);            // the first error Wait has not reported yet
 };
 
 const char* DirectionName(CopyDirection direction) {
@@ -139,8 +139,8 @@ void KeepFirst(Status& first, const Status& next) {
   if (first.ok() && !next.ok()) first = next;
 }
 
-// Hands out the lane's unreported error, if any, and forgets it. Caller holds lane.mu.
-Status TakeError(Lane& lane) { return std::exchange(lane.error, Status::Ok()); }
+// Hands out the lane's unreported error, if any, and forgets it.
+Status TakeError(Lane& lane) REQUIRES(lane.mu) { return std::exchange(lane.error, Status::Ok()); }
 
 class CudaRuntime final : public Runtime {
  public:
@@ -183,14 +183,14 @@ class CudaRuntime final : public Runtime {
     MEMPLAN_CUDA_ON_DEVICE(device_);
     // Portable: pinned for every device's context, so a buffer may serve more than one GPU.
     MEMPLAN_CUDA_RETURN_IF_ERROR(cudaHostRegister(ptr, bytes, cudaHostRegisterPortable));
-    std::lock_guard<std::mutex> lock(mem_mu_);
+    MutexLock lock(&mem_mu_);
     registered_.emplace(ptr, bytes);
     return Status::Ok();
   }
 
   Status UnregisterHost(void* ptr) override {
     {
-      std::lock_guard<std::mutex> lock(mem_mu_);
+      MutexLock lock(&mem_mu_);
       if (registered_.erase(ptr) == 0) {
         return Status::InvalidArgument(name_ +
                                        ": UnregisterHost of memory that was not registered");
@@ -221,7 +221,7 @@ class CudaRuntime final : public Runtime {
                                        " bytes of device memory" + room);
     }
     if (err != cudaSuccess) return MEMPLAN_CUDA_STATUS(err, "cudaMalloc(&ptr, bytes)");
-    std::lock_guard<std::mutex> lock(mem_mu_);
+    MutexLock lock(&mem_mu_);
     device_memory_.emplace(ptr, bytes);
     const uint64_t in_use = device_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
     peak_device_bytes_.store(std::max(peak_device_bytes_.load(std::memory_order_relaxed), in_use),
@@ -233,7 +233,7 @@ class CudaRuntime final : public Runtime {
     if (ptr == nullptr) return Status::Ok();
     MEMPLAN_CUDA_ON_DEVICE(device_);
     {
-      std::lock_guard<std::mutex> lock(mem_mu_);
+      MutexLock lock(&mem_mu_);
       auto it = device_memory_.find(ptr);
       if (it == device_memory_.end()) {
         return Status::InvalidArgument(
@@ -266,7 +266,7 @@ class CudaRuntime final : public Runtime {
     MEMPLAN_CUDA_ON_DEVICE(device_);
     Lane& lane = lanes_[static_cast<int>(direction)];
     // Held across the enqueue so that sequence order is stream order.
-    std::lock_guard<std::mutex> lock(lane.mu);
+    MutexLock lock(&lane.mu);
     const uint64_t sequence = lane.submitted + 1;
     Slot& slot = lane.ring[sequence % kRingSize];
     if (slot.event == nullptr) {
@@ -295,7 +295,7 @@ class CudaRuntime final : public Runtime {
     Lane& lane = lanes_[static_cast<int>(ticket.direction)];
     cudaEvent_t event = nullptr;
     {
-      std::lock_guard<std::mutex> lock(lane.mu);
+      MutexLock lock(&lane.mu);
       if (ticket.sequence > lane.submitted) return NeverIssued(ticket);
       if (ticket.sequence <= lane.completed) return TakeError(lane);
       event = lane.ring[ticket.sequence % kRingSize].event;
@@ -303,7 +303,7 @@ class CudaRuntime final : public Runtime {
     MEMPLAN_CUDA_ON_DEVICE(device_);
     // Outside the lock, so other threads keep queueing while this one blocks.
     const cudaError_t err = cudaEventSynchronize(event);
-    std::lock_guard<std::mutex> lock(lane.mu);
+    MutexLock lock(&lane.mu);
     if (err != cudaSuccess) {
       KeepFirst(lane.error, MEMPLAN_CUDA_STATUS(err, "cudaEventSynchronize(copy event)"));
       return TakeError(lane);
@@ -317,20 +317,20 @@ class CudaRuntime final : public Runtime {
     Lane& lane = lanes_[static_cast<int>(ticket.direction)];
     cudaEvent_t event = nullptr;
     {
-      std::lock_guard<std::mutex> lock(lane.mu);
+      MutexLock lock(&lane.mu);
       // A ticket never issued is "done": Wait answers it at once, with the error.
       if (ticket.sequence > lane.submitted || ticket.sequence <= lane.completed) return true;
       event = lane.ring[ticket.sequence % kRingSize].event;
     }
     ScopedDevice device(device_);
     if (Status entered = device.Enter(); !entered.ok()) {
-      std::lock_guard<std::mutex> lock(lane.mu);
+      MutexLock lock(&lane.mu);
       KeepFirst(lane.error, entered);
       return true;  // Wait reports it
     }
     const cudaError_t err = cudaEventQuery(event);
     if (err == cudaErrorNotReady) (void)cudaGetLastError();  // not an error; PyTorch clears it too
-    std::lock_guard<std::mutex> lock(lane.mu);
+    MutexLock lock(&lane.mu);
     if (err == cudaSuccess) {
       lane.completed = std::max(lane.completed, ticket.sequence);
       return true;
@@ -346,11 +346,11 @@ class CudaRuntime final : public Runtime {
     for (Lane& lane : lanes_) {
       uint64_t target;
       {
-        std::lock_guard<std::mutex> lock(lane.mu);
+        MutexLock lock(&lane.mu);
         target = lane.submitted;
       }
       const cudaError_t err = cudaStreamSynchronize(lane.stream);
-      std::lock_guard<std::mutex> lock(lane.mu);
+      MutexLock lock(&lane.mu);
       if (err != cudaSuccess) {
         KeepFirst(lane.error, MEMPLAN_CUDA_STATUS(err, "cudaStreamSynchronize(copy stream)"));
       } else {
@@ -389,7 +389,7 @@ class CudaRuntime final : public Runtime {
     MEMPLAN_ASSIGN_OR_RETURN(cudaEvent_t event, EventOf(fence));
     MEMPLAN_CUDA_ON_DEVICE(device_);
     Lane& lane = lanes_[static_cast<int>(direction)];
-    std::lock_guard<std::mutex> lock(lane.mu);  // ordered with CopyAsync's enqueues
+    MutexLock lock(&lane.mu);  // ordered with CopyAsync's enqueues
     MEMPLAN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(lane.stream, event, 0));
     return Status::Ok();
   }
@@ -426,7 +426,10 @@ class CudaRuntime final : public Runtime {
   Status Init() {
     MEMPLAN_CUDA_ON_DEVICE(device_);
     for (Lane& lane : lanes_) {
-      lane.ring.resize(kRingSize);
+      {
+        MutexLock lock(&lane.mu);  // no other thread has the runtime yet; for the analysis
+        lane.ring.resize(kRingSize);
+      }
       cudaStream_t stream = nullptr;  // assigned only on success: the destructor destroys it
       MEMPLAN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
       lane.stream = stream;
@@ -445,9 +448,9 @@ class CudaRuntime final : public Runtime {
   const std::string description_;
   std::array<Lane, kDirections> lanes_;  // indexed by CopyDirection
 
-  mutable std::mutex mem_mu_;
-  std::map<void*, uint64_t> device_memory_;  // guarded by mem_mu_: cudaMalloc'd pointer -> bytes
-  std::map<void*, uint64_t> registered_;     // guarded by mem_mu_: registered pointer -> bytes
+  mutable Mutex mem_mu_;
+  std::map<void*, uint64_t> device_memory_ GUARDED_BY(mem_mu_);  // cudaMalloc'd pointer -> bytes
+  std::map<void*, uint64_t> registered_ GUARDED_BY(mem_mu_);     // registered pointer -> bytes
   std::atomic<uint64_t> device_bytes_{0};    // written under mem_mu_, read without
   std::atomic<uint64_t> peak_device_bytes_{0};  // written under mem_mu_, read without
   std::shared_ptr<EventPool> events_;          // the fences' events (Note [Streams of the caller])

@@ -6,17 +6,16 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <iterator>
 #include <map>
-#include <mutex>
 #include <new>
 #include <string>
 #include <thread>
 #include <utility>
 
+#include "common/mutex.h"
 #include "gpu/cuda_runtime_internal.h"
 
 namespace memplan::gpu {
@@ -66,14 +65,14 @@ struct Copy {
 };
 
 struct Lane {
-  std::mutex mu;
-  std::condition_variable work;  // signalled when `queue` grows or `stop` is set
-  std::condition_variable done;  // signalled when `completed` grows
-  std::deque<Copy> queue;        // guarded by mu
-  uint64_t submitted = 0;        // guarded by mu
-  uint64_t completed = 0;        // guarded by mu
-  bool stop = false;             // guarded by mu
-  std::thread worker;            // started under mu by the first copy; joined by the destructor
+  Mutex mu;
+  CondVar work;  // signalled when `queue` grows or `stop` is set
+  CondVar done;  // signalled when `completed` grows
+  std::deque<Copy> queue GUARDED_BY(mu);
+  uint64_t submitted GUARDED_BY(mu) = 0;
+  uint64_t completed GUARDED_BY(mu) = 0;
+  bool stop GUARDED_BY(mu) = false;
+  std::thread worker GUARDED_BY(mu);  // started by the first copy; joined by the destructor
 };
 
 class HostOnlyRuntime final : public Runtime {
@@ -85,10 +84,10 @@ class HostOnlyRuntime final : public Runtime {
   ~HostOnlyRuntime() override {
     for (Lane& lane : lanes_) {
       {
-        std::lock_guard<std::mutex> lock(lane.mu);
+        MutexLock lock(&lane.mu);
         lane.stop = true;
       }
-      lane.work.notify_all();
+      lane.work.SignalAll();
       // The worker drains its queue before it exits, so every queued copy lands.
       if (lane.worker.joinable()) lane.worker.join();
     }
@@ -109,7 +108,7 @@ class HostOnlyRuntime final : public Runtime {
     if (bytes > UINTPTR_MAX - begin) {
       return Status::InvalidArgument("host-only runtime: RegisterHost range wraps around");
     }
-    std::lock_guard<std::mutex> lock(mem_mu_);
+    MutexLock lock(&mem_mu_);
     // Like cudaHostRegister, refuse a range that overlaps one already registered.
     auto next = registered_.lower_bound(begin);
     const bool overlaps_next = next != registered_.end() && next->first < begin + bytes;
@@ -124,7 +123,7 @@ class HostOnlyRuntime final : public Runtime {
   }
 
   Status UnregisterHost(void* ptr) override {
-    std::lock_guard<std::mutex> lock(mem_mu_);
+    MutexLock lock(&mem_mu_);
     if (registered_.erase(reinterpret_cast<uintptr_t>(ptr)) == 0) {
       return Status::InvalidArgument(
           "host-only runtime: UnregisterHost of memory that was not registered");
@@ -146,7 +145,7 @@ class HostOnlyRuntime final : public Runtime {
       return Status::ResourceExhausted("host-only runtime: cannot allocate " +
                                        std::to_string(bytes) + " bytes of device memory");
     }
-    std::lock_guard<std::mutex> lock(mem_mu_);
+    MutexLock lock(&mem_mu_);
     device_.emplace(reinterpret_cast<uintptr_t>(ptr), bytes);
     const uint64_t in_use = device_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
     peak_device_bytes_.store(std::max(peak_device_bytes_.load(std::memory_order_relaxed), in_use),
@@ -157,7 +156,7 @@ class HostOnlyRuntime final : public Runtime {
   Status FreeDevice(void* ptr) override {
     if (ptr == nullptr) return Status::Ok();
     {
-      std::lock_guard<std::mutex> lock(mem_mu_);
+      MutexLock lock(&mem_mu_);
       auto it = device_.find(reinterpret_cast<uintptr_t>(ptr));
       if (it == device_.end()) {
         return Status::InvalidArgument(
@@ -189,12 +188,12 @@ class HostOnlyRuntime final : public Runtime {
     Lane& lane = lanes_[static_cast<int>(direction)];
     uint64_t sequence;
     {
-      std::lock_guard<std::mutex> lock(lane.mu);
+      MutexLock lock(&lane.mu);
       if (!lane.worker.joinable()) lane.worker = std::thread([&lane] { RunLane(lane); });
       sequence = ++lane.submitted;
       lane.queue.push_back(Copy{sequence, dst, src, bytes});
     }
-    lane.work.notify_one();
+    lane.work.Signal();
     return CopyTicket{direction, sequence};
   }
 
@@ -202,8 +201,8 @@ class HostOnlyRuntime final : public Runtime {
     MEMPLAN_RETURN_IF_ERROR(CheckTicket(ticket));
     if (ticket.sequence == 0) return Status::Ok();
     Lane& lane = lanes_[static_cast<int>(ticket.direction)];
-    std::unique_lock<std::mutex> lock(lane.mu);
-    lane.done.wait(lock, [&] { return lane.completed >= ticket.sequence; });
+    MutexLock lock(&lane.mu);
+    while (lane.completed < ticket.sequence) lane.done.Wait(&lane.mu);
     return Status::Ok();  // a memcpy cannot fail
   }
 
@@ -211,15 +210,15 @@ class HostOnlyRuntime final : public Runtime {
     if (!CheckTicket(ticket).ok()) return true;  // Wait answers at once, with the error
     if (ticket.sequence == 0) return true;
     Lane& lane = lanes_[static_cast<int>(ticket.direction)];
-    std::lock_guard<std::mutex> lock(lane.mu);
+    MutexLock lock(&lane.mu);
     return lane.completed >= ticket.sequence;
   }
 
   Status Synchronize() override {
     for (Lane& lane : lanes_) {
-      std::unique_lock<std::mutex> lock(lane.mu);
+      MutexLock lock(&lane.mu);
       const uint64_t target = lane.submitted;
-      lane.done.wait(lock, [&] { return lane.completed >= target; });
+      while (lane.completed < target) lane.done.Wait(&lane.mu);
     }
     return Status::Ok();
   }
@@ -249,18 +248,18 @@ class HostOnlyRuntime final : public Runtime {
 
  private:
   static void RunLane(Lane& lane) {
-    std::unique_lock<std::mutex> lock(lane.mu);
+    MutexLock lock(&lane.mu);
     for (;;) {
-      lane.work.wait(lock, [&] { return lane.stop || !lane.queue.empty(); });
+      while (!lane.stop && lane.queue.empty()) lane.work.Wait(&lane.mu);
       if (lane.queue.empty()) return;  // stopped and drained
       const Copy copy = lane.queue.front();
       lane.queue.pop_front();
-      lock.unlock();
+      lock.Unlock();
       // memmove, not memcpy: a device-to-device copy onto itself (an in-place all-gather) is legal.
       std::memmove(copy.dst, copy.src, copy.bytes);
-      lock.lock();
+      lock.Lock();
       lane.completed = copy.sequence;
-      lane.done.notify_all();
+      lane.done.SignalAll();
     }
   }
 
@@ -276,7 +275,7 @@ class HostOnlyRuntime final : public Runtime {
       return Status::InvalidArgument("host-only runtime: a ticket with an invalid direction");
     }
     Lane& lane = lanes_[static_cast<int>(ticket.direction)];
-    std::lock_guard<std::mutex> lock(lane.mu);
+    MutexLock lock(&lane.mu);
     if (ticket.sequence > lane.submitted) {
       return Status::InvalidArgument(
           std::string("host-only runtime: ") + DirectionName(ticket.direction) + " ticket " +
@@ -287,9 +286,9 @@ class HostOnlyRuntime final : public Runtime {
 
   std::array<Lane, kDirections> lanes_;  // indexed by CopyDirection
 
-  mutable std::mutex mem_mu_;
-  std::map<uintptr_t, uint64_t> device_;      // guarded by mem_mu_: address -> bytes
-  std::map<uintptr_t, uint64_t> registered_;  // guarded by mem_mu_: address -> bytes
+  mutable Mutex mem_mu_;
+  std::map<uintptr_t, uint64_t> device_ GUARDED_BY(mem_mu_);      // address -> bytes
+  std::map<uintptr_t, uint64_t> registered_ GUARDED_BY(mem_mu_);  // address -> bytes
   std::atomic<uint64_t> device_bytes_{0};     // written under mem_mu_, read without
   std::atomic<uint64_t> peak_device_bytes_{0};  // written under mem_mu_, read without
 };

@@ -20,11 +20,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "common/mutex.h"
 #include "nvme/backend.h"
 #include "nvme/backend_internal.h"
 
@@ -70,7 +70,7 @@ class AioBackend final : public internal::FileTableBackend {
   Result<size_t> Submit(std::span<Request* const> requests) override {
     MEMPLAN_RETURN_IF_ERROR(internal::CheckRequests(requests));
     if (requests.empty()) return size_t{0};
-    std::lock_guard<std::mutex> lock(submit_mu_);
+    MutexLock lock(&submit_mu_);
     // Reapers only lower in_flight_, so a stale read errs towards taking fewer.
     const auto in_flight =
         static_cast<size_t>(std::max<int64_t>(0, in_flight_.load(std::memory_order_acquire)));
@@ -79,7 +79,7 @@ class AioBackend final : public internal::FileTableBackend {
     {
       // Every unreaped kernel request holds one iocb, and reapers free iocbs before they lower
       // in_flight_, so `prepared` free ones exist; the clamp only guards that reasoning.
-      std::lock_guard<std::mutex> slots_lock(slots_mu_);
+      MutexLock slots_lock(&slots_mu_);
       prepared = std::min(prepared, free_count_);
       for (size_t i = 0; i < prepared; ++i) batch_slots_[i] = free_slots_[--free_count_];
     }
@@ -107,7 +107,7 @@ class AioBackend final : public internal::FileTableBackend {
       ++taken;
     }
     {
-      std::lock_guard<std::mutex> slots_lock(slots_mu_);
+      MutexLock slots_lock(&slots_mu_);
       // iocbs of refused and untaken requests go back now; queued ones come back at Reap.
       for (size_t i = 0; i < prepared; ++i) {
         if (!batch_queued_[i]) free_slots_[free_count_++] = batch_slots_[i];
@@ -124,10 +124,10 @@ class AioBackend final : public internal::FileTableBackend {
 
   Result<size_t> Reap(std::span<Completion> out, size_t min_complete) override {
     if (out.empty()) return size_t{0};
-    std::lock_guard<std::mutex> lock(complete_mu_);
+    MutexLock lock(&complete_mu_);
     size_t got = 0;
     {
-      std::lock_guard<std::mutex> slots_lock(slots_mu_);
+      MutexLock slots_lock(&slots_mu_);
       while (got < out.size() && synthetic_count_ > 0) {
         out[got++] = synthetic_[synthetic_head_];
         synthetic_head_ = (synthetic_head_ + 1) % depth_;
@@ -157,7 +157,7 @@ class AioBackend final : public internal::FileTableBackend {
       }
       if (rc == 0) return got;
       {
-        std::lock_guard<std::mutex> slots_lock(slots_mu_);
+        MutexLock slots_lock(&slots_mu_);
         for (int i = 0; i < rc; ++i) {
           const io_event& event = events_[i];
           free_slots_[free_count_++] = static_cast<uint32_t>(event.obj - iocbs_.data());
@@ -184,8 +184,8 @@ class AioBackend final : public internal::FileTableBackend {
     return res;
   }
 
-  // Fills one iocb. Called with submit_mu_ held.
-  void Prepare(iocb* cb, Request& request) {
+  // Fills one iocb.
+  void Prepare(iocb* cb, Request& request) REQUIRES(submit_mu_) {
     // An unknown index becomes fd -1: io_submit refuses it with EBADF, which Submit turns into
     // this request's completion.
     const int fd = files_.Fd(request.file);
@@ -217,20 +217,20 @@ class AioBackend final : public internal::FileTableBackend {
   std::vector<iocb> iocbs_;  // the pool; an iocb is owned by whoever holds its slot index
 
   // submit_mu_ and files_: FileTableBackend.
-  std::vector<iocb*> batch_;           // GUARDED_BY(submit_mu_); io_submit's argument
-  std::vector<uint32_t> batch_slots_;  // GUARDED_BY(submit_mu_); their iocb indexes
-  std::vector<bool> batch_queued_;     // GUARDED_BY(submit_mu_); accepted by io_submit
-  std::vector<Completion> refused_;    // GUARDED_BY(submit_mu_); refused by io_submit
+  std::vector<iocb*> batch_ GUARDED_BY(submit_mu_);           // io_submit's argument
+  std::vector<uint32_t> batch_slots_ GUARDED_BY(submit_mu_);  // their iocb indexes
+  std::vector<bool> batch_queued_ GUARDED_BY(submit_mu_);     // accepted by io_submit
+  std::vector<Completion> refused_ GUARDED_BY(submit_mu_);    // refused by io_submit
 
-  std::mutex slots_mu_;                // leaf lock
-  std::vector<uint32_t> free_slots_;   // GUARDED_BY(slots_mu_); stack of free iocb indexes
-  size_t free_count_ = 0;              // GUARDED_BY(slots_mu_)
-  std::vector<Completion> synthetic_;  // GUARDED_BY(slots_mu_); ring of depth_ slots
-  size_t synthetic_head_ = 0;          // GUARDED_BY(slots_mu_)
-  size_t synthetic_count_ = 0;         // GUARDED_BY(slots_mu_)
+  Mutex slots_mu_ ACQUIRED_AFTER(submit_mu_, complete_mu_);  // leaf lock
+  std::vector<uint32_t> free_slots_ GUARDED_BY(slots_mu_);   // stack of free iocb indexes
+  size_t free_count_ GUARDED_BY(slots_mu_) = 0;
+  std::vector<Completion> synthetic_ GUARDED_BY(slots_mu_);  // ring of depth_ slots
+  size_t synthetic_head_ GUARDED_BY(slots_mu_) = 0;
+  size_t synthetic_count_ GUARDED_BY(slots_mu_) = 0;
 
-  std::mutex complete_mu_;
-  std::vector<io_event> events_;  // GUARDED_BY(complete_mu_); io_getevents' buffer
+  Mutex complete_mu_;
+  std::vector<io_event> events_ GUARDED_BY(complete_mu_);  // io_getevents' buffer
 };
 
 }  // namespace

@@ -4,12 +4,12 @@
 #pragma once
 
 #include <cstdint>
-#include <mutex>
 #include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "nvme/backend.h"
 
@@ -54,12 +54,12 @@ class FileTableBackend : public Backend {
   const Capabilities& capabilities() const final { return capabilities_; }
 
   Result<int> RegisterFile(int fd) final {
-    std::lock_guard<std::mutex> lock(submit_mu_);
+    MutexLock lock(&submit_mu_);
     return files_.Add(fd);
   }
 
   Status UnregisterFile(int file) final {
-    std::lock_guard<std::mutex> lock(submit_mu_);
+    MutexLock lock(&submit_mu_);
     return files_.Remove(file);
   }
 
@@ -74,8 +74,8 @@ class FileTableBackend : public Backend {
   }
 
   Capabilities capabilities_;  // immutable after construction
-  std::mutex submit_mu_;
-  FileTable files_;  // GUARDED_BY(submit_mu_)
+  Mutex submit_mu_;
+  FileTable files_ GUARDED_BY(submit_mu_);
 };
 
 // Rejects a span containing a null request before anything is queued (a caller bug that would

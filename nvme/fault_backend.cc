@@ -2,10 +2,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
+
+#include "common/mutex.h"
 
 namespace memplan::nvme {
 namespace {
@@ -76,7 +77,8 @@ struct FaultBackend::Impl {
   ~Impl() { inner.reset(); }
 
   // Advances `count` when `r` matches the trigger and says whether `r` is hit.
-  bool Hit(const FaultTrigger& t, uint64_t& count, const Request& r, uint8_t bit, Slot* slot) {
+  bool Hit(const FaultTrigger& t, uint64_t& count, const Request& r, uint8_t bit, Slot* slot)
+      REQUIRES(plan_mu) {
     if (!t.armed() || (t.op.has_value() && *t.op != r.op)) return false;
     ++count;
     if (slot != nullptr) slot->counted |= bit;
@@ -89,7 +91,7 @@ struct FaultBackend::Impl {
     return hit;
   }
 
-  void Uncount(const Slot& s) {
+  void Uncount(const Slot& s) REQUIRES(plan_mu) {
     if (s.counted & kCountedFail) --fail_count;
     if (s.counted & kCountedShort) --short_count;
     if (s.counted & kCountedFlip) --flip_count;
@@ -100,20 +102,20 @@ struct FaultBackend::Impl {
 
   // Held across the inner Submit so decisions, counts and forwarding happen in one order (the
   // contract lets backends serialise submission anyway).
-  mutable std::mutex plan_mu;
-  FaultPlan plan;                 // GUARDED_BY(plan_mu)
-  uint64_t fail_count = 0;        // GUARDED_BY(plan_mu)
-  uint64_t short_count = 0;       // GUARDED_BY(plan_mu)
-  uint64_t flip_count = 0;        // GUARDED_BY(plan_mu)
-  uint64_t submit_count = 0;      // GUARDED_BY(plan_mu)
-  std::mt19937_64 rng;            // GUARDED_BY(plan_mu)
-  std::vector<Request*> forward;  // GUARDED_BY(plan_mu): scratch for the inner Submit
+  mutable Mutex plan_mu;
+  FaultPlan plan GUARDED_BY(plan_mu);
+  uint64_t fail_count GUARDED_BY(plan_mu) = 0;
+  uint64_t short_count GUARDED_BY(plan_mu) = 0;
+  uint64_t flip_count GUARDED_BY(plan_mu) = 0;
+  uint64_t submit_count GUARDED_BY(plan_mu) = 0;
+  std::mt19937_64 rng GUARDED_BY(plan_mu);
+  std::vector<Request*> forward GUARDED_BY(plan_mu);  // scratch for the inner Submit
 
   // One slot per inner queue entry: a free slot means the inner backend has room, so the inner
   // Submit takes everything offered unless something else shares the inner backend.
   std::vector<Slot> slots;           // fixed size; see Slot for who owns an entry
-  mutable std::mutex slots_mu;       // acquired after plan_mu when both are held
-  std::vector<uint32_t> free_slots;  // GUARDED_BY(slots_mu)
+  mutable Mutex slots_mu ACQUIRED_AFTER(plan_mu);
+  std::vector<uint32_t> free_slots GUARDED_BY(slots_mu);
 
   std::atomic<uint64_t> requests{0}, errors{0}, short_transfers{0}, read_flips{0}, write_flips{0},
       submit_failures{0};
@@ -132,7 +134,7 @@ Result<std::unique_ptr<FaultBackend>> FaultBackend::Create(std::unique_ptr<Backe
 
 Status FaultBackend::SetPlan(const FaultPlan& plan) {
   MEMPLAN_RETURN_IF_ERROR(plan.Validate());
-  std::lock_guard lock(impl_->plan_mu);
+  MutexLock lock(&impl_->plan_mu);
   impl_->plan = plan;
   impl_->fail_count = impl_->short_count = impl_->flip_count = impl_->submit_count = 0;
   impl_->rng.seed(plan.seed);
@@ -140,7 +142,7 @@ Status FaultBackend::SetPlan(const FaultPlan& plan) {
 }
 
 FaultPlan FaultBackend::plan() const {
-  std::lock_guard lock(impl_->plan_mu);
+  MutexLock lock(&impl_->plan_mu);
   return impl_->plan;
 }
 
@@ -173,17 +175,15 @@ Result<size_t> FaultBackend::Submit(std::span<Request* const> requests) {
   for (const Request* r : requests) {
     if (r == nullptr) return Status::InvalidArgument("fault backend: null request submitted");
   }
-  std::lock_guard plan_lock(m.plan_mu);
-  const FaultPlan& plan = m.plan;
-
-  if (m.Hit(plan.submit_fail, m.submit_count, *requests[0], 0, nullptr)) {
+  MutexLock plan_lock(&m.plan_mu);
+  if (m.Hit(m.plan.submit_fail, m.submit_count, *requests[0], 0, nullptr)) {
     m.submit_failures.fetch_add(1, std::memory_order_relaxed);
     return Status::IoError("fault injection: " + m.capabilities.name + " submit failed");
   }
 
   m.forward.clear();
   {
-    std::lock_guard slots_lock(m.slots_mu);
+    MutexLock slots_lock(&m.slots_mu);
     size_t n = std::min(requests.size(), m.free_slots.size());
     for (size_t i = 0; i < n; ++i) {
       uint32_t index = m.free_slots.back();
@@ -201,19 +201,19 @@ Result<size_t> FaultBackend::Submit(std::span<Request* const> requests) {
     s.shadow = *requests[i];
     s.shadow.user_data = index;
     const Request& r = s.shadow;
-    s.fail = m.Hit(plan.fail, m.fail_count, r, kCountedFail, &s);
-    s.error = plan.error;
-    if (m.Hit(plan.shorten, m.short_count, r, kCountedShort, &s) && r.op != OpType::kFsync &&
-        r.length > plan.short_keep_bytes) {
+    s.fail = m.Hit(m.plan.fail, m.fail_count, r, kCountedFail, &s);
+    s.error = m.plan.error;
+    if (m.Hit(m.plan.shorten, m.short_count, r, kCountedShort, &s) && r.op != OpType::kFsync &&
+        r.length > m.plan.short_keep_bytes) {
       s.shortened = true;
-      s.shadow.length = plan.short_keep_bytes;
+      s.shadow.length = m.plan.short_keep_bytes;
     }
-    if (m.Hit(plan.flip, m.flip_count, r, kCountedFlip, &s) && s.shadow.length > 0) {
+    if (m.Hit(m.plan.flip, m.flip_count, r, kCountedFlip, &s) && s.shadow.length > 0) {
       if (r.op == OpType::kRead) {
         s.flip_read = true;
-        s.flip_bit = plan.flip_bit;
+        s.flip_bit = m.plan.flip_bit;
       } else if (r.op == OpType::kWrite) {
-        uint64_t bit = plan.flip_bit % (uint64_t{s.shadow.length} * 8);
+        uint64_t bit = m.plan.flip_bit % (uint64_t{s.shadow.length} * 8);
         s.flip_byte = bit / 8;
         s.flip_mask = static_cast<uint8_t>(1u << (bit % 8));
         FlipBit(s.shadow.buffer, s.flip_byte, s.flip_mask);
@@ -225,7 +225,7 @@ Result<size_t> FaultBackend::Submit(std::span<Request* const> requests) {
   Result<size_t> taken = m.inner->Submit(m.forward);
   size_t k = taken.ok() ? std::min(*taken, m.forward.size()) : 0;
   // Whatever the inner backend did not take was never submitted: undo its write flip and counts.
-  std::lock_guard slots_lock(m.slots_mu);
+  MutexLock slots_lock(&m.slots_mu);
   for (size_t i = k; i < m.forward.size(); ++i) {
     Slot& s = m.slots[m.forward[i]->user_data];
     if (s.write_flipped) FlipBit(s.shadow.buffer, s.flip_byte, s.flip_mask);
@@ -240,7 +240,7 @@ Result<size_t> FaultBackend::Submit(std::span<Request* const> requests) {
 Result<size_t> FaultBackend::Reap(std::span<Completion> out, size_t min_complete) {
   Impl& m = *impl_;
   MEMPLAN_ASSIGN_OR_RETURN(size_t n, m.inner->Reap(out, min_complete));
-  std::lock_guard slots_lock(m.slots_mu);
+  MutexLock slots_lock(&m.slots_mu);
   for (size_t i = 0; i < n; ++i) {
     Completion& c = out[i];
     uint64_t index = c.request != nullptr ? c.request->user_data : m.slots.size();
@@ -273,7 +273,7 @@ Result<size_t> FaultBackend::Reap(std::span<Completion> out, size_t min_complete
 // Counted by our slots rather than asked of the inner backend: a request the inner backend has
 // completed is still in flight here until our Reap() hands it back.
 size_t FaultBackend::in_flight() const {
-  std::lock_guard lock(impl_->slots_mu);
+  MutexLock lock(&impl_->slots_mu);
   return impl_->slots.size() - impl_->free_slots.size();
 }
 

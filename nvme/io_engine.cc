@@ -1,18 +1,19 @@
 #include "nvme/io_engine.h"
 
 #include <algorithm>
+#include <cassert>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <limits>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include "common/mutex.h"
 
 namespace memplan::nvme {
 
@@ -110,7 +111,8 @@ struct FileInfo {
   std::string label;
   bool direct = false;
   uint32_t alignment = 1;  // for buffers, offsets and lengths; 1 when not direct
-  bool removed = false;    // GUARDED_BY(Impl::files_mu)
+  // Under IoEngine::Impl::files_mu; not GUARDED_BY: a FileInfo has no path to its engine's mutex.
+  bool removed = false;
 };
 
 struct Transfer;
@@ -121,9 +123,11 @@ struct Slot {
   Request request;  // what the backend gets; user_data points at this Slot
   Transfer* owner = nullptr;
 
-  // Written by the reaper under Impl::mu_, read by the owner after taking its done list.
-  Slot* next_done = nullptr;  // GUARDED_BY(Impl::mu) while on a done list
-  int64_t result = 0;         // GUARDED_BY(Impl::mu) while on a done list
+  // Written by the reaper under the lane's mu, read by the owner after taking its done list
+  // (Transfer::done_head, which is GUARDED_BY): not annotated, as they are guarded only while on
+  // a done list.
+  Slot* next_done = nullptr;
+  int64_t result = 0;
 
   // The piece, owned by the transfer's thread.
   uint64_t piece_offset = 0;  // file offset where the piece starts
@@ -148,6 +152,29 @@ struct Segment {
   bool bounce = false;
 };
 
+// One backend and its completion routing; see Note [Parallel slices].
+struct Lane {
+  explicit Lane(Backend* b)
+      : backend(b),
+        queue_depth(std::max<uint32_t>(1, b->capabilities().queue_depth)),
+        reap_buffer(queue_depth) {}
+
+  Backend* const backend;
+  const uint32_t queue_depth;
+  int index = 0;  // in Impl::lanes
+
+  Mutex pool_mu;
+  std::vector<std::unique_ptr<Transfer>> pool GUARDED_BY(pool_mu);  // idle transfers
+
+  // Completion routing; see Note [IoEngine transfers].
+  Mutex mu;
+  CondVar cv;
+  bool reaping GUARDED_BY(mu) = false;     // a thread holds the reaper role
+  uint64_t reap_epoch GUARDED_BY(mu) = 0;  // bumped after every reap
+  Status broken GUARDED_BY(mu);            // a failed Backend::Reap, sticky
+  std::vector<Completion> reap_buffer;     // used only by the reaper-role holder
+};
+
 // A call in progress (pooled); see Note [IoEngine transfers].
 struct Transfer {
   Transfer(Lane* l, size_t queue_depth) : slots(queue_depth), lane(l) {
@@ -164,7 +191,7 @@ struct Transfer {
   std::vector<Slot*> free;       // slots with no piece
   std::vector<Slot*> ready;      // pieces to submit (or resubmit), oldest first
   std::vector<Request*> submit;  // scratch for Backend::Submit
-  Slot* done_head = nullptr;     // GUARDED_BY(Lane::mu): completions routed to this transfer
+  Slot* done_head GUARDED_BY(lane->mu) = nullptr;  // completions routed to this transfer
   Lane* const lane;              // the backend this transfer runs on
 
   // The call; set by Start().
@@ -188,29 +215,6 @@ struct Transfer {
   }
 };
 
-// One backend and its completion routing; see Note [Parallel slices].
-struct Lane {
-  explicit Lane(Backend* b)
-      : backend(b),
-        queue_depth(std::max<uint32_t>(1, b->capabilities().queue_depth)),
-        reap_buffer(queue_depth) {}
-
-  Backend* const backend;
-  const uint32_t queue_depth;
-  int index = 0;  // in Impl::lanes
-
-  std::mutex pool_mu;
-  std::vector<std::unique_ptr<Transfer>> pool;  // GUARDED_BY(pool_mu): idle transfers
-
-  // Completion routing; see Note [IoEngine transfers].
-  std::mutex mu;
-  std::condition_variable cv;
-  bool reaping = false;                 // GUARDED_BY(mu): a thread holds the reaper role
-  uint64_t reap_epoch = 0;              // GUARDED_BY(mu): bumped after every reap
-  Status broken;                        // GUARDED_BY(mu): a failed Backend::Reap, sticky
-  std::vector<Completion> reap_buffer;  // used only by the reaper-role holder
-};
-
 // A split call; see Note [Parallel slices]. Lives on the caller's stack.
 struct Slice {
   uint64_t offset = 0, length = 0;
@@ -221,11 +225,13 @@ struct Job {
   const FileInfo* file = nullptr;
   std::vector<Slice> slices;
   std::atomic<size_t> next{0};  // next slice to claim
-  std::mutex mu;
-  std::condition_variable cv;
-  size_t done = 0;     // GUARDED_BY(mu): slices finished
-  int holders = 0;     // GUARDED_BY(Impl::work_mu): workers that popped this job and run it
-  Status status;       // GUARDED_BY(mu): the first error
+  Mutex mu;
+  CondVar cv;
+  size_t done GUARDED_BY(mu) = 0;  // slices finished
+  // Workers that popped this job and run it. Under IoEngine::Impl::work_mu; not GUARDED_BY: a Job
+  // has no path to its engine's mutex.
+  int holders = 0;
+  Status status GUARDED_BY(mu);  // the first error
 };
 
 }  // namespace
@@ -261,10 +267,10 @@ struct IoEngine::Impl {
   }
   ~Impl() {
     {
-      std::lock_guard lock(work_mu);
+      MutexLock lock(&work_mu);
       stop = true;
     }
-    work_cv.notify_all();
+    work_cv.SignalAll();
     for (std::thread& w : workers) w.join();
   }
 
@@ -305,14 +311,14 @@ struct IoEngine::Impl {
   std::vector<std::unique_ptr<Lane>> lanes;  // fixed after construction
   std::vector<iovec> registered;             // see RegisteredIndex
 
-  std::mutex files_mu;
-  std::vector<std::unique_ptr<FileInfo>> files;  // GUARDED_BY(files_mu); entries never move
+  Mutex files_mu;
+  std::vector<std::unique_ptr<FileInfo>> files GUARDED_BY(files_mu);  // entries never move
 
   // Parallel slices; see Note [Parallel slices].
-  std::mutex work_mu;
-  std::condition_variable work_cv;
-  std::deque<Job*> work;  // GUARDED_BY(work_mu): one entry per slice offered to the workers
-  bool stop = false;      // GUARDED_BY(work_mu)
+  Mutex work_mu;
+  CondVar work_cv;
+  std::deque<Job*> work GUARDED_BY(work_mu);  // one entry per slice offered to the workers
+  bool stop GUARDED_BY(work_mu) = false;
   std::vector<std::thread> workers;
 
   std::atomic<uint64_t> read_bytes{0}, write_bytes{0}, read_ops{0}, write_ops{0},
@@ -323,7 +329,7 @@ struct IoEngine::Impl {
 
 Transfer* IoEngine::Impl::Acquire(Lane& lane) {
   {
-    std::lock_guard lock(lane.pool_mu);
+    MutexLock lock(&lane.pool_mu);
     if (!lane.pool.empty()) {
       Transfer* t = lane.pool.back().release();
       lane.pool.pop_back();
@@ -334,7 +340,7 @@ Transfer* IoEngine::Impl::Acquire(Lane& lane) {
 }
 
 void IoEngine::Impl::Release(Transfer* t) {
-  std::lock_guard lock(t->lane->pool_mu);
+  MutexLock lock(&t->lane->pool_mu);
   t->lane->pool.emplace_back(t);
 }
 
@@ -551,19 +557,20 @@ void IoEngine::Impl::Handle(Transfer& t, Slot& s, int64_t result) {
 // is broken.
 Slot* IoEngine::Impl::WaitForCompletions(Transfer& t, bool any_reap) {
   Lane& l = *t.lane;
-  std::unique_lock lock(l.mu);
+  MutexLock lock(&l.mu);
+  t.lane->mu.AssertHeld();  // it is l.mu: the analysis does not follow the reference
   const uint64_t epoch = l.reap_epoch;
   while (t.done_head == nullptr && !(any_reap && l.reap_epoch != epoch) && l.broken.ok()) {
     if (l.reaping) {
-      l.cv.wait(lock);
+      l.cv.Wait(&l.mu);
       continue;
     }
     l.reaping = true;
-    lock.unlock();
+    lock.Unlock();
     // Waits for one completion: this transfer has a request in flight, or the queue is full of
     // other transfers' (and if it has emptied meanwhile, Reap returns at once).
     Result<size_t> reaped = l.backend->Reap(l.reap_buffer, 1);
-    lock.lock();
+    lock.Lock();
     l.reaping = false;
     if (!reaped.ok()) {
       l.broken =
@@ -574,12 +581,15 @@ Slot* IoEngine::Impl::WaitForCompletions(Transfer& t, bool any_reap) {
         auto* slot = reinterpret_cast<Slot*>(  // NOLINT(performance-no-int-to-ptr)
             l.reap_buffer[i].request->user_data);
         slot->result = l.reap_buffer[i].result;
+        // A lane's backend completes only the requests of that lane's transfers.
+        assert(slot->owner->lane == &l);
+        slot->owner->lane->mu.AssertHeld();
         slot->next_done = slot->owner->done_head;
         slot->owner->done_head = slot;
       }
     }
     ++l.reap_epoch;
-    l.cv.notify_all();
+    l.cv.SignalAll();
   }
   // Routed newest first; handle them in completion order.
   Slot* list = nullptr;
@@ -685,7 +695,7 @@ Status IoEngine::Impl::Run(OpType op, int file, uint64_t offset, std::byte* buff
                            uint64_t length) {
   const FileInfo* info = nullptr;
   {
-    std::lock_guard lock(files_mu);
+    MutexLock lock(&files_mu);
     if (file >= 0 && static_cast<size_t>(file) < files.size() && !files[file]->removed) {
       info = files[file].get();
     }
@@ -724,7 +734,7 @@ Status IoEngine::Impl::Run(OpType op, int file, uint64_t offset, std::byte* buff
 Status IoEngine::Impl::RunSlice(Lane& lane, OpType op, const FileInfo* file, uint64_t offset,
                                 std::byte* buffer, uint64_t length) {
   {
-    std::lock_guard lock(lane.mu);
+    MutexLock lock(&lane.mu);
     if (!lane.broken.ok()) {
       return Status::FailedPrecondition(
           std::string(OpTypeName(op)) + " file '" + file->label +
@@ -763,29 +773,29 @@ void IoEngine::Impl::ClaimAndRun(Job& job, Lane& lane) {
     const Slice& slice = job.slices[k];
     Status status = RunSlice(lane, job.op, job.file, slice.offset, slice.buffer, slice.length);
     {
-      std::lock_guard lock(job.mu);
+      MutexLock lock(&job.mu);
       if (!status.ok() && job.status.ok()) job.status = std::move(status);
       ++job.done;
     }
-    job.cv.notify_all();
+    job.cv.SignalAll();
   }
 }
 
 Status IoEngine::Impl::RunSplit(Job& job) {
   {
-    std::lock_guard lock(work_mu);
+    MutexLock lock(&work_mu);
     for (size_t k = 1; k < job.slices.size(); ++k) work.push_back(&job);
   }
-  work_cv.notify_all();
+  work_cv.SignalAll();
   ClaimAndRun(job, *lanes[0]);
   {
     // Take back the entries no worker popped; wait for those that did to let go of the job.
-    std::unique_lock lock(work_mu);
+    MutexLock lock(&work_mu);
     work.erase(std::remove(work.begin(), work.end(), &job), work.end());
-    work_cv.wait(lock, [&] { return job.holders == 0; });
+    while (job.holders != 0) work_cv.Wait(&work_mu);
   }
-  std::unique_lock lock(job.mu);
-  job.cv.wait(lock, [&] { return job.done == job.slices.size(); });
+  MutexLock lock(&job.mu);
+  while (job.done != job.slices.size()) job.cv.Wait(&job.mu);
   return job.status;
 }
 
@@ -793,8 +803,8 @@ void IoEngine::Impl::WorkerLoop(Lane& lane) {
   for (;;) {
     Job* job = nullptr;
     {
-      std::unique_lock lock(work_mu);
-      work_cv.wait(lock, [&] { return stop || !work.empty(); });
+      MutexLock lock(&work_mu);
+      while (!stop && work.empty()) work_cv.Wait(&work_mu);
       if (stop) return;
       job = work.front();
       work.pop_front();
@@ -802,11 +812,11 @@ void IoEngine::Impl::WorkerLoop(Lane& lane) {
     }
     ClaimAndRun(*job, lane);
     {
-      std::lock_guard lock(work_mu);
+      MutexLock lock(&work_mu);
       --job->holders;
     }
     // The owner waits on work_cv for holders to reach 0.
-    work_cv.notify_all();
+    work_cv.SignalAll();
   }
 }
 
@@ -874,13 +884,13 @@ Result<int> IoEngine::AddFile(int fd, std::string label, bool direct) {
     info->backend_files.push_back(*index);
   }
   info->label = std::move(label);
-  std::lock_guard lock(impl_->files_mu);
+  MutexLock lock(&impl_->files_mu);
   impl_->files.push_back(std::move(info));
   return static_cast<int>(impl_->files.size() - 1);
 }
 
 Status IoEngine::RemoveFile(int file) {
-  std::lock_guard lock(impl_->files_mu);
+  MutexLock lock(&impl_->files_mu);
   if (file < 0 || static_cast<size_t>(file) >= impl_->files.size() || impl_->files[file]->removed) {
     return Status::InvalidArgument("I/O engine: file " + std::to_string(file) +
                                    " is not registered");

@@ -13,14 +13,12 @@
 // proceed in parallel.
 #include <algorithm>
 #include <cerrno>
-#include <condition_variable>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <new>
-#include <shared_mutex>
 #include <vector>
 
+#include "common/mutex.h"
 #include "nvme/backend.h"
 
 namespace memplan::nvme {
@@ -31,8 +29,8 @@ namespace {
 constexpr uint64_t kMaxFileBytes = uint64_t{64} << 30;
 
 struct MemFile {
-  std::shared_mutex mu;
-  std::vector<std::byte> data;  // GUARDED_BY(mu)
+  SharedMutex mu;
+  std::vector<std::byte> data GUARDED_BY(mu);
 };
 
 class MemoryBackend final : public Backend {
@@ -50,13 +48,13 @@ class MemoryBackend final : public Backend {
     }
     // Indexes are never reused, so a request carrying a stale one fails with EBADF instead of
     // landing in another file's data.
-    std::unique_lock lock(files_mu_);
+    WriterMutexLock lock(&files_mu_);
     files_.push_back(std::make_shared<MemFile>());
     return static_cast<int>(files_.size() - 1);
   }
 
   Status UnregisterFile(int file) override {
-    std::unique_lock lock(files_mu_);
+    WriterMutexLock lock(&files_mu_);
     if (file < 0 || static_cast<size_t>(file) >= files_.size() || files_[file] == nullptr) {
       return Status::InvalidArgument("memory backend: file " + std::to_string(file) +
                                      " is not registered");
@@ -75,27 +73,25 @@ class MemoryBackend final : public Backend {
     {
       // Reserve queue slots first: the copies below happen without the lock, and a concurrent
       // Submit must not overfill the queue meanwhile.
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       taken = std::min<size_t>(requests.size(), capabilities_.queue_depth - in_flight_);
       in_flight_ += taken;
     }
     for (size_t i = 0; i < taken; ++i) {
       int64_t result = Execute(*requests[i]);
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       ring_[(ring_head_ + ready_) % ring_.size()] = Completion{requests[i], result};
       ++ready_;
     }
-    if (taken > 0) ready_cv_.notify_all();
+    if (taken > 0) ready_cv_.SignalAll();
     return taken;
   }
 
   Result<size_t> Reap(std::span<Completion> out, size_t min_complete) override {
-    std::unique_lock lock(mu_);
+    MutexLock lock(&mu_);
     // in_flight_ is re-read on every wake-up: another reaper may have taken what we waited for,
     // and the clamp must follow it so this never waits for completions that cannot come.
-    ready_cv_.wait(lock, [&] {
-      return ready_ >= std::min({min_complete, in_flight_, out.size()});
-    });
+    while (ready_ < std::min({min_complete, in_flight_, out.size()})) ready_cv_.Wait(&mu_);
     size_t n = std::min(out.size(), ready_);
     for (size_t i = 0; i < n; ++i) {
       out[i] = ring_[ring_head_];
@@ -107,7 +103,7 @@ class MemoryBackend final : public Backend {
   }
 
   size_t in_flight() const override {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     return in_flight_;
   }
 
@@ -116,7 +112,7 @@ class MemoryBackend final : public Backend {
   int64_t Execute(const Request& r) {
     std::shared_ptr<MemFile> file;
     {
-      std::shared_lock lock(files_mu_);
+      ReaderMutexLock lock(&files_mu_);
       if (r.file >= 0 && static_cast<size_t>(r.file) < files_.size()) file = files_[r.file];
     }
     if (file == nullptr) return -EBADF;
@@ -124,13 +120,13 @@ class MemoryBackend final : public Backend {
     if (r.length > 0 && r.buffer == nullptr) return -EFAULT;
     if (r.offset > kMaxFileBytes || r.length > kMaxFileBytes - r.offset) return -EFBIG;
     if (r.op == OpType::kRead) {
-      std::shared_lock lock(file->mu);
+      ReaderMutexLock lock(&file->mu);
       if (r.offset >= file->data.size()) return 0;
       size_t n = std::min<uint64_t>(r.length, file->data.size() - r.offset);
       std::memcpy(r.buffer, file->data.data() + r.offset, n);
       return static_cast<int64_t>(n);
     }
-    std::unique_lock lock(file->mu);
+    WriterMutexLock lock(&file->mu);
     uint64_t end = r.offset + r.length;
     if (file->data.size() < end) {
       try {
@@ -145,15 +141,16 @@ class MemoryBackend final : public Backend {
 
   Capabilities capabilities_;
 
-  std::shared_mutex files_mu_;
-  std::vector<std::shared_ptr<MemFile>> files_;  // GUARDED_BY(files_mu_); null once unregistered
+  SharedMutex files_mu_;
+  // Null once unregistered.
+  std::vector<std::shared_ptr<MemFile>> files_ GUARDED_BY(files_mu_);
 
-  mutable std::mutex mu_;
-  std::condition_variable ready_cv_;
-  size_t in_flight_ = 0;          // GUARDED_BY(mu_): submitted, not yet reaped
-  std::vector<Completion> ring_;  // GUARDED_BY(mu_): queue_depth slots, FIFO of finished requests
-  size_t ring_head_ = 0;          // GUARDED_BY(mu_)
-  size_t ready_ = 0;              // GUARDED_BY(mu_): finished, waiting in ring_
+  mutable Mutex mu_;
+  CondVar ready_cv_;
+  size_t in_flight_ GUARDED_BY(mu_) = 0;          // submitted, not yet reaped
+  std::vector<Completion> ring_ GUARDED_BY(mu_);  // queue_depth slots, FIFO of finished requests
+  size_t ring_head_ GUARDED_BY(mu_) = 0;
+  size_t ready_ GUARDED_BY(mu_) = 0;  // finished, waiting in ring_
 };
 
 }  // namespace

@@ -15,14 +15,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <condition_variable>
-#include <mutex>
 #include <string>
 #include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "common/mutex.h"
 #include "nvme/backend.h"
 #include "nvme/backend_internal.h"
 
@@ -41,10 +40,10 @@ class PosixBackend final : public internal::FileTableBackend {
 
   ~PosixBackend() override {
     {
-      std::lock_guard<std::mutex> lock(submit_mu_);
+      MutexLock lock(&submit_mu_);
       stopping_ = true;
     }
-    work_cv_.notify_all();
+    work_cv_.SignalAll();
     // Workers drain the request ring before they exit, so no I/O touches a caller's buffer after
     // the destructor returns.
     for (std::thread& worker : workers_) worker.join();
@@ -69,7 +68,7 @@ class PosixBackend final : public internal::FileTableBackend {
     if (requests.empty()) return size_t{0};
     size_t taken = 0;
     {
-      std::lock_guard<std::mutex> lock(submit_mu_);
+      MutexLock lock(&submit_mu_);
       // Only reapers lower in_flight_ concurrently, which only makes room: a stale read here can
       // make us take fewer, never too many.
       const size_t in_flight = in_flight_.load(std::memory_order_relaxed);
@@ -83,26 +82,26 @@ class PosixBackend final : public internal::FileTableBackend {
       in_flight_.fetch_add(taken, std::memory_order_relaxed);
     }
     if (taken == 1) {
-      work_cv_.notify_one();
+      work_cv_.Signal();
     } else if (taken > 1) {
-      work_cv_.notify_all();
+      work_cv_.SignalAll();
     }
     return taken;
   }
 
   Result<size_t> Reap(std::span<Completion> out, size_t min_complete) override {
     if (out.empty()) return size_t{0};
-    std::unique_lock<std::mutex> lock(complete_mu_);
+    MutexLock lock(&complete_mu_);
     // Re-evaluated on every wake-up: another reaper may have taken completions this one was
     // counting on, and then in_flight_ (which only reapers lower, under this mutex) is lower too.
-    auto ready = [&] {
+    auto ready = [&]() REQUIRES(complete_mu_) {
       const size_t want =
           std::min({min_complete, out.size(), in_flight_.load(std::memory_order_relaxed)});
       return done_count_ >= want;
     };
     if (!ready()) {
       ++waiting_reapers_;
-      done_cv_.wait(lock, ready);
+      while (!ready()) done_cv_.Wait(&complete_mu_);
       --waiting_reapers_;
     }
     const size_t n = std::min(out.size(), done_count_);
@@ -113,7 +112,7 @@ class PosixBackend final : public internal::FileTableBackend {
     done_count_ -= n;
     in_flight_.fetch_sub(n, std::memory_order_relaxed);
     // Other waiting reapers must recompute what they can still expect.
-    if (n > 0 && waiting_reapers_ > 0) done_cv_.notify_all();
+    if (n > 0 && waiting_reapers_ > 0) done_cv_.SignalAll();
     return n;
   }
 
@@ -130,8 +129,8 @@ class PosixBackend final : public internal::FileTableBackend {
     for (;;) {
       Pending job;
       {
-        std::unique_lock<std::mutex> lock(submit_mu_);
-        work_cv_.wait(lock, [this] { return stopping_ || pending_count_ > 0; });
+        MutexLock lock(&submit_mu_);
+        while (!stopping_ && pending_count_ == 0) work_cv_.Wait(&submit_mu_);
         if (pending_count_ == 0) return;  // stopping, and the ring is drained
         job = pending_[pending_head_];
         pending_head_ = (pending_head_ + 1) % depth_;
@@ -139,10 +138,10 @@ class PosixBackend final : public internal::FileTableBackend {
       }
       const int64_t result = Execute(*job.request, job.fd);
       {
-        std::lock_guard<std::mutex> lock(complete_mu_);
+        MutexLock lock(&complete_mu_);
         done_[(done_head_ + done_count_) % depth_] = Completion{job.request, result};
         ++done_count_;
-        if (waiting_reapers_ > 0) done_cv_.notify_all();
+        if (waiting_reapers_ > 0) done_cv_.SignalAll();
       }
     }
   }
@@ -175,18 +174,18 @@ class PosixBackend final : public internal::FileTableBackend {
   std::atomic<size_t> in_flight_{0};
 
   // submit_mu_ (FileTableBackend's) also guards the request ring.
-  std::condition_variable work_cv_;  // workers wait for pending_count_ > 0 or stopping_
-  std::vector<Pending> pending_;     // GUARDED_BY(submit_mu_); ring of depth_ slots
-  size_t pending_head_ = 0;          // GUARDED_BY(submit_mu_)
-  size_t pending_count_ = 0;         // GUARDED_BY(submit_mu_)
-  bool stopping_ = false;            // GUARDED_BY(submit_mu_)
+  CondVar work_cv_;  // workers wait for pending_count_ > 0 or stopping_
+  std::vector<Pending> pending_ GUARDED_BY(submit_mu_);  // ring of depth_ slots
+  size_t pending_head_ GUARDED_BY(submit_mu_) = 0;
+  size_t pending_count_ GUARDED_BY(submit_mu_) = 0;
+  bool stopping_ GUARDED_BY(submit_mu_) = false;
 
-  std::mutex complete_mu_;
-  std::condition_variable done_cv_;  // reapers wait for completions or a lower in_flight_
-  std::vector<Completion> done_;     // GUARDED_BY(complete_mu_); ring of depth_ slots
-  size_t done_head_ = 0;             // GUARDED_BY(complete_mu_)
-  size_t done_count_ = 0;            // GUARDED_BY(complete_mu_)
-  size_t waiting_reapers_ = 0;       // GUARDED_BY(complete_mu_)
+  Mutex complete_mu_;
+  CondVar done_cv_;  // reapers wait for completions or a lower in_flight_
+  std::vector<Completion> done_ GUARDED_BY(complete_mu_);  // ring of depth_ slots
+  size_t done_head_ GUARDED_BY(complete_mu_) = 0;
+  size_t done_count_ GUARDED_BY(complete_mu_) = 0;
+  size_t waiting_reapers_ GUARDED_BY(complete_mu_) = 0;
 };
 
 }  // namespace

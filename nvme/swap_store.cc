@@ -44,7 +44,6 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -52,6 +51,7 @@
 #include <vector>
 
 #include "common/file.h"
+#include "common/mutex.h"
 #include "nvme/swap_index_internal.h"
 
 namespace memplan::nvme {
@@ -258,7 +258,7 @@ struct SwapStore::Impl {
         KeyMsg(key, "is being read by " + std::to_string(e.readers) + " other thread(s)"));
   }
 
-  Status NoRoom(const std::string& key, uint64_t needed) const {  // caller holds mu
+  Status NoRoom(const std::string& key, uint64_t needed) const REQUIRES(mu) {
     return Status::ResourceExhausted(
         KeyMsg(key, "no room: needs " + std::to_string(needed) + " bytes, " +
                         std::to_string(allocator->free_bytes()) + " of " +
@@ -269,11 +269,11 @@ struct SwapStore::Impl {
   // Open() steps; each records what it created so Teardown removes exactly that.
   Status PrepareDirectory();
   Status TakeLock();
-  Status CreateDataFile();
-  Status OpenDataFile();  // open_existing: the data file an earlier store kept
-  Status LoadIndex();     // open_existing: the index the last Sync() wrote
+  Status CreateDataFile() REQUIRES(mu);
+  Status OpenDataFile();            // open_existing: the data file an earlier store kept
+  Status LoadIndex() REQUIRES(mu);  // open_existing: the index the last Sync() wrote
   // The index file's bytes for every entry Sync() records (Note [What Sync() records]).
-  std::string EncodeIndex() const;  // caller holds mu
+  std::string EncodeIndex() const REQUIRES(mu);
   Status WriteIndex(const std::string& bytes);
   Status StartEngine(std::unique_ptr<Backend> given);  // null: CreateBackend() picks
   // Releases everything. `closing`: a normal Close (the files are ours to remove unless
@@ -302,18 +302,20 @@ struct SwapStore::Impl {
   uint32_t backend_count = 0;
   std::unique_ptr<IoEngine> engine;  // destroyed before `backends`
   int file = -1;                     // engine file index of the data file
-  uint64_t registered_bytes = 0;     // GUARDED_BY(mu): what RegisterBuffers gave the backends
+  uint64_t registered_bytes GUARDED_BY(mu) = 0;  // what RegisterBuffers gave the backends
 
-  mutable std::mutex mu;
-  bool closed = false;                           // GUARDED_BY(mu)
-  uint64_t active_ops = 0;                       // GUARDED_BY(mu)
-  std::optional<ExtentAllocator> allocator;      // GUARDED_BY(mu)
-  std::unordered_map<std::string, Entry> index;  // GUARDED_BY(mu); entries never move
-  uint64_t put_bytes = 0, get_bytes = 0;         // GUARDED_BY(mu)
-  LatencyWindow put_latency, get_latency;        // GUARDED_BY(mu)
-  IoStats final_io;                              // GUARDED_BY(mu); engine stats at Close
+  mutable Mutex mu;
+  bool closed GUARDED_BY(mu) = false;
+  uint64_t active_ops GUARDED_BY(mu) = 0;
+  std::optional<ExtentAllocator> allocator GUARDED_BY(mu);
+  std::unordered_map<std::string, Entry> index GUARDED_BY(mu);  // entries never move
+  uint64_t put_bytes GUARDED_BY(mu) = 0;
+  uint64_t get_bytes GUARDED_BY(mu) = 0;
+  LatencyWindow put_latency GUARDED_BY(mu);
+  LatencyWindow get_latency GUARDED_BY(mu);
+  IoStats final_io GUARDED_BY(mu);  // engine stats at Close
   // Held by Sync() across its I/O so Syncs run one at a time (Note [What Sync() records]).
-  std::mutex sync_mu;
+  Mutex sync_mu;
 };
 
 Status SwapStore::Impl::PrepareDirectory() {
@@ -718,9 +720,12 @@ Result<std::unique_ptr<SwapStore>> SwapStore::Open(const SwapStoreOptions& optio
   Status status = impl->PrepareDirectory();
   if (status.ok()) status = impl->TakeLock();
   if (status.ok()) {
+    // No other thread can see the store yet: the lock costs nothing, and lets the analysis check
+    // that the allocator and index are set up under it like everywhere else.
+    MutexLock lock(&impl->mu);
     status = options.open_existing ? impl->OpenDataFile() : impl->CreateDataFile();
+    if (status.ok() && options.open_existing) status = impl->LoadIndex();
   }
-  if (status.ok() && options.open_existing) status = impl->LoadIndex();
   if (status.ok()) status = impl->StartEngine(std::move(backend));
   if (!status.ok()) {
     (void)impl->Teardown(/*closing=*/false);  // the Open error is the one worth reporting
@@ -744,7 +749,7 @@ Status SwapStore::Put(const std::string& key, std::span<const std::byte> data) {
   Impl::Entry* entry = nullptr;
   uint64_t offset = 0;
   {
-    std::lock_guard<std::mutex> lock(s.mu);
+    MutexLock lock(&s.mu);
     if (s.closed) return Status::FailedPrecondition(s.Msg("is closed"));
     if (size > s.capacity_bytes) return s.NoRoom(key, size);
     const uint64_t extent = RoundUp(size, s.alignment);
@@ -783,7 +788,7 @@ Status SwapStore::Put(const std::string& key, std::span<const std::byte> data) {
 
   Status io = size == 0 ? Status::Ok() : s.engine->Write(s.file, offset, data.data(), size);
 
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   --s.active_ops;
   if (!io.ok()) {
     // Part of the extent may hold the new bytes and part the old: neither value is whole.
@@ -806,7 +811,7 @@ Status SwapStore::Get(const std::string& key, std::span<std::byte> out) {
   Impl& s = *impl_;
   Impl::Entry* entry = nullptr;
   {
-    std::lock_guard<std::mutex> lock(s.mu);
+    MutexLock lock(&s.mu);
     if (s.closed) return Status::FailedPrecondition(s.Msg("is closed"));
     auto it = s.index.find(key);
     if (it == s.index.end()) return Status::NotFound(s.KeyMsg(key, "not found"));
@@ -843,7 +848,7 @@ Status SwapStore::Get(const std::string& key, std::span<std::byte> out) {
     }
   }
 
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   --entry->readers;
   --s.active_ops;
   if (status.ok()) {
@@ -861,7 +866,7 @@ Status SwapStore::GetRange(const std::string& key, uint64_t offset, std::span<st
   Impl& s = *impl_;
   Impl::Entry* entry = nullptr;
   {
-    std::lock_guard<std::mutex> lock(s.mu);
+    MutexLock lock(&s.mu);
     if (s.closed) return Status::FailedPrecondition(s.Msg("is closed"));
     auto it = s.index.find(key);
     if (it == s.index.end()) return Status::NotFound(s.KeyMsg(key, "not found"));
@@ -915,7 +920,7 @@ Status SwapStore::GetRange(const std::string& key, uint64_t offset, std::span<st
     }
   }
 
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   --entry->readers;
   --s.active_ops;
   if (status.ok()) {
@@ -927,7 +932,7 @@ Status SwapStore::GetRange(const std::string& key, uint64_t offset, std::span<st
 
 Result<uint64_t> SwapStore::Size(const std::string& key) const {
   const Impl& s = *impl_;
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   if (s.closed) return Status::FailedPrecondition(s.Msg("is closed"));
   auto it = s.index.find(key);
   if (it == s.index.end() || !it->second.committed) {
@@ -938,7 +943,7 @@ Result<uint64_t> SwapStore::Size(const std::string& key) const {
 
 Status SwapStore::Erase(const std::string& key) {
   Impl& s = *impl_;
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   if (s.closed) return Status::FailedPrecondition(s.Msg("is closed"));
   auto it = s.index.find(key);
   if (it == s.index.end()) return Status::NotFound(s.KeyMsg(key, "not found"));
@@ -952,7 +957,7 @@ std::vector<std::string> SwapStore::Keys() const {
   const Impl& s = *impl_;
   std::vector<std::string> keys;
   {
-    std::lock_guard<std::mutex> lock(s.mu);
+    MutexLock lock(&s.mu);
     keys.reserve(s.index.size());
     for (const auto& [key, entry] : s.index) {
       if (entry.committed) keys.push_back(key);
@@ -964,10 +969,10 @@ std::vector<std::string> SwapStore::Keys() const {
 
 Status SwapStore::Sync() {
   Impl& s = *impl_;
-  std::lock_guard<std::mutex> one_at_a_time(s.sync_mu);
+  MutexLock one_at_a_time(&s.sync_mu);
   std::string bytes;
   {
-    std::lock_guard<std::mutex> lock(s.mu);
+    MutexLock lock(&s.mu);
     if (s.closed) return Status::FailedPrecondition(s.Msg("is closed"));
     bytes = s.EncodeIndex();
     ++s.active_ops;  // so Close() cannot release the engine under us
@@ -975,7 +980,7 @@ Status SwapStore::Sync() {
   Status status = s.engine->Sync(s.file).WithPrefix(s.Msg("fdatasync of " + s.data_path));
   if (status.ok()) status = s.WriteIndex(bytes);
 
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   --s.active_ops;
   if (status.ok()) s.index_ours = true;
   return status;
@@ -983,7 +988,7 @@ Status SwapStore::Sync() {
 
 Status SwapStore::RegisterBuffers(std::span<const iovec> buffers) {
   Impl& s = *impl_;
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   if (s.closed) return Status::FailedPrecondition("swap store " + s.options.directory + ": closed");
   if (s.active_ops > 0) {
     return Status::FailedPrecondition("swap store " + s.options.directory +
@@ -1003,7 +1008,7 @@ SwapStoreStats SwapStore::stats() const {
   SwapStoreStats out;
   std::vector<double> put_samples, get_samples;
   {
-    std::lock_guard<std::mutex> lock(s.mu);
+    MutexLock lock(&s.mu);
     out.capacity_bytes = s.capacity_bytes;
     out.used_bytes = s.capacity_bytes - s.allocator->free_bytes();
     for (const auto& [key, entry] : s.index) out.keys += entry.committed ? 1 : 0;
@@ -1030,7 +1035,7 @@ SwapStoreStats SwapStore::stats() const {
   out.io_threads = s.options.engine_options.threads;
   out.io_backends = s.backend_count;
   {
-    std::lock_guard<std::mutex> lock(s.mu);
+    MutexLock lock(&s.mu);
     out.registered_buffer_bytes = s.registered_bytes;
   }
   return out;
@@ -1038,7 +1043,7 @@ SwapStoreStats SwapStore::stats() const {
 
 Status SwapStore::Close() {
   Impl& s = *impl_;
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   if (s.closed) return Status::Ok();
   if (s.active_ops > 0) {
     return Status::FailedPrecondition(
@@ -1055,7 +1060,7 @@ Status SwapStore::Close() {
 
 Result<uint64_t> SwapStore::DebugFileOffset(const std::string& key) const {
   const Impl& s = *impl_;
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   auto it = s.index.find(key);
   if (it == s.index.end()) return Status::NotFound(s.KeyMsg(key, "not found"));
   return it->second.offset;

@@ -18,12 +18,12 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
-#include <mutex>
 #include <string>
 #include <system_error>
 #include <utility>
 #include <vector>
 
+#include "common/mutex.h"
 #include "nvme/backend.h"
 #include "nvme/backend_internal.h"
 
@@ -154,7 +154,7 @@ class UringBackend final : public Backend {
   const Capabilities& capabilities() const override { return capabilities_; }
 
   Result<int> RegisterFile(int fd) override {
-    std::lock_guard<std::mutex> lock(submit_mu_);
+    MutexLock lock(&submit_mu_);
     MEMPLAN_ASSIGN_OR_RETURN(const int index, files_.Add(fd));
     if (fixed_.size() < files_.size()) fixed_.resize(files_.size(), false);
     fixed_[index] = false;
@@ -166,7 +166,7 @@ class UringBackend final : public Backend {
   }
 
   Status UnregisterFile(int file) override {
-    std::lock_guard<std::mutex> lock(submit_mu_);
+    MutexLock lock(&submit_mu_);
     if (files_.Fd(file) >= 0 && fixed_[file]) {
       const int none = -1;
       const int rc = io_uring_register_files_update(&ring_, file, &none, 1);
@@ -184,7 +184,7 @@ class UringBackend final : public Backend {
   // use the previous registration's indexes.
   Status RegisterBuffers(std::span<const iovec> buffers) override {
     if (!capabilities_.registered_buffers) return Status::Ok();
-    std::lock_guard<std::mutex> lock(submit_mu_);
+    MutexLock lock(&submit_mu_);
     if (!buffers_.empty()) {
       buffers_.clear();
       const int rc = io_uring_unregister_buffers(&ring_);
@@ -204,7 +204,7 @@ class UringBackend final : public Backend {
   Result<size_t> Submit(std::span<Request* const> requests) override {
     MEMPLAN_RETURN_IF_ERROR(internal::CheckRequests(requests));
     if (requests.empty()) return size_t{0};
-    std::lock_guard<std::mutex> lock(submit_mu_);
+    MutexLock lock(&submit_mu_);
     // Capping what is in flight at queue_depth also keeps the CQ ring (2x the SQ ring) from ever
     // overflowing. Reapers only lower in_flight_, so a stale read errs towards taking fewer.
     const int64_t in_flight = std::max<int64_t>(0, in_flight_.load(std::memory_order_acquire));
@@ -246,7 +246,7 @@ class UringBackend final : public Backend {
 
   Result<size_t> Reap(std::span<Completion> out, size_t min_complete) override {
     if (out.empty()) return size_t{0};
-    std::lock_guard<std::mutex> lock(complete_mu_);
+    MutexLock lock(&complete_mu_);
     size_t got = 0;
     for (;;) {
       // Take everything ready, up to out.size().
@@ -286,8 +286,8 @@ class UringBackend final : public Backend {
   }
 
  private:
-  // Fills one SQE. Called with submit_mu_ held.
-  void Prepare(io_uring_sqe* sqe, Request& request) {
+  // Fills one SQE.
+  void Prepare(io_uring_sqe* sqe, Request& request) REQUIRES(submit_mu_) {
     const int fd = files_.Fd(request.file);
     // An unknown index runs against fd -1 so that the kernel reports -EBADF in the completion.
     const bool fixed_file = fd >= 0 && fixed_[request.file];
@@ -317,8 +317,8 @@ class UringBackend final : public Backend {
   }
 
   // True when the request names a registered buffer that really contains it; otherwise it runs
-  // as a plain read/write instead of failing with EFAULT. Called with submit_mu_ held.
-  bool UsesRegisteredBuffer(const Request& request) const {
+  // as a plain read/write instead of failing with EFAULT.
+  bool UsesRegisteredBuffer(const Request& request) const REQUIRES(submit_mu_) {
     if (request.buffer_index < 0 || static_cast<size_t>(request.buffer_index) >= buffers_.size()) {
       return false;
     }
@@ -335,8 +335,8 @@ class UringBackend final : public Backend {
   // otherwise stay in the ring and be submitted by some later call, after we told the caller they
   // were not taken and the caller resubmitted them. So we withdraw them: move the SQ tail back to
   // the head. Every Submit ends with head == tail, so nothing of an earlier call is withdrawn.
-  // Returns how many SQEs were withdrawn. Called with submit_mu_ held; never with SQPOLL.
-  size_t RetractUnsubmitted() {
+  // Returns how many SQEs were withdrawn. Never with SQPOLL.
+  size_t RetractUnsubmitted() REQUIRES(submit_mu_) {
     io_uring_sq& sq = ring_.sq;
     const unsigned head = std::atomic_ref<unsigned>(*sq.khead).load(std::memory_order_acquire);
     const unsigned unsubmitted = sq.sqe_tail - head;
@@ -363,14 +363,14 @@ class UringBackend final : public Backend {
   // Request happen-before the reaping thread's reads, as the kernel already guarantees.
   std::atomic<uint64_t> handoff_{0};
 
-  std::mutex submit_mu_;
-  internal::FileTable files_;      // GUARDED_BY(submit_mu_)
-  std::vector<bool> fixed_;        // GUARDED_BY(submit_mu_); file index -> in fixed table
+  Mutex submit_mu_;
+  internal::FileTable files_ GUARDED_BY(submit_mu_);
+  std::vector<bool> fixed_ GUARDED_BY(submit_mu_);  // file index -> in fixed table
   unsigned fixed_file_slots_ = 0;  // set once by Init; 0 when fixed files are unavailable
-  std::vector<iovec> buffers_;     // GUARDED_BY(submit_mu_); the registered buffers
+  std::vector<iovec> buffers_ GUARDED_BY(submit_mu_);  // the registered buffers
 
-  std::mutex complete_mu_;
-  std::vector<io_uring_cqe*> cqes_;  // GUARDED_BY(complete_mu_); peek batch, depth_ entries
+  Mutex complete_mu_;
+  std::vector<io_uring_cqe*> cqes_ GUARDED_BY(complete_mu_);  // peek batch, depth_ entries
 };
 
 }  // namespace

@@ -3,14 +3,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdio>
 #include <functional>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "offload/cpu_optimizer_internal.h"
 
 #if MEMPLAN_OFFLOAD_X86
@@ -220,10 +219,10 @@ class TilePool {
 
   ~TilePool() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stop_ = true;
     }
-    start_cv_.notify_all();
+    start_cv_.SignalAll();
     for (std::thread& worker : workers_) worker.join();
   }
 
@@ -236,7 +235,7 @@ class TilePool {
       return;
     }
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       fn_ = &fn;
       n_ = n;
       tile_ = tile;
@@ -244,10 +243,10 @@ class TilePool {
       busy_ = static_cast<int>(workers_.size());
       ++generation_;
     }
-    start_cv_.notify_all();
+    start_cv_.SignalAll();
     Drain(fn, n, tile);
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [this] { return busy_ == 0; });
+    MutexLock lock(&mu_);
+    while (busy_ != 0) done_cv_.Wait(&mu_);
     fn_ = nullptr;
   }
 
@@ -267,8 +266,8 @@ class TilePool {
       size_t n;
       size_t tile;
       {
-        std::unique_lock<std::mutex> lock(mu_);
-        start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
+        MutexLock lock(&mu_);
+        while (!stop_ && generation_ == seen) start_cv_.Wait(&mu_);
         if (stop_) return;
         seen = generation_;
         fn = fn_;
@@ -278,23 +277,22 @@ class TilePool {
       Drain(*fn, n, tile);
       bool last;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         last = --busy_ == 0;
       }
-      if (last) done_cv_.notify_one();
+      if (last) done_cv_.Signal();
     }
   }
 
-  std::mutex mu_;
-  std::condition_variable start_cv_;
-  std::condition_variable done_cv_;
-  // Guarded by mu_; fn_ stays valid until busy_ drops to 0.
-  const TileFn* fn_ = nullptr;
-  size_t n_ = 0;
-  size_t tile_ = 0;
-  int busy_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  Mutex mu_;
+  CondVar start_cv_;
+  CondVar done_cv_;
+  const TileFn* fn_ GUARDED_BY(mu_) = nullptr;  // valid until busy_ drops to 0
+  size_t n_ GUARDED_BY(mu_) = 0;
+  size_t tile_ GUARDED_BY(mu_) = 0;
+  int busy_ GUARDED_BY(mu_) = 0;
+  uint64_t generation_ GUARDED_BY(mu_) = 0;
+  bool stop_ GUARDED_BY(mu_) = false;
   std::atomic<size_t> next_{0};
   std::vector<std::thread> workers_;
 };

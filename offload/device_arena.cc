@@ -35,7 +35,7 @@ DeviceArena::~DeviceArena() { (void)runtime_->FreeDevice(base_); }
 Result<void*> DeviceArena::Allocate(uint64_t bytes) {
   if (bytes == 0) return Status::InvalidArgument("device arena: Allocate(0)");
   const uint64_t need = Rounded(bytes);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto best = free_.end();
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     if (it->second >= need && (best == free_.end() || it->second < best->second)) best = it;
@@ -64,7 +64,7 @@ Result<void*> DeviceArena::Allocate(uint64_t bytes) {
 Status DeviceArena::Free(void* ptr) {
   if (ptr == nullptr) return Status::Ok();
   const auto* p = static_cast<const std::byte*>(ptr);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = p >= base_ ? used_.find(static_cast<uint64_t>(p - base_)) : used_.end();
   if (it == used_.end()) {
     return Status::InvalidArgument("device arena: Free of a buffer the arena did not hand out");
@@ -91,7 +91,7 @@ Status DeviceArena::Free(void* ptr) {
 }
 
 DeviceArenaStats DeviceArena::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return stats_;
 }
 

@@ -18,8 +18,8 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "gpu/gpu_runtime.h"
 
@@ -59,10 +59,10 @@ class DeviceArena {
 
   gpu::Runtime* const runtime_;
   std::byte* const base_;
-  mutable std::mutex mu_;
-  std::map<uint64_t, uint64_t> used_;  // Guarded by mu_: offset -> bytes.
-  std::map<uint64_t, uint64_t> free_;  // Guarded by mu_: offset -> bytes, coalesced.
-  DeviceArenaStats stats_;             // Guarded by mu_.
+  mutable Mutex mu_;
+  std::map<uint64_t, uint64_t> used_ GUARDED_BY(mu_);  // offset -> bytes.
+  std::map<uint64_t, uint64_t> free_ GUARDED_BY(mu_);  // offset -> bytes, coalesced.
+  DeviceArenaStats stats_ GUARDED_BY(mu_);
 };
 
 }  // namespace memplan::offload

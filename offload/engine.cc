@@ -129,10 +129,8 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <mutex>
 #include <thread>
 #include <tuple>
 #include <unordered_map>
@@ -142,6 +140,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/mutex.h"
 #include "offload/half.h"
 
 namespace memplan::offload {
@@ -446,17 +445,17 @@ struct Engine::Impl {
   static constexpr uint64_t kMaxGradSlotBytes = uint64_t{4} << 20;
   static constexpr uint64_t kPageBytes = 4096;
   std::unique_ptr<PinnedPool> grad_staging;    // kGradSlots pinned slots (a runtime with a device)
-  mutable std::mutex grad_mu;
-  std::condition_variable grad_cv;             // a job queued / finished, or stop
-  std::deque<GradJob> grad_jobs;               // Guarded by grad_mu.
-  std::vector<std::vector<std::byte>> grad_free;  // Guarded by grad_mu: recycled host buffers.
-  bool grad_busy = false;                      // Guarded by grad_mu.
-  bool grad_stop = false;                      // Guarded by grad_mu.
-  Status grad_error;                           // Guarded by grad_mu: the first failure.
-  uint64_t d2h_bytes = 0;                      // Guarded by grad_mu.
+  mutable Mutex grad_mu;
+  CondVar grad_cv;  // a job queued / finished, or stop
+  std::deque<GradJob> grad_jobs GUARDED_BY(grad_mu);
+  std::vector<std::vector<std::byte>> grad_free GUARDED_BY(grad_mu);  // recycled host buffers
+  bool grad_busy GUARDED_BY(grad_mu) = false;
+  bool grad_stop GUARDED_BY(grad_mu) = false;
+  Status grad_error GUARDED_BY(grad_mu);  // the first failure
+  uint64_t d2h_bytes GUARDED_BY(grad_mu) = 0;
   // World size > 1 (Note [Reduce-scattered gradients]): two device buffers of world_size times the
   // largest shard, allocated in Start(), and a device buffer of zeros for the padding.
-  std::vector<void*> grad_scratch_free;        // Guarded by grad_mu.
+  std::vector<void*> grad_scratch_free GUARDED_BY(grad_mu);
   std::vector<void*> grad_scratch_all;
   uint64_t grad_scratch_bytes = 0;
   void* grad_zeros = nullptr;
@@ -473,11 +472,11 @@ struct Engine::Impl {
   // Sub-groups' gradients handed to the optimizer and not yet read by it: at most overlap_limit
   // (the optimizer's buffers and two more); the gradient thread waits beyond that.
   uint64_t overlap_limit = 0;
-  std::mutex overlap_mu;
-  std::condition_variable overlap_cv;
-  uint64_t overlap_outstanding = 0;              // Guarded by overlap_mu.
-  std::vector<std::vector<float>> overlap_free;  // Guarded by overlap_mu: buffers read, to reuse.
-  bool overlap_abandoned = false;                // Guarded by overlap_mu: drop hand-overs.
+  Mutex overlap_mu;
+  CondVar overlap_cv;
+  uint64_t overlap_outstanding GUARDED_BY(overlap_mu) = 0;
+  std::vector<std::vector<float>> overlap_free GUARDED_BY(overlap_mu);  // buffers read, to reuse
+  bool overlap_abandoned GUARDED_BY(overlap_mu) = false;                // drop hand-overs
   double stall_s = 0;  // the trainer thread's: GradReady() blocked this step
   bool started = false;
   bool closed = false;
@@ -556,7 +555,7 @@ struct Engine::Impl {
       if (base == nullptr) {
         if (buf.data.empty()) {
           if (grad_buffer_free.empty()) {
-            std::lock_guard<std::mutex> lock(overlap_mu);
+            MutexLock lock(&overlap_mu);
             if (!overlap_free.empty()) {
               grad_buffer_free.push_back(std::move(overlap_free.back()));
               overlap_free.pop_back();
@@ -610,10 +609,10 @@ struct Engine::Impl {
   // over and unread: backward then waits for the optimizer (the stall).
   Status HandOver(uint64_t sg, std::vector<float> grads) {
     {
-      std::unique_lock<std::mutex> lock(overlap_mu);
-      overlap_cv.wait(lock, [&] {
-        return overlap_outstanding < overlap_limit || overlap_abandoned;
-      });
+      MutexLock lock(&overlap_mu);
+      while (overlap_outstanding >= overlap_limit && !overlap_abandoned) {
+        overlap_cv.Wait(&overlap_mu);
+      }
       if (overlap_abandoned) {
         overlap_free.push_back(std::move(grads));
         return Status::Ok();
@@ -623,11 +622,11 @@ struct Engine::Impl {
     auto held = std::make_shared<std::vector<float>>(std::move(grads));
     std::function<void()> done = [this, held] {
       {
-        std::lock_guard<std::mutex> lock(overlap_mu);
+        MutexLock lock(&overlap_mu);
         overlap_free.push_back(std::move(*held));
         --overlap_outstanding;
       }
-      overlap_cv.notify_all();
+      overlap_cv.SignalAll();
     };
     // Each trainable parameter's shard at its own next step: one segment at the optimizer's next
     // step is the unsegmented step, bit for bit, and cheaper.
@@ -670,18 +669,18 @@ struct Engine::Impl {
   // committed step. Returns `error` with what the clean-up found added.
   Status Abandon(Status error) {
     {
-      std::lock_guard<std::mutex> lock(overlap_mu);
+      MutexLock lock(&overlap_mu);
       overlap_abandoned = true;  // the gradient thread drops what it would still hand over
     }
-    overlap_cv.notify_all();
+    overlap_cv.SignalAll();
     optimizer->AbortStep();
     (void)DrainGradients();  // the step's gradients are dropped, a failed copy's included
     {
-      std::lock_guard<std::mutex> lock(grad_mu);
+      MutexLock lock(&grad_mu);
       grad_error = Status::Ok();
     }
     {
-      std::lock_guard<std::mutex> lock(overlap_mu);
+      MutexLock lock(&overlap_mu);
       overlap_abandoned = false;
     }
     for (auto& [sg, buf] : grad_buffers) {
@@ -707,8 +706,8 @@ struct Engine::Impl {
     for (;;) {
       GradJob job;
       {
-        std::unique_lock<std::mutex> lock(grad_mu);
-        grad_cv.wait(lock, [&] { return grad_stop || !grad_jobs.empty(); });
+        MutexLock lock(&grad_mu);
+        while (!grad_stop && grad_jobs.empty()) grad_cv.Wait(&grad_mu);
         if (grad_jobs.empty()) return;  // stopping, nothing left
         job = std::move(grad_jobs.front());
         grad_jobs.pop_front();
@@ -718,7 +717,7 @@ struct Engine::Impl {
       if (status.ok()) status = Accumulate(job);
       job.slot.Release();  // GradReady() may be waiting for it
       {
-        std::lock_guard<std::mutex> lock(grad_mu);
+        MutexLock lock(&grad_mu);
         if (!status.ok() && grad_error.ok()) {
           grad_error = status.WithPrefix("gradient of " + specs[job.param].name);
         }
@@ -726,7 +725,7 @@ struct Engine::Impl {
         if (job.scratch != nullptr) grad_scratch_free.push_back(job.scratch);
         grad_busy = false;
       }
-      grad_cv.notify_all();
+      grad_cv.SignalAll();
     }
   }
 
@@ -745,8 +744,8 @@ struct Engine::Impl {
     void* scratch = nullptr;
     {
       // At most two gradients are between their reduce-scatter and their copy to the host.
-      std::unique_lock<std::mutex> lock(grad_mu);
-      grad_cv.wait(lock, [&] { return !grad_scratch_free.empty() || !grad_error.ok(); });
+      MutexLock lock(&grad_mu);
+      while (grad_scratch_free.empty() && grad_error.ok()) grad_cv.Wait(&grad_mu);
       if (!grad_error.ok()) return grad_error;
       scratch = grad_scratch_free.back();
       grad_scratch_free.pop_back();
@@ -770,10 +769,10 @@ struct Engine::Impl {
     }();
     if (!status.ok()) {
       {
-        std::lock_guard<std::mutex> lock(grad_mu);
+        MutexLock lock(&grad_mu);
         grad_scratch_free.push_back(scratch);
       }
-      grad_cv.notify_all();
+      grad_cv.SignalAll();
       return status;
     }
     stats.reduce_scatter_bytes += full;
@@ -792,6 +791,7 @@ struct Engine::Impl {
     for (int i = 0; i < 2; ++i) {
       MEMPLAN_ASSIGN_OR_RETURN(void* scratch, runtime->AllocateDevice(grad_scratch_bytes));
       grad_scratch_all.push_back(scratch);
+      MutexLock lock(&grad_mu);
       grad_scratch_free.push_back(scratch);
     }
     const std::vector<std::byte> zeros(world * 4, std::byte{0});
@@ -989,17 +989,17 @@ struct Engine::Impl {
 
   // Waits until every queued gradient is in the optimizer; returns the first failure.
   Status DrainGradients() {
-    std::unique_lock<std::mutex> lock(grad_mu);
-    grad_cv.wait(lock, [&] { return grad_jobs.empty() && !grad_busy; });
+    MutexLock lock(&grad_mu);
+    while (!grad_jobs.empty() || grad_busy) grad_cv.Wait(&grad_mu);
     return grad_error;
   }
 
   void StopGradients() {
     {
-      std::lock_guard<std::mutex> lock(grad_mu);
+      MutexLock lock(&grad_mu);
       grad_stop = true;
     }
-    grad_cv.notify_all();
+    grad_cv.SignalAll();
     if (grad_worker.joinable()) grad_worker.join();
   }
 
@@ -1012,10 +1012,10 @@ struct Engine::Impl {
       Status copied = CopyGradientToHost(param, type, first, src, bytes);
       if (scratch != nullptr) {  // read already
         {
-          std::lock_guard<std::mutex> lock(grad_mu);
+          MutexLock lock(&grad_mu);
           grad_scratch_free.push_back(scratch);
         }
-        grad_cv.notify_all();
+        grad_cv.SignalAll();
       }
       return copied;
     }
@@ -1039,11 +1039,11 @@ struct Engine::Impl {
       done += len;
       if (done == bytes) job.scratch = scratch;
       {
-        std::lock_guard<std::mutex> lock(grad_mu);
+        MutexLock lock(&grad_mu);
         grad_jobs.push_back(std::move(job));
         d2h_bytes += len;
       }
-      grad_cv.notify_all();
+      grad_cv.SignalAll();
     }
     return Status::Ok();
   }
@@ -1058,9 +1058,9 @@ struct Engine::Impl {
     job.first = first;
     job.count = bytes / static_cast<uint64_t>(ElementBytes(type));
     {
-      std::unique_lock<std::mutex> lock(grad_mu);
+      MutexLock lock(&grad_mu);
       const auto waited = std::chrono::steady_clock::now();
-      grad_cv.wait(lock, [&] { return grad_jobs.size() < kGradSlots; });
+      while (grad_jobs.size() >= kGradSlots) grad_cv.Wait(&grad_mu);
       stall_s += SecondsSince(waited);
       for (size_t i = 0; i < grad_free.size(); ++i) {
         if (grad_free[i].size() >= bytes) {
@@ -1075,11 +1075,11 @@ struct Engine::Impl {
                                                             job.host.data(), src, bytes));
     MEMPLAN_RETURN_IF_ERROR(runtime->Wait(job.ticket));
     {
-      std::lock_guard<std::mutex> lock(grad_mu);
+      MutexLock lock(&grad_mu);
       grad_jobs.push_back(std::move(job));
       d2h_bytes += bytes;
     }
-    grad_cv.notify_all();
+    grad_cv.SignalAll();
     return Status::Ok();
   }
 };
@@ -1399,7 +1399,7 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
     return Status::InvalidArgument("engine: gradient of " + s.specs[param].name + " is null");
   }
   {
-    std::lock_guard<std::mutex> lock(s.grad_mu);
+    MutexLock lock(&s.grad_mu);
     if (!s.grad_error.ok()) return s.grad_error;
   }
   const ParamId sid = s.swap_id[param];
@@ -1421,7 +1421,7 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
   Status queued = s.QueueGradientCopies(param, type, first, src, count * eb, scratch);
   if (!queued.ok()) {
     // Part of the gradient may be queued already: the step cannot be completed.
-    std::lock_guard<std::mutex> lock(s.grad_mu);
+    MutexLock lock(&s.grad_mu);
     if (s.grad_error.ok()) s.grad_error = queued.WithPrefix("gradient of " + s.specs[param].name);
     return s.grad_error;
   }
@@ -1615,7 +1615,7 @@ EngineStats Engine::stats() const {
   const Impl& s = *impl_;
   EngineStats out = s.stats;
   {
-    std::lock_guard<std::mutex> lock(s.grad_mu);
+    MutexLock lock(&s.grad_mu);
     out.d2h_bytes = s.d2h_bytes;
   }
   if (s.params) out.param = s.params->stats();
@@ -1645,15 +1645,15 @@ Status Engine::Close() {
   s.closed = true;
   if (s.overlap) {  // a prepared step never finished: nothing of it is committed
     {
-      std::lock_guard<std::mutex> lock(s.overlap_mu);
+      MutexLock lock(&s.overlap_mu);
       s.overlap_abandoned = true;
     }
-    s.overlap_cv.notify_all();
+    s.overlap_cv.SignalAll();
     s.optimizer->AbortStep();
   }
   s.StopGradients();  // finishes the gradients queued (their copies may still be in flight)
   {
-    std::lock_guard<std::mutex> lock(s.grad_mu);
+    MutexLock lock(&s.grad_mu);
     s.grad_jobs.clear();  // (none: StopGradients finished them)
   }
   s.grad_staging.reset();
@@ -1662,7 +1662,10 @@ Status Engine::Close() {
   }
   for (void* scratch : s.grad_scratch_all) (void)s.runtime->FreeDevice(scratch);
   s.grad_scratch_all.clear();
-  s.grad_scratch_free.clear();
+  {
+    MutexLock lock(&s.grad_mu);
+    s.grad_scratch_free.clear();
+  }
   if (s.grad_zeros != nullptr) (void)s.runtime->FreeDevice(s.grad_zeros);
   s.grad_zeros = nullptr;
   Status status;

@@ -56,10 +56,8 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <mutex>
 #include <optional>
 #include <random>
 #include <thread>
@@ -68,6 +66,7 @@
 #include <unistd.h>
 
 #include "common/json.h"
+#include "common/mutex.h"
 
 namespace memplan::offload {
 namespace {
@@ -125,14 +124,14 @@ class IndexQueue {
  public:
   void Push(size_t value) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       items_.push_back(value);
     }
-    cv_.notify_one();
+    cv_.Signal();
   }
   std::optional<size_t> Pop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return aborted_ || !items_.empty(); });
+    MutexLock lock(&mu_);
+    while (!aborted_ && items_.empty()) cv_.Wait(&mu_);
     if (aborted_) return std::nullopt;
     size_t value = items_.front();
     items_.pop_front();
@@ -140,7 +139,7 @@ class IndexQueue {
   }
   // Pop() without waiting: nothing when empty; `aborted` set when the queue was aborted.
   std::optional<size_t> TryPop(bool* aborted) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     *aborted = aborted_;
     if (aborted_ || items_.empty()) return std::nullopt;
     size_t value = items_.front();
@@ -149,17 +148,17 @@ class IndexQueue {
   }
   void Abort() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       aborted_ = true;
     }
-    cv_.notify_all();
+    cv_.SignalAll();
   }
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<size_t> items_;  // Guarded by mu_.
-  bool aborted_ = false;      // Guarded by mu_.
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<size_t> items_ GUARDED_BY(mu_);
+  bool aborted_ GUARDED_BY(mu_) = false;
 };
 
 // The reader's one queue: sub-groups handed over and buffers freed, as tagged values (a freed
@@ -170,17 +169,17 @@ constexpr size_t kFreed = size_t{1} << 62;
 class FirstError {
  public:
   void Set(Status status) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (status_.ok()) status_ = std::move(status);
   }
   Status Get() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     return status_;
   }
 
  private:
-  mutable std::mutex mu_;
-  Status status_;  // Guarded by mu_.
+  mutable Mutex mu_;
+  Status status_ GUARDED_BY(mu_);
 };
 
 }  // namespace
@@ -863,11 +862,11 @@ struct OptimizerSwapper::StepRun {
   uint64_t submitted = 0;          // the caller's
   FirstError error;
   std::thread reader, computer, writer;
-  std::mutex mu;
-  std::condition_variable cv;  // an update done, or the step aborted
-  uint64_t updated = 0;        // Guarded by mu.
-  bool aborted = false;        // Guarded by mu.
-  double updates_done_s = 0;   // Guarded by mu.
+  Mutex mu;
+  CondVar cv;  // an update done, or the step aborted
+  uint64_t updated GUARDED_BY(mu) = 0;
+  bool aborted GUARDED_BY(mu) = false;
+  double updates_done_s GUARDED_BY(mu) = 0;
   // Written by one stage each, read after the join.
   double read_s = 0, write_s = 0, compute_s = 0, wait_s = 0, grad_wait_s = 0;
   uint64_t read_bytes = 0, write_bytes = 0, in_memory = 0, read_ahead = 0, evicted = 0;
@@ -882,7 +881,7 @@ struct OptimizerSwapper::StepRun {
     written_q.Abort();
     std::vector<std::function<void()>> release;
     {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(&mu);
       aborted = true;
       for (Job& job : jobs) {
         if (job.submitted && !job.claimed) {
@@ -891,12 +890,12 @@ struct OptimizerSwapper::StepRun {
         }
       }
     }
-    cv.notify_all();
+    cv.SignalAll();
     for (auto& done : release) done();
   }
   // Claims job i for the compute thread; false when Abort() has released it.
   bool Claim(uint64_t i) {
-    std::lock_guard<std::mutex> lock(mu);
+    MutexLock lock(&mu);
     if (jobs[i].claimed) return false;
     jobs[i].claimed = true;
     return true;
@@ -912,7 +911,7 @@ bool OptimizerSwapper::step_begun() const { return impl_->run != nullptr; }
 
 uint64_t OptimizerSwapper::SubGroupsUpdated() const {
   if (!impl_->run) return 0;
-  std::lock_guard<std::mutex> lock(impl_->run->mu);
+  MutexLock lock(&impl_->run->mu);
   return impl_->run->updated;
 }
 
@@ -1103,10 +1102,10 @@ Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateC
         return;
       }
       {
-        std::lock_guard<std::mutex> lock(r.mu);
+        MutexLock lock(&r.mu);
         if (++r.updated == count) r.updates_done_s = SecondsSince(r.start);
       }
-      r.cv.notify_all();
+      r.cv.SignalAll();
       r.written_q.Push(*b);
     }
   });
@@ -1167,7 +1166,7 @@ Status OptimizerSwapper::StepSubGroup(uint64_t sub_group, std::span<const float>
   }
   ++r.submitted;
   {
-    std::lock_guard<std::mutex> lock(r.mu);
+    MutexLock lock(&r.mu);
     job.submitted = true;
     if (!r.aborted) {
       job.grads = grads;
@@ -1197,9 +1196,9 @@ Status OptimizerSwapper::WaitForUpdates() {
       }
     }
   }
-  std::unique_lock<std::mutex> lock(r.mu);
-  r.cv.wait(lock, [&] { return r.aborted || r.updated == sub_group_count_; });
-  lock.unlock();
+  MutexLock lock(&r.mu);
+  while (!r.aborted && r.updated != sub_group_count_) r.cv.Wait(&r.mu);
+  lock.Unlock();
   return r.error.Get();
 }
 
@@ -1240,7 +1239,7 @@ Status OptimizerSwapper::FinishStep() {
   last.write_bytes = r.write_bytes;
   last.sub_groups_in_memory = r.in_memory;
   {
-    std::lock_guard<std::mutex> lock(r.mu);
+    MutexLock lock(&r.mu);
     last.updates_done_s = r.updates_done_s;
   }
   last.sub_groups_read_ahead = r.read_ahead;

@@ -81,14 +81,13 @@
 
 #include <sys/mman.h>
 
+#include "common/mutex.h"
 #include "offload/device_arena.h"
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <deque>
-#include <mutex>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -186,15 +185,16 @@ struct ParamSwapper::Impl {
   std::vector<gpu::CopyTicket> slot_ticket;
   size_t next_slot = 0;
 
-  mutable std::mutex mu;
-  std::condition_variable job_ready;   // a job was queued, or stop
-  std::condition_variable job_done;    // a parameter left queued/loading
-  std::deque<ParamId> jobs;            // Guarded by mu.
-  bool loading = false;                // Guarded by mu: the thread is working on a job.
-  bool stop = false;                   // Guarded by mu.
-  std::vector<PendingFree> pending_free;  // Guarded by mu (Note [Device memory of the swapper]).
+  mutable Mutex mu;
+  CondVar job_ready;  // a job was queued, or stop
+  CondVar job_done;   // a parameter left queued/loading
+  std::deque<ParamId> jobs GUARDED_BY(mu);
+  bool loading GUARDED_BY(mu) = false;  // the thread is working on a job
+  bool stop GUARDED_BY(mu) = false;
+  // Note [Device memory of the swapper].
+  std::vector<PendingFree> pending_free GUARDED_BY(mu);
   std::unique_ptr<DeviceArena> device_arena;
-  ParamSwapperStats stats;             // Guarded by mu.
+  ParamSwapperStats stats GUARDED_BY(mu);
   std::thread worker;
 
   // Trace: used by the trainer's thread only.
@@ -204,10 +204,10 @@ struct ParamSwapper::Impl {
 
   ~Impl() {
     {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(&mu);
       stop = true;
     }
-    job_ready.notify_all();
+    job_ready.SignalAll();
     if (worker.joinable()) worker.join();
     (void)options.runtime->Synchronize();
     for (PendingFree& f : pending_free) {
@@ -229,8 +229,8 @@ struct ParamSwapper::Impl {
     return modules.find(std::string(module)) != modules.end();
   }
 
-  // Queues `id` (home) for the transfer thread. Caller holds mu.
-  void EnqueueLocked(ParamId id, bool front, bool prefetch) {
+  // Queues `id` (home) for the transfer thread.
+  void EnqueueLocked(ParamId id, bool front, bool prefetch) REQUIRES(mu) {
     Param& p = params[id];
     p.state = State::kQueued;
     p.prefetched = prefetch;
@@ -255,8 +255,8 @@ struct ParamSwapper::Impl {
   }
 
   // Sends a parameter home; its GPU memory leaves through pending_free with the fences of the
-  // trainer's releases (Note [Released buffers and the trainer's stream]). Caller holds mu.
-  void ToHomeLocked(Param& p) {
+  // trainer's releases (Note [Released buffers and the trainer's stream]).
+  void ToHomeLocked(Param& p) REQUIRES(mu) {
     if (p.device != nullptr) pending_free.push_back({p.device, std::move(p.fences)});
     p.fences.clear();
     p.device = nullptr;
@@ -269,9 +269,9 @@ struct ParamSwapper::Impl {
     p.error = Status::Ok();
   }
 
-  // Whether the trace uses `id` in one of the next kReuseModules modules. Caller holds mu.
+  // Whether the trace uses `id` in one of the next kReuseModules modules.
   static constexpr size_t kReuseModules = 2;
-  bool NextUseSoonLocked(ParamId id) {
+  bool NextUseSoonLocked(ParamId id) REQUIRES(mu) {
     if (recording) return false;
     for (size_t i = pos; i < std::min(trace.size(), pos + kReuseModules); ++i) {
       const std::vector<ParamId>& list = modules[trace[i]];
@@ -280,8 +280,8 @@ struct ParamSwapper::Impl {
     return false;
   }
 
-  // Prefetch along the trace from position `from`, within the budgets. Caller holds mu.
-  void PrefetchLocked(size_t from) {
+  // Prefetch along the trace from position `from`, within the budgets.
+  void PrefetchLocked(size_t from) REQUIRES(mu) {
     for (size_t i = from; i < trace.size(); ++i) {
       for (ParamId id : modules[trace[i]]) {
         Param& p = params[id];
@@ -300,8 +300,8 @@ struct ParamSwapper::Impl {
     for (;;) {
       ParamId id;
       {
-        std::unique_lock<std::mutex> lock(mu);
-        job_ready.wait(lock, [&] { return stop || !jobs.empty(); });
+        MutexLock lock(&mu);
+        while (!stop && jobs.empty()) job_ready.Wait(&mu);
         if (stop) return;
         id = jobs.front();
         jobs.pop_front();
@@ -317,7 +317,7 @@ struct ParamSwapper::Impl {
         if (device != nullptr || !status.ok()) break;
         // A prefetch that found no room is given up, quietly (Note [Device memory of the
         // swapper]), unless a Fetch() has come to want it meanwhile: then it is a demand fetch.
-        std::lock_guard<std::mutex> lock(mu);
+        MutexLock lock(&mu);
         if (p.wanted) continue;
         ToHomeLocked(p);
         ++stats.prefetch_wasted;
@@ -326,14 +326,14 @@ struct ParamSwapper::Impl {
         break;
       }
       if (dropped) {
-        job_done.notify_all();
+        job_done.SignalAll();
         continue;
       }
       gpu::CopyTicket ticket;
       uint64_t read = 0;
       if (status.ok()) status = Load(p, device, &ticket, &read);
       {
-        std::lock_guard<std::mutex> lock(mu);
+        MutexLock lock(&mu);
         p.device = device;
         stats.nvme_read_bytes += read;
         if (status.ok()) {
@@ -346,17 +346,17 @@ struct ParamSwapper::Impl {
         }
         loading = false;
       }
-      job_done.notify_all();
+      job_done.SignalAll();
     }
   }
 
   // Returns the buffers of pending_free to the arena, after ordering the load lane after their
   // fences (Note [Released buffers and the trainer's stream]). The transfer thread's, and
-  // Finalize's; never under mu.
-  Status FlushPendingFrees() {
+  // Finalize's.
+  Status FlushPendingFrees() EXCLUDES(mu) {
     std::vector<PendingFree> freed;
     {
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(&mu);
       freed.swap(pending_free);
     }
     Status first;
@@ -383,7 +383,7 @@ struct ParamSwapper::Impl {
         *device = *allocated;
         return Status::Ok();
       }
-      std::lock_guard<std::mutex> lock(mu);
+      MutexLock lock(&mu);
       if (!p.wanted) return Status::Ok();
       bool evicted = false;
       for (ParamId q = 0; q < params.size(); ++q) {
@@ -482,25 +482,26 @@ struct ParamSwapper::Impl {
   Status QuiesceLoads(uint64_t begin, uint64_t end) {
     std::vector<gpu::CopyTicket> copies;
     {
-      std::unique_lock<std::mutex> lock(mu);
-      auto overlapping = [&](auto&& fn) {
+      MutexLock lock(&mu);
+      auto overlapping = [&](auto&& fn) REQUIRES(mu) {
         for (auto it = FirstOverlapping(begin); it != params.end() && it->local < end; ++it) {
           if (!it->resident) fn(*it, static_cast<ParamId>(it - params.begin()));
         }
       };
-      overlapping([&](Param& p, ParamId id) {
+      overlapping([&](Param& p, ParamId id) REQUIRES(mu) {
         if (p.state != State::kQueued || p.wanted) return;
         jobs.erase(std::remove(jobs.begin(), jobs.end(), id), jobs.end());
         ToHomeLocked(p);
         ++stats.prefetch_wasted;
       });
-      job_done.wait(lock, [&] {
+      for (;;) {
         bool busy = false;
         overlapping([&](Param& p, ParamId) {
           busy = busy || p.state == State::kQueued || p.state == State::kLoading;
         });
-        return !busy;
-      });
+        if (!busy) break;
+        job_done.Wait(&mu);
+      }
       overlapping([&](Param& p, ParamId) {
         if (p.state == State::kReady) copies.push_back(p.ticket);
       });
@@ -592,6 +593,9 @@ Status ParamSwapper::Finalize() {
   if (!s.params.empty()) {
     MEMPLAN_ASSIGN_OR_RETURN(s.device_arena, DeviceArena::Create(&rt, s.ArenaBytes()));
   }
+  // The transfer thread has not started, so no one waits for mu here: it is taken for `stats`,
+  // which stats() may read from another thread. Only the arena is called under it, not the runtime.
+  MutexLock stats_lock(&s.mu);
   for (Impl::Param& p : s.params) {
     if (p.resident) {
       MEMPLAN_ASSIGN_OR_RETURN(p.device, s.device_arena->Allocate(p.bytes));
@@ -609,6 +613,7 @@ Status ParamSwapper::Finalize() {
     s.stats.resident_bytes += bytes;
   }
   if (s.device_arena) s.stats.device_arena_bytes = s.device_arena->stats().capacity_bytes;
+  stats_lock.Unlock();
   if (s.options.tier == Tier::kCpu && s.partition_total > 0) {
     s.arena_bytes = (s.partition_total * eb + 4095) / 4096 * 4096;
     void* mem = ::mmap(nullptr, s.arena_bytes, PROT_READ | PROT_WRITE,
@@ -624,12 +629,16 @@ Status ParamSwapper::Finalize() {
     (void)::madvise(s.arena, s.arena_bytes, MADV_DONTFORK);
     MEMPLAN_RETURN_IF_ERROR(rt.RegisterHost(s.arena, s.arena_bytes));
     s.arena_registered = true;
+    MutexLock lock(&s.mu);
     s.stats.pinned_bytes += s.arena_bytes;
   }
   if (s.options.tier == Tier::kNvme) {
     for (uint32_t i = 0; i < s.options.staging_slots; ++i) {
       MEMPLAN_ASSIGN_OR_RETURN(PinnedSlot slot, s.options.staging->Acquire());
-      s.stats.pinned_bytes += slot.data().size();
+      {
+        MutexLock lock(&s.mu);
+        s.stats.pinned_bytes += slot.data().size();
+      }
       s.slots.push_back(std::move(slot));
       s.slot_ticket.emplace_back();
     }
@@ -701,7 +710,7 @@ Status ParamSwapper::Write(uint64_t flat_begin, std::span<const std::byte> value
       MEMPLAN_RETURN_IF_ERROR(s.options.store->Put(ChunkKey(at / chunk),
                                                    values.subspan((at - flat_begin) * eb, n * eb)));
     }
-    std::lock_guard<std::mutex> lock(s.mu);
+    MutexLock lock(&s.mu);
     s.stats.nvme_write_bytes += values.size();
   }
   // What lives on the GPU for good gets its copy updated: resident parameters (world size > 1:
@@ -727,7 +736,7 @@ Status ParamSwapper::Write(uint64_t flat_begin, std::span<const std::byte> value
     uploaded += (hi - lo) * eb;
   }
   MEMPLAN_RETURN_IF_ERROR(rt.Wait(last));  // `values` may be reused once we return
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   s.stats.h2d_bytes += uploaded;
   return Status::Ok();
 }
@@ -759,7 +768,7 @@ Status ParamSwapper::GatherResident() {
     }
   }
   MEMPLAN_RETURN_IF_ERROR(rt.Wait(last));
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   s.stats.allgather_bytes += slot_bytes * static_cast<uint64_t>(s.world);
   return Status::Ok();
 }
@@ -774,7 +783,7 @@ Status ParamSwapper::Fetch(std::string_view module) {
   }
   const std::vector<ParamId>& ids = mod->second;
   {
-    std::lock_guard<std::mutex> lock(s.mu);
+    MutexLock lock(&s.mu);
     ++s.stats.fetch_calls;
     if (s.recording) {
       s.trace.push_back(mod->first);
@@ -807,7 +816,7 @@ Status ParamSwapper::Fetch(std::string_view module) {
     s.stats.trace_length = s.trace.size();
     s.stats.trace_complete = !s.recording;
   }
-  s.job_ready.notify_all();
+  s.job_ready.SignalAll();
 
   Status first_error;
   const auto start = std::chrono::steady_clock::now();
@@ -815,10 +824,10 @@ Status ParamSwapper::Fetch(std::string_view module) {
     Impl::Param& p = s.params[id];
     gpu::CopyTicket ticket;
     {
-      std::unique_lock<std::mutex> lock(s.mu);
+      MutexLock lock(&s.mu);
       ++p.uses;
       if (p.resident) continue;
-      s.job_done.wait(lock, [&] { return p.state == State::kReady || p.state == State::kFailed; });
+      while (p.state != State::kReady && p.state != State::kFailed) s.job_done.Wait(&s.mu);
       if (p.state == State::kFailed) {
         if (first_error.ok()) first_error = p.error;
         --p.uses;
@@ -844,7 +853,7 @@ Status ParamSwapper::Fetch(std::string_view module) {
       Impl::Param& p = s.params[id];
       std::byte* device = nullptr;
       {
-        std::lock_guard<std::mutex> lock(s.mu);
+        MutexLock lock(&s.mu);
         if (p.gathered) continue;  // resident, or gathered by an earlier Fetch() still holding it
         device = static_cast<std::byte*>(p.device);
       }
@@ -854,13 +863,13 @@ Status ParamSwapper::Fetch(std::string_view module) {
         first_error = gathered.WithPrefix("gathering parameter " + p.name);
         break;
       }
-      std::lock_guard<std::mutex> lock(s.mu);
+      MutexLock lock(&s.mu);
       p.gathered = true;
       s.stats.allgather_bytes += p.bytes;
     }
   }
   const double stalled = SecondsSince(start);
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   s.stats.stall_s += stalled;
   if (!first_error.ok()) {
     // Undo this call's uses so the caller need not Release a module that failed to arrive.
@@ -885,7 +894,7 @@ Status ParamSwapper::Release(std::string_view module, gpu::Stream stream) {
   // Where the trainer's kernels on these parameters were queued (Note [Released buffers and the
   // trainer's stream]); recorded before taking the lock, as every runtime call.
   MEMPLAN_ASSIGN_OR_RETURN(gpu::Fence fence, s.options.runtime->RecordFence(stream));
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   for (ParamId id : mod->second) {
     Impl::Param& p = s.params[id];
     if (p.uses == 0) {
@@ -926,7 +935,7 @@ Status ParamSwapper::Release(std::string_view module, gpu::Stream stream) {
 Result<void*> ParamSwapper::DevicePointer(ParamId param) const {
   const Impl& s = *impl_;
   if (param >= s.params.size()) return Status::InvalidArgument("unknown parameter id");
-  std::lock_guard<std::mutex> lock(s.mu);
+  MutexLock lock(&s.mu);
   const Impl::Param& p = s.params[param];
   if (p.resident || (p.state == State::kReady && p.uses > 0)) return p.device;
   return Status::FailedPrecondition("parameter " + p.name + " is not fetched");
@@ -937,12 +946,12 @@ Status ParamSwapper::EndOfStep() {
   if (!s.finalized) return Status::Ok();
   std::vector<gpu::CopyTicket> pending;
   {
-    std::unique_lock<std::mutex> lock(s.mu);
+    MutexLock lock(&s.mu);
     // Drop prefetches not yet started, then wait for the one loading.
     for (ParamId id : s.jobs) s.ToHomeLocked(s.params[id]);
     s.stats.prefetch_wasted += s.jobs.size();
     s.jobs.clear();
-    s.job_done.wait(lock, [&] { return !s.loading; });
+    while (s.loading) s.job_done.Wait(&s.mu);
     for (Impl::Param& p : s.params) {
       if (p.resident || p.uses > 0) continue;
       if (p.state == State::kReady || p.state == State::kFailed) {
@@ -972,18 +981,18 @@ Status ParamSwapper::PrefetchNextStep() {
   Impl& s = *impl_;
   if (!s.finalized) return Status::Ok();
   {
-    std::lock_guard<std::mutex> lock(s.mu);
+    MutexLock lock(&s.mu);
     if (s.recording || s.pos != 0 || s.trace.empty()) return Status::Ok();
     s.PrefetchLocked(0);
   }
-  s.job_ready.notify_all();
+  s.job_ready.SignalAll();
   return Status::Ok();
 }
 
 ParamSwapperStats ParamSwapper::stats() const {
   ParamSwapperStats out;
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    MutexLock lock(&impl_->mu);
     out = impl_->stats;
   }
   if (impl_->device_arena) out.device_arena_peak_bytes = impl_->device_arena->stats().peak_in_use_bytes;

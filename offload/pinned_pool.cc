@@ -130,7 +130,7 @@ PinnedPool::~PinnedPool() {
 }
 
 Result<PinnedSlot> PinnedPool::Acquire(std::optional<std::chrono::microseconds> timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (free_.empty()) {
     if (!options_.wait) {
       ++stats_.failures;
@@ -140,13 +140,14 @@ Result<PinnedSlot> PinnedPool::Acquire(std::optional<std::chrono::microseconds> 
     }
     ++stats_.waits;
     const auto start = std::chrono::steady_clock::now();
-    const auto has_free = [this] { return !free_.empty(); };
-    bool got = true;
     if (timeout) {
-      got = slot_freed_.wait_for(lock, *timeout, has_free);
+      const auto deadline = start + *timeout;
+      while (free_.empty() && slot_freed_.WaitUntil(&mu_, deadline)) {
+      }
     } else {
-      slot_freed_.wait(lock, has_free);
+      while (free_.empty()) slot_freed_.Wait(&mu_);
     }
+    const bool got = !free_.empty();
     stats_.wait_time_us += static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
                                                               start)
@@ -167,15 +168,15 @@ Result<PinnedSlot> PinnedPool::Acquire(std::optional<std::chrono::microseconds> 
 
 void PinnedPool::Release(uint64_t index) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     free_.push_back(index);
     stats_.current_bytes -= slot_bytes_;
   }
-  slot_freed_.notify_one();
+  slot_freed_.Signal();
 }
 
 PinnedPoolStats PinnedPool::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return stats_;
 }
 

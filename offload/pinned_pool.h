@@ -12,16 +12,15 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "gpu/gpu_runtime.h"
 #include "offload/node_budget.h"
@@ -128,10 +127,10 @@ class PinnedPool {
   gpu::Runtime* const runtime_;
   NodeReservation reservation_;  // released after the memory is freed (member order)
 
-  mutable std::mutex mu_;
-  std::condition_variable slot_freed_;
-  std::vector<uint64_t> free_;  // Guarded by mu_: indices of free slots.
-  PinnedPoolStats stats_;       // Guarded by mu_.
+  mutable Mutex mu_;
+  CondVar slot_freed_;
+  std::vector<uint64_t> free_ GUARDED_BY(mu_);  // indices of free slots
+  PinnedPoolStats stats_ GUARDED_BY(mu_);
 };
 
 }  // namespace memplan::offload

@@ -14,12 +14,11 @@
 // what order one rank's writes before another's reads.
 #include "offload/thread_collective.h"
 
-#include <condition_variable>
 #include <cstring>
-#include <mutex>
 #include <string>
 
 #include "common/checked_math.h"
+#include "common/mutex.h"
 #include "offload/collective_internal.h"
 #include "offload/half.h"
 
@@ -85,31 +84,34 @@ struct Group {
 
   const int world_size;
   const std::chrono::milliseconds timeout;
-  std::mutex mu;
-  std::condition_variable cv;
-  uint64_t generation = 0;  // Guarded by mu: barriers completed.
-  int arrived = 0;          // Guarded by mu: ranks waiting at the current barrier.
-  Status broken;            // Guarded by mu: set once a barrier timed out.
+  Mutex mu;
+  CondVar cv;
+  uint64_t generation GUARDED_BY(mu) = 0;  // barriers completed
+  int arrived GUARDED_BY(mu) = 0;          // ranks waiting at the current barrier
+  Status broken GUARDED_BY(mu);            // set once a barrier timed out
   std::vector<Post> posts;  // Written under mu before barrier 1, read between the barriers.
 
-  // Waits until every rank has arrived. Caller holds `lock` (on mu).
-  Status Barrier(std::unique_lock<std::mutex>& lock, int rank) {
+  // Waits until every rank has arrived; `mu` is released while waiting.
+  Status Barrier(int rank) REQUIRES(mu) {
     if (!broken.ok()) return broken;
     const uint64_t gen = generation;
     if (++arrived == world_size) {
       arrived = 0;
       ++generation;
-      cv.notify_all();
+      cv.SignalAll();
       return Status::Ok();
     }
-    const bool met = cv.wait_for(lock, timeout, [&] { return generation != gen || !broken.ok(); });
-    if (met && generation != gen) return Status::Ok();
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (generation == gen && broken.ok()) {
+      if (!cv.WaitUntil(&mu, deadline)) break;  // timed out: the checks below decide
+    }
+    if (generation != gen) return Status::Ok();
     if (broken.ok()) {
       broken = Status::FailedPrecondition(
           "thread collective: rank " + std::to_string(rank) + " waited " +
           std::to_string(timeout.count()) +
           " ms for the other ranks; the group is broken, make a new one");
-      cv.notify_all();
+      cv.SignalAll();
     }
     return broken;
   }
@@ -148,18 +150,18 @@ class ThreadCollective final : public Collective {
       return Status::InvalidArgument("thread collective: " + std::string(OpName(op)) +
                                      " with a null buffer");
     }
-    std::unique_lock<std::mutex> lock(g.mu);
+    MutexLock lock(&g.mu);
     g.posts[static_cast<size_t>(rank_)] = {op, static_cast<const std::byte*>(send),
                                            static_cast<std::byte*>(recv), count, type};
-    MEMPLAN_RETURN_IF_ERROR(g.Barrier(lock, rank_));
-    lock.unlock();
+    MEMPLAN_RETURN_IF_ERROR(g.Barrier(rank_));
+    lock.Unlock();
     // Between the barriers (Note [Two barriers per call]).
     Status status = Check(op, count, type);
     std::vector<float> reduced;
     if (status.ok()) reduced = Run(op, count, type);
-    lock.lock();
-    MEMPLAN_RETURN_IF_ERROR(g.Barrier(lock, rank_));
-    lock.unlock();
+    lock.Lock();
+    MEMPLAN_RETURN_IF_ERROR(g.Barrier(rank_));
+    lock.Unlock();
     if (status.ok() && op == Op::kAllReduce) {
       auto* out = static_cast<std::byte*>(recv);
       for (uint64_t i = 0; i < count; ++i) Store(out, i, type, reduced[i]);
