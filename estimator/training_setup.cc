@@ -11,9 +11,6 @@
 namespace memplan::estimator {
 namespace {
 
-constexpr int64_t kMaxCount = TrainingSetup::kMaxCount;
-constexpr int64_t kMaxBufferElements = TrainingSetup::kMaxBufferElements;
-
 template <typename E>
 struct Names {
   E value;
