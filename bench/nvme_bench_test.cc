@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::bench {
 namespace {
@@ -425,7 +426,7 @@ TEST_CASE("bench: an existing file that is missing, too small or not a file is r
 
 TEST_CASE("bench: options are validated") {
   NvmeBenchOptions options = TinySweep("/tmp");
-  CHECK(options.Validate().ok());
+  CHECK_OK(options.Validate());
   auto refused = [](const NvmeBenchOptions& o, const std::string& needle) {
     Status status = o.Validate();
     CAPTURE(status.ToString());
@@ -454,7 +455,7 @@ TEST_CASE("bench: options are validated") {
   bad.file = "/tmp/bench.dat";
   refused(bad, "not both");
   bad.directory.clear();
-  CHECK(bad.Validate().ok());
+  CHECK_OK(bad.Validate());
   bad.file.clear();
   refused(bad, "no directory");
 }

@@ -13,6 +13,7 @@
 
 #include "common/file.h"
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan {
 namespace {
@@ -22,7 +23,7 @@ namespace fs = std::filesystem;
 TEST_CASE("file: a disk filling up during WriteFileAtomically keeps the old file, no temporary") {
   testing::TempDir tmp("memplan_file_full_");
   const std::string path = tmp.PathOf("ds_config.json");
-  REQUIRE(WriteFileAtomically(path, "old contents\n").ok());
+  REQUIRE_OK(WriteFileAtomically(path, "old contents\n"));
 
   pid_t child = ::fork();
   REQUIRE(child >= 0);

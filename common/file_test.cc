@@ -16,6 +16,7 @@
 
 #include "common/file_internal.h"
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan {
 namespace {
@@ -52,23 +53,23 @@ TEST_CASE("file: WriteFileAtomically replaces the file; a new one gets the umask
   const std::string path = tmp.PathOf("out.json");
   {
     Umask mask(077);
-    REQUIRE(WriteFileAtomically(path, "first").ok());
+    REQUIRE_OK(WriteFileAtomically(path, "first"));
   }
   CHECK(testing::ReadWholeFile(path) == "first");
   CHECK(Mode(path) == 0600);  // 0666 less the umask, as for any new file
 
   REQUIRE(::chmod(path.c_str(), 0640) == 0);
-  REQUIRE(WriteFileAtomically(path, std::string(100000, 'x')).ok());
+  REQUIRE_OK(WriteFileAtomically(path, std::string(100000, 'x')));
   CHECK(testing::ReadWholeFile(path) == std::string(100000, 'x'));
   CHECK(Mode(path) == 0640);  // kept
 
-  REQUIRE(WriteFileAtomically(path, "", 0604).ok());
+  REQUIRE_OK(WriteFileAtomically(path, "", 0604));
   CHECK(fs::file_size(path) == 0);
   CHECK(Mode(path) == 0604);  // asked for
 
   {
     Umask mask(022);
-    REQUIRE(WriteFileAtomically(tmp.PathOf("second"), "x").ok());
+    REQUIRE_OK(WriteFileAtomically(tmp.PathOf("second"), "x"));
   }
   CHECK(Mode(tmp.PathOf("second")) == 0644);
   // No temporary file is left beside them.
@@ -169,7 +170,7 @@ TEST_CASE("file: a group is written all or nothing") {
   AtomicFileGroup group;
   group.Add(a, "new a");
   group.Add(b, "new b");
-  REQUIRE(group.Commit().ok());
+  REQUIRE_OK(group.Commit());
   CHECK(testing::ReadWholeFile(a) == "new a");
   CHECK(testing::ReadWholeFile(b) == "new b");
   CHECK(Entries(tmp.path()) == std::vector<std::string>{"a.json", "b.yaml"});
@@ -191,7 +192,7 @@ TEST_CASE("file: inputs must be regular files; a FIFO is refused at once, not wa
   CHECK(ReadFileToString(tmp.path().string()).status().message() ==
         tmp.path().string() + ": is a directory, expected a file");
 
-  CHECK(RequireDirectory(tmp.path().string(), "--path").ok());
+  CHECK_OK(RequireDirectory(tmp.path().string(), "--path"));
   CHECK(RequireDirectory("/etc/passwd", "--nvme-path").message() ==
         "--nvme-path /etc/passwd: not a directory");
   CHECK(RequireDirectory(tmp.PathOf("none"), "--path").code() == StatusCode::kNotFound);
@@ -200,7 +201,7 @@ TEST_CASE("file: inputs must be regular files; a FIFO is refused at once, not wa
 TEST_CASE("file: a signal handler's clean-up removes a staged file, and only while staged") {
   testing::TempDir tmp("memplan_file_");
   RemoveStagedFilesForSignal();  // nothing staged: nothing happens
-  REQUIRE(WriteFileAtomically(tmp.PathOf("out"), "x").ok());
+  REQUIRE_OK(WriteFileAtomically(tmp.PathOf("out"), "x"));
   RemoveStagedFilesForSignal();
   CHECK(Entries(tmp.path()) == std::vector<std::string>{"out"});
   // While a file is staged (the hook runs just before its rename), the clean-up removes it.

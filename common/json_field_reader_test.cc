@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include "common/json.h"
+#include "tests/status_testing.h"
 
 namespace memplan {
 namespace {
@@ -44,13 +45,13 @@ TEST_CASE("JsonFieldReader: integers outside the range, T's own range included")
   CHECK(Message(r.Integer("neg", &depth)) ==
         "schedule: 'nvme.neg' must be an integer from 0 to 4294967295, got -1");
   CHECK(depth == 7);
-  CHECK(r.Integer("ok", &depth).ok());
+  CHECK_OK(r.Integer("ok", &depth));
   CHECK(depth == 4);
   uint64_t big = 0;
-  CHECK(r.Integer("big", &big).ok());
+  CHECK_OK(r.Integer("big", &big));
   CHECK(big == UINT64_MAX);
   int64_t neg = 0;
-  CHECK(r.Integer("neg", &neg).ok());
+  CHECK_OK(r.Integer("neg", &neg));
   CHECK(neg == -1);
   CHECK(Message(r.Integer("big", &neg)) ==
         "schedule: 'nvme.big' must be an integer from -9223372036854775808 to "
@@ -61,10 +62,10 @@ TEST_CASE("JsonFieldReader: absent keys keep the default; Require names a missin
   const json j = {{"a", nullptr}};
   JsonFieldReader r(j, "bench report");
   int64_t seconds = 9;
-  CHECK(r.Integer("seconds", &seconds).ok());
+  CHECK_OK(r.Integer("seconds", &seconds));
   CHECK(seconds == 9);
   CHECK(Message(r.Require("seconds")) == "bench report: 'seconds' is missing");
-  CHECK(r.Require("a").ok());
+  CHECK_OK(r.Require("a"));
   CHECK(Message(r.Integer("a", &seconds)) ==
         "bench report: 'a' must be an integer from -9223372036854775808 to 9223372036854775807, "
         "got null");
@@ -73,7 +74,7 @@ TEST_CASE("JsonFieldReader: absent keys keep the default; Require names a missin
 TEST_CASE("JsonFieldReader: unknown keys, with the closest known ones") {
   const json j = {{"params", {{"buffer_count", 2}, {"bufer_bytes", 4096}}}};
   JsonFieldReader root(j, "schedule");
-  CHECK(root.CheckKeys({"version", "params"}).ok());
+  CHECK_OK(root.CheckKeys({"version", "params"}));
   JsonFieldReader params = root.Child("params");
   CHECK(Message(params.CheckKeys({"buffer_bytes", "buffer_count"})) ==
         "schedule: unknown key 'params.bufer_bytes' (did you mean buffer_bytes?)");
@@ -94,10 +95,10 @@ TEST_CASE("JsonFieldReader: Get picks the getter by the field's type") {
   std::vector<std::string> targets;
   CHECK(Message(r.Get("targets", &targets)) ==
         "setup JSON: 'targets' must be a list of strings, got an array");
-  CHECK(r.Get("names", &targets).ok());
+  CHECK_OK(r.Get("names", &targets));
   CHECK(targets == std::vector<std::string>{"q_proj", "v_proj"});
   double rate = 0;
-  CHECK(r.Get("rate", &rate).ok());
+  CHECK_OK(r.Get("rate", &rate));
   CHECK(rate == 2.0);
   bool flag = false;
   CHECK(Message(r.Get("rate", &flag)) == "setup JSON: 'rate' must be true or false, got 2");
@@ -107,11 +108,11 @@ TEST_CASE("JsonFieldReader: byte sizes as numbers or size strings") {
   const json j = {{"a", 4096}, {"b", "2KiB"}, {"c", 1e3}, {"d", -1}, {"e", "lots"}};
   JsonFieldReader r(j, "cluster.json");
   uint64_t bytes = 0;
-  CHECK(r.ByteSize("a", &bytes).ok());
+  CHECK_OK(r.ByteSize("a", &bytes));
   CHECK(bytes == 4096);
-  CHECK(r.ByteSize("b", &bytes).ok());
+  CHECK_OK(r.ByteSize("b", &bytes));
   CHECK(bytes == 2048);
-  CHECK(r.ByteSize("c", &bytes).ok());
+  CHECK_OK(r.ByteSize("c", &bytes));
   CHECK(bytes == 1000);
   CHECK(Message(r.ByteSize("d", &bytes)) ==
         "cluster.json: 'd' must be a byte count or a size such as \"80GiB\", got -1");

@@ -9,6 +9,7 @@
 #include "common/checked_math.h"
 #include "common/json.h"
 #include "common/printable.h"
+#include "tests/status_testing.h"
 
 namespace memplan {
 namespace {
@@ -30,19 +31,19 @@ TEST_CASE("Printable escapes what a terminal acts on and keeps the rest") {
 
 TEST_CASE("JSON readers: repeated keys, key length and depth limits") {
   auto last = ParseJson(R"({"a": 1, "a": 2})", "x.json");
-  REQUIRE(last.ok());
+  REQUIRE_OK(last);
   CHECK((*last)["a"] == 2);  // as Python's json module
   CHECK(ParseJsonNoRepeatedKeys(R"({"a": 1, "a": 2})", "ds.json").status().message() ==
         "ds.json: key 'a' appears twice in one JSON object");
   CHECK(ParseJsonNoRepeatedKeys(R"({"a": {"b": 1, "b": 1}})", "ds.json").status().message() ==
         "ds.json: key 'b' appears twice in one JSON object");
-  CHECK(ParseJsonNoRepeatedKeys(R"({"a": {"b": 1}, "c": {"b": 1}})", "ds.json").ok());
+  CHECK_OK(ParseJsonNoRepeatedKeys(R"({"a": {"b": 1}, "c": {"b": 1}})", "ds.json"));
   CHECK(ParseOrderedJsonText(R"({"a": 1, "a": 2})", "s.json", 64).status().message() ==
         "s.json: key 'a' appears twice in one JSON object");
 
   const std::string at_limit = "{\"" + std::string(kMaxJsonKeyBytes, 'k') + "\": 1}";
   const std::string past_limit = "{\"" + std::string(kMaxJsonKeyBytes + 1, 'k') + "\": 1}";
-  CHECK(ParseJson(at_limit, "x").ok());
+  CHECK_OK(ParseJson(at_limit, "x"));
   CHECK(ParseJson(past_limit, "x").status().message() == "x: a key of 4097 bytes (limit 4096)");
   CHECK(ParseJsonNoRepeatedKeys(past_limit, "x").status().message() ==
         "x: a key of 4097 bytes (limit 4096)");
@@ -52,7 +53,7 @@ TEST_CASE("JSON readers: repeated keys, key length and depth limits") {
   CHECK(ParseJson("[[[1]]]", "x", 2).status().message() == "x: JSON nested 3 levels deep (limit 2)");
   CHECK(ParseJson(R"({"r": 1e999})", "x").status().message().find("x: invalid JSON:") == 0);
   auto numbers = ParseJson(R"({"big": 1e308, "u": 18446744073709551615, "i": -5, "f": 0.5})", "x");
-  REQUIRE(numbers.ok());
+  REQUIRE_OK(numbers);
   CHECK((*numbers)["u"].get<uint64_t>() == std::numeric_limits<uint64_t>::max());
   CHECK((*numbers)["f"].get<double>() == 0.5);
 }

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <vector>
+#include "tests/status_testing.h"
 
 namespace memplan::estimator {
 namespace {
@@ -18,7 +19,7 @@ struct Bytes {
 
 std::vector<Bytes> Z3(uint64_t p, uint64_t l, DeepSpeedHardware hw) {
   auto rows = Zero3Table(p, l, hw);
-  REQUIRE(rows.ok());
+  REQUIRE_OK(rows);
   std::vector<Bytes> out;
   for (const auto& r : *rows) out.push_back({r.cpu_bytes, r.gpu_bytes});
   return out;
@@ -26,7 +27,7 @@ std::vector<Bytes> Z3(uint64_t p, uint64_t l, DeepSpeedHardware hw) {
 
 std::vector<Bytes> Z2(uint64_t p, DeepSpeedHardware hw) {
   auto rows = Zero2Table(p, hw);
-  REQUIRE(rows.ok());
+  REQUIRE_OK(rows);
   std::vector<Bytes> out;
   for (const auto& r : *rows) out.push_back({r.cpu_bytes, r.gpu_bytes});
   return out;
@@ -61,7 +62,7 @@ TEST_CASE("deepspeed: t5-large on 4 GPUs reproduces DeepSpeed's worked example")
 
 TEST_CASE("deepspeed: row order and option flags follow DeepSpeed's loops") {
   auto rows = Zero3Table(1000, 10, DeepSpeedHardware{});
-  REQUIRE(rows.ok());
+  REQUIRE_OK(rows);
   REQUIRE(rows->size() == 6);
   const bool want[6][3] = {{true, true, true},   {true, true, false},  {false, true, true},
                            {false, true, false}, {false, false, true}, {false, false, false}};
@@ -72,7 +73,7 @@ TEST_CASE("deepspeed: row order and option flags follow DeepSpeed's loops") {
     CHECK((*rows)[i].zero_init == want[i][2]);
   }
   auto z2 = Zero2Table(1000, DeepSpeedHardware{});
-  REQUIRE(z2.ok());
+  REQUIRE_OK(z2);
   CHECK((*z2)[0].offload_optimizer);
   CHECK_FALSE((*z2)[1].offload_optimizer);
 }
@@ -132,7 +133,7 @@ TEST_CASE("deepspeed: invalid hardware and overflow are errors, not numbers") {
 TEST_CASE("deepspeed: text layout matches DeepSpeed's printout") {
   DeepSpeedHardware hw{.nodes = 1, .gpus_per_node = 4};
   auto z3 = Zero3Table(kT5LargeParams, kT5LargeLargestLayer, hw);
-  REQUIRE(z3.ok());
+  REQUIRE_OK(z3);
   CHECK(FormatZero3Text(kT5LargeParams, kT5LargeLargestLayer, hw, *z3) ==
         "Estimated memory needed for params, optim states and gradients for a:\n"
         "HW: Setup with 1 node, 4 GPUs per node.\n"
@@ -146,7 +147,7 @@ TEST_CASE("deepspeed: text layout matches DeepSpeed's printout") {
         "   16.49GB |   3.21GB | offload_param=none, offload_optimizer=none, zero_init=0\n");
   DeepSpeedHardware two{.nodes = 2, .gpus_per_node = 1};
   auto z2 = Zero2Table(kT5LargeParams, two);
-  REQUIRE(z2.ok());
+  REQUIRE_OK(z2);
   CHECK(FormatZero2Text(kT5LargeParams, two, *z2) ==
         "Estimated memory needed for params, optim states and gradients for a:\n"
         "HW: Setup with 2 nodes, 1 GPU per node.\n"

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::estimator {
 namespace {
@@ -108,13 +109,13 @@ TEST_CASE("source: FindHfCacheSnapshot follows refs/main") {
 
   auto found = FindHfCacheSnapshot("org/name");
   INFO(found.status().ToString());
-  REQUIRE(found.ok());
+  REQUIRE_OK(found);
   CHECK(*found == main.string());
   CHECK(fs::exists(fs::path(*found) / "config.json"));
 
   WriteFile(repo / "refs" / "main", kHash + "\n");
   found = FindHfCacheSnapshot("org/name");
-  REQUIRE(found.ok());
+  REQUIRE_OK(found);
   CHECK(*found == main.string());
 }
 
@@ -129,20 +130,20 @@ TEST_CASE("source: FindHfCacheSnapshot falls back to the newest snapshot") {
   // No refs/main at all; a single-part repo id.
   auto found = FindHfCacheSnapshot("gpt2");
   INFO(found.status().ToString());
-  REQUIRE(found.ok());
+  REQUIRE_OK(found);
   CHECK(*found == newest.string());
 
   // refs/main naming a snapshot that is not there (an interrupted download).
   WriteFile(repo / "refs" / "main", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa");
   found = FindHfCacheSnapshot("gpt2");
-  REQUIRE(found.ok());
+  REQUIRE_OK(found);
   CHECK(*found == newest.string());
 
   // refs/main that tries to point outside snapshots/ is never used as a path.
   fs::create_directories(repo / "secret");
   WriteFile(repo / "refs" / "main", "../secret");
   found = FindHfCacheSnapshot("gpt2");
-  REQUIRE(found.ok());
+  REQUIRE_OK(found);
   CHECK(*found == newest.string());
 }
 
@@ -154,7 +155,7 @@ TEST_CASE("source: FindHfCacheSnapshot searches TRANSFORMERS_CACHE after the hub
   env.Set("TRANSFORMERS_CACHE", legacy.path().string());
   fs::path snapshot = MakeSnapshot(legacy.path() / "models--org--name", kHash, 0);
   auto found = FindHfCacheSnapshot("org/name");
-  REQUIRE(found.ok());
+  REQUIRE_OK(found);
   CHECK(*found == snapshot.string());
 }
 
@@ -202,7 +203,7 @@ TEST_CASE("source: FindHfCacheSnapshot refuses what is not a repo id") {
     CAPTURE(good);
     CHECK(FindHfCacheSnapshot(good).status().code() == StatusCode::kNotFound);
   }
-  CHECK(FindHfCacheSnapshot("a/b").ok());
+  CHECK_OK(FindHfCacheSnapshot("a/b"));
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "estimator/hf_config.h"
 #include "estimator/inventory.h"
 #include "tests/estimator_testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::estimator {
 namespace {
@@ -216,7 +217,7 @@ TEST_CASE("decoder: mixtral-8x7b matches the published 46,702,792,704 parameters
   per_expert.experts = ExpertLayout::kPerExpert;
   Result<ModelInventory> built =
       InventoryFromHfConfigText(ReadFixture("mixtral-8x7b"), "mixtral-8x7b", per_expert);
-  REQUIRE(built.ok());
+  REQUIRE_OK(built);
   ModelInventory mixtral = *built;
   ModelCounts counts = Counts(mixtral);
   // Hugging Face Hub safetensors metadata for mistralai/Mixtral-8x7B-v0.1:

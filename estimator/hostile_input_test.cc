@@ -12,6 +12,7 @@
 
 #include "estimator/model_source.h"
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::estimator {
 namespace {
@@ -107,7 +108,7 @@ TEST_CASE("hostile input: a 10 MB config.json loads in bounded time") {
       "{" + std::string(kLlama) + ", \"notes\": \"" + std::string(size_t{10} << 20, 'x') + "\"}";
   const std::string blob_path = tmp.Write("blob.json", blob).string();
   t = Load(blob_path);
-  CHECK(t.result.ok());
+  CHECK_OK(t.result);
   CHECK(t.seconds < 10.0);
   const std::string junk = tmp.Write("junk.json", std::string(size_t{10} << 20, '{')).string();
   CHECK(ErrorOf(junk).find("levels deep") != std::string::npos);

@@ -19,6 +19,7 @@
 #include "tests/estimator_testing.h"
 #include "tests/loopback_http.h"
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::estimator {
 namespace {
@@ -123,9 +124,9 @@ TEST_CASE("hub: config.json lands in the Hugging Face cache layout, then is foun
   offline.allow_network = false;
   offline.offline_reason = "--offline";
   auto again = LoadModel("org/tiny", Load(offline));
-  REQUIRE(again.ok());
+  REQUIRE_OK(again);
   CHECK(testing::Total(*again) == 124439808);
-  CHECK(LoadModel("ORG/Tiny", Load(options)).ok());  // the cache matched ignoring case
+  CHECK_OK(LoadModel("ORG/Tiny", Load(options)));  // the cache matched ignoring case
   // The cache folder itself, as a path, resolves to the snapshot refs/main names.
   auto folder = LoadModel(repo.string() + "/", Load(offline));
   REQUIRE_MESSAGE(folder.ok(), folder.status().ToString());
@@ -140,7 +141,7 @@ TEST_CASE("hub: --model-config gives a shape list the architecture, a built conf
   dir.Write("config.json", Fixture("gpt2"));
   LoadOptions options;
   auto plain = LoadModel(dir.PathOf("shapes.json"), options);
-  REQUIRE(plain.ok());
+  REQUIRE_OK(plain);
   CHECK_FALSE(plain->arch.has_value());
   options.model_config = dir.PathOf("config.json");
   auto shaped = LoadModel(dir.PathOf("shapes.json"), options);
@@ -151,7 +152,7 @@ TEST_CASE("hub: --model-config gives a shape list the architecture, a built conf
   CHECK(shaped->model_type == "gpt2");
   CHECK(testing::Total(*shaped) == testing::Total(*plain));
   auto built = LoadModel("gpt2", options);
-  REQUIRE(built.ok());
+  REQUIRE_OK(built);
   REQUIRE(built->notes.size() == 1);
   CHECK(built->notes[0].find("not used") != std::string::npos);
   dir.Write("bad.json", R"({"model_type": "novel"})");

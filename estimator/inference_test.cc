@@ -8,6 +8,7 @@
 #include "estimator/hf_config.h"
 #include "estimator/model_source.h"
 #include "tests/estimator_testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::estimator {
 namespace {
@@ -51,7 +52,7 @@ TEST_CASE("inference: KV cache bytes are those of Transformers' DynamicCache") {
 
 TEST_CASE("inference: the weights rows are accelerate estimate-memory's") {
   auto inventory = LoadModel("llama-3.1-8b", ModelClassChoice::kFromArchitectures);
-  REQUIRE(inventory.ok());
+  REQUIRE_OK(inventory);
   const ModelCounts counts = Counts(*inventory);
   InferenceEstimate e = Infer("llama-3.1-8b", 1, 4096);
   REQUIRE(e.weights.size() == 8);  // Accelerate's five, then nf4, nf4-dq, gptq-int4
@@ -81,7 +82,7 @@ TEST_CASE("inference: encoders have no KV cache; bad settings are named") {
   REQUIRE(bert.notes.size() == 1);
   CHECK(bert.notes[0].find("encoder") != std::string::npos);
   auto inventory = LoadModel("gpt2", ModelClassChoice::kFromArchitectures);
-  REQUIRE(inventory.ok());
+  REQUIRE_OK(inventory);
   CHECK(EstimateInference(*inventory, Counts(*inventory), {0, 10, ""}).status().message() ==
         "--batch must be at least 1, got 0");
   CHECK(EstimateInference(*inventory, Counts(*inventory), {1, -1, ""}).status().message() ==
@@ -113,7 +114,7 @@ TEST_CASE("inference: NF4 and GPTQ hold 4-bit Linear weights and their scales, t
   ModelInventory tiny = testing::MustBuild(config);
   InferenceSetup setup;
   auto e = EstimateInference(tiny, Counts(tiny), setup);
-  REQUIRE(e.ok());
+  REQUIRE_OK(e);
   REQUIRE(e->weights.size() == 8);
   const WeightsRow &nf4 = e->weights[5], &dq = e->weights[6], &gptq = e->weights[7];
   CHECK(nf4.dtype == "nf4");
@@ -139,9 +140,9 @@ TEST_CASE("inference: NF4 and GPTQ hold 4-bit Linear weights and their scales, t
   CHECK(gpt2.weights[5].quantized_params == 12ull * (768 * 2304 + 768 * 768 + 2 * 768 * 3072));
   auto falcon = LoadModel(Source("tests/oracle/modern_configs/falcon-7b.json"),
                           ModelClassChoice::kFromArchitectures);
-  REQUIRE(falcon.ok());
+  REQUIRE_OK(falcon);
   auto falcon_e = EstimateInference(*falcon, Counts(*falcon), setup);
-  REQUIRE(falcon_e.ok());
+  REQUIRE_OK(falcon_e);
   CHECK(falcon_e->weights[5].quantized_params == 0);
   CHECK(falcon_e->weights[7].quantized_params > 0);
 }
@@ -151,13 +152,13 @@ TEST_CASE("inference: T5's EncoderDecoderCache: decoder self-attention and cross
   // values 8 KiB per token per layer. Checked against the EncoderDecoderCache Transformers 5
   // fills in a meta-device forward by tests/oracle/inference_oracle_test.py.
   auto t5 = LoadModel("t5-large", ModelClassChoice::kFromArchitectures);
-  REQUIRE(t5.ok());
+  REQUIRE_OK(t5);
   InferenceSetup setup;
   setup.batch = 2;
   setup.context = 10;
   setup.encoder_context = 512;
   auto e = EstimateInference(*t5, Counts(*t5), setup);
-  REQUIRE(e.ok());
+  REQUIRE_OK(e);
   REQUIRE(e->kv_cache.has_value());
   CHECK(e->kv_cache->layers == 24);
   CHECK(e->kv_cache->bytes_per_token == 196'608);
@@ -167,15 +168,15 @@ TEST_CASE("inference: T5's EncoderDecoderCache: decoder self-attention and cross
   // Without an encoder length: the context, both ways.
   setup.encoder_context = 0;
   e = EstimateInference(*t5, Counts(*t5), setup);
-  REQUIRE(e.ok());
+  REQUIRE_OK(e);
   CHECK(e->kv_cache->bytes == 196'608ull * 20 * 2);
   // The estimate's JSON carries the new fields and reads back (a public interface).
   auto with_states = EstimateModelStates(*t5, DeepSpeedHardware{});
-  REQUIRE(with_states.ok());
+  REQUIRE_OK(with_states);
   setup.encoder_context = 300;
-  REQUIRE(AddInference(*t5, setup, &*with_states).ok());
+  REQUIRE_OK(AddInference(*t5, setup, &*with_states));
   auto parsed = EstimateFromJson(ToJson(*with_states));
-  REQUIRE(parsed.ok());
+  REQUIRE_OK(parsed);
   REQUIRE(parsed->inference.has_value());
   CHECK(parsed->inference->kv_cache->encoder_context == 300);
   CHECK(parsed->inference->kv_cache->cross_attention_bytes == 196'608ull * 300 * 2);

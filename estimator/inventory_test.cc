@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include "estimator/estimate.h"
+#include "tests/status_testing.h"
 
 namespace memplan::estimator {
 namespace {
@@ -28,13 +29,13 @@ TEST_CASE("inventory: module, block and layer come from the name") {
 TEST_CASE("inventory: tied tensors count once in totals, in every module for DeepSpeed's L") {
   ModelInventory inv;
   inv.name = "tiny";
-  REQUIRE(inv.Add("wte.weight", {100, 8}).ok());
-  REQUIRE(inv.Add("h.0.fc.weight", {8, 32}, DType::kBF16).ok());
-  REQUIRE(inv.Add("h.0.fc.bias", {32}, DType::kBF16).ok());
-  REQUIRE(inv.Add("h.1.fc.weight", {8, 32}).ok());
-  REQUIRE(inv.Add("lm_head.weight", {100, 8}, DType::kF32, "wte.weight").ok());
+  REQUIRE_OK(inv.Add("wte.weight", {100, 8}));
+  REQUIRE_OK(inv.Add("h.0.fc.weight", {8, 32}, DType::kBF16));
+  REQUIRE_OK(inv.Add("h.0.fc.bias", {32}, DType::kBF16));
+  REQUIRE_OK(inv.Add("h.1.fc.weight", {8, 32}));
+  REQUIRE_OK(inv.Add("lm_head.weight", {100, 8}, DType::kF32, "wte.weight"));
   auto counts = CountParams(inv);
-  REQUIRE(counts.ok());
+  REQUIRE_OK(counts);
   CHECK(counts->params_total == 800 + 256 + 32 + 256);
   CHECK(counts->largest_layer_params == 800);
   CHECK(counts->largest_layer_module == "wte");  // ties go to the first module registered
@@ -49,21 +50,21 @@ TEST_CASE("inventory: tied tensors count once in totals, in every module for Dee
 TEST_CASE("inventory: Accelerate's largest layer keeps no-split modules whole") {
   ModelInventory inv;
   inv.name = "tiny";
-  REQUIRE(inv.Add("embed.weight", {10, 4}).ok());               // 40 elements, a leaf
-  REQUIRE(inv.Add("layers.0.attn.q.weight", {4, 4}).ok());      // layer 0: 16 + 16 + 4
-  REQUIRE(inv.Add("layers.0.mlp.up.weight", {4, 4}).ok());
-  REQUIRE(inv.Add("layers.0.norm.weight", {4}).ok());
-  REQUIRE(inv.Add("layers.1.attn.q.weight", {4, 4}).ok());
+  REQUIRE_OK(inv.Add("embed.weight", {10, 4}));               // 40 elements, a leaf
+  REQUIRE_OK(inv.Add("layers.0.attn.q.weight", {4, 4}));      // layer 0: 16 + 16 + 4
+  REQUIRE_OK(inv.Add("layers.0.mlp.up.weight", {4, 4}));
+  REQUIRE_OK(inv.Add("layers.0.norm.weight", {4}));
+  REQUIRE_OK(inv.Add("layers.1.attn.q.weight", {4, 4}));
   // A parameter of a module that also has submodules is never a layer (BERT's
   // cls.predictions.bias), and a tied alias counts once, under its first name.
-  REQUIRE(inv.Add("head.bias", {100}).ok());
-  REQUIRE(inv.Add("head.decoder.weight", {10, 4}, DType::kF32, "embed.weight").ok());
-  REQUIRE(inv.AddBuffer("rotary.inv_freq", {2}).ok());
-  REQUIRE(inv.AddBuffer("embed.ids", {1, 3}, DType::kI64).ok());
+  REQUIRE_OK(inv.Add("head.bias", {100}));
+  REQUIRE_OK(inv.Add("head.decoder.weight", {10, 4}, DType::kF32, "embed.weight"));
+  REQUIRE_OK(inv.AddBuffer("rotary.inv_freq", {2}));
+  REQUIRE_OK(inv.AddBuffer("embed.ids", {1, 3}, DType::kI64));
   inv.no_split_modules = {"layers.0", "layers.1"};
   auto count = [&] {
     Result<ModelCounts> c = CountParams(inv);
-    REQUIRE(c.ok());
+    REQUIRE_OK(c);
     return *c;
   };
   ModelCounts counts = count();
@@ -91,17 +92,17 @@ TEST_CASE("inventory: bad tensors are refused with the tensor's name") {
   CHECK(s.code() == StatusCode::kOutOfRange);
   s = inv.Add("c.weight", {4}, DType::kF32, "missing.weight");
   CHECK(s.code() == StatusCode::kInvalidArgument);
-  REQUIRE(inv.Add("d.weight", {4}).ok());
+  REQUIRE_OK(inv.Add("d.weight", {4}));
   CHECK_FALSE(inv.Add("e.weight", {5}, DType::kF32, "d.weight").ok());  // shape differs
   CHECK(inv.Add("", {1}).code() == StatusCode::kInvalidArgument);
 }
 
 TEST_CASE("inventory: parameter totals that overflow 64 bits are errors") {
   ModelInventory inv;
-  REQUIRE(inv.Add("a", {int64_t{1} << 62}).ok());
-  REQUIRE(inv.Add("b", {int64_t{1} << 62}).ok());
-  REQUIRE(inv.Add("c", {int64_t{1} << 62}).ok());
-  REQUIRE(inv.Add("d", {int64_t{1} << 62}).ok());
+  REQUIRE_OK(inv.Add("a", {int64_t{1} << 62}));
+  REQUIRE_OK(inv.Add("b", {int64_t{1} << 62}));
+  REQUIRE_OK(inv.Add("c", {int64_t{1} << 62}));
+  REQUIRE_OK(inv.Add("d", {int64_t{1} << 62}));
   CHECK(CountParams(inv).status().code() == StatusCode::kOutOfRange);
 }
 
@@ -121,10 +122,10 @@ TEST_CASE("estimate: JSON round-trips and keeps the public schema") {
   inv.architecture = "GPT2Model";
   inv.model_class = "base";
   inv.source = "config";
-  REQUIRE(inv.Add("wte.weight", {1000, 64}).ok());
-  REQUIRE(inv.Add("h.0.mlp.weight", {64, 256}).ok());
+  REQUIRE_OK(inv.Add("wte.weight", {1000, 64}));
+  REQUIRE_OK(inv.Add("h.0.mlp.weight", {64, 256}));
   auto e = EstimateModelStates(inv, DeepSpeedHardware{.nodes = 2, .gpus_per_node = 4});
-  REQUIRE(e.ok());
+  REQUIRE_OK(e);
   nlohmann::json j = ToJson(*e);
   CHECK(j["model"]["params_total"] == 80384);
   CHECK(j["model"]["largest_layer_params"] == 64000);
@@ -137,7 +138,7 @@ TEST_CASE("estimate: JSON round-trips and keeps the public schema") {
   CHECK(j["deepspeed"]["zero3"][0]["zero_init"] == 1);
   CHECK(j["deepspeed"]["zero3"][4]["offload_optimizer"] == "none");
   auto back = EstimateFromJson(j);
-  REQUIRE(back.ok());
+  REQUIRE_OK(back);
   CHECK(ToJson(*back) == j);
   nlohmann::json broken = j;
   broken["deepspeed"]["zero3"][1].erase("cpu_bytes");

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "tests/estimator_testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::estimator {
 namespace {
@@ -226,7 +227,7 @@ TEST_CASE("memory model: bert-large fp32 AdamW batch 4 x 512 lands within 10% of
   constexpr uint64_t kContextMiB = 1343;
   Result<ModelInventory> bert =
       InventoryFromHfConfigText(kBertLarge, "bert-large-uncased", ModelClassChoice::kBase);
-  REQUIRE(bert.ok());
+  REQUIRE_OK(bert);
   TrainingSetup s;
   s.precision = Precision::kFp32;
   s.optimizer = Optimizer::kAdamW;
@@ -341,7 +342,7 @@ TEST_CASE("memory model: the stage x offload comparison keeps rows it cannot run
   s.gpus_per_node = 4;
   s.seq_len = 256;
   auto rows = CompareZeroStages(gpt2, s);
-  REQUIRE(rows.ok());
+  REQUIRE_OK(rows);
   REQUIRE(rows->size() == 11);
   CHECK((*rows)[0].valid);
   CHECK_FALSE((*rows)[2].valid);  // sgd cannot be offloaded
@@ -355,7 +356,7 @@ TEST_CASE("memory model: a shape list has no architecture, and the error says wh
   ModelInventory inv;
   inv.name = "shapes.json";
   inv.source = "shape-list";
-  REQUIRE(inv.Add("h.0.w", {4, 4}).ok());
+  REQUIRE_OK(inv.Add("h.0.w", {4, 4}));
   TrainingSetup s;
   Result<MemoryEstimate> m = EstimateMemory(inv, s);
   REQUIRE_FALSE(m.ok());
@@ -660,7 +661,7 @@ TEST_CASE("memory model: one set of defaults: memory-efficient attention on") {
   CHECK_FALSE(s.fused_optimizer);
   CHECK(s.sgd_momentum == 0);
   Result<TrainingSetup> from_json = TrainingSetupFromJson(nlohmann::json::object());
-  REQUIRE(from_json.ok());
+  REQUIRE_OK(from_json);
   CHECK(ToJson(*from_json) == ToJson(s));
   nlohmann::json j = ToJson(s);
   for (const char* key : {"foreach", "fused_optimizer", "sgd_momentum", "sequence_parallel",
@@ -712,7 +713,7 @@ TEST_CASE("memory model: before PyTorch 1.11 softmax keeps its input too") {
 
   Result<ModelInventory> bert =
       InventoryFromHfConfigText(kBertLarge, "bert-large-uncased", ModelClassChoice::kBase);
-  REQUIRE(bert.ok());
+  REQUIRE_OK(bert);
   TrainingSetup setup;
   setup.precision = Precision::kFp32;
   setup.micro_batch = 4;
@@ -865,7 +866,7 @@ TEST_CASE("memory model: framework, torch_version and fsdp round-trip through JS
   Result<TrainingSetup> back = TrainingSetupFromJson(j);
   REQUIRE_MESSAGE(back.ok(), back.status().ToString());
   CHECK(ToJson(*back) == j);
-  CHECK(ParseFsdpSharding("FULL_SHARD").ok());
+  CHECK_OK(ParseFsdpSharding("FULL_SHARD"));
   CHECK_FALSE(ParseFramework("megatron").ok());
 }
 

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::estimator {
 namespace {
@@ -120,7 +121,7 @@ TEST_CASE("source: safetensors file gives exact names, shapes and dtypes in offs
 
   auto inv = InventoryFromSafetensorsFile(path);
   INFO(inv.status().ToString());
-  REQUIRE(inv.ok());
+  REQUIRE_OK(inv);
   CHECK(inv->source == "safetensors");
   CHECK(inv->name == path);
   CHECK(Names(*inv) ==
@@ -142,7 +143,7 @@ TEST_CASE("source: safetensors file gives exact names, shapes and dtypes in offs
   CHECK(t[5].dtype == DType::kF16);
   CHECK(t[6].dtype == DType::kF64);
   auto counts = CountParams(*inv);
-  REQUIRE(counts.ok());
+  REQUIRE_OK(counts);
   CHECK(counts->params_total == 128 + 32 + 4 + 3 + 1 + 8 + 17 + 128);
   CHECK(counts->num_tensors == 8);
   CHECK(counts->num_blocks == 2);
@@ -168,7 +169,7 @@ TEST_CASE("source: safetensors reads every supported dtype") {
   WriteSafetensors(path, specs);
   auto inv = InventoryFromSafetensorsFile(path);
   INFO(inv.status().ToString());
-  REQUIRE(inv.ok());
+  REQUIRE_OK(inv);
   REQUIRE(inv->tensors.size() == dtypes.size());
   for (size_t i = 0; i < dtypes.size(); ++i) {
     CHECK(inv->tensors[i].name == "t." + dtypes[i].first);
@@ -176,7 +177,7 @@ TEST_CASE("source: safetensors reads every supported dtype") {
     CHECK(inv->tensors[i].numel == 6);
   }
   auto counts = CountParams(*inv);
-  REQUIRE(counts.ok());
+  REQUIRE_OK(counts);
   CHECK(counts->params_total == 6 * dtypes.size());
   CHECK(counts->bytes_as_stored == bytes);
 }
@@ -196,11 +197,11 @@ TEST_CASE("source: safetensors reads a header with 50k tensors") {
   WriteSafetensors(path, specs);
   auto inv = InventoryFromSafetensorsFile(path);
   INFO(inv.status().ToString());
-  REQUIRE(inv.ok());
+  REQUIRE_OK(inv);
   REQUIRE(inv->tensors.size() == 50000);
   CHECK(inv->tensors[49999].name == "model.layers.195.mlp.experts.79.w");
   auto counts = CountParams(*inv);
-  REQUIRE(counts.ok());
+  REQUIRE_OK(counts);
   CHECK(counts->params_total == 100000);
   CHECK(counts->num_blocks == 196);
 }
@@ -372,7 +373,7 @@ TEST_CASE("source: sharded safetensors index reads each shard and checks the wei
   })");
   auto inv = InventoryFromSafetensorsIndex(index);
   INFO(inv.status().ToString());
-  REQUIRE(inv.ok());
+  REQUIRE_OK(inv);
   CHECK(inv->source == "safetensors");
   CHECK(inv->name == index);
   CHECK(Names(*inv) == std::vector<std::string>{"model.embed_tokens.weight",
@@ -382,7 +383,7 @@ TEST_CASE("source: sharded safetensors index reads each shard and checks the wei
   CHECK(inv->tensors[3].dtype == DType::kF32);
   CHECK(inv->tensors[4].shape == std::vector<int64_t>{32, 8});
   auto counts = CountParams(*inv);
-  REQUIRE(counts.ok());
+  REQUIRE_OK(counts);
   CHECK(counts->params_total == 256 + 64 + 64 + 8 + 256);
   CHECK(counts->num_blocks == 2);
   CHECK(counts->bytes_as_stored == 2 * (256 + 64 + 64 + 256) + 4 * 8);
@@ -400,7 +401,7 @@ TEST_CASE("source: sharded safetensors follows symlinks and subdirectories insid
                                           R"( "b.weight": "sub/model-2.safetensors"}})");
   auto inv = InventoryFromSafetensorsIndex(dir.PathOf("snap/index.json"));
   INFO(inv.status().ToString());
-  REQUIRE(inv.ok());
+  REQUIRE_OK(inv);
   CHECK(Names(*inv) == std::vector<std::string>{"a.weight", "b.weight"});
 }
 
@@ -458,7 +459,7 @@ TEST_CASE("source: sharded safetensors keeps tensors a shard holds beyond the ma
   const std::string index = dir.PathOf("index.json");
   WriteBytes(index, R"({"weight_map": {"a": "s1.safetensors"}})");
   auto inv = InventoryFromSafetensorsIndex(index);
-  REQUIRE(inv.ok());
+  REQUIRE_OK(inv);
   CHECK(Names(*inv) == std::vector<std::string>{"a", "extra"});
 }
 

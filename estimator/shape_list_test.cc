@@ -4,6 +4,7 @@
 
 #include <string>
 #include <vector>
+#include "tests/status_testing.h"
 
 namespace memplan::estimator {
 namespace {
@@ -13,7 +14,7 @@ const std::string kSource = "shapes.json";
 ModelInventory MustRead(std::string_view text) {
   auto inv = InventoryFromShapeListText(text, kSource);
   INFO(inv.status().ToString());
-  REQUIRE(inv.ok());
+  REQUIRE_OK(inv);
   return std::move(inv).value();
 }
 
@@ -51,7 +52,7 @@ TEST_CASE("source: shape list as a name -> dims map keeps document order") {
   CHECK(inv.tensors[4].numel == 1);
 
   auto counts = CountParams(inv);
-  REQUIRE(counts.ok());
+  REQUIRE_OK(counts);
   CHECK(counts->params_total == 50257ull * 768 + 2 * 768 * 2304 + 2304 + 1);
   CHECK(counts->num_tensors == 5);
   CHECK(counts->num_blocks == 2);
@@ -71,7 +72,7 @@ TEST_CASE("source: shape list object entries carry dtype and tied_to") {
   CHECK(inv.tensors[2].dtype == DType::kF32);
   CHECK(inv.tensors[3].tied_to == "transformer.wte.weight");
   auto counts = CountParams(inv);
-  REQUIRE(counts.ok());
+  REQUIRE_OK(counts);
   CHECK(counts->params_total == 1000 * 64 + 64 * 256 + 256);  // the tie counted once
   CHECK(counts->num_tied == 1);
   CHECK(counts->bytes_as_stored == 1000 * 64 * 2 + 64 * 256 * 2 + 256 * 4);
@@ -87,7 +88,7 @@ TEST_CASE("source: shape list as an array of objects, tied alias before its targ
   CHECK(Names(inv) == std::vector<std::string>{"embed.weight", "lm_head.weight", "layers.0.w"});
   CHECK(inv.tensors[1].tied_to == "embed.weight");
   auto counts = CountParams(inv);
-  REQUIRE(counts.ok());
+  REQUIRE_OK(counts);
   CHECK(counts->params_total == 40 + 16);
 }
 
@@ -110,7 +111,7 @@ TEST_CASE("source: shape list wrapper with model_type, default dtype and tied ma
   CHECK(inv.tensors[4].dtype == DType::kBF16);
   CHECK(inv.tensors[4].tied_to == "embed.weight");
   auto counts = CountParams(inv);
-  REQUIRE(counts.ok());
+  REQUIRE_OK(counts);
   CHECK(counts->params_total == 32 * 8 + 2 * 64);
   CHECK(counts->num_tied == 2);
   CHECK(counts->num_blocks == 2);
@@ -209,7 +210,7 @@ TEST_CASE("source: LooksLikeShapeList tells shape lists from config.json") {
 TEST_CASE("source: shape list from a parsed nlohmann::json document") {
   auto doc = nlohmann::json::parse(R"({"b.w": [2, 3], "a.w": {"shape": [3], "dtype": "i8"}})");
   auto inv = InventoryFromShapeList(doc, "mem");
-  REQUIRE(inv.ok());
+  REQUIRE_OK(inv);
   // nlohmann::json has already sorted the keys; the tensors are all there.
   CHECK(Names(*inv) == std::vector<std::string>{"a.w", "b.w"});
   CHECK(inv->tensors[0].dtype == DType::kI8);

@@ -17,6 +17,7 @@
 #include "estimator/inventory.h"
 #include "estimator/model_source.h"
 #include "tests/estimator_testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::estimator {
 namespace {
@@ -86,27 +87,27 @@ TEST_CASE("speed: every built-in model, both expert layouts, estimates in well u
       const std::string name(model.name);
       {
         auto probe = LoadModel(name, options);
-        REQUIRE(probe.ok());
+        REQUIRE_OK(probe);
         if (layout == ExpertLayout::kPerExpert && !HasExperts(*probe)) continue;
       }
       const std::string label = name + (layout == ExpertLayout::kPerExpert ? " (per-expert)" : "");
       CAPTURE(label);
       const double states_ms = FastestMs(3, [&] {
         auto inventory = LoadModel(name, options);
-        REQUIRE(inventory.ok());
+        REQUIRE_OK(inventory);
         auto estimate = EstimateModelStates(*inventory, hardware);
-        REQUIRE(estimate.ok());
+        REQUIRE_OK(estimate);
         if (inventory->arch.has_value()) {
-          REQUIRE(AddInference(*inventory, InferenceSetup{}, &*estimate).ok());
+          REQUIRE_OK(AddInference(*inventory, InferenceSetup{}, &*estimate));
         }
       });
       double training_ms = 0;
       if (model.name != "t5-large" && model.name != "t5-v1_1-base") {
         training_ms = FastestMs(3, [&] {
           auto inventory = LoadModel(name, options);
-          REQUIRE(inventory.ok());
+          REQUIRE_OK(inventory);
           auto estimate = EstimateTraining(*inventory, hardware, setup);
-          REQUIRE(estimate.ok());
+          REQUIRE_OK(estimate);
         });
       }
       CHECK(states_ms < bound_ms);
@@ -137,7 +138,7 @@ ModelInventory MoeModel(int layers) {
   options.experts = ExpertLayout::kPerExpert;
   auto inventory = InventoryFromHfConfigText(config, "moe.json", options);
   INFO(inventory.status().message());
-  REQUIRE(inventory.ok());
+  REQUIRE_OK(inventory);
   return std::move(*inventory);
 }
 
@@ -160,8 +161,8 @@ TEST_CASE("speed: building and counting grow linearly with the tensors, in any o
   for (const ModelInventory* m : {&small, &large}) {
     auto ordered = CountParams(*m);
     auto mixed = CountParams(m == &small ? shuffled_small : shuffled_large);
-    REQUIRE(ordered.ok());
-    REQUIRE(mixed.ok());
+    REQUIRE_OK(ordered);
+    REQUIRE_OK(mixed);
     CHECK(mixed->params_total == ordered->params_total);
     CHECK(mixed->largest_layer_params == ordered->largest_layer_params);
     CHECK(mixed->largest_block_params == ordered->largest_block_params);
@@ -191,12 +192,12 @@ TEST_CASE("speed: a module with 100,000 submodules counts in linear time") {
     for (int i = 0; i < n && added.ok(); ++i) {
       added = m.Add("list." + std::to_string(i) + ".weight", {4});
     }
-    REQUIRE(added.ok());
+    REQUIRE_OK(added);
     return m;
   };
   const ModelInventory small = build(12'500), large = build(100'000);
   auto counts = CountParams(large);
-  REQUIRE(counts.ok());
+  REQUIRE_OK(counts);
   CHECK(counts->params_total == 400'000);
   CHECK(counts->num_blocks == 100'000);
   const double small_ms = FastestMs(5, [&] { (void)CountParams(small); });
@@ -213,15 +214,15 @@ TEST_CASE("speed: a module holding 100,000 tensors directly counts in linear tim
     m.name = "flat";
     Status added;
     for (int i = 0; i < n && added.ok(); ++i) added = m.Add("t" + std::to_string(i), {4});
-    REQUIRE(added.ok());
+    REQUIRE_OK(added);
     return m;
   };
   const ModelInventory small = build(12'500), large = build(100'000);
   auto counts = CountParams(large);
-  REQUIRE(counts.ok());
+  REQUIRE_OK(counts);
   CHECK(counts->params_total == 400'000);
   ModelInventory twice = build(20);
-  REQUIRE(twice.Add("t3", {4}).ok());  // a name repeated past the scanned leaves is still found
+  REQUIRE_OK(twice.Add("t3", {4}));  // a name repeated past the scanned leaves is still found
   CHECK_FALSE(CountParams(twice).ok());
   const double small_ms = FastestMs(5, [&] { (void)CountParams(small); });
   const double large_ms = FastestMs(5, [&] { (void)CountParams(large); });
@@ -242,13 +243,13 @@ TEST_CASE("speed: tying tensors costs the same per tie, however many there are")
       added = m.Add("layers." + std::to_string(i) + ".alias.weight", {8, 8}, DType::kF32,
                     "layers." + std::to_string(i) + ".w.weight");
     }
-    REQUIRE(added.ok());
+    REQUIRE_OK(added);
     return m;
   };
   const ModelInventory tied = build(1000);
   CHECK(Tensor(tied, "layers.999.alias.weight").tied_to == "layers.999.w.weight");
   auto counts = CountParams(tied);
-  REQUIRE(counts.ok());
+  REQUIRE_OK(counts);
   CHECK(counts->params_total == 64'000);
   CHECK(counts->num_tied == 1000);
   const double small_ms = FastestMs(3, [&] { build(5000); });

@@ -8,6 +8,7 @@
 
 #include "estimator/deepspeed_config.h"
 #include "tests/estimator_testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::estimator {
 namespace {
@@ -20,7 +21,7 @@ void ExpectError(const Status& status, const std::string& needle) {
 
 TEST_CASE("training setup: the defaults are valid") {
   TrainingSetup s;
-  CHECK(s.Validate().ok());
+  CHECK_OK(s.Validate());
   CHECK_FALSE(s.OverlapComm());
   s.zero_stage = 3;
   CHECK(s.OverlapComm());  // DeepSpeed turns it on for stage 3
@@ -74,7 +75,7 @@ TEST_CASE("training setup: checks against the model") {
   TrainingSetup s;
   s.gpus_per_node = 8;
   s.tp = 8;
-  CHECK(s.ValidateFor(llama).ok());
+  CHECK_OK(s.ValidateFor(llama));
   s.gpus_per_node = 6;
   s.tp = 6;
   ExpectError(s.ValidateFor(llama), "must divide the 32 attention heads");
@@ -88,7 +89,7 @@ TEST_CASE("training setup: checks against the model") {
   t.lora_targets = {"q_proj"};
   ExpectError(t.ValidateFor(gpt2), "'q_proj' names no Linear");
   t.lora_targets = {"c_attn", "c_proj"};
-  CHECK(t.ValidateFor(gpt2).ok());
+  CHECK_OK(t.ValidateFor(gpt2));
 }
 
 TEST_CASE("training setup: architecture info comes from the config builders") {
@@ -168,7 +169,7 @@ TEST_CASE("training setup: a DeepSpeed config's settings are read") {
   })");
   TrainingSetup s;
   s.gpus_per_node = 8;
-  REQUIRE(ApplyDeepSpeedConfig(config, "ds.json", {}, 4096, &s).ok());
+  REQUIRE_OK(ApplyDeepSpeedConfig(config, "ds.json", {}, 4096, &s));
   CHECK(s.micro_batch == 2);
   CHECK(s.grad_accum == 4);
   CHECK(s.precision == Precision::kBf16Mixed);

@@ -9,6 +9,7 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include "tests/status_testing.h"
 
 namespace memplan::gpu {
 namespace {
@@ -27,10 +28,10 @@ std::vector<uint8_t> Pattern(size_t bytes, uint32_t seed) {
 struct DeviceBuffer {
   DeviceBuffer(Runtime& rt, uint64_t bytes) : runtime(rt) {
     auto p = runtime.AllocateDevice(bytes);
-    REQUIRE(p.ok());
+    REQUIRE_OK(p);
     ptr = *p;
   }
-  ~DeviceBuffer() { CHECK(runtime.FreeDevice(ptr).ok()); }
+  ~DeviceBuffer() { CHECK_OK(runtime.FreeDevice(ptr)); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   Runtime& runtime;
@@ -63,10 +64,10 @@ TEST_CASE("host-only runtime: host -> device -> host round trip is byte-exact") 
     const CopyTicket up = MustCopy(*rt, CopyDirection::kHostToDevice, dev.ptr, src.data(), bytes);
     CHECK(up.direction == CopyDirection::kHostToDevice);
     CHECK(up.sequence > 0);
-    REQUIRE(rt->Wait(up).ok());
+    REQUIRE_OK(rt->Wait(up));
     const CopyTicket down =
         MustCopy(*rt, CopyDirection::kDeviceToHost, back.data(), dev.ptr, bytes);
-    REQUIRE(rt->Wait(down).ok());
+    REQUIRE_OK(rt->Wait(down));
     CHECK(rt->Done(down));
     CHECK(back == src);
   }
@@ -80,7 +81,7 @@ TEST_CASE("host-only runtime: device -> device copies") {
   DeviceBuffer b(*rt, src.size());
   REQUIRE(
       rt->Wait(MustCopy(*rt, CopyDirection::kHostToDevice, a.ptr, src.data(), src.size())).ok());
-  REQUIRE(rt->Wait(MustCopy(*rt, CopyDirection::kDeviceToDevice, b.ptr, a.ptr, src.size())).ok());
+  REQUIRE_OK(rt->Wait(MustCopy(*rt, CopyDirection::kDeviceToDevice, b.ptr, a.ptr, src.size())));
   REQUIRE(
       rt->Wait(MustCopy(*rt, CopyDirection::kDeviceToHost, back.data(), b.ptr, back.size())).ok());
   CHECK(back == src);
@@ -102,10 +103,10 @@ TEST_CASE("host-only runtime: tickets of a direction complete in submission orde
     CHECK(tickets[i].sequence == tickets[i - 1].sequence + 1);
   }
   // Waiting for the last implies every earlier one is done.
-  REQUIRE(rt->Wait(tickets.back()).ok());
+  REQUIRE_OK(rt->Wait(tickets.back()));
   for (const auto& t : tickets) CHECK(rt->Done(t));
   std::vector<uint8_t> back(kBytes);
-  REQUIRE(rt->Wait(MustCopy(*rt, CopyDirection::kDeviceToHost, back.data(), dev.ptr, kBytes)).ok());
+  REQUIRE_OK(rt->Wait(MustCopy(*rt, CopyDirection::kDeviceToHost, back.data(), dev.ptr, kBytes)));
   CHECK(back == sources.back());
 }
 
@@ -126,7 +127,7 @@ TEST_CASE("host-only runtime: directions have their own sequences") {
   CHECK(up2.sequence == 2);
   CHECK(down1.sequence == 1);
   CHECK(down1.direction == CopyDirection::kDeviceToHost);
-  CHECK(rt->Synchronize().ok());
+  CHECK_OK(rt->Synchronize());
 }
 
 TEST_CASE("host-only runtime: Done polls until the copy lands") {
@@ -142,19 +143,19 @@ TEST_CASE("host-only runtime: Done polls until the copy lands") {
   }
   // Done() answering true means the bytes are there, without a Wait.
   CHECK(std::memcmp(dev.ptr, src.data(), kBytes) == 0);
-  CHECK(rt->Wait(t).ok());
+  CHECK_OK(rt->Wait(t));
   MESSAGE("Done() polled " << polls << " times before the 32 MiB copy landed");
 }
 
 TEST_CASE("host-only runtime: empty tickets and zero-byte copies") {
   auto rt = CreateHostOnlyRuntime();
   CHECK(rt->Done(CopyTicket{}));
-  CHECK(rt->Wait(CopyTicket{}).ok());
+  CHECK_OK(rt->Wait(CopyTicket{}));
   auto t = rt->CopyAsync(CopyDirection::kDeviceToHost, nullptr, nullptr, 0);
-  REQUIRE(t.ok());
+  REQUIRE_OK(t);
   CHECK(t->sequence == 0);
-  CHECK(rt->Wait(*t).ok());
-  CHECK(rt->Synchronize().ok());  // nothing queued yet
+  CHECK_OK(rt->Wait(*t));
+  CHECK_OK(rt->Synchronize());  // nothing queued yet
 }
 
 TEST_CASE("host-only runtime: Synchronize waits for every direction") {
@@ -175,7 +176,7 @@ TEST_CASE("host-only runtime: Synchronize waits for every direction") {
     tickets.push_back(MustCopy(*rt, CopyDirection::kDeviceToHost, back.data(), c.ptr, kBytes));
     tickets.push_back(MustCopy(*rt, CopyDirection::kDeviceToDevice, d.ptr, c.ptr, kBytes));
   }
-  REQUIRE(rt->Synchronize().ok());
+  REQUIRE_OK(rt->Synchronize());
   for (const auto& t : tickets) CHECK(rt->Done(t));
   CHECK(std::memcmp(a.ptr, src.data(), kBytes) == 0);
   CHECK(back == on_device);
@@ -190,7 +191,7 @@ TEST_CASE("host-only runtime: destroying it finishes the copies queued") {
     auto rt = CreateHostOnlyRuntime();
     // Device memory is only ever read here, and the runtime frees it on destruction.
     auto dev = rt->AllocateDevice(kBytes);
-    REQUIRE(dev.ok());
+    REQUIRE_OK(dev);
     std::memcpy(*dev, src.data(), kBytes);
     for (auto& d : dst) MustCopy(*rt, CopyDirection::kDeviceToHost, d.data(), *dev, kBytes);
   }
@@ -255,20 +256,20 @@ TEST_CASE("host-only runtime: device memory is accounted") {
   CHECK(rt->device_bytes_in_use() == 0);
   auto a = rt->AllocateDevice(1000);
   auto b = rt->AllocateDevice(24);
-  REQUIRE(a.ok());
-  REQUIRE(b.ok());
+  REQUIRE_OK(a);
+  REQUIRE_OK(b);
   CHECK(*a != *b);
   CHECK(reinterpret_cast<uintptr_t>(*b) % 256 == 0);
   CHECK(rt->device_bytes_in_use() == 1024);
-  CHECK(rt->FreeDevice(*a).ok());
+  CHECK_OK(rt->FreeDevice(*a));
   CHECK(rt->device_bytes_in_use() == 24);
-  CHECK(rt->FreeDevice(nullptr).ok());
+  CHECK_OK(rt->FreeDevice(nullptr));
   CHECK(rt->device_bytes_in_use() == 24);
   // Freeing twice is caught, and changes nothing.
   Status twice = rt->FreeDevice(*a);
   CHECK(twice.code() == StatusCode::kInvalidArgument);
   CHECK(rt->device_bytes_in_use() == 24);
-  CHECK(rt->FreeDevice(*b).ok());
+  CHECK_OK(rt->FreeDevice(*b));
   CHECK(rt->device_bytes_in_use() == 0);
 }
 
@@ -307,29 +308,29 @@ TEST_CASE("host-only runtime: bad arguments are errors") {
     CHECK(rt->RegisterHost(nullptr, 16).code() == StatusCode::kInvalidArgument);
     CHECK(rt->RegisterHost(host.data(), 0).code() == StatusCode::kInvalidArgument);
     CHECK(rt->UnregisterHost(host.data()).code() == StatusCode::kInvalidArgument);
-    REQUIRE(rt->RegisterHost(host.data(), 16).ok());
+    REQUIRE_OK(rt->RegisterHost(host.data(), 16));
     // Overlapping a registered range, from either side.
     CHECK(rt->RegisterHost(host.data() + 8, 8).code() == StatusCode::kInvalidArgument);
     CHECK(rt->RegisterHost(host.data(), 1).code() == StatusCode::kInvalidArgument);
     CHECK(rt->UnregisterHost(host.data() + 1).code() == StatusCode::kInvalidArgument);
-    CHECK(rt->UnregisterHost(host.data()).ok());
+    CHECK_OK(rt->UnregisterHost(host.data()));
     CHECK(rt->UnregisterHost(host.data()).code() == StatusCode::kInvalidArgument);
     // Adjacent ranges do not overlap.
-    CHECK(rt->RegisterHost(host.data(), 8).ok());
-    CHECK(rt->RegisterHost(host.data() + 8, 8).ok());
-    CHECK(rt->UnregisterHost(host.data()).ok());
-    CHECK(rt->UnregisterHost(host.data() + 8).ok());
+    CHECK_OK(rt->RegisterHost(host.data(), 8));
+    CHECK_OK(rt->RegisterHost(host.data() + 8, 8));
+    CHECK_OK(rt->UnregisterHost(host.data()));
+    CHECK_OK(rt->UnregisterHost(host.data() + 8));
   }
 }
 
 TEST_CASE("host-only runtime: no streams; a GPU stream or a foreign fence is refused") {
   auto rt = CreateHostOnlyRuntime();
   auto fence = rt->RecordFence(Stream{});
-  REQUIRE(fence.ok());
+  REQUIRE_OK(fence);
   CHECK(fence->empty());
-  CHECK(rt->WaitFence(CopyDirection::kHostToDevice, *fence).ok());
-  CHECK(rt->WaitFenceOnHost(*fence).ok());
-  CHECK(rt->OrderAfter(CopyDirection::kDeviceToHost, Stream{}).ok());
+  CHECK_OK(rt->WaitFence(CopyDirection::kHostToDevice, *fence));
+  CHECK_OK(rt->WaitFenceOnHost(*fence));
+  CHECK_OK(rt->OrderAfter(CopyDirection::kDeviceToHost, Stream{}));
   int not_a_stream = 0;
   auto refused = rt->RecordFence(Stream{&not_a_stream});
   CHECK(refused.status().code() == StatusCode::kInvalidArgument);
@@ -343,9 +344,9 @@ TEST_CASE("host-only runtime: no streams; a GPU stream or a foreign fence is ref
   CHECK(rt->device() == -1);
   void* a = *rt->AllocateDevice(1000);
   void* b = *rt->AllocateDevice(3000);
-  CHECK(rt->FreeDevice(a).ok());
+  CHECK_OK(rt->FreeDevice(a));
   CHECK(rt->peak_device_bytes() == 4000);  // counted at each allocation
-  CHECK(rt->FreeDevice(b).ok());
+  CHECK_OK(rt->FreeDevice(b));
   CHECK(rt->peak_device_bytes() == 4000);
 }
 

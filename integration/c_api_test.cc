@@ -17,6 +17,7 @@
 #include "integration/requests.h"
 #include "memplan.h"
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace {
 
@@ -50,7 +51,7 @@ TEST_CASE("c api: estimate of a built-in model is the requests.h answer") {
   REQUIRE_MESSAGE(memplan_estimate_json(request, &answer.text) == MEMPLAN_OK, LastError());
   const json got = answer.Parse();
   auto expected = memplan::integration::Estimate(json::parse(request));
-  REQUIRE(expected.ok());
+  REQUIRE_OK(expected);
   CHECK(got == *expected);
   // The published parameter count; ZeRO-2 with the optimizer offloaded keeps the 16-bit
   // parameters on each GPU, 2 bytes a parameter (estimate_zero2_model_states_mem_needs).
@@ -109,7 +110,7 @@ TEST_CASE("c api: plan of llama-2-7b on 8 x a100-80 with the DeepSpeed config em
   CHECK(got["emitted"]["deepspeed"].contains("zero_optimization"));
   CHECK(got["emitted_plan_index"] == 0);
   auto expected = memplan::integration::Plan(json::parse(request));
-  REQUIRE(expected.ok());
+  REQUIRE_OK(expected);
   CHECK(got == *expected);
 }
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "nvme/backend_internal.h"
+#include "tests/status_testing.h"
 
 namespace memplan::nvme {
 namespace {
@@ -206,7 +207,7 @@ std::vector<uint8_t> ReadBack(const std::string& path, uint64_t offset, size_t l
 
 TEST_CASE("backend: aligned writes then reads round-trip at several offsets") {
   TempDir dir;
-  REQUIRE(dir.ok());
+  REQUIRE_OK(dir);
   struct Extent {
     uint64_t offset;
     int64_t length;
@@ -222,7 +223,7 @@ TEST_CASE("backend: aligned writes then reads round-trip at several offsets") {
     Backend& backend = *candidate.backend;
     TestFile file(dir, candidate.name + ".dat");
     Result<int> index = backend.RegisterFile(file.fd());
-    REQUIRE(index.ok());
+    REQUIRE_OK(index);
 
     std::vector<AlignedBuffer> write_buffers;
     std::vector<AlignedBuffer> read_buffers;
@@ -262,14 +263,14 @@ TEST_CASE("backend: aligned writes then reads round-trip at several offsets") {
       std::vector<uint8_t> on_file = ReadBack(file.path(), extents[i].offset, extents[i].length);
       CHECK(FirstMismatch(on_file.data(), extents[i].offset, on_file.size(), 7) == -1);
     }
-    CHECK(backend.RegisterBuffers({}).ok());
-    CHECK(backend.UnregisterFile(*index).ok());
+    CHECK_OK(backend.RegisterBuffers({}));
+    CHECK_OK(backend.UnregisterFile(*index));
   }
 }
 
 TEST_CASE("backend: Submit takes only what fits in the queue; the rest goes after a reap") {
   TempDir dir;
-  REQUIRE(dir.ok());
+  REQUIRE_OK(dir);
   BackendOptions options;
   options.queue_depth = 8;
   options.posix_threads = 2;
@@ -281,7 +282,7 @@ TEST_CASE("backend: Submit takes only what fits in the queue; the rest goes afte
     TestFile file(dir, candidate.name + ".dat");
     file.WritePattern(total * kBlock, 3);
     Result<int> index = backend.RegisterFile(file.fd());
-    REQUIRE(index.ok());
+    REQUIRE_OK(index);
 
     std::vector<AlignedBuffer> buffers;
     std::vector<Request> requests;
@@ -293,14 +294,14 @@ TEST_CASE("backend: Submit takes only what fits in the queue; the rest goes afte
     std::vector<Request*> pointers = PointersTo(requests);
 
     Result<size_t> first = backend.Submit(pointers);
-    REQUIRE(first.ok());
+    REQUIRE_OK(first);
     CHECK(*first <= options.queue_depth);
     CHECK(*first > 0);
     CHECK(backend.in_flight() == *first);
     // Nothing reaped yet: a full queue takes nothing more, and that is not an error.
     if (*first == options.queue_depth) {
       Result<size_t> none = backend.Submit(std::span<Request* const>(pointers).subspan(*first));
-      REQUIRE(none.ok());
+      REQUIRE_OK(none);
       CHECK(*none == 0);
     }
 
@@ -311,7 +312,7 @@ TEST_CASE("backend: Submit takes only what fits in the queue; the rest goes afte
     for (int rounds = 0; done < total; ++rounds) {
       REQUIRE(rounds < 100000);
       Result<size_t> reaped = backend.Reap(completions, 1);
-      REQUIRE(reaped.ok());
+      REQUIRE_OK(reaped);
       for (size_t i = 0; i < *reaped; ++i) {
         const Request& request = *completions[i].request;
         CHECK(completions[i].result == kBlock);
@@ -321,7 +322,7 @@ TEST_CASE("backend: Submit takes only what fits in the queue; the rest goes afte
       if (submitted < total) {
         Result<size_t> taken =
             backend.Submit(std::span<Request* const>(pointers).subspan(submitted));
-        REQUIRE(taken.ok());
+        REQUIRE_OK(taken);
         submitted += *taken;
         CHECK(backend.in_flight() <= options.queue_depth);
       }
@@ -336,14 +337,14 @@ TEST_CASE("backend: Submit takes only what fits in the queue; the rest goes afte
 
 TEST_CASE("backend: reading past the end of the file is a short transfer, not an error") {
   TempDir dir;
-  REQUIRE(dir.ok());
+  REQUIRE_OK(dir);
   for (Candidate& candidate : AvailableBackends()) {
     CAPTURE(candidate.name);
     Backend& backend = *candidate.backend;
     TestFile file(dir, candidate.name + ".dat");
     file.WritePattern(3 * kBlock, 5);  // the file ends at 12288
     Result<int> index = backend.RegisterFile(file.fd());
-    REQUIRE(index.ok());
+    REQUIRE_OK(index);
     AlignedBuffer across = Allocate(4 * kBlock);
     AlignedBuffer at_end = Allocate(kBlock);
     AlignedBuffer beyond = Allocate(kBlock);
@@ -361,13 +362,13 @@ TEST_CASE("backend: reading past the end of the file is a short transfer, not an
 
 TEST_CASE("backend: fsync completes with 0 after writes") {
   TempDir dir;
-  REQUIRE(dir.ok());
+  REQUIRE_OK(dir);
   for (Candidate& candidate : AvailableBackends()) {
     CAPTURE(candidate.name);
     Backend& backend = *candidate.backend;
     TestFile file(dir, candidate.name + ".dat");
     Result<int> index = backend.RegisterFile(file.fd());
-    REQUIRE(index.ok());
+    REQUIRE_OK(index);
     AlignedBuffer data = Allocate(2 * kBlock);
     Fill(data.get(), 0, 2 * kBlock, 9);
     std::vector<Request> write = {MakeRequest(OpType::kWrite, *index, 0, data.get(), 2 * kBlock)};
@@ -384,7 +385,7 @@ TEST_CASE("backend: fsync completes with 0 after writes") {
 // (never, or no longer) completes with -EBADF, without disturbing requests around it.
 TEST_CASE("backend: a bad fd is refused at RegisterFile; an unknown file index completes -EBADF") {
   TempDir dir;
-  REQUIRE(dir.ok());
+  REQUIRE_OK(dir);
   for (Candidate& candidate : AvailableBackends()) {
     CAPTURE(candidate.name);
     Backend& backend = *candidate.backend;
@@ -403,7 +404,7 @@ TEST_CASE("backend: a bad fd is refused at RegisterFile; an unknown file index c
     TestFile file(dir, candidate.name + ".dat");
     file.WritePattern(2 * kBlock, 11);
     Result<int> index = backend.RegisterFile(file.fd());
-    REQUIRE(index.ok());
+    REQUIRE_OK(index);
     AlignedBuffer good_a = Allocate(kBlock);
     AlignedBuffer bad = Allocate(kBlock);
     AlignedBuffer good_b = Allocate(kBlock);
@@ -420,7 +421,7 @@ TEST_CASE("backend: a bad fd is refused at RegisterFile; an unknown file index c
     CHECK(FirstMismatch(good_b.get(), kBlock, kBlock, 11) == -1);
 
     // After UnregisterFile the index is unknown too; unregistering it twice is an error.
-    REQUIRE(backend.UnregisterFile(*index).ok());
+    REQUIRE_OK(backend.UnregisterFile(*index));
     std::vector<Request> stale = {MakeRequest(OpType::kRead, *index, 0, good_a.get(), kBlock)};
     CHECK(RunToCompletion(backend, stale)[0] == -EBADF);
     const Status twice = backend.UnregisterFile(*index);
@@ -430,7 +431,7 @@ TEST_CASE("backend: a bad fd is refused at RegisterFile; an unknown file index c
 
 TEST_CASE("backend: four threads submit and reap concurrently on one backend") {
   TempDir dir;
-  REQUIRE(dir.ok());
+  REQUIRE_OK(dir);
   constexpr size_t kThreads = 4;
   constexpr size_t kPerThread = 48;
   constexpr size_t kTotal = kThreads * kPerThread;
@@ -442,7 +443,7 @@ TEST_CASE("backend: four threads submit and reap concurrently on one backend") {
     Backend& backend = *candidate.backend;
     TestFile file(dir, candidate.name + ".dat");
     Result<int> index = backend.RegisterFile(file.fd());
-    REQUIRE(index.ok());
+    REQUIRE_OK(index);
 
     std::vector<AlignedBuffer> write_buffers;
     std::vector<AlignedBuffer> read_buffers;
@@ -532,30 +533,30 @@ TEST_CASE("backend: four threads submit and reap concurrently on one backend") {
 
 TEST_CASE("backend: Reap clamps min_complete to what is in flight and never hangs") {
   TempDir dir;
-  REQUIRE(dir.ok());
+  REQUIRE_OK(dir);
   for (Candidate& candidate : AvailableBackends()) {
     CAPTURE(candidate.name);
     Backend& backend = *candidate.backend;
     std::vector<Completion> completions(8);
     Result<size_t> idle = backend.Reap(completions, 5);  // nothing in flight: returns at once
-    REQUIRE(idle.ok());
+    REQUIRE_OK(idle);
     CHECK(*idle == 0);
 
     TestFile file(dir, candidate.name + ".dat");
     file.WritePattern(2 * kBlock, 17);
     Result<int> index = backend.RegisterFile(file.fd());
-    REQUIRE(index.ok());
+    REQUIRE_OK(index);
     AlignedBuffer a = Allocate(kBlock);
     AlignedBuffer b = Allocate(kBlock);
     Request first = MakeRequest(OpType::kRead, *index, 0, a.get(), kBlock);
     Request second = MakeRequest(OpType::kRead, *index, kBlock, b.get(), kBlock);
     std::vector<Request*> pointers = {&first, &second};
     Result<size_t> taken = backend.Submit(pointers);
-    REQUIRE(taken.ok());
+    REQUIRE_OK(taken);
     REQUIRE(*taken == 2);
     // Asks for 100 with 2 in flight: waits for those 2 and returns.
     Result<size_t> reaped = backend.Reap(completions, 100);
-    REQUIRE(reaped.ok());
+    REQUIRE_OK(reaped);
     CHECK(*reaped == 2);
     CHECK(backend.in_flight() == 0);
   }
@@ -563,7 +564,7 @@ TEST_CASE("backend: Reap clamps min_complete to what is in flight and never hang
 
 TEST_CASE("backend: destroying a backend waits for its in-flight writes") {
   TempDir dir;
-  REQUIRE(dir.ok());
+  REQUIRE_OK(dir);
   constexpr size_t kCount = 16;
   std::vector<std::string> names;
   for (const Candidate& candidate : AvailableBackends()) names.push_back(candidate.name);
@@ -577,7 +578,7 @@ TEST_CASE("backend: destroying a backend waits for its in-flight writes") {
     REQUIRE(backend != nullptr);
     TestFile file(dir, name + ".dat");
     Result<int> index = backend->RegisterFile(file.fd());
-    REQUIRE(index.ok());
+    REQUIRE_OK(index);
     AlignedBuffer data = Allocate(kCount * kBlock);
     Fill(data.get(), 0, kCount * kBlock, 19);
     std::vector<Request> writes;
@@ -587,7 +588,7 @@ TEST_CASE("backend: destroying a backend waits for its in-flight writes") {
     }
     std::vector<Request*> pointers = PointersTo(writes);
     Result<size_t> taken = backend->Submit(pointers);
-    REQUIRE(taken.ok());
+    REQUIRE_OK(taken);
     REQUIRE(*taken == kCount);
     backend.reset();
     std::vector<uint8_t> on_file = ReadBack(file.path(), 0, kCount * kBlock);
@@ -616,7 +617,7 @@ TEST_CASE("backend: CreateBackend(kAuto) picks the first that works and says why
   }
 
   Result<BackendChoice> posix = CreateBackend(BackendKind::kPosix, BackendOptions{});
-  REQUIRE(posix.ok());
+  REQUIRE_OK(posix);
   CHECK(posix->kind == BackendKind::kPosix);
   CHECK(posix->backend->capabilities().name == "posix");
   CHECK_FALSE(posix->backend->capabilities().asynchronous);
@@ -647,7 +648,7 @@ TEST_CASE("backend: options are validated by every constructor") {
   }
   std::vector<Request*> with_null = {nullptr};
   Result<std::unique_ptr<Backend>> posix = CreatePosixBackend({});
-  REQUIRE(posix.ok());
+  REQUIRE_OK(posix);
   CHECK((*posix)->Submit(with_null).status().code() == StatusCode::kInvalidArgument);
 }
 
@@ -670,16 +671,16 @@ TEST_CASE("backend: io_uring reports what it was granted (SQPOLL, fixed files an
 
   // And the ring works either way.
   TempDir dir;
-  REQUIRE(dir.ok());
+  REQUIRE_OK(dir);
   TestFile file(dir, "sqpoll.dat");
   Result<int> index = backend.RegisterFile(file.fd());
-  REQUIRE(index.ok());
+  REQUIRE_OK(index);
   AlignedBuffer out = Allocate(8 * kBlock);
   AlignedBuffer in = Allocate(8 * kBlock);
   Fill(out.get(), 0, 8 * kBlock, 23);
   const iovec both[] = {{out.get(), static_cast<size_t>(8 * kBlock)},
                         {in.get(), static_cast<size_t>(8 * kBlock)}};
-  REQUIRE(backend.RegisterBuffers(both).ok());
+  REQUIRE_OK(backend.RegisterBuffers(both));
   std::vector<Request> write = {MakeRequest(OpType::kWrite, *index, 0, out.get(), 8 * kBlock)};
   write[0].buffer_index = 0;
   CHECK(RunToCompletion(backend, write)[0] == 8 * kBlock);
@@ -697,7 +698,7 @@ TEST_CASE("backend: OpenFile falls back to buffered I/O where O_DIRECT is refuse
       return;
     }
     TempDir shm("/dev/shm");
-    REQUIRE(shm.ok());
+    REQUIRE_OK(shm);
     TestFile file(shm, "data");
     // tmpfs refuses O_DIRECT before Linux 6.6 and supports it since; either way the file works.
     MESSAGE("O_DIRECT on tmpfs: " << std::string(
@@ -705,9 +706,9 @@ TEST_CASE("backend: OpenFile falls back to buffered I/O where O_DIRECT is refuse
     const int flags = ::fcntl(file.fd(), F_GETFL);
     CHECK(((flags & O_DIRECT) != 0) == file.direct());
     Result<std::unique_ptr<Backend>> posix = CreatePosixBackend({});
-    REQUIRE(posix.ok());
+    REQUIRE_OK(posix);
     Result<int> index = (*posix)->RegisterFile(file.fd());
-    REQUIRE(index.ok());
+    REQUIRE_OK(index);
     AlignedBuffer out = Allocate(kBlock);
     AlignedBuffer in = Allocate(kBlock);
     Fill(out.get(), 0, kBlock, 29);
@@ -719,7 +720,7 @@ TEST_CASE("backend: OpenFile falls back to buffered I/O where O_DIRECT is refuse
   }
 
   TempDir dir;
-  REQUIRE(dir.ok());
+  REQUIRE_OK(dir);
   const std::string path = dir.File("data");
   {
     TestFile seed(dir, "data");
@@ -728,7 +729,7 @@ TEST_CASE("backend: OpenFile falls back to buffered I/O where O_DIRECT is refuse
   bool real_direct = false;
   {
     Result<int> fd = OpenFile(path, OpenOptions{}, &real_direct);
-    REQUIRE(fd.ok());
+    REQUIRE_OK(fd);
     ::close(*fd);
   }
 
@@ -756,7 +757,7 @@ TEST_CASE("backend: OpenFile falls back to buffered I/O where O_DIRECT is refuse
     faults.refuse_direct_io = true;
     bool direct = true;
     Result<int> fd = internal::OpenFileWithFaults(path, OpenOptions{}, &direct, faults);
-    REQUIRE(fd.ok());
+    REQUIRE_OK(fd);
     CHECK_FALSE(direct);
     CHECK((::fcntl(*fd, F_GETFL) & O_DIRECT) == 0);
     ::close(*fd);
@@ -766,7 +767,7 @@ TEST_CASE("backend: OpenFile falls back to buffered I/O where O_DIRECT is refuse
     create.create = true;
     create.exclusive = true;
     Result<int> empty = internal::OpenFileWithFaults(dir.File("empty"), create, &direct, faults);
-    REQUIRE(empty.ok());
+    REQUIRE_OK(empty);
     CHECK(direct == real_direct);
     ::close(*empty);
   }
@@ -777,7 +778,7 @@ TEST_CASE("backend: OpenFile falls back to buffered I/O where O_DIRECT is refuse
     create.exclusive = true;
     bool direct = false;
     Result<int> fd = OpenFile(dir.File("fresh"), create, &direct);
-    REQUIRE(fd.ok());
+    REQUIRE_OK(fd);
     struct stat st;
     REQUIRE(::fstat(*fd, &st) == 0);
     CHECK((st.st_mode & 0777) == 0600);
@@ -802,7 +803,7 @@ TEST_CASE("backend: OpenFile falls back to buffered I/O where O_DIRECT is refuse
     OpenOptions follow;
     follow.nofollow = false;
     Result<int> followed = OpenFile(dir.File("link"), follow, nullptr);
-    REQUIRE(followed.ok());
+    REQUIRE_OK(followed);
     ::close(*followed);
 
     OpenOptions read_only_truncate;
@@ -815,7 +816,7 @@ TEST_CASE("backend: OpenFile falls back to buffered I/O where O_DIRECT is refuse
 
 TEST_CASE("backend: DirectIoAlignment") {
   TempDir dir;
-  REQUIRE(dir.ok());
+  REQUIRE_OK(dir);
   TestFile file(dir, "data");
   CHECK(DirectIoAlignment(file.fd(), /*direct=*/false) == 1);
   const uint32_t align = DirectIoAlignment(file.fd(), /*direct=*/true);

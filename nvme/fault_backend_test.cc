@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "nvme/backend.h"
+#include "tests/status_testing.h"
 
 namespace memplan::nvme {
 namespace {
@@ -21,7 +22,7 @@ std::unique_ptr<Backend> MemoryBackend(uint32_t queue_depth = 8) {
   BackendOptions options;
   options.queue_depth = queue_depth;
   Result<std::unique_ptr<Backend>> backend = CreateMemoryBackend(options);
-  REQUIRE(backend.ok());
+  REQUIRE_OK(backend);
   return std::move(backend).value();
 }
 
@@ -36,11 +37,11 @@ std::unique_ptr<FaultBackend> Wrap(const FaultPlan& plan = {}, uint32_t queue_de
 int64_t Do(Backend& backend, Request& request) {
   Request* one[] = {&request};
   Result<size_t> taken = backend.Submit(one);
-  REQUIRE(taken.ok());
+  REQUIRE_OK(taken);
   REQUIRE(*taken == 1);
   Completion c;
   Result<size_t> reaped = backend.Reap({&c, 1}, 1);
-  REQUIRE(reaped.ok());
+  REQUIRE_OK(reaped);
   REQUIRE(*reaped == 1);
   REQUIRE(c.request == &request);
   return c.result;
@@ -60,10 +61,10 @@ int64_t Read(Backend& backend, int file, uint64_t offset, std::vector<unsigned c
 std::string FailurePattern(const FaultPlan& plan, int count) {
   std::unique_ptr<FaultBackend> fault = Wrap();
   Result<int> file = fault->RegisterFile(0);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> byte(1, 7);
   REQUIRE(Write(*fault, *file, 0, byte) == 1);
-  REQUIRE(fault->SetPlan(plan).ok());
+  REQUIRE_OK(fault->SetPlan(plan));
   std::string pattern;
   for (int i = 0; i < count; ++i) pattern += Read(*fault, *file, 0, byte) < 0 ? 'x' : '.';
   return pattern;
@@ -77,8 +78,8 @@ TEST_CASE("fault: the memory backend stores per file, reads short past the end, 
   CHECK(memory->capabilities().queue_depth == 2);
   Result<int> a = memory->RegisterFile(0);
   Result<int> b = memory->RegisterFile(0);
-  REQUIRE(a.ok());
-  REQUIRE(b.ok());
+  REQUIRE_OK(a);
+  REQUIRE_OK(b);
   CHECK(*a != *b);
 
   std::vector<unsigned char> data = {1, 2, 3, 4, 5};
@@ -98,7 +99,7 @@ TEST_CASE("fault: the memory backend stores per file, reads short past the end, 
   Request r2 = r1, r3 = r1;
   Request* three[] = {&r1, &r2, &r3};
   Result<size_t> taken = memory->Submit(three);
-  REQUIRE(taken.ok());
+  REQUIRE_OK(taken);
   CHECK(*taken == 2);
   CHECK(memory->in_flight() == 2);
   CHECK(*memory->Submit({&three[2], 1}) == 0);
@@ -111,7 +112,7 @@ TEST_CASE("fault: the memory backend stores per file, reads short past the end, 
 
   Request bad{OpType::kRead, 99, 0, in.data(), 1, -1, 0};
   CHECK(Do(*memory, bad) == -EBADF);
-  CHECK(memory->UnregisterFile(*a).ok());
+  CHECK_OK(memory->UnregisterFile(*a));
   CHECK(memory->UnregisterFile(*a).code() == StatusCode::kInvalidArgument);
   Request gone{OpType::kRead, *a, 0, in.data(), 1, -1, 0};
   CHECK(Do(*memory, gone) == -EBADF);
@@ -125,8 +126,8 @@ TEST_CASE("fault: the wrapper forwards everything and names itself after the inn
   CHECK(fault->capabilities().queue_depth == 16);
   CHECK(fault->inner()->capabilities().name == "memory");
   Result<int> file = fault->RegisterFile(0);
-  REQUIRE(file.ok());
-  CHECK(fault->RegisterBuffers({}).ok());
+  REQUIRE_OK(file);
+  CHECK_OK(fault->RegisterBuffers({}));
   std::vector<unsigned char> data = {9, 8, 7};
   CHECK(Write(*fault, *file, 0, data) == 3);
   std::vector<unsigned char> in(3);
@@ -134,7 +135,7 @@ TEST_CASE("fault: the wrapper forwards everything and names itself after the inn
   CHECK(in == data);
   CHECK(fault->counters().requests == 2);
   CHECK(fault->counters().total() == 0);
-  CHECK(fault->UnregisterFile(*file).ok());
+  CHECK_OK(fault->UnregisterFile(*file));
 
   CHECK(FaultBackend::Create(nullptr).status().code() == StatusCode::kInvalidArgument);
   FaultPlan bad;
@@ -161,7 +162,7 @@ TEST_CASE("fault: the nth request fails at completion with the planned errno") {
     one.error = err;
     std::unique_ptr<FaultBackend> fault = Wrap(one);
     Result<int> file = fault->RegisterFile(0);
-    REQUIRE(file.ok());
+    REQUIRE_OK(file);
     std::vector<unsigned char> data = {1, 2, 3};
     CHECK(Write(*fault, *file, 0, data) == -err);
     CHECK(fault->counters().errors == 1);
@@ -175,7 +176,7 @@ TEST_CASE("fault: triggers count per op type or over all ops") {
   plan.fail.nth = 2;
   std::unique_ptr<FaultBackend> fault = Wrap(plan);
   Result<int> file = fault->RegisterFile(0);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> data(16, 1);
   CHECK(Write(*fault, *file, 0, data) == 16);  // write 1
   CHECK(Read(*fault, *file, 0, data) == 16);   // reads are not counted
@@ -184,7 +185,7 @@ TEST_CASE("fault: triggers count per op type or over all ops") {
   CHECK(Write(*fault, *file, 0, data) == 16);
 
   plan.fail.op.reset();  // every op counts
-  REQUIRE(fault->SetPlan(plan).ok());
+  REQUIRE_OK(fault->SetPlan(plan));
   CHECK(Read(*fault, *file, 0, data) == 16);
   CHECK(Write(*fault, *file, 0, data) == -EIO);
   Request sync{OpType::kFsync, *file, 0, nullptr, 0, -1, 0};
@@ -211,14 +212,14 @@ TEST_CASE("fault: random faults follow the seed") {
 TEST_CASE("fault: a short transfer moves only the bytes it reports") {
   std::unique_ptr<FaultBackend> fault = Wrap();
   Result<int> file = fault->RegisterFile(0);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> data(100, 0x11);
   REQUIRE(Write(*fault, *file, 0, data) == 100);
 
   FaultPlan plan;
   plan.shorten.nth = 1;
   plan.short_keep_bytes = 40;
-  REQUIRE(fault->SetPlan(plan).ok());
+  REQUIRE_OK(fault->SetPlan(plan));
   std::vector<unsigned char> update(100, 0x22);
   Request w{OpType::kWrite, *file, 0, update.data(), 100, -1, 77};
   CHECK(Do(*fault, w) == 40);
@@ -227,19 +228,19 @@ TEST_CASE("fault: a short transfer moves only the bytes it reports") {
   CHECK(w.user_data == 77);
   CHECK(fault->counters().short_transfers == 1);
 
-  REQUIRE(fault->SetPlan(plan).ok());  // restart the count: the next read is shortened too
+  REQUIRE_OK(fault->SetPlan(plan));  // restart the count: the next read is shortened too
   std::vector<unsigned char> in(100, 0xEE);
   CHECK(Read(*fault, *file, 0, in) == 40);
   CHECK(in[39] == 0x22);
   CHECK(in[40] == 0xEE);  // not read, not touched
 
-  REQUIRE(fault->SetPlan({}).ok());
+  REQUIRE_OK(fault->SetPlan({}));
   CHECK(Read(*fault, *file, 0, in) == 100);
   CHECK(in[39] == 0x22);
   CHECK(in[40] == 0x11);  // the short write really stopped at 40 bytes
 
   plan.short_keep_bytes = 200;  // longer than the request: left alone
-  REQUIRE(fault->SetPlan(plan).ok());
+  REQUIRE_OK(fault->SetPlan(plan));
   CHECK(Read(*fault, *file, 0, in) == 100);
   CHECK(fault->counters().short_transfers == 2);
 }
@@ -247,7 +248,7 @@ TEST_CASE("fault: a short transfer moves only the bytes it reports") {
 TEST_CASE("fault: bit flips in data read and in data written") {
   std::unique_ptr<FaultBackend> fault = Wrap();
   Result<int> file = fault->RegisterFile(0);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> zeros(64, 0);
   REQUIRE(Write(*fault, *file, 0, zeros) == 64);
 
@@ -255,7 +256,7 @@ TEST_CASE("fault: bit flips in data read and in data written") {
   plan.flip.op = OpType::kRead;
   plan.flip.nth = 1;
   plan.flip_bit = 64 * 8 + 9;  // wraps to bit 9 of a 64-byte transfer: byte 1, mask 0x02
-  REQUIRE(fault->SetPlan(plan).ok());
+  REQUIRE_OK(fault->SetPlan(plan));
   std::vector<unsigned char> in(64, 0);
   CHECK(Read(*fault, *file, 0, in) == 64);
   CHECK(in[1] == 0x02);
@@ -264,12 +265,12 @@ TEST_CASE("fault: bit flips in data read and in data written") {
   CHECK(fault->counters().read_flips == 1);
 
   plan.flip.op = OpType::kWrite;
-  REQUIRE(fault->SetPlan(plan).ok());
+  REQUIRE_OK(fault->SetPlan(plan));
   std::vector<unsigned char> out(64, 0);
   CHECK(Write(*fault, *file, 0, out) == 64);
   CHECK(out == zeros);  // restored before the completion came back
   CHECK(fault->counters().write_flips == 1);
-  REQUIRE(fault->SetPlan({}).ok());
+  REQUIRE_OK(fault->SetPlan({}));
   CHECK(Read(*fault, *file, 0, in) == 64);
   CHECK(in[1] == 0x02);  // but the device got the flipped bit
 }
@@ -279,7 +280,7 @@ TEST_CASE("fault: a failed submit takes nothing; an error beats a short transfer
   plan.submit_fail.nth = 2;
   std::unique_ptr<FaultBackend> fault = Wrap(plan);
   Result<int> file = fault->RegisterFile(0);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> data(10, 3);
   CHECK(Write(*fault, *file, 0, data) == 10);
   Request r{OpType::kRead, *file, 0, data.data(), 10, -1, 0};
@@ -294,7 +295,7 @@ TEST_CASE("fault: a failed submit takes nothing; an error beats a short transfer
   both.fail.nth = 1;
   both.shorten.nth = 1;
   both.short_keep_bytes = 2;
-  REQUIRE(fault->SetPlan(both).ok());
+  REQUIRE_OK(fault->SetPlan(both));
   CHECK(Do(*fault, r) == -EIO);
   CHECK(fault->counters().errors == 1);
   CHECK(fault->counters().short_transfers == 0);
@@ -308,14 +309,14 @@ TEST_CASE("fault: a request the inner backend refuses is not counted and keeps i
   plan.flip.nth = 3;
   std::unique_ptr<FaultBackend> fault = Wrap(plan, 2);
   Result<int> file = fault->RegisterFile(0);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> a(8, 0), b(8, 0), c(8, 0);
   Request ra{OpType::kWrite, *file, 0, a.data(), 8, -1, 0};
   Request rb{OpType::kWrite, *file, 8, b.data(), 8, -1, 0};
   Request rc{OpType::kWrite, *file, 16, c.data(), 8, -1, 0};
   Request* all[] = {&ra, &rb, &rc};
   Result<size_t> taken = fault->Submit(all);
-  REQUIRE(taken.ok());
+  REQUIRE_OK(taken);
   CHECK(*taken == 2);
   CHECK(c == std::vector<unsigned char>(8, 0));
   Completion out[2];

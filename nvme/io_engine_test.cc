@@ -22,6 +22,7 @@
 #include "nvme/fault_backend.h"
 
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::nvme {
 namespace {
@@ -82,7 +83,7 @@ std::unique_ptr<Backend> Memory(uint32_t queue_depth = 32) {
   BackendOptions options;
   options.queue_depth = queue_depth;
   Result<std::unique_ptr<Backend>> backend = CreateMemoryBackend(options);
-  REQUIRE(backend.ok());
+  REQUIRE_OK(backend);
   return std::move(backend).value();
 }
 
@@ -266,7 +267,7 @@ std::vector<std::unique_ptr<Backend>> RealBackends(uint32_t queue_depth = 16) {
 
 TEST_CASE("engine: options and arguments are validated where they enter") {
   IoEngineOptions options;
-  CHECK(options.Validate().ok());
+  CHECK_OK(options.Validate());
   options.block_size = 1000;
   CHECK(options.Validate().code() == StatusCode::kInvalidArgument);
   options.block_size = 128u << 20;
@@ -285,11 +286,11 @@ TEST_CASE("engine: options and arguments are validated where they enter") {
   char byte = 0;
   CHECK(engine->Read(7, 0, &byte, 1).code() == StatusCode::kInvalidArgument);
   Result<int> file = engine->AddFile(0, "mem0", false);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   CHECK(engine->Write(*file, 0, nullptr, 10).code() == StatusCode::kInvalidArgument);
   CHECK(engine->Write(*file, ~uint64_t{0} - 4, &byte, 1).code() == StatusCode::kInvalidArgument);
-  CHECK(engine->Read(*file, 0, &byte, 0).ok());  // nothing to do
-  CHECK(engine->RemoveFile(*file).ok());
+  CHECK_OK(engine->Read(*file, 0, &byte, 0));  // nothing to do
+  CHECK_OK(engine->RemoveFile(*file));
   Status removed = engine->Read(*file, 0, &byte, 1);
   CHECK(removed.code() == StatusCode::kInvalidArgument);
   CHECK(engine->RemoveFile(*file).code() == StatusCode::kInvalidArgument);
@@ -303,7 +304,7 @@ TEST_CASE("engine: odd sizes, offsets and buffers round-trip on the memory backe
     std::unique_ptr<Backend> backend = Memory(8);
     std::unique_ptr<IoEngine> engine = Engine(backend.get(), block);
     Result<int> file = engine->AddFile(0, "mem", false);
-    REQUIRE(file.ok());
+    REQUIRE_OK(file);
     RoundTrips(*engine, *file);
     IoStats stats = engine->stats();
     CHECK(stats.bounce_bytes == 0);  // buffered files need no alignment
@@ -328,7 +329,7 @@ TEST_CASE("engine: a direct file gets only aligned requests, and aligned callers
     AlignmentChecker* check = checker.get();
     std::unique_ptr<IoEngine> engine = Engine(checker.get(), 64 * 1024);
     Result<int> file = engine->AddFile(fd, path, true);
-    REQUIRE(file.ok());
+    REQUIRE_OK(file);
 
     RoundTrips(*engine, *file);
     CHECK(check->violations == 0);
@@ -338,8 +339,8 @@ TEST_CASE("engine: a direct file gets only aligned requests, and aligned callers
     const uint64_t before = engine->stats().bounce_bytes;
     Buffer aligned(2 * kMiB, 0);
     aligned.Set(Pattern(aligned.size(), 5));
-    REQUIRE(engine->Write(*file, kMiB, aligned.data(), aligned.size()).ok());
-    REQUIRE(engine->Read(*file, kMiB, aligned.data(), aligned.size()).ok());
+    REQUIRE_OK(engine->Write(*file, kMiB, aligned.data(), aligned.size()));
+    REQUIRE_OK(engine->Read(*file, kMiB, aligned.data(), aligned.size()));
     CHECK(engine->stats().bounce_bytes == before);
     CHECK(check->violations == 0);
     engine.reset();
@@ -356,7 +357,7 @@ TEST_CASE("engine: odd sizes, offsets and buffers round-trip on the real backend
     if (!f.direct) MESSAGE("O_DIRECT refused in " << f.path << "; testing buffered I/O");
     std::unique_ptr<IoEngine> engine = Engine(backend.get(), 256 * 1024);
     Result<int> file = engine->AddFile(f.fd, f.path, f.direct);
-    REQUIRE(file.ok());
+    REQUIRE_OK(file);
     std::vector<unsigned char> model = RoundTrips(*engine, *file);
     if (f.direct) CHECK(engine->stats().bounce_bytes > 0);
     CHECK(backend->in_flight() == 0);
@@ -370,8 +371,8 @@ TEST_CASE("engine: odd sizes, offsets and buffers round-trip on the real backend
     ::close(plain);
     CHECK(on_disk == model);
 
-    CHECK(engine->Sync(*file).ok());
-    CHECK(engine->RemoveFile(*file).ok());
+    CHECK_OK(engine->Sync(*file));
+    CHECK_OK(engine->RemoveFile(*file));
   }
 }
 
@@ -379,9 +380,9 @@ TEST_CASE("engine: reading past the end of a file is OutOfRange naming the file 
   std::unique_ptr<Backend> backend = Memory();
   std::unique_ptr<IoEngine> engine = Engine(backend.get(), 4096);
   Result<int> file = engine->AddFile(0, "short.bin", false);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> data = Pattern(10000, 1);
-  REQUIRE(engine->Write(*file, 0, data.data(), data.size()).ok());
+  REQUIRE_OK(engine->Write(*file, 0, data.data(), data.size()));
 
   std::vector<unsigned char> in(100);
   Status at_end = engine->Read(*file, 10000, in.data(), 1);
@@ -391,7 +392,7 @@ TEST_CASE("engine: reading past the end of a file is OutOfRange naming the file 
   Status across = engine->Read(*file, 9950, in.data(), 100);
   CHECK(across.code() == StatusCode::kOutOfRange);
   CHECK(Contains(across.message(), "end of file at offset 10000"));
-  CHECK(engine->Read(*file, 9900, in.data(), 100).ok());
+  CHECK_OK(engine->Read(*file, 9900, in.data(), 100));
   CHECK(std::equal(in.begin(), in.end(), data.begin() + 9900));
 
   ScratchDir dir;
@@ -400,8 +401,8 @@ TEST_CASE("engine: reading past the end of a file is OutOfRange naming the file 
     OpenedFile f(dir, "eof_" + real->capabilities().name);
     std::unique_ptr<IoEngine> e = Engine(real.get(), 4096);
     Result<int> rf = e->AddFile(f.fd, f.path, f.direct);
-    REQUIRE(rf.ok());
-    REQUIRE(e->Write(*rf, 0, data.data(), 8192).ok());
+    REQUIRE_OK(rf);
+    REQUIRE_OK(e->Write(*rf, 0, data.data(), 8192));
     Status past = e->Read(*rf, 8150, in.data(), 100);
     INFO(past.ToString());
     CHECK(past.code() == StatusCode::kOutOfRange);
@@ -420,9 +421,9 @@ TEST_CASE("engine: EIO on the nth read reaches the caller naming op, file and of
   std::unique_ptr<FaultBackend> fault = Faulty(Memory(4), plan);
   std::unique_ptr<IoEngine> engine = Engine(fault.get(), 4096);
   Result<int> file = engine->AddFile(0, "params.swp", false);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> data = Pattern(64 * kKiB, 2);
-  REQUIRE(engine->Write(*file, 0, data.data(), data.size()).ok());  // writes are not counted
+  REQUIRE_OK(engine->Write(*file, 0, data.data(), data.size()));  // writes are not counted
 
   std::vector<unsigned char> in(data.size());
   Status s = engine->Read(*file, 0, in.data(), in.size());
@@ -434,7 +435,7 @@ TEST_CASE("engine: EIO on the nth read reaches the caller naming op, file and of
 
   // The plan hit only the 3rd read: the same call now succeeds.
   std::fill(in.begin(), in.end(), 0);
-  CHECK(engine->Read(*file, 0, in.data(), in.size()).ok());
+  CHECK_OK(engine->Read(*file, 0, in.data(), in.size()));
   CHECK(in == data);
 }
 
@@ -446,7 +447,7 @@ TEST_CASE("engine: ENOSPC on a write is ResourceExhausted") {
   std::unique_ptr<FaultBackend> fault = Faulty(Memory(), plan);
   std::unique_ptr<IoEngine> engine = Engine(fault.get(), 4096);
   Result<int> file = engine->AddFile(0, "optim.swp", false);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> data = Pattern(5 * 4096, 3);
   Status s = engine->Write(*file, 1 * kMiB, data.data(), data.size());
   CHECK(s.code() == StatusCode::kResourceExhausted);
@@ -465,11 +466,11 @@ TEST_CASE("engine: EINTR and EAGAIN are retried transparently") {
     std::unique_ptr<FaultBackend> fault = Faulty(Memory(4), plan);
     std::unique_ptr<IoEngine> engine = Engine(fault.get(), 4096, /*max_retries=*/8);
     Result<int> file = engine->AddFile(0, "retry", false);
-    REQUIRE(file.ok());
+    REQUIRE_OK(file);
     std::vector<unsigned char> data = Pattern(100 * kKiB + 1, 4);
-    REQUIRE(engine->Write(*file, 7, data.data(), data.size()).ok());
+    REQUIRE_OK(engine->Write(*file, 7, data.data(), data.size()));
     std::vector<unsigned char> in(data.size());
-    REQUIRE(engine->Read(*file, 7, in.data(), in.size()).ok());
+    REQUIRE_OK(engine->Read(*file, 7, in.data(), in.size()));
     CHECK(in == data);
     CHECK(engine->stats().retries == 5);
     CHECK(fault->counters().errors == 5);
@@ -485,9 +486,9 @@ TEST_CASE("engine: exhausted retries are Unavailable and say how many were made"
   std::unique_ptr<FaultBackend> fault = Faulty(Memory(), plan);
   std::unique_ptr<IoEngine> engine = Engine(fault.get(), 4096, /*max_retries=*/3);
   Result<int> file = engine->AddFile(0, "busy.bin", false);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> data = Pattern(4096, 5);
-  REQUIRE(engine->Write(*file, 0, data.data(), data.size()).ok());
+  REQUIRE_OK(engine->Write(*file, 0, data.data(), data.size()));
   Status s = engine->Read(*file, 0, data.data(), data.size());
   CHECK(s.code() == StatusCode::kUnavailable);
   CHECK(s.retryable());
@@ -506,7 +507,7 @@ TEST_CASE("engine: short transfers are resubmitted until complete") {
     std::unique_ptr<FaultBackend> fault = Faulty(Memory(8), plan);
     std::unique_ptr<IoEngine> engine = Engine(fault.get(), 64 * 1024);
     Result<int> file = engine->AddFile(0, "short", false);
-    REQUIRE(file.ok());
+    REQUIRE_OK(file);
     RoundTrips(*engine, *file);
     CHECK(fault->counters().short_transfers > 10);
     CHECK(engine->stats().short_transfers == fault->counters().short_transfers);
@@ -524,7 +525,7 @@ TEST_CASE("engine: short transfers are resubmitted until complete") {
     std::unique_ptr<FaultBackend> fault = Faulty(std::move(checker), plan);
     std::unique_ptr<IoEngine> engine = Engine(fault.get(), 64 * 1024);
     Result<int> file = engine->AddFile(f.fd, f.path, true);
-    REQUIRE(file.ok());
+    REQUIRE_OK(file);
     RoundTrips(*engine, *file);
     CHECK(check->violations == 0);
     CHECK(engine->stats().short_transfers > 100);
@@ -541,7 +542,7 @@ TEST_CASE("engine: short transfers are resubmitted until complete") {
       std::unique_ptr<FaultBackend> fault = Faulty(std::move(real), plan);
       std::unique_ptr<IoEngine> engine = Engine(fault.get(), 64 * 1024);
       Result<int> file = engine->AddFile(f.fd, f.path, f.direct);
-      REQUIRE(file.ok());
+      REQUIRE_OK(file);
       RoundTrips(*engine, *file);
       CHECK(engine->stats().short_transfers > 0);
       CHECK(fault->in_flight() == 0);
@@ -557,10 +558,10 @@ TEST_CASE("engine: zero-progress transfers: a read is end of file, a write gives
   std::unique_ptr<FaultBackend> fault = Faulty(Memory());
   std::unique_ptr<IoEngine> engine = Engine(fault.get(), 4096, /*max_retries=*/4);
   Result<int> file = engine->AddFile(0, "stuck", false);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> data = Pattern(10000, 8);
-  REQUIRE(engine->Write(*file, 0, data.data(), data.size()).ok());
-  REQUIRE(fault->SetPlan(plan).ok());
+  REQUIRE_OK(engine->Write(*file, 0, data.data(), data.size()));
+  REQUIRE_OK(fault->SetPlan(plan));
 
   Status write = engine->Write(*file, 0, data.data(), data.size());
   INFO(write.ToString());
@@ -576,18 +577,18 @@ TEST_CASE("engine: a flipped bit is delivered as the backend gave it") {
   std::unique_ptr<FaultBackend> fault = Faulty(Memory());
   std::unique_ptr<IoEngine> engine = Engine(fault.get(), 64 * 1024);
   Result<int> file = engine->AddFile(0, "flip", false);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> data = Pattern(200 * kKiB, 9);
-  REQUIRE(engine->Write(*file, 0, data.data(), data.size()).ok());
+  REQUIRE_OK(engine->Write(*file, 0, data.data(), data.size()));
 
   SUBCASE("in the data read") {
     FaultPlan plan;
     plan.flip.op = OpType::kRead;
     plan.flip.nth = 2;           // the second 64 KiB piece
     plan.flip_bit = 8 * 10 + 3;  // byte 10 of it, bit 3
-    REQUIRE(fault->SetPlan(plan).ok());
+    REQUIRE_OK(fault->SetPlan(plan));
     std::vector<unsigned char> in(data.size());
-    REQUIRE(engine->Read(*file, 0, in.data(), in.size()).ok());
+    REQUIRE_OK(engine->Read(*file, 0, in.data(), in.size()));
     CHECK(fault->counters().read_flips == 1);
     const size_t at = 64 * kKiB + 10;
     CHECK(in[at] == (data[at] ^ 0x08));
@@ -599,15 +600,15 @@ TEST_CASE("engine: a flipped bit is delivered as the backend gave it") {
     plan.flip.op = OpType::kWrite;
     plan.flip.nth = 1;
     plan.flip_bit = 8 * 4096 + 7;
-    REQUIRE(fault->SetPlan(plan).ok());
+    REQUIRE_OK(fault->SetPlan(plan));
     std::vector<unsigned char> out = Pattern(100 * kKiB, 10);
     const std::vector<unsigned char> original = out;
-    REQUIRE(engine->Write(*file, 0, out.data(), out.size()).ok());
+    REQUIRE_OK(engine->Write(*file, 0, out.data(), out.size()));
     CHECK(out == original);
     CHECK(fault->counters().write_flips == 1);
-    REQUIRE(fault->SetPlan(FaultPlan{}).ok());
+    REQUIRE_OK(fault->SetPlan(FaultPlan{}));
     std::vector<unsigned char> in(out.size());
-    REQUIRE(engine->Read(*file, 0, in.data(), in.size()).ok());
+    REQUIRE_OK(engine->Read(*file, 0, in.data(), in.size()));
     CHECK(in[4096] == (original[4096] ^ 0x80));
     in[4096] = original[4096];
     CHECK(in == original);
@@ -628,17 +629,17 @@ TEST_CASE("engine: a failed transfer never returns with its requests in flight")
     std::unique_ptr<FaultBackend> fault = Faulty(std::move(inner));
     std::unique_ptr<IoEngine> engine = Engine(fault.get(), 4096);
     Result<int> file = engine->AddFile(f.fd, f.path, f.direct);
-    REQUIRE(file.ok());
+    REQUIRE_OK(file);
     Buffer data(kMiB, 0);
     data.Set(Pattern(kMiB, 11));
-    REQUIRE(engine->Write(*file, 0, data.data(), kMiB).ok());
+    REQUIRE_OK(engine->Write(*file, 0, data.data(), kMiB));
 
     for (uint64_t nth : {1, 5, 100, 256}) {
       CAPTURE(nth);
       FaultPlan plan;
       plan.fail.op = OpType::kRead;
       plan.fail.nth = nth;
-      REQUIRE(fault->SetPlan(plan).ok());
+      REQUIRE_OK(fault->SetPlan(plan));
       Status s = engine->Read(*file, 0, data.data(), kMiB);
       CHECK(s.code() == StatusCode::kIoError);
       CHECK(fault->in_flight() == 0);
@@ -646,7 +647,7 @@ TEST_CASE("engine: a failed transfer never returns with its requests in flight")
     // A backend that breaks at submit, with earlier pieces still in flight.
     FaultPlan plan;
     plan.submit_fail.nth = 3;
-    REQUIRE(fault->SetPlan(plan).ok());
+    REQUIRE_OK(fault->SetPlan(plan));
     Status s = engine->Write(*file, 0, data.data(), kMiB);
     CHECK(s.code() == StatusCode::kIoError);
     CHECK(Contains(s.message(), "submit failed"));
@@ -660,7 +661,7 @@ TEST_CASE("engine: a backend whose reap fails is reported, and the engine refuse
   auto breaking = std::make_unique<BreaksOnReap>(Memory(4), 1);
   std::unique_ptr<IoEngine> engine = Engine(breaking.get(), 4096);
   Result<int> file = engine->AddFile(0, "lost", false);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> data = Pattern(64 * kKiB, 12);
   Status s = engine->Write(*file, 0, data.data(), data.size());
   CHECK(s.code() == StatusCode::kIoError);
@@ -677,12 +678,12 @@ TEST_CASE("engine: Sync reaches the backend, and its failure names fsync and the
   std::unique_ptr<FaultBackend> fault = Faulty(Memory(), plan);
   std::unique_ptr<IoEngine> engine = Engine(fault.get());
   Result<int> file = engine->AddFile(0, "journal", false);
-  REQUIRE(file.ok());
-  CHECK(engine->Sync(*file).ok());
+  REQUIRE_OK(file);
+  CHECK_OK(engine->Sync(*file));
   Status s = engine->Sync(*file);
   CHECK(s.code() == StatusCode::kIoError);
   CHECK(Contains(s.message(), "fsync file 'journal'"));
-  CHECK(engine->Sync(*file).ok());
+  CHECK_OK(engine->Sync(*file));
   IoStats stats = engine->stats();
   CHECK(stats.read_ops == 0);
   CHECK(stats.write_ops == 0);
@@ -739,7 +740,7 @@ TEST_CASE("engine: four threads share one engine on the memory backend") {
   std::unique_ptr<Backend> backend = Memory(4);  // a shallow queue: the threads contend for it
   std::unique_ptr<IoEngine> engine = Engine(backend.get(), 4096);
   Result<int> file = engine->AddFile(0, "shared", false);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   RunWorkers(*engine, *file, 12);
   CHECK(backend->in_flight() == 0);
 }
@@ -756,7 +757,7 @@ TEST_CASE("engine: four threads share one engine on the POSIX backend (O_DIRECT)
   OpenedFile f(dir, "shared");
   std::unique_ptr<IoEngine> engine = Engine(choice->backend.get(), 16 * 1024);
   Result<int> file = engine->AddFile(f.fd, f.path, f.direct);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   RunWorkers(*engine, *file, 8);
   CHECK(choice->backend->in_flight() == 0);
 }
@@ -771,7 +772,7 @@ TEST_CASE("engine: four threads through random EINTR, EAGAIN and short transfers
   std::unique_ptr<FaultBackend> fault = Faulty(Memory(8), plan);
   std::unique_ptr<IoEngine> engine = Engine(fault.get(), 4096, /*max_retries=*/64);
   Result<int> file = engine->AddFile(0, "noisy", false);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   RunWorkers(*engine, *file, 6);
   IoStats stats = engine->stats();
   CHECK(stats.retries > 0);
@@ -838,7 +839,7 @@ TEST_CASE("engine: a split transfer round-trips at odd sizes with threads sharin
     std::unique_ptr<IoEngine> engine = ParallelEngine(one, threads, 64 * 1024);
     CHECK(engine->threads() == threads);
     Result<int> file = engine->AddFile(0, "mem", false);
-    REQUIRE(file.ok());
+    REQUIRE_OK(file);
     RoundTrips(*engine, *file);
     CHECK(engine->stats().split_transfers > 0);
     CHECK(backend->in_flight() == 0);
@@ -864,7 +865,7 @@ TEST_CASE("engine: every thread drives its own backend, and the slices cover the
     OpenedFile f(dir, "split_" + std::string(BackendKindName(kind)));
     std::unique_ptr<IoEngine> engine = ParallelEngine(both, 2, 256 * 1024);
     Result<int> file = engine->AddFile(f.fd, f.path, f.direct);
-    REQUIRE(file.ok());
+    REQUIRE_OK(file);
     // Aligned: exactly the call's bytes, split between the two backends. The caller runs every
     // slice no worker has claimed yet (Note [Parallel slices]), so on a loaded machine one call
     // may run on one lane alone: write again until each lane has run a slice.
@@ -872,7 +873,7 @@ TEST_CASE("engine: every thread drives its own backend, and the slices cover the
     out.Set(Pattern(out.size(), 11));
     uint64_t writes = 0;
     do {
-      REQUIRE(engine->Write(*file, 0, out.data(), out.size()).ok());
+      REQUIRE_OK(engine->Write(*file, 0, out.data(), out.size()));
       ++writes;
     } while ((backends[0]->bytes == 0 || backends[1]->bytes == 0) && writes < 1000);
     CAPTURE(writes);
@@ -880,7 +881,7 @@ TEST_CASE("engine: every thread drives its own backend, and the slices cover the
     CHECK(backends[0]->bytes > 0);
     CHECK(backends[1]->bytes > 0);
     Buffer in(out.size(), 0);
-    REQUIRE(engine->Read(*file, 0, in.data(), in.size()).ok());
+    REQUIRE_OK(engine->Read(*file, 0, in.data(), in.size()));
     CHECK(in.Equals(out.data()));
     CHECK(engine->stats().split_transfers == writes + 1);
     // Unaligned calls, split: the head/tail merges of one slice never touch another's blocks.
@@ -892,7 +893,7 @@ TEST_CASE("engine: every thread drives its own backend, and the slices cover the
           static_cast<ssize_t>(on_disk.size()));
     ::close(plain);
     CHECK(on_disk == model);
-    CHECK(engine->RemoveFile(*file).ok());
+    CHECK_OK(engine->RemoveFile(*file));
     CHECK(backends[0]->in_flight() == 0);
     CHECK(backends[1]->in_flight() == 0);
   }
@@ -908,15 +909,15 @@ TEST_CASE("engine: a failed slice fails the call, and no slice is left in flight
   Backend* one[] = {fault.get()};
   std::unique_ptr<IoEngine> engine = ParallelEngine(one, 4, 4096);
   Result<int> file = engine->AddFile(0, "sliced.swp", false);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   std::vector<unsigned char> data = Pattern(256 * kKiB, 4);
-  REQUIRE(engine->Write(*file, 0, data.data(), data.size()).ok());
+  REQUIRE_OK(engine->Write(*file, 0, data.data(), data.size()));
   std::vector<unsigned char> in(data.size());
   Status s = engine->Read(*file, 0, in.data(), in.size());
   CHECK(s.code() == StatusCode::kIoError);
   CHECK(Contains(s.message(), "read file 'sliced.swp' at offset"));
   CHECK(fault->in_flight() == 0);
-  CHECK(engine->Read(*file, 0, in.data(), in.size()).ok());  // the plan hit one read only
+  CHECK_OK(engine->Read(*file, 0, in.data(), in.size()));  // the plan hit one read only
   CHECK(in == data);
 }
 
@@ -925,7 +926,7 @@ TEST_CASE("engine: split transfers from four threads at once (workers busy: call
   Backend* one[] = {backend.get()};
   std::unique_ptr<IoEngine> engine = ParallelEngine(one, 3, 4096);
   Result<int> file = engine->AddFile(0, "shared", false);
-  REQUIRE(file.ok());
+  REQUIRE_OK(file);
   RunWorkers(*engine, *file, 10);
   CHECK(engine->stats().split_transfers > 0);
   CHECK(backend->in_flight() == 0);
@@ -944,23 +945,23 @@ TEST_CASE("engine: requests inside a registered buffer name it; others do not") 
     std::unique_ptr<IoEngine> engine = Engine(counting.get(), 64 * 1024);
     OpenedFile f(dir, "fixed_" + name);
     Result<int> file = engine->AddFile(f.fd, f.path, f.direct);
-    REQUIRE(file.ok());
+    REQUIRE_OK(file);
     Buffer pinned(kMiB, 0), other(kMiB, 0);
     pinned.Set(Pattern(kMiB, 21));
     other.Set(Pattern(kMiB, 22));
     const iovec region{pinned.data(), kMiB};
-    REQUIRE(engine->RegisterBuffers(std::span<const iovec>(&region, 1)).ok());
-    REQUIRE(engine->Write(*file, 0, pinned.data(), kMiB).ok());
+    REQUIRE_OK(engine->RegisterBuffers(std::span<const iovec>(&region, 1)));
+    REQUIRE_OK(engine->Write(*file, 0, pinned.data(), kMiB));
     const uint64_t after_pinned = counting->registered;
-    REQUIRE(engine->Write(*file, kMiB, other.data(), kMiB).ok());
+    REQUIRE_OK(engine->Write(*file, kMiB, other.data(), kMiB));
     CHECK(counting->registered == after_pinned);  // `other` is not registered
     Buffer check(2 * kMiB, 0);
-    REQUIRE(engine->Read(*file, 0, check.data(), 2 * kMiB).ok());
+    REQUIRE_OK(engine->Read(*file, 0, check.data(), 2 * kMiB));
     CHECK(std::memcmp(check.data(), pinned.data(), kMiB) == 0);
     CHECK(std::memcmp(check.data() + kMiB, other.data(), kMiB) == 0);
     // Reading into the registered buffer names it too.
     pinned.Fill(0);
-    REQUIRE(engine->Read(*file, kMiB, pinned.data(), kMiB).ok());
+    REQUIRE_OK(engine->Read(*file, kMiB, pinned.data(), kMiB));
     CHECK(pinned.Equals(other.data()));
     if (capable) {
       CHECK(after_pinned == kMiB / (64 * 1024));
@@ -968,9 +969,9 @@ TEST_CASE("engine: requests inside a registered buffer name it; others do not") 
     } else {
       CHECK(counting->registered == 0);
     }
-    REQUIRE(engine->RegisterBuffers({}).ok());
+    REQUIRE_OK(engine->RegisterBuffers({}));
     const uint64_t before = counting->registered;
-    REQUIRE(engine->Write(*file, 0, pinned.data(), kMiB).ok());
+    REQUIRE_OK(engine->Write(*file, 0, pinned.data(), kMiB));
     CHECK(counting->registered == before);  // unregistered again
   }
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "nvme/swap_index_internal.h"
+#include "tests/status_testing.h"
 
 namespace memplan::nvme::internal {
 namespace {
@@ -94,7 +95,7 @@ TEST_CASE("swap index: encode then decode gives back every field") {
   empty.checksum_block_bytes = 1 << 20;
   empty.alignment_bytes = 1 << 16;
   Result<SwapIndex> none = DecodeSwapIndex(EncodeSwapIndex(empty), kLabel);
-  REQUIRE(none.ok());
+  REQUIRE_OK(none);
   CHECK(none->entries.empty());
   CHECK(none->alignment_bytes == 1 << 16);
 }

@@ -16,6 +16,7 @@
 #include "nvme/fault_backend.h"
 #include "nvme/swap_store.h"
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::nvme {
 namespace {
@@ -51,9 +52,9 @@ std::string PrivateDir(const testing::TempDir& tmp, const std::string& name) {
 TEST_CASE("store hostile: ENOSPC while the store fills names the key and keeps the rest") {
   testing::TempDir tmp("memplan_hostile_store_");
   auto inner = CreatePosixBackend(BackendOptions{});
-  REQUIRE(inner.ok());
+  REQUIRE_OK(inner);
   auto wrapped = FaultBackend::Create(std::move(inner).value());
-  REQUIRE(wrapped.ok());
+  REQUIRE_OK(wrapped);
   FaultBackend* faults = wrapped->get();
   auto opened = SwapStore::Open(Options(tmp.PathOf("s")), std::move(wrapped).value());
   REQUIRE_MESSAGE(opened.ok(), opened.status().ToString());
@@ -66,7 +67,7 @@ TEST_CASE("store hostile: ENOSPC while the store fills names the key and keeps t
   plan.fail.nth = 3;
   plan.fail.times = 0;
   plan.error = ENOSPC;
-  REQUIRE(faults->SetPlan(plan).ok());
+  REQUIRE_OK(faults->SetPlan(plan));
   std::vector<std::string> stored;
   Status full;
   for (int i = 0; i < 8 && full.ok(); ++i) {
@@ -84,14 +85,14 @@ TEST_CASE("store hostile: ENOSPC while the store fills names the key and keeps t
   // Reads still work, and the values put before the device filled are intact.
   for (size_t i = 0; i < stored.size(); ++i) {
     std::vector<std::byte> back(20000);
-    REQUIRE(store.Get(stored[i], back).ok());
+    REQUIRE_OK(store.Get(stored[i], back));
     CHECK(back == Bytes(20000, static_cast<int>(i)));
   }
   // Space comes back: the store carries on.
-  REQUIRE(faults->SetPlan({}).ok());
-  REQUIRE(store.Put("layer.2", Bytes(20000, 2)).ok());
+  REQUIRE_OK(faults->SetPlan({}));
+  REQUIRE_OK(store.Put("layer.2", Bytes(20000, 2)));
   CHECK(store.stats().used_bytes == 3 * 20480);
-  CHECK(store.Close().ok());
+  CHECK_OK(store.Close());
 }
 
 TEST_CASE("store hostile: a symlink planted at the data or lock file is refused, its target kept") {
@@ -127,8 +128,8 @@ TEST_CASE("store hostile: reopening refuses a data or index file replaced by a s
   {
     auto store = SwapStore::Open(options);
     REQUIRE_MESSAGE(store.ok(), store.status().ToString());
-    REQUIRE((*store)->Put("k", Bytes(5000, 1)).ok());
-    REQUIRE((*store)->Close().ok());
+    REQUIRE_OK((*store)->Put("k", Bytes(5000, 1)));
+    REQUIRE_OK((*store)->Close());
   }
   options.open_existing = true;
   for (const char* name : {SwapStore::kDataFileName, SwapStore::kIndexFileName}) {
@@ -148,9 +149,9 @@ TEST_CASE("store hostile: reopening refuses a data or index file replaced by a s
   auto store = SwapStore::Open(options);
   REQUIRE_MESSAGE(store.ok(), store.status().ToString());
   std::vector<std::byte> back(5000);
-  REQUIRE((*store)->Get("k", back).ok());
+  REQUIRE_OK((*store)->Get("k", back));
   CHECK(back == Bytes(5000, 1));
-  CHECK((*store)->Close().ok());
+  CHECK_OK((*store)->Close());
 }
 
 }  // namespace

@@ -26,6 +26,7 @@
 #include "nvme/fault_backend.h"
 
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::nvme {
 namespace {
@@ -102,7 +103,7 @@ uint64_t FreeBytes(const std::string& dir) {
 TEST_CASE("store: options are validated where they enter") {
   ScratchDir tmp;
   SwapStoreOptions ok = Options(tmp.Sub("s"), kMiB);
-  CHECK(ok.Validate().ok());
+  CHECK_OK(ok.Validate());
 
   SwapStoreOptions o = ok;
   o.directory = "";
@@ -117,7 +118,7 @@ TEST_CASE("store: options are validated where they enter") {
   }
   o = ok;
   o.checksum_block_bytes = 1u << 20;
-  CHECK(o.Validate().ok());
+  CHECK_OK(o.Validate());
   o = ok;
   o.backend_options.queue_depth = 0;
   CHECK(o.Validate().code() == StatusCode::kInvalidArgument);
@@ -145,12 +146,12 @@ TEST_CASE("store: values of odd sizes round-trip byte for byte") {
     for (size_t i = 0; i < sizes.size(); ++i) {
       const std::string key = "k" + std::to_string(i);
       auto size = store->Size(key);
-      REQUIRE(size.ok());
+      REQUIRE_OK(size);
       CHECK(*size == sizes[i]);
       RequireRoundTrip(*store, key, Pattern(sizes[i], static_cast<uint32_t>(i)));
     }
     CHECK(store->Keys() == std::vector<std::string>{"k0", "k1", "k2", "k3", "k4", "k5"});
-    CHECK(store->Close().ok());
+    CHECK_OK(store->Close());
   }
 }
 
@@ -161,7 +162,7 @@ TEST_CASE("store: lookups of absent keys and wrong buffers fail cleanly") {
   CHECK(store->Get("nope", buf).code() == StatusCode::kNotFound);
   CHECK(store->Size("nope").status().code() == StatusCode::kNotFound);
   CHECK(store->Erase("nope").code() == StatusCode::kNotFound);
-  REQUIRE(store->Put("k", Pattern(100, 1)).ok());
+  REQUIRE_OK(store->Put("k", Pattern(100, 1)));
   Status wrong = store->Get("k", buf);
   CHECK(wrong.code() == StatusCode::kInvalidArgument);
   CHECK(Contains(wrong, "'k'"));
@@ -202,25 +203,25 @@ TEST_CASE("store: erased neighbours merge into one extent") {
   auto store = MustOpen(Options(tmp.Sub("s"), 4 * piece));
   REQUIRE(piece % store->stats().alignment_bytes == 0);
   for (uint32_t i = 0; i < 4; ++i) {
-    REQUIRE(store->Put(std::string(1, static_cast<char>('a' + i)), Pattern(piece, i)).ok());
+    REQUIRE_OK(store->Put(std::string(1, static_cast<char>('a' + i)), Pattern(piece, i)));
   }
   auto offset_b = store->DebugFileOffset("b");
-  REQUIRE(offset_b.ok());
+  REQUIRE_OK(offset_b);
 
   // a and c free: 2 pieces free, but not adjacent.
-  REQUIRE(store->Erase("a").ok());
-  REQUIRE(store->Erase("c").ok());
+  REQUIRE_OK(store->Erase("a"));
+  REQUIRE_OK(store->Erase("c"));
   Status fragmented = store->Put("big", Pattern(2 * piece, 7));
   CHECK(fragmented.code() == StatusCode::kResourceExhausted);
   CHECK(Contains(fragmented, "largest free extent " + std::to_string(piece) + " bytes"));
 
   // b freed too: a, b and c merge; a put needing two pieces fits at the start.
-  REQUIRE(store->Erase("b").ok());
+  REQUIRE_OK(store->Erase("b"));
   Status fits = store->Put("big", Pattern(2 * piece, 7));
   REQUIRE_MESSAGE(fits.ok(), fits.ToString());
   CHECK(*store->DebugFileOffset("big") == 0);
   // And the remaining piece (where c was) takes one more.
-  REQUIRE(store->Put("c2", Pattern(piece, 8)).ok());
+  REQUIRE_OK(store->Put("c2", Pattern(piece, 8)));
   CHECK(*store->DebugFileOffset("c2") == *offset_b + piece);
   CHECK(store->stats().used_bytes == 4 * piece);
   RequireRoundTrip(*store, "big", Pattern(2 * piece, 7));
@@ -233,17 +234,17 @@ TEST_CASE("store: a re-put replaces the value, reusing the extent when the size 
   ScratchDir tmp;
   auto store = MustOpen(Options(tmp.Sub("s"), 256 * kKiB));
   const uint64_t align = store->stats().alignment_bytes;
-  REQUIRE(store->Put("k", Pattern(align - 10, 1)).ok());
+  REQUIRE_OK(store->Put("k", Pattern(align - 10, 1)));
   uint64_t first = *store->DebugFileOffset("k");
 
   // Same rounded size: same extent, new bytes.
-  REQUIRE(store->Put("k", Pattern(align - 20, 2)).ok());
+  REQUIRE_OK(store->Put("k", Pattern(align - 20, 2)));
   CHECK(*store->DebugFileOffset("k") == first);
   CHECK(*store->Size("k") == align - 20);
   RequireRoundTrip(*store, "k", Pattern(align - 20, 2));
 
   // Larger: a new extent (which may start where the old one did, after merging).
-  REQUIRE(store->Put("k", Pattern(3 * align, 3)).ok());
+  REQUIRE_OK(store->Put("k", Pattern(3 * align, 3)));
   CHECK(*store->Size("k") == 3 * align);
   CHECK(store->stats().used_bytes == 3 * align);
   RequireRoundTrip(*store, "k", Pattern(3 * align, 3));
@@ -251,7 +252,7 @@ TEST_CASE("store: a re-put replaces the value, reusing the extent when the size 
   // Too large for the store: refused, and the earlier value is kept.
   Status too_big = store->Put("k", Pattern(store->stats().capacity_bytes + 1, 4));
   CHECK(too_big.code() == StatusCode::kResourceExhausted);
-  REQUIRE(store->Put("other", Pattern(align, 5)).ok());
+  REQUIRE_OK(store->Put("other", Pattern(align, 5)));
   const uint64_t free_now = store->stats().capacity_bytes - store->stats().used_bytes;
   too_big = store->Put("k", Pattern(free_now + 4 * align, 4));
   CHECK(too_big.code() == StatusCode::kResourceExhausted);
@@ -266,8 +267,8 @@ TEST_CASE("store: a flipped bit on disk is DataLoss naming the key and the block
     ScratchDir tmp;
     auto store = MustOpen(Options(tmp.Sub("s"), kMiB, BackendKind::kPosix, direct));
     const std::vector<std::byte> value = Pattern(5 * kBlock + 100, 11);
-    REQUIRE(store->Put("victim", value).ok());
-    REQUIRE(store->Put("bystander", Pattern(3 * kBlock, 12)).ok());
+    REQUIRE_OK(store->Put("victim", value));
+    REQUIRE_OK(store->Put("bystander", Pattern(3 * kBlock, 12)));
     const uint64_t offset = *store->DebugFileOffset("victim");
 
     // Corrupt the third checksum block behind the store's back.
@@ -290,7 +291,7 @@ TEST_CASE("store: a flipped bit on disk is DataLoss naming the key and the block
     CHECK(Contains(bad, "offset " + std::to_string(offset + 8192)));
     RequireRoundTrip(*store, "bystander", Pattern(3 * kBlock, 12));
     // Rewriting the value heals it.
-    REQUIRE(store->Put("victim", value).ok());
+    REQUIRE_OK(store->Put("victim", value));
     RequireRoundTrip(*store, "victim", value);
   }
 }
@@ -322,17 +323,17 @@ TEST_CASE("store: bits flipped on the way in or out are DataLoss") {
   std::vector<std::byte> out(value.size());
 
   SUBCASE("flipped in a read: reported, and the stored bytes are still good") {
-    REQUIRE(f.store->Put("k", value).ok());
+    REQUIRE_OK(f.store->Put("k", value));
     FaultPlan plan;
     plan.flip.op = OpType::kRead;
     plan.flip.nth = 1;
     plan.flip_bit = (4 * kBlock + 50) * 8 + 5;  // in the last, partial block
-    REQUIRE(f.faults->SetPlan(plan).ok());
+    REQUIRE_OK(f.faults->SetPlan(plan));
     Status bad = f.store->Get("k", out);
     CHECK(bad.code() == StatusCode::kDataLoss);
     CHECK(Contains(bad, "key 'k': checksum mismatch in block at byte offset 16384"));
     CHECK(f.faults->counters().read_flips == 1);
-    REQUIRE(f.faults->SetPlan(FaultPlan{}).ok());
+    REQUIRE_OK(f.faults->SetPlan(FaultPlan{}));
     RequireRoundTrip(*f.store, "k", value);
   }
   SUBCASE("flipped in a write: the checksum is of the caller's bytes, so the read notices") {
@@ -340,9 +341,9 @@ TEST_CASE("store: bits flipped on the way in or out are DataLoss") {
     plan.flip.op = OpType::kWrite;
     plan.flip.nth = 1;
     plan.flip_bit = 3;
-    REQUIRE(f.faults->SetPlan(plan).ok());
-    REQUIRE(f.store->Put("k", value).ok());
-    REQUIRE(f.faults->SetPlan(FaultPlan{}).ok());
+    REQUIRE_OK(f.faults->SetPlan(plan));
+    REQUIRE_OK(f.store->Put("k", value));
+    REQUIRE_OK(f.faults->SetPlan(FaultPlan{}));
     Status bad = f.store->Get("k", out);
     CHECK(bad.code() == StatusCode::kDataLoss);
     CHECK(Contains(bad, "block at byte offset 0 "));
@@ -353,20 +354,20 @@ TEST_CASE("store: I/O errors fail the operation and leave the store consistent")
   ScratchDir tmp;
   FaultyStore f = OpenFaulty(Options(tmp.Sub("s"), kMiB));
   const std::vector<std::byte> value = Pattern(3 * kBlock, 31);
-  REQUIRE(f.store->Put("old", value).ok());
+  REQUIRE_OK(f.store->Put("old", value));
 
   FaultPlan plan;
   plan.fail.op = OpType::kWrite;
   plan.fail.nth = 1;
   plan.error = EIO;
-  REQUIRE(f.faults->SetPlan(plan).ok());
+  REQUIRE_OK(f.faults->SetPlan(plan));
   Status failed = f.store->Put("new", value);
   CHECK(failed.code() == StatusCode::kIoError);
   CHECK(Contains(failed, "key 'new'"));
   CHECK(f.store->Size("new").status().code() == StatusCode::kNotFound);
 
   // A failed re-put removes the key: its extent may hold half of each value.
-  REQUIRE(f.faults->SetPlan(plan).ok());
+  REQUIRE_OK(f.faults->SetPlan(plan));
   failed = f.store->Put("old", Pattern(3 * kBlock, 32));
   CHECK(failed.code() == StatusCode::kIoError);
   CHECK(Contains(failed, "removed"));
@@ -375,18 +376,18 @@ TEST_CASE("store: I/O errors fail the operation and leave the store consistent")
   CHECK(f.store->stats().puts == 1);
 
   // A failed read leaves the value in place.
-  REQUIRE(f.faults->SetPlan(FaultPlan{}).ok());
-  REQUIRE(f.store->Put("k", value).ok());
+  REQUIRE_OK(f.faults->SetPlan(FaultPlan{}));
+  REQUIRE_OK(f.store->Put("k", value));
   plan.fail.op = OpType::kRead;
-  REQUIRE(f.faults->SetPlan(plan).ok());
+  REQUIRE_OK(f.faults->SetPlan(plan));
   std::vector<std::byte> out(value.size());
   Status read_failed = f.store->Get("k", out);
   CHECK(read_failed.code() == StatusCode::kIoError);
   CHECK(Contains(read_failed, "key 'k'"));
-  REQUIRE(f.faults->SetPlan(FaultPlan{}).ok());
+  REQUIRE_OK(f.faults->SetPlan(FaultPlan{}));
   RequireRoundTrip(*f.store, "k", value);
   CHECK(f.store->stats().gets == 1);
-  CHECK(f.store->Close().ok());
+  CHECK_OK(f.store->Close());
 }
 
 TEST_CASE("store: a store in use cannot be opened again, by this process or another") {
@@ -420,9 +421,9 @@ TEST_CASE("store: a store in use cannot be opened again, by this process or anot
   CHECK(WEXITSTATUS(wstatus) == 0);
 
   // The failed opens took nothing away from the first store.
-  REQUIRE(store->Put("k", Pattern(10, 1)).ok());
+  REQUIRE_OK(store->Put("k", Pattern(10, 1)));
   RequireRoundTrip(*store, "k", Pattern(10, 1));
-  REQUIRE(store->Close().ok());
+  REQUIRE_OK(store->Close());
   auto again = SwapStore::Open(options);
   CHECK_MESSAGE(again.ok(), again.status().ToString());
 }
@@ -499,10 +500,10 @@ TEST_CASE("store: files are private and Close removes them unless keep_files") {
     CHECK(Mode(data) == 0600);
     CHECK(Mode(lock) == 0600);
     CHECK(fs::file_size(data) == kMiB);
-    REQUIRE(store->Put("k", Pattern(10, 1)).ok());
-    CHECK(store->Close().ok());
+    REQUIRE_OK(store->Put("k", Pattern(10, 1)));
+    CHECK_OK(store->Close());
     CHECK_FALSE(fs::exists(dir));
-    CHECK(store->Close().ok());  // idempotent
+    CHECK_OK(store->Close());  // idempotent
     std::vector<std::byte> buf(10);
     CHECK(store->Put("k", buf).code() == StatusCode::kFailedPrecondition);
     CHECK(store->Get("k", buf).code() == StatusCode::kFailedPrecondition);
@@ -521,9 +522,9 @@ TEST_CASE("store: files are private and Close removes them unless keep_files") {
     SwapStoreOptions options = Options(dir, kMiB);
     options.keep_files = true;
     auto store = MustOpen(options);
-    REQUIRE(store->Put("k", Pattern(5000, 3)).ok());
+    REQUIRE_OK(store->Put("k", Pattern(5000, 3)));
     const uint64_t offset = *store->DebugFileOffset("k");
-    CHECK(store->Close().ok());
+    CHECK_OK(store->Close());
     REQUIRE(fs::exists(data));
     REQUIRE(fs::exists(lock));
     // The bytes reached the file.
@@ -576,7 +577,7 @@ TEST_CASE("store: a key written while read never yields torn data") {
   ScratchDir tmp;
   auto store = MustOpen(Options(tmp.Sub("s"), 8 * kMiB));
   constexpr uint64_t kSize = 512 * kKiB;
-  REQUIRE(store->Put("k", std::vector<std::byte>(kSize, std::byte{0})).ok());
+  REQUIRE_OK(store->Put("k", std::vector<std::byte>(kSize, std::byte{0})));
   std::atomic<bool> done{false};
   std::atomic<int> torn{0}, unexpected{0}, whole_reads{0}, refused{0};
   std::thread writer([&] {
@@ -629,9 +630,9 @@ TEST_CASE("store: stats are exact for a known sequence") {
   const uint64_t align = store->stats().alignment_bytes;
   auto rounded = [&](uint64_t n) { return (n + align - 1) / align * align; };
 
-  REQUIRE(store->Put("a", Pattern(1000, 1)).ok());
-  REQUIRE(store->Put("b", Pattern(5000, 2)).ok());
-  REQUIRE(store->Put("a", Pattern(1000, 3)).ok());
+  REQUIRE_OK(store->Put("a", Pattern(1000, 1)));
+  REQUIRE_OK(store->Put("b", Pattern(5000, 2)));
+  REQUIRE_OK(store->Put("a", Pattern(1000, 3)));
   RequireRoundTrip(*store, "a", Pattern(1000, 3));
   RequireRoundTrip(*store, "b", Pattern(5000, 2));
   std::vector<std::byte> wrong(7);
@@ -661,7 +662,7 @@ TEST_CASE("store: stats are exact for a known sequence") {
   CHECK(stats.backend == "posix");
   CHECK_FALSE(stats.direct);
 
-  REQUIRE(store->Erase("a").ok());
+  REQUIRE_OK(store->Erase("a"));
   stats = store->stats();
   CHECK(stats.used_bytes == rounded(5000));
   CHECK(stats.keys == 1);
@@ -716,9 +717,9 @@ TEST_CASE("store: a closed store with keep_files reopens with every key byte for
       REQUIRE(
           store->Put("k" + std::to_string(i), Pattern(sizes[i], static_cast<uint32_t>(i))).ok());
     }
-    REQUIRE(store->Put("k1", Pattern(sizes[1], 101)).ok());  // rewritten in place, then closed
+    REQUIRE_OK(store->Put("k1", Pattern(sizes[1], 101)));  // rewritten in place, then closed
     const SwapStoreStats before = store->stats();
-    REQUIRE(store->Close().ok());
+    REQUIRE_OK(store->Close());
     CHECK(fs::is_empty(dir) == false);
     for (const auto& entry : fs::directory_iterator(dir)) {
       CHECK_MESSAGE(entry.path().filename().string().find(".tmp.") == std::string::npos,
@@ -741,9 +742,9 @@ TEST_CASE("store: a closed store with keep_files reopens with every key byte for
     }
     // A reopened store is a store: it takes new keys, and without keep_files Close() removes its
     // files but not the directory, which this Open() did not create.
-    REQUIRE(reopened->Put("new", Pattern(5000, 77)).ok());
+    REQUIRE_OK(reopened->Put("new", Pattern(5000, 77)));
     RequireRoundTrip(*reopened, "new", Pattern(5000, 77));
-    REQUIRE(reopened->Close().ok());
+    REQUIRE_OK(reopened->Close());
     CHECK(fs::is_directory(dir));
     CHECK(fs::is_empty(dir));
   }
@@ -796,13 +797,13 @@ TEST_CASE("store: after a crash the keys are as of the last Sync()") {
   CHECK(store->Size("c").status().code() == StatusCode::kNotFound);
   // c's extent beyond x's is free again, and first fit hands it out.
   CHECK(store->stats().used_bytes == 3 * piece);
-  REQUIRE(store->Put("d", Pattern(piece, 6)).ok());
+  REQUIRE_OK(store->Put("d", Pattern(piece, 6)));
   CHECK(*store->DebugFileOffset("d") == 3 * piece);
-  REQUIRE(store->Put("e", Pattern(piece, 7)).ok());
+  REQUIRE_OK(store->Put("e", Pattern(piece, 7)));
   CHECK(*store->DebugFileOffset("e") == 4 * piece);
   CHECK(store->Put("f", Pattern(1, 8)).code() == StatusCode::kResourceExhausted);
   // Rewriting the damaged key heals it.
-  REQUIRE(store->Put("b", Pattern(piece, 9)).ok());
+  REQUIRE_OK(store->Put("b", Pattern(piece, 9)));
   RequireRoundTrip(*store, "b", Pattern(piece, 9));
   RequireRoundTrip(*store, "d", Pattern(piece, 6));
   RequireRoundTrip(*store, "e", Pattern(piece, 7));
@@ -817,9 +818,9 @@ TEST_CASE("store: a corrupt or truncated index is DataLoss, and the files are le
   options.keep_files = true;
   {
     auto store = MustOpen(options);
-    REQUIRE(store->Put("k", Pattern(3 * kBlock + 1, 1)).ok());
-    REQUIRE(store->Put("other", Pattern(10, 2)).ok());
-    REQUIRE(store->Close().ok());
+    REQUIRE_OK(store->Put("k", Pattern(3 * kBlock + 1, 1)));
+    REQUIRE_OK(store->Put("other", Pattern(10, 2)));
+    REQUIRE_OK(store->Close());
   }
   const std::string good = testing::ReadWholeFile(IndexPath(dir));
   REQUIRE(good.size() > 100);
@@ -857,8 +858,8 @@ TEST_CASE("store: reopening checks the options and the files against the store")
   options.keep_files = true;
   {
     auto store = MustOpen(options);
-    REQUIRE(store->Put("k", Pattern(100, 1)).ok());
-    REQUIRE(store->Close().ok());
+    REQUIRE_OK(store->Put("k", Pattern(100, 1)));
+    REQUIRE_OK(store->Close());
   }
 
   SUBCASE("the capacity it was created with, or 0, opens it") {
@@ -869,7 +870,7 @@ TEST_CASE("store: reopening checks the options and the files against the store")
       auto store = MustOpen(keep);
       CHECK(store->stats().capacity_bytes == kMiB + 4096);
       RequireRoundTrip(*store, "k", Pattern(100, 1));
-      REQUIRE(store->Close().ok());
+      REQUIRE_OK(store->Close());
     }
   }
   SUBCASE("another capacity is InvalidArgument") {
@@ -912,7 +913,7 @@ TEST_CASE("store: reopening checks the options and the files against the store")
     auto reopened = MustOpen(keep);
     CHECK(reopened->Keys().empty());
     CHECK(reopened->Size("k").status().code() == StatusCode::kNotFound);
-    REQUIRE(reopened->Close().ok());
+    REQUIRE_OK(reopened->Close());
   }
   SUBCASE("a data file others may read, or a symlink, is refused") {
     REQUIRE(::chmod(DataPath(dir).c_str(), 0640) == 0);
@@ -939,12 +940,12 @@ TEST_CASE("store: a store in use cannot be reopened") {
   SwapStoreOptions options = Options(dir, kMiB);
   options.keep_files = true;
   auto store = MustOpen(options);
-  REQUIRE(store->Put("k", Pattern(10, 1)).ok());
-  REQUIRE(store->Sync().ok());
+  REQUIRE_OK(store->Put("k", Pattern(10, 1)));
+  REQUIRE_OK(store->Sync());
   auto second = SwapStore::Open(Reopen(dir));
   CHECK(second.status().code() == StatusCode::kFailedPrecondition);
   CHECK(Contains(second.status(), "in use by pid " + std::to_string(::getpid())));
-  REQUIRE(store->Close().ok());
+  REQUIRE_OK(store->Close());
   auto third = SwapStore::Open(Reopen(dir));
   REQUIRE_MESSAGE(third.ok(), third.status().ToString());
   RequireRoundTrip(**third, "k", Pattern(10, 1));
@@ -954,7 +955,7 @@ TEST_CASE("store: GetRange reads and verifies only the blocks it touches") {
   ScratchDir tmp;
   auto store = MustOpen(Options(tmp.Sub("s"), kMiB));
   const std::vector<std::byte> value = Pattern(5 * kBlock + 100, 41);
-  REQUIRE(store->Put("v", value).ok());
+  REQUIRE_OK(store->Put("v", value));
   const uint64_t offset = *store->DebugFileOffset("v");
   // Corrupt the fourth checksum block (value bytes [12288, 16384)).
   Poke(DataPath(tmp.Sub("s")), offset + 3 * kBlock + 5, {std::byte{0x40}}, /*x_or=*/true);
@@ -972,16 +973,16 @@ TEST_CASE("store: GetRange reads and verifies only the blocks it touches") {
   CHECK(store->stats().io.read_bytes - read_before == kBlock);
   // Across blocks 0..2, unaligned at both ends; and exactly block 2 (read straight into `out`).
   std::vector<std::byte> across(2 * kBlock + 1);
-  REQUIRE(store->GetRange("v", kBlock - 7, across).ok());
+  REQUIRE_OK(store->GetRange("v", kBlock - 7, across));
   CHECK(across == range(kBlock - 7, across.size()));
   std::vector<std::byte> whole_block(kBlock);
   read_before = store->stats().io.read_bytes;
-  REQUIRE(store->GetRange("v", 2 * kBlock, whole_block).ok());
+  REQUIRE_OK(store->GetRange("v", 2 * kBlock, whole_block));
   CHECK(whole_block == range(2 * kBlock, kBlock));
   CHECK(store->stats().io.read_bytes - read_before == kBlock);
   // The tail: the partial last block, after the bad one.
   std::vector<std::byte> tail(150);
-  REQUIRE(store->GetRange("v", value.size() - 150, tail).ok());
+  REQUIRE_OK(store->GetRange("v", value.size() - 150, tail));
   CHECK(tail == range(value.size() - 150, 150));
 
   // One byte of the bad block is enough to see it; Get() of the whole value sees it too.
@@ -998,8 +999,8 @@ TEST_CASE("store: GetRange bounds, empty ranges and absent keys") {
   ScratchDir tmp;
   auto store = MustOpen(Options(tmp.Sub("s"), kMiB));
   const std::vector<std::byte> value = Pattern(3 * kBlock, 51);
-  REQUIRE(store->Put("v", value).ok());
-  REQUIRE(store->Put("empty", {}).ok());
+  REQUIRE_OK(store->Put("v", value));
+  REQUIRE_OK(store->Put("empty", {}));
   std::vector<std::byte> eleven(11), none;
 
   Status past = store->GetRange("v", value.size() - 10, eleven);
@@ -1010,14 +1011,14 @@ TEST_CASE("store: GetRange bounds, empty ranges and absent keys") {
   CHECK(store->GetRange("v", value.size() + 1, none).code() == StatusCode::kOutOfRange);
   CHECK(store->GetRange("v", UINT64_MAX - 5, eleven).code() == StatusCode::kOutOfRange);
   CHECK(store->GetRange("empty", 0, eleven).code() == StatusCode::kOutOfRange);
-  CHECK(store->GetRange("v", value.size(), none).ok());
-  CHECK(store->GetRange("v", 17, none).ok());
-  CHECK(store->GetRange("empty", 0, none).ok());
+  CHECK_OK(store->GetRange("v", value.size(), none));
+  CHECK_OK(store->GetRange("v", 17, none));
+  CHECK_OK(store->GetRange("empty", 0, none));
   CHECK(store->GetRange("nope", 0, none).code() == StatusCode::kNotFound);
   std::vector<std::byte> last(10);
-  REQUIRE(store->GetRange("v", value.size() - 10, last).ok());
+  REQUIRE_OK(store->GetRange("v", value.size() - 10, last));
   CHECK(std::equal(last.begin(), last.end(), value.end() - 10));
-  REQUIRE(store->Close().ok());
+  REQUIRE_OK(store->Close());
   CHECK(store->GetRange("v", 0, last).code() == StatusCode::kFailedPrecondition);
   CHECK(store->Sync().code() == StatusCode::kFailedPrecondition);
 }
@@ -1026,7 +1027,7 @@ TEST_CASE("store: Put refuses a key longer than the index can hold") {
   ScratchDir tmp;
   auto store = MustOpen(Options(tmp.Sub("s"), kMiB));
   const std::string longest(SwapStore::kMaxKeyBytes, 'k');
-  REQUIRE(store->Put(longest, Pattern(10, 1)).ok());
+  REQUIRE_OK(store->Put(longest, Pattern(10, 1)));
   Status too_long = store->Put(longest + "k", Pattern(10, 1));
   CHECK(too_long.code() == StatusCode::kInvalidArgument);
   CHECK(Contains(too_long, "4097 bytes"));
@@ -1091,9 +1092,9 @@ TEST_CASE("store: Sync() while other threads put, get and erase") {
   CHECK(syncs.load() > 0);
 
   // A last Sync() with nothing in flight records every key: Close() then writes the same bytes.
-  REQUIRE(store->Sync().ok());
+  REQUIRE_OK(store->Sync());
   const std::string synced = testing::ReadWholeFile(IndexPath(dir));
-  REQUIRE(store->Close().ok());
+  REQUIRE_OK(store->Close());
   CHECK(testing::ReadWholeFile(IndexPath(dir)) == synced);
 
   auto reopened = MustOpen(Reopen(dir));

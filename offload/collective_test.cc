@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gpu/gpu_runtime.h"
+#include "tests/status_testing.h"
 
 namespace memplan::offload {
 namespace {
@@ -25,12 +26,12 @@ struct Fixture {
 
   void* Device(uint64_t bytes) {
     auto p = runtime->AllocateDevice(bytes);
-    REQUIRE(p.ok());
+    REQUIRE_OK(p);
     buffers.push_back(*p);
     return *p;
   }
   ~Fixture() {
-    for (void* p : buffers) CHECK(runtime->FreeDevice(p).ok());
+    for (void* p : buffers) CHECK_OK(runtime->FreeDevice(p));
   }
   std::vector<void*> buffers;
 };
@@ -58,19 +59,19 @@ TEST_CASE("single-process collective: all-gather and reduce-scatter copy rank 0'
     std::memcpy(send, pattern.data(), bytes);
 
     std::memset(recv, 0, bytes);
-    REQUIRE(f.collective->AllGather(send, recv, kCount, type).ok());
+    REQUIRE_OK(f.collective->AllGather(send, recv, kCount, type));
     CHECK(std::memcmp(recv, pattern.data(), bytes) == 0);
 
     std::memset(recv, 0, bytes);
-    REQUIRE(f.collective->ReduceScatter(send, recv, kCount, type).ok());
+    REQUIRE_OK(f.collective->ReduceScatter(send, recv, kCount, type));
     CHECK(std::memcmp(recv, pattern.data(), bytes) == 0);
 
     // The sum over one rank is its own data.
-    REQUIRE(f.collective->AllReduce(recv, kCount, type).ok());
+    REQUIRE_OK(f.collective->AllReduce(recv, kCount, type));
     CHECK(std::memcmp(recv, pattern.data(), bytes) == 0);
 
     // In place (send is recv's own slot): nothing to move.
-    REQUIRE(f.collective->AllGather(recv, recv, kCount, type).ok());
+    REQUIRE_OK(f.collective->AllGather(recv, recv, kCount, type));
     CHECK(std::memcmp(recv, pattern.data(), bytes) == 0);
   }
 }
@@ -85,8 +86,8 @@ TEST_CASE("single-process collective: bad arguments are errors") {
   CHECK(f.collective->AllReduce(nullptr, 4, ElementType::kFloat32).code() ==
         StatusCode::kInvalidArgument);
   // Nothing to do is fine, whatever the pointers.
-  CHECK(f.collective->AllGather(nullptr, nullptr, 0, ElementType::kFloat32).ok());
-  CHECK(f.collective->AllReduce(nullptr, 0, ElementType::kFloat32).ok());
+  CHECK_OK(f.collective->AllGather(nullptr, nullptr, 0, ElementType::kFloat32));
+  CHECK_OK(f.collective->AllReduce(nullptr, 0, ElementType::kFloat32));
   // Partly overlapping buffers would make the copy's result depend on its direction.
   auto* bytes = static_cast<uint8_t*>(a);
   CHECK(f.collective->AllGather(bytes, bytes + 4, 4, ElementType::kFloat32).code() ==

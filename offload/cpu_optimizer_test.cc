@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "offload/half.h"
+#include "tests/status_testing.h"
 
 namespace memplan::offload {
 namespace {
@@ -309,8 +310,8 @@ TEST_CASE("bf16 and fp16 round to nearest even and keep NaN, on every ISA") {
       padded.push_back(values[padded.size() % values.size()]);
     std::vector<uint16_t> bf16(padded.size());
     std::vector<uint16_t> fp16(padded.size());
-    REQUIRE(optimizer->ConvertToHalf(padded, bf16, HalfDtype::kBf16).ok());
-    REQUIRE(optimizer->ConvertToHalf(padded, fp16, HalfDtype::kFp16).ok());
+    REQUIRE_OK(optimizer->ConvertToHalf(padded, bf16, HalfDtype::kBf16));
+    REQUIRE_OK(optimizer->ConvertToHalf(padded, fp16, HalfDtype::kFp16));
     for (size_t i = 0; i < padded.size(); ++i) {
       const Case& c = cases[i % cases.size()];
       CAPTURE(i);
@@ -344,7 +345,7 @@ TEST_CASE(
       CAPTURE(HalfDtypeName(dtype));
       auto optimizer = MakeOptimizer(isa, 2);
       std::vector<uint16_t> got(values.size());
-      REQUIRE(optimizer->ConvertToHalf(values, got, dtype).ok());
+      REQUIRE_OK(optimizer->ConvertToHalf(values, got, dtype));
       size_t mismatches = 0;
       for (size_t i = 0; i < values.size(); ++i) mismatches += got[i] != want[i];
       CHECK(mismatches == 0);
@@ -363,7 +364,7 @@ TEST_CASE(
   tensors.exp_avg = m;
   tensors.exp_avg_sq = v;
   AdamOptions adam;
-  CHECK(optimizer->AdamStep(adam, 1, tensors).ok());
+  CHECK_OK(optimizer->AdamStep(adam, 1, tensors));
   std::vector<float> after = p;
 
   AdamOptions bad = adam;
@@ -373,7 +374,7 @@ TEST_CASE(
   AdamOptions zero = adam;
   zero.lr = 0;
   const std::vector<float> params_before = p;
-  CHECK(optimizer->AdamStep(zero, 2, tensors).ok());
+  CHECK_OK(optimizer->AdamStep(zero, 2, tensors));
   CHECK(SameBits(p, params_before));
   bad = adam;
   bad.beta2 = 1.0;
@@ -476,8 +477,8 @@ TEST_CASE("16-bit gradients: the fused step is the step on the converted gradien
                 plain.exp_avg_sq = v_plain;
                 if (amsgrad) plain.max_exp_avg_sq = x_plain;
                 plain.half_params = h_plain;
-                REQUIRE(optimizer->AdamStep(options, step, fused).ok());
-                REQUIRE(optimizer->AdamStep(options, step, plain).ok());
+                REQUIRE_OK(optimizer->AdamStep(options, step, fused));
+                REQUIRE_OK(optimizer->AdamStep(options, step, plain));
               }
               CHECK(SameBits(p_fused, p_plain));
               CHECK(SameBits(m_fused, m_plain));
@@ -520,7 +521,7 @@ TEST_CASE("16-bit gradients: fp32 or 16-bit, one of them, of the right size") {
   CHECK(p == std::vector<float>(8, 1.0f));  // nothing touched
   t.half_grads = h;
   t.grad_dtype = HalfDtype::kBf16;
-  REQUIRE(optimizer->AdamStep(AdamOptions{}, 1, t).ok());
+  REQUIRE_OK(optimizer->AdamStep(AdamOptions{}, 1, t));
   CHECK(p[0] < 1.0f);  // 0x3f00 is bf16 0.5
 }
 
@@ -535,7 +536,7 @@ TEST_CASE("bias_correction off uses the raw moments") {
   AdamOptions adam;
   adam.weight_decay = 0;
   adam.bias_correction = false;
-  REQUIRE(optimizer->AdamStep(adam, 1, tensors).ok());
+  REQUIRE_OK(optimizer->AdamStep(adam, 1, tensors));
   // m = 0.05, v = 0.00025: p = 1 - 1e-3 * 0.05 / (sqrt(0.00025) + 1e-8), about 1 - 3.1623e-3.
   CHECK(p[0] == doctest::Approx(1.0 - 1e-3 * 0.05 / (std::sqrt(0.00025) + 1e-8)).epsilon(1e-6));
 }

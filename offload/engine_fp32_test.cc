@@ -13,6 +13,7 @@
 #include "offload/engine.h"
 #include "offload/schedule.h"
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::offload {
 namespace {
@@ -104,7 +105,7 @@ Run StartEngine(const Model& model, const Schedule& schedule, bool resume = fals
                    },
                    {}};
     auto id = run.engine->AddParameter(spec);
-    REQUIRE(id.ok());
+    REQUIRE_OK(id);
     run.ids.push_back(*id);
   }
   Status started = run.engine->Start(report);
@@ -115,12 +116,12 @@ Run StartEngine(const Model& model, const Schedule& schedule, bool resume = fals
 // Forward over every module, then backward with fp32 gradients, then the optimizer step.
 void TrainStep(Run& run, const Model& model, uint64_t t) {
   for (const std::string& m : model.modules) {
-    REQUIRE(run.engine->Fetch(m).ok());
-    REQUIRE(run.engine->Release(m).ok());
+    REQUIRE_OK(run.engine->Fetch(m));
+    REQUIRE_OK(run.engine->Release(m));
   }
   std::vector<std::vector<float>> grads(model.params.size());  // valid until Step()
   for (auto it = model.modules.rbegin(); it != model.modules.rend(); ++it) {
-    REQUIRE(run.engine->Fetch(*it).ok());
+    REQUIRE_OK(run.engine->Fetch(*it));
     for (size_t i = 0; i < model.params.size(); ++i) {
       if (model.params[i].module != *it) continue;
       grads[i].resize(model.params[i].numel);
@@ -129,7 +130,7 @@ void TrainStep(Run& run, const Model& model, uint64_t t) {
       Status st = run.engine->GradReady(run.ids[i], grads[i].data(), ElementType::kFloat32);
       REQUIRE_MESSAGE(st.ok(), st.ToString());
     }
-    REQUIRE(run.engine->Release(*it).ok());
+    REQUIRE_OK(run.engine->Release(*it));
   }
   Status st = run.engine->Step(Adam(t));
   REQUIRE_MESSAGE(st.ok(), st.ToString());
@@ -175,10 +176,10 @@ void CheckFetched(Run& run, const Model& model, const std::vector<float>& want) 
     const Model::P& p = model.params[i];
     CAPTURE(p.name);
     std::vector<float> master(p.numel);
-    REQUIRE(run.engine->ReadMasterWeights(run.ids[i], master).ok());
-    REQUIRE(run.engine->Fetch(p.module).ok());
+    REQUIRE_OK(run.engine->ReadMasterWeights(run.ids[i], master));
+    REQUIRE_OK(run.engine->Fetch(p.module));
     auto ptr = run.engine->DevicePointer(run.ids[i]);
-    REQUIRE(ptr.ok());
+    REQUIRE_OK(ptr);
     // Host-only runtime: device memory is host memory.
     CHECK(std::memcmp(*ptr, master.data(), p.numel * 4) == 0);
     size_t far = 0;
@@ -187,7 +188,7 @@ void CheckFetched(Run& run, const Model& model, const std::vector<float>& want) 
       far += std::fabs(master[k] - w) > 1e-6 * std::fabs(w) + 1e-7;
     }
     CHECK(far == 0);
-    REQUIRE(run.engine->Release(p.module).ok());
+    REQUIRE_OK(run.engine->Release(p.module));
   }
 }
 
@@ -227,7 +228,7 @@ TEST_CASE(
       CHECK(stats.param.nvme_read_bytes > 0);
     }
     if (c.params == Tier::kCpu) CHECK(stats.param.pinned_bytes >= 4 * model.total);
-    REQUIRE(run.engine->Close().ok());
+    REQUIRE_OK(run.engine->Close());
   }
 }
 
@@ -262,7 +263,7 @@ TEST_CASE("Engine with fp32 parameters resumes from its NVMe optimizer store") {
     {
       Run run = StartEngine(model, s);
       for (uint64_t t = 1; t <= 2; ++t) TrainStep(run, model, t);
-      REQUIRE(run.engine->Close().ok());
+      REQUIRE_OK(run.engine->Close());
     }
     RecoveryReport report;
     Run run = StartEngine(model, s, /*resume=*/true, &report);
@@ -284,11 +285,11 @@ TEST_CASE("ParamSwapper writes whole elements of its working dtype only") {
     o.persistence_threshold = 4;
     o.runtime = runtime.get();
     auto swapper = ParamSwapper::Create(o);
-    REQUIRE(swapper.ok());
+    REQUIRE_OK(swapper);
     ParamSwapper& ps = **swapper;
-    REQUIRE(ps.Add("w", "m", 100).ok());
-    REQUIRE(ps.Add("b", "m", 3).ok());
-    REQUIRE(ps.Finalize().ok());
+    REQUIRE_OK(ps.Add("w", "m", 100));
+    REQUIRE_OK(ps.Add("b", "m", 3));
+    REQUIRE_OK(ps.Finalize());
     std::vector<float> f(103);
     std::vector<uint16_t> h(103);
     for (size_t k = 0; k < f.size(); ++k) f[k] = static_cast<float>(k) * 0.5f;
@@ -299,14 +300,14 @@ TEST_CASE("ParamSwapper writes whole elements of its working dtype only") {
           StatusCode::kInvalidArgument);
     CHECK(ps.Write(1, std::as_bytes(std::span<const float>(f))).code() == StatusCode::kOutOfRange);
     if (!fp32) continue;
-    REQUIRE(ps.Fetch("m").ok());
+    REQUIRE_OK(ps.Fetch("m"));
     auto w = ps.DevicePointer(0);
     auto b = ps.DevicePointer(1);
-    REQUIRE(w.ok());
-    REQUIRE(b.ok());
+    REQUIRE_OK(w);
+    REQUIRE_OK(b);
     CHECK(std::memcmp(*w, f.data(), 100 * 4) == 0);
     CHECK(std::memcmp(*b, f.data() + 100, 3 * 4) == 0);
-    REQUIRE(ps.Release("m").ok());
+    REQUIRE_OK(ps.Release("m"));
     CHECK(ps.stats().resident_bytes == 3 * 4);
   }
 }

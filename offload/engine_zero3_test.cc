@@ -18,6 +18,7 @@
 #include "offload/schedule.h"
 #include "offload/thread_collective.h"
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::offload {
 namespace {
@@ -201,7 +202,7 @@ std::vector<Outcome> TrainRanks(int world, const Model& model, const Schedule& s
                                 ElementType grad_type, int skip_last_step_rank = -1,
                                 bool prepare = false) {
   auto group = CreateThreadGroupCollectives(world, nullptr, std::chrono::seconds(20));
-  REQUIRE(group.ok());
+  REQUIRE_OK(group);
   std::vector<Outcome> outcomes(static_cast<size_t>(world));
   std::vector<Status> status(static_cast<size_t>(world));
   std::vector<std::thread> threads;
@@ -440,7 +441,7 @@ TEST_CASE("ZeRO-3 on threads: ranks that fetch different modules get an error, n
   const Model model(2);
   TempDir dir("engine-zero3-");
   auto group = CreateThreadGroupCollectives(2, nullptr, std::chrono::seconds(20));
-  REQUIRE(group.ok());
+  REQUIRE_OK(group);
   std::vector<Status> fetched(2);
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "offload/pinned_pool.h"
+#include "tests/status_testing.h"
 
 namespace memplan::offload {
 namespace {
@@ -64,7 +65,7 @@ TEST_CASE("NodeBudget segment is per user with mode 0600 and removed at the end"
   const std::string path = "/dev/shm/" + NodeBudget::SegmentName(name.get());
   {
     auto budget = NodeBudget::Open({name.get(), 1000});
-    REQUIRE(budget.ok());
+    REQUIRE_OK(budget);
     struct stat st {};
     REQUIRE(::stat(path.c_str(), &st) == 0);
     CHECK((st.st_mode & 0777) == 0600);
@@ -72,7 +73,7 @@ TEST_CASE("NodeBudget segment is per user with mode 0600 and removed at the end"
     CHECK(NodeBudget::SegmentName(name.get()).find(std::to_string(::getuid())) !=
           std::string::npos);
   }
-  REQUIRE(NodeBudget::Remove(name.get()).ok());
+  REQUIRE_OK(NodeBudget::Remove(name.get()));
   struct stat st {};
   CHECK(::stat(path.c_str(), &st) != 0);
 }
@@ -80,10 +81,10 @@ TEST_CASE("NodeBudget segment is per user with mode 0600 and removed at the end"
 TEST_CASE("NodeBudget grants within the budget, releases on destruction, names the numbers") {
   ScopedBudgetName name("basic");
   auto budget = NodeBudget::Open({name.get(), 1000});
-  REQUIRE(budget.ok());
+  REQUIRE_OK(budget);
   {
     auto a = (*budget)->Reserve(600);
-    REQUIRE(a.ok());
+    REQUIRE_OK(a);
     auto b = (*budget)->Reserve(500);
     REQUIRE_FALSE(b.ok());
     CHECK(b.status().code() == StatusCode::kResourceExhausted);
@@ -93,7 +94,7 @@ TEST_CASE("NodeBudget grants within the budget, releases on destruction, names t
     CHECK((*budget)->Usage()->used_bytes == 600);
   }
   CHECK((*budget)->Usage()->used_bytes == 0);
-  CHECK((*budget)->Reserve(1000).ok());
+  CHECK_OK((*budget)->Reserve(1000));
   CHECK(NodeBudget::Open({name.get(), 2000}).status().code() == StatusCode::kFailedPrecondition);
   CHECK(NodeBudget::Open({"bad/name", 10}).status().code() == StatusCode::kInvalidArgument);
 }
@@ -101,7 +102,7 @@ TEST_CASE("NodeBudget grants within the budget, releases on destruction, names t
 TEST_CASE("NodeBudget never grants more than the budget to processes racing for it") {
   ScopedBudgetName name("race");
   auto budget = NodeBudget::Open({name.get(), 1000});
-  REQUIRE(budget.ok());
+  REQUIRE_OK(budget);
   // Each child reports through its exit code whether it got 300 bytes, holding them until every
   // child has tried, so the grants overlap; at most 3 of 8 can fit.
   int go[2];
@@ -150,21 +151,21 @@ TEST_CASE("NodeBudget never grants more than the budget to processes racing for 
 TEST_CASE("NodeBudget reclaims the share of a process killed with SIGKILL") {
   ScopedBudgetName name("kill");
   auto budget = NodeBudget::Open({name.get(), 1000});
-  REQUIRE(budget.ok());
+  REQUIRE_OK(budget);
   const pid_t pid = ForkHolder(name.get(), HolderEnd::kWaitForKill);
   CHECK_FALSE((*budget)->Reserve(200).ok());
   ::kill(pid, SIGKILL);
   int status = 0;
   REQUIRE(::waitpid(pid, &status, 0) == pid);  // reaped: a zombie would still own its pid
   auto r = (*budget)->Reserve(900);
-  CHECK(r.ok());
+  CHECK_OK(r);
   CHECK((*budget)->Usage()->used_bytes == 900);
 }
 
 TEST_CASE("NodeBudget reclaims the share of a zombie (exited, not yet reaped)") {
   ScopedBudgetName name("zombie");
   auto budget = NodeBudget::Open({name.get(), 1000});
-  REQUIRE(budget.ok());
+  REQUIRE_OK(budget);
   // It exits holding the entry; the parent does not reap it yet.
   const pid_t pid = ForkHolder(name.get(), HolderEnd::kExit);
   // Wait until the child is a zombie (its pid still exists: kill(pid, 0) succeeds).
@@ -172,7 +173,7 @@ TEST_CASE("NodeBudget reclaims the share of a zombie (exited, not yet reaped)") 
   REQUIRE(::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOWAIT) == 0);
   REQUIRE(::kill(pid, 0) == 0);
   auto r = (*budget)->Reserve(900);
-  CHECK(r.ok());
+  CHECK_OK(r);
   CHECK((*budget)->Usage()->used_bytes == 900);
   int status = 0;
   REQUIRE(::waitpid(pid, &status, 0) == pid);
@@ -181,7 +182,7 @@ TEST_CASE("NodeBudget reclaims the share of a zombie (exited, not yet reaped)") 
 TEST_CASE("NodeBudget recovers its lock from a process killed while holding it") {
   ScopedBudgetName name("lock");
   auto budget = NodeBudget::Open({name.get(), 1000});
-  REQUIRE(budget.ok());
+  REQUIRE_OK(budget);
   pid_t pid = ::fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {
@@ -196,9 +197,9 @@ TEST_CASE("NodeBudget recovers its lock from a process killed while holding it")
   ::alarm(30);
   auto r = (*budget)->Reserve(400);
   ::alarm(0);
-  REQUIRE(r.ok());
+  REQUIRE_OK(r);
   auto usage = (*budget)->Usage();
-  REQUIRE(usage.ok());
+  REQUIRE_OK(usage);
   CHECK(usage->used_bytes == 400);
   CHECK(usage->recovered_locks == 1);
 }
@@ -213,10 +214,10 @@ TEST_CASE("PinnedPool reserves its whole allocation from the named node budget")
   o.node_budget_name = name.get();
   o.node_budget_bytes = 3 * page;
   auto budget = NodeBudget::Open({name.get(), 3 * page});
-  REQUIRE(budget.ok());
+  REQUIRE_OK(budget);
   {
     auto pool = PinnedPool::Create(o);
-    REQUIRE(pool.ok());
+    REQUIRE_OK(pool);
     CHECK((*budget)->Usage()->used_bytes == 2 * page);
     auto second = PinnedPool::Create(o);
     CHECK(second.status().code() == StatusCode::kResourceExhausted);

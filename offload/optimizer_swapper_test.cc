@@ -18,6 +18,7 @@
 #include "nvme/fault_backend.h"
 #include "offload/half.h"
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::offload {
 namespace {
@@ -84,7 +85,7 @@ struct Reference {
       std::vector<float> g(p.size());
       for (size_t e = 0; e < g.size(); ++e) g[e] = Grad(t, e);
       AdamTensors tensors{p, g, m, v, {}, {}, HalfDtype::kNone, {}, HalfDtype::kNone};
-      REQUIRE(cpu->AdamStep(Adam(t), static_cast<int64_t>(t), tensors).ok());
+      REQUIRE_OK(cpu->AdamStep(Adam(t), static_cast<int64_t>(t), tensors));
     }
   }
 };
@@ -118,7 +119,7 @@ TEST_CASE("OptimizerSwapper steps bit-identically to the in-memory AdamW, for an
     REQUIRE(s.sub_group_count() == 8);
     REQUIRE(s.SubGroupSize(7) == 300);
     for (uint64_t t = 1; t <= 4; ++t) {
-      REQUIRE(WriteAllGradients(s, t).ok());
+      REQUIRE_OK(WriteAllGradients(s, t));
       std::vector<uint64_t> seen;
       Status st = s.Step(Adam(t), [&](const SubGroupUpdate& u) {
         seen.push_back(u.sub_group);
@@ -166,8 +167,8 @@ TEST_CASE("An overlapped step, sub-groups handed over in reverse from another th
     for (uint64_t t = 1; t <= 4; ++t) {
       // Step 3 takes sub-groups 0 and 5 from the store (written the old way), the rest in memory.
       if (t == 3) {
-        REQUIRE(s.WriteGradients(0, GradientsOf(s, t, 0)).ok());
-        REQUIRE(s.WriteGradients(5, GradientsOf(s, t, 5)).ok());
+        REQUIRE_OK(s.WriteGradients(0, GradientsOf(s, t, 0)));
+        REQUIRE_OK(s.WriteGradients(5, GradientsOf(s, t, 5)));
       }
       std::vector<uint64_t> seen;
       REQUIRE(s.BeginStep(Adam(t), [&](const SubGroupUpdate& u) {
@@ -189,7 +190,7 @@ TEST_CASE("An overlapped step, sub-groups handed over in reverse from another th
       });
       backward.join();
       CHECK(s.StepSubGroup(2, grads[2]).code() == StatusCode::kInvalidArgument);  // twice
-      REQUIRE(s.WaitForUpdates().ok());
+      REQUIRE_OK(s.WaitForUpdates());
       const Status finished = s.FinishStep();
       REQUIRE_MESSAGE(finished.ok(), finished.ToString());
       CHECK_FALSE(s.step_begun());
@@ -224,17 +225,17 @@ TEST_CASE("Sub-groups handed over in an unexpected order: guesses given up, resu
   const uint64_t n = 6 * kSubGroup;
   auto swapper = OptimizerSwapper::Create(
       MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam, /*buffers=*/2), n, Filler());
-  REQUIRE(swapper.ok());
+  REQUIRE_OK(swapper);
   OptimizerSwapper& s = **swapper;
   for (uint64_t t = 1; t <= 3; ++t) {
-    REQUIRE(s.BeginStep(Adam(t)).ok());
+    REQUIRE_OK(s.BeginStep(Adam(t)));
     std::vector<std::vector<float>> grads(s.sub_group_count());
     for (uint64_t i = 0; i < s.sub_group_count(); ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(3));
       grads[i] = GradientsOf(s, t, i);
-      REQUIRE(s.StepSubGroup(i, grads[i]).ok());
+      REQUIRE_OK(s.StepSubGroup(i, grads[i]));
     }
-    REQUIRE(s.FinishStep().ok());
+    REQUIRE_OK(s.FinishStep());
     const SwapStepStats last = s.stats().last_step;
     CHECK(last.read_bytes >= 6 * 4096 + 12 * n);
     if (t > 1) CHECK(last.read_bytes == 6 * 4096 + 12 * n);
@@ -254,23 +255,23 @@ TEST_CASE("An abandoned step is not resumed from, even with every sub-group writ
   const OptimizerSwapperOptions options = MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam);
   {
     auto swapper = OptimizerSwapper::Create(options, n, Filler());
-    REQUIRE(swapper.ok());
+    REQUIRE_OK(swapper);
     OptimizerSwapper& s = **swapper;
     for (uint64_t t = 1; t <= 3; ++t) {
-      REQUIRE(s.BeginStep(Adam(t)).ok());
+      REQUIRE_OK(s.BeginStep(Adam(t)));
       std::vector<std::vector<float>> grads(s.sub_group_count());
       for (uint64_t i = 0; i < s.sub_group_count(); ++i) {
         grads[i] = GradientsOf(s, t, i);
-        REQUIRE(s.StepSubGroup(i, grads[i]).ok());
+        REQUIRE_OK(s.StepSubGroup(i, grads[i]));
       }
       if (t < 3) {
-        REQUIRE(s.FinishStep().ok());
+        REQUIRE_OK(s.FinishStep());
       } else {
-        REQUIRE(s.WaitForUpdates().ok());  // every sub-group of step 3 is written
+        REQUIRE_OK(s.WaitForUpdates());  // every sub-group of step 3 is written
         s.AbortStep();
       }
     }
-    REQUIRE(s.Close().ok());
+    REQUIRE_OK(s.Close());
   }
   RecoveryReport report;
   auto reopened = OptimizerSwapper::Open(options, &report);
@@ -286,19 +287,19 @@ TEST_CASE("An overlapped step refuses misuse and reports a sub-group never hande
   const uint64_t n = 4 * kSubGroup;
   auto swapper = OptimizerSwapper::Create(MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam),
                                           n, Filler());
-  REQUIRE(swapper.ok());
+  REQUIRE_OK(swapper);
   OptimizerSwapper& s = **swapper;
   std::vector<float> g = GradientsOf(s, 1, 1);
   CHECK(s.StepSubGroup(1, g).code() == StatusCode::kFailedPrecondition);  // nothing begun
   CHECK(s.FinishStep().code() == StatusCode::kFailedPrecondition);
   CHECK(s.BeginStep(SgdOptions{}).code() == StatusCode::kInvalidArgument);
-  REQUIRE(s.BeginStep(Adam(1)).ok());
+  REQUIRE_OK(s.BeginStep(Adam(1)));
   CHECK(s.Step(Adam(1)).code() == StatusCode::kFailedPrecondition);
   CHECK(s.StepSubGroup(9, g).code() == StatusCode::kInvalidArgument);
   CHECK(s.StepSubGroup(1, std::span<const float>(g).first(10)).code() ==
         StatusCode::kInvalidArgument);
   CHECK(s.StepSubGroup(2, {}).code() == StatusCode::kFailedPrecondition);  // none written
-  REQUIRE(s.StepSubGroup(1, g).ok());
+  REQUIRE_OK(s.StepSubGroup(1, g));
   const Status waited = s.WaitForUpdates();
   CHECK(waited.code() == StatusCode::kFailedPrecondition);
   CHECK(waited.message().find("sub-group 0") != std::string::npos);
@@ -308,10 +309,10 @@ TEST_CASE("An overlapped step refuses misuse and reports a sub-group never hande
   CHECK(s.epoch() == 0);
   CHECK_FALSE(s.step_begun());
   // Abandoned without a trace; the next step is whole.
-  REQUIRE(s.BeginStep(Adam(1)).ok());
+  REQUIRE_OK(s.BeginStep(Adam(1)));
   s.AbortStep();
-  REQUIRE(WriteAllGradients(s, 1).ok());
-  REQUIRE(s.Step(Adam(1)).ok());
+  REQUIRE_OK(WriteAllGradients(s, 1));
+  REQUIRE_OK(s.Step(Adam(1)));
   Reference ref(n);
   ref.AdamSteps(0, 1);
   RequireEqualBits(ReadAll(s, -1), ref.p);
@@ -345,7 +346,7 @@ TEST_CASE("OptimizerSwapper steps 16-bit gradients: half the gradient bytes, the
           }
           CHECK(s.WriteGradients(i, std::vector<float>(g.size())).code() ==
                 StatusCode::kFailedPrecondition);
-          REQUIRE(s.WriteHalfGradients(i, g).ok());
+          REQUIRE_OK(s.WriteHalfGradients(i, g));
         }
         REQUIRE(s.Step(Adam(t), [&](const SubGroupUpdate& u) {
                    std::copy(u.half_params.begin(), u.half_params.end(),
@@ -354,7 +355,7 @@ TEST_CASE("OptimizerSwapper steps 16-bit gradients: half the gradient bytes, the
                  }).ok());
         AdamTensors tensors{ref.p, widened, ref.m, ref.v, {}, ref_half, HalfDtype::kBf16,
                             {},    HalfDtype::kNone};
-        REQUIRE(ref.cpu->AdamStep(Adam(t), static_cast<int64_t>(t), tensors).ok());
+        REQUIRE_OK(ref.cpu->AdamStep(Adam(t), static_cast<int64_t>(t), tensors));
       }
       RequireEqualBits(ReadAll(s, -1), ref.p);
       RequireEqualBits(ReadAll(s, 0), ref.m);
@@ -370,13 +371,13 @@ TEST_CASE("OptimizerSwapper steps 16-bit gradients: half the gradient bytes, the
         CHECK(store.registered_buffer_bytes >= 3 * OptimizerSwapper::RequiredSlotBytes(options));
         CHECK(store.io.registered_ops > 0);
       }
-      REQUIRE(s.Close().ok());
+      REQUIRE_OK(s.Close());
     }
   }
   TempDir dir("swapper-");
   auto fp32 = OptimizerSwapper::Create(MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam),
                                        kSubGroup, Filler());
-  REQUIRE(fp32.ok());
+  REQUIRE_OK(fp32);
   CHECK((*fp32)->WriteHalfGradients(0, std::vector<uint16_t>(kSubGroup)).code() ==
         StatusCode::kFailedPrecondition);
   auto sgd = MakeOptions(dir.PathOf("sgd"), SwapOptimizer::kSgd);
@@ -390,8 +391,8 @@ TEST_CASE("OptimizerSwapper hands the bf16 copy of each sub-group to the callbac
   options.half_dtype = HalfDtype::kBf16;
   const uint64_t n = 3 * kSubGroup;
   auto swapper = OptimizerSwapper::Create(options, n, Filler());
-  REQUIRE(swapper.ok());
-  REQUIRE(WriteAllGradients(**swapper, 1).ok());
+  REQUIRE_OK(swapper);
+  REQUIRE_OK(WriteAllGradients(**swapper, 1));
   std::vector<uint16_t> half(n);
   REQUIRE((*swapper)
               ->Step(Adam(1),
@@ -405,8 +406,8 @@ TEST_CASE("OptimizerSwapper hands the bf16 copy of each sub-group to the callbac
   std::vector<float> params = ReadAll(**swapper, -1);
   std::vector<uint16_t> expected(n);
   auto cpu = CpuOptimizer::Create({});
-  REQUIRE(cpu.ok());
-  REQUIRE((*cpu)->ConvertToHalf(params, expected, HalfDtype::kBf16).ok());
+  REQUIRE_OK(cpu);
+  REQUIRE_OK((*cpu)->ConvertToHalf(params, expected, HalfDtype::kBf16));
   CHECK(half == expected);
 }
 
@@ -415,21 +416,21 @@ TEST_CASE("OptimizerSwapper refuses stale gradients and mismatched options") {
   auto swapper =
       OptimizerSwapper::Create(MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam), 2 * kSubGroup,
                                Filler());
-  REQUIRE(swapper.ok());
+  REQUIRE_OK(swapper);
   OptimizerSwapper& s = **swapper;
   std::vector<float> g(kSubGroup, 0.01f);
-  REQUIRE(s.WriteGradients(0, g).ok());
+  REQUIRE_OK(s.WriteGradients(0, g));
   Status st = s.Step(Adam(1));
   CHECK(st.code() == StatusCode::kFailedPrecondition);
   CHECK(st.message().find("sub-group 1") != std::string::npos);
-  REQUIRE(s.WriteGradients(1, g).ok());
+  REQUIRE_OK(s.WriteGradients(1, g));
   CHECK(s.Step(SgdOptions{}).code() == StatusCode::kInvalidArgument);
   AdamOptions ams = Adam(1);
   ams.amsgrad = true;
   CHECK(s.Step(ams).code() == StatusCode::kInvalidArgument);
   CHECK(s.WriteGradients(0, std::vector<float>(5)).code() == StatusCode::kInvalidArgument);
   CHECK(s.WriteGradients(2, g).code() == StatusCode::kInvalidArgument);
-  REQUIRE(s.Step(Adam(1)).ok());
+  REQUIRE_OK(s.Step(Adam(1)));
   // Gradients are consumed by a step: the next one needs new ones.
   CHECK(s.Step(Adam(2)).code() == StatusCode::kFailedPrecondition);
   CHECK(s.epoch() == 1);
@@ -459,7 +460,7 @@ TEST_CASE("OptimizerSwapper options are validated, and Create leaves nothing beh
   po.slot_count = 3;
   po.budget_bytes = 3 * 4096;
   auto pool = PinnedPool::Create(po);
-  REQUIRE(pool.ok());
+  REQUIRE_OK(pool);
   options.pool = pool->get();
   created = OptimizerSwapper::Create(options, 3 * kSubGroup, Filler());
   CHECK(created.status().code() == StatusCode::kInvalidArgument);
@@ -473,12 +474,12 @@ TEST_CASE("OptimizerSwapper reopens at its last step after Close, and the states
   auto options = MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam);
   {
     auto swapper = OptimizerSwapper::Create(options, n, Filler());
-    REQUIRE(swapper.ok());
+    REQUIRE_OK(swapper);
     for (uint64_t t = 1; t <= 3; ++t) {
-      REQUIRE(WriteAllGradients(**swapper, t).ok());
-      REQUIRE((*swapper)->Step(Adam(t)).ok());
+      REQUIRE_OK(WriteAllGradients(**swapper, t));
+      REQUIRE_OK((*swapper)->Step(Adam(t)));
     }
-    REQUIRE((*swapper)->Close().ok());
+    REQUIRE_OK((*swapper)->Close());
   }
   CHECK(OptimizerSwapper::Create(options, n, Filler()).status().code() != StatusCode::kOk);
   auto wrong = options;
@@ -491,8 +492,8 @@ TEST_CASE("OptimizerSwapper reopens at its last step after Close, and the states
   CHECK_FALSE(report.torn);
   CHECK((*swapper)->epoch() == 3);
   CHECK((*swapper)->num_elements() == n);
-  REQUIRE(WriteAllGradients(**swapper, 4).ok());
-  REQUIRE((*swapper)->Step(Adam(4)).ok());
+  REQUIRE_OK(WriteAllGradients(**swapper, 4));
+  REQUIRE_OK((*swapper)->Step(Adam(4)));
   Reference ref(n);
   ref.AdamSteps(0, 4);
   RequireEqualBits(ReadAll(**swapper, -1), ref.p);
@@ -506,12 +507,12 @@ TEST_CASE("OptimizerSwapper goes back one step on request (max_epoch), not two")
   auto options = MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam);
   {
     auto swapper = OptimizerSwapper::Create(options, n, Filler());
-    REQUIRE(swapper.ok());
+    REQUIRE_OK(swapper);
     for (uint64_t t = 1; t <= 3; ++t) {
-      REQUIRE(WriteAllGradients(**swapper, t).ok());
-      REQUIRE((*swapper)->Step(Adam(t)).ok());
+      REQUIRE_OK(WriteAllGradients(**swapper, t));
+      REQUIRE_OK((*swapper)->Step(Adam(t)));
     }
-    REQUIRE((*swapper)->Close().ok());
+    REQUIRE_OK((*swapper)->Close());
   }
   auto too_far = options;
   too_far.max_epoch = 1;
@@ -530,15 +531,15 @@ TEST_CASE("OptimizerSwapper goes back one step on request (max_epoch), not two")
   RequireEqualBits(ReadAll(**swapper, -1), ref.p);
   // Step 3 again, over the step-3 slot, and the run carries on as if never ahead.
   for (uint64_t t = 3; t <= 4; ++t) {
-    REQUIRE(WriteAllGradients(**swapper, t).ok());
-    REQUIRE((*swapper)->Step(Adam(t)).ok());
+    REQUIRE_OK(WriteAllGradients(**swapper, t));
+    REQUIRE_OK((*swapper)->Step(Adam(t)));
   }
   ref.AdamSteps(2, 4);
   RequireEqualBits(ReadAll(**swapper, -1), ref.p);
   RequireEqualBits(ReadAll(**swapper, 0), ref.m);
-  REQUIRE((*swapper)->Close().ok());
+  REQUIRE_OK((*swapper)->Close());
   auto reopened = OptimizerSwapper::Open(options, &report);
-  REQUIRE(reopened.ok());
+  REQUIRE_OK(reopened);
   CHECK(report.epoch == 4);
 }
 
@@ -556,15 +557,15 @@ TEST_CASE("A step that fails on an I/O error keeps the committed step, and can b
   auto swapper = OptimizerSwapper::Create(options, n, Filler());
   REQUIRE_MESSAGE(swapper.ok(), swapper.status().ToString());
   OptimizerSwapper& s = **swapper;
-  REQUIRE(WriteAllGradients(s, 1).ok());
-  REQUIRE(s.Step(Adam(1)).ok());
-  REQUIRE(WriteAllGradients(s, 2).ok());
+  REQUIRE_OK(WriteAllGradients(s, 1));
+  REQUIRE_OK(s.Step(Adam(1)));
+  REQUIRE_OK(WriteAllGradients(s, 2));
   // The 4th write request of the step fails with EIO: some sub-groups of step 2 are written, one
   // fails, the rest never start.
   nvme::FaultPlan plan;
   plan.fail.op = nvme::OpType::kWrite;
   plan.fail.nth = 4;
-  REQUIRE(faults->SetPlan(plan).ok());
+  REQUIRE_OK(faults->SetPlan(plan));
   Status st = s.Step(Adam(2));
   CHECK(st.code() == StatusCode::kIoError);
   CHECK(st.message().find("step 2") != std::string::npos);
@@ -573,8 +574,8 @@ TEST_CASE("A step that fails on an I/O error keeps the committed step, and can b
   Reference ref(n);
   ref.AdamSteps(0, 1);
   RequireEqualBits(ReadAll(s, -1), ref.p);  // step 1 intact
-  REQUIRE(faults->SetPlan({}).ok());
-  REQUIRE(s.Step(Adam(2)).ok());  // the gradients are still there
+  REQUIRE_OK(faults->SetPlan({}));
+  REQUIRE_OK(s.Step(Adam(2)));  // the gradients are still there
   ref.AdamSteps(1, 2);
   RequireEqualBits(ReadAll(s, -1), ref.p);
   RequireEqualBits(ReadAll(s, 0), ref.m);
@@ -584,13 +585,13 @@ TEST_CASE("A step that fails on an I/O error keeps the committed step, and can b
   // and the step runs again.
   for (int attempt = 0; attempt < 2; ++attempt) {
     CAPTURE(attempt);
-    if (attempt == 0) REQUIRE(faults->SetPlan(plan).ok());
-    REQUIRE(s.BeginStep(Adam(3)).ok());
+    if (attempt == 0) REQUIRE_OK(faults->SetPlan(plan));
+    REQUIRE_OK(s.BeginStep(Adam(3)));
     std::vector<std::vector<float>> grads(s.sub_group_count());
     std::atomic<uint64_t> released{0};  // `done` runs on the pipeline's threads
     for (uint64_t i = s.sub_group_count(); i-- > 0;) {
       grads[i] = GradientsOf(s, 3, i);
-      REQUIRE(s.StepSubGroup(i, grads[i], {}, [&released] { ++released; }).ok());
+      REQUIRE_OK(s.StepSubGroup(i, grads[i], {}, [&released] { ++released; }));
     }
     const Status finished = s.FinishStep();
     CHECK(released == s.sub_group_count());
@@ -599,7 +600,7 @@ TEST_CASE("A step that fails on an I/O error keeps the committed step, and can b
       CHECK(finished.message().find("step 3, writing sub-group") != std::string::npos);
       CHECK(s.epoch() == 2);
       RequireEqualBits(ReadAll(s, -1), ref.p);
-      REQUIRE(faults->SetPlan({}).ok());
+      REQUIRE_OK(faults->SetPlan({}));
     } else {
       REQUIRE_MESSAGE(finished.ok(), finished.ToString());
     }
@@ -656,8 +657,8 @@ TEST_CASE("A process SIGKILLed mid-step leaves a store that reports the torn ste
   auto options = MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam);
   {
     auto swapper = OptimizerSwapper::Create(options, n, Filler());
-    REQUIRE(swapper.ok());
-    REQUIRE((*swapper)->Close().ok());
+    REQUIRE_OK(swapper);
+    REQUIRE_OK((*swapper)->Close());
   }
   SUBCASE("killed in an overlapped step, sub-groups stepped in reverse") {
     RunKilledChild(options, 2, 1, /*overlapped=*/true);
@@ -674,8 +675,8 @@ TEST_CASE("A process SIGKILLed mid-step leaves a store that reports the torn ste
     ref.AdamSteps(0, 2);
     RequireEqualBits(ReadAll(s, -1), ref.p);
     RequireEqualBits(ReadAll(s, 0), ref.m);
-    REQUIRE(WriteAllGradients(s, 3).ok());
-    REQUIRE(s.Step(Adam(3)).ok());
+    REQUIRE_OK(WriteAllGradients(s, 3));
+    REQUIRE_OK(s.Step(Adam(3)));
     ref.AdamSteps(2, 3);
     RequireEqualBits(ReadAll(s, -1), ref.p);
   }
@@ -709,16 +710,16 @@ TEST_CASE("A process SIGKILLed mid-step leaves a store that reports the torn ste
     RequireEqualBits(ReadAll(s, 1), ref.v);
     // Resume: step 4 again, then 5, equal to an uninterrupted run.
     for (uint64_t t = 4; t <= 5; ++t) {
-      REQUIRE(WriteAllGradients(s, t).ok());
-      REQUIRE(s.Step(Adam(t)).ok());
+      REQUIRE_OK(WriteAllGradients(s, t));
+      REQUIRE_OK(s.Step(Adam(t)));
     }
     ref.AdamSteps(3, 5);
     RequireEqualBits(ReadAll(s, -1), ref.p);
     RequireEqualBits(ReadAll(s, 0), ref.m);
-    REQUIRE(s.Close().ok());
+    REQUIRE_OK(s.Close());
     RecoveryReport clean;
     auto again = OptimizerSwapper::Open(options, &clean);
-    REQUIRE(again.ok());
+    REQUIRE_OK(again);
     CHECK_FALSE(clean.torn);
     CHECK(clean.epoch == 5);
   }
@@ -730,24 +731,24 @@ TEST_CASE("SGD and Lion run through the swapper like their in-memory kernels") {
     TempDir dir("swapper-");
     const uint64_t n = 3 * kSubGroup + 7;
     auto swapper = OptimizerSwapper::Create(MakeOptions(dir.PathOf("store"), kind), n, Filler());
-    REQUIRE(swapper.ok());
+    REQUIRE_OK(swapper);
     std::vector<float> p(n), state(n, 0.0f);
     for (uint64_t e = 0; e < n; ++e) p[e] = InitialParam(e);
     auto cpu = CpuOptimizer::Create({});
-    REQUIRE(cpu.ok());
+    REQUIRE_OK(cpu);
     for (uint64_t t = 1; t <= 3; ++t) {
-      REQUIRE(WriteAllGradients(**swapper, t).ok());
+      REQUIRE_OK(WriteAllGradients(**swapper, t));
       std::vector<float> g(n);
       for (uint64_t e = 0; e < n; ++e) g[e] = Grad(t, e);
       if (kind == SwapOptimizer::kSgd) {
         SgdOptions o;
-        REQUIRE((*swapper)->Step(o).ok());
-        REQUIRE((*cpu)->SgdStep(o, static_cast<int64_t>(t), p, g, state).ok());
+        REQUIRE_OK((*swapper)->Step(o));
+        REQUIRE_OK((*cpu)->SgdStep(o, static_cast<int64_t>(t), p, g, state));
       } else {
         LionOptions o;
         o.weight_decay = 0.1;
-        REQUIRE((*swapper)->Step(o).ok());
-        REQUIRE((*cpu)->LionStep(o, static_cast<int64_t>(t), p, g, state).ok());
+        REQUIRE_OK((*swapper)->Step(o));
+        REQUIRE_OK((*cpu)->LionStep(o, static_cast<int64_t>(t), p, g, state));
       }
     }
     RequireEqualBits(ReadAll(**swapper, -1), p);

@@ -17,6 +17,7 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include "tests/status_testing.h"
 
 namespace memplan::offload {
 namespace {
@@ -33,12 +34,12 @@ PinnedPoolOptions SmallOptions(uint64_t slots) {
 
 TEST_CASE("PinnedPool hands out distinct page-aligned slots and takes them back") {
   auto pool = PinnedPool::Create(SmallOptions(3));
-  REQUIRE(pool.ok());
+  REQUIRE_OK(pool);
   std::vector<PinnedSlot> slots;
   std::set<uint64_t> indices;
   for (int i = 0; i < 3; ++i) {
     auto slot = (*pool)->Acquire();
-    REQUIRE(slot.ok());
+    REQUIRE_OK(slot);
     CHECK(reinterpret_cast<uintptr_t>(slot->data().data()) % kPage == 0);
     CHECK(slot->data().size() == 3 * kPage);
     slot->data()[0] = std::byte{1};
@@ -49,7 +50,7 @@ TEST_CASE("PinnedPool hands out distinct page-aligned slots and takes them back"
   CHECK(indices.size() == 3);
   slots.clear();
   CHECK((*pool)->stats().current_bytes == 0);
-  CHECK((*pool)->Acquire().ok());
+  CHECK_OK((*pool)->Acquire());
 }
 
 TEST_CASE("PinnedPool memory is not inherited by a fork (a DataLoader worker)") {
@@ -58,9 +59,9 @@ TEST_CASE("PinnedPool memory is not inherited by a fork (a DataLoader worker)") 
   o.slot_count = 2;
   o.budget_bytes = 8192;
   auto pool = PinnedPool::Create(o);
-  REQUIRE(pool.ok());
+  REQUIRE_OK(pool);
   auto slot = (*pool)->Acquire();
-  REQUIRE(slot.ok());
+  REQUIRE_OK(slot);
   void* page = slot->data().data();
   const pid_t child = ::fork();
   if (child == 0) {
@@ -79,7 +80,7 @@ TEST_CASE("PinnedPool slot bytes are rounded up to the page size") {
   o.slot_count = 2;
   o.budget_bytes = 4 * kPage;
   auto pool = PinnedPool::Create(o);
-  REQUIRE(pool.ok());
+  REQUIRE_OK(pool);
   CHECK((*pool)->slot_bytes() == 2 * kPage);
   o.budget_bytes = 4 * kPage - 1;  // the rounded slots no longer fit
   CHECK(PinnedPool::Create(o).status().code() == StatusCode::kInvalidArgument);
@@ -102,11 +103,11 @@ TEST_CASE("PinnedPool without wait fails at once and never overcommits") {
   PinnedPoolOptions o = SmallOptions(2);
   o.wait = false;
   auto pool = PinnedPool::Create(o);
-  REQUIRE(pool.ok());
+  REQUIRE_OK(pool);
   auto a = (*pool)->Acquire();
   auto b = (*pool)->Acquire();
-  REQUIRE(a.ok());
-  REQUIRE(b.ok());
+  REQUIRE_OK(a);
+  REQUIRE_OK(b);
   auto c = (*pool)->Acquire();
   CHECK(c.status().code() == StatusCode::kResourceExhausted);
   PinnedPoolStats s = (*pool)->stats();
@@ -117,9 +118,9 @@ TEST_CASE("PinnedPool without wait fails at once and never overcommits") {
 
 TEST_CASE("PinnedPool waiting acquire is woken by a release from another thread") {
   auto pool = PinnedPool::Create(SmallOptions(1));
-  REQUIRE(pool.ok());
+  REQUIRE_OK(pool);
   auto held = (*pool)->Acquire();
-  REQUIRE(held.ok());
+  REQUIRE_OK(held);
   std::atomic<bool> got{false};
   std::thread waiter([&] {
     auto slot = (*pool)->Acquire();
@@ -140,9 +141,9 @@ TEST_CASE("PinnedPool waiting acquire is woken by a release from another thread"
 
 TEST_CASE("PinnedPool acquire with a timeout gives up with Unavailable") {
   auto pool = PinnedPool::Create(SmallOptions(1));
-  REQUIRE(pool.ok());
+  REQUIRE_OK(pool);
   auto held = (*pool)->Acquire();
-  REQUIRE(held.ok());
+  REQUIRE_OK(held);
   const auto start = std::chrono::steady_clock::now();
   auto late = (*pool)->Acquire(std::chrono::milliseconds(30));
   const auto waited = std::chrono::steady_clock::now() - start;
@@ -157,7 +158,7 @@ TEST_CASE("PinnedPool acquire with a timeout gives up with Unavailable") {
 
 TEST_CASE("PinnedPool statistics are exact") {
   auto pool = PinnedPool::Create(SmallOptions(3));
-  REQUIRE(pool.ok());
+  REQUIRE_OK(pool);
   const uint64_t slot = (*pool)->slot_bytes();
   {
     auto a = (*pool)->Acquire();
@@ -177,7 +178,7 @@ TEST_CASE("PinnedPool statistics are exact") {
 
 TEST_CASE("PinnedPool many threads never exceed the budget") {
   auto pool = PinnedPool::Create(SmallOptions(2));
-  REQUIRE(pool.ok());
+  REQUIRE_OK(pool);
   std::atomic<int> in_use{0};
   std::atomic<int> max_in_use{0};
   std::vector<std::thread> threads;
@@ -245,8 +246,8 @@ TEST_CASE("PinnedPool locks memory within the limit") {
   PinnedPoolOptions o = SmallOptions(2);
   o.lock_memory = true;
   auto pool = PinnedPool::Create(o);
-  REQUIRE(pool.ok());
-  CHECK((*pool)->Acquire().ok());
+  REQUIRE_OK(pool);
+  CHECK_OK((*pool)->Acquire());
 }
 
 }  // namespace

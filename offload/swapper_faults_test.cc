@@ -11,6 +11,7 @@
 #include "nvme/fault_backend.h"
 #include "offload/optimizer_swapper.h"
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::offload {
 namespace {
@@ -82,16 +83,16 @@ TEST_CASE("swapper faults: EIO on a read fails the step naming the key, and the 
   Faulty f;
   Make(dir.PathOf("store"), &f);
   OptimizerSwapper& s = *f.swapper;
-  REQUIRE(WriteAllGradients(s, 1).ok());
-  REQUIRE(s.Step(Adam()).ok());
+  REQUIRE_OK(WriteAllGradients(s, 1));
+  REQUIRE_OK(s.Step(Adam()));
   const std::vector<float> after_step1 = Params(s);
-  REQUIRE(WriteAllGradients(s, 2).ok());
+  REQUIRE_OK(WriteAllGradients(s, 2));
 
   nvme::FaultPlan plan;
   plan.fail.op = nvme::OpType::kRead;
   plan.fail.nth = 3;  // a read in the middle of the step's read-ahead
   plan.error = EIO;
-  REQUIRE(f.faults->SetPlan(plan).ok());
+  REQUIRE_OK(f.faults->SetPlan(plan));
   Status st = s.Step(Adam());
   CHECK(st.code() == StatusCode::kIoError);
   CAPTURE(st.ToString());
@@ -102,9 +103,9 @@ TEST_CASE("swapper faults: EIO on a read fails the step naming the key, and the 
   CHECK(st.message().find("Input/output error") != std::string::npos);
   CHECK(s.epoch() == 1);
 
-  REQUIRE(f.faults->SetPlan({}).ok());
+  REQUIRE_OK(f.faults->SetPlan({}));
   CHECK(Params(s) == after_step1);  // the committed step is intact
-  REQUIRE(s.Step(Adam()).ok());     // and the failed one can be retried
+  REQUIRE_OK(s.Step(Adam()));     // and the failed one can be retried
   CHECK(s.epoch() == 2);
 }
 
@@ -113,16 +114,16 @@ TEST_CASE("swapper faults: ENOSPC on a write fails the step as out of space, nam
   Faulty f;
   Make(dir.PathOf("store"), &f);
   OptimizerSwapper& s = *f.swapper;
-  REQUIRE(WriteAllGradients(s, 1).ok());
-  REQUIRE(s.Step(Adam()).ok());
+  REQUIRE_OK(WriteAllGradients(s, 1));
+  REQUIRE_OK(s.Step(Adam()));
   const std::vector<float> after_step1 = Params(s);
-  REQUIRE(WriteAllGradients(s, 2).ok());
+  REQUIRE_OK(WriteAllGradients(s, 2));
 
   nvme::FaultPlan plan;
   plan.fail.op = nvme::OpType::kWrite;
   plan.fail.nth = 2;
   plan.error = ENOSPC;
-  REQUIRE(f.faults->SetPlan(plan).ok());
+  REQUIRE_OK(f.faults->SetPlan(plan));
   Status st = s.Step(Adam());
   CAPTURE(st.ToString());
   CHECK(st.code() == StatusCode::kResourceExhausted);
@@ -130,9 +131,9 @@ TEST_CASE("swapper faults: ENOSPC on a write fails the step as out of space, nam
   CHECK(st.message().find("'state.") != std::string::npos);
   CHECK(s.epoch() == 1);
 
-  REQUIRE(f.faults->SetPlan({}).ok());
+  REQUIRE_OK(f.faults->SetPlan({}));
   CHECK(Params(s) == after_step1);
-  REQUIRE(s.Step(Adam()).ok());
+  REQUIRE_OK(s.Step(Adam()));
   CHECK(s.epoch() == 2);
 }
 

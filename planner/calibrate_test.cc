@@ -6,6 +6,7 @@
 #include <random>
 
 #include "estimator/model_source.h"
+#include "tests/status_testing.h"
 
 namespace memplan::planner {
 namespace {
@@ -63,7 +64,7 @@ double Measure(const MeasuredRun& r, const Truth& t, double noise) {
   k.offload_overlap = t.offload_overlap;
   k.cpu_adam_factor = t.cpu_adam_factor;
   auto shape = ModelShapeFor(Llama7b(), r.setup);
-  REQUIRE(shape.ok());
+  REQUIRE_OK(shape);
   const int64_t batch = r.setup.micro_batch * r.setup.grad_accum * c.WorldSize();
   return PredictStepTime(*shape, c, r.setup, batch, r.setup.pin_memory, r.sharding, k).total_s *
          (1 + noise);
@@ -162,7 +163,7 @@ TEST_CASE("calibrate: a calibrated prediction moves toward held-out measured run
   double prior_sq = 0, fitted_sq = 0;
   for (const CalibrationRun& r : held_out) {
     auto shape = ModelShapeFor(Llama7b(), r.run.setup);
-    REQUIRE(shape.ok());
+    REQUIRE_OK(shape);
     const int64_t batch =
         r.run.setup.micro_batch * r.run.setup.grad_accum * r.run.cluster.WorldSize();
     const double prior = PredictStepTime(*shape, r.run.cluster, r.run.setup, batch,
@@ -273,7 +274,7 @@ TEST_CASE("calibrate: the runs file refuses bad data with the run and the key") 
 
 TEST_CASE("calibrate: the calibration file round-trips and refuses what is out of bounds") {
   auto fit = Calibrate(SyntheticRuns(Truth{}, 11));
-  REQUIRE(fit.ok());
+  REQUIRE_OK(fit);
   auto back = CalibrationFromJson(ToJson(*fit), "cal.json");
   REQUIRE_MESSAGE(back.ok(), back.status().message());
   CHECK(back->constants.link_efficiency == fit->constants.link_efficiency);

@@ -5,6 +5,7 @@
 #include "estimator/model_source.h"
 #include "planner/emit.h"
 #include "planner/search.h"
+#include "tests/status_testing.h"
 
 namespace memplan::planner {
 namespace {
@@ -76,7 +77,7 @@ TEST_CASE("engine model: pinned buffers, NVMe bytes and live bytes of a toy sche
 
   // With a GPU, four gradient staging slots of the largest shard in fp32 (8,000 B -> 2 pages).
   auto gpu = PredictEngine(ToySchedule(), Toy(), EngineRunOptions{});
-  REQUIRE(gpu.ok());
+  REQUIRE_OK(gpu);
   CHECK(gpu->gradient_staging_pinned_bytes == 4 * 8192);
   CHECK(gpu->pinned_bytes == 90112 + 32768);
 
@@ -84,7 +85,7 @@ TEST_CASE("engine model: pinned buffers, NVMe bytes and live bytes of a toy sche
   EngineSchedule tight = ToySchedule();
   tight.prefetch_bytes = 1;
   auto t = PredictEngine(tight, Toy(), host);
-  REQUIRE(t.ok());
+  REQUIRE_OK(t);
   CHECK(t->param_read_bytes_per_step == 24000);
   CHECK(t->peak_live_param_bytes == 4000);
 }
@@ -99,14 +100,14 @@ TEST_CASE("engine model: the engine's refusals, micro-batches, ranks") {
   CHECK_FALSE(PredictEngine(s, Toy(), EngineRunOptions{}).ok());
   s.pinned_budget_bytes = 90112 + 16384;  // the gradient staging takes what is left
   auto squeezed = PredictEngine(s, Toy(), EngineRunOptions{});
-  REQUIRE(squeezed.ok());
+  REQUIRE_OK(squeezed);
   CHECK(squeezed->gradient_staging_pinned_bytes == 16384);
 
   EngineRunOptions two;
   two.gpu = false;
   two.micro_batches = 2;
   auto p = PredictEngine(ToySchedule(), Toy(), two);
-  REQUIRE(p.ok());
+  REQUIRE_OK(p);
   CHECK(p->param_read_bytes_per_step > 22000);
   CHECK(p->optimizer_read_bytes_per_step == 108448);  // one optimizer step either way
 
@@ -114,7 +115,7 @@ TEST_CASE("engine model: the engine's refusals, micro-batches, ranks") {
   ranks.gpu = false;
   ranks.world_size = 2;
   auto r = PredictEngine(ToySchedule(), Toy(), ranks);
-  REQUIRE(r.ok());
+  REQUIRE_OK(r);
   CHECK(r->partition_elements == 500 + 1000 + 5 + 1000 + 500);
 
   CHECK_FALSE(PredictEngine(ToySchedule(), estimator::ModelInventory{}, ranks).ok());
@@ -122,7 +123,7 @@ TEST_CASE("engine model: the engine's refusals, micro-batches, ranks") {
 
 TEST_CASE("engine model: the Schedule's JSON form") {
   auto d = EngineScheduleFromJson(nlohmann::json::object());
-  REQUIRE(d.ok());
+  REQUIRE_OK(d);
   CHECK(d->sub_group_elements == EngineSchedule{}.sub_group_elements);
   CHECK(d->param_tier == EngineTier::kGpu);
   auto s = EngineScheduleFromJson(nlohmann::json::parse(R"({
@@ -148,7 +149,7 @@ TEST_CASE("engine model: the Schedule's JSON form") {
 
 TEST_CASE("emit: the Schedule is sized for memplan's engine and predicted by its model") {
   auto model = estimator::LoadModel("llama-2-7b", estimator::ModelClassChoice::kFromArchitectures);
-  REQUIRE(model.ok());
+  REQUIRE_OK(model);
   Cluster c;
   c.gpu = *FindGpuPreset("rtx4090");
   c.gpus_per_node = 1;
@@ -175,11 +176,11 @@ TEST_CASE("emit: the Schedule is sized for memplan's engine and predicted by its
   CHECK(j["pinned_budget_bytes"].get<uint64_t>() == e->prediction.pinned_bytes);
   // The file and the fields the prediction used are the same schedule.
   auto read = EngineScheduleFromJson(nlohmann::json::parse(j.dump()));
-  REQUIRE(read.ok());
+  REQUIRE_OK(read);
   auto again = PredictEngine(
       *read, *model,
       EngineRunOptions{1, true, static_cast<uint32_t>(r->plans.front().setup.grad_accum)});
-  REQUIRE(again.ok());
+  REQUIRE_OK(again);
   CHECK(again->pinned_bytes == e->prediction.pinned_bytes);
   CHECK(again->nvme_read_bytes_per_step == e->prediction.nvme_read_bytes_per_step);
   CHECK(again->peak_live_param_bytes == e->prediction.peak_live_param_bytes);

@@ -9,6 +9,7 @@
 #include "planner/check.h"
 #include "planner/cluster.h"
 #include "planner/emit.h"
+#include "tests/status_testing.h"
 
 namespace memplan::planner {
 namespace {
@@ -67,7 +68,7 @@ TEST_CASE("cluster: presets and bench inputs") {
   nlohmann::json bench = {{"path", "/mnt/nvme"},
                           {"best", {{"read_bytes_per_s", 6.5e9}, {"write_bytes_per_s", 5.0e9}}},
                           {"aio", {{"block_size", 8388608}, {"queue_depth", 32}}}};
-  REQUIRE(ApplyNvmeBench(bench, "nvme.json", &c).ok());
+  REQUIRE_OK(ApplyNvmeBench(bench, "nvme.json", &c));
   CHECK(c.NvmeReadBytesPerS() == 6.5e9);
   CHECK(c.NvmeWriteBytesPerS() == 5.0e9);
   CHECK(c.nvme_path == "/mnt/nvme");
@@ -79,7 +80,7 @@ TEST_CASE("cluster: presets and bench inputs") {
       {{"best", {{"read_bytes_per_s", nullptr}, {"write_bytes_per_s", 2e9}}},
        {"aio", {{"aio", {{"queue_depth", 8}, {"intra_op_parallelism", 99}, {"block_size", "1M"}}}}}},
       "n.json");
-  REQUIRE(reading.ok());
+  REQUIRE_OK(reading);
   CHECK(reading->read_bytes_per_s == 0);
   CHECK(reading->write_bytes_per_s == 2e9);
   CHECK(reading->aio_queue_depth == 8);
@@ -87,7 +88,7 @@ TEST_CASE("cluster: presets and bench inputs") {
   CHECK_FALSE(reading->aio_block_size.has_value());
   CHECK(NvmeBenchFromJson({{"best", {{"read_bytes_per_s", -1}}}}, "n.json").status().message() ==
         "n.json: 'best.read_bytes_per_s' must be a positive number, got -1");
-  REQUIRE(ApplyAdamBench({{"params_per_s", 1.2e9}, {"threads", 64}}, "adam.json", &c).ok());
+  REQUIRE_OK(ApplyAdamBench({{"params_per_s", 1.2e9}, {"threads", 64}}, "adam.json", &c));
   CHECK(c.CpuAdamParamsPerS() == 1.2e9);
 
   // JSON round trip keeps what the planner uses.
@@ -96,7 +97,7 @@ TEST_CASE("cluster: presets and bench inputs") {
                                                                           {"cpu_memory_bytes", "1TiB"}}
                                                          : nlohmann::json(),
                               "cluster.json");
-  REQUIRE(back.ok());
+  REQUIRE_OK(back);
   CHECK(back->WorldSize() == 8);
   CHECK(back->cpu_memory_bytes == uint64_t{1} << 40);
   auto bad = ClusterFromJson({{"gpu", "a100-80"}, {"gpus", 8}}, "cluster.json");
@@ -152,7 +153,7 @@ TEST_CASE("search: feasibility follows the limits (GPU, CPU, NVMe)") {
   c.cpu_cores = 16;
   Job job = MakeJob("llama-2-7b", 16, 2048);
   auto r = SearchPlans(llama, c, job);
-  REQUIRE(r.ok());
+  REQUIRE_OK(r);
   // Nothing fits a 24 GB card with 64 GiB RAM and no NVMe: the fp32 optimizer states alone are
   // 12 bytes x 6.7e9 = 75 GiB.
   CHECK(r->plans.empty());
@@ -163,7 +164,7 @@ TEST_CASE("search: feasibility follows the limits (GPU, CPU, NVMe)") {
   c.nvme_path = "/mnt/nvme";
   c.nvme_capacity_bytes = uint64_t{1} << 40;
   r = SearchPlans(llama, c, job);
-  REQUIRE(r.ok());
+  REQUIRE_OK(r);
   REQUIRE(!r->plans.empty());
   const Plan& best = r->plans.front();
   CHECK(best.setup.offload_optimizer == OffloadDevice::kNvme);
@@ -174,7 +175,7 @@ TEST_CASE("search: feasibility follows the limits (GPU, CPU, NVMe)") {
   // A small drive rejects NVMe plans on capacity.
   c.nvme_capacity_bytes = uint64_t{10} << 30;
   r = SearchPlans(llama, c, job);
-  REQUIRE(r.ok());
+  REQUIRE_OK(r);
   CHECK(r->plans.empty());
   const Rejection* small = FindRejected(*r, "ZeRO-3 + optimizer on NVMe + params on NVMe");
   REQUIRE(small != nullptr);
@@ -201,7 +202,7 @@ TEST_CASE("search: llama-2-70b over the whole grid within the latency budget") {
   const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
                                                               start)
                         .count();
-  REQUIRE(r.ok());
+  REQUIRE_OK(r);
   std::printf("SearchPlans llama-2-70b, 8 x a100-80, %lld of %lld configurations evaluated: %.1f ms\n",
               static_cast<long long>(r->configurations), static_cast<long long>(r->grid_size), ms);
   // 14 families x 3 checkpointing modes x micro-batches {1, 2, 4, 8}; larger micro-batches of a
@@ -222,12 +223,12 @@ TEST_CASE("emit: the DeepSpeed config of each plan passes check and keeps the ba
   c.nvme_path = "/mnt/nvme";
   c.nvme_capacity_bytes = uint64_t{4} << 40;
   auto r = SearchPlans(llama, c, MakeJob("llama-2-7b", 64, 2048));
-  REQUIRE(r.ok());
+  REQUIRE_OK(r);
   REQUIRE(r->plans.size() >= 5);
   for (const Plan& plan : r->plans) {
     CAPTURE(plan.family);
     auto ds = DeepSpeedConfig(plan, c, llama, {});
-    REQUIRE(ds.ok());
+    REQUIRE_OK(ds);
     CHECK((*ds)["train_batch_size"] == 64);
     CHECK((*ds)["train_micro_batch_size_per_gpu"].get<int64_t>() *
               (*ds)["gradient_accumulation_steps"].get<int64_t>() * 8 ==
@@ -239,7 +240,7 @@ TEST_CASE("emit: the DeepSpeed config of each plan passes check and keeps the ba
     options.cluster = c;
     options.seq_len = 2048;
     auto report = CheckDeepSpeedConfig(nlohmann::json::parse(ds->dump()), options);
-    REQUIRE(report.ok());
+    REQUIRE_OK(report);
     for (const Finding& f : report->problems) FAIL_CHECK(f.path << ": " << f.message);
     const bool nvme = plan.setup.offload_optimizer == OffloadDevice::kNvme ||
                       plan.setup.offload_param == OffloadDevice::kNvme;
@@ -249,7 +250,7 @@ TEST_CASE("emit: the DeepSpeed config of each plan passes check and keeps the ba
   EmitOptions hf;
   hf.for_hf_trainer = true;
   auto ds = DeepSpeedConfig(r->plans.front(), c, llama, hf);
-  REQUIRE(ds.ok());
+  REQUIRE_OK(ds);
   CHECK((*ds)["train_micro_batch_size_per_gpu"] == "auto");
   CheckOptions trainer;
   trainer.for_hf_trainer = true;
@@ -261,22 +262,22 @@ TEST_CASE("emit: Accelerate, FSDP and Schedule") {
   estimator::ModelInventory llama = Model("llama-2-7b");
   Cluster c = A100x8();
   auto r = SearchPlans(llama, c, MakeJob("llama-2-7b", 64, 2048));
-  REQUIRE(r.ok());
+  REQUIRE_OK(r);
   const Plan& best = r->plans.front();
   EmitOptions options;
   auto yaml = AccelerateConfig(best, c, llama, options);
-  REQUIRE(yaml.ok());
+  REQUIRE_OK(yaml);
   CHECK(yaml->find("distributed_type: DEEPSPEED\n") != std::string::npos);
   CHECK(yaml->find("zero_stage: " + std::to_string(best.setup.zero_stage) + "\n") !=
         std::string::npos);
   CHECK(yaml->find("num_processes: 8\n") != std::string::npos);
   options.accelerate_plugin = "fsdp";
   yaml = AccelerateConfig(best, c, llama, options);
-  REQUIRE(yaml.ok());
+  REQUIRE_OK(yaml);
   CHECK(yaml->find("fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n") !=
         std::string::npos);
   auto fsdp = FsdpConfig(best, c, llama);
-  REQUIRE(fsdp.ok());
+  REQUIRE_OK(fsdp);
   CHECK((*fsdp)["sharding_strategy"] ==
         (best.setup.zero_stage == 3 ? "FULL_SHARD" : "SHARD_GRAD_OP"));
   // No offload: the engine has nothing to run.
@@ -284,7 +285,7 @@ TEST_CASE("emit: Accelerate, FSDP and Schedule") {
   const Plan* offload = FindFamily(*r, "ZeRO-3 + optimizer on CPU + params on CPU");
   REQUIRE(offload != nullptr);
   auto schedule = Schedule(*offload, c, llama);
-  REQUIRE(schedule.ok());
+  REQUIRE_OK(schedule);
   CHECK((*schedule)["version"] == 1);
   CHECK((*schedule)["params"]["tier"] == "cpu");
   CHECK((*schedule)["optimizer"]["tier"] == "cpu");
@@ -296,14 +297,14 @@ TEST_CASE("emit: what the consumers refuse (tests/plan_consumers runs them for r
   Cluster c = A100x8();
   c.nodes = 2;
   auto r = SearchPlans(llama, c, MakeJob("llama-2-7b", 64, 2048));
-  REQUIRE(r.ok());
+  REQUIRE_OK(r);
   const Plan& best = r->plans.front();
   // Accelerate's launcher refuses mixed_precision beside a DeepSpeed config file; the path is
   // quoted so that " #" does not start a comment.
   EmitOptions options;
   options.deepspeed_config_path = "/runs/a #1: b/ds'\"config\n.json";
   auto yaml = AccelerateConfig(best, c, llama, options);
-  REQUIRE(yaml.ok());
+  REQUIRE_OK(yaml);
   // Double-quoted, so that a newline is kept rather than folded into a space.
   CHECK(yaml->find("  deepspeed_config_file: \"/runs/a #1: b/ds'\\\"config\\n.json\"\n") !=
         std::string::npos);
@@ -313,11 +314,11 @@ TEST_CASE("emit: what the consumers refuse (tests/plan_consumers runs them for r
   CHECK(yaml.status().message().find("not UTF-8") != std::string::npos);
   options.deepspeed_config_path = "/runs/a #1: b/ds.json";
   yaml = AccelerateConfig(best, c, llama, options);
-  REQUIRE(yaml.ok());
+  REQUIRE_OK(yaml);
   CHECK(yaml->find("mixed_precision") == std::string::npos);
   options.deepspeed_config_path.clear();
   yaml = AccelerateConfig(best, c, llama, options);
-  REQUIRE(yaml.ok());
+  REQUIRE_OK(yaml);
   CHECK(yaml->find("mixed_precision: bf16\n") != std::string::npos);
 
   // Hybrid sharding: FSDP's HYBRID_SHARD over (nodes, GPUs per node); DeepSpeed 0.19 has no
@@ -326,7 +327,7 @@ TEST_CASE("emit: what the consumers refuse (tests/plan_consumers runs them for r
   hybrid.setup.zero_stage = 3;
   hybrid.sharding = Sharding::kHybrid;
   auto fsdp = FsdpConfig(hybrid, c, llama);
-  REQUIRE(fsdp.ok());
+  REQUIRE_OK(fsdp);
   CHECK((*fsdp)["sharding_strategy"] == "HYBRID_SHARD");
   CHECK((*fsdp)["accelerate"]["reshard_after_forward"] == "HYBRID_SHARD");
   CHECK((*fsdp)["fully_shard"]["mesh"]["shape"] == nlohmann::ordered_json::array({2, 8}));
@@ -337,7 +338,7 @@ TEST_CASE("emit: what the consumers refuse (tests/plan_consumers runs them for r
   CHECK_FALSE(AccelerateConfig(hybrid, c, llama, {}).ok());
   options.accelerate_plugin = "fsdp";
   yaml = AccelerateConfig(hybrid, c, llama, options);
-  REQUIRE(yaml.ok());
+  REQUIRE_OK(yaml);
   CHECK(yaml->find("  fsdp_reshard_after_forward: HYBRID_SHARD\n") != std::string::npos);
 }
 
@@ -349,13 +350,13 @@ TEST_CASE("emit: parameters on NVMe get the swap buffers DeepSpeed asserts on") 
   c.nvme_path = "/mnt/nvme";
   c.nvme_capacity_bytes = uint64_t{4} << 40;
   auto r = SearchPlans(llama, c, MakeJob("llama-2-7b", 16, 2048));
-  REQUIRE(r.ok());
+  REQUIRE_OK(r);
   int checked = 0;
   for (const Plan& plan : r->plans) {
     if (plan.setup.offload_param != OffloadDevice::kNvme) continue;
     ++checked;
     auto ds = DeepSpeedConfig(plan, c, llama, {});
-    REQUIRE(ds.ok());
+    REQUIRE_OK(ds);
     const nlohmann::ordered_json& z = (*ds)["zero_optimization"];
     // One layer (202,383,360 elements, rounded up to a million) stays gathered for reuse; its
     // seven Linears and the next module's one each hold a buffer.
@@ -386,7 +387,7 @@ TEST_CASE("check: out-of-memory and memlock findings name the keys that cause th
                        {"bf16", {{"enabled", true}}},
                        {"zero_optimization", {{"stage", 1}, {"reduce_bucket_size", 4000000000}}}};
   auto report = CheckDeepSpeedConfig(ds, options);
-  REQUIRE(report.ok());
+  REQUIRE_OK(report);
   REQUIRE(report->problems.size() == 1);
   const Finding& oom = report->problems[0];
   CHECK(oom.path == "zero_optimization.stage");
@@ -413,7 +414,7 @@ TEST_CASE("check: out-of-memory and memlock findings name the keys that cause th
          {{"device", "nvme"}, {"nvme_path", "/nvme"}, {"buffer_count", 5},
           {"buffer_size", 200000000}}}}}};
   report = CheckDeepSpeedConfig(nvme, options);
-  REQUIRE(report.ok());
+  REQUIRE_OK(report);
   REQUIRE(report->problems.size() == 1);
   CHECK(report->problems[0].path == "aio");
   CHECK(report->problems[0].message.find("nvme_param_swap_buffers") != std::string::npos);
@@ -423,7 +424,7 @@ TEST_CASE("check: out-of-memory and memlock findings name the keys that cause th
   // Without the model: buffer_count x buffer_size x 2 bytes = 2.0 GiB against the same 1 GiB.
   options.model = nullptr;
   report = CheckDeepSpeedConfig(nvme, options);
-  REQUIRE(report.ok());
+  REQUIRE_OK(report);
   REQUIRE(report->problems.size() == 1);
   CHECK(report->problems[0].path == "zero_optimization.offload_param.buffer_size");
   CHECK(report->problems[0].message.find("lock 1.9 GiB per process") != std::string::npos);
@@ -453,7 +454,7 @@ TEST_CASE("check: bf16 on a GPU without it") {
                              {"offload_param", {{"device", "nvme"}, {"nvme_path", "/nvme"}}}};
   options.cluster->memlock_bytes = uint64_t{1} << 20;
   auto report = CheckDeepSpeedConfig(ds, options);
-  REQUIRE(report.ok());
+  REQUIRE_OK(report);
   REQUIRE(report->problems.size() == 1);  // 5 x 1e8 fp32 elements (no 16-bit enabled) > 1 MiB
   CHECK(report->problems[0].message.find("lock 1.9 GiB") != std::string::npos);
 }
@@ -478,7 +479,7 @@ TEST_CASE("check: suggestions use edit distance") {
   // of two neighbours are one edit each.
   auto suggestion = [](const std::string& key) {
     auto report = CheckDeepSpeedConfig({{"zero_optimization", {{key, true}}}}, {});
-    REQUIRE(report.ok());
+    REQUIRE_OK(report);
     for (const Finding& f : report->problems) {
       if (f.path == "zero_optimization." + key) return f.message;
     }

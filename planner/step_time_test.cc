@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "estimator/model_source.h"
+#include "tests/status_testing.h"
 
 namespace memplan::planner {
 namespace {
@@ -177,16 +178,16 @@ TEST_CASE("step time: NVMe optimizer and parameters") {
 
 TEST_CASE("step time: LoRA's MFU counts LoRA's FLOPs; QLoRA pays its dequantisation") {
   auto inventory = estimator::LoadModel("llama-2-7b", estimator::ModelClassChoice::kFromArchitectures);
-  REQUIRE(inventory.ok());
+  REQUIRE_OK(inventory);
   TrainingSetup s;
   s.seq_len = 1024;
   s.lora_rank = 16;
   auto lora = ModelShapeFor(*inventory, s);
-  REQUIRE(lora.ok());
+  REQUIRE_OK(lora);
   TrainingSetup q = s;
   q.qlora = true;
   auto qlora = ModelShapeFor(*inventory, q);
-  REQUIRE(qlora.ok());
+  REQUIRE_OK(qlora);
   const Cluster c = A100s(1);
   StepTime tl = PredictStepTime(*lora, c, s, 1, true);
   StepTime tq = PredictStepTime(*qlora, c, q, 1, true);
@@ -203,11 +204,11 @@ TEST_CASE("step time: LoRA's MFU counts LoRA's FLOPs; QLoRA pays its dequantisat
 
 TEST_CASE("step time: shapes from the inventory") {
   auto inventory = estimator::LoadModel("llama-2-7b", estimator::ModelClassChoice::kFromArchitectures);
-  REQUIRE(inventory.ok());
+  REQUIRE_OK(inventory);
   TrainingSetup s;
   s.seq_len = 4096;
   auto m = ModelShapeFor(*inventory, s);
-  REQUIRE(m.ok());
+  REQUIRE_OK(m);
   double gemm_params = 0;
   for (const Gemm& g : m->layer_gemms) gemm_params += g.count * g.k * g.n;
   CHECK(gemm_params == doctest::Approx(32.0 * (4 * 4096 * 4096 + 3 * 4096 * 11008)));

@@ -21,6 +21,7 @@
 #include "offload/half.h"
 #include "offload/thread_collective.h"
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 
 namespace memplan::gpu {
 namespace {
@@ -63,7 +64,7 @@ TEST_CASE("cuda runtime: name, device, description") {
   CHECK(note.find("cuda:0: ") == 0);
   MESSAGE(note);
   CHECK(CreateCudaRuntime(-2).status().code() == StatusCode::kInvalidArgument);
-  CHECK(CreateCudaRuntime(kCurrentDevice).ok());  // the thread's current device
+  CHECK_OK(CreateCudaRuntime(kCurrentDevice));  // the thread's current device
   CHECK(CreateCudaRuntime(4096).status().code() == StatusCode::kInvalidArgument);
 }
 
@@ -79,25 +80,25 @@ TEST_CASE("cuda runtime: round trip through the device, registered and pageable 
       auto src = Pattern(bytes, static_cast<uint32_t>(bytes));
       std::vector<uint8_t> back(bytes, 0);
       if (registered) {
-        REQUIRE(rt->RegisterHost(src.data(), bytes).ok());
-        REQUIRE(rt->RegisterHost(back.data(), bytes).ok());
+        REQUIRE_OK(rt->RegisterHost(src.data(), bytes));
+        REQUIRE_OK(rt->RegisterHost(back.data(), bytes));
       }
       void* a = MustAllocate(*rt, bytes);
       void* b = MustAllocate(*rt, bytes);
       CHECK(reinterpret_cast<uintptr_t>(a) % 256 == 0);
       const CopyTicket up = MustCopy(*rt, CopyDirection::kHostToDevice, a, src.data(), bytes);
       // Same stream order across directions is not promised: wait before reading `a` elsewhere.
-      REQUIRE(rt->Wait(up).ok());
-      REQUIRE(rt->Wait(MustCopy(*rt, CopyDirection::kDeviceToDevice, b, a, bytes)).ok());
+      REQUIRE_OK(rt->Wait(up));
+      REQUIRE_OK(rt->Wait(MustCopy(*rt, CopyDirection::kDeviceToDevice, b, a, bytes)));
       const CopyTicket down = MustCopy(*rt, CopyDirection::kDeviceToHost, back.data(), b, bytes);
-      REQUIRE(rt->Wait(down).ok());
+      REQUIRE_OK(rt->Wait(down));
       CHECK(rt->Done(down));
       CHECK(back == src);
-      CHECK(rt->FreeDevice(a).ok());
-      CHECK(rt->FreeDevice(b).ok());
+      CHECK_OK(rt->FreeDevice(a));
+      CHECK_OK(rt->FreeDevice(b));
       if (registered) {
-        CHECK(rt->UnregisterHost(src.data()).ok());
-        CHECK(rt->UnregisterHost(back.data()).ok());
+        CHECK_OK(rt->UnregisterHost(src.data()));
+        CHECK_OK(rt->UnregisterHost(back.data()));
       }
     }
   }
@@ -111,7 +112,7 @@ TEST_CASE("cuda runtime: more copies in flight than the event ring holds") {
   constexpr uint64_t kBytes = 4096;
   std::vector<uint8_t> host(kBytes * kCopies);
   for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint8_t>(i * 7 + i / 4096);
-  REQUIRE(rt->RegisterHost(host.data(), host.size()).ok());
+  REQUIRE_OK(rt->RegisterHost(host.data(), host.size()));
   void* dev = MustAllocate(*rt, host.size());
   std::vector<CopyTicket> tickets;
   for (int i = 0; i < kCopies; ++i) {
@@ -121,15 +122,15 @@ TEST_CASE("cuda runtime: more copies in flight than the event ring holds") {
     if (i > 0) CHECK(tickets[i].sequence == tickets[i - 1].sequence + 1);
   }
   // The oldest ticket's event has been re-recorded twice by now.
-  CHECK(rt->Wait(tickets.front()).ok());
-  CHECK(rt->Wait(tickets.back()).ok());
+  CHECK_OK(rt->Wait(tickets.front()));
+  CHECK_OK(rt->Wait(tickets.back()));
   for (const auto& t : tickets) CHECK(rt->Done(t));
   std::vector<uint8_t> back(host.size());
   REQUIRE(
       rt->Wait(MustCopy(*rt, CopyDirection::kDeviceToHost, back.data(), dev, back.size())).ok());
   CHECK(back == host);
-  CHECK(rt->FreeDevice(dev).ok());
-  CHECK(rt->UnregisterHost(host.data()).ok());
+  CHECK_OK(rt->FreeDevice(dev));
+  CHECK_OK(rt->UnregisterHost(host.data()));
 }
 
 TEST_CASE("cuda runtime: Done polls; Synchronize waits for all directions") {
@@ -147,9 +148,9 @@ TEST_CASE("cuda runtime: Done polls; Synchronize waits for all directions") {
     MustCopy(*rt, CopyDirection::kHostToDevice, a, up.data(), up.size());
     MustCopy(*rt, CopyDirection::kDeviceToHost, down.data(), b, down.size());
   }
-  CHECK(rt->Synchronize().ok());
-  CHECK(rt->FreeDevice(a).ok());
-  CHECK(rt->FreeDevice(b).ok());
+  CHECK_OK(rt->Synchronize());
+  CHECK_OK(rt->FreeDevice(a));
+  CHECK_OK(rt->FreeDevice(b));
 }
 
 TEST_CASE("cuda runtime: threads without a current device copy") {
@@ -185,7 +186,7 @@ TEST_CASE("cuda runtime: accounting and errors") {
   auto rt = MakeRuntime();
   void* a = MustAllocate(*rt, 1000);
   CHECK(rt->device_bytes_in_use() == 1000);
-  CHECK(rt->FreeDevice(a).ok());
+  CHECK_OK(rt->FreeDevice(a));
   CHECK(rt->FreeDevice(a).code() == StatusCode::kInvalidArgument);
   CHECK(rt->device_bytes_in_use() == 0);
   CHECK(rt->AllocateDevice(0).status().code() == StatusCode::kInvalidArgument);
@@ -195,17 +196,17 @@ TEST_CASE("cuda runtime: accounting and errors") {
   CHECK(rt->device_bytes_in_use() == 0);
   // The failed cudaMalloc left no error behind for the next call.
   void* b = MustAllocate(*rt, 512);
-  CHECK(rt->FreeDevice(b).ok());
+  CHECK_OK(rt->FreeDevice(b));
 
   std::vector<uint8_t> host(4096);
   CHECK(rt->UnregisterHost(host.data()).code() == StatusCode::kInvalidArgument);
-  REQUIRE(rt->RegisterHost(host.data(), host.size()).ok());
+  REQUIRE_OK(rt->RegisterHost(host.data(), host.size()));
   Status twice = rt->RegisterHost(host.data(), host.size());
   CHECK(twice.code() == StatusCode::kInvalidArgument);
   MESSAGE(twice.ToString());  // names the call, the CUDA error and file:line
   CHECK(twice.message().find("cudaHostRegister") != std::string::npos);
   CHECK(twice.message().find("cuda_runtime.cc:") != std::string::npos);
-  CHECK(rt->UnregisterHost(host.data()).ok());
+  CHECK_OK(rt->UnregisterHost(host.data()));
 
   CHECK(rt->CopyAsync(CopyDirection::kHostToDevice, nullptr, host.data(), 8).status().code() ==
         StatusCode::kInvalidArgument);
@@ -231,14 +232,14 @@ TEST_CASE("single-process collective over the CUDA runtime") {
   REQUIRE(rt->Wait(gpu::MustCopy(*rt, gpu::CopyDirection::kHostToDevice, send, values.data(),
                                  kCount * 4))
               .ok());
-  REQUIRE(collective->AllGather(send, recv, kCount, ElementType::kFloat32).ok());
+  REQUIRE_OK(collective->AllGather(send, recv, kCount, ElementType::kFloat32));
   std::vector<float> back(kCount);
   REQUIRE(
       rt->Wait(gpu::MustCopy(*rt, gpu::CopyDirection::kDeviceToHost, back.data(), recv, kCount * 4))
           .ok());
   CHECK(back == values);
-  CHECK(rt->FreeDevice(send).ok());
-  CHECK(rt->FreeDevice(recv).ok());
+  CHECK_OK(rt->FreeDevice(send));
+  CHECK_OK(rt->FreeDevice(recv));
 }
 
 TEST_CASE("NCCL collective, one rank") {
@@ -271,21 +272,21 @@ TEST_CASE("NCCL collective, one rank") {
                                    kCount * 4))
                 .ok());
   };
-  REQUIRE(nccl.AllGather(send, recv, kCount, ElementType::kFloat32).ok());
+  REQUIRE_OK(nccl.AllGather(send, recv, kCount, ElementType::kFloat32));
   read_back(recv);
   CHECK(back == values);
-  REQUIRE(nccl.ReduceScatter(send, recv, kCount, ElementType::kFloat32).ok());
+  REQUIRE_OK(nccl.ReduceScatter(send, recv, kCount, ElementType::kFloat32));
   read_back(recv);
   CHECK(back == values);
-  REQUIRE(nccl.AllReduce(send, kCount, ElementType::kFloat32).ok());  // sum over one rank
+  REQUIRE_OK(nccl.AllReduce(send, kCount, ElementType::kFloat32));  // sum over one rank
   read_back(send);
   CHECK(back == values);
-  REQUIRE(nccl.AllReduce(send, kCount / 2, ElementType::kBFloat16).ok());
-  REQUIRE(nccl.AllReduce(send, kCount / 2, ElementType::kFloat16).ok());
+  REQUIRE_OK(nccl.AllReduce(send, kCount / 2, ElementType::kBFloat16));
+  REQUIRE_OK(nccl.AllReduce(send, kCount / 2, ElementType::kFloat16));
   CHECK(nccl.AllGather(nullptr, recv, 4, ElementType::kFloat32).code() ==
         StatusCode::kInvalidArgument);
-  CHECK(rt->FreeDevice(send).ok());
-  CHECK(rt->FreeDevice(recv).ok());
+  CHECK_OK(rt->FreeDevice(send));
+  CHECK_OK(rt->FreeDevice(recv));
 #else
   auto id = NcclUniqueId();
   CHECK(id.status().code() == StatusCode::kUnavailable);
@@ -346,10 +347,10 @@ std::vector<std::vector<float>> TrainEngine(gpu::Runtime& runtime, Collective* c
   AdamOptions adam;
   adam.lr = 1e-2;
   for (int step = 0; step < 3; ++step) {
-    if (prepare) REQUIRE((*engine)->PrepareStep(SwapStepOptions(adam)).ok());
+    if (prepare) REQUIRE_OK((*engine)->PrepareStep(SwapStepOptions(adam)));
     for (int m = kModules - 1; m >= 0; --m) {
       const std::string module = "m" + std::to_string(m);
-      REQUIRE((*engine)->Fetch(module).ok());
+      REQUIRE_OK((*engine)->Fetch(module));
       void* w = *(*engine)->DevicePointer(ids[m]);
       REQUIRE(runtime.Wait(gpu::MustCopy(runtime, gpu::CopyDirection::kDeviceToHost, host.data(),
                                          w, kNumel * pb))
@@ -370,10 +371,10 @@ std::vector<std::vector<float>> TrainEngine(gpu::Runtime& runtime, Collective* c
       REQUIRE(runtime.Wait(gpu::MustCopy(runtime, gpu::CopyDirection::kHostToDevice, grad,
                                          g.data(), kNumel * 4))
                   .ok());
-      REQUIRE((*engine)->GradReady(ids[m], grad, ElementType::kFloat32).ok());
+      REQUIRE_OK((*engine)->GradReady(ids[m], grad, ElementType::kFloat32));
       // The copy reads `grad` later, on the gradient stream: wait before it is overwritten.
-      REQUIRE(runtime.Synchronize().ok());
-      REQUIRE((*engine)->Release(module).ok());
+      REQUIRE_OK(runtime.Synchronize());
+      REQUIRE_OK((*engine)->Release(module));
     }
     Status stepped = (*engine)->Step(SwapStepOptions(adam));
     REQUIRE_MESSAGE(stepped.ok(), stepped.ToString());
@@ -381,11 +382,11 @@ std::vector<std::vector<float>> TrainEngine(gpu::Runtime& runtime, Collective* c
   std::vector<std::vector<float>> out;
   for (ParamId id : ids) {
     out.emplace_back(kNumel);
-    REQUIRE((*engine)->ReadMasterWeights(id, out.back()).ok());
+    REQUIRE_OK((*engine)->ReadMasterWeights(id, out.back()));
   }
   CHECK((*engine)->stats().peak_device_bytes >= (*engine)->stats().device_arena_bytes);
-  CHECK(runtime.FreeDevice(grad).ok());
-  REQUIRE((*engine)->Close().ok());
+  CHECK_OK(runtime.FreeDevice(grad));
+  REQUIRE_OK((*engine)->Close());
   return out;
 }
 
@@ -421,7 +422,7 @@ TEST_CASE("ZeRO-3 over two GPUs through NCCL trains as the thread-group collecti
     return;
   }
   auto group = CreateThreadGroupCollectives(2, nullptr, std::chrono::seconds(60));
-  REQUIRE(group.ok());
+  REQUIRE_OK(group);
   const std::string id = *NcclUniqueId();
   std::vector<std::vector<std::vector<float>>> want(2), got(2);
   testing::TempDir dir("gpu-engine-zero3-");

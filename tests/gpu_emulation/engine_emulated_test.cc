@@ -22,6 +22,7 @@
 #include "tests/testing.h"
 #ifdef MEMPLAN_TEST_OLD_API
 #include "old_api.h"
+#include "tests/status_testing.h"
 #endif
 
 namespace memplan::emulated {
@@ -228,23 +229,23 @@ TEST_CASE("defect 7: the engine's device memory is one arena sized at Start, and
   {
     // Every module fetched and released, twice over: the engine's GPU memory stays in the bound.
     auto runtime = gpu::CreateCudaRuntime(0);
-    REQUIRE(runtime.ok());
+    REQUIRE_OK(runtime);
     EngineOptions options;
     options.schedule = s;
     options.runtime = runtime->get();
     auto engine = Engine::Create(options);
-    REQUIRE(engine.ok());
+    REQUIRE_OK(engine);
     Register(**engine, model);
-    REQUIRE((*engine)->Start().ok());
+    REQUIRE_OK((*engine)->Start());
     gpu_emulation::ResetCounters();
     for (int pass = 0; pass < 2; ++pass) {
       for (const Module& m : model) {
-        REQUIRE((*engine)->Fetch(m.name).ok());
-        REQUIRE((*engine)->Release(m.name).ok());
+        REQUIRE_OK((*engine)->Fetch(m.name));
+        REQUIRE_OK((*engine)->Release(m.name));
       }
     }
     CHECK(gpu_emulation::GetCounters().peak_device_bytes[0] <= bound);
-    REQUIRE((*engine)->Close().ok());
+    REQUIRE_OK((*engine)->Close());
   }
 #ifndef MEMPLAN_TEST_OLD_API
   TrainOptions o;
@@ -264,14 +265,14 @@ TEST_CASE("a fetch that outgrows the arena gives back prefetches first, then fai
   const auto model = SameSizedModules(8, 4096);
   const Schedule s = SmallSchedule(Tier::kCpu, Tier::kCpu, ElementType::kFloat32, 4 * 4096);
   auto runtime = gpu::CreateCudaRuntime(0);
-  REQUIRE(runtime.ok());
+  REQUIRE_OK(runtime);
   EngineOptions options;
   options.schedule = s;
   options.runtime = runtime->get();
   auto engine = Engine::Create(options);
-  REQUIRE(engine.ok());
+  REQUIRE_OK(engine);
   const auto ids = Register(**engine, model);
-  REQUIRE((*engine)->Start().ok());
+  REQUIRE_OK((*engine)->Start());
   {
     Compute compute(true, 0);
     TrainOptions o;
@@ -292,8 +293,8 @@ TEST_CASE("a fetch that outgrows the arena gives back prefetches first, then fai
   CHECK(fetched < 8);
   CHECK(held.code() == StatusCode::kResourceExhausted);
   CHECK(held.message().find("max_live_bytes") != std::string::npos);
-  for (int i = 0; i < fetched; ++i) REQUIRE((*engine)->Release(model[i].name).ok());
-  REQUIRE((*engine)->Close().ok());
+  for (int i = 0; i < fetched; ++i) REQUIRE_OK((*engine)->Release(model[i].name));
+  REQUIRE_OK((*engine)->Close());
 }
 
 // ---- The engine on the emulated GPU: tiers, dtypes, resume
@@ -355,11 +356,11 @@ std::vector<std::vector<std::vector<float>>> TrainZero3(bool nccl, int world,
   std::string id;
   if (!nccl) {
     auto made = offload::CreateThreadGroupCollectives(world, nullptr, std::chrono::seconds(20));
-    REQUIRE(made.ok());
+    REQUIRE_OK(made);
     group = std::move(made).value();
   } else {
     auto made = offload::NcclUniqueId();
-    REQUIRE(made.ok());
+    REQUIRE_OK(made);
     id = *made;
   }
   std::vector<std::vector<std::vector<float>>> out(static_cast<size_t>(world));

@@ -20,6 +20,7 @@
 #include "offload/param_swapper.h"
 #ifdef MEMPLAN_TEST_OLD_API
 #include "old_api.h"
+#include "tests/status_testing.h"
 #endif
 
 namespace memplan::emulated {
@@ -49,7 +50,7 @@ struct Pinned {
   Pinned(gpu::Runtime& runtime, size_t size) : rt(runtime) {
     data = static_cast<std::byte*>(::operator new (size, std::align_val_t{4096}));
     std::memset(data, 0, size);
-    REQUIRE(rt.RegisterHost(data, size).ok());
+    REQUIRE_OK(rt.RegisterHost(data, size));
   }
   ~Pinned() {
     (void)rt.UnregisterHost(data);
@@ -98,7 +99,7 @@ TEST_CASE("emulation: host code that dereferences device memory faults") {
   REQUIRE(::waitpid(child, &status, 0) == child);
   // Killed by SIGSEGV (or, under a sanitizer, reported and exited non-zero): never a clean exit.
   CHECK_FALSE((WIFEXITED(status) && WEXITSTATUS(status) == 0));
-  CHECK(rt->FreeDevice(device).ok());
+  CHECK_OK(rt->FreeDevice(device));
 }
 
 #ifndef MEMPLAN_TEST_OLD_API  // fences are new
@@ -108,18 +109,18 @@ TEST_CASE("emulation: a copy not ordered after a kernel reads what was there bef
   TrainerStream trainer;
   void* device = *rt->AllocateDevice(4096);
   Pinned host(*rt, 4096);
-  REQUIRE(rt->Wait(*rt->CopyAsync(CopyDirection::kHostToDevice, device, host.data, 4096)).ok());
+  REQUIRE_OK(rt->Wait(*rt->CopyAsync(CopyDirection::kHostToDevice, device, host.data, 4096)));
   LateWrite(trainer.stream, device, 4096, 7, 30);
   // Not ordered: the copy stream does not wait for the trainer's kernel.
-  REQUIRE(rt->Wait(*rt->CopyAsync(CopyDirection::kDeviceToHost, host.data, device, 4096)).ok());
+  REQUIRE_OK(rt->Wait(*rt->CopyAsync(CopyDirection::kDeviceToHost, host.data, device, 4096)));
   CHECK(host.data[0] == std::byte{0});
   // Ordered with a fence: it sees the kernel's bytes.
   LateWrite(trainer.stream, device, 4096, 9, 30);
-  REQUIRE(rt->OrderAfter(CopyDirection::kDeviceToHost, gpu::Stream{trainer.stream}).ok());
-  REQUIRE(rt->Wait(*rt->CopyAsync(CopyDirection::kDeviceToHost, host.data, device, 4096)).ok());
+  REQUIRE_OK(rt->OrderAfter(CopyDirection::kDeviceToHost, gpu::Stream{trainer.stream}));
+  REQUIRE_OK(rt->Wait(*rt->CopyAsync(CopyDirection::kDeviceToHost, host.data, device, 4096)));
   CHECK(host.data[0] == std::byte{9});
   CHECK(host.data[4095] == std::byte{9});
-  CHECK(rt->FreeDevice(device).ok());
+  CHECK_OK(rt->FreeDevice(device));
 }
 #endif
 
@@ -149,7 +150,7 @@ TEST_CASE("emulation: pageable copies are synchronous, pinned ones are not") {
   CHECK(c.d2h_pageable_bytes == 4096);
   CHECK(c.d2h_pinned_bytes == 4096);
   CHECK(c.pageable_copies == 1);
-  CHECK(rt->FreeDevice(device).ok());
+  CHECK_OK(rt->FreeDevice(device));
 }
 
 TEST_CASE("emulation: capped device memory, injected faults, and their Status") {
@@ -162,20 +163,20 @@ TEST_CASE("emulation: capped device memory, injected faults, and their Status") 
   MESSAGE(too_big.status().ToString());
   void* a = *rt->AllocateDevice(uint64_t{60} << 20);
   CHECK(rt->AllocateDevice(uint64_t{8} << 20).status().code() == StatusCode::kResourceExhausted);
-  CHECK(rt->FreeDevice(a).ok());
+  CHECK_OK(rt->FreeDevice(a));
   CHECK(gpu_emulation::GetCounters().failed_mallocs == 2);
   // The second copy fails as a broken transfer would: IoError naming the call and the error.
   void* d = *rt->AllocateDevice(4096);
   Pinned host(*rt, 4096);
   gpu_emulation::FailNthCall("cudaMemcpyAsync", 2, cudaErrorLaunchFailure);
-  CHECK(rt->CopyAsync(CopyDirection::kHostToDevice, d, host.data, 4096).ok());
+  CHECK_OK(rt->CopyAsync(CopyDirection::kHostToDevice, d, host.data, 4096));
   auto failed = rt->CopyAsync(CopyDirection::kHostToDevice, d, host.data, 4096);
   CHECK(failed.status().code() == StatusCode::kIoError);
   CHECK(failed.status().message().find("cudaMemcpyAsync") != std::string::npos);
   CHECK(failed.status().message().find("cudaErrorLaunchFailure") != std::string::npos);
-  CHECK(rt->CopyAsync(CopyDirection::kHostToDevice, d, host.data, 4096).ok());  // one-shot
-  CHECK(rt->Synchronize().ok());
-  CHECK(rt->FreeDevice(d).ok());
+  CHECK_OK(rt->CopyAsync(CopyDirection::kHostToDevice, d, host.data, 4096));  // one-shot
+  CHECK_OK(rt->Synchronize());
+  CHECK_OK(rt->FreeDevice(d));
 }
 
 // ---- CudaRuntime on the emulation
@@ -188,11 +189,11 @@ TEST_CASE("cuda runtime: waits sleep, they do not spin") {  // a defect the revi
   Pinned host(*rt, 1 << 20);
   gpu_emulation::ResetCounters();
   for (int i = 0; i < 8; ++i) {
-    REQUIRE(rt->Wait(*rt->CopyAsync(CopyDirection::kHostToDevice, d, host.data, 1 << 20)).ok());
+    REQUIRE_OK(rt->Wait(*rt->CopyAsync(CopyDirection::kHostToDevice, d, host.data, 1 << 20)));
   }
   CHECK(gpu_emulation::GetCounters().event_syncs > 0);
   CHECK(gpu_emulation::GetCounters().spin_waits == 0);
-  CHECK(rt->FreeDevice(d).ok());
+  CHECK_OK(rt->FreeDevice(d));
 }
 
 TEST_CASE("cuda runtime: the current device by default; devices are checked") {
@@ -221,7 +222,7 @@ TEST_CASE("cuda runtime: the current device by default; devices are checked") {
   CHECK(fence.status().code() == StatusCode::kInvalidArgument);
   MESSAGE(fence.status().ToString());
 #endif
-  CHECK(rt1->FreeDevice(on1).ok());
+  CHECK_OK(rt1->FreeDevice(on1));
 }
 
 // ---- NcclCollective on the emulation
@@ -307,7 +308,7 @@ TEST_CASE("defect 5: a rank that stops calling fails its peers' collective at th
     MEMPLAN_RETURN_IF_ERROR(rt->FreeDevice(d));
     return result;
   });
-  CHECK(status[1].ok());
+  CHECK_OK(status[1]);
   CHECK(status[0].code() == StatusCode::kIoError);
   MESSAGE(status[0].ToString());
   CHECK(status[0].message().find("ncclAllGather(1024 x fp32) did not finish within") !=
@@ -348,8 +349,8 @@ TEST_CASE("nccl collective: bf16 on an NCCL without it is Unimplemented, not a g
   Status s = (*nccl)->AllReduce(d, 1024, offload::ElementType::kBFloat16);
   CHECK(s.code() == StatusCode::kUnimplemented);
   MESSAGE(s.ToString());
-  CHECK((*nccl)->AllReduce(d, 1024, offload::ElementType::kFloat16).ok());
-  CHECK(rt->FreeDevice(d).ok());
+  CHECK_OK((*nccl)->AllReduce(d, 1024, offload::ElementType::kFloat16));
+  CHECK_OK(rt->FreeDevice(d));
 }
 
 // ---- Synchronisations a test must see go missing (mutate.py beside this file)
@@ -377,13 +378,13 @@ TEST_CASE("cuda runtime: WaitFenceOnHost returns only after the fence's work has
   auto done = std::make_shared<std::atomic<bool>>(false);
   HeldKernel(trainer.stream, release, done);
   auto fence = rt->RecordFence(gpu::Stream{trainer.stream});
-  REQUIRE(fence.ok());
+  REQUIRE_OK(fence);
   std::thread releaser([release] {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     release->store(true);
   });
   // The host may free or reuse what the kernel reads once this returns.
-  CHECK(rt->WaitFenceOnHost(*fence).ok());
+  CHECK_OK(rt->WaitFenceOnHost(*fence));
   CHECK(done->load());
   releaser.join();
 }
@@ -407,8 +408,8 @@ TEST_CASE("cuda runtime: destroying it waits for the copies it queued") {
   {
     auto rt = Cuda();
     HeldKernel(trainer.stream, release, done);
-    REQUIRE(rt->OrderAfter(CopyDirection::kDeviceToHost, gpu::Stream{trainer.stream}).ok());
-    REQUIRE(rt->CopyAsync(CopyDirection::kDeviceToHost, host, device, 4096).ok());
+    REQUIRE_OK(rt->OrderAfter(CopyDirection::kDeviceToHost, gpu::Stream{trainer.stream}));
+    REQUIRE_OK(rt->CopyAsync(CopyDirection::kDeviceToHost, host, device, 4096));
     releaser = std::thread([release] {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       release->store(true);
@@ -436,10 +437,10 @@ TEST_CASE("cuda runtime: a full event ring makes CopyAsync wait for the oldest c
     auto done = std::make_shared<std::atomic<bool>>(false);
     HeldKernel(trainer.stream, release, done);
     // Every copy below starts after the held kernel.
-    REQUIRE(rt->OrderAfter(CopyDirection::kHostToDevice, gpu::Stream{trainer.stream}).ok());
+    REQUIRE_OK(rt->OrderAfter(CopyDirection::kHostToDevice, gpu::Stream{trainer.stream}));
     constexpr int kRing = 1024;
     auto first = rt->CopyAsync(CopyDirection::kHostToDevice, device, host.data, 64);
-    REQUIRE(first.ok());
+    REQUIRE_OK(first);
     CHECK_FALSE(rt->Done(*first));  // held: Done polls, it does not guess
     std::atomic<int> queued{1};
     std::atomic<bool> last_saw_kernel_done{false};
@@ -461,9 +462,9 @@ TEST_CASE("cuda runtime: a full event ring makes CopyAsync wait for the oldest c
     CHECK(queued.load() == kRing + 1);
     CHECK(last_saw_kernel_done.load());  // copy 1 ran, so the kernel before it had
     CHECK(rt->Done(*first));
-    CHECK(rt->Synchronize().ok());
+    CHECK_OK(rt->Synchronize());
   }
-  CHECK(rt->FreeDevice(device).ok());
+  CHECK_OK(rt->FreeDevice(device));
 }
 
 TEST_CASE("param swapper: EndOfStep waits for the copies of the prefetches it drops") {
@@ -484,20 +485,20 @@ TEST_CASE("param swapper: EndOfStep waits for the copies of the prefetches it dr
   o.max_live_bytes = 2 * kBig * 2;
   o.prefetch_bytes = (kBig + kSmall) * 2;
   auto made = offload::ParamSwapper::Create(o);
-  REQUIRE(made.ok());
+  REQUIRE_OK(made);
   offload::ParamSwapper& swapper = **made;
-  REQUIRE(swapper.Add("a", "A", kBig).ok());
-  REQUIRE(swapper.Add("b", "B", kBig).ok());
-  REQUIRE(swapper.Add("c", "C", kSmall).ok());
-  REQUIRE(swapper.Finalize().ok());
+  REQUIRE_OK(swapper.Add("a", "A", kBig));
+  REQUIRE_OK(swapper.Add("b", "B", kBig));
+  REQUIRE_OK(swapper.Add("c", "C", kSmall));
+  REQUIRE_OK(swapper.Finalize());
   const gpu::Stream stream{trainer.stream};
   for (const char* m : {"A", "B", "C"}) {  // step 1 records the trace
-    REQUIRE(swapper.Fetch(m).ok());
-    REQUIRE(swapper.Release(m, stream).ok());
+    REQUIRE_OK(swapper.Fetch(m));
+    REQUIRE_OK(swapper.Release(m, stream));
   }
-  REQUIRE(swapper.EndOfStep().ok());
+  REQUIRE_OK(swapper.EndOfStep());
   const uint64_t loaded_before = swapper.stats().h2d_bytes;
-  REQUIRE(swapper.Fetch("A").ok());
+  REQUIRE_OK(swapper.Fetch("A"));
   // B, prefetched with A, is loaded before the kernel below holds the lane.
   const auto wait_loaded = [&](uint64_t bytes) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -510,22 +511,22 @@ TEST_CASE("param swapper: EndOfStep waits for the copies of the prefetches it dr
   auto release = std::make_shared<std::atomic<bool>>(false);
   auto done = std::make_shared<std::atomic<bool>>(false);
   HeldKernel(trainer.stream, release, done);
-  REQUIRE(swapper.Release("A", stream).ok());
-  REQUIRE(swapper.Fetch("B").ok());  // prefetches C, whose copy waits for the kernel
+  REQUIRE_OK(swapper.Release("A", stream));
+  REQUIRE_OK(swapper.Fetch("B"));  // prefetches C, whose copy waits for the kernel
   const uint64_t want = loaded_before + 2 * (2 * kBig + kSmall);
   REQUIRE(wait_loaded(want) == want);  // C's copy is queued
-  REQUIRE(swapper.Release("B", stream).ok());
+  REQUIRE_OK(swapper.Release("B", stream));
   std::thread releaser([release] {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     release->store(true);
   });
-  REQUIRE(swapper.EndOfStep().ok());  // the step ends before C: its prefetch is dropped
+  REQUIRE_OK(swapper.EndOfStep());  // the step ends before C: its prefetch is dropped
   CHECK(done->load());                // ... and its copy, after the kernel, has run
   CHECK(swapper.stats().prefetch_wasted >= 1);
   // The optimizer's write-back into the arena C's copy read (ThreadSanitizer sees a race here
   // when EndOfStep did not wait).
   std::vector<uint16_t> values(swapper.partition_elements(), 0x3f80);
-  CHECK(swapper.WriteHalf(0, values).ok());
+  CHECK_OK(swapper.WriteHalf(0, values));
   releaser.join();
 }
 
