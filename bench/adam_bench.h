@@ -46,8 +46,8 @@ struct TriadBenchOptions {
   // Elements of each of the three fp64 arrays (>= 1024). Default 32M (768 MiB in all, as much
   // memory as the default Adam bench's 50M params touch, and far more than any cache).
   uint64_t elements = uint64_t{32} << 20;
-  int threads = 1;  // >= 1
-  int repeats = 10; // >= 1, after one untimed pass
+  int threads = 1;   // >= 1
+  int repeats = 10;  // >= 1, after one untimed pass
   Status Validate() const;
 };
 

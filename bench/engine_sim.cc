@@ -82,22 +82,38 @@ Flags Parse(int argc, char** argv) {
       if (i + 1 >= argc) Die("missing value after " + a);
       return argv[++i];
     };
-    if (a == "--path") f.path = next();
-    else if (a == "--layers") f.layers = std::stoi(next());
-    else if (a == "--layer-elements") f.layer_elements = std::stoull(next());
-    else if (a == "--compute-ms") f.compute_ms = std::stod(next());
-    else if (a == "--steps") f.steps = std::stoi(next());
-    else if (a == "--buffer-bytes") f.buffer_bytes = ParseSize(next());
-    else if (a == "--buffer-count") f.buffer_count = static_cast<uint32_t>(std::stoul(next()));
-    else if (a == "--prefetch-bytes") f.prefetch_bytes = ParseSize(next());
-    else if (a == "--max-live-bytes") f.max_live_bytes = ParseSize(next());
-    else if (a == "--queue-depth") f.queue_depth = static_cast<uint32_t>(std::stoul(next()));
-    else if (a == "--io-threads") f.io_threads = static_cast<uint32_t>(std::stoul(next()));
-    else if (a == "--backend") f.backend = next();
-    else if (a == "--no-direct") f.direct = false;
-    else if (a == "--optimizer-tier") f.optimizer_tier = next();
-    else if (a == "--overlap") f.overlap = true;
-    else if (a == "--json") f.json = true;
+    if (a == "--path")
+      f.path = next();
+    else if (a == "--layers")
+      f.layers = std::stoi(next());
+    else if (a == "--layer-elements")
+      f.layer_elements = std::stoull(next());
+    else if (a == "--compute-ms")
+      f.compute_ms = std::stod(next());
+    else if (a == "--steps")
+      f.steps = std::stoi(next());
+    else if (a == "--buffer-bytes")
+      f.buffer_bytes = ParseSize(next());
+    else if (a == "--buffer-count")
+      f.buffer_count = static_cast<uint32_t>(std::stoul(next()));
+    else if (a == "--prefetch-bytes")
+      f.prefetch_bytes = ParseSize(next());
+    else if (a == "--max-live-bytes")
+      f.max_live_bytes = ParseSize(next());
+    else if (a == "--queue-depth")
+      f.queue_depth = static_cast<uint32_t>(std::stoul(next()));
+    else if (a == "--io-threads")
+      f.io_threads = static_cast<uint32_t>(std::stoul(next()));
+    else if (a == "--backend")
+      f.backend = next();
+    else if (a == "--no-direct")
+      f.direct = false;
+    else if (a == "--optimizer-tier")
+      f.optimizer_tier = next();
+    else if (a == "--overlap")
+      f.overlap = true;
+    else if (a == "--json")
+      f.json = true;
     else if (a == "--help" || a == "-h") {
       std::printf("see the comment at the top of bench/engine_sim.cc\n");
       std::exit(0);
@@ -186,7 +202,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> modules;
   for (int l = 0; l < f.layers; ++l) {
     modules.push_back("layer" + std::to_string(l));
-    off::ParamSpec spec{modules.back() + ".weight", modules.back(),
+    off::ParamSpec spec{modules.back() + ".weight",
+                        modules.back(),
                         {static_cast<int64_t>(f.layer_elements)},
                         [](uint64_t, std::span<float> out) {
                           std::fill(out.begin(), out.end(), 0.01f);
@@ -298,42 +315,45 @@ int main(int argc, char** argv) {
         {"step_total_s", sum_total / (f.steps - 1)},
         {"step_wait_s", sum_step_wait / (f.steps - 1)},
         {"nvme_read_bytes", sum_read / (f.steps - 1)}}},
-      {"budgets_held",
-       final_stats.param.peak_live_bytes <= f.max_live_bytes &&
-           final_stats.param.peak_ahead_bytes <= f.prefetch_bytes}};
+      {"budgets_held", final_stats.param.peak_live_bytes <= f.max_live_bytes &&
+                           final_stats.param.peak_ahead_bytes <= f.prefetch_bytes}};
   if (f.json) {
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
   }
-  std::printf("engine_sim: %d layers x %llu bf16 elements (%.1f MiB on NVMe, %.1fx the %.1f MiB "
-              "pinned staging), compute %.1f ms per module pass, drive read %.3g B/s with %u I/O "
-              "thread(s)\n",
-              f.layers, static_cast<unsigned long long>(f.layer_elements), param_bytes / 1048576.0,
-              static_cast<double>(param_bytes) / pinned, pinned / 1048576.0, f.compute_ms, read_bw,
-              f.io_threads);
+  std::printf(
+      "engine_sim: %d layers x %llu bf16 elements (%.1f MiB on NVMe, %.1fx the %.1f MiB "
+      "pinned staging), compute %.1f ms per module pass, drive read %.3g B/s with %u I/O "
+      "thread(s)\n",
+      f.layers, static_cast<unsigned long long>(f.layer_elements), param_bytes / 1048576.0,
+      static_cast<double>(param_bytes) / pinned, pinned / 1048576.0, f.compute_ms, read_bw,
+      f.io_threads);
   std::printf("  optimizer %s%s\n", f.optimizer_tier.c_str(),
               f.overlap ? ", overlapped with backward (PrepareStep)" : ", after backward");
-  std::printf("  step   pass_s  stall_s  stall%%   io_s  ideal_s  pass/ideal  grad_s  step_s  "
-              "total_s | opt_s  read_s write_s  sync_s bwait_s gstall_s  overlap\n");
+  std::printf(
+      "  step   pass_s  stall_s  stall%%   io_s  ideal_s  pass/ideal  grad_s  step_s  "
+      "total_s | opt_s  read_s write_s  sync_s bwait_s gstall_s  overlap\n");
   for (const auto& st : steps) {
     const auto& p = st["step_profile"];
-    std::printf("  %4d  %7.3f  %7.3f  %5.1f  %6.3f  %7.3f  %9.3f  %6.3f  %6.3f  %7.3f | %5.3f  "
-                "%6.3f  %6.3f  %6.3f  %6.3f  %7.3f  %3llu/%-3llu\n",
-                st["step"].get<int>(), st["pass_s"].get<double>(), st["stall_s"].get<double>(),
-                100 * st["stall_fraction"].get<double>(), st["io_s"].get<double>(),
-                st["ideal_s"].get<double>(), st["pass_over_ideal"].get<double>(),
-                st["grad_s"].get<double>(), st["optimizer_s"].get<double>(),
-                st["step_total_s"].get<double>(), p["optimizer_s"].get<double>(),
-                p["read_s"].get<double>(), p["write_s"].get<double>(), p["sync_s"].get<double>(),
-                p["backward_wait_s"].get<double>(), p["stall_s"].get<double>(),
-                static_cast<unsigned long long>(p["sub_groups_before_step"].get<uint64_t>()),
-                static_cast<unsigned long long>(p["sub_groups"].get<uint64_t>()));
+    std::printf(
+        "  %4d  %7.3f  %7.3f  %5.1f  %6.3f  %7.3f  %9.3f  %6.3f  %6.3f  %7.3f | %5.3f  "
+        "%6.3f  %6.3f  %6.3f  %6.3f  %7.3f  %3llu/%-3llu\n",
+        st["step"].get<int>(), st["pass_s"].get<double>(), st["stall_s"].get<double>(),
+        100 * st["stall_fraction"].get<double>(), st["io_s"].get<double>(),
+        st["ideal_s"].get<double>(), st["pass_over_ideal"].get<double>(),
+        st["grad_s"].get<double>(), st["optimizer_s"].get<double>(),
+        st["step_total_s"].get<double>(), p["optimizer_s"].get<double>(), p["read_s"].get<double>(),
+        p["write_s"].get<double>(), p["sync_s"].get<double>(), p["backward_wait_s"].get<double>(),
+        p["stall_s"].get<double>(),
+        static_cast<unsigned long long>(p["sub_groups_before_step"].get<uint64_t>()),
+        static_cast<unsigned long long>(p["sub_groups"].get<uint64_t>()));
   }
   const auto& m = out["mean_after_first"];
-  std::printf("  after step 1: stall %.2f%% of the pass, pass / max(compute, I/O) = %.3f; whole "
-              "step %.3f s (Step() %.3f s); budgets %s\n",
-              100 * m["stall_fraction"].get<double>(), m["pass_over_ideal"].get<double>(),
-              m["step_total_s"].get<double>(), m["step_wait_s"].get<double>(),
-              out["budgets_held"].get<bool>() ? "held" : "EXCEEDED");
+  std::printf(
+      "  after step 1: stall %.2f%% of the pass, pass / max(compute, I/O) = %.3f; whole "
+      "step %.3f s (Step() %.3f s); budgets %s\n",
+      100 * m["stall_fraction"].get<double>(), m["pass_over_ideal"].get<double>(),
+      m["step_total_s"].get<double>(), m["step_wait_s"].get<double>(),
+      out["budgets_held"].get<bool>() ? "held" : "EXCEEDED");
   return 0;
 }

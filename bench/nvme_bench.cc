@@ -95,20 +95,34 @@ std::string FilesystemName(const std::string& directory) {
   struct statfs fs {};
   if (::statfs(directory.c_str(), &fs) != 0) return "unknown";
   switch (static_cast<uint64_t>(fs.f_type)) {
-    case 0xEF53: return "ext4";  // ext2/3/4 share the magic
-    case 0x58465342: return "xfs";
-    case 0x9123683E: return "btrfs";
-    case 0xF2F52010: return "f2fs";
-    case 0x2FC12FC1: return "zfs";
-    case 0x01021994: return "tmpfs";
-    case 0x858458F6: return "ramfs";
-    case 0x794C7630: return "overlayfs";
-    case 0x6969: return "nfs";
-    case 0xFF534D42: return "cifs";
-    case 0x65735546: return "fuse";
-    case 0x47504653: return "gpfs";
-    case 0x0BD00BD0: return "lustre";
-    default: break;
+    case 0xEF53:
+      return "ext4";  // ext2/3/4 share the magic
+    case 0x58465342:
+      return "xfs";
+    case 0x9123683E:
+      return "btrfs";
+    case 0xF2F52010:
+      return "f2fs";
+    case 0x2FC12FC1:
+      return "zfs";
+    case 0x01021994:
+      return "tmpfs";
+    case 0x858458F6:
+      return "ramfs";
+    case 0x794C7630:
+      return "overlayfs";
+    case 0x6969:
+      return "nfs";
+    case 0xFF534D42:
+      return "cifs";
+    case 0x65735546:
+      return "fuse";
+    case 0x47504653:
+      return "gpfs";
+    case 0x0BD00BD0:
+      return "lustre";
+    default:
+      break;
   }
   char hex[32];
   std::snprintf(hex, sizeof(hex), "unknown (0x%" PRIx64 ")", static_cast<uint64_t>(fs.f_type));
@@ -336,8 +350,7 @@ Result<Phase> RunPhase(IoEngine& engine, int file, const BenchFile& bench_file, 
     }
   }
   // A stopped run throws its data away: syncing gigabytes of it would only delay the stop.
-  if (op == OpType::kWrite && offset > 0 && !phase.stopped &&
-      ::fdatasync(bench_file.fd()) != 0) {
+  if (op == OpType::kWrite && offset > 0 && !phase.stopped && ::fdatasync(bench_file.fd()) != 0) {
     return Status::FromErrno(errno, bench_file.path() + ": fdatasync failed");
   }
   phase.seconds = elapsed();
@@ -379,8 +392,7 @@ struct Rig {
 Result<std::unique_ptr<Rig>> MakeRig(BackendKind kind, uint32_t block_size, uint32_t queue_depth,
                                      uint32_t threads, const BenchFile& bench_file) {
   auto rig = std::make_unique<Rig>();
-  MEMPLAN_ASSIGN_OR_RETURN(rig->set,
-                           CreateBackends(kind, BackendOptionsFor(queue_depth), threads));
+  MEMPLAN_ASSIGN_OR_RETURN(rig->set, CreateBackends(kind, BackendOptionsFor(queue_depth), threads));
   IoEngineOptions engine_options;
   engine_options.block_size = block_size;
   engine_options.threads = threads;
@@ -446,12 +458,14 @@ std::string MegabytesPerSecond(bool measured, double bytes_per_s) {
 
 }  // namespace
 
-
 std::string_view BenchRwName(BenchRw rw) {
   switch (rw) {
-    case BenchRw::kRead: return "read";
-    case BenchRw::kWrite: return "write";
-    case BenchRw::kBoth: return "both";
+    case BenchRw::kRead:
+      return "read";
+    case BenchRw::kWrite:
+      return "write";
+    case BenchRw::kBoth:
+      return "both";
   }
   return "?";
 }
@@ -658,8 +672,8 @@ Result<NvmeBenchReport> RunNvmeBench(const NvmeBenchOptions& options,
     }
     const std::string name =
         PointName(point.backend, point.block_size, point.queue_depth, point.threads);
-    auto rig = MakeRig(point.backend, point.block_size, point.queue_depth, point.threads,
-                       bench_file);
+    auto rig =
+        MakeRig(point.backend, point.block_size, point.queue_depth, point.threads, bench_file);
     if (!rig.ok()) return rig.status().WithPrefix(name);
     NvmeBenchResult result;
     result.backend = (*rig)->set.kind;
@@ -726,9 +740,9 @@ Result<NvmeBenchReport> RunNvmeBench(const NvmeBenchOptions& options,
   if (report.best >= 0 && options.threads.size() == 1) {
     report.notes.push_back(
         "intra_op_parallelism " + std::to_string(options.threads.front()) + ": " +
-        (options.threads.front() == 1 ? std::string("one thread issued every request")
-                                      : std::to_string(options.threads.front()) +
-                                            " threads split every call") +
+        (options.threads.front() == 1
+             ? std::string("one thread issued every request")
+             : std::to_string(options.threads.front()) + " threads split every call") +
         " (threads not swept; --threads 1,2,4 sweeps them)");
   }
   return report;

@@ -84,7 +84,7 @@ struct NvmeBenchOptions {
 // One measured configuration. A direction not measured has `*_bytes` 0 and `*_seconds` 0.
 struct NvmeBenchResult {
   nvme::BackendKind backend = nvme::BackendKind::kAuto;  // the backend used (never kAuto)
-  bool direct = false;                       // O_DIRECT was in effect
+  bool direct = false;                                   // O_DIRECT was in effect
   uint32_t block_size = 0;
   uint32_t queue_depth = 0;
   uint32_t threads = 1;      // intra_op_parallelism
@@ -114,7 +114,7 @@ struct NvmeBenchReport {
   BenchRw rw = BenchRw::kBoth;
   uint64_t size_bytes = 0;
   std::vector<NvmeBenchResult> results;  // in the order run
-  int best = -1;                     // index into results of the highest score(); -1 when none
+  int best = -1;                         // index into results of the highest score(); -1 when none
   int best_aio = -1;  // the best libaio point: what DeepSpeed (libaio only) should use; -1: none
   std::vector<std::string> notes;  // backend choices, fallbacks, time limits: for the user
   bool interrupted = false;        // `stop` was raised; results holds the points completed

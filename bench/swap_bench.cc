@@ -206,9 +206,9 @@ Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
         return Stopped(options);
       }));
   std::vector<float> grads(options.sub_group_elements, 0.01f);
-  std::vector<uint16_t> half_grads(options.sub_group_elements,
-                                   options.grad_dtype == HalfDtype::kFp16 ? FloatToFp16(0.01f)
-                                                                          : FloatToBf16(0.01f));
+  std::vector<uint16_t> half_grads(
+      options.sub_group_elements,
+      options.grad_dtype == HalfDtype::kFp16 ? FloatToFp16(0.01f) : FloatToBf16(0.01f));
   auto write_grads = [&]() -> Status {
     for (uint64_t i = 0; i < swapper->sub_group_count(); ++i) {
       MEMPLAN_RETURN_IF_ERROR(Stopped(options));
@@ -244,8 +244,8 @@ Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
   r.registered_ops = stats.store.io.registered_ops;
   r.direct = stats.store.direct;
   MEMPLAN_RETURN_IF_ERROR(swapper->Close());
-  r.io_seconds = r.read_bytes_per_step / r.read_bytes_per_s +
-                 r.write_bytes_per_step / r.write_bytes_per_s;
+  r.io_seconds =
+      r.read_bytes_per_step / r.read_bytes_per_s + r.write_bytes_per_step / r.write_bytes_per_s;
   r.ratio = r.step_seconds / std::max(r.io_seconds, r.compute_seconds);
   return r;
 }

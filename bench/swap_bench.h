@@ -66,18 +66,18 @@ struct SwapBenchResult {
   offload::HalfDtype grad_dtype = offload::HalfDtype::kNone;
   bool register_buffers = true;
   uint64_t registered_ops = 0;  // requests of the store that named a registered buffer
-  std::string backend;  // what the store ran on
+  std::string backend;          // what the store ran on
   bool direct = false;
-  uint64_t pinned_bytes = 0;       // the swapper's pinned buffers
-  uint64_t state_bytes = 0;        // one copy of weights + states on NVMe (12 bytes per param)
+  uint64_t pinned_bytes = 0;  // the swapper's pinned buffers
+  uint64_t state_bytes = 0;   // one copy of weights + states on NVMe (12 bytes per param)
   uint64_t read_bytes_per_step = 0, write_bytes_per_step = 0;
   double read_bytes_per_s = 0, write_bytes_per_s = 0;  // device bandwidth compared with
-  bool bandwidth_measured = false;                      // measured here (not given)
-  double io_seconds = 0;       // bytes per step at those bandwidths
-  double compute_seconds = 0;  // in-memory AdamW over the same elements
-  double step_seconds = 0;     // mean of the timed steps
+  bool bandwidth_measured = false;                     // measured here (not given)
+  double io_seconds = 0;                               // bytes per step at those bandwidths
+  double compute_seconds = 0;                          // in-memory AdamW over the same elements
+  double step_seconds = 0;                             // mean of the timed steps
   double step_seconds_min = 0;
-  double ratio = 0;            // step_seconds / max(io_seconds, compute_seconds)
+  double ratio = 0;  // step_seconds / max(io_seconds, compute_seconds)
   // The last timed step's stage times (see SwapStepStats).
   double stage_read_s = 0, stage_write_s = 0, stage_compute_s = 0, compute_wait_s = 0, sync_s = 0;
 };

@@ -21,14 +21,28 @@ struct Unit {
 constexpr uint64_t Pow(uint64_t base, int n) { return n == 0 ? 1 : base * Pow(base, n - 1); }
 
 constexpr Unit kUnits[] = {
-    {"", 1},          {"b", 1},
-    {"k", Pow(kKiB, 1)}, {"ki", Pow(kKiB, 1)}, {"kib", Pow(kKiB, 1)},
-    {"m", Pow(kKiB, 2)}, {"mi", Pow(kKiB, 2)}, {"mib", Pow(kKiB, 2)},
-    {"g", Pow(kKiB, 3)}, {"gi", Pow(kKiB, 3)}, {"gib", Pow(kKiB, 3)},
-    {"t", Pow(kKiB, 4)}, {"ti", Pow(kKiB, 4)}, {"tib", Pow(kKiB, 4)},
-    {"p", Pow(kKiB, 5)}, {"pi", Pow(kKiB, 5)}, {"pib", Pow(kKiB, 5)},
-    {"kb", Pow(1000, 1)}, {"mb", Pow(1000, 2)}, {"gb", Pow(1000, 3)},
-    {"tb", Pow(1000, 4)}, {"pb", Pow(1000, 5)},
+    {"", 1},
+    {"b", 1},
+    {"k", Pow(kKiB, 1)},
+    {"ki", Pow(kKiB, 1)},
+    {"kib", Pow(kKiB, 1)},
+    {"m", Pow(kKiB, 2)},
+    {"mi", Pow(kKiB, 2)},
+    {"mib", Pow(kKiB, 2)},
+    {"g", Pow(kKiB, 3)},
+    {"gi", Pow(kKiB, 3)},
+    {"gib", Pow(kKiB, 3)},
+    {"t", Pow(kKiB, 4)},
+    {"ti", Pow(kKiB, 4)},
+    {"tib", Pow(kKiB, 4)},
+    {"p", Pow(kKiB, 5)},
+    {"pi", Pow(kKiB, 5)},
+    {"pib", Pow(kKiB, 5)},
+    {"kb", Pow(1000, 1)},
+    {"mb", Pow(1000, 2)},
+    {"gb", Pow(1000, 3)},
+    {"tb", Pow(1000, 4)},
+    {"pb", Pow(1000, 5)},
 };
 
 }  // namespace
@@ -86,8 +100,7 @@ Result<uint64_t> ParseByteSize(std::string_view text, std::string_view what) {
   if (fraction_digits > 0) {
     // fraction / 10^d of a unit, to the nearest byte; long double holds a unit (<= 2^50) and 18
     // digits well enough for that.
-    const long double part = static_cast<long double>(fraction) /
-                             std::pow(10.0L, fraction_digits) *
+    const long double part = static_cast<long double>(fraction) / std::pow(10.0L, fraction_digits) *
                              static_cast<long double>(found->bytes);
     bytes = CheckedAdd(*bytes, static_cast<uint64_t>(std::llround(part)));
     if (!bytes) return bad("too large");

@@ -41,10 +41,27 @@ TEST_CASE("byte sizes: binary and decimal units, fractions, spaces, case") {
 }
 
 TEST_CASE("byte sizes: zero, signs, junk and overflow are refused naming the flag and the text") {
-  for (std::string_view bad :
-       {"", "G", "-1", "+1", " 1G", "1G ", "1 G B", "12X", "1Gib2", "0x10", "1e9", "nan", "inf",
-        "1..5G", ".", "18446744073709551616", "18446744073709551615K", "17179869184G",
-        "9223372036854775808", "8EiB", "8192PiB"}) {
+  for (std::string_view bad : {"",
+                               "G",
+                               "-1",
+                               "+1",
+                               " 1G",
+                               "1G ",
+                               "1 G B",
+                               "12X",
+                               "1Gib2",
+                               "0x10",
+                               "1e9",
+                               "nan",
+                               "inf",
+                               "1..5G",
+                               ".",
+                               "18446744073709551616",
+                               "18446744073709551615K",
+                               "17179869184G",
+                               "9223372036854775808",
+                               "8EiB",
+                               "8192PiB"}) {
     CAPTURE(bad);
     auto parsed = ParseByteSize(bad, "--cpu-mem");
     REQUIRE_FALSE(parsed.ok());

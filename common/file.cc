@@ -307,9 +307,8 @@ Status AtomicFileGroup::Commit() {
     struct stat dir;
     const std::string parent = ParentDirectory(path);
     if (::stat(parent.c_str(), &dir) != 0) return ErrnoStatus(path, "cannot create", errno);
-    const std::string base = path.substr(path.rfind('/') == std::string::npos
-                                             ? 0
-                                             : path.rfind('/') + 1);
+    const std::string base =
+        path.substr(path.rfind('/') == std::string::npos ? 0 : path.rfind('/') + 1);
     if (!seen.insert({dir.st_dev, dir.st_ino, base}).second) {
       return Status::InvalidArgument(path + ": the same output file is given twice");
     }
@@ -319,8 +318,8 @@ Status AtomicFileGroup::Commit() {
   for (size_t i = 0; i < files.size(); ++i) {
     staged[i].path = files[i].path;
     staged[i].existed = old[i].has_value();
-    Status st = Stage(files[i].path, files[i].contents, files[i].mode,
-                      old[i] ? &*old[i] : nullptr, &staged[i]);
+    Status st = Stage(files[i].path, files[i].contents, files[i].mode, old[i] ? &*old[i] : nullptr,
+                      &staged[i]);
     if (!st.ok()) {
       RemoveStaged(staged);
       return st;
@@ -356,10 +355,9 @@ Status AtomicFileGroup::Commit() {
       bool restored = true;
       for (size_t j = 0; j < i; ++j) {
         Staged& done = staged[j];
-        const bool back = done.existed
-                              ? !done.backup.empty() &&
-                                    ::rename(done.backup.c_str(), done.path.c_str()) == 0
-                              : ::unlink(done.path.c_str()) == 0;
+        const bool back = done.existed ? !done.backup.empty() &&
+                                             ::rename(done.backup.c_str(), done.path.c_str()) == 0
+                                       : ::unlink(done.path.c_str()) == 0;
         // A backup that could not be put back is kept: the only name left of the old contents.
         done.backup.clear();
         restored &= back;

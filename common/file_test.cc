@@ -48,7 +48,8 @@ class Umask {
   mode_t old_;
 };
 
-TEST_CASE("file: WriteFileAtomically replaces the file; a new one gets the umask, an old its mode") {
+TEST_CASE(
+    "file: WriteFileAtomically replaces the file; a new one gets the umask, an old its mode") {
   testing::TempDir tmp("memplan_file_");
   const std::string path = tmp.PathOf("out.json");
   {

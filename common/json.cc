@@ -159,8 +159,8 @@ class JsonBuilder {
 };
 
 template <typename Json>
-Result<Json> Parse(std::string_view text, const std::string& source, int max_depth,
-                   Repeats repeats, size_t max_root_members = SIZE_MAX) {
+Result<Json> Parse(std::string_view text, const std::string& source, int max_depth, Repeats repeats,
+                   size_t max_root_members = SIZE_MAX) {
   MEMPLAN_RETURN_IF_ERROR(CheckNoNulByte(text, source));
   int depth = JsonNestingDepth(text);
   if (depth > max_depth) {
@@ -188,8 +188,7 @@ Result<Json> Parse(std::string_view text, const std::string& source, int max_dep
 
 }  // namespace
 
-Result<nlohmann::json> ParseJson(std::string_view text, const std::string& source,
-                                 int max_depth) {
+Result<nlohmann::json> ParseJson(std::string_view text, const std::string& source, int max_depth) {
   return Parse<nlohmann::json>(text, source, max_depth, Repeats::kLastWins);
 }
 
@@ -201,8 +200,7 @@ Result<nlohmann::json> ParseJsonNoRepeatedKeys(std::string_view text, const std:
 Result<nlohmann::ordered_json> ParseOrderedJsonText(std::string_view text,
                                                     const std::string& source, int max_depth,
                                                     size_t max_root_members) {
-  return Parse<nlohmann::ordered_json>(text, source, max_depth, Repeats::kRefuse,
-                                       max_root_members);
+  return Parse<nlohmann::ordered_json>(text, source, max_depth, Repeats::kRefuse, max_root_members);
 }
 
 Result<int64_t> JsonInteger(const nlohmann::json& value, const std::string& what, int64_t lo,

@@ -198,7 +198,8 @@ class JsonFieldReader {
     if (v.is_number_unsigned()) {
       const uint64_t u = v.get<uint64_t>();
       if constexpr (std::is_signed_v<T>) {
-        return hi >= 0 && u <= static_cast<uint64_t>(hi) && (lo <= 0 || u >= static_cast<uint64_t>(lo));
+        return hi >= 0 && u <= static_cast<uint64_t>(hi) &&
+               (lo <= 0 || u >= static_cast<uint64_t>(lo));
       } else {
         return u >= lo && u <= hi;
       }

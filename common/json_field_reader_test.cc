@@ -128,8 +128,7 @@ TEST_CASE("JsonFieldReader: an enum's parse error is prefixed with the field") {
     return Status::InvalidArgument("unknown tier \"" + std::string(text) + "\"");
   };
   int tier = -1;
-  CHECK(Message(r.Enum("tier", parse, &tier)) ==
-        "schedule: 'params.tier': unknown tier \"disk\"");
+  CHECK(Message(r.Enum("tier", parse, &tier)) == "schedule: 'params.tier': unknown tier \"disk\"");
   CHECK(tier == -1);
 }
 

@@ -18,9 +18,10 @@ inline size_t DecodeUtf8(std::string_view text, size_t i, uint32_t* code) {
     *code = c;
     return 1;
   }
-  const size_t length = c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3
-                        : c >= 0xf0 && c <= 0xf4                           ? 4
-                                                                           : 0;
+  const size_t length = c >= 0xc2 && c <= 0xdf   ? 2
+                        : c >= 0xe0 && c <= 0xef ? 3
+                        : c >= 0xf0 && c <= 0xf4 ? 4
+                                                 : 0;
   if (length == 0 || i + length > text.size()) return 0;
   uint32_t value = length == 2 ? c & 0x1fu : length == 3 ? c & 0x0fu : c & 0x07u;
   for (size_t k = 1; k < length; ++k) {
@@ -40,7 +41,8 @@ inline size_t DecodeUtf8(std::string_view text, size_t i, uint32_t* code) {
 // as \n, \r, \t or \xHH (\x1b for ESC), C1 controls (U+0080..U+009F) and the bidirectional
 // overrides (U+202A..U+202E, U+2066..U+2069) as \uXXXX, and bytes that are not UTF-8 as \xHH.
 // Everything else, other UTF-8 included, is kept. With `keep_newlines`, '\n' and '\t' are kept (for
-// a multi-line report whose own line breaks are wanted; names in it should be escaped on their own).
+// a multi-line report whose own line breaks are wanted; names in it should be escaped on their
+// own).
 inline std::string Printable(std::string_view text, bool keep_newlines = false) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::string out;

@@ -33,9 +33,9 @@ enum class StatusCode {
   kFailedPrecondition,  // the system is not in a state to do this
   kResourceExhausted,   // memory, disk, a budget
   kUnimplemented,
-  kDataLoss,            // stored data is corrupt or lost (checksum mismatch, torn write)
-  kUnavailable,         // transient: the same call may succeed if retried (EAGAIN, EINTR)
-  kInternal,            // a bug in memplan
+  kDataLoss,     // stored data is corrupt or lost (checksum mismatch, torn write)
+  kUnavailable,  // transient: the same call may succeed if retried (EAGAIN, EINTR)
+  kInternal,     // a bug in memplan
 };
 
 std::string_view StatusCodeName(StatusCode code);
@@ -52,9 +52,7 @@ class [[nodiscard]] Status {
   static Status FailedPrecondition(std::string msg) {
     return {StatusCode::kFailedPrecondition, msg};
   }
-  static Status ResourceExhausted(std::string msg) {
-    return {StatusCode::kResourceExhausted, msg};
-  }
+  static Status ResourceExhausted(std::string msg) { return {StatusCode::kResourceExhausted, msg}; }
   static Status Unimplemented(std::string msg) { return {StatusCode::kUnimplemented, msg}; }
   static Status DataLoss(std::string msg) { return {StatusCode::kDataLoss, msg}; }
   static Status Unavailable(std::string msg) { return {StatusCode::kUnavailable, msg}; }
@@ -92,7 +90,7 @@ template <typename T>
 class [[nodiscard]] Result {
  public:
   Result(T value) : v_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
-  Result(Status status)                       // NOLINT(google-explicit-constructor)
+  Result(Status status)                      // NOLINT(google-explicit-constructor)
       : v_(status.ok() ? Status::Internal("Result constructed from an OK Status")
                        : std::move(status)) {}
 
@@ -120,9 +118,9 @@ class [[nodiscard]] Result {
 #define MEMPLAN_CONCAT_(a, b) MEMPLAN_CONCAT_INNER_(a, b)
 
 // Returns the Status of `expr` from the enclosing function when it is not OK.
-#define MEMPLAN_RETURN_IF_ERROR(expr)                 \
-  do {                                                \
-    ::memplan::Status memplan_status_ = (expr);       \
+#define MEMPLAN_RETURN_IF_ERROR(expr)                  \
+  do {                                                 \
+    ::memplan::Status memplan_status_ = (expr);        \
     if (!memplan_status_.ok()) return memplan_status_; \
   } while (0)
 
@@ -130,6 +128,6 @@ class [[nodiscard]] Result {
 #define MEMPLAN_ASSIGN_OR_RETURN(lhs, expr) \
   MEMPLAN_ASSIGN_OR_RETURN_IMPL_(MEMPLAN_CONCAT_(memplan_result_, __LINE__), lhs, expr)
 #define MEMPLAN_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
-  auto tmp = (expr);                                  \
-  if (!tmp.ok()) return tmp.status();                 \
+  auto tmp = (expr);                                   \
+  if (!tmp.ok()) return tmp.status();                  \
   lhs = std::move(tmp).value()

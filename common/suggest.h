@@ -12,8 +12,7 @@ namespace memplan {
 // neighbours counts one), keeping those within a third of the word's length (at least 1) and
 // candidates that start with the word. Empty when nothing is close.
 std::vector<std::string> ClosestMatches(std::string_view word,
-                                        const std::vector<std::string>& candidates,
-                                        size_t max = 3);
+                                        const std::vector<std::string>& candidates, size_t max = 3);
 
 // The optimal string alignment distance between `a` and `b`: insertions, deletions,
 // substitutions and swaps of two neighbours count one each, exactly as written (no folding).

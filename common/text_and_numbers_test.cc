@@ -19,13 +19,15 @@ TEST_CASE("Printable escapes what a terminal acts on and keeps the rest") {
   CHECK(Printable("a\nb\tc\rd") == "a\\nb\\tc\\rd");
   CHECK(Printable("\x1b[2J\x07\x7f") == "\\x1b[2J\\x07\\x7f");
   CHECK(Printable(std::string("nul\0x", 5)) == "nul\\x00x");
-  CHECK(Printable("\xc2\x9b" "6n") == "\\u009b6n");                // C1 CSI, as UTF-8
-  CHECK(Printable("\xe2\x80\xae" "abc") == "\\u202eabc");          // right-to-left override
-  CHECK(Printable("bad \xff\xfe end") == "bad \\xff\\xfe end");    // not UTF-8
-  CHECK(Printable("\xc0\xaf") == "\\xc0\\xaf");                    // overlong '/'
-  CHECK(Printable("\xed\xa0\x80") == "\\xed\\xa0\\x80");           // a surrogate
-  CHECK(Printable("\xf0\x9f\x98\x80") == "\xf0\x9f\x98\x80");      // an emoji stays
-  CHECK(Printable("cut \xe2\x80") == "cut \\xe2\\x80");            // truncated sequence
+  CHECK(Printable("\xc2\x9b"
+                  "6n") == "\\u009b6n");  // C1 CSI, as UTF-8
+  CHECK(Printable("\xe2\x80\xae"
+                  "abc") == "\\u202eabc");                       // right-to-left override
+  CHECK(Printable("bad \xff\xfe end") == "bad \\xff\\xfe end");  // not UTF-8
+  CHECK(Printable("\xc0\xaf") == "\\xc0\\xaf");                  // overlong '/'
+  CHECK(Printable("\xed\xa0\x80") == "\\xed\\xa0\\x80");         // a surrogate
+  CHECK(Printable("\xf0\x9f\x98\x80") == "\xf0\x9f\x98\x80");    // an emoji stays
+  CHECK(Printable("cut \xe2\x80") == "cut \\xe2\\x80");          // truncated sequence
   CHECK(Printable("two\nlines\tand\x1b", /*keep_newlines=*/true) == "two\nlines\tand\\x1b");
 }
 
@@ -50,7 +52,8 @@ TEST_CASE("JSON readers: repeated keys, key length and depth limits") {
   CHECK(ParseOrderedJsonText(past_limit, "x", 64).status().message() ==
         "x: a key of 4097 bytes (limit 4096)");
 
-  CHECK(ParseJson("[[[1]]]", "x", 2).status().message() == "x: JSON nested 3 levels deep (limit 2)");
+  CHECK(ParseJson("[[[1]]]", "x", 2).status().message() ==
+        "x: JSON nested 3 levels deep (limit 2)");
   CHECK(ParseJson(R"({"r": 1e999})", "x").status().message().find("x: invalid JSON:") == 0);
   auto numbers = ParseJson(R"({"big": 1e308, "u": 18446744073709551615, "i": -5, "f": 0.5})", "x");
   REQUIRE_OK(numbers);

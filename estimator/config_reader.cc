@@ -20,8 +20,8 @@ bool ConfigReader::Has(std::string_view field) const {
 }
 
 Status ConfigReader::FieldError(std::string_view field, std::string_view problem) const {
-  return Status::InvalidArgument(source_ + ": field '" + std::string(field) + "': " +
-                                 std::string(problem));
+  return Status::InvalidArgument(source_ + ": field '" + std::string(field) +
+                                 "': " + std::string(problem));
 }
 
 Result<int64_t> ConfigReader::CountOr(std::string_view field, int64_t fallback) const {

@@ -22,7 +22,8 @@ class ConfigReader {
   static constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;
 
   // `json` must outlive the reader. `source` names the file in errors.
-  ConfigReader(const nlohmann::json& json, std::string source) : json_(json), source_(std::move(source)) {}
+  ConfigReader(const nlohmann::json& json, std::string source)
+      : json_(json), source_(std::move(source)) {}
 
   const std::string& source() const { return source_; }
   const nlohmann::json& json() const { return json_; }

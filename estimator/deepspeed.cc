@@ -86,7 +86,8 @@ Status DeepSpeedHardware::Validate() const {
   if (nodes < 1) return Status::InvalidArgument("`nodes` must be at least 1");
   if (gpus_per_node < 1) return Status::InvalidArgument("`gpus_per_node` must be at least 1");
   if (nodes > kMaxGpus || gpus_per_node > kMaxGpus || nodes * gpus_per_node > kMaxGpus) {
-    return Status::InvalidArgument("`nodes` x `gpus_per_node` is absurdly large (limit 1048576 GPUs)");
+    return Status::InvalidArgument(
+        "`nodes` x `gpus_per_node` is absurdly large (limit 1048576 GPUs)");
   }
   if (!std::isfinite(buffer_factor) || buffer_factor < 0 || buffer_factor > 1000) {
     return Status::InvalidArgument("`buffer_factor` must be a number between 0 and 1000");
@@ -149,8 +150,8 @@ Result<Zero3Row> EstimateZero3(uint64_t total_params, uint64_t largest_layer_par
       cpu = static_cast<double>(exact) * gpus_factor * f;
     } else {
       MEMPLAN_ASSIGN_OR_RETURN(
-          cpu, TimesMax(total_params, 4 * g, static_cast<double>(per_param) * gpus_factor, f,
-                        "cpu"));
+          cpu,
+          TimesMax(total_params, 4 * g, static_cast<double>(per_param) * gpus_factor, f, "cpu"));
     }
   } else {
     MEMPLAN_ASSIGN_OR_RETURN(uint64_t eighteen_p, Mul(18, total_params, "18P"));
@@ -180,9 +181,9 @@ Result<std::vector<Zero3Row>> Zero3Table(uint64_t total_params, uint64_t largest
     for (bool offload_param : {true, false}) {
       if (!offload_optimizer && offload_param) continue;
       for (bool zero_init : {true, false}) {
-        MEMPLAN_ASSIGN_OR_RETURN(Zero3Row row,
-                                 EstimateZero3(total_params, largest_layer_params, hw,
-                                               offload_param, offload_optimizer, zero_init));
+        MEMPLAN_ASSIGN_OR_RETURN(
+            Zero3Row row, EstimateZero3(total_params, largest_layer_params, hw, offload_param,
+                                        offload_optimizer, zero_init));
         rows.push_back(row);
       }
     }

@@ -16,9 +16,9 @@
 namespace memplan::estimator {
 
 struct DeepSpeedHardware {
-  int64_t nodes = 1;             // number of nodes (n); >= 1
-  int64_t gpus_per_node = 1;     // GPUs per node (g); >= 1
-  double buffer_factor = 1.5;    // DeepSpeed's additional_buffer_factor; multiplies CPU memory only
+  int64_t nodes = 1;           // number of nodes (n); >= 1
+  int64_t gpus_per_node = 1;   // GPUs per node (g); >= 1
+  double buffer_factor = 1.5;  // DeepSpeed's additional_buffer_factor; multiplies CPU memory only
 
   // Refuses values < 1, a non-finite or negative factor, and absurd sizes (> 2^20 GPUs), naming
   // the field (Note [Field names in errors] in training_setup.h).

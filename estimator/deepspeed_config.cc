@@ -20,7 +20,9 @@ class DsReader {
   DsReader(const nlohmann::json& j, std::string source, std::string prefix)
       : j_(j), source_(std::move(source)), prefix_(std::move(prefix)) {}
 
-  bool Has(const char* key) const { return j_.is_object() && j_.contains(key) && !j_[key].is_null(); }
+  bool Has(const char* key) const {
+    return j_.is_object() && j_.contains(key) && !j_[key].is_null();
+  }
   bool IsAuto(const char* key) const {
     return Has(key) && j_[key].is_string() && j_[key].get<std::string>() == "auto";
   }
@@ -44,8 +46,8 @@ class DsReader {
     double d = v.get<double>();
     if (!std::isfinite(d) || std::floor(d) != d || d < static_cast<double>(lo) ||
         d > static_cast<double>(hi)) {
-      return Error(key, "must be an integer in [" + std::to_string(lo) + ", " +
-                            std::to_string(hi) + "], got " + v.dump());
+      return Error(key, "must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                            "], got " + v.dump());
     }
     *out = v.is_number_integer() ? v.get<int64_t>() : static_cast<int64_t>(d);
     return Status::Ok();
@@ -76,8 +78,7 @@ class DsReader {
 };
 
 // A bucket size that may be "auto": the Trainer fills it from the model width.
-Status BucketSize(const DsReader& r, const char* key, int64_t hidden, double factor,
-                  int64_t* out) {
+Status BucketSize(const DsReader& r, const char* key, int64_t hidden, double factor, int64_t* out) {
   if (r.IsAuto(key)) {
     if (hidden <= 0) {
       return r.Error(key, "is \"auto\" and the model's hidden size is unknown; give a number");
@@ -93,7 +94,8 @@ Status Device(const DsReader& r, const char* key, OffloadDevice* out) {
   std::string text;
   MEMPLAN_RETURN_IF_ERROR(r.String(key, &text));
   Result<OffloadDevice> device = ParseOffloadDevice(text);
-  if (!device.ok()) return r.Error(key, "must be \"none\", \"cpu\" or \"nvme\", got \"" + text + "\"");
+  if (!device.ok())
+    return r.Error(key, "must be \"none\", \"cpu\" or \"nvme\", got \"" + text + "\"");
   *out = *device;
   return Status::Ok();
 }
@@ -112,9 +114,11 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
 
   // Batch.
   if (top.IsAuto("train_micro_batch_size_per_gpu")) {
-    if (!given("micro_batch")) return top.AutoError("train_micro_batch_size_per_gpu", "`micro_batch`");
+    if (!given("micro_batch"))
+      return top.AutoError("train_micro_batch_size_per_gpu", "`micro_batch`");
   } else if (!given("micro_batch")) {
-    MEMPLAN_RETURN_IF_ERROR(top.Int("train_micro_batch_size_per_gpu", 1, kMaxCount, &s.micro_batch));
+    MEMPLAN_RETURN_IF_ERROR(
+        top.Int("train_micro_batch_size_per_gpu", 1, kMaxCount, &s.micro_batch));
   }
   if (top.IsAuto("gradient_accumulation_steps")) {
     if (!given("grad_accum")) return top.AutoError("gradient_accumulation_steps", "`grad_accum`");
@@ -155,7 +159,8 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
     std::string type;
     MEMPLAN_RETURN_IF_ERROR(opt_r.String("type", &type));
     std::string lower;
-    for (char c : type) lower.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
+    for (char c : type)
+      lower.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
     if (lower == "adam" || lower == "adamw" || lower == "fusedadam" || lower == "cpuadam" ||
         lower == "onebitadam" || lower == "zerooneadam") {
       s.optimizer = Optimizer::kAdamW;
@@ -180,11 +185,12 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
   MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json zero, top.Object("zero_optimization"));
   DsReader z(zero, source, "zero_optimization.");
   int64_t stage = s.zero_stage;
-  for (const char* key : {"allgather_bucket_size", "stage3_max_live_parameters",
-                          "sub_group_size", "stage"}) {
+  for (const char* key :
+       {"allgather_bucket_size", "stage3_max_live_parameters", "sub_group_size", "stage"}) {
     if (z.IsAuto(key)) {
-      return z.Error(key, "is \"auto\", which the Hugging Face Trainer does not fill either; "
-                          "give a number");
+      return z.Error(key,
+                     "is \"auto\", which the Hugging Face Trainer does not fill either; "
+                     "give a number");
     }
   }
   MEMPLAN_RETURN_IF_ERROR(z.Int("stage", 0, 3, &stage));
@@ -198,10 +204,10 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
     s.overlap_comm = overlap;
   }
   MEMPLAN_RETURN_IF_ERROR(BucketSize(z, "reduce_bucket_size", hidden, 1.0, &s.reduce_bucket_size));
-  MEMPLAN_RETURN_IF_ERROR(z.Int("allgather_bucket_size", 0, kMaxBufferElements,
-                                &s.allgather_bucket_size));
-  MEMPLAN_RETURN_IF_ERROR(BucketSize(z, "stage3_prefetch_bucket_size", hidden, 0.9,
-                                     &s.stage3_prefetch_bucket_size));
+  MEMPLAN_RETURN_IF_ERROR(
+      z.Int("allgather_bucket_size", 0, kMaxBufferElements, &s.allgather_bucket_size));
+  MEMPLAN_RETURN_IF_ERROR(
+      BucketSize(z, "stage3_prefetch_bucket_size", hidden, 0.9, &s.stage3_prefetch_bucket_size));
   if (z.IsAuto("stage3_param_persistence_threshold")) {
     if (hidden <= 0) {
       return z.Error("stage3_param_persistence_threshold",
@@ -212,8 +218,8 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
     MEMPLAN_RETURN_IF_ERROR(z.Int("stage3_param_persistence_threshold", 0, kMaxBufferElements,
                                   &s.stage3_param_persistence_threshold));
   }
-  MEMPLAN_RETURN_IF_ERROR(z.Int("stage3_max_live_parameters", 0, kMaxBufferElements,
-                                &s.stage3_max_live_parameters));
+  MEMPLAN_RETURN_IF_ERROR(
+      z.Int("stage3_max_live_parameters", 0, kMaxBufferElements, &s.stage3_max_live_parameters));
   MEMPLAN_RETURN_IF_ERROR(z.Int("sub_group_size", 0, kMaxBufferElements, &s.sub_group_size));
 
   MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json off_opt, z.Object("offload_optimizer"));
@@ -247,8 +253,7 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
   DsReader aio_r(aio, source, "aio.");
   MEMPLAN_RETURN_IF_ERROR(aio_r.Int("block_size", 1, kMaxBufferElements, &s.aio_block_size));
   MEMPLAN_RETURN_IF_ERROR(aio_r.Int("queue_depth", 1, 1 << 16, &s.aio_queue_depth));
-  MEMPLAN_RETURN_IF_ERROR(
-      aio_r.Int("intra_op_parallelism", 1, 64, &s.aio_intra_op_parallelism));
+  MEMPLAN_RETURN_IF_ERROR(aio_r.Int("intra_op_parallelism", 1, 64, &s.aio_intra_op_parallelism));
 
   // train_batch_size = micro * accumulation * data-parallel world: DeepSpeed derives the micro
   // batch from it when train_micro_batch_size_per_gpu is absent, and checks it when both are set.
@@ -269,17 +274,16 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
         CheckedProductInt64({s.micro_batch, s.grad_accum, s.DataParallel()});
     const std::string want = product ? std::to_string(*product) : "more than 2^63";
     if (s.tp >= 1 && s.WorldSize() % s.tp == 0 && product != total) {
-      return top.Error("train_batch_size",
-                       "is " + std::to_string(total) + " but micro batch " +
-                           std::to_string(s.micro_batch) + " x accumulation " +
-                           std::to_string(s.grad_accum) + " x " + std::to_string(s.DataParallel()) +
-                           " data-parallel GPUs = " + want);
+      return top.Error("train_batch_size", "is " + std::to_string(total) + " but micro batch " +
+                                               std::to_string(s.micro_batch) + " x accumulation " +
+                                               std::to_string(s.grad_accum) + " x " +
+                                               std::to_string(s.DataParallel()) +
+                                               " data-parallel GPUs = " + want);
     }
   }
   MEMPLAN_RETURN_IF_ERROR(s.Validate().WithPrefix(source));
   *setup = s;
   return Status::Ok();
 }
-
 
 }  // namespace memplan::estimator

@@ -25,9 +25,9 @@ namespace memplan::estimator {
 // A setting whose field is in `supplied` (the TrainingSetup field names the caller set itself,
 // e.g. from flags: "micro_batch", "grad_accum", "precision", "optimizer", "zero_stage",
 // "offload_optimizer", "offload_param", "checkpointing") keeps the caller's value, "auto" or not.
-// Other "auto" values (the Hugging Face Trainer fills those): bucket sizes are filled as the Trainer does from the model width `hidden` (h*h,
-// 0.9*h*h, 10*h) when hidden > 0; any other "auto" is an error naming the key and the flag that
-// supplies it. Errors name `source` and the key.
+// Other "auto" values (the Hugging Face Trainer fills those): bucket sizes are filled as the
+// Trainer does from the model width `hidden` (h*h, 0.9*h*h, 10*h) when hidden > 0; any other "auto"
+// is an error naming the key and the flag that supplies it. Errors name `source` and the key.
 Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& source,
                             const std::set<std::string>& supplied, int64_t hidden,
                             TrainingSetup* setup);

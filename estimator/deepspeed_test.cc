@@ -80,37 +80,34 @@ TEST_CASE("deepspeed: row order and option flags follow DeepSpeed's loops") {
 
 TEST_CASE("deepspeed: one GPU, where max(4g, 18/n) picks 18") {
   DeepSpeedHardware hw{.nodes = 1, .gpus_per_node = 1};
-  CheckRows(Z3(kT5LargeParams, kT5LargeLargestLayer, hw),
-            {{19917038592, 131596288},
-             {19917038592, 131596288},
-             {17704034304, 1606932480},
-             {17704034304, 1606932480},
-             {197394432, 13409622016},
-             {4426008576, 13409622016}});
+  CheckRows(Z3(kT5LargeParams, kT5LargeLargestLayer, hw), {{19917038592, 131596288},
+                                                           {19917038592, 131596288},
+                                                           {17704034304, 1606932480},
+                                                           {17704034304, 1606932480},
+                                                           {197394432, 13409622016},
+                                                           {4426008576, 13409622016}});
   CheckRows(Z2(kT5LargeParams, hw), {{17704034304, 1475336192}, {4426008576, 14753361920}});
 }
 
 TEST_CASE("deepspeed: inexact 1/n (7 nodes of 3 GPUs) truncates like Python") {
   DeepSpeedHardware hw{.nodes = 7, .gpus_per_node = 3};
-  CheckRows(Z3(kT5LargeParams, kT5LargeLargestLayer, hw),
-            {{2845291227, 131596288},
-             {13278025728, 131596288},
-             {2529147757, 201850392},
-             {13278025728, 201850392},
-             {592183296, 763883227},
-             {13278025728, 763883227}});
+  CheckRows(Z3(kT5LargeParams, kT5LargeLargestLayer, hw), {{2845291227, 131596288},
+                                                           {13278025728, 131596288},
+                                                           {2529147757, 201850392},
+                                                           {13278025728, 201850392},
+                                                           {592183296, 763883227},
+                                                           {13278025728, 763883227}});
   CheckRows(Z2(kT5LargeParams, hw), {{92946180096, 1475336192}, {13278025728, 2107623131}});
 }
 
 TEST_CASE("deepspeed: Llama-2-7b base, 3 nodes x 8 GPUs, buffer factor 1.3") {
   DeepSpeedHardware hw{.nodes = 3, .gpus_per_node = 8, .buffer_factor = 1.3};
-  CheckRows(Z3(6607343616, 131072000, hw),
-            {{51537280204, 524288000},
-             {274865494425, 524288000},
-             {45810915737, 1074899968},
-             {274865494425, 1074899968},
-             {5452595200, 5479795712},
-             {274865494425, 5479795712}});
+  CheckRows(Z3(6607343616, 131072000, hw), {{51537280204, 524288000},
+                                            {274865494425, 524288000},
+                                            {45810915737, 1074899968},
+                                            {274865494425, 1074899968},
+                                            {5452595200, 5479795712},
+                                            {274865494425, 5479795712}});
   CheckRows(Z2(6607343616, hw), {{824596483276, 13214687232}, {274865494425, 18170194944}});
 }
 
@@ -124,8 +121,7 @@ TEST_CASE("deepspeed: invalid hardware and overflow are errors, not numbers") {
             .status()
             .code() == StatusCode::kInvalidArgument);
   const uint64_t huge = uint64_t{1} << 62;
-  CHECK(EstimateZero2(huge, DeepSpeedHardware{}, false).status().code() ==
-        StatusCode::kOutOfRange);
+  CHECK(EstimateZero2(huge, DeepSpeedHardware{}, false).status().code() == StatusCode::kOutOfRange);
   CHECK(EstimateZero3(10, huge, DeepSpeedHardware{}, true, true, true).status().code() ==
         StatusCode::kOutOfRange);
 }

@@ -141,10 +141,9 @@ std::string FormatMemoryText(const Estimate& e) {
   const MemoryEstimate& m = *e.memory;
   const TrainingSetup& s = m.setup;
   std::string out = "\nTrainable: " + WithThousands(m.trainable_params) + " of " +
-         WithThousands(m.params_total + m.lora_params) + " parameters";
+                    WithThousands(m.params_total + m.lora_params) + " parameters";
   if (s.lora_rank > 0) {
-    out += " (LoRA rank " + std::to_string(s.lora_rank) + (s.qlora ? ", QLoRA NF4 base" : "") +
-           ")";
+    out += " (LoRA rank " + std::to_string(s.lora_rank) + (s.qlora ? ", QLoRA NF4 base" : "") + ")";
   }
   out += "\n\nMemory for this setup (GiB; GPU per GPU; CPU, NVMe and pinned per node):\n";
   char line[512];
@@ -170,8 +169,9 @@ std::string FormatMemoryText(const Estimate& e) {
   out += line;
   out += "  GPU by phase:";
   for (const PhaseTotals& p : m.phases) out += "  " + p.phase + " " + GiB(p.gpu_bytes, 0);
-  out += "\n  The peak is the largest phase total, not the column sum; items are live only in "
-         "their phases.\n";
+  out +=
+      "\n  The peak is the largest phase total, not the column sum; items are live only in "
+      "their phases.\n";
 
   out += "\nZeRO stage x offload, same setup (GiB; GPU per GPU; CPU, NVMe and pinned per node):\n";
   std::snprintf(line, sizeof(line), "  %-5s %-5s %-5s %8s  %-14s %8s %8s %8s %8s\n", "stage",
@@ -216,8 +216,8 @@ std::string SetupLine(const TrainingSetup& s, bool searched) {
     out += ", ZeRO-" + std::to_string(s.zero_stage) + " (offload optimizer " +
            std::string(OffloadDeviceName(s.offload_optimizer)) + ", param " +
            std::string(OffloadDeviceName(s.offload_param)) + "), micro-batch " +
-           std::to_string(s.micro_batch) + " x seq " + std::to_string(s.seq_len) +
-           ", grad-accum " + std::to_string(s.grad_accum) + ", checkpointing " +
+           std::to_string(s.micro_batch) + " x seq " + std::to_string(s.seq_len) + ", grad-accum " +
+           std::to_string(s.grad_accum) + ", checkpointing " +
            std::string(CheckpointingName(s.checkpointing));
   }
   out += std::string(", flash attention ") + (s.flash_attention ? "on" : "off") + ", tp " +
@@ -405,11 +405,10 @@ std::string FormatInferenceText(const InferenceEstimate& x) {
                                              : "\nKV cache (Transformers' DynamicCache), ") +
            k.dtype + ", batch " + std::to_string(k.batch) + " x context " +
            std::to_string(k.context) + ": " + Readable(k.bytes) + "\n";
-    std::string shape = k.kind == "mla"
-                            ? "MLA latent " + std::to_string(k.key_dim) + " + rotary key " +
-                                  std::to_string(k.value_dim)
-                            : std::to_string(k.heads) + " KV heads x " +
-                                  std::to_string(k.key_dim) + " (" + k.kind + ")";
+    std::string shape = k.kind == "mla" ? "MLA latent " + std::to_string(k.key_dim) +
+                                              " + rotary key " + std::to_string(k.value_dim)
+                                        : std::to_string(k.heads) + " KV heads x " +
+                                              std::to_string(k.key_dim) + " (" + k.kind + ")";
     out += "  " + std::to_string(k.layers) + (k.encoder_context > 0 ? " decoder" : "") +
            " layers, " + shape + ": " + Readable(k.bytes_per_token) + " per token";
     if (k.encoder_context > 0) {
@@ -424,8 +423,8 @@ std::string FormatInferenceText(const InferenceEstimate& x) {
     out += "\n";
     for (const WeightsRow& r : x.weights) {
       if (r.bits == 16) {
-        out += "  weights (" + r.dtype + ") + KV cache: " + Readable(r.total_bytes + k.bytes) +
-               "\n";
+        out +=
+            "  weights (" + r.dtype + ") + KV cache: " + Readable(r.total_bytes + k.bytes) + "\n";
       }
     }
   }
@@ -525,10 +524,11 @@ nlohmann::json ToJson(const Estimate& e) {
   j["notes"] = notes;
   nlohmann::json rows = nlohmann::json::array();
   for (const ComparisonRow& r : e.comparison) {
-    nlohmann::json row = {{"zero_stage", r.zero_stage},
-                          {"offload_optimizer", std::string(OffloadDeviceName(r.offload_optimizer))},
-                          {"offload_param", std::string(OffloadDeviceName(r.offload_param))},
-                          {"valid", r.valid}};
+    nlohmann::json row = {
+        {"zero_stage", r.zero_stage},
+        {"offload_optimizer", std::string(OffloadDeviceName(r.offload_optimizer))},
+        {"offload_param", std::string(OffloadDeviceName(r.offload_param))},
+        {"valid", r.valid}};
     if (r.valid) {
       row["peak"] = PeakToJson(r.peak);
       row["activations_gpu_bytes"] = r.activations_gpu_bytes;
@@ -645,7 +645,8 @@ Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
     MEMPLAN_RETURN_IF_ERROR(f.Get("pinned_bytes", &p.pinned_bytes));
     mem.phases.push_back(p);
   }
-  MEMPLAN_RETURN_IF_ERROR(PeakFromJson(Fields(json.value("peak", nlohmann::json()), "peak"), &mem.peak));
+  MEMPLAN_RETURN_IF_ERROR(
+      PeakFromJson(Fields(json.value("peak", nlohmann::json()), "peak"), &mem.peak));
   for (const auto& c_json : json["constants"]) {
     Fields f(c_json, "constants[]");
     ModelConstant c;
@@ -667,8 +668,8 @@ Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
     MEMPLAN_ASSIGN_OR_RETURN(r.offload_optimizer, ParseOffloadDevice(opt));
     MEMPLAN_ASSIGN_OR_RETURN(r.offload_param, ParseOffloadDevice(param));
     if (r.valid) {
-      MEMPLAN_RETURN_IF_ERROR(
-          PeakFromJson(Fields(r_json.value("peak", nlohmann::json()), "comparison[].peak"), &r.peak));
+      MEMPLAN_RETURN_IF_ERROR(PeakFromJson(
+          Fields(r_json.value("peak", nlohmann::json()), "comparison[].peak"), &r.peak));
       MEMPLAN_RETURN_IF_ERROR(f.Get("activations_gpu_bytes", &r.activations_gpu_bytes));
     } else {
       MEMPLAN_RETURN_IF_ERROR(f.Get("reason", &r.reason));
@@ -709,16 +710,17 @@ std::string FormatEstimateText(const Estimate& e) {
   out += FormatZero3Text(c.params_total, c.largest_layer_params, e.hardware, e.zero3);
   char factor[64];
   std::snprintf(factor, sizeof(factor), "%g", e.hardware.buffer_factor);
-  out += "\n\"GB\" above is DeepSpeed's label for GiB (2^30 bytes). CPU is per node, GPU per GPU;\n"
-         "model states only (no activations, buffers or CUDA context); buffer factor " +
-         std::string(factor) + " on CPU.\nExact bytes: --format json.\n";
+  out +=
+      "\n\"GB\" above is DeepSpeed's label for GiB (2^30 bytes). CPU is per node, GPU per GPU;\n"
+      "model states only (no activations, buffers or CUDA context); buffer factor " +
+      std::string(factor) + " on CPU.\nExact bytes: --format json.\n";
   if (e.memory.has_value()) out += FormatMemoryText(e);
   return out;
 }
 
 nlohmann::json InventoryToJson(const ModelInventory& inventory, const ModelCounts& counts) {
-  ModelSummary summary{inventory.name,         inventory.model_type, inventory.architecture,
-                       inventory.model_class,  inventory.source,     counts,
+  ModelSummary summary{inventory.name,        inventory.model_type, inventory.architecture,
+                       inventory.model_class, inventory.source,     counts,
                        inventory.notes};
   nlohmann::json tensors = nlohmann::json::array();
   for (const TensorInfo& t : inventory.tensors) {
@@ -738,7 +740,8 @@ nlohmann::json InventoryToJson(const ModelInventory& inventory, const ModelCount
                        {"dtype", std::string(DTypeName(b.dtype))},
                        {"numel", b.numel}});
   }
-  nlohmann::json out = {{"model", SummaryToJson(summary)}, {"tensors", tensors}, {"buffers", buffers}};
+  nlohmann::json out = {
+      {"model", SummaryToJson(summary)}, {"tensors", tensors}, {"buffers", buffers}};
   if (inventory.arch.has_value() && inventory.arch->mtp_params > 0) {
     out["model"]["mtp_layers"] = inventory.arch->mtp_layers;
     out["model"]["mtp_params"] = inventory.arch->mtp_params;

@@ -34,8 +34,8 @@ struct ModelSummary {
 struct Estimate {
   ModelSummary model;
   DeepSpeedHardware hardware;
-  std::vector<Zero2Row> zero2;  // DeepSpeed's order
-  std::vector<Zero3Row> zero3;  // DeepSpeed's order
+  std::vector<Zero2Row> zero2;           // DeepSpeed's order
+  std::vector<Zero3Row> zero3;           // DeepSpeed's order
   std::vector<std::string> assumptions;  // stated in the output, one sentence each
   // Present when a training setup was given (EstimateTraining).
   std::optional<MemoryEstimate> memory;

@@ -119,8 +119,7 @@ std::optional<fs::path> NewestSnapshot(const fs::path& repo_dir) {
 }
 
 bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
-  return a.size() == b.size() &&
-         std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
            return std::tolower(static_cast<unsigned char>(x)) ==
                   std::tolower(static_cast<unsigned char>(y));
          });
@@ -204,8 +203,7 @@ Result<std::string> FindHfCacheSnapshot(std::string_view repo_id) {
       searched = "none: HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME and HOME are all unset";
     }
     return Status::NotFound("model '" + std::string(repo_id) +
-                            "' is not in the local Hugging Face cache (searched " + searched +
-                            ")");
+                            "' is not in the local Hugging Face cache (searched " + searched + ")");
   } catch (const std::exception& e) {
     return Status::Internal("looking up '" + std::string(repo_id) +
                             "' in the Hugging Face cache failed: " + e.what());

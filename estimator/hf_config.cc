@@ -14,8 +14,11 @@ namespace {
 const std::map<std::string, FamilyBuilder, std::less<>>& Families() {
   // Families with a hand-written builder; the declared ones are in family::Families().
   static const auto* kFamilies = new std::map<std::string, FamilyBuilder, std::less<>>{
-      {"bert", &BuildBert}, {"roberta", &BuildRoberta}, {"xlm-roberta", &BuildXlmRoberta},
-      {"distilbert", &BuildDistilBert}, {"t5", &BuildT5},
+      {"bert", &BuildBert},
+      {"roberta", &BuildRoberta},
+      {"xlm-roberta", &BuildXlmRoberta},
+      {"distilbert", &BuildDistilBert},
+      {"t5", &BuildT5},
   };
   return *kFamilies;
 }
@@ -71,14 +74,15 @@ Result<ModelInventory> InventoryFromHfConfig(const nlohmann::json& config,
                                              const std::string& source,
                                              const BuildOptions& options) {
   if (!config.is_object()) {
-    return Status::InvalidArgument(source + ": expected a JSON object (a Hugging Face config.json)");
+    return Status::InvalidArgument(source +
+                                   ": expected a JSON object (a Hugging Face config.json)");
   }
   ConfigReader reader(config, source);
   if (!reader.Has("model_type")) {
-    return reader.FieldError("model_type",
-                             "is missing; memplan needs it to know the architecture. Supported: " +
-                                 JoinSupported() +
-                                 ". For other models pass a tensor-shape list or safetensors files");
+    return reader.FieldError(
+        "model_type",
+        "is missing; memplan needs it to know the architecture. Supported: " + JoinSupported() +
+            ". For other models pass a tensor-shape list or safetensors files");
   }
   MEMPLAN_ASSIGN_OR_RETURN(std::string model_type, reader.StringOr("model_type", ""));
   auto it = Families().find(model_type);
@@ -165,7 +169,8 @@ bool GatedMlp(const ModelInventory& inventory, int64_t hidden, int64_t ffn) {
 Status AttachArchitecture(const nlohmann::json& config, const std::string& source,
                           ModelInventory* inventory) {
   if (!config.is_object()) {
-    return Status::InvalidArgument(source + ": expected a JSON object (a Hugging Face config.json)");
+    return Status::InvalidArgument(source +
+                                   ": expected a JSON object (a Hugging Face config.json)");
   }
   ConfigReader reader(config, source);
   MEMPLAN_ASSIGN_OR_RETURN(std::string model_type, reader.StringOr("model_type", ""));
@@ -177,15 +182,15 @@ Status AttachArchitecture(const nlohmann::json& config, const std::string& sourc
                              InventoryFromHfConfig(config, source, ModelClassChoice::kBase));
     std::unordered_set<std::string_view> blocks;
     for (const TensorInfo& t : inventory->tensors) {
-      for (std::string_view m = t.module; !m.empty(); m = m.substr(0, m.rfind('.') == std::string_view::npos ? 0 : m.rfind('.'))) {
+      for (std::string_view m = t.module; !m.empty();
+           m = m.substr(0, m.rfind('.') == std::string_view::npos ? 0 : m.rfind('.'))) {
         if (!blocks.insert(m).second) break;
       }
     }
     // The base model's no-split paths, with or without the head class's prefix ("model.").
     for (const std::string& path : built.no_split_modules) {
-      for (const std::string& candidate :
-           {path, "model." + path, "transformer." + path, "gpt_neox." + path, "bert." + path,
-            "roberta." + path}) {
+      for (const std::string& candidate : {path, "model." + path, "transformer." + path,
+                                           "gpt_neox." + path, "bert." + path, "roberta." + path}) {
         if (blocks.count(candidate) > 0) {
           inventory->no_split_modules.push_back(candidate);
           break;
@@ -197,30 +202,28 @@ Status AttachArchitecture(const nlohmann::json& config, const std::string& sourc
     return Status::Ok();
   }
   ArchitectureInfo a;
-  MEMPLAN_ASSIGN_OR_RETURN(Found hidden,
-                           RequiredDim(reader, {"hidden_size", "n_embd", "d_model", "dim",
-                                                "model_dim", "embed_dim"}));
+  MEMPLAN_ASSIGN_OR_RETURN(Found hidden, RequiredDim(reader, {"hidden_size", "n_embd", "d_model",
+                                                              "dim", "model_dim", "embed_dim"}));
   MEMPLAN_ASSIGN_OR_RETURN(Found layers, RequiredDim(reader, {"num_hidden_layers", "n_layer",
-                                                               "num_layers", "n_layers"}));
-  MEMPLAN_ASSIGN_OR_RETURN(Found heads, RequiredDim(reader, {"num_attention_heads", "n_head",
-                                                              "num_heads", "n_heads"}));
-  MEMPLAN_ASSIGN_OR_RETURN(Found vocab, RequiredDim(reader, {"vocab_size", "padded_vocab_size",
-                                                              "n_vocab"}));
+                                                              "num_layers", "n_layers"}));
+  MEMPLAN_ASSIGN_OR_RETURN(
+      Found heads, RequiredDim(reader, {"num_attention_heads", "n_head", "num_heads", "n_heads"}));
+  MEMPLAN_ASSIGN_OR_RETURN(Found vocab,
+                           RequiredDim(reader, {"vocab_size", "padded_vocab_size", "n_vocab"}));
   MEMPLAN_ASSIGN_OR_RETURN(Found kv, FirstDim(reader, {"num_key_value_heads", "num_kv_heads",
-                                                        "n_kv_heads", "multi_query_group_num"}));
+                                                       "n_kv_heads", "multi_query_group_num"}));
   MEMPLAN_ASSIGN_OR_RETURN(Found head_dim, FirstDim(reader, {"head_dim", "d_kv", "kv_channels"}));
-  MEMPLAN_ASSIGN_OR_RETURN(Found ffn,
-                           FirstDim(reader, {"intermediate_size", "ffn_dim", "n_inner", "d_ff",
-                                             "hidden_dim", "ffn_hidden_size", "ffn_size"}));
-  MEMPLAN_ASSIGN_OR_RETURN(Found positions,
-                           FirstDim(reader, {"max_position_embeddings", "n_positions",
-                                             "max_seq_len", "seq_length", "n_ctx",
-                                             "max_sequence_length"}));
-  MEMPLAN_ASSIGN_OR_RETURN(Found experts, FirstDim(reader, {"num_local_experts", "num_experts",
-                                                             "n_routed_experts",
-                                                             "moe_num_experts"}));
-  MEMPLAN_ASSIGN_OR_RETURN(Found top_k, FirstDim(reader, {"num_experts_per_tok", "moe_top_k",
-                                                           "top_k", "moe_k"}));
+  MEMPLAN_ASSIGN_OR_RETURN(
+      Found ffn, FirstDim(reader, {"intermediate_size", "ffn_dim", "n_inner", "d_ff", "hidden_dim",
+                                   "ffn_hidden_size", "ffn_size"}));
+  MEMPLAN_ASSIGN_OR_RETURN(
+      Found positions, FirstDim(reader, {"max_position_embeddings", "n_positions", "max_seq_len",
+                                         "seq_length", "n_ctx", "max_sequence_length"}));
+  MEMPLAN_ASSIGN_OR_RETURN(Found experts,
+                           FirstDim(reader, {"num_local_experts", "num_experts", "n_routed_experts",
+                                             "moe_num_experts"}));
+  MEMPLAN_ASSIGN_OR_RETURN(
+      Found top_k, FirstDim(reader, {"num_experts_per_tok", "moe_top_k", "top_k", "moe_k"}));
   a.hidden = hidden.value;
   a.layers = layers.value;
   a.heads = heads.value;
@@ -238,8 +241,8 @@ Status AttachArchitecture(const nlohmann::json& config, const std::string& sourc
   a.experts_per_token = experts.value > 0 ? std::max<int64_t>(top_k.value, 1) : 0;
   if (a.experts > 0) a.moe_layers = a.layers;
   a.gated_mlp = GatedMlp(*inventory, a.hidden, a.intermediate);
-  for (const char* field : {"hidden_act", "hidden_activation", "activation_function",
-                            "activation", "feed_forward_proj"}) {
+  for (const char* field : {"hidden_act", "hidden_activation", "activation_function", "activation",
+                            "feed_forward_proj"}) {
     if (reader.Has(field) && config[field].is_string()) {
       a.hidden_act = config[field].get<std::string>();
       break;

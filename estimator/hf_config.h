@@ -1,8 +1,9 @@
 // Builds a ModelInventory from a Hugging Face config.json, without weights and without Python.
 //
-// Supported `model_type`s: SupportedModelTypes(). Each family builder reproduces the parameter names and shapes that Transformers'
-// `named_parameters()` gives for the same config, applying Transformers' defaults for absent fields.
-// Unsupported types are an error that lists the supported ones and points to the shape-list route.
+// Supported `model_type`s: SupportedModelTypes(). Each family builder reproduces the parameter
+// names and shapes that Transformers' `named_parameters()` gives for the same config, applying
+// Transformers' defaults for absent fields. Unsupported types are an error that lists the supported
+// ones and points to the shape-list route.
 #pragma once
 
 #include <string>

@@ -412,8 +412,7 @@ constexpr Part kMlaAttention[] = {
 constexpr Part kDeepseekMoe[] = {
     Include(kRoutedExperts),
     Include(kRouter),
-    Buffer("mlp.gate.e_score_correction_bias", W::kExperts, W::kNone,
-           If(Flag::kRouterBiasBuffer)),
+    Buffer("mlp.gate.e_score_correction_bias", W::kExperts, W::kNone, If(Flag::kRouterBiasBuffer)),
     Linear("mlp.shared_experts.gate_proj", W::kHidden, W::kSharedFfn, If(Flag::kMlpBias)),
     Linear("mlp.shared_experts.up_proj", W::kHidden, W::kSharedFfn, If(Flag::kMlpBias)),
     Linear("mlp.shared_experts.down_proj", W::kSharedFfn, W::kHidden, If(Flag::kMlpBias)),

@@ -78,12 +78,12 @@ Result<int64_t> CheckLayerCount(const ConfigReader& config, std::string_view fie
 // The task head a class adds to its encoder.
 enum class EncoderHead {
   kNone,
-  kMaskedLm,         // the MLM prediction head (BertForMaskedLM, RobertaForMaskedLM)
-  kCausalLm,         // the same head used causally (BertLMHeadModel, RobertaForCausalLM)
-  kPreTraining,      // MLM head + next-sentence classifier
-  kNextSentence,     // next-sentence classifier alone
-  kSequence,         // ...ForSequenceClassification
-  kToken,            // ...ForTokenClassification
+  kMaskedLm,      // the MLM prediction head (BertForMaskedLM, RobertaForMaskedLM)
+  kCausalLm,      // the same head used causally (BertLMHeadModel, RobertaForCausalLM)
+  kPreTraining,   // MLM head + next-sentence classifier
+  kNextSentence,  // next-sentence classifier alone
+  kSequence,      // ...ForSequenceClassification
+  kToken,         // ...ForTokenClassification
   kQuestionAnswering,
   kMultipleChoice,
 };
@@ -99,15 +99,22 @@ struct ClassSpec {
 
 std::string_view HeadModelClass(EncoderHead head) {
   switch (head) {
-    case EncoderHead::kNone: return "base";
+    case EncoderHead::kNone:
+      return "base";
     case EncoderHead::kMaskedLm:
-    case EncoderHead::kPreTraining: return "masked_lm";
-    case EncoderHead::kCausalLm: return "causal_lm";
+    case EncoderHead::kPreTraining:
+      return "masked_lm";
+    case EncoderHead::kCausalLm:
+      return "causal_lm";
     case EncoderHead::kNextSentence:
-    case EncoderHead::kSequence: return "sequence_classification";
-    case EncoderHead::kToken: return "token_classification";
-    case EncoderHead::kQuestionAnswering: return "question_answering";
-    case EncoderHead::kMultipleChoice: return "multiple_choice";
+    case EncoderHead::kSequence:
+      return "sequence_classification";
+    case EncoderHead::kToken:
+      return "token_classification";
+    case EncoderHead::kQuestionAnswering:
+      return "question_answering";
+    case EncoderHead::kMultipleChoice:
+      return "multiple_choice";
   }
   return "base";
 }
@@ -289,9 +296,9 @@ Status AddLmHead(TensorSink& sink, const std::string& head, const std::string& w
 // their encoder without the pooler; sequence classification keeps it for BERT only (RoBERTa's
 // classification head pools by itself).
 std::vector<ClassSpec> BertClasses(BertFlavor flavor) {
-  const std::string p = flavor == BertFlavor::kBert       ? "Bert"
+  const std::string p = flavor == BertFlavor::kBert      ? "Bert"
                         : flavor == BertFlavor::kRoberta ? "Roberta"
-                                                          : "XLMRoberta";
+                                                         : "XLMRoberta";
   const bool bert = flavor == BertFlavor::kBert;
   std::vector<ClassSpec> classes = {
       {p + "Model", "base", EncoderHead::kNone, true},
@@ -317,22 +324,26 @@ Status AddBertHead(TensorSink& sink, const ClassSpec& spec, const std::string& p
   const std::string word_embeddings =
       head_first ? "" : prefix + "embeddings.word_embeddings.weight";
   switch (spec.head) {
-    case EncoderHead::kNone: return Status::Ok();
+    case EncoderHead::kNone:
+      return Status::Ok();
     case EncoderHead::kMaskedLm:
     case EncoderHead::kCausalLm:
       return AddLmHead(sink, bert ? "cls.predictions" : "lm_head", word_embeddings, d, flavor);
     case EncoderHead::kPreTraining:
       MEMPLAN_RETURN_IF_ERROR(AddLmHead(sink, "cls.predictions", word_embeddings, d, flavor));
       return sink.Linear("cls.seq_relationship", d.hidden, 2, true);
-    case EncoderHead::kNextSentence: return sink.Linear("cls.seq_relationship", d.hidden, 2, true);
+    case EncoderHead::kNextSentence:
+      return sink.Linear("cls.seq_relationship", d.hidden, 2, true);
     case EncoderHead::kSequence:
       if (bert) return sink.Linear("classifier", d.hidden, d.labels, true);
       MEMPLAN_RETURN_IF_ERROR(sink.Linear("classifier.dense", d.hidden, d.hidden, true));
       return sink.Linear("classifier.out_proj", d.hidden, d.labels, true);
-    case EncoderHead::kToken: return sink.Linear("classifier", d.hidden, d.labels, true);
+    case EncoderHead::kToken:
+      return sink.Linear("classifier", d.hidden, d.labels, true);
     case EncoderHead::kQuestionAnswering:
       return sink.Linear("qa_outputs", d.hidden, d.labels, true);
-    case EncoderHead::kMultipleChoice: return sink.Linear("classifier", d.hidden, 1, true);
+    case EncoderHead::kMultipleChoice:
+      return sink.Linear("classifier", d.hidden, 1, true);
   }
   return Status::Ok();
 }
@@ -347,8 +358,7 @@ Status BuildBertFamily(const FamilyRequest& request, ModelInventory* out, BertFl
 
   const bool base = spec.head == EncoderHead::kNone;
   const std::string prefix = base ? "" : bert ? "bert." : "roberta.";
-  const bool lm_head = spec.head == EncoderHead::kMaskedLm ||
-                       spec.head == EncoderHead::kCausalLm ||
+  const bool lm_head = spec.head == EncoderHead::kMaskedLm || spec.head == EncoderHead::kCausalLm ||
                        spec.head == EncoderHead::kPreTraining;
   if (flavor == BertFlavor::kXlmRoberta && !base) {
     MEMPLAN_RETURN_IF_ERROR(AddBertHead(sink, spec, prefix, dims, flavor));
@@ -374,8 +384,9 @@ Status BuildBertFamily(const FamilyRequest& request, ModelInventory* out, BertFl
   arch.hidden_dropout = dims.hidden_dropout;
   arch.attention_dropout = dims.attention_dropout;
   arch.embedding_dropout = dims.hidden_dropout;
-  arch.no_split_class = bert ? "BertLayer" : flavor == BertFlavor::kRoberta ? "RobertaLayer"
-                                                                           : "XLMRobertaLayer";
+  arch.no_split_class = bert                             ? "BertLayer"
+                        : flavor == BertFlavor::kRoberta ? "RobertaLayer"
+                                                         : "XLMRobertaLayer";
   out->arch = arch;
   return Status::Ok();
 }
@@ -414,9 +425,9 @@ Status BuildDistilBertImpl(const FamilyRequest& request, ModelInventory* out) {
                                  std::to_string(labels));
   }
   if (hidden % heads != 0) {
-    return config.FieldError(config.Has("num_attention_heads") ? "num_attention_heads" : "n_heads",
-                             std::to_string(heads) + " does not divide dim " +
-                                 std::to_string(hidden));
+    return config.FieldError(
+        config.Has("num_attention_heads") ? "num_attention_heads" : "n_heads",
+        std::to_string(heads) + " does not divide dim " + std::to_string(hidden));
   }
   MEMPLAN_ASSIGN_OR_RETURN(DType dtype, ConfigDType(config));
   TensorSink sink(out, dtype);
@@ -448,8 +459,8 @@ Status BuildDistilBertImpl(const FamilyRequest& request, ModelInventory* out) {
     case EncoderHead::kSequence:
     case EncoderHead::kMultipleChoice:
       MEMPLAN_RETURN_IF_ERROR(sink.Linear("pre_classifier", hidden, hidden, true));
-      MEMPLAN_RETURN_IF_ERROR(sink.Linear(
-          "classifier", hidden, spec.head == EncoderHead::kSequence ? labels : 1, true));
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear("classifier", hidden,
+                                          spec.head == EncoderHead::kSequence ? labels : 1, true));
       break;
     case EncoderHead::kToken:
       MEMPLAN_RETURN_IF_ERROR(sink.Linear("classifier", hidden, labels, true));
@@ -457,7 +468,8 @@ Status BuildDistilBertImpl(const FamilyRequest& request, ModelInventory* out) {
     case EncoderHead::kQuestionAnswering:
       MEMPLAN_RETURN_IF_ERROR(sink.Linear("qa_outputs", hidden, labels, true));
       break;
-    default: break;
+    default:
+      break;
   }
   out->architecture = spec.name;
   out->model_class = std::string(HeadModelClass(spec.head));
@@ -492,8 +504,8 @@ struct T5Dims {
   int64_t buckets = 0;
   bool gated = false;
   bool tie_word_embeddings = true;
-  std::string act;      // "relu", "gelu", ... without the "gated-" prefix
-  double dropout = 0;   // dropout_rate: everywhere T5 drops out
+  std::string act;     // "relu", "gelu", ... without the "gated-" prefix
+  double dropout = 0;  // dropout_rate: everywhere T5 drops out
 };
 
 // Required sizes as for BERT (see ReadBertDims); the rest follow T5Config's defaults.
@@ -609,8 +621,7 @@ Status BuildT5(const FamilyRequest& request, ModelInventory* out) {
   MEMPLAN_ASSIGN_OR_RETURN(int64_t labels, family::NumLabels(request.config));
   TensorSink sink(out, dtype);
 
-  const bool encoder_only =
-      spec.name == "T5EncoderModel" || spec.head == EncoderHead::kToken;
+  const bool encoder_only = spec.name == "T5EncoderModel" || spec.head == EncoderHead::kToken;
   const std::string prefix =
       spec.head == EncoderHead::kSequence || spec.head == EncoderHead::kToken ? "transformer." : "";
   // Both stacks hold the shared embedding module itself, so embed_tokens is tied whatever
@@ -634,7 +645,8 @@ Status BuildT5(const FamilyRequest& request, ModelInventory* out) {
     case EncoderHead::kQuestionAnswering:
       MEMPLAN_RETURN_IF_ERROR(sink.Linear("qa_outputs", dims.model, labels, true));
       break;
-    default: break;
+    default:
+      break;
   }
   if (spec.model_class == "seq2seq_lm") {
     MEMPLAN_RETURN_IF_ERROR(sink.Param("lm_head.weight", {dims.vocab, dims.model},

@@ -576,8 +576,12 @@ TEST_CASE("encoder: xlm-roberta registers its heads first; distilbert") {
   config["architectures"] = {"RobertaForMaskedLM"};
   CHECK(Total(MustBuild(config)) == Total(xlmr));
 
-  nlohmann::json distil = {{"model_type", "distilbert"}, {"vocab_size", 11}, {"dim", 8},
-                           {"n_layers", 2},              {"n_heads", 2},     {"hidden_dim", 16}};
+  nlohmann::json distil = {{"model_type", "distilbert"},
+                           {"vocab_size", 11},
+                           {"dim", 8},
+                           {"n_layers", 2},
+                           {"n_heads", 2},
+                           {"hidden_dim", 16}};
   ModelInventory mlm = MustBuild(distil);
   CHECK(mlm.architecture == "DistilBertForMaskedLM");
   CHECK(Tensor(mlm, "vocab_projector.weight").tied_to ==

@@ -37,7 +37,8 @@ std::string Trim(std::string s) {
 // huggingface_hub's ENV_VARS_TRUE_VALUES.
 bool IsTrue(const std::string& value) {
   std::string upper;
-  for (char c : value) upper.push_back(static_cast<char>(std::toupper(static_cast<unsigned char>(c))));
+  for (char c : value)
+    upper.push_back(static_cast<char>(std::toupper(static_cast<unsigned char>(c))));
   return upper == "1" || upper == "ON" || upper == "YES" || upper == "TRUE";
 }
 
@@ -81,10 +82,9 @@ std::string NormalizeEtag(std::string etag) {
 
 // Server-supplied names become paths in the cache: only [A-Za-z0-9] (a commit or a hash).
 bool SafeName(std::string_view s) {
-  return !s.empty() && s.size() <= 128 &&
-         std::all_of(s.begin(), s.end(), [](char c) {
-           return std::isalnum(static_cast<unsigned char>(c)) != 0;
-         });
+  return !s.empty() && s.size() <= 128 && std::all_of(s.begin(), s.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) != 0;
+  });
 }
 
 std::string RepoFolder(std::string_view repo_id) {
@@ -154,9 +154,9 @@ Result<Fetched> Get(std::string_view repo_id, std::string_view file, const HubOp
     if (r.status < 300 || r.status >= 400) break;
     std::string location = Header(r, "location");
     if (location.empty() || hop == kMaxRedirects) {
-      return Status::Unavailable("fetching " + what + ": " + request.url + " answered " +
-                                 std::to_string(r.status) +
-                                 (location.empty() ? " without a Location" : " (too many redirects)"));
+      return Status::Unavailable(
+          "fetching " + what + ": " + request.url + " answered " + std::to_string(r.status) +
+          (location.empty() ? " without a Location" : " (too many redirects)"));
     }
     request.url = Resolve(request.url, location);
   }
@@ -197,8 +197,7 @@ Result<fs::path> RepoDir(std::string_view repo_id) {
 
 Status CheckNames(const Fetched& f, std::string_view repo_id, std::string_view file) {
   if (!SafeName(f.commit)) {
-    return Status::Unavailable("fetching '" + std::string(repo_id) + "' file " +
-                               std::string(file) +
+    return Status::Unavailable("fetching '" + std::string(repo_id) + "' file " + std::string(file) +
                                ": the Hub's answer has no usable X-Repo-Commit header");
   }
   return Status::Ok();
@@ -266,8 +265,8 @@ Result<std::string> FetchHubFile(std::string_view repo_id, std::string_view file
   MEMPLAN_ASSIGN_OR_RETURN(Fetched f, Get(repo_id, file, options, -1, -1));
   MEMPLAN_RETURN_IF_ERROR(CheckNames(f, repo_id, file));
   if (!SafeName(f.etag)) {
-    return Status::Unavailable("fetching '" + std::string(repo_id) + "' file " +
-                               std::string(file) + ": the Hub's answer has no usable ETag");
+    return Status::Unavailable("fetching '" + std::string(repo_id) + "' file " + std::string(file) +
+                               ": the Hub's answer has no usable ETag");
   }
   MEMPLAN_ASSIGN_OR_RETURN(fs::path repo_dir, RepoDir(repo_id));
   const fs::path blob = repo_dir / "blobs" / f.etag;
@@ -299,10 +298,9 @@ Result<std::string> FetchHubSafetensorsHeader(std::string_view repo_id, std::str
   MEMPLAN_RETURN_IF_ERROR(CheckNames(prefix, repo_id, file));
   const std::string& bytes = prefix.response.body;
   if (bytes.size() != 8) {
-    return Status::Unavailable("fetching " + what + ": asked for its first 8 bytes, got " +
-                               std::to_string(bytes.size()) +
-                               (prefix.response.status == 200 ? " (the server ignored the range)"
-                                                              : ""));
+    return Status::Unavailable(
+        "fetching " + what + ": asked for its first 8 bytes, got " + std::to_string(bytes.size()) +
+        (prefix.response.status == 200 ? " (the server ignored the range)" : ""));
   }
   uint64_t length = 0;
   for (int i = 7; i >= 0; --i) {
@@ -312,8 +310,8 @@ Result<std::string> FetchHubSafetensorsHeader(std::string_view repo_id, std::str
     return Status::InvalidArgument(what + ": header length " + std::to_string(length) +
                                    " is not a safetensors header's");
   }
-  MEMPLAN_ASSIGN_OR_RETURN(Fetched header, Get(repo_id, file, options, 8,
-                                               static_cast<int64_t>(8 + length - 1)));
+  MEMPLAN_ASSIGN_OR_RETURN(Fetched header,
+                           Get(repo_id, file, options, 8, static_cast<int64_t>(8 + length - 1)));
   if (header.response.body.size() != length) {
     return Status::Unavailable("fetching " + what + ": asked for its " + std::to_string(length) +
                                "-byte header, got " + std::to_string(header.response.body.size()) +

@@ -33,10 +33,10 @@ namespace memplan::estimator {
 
 struct HttpRequest {
   std::string url;
-  std::string bearer_token;   // "" = no Authorization header
-  int64_t range_first = -1;   // bytes range_first..range_last (inclusive); -1 = the whole body
+  std::string bearer_token;  // "" = no Authorization header
+  int64_t range_first = -1;  // bytes range_first..range_last (inclusive); -1 = the whole body
   int64_t range_last = -1;
-  double timeout_s = 10;      // for the whole exchange, connecting included
+  double timeout_s = 10;  // for the whole exchange, connecting included
   uint64_t max_body_bytes = uint64_t{64} << 20;
 };
 
@@ -62,7 +62,7 @@ std::unique_ptr<HttpClient> MakeCurlHttpClient();
 // Progress of a fetch, for the CLI to print.
 struct HubProgress {
   std::string repo_id;
-  std::string file;   // "config.json", "model-00001-of-00004.safetensors (header)"
+  std::string file;  // "config.json", "model-00001-of-00004.safetensors (header)"
   std::string url;
 };
 

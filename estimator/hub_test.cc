@@ -32,12 +32,13 @@ using testing::TempDir;
 class ScopedEnv {
  public:
   ScopedEnv() {
-    for (const char* name : {"HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME",
-                             "TRANSFORMERS_CACHE", "HF_ENDPOINT", "HF_TOKEN",
-                             "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE",
-                             "TRANSFORMERS_OFFLINE", "HF_HUB_DOWNLOAD_TIMEOUT"}) {
+    for (const char* name :
+         {"HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME",
+          "TRANSFORMERS_CACHE", "HF_ENDPOINT", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
+          "HF_TOKEN_PATH", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DOWNLOAD_TIMEOUT"}) {
       const char* value = std::getenv(name);
-      saved_.emplace_back(name, value == nullptr ? std::nullopt : std::optional<std::string>(value));
+      saved_.emplace_back(name,
+                          value == nullptr ? std::nullopt : std::optional<std::string>(value));
       ::unsetenv(name);
     }
   }
@@ -174,8 +175,8 @@ TEST_CASE("hub: an unsupported model_type falls back to shard headers fetched by
   const std::string shard1 = Safetensors({{"model.embed.weight", {32, 16}},
                                           {"model.layers.0.mlp.up.weight", {64, 16}},
                                           {"model.layers.0.mlp.down.weight", {16, 64}}});
-  const std::string shard2 = Safetensors({{"model.layers.1.mlp.up.weight", {64, 16}},
-                                          {"model.layers.1.mlp.down.weight", {16, 64}}});
+  const std::string shard2 = Safetensors(
+      {{"model.layers.1.mlp.up.weight", {64, 16}}, {"model.layers.1.mlp.down.weight", {16, 64}}});
   repo["model-00001-of-00002.safetensors"] = shard1;
   repo["model-00002-of-00002.safetensors"] = shard2;
   repo["model.safetensors.index.json"] = R"({"metadata": {}, "weight_map": {
@@ -208,8 +209,7 @@ TEST_CASE("hub: an unsupported model_type falls back to shard headers fetched by
   }
   CHECK(hub.cdn_requests().size() == 4);  // 8 bytes, then the header, per shard
   const fs::path snapshot = cache.path() / "models--org--novel" / "snapshots" / FakeHub::kCommit;
-  CHECK(fs::file_size(snapshot / "model-00001-of-00002.safetensors.header") <
-        shard1.size());
+  CHECK(fs::file_size(snapshot / "model-00001-of-00002.safetensors.header") < shard1.size());
   CHECK_FALSE(fs::exists(snapshot / "model-00001-of-00002.safetensors"));
 
   // A second run reads the headers from the cache.
@@ -250,9 +250,8 @@ TEST_CASE("hub: gated, unknown, missing, slow, offline and no cache") {
   auto gated = FetchHubFile("meta-llama/Llama-3.1-8B", "config.json", options);
   REQUIRE_FALSE(gated.ok());
   CHECK(gated.status().code() == StatusCode::kFailedPrecondition);
-  CHECK(gated.status().message().find("gated repository: accept its licence at " +
-                                      hub.endpoint() + "/meta-llama/Llama-3.1-8B") !=
-        std::string::npos);
+  CHECK(gated.status().message().find("gated repository: accept its licence at " + hub.endpoint() +
+                                      "/meta-llama/Llama-3.1-8B") != std::string::npos);
   CHECK(gated.status().message().find("log in") != std::string::npos);
 
   auto unknown = FetchHubFile("org/absent", "config.json", options);

@@ -30,13 +30,20 @@ DType WeightsDType(const ModelInventory& inventory) {
 
 std::string TorchName(DType dtype) {
   switch (dtype) {
-    case DType::kF64: return "float64";
-    case DType::kF32: return "float32";
-    case DType::kF16: return "float16";
-    case DType::kBF16: return "bfloat16";
-    case DType::kF8E4M3: return "float8_e4m3fn";
-    case DType::kF8E5M2: return "float8_e5m2";
-    default: return std::string(DTypeName(dtype));
+    case DType::kF64:
+      return "float64";
+    case DType::kF32:
+      return "float32";
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF8E4M3:
+      return "float8_e4m3fn";
+    case DType::kF8E5M2:
+      return "float8_e5m2";
+    default:
+      return std::string(DTypeName(dtype));
   }
 }
 
@@ -280,9 +287,8 @@ Result<InferenceEstimate> EstimateInference(const ModelInventory& inventory,
     kv.kind = a.kv_heads == a.heads ? "mha" : a.kv_heads == 1 ? "mqa" : "gqa";
   }
   const uint64_t element_bytes = static_cast<uint64_t>(DTypeBits(kv_dtype) / 8);
-  const uint64_t per_token_layer =
-      element_bytes * static_cast<uint64_t>(kv.heads) *
-      static_cast<uint64_t>(kv.key_dim + kv.value_dim);
+  const uint64_t per_token_layer = element_bytes * static_cast<uint64_t>(kv.heads) *
+                                   static_cast<uint64_t>(kv.key_dim + kv.value_dim);
   uint64_t full_tokens_layers = 0;  // sum over layers of the tokens each holds
   const int64_t sliding_tokens =
       a.sliding_window > 0 ? std::min(setup.context, a.sliding_window - 1) : setup.context;
@@ -296,8 +302,8 @@ Result<InferenceEstimate> EstimateInference(const ModelInventory& inventory,
   }
   MEMPLAN_ASSIGN_OR_RETURN(kv.bytes_per_token,
                            Product({per_token_layer, static_cast<uint64_t>(a.layers)}));
-  MEMPLAN_ASSIGN_OR_RETURN(kv.bytes, Product({per_token_layer, full_tokens_layers,
-                                              static_cast<uint64_t>(setup.batch)}));
+  MEMPLAN_ASSIGN_OR_RETURN(
+      kv.bytes, Product({per_token_layer, full_tokens_layers, static_cast<uint64_t>(setup.batch)}));
   if (a.learned_positions && a.max_positions > 0 && setup.context > a.max_positions) {
     out.notes.push_back("The context (" + std::to_string(setup.context) +
                         " tokens) exceeds the model's " + std::to_string(a.max_positions) +

@@ -50,8 +50,8 @@ namespace memplan::estimator {
 
 struct InferenceSetup {
   int64_t batch = 1;
-  int64_t context = 4096;  // tokens per sequence: prompt and generated (the decoder's, for T5)
-  std::string kv_dtype;    // "" = the dtype the model's weights are stored in (its config's)
+  int64_t context = 4096;       // tokens per sequence: prompt and generated (the decoder's, for T5)
+  std::string kv_dtype;         // "" = the dtype the model's weights are stored in (its config's)
   int64_t encoder_context = 0;  // encoder-decoder models: encoder tokens; 0 = the context
 };
 
@@ -70,18 +70,18 @@ struct WeightsRow {
 };
 
 struct KvCache {
-  std::string dtype;        // "bfloat16", ...
+  std::string dtype;  // "bfloat16", ...
   int64_t batch = 0;
   int64_t context = 0;
-  int64_t layers = 0;             // decoder layers holding a cache
-  int64_t sliding_layers = 0;     // of which sliding-window ones
+  int64_t layers = 0;          // decoder layers holding a cache
+  int64_t sliding_layers = 0;  // of which sliding-window ones
   int64_t sliding_window = 0;
-  int64_t heads = 0;              // cached heads per layer (1 for MLA)
-  int64_t key_dim = 0;            // per head: head_dim, or MLA's kv_lora_rank
-  int64_t value_dim = 0;          // per head: head_dim, or MLA's qk_rope_head_dim
-  uint64_t bytes_per_token = 0;   // one token of one sequence, all layers (before windows)
-  uint64_t bytes = 0;             // the whole cache (self- and cross-attention)
-  std::string kind;               // "mha", "gqa", "mqa", "mla"
+  int64_t heads = 0;             // cached heads per layer (1 for MLA)
+  int64_t key_dim = 0;           // per head: head_dim, or MLA's kv_lora_rank
+  int64_t value_dim = 0;         // per head: head_dim, or MLA's qk_rope_head_dim
+  uint64_t bytes_per_token = 0;  // one token of one sequence, all layers (before windows)
+  uint64_t bytes = 0;            // the whole cache (self- and cross-attention)
+  std::string kind;              // "mha", "gqa", "mqa", "mla"
   // Encoder-decoder models: the encoder tokens each decoder layer's cross-attention caches, and
   // those bytes (part of `bytes`); 0 for decoder-only models.
   int64_t encoder_context = 0;
@@ -102,7 +102,6 @@ struct InferenceEstimate {
 // dtype (naming the flag);
 // OutOfRange when the cache's bytes overflow 64 bits. (JSON: estimate.h, as part of Estimate.)
 Result<InferenceEstimate> EstimateInference(const ModelInventory& inventory,
-                                            const ModelCounts& counts,
-                                            const InferenceSetup& setup);
+                                            const ModelCounts& counts, const InferenceSetup& setup);
 
 }  // namespace memplan::estimator

@@ -36,9 +36,9 @@ TEST_CASE("inference: KV cache bytes are those of Transformers' DynamicCache") {
   // Each figure: the bytes of the keys and values a DynamicCache holds after a bf16 forward of
   // 2 x 5000 tokens on the meta device (Transformers 5.23; tests/oracle/inference_oracle_test.py
   // checks the same in CI for more families).
-  CHECK(KvBytes("llama-3.2-1b", 2, 24) == 1'572'864);  // GQA: 16 x 2 x 2 x 8 x 24 x 64 x 2
-  CHECK(KvBytes("gemma-2-2b", 2, 5000) == 968'581'120);  // every other layer keeps 4095 tokens
-  CHECK(KvBytes("gemma-3-1b", 2, 5000) == 63'983'616);   // five in six layers keep 511
+  CHECK(KvBytes("llama-3.2-1b", 2, 24) == 1'572'864);      // GQA: 16 x 2 x 2 x 8 x 24 x 64 x 2
+  CHECK(KvBytes("gemma-2-2b", 2, 5000) == 968'581'120);    // every other layer keeps 4095 tokens
+  CHECK(KvBytes("gemma-3-1b", 2, 5000) == 63'983'616);     // five in six layers keep 511
   CHECK(KvBytes("mistral-7b", 2, 5000) == 1'073'479'680);  // every layer keeps 4095
   CHECK(KvBytes("phi-3-mini", 2, 5000) == 1'609'039'872);  // every layer keeps 2046
   CHECK(KvBytes("gpt-oss-20b", 2, 5000) == 252'002'304);   // sliding layers keep 127
@@ -46,8 +46,7 @@ TEST_CASE("inference: KV cache bytes are those of Transformers' DynamicCache") {
   CHECK(KvBytes(Source("tests/oracle/modern_configs/falcon-7b.json"), 2, 5000) ==
         81'920'000);  // multi-query: one head
   // Falcon's new decoder architecture broadcasts its 8 KV heads to all 128 before caching.
-  CHECK(KvBytes(Source("tests/oracle/modern_configs/falcon-40b.json"), 2, 5000) ==
-        19'660'800'000);
+  CHECK(KvBytes(Source("tests/oracle/modern_configs/falcon-40b.json"), 2, 5000) == 19'660'800'000);
 }
 
 TEST_CASE("inference: the weights rows are accelerate estimate-memory's") {

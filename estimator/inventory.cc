@@ -16,18 +16,30 @@ namespace memplan::estimator {
 
 std::string_view DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kF64: return "F64";
-    case DType::kF32: return "F32";
-    case DType::kF16: return "F16";
-    case DType::kBF16: return "BF16";
-    case DType::kF8E4M3: return "F8_E4M3";
-    case DType::kF8E5M2: return "F8_E5M2";
-    case DType::kI64: return "I64";
-    case DType::kI32: return "I32";
-    case DType::kI16: return "I16";
-    case DType::kI8: return "I8";
-    case DType::kU8: return "U8";
-    case DType::kBool: return "BOOL";
+    case DType::kF64:
+      return "F64";
+    case DType::kF32:
+      return "F32";
+    case DType::kF16:
+      return "F16";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
+    case DType::kF8E5M2:
+      return "F8_E5M2";
+    case DType::kI64:
+      return "I64";
+    case DType::kI32:
+      return "I32";
+    case DType::kI16:
+      return "I16";
+    case DType::kI8:
+      return "I8";
+    case DType::kU8:
+      return "U8";
+    case DType::kBool:
+      return "BOOL";
   }
   return "?";
 }
@@ -35,17 +47,21 @@ std::string_view DTypeName(DType dtype) {
 int DTypeBits(DType dtype) {
   switch (dtype) {
     case DType::kF64:
-    case DType::kI64: return 64;
+    case DType::kI64:
+      return 64;
     case DType::kF32:
-    case DType::kI32: return 32;
+    case DType::kI32:
+      return 32;
     case DType::kF16:
     case DType::kBF16:
-    case DType::kI16: return 16;
+    case DType::kI16:
+      return 16;
     case DType::kF8E4M3:
     case DType::kF8E5M2:
     case DType::kI8:
     case DType::kU8:
-    case DType::kBool: return 8;
+    case DType::kBool:
+      return 8;
   }
   return 0;
 }
@@ -55,17 +71,22 @@ Result<DType> ParseDType(std::string_view text) {
   for (char c : text) s.push_back(static_cast<char>(std::tolower(static_cast<unsigned char>(c))));
   if (s.rfind("torch.", 0) == 0) s = s.substr(6);
   static const std::map<std::string, DType, std::less<>> kNames = {
-      {"f64", DType::kF64},        {"float64", DType::kF64},      {"double", DType::kF64},
-      {"fp64", DType::kF64},       {"f32", DType::kF32},          {"float32", DType::kF32},
-      {"float", DType::kF32},      {"fp32", DType::kF32},         {"f16", DType::kF16},
-      {"float16", DType::kF16},    {"half", DType::kF16},         {"fp16", DType::kF16},
-      {"bf16", DType::kBF16},      {"bfloat16", DType::kBF16},    {"f8_e4m3", DType::kF8E4M3},
-      {"float8_e4m3fn", DType::kF8E4M3}, {"f8_e5m2", DType::kF8E5M2},
-      {"float8_e5m2", DType::kF8E5M2},   {"i64", DType::kI64},   {"int64", DType::kI64},
-      {"long", DType::kI64},       {"i32", DType::kI32},          {"int32", DType::kI32},
-      {"int", DType::kI32},        {"i16", DType::kI16},          {"int16", DType::kI16},
-      {"i8", DType::kI8},          {"int8", DType::kI8},          {"u8", DType::kU8},
-      {"uint8", DType::kU8},       {"bool", DType::kBool},
+      {"f64", DType::kF64},        {"float64", DType::kF64},
+      {"double", DType::kF64},     {"fp64", DType::kF64},
+      {"f32", DType::kF32},        {"float32", DType::kF32},
+      {"float", DType::kF32},      {"fp32", DType::kF32},
+      {"f16", DType::kF16},        {"float16", DType::kF16},
+      {"half", DType::kF16},       {"fp16", DType::kF16},
+      {"bf16", DType::kBF16},      {"bfloat16", DType::kBF16},
+      {"f8_e4m3", DType::kF8E4M3}, {"float8_e4m3fn", DType::kF8E4M3},
+      {"f8_e5m2", DType::kF8E5M2}, {"float8_e5m2", DType::kF8E5M2},
+      {"i64", DType::kI64},        {"int64", DType::kI64},
+      {"long", DType::kI64},       {"i32", DType::kI32},
+      {"int32", DType::kI32},      {"int", DType::kI32},
+      {"i16", DType::kI16},        {"int16", DType::kI16},
+      {"i8", DType::kI8},          {"int8", DType::kI8},
+      {"u8", DType::kU8},          {"uint8", DType::kU8},
+      {"bool", DType::kBool},
   };
   auto it = kNames.find(s);
   if (it == kNames.end()) {
@@ -86,8 +107,9 @@ void DeriveModulePath(std::string_view name, std::string* module, std::string* b
     size_t end = name.find('.', start);
     if (end == std::string_view::npos || end > dot) end = dot;
     std::string_view part = name.substr(start, end - start);
-    bool digits = !part.empty() && part.size() <= 9 &&
-                  std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
+    bool digits =
+        !part.empty() && part.size() <= 9 &&
+        std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
     if (digits) {
       *block = std::string(name.substr(0, end));
       int index = 0;
@@ -185,8 +207,7 @@ Status ModelInventory::Add(std::string tensor_name, std::vector<int64_t> shape, 
   return Status::Ok();
 }
 
-Status ModelInventory::AddBuffer(std::string buffer_name, std::vector<int64_t> shape,
-                                 DType dtype) {
+Status ModelInventory::AddBuffer(std::string buffer_name, std::vector<int64_t> shape, DType dtype) {
   MEMPLAN_ASSIGN_OR_RETURN(uint64_t numel, ValidNumel("buffer", buffer_name, shape));
   TensorInfo info;
   info.name = std::move(buffer_name);
@@ -217,8 +238,10 @@ uint64_t AccelerateBytes(const TensorInfo& t) {
     case DType::kI16:
     case DType::kI8:
     case DType::kU8:
-    case DType::kBool: return t.numel * static_cast<uint64_t>(DTypeBits(t.dtype) / 8);
-    default: return t.numel * 4;
+    case DType::kBool:
+      return t.numel * static_cast<uint64_t>(DTypeBits(t.dtype) / 8);
+    default:
+      return t.numel * 4;
   }
 }
 
@@ -231,14 +254,14 @@ struct ModuleEntry {
   int32_t first_child = -1;  // the submodules, a list through next_sibling
   int32_t next_sibling = -1;
   int32_t children = 0;
-  int32_t leaves = 0;  // tensors held directly
+  int32_t leaves = 0;    // tensors held directly
   bool indexed = false;  // its children are in ModuleTree's table (too many to scan)
   bool unsplit_known = false;
   bool no_split = false;
   bool accelerate_layer = false;
   uint32_t accelerate_order = 0;
-  uint64_t direct_params = 0;    // DeepSpeed: parameters held directly, tied aliases included
-  uint64_t block_params = 0;     // a repeated block's parameters, each once
+  uint64_t direct_params = 0;     // DeepSpeed: parameters held directly, tied aliases included
+  uint64_t block_params = 0;      // a repeated block's parameters, each once
   uint64_t accelerate_bytes = 0;  // as an Accelerate layer
 };
 
@@ -437,15 +460,16 @@ class ModuleTree {
   std::vector<Slot> slots_;
   size_t indexed_ = 0;
   std::vector<Leaf> leaves_;
-  std::unordered_map<int32_t, std::unordered_set<std::string_view>> leaf_names_;  // past kScanLeaves
+  std::unordered_map<int32_t, std::unordered_set<std::string_view>>
+      leaf_names_;  // past kScanLeaves
 };
 
 }  // namespace
 
 Result<ModelCounts> CountParams(const ModelInventory& inventory) {
   ModelCounts counts;
-  const Status overflow = Status::OutOfRange("model '" + inventory.name +
-                                             "': parameter count overflows 64 bits");
+  const Status overflow =
+      Status::OutOfRange("model '" + inventory.name + "': parameter count overflows 64 bits");
   // Keys view the inventory's own strings (Note [Module tree cursor]).
   ModuleTree tree(2 * inventory.tensors.size() + inventory.buffers.size() +
                   inventory.no_split_modules.size() + 64);

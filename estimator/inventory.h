@@ -50,11 +50,11 @@ struct TensorInfo {
   std::string name;            // "model.layers.0.self_attn.q_proj.weight"
   std::vector<int64_t> shape;  // PyTorch order; [] is a scalar
   DType dtype = DType::kF32;
-  uint64_t numel = 0;          // product of shape, overflow-checked when added
-  std::string module;          // owning module: name without its last component ("" = root)
-  std::string block;           // enclosing repeated block, "model.layers.0" ("" = none)
-  int layer = -1;              // index of that block within its stack, -1 when none
-  std::string tied_to;         // non-empty: same Parameter as the tensor of that name
+  uint64_t numel = 0;   // product of shape, overflow-checked when added
+  std::string module;   // owning module: name without its last component ("" = root)
+  std::string block;    // enclosing repeated block, "model.layers.0" ("" = none)
+  int layer = -1;       // index of that block within its stack, -1 when none
+  std::string tied_to;  // non-empty: same Parameter as the tensor of that name
 };
 
 // The architecture hyperparameters that activation memory depends on (Korthikanti et al.; see
@@ -63,23 +63,23 @@ struct TensorInfo {
 // dropout cannot be read off shapes), so their inventories leave it empty and the memory model
 // says so instead of guessing.
 struct ArchitectureInfo {
-  int64_t hidden = 0;          // model width h (d_model)
-  int64_t layers = 0;          // transformer blocks; for encoder-decoder models the encoder's
-  int64_t decoder_layers = 0;  // encoder-decoder only: decoder blocks (self + cross attention)
-  int64_t heads = 0;           // query heads a
-  int64_t kv_heads = 0;        // key/value heads (== heads for MHA; fewer for GQA/MQA)
-  int64_t head_dim = 0;        // per head; heads * head_dim need not equal hidden (Gemma, T5)
-  int64_t intermediate = 0;    // FFN width f (per expert for MoE)
-  int64_t vocab = 0;           // V
-  int64_t max_positions = 0;   // learned/usable positions; 0 when relative (no hard limit)
+  int64_t hidden = 0;              // model width h (d_model)
+  int64_t layers = 0;              // transformer blocks; for encoder-decoder models the encoder's
+  int64_t decoder_layers = 0;      // encoder-decoder only: decoder blocks (self + cross attention)
+  int64_t heads = 0;               // query heads a
+  int64_t kv_heads = 0;            // key/value heads (== heads for MHA; fewer for GQA/MQA)
+  int64_t head_dim = 0;            // per head; heads * head_dim need not equal hidden (Gemma, T5)
+  int64_t intermediate = 0;        // FFN width f (per expert for MoE)
+  int64_t vocab = 0;               // V
+  int64_t max_positions = 0;       // learned/usable positions; 0 when relative (no hard limit)
   bool learned_positions = false;  // absolute position table: seq_len must fit max_positions
-  std::string hidden_act;      // "gelu", "gelu_new", "relu", "silu", ... as the config says
-  bool gated_mlp = false;      // SwiGLU/GeGLU: two input projections and an elementwise product
-  int64_t experts = 0;         // MoE experts per layer; 0 = dense
-  int64_t experts_per_token = 0;  // MoE top-k
-  double hidden_dropout = 0;      // after attention output and MLP (residual dropout)
-  double attention_dropout = 0;   // on the softmax probabilities
-  double embedding_dropout = 0;   // on the embedding output
+  std::string hidden_act;          // "gelu", "gelu_new", "relu", "silu", ... as the config says
+  bool gated_mlp = false;          // SwiGLU/GeGLU: two input projections and an elementwise product
+  int64_t experts = 0;             // MoE experts per layer; 0 = dense
+  int64_t experts_per_token = 0;   // MoE top-k
+  double hidden_dropout = 0;       // after attention output and MLP (residual dropout)
+  double attention_dropout = 0;    // on the softmax probabilities
+  double embedding_dropout = 0;    // on the embedding output
   bool encoder_decoder = false;
   // Decoder-only: each token attends to those before it, so generation keeps a KV cache.
   bool causal = false;
@@ -89,8 +89,8 @@ struct ArchitectureInfo {
 
   // Structures beyond the classic block (filled where the family has them; 0/false/empty = not
   // present). See Note [Architecture beyond the classic block] in hf_family.h.
-  int64_t dense_intermediate = 0;  // MoE models: FFN width of their dense (non-MoE) layers
-  int64_t moe_layers = 0;          // MoE models: how many of `layers` route through experts
+  int64_t dense_intermediate = 0;   // MoE models: FFN width of their dense (non-MoE) layers
+  int64_t moe_layers = 0;           // MoE models: how many of `layers` route through experts
   int64_t shared_intermediate = 0;  // MoE: total width of the always-on shared expert MLP(s)
   int64_t kv_lora_rank = 0;         // MLA: compressed key/value latent width (what is cached)
   int64_t q_lora_rank = 0;          // MLA: query low-rank width (0: a full q_proj)
@@ -105,7 +105,7 @@ struct ArchitectureInfo {
   bool parallel_attention = false;  // attention and MLP read the same input (GPT-J, Falcon, Phi)
   int64_t mtp_layers = 0;           // multi-token-prediction modules the checkpoint adds (DeepSeek)
   uint64_t mtp_params = 0;          // their parameters: in the checkpoint, not in the model built
-  std::string no_split_class;       // the block class Accelerate/FSDP keep whole: "LlamaDecoderLayer"
+  std::string no_split_class;  // the block class Accelerate/FSDP keep whole: "LlamaDecoderLayer"
   // The norms upcast their input to fp32 before normalising and multiply the weight in after
   // (LlamaRMSNorm and its copies, T5LayerNorm): they keep fp32 inputs under autocast.
   bool norm_upcasts = false;
@@ -175,9 +175,9 @@ struct ModelCounts {
   std::string largest_block;          // its path, "" when the model has no repeated blocks
   uint64_t num_tensors = 0;           // including tied aliases
   uint64_t num_tied = 0;
-  uint64_t num_blocks = 0;            // number of distinct repeated blocks
-  uint64_t bytes_as_stored = 0;       // sum of numel * dtype size, tied once
-  uint64_t buffers_total = 0;         // buffer elements (not parameters)
+  uint64_t num_blocks = 0;       // number of distinct repeated blocks
+  uint64_t bytes_as_stored = 0;  // sum of numel * dtype size, tied once
+  uint64_t buffers_total = 0;    // buffer elements (not parameters)
   // Accelerate's calculate_maximum_sizes on the model built in fp32 (what `accelerate
   // estimate-memory` starts from): every parameter once and every buffer, at 4 bytes per float
   // element (8 per int64), and its "largest layer": the largest module that is either one of

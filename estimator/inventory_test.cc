@@ -50,8 +50,8 @@ TEST_CASE("inventory: tied tensors count once in totals, in every module for Dee
 TEST_CASE("inventory: Accelerate's largest layer keeps no-split modules whole") {
   ModelInventory inv;
   inv.name = "tiny";
-  REQUIRE_OK(inv.Add("embed.weight", {10, 4}));               // 40 elements, a leaf
-  REQUIRE_OK(inv.Add("layers.0.attn.q.weight", {4, 4}));      // layer 0: 16 + 16 + 4
+  REQUIRE_OK(inv.Add("embed.weight", {10, 4}));           // 40 elements, a leaf
+  REQUIRE_OK(inv.Add("layers.0.attn.q.weight", {4, 4}));  // layer 0: 16 + 16 + 4
   REQUIRE_OK(inv.Add("layers.0.mlp.up.weight", {4, 4}));
   REQUIRE_OK(inv.Add("layers.0.norm.weight", {4}));
   REQUIRE_OK(inv.Add("layers.1.attn.q.weight", {4, 4}));

@@ -33,16 +33,16 @@ Wide Scale(Wide bytes, double factor) {
 
 // --- Constants (each reported in MemoryEstimate::constants) -----------------------------------
 
-constexpr double kDropoutMaskBytes = 1;         // torch.nn.functional.dropout keeps a bool mask
-constexpr double kFlashLseBytes = 4;            // fp32 log-sum-exp per head per token
-constexpr double kNf4Bits = 4.5;                // 4-bit codes + fp32 absmax per 64 weights
-constexpr double kNf4DoubleQuantBits = 4.127;   // absmax quantised to 8 bits per 256 blocks
-constexpr double kAdam8bitBlock = 256;          // bitsandbytes block-wise quantisation block
-constexpr double kOverlapCommFactor = 4.5;      // DeepSpeed docs: overlap_comm ~4.5x buckets
-constexpr double kAllocatorMargin = 0.10;       // reserved over allocated, transients only
-constexpr double kLogitsForwardFp32Bytes = 8;   // fp32 logits + log-softmax output, per element
-constexpr double kLogitsBackwardBytes = 8;      // fp32 grads of log-probs and of the logits
-constexpr uint64_t kLitGptLmHeadChunk = 128;    // Lit-GPT's lm_head_chunk_size in finetune/*.py
+constexpr double kDropoutMaskBytes = 1;        // torch.nn.functional.dropout keeps a bool mask
+constexpr double kFlashLseBytes = 4;           // fp32 log-sum-exp per head per token
+constexpr double kNf4Bits = 4.5;               // 4-bit codes + fp32 absmax per 64 weights
+constexpr double kNf4DoubleQuantBits = 4.127;  // absmax quantised to 8 bits per 256 blocks
+constexpr double kAdam8bitBlock = 256;         // bitsandbytes block-wise quantisation block
+constexpr double kOverlapCommFactor = 4.5;     // DeepSpeed docs: overlap_comm ~4.5x buckets
+constexpr double kAllocatorMargin = 0.10;      // reserved over allocated, transients only
+constexpr double kLogitsForwardFp32Bytes = 8;  // fp32 logits + log-softmax output, per element
+constexpr double kLogitsBackwardBytes = 8;     // fp32 grads of log-probs and of the logits
+constexpr uint64_t kLitGptLmHeadChunk = 128;   // Lit-GPT's lm_head_chunk_size in finetune/*.py
 
 // Note [Allocator margin]
 // PyTorch's caching allocator reserves more than it hands out where blocks of changing sizes are
@@ -95,14 +95,14 @@ std::string_view LastComponent(std::string_view module) {
 
 // What the inventory says about the parameters, for the setup's LoRA/QLoRA/ZeRO-3 choices.
 struct ParamFacts {
-  Wide total = 0;            // unique parameters
-  Wide quantizable = 0;      // block Linear weights (what QLoRA stores in NF4)
-  Wide persistent = 0;       // ZeRO-3: tensors at or under the persistence threshold
-  Wide factored = 0;         // Adafactor second-moment elements of the trainable tensors
+  Wide total = 0;        // unique parameters
+  Wide quantizable = 0;  // block Linear weights (what QLoRA stores in NF4)
+  Wide persistent = 0;   // ZeRO-3: tensors at or under the persistence threshold
+  Wide factored = 0;     // Adafactor second-moment elements of the trainable tensors
   Wide largest_trainable_tensor = 0;
-  Wide lora = 0;             // adapter parameters
-  Wide lora_persistent = 0;  // adapters at or under the persistence threshold
-  Wide lora_input_width = 0;  // summed input width of the adapted Linears, all layers
+  Wide lora = 0;               // adapter parameters
+  Wide lora_persistent = 0;    // adapters at or under the persistence threshold
+  Wide lora_input_width = 0;   // summed input width of the adapted Linears, all layers
   Wide largest_quantized = 0;  // QLoRA: the largest Linear weight stored in NF4
   // Lit-GPT's LoRA, all layers: the input width once per block whose query/key/value are
   // adapted (one LoRAQKVLinear, one dropout) plus the inputs of the other adapted Linears, and
@@ -139,11 +139,11 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
     if (!t.tied_to.empty()) continue;
     f.total += t.numel;
     if (t.numel <= threshold) f.persistent += t.numel;
-    const bool linear = !t.block.empty() && t.shape.size() == 2 &&
-                        t.name.size() > 7 && t.name.substr(t.name.size() - 7) == ".weight" &&
-                        LastComponent(t.module).find("embedding") == std::string_view::npos &&
-                        LastComponent(t.module).find("relative_attention_bias") ==
-                            std::string_view::npos;
+    const bool linear =
+        !t.block.empty() && t.shape.size() == 2 && t.name.size() > 7 &&
+        t.name.substr(t.name.size() - 7) == ".weight" &&
+        LastComponent(t.module).find("embedding") == std::string_view::npos &&
+        LastComponent(t.module).find("relative_attention_bias") == std::string_view::npos;
     if (linear) {
       f.quantizable += t.numel;
       f.largest_quantized = std::max<Wide>(f.largest_quantized, t.numel);
@@ -153,8 +153,9 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
       f.head += t.numel;
     }
     if (setup.lora_rank == 0) {
-      f.factored += t.shape.size() >= 2 ? U(t.shape[0]) + U(t.numel / std::max<int64_t>(t.shape[0], 1))
-                                        : static_cast<Wide>(t.numel);
+      f.factored += t.shape.size() >= 2
+                        ? U(t.shape[0]) + U(t.numel / std::max<int64_t>(t.shape[0], 1))
+                        : static_cast<Wide>(t.numel);
       f.largest_trainable_tensor = std::max<Wide>(f.largest_trainable_tensor, t.numel);
     }
   }
@@ -200,20 +201,25 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
 Wide OptimizerStateBytes(const TrainingSetup& s, Wide trainable, Wide factored) {
   const bool pure = s.precision == Precision::kBf16Pure;
   switch (s.optimizer) {
-    case Optimizer::kAdamW: return trainable * (pure ? 4 : 8);
-    case Optimizer::kAdam8bit: return trainable * 2 + CeilDiv(trainable, static_cast<Wide>(kAdam8bitBlock)) * 2 * 4;
-    case Optimizer::kSgd: return s.sgd_momentum > 0 ? trainable * (pure ? 2 : 4) : 0;
-    case Optimizer::kLion: return trainable * (pure ? 2 : 4);
-    case Optimizer::kAdafactor: return trainable * (pure ? 2 : 4) + factored * 4;
+    case Optimizer::kAdamW:
+      return trainable * (pure ? 4 : 8);
+    case Optimizer::kAdam8bit:
+      return trainable * 2 + CeilDiv(trainable, static_cast<Wide>(kAdam8bitBlock)) * 2 * 4;
+    case Optimizer::kSgd:
+      return s.sgd_momentum > 0 ? trainable * (pure ? 2 : 4) : 0;
+    case Optimizer::kLion:
+      return trainable * (pure ? 2 : 4);
+    case Optimizer::kAdafactor:
+      return trainable * (pure ? 2 : 4) + factored * 4;
   }
   return 0;
 }
 
 struct Activations {
-  Wide saved = 0;           // all layers + embeddings/final norm, as kept through forward
-  Wide per_layer = 0;       // one layer (the decoder's for encoder-decoder) as saved
-  Wide recompute = 0;       // live during the first layer's backward (checkpointing)
-  Wide workspace = 0;       // gradient temporaries of one layer
+  Wide saved = 0;      // all layers + embeddings/final norm, as kept through forward
+  Wide per_layer = 0;  // one layer (the decoder's for encoder-decoder) as saved
+  Wide recompute = 0;  // live during the first layer's backward (checkpointing)
+  Wide workspace = 0;  // gradient temporaries of one layer
   Wide logits_forward = 0;
   Wide logits_backward = 0;
 };
@@ -234,9 +240,9 @@ bool UpcastingNorm(const ArchitectureInfo& a) { return a.norm_upcasts; }
 // tensors autograd keeps beyond the activation's input. The Python formulas keep their
 // intermediates: NewGELUActivation ("gelu_new", also "gelu_accurate"), 0.5 * x * (1 + tanh(...)),
 // keeps 0.5x, tanh(...) and 1 + tanh(...); FastGELUActivation ("gelu_fast") those and the
-// products inside tanh's argument (six); QuickGELUActivation, x * sigmoid(1.702x), the sigmoid. F.gelu,
-// F.silu and the tanh-approximate F.gelu ("gelu_pytorch_tanh") are fused kernels keeping their
-// input only.
+// products inside tanh's argument (six); QuickGELUActivation, x * sigmoid(1.702x), the sigmoid.
+// F.gelu, F.silu and the tanh-approximate F.gelu ("gelu_pytorch_tanh") are fused kernels keeping
+// their input only.
 int ActivationExtraTensors(const std::string& hidden_act) {
   if (hidden_act == "gelu_new" || hidden_act == "gelu_accurate") return 3;
   if (hidden_act == "gelu_fast") return 6;
@@ -322,12 +328,12 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
                            (litgpt && self.quantized_linears && f.head > 0 ? sbh * e : 0);
   if (a.encoder_decoder) {
     // Encoder stack, decoder stack, and the encoder output every cross-attention reads.
-    out.saved = U(a.layers) * enc_layer + U(a.decoder_layers) * dec_layer + 2 * stack_extra +
-                sbh * e;
+    out.saved =
+        U(a.layers) * enc_layer + U(a.decoder_layers) * dec_layer + 2 * stack_extra + sbh * e;
     out.per_layer = dec_layer;
   } else {
-    out.saved = U(a.layers - dense_layers) * enc_layer + U(dense_layers) * dense_layer_bytes +
-                stack_extra;
+    out.saved =
+        U(a.layers - dense_layers) * enc_layer + U(dense_layers) * dense_layer_bytes + stack_extra;
     out.per_layer = enc_layer;
   }
   const LayerShape& top = a.encoder_decoder ? dec : self;
@@ -335,8 +341,8 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
   if (s.checkpointing == Checkpointing::kFull) {
     out.recompute = full;
   } else if (s.checkpointing == Checkpointing::kSelective) {
-    out.recompute = full - LayerActivationBytes(top, e, s.flash_attention,
-                                                Checkpointing::kSelective);
+    out.recompute =
+        full - LayerActivationBytes(top, e, s.flash_attention, Checkpointing::kSelective);
   }
   const Wide t = U(s.tp);
   const Wide b = U(s.micro_batch);
@@ -372,11 +378,16 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
 
 std::string PhaseName(Phase phase) {
   switch (phase) {
-    case kPhaseForward: return "forward";
-    case kPhaseBackward: return "backward";
-    case kPhaseBackwardEnd: return "backward_end";
-    case kPhaseOptimizerStep: return "optimizer_step";
-    case kAllPhases: return "all";
+    case kPhaseForward:
+      return "forward";
+    case kPhaseBackward:
+      return "backward";
+    case kPhaseBackwardEnd:
+      return "backward_end";
+    case kPhaseOptimizerStep:
+      return "optimizer_step";
+    case kAllPhases:
+      return "all";
   }
   return "?";
 }
@@ -385,10 +396,18 @@ uint64_t ZeroPaperBytesPerGpu(uint64_t params, uint64_t gpus, int stage, uint64_
   const Wide p = params, n = std::max<uint64_t>(gpus, 1);
   Wide bytes = 0;
   switch (stage) {
-    case 0: bytes = (4 + k) * p; break;
-    case 1: bytes = 4 * p + k * p / n; break;
-    case 2: bytes = 2 * p + (2 + k) * p / n; break;
-    default: bytes = (4 + k) * p / n; break;
+    case 0:
+      bytes = (4 + k) * p;
+      break;
+    case 1:
+      bytes = 4 * p + k * p / n;
+      break;
+    case 2:
+      bytes = 2 * p + (2 + k) * p / n;
+      break;
+    default:
+      bytes = (4 + k) * p / n;
+      break;
   }
   return Saturate(bytes);
 }
@@ -456,7 +475,8 @@ uint64_t LayerActivationBytes(const LayerShape& l, int elem_bytes, bool flash,
     mlp *= k;
     replicated += 2 * e * k * sbh + 2 * 4 * s * b * U(l.experts);
     // The shared expert(s): one more dense MLP every token passes, with its own input.
-    if (l.shared_ffn > 0) mlp += s * b * U(l.shared_ffn) * ((l.gated ? 3 : 1) * e + lin) + lin * sbh;
+    if (l.shared_ffn > 0)
+      mlp += s * b * U(l.shared_ffn) * ((l.gated ? 3 : 1) * e + lin) + lin * sbh;
   }
   sharded += mlp;
   // LoRA adapters (PEFT / Lit-GPT LoRALinear): lora_dropout's mask and output, lora_A's input.
@@ -483,14 +503,14 @@ struct ItemContext {
   const ParamFacts& f;
   Activations act;
   bool lora = false;
-  bool mixed = false;   // fp16-mixed or bf16-mixed
-  bool master = false;  // mixed precision with 16-bit working weights and an fp32 master copy
-  Wide w = 2;           // bytes of activations (and of DeepSpeed's working weights)
-  Wide param_bytes = 2;  // bytes of a working parameter (fp32 under autocast)
-  Wide grad_bytes = 2;   // bytes of a gradient element (fp32 under autocast)
+  bool mixed = false;        // fp16-mixed or bf16-mixed
+  bool master = false;       // mixed precision with 16-bit working weights and an fp32 master copy
+  Wide w = 2;                // bytes of activations (and of DeepSpeed's working weights)
+  Wide param_bytes = 2;      // bytes of a working parameter (fp32 under autocast)
+  Wide grad_bytes = 2;       // bytes of a gradient element (fp32 under autocast)
   Wide t = 1, d = 1, g = 1;  // tensor-parallel degree, data-parallel degree, GPUs per node
   Wide trainable = 0;
-  Wide frozen_quantized = 0;  // QLoRA: parameters stored in NF4
+  Wide frozen_quantized = 0;   // QLoRA: parameters stored in NF4
   Wide largest_quantized = 0;  // QLoRA: the largest of them
   double nf4_bits = kNf4Bits;
   // PyTorch FSDP (the strategy FSDP really uses, NO_SHARD for one rank) and its CPU offload;
@@ -499,8 +519,8 @@ struct ItemContext {
   bool fsdp_offload = false;
   Wide fsdp_param_bytes = 4;  // FSDP's sharded parameters, gradients: fp32 unless bf16-pure
   Wide largest_unit = 0;      // the largest repeated block (FSDP's wrapped unit), tp-split
-  std::string half;       // "bf16", "fp16" or "fp32"
-  std::string opt_where;  // "none", "cpu" or "nvme"
+  std::string half;           // "bf16", "fp16" or "fp32"
+  std::string opt_where;      // "none", "cpu" or "nvme"
 
   const ModelCounts& counts;  // CountParams(inventory), computed once per inventory
 
@@ -516,9 +536,15 @@ struct ItemContext {
   // Where the optimizer's partition (master weights, states) lives: per GPU, or per node.
   void PlaceOptimizer(Wide per_rank, Wide* gpu, Wide* cpu, Wide* nvme) const {
     switch (s.offload_optimizer) {
-      case OffloadDevice::kNone: *gpu = per_rank; break;
-      case OffloadDevice::kCpu: *cpu = per_rank * g; break;
-      case OffloadDevice::kNvme: *nvme = per_rank * g; break;
+      case OffloadDevice::kNone:
+        *gpu = per_rank;
+        break;
+      case OffloadDevice::kCpu:
+        *cpu = per_rank * g;
+        break;
+      case OffloadDevice::kNvme:
+        *nvme = per_rank * g;
+        break;
     }
   }
   bool Offloaded() const { return s.offload_optimizer != OffloadDevice::kNone; }
@@ -667,8 +693,8 @@ Status ParamsWorking(const ItemContext& c, Builder* out) {
              copies == 2 ? "fp16 and bf16 copies of the Linear being dequantised (bitsandbytes "
                            "MatMul4Bit on weights Lightning quantised from fp16)"
                          : "16-bit copy of the Linear being dequantised (bitsandbytes MatMul4Bit)",
-             copies * c.TpShare(c.largest_quantized) * c.w, 0, 0, 0,
-             kPhaseForward | kPhaseBackward, Alloc::kTransient);
+             copies * c.TpShare(c.largest_quantized) * c.w, 0, 0, 0, kPhaseForward | kPhaseBackward,
+             Alloc::kTransient);
   }
   return Status::Ok();
 }
@@ -739,8 +765,9 @@ Status Grads(const ItemContext& c, Builder* out) {
   const Wide partition = c.Part(c.trainable, 1);
   if (s.zero_stage == 3) {
     const Wide half = partition * c.w * c.g;
-    out->Add("grads", c.half + " gradient partitions in host memory (ZeRO-3 with offloaded optimizer)",
-             0, half, 0, s.pin_memory ? half : 0, kAllPhases);
+    out->Add("grads",
+             c.half + " gradient partitions in host memory (ZeRO-3 with offloaded optimizer)", 0,
+             half, 0, s.pin_memory ? half : 0, kAllPhases);
   }
   const Wide fp32 = partition * 4 * c.g;
   if (s.zero_stage == 3 && s.offload_optimizer == OffloadDevice::kNvme) {
@@ -755,8 +782,8 @@ Status Grads(const ItemContext& c, Builder* out) {
              "max(1 MiB, aio.block_size) kept in host memory)",
              0, kept, swapped, 0, kAllPhases);
   } else {
-    out->Add("grads_fp32", "fp32 gradient partitions in host memory (offloaded optimizer)", 0,
-             fp32, 0, s.pin_memory ? fp32 : 0, kAllPhases);
+    out->Add("grads_fp32", "fp32 gradient partitions in host memory (offloaded optimizer)", 0, fp32,
+             0, s.pin_memory ? fp32 : 0, kAllPhases);
   }
   return Status::Ok();
 }
@@ -818,8 +845,8 @@ Status OptimizerStepTransient(const ItemContext& c, Builder* out) {
   }
   const Wide state_elem = s.precision == Precision::kBf16Pure ? 2 : 4;
   // Under FSDP the optimizer sees one flat parameter per wrapped unit (its shard).
-  const Wide largest = c.Fsdp() && !c.lora ? c.FsdpShard(c.largest_unit)
-                                           : c.f.largest_trainable_tensor;
+  const Wide largest =
+      c.Fsdp() && !c.lora ? c.FsdpShard(c.largest_unit) : c.f.largest_trainable_tensor;
   const Wide all = c.Fsdp() ? c.FsdpShard(c.trainable) : c.TpShare(c.trainable);
   Wide transient = 0;
   std::string how;
@@ -843,10 +870,11 @@ Status OptimizerStepTransient(const ItemContext& c, Builder* out) {
       how = "factored update of the largest tensor";
       break;
     case Optimizer::kSgd:
-    case Optimizer::kAdam8bit: break;
+    case Optimizer::kAdam8bit:
+      break;
   }
-  out->Add("optimizer_step_transient", "temporaries of the optimizer step (" + how + ")",
-           transient, 0, 0, 0, kPhaseOptimizerStep, Alloc::kTransient);
+  out->Add("optimizer_step_transient", "temporaries of the optimizer step (" + how + ")", transient,
+           0, 0, 0, kPhaseOptimizerStep, Alloc::kTransient);
   return Status::Ok();
 }
 
@@ -883,8 +911,10 @@ Status NvmeParamFlatBuffer(const ItemContext& c, Builder* out) {
   }
   bytes *= c.g;
   out->Add("nvme_param_flat_buffer",
-           "pinned flat " + c.half + " buffer of the trainable parameters' partitions in host "
-           "memory beside their swap files: " + how,
+           "pinned flat " + c.half +
+               " buffer of the trainable parameters' partitions in host "
+               "memory beside their swap files: " +
+               how,
            0, bytes, 0, bytes, kAllPhases);
   return Status::Ok();
 }
@@ -921,8 +951,8 @@ Status ActivationItems(const ItemContext& c, Builder* out) {
   out->Add("logits_and_loss",
            "logits b*s*V (" + c.half + " and fp32) and the log-softmax kept by the loss",
            act.logits_forward, 0, 0, 0, kPhaseForward | kPhaseBackward, tr);
-  out->Add("logits_grad", "fp32 gradients of the log-probabilities and logits",
-           act.logits_backward, 0, 0, 0, kPhaseBackward, tr);
+  out->Add("logits_grad", "fp32 gradients of the log-probabilities and logits", act.logits_backward,
+           0, 0, 0, kPhaseBackward, tr);
   return Status::Ok();
 }
 
@@ -1005,14 +1035,16 @@ Status FsdpUnits(const ItemContext& c, Builder* out) {
       live = c.fsdp_offload ? all : 0;
       how = "every unit copied from the CPU, kept until after backward (NO_SHARD)";
       break;
-    case FsdpSharding::kNone: break;
+    case FsdpSharding::kNone:
+      break;
   }
-  out->Add("fsdp_unsharded_params", "unsharded parameters on the GPU: " + how, live * c.w, 0, 0,
-           0, live_phases, Alloc::kTransient);
+  out->Add("fsdp_unsharded_params", "unsharded parameters on the GPU: " + how, live * c.w, 0, 0, 0,
+           live_phases, Alloc::kTransient);
   if (c.fsdp != FsdpSharding::kNoShard || c.fsdp_offload) {
-    const Wide grads = c.lora ? CeilDiv(c.TpShare(c.f.lora), U(std::max<int64_t>(
-                                                                c.arch.layers + c.arch.decoder_layers, 1)))
-                              : unit;
+    const Wide grads = c.lora
+                           ? CeilDiv(c.TpShare(c.f.lora),
+                                     U(std::max<int64_t>(c.arch.layers + c.arch.decoder_layers, 1)))
+                           : unit;
     out->Add("fsdp_unit_grads",
              "the unit's unsharded gradient before reduce-scatter (or the copy to the CPU)",
              (grads + (c.fsdp == FsdpSharding::kNoShard ? 0 : CeilDiv(grads, c.d))) * c.w, 0, 0, 0,
@@ -1103,8 +1135,8 @@ std::vector<ModelConstant> Constants(const ItemContext& c, const TrainingSetup& 
        fp32 ? "fp32 training" : "16-bit working copy (mixed or pure precision)"},
       {"master_param_bytes", c.mixed ? 4.0 : 0.0, "bytes/param",
        "fp32 master weights in mixed precision (ZeRO paper: part of K = 12)"},
-      {"optimizer_state_bytes",
-       static_cast<double>(OptimizerStateBytes(s, 1 << 20, 0)) / (1 << 20), "bytes/param",
+      {"optimizer_state_bytes", static_cast<double>(OptimizerStateBytes(s, 1 << 20, 0)) / (1 << 20),
+       "bytes/param",
        "adamw 8 (m, v fp32), adam8bit 2 + fp32 absmax per 256-element block per state, sgd and "
        "lion 4, adafactor 4 + factored rows/cols; halved states in bf16-pure (REFERENCE 4)"},
       {"nf4_bits_per_param", c.frozen_quantized > 0 ? c.nf4_bits : 0.0, "bits",
@@ -1171,7 +1203,7 @@ std::vector<std::string> Notes(const ItemContext& c) {
         ".");
   }
   if ((s.zero_stage == 0 || c.Fsdp()) && !c.Offloaded() && !c.fsdp_offload) {
-    std::string how = s.fused_optimizer       ? "fused (in place, no temporaries)"
+    std::string how = s.fused_optimizer        ? "fused (in place, no temporaries)"
                       : s.foreach && !c.Fsdp() ? "foreach (one state-sized temporary per step)"
                                                : "a per-tensor loop (temporaries of the largest "
                                                  "tensor; FSDP's FlatParameters get no foreach)";
@@ -1222,13 +1254,14 @@ std::vector<std::string> Notes(const ItemContext& c) {
   }
   if (c.Fsdp()) {
     notes.push_back(
-        c.FsdpName() + ": each rank keeps its shard of the flat parameters, gradients and optimizer "
+        c.FsdpName() +
+        ": each rank keeps its shard of the flat parameters, gradients and optimizer "
         "states (parameters and gradients in fp32 under mixed precision, on the CPU with CPU "
         "offload, where the optimizer then steps); a wrapped unit (the largest repeated block) is "
         "gathered in the compute dtype while it runs" +
         (s.fsdp != c.fsdp ? std::string("; with one data-parallel rank FSDP uses NO_SHARD, which "
-                                         "keeps every gathered unit on the GPU from forward to "
-                                         "backward (torch/distributed/fsdp/_init_utils.py)")
+                                        "keeps every gathered unit on the GPU from forward to "
+                                        "backward (torch/distributed/fsdp/_init_utils.py)")
                           : std::string()) +
         ".");
   }
@@ -1251,7 +1284,8 @@ std::vector<std::string> Notes(const ItemContext& c) {
   if (ActivationExtraTensors(c.arch.hidden_act) > 0 && s.framework == Framework::kTransformers) {
     notes.push_back("The MLP activation '" + c.arch.hidden_act +
                     "' is a Python formula in Transformers (transformers/activations.py); autograd "
-                    "keeps " + std::to_string(ActivationExtraTensors(c.arch.hidden_act)) +
+                    "keeps " +
+                    std::to_string(ActivationExtraTensors(c.arch.hidden_act)) +
                     " intermediate tensors of the MLP width besides its input.");
   }
   if (s.tp > 1) {
@@ -1322,7 +1356,7 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
   c.fsdp_param_bytes = s.precision == Precision::kBf16Pure ? 2 : 4;
   if (c.Fsdp()) c.master = false;  // FSDP's sharded parameters are the fp32 copy
   c.largest_unit = c.TpShare(c.counts.largest_block_params > 0 ? c.counts.largest_block_params
-                                                             : f.largest_trainable_tensor);
+                                                               : f.largest_trainable_tensor);
   c.nf4_bits = s.double_quant ? kNf4DoubleQuantBits : kNf4Bits;
   c.half = HalfName(s.precision);
   c.opt_where = std::string(OffloadDeviceName(s.offload_optimizer));
@@ -1331,8 +1365,9 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
   Builder out;
   for (const ItemRule& rule : kItemRules) MEMPLAN_RETURN_IF_ERROR(rule.add(c, &out));
   if (out.overflow) {
-    return Status::OutOfRange(inventory.name + ": the memory needed overflows 2^62 bytes; check "
-                                               "--micro-batch and --seq-len");
+    return Status::OutOfRange(inventory.name +
+                              ": the memory needed overflows 2^62 bytes; check "
+                              "--micro-batch and --seq-len");
   }
   MemoryEstimate m;
   m.setup = s;
@@ -1349,8 +1384,7 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
 
 }  // namespace
 
-Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
-                                      const TrainingSetup& input) {
+Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& input) {
   return EstimateWith(inventory, input, nullptr, nullptr);
 }
 
@@ -1362,20 +1396,16 @@ Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const Tra
 namespace {
 
 Result<std::vector<ComparisonRow>> Compare(const ModelInventory& inventory,
-                                           const TrainingSetup& setup,
-                                           const ModelCounts* counts) {
-
+                                           const TrainingSetup& setup, const ModelCounts* counts) {
   struct Combo {
     int stage;
     OffloadDevice opt, param;
   };
   using D = OffloadDevice;
-  const Combo combos[] = {{0, D::kNone, D::kNone}, {1, D::kNone, D::kNone},
-                          {1, D::kCpu, D::kNone},  {2, D::kNone, D::kNone},
-                          {2, D::kCpu, D::kNone},  {3, D::kNone, D::kNone},
-                          {3, D::kCpu, D::kNone},  {3, D::kCpu, D::kCpu},
-                          {3, D::kNvme, D::kNone}, {3, D::kNvme, D::kCpu},
-                          {3, D::kNvme, D::kNvme}};
+  const Combo combos[] = {{0, D::kNone, D::kNone}, {1, D::kNone, D::kNone}, {1, D::kCpu, D::kNone},
+                          {2, D::kNone, D::kNone}, {2, D::kCpu, D::kNone},  {3, D::kNone, D::kNone},
+                          {3, D::kCpu, D::kNone},  {3, D::kCpu, D::kCpu},   {3, D::kNvme, D::kNone},
+                          {3, D::kNvme, D::kCpu},  {3, D::kNvme, D::kNvme}};
   std::vector<ComparisonRow> rows;
   std::optional<InventoryFacts> facts;  // the same for every row: computed at the first
   for (const Combo& c : combos) {

@@ -40,23 +40,22 @@ namespace memplan::estimator {
 
 // Phases of a training step (see Note [Phases]), as bits for MemoryItem::phases.
 enum Phase : unsigned {
-  kPhaseForward = 1,         // "forward": end of the forward pass
-  kPhaseBackward = 2,        // "backward": first layer of backward, recomputed if checkpointing
-  kPhaseBackwardEnd = 4,     // "backward_end": all gradients produced
-  kPhaseOptimizerStep = 8,   // "optimizer_step"
+  kPhaseForward = 1,        // "forward": end of the forward pass
+  kPhaseBackward = 2,       // "backward": first layer of backward, recomputed if checkpointing
+  kPhaseBackwardEnd = 4,    // "backward_end": all gradients produced
+  kPhaseOptimizerStep = 8,  // "optimizer_step"
   kAllPhases = 15,
 };
-constexpr Phase kPhases[] = {kPhaseForward, kPhaseBackward, kPhaseBackwardEnd,
-                             kPhaseOptimizerStep};
+constexpr Phase kPhases[] = {kPhaseForward, kPhaseBackward, kPhaseBackwardEnd, kPhaseOptimizerStep};
 std::string PhaseName(Phase phase);
 
 struct MemoryItem {
-  std::string name;         // stable key: "params_working", "activations", ...
-  std::string description;  // one line for people: what it is, dtype, how it is split
-  uint64_t gpu_bytes = 0;     // per GPU
-  uint64_t cpu_bytes = 0;     // per node, pinned included
-  uint64_t nvme_bytes = 0;    // per node
-  uint64_t pinned_bytes = 0;  // per node, a part of cpu_bytes
+  std::string name;              // stable key: "params_working", "activations", ...
+  std::string description;       // one line for people: what it is, dtype, how it is split
+  uint64_t gpu_bytes = 0;        // per GPU
+  uint64_t cpu_bytes = 0;        // per node, pinned included
+  uint64_t nvme_bytes = 0;       // per node
+  uint64_t pinned_bytes = 0;     // per node, a part of cpu_bytes
   unsigned phases = kAllPhases;  // Phase bits where the item is live
 };
 
@@ -88,22 +87,21 @@ struct ModelConstant {
 };
 
 struct MemoryEstimate {
-  TrainingSetup setup;               // as used: seq_len resolved, gpus/nodes filled
-  uint64_t params_total = 0;         // model parameters (tied once), adapters excluded
-  uint64_t trainable_params = 0;     // all of them, or the LoRA adapters
-  uint64_t lora_params = 0;          // adapter parameters; 0 without LoRA
+  TrainingSetup setup;                      // as used: seq_len resolved, gpus/nodes filled
+  uint64_t params_total = 0;                // model parameters (tied once), adapters excluded
+  uint64_t trainable_params = 0;            // all of them, or the LoRA adapters
+  uint64_t lora_params = 0;                 // adapter parameters; 0 without LoRA
   uint64_t activation_bytes_per_layer = 0;  // one (decoder or only) layer as saved, per GPU
-  std::vector<MemoryItem> items;     // the breakdown, in report order
-  std::vector<PhaseTotals> phases;   // in step order
+  std::vector<MemoryItem> items;            // the breakdown, in report order
+  std::vector<PhaseTotals> phases;          // in step order
   PeakMemory peak;
   std::vector<ModelConstant> constants;
-  std::vector<std::string> notes;    // assumptions in sentences
+  std::vector<std::string> notes;  // assumptions in sentences
 };
 
 // The model for one setup. Errors: setup.ValidateFor(inventory) failures (bad combinations, an
 // inventory without architecture), overflow.
-Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory,
-                                      const TrainingSetup& setup);
+Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& setup);
 // The same, for a caller that has counted the inventory already (`counts` must be
 // CountParams(inventory)): a per-expert DeepSeek-V3 has 45,000 tensors to count.
 Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& setup,
@@ -139,16 +137,16 @@ uint64_t ZeroPaperBytesPerGpu(uint64_t params, uint64_t gpus, int stage, uint64_
 
 // One transformer layer's shape for activation counting.
 struct LayerShape {
-  int64_t seq = 0;            // s (query side)
-  int64_t kv_seq = 0;         // keys/values length (s for self-attention; encoder's for cross)
-  int64_t batch = 0;          // b
-  int64_t hidden = 0;         // h
-  int64_t heads = 0;          // a
+  int64_t seq = 0;     // s (query side)
+  int64_t kv_seq = 0;  // keys/values length (s for self-attention; encoder's for cross)
+  int64_t batch = 0;   // b
+  int64_t hidden = 0;  // h
+  int64_t heads = 0;   // a
   int64_t kv_heads = 0;
   int64_t head_dim = 0;
-  int64_t ffn = 0;            // f
-  bool gated = false;         // SwiGLU/GeGLU
-  int64_t experts = 0;        // 0 = dense
+  int64_t ffn = 0;      // f
+  bool gated = false;   // SwiGLU/GeGLU
+  int64_t experts = 0;  // 0 = dense
   int64_t top_k = 0;
   bool hidden_dropout = false;
   bool attention_dropout = false;
@@ -193,7 +191,8 @@ struct LayerShape {
 // Bytes of activations one layer keeps for its backward pass, per GPU, with `elem_bytes` per
 // activation element (2 for 16-bit, 4 for fp32) and 1 byte per dropout-mask element.
 //   none: Korthikanti's sbh(10 + 24/t + 5as/(ht)) for a GPT-3 layer (f = 4h, GeLU, MHA, dropout),
-//         every term derived from `shape` otherwise; with sequence parallelism sbh(34/t + 5as/(ht));
+//         every term derived from `shape` otherwise; with sequence parallelism sbh(34/t +
+//         5as/(ht));
 //   selective: without the attention core (scores, softmax, dropout; with flash attention its
 //         output statistics), as Megatron's selective recompute: sbh(10 + 24/t);
 //   full: the layer input only, 2sbh.

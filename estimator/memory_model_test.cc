@@ -286,7 +286,8 @@ TEST_CASE("memory model: offload moves optimizer state and parameters off the GP
   // A smaller sub_group_size (what DeepSpeed recommends for NVMe) shrinks them.
   s.sub_group_size = 100000000;
   MemoryEstimate small = MustEstimate(llama, s);
-  CHECK(Item(small, "nvme_optimizer_swap_buffers")->pinned_bytes == uint64_t{4} * 100000000 * 4 * 8);
+  CHECK(Item(small, "nvme_optimizer_swap_buffers")->pinned_bytes ==
+        uint64_t{4} * 100000000 * 4 * 8);
   CHECK(small.peak.cpu_bytes < cpu.peak.cpu_bytes);
 }
 
@@ -366,10 +367,11 @@ TEST_CASE("memory model: a shape list has no architecture, and the error says wh
 
 // --- Framework behaviours (issue 14) -------------------------------------------------------------
 
-TEST_CASE("memory model: ZeRO-3 with the optimizer on NVMe keeps only 16-bit gradients in host memory") {
-  // deepspeed/runtime/zero/stage3.py: _setup_for_real_optimizer allocates grad_partitions_flat_buffer
-  // (the 16-bit gradient partition, gradient_accumulation_dtype = the model dtype) on the offload
-  // device, and partition_grads -> _swap_out_offload_fp32_gradients ->
+TEST_CASE(
+    "memory model: ZeRO-3 with the optimizer on NVMe keeps only 16-bit gradients in host memory") {
+  // deepspeed/runtime/zero/stage3.py: _setup_for_real_optimizer allocates
+  // grad_partitions_flat_buffer (the 16-bit gradient partition, gradient_accumulation_dtype = the
+  // model dtype) on the offload device, and partition_grads -> _swap_out_offload_fp32_gradients ->
   // optimizer_swapper.swap_out_gradients writes the fp32 gradients of swappable sub-groups to NVMe.
   ModelInventory llama = memplan::testing::Fixture("llama-2-7b");
   TrainingSetup s;
@@ -428,8 +430,8 @@ TEST_CASE("memory model: ZeRO-3 NVMe swap files are the bytes DeepSpeed 0.19 wro
   MemoryEstimate m = MustEstimate(gpt2, s);
   REQUIRE(m.params_total == 123751680);
   // 12 x (768x768 + 768x2304 + 2 x 768x3072) x 2 bytes, and two embedding-sized files.
-  CHECK(Item(m, "params_working")->nvme_bytes == 12 * (1179648 + 3538944 + 2 * 4718592) +
-                                                      2 * uint64_t{77195264});
+  CHECK(Item(m, "params_working")->nvme_bytes ==
+        12 * (1179648 + 3538944 + 2 * 4718592) + 2 * uint64_t{77195264});
   CHECK(Item(m, "params_working")->nvme_bytes == 324259840);
   CHECK(Item(m, "grads_fp32")->nvme_bytes == 494128128);
   CHECK(Item(m, "grads_fp32")->cpu_bytes == 123751680 * uint64_t{4} - 494128128);
@@ -492,7 +494,8 @@ TEST_CASE("memory model: the ZeRO-3 step converts one sub-group of gradients to 
   CHECK(Gpu(MustEstimate(llama, s), "grads_fp32") == uint64_t{100000000} * 6);
 }
 
-TEST_CASE("memory model: the allocator margin covers activations and temporaries, not model states") {
+TEST_CASE(
+    "memory model: the allocator margin covers activations and temporaries, not model states") {
   // PyTorch's caching allocator rounds and fragments blocks that come and go every step;
   // weights, master weights, optimizer states and gradient buffers are allocated once.
   ModelInventory gpt2 = MustBuild({{"model_type", "gpt2"}});
@@ -518,7 +521,8 @@ TEST_CASE("memory model: the allocator margin covers activations and temporaries
   CHECK(peak.gpu_bytes == peak.gpu_allocated_bytes + margin + s.cuda_context_bytes);
 }
 
-TEST_CASE("memory model: the PyTorch optimizer step's temporaries follow foreach, fused, momentum") {
+TEST_CASE(
+    "memory model: the PyTorch optimizer step's temporaries follow foreach, fused, momentum") {
   // torch/optim/adam.py: _multi_tensor_adam (foreach) builds exp_avg_sq_sqrt for all parameters
   // at once; _single_tensor_adam (foreach=False) one tensor at a time; fused=True updates in
   // place. torch/optim/sgd.py: momentum 0 (the default) keeps no momentum_buffer.
@@ -619,7 +623,8 @@ TEST_CASE("memory model: Transformers' RMSNorm keeps its input in fp32") {
   l.norm_fp32 = true;
   CHECK(LayerActivationBytes(l, 2, true, Checkpointing::kNone) == plain + 2 * (4 - 2) * sbh);
   l.norm_keeps_normalized = true;
-  CHECK(LayerActivationBytes(l, 2, true, Checkpointing::kNone) == plain + 2 * (4 - 2) * sbh + 2 * 2 * sbh);
+  CHECK(LayerActivationBytes(l, 2, true, Checkpointing::kNone) ==
+        plain + 2 * (4 - 2) * sbh + 2 * 2 * sbh);
 }
 
 TEST_CASE("memory model: sequence parallelism and selective recompute with flash attention") {

@@ -127,12 +127,13 @@ Result<ModelInventory> LoadDirectory(std::string dir, const std::string& repo_id
                                    "; and no safetensors headers to fall back on (" +
                                    weights.status().message() + ")");
     }
-    weights->notes.push_back(config + ": its model_type is not one memplan builds, so the "
-                             "tensors come from the safetensors headers (" + weights->name +
-                             ")");
+    weights->notes.push_back(config +
+                             ": its model_type is not one memplan builds, so the "
+                             "tensors come from the safetensors headers (" +
+                             weights->name + ")");
     Result<nlohmann::ordered_json> doc = ReadJson(config);
-    Status attached = doc.ok() ? AttachArchitecture(nlohmann::json(*doc), config, &*weights)
-                               : doc.status();
+    Status attached =
+        doc.ok() ? AttachArchitecture(nlohmann::json(*doc), config, &*weights) : doc.status();
     if (!attached.ok()) {
       weights->notes.push_back("no architecture for activations: " + attached.message());
     }
@@ -178,7 +179,8 @@ Result<ModelInventory> LoadRepo(const std::string& repo_id, const LoadOptions& o
   }
   const std::string not_here = "model '" + repo_id +
                                "': not a file or directory, not a built-in model (see `memplan "
-                               "models`), and " + snapshot.status().message();
+                               "models`), and " +
+                               snapshot.status().message();
   if (!options.hub.allow_network) {
     return Status::NotFound(
         not_here + DidYouMean(ClosestMatches(repo_id, BuiltinNames())) +

@@ -289,9 +289,8 @@ TEST_CASE("source: safetensors refuses offsets that lie, naming file and tensor"
 TEST_CASE("source: a header-only safetensors file (8 + N bytes, as a range request returns)") {
   TempDir dir(kTempPrefix);
   const std::string path = dir.PathOf("model.safetensors.header");
-  const std::string header =
-      R"({"a": {"dtype": "BF16", "shape": [4, 8], "data_offsets": [0, 64]},)"
-      R"( "b": {"dtype": "F32", "shape": [3], "data_offsets": [64, 76]}})";
+  const std::string header = R"({"a": {"dtype": "BF16", "shape": [4, 8], "data_offsets": [0, 64]},)"
+                             R"( "b": {"dtype": "F32", "shape": [3], "data_offsets": [64, 76]}})";
   WriteRaw(path, header, 0);
   auto inv = InventoryFromSafetensorsFile(path);
   REQUIRE_MESSAGE(inv.ok(), inv.status().ToString());
@@ -398,7 +397,7 @@ TEST_CASE("source: sharded safetensors follows symlinks and subdirectories insid
   fs::create_symlink("../blobs/abc123", dir.PathOf("snap/model-1.safetensors"));
   WriteSafetensors(dir.PathOf("snap/sub/model-2.safetensors"), {{"b.weight", "F16", {2}}});
   WriteBytes(dir.PathOf("snap/index.json"), R"({"weight_map": {"a.weight": "model-1.safetensors",)"
-                                          R"( "b.weight": "sub/model-2.safetensors"}})");
+                                            R"( "b.weight": "sub/model-2.safetensors"}})");
   auto inv = InventoryFromSafetensorsIndex(dir.PathOf("snap/index.json"));
   INFO(inv.status().ToString());
   REQUIRE_OK(inv);

@@ -78,8 +78,8 @@ Result<E> Parse(const Names<E> (&table)[N], std::string_view text, std::string_v
 
 Status Range(std::string_view flag, int64_t value, int64_t lo, int64_t hi) {
   if (value < lo || value > hi) {
-    return Status::InvalidArgument(std::string(flag) + " must be in [" + std::to_string(lo) +
-                                   ", " + std::to_string(hi) + "], got " + std::to_string(value));
+    return Status::InvalidArgument(std::string(flag) + " must be in [" + std::to_string(lo) + ", " +
+                                   std::to_string(hi) + "], got " + std::to_string(value));
   }
   return Status::Ok();
 }
@@ -164,8 +164,7 @@ Status TrainingSetup::Validate() const {
     MEMPLAN_RETURN_IF_ERROR(Range(name, value, 0, kMaxBufferElements));
   }
   MEMPLAN_RETURN_IF_ERROR(Range("offload_param.buffer_count", param_buffer_count, 1, 1024));
-  MEMPLAN_RETURN_IF_ERROR(
-      Range("offload_optimizer.buffer_count", optimizer_buffer_count, 1, 1024));
+  MEMPLAN_RETURN_IF_ERROR(Range("offload_optimizer.buffer_count", optimizer_buffer_count, 1, 1024));
   MEMPLAN_RETURN_IF_ERROR(Range("aio.queue_depth", aio_queue_depth, 1, 1 << 16));
   MEMPLAN_RETURN_IF_ERROR(Range("aio.intra_op_parallelism", aio_intra_op_parallelism, 1, 64));
   int major = 0, minor = 0;
@@ -189,8 +188,9 @@ Status TrainingSetup::Validate() const {
                                      " (which shards like stage " + std::to_string(stage) + ")");
     }
     if (offload_param == OffloadDevice::kNvme || offload_optimizer == OffloadDevice::kNvme) {
-      return Status::InvalidArgument("`fsdp` offloads to the CPU only (CPUOffload); NVMe offload is "
-                                     "DeepSpeed's (drop `fsdp`, use `zero_stage` 3)");
+      return Status::InvalidArgument(
+          "`fsdp` offloads to the CPU only (CPUOffload); NVMe offload is "
+          "DeepSpeed's (drop `fsdp`, use `zero_stage` 3)");
     }
     if (offload_optimizer == OffloadDevice::kCpu && offload_param != OffloadDevice::kCpu) {
       return Status::InvalidArgument(
@@ -240,7 +240,8 @@ Status TrainingSetup::Validate() const {
         "`qlora` trains LoRA adapters on a 4-bit frozen base: give `lora_rank` too");
   }
   if (double_quant && !qlora) {
-    return Status::InvalidArgument("double quantisation applies to QLoRA's 4-bit base: add `qlora`");
+    return Status::InvalidArgument(
+        "double quantisation applies to QLoRA's 4-bit base: add `qlora`");
   }
   if (!lora_targets.empty() && lora_rank == 0) {
     return Status::InvalidArgument("`lora_targets` needs `lora_rank`");
@@ -260,22 +261,32 @@ Status TrainingSetup::Validate() const {
 
 int64_t TrainingSetup::SeqLenFor(const ArchitectureInfo* arch) const {
   if (seq_len > 0) return seq_len;
-  if (arch != nullptr && arch->max_positions > 0) return std::min<int64_t>(arch->max_positions, 2048);
+  if (arch != nullptr && arch->max_positions > 0)
+    return std::min<int64_t>(arch->max_positions, 2048);
   return 512;
 }
 
 std::vector<std::string> DefaultLoraTargets(std::string_view model_type) {
   // peft.utils.constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.
   static const auto* kDefaults = new std::map<std::string, std::vector<std::string>, std::less<>>{
-      {"gpt2", {"c_attn"}},          {"gpt_neox", {"query_key_value"}},
-      {"llama", {"q_proj", "v_proj"}}, {"mistral", {"q_proj", "v_proj"}},
-      {"mixtral", {"q_proj", "v_proj"}}, {"qwen2", {"q_proj", "v_proj"}},
-      {"gemma", {"q_proj", "v_proj"}}, {"bert", {"query", "value"}},
-      {"roberta", {"query", "value"}}, {"t5", {"q", "v"}},
-      {"qwen3", {"q_proj", "v_proj"}}, {"gemma2", {"q_proj", "v_proj"}},
-      {"gemma3_text", {"q_proj", "v_proj"}}, {"phi", {"q_proj", "v_proj", "fc1", "fc2"}},
-      {"falcon", {"query_key_value"}}, {"bloom", {"query_key_value"}},
-      {"gptj", {"q_proj", "v_proj"}}, {"opt", {"q_proj", "v_proj"}},
+      {"gpt2", {"c_attn"}},
+      {"gpt_neox", {"query_key_value"}},
+      {"llama", {"q_proj", "v_proj"}},
+      {"mistral", {"q_proj", "v_proj"}},
+      {"mixtral", {"q_proj", "v_proj"}},
+      {"qwen2", {"q_proj", "v_proj"}},
+      {"gemma", {"q_proj", "v_proj"}},
+      {"bert", {"query", "value"}},
+      {"roberta", {"query", "value"}},
+      {"t5", {"q", "v"}},
+      {"qwen3", {"q_proj", "v_proj"}},
+      {"gemma2", {"q_proj", "v_proj"}},
+      {"gemma3_text", {"q_proj", "v_proj"}},
+      {"phi", {"q_proj", "v_proj", "fc1", "fc2"}},
+      {"falcon", {"query_key_value"}},
+      {"bloom", {"query_key_value"}},
+      {"gptj", {"q_proj", "v_proj"}},
+      {"opt", {"q_proj", "v_proj"}},
       {"xlm-roberta", {"query", "value"}},
   };
   auto it = kDefaults->find(model_type);
@@ -321,8 +332,9 @@ Status TrainingSetup::ValidateFor(const ModelInventory& inventory) const {
   MEMPLAN_RETURN_IF_ERROR(Validate());
   if (!inventory.arch.has_value()) {
     return Status::InvalidArgument(
-        inventory.name + ": activation memory needs the architecture (hidden size, heads, MLP "
-                         "kind, dropout), which a " +
+        inventory.name +
+        ": activation memory needs the architecture (hidden size, heads, MLP "
+        "kind, dropout), which a " +
         (inventory.source.empty() ? std::string("tensor list") : inventory.source) +
         " does not carry; pass the model's config.json (or its directory) instead");
   }
@@ -401,18 +413,48 @@ nlohmann::json ToJson(const TrainingSetup& s) {
 }
 
 Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
-  static const std::vector<std::string> kKeys = {
-      "precision", "optimizer", "lora_rank", "lora_targets", "qlora", "double_quant",
-      "micro_batch", "seq_len", "grad_accum", "checkpointing", "flash_attention", "tp",
-      "sequence_parallel", "foreach", "fused_optimizer", "sgd_momentum", "autocast",
-      "gradient_as_bucket_view", "framework", "torch_version", "fsdp",
-      "zero_stage", "offload_optimizer", "offload_param", "reduce_bucket_size",
-      "allgather_bucket_size", "overlap_comm", "stage3_prefetch_bucket_size",
-      "stage3_param_persistence_threshold", "stage3_max_live_parameters", "sub_group_size",
-      "pin_memory", "param_buffer_count", "param_buffer_size", "param_max_in_cpu",
-      "optimizer_buffer_count",
-      "aio_block_size", "aio_queue_depth", "aio_intra_op_parallelism", "gpus_per_node",
-      "num_nodes", "cuda_context_bytes"};
+  static const std::vector<std::string> kKeys = {"precision",
+                                                 "optimizer",
+                                                 "lora_rank",
+                                                 "lora_targets",
+                                                 "qlora",
+                                                 "double_quant",
+                                                 "micro_batch",
+                                                 "seq_len",
+                                                 "grad_accum",
+                                                 "checkpointing",
+                                                 "flash_attention",
+                                                 "tp",
+                                                 "sequence_parallel",
+                                                 "foreach",
+                                                 "fused_optimizer",
+                                                 "sgd_momentum",
+                                                 "autocast",
+                                                 "gradient_as_bucket_view",
+                                                 "framework",
+                                                 "torch_version",
+                                                 "fsdp",
+                                                 "zero_stage",
+                                                 "offload_optimizer",
+                                                 "offload_param",
+                                                 "reduce_bucket_size",
+                                                 "allgather_bucket_size",
+                                                 "overlap_comm",
+                                                 "stage3_prefetch_bucket_size",
+                                                 "stage3_param_persistence_threshold",
+                                                 "stage3_max_live_parameters",
+                                                 "sub_group_size",
+                                                 "pin_memory",
+                                                 "param_buffer_count",
+                                                 "param_buffer_size",
+                                                 "param_max_in_cpu",
+                                                 "optimizer_buffer_count",
+                                                 "aio_block_size",
+                                                 "aio_queue_depth",
+                                                 "aio_intra_op_parallelism",
+                                                 "gpus_per_node",
+                                                 "num_nodes",
+                                                 "cuda_context_bytes"};
   const JsonFieldReader r(j, "setup JSON");
   MEMPLAN_RETURN_IF_ERROR(r.CheckKeys(kKeys));
   TrainingSetup s;
@@ -438,8 +480,7 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
   MEMPLAN_RETURN_IF_ERROR(r.Get("torch_version", &s.torch_version));
   MEMPLAN_RETURN_IF_ERROR(r.Enum("fsdp", ParseFsdpSharding, &s.fsdp));
   MEMPLAN_RETURN_IF_ERROR(r.Get("zero_stage", &s.zero_stage));
-  MEMPLAN_RETURN_IF_ERROR(
-      r.Enum("offload_optimizer", ParseOffloadDevice, &s.offload_optimizer));
+  MEMPLAN_RETURN_IF_ERROR(r.Enum("offload_optimizer", ParseOffloadDevice, &s.offload_optimizer));
   MEMPLAN_RETURN_IF_ERROR(r.Enum("offload_param", ParseOffloadDevice, &s.offload_param));
   MEMPLAN_RETURN_IF_ERROR(r.Get("reduce_bucket_size", &s.reduce_bucket_size));
   MEMPLAN_RETURN_IF_ERROR(r.Get("allgather_bucket_size", &s.allgather_bucket_size));
@@ -448,12 +489,10 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
     MEMPLAN_RETURN_IF_ERROR(r.Get("overlap_comm", &overlap));
     s.overlap_comm = overlap;
   }
+  MEMPLAN_RETURN_IF_ERROR(r.Get("stage3_prefetch_bucket_size", &s.stage3_prefetch_bucket_size));
   MEMPLAN_RETURN_IF_ERROR(
-      r.Get("stage3_prefetch_bucket_size", &s.stage3_prefetch_bucket_size));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("stage3_param_persistence_threshold",
-                                 &s.stage3_param_persistence_threshold));
-  MEMPLAN_RETURN_IF_ERROR(
-      r.Get("stage3_max_live_parameters", &s.stage3_max_live_parameters));
+      r.Get("stage3_param_persistence_threshold", &s.stage3_param_persistence_threshold));
+  MEMPLAN_RETURN_IF_ERROR(r.Get("stage3_max_live_parameters", &s.stage3_max_live_parameters));
   MEMPLAN_RETURN_IF_ERROR(r.Get("sub_group_size", &s.sub_group_size));
   MEMPLAN_RETURN_IF_ERROR(r.Get("pin_memory", &s.pin_memory));
   MEMPLAN_RETURN_IF_ERROR(r.Get("param_buffer_count", &s.param_buffer_count));

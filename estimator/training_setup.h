@@ -42,11 +42,11 @@ enum class Precision {
   kBf16Pure,   // bf16 everywhere, optimizer states included; no fp32 master copy
 };
 enum class Optimizer {
-  kAdamW,     // torch AdamW / DeepSpeed (Fused|CPU)Adam: m and v
-  kAdam8bit,  // bitsandbytes 8-bit AdamW: block-wise quantised m and v
-  kSgd,       // SGD; a momentum buffer only with sgd_momentum > 0 (PyTorch's default is 0)
-  kLion,      // one momentum buffer
-  kAdafactor, // factored second moment plus a first moment
+  kAdamW,      // torch AdamW / DeepSpeed (Fused|CPU)Adam: m and v
+  kAdam8bit,   // bitsandbytes 8-bit AdamW: block-wise quantised m and v
+  kSgd,        // SGD; a momentum buffer only with sgd_momentum > 0 (PyTorch's default is 0)
+  kLion,       // one momentum buffer
+  kAdafactor,  // factored second moment plus a first moment
 };
 enum class Checkpointing {
   kNone,       // every layer keeps all its activations
@@ -148,7 +148,7 @@ struct TrainingSetup {
   // steps. With one data-parallel rank FSDP uses NO_SHARD whatever is asked.
   FsdpSharding fsdp = FsdpSharding::kNone;
 
-  int zero_stage = 0;  // 0 (plain data parallel), 1, 2, 3
+  int zero_stage = 0;                                      // 0 (plain data parallel), 1, 2, 3
   OffloadDevice offload_optimizer = OffloadDevice::kNone;  // stage >= 1; nvme needs stage 3
   OffloadDevice offload_param = OffloadDevice::kNone;      // stage 3 only
 
@@ -162,15 +162,15 @@ struct TrainingSetup {
   int64_t stage3_max_live_parameters = 1000000000;
   int64_t sub_group_size = 1000000000;
   // offload_param / offload_optimizer: pin_memory, and the NVMe swap buffer pools.
-  bool pin_memory = false;                       // DeepSpeed's default
-  int64_t param_buffer_count = 5;                // offload_param.buffer_count
-  int64_t param_buffer_size = 100000000;         // offload_param.buffer_size, elements
-  int64_t param_max_in_cpu = 1000000000;         // offload_param.max_in_cpu, elements
-  int64_t optimizer_buffer_count = 4;            // offload_optimizer.buffer_count
-  int64_t aio_block_size = 1048576;              // aio.block_size, bytes (kept for plans)
-  int64_t aio_queue_depth = 8;                   // aio.queue_depth (kept for plans)
-  int64_t aio_intra_op_parallelism = 1;          // aio.intra_op_parallelism: I/O threads per
-                                                 // transfer (kept for plans)
+  bool pin_memory = false;                // DeepSpeed's default
+  int64_t param_buffer_count = 5;         // offload_param.buffer_count
+  int64_t param_buffer_size = 100000000;  // offload_param.buffer_size, elements
+  int64_t param_max_in_cpu = 1000000000;  // offload_param.max_in_cpu, elements
+  int64_t optimizer_buffer_count = 4;     // offload_optimizer.buffer_count
+  int64_t aio_block_size = 1048576;       // aio.block_size, bytes (kept for plans)
+  int64_t aio_queue_depth = 8;            // aio.queue_depth (kept for plans)
+  int64_t aio_intra_op_parallelism = 1;   // aio.intra_op_parallelism: I/O threads per
+                                          // transfer (kept for plans)
 
   int64_t gpus_per_node = 1;
   int64_t num_nodes = 1;

@@ -70,7 +70,7 @@ TEST_CASE("training setup: bad combinations are refused, naming the flag") {
 }
 
 TEST_CASE("training setup: checks against the model") {
-  ModelInventory llama = memplan::testing::Fixture("llama-2-7b");  // 32 heads
+  ModelInventory llama = memplan::testing::Fixture("llama-2-7b");               // 32 heads
   ModelInventory gpt2 = memplan::testing::MustBuild({{"model_type", "gpt2"}});  // 1024 positions
   TrainingSetup s;
   s.gpus_per_node = 8;
@@ -204,12 +204,13 @@ TEST_CASE("training setup: DeepSpeed \"auto\" values") {
   ExpectError(missing, "ds.json: 'train_micro_batch_size_per_gpu' is \"auto\"");
   CHECK(missing.message().find("pass `micro_batch`") != std::string::npos);
   s.micro_batch = 3;
-  Status precision = ApplyDeepSpeedConfig(config, "ds.json", {"micro_batch", "grad_accum"}, 4096, &s);
+  Status precision =
+      ApplyDeepSpeedConfig(config, "ds.json", {"micro_batch", "grad_accum"}, 4096, &s);
   ExpectError(precision, "'fp16.enabled' is \"auto\"");
   s.precision = Precision::kFp16Mixed;
-  REQUIRE(ApplyDeepSpeedConfig(config, "ds.json", {"micro_batch", "grad_accum", "precision"}, 4096,
-                               &s)
-              .ok());
+  REQUIRE(
+      ApplyDeepSpeedConfig(config, "ds.json", {"micro_batch", "grad_accum", "precision"}, 4096, &s)
+          .ok());
   CHECK(s.micro_batch == 3);
   // The Trainer's fills: h*h, 0.9*h*h, 10*h.
   CHECK(s.reduce_bucket_size == 4096 * 4096);
@@ -236,10 +237,10 @@ TEST_CASE("training setup: DeepSpeed config errors name the key") {
                                     {"train_batch_size", 5}},
                                    "ds.json", {}, 0, &s),
               "'train_batch_size' is 5");
-  ExpectError(ApplyDeepSpeedConfig(
-                  {{"zero_optimization", {{"offload_optimizer", {{"device", "gpu"}}}}}}, "ds.json",
-                  {}, 0, &s),
-              "'zero_optimization.offload_optimizer.device'");
+  ExpectError(
+      ApplyDeepSpeedConfig({{"zero_optimization", {{"offload_optimizer", {{"device", "gpu"}}}}}},
+                           "ds.json", {}, 0, &s),
+      "'zero_optimization.offload_optimizer.device'");
 }
 
 }  // namespace

@@ -9,8 +9,8 @@
 #include "fuzz/fuzz_targets.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  memplan::Status broken = memplan::fuzz::CliOne(
-      std::string_view(reinterpret_cast<const char*>(data), size));
+  memplan::Status broken =
+      memplan::fuzz::CliOne(std::string_view(reinterpret_cast<const char*>(data), size));
   if (!broken.ok()) {
     std::fprintf(stderr, "%s\n", broken.ToString().c_str());
     std::abort();

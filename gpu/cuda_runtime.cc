@@ -451,9 +451,9 @@ class CudaRuntime final : public Runtime {
   mutable Mutex mem_mu_;
   std::map<void*, uint64_t> device_memory_ GUARDED_BY(mem_mu_);  // cudaMalloc'd pointer -> bytes
   std::map<void*, uint64_t> registered_ GUARDED_BY(mem_mu_);     // registered pointer -> bytes
-  std::atomic<uint64_t> device_bytes_{0};    // written under mem_mu_, read without
+  std::atomic<uint64_t> device_bytes_{0};       // written under mem_mu_, read without
   std::atomic<uint64_t> peak_device_bytes_{0};  // written under mem_mu_, read without
-  std::shared_ptr<EventPool> events_;          // the fences' events (Note [Streams of the caller])
+  std::shared_ptr<EventPool> events_;           // the fences' events (Note [Streams of the caller])
 };
 
 Result<std::unique_ptr<Runtime>> CudaRuntime::Create(int device) {

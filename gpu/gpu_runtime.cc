@@ -289,7 +289,7 @@ class HostOnlyRuntime final : public Runtime {
   mutable Mutex mem_mu_;
   std::map<uintptr_t, uint64_t> device_ GUARDED_BY(mem_mu_);      // address -> bytes
   std::map<uintptr_t, uint64_t> registered_ GUARDED_BY(mem_mu_);  // address -> bytes
-  std::atomic<uint64_t> device_bytes_{0};     // written under mem_mu_, read without
+  std::atomic<uint64_t> device_bytes_{0};       // written under mem_mu_, read without
   std::atomic<uint64_t> peak_device_bytes_{0};  // written under mem_mu_, read without
 };
 

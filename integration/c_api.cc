@@ -71,17 +71,28 @@ void SetLastError(const char* function, const std::string& message) noexcept {
 
 memplan_status ToC(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return MEMPLAN_OK;
-    case StatusCode::kInvalidArgument: return MEMPLAN_INVALID_ARGUMENT;
-    case StatusCode::kNotFound: return MEMPLAN_NOT_FOUND;
-    case StatusCode::kIoError: return MEMPLAN_IO_ERROR;
-    case StatusCode::kOutOfRange: return MEMPLAN_OUT_OF_RANGE;
-    case StatusCode::kFailedPrecondition: return MEMPLAN_FAILED_PRECONDITION;
-    case StatusCode::kResourceExhausted: return MEMPLAN_RESOURCE_EXHAUSTED;
-    case StatusCode::kUnimplemented: return MEMPLAN_UNIMPLEMENTED;
-    case StatusCode::kDataLoss: return MEMPLAN_DATA_LOSS;
-    case StatusCode::kUnavailable: return MEMPLAN_UNAVAILABLE;
-    case StatusCode::kInternal: return MEMPLAN_INTERNAL;
+    case StatusCode::kOk:
+      return MEMPLAN_OK;
+    case StatusCode::kInvalidArgument:
+      return MEMPLAN_INVALID_ARGUMENT;
+    case StatusCode::kNotFound:
+      return MEMPLAN_NOT_FOUND;
+    case StatusCode::kIoError:
+      return MEMPLAN_IO_ERROR;
+    case StatusCode::kOutOfRange:
+      return MEMPLAN_OUT_OF_RANGE;
+    case StatusCode::kFailedPrecondition:
+      return MEMPLAN_FAILED_PRECONDITION;
+    case StatusCode::kResourceExhausted:
+      return MEMPLAN_RESOURCE_EXHAUSTED;
+    case StatusCode::kUnimplemented:
+      return MEMPLAN_UNIMPLEMENTED;
+    case StatusCode::kDataLoss:
+      return MEMPLAN_DATA_LOSS;
+    case StatusCode::kUnavailable:
+      return MEMPLAN_UNAVAILABLE;
+    case StatusCode::kInternal:
+      return MEMPLAN_INTERNAL;
   }
   return MEMPLAN_INTERNAL;
 }
@@ -183,10 +194,14 @@ int EnumValue(const Enum& value) {
 
 Result<ElementType> ToElementType(int dtype) {
   switch (dtype) {
-    case MEMPLAN_FLOAT32: return ElementType::kFloat32;
-    case MEMPLAN_BFLOAT16: return ElementType::kBFloat16;
-    case MEMPLAN_FLOAT16: return ElementType::kFloat16;
-    default: break;
+    case MEMPLAN_FLOAT32:
+      return ElementType::kFloat32;
+    case MEMPLAN_BFLOAT16:
+      return ElementType::kBFloat16;
+    case MEMPLAN_FLOAT16:
+      return ElementType::kFloat16;
+    default:
+      break;
   }
   return Status::InvalidArgument("dtype " + std::to_string(dtype) + " is not a memplan_dtype");
 }
@@ -286,8 +301,7 @@ Status Start(memplan_engine* e) {
     MEMPLAN_ASSIGN_OR_RETURN(memplan::offload::ParamId id, e->engine->AddParameter(p.spec));
     if (id != e->params_added) {
       return Status::Internal("the engine numbered parameter " + p.spec.name + " " +
-                              std::to_string(id) + ", expected " +
-                              std::to_string(e->params_added));
+                              std::to_string(id) + ", expected " + std::to_string(e->params_added));
     }
   }
   MEMPLAN_RETURN_IF_ERROR(e->engine->Start());
@@ -305,17 +319,28 @@ MEMPLAN_C_EXPORT const char* memplan_version(void) { return MEMPLAN_VERSION; }
 
 MEMPLAN_C_EXPORT const char* memplan_status_name(memplan_status status) {
   switch (EnumValue(status)) {
-    case MEMPLAN_OK: return "OK";
-    case MEMPLAN_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case MEMPLAN_NOT_FOUND: return "NOT_FOUND";
-    case MEMPLAN_IO_ERROR: return "IO_ERROR";
-    case MEMPLAN_OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case MEMPLAN_FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case MEMPLAN_RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case MEMPLAN_UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case MEMPLAN_DATA_LOSS: return "DATA_LOSS";
-    case MEMPLAN_UNAVAILABLE: return "UNAVAILABLE";
-    case MEMPLAN_INTERNAL: return "INTERNAL";
+    case MEMPLAN_OK:
+      return "OK";
+    case MEMPLAN_INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case MEMPLAN_NOT_FOUND:
+      return "NOT_FOUND";
+    case MEMPLAN_IO_ERROR:
+      return "IO_ERROR";
+    case MEMPLAN_OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case MEMPLAN_FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case MEMPLAN_RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case MEMPLAN_UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case MEMPLAN_DATA_LOSS:
+      return "DATA_LOSS";
+    case MEMPLAN_UNAVAILABLE:
+      return "UNAVAILABLE";
+    case MEMPLAN_INTERNAL:
+      return "INTERNAL";
   }
   return "UNKNOWN";
 }
@@ -408,8 +433,7 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_no_gradient(memplan_engine* engin
   });
 }
 
-MEMPLAN_C_EXPORT memplan_status memplan_engine_freeze(memplan_engine* engine,
-                                                      uint32_t param_id) {
+MEMPLAN_C_EXPORT memplan_status memplan_engine_freeze(memplan_engine* engine, uint32_t param_id) {
   return Guard(__func__, [&]() -> Status {
     if (engine == nullptr) return NullArgument("engine");
     MEMPLAN_RETURN_IF_ERROR(engine->CheckNotStarted());
@@ -434,8 +458,7 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_fetch(memplan_engine* engine, con
   });
 }
 
-MEMPLAN_C_EXPORT memplan_status memplan_engine_release(memplan_engine* engine,
-                                                       const char* module) {
+MEMPLAN_C_EXPORT memplan_status memplan_engine_release(memplan_engine* engine, const char* module) {
   return Guard(__func__, [&]() -> Status {
     if (engine == nullptr) return NullArgument("engine");
     if (module == nullptr) return NullArgument("module");
@@ -444,8 +467,7 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_release(memplan_engine* engine,
 }
 
 MEMPLAN_C_EXPORT memplan_status memplan_engine_release_on_stream(memplan_engine* engine,
-                                                                 const char* module,
-                                                                 void* stream) {
+                                                                 const char* module, void* stream) {
   return Guard(__func__, [&]() -> Status {
     if (engine == nullptr) return NullArgument("engine");
     if (module == nullptr) return NullArgument("module");
@@ -488,9 +510,8 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_numel(memplan_engine* engine, uin
   });
 }
 
-MEMPLAN_C_EXPORT memplan_status memplan_engine_grad_ready(memplan_engine* engine,
-                                                          uint32_t param_id, const void* grad,
-                                                          memplan_dtype dtype) {
+MEMPLAN_C_EXPORT memplan_status memplan_engine_grad_ready(memplan_engine* engine, uint32_t param_id,
+                                                          const void* grad, memplan_dtype dtype) {
   const int raw_dtype = EnumValue(dtype);
   return Guard(__func__, [&]() -> Status {
     if (engine == nullptr) return NullArgument("engine");
@@ -554,8 +575,7 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_read_master(memplan_engine* engin
     const memplan_engine::Param& p = engine->params[param_id];
     if (count != p.numel) {
       return Status::InvalidArgument("count " + std::to_string(count) + ": parameter " +
-                                     p.spec.name + " has " + std::to_string(p.numel) +
-                                     " elements");
+                                     p.spec.name + " has " + std::to_string(p.numel) + " elements");
     }
     return engine->engine->ReadMasterWeights(param_id, std::span<float>(out, count));
   });

@@ -62,8 +62,7 @@ TEST_CASE("c api: estimate of a built-in model is the requests.h answer") {
 
   // The shorthand gives the same document.
   CString path;
-  REQUIRE_MESSAGE(memplan_estimate_path("llama-2-7b", 4, 1, &path.text) == MEMPLAN_OK,
-                  LastError());
+  REQUIRE_MESSAGE(memplan_estimate_path("llama-2-7b", 4, 1, &path.text) == MEMPLAN_OK, LastError());
   CHECK(path.Parse() == got);
 }
 
@@ -121,10 +120,13 @@ std::string ScheduleJson(const std::string& dtype, const std::string& path) {
       {"version", 1},
       // Threshold 0: every parameter goes through the NVMe store, none stays resident.
       {"params",
-       {{"tier", "nvme"}, {"dtype", dtype}, {"persistence_threshold", 0},
-        {"buffer_bytes", 4096}, {"buffer_count", 2}}},
-      {"optimizer", {{"tier", "cpu"}, {"name", "adam"}, {"sub_group_elements", 1024},
-                     {"threads", 1}}},
+       {{"tier", "nvme"},
+        {"dtype", dtype},
+        {"persistence_threshold", 0},
+        {"buffer_bytes", 4096},
+        {"buffer_count", 2}}},
+      {"optimizer",
+       {{"tier", "cpu"}, {"name", "adam"}, {"sub_group_elements", 1024}, {"threads", 1}}},
       {"nvme", {{"path", path}, {"backend", "posix"}, {"direct", false}}},
   };
   return schedule.dump();
@@ -240,21 +242,20 @@ void RoundTrip(const std::string& dtype) {
   }
   // Backward: fp32 gradients (host memory is "device" memory on the host runtime).
   for (const TestParam& p : params) {
-    REQUIRE_MESSAGE(memplan_engine_grad_ready(engine, p.id, p.grad.data(), MEMPLAN_FLOAT32) ==
-                        MEMPLAN_OK,
-                    LastError());
+    REQUIRE_MESSAGE(
+        memplan_engine_grad_ready(engine, p.id, p.grad.data(), MEMPLAN_FLOAT32) == MEMPLAN_OK,
+        LastError());
   }
-  CHECK(memplan_engine_step(engine, R"({"lr": 0.1, "momentum": 0.9})") ==
-        MEMPLAN_INVALID_ARGUMENT);
+  CHECK(memplan_engine_step(engine, R"({"lr": 0.1, "momentum": 0.9})") == MEMPLAN_INVALID_ARGUMENT);
   CHECK(LastError().find("momentum") != std::string::npos);
   REQUIRE_MESSAGE(memplan_engine_step(engine, R"({"lr": 0.1})") == MEMPLAN_OK, LastError());
 
   const double lr = 0.1, wd = 0.01;  // weight_decay: AdamOptions' default
   for (const TestParam& p : params) {
     std::vector<float> master(p.init.size());
-    REQUIRE_MESSAGE(memplan_engine_read_master(engine, p.id, master.data(), master.size()) ==
-                        MEMPLAN_OK,
-                    LastError());
+    REQUIRE_MESSAGE(
+        memplan_engine_read_master(engine, p.id, master.data(), master.size()) == MEMPLAN_OK,
+        LastError());
     for (size_t i = 0; i < master.size(); ++i) {
       const float expected = FirstAdamWStep(p.init[i], p.grad[i], lr, wd);
       CHECK(master[i] == doctest::Approx(expected).epsilon(1e-6));
@@ -353,8 +354,7 @@ TEST_CASE("c api: a frozen parameter is fetched with its values and never steppe
     REQUIRE(memplan_engine_release(engine, "m") == MEMPLAN_OK);
     CHECK(memplan_engine_grad_ready(engine, frozen, grad.data(), MEMPLAN_FLOAT32) ==
           MEMPLAN_INVALID_ARGUMENT);
-    REQUIRE(memplan_engine_grad_ready(engine, trained, grad.data(), MEMPLAN_FLOAT32) ==
-            MEMPLAN_OK);
+    REQUIRE(memplan_engine_grad_ready(engine, trained, grad.data(), MEMPLAN_FLOAT32) == MEMPLAN_OK);
     REQUIRE_MESSAGE(memplan_engine_step(engine, nullptr) == MEMPLAN_OK, LastError());
   }
   std::vector<float> out(3000);

@@ -35,8 +35,8 @@ Result<offload::SwapStepOptions> StepOptionsFromJson(const json& j,
       return offload::SwapStepOptions(o);
     }
     case offload::SwapOptimizer::kSgd: {
-      MEMPLAN_RETURN_IF_ERROR(r.CheckKeys(
-          {"lr", "momentum", "dampening", "weight_decay", "nesterov", "grad_scale"}));
+      MEMPLAN_RETURN_IF_ERROR(
+          r.CheckKeys({"lr", "momentum", "dampening", "weight_decay", "nesterov", "grad_scale"}));
       offload::SgdOptions o;
       MEMPLAN_RETURN_IF_ERROR(r.Number("lr", &o.lr));
       MEMPLAN_RETURN_IF_ERROR(r.Number("momentum", &o.momentum));

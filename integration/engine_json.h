@@ -5,8 +5,8 @@
 //   errors naming the key):
 //     adam / adam-amsgrad: {"lr", "beta1", "beta2", "eps", "weight_decay", "decoupled",
 //                           "bias_correction", "grad_scale"}   (amsgrad follows the Schedule)
-//     sgd:                 {"lr", "momentum", "dampening", "weight_decay", "nesterov", "grad_scale"}
-//     lion:                {"lr", "beta1", "beta2", "weight_decay", "grad_scale"}
+//     sgd:                 {"lr", "momentum", "dampening", "weight_decay", "nesterov",
+//     "grad_scale"} lion:                {"lr", "beta1", "beta2", "weight_decay", "grad_scale"}
 //   Open options: {"runtime": "auto" | "host" | "cuda", "resume": false, "device": null}; "device"
 //   is the CUDA device ordinal of the runtime (null or absent: the calling thread's current device,
 //   as torch.cuda.set_device leaves it)
@@ -29,7 +29,7 @@ nlohmann::json ToJson(const offload::EngineStats& stats);
 struct EngineOpenOptions {
   std::string runtime = "auto";  // "auto": CUDA when usable, else host; "host"; "cuda"
   bool resume = false;
-  int device = -1;               // gpu::kCurrentDevice: the calling thread's current device
+  int device = -1;  // gpu::kCurrentDevice: the calling thread's current device
 };
 Result<EngineOpenOptions> EngineOpenOptionsFromJson(const nlohmann::json& json);
 

@@ -29,16 +29,16 @@ extern "C" {
 
 typedef enum memplan_status {
   MEMPLAN_OK = 0,
-  MEMPLAN_INVALID_ARGUMENT = 1,   /* bad request, flag or file content */
-  MEMPLAN_NOT_FOUND = 2,          /* a file, model or key that does not exist */
-  MEMPLAN_IO_ERROR = 3,           /* the OS refused a read or write */
-  MEMPLAN_OUT_OF_RANGE = 4,       /* a number too large, an overflow */
-  MEMPLAN_FAILED_PRECONDITION = 5,/* not in a state to do this (e.g. fetch before start) */
-  MEMPLAN_RESOURCE_EXHAUSTED = 6, /* memory, disk, a budget */
+  MEMPLAN_INVALID_ARGUMENT = 1,    /* bad request, flag or file content */
+  MEMPLAN_NOT_FOUND = 2,           /* a file, model or key that does not exist */
+  MEMPLAN_IO_ERROR = 3,            /* the OS refused a read or write */
+  MEMPLAN_OUT_OF_RANGE = 4,        /* a number too large, an overflow */
+  MEMPLAN_FAILED_PRECONDITION = 5, /* not in a state to do this (e.g. fetch before start) */
+  MEMPLAN_RESOURCE_EXHAUSTED = 6,  /* memory, disk, a budget */
   MEMPLAN_UNIMPLEMENTED = 7,
-  MEMPLAN_DATA_LOSS = 8,          /* stored data corrupt or lost */
-  MEMPLAN_UNAVAILABLE = 9,        /* transient, or a component not built in (CUDA) */
-  MEMPLAN_INTERNAL = 10           /* a bug in memplan */
+  MEMPLAN_DATA_LOSS = 8,   /* stored data corrupt or lost */
+  MEMPLAN_UNAVAILABLE = 9, /* transient, or a component not built in (CUDA) */
+  MEMPLAN_INTERNAL = 10    /* a bug in memplan */
 } memplan_status;
 
 /* Element types of gradients given to memplan_engine_grad_ready. */
@@ -49,13 +49,14 @@ typedef enum memplan_dtype {
 } memplan_dtype;
 
 uint32_t memplan_abi_version(void);
-const char* memplan_version(void);              /* "0.1.0"; static storage */
-const char* memplan_status_name(memplan_status status);  /* "INVALID_ARGUMENT"; static storage */
+const char* memplan_version(void);                      /* "0.1.0"; static storage */
+const char* memplan_status_name(memplan_status status); /* "INVALID_ARGUMENT"; static storage */
 /* The message of this thread's last failed call ("" when none). */
 const char* memplan_last_error(void);
 void memplan_string_free(char* text);
 
-/* ---- Estimate and plan ------------------------------------------------------------------------ */
+/* ---- Estimate and plan ------------------------------------------------------------------------
+ */
 
 /* `request_json`: an estimate request (integration/requests.h); *answer_json: the document
  * `memplan estimate --format json` prints. */
@@ -67,7 +68,8 @@ memplan_status memplan_estimate_path(const char* model, int64_t gpus_per_node, i
 /* `request_json`: a plan request; *answer_json: `memplan plan --format json`'s document. */
 memplan_status memplan_plan_json(const char* request_json, char** answer_json);
 
-/* ---- Offload engine --------------------------------------------------------------------------- */
+/* ---- Offload engine ---------------------------------------------------------------------------
+ */
 
 typedef struct memplan_engine memplan_engine;
 
@@ -93,9 +95,9 @@ memplan_status memplan_engine_open(const char* schedule_json, const char* option
 /* Registers a parameter (before start): a unique `name`, the `module` whose fetch brings it,
  * its shape, and its initial fp32 values (`init`, product(shape) floats; NULL: zeros). `init` is
  * read during memplan_engine_start, so it must stay valid until then. */
-memplan_status memplan_engine_register(memplan_engine* engine, const char* name,
-                                       const char* module, const int64_t* shape, int32_t ndim,
-                                       const float* init, uint32_t* param_id);
+memplan_status memplan_engine_register(memplan_engine* engine, const char* name, const char* module,
+                                       const int64_t* shape, int32_t ndim, const float* init,
+                                       uint32_t* param_id);
 /* Another module that uses the same (tied) parameter; before start. */
 memplan_status memplan_engine_add_use(memplan_engine* engine, uint32_t param_id,
                                       const char* module);
@@ -152,7 +154,7 @@ memplan_status memplan_engine_stats_json(memplan_engine* engine, char** stats_js
 memplan_status memplan_engine_close(memplan_engine* engine);
 
 #ifdef __cplusplus
-}  /* extern "C" */
+} /* extern "C" */
 #endif
 
-#endif  /* MEMPLAN_MEMPLAN_H_ */
+#endif /* MEMPLAN_MEMPLAN_H_ */

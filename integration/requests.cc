@@ -46,7 +46,8 @@ Result<estimator::ModelInventory> RequestModel(const json& request, bool allow_s
   const int given = static_cast<int>(request.contains("model")) +
                     static_cast<int>(request.contains("config")) +
                     static_cast<int>(request.contains("shapes"));
-  const char* keys = allow_shapes ? "\"model\", \"config\" and \"shapes\"" : "\"model\" and \"config\"";
+  const char* keys =
+      allow_shapes ? "\"model\", \"config\" and \"shapes\"" : "\"model\" and \"config\"";
   if (given != 1) {
     return Status::InvalidArgument(std::string("request: give exactly one of ") + keys);
   }
@@ -69,8 +70,8 @@ Result<estimator::ModelInventory> RequestModel(const json& request, bool allow_s
   } else {
     if (!allow_shapes) return Status::InvalidArgument("request: \"shapes\" cannot be planned");
     // Re-read as text so that the tensors keep the caller's order (nlohmann::json sorts keys).
-    MEMPLAN_ASSIGN_OR_RETURN(inventory, estimator::InventoryFromShapeListText(
-                                            request.at("shapes").dump(), name));
+    MEMPLAN_ASSIGN_OR_RETURN(
+        inventory, estimator::InventoryFromShapeListText(request.at("shapes").dump(), name));
   }
   inventory.name = name;
   return inventory;
@@ -121,32 +122,69 @@ Result<nlohmann::json> Estimate(const nlohmann::json& request) {
 }
 
 Result<nlohmann::json> Plan(const nlohmann::json& request) {
-  MEMPLAN_RETURN_IF_ERROR(CheckKeys(
-      request,
-      {"model", "config", "name", "model_class", "cluster", "gpu", "gpus", "nodes", "cpu_mem",
-       "cpu_cores", "pcie_gen", "memlock", "nvme_path", "nvme_capacity", "global_batch",
-       "global_batch_tokens", "seq_len", "precision", "optimizer", "lora_rank", "lora_targets",
-       "qlora", "flash_attention", "foreach", "fused_optimizer", "sgd_momentum",
-       "sequence_parallel", "autocast", "gradient_as_bucket_view", "cuda_context_mib",
-       "gpu_margin", "allow_nvme", "top", "emit",
-       "plan_index", "for_hf_trainer", "lr", "accelerate_plugin", "inter_node_bw", "zero_stage",
-       "offload_optimizer", "offload_param", "checkpointing", "micro_batch", "sharding",
-       "default_buffers"},
-      "plan"));
+  MEMPLAN_RETURN_IF_ERROR(CheckKeys(request,
+                                    {"model",
+                                     "config",
+                                     "name",
+                                     "model_class",
+                                     "cluster",
+                                     "gpu",
+                                     "gpus",
+                                     "nodes",
+                                     "cpu_mem",
+                                     "cpu_cores",
+                                     "pcie_gen",
+                                     "memlock",
+                                     "nvme_path",
+                                     "nvme_capacity",
+                                     "global_batch",
+                                     "global_batch_tokens",
+                                     "seq_len",
+                                     "precision",
+                                     "optimizer",
+                                     "lora_rank",
+                                     "lora_targets",
+                                     "qlora",
+                                     "flash_attention",
+                                     "foreach",
+                                     "fused_optimizer",
+                                     "sgd_momentum",
+                                     "sequence_parallel",
+                                     "autocast",
+                                     "gradient_as_bucket_view",
+                                     "cuda_context_mib",
+                                     "gpu_margin",
+                                     "allow_nvme",
+                                     "top",
+                                     "emit",
+                                     "plan_index",
+                                     "for_hf_trainer",
+                                     "lr",
+                                     "accelerate_plugin",
+                                     "inter_node_bw",
+                                     "zero_stage",
+                                     "offload_optimizer",
+                                     "offload_param",
+                                     "checkpointing",
+                                     "micro_batch",
+                                     "sharding",
+                                     "default_buffers"},
+                                    "plan"));
   std::string label;
   MEMPLAN_ASSIGN_OR_RETURN(estimator::ModelInventory inventory,
                            RequestModel(request, /*allow_shapes=*/false, &label));
   if (!inventory.arch) {
-    return Status::InvalidArgument(label + ": planning needs the architecture (a config.json or "
-                                           "built-in model)");
+    return Status::InvalidArgument(label +
+                                   ": planning needs the architecture (a config.json or "
+                                   "built-in model)");
   }
 
   // The cluster: "cluster" first, then the preset keys over it.
   planner::Cluster cluster;
   bool have_gpu = false;
   if (request.contains("cluster")) {
-    MEMPLAN_ASSIGN_OR_RETURN(cluster, planner::ClusterFromJson(request.at("cluster"),
-                                                               "request.cluster"));
+    MEMPLAN_ASSIGN_OR_RETURN(cluster,
+                             planner::ClusterFromJson(request.at("cluster"), "request.cluster"));
     have_gpu = true;
   }
   std::string gpu;
@@ -169,8 +207,7 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
     MEMPLAN_RETURN_IF_ERROR(Fields(request).ByteSize("memlock", &cluster.memlock_bytes));
   }
   MEMPLAN_RETURN_IF_ERROR(Fields(request).String("nvme_path", &cluster.nvme_path));
-  MEMPLAN_RETURN_IF_ERROR(
-      Fields(request).ByteSize("nvme_capacity", &cluster.nvme_capacity_bytes));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).ByteSize("nvme_capacity", &cluster.nvme_capacity_bytes));
   double inter_node_gbps = 0;
   MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("inter_node_bw", &inter_node_gbps));
   if (request.contains("inter_node_bw")) {
@@ -267,7 +304,8 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
     if (text != "full" && text != "hybrid") {
       return Status::InvalidArgument("request: \"sharding\" must be \"full\" or \"hybrid\"");
     }
-    options.only_sharding = text == "hybrid" ? planner::Sharding::kHybrid : planner::Sharding::kFull;
+    options.only_sharding =
+        text == "hybrid" ? planner::Sharding::kHybrid : planner::Sharding::kFull;
   }
   bool default_buffers = false;
   MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("default_buffers", &default_buffers));
@@ -281,9 +319,9 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
   MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("plan_index", &index));
   bool for_hf_trainer = false;
   MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("for_hf_trainer", &for_hf_trainer));
-  json answer = planner::PlanReportJson(result, cluster, job, inventory, static_cast<size_t>(top),
-                                        index >= 0 ? static_cast<size_t>(index) : SIZE_MAX,
-                                        for_hf_trainer);
+  json answer =
+      planner::PlanReportJson(result, cluster, job, inventory, static_cast<size_t>(top),
+                              index >= 0 ? static_cast<size_t>(index) : SIZE_MAX, for_hf_trainer);
 
   // Emitted configurations for one plan.
   if (!request.contains("emit")) return answer;
@@ -304,7 +342,8 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
   planner::EmitOptions emit_options;
   emit_options.for_hf_trainer = for_hf_trainer;
   MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("lr", &emit_options.learning_rate));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("accelerate_plugin", &emit_options.accelerate_plugin));
+  MEMPLAN_RETURN_IF_ERROR(
+      Fields(request).String("accelerate_plugin", &emit_options.accelerate_plugin));
   // Each emitter that applies writes its document; one that does not (FSDP for an NVMe plan, a
   // Schedule for a plan that offloads nothing) says why under "not_emitted", as the CLI does.
   json emitted = json::object(), not_emitted = json::object();

@@ -24,22 +24,32 @@ constexpr uint32_t kDefaultDirectAlignment = 4096;
 
 std::string_view DisplayName(BackendKind kind) {
   switch (kind) {
-    case BackendKind::kUring: return "io_uring";
-    case BackendKind::kAio: return "libaio";
-    case BackendKind::kPosix: return "posix";
-    case BackendKind::kMemory: return "memory";
-    case BackendKind::kAuto: return "auto";
+    case BackendKind::kUring:
+      return "io_uring";
+    case BackendKind::kAio:
+      return "libaio";
+    case BackendKind::kPosix:
+      return "posix";
+    case BackendKind::kMemory:
+      return "memory";
+    case BackendKind::kAuto:
+      return "auto";
   }
   return "?";
 }
 
 Result<std::unique_ptr<Backend>> CreateOfKind(BackendKind kind, const BackendOptions& options) {
   switch (kind) {
-    case BackendKind::kUring: return CreateUringBackend(options);
-    case BackendKind::kAio: return CreateAioBackend(options);
-    case BackendKind::kPosix: return CreatePosixBackend(options);
-    case BackendKind::kMemory: return CreateMemoryBackend(options);
-    case BackendKind::kAuto: break;
+    case BackendKind::kUring:
+      return CreateUringBackend(options);
+    case BackendKind::kAio:
+      return CreateAioBackend(options);
+    case BackendKind::kPosix:
+      return CreatePosixBackend(options);
+    case BackendKind::kMemory:
+      return CreateMemoryBackend(options);
+    case BackendKind::kAuto:
+      break;
   }
   return Status::Internal("CreateOfKind called with kAuto");
 }
@@ -154,8 +164,10 @@ std::vector<Backend*> BackendSet::pointers() const {
 Result<BackendSet> CreateBackends(BackendKind kind, const BackendOptions& options,
                                   uint32_t threads) {
   if (threads < 1 || threads > 64) {
-    return Status::InvalidArgument("I/O threads (intra_op_parallelism) must be between 1 and 64, "
-                                   "got " + std::to_string(threads));
+    return Status::InvalidArgument(
+        "I/O threads (intra_op_parallelism) must be between 1 and 64, "
+        "got " +
+        std::to_string(threads));
   }
   MEMPLAN_ASSIGN_OR_RETURN(BackendChoice first, CreateBackend(kind, options));
   BackendSet set;

@@ -39,12 +39,12 @@ std::string_view OpTypeName(OpType op);  // "read", "write", "fsync"
 
 struct Request {
   OpType op = OpType::kRead;
-  int file = -1;             // index returned by Backend::RegisterFile
-  uint64_t offset = 0;       // byte offset in the file
-  void* buffer = nullptr;    // caller-owned; aligned to Capabilities::alignment for direct I/O
-  uint32_t length = 0;       // bytes; 0 for kFsync
-  int buffer_index = -1;     // index of a registered buffer containing `buffer`, or -1
-  uint64_t user_data = 0;    // opaque to the backend
+  int file = -1;           // index returned by Backend::RegisterFile
+  uint64_t offset = 0;     // byte offset in the file
+  void* buffer = nullptr;  // caller-owned; aligned to Capabilities::alignment for direct I/O
+  uint32_t length = 0;     // bytes; 0 for kFsync
+  int buffer_index = -1;   // index of a registered buffer containing `buffer`, or -1
+  uint64_t user_data = 0;  // opaque to the backend
 };
 
 struct Completion {
@@ -57,8 +57,8 @@ struct Capabilities {
   bool asynchronous = false;        // true when the kernel does the I/O without our threads
   bool registered_buffers = false;  // RegisterBuffers() does something
   bool registered_files = false;
-  bool sqpoll = false;              // io_uring kernel submission thread in use
-  uint32_t queue_depth = 0;         // most requests in flight at once
+  bool sqpoll = false;       // io_uring kernel submission thread in use
+  uint32_t queue_depth = 0;  // most requests in flight at once
   // What was asked for and not granted, and why (e.g. "SQPOLL refused: Operation not permitted");
   // empty when everything asked for is in use.
   std::string note;
@@ -78,7 +78,7 @@ struct BackendOptions {
   // request that fits goes in one call (batched submission). 1 submits them one by one, for
   // measuring what batching gains.
   uint32_t submit_batch = 0;
-  uint32_t posix_threads = 4; // POSIX backend worker threads; 1..256
+  uint32_t posix_threads = 4;  // POSIX backend worker threads; 1..256
 
   Status Validate() const;
 };
@@ -152,9 +152,9 @@ struct OpenOptions {
   bool create = false;     // O_CREAT (mode 0600)
   bool exclusive = false;  // O_EXCL (with create)
   bool truncate = false;
-  bool write = true;       // O_RDWR, else O_RDONLY
+  bool write = true;  // O_RDWR, else O_RDONLY
   bool direct = true;
-  bool nofollow = true;    // O_NOFOLLOW: refuse a symlink at the final component
+  bool nofollow = true;  // O_NOFOLLOW: refuse a symlink at the final component
 };
 Result<int> OpenFile(const std::string& path, const OpenOptions& options, bool* direct_used);
 

@@ -113,7 +113,7 @@ struct FaultBackend::Impl {
 
   // One slot per inner queue entry: a free slot means the inner backend has room, so the inner
   // Submit takes everything offered unless something else shares the inner backend.
-  std::vector<Slot> slots;           // fixed size; see Slot for who owns an entry
+  std::vector<Slot> slots;  // fixed size; see Slot for who owns an entry
   mutable Mutex slots_mu ACQUIRED_AFTER(plan_mu);
   std::vector<uint32_t> free_slots GUARDED_BY(slots_mu);
 

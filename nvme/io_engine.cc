@@ -188,11 +188,11 @@ struct Transfer {
   }
 
   std::vector<Slot> slots;
-  std::vector<Slot*> free;       // slots with no piece
-  std::vector<Slot*> ready;      // pieces to submit (or resubmit), oldest first
-  std::vector<Request*> submit;  // scratch for Backend::Submit
+  std::vector<Slot*> free;                         // slots with no piece
+  std::vector<Slot*> ready;                        // pieces to submit (or resubmit), oldest first
+  std::vector<Request*> submit;                    // scratch for Backend::Submit
   Slot* done_head GUARDED_BY(lane->mu) = nullptr;  // completions routed to this transfer
-  Lane* const lane;              // the backend this transfer runs on
+  Lane* const lane;                                // the backend this transfer runs on
 
   // The call; set by Start().
   OpType op = OpType::kRead;
@@ -573,8 +573,7 @@ Slot* IoEngine::Impl::WaitForCompletions(Transfer& t, bool any_reap) {
     lock.Lock();
     l.reaping = false;
     if (!reaped.ok()) {
-      l.broken =
-          reaped.status().WithPrefix("backend " + l.backend->capabilities().name + " reap");
+      l.broken = reaped.status().WithPrefix("backend " + l.backend->capabilities().name + " reap");
     } else {
       for (size_t i = 0; i < *reaped; ++i) {
         // user_data is the Slot* SetUpPiece stored.
@@ -931,7 +930,8 @@ Status IoEngine::RegisterBuffers(std::span<const iovec> buffers) {
     return first;
   }
   bool any = false;
-  for (const auto& lane : impl_->lanes) any = any || lane->backend->capabilities().registered_buffers;
+  for (const auto& lane : impl_->lanes)
+    any = any || lane->backend->capabilities().registered_buffers;
   if (any) impl_->registered.assign(buffers.begin(), buffers.end());
   return Status::Ok();
 }

@@ -60,15 +60,15 @@ struct IoEngineOptions {
 };
 
 struct IoStats {
-  uint64_t read_bytes = 0;      // includes reads done to merge unaligned writes
+  uint64_t read_bytes = 0;  // includes reads done to merge unaligned writes
   uint64_t write_bytes = 0;
-  uint64_t read_ops = 0;        // backend requests
+  uint64_t read_ops = 0;  // backend requests
   uint64_t write_ops = 0;
-  uint64_t short_transfers = 0; // resubmitted remainders
-  uint64_t retries = 0;         // EINTR / EAGAIN, and zero-progress write retries
-  uint64_t bounce_bytes = 0;    // bytes that went through bounce buffers (unaligned callers)
-  uint64_t split_transfers = 0; // Read/Write calls cut into parallel slices
-  uint64_t registered_ops = 0;  // requests that named a registered buffer
+  uint64_t short_transfers = 0;  // resubmitted remainders
+  uint64_t retries = 0;          // EINTR / EAGAIN, and zero-progress write retries
+  uint64_t bounce_bytes = 0;     // bytes that went through bounce buffers (unaligned callers)
+  uint64_t split_transfers = 0;  // Read/Write calls cut into parallel slices
+  uint64_t registered_ops = 0;   // requests that named a registered buffer
 };
 
 // `bytes` of memory at `base` cut into the regions one registration takes (io_uring: at most

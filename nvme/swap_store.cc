@@ -300,8 +300,8 @@ struct SwapStore::Impl {
   std::vector<std::unique_ptr<Backend>> backends;  // one per I/O thread (or one, shared)
   std::string backend_name, backend_note;
   uint32_t backend_count = 0;
-  std::unique_ptr<IoEngine> engine;  // destroyed before `backends`
-  int file = -1;                     // engine file index of the data file
+  std::unique_ptr<IoEngine> engine;              // destroyed before `backends`
+  int file = -1;                                 // engine file index of the data file
   uint64_t registered_bytes GUARDED_BY(mu) = 0;  // what RegisterBuffers gave the backends
 
   mutable Mutex mu;
@@ -624,9 +624,9 @@ Status SwapStore::Impl::StartEngine(std::unique_ptr<Backend> given) {
     pointers.push_back(given.get());
     backends.push_back(std::move(given));
   } else {
-    MEMPLAN_ASSIGN_OR_RETURN(BackendSet set,
-                             CreateBackends(options.backend, options.backend_options,
-                                            options.engine_options.threads));
+    MEMPLAN_ASSIGN_OR_RETURN(
+        BackendSet set,
+        CreateBackends(options.backend, options.backend_options, options.engine_options.threads));
     pointers = set.pointers();
     backends = std::move(set.backends);
     backend_note = std::move(set.note);

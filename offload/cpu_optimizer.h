@@ -110,7 +110,7 @@ struct LionOptions {
 
 // The tensors of one Adam step; every span has params.size() elements unless said otherwise.
 struct AdamTensors {
-  std::span<float> params;  // fp32 master weights, updated in place
+  std::span<float> params;          // fp32 master weights, updated in place
   std::span<const float> grads;     // fp32 gradients; empty when half_grads are given
   std::span<float> exp_avg;         // m, updated in place (zero before step 1)
   std::span<float> exp_avg_sq;      // v, updated in place (zero before step 1)

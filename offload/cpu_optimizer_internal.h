@@ -13,10 +13,10 @@
 // 1.13's AVX2 kernels): exp_avg.mul_(b1).add_(g, alpha=1-b1) is one FMA, fma(g, 1-b1, m*b1), and
 // exp_avg_sq.mul_(b2).addcmul_(g, g, value=1-b2) is fma((1-b2)*g, g, v*b2); L2 decay
 // (grad.add(p, alpha=wd)) is fma(p, wd, g). The rest is separate operations in torch's order:
-// p*(1-lr*wd); denom = sqrt(v)/sqrt(bc2) + eps; p + (-lr/bc1 * m)/denom. With the same inputs a step
-// therefore gives torch's bits, which is what lets a run through memplan's engine match a plain
-// torch run step for step (Adam amplifies any rounding difference in tiny gradients to the size
-// of a step). The scalar kernel uses std::fma (exact in software where the CPU has no FMA).//
+// p*(1-lr*wd); denom = sqrt(v)/sqrt(bc2) + eps; p + (-lr/bc1 * m)/denom. With the same inputs a
+// step therefore gives torch's bits, which is what lets a run through memplan's engine match a
+// plain torch run step for step (Adam amplifies any rounding difference in tiny gradients to the
+// size of a step). The scalar kernel uses std::fma (exact in software where the CPU has no FMA).//
 // The functions here have internal linkage (anonymous namespace): each ISA's file compiles its own
 // copy with its own -m flags, and the linker must never pick an AVX-512 copy for the scalar path.
 #pragma once
@@ -33,8 +33,8 @@ namespace memplan::offload::internal {
 // Per-step scalars of an Adam step, already rounded to float (Note [AdamW formula]).
 struct AdamKernelArgs {
   float* params;
-  const float* grads;           // null when half_grads
-  const uint16_t* half_grads;   // bf16 / fp16 gradients (grad_dtype), or null
+  const float* grads;          // null when half_grads
+  const uint16_t* half_grads;  // bf16 / fp16 gradients (grad_dtype), or null
   HalfDtype grad_dtype;
   float* exp_avg;
   float* exp_avg_sq;

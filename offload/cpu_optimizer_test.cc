@@ -417,11 +417,10 @@ std::vector<uint16_t> HalfGrads(const std::vector<float>& grads, HalfDtype dtype
     out[i] = dtype == HalfDtype::kBf16 ? FloatToBf16(g) : FloatToFp16(g);
   }
   const std::vector<uint16_t> edges =
-      dtype == HalfDtype::kBf16
-          ? std::vector<uint16_t>{0x0000, 0x8000, 0x0001, 0x807f, 0x7f7f, 0xff7f, 0x7f80, 0xff80,
-                                  0x7fc0, 0x7f81}
-          : std::vector<uint16_t>{0x0000, 0x8000, 0x0001, 0x83ff, 0x7bff, 0xfbff, 0x7c00, 0xfc00,
-                                  0x7e00, 0x7c01};
+      dtype == HalfDtype::kBf16 ? std::vector<uint16_t>{0x0000, 0x8000, 0x0001, 0x807f, 0x7f7f,
+                                                        0xff7f, 0x7f80, 0xff80, 0x7fc0, 0x7f81}
+                                : std::vector<uint16_t>{0x0000, 0x8000, 0x0001, 0x83ff, 0x7bff,
+                                                        0xfbff, 0x7c00, 0xfc00, 0x7e00, 0x7c01};
   for (size_t k = 0; k < edges.size() && 37 * k + 5 < out.size(); ++k) out[37 * k + 5] = edges[k];
   return out;
 }
@@ -456,8 +455,8 @@ TEST_CASE("16-bit gradients: the fused step is the step on the converted gradien
                 const std::vector<uint16_t> half = HalfGrads(Grad(7, step, n), grad_dtype);
                 std::vector<float> converted(n);
                 for (size_t i = 0; i < n; ++i) {
-                  converted[i] = grad_dtype == HalfDtype::kBf16 ? Bf16ToFloat(half[i])
-                                                                : Fp16ToFloat(half[i]);
+                  converted[i] =
+                      grad_dtype == HalfDtype::kBf16 ? Bf16ToFloat(half[i]) : Fp16ToFloat(half[i]);
                 }
                 AdamTensors fused;
                 fused.params = p_fused;
@@ -512,12 +511,10 @@ TEST_CASE("16-bit gradients: fp32 or 16-bit, one of them, of the right size") {
   CHECK(both.message().find("not both") != std::string::npos);
   t.grads = {};
   t.grad_dtype = HalfDtype::kNone;
-  CHECK(optimizer->AdamStep(AdamOptions{}, 1, t).message().find("grad_dtype") !=
-        std::string::npos);
+  CHECK(optimizer->AdamStep(AdamOptions{}, 1, t).message().find("grad_dtype") != std::string::npos);
   t.grad_dtype = HalfDtype::kFp16;
   t.half_grads = short_h;
-  CHECK(optimizer->AdamStep(AdamOptions{}, 1, t).message().find("half_grads") !=
-        std::string::npos);
+  CHECK(optimizer->AdamStep(AdamOptions{}, 1, t).message().find("half_grads") != std::string::npos);
   CHECK(p == std::vector<float>(8, 1.0f));  // nothing touched
   t.half_grads = h;
   t.grad_dtype = HalfDtype::kBf16;

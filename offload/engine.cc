@@ -154,9 +154,12 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 // copy is the master weights themselves (Note [fp32 working parameters]).
 HalfDtype ToHalf(ElementType type) {
   switch (type) {
-    case ElementType::kFloat32: return HalfDtype::kNone;
-    case ElementType::kFloat16: return HalfDtype::kFp16;
-    case ElementType::kBFloat16: return HalfDtype::kBf16;
+    case ElementType::kFloat32:
+      return HalfDtype::kNone;
+    case ElementType::kFloat16:
+      return HalfDtype::kFp16;
+    case ElementType::kBFloat16:
+      return HalfDtype::kBf16;
   }
   return HalfDtype::kNone;
 }
@@ -249,9 +252,7 @@ class NvmeHome final : public OptimizerHome {
   uint64_t pinned_bytes() const override { return s_->stats().pool.capacity_bytes; }
   uint64_t read_bytes() const override { return read_; }
   uint64_t write_bytes() const override { return write_; }
-  uint64_t grad_write_bytes() const override {
-    return grad_write_.load(std::memory_order_relaxed);
-  }
+  uint64_t grad_write_bytes() const override { return grad_write_.load(std::memory_order_relaxed); }
   nvme::SwapStoreStats store_stats() const override { return s_->stats().store; }
   Status Close() override { return s_->Close(); }
 
@@ -331,9 +332,8 @@ class MemoryHome final : public OptimizerHome {
         MEMPLAN_RETURN_IF_ERROR(RunSwapOptimizerStep(*cpu_, optimizer_, options, step, params,
                                                      grads, state_[sg], half, half_));
       } else {
-        MEMPLAN_RETURN_IF_ERROR(RunSegmentedSwapOptimizerStep(*cpu_, optimizer_, options, parts,
-                                                              params, grads, state_[sg], half,
-                                                              half_));
+        MEMPLAN_RETURN_IF_ERROR(RunSegmentedSwapOptimizerStep(
+            *cpu_, optimizer_, options, parts, params, grads, state_[sg], half, half_));
       }
       if (on_update) {
         MEMPLAN_RETURN_IF_ERROR(on_update({sg, first, params, half}));
@@ -402,7 +402,7 @@ struct Engine::Impl {
   std::vector<ParamId> swap_id;
   std::vector<size_t> spec_of;
   uint64_t trainable_params = 0;
-  uint64_t total_elements = 0;              // their sum
+  uint64_t total_elements = 0;  // their sum
   std::vector<bool> grad_given;
   uint64_t grads_missing = 0;
   // Note [Skipped parameters]: per trainable parameter (by spec), torch's per-parameter step
@@ -437,14 +437,14 @@ struct Engine::Impl {
     gpu::CopyTicket ticket;
     PinnedSlot slot;              // a runtime with a device: the pinned staging slot
     std::vector<std::byte> host;  // the host-only runtime: a recycled host buffer
-    void* scratch = nullptr;  // world size > 1, last slot of a gradient: the device buffer the
-                              // copies read from, free once this copy is done
+    void* scratch = nullptr;      // world size > 1, last slot of a gradient: the device buffer the
+                                  // copies read from, free once this copy is done
     const std::byte* data() const { return slot.empty() ? host.data() : slot.data().data(); }
   };
   static constexpr uint64_t kGradSlots = 4;
   static constexpr uint64_t kMaxGradSlotBytes = uint64_t{4} << 20;
   static constexpr uint64_t kPageBytes = 4096;
-  std::unique_ptr<PinnedPool> grad_staging;    // kGradSlots pinned slots (a runtime with a device)
+  std::unique_ptr<PinnedPool> grad_staging;  // kGradSlots pinned slots (a runtime with a device)
   mutable Mutex grad_mu;
   CondVar grad_cv;  // a job queued / finished, or stop
   std::deque<GradJob> grad_jobs GUARDED_BY(grad_mu);
@@ -575,7 +575,9 @@ struct Engine::Impl {
       // Slots are page-aligned, host buffers come from operator new: aligned for uint16_t.
       const auto* half = reinterpret_cast<const uint16_t*>(src);
       switch (job.type) {
-        case ElementType::kFloat32: std::memcpy(dst, src, len * 4); break;
+        case ElementType::kFloat32:
+          std::memcpy(dst, src, len * 4);
+          break;
         case ElementType::kBFloat16:
           for (uint64_t k = 0; k < len; ++k) dst[k] = Bf16ToFloat(half[k]);
           break;
@@ -696,8 +698,10 @@ struct Engine::Impl {
     Status restored = params->EndOfStep();
     if (restored.ok()) restored = WriteWorkingCopies();
     if (!restored.ok()) {
-      return restored.WithPrefix(error.ToString() + "; then rewriting the working parameters "
-                                 "from step " + std::to_string(optimizer->epoch()));
+      return restored.WithPrefix(error.ToString() +
+                                 "; then rewriting the working parameters "
+                                 "from step " +
+                                 std::to_string(optimizer->epoch()));
     }
     return error;
   }
@@ -734,9 +738,8 @@ struct Engine::Impl {
   // trainer's work queued on `stream` (Note [Reduce-scattered gradients]). Returns the scratch
   // buffer, whose slot `rank` then holds this rank's summed shard; the caller gives it back to
   // grad_scratch_free (on failure it is back there already).
-  Result<void*> ReduceScatterGradient(ParamId param /* the swapper's id */,
-                                      const void* device_grad, ElementType type,
-                                      uint64_t count, gpu::Stream stream) {
+  Result<void*> ReduceScatterGradient(ParamId param /* the swapper's id */, const void* device_grad,
+                                      ElementType type, uint64_t count, gpu::Stream stream) {
     const auto eb = static_cast<uint64_t>(ElementBytes(type));
     const uint64_t n = params->Numel(param) * eb;
     const uint64_t shard = count * eb;
@@ -812,16 +815,16 @@ struct Engine::Impl {
     for (size_t i = 0; i < specs.size(); ++i) {
       if (!specs[i].frozen) largest = std::max(largest, params->ShardSize(swap_id[i]) * 4);
     }
-    uint64_t slot = std::min(kMaxGradSlotBytes, (largest + kPageBytes - 1) / kPageBytes * kPageBytes);
+    uint64_t slot =
+        std::min(kMaxGradSlotBytes, (largest + kPageBytes - 1) / kPageBytes * kPageBytes);
     if (sc.pinned_budget_bytes > 0) {
-      const uint64_t left = sc.pinned_budget_bytes > pinned_used
-                                ? sc.pinned_budget_bytes - pinned_used
-                                : 0;
+      const uint64_t left =
+          sc.pinned_budget_bytes > pinned_used ? sc.pinned_budget_bytes - pinned_used : 0;
       slot = std::min(slot, left / kGradSlots / kPageBytes * kPageBytes);
       if (slot < kPageBytes) {
         return Status::ResourceExhausted(
-            "engine: pinned_budget_bytes " + std::to_string(sc.pinned_budget_bytes) +
-            " leaves " + std::to_string(left) + " bytes after the other pinned buffers (" +
+            "engine: pinned_budget_bytes " + std::to_string(sc.pinned_budget_bytes) + " leaves " +
+            std::to_string(left) + " bytes after the other pinned buffers (" +
             std::to_string(pinned_used) + "); the gradient staging needs at least " +
             std::to_string(kGradSlots * kPageBytes));
       }
@@ -951,15 +954,15 @@ struct Engine::Impl {
     MEMPLAN_ASSIGN_OR_RETURN(void* device, runtime->AllocateDevice(world * 8));
     Status status = [&]() -> Status {
       auto* base = static_cast<std::byte*>(device);
-      MEMPLAN_ASSIGN_OR_RETURN(gpu::CopyTicket up,
-                               runtime->CopyAsync(gpu::CopyDirection::kHostToDevice,
-                                                  base + rank * 8, &all[rank], 8));
+      MEMPLAN_ASSIGN_OR_RETURN(
+          gpu::CopyTicket up,
+          runtime->CopyAsync(gpu::CopyDirection::kHostToDevice, base + rank * 8, &all[rank], 8));
       MEMPLAN_RETURN_IF_ERROR(runtime->Wait(up));
       MEMPLAN_RETURN_IF_ERROR(
           options.collective->AllGather(base + rank * 8, base, 2, ElementType::kFloat32));
-      MEMPLAN_ASSIGN_OR_RETURN(gpu::CopyTicket down,
-                               runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost, all.data(),
-                                                  base, world * 8));
+      MEMPLAN_ASSIGN_OR_RETURN(
+          gpu::CopyTicket down,
+          runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost, all.data(), base, world * 8));
       return runtime->Wait(down);
     }();
     Status freed = runtime->FreeDevice(device);
@@ -1032,9 +1035,9 @@ struct Engine::Impl {
       const auto waited = std::chrono::steady_clock::now();
       MEMPLAN_ASSIGN_OR_RETURN(job.slot, grad_staging->Acquire());  // waits for the thread
       stall_s += SecondsSince(waited);
-      MEMPLAN_ASSIGN_OR_RETURN(job.ticket, runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost,
-                                                              job.slot.data().data(), src + done,
-                                                              len));
+      MEMPLAN_ASSIGN_OR_RETURN(
+          job.ticket, runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost, job.slot.data().data(),
+                                         src + done, len));
       last = job.ticket;
       done += len;
       if (done == bytes) job.scratch = scratch;
@@ -1190,9 +1193,9 @@ Status Engine::Start(RecoveryReport* report) {
     return Status::InvalidArgument("engine: every parameter is frozen; nothing to train");
   }
   const uint64_t frozen_begin =
-      frozen_total == 0 ? total
-                        : (total + sc.sub_group_elements - 1) / sc.sub_group_elements *
-                              sc.sub_group_elements;
+      frozen_total == 0
+          ? total
+          : (total + sc.sub_group_elements - 1) / sc.sub_group_elements * sc.sub_group_elements;
   const uint64_t partition = frozen_begin + frozen_total;
   if (sc.param_tier == Tier::kNvme) {
     // The parameters' working copies are derived from the master weights, so their store is made
@@ -1201,7 +1204,8 @@ Status Engine::Start(RecoveryReport* report) {
     if (::access((dir + "/" + nvme::SwapStore::kDataFileName).c_str(), F_OK) == 0) {
       if (!s.options.resume) {
         return Status::FailedPrecondition(
-            "engine: " + dir + " holds a parameter store from an earlier run; start with resume, "
+            "engine: " + dir +
+            " holds a parameter store from an earlier run; start with resume, "
             "or remove it");
       }
       for (const char* name : {nvme::SwapStore::kDataFileName, nvme::SwapStore::kIndexFileName,
@@ -1287,12 +1291,10 @@ Status Engine::Start(RecoveryReport* report) {
         }
       }
       if (swapper->num_elements() != total) {
-        return Status::InvalidArgument("engine: the optimizer store holds " +
-                                       std::to_string(swapper->num_elements()) +
-                                       " parameters; the model registered " +
-                                       std::to_string(total) +
-                                       (world > 1 ? " for this rank (a different world size?)"
-                                                  : ""));
+        return Status::InvalidArgument(
+            "engine: the optimizer store holds " + std::to_string(swapper->num_elements()) +
+            " parameters; the model registered " + std::to_string(total) +
+            (world > 1 ? " for this rank (a different world size?)" : ""));
       }
     } else {
       MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Create(oo, total, fill));
@@ -1302,8 +1304,9 @@ Status Engine::Start(RecoveryReport* report) {
     if (!s.options.resume) ::unlink(s.steps_path.c_str());  // a crashed run's; ours starts at 0
   } else {
     if (s.options.resume) {
-      return Status::InvalidArgument("engine: resume needs the optimizer on nvme (a cpu "
-                                     "optimizer keeps nothing across runs)");
+      return Status::InvalidArgument(
+          "engine: resume needs the optimizer on nvme (a cpu "
+          "optimizer keeps nothing across runs)");
     }
     MEMPLAN_ASSIGN_OR_RETURN(auto home,
                              MemoryHome::Create(sc.optimizer, ToHalf(sc.param_dtype), cpu, total,
@@ -1413,10 +1416,10 @@ Status Engine::GradReady(ParamId param, const void* device_grad, ElementType typ
     // gradients]).
     MEMPLAN_RETURN_IF_ERROR(s.runtime->OrderAfter(gpu::CopyDirection::kDeviceToHost, stream));
   } else {
-    MEMPLAN_ASSIGN_OR_RETURN(scratch, s.ReduceScatterGradient(sid, device_grad, type, count,
-                                                              stream));
-    src = static_cast<const std::byte*>(scratch) + static_cast<uint64_t>(s.params->rank()) *
-                                                       count * eb;
+    MEMPLAN_ASSIGN_OR_RETURN(scratch,
+                             s.ReduceScatterGradient(sid, device_grad, type, count, stream));
+    src = static_cast<const std::byte*>(scratch) +
+          static_cast<uint64_t>(s.params->rank()) * count * eb;
   }
   Status queued = s.QueueGradientCopies(param, type, first, src, count * eb, scratch);
   if (!queued.ok()) {
@@ -1467,8 +1470,8 @@ Status Engine::PrepareStep(const SwapStepOptions& options) {
   s.prepared_options = options;
   s.prepared_at = std::chrono::steady_clock::now();
   if (!s.optimizer->CanOverlap()) return Status::Ok();  // the cpu optimizer: serial
-  MEMPLAN_RETURN_IF_ERROR(s.optimizer->BeginStep(
-      options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }));
+  MEMPLAN_RETURN_IF_ERROR(
+      s.optimizer->BeginStep(options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }));
   s.overlap_limit = s.options.schedule.optimizer_buffer_count + 2;
   s.overlap = true;
   return Status::Ok();
@@ -1526,8 +1529,9 @@ Status Engine::Step(const SwapStepOptions& options) {
   };
   Status status = run();
   if (!status.ok()) {
-    if (overlapped) return s.Abandon(status.WithPrefix("engine: overlapped step " +
-                                                       std::to_string(s.optimizer->epoch() + 1)));
+    if (overlapped)
+      return s.Abandon(
+          status.WithPrefix("engine: overlapped step " + std::to_string(s.optimizer->epoch() + 1)));
     return status;
   }
   s.overlap = false;
@@ -1548,8 +1552,7 @@ Status Engine::Step(const SwapStepOptions& options) {
   EngineStepProfile& p = s.stats.step_profile;
   p = EngineStepProfile();
   p.overlapped = overlapped;
-  p.backward_s =
-      overlapped ? std::chrono::duration<double>(start - s.prepared_at).count() : 0.0;
+  p.backward_s = overlapped ? std::chrono::duration<double>(start - s.prepared_at).count() : 0.0;
   p.step_s = s.stats.last_step_s;
   p.optimizer_s = last.compute_s;
   p.read_s = last.read_s;

@@ -51,12 +51,12 @@
 // weights themselves (after every Step() a fetched parameter equals ReadMasterWeights() bit for
 // bit).
 //
-// Gradient path: GradReady(param, device_grad, dtype, stream) queues the gradient's copy into pinned
-// host staging and returns; a gradient thread converts it to fp32 into the optimizer sub-groups it
-// covers and hands each sub-group to the optimizer as soon as all its gradients are in (stored for
-// Step(), or, in a prepared step, stepped at once). Step() runs the optimizer over every sub-group
-// (in a prepared step: over those left) and writes the updated working parameters back to where
-// the Schedule keeps them (GPU copies, pinned arena, NVMe).
+// Gradient path: GradReady(param, device_grad, dtype, stream) queues the gradient's copy into
+// pinned host staging and returns; a gradient thread converts it to fp32 into the optimizer
+// sub-groups it covers and hands each sub-group to the optimizer as soon as all its gradients are
+// in (stored for Step(), or, in a prepared step, stepped at once). Step() runs the optimizer over
+// every sub-group (in a prepared step: over those left) and writes the updated working parameters
+// back to where the Schedule keeps them (GPU copies, pinned arena, NVMe).
 //
 // Data parallel (ZeRO-3), with a Collective of world size > 1 (NCCL, or the thread-group one of
 // thread_collective.h): every rank runs its own Engine over the same parameters, and each rank's
@@ -119,10 +119,10 @@ namespace memplan::offload {
 using ParamInit = std::function<Status(uint64_t first, std::span<float> out)>;
 
 struct ParamSpec {
-  std::string name;                  // unique, e.g. "model.layers.0.mlp.up_proj.weight"
-  std::string module;                // the module whose Fetch() brings it, e.g. "model.layers.0"
-  std::vector<int64_t> shape;        // all > 0
-  ParamInit init;                    // required
+  std::string name;            // unique, e.g. "model.layers.0.mlp.up_proj.weight"
+  std::string module;          // the module whose Fetch() brings it, e.g. "model.layers.0"
+  std::vector<int64_t> shape;  // all > 0
+  ParamInit init;              // required
   std::vector<std::string> also_used_by;  // other modules that use the same parameter (tied)
   // A frozen parameter (requires_grad=False: LoRA's base weights) is held and fetched like the
   // others, on the Schedule's tier, but takes no gradient, has no optimizer state and is never
@@ -144,25 +144,25 @@ struct EngineOptions {
 // Where the last Step()'s time went. Times are seconds of wall clock; busy times of the optimizer's
 // stages may overlap each other (they are threads of a pipeline) and the trainer's backward.
 struct EngineStepProfile {
-  bool overlapped = false;          // the step was prepared (PrepareStep) and ran during backward
-  double backward_s = 0;            // overlapped: from PrepareStep() to the Step() call, the
-                                    // window the optimizer ran in beside backward; 0 otherwise
-  double step_s = 0;                // the Step() call: what the trainer waited after backward
-  double optimizer_s = 0;           // CPU optimizer kernels and working-parameter write-backs
-  double read_s = 0;                // optimizer state reads (and stored gradients), NVMe busy time
-  double write_s = 0;               // optimizer state writes, NVMe busy time
-  double sync_s = 0;                // the step's commit (fdatasync and index)
-  double backward_wait_s = 0;       // overlapped: the optimizer idle, waiting for backward to
-                                    // complete its next sub-group
-  double stall_s = 0;               // GradReady() blocked this step: backward waiting for the
-                                    // engine (staging slots full; overlapped: the optimizer behind)
-  uint64_t sub_groups = 0;          // optimizer sub-groups stepped
+  bool overlapped = false;     // the step was prepared (PrepareStep) and ran during backward
+  double backward_s = 0;       // overlapped: from PrepareStep() to the Step() call, the
+                               // window the optimizer ran in beside backward; 0 otherwise
+  double step_s = 0;           // the Step() call: what the trainer waited after backward
+  double optimizer_s = 0;      // CPU optimizer kernels and working-parameter write-backs
+  double read_s = 0;           // optimizer state reads (and stored gradients), NVMe busy time
+  double write_s = 0;          // optimizer state writes, NVMe busy time
+  double sync_s = 0;           // the step's commit (fdatasync and index)
+  double backward_wait_s = 0;  // overlapped: the optimizer idle, waiting for backward to
+                               // complete its next sub-group
+  double stall_s = 0;          // GradReady() blocked this step: backward waiting for the
+                               // engine (staging slots full; overlapped: the optimizer behind)
+  uint64_t sub_groups = 0;     // optimizer sub-groups stepped
   uint64_t sub_groups_before_step = 0;  // of those, updated before Step() was called
-  double overlapped_fraction = 0;   // sub_groups_before_step / sub_groups
+  double overlapped_fraction = 0;       // sub_groups_before_step / sub_groups
 };
 
 struct EngineStats {
-  std::string runtime;                // "host-only", "cuda:0"
+  std::string runtime;  // "host-only", "cuda:0"
   uint64_t steps = 0;
   uint64_t epoch = 0;                 // the optimizer's last committed step
   uint64_t params = 0;                // parameters registered
@@ -180,19 +180,19 @@ struct EngineStats {
   uint64_t reduce_scatter_bytes = 0;  // world size > 1: gradient bytes reduce-scattered (padded)
   uint64_t optimizer_read_bytes = 0;  // NVMe optimizer store, all steps
   uint64_t optimizer_write_bytes = 0;
-  uint64_t grad_write_bytes = 0;      // gradients written to the NVMe optimizer store for serial
-                                      // steps (an overlapped step keeps them in memory)
+  uint64_t grad_write_bytes = 0;  // gradients written to the NVMe optimizer store for serial
+                                  // steps (an overlapped step keeps them in memory)
   // Bytes the NVMe stores (parameters and optimizer) read and wrote since Start() began, as they
   // count them: every parameter read, write-back, sub-group state, gradient and step mark
   // (optimizer_write_bytes above leaves out the gradients). What planner/engine_model.h predicts.
   uint64_t nvme_read_bytes = 0;
   uint64_t nvme_write_bytes = 0;
-  double last_step_s = 0;             // the last Step()'s optimizer time
-  EngineStepProfile step_profile;     // the last Step(), stage by stage
-  uint64_t peak_device_bytes = 0;     // the runtime's device bytes in use, highest ever (counted
-                                      // at every allocation, like cudaMemGetInfo would see them)
-  uint64_t pinned_bytes = 0;          // pinned memory the engine holds
-  uint64_t device_arena_bytes = 0;    // device memory the engine reserved at Start() and keeps
+  double last_step_s = 0;           // the last Step()'s optimizer time
+  EngineStepProfile step_profile;   // the last Step(), stage by stage
+  uint64_t peak_device_bytes = 0;   // the runtime's device bytes in use, highest ever (counted
+                                    // at every allocation, like cudaMemGetInfo would see them)
+  uint64_t pinned_bytes = 0;        // pinned memory the engine holds
+  uint64_t device_arena_bytes = 0;  // device memory the engine reserved at Start() and keeps
 };
 
 class Engine {

@@ -157,7 +157,8 @@ void TrainStep(Run& run, const ToyModel& model, uint64_t t, const std::vector<st
       REQUIRE_OK(run.engine->DevicePointer(run.ids[i]));
       std::vector<uint16_t>& grad = grads[i];
       grad.resize(model.params[i].numel);
-      for (size_t k = 0; k < grad.size(); ++k) grad[k] = FloatToBf16(GradAt(t, model.Offset(i) + k));
+      for (size_t k = 0; k < grad.size(); ++k)
+        grad[k] = FloatToBf16(GradAt(t, model.Offset(i) + k));
       // Host-only runtime: device memory is host memory.
       Status st = run.engine->GradReady(run.ids[i], grad.data(), ElementType::kBFloat16);
       REQUIRE_MESSAGE(st.ok(), st.ToString());
@@ -406,8 +407,7 @@ TEST_CASE("Engine holds frozen parameters: fetched every step, never stepped nor
             CHECK(refused.message().find("frozen") != std::string::npos);
             continue;
           }
-          REQUIRE(
-              run.engine->GradReady(run.ids[i], grads[i].data(), ElementType::kBFloat16).ok());
+          REQUIRE(run.engine->GradReady(run.ids[i], grads[i].data(), ElementType::kBFloat16).ok());
         }
         REQUIRE_OK(run.engine->Release(*it));
       }
@@ -490,9 +490,15 @@ TEST_CASE("Engine skips a parameter without a gradient as torch does, across a r
         const uint64_t at = model.Offset(i), n = model.params[i].numel;
         std::vector<float> g(n);
         for (uint64_t k = 0; k < n; ++k) g[k] = GradAt(t, at + k);
-        AdamTensors tensors{std::span<float>(p).subspan(at, n), g,
-                            std::span<float>(m).subspan(at, n), std::span<float>(v).subspan(at, n),
-                            {}, {}, HalfDtype::kNone, {}, HalfDtype::kNone};
+        AdamTensors tensors{std::span<float>(p).subspan(at, n),
+                            g,
+                            std::span<float>(m).subspan(at, n),
+                            std::span<float>(v).subspan(at, n),
+                            {},
+                            {},
+                            HalfDtype::kNone,
+                            {},
+                            HalfDtype::kNone};
         REQUIRE_OK((*cpu)->AdamStep(Adam(t), ++count[i], tensors));
       }
     }
@@ -632,7 +638,7 @@ TEST_CASE("Engine misuse is an error naming what is wrong") {
   CHECK((*fresh)->AddParameter({"w", "m", {0}, late.init, {}}).status().code() ==
         StatusCode::kInvalidArgument);
   CHECK((*fresh)->Start().code() == StatusCode::kFailedPrecondition);  // nothing registered
-  options.schedule.param_tier = Tier::kNvme;  // no nvme.path
+  options.schedule.param_tier = Tier::kNvme;                           // no nvme.path
   CHECK(Engine::Create(options).status().code() == StatusCode::kInvalidArgument);
 }
 
@@ -655,15 +661,15 @@ TEST_CASE("Schedule JSON round-trips and rejects what it does not know") {
   CHECK(st.message().find("teir") != std::string::npos);
   CHECK(parse(R"({"version": 2})").message().find("version") != std::string::npos);
   CHECK(parse(R"({"params": {"tier": "nvme"}})").message().find("nvme.path") != std::string::npos);
-  CHECK(parse(R"({"optimizer": {"buffer_count": 70000000000}})").message().find(
-            "buffer_count") != std::string::npos);
+  CHECK(parse(R"({"optimizer": {"buffer_count": 70000000000}})").message().find("buffer_count") !=
+        std::string::npos);
   CHECK(parse(R"({"optimizer": {"tier": "gpu"}})").code() == StatusCode::kInvalidArgument);
   CHECK(parse(R"({"params": {"prefetch_bytes": -1}})").code() == StatusCode::kInvalidArgument);
   CHECK(parse(R"([])").code() == StatusCode::kInvalidArgument);
-  CHECK(parse(R"({"nvme": {"intra_op_parallelism": 0}})").message().find(
-            "nvme.intra_op_parallelism") != std::string::npos);
-  CHECK(parse(R"({"nvme": {"intra_op_parallelism": 65}})").code() ==
-        StatusCode::kInvalidArgument);
+  CHECK(parse(R"({"nvme": {"intra_op_parallelism": 0}})")
+            .message()
+            .find("nvme.intra_op_parallelism") != std::string::npos);
+  CHECK(parse(R"({"nvme": {"intra_op_parallelism": 65}})").code() == StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -332,8 +332,8 @@ TEST_CASE("ZeRO-3 on threads, the optimizer overlapped with backward: the serial
     TempDir dir("engine-zero3-");
     const Schedule s =
         MakeSchedule(params, Tier::kNvme, ElementType::kFloat32, dir.PathOf("ranks"));
-    const std::vector<Outcome> ranks = TrainRanks(2, model, s, false, 1, 3, ElementType::kFloat32,
-                                                  -1, /*prepare=*/true);
+    const std::vector<Outcome> ranks =
+        TrainRanks(2, model, s, false, 1, 3, ElementType::kFloat32, -1, /*prepare=*/true);
     const Schedule single =
         MakeSchedule(params, Tier::kNvme, ElementType::kFloat32, dir.PathOf("single"));
     const Outcome want = TrainReference(2, model, single, 3, ElementType::kFloat32);

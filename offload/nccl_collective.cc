@@ -83,9 +83,12 @@ ncclDataType_t NcclType(ElementType type) {
 
 const char* TypeName(ElementType type) {
   switch (type) {
-    case ElementType::kFloat32: return "fp32";
-    case ElementType::kBFloat16: return "bf16";
-    case ElementType::kFloat16: return "fp16";
+    case ElementType::kFloat32:
+      return "fp32";
+    case ElementType::kBFloat16:
+      return "bf16";
+    case ElementType::kFloat16:
+      return "fp16";
   }
   return "?";
 }
@@ -234,8 +237,7 @@ class NcclCollective final : public Collective {
       }
       if (std::chrono::steady_clock::now() - start > timeout) {
         Abort();
-        return Status::IoError(Who() + ": " + what + " did not finish within " +
-                               Seconds(timeout) +
+        return Status::IoError(Who() + ": " + what + " did not finish within " + Seconds(timeout) +
                                ": a rank did not join (it failed, never started, or was given "
                                "another unique id); the communicator is aborted");
       }
@@ -305,8 +307,7 @@ class NcclCollective final : public Collective {
       if (err == cudaSuccess) return Status::Ok();
       if (std::chrono::steady_clock::now() - start > timeout_) {
         Abort();
-        return Status::IoError(Who() + ": " + call + " did not finish within " +
-                               Seconds(timeout_) +
+        return Status::IoError(Who() + ": " + call + " did not finish within " + Seconds(timeout_) +
                                ": another rank failed, stopped, or issued a different collective; "
                                "the communicator is aborted");
       }

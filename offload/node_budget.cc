@@ -51,8 +51,9 @@ std::optional<ProcessInfo> ReadProcessInfo(int pid) {
   ProcessInfo info;
   unsigned long long start = 0;
   // Fields 3 (state) .. 22 (starttime): skip the 18 fields between them.
-  if (std::sscanf(p + 1, " %c %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s "
-                         "%*s %llu",
+  if (std::sscanf(p + 1,
+                  " %c %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s "
+                  "%*s %llu",
                   &info.state, &start) != 2) {
     return std::nullopt;
   }
@@ -67,7 +68,7 @@ uint64_t SelfStartTime() {
 }
 
 struct Entry {
-  int pid = 0;  // 0: free
+  int pid = 0;              // 0: free
   uint64_t start_time = 0;  // of that pid's process when it reserved; 0: unknown
   uint64_t id = 0;
   uint64_t bytes = 0;
@@ -242,8 +243,7 @@ Result<NodeReservation> NodeBudget::Reserve(uint64_t bytes) {
   if (bytes > s.budget_bytes || used > s.budget_bytes - bytes) {
     return Status::ResourceExhausted("node budget '" + name_ + "': budget " +
                                      std::to_string(s.budget_bytes) + " bytes, used " +
-                                     std::to_string(used) + ", requested " +
-                                     std::to_string(bytes));
+                                     std::to_string(used) + ", requested " + std::to_string(bytes));
   }
   if (slot == nullptr) {
     return Status::ResourceExhausted("node budget '" + name_ + "': more than " +

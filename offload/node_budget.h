@@ -3,9 +3,9 @@
 // Each rank sizes its own PinnedPool, but the ranks share the machine's RAM; together they can lock
 // more than it has and get OOM-killed. The budget lives in a small POSIX shared-memory segment
 // ("/dev/shm/memplan-<uid>-<name>", mode 0600) holding the node budget and one entry per live
-// reservation with its owner's pid and start time. Reserve() grants bytes only while the sum of live
-// reservations stays within the budget; entries of processes that are gone are reclaimed by the
-// next Reserve(): no such pid, a zombie not yet reaped, or a pid reused by a newer process (its
+// reservation with its owner's pid and start time. Reserve() grants bytes only while the sum of
+// live reservations stays within the budget; entries of processes that are gone are reclaimed by
+// the next Reserve(): no such pid, a zombie not yet reaped, or a pid reused by a newer process (its
 // start time in /proc differs).
 //
 // Thread safety: Reserve, Usage and NodeReservation's destructor may be called from any thread;
@@ -36,7 +36,7 @@ struct NodeBudgetOptions {
 
 struct NodeBudgetUsage {
   uint64_t budget_bytes = 0;
-  uint64_t used_bytes = 0;   // sum of live reservations
+  uint64_t used_bytes = 0;  // sum of live reservations
   uint64_t reservations = 0;
   uint64_t recovered_locks = 0;  // times a lock held by a dead process was taken over
 };

@@ -49,8 +49,9 @@
 // crash consistency: BeginStep() commits the begun marker before the first write, every sub-group
 // is written to its other slot, and only FinishStep() syncs, so a crash or an error anywhere in
 // between leaves step epoch() whole, and Open() takes no step past the one FinishStep() last
-// committed (kCommittedKey), so an abandoned step is never resumed from. The gradients handed over in memory are also never written
-// to the store nor read back: the step moves (4 + 4) bytes less per element than Step().
+// committed (kCommittedKey), so an abandoned step is never resumed from. The gradients handed over
+// in memory are also never written to the store nor read back: the step moves (4 + 4) bytes less
+// per element than Step().
 #include "offload/optimizer_swapper.h"
 
 #include <algorithm>
@@ -72,7 +73,8 @@ namespace memplan::offload {
 namespace {
 
 constexpr uint64_t kHeaderBytes = 4096;
-constexpr uint64_t kElementAlign = 1024;  // sub-group sizes are multiples: arrays stay 4 KiB-aligned
+constexpr uint64_t kElementAlign =
+    1024;  // sub-group sizes are multiples: arrays stay 4 KiB-aligned
 constexpr char kSlotMagic[8] = {'M', 'P', 'S', 'W', 'S', 'L', 'O', 'T'};
 constexpr uint32_t kSlotVersion = 1;
 constexpr const char* kMetaKey = "swapper.meta";
@@ -193,9 +195,8 @@ Status ValidateSwapStepOptions(SwapOptimizer optimizer, const SwapStepOptions& o
         return Status::InvalidArgument("the swapper runs Adam; the step was given other options");
       }
       if (adam->amsgrad != (optimizer == SwapOptimizer::kAdamAmsgrad)) {
-        return Status::InvalidArgument(
-            "AdamOptions::amsgrad must match the swapper's optimizer (" +
-            std::string(SwapOptimizerName(optimizer)) + ")");
+        return Status::InvalidArgument("AdamOptions::amsgrad must match the swapper's optimizer (" +
+                                       std::string(SwapOptimizerName(optimizer)) + ")");
       }
       return adam->Validate();
     }
@@ -223,10 +224,9 @@ Status ValidateSwapStepOptions(SwapOptimizer optimizer, const SwapStepOptions& o
 
 Status RunSegmentedSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
                                      const SwapStepOptions& options,
-                                     std::span<const StepSegment> segments,
-                                     std::span<float> params, std::span<const float> grads,
-                                     std::span<float> states, std::span<uint16_t> half,
-                                     HalfDtype half_dtype) {
+                                     std::span<const StepSegment> segments, std::span<float> params,
+                                     std::span<const float> grads, std::span<float> states,
+                                     std::span<uint16_t> half, HalfDtype half_dtype) {
   const uint64_t n = params.size();
   const auto count = static_cast<uint64_t>(SwapOptimizerStates(optimizer));
   if (states.size() != n * count || grads.size() != n ||
@@ -236,8 +236,9 @@ Status RunSegmentedSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
   uint64_t at = 0;
   for (const StepSegment& seg : segments) {
     if (seg.offset != at || seg.count == 0 || seg.count > n - at || seg.step < 0) {
-      return Status::InvalidArgument("segmented optimizer step: segments must cover the "
-                                     "sub-group in order");
+      return Status::InvalidArgument(
+          "segmented optimizer step: segments must cover the "
+          "sub-group in order");
     }
     at += seg.count;
   }
@@ -317,10 +318,14 @@ Status RunSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
 
 std::string_view SwapOptimizerName(SwapOptimizer optimizer) {
   switch (optimizer) {
-    case SwapOptimizer::kAdam: return "adam";
-    case SwapOptimizer::kAdamAmsgrad: return "adam-amsgrad";
-    case SwapOptimizer::kSgd: return "sgd";
-    case SwapOptimizer::kLion: return "lion";
+    case SwapOptimizer::kAdam:
+      return "adam";
+    case SwapOptimizer::kAdamAmsgrad:
+      return "adam-amsgrad";
+    case SwapOptimizer::kSgd:
+      return "sgd";
+    case SwapOptimizer::kLion:
+      return "lion";
   }
   return "unknown";
 }
@@ -336,10 +341,14 @@ Result<SwapOptimizer> ParseSwapOptimizer(std::string_view name) {
 
 int SwapOptimizerStates(SwapOptimizer optimizer) {
   switch (optimizer) {
-    case SwapOptimizer::kAdam: return 2;
-    case SwapOptimizer::kAdamAmsgrad: return 3;
-    case SwapOptimizer::kSgd: return 1;
-    case SwapOptimizer::kLion: return 1;
+    case SwapOptimizer::kAdam:
+      return 2;
+    case SwapOptimizer::kAdamAmsgrad:
+      return 3;
+    case SwapOptimizer::kSgd:
+      return 1;
+    case SwapOptimizer::kLion:
+      return 1;
   }
   return 0;
 }
@@ -417,7 +426,7 @@ struct OptimizerSwapper::Impl {
   std::vector<bool> grads_written;
   OptimizerSwapperStats stats;
   bool closed = false;
-  std::unique_ptr<StepRun> run;  // the begun step, if any
+  std::unique_ptr<StepRun> run;      // the begun step, if any
   std::vector<uint64_t> last_order;  // the hand-over order of the last overlapped step
   bool serial = false;               // Step() is beginning its step
 
@@ -443,8 +452,7 @@ struct OptimizerSwapper::Impl {
   std::span<uint16_t> Half(size_t b, uint64_t n) const {
     if (options.half_dtype == HalfDtype::kNone) return {};
     auto* p = reinterpret_cast<uint16_t*>(
-        Base(b) +
-        BufferLayout::HalfOffset(states, options.sub_group_elements, options.grad_dtype));
+        Base(b) + BufferLayout::HalfOffset(states, options.sub_group_elements, options.grad_dtype));
     return {p, static_cast<size_t>(n)};
   }
   std::span<std::byte> Value(size_t b, uint64_t n) const {
@@ -483,17 +491,16 @@ struct OptimizerSwapper::Impl {
   }
 
   Status SetUpBuffers() {
-    const uint64_t need = BufferLayout::Bytes(states, options.sub_group_elements,
-                                              options.half_dtype != HalfDtype::kNone,
-                                              options.grad_dtype);
+    const uint64_t need =
+        BufferLayout::Bytes(states, options.sub_group_elements,
+                            options.half_dtype != HalfDtype::kNone, options.grad_dtype);
     if (options.pool != nullptr) {
       pool = options.pool;
       if (pool->slot_bytes() < need) {
-        return Status::InvalidArgument("the pinned pool's slots hold " +
-                                       std::to_string(pool->slot_bytes()) +
-                                       " bytes; the swapper needs " + std::to_string(need) +
-                                       " per buffer (sub_group_elements " +
-                                       std::to_string(options.sub_group_elements) + ")");
+        return Status::InvalidArgument(
+            "the pinned pool's slots hold " + std::to_string(pool->slot_bytes()) +
+            " bytes; the swapper needs " + std::to_string(need) +
+            " per buffer (sub_group_elements " + std::to_string(options.sub_group_elements) + ")");
       }
     } else {
       PinnedPoolOptions po;
@@ -541,9 +548,8 @@ struct OptimizerSwapper::Impl {
       if (options.grad_dtype != HalfDtype::kNone) {
         return Status::InvalidArgument("skipped parameters need fp32 gradients in the swapper");
       }
-      return RunSegmentedSwapOptimizerStep(*cpu, options.optimizer, step_options, segments,
-                                           params, grads, state_arrays, Half(b, n),
-                                           options.half_dtype);
+      return RunSegmentedSwapOptimizerStep(*cpu, options.optimizer, step_options, segments, params,
+                                           grads, state_arrays, Half(b, n), options.half_dtype);
     }
     return RunSwapOptimizerStep(*cpu, options.optimizer, step_options, step, params, grads,
                                 state_arrays, Half(b, n), options.half_dtype, HalfGrads(b, n),
@@ -599,15 +605,15 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Create(
       std::memset(value.data(), 0, value.size());
       SlotHeader h = impl->MakeHeader(0, i, first, n);
       std::memcpy(value.data(), &h, sizeof(h));
-      MEMPLAN_RETURN_IF_ERROR(fill(first, impl->Array(0, 0, n))
-                                  .WithPrefix("filling parameters of sub-group " +
-                                              std::to_string(i)));
+      MEMPLAN_RETURN_IF_ERROR(
+          fill(first, impl->Array(0, 0, n))
+              .WithPrefix("filling parameters of sub-group " + std::to_string(i)));
       MEMPLAN_RETURN_IF_ERROR(impl->store->Put(StateKey(i, 0), value));
     }
     const std::string meta = impl->MetaJson(num_elements);
     MEMPLAN_RETURN_IF_ERROR(impl->store->Put(
-        kMetaKey, std::span<const std::byte>(reinterpret_cast<const std::byte*>(meta.data()),
-                                             meta.size())));
+        kMetaKey,
+        std::span<const std::byte>(reinterpret_cast<const std::byte*>(meta.data()), meta.size())));
     return impl->store->Sync();
   };
   if (Status status = initialise(); !status.ok()) {
@@ -621,7 +627,8 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Create(
     if (!dir_existed) ::rmdir(so.directory.c_str());
     return status;
   }
-  return std::unique_ptr<OptimizerSwapper>(new OptimizerSwapper(std::move(impl), num_elements, sg, 0));
+  return std::unique_ptr<OptimizerSwapper>(
+      new OptimizerSwapper(std::move(impl), num_elements, sg, 0));
 }
 
 Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
@@ -640,7 +647,8 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
   // The metadata: geometry and optimizer.
   auto meta_size_or = impl->store->Size(kMetaKey);
   if (!meta_size_or.ok()) {
-    return Status::DataLoss(where + ": no metadata; the store was not made by Create(), or its "
+    return Status::DataLoss(where +
+                            ": no metadata; the store was not made by Create(), or its "
                             "creation never completed");
   }
   const uint64_t meta_size = *meta_size_or;
@@ -661,8 +669,8 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
     sub_group_elements = m.at("sub_group_elements").get<uint64_t>();
     const std::string optimizer = m.at("optimizer").get<std::string>();
     if (optimizer != SwapOptimizerName(options.optimizer)) {
-      return Status::InvalidArgument(where + " was created for optimizer " + optimizer +
-                                     ", not " + std::string(SwapOptimizerName(options.optimizer)));
+      return Status::InvalidArgument(where + " was created for optimizer " + optimizer + ", not " +
+                                     std::string(SwapOptimizerName(options.optimizer)));
     }
   } catch (const nlohmann::json::exception& e) {
     return Status::DataLoss(where + ": bad metadata: " + e.what());
@@ -728,10 +736,10 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
   if (!committed) {
     std::string detail = found.notes.empty() ? "" : " (first problem: " + found.notes[0] + ")";
     if (impl->options.max_epoch != UINT64_MAX) {
-      return Status::DataLoss(where + ": no step up to " +
-                              std::to_string(impl->options.max_epoch) +
+      return Status::DataLoss(where + ": no step up to " + std::to_string(impl->options.max_epoch) +
                               " is held whole by every sub-group (a store keeps its last two "
-                              "steps)" + detail);
+                              "steps)" +
+                              detail);
     }
     return Status::DataLoss(where + ": no step is held whole by every sub-group" + detail);
   }
@@ -775,9 +783,9 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
 
 Status OptimizerSwapper::WriteGradients(uint64_t sub_group, std::span<const float> grads) {
   if (impl_->options.grad_dtype != HalfDtype::kNone) {
-    return Status::FailedPrecondition(
-        "the optimizer swapper takes " + std::string(HalfDtypeName(impl_->options.grad_dtype)) +
-        " gradients (WriteHalfGradients), not fp32");
+    return Status::FailedPrecondition("the optimizer swapper takes " +
+                                      std::string(HalfDtypeName(impl_->options.grad_dtype)) +
+                                      " gradients (WriteHalfGradients), not fp32");
   }
   return PutGradients(sub_group, std::as_bytes(grads), grads.size());
 }
@@ -843,7 +851,7 @@ struct OptimizerSwapper::StepRun {
   // has read the gradients, or Abort() for a job the compute thread will never take).
   struct Job {
     bool submitted = false;
-    std::span<const float> grads;      // empty: read from the store
+    std::span<const float> grads;       // empty: read from the store
     std::vector<StepSegment> segments;  // empty: the SegmentFn's
     std::function<void()> done;
     bool claimed = false;
@@ -854,9 +862,9 @@ struct OptimizerSwapper::StepRun {
   uint64_t from = 0, to = 0;
   std::chrono::steady_clock::time_point start;
   IndexQueue reader_q, ready_q, written_q;  // reader_q: sub-groups handed over, freed buffers
-  std::vector<uint64_t> predicted;  // the expected order of the hand-overs (read-ahead)
-  std::vector<uint64_t> order;      // the order they came in (the reader's)
-  bool serial = false;              // begun by Step()
+  std::vector<uint64_t> predicted;          // the expected order of the hand-overs (read-ahead)
+  std::vector<uint64_t> order;              // the order they came in (the reader's)
+  bool serial = false;                      // begun by Step()
   std::vector<Job> jobs;
   std::vector<uint64_t> group_of;  // which sub-group buffer b holds; set by its producer
   uint64_t submitted = 0;          // the caller's
@@ -936,8 +944,8 @@ Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateC
     // new keys, which a crash simply loses).
     const uint64_t begun = run->to;
     MEMPLAN_RETURN_IF_ERROR(s.store->Put(
-        kBegunKey, std::span<const std::byte>(reinterpret_cast<const std::byte*>(&begun),
-                                              sizeof(begun))));
+        kBegunKey,
+        std::span<const std::byte>(reinterpret_cast<const std::byte*>(&begun), sizeof(begun))));
     MEMPLAN_RETURN_IF_ERROR(
         s.store->Sync().WithPrefix("beginning step " + std::to_string(run->to)));
   }
@@ -955,11 +963,11 @@ Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateC
   const uint64_t count = sub_group_count_;
   r.reader = std::thread([this, &s, &r, count] {
     // Note [Reading states ahead].
-    std::deque<size_t> free;               // buffers free to fill
-    std::deque<uint64_t> pending;          // handed over, not yet read
-    std::vector<int64_t> ahead(count, -1); // the buffer holding sub-group i's states read ahead
+    std::deque<size_t> free;                // buffers free to fill
+    std::deque<uint64_t> pending;           // handed over, not yet read
+    std::vector<int64_t> ahead(count, -1);  // the buffer holding sub-group i's states read ahead
     std::vector<bool> handed(count, false);
-    size_t guess = 0;                      // next candidate in r.predicted
+    size_t guess = 0;  // next candidate in r.predicted
     uint64_t dispatched = 0;
     auto take = [&](size_t value) {
       if (value >= kFreed) {
@@ -986,8 +994,7 @@ Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateC
             st = epoch.status();
           } else if (*epoch != r.from) {
             st = Status::DataLoss("state slot " + StateKey(i, r.from % 2) + " holds epoch " +
-                                  std::to_string(*epoch) + ", expected " +
-                                  std::to_string(r.from));
+                                  std::to_string(*epoch) + ", expected " + std::to_string(r.from));
           }
         }
       }
@@ -1092,8 +1099,7 @@ Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateC
           std::span<uint16_t> half = s.Half(*b, n);
           SubGroupUpdate update{i, SubGroupBegin(i), s.Array(*b, 0, n),
                                 std::span<const uint16_t>(half.data(), half.size())};
-          st = r.on_update(update).WithPrefix("update callback for sub-group " +
-                                              std::to_string(i));
+          st = r.on_update(update).WithPrefix("update callback for sub-group " + std::to_string(i));
         }
       }
       r.compute_s += SecondsSince(t0);
@@ -1143,8 +1149,8 @@ Status OptimizerSwapper::StepSubGroup(uint64_t sub_group, std::span<const float>
   }
   StepRun::Job& job = r.jobs[sub_group];
   if (job.submitted) {
-    return Status::InvalidArgument("sub-group " + std::to_string(sub_group) +
-                                   " handed to step " + std::to_string(r.to) + " twice");
+    return Status::InvalidArgument("sub-group " + std::to_string(sub_group) + " handed to step " +
+                                   std::to_string(r.to) + " twice");
   }
   if (grads.empty()) {
     if (!s.grads_written[sub_group]) {
@@ -1154,9 +1160,9 @@ Status OptimizerSwapper::StepSubGroup(uint64_t sub_group, std::span<const float>
     }
   } else {
     if (s.options.grad_dtype != HalfDtype::kNone) {
-      return Status::FailedPrecondition(
-          "the optimizer swapper takes " + std::string(HalfDtypeName(s.options.grad_dtype)) +
-          " gradients; fp32 ones cannot be handed over");
+      return Status::FailedPrecondition("the optimizer swapper takes " +
+                                        std::string(HalfDtypeName(s.options.grad_dtype)) +
+                                        " gradients; fp32 ones cannot be handed over");
     }
     if (grads.size() != SubGroupSize(sub_group)) {
       return Status::InvalidArgument("sub-group " + std::to_string(sub_group) + " has " +
@@ -1302,7 +1308,8 @@ Status OptimizerSwapper::ReadArray(uint64_t sub_group, int array, std::span<floa
   }
   const uint64_t offset = kHeaderBytes + static_cast<uint64_t>(array) * 4 * n;
   return s.store->GetRange(
-      key, offset, std::span<std::byte>(reinterpret_cast<std::byte*>(out.data()), out.size_bytes()));
+      key, offset,
+      std::span<std::byte>(reinterpret_cast<std::byte*>(out.data()), out.size_bytes()));
 }
 
 Status OptimizerSwapper::Sync() {
@@ -1324,7 +1331,7 @@ Status OptimizerSwapper::Close() {
   s.closed = true;
   Status status;
   if (s.store) status = s.store->Close();  // keep_files: writes the index, fsyncs the data
-  s.buffers.clear();                        // back to the pool before the pool goes
+  s.buffers.clear();                       // back to the pool before the pool goes
   s.own_pool.reset();
   return status;
 }

@@ -104,7 +104,8 @@ struct OptimizerSwapperOptions {
   // the reader run one more sub-group ahead). Default 3.
   uint32_t buffer_count = 3;
   SwapOptimizer optimizer = SwapOptimizer::kAdam;
-  // Also produce the updated parameters in this 16-bit format for the GPU copy (see UpdateCallback).
+  // Also produce the updated parameters in this 16-bit format for the GPU copy (see
+  // UpdateCallback).
   HalfDtype half_dtype = HalfDtype::kNone;
   // The gradients' format: kNone (fp32, WriteGradients) or bf16 / fp16 (WriteHalfGradients: stored
   // and read at 2 bytes an element, stepped by the fused kernel). 16-bit needs Adam.
@@ -139,37 +140,37 @@ struct OptimizerSwapperOptions {
 
 // What Open() found in an existing store.
 struct RecoveryReport {
-  uint64_t epoch = 0;             // the last step every sub-group holds whole; training resumes here
-  bool torn = false;              // a step after `epoch` was started and not committed
-  uint64_t torn_epoch = 0;        // that step (epoch + 1) when torn
-  uint64_t torn_sub_groups = 0;   // sub-groups whose other slot holds that step or unreadable bytes
-  std::vector<std::string> notes; // one line per slot found damaged or ahead, for logs
+  uint64_t epoch = 0;            // the last step every sub-group holds whole; training resumes here
+  bool torn = false;             // a step after `epoch` was started and not committed
+  uint64_t torn_epoch = 0;       // that step (epoch + 1) when torn
+  uint64_t torn_sub_groups = 0;  // sub-groups whose other slot holds that step or unreadable bytes
+  std::vector<std::string> notes;  // one line per slot found damaged or ahead, for logs
 };
 
 // Timings and volumes of the last step; all times in seconds of wall clock.
 struct SwapStepStats {
   double total_s = 0;
-  double read_s = 0;      // reader thread busy reading
-  double compute_s = 0;   // optimizer kernels plus the update callback
-  double write_s = 0;     // writer thread busy writing
-  double sync_s = 0;      // the commit at the end
+  double read_s = 0;          // reader thread busy reading
+  double compute_s = 0;       // optimizer kernels plus the update callback
+  double write_s = 0;         // writer thread busy writing
+  double sync_s = 0;          // the commit at the end
   double compute_wait_s = 0;  // compute stage waiting for a read to finish
   // Overlapped steps: the reader waiting for the next sub-group to be handed over (the
   // optimizer idle, waiting for backward's gradients), and the time from BeginStep() until the
   // last sub-group's update callback returned.
   double grad_wait_s = 0;
   double updates_done_s = 0;
-  uint64_t sub_groups_in_memory = 0;  // sub-groups stepped from gradients handed over in memory
+  uint64_t sub_groups_in_memory = 0;   // sub-groups stepped from gradients handed over in memory
   uint64_t sub_groups_read_ahead = 0;  // states read before their sub-group was handed over
   uint64_t read_bytes = 0, write_bytes = 0;
 };
 
 struct OptimizerSwapperStats {
   uint64_t epoch = 0;
-  uint64_t steps = 0;            // steps completed by this object
+  uint64_t steps = 0;  // steps completed by this object
   uint64_t failed_steps = 0;
   SwapStepStats last_step;
-  PinnedPoolStats pool;          // of the pool the buffers come from
+  PinnedPoolStats pool;  // of the pool the buffers come from
   nvme::SwapStoreStats store;
 };
 
@@ -177,8 +178,8 @@ struct OptimizerSwapperStats {
 // valid only during the call (they point into a pinned buffer).
 struct SubGroupUpdate {
   uint64_t sub_group = 0;
-  uint64_t first_element = 0;          // offset of params[0] in the flat partition
-  std::span<const float> params;       // fp32 master weights after the step
+  uint64_t first_element = 0;             // offset of params[0] in the flat partition
+  std::span<const float> params;          // fp32 master weights after the step
   std::span<const uint16_t> half_params;  // the 16-bit copy; empty when half_dtype is kNone
 };
 using UpdateCallback = std::function<Status(const SubGroupUpdate&)>;
@@ -202,10 +203,9 @@ using SegmentFn = std::function<std::vector<StepSegment>(uint64_t sub_group)>;
 // order, and for 16-bit gradients (not supported here).
 Status RunSegmentedSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
                                      const SwapStepOptions& options,
-                                     std::span<const StepSegment> segments,
-                                     std::span<float> params, std::span<const float> grads,
-                                     std::span<float> states, std::span<uint16_t> half,
-                                     HalfDtype half_dtype);
+                                     std::span<const StepSegment> segments, std::span<float> params,
+                                     std::span<const float> grads, std::span<float> states,
+                                     std::span<uint16_t> half, HalfDtype half_dtype);
 
 // Fills the initial fp32 parameters of the elements [first_element, first_element + out.size()).
 using ParamFiller = std::function<Status(uint64_t first_element, std::span<float> out)>;
@@ -274,8 +274,7 @@ class OptimizerSwapper {
   // WaitForUpdates() / FinishStep() (`done` is then called at once): the caller's producer, a
   // backward pass, is not interrupted by it.
   Status StepSubGroup(uint64_t sub_group, std::span<const float> grads,
-                      std::vector<StepSegment> segments = {},
-                      std::function<void()> done = nullptr);
+                      std::vector<StepSegment> segments = {}, std::function<void()> done = nullptr);
   // Waits until every sub-group's update callback has returned (all must have been handed over:
   // FailedPrecondition naming the first that was not). Returns the step's first error; the step
   // then still needs FinishStep() or AbortStep().

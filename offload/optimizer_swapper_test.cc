@@ -141,9 +141,9 @@ TEST_CASE("OptimizerSwapper steps bit-identically to the in-memory AdamW, for an
     // 16 B/element in total read.
     CHECK(last.read_bytes == 8 * 4096 + 16 * n);
     CHECK(last.write_bytes == 8 * 4096 + 12 * n);
-    CHECK(s.stats().pool.peak_bytes <= buffers * OptimizerSwapper::RequiredSlotBytes(
-                                                     MakeOptions("x", SwapOptimizer::kAdam)) +
-                                           buffers * 4096);
+    CHECK(s.stats().pool.peak_bytes <=
+          buffers * OptimizerSwapper::RequiredSlotBytes(MakeOptions("x", SwapOptimizer::kAdam)) +
+              buffers * 4096);
   }
 }
 
@@ -285,8 +285,8 @@ TEST_CASE("An abandoned step is not resumed from, even with every sub-group writ
 TEST_CASE("An overlapped step refuses misuse and reports a sub-group never handed over") {
   TempDir dir("swapper-");
   const uint64_t n = 4 * kSubGroup;
-  auto swapper = OptimizerSwapper::Create(MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam),
-                                          n, Filler());
+  auto swapper =
+      OptimizerSwapper::Create(MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam), n, Filler());
   REQUIRE_OK(swapper);
   OptimizerSwapper& s = **swapper;
   std::vector<float> g = GradientsOf(s, 1, 1);
@@ -341,7 +341,8 @@ TEST_CASE("OptimizerSwapper steps 16-bit gradients: half the gradient bytes, the
           std::vector<uint16_t> g(s.SubGroupSize(i));
           for (size_t k = 0; k < g.size(); ++k) {
             const uint64_t e = s.SubGroupBegin(i) + k;
-            g[k] = grad_dtype == HalfDtype::kBf16 ? FloatToBf16(Grad(t, e)) : FloatToFp16(Grad(t, e));
+            g[k] =
+                grad_dtype == HalfDtype::kBf16 ? FloatToBf16(Grad(t, e)) : FloatToFp16(Grad(t, e));
             widened[e] = grad_dtype == HalfDtype::kBf16 ? Bf16ToFloat(g[k]) : Fp16ToFloat(g[k]);
           }
           CHECK(s.WriteGradients(i, std::vector<float>(g.size())).code() ==
@@ -353,8 +354,8 @@ TEST_CASE("OptimizerSwapper steps 16-bit gradients: half the gradient bytes, the
                              half_params.begin() + static_cast<int64_t>(u.first_element));
                    return Status::Ok();
                  }).ok());
-        AdamTensors tensors{ref.p, widened, ref.m, ref.v, {}, ref_half, HalfDtype::kBf16,
-                            {},    HalfDtype::kNone};
+        AdamTensors tensors{ref.p,    widened,          ref.m, ref.v,           {},
+                            ref_half, HalfDtype::kBf16, {},    HalfDtype::kNone};
         REQUIRE_OK(ref.cpu->AdamStep(Adam(t), static_cast<int64_t>(t), tensors));
       }
       RequireEqualBits(ReadAll(s, -1), ref.p);
@@ -413,9 +414,8 @@ TEST_CASE("OptimizerSwapper hands the bf16 copy of each sub-group to the callbac
 
 TEST_CASE("OptimizerSwapper refuses stale gradients and mismatched options") {
   TempDir dir("swapper-");
-  auto swapper =
-      OptimizerSwapper::Create(MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam), 2 * kSubGroup,
-                               Filler());
+  auto swapper = OptimizerSwapper::Create(MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam),
+                                          2 * kSubGroup, Filler());
   REQUIRE_OK(swapper);
   OptimizerSwapper& s = **swapper;
   std::vector<float> g(kSubGroup, 0.01f);

@@ -120,7 +120,8 @@ Status ParamSwapperOptions::Validate() const {
     }
   }
   if (tier == Tier::kNvme) {
-    if (store == nullptr) return Status::InvalidArgument("param swapper: nvme tier without a store");
+    if (store == nullptr)
+      return Status::InvalidArgument("param swapper: nvme tier without a store");
     if (staging == nullptr || staging_slots < 2) {
       return Status::InvalidArgument("param swapper: nvme tier needs a staging pool, >= 2 slots");
     }
@@ -170,7 +171,7 @@ struct ParamSwapper::Impl {
   std::vector<Param> params;
   std::unordered_map<std::string, std::vector<ParamId>> modules;
   uint64_t flat_total = 0;
-  uint64_t partition_total = 0;  // this rank's partition (flat_total for world size 1)
+  uint64_t partition_total = 0;        // this rank's partition (flat_total for world size 1)
   std::vector<uint64_t> segment_ends;  // partition offsets where a Pad() gap starts
 
   // World size > 1: the resident parameters' shards, every rank's after GatherResident(), rank
@@ -181,7 +182,7 @@ struct ParamSwapper::Impl {
   std::byte* arena = nullptr;  // the cpu tier's pinned copy of this rank's partition
   uint64_t arena_bytes = 0;
   bool arena_registered = false;
-  std::vector<PinnedSlot> slots;            // nvme staging; used by the transfer thread only
+  std::vector<PinnedSlot> slots;  // nvme staging; used by the transfer thread only
   std::vector<gpu::CopyTicket> slot_ticket;
   size_t next_slot = 0;
 
@@ -465,8 +466,8 @@ struct ParamSwapper::Impl {
           std::min<uint64_t>({p.load_bytes - done, chunk_bytes - in_chunk, slots[s].data().size()});
       MEMPLAN_RETURN_IF_ERROR(rt.Wait(slot_ticket[s]));  // the slot's previous upload is done
       std::byte* staging = slots[s].data().data();
-      MEMPLAN_RETURN_IF_ERROR(options.store->GetRange(ChunkKey(chunk), in_chunk,
-                                                      std::span<std::byte>(staging, len)));
+      MEMPLAN_RETURN_IF_ERROR(
+          options.store->GetRange(ChunkKey(chunk), in_chunk, std::span<std::byte>(staging, len)));
       *read += len;
       MEMPLAN_ASSIGN_OR_RETURN(slot_ticket[s], rt.CopyAsync(gpu::CopyDirection::kHostToDevice,
                                                             dst + done, staging, len));
@@ -616,8 +617,8 @@ Status ParamSwapper::Finalize() {
   stats_lock.Unlock();
   if (s.options.tier == Tier::kCpu && s.partition_total > 0) {
     s.arena_bytes = (s.partition_total * eb + 4095) / 4096 * 4096;
-    void* mem = ::mmap(nullptr, s.arena_bytes, PROT_READ | PROT_WRITE,
-                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* mem =
+        ::mmap(nullptr, s.arena_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mem == MAP_FAILED) {
       return Status::ResourceExhausted("param swapper: cannot allocate the " +
                                        std::to_string(s.arena_bytes) +
@@ -995,7 +996,8 @@ ParamSwapperStats ParamSwapper::stats() const {
     MutexLock lock(&impl_->mu);
     out = impl_->stats;
   }
-  if (impl_->device_arena) out.device_arena_peak_bytes = impl_->device_arena->stats().peak_in_use_bytes;
+  if (impl_->device_arena)
+    out.device_arena_peak_bytes = impl_->device_arena->stats().peak_in_use_bytes;
   return out;
 }
 

@@ -82,38 +82,38 @@ struct ParamSwapperOptions {
   Collective* collective = nullptr;             // not owned; null: single process; world size
                                                 // > 1 partitions the parameters (ZeRO-3)
   nvme::SwapStore* store = nullptr;             // not owned; required for the nvme tier
-  PinnedPool* staging = nullptr;                // not owned; required for the nvme tier (>= 2 slots)
-  uint32_t staging_slots = 2;                   // slots taken from `staging`
+  PinnedPool* staging = nullptr;  // not owned; required for the nvme tier (>= 2 slots)
+  uint32_t staging_slots = 2;     // slots taken from `staging`
 
   Status Validate() const;
 };
 
 // Counters for the statistics the estimator is checked against. Bytes are of this rank.
 struct ParamSwapperStats {
-  uint64_t fetch_calls = 0;         // Fetch() calls
-  uint64_t demand_fetches = 0;      // parameters fetched because a Fetch() needed them now
-  uint64_t prefetches = 0;          // parameters fetched ahead from the trace
-  uint64_t prefetch_hits = 0;       // prefetched parameters a Fetch() then used
-  uint64_t prefetch_wasted = 0;     // prefetched and released unused at the end of a step
-  uint64_t kept_for_reuse = 0;      // released but kept: one of the next two modules uses it
-  uint64_t trace_invalidations = 0; // a Fetch() that did not follow the trace
-  uint64_t trace_length = 0;        // modules in the current trace
-  bool trace_complete = false;      // recorded for a whole step and being followed
-  double stall_s = 0;               // time Fetch() waited for transfers
-  uint64_t nvme_read_bytes = 0;     // NVMe -> pinned staging
-  uint64_t nvme_write_bytes = 0;    // updated parameters written back to NVMe
-  uint64_t h2d_bytes = 0;           // pinned host -> GPU (fetches and write-backs)
-  uint64_t allgather_bytes = 0;     // world size > 1: gathered buffers filled (all ranks' bytes)
-  uint64_t live_bytes = 0;          // fetched parameters on the GPU now (persistent excluded)
+  uint64_t fetch_calls = 0;          // Fetch() calls
+  uint64_t demand_fetches = 0;       // parameters fetched because a Fetch() needed them now
+  uint64_t prefetches = 0;           // parameters fetched ahead from the trace
+  uint64_t prefetch_hits = 0;        // prefetched parameters a Fetch() then used
+  uint64_t prefetch_wasted = 0;      // prefetched and released unused at the end of a step
+  uint64_t kept_for_reuse = 0;       // released but kept: one of the next two modules uses it
+  uint64_t trace_invalidations = 0;  // a Fetch() that did not follow the trace
+  uint64_t trace_length = 0;         // modules in the current trace
+  bool trace_complete = false;       // recorded for a whole step and being followed
+  double stall_s = 0;                // time Fetch() waited for transfers
+  uint64_t nvme_read_bytes = 0;      // NVMe -> pinned staging
+  uint64_t nvme_write_bytes = 0;     // updated parameters written back to NVMe
+  uint64_t h2d_bytes = 0;            // pinned host -> GPU (fetches and write-backs)
+  uint64_t allgather_bytes = 0;      // world size > 1: gathered buffers filled (all ranks' bytes)
+  uint64_t live_bytes = 0;           // fetched parameters on the GPU now (persistent excluded)
   uint64_t peak_live_bytes = 0;
-  uint64_t ahead_bytes = 0;         // prefetched, not yet used
+  uint64_t ahead_bytes = 0;  // prefetched, not yet used
   uint64_t peak_ahead_bytes = 0;
-  uint64_t over_budget_fetches = 0; // demand fetches that took live bytes over max_live_bytes
-  uint64_t resident_bytes = 0;      // kept on the GPU for good (parameters, gpu-tier shards)
-  uint64_t pinned_bytes = 0;        // the CPU tier's arena plus the staging slots held
-  uint64_t device_arena_bytes = 0;  // the GPU memory the swapper reserved at Finalize()
+  uint64_t over_budget_fetches = 0;      // demand fetches that took live bytes over max_live_bytes
+  uint64_t resident_bytes = 0;           // kept on the GPU for good (parameters, gpu-tier shards)
+  uint64_t pinned_bytes = 0;             // the CPU tier's arena plus the staging slots held
+  uint64_t device_arena_bytes = 0;       // the GPU memory the swapper reserved at Finalize()
   uint64_t device_arena_peak_bytes = 0;  // the most of it in use at once
-  uint64_t arena_evictions = 0;     // unused prefetches given back to make room for a fetch
+  uint64_t arena_evictions = 0;          // unused prefetches given back to make room for a fetch
 };
 
 class ParamSwapper {

@@ -32,9 +32,10 @@ Status CheckMemlockLimit(uint64_t bytes) {
     return Status::FromErrno(errno, "getrlimit(RLIMIT_MEMLOCK)");
   }
   if (limit.rlim_cur == RLIM_INFINITY || bytes <= limit.rlim_cur) return Status::Ok();
-  return Status::ResourceExhausted(
-      "pinned pool needs " + std::to_string(bytes) + " bytes of locked memory but RLIMIT_MEMLOCK "
-      "(ulimit -l) is " + std::to_string(limit.rlim_cur) + " bytes; " + MemlockAdvice());
+  return Status::ResourceExhausted("pinned pool needs " + std::to_string(bytes) +
+                                   " bytes of locked memory but RLIMIT_MEMLOCK "
+                                   "(ulimit -l) is " +
+                                   std::to_string(limit.rlim_cur) + " bytes; " + MemlockAdvice());
 }
 
 }  // namespace
@@ -49,16 +50,16 @@ Status PinnedPoolOptions::Validate() const {
   }
   const uint64_t rounded = (slot_bytes + page - 1) / page * page;
   if (rounded > budget_bytes / slot_count) {
-    return Status::InvalidArgument(
-        "pinned pool: slot_count " + std::to_string(slot_count) + " x slot_bytes " +
-        std::to_string(rounded) + " (page-rounded) exceeds budget_bytes " +
-        std::to_string(budget_bytes));
+    return Status::InvalidArgument("pinned pool: slot_count " + std::to_string(slot_count) +
+                                   " x slot_bytes " + std::to_string(rounded) +
+                                   " (page-rounded) exceeds budget_bytes " +
+                                   std::to_string(budget_bytes));
   }
   return Status::Ok();
 }
 
 Result<std::unique_ptr<PinnedPool>> PinnedPool::Create(const PinnedPoolOptions& options,
-                                                      gpu::Runtime* runtime) {
+                                                       gpu::Runtime* runtime) {
   MEMPLAN_RETURN_IF_ERROR(options.Validate());
   const uint64_t page = PageBytes();
   const uint64_t slot_bytes = (options.slot_bytes + page - 1) / page * page;
@@ -91,8 +92,8 @@ Result<std::unique_ptr<PinnedPool>> PinnedPool::Create(const PinnedPoolOptions& 
     const int err = errno;
     ::munmap(base, total);
     return Status::ResourceExhausted("pinned pool: mlock of " + std::to_string(total) +
-                                     " bytes failed (" + std::string(std::strerror(err)) +
-                                     "); " + MemlockAdvice());
+                                     " bytes failed (" + std::string(std::strerror(err)) + "); " +
+                                     MemlockAdvice());
   }
   if (runtime == nullptr) runtime = &gpu::DefaultHostOnlyRuntime();
   // Note [No runtime call under the lock]: registration can take the GPU runtime's global lock
@@ -102,9 +103,8 @@ Result<std::unique_ptr<PinnedPool>> PinnedPool::Create(const PinnedPoolOptions& 
     ::munmap(base, total);
     return s.WithPrefix("pinned pool: registering with " + std::string(runtime->Name()));
   }
-  return std::unique_ptr<PinnedPool>(
-      new PinnedPool(options, slot_bytes, static_cast<std::byte*>(base), runtime,
-                     std::move(reservation)));
+  return std::unique_ptr<PinnedPool>(new PinnedPool(
+      options, slot_bytes, static_cast<std::byte*>(base), runtime, std::move(reservation)));
 }
 
 PinnedPool::PinnedPool(const PinnedPoolOptions& options, uint64_t slot_bytes, std::byte* base,
@@ -148,10 +148,10 @@ Result<PinnedSlot> PinnedPool::Acquire(std::optional<std::chrono::microseconds> 
       while (free_.empty()) slot_freed_.Wait(&mu_);
     }
     const bool got = !free_.empty();
-    stats_.wait_time_us += static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() -
-                                                              start)
-            .count());
+    stats_.wait_time_us +=
+        static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                  std::chrono::steady_clock::now() - start)
+                                  .count());
     if (!got) {
       ++stats_.failures;
       return Status::Unavailable("pinned pool: no slot was released within " +

@@ -6,9 +6,12 @@ namespace memplan::offload {
 
 std::string_view TierName(Tier tier) {
   switch (tier) {
-    case Tier::kGpu: return "gpu";
-    case Tier::kCpu: return "cpu";
-    case Tier::kNvme: return "nvme";
+    case Tier::kGpu:
+      return "gpu";
+    case Tier::kCpu:
+      return "cpu";
+    case Tier::kNvme:
+      return "nvme";
   }
   return "?";
 }
@@ -23,9 +26,12 @@ Result<Tier> ParseTier(std::string_view text) {
 
 std::string_view ElementTypeName(ElementType type) {
   switch (type) {
-    case ElementType::kFloat32: return "fp32";
-    case ElementType::kBFloat16: return "bf16";
-    case ElementType::kFloat16: return "fp16";
+    case ElementType::kFloat32:
+      return "fp32";
+    case ElementType::kBFloat16:
+      return "bf16";
+    case ElementType::kFloat16:
+      return "fp16";
   }
   return "?";
 }
@@ -50,8 +56,9 @@ Status Schedule::Validate() const {
   if (prefetch_bytes == 0) return Status::InvalidArgument("schedule: params.prefetch_bytes is 0");
   if (max_live_bytes == 0) return Status::InvalidArgument("schedule: params.max_live_bytes is 0");
   if (param_buffer_bytes < 4096 || param_buffer_bytes % 4096 != 0) {
-    return Status::InvalidArgument("schedule: params.buffer_bytes must be a positive multiple of "
-                                   "4096");
+    return Status::InvalidArgument(
+        "schedule: params.buffer_bytes must be a positive multiple of "
+        "4096");
   }
   if (param_buffer_count < 2) {
     return Status::InvalidArgument("schedule: params.buffer_count must be at least 2");
@@ -67,8 +74,9 @@ Status Schedule::Validate() const {
     return Status::InvalidArgument("schedule: optimizer.threads must be in 0..4096");
   }
   if (nvme_block_size < 4096 || nvme_block_size % 4096 != 0 || nvme_block_size > (64u << 20)) {
-    return Status::InvalidArgument("schedule: nvme.block_size must be a multiple of 4096, at most "
-                                   "64 MiB");
+    return Status::InvalidArgument(
+        "schedule: nvme.block_size must be a multiple of 4096, at most "
+        "64 MiB");
   }
   if (nvme_io_threads < 1 || nvme_io_threads > 64) {
     return Status::InvalidArgument("schedule: nvme.intra_op_parallelism must be in 1..64");
@@ -114,15 +122,14 @@ Result<Schedule> ScheduleFromJson(const nlohmann::json& j, const std::string& so
   int version = Schedule::kVersion;
   MEMPLAN_RETURN_IF_ERROR(r.Integer("version", &version));
   if (version != Schedule::kVersion) {
-    return r.Error("version", std::to_string(version) +
-                                  " is not supported (this memplan reads version 1)");
+    return r.Error("version",
+                   std::to_string(version) + " is not supported (this memplan reads version 1)");
   }
   Schedule s;
   if (r.Has("params")) {
     const JsonFieldReader p = r.Child("params");
-    MEMPLAN_RETURN_IF_ERROR(p.CheckKeys({"tier", "dtype", "persistence_threshold",
-                                         "prefetch_bytes", "max_live_bytes", "buffer_bytes",
-                                         "buffer_count"}));
+    MEMPLAN_RETURN_IF_ERROR(p.CheckKeys({"tier", "dtype", "persistence_threshold", "prefetch_bytes",
+                                         "max_live_bytes", "buffer_bytes", "buffer_count"}));
     MEMPLAN_RETURN_IF_ERROR(p.Enum("tier", ParseTier, &s.param_tier));
     MEMPLAN_RETURN_IF_ERROR(p.Enum("dtype", ParseElementType, &s.param_dtype));
     MEMPLAN_RETURN_IF_ERROR(p.Integer("persistence_threshold", &s.persistence_threshold));

@@ -58,7 +58,7 @@ struct Schedule {
 
   Tier param_tier = Tier::kGpu;
   ElementType param_dtype = ElementType::kBFloat16;
-  uint64_t persistence_threshold = 100000;      // elements
+  uint64_t persistence_threshold = 100000;  // elements
   uint64_t prefetch_bytes = uint64_t{256} << 20;
   uint64_t max_live_bytes = uint64_t{1} << 30;
   uint64_t param_buffer_bytes = uint64_t{64} << 20;

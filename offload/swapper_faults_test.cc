@@ -105,7 +105,7 @@ TEST_CASE("swapper faults: EIO on a read fails the step naming the key, and the 
 
   REQUIRE_OK(f.faults->SetPlan({}));
   CHECK(Params(s) == after_step1);  // the committed step is intact
-  REQUIRE_OK(s.Step(Adam()));     // and the failed one can be retried
+  REQUIRE_OK(s.Step(Adam()));       // and the failed one can be retried
   CHECK(s.epoch() == 2);
 }
 

@@ -24,6 +24,8 @@ using estimator::MemoryItem;
 
 // The keys DeepSpeed (0.16) reads in each section this checker knows. Sections not listed here
 // (optimizer/scheduler params, monitors, profilers) are free-form or checked by DeepSpeed itself.
+// Laid out by hand, several keys a line, as DeepSpeed's config reference lists them.
+// clang-format off
 const std::map<std::string, Keys>& Sections() {
   static const auto* kSections = new std::map<std::string, Keys>{
       {"",
@@ -38,7 +40,8 @@ const std::map<std::string, Keys>& Sections() {
         "memory_breakdown", "sparse_attention", "eigenvalue", "progressive_layer_drop",
         "quantize_training", "nebula", "disable_allgather", "torch_autocast", "compile",
         "hybrid_engine", "weight_quantization", "timers", "graph_harvesting",
-        "use_data_before_expert_parallelism", "dataloader_drop_last", "zero_allow_comm_data_type_fp32",
+        "use_data_before_expert_parallelism", "dataloader_drop_last",
+        "zero_allow_comm_data_type_fp32",
         "mics_shard_size", "load_universal_checkpoint", "monitor_config"}},
       {"zero_optimization",
        {"stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
@@ -76,6 +79,7 @@ const std::map<std::string, Keys>& Sections() {
   };
   return *kSections;
 }
+// clang-format on
 
 // Old names DeepSpeed no longer reads (or reads under a new name): key path -> what to use.
 const std::map<std::string, std::string>& Renamed() {
@@ -97,11 +101,15 @@ const std::map<std::string, std::string>& Renamed() {
 
 // Where the Hugging Face Trainer fills "auto".
 bool TrainerFills(const std::string& path) {
-  static const Keys kFilled = {
-      "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-      "gradient_clipping", "fp16.enabled", "bf16.enabled",
-      "zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
-      "zero_optimization.stage3_param_persistence_threshold"};
+  static const Keys kFilled = {"train_batch_size",
+                               "train_micro_batch_size_per_gpu",
+                               "gradient_accumulation_steps",
+                               "gradient_clipping",
+                               "fp16.enabled",
+                               "bf16.enabled",
+                               "zero_optimization.reduce_bucket_size",
+                               "zero_optimization.stage3_prefetch_bucket_size",
+                               "zero_optimization.stage3_param_persistence_threshold"};
   return kFilled.count(path) > 0 || path.rfind("optimizer.params.", 0) == 0 ||
          path.rfind("scheduler.params.", 0) == 0;
 }
@@ -167,8 +175,8 @@ class Checker {
           nearest = candidate;
         }
       }
-      Problem(path, "unknown key" + (best <= limit ? "; did you mean " + nearest + "?"
-                                                   : std::string()));
+      Problem(path,
+              "unknown key" + (best <= limit ? "; did you mean " + nearest + "?" : std::string()));
     }
   }
 
@@ -176,11 +184,13 @@ class Checker {
     if (value.is_object()) {
       for (const auto& [key, child] : value.items()) Autos(child, Join(path, key));
     } else if (value.is_array()) {
-      for (size_t i = 0; i < value.size(); ++i) Autos(value[i], path + "[" + std::to_string(i) + "]");
+      for (size_t i = 0; i < value.size(); ++i)
+        Autos(value[i], path + "[" + std::to_string(i) + "]");
     } else if (value.is_string() && value.get<std::string>() == "auto") {
       if (!options_.for_hf_trainer) {
-        Problem(path, "\"auto\" is filled only by the Hugging Face Trainer (--for-hf-trainer); "
-                      "DeepSpeed alone refuses it: give a value");
+        Problem(path,
+                "\"auto\" is filled only by the Hugging Face Trainer (--for-hf-trainer); "
+                "DeepSpeed alone refuses it: give a value");
       } else if (!TrainerFills(path)) {
         Problem(path, "\"auto\" here is not filled by the Hugging Face Trainer: give a value");
       }
@@ -219,15 +229,15 @@ class Checker {
       const std::optional<int64_t> want = CheckedProductInt64({*micro, *accum, world});
       const std::optional<int64_t> step = CheckedProductInt64({*micro, *accum});
       if (world > 0 && want != total) {
-        Problem("train_batch_size",
-                "is " + std::to_string(*total) + " but train_micro_batch_size_per_gpu " +
-                    std::to_string(*micro) + " x gradient_accumulation_steps " +
-                    std::to_string(*accum) + " x " + std::to_string(world) +
-                    " GPUs = " + Product(want));
-      } else if (world == 0 && !MultipleOf(*total, step)) {
         Problem("train_batch_size", "is " + std::to_string(*total) +
-                                        ", not a multiple of micro-batch x accumulation = " +
-                                        Product(step));
+                                        " but train_micro_batch_size_per_gpu " +
+                                        std::to_string(*micro) + " x gradient_accumulation_steps " +
+                                        std::to_string(*accum) + " x " + std::to_string(world) +
+                                        " GPUs = " + Product(want));
+      } else if (world == 0 && !MultipleOf(*total, step)) {
+        Problem("train_batch_size",
+                "is " + std::to_string(*total) +
+                    ", not a multiple of micro-batch x accumulation = " + Product(step));
       }
     } else if (total && micro && world > 0 &&
                !MultipleOf(*total, CheckedProductInt64({*micro, world}))) {
@@ -276,8 +286,8 @@ class Checker {
       }
       stage = s.get<int>();
     }
-    for (const char* key : {"overlap_comm", "contiguous_gradients", "reduce_scatter",
-                            "allgather_partitions"}) {
+    for (const char* key :
+         {"overlap_comm", "contiguous_gradients", "reduce_scatter", "allgather_partitions"}) {
       if (z.contains(key) && !z[key].is_boolean()) {
         Problem(Join("zero_optimization", key), "must be true or false, got " + z[key].dump());
       }
@@ -299,7 +309,8 @@ class Checker {
         }
         device = o["device"].get<std::string>();
         if (device != "none" && device != "cpu" && device != "nvme") {
-          Problem(path + ".device", "must be \"none\", \"cpu\" or \"nvme\", got \"" + device + "\"");
+          Problem(path + ".device",
+                  "must be \"none\", \"cpu\" or \"nvme\", got \"" + device + "\"");
           continue;
         }
       }
@@ -311,12 +322,13 @@ class Checker {
       } else if (!param && stage == 0) {
         Problem(path, "offload_optimizer needs ZeRO stage 1, 2 or 3 (stage is 0)");
       } else if (!param && device == "nvme" && stage != 3) {
-        Problem(path + ".device", "nvme optimizer offload needs ZeRO stage 3 (ZeRO-Infinity); "
-                                  "stage " + std::to_string(stage) + " offloads to cpu only");
+        Problem(path + ".device",
+                "nvme optimizer offload needs ZeRO stage 3 (ZeRO-Infinity); "
+                "stage " +
+                    std::to_string(stage) + " offloads to cpu only");
       }
-      if (device == "nvme" &&
-          (!o.contains("nvme_path") || !o["nvme_path"].is_string() ||
-           o["nvme_path"].get<std::string>().empty())) {
+      if (device == "nvme" && (!o.contains("nvme_path") || !o["nvme_path"].is_string() ||
+                               o["nvme_path"].get<std::string>().empty())) {
         Problem(path + ".nvme_path", "device is nvme but no nvme_path is given");
       }
       if (o.contains("pin_memory") && !o["pin_memory"].is_boolean()) {
@@ -341,7 +353,8 @@ class Checker {
   //     the largest swappable parameter partition (get_buffer asserts) and, with the optimizer on
   //     NVMe too, the largest optimizer sub-group (_initialize_from_swapped_fp16_params asserts).
   //   sub_group_size above 2^50 elements (4 PiB of fp32 state) is no sub-grouping at all: absurd.
-  // The same configs go through DeepSpeed's own classes in tests/plan_consumers/check_verdicts_test.py.
+  // The same configs go through DeepSpeed's own classes in
+  // tests/plan_consumers/check_verdicts_test.py.
   std::optional<int64_t> Integer(const nlohmann::json& object, const std::string& section,
                                  const std::string& key, int64_t lo, int64_t hi,
                                  const std::string& why) {
@@ -411,41 +424,43 @@ class Checker {
                                           "DeepSpeed asserts at start-up with none"
                                         : "an NVMe optimizer offload swaps through these buffers; "
                                           "DeepSpeed has none to swap into";
-        const auto count = Integer(o, os, "buffer_count", nvme ? 1 : 0, kMax,
-                                   nvme ? empty : refused);
+        const auto count =
+            Integer(o, os, "buffer_count", nvme ? 1 : 0, kMax, nvme ? empty : refused);
         if (param) {
           param_nvme_ = nvme;
           param_buffer_count_ = count.value_or(5);
-          param_buffer_size_ = Integer(o, os, "buffer_size", nvme ? 1 : 0, kMax,
-                                       nvme ? empty : refused)
-                                   .value_or(100000000);
+          param_buffer_size_ =
+              Integer(o, os, "buffer_size", nvme ? 1 : 0, kMax, nvme ? empty : refused)
+                  .value_or(100000000);
           Integer(o, os, "max_in_cpu", 0, kMax, refused);
         } else {
           optimizer_nvme_ = nvme;
           if (o.contains("ratio") && !o["ratio"].is_null() &&
-              (!o["ratio"].is_number() || o["ratio"].is_boolean() ||
-               o["ratio"].get<double>() < 0 || o["ratio"].get<double>() > 1)) {
-            Problem(os + ".ratio", "must be a number in [0, 1], got " + o["ratio"].dump() + ": " +
-                                       refused);
+              (!o["ratio"].is_number() || o["ratio"].is_boolean() || o["ratio"].get<double>() < 0 ||
+               o["ratio"].get<double>() > 1)) {
+            Problem(os + ".ratio",
+                    "must be a number in [0, 1], got " + o["ratio"].dump() + ": " + refused);
           }
         }
       }
-      const nlohmann::json threshold = z.contains("stage3_param_persistence_threshold")
-                                           ? z["stage3_param_persistence_threshold"]
-                                           : z.value("param_persistence_threshold",
-                                                     nlohmann::json(100000));
+      const nlohmann::json threshold =
+          z.contains("stage3_param_persistence_threshold")
+              ? z["stage3_param_persistence_threshold"]
+              : z.value("param_persistence_threshold", nlohmann::json(100000));
       if (threshold.is_number()) persistence_threshold_ = threshold.get<double>();
     }
     if (!c.contains("aio") || !c["aio"].is_object()) return;
     const nlohmann::json& a = c["aio"];
     const std::string why_int = "DeepSpeed's aio op takes a C int";
     const int64_t kInt = INT32_MAX;
-    if (auto block = Integer(a, "aio", "block_size", 1, kInt,
-                             "each request of the O_DIRECT swap files is block_size long; " +
-                                 why_int)) {
+    if (auto block =
+            Integer(a, "aio", "block_size", 1, kInt,
+                    "each request of the O_DIRECT swap files is block_size long; " + why_int)) {
       if (*block % 4096 != 0) {
-        Problem("aio.block_size",
-                "is " + std::to_string(*block) + ", not a multiple of 4096: the swap files are "
+        Problem(
+            "aio.block_size",
+            "is " + std::to_string(*block) +
+                ", not a multiple of 4096: the swap files are "
                 "opened O_DIRECT and each request starts at a multiple of block_size, which the "
                 "kernel refuses (EINVAL) unless it is aligned to the device's 4096-byte blocks");
       }
@@ -486,10 +501,11 @@ class Checker {
   // (ceil(numel / GPUs) elements) is at least max(1 MiB, aio block) long.
   void SwapBuffers(const nlohmann::json& c) {
     if (!values_ok_ || !param_nvme_ || options_.model == nullptr || !options_.cluster) return;
-    const uint64_t world = static_cast<uint64_t>(std::max<int64_t>(options_.cluster->WorldSize(), 1));
+    const uint64_t world =
+        static_cast<uint64_t>(std::max<int64_t>(options_.cluster->WorldSize(), 1));
     const uint64_t elem = HalfPrecision(c) ? 2 : 4;
-    const uint64_t min_aio_bytes = std::max<uint64_t>(uint64_t{1} << 20,
-                                                      static_cast<uint64_t>(aio_block_size_));
+    const uint64_t min_aio_bytes =
+        std::max<uint64_t>(uint64_t{1} << 20, static_cast<uint64_t>(aio_block_size_));
     const uint64_t align = std::max<uint64_t>(1024 * static_cast<uint64_t>(aio_threads_) / elem, 1);
     auto aligned = [&](uint64_t n) { return (n + align - 1) / align * align; };
     uint64_t largest = 0, largest_group = 0, group = 0;
@@ -518,8 +534,10 @@ class Checker {
       report_.problems.push_back(
           {"zero_optimization.offload_param.buffer_count",
            "is " + std::to_string(param_buffer_count_) + ", fewer than the " +
-               std::to_string(need) + " swap buffers DeepSpeed holds at once: the swapped "
-               "parameters within stage3_max_reuse_distance (" + std::to_string(reuse_distance_) +
+               std::to_string(need) +
+               " swap buffers DeepSpeed holds at once: the swapped "
+               "parameters within stage3_max_reuse_distance (" +
+               std::to_string(reuse_distance_) +
                " elements) stay gathered, plus one module's (partitioned_param_swapper asserts "
                "\"Not enough swap buffers\"); raise buffer_count or lower "
                "stage3_max_reuse_distance",
@@ -531,14 +549,15 @@ class Checker {
                         Printable(largest_name) + "'s partition of " + std::to_string(largest) +
                         " on " + std::to_string(world) +
                         " GPUs: DeepSpeed's partitioned_param_swapper asserts \"More elements than "
-                        "buffer size\" at start-up; give at least " + std::to_string(largest));
-    } else if (optimizer_nvme_ && aligned(static_cast<uint64_t>(param_buffer_size_)) <
-                                      aligned(largest_group)) {
+                        "buffer size\" at start-up; give at least " +
+                        std::to_string(largest));
+    } else if (optimizer_nvme_ &&
+               aligned(static_cast<uint64_t>(param_buffer_size_)) < aligned(largest_group)) {
       Finding f{path,
                 "is " + std::to_string(param_buffer_size_) +
                     " elements, less than the largest optimizer sub-group of " +
-                    std::to_string(aligned(largest_group)) +
-                    " (sub_group_size " + std::to_string(sub_group_size_) +
+                    std::to_string(aligned(largest_group)) + " (sub_group_size " +
+                    std::to_string(sub_group_size_) +
                     "): DeepSpeed's optimizer swapper asserts \"numel of fp16 buffers ... is too "
                     "small for initializing fp32 params\"; raise buffer_size or lower "
                     "sub_group_size",
@@ -671,11 +690,10 @@ class Checker {
     }
     const uint64_t usable = static_cast<uint64_t>(static_cast<double>(cluster.gpu.memory_bytes) *
                                                   (1 - options_.gpu_safety_fraction));
-    report_.notes.push_back("predicted peak per GPU " + Gib(m->peak.gpu_bytes) + " (" +
-                            m->peak.phase + "), CPU per node " + Gib(m->peak.cpu_bytes) +
-                            ", pinned " + Gib(m->peak.pinned_bytes) + ", NVMe " +
-                            Gib(m->peak.nvme_bytes) + ", seq_len " +
-                            std::to_string(m->setup.seq_len));
+    report_.notes.push_back(
+        "predicted peak per GPU " + Gib(m->peak.gpu_bytes) + " (" + m->peak.phase +
+        "), CPU per node " + Gib(m->peak.cpu_bytes) + ", pinned " + Gib(m->peak.pinned_bytes) +
+        ", NVMe " + Gib(m->peak.nvme_bytes) + ", seq_len " + std::to_string(m->setup.seq_len));
     if (m->peak.gpu_bytes > usable) {
       Finding f{"zero_optimization.stage",
                 "predicted peak " + Gib(m->peak.gpu_bytes) + " per GPU does not fit " +
@@ -759,12 +777,15 @@ nlohmann::json ToJson(const CheckReport& report) {
     if (!f.keys.empty()) finding["keys"] = f.keys;
     problems.push_back(std::move(finding));
   }
-  nlohmann::json j = {{"ok", report.problems.empty()}, {"problems", problems}, {"notes", report.notes}};
+  nlohmann::json j = {
+      {"ok", report.problems.empty()}, {"problems", problems}, {"notes", report.notes}};
   if (!report.setup_line.empty()) j["setup_line"] = report.setup_line;
   if (report.predicted) {
     const estimator::PeakMemory& p = *report.predicted;
-    j["predicted"] = {{"gpu_bytes", p.gpu_bytes}, {"cpu_bytes", p.cpu_bytes},
-                      {"nvme_bytes", p.nvme_bytes}, {"pinned_bytes", p.pinned_bytes},
+    j["predicted"] = {{"gpu_bytes", p.gpu_bytes},
+                      {"cpu_bytes", p.cpu_bytes},
+                      {"nvme_bytes", p.nvme_bytes},
+                      {"pinned_bytes", p.pinned_bytes},
                       {"phase", p.phase}};
   }
   return j;
@@ -778,10 +799,10 @@ std::string FormatCheckText(const CheckReport& report, const std::string& source
     out += Printable(f.path) + ": " + Printable(f.message) + "\n";
   }
   for (const std::string& n : report.notes) out += "note: " + Printable(n) + "\n";
-  out += report.problems.empty()
-             ? "OK: " + Printable(source) + " has no problems memplan knows of\n"
-             : std::to_string(report.problems.size()) + " problem(s) in " + Printable(source) +
-                   "\n";
+  out +=
+      report.problems.empty()
+          ? "OK: " + Printable(source) + " has no problems memplan knows of\n"
+          : std::to_string(report.problems.size()) + " problem(s) in " + Printable(source) + "\n";
   return out;
 }
 

@@ -31,7 +31,7 @@ namespace memplan::planner {
 
 struct CheckOptions {
   bool for_hf_trainer = false;  // "auto" allowed where the Trainer fills it
-  int64_t world_size = 0;       // GPUs in all; 0 = unknown (batch arithmetic checked for whole-ness)
+  int64_t world_size = 0;  // GPUs in all; 0 = unknown (batch arithmetic checked for whole-ness)
   // With a model and a cluster: the predicted fit (GPU, CPU, pinned, memlock).
   const estimator::ModelInventory* model = nullptr;
   std::optional<Cluster> cluster;  // gpus_per_node/nodes give world_size when it is 0

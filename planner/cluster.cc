@@ -82,16 +82,16 @@ const std::vector<GpuSpec>& GpuPresets() {
           4, 0.45, 0.80, 0.50, 200e9, 2),
       gpu("a800-80", "NVIDIA A800 80GB SXM4 (NVLink 400 GB/s)", 81920 * kMiB, 312e12, 312e12,
           156e12, 2039e9, 200e9, 4, 0.45, 0.80, 0.50, 200e9, 2),
-      gpu("h100-80", "NVIDIA H100 80GB SXM5", 81559 * kMiB, 989e12, 989e12, 494.5e12, 3350e9,
-          450e9, 5, 0.40, 0.62, 0.35, 400e9, 2),
+      gpu("h100-80", "NVIDIA H100 80GB SXM5", 81559 * kMiB, 989e12, 989e12, 494.5e12, 3350e9, 450e9,
+          5, 0.40, 0.62, 0.35, 400e9, 2),
       // torchtitan's benchmark GPU (Grand Teton): H100 SXM with 96 GB HBM2e at 2.4 TB/s and a
       // 500 W power limit; its peak is "between SXM and NVL" (989 and 835 TFLOPS): the midpoint.
       gpu("h100-96", "NVIDIA H100 96GB HBM2e SXM, 500 W (Grand Teton)", 98304 * kMiB, 912e12,
           912e12, 456e12, 2400e9, 450e9, 5, 0.40, 0.62, 0.35, 400e9, 2),
       gpu("h200", "NVIDIA H200 141GB SXM", 143771 * kMiB, 989e12, 989e12, 494.5e12, 4800e9, 450e9,
           5, 0.40, 0.62, 0.35, 400e9, 2),
-      gpu("l40s", "NVIDIA L40S 48GB (PCIe, no NVLink)", 46068 * kMiB, 362e12, 362e12, 181e12,
-          864e9, 25e9, 4, 0.35, 0.65, 0.45, 50e9, 1),
+      gpu("l40s", "NVIDIA L40S 48GB (PCIe, no NVLink)", 46068 * kMiB, 362e12, 362e12, 181e12, 864e9,
+          25e9, 4, 0.35, 0.65, 0.45, 50e9, 1),
       gpu("rtx3090", "NVIDIA GeForce RTX 3090 24GB", 24576 * kMiB, 71e12, 71e12, 35.6e12, 936e9,
           25e9, 4, 0.35, 0.75, 0.50, 3.125e9, 1),
       gpu("rtx4090", "NVIDIA GeForce RTX 4090 24GB (no P2P)", 24564 * kMiB, 165.2e12, 165.2e12,
@@ -104,31 +104,31 @@ const std::vector<GpuSpec>& GpuPresets() {
       // A10G (AWS g5): 24 GB GDDR6 at 600 GB/s, PCIe Gen4; no public NVIDIA datasheet: AWS's A10
       // variant with ~70 dense bf16/fp16 tensor TFLOPS (vs A10's 125; Baseten's A10 vs A10G spec
       // comparison), 35 TF32; the driver reports 23028 MiB.
-      gpu("a10g", "NVIDIA A10G 24GB (AWS g5, PCIe)", 23028 * kMiB, 70e12, 70e12, 35e12, 600e9,
-          25e9, 4, 0.35, 0.70, 0.45, 12.5e9, 1),
+      gpu("a10g", "NVIDIA A10G 24GB (AWS g5, PCIe)", 23028 * kMiB, 70e12, 70e12, 35e12, 600e9, 25e9,
+          4, 0.35, 0.70, 0.45, 12.5e9, 1),
       // L4: NVIDIA L4 datasheet: 24 GB GDDR6 at 300 GB/s, bf16/fp16 121 dense TFLOPS (242 with
       // sparsity), TF32 60, PCIe Gen4 x16, 72 W; the driver reports 23034 MiB.
-      gpu("l4", "NVIDIA L4 24GB (PCIe, 72 W)", 23034 * kMiB, 121e12, 121e12, 60e12, 300e9, 25e9,
-          4, 0.30, 0.60, 0.40, 12.5e9, 1),
+      gpu("l4", "NVIDIA L4 24GB (PCIe, 72 W)", 23034 * kMiB, 121e12, 121e12, 60e12, 300e9, 25e9, 4,
+          0.30, 0.60, 0.40, 12.5e9, 1),
       // T4: NVIDIA T4 datasheet: 16 GB GDDR6 at 320 GB/s, fp16 mixed-precision 65 TFLOPS, no bf16,
       // FP32 8.1 (no TF32), PCIe Gen3 x16, 70 W; the driver reports 15360 MiB.
-      gpu("t4", "NVIDIA T4 16GB (PCIe, 70 W, no bf16)", 15360 * kMiB, 0, 65e12, 8.1e12, 320e9,
-          12e9, 3, 0.25, 0.55, 0.35, 12.5e9, 1),
+      gpu("t4", "NVIDIA T4 16GB (PCIe, 70 W, no bf16)", 15360 * kMiB, 0, 65e12, 8.1e12, 320e9, 12e9,
+          3, 0.25, 0.55, 0.35, 12.5e9, 1),
       // B200: NVIDIA DGX B200 datasheet: 8 x B200, 1.44 TB HBM3e in all (the driver reports
       // 183359 MiB each), bf16 2.25 dense PFLOPS per GPU (72 PFLOPS FP8 training / 8 / 2 x 0.5
       // for sparsity), TF32 1.1 PFLOPS, HBM 7.7 TB/s (7680-bit bus at 3996 MHz as the driver
       // reports; the datasheet says 8), NVLink 5 1.8 TB/s per GPU (900 GB/s per direction),
       // PCIe Gen5, 8 x 400 Gb/s ConnectX-7 per node. Efficiencies as H100's (same cuBLAS
       // generation gap to peak, FlashAttention-2 not Blackwell-tuned).
-      gpu("b200", "NVIDIA B200 180GB SXM (HGX/DGX B200)", 183359 * kMiB, 2250e12, 2250e12,
-          1100e12, 7700e9, 900e9, 5, 0.40, 0.62, 0.35, 400e9, 2),
+      gpu("b200", "NVIDIA B200 180GB SXM (HGX/DGX B200)", 183359 * kMiB, 2250e12, 2250e12, 1100e12,
+          7700e9, 900e9, 5, 0.40, 0.62, 0.35, 400e9, 2),
       // H200 NVL: NVIDIA H200 NVL datasheet: 141 GB HBM3e at 4.8 TB/s, bf16/fp16 835 dense TFLOPS
       // (1,671 with sparsity), TF32 418, PCIe Gen5, 600 W; 2- or 4-way NVLink bridges (900 GB/s per
       // GPU). In the usual 8-GPU server the ring crosses PCIe Gen5 between the two 4-way NVLink
       // groups, so the ring's link is PCIe (63 GB/s per direction); node network as the 2-8-5-200
       // enterprise reference design's 4 x 400 Gb/s east-west.
-      gpu("h200-nvl", "NVIDIA H200 NVL 141GB (PCIe, 4-way NVLink bridges)", 143771 * kMiB,
-          835e12, 835e12, 418e12, 4800e9, 63e9, 5, 0.40, 0.62, 0.35, 200e9, 2),
+      gpu("h200-nvl", "NVIDIA H200 NVL 141GB (PCIe, 4-way NVLink bridges)", 143771 * kMiB, 835e12,
+          835e12, 418e12, 4800e9, 63e9, 5, 0.40, 0.62, 0.35, 200e9, 2),
       // MI300X: AMD Instinct MI300X datasheet: 192 GB HBM3 at 5.3 TB/s, bf16/fp16 1,307.4 dense
       // TFLOPS, TF32 653.7, PCIe Gen5; 7 Infinity Fabric links of 64 GB/s per direction to the
       // other 7 GPUs of the platform (448 GB/s per GPU, fully connected); 8 x 400 Gb/s per node
@@ -143,10 +143,12 @@ const std::vector<GpuSpec>& GpuPresets() {
 Result<GpuSpec> FindGpuPreset(std::string_view name) {
   std::string key = Lower(name);
   static const std::pair<const char*, const char*> kAliases[] = {
-      {"a100", "a100-80"},   {"a800", "a800-80"}, {"h100", "h100-80"},    {"v100", "v100-32"},
-      {"4090", "rtx4090"},   {"3090", "rtx3090"}, {"rtx-4090", "rtx4090"}, {"rtx-3090", "rtx3090"},
-      {"h200-141", "h200"},  {"l40s-48", "l40s"}, {"a100-80gb", "a100-80"}, {"a100-40gb", "a100-40"},
-      {"b200-180", "b200"},  {"h200nvl", "h200-nvl"}, {"mi300", "mi300x"}, {"a10g-24", "a10g"},
+      {"a100", "a100-80"},     {"a800", "a800-80"},      {"h100", "h100-80"},
+      {"v100", "v100-32"},     {"4090", "rtx4090"},      {"3090", "rtx3090"},
+      {"rtx-4090", "rtx4090"}, {"rtx-3090", "rtx3090"},  {"h200-141", "h200"},
+      {"l40s-48", "l40s"},     {"a100-80gb", "a100-80"}, {"a100-40gb", "a100-40"},
+      {"b200-180", "b200"},    {"h200nvl", "h200-nvl"},  {"mi300", "mi300x"},
+      {"a10g-24", "a10g"},
   };
   for (const auto& [alias, target] : kAliases) {
     if (key == alias) key = target;
@@ -186,8 +188,7 @@ double Cluster::CpuAdamParamsPerS() const {
 
 Status Cluster::Validate() const {
   if (nodes < 1 || nodes > (1 << 20)) {
-    return Status::InvalidArgument("--nodes must be in [1, 1048576], got " +
-                                   std::to_string(nodes));
+    return Status::InvalidArgument("--nodes must be in [1, 1048576], got " + std::to_string(nodes));
   }
   if (gpus_per_node < 1 || gpus_per_node > 1024) {
     return Status::InvalidArgument("--gpus must be in [1, 1024], got " +
@@ -235,10 +236,10 @@ Status Cluster::Validate() const {
   for (const Rate& r : rates) {
     if (r.zero_means_prior && r.value == 0) continue;
     if (!std::isfinite(r.value) || r.value < r.floor || r.value > r.ceiling) {
-      return Status::InvalidArgument(
-          "GPU '" + gpu.name + "': " + r.name + " must be " +
-          (r.zero_means_prior ? "0 (not given) or " : "") + "between " + FormatRate(r.floor) +
-          " and " + FormatRate(r.ceiling) + ", got " + FormatRate(r.value));
+      return Status::InvalidArgument("GPU '" + gpu.name + "': " + r.name + " must be " +
+                                     (r.zero_means_prior ? "0 (not given) or " : "") + "between " +
+                                     FormatRate(r.floor) + " and " + FormatRate(r.ceiling) +
+                                     ", got " + FormatRate(r.value));
     }
   }
   if (nodes > 1 && !(InterNodeBytesPerS() > 0)) {
@@ -246,8 +247,8 @@ Status Cluster::Validate() const {
   }
   for (double v : {gpu.gemm_efficiency, gpu.attention_efficiency}) {
     if (!(v > 0 && v <= 1)) {
-      return Status::InvalidArgument("GPU '" + gpu.name +
-                                     "': gemm_efficiency and attention_efficiency must be in (0, 1]");
+      return Status::InvalidArgument(
+          "GPU '" + gpu.name + "': gemm_efficiency and attention_efficiency must be in (0, 1]");
     }
   }
   if (gpu.gpus_per_pcie_switch < 1 || gpu.gpus_per_pcie_switch > 64) {
@@ -256,8 +257,7 @@ Status Cluster::Validate() const {
   return Status::Ok();
 }
 
-Result<NvmeBenchReading> NvmeBenchFromJson(const nlohmann::json& bench,
-                                           const std::string& source) {
+Result<NvmeBenchReading> NvmeBenchFromJson(const nlohmann::json& bench, const std::string& source) {
   auto best = bench.is_object() ? bench.find("best") : bench.end();
   if (!bench.is_object() || best == bench.end() || !best->is_object()) {
     return Status::InvalidArgument(
@@ -276,8 +276,9 @@ Result<NvmeBenchReading> NvmeBenchFromJson(const nlohmann::json& bench,
   MEMPLAN_RETURN_IF_ERROR(rate("read_bytes_per_s", &reading.read_bytes_per_s));
   MEMPLAN_RETURN_IF_ERROR(rate("write_bytes_per_s", &reading.write_bytes_per_s));
   if (reading.read_bytes_per_s == 0 && reading.write_bytes_per_s == 0) {
-    return Status::InvalidArgument(source + ": best has neither read_bytes_per_s nor "
-                                            "write_bytes_per_s");
+    return Status::InvalidArgument(source +
+                                   ": best has neither read_bytes_per_s nor "
+                                   "write_bytes_per_s");
   }
   // The aio block is a hint: a setting of another type is passed over, not refused.
   if (auto aio = bench.find("aio"); aio != bench.end() && aio->is_object()) {
@@ -392,8 +393,8 @@ Result<GpuSpec> GpuFromJson(const nlohmann::json& j, const std::string& source) 
   const JsonFieldReader r(j, source, "gpu.");
   MEMPLAN_RETURN_IF_ERROR(r.CheckKeys(
       {"preset", "name", "description", "memory_bytes", "pcie_gen", "gpus_per_pcie_switch",
-       "bf16_flops", "fp16_flops", "fp32_flops", "hbm_bytes_per_s", "link_bytes_per_s",
-       "mfu_prior", "gemm_efficiency", "attention_efficiency", "node_network_bytes_per_s"}));
+       "bf16_flops", "fp16_flops", "fp32_flops", "hbm_bytes_per_s", "link_bytes_per_s", "mfu_prior",
+       "gemm_efficiency", "attention_efficiency", "node_network_bytes_per_s"}));
   GpuSpec g;
   if (r.Has("preset")) {
     std::string preset;
@@ -413,8 +414,7 @@ Result<GpuSpec> GpuFromJson(const nlohmann::json& j, const std::string& source) 
   MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "mfu_prior", &g.mfu_prior));
   MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "gemm_efficiency", &g.gemm_efficiency));
   MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "attention_efficiency", &g.attention_efficiency));
-  MEMPLAN_RETURN_IF_ERROR(
-      NonNegative(r, "node_network_bytes_per_s", &g.node_network_bytes_per_s));
+  MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "node_network_bytes_per_s", &g.node_network_bytes_per_s));
   if (g.name.empty()) g.name = "custom";
   return g;
 }
@@ -422,7 +422,8 @@ Result<GpuSpec> GpuFromJson(const nlohmann::json& j, const std::string& source) 
 }  // namespace
 
 Result<Cluster> ClusterFromJson(const nlohmann::json& json, const std::string& source) {
-  if (!json.is_object()) return Status::InvalidArgument(source + ": a cluster must be a JSON object");
+  if (!json.is_object())
+    return Status::InvalidArgument(source + ": a cluster must be a JSON object");
   if (!json.contains("gpu")) return Status::InvalidArgument(source + ": missing 'gpu'");
   const JsonFieldReader r(json, source);
   // world_size and pcie_bytes_per_s are derived: ToJson writes them, and they are accepted and
@@ -512,7 +513,8 @@ GpuSpec MatchGpu(const std::string& name, uint64_t memory) {
     const std::string family = g.name.substr(0, g.name.find('-'));
     std::string token = family.rfind("rtx", 0) == 0 ? family.substr(3) : family;
     const bool name_match = n.find(token) != std::string::npos;
-    const uint64_t gap = memory > g.memory_bytes ? memory - g.memory_bytes : g.memory_bytes - memory;
+    const uint64_t gap =
+        memory > g.memory_bytes ? memory - g.memory_bytes : g.memory_bytes - memory;
     // A name match wins; among those (or among all when none matches) the closest memory.
     const uint64_t score = (name_match ? 0 : uint64_t{1} << 62) + gap;
     if (score < best_gap) {
@@ -579,7 +581,6 @@ Result<Cluster> DetectCluster(const std::string& nvme_path, std::string* gpu_not
   (void)kGiB;
   return c;
 }
-
 
 std::string FormatGiB(uint64_t bytes) {
   char text[64];

@@ -66,9 +66,9 @@ struct Cluster {
   // RLIMIT_MEMLOCK per process; 0 = unlimited or unknown (not checked).
   uint64_t memlock_bytes = 0;
 
-  std::string nvme_path;          // empty: no NVMe offload possible
-  uint64_t nvme_capacity_bytes = 0;      // free space for swap files per node; 0 = unknown
-  double nvme_read_bytes_per_s = 0;      // 0 = prior (see kNvmeReadPrior)
+  std::string nvme_path;             // empty: no NVMe offload possible
+  uint64_t nvme_capacity_bytes = 0;  // free space for swap files per node; 0 = unknown
+  double nvme_read_bytes_per_s = 0;  // 0 = prior (see kNvmeReadPrior)
   double nvme_write_bytes_per_s = 0;
   std::string nvme_bandwidth_source = "prior";  // "prior", "bench", "given"
   // aio block for DeepSpeed from a bench nvme result (block_size bytes, queue_depth); 0 = defaults.
@@ -76,7 +76,7 @@ struct Cluster {
   int64_t aio_queue_depth = 0;
   int64_t aio_intra_op_parallelism = 0;  // from a bench's aio block; 0: not measured
 
-  double cpu_adam_params_per_s = 0;  // per node; 0 = prior (see CpuAdamParamsPerS)
+  double cpu_adam_params_per_s = 0;       // per node; 0 = prior (see CpuAdamParamsPerS)
   std::string cpu_adam_source = "prior";  // "prior" or "bench"
 
   int64_t WorldSize() const { return nodes * gpus_per_node; }
@@ -120,7 +120,7 @@ struct NvmeBenchReading {
   std::optional<int64_t> aio_block_size;
   std::optional<int64_t> aio_queue_depth;
   std::optional<int64_t> aio_intra_op_parallelism;  // only when in 1..64
-  std::string path;  // "path", "" when absent
+  std::string path;                                 // "path", "" when absent
 };
 // Refuses (naming `source`) a document without a "best" object, a measured direction that is not
 // a positive number, and a "best" with neither direction.

@@ -16,9 +16,12 @@ using nlohmann::ordered_json;
 
 const char* DeviceName(OffloadDevice d) {
   switch (d) {
-    case OffloadDevice::kNone: return "none";
-    case OffloadDevice::kCpu: return "cpu";
-    case OffloadDevice::kNvme: return "nvme";
+    case OffloadDevice::kNone:
+      return "none";
+    case OffloadDevice::kCpu:
+      return "cpu";
+    case OffloadDevice::kNvme:
+      return "nvme";
   }
   return "none";
 }
@@ -80,11 +83,11 @@ std::string FsdpStrategy(const Plan& plan) {
 
 std::string DecoderLayerClass(const std::string& model_type) {
   static const std::map<std::string, std::string> kClasses = {
-      {"llama", "LlamaDecoderLayer"},   {"mistral", "MistralDecoderLayer"},
+      {"llama", "LlamaDecoderLayer"},     {"mistral", "MistralDecoderLayer"},
       {"mixtral", "MixtralDecoderLayer"}, {"qwen2", "Qwen2DecoderLayer"},
-      {"gemma", "GemmaDecoderLayer"},   {"gpt2", "GPT2Block"},
-      {"gpt_neox", "GPTNeoXLayer"},     {"bert", "BertLayer"},
-      {"roberta", "RobertaLayer"},      {"t5", "T5Block"}};
+      {"gemma", "GemmaDecoderLayer"},     {"gpt2", "GPT2Block"},
+      {"gpt_neox", "GPTNeoXLayer"},       {"bert", "BertLayer"},
+      {"roberta", "RobertaLayer"},        {"t5", "T5Block"}};
   auto it = kClasses.find(model_type);
   return it == kClasses.end() ? "" : it->second;
 }
@@ -133,18 +136,21 @@ Result<ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
                     {"hysteresis", 2},
                     {"min_loss_scale", 1}};
       break;
-    case Precision::kFp32: break;
+    case Precision::kFp32:
+      break;
   }
   // DeepSpeed's own optimizers (CPU Adam when offloaded); others come from the training script.
   if (s.optimizer == estimator::Optimizer::kAdamW || s.optimizer == estimator::Optimizer::kLion) {
     ordered_json params;
     params["lr"] = hf ? kAuto : ordered_json(options.learning_rate);
-    params["betas"] = hf ? kAuto : ordered_json::array({0.9, s.optimizer == estimator::Optimizer::kLion ? 0.99 : 0.999});
-    if (s.optimizer == estimator::Optimizer::kAdamW) params["eps"] = hf ? kAuto : ordered_json(1e-8);
+    params["betas"] =
+        hf ? kAuto
+           : ordered_json::array({0.9, s.optimizer == estimator::Optimizer::kLion ? 0.99 : 0.999});
+    if (s.optimizer == estimator::Optimizer::kAdamW)
+      params["eps"] = hf ? kAuto : ordered_json(1e-8);
     params["weight_decay"] = hf ? kAuto : ordered_json(options.weight_decay);
-    ds["optimizer"] = {
-        {"type", s.optimizer == estimator::Optimizer::kLion ? "Lion" : "AdamW"},
-        {"params", params}};
+    ds["optimizer"] = {{"type", s.optimizer == estimator::Optimizer::kLion ? "Lion" : "AdamW"},
+                       {"params", params}};
   } else {
     ds["zero_allow_untested_optimizer"] = true;
   }
@@ -202,12 +208,10 @@ Result<ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
   if (s.checkpointing != Checkpointing::kNone) {
     // Configures deepspeed.checkpointing; the model must also checkpoint (for Hugging Face models:
     // model.gradient_checkpointing_enable()).
-    ds["activation_checkpointing"] = {{"partition_activations", false},
-                                      {"cpu_checkpointing", false},
-                                      {"contiguous_memory_optimization", false},
-                                      {"number_checkpoints", nullptr},
-                                      {"synchronize_checkpoint_boundary", false},
-                                      {"profile", false}};
+    ds["activation_checkpointing"] = {
+        {"partition_activations", false},           {"cpu_checkpointing", false},
+        {"contiguous_memory_optimization", false},  {"number_checkpoints", nullptr},
+        {"synchronize_checkpoint_boundary", false}, {"profile", false}};
   }
   if (s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme) {
     ds["aio"] = {{"block_size", s.aio_block_size},
@@ -227,10 +231,11 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
   std::string mixed = s.precision == Precision::kFp16Mixed ? "fp16"
                       : s.precision == Precision::kFp32    ? "'no'"
                                                            : "bf16";
-  std::string y = "# accelerate launch --config_file <this file> train.py\n"
-                  "# Written by memplan plan: " +
-                  plan.family + ", micro-batch " + std::to_string(s.micro_batch) + " x " +
-                  std::to_string(s.grad_accum) + " accumulation.\n";
+  std::string y =
+      "# accelerate launch --config_file <this file> train.py\n"
+      "# Written by memplan plan: " +
+      plan.family + ", micro-batch " + std::to_string(s.micro_batch) + " x " +
+      std::to_string(s.grad_accum) + " accumulation.\n";
   y += "compute_environment: LOCAL_MACHINE\ndebug: false\n";
   if (options.accelerate_plugin == "fsdp") {
     if (s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme) {
@@ -241,9 +246,11 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
     const std::string strategy = FsdpStrategy(plan);
     const std::string layer = DecoderLayerClass(inventory);
     y += "distributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n";
-    y += layer.empty() ? "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 100000000\n"
-                       : "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
-                         "  fsdp_transformer_layer_cls_to_wrap: " + layer + "\n";
+    y += layer.empty()
+             ? "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 100000000\n"
+             : "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+               "  fsdp_transformer_layer_cls_to_wrap: " +
+                   layer + "\n";
     y += "  fsdp_backward_prefetch: BACKWARD_PRE\n";
     y += "  fsdp_cpu_ram_efficient_loading: true\n";
     y += "  fsdp_forward_prefetch: false\n";
@@ -389,8 +396,9 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
         "or NVMe; emit a DeepSpeed config instead, or choose an offload plan (--plan-index)");
   }
   if (s.optimizer != estimator::Optimizer::kAdamW && s.optimizer != estimator::Optimizer::kLion) {
-    return Status::InvalidArgument("--emit-schedule: the offload engine's CPU optimizers are "
-                                   "Adam/AdamW and Lion");
+    return Status::InvalidArgument(
+        "--emit-schedule: the offload engine's CPU optimizers are "
+        "Adam/AdamW and Lion");
   }
   auto engine_tier = [](OffloadDevice d) {
     return d == OffloadDevice::kNone  ? EngineTier::kGpu
@@ -486,7 +494,7 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
   schedule.param_buffer_count = e.param_buffer_count;
   schedule.optimizer_tier = tier(e.optimizer_tier);
   schedule.optimizer = s.optimizer == estimator::Optimizer::kLion ? offload::SwapOptimizer::kLion
-                                                                   : offload::SwapOptimizer::kAdam;
+                                                                  : offload::SwapOptimizer::kAdam;
   schedule.sub_group_elements = e.sub_group_elements;
   schedule.optimizer_buffer_count = e.optimizer_buffer_count;
   schedule.optimizer_threads = 0;  // the engine picks
@@ -500,7 +508,7 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
                                    " is larger than memplan's engine reads");
   }
   schedule.nvme_block_size = static_cast<uint32_t>(s.aio_block_size);
-  schedule.nvme_queue_depth = static_cast<uint32_t>(s.aio_queue_depth);       // 1..2^16
+  schedule.nvme_queue_depth = static_cast<uint32_t>(s.aio_queue_depth);          // 1..2^16
   schedule.nvme_io_threads = static_cast<uint32_t>(s.aio_intra_op_parallelism);  // 1..64
   schedule.nvme_direct = true;
   schedule.pinned_budget_bytes = e.pinned_budget_bytes;

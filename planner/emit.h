@@ -56,7 +56,7 @@ struct EmitOptions {
   bool for_hf_trainer = false;  // "auto" for the keys the Hugging Face Trainer fills
   double learning_rate = 1e-4;  // optimizer.params.lr (not for_hf_trainer)
   double weight_decay = 0.0;
-  std::string deepspeed_config_path;  // accelerate.yaml refers to it when not empty
+  std::string deepspeed_config_path;            // accelerate.yaml refers to it when not empty
   std::string accelerate_plugin = "deepspeed";  // "deepspeed" or "fsdp"
 };
 

@@ -395,8 +395,8 @@ nlohmann::ordered_json ToJson(const EnginePrediction& p) {
 }
 
 std::string FormatEnginePrediction(const EnginePrediction& p, const std::string& schedule) {
-  return "memplan's engine on " + schedule + " (predicted, per GPU process): " +
-         FormatByteSize(p.pinned_bytes) + " pinned, NVMe " +
+  return "memplan's engine on " + schedule +
+         " (predicted, per GPU process): " + FormatByteSize(p.pinned_bytes) + " pinned, NVMe " +
          FormatByteSize(p.nvme_read_bytes_per_step) + " read and " +
          FormatByteSize(p.nvme_write_bytes_per_step) + " written per step, at most " +
          FormatByteSize(p.peak_live_param_bytes) + " of fetched parameters on the GPU (" +

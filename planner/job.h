@@ -18,8 +18,8 @@
 namespace memplan::planner {
 
 struct Job {
-  std::string model;          // as the user named it (--model)
-  int64_t global_batch = 0;   // samples per optimizer step over all GPUs (train_batch_size)
+  std::string model;         // as the user named it (--model)
+  int64_t global_batch = 0;  // samples per optimizer step over all GPUs (train_batch_size)
   // The fixed settings: precision, optimizer, LoRA, flash_attention, seq_len (0: the model's
   // default), cuda_context_bytes. Stage, offload, checkpointing, micro_batch, grad_accum and the
   // GPU counts in it are ignored: the search sets them.

@@ -43,7 +43,7 @@ struct Limits {
 struct Misfit {
   std::string reason;  // empty: fits
   std::string tier;
-  double ratio = 0;    // needed / usable
+  double ratio = 0;          // needed / usable
   bool pinned_only = false;  // only pinned (or locked) memory is short
   bool ok() const { return reason.empty(); }
 };
@@ -87,8 +87,8 @@ Misfit CheckFit(const estimator::PeakMemory& peak, const Limits& limits, const C
   const uint64_t per_process = peak.pinned_bytes / static_cast<uint64_t>(c.gpus_per_node);
   if (UsesNvme(s) && c.memlock_bytes > 0 && per_process > c.memlock_bytes) {
     m.pinned_only = true;
-    m.reason = "needs " + GiB(per_process) + " GiB of locked memory per process, RLIMIT_MEMLOCK is " +
-               GiB(c.memlock_bytes);
+    m.reason = "needs " + GiB(per_process) +
+               " GiB of locked memory per process, RLIMIT_MEMLOCK is " + GiB(c.memlock_bytes);
     m.tier = "memlock";
     m.ratio = Ratio(per_process, c.memlock_bytes);
   }
@@ -137,7 +137,7 @@ int64_t NvmeBuffersNeeded(const estimator::ModelInventory& inventory, int64_t wi
     }
     held = std::max(held, in_window);
     in_module = hi > 0 && live[hi]->module == live[hi - 1]->module ? in_module + swapped(live[hi])
-                                                                  : swapped(live[hi]);
+                                                                   : swapped(live[hi]);
     module_most = std::max(module_most, in_module);
   }
   return held + module_most;
@@ -208,9 +208,12 @@ std::string ApplyBuffers(TrainingSetup* s, const BufferFacts& f, double partitio
 
 std::string CheckpointPhrase(Checkpointing c) {
   switch (c) {
-    case Checkpointing::kNone: return "no recomputation";
-    case Checkpointing::kSelective: return "selective recomputation";
-    case Checkpointing::kFull: return "full activation checkpointing";
+    case Checkpointing::kNone:
+      return "no recomputation";
+    case Checkpointing::kSelective:
+      return "selective recomputation";
+    case Checkpointing::kFull:
+      return "full activation checkpointing";
   }
   return "";
 }
@@ -243,9 +246,8 @@ std::string Explain(const Plan& plan, const std::vector<Plan>& plans, const Clus
                     " of " + GiB(plan.gpu_capacity_bytes) + " GiB usable per GPU) at micro-batch " +
                     std::to_string(plan.setup.micro_batch) + " x " +
                     std::to_string(plan.setup.grad_accum) + " accumulation with " +
-                    CheckpointPhrase(plan.setup.checkpointing) + "; the " +
-                    Fmt("%.2f", t.total_s) + " s step is " +
-                    Fmt("%.0f", 100 * t.compute_s / t.total_s) + "% compute";
+                    CheckpointPhrase(plan.setup.checkpointing) + "; the " + Fmt("%.2f", t.total_s) +
+                    " s step is " + Fmt("%.0f", 100 * t.compute_s / t.total_s) + "% compute";
   if (t.bound != "compute") why += ", bound by " + t.bound;
   why += ".";
   if (&plan == &best) {
@@ -271,8 +273,7 @@ std::string Explain(const Plan& plan, const std::vector<Plan>& plans, const Clus
                plan.sharding == Sharding::kFull) {
       why += ": lower stages do not fit or need more recomputation";
     } else if (Offloads(best.setup) && !plain_fits) {
-      why += ": nothing without offload fits " + std::to_string(c.WorldSize()) + " x " +
-             c.gpu.name;
+      why += ": nothing without offload fits " + std::to_string(c.WorldSize()) + " x " + c.gpu.name;
     }
     return why + ".";
   }
@@ -345,9 +346,8 @@ void Rank(std::vector<Plan>* plans, double tie_fraction, Optimizer job_optimizer
     });
     std::vector<Plan> tier(left.begin(), end);
     left.erase(left.begin(), end);
-    std::stable_sort(tier.begin(), tier.end(), [&](const Plan& a, const Plan& b) {
-      return Preferred(a, b, job_optimizer);
-    });
+    std::stable_sort(tier.begin(), tier.end(),
+                     [&](const Plan& a, const Plan& b) { return Preferred(a, b, job_optimizer); });
     for (Plan& p : tier) plans->push_back(std::move(p));
   }
 }
@@ -390,10 +390,9 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
   MEMPLAN_RETURN_IF_ERROR(options.Validate());
   MEMPLAN_RETURN_IF_ERROR(job.ValidateFor(inventory));
   if (PeakFlops(cluster.gpu, job.setup.precision) <= 0) {
-    return Status::InvalidArgument("--precision " +
-                                   std::string(estimator::PrecisionName(job.setup.precision)) +
-                                   ": " + cluster.gpu.name +
-                                   " has no bf16 support; use --precision fp16-mixed");
+    return Status::InvalidArgument(
+        "--precision " + std::string(estimator::PrecisionName(job.setup.precision)) + ": " +
+        cluster.gpu.name + " has no bf16 support; use --precision fp16-mixed");
   }
   const int64_t world = cluster.WorldSize();
   if (job.global_batch % world != 0) {
@@ -423,10 +422,10 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
   limits.gpu = static_cast<uint64_t>(static_cast<double>(cluster.gpu.memory_bytes) *
                                      (1 - options.gpu_safety_fraction));
   if (cluster.cpu_memory_bytes > 0) {
-    const double usable = static_cast<double>(cluster.cpu_memory_bytes) *
-                              options.cpu_usable_fraction -
-                          static_cast<double>(options.cpu_per_process_bytes) *
-                              static_cast<double>(cluster.gpus_per_node);
+    const double usable =
+        static_cast<double>(cluster.cpu_memory_bytes) * options.cpu_usable_fraction -
+        static_cast<double>(options.cpu_per_process_bytes) *
+            static_cast<double>(cluster.gpus_per_node);
     limits.cpu = static_cast<uint64_t>(std::max(usable, 1.0));
     limits.pinned = static_cast<uint64_t>(static_cast<double>(cluster.cpu_memory_bytes) *
                                           options.pinned_fraction);
@@ -443,15 +442,15 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
     facts.largest_tensor = std::max<int64_t>(facts.largest_tensor, static_cast<int64_t>(t.numel));
   }
   facts.trainable = static_cast<int64_t>(shape.trainable);
-  facts.nvme_reuse_window = RoundTo(std::ceil(static_cast<double>(
-                                        std::max<int64_t>(facts.largest_block, 1)) / 1e6) * 1e6,
-                                    1e6);
+  facts.nvme_reuse_window = RoundTo(
+      std::ceil(static_cast<double>(std::max<int64_t>(facts.largest_block, 1)) / 1e6) * 1e6, 1e6);
   facts.nvme_buffers = NvmeBuffersNeeded(inventory, facts.nvme_reuse_window,
                                          std::max<int64_t>(10 * facts.hidden, 10000));
   {
-    uint64_t budget = limits.pinned > 0 ? limits.pinned / static_cast<uint64_t>(cluster.gpus_per_node) : 0;
-    if (cluster.memlock_bytes > 0) budget = budget > 0 ? std::min(budget, cluster.memlock_bytes)
-                                                       : cluster.memlock_bytes;
+    uint64_t budget =
+        limits.pinned > 0 ? limits.pinned / static_cast<uint64_t>(cluster.gpus_per_node) : 0;
+    if (cluster.memlock_bytes > 0)
+      budget = budget > 0 ? std::min(budget, cluster.memlock_bytes) : cluster.memlock_bytes;
     facts.pinned_budget = budget;
   }
 
@@ -466,8 +465,8 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
   };
   std::vector<Family> families;
   const OffloadDevice devices[] = {OffloadDevice::kNone, OffloadDevice::kCpu, OffloadDevice::kNvme};
-  const bool try_8bit = options.consider_8bit && job.setup.optimizer == Optimizer::kAdamW &&
-                        job.setup.lora_rank == 0;
+  const bool try_8bit =
+      options.consider_8bit && job.setup.optimizer == Optimizer::kAdamW && job.setup.lora_rank == 0;
   for (int stage = 0; stage <= 3; ++stage) {
     if (options.only_stage >= 0 && stage != options.only_stage) continue;
     for (OffloadDevice opt : devices) {
@@ -536,8 +535,8 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
       continue;
     }
     // Hybrid sharding partitions over one node's GPUs: the memory of a one-node job.
-    const double partition_ranks = static_cast<double>(
-        family.sharding == Sharding::kHybrid ? cluster.gpus_per_node : world);
+    const double partition_ranks =
+        static_cast<double>(family.sharding == Sharding::kHybrid ? cluster.gpus_per_node : world);
     std::vector<Plan> fitting;
     Misfit tightest;  // the smallest configuration: micro-batch 1, full checkpointing
     for (Checkpointing ckpt : checkpointings) {
@@ -565,7 +564,8 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
             unpinned.pin_memory = false;
             TrainingSetup unpinned_memory = for_memory;
             unpinned_memory.pin_memory = false;
-            MEMPLAN_ASSIGN_OR_RETURN(e, estimator::EstimateMemory(inventory, unpinned_memory, counts));
+            MEMPLAN_ASSIGN_OR_RETURN(e,
+                                     estimator::EstimateMemory(inventory, unpinned_memory, counts));
             fit = CheckFit(e.peak, limits, cluster, unpinned);
             if (fit.ok()) tried = unpinned;
           }
@@ -590,13 +590,12 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         plan.peak = m->peak;
         plan.gpu_capacity_bytes = limits.gpu;
         plan.time = PredictStepTime(shape, cluster, plan.setup, job.global_batch,
-                                    plan.setup.pin_memory, family.sharding,
-                                    options.time_constants);
+                                    plan.setup.pin_memory, family.sharding, options.time_constants);
         if (!(std::isfinite(plan.time.total_s) && plan.time.total_s > 0)) {
           // Cluster::Validate's rate floors (Note [Rate floors]) make this unreachable; a
           // ranking of infinite steps would be meaningless, so it is a bug, not a plan.
-          return Status::Internal("the time model gave a step of " +
-                                  Fmt("%g", plan.time.total_s) + " s for " + name +
+          return Status::Internal("the time model gave a step of " + Fmt("%g", plan.time.total_s) +
+                                  " s for " + name +
                                   "; please report it with the cluster and model");
         }
         plan.tokens_per_s =
@@ -662,11 +661,12 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
           Cluster more = cluster;
           more.nodes = nodes;
           if (auto p = fits(s0, more)) {
-            suggest("nodes",
-                std::to_string(nodes) + " nodes of " + std::to_string(cluster.gpus_per_node) +
-                " x " + cluster.gpu.name + ": " + r.plan + " needs " + GiB(p->gpu_bytes) +
-                " GiB per GPU (--nodes " + std::to_string(nodes) + ", --global-batch a multiple of " +
-                std::to_string(nodes * cluster.gpus_per_node) + ")");
+            suggest("nodes", std::to_string(nodes) + " nodes of " +
+                                 std::to_string(cluster.gpus_per_node) + " x " + cluster.gpu.name +
+                                 ": " + r.plan + " needs " + GiB(p->gpu_bytes) +
+                                 " GiB per GPU (--nodes " + std::to_string(nodes) +
+                                 ", --global-batch a multiple of " +
+                                 std::to_string(nodes * cluster.gpus_per_node) + ")");
             break;
           }
         }
@@ -677,7 +677,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         eight.optimizer = Optimizer::kAdam8bit;
         if (auto p = fits(eight, cluster)) {
           suggest("8bit", "8-bit AdamW (--optimizer adam8bit): " + r.plan + " needs " +
-                                       GiB(p->gpu_bytes) + " GiB per GPU");
+                              GiB(p->gpu_bytes) + " GiB per GPU");
         }
       }
       if (cluster.nvme_path.empty() && s0.zero_stage == 3 && kinds.count("nvme") == 0) {
@@ -689,30 +689,30 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         if (nvme.Validate().ok()) {
           if (auto p = fits(nvme, with)) {
             suggest("nvme",
-                "an NVMe drive (--nvme-path, --nvme-capacity): ZeRO-3 with optimizer and "
-                "parameters on NVMe needs " + GiB(p->gpu_bytes) + " GiB per GPU and " +
-                GiB(p->nvme_bytes) + " GiB of NVMe per node");
+                    "an NVMe drive (--nvme-path, --nvme-capacity): ZeRO-3 with optimizer and "
+                    "parameters on NVMe needs " +
+                        GiB(p->gpu_bytes) + " GiB per GPU and " + GiB(p->nvme_bytes) +
+                        " GiB of NVMe per node");
           }
         }
       }
       if (r.tier == "cpu" && kinds.count("ram") == 0) {
         const double need = r.over_ratio * static_cast<double>(limits.cpu);
-        suggest("ram",
-            "more host RAM: " + r.plan + " needs " + GiB(static_cast<uint64_t>(need)) +
-            " GiB of CPU memory per node (" +
-            GiB(static_cast<uint64_t>((need + static_cast<double>(options.cpu_per_process_bytes) *
-                                                  static_cast<double>(cluster.gpus_per_node)) /
-                                      options.cpu_usable_fraction)) +
-            " GiB of RAM)");
+        suggest("ram", "more host RAM: " + r.plan + " needs " + GiB(static_cast<uint64_t>(need)) +
+                           " GiB of CPU memory per node (" +
+                           GiB(static_cast<uint64_t>(
+                               (need + static_cast<double>(options.cpu_per_process_bytes) *
+                                           static_cast<double>(cluster.gpus_per_node)) /
+                               options.cpu_usable_fraction)) +
+                           " GiB of RAM)");
       }
       if (s0.seq_len == 0 || s0.micro_batch == 1) {
         TrainingSetup shorter = s0;
         shorter.seq_len = std::max<int64_t>(result.seq_len / 2, 1);
         if (result.seq_len > 256 && kinds.count("seq") == 0) {
           if (auto p = fits(shorter, cluster)) {
-            suggest("seq", "a shorter sequence (--seq-len " +
-                                         std::to_string(shorter.seq_len) + "): " + r.plan +
-                                         " needs " + GiB(p->gpu_bytes) + " GiB per GPU");
+            suggest("seq", "a shorter sequence (--seq-len " + std::to_string(shorter.seq_len) +
+                               "): " + r.plan + " needs " + GiB(p->gpu_bytes) + " GiB per GPU");
           }
         }
       }
@@ -734,8 +734,9 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
     bool pinned = false;
     for (const Plan& p : result.plans) pinned = pinned || (p.setup.pin_memory && UsesNvme(p.setup));
     if (pinned) {
-      result.gaps.push_back("RLIMIT_MEMLOCK not checked (--memlock or --detect): NVMe offload "
-                            "locks its swap buffers");
+      result.gaps.push_back(
+          "RLIMIT_MEMLOCK not checked (--memlock or --detect): NVMe offload "
+          "locks its swap buffers");
     }
   }
 
@@ -751,24 +752,25 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
                : std::string("host RAM not checked")) +
           "; NVMe <= " + Fmt("%.0f", options.nvme_usable_fraction * 100) + "% of capacity.",
       "Compute (Note [Step-time model]): each Linear as an M x K x N GEMM (M = micro-batch x "
-      "sequence tokens) at " + Fmt("%.0f", cluster.gpu.gemm_efficiency * 100) + "% of " +
+      "sequence tokens) at " +
+          Fmt("%.0f", cluster.gpu.gemm_efficiency * 100) + "% of " +
           Fmt("%.0f", peak_flops / 1e12) + " TFLOPS plus its operands at " +
           Fmt("%.0f", k.hbm_efficiency * 100) + "% of " +
-          Fmt("%.0f", cluster.gpu.hbm_bytes_per_s / 1e9) +
-          " GB/s HBM; attention at " + Fmt("%.0f", cluster.gpu.attention_efficiency * 100) +
+          Fmt("%.0f", cluster.gpu.hbm_bytes_per_s / 1e9) + " GB/s HBM; attention at " +
+          Fmt("%.0f", cluster.gpu.attention_efficiency * 100) +
           "% of peak; elementwise kernels memory-bound; MFU counts 6N + 12Lsd per token "
           "(LoRA 4N + 6N_adapters), HFU adds recomputation.",
       "Collectives: NCCL ring at " + Fmt("%.0f", k.link_efficiency * 100) + "% of " +
           Fmt("%.0f", cluster.gpu.link_bytes_per_s / 1e9) + " GB/s per GPU link" +
-          (cluster.nodes > 1 ? "; across nodes " + Fmt("%.0f", k.network_efficiency * 100) +
-                                   "% of " + Fmt("%.0f", cluster.InterNodeBytesPerS() / 1e9) +
-                                   " GB/s per node" +
-                                   (cluster.inter_node_bytes_per_s > 0
-                                        ? std::string()
-                                        : " (the " + cluster.gpu.name +
-                                              " reference server's network; --inter-node-bw for "
-                                              "yours)")
-                             : std::string()) +
+          (cluster.nodes > 1
+               ? "; across nodes " + Fmt("%.0f", k.network_efficiency * 100) + "% of " +
+                     Fmt("%.0f", cluster.InterNodeBytesPerS() / 1e9) + " GB/s per node" +
+                     (cluster.inter_node_bytes_per_s > 0
+                          ? std::string()
+                          : " (the " + cluster.gpu.name +
+                                " reference server's network; --inter-node-bw for "
+                                "yours)")
+               : std::string()) +
           "; ZeRO-3 gathers the 16-bit parameters twice and reduce-scatters the gradients every "
           "micro-batch.",
       "PCIe Gen" + std::to_string(cluster.PcieGen()) + ": " +
@@ -780,22 +782,24 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
           Fmt("%.1f", cluster.NvmeWriteBytesPerS() / 1e9) + " GB/s read / write (" +
           cluster.nvme_bandwidth_source + ").",
       "Overlap: gathers and parameter fetches hide behind forward, gradient reduction and copies "
-      "behind backward (" + Fmt("%.0f", k.overlap_interference * 100) +
+      "behind backward (" +
+          Fmt("%.0f", k.overlap_interference * 100) +
           "% of the overlapped time still slows compute); the optimizer step, the post-step "
-          "all-gather and parameter upload are serial; " + Fmt("%.0f", k.step_fixed_s * 1000) +
-          " ms fixed per step.",
+          "all-gather and parameter upload are serial; " +
+          Fmt("%.0f", k.step_fixed_s * 1000) + " ms fixed per step.",
       "Ranking: plans within " + Fmt("%.0f", options.tie_fraction * 100) +
           "% of each other tie; ties go to the job's own optimizer, less offload, then more GPU "
           "headroom.",
   };
   if (!options.calibration_note.empty()) {
-    result.assumptions.push_back("Step-time constants calibrated from measured runs: " +
-                                 options.calibration_note + ".");
+    result.assumptions.push_back(
+        "Step-time constants calibrated from measured runs: " + options.calibration_note + ".");
   }
   if (options.tune_buffers) {
     result.assumptions.push_back(
         "DeepSpeed buffers tuned from the model (Note [Tuned buffers]): buckets, prefetch and "
-        "live-parameter limits from h = " + std::to_string(arch.hidden) +
+        "live-parameter limits from h = " +
+        std::to_string(arch.hidden) +
         " and the largest layer, sub-groups and NVMe buffers from the pinned budget; a tighter set "
         "is tried when the first does not fit.");
   }
@@ -808,13 +812,15 @@ std::vector<std::string> TrainerSettings(const Plan& plan,
   const TrainingSetup& s = plan.setup;
   std::vector<std::string> out;
   if (s.checkpointing == Checkpointing::kFull) {
-    out.push_back("turn on gradient checkpointing in the model: "
-                  "model.gradient_checkpointing_enable() (Hugging Face) or "
-                  "TrainingArguments(gradient_checkpointing=True); DeepSpeed's "
-                  "activation_checkpointing block only configures deepspeed.checkpointing");
+    out.push_back(
+        "turn on gradient checkpointing in the model: "
+        "model.gradient_checkpointing_enable() (Hugging Face) or "
+        "TrainingArguments(gradient_checkpointing=True); DeepSpeed's "
+        "activation_checkpointing block only configures deepspeed.checkpointing");
   } else if (s.checkpointing == Checkpointing::kSelective) {
-    out.push_back("recompute the attention core only (Megatron's --recompute-granularity "
-                  "selective, or torch.utils.checkpoint around the attention of each layer)");
+    out.push_back(
+        "recompute the attention core only (Megatron's --recompute-granularity "
+        "selective, or torch.utils.checkpoint around the attention of each layer)");
   } else {
     out.push_back("leave gradient checkpointing off (the plan keeps every activation)");
   }
@@ -823,19 +829,18 @@ std::vector<std::string> TrainerSettings(const Plan& plan,
                       "\"flash_attention_2\") when loading the model"
                     : "eager attention was assumed (--no-flash-attention): "
                       "attn_implementation=\"eager\"");
-  const std::string precision =
-      s.precision == Precision::kFp16Mixed ? "fp16=True"
-      : s.precision == Precision::kFp32    ? "neither bf16 nor fp16"
-                                           : "bf16=True";
+  const std::string precision = s.precision == Precision::kFp16Mixed ? "fp16=True"
+                                : s.precision == Precision::kFp32    ? "neither bf16 nor fp16"
+                                                                     : "bf16=True";
   out.push_back(std::string(for_hf_trainer ? "Hugging Face Trainer (the DeepSpeed file says "
                                              "\"auto\"): "
                                            : "Hugging Face Trainer: ") +
                 "per_device_train_batch_size=" + std::to_string(s.micro_batch) +
-                ", gradient_accumulation_steps=" + std::to_string(s.grad_accum) + ", " +
-                precision);
+                ", gradient_accumulation_steps=" + std::to_string(s.grad_accum) + ", " + precision);
   if (s.optimizer == Optimizer::kAdam8bit) {
-    out.push_back("use bitsandbytes' 8-bit AdamW: TrainingArguments(optim=\"adamw_bnb_8bit\") or "
-                  "bnb.optim.AdamW8bit");
+    out.push_back(
+        "use bitsandbytes' 8-bit AdamW: TrainingArguments(optim=\"adamw_bnb_8bit\") or "
+        "bnb.optim.AdamW8bit");
   }
   if (s.lora_rank > 0) {
     out.push_back("wrap the model with PEFT LoRA r=" + std::to_string(s.lora_rank) +
@@ -964,8 +969,7 @@ std::string FormatPlanText(const PlanResult& r, const Cluster& c, const Job& job
   // The model, GPU and path names come from the user's files and flags: escaped.
   out += "Plans for " + Printable(job.model) + " on " + std::to_string(c.nodes) + " node(s) x " +
          std::to_string(c.gpus_per_node) + " " + Printable(c.gpu.name) + " (" +
-         GiB(c.gpu.memory_bytes) +
-         " GiB)";
+         GiB(c.gpu.memory_bytes) + " GiB)";
   out += c.cpu_memory_bytes > 0 ? ", " + GiB(c.cpu_memory_bytes) + " GiB RAM per node"
                                 : std::string(", host RAM not checked");
   if (!c.nvme_path.empty()) out += ", NVMe at " + Printable(c.nvme_path);
@@ -987,9 +991,8 @@ std::string FormatPlanText(const PlanResult& r, const Cluster& c, const Job& job
                     p.family.c_str(), std::string(CheckpointingName(p.setup.checkpointing)).c_str(),
                     static_cast<long long>(p.setup.micro_batch),
                     static_cast<long long>(p.setup.grad_accum), GiB(p.peak.gpu_bytes).c_str(),
-                    GiB(p.peak.cpu_bytes).c_str(), GiB(p.peak.nvme_bytes).c_str(),
-                    p.time.total_s, p.tokens_per_s / static_cast<double>(c.WorldSize()),
-                    p.mfu * 100);
+                    GiB(p.peak.cpu_bytes).c_str(), GiB(p.peak.nvme_bytes).c_str(), p.time.total_s,
+                    p.tokens_per_s / static_cast<double>(c.WorldSize()), p.mfu * 100);
       out += line;
     }
     out += "\n";
@@ -999,8 +1002,7 @@ std::string FormatPlanText(const PlanResult& r, const Cluster& c, const Job& job
                     "%zu. step %.2f s = compute %.2f + comm %.2f + offload %.2f + optimizer %.2f "
                     "(MFU %.0f%%, HFU %.0f%%)\n   ",
                     i + 1, p.time.total_s, p.time.compute_s, p.time.exposed_comm_s,
-                    p.time.exposed_offload_s, p.time.exposed_optimizer_s, p.mfu * 100,
-                    p.hfu * 100);
+                    p.time.exposed_offload_s, p.time.exposed_optimizer_s, p.mfu * 100, p.hfu * 100);
       out += line + p.why + "\n";
     }
   }

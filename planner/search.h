@@ -35,8 +35,8 @@
 //     layer's compute), tight 0.9 h^2 (Hugging Face "auto"); stage3_param_persistence_threshold
 //     10 h (norms and biases stay whole); stage3_max_live_parameters: three layers, at least 1e8;
 //   sub_group_size: 1e9 (DeepSpeed's default) when the fp32 conversion of a sub-group fits, tight
-//     1e8; with NVMe optimizer offload, the largest that keeps buffer_count pinned sub-groups within
-//     the pinned budget per process (memlock, half the RAM);
+//     1e8; with NVMe optimizer offload, the largest that keeps buffer_count pinned sub-groups
+//     within the pinned budget per process (memlock, half the RAM);
 //   parameters on NVMe: every gathered parameter holds a swap buffer until it is released, and
 //     DeepSpeed keeps gathered the parameters reused within stage3_max_reuse_distance, so the
 //     DeepSpeed file sets that distance and stage3_max_live_parameters to one layer, and
@@ -68,23 +68,23 @@ namespace memplan::planner {
 
 // See Note [Feasibility].
 struct SearchOptions {
-  double gpu_safety_fraction = 0.05;       // of GPU memory kept free
-  double cpu_usable_fraction = 0.85;       // of RAM usable for training state
+  double gpu_safety_fraction = 0.05;                   // of GPU memory kept free
+  double cpu_usable_fraction = 0.85;                   // of RAM usable for training state
   uint64_t cpu_per_process_bytes = uint64_t{2} << 30;  // host memory of each GPU process
-  double pinned_fraction = 0.5;            // of RAM that may be pinned
-  double nvme_usable_fraction = 0.9;       // of the NVMe capacity
-  bool allow_nvme = true;                  // false: no NVMe offload even with a path
+  double pinned_fraction = 0.5;                        // of RAM that may be pinned
+  double nvme_usable_fraction = 0.9;                   // of the NVMe capacity
+  bool allow_nvme = true;                              // false: no NVMe offload even with a path
   // Restrict the grid ("what if": a given configuration scored like any plan). Stage -1 = all.
   int only_stage = -1;
   std::optional<estimator::OffloadDevice> only_offload_optimizer;
   std::optional<estimator::OffloadDevice> only_offload_param;
   std::optional<estimator::Checkpointing> only_checkpointing;
-  int64_t only_micro_batch = 0;  // 0 = all divisors of the per-GPU batch
+  int64_t only_micro_batch = 0;           // 0 = all divisors of the per-GPU batch
   std::optional<Sharding> only_sharding;  // ZeRO-3 on several nodes: full or hybrid
   // Candidates beyond the job's own optimizer: 8-bit AdamW (bitsandbytes) for an AdamW job, on the
   // GPU, where it is faster. Off when the user chose the optimizer.
   bool consider_8bit = false;
-  bool tune_buffers = true;  // Note [Tuned buffers]; false: DeepSpeed's defaults
+  bool tune_buffers = true;    // Note [Tuned buffers]; false: DeepSpeed's defaults
   double tie_fraction = 0.03;  // Note [Ranking]
   // The step-time model's constants: the defaults, or fitted to measured runs (`memplan
   // calibrate`, planner/calibrate.h; the GPU's own efficiencies are in Cluster::gpu).
@@ -101,12 +101,12 @@ struct Plan {
   estimator::PeakMemory peak;
   uint64_t gpu_capacity_bytes = 0;  // usable, after the safety margin
   StepTime time;
-  double tokens_per_s = 0;      // all GPUs
-  double mfu = 0;  // model FLOPs x tokens/s / (peak FLOPs x GPUs) (LoRA: LoRA's FLOPs)
-  double hfu = 0;  // the same with the recomputed FLOPs
-  std::string family;  // "ZeRO-2", "ZeRO-3 + optimizer on CPU", ...
-  std::string buffers;  // "tuned" or "tight" (Note [Tuned buffers]), "defaults"
-  std::string why;     // one or two sentences for people
+  double tokens_per_s = 0;  // all GPUs
+  double mfu = 0;           // model FLOPs x tokens/s / (peak FLOPs x GPUs) (LoRA: LoRA's FLOPs)
+  double hfu = 0;           // the same with the recomputed FLOPs
+  std::string family;       // "ZeRO-2", "ZeRO-3 + optimizer on CPU", ...
+  std::string buffers;      // "tuned" or "tight" (Note [Tuned buffers]), "defaults"
+  std::string why;          // one or two sentences for people
   // GPU headroom: usable minus peak, per GPU.
   uint64_t HeadroomBytes() const {
     return gpu_capacity_bytes > peak.gpu_bytes ? gpu_capacity_bytes - peak.gpu_bytes : 0;
@@ -167,7 +167,8 @@ std::string FamilyName(int stage, estimator::OffloadDevice optimizer,
 // What the training script must do besides loading the emitted configs, for `plan`: turn on
 // gradient checkpointing in the model, the attention implementation, the Hugging Face Trainer's
 // settings when --for-hf-trainer leaves them "auto". One sentence each.
-std::vector<std::string> TrainerSettings(const Plan& plan, const estimator::ModelInventory& inventory,
+std::vector<std::string> TrainerSettings(const Plan& plan,
+                                         const estimator::ModelInventory& inventory,
                                          bool for_hf_trainer);
 nlohmann::json TrainerSettingsJson(const Plan& plan, const estimator::ModelInventory& inventory);
 

@@ -78,7 +78,8 @@ TEST_CASE("cluster: presets and bench inputs") {
   // 0, a measured one must be positive, and the aio block is a hint.
   Result<NvmeBenchReading> reading = NvmeBenchFromJson(
       {{"best", {{"read_bytes_per_s", nullptr}, {"write_bytes_per_s", 2e9}}},
-       {"aio", {{"aio", {{"queue_depth", 8}, {"intra_op_parallelism", 99}, {"block_size", "1M"}}}}}},
+       {"aio",
+        {{"aio", {{"queue_depth", 8}, {"intra_op_parallelism", 99}, {"block_size", "1M"}}}}}},
       "n.json");
   REQUIRE_OK(reading);
   CHECK(reading->read_bytes_per_s == 0);
@@ -92,11 +93,11 @@ TEST_CASE("cluster: presets and bench inputs") {
   CHECK(c.CpuAdamParamsPerS() == 1.2e9);
 
   // JSON round trip keeps what the planner uses.
-  auto back = ClusterFromJson(ToJson(c)["gpu"].is_object() ? nlohmann::json{{"gpu", "a100-80"},
-                                                                          {"gpus_per_node", 8},
-                                                                          {"cpu_memory_bytes", "1TiB"}}
-                                                         : nlohmann::json(),
-                              "cluster.json");
+  auto back = ClusterFromJson(
+      ToJson(c)["gpu"].is_object()
+          ? nlohmann::json{{"gpu", "a100-80"}, {"gpus_per_node", 8}, {"cpu_memory_bytes", "1TiB"}}
+          : nlohmann::json(),
+      "cluster.json");
   REQUIRE_OK(back);
   CHECK(back->WorldSize() == 8);
   CHECK(back->cpu_memory_bytes == uint64_t{1} << 40);
@@ -199,12 +200,12 @@ TEST_CASE("search: llama-2-70b over the whole grid within the latency budget") {
   c.nvme_capacity_bytes = uint64_t{4} << 40;
   const auto start = std::chrono::steady_clock::now();
   auto r = SearchPlans(llama, c, MakeJob("llama-2-70b", 64, 2048));
-  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() -
-                                                              start)
-                        .count();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   REQUIRE_OK(r);
-  std::printf("SearchPlans llama-2-70b, 8 x a100-80, %lld of %lld configurations evaluated: %.1f ms\n",
-              static_cast<long long>(r->configurations), static_cast<long long>(r->grid_size), ms);
+  std::printf(
+      "SearchPlans llama-2-70b, 8 x a100-80, %lld of %lld configurations evaluated: %.1f ms\n",
+      static_cast<long long>(r->configurations), static_cast<long long>(r->grid_size), ms);
   // 14 families x 3 checkpointing modes x micro-batches {1, 2, 4, 8}; larger micro-batches of a
   // family are skipped once a smaller one does not fit.
   CHECK(r->grid_size == 14 * 3 * 4);
@@ -274,8 +275,7 @@ TEST_CASE("emit: Accelerate, FSDP and Schedule") {
   options.accelerate_plugin = "fsdp";
   yaml = AccelerateConfig(best, c, llama, options);
   REQUIRE_OK(yaml);
-  CHECK(yaml->find("fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n") !=
-        std::string::npos);
+  CHECK(yaml->find("fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n") != std::string::npos);
   auto fsdp = FsdpConfig(best, c, llama);
   REQUIRE_OK(fsdp);
   CHECK((*fsdp)["sharding_strategy"] ==
@@ -403,24 +403,24 @@ TEST_CASE("check: out-of-memory and memlock findings name the keys that cause th
   // NVMe swap buffers beyond RLIMIT_MEMLOCK: the buffer keys are named.
   options.cluster->gpu = *FindGpuPreset("a100-80");
   options.cluster->memlock_bytes = uint64_t{1} << 30;
-  nlohmann::json nvme = {
-      {"train_batch_size", 8},
-      {"train_micro_batch_size_per_gpu", 1},
-      {"bf16", {{"enabled", true}}},
-      {"zero_optimization",
-       {{"stage", 3},
-        {"stage3_max_reuse_distance", 0},
-        {"offload_param",
-         {{"device", "nvme"}, {"nvme_path", "/nvme"}, {"buffer_count", 5},
-          {"buffer_size", 200000000}}}}}};
+  nlohmann::json nvme = {{"train_batch_size", 8},
+                         {"train_micro_batch_size_per_gpu", 1},
+                         {"bf16", {{"enabled", true}}},
+                         {"zero_optimization",
+                          {{"stage", 3},
+                           {"stage3_max_reuse_distance", 0},
+                           {"offload_param",
+                            {{"device", "nvme"},
+                             {"nvme_path", "/nvme"},
+                             {"buffer_count", 5},
+                             {"buffer_size", 200000000}}}}}};
   report = CheckDeepSpeedConfig(nvme, options);
   REQUIRE_OK(report);
   REQUIRE(report->problems.size() == 1);
   CHECK(report->problems[0].path == "aio");
   CHECK(report->problems[0].message.find("nvme_param_swap_buffers") != std::string::npos);
   CHECK(std::find(report->problems[0].keys.begin(), report->problems[0].keys.end(),
-                  "zero_optimization.offload_param.buffer_size") !=
-        report->problems[0].keys.end());
+                  "zero_optimization.offload_param.buffer_size") != report->problems[0].keys.end());
   // Without the model: buffer_count x buffer_size x 2 bytes = 2.0 GiB against the same 1 GiB.
   options.model = nullptr;
   report = CheckDeepSpeedConfig(nvme, options);

@@ -22,7 +22,8 @@ std::string LastComponent(const std::string& path) {
 }
 
 bool EndsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 // Time of one M x K x N GEMM: the roofline of Note [Step-time model], the larger of its compute at
@@ -53,11 +54,21 @@ double GpuOptimizerBytesPerParam(const TrainingSetup& s) {
   const double master = s.precision == Precision::kBf16Pure ? 2 : 4;
   double state = 0;
   switch (s.optimizer) {
-    case Optimizer::kAdamW: state = s.precision == Precision::kBf16Pure ? 4 : 8; break;
-    case Optimizer::kAdam8bit: state = 2; break;
-    case Optimizer::kSgd: state = s.sgd_momentum > 0 ? master : 0; break;
-    case Optimizer::kLion: state = master; break;
-    case Optimizer::kAdafactor: state = master; break;
+    case Optimizer::kAdamW:
+      state = s.precision == Precision::kBf16Pure ? 4 : 8;
+      break;
+    case Optimizer::kAdam8bit:
+      state = 2;
+      break;
+    case Optimizer::kSgd:
+      state = s.sgd_momentum > 0 ? master : 0;
+      break;
+    case Optimizer::kLion:
+      state = master;
+      break;
+    case Optimizer::kAdafactor:
+      state = master;
+      break;
   }
   double bytes = 2 * master + 2 * state + (mixed ? 4 : master);
   if (mixed) bytes += 2 + 4 + 2;  // 16-bit gradient -> fp32 copy, updated 16-bit weights written
@@ -163,10 +174,13 @@ std::vector<std::string> DescribeTimeConstants(const TimeConstants& k) {
 
 double PeakFlops(const GpuSpec& gpu, Precision precision) {
   switch (precision) {
-    case Precision::kFp32: return gpu.fp32_flops > 0 ? gpu.fp32_flops : gpu.fp16_flops / 8;
-    case Precision::kFp16Mixed: return gpu.fp16_flops;
+    case Precision::kFp32:
+      return gpu.fp32_flops > 0 ? gpu.fp32_flops : gpu.fp16_flops / 8;
+    case Precision::kFp16Mixed:
+      return gpu.fp16_flops;
     case Precision::kBf16Mixed:
-    case Precision::kBf16Pure: return gpu.bf16_flops;
+    case Precision::kBf16Pure:
+      return gpu.bf16_flops;
   }
   return gpu.fp16_flops;
 }
@@ -199,7 +213,8 @@ Result<ModelShape> ModelShapeFor(const estimator::ModelInventory& inventory,
   const bool lora = setup.lora_rank > 0;
   const double r = static_cast<double>(setup.lora_rank);
   const double experts = static_cast<double>(std::max<int64_t>(arch.experts, 1));
-  const double top_k = arch.experts > 0 ? static_cast<double>(std::max<int64_t>(arch.experts_per_token, 1)) : 1;
+  const double top_k =
+      arch.experts > 0 ? static_cast<double>(std::max<int64_t>(arch.experts_per_token, 1)) : 1;
   bool has_head = false;
   double adapters = 0;
   for (const estimator::TensorInfo& t : inventory.tensors) {
@@ -208,8 +223,8 @@ Result<ModelShape> ModelShapeFor(const estimator::ModelInventory& inventory,
       // A tied LM head runs a GEMM with the embedding matrix.
       if (LastComponent(t.module) == "lm_head" || t.name.find("lm_head") != std::string::npos) {
         has_head = true;
-        m.head_gemms.push_back({static_cast<double>(arch.hidden), static_cast<double>(arch.vocab),
-                                1, lora, false, 1});
+        m.head_gemms.push_back(
+            {static_cast<double>(arch.hidden), static_cast<double>(arch.vocab), 1, lora, false, 1});
       }
       continue;
     }
@@ -265,8 +280,8 @@ Result<ModelShape> ModelShapeFor(const estimator::ModelInventory& inventory,
   // A causal LM whose head is tied and not listed uses the embedding matrix as its head.
   if (!has_head && (inventory.model_class == "causal_lm" || inventory.model_class == "masked_lm" ||
                     inventory.model_class == "seq2seq_lm")) {
-    m.head_gemms.push_back({static_cast<double>(arch.hidden), static_cast<double>(arch.vocab), 1,
-                            lora, false, 1});
+    m.head_gemms.push_back(
+        {static_cast<double>(arch.hidden), static_cast<double>(arch.vocab), 1, lora, false, 1});
   }
   m.trainable = lora ? adapters : m.params;
 
@@ -285,8 +300,10 @@ Result<ModelShape> ModelShapeFor(const estimator::ModelInventory& inventory,
   probe.lora_targets.clear();
   probe.qlora = probe.double_quant = false;
   probe.autocast = false;
-  if (probe.optimizer == Optimizer::kAdam8bit && probe.lora_rank > 0) probe.optimizer = Optimizer::kAdamW;
-  MEMPLAN_ASSIGN_OR_RETURN(estimator::MemoryEstimate e, estimator::EstimateMemory(inventory, probe));
+  if (probe.optimizer == Optimizer::kAdam8bit && probe.lora_rank > 0)
+    probe.optimizer = Optimizer::kAdamW;
+  MEMPLAN_ASSIGN_OR_RETURN(estimator::MemoryEstimate e,
+                           estimator::EstimateMemory(inventory, probe));
   m.activation_bytes_per_token_layer =
       static_cast<double>(e.activation_bytes_per_layer) / std::max(m.seq_len, 1.0);
   return m;
@@ -318,8 +335,9 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   for (const Gemm& x : m.layer_gemms) {
     // All layers' Linears, averaged over the layers.
     const double rows = tokens * x.token_fraction;
-    const double one = x.count / layers * GemmSeconds(rows, x.k, x.n, w, gemm_rate, hbm, k.gemm_k_overhead,
-                                                      k.gemm_tokens_half);
+    const double one =
+        x.count / layers *
+        GemmSeconds(rows, x.k, x.n, w, gemm_rate, hbm, k.gemm_k_overhead, k.gemm_tokens_half);
     layer_fwd_gemm += one;
     layer_bwd_gemm += (x.frozen ? 1 : 2) * one;
     layer_model_flops += x.count / layers * (x.frozen ? 4 : 6) * rows * x.k * x.n;
@@ -353,7 +371,7 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   double head_fwd = 0, head_bwd = 0, head_model_flops = 0;
   for (const Gemm& x : m.head_gemms) {
     const double one = x.count * GemmSeconds(tokens * x.token_fraction, x.k, x.n, w, gemm_rate, hbm,
-                                         k.gemm_k_overhead, k.gemm_tokens_half);
+                                             k.gemm_k_overhead, k.gemm_tokens_half);
     head_fwd += one;
     head_bwd += (x.frozen ? 1 : 2) * one;
     head_model_flops += x.count * (x.frozen ? 4 : 6) * tokens * x.token_fraction * x.k * x.n;
@@ -366,8 +384,8 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
                    head_fwd + head_bwd);
   t.attention_s = ga * layers *
                   (attn_fwd + attn_bwd + ((full_ckpt || selective) ? attn_fwd : 0) + eager_scores);
-  t.elementwise_s = ga * (layers * (elem + (full_ckpt ? elem_fwd : 0) +
-                                    dequant * (full_ckpt ? 3 : 2)) + logits);
+  t.elementwise_s =
+      ga * (layers * (elem + (full_ckpt ? elem_fwd : 0) + dequant * (full_ckpt ? 3 : 2)) + logits);
   // FLOPs per GPU per step.
   const double attn_model = 12 * m.seq_len * m.attention_width * layers;  // per token, non-causal
   t.model_flops = ga * (layers * layer_model_flops + head_model_flops + tokens * attn_model);
@@ -427,9 +445,10 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   }
 
   // --- Host transfers ------------------------------------------------------------------------
-  const double pcie_share = std::max(1.0, std::min(g, static_cast<double>(c.gpu.gpus_per_pcie_switch)));
-  const double pcie = c.PcieLineBytesPerS() * k.pcie_efficiency / pcie_share *
-                      (pinned ? 1.0 : k.unpinned_factor);
+  const double pcie_share =
+      std::max(1.0, std::min(g, static_cast<double>(c.gpu.gpus_per_pcie_switch)));
+  const double pcie =
+      c.PcieLineBytesPerS() * k.pcie_efficiency / pcie_share * (pinned ? 1.0 : k.unpinned_factor);
   const double zero3_share = sharding == Sharding::kHybrid && zero3 && nodes > 1 ? g : d;
   const double partition = m.trainable / (s.zero_stage >= 1 ? (zero3 ? zero3_share : d) : 1);
   const double param_partition = m.params / (zero3 ? zero3_share : 1);
@@ -437,8 +456,8 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   const bool opt_off = s.offload_optimizer != OffloadDevice::kNone;
   const bool param_off = s.offload_param != OffloadDevice::kNone;
   if (opt_off) {
-    pcie_bwd += 4 * partition / pcie;        // fp32 gradients down, every micro-batch
-    pcie_serial += 2 * partition / pcie;     // 16-bit parameters up after the step
+    pcie_bwd += 4 * partition / pcie;     // fp32 gradients down, every micro-batch
+    pcie_serial += 2 * partition / pcie;  // 16-bit parameters up after the step
   }
   if (param_off) {
     pcie_fwd_param = w * param_partition / pcie;
@@ -448,7 +467,8 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   t.pcie_s = ga * (pcie_bwd + pcie_fwd_param + pcie_bwd_param) + pcie_serial;
 
   // --- NVMe ----------------------------------------------------------------------------------
-  const double per_node_trainable = m.trainable / (zero3 && sharding == Sharding::kHybrid ? 1 : nodes);
+  const double per_node_trainable =
+      m.trainable / (zero3 && sharding == Sharding::kHybrid ? 1 : nodes);
   double nvme_fwd = 0, nvme_bwd = 0, nvme_serial_write = 0, nvme_optimizer_s = 0;
   if (s.offload_optimizer == OffloadDevice::kNvme) {
     const bool mixed = s.precision == Precision::kFp16Mixed || s.precision == Precision::kBf16Mixed;
@@ -495,18 +515,20 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   const double fwd_pipe = std::max(fwd_stream_comm, fwd_stream_host);
   const double bwd_pipe_comm = bwd_stream_comm;
   exposed_comm += ga * exposed(fwd_stream_comm, fwd_window);
-  exposed_host += ga * std::max(0.0, exposed(fwd_pipe, fwd_window) - exposed(fwd_stream_comm, fwd_window));
+  exposed_host +=
+      ga * std::max(0.0, exposed(fwd_pipe, fwd_window) - exposed(fwd_stream_comm, fwd_window));
   exposed_comm += ga * exposed(bwd_pipe_comm, bwd_window);
-  exposed_host += ga * std::max(0.0, exposed(bwd_stream_host, bwd_window) -
-                                         exposed(bwd_pipe_comm, bwd_window));
+  exposed_host +=
+      ga * std::max(0.0, exposed(bwd_stream_host, bwd_window) - exposed(bwd_pipe_comm, bwd_window));
   // Imperfect overlap (offload_overlap < 1): that fraction of the host streams hidden behind
   // each window is exposed after all.
   exposed_host += (1 - k.offload_overlap) * ga *
                   (std::min(fwd_stream_host, fwd_window) + std::min(bwd_stream_host, bwd_window));
   // Only the last micro-batch reduces (ZeRO-0/1).
   exposed_comm += exposed(comm_bwd_last, bwd_window);
-  interference += ga * (std::min(fwd_stream_comm, fwd_window) + std::min(bwd_stream_comm, bwd_window)) +
-                  std::min(comm_bwd_last, bwd_window);
+  interference +=
+      ga * (std::min(fwd_stream_comm, fwd_window) + std::min(bwd_stream_comm, bwd_window)) +
+      std::min(comm_bwd_last, bwd_window);
   interference *= k.overlap_interference;
   // Pipeline fill and drain: the first fetch and the last reduction.
   exposed_comm += comm_tail;
@@ -525,12 +547,12 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
     const char* name;
     double seconds;
   };
-  const Part parts[] = {{"compute", t.compute_s},
-                        {"communication", t.exposed_comm_s},
-                        {t.nvme_s > t.pcie_s ? "NVMe" : "PCIe", t.exposed_offload_s},
-                        {opt_off ? (nvme_optimizer_s > t.optimizer_s ? "NVMe" : "CPU optimizer")
-                                 : "optimizer",
-                         t.exposed_optimizer_s}};
+  const Part parts[] = {
+      {"compute", t.compute_s},
+      {"communication", t.exposed_comm_s},
+      {t.nvme_s > t.pcie_s ? "NVMe" : "PCIe", t.exposed_offload_s},
+      {opt_off ? (nvme_optimizer_s > t.optimizer_s ? "NVMe" : "CPU optimizer") : "optimizer",
+       t.exposed_optimizer_s}};
   const Part* top = &parts[0];
   for (const Part& p : parts) {
     if (p.seconds > top->seconds) top = &p;

@@ -10,12 +10,12 @@
 //   GEMMs: every Linear of the layer (from the model inventory; MoE experts at top_k/E of the
 //     tokens; LoRA: frozen base weights skip the weight-gradient GEMM) as an M x K x N product with
 //     M = b s tokens, timed by the roofline: the larger of 2MKN / (peak x gemm_efficiency) and the
-//     bytes of its three operands / (HBM x hbm_efficiency). Forward 1 GEMM per weight, backward 2 (input and
-//     weight gradients), full recompute 1 more. Small M (small micro-batches or sequences) makes
-//     the operand bytes matter: that is the micro-batch x sequence dependence, and narrow layers
-//     (small K, N) are hit the same way. Each output tile also pays a fixed prologue and epilogue
-//     (loading the pipeline, writing the tile): its main loop runs K / (K + gemm_k_overhead) of
-//     the time, normalised so that a K = 8192 GEMM runs at gemm_efficiency.
+//     bytes of its three operands / (HBM x hbm_efficiency). Forward 1 GEMM per weight, backward 2
+//     (input and weight gradients), full recompute 1 more. Small M (small micro-batches or
+//     sequences) makes the operand bytes matter: that is the micro-batch x sequence dependence, and
+//     narrow layers (small K, N) are hit the same way. Each output tile also pays a fixed prologue
+//     and epilogue (loading the pipeline, writing the tile): its main loop runs K / (K +
+//     gemm_k_overhead) of the time, normalised so that a K = 8192 GEMM runs at gemm_efficiency.
 //   Attention core (QK^T, PV): 4 b s s_eff d FLOPs forward per layer (d = heads x head_dim,
 //     s_eff = s/2 causal with memory-efficient attention, which skips masked blocks; s for eager
 //     attention and encoders), backward 2.5x forward for FlashAttention (it recomputes the scores)
@@ -40,8 +40,9 @@
 //       overlapping the last backward pass.
 //     ZeRO-1: reduce-scatter once per step (overlapping the last backward), all-gather of the
 //       updated 16-bit parameters after the optimizer step (serial).
-//     ZeRO-2: reduce-scatter every micro-batch (overlapping backward), the all-gather after the step.
-//     ZeRO-3 / FSDP FULL_SHARD: per micro-batch, all-gather of the 16-bit parameters for forward
+//     ZeRO-2: reduce-scatter every micro-batch (overlapping backward), the all-gather after the
+//     step. ZeRO-3 / FSDP FULL_SHARD: per micro-batch, all-gather of the 16-bit parameters for
+//     forward
 //       (overlapping forward, the first layer exposed) and again for backward (the recompute
 //       reuses it: stage3_max_reuse_distance / FSDP's backward prefetch), and the reduce-scatter of
 //       the gradients (overlapping backward, the last layer exposed).
@@ -96,11 +97,11 @@ namespace memplan::planner {
 // value comes from. Per-GPU figures (peak FLOPs, HBM and link bandwidth, GEMM and attention
 // efficiency) are in GpuSpec.
 struct TimeConstants {
-  double hbm_efficiency = 0;        // achieved / peak HBM bandwidth of streaming kernels
-  double gemm_k_overhead = 0;       // GEMM tile prologue/epilogue, in K elements (K / (K + this))
-  double elementwise_traffic = 0;   // bytes moved by elementwise kernels per activation byte kept
-  double eager_score_passes = 0;    // times eager attention streams its score tensors
-  double logits_passes = 0;         // times the fp32 logits are streamed (forward + backward)
+  double hbm_efficiency = 0;       // achieved / peak HBM bandwidth of streaming kernels
+  double gemm_k_overhead = 0;      // GEMM tile prologue/epilogue, in K elements (K / (K + this))
+  double elementwise_traffic = 0;  // bytes moved by elementwise kernels per activation byte kept
+  double eager_score_passes = 0;   // times eager attention streams its score tensors
+  double logits_passes = 0;        // times the fp32 logits are streamed (forward + backward)
   double dequant_bytes_per_param = 0;  // QLoRA: HBM bytes per NF4 weight per dequantisation
   double launch_s_per_layer = 0;    // host seconds per transformer layer per pass (eager kernels)
   double sharded_hook_s = 0;        // host seconds per layer per pass for ZeRO-3 / FSDP hooks
@@ -113,7 +114,7 @@ struct TimeConstants {
   double cpu_adam_bytes_per_param = 0;   // host memory bytes CPU Adam moves per parameter
   double cpu_extra_bytes_per_param = 0;  // other host passes per offloaded parameter per step
   double gpu_clip_bytes_per_param = 0;   // gradient-norm pass for clipping, per parameter
-  double step_fixed_s = 0;          // host work per optimizer step outside the model
+  double step_fixed_s = 0;               // host work per optimizer step outside the model
   // GEMM efficiency against the micro-batch: a GEMM of M rows (micro-batch x sequence tokens)
   // runs at gemm_efficiency x M / (M + gemm_tokens_half) of its compute roofline (wave
   // quantisation and launch overheads that the operand-bytes roofline misses). 0 (the default)
@@ -143,21 +144,21 @@ struct Gemm {
 
 // What the time model needs from a model, computed once per search (ModelShapeFor).
 struct ModelShape {
-  double params = 0;          // N, all parameters (tied once)
-  double trainable = 0;       // trained parameters (N, or the LoRA adapters)
-  double layers = 0;          // transformer blocks, encoder + decoder
-  double hidden = 0;          // h
-  double attention_width = 0; // heads x head_dim
-  double heads = 0;           // query heads
+  double params = 0;           // N, all parameters (tied once)
+  double trainable = 0;        // trained parameters (N, or the LoRA adapters)
+  double layers = 0;           // transformer blocks, encoder + decoder
+  double hidden = 0;           // h
+  double attention_width = 0;  // heads x head_dim
+  double heads = 0;            // query heads
   double vocab = 0;
-  double seq_len = 0;         // s
-  bool causal = true;         // decoder-only (FlashAttention skips the masked half)
+  double seq_len = 0;  // s
+  bool causal = true;  // decoder-only (FlashAttention skips the masked half)
   bool flash_attention = true;
   std::vector<Gemm> layer_gemms;  // the Linears inside the transformer layers, all layers
   std::vector<Gemm> head_gemms;   // outside the layers: the LM head (tied or not), poolers
   double activation_bytes_per_token_layer = 0;  // kept without checkpointing, one layer
-  double quantized_params = 0;  // QLoRA: NF4 weights
-  int64_t param_tensors = 0;    // parameter tensors (optimizer launch overhead)
+  double quantized_params = 0;                  // QLoRA: NF4 weights
+  int64_t param_tensors = 0;                    // parameter tensors (optimizer launch overhead)
 };
 
 // Shapes from the inventory for `setup` (LoRA targets, QLoRA, flash attention, seq_len resolved).
@@ -173,13 +174,13 @@ enum class Sharding {
 
 // Predicted step time, each part in seconds.
 struct StepTime {
-  double compute_s = 0;      // the GPU's forward/backward work (interference of overlap included)
-  double comm_s = 0;         // collectives, total
-  double pcie_s = 0;         // host <-> GPU transfers, total
-  double optimizer_s = 0;    // optimizer step: CPU (offloaded) or GPU, with clipping
-  double nvme_s = 0;         // NVMe reads and writes, total
-  double exposed_comm_s = 0;     // the part of comm_s not hidden behind compute
-  double exposed_offload_s = 0;  // the part of pcie_s + nvme_s not hidden (optimizer phase aside)
+  double compute_s = 0;       // the GPU's forward/backward work (interference of overlap included)
+  double comm_s = 0;          // collectives, total
+  double pcie_s = 0;          // host <-> GPU transfers, total
+  double optimizer_s = 0;     // optimizer step: CPU (offloaded) or GPU, with clipping
+  double nvme_s = 0;          // NVMe reads and writes, total
+  double exposed_comm_s = 0;  // the part of comm_s not hidden behind compute
+  double exposed_offload_s = 0;    // the part of pcie_s + nvme_s not hidden (optimizer phase aside)
   double exposed_optimizer_s = 0;  // the optimizer phase (CPU or GPU) and fixed per-step costs
   double total_s = 0;
   std::string bound;  // "compute", "communication", "PCIe", "CPU optimizer", "NVMe"

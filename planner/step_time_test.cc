@@ -149,8 +149,8 @@ TEST_CASE("step time: CPU offload pays the CPU step, its host passes and the cop
   m.seq_len = 512;
   StepTime t = PredictStepTime(m, c, s, 8, true, Sharding::kFull, k);
   const double adam = m.params / 2e9;
-  CHECK(t.optimizer_s == doctest::Approx(adam * (1 + k.cpu_extra_bytes_per_param /
-                                                       k.cpu_adam_bytes_per_param)));
+  CHECK(t.optimizer_s ==
+        doctest::Approx(adam * (1 + k.cpu_extra_bytes_per_param / k.cpu_adam_bytes_per_param)));
   // Two A100s share one host link: fp32 gradients down, 16-bit parameters up.
   const double pcie = 32e9 * 0.8 / 2;
   CHECK(t.pcie_s == doctest::Approx((4 + 2) * (m.params / 2) / pcie));
@@ -177,7 +177,8 @@ TEST_CASE("step time: NVMe optimizer and parameters") {
 }
 
 TEST_CASE("step time: LoRA's MFU counts LoRA's FLOPs; QLoRA pays its dequantisation") {
-  auto inventory = estimator::LoadModel("llama-2-7b", estimator::ModelClassChoice::kFromArchitectures);
+  auto inventory =
+      estimator::LoadModel("llama-2-7b", estimator::ModelClassChoice::kFromArchitectures);
   REQUIRE_OK(inventory);
   TrainingSetup s;
   s.seq_len = 1024;
@@ -203,7 +204,8 @@ TEST_CASE("step time: LoRA's MFU counts LoRA's FLOPs; QLoRA pays its dequantisat
 }
 
 TEST_CASE("step time: shapes from the inventory") {
-  auto inventory = estimator::LoadModel("llama-2-7b", estimator::ModelClassChoice::kFromArchitectures);
+  auto inventory =
+      estimator::LoadModel("llama-2-7b", estimator::ModelClassChoice::kFromArchitectures);
   REQUIRE_OK(inventory);
   TrainingSetup s;
   s.seq_len = 4096;

@@ -118,14 +118,26 @@ std::string Escape(std::u32string_view text) {
   std::string out;
   for (char32_t cp : text) {
     switch (cp) {
-      case U'&': out += "&amp;"; break;
-      case U'<': out += "&lt;"; break;
-      case U'>': out += "&gt;"; break;
-      case U'"': out += "&quot;"; break;
-      case U'\'': out += "&#39;"; break;
+      case U'&':
+        out += "&amp;";
+        break;
+      case U'<':
+        out += "&lt;";
+        break;
+      case U'>':
+        out += "&gt;";
+        break;
+      case U'"':
+        out += "&quot;";
+        break;
+      case U'\'':
+        out += "&#39;";
+        break;
       case U'\t':
       case U'\n':
-      case U'\r': out += ' '; break;
+      case U'\r':
+        out += ' ';
+        break;
       default:
         if (cp < 0x20 || cp == 0x7F || cp == 0xFFFE || cp == 0xFFFF) cp = 0xFFFD;
         AppendUtf8(cp, &out);
@@ -598,8 +610,8 @@ std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request,
   const double plot_w = kWidth - kLeft - kRight, plot_h = kHeightC - kTop - kBottom;
   const bool by_cost = !r.cheapest_by_gpu_hours;
   std::string out;
-  const std::string title = "memplan capacity: " + job.model + ", " +
-                            Fmt("%.4g", request.tokens / 1e9) + "B tokens";
+  const std::string title =
+      "memplan capacity: " + job.model + ", " + Fmt("%.4g", request.tokens / 1e9) + "B tokens";
   out += "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
   out += "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"" + N(kWidth) +
          "\" height=\"" + N(kHeightC) + "\" viewBox=\"0 0 " + N(kWidth) + " " + N(kHeightC) +
@@ -611,8 +623,8 @@ std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request,
   const std::string subtitle =
       std::string(by_cost ? "Cost" : "GPU-hours (no price given)") +
       " against time to train, one point per GPU type x count that fits (labelled with the GPU "
-      "count); global batch " + std::to_string(job.global_batch) + " x " +
-      std::to_string(r.seq_len) + " tokens";
+      "count); global batch " +
+      std::to_string(job.global_batch) + " x " + std::to_string(r.seq_len) + " tokens";
   Text(&out, kMargin, 52, 12, Fit(subtitle, kWidth - 2 * kMargin, 12));
 
   std::vector<size_t> shown;
@@ -647,8 +659,8 @@ std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request,
   widen(&x_lo, &x_hi);
   widen(&y_lo, &y_hi);
   auto px = [&](double v) {
-    return kLeft + (std::log10(v) - std::log10(x_lo)) / (std::log10(x_hi) - std::log10(x_lo)) *
-                       plot_w;
+    return kLeft +
+           (std::log10(v) - std::log10(x_lo)) / (std::log10(x_hi) - std::log10(x_lo)) * plot_w;
   };
   auto py = [&](double v) {
     return kTop + plot_h -
@@ -667,8 +679,7 @@ std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request,
   }
   Text(&out, kLeft + plot_w / 2, kTop + plot_h + 36, 12, "Time to train (days, log scale)",
        "text-anchor=\"middle\"");
-  Text(&out, 20, kTop + plot_h / 2, 12,
-       by_cost ? "Cost (log scale)" : "GPU-hours (log scale)",
+  Text(&out, 20, kTop + plot_h / 2, 12, by_cost ? "Cost (log scale)" : "GPU-hours (log scale)",
        "text-anchor=\"middle\" transform=\"rotate(-90 20 " + N(kTop + plot_h / 2) + ")\"");
 
   // Points, then the three answers ringed and named.
@@ -678,7 +689,8 @@ std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request,
     const double x = px(p.train_hours / 24), y = py(by_cost ? p.cost : p.gpu_hours);
     out += "<circle cx=\"" + N(x) + "\" cy=\"" + N(y) + "\" r=\"5\" fill=\"" + colour +
            "\"><title>" +
-           Escape(std::to_string(p.gpus) + " x " + p.gpu + ": " + Fmt("%.1f days", p.train_hours / 24) +
+           Escape(std::to_string(p.gpus) + " x " + p.gpu + ": " +
+                  Fmt("%.1f days", p.train_hours / 24) +
                   (p.priced ? ", cost " + Fmt("%.0f", p.cost) : std::string()) + ", " +
                   (p.plan ? p.plan->family : std::string())) +
            "</title></circle>\n";
@@ -688,7 +700,8 @@ std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request,
     const std::optional<size_t>& index;
     const char* name;
   };
-  const Answer answers[] = {{r.fewest, "fewest GPUs"}, {r.fastest, "fastest"},
+  const Answer answers[] = {{r.fewest, "fewest GPUs"},
+                            {r.fastest, "fastest"},
                             {r.cheapest, by_cost ? "cheapest" : "fewest GPU-hours"}};
   double label_y = kTop + 12;
   for (const Answer& a : answers) {
@@ -699,8 +712,8 @@ std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request,
            "\" r=\"10\" fill=\"none\" stroke=\"#333333\" stroke-width=\"1.5\"/>\n";
     const double lx = kLeft + plot_w + 16;
     Line(&out, x + 10, y, lx - 4, label_y - 4, "stroke=\"#999999\" stroke-dasharray=\"3 3\"");
-    Text(&out, lx, label_y, 11, Fit(std::string(a.name) + ": " + std::to_string(p.gpus) + " x " +
-                                        p.gpu, kRight - 24, 11),
+    Text(&out, lx, label_y, 11,
+         Fit(std::string(a.name) + ": " + std::to_string(p.gpus) + " x " + p.gpu, kRight - 24, 11),
          "font-weight=\"bold\"");
     Text(&out, lx, label_y + 14, 10,
          Fit(Fmt("%.1f days", p.train_hours / 24) +
@@ -714,8 +727,8 @@ std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request,
   for (size_t o = 0; o < request.offers.size(); ++o) {
     const char* colour = kTypeColours[o % (sizeof(kTypeColours) / sizeof(kTypeColours[0]))];
     const double lx = kLeft + plot_w + 16;
-    out += "<circle cx=\"" + N(lx + 5) + "\" cy=\"" + N(ly - 4) + "\" r=\"5\" fill=\"" +
-           colour + "\"/>\n";
+    out += "<circle cx=\"" + N(lx + 5) + "\" cy=\"" + N(ly - 4) + "\" r=\"5\" fill=\"" + colour +
+           "\"/>\n";
     const GpuOffer& offer = request.offers[o];
     Text(&out, lx + 16, ly, 10.5,
          Fit(offer.gpu.name + (offer.price_per_gpu_hour > 0

@@ -14,6 +14,8 @@ packages=(build-essential cmake pkg-config git nlohmann-json3-dev libcli11-dev d
   pybind11-dev python3-dev
   # clang with its sanitizer and libFuzzer runtimes: scripts/test.sh's sanitizer job and fuzz smoke.
   clang libclang-rt-dev
+  # clang-format: scripts/test.sh checks the C and C++ files' format (scripts/format.sh --check).
+  clang-format
   # valgrind: tests/reliability_cli_test.cc checks a reproduction with it (skipped without).
   valgrind)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds memplan with warnings as errors and runs the whole test suite, including the oracle test
-# against Hugging Face Transformers (its Python environments are created in ./.venv and
-# ./.venv-modern by scripts/python-env.sh), then runs the concurrent NVMe engine and CPU optimizer
+# Checks the C and C++ files' format, builds memplan with warnings as errors and runs the whole
+# test suite, including the oracle test against Hugging Face Transformers (its Python environments
+# are created in ./.venv and ./.venv-modern by scripts/python-env.sh), then runs the concurrent NVMe engine and CPU optimizer
 # tests again under ThreadSanitizer together with the GPU path on the emulated GPU
 # (tests/gpu_emulation), the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, and
 # every fuzz target for a few seconds (fuzz/).
@@ -12,6 +12,9 @@ cd "$(dirname "$0")/.."
 # Tests never reach the network: a run of memplan that would fetch from the Hugging Face Hub is
 # refused instead (the Hub's own tests set up a loopback server and clear this).
 export HF_HUB_OFFLINE=1
+
+# The house format (.clang-format), checked first: it takes two seconds.
+bash scripts/format.sh --check
 
 python=$(bash scripts/python-env.sh)
 modern_python=$(bash scripts/python-env.sh --modern)

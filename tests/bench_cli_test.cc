@@ -225,8 +225,8 @@ TEST_CASE("bench adam cli: JSON with the triad, and the roofline fraction is con
 TEST_CASE("bench swap cli: a small NVMe step measured against its limits") {
   TempDir dir("memplan-bench-swap.");
   Run run = Memplan({"bench", "swap", "--path", dir.path().string(), "--params", "262144",
-                     "--sub-group", "32768", "--buffers", "2", "--steps", "2", "--backend",
-                     "posix", "--no-direct", "--format", "json"});
+                     "--sub-group", "32768", "--buffers", "2", "--steps", "2", "--backend", "posix",
+                     "--no-direct", "--format", "json"});
   CAPTURE(run.err);
   REQUIRE(run.exit_code == 0);
   CHECK(Entries(dir.path()) == 0);  // the temporary store is gone
@@ -261,9 +261,26 @@ TEST_CASE("bench swap cli: bandwidths from a bench nvme report; bad input is one
   CHECK(doc["io_seconds"].get<double>() ==
         doctest::Approx((16.0 * 65536 + 4 * 4096) / 2e9 + (12.0 * 65536 + 4 * 4096) / 1e9));
   // bf16 gradients through the fused kernel: 2 bytes a gradient read instead of 4.
-  run = Memplan({"bench", "swap", "--path", dir.path().string(), "--params", "65536", "--sub-group",
-                 "16384", "--steps", "1", "--backend", "posix", "--no-direct", "--grad-dtype",
-                 "bf16", "--io-threads", "2", "--nvme-json", dir.PathOf("nvme.json"), "--format",
+  run = Memplan({"bench",
+                 "swap",
+                 "--path",
+                 dir.path().string(),
+                 "--params",
+                 "65536",
+                 "--sub-group",
+                 "16384",
+                 "--steps",
+                 "1",
+                 "--backend",
+                 "posix",
+                 "--no-direct",
+                 "--grad-dtype",
+                 "bf16",
+                 "--io-threads",
+                 "2",
+                 "--nvme-json",
+                 dir.PathOf("nvme.json"),
+                 "--format",
                  "json"});
   CAPTURE(run.err);
   REQUIRE(run.exit_code == 0);

@@ -90,8 +90,8 @@ TEST_CASE("cli: JSON output has the public schema and exact bytes") {
 }
 
 TEST_CASE("cli: --model-class base gives AutoModel's count") {
-  Run run = Memplan({"estimate", "--model", "llama-2-7b", "--model-class", "base", "--format",
-                     "json"});
+  Run run =
+      Memplan({"estimate", "--model", "llama-2-7b", "--model-class", "base", "--format", "json"});
   REQUIRE(run.exit_code == 0);
   auto j = nlohmann::json::parse(run.out);
   CHECK(j["model"]["params_total"] == 6607343616);
@@ -303,21 +303,21 @@ TEST_CASE("cli: no setup flag, no new keys (old output unchanged)") {
 }
 
 TEST_CASE("cli: bad training setups get one line and exit 2") {
-  ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--zero-stage", "2", "--offload-param",
-                          "cpu"}),
-                 {"--offload-param", "stage 3"});
+  ExpectBadInput(
+      Memplan({"estimate", "--model", "gpt2", "--zero-stage", "2", "--offload-param", "cpu"}),
+      {"--offload-param", "stage 3"});
   ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--qlora"}), {"--lora-rank"});
-  ExpectBadInput(Memplan({"estimate", "--model", "llama-2-7b", "--lora-rank", "8", "--optimizer",
-                          "adam8bit"}),
-                 {"adam8bit"});
+  ExpectBadInput(
+      Memplan({"estimate", "--model", "llama-2-7b", "--lora-rank", "8", "--optimizer", "adam8bit"}),
+      {"adam8bit"});
   ExpectBadInput(Memplan({"estimate", "--model", "llama-2-7b", "--gpus", "6", "--tp", "6"}),
                  {"--tp", "heads"});
   ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--precision", "fp8"}), {"--precision"});
   ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--seq-len", "4096"}),
                  {"--seq-len", "1024"});
-  ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--lora-rank", "8", "--lora-targets",
-                          "q_proj"}),
-                 {"q_proj", "c_attn"});
+  ExpectBadInput(
+      Memplan({"estimate", "--model", "gpt2", "--lora-rank", "8", "--lora-targets", "q_proj"}),
+      {"q_proj", "c_attn"});
 }
 
 TEST_CASE("cli: the library names setup fields, the CLI prints them as flags") {
@@ -326,8 +326,8 @@ TEST_CASE("cli: the library names setup fields, the CLI prints them as flags") {
   Run tp = Memplan({"estimate", "--model", "llama-2-7b", "--gpus", "8", "--tp", "3"});
   ExpectBadInput(tp, {"--tp 3 does not divide the 8 GPUs (--gpus x --nodes)"});
   CHECK(tp.err.find('`') == std::string::npos);
-  const std::vector<std::string> sgd = {"estimate", "--model", "gpt2", "--optimizer", "sgd",
-                                        "--zero-stage", "3"};
+  const std::vector<std::string> sgd = {"estimate", "--model",      "gpt2", "--optimizer",
+                                        "sgd",      "--zero-stage", "3"};
   Run text = Memplan(sgd);
   REQUIRE(text.exit_code == 0);
   CHECK(text.out.find("--optimizer sgd cannot be offloaded") != std::string::npos);
@@ -371,8 +371,8 @@ TEST_CASE("cli: --deepspeed reads the config; flags fill its \"auto\" values") {
 
 // memplan run with `env` set first (HF_* variables), capturing as Memplan does.
 Run MemplanWithEnv(const std::vector<std::string>& env, const std::vector<std::string>& args) {
-  std::vector<std::string> all = {"-u", "HF_TOKEN", "-u", "HF_HUB_OFFLINE", "-u",
-                                  "TRANSFORMERS_OFFLINE"};
+  std::vector<std::string> all = {
+      "-u", "HF_TOKEN", "-u", "HF_HUB_OFFLINE", "-u", "TRANSFORMERS_OFFLINE"};
   all.insert(all.end(), env.begin(), env.end());
   all.push_back(MEMPLAN_BINARY);
   all.insert(all.end(), args.begin(), args.end());
@@ -392,8 +392,8 @@ TEST_CASE("cli: --model org/name is fetched from the Hub into the cache, never w
                            "fetching from the Hub is off (--offline)"});
   std::vector<std::string> env_offline = env;
   env_offline.push_back("HF_HUB_OFFLINE=1");
-  Run offline_env = MemplanWithEnv(env_offline, {"plan", "--model", "org/tiny", "--gpu",
-                                                 "a100-80", "--global-batch", "8"});
+  Run offline_env = MemplanWithEnv(
+      env_offline, {"plan", "--model", "org/tiny", "--gpu", "a100-80", "--global-batch", "8"});
   ExpectBadInput(offline_env, {"fetching from the Hub is off (HF_HUB_OFFLINE=1)"});
   CHECK(hub.connections() == 0);
   CHECK_FALSE(fs::exists(tmp.PathOf("hub")));
@@ -424,8 +424,8 @@ TEST_CASE("cli: did you mean, for built-in names and flags") {
 }
 
 TEST_CASE("cli: estimate --inference prints accelerate's table and the KV cache") {
-  Run text = Memplan({"estimate", "--model", "llama-3.1-8b", "--inference", "--context", "8192",
-                      "--batch", "2"});
+  Run text = Memplan(
+      {"estimate", "--model", "llama-3.1-8b", "--inference", "--context", "8192", "--batch", "2"});
   REQUIRE(text.exit_code == 0);
   CHECK(text.err.empty());
   CHECK(text.out.find("accelerate estimate-memory") != std::string::npos);
@@ -486,16 +486,16 @@ TEST_CASE("cli: every causal LM built in or in the oracle's configs estimates tr
     if (arch.rfind("T5", 0) == 0) continue;
     ++causal;
     CAPTURE(path.string());
-    Run estimate = Memplan({"estimate", "--model", path.string(), "--micro-batch", "1",
-                            "--seq-len", "1024", "--zero-stage", "3", "--format", "json"});
+    Run estimate = Memplan({"estimate", "--model", path.string(), "--micro-batch", "1", "--seq-len",
+                            "1024", "--zero-stage", "3", "--format", "json"});
     CHECK(estimate.exit_code == 0);
     CAPTURE(estimate.err);
     Run plan = Memplan({"plan", "--model", path.string(), "--gpu", "h100-80", "--gpus", "8",
                         "--nodes", "4", "--global-batch", "256", "--seq-len", "1024"});
     CHECK(plan.exit_code == 0);
     CAPTURE(plan.err);
-    Run inference = Memplan({"estimate", "--model", path.string(), "--inference", "--format",
-                             "json"});
+    Run inference =
+        Memplan({"estimate", "--model", path.string(), "--inference", "--format", "json"});
     REQUIRE(inference.exit_code == 0);
     CHECK(nlohmann::json::parse(inference.out)["inference"].contains("kv_cache"));
   }

@@ -29,10 +29,11 @@ CommandResult Memplan(const std::vector<std::string>& args) {
 }
 
 TEST_CASE("plan --format json: the interface scripts depend on") {
-  CommandResult r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8",
-                             "--nodes", "1", "--cpu-mem", "1TiB", "--nvme-path", "/mnt/nvme",
-                             "--nvme-capacity", "4TiB", "--global-batch", "64", "--seq-len",
-                             "2048", "--format", "json"});
+  CommandResult r = Memplan(
+      {"plan",      "--model",         "llama-2-7b", "--gpu",          "a100-80", "--gpus",
+       "8",         "--nodes",         "1",          "--cpu-mem",      "1TiB",    "--nvme-path",
+       "/mnt/nvme", "--nvme-capacity", "4TiB",       "--global-batch", "64",      "--seq-len",
+       "2048",      "--format",        "json"});
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   nlohmann::json j = nlohmann::json::parse(r.out);
   CHECK(j["cluster"]["gpu"]["name"] == "a100-80");
@@ -41,10 +42,10 @@ TEST_CASE("plan --format json: the interface scripts depend on") {
   CHECK(j["job"]["global_batch"] == 64);
   CHECK(j["job"]["seq_len"] == 2048);
   REQUIRE(j["plans"].size() >= 2);
-  for (const char* key : {"zero_stage", "offload_optimizer", "offload_param",
-                          "activation_checkpointing", "micro_batch", "grad_accum", "gpu_bytes",
-                          "cpu_bytes", "nvme_bytes", "pinned_bytes", "step_time_s", "tokens_per_s",
-                          "why"}) {
+  for (const char* key :
+       {"zero_stage", "offload_optimizer", "offload_param", "activation_checkpointing",
+        "micro_batch", "grad_accum", "gpu_bytes", "cpu_bytes", "nvme_bytes", "pinned_bytes",
+        "step_time_s", "tokens_per_s", "why"}) {
     CHECK_MESSAGE(j["plans"][0].contains(key), key);
   }
   CHECK(j["plans"][0]["tokens_per_s"].get<double>() >= j["plans"][1]["tokens_per_s"].get<double>());
@@ -54,23 +55,25 @@ TEST_CASE("plan --format json: the interface scripts depend on") {
 }
 
 TEST_CASE("plan: a 70B model over the whole grid answers quickly") {
-  std::vector<std::string> args = {"plan", "--model", "llama-2-70b", "--gpu", "a100-80",
-                                   "--gpus", "8", "--cpu-mem", "1TiB", "--nvme-path",
-                                   "/mnt/nvme", "--nvme-capacity", "4TiB", "--global-batch",
-                                   "64", "--seq-len", "4096", "--format", "json"};
+  std::vector<std::string> args = {"plan",    "--model",        "llama-2-70b", "--gpu",
+                                   "a100-80", "--gpus",         "8",           "--cpu-mem",
+                                   "1TiB",    "--nvme-path",    "/mnt/nvme",   "--nvme-capacity",
+                                   "4TiB",    "--global-batch", "64",          "--seq-len",
+                                   "4096",    "--format",       "json"};
   double best_ms = 1e9;
   CommandResult r;
   for (int i = 0; i < 3; ++i) {
     const auto start = std::chrono::steady_clock::now();
     r = Memplan(args);
-    best_ms = std::min(best_ms, std::chrono::duration<double, std::milli>(
-                                    std::chrono::steady_clock::now() - start)
-                                    .count());
+    best_ms = std::min(
+        best_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                     .count());
     REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   }
   nlohmann::json j = nlohmann::json::parse(r.out);
-  std::printf("memplan plan llama-2-70b (%d configurations, %d evaluated), whole process: %.1f ms\n",
-              j["grid_size"].get<int>(), j["configurations"].get<int>(), best_ms);
+  std::printf(
+      "memplan plan llama-2-70b (%d configurations, %d evaluated), whole process: %.1f ms\n",
+      j["grid_size"].get<int>(), j["configurations"].get<int>(), best_ms);
   // The target is 200 ms; the bound is generous for sanitizer builds and loaded machines.
   CHECK(best_ms < 2000);
   // 14 families, and 8-bit AdamW for the 4 that keep the optimizer on the GPUs; 3 checkpointing
@@ -82,10 +85,12 @@ TEST_CASE("plan: emitted files are written, complete, and pass check") {
   TempDir dir("memplan-plan-");
   const std::string ds = dir.PathOf("ds_config.json"), yaml = dir.PathOf("accelerate.yaml"),
                     fsdp = dir.PathOf("fsdp.json"), schedule = dir.PathOf("schedule.json");
-  CommandResult r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem",
-                             "64GiB", "--nvme-path", "/mnt/nvme", "--nvme-capacity", "1TiB",
-                             "--global-batch", "16", "--seq-len", "2048", "--emit-deepspeed", ds,
-                             "--emit-accelerate", yaml, "--emit-schedule", schedule});
+  CommandResult r = Memplan({"plan",      "--model",           "llama-2-7b", "--gpu",
+                             "rtx4090",   "--cpu-mem",         "64GiB",      "--nvme-path",
+                             "/mnt/nvme", "--nvme-capacity",   "1TiB",       "--global-batch",
+                             "16",        "--seq-len",         "2048",       "--emit-deepspeed",
+                             ds,          "--emit-accelerate", yaml,         "--emit-schedule",
+                             schedule});
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(r.out.find("wrote " + ds) != std::string::npos);
   nlohmann::json config = nlohmann::json::parse(ReadWholeFile(ds));
@@ -124,8 +129,8 @@ TEST_CASE("plan: emitted files are written, complete, and pass check") {
                                "--grad-accum", accumulation, "--format", "json"});
     REQUIRE_MESSAGE(e.exit_code == 0, e.err);
     const nlohmann::json estimated = nlohmann::json::parse(e.out)["schedule_prediction"];
-    for (const char* key : {"pinned_bytes", "nvme_read_bytes_per_step",
-                            "nvme_write_bytes_per_step", "peak_live_param_bytes"}) {
+    for (const char* key : {"pinned_bytes", "nvme_read_bytes_per_step", "nvme_write_bytes_per_step",
+                            "peak_live_param_bytes"}) {
       CHECK_MESSAGE(estimated[key] == p[key], key);
     }
     // An edit the engine would refuse is refused here too, naming the file.
@@ -139,8 +144,8 @@ TEST_CASE("plan: emitted files are written, complete, and pass check") {
     CHECK(e.err.find("pinned_budget_bytes") != std::string::npos);
   }
 
-  CommandResult check = Memplan({"check", ds, "--model", "llama-2-7b", "--gpu", "rtx4090",
-                                 "--cpu-mem", "64GiB"});
+  CommandResult check =
+      Memplan({"check", ds, "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem", "64GiB"});
   CHECK_MESSAGE(check.exit_code == 0, check.out << check.err);
 
   // Without a bench, one thread per transfer; a bench's aio block carries its threads through.
@@ -152,10 +157,11 @@ TEST_CASE("plan: emitted files are written, complete, and pass check") {
     out << R"({"path": "/mnt/nvme", "best": {"read_bytes_per_s": 6e9, "write_bytes_per_s": 5e9},
                "aio": {"block_size": 1048576, "queue_depth": 16, "intra_op_parallelism": 2}})";
   }
-  r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem", "64GiB",
-               "--nvme-path", "/mnt/nvme", "--nvme-capacity", "1TiB", "--nvme-bench", bench,
-               "--global-batch", "16", "--seq-len", "2048", "--emit-deepspeed", ds,
-               "--emit-schedule", schedule});
+  r = Memplan(
+      {"plan",  "--model",         "llama-2-7b", "--gpu",           "rtx4090", "--cpu-mem",
+       "64GiB", "--nvme-path",     "/mnt/nvme",  "--nvme-capacity", "1TiB",    "--nvme-bench",
+       bench,   "--global-batch",  "16",         "--seq-len",       "2048",    "--emit-deepspeed",
+       ds,      "--emit-schedule", schedule});
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   config = nlohmann::json::parse(ReadWholeFile(ds));
   s = nlohmann::json::parse(ReadWholeFile(schedule));
@@ -171,7 +177,8 @@ TEST_CASE("plan: emitted files are written, complete, and pass check") {
                "--nvme-path", "/mnt/nvme", "--global-batch", "16", "--emit-fsdp", fsdp,
                "--emit-deepspeed", ds});
   CHECK_MESSAGE(r.exit_code == 0, r.err);
-  CHECK(r.out.find("not written " + fsdp + ": --emit-fsdp: the plan offloads to NVMe, which "
+  CHECK(r.out.find("not written " + fsdp +
+                   ": --emit-fsdp: the plan offloads to NVMe, which "
                    "FSDP cannot") != std::string::npos);
   CHECK_FALSE(std::filesystem::exists(fsdp));
   CHECK(std::filesystem::exists(ds));
@@ -209,7 +216,8 @@ bool Offloads(const nlohmann::json& p) {
   return p["offload_optimizer"] != "none" || p["offload_param"] != "none";
 }
 
-TEST_CASE("plan: realistic scenarios get what an expert would choose (Note [Realistic scenarios])") {
+TEST_CASE(
+    "plan: realistic scenarios get what an expert would choose (Note [Realistic scenarios])") {
   const std::string src = MEMPLAN_SOURCE_DIR;
   const std::vector<Scenario> scenarios = {
       {"llama-2-70b on 2 x 8 a100-80",
@@ -222,7 +230,8 @@ TEST_CASE("plan: realistic scenarios get what an expert would choose (Note [Real
          }
          // No offload plan is faster beyond the time model's noise (3%, Note [Ranking]).
          for (const auto& p : j["plans"]) {
-           if (Offloads(p) && p["step_time_s"].get<double>() < 0.97 * best["step_time_s"].get<double>()) {
+           if (Offloads(p) &&
+               p["step_time_s"].get<double>() < 0.97 * best["step_time_s"].get<double>()) {
              return p["family"].get<std::string>() + " is faster than plain ZeRO-3";
            }
          }
@@ -247,17 +256,41 @@ TEST_CASE("plan: realistic scenarios get what an expert would choose (Note [Real
          return "";
        }},
       {"gpt2-xl fp32 on 2 x 24 GB: FULL_SHARD fits the published batch of 5",
-       {"--model", src + "/tests/accuracy/models/gpt2-xl.json", "--gpu", "rtx3090", "--gpus",
-        "2", "--precision", "fp32", "--seq-len", "128", "--no-flash-attention", "--optimizer",
-        "adamw", "--cpu-mem", "128GiB", "--global-batch", "10", "--zero-stage", "3",
-        "--offload-optimizer", "none", "--offload-param", "none", "--checkpointing", "none",
-        "--micro-batch", "5", "--sharding", "full"},
+       {"--model",
+        src + "/tests/accuracy/models/gpt2-xl.json",
+        "--gpu",
+        "rtx3090",
+        "--gpus",
+        "2",
+        "--precision",
+        "fp32",
+        "--seq-len",
+        "128",
+        "--no-flash-attention",
+        "--optimizer",
+        "adamw",
+        "--cpu-mem",
+        "128GiB",
+        "--global-batch",
+        "10",
+        "--zero-stage",
+        "3",
+        "--offload-optimizer",
+        "none",
+        "--offload-param",
+        "none",
+        "--checkpointing",
+        "none",
+        "--micro-batch",
+        "5",
+        "--sharding",
+        "full"},
        [](const nlohmann::json& j) -> std::string {
          return j["plans"].size() == 1 ? "" : "FULL_SHARD at micro-batch 5 does not fit";
        }},
       {"llama-2-7b LoRA on 1 x a100-40",
-       {"--model", "llama-2-7b", "--gpu", "a100-40", "--cpu-mem", "128GiB", "--global-batch",
-        "16", "--seq-len", "2048", "--lora-rank", "16"},
+       {"--model", "llama-2-7b", "--gpu", "a100-40", "--cpu-mem", "128GiB", "--global-batch", "16",
+        "--seq-len", "2048", "--lora-rank", "16"},
        [](const nlohmann::json& j) -> std::string {
          const nlohmann::json& best = j["plans"][0];
          if (Offloads(best)) return "plan 1 offloads: " + best["family"].get<std::string>();
@@ -267,8 +300,8 @@ TEST_CASE("plan: realistic scenarios get what an expert would choose (Note [Real
          return "";
        }},
       {"llama-2-7b full fine-tune on 1 x a100-80",
-       {"--model", "llama-2-7b", "--gpu", "a100-80", "--cpu-mem", "256GiB", "--global-batch",
-        "8", "--seq-len", "2048", "--optimizer", "adamw"},
+       {"--model", "llama-2-7b", "--gpu", "a100-80", "--cpu-mem", "256GiB", "--global-batch", "8",
+        "--seq-len", "2048", "--optimizer", "adamw"},
        [](const nlohmann::json& j) -> std::string {
          const nlohmann::json& best = j["plans"][0];
          return best["offload_optimizer"] == "cpu" && best["offload_param"] == "none"
@@ -304,12 +337,34 @@ TEST_CASE("plan: realistic scenarios get what an expert would choose (Note [Real
   }
 
   // GPT-2 XL: DDP does not fit even at batch 1, and the report says so.
-  CommandResult ddp = Memplan({"plan", "--model", src + "/tests/accuracy/models/gpt2-xl.json",
-                               "--gpu", "rtx3090", "--gpus", "2", "--precision", "fp32",
-                               "--seq-len", "128", "--no-flash-attention", "--optimizer", "adamw",
-                               "--cpu-mem", "128GiB", "--global-batch", "2", "--gpu-margin", "0",
-                               "--zero-stage", "0", "--micro-batch", "1", "--checkpointing",
-                               "none", "--format", "json"});
+  CommandResult ddp = Memplan({"plan",
+                               "--model",
+                               src + "/tests/accuracy/models/gpt2-xl.json",
+                               "--gpu",
+                               "rtx3090",
+                               "--gpus",
+                               "2",
+                               "--precision",
+                               "fp32",
+                               "--seq-len",
+                               "128",
+                               "--no-flash-attention",
+                               "--optimizer",
+                               "adamw",
+                               "--cpu-mem",
+                               "128GiB",
+                               "--global-batch",
+                               "2",
+                               "--gpu-margin",
+                               "0",
+                               "--zero-stage",
+                               "0",
+                               "--micro-batch",
+                               "1",
+                               "--checkpointing",
+                               "none",
+                               "--format",
+                               "json"});
   nlohmann::json j = nlohmann::json::parse(ddp.out);
   CHECK(j["plans"].empty());
   REQUIRE(!j["rejected"].empty());
@@ -325,9 +380,9 @@ TEST_CASE("plan, check and estimate: one setup, one set of defaults, the same pe
     CAPTURE(gpu);
     const std::string ds = dir.PathOf("ds_" + gpu + ".json");
     const std::vector<std::string> cluster = {"--gpu", gpu, "--gpus", "8", "--cpu-mem", "512GiB"};
-    std::vector<std::string> plan = {"plan", "--model", "llama-2-7b", "--global-batch", "64",
-                                     "--seq-len", "2048", "--format", "json",
-                                     "--emit-deepspeed", ds};
+    std::vector<std::string> plan = {
+        "plan", "--model",  "llama-2-7b", "--global-batch",   "64", "--seq-len",
+        "2048", "--format", "json",       "--emit-deepspeed", ds};
     plan.insert(plan.end(), cluster.begin(), cluster.end());
     CommandResult r = Memplan(plan);
     REQUIRE_MESSAGE(r.exit_code == 0, r.err);
@@ -373,8 +428,9 @@ TEST_CASE("plan --svg: the top plans drawn, written atomically, with json or tex
   TempDir dir("memplan-svg-");
   const std::string svg = dir.PathOf("plans.svg");
   const std::vector<std::string> base = {
-      "plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8", "--cpu-mem", "1TiB",
-      "--global-batch", "64", "--seq-len", "2048", "--top", "3", "--svg", svg};
+      "plan", "--model",   "llama-2-7b", "--gpu",          "a100-80", "--gpus",
+      "8",    "--cpu-mem", "1TiB",       "--global-batch", "64",      "--seq-len",
+      "2048", "--top",     "3",          "--svg",          svg};
   std::vector<std::string> args = base;
   args.insert(args.end(), {"--format", "json"});
   CommandResult r = Memplan(args);
@@ -442,8 +498,9 @@ TEST_CASE("plan --svg: the top plans drawn, written atomically, with json or tex
 // writes nothing.
 TEST_CASE("plan: nothing fits: the report, closest first, what would fit, then exit 2") {
   TempDir dir("memplan-nofit-");
-  const std::vector<std::string> args = {"plan", "--model", "llama-2-70b", "--gpu", "rtx4090",
-                                         "--cpu-mem", "64GiB", "--global-batch", "8"};
+  const std::vector<std::string> args = {"plan",  "--model",        "llama-2-70b",
+                                         "--gpu", "rtx4090",        "--cpu-mem",
+                                         "64GiB", "--global-batch", "8"};
   std::vector<std::string> json_args = args;
   json_args.insert(json_args.end(), {"--format", "json"});
   CommandResult r = Memplan(json_args);
@@ -466,7 +523,8 @@ TEST_CASE("plan: nothing fits: the report, closest first, what would fit, then e
   CHECK(j["rejected"][0]["plan"] == "ZeRO-1 + optimizer on CPU");
   bool nodes = false;
   for (const auto& s : j["suggestions"]) {
-    nodes = nodes || s.get<std::string>().find(" nodes of 1 x rtx4090: ZeRO-3") != std::string::npos;
+    nodes =
+        nodes || s.get<std::string>().find(" nodes of 1 x rtx4090: ZeRO-3") != std::string::npos;
   }
   CHECK_MESSAGE(nodes, j["suggestions"].dump());
 
@@ -500,7 +558,8 @@ TEST_CASE("plan: bad input exits 2 with one line") {
 }
 
 TEST_CASE("check: every planted mistake in tests/check_fixtures is found, nothing else") {
-  const std::filesystem::path dir = std::filesystem::path(MEMPLAN_SOURCE_DIR) / "tests/check_fixtures";
+  const std::filesystem::path dir =
+      std::filesystem::path(MEMPLAN_SOURCE_DIR) / "tests/check_fixtures";
   int fixtures = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     if (entry.path().extension() != ".json") continue;

@@ -154,9 +154,9 @@ TEST_CASE("reliability: hostile DeepSpeed configs get one line naming the file, 
 
 // How a probe run ended.
 struct Probe {
-  int exit_code = -1;    // -1: did not exit
-  int term_signal = 0;   // the signal that killed it, 0: none
-  bool hung = false;     // still running at the limit (then killed)
+  int exit_code = -1;   // -1: did not exit
+  int term_signal = 0;  // the signal that killed it, 0: none
+  bool hung = false;    // still running at the limit (then killed)
   double seconds = 0;
   std::string out, err;  // stdout (when captured) and stderr
 };
@@ -283,9 +283,8 @@ void ExpectSuccess(const Probe& p) {
   CHECK(p.exit_code == 0);
 }
 
-const std::vector<std::string> kPlan7b = {"plan",   "--model", "llama-2-7b", "--gpu",
-                                          "a100-80", "--gpus", "8",          "--global-batch",
-                                          "64"};
+const std::vector<std::string> kPlan7b = {"plan",   "--model", "llama-2-7b",     "--gpu", "a100-80",
+                                          "--gpus", "8",       "--global-batch", "64"};
 
 std::vector<std::string> With(std::vector<std::string> base, const std::vector<std::string>& more) {
   base.insert(base.end(), more.begin(), more.end());
@@ -300,8 +299,8 @@ unsigned ModeOf(const fs::path& path) {
 
 TEST_CASE("reliability #2, #18: a stdout that cannot be written is exit 2, whatever the size") {
   const std::vector<std::vector<std::string>> commands = {
-      {"inventory", "--model", "gpt2"},          // > 4 KiB: stdio wrote it past the buffer
-      {"estimate", "--model", "gpt2"},           // < 4 KiB: the final flush fails
+      {"inventory", "--model", "gpt2"},  // > 4 KiB: stdio wrote it past the buffer
+      {"estimate", "--model", "gpt2"},   // < 4 KiB: the final flush fails
       {"inventory", "--model", "gpt2", "--format", "json"},
       {"models"},
       {"--help"},
@@ -368,13 +367,14 @@ TEST_CASE("reliability #17: a new output file gets the umask, a replaced one kee
   ExpectSuccess(RunProbe({"estimate", "--model", "gpt2", "--format", "json", "-o", out.string()}));
   CHECK(ModeOf(out) == 0640);
   CHECK(ReadWholeFile(out).front() == '{');
-  ExpectSuccess(RunProbe(With(kPlan7b, {"--emit-deepspeed", tmp.PathOf("ds.json")}),
-                         WithUmask(027)));
+  ExpectSuccess(
+      RunProbe(With(kPlan7b, {"--emit-deepspeed", tmp.PathOf("ds.json")}), WithUmask(027)));
   CHECK(ModeOf(tmp.path() / "ds.json") == 0640);
   CHECK(Entries(tmp.path()) == std::vector<std::string>{"ds.json", "p.json"});
 }
 
-TEST_CASE("reliability #6: a FIFO, a device or a directory as an input is refused, never waited on") {
+TEST_CASE(
+    "reliability #6: a FIFO, a device or a directory as an input is refused, never waited on") {
   TempDir tmp("memplan-reliability.");
   fs::create_directory(tmp.path() / "m");
   REQUIRE(::mkfifo(tmp.PathOf("m/config.json").c_str(), 0600) == 0);
@@ -469,7 +469,8 @@ TEST_CASE("reliability #9: bench swap --nvme-json with a missing field is one li
 }
 
 // The defect was an out-of-bounds read (const operator[] on a missing key) with the right exit
-// status, so only a memory checker sees it: valgrind, when installed (scripts/setup.sh installs it).
+// status, so only a memory checker sees it: valgrind, when installed (scripts/setup.sh installs
+// it).
 TEST_CASE("reliability #9: bench swap --nvme-json reads no memory it does not own (valgrind)") {
   if (std::system("command -v valgrind >/dev/null 2>&1") != 0) {
     MESSAGE("valgrind not installed: skipped");
@@ -535,23 +536,24 @@ TEST_CASE("reliability #4: SIGINT and SIGTERM remove bench swap's store and benc
   };
   for (int signal : {SIGINT, SIGTERM}) {
     CAPTURE(signal);
-    Probe swap = RunProbe({"bench", "swap", "--path", dir.string(), "--params", "8388608",
-                           "--sub-group", "1048576", "--steps", "50", "--backend", "posix",
-                           "--no-direct", "--nvme-json", tmp.PathOf("n.json")},
-                          SignalWhen(when_busy(signal)));
+    Probe swap = RunProbe(
+        {"bench", "swap", "--path", dir.string(), "--params", "8388608", "--sub-group", "1048576",
+         "--steps", "50", "--backend", "posix", "--no-direct", "--nvme-json", tmp.PathOf("n.json")},
+        SignalWhen(when_busy(signal)));
     ExpectFailure(swap, 128 + signal, {"interrupted; the temporary store was removed"});
     CHECK(Entries(dir).empty());
 
-    Probe nvme = RunProbe({"bench", "nvme", "--path", dir.string(), "--size", "512M",
-                           "--backend", "posix", "--block-size", "1M", "--queue-depth", "4",
-                           "--no-direct", "--seconds-per-point", "60"},
-                          SignalWhen(when_busy(signal)));
+    Probe nvme = RunProbe(
+        {"bench", "nvme", "--path", dir.string(), "--size", "512M", "--backend", "posix",
+         "--block-size", "1M", "--queue-depth", "4", "--no-direct", "--seconds-per-point", "60"},
+        SignalWhen(when_busy(signal)));
     ExpectFailure(nvme, 128 + signal, {"interrupted; the bench file was removed"});
     CHECK(Entries(dir).empty());
   }
 }
 
-TEST_CASE("reliability #5: memory that cannot be had is one line and exit 2; the store is removed") {
+TEST_CASE(
+    "reliability #5: memory that cannot be had is one line and exit 2; the store is removed") {
   TempDir tmp("memplan-reliability.");
   const fs::path dir = tmp.path() / "swp";
   fs::create_directory(dir);
@@ -604,9 +606,8 @@ void WriteFile(const fs::path& path, const std::string& text) {
 TEST_CASE("reliability #1: check's batch products of any int64 are a finding, never SIGFPE") {
   TempDir tmp("memplan-reliability.");
   const std::string config = tmp.PathOf("c.json");
-  WriteFile(config,
-            R"({"train_batch_size":8,"train_micro_batch_size_per_gpu":4294967296,)"
-            R"("gradient_accumulation_steps":4294967296})");
+  WriteFile(config, R"({"train_batch_size":8,"train_micro_batch_size_per_gpu":4294967296,)"
+                    R"("gradient_accumulation_steps":4294967296})");
   for (const std::vector<std::string>& extra :
        {std::vector<std::string>{}, {"--gpus", "8"}, {"--gpus", "1024", "--nodes", "1048576"}}) {
     Probe p = RunProbe(With({"check", config}, extra));
@@ -623,20 +624,21 @@ TEST_CASE("reliability #7: Accelerate YAML values survive ' #', ': ', quotes and
   const std::string yaml = tmp.PathOf("a.yaml");
   const std::string nvme = "/mnt/nvme #2\nx: y'z\"\\";
   const std::vector<std::string> plan = {
-      "plan", "--model", "mixtral-8x7b", "--gpu", "rtx4090", "--cpu-mem", "128GiB",
-      "--nvme-path", nvme, "--nvme-capacity", "4TiB", "--global-batch", "8", "--seq-len", "1024",
-      "--emit-accelerate", yaml};
+      "plan",    "--model",         "mixtral-8x7b", "--gpu",
+      "rtx4090", "--cpu-mem",       "128GiB",       "--nvme-path",
+      nvme,      "--nvme-capacity", "4TiB",         "--global-batch",
+      "8",       "--seq-len",       "1024",         "--emit-accelerate",
+      yaml};
   ExpectSuccess(RunProbe(plan));
   const std::string text = ReadWholeFile(yaml);
   CHECK(text.find("offload_param_nvme_path: \"/mnt/nvme #2\\nx: y'z\\\"\\\\\"\n") !=
         std::string::npos);
   // A path that is not UTF-8 has no YAML form: reported, the file not written.
   fs::remove(yaml);
-  Probe bad = RunProbe(With(
-      {"plan", "--model", "mixtral-8x7b", "--gpu", "rtx4090", "--cpu-mem", "128GiB",
-       "--nvme-capacity", "4TiB", "--global-batch", "8", "--seq-len", "1024", "--emit-accelerate",
-       yaml},
-      {"--nvme-path", "/mnt/\xff"}));
+  Probe bad = RunProbe(With({"plan", "--model", "mixtral-8x7b", "--gpu", "rtx4090", "--cpu-mem",
+                             "128GiB", "--nvme-capacity", "4TiB", "--global-batch", "8",
+                             "--seq-len", "1024", "--emit-accelerate", yaml},
+                            {"--nvme-path", "/mnt/\xff"}));
   CHECK(bad.out.find("not UTF-8") != std::string::npos);
   CHECK_FALSE(fs::exists(yaml));
 }
@@ -660,14 +662,13 @@ TEST_CASE("reliability #11: rates a time model cannot divide by are refused wher
   for (const auto& [json, needle] : cases) {
     CAPTURE(json);
     WriteFile(cluster, json);
-    ExpectFailure(RunProbe({"plan", "--model", "llama-2-7b", "--cluster", cluster,
-                            "--global-batch", "64"}),
-                  2, {"c.json", needle});
+    ExpectFailure(
+        RunProbe({"plan", "--model", "llama-2-7b", "--cluster", cluster, "--global-batch", "64"}),
+        2, {"c.json", needle});
   }
   // The slowest rates allowed still give a finite step and a non-zero rate in the JSON.
-  WriteFile(cluster,
-            R"({"gpu":{"preset":"a100-80","link_bytes_per_s":1e6,"bf16_flops":1e9,)"
-            R"("hbm_bytes_per_s":1e6},"gpus_per_node":8})");
+  WriteFile(cluster, R"({"gpu":{"preset":"a100-80","link_bytes_per_s":1e6,"bf16_flops":1e9,)"
+                     R"("hbm_bytes_per_s":1e6},"gpus_per_node":8})");
   ProbeOptions patient;
   patient.limit_seconds = 20;
   Probe slow = RunProbe({"plan", "--model", "llama-2-7b", "--cluster", cluster, "--global-batch",
@@ -695,8 +696,9 @@ TEST_CASE("reliability #12: text from files is printed escaped, one line") {
 TEST_CASE("reliability #13: a key repeated in a DeepSpeed config is refused, as DeepSpeed does") {
   TempDir tmp("memplan-reliability.");
   const std::string config = tmp.PathOf("d.json");
-  WriteFile(config,
-            R"({"train_batch_size":8,"zero_optimization":{"stage":0},"zero_optimization":{"stage":3}})");
+  WriteFile(
+      config,
+      R"({"train_batch_size":8,"zero_optimization":{"stage":0},"zero_optimization":{"stage":3}})");
   ExpectFailure(RunProbe({"check", config}), 2, {"d.json", "'zero_optimization' appears twice"});
   ExpectFailure(RunProbe({"estimate", "--model", "gpt2", "--deepspeed", config}), 2,
                 {"d.json", "appears twice"});

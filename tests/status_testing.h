@@ -28,11 +28,11 @@ std::string StatusText(const T& value) {
 
 // The status is bound to a reference first, so `expr` is evaluated once and a temporary lives
 // until the assertion has printed it.
-#define MEMPLAN_ASSERT_OK_(assertion, expr)                                            \
-  do {                                                                                 \
-    const auto& memplan_ok_ = (expr);                                                  \
-    INFO(#expr " is ", ::memplan::testing::StatusText(memplan_ok_));                    \
-    assertion(memplan_ok_.ok());                                                       \
+#define MEMPLAN_ASSERT_OK_(assertion, expr)                          \
+  do {                                                               \
+    const auto& memplan_ok_ = (expr);                                \
+    INFO(#expr " is ", ::memplan::testing::StatusText(memplan_ok_)); \
+    assertion(memplan_ok_.ok());                                     \
   } while (0)
 
 #define REQUIRE_OK(expr) MEMPLAN_ASSERT_OK_(REQUIRE, expr)

@@ -19,7 +19,6 @@
 #include <utility>
 #include <vector>
 
-
 #ifndef MEMPLAN_SOURCE_DIR
 #error "tests/testing.h needs MEMPLAN_SOURCE_DIR (the project source directory) defined"
 #endif

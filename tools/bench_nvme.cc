@@ -24,9 +24,9 @@ struct BenchFlags {
   std::string path;
   std::string file;
   std::string size = "1G";
-  std::string block_size;    // empty: swept
-  uint32_t queue_depth = 0;  // 0: swept
-  std::string backend;       // empty: swept
+  std::string block_size;               // empty: swept
+  uint32_t queue_depth = 0;             // 0: swept
+  std::string backend;                  // empty: swept
   std::vector<uint32_t> threads = {1};  // intra_op_parallelism values swept
   std::string rw = "both";
   bool direct = false;  // --direct: the default, accepted for explicitness

@@ -43,16 +43,16 @@ Status ReadNvmeJson(const std::string& path, bench::SwapBenchOptions* options) {
   MEMPLAN_ASSIGN_OR_RETURN(planner::NvmeBenchReading reading,
                            planner::NvmeBenchFromJson(doc, path));
   if (!(reading.read_bytes_per_s > 0) || !(reading.write_bytes_per_s > 0)) {
-    return Status::InvalidArgument(path + ": the swap bench needs both best.read_bytes_per_s and "
-                                          "best.write_bytes_per_s; the report measured one");
+    return Status::InvalidArgument(path +
+                                   ": the swap bench needs both best.read_bytes_per_s and "
+                                   "best.write_bytes_per_s; the report measured one");
   }
   options->read_bytes_per_s = reading.read_bytes_per_s;
   options->write_bytes_per_s = reading.write_bytes_per_s;
   return Status::Ok();
 }
 
-Result<bench::SwapBenchOptions> ToOptions(const SwapFlags& flags,
-                                            const std::atomic<bool>* stop) {
+Result<bench::SwapBenchOptions> ToOptions(const SwapFlags& flags, const std::atomic<bool>* stop) {
   MEMPLAN_RETURN_IF_ERROR(RequireDirectory(flags.path, "--path"));
   bench::SwapBenchOptions options;
   options.stop = stop;

@@ -99,8 +99,7 @@ void RegisterCalibrate(CLI::App& app, Outcome* outcome) {
                   "link_efficiency, network_efficiency, offload_overlap, cpu_adam_factor; "
                   "default: every one the runs determine precisely")
       ->delimiter(',');
-  AddFormatOption(cmd, &f->format,
-                  "text (a report) or json (the calibration file's contents)");
+  AddFormatOption(cmd, &f->format, "text (a report) or json (the calibration file's contents)");
   f->source.Add(cmd);
   cmd->footer(
       "\nExamples:\n"

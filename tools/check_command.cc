@@ -56,8 +56,8 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
   if (f.gpus > 0 || f.nodes > 0) options.world_size = CheckedMulInt64(gpus, nodes).value_or(0);
   Result<estimator::ModelInventory> inventory = Status::NotFound("no model");
   if (!f.gpu.empty() || !f.cluster_file.empty()) {
-    auto cluster = BuildClusterForCheck(f.gpu, f.gpus, f.nodes, f.cpu_mem, f.memlock,
-                                        f.cluster_file);
+    auto cluster =
+        BuildClusterForCheck(f.gpu, f.gpus, f.nodes, f.cpu_mem, f.memlock, f.cluster_file);
     if (!cluster.ok()) return fail(cluster.status());
     options.cluster = *cluster;
     options.world_size = cluster->WorldSize();
@@ -68,11 +68,11 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
     if (!options.cluster) {
       return fail(Status::InvalidArgument("--model needs --gpu (or --cluster) to predict the fit"));
     }
-    inventory = LoadModelForCli(f.model,
-                              f.model_class == "base"
-                                  ? estimator::ModelClassChoice::kBase
-                                  : estimator::ModelClassChoice::kFromArchitectures,
-                              f.source);
+    inventory =
+        LoadModelForCli(f.model,
+                        f.model_class == "base" ? estimator::ModelClassChoice::kBase
+                                                : estimator::ModelClassChoice::kFromArchitectures,
+                        f.source);
     if (!inventory.ok()) return fail(inventory.status());
     if (!inventory->arch) {
       return fail(Status::InvalidArgument(f.model + ": predicting the fit needs the "

@@ -59,7 +59,9 @@ struct ModelOptions {
   ModelClassChoice Choice() const {
     return model_class == "base" ? ModelClassChoice::kBase : ModelClassChoice::kFromArchitectures;
   }
-  Result<estimator::ModelInventory> Load() const { return LoadModelForCli(model, Choice(), source); }
+  Result<estimator::ModelInventory> Load() const {
+    return LoadModelForCli(model, Choice(), source);
+  }
 };
 
 // Sends `text` to stdout or to the --output file.
@@ -238,8 +240,7 @@ struct SetupOptions {
                         "PEFT's for the model type")
             ->delimiter(','),
         "lora_targets");
-    add(cmd->add_flag("--qlora", qlora, "Frozen base Linears in NF4 (needs --lora-rank)"),
-        "qlora");
+    add(cmd->add_flag("--qlora", qlora, "Frozen base Linears in NF4 (needs --lora-rank)"), "qlora");
     add(cmd->add_flag("--double-quant", double_quant, "QLoRA double quantisation (4.127 bits)"),
         "double_quant");
     add(cmd->add_option("--micro-batch", micro_batch, "Sequences per GPU per forward pass")
@@ -458,8 +459,7 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
 void RegisterInventory(CLI::App& app, Outcome* outcome) {
   auto options = std::make_shared<ModelOptions>();
   CLI::App* cmd = app.add_subcommand(
-      "inventory",
-      "Every parameter tensor of a model: name, shape, dtype, module, block, tied-to");
+      "inventory", "Every parameter tensor of a model: name, shape, dtype, module, block, tied-to");
   options->Add(cmd);
   cmd->callback([options, outcome] {
     auto inventory = options->Load();

@@ -44,17 +44,19 @@ struct ClusterFlags {
 
   void Add(CLI::App* cmd, bool gpu_required_hint) {
     const char* group = "Cluster";
-    cmd->add_option("--cluster", cluster_file, "A cluster JSON file (see README); flags override it")
+    cmd->add_option("--cluster", cluster_file,
+                    "A cluster JSON file (see README); flags override it")
         ->group(group);
     cmd->add_flag("--detect", detect,
                   "Read this machine: RAM, cores, memlock, free space at --nvme-path, GPUs "
                   "through the CUDA driver")
         ->group(group);
-    cmd->add_option("--gpu", gpu,
-                    std::string("GPU preset: v100-16, v100-32, a100-40, a100-80, a800-80, "
-                                "h100-80, h100-96, h200, h200-nvl, b200, mi300x, l40s, a10g, l4, "
-                                "t4, rtx3090, rtx4090") +
-                        (gpu_required_hint ? " (needed unless --cluster or --detect finds one)" : ""))
+    cmd->add_option(
+           "--gpu", gpu,
+           std::string("GPU preset: v100-16, v100-32, a100-40, a100-80, a800-80, "
+                       "h100-80, h100-96, h200, h200-nvl, b200, mi300x, l40s, a10g, l4, "
+                       "t4, rtx3090, rtx4090") +
+               (gpu_required_hint ? " (needed unless --cluster or --detect finds one)" : ""))
         ->group(group);
     cmd->add_option("-g,--gpus", gpus, "GPUs per node (default 1)")
         ->check(CLI::Range(int64_t{1}, int64_t{1024}))
@@ -273,7 +275,8 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
       add(f.emit_trainer, dump(planner::TrainerArguments(plan, cluster, inventory, options)));
     }
     if (!f.emit_launch.empty()) {
-      MEMPLAN_ASSIGN_OR_RETURN(planner::Launcher launcher, planner::ParseLauncher(f.emit_launch[0]));
+      MEMPLAN_ASSIGN_OR_RETURN(planner::Launcher launcher,
+                               planner::ParseLauncher(f.emit_launch[0]));
       planner::LaunchOptions launch;
       launch.launcher = launcher;
       launch.command = {f.launch_script};
@@ -296,8 +299,8 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
       launch.slurm_partition = f.slurm_partition;
       launch.slurm_time = f.slurm_time;
       Result<std::string> script = planner::LaunchScript(plan, cluster, launch);
-      const bool hybrid_deepspeed = launcher == planner::Launcher::kDeepSpeed &&
-                                    plan.sharding == planner::Sharding::kHybrid;
+      const bool hybrid_deepspeed =
+          launcher == planner::Launcher::kDeepSpeed && plan.sharding == planner::Sharding::kHybrid;
       if (!script.ok() && !hybrid_deepspeed) return script.status();
       add(f.emit_launch[1], script);
     }
@@ -320,19 +323,21 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
 void RunPlan(const PlanFlags& f, Outcome* outcome) {
   auto fail = [&](const Status& s) { Fail(outcome, s); };
   if ((f.global_batch > 0) == (f.global_batch_tokens > 0)) {
-    return fail(Status::InvalidArgument("give exactly one of --global-batch (samples) and "
-                                        "--global-batch-tokens"));
+    return fail(
+        Status::InvalidArgument("give exactly one of --global-batch (samples) and "
+                                "--global-batch-tokens"));
   }
-  auto inventory = LoadModelForCli(f.model,
-                              f.model_class == "base"
-                                  ? estimator::ModelClassChoice::kBase
-                                  : estimator::ModelClassChoice::kFromArchitectures,
-                              f.source);
+  auto inventory =
+      LoadModelForCli(f.model,
+                      f.model_class == "base" ? estimator::ModelClassChoice::kBase
+                                              : estimator::ModelClassChoice::kFromArchitectures,
+                      f.source);
   if (!inventory.ok()) return fail(inventory.status());
   if (!inventory->arch) {
     return fail(Status::InvalidArgument(
-        f.model + ": planning needs the architecture (a config.json or built-in model), not a "
-                  "tensor-shape list or safetensors header"));
+        f.model +
+        ": planning needs the architecture (a config.json or built-in model), not a "
+        "tensor-shape list or safetensors header"));
   }
   std::string note;
   auto cluster = f.cluster.Build(&note);
@@ -353,8 +358,8 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   Status applied = f.job.Apply(precision, &s);
   if (!applied.ok()) return fail(applied);
   if (f.global_batch_tokens > 0) {
-    auto samples = planner::SamplesFromTokens(f.global_batch_tokens,
-                                              s.SeqLenFor(&*inventory->arch));
+    auto samples =
+        planner::SamplesFromTokens(f.global_batch_tokens, s.SeqLenFor(&*inventory->arch));
     if (!samples.ok()) return fail(samples.status());
     job.global_batch = *samples;
   } else {
@@ -384,8 +389,8 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
     options.only_checkpointing = *c;
   }
   if (!f.sharding.empty()) {
-    options.only_sharding = f.sharding == "hybrid" ? planner::Sharding::kHybrid
-                                                   : planner::Sharding::kFull;
+    options.only_sharding =
+        f.sharding == "hybrid" ? planner::Sharding::kHybrid : planner::Sharding::kFull;
   }
   auto result = planner::SearchPlans(*inventory, *cluster, job, options);
   if (!result.ok()) return fail(result.status());
@@ -408,7 +413,8 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
     text = FieldsToFlags(planner::FormatPlanText(*result, *cluster, job, f.top));
     if (chosen != nullptr) {
       text += "\nThe trainer must also (plan " + std::to_string(f.plan_index + 1) + "):\n";
-      for (const std::string& line : planner::TrainerSettings(*chosen, *inventory, f.for_hf_trainer)) {
+      for (const std::string& line :
+           planner::TrainerSettings(*chosen, *inventory, f.for_hf_trainer)) {
         text += "  - " + line + "\n";
       }
     }
@@ -460,7 +466,8 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
              "GPUs without bf16)",
              "adamw | adam8bit | sgd | lion | adafactor (default adamw; without the flag 8-bit "
              "AdamW is also tried where it is faster)");
-  const char* what_if = "What if (restrict the search; a given configuration is scored like any plan)";
+  const char* what_if =
+      "What if (restrict the search; a given configuration is scored like any plan)";
   cmd->add_option("--zero-stage", f->zero_stage, "Only this ZeRO stage (0-3)")
       ->check(CLI::Range(0, 3))
       ->group(what_if);
@@ -540,8 +547,7 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
                   "emitted with it")
       ->expected(2)
       ->group(emit);
-  cmd->add_option("--launch-script", f->launch_script,
-                  "The training script the launch runs")
+  cmd->add_option("--launch-script", f->launch_script, "The training script the launch runs")
       ->capture_default_str()
       ->group(emit);
   cmd->add_option("--launch-arg", f->launch_args,
@@ -552,10 +558,12 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       ->check(CLI::Range(1, 65535))
       ->capture_default_str()
       ->group(emit);
-  cmd->add_option("--slurm-partition", f->slurm_partition, "#SBATCH --partition of the sbatch "
+  cmd->add_option("--slurm-partition", f->slurm_partition,
+                  "#SBATCH --partition of the sbatch "
                   "script")
       ->group(emit);
-  cmd->add_option("--slurm-time", f->slurm_time, "#SBATCH --time of the sbatch script "
+  cmd->add_option("--slurm-time", f->slurm_time,
+                  "#SBATCH --time of the sbatch script "
                   "(D-HH:MM:SS)")
       ->group(emit);
   cmd->add_option("--calibration", f->calibration,

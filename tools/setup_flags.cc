@@ -73,8 +73,8 @@ void SharedSetupFlags::Apply(estimator::TrainingSetup* s, bool only_given) const
   if (use("torch_version")) s->torch_version = values.torch_version;
 }
 
-void JobSetupFlags::Add(CLI::App* cmd, const std::string& group,
-                        const std::string& precision_help, const std::string& optimizer_help) {
+void JobSetupFlags::Add(CLI::App* cmd, const std::string& group, const std::string& precision_help,
+                        const std::string& optimizer_help) {
   cmd->add_option("--seq-len", seq_len, "Tokens per sequence (default: min(positions, 2048))")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
       ->group(group);
@@ -98,8 +98,7 @@ void JobSetupFlags::Add(CLI::App* cmd, const std::string& group,
       ->group(group);
 }
 
-Status JobSetupFlags::Apply(const std::string& precision_name,
-                            estimator::TrainingSetup* s) const {
+Status JobSetupFlags::Apply(const std::string& precision_name, estimator::TrainingSetup* s) const {
   MEMPLAN_ASSIGN_OR_RETURN(s->precision, estimator::ParsePrecision(precision_name));
   MEMPLAN_ASSIGN_OR_RETURN(s->optimizer, estimator::ParseOptimizer(optimizer));
   s->lora_rank = lora_rank;

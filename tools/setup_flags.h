@@ -17,7 +17,7 @@
 namespace memplan::tools {
 
 struct SharedSetupFlags {
-  estimator::TrainingSetup values;  // only the fields below are read
+  estimator::TrainingSetup values;         // only the fields below are read
   std::string framework = "transformers";  // parsed into values.framework by Apply
   // Each registered option with the TrainingSetup field it sets.
   std::vector<std::pair<CLI::Option*, std::string>> options;

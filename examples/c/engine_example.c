@@ -22,14 +22,14 @@
 #include "memplan.h"
 
 /* Every memplan call returns a memplan_status; on failure memplan_last_error() says why. */
-#define CHECK(call)                                                                   \
-  do {                                                                                \
-    memplan_status status_ = (call);                                                  \
-    if (status_ != MEMPLAN_OK) {                                                      \
-      fprintf(stderr, "%s failed: %s: %s\n", #call, memplan_status_name(status_),     \
-              memplan_last_error());                                                  \
-      exit(1);                                                                        \
-    }                                                                                 \
+#define CHECK(call)                                                               \
+  do {                                                                            \
+    memplan_status status_ = (call);                                              \
+    if (status_ != MEMPLAN_OK) {                                                  \
+      fprintf(stderr, "%s failed: %s: %s\n", #call, memplan_status_name(status_), \
+              memplan_last_error());                                              \
+      exit(1);                                                                    \
+    }                                                                             \
   } while (0)
 
 enum { kIn = 3, kHidden = 4, kSamples = 8, kSteps = 8 };
@@ -78,8 +78,8 @@ int main(int argc, char** argv) {
 
   /* The model: h = W1 x + b1 ("layer1"), y = W2 h + b2 ("layer2"). The initial values are read
    * during memplan_engine_start, so these arrays must live until then. */
-  static const float w1_init[kHidden * kIn] = {0.1f, -0.2f, 0.3f, 0.0f, 0.2f, 0.1f,
-                                               -0.1f, 0.1f, 0.0f, 0.3f, -0.3f, 0.2f};
+  static const float w1_init[kHidden * kIn] = {0.1f,  -0.2f, 0.3f, 0.0f, 0.2f,  0.1f,
+                                               -0.1f, 0.1f,  0.0f, 0.3f, -0.3f, 0.2f};
   static const float w2_init[kHidden] = {0.2f, -0.1f, 0.1f, 0.3f};
   const int64_t w1_shape[2] = {kHidden, kIn}, b1_shape[1] = {kHidden};
   const int64_t w2_shape[2] = {1, kHidden}, b2_shape[1] = {1};

@@ -107,9 +107,9 @@ std::string Answer(const std::string& request, const char* what,
 struct Memory {
   const void* data = nullptr;
   uint64_t bytes = 0;
-  std::string dtype;  // "fp32", "bf16", "fp16", or the format we could not map
+  std::string dtype;    // "fp32", "bf16", "fp16", or the format we could not map
   bool device = false;  // memory of a CUDA tensor
-  py::object keep;    // keeps the owner alive (and a buffer_info's release)
+  py::object keep;      // keeps the owner alive (and a buffer_info's release)
 };
 
 Memory MemoryOf(const py::object& obj) {
@@ -179,8 +179,8 @@ class PyCollective final : public offload::Collective {
   Status AllGather(const void* send, void* recv, uint64_t count,
                    offload::ElementType type) override {
     const uint64_t bytes = count * static_cast<uint64_t>(offload::ElementBytes(type));
-    return Call("all_gather", send, bytes, recv, bytes * static_cast<uint64_t>(world_size_),
-                count, type);
+    return Call("all_gather", send, bytes, recv, bytes * static_cast<uint64_t>(world_size_), count,
+                type);
   }
   Status ReduceScatter(const void* send, void* recv, uint64_t count,
                        offload::ElementType type) override {
@@ -200,8 +200,8 @@ class PyCollective final : public offload::Collective {
     py::gil_scoped_acquire gil;
     try {
       auto view = [](const void* p, uint64_t bytes) {
-        return py::memoryview::from_memory(const_cast<void*>(p),
-                                           static_cast<py::ssize_t>(bytes), /*readonly=*/false);
+        return py::memoryview::from_memory(const_cast<void*>(p), static_cast<py::ssize_t>(bytes),
+                                           /*readonly=*/false);
       };
       impl_.attr(what)(view(send, send_bytes), view(recv, recv_bytes), count,
                        std::string(offload::ElementTypeName(type)));
@@ -402,7 +402,8 @@ class PyEngine {
     Status status;
     {
       py::gil_scoped_release release;
-      status = engine_->GradReady(param, m.data, type, gpu::Stream{reinterpret_cast<void*>(stream)});
+      status =
+          engine_->GradReady(param, m.data, type, gpu::Stream{reinterpret_cast<void*>(stream)});
     }
     Check(status);
     if (!device_runtime) return;  // copied before GradReady returned
@@ -468,7 +469,9 @@ class PyEngine {
     return integration::ToJson(engine_->stats()).dump();
   }
 
-  std::string ParamDtype() const { return std::string(offload::ElementTypeName(schedule_.param_dtype)); }
+  std::string ParamDtype() const {
+    return std::string(offload::ElementTypeName(schedule_.param_dtype));
+  }
   std::string Runtime() const { return std::string(runtime_->Name()); }
   int Device() const { return runtime_->device(); }
 
@@ -504,9 +507,9 @@ class PyEngine {
   offload::Schedule schedule_;
   std::unique_ptr<gpu::Runtime> runtime_;
   std::unique_ptr<offload::Collective> collective_;  // null: one process
-  std::unique_ptr<offload::Engine> engine_;  // destroyed before collective_ and runtime_
-  std::vector<uint64_t> numels_;   // by parameter id
-  std::vector<py::object> keep_;   // init buffers until start()
+  std::unique_ptr<offload::Engine> engine_;          // destroyed before collective_ and runtime_
+  std::vector<uint64_t> numels_;                     // by parameter id
+  std::vector<py::object> keep_;                     // init buffers until start()
   std::vector<py::object> grads_;  // gradients without record_stream, until step()
   py::object gradient_stream_;     // GradientStreamObject's
 };
@@ -783,11 +786,10 @@ PYBIND11_MODULE(_native, m) {
   py::class_<PyCpuAdam>(m, "CpuAdam")
       .def(py::init<int, const std::string&>(), py::arg("threads") = 1, py::arg("isa") = "")
       .def("step", &PyCpuAdam::Step, py::arg("step"), py::arg("params"), py::arg("grads"),
-           py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("lr") = 1e-3,
-           py::arg("beta1") = 0.9, py::arg("beta2") = 0.999, py::arg("eps") = 1e-8,
-           py::arg("weight_decay") = 0.01, py::arg("decoupled") = true,
-           py::arg("grad_scale") = 1.0, py::arg("half_params") = py::none(),
-           py::arg("half_dtype") = "")
+           py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("lr") = 1e-3, py::arg("beta1") = 0.9,
+           py::arg("beta2") = 0.999, py::arg("eps") = 1e-8, py::arg("weight_decay") = 0.01,
+           py::arg("decoupled") = true, py::arg("grad_scale") = 1.0,
+           py::arg("half_params") = py::none(), py::arg("half_dtype") = "")
       .def_property_readonly("isa", &PyCpuAdam::Isa)
       .def_property_readonly("threads", &PyCpuAdam::Threads);
 }

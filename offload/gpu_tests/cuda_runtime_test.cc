@@ -294,7 +294,8 @@ TEST_CASE("NCCL collective, one rank") {
 #endif
 }
 
-// ---- The engine on the GPU -----------------------------------------------------------------------
+// ---- The engine on the GPU
+// -----------------------------------------------------------------------
 
 // Trains three steps of four one-parameter modules on `runtime` (the CUDA runtime, or the host-only
 // one for the reference); gradients are computed on the host from the fetched parameters and
@@ -328,7 +329,8 @@ std::vector<std::vector<float>> TrainEngine(gpu::Runtime& runtime, Collective* c
   REQUIRE_MESSAGE(engine.ok(), engine.status().ToString());
   std::vector<ParamId> ids;
   for (int m = 0; m < kModules; ++m) {
-    ParamSpec spec{"m" + std::to_string(m) + ".w", "m" + std::to_string(m),
+    ParamSpec spec{"m" + std::to_string(m) + ".w",
+                   "m" + std::to_string(m),
                    {static_cast<int64_t>(kNumel)},
                    [m](uint64_t first, std::span<float> out) {
                      for (size_t k = 0; k < out.size(); ++k) {
@@ -352,8 +354,9 @@ std::vector<std::vector<float>> TrainEngine(gpu::Runtime& runtime, Collective* c
       const std::string module = "m" + std::to_string(m);
       REQUIRE_OK((*engine)->Fetch(module));
       void* w = *(*engine)->DevicePointer(ids[m]);
-      REQUIRE(runtime.Wait(gpu::MustCopy(runtime, gpu::CopyDirection::kDeviceToHost, host.data(),
-                                         w, kNumel * pb))
+      REQUIRE(runtime
+                  .Wait(gpu::MustCopy(runtime, gpu::CopyDirection::kDeviceToHost, host.data(), w,
+                                      kNumel * pb))
                   .ok());
       std::vector<float> g(kNumel);
       for (uint64_t i = 0; i < kNumel; ++i) {
@@ -368,8 +371,9 @@ std::vector<std::vector<float>> TrainEngine(gpu::Runtime& runtime, Collective* c
         g[i] = v * 0.5f + static_cast<float>((i + static_cast<uint64_t>(step)) % 7) * 1e-3f +
                static_cast<float>(rank) * 1e-3f;
       }
-      REQUIRE(runtime.Wait(gpu::MustCopy(runtime, gpu::CopyDirection::kHostToDevice, grad,
-                                         g.data(), kNumel * 4))
+      REQUIRE(runtime
+                  .Wait(gpu::MustCopy(runtime, gpu::CopyDirection::kHostToDevice, grad, g.data(),
+                                      kNumel * 4))
                   .ok());
       REQUIRE_OK((*engine)->GradReady(ids[m], grad, ElementType::kFloat32));
       // The copy reads `grad` later, on the gradient stream: wait before it is overwritten.
@@ -405,8 +409,8 @@ TEST_CASE("engine on the GPU trains as on the host, bit for bit: fp32 and bf16, 
       }
       if (tier == Tier::kNvme) {  // the optimizer during backward: write-backs beside fetches
         testing::TempDir overlap_dir("gpu-engine-overlap-");
-        const auto overlapped = TrainEngine(*cuda, nullptr, dtype, tier,
-                                            overlap_dir.PathOf("nvme"), 0, /*prepare=*/true);
+        const auto overlapped = TrainEngine(*cuda, nullptr, dtype, tier, overlap_dir.PathOf("nvme"),
+                                            0, /*prepare=*/true);
         for (size_t i = 0; i < want.size(); ++i) {
           CHECK(std::memcmp(overlapped[i].data(), want[i].data(), want[i].size() * 4) == 0);
         }

@@ -1,8 +1,8 @@
 // Links memplan::estimator, memplan::nvme and memplan::offload from an installed tree and checks
 // known answers: GPT-2's parameter count (124,439,808), DeepSpeed's ZeRO-3 no-offload row for it on
-// 4 GPUs, a round trip through the NVMe I/O engine (which pulls in liburing, libaio and xxhash), and
-// one AdamW step of the offload engine on the host-only runtime (which pulls in the CUDA runtime
-// and NCCL where memplan was built with them).
+// 4 GPUs, a round trip through the NVMe I/O engine (which pulls in liburing, libaio and xxhash),
+// and one AdamW step of the offload engine on the host-only runtime (which pulls in the CUDA
+// runtime and NCCL where memplan was built with them).
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -71,7 +71,8 @@ int main() {
     std::fprintf(stderr, "%s\n", inventory.status().ToString().c_str());
     return 1;
   }
-  auto estimate = EstimateModelStates(*inventory, DeepSpeedHardware{.nodes = 1, .gpus_per_node = 4});
+  auto estimate =
+      EstimateModelStates(*inventory, DeepSpeedHardware{.nodes = 1, .gpus_per_node = 4});
   if (!estimate.ok()) {
     std::fprintf(stderr, "%s\n", estimate.status().ToString().c_str());
     return 1;

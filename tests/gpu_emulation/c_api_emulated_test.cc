@@ -119,11 +119,9 @@ std::vector<float> TrainThroughC(bool cuda, std::string* runtime_name) {
         // Hold the engine's gradient lane as a busy copy engine would, so that its copy of `g`
         // runs after the trainer has freed `g` and its next kernel has written the block again,
         // unless the free waited for that lane (the record_stream below).
-        memplan::gpu_emulation::LaunchKernel(static_cast<cudaStream_t>(GradientStream(engine)),
-                                             [] {
-                                               std::this_thread::sleep_for(
-                                                   std::chrono::milliseconds(2));
-                                             });
+        memplan::gpu_emulation::LaunchKernel(static_cast<cudaStream_t>(GradientStream(engine)), [] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        });
       }
       REQUIRE_MESSAGE(GradReadyOn(engine, ids[m], g, stream) == MEMPLAN_OK, LastError());
       if (cuda) {

@@ -120,9 +120,9 @@ MUTATIONS = [
      "(void)last;",
      "Write: wait for the uploads of the caller's values"),
     ("S7", "offload/param_swapper.cc",
-     "  MEMPLAN_RETURN_IF_ERROR(rt.Wait(last));\n  std::lock_guard<std::mutex> lock(s.mu);\n"
+     "  MEMPLAN_RETURN_IF_ERROR(rt.Wait(last));\n  MutexLock lock(&s.mu);\n"
      "  s.stats.allgather_bytes",
-     "  (void)last;\n  std::lock_guard<std::mutex> lock(s.mu);\n  s.stats.allgather_bytes",
+     "  (void)last;\n  MutexLock lock(&s.mu);\n  s.stats.allgather_bytes",
      "GatherResident: wait for the copies out of the gathered pack"),
     ("S8", "offload/param_swapper.cc",
      "Status waited = s.options.runtime->Wait(ticket);", "Status waited;",

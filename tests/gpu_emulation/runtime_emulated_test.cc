@@ -521,7 +521,7 @@ TEST_CASE("param swapper: EndOfStep waits for the copies of the prefetches it dr
     release->store(true);
   });
   REQUIRE_OK(swapper.EndOfStep());  // the step ends before C: its prefetch is dropped
-  CHECK(done->load());                // ... and its copy, after the kernel, has run
+  CHECK(done->load());              // ... and its copy, after the kernel, has run
   CHECK(swapper.stats().prefetch_wasted >= 1);
   // The optimizer's write-back into the arena C's copy read (ThreadSanitizer sees a race here
   // when EndOfStep did not wait).
