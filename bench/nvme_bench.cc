@@ -95,34 +95,20 @@ std::string FilesystemName(const std::string& directory) {
   struct statfs fs {};
   if (::statfs(directory.c_str(), &fs) != 0) return "unknown";
   switch (static_cast<uint64_t>(fs.f_type)) {
-    case 0xEF53:
-      return "ext4";  // ext2/3/4 share the magic
-    case 0x58465342:
-      return "xfs";
-    case 0x9123683E:
-      return "btrfs";
-    case 0xF2F52010:
-      return "f2fs";
-    case 0x2FC12FC1:
-      return "zfs";
-    case 0x01021994:
-      return "tmpfs";
-    case 0x858458F6:
-      return "ramfs";
-    case 0x794C7630:
-      return "overlayfs";
-    case 0x6969:
-      return "nfs";
-    case 0xFF534D42:
-      return "cifs";
-    case 0x65735546:
-      return "fuse";
-    case 0x47504653:
-      return "gpfs";
-    case 0x0BD00BD0:
-      return "lustre";
-    default:
-      break;
+    case 0xEF53: return "ext4";  // ext2/3/4 share the magic
+    case 0x58465342: return "xfs";
+    case 0x9123683E: return "btrfs";
+    case 0xF2F52010: return "f2fs";
+    case 0x2FC12FC1: return "zfs";
+    case 0x01021994: return "tmpfs";
+    case 0x858458F6: return "ramfs";
+    case 0x794C7630: return "overlayfs";
+    case 0x6969: return "nfs";
+    case 0xFF534D42: return "cifs";
+    case 0x65735546: return "fuse";
+    case 0x47504653: return "gpfs";
+    case 0x0BD00BD0: return "lustre";
+    default: break;
   }
   char hex[32];
   std::snprintf(hex, sizeof(hex), "unknown (0x%" PRIx64 ")", static_cast<uint64_t>(fs.f_type));
@@ -460,12 +446,9 @@ std::string MegabytesPerSecond(bool measured, double bytes_per_s) {
 
 std::string_view BenchRwName(BenchRw rw) {
   switch (rw) {
-    case BenchRw::kRead:
-      return "read";
-    case BenchRw::kWrite:
-      return "write";
-    case BenchRw::kBoth:
-      return "both";
+    case BenchRw::kRead: return "read";
+    case BenchRw::kWrite: return "write";
+    case BenchRw::kBoth: return "both";
   }
   return "?";
 }

@@ -7,28 +7,17 @@ namespace memplan {
 
 std::string_view StatusCodeName(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk:
-      return "OK";
-    case StatusCode::kInvalidArgument:
-      return "InvalidArgument";
-    case StatusCode::kNotFound:
-      return "NotFound";
-    case StatusCode::kIoError:
-      return "IoError";
-    case StatusCode::kOutOfRange:
-      return "OutOfRange";
-    case StatusCode::kFailedPrecondition:
-      return "FailedPrecondition";
-    case StatusCode::kResourceExhausted:
-      return "ResourceExhausted";
-    case StatusCode::kUnimplemented:
-      return "Unimplemented";
-    case StatusCode::kDataLoss:
-      return "DataLoss";
-    case StatusCode::kUnavailable:
-      return "Unavailable";
-    case StatusCode::kInternal:
-      return "Internal";
+    case StatusCode::kOk: return "OK";
+    case StatusCode::kInvalidArgument: return "InvalidArgument";
+    case StatusCode::kNotFound: return "NotFound";
+    case StatusCode::kIoError: return "IoError";
+    case StatusCode::kOutOfRange: return "OutOfRange";
+    case StatusCode::kFailedPrecondition: return "FailedPrecondition";
+    case StatusCode::kResourceExhausted: return "ResourceExhausted";
+    case StatusCode::kUnimplemented: return "Unimplemented";
+    case StatusCode::kDataLoss: return "DataLoss";
+    case StatusCode::kUnavailable: return "Unavailable";
+    case StatusCode::kInternal: return "Internal";
   }
   return "Unknown";
 }
@@ -46,19 +35,14 @@ std::string Status::ToString() const {
 Status Status::FromErrno(int err, std::string_view msg) {
   std::string text = std::string(msg) + ": " + std::strerror(err);
   switch (err) {
-    case ENOENT:
-      return NotFound(text);
+    case ENOENT: return NotFound(text);
     case ENOSPC:
     case EDQUOT:
-    case ENOMEM:
-      return ResourceExhausted(text);
+    case ENOMEM: return ResourceExhausted(text);
     case EAGAIN:
-    case EINTR:
-      return Unavailable(text);
-    case EINVAL:
-      return InvalidArgument(text);
-    default:
-      return IoError(text);
+    case EINTR: return Unavailable(text);
+    case EINVAL: return InvalidArgument(text);
+    default: return IoError(text);
   }
 }
 

@@ -99,22 +99,15 @@ struct ClassSpec {
 
 std::string_view HeadModelClass(EncoderHead head) {
   switch (head) {
-    case EncoderHead::kNone:
-      return "base";
+    case EncoderHead::kNone: return "base";
     case EncoderHead::kMaskedLm:
-    case EncoderHead::kPreTraining:
-      return "masked_lm";
-    case EncoderHead::kCausalLm:
-      return "causal_lm";
+    case EncoderHead::kPreTraining: return "masked_lm";
+    case EncoderHead::kCausalLm: return "causal_lm";
     case EncoderHead::kNextSentence:
-    case EncoderHead::kSequence:
-      return "sequence_classification";
-    case EncoderHead::kToken:
-      return "token_classification";
-    case EncoderHead::kQuestionAnswering:
-      return "question_answering";
-    case EncoderHead::kMultipleChoice:
-      return "multiple_choice";
+    case EncoderHead::kSequence: return "sequence_classification";
+    case EncoderHead::kToken: return "token_classification";
+    case EncoderHead::kQuestionAnswering: return "question_answering";
+    case EncoderHead::kMultipleChoice: return "multiple_choice";
   }
   return "base";
 }
@@ -324,26 +317,22 @@ Status AddBertHead(TensorSink& sink, const ClassSpec& spec, const std::string& p
   const std::string word_embeddings =
       head_first ? "" : prefix + "embeddings.word_embeddings.weight";
   switch (spec.head) {
-    case EncoderHead::kNone:
-      return Status::Ok();
+    case EncoderHead::kNone: return Status::Ok();
     case EncoderHead::kMaskedLm:
     case EncoderHead::kCausalLm:
       return AddLmHead(sink, bert ? "cls.predictions" : "lm_head", word_embeddings, d, flavor);
     case EncoderHead::kPreTraining:
       MEMPLAN_RETURN_IF_ERROR(AddLmHead(sink, "cls.predictions", word_embeddings, d, flavor));
       return sink.Linear("cls.seq_relationship", d.hidden, 2, true);
-    case EncoderHead::kNextSentence:
-      return sink.Linear("cls.seq_relationship", d.hidden, 2, true);
+    case EncoderHead::kNextSentence: return sink.Linear("cls.seq_relationship", d.hidden, 2, true);
     case EncoderHead::kSequence:
       if (bert) return sink.Linear("classifier", d.hidden, d.labels, true);
       MEMPLAN_RETURN_IF_ERROR(sink.Linear("classifier.dense", d.hidden, d.hidden, true));
       return sink.Linear("classifier.out_proj", d.hidden, d.labels, true);
-    case EncoderHead::kToken:
-      return sink.Linear("classifier", d.hidden, d.labels, true);
+    case EncoderHead::kToken: return sink.Linear("classifier", d.hidden, d.labels, true);
     case EncoderHead::kQuestionAnswering:
       return sink.Linear("qa_outputs", d.hidden, d.labels, true);
-    case EncoderHead::kMultipleChoice:
-      return sink.Linear("classifier", d.hidden, 1, true);
+    case EncoderHead::kMultipleChoice: return sink.Linear("classifier", d.hidden, 1, true);
   }
   return Status::Ok();
 }
@@ -468,8 +457,7 @@ Status BuildDistilBertImpl(const FamilyRequest& request, ModelInventory* out) {
     case EncoderHead::kQuestionAnswering:
       MEMPLAN_RETURN_IF_ERROR(sink.Linear("qa_outputs", hidden, labels, true));
       break;
-    default:
-      break;
+    default: break;
   }
   out->architecture = spec.name;
   out->model_class = std::string(HeadModelClass(spec.head));
@@ -645,8 +633,7 @@ Status BuildT5(const FamilyRequest& request, ModelInventory* out) {
     case EncoderHead::kQuestionAnswering:
       MEMPLAN_RETURN_IF_ERROR(sink.Linear("qa_outputs", dims.model, labels, true));
       break;
-    default:
-      break;
+    default: break;
   }
   if (spec.model_class == "seq2seq_lm") {
     MEMPLAN_RETURN_IF_ERROR(sink.Param("lm_head.weight", {dims.vocab, dims.model},

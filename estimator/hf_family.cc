@@ -36,14 +36,9 @@ Status ReadDim(const ConfigReader& config, const DimField& f, Values* values) {
     return Status::Ok();
   }
   switch (f.kind) {
-    case DimField::kRequired:
-      return config.Dim(used).status();
-    case DimField::kDefault:
-      values->Set(f.dim, f.value);
-      break;
-    case DimField::kSameAs:
-      values->Set(f.dim, values->Get(f.a));
-      break;
+    case DimField::kRequired: return config.Dim(used).status();
+    case DimField::kDefault: values->Set(f.dim, f.value); break;
+    case DimField::kSameAs: values->Set(f.dim, values->Get(f.a)); break;
     case DimField::kQuotient: {
       const int64_t num = values->Get(f.a), den = values->Get(f.b);
       if (den == 0 || num % den != 0) {
@@ -162,76 +157,46 @@ int64_t Width(W w, const Values& v) {
   const int64_t h = v.Get(Dim::kHidden), a = v.Get(Dim::kHeads), kv = v.Get(Dim::kKvHeads),
                 d = v.Get(Dim::kHeadDim);
   switch (w) {
-    case W::kNone:
-      return 0;
-    case W::kOne:
-      return 1;
-    case W::kTwo:
-      return 2;
-    case W::kHidden:
-      return h;
-    case W::kVocab:
-      return v.Get(Dim::kVocab);
-    case W::kQ:
-      return a * d;
-    case W::kKv:
-      return kv * d;
-    case W::kQkv:
-      return (a + 2 * kv) * d;
-    case W::kKvPair:
-      return 2 * kv * d;
-    case W::kFfn:
-      return v.Get(Dim::kIntermediate);
-    case W::kFfn2:
-      return 2 * v.Get(Dim::kIntermediate);
-    case W::kExperts:
-      return v.Get(Dim::kExperts);
-    case W::kMoeFfn:
-      return v.Get(Dim::kMoeIntermediate);
-    case W::kMoeFfn2:
-      return 2 * v.Get(Dim::kMoeIntermediate);
+    case W::kNone: return 0;
+    case W::kOne: return 1;
+    case W::kTwo: return 2;
+    case W::kHidden: return h;
+    case W::kVocab: return v.Get(Dim::kVocab);
+    case W::kQ: return a * d;
+    case W::kKv: return kv * d;
+    case W::kQkv: return (a + 2 * kv) * d;
+    case W::kKvPair: return 2 * kv * d;
+    case W::kFfn: return v.Get(Dim::kIntermediate);
+    case W::kFfn2: return 2 * v.Get(Dim::kIntermediate);
+    case W::kExperts: return v.Get(Dim::kExperts);
+    case W::kMoeFfn: return v.Get(Dim::kMoeIntermediate);
+    case W::kMoeFfn2: return 2 * v.Get(Dim::kMoeIntermediate);
     case W::kSharedFfn:
       return v.Get(Dim::kSharedExperts) > 0
                  ? v.Get(Dim::kSharedExperts) * v.Get(Dim::kMoeIntermediate)
                  : v.Get(Dim::kSharedIntermediate);
-    case W::kHeadDim:
-      return d;
-    case W::kHeads:
-      return a;
-    case W::kQRank:
-      return v.Get(Dim::kQLoraRank);
-    case W::kQHeads:
-      return a * (v.Get(Dim::kQkNopeHeadDim) + v.Get(Dim::kQkRopeHeadDim));
-    case W::kKvA:
-      return v.Get(Dim::kKvLoraRank) + v.Get(Dim::kQkRopeHeadDim);
-    case W::kKvRank:
-      return v.Get(Dim::kKvLoraRank);
-    case W::kKvB:
-      return a * (v.Get(Dim::kQkNopeHeadDim) + v.Get(Dim::kVHeadDim));
-    case W::kVOut:
-      return a * v.Get(Dim::kVHeadDim);
-    case W::kEmbedProj:
-      return v.Get(Dim::kEmbedProj) > 0 ? v.Get(Dim::kEmbedProj) : h;
-    case W::kPositions:
-      return v.Get(Dim::kPositions);
-    case W::kPositionsOpt:
-      return v.Get(Dim::kPositions) + 2;
-    case W::kLabels:
-      return v.labels;
-    case W::kRotaryHalf:
-      return RotaryHalf(v);
-    case W::kRotaryDim:
-      return v.Get(Dim::kRotaryDim) > 0 ? v.Get(Dim::kRotaryDim) : h;
-    case W::kChannels:
-      return v.Get(Dim::kChannels);
+    case W::kHeadDim: return d;
+    case W::kHeads: return a;
+    case W::kQRank: return v.Get(Dim::kQLoraRank);
+    case W::kQHeads: return a * (v.Get(Dim::kQkNopeHeadDim) + v.Get(Dim::kQkRopeHeadDim));
+    case W::kKvA: return v.Get(Dim::kKvLoraRank) + v.Get(Dim::kQkRopeHeadDim);
+    case W::kKvRank: return v.Get(Dim::kKvLoraRank);
+    case W::kKvB: return a * (v.Get(Dim::kQkNopeHeadDim) + v.Get(Dim::kVHeadDim));
+    case W::kVOut: return a * v.Get(Dim::kVHeadDim);
+    case W::kEmbedProj: return v.Get(Dim::kEmbedProj) > 0 ? v.Get(Dim::kEmbedProj) : h;
+    case W::kPositions: return v.Get(Dim::kPositions);
+    case W::kPositionsOpt: return v.Get(Dim::kPositions) + 2;
+    case W::kLabels: return v.labels;
+    case W::kRotaryHalf: return RotaryHalf(v);
+    case W::kRotaryDim: return v.Get(Dim::kRotaryDim) > 0 ? v.Get(Dim::kRotaryDim) : h;
+    case W::kChannels: return v.Get(Dim::kChannels);
     case W::kPatches:
     case W::kPatchesPlusOne: {
       const int64_t side =
           v.Get(Dim::kPatchSize) > 0 ? v.Get(Dim::kImageSize) / v.Get(Dim::kPatchSize) : 0;
       return side * side + (w == W::kPatchesPlusOne ? 1 : 0);
     }
-    case W::kVisionHidden:
-      return v.Get(Dim::kVisionHidden);
+    case W::kVisionHidden: return v.Get(Dim::kVisionHidden);
     case W::kVisionFeatures:
       return v.Get(Dim::kVisionHidden) * std::max<int64_t>(v.Get(Dim::kFeatureLayers), 1);
   }
@@ -306,22 +271,14 @@ void EmitPart(const Part& p, const std::string& prefix, int64_t expert, const Va
       sink->Param(".weight", {Width(p.a, v), Width(p.b, v)});
       sink->Param(".bias", {Width(p.b, v)});
       break;
-    case Kind::kEmbedding:
-      sink->Param(".weight", {Width(p.a, v), Width(p.b, v)});
-      break;
+    case Kind::kEmbedding: sink->Param(".weight", {Width(p.a, v), Width(p.b, v)}); break;
     case Kind::kNorm:
       sink->Param(".weight", {Width(p.a, v)});
       if (Holds(p.bias, v)) sink->Param(".bias", {Width(p.a, v)});
       break;
-    case Kind::kParam:
-      sink->Param("", Shape(p, v));
-      break;
-    case Kind::kBuffer:
-      sink->Buffer("", Shape(p, v));
-      break;
-    case Kind::kIdsBuffer:
-      sink->Buffer("", Shape(p, v), DType::kI64);
-      break;
+    case Kind::kParam: sink->Param("", Shape(p, v)); break;
+    case Kind::kBuffer: sink->Buffer("", Shape(p, v)); break;
+    case Kind::kIdsBuffer: sink->Buffer("", Shape(p, v), DType::kI64); break;
     case Kind::kConv2d: {
       const int64_t patch = v.Get(Dim::kPatchSize);
       sink->Param(".weight", {Width(p.b, v), Width(p.a, v), patch, patch});
@@ -335,8 +292,7 @@ void EmitPart(const Part& p, const std::string& prefix, int64_t expert, const Va
       }
       break;
     case Kind::kPerExpert:
-    case Kind::kInclude:
-      break;  // handled by EmitParts
+    case Kind::kInclude: break;  // handled by EmitParts
   }
 }
 
@@ -413,16 +369,13 @@ Result<std::set<int64_t>> MlpOnlyLayers(const ConfigReader& config) {
 bool MoeLayer(const FamilySpec& spec, const Values& v, const std::set<int64_t>& mlp_only,
               int64_t i) {
   switch (spec.moe) {
-    case MoePlacement::kNone:
-      return false;
-    case MoePlacement::kEveryLayer:
-      return true;
+    case MoePlacement::kNone: return false;
+    case MoePlacement::kEveryLayer: return true;
     case MoePlacement::kSparseStep: {
       const int64_t step = std::max<int64_t>(v.Get(Dim::kSparseStep), 1);
       return mlp_only.count(i) == 0 && v.Get(Dim::kExperts) > 0 && (i + 1) % step == 0;
     }
-    case MoePlacement::kAfterDense:
-      return i >= v.Get(Dim::kFirstDense);
+    case MoePlacement::kAfterDense: return i >= v.Get(Dim::kFirstDense);
   }
   return false;
 }
@@ -451,17 +404,10 @@ Result<std::vector<bool>> SlidingLayers(const FamilySpec& spec, const ConfigRead
   for (int64_t i = 0; i < layers; ++i) {
     bool s = false;
     switch (spec.sliding) {
-      case SlidingRule::kNone:
-        break;
-      case SlidingRule::kEveryLayer:
-        s = v.Get(Dim::kSlidingWindow) > 0;
-        break;
-      case SlidingRule::kEveryLayerIfUsed:
-        s = use && v.Get(Dim::kSlidingWindow) > 0;
-        break;
-      case SlidingRule::kAlternate:
-        s = (i + 1) % 2 != 0;
-        break;
+      case SlidingRule::kNone: break;
+      case SlidingRule::kEveryLayer: s = v.Get(Dim::kSlidingWindow) > 0; break;
+      case SlidingRule::kEveryLayerIfUsed: s = use && v.Get(Dim::kSlidingWindow) > 0; break;
+      case SlidingRule::kAlternate: s = (i + 1) % 2 != 0; break;
       case SlidingRule::kPattern: {
         const int64_t pattern = std::max<int64_t>(v.Get(Dim::kSlidingPattern), 1);
         s = (i + 1) % pattern != 0;

@@ -19,10 +19,8 @@ DType WeightsDType(const ModelInventory& inventory) {
       case DType::kF64:
       case DType::kF32:
       case DType::kF16:
-      case DType::kBF16:
-        return t.dtype;
-      default:
-        break;
+      case DType::kBF16: return t.dtype;
+      default: break;
     }
   }
   return DType::kF32;
@@ -30,20 +28,13 @@ DType WeightsDType(const ModelInventory& inventory) {
 
 std::string TorchName(DType dtype) {
   switch (dtype) {
-    case DType::kF64:
-      return "float64";
-    case DType::kF32:
-      return "float32";
-    case DType::kF16:
-      return "float16";
-    case DType::kBF16:
-      return "bfloat16";
-    case DType::kF8E4M3:
-      return "float8_e4m3fn";
-    case DType::kF8E5M2:
-      return "float8_e5m2";
-    default:
-      return std::string(DTypeName(dtype));
+    case DType::kF64: return "float64";
+    case DType::kF32: return "float32";
+    case DType::kF16: return "float16";
+    case DType::kBF16: return "bfloat16";
+    case DType::kF8E4M3: return "float8_e4m3fn";
+    case DType::kF8E5M2: return "float8_e5m2";
+    default: return std::string(DTypeName(dtype));
   }
 }
 
@@ -105,10 +96,8 @@ uint64_t BufferBytes(const TensorInfo& b) {
     case DType::kI16:
     case DType::kI8:
     case DType::kU8:
-    case DType::kBool:
-      return b.numel * static_cast<uint64_t>(DTypeBits(b.dtype) / 8);
-    default:
-      return b.numel * 4;
+    case DType::kBool: return b.numel * static_cast<uint64_t>(DTypeBits(b.dtype) / 8);
+    default: return b.numel * 4;
   }
 }
 

@@ -16,30 +16,18 @@ namespace memplan::estimator {
 
 std::string_view DTypeName(DType dtype) {
   switch (dtype) {
-    case DType::kF64:
-      return "F64";
-    case DType::kF32:
-      return "F32";
-    case DType::kF16:
-      return "F16";
-    case DType::kBF16:
-      return "BF16";
-    case DType::kF8E4M3:
-      return "F8_E4M3";
-    case DType::kF8E5M2:
-      return "F8_E5M2";
-    case DType::kI64:
-      return "I64";
-    case DType::kI32:
-      return "I32";
-    case DType::kI16:
-      return "I16";
-    case DType::kI8:
-      return "I8";
-    case DType::kU8:
-      return "U8";
-    case DType::kBool:
-      return "BOOL";
+    case DType::kF64: return "F64";
+    case DType::kF32: return "F32";
+    case DType::kF16: return "F16";
+    case DType::kBF16: return "BF16";
+    case DType::kF8E4M3: return "F8_E4M3";
+    case DType::kF8E5M2: return "F8_E5M2";
+    case DType::kI64: return "I64";
+    case DType::kI32: return "I32";
+    case DType::kI16: return "I16";
+    case DType::kI8: return "I8";
+    case DType::kU8: return "U8";
+    case DType::kBool: return "BOOL";
   }
   return "?";
 }
@@ -47,21 +35,17 @@ std::string_view DTypeName(DType dtype) {
 int DTypeBits(DType dtype) {
   switch (dtype) {
     case DType::kF64:
-    case DType::kI64:
-      return 64;
+    case DType::kI64: return 64;
     case DType::kF32:
-    case DType::kI32:
-      return 32;
+    case DType::kI32: return 32;
     case DType::kF16:
     case DType::kBF16:
-    case DType::kI16:
-      return 16;
+    case DType::kI16: return 16;
     case DType::kF8E4M3:
     case DType::kF8E5M2:
     case DType::kI8:
     case DType::kU8:
-    case DType::kBool:
-      return 8;
+    case DType::kBool: return 8;
   }
   return 0;
 }
@@ -238,10 +222,8 @@ uint64_t AccelerateBytes(const TensorInfo& t) {
     case DType::kI16:
     case DType::kI8:
     case DType::kU8:
-    case DType::kBool:
-      return t.numel * static_cast<uint64_t>(DTypeBits(t.dtype) / 8);
-    default:
-      return t.numel * 4;
+    case DType::kBool: return t.numel * static_cast<uint64_t>(DTypeBits(t.dtype) / 8);
+    default: return t.numel * 4;
   }
 }
 

@@ -201,16 +201,12 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
 Wide OptimizerStateBytes(const TrainingSetup& s, Wide trainable, Wide factored) {
   const bool pure = s.precision == Precision::kBf16Pure;
   switch (s.optimizer) {
-    case Optimizer::kAdamW:
-      return trainable * (pure ? 4 : 8);
+    case Optimizer::kAdamW: return trainable * (pure ? 4 : 8);
     case Optimizer::kAdam8bit:
       return trainable * 2 + CeilDiv(trainable, static_cast<Wide>(kAdam8bitBlock)) * 2 * 4;
-    case Optimizer::kSgd:
-      return s.sgd_momentum > 0 ? trainable * (pure ? 2 : 4) : 0;
-    case Optimizer::kLion:
-      return trainable * (pure ? 2 : 4);
-    case Optimizer::kAdafactor:
-      return trainable * (pure ? 2 : 4) + factored * 4;
+    case Optimizer::kSgd: return s.sgd_momentum > 0 ? trainable * (pure ? 2 : 4) : 0;
+    case Optimizer::kLion: return trainable * (pure ? 2 : 4);
+    case Optimizer::kAdafactor: return trainable * (pure ? 2 : 4) + factored * 4;
   }
   return 0;
 }
@@ -378,16 +374,11 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
 
 std::string PhaseName(Phase phase) {
   switch (phase) {
-    case kPhaseForward:
-      return "forward";
-    case kPhaseBackward:
-      return "backward";
-    case kPhaseBackwardEnd:
-      return "backward_end";
-    case kPhaseOptimizerStep:
-      return "optimizer_step";
-    case kAllPhases:
-      return "all";
+    case kPhaseForward: return "forward";
+    case kPhaseBackward: return "backward";
+    case kPhaseBackwardEnd: return "backward_end";
+    case kPhaseOptimizerStep: return "optimizer_step";
+    case kAllPhases: return "all";
   }
   return "?";
 }
@@ -396,18 +387,10 @@ uint64_t ZeroPaperBytesPerGpu(uint64_t params, uint64_t gpus, int stage, uint64_
   const Wide p = params, n = std::max<uint64_t>(gpus, 1);
   Wide bytes = 0;
   switch (stage) {
-    case 0:
-      bytes = (4 + k) * p;
-      break;
-    case 1:
-      bytes = 4 * p + k * p / n;
-      break;
-    case 2:
-      bytes = 2 * p + (2 + k) * p / n;
-      break;
-    default:
-      bytes = (4 + k) * p / n;
-      break;
+    case 0: bytes = (4 + k) * p; break;
+    case 1: bytes = 4 * p + k * p / n; break;
+    case 2: bytes = 2 * p + (2 + k) * p / n; break;
+    default: bytes = (4 + k) * p / n; break;
   }
   return Saturate(bytes);
 }
@@ -536,15 +519,9 @@ struct ItemContext {
   // Where the optimizer's partition (master weights, states) lives: per GPU, or per node.
   void PlaceOptimizer(Wide per_rank, Wide* gpu, Wide* cpu, Wide* nvme) const {
     switch (s.offload_optimizer) {
-      case OffloadDevice::kNone:
-        *gpu = per_rank;
-        break;
-      case OffloadDevice::kCpu:
-        *cpu = per_rank * g;
-        break;
-      case OffloadDevice::kNvme:
-        *nvme = per_rank * g;
-        break;
+      case OffloadDevice::kNone: *gpu = per_rank; break;
+      case OffloadDevice::kCpu: *cpu = per_rank * g; break;
+      case OffloadDevice::kNvme: *nvme = per_rank * g; break;
     }
   }
   bool Offloaded() const { return s.offload_optimizer != OffloadDevice::kNone; }
@@ -870,8 +847,7 @@ Status OptimizerStepTransient(const ItemContext& c, Builder* out) {
       how = "factored update of the largest tensor";
       break;
     case Optimizer::kSgd:
-    case Optimizer::kAdam8bit:
-      break;
+    case Optimizer::kAdam8bit: break;
   }
   out->Add("optimizer_step_transient", "temporaries of the optimizer step (" + how + ")", transient,
            0, 0, 0, kPhaseOptimizerStep, Alloc::kTransient);
@@ -1035,8 +1011,7 @@ Status FsdpUnits(const ItemContext& c, Builder* out) {
       live = c.fsdp_offload ? all : 0;
       how = "every unit copied from the CPU, kept until after backward (NO_SHARD)";
       break;
-    case FsdpSharding::kNone:
-      break;
+    case FsdpSharding::kNone: break;
   }
   out->Add("fsdp_unsharded_params", "unsharded parameters on the GPU: " + how, live * c.w, 0, 0, 0,
            live_phases, Alloc::kTransient);

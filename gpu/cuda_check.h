@@ -43,20 +43,16 @@ inline Status CudaStatus(cudaError_t err, const char* call, const char* file, in
                     cudaGetErrorString(err) + " (" + ShortFile(file) + ":" + std::to_string(line) +
                     ")";
   switch (err) {
-    case cudaErrorMemoryAllocation:
-      return Status::ResourceExhausted(std::move(msg));
+    case cudaErrorMemoryAllocation: return Status::ResourceExhausted(std::move(msg));
     case cudaErrorInvalidValue:
     case cudaErrorInvalidMemcpyDirection:
     case cudaErrorHostMemoryAlreadyRegistered:
     case cudaErrorHostMemoryNotRegistered:
     case cudaErrorInvalidDevice:
-    case cudaErrorInvalidResourceHandle:
-      return Status::InvalidArgument(std::move(msg));
+    case cudaErrorInvalidResourceHandle: return Status::InvalidArgument(std::move(msg));
     case cudaErrorNoDevice:
-    case cudaErrorInsufficientDriver:
-      return Status::Unavailable(std::move(msg));
-    default:
-      return Status::IoError(std::move(msg));
+    case cudaErrorInsufficientDriver: return Status::Unavailable(std::move(msg));
+    default: return Status::IoError(std::move(msg));
   }
 }
 

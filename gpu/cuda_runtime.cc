@@ -107,12 +107,9 @@ struct Lane {
 
 const char* DirectionName(CopyDirection direction) {
   switch (direction) {
-    case CopyDirection::kHostToDevice:
-      return "host-to-device";
-    case CopyDirection::kDeviceToHost:
-      return "device-to-host";
-    case CopyDirection::kDeviceToDevice:
-      return "device-to-device";
+    case CopyDirection::kHostToDevice: return "host-to-device";
+    case CopyDirection::kDeviceToHost: return "device-to-host";
+    case CopyDirection::kDeviceToDevice: return "device-to-device";
   }
   return "invalid direction";
 }
@@ -124,12 +121,9 @@ bool ValidDirection(CopyDirection direction) {
 
 cudaMemcpyKind KindOf(CopyDirection direction) {
   switch (direction) {
-    case CopyDirection::kHostToDevice:
-      return cudaMemcpyHostToDevice;
-    case CopyDirection::kDeviceToHost:
-      return cudaMemcpyDeviceToHost;
-    case CopyDirection::kDeviceToDevice:
-      return cudaMemcpyDeviceToDevice;
+    case CopyDirection::kHostToDevice: return cudaMemcpyHostToDevice;
+    case CopyDirection::kDeviceToHost: return cudaMemcpyDeviceToHost;
+    case CopyDirection::kDeviceToDevice: return cudaMemcpyDeviceToDevice;
   }
   return cudaMemcpyDefault;
 }

@@ -31,12 +31,9 @@ bool ValidDirection(CopyDirection direction) {
 
 const char* DirectionName(CopyDirection direction) {
   switch (direction) {
-    case CopyDirection::kHostToDevice:
-      return "host-to-device";
-    case CopyDirection::kDeviceToHost:
-      return "device-to-host";
-    case CopyDirection::kDeviceToDevice:
-      return "device-to-device";
+    case CopyDirection::kHostToDevice: return "host-to-device";
+    case CopyDirection::kDeviceToHost: return "device-to-host";
+    case CopyDirection::kDeviceToDevice: return "device-to-device";
   }
   return "invalid direction";
 }

@@ -71,28 +71,17 @@ void SetLastError(const char* function, const std::string& message) noexcept {
 
 memplan_status ToC(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk:
-      return MEMPLAN_OK;
-    case StatusCode::kInvalidArgument:
-      return MEMPLAN_INVALID_ARGUMENT;
-    case StatusCode::kNotFound:
-      return MEMPLAN_NOT_FOUND;
-    case StatusCode::kIoError:
-      return MEMPLAN_IO_ERROR;
-    case StatusCode::kOutOfRange:
-      return MEMPLAN_OUT_OF_RANGE;
-    case StatusCode::kFailedPrecondition:
-      return MEMPLAN_FAILED_PRECONDITION;
-    case StatusCode::kResourceExhausted:
-      return MEMPLAN_RESOURCE_EXHAUSTED;
-    case StatusCode::kUnimplemented:
-      return MEMPLAN_UNIMPLEMENTED;
-    case StatusCode::kDataLoss:
-      return MEMPLAN_DATA_LOSS;
-    case StatusCode::kUnavailable:
-      return MEMPLAN_UNAVAILABLE;
-    case StatusCode::kInternal:
-      return MEMPLAN_INTERNAL;
+    case StatusCode::kOk: return MEMPLAN_OK;
+    case StatusCode::kInvalidArgument: return MEMPLAN_INVALID_ARGUMENT;
+    case StatusCode::kNotFound: return MEMPLAN_NOT_FOUND;
+    case StatusCode::kIoError: return MEMPLAN_IO_ERROR;
+    case StatusCode::kOutOfRange: return MEMPLAN_OUT_OF_RANGE;
+    case StatusCode::kFailedPrecondition: return MEMPLAN_FAILED_PRECONDITION;
+    case StatusCode::kResourceExhausted: return MEMPLAN_RESOURCE_EXHAUSTED;
+    case StatusCode::kUnimplemented: return MEMPLAN_UNIMPLEMENTED;
+    case StatusCode::kDataLoss: return MEMPLAN_DATA_LOSS;
+    case StatusCode::kUnavailable: return MEMPLAN_UNAVAILABLE;
+    case StatusCode::kInternal: return MEMPLAN_INTERNAL;
   }
   return MEMPLAN_INTERNAL;
 }
@@ -194,14 +183,10 @@ int EnumValue(const Enum& value) {
 
 Result<ElementType> ToElementType(int dtype) {
   switch (dtype) {
-    case MEMPLAN_FLOAT32:
-      return ElementType::kFloat32;
-    case MEMPLAN_BFLOAT16:
-      return ElementType::kBFloat16;
-    case MEMPLAN_FLOAT16:
-      return ElementType::kFloat16;
-    default:
-      break;
+    case MEMPLAN_FLOAT32: return ElementType::kFloat32;
+    case MEMPLAN_BFLOAT16: return ElementType::kBFloat16;
+    case MEMPLAN_FLOAT16: return ElementType::kFloat16;
+    default: break;
   }
   return Status::InvalidArgument("dtype " + std::to_string(dtype) + " is not a memplan_dtype");
 }
@@ -319,28 +304,17 @@ MEMPLAN_C_EXPORT const char* memplan_version(void) { return MEMPLAN_VERSION; }
 
 MEMPLAN_C_EXPORT const char* memplan_status_name(memplan_status status) {
   switch (EnumValue(status)) {
-    case MEMPLAN_OK:
-      return "OK";
-    case MEMPLAN_INVALID_ARGUMENT:
-      return "INVALID_ARGUMENT";
-    case MEMPLAN_NOT_FOUND:
-      return "NOT_FOUND";
-    case MEMPLAN_IO_ERROR:
-      return "IO_ERROR";
-    case MEMPLAN_OUT_OF_RANGE:
-      return "OUT_OF_RANGE";
-    case MEMPLAN_FAILED_PRECONDITION:
-      return "FAILED_PRECONDITION";
-    case MEMPLAN_RESOURCE_EXHAUSTED:
-      return "RESOURCE_EXHAUSTED";
-    case MEMPLAN_UNIMPLEMENTED:
-      return "UNIMPLEMENTED";
-    case MEMPLAN_DATA_LOSS:
-      return "DATA_LOSS";
-    case MEMPLAN_UNAVAILABLE:
-      return "UNAVAILABLE";
-    case MEMPLAN_INTERNAL:
-      return "INTERNAL";
+    case MEMPLAN_OK: return "OK";
+    case MEMPLAN_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case MEMPLAN_NOT_FOUND: return "NOT_FOUND";
+    case MEMPLAN_IO_ERROR: return "IO_ERROR";
+    case MEMPLAN_OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case MEMPLAN_FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case MEMPLAN_RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case MEMPLAN_UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case MEMPLAN_DATA_LOSS: return "DATA_LOSS";
+    case MEMPLAN_UNAVAILABLE: return "UNAVAILABLE";
+    case MEMPLAN_INTERNAL: return "INTERNAL";
   }
   return "UNKNOWN";
 }

@@ -198,9 +198,7 @@ class AioBackend final : public internal::FileTableBackend {
         io_prep_pwrite(cb, fd, request.buffer, request.length,
                        static_cast<long long>(request.offset));
         break;
-      case OpType::kFsync:
-        io_prep_fdsync(cb, fd);
-        break;
+      case OpType::kFsync: io_prep_fdsync(cb, fd); break;
     }
     cb->data = &request;
   }

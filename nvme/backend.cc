@@ -24,32 +24,22 @@ constexpr uint32_t kDefaultDirectAlignment = 4096;
 
 std::string_view DisplayName(BackendKind kind) {
   switch (kind) {
-    case BackendKind::kUring:
-      return "io_uring";
-    case BackendKind::kAio:
-      return "libaio";
-    case BackendKind::kPosix:
-      return "posix";
-    case BackendKind::kMemory:
-      return "memory";
-    case BackendKind::kAuto:
-      return "auto";
+    case BackendKind::kUring: return "io_uring";
+    case BackendKind::kAio: return "libaio";
+    case BackendKind::kPosix: return "posix";
+    case BackendKind::kMemory: return "memory";
+    case BackendKind::kAuto: return "auto";
   }
   return "?";
 }
 
 Result<std::unique_ptr<Backend>> CreateOfKind(BackendKind kind, const BackendOptions& options) {
   switch (kind) {
-    case BackendKind::kUring:
-      return CreateUringBackend(options);
-    case BackendKind::kAio:
-      return CreateAioBackend(options);
-    case BackendKind::kPosix:
-      return CreatePosixBackend(options);
-    case BackendKind::kMemory:
-      return CreateMemoryBackend(options);
-    case BackendKind::kAuto:
-      break;
+    case BackendKind::kUring: return CreateUringBackend(options);
+    case BackendKind::kAio: return CreateAioBackend(options);
+    case BackendKind::kPosix: return CreatePosixBackend(options);
+    case BackendKind::kMemory: return CreateMemoryBackend(options);
+    case BackendKind::kAuto: break;
   }
   return Status::Internal("CreateOfKind called with kAuto");
 }

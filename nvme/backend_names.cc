@@ -7,28 +7,20 @@ namespace memplan::nvme {
 
 std::string_view OpTypeName(OpType op) {
   switch (op) {
-    case OpType::kRead:
-      return "read";
-    case OpType::kWrite:
-      return "write";
-    case OpType::kFsync:
-      return "fsync";
+    case OpType::kRead: return "read";
+    case OpType::kWrite: return "write";
+    case OpType::kFsync: return "fsync";
   }
   return "?";
 }
 
 std::string_view BackendKindName(BackendKind kind) {
   switch (kind) {
-    case BackendKind::kAuto:
-      return "auto";
-    case BackendKind::kUring:
-      return "uring";
-    case BackendKind::kAio:
-      return "aio";
-    case BackendKind::kPosix:
-      return "posix";
-    case BackendKind::kMemory:
-      return "memory";
+    case BackendKind::kAuto: return "auto";
+    case BackendKind::kUring: return "uring";
+    case BackendKind::kAio: return "aio";
+    case BackendKind::kPosix: return "posix";
+    case BackendKind::kMemory: return "memory";
   }
   return "?";
 }

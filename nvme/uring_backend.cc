@@ -310,9 +310,7 @@ class UringBackend final : public Backend {
           io_uring_prep_write(sqe, target, request.buffer, request.length, request.offset);
         }
         break;
-      case OpType::kFsync:
-        io_uring_prep_fsync(sqe, target, IORING_FSYNC_DATASYNC);
-        break;
+      case OpType::kFsync: io_uring_prep_fsync(sqe, target, IORING_FSYNC_DATASYNC); break;
     }
     if (fixed_file) sqe->flags |= IOSQE_FIXED_FILE;
     io_uring_sqe_set_data(sqe, &request);

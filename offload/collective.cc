@@ -10,11 +10,9 @@ namespace memplan::offload {
 
 int ElementBytes(ElementType type) {
   switch (type) {
-    case ElementType::kFloat32:
-      return 4;
+    case ElementType::kFloat32: return 4;
     case ElementType::kBFloat16:
-    case ElementType::kFloat16:
-      return 2;
+    case ElementType::kFloat16: return 2;
   }
   return 0;
 }

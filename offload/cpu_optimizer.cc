@@ -63,8 +63,7 @@ bool CpuHasF16c() {
 bool CpuHas(Isa isa) {
 #if MEMPLAN_OFFLOAD_X86
   switch (isa) {
-    case Isa::kScalar:
-      return true;
+    case Isa::kScalar: return true;
     case Isa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && CpuHasF16c();
     case Isa::kAvx512:
@@ -122,12 +121,9 @@ Status CheckStep(int64_t step) {
 
 std::string_view IsaName(Isa isa) {
   switch (isa) {
-    case Isa::kScalar:
-      return "scalar";
-    case Isa::kAvx2:
-      return "avx2";
-    case Isa::kAvx512:
-      return "avx512";
+    case Isa::kScalar: return "scalar";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
   }
   return "unknown";
 }
@@ -150,12 +146,9 @@ Isa BestIsa() {
 
 std::string_view HalfDtypeName(HalfDtype dtype) {
   switch (dtype) {
-    case HalfDtype::kNone:
-      return "fp32";
-    case HalfDtype::kBf16:
-      return "bf16";
-    case HalfDtype::kFp16:
-      return "fp16";
+    case HalfDtype::kNone: return "fp32";
+    case HalfDtype::kBf16: return "bf16";
+    case HalfDtype::kFp16: return "fp16";
   }
   return "unknown";
 }

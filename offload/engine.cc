@@ -154,12 +154,9 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
 // copy is the master weights themselves (Note [fp32 working parameters]).
 HalfDtype ToHalf(ElementType type) {
   switch (type) {
-    case ElementType::kFloat32:
-      return HalfDtype::kNone;
-    case ElementType::kFloat16:
-      return HalfDtype::kFp16;
-    case ElementType::kBFloat16:
-      return HalfDtype::kBf16;
+    case ElementType::kFloat32: return HalfDtype::kNone;
+    case ElementType::kFloat16: return HalfDtype::kFp16;
+    case ElementType::kBFloat16: return HalfDtype::kBf16;
   }
   return HalfDtype::kNone;
 }
@@ -575,9 +572,7 @@ struct Engine::Impl {
       // Slots are page-aligned, host buffers come from operator new: aligned for uint16_t.
       const auto* half = reinterpret_cast<const uint16_t*>(src);
       switch (job.type) {
-        case ElementType::kFloat32:
-          std::memcpy(dst, src, len * 4);
-          break;
+        case ElementType::kFloat32: std::memcpy(dst, src, len * 4); break;
         case ElementType::kBFloat16:
           for (uint64_t k = 0; k < len; ++k) dst[k] = Bf16ToFloat(half[k]);
           break;

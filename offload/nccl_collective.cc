@@ -43,10 +43,8 @@ Status NcclStatus(ncclResult_t result, const char* call, const char* file, int l
   msg += std::string(" (") + gpu::internal::ShortFile(file) + ":" + std::to_string(line) + ")";
   switch (result) {
     case ncclInvalidArgument:
-    case ncclInvalidUsage:
-      return Status::InvalidArgument(std::move(msg));
-    default:
-      return Status::IoError(std::move(msg));
+    case ncclInvalidUsage: return Status::InvalidArgument(std::move(msg));
+    default: return Status::IoError(std::move(msg));
   }
 }
 
@@ -71,24 +69,18 @@ namespace {
 
 ncclDataType_t NcclType(ElementType type) {
   switch (type) {
-    case ElementType::kFloat32:
-      return ncclFloat32;
-    case ElementType::kBFloat16:
-      return ncclBfloat16;
-    case ElementType::kFloat16:
-      return ncclFloat16;
+    case ElementType::kFloat32: return ncclFloat32;
+    case ElementType::kBFloat16: return ncclBfloat16;
+    case ElementType::kFloat16: return ncclFloat16;
   }
   return ncclFloat32;  // unreachable: CollectiveBytes has refused other values
 }
 
 const char* TypeName(ElementType type) {
   switch (type) {
-    case ElementType::kFloat32:
-      return "fp32";
-    case ElementType::kBFloat16:
-      return "bf16";
-    case ElementType::kFloat16:
-      return "fp16";
+    case ElementType::kFloat32: return "fp32";
+    case ElementType::kBFloat16: return "bf16";
+    case ElementType::kFloat16: return "fp16";
   }
   return "?";
 }

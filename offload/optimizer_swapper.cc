@@ -318,14 +318,10 @@ Status RunSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
 
 std::string_view SwapOptimizerName(SwapOptimizer optimizer) {
   switch (optimizer) {
-    case SwapOptimizer::kAdam:
-      return "adam";
-    case SwapOptimizer::kAdamAmsgrad:
-      return "adam-amsgrad";
-    case SwapOptimizer::kSgd:
-      return "sgd";
-    case SwapOptimizer::kLion:
-      return "lion";
+    case SwapOptimizer::kAdam: return "adam";
+    case SwapOptimizer::kAdamAmsgrad: return "adam-amsgrad";
+    case SwapOptimizer::kSgd: return "sgd";
+    case SwapOptimizer::kLion: return "lion";
   }
   return "unknown";
 }
@@ -341,14 +337,10 @@ Result<SwapOptimizer> ParseSwapOptimizer(std::string_view name) {
 
 int SwapOptimizerStates(SwapOptimizer optimizer) {
   switch (optimizer) {
-    case SwapOptimizer::kAdam:
-      return 2;
-    case SwapOptimizer::kAdamAmsgrad:
-      return 3;
-    case SwapOptimizer::kSgd:
-      return 1;
-    case SwapOptimizer::kLion:
-      return 1;
+    case SwapOptimizer::kAdam: return 2;
+    case SwapOptimizer::kAdamAmsgrad: return 3;
+    case SwapOptimizer::kSgd: return 1;
+    case SwapOptimizer::kLion: return 1;
   }
   return 0;
 }

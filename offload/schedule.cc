@@ -6,12 +6,9 @@ namespace memplan::offload {
 
 std::string_view TierName(Tier tier) {
   switch (tier) {
-    case Tier::kGpu:
-      return "gpu";
-    case Tier::kCpu:
-      return "cpu";
-    case Tier::kNvme:
-      return "nvme";
+    case Tier::kGpu: return "gpu";
+    case Tier::kCpu: return "cpu";
+    case Tier::kNvme: return "nvme";
   }
   return "?";
 }
@@ -26,12 +23,9 @@ Result<Tier> ParseTier(std::string_view text) {
 
 std::string_view ElementTypeName(ElementType type) {
   switch (type) {
-    case ElementType::kFloat32:
-      return "fp32";
-    case ElementType::kBFloat16:
-      return "bf16";
-    case ElementType::kFloat16:
-      return "fp16";
+    case ElementType::kFloat32: return "fp32";
+    case ElementType::kBFloat16: return "bf16";
+    case ElementType::kFloat16: return "fp16";
   }
   return "?";
 }

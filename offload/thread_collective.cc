@@ -29,12 +29,9 @@ enum class Op { kAllGather, kReduceScatter, kAllReduce };
 
 const char* OpName(Op op) {
   switch (op) {
-    case Op::kAllGather:
-      return "AllGather";
-    case Op::kReduceScatter:
-      return "ReduceScatter";
-    case Op::kAllReduce:
-      return "AllReduce";
+    case Op::kAllGather: return "AllGather";
+    case Op::kReduceScatter: return "ReduceScatter";
+    case Op::kAllReduce: return "AllReduce";
   }
   return "?";
 }
@@ -58,9 +55,7 @@ float Load(const std::byte* base, uint64_t i, ElementType type) {
 
 void Store(std::byte* base, uint64_t i, ElementType type, float v) {
   switch (type) {
-    case ElementType::kFloat32:
-      std::memcpy(base + i * 4, &v, 4);
-      return;
+    case ElementType::kFloat32: std::memcpy(base + i * 4, &v, 4); return;
     case ElementType::kBFloat16:
     case ElementType::kFloat16: {
       const uint16_t h = type == ElementType::kBFloat16 ? FloatToBf16(v) : FloatToFp16(v);

@@ -16,12 +16,9 @@ using nlohmann::ordered_json;
 
 const char* DeviceName(OffloadDevice d) {
   switch (d) {
-    case OffloadDevice::kNone:
-      return "none";
-    case OffloadDevice::kCpu:
-      return "cpu";
-    case OffloadDevice::kNvme:
-      return "nvme";
+    case OffloadDevice::kNone: return "none";
+    case OffloadDevice::kCpu: return "cpu";
+    case OffloadDevice::kNvme: return "nvme";
   }
   return "none";
 }
@@ -125,9 +122,7 @@ Result<ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
   ds["wall_clock_breakdown"] = false;
   switch (s.precision) {
     case Precision::kBf16Mixed:
-    case Precision::kBf16Pure:
-      ds["bf16"] = {{"enabled", hf ? kAuto : ordered_json(true)}};
-      break;
+    case Precision::kBf16Pure: ds["bf16"] = {{"enabled", hf ? kAuto : ordered_json(true)}}; break;
     case Precision::kFp16Mixed:
       ds["fp16"] = {{"enabled", hf ? kAuto : ordered_json(true)},
                     {"loss_scale", 0},
@@ -136,8 +131,7 @@ Result<ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
                     {"hysteresis", 2},
                     {"min_loss_scale", 1}};
       break;
-    case Precision::kFp32:
-      break;
+    case Precision::kFp32: break;
   }
   // DeepSpeed's own optimizers (CPU Adam when offloaded); others come from the training script.
   if (s.optimizer == estimator::Optimizer::kAdamW || s.optimizer == estimator::Optimizer::kLion) {

@@ -209,8 +209,7 @@ Result<std::string> LaunchScript(const Plan& plan, const Cluster& cluster, const
                port + " " + script + "\n";
       }
       break;
-    case Launcher::kSlurm:
-      break;
+    case Launcher::kSlurm: break;
   }
   return out;
 }

@@ -208,12 +208,9 @@ std::string ApplyBuffers(TrainingSetup* s, const BufferFacts& f, double partitio
 
 std::string CheckpointPhrase(Checkpointing c) {
   switch (c) {
-    case Checkpointing::kNone:
-      return "no recomputation";
-    case Checkpointing::kSelective:
-      return "selective recomputation";
-    case Checkpointing::kFull:
-      return "full activation checkpointing";
+    case Checkpointing::kNone: return "no recomputation";
+    case Checkpointing::kSelective: return "selective recomputation";
+    case Checkpointing::kFull: return "full activation checkpointing";
   }
   return "";
 }

@@ -54,21 +54,11 @@ double GpuOptimizerBytesPerParam(const TrainingSetup& s) {
   const double master = s.precision == Precision::kBf16Pure ? 2 : 4;
   double state = 0;
   switch (s.optimizer) {
-    case Optimizer::kAdamW:
-      state = s.precision == Precision::kBf16Pure ? 4 : 8;
-      break;
-    case Optimizer::kAdam8bit:
-      state = 2;
-      break;
-    case Optimizer::kSgd:
-      state = s.sgd_momentum > 0 ? master : 0;
-      break;
-    case Optimizer::kLion:
-      state = master;
-      break;
-    case Optimizer::kAdafactor:
-      state = master;
-      break;
+    case Optimizer::kAdamW: state = s.precision == Precision::kBf16Pure ? 4 : 8; break;
+    case Optimizer::kAdam8bit: state = 2; break;
+    case Optimizer::kSgd: state = s.sgd_momentum > 0 ? master : 0; break;
+    case Optimizer::kLion: state = master; break;
+    case Optimizer::kAdafactor: state = master; break;
   }
   double bytes = 2 * master + 2 * state + (mixed ? 4 : master);
   if (mixed) bytes += 2 + 4 + 2;  // 16-bit gradient -> fp32 copy, updated 16-bit weights written
@@ -174,13 +164,10 @@ std::vector<std::string> DescribeTimeConstants(const TimeConstants& k) {
 
 double PeakFlops(const GpuSpec& gpu, Precision precision) {
   switch (precision) {
-    case Precision::kFp32:
-      return gpu.fp32_flops > 0 ? gpu.fp32_flops : gpu.fp16_flops / 8;
-    case Precision::kFp16Mixed:
-      return gpu.fp16_flops;
+    case Precision::kFp32: return gpu.fp32_flops > 0 ? gpu.fp32_flops : gpu.fp16_flops / 8;
+    case Precision::kFp16Mixed: return gpu.fp16_flops;
     case Precision::kBf16Mixed:
-    case Precision::kBf16Pure:
-      return gpu.bf16_flops;
+    case Precision::kBf16Pure: return gpu.bf16_flops;
   }
   return gpu.fp16_flops;
 }

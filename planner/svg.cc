@@ -118,26 +118,14 @@ std::string Escape(std::u32string_view text) {
   std::string out;
   for (char32_t cp : text) {
     switch (cp) {
-      case U'&':
-        out += "&amp;";
-        break;
-      case U'<':
-        out += "&lt;";
-        break;
-      case U'>':
-        out += "&gt;";
-        break;
-      case U'"':
-        out += "&quot;";
-        break;
-      case U'\'':
-        out += "&#39;";
-        break;
+      case U'&': out += "&amp;"; break;
+      case U'<': out += "&lt;"; break;
+      case U'>': out += "&gt;"; break;
+      case U'"': out += "&quot;"; break;
+      case U'\'': out += "&#39;"; break;
       case U'\t':
       case U'\n':
-      case U'\r':
-        out += ' ';
-        break;
+      case U'\r': out += ' '; break;
       default:
         if (cp < 0x20 || cp == 0x7F || cp == 0xFFFE || cp == 0xFFFF) cp = 0xFFFD;
         AppendUtf8(cp, &out);

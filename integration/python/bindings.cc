@@ -57,10 +57,8 @@ namespace {
   const std::string message = status.message();
   switch (status.code()) {
     case StatusCode::kInvalidArgument:
-    case StatusCode::kOutOfRange:
-      throw py::value_error(message);
-    case StatusCode::kNotFound:
-      throw py::key_error(message);
+    case StatusCode::kOutOfRange: throw py::value_error(message);
+    case StatusCode::kNotFound: throw py::key_error(message);
     case StatusCode::kIoError:
     case StatusCode::kDataLoss:
       PyErr_SetString(PyExc_OSError, message.c_str());
@@ -71,8 +69,7 @@ namespace {
     case StatusCode::kUnimplemented:
       PyErr_SetString(PyExc_NotImplementedError, message.c_str());
       throw py::error_already_set();
-    default:
-      throw std::runtime_error(message);
+    default: throw std::runtime_error(message);
   }
 }
 

@@ -1067,22 +1067,12 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   }
   bool kind_ok = true;
   switch (kind) {
-    case cudaMemcpyHostToDevice:
-      kind_ok = dst_device && !src_device;
-      break;
-    case cudaMemcpyDeviceToHost:
-      kind_ok = !dst_device && src_device;
-      break;
-    case cudaMemcpyDeviceToDevice:
-      kind_ok = dst_device && src_device;
-      break;
-    case cudaMemcpyHostToHost:
-      kind_ok = !dst_device && !src_device;
-      break;
-    case cudaMemcpyDefault:
-      break;
-    default:
-      return Fail(cudaErrorInvalidMemcpyDirection);
+    case cudaMemcpyHostToDevice: kind_ok = dst_device && !src_device; break;
+    case cudaMemcpyDeviceToHost: kind_ok = !dst_device && src_device; break;
+    case cudaMemcpyDeviceToDevice: kind_ok = dst_device && src_device; break;
+    case cudaMemcpyHostToHost: kind_ok = !dst_device && !src_device; break;
+    case cudaMemcpyDefault: break;
+    default: return Fail(cudaErrorInvalidMemcpyDirection);
   }
   if (!kind_ok) {
     return Misuse(cudaErrorInvalidValue,

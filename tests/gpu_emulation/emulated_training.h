@@ -156,12 +156,8 @@ inline float Load(const std::byte* p, ElementType type) {
       std::memcpy(&v, p, 4);
       return v;
     }
-    case ElementType::kBFloat16:
-      std::memcpy(&h, p, 2);
-      return offload::Bf16ToFloat(h);
-    case ElementType::kFloat16:
-      std::memcpy(&h, p, 2);
-      return offload::Fp16ToFloat(h);
+    case ElementType::kBFloat16: std::memcpy(&h, p, 2); return offload::Bf16ToFloat(h);
+    case ElementType::kFloat16: std::memcpy(&h, p, 2); return offload::Fp16ToFloat(h);
   }
   return 0;
 }
@@ -169,9 +165,7 @@ inline float Load(const std::byte* p, ElementType type) {
 inline void Store(std::byte* p, ElementType type, float v) {
   uint16_t h;
   switch (type) {
-    case ElementType::kFloat32:
-      std::memcpy(p, &v, 4);
-      return;
+    case ElementType::kFloat32: std::memcpy(p, &v, 4); return;
     case ElementType::kBFloat16:
       h = offload::FloatToBf16(v);
       std::memcpy(p, &h, 2);

@@ -41,39 +41,28 @@ enum class Op { kAllGather, kReduceScatter, kAllReduce };
 
 const char* OpName(Op op) {
   switch (op) {
-    case Op::kAllGather:
-      return "AllGather";
-    case Op::kReduceScatter:
-      return "ReduceScatter";
-    case Op::kAllReduce:
-      return "AllReduce";
+    case Op::kAllGather: return "AllGather";
+    case Op::kReduceScatter: return "ReduceScatter";
+    case Op::kAllReduce: return "AllReduce";
   }
   return "?";
 }
 
 int TypeBytes(ncclDataType_t type) {
   switch (type) {
-    case ncclFloat32:
-      return 4;
-    case ncclFloat16:
-      return 2;
-    case ncclBfloat16:
-      return 2;
-    default:
-      return 0;
+    case ncclFloat32: return 4;
+    case ncclFloat16: return 2;
+    case ncclBfloat16: return 2;
+    default: return 0;
   }
 }
 
 const char* TypeName(ncclDataType_t type) {
   switch (type) {
-    case ncclFloat32:
-      return "fp32";
-    case ncclFloat16:
-      return "fp16";
-    case ncclBfloat16:
-      return "bf16";
-    default:
-      return "unsupported type";
+    case ncclFloat32: return "fp32";
+    case ncclFloat16: return "fp16";
+    case ncclBfloat16: return "bf16";
+    default: return "unsupported type";
   }
 }
 
@@ -272,11 +261,8 @@ void SumTyped(ncclDataType_t type, const std::vector<const std::byte*>& sends, s
     case ncclBfloat16:
       SumHalf<offload::Bf16ToFloat, offload::FloatToBf16>(sends, out, count);
       break;
-    case ncclFloat16:
-      SumHalf<offload::Fp16ToFloat, offload::FloatToFp16>(sends, out, count);
-      break;
-    default:
-      break;
+    case ncclFloat16: SumHalf<offload::Fp16ToFloat, offload::FloatToFp16>(sends, out, count); break;
+    default: break;
   }
 }
 
@@ -586,24 +572,17 @@ ncclResult_t ncclCommUserRank(const ncclComm_t comm, int* rank) {
 
 const char* ncclGetErrorString(ncclResult_t result) {
   switch (result) {
-    case ncclSuccess:
-      return "no error";
+    case ncclSuccess: return "no error";
     case ncclUnhandledCudaError:
       return "unhandled cuda error (run with NCCL_DEBUG=INFO for details)";
-    case ncclSystemError:
-      return "unhandled system error (run with NCCL_DEBUG=INFO for details)";
+    case ncclSystemError: return "unhandled system error (run with NCCL_DEBUG=INFO for details)";
     case ncclInternalError:
       return "internal error - please report this issue to the NCCL developers";
-    case ncclInvalidArgument:
-      return "invalid argument (run with NCCL_DEBUG=WARN for details)";
-    case ncclInvalidUsage:
-      return "invalid usage (run with NCCL_DEBUG=WARN for details)";
-    case ncclRemoteError:
-      return "remote process exited or there was a network error";
-    case ncclInProgress:
-      return "NCCL operation in progress";
-    default:
-      return "unknown result code";
+    case ncclInvalidArgument: return "invalid argument (run with NCCL_DEBUG=WARN for details)";
+    case ncclInvalidUsage: return "invalid usage (run with NCCL_DEBUG=WARN for details)";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+    default: return "unknown result code";
   }
 }
 
