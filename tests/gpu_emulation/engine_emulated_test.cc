@@ -20,9 +20,9 @@
 #include "gpu/gpu_runtime.h"
 #include "offload/thread_collective.h"
 #include "tests/testing.h"
+#include "tests/status_testing.h"
 #ifdef MEMPLAN_TEST_OLD_API
 #include "old_api.h"
-#include "tests/status_testing.h"
 #endif
 
 namespace memplan::emulated {

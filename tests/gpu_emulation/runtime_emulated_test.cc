@@ -18,9 +18,9 @@
 #include "offload/collective.h"
 #include "gpu/gpu_runtime.h"
 #include "offload/param_swapper.h"
+#include "tests/status_testing.h"
 #ifdef MEMPLAN_TEST_OLD_API
 #include "old_api.h"
-#include "tests/status_testing.h"
 #endif
 
 namespace memplan::emulated {
