@@ -511,16 +511,27 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_grad_ready_on_stream(memplan_engi
   });
 }
 
+namespace {
+
+// The options of a step or a prepared step: `options_json` (null: the defaults) for the
+// engine's optimizer.
+Result<memplan::offload::SwapStepOptions> StepOptions(const memplan_engine& engine,
+                                                      const char* options_json) {
+  nlohmann::json doc = nlohmann::json::object();
+  if (options_json != nullptr) {
+    MEMPLAN_ASSIGN_OR_RETURN(doc, memplan::ParseJson(options_json, "step options"));
+  }
+  return memplan::integration::StepOptionsFromJson(doc, engine.optimizer);
+}
+
+}  // namespace
+
 MEMPLAN_C_EXPORT memplan_status memplan_engine_step(memplan_engine* engine,
                                                     const char* options_json) {
   return Guard(__func__, [&]() -> Status {
     if (engine == nullptr) return NullArgument("engine");
-    nlohmann::json doc = nlohmann::json::object();
-    if (options_json != nullptr) {
-      MEMPLAN_ASSIGN_OR_RETURN(doc, memplan::ParseJson(options_json, "step options"));
-    }
     MEMPLAN_ASSIGN_OR_RETURN(memplan::offload::SwapStepOptions options,
-                             memplan::integration::StepOptionsFromJson(doc, engine->optimizer));
+                             StepOptions(*engine, options_json));
     return engine->engine->Step(options);
   });
 }
@@ -529,12 +540,8 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_prepare_step(memplan_engine* engi
                                                             const char* options_json) {
   return Guard(__func__, [&]() -> Status {
     if (engine == nullptr) return NullArgument("engine");
-    nlohmann::json doc = nlohmann::json::object();
-    if (options_json != nullptr) {
-      MEMPLAN_ASSIGN_OR_RETURN(doc, memplan::ParseJson(options_json, "step options"));
-    }
     MEMPLAN_ASSIGN_OR_RETURN(memplan::offload::SwapStepOptions options,
-                             memplan::integration::StepOptionsFromJson(doc, engine->optimizer));
+                             StepOptions(*engine, options_json));
     return engine->engine->PrepareStep(options);
   });
 }

@@ -415,10 +415,7 @@ class PyEngine {
 
   void Step(const std::string& options_json) {
     Require();
-    nlohmann::json doc = options_json.empty() ? nlohmann::json::object()
-                                              : ParseRequest(options_json, "step options");
-    offload::SwapStepOptions options =
-        Value(integration::StepOptionsFromJson(doc, schedule_.optimizer));
+    offload::SwapStepOptions options = StepOptions(options_json);
     Status status;
     {
       py::gil_scoped_release release;
@@ -430,16 +427,21 @@ class PyEngine {
 
   void PrepareStep(const std::string& options_json) {
     Require();
-    nlohmann::json doc = options_json.empty() ? nlohmann::json::object()
-                                              : ParseRequest(options_json, "step options");
-    offload::SwapStepOptions options =
-        Value(integration::StepOptionsFromJson(doc, schedule_.optimizer));
+    offload::SwapStepOptions options = StepOptions(options_json);
     Status status;
     {
       py::gil_scoped_release release;
       status = engine_->PrepareStep(options);
     }
     Check(status);
+  }
+
+  // The options of a step or a prepared step: `options_json` ("" for the defaults) for the
+  // schedule's optimizer.
+  offload::SwapStepOptions StepOptions(const std::string& options_json) const {
+    nlohmann::json doc = options_json.empty() ? nlohmann::json::object()
+                                              : ParseRequest(options_json, "step options");
+    return Value(integration::StepOptionsFromJson(doc, schedule_.optimizer));
   }
 
   void ReadMaster(uint32_t param, const py::object& out) {
