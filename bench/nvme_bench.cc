@@ -66,6 +66,7 @@
 
 #include "common/byte_size.h"
 #include "common/checked_math.h"
+#include "common/enum_names.h"
 #include "nvme/io_engine.h"
 
 namespace memplan::bench {
@@ -442,24 +443,14 @@ std::string MegabytesPerSecond(bool measured, double bytes_per_s) {
   return text;
 }
 
+constexpr EnumName<BenchRw> kBenchRws[] = {
+    {BenchRw::kRead, "read"}, {BenchRw::kWrite, "write"}, {BenchRw::kBoth, "both"}};
+
 }  // namespace
 
-std::string_view BenchRwName(BenchRw rw) {
-  switch (rw) {
-    case BenchRw::kRead: return "read";
-    case BenchRw::kWrite: return "write";
-    case BenchRw::kBoth: return "both";
-  }
-  return "?";
-}
+std::string_view BenchRwName(BenchRw rw) { return NameOf(kBenchRws, rw); }
 
-Result<BenchRw> ParseBenchRw(std::string_view text) {
-  for (BenchRw rw : {BenchRw::kRead, BenchRw::kWrite, BenchRw::kBoth}) {
-    if (text == BenchRwName(rw)) return rw;
-  }
-  return Status::InvalidArgument("unknown --rw '" + std::string(text) +
-                                 "' (expected read, write or both)");
-}
+Result<BenchRw> ParseBenchRw(std::string_view text) { return ParseName(kBenchRws, text, "--rw"); }
 
 Status NvmeBenchOptions::Validate() const {
   if (directory.empty() && file.empty()) {

@@ -6,37 +6,32 @@
 #include <map>
 #include <optional>
 
+#include "common/enum_names.h"
 #include "common/json.h"
 
 namespace memplan::estimator {
 namespace {
 
-template <typename E>
-struct Names {
-  E value;
-  std::string_view name;
-};
-
-constexpr Names<Precision> kPrecisions[] = {{Precision::kFp32, "fp32"},
-                                            {Precision::kFp16Mixed, "fp16-mixed"},
-                                            {Precision::kBf16Mixed, "bf16-mixed"},
-                                            {Precision::kBf16Pure, "bf16-pure"}};
-constexpr Names<Optimizer> kOptimizers[] = {{Optimizer::kAdamW, "adamw"},
-                                            {Optimizer::kAdam8bit, "adam8bit"},
-                                            {Optimizer::kSgd, "sgd"},
-                                            {Optimizer::kLion, "lion"},
-                                            {Optimizer::kAdafactor, "adafactor"}};
-constexpr Names<Checkpointing> kCheckpointings[] = {{Checkpointing::kNone, "none"},
-                                                    {Checkpointing::kSelective, "selective"},
-                                                    {Checkpointing::kFull, "full"}};
-constexpr Names<OffloadDevice> kDevices[] = {
+constexpr EnumName<Precision> kPrecisions[] = {{Precision::kFp32, "fp32"},
+                                               {Precision::kFp16Mixed, "fp16-mixed"},
+                                               {Precision::kBf16Mixed, "bf16-mixed"},
+                                               {Precision::kBf16Pure, "bf16-pure"}};
+constexpr EnumName<Optimizer> kOptimizers[] = {{Optimizer::kAdamW, "adamw"},
+                                               {Optimizer::kAdam8bit, "adam8bit"},
+                                               {Optimizer::kSgd, "sgd"},
+                                               {Optimizer::kLion, "lion"},
+                                               {Optimizer::kAdafactor, "adafactor"}};
+constexpr EnumName<Checkpointing> kCheckpointings[] = {{Checkpointing::kNone, "none"},
+                                                       {Checkpointing::kSelective, "selective"},
+                                                       {Checkpointing::kFull, "full"}};
+constexpr EnumName<OffloadDevice> kDevices[] = {
     {OffloadDevice::kNone, "none"}, {OffloadDevice::kCpu, "cpu"}, {OffloadDevice::kNvme, "nvme"}};
-constexpr Names<Framework> kFrameworks[] = {{Framework::kTransformers, "transformers"},
-                                            {Framework::kLitGpt, "litgpt"}};
-constexpr Names<FsdpSharding> kFsdpShardings[] = {{FsdpSharding::kNone, "none"},
-                                                  {FsdpSharding::kFullShard, "full_shard"},
-                                                  {FsdpSharding::kShardGradOp, "shard_grad_op"},
-                                                  {FsdpSharding::kNoShard, "no_shard"}};
+constexpr EnumName<Framework> kFrameworks[] = {{Framework::kTransformers, "transformers"},
+                                               {Framework::kLitGpt, "litgpt"}};
+constexpr EnumName<FsdpSharding> kFsdpShardings[] = {{FsdpSharding::kNone, "none"},
+                                                     {FsdpSharding::kFullShard, "full_shard"},
+                                                     {FsdpSharding::kShardGradOp, "shard_grad_op"},
+                                                     {FsdpSharding::kNoShard, "no_shard"}};
 
 // "MAJOR.MINOR" (a patch or local suffix after it is ignored: "1.10.1", "2.1.0+cu121").
 bool ParseTorchVersion(std::string_view text, int* major, int* minor) {
@@ -55,25 +50,6 @@ bool ParseTorchVersion(std::string_view text, int* major, int* minor) {
   ++i;
   if (!number(minor)) return false;
   return i == text.size() || text[i] == '.' || text[i] == '+';
-}
-
-template <typename E, size_t N>
-std::string_view NameOf(const Names<E> (&table)[N], E value) {
-  for (const auto& n : table) {
-    if (n.value == value) return n.name;
-  }
-  return "?";
-}
-
-template <typename E, size_t N>
-Result<E> Parse(const Names<E> (&table)[N], std::string_view text, std::string_view what) {
-  std::string accepted;
-  for (const auto& n : table) {
-    if (n.name == text) return n.value;
-    accepted += (accepted.empty() ? "" : ", ") + std::string(n.name);
-  }
-  return Status::InvalidArgument("unknown " + std::string(what) + " '" + std::string(text) +
-                                 "' (expected one of: " + accepted + ")");
 }
 
 Status Range(std::string_view flag, int64_t value, int64_t lo, int64_t hi) {
@@ -111,12 +87,12 @@ std::string_view FrameworkName(Framework f) { return NameOf(kFrameworks, f); }
 std::string_view FsdpShardingName(FsdpSharding f) { return NameOf(kFsdpShardings, f); }
 Result<Framework> ParseFramework(std::string_view text) {
   if (text == "lit-gpt") return Framework::kLitGpt;
-  return Parse(kFrameworks, text, "framework");
+  return ParseName(kFrameworks, text, "framework");
 }
 Result<FsdpSharding> ParseFsdpSharding(std::string_view text) {
   std::string lower(text);
   for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return Parse(kFsdpShardings, lower, "FSDP sharding strategy");
+  return ParseName(kFsdpShardings, lower, "FSDP sharding strategy");
 }
 
 bool TrainingSetup::TorchBefore(int major, int minor) const {
@@ -128,16 +104,16 @@ bool TrainingSetup::TorchBefore(int major, int minor) const {
 }
 
 Result<Precision> ParsePrecision(std::string_view text) {
-  return Parse(kPrecisions, text, "precision");
+  return ParseName(kPrecisions, text, "precision");
 }
 Result<Optimizer> ParseOptimizer(std::string_view text) {
-  return Parse(kOptimizers, text, "optimizer");
+  return ParseName(kOptimizers, text, "optimizer");
 }
 Result<Checkpointing> ParseCheckpointing(std::string_view text) {
-  return Parse(kCheckpointings, text, "checkpointing");
+  return ParseName(kCheckpointings, text, "checkpointing");
 }
 Result<OffloadDevice> ParseOffloadDevice(std::string_view text) {
-  return Parse(kDevices, text, "offload device");
+  return ParseName(kDevices, text, "offload device");
 }
 
 Status TrainingSetup::Validate() const {

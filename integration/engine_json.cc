@@ -4,6 +4,29 @@
 
 #include "common/json.h"
 
+namespace memplan::offload {
+
+// The engine's statistics as JSON (ToJson below): each object's keys are its field names. These
+// live here, not in offload/, which knows nothing of JSON.
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ParamSwapperStats, fetch_calls, demand_fetches, prefetches,
+                                   prefetch_hits, prefetch_wasted, kept_for_reuse,
+                                   trace_invalidations, trace_length, trace_complete, stall_s,
+                                   nvme_read_bytes, nvme_write_bytes, h2d_bytes, allgather_bytes,
+                                   live_bytes, peak_live_bytes, ahead_bytes, peak_ahead_bytes,
+                                   over_budget_fetches, resident_bytes, pinned_bytes,
+                                   device_arena_bytes, device_arena_peak_bytes, arena_evictions)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EngineStepProfile, overlapped, backward_s, step_s, optimizer_s,
+                                   read_s, write_s, sync_s, backward_wait_s, stall_s, sub_groups,
+                                   sub_groups_before_step, overlapped_fraction)
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EngineStats, runtime, steps, epoch, params, elements, rank,
+                                   world_size, partition_elements, frozen_params, frozen_elements,
+                                   optimizer_elements, param, d2h_bytes, reduce_scatter_bytes,
+                                   optimizer_read_bytes, optimizer_write_bytes, grad_write_bytes,
+                                   nvme_read_bytes, nvme_write_bytes, last_step_s, step_profile,
+                                   peak_device_bytes, pinned_bytes, device_arena_bytes)
+
+}  // namespace memplan::offload
+
 namespace memplan::integration {
 namespace {
 
@@ -62,71 +85,7 @@ Result<offload::SwapStepOptions> StepOptionsFromJson(const json& j,
   return Status::Internal("step options: unknown optimizer");
 }
 
-json ToJson(const offload::EngineStats& s) {
-  const offload::ParamSwapperStats& p = s.param;
-  return json{
-      {"runtime", s.runtime},
-      {"steps", s.steps},
-      {"epoch", s.epoch},
-      {"params", s.params},
-      {"elements", s.elements},
-      {"rank", s.rank},
-      {"world_size", s.world_size},
-      {"partition_elements", s.partition_elements},
-      {"frozen_params", s.frozen_params},
-      {"frozen_elements", s.frozen_elements},
-      {"optimizer_elements", s.optimizer_elements},
-      {"param",
-       {{"fetch_calls", p.fetch_calls},
-        {"demand_fetches", p.demand_fetches},
-        {"prefetches", p.prefetches},
-        {"prefetch_hits", p.prefetch_hits},
-        {"prefetch_wasted", p.prefetch_wasted},
-        {"kept_for_reuse", p.kept_for_reuse},
-        {"trace_invalidations", p.trace_invalidations},
-        {"trace_length", p.trace_length},
-        {"trace_complete", p.trace_complete},
-        {"stall_s", p.stall_s},
-        {"nvme_read_bytes", p.nvme_read_bytes},
-        {"nvme_write_bytes", p.nvme_write_bytes},
-        {"h2d_bytes", p.h2d_bytes},
-        {"allgather_bytes", p.allgather_bytes},
-        {"live_bytes", p.live_bytes},
-        {"peak_live_bytes", p.peak_live_bytes},
-        {"ahead_bytes", p.ahead_bytes},
-        {"peak_ahead_bytes", p.peak_ahead_bytes},
-        {"over_budget_fetches", p.over_budget_fetches},
-        {"resident_bytes", p.resident_bytes},
-        {"pinned_bytes", p.pinned_bytes},
-        {"device_arena_bytes", p.device_arena_bytes},
-        {"device_arena_peak_bytes", p.device_arena_peak_bytes},
-        {"arena_evictions", p.arena_evictions}}},
-      {"d2h_bytes", s.d2h_bytes},
-      {"reduce_scatter_bytes", s.reduce_scatter_bytes},
-      {"optimizer_read_bytes", s.optimizer_read_bytes},
-      {"optimizer_write_bytes", s.optimizer_write_bytes},
-      {"grad_write_bytes", s.grad_write_bytes},
-      {"nvme_read_bytes", s.nvme_read_bytes},
-      {"nvme_write_bytes", s.nvme_write_bytes},
-      {"last_step_s", s.last_step_s},
-      {"step_profile",
-       {{"overlapped", s.step_profile.overlapped},
-        {"backward_s", s.step_profile.backward_s},
-        {"step_s", s.step_profile.step_s},
-        {"optimizer_s", s.step_profile.optimizer_s},
-        {"read_s", s.step_profile.read_s},
-        {"write_s", s.step_profile.write_s},
-        {"sync_s", s.step_profile.sync_s},
-        {"backward_wait_s", s.step_profile.backward_wait_s},
-        {"stall_s", s.step_profile.stall_s},
-        {"sub_groups", s.step_profile.sub_groups},
-        {"sub_groups_before_step", s.step_profile.sub_groups_before_step},
-        {"overlapped_fraction", s.step_profile.overlapped_fraction}}},
-      {"peak_device_bytes", s.peak_device_bytes},
-      {"pinned_bytes", s.pinned_bytes},
-      {"device_arena_bytes", s.device_arena_bytes},
-  };
-}
+json ToJson(const offload::EngineStats& s) { return s; }
 
 Result<EngineOpenOptions> EngineOpenOptionsFromJson(const json& j) {
   EngineOpenOptions o;

@@ -1,39 +1,30 @@
 // Names and option validation for the Backend seam (shared by every backend and by the CLI).
 #include <string>
 
+#include "common/enum_names.h"
 #include "nvme/backend.h"
 
 namespace memplan::nvme {
 
-std::string_view OpTypeName(OpType op) {
-  switch (op) {
-    case OpType::kRead: return "read";
-    case OpType::kWrite: return "write";
-    case OpType::kFsync: return "fsync";
-  }
-  return "?";
-}
+namespace {
 
-std::string_view BackendKindName(BackendKind kind) {
-  switch (kind) {
-    case BackendKind::kAuto: return "auto";
-    case BackendKind::kUring: return "uring";
-    case BackendKind::kAio: return "aio";
-    case BackendKind::kPosix: return "posix";
-    case BackendKind::kMemory: return "memory";
-  }
-  return "?";
-}
+constexpr EnumName<OpType> kOpTypes[] = {
+    {OpType::kRead, "read"}, {OpType::kWrite, "write"}, {OpType::kFsync, "fsync"}};
+constexpr EnumName<BackendKind> kBackendKinds[] = {{BackendKind::kAuto, "auto"},
+                                                   {BackendKind::kUring, "uring"},
+                                                   {BackendKind::kAio, "aio"},
+                                                   {BackendKind::kPosix, "posix"},
+                                                   {BackendKind::kMemory, "memory"}};
+
+}  // namespace
+
+std::string_view OpTypeName(OpType op) { return NameOf(kOpTypes, op); }
+std::string_view BackendKindName(BackendKind kind) { return NameOf(kBackendKinds, kind); }
 
 Result<BackendKind> ParseBackendKind(std::string_view text) {
-  for (BackendKind kind : {BackendKind::kAuto, BackendKind::kUring, BackendKind::kAio,
-                           BackendKind::kPosix, BackendKind::kMemory}) {
-    if (text == BackendKindName(kind)) return kind;
-  }
   if (text == "io_uring") return BackendKind::kUring;
   if (text == "libaio") return BackendKind::kAio;
-  return Status::InvalidArgument("unknown backend '" + std::string(text) +
-                                 "' (expected auto, uring, aio, posix or memory)");
+  return ParseName(kBackendKinds, text, "backend");
 }
 
 Status BackendOptions::Validate() const {

@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/enum_names.h"
 #include "common/mutex.h"
 #include "offload/cpu_optimizer_internal.h"
 
@@ -112,6 +113,9 @@ Status CheckHalf(std::span<uint16_t> half, HalfDtype dtype, size_t expected) {
   return CheckSize("half_params", half.size(), expected);
 }
 
+constexpr EnumName<Isa> kIsas[] = {
+    {Isa::kScalar, "scalar"}, {Isa::kAvx2, "avx2"}, {Isa::kAvx512, "avx512"}};
+
 Status CheckStep(int64_t step) {
   if (step >= 1) return Status::Ok();
   return Status::InvalidArgument("step: must be >= 1 (1-based), got " + std::to_string(step));
@@ -120,21 +124,11 @@ Status CheckStep(int64_t step) {
 }  // namespace
 
 std::string_view IsaName(Isa isa) {
-  switch (isa) {
-    case Isa::kScalar: return "scalar";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
-  }
-  return "unknown";
+  std::string_view name = NameOf(kIsas, isa);
+  return name == "?" ? "unknown" : name;
 }
 
-Result<Isa> ParseIsa(std::string_view name) {
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-    if (name == IsaName(isa)) return isa;
-  }
-  return Status::InvalidArgument("unknown ISA '" + std::string(name) +
-                                 "' (expected scalar, avx2 or avx512)");
-}
+Result<Isa> ParseIsa(std::string_view name) { return ParseName(kIsas, name, "ISA"); }
 
 bool IsaAvailable(Isa isa) { return CpuHas(isa); }
 

@@ -1,41 +1,25 @@
 #include "offload/schedule.h"
 
+#include "common/enum_names.h"
 #include "common/json.h"
 
 namespace memplan::offload {
 
-std::string_view TierName(Tier tier) {
-  switch (tier) {
-    case Tier::kGpu: return "gpu";
-    case Tier::kCpu: return "cpu";
-    case Tier::kNvme: return "nvme";
-  }
-  return "?";
-}
+namespace {
 
-Result<Tier> ParseTier(std::string_view text) {
-  for (Tier t : {Tier::kGpu, Tier::kCpu, Tier::kNvme}) {
-    if (text == TierName(t)) return t;
-  }
-  return Status::InvalidArgument("unknown tier \"" + std::string(text) +
-                                 "\" (expected gpu, cpu or nvme)");
-}
+constexpr EnumName<Tier> kTiers[] = {
+    {Tier::kGpu, "gpu"}, {Tier::kCpu, "cpu"}, {Tier::kNvme, "nvme"}};
+constexpr EnumName<ElementType> kElementTypes[] = {{ElementType::kFloat32, "fp32"},
+                                                   {ElementType::kBFloat16, "bf16"},
+                                                   {ElementType::kFloat16, "fp16"}};
 
-std::string_view ElementTypeName(ElementType type) {
-  switch (type) {
-    case ElementType::kFloat32: return "fp32";
-    case ElementType::kBFloat16: return "bf16";
-    case ElementType::kFloat16: return "fp16";
-  }
-  return "?";
-}
+}  // namespace
 
+std::string_view TierName(Tier tier) { return NameOf(kTiers, tier); }
+Result<Tier> ParseTier(std::string_view text) { return ParseName(kTiers, text, "tier"); }
+std::string_view ElementTypeName(ElementType type) { return NameOf(kElementTypes, type); }
 Result<ElementType> ParseElementType(std::string_view text) {
-  for (ElementType t : {ElementType::kFloat32, ElementType::kBFloat16, ElementType::kFloat16}) {
-    if (text == ElementTypeName(t)) return t;
-  }
-  return Status::InvalidArgument("unknown dtype \"" + std::string(text) +
-                                 "\" (expected fp32, bf16 or fp16)");
+  return ParseName(kElementTypes, text, "dtype");
 }
 
 Status Schedule::Validate() const {

@@ -39,6 +39,13 @@ std::string Lower(std::string_view s) {
 
 }  // namespace
 
+// A GPU as JSON (plan's "cluster.gpu"): every field under its own name. Reading a GPU back goes
+// through GpuFromJson's checks instead.
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(GpuSpec, name, description, memory_bytes, bf16_flops, fp16_flops,
+                                   fp32_flops, hbm_bytes_per_s, link_bytes_per_s, pcie_gen,
+                                   mfu_prior, gemm_efficiency, attention_efficiency,
+                                   node_network_bytes_per_s, gpus_per_pcie_switch)
+
 const std::vector<GpuSpec>& GpuPresets() {
   // Memory: the total the driver reports (nvidia-smi), in MiB. FLOPs: dense tensor-core peaks
   // from NVIDIA's datasheets (GeForce: fp16 with fp32 accumulation). Links: per direction.
@@ -338,21 +345,7 @@ Status ApplyAdamBench(const nlohmann::json& bench, const std::string& source, Cl
 }
 
 nlohmann::json ToJson(const Cluster& c) {
-  return {{"gpu",
-           {{"name", c.gpu.name},
-            {"description", c.gpu.description},
-            {"memory_bytes", c.gpu.memory_bytes},
-            {"bf16_flops", c.gpu.bf16_flops},
-            {"fp16_flops", c.gpu.fp16_flops},
-            {"fp32_flops", c.gpu.fp32_flops},
-            {"hbm_bytes_per_s", c.gpu.hbm_bytes_per_s},
-            {"link_bytes_per_s", c.gpu.link_bytes_per_s},
-            {"pcie_gen", c.gpu.pcie_gen},
-            {"mfu_prior", c.gpu.mfu_prior},
-            {"gemm_efficiency", c.gpu.gemm_efficiency},
-            {"attention_efficiency", c.gpu.attention_efficiency},
-            {"node_network_bytes_per_s", c.gpu.node_network_bytes_per_s},
-            {"gpus_per_pcie_switch", c.gpu.gpus_per_pcie_switch}}},
+  return {{"gpu", c.gpu},
           {"nodes", c.nodes},
           {"gpus_per_node", c.gpus_per_node},
           {"world_size", c.WorldSize()},

@@ -110,6 +110,12 @@ struct BufferFacts {
 
 }  // namespace
 
+// A plan's "time" object: the step's parts under their field names (total_s is the plan's
+// "step_time_s"; the FLOP counts are reported as MFU and HFU).
+NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(StepTime, compute_s, comm_s, pcie_s, optimizer_s, nvme_s,
+                                   exposed_comm_s, exposed_offload_s, exposed_optimizer_s, gemm_s,
+                                   attention_s, elementwise_s, host_wait_s, bound)
+
 int64_t NvmeBuffersNeeded(const estimator::ModelInventory& inventory, int64_t window,
                           int64_t persistence_threshold, int64_t min_partition_numel,
                           int64_t partition_ranks) {
@@ -883,20 +889,7 @@ nlohmann::json ToJson(const Plan& p) {
           {"pinned_bytes", p.peak.pinned_bytes},
           {"peak_phase", p.peak.phase},
           {"step_time_s", p.time.total_s},
-          {"time",
-           {{"compute_s", p.time.compute_s},
-            {"comm_s", p.time.comm_s},
-            {"pcie_s", p.time.pcie_s},
-            {"optimizer_s", p.time.optimizer_s},
-            {"nvme_s", p.time.nvme_s},
-            {"exposed_comm_s", p.time.exposed_comm_s},
-            {"exposed_offload_s", p.time.exposed_offload_s},
-            {"exposed_optimizer_s", p.time.exposed_optimizer_s},
-            {"gemm_s", p.time.gemm_s},
-            {"attention_s", p.time.attention_s},
-            {"elementwise_s", p.time.elementwise_s},
-            {"host_wait_s", p.time.host_wait_s},
-            {"bound", p.time.bound}}},
+          {"time", p.time},
           {"tokens_per_s", p.tokens_per_s},
           {"mfu", p.mfu},
           {"hfu", p.hfu},

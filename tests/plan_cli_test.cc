@@ -216,6 +216,28 @@ bool Offloads(const nlohmann::json& p) {
   return p["offload_optimizer"] != "none" || p["offload_param"] != "none";
 }
 
+// GPT-2 XL in fp32 on 2 x RTX 3090 with 128 GiB of RAM and 128-token sequences, the published
+// run of Note [Realistic scenarios], followed by `rest`.
+std::vector<std::string> Gpt2XlOn2x3090(const std::string& src, std::vector<std::string> rest) {
+  std::vector<std::string> args = {"--model",
+                                   src + "/tests/accuracy/models/gpt2-xl.json",
+                                   "--gpu",
+                                   "rtx3090",
+                                   "--gpus",
+                                   "2",
+                                   "--precision",
+                                   "fp32",
+                                   "--seq-len",
+                                   "128",
+                                   "--no-flash-attention",
+                                   "--optimizer",
+                                   "adamw",
+                                   "--cpu-mem",
+                                   "128GiB"};
+  args.insert(args.end(), rest.begin(), rest.end());
+  return args;
+}
+
 TEST_CASE(
     "plan: realistic scenarios get what an expert would choose (Note [Realistic scenarios])") {
   const std::string src = MEMPLAN_SOURCE_DIR;
@@ -256,35 +278,9 @@ TEST_CASE(
          return "";
        }},
       {"gpt2-xl fp32 on 2 x 24 GB: FULL_SHARD fits the published batch of 5",
-       {"--model",
-        src + "/tests/accuracy/models/gpt2-xl.json",
-        "--gpu",
-        "rtx3090",
-        "--gpus",
-        "2",
-        "--precision",
-        "fp32",
-        "--seq-len",
-        "128",
-        "--no-flash-attention",
-        "--optimizer",
-        "adamw",
-        "--cpu-mem",
-        "128GiB",
-        "--global-batch",
-        "10",
-        "--zero-stage",
-        "3",
-        "--offload-optimizer",
-        "none",
-        "--offload-param",
-        "none",
-        "--checkpointing",
-        "none",
-        "--micro-batch",
-        "5",
-        "--sharding",
-        "full"},
+       Gpt2XlOn2x3090(src, {"--global-batch", "10", "--zero-stage", "3", "--offload-optimizer",
+                            "none", "--offload-param", "none", "--checkpointing", "none",
+                            "--micro-batch", "5", "--sharding", "full"}),
        [](const nlohmann::json& j) -> std::string {
          return j["plans"].size() == 1 ? "" : "FULL_SHARD at micro-batch 5 does not fit";
        }},
@@ -337,34 +333,13 @@ TEST_CASE(
   }
 
   // GPT-2 XL: DDP does not fit even at batch 1, and the report says so.
-  CommandResult ddp = Memplan({"plan",
-                               "--model",
-                               src + "/tests/accuracy/models/gpt2-xl.json",
-                               "--gpu",
-                               "rtx3090",
-                               "--gpus",
-                               "2",
-                               "--precision",
-                               "fp32",
-                               "--seq-len",
-                               "128",
-                               "--no-flash-attention",
-                               "--optimizer",
-                               "adamw",
-                               "--cpu-mem",
-                               "128GiB",
-                               "--global-batch",
-                               "2",
-                               "--gpu-margin",
-                               "0",
-                               "--zero-stage",
-                               "0",
-                               "--micro-batch",
-                               "1",
-                               "--checkpointing",
-                               "none",
-                               "--format",
-                               "json"});
+  std::vector<std::string> ddp_args = {"plan", "--format", "json"};
+  for (const std::string& arg :
+       Gpt2XlOn2x3090(src, {"--global-batch", "2", "--gpu-margin", "0", "--zero-stage", "0",
+                            "--micro-batch", "1", "--checkpointing", "none"})) {
+    ddp_args.push_back(arg);
+  }
+  CommandResult ddp = Memplan(ddp_args);
   nlohmann::json j = nlohmann::json::parse(ddp.out);
   CHECK(j["plans"].empty());
   REQUIRE(!j["rejected"].empty());
