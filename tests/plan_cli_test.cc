@@ -596,5 +596,25 @@ TEST_CASE("check: bad input exits 2") {
   CHECK(r.err.find("--model needs --gpu") != std::string::npos);
 }
 
+TEST_CASE("plan, capacity and check refuse a model without an architecture, each naming why") {
+  TempDir dir("memplan-noarch-");
+  const std::string shapes =
+      dir.Write("shapes.json", R"([{"name": "w", "shape": [1024, 1024], "dtype": "BF16"}])")
+          .string();
+  const std::string ds = dir.Write("ds.json", "{\"train_batch_size\": 8}").string();
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"plan", "--model", shapes, "--gpu", "a100-80", "--global-batch", "8"}, "planning"},
+      {{"capacity", "--model", shapes, "--gpu", "a100-80", "--tokens", "1e9", "--global-batch",
+        "8"},
+       "capacity planning"},
+      {{"check", ds, "--model", shapes, "--gpu", "a100-80"}, "predicting the fit"}};
+  for (const auto& c : cases) {
+    CAPTURE(c.first[0]);
+    CommandResult r = Memplan(c.first);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find(shapes + ": " + c.second + " needs the architecture") != std::string::npos);
+  }
+}
+
 }  // namespace
 }  // namespace memplan::testing

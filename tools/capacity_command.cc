@@ -23,9 +23,7 @@ namespace memplan::tools {
 namespace {
 
 struct CapacityFlags {
-  std::string model;
-  std::string model_class = "auto";
-  ModelSourceFlags source;
+  ModelFlags model;
   std::string gpus_text;  // GPU types, comma-separated
   std::string counts_text = "1-64";
   int64_t gpus_per_node = 0;        // 0: 8, or the cluster file's
@@ -186,20 +184,10 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
     node.nvme_capacity_bytes = *v;
   }
 
-  auto inventory =
-      LoadModelForCli(f.model,
-                      f.model_class == "base" ? estimator::ModelClassChoice::kBase
-                                              : estimator::ModelClassChoice::kFromArchitectures,
-                      f.source);
+  auto inventory = f.model.LoadArchitecture("capacity planning");
   if (!inventory.ok()) return fail(inventory.status());
-  if (!inventory->arch) {
-    return fail(Status::InvalidArgument(
-        f.model +
-        ": capacity planning needs the architecture (a config.json or built-in "
-        "model), not a tensor-shape list or safetensors header"));
-  }
   planner::Job job;
-  job.model = f.model;
+  job.model = f.model.spec;
   estimator::TrainingSetup& s = job.setup;
   Status applied = f.job.Apply(f.job.precision.empty() ? "bf16-mixed" : f.job.precision, &s);
   if (!applied.ok()) return fail(applied);
@@ -253,14 +241,10 @@ void RegisterCapacity(CLI::App& app, Outcome* outcome) {
       "Which GPU type, how many, for how long and at what cost: the fastest plan of every GPU "
       "type x count, and the fewest GPUs that fit, the fastest and the cheapest for a token "
       "budget");
-  cmd->add_option("-m,--model", f->model,
-                  "A model as in `memplan plan`: a built-in name, a config.json, or a Hugging "
-                  "Face repo id")
-      ->required();
-  cmd->add_option("--model-class", f->model_class, "auto (the config's architectures) or base")
-      ->check(CLI::IsMember({"auto", "base"}))
-      ->capture_default_str();
-  f->source.Add(cmd);
+  f->model.Add(cmd,
+               "A model as in `memplan plan`: a built-in name, a config.json, or a Hugging Face "
+               "repo id",
+               true);
   const char* gpus = "GPUs and prices";
   cmd->add_option("--gpu", f->gpus_text,
                   "GPU types, comma-separated presets (v100-16, v100-32, a100-40, a100-80, "

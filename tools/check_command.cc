@@ -24,9 +24,7 @@ namespace {
 
 struct CheckFlags {
   std::string config;
-  std::string model;
-  std::string model_class = "auto";
-  ModelSourceFlags source;
+  ModelFlags model;
   std::string gpu;
   std::string cluster_file;
   int64_t gpus = 0;
@@ -64,20 +62,12 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
   } else if (!f.cpu_mem.empty() || !f.memlock.empty()) {
     return fail(Status::InvalidArgument("--cpu-mem and --memlock need --gpu (or --cluster)"));
   }
-  if (!f.model.empty()) {
+  if (!f.model.spec.empty()) {
     if (!options.cluster) {
       return fail(Status::InvalidArgument("--model needs --gpu (or --cluster) to predict the fit"));
     }
-    inventory =
-        LoadModelForCli(f.model,
-                        f.model_class == "base" ? estimator::ModelClassChoice::kBase
-                                                : estimator::ModelClassChoice::kFromArchitectures,
-                        f.source);
+    inventory = f.model.LoadArchitecture("predicting the fit");
     if (!inventory.ok()) return fail(inventory.status());
-    if (!inventory->arch) {
-      return fail(Status::InvalidArgument(f.model + ": predicting the fit needs the "
-                                                    "architecture (a config.json or built-in)"));
-    }
     options.model = &*inventory;
   }
   auto report = planner::CheckDeepSpeedConfig(*config, options);
@@ -100,11 +90,7 @@ void RegisterCheck(CLI::App& app, Outcome* outcome) {
       "swap buffers), bf16 on a GPU without it, pinned memory, and (with --model and --gpu) the "
       "predicted fit with the keys that fill it");
   cmd->add_option("config", f->config, "The ds_config.json to check")->required();
-  cmd->add_option("-m,--model", f->model, "Model (as in `memplan estimate`) to predict the fit");
-  cmd->add_option("--model-class", f->model_class, "auto or base")
-      ->check(CLI::IsMember({"auto", "base"}))
-      ->capture_default_str();
-  f->source.Add(cmd);
+  f->model.Add(cmd, "Model (as in `memplan estimate`) to predict the fit", false);
   cmd->add_option("--gpu", f->gpu, "GPU preset (a100-80, h100-80, ...)");
   cmd->add_option("--cluster", f->cluster_file, "A cluster JSON file");
   cmd->add_option("-g,--gpus", f->gpus, "GPUs per node (for the batch arithmetic)")

@@ -27,41 +27,27 @@ namespace {
 
 using estimator::ModelClassChoice;
 
-// Options shared by the subcommands that read a model.
+// Options shared by the subcommands that describe a model (estimate, inventory).
 struct ModelOptions {
-  std::string model;
-  std::string model_class = "auto";
-  ModelSourceFlags source;
+  ModelFlags model;
   std::string format = "text";
   std::string output;  // empty: stdout
 
   void Add(CLI::App* cmd) {
-    cmd->add_option("-m,--model", model,
-                    "A built-in model name (see `memplan models`), a config.json, a tensor-shape "
-                    "list (.json), a .safetensors file, a model.safetensors.index.json, a "
-                    "directory holding one of these (a Hugging Face cache folder models--org--name "
-                    "too), or a Hugging Face repo id (org/name): from the local hub cache, else "
-                    "fetched from the Hub (config.json, or safetensors headers) unless --offline")
-        ->required();
-    cmd->add_option("--model-class", model_class,
-                    "auto: the class in config.json's `architectures` (task head included, tied "
-                    "head counted once); base: what AutoModel builds, no task head (as in "
-                    "DeepSpeed's and Accelerate's examples)")
-        ->check(CLI::IsMember({"auto", "base"}))
-        ->capture_default_str();
-    source.Add(cmd);
+    model.Add(cmd,
+              "A built-in model name (see `memplan models`), a config.json, a tensor-shape "
+              "list (.json), a .safetensors file, a model.safetensors.index.json, a "
+              "directory holding one of these (a Hugging Face cache folder models--org--name "
+              "too), or a Hugging Face repo id (org/name): from the local hub cache, else "
+              "fetched from the Hub (config.json, or safetensors headers) unless --offline",
+              true);
     AddFormatOption(cmd, &format, "Output format: text (for people) or json (for scripts)");
     cmd->add_option("-o,--output", output,
                     "Write the output to this file (atomically: temp file + rename; a new file "
                     "or a regular one, whose mode is kept) instead of stdout");
   }
 
-  ModelClassChoice Choice() const {
-    return model_class == "base" ? ModelClassChoice::kBase : ModelClassChoice::kFromArchitectures;
-  }
-  Result<estimator::ModelInventory> Load() const {
-    return LoadModelForCli(model, Choice(), source);
-  }
+  Result<estimator::ModelInventory> Load() const { return model.Load(); }
 };
 
 // Sends `text` to stdout or to the --output file.
@@ -86,6 +72,36 @@ void ModelSourceFlags::Add(CLI::App* cmd) {
                   "them)")
       ->check(CLI::IsMember({"fused", "per-expert"}))
       ->capture_default_str();
+}
+
+void ModelFlags::Add(CLI::App* cmd, const std::string& model_help, bool required) {
+  CLI::Option* option = cmd->add_option("-m,--model", spec, model_help);
+  if (required) option->required();
+  cmd->add_option("--model-class", model_class,
+                  "auto: the class in config.json's `architectures` (task head included, tied "
+                  "head counted once); base: what AutoModel builds, no task head (as in "
+                  "DeepSpeed's and Accelerate's examples)")
+      ->check(CLI::IsMember({"auto", "base"}))
+      ->capture_default_str();
+  source.Add(cmd);
+}
+
+ModelClassChoice ModelFlags::Choice() const {
+  return model_class == "base" ? ModelClassChoice::kBase : ModelClassChoice::kFromArchitectures;
+}
+
+Result<estimator::ModelInventory> ModelFlags::Load() const {
+  return LoadModelForCli(spec, Choice(), source);
+}
+
+Result<estimator::ModelInventory> ModelFlags::LoadArchitecture(std::string_view purpose) const {
+  auto inventory = Load();
+  if (inventory.ok() && !inventory->arch) {
+    return Status::InvalidArgument(spec + ": " + std::string(purpose) +
+                                   " needs the architecture (a config.json or built-in model), "
+                                   "not a tensor-shape list or safetensors header");
+  }
+  return inventory;
 }
 
 Result<estimator::ModelInventory> LoadModelForCli(const std::string& spec,

@@ -66,6 +66,22 @@ Result<estimator::ModelInventory> LoadModelForCli(const std::string& spec,
                                                   estimator::ModelClassChoice choice,
                                                   const ModelSourceFlags& flags);
 
+// -m/--model, --model-class and the source flags, as every subcommand that reads a model
+// registers and loads them.
+struct ModelFlags {
+  std::string spec;                  // --model
+  std::string model_class = "auto";  // --model-class: auto or base
+  ModelSourceFlags source;
+
+  // Registers the flags; `model_help` says what --model is for this subcommand.
+  void Add(CLI::App* cmd, const std::string& model_help, bool required);
+  estimator::ModelClassChoice Choice() const;
+  Result<estimator::ModelInventory> Load() const;
+  // Load(), refusing a model without an architecture (a tensor-shape list or safetensors headers
+  // without --model-config): "SPEC: <purpose> needs the architecture (...)".
+  Result<estimator::ModelInventory> LoadArchitecture(std::string_view purpose) const;
+};
+
 // Each Register* adds a subcommand to `app` whose callback stores its Outcome in `*outcome`.
 void RegisterEstimate(CLI::App& app, Outcome* outcome);
 void RegisterInventory(CLI::App& app, Outcome* outcome);

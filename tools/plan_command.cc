@@ -163,9 +163,7 @@ struct ClusterFlags {
 };
 
 struct PlanFlags {
-  std::string model;
-  std::string model_class = "auto";
-  ModelSourceFlags source;
+  ModelFlags model;
   ClusterFlags cluster;
   int64_t global_batch = 0;
   int64_t global_batch_tokens = 0;
@@ -295,7 +293,7 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
       }
       launch.for_hf_trainer = f.for_hf_trainer;
       launch.master_port = f.master_port;
-      launch.job_name = "memplan-" + f.model.substr(f.model.find_last_of('/') + 1);
+      launch.job_name = "memplan-" + f.model.spec.substr(f.model.spec.find_last_of('/') + 1);
       launch.slurm_partition = f.slurm_partition;
       launch.slurm_time = f.slurm_time;
       Result<std::string> script = planner::LaunchScript(plan, cluster, launch);
@@ -327,18 +325,8 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
         Status::InvalidArgument("give exactly one of --global-batch (samples) and "
                                 "--global-batch-tokens"));
   }
-  auto inventory =
-      LoadModelForCli(f.model,
-                      f.model_class == "base" ? estimator::ModelClassChoice::kBase
-                                              : estimator::ModelClassChoice::kFromArchitectures,
-                      f.source);
+  auto inventory = f.model.LoadArchitecture("planning");
   if (!inventory.ok()) return fail(inventory.status());
-  if (!inventory->arch) {
-    return fail(Status::InvalidArgument(
-        f.model +
-        ": planning needs the architecture (a config.json or built-in model), not a "
-        "tensor-shape list or safetensors header"));
-  }
   std::string note;
   auto cluster = f.cluster.Build(&note);
   if (!cluster.ok()) return fail(cluster.status());
@@ -351,7 +339,7 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   }
 
   planner::Job job;
-  job.model = f.model;
+  job.model = f.model.spec;
   estimator::TrainingSetup& s = job.setup;
   std::string precision = f.job.precision;
   if (precision.empty()) precision = cluster->gpu.bf16_flops > 0 ? "bf16-mixed" : "fp16-mixed";
@@ -443,15 +431,11 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       "The fastest training configuration that fits a cluster (ZeRO stage x offload x "
       "checkpointing x micro-batch), explained, and written as DeepSpeed / Accelerate / FSDP "
       "configs");
-  cmd->add_option("-m,--model", f->model,
-                  "A model as in `memplan estimate`: a built-in name (see `memplan models`), a "
-                  "config.json, or a Hugging Face repo id (the local hub cache, else the Hub "
-                  "unless --offline)")
-      ->required();
-  cmd->add_option("--model-class", f->model_class, "auto (the config's architectures) or base")
-      ->check(CLI::IsMember({"auto", "base"}))
-      ->capture_default_str();
-  f->source.Add(cmd);
+  f->model.Add(cmd,
+               "A model as in `memplan estimate`: a built-in name (see `memplan models`), a "
+               "config.json, or a Hugging Face repo id (the local hub cache, else the Hub "
+               "unless --offline)",
+               true);
   f->cluster.Add(cmd, true);
   const char* job = "Job";
   cmd->add_option("--global-batch", f->global_batch, "Sequences per optimizer step, all GPUs")
