@@ -154,6 +154,36 @@ class JsonFieldReader {
       return Strings(key, out);
     }
   }
+  // A field and where it goes, for GetAll and RequireAll: JsonFieldReader::Field("lr", &o.lr).
+  template <typename T>
+  struct FieldRef {
+    const char* key;
+    T* out;
+  };
+  template <typename T>
+  static FieldRef<T> Field(const char* key, T* out) {
+    return {key, out};
+  }
+  // Get for each field in order, stopping at the first error: a struct's fields read in one
+  // statement. An absent key keeps its default.
+  template <typename... T>
+  Status GetAll(FieldRef<T>... fields) const {
+    Status status;
+    ((status.ok() ? (void)(status = Get(fields.key, fields.out)) : void()), ...);
+    return status;
+  }
+  // GetAll, but an absent key is an error ("is missing"): for documents memplan wrote itself.
+  template <typename... T>
+  Status RequireAll(FieldRef<T>... fields) const {
+    Status status;
+    ((status.ok() ? (void)(status = Required(fields.key, fields.out)) : void()), ...);
+    return status;
+  }
+  template <typename T>
+  Status Required(const char* key, T* out) const {
+    MEMPLAN_RETURN_IF_ERROR(Require(key));
+    return Get(key, out);
+  }
   // A JSON integer (not 1.0, "4" or true) in [lo, hi]; the default range is T's.
   template <typename T>
   Status Integer(const char* key, T* out, T lo = std::numeric_limits<T>::min(),

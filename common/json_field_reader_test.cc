@@ -71,6 +71,32 @@ TEST_CASE("JsonFieldReader: absent keys keep the default; Require names a missin
         "got null");
 }
 
+TEST_CASE(
+    "JsonFieldReader: GetAll and RequireAll read fields in order, stopping at the first error") {
+  using F = JsonFieldReader;
+  const json j = {{"steps", 4}, {"name", "x"}, {"rate", "fast"}, {"later", 1}};
+  const JsonFieldReader r(j, "bench report", "run.");
+  int64_t steps = 0, later = 0, absent = 7;
+  std::string name;
+  double rate = 2.5;
+  CHECK_OK(
+      r.GetAll(F::Field("steps", &steps), F::Field("absent", &absent), F::Field("name", &name)));
+  CHECK(steps == 4);
+  CHECK(absent == 7);
+  CHECK(name == "x");
+  // The first error wins, and the fields after it are not read.
+  CHECK(Message(r.GetAll(F::Field("rate", &rate), F::Field("later", &later))) ==
+        "bench report: 'run.rate' must be a number, got \"fast\"");
+  CHECK(rate == 2.5);
+  CHECK(later == 0);
+  CHECK(Message(r.RequireAll(F::Field("steps", &steps), F::Field("absent", &absent),
+                             F::Field("later", &later))) ==
+        "bench report: 'run.absent' is missing");
+  CHECK(later == 0);
+  CHECK_OK(r.RequireAll(F::Field("later", &later)));
+  CHECK(later == 1);
+}
+
 TEST_CASE("JsonFieldReader: unknown keys, with the closest known ones") {
   const json j = {{"params", {{"buffer_count", 2}, {"bufer_bytes", 4096}}}};
   JsonFieldReader root(j, "schedule");

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "common/json.h"
 #include "common/printable.h"
 
 namespace memplan::estimator {
@@ -36,54 +37,41 @@ nlohmann::json SummaryToJson(const ModelSummary& m) {
   };
 }
 
-// Fields added after the first release: read when present, so older estimate JSON still loads.
-template <typename T>
-Status GetIfPresent(const nlohmann::json& object, const char* key, T* out) {
-  if (!object.is_object() || !object.contains(key)) return Status::Ok();
-  try {
-    *out = object.at(key).get<T>();
-  } catch (const nlohmann::json::exception&) {
-    return Status::InvalidArgument(std::string("estimate JSON: model.") + key +
-                                   " has the wrong type");
-  }
+const char* Device(bool offloaded) { return offloaded ? "cpu" : "none"; }
+
+// EstimateFromJson reads what ToJson wrote: every field required (Note [JSON field reader]), except
+// those added after the first release, read when present so that older estimate JSON still loads.
+using F = JsonFieldReader;
+constexpr const char* kWhere = "estimate JSON";
+
+// The value at `key` of `json`, or null when there is none (its fields then read as missing).
+const nlohmann::json& Member(const nlohmann::json& json, const char* key) {
+  static const nlohmann::json kNone;
+  return json.is_object() && json.contains(key) ? json.at(key) : kNone;
+}
+
+// An offload device as the DeepSpeed tables write it: "cpu" or "none".
+Status ReadDevice(const JsonFieldReader& r, const char* key, bool* offloaded) {
+  std::string value;
+  MEMPLAN_RETURN_IF_ERROR(r.Required(key, &value));
+  if (value != "cpu" && value != "none") return r.Error(key, "must be \"cpu\" or \"none\"");
+  *offloaded = value == "cpu";
   return Status::Ok();
 }
 
-const char* Device(bool offloaded) { return offloaded ? "cpu" : "none"; }
-
-// Typed field access for EstimateFromJson.
-class Fields {
- public:
-  Fields(nlohmann::json j, std::string where) : j_(std::move(j)), where_(std::move(where)) {}
-
-  template <typename T>
-  Status Get(const char* key, T* out) const {
-    if (!j_.is_object() || !j_.contains(key)) {
-      return Status::InvalidArgument("estimate JSON: " + where_ + "." + key + " is missing");
-    }
-    try {
-      *out = j_.at(key).get<T>();
-    } catch (const nlohmann::json::exception&) {
-      return Status::InvalidArgument("estimate JSON: " + where_ + "." + key +
-                                     " has the wrong type");
-    }
-    return Status::Ok();
+// The elements of the list at `key`, each read by `read` with a reader whose path is "key[i].".
+template <typename Read>
+Status ReadList(const nlohmann::json& json, const std::string& path, const char* key, Read read) {
+  const nlohmann::json& list = Member(json, key);
+  if (!list.is_array()) {
+    return Status::InvalidArgument(std::string(kWhere) + ": '" + path + key + "' must be a list");
   }
-  Status Device(const char* key, bool* offloaded) const {
-    std::string value;
-    MEMPLAN_RETURN_IF_ERROR(Get(key, &value));
-    if (value != "cpu" && value != "none") {
-      return Status::InvalidArgument("estimate JSON: " + where_ + "." + key +
-                                     " must be \"cpu\" or \"none\"");
-    }
-    *offloaded = value == "cpu";
-    return Status::Ok();
+  for (size_t i = 0; i < list.size(); ++i) {
+    MEMPLAN_RETURN_IF_ERROR(
+        read(JsonFieldReader(list[i], kWhere, path + key + "[" + std::to_string(i) + "].")));
   }
-
- private:
-  nlohmann::json j_;  // a copy: callers pass temporaries from json::value()
-  std::string where_;
-};
+  return Status::Ok();
+}
 
 std::vector<std::string> PhaseList(unsigned phases) {
   std::vector<std::string> out;
@@ -116,12 +104,11 @@ nlohmann::json PeakToJson(const PeakMemory& p) {
           {"phase", p.phase}};
 }
 
-Status PeakFromJson(const Fields& f, PeakMemory* p) {
-  MEMPLAN_RETURN_IF_ERROR(f.Get("gpu_bytes", &p->gpu_bytes));
-  MEMPLAN_RETURN_IF_ERROR(f.Get("cpu_bytes", &p->cpu_bytes));
-  MEMPLAN_RETURN_IF_ERROR(f.Get("nvme_bytes", &p->nvme_bytes));
-  MEMPLAN_RETURN_IF_ERROR(f.Get("pinned_bytes", &p->pinned_bytes));
-  return f.Get("phase", &p->phase);
+Status PeakFromJson(const nlohmann::json& json, const std::string& path, PeakMemory* p) {
+  const JsonFieldReader f(Member(json, "peak"), kWhere, path + "peak.");
+  return f.RequireAll(F::Field("gpu_bytes", &p->gpu_bytes), F::Field("cpu_bytes", &p->cpu_bytes),
+                      F::Field("nvme_bytes", &p->nvme_bytes),
+                      F::Field("pinned_bytes", &p->pinned_bytes), F::Field("phase", &p->phase));
 }
 
 std::string ConstantText(const ModelConstant& c) {
@@ -321,43 +308,35 @@ nlohmann::json InferenceToJson(const InferenceEstimate& x) {
 
 Result<InferenceEstimate> InferenceFromJson(const nlohmann::json& json) {
   InferenceEstimate x;
-  Fields f(json, "inference");
-  MEMPLAN_RETURN_IF_ERROR(f.Get("batch", &x.setup.batch));
-  MEMPLAN_RETURN_IF_ERROR(f.Get("context", &x.setup.context));
-  MEMPLAN_RETURN_IF_ERROR(f.Get("largest_layer", &x.largest_layer));
-  MEMPLAN_RETURN_IF_ERROR(f.Get("notes", &x.notes));
-  if (!json.contains("weights") || !json["weights"].is_array()) {
-    return Status::InvalidArgument("estimate JSON: inference.weights must be a list");
-  }
-  for (const auto& row_json : json["weights"]) {
-    Fields row(row_json, "inference.weights[]");
+  const JsonFieldReader f(json, kWhere, "inference.");
+  MEMPLAN_RETURN_IF_ERROR(
+      f.RequireAll(F::Field("batch", &x.setup.batch), F::Field("context", &x.setup.context),
+                   F::Field("largest_layer", &x.largest_layer), F::Field("notes", &x.notes)));
+  auto read_weights = [&](const JsonFieldReader& row) -> Status {
     WeightsRow r;
-    MEMPLAN_RETURN_IF_ERROR(row.Get("dtype", &r.dtype));
-    MEMPLAN_RETURN_IF_ERROR(row.Get("bits", &r.bits));
-    MEMPLAN_RETURN_IF_ERROR(row.Get("total_bytes", &r.total_bytes));
-    MEMPLAN_RETURN_IF_ERROR(row.Get("largest_layer_bytes", &r.largest_layer_bytes));
-    MEMPLAN_RETURN_IF_ERROR(GetIfPresent(row_json, "method", &r.method));
-    MEMPLAN_RETURN_IF_ERROR(GetIfPresent(row_json, "quantized_params", &r.quantized_params));
-    x.weights.push_back(r);
-  }
-  if (json.contains("kv_cache")) {
-    Fields k(json["kv_cache"], "inference.kv_cache");
-    KvCache kv;
-    MEMPLAN_RETURN_IF_ERROR(k.Get("dtype", &kv.dtype));
-    MEMPLAN_RETURN_IF_ERROR(k.Get("batch", &kv.batch));
-    MEMPLAN_RETURN_IF_ERROR(k.Get("context", &kv.context));
-    MEMPLAN_RETURN_IF_ERROR(k.Get("layers", &kv.layers));
-    MEMPLAN_RETURN_IF_ERROR(k.Get("sliding_layers", &kv.sliding_layers));
-    MEMPLAN_RETURN_IF_ERROR(k.Get("sliding_window", &kv.sliding_window));
-    MEMPLAN_RETURN_IF_ERROR(k.Get("heads", &kv.heads));
-    MEMPLAN_RETURN_IF_ERROR(k.Get("key_dim", &kv.key_dim));
-    MEMPLAN_RETURN_IF_ERROR(k.Get("value_dim", &kv.value_dim));
-    MEMPLAN_RETURN_IF_ERROR(k.Get("bytes_per_token", &kv.bytes_per_token));
-    MEMPLAN_RETURN_IF_ERROR(k.Get("bytes", &kv.bytes));
-    MEMPLAN_RETURN_IF_ERROR(k.Get("kind", &kv.kind));
-    MEMPLAN_RETURN_IF_ERROR(GetIfPresent(json["kv_cache"], "encoder_context", &kv.encoder_context));
     MEMPLAN_RETURN_IF_ERROR(
-        GetIfPresent(json["kv_cache"], "cross_attention_bytes", &kv.cross_attention_bytes));
+        row.RequireAll(F::Field("dtype", &r.dtype), F::Field("bits", &r.bits),
+                       F::Field("total_bytes", &r.total_bytes),
+                       F::Field("largest_layer_bytes", &r.largest_layer_bytes)));
+    MEMPLAN_RETURN_IF_ERROR(row.GetAll(F::Field("method", &r.method),
+                                       F::Field("quantized_params", &r.quantized_params)));
+    x.weights.push_back(r);
+    return Status::Ok();
+  };
+  MEMPLAN_RETURN_IF_ERROR(ReadList(json, "inference.", "weights", read_weights));
+  if (json.contains("kv_cache")) {
+    const JsonFieldReader k(json["kv_cache"], kWhere, "inference.kv_cache.");
+    KvCache kv;
+    MEMPLAN_RETURN_IF_ERROR(
+        k.RequireAll(F::Field("dtype", &kv.dtype), F::Field("batch", &kv.batch),
+                     F::Field("context", &kv.context), F::Field("layers", &kv.layers),
+                     F::Field("sliding_layers", &kv.sliding_layers),
+                     F::Field("sliding_window", &kv.sliding_window), F::Field("heads", &kv.heads),
+                     F::Field("key_dim", &kv.key_dim), F::Field("value_dim", &kv.value_dim),
+                     F::Field("bytes_per_token", &kv.bytes_per_token), F::Field("bytes", &kv.bytes),
+                     F::Field("kind", &kv.kind)));
+    MEMPLAN_RETURN_IF_ERROR(k.GetAll(F::Field("encoder_context", &kv.encoder_context),
+                                     F::Field("cross_attention_bytes", &kv.cross_attention_bytes)));
     x.kv_cache = kv;
   }
   return x;
@@ -543,139 +522,120 @@ nlohmann::json ToJson(const Estimate& e) {
 
 Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
   Estimate e;
-  Fields top(json, "");
   if (!json.is_object()) return Status::InvalidArgument("estimate JSON: expected an object");
-  Fields model(json.value("model", nlohmann::json()), "model");
+  const JsonFieldReader top(json, kWhere);
+  const JsonFieldReader model(Member(json, "model"), kWhere, "model.");
   ModelSummary& m = e.model;
-  MEMPLAN_RETURN_IF_ERROR(model.Get("name", &m.name));
-  MEMPLAN_RETURN_IF_ERROR(model.Get("model_type", &m.model_type));
-  MEMPLAN_RETURN_IF_ERROR(model.Get("architecture", &m.architecture));
-  MEMPLAN_RETURN_IF_ERROR(model.Get("model_class", &m.model_class));
-  MEMPLAN_RETURN_IF_ERROR(model.Get("source", &m.source));
-  MEMPLAN_RETURN_IF_ERROR(model.Get("params_total", &m.counts.params_total));
-  MEMPLAN_RETURN_IF_ERROR(model.Get("largest_layer_params", &m.counts.largest_layer_params));
-  MEMPLAN_RETURN_IF_ERROR(model.Get("largest_layer_module", &m.counts.largest_layer_module));
-  MEMPLAN_RETURN_IF_ERROR(model.Get("largest_block_params", &m.counts.largest_block_params));
-  MEMPLAN_RETURN_IF_ERROR(model.Get("largest_block", &m.counts.largest_block));
-  MEMPLAN_RETURN_IF_ERROR(model.Get("num_blocks", &m.counts.num_blocks));
-  MEMPLAN_RETURN_IF_ERROR(model.Get("num_tensors", &m.counts.num_tensors));
-  MEMPLAN_RETURN_IF_ERROR(model.Get("num_tied_tensors", &m.counts.num_tied));
-  MEMPLAN_RETURN_IF_ERROR(model.Get("bytes_as_stored", &m.counts.bytes_as_stored));
-  const nlohmann::json model_json = json.value("model", nlohmann::json());
-  MEMPLAN_RETURN_IF_ERROR(GetIfPresent(model_json, "buffers_total", &m.counts.buffers_total));
+  ModelCounts& c = m.counts;
+  MEMPLAN_RETURN_IF_ERROR(model.RequireAll(
+      F::Field("name", &m.name), F::Field("model_type", &m.model_type),
+      F::Field("architecture", &m.architecture), F::Field("model_class", &m.model_class),
+      F::Field("source", &m.source), F::Field("params_total", &c.params_total),
+      F::Field("largest_layer_params", &c.largest_layer_params),
+      F::Field("largest_layer_module", &c.largest_layer_module),
+      F::Field("largest_block_params", &c.largest_block_params),
+      F::Field("largest_block", &c.largest_block), F::Field("num_blocks", &c.num_blocks),
+      F::Field("num_tensors", &c.num_tensors), F::Field("num_tied_tensors", &c.num_tied),
+      F::Field("bytes_as_stored", &c.bytes_as_stored)));
   MEMPLAN_RETURN_IF_ERROR(
-      GetIfPresent(model_json, "accelerate_total_bytes", &m.counts.accelerate_total_bytes));
-  MEMPLAN_RETURN_IF_ERROR(GetIfPresent(model_json, "accelerate_largest_layer_bytes",
-                                       &m.counts.accelerate_largest_layer_bytes));
-  MEMPLAN_RETURN_IF_ERROR(
-      GetIfPresent(model_json, "accelerate_largest_layer", &m.counts.accelerate_largest_layer));
-  MEMPLAN_RETURN_IF_ERROR(GetIfPresent(model_json, "notes", &m.notes));
-  Fields hw(json.value("hardware", nlohmann::json()), "hardware");
-  MEMPLAN_RETURN_IF_ERROR(hw.Get("nodes", &e.hardware.nodes));
-  MEMPLAN_RETURN_IF_ERROR(hw.Get("gpus_per_node", &e.hardware.gpus_per_node));
-  MEMPLAN_RETURN_IF_ERROR(hw.Get("buffer_factor", &e.hardware.buffer_factor));
+      model.GetAll(F::Field("buffers_total", &c.buffers_total),
+                   F::Field("accelerate_total_bytes", &c.accelerate_total_bytes),
+                   F::Field("accelerate_largest_layer_bytes", &c.accelerate_largest_layer_bytes),
+                   F::Field("accelerate_largest_layer", &c.accelerate_largest_layer),
+                   F::Field("notes", &m.notes)));
+  const JsonFieldReader hw(Member(json, "hardware"), kWhere, "hardware.");
+  MEMPLAN_RETURN_IF_ERROR(hw.RequireAll(F::Field("nodes", &e.hardware.nodes),
+                                        F::Field("gpus_per_node", &e.hardware.gpus_per_node),
+                                        F::Field("buffer_factor", &e.hardware.buffer_factor)));
   if (json.contains("inference")) {
     MEMPLAN_ASSIGN_OR_RETURN(e.inference, InferenceFromJson(json["inference"]));
   }
   MEMPLAN_RETURN_IF_ERROR(e.hardware.Validate());
-  const nlohmann::json ds = json.value("deepspeed", nlohmann::json());
-  for (const char* stage : {"zero2", "zero3"}) {
-    if (!ds.is_object() || !ds.contains(stage) || !ds[stage].is_array()) {
-      return Status::InvalidArgument(std::string("estimate JSON: deepspeed.") + stage +
-                                     " must be a list");
-    }
-  }
-  for (const auto& row_json : ds["zero2"]) {
-    Fields row(row_json, "deepspeed.zero2[]");
+  const nlohmann::json& ds = Member(json, "deepspeed");
+  auto read_zero2 = [&](const JsonFieldReader& row) -> Status {
     Zero2Row r;
-    MEMPLAN_RETURN_IF_ERROR(row.Device("offload_optimizer", &r.offload_optimizer));
-    MEMPLAN_RETURN_IF_ERROR(row.Get("cpu_bytes", &r.cpu_bytes));
-    MEMPLAN_RETURN_IF_ERROR(row.Get("gpu_bytes", &r.gpu_bytes));
+    MEMPLAN_RETURN_IF_ERROR(ReadDevice(row, "offload_optimizer", &r.offload_optimizer));
+    MEMPLAN_RETURN_IF_ERROR(
+        row.RequireAll(F::Field("cpu_bytes", &r.cpu_bytes), F::Field("gpu_bytes", &r.gpu_bytes)));
     e.zero2.push_back(r);
-  }
-  for (const auto& row_json : ds["zero3"]) {
-    Fields row(row_json, "deepspeed.zero3[]");
+    return Status::Ok();
+  };
+  MEMPLAN_RETURN_IF_ERROR(ReadList(ds, "deepspeed.", "zero2", read_zero2));
+  auto read_zero3 = [&](const JsonFieldReader& row) -> Status {
     Zero3Row r;
     int zero_init = 0;
-    MEMPLAN_RETURN_IF_ERROR(row.Device("offload_param", &r.offload_param));
-    MEMPLAN_RETURN_IF_ERROR(row.Device("offload_optimizer", &r.offload_optimizer));
-    MEMPLAN_RETURN_IF_ERROR(row.Get("zero_init", &zero_init));
-    MEMPLAN_RETURN_IF_ERROR(row.Get("cpu_bytes", &r.cpu_bytes));
-    MEMPLAN_RETURN_IF_ERROR(row.Get("gpu_bytes", &r.gpu_bytes));
+    MEMPLAN_RETURN_IF_ERROR(ReadDevice(row, "offload_param", &r.offload_param));
+    MEMPLAN_RETURN_IF_ERROR(ReadDevice(row, "offload_optimizer", &r.offload_optimizer));
+    MEMPLAN_RETURN_IF_ERROR(row.RequireAll(F::Field("zero_init", &zero_init),
+                                           F::Field("cpu_bytes", &r.cpu_bytes),
+                                           F::Field("gpu_bytes", &r.gpu_bytes)));
     r.zero_init = zero_init != 0;
     e.zero3.push_back(r);
-  }
-  MEMPLAN_RETURN_IF_ERROR(top.Get("assumptions", &e.assumptions));
+    return Status::Ok();
+  };
+  MEMPLAN_RETURN_IF_ERROR(ReadList(ds, "deepspeed.", "zero3", read_zero3));
+  MEMPLAN_RETURN_IF_ERROR(top.Required("assumptions", &e.assumptions));
   if (!json.contains("setup")) return e;
   MemoryEstimate mem;
   MEMPLAN_ASSIGN_OR_RETURN(mem.setup, TrainingSetupFromJson(json["setup"]));
-  Fields training(json.value("training", nlohmann::json()), "training");
-  MEMPLAN_RETURN_IF_ERROR(training.Get("params_total", &mem.params_total));
-  MEMPLAN_RETURN_IF_ERROR(training.Get("trainable_params", &mem.trainable_params));
-  MEMPLAN_RETURN_IF_ERROR(training.Get("lora_params", &mem.lora_params));
+  const JsonFieldReader training(Member(json, "training"), kWhere, "training.");
   MEMPLAN_RETURN_IF_ERROR(
-      training.Get("activation_bytes_per_layer", &mem.activation_bytes_per_layer));
-  for (const char* list : {"breakdown", "phases", "constants", "notes", "comparison"}) {
-    if (!json.contains(list) || !json[list].is_array()) {
-      return Status::InvalidArgument(std::string("estimate JSON: ") + list + " must be a list");
-    }
-  }
-  for (const auto& item_json : json["breakdown"]) {
-    Fields f(item_json, "breakdown[]");
+      training.RequireAll(F::Field("params_total", &mem.params_total),
+                          F::Field("trainable_params", &mem.trainable_params),
+                          F::Field("lora_params", &mem.lora_params),
+                          F::Field("activation_bytes_per_layer", &mem.activation_bytes_per_layer)));
+  auto read_breakdown = [&](const JsonFieldReader& f) -> Status {
     MemoryItem item;
     std::vector<std::string> phases;
-    MEMPLAN_RETURN_IF_ERROR(f.Get("item", &item.name));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("description", &item.description));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("gpu_bytes", &item.gpu_bytes));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("cpu_bytes", &item.cpu_bytes));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("nvme_bytes", &item.nvme_bytes));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("pinned_bytes", &item.pinned_bytes));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("phases", &phases));
+    MEMPLAN_RETURN_IF_ERROR(
+        f.RequireAll(F::Field("item", &item.name), F::Field("description", &item.description),
+                     F::Field("gpu_bytes", &item.gpu_bytes), F::Field("cpu_bytes", &item.cpu_bytes),
+                     F::Field("nvme_bytes", &item.nvme_bytes),
+                     F::Field("pinned_bytes", &item.pinned_bytes), F::Field("phases", &phases)));
     MEMPLAN_ASSIGN_OR_RETURN(item.phases, PhaseBits(phases));
     mem.items.push_back(item);
-  }
-  for (const auto& phase_json : json["phases"]) {
-    Fields f(phase_json, "phases[]");
+    return Status::Ok();
+  };
+  MEMPLAN_RETURN_IF_ERROR(ReadList(json, "", "breakdown", read_breakdown));
+  auto read_phases = [&](const JsonFieldReader& f) -> Status {
     PhaseTotals p;
-    MEMPLAN_RETURN_IF_ERROR(f.Get("phase", &p.phase));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("gpu_bytes", &p.gpu_bytes));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("gpu_allocated_bytes", &p.gpu_allocated_bytes));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("cpu_bytes", &p.cpu_bytes));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("nvme_bytes", &p.nvme_bytes));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("pinned_bytes", &p.pinned_bytes));
+    MEMPLAN_RETURN_IF_ERROR(
+        f.RequireAll(F::Field("phase", &p.phase), F::Field("gpu_bytes", &p.gpu_bytes),
+                     F::Field("gpu_allocated_bytes", &p.gpu_allocated_bytes),
+                     F::Field("cpu_bytes", &p.cpu_bytes), F::Field("nvme_bytes", &p.nvme_bytes),
+                     F::Field("pinned_bytes", &p.pinned_bytes)));
     mem.phases.push_back(p);
-  }
-  MEMPLAN_RETURN_IF_ERROR(
-      PeakFromJson(Fields(json.value("peak", nlohmann::json()), "peak"), &mem.peak));
-  for (const auto& c_json : json["constants"]) {
-    Fields f(c_json, "constants[]");
-    ModelConstant c;
-    MEMPLAN_RETURN_IF_ERROR(f.Get("name", &c.name));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("value", &c.value));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("unit", &c.unit));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("source", &c.source));
-    mem.constants.push_back(c);
-  }
-  MEMPLAN_RETURN_IF_ERROR(top.Get("notes", &mem.notes));
-  for (const auto& r_json : json["comparison"]) {
-    Fields f(r_json, "comparison[]");
+    return Status::Ok();
+  };
+  MEMPLAN_RETURN_IF_ERROR(ReadList(json, "", "phases", read_phases));
+  MEMPLAN_RETURN_IF_ERROR(PeakFromJson(json, "", &mem.peak));
+  auto read_constants = [&](const JsonFieldReader& f) -> Status {
+    ModelConstant k;
+    MEMPLAN_RETURN_IF_ERROR(f.RequireAll(F::Field("name", &k.name), F::Field("value", &k.value),
+                                         F::Field("unit", &k.unit), F::Field("source", &k.source)));
+    mem.constants.push_back(k);
+    return Status::Ok();
+  };
+  MEMPLAN_RETURN_IF_ERROR(ReadList(json, "", "constants", read_constants));
+  MEMPLAN_RETURN_IF_ERROR(top.Required("notes", &mem.notes));
+  auto read_comparison = [&](const JsonFieldReader& f) -> Status {
     ComparisonRow r;
     std::string opt, param;
-    MEMPLAN_RETURN_IF_ERROR(f.Get("zero_stage", &r.zero_stage));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("offload_optimizer", &opt));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("offload_param", &param));
-    MEMPLAN_RETURN_IF_ERROR(f.Get("valid", &r.valid));
+    MEMPLAN_RETURN_IF_ERROR(
+        f.RequireAll(F::Field("zero_stage", &r.zero_stage), F::Field("offload_optimizer", &opt),
+                     F::Field("offload_param", &param), F::Field("valid", &r.valid)));
     MEMPLAN_ASSIGN_OR_RETURN(r.offload_optimizer, ParseOffloadDevice(opt));
     MEMPLAN_ASSIGN_OR_RETURN(r.offload_param, ParseOffloadDevice(param));
     if (r.valid) {
-      MEMPLAN_RETURN_IF_ERROR(PeakFromJson(
-          Fields(r_json.value("peak", nlohmann::json()), "comparison[].peak"), &r.peak));
-      MEMPLAN_RETURN_IF_ERROR(f.Get("activations_gpu_bytes", &r.activations_gpu_bytes));
+      MEMPLAN_RETURN_IF_ERROR(PeakFromJson(f.object(), f.Path(""), &r.peak));
+      MEMPLAN_RETURN_IF_ERROR(f.Required("activations_gpu_bytes", &r.activations_gpu_bytes));
     } else {
-      MEMPLAN_RETURN_IF_ERROR(f.Get("reason", &r.reason));
+      MEMPLAN_RETURN_IF_ERROR(f.Required("reason", &r.reason));
     }
     e.comparison.push_back(r);
-  }
+    return Status::Ok();
+  };
+  MEMPLAN_RETURN_IF_ERROR(ReadList(json, "", "comparison", read_comparison));
   e.memory = std::move(mem);
   return e;
 }

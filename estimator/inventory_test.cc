@@ -143,7 +143,19 @@ TEST_CASE("estimate: JSON round-trips and keeps the public schema") {
   nlohmann::json broken = j;
   broken["deepspeed"]["zero3"][1].erase("cpu_bytes");
   auto bad = EstimateFromJson(broken);
-  CHECK(bad.status().message().find("cpu_bytes") != std::string::npos);
+  CHECK(bad.status().message() == "estimate JSON: 'deepspeed.zero3[1].cpu_bytes' is missing");
+  broken = j;
+  broken["deepspeed"]["zero2"][0]["offload_optimizer"] = "disk";
+  CHECK(EstimateFromJson(broken).status().message() ==
+        "estimate JSON: 'deepspeed.zero2[0].offload_optimizer' must be \"cpu\" or \"none\"");
+  broken = j;
+  broken["model"]["params_total"] = "many";
+  CHECK(EstimateFromJson(broken).status().message().find(
+            "estimate JSON: 'model.params_total' must be an integer") == 0);
+  broken = j;
+  broken["deepspeed"].erase("zero2");
+  CHECK(EstimateFromJson(broken).status().message() ==
+        "estimate JSON: 'deepspeed.zero2' must be a list");
 }
 
 TEST_CASE("estimate: a model with no parameters is an error") {

@@ -431,56 +431,51 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
                                                  "gpus_per_node",
                                                  "num_nodes",
                                                  "cuda_context_bytes"};
+  using F = JsonFieldReader;
   const JsonFieldReader r(j, "setup JSON");
   MEMPLAN_RETURN_IF_ERROR(r.CheckKeys(kKeys));
   TrainingSetup s;
   MEMPLAN_RETURN_IF_ERROR(r.Enum("precision", ParsePrecision, &s.precision));
   MEMPLAN_RETURN_IF_ERROR(r.Enum("optimizer", ParseOptimizer, &s.optimizer));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("lora_rank", &s.lora_rank));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("lora_targets", &s.lora_targets));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("qlora", &s.qlora));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("double_quant", &s.double_quant));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("micro_batch", &s.micro_batch));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("seq_len", &s.seq_len));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("grad_accum", &s.grad_accum));
+  MEMPLAN_RETURN_IF_ERROR(
+      r.GetAll(F::Field("lora_rank", &s.lora_rank), F::Field("lora_targets", &s.lora_targets),
+               F::Field("qlora", &s.qlora), F::Field("double_quant", &s.double_quant),
+               F::Field("micro_batch", &s.micro_batch), F::Field("seq_len", &s.seq_len),
+               F::Field("grad_accum", &s.grad_accum)));
   MEMPLAN_RETURN_IF_ERROR(r.Enum("checkpointing", ParseCheckpointing, &s.checkpointing));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("flash_attention", &s.flash_attention));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("tp", &s.tp));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("sequence_parallel", &s.sequence_parallel));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("foreach", &s.foreach));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("fused_optimizer", &s.fused_optimizer));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("sgd_momentum", &s.sgd_momentum));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("autocast", &s.autocast));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("gradient_as_bucket_view", &s.gradient_as_bucket_view));
+  MEMPLAN_RETURN_IF_ERROR(
+      r.GetAll(F::Field("flash_attention", &s.flash_attention), F::Field("tp", &s.tp),
+               F::Field("sequence_parallel", &s.sequence_parallel), F::Field("foreach", &s.foreach),
+               F::Field("fused_optimizer", &s.fused_optimizer),
+               F::Field("sgd_momentum", &s.sgd_momentum), F::Field("autocast", &s.autocast),
+               F::Field("gradient_as_bucket_view", &s.gradient_as_bucket_view)));
   MEMPLAN_RETURN_IF_ERROR(r.Enum("framework", ParseFramework, &s.framework));
   MEMPLAN_RETURN_IF_ERROR(r.Get("torch_version", &s.torch_version));
   MEMPLAN_RETURN_IF_ERROR(r.Enum("fsdp", ParseFsdpSharding, &s.fsdp));
   MEMPLAN_RETURN_IF_ERROR(r.Get("zero_stage", &s.zero_stage));
   MEMPLAN_RETURN_IF_ERROR(r.Enum("offload_optimizer", ParseOffloadDevice, &s.offload_optimizer));
   MEMPLAN_RETURN_IF_ERROR(r.Enum("offload_param", ParseOffloadDevice, &s.offload_param));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("reduce_bucket_size", &s.reduce_bucket_size));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("allgather_bucket_size", &s.allgather_bucket_size));
+  MEMPLAN_RETURN_IF_ERROR(r.GetAll(F::Field("reduce_bucket_size", &s.reduce_bucket_size),
+                                   F::Field("allgather_bucket_size", &s.allgather_bucket_size)));
   if (r.Has("overlap_comm")) {
     bool overlap = false;
     MEMPLAN_RETURN_IF_ERROR(r.Get("overlap_comm", &overlap));
     s.overlap_comm = overlap;
   }
-  MEMPLAN_RETURN_IF_ERROR(r.Get("stage3_prefetch_bucket_size", &s.stage3_prefetch_bucket_size));
-  MEMPLAN_RETURN_IF_ERROR(
-      r.Get("stage3_param_persistence_threshold", &s.stage3_param_persistence_threshold));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("stage3_max_live_parameters", &s.stage3_max_live_parameters));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("sub_group_size", &s.sub_group_size));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("pin_memory", &s.pin_memory));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("param_buffer_count", &s.param_buffer_count));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("param_buffer_size", &s.param_buffer_size));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("param_max_in_cpu", &s.param_max_in_cpu));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("optimizer_buffer_count", &s.optimizer_buffer_count));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("aio_block_size", &s.aio_block_size));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("aio_queue_depth", &s.aio_queue_depth));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("aio_intra_op_parallelism", &s.aio_intra_op_parallelism));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("gpus_per_node", &s.gpus_per_node));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("num_nodes", &s.num_nodes));
-  MEMPLAN_RETURN_IF_ERROR(r.Get("cuda_context_bytes", &s.cuda_context_bytes));
+  MEMPLAN_RETURN_IF_ERROR(r.GetAll(
+      F::Field("stage3_prefetch_bucket_size", &s.stage3_prefetch_bucket_size),
+      F::Field("stage3_param_persistence_threshold", &s.stage3_param_persistence_threshold),
+      F::Field("stage3_max_live_parameters", &s.stage3_max_live_parameters),
+      F::Field("sub_group_size", &s.sub_group_size), F::Field("pin_memory", &s.pin_memory),
+      F::Field("param_buffer_count", &s.param_buffer_count),
+      F::Field("param_buffer_size", &s.param_buffer_size),
+      F::Field("param_max_in_cpu", &s.param_max_in_cpu),
+      F::Field("optimizer_buffer_count", &s.optimizer_buffer_count),
+      F::Field("aio_block_size", &s.aio_block_size),
+      F::Field("aio_queue_depth", &s.aio_queue_depth),
+      F::Field("aio_intra_op_parallelism", &s.aio_intra_op_parallelism),
+      F::Field("gpus_per_node", &s.gpus_per_node), F::Field("num_nodes", &s.num_nodes),
+      F::Field("cuda_context_bytes", &s.cuda_context_bytes)));
   MEMPLAN_RETURN_IF_ERROR(s.Validate().WithPrefix("setup JSON"));
   return s;
 }

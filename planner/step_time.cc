@@ -67,99 +67,66 @@ double GpuOptimizerBytesPerParam(const TrainingSetup& s) {
 
 }  // namespace
 
+// Where each default comes from.
 const TimeConstants& DefaultTimeConstants() {
   static const TimeConstants kDefaults = [] {
     TimeConstants k;
+    // Streaming kernels: STREAM-like copies reach 85-90% of HBM peak on A100/H100, eager PyTorch
+    // elementwise kernels less.
     k.hbm_efficiency = 0.80;
+    // Per output tile, the pipeline prologue and epilogue of a cuBLAS/CUTLASS GEMM cost about as
+    // much as 256 K-steps of its main loop (narrow layers lose most).
     k.gemm_k_overhead = 256;
+    // Bytes per activation byte kept: unfused elementwise kernels write each kept activation in
+    // forward, read it in backward, write and read its gradient (4 passes), and stream about as
+    // much again in temporaries they do not keep (RMSNorm's fp32 upcast and variance, SwiGLU's
+    // product, rotary's rotate_half).
     k.elementwise_traffic = 8;
+    // Eager attention: scale, mask, softmax and dropout over the b a s^2 scores, forward and
+    // backward.
     k.eager_score_passes = 10;
+    // fp32 logits: upcast, log-softmax, loss, and the same backward.
     k.logits_passes = 6;
+    // QLoRA: 0.5-byte NF4 read and 2-byte bf16 written per weight per use (bitsandbytes
+    // dequantize_4bit).
     k.dequant_bytes_per_param = 2.5;
+    // Eager PyTorch launches ~40-70 kernels per transformer layer and pass at 6-10 us of host time
+    // each.
     k.launch_s_per_layer = 4e-4;
+    // ZeRO-3 / FSDP per-layer fetch/release hooks per pass (100-300 us in profiler traces).
     k.sharded_hook_s = 2e-4;
+    // nccl-tests all-gather bus bandwidth: ~240 of 300 GB/s on DGX A100, ~370 of 450 on DGX H100.
     k.link_efficiency = 0.80;
+    // nccl-tests bus bandwidth across nodes on InfiniBand / RoCE.
     k.network_efficiency = 0.85;
+    // Per NCCL collective call: launch and ring latency at small sizes.
     k.collective_latency_s = 50e-6;
+    // Seconds of compute lost per second of overlap: NCCL kernels occupy SMs (16-32 CTAs of
+    // 108-132 SMs) and HBM bandwidth while a collective overlaps compute; overlapped matmuls run
+    // 10-30% slower.
     k.overlap_interference = 0.25;
+    // Pinned host memory, cudaMemcpyAsync, of the x16 line rate.
     k.pcie_efficiency = kPcieEfficiency;
+    // Pageable memory is staged through a pinned bounce buffer.
     k.unpinned_factor = 0.5;
+    // fp32 weight, gradient, m and v read; weight, m and v written (DeepSpeed cpu_adam).
     k.cpu_adam_bytes_per_param = 28;
+    // ZeRO-Offload's other host passes: unscale and clip the fp32 gradients (read, write, norm)
+    // and convert the updated weights to 16 bits for the upload.
     k.cpu_extra_bytes_per_param = 18;
+    // The gradient-norm pass for clipping over the local fp32 gradients.
     k.gpu_clip_bytes_per_param = 4;
+    // Per optimizer step: data loader, loss synchronisation, zero_grad, scheduler.
     k.step_fixed_s = 0.02;
+    // The last three are neutral unless `memplan calibrate` fits them from measured runs: the
+    // roofline GEMM, ideal overlap of host transfers and the CPU optimizer / NVMe pipeline, and
+    // the CPU optimizer at the `bench adam` rate or the prior.
     k.gemm_tokens_half = 0;
     k.offload_overlap = 1;
     k.cpu_adam_factor = 1;
     return k;
   }();
   return kDefaults;
-}
-
-std::vector<std::string> DescribeTimeConstants(const TimeConstants& k) {
-  auto line = [](const char* name, double v, const char* unit, const char* source) {
-    char value[32];
-    std::snprintf(value, sizeof(value), "%g", v);
-    return std::string(name) + " = " + value + " " + unit + ": " + source;
-  };
-  return {
-      line("hbm_efficiency", k.hbm_efficiency, "of peak HBM bandwidth",
-           "streaming kernels (STREAM-like copies reach 85-90% of HBM peak on A100/H100; eager "
-           "PyTorch elementwise kernels less)"),
-      line("gemm_k_overhead", k.gemm_k_overhead, "K elements",
-           "per output tile, the pipeline prologue and epilogue of a cuBLAS/CUTLASS GEMM cost "
-           "about as much as 256 K-steps of its main loop (narrow layers lose most)"),
-      line("elementwise_traffic", k.elementwise_traffic, "bytes per activation byte kept",
-           "unfused elementwise kernels write each kept activation in forward, read it in "
-           "backward, write and read its gradient (4 passes), and stream about as much again in "
-           "temporaries they do not keep (RMSNorm's fp32 upcast and variance, SwiGLU's product, "
-           "rotary's rotate_half)"),
-      line("eager_score_passes", k.eager_score_passes, "passes",
-           "eager attention: scale, mask, softmax and dropout over the b a s^2 scores, forward "
-           "and backward"),
-      line("logits_passes", k.logits_passes, "passes",
-           "fp32 logits: upcast, log-softmax, loss, and the same backward"),
-      line("dequant_bytes_per_param", k.dequant_bytes_per_param, "bytes",
-           "QLoRA: 0.5-byte NF4 read and 2-byte bf16 written per weight per use "
-           "(bitsandbytes dequantize_4bit)"),
-      line("launch_s_per_layer", k.launch_s_per_layer, "s",
-           "eager PyTorch launches ~40-70 kernels per transformer layer and pass at 6-10 us of "
-           "host time each"),
-      line("sharded_hook_s", k.sharded_hook_s, "s",
-           "ZeRO-3 / FSDP per-layer fetch/release hooks per pass (100-300 us in profiler traces)"),
-      line("link_efficiency", k.link_efficiency, "of the GPU link",
-           "nccl-tests all-gather bus bandwidth: ~240 of 300 GB/s on DGX A100, ~370 of 450 on "
-           "DGX H100"),
-      line("network_efficiency", k.network_efficiency, "of the node network",
-           "nccl-tests bus bandwidth across nodes on InfiniBand / RoCE"),
-      line("collective_latency_s", k.collective_latency_s, "s",
-           "per NCCL collective call (launch and ring latency at small sizes)"),
-      line("overlap_interference", k.overlap_interference, "s of compute per s of overlap",
-           "NCCL kernels occupy SMs (16-32 CTAs of 108-132 SMs) and HBM bandwidth while a "
-           "collective overlaps compute; overlapped matmuls run 10-30% slower"),
-      line("pcie_efficiency", k.pcie_efficiency, "of the x16 line rate",
-           "pinned host memory, cudaMemcpyAsync"),
-      line("unpinned_factor", k.unpinned_factor, "of the pinned rate",
-           "pageable memory is staged through a pinned bounce buffer"),
-      line("cpu_adam_bytes_per_param", k.cpu_adam_bytes_per_param, "bytes",
-           "fp32 weight, gradient, m and v read, weight, m and v written (DeepSpeed cpu_adam)"),
-      line("cpu_extra_bytes_per_param", k.cpu_extra_bytes_per_param, "bytes",
-           "ZeRO-Offload's other host passes: unscale and clip the fp32 gradients (read, write, "
-           "norm) and convert the updated weights to 16 bits for the upload"),
-      line("gpu_clip_bytes_per_param", k.gpu_clip_bytes_per_param, "bytes",
-           "gradient-norm pass for clipping over the local fp32 gradients"),
-      line("step_fixed_s", k.step_fixed_s, "s",
-           "per optimizer step: data loader, loss synchronisation, zero_grad, scheduler"),
-      line("gemm_tokens_half", k.gemm_tokens_half, "tokens",
-           "GEMM efficiency x M / (M + this) for M micro-batch tokens: 0 unless calibrated from "
-           "measured runs (`memplan calibrate`)"),
-      line("offload_overlap", k.offload_overlap, "of the overlappable offload time",
-           "host transfers and the CPU-optimizer / NVMe pipeline overlap ideally unless "
-           "calibrated from measured runs (`memplan calibrate`)"),
-      line("cpu_adam_factor", k.cpu_adam_factor, "of the node's CPU Adam rate",
-           "the CPU optimizer runs at the `bench adam` rate or the prior unless calibrated from "
-           "measured runs (`memplan calibrate`)"),
-  };
 }
 
 double PeakFlops(const GpuSpec& gpu, Precision precision) {

@@ -93,9 +93,9 @@
 
 namespace memplan::planner {
 
-// The model's constants. Each is one physical quantity; DefaultTimeConstants() says where each
-// value comes from. Per-GPU figures (peak FLOPs, HBM and link bandwidth, GEMM and attention
-// efficiency) are in GpuSpec.
+// The model's constants. Each is one physical quantity; DefaultTimeConstants() (step_time.cc) says
+// where each default comes from. Per-GPU figures (peak FLOPs, HBM and link bandwidth, GEMM and
+// attention efficiency) are in GpuSpec.
 struct TimeConstants {
   double hbm_efficiency = 0;       // achieved / peak HBM bandwidth of streaming kernels
   double gemm_k_overhead = 0;      // GEMM tile prologue/epilogue, in K elements (K / (K + this))
@@ -130,8 +130,6 @@ struct TimeConstants {
   double cpu_adam_factor = 1;
 };
 const TimeConstants& DefaultTimeConstants();
-// One line per constant: "name = value unit: source" (for the plan's assumptions).
-std::vector<std::string> DescribeTimeConstants(const TimeConstants& constants);
 
 // One Linear as the time model sees it: K x N weight applied to `token_fraction` of the tokens.
 struct Gemm {
