@@ -9,6 +9,7 @@
 // 4.44.2 (and identical in 5.x for these classes).
 #include <doctest/doctest.h>
 
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -25,6 +26,17 @@ using namespace memplan::testing;
 
 bool Has(const ModelInventory& inventory, const std::string& name) {
   return inventory.Find(name) >= 0;
+}
+
+// The tensor names in estimator/testdata/FILE, one per line ('#' starts a comment line).
+std::vector<std::string> ExpectedNames(const std::string& file) {
+  std::ifstream in(std::string(MEMPLAN_SOURCE_DIR) + "/estimator/testdata/" + file);
+  REQUIRE_MESSAGE(in.good(), file);
+  std::vector<std::string> names;
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty() && line[0] != '#') names.push_back(line);
+  }
+  return names;
 }
 
 std::vector<std::string> Names(const ModelInventory& inventory) {
@@ -121,40 +133,7 @@ TEST_CASE("encoder: one-layer BertForPreTraining matches Transformers' order ten
   ModelInventory inv = MustBuild(config);
   CHECK(inv.architecture == "BertForPreTraining");
   CHECK(inv.model_class == "masked_lm");
-  const std::vector<std::string> expected = {
-      "bert.embeddings.word_embeddings.weight",
-      "bert.embeddings.position_embeddings.weight",
-      "bert.embeddings.token_type_embeddings.weight",
-      "bert.embeddings.LayerNorm.weight",
-      "bert.embeddings.LayerNorm.bias",
-      "bert.encoder.layer.0.attention.self.query.weight",
-      "bert.encoder.layer.0.attention.self.query.bias",
-      "bert.encoder.layer.0.attention.self.key.weight",
-      "bert.encoder.layer.0.attention.self.key.bias",
-      "bert.encoder.layer.0.attention.self.value.weight",
-      "bert.encoder.layer.0.attention.self.value.bias",
-      "bert.encoder.layer.0.attention.output.dense.weight",
-      "bert.encoder.layer.0.attention.output.dense.bias",
-      "bert.encoder.layer.0.attention.output.LayerNorm.weight",
-      "bert.encoder.layer.0.attention.output.LayerNorm.bias",
-      "bert.encoder.layer.0.intermediate.dense.weight",
-      "bert.encoder.layer.0.intermediate.dense.bias",
-      "bert.encoder.layer.0.output.dense.weight",
-      "bert.encoder.layer.0.output.dense.bias",
-      "bert.encoder.layer.0.output.LayerNorm.weight",
-      "bert.encoder.layer.0.output.LayerNorm.bias",
-      "bert.pooler.dense.weight",
-      "bert.pooler.dense.bias",
-      "cls.predictions.bias",
-      "cls.predictions.transform.dense.weight",
-      "cls.predictions.transform.dense.bias",
-      "cls.predictions.transform.LayerNorm.weight",
-      "cls.predictions.transform.LayerNorm.bias",
-      "cls.predictions.decoder.weight",
-      "cls.predictions.decoder.bias",
-      "cls.seq_relationship.weight",
-      "cls.seq_relationship.bias",
-  };
+  const std::vector<std::string> expected = ExpectedNames("bert_for_pretraining_1layer.names");
   CHECK(Names(inv) == expected);
   CHECK(Tensor(inv, "cls.seq_relationship.weight").shape == Shape{2, 8});
   // Transformers 4.44.2, BertForPreTraining(config) for this config.
@@ -312,39 +291,7 @@ TEST_CASE("encoder: one-layer gated T5 matches Transformers' order tensor by ten
   config["feed_forward_proj"] = "gated-gelu";
   config["tie_word_embeddings"] = false;
   ModelInventory inv = MustBuild(config);
-  const std::vector<std::string> expected = {
-      "shared.weight",
-      "encoder.embed_tokens.weight",
-      "encoder.block.0.layer.0.SelfAttention.q.weight",
-      "encoder.block.0.layer.0.SelfAttention.k.weight",
-      "encoder.block.0.layer.0.SelfAttention.v.weight",
-      "encoder.block.0.layer.0.SelfAttention.o.weight",
-      "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-      "encoder.block.0.layer.0.layer_norm.weight",
-      "encoder.block.0.layer.1.DenseReluDense.wi_0.weight",
-      "encoder.block.0.layer.1.DenseReluDense.wi_1.weight",
-      "encoder.block.0.layer.1.DenseReluDense.wo.weight",
-      "encoder.block.0.layer.1.layer_norm.weight",
-      "encoder.final_layer_norm.weight",
-      "decoder.embed_tokens.weight",
-      "decoder.block.0.layer.0.SelfAttention.q.weight",
-      "decoder.block.0.layer.0.SelfAttention.k.weight",
-      "decoder.block.0.layer.0.SelfAttention.v.weight",
-      "decoder.block.0.layer.0.SelfAttention.o.weight",
-      "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-      "decoder.block.0.layer.0.layer_norm.weight",
-      "decoder.block.0.layer.1.EncDecAttention.q.weight",
-      "decoder.block.0.layer.1.EncDecAttention.k.weight",
-      "decoder.block.0.layer.1.EncDecAttention.v.weight",
-      "decoder.block.0.layer.1.EncDecAttention.o.weight",
-      "decoder.block.0.layer.1.layer_norm.weight",
-      "decoder.block.0.layer.2.DenseReluDense.wi_0.weight",
-      "decoder.block.0.layer.2.DenseReluDense.wi_1.weight",
-      "decoder.block.0.layer.2.DenseReluDense.wo.weight",
-      "decoder.block.0.layer.2.layer_norm.weight",
-      "decoder.final_layer_norm.weight",
-      "lm_head.weight",
-  };
+  const std::vector<std::string> expected = ExpectedNames("t5_gated_1layer.names");
   CHECK(Names(inv) == expected);
   // q/k/v project d_model to heads * d_kv; o projects back.
   CHECK(Tensor(inv, "encoder.block.0.layer.0.SelfAttention.k.weight").shape == Shape{4, 8});
