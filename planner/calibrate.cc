@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <set>
 
+#include "common/json.h"
+
 namespace memplan::planner {
 namespace {
 
@@ -120,93 +122,78 @@ struct Model {
   }
 };
 
-Result<double> PositiveNumber(const nlohmann::json& v, const std::string& what) {
-  if (!v.is_number() || !std::isfinite(v.get<double>()) || !(v.get<double>() > 0)) {
-    return Status::InvalidArgument(what + ": expected a finite number > 0");
+// One run of a memplan.runs/1 file, the index-th of its list.
+Result<MeasuredRun> RunFromJson(const nlohmann::json& r, const std::string& source, size_t index) {
+  using F = JsonFieldReader;
+  MeasuredRun run;
+  run.id = "run " + std::to_string(index + 1);
+  const JsonFieldReader at_index(r, source, "runs[" + std::to_string(index) + "].");
+  MEMPLAN_RETURN_IF_ERROR(at_index.CheckKeys({"id", "environment", "model", "source", "cluster",
+                                              "setup", "model_class", "sharding", "step_time_s"}));
+  MEMPLAN_RETURN_IF_ERROR(at_index.String("id", &run.id));
+  if (run.id.empty()) return at_index.Error("id", "must be a non-empty string");
+  // From here on errors name the run by its id, as a user finds it in the file.
+  const JsonFieldReader f(r, source + ": run '" + run.id + "'");
+  std::string model_class = "auto", sharding = "full";
+  MEMPLAN_RETURN_IF_ERROR(f.Required("model", &run.model));
+  MEMPLAN_RETURN_IF_ERROR(f.GetAll(F::Field("source", &run.source),
+                                   F::Field("model_class", &model_class),
+                                   F::Field("sharding", &sharding)));
+  if (model_class != "auto" && model_class != "base") {
+    return f.Error("model_class", "must be \"auto\" or \"base\"");
   }
-  return v.get<double>();
+  run.base_class = model_class == "base";
+  if (sharding != "full" && sharding != "hybrid") {
+    return f.Error("sharding", "must be \"full\" or \"hybrid\"");
+  }
+  run.sharding = sharding == "hybrid" ? Sharding::kHybrid : Sharding::kFull;
+  if (!f.Has("step_time_s")) {
+    return f.Error("step_time_s", "is missing (measured seconds per optimizer step)");
+  }
+  MEMPLAN_RETURN_IF_ERROR(f.Number("step_time_s", &run.step_time_s));
+  if (!std::isfinite(run.step_time_s) || !(run.step_time_s > 0)) {
+    return f.Error("step_time_s",
+                   "must be a finite number > 0, got " + JsonFieldReader::Got(r.at("step_time_s")));
+  }
+  MEMPLAN_RETURN_IF_ERROR(f.Require("cluster"));
+  MEMPLAN_RETURN_IF_ERROR(f.Require("setup"));
+  auto cluster = ClusterFromJson(r.at("cluster"), "cluster");
+  if (!cluster.ok()) return cluster.status().WithPrefix(source + ": run '" + run.id + "'");
+  run.cluster = *cluster;
+  auto setup = estimator::TrainingSetupFromJson(r.at("setup"));
+  if (!setup.ok()) return setup.status().WithPrefix(source + ": run '" + run.id + "'");
+  run.setup = *setup;
+  run.setup.gpus_per_node = run.cluster.gpus_per_node;
+  run.setup.num_nodes = run.cluster.nodes;
+  if (Status valid = run.setup.Validate(); !valid.ok()) {
+    return valid.WithPrefix(source + ": run '" + run.id + "'");
+  }
+  return run;
 }
 
 }  // namespace
 
 Result<std::vector<MeasuredRun>> RunsFromJson(const nlohmann::json& json,
                                               const std::string& source) {
-  if (!json.is_object()) return Status::InvalidArgument(source + ": expected a JSON object");
-  for (const auto& [key, value] : json.items()) {
-    if (key != "format" && key != "runs" && key != "about") {
-      return Status::InvalidArgument(source + ": unknown key '" + key + "'");
-    }
-  }
-  auto format = json.find("format");
-  if (format == json.end() || *format != kRunsFormat) {
-    return Status::InvalidArgument(source + ": 'format' must be \"" + kRunsFormat +
+  const JsonFieldReader top(json, source);
+  MEMPLAN_RETURN_IF_ERROR(top.CheckKeys({"format", "runs", "about"}));
+  std::string format;
+  MEMPLAN_RETURN_IF_ERROR(top.Required("format", &format));
+  if (format != kRunsFormat) {
+    return top.Error("format", std::string("must be \"") + kRunsFormat +
                                    "\" (the file `bench/measure_peak.py --runs` writes)");
   }
-  auto list = json.find("runs");
-  if (list == json.end() || !list->is_array()) {
-    return Status::InvalidArgument(source + ": 'runs' must be a list of measured runs");
-  }
-  if (list->size() > 10000) return Status::InvalidArgument(source + ": more than 10000 runs");
+  MEMPLAN_RETURN_IF_ERROR(top.Require("runs"));
+  const nlohmann::json& list = json.at("runs");
+  if (!list.is_array()) return top.Error("runs", "must be a list of measured runs");
+  if (list.size() > 10000) return top.Error("runs", "holds more than 10000 runs");
   std::vector<MeasuredRun> runs;
   std::set<std::string> ids;
-  for (size_t i = 0; i < list->size(); ++i) {
-    const nlohmann::json& r = (*list)[i];
-    std::string where = source + ": runs[" + std::to_string(i) + "]";
-    if (!r.is_object()) return Status::InvalidArgument(where + ": expected an object");
-    MeasuredRun run;
-    if (auto id = r.find("id"); id != r.end()) {
-      if (!id->is_string() || id->get<std::string>().empty()) {
-        return Status::InvalidArgument(where + ".id: expected a non-empty string");
-      }
-      run.id = id->get<std::string>();
-      where = source + ": run '" + run.id + "'";
-    } else {
-      run.id = "run " + std::to_string(i + 1);
-    }
+  for (size_t i = 0; i < list.size(); ++i) {
+    MEMPLAN_ASSIGN_OR_RETURN(MeasuredRun run, RunFromJson(list[i], source, i));
     if (!ids.insert(run.id).second) {
-      return Status::InvalidArgument(where + ": the id is used twice");
+      return Status::InvalidArgument(source + ": run '" + run.id + "': the id is used twice");
     }
-    for (const auto& [key, value] : r.items()) {
-      if (key == "id" || key == "environment") continue;
-      if (key == "model" || key == "source") {
-        if (!value.is_string())
-          return Status::InvalidArgument(where + "." + key + ": expected a string");
-        (key == "model" ? run.model : run.source) = value.get<std::string>();
-      } else if (key == "cluster") {
-        auto cluster = ClusterFromJson(value, "cluster");
-        if (!cluster.ok()) return cluster.status().WithPrefix(where);
-        run.cluster = *cluster;
-      } else if (key == "setup") {
-        auto setup = estimator::TrainingSetupFromJson(value);
-        if (!setup.ok()) return setup.status().WithPrefix(where);
-        run.setup = *setup;
-      } else if (key == "model_class") {
-        if (value != "auto" && value != "base") {
-          return Status::InvalidArgument(where + ".model_class: expected \"auto\" or \"base\"");
-        }
-        run.base_class = value == "base";
-      } else if (key == "sharding") {
-        if (value != "full" && value != "hybrid") {
-          return Status::InvalidArgument(where + ".sharding: expected \"full\" or \"hybrid\"");
-        }
-        run.sharding = value == "hybrid" ? Sharding::kHybrid : Sharding::kFull;
-      } else if (key == "step_time_s") {
-        MEMPLAN_ASSIGN_OR_RETURN(run.step_time_s, PositiveNumber(value, where + ".step_time_s"));
-      } else {
-        return Status::InvalidArgument(where + ": unknown key '" + key + "'");
-      }
-    }
-    if (run.model.empty()) return Status::InvalidArgument(where + ": missing 'model'");
-    if (!r.contains("cluster")) return Status::InvalidArgument(where + ": missing 'cluster'");
-    if (!r.contains("setup")) return Status::InvalidArgument(where + ": missing 'setup'");
-    if (run.step_time_s <= 0) {
-      return Status::InvalidArgument(where +
-                                     ": missing 'step_time_s' (measured seconds per "
-                                     "optimizer step)");
-    }
-    run.setup.gpus_per_node = run.cluster.gpus_per_node;
-    run.setup.num_nodes = run.cluster.nodes;
-    if (Status valid = run.setup.Validate(); !valid.ok()) return valid.WithPrefix(where);
     runs.push_back(std::move(run));
   }
   return runs;

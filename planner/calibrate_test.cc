@@ -254,11 +254,14 @@ TEST_CASE("calibrate: the runs file refuses bad data with the run and the key") 
     auto r = RunsFromJson(run(extra), "runs.json");
     return r.ok() ? std::string("accepted") : r.status().message();
   };
-  CHECK(message(R"(, "step_time_s": -1)").find("run 'a'.step_time_s") != std::string::npos);
-  CHECK(message(R"(, "step_time_s": "fast")").find("step_time_s") != std::string::npos);
-  CHECK(message("").find("missing 'step_time_s'") != std::string::npos);
-  CHECK(message(R"(, "step_time_s": 1, "colour": 1)").find("unknown key 'colour'") !=
+  CHECK(message(R"(, "step_time_s": -1)")
+            .find("runs.json: run 'a': 'step_time_s' must be a finite number > 0, got -1") !=
         std::string::npos);
+  CHECK(message(R"(, "step_time_s": "fast")").find("step_time_s") != std::string::npos);
+  CHECK(message("") ==
+        "runs.json: run 'a': 'step_time_s' is missing (measured seconds per optimizer step)");
+  CHECK(message(R"(, "step_time_s": 1, "colour": 1)")
+            .find("runs.json: unknown key 'runs[0].colour'") != std::string::npos);
   // NaN cannot be written in JSON; a parsed NaN (from a non-standard writer) is refused too.
   nlohmann::json nan = run(R"(, "step_time_s": 1)");
   nan["runs"][0]["step_time_s"] = std::nan("");
