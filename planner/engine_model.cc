@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/byte_size.h"
+#include "offload/schedule.h"
 
 namespace memplan::planner {
 namespace {
@@ -148,67 +149,32 @@ class SwapperBookkeeping {
   uint64_t live_ = 0, ahead_ = 0, peak_ = 0, read_ = 0;
 };
 
-template <typename T>
-Status Read(const nlohmann::json& j, const char* where, const char* key, T* out) {
-  if (!j.is_object() || !j.contains(key)) return Status::Ok();
-  try {
-    *out = j.at(key).get<T>();
-  } catch (const nlohmann::json::exception& e) {
-    return Status::InvalidArgument(std::string("schedule.") + where + "." + key + ": " + e.what());
-  }
-  return Status::Ok();
-}
-
-Result<EngineTier> TierOf(const std::string& text, const std::string& key) {
-  if (text == "gpu") return EngineTier::kGpu;
-  if (text == "cpu") return EngineTier::kCpu;
-  if (text == "nvme") return EngineTier::kNvme;
-  return Status::InvalidArgument(key + ": unknown tier \"" + text + "\"");
-}
-
 }  // namespace
 
 Result<EngineSchedule> EngineScheduleFromJson(const nlohmann::json& j) {
-  if (!j.is_object()) return Status::InvalidArgument("schedule: expected an object");
-  EngineSchedule s;
-  const nlohmann::json empty = nlohmann::json::object();
-  const nlohmann::json& p = j.contains("params") ? j.at("params") : empty;
-  const nlohmann::json& o = j.contains("optimizer") ? j.at("optimizer") : empty;
-  std::string tier = "gpu", dtype = "bf16", opt_tier = "cpu", name = "adam";
-  MEMPLAN_RETURN_IF_ERROR(Read(p, "params", "tier", &tier));
-  MEMPLAN_RETURN_IF_ERROR(Read(p, "params", "dtype", &dtype));
-  MEMPLAN_RETURN_IF_ERROR(Read(p, "params", "persistence_threshold", &s.persistence_threshold));
-  MEMPLAN_RETURN_IF_ERROR(Read(p, "params", "prefetch_bytes", &s.prefetch_bytes));
-  MEMPLAN_RETURN_IF_ERROR(Read(p, "params", "max_live_bytes", &s.max_live_bytes));
-  MEMPLAN_RETURN_IF_ERROR(Read(p, "params", "buffer_bytes", &s.param_buffer_bytes));
-  MEMPLAN_RETURN_IF_ERROR(Read(p, "params", "buffer_count", &s.param_buffer_count));
-  MEMPLAN_RETURN_IF_ERROR(Read(o, "optimizer", "tier", &opt_tier));
-  MEMPLAN_RETURN_IF_ERROR(Read(o, "optimizer", "name", &name));
-  MEMPLAN_RETURN_IF_ERROR(Read(o, "optimizer", "sub_group_elements", &s.sub_group_elements));
-  MEMPLAN_RETURN_IF_ERROR(Read(o, "optimizer", "buffer_count", &s.optimizer_buffer_count));
-  if (j.contains("pinned_budget_bytes")) {
-    try {
-      s.pinned_budget_bytes = j.at("pinned_budget_bytes").get<uint64_t>();
-    } catch (const nlohmann::json::exception& e) {
-      return Status::InvalidArgument(std::string("schedule.pinned_budget_bytes: ") + e.what());
+  // The engine's own reader (defaults, key checks, validation); then the fields the model needs.
+  MEMPLAN_ASSIGN_OR_RETURN(const offload::Schedule read, offload::ScheduleFromJson(j, "schedule"));
+  auto tier = [](offload::Tier t) {
+    switch (t) {
+      case offload::Tier::kGpu: return EngineTier::kGpu;
+      case offload::Tier::kCpu: return EngineTier::kCpu;
+      case offload::Tier::kNvme: return EngineTier::kNvme;
     }
-  }
-  MEMPLAN_ASSIGN_OR_RETURN(s.param_tier, TierOf(tier, "schedule.params.tier"));
-  MEMPLAN_ASSIGN_OR_RETURN(s.optimizer_tier, TierOf(opt_tier, "schedule.optimizer.tier"));
-  if (dtype == "fp32") {
-    s.param_dtype_bytes = 4;
-  } else if (dtype == "bf16" || dtype == "fp16") {
-    s.param_dtype_bytes = 2;
-  } else {
-    return Status::InvalidArgument("schedule.params.dtype: unknown dtype \"" + dtype + "\"");
-  }
-  static const std::map<std::string, int> kStates = {
-      {"adam", 2}, {"adam-amsgrad", 3}, {"sgd", 1}, {"lion", 1}};
-  auto states = kStates.find(name);
-  if (states == kStates.end()) {
-    return Status::InvalidArgument("schedule.optimizer.name: unknown optimizer \"" + name + "\"");
-  }
-  s.optimizer_states = states->second;
+    return EngineTier::kGpu;
+  };
+  EngineSchedule s;
+  s.param_tier = tier(read.param_tier);
+  s.param_dtype_bytes = read.param_dtype == offload::ElementType::kFloat32 ? 4 : 2;
+  s.persistence_threshold = read.persistence_threshold;
+  s.prefetch_bytes = read.prefetch_bytes;
+  s.max_live_bytes = read.max_live_bytes;
+  s.param_buffer_bytes = read.param_buffer_bytes;
+  s.param_buffer_count = read.param_buffer_count;
+  s.optimizer_tier = tier(read.optimizer_tier);
+  s.optimizer_states = offload::SwapOptimizerStates(read.optimizer);
+  s.sub_group_elements = read.sub_group_elements;
+  s.optimizer_buffer_count = read.optimizer_buffer_count;
+  s.pinned_budget_bytes = read.pinned_budget_bytes;
   return s;
 }
 

@@ -68,9 +68,8 @@ struct EngineSchedule {
   uint64_t pinned_budget_bytes = 0;  // 0: no cap
 };
 
-// Reads the fields above from a Schedule's JSON form (README "Schedule JSON"); an absent key keeps
-// the default, as the engine's reader does. Errors name the key; the file is not otherwise
-// validated here (the engine's reader does that).
+// Reads the fields above from a Schedule's JSON form (README "Schedule JSON") through the engine's
+// own reader (offload::ScheduleFromJson): the same defaults, key checks and validation.
 Result<EngineSchedule> EngineScheduleFromJson(const nlohmann::json& schedule);
 
 struct EngineRunOptions {
