@@ -31,8 +31,8 @@ Result<std::string> ReadFileRange(const std::string& path, uint64_t offset, uint
 Result<uint64_t> FileSize(const std::string& path);
 
 // OK when `path` is a directory (symlinks followed); otherwise NotFound / InvalidArgument naming
-// `what` and `path`, e.g. RequireDirectory("/etc/passwd", "--nvme-path") ->
-// "--nvme-path /etc/passwd: not a directory".
+// `what` and `path`, e.g. RequireDirectory("/etc/passwd", "`nvme_path`") ->
+// "`nvme_path` /etc/passwd: not a directory".
 Status RequireDirectory(const std::string& path, std::string_view what);
 
 // A set of output files written all-or-nothing: Commit() first writes each to a temporary file

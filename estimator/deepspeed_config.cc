@@ -169,7 +169,7 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
     } else {
       return opt_r.Error("type", "'" + type +
                                      "' is not an optimizer memplan models (Adam, AdamW, Lion; "
-                                     "pass --optimizer for others)");
+                                     "pass `optimizer` for others)");
     }
     // DeepSpeed builds its own kernels for these (runtime/engine.py _configure_basic_optimizer:
     // FusedAdam, FusedLion, CPU Adam), which update in place, unless params.torch_adam asks for

@@ -27,7 +27,8 @@ namespace memplan::estimator {
 // "offload_optimizer", "offload_param", "checkpointing") keeps the caller's value, "auto" or not.
 // Other "auto" values (the Hugging Face Trainer fills those): bucket sizes are filled as the
 // Trainer does from the model width `hidden` (h*h, 0.9*h*h, 10*h) when hidden > 0; any other "auto"
-// is an error naming the key and the flag that supplies it. Errors name `source` and the key.
+// is an error naming the key and the field that supplies it (`micro_batch`). Errors name `source`
+// and the key.
 Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& source,
                             const std::set<std::string>& supplied, int64_t hidden,
                             TrainingSetup* setup);

@@ -94,7 +94,7 @@ Result<ModelInventory> InventoryFromHfConfig(const nlohmann::json& config,
         DidYouMean(ClosestMatches(model_type, SupportedModelTypes())) +
         ". Supported: " + JoinSupported() +
         ". For any other model, pass a tensor-shape list ({\"name\": [dims...]}, dumped from "
-        "PyTorch) or its safetensors files instead, with --model-config config.json for "
+        "PyTorch) or its safetensors files instead, with `model_config` config.json for "
         "activations");
   }
   std::string architecture;

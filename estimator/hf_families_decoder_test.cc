@@ -489,7 +489,7 @@ TEST_CASE("decoder: errors name the field at fault") {
     CHECK(Contains(error, "LlamaForSequenceClassification"));
     CHECK(Contains(error, "LlamaForCausalLM"));
     CHECK(Contains(error, "LlamaModel"));
-    CHECK(Contains(error, "--model-class base"));
+    CHECK(Contains(error, "`model_class` base"));
     // As the message suggests, the base model can still be built.
     ModelInventory base = MustBuild(llama, ModelClassChoice::kBase);
     CHECK(Total(base) == 6'607'343'616);

@@ -138,7 +138,7 @@ Result<ClassSpec> ChooseClass(const FamilyRequest& request, const std::vector<Cl
   return request.config.FieldError(
       "architectures", "'" + std::string(wanted) +
                            "' is not a class memplan can build (supported: " + supported +
-                           "); pass --model-class base to estimate the base model (" +
+                           "); pass `model_class` base to estimate the base model (" +
                            classes[0].name + ") without its task head");
 }
 

@@ -444,7 +444,7 @@ TEST_CASE("encoder: an unknown architecture lists the supported classes and the 
   CHECK(Mentions(s, "'architectures'"));
   CHECK(Mentions(s, "BertForDocumentRanking"));
   CHECK(Mentions(s, "BertModel, BertForMaskedLM, BertLMHeadModel, BertForSequenceClassification"));
-  CHECK(Mentions(s, "--model-class base"));
+  CHECK(Mentions(s, "`model_class` base"));
   // The base model needs no head, so the same config builds with the override.
   ModelInventory base = MustBuild(config, ModelClassChoice::kBase);
   CHECK(base.architecture == "BertModel");

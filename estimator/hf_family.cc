@@ -454,7 +454,7 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
                                    "' is not a class memplan can build for this model_type "
                                    "(supported: " +
                                    supported +
-                                   "); pass --model-class base to size the base model without "
+                                   "); pass `model_class` base to size the base model without "
                                    "its task head");
     }
   }
@@ -716,7 +716,7 @@ Status BuildComposite(const CompositeSpec& spec, const FamilyRequest& request,
                                    "' is not a class memplan can build for this model_type "
                                    "(supported: " +
                                    supported +
-                                   "); pass --model-class base to size the base model without "
+                                   "); pass `model_class` base to size the base model without "
                                    "its task head");
     }
   }

@@ -210,15 +210,15 @@ Result<InferenceEstimate> EstimateInference(const ModelInventory& inventory,
                                             const ModelCounts& counts,
                                             const InferenceSetup& setup) {
   if (setup.batch < 1) {
-    return Status::InvalidArgument("--batch must be at least 1, got " +
+    return Status::InvalidArgument("`batch` must be at least 1, got " +
                                    std::to_string(setup.batch));
   }
   if (setup.context < 1) {
-    return Status::InvalidArgument("--context must be at least 1, got " +
+    return Status::InvalidArgument("`context` must be at least 1, got " +
                                    std::to_string(setup.context));
   }
   if (setup.encoder_context < 0) {
-    return Status::InvalidArgument("--encoder-context must be at least 1, got " +
+    return Status::InvalidArgument("`encoder_context` must be at least 1, got " +
                                    std::to_string(setup.encoder_context));
   }
   InferenceEstimate out;
@@ -245,13 +245,13 @@ Result<InferenceEstimate> EstimateInference(const ModelInventory& inventory,
     for (char& c : spelled) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     auto parsed = spelled == "fp8" || spelled == "float8" ? Result<DType>(DType::kF8E4M3)
                                                           : ParseDType(setup.kv_dtype);
-    if (!parsed.ok()) return parsed.status().WithPrefix("--kv-dtype");
+    if (!parsed.ok()) return parsed.status().WithPrefix("`kv_dtype`");
     kv_dtype = *parsed;
   }
   if (!inventory.arch) {
     out.notes.push_back(
         "No KV cache: a tensor-shape list or safetensors headers carry no architecture (give "
-        "--model-config config.json)");
+        "`model_config` config.json)");
     return out;
   }
   const ArchitectureInfo& a = *inventory.arch;

@@ -99,7 +99,7 @@ struct InferenceEstimate {
 // The table for `inventory` (counted as `counts`). Without an architecture (a shape list or
 // safetensors headers without --model-config) it has the weights only, and a note says why.
 // Errors: InvalidArgument for a batch or context < 1, an encoder context < 0, or an unknown KV
-// dtype (naming the flag);
+// dtype (naming the field: `batch`, `context`, `encoder_context`, `kv_dtype`);
 // OutOfRange when the cache's bytes overflow 64 bits. (JSON: estimate.h, as part of Estimate.)
 Result<InferenceEstimate> EstimateInference(const ModelInventory& inventory,
                                             const ModelCounts& counts, const InferenceSetup& setup);

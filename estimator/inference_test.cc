@@ -83,13 +83,13 @@ TEST_CASE("inference: encoders have no KV cache; bad settings are named") {
   auto inventory = LoadModel("gpt2", ModelClassChoice::kFromArchitectures);
   REQUIRE_OK(inventory);
   CHECK(EstimateInference(*inventory, Counts(*inventory), {0, 10, ""}).status().message() ==
-        "--batch must be at least 1, got 0");
+        "`batch` must be at least 1, got 0");
   CHECK(EstimateInference(*inventory, Counts(*inventory), {1, -1, ""}).status().message() ==
-        "--context must be at least 1, got -1");
+        "`context` must be at least 1, got -1");
   CHECK(EstimateInference(*inventory, Counts(*inventory), {1, 10, "int3"})
             .status()
             .message()
-            .find("--kv-dtype") == 0);
+            .find("`kv_dtype`") == 0);
   // GPT-2: MHA, learned positions; a context past them is noted.
   InferenceEstimate gpt2 = Infer("gpt2", 1, 2048);
   REQUIRE(gpt2.kv_cache.has_value());
@@ -185,7 +185,7 @@ TEST_CASE("inference: T5's EncoderDecoderCache: decoder self-attention and cross
   CHECK(ToJson(*parsed) == ToJson(*with_states));
   setup.encoder_context = -3;
   CHECK(EstimateInference(*t5, Counts(*t5), setup).status().message() ==
-        "--encoder-context must be at least 1, got -3");
+        "`encoder_context` must be at least 1, got -3");
 }
 
 }  // namespace

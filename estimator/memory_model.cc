@@ -1147,14 +1147,14 @@ std::vector<std::string> Notes(const ItemContext& c) {
       "Gradients are counted in every phase (DeepSpeed keeps its gradient partitions allocated; "
       "accumulation carries them through the forward pass).",
       "Tensor parallelism divides all parameters by tp (norms and biases are in fact replicated).",
-      "Encoder-decoder models: the decoder sequence is as long as the encoder's (--seq-len).",
+      "Encoder-decoder models: the decoder sequence is as long as the encoder's (`seq_len`).",
       "CPU, NVMe and pinned bytes are per node (all local ranks); GPU bytes are per GPU. Model "
       "loading (a full copy per rank without zero.Init) is not included.",
   };
   if (c.s.zero_stage == 0 && c.master) {
     notes.push_back(
         "ZeRO-0 in mixed precision is counted like DeepSpeed's: 16-bit working weights and "
-        "gradients plus fp32 master weights (--autocast counts torch.autocast over fp32 "
+        "gradients plus fp32 master weights (`autocast` counts torch.autocast over fp32 "
         "parameters instead).");
   }
   const TrainingSetup& s = c.s;
@@ -1183,8 +1183,8 @@ std::vector<std::string> Notes(const ItemContext& c) {
                                                : "a per-tensor loop (temporaries of the largest "
                                                  "tensor; FSDP's FlatParameters get no foreach)";
     notes.push_back("The optimizer step runs PyTorch's " + how +
-                    " implementation (torch/optim/adam.py); --foreach, --no-foreach and "
-                    "--fused-optimizer choose.");
+                    " implementation (torch/optim/adam.py); `foreach` and `fused_optimizer` "
+                    "choose.");
   }
   if (s.optimizer == Optimizer::kSgd) {
     notes.push_back(s.sgd_momentum > 0
@@ -1342,7 +1342,7 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
   if (out.overflow) {
     return Status::OutOfRange(inventory.name +
                               ": the memory needed overflows 2^62 bytes; check "
-                              "--micro-batch and --seq-len");
+                              "`micro_batch` and `seq_len`");
   }
   MemoryEstimate m;
   m.setup = s;

@@ -206,7 +206,7 @@ Result<ModelInventory> LoadModel(const std::string& spec, const BuildOptions& op
 }
 
 Result<ModelInventory> LoadModel(const std::string& spec, const LoadOptions& options) {
-  if (spec.empty()) return Status::InvalidArgument("--model is empty");
+  if (spec.empty()) return Status::InvalidArgument("`model` is empty");
   Result<ModelInventory> result = Status::Internal("unresolved");
   PathKind kind = Stat(spec);
   if (kind == PathKind::kFile) {
@@ -226,7 +226,7 @@ Result<ModelInventory> LoadModel(const std::string& spec, const LoadOptions& opt
   result->name = spec;
   if (!options.model_config.empty()) {
     if (result->arch.has_value()) {
-      result->notes.push_back("--model-config " + options.model_config +
+      result->notes.push_back("`model_config` " + options.model_config +
                               ": not used, the model's own config.json gives its architecture");
     } else {
       MEMPLAN_ASSIGN_OR_RETURN(nlohmann::ordered_json doc, ReadJson(options.model_config));

@@ -12,11 +12,14 @@
 //
 // Note [Field names in errors]
 // The library is called from the CLI, from C and from Python, whose users typed different names
-// for the same knob (`--micro-batch`, "micro_batch", micro_batch=). So its errors name a field as
-// the setup's JSON spells it, in backquotes: "`micro_batch` must be in [1, 1073741824], got 0".
-// The CLI turns each backquoted field into its flag (tools/setup_flags.h, FieldsToFlags) in what
-// it prints for people (error lines and text output), so a CLI user reads "--micro-batch ...";
-// JSON documents keep the field names, the same for every caller.
+// for the same knob (`--micro-batch`, "micro_batch", micro_batch=). So its errors, and the words
+// of its answers (notes, suggestions, rejection reasons), name a field as the setup's or the
+// request's JSON spells it, in backquotes: "`micro_batch` must be in [1, 1073741824], got 0",
+// "`global_batch` 12 is not a multiple of the 8 GPUs", "an NVMe drive (`nvme_path`)"; never a
+// flag. The CLI turns each backquoted field into its flag (tools/setup_flags.h, FieldsToFlags) in
+// what it prints for people (error lines and text output), so a CLI user reads "--micro-batch
+// ..."; JSON documents keep the field names, the same for every caller. A new field in a message
+// needs its flag in that mapping (tools/setup_flags_test.cc scans the library for them).
 //
 // Thread safety: a plain value; no internal synchronisation.
 #pragma once

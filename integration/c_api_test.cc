@@ -113,6 +113,36 @@ TEST_CASE("c api: plan of llama-2-7b on 8 x a100-80 with the DeepSpeed config em
   CHECK(got == *expected);
 }
 
+// Note [Field names in errors]: a C caller wrote "micro_batch" in its request, never the CLI's
+// --micro-batch, so the planner's errors and the answer's words name the request's fields.
+TEST_CASE("c api: plan errors name the request's fields, not CLI flags") {
+  char* answer = nullptr;
+  CHECK(memplan_plan_json(R"({"model": "llama-2-7b", "gpu": "a100-80", "gpus": 8,
+                              "global_batch": 64, "micro_batch": 3})",
+                          &answer) == MEMPLAN_INVALID_ARGUMENT);
+  CHECK(answer == nullptr);
+  CHECK(LastError().find("`micro_batch` 3 does not divide the 8 sequences per GPU of "
+                         "`global_batch` 64") != std::string::npos);
+  CHECK(LastError().find("--") == std::string::npos);
+  CHECK(memplan_plan_json(R"({"model": "llama-2-7b", "gpu": "a100-80", "gpus": 6,
+                              "global_batch": 64})",
+                          &answer) == MEMPLAN_INVALID_ARGUMENT);
+  CHECK(LastError().find("`global_batch` 64 is not a multiple of the 6 GPUs") != std::string::npos);
+  CHECK(memplan_plan_json(R"({"model": "llama-2-7b", "gpu": "z100", "global_batch": 64})",
+                          &answer) == MEMPLAN_INVALID_ARGUMENT);
+  CHECK(LastError().find("`gpu` 'z100': not a known GPU") != std::string::npos);
+
+  // A plan that does not fit says what would, in the request's words.
+  CString nofit;
+  REQUIRE_MESSAGE(memplan_plan_json(R"({"model": "llama-2-70b", "gpu": "rtx4090", "gpus": 8,
+                                        "global_batch": 64, "seq_len": 4096})",
+                                    &nofit.text) == MEMPLAN_OK,
+                  LastError());
+  const std::string words = nofit.Parse().dump();
+  CHECK(words.find("--") == std::string::npos);
+  CHECK(words.find("`cpu_mem`") != std::string::npos);  // host RAM not checked: give `cpu_mem`
+}
+
 // ---- Engine -------------------------------------------------------------------------------------
 
 std::string ScheduleJson(const std::string& dtype, const std::string& path) {

@@ -235,7 +235,7 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
     for (const std::string& name : asked) {
       if (known.count(name) == 0) {
         return Status::InvalidArgument(
-            "--constants " + name +
+            "`constants` " + name +
             ": not a calibrated constant (gemm_efficiency, gemm_tokens_half, link_efficiency, "
             "network_efficiency, offload_overlap, cpu_adam_factor)");
       }
@@ -311,7 +311,7 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
     if (touched) {
       kept.push_back(c);
     } else if (asked.count(p.base) > 0 || asked.count(p.name) > 0) {
-      return Status::InvalidArgument("--constants: cannot fit " + why_not(p, touched));
+      return Status::InvalidArgument("`constants`: cannot fit " + why_not(p, touched));
     } else {
       result.not_determined.push_back(why_not(p, touched));
     }
@@ -329,7 +329,7 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
                                    (runs.size() == 1 ? " run" : " runs") + " cannot determine " +
                                    std::to_string(kept.size()) + " constants (" + names +
                                    "): measure at least " + std::to_string(kept.size()) +
-                                   " runs, or fit fewer with --constants");
+                                   " runs, or fit fewer with `constants`");
   }
 
   // Levenberg-Marquardt over the kept parameters, in value / scale units; then the standard

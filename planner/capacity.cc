@@ -89,18 +89,18 @@ bool Better(double a, double b, double tie) { return a < b * (1 - tie); }
 }  // namespace
 
 Status CapacityRequest::Validate() const {
-  if (offers.empty()) return Status::InvalidArgument("--gpu: no GPU type given");
+  if (offers.empty()) return Status::InvalidArgument("`offers`: no GPU type given");
   for (const GpuOffer& o : offers) {
     Cluster c;
     c.gpu = o.gpu;
     MEMPLAN_RETURN_IF_ERROR(c.Validate());
     if (!std::isfinite(o.price_per_gpu_hour) || o.price_per_gpu_hour < 0 ||
         o.price_per_gpu_hour > 1e6) {
-      return Status::InvalidArgument("--price for " + o.gpu.name +
+      return Status::InvalidArgument("`price_per_gpu_hour` for " + o.gpu.name +
                                      ": a price per GPU-hour must be in [0, 1e6]");
     }
     if (o.gpus_per_node < 1 || o.gpus_per_node > 1024) {
-      return Status::InvalidArgument("--gpus-per-node for " + o.gpu.name +
+      return Status::InvalidArgument("`gpus_per_node` for " + o.gpu.name +
                                      " must be in [1, 1024], got " +
                                      std::to_string(o.gpus_per_node));
     }
@@ -108,20 +108,21 @@ Status CapacityRequest::Validate() const {
   std::set<std::string> names;
   for (const GpuOffer& o : offers) {
     if (!names.insert(o.gpu.name).second) {
-      return Status::InvalidArgument("--gpu: '" + o.gpu.name + "' given twice");
+      return Status::InvalidArgument("`offers`: '" + o.gpu.name + "' given twice");
     }
   }
-  if (gpu_counts.empty()) return Status::InvalidArgument("--gpus: no GPU count given");
+  if (gpu_counts.empty()) return Status::InvalidArgument("`gpu_counts`: no GPU count given");
   for (int64_t g : gpu_counts) {
     if (g < 1 || g > (int64_t{1} << 20)) {
-      return Status::InvalidArgument("--gpus: a GPU count must be in [1, 1048576]");
+      return Status::InvalidArgument("`gpu_counts`: a GPU count must be in [1, 1048576]");
     }
   }
   if (!(std::isfinite(max_train_hours) && max_train_hours >= 0 && max_train_hours < 1e9)) {
-    return Status::InvalidArgument("--max-days must be a positive number of days");
+    return Status::InvalidArgument(
+        "`max_train_hours` must be a finite deadline >= 0, below 1e9 hours");
   }
   if (!(std::isfinite(tokens) && tokens > 0 && tokens < 1e18)) {
-    return Status::InvalidArgument("--tokens must be a positive number of tokens below 1e18");
+    return Status::InvalidArgument("`tokens` must be a positive number of tokens below 1e18");
   }
   if (threads < 0) return Status::InvalidArgument("threads must be >= 0");
   return search.Validate();
@@ -396,7 +397,7 @@ Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, 
               "a measurement; no restarts, evaluation or checkpoint saves).",
           any_price ? std::string("Cost = time to train x GPUs x the price per GPU-hour given; GPU "
                                   "types without a price are not candidates for the cheapest.")
-                    : std::string("No price given (--price or price_per_gpu_hour): the cheapest is "
+                    : std::string("No price given (`price_per_gpu_hour`): the cheapest is "
                                   "the fewest GPU-hours."),
       });
   if (result.points.size() > static_cast<size_t>(result.searches)) {

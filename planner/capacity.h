@@ -67,7 +67,8 @@ struct CapacityRequest {
   // of being a point that cannot run.
   bool fp16_fallback = false;
   // Valid offers (each GPU valid, price finite and >= 0, node size in [1, 1024]), counts in
-  // [1, 1 << 20], tokens finite and > 0. Errors name the flag.
+  // [1, 1 << 20], tokens finite and > 0. Errors name the field (`price_per_gpu_hour`, `tokens`;
+  // Note [Field names in errors] in estimator/training_setup.h).
   Status Validate() const;
 };
 

@@ -189,7 +189,7 @@ class Checker {
     } else if (value.is_string() && value.get<std::string>() == "auto") {
       if (!options_.for_hf_trainer) {
         Problem(path,
-                "\"auto\" is filled only by the Hugging Face Trainer (--for-hf-trainer); "
+                "\"auto\" is filled only by the Hugging Face Trainer (`for_hf_trainer`); "
                 "DeepSpeed alone refuses it: give a value");
       } else if (!TrainerFills(path)) {
         Problem(path, "\"auto\" here is not filled by the Hugging Face Trainer: give a value");

@@ -165,7 +165,7 @@ Result<GpuSpec> FindGpuPreset(std::string_view name) {
     if (g.name == key) return g;
     names += (names.empty() ? "" : ", ") + g.name;
   }
-  return Status::InvalidArgument("--gpu '" + std::string(name) + "': not a known GPU; presets: " +
+  return Status::InvalidArgument("`gpu` '" + std::string(name) + "': not a known GPU; presets: " +
                                  names + " (or give a cluster JSON file with the GPU's figures)");
 }
 
@@ -195,10 +195,10 @@ double Cluster::CpuAdamParamsPerS() const {
 
 Status Cluster::Validate() const {
   if (nodes < 1 || nodes > (1 << 20)) {
-    return Status::InvalidArgument("--nodes must be in [1, 1048576], got " + std::to_string(nodes));
+    return Status::InvalidArgument("`nodes` must be in [1, 1048576], got " + std::to_string(nodes));
   }
   if (gpus_per_node < 1 || gpus_per_node > 1024) {
-    return Status::InvalidArgument("--gpus must be in [1, 1024], got " +
+    return Status::InvalidArgument("`gpus_per_node` must be in [1, 1024], got " +
                                    std::to_string(gpus_per_node));
   }
   if (gpu.memory_bytes == 0) return Status::InvalidArgument("GPU '" + gpu.name + "': memory is 0");
@@ -209,10 +209,10 @@ Status Cluster::Validate() const {
     return Status::InvalidArgument("GPU '" + gpu.name + "': mfu_prior must be in (0, 1]");
   }
   if (pcie_gen != 0 && (pcie_gen < 3 || pcie_gen > 6)) {
-    return Status::InvalidArgument("--pcie-gen must be 3, 4, 5 or 6, got " +
+    return Status::InvalidArgument("`pcie_gen` must be 3, 4, 5 or 6, got " +
                                    std::to_string(pcie_gen));
   }
-  if (cpu_cores < 0) return Status::InvalidArgument("--cpu-cores must be >= 0");
+  if (cpu_cores < 0) return Status::InvalidArgument("`cpu_cores` must be >= 0");
   // Note [Rate floors]: every rate below divides a byte or FLOP count in the time model. A rate
   // of 0 (or 1e-300) would give an infinite step, 0 tokens/s and `null` in JSON, and rank every
   // plan as equal; a rate beyond any hardware would hide every cost. So each is checked against a
@@ -227,7 +227,7 @@ Status Cluster::Validate() const {
   constexpr double kMinBytesPerS = 1e6, kMaxBytesPerS = 1e15;
   constexpr double kMinFlops = 1e9, kMaxFlops = 1e19;
   const Rate rates[] = {
-      {"inter_node_bytes_per_s (--inter-node-bw)", inter_node_bytes_per_s, true, kMinBytesPerS,
+      {"inter_node_bytes_per_s (`inter_node_bw`)", inter_node_bytes_per_s, true, kMinBytesPerS,
        kMaxBytesPerS},
       {"nvme_read_bytes_per_s", nvme_read_bytes_per_s, true, kMinBytesPerS, kMaxBytesPerS},
       {"nvme_write_bytes_per_s", nvme_write_bytes_per_s, true, kMinBytesPerS, kMaxBytesPerS},
@@ -250,7 +250,7 @@ Status Cluster::Validate() const {
     }
   }
   if (nodes > 1 && !(InterNodeBytesPerS() > 0)) {
-    return Status::InvalidArgument("--inter-node-bw must be > 0 with more than one node");
+    return Status::InvalidArgument("`inter_node_bw` must be > 0 with more than one node");
   }
   for (double v : {gpu.gemm_efficiency, gpu.attention_efficiency}) {
     if (!(v > 0 && v <= 1)) {
@@ -547,15 +547,15 @@ Result<Cluster> DetectCluster(const std::string& nvme_path, std::string* gpu_not
     // filesystem holding it and then given to DeepSpeed as its nvme_path, which it cannot use.
     struct stat st {};
     if (::stat(nvme_path.c_str(), &st) != 0) {
-      return Status::FromErrno(errno, "--nvme-path " + Printable(nvme_path));
+      return Status::FromErrno(errno, "`nvme_path` " + Printable(nvme_path));
     }
     if (!S_ISDIR(st.st_mode)) {
-      return Status::InvalidArgument("--nvme-path " + Printable(nvme_path) +
+      return Status::InvalidArgument("`nvme_path` " + Printable(nvme_path) +
                                      ": not a directory (the directory for the swap files)");
     }
     struct statvfs fs {};
     if (::statvfs(nvme_path.c_str(), &fs) != 0) {
-      return Status::FromErrno(errno, "--nvme-path " + Printable(nvme_path));
+      return Status::FromErrno(errno, "`nvme_path` " + Printable(nvme_path));
     }
     c.nvme_path = nvme_path;
     c.nvme_capacity_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;

@@ -60,13 +60,16 @@ Result<std::string> YamlQuoted(const std::string& v, const std::string& what) {
   return out + "\"";
 }
 
-// DeepSpeed 0.19 removed MiCS, its only ZeRO-3 sharding within a node group.
-Status HybridForDeepSpeed(const Plan& plan, const std::string& flag) {
+// DeepSpeed 0.19 removed MiCS, its only ZeRO-3 sharding within a node group. Like every emitter
+// error, the message does not say which emitter refused: the caller does (the CLI's flag, the
+// request's "not_emitted" key).
+Status HybridForDeepSpeed(const Plan& plan) {
   if (plan.sharding != Sharding::kHybrid || plan.setup.zero_stage != 3) return Status::Ok();
   return Status::InvalidArgument(
-      flag + ": plan " + plan.family +
+      "plan " + plan.family +
       " shards within each node, which DeepSpeed cannot since it removed MiCS (0.19); emit it "
-      "for FSDP (--emit-fsdp, --accelerate-plugin fsdp: HYBRID_SHARD) or choose --sharding full");
+      "for FSDP (FSDP arguments, or `accelerate_plugin` fsdp: HYBRID_SHARD) or choose `sharding` "
+      "full");
 }
 
 // FSDP's name for the plan's sharding.
@@ -101,7 +104,7 @@ Result<ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
                                      const EmitOptions& options) {
   const estimator::TrainingSetup& s = plan.setup;
   if (s.zero_stage < 0 || s.zero_stage > 3) return Status::Internal("plan with a bad ZeRO stage");
-  MEMPLAN_RETURN_IF_ERROR(HybridForDeepSpeed(plan, "--emit-deepspeed"));
+  MEMPLAN_RETURN_IF_ERROR(HybridForDeepSpeed(plan));
   const bool hf = options.for_hf_trainer;
   const ordered_json kAuto = "auto";
   const int64_t hidden = inventory.arch ? inventory.arch->hidden : 0;
@@ -234,8 +237,8 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
   if (options.accelerate_plugin == "fsdp") {
     if (s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme) {
       return Status::InvalidArgument(
-          "--accelerate-plugin fsdp: the plan offloads to NVMe, which FSDP cannot; use the "
-          "DeepSpeed plugin or another plan (--plan-index)");
+          "`accelerate_plugin` fsdp: the plan offloads to NVMe, which FSDP cannot; use the "
+          "DeepSpeed plugin or another plan (`plan_index`)");
     }
     const std::string strategy = FsdpStrategy(plan);
     const std::string layer = DecoderLayerClass(inventory);
@@ -263,11 +266,11 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
     y += std::string("  fsdp_activation_checkpointing: ") +
          (s.checkpointing != Checkpointing::kNone ? "true" : "false") + "\n";
   } else {
-    MEMPLAN_RETURN_IF_ERROR(HybridForDeepSpeed(plan, "--emit-accelerate"));
+    MEMPLAN_RETURN_IF_ERROR(HybridForDeepSpeed(plan));
     y += "distributed_type: DEEPSPEED\ndeepspeed_config:\n";
     if (!options.deepspeed_config_path.empty()) {
-      MEMPLAN_ASSIGN_OR_RETURN(std::string config_file,
-                               YamlQuoted(options.deepspeed_config_path, "--emit-accelerate"));
+      MEMPLAN_ASSIGN_OR_RETURN(std::string config_file, YamlQuoted(options.deepspeed_config_path,
+                                                                   "`deepspeed_config_path`"));
       y += "  deepspeed_config_file: " + config_file + "\n";
       y += std::string("  zero3_init_flag: ") + (s.zero_stage == 3 ? "true" : "false") + "\n";
     } else {
@@ -275,12 +278,12 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
       y += "  gradient_clipping: 1.0\n";
       y += std::string("  offload_optimizer_device: ") + DeviceName(s.offload_optimizer) + "\n";
       if (s.offload_optimizer == OffloadDevice::kNvme) {
-        MEMPLAN_ASSIGN_OR_RETURN(std::string path, YamlQuoted(NvmePath(cluster), "--nvme-path"));
+        MEMPLAN_ASSIGN_OR_RETURN(std::string path, YamlQuoted(NvmePath(cluster), "`nvme_path`"));
         y += "  offload_optimizer_nvme_path: " + path + "\n";
       }
       y += std::string("  offload_param_device: ") + DeviceName(s.offload_param) + "\n";
       if (s.offload_param == OffloadDevice::kNvme) {
-        MEMPLAN_ASSIGN_OR_RETURN(std::string path, YamlQuoted(NvmePath(cluster), "--nvme-path"));
+        MEMPLAN_ASSIGN_OR_RETURN(std::string path, YamlQuoted(NvmePath(cluster), "`nvme_path`"));
         y += "  offload_param_nvme_path: " + path + "\n";
       }
       y += std::string("  zero3_init_flag: ") + (s.zero_stage == 3 ? "true" : "false") + "\n";
@@ -308,8 +311,8 @@ Result<ordered_json> FsdpConfig(const Plan& plan, const Cluster& cluster,
   const estimator::TrainingSetup& s = plan.setup;
   if (s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme) {
     return Status::InvalidArgument(
-        "--emit-fsdp: the plan offloads to NVMe, which FSDP cannot; choose a plan without NVMe "
-        "(--plan-index)");
+        "the plan offloads to NVMe, which FSDP cannot; choose a plan without NVMe "
+        "(`plan_index`)");
   }
   const std::string dtype = s.precision == Precision::kFp16Mixed ? "float16"
                             : s.precision == Precision::kFp32    ? "float32"
@@ -385,14 +388,12 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
   const estimator::TrainingSetup& s = plan.setup;
   if (s.offload_optimizer == OffloadDevice::kNone) {
     return Status::InvalidArgument(
-        "--emit-schedule: plan " + plan.family +
+        "plan " + plan.family +
         " offloads nothing, and the offload engine runs only plans whose optimizer is on the CPU "
-        "or NVMe; emit a DeepSpeed config instead, or choose an offload plan (--plan-index)");
+        "or NVMe; emit a DeepSpeed config instead, or choose an offload plan (`plan_index`)");
   }
   if (s.optimizer != estimator::Optimizer::kAdamW && s.optimizer != estimator::Optimizer::kLion) {
-    return Status::InvalidArgument(
-        "--emit-schedule: the offload engine's CPU optimizers are "
-        "Adam/AdamW and Lion");
+    return Status::InvalidArgument("the offload engine's CPU optimizers are Adam/AdamW and Lion");
   }
   auto engine_tier = [](OffloadDevice d) {
     return d == OffloadDevice::kNone  ? EngineTier::kGpu
@@ -456,7 +457,7 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
   if (limit > 0 && out.prediction.pinned_bytes > limit) {
     const EnginePrediction& p = out.prediction;
     return Status::InvalidArgument(
-        "--emit-schedule: memplan's engine needs " + std::to_string(p.pinned_bytes) +
+        "memplan's engine needs " + std::to_string(p.pinned_bytes) +
         " pinned bytes per process for plan " + plan.family + " (parameter arena " +
         std::to_string(p.param_arena_pinned_bytes) + ", optimizer buffers " +
         std::to_string(p.optimizer_pinned_bytes) + " with sub-groups of " +
@@ -497,8 +498,7 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
   // The setup allows aio block sizes up to 2^50; the Schedule holds 32 bits (and the engine
   // refuses blocks over 64 MiB), so a larger one is refused here rather than cut.
   if (s.aio_block_size > int64_t{UINT32_MAX}) {
-    return Status::InvalidArgument("--emit-schedule: aio.block_size " +
-                                   std::to_string(s.aio_block_size) +
+    return Status::InvalidArgument("aio.block_size " + std::to_string(s.aio_block_size) +
                                    " is larger than memplan's engine reads");
   }
   schedule.nvme_block_size = static_cast<uint32_t>(s.aio_block_size);

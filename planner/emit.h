@@ -64,7 +64,8 @@ struct EmitOptions {
 Result<nlohmann::ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
                                                const estimator::ModelInventory& inventory,
                                                const EmitOptions& options);
-// YAML text. FSDP plugin: errors for NVMe offload (FSDP offloads to CPU only) naming the flag.
+// YAML text. FSDP plugin: errors for NVMe offload (FSDP offloads to CPU only) naming
+// `accelerate_plugin`.
 Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
                                      const estimator::ModelInventory& inventory,
                                      const EmitOptions& options);

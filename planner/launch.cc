@@ -51,7 +51,7 @@ Result<Launcher> ParseLauncher(const std::string& text) {
   if (text == "torchrun") return Launcher::kTorchrun;
   if (text == "deepspeed") return Launcher::kDeepSpeed;
   if (text == "accelerate") return Launcher::kAccelerate;
-  return Status::InvalidArgument("--emit-launch '" + text +
+  return Status::InvalidArgument("`launcher` '" + text +
                                  "': expected slurm, torchrun, deepspeed or accelerate");
 }
 
@@ -70,41 +70,42 @@ std::string ShellQuote(const std::string& text) {
 
 Result<std::string> LaunchScript(const Plan& plan, const Cluster& cluster, const LaunchOptions& o) {
   if (o.command.empty() || o.command.front().empty()) {
-    return Status::InvalidArgument("--launch-script: no training script given");
+    return Status::InvalidArgument("`command`: no training script given");
   }
   for (const std::string& w : o.command) {
     if (w.find('\0') != std::string::npos || w.find('\n') != std::string::npos) {
-      return Status::InvalidArgument("--launch-script: an argument holds a newline or NUL");
+      return Status::InvalidArgument("`command`: an argument holds a newline or NUL");
     }
   }
   for (const std::string* path : {&o.deepspeed_config, &o.accelerate_config, &o.hostfile}) {
     if (path->find('\n') != std::string::npos || path->find('\0') != std::string::npos) {
-      return Status::InvalidArgument("--emit-launch: a path holds a newline or NUL");
+      return Status::InvalidArgument(
+          "a config or hostfile path of the launch holds a newline or NUL");
     }
   }
   if (o.master_port < 1 || o.master_port > 65535) {
-    return Status::InvalidArgument("--master-port must be in [1, 65535]");
+    return Status::InvalidArgument("`master_port` must be in [1, 65535]");
   }
   if (!o.slurm_partition.empty() && !DirectiveSafe(o.slurm_partition)) {
-    return Status::InvalidArgument("--slurm-partition '" + o.slurm_partition +
+    return Status::InvalidArgument("`slurm_partition` '" + o.slurm_partition +
                                    "': letters, digits, '_', '.', ':', '-' and ',' only");
   }
   if (!o.slurm_time.empty() && !DirectiveSafe(o.slurm_time)) {
-    return Status::InvalidArgument("--slurm-time '" + o.slurm_time +
+    return Status::InvalidArgument("`slurm_time` '" + o.slurm_time +
                                    "': expected minutes, HH:MM:SS or D-HH:MM:SS");
   }
   const bool hybrid = plan.sharding == Sharding::kHybrid && plan.setup.zero_stage == 3;
   const bool deepspeed_engine = !o.deepspeed_config.empty();
   if (o.launcher == Launcher::kDeepSpeed && hybrid) {
     return Status::InvalidArgument(
-        "--emit-launch deepspeed: the plan shards within each node (HYBRID_SHARD), which "
+        "`launcher` deepspeed: the plan shards within each node (HYBRID_SHARD), which "
         "DeepSpeed 0.19 no longer has (MiCS was removed); launch it with torchrun, accelerate or "
         "slurm and the FSDP files");
   }
   if (o.launcher == Launcher::kAccelerate && o.accelerate_config.empty()) {
     return Status::InvalidArgument(
-        "--emit-launch accelerate needs the Accelerate config it launches: add "
-        "--emit-accelerate FILE");
+        "`launcher` accelerate needs the Accelerate config it launches: give "
+        "`accelerate_config`");
   }
   const int64_t nodes = cluster.nodes;
   const int64_t per_node = cluster.gpus_per_node;

@@ -259,7 +259,7 @@ std::string Explain(const Plan& plan, const std::vector<Plan>& plans, const Clus
       if (p.setup.optimizer != best.setup.optimizer && p.tokens_per_s > best.tokens_per_s) {
         why += " with the job's optimizer (" + p.family + " would be " +
                Fmt("%.0f", 100 * (p.tokens_per_s / best.tokens_per_s - 1)) +
-               "% faster with bitsandbytes' 8-bit states: --optimizer adam8bit)";
+               "% faster with bitsandbytes' 8-bit states: `optimizer` adam8bit)";
         break;
       }
     }
@@ -364,15 +364,15 @@ Status SearchOptions::Validate() const {
     }
     return Status::Ok();
   };
-  MEMPLAN_RETURN_IF_ERROR(fraction(gpu_safety_fraction, "--gpu-margin"));
+  MEMPLAN_RETURN_IF_ERROR(fraction(gpu_safety_fraction, "`gpu_margin`"));
   MEMPLAN_RETURN_IF_ERROR(fraction(1 - cpu_usable_fraction, "CPU usable fraction"));
   MEMPLAN_RETURN_IF_ERROR(fraction(1 - pinned_fraction, "pinned fraction"));
   MEMPLAN_RETURN_IF_ERROR(fraction(1 - nvme_usable_fraction, "NVMe usable fraction"));
   MEMPLAN_RETURN_IF_ERROR(fraction(tie_fraction, "tie fraction"));
   if (only_stage < -1 || only_stage > 3) {
-    return Status::InvalidArgument("--zero-stage must be 0-3");
+    return Status::InvalidArgument("`zero_stage` must be 0-3");
   }
-  if (only_micro_batch < 0) return Status::InvalidArgument("--micro-batch must be >= 1");
+  if (only_micro_batch < 0) return Status::InvalidArgument("`micro_batch` must be >= 1");
   return Status::Ok();
 }
 
@@ -394,12 +394,12 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
   MEMPLAN_RETURN_IF_ERROR(job.ValidateFor(inventory));
   if (PeakFlops(cluster.gpu, job.setup.precision) <= 0) {
     return Status::InvalidArgument(
-        "--precision " + std::string(estimator::PrecisionName(job.setup.precision)) + ": " +
-        cluster.gpu.name + " has no bf16 support; use --precision fp16-mixed");
+        "`precision` " + std::string(estimator::PrecisionName(job.setup.precision)) + ": " +
+        cluster.gpu.name + " has no bf16 support; use `precision` fp16-mixed");
   }
   const int64_t world = cluster.WorldSize();
   if (job.global_batch % world != 0) {
-    return Status::InvalidArgument("--global-batch " + std::to_string(job.global_batch) +
+    return Status::InvalidArgument("`global_batch` " + std::to_string(job.global_batch) +
                                    " is not a multiple of the " + std::to_string(world) +
                                    " GPUs (train_batch_size = micro-batch x accumulation x GPUs)");
   }
@@ -411,9 +411,9 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
     micro_batches.push_back(b);
   }
   if (options.only_micro_batch > 0 && micro_batches.empty()) {
-    return Status::InvalidArgument("--micro-batch " + std::to_string(options.only_micro_batch) +
+    return Status::InvalidArgument("`micro_batch` " + std::to_string(options.only_micro_batch) +
                                    " does not divide the " + std::to_string(per_gpu) +
-                                   " sequences per GPU of --global-batch " +
+                                   " sequences per GPU of `global_batch` " +
                                    std::to_string(job.global_batch));
   }
 
@@ -513,7 +513,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
     rejection.sharding = family.sharding;
     if (family.opt == OffloadDevice::kNvme || family.param == OffloadDevice::kNvme) {
       if (cluster.nvme_path.empty() || !options.allow_nvme) {
-        rejection.reason = "no NVMe drive given (--nvme-path)";
+        rejection.reason = "no NVMe drive given (`nvme_path`)";
         result.rejected.push_back(rejection);
         continue;
       }
@@ -667,8 +667,8 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
             suggest("nodes", std::to_string(nodes) + " nodes of " +
                                  std::to_string(cluster.gpus_per_node) + " x " + cluster.gpu.name +
                                  ": " + r.plan + " needs " + GiB(p->gpu_bytes) +
-                                 " GiB per GPU (--nodes " + std::to_string(nodes) +
-                                 ", --global-batch a multiple of " +
+                                 " GiB per GPU (`nodes` " + std::to_string(nodes) +
+                                 ", `global_batch` a multiple of " +
                                  std::to_string(nodes * cluster.gpus_per_node) + ")");
             break;
           }
@@ -679,7 +679,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         TrainingSetup eight = s0;
         eight.optimizer = Optimizer::kAdam8bit;
         if (auto p = fits(eight, cluster)) {
-          suggest("8bit", "8-bit AdamW (--optimizer adam8bit): " + r.plan + " needs " +
+          suggest("8bit", "8-bit AdamW (`optimizer` adam8bit): " + r.plan + " needs " +
                               GiB(p->gpu_bytes) + " GiB per GPU");
         }
       }
@@ -692,7 +692,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         if (nvme.Validate().ok()) {
           if (auto p = fits(nvme, with)) {
             suggest("nvme",
-                    "an NVMe drive (--nvme-path, --nvme-capacity): ZeRO-3 with optimizer and "
+                    "an NVMe drive (`nvme_path`, `nvme_capacity`): ZeRO-3 with optimizer and "
                     "parameters on NVMe needs " +
                         GiB(p->gpu_bytes) + " GiB per GPU and " + GiB(p->nvme_bytes) +
                         " GiB of NVMe per node");
@@ -714,7 +714,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         shorter.seq_len = std::max<int64_t>(result.seq_len / 2, 1);
         if (result.seq_len > 256 && kinds.count("seq") == 0) {
           if (auto p = fits(shorter, cluster)) {
-            suggest("seq", "a shorter sequence (--seq-len " + std::to_string(shorter.seq_len) +
+            suggest("seq", "a shorter sequence (`seq_len` " + std::to_string(shorter.seq_len) +
                                "): " + r.plan + " needs " + GiB(p->gpu_bytes) + " GiB per GPU");
           }
         }
@@ -730,7 +730,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
 
   if (!result.host_ram_checked) {
     result.gaps.push_back(
-        "host RAM not checked: give --cpu-mem (or --detect, or cpu_memory_bytes in --cluster); "
+        "host RAM not checked: give `cpu_mem` (or cpu_memory_bytes in `cluster`); "
         "offload plans may need more RAM than the nodes have");
   }
   if (cluster.memlock_bytes == 0) {
@@ -738,7 +738,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
     for (const Plan& p : result.plans) pinned = pinned || (p.setup.pin_memory && UsesNvme(p.setup));
     if (pinned) {
       result.gaps.push_back(
-          "RLIMIT_MEMLOCK not checked (--memlock or --detect): NVMe offload "
+          "RLIMIT_MEMLOCK not checked (`memlock`): NVMe offload "
           "locks its swap buffers");
     }
   }
@@ -771,7 +771,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
                      (cluster.inter_node_bytes_per_s > 0
                           ? std::string()
                           : " (the " + cluster.gpu.name +
-                                " reference server's network; --inter-node-bw for "
+                                " reference server's network; `inter_node_bw` for "
                                 "yours)")
                : std::string()) +
           "; ZeRO-3 gathers the 16-bit parameters twice and reduce-scatters the gradients every "
@@ -830,7 +830,7 @@ std::vector<std::string> TrainerSettings(const Plan& plan,
   out.push_back(s.flash_attention
                     ? "use memory-efficient attention: attn_implementation=\"sdpa\" (or "
                       "\"flash_attention_2\") when loading the model"
-                    : "eager attention was assumed (--no-flash-attention): "
+                    : "eager attention was assumed (memory-efficient attention off): "
                       "attn_implementation=\"eager\"");
   const std::string precision = s.precision == Precision::kFp16Mixed ? "fp16=True"
                                 : s.precision == Precision::kFp32    ? "neither bf16 nor fp16"

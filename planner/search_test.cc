@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "estimator/model_source.h"
+#include "planner/capacity.h"
 #include "planner/check.h"
 #include "planner/cluster.h"
 #include "planner/emit.h"
@@ -143,7 +144,7 @@ TEST_CASE("search: llama-2-7b on 8 x A100-80 keeps everything on the GPUs") {
   // No NVMe path: NVMe families are rejected with the reason.
   const Rejection* nvme = FindRejected(*r, "ZeRO-3 + optimizer on NVMe");
   REQUIRE(nvme != nullptr);
-  CHECK(nvme->reason == "no NVMe drive given (--nvme-path)");
+  CHECK(nvme->reason == "no NVMe drive given (`nvme_path`)");
 }
 
 TEST_CASE("search: feasibility follows the limits (GPU, CPU, NVMe)") {
@@ -183,14 +184,46 @@ TEST_CASE("search: feasibility follows the limits (GPU, CPU, NVMe)") {
   CHECK(small->reason.find("GiB of NVMe per node, has 9.0 usable of 10.0") != std::string::npos);
 }
 
-TEST_CASE("search: bad input is refused with the flag named") {
+// Note [Field names in errors]: C and Python callers never typed a flag, so the planner's errors
+// name the request's fields; the CLI maps them to its flags (tests/plan_cli_test.cc).
+TEST_CASE("search: bad input is refused with the field named, not a flag") {
   estimator::ModelInventory llama = Model("llama-2-7b");
   auto r = SearchPlans(llama, A100x8(), MakeJob("llama-2-7b", 12, 2048));
-  CHECK(r.status().message().find("--global-batch 12 is not a multiple of the 8 GPUs") == 0);
+  CHECK(r.status().message().find("`global_batch` 12 is not a multiple of the 8 GPUs") == 0);
   Cluster v100 = A100x8();
   v100.gpu = *FindGpuPreset("v100-32");
   r = SearchPlans(llama, v100, MakeJob("llama-2-7b", 64, 2048));
-  CHECK(r.status().message().find("no bf16 support") != std::string::npos);
+  CHECK(r.status().message().find("no bf16 support; use `precision` fp16-mixed") !=
+        std::string::npos);
+  SearchOptions options;
+  options.only_micro_batch = 3;
+  r = SearchPlans(llama, A100x8(), MakeJob("llama-2-7b", 64, 2048), options);
+  CHECK(r.status().message() ==
+        "`micro_batch` 3 does not divide the 8 sequences per GPU of `global_batch` 64");
+  options.only_micro_batch = -1;
+  CHECK(options.Validate().message() == "`micro_batch` must be >= 1");
+  options = {};
+  options.gpu_safety_fraction = 1.5;
+  CHECK(options.Validate().message() == "`gpu_margin` must be in [0, 1)");
+  Cluster c = A100x8();
+  c.gpus_per_node = 0;
+  CHECK(c.Validate().message() == "`gpus_per_node` must be in [1, 1024], got 0");
+  CHECK(FindGpuPreset("z100").status().message().find("`gpu` 'z100': not a known GPU") == 0);
+
+  CapacityRequest capacity;
+  capacity.offers.push_back({*FindGpuPreset("a100-80"), 2.0, 8, std::nullopt});
+  capacity.gpu_counts = {8};
+  capacity.tokens = 0;
+  CHECK(capacity.Validate().message() == "`tokens` must be a positive number of tokens below 1e18");
+  capacity.tokens = 1e12;
+  capacity.offers[0].gpus_per_node = 2048;
+  CHECK(capacity.Validate().message() ==
+        "`gpus_per_node` for a100-80 must be in [1, 1024], got 2048");
+  // Every message above names a field, none a flag.
+  for (const std::string& m :
+       {r.status().message(), options.Validate().message(), capacity.Validate().message()}) {
+    CHECK(m.find("--") == std::string::npos);
+  }
 }
 
 TEST_CASE("search: llama-2-70b over the whole grid within the latency budget") {
@@ -281,7 +314,9 @@ TEST_CASE("emit: Accelerate, FSDP and Schedule") {
   CHECK((*fsdp)["sharding_strategy"] ==
         (best.setup.zero_stage == 3 ? "FULL_SHARD" : "SHARD_GRAD_OP"));
   // No offload: the engine has nothing to run.
-  CHECK_FALSE(Schedule(best, c, llama).ok());
+  auto none = Schedule(best, c, llama);
+  REQUIRE_FALSE(none.ok());
+  CHECK(none.status().message().find("choose an offload plan (`plan_index`)") != std::string::npos);
   const Plan* offload = FindFamily(*r, "ZeRO-3 + optimizer on CPU + params on CPU");
   REQUIRE(offload != nullptr);
   auto schedule = Schedule(*offload, c, llama);
@@ -335,6 +370,10 @@ TEST_CASE("emit: what the consumers refuse (tests/plan_consumers runs them for r
   auto ds = DeepSpeedConfig(hybrid, c, llama, {});
   REQUIRE_FALSE(ds.ok());
   CHECK(ds.status().message().find("MiCS") != std::string::npos);
+  // Which emitter declined is the caller's to say (the CLI's flag, the request's "not_emitted"
+  // key); the message names the fields that would change it.
+  CHECK(ds.status().message().find("choose `sharding` full") != std::string::npos);
+  CHECK(ds.status().message().find("--") == std::string::npos);
   CHECK_FALSE(AccelerateConfig(hybrid, c, llama, {}).ok());
   options.accelerate_plugin = "fsdp";
   yaml = AccelerateConfig(hybrid, c, llama, options);

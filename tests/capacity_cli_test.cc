@@ -286,8 +286,9 @@ TEST_CASE("capacity: bad input is one line, exit 2, and nothing written") {
       {{"--gpu", "a100-80", "--gpus", "64-8", "--tokens", "1T"}, "the range is empty"},
       {{"--gpu", "a100-80", "--gpus", "0", "--tokens", "1T"}, "[1, 1048576]"},
       {{"--gpu", "a100-80", "--gpus", "eight", "--tokens", "1T"}, "--gpus 'eight'"},
-      {{"--gpu", "z100", "--gpus", "8", "--tokens", "1T"}, "'z100': not a known GPU"},
-      {{"--gpu", "a100-80,a100-80", "--gpus", "8", "--tokens", "1T"}, "given twice"},
+      {{"--gpu", "z100", "--gpus", "8", "--tokens", "1T"}, "--gpu 'z100': not a known GPU"},
+      {{"--gpu", "a100-80,a100-80", "--gpus", "8", "--tokens", "1T"},
+       "--gpu: 'a100-80' given twice"},
       {{"--gpu", "a100-80", "--gpus", "8", "--tokens", "1T", "--price", "h100-80=2"},
        "'h100-80' is not one of the GPU types searched"},
       {{"--gpu", "a100-80", "--gpus", "8", "--tokens", "1T", "--price", "-1"}, "--price"},
@@ -300,6 +301,7 @@ TEST_CASE("capacity: bad input is one line, exit 2, and nothing written") {
     CHECK(r.out.empty());
     CHECK(r.err.find(c.message) != std::string::npos);
     CHECK(Count(r.err, "\n") == 1);
+    CHECK(r.err.find('`') == std::string::npos);  // the library's `offers` is --gpu here
   }
   // -o and --svg together: when one cannot be written, neither is.
   const std::string report = dir.PathOf("report.txt");

@@ -532,6 +532,41 @@ TEST_CASE("plan: bad input exits 2 with one line") {
   }
 }
 
+// Note [Field names in errors]: the planner names the request's fields (`micro_batch`), as a C or
+// Python caller wrote them (integration/c_api_test.cc); people at the command line read the flags
+// they typed, in errors and in the text report, while --format json keeps the fields.
+TEST_CASE("plan: the planner's fields come out as the flags the user typed") {
+  CommandResult r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8",
+                             "--global-batch", "64", "--micro-batch", "3"});
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err ==
+                    "memplan: error: --micro-batch 3 does not divide the 8 sequences per GPU "
+                    "of --global-batch 64\n",
+                r.err);
+  r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "v100-32", "--precision", "bf16-mixed",
+               "--global-batch", "8"});
+  CHECK(r.exit_code == 2);
+  CHECK_MESSAGE(r.err.find("--precision bf16-mixed: v100-32 has no bf16 support; use --precision "
+                           "fp16-mixed") != std::string::npos,
+                r.err);
+
+  // What would make a plan fit, and what was not checked: flags in text, fields in JSON.
+  const std::vector<std::string> args = {"plan",    "--model",        "llama-2-70b", "--gpu",
+                                         "rtx4090", "--gpus",         "8",           "--seq-len",
+                                         "4096",    "--global-batch", "64"};
+  r = Memplan(args);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK_MESSAGE(
+      r.out.find("give --cpu-mem (or cpu_memory_bytes in --cluster)") != std::string::npos, r.out);
+  CHECK(r.out.find('`') == std::string::npos);
+  std::vector<std::string> json_args = args;
+  json_args.insert(json_args.end(), {"--format", "json"});
+  r = Memplan(json_args);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.out.find("give `cpu_mem` (or cpu_memory_bytes in `cluster`)") != std::string::npos);
+  CHECK(r.out.find("--") == std::string::npos);
+}
+
 TEST_CASE("check: every planted mistake in tests/check_fixtures is found, nothing else") {
   const std::filesystem::path dir =
       std::filesystem::path(MEMPLAN_SOURCE_DIR) / "tests/check_fixtures";

@@ -3,6 +3,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -21,6 +22,12 @@
 
 namespace memplan::tools {
 namespace {
+
+// Where capacity spells a field its own way (FieldsToFlags): an offer's node size is
+// --gpus-per-node here, while plan's --gpus is GPUs per node.
+constexpr std::pair<std::string_view, std::string_view> kCapacityFlags[] = {
+    {"gpus_per_node", "--gpus-per-node"},
+};
 
 struct CapacityFlags {
   ModelFlags model;
@@ -140,7 +147,7 @@ Result<std::vector<planner::GpuOffer>> BuildOffers(const CapacityFlags& f, plann
 }
 
 void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
-  auto fail = [&](const Status& s) { Fail(outcome, s); };
+  auto fail = [&](const Status& s) { Fail(outcome, s, kCapacityFlags); };
   if (f.tokens_text.empty()) {
     return fail(Status::InvalidArgument("--tokens is required: the training budget (1T, 300B)"));
   }
@@ -222,9 +229,10 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
   }
   auto result = planner::PlanCapacity(*inventory, job, request);
   if (!result.ok()) return fail(result.status());
-  std::string text = f.format == "json"
-                         ? JsonOutput(planner::ToJson(*result, request, job))
-                         : FieldsToFlags(planner::FormatCapacityText(*result, request, job));
+  std::string text =
+      f.format == "json"
+          ? JsonOutput(planner::ToJson(*result, request, job))
+          : FieldsToFlags(planner::FormatCapacityText(*result, request, job), kCapacityFlags);
   if (!f.svg.empty()) {
     outcome->files.push_back({f.svg, planner::CapacitySvg(*result, request, job)});
     if (f.format != "json") text += "\nwrote " + f.svg + " (cost against time to train)\n";

@@ -376,9 +376,9 @@ CLI::Option* AddFormatOption(CLI::App* cmd, std::string* format, const std::stri
       ->capture_default_str();
 }
 
-void Fail(Outcome* outcome, const Status& status) {
+void Fail(Outcome* outcome, const Status& status, FieldFlags overrides) {
   outcome->exit_code = status.code() == StatusCode::kInternal ? kExitInternal : kExitBadInput;
-  outcome->error = FieldsToFlags(status.message());
+  outcome->error = FieldsToFlags(status.message(), overrides);
 }
 
 void RegisterEstimate(CLI::App& app, Outcome* outcome) {

@@ -9,6 +9,7 @@
 
 #include "common/status.h"
 #include "estimator/model_source.h"
+#include "tools/setup_flags.h"
 
 namespace memplan::tools {
 
@@ -38,8 +39,9 @@ struct Outcome {
   bool report_with_error = false;
 };
 
-// Records `status` (an error) as the outcome: its message, and exit 1 for kInternal, else 2.
-void Fail(Outcome* outcome, const Status& status);
+// Records `status` (an error) as the outcome: its message with the fields it names turned into
+// flags (FieldsToFlags, with the command's `overrides`), and exit 1 for kInternal, else 2.
+void Fail(Outcome* outcome, const Status& status, FieldFlags overrides = {});
 
 // The model flags every subcommand that reads a model shares beyond --model and --model-class:
 // --offline, --model-config, --expert-layout.

@@ -235,11 +235,14 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
     options.learning_rate = f.lr;
     options.deepspeed_config_path = f.emit_deepspeed;
     options.accelerate_plugin = f.accelerate_plugin;
-    auto add = [&](const std::string& path, Result<std::string> text) {
+    // The emitters' errors do not say which emitter refused: `flag` does, before the message
+    // with its fields as flags.
+    auto add = [&](const std::string& path, Result<std::string> text, const std::string& flag) {
       if (text.ok()) {
         files.push_back({path, *text, note});
       } else {
-        *written += "not written " + path + ": " + text.status().message() + "\n";
+        *written += "not written " + path + ": " + (flag.empty() ? "" : flag + ": ") +
+                    FieldsToFlags(text.status().message()) + "\n";
       }
     };
     auto dump = [](Result<nlohmann::ordered_json> j) -> Result<std::string> {
@@ -247,30 +250,33 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
       return JsonOutput(*j);
     };
     if (!f.emit_deepspeed.empty()) {
-      add(f.emit_deepspeed, dump(planner::DeepSpeedConfig(plan, cluster, inventory, options)));
+      add(f.emit_deepspeed, dump(planner::DeepSpeedConfig(plan, cluster, inventory, options)),
+          "--emit-deepspeed");
     }
     if (!f.emit_accelerate.empty()) {
-      add(f.emit_accelerate, planner::AccelerateConfig(plan, cluster, inventory, options));
+      add(f.emit_accelerate, planner::AccelerateConfig(plan, cluster, inventory, options),
+          "--emit-accelerate");
     }
     if (!f.emit_fsdp.empty()) {
-      add(f.emit_fsdp, dump(planner::FsdpConfig(plan, cluster, inventory)));
+      add(f.emit_fsdp, dump(planner::FsdpConfig(plan, cluster, inventory)), "--emit-fsdp");
     }
     if (!f.emit_schedule.empty()) {
       Result<planner::EmittedSchedule> emitted =
           planner::EngineScheduleFor(plan, cluster, inventory);
       if (emitted.ok()) {
-        add(f.emit_schedule, JsonOutput(emitted->json));
+        add(f.emit_schedule, JsonOutput(emitted->json), "--emit-schedule");
         const planner::EnginePrediction& p = emitted->prediction;
         *schedule_prediction = planner::ToJson(p);
         (*schedule_prediction)["path"] = f.emit_schedule;
         // Said after the "wrote" lines (Note [Schedule for memplan's engine]).
         schedule_note = planner::FormatEnginePrediction(p, f.emit_schedule);
       } else {
-        add(f.emit_schedule, emitted.status());
+        add(f.emit_schedule, emitted.status(), "--emit-schedule");
       }
     }
     if (!f.emit_trainer.empty()) {
-      add(f.emit_trainer, dump(planner::TrainerArguments(plan, cluster, inventory, options)));
+      add(f.emit_trainer, dump(planner::TrainerArguments(plan, cluster, inventory, options)),
+          "--emit-trainer");
     }
     if (!f.emit_launch.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(planner::Launcher launcher,
@@ -300,7 +306,7 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
       const bool hybrid_deepspeed =
           launcher == planner::Launcher::kDeepSpeed && plan.sharding == planner::Sharding::kHybrid;
       if (!script.ok() && !hybrid_deepspeed) return script.status();
-      add(f.emit_launch[1], script);
+      add(f.emit_launch[1], script, "");  // its errors name `launcher`
     }
   }
   if (!f.svg.empty()) {

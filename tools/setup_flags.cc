@@ -1,7 +1,5 @@
 #include "tools/setup_flags.h"
 
-#include <array>
-
 namespace memplan::tools {
 
 void SharedSetupFlags::Add(CLI::App* cmd, const std::string& group) {
@@ -110,33 +108,99 @@ Status JobSetupFlags::Apply(const std::string& precision_name, estimator::Traini
   return Status::Ok();
 }
 
-std::string FieldsToFlags(std::string_view text) {
-  // Each field of TrainingSetup, DeepSpeedHardware and Job that a library message may name, with
-  // the flag that sets it.
-  static constexpr std::array<std::pair<std::string_view, std::string_view>, 22> kFlags = {{
-      {"micro_batch", "--micro-batch"},
-      {"seq_len", "--seq-len"},
-      {"grad_accum", "--grad-accum"},
-      {"tp", "--tp"},
-      {"zero_stage", "--zero-stage"},
-      {"lora_rank", "--lora-rank"},
-      {"lora_targets", "--lora-targets"},
-      {"qlora", "--qlora"},
-      {"gpus_per_node", "--gpus"},
-      {"num_nodes", "--nodes"},
-      {"nodes", "--nodes"},
-      {"buffer_factor", "--buffer-factor"},
-      {"global_batch", "--global-batch"},
-      {"global_batch_tokens", "--global-batch-tokens"},
-      {"torch_version", "--torch-version"},
-      {"fsdp", "--fsdp"},
-      {"offload_param", "--offload-param"},
-      {"offload_optimizer", "--offload-optimizer"},
-      {"optimizer", "--optimizer"},
-      {"sgd_momentum", "--sgd-momentum"},
-      {"autocast", "--autocast"},
-      {"precision", "--precision"},
-  }};
+namespace {
+
+// Each field that a library message may name (Note [Field names in errors]), as the JSON request,
+// setup or cluster file spells it, with the flag that sets it. Several fields may share a flag:
+// the setup's `gpus_per_node` and `num_nodes` are the request's `gpus` and `nodes`.
+constexpr std::pair<std::string_view, std::string_view> kFieldFlags[] = {
+    // TrainingSetup and DeepSpeedHardware (estimate, plan, capacity).
+    {"micro_batch", "--micro-batch"},
+    {"seq_len", "--seq-len"},
+    {"grad_accum", "--grad-accum"},
+    {"tp", "--tp"},
+    {"zero_stage", "--zero-stage"},
+    {"lora_rank", "--lora-rank"},
+    {"lora_targets", "--lora-targets"},
+    {"qlora", "--qlora"},
+    {"gpus_per_node", "--gpus"},
+    {"num_nodes", "--nodes"},
+    {"buffer_factor", "--buffer-factor"},
+    {"torch_version", "--torch-version"},
+    {"fsdp", "--fsdp"},
+    {"offload_param", "--offload-param"},
+    {"offload_optimizer", "--offload-optimizer"},
+    {"optimizer", "--optimizer"},
+    {"sgd_momentum", "--sgd-momentum"},
+    {"autocast", "--autocast"},
+    {"foreach", "--foreach"},
+    {"fused_optimizer", "--fused-optimizer"},
+    {"precision", "--precision"},
+    // The model (estimate, plan, capacity, inventory).
+    {"model", "--model"},
+    {"model_class", "--model-class"},
+    {"model_config", "--model-config"},
+    // Inference (estimate --inference).
+    {"batch", "--batch"},
+    {"context", "--context"},
+    {"encoder_context", "--encoder-context"},
+    {"kv_dtype", "--kv-dtype"},
+    // Job, Cluster and SearchOptions (plan, capacity).
+    {"global_batch", "--global-batch"},
+    {"global_batch_tokens", "--global-batch-tokens"},
+    {"gpu", "--gpu"},
+    {"gpus", "--gpus"},
+    {"nodes", "--nodes"},
+    {"cluster", "--cluster"},
+    {"cpu_mem", "--cpu-mem"},
+    {"cpu_cores", "--cpu-cores"},
+    {"pcie_gen", "--pcie-gen"},
+    {"memlock", "--memlock"},
+    {"nvme_path", "--nvme-path"},
+    {"nvme_capacity", "--nvme-capacity"},
+    {"inter_node_bw", "--inter-node-bw"},
+    {"gpu_margin", "--gpu-margin"},
+    {"sharding", "--sharding"},
+    // Emitting a plan (plan --emit-*).
+    {"plan_index", "--plan-index"},
+    {"accelerate_plugin", "--accelerate-plugin"},
+    {"for_hf_trainer", "--for-hf-trainer"},
+    {"deepspeed_config_path", "--emit-deepspeed"},
+    {"accelerate_config", "--emit-accelerate"},
+    {"launcher", "--emit-launch"},
+    {"command", "--launch-script"},
+    {"master_port", "--master-port"},
+    {"slurm_partition", "--slurm-partition"},
+    {"slurm_time", "--slurm-time"},
+    // CapacityRequest and GpuOffer (capacity).
+    {"offers", "--gpu"},
+    {"gpu_counts", "--gpus"},
+    {"price_per_gpu_hour", "--price"},
+    {"tokens", "--tokens"},
+    {"max_train_hours", "--max-days"},
+    // CalibrateOptions (calibrate).
+    {"constants", "--constants"},
+};
+
+}  // namespace
+
+std::string_view FlagForField(std::string_view field, FieldFlags overrides) {
+  for (const auto& [name, flag] : overrides) {
+    if (name == field) return flag;
+  }
+  for (const auto& [name, flag] : kFieldFlags) {
+    if (name == field) return flag;
+  }
+  return {};
+}
+
+std::vector<std::string_view> MappedFields() {
+  std::vector<std::string_view> fields;
+  for (const auto& [name, flag] : kFieldFlags) fields.push_back(name);
+  return fields;
+}
+
+std::string FieldsToFlags(std::string_view text, FieldFlags overrides) {
   std::string out;
   out.reserve(text.size());
   size_t i = 0;
@@ -144,11 +208,7 @@ std::string FieldsToFlags(std::string_view text) {
     const size_t open = text.find('`', i);
     const size_t close = open == std::string_view::npos ? open : text.find('`', open + 1);
     if (close == std::string_view::npos) break;
-    const std::string_view name = text.substr(open + 1, close - open - 1);
-    std::string_view flag;
-    for (const auto& [field, f] : kFlags) {
-      if (field == name) flag = f;
-    }
+    const std::string_view flag = FlagForField(text.substr(open + 1, close - open - 1), overrides);
     if (flag.empty()) {
       // Not a field: keep the first backquote and look again from the second, which may open one.
       out.append(text.substr(i, close - i));

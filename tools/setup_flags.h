@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -56,11 +57,21 @@ struct JobSetupFlags {
   Status Apply(const std::string& precision, estimator::TrainingSetup* setup) const;
 };
 
-// The library names a training-setup field in its messages as the setup's JSON spells it, in
-// backquotes (Note [Field names in errors] in estimator/training_setup.h); people at the command
-// line typed flags. Returns `text` with each backquoted field that has a flag replaced by the flag
-// ("`micro_batch` must be ..." -> "--micro-batch must be ..."); anything else, backquoted or not,
-// is left as it is. For what the CLI prints for people (error lines, text output), not JSON.
-std::string FieldsToFlags(std::string_view text);
+// The library names a field in its messages as the JSON request, setup or cluster file spells it,
+// in backquotes (Note [Field names in errors] in estimator/training_setup.h); people at the
+// command line typed flags. FieldsToFlags returns `text` with each backquoted field that has a
+// flag replaced by the flag ("`micro_batch` must be ..." -> "--micro-batch must be ..."); anything
+// else, backquoted or not, is left as it is. For what the CLI prints for people (error lines, text
+// output), not JSON.
+//
+// A field means the same thing to every command, with one flag, except where a command spells it
+// its own way: `overrides` (field, flag) pairs come first (`memplan capacity` sets an offer's
+// `gpus_per_node` with --gpus-per-node, where plan's --gpus is GPUs per node).
+using FieldFlags = std::span<const std::pair<std::string_view, std::string_view>>;
+std::string FieldsToFlags(std::string_view text, FieldFlags overrides = {});
+// The flag for `field` (overrides first), or empty when no flag sets it.
+std::string_view FlagForField(std::string_view field, FieldFlags overrides = {});
+// Every field the mapping knows, for tests.
+std::vector<std::string_view> MappedFields();
 
 }  // namespace memplan::tools

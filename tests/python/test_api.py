@@ -63,6 +63,12 @@ class PlanTest(unittest.TestCase):
         self.assertEqual(ours, theirs)
         self.assertEqual(len(ours["plans"]), 3)
 
+    def test_errors_name_fields_not_flags(self):
+        # Note [Field names in errors]: Python callers wrote micro_batch=, not --micro-batch.
+        with self.assertRaisesRegex(ValueError, "`micro_batch` 3 does not divide") as caught:
+            memplan.plan("llama-2-7b", gpu="a100-80", gpus=8, global_batch=64, micro_batch=3)
+        self.assertNotIn("--", str(caught.exception))
+
     def test_emit(self):
         ours = memplan.plan("llama-2-7b", gpu="a100-80", gpus=8, global_batch=64, seq_len=2048,
                             emit=["deepspeed", "fsdp"])
