@@ -40,8 +40,8 @@ std::vector<std::string> Literals(const std::string& line) {
 std::map<std::string, std::string> FieldsNamedInLibraryMessages() {
   std::map<std::string, std::string> fields;
   const std::filesystem::path root = MEMPLAN_SOURCE_DIR;
-  for (const char* module : {"common", "estimator", "planner", "nvme", "offload", "gpu",
-                             "integration", "bench"}) {
+  for (const char* module :
+       {"common", "estimator", "planner", "nvme", "offload", "gpu", "integration", "bench"}) {
     for (const auto& entry : std::filesystem::recursive_directory_iterator(root / module)) {
       const std::filesystem::path& path = entry.path();
       const std::string name = path.filename().string();
@@ -58,12 +58,12 @@ std::map<std::string, std::string> FieldsNamedInLibraryMessages() {
             const size_t close = text.find('`', open + 1);
             if (close == std::string::npos) break;
             const std::string word = text.substr(open + 1, close - open - 1);
-            const bool field = !word.empty() && word.find_first_not_of(
-                                                    "abcdefghijklmnopqrstuvwxyz0123456789_") ==
-                                                    std::string::npos;
+            const bool field =
+                !word.empty() && word.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_") ==
+                                     std::string::npos;
             if (field) {
-              fields.emplace(word, path.lexically_relative(root).string() + ":" +
-                                       std::to_string(number));
+              fields.emplace(word,
+                             path.lexically_relative(root).string() + ":" + std::to_string(number));
               open = text.find('`', close + 1);
             } else {
               open = close;  // "`memplan plan`", "`x`": not a field; the second may open one
