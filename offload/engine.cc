@@ -777,6 +777,59 @@ struct Engine::Impl {
     return scratch;
   }
 
+  // --- Step()'s pieces ---
+
+  // Step()'s work once every gradient is given: the gradient thread drained, the zeros of the
+  // parameters without a gradient fed, then the optimizer's step (serial) or the end of the step
+  // it has been running beside backward (`overlapped`). On the trainer's thread.
+  Status RunStep(const SwapStepOptions& step_options, bool overlapped, bool skipping) {
+    MEMPLAN_RETURN_IF_ERROR(DrainGradients());
+    if (skipping && !zeros_fed) {
+      for (size_t i = 0; i < specs.size(); ++i) {
+        if (no_gradient[i]) MEMPLAN_RETURN_IF_ERROR(FeedZeros(i));
+      }
+      zeros_fed = true;  // once, should this step be retried
+    }
+    MEMPLAN_RETURN_IF_ERROR(params->EndOfStep());
+    segmented = segmented || skipping;
+    if (segmented && !steps_path.empty()) {
+      MEMPLAN_RETURN_IF_ERROR(SaveStepCounts(optimizer->epoch() + 1));
+    }
+    if (!overlapped) {
+      SegmentFn segments;
+      if (segmented) segments = [this](uint64_t sg) { return Segments(sg); };
+      return optimizer->Step(
+          step_options, [this](const SubGroupUpdate& u) { return WriteBack(u); }, segments);
+    }
+    // Every working parameter is written: the next step's first parameters can be read while
+    // the last states are written and the step commits.
+    MEMPLAN_RETURN_IF_ERROR(optimizer->WaitForUpdates());
+    MEMPLAN_RETURN_IF_ERROR(params->PrefetchNextStep());
+    return optimizer->FinishStep();
+  }
+
+  // Note [Optimizer overlapped with backward]: where the step that began at `start` went, into
+  // stats.step_profile; `before_step` sub-groups were updated before Step() was called.
+  void RecordStepProfile(std::chrono::steady_clock::time_point start, bool overlapped,
+                         uint64_t before_step) {
+    const SwapStepStats last = optimizer->last_step();
+    EngineStepProfile& p = stats.step_profile;
+    p = EngineStepProfile();
+    p.overlapped = overlapped;
+    p.backward_s = overlapped ? std::chrono::duration<double>(start - prepared_at).count() : 0.0;
+    p.step_s = stats.last_step_s;
+    p.optimizer_s = last.compute_s;
+    p.read_s = last.read_s;
+    p.write_s = last.write_s;
+    p.sync_s = last.sync_s;
+    p.backward_wait_s = overlapped ? last.grad_wait_s : 0.0;
+    p.stall_s = stall_s;
+    p.sub_groups = optimizer->sub_group_count();
+    p.sub_groups_before_step = before_step;
+    p.overlapped_fraction =
+        static_cast<double>(before_step) / static_cast<double>(std::max<uint64_t>(p.sub_groups, 1));
+  }
+
   // --- Start()'s pieces, in the order it runs them ---
 
   // What this rank's partition (Note [ZeRO-3 partitions] in param_swapper.cc) holds; the flat
@@ -1562,32 +1615,7 @@ Status Engine::Step(const SwapStepOptions& options) {
   const uint64_t before_step = overlapped ? s.optimizer->SubGroupsUpdated() : 0;
   const bool skipping =
       std::find(s.no_gradient.begin(), s.no_gradient.end(), uint8_t{1}) != s.no_gradient.end();
-  auto run = [&]() -> Status {
-    MEMPLAN_RETURN_IF_ERROR(s.DrainGradients());
-    if (skipping && !s.zeros_fed) {
-      for (size_t i = 0; i < s.specs.size(); ++i) {
-        if (s.no_gradient[i]) MEMPLAN_RETURN_IF_ERROR(s.FeedZeros(i));
-      }
-      s.zeros_fed = true;  // once, should this step be retried
-    }
-    MEMPLAN_RETURN_IF_ERROR(s.params->EndOfStep());
-    s.segmented = s.segmented || skipping;
-    if (s.segmented && !s.steps_path.empty()) {
-      MEMPLAN_RETURN_IF_ERROR(s.SaveStepCounts(s.optimizer->epoch() + 1));
-    }
-    if (!overlapped) {
-      SegmentFn segments;
-      if (s.segmented) segments = [&s](uint64_t sg) { return s.Segments(sg); };
-      return s.optimizer->Step(
-          options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }, segments);
-    }
-    // Every working parameter is written: the next step's first parameters can be read while
-    // the last states are written and the step commits.
-    MEMPLAN_RETURN_IF_ERROR(s.optimizer->WaitForUpdates());
-    MEMPLAN_RETURN_IF_ERROR(s.params->PrefetchNextStep());
-    return s.optimizer->FinishStep();
-  };
-  Status status = run();
+  Status status = s.RunStep(options, overlapped, skipping);
   if (!status.ok()) {
     if (overlapped)
       return s.Abandon(
@@ -1607,23 +1635,7 @@ Status Engine::Step(const SwapStepOptions& options) {
   s.grads_missing = s.trainable_params;
   ++s.stats.steps;
   s.stats.epoch = s.optimizer->epoch();
-  // Note [Optimizer overlapped with backward]: where the step's time went.
-  const SwapStepStats last = s.optimizer->last_step();
-  EngineStepProfile& p = s.stats.step_profile;
-  p = EngineStepProfile();
-  p.overlapped = overlapped;
-  p.backward_s = overlapped ? std::chrono::duration<double>(start - s.prepared_at).count() : 0.0;
-  p.step_s = s.stats.last_step_s;
-  p.optimizer_s = last.compute_s;
-  p.read_s = last.read_s;
-  p.write_s = last.write_s;
-  p.sync_s = last.sync_s;
-  p.backward_wait_s = overlapped ? last.grad_wait_s : 0.0;
-  p.stall_s = s.stall_s;
-  p.sub_groups = s.optimizer->sub_group_count();
-  p.sub_groups_before_step = before_step;
-  p.overlapped_fraction =
-      static_cast<double>(before_step) / static_cast<double>(std::max<uint64_t>(p.sub_groups, 1));
+  s.RecordStepProfile(start, overlapped, before_step);
   s.stall_s = 0;
   return Status::Ok();
 }
