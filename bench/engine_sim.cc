@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -143,41 +144,36 @@ double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  const Flags f = Parse(argc, argv);
-  auto backend = memplan::nvme::ParseBackendKind(f.backend);
-  if (!backend.ok()) Die(backend.status().message());
-  char pattern[4096];
-  std::snprintf(pattern, sizeof(pattern), "%s/memplan-engine-sim.XXXXXX", f.path.c_str());
-  if (::mkdtemp(pattern) == nullptr) Die("cannot make a directory in " + f.path);
-  const std::string dir = pattern;
-  struct Cleanup {
-    std::string dir;
-    ~Cleanup() {
-      std::error_code ec;
-      std::filesystem::remove_all(dir, ec);
-    }
-  } cleanup{dir};
-
-  // 1. The drive's read bandwidth at the staging buffer size.
+// The drive's read bandwidth at the staging buffer size, measured in `dir` (dies when it cannot
+// be).
+double DriveReadBandwidth(const Flags& f, memplan::nvme::BackendKind backend,
+                          const std::string& dir) {
   memplan::bench::NvmeBenchOptions bench;
   bench.directory = dir;
   bench.size_bytes = std::min<uint64_t>(uint64_t{1} << 30, f.layer_elements * 2 * f.layers);
   bench.size_bytes = bench.size_bytes / 4096 * 4096;
   bench.seconds_per_point = 3;
   bench.direct = f.direct;
-  bench.backends = {*backend};
+  bench.backends = {backend};
   bench.block_sizes = {static_cast<uint32_t>(std::min<uint64_t>(f.buffer_bytes, 64u << 20))};
   bench.queue_depths = {f.queue_depth};
   bench.threads = {f.io_threads};
   auto report = memplan::bench::RunNvmeBench(bench);
   if (!report.ok()) Die(report.status().message());
   if (report->best < 0) Die("the drive bench measured nothing");
-  const double read_bw = report->results[static_cast<size_t>(report->best)].read_bytes_per_s();
+  return report->results[static_cast<size_t>(report->best)].read_bytes_per_s();
+}
 
-  // 2. The engine: parameters on NVMe, the optimizer in memory or on NVMe.
+// The simulated model on a started engine: one module "layer<l>" a layer, each with one weight.
+struct Sim {
+  std::unique_ptr<off::Engine> engine;
+  std::vector<off::ParamId> ids;
+  std::vector<std::string> modules;
+};
+
+// The engine the flags describe, started: parameters on NVMe under `dir`, the optimizer in memory
+// or on NVMe (dies when it cannot start).
+Sim StartEngine(const Flags& f, memplan::nvme::BackendKind backend, const std::string& dir) {
   off::EngineOptions options;
   off::Schedule& s = options.schedule;
   s.param_tier = off::Tier::kNvme;
@@ -189,138 +185,128 @@ int main(int argc, char** argv) {
   s.param_buffer_count = f.buffer_count;
   s.sub_group_elements = f.layer_elements / 1024 * 1024;
   s.nvme_path = dir + "/engine";
-  s.nvme_backend = *backend;
+  s.nvme_backend = backend;
   s.nvme_queue_depth = f.queue_depth;
   s.nvme_io_threads = f.io_threads;
   s.nvme_block_size = 1 << 20;
   s.nvme_direct = f.direct;
   options.runtime = &memplan::gpu::DefaultHostOnlyRuntime();
-  auto engine_or = off::Engine::Create(options);
-  if (!engine_or.ok()) Die(engine_or.status().message());
-  off::Engine& engine = **engine_or;
-  std::vector<off::ParamId> ids;
-  std::vector<std::string> modules;
+  auto engine = off::Engine::Create(options);
+  if (!engine.ok()) Die(engine.status().message());
+  Sim sim;
+  sim.engine = std::move(*engine);
   for (int l = 0; l < f.layers; ++l) {
-    modules.push_back("layer" + std::to_string(l));
-    off::ParamSpec spec{modules.back() + ".weight",
-                        modules.back(),
+    sim.modules.push_back("layer" + std::to_string(l));
+    off::ParamSpec spec{sim.modules.back() + ".weight",
+                        sim.modules.back(),
                         {static_cast<int64_t>(f.layer_elements)},
                         [](uint64_t, std::span<float> out) {
                           std::fill(out.begin(), out.end(), 0.01f);
                           return Status::Ok();
                         },
                         {}};
-    auto id = engine.AddParameter(spec);
+    auto id = sim.engine->AddParameter(spec);
     if (!id.ok()) Die(id.status().message());
-    ids.push_back(*id);
+    sim.ids.push_back(*id);
   }
-  Check(engine.Start(), "start");
-  std::vector<uint16_t> grad(f.layer_elements, 0);
+  Check(sim.engine->Start(), "start");
+  return sim;
+}
 
-  const uint64_t param_bytes = f.layer_elements * 2 * f.layers;
-  const uint64_t pinned = f.buffer_bytes * f.buffer_count;
-  nlohmann::json steps = nlohmann::json::array();
+// Runs training step `step` (forward, backward with `grad` for every layer, Step()) and returns
+// its figures; `read_bw`: the drive's read bandwidth, for the I/O time of what it read.
+nlohmann::json RunStep(Sim& sim, const Flags& f, int step, const std::vector<uint16_t>& grad,
+                       double read_bw) {
+  off::Engine& engine = *sim.engine;
+  memplan::offload::AdamOptions adam;
+  const off::EngineStats before = engine.stats();
+  const auto start = Clock::now();
+  if (f.overlap) Check(engine.PrepareStep(adam), "prepare step");
+  for (int l = 0; l < f.layers; ++l) {
+    Check(engine.Fetch(sim.modules[l]), "fetch");
+    BusyFor(f.compute_ms);
+    Check(engine.Release(sim.modules[l]), "release");
+  }
+  double grad_s = 0;
+  for (int l = f.layers - 1; l >= 0; --l) {
+    Check(engine.Fetch(sim.modules[l]), "fetch");
+    BusyFor(f.compute_ms);
+    const auto g0 = Clock::now();
+    Check(engine.GradReady(sim.ids[l], grad.data(), off::ElementType::kBFloat16), "grad");
+    grad_s += Since(g0);
+    Check(engine.Release(sim.modules[l]), "release");
+  }
+  const double pass = Since(start);
+  const auto opt_start = Clock::now();
+  Check(engine.Step(adam), "step");
+  const double optimizer_s = Since(opt_start);
+  const double total = Since(start);
+  const off::EngineStats after = engine.stats();
+  const off::EngineStepProfile& prof = after.step_profile;
+  const double stall = after.param.stall_s - before.param.stall_s;
+  const uint64_t read = after.param.nvme_read_bytes - before.param.nvme_read_bytes;
+  const double io = read / read_bw;
+  const double compute = 2.0 * f.layers * f.compute_ms / 1000.0;
+  const double ideal = std::max(io, compute);
+  return {{"step", step},
+          {"pass_s", pass},
+          {"stall_s", stall},
+          {"stall_fraction", stall / pass},
+          {"nvme_read_bytes", read},
+          {"io_s", io},
+          {"compute_s", compute},
+          {"ideal_s", ideal},
+          {"pass_over_ideal", pass / ideal},
+          {"optimizer_s", optimizer_s},
+          {"step_total_s", total},
+          {"step_profile",
+           {{"overlapped", prof.overlapped},
+            {"step_s", prof.step_s},
+            {"optimizer_s", prof.optimizer_s},
+            {"read_s", prof.read_s},
+            {"write_s", prof.write_s},
+            {"sync_s", prof.sync_s},
+            {"backward_wait_s", prof.backward_wait_s},
+            {"stall_s", prof.stall_s},
+            {"sub_groups", prof.sub_groups},
+            {"sub_groups_before_step", prof.sub_groups_before_step},
+            {"overlapped_fraction", prof.overlapped_fraction}}},
+          {"grad_s", grad_s},
+          {"prefetch_hits", after.param.prefetch_hits - before.param.prefetch_hits},
+          {"peak_live_bytes", after.param.peak_live_bytes},
+          {"peak_ahead_bytes", after.param.peak_ahead_bytes}};
+}
+
+// The means over the steps after the first (which only records the trace).
+nlohmann::json MeanAfterFirst(const Flags& f, const nlohmann::json& steps) {
   double sum_pass = 0, sum_stall = 0, sum_ideal = 0, sum_io = 0;
   uint64_t sum_read = 0;
   double sum_total = 0, sum_step_wait = 0;
-  memplan::offload::AdamOptions adam;
-  for (int step = 1; step <= f.steps; ++step) {
-    const off::EngineStats before = engine.stats();
-    const auto start = Clock::now();
-    if (f.overlap) Check(engine.PrepareStep(adam), "prepare step");
-    for (int l = 0; l < f.layers; ++l) {
-      Check(engine.Fetch(modules[l]), "fetch");
-      BusyFor(f.compute_ms);
-      Check(engine.Release(modules[l]), "release");
-    }
-    double grad_s = 0;
-    for (int l = f.layers - 1; l >= 0; --l) {
-      Check(engine.Fetch(modules[l]), "fetch");
-      BusyFor(f.compute_ms);
-      const auto g0 = Clock::now();
-      Check(engine.GradReady(ids[l], grad.data(), off::ElementType::kBFloat16), "grad");
-      grad_s += Since(g0);
-      Check(engine.Release(modules[l]), "release");
-    }
-    const double pass = Since(start);
-    const auto opt_start = Clock::now();
-    Check(engine.Step(adam), "step");
-    const double optimizer_s = Since(opt_start);
-    const double total = Since(start);
-    const off::EngineStats after = engine.stats();
-    const off::EngineStepProfile& prof = after.step_profile;
-    const double stall = after.param.stall_s - before.param.stall_s;
-    const uint64_t read = after.param.nvme_read_bytes - before.param.nvme_read_bytes;
-    const double io = read / read_bw;
-    const double compute = 2.0 * f.layers * f.compute_ms / 1000.0;
-    const double ideal = std::max(io, compute);
-    steps.push_back({{"step", step},
-                     {"pass_s", pass},
-                     {"stall_s", stall},
-                     {"stall_fraction", stall / pass},
-                     {"nvme_read_bytes", read},
-                     {"io_s", io},
-                     {"compute_s", compute},
-                     {"ideal_s", ideal},
-                     {"pass_over_ideal", pass / ideal},
-                     {"optimizer_s", optimizer_s},
-                     {"step_total_s", total},
-                     {"step_profile",
-                      {{"overlapped", prof.overlapped},
-                       {"step_s", prof.step_s},
-                       {"optimizer_s", prof.optimizer_s},
-                       {"read_s", prof.read_s},
-                       {"write_s", prof.write_s},
-                       {"sync_s", prof.sync_s},
-                       {"backward_wait_s", prof.backward_wait_s},
-                       {"stall_s", prof.stall_s},
-                       {"sub_groups", prof.sub_groups},
-                       {"sub_groups_before_step", prof.sub_groups_before_step},
-                       {"overlapped_fraction", prof.overlapped_fraction}}},
-                     {"grad_s", grad_s},
-                     {"prefetch_hits", after.param.prefetch_hits - before.param.prefetch_hits},
-                     {"peak_live_bytes", after.param.peak_live_bytes},
-                     {"peak_ahead_bytes", after.param.peak_ahead_bytes}});
-    if (step > 1) {
-      sum_pass += pass;
-      sum_stall += stall;
-      sum_ideal += ideal;
-      sum_io += io;
-      sum_read += read;
-      sum_total += total;
-      sum_step_wait += optimizer_s;
-    }
+  for (const auto& st : steps) {
+    if (st["step"].get<int>() == 1) continue;
+    sum_pass += st["pass_s"].get<double>();
+    sum_stall += st["stall_s"].get<double>();
+    sum_ideal += st["ideal_s"].get<double>();
+    sum_io += st["io_s"].get<double>();
+    sum_read += st["nvme_read_bytes"].get<uint64_t>();
+    sum_total += st["step_total_s"].get<double>();
+    sum_step_wait += st["optimizer_s"].get<double>();
   }
-  const off::EngineStats final_stats = engine.stats();
-  Check(engine.Close(), "close");
-  nlohmann::json out = {
-      {"layers", f.layers},
-      {"param_bytes", param_bytes},
-      {"pinned_staging_bytes", pinned},
-      {"params_over_pinned", static_cast<double>(param_bytes) / pinned},
-      {"prefetch_bytes", f.prefetch_bytes},
-      {"max_live_bytes", f.max_live_bytes},
-      {"compute_ms_per_module", f.compute_ms},
-      {"io_threads", f.io_threads},
-      {"optimizer_tier", f.optimizer_tier},
-      {"overlap", f.overlap},
-      {"drive_read_bytes_per_s", read_bw},
-      {"steps", steps},
-      {"mean_after_first",
-       {{"pass_s", sum_pass / (f.steps - 1)},
-        {"stall_fraction", sum_stall / sum_pass},
-        {"io_s", sum_io / (f.steps - 1)},
-        {"ideal_s", sum_ideal / (f.steps - 1)},
-        {"pass_over_ideal", sum_pass / sum_ideal},
-        {"step_total_s", sum_total / (f.steps - 1)},
-        {"step_wait_s", sum_step_wait / (f.steps - 1)},
-        {"nvme_read_bytes", sum_read / (f.steps - 1)}}},
-      {"budgets_held", final_stats.param.peak_live_bytes <= f.max_live_bytes &&
-                           final_stats.param.peak_ahead_bytes <= f.prefetch_bytes}};
-  if (f.json) {
-    std::printf("%s\n", out.dump(2).c_str());
-    return 0;
-  }
+  return {{"pass_s", sum_pass / (f.steps - 1)},
+          {"stall_fraction", sum_stall / sum_pass},
+          {"io_s", sum_io / (f.steps - 1)},
+          {"ideal_s", sum_ideal / (f.steps - 1)},
+          {"pass_over_ideal", sum_pass / sum_ideal},
+          {"step_total_s", sum_total / (f.steps - 1)},
+          {"step_wait_s", sum_step_wait / (f.steps - 1)},
+          {"nvme_read_bytes", sum_read / (f.steps - 1)}};
+}
+
+// The report `out` as a table on stdout.
+void PrintText(const Flags& f, const nlohmann::json& out) {
+  const auto param_bytes = out["param_bytes"].get<uint64_t>();
+  const auto pinned = out["pinned_staging_bytes"].get<uint64_t>();
+  const double read_bw = out["drive_read_bytes_per_s"].get<double>();
   std::printf(
       "engine_sim: %d layers x %llu bf16 elements (%.1f MiB on NVMe, %.1fx the %.1f MiB "
       "pinned staging), compute %.1f ms per module pass, drive read %.3g B/s with %u I/O "
@@ -333,7 +319,7 @@ int main(int argc, char** argv) {
   std::printf(
       "  step   pass_s  stall_s  stall%%   io_s  ideal_s  pass/ideal  grad_s  step_s  "
       "total_s | opt_s  read_s write_s  sync_s bwait_s gstall_s  overlap\n");
-  for (const auto& st : steps) {
+  for (const auto& st : out["steps"]) {
     const auto& p = st["step_profile"];
     std::printf(
         "  %4d  %7.3f  %7.3f  %5.1f  %6.3f  %7.3f  %9.3f  %6.3f  %6.3f  %7.3f | %5.3f  "
@@ -355,5 +341,57 @@ int main(int argc, char** argv) {
       100 * m["stall_fraction"].get<double>(), m["pass_over_ideal"].get<double>(),
       m["step_total_s"].get<double>(), m["step_wait_s"].get<double>(),
       out["budgets_held"].get<bool>() ? "held" : "EXCEEDED");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Flags f = Parse(argc, argv);
+  auto backend = memplan::nvme::ParseBackendKind(f.backend);
+  if (!backend.ok()) Die(backend.status().message());
+  char pattern[4096];
+  std::snprintf(pattern, sizeof(pattern), "%s/memplan-engine-sim.XXXXXX", f.path.c_str());
+  if (::mkdtemp(pattern) == nullptr) Die("cannot make a directory in " + f.path);
+  const std::string dir = pattern;
+  struct Cleanup {
+    std::string dir;
+    ~Cleanup() {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  } cleanup{dir};
+
+  // 1. The drive's read bandwidth; 2. the engine; 3. the training steps.
+  const double read_bw = DriveReadBandwidth(f, *backend, dir);
+  Sim sim = StartEngine(f, *backend, dir);
+  const std::vector<uint16_t> grad(f.layer_elements, 0);
+  nlohmann::json steps = nlohmann::json::array();
+  for (int step = 1; step <= f.steps; ++step) steps.push_back(RunStep(sim, f, step, grad, read_bw));
+  const off::EngineStats final_stats = sim.engine->stats();
+  Check(sim.engine->Close(), "close");
+
+  const uint64_t param_bytes = f.layer_elements * 2 * f.layers;
+  const uint64_t pinned = f.buffer_bytes * f.buffer_count;
+  nlohmann::json out = {
+      {"layers", f.layers},
+      {"param_bytes", param_bytes},
+      {"pinned_staging_bytes", pinned},
+      {"params_over_pinned", static_cast<double>(param_bytes) / pinned},
+      {"prefetch_bytes", f.prefetch_bytes},
+      {"max_live_bytes", f.max_live_bytes},
+      {"compute_ms_per_module", f.compute_ms},
+      {"io_threads", f.io_threads},
+      {"optimizer_tier", f.optimizer_tier},
+      {"overlap", f.overlap},
+      {"drive_read_bytes_per_s", read_bw},
+      {"steps", steps},
+      {"mean_after_first", MeanAfterFirst(f, steps)},
+      {"budgets_held", final_stats.param.peak_live_bytes <= f.max_live_bytes &&
+                           final_stats.param.peak_ahead_bytes <= f.prefetch_bytes}};
+  if (f.json) {
+    std::printf("%s\n", out.dump(2).c_str());
+    return 0;
+  }
+  PrintText(f, out);
   return 0;
 }

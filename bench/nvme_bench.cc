@@ -61,6 +61,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <utility>
 
@@ -443,6 +444,232 @@ std::string MegabytesPerSecond(bool measured, double bytes_per_s) {
   return text;
 }
 
+void ReportProgress(const NvmeBenchProgressFn& progress, NvmeBenchProgress event) {
+  if (progress) progress(event);
+}
+
+// Which of the options' backends this machine can run, each once (kAuto resolved). With one
+// backend named, failing to set it up is the user's error; in a sweep it is a note (and a "skip"
+// progress event). FailedPrecondition when none can be set up.
+Result<std::vector<BackendKind>> ProbeBackends(const NvmeBenchOptions& options,
+                                               const NvmeBenchProgressFn& progress,
+                                               NvmeBenchReport* report) {
+  std::vector<BackendKind> backends;
+  const uint32_t probe_depth = options.queue_depths.front();
+  for (BackendKind kind : options.backends) {
+    auto probe = CreateBackend(kind, BackendOptionsFor(probe_depth));
+    if (!probe.ok()) {
+      if (options.backends.size() == 1) {
+        return probe.status().WithPrefix(std::string(BackendKindName(kind)) + " backend");
+      }
+      std::string note = std::string(BackendKindName(kind)) +
+                         ": unavailable, skipped: " + probe.status().message();
+      ReportProgress(progress, {"skip", 0, 0, nullptr, note});
+      report->notes.push_back(std::move(note));
+      continue;
+    }
+    if (kind == BackendKind::kAuto && !probe->note.empty()) {
+      report->notes.push_back("auto: " + probe->note);
+    }
+    if (std::find(backends.begin(), backends.end(), probe->kind) == backends.end()) {
+      backends.push_back(probe->kind);
+    }
+  }
+  if (backends.empty()) {
+    return Status::FailedPrecondition("no I/O backend could be set up: " +
+                                      Join(report->notes, "; "));
+  }
+  return backends;
+}
+
+// Every point of the sweep, backend by block size by queue depth by threads; `*buffer_bytes`: the
+// I/O buffer they and the unmeasured fill need.
+std::vector<Planned> PlanPoints(const NvmeBenchOptions& options,
+                                const std::vector<BackendKind>& backends, uint64_t* buffer_bytes) {
+  std::vector<Planned> plan;
+  *buffer_bytes = PlanChunks(options, kFillBlock, kFillQueueDepth).max_bytes;
+  for (BackendKind backend : backends) {
+    for (uint32_t block : options.block_sizes) {
+      for (uint32_t depth : options.queue_depths) {
+        for (uint32_t threads : options.threads) {
+          plan.push_back({backend, block, depth, threads});
+          *buffer_bytes =
+              std::max(*buffer_bytes, PlanChunks(options, block, depth, threads).max_bytes);
+        }
+      }
+    }
+  }
+  return plan;
+}
+
+// The options' existing file, opened as it is; or a new bench file in their directory, its
+// `size_bytes` reserved.
+Status OpenBenchFile(const NvmeBenchOptions& options, BenchFile* bench_file) {
+  if (!options.file.empty()) {
+    return bench_file->OpenExisting(options.file, options.size_bytes, options.direct);
+  }
+  MEMPLAN_RETURN_IF_ERROR(bench_file->Create(options.directory, options.direct));
+  return bench_file->Preallocate(options.size_bytes);
+}
+
+// The notes on how the figures were taken: buffered or direct I/O, a memory filesystem, an
+// existing file (and its holes), the POSIX backend's threads. `where`: the file or directory.
+void AddMethodNotes(const NvmeBenchOptions& options, const std::vector<BackendKind>& backends,
+                    const BenchFile& bench_file, const std::string& where,
+                    NvmeBenchReport* report) {
+  if (!options.direct) {
+    report->notes.push_back(
+        "buffered I/O: writes are timed to the end of fdatasync and the page "
+        "cache is dropped before each read pass");
+  } else if (!bench_file.direct()) {
+    report->notes.push_back("O_DIRECT refused by the filesystem (" + report->filesystem +
+                            "); measured buffered I/O");
+  }
+  if (IsMemoryFilesystem(report->filesystem)) {
+    report->notes.push_back(where + " is on " + report->filesystem +
+                            " (memory, not a disk): these figures say nothing about a drive");
+  }
+  if (!options.file.empty()) {
+    report->notes.push_back(options.rw != BenchRw::kRead
+                                ? "existing file: its first " + FormatByteSize(options.size_bytes) +
+                                      " were overwritten; it was not preallocated or filled"
+                                : "existing file, read only: its contents were not checked, "
+                                  "only that every read returned its full length");
+    const uint64_t hole = bench_file.FirstHoleBefore(options.size_bytes);
+    if (hole < options.size_bytes) {
+      report->notes.push_back(options.file + " has a hole or unwritten blocks at offset " +
+                              std::to_string(hole) +
+                              ": reads of it measure memory, not the drive, and the first "
+                              "write allocates it (write the file in full first)");
+    }
+  }
+  if (std::find(backends.begin(), backends.end(), BackendKind::kPosix) != backends.end()) {
+    report->notes.push_back("posix: one worker thread per queue slot (pread/pwrite)");
+  }
+}
+
+// What the points of a sweep share as they run: the I/O buffer and what is known of its and the
+// file's contents (Note [Existing bench file]).
+struct Sweep {
+  unsigned char* buffer = nullptr;
+  uint64_t buffer_bytes = 0;
+  // The bytes from offset 0 that this run wrote with the pattern: where reads are checked.
+  uint64_t pattern_bytes = 0;
+  // Whether the buffer may hold data not written by this run (with zero words): it gets its
+  // pattern back before the next write.
+  bool buffer_foreign = false;
+};
+
+// Before the first point: a new bench file is written in full, unmeasured (Note [Bench method]),
+// with `fill_backend`; an existing one is used as it is. Sets report->interrupted when `stop` is
+// raised during the fill.
+Status PrepareBenchFile(const NvmeBenchOptions& options, BackendKind fill_backend,
+                        const BenchFile& bench_file, size_t points,
+                        const NvmeBenchProgressFn& progress, Sweep* sweep,
+                        NvmeBenchReport* report) {
+  if (!options.file.empty()) {
+    ReportProgress(progress, {"prepare", 0, points, nullptr,
+                              "using the existing file " + bench_file.path() +
+                                  (options.rw != BenchRw::kRead
+                                       ? " (its first " + FormatByteSize(options.size_bytes) +
+                                             " are overwritten)"
+                                       : " (read only)")});
+    return Status::Ok();
+  }
+  ReportProgress(progress, {"prepare", 0, points, nullptr,
+                            "writing the " + FormatByteSize(options.size_bytes) + " bench file " +
+                                bench_file.path()});
+  auto rig = MakeRig(fill_backend, kFillBlock, kFillQueueDepth, 1, bench_file);
+  if (!rig.ok()) return rig.status().WithPrefix("preparing the bench file");
+  uint64_t largest_chunk = 0;
+  auto fill = RunPhase(*(*rig)->engine, (*rig)->file, bench_file, OpType::kWrite,
+                       options.size_bytes, PlanChunks(options, kFillBlock, kFillQueueDepth),
+                       sweep->buffer, 0, options.stop, 0, &largest_chunk);
+  if (!fill.ok()) return fill.status().WithPrefix("preparing the bench file");
+  if (fill->stopped) {
+    report->interrupted = true;
+    return Status::Ok();
+  }
+  sweep->pattern_bytes = options.size_bytes;
+  return Status::Ok();
+}
+
+// Measures one point, named `name` in its errors: writes then reads, as the options' rw says.
+// Nothing (no result) when `stop` was raised during it.
+Result<std::optional<NvmeBenchResult>> MeasurePoint(const NvmeBenchOptions& options,
+                                                    const Planned& point,
+                                                    const BenchFile& bench_file,
+                                                    const std::string& name, Sweep* sweep) {
+  auto rig = MakeRig(point.backend, point.block_size, point.queue_depth, point.threads, bench_file);
+  if (!rig.ok()) return rig.status().WithPrefix(name);
+  NvmeBenchResult result;
+  result.backend = (*rig)->set.kind;
+  result.direct = bench_file.direct();
+  result.block_size = point.block_size;
+  result.queue_depth = point.queue_depth;
+  result.threads = point.threads;
+  result.size_bytes = options.size_bytes;
+  const ChunkLimits chunks =
+      PlanChunks(options, point.block_size, point.queue_depth, point.threads);
+  const bool do_write = options.rw != BenchRw::kRead;
+  const bool do_read = options.rw != BenchRw::kWrite;
+  for (OpType op : {OpType::kWrite, OpType::kRead}) {
+    if (op == OpType::kWrite ? !do_write : !do_read) continue;
+    if (op == OpType::kWrite && sweep->buffer_foreign) {
+      FillPattern(sweep->buffer, sweep->buffer_bytes);
+      sweep->buffer_foreign = false;
+    }
+    if (op == OpType::kRead) DropCache(bench_file);
+    auto phase = RunPhase(*(*rig)->engine, (*rig)->file, bench_file, op, options.size_bytes, chunks,
+                          sweep->buffer, options.seconds_per_point, options.stop,
+                          sweep->pattern_bytes, &result.chunk_bytes);
+    if (!phase.ok()) return phase.status().WithPrefix(name);
+    if (phase->stopped) return std::optional<NvmeBenchResult>();
+    if (op == OpType::kWrite) {
+      result.write_measured = true;
+      result.write_bytes = phase->bytes;
+      result.write_seconds = phase->seconds;
+      sweep->pattern_bytes = std::max(sweep->pattern_bytes, phase->bytes);
+    } else {
+      result.read_measured = true;
+      result.read_bytes = phase->bytes;
+      result.read_seconds = phase->seconds;
+      if (phase->bytes > sweep->pattern_bytes) sweep->buffer_foreign = true;
+    }
+  }
+  return std::optional<NvmeBenchResult>(result);
+}
+
+// The best points (overall, and libaio's for DeepSpeed) and the notes on what the results mean:
+// points cut short by the time limit, a best point that is not libaio's, threads not swept.
+void Summarize(const NvmeBenchOptions& options, NvmeBenchReport* report) {
+  report->best = BestIndex(report->results, /*aio_only=*/false);
+  report->best_aio = BestIndex(report->results, /*aio_only=*/true);
+  size_t limited =
+      static_cast<size_t>(std::count_if(report->results.begin(), report->results.end(),
+                                        [](const NvmeBenchResult& r) { return r.time_limited(); }));
+  if (limited > 0) {
+    report->notes.push_back(std::to_string(limited) +
+                            " point(s) stopped at the time limit "
+                            "before transferring the full size (marked *)");
+  }
+  if (report->best >= 0 && report->best_aio >= 0 && report->best != report->best_aio) {
+    const NvmeBenchResult& best = report->results[static_cast<size_t>(report->best)];
+    report->notes.push_back(
+        "the aio block holds the best libaio settings, since DeepSpeed's "
+        "engine is libaio; memplan's engine is fastest with " +
+        PointName(best.backend, best.block_size, best.queue_depth, best.threads));
+  }
+  if (report->best >= 0 && options.threads.size() == 1) {
+    report->notes.push_back(
+        "intra_op_parallelism " + std::to_string(options.threads.front()) + ": " +
+        (options.threads.front() == 1
+             ? std::string("one thread issued every request")
+             : std::to_string(options.threads.front()) + " threads split every call") +
+        " (threads not swept; --threads 1,2,4 sweeps them)");
+  }
+}
+
 constexpr EnumName<BenchRw> kBenchRws[] = {
     {BenchRw::kRead, "read"}, {BenchRw::kWrite, "write"}, {BenchRw::kBoth, "both"}};
 
@@ -520,124 +747,22 @@ Result<NvmeBenchReport> RunNvmeBench(const NvmeBenchOptions& options,
   report.filesystem = FilesystemName(where);
   report.rw = options.rw;
   report.size_bytes = options.size_bytes;
-  auto report_progress = [&](NvmeBenchProgress event) {
-    if (progress) progress(event);
-  };
-
-  // Which backends this machine can run. With one backend named, failing to set it up is the
-  // user's error; in a sweep it is a note.
-  std::vector<BackendKind> backends;
-  const uint32_t probe_depth = options.queue_depths.front();
-  for (BackendKind kind : options.backends) {
-    auto probe = CreateBackend(kind, BackendOptionsFor(probe_depth));
-    if (!probe.ok()) {
-      if (options.backends.size() == 1) {
-        return probe.status().WithPrefix(std::string(BackendKindName(kind)) + " backend");
-      }
-      std::string note = std::string(BackendKindName(kind)) +
-                         ": unavailable, skipped: " + probe.status().message();
-      report_progress({"skip", 0, 0, nullptr, note});
-      report.notes.push_back(std::move(note));
-      continue;
-    }
-    if (kind == BackendKind::kAuto && !probe->note.empty()) {
-      report.notes.push_back("auto: " + probe->note);
-    }
-    if (std::find(backends.begin(), backends.end(), probe->kind) == backends.end()) {
-      backends.push_back(probe->kind);
-    }
-  }
-  if (backends.empty()) {
-    return Status::FailedPrecondition("no I/O backend could be set up: " +
-                                      Join(report.notes, "; "));
-  }
-
-  std::vector<Planned> plan;
-  uint64_t buffer_bytes = PlanChunks(options, kFillBlock, kFillQueueDepth).max_bytes;
-  for (BackendKind backend : backends) {
-    for (uint32_t block : options.block_sizes) {
-      for (uint32_t depth : options.queue_depths) {
-        for (uint32_t threads : options.threads) {
-          plan.push_back({backend, block, depth, threads});
-          buffer_bytes =
-              std::max(buffer_bytes, PlanChunks(options, block, depth, threads).max_bytes);
-        }
-      }
-    }
-  }
+  MEMPLAN_ASSIGN_OR_RETURN(const std::vector<BackendKind> backends,
+                           ProbeBackends(options, progress, &report));
+  uint64_t buffer_bytes = 0;
+  const std::vector<Planned> plan = PlanPoints(options, backends, &buffer_bytes);
   report.points_planned = plan.size();
 
   MEMPLAN_ASSIGN_OR_RETURN(AlignedBuffer buffer, AllocateBuffer(buffer_bytes));
   BenchFile bench_file;
-  if (existing_file) {
-    MEMPLAN_RETURN_IF_ERROR(
-        bench_file.OpenExisting(options.file, options.size_bytes, options.direct));
-  } else {
-    MEMPLAN_RETURN_IF_ERROR(bench_file.Create(options.directory, options.direct));
-    MEMPLAN_RETURN_IF_ERROR(bench_file.Preallocate(options.size_bytes));
-  }
-
-  if (!options.direct) {
-    report.notes.push_back(
-        "buffered I/O: writes are timed to the end of fdatasync and the page "
-        "cache is dropped before each read pass");
-  } else if (!bench_file.direct()) {
-    report.notes.push_back("O_DIRECT refused by the filesystem (" + report.filesystem +
-                           "); measured buffered I/O");
-  }
-  if (IsMemoryFilesystem(report.filesystem)) {
-    report.notes.push_back(where + " is on " + report.filesystem +
-                           " (memory, not a disk): these figures say nothing about a drive");
-  }
-  const bool do_write = options.rw != BenchRw::kRead;
-  const bool do_read = options.rw != BenchRw::kWrite;
-  if (existing_file) {
-    report.notes.push_back(do_write
-                               ? "existing file: its first " + FormatByteSize(options.size_bytes) +
-                                     " were overwritten; it was not preallocated or filled"
-                               : "existing file, read only: its contents were not checked, "
-                                 "only that every read returned its full length");
-    const uint64_t hole = bench_file.FirstHoleBefore(options.size_bytes);
-    if (hole < options.size_bytes) {
-      report.notes.push_back(options.file + " has a hole or unwritten blocks at offset " +
-                             std::to_string(hole) +
-                             ": reads of it measure memory, not the drive, and the first "
-                             "write allocates it (write the file in full first)");
-    }
-  }
-  if (std::find(backends.begin(), backends.end(), BackendKind::kPosix) != backends.end()) {
-    report.notes.push_back("posix: one worker thread per queue slot (pread/pwrite)");
-  }
-
-  // The bytes from offset 0 that this run wrote with the pattern: where reads are checked.
-  uint64_t pattern_bytes = 0;
-  // Whether the buffer may hold data not written by this run (with zero words): it gets its
-  // pattern back before the next write. See Note [Existing bench file].
-  bool buffer_foreign = false;
-  if (existing_file) {
-    report_progress(
-        {"prepare", 0, plan.size(), nullptr,
-         "using the existing file " + bench_file.path() +
-             (do_write ? " (its first " + FormatByteSize(options.size_bytes) + " are overwritten)"
-                       : " (read only)")});
-  } else {
-    // The unmeasured fill: see Note [Bench method].
-    report_progress(
-        {"prepare", 0, plan.size(), nullptr,
-         "writing the " + FormatByteSize(options.size_bytes) + " bench file " + bench_file.path()});
-    auto rig = MakeRig(backends.front(), kFillBlock, kFillQueueDepth, 1, bench_file);
-    if (!rig.ok()) return rig.status().WithPrefix("preparing the bench file");
-    uint64_t largest_chunk = 0;
-    auto fill = RunPhase(*(*rig)->engine, (*rig)->file, bench_file, OpType::kWrite,
-                         options.size_bytes, PlanChunks(options, kFillBlock, kFillQueueDepth),
-                         buffer.get(), 0, options.stop, 0, &largest_chunk);
-    if (!fill.ok()) return fill.status().WithPrefix("preparing the bench file");
-    if (fill->stopped) {
-      report.interrupted = true;
-      return report;
-    }
-    pattern_bytes = options.size_bytes;
-  }
+  MEMPLAN_RETURN_IF_ERROR(OpenBenchFile(options, &bench_file));
+  AddMethodNotes(options, backends, bench_file, where, &report);
+  Sweep sweep;
+  sweep.buffer = buffer.get();
+  sweep.buffer_bytes = buffer_bytes;
+  MEMPLAN_RETURN_IF_ERROR(PrepareBenchFile(options, backends.front(), bench_file, plan.size(),
+                                           progress, &sweep, &report));
+  if (report.interrupted) return report;
 
   for (const Planned& point : plan) {
     if (StopRequested(options.stop)) {
@@ -646,79 +771,17 @@ Result<NvmeBenchReport> RunNvmeBench(const NvmeBenchOptions& options,
     }
     const std::string name =
         PointName(point.backend, point.block_size, point.queue_depth, point.threads);
-    auto rig =
-        MakeRig(point.backend, point.block_size, point.queue_depth, point.threads, bench_file);
-    if (!rig.ok()) return rig.status().WithPrefix(name);
-    NvmeBenchResult result;
-    result.backend = (*rig)->set.kind;
-    result.direct = bench_file.direct();
-    result.block_size = point.block_size;
-    result.queue_depth = point.queue_depth;
-    result.threads = point.threads;
-    result.size_bytes = options.size_bytes;
-    const ChunkLimits chunks =
-        PlanChunks(options, point.block_size, point.queue_depth, point.threads);
-    bool stopped = false;
-    for (OpType op : {OpType::kWrite, OpType::kRead}) {
-      if (op == OpType::kWrite ? !do_write : !do_read) continue;
-      if (op == OpType::kWrite && buffer_foreign) {
-        FillPattern(buffer.get(), buffer_bytes);
-        buffer_foreign = false;
-      }
-      if (op == OpType::kRead) DropCache(bench_file);
-      auto phase = RunPhase(*(*rig)->engine, (*rig)->file, bench_file, op, options.size_bytes,
-                            chunks, buffer.get(), options.seconds_per_point, options.stop,
-                            pattern_bytes, &result.chunk_bytes);
-      if (!phase.ok()) return phase.status().WithPrefix(name);
-      if (phase->stopped) {
-        stopped = true;
-        break;
-      }
-      if (op == OpType::kWrite) {
-        result.write_measured = true;
-        result.write_bytes = phase->bytes;
-        result.write_seconds = phase->seconds;
-        pattern_bytes = std::max(pattern_bytes, phase->bytes);
-      } else {
-        result.read_measured = true;
-        result.read_bytes = phase->bytes;
-        result.read_seconds = phase->seconds;
-        if (phase->bytes > pattern_bytes) buffer_foreign = true;
-      }
-    }
-    if (stopped) {
+    MEMPLAN_ASSIGN_OR_RETURN(const std::optional<NvmeBenchResult> result,
+                             MeasurePoint(options, point, bench_file, name, &sweep));
+    if (!result) {
       report.interrupted = true;
       break;
     }
-    report.results.push_back(result);
-    report_progress({"point", report.results.size(), plan.size(), &report.results.back(), name});
+    report.results.push_back(*result);
+    ReportProgress(progress,
+                   {"point", report.results.size(), plan.size(), &report.results.back(), name});
   }
-
-  report.best = BestIndex(report.results, /*aio_only=*/false);
-  report.best_aio = BestIndex(report.results, /*aio_only=*/true);
-  size_t limited =
-      static_cast<size_t>(std::count_if(report.results.begin(), report.results.end(),
-                                        [](const NvmeBenchResult& r) { return r.time_limited(); }));
-  if (limited > 0) {
-    report.notes.push_back(std::to_string(limited) +
-                           " point(s) stopped at the time limit "
-                           "before transferring the full size (marked *)");
-  }
-  if (report.best >= 0 && report.best_aio >= 0 && report.best != report.best_aio) {
-    const NvmeBenchResult& best = report.results[static_cast<size_t>(report.best)];
-    report.notes.push_back(
-        "the aio block holds the best libaio settings, since DeepSpeed's "
-        "engine is libaio; memplan's engine is fastest with " +
-        PointName(best.backend, best.block_size, best.queue_depth, best.threads));
-  }
-  if (report.best >= 0 && options.threads.size() == 1) {
-    report.notes.push_back(
-        "intra_op_parallelism " + std::to_string(options.threads.front()) + ": " +
-        (options.threads.front() == 1
-             ? std::string("one thread issued every request")
-             : std::to_string(options.threads.front()) + " threads split every call") +
-        " (threads not swept; --threads 1,2,4 sweeps them)");
-  }
+  Summarize(options, &report);
   return report;
 }
 

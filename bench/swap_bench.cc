@@ -142,52 +142,41 @@ Status SwapBenchOptions::Validate() const {
 
 namespace {
 
-Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
-  MEMPLAN_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::Make(options.directory));
-
-  SwapBenchResult r;
-  r.params = options.params;
-  r.sub_group_elements = options.sub_group_elements;
-  r.sub_groups = (options.params + options.sub_group_elements - 1) / options.sub_group_elements;
-  r.buffer_count = options.buffer_count;
-  r.threads = options.threads;
-  r.io_threads = options.io_threads;
-  r.grad_dtype = options.grad_dtype;
-  r.register_buffers = options.register_buffers;
-  r.steps = options.steps;
-  r.state_bytes = 12 * options.params;
-
-  // 1. The device's bandwidth at the store's block size and queue depth.
+// The device's read and write bandwidth at the store's block size and queue depth, into `r`: the
+// options' figures where both are given, else an NVMe bench of one point in `directory`.
+Status MeasureBandwidth(const SwapBenchOptions& options, const std::string& directory,
+                        SwapBenchResult* r) {
   if (options.read_bytes_per_s && options.write_bytes_per_s) {
-    r.read_bytes_per_s = *options.read_bytes_per_s;
-    r.write_bytes_per_s = *options.write_bytes_per_s;
-  } else {
-    NvmeBenchOptions bench;
-    bench.directory = scratch.path();
-    bench.size_bytes = std::min<uint64_t>(uint64_t{1} << 30, r.state_bytes / 4096 * 4096);
-    bench.size_bytes = std::max<uint64_t>(bench.size_bytes, options.block_size);
-    bench.seconds_per_point = 3.0;
-    bench.direct = options.direct;
-    bench.backends = {options.backend};
-    bench.block_sizes = {options.block_size};
-    bench.queue_depths = {options.queue_depth};
-    bench.threads = {options.io_threads};
-    bench.stop = options.stop;
-    MEMPLAN_ASSIGN_OR_RETURN(NvmeBenchReport report, RunNvmeBench(bench));
-    MEMPLAN_RETURN_IF_ERROR(Stopped(options));
-    if (report.best < 0) return Status::Internal("the NVMe bench measured nothing");
-    const NvmeBenchResult& best = report.results[static_cast<size_t>(report.best)];
-    r.read_bytes_per_s = options.read_bytes_per_s.value_or(best.read_bytes_per_s());
-    r.write_bytes_per_s = options.write_bytes_per_s.value_or(best.write_bytes_per_s());
-    r.bandwidth_measured = true;
+    r->read_bytes_per_s = *options.read_bytes_per_s;
+    r->write_bytes_per_s = *options.write_bytes_per_s;
+    return Status::Ok();
   }
+  NvmeBenchOptions bench;
+  bench.directory = directory;
+  bench.size_bytes = std::min<uint64_t>(uint64_t{1} << 30, r->state_bytes / 4096 * 4096);
+  bench.size_bytes = std::max<uint64_t>(bench.size_bytes, options.block_size);
+  bench.seconds_per_point = 3.0;
+  bench.direct = options.direct;
+  bench.backends = {options.backend};
+  bench.block_sizes = {options.block_size};
+  bench.queue_depths = {options.queue_depth};
+  bench.threads = {options.io_threads};
+  bench.stop = options.stop;
+  MEMPLAN_ASSIGN_OR_RETURN(NvmeBenchReport report, RunNvmeBench(bench));
+  MEMPLAN_RETURN_IF_ERROR(Stopped(options));
+  if (report.best < 0) return Status::Internal("the NVMe bench measured nothing");
+  const NvmeBenchResult& best = report.results[static_cast<size_t>(report.best)];
+  r->read_bytes_per_s = options.read_bytes_per_s.value_or(best.read_bytes_per_s());
+  r->write_bytes_per_s = options.write_bytes_per_s.value_or(best.write_bytes_per_s());
+  r->bandwidth_measured = true;
+  return Status::Ok();
+}
 
-  // 2. The optimizer alone.
-  MEMPLAN_ASSIGN_OR_RETURN(r.compute_seconds, ComputeSeconds(options));
-
-  // 3. The pipelined step over the store.
+// The swapper the bench steps: AdamW over a store in `directory`, as the options configure it.
+OptimizerSwapperOptions SwapperOptions(const SwapBenchOptions& options,
+                                       const std::string& directory) {
   OptimizerSwapperOptions so;
-  so.store.directory = scratch.path() + "/store";
+  so.store.directory = directory;
   so.store.direct = options.direct;
   so.store.backend = options.backend;
   so.store.backend_options.queue_depth = options.queue_depth;
@@ -199,12 +188,20 @@ Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
   so.grad_dtype = options.grad_dtype;
   so.register_buffers = options.register_buffers;
   so.cpu.threads = options.threads;
+  return so;
+}
+
+// The pipelined optimizer step over a store in `directory`: a warm-up step, then options.steps
+// timed ones, each after every sub-group's gradients are written; their times, the last step's
+// traffic and stage times, and the swapper's configuration as it ran, into `r`.
+Status MeasureSwappedSteps(const SwapBenchOptions& options, const std::string& directory,
+                           SwapBenchResult* r) {
   MEMPLAN_ASSIGN_OR_RETURN(
-      auto swapper,
-      OptimizerSwapper::Create(so, options.params, [&](uint64_t, std::span<float> out) {
-        std::fill(out.begin(), out.end(), 0.25f);
-        return Stopped(options);
-      }));
+      auto swapper, OptimizerSwapper::Create(SwapperOptions(options, directory), options.params,
+                                             [&](uint64_t, std::span<float> out) {
+                                               std::fill(out.begin(), out.end(), 0.25f);
+                                               return Stopped(options);
+                                             }));
   std::vector<float> grads(options.sub_group_elements, 0.01f);
   std::vector<uint16_t> half_grads(
       options.sub_group_elements,
@@ -228,22 +225,42 @@ Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
     const SwapStepStats& last = swapper->stats().last_step;
     if (s == 0) continue;  // warm-up
     total += last.total_s;
-    r.step_seconds_min = s == 1 ? last.total_s : std::min(r.step_seconds_min, last.total_s);
+    r->step_seconds_min = s == 1 ? last.total_s : std::min(r->step_seconds_min, last.total_s);
   }
   const OptimizerSwapperStats stats = swapper->stats();
-  r.step_seconds = total / options.steps;
-  r.read_bytes_per_step = stats.last_step.read_bytes;
-  r.write_bytes_per_step = stats.last_step.write_bytes;
-  r.stage_read_s = stats.last_step.read_s;
-  r.stage_write_s = stats.last_step.write_s;
-  r.stage_compute_s = stats.last_step.compute_s;
-  r.compute_wait_s = stats.last_step.compute_wait_s;
-  r.sync_s = stats.last_step.sync_s;
-  r.pinned_bytes = stats.pool.capacity_bytes;
-  r.backend = stats.store.backend;
-  r.registered_ops = stats.store.io.registered_ops;
-  r.direct = stats.store.direct;
-  MEMPLAN_RETURN_IF_ERROR(swapper->Close());
+  r->step_seconds = total / options.steps;
+  r->read_bytes_per_step = stats.last_step.read_bytes;
+  r->write_bytes_per_step = stats.last_step.write_bytes;
+  r->stage_read_s = stats.last_step.read_s;
+  r->stage_write_s = stats.last_step.write_s;
+  r->stage_compute_s = stats.last_step.compute_s;
+  r->compute_wait_s = stats.last_step.compute_wait_s;
+  r->sync_s = stats.last_step.sync_s;
+  r->pinned_bytes = stats.pool.capacity_bytes;
+  r->backend = stats.store.backend;
+  r->registered_ops = stats.store.io.registered_ops;
+  r->direct = stats.store.direct;
+  return swapper->Close();
+}
+
+Result<SwapBenchResult> Run(const SwapBenchOptions& options) {
+  MEMPLAN_ASSIGN_OR_RETURN(ScratchDir scratch, ScratchDir::Make(options.directory));
+
+  SwapBenchResult r;
+  r.params = options.params;
+  r.sub_group_elements = options.sub_group_elements;
+  r.sub_groups = (options.params + options.sub_group_elements - 1) / options.sub_group_elements;
+  r.buffer_count = options.buffer_count;
+  r.threads = options.threads;
+  r.io_threads = options.io_threads;
+  r.grad_dtype = options.grad_dtype;
+  r.register_buffers = options.register_buffers;
+  r.steps = options.steps;
+  r.state_bytes = 12 * options.params;
+  // 1. The device's bandwidth; 2. the optimizer alone; 3. the pipelined step over the store.
+  MEMPLAN_RETURN_IF_ERROR(MeasureBandwidth(options, scratch.path(), &r));
+  MEMPLAN_ASSIGN_OR_RETURN(r.compute_seconds, ComputeSeconds(options));
+  MEMPLAN_RETURN_IF_ERROR(MeasureSwappedSteps(options, scratch.path() + "/store", &r));
   r.io_seconds =
       r.read_bytes_per_step / r.read_bytes_per_s + r.write_bytes_per_step / r.write_bytes_per_s;
   r.ratio = r.step_seconds / std::max(r.io_seconds, r.compute_seconds);

@@ -777,6 +777,290 @@ struct Engine::Impl {
     return scratch;
   }
 
+  // --- Step()'s pieces ---
+
+  // Step()'s work once every gradient is given: the gradient thread drained, the zeros of the
+  // parameters without a gradient fed, then the optimizer's step (serial) or the end of the step
+  // it has been running beside backward (`overlapped`). On the trainer's thread.
+  Status RunStep(const SwapStepOptions& step_options, bool overlapped, bool skipping) {
+    MEMPLAN_RETURN_IF_ERROR(DrainGradients());
+    if (skipping && !zeros_fed) {
+      for (size_t i = 0; i < specs.size(); ++i) {
+        if (no_gradient[i]) MEMPLAN_RETURN_IF_ERROR(FeedZeros(i));
+      }
+      zeros_fed = true;  // once, should this step be retried
+    }
+    MEMPLAN_RETURN_IF_ERROR(params->EndOfStep());
+    segmented = segmented || skipping;
+    if (segmented && !steps_path.empty()) {
+      MEMPLAN_RETURN_IF_ERROR(SaveStepCounts(optimizer->epoch() + 1));
+    }
+    if (!overlapped) {
+      SegmentFn segments;
+      if (segmented) segments = [this](uint64_t sg) { return Segments(sg); };
+      return optimizer->Step(
+          step_options, [this](const SubGroupUpdate& u) { return WriteBack(u); }, segments);
+    }
+    // Every working parameter is written: the next step's first parameters can be read while
+    // the last states are written and the step commits.
+    MEMPLAN_RETURN_IF_ERROR(optimizer->WaitForUpdates());
+    MEMPLAN_RETURN_IF_ERROR(params->PrefetchNextStep());
+    return optimizer->FinishStep();
+  }
+
+  // Note [Optimizer overlapped with backward]: where the step that began at `start` went, into
+  // stats.step_profile; `before_step` sub-groups were updated before Step() was called.
+  void RecordStepProfile(std::chrono::steady_clock::time_point start, bool overlapped,
+                         uint64_t before_step) {
+    const SwapStepStats last = optimizer->last_step();
+    EngineStepProfile& p = stats.step_profile;
+    p = EngineStepProfile();
+    p.overlapped = overlapped;
+    p.backward_s = overlapped ? std::chrono::duration<double>(start - prepared_at).count() : 0.0;
+    p.step_s = stats.last_step_s;
+    p.optimizer_s = last.compute_s;
+    p.read_s = last.read_s;
+    p.write_s = last.write_s;
+    p.sync_s = last.sync_s;
+    p.backward_wait_s = overlapped ? last.grad_wait_s : 0.0;
+    p.stall_s = stall_s;
+    p.sub_groups = optimizer->sub_group_count();
+    p.sub_groups_before_step = before_step;
+    p.overlapped_fraction =
+        static_cast<double>(before_step) / static_cast<double>(std::max<uint64_t>(p.sub_groups, 1));
+  }
+
+  // --- Start()'s pieces, in the order it runs them ---
+
+  // What this rank's partition (Note [ZeRO-3 partitions] in param_swapper.cc) holds; the flat
+  // space itself for world size 1.
+  struct PartitionLayout {
+    uint64_t total = 0;         // the trainable parameters' elements: what the optimizer holds
+    uint64_t frozen_begin = 0;  // where the frozen parameters start, on a chunk boundary
+    uint64_t partition = 0;     // what the parameter tier holds
+  };
+
+  // Lays out the partition: trainable parameters first, then the frozen ones from a chunk boundary
+  // (Note [Frozen parameters]); fills swap_id, spec_of, trainable_params and the frozen counts of
+  // `stats`. InvalidArgument when every parameter is frozen.
+  Result<PartitionLayout> LayOutPartition() {
+    const Schedule& sc = options.schedule;
+    const int world = stats.world_size;
+    swap_id.assign(specs.size(), 0);
+    spec_of.clear();
+    uint64_t total = 0, frozen_total = 0;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (size_t i = 0; i < specs.size(); ++i) {
+        if (specs[i].frozen != (pass == 1)) continue;
+        swap_id[i] = static_cast<ParamId>(spec_of.size());
+        spec_of.push_back(i);
+        (pass == 0 ? total : frozen_total) += ShardElements(numels[i], world);
+        if (pass == 1) {
+          ++stats.frozen_params;
+          stats.frozen_elements += numels[i];
+        }
+      }
+    }
+    trainable_params = specs.size() - stats.frozen_params;
+    if (total == 0) {
+      return Status::InvalidArgument("engine: every parameter is frozen; nothing to train");
+    }
+    PartitionLayout layout;
+    layout.total = total;
+    layout.frozen_begin = frozen_total == 0 ? total
+                                            : (total + sc.sub_group_elements - 1) /
+                                                  sc.sub_group_elements * sc.sub_group_elements;
+    layout.partition = layout.frozen_begin + frozen_total;
+    return layout;
+  }
+
+  // Parameters on NVMe: their store under `nvme_dir`/params, for `partition` elements, and the
+  // pinned staging buffers. The working copies are derived from the master weights, so the store
+  // is made afresh each run; one left by a crashed run is removed first (FailedPrecondition unless
+  // this is a resume). ResourceExhausted when the staging buffers exceed pinned_budget_bytes.
+  Status OpenParamStore(const std::string& nvme_dir, uint64_t partition) {
+    const Schedule& sc = options.schedule;
+    const std::string dir = nvme_dir + "/params";
+    if (::access((dir + "/" + nvme::SwapStore::kDataFileName).c_str(), F_OK) == 0) {
+      if (!options.resume) {
+        return Status::FailedPrecondition(
+            "engine: " + dir +
+            " holds a parameter store from an earlier run; start with resume, "
+            "or remove it");
+      }
+      for (const char* name : {nvme::SwapStore::kDataFileName, nvme::SwapStore::kIndexFileName,
+                               nvme::SwapStore::kLockFileName}) {
+        ::unlink((dir + "/" + name).c_str());
+      }
+    }
+    nvme::SwapStoreOptions so;
+    so.directory = dir;
+    so.direct = sc.nvme_direct;
+    so.backend = sc.nvme_backend;
+    so.backend_options.queue_depth = sc.nvme_queue_depth;
+    so.engine_options.block_size = sc.nvme_block_size;
+    so.engine_options.threads = sc.nvme_io_threads;
+    const uint64_t chunks = (partition + sc.sub_group_elements - 1) / sc.sub_group_elements;
+    so.capacity_bytes = partition * static_cast<uint64_t>(ElementBytes(sc.param_dtype)) +
+                        chunks * (uint64_t{64} << 10) + (uint64_t{1} << 20);
+    MEMPLAN_ASSIGN_OR_RETURN(param_store, nvme::SwapStore::Open(so));
+    PinnedPoolOptions pool;
+    pool.slot_bytes = sc.param_buffer_bytes;
+    pool.slot_count = sc.param_buffer_count;
+    pool.budget_bytes = sc.param_buffer_bytes * sc.param_buffer_count;
+    if (sc.pinned_budget_bytes > 0 && pool.budget_bytes > sc.pinned_budget_bytes) {
+      return Status::ResourceExhausted(
+          "engine: the parameter staging buffers need " + std::to_string(pool.budget_bytes) +
+          " pinned bytes; pinned_budget_bytes is " + std::to_string(sc.pinned_budget_bytes));
+    }
+    MEMPLAN_ASSIGN_OR_RETURN(staging, PinnedPool::Create(pool, runtime));
+    return Status::Ok();
+  }
+
+  // The parameter swapper, on the schedule's parameter tier (its NVMe store under `nvme_dir`),
+  // holding every parameter where `layout` puts it.
+  Status CreateParamSwapper(const std::string& nvme_dir, const PartitionLayout& layout) {
+    const Schedule& sc = options.schedule;
+    ParamSwapperOptions po;
+    po.tier = sc.param_tier;
+    po.dtype = sc.param_dtype;
+    po.persistence_threshold = sc.persistence_threshold;
+    po.prefetch_bytes = sc.prefetch_bytes;
+    po.max_live_bytes = sc.max_live_bytes;
+    po.chunk_elements = sc.sub_group_elements;
+    po.runtime = runtime;
+    po.collective = options.collective;
+    po.staging_slots = sc.param_buffer_count;
+    if (sc.param_tier == Tier::kNvme) {
+      MEMPLAN_RETURN_IF_ERROR(OpenParamStore(nvme_dir, layout.partition));
+      po.store = param_store.get();
+      po.staging = staging.get();
+    }
+    MEMPLAN_ASSIGN_OR_RETURN(params, ParamSwapper::Create(po));
+    for (size_t k = 0; k < spec_of.size(); ++k) {
+      const size_t i = spec_of[k];
+      const ParamSpec& p = specs[i];
+      if (k == trainable_params && layout.frozen_begin > layout.total) {
+        MEMPLAN_RETURN_IF_ERROR(params->Pad(layout.frozen_begin - layout.total));
+      }
+      MEMPLAN_ASSIGN_OR_RETURN(ParamId id, params->Add(p.name, p.module, numels[i]));
+      for (const std::string& m : p.also_used_by) MEMPLAN_RETURN_IF_ERROR(params->AddUse(id, m));
+    }
+    return params->Finalize();
+  }
+
+  // Resume with the optimizer on NVMe: its store reopened at the last complete step (with world
+  // size > 1, the oldest rank's: Note [Resuming ranks]). InvalidArgument when the store holds
+  // another number of elements than this rank's `total`.
+  Result<std::unique_ptr<OptimizerSwapper>> ReopenOptimizer(OptimizerSwapperOptions oo,
+                                                            uint64_t total,
+                                                            RecoveryReport* report) {
+    const int world = stats.world_size;
+    MEMPLAN_ASSIGN_OR_RETURN(std::unique_ptr<OptimizerSwapper> swapper,
+                             OptimizerSwapper::Open(oo, report));
+    if (world > 1) {
+      MEMPLAN_ASSIGN_OR_RETURN(const uint64_t agreed, OldestEpoch(swapper->epoch()));
+      if (agreed < swapper->epoch()) {
+        MEMPLAN_RETURN_IF_ERROR(swapper->Close());
+        swapper.reset();
+        oo.max_epoch = agreed;
+        MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Open(oo, report));
+      }
+    }
+    if (swapper->num_elements() != total) {
+      return Status::InvalidArgument("engine: the optimizer store holds " +
+                                     std::to_string(swapper->num_elements()) +
+                                     " parameters; the model registered " + std::to_string(total) +
+                                     (world > 1 ? " for this rank (a different world size?)" : ""));
+    }
+    return swapper;
+  }
+
+  // The optimizer on NVMe, under `nvme_dir`/optimizer: created for `total` elements from the
+  // parameters' init, or reopened for a resume. ResourceExhausted when its pinned buffers and the
+  // parameter staging exceed pinned_budget_bytes.
+  Status OpenNvmeOptimizer(const std::string& nvme_dir, const CpuOptimizerOptions& cpu,
+                           uint64_t total, RecoveryReport* report) {
+    const Schedule& sc = options.schedule;
+    OptimizerSwapperOptions oo;
+    oo.store.directory = nvme_dir + "/optimizer";
+    oo.store.direct = sc.nvme_direct;
+    oo.store.backend = sc.nvme_backend;
+    oo.store.backend_options.queue_depth = sc.nvme_queue_depth;
+    oo.store.engine_options.block_size = sc.nvme_block_size;
+    oo.store.engine_options.threads = sc.nvme_io_threads;
+    oo.sub_group_elements = sc.sub_group_elements;
+    oo.buffer_count = sc.optimizer_buffer_count;
+    oo.optimizer = sc.optimizer;
+    oo.half_dtype = ToHalf(sc.param_dtype);
+    oo.cpu = cpu;
+    oo.runtime = runtime;
+    oo.make_backend = options.make_optimizer_backend;
+    const uint64_t optimizer_pinned = OptimizerSwapper::RequiredSlotBytes(oo) * oo.buffer_count;
+    const uint64_t staging_pinned = staging ? staging->stats().capacity_bytes : 0;
+    if (sc.pinned_budget_bytes > 0 && optimizer_pinned + staging_pinned > sc.pinned_budget_bytes) {
+      return Status::ResourceExhausted(
+          "engine: the optimizer's pinned buffers (" + std::to_string(optimizer_pinned) +
+          " bytes) and the parameter staging buffers (" + std::to_string(staging_pinned) +
+          ") exceed pinned_budget_bytes " + std::to_string(sc.pinned_budget_bytes) +
+          "; lower optimizer.sub_group_elements or the buffer counts");
+    }
+    std::unique_ptr<OptimizerSwapper> swapper;
+    if (options.resume) {
+      MEMPLAN_ASSIGN_OR_RETURN(swapper, ReopenOptimizer(oo, total, report));
+    } else {
+      auto fill = [this](uint64_t first, std::span<float> out) { return Fill(first, out); };
+      MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Create(oo, total, fill));
+    }
+    optimizer = std::make_unique<NvmeHome>(std::move(swapper));
+    steps_path = nvme_dir + "/param_steps.json";
+    if (!options.resume) ::unlink(steps_path.c_str());  // a crashed run's; ours starts at 0
+    return Status::Ok();
+  }
+
+  // The optimizer's home for `total` elements, on the schedule's optimizer tier: NVMe (under
+  // `nvme_dir`) or memory. InvalidArgument for a resume with the optimizer in memory.
+  Status CreateOptimizer(const std::string& nvme_dir, const CpuOptimizerOptions& cpu,
+                         uint64_t total, RecoveryReport* report) {
+    const Schedule& sc = options.schedule;
+    if (sc.optimizer_tier == Tier::kNvme) return OpenNvmeOptimizer(nvme_dir, cpu, total, report);
+    if (options.resume) {
+      return Status::InvalidArgument(
+          "engine: resume needs the optimizer on nvme (a cpu "
+          "optimizer keeps nothing across runs)");
+    }
+    auto fill = [this](uint64_t first, std::span<float> out) { return Fill(first, out); };
+    MEMPLAN_ASSIGN_OR_RETURN(auto home,
+                             MemoryHome::Create(sc.optimizer, ToHalf(sc.param_dtype), cpu, total,
+                                                sc.sub_group_elements, fill));
+    optimizer = std::move(home);
+    return Status::Ok();
+  }
+
+  // The frozen parameters' working copies, from their init, once (Note [Frozen parameters]): they
+  // have no master weights for WriteWorkingCopies() to derive them from.
+  Status WriteFrozenWorkingCopies(const PartitionLayout& layout) {
+    const Schedule& sc = options.schedule;
+    const HalfDtype half_dtype = ToHalf(sc.param_dtype);
+    std::vector<float> master;
+    std::vector<uint16_t> half;
+    for (uint64_t at = layout.frozen_begin; at < layout.partition; at += sc.sub_group_elements) {
+      const uint64_t n = std::min(sc.sub_group_elements, layout.partition - at);
+      if (master.size() < n) master.resize(n);
+      std::span<float> m(master.data(), n);
+      MEMPLAN_RETURN_IF_ERROR(Fill(at, m));
+      if (half_dtype == HalfDtype::kNone) {
+        MEMPLAN_RETURN_IF_ERROR(params->WriteFloat(at, m));
+        continue;
+      }
+      if (half.size() < n) half.resize(n);
+      std::span<uint16_t> h(half.data(), n);
+      MEMPLAN_RETURN_IF_ERROR(converter->ConvertToHalf(m, h, half_dtype));
+      MEMPLAN_RETURN_IF_ERROR(params->WriteHalf(at, h));
+    }
+    return Status::Ok();
+  }
+
   // World size > 1: the reduce-scatter's scratch buffers and the padding's zeros (Note
   // [Reduce-scattered gradients]), sized for the largest shard in any gradient type.
   Status AllocateGradientScratch() {
@@ -1153,182 +1437,16 @@ Status Engine::Start(RecoveryReport* report) {
     MEMPLAN_RETURN_IF_ERROR(EnsurePrivateDirectory(sc.nvme_path));
     if (world > 1) MEMPLAN_RETURN_IF_ERROR(EnsurePrivateDirectory(nvme_dir));
   }
-
-  ParamSwapperOptions po;
-  po.tier = sc.param_tier;
-  po.dtype = sc.param_dtype;
-  po.persistence_threshold = sc.persistence_threshold;
-  po.prefetch_bytes = sc.prefetch_bytes;
-  po.max_live_bytes = sc.max_live_bytes;
-  po.chunk_elements = sc.sub_group_elements;
-  po.runtime = s.runtime;
-  po.collective = s.options.collective;
-  po.staging_slots = sc.param_buffer_count;
-  // This rank's partition (Note [ZeRO-3 partitions] in param_swapper.cc): what its parameter
-  // tier and its optimizer hold; the flat space itself for world size 1.
-  // Trainable parameters first, then the frozen ones from a chunk boundary (Note [Frozen
-  // parameters]); `total` is what the optimizer holds, `partition` what the parameter tier holds.
-  s.swap_id.assign(s.specs.size(), 0);
-  s.spec_of.clear();
-  uint64_t total = 0, frozen_total = 0;
-  for (int pass = 0; pass < 2; ++pass) {
-    for (size_t i = 0; i < s.specs.size(); ++i) {
-      if (s.specs[i].frozen != (pass == 1)) continue;
-      s.swap_id[i] = static_cast<ParamId>(s.spec_of.size());
-      s.spec_of.push_back(i);
-      (pass == 0 ? total : frozen_total) += ShardElements(s.numels[i], world);
-      if (pass == 1) {
-        ++s.stats.frozen_params;
-        s.stats.frozen_elements += s.numels[i];
-      }
-    }
-  }
-  s.trainable_params = s.specs.size() - s.stats.frozen_params;
-  if (total == 0) {
-    return Status::InvalidArgument("engine: every parameter is frozen; nothing to train");
-  }
-  const uint64_t frozen_begin =
-      frozen_total == 0
-          ? total
-          : (total + sc.sub_group_elements - 1) / sc.sub_group_elements * sc.sub_group_elements;
-  const uint64_t partition = frozen_begin + frozen_total;
-  if (sc.param_tier == Tier::kNvme) {
-    // The parameters' working copies are derived from the master weights, so their store is made
-    // afresh each run; one left by a crashed run is removed first.
-    const std::string dir = nvme_dir + "/params";
-    if (::access((dir + "/" + nvme::SwapStore::kDataFileName).c_str(), F_OK) == 0) {
-      if (!s.options.resume) {
-        return Status::FailedPrecondition(
-            "engine: " + dir +
-            " holds a parameter store from an earlier run; start with resume, "
-            "or remove it");
-      }
-      for (const char* name : {nvme::SwapStore::kDataFileName, nvme::SwapStore::kIndexFileName,
-                               nvme::SwapStore::kLockFileName}) {
-        ::unlink((dir + "/" + name).c_str());
-      }
-    }
-    nvme::SwapStoreOptions so;
-    so.directory = dir;
-    so.direct = sc.nvme_direct;
-    so.backend = sc.nvme_backend;
-    so.backend_options.queue_depth = sc.nvme_queue_depth;
-    so.engine_options.block_size = sc.nvme_block_size;
-    so.engine_options.threads = sc.nvme_io_threads;
-    const uint64_t chunks = (partition + sc.sub_group_elements - 1) / sc.sub_group_elements;
-    so.capacity_bytes = partition * static_cast<uint64_t>(ElementBytes(sc.param_dtype)) +
-                        chunks * (uint64_t{64} << 10) + (uint64_t{1} << 20);
-    MEMPLAN_ASSIGN_OR_RETURN(s.param_store, nvme::SwapStore::Open(so));
-    PinnedPoolOptions pool;
-    pool.slot_bytes = sc.param_buffer_bytes;
-    pool.slot_count = sc.param_buffer_count;
-    pool.budget_bytes = sc.param_buffer_bytes * sc.param_buffer_count;
-    if (sc.pinned_budget_bytes > 0 && pool.budget_bytes > sc.pinned_budget_bytes) {
-      return Status::ResourceExhausted(
-          "engine: the parameter staging buffers need " + std::to_string(pool.budget_bytes) +
-          " pinned bytes; pinned_budget_bytes is " + std::to_string(sc.pinned_budget_bytes));
-    }
-    MEMPLAN_ASSIGN_OR_RETURN(s.staging, PinnedPool::Create(pool, s.runtime));
-    po.store = s.param_store.get();
-    po.staging = s.staging.get();
-  }
-  MEMPLAN_ASSIGN_OR_RETURN(s.params, ParamSwapper::Create(po));
-  for (size_t k = 0; k < s.spec_of.size(); ++k) {
-    const size_t i = s.spec_of[k];
-    const ParamSpec& p = s.specs[i];
-    if (k == s.trainable_params && frozen_begin > total) {
-      MEMPLAN_RETURN_IF_ERROR(s.params->Pad(frozen_begin - total));
-    }
-    MEMPLAN_ASSIGN_OR_RETURN(ParamId id, s.params->Add(p.name, p.module, s.numels[i]));
-    for (const std::string& m : p.also_used_by) MEMPLAN_RETURN_IF_ERROR(s.params->AddUse(id, m));
-  }
-  MEMPLAN_RETURN_IF_ERROR(s.params->Finalize());
-
+  MEMPLAN_ASSIGN_OR_RETURN(const Impl::PartitionLayout layout, s.LayOutPartition());
+  MEMPLAN_RETURN_IF_ERROR(s.CreateParamSwapper(nvme_dir, layout));
   CpuOptimizerOptions cpu;
   cpu.threads = s.threads();
   MEMPLAN_ASSIGN_OR_RETURN(s.converter, CpuOptimizer::Create(cpu));
-  auto fill = [&s](uint64_t first, std::span<float> out) { return s.Fill(first, out); };
-  if (sc.optimizer_tier == Tier::kNvme) {
-    OptimizerSwapperOptions oo;
-    oo.store.directory = nvme_dir + "/optimizer";
-    oo.store.direct = sc.nvme_direct;
-    oo.store.backend = sc.nvme_backend;
-    oo.store.backend_options.queue_depth = sc.nvme_queue_depth;
-    oo.store.engine_options.block_size = sc.nvme_block_size;
-    oo.store.engine_options.threads = sc.nvme_io_threads;
-    oo.sub_group_elements = sc.sub_group_elements;
-    oo.buffer_count = sc.optimizer_buffer_count;
-    oo.optimizer = sc.optimizer;
-    oo.half_dtype = ToHalf(sc.param_dtype);
-    oo.cpu = cpu;
-    oo.runtime = s.runtime;
-    oo.make_backend = s.options.make_optimizer_backend;
-    const uint64_t optimizer_pinned = OptimizerSwapper::RequiredSlotBytes(oo) * oo.buffer_count;
-    const uint64_t staging_pinned = s.staging ? s.staging->stats().capacity_bytes : 0;
-    if (sc.pinned_budget_bytes > 0 && optimizer_pinned + staging_pinned > sc.pinned_budget_bytes) {
-      return Status::ResourceExhausted(
-          "engine: the optimizer's pinned buffers (" + std::to_string(optimizer_pinned) +
-          " bytes) and the parameter staging buffers (" + std::to_string(staging_pinned) +
-          ") exceed pinned_budget_bytes " + std::to_string(sc.pinned_budget_bytes) +
-          "; lower optimizer.sub_group_elements or the buffer counts");
-    }
-    std::unique_ptr<OptimizerSwapper> swapper;
-    if (s.options.resume) {
-      MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Open(oo, report));
-      if (world > 1) {
-        // Note [Resuming ranks]: every rank resumes at the oldest rank's last complete step.
-        MEMPLAN_ASSIGN_OR_RETURN(const uint64_t agreed, s.OldestEpoch(swapper->epoch()));
-        if (agreed < swapper->epoch()) {
-          MEMPLAN_RETURN_IF_ERROR(swapper->Close());
-          swapper.reset();
-          oo.max_epoch = agreed;
-          MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Open(oo, report));
-        }
-      }
-      if (swapper->num_elements() != total) {
-        return Status::InvalidArgument(
-            "engine: the optimizer store holds " + std::to_string(swapper->num_elements()) +
-            " parameters; the model registered " + std::to_string(total) +
-            (world > 1 ? " for this rank (a different world size?)" : ""));
-      }
-    } else {
-      MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Create(oo, total, fill));
-    }
-    s.optimizer = std::make_unique<NvmeHome>(std::move(swapper));
-    s.steps_path = nvme_dir + "/param_steps.json";
-    if (!s.options.resume) ::unlink(s.steps_path.c_str());  // a crashed run's; ours starts at 0
-  } else {
-    if (s.options.resume) {
-      return Status::InvalidArgument(
-          "engine: resume needs the optimizer on nvme (a cpu "
-          "optimizer keeps nothing across runs)");
-    }
-    MEMPLAN_ASSIGN_OR_RETURN(auto home,
-                             MemoryHome::Create(sc.optimizer, ToHalf(sc.param_dtype), cpu, total,
-                                                sc.sub_group_elements, fill));
-    s.optimizer = std::move(home);
-  }
+  MEMPLAN_RETURN_IF_ERROR(s.CreateOptimizer(nvme_dir, cpu, layout.total, report));
   // The working copies, from the master weights (which, after a resume, are the last complete
-  // step's).
+  // step's), and the frozen parameters' from their init.
   MEMPLAN_RETURN_IF_ERROR(s.WriteWorkingCopies());
-  const HalfDtype half_dtype = ToHalf(sc.param_dtype);
-  std::vector<float> master;
-  std::vector<uint16_t> half;
-  // The frozen parameters' working copies, from their init, once (Note [Frozen parameters]).
-  for (uint64_t at = frozen_begin; at < partition; at += sc.sub_group_elements) {
-    const uint64_t n = std::min(sc.sub_group_elements, partition - at);
-    if (master.size() < n) master.resize(n);
-    std::span<float> m(master.data(), n);
-    MEMPLAN_RETURN_IF_ERROR(s.Fill(at, m));
-    if (half_dtype == HalfDtype::kNone) {
-      MEMPLAN_RETURN_IF_ERROR(s.params->WriteFloat(at, m));
-      continue;
-    }
-    if (half.size() < n) half.resize(n);
-    std::span<uint16_t> h(half.data(), n);
-    MEMPLAN_RETURN_IF_ERROR(s.converter->ConvertToHalf(m, h, half_dtype));
-    MEMPLAN_RETURN_IF_ERROR(s.params->WriteHalf(at, h));
-  }
+  MEMPLAN_RETURN_IF_ERROR(s.WriteFrozenWorkingCopies(layout));
   MEMPLAN_RETURN_IF_ERROR(s.params->GatherResident());
   // The pinned buffers pinned_budget_bytes covers (as checked above): the parameter staging and
   // the optimizer's; the gradient staging takes what they leave.
@@ -1347,8 +1465,8 @@ Status Engine::Start(RecoveryReport* report) {
   s.grad_worker = std::thread([&s] { s.RunGradients(); });
   s.stats.params = s.specs.size();
   s.stats.elements = s.total_elements;
-  s.stats.partition_elements = partition;
-  s.stats.optimizer_elements = total;
+  s.stats.partition_elements = layout.partition;
+  s.stats.optimizer_elements = layout.total;
   s.stats.epoch = s.optimizer->epoch();
   s.started = true;
   return Status::Ok();
@@ -1497,32 +1615,7 @@ Status Engine::Step(const SwapStepOptions& options) {
   const uint64_t before_step = overlapped ? s.optimizer->SubGroupsUpdated() : 0;
   const bool skipping =
       std::find(s.no_gradient.begin(), s.no_gradient.end(), uint8_t{1}) != s.no_gradient.end();
-  auto run = [&]() -> Status {
-    MEMPLAN_RETURN_IF_ERROR(s.DrainGradients());
-    if (skipping && !s.zeros_fed) {
-      for (size_t i = 0; i < s.specs.size(); ++i) {
-        if (s.no_gradient[i]) MEMPLAN_RETURN_IF_ERROR(s.FeedZeros(i));
-      }
-      s.zeros_fed = true;  // once, should this step be retried
-    }
-    MEMPLAN_RETURN_IF_ERROR(s.params->EndOfStep());
-    s.segmented = s.segmented || skipping;
-    if (s.segmented && !s.steps_path.empty()) {
-      MEMPLAN_RETURN_IF_ERROR(s.SaveStepCounts(s.optimizer->epoch() + 1));
-    }
-    if (!overlapped) {
-      SegmentFn segments;
-      if (s.segmented) segments = [&s](uint64_t sg) { return s.Segments(sg); };
-      return s.optimizer->Step(
-          options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }, segments);
-    }
-    // Every working parameter is written: the next step's first parameters can be read while
-    // the last states are written and the step commits.
-    MEMPLAN_RETURN_IF_ERROR(s.optimizer->WaitForUpdates());
-    MEMPLAN_RETURN_IF_ERROR(s.params->PrefetchNextStep());
-    return s.optimizer->FinishStep();
-  };
-  Status status = run();
+  Status status = s.RunStep(options, overlapped, skipping);
   if (!status.ok()) {
     if (overlapped)
       return s.Abandon(
@@ -1542,23 +1635,7 @@ Status Engine::Step(const SwapStepOptions& options) {
   s.grads_missing = s.trainable_params;
   ++s.stats.steps;
   s.stats.epoch = s.optimizer->epoch();
-  // Note [Optimizer overlapped with backward]: where the step's time went.
-  const SwapStepStats last = s.optimizer->last_step();
-  EngineStepProfile& p = s.stats.step_profile;
-  p = EngineStepProfile();
-  p.overlapped = overlapped;
-  p.backward_s = overlapped ? std::chrono::duration<double>(start - s.prepared_at).count() : 0.0;
-  p.step_s = s.stats.last_step_s;
-  p.optimizer_s = last.compute_s;
-  p.read_s = last.read_s;
-  p.write_s = last.write_s;
-  p.sync_s = last.sync_s;
-  p.backward_wait_s = overlapped ? last.grad_wait_s : 0.0;
-  p.stall_s = s.stall_s;
-  p.sub_groups = s.optimizer->sub_group_count();
-  p.sub_groups_before_step = before_step;
-  p.overlapped_fraction =
-      static_cast<double>(before_step) / static_cast<double>(std::max<uint64_t>(p.sub_groups, 1));
+  s.RecordStepProfile(start, overlapped, before_step);
   s.stall_s = 0;
   return Status::Ok();
 }

@@ -12,40 +12,24 @@
 
 #include "offload/engine.h"
 #include "offload/schedule.h"
-#include "tests/testing.h"
+#include "tests/engine_testing.h"
 #include "tests/status_testing.h"
 
 namespace memplan::offload {
 namespace {
 
+using memplan::testing::Adam;
+using memplan::testing::Init;
+using memplan::testing::StartEngine;
 using memplan::testing::TempDir;
+using memplan::testing::ToyModel;
+using Run = memplan::testing::EngineRun;
 
-// Modules "m0".."m{k-1}", each with a weight (offloaded) and a bias (under the persistence
-// threshold, so resident on the GPU whatever the tier).
-struct Model {
-  struct P {
-    std::string name, module;
-    uint64_t numel = 0, flat = 0;
-  };
-  std::vector<P> params;
-  std::vector<std::string> modules;
-  uint64_t total = 0;
-
-  Model(int layers, uint64_t weight, uint64_t bias) {
-    for (int l = 0; l < layers; ++l) {
-      const std::string m = "m" + std::to_string(l);
-      modules.push_back(m);
-      params.push_back({m + ".weight", m, weight + 37 * static_cast<uint64_t>(l), 0});
-      params.push_back({m + ".bias", m, bias, 0});
-    }
-    for (P& p : params) {
-      p.flat = total;
-      total += p.numel;
-    }
-  }
-};
-
-float Init(uint64_t flat) { return static_cast<float>((flat % 97) * 0.0103 - 0.5); }
+// Module l's weight has `weight` + 37 l elements (offloaded), every bias `bias` (under the
+// persistence threshold, so resident on the GPU whatever the tier).
+ToyModel Model(int layers, uint64_t weight, uint64_t bias) {
+  return ToyModel(layers, weight, bias, 37);
+}
 
 // A full-precision gradient (not representable in 16 bits, so a 16-bit path would show).
 float GradAt(uint64_t t, uint64_t e) {
@@ -53,92 +37,21 @@ float GradAt(uint64_t t, uint64_t e) {
   return static_cast<float>(static_cast<double>(h) / 1000003.0 * 0.2 - 0.1);
 }
 
-AdamOptions Adam(uint64_t t) {
-  AdamOptions a;
-  a.lr = 2e-2 / static_cast<double>(t);
-  a.weight_decay = 0.05;
-  return a;
-}
-
 Schedule Fp32Schedule(Tier params, Tier optimizer, const std::string& path) {
-  Schedule s;
-  s.param_tier = params;
-  s.param_dtype = ElementType::kFloat32;
-  s.optimizer_tier = optimizer;
-  s.persistence_threshold = 64;
-  s.sub_group_elements = 2048;  // sub-groups cut across parameters
-  s.param_buffer_bytes = 4096;  // a weight spans several staging slots
-  s.param_buffer_count = 2;
-  s.optimizer_buffer_count = 3;
-  s.optimizer_threads = 2;
-  s.nvme_path = path;
-  s.nvme_backend = nvme::BackendKind::kPosix;
-  s.nvme_direct = false;
-  return s;
-}
-
-struct Run {
-  // Destroyed after the engine, so its copy threads outlive the engine's copies.
-  std::unique_ptr<gpu::Runtime> runtime = gpu::CreateHostOnlyRuntime();
-  std::unique_ptr<Engine> engine;
-  std::vector<ParamId> ids;
-};
-
-Run StartEngine(const Model& model, const Schedule& schedule, bool resume = false,
-                RecoveryReport* report = nullptr) {
-  Run run;
-  EngineOptions options;
-  options.schedule = schedule;
-  options.runtime = run.runtime.get();
-  options.resume = resume;
-  auto engine = Engine::Create(options);
-  REQUIRE_MESSAGE(engine.ok(), engine.status().ToString());
-  run.engine = std::move(*engine);
-  for (const Model::P& p : model.params) {
-    const uint64_t base = p.flat;
-    ParamSpec spec{p.name,
-                   p.module,
-                   {static_cast<int64_t>(p.numel)},
-                   [base](uint64_t first, std::span<float> out) {
-                     for (size_t k = 0; k < out.size(); ++k) out[k] = Init(base + first + k);
-                     return Status::Ok();
-                   },
-                   {}};
-    auto id = run.engine->AddParameter(spec);
-    REQUIRE_OK(id);
-    run.ids.push_back(*id);
-  }
-  Status started = run.engine->Start(report);
-  REQUIRE_MESSAGE(started.ok(), started.ToString());
-  return run;
+  return memplan::testing::TestSchedule(params, optimizer, path, ElementType::kFloat32);
 }
 
 // Forward over every module, then backward with fp32 gradients, then the optimizer step.
-void TrainStep(Run& run, const Model& model, uint64_t t) {
-  for (const std::string& m : model.modules) {
-    REQUIRE_OK(run.engine->Fetch(m));
-    REQUIRE_OK(run.engine->Release(m));
-  }
-  std::vector<std::vector<float>> grads(model.params.size());  // valid until Step()
-  for (auto it = model.modules.rbegin(); it != model.modules.rend(); ++it) {
-    REQUIRE_OK(run.engine->Fetch(*it));
-    for (size_t i = 0; i < model.params.size(); ++i) {
-      if (model.params[i].module != *it) continue;
-      grads[i].resize(model.params[i].numel);
-      for (size_t k = 0; k < grads[i].size(); ++k)
-        grads[i][k] = GradAt(t, model.params[i].flat + k);
-      Status st = run.engine->GradReady(run.ids[i], grads[i].data(), ElementType::kFloat32);
-      REQUIRE_MESSAGE(st.ok(), st.ToString());
-    }
-    REQUIRE_OK(run.engine->Release(*it));
-  }
-  Status st = run.engine->Step(Adam(t));
-  REQUIRE_MESSAGE(st.ok(), st.ToString());
+void TrainStep(Run& run, const ToyModel& model, uint64_t t) {
+  std::vector<std::vector<std::byte>> grads;  // valid until Step()
+  REQUIRE_OK(memplan::testing::ForwardBackward(*run.engine, run.ids, model, model.modules, t,
+                                               GradAt, ElementType::kFloat32, &grads));
+  REQUIRE_OK(run.engine->Step(Adam(t)));
 }
 
 // AdamW over the flat space, written out from Note [AdamW formula] (cpu_optimizer.cc): fp32
 // element-wise work, the per-step scalars in double rounded to float once.
-std::vector<float> ReferenceWeights(const Model& model, uint64_t steps) {
+std::vector<float> ReferenceWeights(const ToyModel& model, uint64_t steps) {
   const uint64_t n = model.total;
   std::vector<float> p(n), m(n, 0.0f), v(n, 0.0f);
   for (uint64_t e = 0; e < n; ++e) p[e] = Init(e);
@@ -171,31 +84,28 @@ std::vector<float> ReferenceWeights(const Model& model, uint64_t steps) {
 
 // Every parameter, fetched: its fp32 working copy equals its master weights bit for bit and the
 // reference within a few float roundings.
-void CheckFetched(Run& run, const Model& model, const std::vector<float>& want) {
+void CheckFetched(Run& run, const ToyModel& model, const std::vector<float>& want) {
+  const memplan::testing::Readout out =
+      memplan::testing::MustReadOut(run, model, ElementType::kFloat32);
   for (size_t i = 0; i < model.params.size(); ++i) {
-    const Model::P& p = model.params[i];
+    const ToyModel::P& p = model.params[i];
     CAPTURE(p.name);
-    std::vector<float> master(p.numel);
-    REQUIRE_OK(run.engine->ReadMasterWeights(run.ids[i], master));
-    REQUIRE_OK(run.engine->Fetch(p.module));
-    auto ptr = run.engine->DevicePointer(run.ids[i]);
-    REQUIRE_OK(ptr);
-    // Host-only runtime: device memory is host memory.
-    CHECK(std::memcmp(*ptr, master.data(), p.numel * 4) == 0);
+    const std::vector<float>& master = out.master[i];
+    REQUIRE(master.size() == p.numel);
+    CHECK(std::memcmp(out.fetched[i].data(), master.data(), p.numel * 4) == 0);
     size_t far = 0;
     for (uint64_t k = 0; k < p.numel; ++k) {
       const double w = want[p.flat + k];
       far += std::fabs(master[k] - w) > 1e-6 * std::fabs(w) + 1e-7;
     }
     CHECK(far == 0);
-    REQUIRE_OK(run.engine->Release(p.module));
   }
 }
 
 TEST_CASE(
     "Engine with fp32 working parameters: fetched == master weights on "
     "every tier") {
-  const Model model(4, 3000, 40);
+  const ToyModel model = Model(4, 3000, 40);
   struct Combo {
     Tier params, optimizer;
   };
@@ -236,7 +146,8 @@ TEST_CASE(
     "Engine with fp32 parameters and optimizer on NVMe trains a model "
     "many times the pinned "
     "budget") {
-  const Model model(24, 12000, 48);  // ~1.2 MB of fp32 parameters, ~4.6 MB with Adam's states
+  const ToyModel model =
+      Model(24, 12000, 48);  // ~1.2 MB of fp32 parameters, ~4.6 MB with Adam's states
   TempDir dir("engine-fp32-");
   Schedule s = Fp32Schedule(Tier::kNvme, Tier::kNvme, dir.PathOf("nvme"));
   s.pinned_budget_bytes = 160 << 10;
@@ -255,7 +166,7 @@ TEST_CASE(
 }
 
 TEST_CASE("Engine with fp32 parameters resumes from its NVMe optimizer store") {
-  const Model model(3, 2500, 40);
+  const ToyModel model = Model(3, 2500, 40);
   for (Tier params : {Tier::kCpu, Tier::kNvme}) {
     CAPTURE(TierName(params));
     TempDir dir("engine-fp32-");

@@ -15,127 +15,42 @@
 #include "nvme/fault_backend.h"
 #include "offload/half.h"
 #include "offload/schedule.h"
-#include "tests/testing.h"
+#include "tests/engine_testing.h"
 #include "tests/status_testing.h"
 
 namespace memplan::offload {
 namespace {
 
+using memplan::testing::Adam;
+using memplan::testing::Init;
+using memplan::testing::StartEngine;
+using memplan::testing::StartToyEngine;
 using memplan::testing::TempDir;
+using memplan::testing::TestSchedule;
+using memplan::testing::ToyModel;
+using Run = memplan::testing::EngineRun;
 
-// A toy model: modules "m0".."m{k-1}", each with a big weight and a small bias (the bias stays on
+// The toy model here: module l's weight has `weight` + 100 l elements, every bias 40 (it stays on
 // the GPU: it is under the persistence threshold).
-struct ToyModel {
-  struct P {
-    std::string name, module;
-    uint64_t numel;
-  };
-  std::vector<P> params;
-  std::vector<std::string> modules;
-  uint64_t total = 0;
+ToyModel Model(int layers, uint64_t weight = 3000) { return ToyModel(layers, weight, 40, 100); }
 
-  explicit ToyModel(int layers, uint64_t weight = 3000, uint64_t bias = 40) {
-    for (int l = 0; l < layers; ++l) {
-      const std::string m = "m" + std::to_string(l);
-      modules.push_back(m);
-      params.push_back({m + ".weight", m, weight + 100 * static_cast<uint64_t>(l)});
-      params.push_back({m + ".bias", m, bias});
-    }
-    for (const P& p : params) total += p.numel;
-  }
-  uint64_t Offset(size_t i) const {
-    uint64_t at = 0;
-    for (size_t k = 0; k < i; ++k) at += params[k].numel;
-    return at;
-  }
-};
-
-float Init(uint64_t flat) { return static_cast<float>((flat % 89) * 0.01 - 0.44); }
 // The gradient of flat element e at step t, exactly representable in bf16.
 float GradAt(uint64_t t, uint64_t e) {
   return Bf16ToFloat(FloatToBf16(static_cast<float>(((e * 7 + t * 13) % 61) * 0.003 - 0.09)));
 }
 
-Schedule MakeSchedule(Tier params, Tier optimizer, const std::string& path) {
-  Schedule s;
-  s.param_tier = params;
-  s.optimizer_tier = optimizer;
-  s.persistence_threshold = 64;
-  s.sub_group_elements = 2048;  // sub-groups cut across parameters
-  s.param_buffer_bytes = 4096;  // parameters span several staging slots
-  s.param_buffer_count = 2;
-  s.optimizer_buffer_count = 3;
-  s.optimizer_threads = 2;
-  s.nvme_path = path;
-  s.nvme_backend = nvme::BackendKind::kPosix;
-  s.nvme_direct = false;
-  return s;
-}
-
-AdamOptions Adam(uint64_t t) {
-  AdamOptions a;
-  a.lr = 1e-2 / static_cast<double>(t);
-  return a;
-}
-
-struct Run {
-  // Each run has its own runtime, destroyed (its copy threads joined) after the engine: the
-  // process-wide one would keep threads alive, and other tests fork.
-  std::unique_ptr<gpu::Runtime> runtime = gpu::CreateHostOnlyRuntime();
-  std::unique_ptr<Engine> engine;
-  std::vector<ParamId> ids;
-};
-
-// `options.runtime` must be `runtime`'s.
-Run StartEngineWith(const ToyModel& model, const EngineOptions& options,
-                    std::unique_ptr<gpu::Runtime> runtime, RecoveryReport* report = nullptr) {
-  Run run;
-  run.runtime = std::move(runtime);
-  auto engine = Engine::Create(options);
-  REQUIRE_MESSAGE(engine.ok(), engine.status().ToString());
-  run.engine = std::move(*engine);
-  for (size_t i = 0; i < model.params.size(); ++i) {
-    const uint64_t base = model.Offset(i);
-    ParamSpec spec;
-    spec.name = model.params[i].name;
-    spec.module = model.params[i].module;
-    spec.shape = {static_cast<int64_t>(model.params[i].numel)};
-    spec.init = [base](uint64_t first, std::span<float> out) {
-      for (size_t k = 0; k < out.size(); ++k) out[k] = Init(base + first + k);
-      return Status::Ok();
-    };
-    auto id = run.engine->AddParameter(spec);
-    REQUIRE_OK(id);
-    run.ids.push_back(*id);
-  }
-  Status started = run.engine->Start(report);
-  REQUIRE_MESSAGE(started.ok(), started.ToString());
-  return run;
-}
-
-Run StartEngine(const ToyModel& model, const Schedule& schedule, bool resume = false,
-                RecoveryReport* report = nullptr) {
-  std::unique_ptr<gpu::Runtime> runtime = gpu::CreateHostOnlyRuntime();
-  EngineOptions options;
-  options.schedule = schedule;
-  options.runtime = runtime.get();
-  options.resume = resume;
-  return StartEngineWith(model, options, std::move(runtime), report);
-}
-
 // The fetched 16-bit copy of every parameter equals bf16(master weights).
 void CheckFetchedAreMaster(Run& run, const ToyModel& model) {
+  const memplan::testing::Readout out =
+      memplan::testing::MustReadOut(run, model, ElementType::kBFloat16);
   for (size_t i = 0; i < model.params.size(); ++i) {
-    std::vector<float> master(model.params[i].numel);
-    REQUIRE_OK(run.engine->ReadMasterWeights(run.ids[i], master));
-    REQUIRE_OK(run.engine->Fetch(model.params[i].module));
-    auto ptr = run.engine->DevicePointer(run.ids[i]);
-    REQUIRE_OK(ptr);
-    const auto* half = static_cast<const uint16_t*>(*ptr);
     size_t wrong = 0;
-    for (size_t k = 0; k < master.size(); ++k) wrong += half[k] != FloatToBf16(master[k]);
+    for (size_t k = 0; k < out.master[i].size(); ++k) {
+      uint16_t half = 0;
+      std::memcpy(&half, out.fetched[i].data() + k * 2, 2);
+      wrong += half != FloatToBf16(out.master[i][k]);
+    }
     CHECK_MESSAGE(wrong == 0, model.params[i].name);
-    REQUIRE_OK(run.engine->Release(model.params[i].module));
   }
 }
 
@@ -144,29 +59,10 @@ void CheckFetchedAreMaster(Run& run, const ToyModel& model) {
 void TrainStep(Run& run, const ToyModel& model, uint64_t t, const std::vector<std::string>& order,
                bool prepare = false) {
   if (prepare) REQUIRE_OK(run.engine->PrepareStep(Adam(t)));
-  for (const std::string& m : order) {
-    REQUIRE_OK(run.engine->Fetch(m));
-    REQUIRE_OK(run.engine->Release(m));
-  }
-  // Gradients must stay valid until Step(): the engine copies them asynchronously.
-  std::vector<std::vector<uint16_t>> grads(model.params.size());
-  for (auto it = order.rbegin(); it != order.rend(); ++it) {
-    REQUIRE_OK(run.engine->Fetch(*it));
-    for (size_t i = 0; i < model.params.size(); ++i) {
-      if (model.params[i].module != *it) continue;
-      REQUIRE_OK(run.engine->DevicePointer(run.ids[i]));
-      std::vector<uint16_t>& grad = grads[i];
-      grad.resize(model.params[i].numel);
-      for (size_t k = 0; k < grad.size(); ++k)
-        grad[k] = FloatToBf16(GradAt(t, model.Offset(i) + k));
-      // Host-only runtime: device memory is host memory.
-      Status st = run.engine->GradReady(run.ids[i], grad.data(), ElementType::kBFloat16);
-      REQUIRE_MESSAGE(st.ok(), st.ToString());
-    }
-    REQUIRE_OK(run.engine->Release(*it));
-  }
-  Status st = run.engine->Step(Adam(t));
-  REQUIRE_MESSAGE(st.ok(), st.ToString());
+  std::vector<std::vector<std::byte>> grads;  // valid until Step()
+  REQUIRE_OK(memplan::testing::ForwardBackward(*run.engine, run.ids, model, order, t, GradAt,
+                                               ElementType::kBFloat16, &grads));
+  REQUIRE_OK(run.engine->Step(Adam(t)));
 }
 
 // AdamW over the flat space in memory, for comparison.
@@ -195,7 +91,7 @@ std::vector<float> EngineWeights(Run& run, const ToyModel& model) {
 }
 
 TEST_CASE("Engine trains bit-identically to in-memory AdamW on every tier combination") {
-  const ToyModel model(4);
+  const ToyModel model = Model(4);
   struct Combo {
     Tier params, optimizer;
   };
@@ -207,7 +103,7 @@ TEST_CASE("Engine trains bit-identically to in-memory AdamW on every tier combin
       CAPTURE(TierName(c.optimizer));
       CAPTURE(prepare);
       TempDir dir("engine-");
-      Run run = StartEngine(model, MakeSchedule(c.params, c.optimizer, dir.PathOf("nvme")));
+      Run run = StartEngine(model, TestSchedule(c.params, c.optimizer, dir.PathOf("nvme")));
       CheckFetchedAreMaster(run, model);
       EngineStats before_last;
       for (uint64_t t = 1; t <= 3; ++t) {
@@ -267,24 +163,21 @@ TEST_CASE("Engine trains bit-identically to in-memory AdamW on every tier combin
 }
 
 TEST_CASE("A prepared step that fails is abandoned: nothing applied, the weights as before") {
-  const ToyModel model(4);
+  const ToyModel model = Model(4);
   for (Tier params : {Tier::kCpu, Tier::kNvme}) {
     CAPTURE(TierName(params));
     TempDir dir("engine-");
     nvme::FaultBackend* faults = nullptr;
     Run run;
-    {
-      EngineOptions options;
-      options.schedule = MakeSchedule(params, Tier::kNvme, dir.PathOf("nvme"));
-      options.runtime = run.runtime.get();
-      options.make_optimizer_backend = [&]() -> Result<std::unique_ptr<nvme::Backend>> {
-        MEMPLAN_ASSIGN_OR_RETURN(auto inner, nvme::CreatePosixBackend({}));
-        MEMPLAN_ASSIGN_OR_RETURN(auto wrapped, nvme::FaultBackend::Create(std::move(inner)));
-        faults = wrapped.get();
-        return std::unique_ptr<nvme::Backend>(std::move(wrapped));
-      };
-      run = StartEngineWith(model, options, std::move(run.runtime));
-    }
+    EngineOptions options;
+    options.schedule = TestSchedule(params, Tier::kNvme, dir.PathOf("nvme"));
+    options.make_optimizer_backend = [&]() -> Result<std::unique_ptr<nvme::Backend>> {
+      MEMPLAN_ASSIGN_OR_RETURN(auto inner, nvme::CreatePosixBackend({}));
+      MEMPLAN_ASSIGN_OR_RETURN(auto wrapped, nvme::FaultBackend::Create(std::move(inner)));
+      faults = wrapped.get();
+      return std::unique_ptr<nvme::Backend>(std::move(wrapped));
+    };
+    REQUIRE_OK(StartToyEngine(model, options, &run));
     REQUIRE(faults != nullptr);
     TrainStep(run, model, 1, model.modules, /*prepare=*/true);
     const std::vector<float> after_1 = EngineWeights(run, model);
@@ -296,7 +189,7 @@ TEST_CASE("A prepared step that fails is abandoned: nothing applied, the weights
     for (size_t i = model.params.size(); i-- > 0;) {
       grads[i].resize(model.params[i].numel);
       for (size_t k = 0; k < grads[i].size(); ++k) {
-        grads[i][k] = FloatToBf16(GradAt(2, model.Offset(i) + k));
+        grads[i][k] = FloatToBf16(GradAt(2, model.params[i].flat + k));
       }
       REQUIRE_OK(run.engine->GradReady(run.ids[i], grads[i].data(), ElementType::kBFloat16));
     }
@@ -340,8 +233,10 @@ TEST_CASE("A prepared step that fails is abandoned: nothing applied, the weights
 TEST_CASE("Engine holds frozen parameters: fetched every step, never stepped nor written") {
   // m0 and m2's weights frozen (LoRA's base), between trainable ones: the engine lays them out
   // after the trainable ones, on a chunk boundary (Note [Frozen parameters]).
-  const ToyModel model(4);
-  auto frozen = [&](size_t i) { return i == 0 || i == 4; };
+  ToyModel model = Model(4);
+  model.params[0].frozen = true;
+  model.params[4].frozen = true;
+  auto frozen = [&](size_t i) { return model.params[i].frozen; };
   uint64_t trainable = 0;
   for (size_t i = 0; i < model.params.size(); ++i) {
     if (!frozen(i)) trainable += model.params[i].numel;
@@ -356,25 +251,7 @@ TEST_CASE("Engine holds frozen parameters: fetched every step, never stepped nor
     CAPTURE(TierName(tier));
     CAPTURE(prepare);
     TempDir dir("engine-");
-    Run run;
-    EngineOptions options;
-    options.schedule = MakeSchedule(tier, tier, dir.PathOf("nvme"));
-    options.runtime = run.runtime.get();
-    run.engine = std::move(Engine::Create(options).value());
-    for (size_t i = 0; i < model.params.size(); ++i) {
-      const uint64_t base = model.Offset(i);
-      ParamSpec spec;
-      spec.name = model.params[i].name;
-      spec.module = model.params[i].module;
-      spec.shape = {static_cast<int64_t>(model.params[i].numel)};
-      spec.init = [base](uint64_t first, std::span<float> out) {
-        for (size_t k = 0; k < out.size(); ++k) out[k] = Init(base + first + k);
-        return Status::Ok();
-      };
-      spec.frozen = frozen(i);
-      run.ids.push_back(run.engine->AddParameter(spec).value());
-    }
-    REQUIRE_OK(run.engine->Start());
+    Run run = StartEngine(model, TestSchedule(tier, tier, dir.PathOf("nvme")));
     const uint64_t writes_at_start = run.engine->stats().param.nvme_write_bytes;
     std::vector<std::vector<uint16_t>> grads(model.params.size());
     for (uint64_t t = 1; t <= 3; ++t) {
@@ -393,12 +270,12 @@ TEST_CASE("Engine holds frozen parameters: fetched every step, never stepped nor
           const auto* half = static_cast<const uint16_t*>(*ptr);
           grads[i].resize(model.params[i].numel);
           for (size_t k = 0; k < grads[i].size(); ++k) {
-            grads[i][k] = FloatToBf16(GradAt(t, model.Offset(i) + k));
+            grads[i][k] = FloatToBf16(GradAt(t, model.params[i].flat + k));
           }
           if (frozen(i)) {
             size_t wrong = 0;
             for (size_t k = 0; k < grads[i].size(); ++k) {
-              wrong += half[k] != FloatToBf16(Init(model.Offset(i) + k));
+              wrong += half[k] != FloatToBf16(Init(model.params[i].flat + k));
             }
             CHECK(wrong == 0);
             Status refused =
@@ -424,7 +301,7 @@ TEST_CASE("Engine holds frozen parameters: fetched every step, never stepped nor
         continue;
       }
       REQUIRE_OK(read);
-      CHECK(std::memcmp(w.data(), want.data() + model.Offset(i), w.size() * 4) == 0);
+      CHECK(std::memcmp(w.data(), want.data() + model.params[i].flat, w.size() * 4) == 0);
     }
     const EngineStats stats = run.engine->stats();
     CHECK(stats.frozen_params == 2);
@@ -460,7 +337,7 @@ void TrainSkipping(Run& run, const ToyModel& model, uint64_t first, uint64_t las
       }
       grads[i].resize(model.params[i].numel);
       for (size_t k = 0; k < grads[i].size(); ++k) {
-        grads[i][k] = FloatToBf16(GradAt(t, model.Offset(i) + k));
+        grads[i][k] = FloatToBf16(GradAt(t, model.params[i].flat + k));
       }
       REQUIRE_OK(run.engine->GradReady(run.ids[i], grads[i].data(), ElementType::kBFloat16));
     }
@@ -473,7 +350,7 @@ TEST_CASE("Engine skips a parameter without a gradient as torch does, across a r
   // m1.weight has no gradient in step 2 and m2.bias none in steps 2 and 3: they keep their values
   // and states, and their own step counts (bias correction) lag the others', as torch's AdamW
   // keeps state["step"] per parameter.
-  const ToyModel model(3);
+  const ToyModel model = Model(3);
   auto skip = [](size_t i, uint64_t t) {
     return (i == 2 && t == 2) || (i == 5 && t >= 2 && t <= 3);
   };
@@ -487,7 +364,7 @@ TEST_CASE("Engine skips a parameter without a gradient as torch does, across a r
     for (uint64_t t = 1; t <= 4; ++t) {
       for (size_t i = 0; i < model.params.size(); ++i) {
         if (skip(i, t)) continue;
-        const uint64_t at = model.Offset(i), n = model.params[i].numel;
+        const uint64_t at = model.params[i].flat, n = model.params[i].numel;
         std::vector<float> g(n);
         for (uint64_t k = 0; k < n; ++k) g[k] = GradAt(t, at + k);
         AdamTensors tensors{std::span<float>(p).subspan(at, n),
@@ -510,7 +387,7 @@ TEST_CASE("Engine skips a parameter without a gradient as torch does, across a r
       CAPTURE(TierName(tier));
       CAPTURE(prepare);
       TempDir dir("engine-");
-      const Schedule schedule = MakeSchedule(tier, tier, dir.PathOf("nvme"));
+      const Schedule schedule = TestSchedule(tier, tier, dir.PathOf("nvme"));
       std::vector<float> got;
       if (tier == Tier::kNvme) {
         {
@@ -547,9 +424,9 @@ TEST_CASE("Engine skips a parameter without a gradient as torch does, across a r
 }
 
 TEST_CASE("ParamSwapper follows the recorded trace, prefetches within budgets, re-records") {
-  const ToyModel model(6, 2000);
+  const ToyModel model = Model(6, 2000);
   TempDir dir("engine-");
-  Schedule s = MakeSchedule(Tier::kNvme, Tier::kCpu, dir.PathOf("nvme"));
+  Schedule s = TestSchedule(Tier::kNvme, Tier::kCpu, dir.PathOf("nvme"));
   // Room for about two weights ahead and three live: prefetch must stop at the budgets.
   s.prefetch_bytes = 2 * 2 * 2500;
   s.max_live_bytes = 3 * 2 * 2600;
@@ -590,9 +467,9 @@ TEST_CASE("ParamSwapper follows the recorded trace, prefetches within budgets, r
 }
 
 TEST_CASE("Engine resumes from its NVMe optimizer store") {
-  const ToyModel model(3);
+  const ToyModel model = Model(3);
   TempDir dir("engine-");
-  const Schedule s = MakeSchedule(Tier::kNvme, Tier::kNvme, dir.PathOf("nvme"));
+  const Schedule s = TestSchedule(Tier::kNvme, Tier::kNvme, dir.PathOf("nvme"));
   {
     Run run = StartEngine(model, s);
     for (uint64_t t = 1; t <= 2; ++t) TrainStep(run, model, t, model.modules);
@@ -611,11 +488,11 @@ TEST_CASE("Engine resumes from its NVMe optimizer store") {
 }
 
 TEST_CASE("Engine misuse is an error naming what is wrong") {
-  const ToyModel model(2);
+  const ToyModel model = Model(2);
   TempDir dir("engine-");
   // Declared before the engine: its asynchronous copy may read it until the engine closes.
   std::vector<uint16_t> grad(model.params[0].numel);
-  Run run = StartEngine(model, MakeSchedule(Tier::kCpu, Tier::kCpu, dir.PathOf("nvme")));
+  Run run = StartEngine(model, TestSchedule(Tier::kCpu, Tier::kCpu, dir.PathOf("nvme")));
   Engine& e = *run.engine;
   CHECK(e.Fetch("nope").code() == StatusCode::kNotFound);
   CHECK(e.Release("m0").code() == StatusCode::kFailedPrecondition);
@@ -631,7 +508,7 @@ TEST_CASE("Engine misuse is an error naming what is wrong") {
   CHECK(e.AddParameter(late).status().code() == StatusCode::kFailedPrecondition);
 
   EngineOptions options;
-  options.schedule = MakeSchedule(Tier::kCpu, Tier::kCpu, "");
+  options.schedule = TestSchedule(Tier::kCpu, Tier::kCpu, "");
   options.runtime = &gpu::DefaultHostOnlyRuntime();
   auto fresh = Engine::Create(options);
   REQUIRE_OK(fresh);
@@ -643,7 +520,7 @@ TEST_CASE("Engine misuse is an error naming what is wrong") {
 }
 
 TEST_CASE("Schedule JSON round-trips and rejects what it does not know") {
-  Schedule s = MakeSchedule(Tier::kNvme, Tier::kNvme, "/mnt/nvme/job");
+  Schedule s = TestSchedule(Tier::kNvme, Tier::kNvme, "/mnt/nvme/job");
   s.prefetch_bytes = 12345;
   s.nvme_io_threads = 4;
   auto back = ScheduleFromJson(ToJson(s), "schedule.json");

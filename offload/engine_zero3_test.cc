@@ -17,45 +17,28 @@
 #include "offload/half.h"
 #include "offload/schedule.h"
 #include "offload/thread_collective.h"
-#include "tests/testing.h"
+#include "tests/engine_testing.h"
 #include "tests/status_testing.h"
 
 namespace memplan::offload {
 namespace {
 
+using memplan::testing::Adam;
+using memplan::testing::GradFn;
+using memplan::testing::Init;
 using memplan::testing::TempDir;
+using memplan::testing::ToyModel;
 
-// Modules "m0".."m{k-1}": a weight (offloaded; sizes that no world size divides), a bias and, in
-// m0, a 3-element parameter (both resident: under the persistence threshold; the 3-element one has
-// ranks whose shard is all padding). m0's weight is tied: the last module uses it too.
-struct Model {
-  struct P {
-    std::string name, module;
-    uint64_t numel = 0, flat = 0;
-    std::vector<std::string> also_used_by;
-    bool frozen = false;
-  };
-  std::vector<P> params;
-  std::vector<std::string> modules;
-  uint64_t total = 0;
-
-  explicit Model(int layers) {
-    for (int l = 0; l < layers; ++l) {
-      const std::string m = "m" + std::to_string(l);
-      modules.push_back(m);
-      params.push_back({m + ".weight", m, 3001 + 37 * static_cast<uint64_t>(l), 0, {}});
-      params.push_back({m + ".bias", m, 41, 0, {}});
-    }
-    params.push_back({"m0.scale", "m0", 3, 0, {}});
-    params[0].also_used_by = {modules.back()};
-    for (P& p : params) {
-      p.flat = total;
-      total += p.numel;
-    }
-  }
-};
-
-float Init(uint64_t flat) { return static_cast<float>((flat % 97) * 0.0103 - 0.5); }
+// Module l's weight has 3001 + 37 l elements (offloaded; sizes that no world size divides), every
+// bias 41 and m0 has a 3-element parameter "m0.scale" after the others (both resident: under the
+// persistence threshold; the 3-element one has ranks whose shard is all padding). m0's weight is
+// tied: the last module uses it too.
+ToyModel Model(int layers) {
+  ToyModel model(layers, 3001, 41, 37);
+  model.Add("m0.scale", "m0", 3);
+  model.params[0].also_used_by = {model.modules.back()};
+  return model;
+}
 
 // Rank r's gradient of flat element e at step t.
 float RankGrad(int r, uint64_t t, uint64_t e) {
@@ -78,39 +61,18 @@ float MeanGrad(int world, uint64_t t, uint64_t e, ElementType type) {
   return sum / static_cast<float>(world);
 }
 
-AdamOptions Adam(uint64_t t) {
-  AdamOptions a;
-  a.lr = 2e-2 / static_cast<double>(t);
-  a.weight_decay = 0.05;
-  return a;
-}
-
+// TestSchedule with one optimizer thread a rank.
 Schedule MakeSchedule(Tier params, Tier optimizer, ElementType dtype, const std::string& path) {
-  Schedule s;
-  s.param_tier = params;
-  s.param_dtype = dtype;
-  s.optimizer_tier = optimizer;
-  s.persistence_threshold = 64;
-  s.sub_group_elements = 2048;  // sub-groups cut across shards
-  s.param_buffer_bytes = 4096;
-  s.param_buffer_count = 2;
-  s.optimizer_buffer_count = 3;
+  Schedule s = memplan::testing::TestSchedule(params, optimizer, path, dtype);
   s.optimizer_threads = 1;
-  s.nvme_path = path;
-  s.nvme_backend = nvme::BackendKind::kPosix;
-  s.nvme_direct = false;
   return s;
 }
 
-// What one rank (or the single-rank reference) ends with.
-struct Outcome {
-  std::vector<std::vector<std::byte>> fetched;  // per parameter, the fetched working copy
-  std::vector<std::vector<float>> master;       // per parameter, ReadMasterWeights()
+// What one rank (or the single-rank reference) ends with: the working copies and master weights
+// read out after the last step, and the engine's statistics.
+struct Outcome : memplan::testing::Readout {
   EngineStats stats;
 };
-
-// The gradient of flat element e at step t that this engine is given.
-using GradFn = std::function<float(uint64_t t, uint64_t e)>;
 
 // TrainRank's `crash`: kNoCrash; kCrashBeforeLastStep, the rank is killed before its last Step();
 // kSurvivor, another rank is, and this one stops after its last Step(). Neither reads out.
@@ -119,85 +81,35 @@ constexpr int kNoCrash = 0, kCrashBeforeLastStep = 1, kSurvivor = 2;
 // Trains `steps` steps from `first_step` on one engine; every rank runs this on its own thread.
 // Gradients are given in `grad_type`; each is overwritten right after GradReady() when `reuse`
 // (world size > 1: the gradient has been reduced when GradReady returns).
-Status TrainRank(const Model& model, const Schedule& schedule, Collective* collective, bool resume,
-                 uint64_t first_step, uint64_t steps, const GradFn& grad, ElementType grad_type,
-                 bool reuse, Outcome* out, int crash = kNoCrash, bool prepare = false) {
-  auto runtime = gpu::CreateHostOnlyRuntime();  // destroyed after the engine
+Status TrainRank(const ToyModel& model, const Schedule& schedule, Collective* collective,
+                 bool resume, uint64_t first_step, uint64_t steps, const GradFn& grad,
+                 ElementType grad_type, bool reuse, Outcome* out, int crash = kNoCrash,
+                 bool prepare = false) {
+  memplan::testing::EngineRun run;
   EngineOptions options;
   options.schedule = schedule;
-  options.runtime = runtime.get();
   options.collective = collective;
   options.resume = resume;
-  MEMPLAN_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options));
-  std::vector<ParamId> ids;
-  for (const Model::P& p : model.params) {
-    const uint64_t base = p.flat;
-    ParamSpec spec{p.name,
-                   p.module,
-                   {static_cast<int64_t>(p.numel)},
-                   [base](uint64_t first, std::span<float> values) {
-                     for (size_t k = 0; k < values.size(); ++k) values[k] = Init(base + first + k);
-                     return Status::Ok();
-                   },
-                   p.also_used_by};
-    spec.frozen = p.frozen;
-    MEMPLAN_ASSIGN_OR_RETURN(ParamId id, engine->AddParameter(spec));
-    ids.push_back(id);
-  }
-  MEMPLAN_RETURN_IF_ERROR(engine->Start());
-  const int eb = ElementBytes(grad_type);
+  MEMPLAN_RETURN_IF_ERROR(memplan::testing::StartToyEngine(model, options, &run));
+  Engine& engine = *run.engine;
   for (uint64_t t = first_step; t < first_step + steps; ++t) {
-    if (prepare) MEMPLAN_RETURN_IF_ERROR(engine->PrepareStep(Adam(t)));
-    for (const std::string& m : model.modules) {
-      MEMPLAN_RETURN_IF_ERROR(engine->Fetch(m));
-      MEMPLAN_RETURN_IF_ERROR(engine->Release(m));
-    }
-    std::vector<std::vector<std::byte>> grads(model.params.size());  // kept until Step()
-    for (auto it = model.modules.rbegin(); it != model.modules.rend(); ++it) {
-      MEMPLAN_RETURN_IF_ERROR(engine->Fetch(*it));
-      for (size_t i = 0; i < model.params.size(); ++i) {
-        const Model::P& p = model.params[i];
-        if (p.module != *it || p.frozen) continue;
-        std::vector<std::byte>& g = grads[i];
-        g.resize(p.numel * static_cast<uint64_t>(eb));
-        for (uint64_t k = 0; k < p.numel; ++k) {
-          const float v = grad(t, p.flat + k);
-          if (grad_type == ElementType::kFloat32) {
-            std::memcpy(g.data() + k * 4, &v, 4);
-          } else {
-            const uint16_t h = FloatToBf16(v);
-            std::memcpy(g.data() + k * 2, &h, 2);
-          }
-        }
-        MEMPLAN_RETURN_IF_ERROR(engine->GradReady(ids[i], g.data(), grad_type));
-        if (reuse) std::fill(g.begin(), g.end(), std::byte{0xff});  // NaNs, were they read
-      }
-      MEMPLAN_RETURN_IF_ERROR(engine->Release(*it));
-    }
+    if (prepare) MEMPLAN_RETURN_IF_ERROR(engine.PrepareStep(Adam(t)));
+    std::vector<std::vector<std::byte>> grads;  // kept until Step()
+    MEMPLAN_RETURN_IF_ERROR(memplan::testing::ForwardBackward(engine, run.ids, model, model.modules,
+                                                              t, grad, grad_type, &grads, reuse));
     if (crash == kCrashBeforeLastStep && t + 1 == first_step + steps) break;
-    MEMPLAN_RETURN_IF_ERROR(engine->Step(Adam(t)));
+    MEMPLAN_RETURN_IF_ERROR(engine.Step(Adam(t)));
   }
-  if (crash != kNoCrash) return engine->Close();  // what a killed job leaves on disk
-  const int wb = ElementBytes(schedule.param_dtype);
-  out->fetched.resize(model.params.size());
-  out->master.resize(model.params.size());
-  for (size_t i = 0; i < model.params.size(); ++i) {
-    const Model::P& p = model.params[i];
-    MEMPLAN_RETURN_IF_ERROR(engine->Fetch(p.module));
-    MEMPLAN_ASSIGN_OR_RETURN(void* device, engine->DevicePointer(ids[i]));
-    const auto* bytes = static_cast<const std::byte*>(device);  // host-only runtime
-    out->fetched[i].assign(bytes, bytes + p.numel * static_cast<uint64_t>(wb));
-    MEMPLAN_RETURN_IF_ERROR(engine->Release(p.module));
-    if (p.frozen) continue;  // no master weights: its fetched copy is compared
-    out->master[i].resize(p.numel);
-    MEMPLAN_RETURN_IF_ERROR(engine->ReadMasterWeights(ids[i], out->master[i]));
-  }
-  out->stats = engine->stats();
-  return engine->Close();
+  if (crash != kNoCrash) return engine.Close();  // what a killed job leaves on disk
+  // A frozen parameter has no master weights: its fetched copy is compared.
+  MEMPLAN_RETURN_IF_ERROR(
+      memplan::testing::ReadOut(engine, run.ids, model, schedule.param_dtype, out));
+  out->stats = engine.stats();
+  return engine.Close();
 }
 
 // Runs `world` ranks on threads; returns their outcomes.
-std::vector<Outcome> TrainRanks(int world, const Model& model, const Schedule& schedule,
+std::vector<Outcome> TrainRanks(int world, const ToyModel& model, const Schedule& schedule,
                                 bool resume, uint64_t first_step, uint64_t steps,
                                 ElementType grad_type, int skip_last_step_rank = -1,
                                 bool prepare = false) {
@@ -226,7 +138,7 @@ std::vector<Outcome> TrainRanks(int world, const Model& model, const Schedule& s
   return outcomes;
 }
 
-Outcome TrainReference(int world, const Model& model, const Schedule& schedule, uint64_t steps,
+Outcome TrainReference(int world, const ToyModel& model, const Schedule& schedule, uint64_t steps,
                        ElementType grad_type) {
   Outcome out;
   Status st = TrainRank(
@@ -237,7 +149,7 @@ Outcome TrainReference(int world, const Model& model, const Schedule& schedule, 
   return out;
 }
 
-void CheckSameAsReference(const Model& model, const std::vector<Outcome>& ranks,
+void CheckSameAsReference(const ToyModel& model, const std::vector<Outcome>& ranks,
                           const Outcome& want) {
   for (size_t r = 0; r < ranks.size(); ++r) {
     CAPTURE(r);
@@ -255,16 +167,16 @@ void CheckSameAsReference(const Model& model, const std::vector<Outcome>& ranks,
   }
 }
 
-uint64_t Partition(const Model& model, int world) {
+uint64_t Partition(const ToyModel& model, int world) {
   uint64_t n = 0;
-  for (const Model::P& p : model.params) n += ShardElements(p.numel, world);
+  for (const ToyModel::P& p : model.params) n += ShardElements(p.numel, world);
   return n;
 }
 
 TEST_CASE(
     "ZeRO-3 on threads: every rank ends with the parameters of one rank fed the mean "
     "gradient") {
-  const Model model(4);
+  const ToyModel model = Model(4);
   constexpr uint64_t kSteps = 3;
   struct Combo {
     Tier params, optimizer;
@@ -326,7 +238,7 @@ TEST_CASE("ZeRO-3 on threads, the optimizer overlapped with backward: the serial
   // background sub-group steps call no collective, so the ranks end where one rank stepping
   // serially on the mean gradient does, bit for bit, and a rank that stopped before its last
   // step still resumes with the others at the step they all completed.
-  const Model model(4);
+  const ToyModel model = Model(4);
   for (Tier params : {Tier::kCpu, Tier::kNvme}) {
     CAPTURE(TierName(params));
     TempDir dir("engine-zero3-");
@@ -357,7 +269,7 @@ TEST_CASE("ZeRO-3 on threads, the optimizer overlapped with backward: the serial
 }
 
 TEST_CASE("ZeRO-3 on threads: bf16 parameters and gradients gather and reduce in 16 bits") {
-  const Model model(3);
+  const ToyModel model = Model(3);
   TempDir dir("engine-zero3-");
   const Schedule s =
       MakeSchedule(Tier::kCpu, Tier::kCpu, ElementType::kBFloat16, dir.PathOf("nvme"));
@@ -377,7 +289,7 @@ TEST_CASE("ZeRO-3 on threads: bf16 parameters and gradients gather and reduce in
 }
 
 TEST_CASE("ZeRO-3 on threads: a partitioned NVMe run resumes on every rank") {
-  const Model model(3);
+  const ToyModel model = Model(3);
   TempDir dir("engine-zero3-");
   const Schedule s =
       MakeSchedule(Tier::kNvme, Tier::kNvme, ElementType::kFloat32, dir.PathOf("nvme"));
@@ -393,7 +305,7 @@ TEST_CASE("ZeRO-3 on threads: a partitioned NVMe run resumes on every rank") {
 TEST_CASE("ZeRO-3 on threads: a rank a step behind the others makes them all resume there") {
   // No resident parameters: Step() has no collective, so one rank can commit a step another never
   // reached (killed between them). On resume the ranks agree on the oldest rank's last step.
-  const Model model(2);
+  const ToyModel model = Model(2);
   TempDir dir("engine-zero3-");
   Schedule s = MakeSchedule(Tier::kNvme, Tier::kNvme, ElementType::kFloat32, dir.PathOf("nvme"));
   s.persistence_threshold = 0;
@@ -409,7 +321,7 @@ TEST_CASE("ZeRO-3 on threads: frozen parameters are sharded, gathered, never ste
   // m0's and m2's weights frozen (m0's is tied to the last module too): every rank holds a shard
   // of them after the trainable ones, fetches gather them whole, and the trainable ones end as
   // one rank fed the mean gradient.
-  Model model(3);
+  ToyModel model = Model(3);
   model.params[0].frozen = true;
   model.params[4].frozen = true;
   TempDir dir("engine-zero3-");
@@ -425,7 +337,7 @@ TEST_CASE("ZeRO-3 on threads: frozen parameters are sharded, gathered, never ste
     CHECK(o.stats.optimizer_elements * 2 < o.stats.elements - o.stats.frozen_elements + 8);
     // The frozen weights are their init values, rounded to bf16.
     for (size_t i : {size_t{0}, size_t{4}}) {
-      const Model::P& p = model.params[i];
+      const ToyModel::P& p = model.params[i];
       size_t wrong = 0;
       for (uint64_t k = 0; k < p.numel; ++k) {
         uint16_t h = 0;
@@ -438,7 +350,8 @@ TEST_CASE("ZeRO-3 on threads: frozen parameters are sharded, gathered, never ste
 }
 
 TEST_CASE("ZeRO-3 on threads: ranks that fetch different modules get an error, not a hang") {
-  const Model model(2);
+  ToyModel model = Model(2);
+  model.params[0].also_used_by.clear();  // m1 fetches its own weights only
   TempDir dir("engine-zero3-");
   auto group = CreateThreadGroupCollectives(2, nullptr, std::chrono::seconds(20));
   REQUIRE_OK(group);
@@ -446,32 +359,15 @@ TEST_CASE("ZeRO-3 on threads: ranks that fetch different modules get an error, n
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
-      auto runtime = gpu::CreateHostOnlyRuntime();
+      memplan::testing::EngineRun run;
       EngineOptions options;
       options.schedule = MakeSchedule(Tier::kCpu, Tier::kCpu, ElementType::kFloat32, "");
-      options.runtime = runtime.get();
       options.collective = (*group)[static_cast<size_t>(r)].get();
-      auto engine = Engine::Create(options);
-      if (!engine.ok()) {
-        fetched[static_cast<size_t>(r)] = engine.status();
-        return;
-      }
-      for (const Model::P& p : model.params) {
-        ParamSpec spec{p.name,
-                       p.module,
-                       {static_cast<int64_t>(p.numel)},
-                       [](uint64_t, std::span<float> out) {
-                         std::fill(out.begin(), out.end(), 0.5f);
-                         return Status::Ok();
-                       },
-                       {}};
-        if (!(*engine)->AddParameter(spec).ok()) return;
-      }
-      Status st = (*engine)->Start();
+      Status st = memplan::testing::StartToyEngine(model, options, &run);
       // The ranks disagree: rank 0 fetches m0, rank 1 m1, whose weights differ in size.
-      if (st.ok()) st = (*engine)->Fetch(r == 0 ? "m0" : "m1");
+      if (st.ok()) st = run.engine->Fetch(r == 0 ? "m0" : "m1");
       fetched[static_cast<size_t>(r)] = st;
-      (void)(*engine)->Close();
+      if (run.engine != nullptr) (void)run.engine->Close();
     });
   }
   for (std::thread& t : threads) t.join();

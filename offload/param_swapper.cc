@@ -511,6 +511,113 @@ struct ParamSwapper::Impl {
     return Status::Ok();
   }
 
+  // --- Fetch()'s pieces ---
+
+  // Fetch()'s request of `module`'s parameters `ids`: the trace followed (or, where the call
+  // departs from it, cut there and recorded again), the parameters at home queued ahead of the
+  // prefetches, those queued for a prefetch moved ahead of the others, and, while following the
+  // trace, the prefetches after this call queued.
+  void RequestLocked(const std::string& module, const std::vector<ParamId>& ids) REQUIRES(mu) {
+    ++stats.fetch_calls;
+    if (recording) {
+      trace.push_back(module);
+    } else if (pos < trace.size() && trace[pos] == module) {
+      ++pos;
+    } else {
+      ++stats.trace_invalidations;
+      trace.resize(pos);
+      trace.push_back(module);
+      recording = true;
+    }
+    for (ParamId id : ids) {
+      Param& p = params[id];
+      if (p.resident) continue;
+      p.wanted = true;
+      if (p.state == State::kHome) {
+        EnqueueLocked(id, /*front=*/true, /*prefetch=*/false);
+        ++stats.demand_fetches;
+        if (stats.live_bytes > options.max_live_bytes) ++stats.over_budget_fetches;
+      } else if (p.state == State::kQueued) {
+        // Needed now: move it ahead of the prefetches.
+        auto it = std::find(jobs.begin(), jobs.end(), id);
+        if (it != jobs.end()) {
+          jobs.erase(it);
+          jobs.push_front(id);
+        }
+      }
+    }
+    if (!recording) PrefetchLocked(pos);
+    stats.trace_length = trace.size();
+    stats.trace_complete = !recording;
+  }
+
+  // Takes a use of each of `ids` and waits for its load and its copy to the GPU. A parameter whose
+  // load failed goes back home, its use given back, and the waiting goes on; the first error is
+  // returned.
+  Status AwaitLoads(const std::vector<ParamId>& ids) EXCLUDES(mu) {
+    Status first_error;
+    for (ParamId id : ids) {
+      Param& p = params[id];
+      gpu::CopyTicket ticket;
+      {
+        MutexLock lock(&mu);
+        ++p.uses;
+        if (p.resident) continue;
+        while (p.state != State::kReady && p.state != State::kFailed) job_done.Wait(&mu);
+        if (p.state == State::kFailed) {
+          if (first_error.ok()) first_error = p.error;
+          --p.uses;
+          ToHomeLocked(p);
+          continue;
+        }
+        if (p.prefetched) {
+          ++stats.prefetch_hits;
+          stats.ahead_bytes -= p.bytes;
+          p.prefetched = false;
+        }
+        ticket = p.ticket;
+      }
+      Status waited = options.runtime->Wait(ticket);
+      if (!waited.ok() && first_error.ok()) first_error = waited.WithPrefix("fetching " + p.name);
+    }
+    return first_error;
+  }
+
+  // World size > 1: every rank's shard of each of `ids` into its buffer, in the module's parameter
+  // order, which is the same on every rank (Note [ZeRO-3 partitions]). Those gathered already
+  // (resident, or by an earlier Fetch() still holding them) are skipped; the first error ends it.
+  Status GatherShards(const std::vector<ParamId>& ids) EXCLUDES(mu) {
+    const auto eb = static_cast<uint64_t>(elem_bytes);
+    for (ParamId id : ids) {
+      Param& p = params[id];
+      std::byte* device = nullptr;
+      {
+        MutexLock lock(&mu);
+        if (p.gathered) continue;
+        device = static_cast<std::byte*>(p.device);
+      }
+      Status gathered = options.collective->AllGather(
+          device + static_cast<uint64_t>(rank) * p.shard * eb, device, p.shard, options.dtype);
+      if (!gathered.ok()) return gathered.WithPrefix("gathering parameter " + p.name);
+      MutexLock lock(&mu);
+      p.gathered = true;
+      stats.allgather_bytes += p.bytes;
+    }
+    return Status::Ok();
+  }
+
+  // Gives back the uses a failed Fetch() took of `ids`, so the caller need not Release a module
+  // that failed to arrive; a parameter left without uses goes home.
+  void UndoUsesLocked(const std::vector<ParamId>& ids) REQUIRES(mu) {
+    for (ParamId id : ids) {
+      Param& p = params[id];
+      if (p.uses > 0 && p.state != State::kHome) {
+        --p.uses;
+        if (p.uses == 0 && !p.resident) ToHomeLocked(p);
+      }
+    }
+  }
+
   // The first parameter whose shard ends after partition element `begin`.
   std::vector<Param>::iterator FirstOverlapping(uint64_t begin) {
     return std::lower_bound(params.begin(), params.end(), begin,
@@ -785,103 +892,18 @@ Status ParamSwapper::Fetch(std::string_view module) {
   const std::vector<ParamId>& ids = mod->second;
   {
     MutexLock lock(&s.mu);
-    ++s.stats.fetch_calls;
-    if (s.recording) {
-      s.trace.push_back(mod->first);
-    } else if (s.pos < s.trace.size() && s.trace[s.pos] == mod->first) {
-      ++s.pos;
-    } else {
-      ++s.stats.trace_invalidations;
-      s.trace.resize(s.pos);
-      s.trace.push_back(mod->first);
-      s.recording = true;
-    }
-    for (ParamId id : ids) {
-      Impl::Param& p = s.params[id];
-      if (p.resident) continue;
-      p.wanted = true;
-      if (p.state == State::kHome) {
-        s.EnqueueLocked(id, /*front=*/true, /*prefetch=*/false);
-        ++s.stats.demand_fetches;
-        if (s.stats.live_bytes > s.options.max_live_bytes) ++s.stats.over_budget_fetches;
-      } else if (p.state == State::kQueued) {
-        // Needed now: move it ahead of the prefetches.
-        auto it = std::find(s.jobs.begin(), s.jobs.end(), id);
-        if (it != s.jobs.end()) {
-          s.jobs.erase(it);
-          s.jobs.push_front(id);
-        }
-      }
-    }
-    if (!s.recording) s.PrefetchLocked(s.pos);
-    s.stats.trace_length = s.trace.size();
-    s.stats.trace_complete = !s.recording;
+    s.RequestLocked(mod->first, ids);
   }
   s.job_ready.SignalAll();
-
-  Status first_error;
   const auto start = std::chrono::steady_clock::now();
-  for (ParamId id : ids) {
-    Impl::Param& p = s.params[id];
-    gpu::CopyTicket ticket;
-    {
-      MutexLock lock(&s.mu);
-      ++p.uses;
-      if (p.resident) continue;
-      while (p.state != State::kReady && p.state != State::kFailed) s.job_done.Wait(&s.mu);
-      if (p.state == State::kFailed) {
-        if (first_error.ok()) first_error = p.error;
-        --p.uses;
-        s.ToHomeLocked(p);
-        continue;
-      }
-      if (p.prefetched) {
-        ++s.stats.prefetch_hits;
-        s.stats.ahead_bytes -= p.bytes;
-        p.prefetched = false;
-      }
-      ticket = p.ticket;
-    }
-    Status waited = s.options.runtime->Wait(ticket);
-    if (!waited.ok() && first_error.ok()) first_error = waited.WithPrefix("fetching " + p.name);
-  }
-  // World size > 1: every rank's shard into the buffer, in the module's parameter order, which is
-  // the same on every rank (Note [ZeRO-3 partitions]). A rank whose load failed gathers nothing:
-  // its peers are then left waiting in the collective, as with any failure of one rank.
-  if (s.world > 1 && first_error.ok()) {
-    const auto eb = static_cast<uint64_t>(s.elem_bytes);
-    for (ParamId id : ids) {
-      Impl::Param& p = s.params[id];
-      std::byte* device = nullptr;
-      {
-        MutexLock lock(&s.mu);
-        if (p.gathered) continue;  // resident, or gathered by an earlier Fetch() still holding it
-        device = static_cast<std::byte*>(p.device);
-      }
-      Status gathered = s.options.collective->AllGather(
-          device + static_cast<uint64_t>(s.rank) * p.shard * eb, device, p.shard, s.options.dtype);
-      if (!gathered.ok()) {
-        first_error = gathered.WithPrefix("gathering parameter " + p.name);
-        break;
-      }
-      MutexLock lock(&s.mu);
-      p.gathered = true;
-      s.stats.allgather_bytes += p.bytes;
-    }
-  }
+  Status first_error = s.AwaitLoads(ids);
+  // A rank whose load failed gathers nothing: its peers are then left waiting in the collective,
+  // as with any failure of one rank.
+  if (s.world > 1 && first_error.ok()) first_error = s.GatherShards(ids);
   const double stalled = SecondsSince(start);
   MutexLock lock(&s.mu);
   s.stats.stall_s += stalled;
-  if (!first_error.ok()) {
-    // Undo this call's uses so the caller need not Release a module that failed to arrive.
-    for (ParamId id : ids) {
-      Impl::Param& p = s.params[id];
-      if (p.uses > 0 && p.state != State::kHome) {
-        --p.uses;
-        if (p.uses == 0 && !p.resident) s.ToHomeLocked(p);
-      }
-    }
-  }
+  if (!first_error.ok()) s.UndoUsesLocked(ids);
   return first_error;
 }
 

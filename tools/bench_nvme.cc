@@ -117,15 +117,8 @@ void PrintProgress(const bench::NvmeBenchProgress& event) {
   std::fflush(stderr);
 }
 
-}  // namespace
-
-void RegisterBenchNvme(CLI::App* bench, Outcome* outcome) {
-  auto flags = std::make_shared<BenchFlags>();
-  CLI::App* cmd = bench->add_subcommand(
-      "nvme",
-      "Sequential write and read bandwidth of the drive under --path (or holding --file) through "
-      "memplan's I/O engine, over block size x queue depth x backend (DeepSpeed's ds_nvme_tune "
-      "sweep in bounded time), and the DeepSpeed `aio` block for the best settings");
+// The flags of `memplan bench nvme`, into `flags`.
+void AddBenchNvmeFlags(CLI::App* cmd, BenchFlags* flags) {
   CLI::Option* path = cmd->add_option(
       "-p,--path", flags->path,
       "Directory on the drive to measure; a temporary bench file (--size bytes) is created there "
@@ -181,6 +174,45 @@ void RegisterBenchNvme(CLI::App* bench, Outcome* outcome) {
                   "(atomically; the best libaio settings when libaio was measured)");
   cmd->add_flag("--progress", flags->progress,
                 "One line per configuration on stderr even when stderr is not a terminal");
+}
+
+// The command's run: the sweep the flags ask for, its report on stdout (and the `aio` block in
+// --emit-aio); a clean stop on SIGINT/SIGTERM.
+void RunBenchNvme(const BenchFlags& flags, Outcome* outcome) {
+  StopScope stop;
+  auto options = ToOptions(flags, stop.flag());
+  if (!options.ok()) return Fail(outcome, options.status());
+  bench::NvmeBenchProgressFn progress;
+  if (flags.progress || ::isatty(STDERR_FILENO) == 1) progress = PrintProgress;
+  Result<bench::NvmeBenchReport> report = bench::RunNvmeBench(*options, progress);
+  if (stop.stopped()) {
+    outcome->exit_code = stop.ExitCode();
+    outcome->error = flags.file.empty() ? "interrupted; the bench file was removed"
+                                        : "interrupted; " + flags.file + " was kept";
+    return;
+  }
+  if (!report.ok()) return Fail(outcome, report.status());
+  if (!flags.emit_aio.empty()) {
+    const bench::NvmeBenchResult* choice = bench::AioChoice(*report);
+    if (choice == nullptr) {
+      return Fail(outcome, Status::Internal("no configuration was measured"));
+    }
+    outcome->files.push_back({flags.emit_aio, bench::AioConfigText(*choice)});
+  }
+  outcome->stdout_text = flags.format == "json" ? JsonOutput(bench::ToJson(*report))
+                                                : bench::FormatNvmeBenchText(*report);
+}
+
+}  // namespace
+
+void RegisterBenchNvme(CLI::App* bench, Outcome* outcome) {
+  auto flags = std::make_shared<BenchFlags>();
+  CLI::App* cmd = bench->add_subcommand(
+      "nvme",
+      "Sequential write and read bandwidth of the drive under --path (or holding --file) through "
+      "memplan's I/O engine, over block size x queue depth x backend (DeepSpeed's ds_nvme_tune "
+      "sweep in bounded time), and the DeepSpeed `aio` block for the best settings");
+  AddBenchNvmeFlags(cmd, flags.get());
   cmd->footer(
       "\nExamples:\n"
       "  memplan bench nvme --path /mnt/nvme --emit-aio aio.json\n"
@@ -193,30 +225,7 @@ void RegisterBenchNvme(CLI::App* bench, Outcome* outcome) {
       "\nExit status: 0 on success, 2 on bad input or a failed measurement (one line on stderr), "
       "130 on SIGINT and 143 on SIGTERM (a bench file made in --path is removed either way; a "
       "--file is kept).");
-  cmd->callback([flags, outcome] {
-    StopScope stop;
-    auto options = ToOptions(*flags, stop.flag());
-    if (!options.ok()) return Fail(outcome, options.status());
-    bench::NvmeBenchProgressFn progress;
-    if (flags->progress || ::isatty(STDERR_FILENO) == 1) progress = PrintProgress;
-    Result<bench::NvmeBenchReport> report = bench::RunNvmeBench(*options, progress);
-    if (stop.stopped()) {
-      outcome->exit_code = stop.ExitCode();
-      outcome->error = flags->file.empty() ? "interrupted; the bench file was removed"
-                                           : "interrupted; " + flags->file + " was kept";
-      return;
-    }
-    if (!report.ok()) return Fail(outcome, report.status());
-    if (!flags->emit_aio.empty()) {
-      const bench::NvmeBenchResult* choice = bench::AioChoice(*report);
-      if (choice == nullptr) {
-        return Fail(outcome, Status::Internal("no configuration was measured"));
-      }
-      outcome->files.push_back({flags->emit_aio, bench::AioConfigText(*choice)});
-    }
-    outcome->stdout_text = flags->format == "json" ? JsonOutput(bench::ToJson(*report))
-                                                   : bench::FormatNvmeBenchText(*report);
-  });
+  cmd->callback([flags, outcome] { RunBenchNvme(*flags, outcome); });
 }
 
 }  // namespace memplan::tools
