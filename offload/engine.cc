@@ -1215,6 +1215,9 @@ Status Engine::Start(RecoveryReport* report) {
     so.backend_options.queue_depth = sc.nvme_queue_depth;
     so.engine_options.block_size = sc.nvme_block_size;
     so.engine_options.threads = sc.nvme_io_threads;
+    // A parameter is read with the checksum blocks it touches: small blocks keep that extra
+    // reading and hashing small (this store is made afresh each run: no format to keep).
+    so.checksum_block_bytes = uint32_t{64} << 10;
     const uint64_t chunks = (partition + sc.sub_group_elements - 1) / sc.sub_group_elements;
     so.capacity_bytes = partition * static_cast<uint64_t>(ElementBytes(sc.param_dtype)) +
                         chunks * (uint64_t{64} << 10) + (uint64_t{1} << 20);
