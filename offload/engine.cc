@@ -550,21 +550,7 @@ struct Engine::Impl {
       std::span<float> direct = optimizer->DirectGradients(sg);
       float* base = direct.data();
       if (base == nullptr) {
-        if (buf.data.empty()) {
-          if (grad_buffer_free.empty()) {
-            MutexLock lock(&overlap_mu);
-            if (!overlap_free.empty()) {
-              grad_buffer_free.push_back(std::move(overlap_free.back()));
-              overlap_free.pop_back();
-            }
-          }
-          if (!grad_buffer_free.empty() && grad_buffer_free.back().size() == size) {
-            buf.data = std::move(grad_buffer_free.back());
-            grad_buffer_free.pop_back();
-          } else {
-            buf.data.resize(size);
-          }
-        }
+        if (buf.data.empty()) buf.data = TakeGradBuffer(size);
         base = buf.data.data();
       }
       float* dst = base + in_sg;
@@ -598,6 +584,26 @@ struct Engine::Impl {
       done += len;
     }
     return Status::Ok();
+  }
+
+  // A sub-group gradient buffer of `size` elements: a recycled one of that size (the gradient
+  // thread's, or one the optimizer has read), else a new one. Taking any other size would allocate,
+  // fault in and zero 4 bytes an element again every step (the last sub-group is shorter).
+  std::vector<float> TakeGradBuffer(uint64_t size) {
+    {
+      MutexLock lock(&overlap_mu);
+      for (std::vector<float>& b : overlap_free) grad_buffer_free.push_back(std::move(b));
+      overlap_free.clear();
+    }
+    for (size_t i = grad_buffer_free.size(); i-- > 0;) {
+      if (grad_buffer_free[i].size() == size) {
+        std::vector<float> out = std::move(grad_buffer_free[i]);
+        grad_buffer_free[i] = std::move(grad_buffer_free.back());
+        grad_buffer_free.pop_back();
+        return out;
+      }
+    }
+    return std::vector<float>(size);
   }
 
   // An overlapped step's sub-group `sg` has all its gradients (in `grads`): hands it to the
@@ -1060,12 +1066,18 @@ struct Engine::Impl {
       const auto waited = std::chrono::steady_clock::now();
       while (grad_jobs.size() >= kGradSlots) grad_cv.Wait(&grad_mu);
       stall_s += SecondsSince(waited);
+      // The smallest recycled buffer that holds it: first fit would hand the largest gradient's
+      // buffer to a small one and make the largest allocate (and fault in) a new one.
+      size_t best = grad_free.size();
       for (size_t i = 0; i < grad_free.size(); ++i) {
-        if (grad_free[i].size() >= bytes) {
-          job.host = std::move(grad_free[i]);
-          grad_free.erase(grad_free.begin() + static_cast<int64_t>(i));
-          break;
+        if (grad_free[i].size() >= bytes &&
+            (best == grad_free.size() || grad_free[i].size() < grad_free[best].size())) {
+          best = i;
         }
+      }
+      if (best < grad_free.size()) {
+        job.host = std::move(grad_free[best]);
+        grad_free.erase(grad_free.begin() + static_cast<int64_t>(best));
       }
     }
     if (job.host.size() < bytes) job.host.resize(bytes);
