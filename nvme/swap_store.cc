@@ -33,7 +33,6 @@
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <array>
@@ -52,6 +51,7 @@
 
 #include "common/file.h"
 #include "common/mutex.h"
+#include "nvme/block_checksum.h"
 #include "nvme/swap_index_internal.h"
 
 namespace memplan::nvme {
@@ -193,7 +193,7 @@ std::vector<uint64_t> BlockChecksums(std::span<const std::byte> data, uint64_t b
   sums.reserve(static_cast<size_t>((data.size() + block_bytes - 1) / block_bytes));
   for (uint64_t at = 0; at < data.size(); at += block_bytes) {
     uint64_t n = std::min<uint64_t>(block_bytes, data.size() - at);
-    sums.push_back(XXH3_64bits(data.data() + at, static_cast<size_t>(n)));
+    sums.push_back(internal::BlockChecksum(data.data() + at, static_cast<size_t>(n)));
   }
   return sums;
 }
@@ -285,7 +285,7 @@ struct SwapStore::Impl {
     const uint64_t block = options.checksum_block_bytes;
     for (uint64_t at = begin; at < end; at += block) {
       const uint64_t n = std::min(block, end - at);
-      if (XXH3_64bits(out + (at - begin), static_cast<size_t>(n)) !=
+      if (internal::BlockChecksum(out + (at - begin), static_cast<size_t>(n)) !=
           e.checksums[static_cast<size_t>(at / block)]) {
         return Status::DataLoss(KeyMsg(key, "checksum mismatch in block at byte offset " +
                                                 std::to_string(at) + " (data file " + data_path +
