@@ -1244,6 +1244,10 @@ Status Engine::Start(RecoveryReport* report) {
           " pinned bytes; pinned_budget_bytes is " + std::to_string(sc.pinned_budget_bytes));
     }
     MEMPLAN_ASSIGN_OR_RETURN(s.staging, PinnedPool::Create(pool, s.runtime));
+    // Every parameter read lands in these slots: registered, io_uring skips pinning their pages
+    // per request. A refusal (RLIMIT_MEMLOCK) only costs that.
+    (void)s.param_store->RegisterBuffers(
+        nvme::RegistrationRegions(s.staging->memory().data(), s.staging->memory().size()));
     po.store = s.param_store.get();
     po.staging = s.staging.get();
   }
