@@ -33,7 +33,6 @@
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <array>
@@ -52,6 +51,7 @@
 
 #include "common/file.h"
 #include "common/mutex.h"
+#include "nvme/block_checksum.h"
 #include "nvme/swap_index_internal.h"
 
 namespace memplan::nvme {
@@ -193,7 +193,7 @@ std::vector<uint64_t> BlockChecksums(std::span<const std::byte> data, uint64_t b
   sums.reserve(static_cast<size_t>((data.size() + block_bytes - 1) / block_bytes));
   for (uint64_t at = 0; at < data.size(); at += block_bytes) {
     uint64_t n = std::min<uint64_t>(block_bytes, data.size() - at);
-    sums.push_back(XXH3_64bits(data.data() + at, static_cast<size_t>(n)));
+    sums.push_back(internal::BlockChecksum(data.data() + at, static_cast<size_t>(n)));
   }
   return sums;
 }
@@ -250,6 +250,61 @@ struct SwapStore::Impl {
     return Msg("key " + Quote(key) + ": " + what);
   }
 
+  // The start of a GetRange() / GetCovering() of [offset, offset + size): on success `*entry` is
+  // the key's entry with this call counted as its reader (EndRead() ends that), or null for an
+  // empty range (nothing to read or end).
+  Status BeginRangeRead(const std::string& key, uint64_t offset, uint64_t size,
+                        std::chrono::steady_clock::time_point start, Entry** entry) {
+    MutexLock lock(&mu);
+    if (closed) return Status::FailedPrecondition(Msg("is closed"));
+    auto it = index.find(key);
+    if (it == index.end()) return Status::NotFound(KeyMsg(key, "not found"));
+    Entry& e = it->second;
+    if (e.writing) return Busy(key, e);
+    if (offset > e.size || size > e.size - offset) {
+      return Status::OutOfRange(KeyMsg(
+          key, "range of " + std::to_string(size) + " bytes at offset " + std::to_string(offset) +
+                   " passes the end of the " + std::to_string(e.size) + "-byte value"));
+    }
+    *entry = nullptr;
+    if (size == 0) {
+      get_latency.Add(MicrosSince(start));
+      return Status::Ok();
+    }
+    ++e.readers;
+    ++active_ops;
+    *entry = &e;
+    return Status::Ok();
+  }
+  // Reads the value's bytes [begin, end) (whole checksum blocks, or up to the value's end) into
+  // `out` and verifies their checksums. The caller is one of the entry's readers.
+  Status ReadBlocks(const std::string& key, const Entry& e, uint64_t begin, uint64_t end,
+                    std::byte* out) {
+    Status status = engine->Read(file, e.offset + begin, out, end - begin);
+    if (!status.ok()) return status.WithPrefix(KeyMsg(key, "read failed"));
+    const uint64_t block = options.checksum_block_bytes;
+    for (uint64_t at = begin; at < end; at += block) {
+      const uint64_t n = std::min(block, end - at);
+      if (internal::BlockChecksum(out + (at - begin), static_cast<size_t>(n)) !=
+          e.checksums[static_cast<size_t>(at / block)]) {
+        return Status::DataLoss(KeyMsg(key, "checksum mismatch in block at byte offset " +
+                                                std::to_string(at) + " (data file " + data_path +
+                                                ", offset " + std::to_string(e.offset + at) + ")"));
+      }
+    }
+    return Status::Ok();
+  }
+  // Ends a read begun by BeginRangeRead(), counting `bytes` when it succeeded.
+  void EndRead(Entry* e, const Status& status, uint64_t bytes,
+               std::chrono::steady_clock::time_point start) {
+    MutexLock lock(&mu);
+    --e->readers;
+    --active_ops;
+    if (status.ok()) {
+      get_bytes += bytes;
+      get_latency.Add(MicrosSince(start));
+    }
+  }
   Status Busy(const std::string& key, const Entry& e) const {
     if (e.writing) {
       return Status::FailedPrecondition(KeyMsg(key, "is being written by another thread"));
@@ -829,32 +884,8 @@ Status SwapStore::Get(const std::string& key, std::span<std::byte> out) {
 
   // The entry cannot change while we are one of its readers (see Note [Per-key state ...]).
   const uint64_t size = entry->size;
-  Status status =
-      size == 0 ? Status::Ok() : s.engine->Read(s.file, entry->offset, out.data(), size);
-  if (!status.ok()) {
-    status = status.WithPrefix(s.KeyMsg(key, "read failed"));
-  } else {
-    const uint64_t block = s.options.checksum_block_bytes;
-    for (size_t i = 0; i < entry->checksums.size(); ++i) {
-      uint64_t at = i * block;
-      uint64_t n = std::min<uint64_t>(block, size - at);
-      if (XXH3_64bits(out.data() + at, static_cast<size_t>(n)) != entry->checksums[i]) {
-        status = Status::DataLoss(s.KeyMsg(key, "checksum mismatch in block at byte offset " +
-                                                    std::to_string(at) + " (data file " +
-                                                    s.data_path + ", offset " +
-                                                    std::to_string(entry->offset + at) + ")"));
-        break;
-      }
-    }
-  }
-
-  MutexLock lock(&s.mu);
-  --entry->readers;
-  --s.active_ops;
-  if (status.ok()) {
-    s.get_bytes += size;
-    s.get_latency.Add(MicrosSince(start));
-  }
+  Status status = size == 0 ? Status::Ok() : s.ReadBlocks(key, *entry, 0, size, out.data());
+  s.EndRead(entry, status, size, start);
   return status;
 }
 
@@ -865,33 +896,13 @@ Status SwapStore::GetRange(const std::string& key, uint64_t offset, std::span<st
   auto start = std::chrono::steady_clock::now();
   Impl& s = *impl_;
   Impl::Entry* entry = nullptr;
-  {
-    MutexLock lock(&s.mu);
-    if (s.closed) return Status::FailedPrecondition(s.Msg("is closed"));
-    auto it = s.index.find(key);
-    if (it == s.index.end()) return Status::NotFound(s.KeyMsg(key, "not found"));
-    Impl::Entry& e = it->second;
-    if (e.writing) return s.Busy(key, e);
-    if (offset > e.size || out.size() > e.size - offset) {
-      return Status::OutOfRange(s.KeyMsg(key, "range of " + std::to_string(out.size()) +
-                                                  " bytes at offset " + std::to_string(offset) +
-                                                  " passes the end of the " +
-                                                  std::to_string(e.size) + "-byte value"));
-    }
-    if (out.empty()) {
-      s.get_latency.Add(MicrosSince(start));
-      return Status::Ok();
-    }
-    ++e.readers;
-    ++s.active_ops;
-    entry = &e;
-  }
+  MEMPLAN_RETURN_IF_ERROR(s.BeginRangeRead(key, offset, out.size(), start, &entry));
+  if (entry == nullptr) return Status::Ok();  // an empty range
 
   // The entry cannot change while we are one of its readers (see Note [Per-key state ...]).
   const uint64_t block = s.options.checksum_block_bytes;
   const uint64_t end = offset + out.size();
-  const uint64_t first = offset / block;
-  const uint64_t cover_begin = first * block;
+  const uint64_t cover_begin = offset / block * block;
   const uint64_t cover_end = std::min(RoundUp(end, block), entry->size);
   std::vector<std::byte> scratch;
   std::byte* covered = out.data();
@@ -899,35 +910,38 @@ Status SwapStore::GetRange(const std::string& key, uint64_t offset, std::span<st
     scratch.resize(static_cast<size_t>(cover_end - cover_begin));
     covered = scratch.data();
   }
-  Status status =
-      s.engine->Read(s.file, entry->offset + cover_begin, covered, cover_end - cover_begin);
-  if (!status.ok()) {
-    status = status.WithPrefix(s.KeyMsg(key, "read failed"));
-  } else {
-    for (uint64_t at = cover_begin; at < cover_end; at += block) {
-      const uint64_t n = std::min(block, cover_end - at);
-      if (XXH3_64bits(covered + (at - cover_begin), static_cast<size_t>(n)) !=
-          entry->checksums[static_cast<size_t>(at / block)]) {
-        status = Status::DataLoss(s.KeyMsg(key, "checksum mismatch in block at byte offset " +
-                                                    std::to_string(at) + " (data file " +
-                                                    s.data_path + ", offset " +
-                                                    std::to_string(entry->offset + at) + ")"));
-        break;
-      }
-    }
-    if (status.ok() && covered != out.data()) {
-      std::memcpy(out.data(), covered + (offset - cover_begin), out.size());
-    }
+  Status status = s.ReadBlocks(key, *entry, cover_begin, cover_end, covered);
+  if (status.ok() && covered != out.data()) {
+    std::memcpy(out.data(), covered + (offset - cover_begin), out.size());
   }
-
-  MutexLock lock(&s.mu);
-  --entry->readers;
-  --s.active_ops;
-  if (status.ok()) {
-    s.get_bytes += out.size();
-    s.get_latency.Add(MicrosSince(start));
-  }
+  s.EndRead(entry, status, out.size(), start);
   return status;
+}
+
+Result<SwapStore::CoveredRange> SwapStore::GetCovering(const std::string& key, uint64_t offset,
+                                                       uint64_t max_bytes,
+                                                       std::span<std::byte> buffer) {
+  auto start = std::chrono::steady_clock::now();
+  Impl& s = *impl_;
+  Impl::Entry* entry = nullptr;
+  MEMPLAN_RETURN_IF_ERROR(s.BeginRangeRead(key, offset, max_bytes, start, &entry));
+  if (entry == nullptr) return CoveredRange{};  // an empty range
+  const uint64_t block = s.options.checksum_block_bytes;
+  const uint64_t cover_begin = offset / block * block;
+  // Whole blocks from cover_begin that fit in the buffer, and no further than the range needs.
+  const uint64_t fit = buffer.size() / block * block;
+  const uint64_t cover_end =
+      std::min({RoundUp(offset + max_bytes, block), entry->size, cover_begin + fit});
+  CoveredRange got;
+  Status status;
+  if (cover_end > offset) {
+    status = s.ReadBlocks(key, *entry, cover_begin, cover_end, buffer.data());
+    got.in_buffer = offset - cover_begin;
+    got.bytes = std::min(max_bytes, cover_end - offset);
+  }
+  s.EndRead(entry, status, got.bytes, start);
+  if (!status.ok()) return status;
+  return got;
 }
 
 Result<uint64_t> SwapStore::Size(const std::string& key) const {

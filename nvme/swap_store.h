@@ -143,6 +143,20 @@ class SwapStore {
   // Errors as for Get() (DataLoss only for a bad block inside the range); OutOfRange when the
   // range passes the end of the value.
   Status GetRange(const std::string& key, uint64_t offset, std::span<std::byte> out);
+  // Where GetCovering() put the range: its first byte at `buffer[in_buffer]`, `bytes` of it there.
+  struct CoveredRange {
+    uint64_t in_buffer = 0;
+    uint64_t bytes = 0;
+  };
+  // GetRange() without its scratch buffer and copy, for a caller that can use the range where it
+  // lands: reads the checksum blocks that [offset, offset + max_bytes) touches, as many whole
+  // blocks as fit in `buffer`, straight into `buffer` (an aligned buffer of a direct store is read
+  // without bounce copies), verifies them, and says where the range starts in `buffer` and how
+  // much of it is there (less than max_bytes when the blocks do not all fit). Bytes 0 when not
+  // even the first block fits (nothing read; use GetRange()) or max_bytes is 0. Errors as for
+  // GetRange(); the contents of `buffer` are then unspecified.
+  Result<CoveredRange> GetCovering(const std::string& key, uint64_t offset, uint64_t max_bytes,
+                                   std::span<std::byte> buffer);
   // Size of the last value stored under `key`; NotFound when there is none.
   Result<uint64_t> Size(const std::string& key) const;
   Status Erase(const std::string& key);   // frees the extent; NotFound when absent

@@ -995,6 +995,48 @@ TEST_CASE("store: GetRange reads and verifies only the blocks it touches") {
   CHECK(store->GetRange("v", 0, all).code() == StatusCode::kDataLoss);
 }
 
+TEST_CASE("store: GetCovering reads the blocks a range touches into the caller's buffer") {
+  ScratchDir tmp;
+  auto store = MustOpen(Options(tmp.Sub("s"), kMiB));
+  const std::vector<std::byte> value = Pattern(5 * kBlock + 100, 43);
+  REQUIRE_OK(store->Put("v", value));
+  auto same = [&](const std::byte* got, uint64_t at, uint64_t n) {
+    return std::equal(got, got + n, value.begin() + static_cast<std::ptrdiff_t>(at));
+  };
+  std::vector<std::byte> buffer(3 * kBlock);
+  // Unaligned at both ends, inside blocks 1..2: two blocks read, the range at offset 10.
+  uint64_t read_before = store->stats().io.read_bytes;
+  auto got = store->GetCovering("v", kBlock + 10, kBlock, buffer);
+  REQUIRE_OK(got.status());
+  CHECK(got->in_buffer == 10);
+  CHECK(got->bytes == kBlock);
+  CHECK(same(buffer.data() + 10, kBlock + 10, kBlock));
+  CHECK(store->stats().io.read_bytes - read_before == 2 * kBlock);
+  // More than fits: the whole blocks that do (three), and the part of the range they hold.
+  got = store->GetCovering("v", kBlock - 7, 4 * kBlock, buffer);
+  REQUIRE_OK(got.status());
+  CHECK(got->in_buffer == kBlock - 7);
+  CHECK(got->bytes == 2 * kBlock + 7);
+  CHECK(same(buffer.data() + got->in_buffer, kBlock - 7, got->bytes));
+  // The tail, up to the value's end (a partial block).
+  got = store->GetCovering("v", value.size() - 150, 150, buffer);
+  REQUIRE_OK(got.status());
+  CHECK(got->bytes == 150);
+  CHECK(same(buffer.data() + got->in_buffer, value.size() - 150, 150));
+  // A buffer smaller than a block: nothing read, nothing returned; a range past the end refused.
+  std::vector<std::byte> small(kBlock - 1);
+  got = store->GetCovering("v", 0, 10, small);
+  REQUIRE_OK(got.status());
+  CHECK(got->bytes == 0);
+  CHECK(store->GetCovering("v", value.size() - 1, 2, buffer).status().code() ==
+        StatusCode::kOutOfRange);
+  // A bad block inside the blocks read is DataLoss.
+  Poke(DataPath(tmp.Sub("s")), *store->DebugFileOffset("v") + kBlock + 5, {std::byte{0x40}},
+       /*x_or=*/true);
+  CHECK(store->GetCovering("v", kBlock - 1, 1, buffer).status().code() == StatusCode::kOk);
+  CHECK(store->GetCovering("v", kBlock - 1, 2, buffer).status().code() == StatusCode::kDataLoss);
+}
+
 TEST_CASE("store: GetRange bounds, empty ranges and absent keys") {
   ScratchDir tmp;
   auto store = MustOpen(Options(tmp.Sub("s"), kMiB));

@@ -550,21 +550,7 @@ struct Engine::Impl {
       std::span<float> direct = optimizer->DirectGradients(sg);
       float* base = direct.data();
       if (base == nullptr) {
-        if (buf.data.empty()) {
-          if (grad_buffer_free.empty()) {
-            MutexLock lock(&overlap_mu);
-            if (!overlap_free.empty()) {
-              grad_buffer_free.push_back(std::move(overlap_free.back()));
-              overlap_free.pop_back();
-            }
-          }
-          if (!grad_buffer_free.empty() && grad_buffer_free.back().size() == size) {
-            buf.data = std::move(grad_buffer_free.back());
-            grad_buffer_free.pop_back();
-          } else {
-            buf.data.resize(size);
-          }
-        }
+        if (buf.data.empty()) buf.data = TakeGradBuffer(size);
         base = buf.data.data();
       }
       float* dst = base + in_sg;
@@ -598,6 +584,26 @@ struct Engine::Impl {
       done += len;
     }
     return Status::Ok();
+  }
+
+  // A sub-group gradient buffer of `size` elements: a recycled one of that size (the gradient
+  // thread's, or one the optimizer has read), else a new one. Taking any other size would allocate,
+  // fault in and zero 4 bytes an element again every step (the last sub-group is shorter).
+  std::vector<float> TakeGradBuffer(uint64_t size) {
+    {
+      MutexLock lock(&overlap_mu);
+      for (std::vector<float>& b : overlap_free) grad_buffer_free.push_back(std::move(b));
+      overlap_free.clear();
+    }
+    for (size_t i = grad_buffer_free.size(); i-- > 0;) {
+      if (grad_buffer_free[i].size() == size) {
+        std::vector<float> out = std::move(grad_buffer_free[i]);
+        grad_buffer_free[i] = std::move(grad_buffer_free.back());
+        grad_buffer_free.pop_back();
+        return out;
+      }
+    }
+    return std::vector<float>(size);
   }
 
   // An overlapped step's sub-group `sg` has all its gradients (in `grads`): hands it to the
@@ -900,6 +906,9 @@ struct Engine::Impl {
     so.backend_options.queue_depth = sc.nvme_queue_depth;
     so.engine_options.block_size = sc.nvme_block_size;
     so.engine_options.threads = sc.nvme_io_threads;
+    // A parameter is read with the checksum blocks it touches: small blocks keep that extra
+    // reading and hashing small (this store is made afresh each run: no format to keep).
+    so.checksum_block_bytes = uint32_t{64} << 10;
     const uint64_t chunks = (partition + sc.sub_group_elements - 1) / sc.sub_group_elements;
     so.capacity_bytes = partition * static_cast<uint64_t>(ElementBytes(sc.param_dtype)) +
                         chunks * (uint64_t{64} << 10) + (uint64_t{1} << 20);
@@ -914,6 +923,10 @@ struct Engine::Impl {
           " pinned bytes; pinned_budget_bytes is " + std::to_string(sc.pinned_budget_bytes));
     }
     MEMPLAN_ASSIGN_OR_RETURN(staging, PinnedPool::Create(pool, runtime));
+    // Every parameter read lands in these slots: registered, io_uring skips pinning their pages
+    // per request. A refusal (RLIMIT_MEMLOCK) only costs that.
+    (void)param_store->RegisterBuffers(
+        nvme::RegistrationRegions(staging->memory().data(), staging->memory().size()));
     return Status::Ok();
   }
 
@@ -1344,12 +1357,18 @@ struct Engine::Impl {
       const auto waited = std::chrono::steady_clock::now();
       while (grad_jobs.size() >= kGradSlots) grad_cv.Wait(&grad_mu);
       stall_s += SecondsSince(waited);
+      // The smallest recycled buffer that holds it: first fit would hand the largest gradient's
+      // buffer to a small one and make the largest allocate (and fault in) a new one.
+      size_t best = grad_free.size();
       for (size_t i = 0; i < grad_free.size(); ++i) {
-        if (grad_free[i].size() >= bytes) {
-          job.host = std::move(grad_free[i]);
-          grad_free.erase(grad_free.begin() + static_cast<int64_t>(i));
-          break;
+        if (grad_free[i].size() >= bytes &&
+            (best == grad_free.size() || grad_free[i].size() < grad_free[best].size())) {
+          best = i;
         }
+      }
+      if (best < grad_free.size()) {
+        job.host = std::move(grad_free[best]);
+        grad_free.erase(grad_free.begin() + static_cast<int64_t>(best));
       }
     }
     if (job.host.size() < bytes) job.host.resize(bytes);

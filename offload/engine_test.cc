@@ -162,6 +162,26 @@ TEST_CASE("Engine trains bit-identically to in-memory AdamW on every tier combin
   }
 }
 
+TEST_CASE("Engine reads NVMe parameters into staging slots that hold whole checksum blocks") {
+  // TestSchedule's 4 KiB slots are smaller than the parameter store's checksum blocks, so its
+  // reads go through GetRange(); slots of 256 KiB take the blocks a parameter touches whole
+  // (SwapStore::GetCovering) and upload from inside them.
+  const ToyModel model = Model(4);
+  TempDir dir("engine-");
+  Schedule schedule = TestSchedule(Tier::kNvme, Tier::kNvme, dir.PathOf("nvme"));
+  schedule.param_buffer_bytes = 256 << 10;
+  Run run = StartEngine(model, schedule);
+  CheckFetchedAreMaster(run, model);
+  for (uint64_t t = 1; t <= 3; ++t) TrainStep(run, model, t, model.modules, /*prepare=*/true);
+  const std::vector<float> got = EngineWeights(run, model);
+  const std::vector<float> want = ReferenceWeights(model, 3);
+  REQUIRE(got.size() == want.size());
+  CHECK(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
+  CheckFetchedAreMaster(run, model);
+  CHECK(run.engine->stats().param.nvme_read_bytes > 0);
+  REQUIRE_OK(run.engine->Close());
+}
+
 TEST_CASE("A prepared step that fails is abandoned: nothing applied, the weights as before") {
   const ToyModel model = Model(4);
   for (Tier params : {Tier::kCpu, Tier::kNvme}) {

@@ -454,7 +454,10 @@ struct ParamSwapper::Impl {
                                                      arena + begin, p.load_bytes));
       return Status::Ok();
     }
-    // nvme: chunk by chunk, slot by slot; reading slice k+1 overlaps the upload of slice k.
+    // nvme: chunk by chunk, slot by slot; reading slice k+1 overlaps the upload of slice k. A
+    // parameter rarely starts or ends on a checksum block: the blocks it touches are read whole
+    // into the slot (aligned: no bounce copies) and the upload starts inside it, so the bytes are
+    // copied once, by the upload.
     const uint64_t chunk_bytes = options.chunk_elements * eb;
     uint64_t done = 0;
     while (done < p.load_bytes) {
@@ -462,12 +465,20 @@ struct ParamSwapper::Impl {
       const uint64_t chunk = at / chunk_bytes;
       const uint64_t in_chunk = at - chunk * chunk_bytes;
       const size_t s = next_slot++ % slots.size();
-      const uint64_t len =
-          std::min<uint64_t>({p.load_bytes - done, chunk_bytes - in_chunk, slots[s].data().size()});
+      const std::span<std::byte> slot = slots[s].data();
+      uint64_t len = std::min<uint64_t>(p.load_bytes - done, chunk_bytes - in_chunk);
       MEMPLAN_RETURN_IF_ERROR(rt.Wait(slot_ticket[s]));  // the slot's previous upload is done
-      std::byte* staging = slots[s].data().data();
-      MEMPLAN_RETURN_IF_ERROR(
-          options.store->GetRange(ChunkKey(chunk), in_chunk, std::span<std::byte>(staging, len)));
+      MEMPLAN_ASSIGN_OR_RETURN(const nvme::SwapStore::CoveredRange got,
+                               options.store->GetCovering(ChunkKey(chunk), in_chunk, len, slot));
+      const std::byte* staging = slot.data() + got.in_buffer;
+      if (got.bytes > 0) {
+        len = got.bytes;
+      } else {  // a slot smaller than a checksum block
+        len = std::min<uint64_t>(len, slot.size());
+        MEMPLAN_RETURN_IF_ERROR(
+            options.store->GetRange(ChunkKey(chunk), in_chunk, slot.first(len)));
+        staging = slot.data();
+      }
       *read += len;
       MEMPLAN_ASSIGN_OR_RETURN(slot_ticket[s], rt.CopyAsync(gpu::CopyDirection::kHostToDevice,
                                                             dst + done, staging, len));
