@@ -474,6 +474,9 @@ struct Engine::Impl {
   uint64_t overlap_outstanding GUARDED_BY(overlap_mu) = 0;
   std::vector<std::vector<float>> overlap_free GUARDED_BY(overlap_mu);  // buffers read, to reuse
   bool overlap_abandoned GUARDED_BY(overlap_mu) = false;                // drop hand-overs
+  // Hand-overs between their check of overlap_abandoned and the optimizer's StepSubGroup return:
+  // the optimizer's step may not be abandoned (its run destroyed) while one is in flight.
+  uint64_t overlap_handing GUARDED_BY(overlap_mu) = 0;
   double stall_s = 0;  // the trainer thread's: GradReady() blocked this step
   bool started = false;
   bool closed = false;
@@ -621,6 +624,7 @@ struct Engine::Impl {
         return Status::Ok();
       }
       ++overlap_outstanding;
+      ++overlap_handing;
     }
     auto held = std::make_shared<std::vector<float>>(std::move(grads));
     std::function<void()> done = [this, held] {
@@ -640,7 +644,22 @@ struct Engine::Impl {
     const std::span<const float> view(held->data(), held->size());
     Status handed = optimizer->StepSubGroup(sg, view, std::move(parts), done);
     if (!handed.ok()) done();  // refused: the optimizer keeps nothing of it
+    {
+      MutexLock lock(&overlap_mu);
+      --overlap_handing;
+    }
+    overlap_cv.SignalAll();
     return handed;
+  }
+
+  // Makes the gradient thread drop what it would still hand over and waits for a hand-over in
+  // progress to reach the optimizer: after it the optimizer's step may be abandoned (AbortStep
+  // destroys what StepSubGroup uses; the two run on different threads).
+  void StopHandOvers() {
+    MutexLock lock(&overlap_mu);
+    overlap_abandoned = true;
+    overlap_cv.SignalAll();  // a hand-over waiting for room gives up
+    while (overlap_handing > 0) overlap_cv.Wait(&overlap_mu);
   }
 
   // Writes the working copies of the trainable parameters from the optimizer's master weights
@@ -671,11 +690,7 @@ struct Engine::Impl {
   // working parameters, some of which the step had already written, are rewritten from the last
   // committed step. Returns `error` with what the clean-up found added.
   Status Abandon(Status error) {
-    {
-      MutexLock lock(&overlap_mu);
-      overlap_abandoned = true;  // the gradient thread drops what it would still hand over
-    }
-    overlap_cv.SignalAll();
+    StopHandOvers();
     optimizer->AbortStep();
     (void)DrainGradients();  // the step's gradients are dropped, a failed copy's included
     {
@@ -1738,11 +1753,7 @@ Status Engine::Close() {
   if (s.closed) return Status::Ok();
   s.closed = true;
   if (s.overlap) {  // a prepared step never finished: nothing of it is committed
-    {
-      MutexLock lock(&s.overlap_mu);
-      s.overlap_abandoned = true;
-    }
-    s.overlap_cv.SignalAll();
+    s.StopHandOvers();
     s.optimizer->AbortStep();
   }
   s.StopGradients();  // finishes the gradients queued (their copies may still be in flight)

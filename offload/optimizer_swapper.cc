@@ -1163,6 +1163,7 @@ Status OptimizerSwapper::StepSubGroup(uint64_t sub_group, std::span<const float>
     }
   }
   ++r.submitted;
+  bool refused = false;  // decided under the lock: Abort() may claim the job as soon as it is out
   {
     MutexLock lock(&r.mu);
     job.submitted = true;
@@ -1172,9 +1173,10 @@ Status OptimizerSwapper::StepSubGroup(uint64_t sub_group, std::span<const float>
       job.done = std::move(done);
     } else {
       job.claimed = true;  // the step has failed: nothing will read them
+      refused = true;
     }
   }
-  if (job.claimed) {
+  if (refused) {
     if (done) done();
     return Status::Ok();
   }
