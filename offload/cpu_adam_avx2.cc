@@ -22,10 +22,15 @@ inline __m128i ToBf16(__m256 x) {
   return _mm_packus_epi32(_mm256_castsi256_si128(out), _mm256_extracti128_si256(out, 1));
 }
 
+template <bool stream = false>
 inline void StoreHalf(uint16_t* dst, __m256 x, HalfDtype dtype) {
   __m128i half =
       dtype == HalfDtype::kBf16 ? ToBf16(x) : _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), half);
+  if constexpr (stream) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), half);  // Note [Streaming the 16-bit copy]
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), half);
+  }
 }
 
 // 8 gradients as fp32: loaded, or widened from bf16 (a shift) or fp16 (F16C), both exact.
@@ -43,7 +48,7 @@ inline __m256 LoadGrads(const AdamKernelArgs& a, size_t i) {
   }
 }
 
-template <bool kAmsgrad, bool kHalf, GradFormat kGrad>
+template <bool kAmsgrad, bool kHalf, GradFormat kGrad, bool kStream = false>
 void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
   const __m256 inv_grad_scale = _mm256_set1_ps(a.inv_grad_scale);
   const __m256 l2_decay = _mm256_set1_ps(a.l2_decay);
@@ -56,6 +61,10 @@ void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
   const __m256 eps = _mm256_set1_ps(a.eps);
   const __m256 neg_step_size = _mm256_set1_ps(a.neg_step_size);
   size_t i = begin;
+  if constexpr (kStream) {
+    // Up to the first element whose 16-bit copy starts a 16-byte block.
+    while (i < end && reinterpret_cast<uintptr_t>(a.half + i) % 16 != 0) AdamElement(a, i++);
+  }
   for (; i + 8 <= end; i += 8) {
     __m256 g = LoadGrads<kGrad>(a, i);
     __m256 p = _mm256_loadu_ps(a.params + i);
@@ -75,14 +84,19 @@ void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
     __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), bias_correction2_sqrt), eps);
     p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(neg_step_size, m), denom));
     _mm256_storeu_ps(a.params + i, p);
-    if constexpr (kHalf) StoreHalf(a.half + i, p, a.half_dtype);
+    if constexpr (kHalf) StoreHalf<kStream>(a.half + i, p, a.half_dtype);
   }
   for (; i < end; ++i) AdamElement(a, i);
+  if constexpr (kStream) _mm_sfence();
 }
 
 template <GradFormat kGrad>
 void AdamFor(const AdamKernelArgs& args, size_t begin, size_t end) {
   bool half = args.half != nullptr;
+  if (half && args.stream_half && !args.amsgrad) {
+    AdamLoop<false, true, kGrad, true>(args, begin, end);
+    return;
+  }
   if (args.amsgrad) {
     half ? AdamLoop<true, true, kGrad>(args, begin, end)
          : AdamLoop<true, false, kGrad>(args, begin, end);

@@ -21,11 +21,16 @@ inline __m256i ToBf16(__m512 x) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
+template <bool stream = false>
 inline void StoreHalf(uint16_t* dst, __m512 x, HalfDtype dtype) {
   __m256i half = dtype == HalfDtype::kBf16
                      ? ToBf16(x)
                      : _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), half);
+  if constexpr (stream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), half);  // Note [Streaming the 16-bit copy]
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), half);
+  }
 }
 
 // 16 gradients as fp32: loaded, or widened from bf16 (a shift) or fp16 (vcvtph2ps), both exact.
@@ -43,7 +48,7 @@ inline __m512 LoadGrads(const AdamKernelArgs& a, size_t i) {
   }
 }
 
-template <bool kAmsgrad, bool kHalf, GradFormat kGrad>
+template <bool kAmsgrad, bool kHalf, GradFormat kGrad, bool kStream = false>
 void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
   const __m512 inv_grad_scale = _mm512_set1_ps(a.inv_grad_scale);
   const __m512 l2_decay = _mm512_set1_ps(a.l2_decay);
@@ -56,6 +61,10 @@ void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
   const __m512 eps = _mm512_set1_ps(a.eps);
   const __m512 neg_step_size = _mm512_set1_ps(a.neg_step_size);
   size_t i = begin;
+  if constexpr (kStream) {
+    // Up to the first element whose 16-bit copy starts a 32-byte block.
+    while (i < end && reinterpret_cast<uintptr_t>(a.half + i) % 32 != 0) AdamElement(a, i++);
+  }
   for (; i + 16 <= end; i += 16) {
     __m512 g = LoadGrads<kGrad>(a, i);
     __m512 p = _mm512_loadu_ps(a.params + i);
@@ -75,14 +84,19 @@ void AdamLoop(const AdamKernelArgs& a, size_t begin, size_t end) {
     __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bias_correction2_sqrt), eps);
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step_size, m), denom));
     _mm512_storeu_ps(a.params + i, p);
-    if constexpr (kHalf) StoreHalf(a.half + i, p, a.half_dtype);
+    if constexpr (kHalf) StoreHalf<kStream>(a.half + i, p, a.half_dtype);
   }
   for (; i < end; ++i) AdamElement(a, i);
+  if constexpr (kStream) _mm_sfence();
 }
 
 template <GradFormat kGrad>
 void AdamFor(const AdamKernelArgs& args, size_t begin, size_t end) {
   bool half = args.half != nullptr;
+  if (half && args.stream_half && !args.amsgrad) {
+    AdamLoop<false, true, kGrad, true>(args, begin, end);
+    return;
+  }
   if (args.amsgrad) {
     half ? AdamLoop<true, true, kGrad>(args, begin, end)
          : AdamLoop<true, false, kGrad>(args, begin, end);

@@ -340,6 +340,7 @@ Status CpuOptimizer::AdamStep(const AdamOptions& options, int64_t step,
   args.max_exp_avg_sq = options.amsgrad ? tensors.max_exp_avg_sq.data() : nullptr;
   args.half_dtype = tensors.half_dtype;
   args.half = tensors.half_dtype == HalfDtype::kNone ? nullptr : tensors.half_params.data();
+  args.stream_half = args.half != nullptr && n * sizeof(uint16_t) >= internal::kStreamHalfMinBytes;
   args.amsgrad = options.amsgrad;
   args.scale_grads = options.grad_scale != 1.0;
   args.inv_grad_scale = static_cast<float>(1.0 / options.grad_scale);

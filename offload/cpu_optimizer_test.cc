@@ -1,6 +1,7 @@
 // The CPU optimizers against PyTorch (fixtures made by testdata/make_adam_fixtures.py), on every
 // ISA this CPU runs and with 1 and 2 threads; the 16-bit output's rounding; option checking.
 #include "offload/cpu_optimizer.h"
+#include "offload/cpu_optimizer_internal.h"
 
 #include <doctest/doctest.h>
 
@@ -492,6 +493,54 @@ TEST_CASE("16-bit gradients: the fused step is the step on the converted gradien
         }
       }
     }
+  }
+}
+
+TEST_CASE("a step larger than the cache streams its 16-bit copy, with the same bits on every ISA") {
+  // Note [Streaming the 16-bit copy]: past kStreamHalfMinBytes the SIMD kernels store the copy
+  // non-temporally from its first 32-byte-aligned element on. The copy here starts 3 elements
+  // into its allocation (6 bytes past alignment), so the unaligned head, the streamed body and the
+  // scalar tail all run, and their bits must equal the scalar kernel's, which never streams.
+  const size_t n = internal::kStreamHalfMinBytes / sizeof(uint16_t) + 37;
+  AdamOptions options;
+  options.lr = 1e-3;
+  options.weight_decay = 0.1;
+  struct Out {
+    std::vector<float> p, m, v;
+    std::vector<uint16_t> half;
+  };
+  auto run = [&](Isa isa) {
+    auto optimizer = MakeOptimizer(isa, 2);
+    Out out{Draw(11, n, -23), std::vector<float>(n, 0), std::vector<float>(n, 0), {}};
+    std::vector<uint16_t> storage(n + 3, 0);
+    std::span<uint16_t> half(storage.data() + 3, n);
+    for (int step = 1; step <= 2; ++step) {
+      const std::vector<uint16_t> grads = HalfGrads(Grad(11, step, n), HalfDtype::kBf16);
+      AdamTensors t;
+      t.params = out.p;
+      t.half_grads = grads;
+      t.grad_dtype = HalfDtype::kBf16;
+      t.exp_avg = out.m;
+      t.exp_avg_sq = out.v;
+      t.half_params = half;
+      t.half_dtype = HalfDtype::kBf16;
+      REQUIRE_OK(optimizer->AdamStep(options, step, t));
+    }
+    out.half.assign(half.begin(), half.end());
+    return out;
+  };
+  const Out want = run(Isa::kScalar);
+  size_t rounded_wrong = 0;
+  for (size_t i = 0; i < n; ++i) rounded_wrong += want.half[i] != FloatToBf16(want.p[i]);
+  CHECK(rounded_wrong == 0);
+  for (Isa isa : AvailableIsas()) {
+    if (isa == Isa::kScalar) continue;
+    CAPTURE(IsaName(isa));
+    const Out got = run(isa);
+    CHECK(SameBits(got.p, want.p));
+    CHECK(SameBits(got.m, want.m));
+    CHECK(SameBits(got.v, want.v));
+    CHECK(got.half == want.half);
   }
 }
 
