@@ -6,6 +6,7 @@
 #include <linux/fs.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -114,6 +115,30 @@ Result<std::unique_ptr<Backend>> CreateAioBackend(const BackendOptions& options)
 }
 #endif
 
+// Note [Memory filesystems]: tmpfs and ramfs have no asynchronous I/O path; the kernel copies
+// each request's bytes synchronously. libaio does that copy inside io_submit, in the submitting
+// thread. io_uring cannot issue such a request without blocking, so it hands every one to a kernel
+// worker (perf shows the copy in an iou-wrk thread) and the submitting thread then sleeps until it
+// completes: the same copy plus a hand-over and a wake-up per request. Measured on a 1 GiB
+// /dev/shm file (1 MiB blocks, queue depth 16, one thread, medians of 6 interleaved rounds):
+// write 4.29 GB/s through io_uring, 4.66 through libaio (DeepSpeed's aio op 4.58); read 4.54 and
+// 4.81 (4.75). On a drive, O_DIRECT requests are issued without blocking and io_uring keeps its
+// lead, so only a path on a memory filesystem changes kAuto's order.
+bool OnMemoryFilesystem(const std::string& path) {
+  constexpr uint64_t kTmpfsMagic = 0x01021994;  // linux/magic.h
+  constexpr uint64_t kRamfsMagic = 0x858458f6;
+  struct statfs fs = {};
+  int rc = ::statfs(path.c_str(), &fs);
+  if (rc != 0 && errno == ENOENT) {
+    const size_t slash = path.find_last_of('/');
+    const std::string parent =
+        slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+    rc = ::statfs(parent.c_str(), &fs);
+  }
+  const auto type = static_cast<uint64_t>(fs.f_type);
+  return rc == 0 && (type == kTmpfsMagic || type == kRamfsMagic);
+}
+
 Result<BackendChoice> CreateBackend(BackendKind kind, const BackendOptions& options) {
   MEMPLAN_RETURN_IF_ERROR(options.Validate());
   BackendChoice choice;
@@ -129,7 +154,11 @@ Result<BackendChoice> CreateBackend(BackendKind kind, const BackendOptions& opti
   }
   // kAuto: the fastest that works here, saying what was skipped and why.
   std::string skipped;
-  for (BackendKind candidate : {BackendKind::kUring, BackendKind::kAio, BackendKind::kPosix}) {
+  const bool memory_fs = !options.path.empty() && OnMemoryFilesystem(options.path);
+  const BackendKind first = memory_fs ? BackendKind::kAio : BackendKind::kUring;
+  const BackendKind second = memory_fs ? BackendKind::kUring : BackendKind::kAio;
+  if (memory_fs) skipped = "memory filesystem: libaio first (it copies in the caller); ";
+  for (BackendKind candidate : {first, second, BackendKind::kPosix}) {
     Result<std::unique_ptr<Backend>> backend = CreateOfKind(candidate, options);
     if (backend.ok()) {
       choice.backend = std::move(backend).value();

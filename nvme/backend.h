@@ -79,6 +79,9 @@ struct BackendOptions {
   // measuring what batching gains.
   uint32_t submit_batch = 0;
   uint32_t posix_threads = 4;  // POSIX backend worker threads; 1..256
+  // The file (or the directory that will hold it) the backend will serve, when known. kAuto
+  // then looks at its filesystem: see Note [Memory filesystems] in backend.cc. Empty: not known.
+  std::string path;
 
   Status Validate() const;
 };
@@ -119,8 +122,10 @@ struct BackendChoice {
   std::string note;  // e.g. "io_uring unavailable (EPERM: disabled by sysctl); using libaio"
 };
 
-// kAuto probes io_uring -> libaio -> POSIX at run time (and what this build has). An explicit kind
-// that cannot be set up is an error saying why. kMemory is the in-memory test backend.
+// kAuto probes io_uring -> libaio -> POSIX at run time (and what this build has); for a
+// `options.path` on a memory filesystem (tmpfs, ramfs) libaio comes first (Note [Memory
+// filesystems] in backend.cc). An explicit kind that cannot be set up is an error saying why.
+// kMemory is the in-memory test backend.
 Result<BackendChoice> CreateBackend(BackendKind kind, const BackendOptions& options);
 
 // Backends for an IoEngine of `threads` threads (1..64): one per thread, all of the kind
@@ -142,6 +147,9 @@ Result<std::unique_ptr<Backend>> CreateAioBackend(const BackendOptions& options)
 Result<std::unique_ptr<Backend>> CreatePosixBackend(const BackendOptions& options);
 // Files for the memory backend are fds of anything; data lives in memory keyed by file index.
 Result<std::unique_ptr<Backend>> CreateMemoryBackend(const BackendOptions& options);
+
+// True when `path` (or, when it does not exist yet, its directory) is on tmpfs or ramfs.
+bool OnMemoryFilesystem(const std::string& path);
 
 // Opens `path` for the engine. With `direct`, tries O_DIRECT and falls back to buffered I/O when
 // the filesystem refuses it (EINVAL: tmpfs, some network filesystems); `*direct_used` says which.

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -594,6 +595,45 @@ TEST_CASE("backend: destroying a backend waits for its in-flight writes") {
     std::vector<uint8_t> on_file = ReadBack(file.path(), 0, kCount * kBlock);
     CHECK(FirstMismatch(on_file.data(), 0, on_file.size(), 19) == -1);
   }
+}
+
+// Whether /proc/mounts lists `mount_point` as a tmpfs mount, read independently of statfs.
+bool MountedTmpfs(const std::string& mount_point) {
+  std::FILE* mounts = std::fopen("/proc/mounts", "r");
+  if (mounts == nullptr) return false;
+  char device[256], where[512], type[64];
+  bool found = false;
+  while (std::fscanf(mounts, "%255s %511s %63s %*[^\n]", device, where, type) == 3) {
+    if (mount_point == where) found = std::string(type) == "tmpfs";
+  }
+  std::fclose(mounts);
+  return found;
+}
+
+TEST_CASE("backend: a path on a memory filesystem makes kAuto try libaio first") {
+  // Note [Memory filesystems]. procfs is no memory filesystem; /dev/shm usually is one.
+  CHECK_FALSE(OnMemoryFilesystem("/proc"));
+  CHECK_FALSE(OnMemoryFilesystem("/proc/no-such-file"));
+  if (!MountedTmpfs("/dev/shm")) {
+    MESSAGE("/dev/shm is not a tmpfs mount here: the kAuto order on one is not checked");
+    return;
+  }
+  CHECK(OnMemoryFilesystem("/dev/shm"));
+  CHECK(OnMemoryFilesystem("/dev/shm/memplan-not-made-yet.dat"));  // judged by its directory
+  BackendOptions options;
+  options.path = "/dev/shm/memplan-not-made-yet.dat";
+  Result<BackendChoice> choice = CreateBackend(BackendKind::kAuto, options);
+  REQUIRE_OK(choice);
+  CHECK(choice->note.find("memory filesystem") != std::string::npos);
+  if (CreateAioBackend(BackendOptions{}).ok()) {
+    CHECK(choice->kind == BackendKind::kAio);
+  } else {
+    CHECK(choice->kind != BackendKind::kAio);
+  }
+  // An explicit kind is never overridden.
+  Result<BackendChoice> posix = CreateBackend(BackendKind::kPosix, options);
+  REQUIRE_OK(posix);
+  CHECK(posix->kind == BackendKind::kPosix);
 }
 
 TEST_CASE("backend: CreateBackend(kAuto) picks the first that works and says why") {

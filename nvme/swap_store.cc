@@ -679,9 +679,10 @@ Status SwapStore::Impl::StartEngine(std::unique_ptr<Backend> given) {
     pointers.push_back(given.get());
     backends.push_back(std::move(given));
   } else {
-    MEMPLAN_ASSIGN_OR_RETURN(
-        BackendSet set,
-        CreateBackends(options.backend, options.backend_options, options.engine_options.threads));
+    BackendOptions backend_options = options.backend_options;
+    if (backend_options.path.empty()) backend_options.path = data_path;
+    MEMPLAN_ASSIGN_OR_RETURN(BackendSet set, CreateBackends(options.backend, backend_options,
+                                                            options.engine_options.threads));
     pointers = set.pointers();
     backends = std::move(set.backends);
     backend_note = std::move(set.note);

@@ -527,6 +527,7 @@ class PyIoFile {
     options.sqpoll = sqpoll;
     options.fixed_files = fixed_files;
     options.submit_batch = submit_batch;
+    options.path = path;
     nvme::IoEngineOptions engine_options;
     engine_options.block_size = block_size;
     engine_options.threads = threads;
