@@ -20,12 +20,17 @@ buffer, DeepSpeed's `new_cpu_locked_tensor` (page-aligned, mlocked), and the sam
 queue depth and thread count: DeepSpeed's `aio_handle(block, depth, single_submit=False,
 overlap_events=True, intra_op_parallelism=T)` with `sync_pread` / `sync_pwrite` of the whole file
 and `memplan.IoFile(threads=T)` with `read` / `write` of the whole file. Writes are timed to the
-end of the call for both (neither fsyncs: DeepSpeed's swapper does not). Each round runs every
-thread count, write then read, the two tools in alternating order, so drift and the neighbours'
-load fall on both; the table shows medians over rounds of each figure and of the per-round ratios.
-With --fio, fio's io_uring engine runs on the same file and settings (T jobs each on its own
-slice), once as fio's defaults and once with its best io_uring options (fixed buffers, registered
-files, batched submission and completion); the better of the two is the reference.
+end of the call for both (neither fsyncs: DeepSpeed's swapper does not). One unmeasured pass of
+each comes first. Each round runs every thread count, write then read, each tool back to back in
+an order reversed every other time, so drift and the neighbours' load fall on all of them; the
+table shows medians over rounds of each figure and of the per-round ratios. With --fio, fio's
+io_uring engine runs beside them on the same file and settings (T jobs each on its own slice),
+once as fio's defaults and once with its best io_uring options (fixed buffers, registered files,
+batched submission and completion); the better of the two is the reference. Note that fio reuses
+a ring of depth x block bytes where the other two move the whole file through one buffer.
+"DS cores" and "mp cores" are this process's CPU seconds per wall second during the transfer,
+the kernel's io_uring workers included: how many cores a tool kept busy. memplan's backend is
+`--backend` (auto: libaio on a memory filesystem, io_uring elsewhere; see nvme/backend.cc).
 
 AdamW: --adam-params fp32 parameters with fp32 exp_avg / exp_avg_sq, --adam-threads threads for
 both (OMP_NUM_THREADS for DeepSpeed's OpenMP, memplan.CpuAdam(threads=T)). Rows:
@@ -51,6 +56,7 @@ A benchmark, not a test: figures move with the machine's load, which is printed 
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -79,6 +85,19 @@ def timed(fn):
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def process_cpu_seconds():
+    """CPU time of every thread of this process so far, the kernel's io_uring workers included."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def timed_with_cpu(fn):
+    """(wall seconds, cores busy meanwhile: this process's CPU seconds / wall seconds)."""
+    cpu = process_cpu_seconds()
+    seconds = timed(fn)
+    return seconds, (process_cpu_seconds() - cpu) / seconds
 
 
 def fio_run(path, size, block, depth, threads, rw, tuned):
@@ -138,27 +157,40 @@ def io_location(args, aio_op, memplan, torch, directory, label):
         def mp(op, t):
             return lambda: (files[t].read if op == "read" else files[t].write)(buffer, 0)
 
+        # One unmeasured pass of each tool, thread count and direction first: the first transfer
+        # in a location ran up to 10% slow, whichever tool made it.
+        for t in args.threads:
+            for op in ("write", "read"):
+                ds(op, t)()
+                mp(op, t)()
+
+        def fio(tuned):
+            return lambda op, t: fio_run(path, size, block, depth, t, op, tuned)
+
+        # Every tool runs back to back for each thread count and direction, in an order reversed
+        # every other time, so that the drive's swings (its bandwidth here moved by 20% from one
+        # minute to the next) fall on all of them alike.
+        tools = [("deepspeed", ds), ("memplan", mp)]
+        if args.fio:
+            tools += [("fio", fio(False)), ("fio tuned", fio(True))]
         for r in range(args.rounds):
             for t in args.threads:
-                order = [("deepspeed", ds), ("memplan", mp)]
-                if (r + t) % 2:
-                    order.reverse()
+                order = tools if (r + t) % 2 == 0 else list(reversed(tools))
                 for op in ("write", "read"):
                     for tool, make in order:
-                        seconds = timed(make(op, t))
-                        rows.append({"location": label, "op": op, "threads": t, "tool": tool,
-                                     "round": r, "bytes_per_s": size / seconds,
-                                     "load": peer.load_average()})
-            if args.fio:
-                for t in args.threads:
-                    for op in ("write", "read"):
-                        for tuned in (False, True):
-                            bw = fio_run(path, size, block, depth, t, op, tuned)
-                            if bw:
-                                rows.append({"location": label, "op": op, "threads": t,
-                                             "tool": "fio tuned" if tuned else "fio",
-                                             "round": r, "bytes_per_s": bw,
-                                             "load": peer.load_average()})
+                        row = {"location": label, "op": op, "threads": t, "tool": tool,
+                               "round": r}
+                        if tool.startswith("fio"):
+                            bw = make(op, t)  # fio reports its own bandwidth
+                            if not bw:
+                                continue
+                            row["bytes_per_s"] = bw
+                        else:
+                            seconds, cores = timed_with_cpu(make(op, t))
+                            row["bytes_per_s"] = size / seconds
+                            row["cores_busy"] = cores
+                        row["load"] = peer.load_average()
+                        rows.append(row)
             print(f"{label}: round {r + 1}/{args.rounds} done (load {peer.load_average():.2f})",
                   file=sys.stderr, flush=True)
         verify(buffer, files[args.threads[-1]], handles[args.threads[-1]], path, torch)
@@ -278,15 +310,19 @@ def summarize_io(rows, args):
             for op in ("write", "read"):
                 sel = [r for r in rows if r["location"] == location and r["threads"] == t
                        and r["op"] == op]
-                by = {}
+                by, cores = {}, {}
                 for r in sel:
                     by.setdefault(r["tool"], {})[r["round"]] = r["bytes_per_s"]
+                    if "cores_busy" in r:
+                        cores.setdefault(r["tool"], []).append(r["cores_busy"])
                 ratios = [by["memplan"][k] / by["deepspeed"][k] for k in by.get("memplan", {})
                           if k in by.get("deepspeed", {})]
                 entry = {"location": location, "threads": t, "op": op,
                          "deepspeed": peer.median(list(by.get("deepspeed", {}).values())),
                          "memplan": peer.median(list(by.get("memplan", {}).values())),
-                         "ratio_vs_deepspeed": peer.median(ratios)}
+                         "ratio_vs_deepspeed": peer.median(ratios),
+                         "deepspeed_cores": peer.median(cores.get("deepspeed", [])),
+                         "memplan_cores": peer.median(cores.get("memplan", []))}
                 fio_best = [max(by.get("fio", {}).get(k, 0), by.get("fio tuned", {}).get(k, 0))
                             for k in range(args.rounds)]
                 fio_best = [v for v in fio_best if v > 0]
@@ -313,13 +349,15 @@ def summarize_io(rows, args):
 
 def print_io(summary):
     print(f"{'location':<10} {'op':<6} {'T':>2} {'DeepSpeed GB/s':>15} {'memplan GB/s':>13} "
-          f"{'memplan/DS':>11} {'fio best GB/s':>14} {'memplan/fio':>12}")
+          f"{'memplan/DS':>11} {'DS cores':>9} {'mp cores':>9} {'fio best GB/s':>14} "
+          f"{'memplan/fio':>12}")
     for e in summary:
         if "scaling" in e:
             continue
         fio = f"{e['fio_best'] / 1e9:>14.2f} {e['ratio_vs_fio']:>12.3f}" if "fio_best" in e else ""
         print(f"{e['location']:<10} {e['op']:<6} {e['threads']:>2} {e['deepspeed'] / 1e9:>15.2f} "
-              f"{e['memplan'] / 1e9:>13.2f} {e['ratio_vs_deepspeed']:>11.3f} {fio}")
+              f"{e['memplan'] / 1e9:>13.2f} {e['ratio_vs_deepspeed']:>11.3f} "
+              f"{e['deepspeed_cores']:>9.2f} {e['memplan_cores']:>9.2f} {fio}")
     for e in summary:
         if "scaling" in e:
             print(f"memplan {e['scaling']}, {e['location']} {e['op']}: {e['ratio']:.3f}x "
