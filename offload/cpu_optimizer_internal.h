@@ -67,9 +67,10 @@ struct AdamKernelArgs {
 // kernel moving those bytes with no arithmetic ran 0.83 G elements/s on one core here with
 // ordinary stores and 0.97 G/s with a non-temporal store for the 16-bit copy; making the in-place
 // fp32 stores non-temporal too halved it (0.54 G/s: those lines are in cache already). The
-// kernels stream only 32-byte-aligned blocks of the copy (the elements before the first aligned
-// one run through AdamElement, which rounds identically), and end with a store fence so that the
-// thread that waits for the step sees the copy. Values are unchanged: only how they are stored.
+// kernels stream only aligned vectors of the copy (32 bytes for AVX-512, 16 for AVX2; the elements
+// before the first aligned one run through AdamElement, which rounds identically), and end with a
+// store fence so that the thread that waits for the step sees the copy. Values are unchanged: only
+// how they are stored.
 inline constexpr size_t kStreamHalfMinBytes = size_t{4} << 20;  // larger than a core's L2 here
 
 // Updates elements [begin, end). Defined in cpu_adam_<isa>.cc.
