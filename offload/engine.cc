@@ -97,17 +97,98 @@
 //   - Frozen parameters are outside the optimizer's sub-groups; parameters without a gradient
 //     complete theirs in Step(), stepped as segments.
 // Options: they must be known before backward. Step() compares its options with the prepared ones
-// and abandons the step when they differ. A trainer that clips by the global gradient norm (its
-// coefficient needs every gradient) or checks fp16 gradients for overflow before stepping (a
-// dynamic loss scaler skips the whole step) does not prepare: those steps run serially, as
-// before. Errors: an I/O error in a background sub-group, or the write-back's, fails Step() naming
+// and abandons the step when they differ. Clipping by the global gradient norm and skipping a step
+// whose gradients overflowed are options too; what they decide is known only once every gradient
+// is in, so a prepared step that may clip or skip is run as Note [Clipping by the global norm]
+// says. Errors: an I/O error in a background sub-group, or the write-back's, fails Step() naming
 // the step and the sub-group; the step is abandoned (Abandon()): nothing committed, its gradients
 // dropped, the working parameters already written rewritten from the committed master weights,
-// so the trainer can run the step again. With world size > 1 a failed step ends the job, as any
-// one rank's error does (the ranks would no longer make the same collectives).
-// Bounds: at most optimizer_buffer_count + 2 sub-groups' fp32 gradients wait for the optimizer;
-// beyond that the gradient thread waits, and so, through the staging slots, does backward
-// (stats().step_profile.stall_s). The cpu optimizer tier steps serially even when prepared.
+// so the trainer can run the step again.
+//
+// Note [Clipping by the global norm]
+// torch.nn.utils.clip_grad_norm_(parameters, max_norm, p) multiplies every gradient by
+// clamp(max_norm / (norm + 1e-6), max=1), norm the p-norm of all of them (1, 2 or inf), in fp32:
+// Tensor.__rtruediv__ makes it reciprocal(norm + 1e-6) * max_norm. An infinite norm gives 0 (the
+// finite gradients zeroed, an infinite one NaN), a NaN norm NaN. The engine does the same, at
+// Step(), with StepOptions::max_grad_norm:
+//   - The norm. Every optimizer sub-group's gradients are measured once, when the sub-group is
+//     complete (Accumulate(): MeasureGradients, in double, NaNs and infs counted apart, on the
+//     gradient thread, beside backward), into norm_parts. StepNorm() adds them in sub-group order
+//     and, with world size > 1, every rank's in rank order (an all-gather: the same bits on every
+//     rank, and the norm of the mean gradient the ranks step with). GradientNorm() is the same
+//     measurement, for a trainer that logs it (the Hugging Face Trainer's grad_norm) or clips by
+//     hand; the step reuses it. Divided by grad_scale, the loss scale the gradients carry.
+//   - The coefficient multiplies the gradients through grad_scale: the kernels multiply by
+//     1 / grad_scale rounded to float once, so grad_scale = loss_scale / coefficient gives back
+//     exactly the coefficient (for a power-of-two loss scale, coefficient / loss_scale); 0 and NaN
+//     become +inf and NaN, which the kernels take (cpu_optimizer.h).
+//   - skip_nonfinite (a dynamic loss scaler's overflow check): a gradient with an inf or NaN
+//     drops the step whole (DropStep(): nothing applied, no step count advances).
+// With the optimizer overlapped with backward (PrepareStep), a sub-group is stepped as soon as its
+// gradients are complete, before the norm of all of them is known, and Adam is not linear in the
+// gradient, nor can a sub-group whose states were written be rescaled afterwards. Three ways were
+// weighed: keep every gradient in memory until the norm is known (the step's whole fp32 gradient
+// partition in host memory, what NVMe offload exists to avoid); speculate, stepping unclipped and
+// undoing; or defer the step. The engine speculates when the last step did not clip and defers
+// when it did:
+//   - speculated: the prepared step runs beside backward unclipped, as without clipping, and each
+//     sub-group's gradients are also written to the store's gradient slots (keep_grads: 4 bytes an
+//     element, what the serial step writes anyway). When the norm says the coefficient is 1 the
+//     step finishes as any overlapped one (step_profile.clipping "speculated"); its only extra cost
+//     is those writes and the measurement.
+//   - redone: when the coefficient is below 1, the speculative step is stopped (nothing of it was
+//     committed: its states went to the sub-groups' other slots, Note [Two slots per sub-group])
+//     and the step runs again serially from the stored gradients, with the coefficient; the
+//     working parameters the speculative step wrote are written again by it. The cost is the
+//     serial step after backward, plus the speculative work beside backward.
+//   - deferred: after a step that clipped, the next probably clips too (a training's norm moves
+//     slowly): the prepared step does not run beside backward at all, its gradients go to the
+//     store as for a serial step and Step() runs it, clipped: the serial step's cost, no waste.
+// So a training whose norm stays under max_grad_norm keeps the overlap; one that clips every step
+// runs at the serial step's speed, redoing only the first; bench/clip_bench measures both. The
+// results are the serial ones, bit for bit, whichever way a step ran. Without clipping declared
+// before backward a prepared step cannot clip (its gradients are not kept): Step() then refuses
+// other options as before.
+//
+// Note [Parameter groups]
+// torch.optim's param_groups give each group of parameters its own learning rate, weight decay,
+// betas (the Hugging Face Trainer: no weight decay for biases and norms; a scheduler per group).
+// Each parameter's group is fixed when it is registered (ParamSpec::group); a step's options come
+// per group (StepOptions::groups), validated against the Schedule's optimizer. A sub-group spans
+// parameters of several groups, so when the groups' options differ it is stepped in segments
+// (StepSegment::group, Segments()), each with its group's options, the kernels run in place on the
+// segment's part of each state array: the results are those of one kernel call per parameter,
+// bit for bit (the kernels are element-wise). Only the loss scale, grad_scale, is one per step.
+// With world size > 1 a failed step ends the job, as any one rank's error does (the ranks would no
+// longer make the same collectives). Bounds: at most optimizer_buffer_count + 2 sub-groups' fp32
+// gradients wait for the optimizer; beyond that the gradient thread waits, and so, through the
+// staging slots, does backward (stats().step_profile.stall_s). The cpu optimizer tier steps
+// serially even when prepared.
+//
+// Note [What a store holds]
+// The optimizer store outlives its process (resume), and its states are meaningful only for the
+// parameters that wrote them. Its element count alone cannot tell another registration with the
+// same count (two layers defined in the other order, a renamed or reshaped parameter): a resume
+// would put one parameter's weights and moments on another, silently (issue 30 H3). So the store
+// records the registration (Identity(): every parameter's name, shape, frozen flag and the
+// trainer's dtype, in order), written by OptimizerSwapper::Create() before its first commit, and a
+// resume compares it with this engine's, refusing the first difference by name. A store made by an
+// older memplan records none: it is accepted on its element count, with a note in the recovery
+// report. A live store, of another process or another engine of this one, is refused as in use
+// (LockHolder: the store's flock), never taken for a crashed run's.
+//
+// Note [Optimizer state in checkpoints]
+// ReadOptimizerState() reads this rank's shard of a trainable parameter's master weights or of one
+// of its states, between steps, only those bytes of each sub-group (no collective: each rank
+// writes its own file, as DeepSpeed's zero checkpoints); ParamStepCount() gives its own step count
+// (torch's state["step"], Note [Skipped parameters]). LoadOptimizerState() is the way back, with
+// any world size on either side (the trainer assembles this rank's shard from the checkpoint's):
+// one pass over the sub-groups through the home's Load(), which on NVMe is a committed step of the
+// store (begun marker, the other slots, one sync: a crash or a failed filler leaves the last
+// step), in memory all or nothing (made in copies). The store's epoch advances by one, so from then
+// on each parameter steps at its own count (segmented); the counts are saved as a step's, with how
+// much the load changed them, so a resume undoes a load the store did not commit. The working
+// parameters, and with the master weights the frozen ones', are rewritten.
 //
 // Note [Frozen parameters]
 // A frozen parameter is in the ParamSwapper like any other (fetched, gathered, on its tier) but not

@@ -40,8 +40,8 @@
 // In a training step the optimizer's sub-groups get their last gradient one after another as
 // backward runs (the last sub-group first), so the sub-groups' optimizer work need not wait for
 // the whole backward: BeginStep() starts the pipeline before backward, with the step's options
-// (which must therefore be known then: a trainer that clips by the global norm, or checks fp16
-// gradients for overflow, learns its options only after backward and uses Step()), and each
+// (which must therefore be known then: the engine decides clipping and overflow with them, Note
+// [Clipping by the global norm] in engine.cc), and each
 // StepSubGroup() feeds it one sub-group. The pipeline is Step()'s, stage for stage; only the order
 // of the sub-groups and the source of the gradients differ. Neither changes a result: every
 // sub-group is stepped by the same kernel over its own elements with the same options and step

@@ -27,6 +27,16 @@
 // (gil_scoped_acquire on the same thread: no other thread is involved, nothing can deadlock on
 // the GIL) and releases it again when it returns. A Python exception becomes an IoError naming the
 // call, raised to the caller of the engine call as OSError; the ranks then fail as with NCCL.
+//
+// Note [Python exceptions]
+// One mapping from Status to Python for every call (Raise()), so the package's errors mean one
+// thing: a Status made from an errno (Status::FromErrno, sys_errno()) is OSError(errno, message),
+// which Python turns into FileNotFoundError, PermissionError, ... by the errno (a store file
+// removed between steps, a full disk); other I/O failures and data loss are OSError; bad input and
+// ranges are ValueError; a name that is not found (a model, a module) is memplan.NotFoundError, a
+// ValueError (bad input, as the README promises for the requests) that is also a KeyError (as it
+// was), printed without KeyError's quotes; a budget is MemoryError; a call out of order (a closed
+// engine, a step before its backward) is RuntimeError.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
