@@ -132,15 +132,18 @@
 // undoing; or defer the step. The engine speculates when the last step did not clip and defers
 // when it did:
 //   - speculated: the prepared step runs beside backward unclipped, as without clipping, and each
-//     sub-group's gradients are also written to the store's gradient slots (keep_grads: 4 bytes an
-//     element, what the serial step writes anyway). When the norm says the coefficient is 1 the
-//     step finishes as any overlapped one (step_profile.clipping "speculated"); its only extra cost
-//     is those writes and the measurement.
-//   - redone: when the coefficient is below 1, the speculative step is stopped (nothing of it was
-//     committed: its states went to the sub-groups' other slots, Note [Two slots per sub-group])
-//     and the step runs again serially from the stored gradients, with the coefficient; the
-//     working parameters the speculative step wrote are written again by it. The cost is the
-//     serial step after backward, plus the speculative work beside backward.
+//     sub-group's gradients are also written to the store's gradient slot (keep_grads: 4 bytes an
+//     element, what the serial step writes anyway) by the optimizer's writer stage after the
+//     sub-group's states, off backward's path (OptimizerSwapper::StepSubGroup's
+//     store_gradients). When the norm says the coefficient is 1 the step finishes as any
+//     overlapped one (step_profile.clipping "speculated"), the gradients not written yet are not
+//     (StopStoringGradients); its only extra cost is the writes made before the norm was known.
+//   - redone: when the coefficient is below 1, the speculative step is run to its end and dropped
+//     uncommitted (FinishStep(false): its states went to the sub-groups' other slots, Note [Two
+//     slots per sub-group], and now every sub-group's gradients are stored), and the step runs
+//     again serially from the stored gradients, with the coefficient; the working parameters the
+//     speculative step wrote are written again by it. The cost is the serial step after backward,
+//     plus the speculative tail.
 //   - deferred: after a step that clipped, the next probably clips too (a training's norm moves
 //     slowly): the prepared step does not run beside backward at all, its gradients go to the
 //     store as for a serial step and Step() runs it, clipped: the serial step's cost, no waste.
@@ -285,14 +288,16 @@ class OptimizerHome {
     return Status::Unimplemented("engine: this optimizer home steps serially");
   }
   virtual Status StepSubGroup(uint64_t /*sg*/, std::span<const float> /*grads*/,
-                              std::vector<StepSegment> /*segments*/,
-                              std::function<void()> /*done*/) {
+                              std::vector<StepSegment> /*segments*/, std::function<void()> /*done*/,
+                              bool /*store*/) {
     return Status::Unimplemented("engine: this optimizer home steps serially");
   }
   virtual uint64_t SubGroupsUpdated() const { return 0; }
   virtual Status WaitForUpdates() { return Status::Ok(); }
-  virtual Status FinishStep() { return Status::Ok(); }
+  // `commit` false: run to its end and dropped, the stored gradients kept (a redo).
+  virtual Status FinishStep(bool /*commit*/) { return Status::Ok(); }
   virtual void AbortStep() {}
+  virtual void StopStoringGradients() {}
   // The last step's stage times (the swapper's; the in-memory home fills compute only).
   virtual SwapStepStats last_step() const = 0;
   virtual uint64_t epoch() const = 0;
@@ -339,19 +344,20 @@ class NvmeHome final : public OptimizerHome {
     return s_->BeginStep(options, on_update, nullptr);
   }
   Status StepSubGroup(uint64_t sg, std::span<const float> grads, std::vector<StepSegment> segments,
-                      std::function<void()> done) override {
-    return s_->StepSubGroup(sg, grads, std::move(segments), std::move(done));
+                      std::function<void()> done, bool store) override {
+    return s_->StepSubGroup(sg, grads, std::move(segments), std::move(done), store);
   }
   uint64_t SubGroupsUpdated() const override { return s_->SubGroupsUpdated(); }
   Status WaitForUpdates() override { return s_->WaitForUpdates(); }
-  Status FinishStep() override {
-    Status status = s_->FinishStep();
+  Status FinishStep(bool commit) override {
+    Status status = s_->FinishStep(commit);
     const SwapStepStats& last = s_->stats().last_step;
     read_ += last.read_bytes;
     write_ += last.write_bytes;
     return status;
   }
   void AbortStep() override { s_->AbortStep(); }
+  void StopStoringGradients() override { s_->StopStoringGradients(); }
   SwapStepStats last_step() const override { return s_->stats().last_step; }
   uint64_t epoch() const override { return s_->epoch(); }
   uint64_t pinned_bytes() const override { return s_->stats().pool.capacity_bytes; }
@@ -794,10 +800,6 @@ struct Engine::Impl {
         // Note [Clipping by the global norm]: every sub-group's gradients are measured once, whole.
         norm_parts[sg] = MeasureGradients(std::span<const float>(base, size));
         if (overlap) {
-          if (keep_grads) {  // for a redo (Note [Clipping by the global norm])
-            MEMPLAN_RETURN_IF_ERROR(
-                optimizer->WriteGradients(sg, std::span<const float>(base, size)));
-          }
           MEMPLAN_RETURN_IF_ERROR(HandOver(sg, std::move(buf.data)));
         } else {
           MEMPLAN_RETURN_IF_ERROR(
@@ -865,7 +867,9 @@ struct Engine::Impl {
       parts.clear();
     }
     const std::span<const float> view(held->data(), held->size());
-    Status handed = optimizer->StepSubGroup(sg, view, std::move(parts), done);
+    // keep_grads: the optimizer's writer stores them too, for a redo (Note [Clipping by the
+    // global norm]).
+    Status handed = optimizer->StepSubGroup(sg, view, std::move(parts), done, keep_grads);
     if (!handed.ok()) done();  // refused: the optimizer keeps nothing of it
     {
       MutexLock lock(&overlap_mu);
@@ -924,19 +928,6 @@ struct Engine::Impl {
                                  std::to_string(optimizer->epoch()));
     }
     return error;
-  }
-
-  // Stops the optimizer's overlapped step (nothing of it committed) and takes back the gradient
-  // buffers it holds; the step may then run again serially (Note [Clipping by the global norm]).
-  void StopOverlap() {
-    if (!overlap) return;
-    StopHandOvers();
-    optimizer->AbortStep();
-    {
-      MutexLock lock(&overlap_mu);
-      overlap_abandoned = false;
-    }
-    overlap = false;
   }
 
   // Drops everything of the step in progress (AbandonStep(), Abandon(), a skipped step): the
@@ -1197,7 +1188,7 @@ struct Engine::Impl {
     // the last states are written and the step commits.
     MEMPLAN_RETURN_IF_ERROR(optimizer->WaitForUpdates());
     MEMPLAN_RETURN_IF_ERROR(params->PrefetchNextStep());
-    return optimizer->FinishStep();
+    return optimizer->FinishStep(true);
   }
 
   // Note [Optimizer overlapped with backward]: where the step that began at `start` went, into
@@ -2251,13 +2242,18 @@ Status Engine::Step(const StepOptions& options) {
   s.stats.last_step_skipped = false;
   bool overlapped = s.overlap;
   const uint64_t before_step = overlapped ? s.optimizer->SubGroupsUpdated() : 0;
+  // A speculated step that stands: the gradients kept for a redo are not written any more.
+  if (overlapped && s.keep_grads && effective == options) s.optimizer->StopStoringGradients();
   if (overlapped && !(effective == options)) {
     // The step ran beside backward unclipped, and the norm says it must clip: drop it and run it
     // again from the gradients kept on NVMe (its other slots are rewritten; nothing was committed).
+    // Run to its end, uncommitted, so that every sub-group's gradients are stored.
     Status drained = s.DrainGradients();
     if (drained.ok()) drained = s.FeedMissingZeros();
+    if (drained.ok()) drained = s.DrainGradients();
+    if (drained.ok()) drained = s.optimizer->FinishStep(false);
     if (!drained.ok()) return s.Abandon(drained.WithPrefix("engine: step"));
-    s.StopOverlap();
+    s.overlap = false;
     s.clipping = "redone";
     overlapped = false;
   }

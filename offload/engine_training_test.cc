@@ -85,9 +85,15 @@ Reference ReferenceRun(const ToyModel& model, uint64_t steps, double max_norm,
     for (uint64_t e = 0; e < n; ++e) {
       g[e] = g[e] * c;
       // One element at a time: each may have its own group's options.
-      AdamTensors one{std::span<float>(&p[e], 1), std::span<const float>(&g[e], 1),
-                      std::span<float>(&m[e], 1), std::span<float>(&v[e], 1), {}, {},
-                      HalfDtype::kNone, {}, HalfDtype::kNone};
+      AdamTensors one{std::span<float>(&p[e], 1),
+                      std::span<const float>(&g[e], 1),
+                      std::span<float>(&m[e], 1),
+                      std::span<float>(&v[e], 1),
+                      {},
+                      {},
+                      HalfDtype::kNone,
+                      {},
+                      HalfDtype::kNone};
       REQUIRE_OK((*cpu)->AdamStep(options(t, e), static_cast<int64_t>(t), one));
     }
   }
@@ -161,8 +167,8 @@ TEST_CASE("Engine clips by the global norm as torch's clip_grad_norm_, to the bi
     CAPTURE(TierName(c.optimizer));
     CAPTURE(c.prepare);
     TempDir dir("engine-clip-");
-    Run run = StartEngine(model, TestSchedule(Tier::kCpu, c.optimizer, dir.PathOf("nvme"),
-                                              ElementType::kFloat32));
+    Run run = StartEngine(
+        model, TestSchedule(Tier::kCpu, c.optimizer, dir.PathOf("nvme"), ElementType::kFloat32));
     std::vector<std::string> clipping;
     for (uint64_t t = 1; t <= steps; ++t) {
       StepOptions o{{Options(t)}, max_norm};
@@ -177,8 +183,8 @@ TEST_CASE("Engine clips by the global norm as torch's clip_grad_norm_, to the bi
     if (c.prepare) {
       // Note [Clipping by the global norm]: speculated while steps did not clip, redone at the
       // first that did, deferred after it.
-      CHECK(clipping == std::vector<std::string>{"speculated", "speculated", "redone",
-                                                 "deferred", "deferred"});
+      CHECK(clipping ==
+            std::vector<std::string>{"speculated", "speculated", "redone", "deferred", "deferred"});
     }
   }
 }
@@ -294,7 +300,8 @@ TEST_CASE("Engine skips a step whose gradients overflowed, as GradScaler does") 
   TempDir dir("engine-skip-");
   for (bool prepare : {false, true}) {
     CAPTURE(prepare);
-    Run run = StartEngine(model, TestSchedule(Tier::kNvme, Tier::kNvme, dir.PathOf(prepare ? "p" : "s")));
+    Run run =
+        StartEngine(model, TestSchedule(Tier::kNvme, Tier::kNvme, dir.PathOf(prepare ? "p" : "s")));
     const Reference want =
         ReferenceRun(model, 1, 0, [](uint64_t t, uint64_t) { return Options(t); });
     StepOptions skip{{Options(1)}, 0, 2, true};
@@ -329,13 +336,12 @@ TEST_CASE("Engine skips a step whose gradients overflowed, as GradScaler does") 
 
 TEST_CASE("AbandonStep leaves the engine as if the step never began") {
   const ToyModel model = Model();
-  const Reference want =
-      ReferenceRun(model, 2, 0, [](uint64_t t, uint64_t) { return Options(t); });
+  const Reference want = ReferenceRun(model, 2, 0, [](uint64_t t, uint64_t) { return Options(t); });
   for (bool prepare : {false, true}) {
     CAPTURE(prepare);
     TempDir dir("engine-abandon-");
-    Run run = StartEngine(model, TestSchedule(Tier::kCpu, Tier::kNvme, dir.PathOf("nvme"),
-                                              ElementType::kFloat32));
+    Run run = StartEngine(
+        model, TestSchedule(Tier::kCpu, Tier::kNvme, dir.PathOf("nvme"), ElementType::kFloat32));
     TrainStep(run, model, 1, StepOptions{{Options(1)}}, prepare);
     // Half a step: some gradients given (a backward that raised), or a prepared step running.
     if (prepare) REQUIRE_OK(run.engine->PrepareStep(Options(2)));
@@ -351,15 +357,14 @@ TEST_CASE("AbandonStep leaves the engine as if the step never began") {
 
 TEST_CASE("Engine's optimizer state reads out and loads into another engine, to the bit") {
   const ToyModel model = Model();
-  const Reference want =
-      ReferenceRun(model, 4, 0, [](uint64_t t, uint64_t) { return Options(t); });
+  const Reference want = ReferenceRun(model, 4, 0, [](uint64_t t, uint64_t) { return Options(t); });
   for (Tier from : {Tier::kCpu, Tier::kNvme}) {
     for (Tier to : {Tier::kCpu, Tier::kNvme}) {
       CAPTURE(TierName(from));
       CAPTURE(TierName(to));
       TempDir dir("engine-state-");
-      Run a = StartEngine(model, TestSchedule(Tier::kCpu, from, dir.PathOf("a"),
-                                              ElementType::kFloat32));
+      Run a = StartEngine(model,
+                          TestSchedule(Tier::kCpu, from, dir.PathOf("a"), ElementType::kFloat32));
       for (uint64_t t = 1; t <= 2; ++t) TrainStep(a, model, t, StepOptions{{Options(t)}}, false);
       const int arrays = 1 + a.engine->OptimizerStates();
       REQUIRE(arrays == 3);
@@ -425,8 +430,7 @@ TEST_CASE("A resume onto a store written for another registration is refused, na
   CHECK(refused.code() == StatusCode::kInvalidArgument);
   CHECK_MESSAGE(refused.message().find("parameter #0 is 'm0.weight'") != std::string::npos,
                 refused.message());
-  CHECK_MESSAGE(refused.message().find("and 'm1.weight'") != std::string::npos,
-                refused.message());
+  CHECK_MESSAGE(refused.message().find("and 'm1.weight'") != std::string::npos, refused.message());
   // The registration it was written for resumes.
   Run again = StartEngine(model, schedule, /*resume=*/true);
   CHECK(again.engine->stats().epoch == 1);

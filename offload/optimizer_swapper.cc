@@ -55,6 +55,7 @@
 #include "offload/optimizer_swapper.h"
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <chrono>
 #include <cstring>
@@ -913,6 +914,7 @@ struct OptimizerSwapper::StepRun {
     std::vector<StepSegment> segments;  // empty: the SegmentFn's
     std::function<void()> done;
     bool claimed = false;
+    bool store = false;  // the writer stores `grads` too; `done` is the writer's (or Join's)
   };
   std::vector<SwapStepOptions> options;  // per parameter group
   UpdateCallback on_update;
@@ -936,6 +938,8 @@ struct OptimizerSwapper::StepRun {
   // Written by one stage each, read after the join.
   double read_s = 0, write_s = 0, compute_s = 0, wait_s = 0, grad_wait_s = 0;
   uint64_t read_bytes = 0, write_bytes = 0, in_memory = 0, read_ahead = 0, evicted = 0;
+  uint64_t grad_write_bytes = 0;           // the writer's, for store_gradients jobs
+  std::atomic<bool> store_stopped{false};  // StopStoringGradients()
 
   // Stops the step: every stage returns at its next queue operation, and the gradients handed
   // over that the compute thread has not taken are released at once (the producer may be waiting
@@ -970,6 +974,16 @@ struct OptimizerSwapper::StepRun {
     if (reader.joinable()) reader.join();
     if (computer.joinable()) computer.join();
     if (writer.joinable()) writer.join();
+    // A stored job the writer never reached (the step failed) still gives its gradients back.
+    std::vector<std::function<void()>> release;
+    {
+      MutexLock lock(&mu);
+      for (Job& job : jobs) {
+        if (job.done) release.push_back(std::move(job.done));
+        job.done = nullptr;
+      }
+    }
+    for (auto& done : release) done();
   }
 };
 
@@ -1157,7 +1171,15 @@ Status OptimizerSwapper::BeginStep(std::span<const SwapStepOptions> options,
       if (parts.empty() && r.segments) parts = r.segments(i);
       Status st = s.RunKernel(r.options, static_cast<int64_t>(r.to), *b, n, parts, job.grads);
       if (!job.grads.empty()) ++r.in_memory;
-      if (job.done) job.done();  // the gradients are read
+      if (!job.store) {
+        std::function<void()> done;
+        {
+          MutexLock lock(&r.mu);
+          done = std::move(job.done);
+          job.done = nullptr;
+        }
+        if (done) done();  // the gradients are read
+      }
       if (st.ok()) {
         SlotHeader h = s.MakeHeader(r.to, i, SubGroupBegin(i), n);
         std::memcpy(s.Base(*b), &h, sizeof(h));
@@ -1189,6 +1211,27 @@ Status OptimizerSwapper::BeginStep(std::span<const SwapStepOptions> options,
       const uint64_t i = r.group_of[*b];
       std::span<std::byte> value = s.Value(*b, SubGroupSize(i));
       Status st = s.store->Put(StateKey(i, r.to % 2), value);
+      StepRun::Job& job = r.jobs[i];
+      uint64_t grad_bytes = 0;
+      if (st.ok() && job.store) {
+        // Kept for a step run again (FinishStep(false)): beside backward, off its path; not once
+        // the caller knows the step stands.
+        if (!r.store_stopped.load(std::memory_order_acquire)) {
+          const std::span<const std::byte> grads = std::as_bytes(job.grads);
+          st = s.store->Put(GradKey(i), grads);
+          if (st.ok()) {
+            s.grads_written[i] = true;  // the writer is the only one writing them in this step
+            grad_bytes = grads.size();
+          }
+        }
+        std::function<void()> done;
+        {
+          MutexLock lock(&r.mu);
+          done = std::move(job.done);
+          job.done = nullptr;
+        }
+        if (done) done();
+      }
       r.write_s += SecondsSince(t0);
       if (!st.ok()) {
         r.Abort(st.WithPrefix("step " + std::to_string(r.to) + ", writing sub-group " +
@@ -1196,6 +1239,7 @@ Status OptimizerSwapper::BeginStep(std::span<const SwapStepOptions> options,
         return;
       }
       r.write_bytes += value.size();
+      r.grad_write_bytes += grad_bytes;
       r.reader_q.Push(kFreed + *b);
     }
   });
@@ -1204,8 +1248,8 @@ Status OptimizerSwapper::BeginStep(std::span<const SwapStepOptions> options,
 }
 
 Status OptimizerSwapper::StepSubGroup(uint64_t sub_group, std::span<const float> grads,
-                                      std::vector<StepSegment> segments,
-                                      std::function<void()> done) {
+                                      std::vector<StepSegment> segments, std::function<void()> done,
+                                      bool store_gradients) {
   Impl& s = *impl_;
   if (!s.run) return Status::FailedPrecondition("no step is begun (BeginStep)");
   StepRun& r = *s.run;
@@ -1245,6 +1289,7 @@ Status OptimizerSwapper::StepSubGroup(uint64_t sub_group, std::span<const float>
       job.grads = grads;
       job.segments = std::move(segments);
       job.done = std::move(done);
+      job.store = store_gradients && !grads.empty();
     } else {
       job.claimed = true;  // the step has failed: nothing will read them
       refused = true;
@@ -1276,7 +1321,9 @@ Status OptimizerSwapper::WaitForUpdates() {
   return r.error.Get();
 }
 
-Status OptimizerSwapper::FinishStep() {
+Status OptimizerSwapper::FinishStep() { return FinishStep(true); }
+
+Status OptimizerSwapper::FinishStep(bool commit) {
   Impl& s = *impl_;
   if (!s.run) return Status::FailedPrecondition("no step is begun (BeginStep)");
   StepRun& r = *s.run;
@@ -1287,6 +1334,15 @@ Status OptimizerSwapper::FinishStep() {
   }
   r.Join();
   if (status.ok()) status = r.error.Get();
+  if (!commit) {
+    // Run to its end and dropped: nothing committed, the stored gradients kept for Step().
+    s.stats.last_step.grad_wait_s = r.grad_wait_s;
+    const bool serial = r.serial;
+    const std::vector<uint64_t> order = r.order;
+    s.run.reset();
+    if (!serial && order.size() == sub_group_count_) s.last_order = order;
+    return status;
+  }
   double sync_s = 0;
   if (status.ok()) {
     const uint64_t committed = r.to;
@@ -1329,6 +1385,10 @@ Status OptimizerSwapper::FinishStep() {
   ++s.stats.steps;
   std::fill(s.grads_written.begin(), s.grads_written.end(), false);
   return Status::Ok();
+}
+
+void OptimizerSwapper::StopStoringGradients() {
+  if (impl_->run) impl_->run->store_stopped.store(true, std::memory_order_release);
 }
 
 void OptimizerSwapper::AbortStep() {

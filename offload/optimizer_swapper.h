@@ -288,8 +288,12 @@ class OptimizerSwapper {
   // empty `grads` with none written. A failure of the step itself is not returned here but by
   // WaitForUpdates() / FinishStep() (`done` is then called at once): the caller's producer, a
   // backward pass, is not interrupted by it.
+  // `store_gradients` (with `grads` in memory): the writer stage also writes them to the store's
+  // gradient slot after the sub-group's states, as WriteGradients() would (`done` is then called
+  // once they are written), so that the step can be run again by Step() (FinishStep(false)).
   Status StepSubGroup(uint64_t sub_group, std::span<const float> grads,
-                      std::vector<StepSegment> segments = {}, std::function<void()> done = nullptr);
+                      std::vector<StepSegment> segments = {}, std::function<void()> done = nullptr,
+                      bool store_gradients = false);
   // Waits until every sub-group's update callback has returned (all must have been handed over:
   // FailedPrecondition naming the first that was not). Returns the step's first error; the step
   // then still needs FinishStep() or AbortStep().
@@ -299,8 +303,16 @@ class OptimizerSwapper {
   // over and nothing of it is committed: epoch() and the committed states are unchanged, and the
   // error names the step and the sub-group.
   Status FinishStep();
+  // With `commit` false: the step is run to its end (every sub-group stepped and written to its
+  // other slot, the gradients given with store_gradients stored) and then dropped, uncommitted:
+  // epoch() stays, and Step() may run it again from the stored gradients (the engine's redo of a
+  // step that must be clipped, Note [Clipping by the global norm] in engine.cc).
+  Status FinishStep(bool commit);
   // Abandons the begun step (a no-op without one): the pipeline stops, nothing is committed.
   void AbortStep();
+  // The gradients given with store_gradients will not be needed (the step will be committed as it
+  // runs): those not written yet are not written (a no-op without a begun step).
+  void StopStoringGradients();
   bool step_begun() const;
   // Sub-groups of the begun step whose update callback has returned (0 without one).
   uint64_t SubGroupsUpdated() const;
