@@ -281,6 +281,12 @@ struct SwapStore::Impl {
   Status ReadBlocks(const std::string& key, const Entry& e, uint64_t begin, uint64_t end,
                     std::byte* out) {
     Status status = engine->Read(file, e.offset + begin, out, end - begin);
+    if (status.code() == StatusCode::kOutOfRange) {
+      // The index places the value inside the data file: a file that ends before it was cut
+      // short behind the store's back, which is data lost, not a caller's range.
+      return Status::DataLoss(KeyMsg(key, "the data file ends before the value (truncated?): " +
+                                              status.message()));
+    }
     if (!status.ok()) return status.WithPrefix(KeyMsg(key, "read failed"));
     const uint64_t block = options.checksum_block_bytes;
     for (uint64_t at = begin; at < end; at += block) {

@@ -627,6 +627,15 @@ class StoresTest(unittest.TestCase):
                 trainer.close()
             self.assertTrue(trainer._closed)
         with tempfile.TemporaryDirectory() as tmp:
+            # The parameters' data file truncated between steps: data lost, an OSError.
+            path = os.path.join(tmp, "st")
+            model = Net(["enc", "dec"])
+            trainer = self.train(model, path, steps=1)
+            os.truncate(os.path.join(path, "params", "memplan-swap.data"), 0)
+            with self.assertRaisesRegex(OSError, "truncated"):
+                model(torch.randn(4, 8))
+            trainer.close()
+        with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "st")
             self.train(Net(["enc", "dec"]), path).close()
             os.unlink(os.path.join(path, "optimizer", "memplan-swap.data"))
