@@ -439,6 +439,14 @@ TEST_CASE("plan to run for the Hugging Face Trainer: what the plan assumed, said
   c = Memplan(filled);
   REQUIRE_MESSAGE(c.exit_code == 0, c.out << c.err);
   CHECK(nlohmann::json::parse(c.out)["predicted"]["gpu_bytes"].get<uint64_t>() > 0);
+
+  // NVMe asked for without a drive: every family refused, and the report still says the
+  // sequence (issue 31 item 10: it printed "seq 0" and "16 x 0 tokens") and why.
+  CommandResult nvme = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "1",
+                                "--global-batch", "16", "--offload-optimizer", "nvme"});
+  CHECK_MESSAGE(nvme.out.find("seq 2048") != std::string::npos, nvme.out);
+  CHECK(nvme.out.find("Global batch 16 x 2048 tokens") != std::string::npos);
+  CHECK(nvme.out.find("no NVMe drive given (--nvme-path)") != std::string::npos);
 }
 
 TEST_CASE("plan --svg: the top plans drawn, written atomically, with json or text") {
