@@ -285,6 +285,9 @@ class LifecycleTest(unittest.TestCase):
             with self.assertRaisesRegex(ValueError, "memplan_path is empty"):
                 memplan.hf.MemplanTrainer(model=tiny_llama(), args=arguments(tmp),
                                           train_dataset=Tokens(), memplan_path="")
+            with self.assertRaisesRegex(ValueError, "model_init"):
+                memplan.hf.MemplanTrainer(model=tiny_llama(), args=arguments(tmp),
+                                          train_dataset=Tokens(), model_init=tiny_llama)
 
 
 if __name__ == "__main__":

@@ -146,7 +146,9 @@ class MemplanTrainer(_trainer_class()):
     its parents.
     memplan_options: further keywords for memplan.torch.offload (pinned_budget_bytes,
     sub_group_elements, fetch_units, dtype, overlap_optimizer, resume, ...). ``self.memplan`` is
-    the OffloadedModule (after train(); closed when it returns, its stats() kept).
+    the OffloadedModule (after train(); closed when it returns, its stats() kept). A second
+    train() puts the model, with its trained weights, into a new engine, whose optimizer starts
+    afresh (a Trainer checkpoint carries the optimizer's state across: resume_from_checkpoint).
     """
 
     def __init__(self, model=None, args=None, *pos, memplan_path=None, memplan_options=None,
@@ -159,6 +161,10 @@ class MemplanTrainer(_trainer_class()):
                              "(adamw_torch)")
         if kwargs.get("optimizers", (None, None))[0] is not None:
             raise ValueError("MemplanTrainer makes its own optimizer (the engine's)")
+        if kwargs.get("model_init") is not None:
+            raise ValueError("MemplanTrainer: model_init (a model made anew by train(), as a "
+                             "hyper-parameter search does) is not supported: the engine holds "
+                             "the model it is given; make a MemplanTrainer per trial instead")
         if memplan_path is not None and not str(memplan_path):
             raise ValueError("MemplanTrainer: memplan_path is empty; give a directory, or None "
                              "for host memory")

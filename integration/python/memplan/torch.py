@@ -31,8 +31,52 @@ How it works (the ZeRO-3 pattern, on memplan's Engine):
     results are the serial ones, bit for bit. The options of a step are those in effect when its
     backward begins: change them before the backward (``set_options(lr=...)``), not in that step's
     ``step()`` call, which then raises ValueError and drops the step (the weights as before it).
-    Leave it off when the options are known only after backward (clipping by the global gradient
-    norm, skipping fp16 steps whose gradients overflowed): those steps need every gradient first.
+    Clipping is one of those options: declare it before backward (``offload(...,
+    max_grad_norm=...)``); the engine runs a step that may clip beside backward and runs it again
+    after it when the norm says it must clip (the engine's Note [Clipping by the global norm]).
+
+Note [Clipping and loss scaling in memplan.torch]
+Gradients never sit on the parameters, so torch's clip_grad_norm_ and GradScaler, which read
+``p.grad``, would see none (clip_grad_norm_ returned 0 and clipped nothing). While an engine holds
+parameters, torch.nn.utils.clip_grad_norm_ on them is the engine's (Note [What memplan.torch
+patches]): the step's pending gradients are given to the engine (_flush_pending), its global norm
+(every rank's, torch's p-norm) divided by the loss scale is returned, and the step (``_clip``) is
+clipped by torch's coefficient, applied by the engine at step(). Over part of the module's
+parameters it raises; beside parameters the engine does not hold, one norm over all and one
+coefficient for all (``_coefficient``). A GradScaler's unscale_ on an OffloadOptimizer asks the
+engine whether a gradient overflowed (a NaN or inf norm) and records the answer where the
+GradScaler looks for it (found_inf_per_device); an overflowed step is dropped there (the scaler
+then skips step() and lowers its scale), a finite one steps with grad_scale = the loss scale
+(``_loss_scale``). Each is this step's only: _end_step() forgets them.
+
+Note [A step that raised]
+torch accumulates a second backward into .grad; the engine takes one gradient per parameter per
+step. A gradient hook that raises (a second backward, a sparse gradient) drops the whole step
+(_abandon: the engine's AbandonStep, what backward holds fetched released, the step's bookkeeping
+forgotten), so that the next step is clean; so does zero_grad() in the middle of a step, as
+torch's drops the gradients it would have used. A forward that raises leaves the units it
+fetched: the root module's pre-hook counts forwards, and the next one, seeing the count not back
+to zero, releases what is left (not what waits for a backward).
+
+Note [What the engine holds]
+The engine keeps fp32 master weights. A trainable parameter it cannot represent exactly
+(complex, float64, quantised) or whose gradient is sparse (nn.Embedding(sparse=True)) is refused
+at offload(), naming it; a frozen integer, bool, quantised or float64 one (a quantised base's
+packed codes) is left out of the engine (``kept``): an ordinary tensor of the module, untouched.
+
+Note [A module fixed in structure]
+offload() registers the Parameters the module holds then, under every name the module holds
+them (``owners``). A Parameter replaced afterwards (``m.w = nn.Parameter(...)``, a head
+re-initialised, resize_token_embeddings) would be used by forward and trained by nobody; a
+``.data`` assigned would be overwritten at the next fetch. So each fetch checks both and raises,
+naming the parameter; new values go through load_state_dict.
+
+Note [The module's state_dict]
+The parameters' storage is empty between uses, so module.state_dict() would hold empty tensors.
+A state-dict hook on every fetch unit gives the engine's values instead (world size 1; with
+several ranks it raises, since only a collective over the ranks can gather them:
+trainer.state_dict() on every rank), and the module's load_state_dict is the OffloadedModule's
+while the engine holds the module: the values go into the engine (the optimizer's states kept).
 
 Note [Views of parameters]
 A view of a parameter saved for backward would keep pointing at the engine memory the parameter
