@@ -269,8 +269,7 @@ int main(int argc, char** argv) {
     }
     std::printf("%-18s %9.3f %11.3f %13.3f %11.3f  %s\n", m["name"].get<std::string>().c_str(),
                 m["step_s"].get<double>(), m["step_wait_s"].get<double>(),
-                m["over_overlap"].get<double>(), m["over_serial"].get<double>(),
-                clipping.c_str());
+                m["over_overlap"].get<double>(), m["over_serial"].get<double>(), clipping.c_str());
   }
   return 0;
 }

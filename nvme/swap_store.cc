@@ -284,8 +284,8 @@ struct SwapStore::Impl {
     if (status.code() == StatusCode::kOutOfRange) {
       // The index places the value inside the data file: a file that ends before it was cut
       // short behind the store's back, which is data lost, not a caller's range.
-      return Status::DataLoss(KeyMsg(key, "the data file ends before the value (truncated?): " +
-                                              status.message()));
+      return Status::DataLoss(
+          KeyMsg(key, "the data file ends before the value (truncated?): " + status.message()));
     }
     if (!status.ok()) return status.WithPrefix(KeyMsg(key, "read failed"));
     const uint64_t block = options.checksum_block_bytes;
