@@ -447,6 +447,12 @@ TEST_CASE("plan to run for the Hugging Face Trainer: what the plan assumed, said
   CHECK_MESSAGE(nvme.out.find("seq 2048") != std::string::npos, nvme.out);
   CHECK(nvme.out.find("Global batch 16 x 2048 tokens") != std::string::npos);
   CHECK(nvme.out.find("no NVMe drive given (--nvme-path)") != std::string::npos);
+  // --gpus 16 is one node of 16 GPUs, and the report says so (item 10).
+  CommandResult sixteen = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus",
+                                   "16", "--global-batch", "64"});
+  CHECK_MESSAGE(sixteen.out.find("--gpus is GPUs per node: one node of 16 GPUs; for nodes of 8, "
+                                 "give --gpus 8 --nodes 2") != std::string::npos,
+                sixteen.out);
 }
 
 TEST_CASE("plan --svg: the top plans drawn, written atomically, with json or text") {
