@@ -311,7 +311,7 @@ struct SetupOptions {
     }
     if (!deepspeed.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(deepspeed, uint64_t{1} << 24));
-      MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json config, ParseJsonNoRepeatedKeys(text, deepspeed));
+      MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json config, ParseJson(text, deepspeed));
       // Apply the flags first, so that "auto" keys take their values.
       MEMPLAN_RETURN_IF_ERROR(ApplyFlags(&s, /*only_given=*/true));
       const int64_t hidden = inventory.arch.has_value() ? inventory.arch->hidden : 0;
