@@ -101,11 +101,11 @@ Result<std::string> YamlQuoted(std::string_view v, std::string_view what) {
 }
 
 Result<std::string> YamlScalar(std::string_view text, std::string_view what) {
-  const bool identifier =
-      !text.empty() && (std::isalpha(static_cast<unsigned char>(text.front())) != 0) &&
-      std::all_of(text.begin(), text.end(), [](char c) {
-        return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_';
-      });
+  const bool identifier = !text.empty() &&
+                          (std::isalpha(static_cast<unsigned char>(text.front())) != 0) &&
+                          std::all_of(text.begin(), text.end(), [](char c) {
+                            return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_';
+                          });
   if (identifier && !YamlKeyword(text)) return std::string(text);
   return YamlQuoted(text, what);
 }

@@ -37,18 +37,71 @@ void WriteFile(const fs::path& path, const std::string& text) {
 // Pieces a hostile string is made of: shell syntax, quotes, expansions, comment and line
 // breaks of every reader, control characters, bytes that are not UTF-8.
 const std::vector<std::string>& Fragments() {
-  static const std::vector<std::string> kFragments = {
-      "'",          "\"",         "\\",         "$(touch PWNED)", "`touch PWNED`", ";",
-      "&&",         "||",         "|",          "&",              "\n",            "\r",
-      std::string(1, '\0'),       "\n touch PWNED #", "#",          " ",             "\t",
-      "$HOME",      "${IFS}",     "$((1+1))",   "!",              "*",             "?",
-      "~",          "{a,b}",      "[x]",        "-",              "--",            "=",
-      "a=b",        "%",          "@",          ",",              ":",             ".",
-      "/",          "..",         "\x1b[2J",    "\x7f",           "\xc2\x85",      "\xe2\x80\xa8",
-      "\xe2\x80\xa9", "\xe2\x80\xae", "\xef\xbb\xbf", "\xff",       "\xc0\xaf",      "'\\''",
-      "\"'\"",      ">",          "<",          ">PWNED",         "<<EOF",         "(",
-      ")",          "{",          "}",          "^",              "é",             "train.py",
-      "x",          "0",          "-c",         "--deepspeed",    "*.sh",          "\\\n"};
+  static const std::vector<std::string> kFragments = {"'",
+                                                      "\"",
+                                                      "\\",
+                                                      "$(touch PWNED)",
+                                                      "`touch PWNED`",
+                                                      ";",
+                                                      "&&",
+                                                      "||",
+                                                      "|",
+                                                      "&",
+                                                      "\n",
+                                                      "\r",
+                                                      std::string(1, '\0'),
+                                                      "\n touch PWNED #",
+                                                      "#",
+                                                      " ",
+                                                      "\t",
+                                                      "$HOME",
+                                                      "${IFS}",
+                                                      "$((1+1))",
+                                                      "!",
+                                                      "*",
+                                                      "?",
+                                                      "~",
+                                                      "{a,b}",
+                                                      "[x]",
+                                                      "-",
+                                                      "--",
+                                                      "=",
+                                                      "a=b",
+                                                      "%",
+                                                      "@",
+                                                      ",",
+                                                      ":",
+                                                      ".",
+                                                      "/",
+                                                      "..",
+                                                      "\x1b[2J",
+                                                      "\x7f",
+                                                      "\xc2\x85",
+                                                      "\xe2\x80\xa8",
+                                                      "\xe2\x80\xa9",
+                                                      "\xe2\x80\xae",
+                                                      "\xef\xbb\xbf",
+                                                      "\xff",
+                                                      "\xc0\xaf",
+                                                      "'\\''",
+                                                      "\"'\"",
+                                                      ">",
+                                                      "<",
+                                                      ">PWNED",
+                                                      "<<EOF",
+                                                      "(",
+                                                      ")",
+                                                      "{",
+                                                      "}",
+                                                      "^",
+                                                      "é",
+                                                      "train.py",
+                                                      "x",
+                                                      "0",
+                                                      "-c",
+                                                      "--deepspeed",
+                                                      "*.sh",
+                                                      "\\\n"};
   return kFragments;
 }
 
@@ -218,8 +271,7 @@ TEST_CASE("launch: H1's GPU name with a newline is one comment line in every lau
     REQUIRE_OK(script);
     CHECK(script->find("\ntouch PWNED") == std::string::npos);
     CHECK(script->find("# memplan plan: ZeRO-3 + optimizer on CPU, micro-batch 2 x 4 "
-                       "accumulation, on 1 node x 8 a100\\ntouch PWNED #.\n") !=
-          std::string::npos);
+                       "accumulation, on 1 node x 8 a100\\ntouch PWNED #.\n") != std::string::npos);
     CHECK(CheckCase(c, tmp.path() / "work", tmp.path() / "bin"));
     CHECK_FALSE(fs::exists(tmp.path() / "work" / "PWNED"));
   }

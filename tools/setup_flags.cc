@@ -168,7 +168,8 @@ constexpr std::pair<std::string_view, std::string_view> kFieldFlags[] = {
     {"deepspeed_config_path", "--emit-deepspeed"},
     {"accelerate_config", "--emit-accelerate"},
     {"launcher", "--emit-launch"},
-    {"command", "--launch-script"},
+    {"script", "--launch-script"},
+    {"script_args", "--launch-arg"},
     {"master_port", "--master-port"},
     {"slurm_partition", "--slurm-partition"},
     {"slurm_time", "--slurm-time"},
@@ -180,6 +181,7 @@ constexpr std::pair<std::string_view, std::string_view> kFieldFlags[] = {
     {"max_train_hours", "--max-days"},
     // CalibrateOptions (calibrate).
     {"constants", "--constants"},
+    {"max_rms_error", "--max-error"},
 };
 
 }  // namespace
