@@ -245,7 +245,9 @@ TEST_CASE("file: PathUnder keeps a name from data under its root, or names why n
        "contains a control character or bytes that are not UTF-8"},
       {std::string(4097, 'a'), "is longer than 4096 bytes"},
   };
-  for (const auto& [name, why] : refused) {
+  for (const auto& entry : refused) {
+    const std::string& name = entry.first;
+    const std::string& why = entry.second;
     CAPTURE(name);
     auto path = PathUnder("/cache", name, "shard");
     REQUIRE_FALSE(path.ok());

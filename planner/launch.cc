@@ -37,7 +37,9 @@ Result<std::vector<std::string>> ScriptWords(const LaunchOptions& o) {
                                         std::to_string(o.script_args.size())));
     out.push_back(std::move(arg));
   }
-  if (!o.deepspeed_config.empty()) {
+  const bool accelerate = o.launcher == Launcher::kAccelerate ||
+                          (o.launcher == Launcher::kSlurm && !o.accelerate_config.empty());
+  if (!o.deepspeed_config.empty() && !accelerate) {
     out.push_back(o.for_hf_trainer ? "--deepspeed" : "--deepspeed_config");
     MEMPLAN_ASSIGN_OR_RETURN(std::string config,
                              ShellWord(o.deepspeed_config, "`deepspeed_config_path`"));
