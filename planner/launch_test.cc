@@ -165,7 +165,11 @@ struct Case {
 std::vector<std::string> ExpectedTail(const LaunchOptions& o) {
   std::vector<std::string> tail = {o.script};
   tail.insert(tail.end(), o.script_args.begin(), o.script_args.end());
-  if (!o.deepspeed_config.empty()) {
+  // Under accelerate the DeepSpeed config reaches the script through the Accelerate config
+  // (issue 31, item 8): no argument for it.
+  const bool accelerate = o.launcher == Launcher::kAccelerate ||
+                          (o.launcher == Launcher::kSlurm && !o.accelerate_config.empty());
+  if (!o.deepspeed_config.empty() && !accelerate) {
     tail.push_back(o.for_hf_trainer ? "--deepspeed" : "--deepspeed_config");
     tail.push_back(o.deepspeed_config);
   }
