@@ -88,11 +88,6 @@ std::string HalfName(Precision p) {
   return p == Precision::kFp16Mixed ? "fp16" : p == Precision::kFp32 ? "fp32" : "bf16";
 }
 
-std::string_view LastComponent(std::string_view module) {
-  size_t dot = module.rfind('.');
-  return dot == std::string_view::npos ? module : module.substr(dot + 1);
-}
-
 // What the inventory says about the parameters, for the setup's LoRA/QLoRA/ZeRO-3 choices.
 struct ParamFacts {
   Wide total = 0;        // unique parameters
@@ -115,19 +110,6 @@ struct ParamFacts {
   Wide head = 0;
 };
 
-// Which of query (1), key (2), value (4) a Linear computes, by its module name; 7 for a fused
-// QKV projection; 0 for any other Linear.
-unsigned QkvPart(std::string_view leaf) {
-  if (leaf == "q_proj" || leaf == "query" || leaf == "q") return 1;
-  if (leaf == "k_proj" || leaf == "key" || leaf == "k") return 2;
-  if (leaf == "v_proj" || leaf == "value" || leaf == "v") return 4;
-  if (leaf == "c_attn" || leaf == "query_key_value" || leaf == "qkv_proj" || leaf == "Wqkv" ||
-      leaf == "W_pack") {
-    return 7;
-  }
-  return 0;
-}
-
 Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& setup) {
   ParamFacts f;
   const Wide threshold = U(setup.stage3_param_persistence_threshold);
@@ -139,19 +121,12 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
     if (!t.tied_to.empty()) continue;
     f.total += t.numel;
     if (t.numel <= threshold) f.persistent += t.numel;
-    const bool linear =
-        !t.block.empty() && t.shape.size() == 2 && t.name.size() > 7 &&
-        t.name.substr(t.name.size() - 7) == ".weight" &&
-        LastComponent(t.module).find("embedding") == std::string_view::npos &&
-        LastComponent(t.module).find("relative_attention_bias") == std::string_view::npos;
-    if (linear) {
+    // QLoRA stores the Linear weights of the blocks in NF4 (Note [Tensor roles]).
+    if (!t.block.empty() && t.IsLinearWeight()) {
       f.quantizable += t.numel;
       f.largest_quantized = std::max<Wide>(f.largest_quantized, t.numel);
     }
-    const std::string_view leaf = LastComponent(t.module);
-    if (t.block.empty() && t.shape.size() == 2 && (leaf == "lm_head" || leaf == "embed_out")) {
-      f.head += t.numel;
-    }
+    if (t.role == TensorRole::kHead && t.IsLinearWeight()) f.head += t.numel;
     if (setup.lora_rank == 0) {
       f.factored += t.shape.size() >= 2
                         ? U(t.shape[0]) + U(t.numel / std::max<int64_t>(t.shape[0], 1))
@@ -172,10 +147,10 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
     const Wide a = r * U(t->shape[1]), b = r * U(t->shape[0]);
     f.lora += a + b;
     // The input width: Linear weights are [out, in], GPT-2's Conv1D weights [in, out].
-    const Wide in_width = U(inventory.model_type == "gpt2" ? t->shape[0] : t->shape[1]);
-    const Wide out_width = U(inventory.model_type == "gpt2" ? t->shape[1] : t->shape[0]);
+    const Wide in_width = U(t->InFeatures());
+    const Wide out_width = U(t->OutFeatures());
     f.lora_input_width += in_width;
-    const unsigned part = QkvPart(LastComponent(t->module));
+    const unsigned part = QkvParts(t->role);
     if (part == 0) {
       f.litgpt_lora_input_width += in_width;
     } else {

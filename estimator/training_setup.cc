@@ -65,17 +65,8 @@ std::string LastComponent(const std::string& module) {
   return dot == std::string::npos ? module : module.substr(dot + 1);
 }
 
-bool EndsWith(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
-// A Linear (or GPT-2 Conv1D) weight inside a repeated block; embedding-like tables excluded.
-bool IsBlockLinearWeight(const TensorInfo& t) {
-  if (t.block.empty() || t.shape.size() != 2 || !EndsWith(t.name, ".weight")) return false;
-  const std::string leaf = LastComponent(t.module);
-  return leaf.find("embedding") == std::string::npos &&
-         leaf.find("relative_attention_bias") == std::string::npos;
-}
+// A Linear (or GPT-2 Conv1D) weight inside a repeated block (Note [Tensor roles]).
+bool IsBlockLinearWeight(const TensorInfo& t) { return !t.block.empty() && t.IsLinearWeight(); }
 
 }  // namespace
 

@@ -16,16 +16,6 @@ using estimator::Optimizer;
 using estimator::Precision;
 using estimator::TrainingSetup;
 
-std::string LastComponent(const std::string& path) {
-  const size_t dot = path.rfind('.');
-  return dot == std::string::npos ? path : path.substr(dot + 1);
-}
-
-bool EndsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // Time of one M x K x N GEMM: the roofline of Note [Step-time model], the larger of its compute at
 // the tensor cores' sustained rate and its operands' bytes at HBM speed.
 double GemmSeconds(double m, double k, double n, double elem_bytes, double flops_per_s,
@@ -174,30 +164,30 @@ Result<ModelShape> ModelShapeFor(const estimator::ModelInventory& inventory,
   for (const estimator::TensorInfo& t : inventory.tensors) {
     ++m.param_tensors;
     if (!t.tied_to.empty()) {
-      // A tied LM head runs a GEMM with the embedding matrix.
-      if (LastComponent(t.module) == "lm_head" || t.name.find("lm_head") != std::string::npos) {
+      // A tied LM head runs a GEMM with the embedding matrix (Note [Tensor roles]).
+      if (t.role == estimator::TensorRole::kHead && t.IsLinearWeight()) {
         has_head = true;
         m.head_gemms.push_back(
             {static_cast<double>(arch.hidden), static_cast<double>(arch.vocab), 1, lora, false, 1});
       }
       continue;
     }
-    if (t.shape.size() != 2 || !EndsWith(t.name, ".weight")) continue;
-    const std::string leaf = LastComponent(t.module);
-    const bool embedding = leaf.find("embed") != std::string::npos || leaf == "wte" ||
-                           leaf == "wpe" || leaf == "shared" ||
-                           leaf.find("relative_attention_bias") != std::string::npos;
-    if (embedding) continue;
+    // Every Linear runs a GEMM, and so does a router held as a bare Parameter (Transformers 5);
+    // embedding tables are lookups (Note [Tensor roles]).
+    const bool router = t.role == estimator::TensorRole::kRouter && !t.bias;
+    if (t.shape.size() != 2 || !(t.IsLinearWeight() || router)) continue;
     Gemm g;
-    g.k = static_cast<double>(t.shape[1]);
-    g.n = static_cast<double>(t.shape[0]);
+    g.k = static_cast<double>(t.InFeatures());
+    g.n = static_cast<double>(t.OutFeatures());
     g.frozen = lora;
     const bool in_block = !t.block.empty();
-    g.quantized = setup.qlora && in_block;
+    g.quantized = setup.qlora && in_block && t.IsLinearWeight();
     if (g.quantized) m.quantized_params += static_cast<double>(t.numel);
-    if (arch.experts > 0 && t.name.find("experts.") != std::string::npos) {
-      g.token_fraction = top_k / experts;
-    }
+    const bool expert = t.role == estimator::TensorRole::kExpertUp ||
+                        t.role == estimator::TensorRole::kExpertGate ||
+                        t.role == estimator::TensorRole::kExpertGateUp ||
+                        t.role == estimator::TensorRole::kExpertDown;
+    if (arch.experts > 0 && expert) g.token_fraction = top_k / experts;
     if (targets.count(&t) > 0) {
       // The adapter: x A^T (K -> r) then B^T (r -> N), both trained.
       Gemm a{g.k, r, g.token_fraction, false, false, 1};
@@ -209,7 +199,7 @@ Result<ModelShape> ModelShapeFor(const estimator::ModelInventory& inventory,
     if (in_block) {
       m.layer_gemms.push_back(g);
     } else {
-      if (leaf == "lm_head") has_head = true;
+      if (t.role == estimator::TensorRole::kHead) has_head = true;
       m.head_gemms.push_back(g);
     }
   }
