@@ -23,11 +23,17 @@ constexpr EnumName<Optimizer> kOptimizers[] = {{Optimizer::kAdamW, "adamw"},
                                                {Optimizer::kAdafactor, "adafactor"}};
 constexpr EnumName<Checkpointing> kCheckpointings[] = {{Checkpointing::kNone, "none"},
                                                        {Checkpointing::kSelective, "selective"},
-                                                       {Checkpointing::kFull, "full"}};
+                                                       {Checkpointing::kFull, "full"},
+                                                       {Checkpointing::kOp, "op"}};
+constexpr EnumName<Loss> kLosses[] = {
+    {Loss::kFull, "full"}, {Loss::kChunked, "chunked"}, {Loss::kFused, "fused"}};
 constexpr EnumName<OffloadDevice> kDevices[] = {
     {OffloadDevice::kNone, "none"}, {OffloadDevice::kCpu, "cpu"}, {OffloadDevice::kNvme, "nvme"}};
 constexpr EnumName<Framework> kFrameworks[] = {{Framework::kTransformers, "transformers"},
-                                               {Framework::kLitGpt, "litgpt"}};
+                                               {Framework::kLitGpt, "litgpt"},
+                                               {Framework::kTorchtune, "torchtune"},
+                                               {Framework::kTorchtitan, "torchtitan"},
+                                               {Framework::kLlmFoundry, "llm-foundry"}};
 constexpr EnumName<FsdpSharding> kFsdpShardings[] = {{FsdpSharding::kNone, "none"},
                                                      {FsdpSharding::kFullShard, "full_shard"},
                                                      {FsdpSharding::kShardGradOp, "shard_grad_op"},
@@ -73,17 +79,46 @@ bool IsBlockLinearWeight(const TensorInfo& t) { return !t.block.empty() && t.IsL
 std::string_view PrecisionName(Precision p) { return NameOf(kPrecisions, p); }
 std::string_view OptimizerName(Optimizer o) { return NameOf(kOptimizers, o); }
 std::string_view CheckpointingName(Checkpointing c) { return NameOf(kCheckpointings, c); }
+std::string_view LossName(Loss l) { return NameOf(kLosses, l); }
+Result<Loss> ParseLoss(std::string_view text) { return ParseName(kLosses, text, "loss"); }
 std::string_view OffloadDeviceName(OffloadDevice d) { return NameOf(kDevices, d); }
 std::string_view FrameworkName(Framework f) { return NameOf(kFrameworks, f); }
 std::string_view FsdpShardingName(FsdpSharding f) { return NameOf(kFsdpShardings, f); }
 Result<Framework> ParseFramework(std::string_view text) {
   if (text == "lit-gpt") return Framework::kLitGpt;
+  if (text == "llm_foundry" || text == "llmfoundry") return Framework::kLlmFoundry;
   return ParseName(kFrameworks, text, "framework");
 }
 Result<FsdpSharding> ParseFsdpSharding(std::string_view text) {
   std::string lower(text);
   for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return ParseName(kFsdpShardings, lower, "FSDP sharding strategy");
+}
+
+// "sm80", "sm_90", "8.0", "9.0a" -> 80, 90; 0 when it is none of these.
+static int ParseGpuArch(std::string_view text) {
+  std::string t(text);
+  for (char& c : t) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (t.rfind("sm", 0) == 0) {
+    t = t.substr(t[2] == '_' ? 3 : 2);
+  } else {
+    const size_t dot = t.find('.');
+    if (dot == std::string::npos) return 0;
+    t = t.substr(0, dot) + t.substr(dot + 1);
+  }
+  while (!t.empty() && std::isalpha(static_cast<unsigned char>(t.back()))) t.pop_back();
+  if (t.empty() || t.size() > 3) return 0;
+  int v = 0;
+  for (char c : t) {
+    if (!std::isdigit(static_cast<unsigned char>(c))) return 0;
+    v = v * 10 + (c - '0');
+  }
+  return v >= 50 && v <= 200 ? v : 0;
+}
+
+int TrainingSetup::GpuSm() const {
+  const int sm = ParseGpuArch(gpu_arch);
+  return sm == 0 ? 80 : sm;
 }
 
 bool TrainingSetup::TorchBefore(int major, int minor) const {
@@ -114,6 +149,21 @@ Status TrainingSetup::Validate() const {
   MEMPLAN_RETURN_IF_ERROR(Range("`tp`", tp, 1, kMaxCount));
   MEMPLAN_RETURN_IF_ERROR(Range("`zero_stage`", zero_stage, 0, 3));
   MEMPLAN_RETURN_IF_ERROR(Range("`lora_rank`", lora_rank, 0, 65536));
+  MEMPLAN_RETURN_IF_ERROR(Range("`checkpoint_every`", checkpoint_every, 1, kMaxCount));
+  MEMPLAN_RETURN_IF_ERROR(Range("`loss_chunks`", loss_chunks, 0, kMaxCount));
+  if (checkpoint_every > 1 && checkpointing != Checkpointing::kFull) {
+    return Status::InvalidArgument(
+        "`checkpoint_every` " + std::to_string(checkpoint_every) +
+        " picks which blocks full checkpointing wraps: use `checkpointing` full");
+  }
+  if (loss_chunks > 0 && loss != Loss::kChunked) {
+    return Status::InvalidArgument("`loss_chunks` needs `loss` chunked");
+  }
+  if (ParseGpuArch(gpu_arch) == 0) {
+    return Status::InvalidArgument("`gpu_arch` '" + gpu_arch +
+                                   "': expected a compute capability such as sm80 (A100), sm90 "
+                                   "(H100) or 8.9");
+  }
   MEMPLAN_RETURN_IF_ERROR(Range("`gpus_per_node`", gpus_per_node, 1, kMaxCount));
   MEMPLAN_RETURN_IF_ERROR(Range("`num_nodes`", num_nodes, 1, kMaxCount));
   MEMPLAN_RETURN_IF_ERROR(Range("cuda_context_bytes", cuda_context_bytes, 0, int64_t{1} << 40));
@@ -343,6 +393,11 @@ nlohmann::json ToJson(const TrainingSetup& s) {
       {"seq_len", s.seq_len},
       {"grad_accum", s.grad_accum},
       {"checkpointing", std::string(CheckpointingName(s.checkpointing))},
+      {"checkpoint_every", s.checkpoint_every},
+      {"loss", std::string(LossName(s.loss))},
+      {"loss_chunks", s.loss_chunks},
+      {"torch_compile", s.torch_compile},
+      {"gpu_arch", s.gpu_arch},
       {"flash_attention", s.flash_attention},
       {"tp", s.tp},
       {"sequence_parallel", s.sequence_parallel},
@@ -390,6 +445,11 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
                                                  "seq_len",
                                                  "grad_accum",
                                                  "checkpointing",
+                                                 "checkpoint_every",
+                                                 "loss",
+                                                 "loss_chunks",
+                                                 "torch_compile",
+                                                 "gpu_arch",
                                                  "flash_attention",
                                                  "tp",
                                                  "sequence_parallel",
@@ -434,6 +494,10 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
                F::Field("micro_batch", &s.micro_batch), F::Field("seq_len", &s.seq_len),
                F::Field("grad_accum", &s.grad_accum)));
   MEMPLAN_RETURN_IF_ERROR(r.Enum("checkpointing", ParseCheckpointing, &s.checkpointing));
+  MEMPLAN_RETURN_IF_ERROR(r.Enum("loss", ParseLoss, &s.loss));
+  MEMPLAN_RETURN_IF_ERROR(r.GetAll(
+      F::Field("checkpoint_every", &s.checkpoint_every), F::Field("loss_chunks", &s.loss_chunks),
+      F::Field("torch_compile", &s.torch_compile), F::Field("gpu_arch", &s.gpu_arch)));
   MEMPLAN_RETURN_IF_ERROR(
       r.GetAll(F::Field("flash_attention", &s.flash_attention), F::Field("tp", &s.tp),
                F::Field("sequence_parallel", &s.sequence_parallel), F::Field("foreach", &s.foreach),

@@ -217,6 +217,7 @@ std::string CheckpointPhrase(Checkpointing c) {
     case Checkpointing::kNone: return "no recomputation";
     case Checkpointing::kSelective: return "selective recomputation";
     case Checkpointing::kFull: return "full activation checkpointing";
+    case Checkpointing::kOp: return "op-level selective checkpointing";
   }
   return "";
 }
