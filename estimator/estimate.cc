@@ -493,6 +493,22 @@ nlohmann::json ToJson(const Estimate& e) {
   }
   j["phases"] = phases;
   j["peak"] = PeakToJson(m.peak);
+  if (m.step.has_value()) {
+    nlohmann::json sp = nlohmann::json::object();
+    for (int p = 0; p < kStepPhases; ++p) {
+      const StepPhasePeak& peak = m.step->phases[static_cast<size_t>(p)];
+      nlohmann::json cats = nlohmann::json::object();
+      for (int c = 0; c < kStepCategories; ++c) {
+        cats[std::string(StepCategoryName(static_cast<StepCategory>(c)))] =
+            peak.categories[static_cast<size_t>(c)];
+      }
+      sp[std::string(StepPhaseName(static_cast<StepPhase>(p)))] = {
+          {"peak_bytes", peak.bytes}, {"categories", cats}, {"where", peak.where}};
+    }
+    j["step_model"] = {{"phases", sp},
+                       {"peak_phase", std::string(StepPhaseName(m.step->peak_phase))},
+                       {"peak_bytes", m.step->peak_bytes}};
+  }
   nlohmann::json constants = nlohmann::json::array();
   for (const ModelConstant& c : m.constants) {
     constants.push_back(

@@ -943,7 +943,8 @@ constexpr FamilySpec kFamilies[] = {
      .no_split_class = "MptBlock",
      .prefix = "transformer", .dims = kMptDims, .flags = kMptFlags, .adjust = &AdjustMpt,
      .before = kMptBefore, .layers = "blocks", .layer = kMptLayer, .after = kMptAfter,
-     .tied_embedding = "wte.weight", .heads = kMptHeads, .gated_mlp = false, .layer_norm = true,
+     .tied_embedding = "wte.weight", .heads = kMptHeads, .gated_mlp = false,
+     .use_cache_default = false, .layer_norm = true,
      .act_field = {}, .act_default = "gelu", .attention_dropout_field = {},
      .hidden_dropout_field = "resid_pdrop", .embedding_dropout_field = "emb_pdrop"},
 };

@@ -630,6 +630,7 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
   arch.mtp_params = mtp_params;
   bool any_norm = false;
   arch.norm_upcasts = !spec.layer_norm && RmsNorms(spec.layer, v, &any_norm) && any_norm;
+  MEMPLAN_ASSIGN_OR_RETURN(arch.use_cache, config.BoolOr("use_cache", spec.use_cache_default));
   arch.no_split_class = spec.no_split_class.empty() ? ClassName(spec.class_prefix, "DecoderLayer")
                                                     : std::string(spec.no_split_class);
   MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act,

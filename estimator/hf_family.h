@@ -379,6 +379,8 @@ struct FamilySpec {
   SlidingRule sliding = SlidingRule::kNone;
   bool gated_mlp = true;
   bool learned_positions = false;
+  // use_cache when config.json does not say (the configuration class's default).
+  bool use_cache_default = true;
   // The norms are LayerNorms even where they have no bias (MPT's no_bias), so they do not
   // upcast as LlamaRMSNorm does (ArchitectureInfo::norm_upcasts).
   bool layer_norm = false;

@@ -206,6 +206,9 @@ struct ArchitectureInfo {
   // The norms upcast their input to fp32 before normalising and multiply the weight in after
   // (LlamaRMSNorm and its copies, T5LayerNorm): they keep fp32 inputs under autocast.
   bool norm_upcasts = false;
+  // config.json's use_cache (the configuration class's default when absent): Transformers'
+  // decoders then fill a DynamicCache even in training, copying every layer's keys and values.
+  bool use_cache = false;
 
   // "swiglu", "geglu", "gelu", "relu", ...: the MLP kind for reports.
   std::string MlpKind() const;

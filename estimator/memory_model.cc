@@ -1326,6 +1326,30 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
   m.lora_params = static_cast<uint64_t>(f.lora);
   m.activation_bytes_per_layer = Saturate(c.act.per_layer);
   TotalPhases(c, &out, &m);
+  {
+    // The step model (Note [The step model]) over the model states the items above place.
+    StepStates st;
+    auto gpu_of = [&](std::string_view name) {
+      uint64_t b = 0;
+      for (const MemoryItem& item : out.items) {
+        if (item.name == name) b += item.gpu_bytes;
+      }
+      return b;
+    };
+    st.parameters = gpu_of("params_working") + gpu_of("params_quantized") + gpu_of("params_master");
+    for (const TensorInfo& b : inventory.buffers) {
+      st.buffers += AllocatorRound(b.numel * static_cast<uint64_t>(DTypeBits(b.dtype) / 8));
+    }
+    st.optimizer_states = gpu_of("optimizer_states");
+    const bool plain = s.zero_stage == 0 && !c.Fsdp() && s.DataParallel() == 1 && s.grad_accum == 1;
+    st.persistent_gradients = plain ? 0 : gpu_of("grads") + gpu_of("ddp_grad_buckets");
+    st.plain_gradients = plain;
+    st.torch_optimizer = s.zero_stage == 0 || c.Fsdp();
+    const uint64_t tokens = static_cast<uint64_t>(s.micro_batch) * static_cast<uint64_t>(s.seq_len);
+    st.other = CublasWorkspaceBytes(s.GpuSm()) + 2 * AllocatorRound(tokens * 8);
+    Result<StepModel> sim = SimulateStep(inventory, s, st);
+    if (sim.ok()) m.step = std::move(sim).value();
+  }
   m.items = std::move(out.items);
   m.constants = Constants(c, input);
   m.notes = Notes(c);

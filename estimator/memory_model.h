@@ -29,11 +29,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
 #include "estimator/inventory.h"
+#include "estimator/step_model.h"
 #include "estimator/training_setup.h"
 
 namespace memplan::estimator {
@@ -97,6 +99,9 @@ struct MemoryEstimate {
   PeakMemory peak;
   std::vector<ModelConstant> constants;
   std::vector<std::string> notes;  // assumptions in sentences
+  // The step model's run (Note [The step model] in step_model.h), when it knows the setup's
+  // training code.
+  std::optional<StepModel> step;
 };
 
 // The model for one setup. Errors: setup.ValidateFor(inventory) failures (bad combinations, an

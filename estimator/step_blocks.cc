@@ -1,0 +1,505 @@
+#include "estimator/step_blocks.h"
+
+#include <algorithm>
+
+#include "estimator/step_ops.h"
+
+namespace memplan::estimator::step {
+namespace {
+
+bool LinearRole(TensorRole r) {
+  switch (r) {
+    case TensorRole::kAttentionQ:
+    case TensorRole::kAttentionK:
+    case TensorRole::kAttentionV:
+    case TensorRole::kAttentionQkv:
+    case TensorRole::kAttentionKv:
+    case TensorRole::kAttentionOut:
+    case TensorRole::kAttentionQDown:
+    case TensorRole::kAttentionKvDown:
+    case TensorRole::kAttentionKvUp:
+    case TensorRole::kMlpUp:
+    case TensorRole::kMlpGate:
+    case TensorRole::kMlpGateUp:
+    case TensorRole::kMlpDown:
+    case TensorRole::kSharedExpertGate: return true;
+    default: return false;
+  }
+}
+
+Wide Rounded(Wide numel, DT dt) {
+  const Wide bytes = numel * static_cast<Wide>(Bytes(dt));
+  return bytes == 0 ? 0 : std::max<Wide>(512, (bytes + 511) / 512 * 512);
+}
+
+}  // namespace
+
+ModelRun::ModelRun(Graph& g, const ModelInventory& inventory, const TrainingSetup& setup)
+    : g_(g), inv_(inventory), s_(setup), a_(*inventory.arch) {}
+
+Status ModelRun::Prepare() {
+  switch (s_.precision) {
+    case Precision::kFp32: pdt_ = DT::kF32; break;
+    case Precision::kBf16Pure: pdt_ = DT::kBF16; break;
+    case Precision::kFp16Mixed:
+    case Precision::kBf16Mixed:
+      adt_ = s_.precision == Precision::kFp16Mixed ? DT::kF16 : DT::kBF16;
+      if (s_.autocast) {
+        autocast_ = true;
+        pdt_ = DT::kF32;
+      } else {
+        // DeepSpeed and FSDP run the model in the 16-bit dtype (module.half() / bfloat16()).
+        pdt_ = adt_;
+      }
+      break;
+  }
+  g_.SetAutocast(autocast_, adt_);
+  batch_ = static_cast<Wide>(s_.micro_batch);
+  seq_ = static_cast<Wide>(s_.SeqLenFor(&a_));
+  tokens_ = batch_ * seq_;
+
+  const bool lora = s_.lora_rank > 0;
+  std::map<std::string, size_t> index;
+  params_.resize(inv_.tensors.size());
+  for (size_t i = 0; i < inv_.tensors.size(); ++i) {
+    const TensorInfo& t = inv_.tensors[i];
+    index[t.name] = i;
+    if (!t.tied_to.empty()) {
+      params_[i] = params_[index.at(t.tied_to)];
+      continue;
+    }
+    params_[i] = g_.Param(t.numel, pdt_, !lora);
+  }
+  // LoRA adapters: PEFT builds lora_A / lora_B in fp32 (autocast_adapter_dtype) beside the base.
+  std::map<const TensorInfo*, std::pair<T, T>> adapters;
+  std::vector<Wide> adapter_bytes;
+  if (lora) {
+    MEMPLAN_ASSIGN_OR_RETURN(auto targets, LoraTargetTensors(inv_, s_));
+    const Wide r = static_cast<Wide>(s_.lora_rank);
+    const DT adapter_dt = DT::kF32;
+    for (const TensorInfo* t : targets) {
+      T a = g_.Param(r * static_cast<Wide>(t->InFeatures()), adapter_dt, true);
+      T b = g_.Param(static_cast<Wide>(t->OutFeatures()) * r, adapter_dt, true);
+      adapters[t] = {a, b};
+      adapter_bytes.push_back(Rounded(r * static_cast<Wide>(t->InFeatures()), adapter_dt));
+      adapter_bytes.push_back(Rounded(static_cast<Wide>(t->OutFeatures()) * r, adapter_dt));
+    }
+  }
+  const int64_t layers = a_.layers;
+  blocks_.assign(static_cast<size_t>(std::max<int64_t>(layers, 0)), BlockParams{});
+  // Linear weights first, then their biases (a bias may precede no weight in the list).
+  for (size_t i = 0; i < inv_.tensors.size(); ++i) {
+    const TensorInfo& t = inv_.tensors[i];
+    const T p = params_[i];
+    if (t.layer >= 0 && t.layer < layers && !t.block.empty()) {
+      BlockParams& bp = blocks_[static_cast<size_t>(t.layer)];
+      if (LinearRole(t.role) && t.IsLinearWeight()) {
+        Lin& l = bp.lin[t.role];
+        l.w = p;
+        l.in = static_cast<Wide>(t.InFeatures());
+        l.out = static_cast<Wide>(t.OutFeatures());
+        auto it = adapters.find(&t);
+        if (it != adapters.end()) {
+          l.lora_a = it->second.first;
+          l.lora_b = it->second.second;
+        }
+      } else if (t.role == TensorRole::kRouter && !t.bias) {
+        bp.router.w = p;
+        bp.router.in = static_cast<Wide>(t.shape.size() == 2 ? t.shape[1] : 0);
+        bp.router.out = static_cast<Wide>(t.shape.empty() ? 0 : t.shape[0]);
+      } else if (t.role == TensorRole::kExpertUp || t.role == TensorRole::kExpertGate ||
+                 t.role == TensorRole::kExpertGateUp || t.role == TensorRole::kExpertDown) {
+        bp.experts.push_back(p);
+        bp.expert_params += t.numel;
+      } else if (t.role == TensorRole::kNorm && !t.bias) {
+        Norm n{p, T{}, static_cast<Wide>(t.numel)};
+        (static_cast<int64_t>(t.numel) == a_.hidden ? bp.norms : bp.qk_norms).push_back(n);
+      }
+    } else if (t.block.empty()) {
+      if (t.role == TensorRole::kEmbedding && !embedding_.ok()) embedding_ = p;
+      if (t.role == TensorRole::kPositionEmbedding) position_embedding_ = p;
+      if (t.role == TensorRole::kNorm && !t.bias) {
+        final_norms_.push_back(Norm{p, T{}, static_cast<Wide>(t.numel)});
+      }
+      if (t.role == TensorRole::kHead && t.IsLinearWeight()) head_ = p;
+      if (t.role == TensorRole::kHead && t.bias && t.kind == ModuleKind::kLinear) head_bias_ = p;
+    }
+  }
+  // Biases, matched to their module's weight or norm.
+  for (size_t i = 0; i < inv_.tensors.size(); ++i) {
+    const TensorInfo& t = inv_.tensors[i];
+    if (!t.bias || t.layer < 0 || t.layer >= layers || t.block.empty()) continue;
+    BlockParams& bp = blocks_[static_cast<size_t>(t.layer)];
+    if (LinearRole(t.role) && bp.lin.count(t.role) > 0) bp.lin[t.role].b = params_[i];
+    if (t.role == TensorRole::kNorm) {
+      for (Norm& n : bp.norms) {
+        if (!n.b.ok()) {
+          n.b = params_[i];
+          break;
+        }
+      }
+    }
+  }
+  for (size_t i = 0; i < inv_.tensors.size(); ++i) {
+    const TensorInfo& t = inv_.tensors[i];
+    if (t.bias && t.block.empty() && t.role == TensorRole::kNorm) {
+      for (Norm& n : final_norms_) {
+        if (!n.b.ok()) {
+          n.b = params_[i];
+          break;
+        }
+      }
+    }
+  }
+  if (!embedding_.ok()) {
+    return Status::Unimplemented(inv_.name + ": the step model found no token embedding");
+  }
+  if (!head_.ok() && (inv_.model_class == "causal_lm")) {
+    return Status::Unimplemented(inv_.name + ": the step model found no output head");
+  }
+
+  // Optimizer groups (Transformers' Trainer: weight decay for all but biases and norm weights,
+  // get_decay_parameter_names), each tensor rounded, states in the parameter's dtype.
+  Wide decay = 0, no_decay = 0;
+  if (lora) {
+    for (Wide b : adapter_bytes) {
+      decay += b;
+      largest_trainable_ = std::max(largest_trainable_, b);
+    }
+  } else {
+    for (const TensorInfo& t : inv_.tensors) {
+      if (!t.tied_to.empty()) continue;
+      const Wide b = Rounded(t.numel, pdt_);
+      largest_trainable_ = std::max(largest_trainable_, b);
+      if (t.bias || t.role == TensorRole::kNorm) {
+        no_decay += b;
+      } else {
+        decay += b;
+      }
+    }
+  }
+  if (s_.framework == Framework::kTransformers) {
+    group_bytes_ = {decay, no_decay};
+  } else {
+    group_bytes_ = {decay + no_decay};
+  }
+  return Status::Ok();
+}
+
+bool ModelRun::Checkpointed(int layer) const {
+  if (s_.checkpointing != Checkpointing::kFull) return false;
+  const int64_t k = std::max<int64_t>(s_.checkpoint_every, 1);
+  // Transformers' _set_gradient_checkpointing: `layer_index % every_n_layers == 0`.
+  return layer % k == 0;
+}
+
+T ModelRun::RunBlock(int layer, T x) {
+  if (!Checkpointed(layer)) return TransformersDecoderBlock(layer, x);
+  // torch.utils.checkpoint (use_reentrant=False): the forward keeps nothing of the block but
+  // its input; the block's backward re-runs it first.
+  g_.SetSaving(false);
+  T out = TransformersDecoderBlock(layer, x);
+  g_.SetSaving(true);
+  g_.RecordCheckpoint(
+      x, out, [this, layer](T in) { return TransformersDecoderBlock(layer, in); },
+      {cos_, sin_, mask_});
+  return out;
+}
+
+// --- Transformers ----------------------------------------------------------------------------
+
+T ModelRun::HfRmsNorm(const Norm& n, T x) {
+  // LlamaRMSNorm.forward (transformers/models/llama/modeling_llama.py):
+  //   input_dtype = hidden_states.dtype
+  //   hidden_states = hidden_states.to(torch.float32)
+  //   variance = hidden_states.pow(2).mean(-1, keepdim=True)
+  //   hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+  //   return self.weight * hidden_states.to(input_dtype)
+  const DT in = g_.Dtype(x);
+  T h = Cast(g_, x, DT::kF32);
+  T p = Apply(g_, Unary::kPow, h);
+  T var = MeanRows(g_, p, n.width);
+  g_.Drop(p);
+  T eps = Scale(g_, var);
+  g_.Drop(var);
+  T r = Apply(g_, Unary::kRsqrt, eps);
+  g_.Drop(eps);
+  T hn = Mul(g_, h, r);
+  g_.Drop(h);
+  g_.Drop(r);
+  T hc = Cast(g_, hn, in);
+  g_.Drop(hn);
+  T out = Mul(g_, n.w, hc);
+  g_.Drop(hc);
+  return out;
+}
+
+T ModelRun::NormAny(const Norm& n, T x) {
+  if (a_.norm_upcasts) return HfRmsNorm(n, x);
+  return LayerNorm(g_, x, n.w, n.b, n.width);
+}
+
+T ModelRun::ApplyRotary(T x, Wide heads) {
+  // apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half = cat(-x2, x1).
+  (void)heads;
+  T m1 = Mul(g_, x, cos_);
+  T x1 = Slice(g_, x, g_.Numel(x) / 2);
+  T x2 = Slice(g_, x, g_.Numel(x) / 2);
+  T n = Apply(g_, Unary::kNeg, x2);
+  g_.Drop(x2);
+  T c = Cat(g_, {n, x1});
+  g_.Drop(n);
+  g_.Drop(x1);
+  T m2 = Mul(g_, c, sin_);
+  g_.Drop(c);
+  T out = Add(g_, m1, m2);
+  g_.Drop(m1);
+  g_.Drop(m2);
+  return out;
+}
+
+T ModelRun::LoraLinear(const Lin& l, T x) {
+  T y = Linear(g_, x, l.w, l.b, l.in, l.out);
+  if (!l.lora_a.ok()) return y;
+  // PEFT's lora.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling.
+  const Wide r = static_cast<Wide>(s_.lora_rank);
+  T xa = Cast(g_, x, g_.Dtype(l.lora_a));
+  T ya = Linear(g_, xa, l.lora_a, T{}, l.in, r);
+  g_.Drop(xa);
+  T yb = Linear(g_, ya, l.lora_b, T{}, r, l.out);
+  g_.Drop(ya);
+  T ys = Scale(g_, yb);
+  g_.Drop(yb);
+  T sum = Add(g_, y, ys);
+  g_.Drop(y);
+  g_.Drop(ys);
+  return sum;
+}
+
+T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
+  (void)layer;
+  const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
+  const Wide d = static_cast<Wide>(a_.head_dim);
+  T q = LoraLinear(bp.at(TensorRole::kAttentionQ), h);
+  T k = LoraLinear(bp.at(TensorRole::kAttentionK), h);
+  T v = LoraLinear(bp.at(TensorRole::kAttentionV), h);
+  if (bp.qk_norms.size() >= 2) {
+    T qn = HfRmsNorm(bp.qk_norms[0], q);
+    g_.Drop(q);
+    q = qn;
+    T kn = HfRmsNorm(bp.qk_norms[1], k);
+    g_.Drop(k);
+    k = kn;
+  }
+  T qr = ApplyRotary(q, heads);
+  g_.Drop(q);
+  T kr = ApplyRotary(k, kv);
+  g_.Drop(k);
+  if (use_cache_) {
+    // DynamicCache.update in training (use_cache from the config): the first update cats onto
+    // an empty tensor of the key's dtype, copying key and value (the value promoted to it);
+    // the cache holds them until the model's output is dropped.
+    T kc = Copy(g_, kr);
+    g_.Drop(kr);
+    kr = kc;
+    T vc = g_.Dtype(v) == g_.Dtype(kc) ? Copy(g_, v) : Cast(g_, v, g_.Dtype(kc));
+    g_.Drop(v);
+    v = vc;
+    cache_.push_back(g_.Alias(kr));
+    cache_.push_back(g_.Alias(v));
+  }
+  AttentionShape as;
+  as.batch = batch_;
+  as.heads = heads;
+  as.kv_heads = kv;
+  as.seq = as.kv_seq = seq_;
+  as.head_dim = as.v_head_dim = d;
+  as.dropout = a_.attention_dropout;
+  as.mask = explicit_mask_;
+  const DT cdt = autocast_ ? adt_ : g_.Dtype(qr);
+  T out;
+  if (s_.flash_attention) {
+    SdpaBackend backend;
+    const int sm = s_.GpuSm();
+    const bool half = Half(cdt);
+    if (!half) {
+      backend = SdpaBackend::kEfficient;
+    } else if (explicit_mask_) {
+      backend = sm >= 80 || s_.precision == Precision::kFp16Mixed ? SdpaBackend::kEfficient
+                                                                  : SdpaBackend::kMath;
+    } else if (sm >= 90 && sm < 110) {
+      backend = SdpaBackend::kCudnn;
+    } else if (sm >= 80) {
+      backend = SdpaBackend::kFlash;
+    } else {
+      backend = cdt == DT::kF16 ? SdpaBackend::kEfficient : SdpaBackend::kMath;
+    }
+    // sdpa_attention_forward: grouped keys and values go to SDPA as they are (enable_gqa) when
+    // there is no mask (use_gqa_in_sdpa); otherwise repeat_kv copies them to every head.
+    if (kv != heads && explicit_mask_) {
+      T k2 = Copy(g_, kr, g_.Numel(kr) * (heads / kv));
+      g_.Drop(kr);
+      kr = k2;
+      T v2 = Copy(g_, v, g_.Numel(v) * (heads / kv));
+      g_.Drop(v);
+      v = v2;
+      as.kv_heads = heads;
+    }
+    T qc = AutocastIn(g_, qr), kc = AutocastIn(g_, kr), vc = AutocastIn(g_, v);
+    T mask;
+    if (explicit_mask_ && backend != SdpaBackend::kFlash) {
+      // The boolean mask made additive in the query's dtype for the fused kernel, per call.
+      mask = g_.New(batch_ * seq_ * seq_, cdt, false);
+    }
+    out = Sdpa(g_, backend, qc, kc, vc, as, mask);
+    g_.Drop(mask);
+    g_.Drop(qc);
+    g_.Drop(kc);
+    g_.Drop(vc);
+    if (backend == SdpaBackend::kMath) {
+      T o2 = Copy(g_, out);  // transpose(1, 2).contiguous()
+      g_.Drop(out);
+      out = o2;
+    }
+  } else {
+    // eager_attention_forward: repeat_kv, q @ k^T * scaling, + mask, softmax in fp32 cast back
+    // to the query's dtype, dropout, @ v, transpose(1, 2).contiguous().
+    const Wide groups = heads / std::max<Wide>(kv, 1);
+    T k2 = groups > 1 ? Copy(g_, kr, g_.Numel(kr) * groups) : g_.Alias(kr);
+    T v2 = groups > 1 ? Copy(g_, v, g_.Numel(v) * groups) : g_.Alias(v);
+    T qc = AutocastIn(g_, qr), kc = AutocastIn(g_, k2);
+    g_.Drop(k2);
+    T scores = g_.New(batch_ * heads * seq_ * seq_, g_.Dtype(qc), true);
+    g_.Record(Graph::Spec("Matmul(qk)", {qc, kc}, {scores}, {qc, kc}));
+    g_.Drop(qc);
+    g_.Drop(kc);
+    T scaled = Scale(g_, scores);
+    g_.Drop(scores);
+    T masked = Add(g_, scaled, mask_);
+    g_.Drop(scaled);
+    T probs = Softmax(g_, masked, DT::kF32);
+    g_.Drop(masked);
+    T pc = Cast(g_, probs, g_.Dtype(qr));
+    g_.Drop(probs);
+    T dropped = Dropout(g_, pc, a_.attention_dropout);
+    g_.Drop(pc);
+    T pa = AutocastIn(g_, dropped), va = AutocastIn(g_, v2);
+    g_.Drop(dropped);
+    g_.Drop(v2);
+    T o = g_.New(batch_ * heads * seq_ * d, g_.Dtype(pa), true);
+    g_.Record(Graph::Spec("Matmul(pv)", {pa, va}, {o}, {pa, va}));
+    g_.Drop(pa);
+    g_.Drop(va);
+    out = Copy(g_, o);
+    g_.Drop(o);
+  }
+  g_.Drop(qr);
+  g_.Drop(kr);
+  g_.Drop(v);
+  T o = LoraLinear(bp.at(TensorRole::kAttentionOut), out);
+  g_.Drop(out);
+  return o;
+}
+
+T ModelRun::TransformersMlp(const BlockParams& bp, T h) {
+  // LlamaMLP.forward: down_proj(act_fn(gate_proj(x)) * up_proj(x)).
+  T gate = LoraLinear(bp.at(TensorRole::kMlpGate), h);
+  const Unary act = a_.hidden_act == "silu" || a_.hidden_act == "swish" ? Unary::kSilu
+                    : a_.hidden_act == "gelu_pytorch_tanh"               ? Unary::kGeluTanh
+                                                                         : Unary::kGelu;
+  T ag = Apply(g_, act, gate);
+  g_.Drop(gate);
+  T up = LoraLinear(bp.at(TensorRole::kMlpUp), h);
+  T m = Mul(g_, ag, up);
+  g_.Drop(ag);
+  g_.Drop(up);
+  T down = LoraLinear(bp.at(TensorRole::kMlpDown), m);
+  g_.Drop(m);
+  return down;
+}
+
+T ModelRun::TransformersDecoderBlock(int layer, T x) {
+  // LlamaDecoderLayer.forward: x + attn(norm(x)), then + mlp(norm(.)).
+  const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
+  T h = NormAny(bp.norms.at(0), x);
+  T attn = TransformersAttention(layer, bp, h);
+  g_.Drop(h);
+  T x2 = Add(g_, x, attn);
+  g_.Drop(attn);
+  T h2 = NormAny(bp.norms.at(1), x2);
+  T m = TransformersMlp(bp, h2);
+  g_.Drop(h2);
+  T out = Add(g_, x2, m);
+  g_.Drop(m);
+  g_.Drop(x2);
+  return out;
+}
+
+T ModelRun::CausalLmLoss(T hidden) {
+  const Wide vocab = static_cast<Wide>(a_.vocab);
+  const Wide h = static_cast<Wide>(a_.hidden);
+  T logits = Linear(g_, hidden, head_, head_bias_, h, vocab);
+  g_.SetPhase(StepPhase::kLoss);
+  g_.SetWhere("loss");
+  // ForCausalLMLoss: logits.float(), labels padded and shifted, cross_entropy.
+  T up = Cast(g_, logits, DT::kF32);
+  T labels = g_.New(batch_ * (seq_ + 1), DT::kI64, false);
+  T loss = CrossEntropy(g_, up, tokens_, vocab);
+  g_.Drop(up);
+  g_.Drop(labels);
+  // The training loop keeps `.loss` only: the output (logits, cache) goes.
+  g_.Drop(logits);
+  return loss;
+}
+
+Result<T> ModelRun::ForwardAndLoss() {
+  if (s_.framework != Framework::kTransformers || !a_.causal || a_.encoder_decoder) {
+    return Status::Unimplemented("the step model runs Transformers decoder LMs only so far");
+  }
+  const bool ckpt = s_.checkpointing == Checkpointing::kFull;
+  use_cache_ = a_.use_cache && !ckpt;
+  explicit_mask_ = ckpt && s_.flash_attention;
+  const Wide h = static_cast<Wide>(a_.hidden);
+  g_.SetWhere("embedding");
+  T x = Embedding(g_, embedding_, tokens_, h, pdt_);
+  if (ckpt) {
+    // activation_checkpointing_enable -> enable_input_require_grads: the embedding output
+    // requires grad (matters when the embedding is frozen, as with LoRA).
+    g_.SetRequiresGrad(x, true);
+  }
+  // LlamaRotaryEmbedding.forward: cos and sin (seq x head_dim) in fp32, cast to x's dtype.
+  const Wide d = static_cast<Wide>(a_.head_dim);
+  {
+    T c32 = g_.New(seq_ * d, DT::kF32, false);
+    T s32 = g_.New(seq_ * d, DT::kF32, false);
+    cos_ = Cast(g_, c32, g_.Dtype(x));
+    sin_ = Cast(g_, s32, g_.Dtype(x));
+    g_.Drop(c32);
+    g_.Drop(s32);
+  }
+  if (!s_.flash_attention || explicit_mask_) {
+    // The causal mask: boolean for SDPA, additive in the hidden states' dtype for eager.
+    mask_ = g_.New(batch_ * seq_ * seq_, s_.flash_attention ? DT::kBool : g_.Dtype(x), false);
+  }
+  for (int64_t i = 0; i < a_.layers; ++i) {
+    g_.SetWhere("layer " + std::to_string(i));
+    T next = RunBlock(static_cast<int>(i), x);
+    g_.Drop(x);
+    x = next;
+  }
+  g_.SetWhere("final norm");
+  T hn = final_norms_.empty() ? g_.Alias(x) : NormAny(final_norms_[0], x);
+  g_.Drop(x);
+  g_.Drop(cos_);
+  g_.Drop(sin_);
+  g_.Drop(mask_);
+  g_.SetWhere("lm_head");
+  T loss = CausalLmLoss(hn);
+  g_.Drop(hn);
+  g_.ClearAutocastCache();
+  for (T c : cache_) g_.Drop(c);
+  cache_.clear();
+  return loss;
+}
+
+}  // namespace memplan::estimator::step
