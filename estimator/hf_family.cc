@@ -631,6 +631,24 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
   bool any_norm = false;
   arch.norm_upcasts = !spec.layer_norm && RmsNorms(spec.layer, v, &any_norm) && any_norm;
   MEMPLAN_ASSIGN_OR_RETURN(arch.use_cache, config.BoolOr("use_cache", spec.use_cache_default));
+  arch.alibi = spec.alibi || v.Is(Flag::kAlibi);
+  if (spec.softcapping) {
+    // null means no capping (Gemma-3's default), an absent field the class's default.
+    auto cap = [&](const char* field, double fallback) -> Result<double> {
+      if (config.json().contains(field) && config.json()[field].is_null()) return 0.0;
+      MEMPLAN_ASSIGN_OR_RETURN(double c, config.NumberOr(field, fallback));
+      if (!(c >= 0) || c > 1e9) return config.FieldError(field, "must be a positive number");
+      return c;
+    };
+    MEMPLAN_ASSIGN_OR_RETURN(arch.attn_softcap,
+                             cap("attn_logit_softcapping", spec.attn_softcap_default));
+    MEMPLAN_ASSIGN_OR_RETURN(arch.final_softcap,
+                             cap("final_logit_softcapping", spec.final_softcap_default));
+  }
+  if (spec.rotary && !arch.alibi) {
+    arch.rotary_dims = v.Get(Dim::kRotaryDim) > 0 ? v.Get(Dim::kRotaryDim) : 2 * RotaryHalf(v);
+    if (spec.mla) arch.rotary_dims = v.Get(Dim::kQkRopeHeadDim);
+  }
   arch.no_split_class = spec.no_split_class.empty() ? ClassName(spec.class_prefix, "DecoderLayer")
                                                     : std::string(spec.no_split_class);
   MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act,

@@ -151,6 +151,7 @@ enum class Flag : uint8_t {
   kVisionHead,        // SigLIP's vision_use_head: the attention-pooling head
   kLearnedPositions,  // MPT: a learned position table (learned_pos_emb without ALiBi or RoPE)
   kGatedMlp,          // MPT: ffn_config.ffn_type mptglu, a gated MLP
+  kAlibi,             // Falcon's alibi: ALiBi biases instead of rotary embeddings
   // Set by the builder:
   kProjectInOut,  // OPT: word_embed_proj_dim != hidden_size
   kQLora,         // MLA: q_lora_rank is set
@@ -403,6 +404,15 @@ struct FamilySpec {
   // The checkpoint adds this many multi-token-prediction modules beyond the layers Transformers
   // builds (DeepSeek-V3's num_nextn_predict_layers); reported, not built.
   bool mtp = false;
+  // Rotary position embeddings (partial_rotary and kRotaryDim say over how much of a head).
+  bool rotary = true;
+  // ALiBi biases (Bloom, MPT; Falcon when its `alibi` flag is set).
+  bool alibi = false;
+  // attn_logit_softcapping / final_logit_softcapping (Gemma-2, Gemma-3), with the configuration
+  // class's defaults (0: None).
+  bool softcapping = false;
+  double attn_softcap_default = 0;
+  double final_softcap_default = 0;
 };
 
 // num_labels as PretrainedConfig resolves it: the size of id2label when given, else num_labels,

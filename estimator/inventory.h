@@ -209,6 +209,13 @@ struct ArchitectureInfo {
   // config.json's use_cache (the configuration class's default when absent): Transformers'
   // decoders then fill a DynamicCache even in training, copying every layer's keys and values.
   bool use_cache = false;
+  // Position information: the dimensions of each query/key head rotary embeddings rotate (0:
+  // none), or ALiBi biases (Bloom, Falcon with alibi, MPT).
+  int64_t rotary_dims = 0;
+  bool alibi = false;
+  // Gemma-2's tanh soft-capping of the attention scores and of the output logits (0: none).
+  double attn_softcap = 0;
+  double final_softcap = 0;
 
   // "swiglu", "geglu", "gelu", "relu", ...: the MLP kind for reports.
   std::string MlpKind() const;

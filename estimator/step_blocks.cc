@@ -151,6 +151,60 @@ Status ModelRun::Prepare() {
       }
     }
   }
+  // The family's block as Transformers writes it (transformers/models/<model_type>/).
+  const std::string& type = inv_.model_type;
+  fam_ = Family{};
+  fam_.rotary = a_.rotary_dims > 0;
+  fam_.rotary_dims = static_cast<Wide>(a_.rotary_dims);
+  fam_.gated = a_.gated_mlp;
+  const std::string& act = a_.hidden_act;
+  fam_.act = act == "silu" || act == "swish" ? Family::Act::kSilu
+             : act == "gelu_pytorch_tanh"    ? Family::Act::kGeluTanh
+             : act == "gelu_new" || act == "gelu_fast" || act == "gelu_accurate"
+                 ? Family::Act::kGeluNew
+             : act == "relu" ? Family::Act::kRelu
+                             : Family::Act::kGelu;
+  fam_.norm = a_.norm_upcasts ? Family::NormKind::kRms : Family::NormKind::kLayer;
+  if (type == "gemma" || type == "gemma2" || type == "gemma3_text") {
+    fam_.norm = Family::NormKind::kRmsGemma;
+    fam_.embedding_scale = true;
+  }
+  if (type == "gemma2" || type == "gemma3_text") fam_.layout = Family::Layout::kSandwich;
+  if (type == "olmo2") {
+    fam_.norm = Family::NormKind::kRmsOlmo;
+    fam_.layout = Family::Layout::kPostNorm;
+    fam_.qk_norm = Family::QkNorm::kFullRms;
+  }
+  if (type == "qwen3" || type == "qwen3_moe" || type == "gemma3_text") {
+    fam_.qk_norm = Family::QkNorm::kHeadRms;
+  }
+  if (type == "phi") {
+    fam_.layout = Family::Layout::kParallel;
+    fam_.qk_norm = Family::QkNorm::kHeadLayer;
+  }
+  if (type == "gptj") fam_.layout = Family::Layout::kParallel;
+  if (type == "falcon") {
+    // FalconDecoderLayer: parallel attention reads one norm (two with the new decoder
+    // architecture); ALiBi goes into the mask (FalconModel.forward).
+    if (a_.parallel_attention) {
+      fam_.layout =
+          a_.cached_kv_heads > 0 ? Family::Layout::kParallelTwoNorms : Family::Layout::kParallel;
+    }
+    fam_.falcon_alibi = a_.alibi;
+  }
+  if (type == "bloom") {
+    fam_.bloom_attention = true;
+    fam_.embedding_norm = true;
+  }
+  if (type == "gpt_neox") fam_.layout = Family::Layout::kParallelTwoNorms;
+  fam_.query_scaled = type == "opt";
+  fam_.probs_to_value = type == "gpt2";
+  fam_.learned_positions = a_.learned_positions;
+  if (type == "gpt2" || type == "opt" || type == "starcoder2" || type == "phi" || type == "gptj") {
+    fam_.resid_dropout = a_.hidden_dropout;
+  }
+  if (type != "opt") fam_.embedding_dropout = a_.embedding_dropout;
+
   if (!embedding_.ok()) {
     return Status::Unimplemented(inv_.name + ": the step model found no token embedding");
   }
@@ -200,16 +254,15 @@ T ModelRun::RunBlock(int layer, T x) {
   g_.SetSaving(false);
   T out = TransformersDecoderBlock(layer, x);
   g_.SetSaving(true);
-  g_.RecordCheckpoint(
-      x, out, [this, layer](T in) { return TransformersDecoderBlock(layer, in); },
-      {cos_, sin_, mask_});
+  g_.RecordCheckpoint(x, out, [this, layer](T in) { return TransformersDecoderBlock(layer, in); },
+                      {cos_, sin_, mask_});
   return out;
 }
 
 // --- Transformers ----------------------------------------------------------------------------
 
 T ModelRun::HfRmsNorm(const Norm& n, T x) {
-  // LlamaRMSNorm.forward (transformers/models/llama/modeling_llama.py):
+  // LlamaRMSNorm.forward (transformers/models/llama/modeling_llama.py), and its copies:
   //   input_dtype = hidden_states.dtype
   //   hidden_states = hidden_states.to(torch.float32)
   //   variance = hidden_states.pow(2).mean(-1, keepdim=True)
@@ -234,17 +287,76 @@ T ModelRun::HfRmsNorm(const Norm& n, T x) {
   return out;
 }
 
-T ModelRun::NormAny(const Norm& n, T x) {
-  if (a_.norm_upcasts) return HfRmsNorm(n, x);
-  return LayerNorm(g_, x, n.w, n.b, n.width);
+T ModelRun::GemmaRmsNorm(const Norm& n, T x) {
+  // GemmaRMSNorm.forward (models/gemma/modeling_gemma.py):
+  //   output = self._norm(x.float())           # x * torch.rsqrt(x.pow(2).mean(-1) + eps)
+  //   output = output * (1.0 + self.weight.float())
+  //   return output.type_as(x)
+  const DT in = g_.Dtype(x);
+  T h = Cast(g_, x, DT::kF32);
+  T p = Apply(g_, Unary::kPow, h);
+  T var = MeanRows(g_, p, n.width);
+  g_.Drop(p);
+  T eps = Scale(g_, var);
+  g_.Drop(var);
+  T r = Apply(g_, Unary::kRsqrt, eps);
+  g_.Drop(eps);
+  T hn = Mul(g_, h, r);
+  g_.Drop(h);
+  g_.Drop(r);
+  T wf = Cast(g_, n.w, DT::kF32);
+  T w1 = Scale(g_, wf);  // 1.0 + weight
+  g_.Drop(wf);
+  T out = Mul(g_, hn, w1);
+  g_.Drop(hn);
+  g_.Drop(w1);
+  T oc = Cast(g_, out, in);
+  g_.Drop(out);
+  return oc;
 }
 
-T ModelRun::ApplyRotary(T x, Wide heads) {
-  // apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half = cat(-x2, x1).
-  (void)heads;
-  T m1 = Mul(g_, x, cos_);
-  T x1 = Slice(g_, x, g_.Numel(x) / 2);
-  T x2 = Slice(g_, x, g_.Numel(x) / 2);
+T ModelRun::OlmoRmsNorm(const Norm& n, T x) {
+  // Olmo2RMSNorm.forward (models/olmo2/modeling_olmo2.py): the weight multiplied in fp32, then
+  //   return (self.weight * hidden_states).to(input_dtype)
+  const DT in = g_.Dtype(x);
+  T h = Cast(g_, x, DT::kF32);
+  T p = Apply(g_, Unary::kPow, h);
+  T var = MeanRows(g_, p, n.width);
+  g_.Drop(p);
+  T eps = Scale(g_, var);
+  g_.Drop(var);
+  T r = Apply(g_, Unary::kRsqrt, eps);
+  g_.Drop(eps);
+  T hn = Mul(g_, h, r);
+  g_.Drop(h);
+  g_.Drop(r);
+  T out = Mul(g_, n.w, hn);
+  g_.Drop(hn);
+  T oc = Cast(g_, out, in);
+  g_.Drop(out);
+  return oc;
+}
+
+T ModelRun::NormAny(const Norm& n, T x) {
+  switch (fam_.norm) {
+    case Family::NormKind::kRms: return HfRmsNorm(n, x);
+    case Family::NormKind::kRmsGemma: return GemmaRmsNorm(n, x);
+    case Family::NormKind::kRmsOlmo: return OlmoRmsNorm(n, x);
+    case Family::NormKind::kLayer: return LayerNorm(g_, x, n.w, n.b, n.width);
+  }
+  return g_.Alias(x);
+}
+
+T ModelRun::ApplyRotary(T x) {
+  // apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half = cat(-x2, x1); over the
+  // first rotary_dims of each head only when partial (Phi, GPT-NeoX: rotated part cat with the
+  // rest).
+  const Wide d = static_cast<Wide>(a_.head_dim);
+  const Wide rd = fam_.rotary_dims == 0 || fam_.rotary_dims >= d ? d : fam_.rotary_dims;
+  T rot = rd == d ? g_.Alias(x) : Slice(g_, x, g_.Numel(x) / d * rd);
+  T m1 = Mul(g_, rot, cos_);
+  T x1 = Slice(g_, rot, g_.Numel(rot) / 2);
+  T x2 = Slice(g_, rot, g_.Numel(rot) / 2);
   T n = Apply(g_, Unary::kNeg, x2);
   g_.Drop(x2);
   T c = Cat(g_, {n, x1});
@@ -255,7 +367,43 @@ T ModelRun::ApplyRotary(T x, Wide heads) {
   T out = Add(g_, m1, m2);
   g_.Drop(m1);
   g_.Drop(m2);
-  return out;
+  g_.Drop(rot);
+  if (rd == d) return out;
+  T pass = Slice(g_, x, g_.Numel(x) / d * (d - rd));
+  T full = Cat(g_, {out, pass});
+  g_.Drop(out);
+  g_.Drop(pass);
+  return full;
+}
+
+T ModelRun::Activation(T x) {
+  switch (fam_.act) {
+    case Family::Act::kSilu: return Apply(g_, Unary::kSilu, x);
+    case Family::Act::kGelu: return Apply(g_, Unary::kGelu, x);
+    case Family::Act::kGeluTanh: return Apply(g_, Unary::kGeluTanh, x);
+    case Family::Act::kRelu: return Apply(g_, Unary::kRelu, x);
+    case Family::Act::kGeluNew: {
+      // NewGELUActivation (transformers/activations.py), a Python formula:
+      //   0.5 * input * (1.0 + torch.tanh(sqrt(2 / pi) * (input + 0.044715 * input ** 3)))
+      T p = Apply(g_, Unary::kPow, x);  // an fp32 op under autocast: saves the fp32 copy
+      T m1 = Scale(g_, p);
+      g_.Drop(p);
+      T a1 = Add(g_, x, m1);
+      g_.Drop(m1);
+      T m2 = Scale(g_, a1);
+      g_.Drop(a1);
+      T t = Apply(g_, Unary::kTanh, m2);
+      g_.Drop(m2);
+      T a2 = Scale(g_, t);  // 1.0 + tanh(...)
+      g_.Drop(t);
+      T half = Scale(g_, x);  // 0.5 * input
+      T out = Mul(g_, half, a2);
+      g_.Drop(half);
+      g_.Drop(a2);
+      return out;
+    }
+  }
+  return g_.Alias(x);
 }
 
 T ModelRun::LoraLinear(const Lin& l, T x) {
@@ -276,36 +424,116 @@ T ModelRun::LoraLinear(const Lin& l, T x) {
   return sum;
 }
 
+T ModelRun::BloomAttention(const BlockParams& bp, T h) {
+  // BloomAttention.forward (models/bloom/modeling_bloom.py): the fused projection viewed as
+  // query, key and value, the cache update, reshape to (batch x heads) x seq x head_dim (a copy
+  // of the strided query), alibi.baddbmm(q, k^T), + mask, softmax in fp32 cast back, dropout,
+  // bmm with v, _merge_heads (a copy), dense.
+  const Wide heads = static_cast<Wide>(a_.heads), d = static_cast<Wide>(a_.head_dim);
+  T qkv = LoraLinear(bp.at(TensorRole::kAttentionQkv), h);
+  const Wide n = tokens_ * heads * d;
+  T q = Slice(g_, qkv, n), k = Slice(g_, qkv, n), v = Slice(g_, qkv, n);
+  g_.Drop(qkv);
+  if (use_cache_) {
+    T kc = Copy(g_, k), vc = Copy(g_, v);
+    g_.Drop(k);
+    g_.Drop(v);
+    k = kc;
+    v = vc;
+    cache_.push_back(g_.Alias(k));
+    cache_.push_back(g_.Alias(v));
+  }
+  T qr = Copy(g_, q);  // reshape of the strided view
+  g_.Drop(q);
+  T kr = use_cache_ ? g_.Alias(k) : Copy(g_, k);
+  T vr = use_cache_ ? g_.Alias(v) : Copy(g_, v);
+  g_.Drop(k);
+  g_.Drop(v);
+  T qc = AutocastIn(g_, qr), kc = AutocastIn(g_, kr);
+  g_.Drop(qr);
+  g_.Drop(kr);
+  T scores = g_.New(batch_ * heads * seq_ * seq_, g_.Dtype(qc), true);
+  g_.Record(Graph::Spec("Baddbmm", {qc, kc}, {scores}, {qc, kc}));
+  g_.Drop(qc);
+  g_.Drop(kc);
+  T masked = Add(g_, scores, mask_);
+  g_.Drop(scores);
+  T probs = Softmax(g_, masked, DT::kF32);
+  g_.Drop(masked);
+  T pc = Cast(g_, probs, autocast_ ? adt_ : g_.Dtype(vr));
+  g_.Drop(probs);
+  T dropped = Dropout(g_, pc, a_.attention_dropout);
+  g_.Drop(pc);
+  T pa = AutocastIn(g_, dropped), va = AutocastIn(g_, vr);
+  g_.Drop(dropped);
+  g_.Drop(vr);
+  T o = g_.New(batch_ * heads * seq_ * d, g_.Dtype(pa), true);
+  g_.Record(Graph::Spec("Bmm(pv)", {pa, va}, {o}, {pa, va}));
+  g_.Drop(pa);
+  g_.Drop(va);
+  T merged = Copy(g_, o);
+  g_.Drop(o);
+  T out = LoraLinear(bp.at(TensorRole::kAttentionOut), merged);
+  g_.Drop(merged);
+  return out;
+}
+
 T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
   (void)layer;
+  if (fam_.bloom_attention) return BloomAttention(bp, h);
   const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
   const Wide d = static_cast<Wide>(a_.head_dim);
-  T q = LoraLinear(bp.at(TensorRole::kAttentionQ), h);
-  T k = LoraLinear(bp.at(TensorRole::kAttentionK), h);
-  T v = LoraLinear(bp.at(TensorRole::kAttentionV), h);
-  if (bp.qk_norms.size() >= 2) {
-    T qn = HfRmsNorm(bp.qk_norms[0], q);
+  T q, k, v;
+  if (bp.has(TensorRole::kAttentionQkv)) {
+    // One projection split into query, key and value views (GPT-2's c_attn .split, Phi-3's
+    // qkv[..., :q], GPT-NeoX's chunk): the views keep the whole output alive.
+    T qkv = LoraLinear(bp.at(TensorRole::kAttentionQkv), h);
+    const Wide qn = tokens_ * heads * d, kn = tokens_ * kv * d;
+    q = Slice(g_, qkv, qn);
+    k = Slice(g_, qkv, kn);
+    v = Slice(g_, qkv, kn);
+    g_.Drop(qkv);
+  } else {
+    q = LoraLinear(bp.at(TensorRole::kAttentionQ), h);
+    k = LoraLinear(bp.at(TensorRole::kAttentionK), h);
+    v = LoraLinear(bp.at(TensorRole::kAttentionV), h);
+  }
+  if (fam_.query_scaled) {
+    T qs = Scale(g_, q);  // OPTAttention: q_proj(hidden_states) * self.scaling
+    g_.Drop(q);
+    q = qs;
+  }
+  if (fam_.qk_norm != Family::QkNorm::kNone && bp.qk_norms.size() >= 2) {
+    auto norm = [&](const Norm& n, T t) {
+      return fam_.qk_norm == Family::QkNorm::kHeadLayer ? LayerNorm(g_, t, n.w, n.b, n.width)
+                                                        : HfRmsNorm(n, t);
+    };
+    T qn = norm(bp.qk_norms[0], q);
     g_.Drop(q);
     q = qn;
-    T kn = HfRmsNorm(bp.qk_norms[1], k);
+    T kn = norm(bp.qk_norms[1], k);
     g_.Drop(k);
     k = kn;
   }
-  T qr = ApplyRotary(q, heads);
-  g_.Drop(q);
-  T kr = ApplyRotary(k, kv);
-  g_.Drop(k);
+  if (fam_.rotary) {
+    T qr = ApplyRotary(q);
+    g_.Drop(q);
+    q = qr;
+    T kr = ApplyRotary(k);
+    g_.Drop(k);
+    k = kr;
+  }
   if (use_cache_) {
     // DynamicCache.update in training (use_cache from the config): the first update cats onto
     // an empty tensor of the key's dtype, copying key and value (the value promoted to it);
     // the cache holds them until the model's output is dropped.
-    T kc = Copy(g_, kr);
-    g_.Drop(kr);
-    kr = kc;
+    T kc = Copy(g_, k);
+    g_.Drop(k);
+    k = kc;
     T vc = g_.Dtype(v) == g_.Dtype(kc) ? Copy(g_, v) : Cast(g_, v, g_.Dtype(kc));
     g_.Drop(v);
     v = vc;
-    cache_.push_back(g_.Alias(kr));
+    cache_.push_back(g_.Alias(k));
     cache_.push_back(g_.Alias(v));
   }
   AttentionShape as;
@@ -316,7 +544,7 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
   as.head_dim = as.v_head_dim = d;
   as.dropout = a_.attention_dropout;
   as.mask = explicit_mask_;
-  const DT cdt = autocast_ ? adt_ : g_.Dtype(qr);
+  const DT cdt = autocast_ ? adt_ : g_.Dtype(q);
   T out;
   if (s_.flash_attention) {
     SdpaBackend backend;
@@ -325,8 +553,7 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
     if (!half) {
       backend = SdpaBackend::kEfficient;
     } else if (explicit_mask_) {
-      backend = sm >= 80 || s_.precision == Precision::kFp16Mixed ? SdpaBackend::kEfficient
-                                                                  : SdpaBackend::kMath;
+      backend = sm >= 80 || cdt == DT::kF16 ? SdpaBackend::kEfficient : SdpaBackend::kMath;
     } else if (sm >= 90 && sm < 110) {
       backend = SdpaBackend::kCudnn;
     } else if (sm >= 80) {
@@ -337,17 +564,20 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
     // sdpa_attention_forward: grouped keys and values go to SDPA as they are (enable_gqa) when
     // there is no mask (use_gqa_in_sdpa); otherwise repeat_kv copies them to every head.
     if (kv != heads && explicit_mask_) {
-      T k2 = Copy(g_, kr, g_.Numel(kr) * (heads / kv));
-      g_.Drop(kr);
-      kr = k2;
+      T k2 = Copy(g_, k, g_.Numel(k) * (heads / kv));
+      g_.Drop(k);
+      k = k2;
       T v2 = Copy(g_, v, g_.Numel(v) * (heads / kv));
       g_.Drop(v);
       v = v2;
       as.kv_heads = heads;
     }
-    T qc = AutocastIn(g_, qr), kc = AutocastIn(g_, kr), vc = AutocastIn(g_, v);
+    T qc = AutocastIn(g_, q), kc = AutocastIn(g_, k), vc = AutocastIn(g_, v);
     T mask;
-    if (explicit_mask_ && backend != SdpaBackend::kFlash) {
+    if (fam_.falcon_alibi) {
+      // The float ALiBi mask, cast by SDPA's autocast kernel (a copy per call under autocast).
+      mask = AutocastIn(g_, mask_);
+    } else if (explicit_mask_ && backend != SdpaBackend::kFlash) {
       // The boolean mask made additive in the query's dtype for the fused kernel, per call.
       mask = g_.New(batch_ * seq_ * seq_, cdt, false);
     }
@@ -362,12 +592,12 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
       out = o2;
     }
   } else {
-    // eager_attention_forward: repeat_kv, q @ k^T * scaling, + mask, softmax in fp32 cast back
-    // to the query's dtype, dropout, @ v, transpose(1, 2).contiguous().
+    // eager_attention_forward: repeat_kv, q @ k^T * scaling, + mask, softmax (fp32), cast back,
+    // dropout, @ v, transpose(1, 2).contiguous().
     const Wide groups = heads / std::max<Wide>(kv, 1);
-    T k2 = groups > 1 ? Copy(g_, kr, g_.Numel(kr) * groups) : g_.Alias(kr);
+    T k2 = groups > 1 ? Copy(g_, k, g_.Numel(k) * groups) : g_.Alias(k);
     T v2 = groups > 1 ? Copy(g_, v, g_.Numel(v) * groups) : g_.Alias(v);
-    T qc = AutocastIn(g_, qr), kc = AutocastIn(g_, k2);
+    T qc = AutocastIn(g_, q), kc = AutocastIn(g_, k2);
     g_.Drop(k2);
     T scores = g_.New(batch_ * heads * seq_ * seq_, g_.Dtype(qc), true);
     g_.Record(Graph::Spec("Matmul(qk)", {qc, kc}, {scores}, {qc, kc}));
@@ -375,11 +605,22 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
     g_.Drop(kc);
     T scaled = Scale(g_, scores);
     g_.Drop(scores);
+    if (a_.attn_softcap > 0) {
+      // Gemma-2: scores / softcap, tanh, * softcap.
+      T d1 = Scale(g_, scaled);
+      g_.Drop(scaled);
+      T th = Apply(g_, Unary::kTanh, d1);
+      g_.Drop(d1);
+      scaled = Scale(g_, th);
+      g_.Drop(th);
+    }
     T masked = Add(g_, scaled, mask_);
     g_.Drop(scaled);
-    T probs = Softmax(g_, masked, DT::kF32);
+    // Llama's: softmax(..., dtype=torch.float32).to(query.dtype); GPT-2's: softmax(...) (an fp32
+    // op under autocast), .type(value.dtype).
+    T probs = Softmax(g_, masked, fam_.probs_to_value ? g_.Dtype(masked) : DT::kF32);
     g_.Drop(masked);
-    T pc = Cast(g_, probs, g_.Dtype(qr));
+    T pc = Cast(g_, probs, fam_.probs_to_value ? g_.Dtype(v2) : g_.Dtype(q));
     g_.Drop(probs);
     T dropped = Dropout(g_, pc, a_.attention_dropout);
     g_.Drop(pc);
@@ -393,8 +634,8 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
     out = Copy(g_, o);
     g_.Drop(o);
   }
-  g_.Drop(qr);
-  g_.Drop(kr);
+  g_.Drop(q);
+  g_.Drop(k);
   g_.Drop(v);
   T o = LoraLinear(bp.at(TensorRole::kAttentionOut), out);
   g_.Drop(out);
@@ -402,43 +643,150 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
 }
 
 T ModelRun::TransformersMlp(const BlockParams& bp, T h) {
-  // LlamaMLP.forward: down_proj(act_fn(gate_proj(x)) * up_proj(x)).
-  T gate = LoraLinear(bp.at(TensorRole::kMlpGate), h);
-  const Unary act = a_.hidden_act == "silu" || a_.hidden_act == "swish" ? Unary::kSilu
-                    : a_.hidden_act == "gelu_pytorch_tanh"               ? Unary::kGeluTanh
-                                                                         : Unary::kGelu;
-  T ag = Apply(g_, act, gate);
-  g_.Drop(gate);
+  if (bp.has(TensorRole::kMlpGateUp)) {
+    // Phi3MLP.forward: gate, up = gate_up_proj(x).chunk(2); down_proj(up * act(gate)).
+    T gu = LoraLinear(bp.at(TensorRole::kMlpGateUp), h);
+    T gate = Slice(g_, gu, g_.Numel(gu) / 2);
+    T up = Slice(g_, gu, g_.Numel(gu) / 2);
+    g_.Drop(gu);
+    T ag = Activation(gate);
+    g_.Drop(gate);
+    T m = Mul(g_, up, ag);
+    g_.Drop(ag);
+    g_.Drop(up);
+    T down = LoraLinear(bp.at(TensorRole::kMlpDown), m);
+    g_.Drop(m);
+    return down;
+  }
+  if (fam_.gated) {
+    // LlamaMLP.forward: down_proj(act_fn(gate_proj(x)) * up_proj(x)).
+    T gate = LoraLinear(bp.at(TensorRole::kMlpGate), h);
+    T ag = Activation(gate);
+    g_.Drop(gate);
+    T up = LoraLinear(bp.at(TensorRole::kMlpUp), h);
+    T m = Mul(g_, ag, up);
+    g_.Drop(ag);
+    g_.Drop(up);
+    T down = LoraLinear(bp.at(TensorRole::kMlpDown), m);
+    g_.Drop(m);
+    return down;
+  }
+  // fc1 / c_fc / dense_h_to_4h, the activation, fc2 / c_proj / dense_4h_to_h.
   T up = LoraLinear(bp.at(TensorRole::kMlpUp), h);
-  T m = Mul(g_, ag, up);
-  g_.Drop(ag);
+  T a = Activation(up);
   g_.Drop(up);
-  T down = LoraLinear(bp.at(TensorRole::kMlpDown), m);
-  g_.Drop(m);
+  T down = LoraLinear(bp.at(TensorRole::kMlpDown), a);
+  g_.Drop(a);
   return down;
 }
 
 T ModelRun::TransformersDecoderBlock(int layer, T x) {
-  // LlamaDecoderLayer.forward: x + attn(norm(x)), then + mlp(norm(.)).
   const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
-  T h = NormAny(bp.norms.at(0), x);
-  T attn = TransformersAttention(layer, bp, h);
-  g_.Drop(h);
-  T x2 = Add(g_, x, attn);
-  g_.Drop(attn);
-  T h2 = NormAny(bp.norms.at(1), x2);
-  T m = TransformersMlp(bp, h2);
-  g_.Drop(h2);
-  T out = Add(g_, x2, m);
-  g_.Drop(m);
-  g_.Drop(x2);
-  return out;
+  const double p = fam_.resid_dropout;
+  auto dropped = [&](T t) {
+    T d = Dropout(g_, t, p);
+    g_.Drop(t);
+    return d;
+  };
+  switch (fam_.layout) {
+    case Family::Layout::kSequential: {
+      // LlamaDecoderLayer.forward: x + attn(norm(x)), then + mlp(norm(.)); GPT-2, OPT and
+      // Starcoder2 drop out each branch's output first.
+      T h = NormAny(bp.norms[0], x);
+      T attn = dropped(TransformersAttention(layer, bp, h));
+      g_.Drop(h);
+      T x2 = Add(g_, x, attn);
+      g_.Drop(attn);
+      T h2 = NormAny(bp.norms[1], x2);
+      T m = dropped(TransformersMlp(bp, h2));
+      g_.Drop(h2);
+      T out = Add(g_, x2, m);
+      g_.Drop(m);
+      g_.Drop(x2);
+      return out;
+    }
+    case Family::Layout::kSandwich: {
+      // Gemma2DecoderLayer / Gemma3DecoderLayer: norms before and after each branch.
+      T h = NormAny(bp.norms[0], x);
+      T attn = TransformersAttention(layer, bp, h);
+      g_.Drop(h);
+      T an = NormAny(bp.norms[1], attn);
+      g_.Drop(attn);
+      T x2 = Add(g_, x, an);
+      g_.Drop(an);
+      T h2 = NormAny(bp.norms[2], x2);
+      T m = TransformersMlp(bp, h2);
+      g_.Drop(h2);
+      T mn = NormAny(bp.norms[3], m);
+      g_.Drop(m);
+      T out = Add(g_, x2, mn);
+      g_.Drop(mn);
+      g_.Drop(x2);
+      return out;
+    }
+    case Family::Layout::kPostNorm: {
+      // Olmo2DecoderLayer: x + post_attention_layernorm(attn(x)), then + post_feedforward
+      // norm of mlp(.).
+      T attn = TransformersAttention(layer, bp, x);
+      T an = NormAny(bp.norms[0], attn);
+      g_.Drop(attn);
+      T x2 = Add(g_, x, an);
+      g_.Drop(an);
+      T m = TransformersMlp(bp, x2);
+      T mn = NormAny(bp.norms[1], m);
+      g_.Drop(m);
+      T out = Add(g_, x2, mn);
+      g_.Drop(mn);
+      g_.Drop(x2);
+      return out;
+    }
+    case Family::Layout::kParallel: {
+      // PhiDecoderLayer, GPTJBlock: attention and MLP read the same norm of x;
+      // attn + mlp + residual.
+      T h = NormAny(bp.norms[0], x);
+      T attn = dropped(TransformersAttention(layer, bp, h));
+      T m = dropped(TransformersMlp(bp, h));
+      g_.Drop(h);
+      T s1 = Add(g_, attn, m);
+      g_.Drop(attn);
+      g_.Drop(m);
+      T out = Add(g_, s1, x);
+      g_.Drop(s1);
+      return out;
+    }
+    case Family::Layout::kParallelTwoNorms: {
+      // GPTNeoXLayer with use_parallel_residual: mlp(ln2(x)) + attn(ln1(x)) + x.
+      T h = NormAny(bp.norms[0], x);
+      T attn = dropped(TransformersAttention(layer, bp, h));
+      g_.Drop(h);
+      T h2 = NormAny(bp.norms[1], x);
+      T m = dropped(TransformersMlp(bp, h2));
+      g_.Drop(h2);
+      T s1 = Add(g_, m, attn);
+      g_.Drop(attn);
+      g_.Drop(m);
+      T out = Add(g_, s1, x);
+      g_.Drop(s1);
+      return out;
+    }
+  }
+  return g_.Alias(x);
 }
 
 T ModelRun::CausalLmLoss(T hidden) {
   const Wide vocab = static_cast<Wide>(a_.vocab);
   const Wide h = static_cast<Wide>(a_.hidden);
   T logits = Linear(g_, hidden, head_, head_bias_, h, vocab);
+  g_.SetPhase(StepPhase::kLoss);
+  if (a_.final_softcap > 0) {
+    // Gemma-2: logits / final_logit_softcapping, tanh, * final_logit_softcapping.
+    T d1 = Scale(g_, logits);
+    g_.Drop(logits);
+    T th = Apply(g_, Unary::kTanh, d1);
+    g_.Drop(d1);
+    logits = Scale(g_, th);
+    g_.Drop(th);
+  }
   g_.SetPhase(StepPhase::kLoss);
   g_.SetWhere("loss");
   // ForCausalLMLoss: logits.float(), labels padded and shifted, cross_entropy.
@@ -452,24 +800,79 @@ T ModelRun::CausalLmLoss(T hidden) {
   return loss;
 }
 
-Result<T> ModelRun::ForwardAndLoss() {
-  if (s_.framework != Framework::kTransformers || !a_.causal || a_.encoder_decoder) {
-    return Status::Unimplemented("the step model runs Transformers decoder LMs only so far");
+Status ModelRun::CheckFamily() const {
+  auto missing = [&](const std::string& what) {
+    return Status::Unimplemented(inv_.name + ": the step model expects " + what + " in every " +
+                                 "block of a " + inv_.model_type + " model");
+  };
+  for (const BlockParams& bp : blocks_) {
+    const bool fused = bp.has(TensorRole::kAttentionQkv);
+    if (!fused && !(bp.has(TensorRole::kAttentionQ) && bp.has(TensorRole::kAttentionK) &&
+                    bp.has(TensorRole::kAttentionV))) {
+      return missing("query, key and value projections");
+    }
+    if (!bp.has(TensorRole::kAttentionOut)) return missing("an attention output projection");
+    if (!bp.has(TensorRole::kMlpDown)) return missing("an MLP (dense or mixture of experts)");
+    if (!bp.has(TensorRole::kMlpGateUp) &&
+        !(bp.has(TensorRole::kMlpUp) && (!fam_.gated || bp.has(TensorRole::kMlpGate)))) {
+      return missing("the MLP's input projections");
+    }
+    size_t norms = 2;
+    if (fam_.layout == Family::Layout::kSandwich) norms = 4;
+    if (fam_.layout == Family::Layout::kParallel) norms = 1;
+    if (bp.norms.size() < norms) return missing(std::to_string(norms) + " norms");
   }
+  return Status::Ok();
+}
+
+Result<T> ModelRun::ForwardAndLoss() {
+  if (s_.framework != Framework::kTransformers || !a_.causal || a_.encoder_decoder ||
+      a_.experts > 0 || a_.kv_lora_rank > 0 ||
+      (a_.alibi && !fam_.bloom_attention && !fam_.falcon_alibi)) {
+    return Status::Unimplemented("the step model runs Transformers' dense decoder LMs so far");
+  }
+  MEMPLAN_RETURN_IF_ERROR(CheckFamily());
   const bool ckpt = s_.checkpointing == Checkpointing::kFull;
   use_cache_ = a_.use_cache && !ckpt;
   explicit_mask_ = ckpt && s_.flash_attention;
   const Wide h = static_cast<Wide>(a_.hidden);
   g_.SetWhere("embedding");
   T x = Embedding(g_, embedding_, tokens_, h, pdt_);
+  if (fam_.embedding_scale) {
+    // GemmaModel: hidden_states * normalizer (a 0-dim tensor of the hidden states' dtype).
+    T normalizer = g_.New(1, g_.Dtype(x), false);
+    T xs = Mul(g_, x, normalizer);
+    g_.Drop(normalizer);
+    g_.Drop(x);
+    x = xs;
+  }
+  if (fam_.learned_positions && position_embedding_.ok()) {
+    // GPT-2 / OPT: inputs_embeds + position embeddings.
+    T pos = Embedding(g_, position_embedding_, tokens_, h, pdt_);
+    T xs = Add(g_, x, pos);
+    g_.Drop(pos);
+    g_.Drop(x);
+    x = xs;
+  }
+  if (fam_.embedding_norm && final_norms_.size() >= 2) {
+    // BloomModel: word_embeddings_layernorm(inputs_embeds).
+    T xn = NormAny(final_norms_[0], x);
+    g_.Drop(x);
+    x = xn;
+  }
+  if (fam_.embedding_dropout > 0) {
+    T xd = Dropout(g_, x, fam_.embedding_dropout);
+    g_.Drop(x);
+    x = xd;
+  }
   if (ckpt) {
     // activation_checkpointing_enable -> enable_input_require_grads: the embedding output
     // requires grad (matters when the embedding is frozen, as with LoRA).
     g_.SetRequiresGrad(x, true);
   }
-  // LlamaRotaryEmbedding.forward: cos and sin (seq x head_dim) in fp32, cast to x's dtype.
-  const Wide d = static_cast<Wide>(a_.head_dim);
-  {
+  if (fam_.rotary) {
+    // The rotary embedding's forward: cos and sin (seq x rotary dims) in fp32, cast to x's dtype.
+    const Wide d = fam_.rotary_dims > 0 ? fam_.rotary_dims : static_cast<Wide>(a_.head_dim);
     T c32 = g_.New(seq_ * d, DT::kF32, false);
     T s32 = g_.New(seq_ * d, DT::kF32, false);
     cos_ = Cast(g_, c32, g_.Dtype(x));
@@ -477,9 +880,15 @@ Result<T> ModelRun::ForwardAndLoss() {
     g_.Drop(c32);
     g_.Drop(s32);
   }
-  if (!s_.flash_attention || explicit_mask_) {
+  if (fam_.falcon_alibi) {
+    // FalconModel.forward: ALiBi slopes x positions / sqrt(head_dim), masked, as one float mask
+    // (batch x heads x seq x seq) in the embeddings' dtype for every layer.
+    explicit_mask_ = true;
+    mask_ = g_.New(batch_ * static_cast<Wide>(a_.heads) * seq_ * seq_, g_.Dtype(x), false);
+  } else if (!s_.flash_attention || explicit_mask_ || fam_.bloom_attention) {
     // The causal mask: boolean for SDPA, additive in the hidden states' dtype for eager.
-    mask_ = g_.New(batch_ * seq_ * seq_, s_.flash_attention ? DT::kBool : g_.Dtype(x), false);
+    const bool boolean = s_.flash_attention && !fam_.bloom_attention;
+    mask_ = g_.New(batch_ * seq_ * seq_, boolean ? DT::kBool : g_.Dtype(x), false);
   }
   for (int64_t i = 0; i < a_.layers; ++i) {
     g_.SetWhere("layer " + std::to_string(i));
@@ -488,7 +897,7 @@ Result<T> ModelRun::ForwardAndLoss() {
     x = next;
   }
   g_.SetWhere("final norm");
-  T hn = final_norms_.empty() ? g_.Alias(x) : NormAny(final_norms_[0], x);
+  T hn = final_norms_.empty() ? g_.Alias(x) : NormAny(final_norms_.back(), x);
   g_.Drop(x);
   g_.Drop(cos_);
   g_.Drop(sin_);

@@ -61,25 +61,58 @@ class ModelRun {
   const std::vector<std::string>& notes() const { return notes_; }
 
  private:
+  // How a Transformers decoder family writes its block (Prepare fills it from the model_type;
+  // each field names the modelling code that decides it).
+  struct Family {
+    enum class NormKind { kRms, kRmsGemma, kRmsOlmo, kLayer };
+    enum class Layout { kSequential, kSandwich, kPostNorm, kParallel, kParallelTwoNorms };
+    enum class Act { kSilu, kGelu, kGeluTanh, kGeluNew, kRelu };
+    enum class QkNorm { kNone, kHeadRms, kFullRms, kHeadLayer };
+    NormKind norm = NormKind::kRms;
+    Layout layout = Layout::kSequential;
+    Act act = Act::kSilu;
+    QkNorm qk_norm = QkNorm::kNone;
+    bool gated = true;
+    bool rotary = true;
+    Wide rotary_dims = 0;  // per head; 0: the whole head
+    bool learned_positions = false;
+    bool query_scaled = false;    // OPT: q_proj(h) * scaling
+    bool probs_to_value = false;  // GPT-2's eager: softmax(x).type(value.dtype)
+    double resid_dropout = 0;     // after attention and after the MLP
+    double embedding_dropout = 0;
+    bool embedding_scale = false;  // Gemma: embeddings * sqrt(hidden)
+    bool embedding_norm = false;   // Bloom: word_embeddings_layernorm
+    // ALiBi attention: Bloom's baddbmm eager attention, or Falcon's ALiBi folded into a float
+    // mask for SDPA.
+    bool bloom_attention = false;
+    bool falcon_alibi = false;
+  };
+
   // Transformers' decoder-only LMs (LlamaDecoderLayer and its relatives).
   T TransformersDecoderBlock(int layer, T x);
   T TransformersAttention(int layer, const BlockParams& bp, T h);
   T TransformersMlp(const BlockParams& bp, T h);
+  T BloomAttention(const BlockParams& bp, T h);
   T HfRmsNorm(const Norm& n, T x);
+  T GemmaRmsNorm(const Norm& n, T x);
+  T OlmoRmsNorm(const Norm& n, T x);
   T NormAny(const Norm& n, T x);
-  T ApplyRotary(T x, Wide heads);
+  T ApplyRotary(T x);
+  T Activation(T x);
   T LoraLinear(const Lin& l, T x);
   // The loss as Transformers' ForCausalLMLoss computes it from the last hidden states.
   T CausalLmLoss(T hidden);
   // Runs block `layer`, checkpointed or not per the setup.
   T RunBlock(int layer, T x);
   bool Checkpointed(int layer) const;
+  Status CheckFamily() const;
 
+  Family fam_;
   Graph& g_;
   const ModelInventory& inv_;
   const TrainingSetup& s_;
   const ArchitectureInfo& a_;
-  DT pdt_ = DT::kF32;  // parameter dtype
+  DT pdt_ = DT::kF32;   // parameter dtype
   DT adt_ = DT::kBF16;  // autocast dtype
   bool autocast_ = false;
   Wide batch_ = 1, seq_ = 1, tokens_ = 1;
@@ -87,8 +120,8 @@ class ModelRun {
   std::vector<BlockParams> blocks_;
   T embedding_, position_embedding_, head_, head_bias_;
   std::vector<Norm> final_norms_;
-  T cos_, sin_;         // rotary tables of this forward
-  T mask_;              // an explicit attention mask of this forward
+  T cos_, sin_;           // rotary tables of this forward
+  T mask_;                // an explicit attention mask of this forward
   std::vector<T> cache_;  // DynamicCache copies held until the output is dropped
   bool use_cache_ = false;
   bool explicit_mask_ = false;

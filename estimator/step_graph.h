@@ -113,7 +113,10 @@ class Graph {
 
   // --- Autocast -------------------------------------------------------------------------------
   // The autocast weight-cast cache: a trainable leaf cast to `dt` once per autocast region.
-  void SetAutocast(bool on, DT dt) { autocast_ = on; autocast_dt_ = dt; }
+  void SetAutocast(bool on, DT dt) {
+    autocast_ = on;
+    autocast_dt_ = dt;
+  }
   bool autocast() const { return autocast_; }
   DT autocast_dtype() const { return autocast_dt_; }
   T CastWeight(T param, DT dt);

@@ -106,8 +106,8 @@ Result<StepModel> SimulateStep(const ModelInventory& inventory, const TrainingSe
   g.SetPhase(StepPhase::kOptimizerStep);
   g.SetWhere("optimizer step");
   if (states.torch_optimizer) {
-    const Wide transient = OptimizerTransient(setup, run.OptimizerGroupBytes(),
-                                              run.LargestTrainableBytes());
+    const Wide transient =
+        OptimizerTransient(setup, run.OptimizerGroupBytes(), run.LargestTrainableBytes());
     const int t = g.Alloc(StepCategory::kOptimizerTransients, transient);
     g.Unref(t);
   } else {

@@ -74,8 +74,8 @@ struct StepPhasePeak {
 // it for the setup (plain PyTorch, DeepSpeed ZeRO, FSDP); the step model adds what the step
 // allocates around them.
 struct StepStates {
-  uint64_t parameters = 0;       // every parameter's working copy on the GPU, rounded per tensor
-  uint64_t buffers = 0;          // registered buffers on the GPU
+  uint64_t parameters = 0;        // every parameter's working copy on the GPU, rounded per tensor
+  uint64_t buffers = 0;           // registered buffers on the GPU
   uint64_t optimizer_states = 0;  // on the GPU
   // Gradients that persist across steps (DeepSpeed's partitions, DDP buckets, accumulation):
   // counted from the start of the step. Zero for a loop that sets them to None after each step.

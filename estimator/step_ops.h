@@ -50,7 +50,19 @@ T Div(Graph& g, T a, T b);
 T Scale(Graph& g, T x);
 // Unary ops, with what each saves: silu, gelu and pow save the input; tanh, sigmoid, rsqrt,
 // exp, relu and sqrt the result; neg saves nothing.
-enum class Unary { kSilu, kGelu, kGeluTanh, kRelu, kTanh, kSigmoid, kRsqrt, kExp, kPow, kNeg, kSqrt };
+enum class Unary {
+  kSilu,
+  kGelu,
+  kGeluTanh,
+  kRelu,
+  kTanh,
+  kSigmoid,
+  kRsqrt,
+  kExp,
+  kPow,
+  kNeg,
+  kSqrt
+};
 T Apply(Graph& g, Unary op, T x);
 // x.mean(-1, keepdim=True) over rows of `width` (also sum): no saved tensors.
 T MeanRows(Graph& g, T x, Wide width);
