@@ -111,6 +111,13 @@ Status ModelRun::Prepare() {
                  t.role == TensorRole::kExpertGateUp || t.role == TensorRole::kExpertDown) {
         bp.experts.push_back(p);
         bp.expert_params += t.numel;
+        if (!t.bias && t.shape.size() == 3) {
+          bp.expert[t.role] = p;
+          // Transformers >= 5: gate_up_proj [E, 2F, h] and down_proj [E, h, F] (gpt-oss stores
+          // them [E, in, out]).
+          bp.expert_width[t.role] =
+              static_cast<Wide>(inv_.model_type == "gpt_oss" ? t.shape[2] : t.shape[1]);
+        }
       } else if (t.role == TensorRole::kNorm && !t.bias) {
         Norm n{p, T{}, static_cast<Wide>(t.numel)};
         (static_cast<int64_t>(t.numel) == a_.hidden ? bp.norms : bp.qk_norms).push_back(n);
@@ -642,6 +649,92 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
   return o;
 }
 
+T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
+  // The sparse MoE block of Transformers >= 5 (MixtralSparseMoeBlock, Qwen2MoeSparseMoeBlock,
+  // Qwen3MoeSparseMoeBlock): the router (a Linear, softmax in fp32, top-k), then the experts
+  // through integrations/moe.py grouped_mm_experts_forward: the tokens gathered k times in
+  // expert order, one grouped matmul into gate and up, act(gate) * up, one into down, weighted,
+  // gathered back and summed over k; Qwen2-MoE adds its shared expert behind a sigmoid gate.
+  const Wide k = static_cast<Wide>(std::max<int64_t>(a_.experts_per_token, 1));
+  const Wide hw = static_cast<Wide>(a_.hidden);
+  const Wide experts = static_cast<Wide>(a_.experts);
+  T logits = Linear(g_, h, bp.router.w, T{}, hw, experts);
+  T probs = Softmax(g_, logits, DT::kF32);
+  g_.Drop(logits);
+  T top = g_.New(tokens_ * k, DT::kF32, g_.RequiresGrad(probs));
+  T top_idx = g_.New(tokens_ * k, DT::kI64, false);
+  g_.Record(Graph::Spec("TopK", {probs}, {top}, {top_idx}));
+  g_.Drop(probs);
+  g_.Drop(top_idx);
+  const Wide S = tokens_ * k;
+  // expert_ids sort, perm // k, inv_perm: indices the gathers keep.
+  T perm = g_.New(S, DT::kI64, false);
+  T src = g_.New(S, DT::kI64, false);
+  T inv = g_.New(S, DT::kI64, false);
+  T offs = g_.New(experts, DT::kI32, false);
+  T sel = g_.New(S * hw, g_.Dtype(h), g_.RequiresGrad(h));
+  g_.Record(Graph::Spec("Index", {h}, {sel}, {src}));
+  T weights = g_.New(S, g_.Dtype(top), g_.RequiresGrad(top));
+  g_.Record(Graph::Spec("Index", {top}, {weights}, {perm}));
+  g_.Drop(top);
+  const bool gated = bp.expert.count(TensorRole::kExpertGateUp) > 0;
+  const T w_in =
+      gated ? bp.expert.at(TensorRole::kExpertGateUp) : bp.expert.at(TensorRole::kExpertUp);
+  const Wide in_width = gated ? bp.expert_width.at(TensorRole::kExpertGateUp)
+                              : bp.expert_width.at(TensorRole::kExpertUp);
+  T proj = g_.New(S * in_width, g_.Dtype(sel), true);
+  g_.Record(Graph::Spec("GroupedMm", {sel, w_in}, {proj}, {sel, offs}));
+  g_.Drop(sel);
+  T act;
+  if (gated) {
+    T gate = Slice(g_, proj, g_.Numel(proj) / 2);
+    T up = Slice(g_, proj, g_.Numel(proj) / 2);
+    T ag = Activation(gate);
+    g_.Drop(gate);
+    act = Mul(g_, ag, up);
+    g_.Drop(ag);
+    g_.Drop(up);
+  } else {
+    act = Activation(proj);
+  }
+  g_.Drop(proj);
+  const T w_out = bp.expert.at(TensorRole::kExpertDown);
+  T down = g_.New(S * hw, g_.Dtype(act), true);
+  g_.Record(Graph::Spec("GroupedMm", {act, w_out}, {down}, {act, offs}));
+  g_.Drop(act);
+  g_.Drop(offs);
+  T weighted = Mul(g_, down, weights);
+  g_.Drop(down);
+  g_.Drop(weights);
+  T back = g_.New(S * hw, g_.Dtype(weighted), true);
+  g_.Record(Graph::Spec("Index", {weighted}, {back}, {inv}));
+  g_.Drop(weighted);
+  T out = g_.New(tokens_ * hw, g_.Dtype(back), true);
+  g_.Record(Graph::Spec("Sum", {back}, {out}));
+  g_.Drop(back);
+  g_.Drop(perm);
+  g_.Drop(src);
+  g_.Drop(inv);
+  if (bp.has(TensorRole::kMlpDown)) {
+    // The shared expert: a dense MLP every token passes, Qwen2-MoE's behind sigmoid(gate(x)).
+    T shared = TransformersMlp(bp, h);
+    if (bp.has(TensorRole::kSharedExpertGate)) {
+      T gl = LoraLinear(bp.at(TensorRole::kSharedExpertGate), h);
+      T sg = Apply(g_, Unary::kSigmoid, gl);
+      g_.Drop(gl);
+      T gated_shared = Mul(g_, sg, shared);
+      g_.Drop(sg);
+      g_.Drop(shared);
+      shared = gated_shared;
+    }
+    T sum = Add(g_, out, shared);
+    g_.Drop(out);
+    g_.Drop(shared);
+    out = sum;
+  }
+  return out;
+}
+
 T ModelRun::TransformersMlp(const BlockParams& bp, T h) {
   if (bp.has(TensorRole::kMlpGateUp)) {
     // Phi3MLP.forward: gate, up = gate_up_proj(x).chunk(2); down_proj(up * act(gate)).
@@ -698,7 +791,7 @@ T ModelRun::TransformersDecoderBlock(int layer, T x) {
       T x2 = Add(g_, x, attn);
       g_.Drop(attn);
       T h2 = NormAny(bp.norms[1], x2);
-      T m = dropped(TransformersMlp(bp, h2));
+      T m = dropped(bp.expert.empty() ? TransformersMlp(bp, h2) : TransformersMoe(bp, h2));
       g_.Drop(h2);
       T out = Add(g_, x2, m);
       g_.Drop(m);
@@ -812,8 +905,18 @@ Status ModelRun::CheckFamily() const {
       return missing("query, key and value projections");
     }
     if (!bp.has(TensorRole::kAttentionOut)) return missing("an attention output projection");
-    if (!bp.has(TensorRole::kMlpDown)) return missing("an MLP (dense or mixture of experts)");
-    if (!bp.has(TensorRole::kMlpGateUp) &&
+    if (!bp.expert.empty()) {
+      if (!bp.router.w.ok() || bp.expert.count(TensorRole::kExpertDown) == 0 ||
+          (bp.expert.count(TensorRole::kExpertGateUp) == 0 &&
+           bp.expert.count(TensorRole::kExpertUp) == 0)) {
+        return missing("fused experts (gate_up_proj, down_proj) and a router");
+      }
+    } else if (!bp.experts.empty()) {
+      return missing("experts fused as Transformers >= 5 builds them (not one Linear each)");
+    } else if (!bp.has(TensorRole::kMlpDown)) {
+      return missing("an MLP (dense or mixture of experts)");
+    }
+    if (bp.expert.empty() && !bp.has(TensorRole::kMlpGateUp) &&
         !(bp.has(TensorRole::kMlpUp) && (!fam_.gated || bp.has(TensorRole::kMlpGate)))) {
       return missing("the MLP's input projections");
     }
@@ -826,8 +929,9 @@ Status ModelRun::CheckFamily() const {
 }
 
 Result<T> ModelRun::ForwardAndLoss() {
+  auto type_is = [&](const char* t) { return inv_.model_type == t; };
   if (s_.framework != Framework::kTransformers || !a_.causal || a_.encoder_decoder ||
-      a_.experts > 0 || a_.kv_lora_rank > 0 ||
+      a_.kv_lora_rank > 0 || type_is("gpt_oss") ||
       (a_.alibi && !fam_.bloom_attention && !fam_.falcon_alibi)) {
     return Status::Unimplemented("the step model runs Transformers' dense decoder LMs so far");
   }

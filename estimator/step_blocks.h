@@ -30,10 +30,12 @@ struct Norm {
 
 // A block's parameters by role (Note [Tensor roles]).
 struct BlockParams {
-  std::map<TensorRole, Lin> lin;  // the block's Linears (experts and routers excluded)
-  std::vector<Norm> norms;        // hidden-width norms in registration order
-  std::vector<Norm> qk_norms;     // narrower norms (query/key norms), in order
-  std::vector<T> experts;         // fused expert tensors (3-D) and their biases
+  std::map<TensorRole, Lin> lin;            // the block's Linears (experts and routers excluded)
+  std::vector<Norm> norms;                  // hidden-width norms in registration order
+  std::vector<Norm> qk_norms;               // narrower norms (query/key norms), in order
+  std::vector<T> experts;                   // fused expert tensors (3-D) and their biases
+  std::map<TensorRole, T> expert;           // the fused experts by role (weights)
+  std::map<TensorRole, Wide> expert_width;  // their output widths (2F for gate_up, h for down)
   Lin router;
   Wide expert_params = 0;  // routed expert parameters of the block (all experts)
   bool has(TensorRole r) const { return lin.count(r) > 0; }
@@ -93,6 +95,7 @@ class ModelRun {
   T TransformersAttention(int layer, const BlockParams& bp, T h);
   T TransformersMlp(const BlockParams& bp, T h);
   T BloomAttention(const BlockParams& bp, T h);
+  T TransformersMoe(const BlockParams& bp, T h);
   T HfRmsNorm(const Norm& n, T x);
   T GemmaRmsNorm(const Norm& n, T x);
   T OlmoRmsNorm(const Norm& n, T x);

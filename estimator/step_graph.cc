@@ -7,7 +7,8 @@ namespace memplan::estimator::step {
 
 int Bytes(DT dt) {
   switch (dt) {
-    case DT::kF32: return 4;
+    case DT::kF32:
+    case DT::kI32: return 4;
     case DT::kBF16:
     case DT::kF16: return 2;
     case DT::kI64:

@@ -20,7 +20,7 @@ namespace memplan::estimator::step {
 
 __extension__ typedef unsigned __int128 Wide;
 
-enum class DT : uint8_t { kF32, kBF16, kF16, kI64, kBool, kU8, kI8, kU64 };
+enum class DT : uint8_t { kF32, kBF16, kF16, kI64, kI32, kBool, kU8, kI8, kU64 };
 int Bytes(DT dt);
 inline bool Half(DT dt) { return dt == DT::kBF16 || dt == DT::kF16; }
 
