@@ -493,6 +493,7 @@ nlohmann::json ToJson(const Estimate& e) {
   }
   j["phases"] = phases;
   j["peak"] = PeakToJson(m.peak);
+  if (!m.step_error.empty()) j["step_model"] = {{"error", m.step_error}};
   if (m.step.has_value()) {
     nlohmann::json sp = nlohmann::json::object();
     for (int p = 0; p < kStepPhases; ++p) {

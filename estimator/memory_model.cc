@@ -1345,10 +1345,15 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
     st.persistent_gradients = plain ? 0 : gpu_of("grads") + gpu_of("ddp_grad_buckets");
     st.plain_gradients = plain;
     st.torch_optimizer = s.zero_stage == 0 || c.Fsdp();
+    st.from_inventory = s.zero_stage == 0 && !c.Fsdp();
     const uint64_t tokens = static_cast<uint64_t>(s.micro_batch) * static_cast<uint64_t>(s.seq_len);
     st.other = CublasWorkspaceBytes(s.GpuSm()) + 2 * AllocatorRound(tokens * 8);
     Result<StepModel> sim = SimulateStep(inventory, s, st);
-    if (sim.ok()) m.step = std::move(sim).value();
+    if (sim.ok()) {
+      m.step = std::move(sim).value();
+    } else {
+      m.step_error = sim.status().message();
+    }
   }
   m.items = std::move(out.items);
   m.constants = Constants(c, input);

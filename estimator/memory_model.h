@@ -102,6 +102,7 @@ struct MemoryEstimate {
   // The step model's run (Note [The step model] in step_model.h), when it knows the setup's
   // training code.
   std::optional<StepModel> step;
+  std::string step_error;  // why the step model did not run, when it did not
 };
 
 // The model for one setup. Errors: setup.ValidateFor(inventory) failures (bad combinations, an

@@ -76,7 +76,9 @@ Status ModelRun::Prepare() {
   if (lora) {
     MEMPLAN_ASSIGN_OR_RETURN(auto targets, LoraTargetTensors(inv_, s_));
     const Wide r = static_cast<Wide>(s_.lora_rank);
-    const DT adapter_dt = DT::kF32;
+    // PEFT keeps adapters in fp32 (autocast_adapter_dtype); torchtune and LitGPT build them in
+    // the model's dtype.
+    const DT adapter_dt = s_.framework == Framework::kTransformers ? DT::kF32 : pdt_;
     for (const TensorInfo* t : targets) {
       T a = g_.Param(r * static_cast<Wide>(t->InFeatures()), adapter_dt, true);
       T b = g_.Param(static_cast<Wide>(t->OutFeatures()) * r, adapter_dt, true);
@@ -244,6 +246,64 @@ Status ModelRun::Prepare() {
   } else {
     group_bytes_ = {decay + no_decay};
   }
+
+  // The model states, tensor by tensor.
+  quantized_base_ = lora && s_.qlora;
+  for (const TensorInfo& t : inv_.tensors) {
+    if (!t.tied_to.empty()) continue;
+    if (quantized_base_ && !t.block.empty() && t.IsLinearWeight()) {
+      const Wide n = t.numel;
+      if (s_.framework == Framework::kTorchtune) {
+        // torchao's NF4Tensor (torchao/dtypes/nf4tensor.py, to_nf4 with block 64, scaler block
+        // 256): 4-bit codes, int8 scalers per block, fp32 factors per scaler block, the scaler
+        // mean and the 16-entry NF4 table.
+        parameter_bytes_ += Rounded((n + 1) / 2, DT::kU8) + Rounded((n + 63) / 64, DT::kI8) +
+                            Rounded((n + 64 * 256 - 1) / (64 * 256), DT::kF32) +
+                            Rounded(1, DT::kF32) + Rounded(16, DT::kF32);
+      } else {
+        // bitsandbytes Params4bit: packed codes and an fp32 absmax per 64 (double quantisation:
+        // 8-bit absmax per 64 and an fp32 per 256 of those).
+        parameter_bytes_ += Rounded((n + 1) / 2, DT::kU8);
+        parameter_bytes_ += s_.double_quant ? Rounded((n + 63) / 64, DT::kU8) +
+                                                  Rounded((n + 64 * 256 - 1) / (64 * 256), DT::kF32)
+                                            : Rounded((n + 63) / 64, DT::kF32);
+      }
+      continue;
+    }
+    parameter_bytes_ += Rounded(t.numel, pdt_);
+  }
+  for (Wide b : adapter_bytes) parameter_bytes_ += b;
+  if (s_.framework == Framework::kTorchtune) {
+    // torchtune's RotaryPositionalEmbeddings cache: max_seq_len x head_dim fp32, and theta.
+    buffer_bytes_ = Rounded(static_cast<Wide>(std::max<int64_t>(a_.max_positions, 1)) *
+                                static_cast<Wide>(a_.head_dim),
+                            DT::kF32) +
+                    Rounded(static_cast<Wide>(a_.head_dim) / 2, DT::kF32);
+  } else {
+    for (const TensorInfo& b : inv_.buffers) {
+      const bool floating =
+          b.dtype == DType::kF32 || b.dtype == DType::kF16 || b.dtype == DType::kBF16;
+      buffer_bytes_ +=
+          Rounded(b.numel, floating ? pdt_ : (b.dtype == DType::kI64 ? DT::kI64 : DT::kF32));
+    }
+  }
+  // torch.optim keeps states in each parameter's dtype: AdamW's exp_avg and exp_avg_sq, SGD's
+  // momentum buffer, Lion's exp_avg.
+  int states = 0;
+  switch (s_.optimizer) {
+    case Optimizer::kAdamW: states = 2; break;
+    case Optimizer::kSgd: states = s_.sgd_momentum > 0 ? 1 : 0; break;
+    case Optimizer::kLion: states = 1; break;
+    case Optimizer::kAdafactor: states = 1; break;
+    case Optimizer::kAdam8bit: states = 0; break;
+  }
+  if (lora) {
+    for (Wide b : adapter_bytes) state_bytes_ += static_cast<Wide>(states) * b;
+  } else {
+    for (const TensorInfo& t : inv_.tensors) {
+      if (t.tied_to.empty()) state_bytes_ += static_cast<Wide>(states) * Rounded(t.numel, pdt_);
+    }
+  }
   return Status::Ok();
 }
 
@@ -254,14 +314,21 @@ bool ModelRun::Checkpointed(int layer) const {
   return layer % k == 0;
 }
 
+T ModelRun::BlockFor(int layer, T x) {
+  switch (s_.framework) {
+    case Framework::kTorchtune: return TorchtuneBlock(layer, x);
+    default: return TransformersDecoderBlock(layer, x);
+  }
+}
+
 T ModelRun::RunBlock(int layer, T x) {
-  if (!Checkpointed(layer)) return TransformersDecoderBlock(layer, x);
+  if (!Checkpointed(layer)) return BlockFor(layer, x);
   // torch.utils.checkpoint (use_reentrant=False): the forward keeps nothing of the block but
   // its input; the block's backward re-runs it first.
   g_.SetSaving(false);
-  T out = TransformersDecoderBlock(layer, x);
+  T out = BlockFor(layer, x);
   g_.SetSaving(true);
-  g_.RecordCheckpoint(x, out, [this, layer](T in) { return TransformersDecoderBlock(layer, in); },
+  g_.RecordCheckpoint(x, out, [this, layer](T in) { return BlockFor(layer, in); },
                       {cos_, sin_, mask_});
   return out;
 }
@@ -929,9 +996,18 @@ Status ModelRun::CheckFamily() const {
 }
 
 Result<T> ModelRun::ForwardAndLoss() {
+  switch (s_.framework) {
+    case Framework::kTransformers: return TransformersForward();
+    case Framework::kTorchtune: return TorchtuneForward();
+    default: break;
+  }
+  return Status::Unimplemented("the step model does not run " +
+                               std::string(FrameworkName(s_.framework)) + " yet");
+}
+
+Result<T> ModelRun::TransformersForward() {
   auto type_is = [&](const char* t) { return inv_.model_type == t; };
-  if (s_.framework != Framework::kTransformers || !a_.causal || a_.encoder_decoder ||
-      a_.kv_lora_rank > 0 || type_is("gpt_oss") ||
+  if (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || type_is("gpt_oss") ||
       (a_.alibi && !fam_.bloom_attention && !fam_.falcon_alibi)) {
     return Status::Unimplemented("the step model runs Transformers' dense decoder LMs so far");
   }
@@ -1012,6 +1088,189 @@ Result<T> ModelRun::ForwardAndLoss() {
   g_.ClearAutocastCache();
   for (T c : cache_) g_.Drop(c);
   cache_.clear();
+  return loss;
+}
+
+// --- torchtune ------------------------------------------------------------------------------
+
+T ModelRun::TorchtuneRmsNorm(const Norm& n, T x) {
+  // torchtune/modules/rms_norm.py: F.rms_norm(x.float(), weight=self.scale).to(x.dtype); the
+  // fused kernel keeps its (fp32) input and an fp32 rstd per row.
+  const DT in = g_.Dtype(x);
+  T xf = Cast(g_, x, DT::kF32);
+  T y = FusedRmsNorm(g_, xf, n.w, n.width);
+  g_.Drop(xf);
+  T out = Cast(g_, y, in);
+  g_.Drop(y);
+  return out;
+}
+
+T ModelRun::TorchtuneRope(T x) {
+  // RotaryPositionalEmbeddings.forward (torchtune/modules/position_embeddings.py): x.float()
+  // reshaped in pairs, multiplied with the cache (a buffer), stacked, flattened, type_as(x).
+  // Only the cache is saved.
+  T xf = Cast(g_, x, DT::kF32);
+  T st = g_.New(g_.Numel(x), DT::kF32, g_.RequiresGrad(xf));
+  g_.Record(Graph::Spec("Rope", {xf}, {st}));
+  g_.Drop(xf);
+  T out = Cast(g_, st, g_.Dtype(x));
+  g_.Drop(st);
+  return out;
+}
+
+T ModelRun::TorchtuneLinear(const Lin& l, T x) {
+  T out;
+  if (quantized_base_ && !g_.RequiresGrad(l.w)) {
+    // LoRALinear with quantize_base / FrozenNF4Linear: torchao's LinearNF4 keeps the NF4
+    // weight only; the weight is dequantized to the input's dtype for the matmul (and again in
+    // backward).
+    T wd = g_.New(l.in * l.out, g_.Dtype(x), false);
+    out = g_.New(g_.Numel(x) / std::max<Wide>(l.in, 1) * l.out, g_.Dtype(x), g_.RequiresGrad(x));
+    Graph::NodeSpec spec = Graph::Spec("LinearNF4", {x}, {out});
+    spec.extra = {{l.in * l.out, g_.Dtype(x)}};
+    g_.Record(std::move(spec));
+    g_.Drop(wd);
+  } else {
+    out = Linear(g_, x, l.w, l.b, l.in, l.out);
+  }
+  if (!l.lora_a.ok()) return out;
+  // LoRALinear.forward: out + (alpha / rank) * lora_b(lora_a(dropout(x))), dropout 0.
+  const Wide r = static_cast<Wide>(s_.lora_rank);
+  T ya = Linear(g_, x, l.lora_a, T{}, l.in, r);
+  T yb = Linear(g_, ya, l.lora_b, T{}, r, l.out);
+  g_.Drop(ya);
+  T ys = Scale(g_, yb);
+  g_.Drop(yb);
+  T sum = Add(g_, out, ys);
+  g_.Drop(out);
+  g_.Drop(ys);
+  return sum;
+}
+
+T ModelRun::TorchtuneBlock(int layer, T x) {
+  // TransformerSelfAttentionLayer.forward: h = attn(sa_norm(x)) + x; h + mlp(mlp_norm(h)).
+  const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
+  const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
+  const Wide d = static_cast<Wide>(a_.head_dim);
+  T h = TorchtuneRmsNorm(bp.norms[0], x);
+  // MultiHeadAttention.forward (torchtune/modules/attention.py).
+  T q0 = TorchtuneLinear(bp.at(TensorRole::kAttentionQ), h);
+  T q = TorchtuneRope(q0);
+  g_.Drop(q0);
+  T k0 = TorchtuneLinear(bp.at(TensorRole::kAttentionK), h);
+  T v = TorchtuneLinear(bp.at(TensorRole::kAttentionV), h);
+  g_.Drop(h);
+  T k = TorchtuneRope(k0);
+  g_.Drop(k0);
+  if (kv != heads) {
+    // k.unsqueeze(2).expand(...).flatten(1, 2): copies at query width.
+    T k2 = Copy(g_, k, g_.Numel(k) * (heads / kv));
+    g_.Drop(k);
+    k = k2;
+    T v2 = Copy(g_, v, g_.Numel(v) * (heads / kv));
+    g_.Drop(v);
+    v = v2;
+  }
+  AttentionShape as;
+  as.batch = batch_;
+  as.heads = as.kv_heads = heads;
+  as.seq = as.kv_seq = seq_;
+  as.head_dim = as.v_head_dim = d;
+  const int sm = s_.GpuSm();
+  const bool half = Half(g_.Dtype(q));
+  const SdpaBackend backend = !half                  ? SdpaBackend::kEfficient
+                              : sm >= 90 && sm < 110 ? SdpaBackend::kCudnn
+                              : sm >= 80             ? SdpaBackend::kFlash
+                                                     : SdpaBackend::kEfficient;
+  T att = Sdpa(g_, backend, q, k, v, as, T{});
+  g_.Drop(q);
+  g_.Drop(k);
+  g_.Drop(v);
+  T o = TorchtuneLinear(bp.at(TensorRole::kAttentionOut), att);
+  g_.Drop(att);
+  T x2 = Add(g_, o, x);
+  g_.Drop(o);
+  // FeedForward.forward: w2(silu(w1(x)) * w3(x)).
+  T h2 = TorchtuneRmsNorm(bp.norms[1], x2);
+  T g1 = TorchtuneLinear(bp.at(TensorRole::kMlpGate), h2);
+  T a = Apply(g_, Unary::kSilu, g1);
+  g_.Drop(g1);
+  T u = TorchtuneLinear(bp.at(TensorRole::kMlpUp), h2);
+  g_.Drop(h2);
+  T m = Mul(g_, a, u);
+  g_.Drop(a);
+  g_.Drop(u);
+  T down = TorchtuneLinear(bp.at(TensorRole::kMlpDown), m);
+  g_.Drop(m);
+  T out = Add(g_, x2, down);
+  g_.Drop(down);
+  g_.Drop(x2);
+  return out;
+}
+
+Result<T> ModelRun::TorchtuneForward() {
+  if (!a_.causal || a_.encoder_decoder || a_.experts > 0 || !a_.gated_mlp || a_.rotary_dims == 0) {
+    return Status::Unimplemented(inv_.name +
+                                 ": the step model runs torchtune's dense decoders (Llama, Qwen2, "
+                                 "Mistral-shaped) only");
+  }
+  MEMPLAN_RETURN_IF_ERROR(CheckFamily());
+  const Wide h = static_cast<Wide>(a_.hidden);
+  const Wide vocab = static_cast<Wide>(a_.vocab);
+  g_.SetWhere("embedding");
+  T x = Embedding(g_, embedding_, tokens_, h, pdt_);
+  for (int64_t i = 0; i < a_.layers; ++i) {
+    g_.SetWhere("layer " + std::to_string(i));
+    T next = RunBlock(static_cast<int>(i), x);
+    g_.Drop(x);
+    x = next;
+  }
+  g_.SetWhere("final norm");
+  T hn = TorchtuneRmsNorm(final_norms_.back(), x);
+  g_.Drop(x);
+  g_.SetWhere("output");
+  const Lin head{head_, head_bias_, h, vocab, T{}, T{}};
+  // The recipe's _loss_step: labels shifted (hstack with the ignore cache), the loss, del
+  // logits.
+  T labels = g_.New(tokens_, DT::kI64, false);
+  T loss;
+  if (s_.loss == Loss::kChunked) {
+    // TransformerDecoder.chunked_output: the output projection per chunk of the sequence;
+    // CEWithChunkedOutputLoss: each chunk's logits.float() into cross_entropy (sum).
+    const Wide chunks = static_cast<Wide>(s_.loss_chunks > 0 ? s_.loss_chunks : 8);
+    std::vector<T> logits;
+    for (Wide c = 0; c < chunks; ++c) {
+      T part = Slice(g_, hn, g_.Numel(hn) / chunks);
+      logits.push_back(Linear(g_, part, head.w, head.b, h, vocab));
+      g_.Drop(part);
+    }
+    g_.SetPhase(StepPhase::kLoss);  // the model's forward returns
+    g_.Drop(hn);
+    for (T lc : logits) {
+      T up = Cast(g_, lc, DT::kF32);
+      T l = CrossEntropy(g_, up, tokens_ / chunks, vocab);
+      g_.Drop(up);
+      if (!loss.ok()) {
+        loss = l;
+      } else {
+        T sum = Add(g_, loss, l);
+        g_.Drop(loss);
+        g_.Drop(l);
+        loss = sum;
+      }
+    }
+    for (T lc : logits) g_.Drop(lc);
+  } else {
+    // TransformerDecoder.unembed: self.output(h).float().
+    T lg = Linear(g_, hn, head.w, head.b, h, vocab);
+    g_.Drop(hn);
+    g_.SetPhase(StepPhase::kLoss);
+    T up = Cast(g_, lg, DT::kF32);
+    g_.Drop(lg);
+    loss = CrossEntropy(g_, up, tokens_, vocab);
+    g_.Drop(up);
+  }
+  g_.Drop(labels);
   return loss;
 }
 

@@ -58,6 +58,12 @@ class ModelRun {
   // the largest trainable tensor.
   const std::vector<Wide>& OptimizerGroupBytes() const { return group_bytes_; }
   Wide LargestTrainableBytes() const { return largest_trainable_; }
+  // The model states as this framework allocates them, each tensor rounded as the caching
+  // allocator rounds it: parameters (NF4 storage for QLoRA's base, adapters included),
+  // buffers, optimizer states (Adam's two per trainable tensor, in its dtype).
+  Wide ParameterBytes() const { return parameter_bytes_; }
+  Wide BufferBytes() const { return buffer_bytes_; }
+  Wide OptimizerStateBytes() const { return state_bytes_; }
   uint64_t saved_bytes() const { return saved_bytes_; }
   uint64_t block_saved_bytes() const { return block_saved_bytes_; }
   const std::vector<std::string>& notes() const { return notes_; }
@@ -96,6 +102,14 @@ class ModelRun {
   T TransformersMlp(const BlockParams& bp, T h);
   T BloomAttention(const BlockParams& bp, T h);
   T TransformersMoe(const BlockParams& bp, T h);
+  Result<T> TransformersForward();
+  // torchtune (torchtune/modules/transformer.py, attention.py, peft/lora.py).
+  Result<T> TorchtuneForward();
+  T TorchtuneBlock(int layer, T x);
+  T TorchtuneRmsNorm(const Norm& n, T x);
+  T TorchtuneRope(T x);
+  T TorchtuneLinear(const Lin& l, T x);
+  T BlockFor(int layer, T x);
   T HfRmsNorm(const Norm& n, T x);
   T GemmaRmsNorm(const Norm& n, T x);
   T OlmoRmsNorm(const Norm& n, T x);
@@ -119,7 +133,8 @@ class ModelRun {
   DT adt_ = DT::kBF16;  // autocast dtype
   bool autocast_ = false;
   Wide batch_ = 1, seq_ = 1, tokens_ = 1;
-  std::vector<T> params_;  // per inventory tensor (tied aliases: the target's)
+  bool quantized_base_ = false;  // QLoRA: the frozen block Linears in NF4
+  std::vector<T> params_;        // per inventory tensor (tied aliases: the target's)
   std::vector<BlockParams> blocks_;
   T embedding_, position_embedding_, head_, head_bias_;
   std::vector<Norm> final_norms_;
@@ -129,6 +144,7 @@ class ModelRun {
   bool use_cache_ = false;
   bool explicit_mask_ = false;
   std::vector<Wide> group_bytes_;
+  Wide parameter_bytes_ = 0, buffer_bytes_ = 0, state_bytes_ = 0;
   Wide largest_trainable_ = 0;
   uint64_t saved_bytes_ = 0;
   uint64_t block_saved_bytes_ = 0;

@@ -83,17 +83,22 @@ Result<StepModel> SimulateStep(const ModelInventory& inventory, const TrainingSe
     return Status::InvalidArgument(inventory.name + ": the step model needs the architecture");
   }
   Graph g;
+  step::ModelRun run(g, inventory, setup);
+  MEMPLAN_RETURN_IF_ERROR(run.Prepare());
   // What lives from one step to the next.
-  g.Alloc(StepCategory::kParameters, states.parameters);
-  g.Alloc(StepCategory::kBuffers, states.buffers);
-  g.Alloc(StepCategory::kOptimizerStates, states.optimizer_states);
+  if (states.from_inventory) {
+    g.Alloc(StepCategory::kParameters, run.ParameterBytes());
+    g.Alloc(StepCategory::kBuffers, run.BufferBytes());
+    g.Alloc(StepCategory::kOptimizerStates, run.OptimizerStateBytes());
+  } else {
+    g.Alloc(StepCategory::kParameters, states.parameters);
+    g.Alloc(StepCategory::kBuffers, states.buffers);
+    g.Alloc(StepCategory::kOptimizerStates, states.optimizer_states);
+  }
   g.Alloc(StepCategory::kOther, states.other);
   if (states.persistent_gradients > 0) {
     g.Alloc(StepCategory::kGradients, states.persistent_gradients);
   }
-
-  step::ModelRun run(g, inventory, setup);
-  MEMPLAN_RETURN_IF_ERROR(run.Prepare());
   g.SetPhase(StepPhase::kForward);
   MEMPLAN_ASSIGN_OR_RETURN(T loss, run.ForwardAndLoss());
   g.SetPhase(StepPhase::kBackward);

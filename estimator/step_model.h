@@ -85,6 +85,10 @@ struct StepStates {
   // setup); false: DeepSpeed's or an offloaded optimizer, modelled by the memory model.
   bool torch_optimizer = true;
   uint64_t other = 0;  // the cuBLAS workspace and the batch
+  // Plain PyTorch training (no DeepSpeed, no FSDP): the step model counts parameters, buffers
+  // and optimizer states itself, tensor by tensor as the framework allocates them, instead of
+  // the fields above.
+  bool from_inventory = false;
 };
 
 struct StepModel {
