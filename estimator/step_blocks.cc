@@ -160,6 +160,74 @@ Status ModelRun::Prepare() {
       }
     }
   }
+  if (s_.framework == Framework::kLitGpt) {
+    // LitGPT holds query, key and value as one Linear (attn.qkv) in every model; its LoRA on it
+    // is one LoRAQKVLinear whose lora_A is [r x enabled parts, in] and lora_B [enabled out, r].
+    auto has = [&](const char* name) {
+      const auto& t = s_.lora_targets;
+      return std::find(t.begin(), t.end(), name) != t.end();
+    };
+    const bool defaults = s_.lora_targets.empty();
+    lora_q_ = lora && (defaults || has("query"));
+    lora_k_ = lora && has("key");
+    lora_v_ = lora && (defaults || has("value"));
+    const Wide q = static_cast<Wide>(a_.heads * a_.head_dim);
+    const Wide kvw = static_cast<Wide>(a_.kv_heads * a_.head_dim);
+    const Wide h = static_cast<Wide>(a_.hidden);
+    const Wide r = static_cast<Wide>(s_.lora_rank);
+    for (BlockParams& bp : blocks_) {
+      Lin l;
+      l.in = h;
+      l.out = q + 2 * kvw;
+      if (bp.has(TensorRole::kAttentionQkv)) {
+        l.w = bp.at(TensorRole::kAttentionQkv).w;
+        l.b = bp.at(TensorRole::kAttentionQkv).b;
+      } else {
+        l.w = g_.Param(l.in * l.out, pdt_, !lora);
+        const bool biased =
+            bp.has(TensorRole::kAttentionQ) && bp.at(TensorRole::kAttentionQ).b.ok();
+        if (biased) l.b = g_.Param(l.out, pdt_, !lora);
+      }
+      const int parts = (lora_q_ ? 1 : 0) + (lora_k_ ? 1 : 0) + (lora_v_ ? 1 : 0);
+      if (parts > 0) {
+        const Wide out = (lora_q_ ? q : 0) + (lora_k_ ? kvw : 0) + (lora_v_ ? kvw : 0);
+        l.lora_a = g_.Param(r * static_cast<Wide>(parts) * h, pdt_, true);
+        l.lora_b = g_.Param(out * r, pdt_, true);
+        adapter_bytes.push_back(Rounded(r * static_cast<Wide>(parts) * h, pdt_));
+        adapter_bytes.push_back(Rounded(out * r, pdt_));
+      }
+      // The separate query/key/value adapters LoraTargetTensors made are LitGPT's one adapter.
+      for (TensorRole role : {TensorRole::kAttentionQ, TensorRole::kAttentionK,
+                              TensorRole::kAttentionV, TensorRole::kAttentionQkv}) {
+        if (!bp.has(role)) continue;
+        Lin& sep = bp.lin[role];
+        if (sep.lora_a.ok()) {
+          sep.lora_a = T{};
+          sep.lora_b = T{};
+        }
+      }
+      litgpt_qkv_.push_back(l);
+    }
+    // Drop the bytes of the per-projection adapters replaced above: recount below from the
+    // blocks' remaining adapters and the fused ones.
+    adapter_bytes.clear();
+    const Wide rr = r;
+    for (const BlockParams& bp : blocks_) {
+      for (const auto& [role, l] : bp.lin) {
+        if (!l.lora_a.ok()) continue;
+        adapter_bytes.push_back(Rounded(rr * l.in, pdt_));
+        adapter_bytes.push_back(Rounded(l.out * rr, pdt_));
+      }
+    }
+    for (const Lin& l : litgpt_qkv_) {
+      if (!l.lora_a.ok()) continue;
+      const int parts = (lora_q_ ? 1 : 0) + (lora_k_ ? 1 : 0) + (lora_v_ ? 1 : 0);
+      const Wide out = (lora_q_ ? q : 0) + (lora_k_ ? kvw : 0) + (lora_v_ ? kvw : 0);
+      adapter_bytes.push_back(Rounded(rr * static_cast<Wide>(parts) * h, pdt_));
+      adapter_bytes.push_back(Rounded(out * rr, pdt_));
+    }
+  }
+
   // The family's block as Transformers writes it (transformers/models/<model_type>/).
   const std::string& type = inv_.model_type;
   fam_ = Family{};
@@ -317,6 +385,7 @@ bool ModelRun::Checkpointed(int layer) const {
 T ModelRun::BlockFor(int layer, T x) {
   switch (s_.framework) {
     case Framework::kTorchtune: return TorchtuneBlock(layer, x);
+    case Framework::kLitGpt: return LitGptBlock(layer, x);
     default: return TransformersDecoderBlock(layer, x);
   }
 }
@@ -485,7 +554,9 @@ T ModelRun::LoraLinear(const Lin& l, T x) {
   if (!l.lora_a.ok()) return y;
   // PEFT's lora.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling.
   const Wide r = static_cast<Wide>(s_.lora_rank);
-  T xa = Cast(g_, x, g_.Dtype(l.lora_a));
+  T xc = Cast(g_, x, g_.Dtype(l.lora_a));
+  T xa = Dropout(g_, xc, s_.LoraDropout());
+  g_.Drop(xc);
   T ya = Linear(g_, xa, l.lora_a, T{}, l.in, r);
   g_.Drop(xa);
   T yb = Linear(g_, ya, l.lora_b, T{}, r, l.out);
@@ -999,6 +1070,7 @@ Result<T> ModelRun::ForwardAndLoss() {
   switch (s_.framework) {
     case Framework::kTransformers: return TransformersForward();
     case Framework::kTorchtune: return TorchtuneForward();
+    case Framework::kLitGpt: return LitGptForward();
     default: break;
   }
   return Status::Unimplemented("the step model does not run " +
@@ -1271,6 +1343,246 @@ Result<T> ModelRun::TorchtuneForward() {
     g_.Drop(up);
   }
   g_.Drop(labels);
+  return loss;
+}
+
+// --- LitGPT ---------------------------------------------------------------------------------
+
+T ModelRun::LitGptRmsNorm(const Norm& n, T x) {
+  // litgpt/model.py RMSNorm.forward:
+  //   x = x.float(); norm_x = torch.mean(x * x, dim=-1, keepdim=True)
+  //   x_normed = x * torch.rsqrt(norm_x + eps); return (x_normed * weight.float()).to(dtype)
+  const DT in = g_.Dtype(x);
+  T xf = Cast(g_, x, DT::kF32);
+  T sq = Mul(g_, xf, xf);
+  T mean = MeanRows(g_, sq, n.width);
+  g_.Drop(sq);
+  T eps = Scale(g_, mean);
+  g_.Drop(mean);
+  T r = Apply(g_, Unary::kRsqrt, eps);
+  g_.Drop(eps);
+  T xn = Mul(g_, xf, r);
+  g_.Drop(xf);
+  g_.Drop(r);
+  T wf = Cast(g_, n.w, DT::kF32);
+  T y = Mul(g_, xn, wf);
+  g_.Drop(xn);
+  g_.Drop(wf);
+  T out = Cast(g_, y, in);
+  g_.Drop(y);
+  return out;
+}
+
+T ModelRun::LitGptLinear(const Lin& l, T x, bool qkv) {
+  T out = Linear(g_, x, l.w, l.b, l.in, l.out);
+  if (!l.lora_a.ok()) return out;
+  // LoRALinear / LoRAQKVLinear.forward (litgpt/lora.py): lora_dropout(x), lora_A, lora_B (a
+  // grouped conv1d for the fused query/key/value), zero_pad's index_copy_ into a zeroed
+  // full-width tensor when only some of q/k/v are adapted, * scaling, + pretrained.
+  const Wide r = static_cast<Wide>(s_.lora_rank);
+  const int parts = qkv ? (lora_q_ ? 1 : 0) + (lora_k_ ? 1 : 0) + (lora_v_ ? 1 : 0) : 1;
+  const Wide q = static_cast<Wide>(a_.heads * a_.head_dim);
+  const Wide kvw = static_cast<Wide>(a_.kv_heads * a_.head_dim);
+  const Wide enabled_out =
+      qkv ? (lora_q_ ? q : 0) + (lora_k_ ? kvw : 0) + (lora_v_ ? kvw : 0) : l.out;
+  T xd = Dropout(g_, x, s_.LoraDropout());
+  T ya = Linear(g_, xd, l.lora_a, T{}, l.in, r * static_cast<Wide>(parts));
+  g_.Drop(xd);
+  T yb = Linear(g_, ya, l.lora_b, T{}, r * static_cast<Wide>(parts), enabled_out);
+  g_.Drop(ya);
+  if (qkv && enabled_out != l.out) {
+    T padded = g_.New(g_.Numel(yb) / std::max<Wide>(enabled_out, 1) * l.out, g_.Dtype(yb), true);
+    g_.Record(Graph::Spec("IndexCopy", {yb}, {padded}));
+    g_.Drop(yb);
+    yb = padded;
+  }
+  T ys = Scale(g_, yb);
+  g_.Drop(yb);
+  T sum = Add(g_, out, ys);
+  g_.Drop(out);
+  g_.Drop(ys);
+  return sum;
+}
+
+T ModelRun::LitGptBlock(int layer, T x) {
+  // litgpt/model.py Block.forward and CausalSelfAttention.forward.
+  const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
+  const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
+  const Wide d = static_cast<Wide>(a_.head_dim);
+  auto norm = [&](const Norm& n, T t) {
+    return a_.norm_upcasts ? LitGptRmsNorm(n, t) : LayerNorm(g_, t, n.w, n.b, n.width);
+  };
+  T xn = norm(bp.norms[0], x);
+  T qkv = LitGptLinear(litgpt_qkv_[static_cast<size_t>(layer)], xn, true);
+  T q = Slice(g_, qkv, tokens_ * heads * d);
+  T k = Slice(g_, qkv, tokens_ * kv * d);
+  T v = Slice(g_, qkv, tokens_ * kv * d);
+  g_.Drop(qkv);
+  // apply_rope over q[..., :rope_n_elem] (roped.to(dtype=x.dtype)), then
+  // torch.cat((q_roped, q[..., rope_n_elem:])): a copy even when the whole head is roped.
+  auto rope = [&](T t) {
+    T r = ApplyRotary(t);
+    T rc = Cast(g_, r, g_.Dtype(t));
+    g_.Drop(r);
+    T full = Copy(g_, rc);
+    g_.Drop(rc);
+    return full;
+  };
+  T qr = rope(q);
+  g_.Drop(q);
+  T kr = rope(k);
+  g_.Drop(k);
+  if (kv != heads) {
+    // k.repeat_interleave(q_per_kv, dim=1), v too.
+    T k2 = Copy(g_, kr, g_.Numel(kr) * (heads / kv));
+    g_.Drop(kr);
+    kr = k2;
+    T v2 = Copy(g_, v, g_.Numel(v) * (heads / kv));
+    g_.Drop(v);
+    v = v2;
+  }
+  AttentionShape as;
+  as.batch = batch_;
+  as.heads = as.kv_heads = heads;
+  as.seq = as.kv_seq = seq_;
+  as.head_dim = as.v_head_dim = d;
+  const DT cdt = autocast_ ? adt_ : g_.Dtype(qr);
+  const int sm = s_.GpuSm();
+  const SdpaBackend backend = !Half(cdt)             ? SdpaBackend::kEfficient
+                              : sm >= 90 && sm < 110 ? SdpaBackend::kCudnn
+                              : sm >= 80             ? SdpaBackend::kFlash
+                                                     : SdpaBackend::kEfficient;
+  T qc = AutocastIn(g_, qr), kc = AutocastIn(g_, kr), vc = AutocastIn(g_, v);
+  g_.Drop(qr);
+  g_.Drop(kr);
+  g_.Drop(v);
+  T y = Sdpa(g_, backend, qc, kc, vc, as, T{});
+  g_.Drop(qc);
+  g_.Drop(kc);
+  g_.Drop(vc);
+  T att = LitGptLinear(bp.at(TensorRole::kAttentionOut), y, false);
+  g_.Drop(y);
+  auto mlp = [&](T hin) {
+    if (bp.has(TensorRole::kMlpGate)) {
+      // LLaMAMLP: proj(silu(fc_1(x)) * fc_2(x)).
+      T f1 = LitGptLinear(bp.at(TensorRole::kMlpGate), hin, false);
+      T f2 = LitGptLinear(bp.at(TensorRole::kMlpUp), hin, false);
+      T a = Apply(g_, Unary::kSilu, f1);
+      g_.Drop(f1);
+      T m = Mul(g_, a, f2);
+      g_.Drop(a);
+      g_.Drop(f2);
+      T o = LitGptLinear(bp.at(TensorRole::kMlpDown), m, false);
+      g_.Drop(m);
+      return o;
+    }
+    // GptNeoxMLP: proj(gelu(fc(x))).
+    T f = LitGptLinear(bp.at(TensorRole::kMlpUp), hin, false);
+    T a = Apply(g_, Unary::kGelu, f);
+    g_.Drop(f);
+    T o = LitGptLinear(bp.at(TensorRole::kMlpDown), a, false);
+    g_.Drop(a);
+    return o;
+  };
+  T out;
+  if (fam_.layout == Family::Layout::kParallelTwoNorms) {
+    // parallel_residual: mlp(norm_2(x)) + attention_output + x.
+    g_.Drop(xn);
+    T h2 = norm(bp.norms[1], x);
+    T m = mlp(h2);
+    g_.Drop(h2);
+    T s1 = Add(g_, m, att);
+    g_.Drop(m);
+    g_.Drop(att);
+    out = Add(g_, s1, x);
+    g_.Drop(s1);
+  } else {
+    g_.Drop(xn);
+    T x2 = Add(g_, att, x);
+    g_.Drop(att);
+    T h2 = norm(bp.norms[1], x2);
+    T m = mlp(h2);
+    g_.Drop(h2);
+    out = Add(g_, m, x2);
+    g_.Drop(m);
+    g_.Drop(x2);
+  }
+  return out;
+}
+
+Result<T> ModelRun::LitGptForward() {
+  if (!a_.causal || a_.encoder_decoder || a_.experts > 0 || a_.rotary_dims == 0) {
+    return Status::Unimplemented(inv_.name +
+                                 ": the step model runs LitGPT's dense rotary GPTs (Llama, "
+                                 "Mistral, Pythia-shaped) only");
+  }
+  MEMPLAN_RETURN_IF_ERROR(CheckFamily());
+  const Wide h = static_cast<Wide>(a_.hidden);
+  const Wide vocab = static_cast<Wide>(a_.vocab);
+  g_.SetWhere("embedding");
+  T x = Embedding(g_, embedding_, tokens_, h, pdt_);
+  // cos and sin: slices of the model's fp32 buffers (no memory of their own).
+  const Wide rd = static_cast<Wide>(a_.rotary_dims);
+  cos_ = g_.External(seq_ * rd, DT::kF32);
+  sin_ = g_.External(seq_ * rd, DT::kF32);
+  for (int64_t i = 0; i < a_.layers; ++i) {
+    g_.SetWhere("layer " + std::to_string(i));
+    T next = RunBlock(static_cast<int>(i), x);
+    g_.Drop(x);
+    x = next;
+  }
+  g_.SetWhere("final norm");
+  const Norm& ln_f = final_norms_.back();
+  T hn = a_.norm_upcasts ? LitGptRmsNorm(ln_f, x) : LayerNorm(g_, x, ln_f.w, ln_f.b, ln_f.width);
+  g_.Drop(x);
+  g_.SetWhere("lm_head");
+  T loss;
+  std::vector<T> fp32;
+  if (s_.loss == Loss::kChunked) {
+    // GPT.forward(lm_head_chunk_size=128): the head per 128 positions; Fabric's precision plugin
+    // converts each output to fp32 (convert_output); chunked_cross_entropy per chunk (the last
+    // one sliced by one position, a copy).
+    const Wide chunk = static_cast<Wide>(s_.loss_chunks > 0 ? s_.loss_chunks : 128);
+    const Wide chunks = (seq_ + chunk - 1) / chunk;
+    std::vector<T> bf;
+    for (Wide c = 0; c < chunks; ++c) {
+      const Wide rows = batch_ * std::min(chunk, seq_ - c * chunk);
+      T part = Slice(g_, hn, rows * h);
+      bf.push_back(Linear(g_, part, head_, head_bias_, h, vocab));
+      g_.Drop(part);
+    }
+    g_.Drop(hn);
+    g_.SetPhase(StepPhase::kLoss);
+    for (T b : bf) {
+      fp32.push_back(Cast(g_, b, DT::kF32));
+      g_.Drop(b);
+    }
+    for (size_t c = 0; c < fp32.size(); ++c) {
+      T in = c + 1 == fp32.size() ? Copy(g_, fp32[c]) : g_.Alias(fp32[c]);
+      T l = CrossEntropy(g_, in, g_.Numel(in) / vocab, vocab);
+      g_.Drop(in);
+      if (!loss.ok()) {
+        loss = l;
+      } else {
+        T sum = Add(g_, loss, l);
+        g_.Drop(loss);
+        g_.Drop(l);
+        loss = sum;
+      }
+    }
+  } else {
+    T lg = Linear(g_, hn, head_, head_bias_, h, vocab);
+    g_.Drop(hn);
+    g_.SetPhase(StepPhase::kLoss);
+    fp32.push_back(Cast(g_, lg, DT::kF32));
+    g_.Drop(lg);
+    // logits[..., :-1, :].reshape(-1, V): a copy, then cross_entropy.
+    T in = Copy(g_, fp32[0], batch_ * (seq_ - 1) * vocab);
+    loss = CrossEntropy(g_, in, batch_ * (seq_ - 1), vocab);
+    g_.Drop(in);
+  }
+  for (T f : fp32) g_.Drop(f);
+  g_.ClearAutocastCache();
   return loss;
 }
 

@@ -110,6 +110,11 @@ class ModelRun {
   T TorchtuneRope(T x);
   T TorchtuneLinear(const Lin& l, T x);
   T BlockFor(int layer, T x);
+  // LitGPT (litgpt/model.py, lora.py, utils.py chunked_cross_entropy) under Lightning Fabric.
+  Result<T> LitGptForward();
+  T LitGptBlock(int layer, T x);
+  T LitGptRmsNorm(const Norm& n, T x);
+  T LitGptLinear(const Lin& l, T x, bool qkv);
   T HfRmsNorm(const Norm& n, T x);
   T GemmaRmsNorm(const Norm& n, T x);
   T OlmoRmsNorm(const Norm& n, T x);
@@ -134,7 +139,11 @@ class ModelRun {
   bool autocast_ = false;
   Wide batch_ = 1, seq_ = 1, tokens_ = 1;
   bool quantized_base_ = false;  // QLoRA: the frozen block Linears in NF4
-  std::vector<T> params_;        // per inventory tensor (tied aliases: the target's)
+  // LitGPT's fused attention.qkv per block (its checkpoints' q/k/v in one Linear), and which of
+  // query, key, value its LoRA adapts (LoRAQKVLinear's enable_lora).
+  std::vector<Lin> litgpt_qkv_;
+  bool lora_q_ = false, lora_k_ = false, lora_v_ = false;
+  std::vector<T> params_;  // per inventory tensor (tied aliases: the target's)
   std::vector<BlockParams> blocks_;
   T embedding_, position_embedding_, head_, head_bias_;
   std::vector<Norm> final_norms_;

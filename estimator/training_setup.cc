@@ -116,6 +116,11 @@ static int ParseGpuArch(std::string_view text) {
   return v >= 50 && v <= 200 ? v : 0;
 }
 
+double TrainingSetup::LoraDropout() const {
+  if (lora_dropout >= 0) return lora_dropout;
+  return framework == Framework::kLitGpt ? 0.05 : 0.0;
+}
+
 int TrainingSetup::GpuSm() const {
   const int sm = ParseGpuArch(gpu_arch);
   return sm == 0 ? 80 : sm;
@@ -151,6 +156,10 @@ Status TrainingSetup::Validate() const {
   MEMPLAN_RETURN_IF_ERROR(Range("`lora_rank`", lora_rank, 0, 65536));
   MEMPLAN_RETURN_IF_ERROR(Range("`checkpoint_every`", checkpoint_every, 1, kMaxCount));
   MEMPLAN_RETURN_IF_ERROR(Range("`loss_chunks`", loss_chunks, 0, kMaxCount));
+  if (!(lora_dropout >= -1 && lora_dropout < 1)) {
+    return Status::InvalidArgument("`lora_dropout` must be in [0, 1), got " +
+                                   std::to_string(lora_dropout));
+  }
   if (checkpoint_every > 1 && checkpointing != Checkpointing::kFull) {
     return Status::InvalidArgument(
         "`checkpoint_every` " + std::to_string(checkpoint_every) +
@@ -310,9 +319,45 @@ std::vector<std::string> DefaultLoraTargets(std::string_view model_type) {
   return it == kDefaults->end() ? std::vector<std::string>{} : it->second;
 }
 
+namespace {
+
+// The framework's own names for what its LoRA adapts, as roles (Note [Tensor roles]):
+// torchtune's lora_attn_modules / apply_lora_to_mlp / apply_lora_to_output, LitGPT's
+// lora_query ... lora_head. Empty when `name` is none of them (then it is a module name, as
+// PEFT's target_modules are).
+std::vector<TensorRole> FrameworkTargetRoles(Framework f, std::string_view name) {
+  using R = TensorRole;
+  const std::vector<TensorRole> mlp = {R::kMlpGate, R::kMlpUp, R::kMlpGateUp, R::kMlpDown};
+  if (f == Framework::kLitGpt) {
+    if (name == "query") return {R::kAttentionQ, R::kAttentionQkv};
+    if (name == "key") return {R::kAttentionK, R::kAttentionQkv};
+    if (name == "value") return {R::kAttentionV, R::kAttentionQkv};
+    if (name == "projection") return {R::kAttentionOut};
+    if (name == "mlp") return mlp;
+    if (name == "head") return {R::kHead};
+  }
+  if (f == Framework::kTorchtune) {
+    if (name == "q_proj") return {R::kAttentionQ};
+    if (name == "k_proj") return {R::kAttentionK};
+    if (name == "v_proj") return {R::kAttentionV};
+    if (name == "output_proj") return {R::kAttentionOut};
+    if (name == "mlp") return mlp;
+    if (name == "output") return {R::kHead};
+  }
+  return {};
+}
+
+}  // namespace
+
 Result<std::vector<const TensorInfo*>> LoraTargetTensors(const ModelInventory& inventory,
                                                          const TrainingSetup& setup) {
   std::vector<std::string> targets = setup.lora_targets;
+  if (targets.empty()) {
+    // LitGPT's and torchtune's recipes adapt the query and value projections by default, as
+    // PEFT does for most model types.
+    if (setup.framework == Framework::kLitGpt) targets = {"query", "value"};
+    if (setup.framework == Framework::kTorchtune) targets = {"q_proj", "v_proj"};
+  }
   if (targets.empty()) {
     targets = DefaultLoraTargets(inventory.model_type);
     if (targets.empty()) {
@@ -325,14 +370,23 @@ Result<std::vector<const TensorInfo*>> LoraTargetTensors(const ModelInventory& i
   const bool all = std::find(targets.begin(), targets.end(), "all-linear") != targets.end();
   std::vector<const TensorInfo*> out;
   std::set<std::string> matched, available;
+  std::set<const TensorInfo*> picked;
   for (const TensorInfo& t : inventory.tensors) {
-    if (!IsBlockLinearWeight(t)) continue;
+    const bool head = t.role == TensorRole::kHead && t.IsLinearWeight();
+    if (!IsBlockLinearWeight(t) && !head) continue;
     const std::string leaf = LastComponent(t.module);
-    available.insert(leaf);
-    if (all || std::find(targets.begin(), targets.end(), leaf) != targets.end()) {
-      out.push_back(&t);
-      matched.insert(leaf);
+    if (!head) available.insert(leaf);
+    bool take = false;
+    for (const std::string& target : targets) {
+      const std::vector<TensorRole> roles = FrameworkTargetRoles(setup.framework, target);
+      const bool by_role = std::find(roles.begin(), roles.end(), t.role) != roles.end();
+      if (by_role || (!head && (all || target == leaf))) {
+        take = true;
+        matched.insert(target);
+      }
     }
+    if (all && !head) matched.insert("all-linear");
+    if (take && picked.insert(&t).second) out.push_back(&t);
   }
   for (const std::string& target : targets) {
     if (target == "all-linear" || matched.count(target) > 0) continue;
@@ -387,6 +441,7 @@ nlohmann::json ToJson(const TrainingSetup& s) {
       {"optimizer", std::string(OptimizerName(s.optimizer))},
       {"lora_rank", s.lora_rank},
       {"lora_targets", s.lora_targets},
+      {"lora_dropout", s.lora_dropout},
       {"qlora", s.qlora},
       {"double_quant", s.double_quant},
       {"micro_batch", s.micro_batch},
@@ -439,6 +494,7 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
                                                  "optimizer",
                                                  "lora_rank",
                                                  "lora_targets",
+                                                 "lora_dropout",
                                                  "qlora",
                                                  "double_quant",
                                                  "micro_batch",
@@ -490,9 +546,9 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
   MEMPLAN_RETURN_IF_ERROR(r.Enum("optimizer", ParseOptimizer, &s.optimizer));
   MEMPLAN_RETURN_IF_ERROR(
       r.GetAll(F::Field("lora_rank", &s.lora_rank), F::Field("lora_targets", &s.lora_targets),
-               F::Field("qlora", &s.qlora), F::Field("double_quant", &s.double_quant),
-               F::Field("micro_batch", &s.micro_batch), F::Field("seq_len", &s.seq_len),
-               F::Field("grad_accum", &s.grad_accum)));
+               F::Field("lora_dropout", &s.lora_dropout), F::Field("qlora", &s.qlora),
+               F::Field("double_quant", &s.double_quant), F::Field("micro_batch", &s.micro_batch),
+               F::Field("seq_len", &s.seq_len), F::Field("grad_accum", &s.grad_accum)));
   MEMPLAN_RETURN_IF_ERROR(r.Enum("checkpointing", ParseCheckpointing, &s.checkpointing));
   MEMPLAN_RETURN_IF_ERROR(r.Enum("loss", ParseLoss, &s.loss));
   MEMPLAN_RETURN_IF_ERROR(r.GetAll(

@@ -120,6 +120,9 @@ struct TrainingSetup {
   // "all-linear" (every Linear inside the repeated blocks). Empty: PEFT's default for the
   // model_type (q/v projections).
   std::vector<std::string> lora_targets;
+  // Dropout on each adapter's input; negative: the framework's default (PEFT's and torchtune's
+  // 0, LitGPT's 0.05). Above 0 each adapted Linear keeps a mask and the dropped input.
+  double lora_dropout = -1;
   bool qlora = false;         // frozen base Linears in NF4 (4.5 bits per parameter)
   bool double_quant = false;  // QLoRA's double quantisation of the scales (4.127 bits)
 
@@ -225,6 +228,8 @@ struct TrainingSetup {
   }
   // torch_version before MAJOR.MINOR (false when torch_version is empty: a current release).
   bool TorchBefore(int major, int minor) const;
+  // lora_dropout as the framework applies it.
+  double LoraDropout() const;
   // gpu_arch's compute capability x 10 (sm80 -> 80).
   int GpuSm() const;
 

@@ -48,6 +48,11 @@ void SharedSetupFlags::Add(CLI::App* cmd, const std::string& group) {
           ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
           ->capture_default_str(),
       "checkpoint_every");
+  add(cmd->add_option("--lora-dropout", v.lora_dropout,
+                      "Dropout on each LoRA adapter's input (default: the framework's: PEFT and "
+                      "torchtune 0, LitGPT 0.05); above 0 every adapted Linear keeps a mask")
+          ->check(CLI::Range(0.0, 0.999)),
+      "lora_dropout");
   add(cmd->add_option("--loss", loss,
                       "How the loss meets the logits: full (one logits tensor), chunked "
                       "(torchtune's CEWithChunkedOutputLoss, LitGPT's chunked_cross_entropy) or "
@@ -100,6 +105,7 @@ void SharedSetupFlags::Apply(estimator::TrainingSetup* s, bool only_given) const
   }
   if (use("torch_version")) s->torch_version = values.torch_version;
   if (use("checkpoint_every")) s->checkpoint_every = values.checkpoint_every;
+  if (use("lora_dropout")) s->lora_dropout = values.lora_dropout;
   if (use("loss")) {
     Result<estimator::Loss> parsed = estimator::ParseLoss(loss);  // checked by the option
     if (parsed.ok()) s->loss = *parsed;
@@ -167,6 +173,7 @@ constexpr std::pair<std::string_view, std::string_view> kFieldFlags[] = {
     {"torch_version", "--torch-version"},
     {"checkpointing", "--checkpointing"},
     {"checkpoint_every", "--checkpoint-every"},
+    {"lora_dropout", "--lora-dropout"},
     {"loss", "--loss"},
     {"loss_chunks", "--loss-chunks"},
     {"torch_compile", "--compile"},
