@@ -1,6 +1,9 @@
 #include "estimator/step_blocks.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <string_view>
+#include <unordered_map>
 
 #include "estimator/step_ops.h"
 
@@ -38,6 +41,12 @@ ModelRun::ModelRun(Graph& g, const ModelInventory& inventory, const TrainingSetu
     : g_(g), inv_(inventory), s_(setup), a_(*inventory.arch) {}
 
 Status ModelRun::Prepare() {
+  // What TransformersForward refuses from the architecture alone, refused before the parameters
+  // of a large model (DeepSeek-V3's 47,000 tensors) are laid out for nothing.
+  if (s_.framework == Framework::kTransformers &&
+      (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || inv_.model_type == "gpt_oss")) {
+    return Status::Unimplemented("the step model runs Transformers' dense decoder LMs so far");
+  }
   switch (s_.precision) {
     case Precision::kFp32: pdt_ = DT::kF32; break;
     case Precision::kBf16Pure: pdt_ = DT::kBF16; break;
@@ -59,13 +68,27 @@ Status ModelRun::Prepare() {
   tokens_ = batch_ * seq_;
 
   const bool lora = s_.lora_rank > 0;
-  std::map<std::string, size_t> index;
+  // Tied tensors name their target; only those names are looked up (a 47,000-tensor MoE would
+  // otherwise spend milliseconds building a map of every name).
+  std::unordered_map<std::string_view, size_t> index;
+  for (const TensorInfo& t : inv_.tensors) {
+    if (!t.tied_to.empty()) index.emplace(t.tied_to, SIZE_MAX);
+  }
   params_.resize(inv_.tensors.size());
+  g_.Reserve(inv_.tensors.size() + 64);
   for (size_t i = 0; i < inv_.tensors.size(); ++i) {
     const TensorInfo& t = inv_.tensors[i];
-    index[t.name] = i;
+    if (!index.empty()) {
+      auto it = index.find(t.name);
+      if (it != index.end() && it->second == SIZE_MAX) it->second = i;
+    }
     if (!t.tied_to.empty()) {
-      params_[i] = params_[index.at(t.tied_to)];
+      auto it = index.find(t.tied_to);
+      if (it == index.end() || it->second == SIZE_MAX) {
+        return Status::InvalidArgument(inv_.name + ": " + t.name + " is tied to " + t.tied_to +
+                                       ", which does not come before it");
+      }
+      params_[i] = params_[it->second];
       continue;
     }
     params_[i] = g_.Param(t.numel, pdt_, !lora);

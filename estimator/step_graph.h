@@ -33,6 +33,14 @@ struct T {
 class Graph {
  public:
   Graph();
+  // Room for about `params` parameters and the tensors, buffers and nodes a step makes over them,
+  // so that a model of tens of thousands of tensors is not copied while it grows.
+  void Reserve(size_t params) {
+    params_.reserve(params);
+    tensors_.reserve(4 * params);
+    bufs_.reserve(2 * params);
+    nodes_.reserve(2 * params);
+  }
 
   // --- Memory ---------------------------------------------------------------------------------
   // A buffer of `bytes` (rounded as the caching allocator rounds) in category `c`, with one
