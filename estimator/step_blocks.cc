@@ -366,10 +366,20 @@ Status ModelRun::Prepare() {
   for (Wide b : adapter_bytes) parameter_bytes_ += b;
   if (s_.framework == Framework::kTorchtune) {
     // torchtune's RotaryPositionalEmbeddings cache: max_seq_len x head_dim fp32, and theta.
-    buffer_bytes_ = Rounded(static_cast<Wide>(std::max<int64_t>(a_.max_positions, 1)) *
-                                static_cast<Wide>(a_.head_dim),
-                            DT::kF32) +
-                    Rounded(static_cast<Wide>(a_.head_dim) / 2, DT::kF32);
+    // Qwen2's (torchtune/models/qwen2/_positional_embeddings.py build_rope_cache) caches
+    // cat([cos, sin]) of the doubled frequencies: max_seq_len x 2 head_dim. The plain qwen2
+    // builder shares one rope among the layers; lora_qwen2_self_attention makes one per layer.
+    const bool qwen2 = inv_.model_type == "qwen2";
+    const Wide width = static_cast<Wide>(a_.head_dim) * (qwen2 ? 2 : 1);
+    const Wide ropes = qwen2 && lora ? static_cast<Wide>(std::max<int64_t>(a_.layers, 1)) : 1;
+    buffer_bytes_ =
+        ropes *
+        (Rounded(static_cast<Wide>(std::max<int64_t>(a_.max_positions, 1)) * width, DT::kF32) +
+         Rounded(static_cast<Wide>(a_.head_dim) / 2, DT::kF32));
+  } else if (s_.framework == Framework::kLitGpt) {
+    // LitGPT's GPT.rope_cache (litgpt/model.py): cos and sin buffers of max_seq_length x
+    // rope_n_elem in fp32, max_seq_length set to the training sequence length by the recipes.
+    buffer_bytes_ = 2 * Rounded(seq_ * static_cast<Wide>(a_.rotary_dims), DT::kF32);
   } else {
     for (const TensorInfo& b : inv_.buffers) {
       const bool floating =
@@ -1565,7 +1575,11 @@ Result<T> ModelRun::LitGptForward() {
     // GPT.forward(lm_head_chunk_size=128): the head per 128 positions; Fabric's precision plugin
     // converts each output to fp32 (convert_output); chunked_cross_entropy per chunk (the last
     // one sliced by one position, a copy).
-    const Wide chunk = static_cast<Wide>(s_.loss_chunks > 0 ? s_.loss_chunks : 128);
+    // loss_chunks counts chunks (TrainingSetup); LitGPT's own is 128 positions a chunk.
+    const Wide chunk = s_.loss_chunks > 0
+                           ? std::max<Wide>(1, (seq_ + static_cast<Wide>(s_.loss_chunks) - 1) /
+                                                   static_cast<Wide>(s_.loss_chunks))
+                           : 128;
     const Wide chunks = (seq_ + chunk - 1) / chunk;
     std::vector<T> bf;
     for (Wide c = 0; c < chunks; ++c) {

@@ -4,7 +4,9 @@
 // grid"). Prints the median and worst |error| per framework and fails when a point is beyond the
 // bounds given.
 //
-// Usage: estimator_trace_accuracy [--peak-bound F] [--category-bound F] [--show N] GRID.json...
+// Usage: estimator_trace_accuracy [--peak-bound F] [--category-bound F] [--show N] [--detail]
+//            GRID.json...
+// (--detail: the categories of each point shown beyond the bounds)
 // Exit: 0 within the bounds, 1 beyond them, 2 a usage or input error, 77 when no grid file exists
 // (the grid is data checked in by the trace work; CTest counts 77 as skipped).
 //
@@ -42,7 +44,8 @@ struct PointResult {
   double peak_error = 0;      // signed, relative
   double category_error = 0;  // worst, absolute, relative (see above)
   std::string worst_category;
-  std::string error;  // the estimator refused the point
+  std::string error;   // the estimator refused the point
+  std::string detail;  // traced vs predicted bytes per category at the traced peak's phase
 };
 
 Result<ModelInventory> Inventory(const std::filesystem::path& root, const nlohmann::json& rec) {
@@ -115,7 +118,10 @@ Result<TrainingSetup> Setup(const nlohmann::json& rec) {
                            ParseCheckpointing(j.at("checkpointing").get<std::string>()));
   s.checkpoint_every = j.value("checkpoint_every", 1);
   MEMPLAN_ASSIGN_OR_RETURN(s.loss, ParseLoss(j.at("loss").get<std::string>()));
-  if (s.loss == Loss::kChunked && j.contains("loss_chunks") && j["loss_chunks"].is_number()) {
+  // LitGPT's chunks are its own 128 positions (memplan.trace passes lm_head_chunk_size=128
+  // whatever loss_chunks says).
+  if (s.loss == Loss::kChunked && s.framework != Framework::kLitGpt && j.contains("loss_chunks") &&
+      j["loss_chunks"].is_number()) {
     s.loss_chunks = j["loss_chunks"].get<int64_t>();
   }
   s.lora_rank = j.value("lora_rank", 0);
@@ -178,6 +184,12 @@ PointResult Check(const std::filesystem::path& root, const nlohmann::json& rec) 
     const double want = peak.at("categories").value(name, 0.0);
     const double got = static_cast<double>(at->categories[static_cast<size_t>(c)]);
     const double err = std::fabs(got - want) / std::max(want, 0.01 * traced);
+    if (want != 0 || got != 0) {
+      char line[160];
+      std::snprintf(line, sizeof line, "      %-21s traced %14.0f predicted %14.0f (%+.2f%%)\n",
+                    name.c_str(), want, got, 100 * (got - want) / std::max(want, 1.0));
+      r.detail += line;
+    }
     if (err > r.category_error) {
       r.category_error = err;
       r.worst_category = name;
@@ -198,6 +210,7 @@ double Median(std::vector<double> v) {
 int main(int argc, char** argv) {
   double peak_bound = 0.02, category_bound = 0.05;
   int show = 10;
+  bool detail = false;
   std::vector<std::string> files;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -206,10 +219,13 @@ int main(int argc, char** argv) {
       if (a == "--peak-bound") peak_bound = v;
       if (a == "--category-bound") category_bound = v;
       if (a == "--show") show = static_cast<int>(v);
+    } else if (a == "--detail") {
+      detail = true;
     } else if (!a.empty() && a[0] == '-') {
-      std::fprintf(stderr,
-                   "usage: %s [--peak-bound F] [--category-bound F] [--show N] GRID.json...\n",
-                   argv[0]);
+      std::fprintf(
+          stderr,
+          "usage: %s [--peak-bound F] [--category-bound F] [--show N] [--detail] GRID.json...\n",
+          argv[0]);
       return 2;
     } else {
       files.push_back(a);
@@ -251,8 +267,8 @@ int main(int argc, char** argv) {
   std::map<std::string, std::vector<const PointResult*>> by_framework;
   for (const PointResult& r : results) by_framework[r.framework].push_back(&r);
   bool fail = false;
-  std::printf("%-14s %6s %7s %12s %12s %14s %s\n", "framework", "points", "refused",
-              "median|peak|", "worst|peak|", "worst category", "");
+  std::printf("%-14s %6s %7s %12s %12s %14s %s\n", "framework", "points", "refused", "median|peak|",
+              "worst|peak|", "worst category", "");
   for (const auto& [fw, rs] : by_framework) {
     std::vector<double> peaks;
     double worst_peak = 0, worst_cat = 0;
@@ -294,6 +310,7 @@ int main(int argc, char** argv) {
     } else {
       std::printf("  %s: peak %+.2f%%, worst category %s %.2f%%\n", r.id.c_str(),
                   100 * r.peak_error, r.worst_category.c_str(), 100 * r.category_error);
+      if (detail) std::printf("%s", r.detail.c_str());
     }
   }
   fail = !bad.empty();

@@ -314,6 +314,13 @@ std::vector<std::string> DefaultLoraTargets(std::string_view model_type) {
       {"gptj", {"q_proj", "v_proj"}},
       {"opt", {"q_proj", "v_proj"}},
       {"xlm-roberta", {"query", "value"}},
+      // PEFT 0.21's further defaults (peft/utils/constants.py
+      // TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
+      {"phi3", {"qkv_proj"}},
+      {"olmo2", {"q_proj", "v_proj"}},
+      {"starcoder2", {"q_proj", "v_proj"}},
+      {"qwen2_moe", {"q_proj", "v_proj"}},
+      {"qwen3_moe", {"q_proj", "v_proj"}},
   };
   auto it = kDefaults->find(model_type);
   return it == kDefaults->end() ? std::vector<std::string>{} : it->second;
@@ -353,10 +360,14 @@ Result<std::vector<const TensorInfo*>> LoraTargetTensors(const ModelInventory& i
                                                          const TrainingSetup& setup) {
   std::vector<std::string> targets = setup.lora_targets;
   if (targets.empty()) {
-    // LitGPT's and torchtune's recipes adapt the query and value projections by default, as
-    // PEFT does for most model types.
+    // LitGPT's finetune/lora.py adapts the query and value projections by default, as PEFT
+    // does for most model types.
     if (setup.framework == Framework::kLitGpt) targets = {"query", "value"};
-    if (setup.framework == Framework::kTorchtune) targets = {"q_proj", "v_proj"};
+    // torchtune's LoRA recipe configs (recipes/configs/*/*_lora*.yaml): lora_attn_modules
+    // [q_proj, v_proj, output_proj], apply_lora_to_mlp: True.
+    if (setup.framework == Framework::kTorchtune) {
+      targets = {"q_proj", "v_proj", "output_proj", "mlp"};
+    }
   }
   if (targets.empty()) {
     targets = DefaultLoraTargets(inventory.model_type);
