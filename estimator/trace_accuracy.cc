@@ -4,9 +4,12 @@
 // grid"). Prints the median and worst |error| per framework and fails when a point is beyond the
 // bounds given.
 //
-// Usage: estimator_trace_accuracy [--peak-bound F] [--category-bound F] [--show N] [--detail]
-//            GRID.json...
-// (--detail: the categories of each point shown beyond the bounds)
+// Usage: estimator_trace_accuracy [--peak-bound F] [--category-bound F]
+//            [--bound FRAMEWORK=PEAK,CATEGORY]... [--show N] [--detail] GRID.json...
+// (--bound: other bounds for one framework's points; --detail: the categories of each point
+// shown beyond the bounds). A point whose setup the step model does not run (it says so:
+// encoders, T5, multi-head latent attention, llm-foundry so far) is counted and listed as
+// refused but does not fail the run; any other refusal does.
 // Exit: 0 within the bounds, 1 beyond them, 2 a usage or input error, 77 when no grid file exists
 // (the grid is data checked in by the trace work; CTest counts 77 as skipped).
 //
@@ -24,6 +27,8 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -44,8 +49,9 @@ struct PointResult {
   double peak_error = 0;      // signed, relative
   double category_error = 0;  // worst, absolute, relative (see above)
   std::string worst_category;
-  std::string error;   // the estimator refused the point
-  std::string detail;  // traced vs predicted bytes per category at the traced peak's phase
+  std::string error;        // the estimator refused the point
+  bool unmodelled = false;  // refused as a setup the step model does not run
+  std::string detail;       // traced vs predicted bytes per category at the traced peak's phase
 };
 
 Result<ModelInventory> Inventory(const std::filesystem::path& root, const nlohmann::json& rec) {
@@ -163,6 +169,11 @@ PointResult Check(const std::filesystem::path& root, const nlohmann::json& rec) 
   }
   if (!m->step.has_value()) {
     r.error = "step model: " + m->step_error;
+    // The memory model keeps step_error's message only; the step model says "does not run" /
+    // "runs ... so far" when the setup is outside what it models (StatusCode::kUnimplemented).
+    r.unmodelled = m->step_error.find("does not run") != std::string::npos ||
+                   m->step_error.find("so far") != std::string::npos ||
+                   m->step_error.find(" only") != std::string::npos;
     return r;
   }
   const nlohmann::json& peak = rec.at("peak");
@@ -211,6 +222,7 @@ int main(int argc, char** argv) {
   double peak_bound = 0.02, category_bound = 0.05;
   int show = 10;
   bool detail = false;
+  std::map<std::string, std::pair<double, double>> framework_bounds;  // --bound FW=PEAK,CAT
   std::vector<std::string> files;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -219,13 +231,22 @@ int main(int argc, char** argv) {
       if (a == "--peak-bound") peak_bound = v;
       if (a == "--category-bound") category_bound = v;
       if (a == "--show") show = static_cast<int>(v);
+    } else if (a == "--bound" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      const size_t eq = v.find('='), comma = v.find(',');
+      if (eq == std::string::npos || comma == std::string::npos || comma < eq) {
+        std::fprintf(stderr, "--bound: expected FRAMEWORK=PEAK,CATEGORY, got %s\n", v.c_str());
+        return 2;
+      }
+      framework_bounds[v.substr(0, eq)] = {std::atof(v.substr(eq + 1, comma - eq - 1).c_str()),
+                                           std::atof(v.substr(comma + 1).c_str())};
     } else if (a == "--detail") {
       detail = true;
     } else if (!a.empty() && a[0] == '-') {
-      std::fprintf(
-          stderr,
-          "usage: %s [--peak-bound F] [--category-bound F] [--show N] [--detail] GRID.json...\n",
-          argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--peak-bound F] [--category-bound F] [--bound FW=PEAK,CAT]... "
+                   "[--show N] [--detail] GRID.json...\n",
+                   argv[0]);
       return 2;
     } else {
       files.push_back(a);
@@ -290,19 +311,32 @@ int main(int argc, char** argv) {
                 100 * Median(peaks), 100 * worst_peak, 100 * worst_cat, worst_cat_name.c_str());
   }
   std::vector<const PointResult*> bad;
+  int unmodelled = 0;
   for (const PointResult& r : results) {
-    if (!r.error.empty() || std::fabs(r.peak_error) > peak_bound ||
-        r.category_error > category_bound) {
+    if (r.unmodelled) {
+      ++unmodelled;
+      continue;
+    }
+    double pb = peak_bound, cb = category_bound;
+    auto it = framework_bounds.find(r.framework);
+    if (it != framework_bounds.end()) std::tie(pb, cb) = it->second;
+    if (!r.error.empty() || std::fabs(r.peak_error) > pb || r.category_error > cb) {
       bad.push_back(&r);
     }
   }
+  std::printf("%d points not modelled (the step model refuses the setup; counted as refused)\n",
+              unmodelled);
   std::sort(bad.begin(), bad.end(), [](const PointResult* a, const PointResult* b) {
     const double ea = a->error.empty() ? std::fabs(a->peak_error) : 1e9;
     const double eb = b->error.empty() ? std::fabs(b->peak_error) : 1e9;
     return ea > eb;
   });
-  std::printf("%zu of %zu points beyond peak %.1f%% / category %.1f%%\n", bad.size(),
-              results.size(), 100 * peak_bound, 100 * category_bound);
+  std::printf("%zu of %zu points beyond peak %.1f%% / category %.1f%%", bad.size(), results.size(),
+              100 * peak_bound, 100 * category_bound);
+  for (const auto& [fw, b] : framework_bounds) {
+    std::printf(" (%s: %.1f%% / %.1f%%)", fw.c_str(), 100 * b.first, 100 * b.second);
+  }
+  std::printf("\n");
   for (size_t i = 0; i < bad.size() && static_cast<int>(i) < show; ++i) {
     const PointResult& r = *bad[i];
     if (!r.error.empty()) {
