@@ -186,4 +186,22 @@ nlohmann::json PlanReportJson(const PlanResult& result, const Cluster& cluster, 
 std::string FormatPlanText(const PlanResult& result, const Cluster& cluster, const Job& job,
                            size_t top);
 
+// A checkpointing policy the search tries: the policy and, for kFull, every how many blocks.
+struct CheckpointPolicy {
+  estimator::Checkpointing checkpointing = estimator::Checkpointing::kNone;
+  int64_t every = 1;
+};
+
+// The policies `plan` searches for a framework, the most memory-saving last (the tightest
+// configuration tried): Transformers: none, selective (Megatron-style attention recompute, as
+// plans always searched), full (gradient_checkpointing); torchtune: none, full every 2nd block
+// (the distributed recipe's ac_mode selective, ac_option 2), full
+// (enable_activation_checkpointing); LitGPT and llm-foundry: none, full
+// (activation_checkpointing); torchtitan: none, op (activation_checkpointing.mode selective,
+// selective_ac_option op), full every 2nd block (selective_ac_option 2), full.
+std::vector<CheckpointPolicy> FrameworkCheckpointPolicies(estimator::Framework framework);
+
+// The plan table's name of a setup's policy: "none", "selective", "op", "full", "full/2".
+std::string CheckpointLabel(const estimator::TrainingSetup& setup);
+
 }  // namespace memplan::planner
