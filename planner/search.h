@@ -1,5 +1,5 @@
 // The planner's search: every ZeRO stage (0-3) x optimizer offload {none, cpu, nvme} x parameter
-// offload {none, cpu, nvme} x activation checkpointing {none, selective, full} x micro-batch (with
+// offload {none, cpu, nvme} x the framework's checkpointing policies x micro-batch (with
 // gradient accumulation making up the global batch), checked for fit with the estimator's full
 // memory model (estimator/memory_model.h) and timed with the step-time model below; the fastest
 // configuration of each family (stage + offload) that fits, ranked by tokens per second, and for
