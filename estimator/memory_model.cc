@@ -311,6 +311,15 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
   const Wide full = LayerActivationBytes(top, e, s.flash_attention, Checkpointing::kNone);
   if (s.checkpointing == Checkpointing::kFull) {
     out.recompute = full;
+    if (s.checkpoint_every > 1) {
+      // Every K-th block checkpointed (Transformers' `layer_index % every_n_layers == 0`,
+      // fms-fsdp's p = 1/K, torchtitan's selective K): ceil(L / K) blocks keep their input only,
+      // the others everything an unchecked block of the stack's top type keeps.
+      const int64_t total = a.encoder_decoder ? a.layers + a.decoder_layers : a.layers;
+      const int64_t kept = total - (total + s.checkpoint_every - 1) / s.checkpoint_every;
+      const Wide ckpt = LayerActivationBytes(top, e, s.flash_attention, Checkpointing::kFull);
+      if (kept > 0 && full > ckpt) out.saved += U(kept) * (full - ckpt);
+    }
   } else if (s.checkpointing == Checkpointing::kSelective) {
     out.recompute =
         full - LayerActivationBytes(top, e, s.flash_attention, Checkpointing::kSelective);

@@ -127,6 +127,29 @@ TEST_CASE("memory model: Korthikanti's per-layer activation formulas, exact") {
         sbh * 34 + 4 * a * s * b);
 }
 
+TEST_CASE("memory model: checkpointing every K-th block keeps the others whole") {
+  ModelInventory llama = memplan::testing::Fixture("llama-2-7b");  // 32 blocks
+  TrainingSetup s;
+  s.seq_len = 1024;
+  s.micro_batch = 2;
+  s.checkpointing = Checkpointing::kNone;
+  const MemoryEstimate none = MustEstimate(llama, s);
+  s.checkpointing = Checkpointing::kFull;
+  const MemoryEstimate every1 = MustEstimate(llama, s);
+  s.checkpoint_every = 2;
+  const MemoryEstimate every2 = MustEstimate(llama, s);
+  s.checkpoint_every = 3;
+  const MemoryEstimate every3 = MustEstimate(llama, s);
+  const uint64_t whole = none.activation_bytes_per_layer;
+  const uint64_t input = every1.activation_bytes_per_layer;
+  REQUIRE(whole > input);
+  // Blocks 0, 2, ..., 30 checkpointed: 16 kept whole; every 3rd: 11 checkpointed, 21 whole.
+  CHECK(Gpu(every2, "activations") == Gpu(every1, "activations") + 16 * (whole - input));
+  CHECK(Gpu(every3, "activations") == Gpu(every1, "activations") + 21 * (whole - input));
+  CHECK(Gpu(every3, "activations") < Gpu(none, "activations"));
+  CHECK(PhaseOf(every2, "backward").gpu_bytes > PhaseOf(every1, "backward").gpu_bytes);
+}
+
 TEST_CASE("memory model: GQA, SwiGLU, no dropout and MoE change the constants") {
   LayerShape l = Gpt3Layer(1);
   const uint64_t s = 2048, h = 12288, a = 96;
