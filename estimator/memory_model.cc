@@ -1380,8 +1380,8 @@ Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const Tra
 }
 
 Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& input,
-                                      const ModelCounts& counts) {
-  return EstimateWith(inventory, input, nullptr, &counts);
+                                      const ModelCounts& counts, bool step_model) {
+  return EstimateWith(inventory, input, nullptr, &counts, step_model);
 }
 
 namespace {

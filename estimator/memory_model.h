@@ -109,9 +109,11 @@ struct MemoryEstimate {
 // inventory without architecture), overflow.
 Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& setup);
 // The same, for a caller that has counted the inventory already (`counts` must be
-// CountParams(inventory)): a per-expert DeepSeek-V3 has 45,000 tensors to count.
+// CountParams(inventory)): a per-expert DeepSeek-V3 has 45,000 tensors to count. `step_model`
+// false skips the step model (MemoryEstimate::step stays empty): the planner, which judges fit by
+// the itemised peak, evaluates hundreds of configurations.
 Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& setup,
-                                      const ModelCounts& counts);
+                                      const ModelCounts& counts, bool step_model = true);
 
 // One row of the stage x offload comparison: the same setup with another ZeRO stage and offload.
 struct ComparisonRow {

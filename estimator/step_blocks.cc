@@ -47,6 +47,17 @@ Status ModelRun::Prepare() {
       (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || inv_.model_type == "gpt_oss")) {
     return Status::Unimplemented("the step model runs Transformers' dense decoder LMs so far");
   }
+  // One Linear per expert (checkpoints, Transformers 4): refused before thousands of expert
+  // parameters are laid out (a per-expert Qwen3-235B has 18,000 of them).
+  for (const TensorInfo& t : inv_.tensors) {
+    const bool expert = t.role == TensorRole::kExpertUp || t.role == TensorRole::kExpertGate ||
+                        t.role == TensorRole::kExpertGateUp || t.role == TensorRole::kExpertDown;
+    if (expert && !t.bias && t.shape.size() == 2) {
+      return Status::Unimplemented(
+          "the step model does not run one Linear per expert (Transformers 4's layout); it runs "
+          "experts fused as Transformers >= 5 builds them");
+    }
+  }
   switch (s_.precision) {
     case Precision::kFp32: pdt_ = DT::kF32; break;
     case Precision::kBf16Pure: pdt_ = DT::kBF16; break;

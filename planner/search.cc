@@ -588,8 +588,9 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
           TrainingSetup for_memory = tried;
           if (family.sharding == Sharding::kHybrid) for_memory.num_nodes = 1;
           ++result.configurations;
-          MEMPLAN_ASSIGN_OR_RETURN(estimator::MemoryEstimate e,
-                                   estimator::EstimateMemory(inventory, for_memory, counts));
+          MEMPLAN_ASSIGN_OR_RETURN(
+              estimator::MemoryEstimate e,
+              estimator::EstimateMemory(inventory, for_memory, counts, /*step_model=*/false));
           Misfit fit = CheckFit(e.peak, limits, cluster, tried);
           if (!fit.ok() && fit.pinned_only && tried.pin_memory) {
             // Try again without pinned host buffers (slower transfers).
@@ -598,7 +599,8 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
             TrainingSetup unpinned_memory = for_memory;
             unpinned_memory.pin_memory = false;
             MEMPLAN_ASSIGN_OR_RETURN(e,
-                                     estimator::EstimateMemory(inventory, unpinned_memory, counts));
+                                     estimator::EstimateMemory(inventory, unpinned_memory, counts,
+                                                               /*step_model=*/false));
             fit = CheckFit(e.peak, limits, cluster, unpinned);
             if (fit.ok()) tried = unpinned;
           }
@@ -684,7 +686,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         Limits l = limits;
         s.gpus_per_node = c2.gpus_per_node;
         s.num_nodes = r.sharding == Sharding::kHybrid ? 1 : c2.nodes;
-        auto e = estimator::EstimateMemory(inventory, s, counts);
+        auto e = estimator::EstimateMemory(inventory, s, counts, /*step_model=*/false);
         if (!e.ok()) return std::nullopt;
         if (!CheckFit(e->peak, l, c2, s).ok()) return std::nullopt;
         return e->peak;

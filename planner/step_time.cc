@@ -247,7 +247,8 @@ Result<ModelShape> ModelShapeFor(const estimator::ModelInventory& inventory,
   if (probe.optimizer == Optimizer::kAdam8bit && probe.lora_rank > 0)
     probe.optimizer = Optimizer::kAdamW;
   MEMPLAN_ASSIGN_OR_RETURN(estimator::MemoryEstimate e,
-                           estimator::EstimateMemory(inventory, probe));
+                           estimator::EstimateMemory(inventory, probe, counts,
+                                                     /*step_model=*/false));
   m.activation_bytes_per_token_layer =
       static_cast<double>(e.activation_bytes_per_layer) / std::max(m.seq_len, 1.0);
   return m;
