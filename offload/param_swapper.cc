@@ -50,6 +50,16 @@
 // which the store would refuse). A parameter of the range fetched after that would get the new
 // values, as a fetch after Write() always did.
 //
+// Note [Re-gathering a kept parameter]
+// A parameter kept for reuse after its Release() (Ordering, below) is all-gathered again in place
+// by the next Fetch(), and the trainer's kernels of its last use, queued before that Release(),
+// may not have run yet. The bytes written are the ones already there (nothing changes a gathered
+// parameter within a step), but a write under a reader is still a race (the emulated GPU's
+// ThreadSanitizer run found it), and the collective is not ordered after the trainer's streams:
+// it runs on a stream of its own and returns when done. So the gather first waits on the host
+// for the parameter's fences. The trainer's thread would block in the collective anyway; the
+// cost is only the kernels queued on that module, as at the forward/backward turn.
+//
 // Note [ZeRO-3 partitions]
 // With world size W > 1 a parameter of n elements is cut into W shards of s = ceil(n / W)
 // elements, rank r owning elements [r * s, (r + 1) * s); past n they are padding, which the engine
@@ -608,10 +618,18 @@ struct ParamSwapper::Impl {
     for (ParamId id : ids) {
       Param& p = params[id];
       std::byte* device = nullptr;
+      std::vector<gpu::Fence> fences;
       {
         MutexLock lock(&mu);
         if (p.resident || (p.gathered && p.uses > 1)) continue;
         device = static_cast<std::byte*>(p.device);
+        for (const auto& [stream, fence] : p.fences) fences.push_back(fence);
+      }
+      // A parameter kept for reuse is gathered again in place while the trainer's kernels of its
+      // last use may still be reading it (Note [Re-gathering a kept parameter]).
+      for (const gpu::Fence& fence : fences) {
+        Status waited = options.runtime->WaitFenceOnHost(fence);
+        if (!waited.ok()) return waited.WithPrefix("gathering parameter " + p.name);
       }
       Status gathered = options.collective->AllGather(
           device + static_cast<uint64_t>(rank) * p.shard * eb, device, p.shard, options.dtype);
