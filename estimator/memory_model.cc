@@ -193,6 +193,8 @@ struct Activations {
   Wide workspace = 0;  // gradient temporaries of one layer
   Wide logits_forward = 0;
   Wide logits_backward = 0;
+  // Bytes per logit the loss keeps (for the constants table): 10 for the full loss.
+  double logits_forward_per_logit = 0;
 };
 
 // Note [Architecture facts for activations]
@@ -344,9 +346,37 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
       out.logits_forward = Scale(elems, kLogitsForwardFp32Bytes);
       const Wide chunk = CeilDiv(std::min<Wide>(U(seq), kLitGptLmHeadChunk) * b * U(a.vocab), t);
       out.logits_backward = Scale(chunk, kLogitsBackwardBytes);
+    } else if (s.loss == Loss::kChunked) {
+      // torchtune's CEWithChunkedOutputLoss (torchtune/modules/loss/ce_chunked_output_loss.py):
+      // the model returns the logits in N chunks (the head runs per chunk), all kept in the
+      // compute dtype; the loss upcasts one chunk at a time (a transient) and cross_entropy's
+      // log_softmax keeps each chunk's fp32 output for backward; backward then runs chunk by
+      // chunk through the head, so the fp32 gradients are one chunk's.
+      const Wide n = U(s.loss_chunks > 0 ? s.loss_chunks : 8);
+      const Wide chunk = CeilDiv(elems, n);
+      out.logits_forward = elems * (e == 2 ? 2 : 0) + elems * 4 + chunk * 4;
+      out.logits_backward = Scale(chunk, kLogitsBackwardBytes);
+      out.logits_forward_per_logit = (e == 2 ? 2 : 0) + 4;
+    } else if (s.loss == Loss::kFused) {
+      // Liger's fused linear cross-entropy (liger_kernel/ops/fused_linear_cross_entropy.py):
+      // the logits are never whole; the forward computes them in chunks of
+      // next_power_of_2(ceil(BT / ceil(V / H))) rows in the input dtype, writes the loss's
+      // gradient in place and keeps grad_input [BT, H] (and grad_weight [V, H] when the head
+      // trains) for backward, which only scales them.
+      const Wide h = U(a.hidden);
+      const Wide bt = U(seq) * b;
+      const Wide inc = CeilDiv(U(a.vocab), std::max<Wide>(h, 1));
+      Wide rows = 1;
+      while (rows < CeilDiv(bt, std::max<Wide>(inc, 1))) rows *= 2;
+      const bool head_trains = s.lora_rank == 0;
+      out.logits_forward = CeilDiv(std::min(rows, bt) * U(a.vocab), t) * e + bt * h * e +
+                           (head_trains ? U(a.vocab) * h * e / t : 0);
+      out.logits_backward = 0;
+      out.logits_forward_per_logit = 0;
     } else {
       out.logits_forward = elems * (e == 2 ? 2 : 0) + Scale(elems, kLogitsForwardFp32Bytes);
       out.logits_backward = Scale(elems, kLogitsBackwardBytes);
+      out.logits_forward_per_logit = kLogitsForwardFp32Bytes + (e == 2 ? 2 : 0);
     }
     // PyTorch before 1.11: log_softmax keeps its input (the fp32 logits copy) as well.
     if (s.TorchBefore(1, 11)) out.logits_forward += elems * 4;
@@ -908,8 +938,13 @@ Status ActivationItems(const ItemContext& c, Builder* out) {
            act.recompute, 0, 0, 0, kPhaseBackward, tr);
   out->Add("backward_workspace", "gradient temporaries of the layer in backward", act.workspace, 0,
            0, 0, kPhaseBackward | kPhaseBackwardEnd, tr);
+  const Loss loss = c.s.loss;
   out->Add("logits_and_loss",
-           "logits b*s*V (" + c.half + " and fp32) and the log-softmax kept by the loss",
+           loss == Loss::kFused
+               ? "fused linear cross-entropy: one chunk of logits and the gradients it keeps"
+           : loss == Loss::kChunked
+               ? "logits b*s*V (" + c.half + ", in chunks) and each chunk's fp32 log-softmax"
+               : "logits b*s*V (" + c.half + " and fp32) and the log-softmax kept by the loss",
            act.logits_forward, 0, 0, 0, kPhaseForward | kPhaseBackward, tr);
   out->Add("logits_grad", "fp32 gradients of the log-probabilities and logits", act.logits_backward,
            0, 0, 0, kPhaseBackward, tr);
@@ -1106,8 +1141,11 @@ std::vector<ModelConstant> Constants(const ItemContext& c, const TrainingSetup& 
        "ZeRO-1/2: the Hugging Face DeepSpeed guide's overlap_comm rule (about 4.5x the bucket "
        "sizes); ZeRO-3 allocates one flat reduce bucket (stage3.py IPG buffer)"},
       {"logits_forward_bytes",
-       act.logits_forward > 0 ? kLogitsForwardFp32Bytes + (fp32 ? 0 : 2) : 0.0, "bytes per logit",
-       "compute-dtype logits, fp32 upcast and log-softmax kept by the loss"},
+       act.logits_forward_per_logit > 0 ? act.logits_forward_per_logit
+                                        : (act.logits_forward > 0 && s.loss != Loss::kFused
+                                               ? kLogitsForwardFp32Bytes + (fp32 ? 0 : 2)
+                                               : 0.0),
+       "bytes per logit", "compute-dtype logits, fp32 upcast and log-softmax kept by the loss"},
       {"logits_backward_bytes", act.logits_backward > 0 ? kLogitsBackwardBytes : 0.0,
        "bytes per logit", "fp32 gradients of log-probabilities and logits at backward start"},
       {"cuda_context_bytes", static_cast<double>(s.cuda_context_bytes), "bytes",

@@ -150,6 +150,34 @@ TEST_CASE("memory model: checkpointing every K-th block keeps the others whole")
   CHECK(PhaseOf(every2, "backward").gpu_bytes > PhaseOf(every1, "backward").gpu_bytes);
 }
 
+TEST_CASE("memory model: the loss decides what the logits keep") {
+  ModelInventory llama = memplan::testing::Fixture("llama-2-7b");  // vocabulary 32000
+  TrainingSetup s;
+  s.seq_len = 1024;
+  s.micro_batch = 2;
+  const uint64_t elems = 2 * 1024 * 32000;
+  const MemoryEstimate full = MustEstimate(llama, s);
+  // Full: bf16 logits, their fp32 copy and the fp32 log-softmax; fp32 gradients of both.
+  CHECK(Gpu(full, "logits_and_loss") == elems * 10);
+  CHECK(Gpu(full, "logits_grad") == elems * 8);
+  // torchtune's chunked loss (8 chunks): bf16 logits and each chunk's fp32 log-softmax kept,
+  // one chunk's fp32 copy and gradients at a time.
+  s.loss = Loss::kChunked;
+  const MemoryEstimate chunked = MustEstimate(llama, s);
+  CHECK(Gpu(chunked, "logits_and_loss") == elems * 6 + elems / 8 * 4);
+  CHECK(Gpu(chunked, "logits_grad") == elems / 8 * 8);
+  s.loss_chunks = 16;
+  CHECK(Gpu(MustEstimate(llama, s), "logits_grad") == elems / 16 * 8);
+  // Liger's fused linear cross-entropy: chunks of next_pow2(ceil(2048 / ceil(32000 / 4096)))
+  // = 256 rows of logits, grad_input [2048, 4096] and grad_weight [32000, 4096], in bf16.
+  s.loss = Loss::kFused;
+  s.loss_chunks = 0;
+  const MemoryEstimate fused = MustEstimate(llama, s);
+  CHECK(Gpu(fused, "logits_and_loss") ==
+        (uint64_t{256} * 32000 + uint64_t{2048} * 4096 + uint64_t{32000} * 4096) * 2);
+  CHECK(Gpu(fused, "logits_grad") == 0);
+}
+
 TEST_CASE("memory model: GQA, SwiGLU, no dropout and MoE change the constants") {
   LayerShape l = Gpt3Layer(1);
   const uint64_t s = 2048, h = 12288, a = 96;
