@@ -41,6 +41,23 @@ ModelRun::ModelRun(Graph& g, const ModelInventory& inventory, const TrainingSetu
     : g_(g), inv_(inventory), s_(setup), a_(*inventory.arch) {}
 
 Status ModelRun::Prepare() {
+  // What the step model does not run yet is refused, never run as something else.
+  if (s_.checkpointing == Checkpointing::kSelective || s_.checkpointing == Checkpointing::kOp) {
+    return Status::Unimplemented("the step model does not run " +
+                                 std::string(CheckpointingName(s_.checkpointing)) +
+                                 " checkpointing yet (none and full only)");
+  }
+  if (s_.loss == Loss::kFused) {
+    return Status::Unimplemented("the step model does not run a fused linear cross-entropy yet");
+  }
+  if (s_.loss == Loss::kChunked && s_.framework == Framework::kTransformers) {
+    return Status::Unimplemented(
+        "the step model does not run a chunked loss under Transformers (its ForCausalLMLoss takes "
+        "the full logits)");
+  }
+  if (s_.torch_compile) {
+    return Status::Unimplemented("the step model does not run torch.compile's graphs yet");
+  }
   // What TransformersForward refuses from the architecture alone, refused before the parameters
   // of a large model (DeepSeek-V3's 47,000 tensors) are laid out for nothing.
   if (s_.framework == Framework::kTransformers &&
