@@ -493,7 +493,9 @@ nlohmann::json ToJson(const Estimate& e) {
   }
   j["phases"] = phases;
   j["peak"] = PeakToJson(m.peak);
-  if (!m.step_error.empty()) j["step_model"] = {{"error", m.step_error}};
+  if (!m.step_error.empty()) {
+    j["step_model"] = {{"error", m.step_error}, {"unmodelled", m.step_unmodelled}};
+  }
   if (m.step.has_value()) {
     nlohmann::json sp = nlohmann::json::object();
     for (int p = 0; p < kStepPhases; ++p) {
@@ -641,6 +643,7 @@ Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
     const JsonFieldReader step(sm, kWhere, "step_model.");
     if (sm.is_object() && sm.contains("error")) {
       MEMPLAN_RETURN_IF_ERROR(step.Required("error", &mem.step_error));
+      MEMPLAN_RETURN_IF_ERROR(step.Get("unmodelled", &mem.step_unmodelled));
     } else {
       StepModel run;
       std::string peak_phase;

@@ -1403,6 +1403,7 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
       m.step = std::move(sim).value();
     } else {
       m.step_error = sim.status().message();
+      m.step_unmodelled = sim.status().code() == StatusCode::kUnimplemented;
     }
   }
   m.items = std::move(out.items);

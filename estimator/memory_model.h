@@ -103,6 +103,9 @@ struct MemoryEstimate {
   // training code.
   std::optional<StepModel> step;
   std::string step_error;  // why the step model did not run, when it did not
+  // The step model refused the setup as one it does not model yet (kUnimplemented), rather than
+  // failing on it (an overflow, a bad LoRA target).
+  bool step_unmodelled = false;
 };
 
 // The model for one setup. Errors: setup.ValidateFor(inventory) failures (bad combinations, an

@@ -748,6 +748,23 @@ TEST_CASE("memory model: the estimate's new JSON keys round-trip") {
   REQUIRE_MESSAGE(back.ok(), back.status().ToString());
   CHECK(ToJson(*back) == j);
   CHECK(back->memory->peak.gpu_bytes == e->memory->peak.gpu_bytes);
+  REQUIRE(back->memory->step.has_value());
+  CHECK(back->memory->step->peak_bytes == e->memory->step->peak_bytes);
+  {
+    // A setup the step model does not run: its reason and kind round-trip too.
+    TrainingSetup fused = s;
+    fused.loss = Loss::kFused;
+    Result<Estimate> f = EstimateTraining(llama, hw, fused);
+    REQUIRE_MESSAGE(f.ok(), f.status().ToString());
+    CHECK(f->memory->step_unmodelled);
+    const nlohmann::json fj = ToJson(*f);
+    CHECK(fj["step_model"]["unmodelled"] == true);
+    Result<Estimate> fb = EstimateFromJson(fj);
+    REQUIRE_MESSAGE(fb.ok(), fb.status().ToString());
+    CHECK(fb->memory->step_unmodelled);
+    CHECK(fb->memory->step_error == f->memory->step_error);
+    CHECK(ToJson(*fb) == fj);
+  }
   nlohmann::json broken = j;
   broken["breakdown"][0]["phases"] = {"lunch"};
   CHECK_FALSE(EstimateFromJson(broken).ok());

@@ -171,11 +171,7 @@ PointResult Check(const std::filesystem::path& root, const nlohmann::json& rec) 
   }
   if (!m->step.has_value()) {
     r.error = "step model: " + m->step_error;
-    // The memory model keeps step_error's message only; the step model says "does not run" /
-    // "runs ... so far" when the setup is outside what it models (StatusCode::kUnimplemented).
-    r.unmodelled = m->step_error.find("does not run") != std::string::npos ||
-                   m->step_error.find("so far") != std::string::npos ||
-                   m->step_error.find(" only") != std::string::npos;
+    r.unmodelled = m->step_unmodelled;
     return r;
   }
   const nlohmann::json& peak = rec.at("peak");
