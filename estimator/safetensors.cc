@@ -287,6 +287,7 @@ Result<ModelInventory> ReadIndex(const std::string& index_path) {
       if (!added.ok()) return added.WithPrefix(index_path + ": shard '" + shard + "'");
     }
   }
+  ClassifyTensors(&inventory);  // Note [Tensor roles]: names are all a header has
   return inventory;
 }
 
@@ -304,6 +305,7 @@ Result<ModelInventory> InventoryFromSafetensorsFile(const std::string& path) {
       MEMPLAN_RETURN_IF_ERROR(
           inventory.Add(std::move(t.name), std::move(t.shape), t.dtype).WithPrefix(path));
     }
+    ClassifyTensors(&inventory);  // Note [Tensor roles]: names are all a header has
     return inventory;
   } catch (const std::exception& e) {
     // Only allocation failure can reach here: every JSON access is type-checked first.

@@ -242,8 +242,11 @@ struct SetupOptions {
             ->capture_default_str(),
         "offload_param");
     add(cmd->add_option("--checkpointing", checkpointing,
-                        "Activation checkpointing: none | selective | full")
-            ->check(CLI::IsMember({"none", "selective", "full"}))
+                        "Activation checkpointing: none | selective (Megatron's: the attention "
+                        "core recomputed) | full (each block keeps its input; with "
+                        "--checkpoint-every K every K-th block) | op (torchtitan's op-level "
+                        "selective AC)")
+            ->check(CLI::IsMember({"none", "selective", "full", "op"}))
             ->capture_default_str(),
         "checkpointing");
     shared.Add(cmd, "Training setup");

@@ -477,7 +477,7 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       ->check(CLI::IsMember({"none", "cpu", "nvme"}))
       ->group(what_if);
   cmd->add_option("--checkpointing", f->checkpointing, "Only this activation checkpointing")
-      ->check(CLI::IsMember({"none", "selective", "full"}))
+      ->check(CLI::IsMember({"none", "selective", "full", "op"}))
       ->group(what_if);
   cmd->add_option("--micro-batch", f->micro_batch,
                   "Only this micro-batch (it must divide the sequences per GPU)")
