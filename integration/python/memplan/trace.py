@@ -221,6 +221,14 @@ def _make_tracker_class(base):
                     "module": max(parents, key=len) if parents else None,
                 }
 
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # MemTracker hooks every parameter's gradient; a frozen one (LoRA's base weights)
+            # cannot take a hook, and has no gradient to track.
+            frozen = [p for p in module.parameters() if not p.requires_grad]
+            for p in frozen:
+                self._param_to_grad_hook_handles.setdefault(p, (_NoHandle(), _NoHandle()))
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
         def current_bytes(self):
             return sum(snap.get("Total", 0) for snap in self._curr_mem_snap.values())
 
@@ -228,6 +236,11 @@ def _make_tracker_class(base):
             return _flatten_snapshot(self._curr_mem_snap)
 
     return Tracker
+
+
+class _NoHandle:
+    def remove(self):
+        pass
 
 
 def _flatten_snapshot(snap):
@@ -442,7 +455,35 @@ class Target:
         self.backward = backward
 
 
+@contextlib.contextmanager
+def _swappable_fakes(fake_mode):
+    """torch.utils.swap_tensors (Module.to() on fake parameters, torchtune's FrozenNF4Linear)
+    refuses a tensor with a weak reference; the fake mode's converter memo holds one to fakes it
+    made from real tensors. The memo entries of the two tensors are dropped first (a later
+    conversion of the same real tensor makes a new fake)."""
+    import torch
+    original = torch.utils.swap_tensors
+    memo = fake_mode.fake_tensor_converter.meta_converter.tensor_memo
+
+    def swap_tensors(t1, t2):
+        for key, value in list(memo.items()):
+            if value is t1 or value is t2:
+                del memo[key]
+        return original(t1, t2)
+
+    torch.utils.swap_tensors = swap_tensors
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
+
+
 def _build_target(setup, fake_mode, listing=False):
+    with _swappable_fakes(fake_mode):
+        return _build_target_unguarded(setup, fake_mode, listing)
+
+
+def _build_target_unguarded(setup, fake_mode, listing=False):
     if setup.framework == "transformers":
         from . import trace_transformers as adapter
     else:
@@ -465,8 +506,7 @@ def run(setup, saved_tensors=False, listing_block=0):
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    sdpa = trace_cuda.ScaledDotProductAttention(arch)
-    kernels = trace_cuda.CudaKernels()
+    semantics = trace_cuda.CudaSemantics(arch)
     with fake_mode:
         target = _build_target(setup, fake_mode)
         model = target.model
@@ -474,17 +514,25 @@ def run(setup, saved_tensors=False, listing_block=0):
         tracker = tracker_class() if target.tracker_class is None else \
             tracker_class(model, target.optimizer)
         workspace = torch.empty(trace_cuda.cublas_workspace_bytes(arch), dtype=torch.uint8)
+        rounding = _cuda_rounding()
+        rounding.__enter__()
         tracker.track_external(model, target.optimizer, workspace)
-        head = target.head
+        # The loss phase starts when the output head's forward ends (Transformers computes its
+        # loss inside the model's forward) or else when the model's forward returns.
         handles = []
-        if head is not None:
-            def head_done(module, args, output):
-                if tracker.phase == "forward":
-                    tracker.phase = "loss"
-            handles.append(head.register_forward_hook(head_done))
+
+        def forward_done(module, args, output):
+            if tracker.phase == "forward":
+                tracker.phase = "loss"
+        for module in (target.head, model):
+            if module is not None:
+                handles.append(module.register_forward_hook(forward_done))
         state_bytes = 0
         first_peak = None
-        with _cuda_rounding(), tracker, sdpa, trace_cuda.CudaFunctions(), kernels:
+        with contextlib.ExitStack() as stack:
+            stack.callback(rounding.__exit__, None, None, None)
+            stack.enter_context(tracker)
+            stack.enter_context(semantics)
             for step in (1, 2):
                 tracker.step = step
                 tracker.phase = "forward"
@@ -516,8 +564,8 @@ def run(setup, saved_tensors=False, listing_block=0):
                     start_total = tracker.current_bytes()
         for h in handles:
             h.remove()
-        result = _report(setup, target, tracker, state_bytes, start, start_total, sdpa,
-                         kernels, arch, time.time() - started)
+        result = _report(setup, target, tracker, state_bytes, start, start_total,
+                         semantics.sdpa, semantics.kernels, arch, time.time() - started)
         if saved_tensors:
             result["saved_tensors"] = _listing(setup, fake_mode, arch, listing_block)
     result["trace_seconds"] = round(time.time() - started, 2)
@@ -596,8 +644,7 @@ def _listing(setup, fake_mode, arch, block):
         target = _build_target(plain, fake_mode, listing=True)
         block = min(block, max(len(target.blocks) - 1, 0))
         recorder = SavedTensorRecorder(target.model, target.blocks)
-        with trace_cuda.ScaledDotProductAttention(arch), trace_cuda.CudaFunctions(), \
-                trace_cuda.CudaKernels(), recorder.recording():
+        with trace_cuda.CudaSemantics(arch), recorder.recording():
             with target.autocast():
                 loss = target.forward_loss()
         recorder.resolve(loss)

@@ -261,7 +261,7 @@ class ScaledDotProductAttention(TorchFunctionMode):
 
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
               scale=None, enable_gqa=False):
-        autocast = CudaAutocast.active
+        autocast = CudaAutocastPolicy.active
         if autocast is not None and torch.is_autocast_enabled("cpu"):
             # scaled_dot_product_attention has a lower-precision CUDA autocast kernel: the
             # backend is chosen, and the fused op run, on the cast inputs.
@@ -323,11 +323,11 @@ class CudaFunctions(TorchFunctionMode):
 
     @staticmethod
     def _rms_norm(func, input, normalized_shape, weight=None, eps=None):
-        if torch.is_autocast_enabled("cpu") and CudaAutocast.active is not None:
+        policy = CudaAutocastPolicy.active
+        if torch.is_autocast_enabled("cpu") and policy is not None:
             # rms_norm has an fp32 CUDA autocast kernel (autocast_mode.cpp).
-            input = CudaAutocast.active.cast(input, torch.float32)
-            weight = CudaAutocast.active.cast(weight, torch.float32) if weight is not None \
-                else None
+            input = policy.cast(input, torch.float32)
+            weight = policy.cast(weight, torch.float32) if weight is not None else None
         with torch._C._ExcludeDispatchKeyGuard(
                 torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
             return torch.ops.aten._fused_rms_norm(input, list(normalized_shape), weight, eps)[0]
@@ -355,6 +355,17 @@ class CudaKernels(TorchDispatchMode):
                 mean = mean.to(torch.float32)
                 rstd = rstd.to(torch.float32)
             return out, mean, rstd
+        if func in (torch.ops.aten._scaled_dot_product_flash_attention.default,
+                    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                    torch.ops.aten._scaled_dot_product_cudnn_attention.default):
+            # The meta kernels make the RNG state tensors on the meta device (CUDA makes them on
+            # the GPU): made on the trace's device, so they are counted and checkpointing sees
+            # the same saved tensors when it recomputes.
+            out = func(*args, **kwargs)
+            device = args[0].device
+            return type(out)(
+                torch.empty(t.shape, dtype=t.dtype, device=device)
+                if isinstance(t, torch.Tensor) and t.device.type == "meta" else t for t in out)
         if func is torch.ops.aten._scaled_dot_product_flash_attention_backward.default:
             return self._with_workspace("flash", func, args, kwargs)
         if func is torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default:
@@ -444,29 +455,34 @@ def autocast_cpu_ops():
                   torch._C._dispatch_has_kernel_for_dispatch_key(n, "AutocastCPU"))
 
 
-class CudaAutocast:
-    """``torch.autocast("cuda", dtype)`` on CPU tensors: CPU autocast with the CUDA policy.
-
-    While active, Python kernels registered at AutocastCPU replace the CPU policy: each op with
-    a CUDA autocast kernel casts as CUDA does (with the weight-cast cache), every other op with
-    a CPU-only kernel falls through. One instance at a time; not thread-safe."""
+class CudaAutocastPolicy:
+    """The CUDA autocast policy on CPU autocast: while installed, Python kernels registered at
+    AutocastCPU replace the CPU policy: each op with a CUDA autocast kernel casts as CUDA does
+    (with the weight-cast cache of autocast_mode.cpp's cached_cast), every other op with a
+    CPU-only kernel falls through. It stays installed for a whole traced step, so checkpointing's
+    recomputation (which re-enters CPU autocast with the state it recorded) casts the same way.
+    One instance at a time; not thread-safe."""
 
     active = None
 
-    def __init__(self, dtype=torch.bfloat16, cache_enabled=True):
-        self.dtype = dtype
-        self.cache_enabled = cache_enabled
+    def __init__(self):
         self._cache = {}
         self._lib = None
-        self._autocast = None
+
+    @property
+    def dtype(self):
+        return torch.get_autocast_dtype("cpu")
+
+    def clear_cache(self):
+        self._cache.clear()
 
     def cast(self, t, to_type):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or \
                 t.dtype == torch.float64 or t.dtype == to_type:
             return t
-        can_cache = (self.cache_enabled and to_type == self.dtype and
-                     t.dtype == torch.float32 and t.requires_grad and t.is_leaf and
-                     not t._is_view())
+        can_cache = (torch.is_autocast_cache_enabled() or _REGION_CACHE[0]) and \
+            to_type == self.dtype and t.dtype == torch.float32 and t.requires_grad and \
+            t.is_leaf and not t._is_view()
         if can_cache:
             hit = self._cache.get(id(t))
             if hit is not None and hit[0]() is t:
@@ -526,8 +542,8 @@ class CudaAutocast:
         return kernel
 
     def __enter__(self):
-        if CudaAutocast.active is not None:
-            raise RuntimeError("CudaAutocast is not reentrant")
+        if CudaAutocastPolicy.active is not None:
+            raise RuntimeError("CudaAutocastPolicy is not reentrant")
         import warnings
         self._lib = torch.library.Library("aten", "IMPL")
         cuda_ops = set(autocast_cuda_ops())
@@ -545,18 +561,117 @@ class CudaAutocast:
             for name in autocast_cpu_ops():
                 if name not in cuda_ops:
                     self._lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
-        self._autocast = torch.autocast("cpu", dtype=self.dtype, cache_enabled=False)
-        self._autocast.__enter__()
-        CudaAutocast.active = self
+        CudaAutocastPolicy.active = self
         return self
 
     def __exit__(self, *exc):
-        CudaAutocast.active = None
+        CudaAutocastPolicy.active = None
         self._cache.clear()
-        self._autocast.__exit__(*exc)
         self._lib._destroy()
         self._lib = None
         return False
+
+
+# Whether the current autocast region caches weight casts (torch's own cache flag is turned off
+# in the regions memplan opens, so the C++ cache never holds a second copy).
+_REGION_CACHE = [False]
+
+
+class CudaAutocast:
+    """``torch.autocast("cuda", dtype)`` for the traced forward: CPU autocast, cast by the
+    installed CudaAutocastPolicy; the weight-cast cache lives until the region ends."""
+
+    def __init__(self, dtype=torch.bfloat16, cache_enabled=True):
+        self.dtype = dtype
+        self.cache_enabled = cache_enabled
+        self._autocast = None
+        self._own_policy = None
+
+    def __enter__(self):
+        if CudaAutocastPolicy.active is None:
+            self._own_policy = CudaAutocastPolicy().__enter__()
+        self._autocast = torch.autocast("cpu", dtype=self.dtype, cache_enabled=False)
+        self._autocast.__enter__()
+        _REGION_CACHE[0] = self.cache_enabled
+        return self
+
+    def __exit__(self, *exc):
+        _REGION_CACHE[0] = False
+        CudaAutocastPolicy.active.clear_cache()
+        self._autocast.__exit__(*exc)
+        if self._own_policy is not None:
+            self._own_policy.__exit__(*exc)
+        return False
+
+
+class CudaSemantics:
+    """Everything above, for one traced step: the autocast policy, the function-level
+    corrections (SDPA, dropout, RMSNorm) and the kernel-level ones. Torch-function modes are not
+    active while autograd runs the backward, so activation checkpointing's recomputation is
+    wrapped to re-enter them (torch.utils.checkpoint: the non-reentrant recompute context and the
+    reentrant CheckpointFunction.backward) and to drop the weight-cast cache of the recompute's
+    autocast region when it ends, as torch does."""
+
+    def __init__(self, arch):
+        self.arch = arch
+        self.sdpa = ScaledDotProductAttention(arch)
+        self.kernels = CudaKernels()
+        self._stack = None
+
+    @contextlib.contextmanager
+    def recompute_modes(self):
+        sdpa = ScaledDotProductAttention(self.arch)
+        sdpa.backends = self.sdpa.backends
+        cached = _REGION_CACHE[0]
+        _REGION_CACHE[0] = torch.is_autocast_enabled("cpu")
+        try:
+            with sdpa, CudaFunctions():
+                yield
+        finally:
+            _REGION_CACHE[0] = cached
+            if CudaAutocastPolicy.active is not None:
+                CudaAutocastPolicy.active.clear_cache()
+
+    def __enter__(self):
+        import torch.utils.checkpoint as cp
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(CudaAutocastPolicy())
+        self._stack.enter_context(self.sdpa)
+        self._stack.enter_context(CudaFunctions())
+        self._stack.enter_context(self.kernels)
+        semantics = self
+        original_impl = cp._checkpoint_without_reentrant_generator_impl
+        original_backward = cp.CheckpointFunction.backward
+
+        def impl(fn, args, kwargs, *rest, context_fn=cp.noop_context_fn, **options):
+            def wrapped_context_fn():
+                forward_context, recompute_context = context_fn()
+                return forward_context, _chain(recompute_context, semantics.recompute_modes())
+            return original_impl(fn, args, kwargs, *rest, context_fn=wrapped_context_fn,
+                                 **options)
+
+        def backward(ctx, *args):
+            with semantics.recompute_modes():
+                return original_backward(ctx, *args)
+
+        cp._checkpoint_without_reentrant_generator_impl = impl
+        cp.CheckpointFunction.backward = staticmethod(backward)
+
+        def restore():
+            cp._checkpoint_without_reentrant_generator_impl = original_impl
+            cp.CheckpointFunction.backward = staticmethod(original_backward)
+        self._stack.callback(restore)
+        return self
+
+    def __exit__(self, *exc):
+        stack, self._stack = self._stack, None
+        return stack.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _chain(first, second):
+    with first, second:
+        yield
 
 
 def verify_autocast_policy():
@@ -613,7 +728,7 @@ def verify_autocast_policy():
                         torch.set_autocast_enabled("cuda", False)
                         torch.clear_autocast_cache()
                 else:
-                    with CudaAutocast(torch.bfloat16), CudaFunctions():
+                    with CudaAutocastPolicy(), CudaAutocast(torch.bfloat16), CudaFunctions():
                         results[device] = probe(device, x32, xb, w).dtype
             if results["cuda"] != results["cpu"]:
                 differ.append((name, str(results["cuda"]), str(results["cpu"])))

@@ -182,10 +182,18 @@ def _apply_lora(model, setup, model_type, info):
                              target_modules=targets, lora_dropout=0.0, bias="none",
                              task_type="CAUSAL_LM" if model_type not in ("t5",) else
                              "SEQ_2_SEQ_LM")
+    # PEFT 0.21 refuses torchao < 0.16 wherever torchao is importable, even for plain Linear
+    # layers; the pinned torchao is 0.15 (torchtune 0.6 needs it) and no layer here is torchao-
+    # quantized, so PEFT's torchao dispatcher is told torchao is absent.
+    from peft.tuners.lora import torchao as peft_torchao
+    original = peft_torchao.is_torchao_available
+    peft_torchao.is_torchao_available = lambda: False
     try:
         model = peft.get_peft_model(model, config)
     except ValueError as error:
         raise TraceError("lora_targets: %s" % error)
+    finally:
+        peft_torchao.is_torchao_available = original
     info["lora_targets"] = sorted(model.peft_config["default"].target_modules)
     if setup.qlora:
         # peft.prepare_model_for_kbit_training: the non-quantized parameters in fp32 (the QLoRA
