@@ -217,10 +217,224 @@ class Torchtitan:
 
 
 class LitGPT:
+    """LitGPT 0.5 (litgpt/finetune/lora.py and finetune/full.py ``fit``): litgpt.model.GPT (or
+    litgpt.lora.GPT with lora_query/lora_value adapters and LoRA dropout 0.05 by default) from
+    the LitGPT config of the same name, ``max_seq_length`` set to the sequence length, logits
+    computed in chunks of 128 tokens (``lm_head_chunk_size=128``) and ``chunked_cross_entropy``
+    over them; precision bf16 = Fabric's "bf16-true" (weights in bf16), bf16-mixed = autocast
+    over fp32 weights; torch AdamW over the trainable parameters."""
+
     def build(self, setup, fake_mode, listing=False):
-        raise TraceError("framework: litgpt is not traced yet")
+        import torch
+        import litgpt
+        from litgpt.utils import chunked_cross_entropy
+        name, raw = load_config(setup.model)
+        if setup.checkpointing != "none":
+            raise TraceError("checkpointing: LitGPT's single-device fine-tuning does not "
+                             "checkpoint (its FSDP strategy does)")
+        if setup.qlora:
+            raise TraceError("qlora: LitGPT's bitsandbytes precision plugin is not traced")
+        if setup.loss == "fused":
+            raise TraceError("loss: LitGPT uses chunked_cross_entropy (loss=chunked) or full")
+        config_name = self._config_name(name)
+        overrides = {}
+        if setup.layers is not None:
+            overrides["n_layer"] = setup.layers
+        lora = {}
+        if setup.lora_rank:
+            targets = setup.lora_targets or ["query", "value"]
+            allowed = {"query", "key", "value", "projection", "mlp", "head"}
+            if set(targets) - allowed:
+                raise TraceError("lora_targets: LitGPT adapts %s" % ", ".join(sorted(allowed)))
+            lora = {"lora_r": setup.lora_rank, "lora_alpha": setup.lora_alpha or
+                    2 * setup.lora_rank,
+                    "lora_dropout": 0.05 if setup.dropout is None else float(setup.dropout)}
+            for t in allowed:
+                lora["lora_" + t] = t in targets
+        try:
+            if lora:
+                from litgpt.lora import Config as LoRAConfig, GPT as LoRAGPT, \
+                    mark_only_lora_as_trainable
+                config = LoRAConfig.from_name(config_name, **overrides, **lora)
+            else:
+                from litgpt.model import GPT
+                config = litgpt.Config.from_name(config_name, **overrides)
+        except ValueError as error:
+            raise TraceError("model: %s" % error)
+        dtype = _dtype(setup)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = LoRAGPT(config) if lora else GPT(config)
+        finally:
+            torch.set_default_dtype(previous)
+        model.max_seq_length = setup.seq_len
+        if lora:
+            mark_only_lora_as_trainable(model)
+        model.train()
+        info = {"name": name, "litgpt_config": config_name, "layers": config.n_layer,
+                "layers_in_config": raw.get("num_hidden_layers")}
+        if lora:
+            info["lora_targets"] = sorted(t for t in ("query", "key", "value", "projection",
+                                                      "mlp", "head") if lora["lora_" + t])
+            info["lora_dropout"] = lora["lora_dropout"]
+        _count(model, info)
+        b, s = setup.micro_batch, setup.seq_len
+        input_ids = torch.zeros((b, s), dtype=torch.long)
+        targets = torch.zeros((b, s), dtype=torch.long)
+        chunk = 128 if setup.loss == "chunked" else 0
+
+        def forward_loss():
+            if chunk:
+                logits = model(input_ids, lm_head_chunk_size=chunk)
+                logits[-1] = logits[-1][..., :-1, :]
+                return chunked_cross_entropy(logits, targets[..., 1:])
+            logits = model(input_ids)
+            return chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:], chunk_size=0)
+
+        optimizer = None
+        if not listing:
+            from .trace_transformers import make_optimizer
+            params = [p for p in model.parameters() if p.requires_grad]
+            optimizer = make_optimizer([{"params": params, "weight_decay": 0.02}],
+                                       setup.optimizer)
+        autocast = None
+        if setup.precision.endswith("-mixed"):
+            from . import trace_cuda
+            ac = torch.bfloat16 if setup.precision == "bf16-mixed" else torch.float16
+
+            def autocast():
+                return trace_cuda.CudaAutocast(ac)
+        head = model.lm_head if not chunk else None
+        return Target(model, optimizer, list(model.transformer.h), head, forward_loss,
+                      autocast=autocast, info=info)
+
+    @staticmethod
+    def _config_name(name):
+        from litgpt.config import configs
+        wanted = name.lower()
+        for c in configs:
+            n = c["name"].lower()
+            if n in (wanted, wanted + "-hf"):
+                return c["name"]
+        raise TraceError("model: no LitGPT config named like %r (LitGPT builds its own "
+                         "configs by name, e.g. Llama-3.1-8B)" % name)
+
+
+def _import_llmfoundry_mpt():
+    """llmfoundry.models.mpt without llmfoundry's package initialisers: those import its data,
+    callback and cloud stack (mosaicml-streaming, mlflow, ...), which requirements-trace.txt
+    leaves out because they pin torch 2.7 and Transformers 4.51; the model code (MPT, its
+    layers, registries) imports on its own once the four packages above it are plain
+    namespaces."""
+    import importlib.util
+    import os
+    if "llmfoundry.models.mpt.modeling_mpt" in sys.modules:
+        return sys.modules["llmfoundry.models.mpt.modeling_mpt"]
+    spec = importlib.util.find_spec("llmfoundry")
+    if spec is None:
+        raise TraceError("framework: llm-foundry is not installed "
+                         "(tests/oracle/requirements-trace.txt)")
+    root = list(spec.submodule_search_locations)[0]
+    for name in ("llmfoundry", "llmfoundry.utils", "llmfoundry.models", "llmfoundry.models.hf"):
+        if name not in sys.modules:
+            module = types.ModuleType(name)
+            module.__path__ = [os.path.join(root, *name.split(".")[1:])]
+            sys.modules[name] = module
+    import llmfoundry.models.mpt.modeling_mpt as modeling_mpt
+    return modeling_mpt
 
 
 class LLMFoundry:
+    """llm-foundry 0.22's MPT (llmfoundry/models/mpt/modeling_mpt.py, MPTForCausalLM) from an MPT
+    config.json, run as ComposerMPTCausalLM runs a step: logits from the model, targets shifted
+    by get_targets, per-token nn.CrossEntropyLoss(reduction='none') summed over the non-ignored
+    tokens (compute_loss_from_logits), composer's DecoupledAdamW (traced as torch's for-loop AdamW: the same
+    allocations), amp_bf16 = autocast over fp32
+    weights, activation checkpointing of every MPTBlock (torch's checkpoint_wrapper, as
+    composer's FSDP applies it). attn_impl is 'torch' (scaled_multihead_dot_product_attention):
+    'flash' needs the flash_attn package, which has no CPU build; the loss is torch's cross
+    entropy for the same reason (llm-foundry's default 'fused_crossentropy' is flash_attn's)."""
+
     def build(self, setup, fake_mode, listing=False):
-        raise TraceError("framework: llm-foundry is not traced yet")
+        import torch
+        modeling_mpt = _import_llmfoundry_mpt()
+        from llmfoundry.models.mpt.configuration_mpt import MPTConfig
+        name, raw = load_config(setup.model)
+        if raw.get("model_type") != "mpt":
+            raise TraceError("model: llm-foundry builds MPT configs (model_type mpt); %s is %r"
+                             % (name, raw.get("model_type")))
+        if setup.lora_rank or setup.qlora:
+            raise TraceError("lora_rank: llm-foundry's MPT is traced for full training")
+        if setup.loss != "full":
+            raise TraceError("loss: llm-foundry's MPT computes the full logits")
+        if setup.checkpointing not in ("none", "full") or setup.checkpoint_every != 1:
+            raise TraceError("checkpointing: llm-foundry checkpoints every MPTBlock (full)")
+        fields = {k: v for k, v in raw.items()
+                  if k not in ("architectures", "model_type", "transformers_version",
+                               "torch_dtype", "_name_or_path", "tokenizer_name", "use_cache")}
+        from llmfoundry.models.utils.config_defaults import attn_config_defaults
+        # Keys of the Hub's older MPT configs (prefix_lm) that llm-foundry 0.22 no longer takes.
+        attn = {k: v for k, v in dict(fields.get("attn_config") or {}).items()
+                if k in attn_config_defaults}
+        attn["attn_impl"] = "torch"
+        if setup.dropout is not None:
+            attn["attn_pdrop"] = float(setup.dropout)
+            fields["resid_pdrop"] = fields["emb_pdrop"] = float(setup.dropout)
+        fields["attn_config"] = attn
+        fields["init_device"] = "cpu"
+        # Transformers 5 no longer gives every config a pad_token_id; MPTModel reads it.
+        fields.setdefault("pad_token_id", None)
+        if setup.layers is not None:
+            fields["n_layers"] = setup.layers
+        config = MPTConfig(**fields)
+        dtype = _dtype(setup)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = modeling_mpt.MPTForCausalLM(config)
+        finally:
+            torch.set_default_dtype(previous)
+        model.train()
+        if setup.checkpointing == "full" and not listing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import \
+                apply_activation_checkpointing
+            from llmfoundry.models.layers.blocks import MPTBlock
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, MPTBlock))
+        info = {"name": name, "model_type": "mpt", "layers": config.n_layers,
+                "layers_in_config": raw.get("n_layers"), "attn_impl": "torch",
+                "alibi": bool(attn.get("alibi"))}
+        _count(model, info)
+        b, s = setup.micro_batch, setup.seq_len
+        input_ids = torch.zeros((b, s), dtype=torch.long)
+        labels = torch.zeros((b, s), dtype=torch.long)
+        loss_fn = torch.nn.CrossEntropyLoss(ignore_index=-100, reduction="none")
+
+        def forward_loss():
+            outputs = model(input_ids=input_ids)
+            targets = modeling_mpt.get_targets(labels)
+            losses = loss_fn(outputs.logits.view(-1, outputs.logits.size(-1)), targets.view(-1))
+            return losses.sum() / (targets != -100).sum()
+
+        optimizer = None
+        if not listing and setup.optimizer != "none":
+            params = [p for p in model.parameters() if p.requires_grad]
+            kind = setup.optimizer
+            if kind == "adamw":
+                # composer's DecoupledAdamW steps one tensor at a time (and reads each step
+                # count with .item(), which a fake tensor cannot give): the same allocations
+                # as torch's for-loop AdamW (denom = exp_avg_sq.sqrt() / c, then add_).
+                kind = "adamw-forloop"
+                info["optimizer_class"] = "composer.optim.DecoupledAdamW (as adamw-forloop)"
+            from .trace_transformers import make_optimizer
+            optimizer = make_optimizer([{"params": params}], kind)
+        autocast = None
+        if setup.precision.endswith("-mixed"):
+            from . import trace_cuda
+            ac = torch.bfloat16 if setup.precision == "bf16-mixed" else torch.float16
+
+            def autocast():
+                return trace_cuda.CudaAutocast(ac)
+        blocks = list(model.transformer.blocks)
+        return Target(model, optimizer, blocks, None, forward_loss, autocast=autocast,
+                      info=info)
