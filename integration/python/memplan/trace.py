@@ -58,21 +58,22 @@ class Setup:
         "layers": (None, "override the number of blocks (the rest of the config as given)"),
         "precision": ("bf16-mixed", "fp32 | bf16-mixed (fp32 weights, autocast) | fp16-mixed | "
                                     "bf16 (pure: weights, grads, optimizer in bf16) | fp16"),
-        "optimizer": ("adamw", "adamw | adamw-fused | adamw-forloop | sgd | sgd-momentum | "
-                               "adamw8bit | none"),
+        "optimizer": ("adamw", "adamw (torch, foreach as on CUDA) | adamw-fused | "
+                               "adamw-forloop | sgd | sgd-momentum | none"),
         "micro_batch": (1, "sequences per step"),
         "seq_len": (2048, "tokens per sequence"),
         "checkpointing": ("none", "none | full | selective | op (torchtitan's op-level SAC)"),
         "checkpoint_every": (1, "checkpoint every k-th block (full/selective)"),
-        "loss": ("full", "full (one logits tensor) | chunked (torchtune/LitGPT chunked CE) | "
-                         "fused (Liger fused linear cross-entropy)"),
+        "loss": ("full", "full (one logits tensor) | chunked (torchtune's "
+                         "CEWithChunkedOutputLoss, LitGPT's chunked_cross_entropy) | fused "
+                         "(Liger; not traced yet)"),
         "loss_chunks": (8, "number of chunks for loss=chunked"),
         "lora_rank": (0, "LoRA rank (0: full fine-tuning)"),
         "lora_alpha": (None, "LoRA alpha (default 2 x rank)"),
         "lora_targets": (None, "the modules LoRA adapts (the framework's names; default the "
                                "framework's default)"),
-        "qlora": (False, "base weights in NF4 (bitsandbytes / torchao layout)"),
-        "ranks": (1, "FSDP2 ranks simulated (torchtitan); 1: one GPU, no sharding"),
+        "qlora": (False, "base weights in NF4 (torchtune: torchao's NF4Tensor)"),
+        "ranks": (1, "FSDP2 ranks simulated (torchtitan, not traced yet); 1: one GPU"),
         "attention": ("sdpa", "sdpa | eager (Transformers' attn_implementation)"),
         "gpu": ("a100", "the GPU whose kernels decide attention backend and workspaces"),
         "dropout": (None, "override the config's dropout probabilities (None: as configured)"),
@@ -441,7 +442,7 @@ class Target:
     the framework runs the forward in (autocast), and facts for the record."""
 
     def __init__(self, model, optimizer, blocks, head, forward_loss, autocast=None, info=None,
-                 tracker_class=None, zero_grad=None, step=None, backward=None):
+                 tracker_class=None, zero_grad=None, step=None, backward=None, inputs=()):
         self.model = model
         self.optimizer = optimizer
         self.blocks = blocks
@@ -453,6 +454,8 @@ class Target:
         self.zero_grad = zero_grad
         self.step = step
         self.backward = backward
+        # The batch on the GPU (token ids, labels): tracked as "other".
+        self.inputs = list(inputs)
 
 
 @contextlib.contextmanager
@@ -498,7 +501,6 @@ def run(setup, saved_tensors=False, listing_block=0):
         setup = Setup(**setup)
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
     from . import trace_cuda
 
     started = time.time()
@@ -506,29 +508,45 @@ def run(setup, saved_tensors=False, listing_block=0):
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    semantics = trace_cuda.CudaSemantics(arch)
     with fake_mode:
         target = _build_target(setup, fake_mode)
-        model = target.model
-        tracker_class = _make_tracker_class(target.tracker_class or MemTracker)
-        tracker = tracker_class() if target.tracker_class is None else \
-            tracker_class(model, target.optimizer)
-        workspace = torch.empty(trace_cuda.cublas_workspace_bytes(arch), dtype=torch.uint8)
-        rounding = _cuda_rounding()
-        rounding.__enter__()
-        tracker.track_external(model, target.optimizer, workspace)
-        # The loss phase starts when the output head's forward ends (Transformers computes its
-        # loss inside the model's forward) or else when the model's forward returns.
-        handles = []
+        result = trace_target(target, arch)
+        result["versions"] = _versions(setup.framework)
+        result["setup"] = setup.to_json()
+        if saved_tensors:
+            result["saved_tensors"] = _listing(setup, fake_mode, arch, listing_block)
+    result["trace_seconds"] = round(time.time() - started, 2)
+    return result
 
-        def forward_done(module, args, output):
-            if tracker.phase == "forward":
-                tracker.phase = "loss"
-        for module in (target.head, model):
-            if module is not None:
-                handles.append(module.register_forward_hook(forward_done))
-        state_bytes = 0
-        first_peak = None
+
+def trace_target(target, arch=(8, 0)):
+    """Two training steps of ``target`` (built inside an active FakeTensorMode) under the
+    tracker, with the CUDA corrections of memplan.trace_cuda for a GPU of compute capability
+    ``arch``; returns the figures (peak, phases, step_start, workspaces, sdpa_backends)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from . import trace_cuda
+    semantics = trace_cuda.CudaSemantics(arch)
+    model = target.model
+    tracker_class = _make_tracker_class(target.tracker_class or MemTracker)
+    tracker = tracker_class() if target.tracker_class is None else \
+        tracker_class(model, target.optimizer)
+    workspace = torch.empty(trace_cuda.cublas_workspace_bytes(arch), dtype=torch.uint8)
+    rounding = _cuda_rounding()
+    rounding.__enter__()
+    tracker.track_external(model, target.optimizer, workspace, *target.inputs)
+    # The loss phase starts when the output head's forward ends (Transformers computes its loss
+    # inside the model's forward) or else when the model's forward returns.
+    handles = []
+
+    def forward_done(module, args, output):
+        if tracker.phase == "forward":
+            tracker.phase = "loss"
+    for module in (target.head, model):
+        if module is not None:
+            handles.append(module.register_forward_hook(forward_done))
+    state_bytes = 0
+    try:
         with contextlib.ExitStack() as stack:
             stack.callback(rounding.__exit__, None, None, None)
             stack.enter_context(tracker)
@@ -559,17 +577,41 @@ def run(setup, saved_tensors=False, listing_block=0):
                 if step == 1:
                     tracker.phase = "between"
                     tracker.reset_mod_stats()
+                    _untrack_host_steps(tracker, target.optimizer)
                     state_bytes = _optimizer_state_bytes(target.optimizer)
                     start = tracker.current()
                     start_total = tracker.current_bytes()
+    finally:
         for h in handles:
             h.remove()
-        result = _report(setup, target, tracker, state_bytes, start, start_total,
-                         semantics.sdpa, semantics.kernels, arch, time.time() - started)
-        if saved_tensors:
-            result["saved_tensors"] = _listing(setup, fake_mode, arch, listing_block)
-    result["trace_seconds"] = round(time.time() - started, 2)
-    return result
+    return _report(target, tracker, state_bytes, start, start_total, semantics.sdpa,
+                   semantics.kernels, arch)
+
+
+def _untrack_host_steps(tracker, optimizer):
+    """torch's Adam/AdamW/SGD keep each parameter's ``step`` counter on the CPU unless fused or
+    capturable (torch/optim/adam.py, _init_group); on fake CPU tensors they are counted with the
+    GPU's memory, so they are taken out of the tracker after the first step made them."""
+    import torch
+    if optimizer is None:
+        return
+    for group in optimizer.param_groups:
+        if group.get("fused") or group.get("capturable"):
+            continue
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor) and step.dim() == 0:
+                st = step.untyped_storage()
+                winfo, _ = tracker._WINFO.get(st, (None, None))
+                if winfo is not None and winfo.mem_consumed > 0:
+                    tracker._update_snap(_mem_update_type("DEL"), winfo)
+                    winfo.mem_consumed = 0
+                    winfo.size = st.size()
+
+
+def _mem_update_type(name):
+    from torch.distributed._tools import mem_tracker
+    return getattr(mem_tracker._UpdateType, name)
 
 
 def _optimizer_state_bytes(optimizer):
@@ -578,8 +620,12 @@ def _optimizer_state_bytes(optimizer):
     if optimizer is None:
         return 0
     seen = {}
+    host_steps = not all(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
     for state in optimizer.state.values():
-        for value in state.values():
+        for key, value in state.items():
+            if key == "step" and host_steps and isinstance(value, torch.Tensor) and \
+                    value.dim() == 0:
+                continue  # on the CPU (_untrack_host_steps)
             if isinstance(value, torch.Tensor):
                 seen[_storage_key(value)] = trace_cuda.round_allocation(
                     value.untyped_storage().nbytes())
@@ -598,8 +644,7 @@ def _categories(snapshot, state_bytes):
     return out
 
 
-def _report(setup, target, tracker, state_bytes, start, start_total, sdpa, kernels, arch,
-            seconds):
+def _report(target, tracker, state_bytes, start, start_total, sdpa, kernels, arch):
     from . import trace_cuda
     phases = {}
     peak = None
@@ -611,8 +656,11 @@ def _report(setup, target, tracker, state_bytes, start, start_total, sdpa, kerne
             "categories": _categories(record["snapshot"], state_bytes if step == 2 else 0),
             "op": record["op"], "module": record["module"],
         }
-        if step == 2:
-            phases[phase] = entry
+        if step != 2:
+            continue
+        phases[phase] = entry
+        # The steady state: the second step (the first makes the optimizer states lazily, and
+        # on a GPU its peak is never above the second's).
         if peak is None or record["peak_bytes"] > peak["bytes"]:
             peak = {"bytes": record["peak_bytes"], "step": step, "phase": phase,
                     "op": record["op"], "module": record["module"],
@@ -622,8 +670,6 @@ def _report(setup, target, tracker, state_bytes, start, start_total, sdpa, kerne
         workspaces[kind + "_attention_backward"] = nbytes
     result = {
         "format": FORMAT,
-        "versions": _versions(setup.framework),
-        "setup": setup.to_json(),
         "model": target.info,
         "gpu_arch": "sm%d%d" % arch,
         "sdpa_backends": dict(sorted(sdpa.backends.items())),
@@ -785,4 +831,7 @@ def format_text(result):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the package's module, not this __main__ copy, so the adapters' TraceError (imported
+    # from memplan.trace) is the one main() catches.
+    from memplan.trace import main as _main
+    sys.exit(_main())

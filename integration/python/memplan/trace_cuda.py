@@ -330,7 +330,34 @@ class CudaFunctions(TorchFunctionMode):
             weight = policy.cast(weight, torch.float32) if weight is not None else None
         with torch._C._ExcludeDispatchKeyGuard(
                 torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
-            return torch.ops.aten._fused_rms_norm(input, list(normalized_shape), weight, eps)[0]
+            return FusedRmsNorm.apply(input, tuple(normalized_shape), weight)
+
+
+class FusedRmsNorm(torch.autograd.Function):
+    """aten::_fused_rms_norm as CUDA runs it: the output in the input's dtype and an fp32 rstd
+    per row, saving the input, rstd and weight (derivatives.yaml, _fused_rms_norm). On CPU the op
+    has no kernel of its own and decomposes into the upcasting composite, so its CUDA allocations
+    are made here explicitly; the backward returns the input's and the weight's gradients. The
+    CUDA backward kernel's partial sums for the weight gradient are not modelled."""
+
+    @staticmethod
+    def forward(ctx, input, normalized_shape, weight):
+        rows = input.shape[:input.dim() - len(normalized_shape)]
+        rstd = torch.empty(tuple(rows) + (1,) * len(normalized_shape), dtype=torch.float32,
+                           device=input.device)
+        dtype = input.dtype if weight is None else torch.promote_types(input.dtype,
+                                                                       weight.dtype)
+        out = torch.empty(input.shape, dtype=dtype, device=input.device)
+        ctx.save_for_backward(input, rstd, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, rstd, weight = ctx.saved_tensors
+        grad_input = torch.empty_like(input) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.empty_like(weight) if weight is not None and \
+            ctx.needs_input_grad[2] else None
+        return grad_input, None, grad_weight
 
 
 # ---- 3/6. below autograd: LayerNorm statistics, attention-backward workspaces ------------------

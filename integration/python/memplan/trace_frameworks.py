@@ -160,17 +160,14 @@ class Torchtune:
         elif setup.loss == "full":
             loss_fn = torch.nn.CrossEntropyLoss(ignore_index=-100)
         else:
-            from . import trace_liger
-            loss_fn = None
-            liger = trace_liger.torchtune_loss(model, setup)
+            raise TraceError("loss: Liger's fused linear cross-entropy is not traced (its "
+                             "Triton kernels do not run on fake CPU tensors)")
         b, s = setup.micro_batch, setup.seq_len
         tokens = torch.zeros((b, s), dtype=torch.long)
         labels_in = torch.zeros((b, s), dtype=torch.long)
         ignore_labels_cache = torch.full((b, 1), -100, dtype=torch.long)
 
         def forward_loss():
-            if loss_fn is None:
-                return liger(tokens, labels_in)
             logits = model(tokens)
             labels = torch.hstack((labels_in[..., 1:], ignore_labels_cache[:b]))
             if not isinstance(logits, list):
@@ -190,7 +187,8 @@ class Torchtune:
         # model.output runs once per chunk with chunked logits: the loss phase starts when the
         # model's forward returns.
         head = model.output if setup.loss == "full" else None
-        return Target(model, optimizer, blocks, head, forward_loss, info=info)
+        return Target(model, optimizer, blocks, head, forward_loss, info=info,
+                      inputs=(tokens, labels_in, ignore_labels_cache))
 
     @staticmethod
     def _builders(d):
@@ -198,6 +196,10 @@ class Torchtune:
         if d["model_type"] == "qwen2":
             from torchtune.models.qwen2 import _component_builders as qwen2
             return qwen2.qwen2, qwen2.lora_qwen2, {"tie_word_embeddings": d["tie"]}
+        if scaling.get("rope_type", scaling.get("type")) == "llama3" and d["tie"]:
+            from torchtune.models.llama3_2 import _component_builders as l32
+            return l32.llama3_2, l32.lora_llama3_2, {
+                "scale_factor": int(scaling.get("factor", 32)), "tie_word_embeddings": True}
         if scaling.get("rope_type", scaling.get("type")) == "llama3":
             from torchtune.models.llama3_1 import _component_builders as l31
             return l31.llama3_1, l31.lora_llama3_1, {"scale_factor": int(scaling.get("factor",
@@ -213,7 +215,11 @@ class Torchtune:
 
 class Torchtitan:
     def build(self, setup, fake_mode, listing=False):
-        raise TraceError("framework: torchtitan is not traced yet")
+        raise TraceError(
+            "framework: torchtitan 0.3 is not traced yet: its language models attend through "
+            "FlexAttention or varlen flash attention with per-document masks built from the "
+            "token positions (data-dependent, which fake tensors cannot compute), and its "
+            "ChunkedLossWrapper runs the backward inside the loss; see docs/trace.md")
 
 
 class LitGPT:
@@ -307,7 +313,7 @@ class LitGPT:
                 return trace_cuda.CudaAutocast(ac)
         head = model.lm_head if not chunk else None
         return Target(model, optimizer, list(model.transformer.h), head, forward_loss,
-                      autocast=autocast, info=info)
+                      autocast=autocast, info=info, inputs=(input_ids, targets))
 
     @staticmethod
     def _config_name(name):
@@ -437,4 +443,4 @@ class LLMFoundry:
                 return trace_cuda.CudaAutocast(ac)
         blocks = list(model.transformer.blocks)
         return Target(model, optimizer, blocks, None, forward_loss, autocast=autocast,
-                      info=info)
+                      info=info, inputs=(input_ids, labels))

@@ -37,6 +37,10 @@ def _config(setup):
                 break
         else:
             raw["num_hidden_layers"] = setup.layers
+        for field in ("layer_types", "sliding_window_pattern_list"):
+            # Per-layer lists (gpt-oss, gemma3, qwen3 attention types) follow the new count.
+            if isinstance(raw.get(field), list) and len(raw[field]) > setup.layers:
+                raw[field] = raw[field][:setup.layers]
         if model_type == "t5":
             layers_full = raw.get("num_layers", layers_full)
             raw["num_layers"] = setup.layers
@@ -94,6 +98,12 @@ def build(setup, fake_mode, listing=False):
                          "and LitGPT's)")
     if setup.ranks != 1:
         raise TraceError("ranks: one GPU for Transformers")
+    if setup.qlora:
+        raise TraceError("qlora: QLoRA through Transformers/PEFT (bitsandbytes Linear4bit) is "
+                         "not traced; torchtune's QLoRA (torchao NF4) is")
+    if setup.loss == "fused":
+        raise TraceError("loss: Liger's fused linear cross-entropy is not traced (its Triton "
+                         "kernels do not run on fake CPU tensors)")
     cls = _model_class(architectures, model_type)
     pure = setup.precision in ("bf16", "fp16")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.precision, torch.float32)
@@ -113,16 +123,11 @@ def build(setup, fake_mode, listing=False):
     info = {"name": name, "model_type": model_type, "class": type(model).__name__,
             "layers": getattr(config, "num_hidden_layers", None), "layers_in_config": layers_full,
             "attn_implementation": getattr(model.config, "_attn_implementation", None)}
-    if setup.qlora:
-        from . import trace_quant
-        info["quantized"] = trace_quant.quantize_transformers(model, setup)
     if setup.checkpointing == "full" and not listing:
         model.gradient_checkpointing_enable(every_n_layers=setup.checkpoint_every) \
             if setup.checkpoint_every > 1 else model.gradient_checkpointing_enable()
     if setup.lora_rank:
         model = _apply_lora(model, setup, model_type, info)
-    elif setup.qlora:
-        raise TraceError("qlora: needs lora_rank")
     info["params"] = sum(p.numel() for p in _unique_params(model))
     info["trainable_params"] = sum(p.numel() for p in _unique_params(model) if p.requires_grad)
 
@@ -141,13 +146,8 @@ def build(setup, fake_mode, listing=False):
         head = model.get_output_embeddings()
     except (AttributeError, NotImplementedError):
         head = None
-    if setup.loss == "fused":
-        from . import trace_liger
-        forward_loss = trace_liger.transformers_forward(model, input_ids, labels, setup)
-        head = None
-    else:
-        def forward_loss():
-            return model(input_ids=input_ids, labels=labels).loss
+    def forward_loss():
+        return model(input_ids=input_ids, labels=labels).loss
 
     autocast = None
     if setup.precision in ("bf16-mixed", "fp16-mixed"):
@@ -157,7 +157,7 @@ def build(setup, fake_mode, listing=False):
             return trace_cuda.CudaAutocast(ac_dtype)
     from .trace import Target
     target = Target(model, optimizer, find_blocks(model), head, forward_loss,
-                    autocast=autocast, info=info)
+                    autocast=autocast, info=info, inputs=(input_ids, labels))
     if setup.precision == "fp16-mixed" and optimizer is not None:
         _grad_scaler(target)
     del pure
@@ -178,6 +178,17 @@ def _apply_lora(model, setup, model_type, info):
     except ImportError as error:
         raise TraceError("lora_rank: PEFT is not installed (%s)" % error)
     targets = setup.lora_targets or _DEFAULT_TARGETS.get(model_type)
+    if targets is None:
+        mapping = getattr(peft.utils, "TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING", {})
+        if model_type not in mapping:
+            # PEFT has no default for this family: its attention query and value projections
+            # (or the fused qkv projection), as PEFT's defaults are for the others.
+            leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+            for candidate in (["q_proj", "v_proj"], ["qkv_proj"], ["query_key_value"],
+                              ["c_attn"], ["Wqkv"]):
+                if set(candidate) <= leaves:
+                    targets = candidate
+                    break
     config = peft.LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha or 2 * setup.lora_rank,
                              target_modules=targets, lora_dropout=0.0, bias="none",
                              task_type="CAUSAL_LM" if model_type not in ("t5",) else
@@ -237,11 +248,8 @@ def make_optimizer(groups, kind):
         return torch.optim.SGD(groups, lr=1e-3, foreach=True)
     if kind == "sgd-momentum":
         return torch.optim.SGD(groups, lr=1e-3, momentum=0.9, foreach=True)
-    if kind == "adamw8bit":
-        from . import trace_quant
-        return trace_quant.adamw8bit(groups)
     raise TraceError("optimizer: %r is not one of adamw, adamw-fused, adamw-forloop, sgd, "
-                     "sgd-momentum, adamw8bit, none" % kind)
+                     "sgd-momentum, none" % kind)
 
 
 def _grad_scaler(target):
