@@ -226,8 +226,8 @@ class LitGPT:
     """LitGPT 0.5 (litgpt/finetune/lora.py and finetune/full.py ``fit``): litgpt.model.GPT (or
     litgpt.lora.GPT with lora_query/lora_value adapters and LoRA dropout 0.05 by default) from
     the LitGPT config of the same name, ``max_seq_length`` set to the sequence length, logits
-    computed in chunks of 128 tokens (``lm_head_chunk_size=128``) and ``chunked_cross_entropy``
-    over them; precision bf16 = Fabric's "bf16-true" (weights in bf16), bf16-mixed = autocast
+    computed in chunks of 128 tokens (``lm_head_chunk_size=128``), converted to fp32 as Fabric's
+    precision plugin converts a module's outputs, and ``chunked_cross_entropy`` over them; precision bf16 = Fabric's "bf16-true" (weights in bf16), bf16-mixed = autocast
     over fp32 weights; torch AdamW over the trainable parameters."""
 
     def build(self, setup, fake_mode, listing=False):
@@ -290,12 +290,20 @@ class LitGPT:
         targets = torch.zeros((b, s), dtype=torch.long)
         chunk = 128 if setup.loss == "chunked" else 0
 
+        def fabric_output(value):
+            # Fabric's precision plugins (HalfPrecision for bf16-true, MixedPrecision for
+            # bf16-mixed) convert the module's floating outputs to the default dtype, fp32
+            # (lightning/fabric/plugins/precision/{half,amp}.py, convert_output).
+            if isinstance(value, list):
+                return [fabric_output(v) for v in value]
+            return value.to(torch.float32) if value.is_floating_point() else value
+
         def forward_loss():
             if chunk:
-                logits = model(input_ids, lm_head_chunk_size=chunk)
+                logits = fabric_output(model(input_ids, lm_head_chunk_size=chunk))
                 logits[-1] = logits[-1][..., :-1, :]
                 return chunked_cross_entropy(logits, targets[..., 1:])
-            logits = model(input_ids)
+            logits = fabric_output(model(input_ids))
             return chunked_cross_entropy(logits[..., :-1, :], targets[..., 1:], chunk_size=0)
 
         optimizer = None

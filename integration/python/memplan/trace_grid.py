@@ -387,11 +387,10 @@ def main(argv=None):
             sys.stderr.write("missing from %s: %s\n" % (args.check, pid))
         for pid, why in mismatches:
             sys.stderr.write("mismatch %s: %s\n" % (pid, why))
-        total = len(set(args.id or [])) if not args.sample else None
-        print("%d passed, %d failed" % ((total or 0) if not args.sample else
-                                        len(json.load(open(args.check))["ci_sample"]) -
-                                        len(mismatches) - len(missing),
-                                        len(mismatches) + len(missing)))
+        with open(args.check, "r", encoding="utf-8") as f:
+            count = len(set(json.load(f)["ci_sample"])) if args.sample else len(set(args.id or []))
+        failed = len(mismatches) + len(missing)
+        print("%d passed, %d failed" % (count - failed, failed))
         return 1 if (missing or mismatches) else 0
     failures = generate(args.work, args.out, args.holdout_out, only=args.only,
                         stop_on_error=args.stop_on_error, timeout=args.timeout)
