@@ -19,11 +19,13 @@
 namespace memplan {
 namespace {
 
+// The errno travels with the Status (Status::sys_errno: the Python binding's OSError.errno).
 Status ErrnoStatus(const std::string& path, const char* what, int err) {
-  std::string msg = path + ": " + what + ": " + std::strerror(err);
-  if (err == ENOENT) return Status::NotFound(msg);
-  if (err == ENOSPC || err == EDQUOT) return Status::ResourceExhausted(msg);
-  return Status::IoError(msg);
+  const std::string msg = path + ": " + what;
+  if (err == ENOENT || err == ENOSPC || err == EDQUOT) return Status::FromErrno(err, msg);
+  Status io = Status::FromErrno(err, msg);
+  if (io.code() == StatusCode::kIoError) return io;
+  return Status::IoError(msg + ": " + std::strerror(err));  // EINVAL, EAGAIN...: still I/O here
 }
 
 class Fd {

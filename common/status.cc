@@ -34,22 +34,24 @@ std::string Status::ToString() const {
 
 Status Status::FromErrno(int err, std::string_view msg) {
   std::string text = std::string(msg) + ": " + std::strerror(err);
+  StatusCode code = StatusCode::kIoError;
   switch (err) {
-    case ENOENT: return NotFound(text);
+    case ENOENT: code = StatusCode::kNotFound; break;
     case ENOSPC:
     case EDQUOT:
-    case ENOMEM: return ResourceExhausted(text);
+    case ENOMEM: code = StatusCode::kResourceExhausted; break;
     case EAGAIN:
-    case EINTR: return Unavailable(text);
-    case EINVAL: return InvalidArgument(text);
-    default: return IoError(text);
+    case EINTR: code = StatusCode::kUnavailable; break;
+    case EINVAL: code = StatusCode::kInvalidArgument; break;
+    default: break;
   }
+  return Status(code, text, err);
 }
 
 Status Status::WithPrefix(std::string_view prefix) const {
   if (ok()) return *this;
   std::string msg = std::string(prefix) + ": " + rep_->message;
-  return Status(rep_->code, msg);
+  return Status(rep_->code, msg, rep_->sys_errno);
 }
 
 }  // namespace memplan

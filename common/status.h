@@ -58,7 +58,7 @@ class [[nodiscard]] Status {
   static Status Unavailable(std::string msg) { return {StatusCode::kUnavailable, msg}; }
   // Maps an errno to a code (ENOENT -> NotFound, ENOSPC/EDQUOT/ENOMEM -> ResourceExhausted,
   // EAGAIN/EINTR -> Unavailable, EINVAL -> InvalidArgument, else IoError) with
-  // "<msg>: <strerror>" as the message.
+  // "<msg>: <strerror>" as the message; the Status keeps the errno (sys_errno()).
   static Status FromErrno(int err, std::string_view msg);
   static Status Internal(std::string msg) { return {StatusCode::kInternal, msg}; }
 
@@ -68,6 +68,9 @@ class [[nodiscard]] Status {
   StatusCode code() const { return rep_ ? rep_->code : StatusCode::kOk; }
   // The user-facing message; empty for OK.
   const std::string& message() const;
+  // The errno of a Status made by FromErrno (kept through WithPrefix); 0 otherwise. Bindings give
+  // it to their language's OS error (Python's OSError.errno).
+  int sys_errno() const { return rep_ ? rep_->sys_errno : 0; }
   // "InvalidArgument: <message>", or "OK".
   std::string ToString() const;
 
@@ -78,9 +81,10 @@ class [[nodiscard]] Status {
   struct Rep {
     StatusCode code;
     std::string message;
+    int sys_errno = 0;
   };
-  Status(StatusCode code, std::string& msg)
-      : rep_(std::make_shared<const Rep>(Rep{code, std::move(msg)})) {}
+  Status(StatusCode code, std::string& msg, int sys_errno = 0)
+      : rep_(std::make_shared<const Rep>(Rep{code, std::move(msg), sys_errno})) {}
 
   std::shared_ptr<const Rep> rep_;  // null when OK
 };

@@ -417,6 +417,20 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_freeze(memplan_engine* engine, ui
   });
 }
 
+MEMPLAN_C_EXPORT memplan_status memplan_engine_set_group(memplan_engine* engine, uint32_t param_id,
+                                                         uint32_t group) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckNotStarted());
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckParam(param_id));
+    if (group >= 1024) {
+      return Status::InvalidArgument("group " + std::to_string(group) + ": groups are 0 .. 1023");
+    }
+    engine->params[param_id].spec.group = group;
+    return Status::Ok();
+  });
+}
+
 MEMPLAN_C_EXPORT memplan_status memplan_engine_start(memplan_engine* engine) {
   return Guard(__func__, [&]() -> Status {
     if (engine == nullptr) return NullArgument("engine");
@@ -515,13 +529,13 @@ namespace {
 
 // The options of a step or a prepared step: `options_json` (null: the defaults) for the
 // engine's optimizer.
-Result<memplan::offload::SwapStepOptions> StepOptions(const memplan_engine& engine,
-                                                      const char* options_json) {
+Result<memplan::offload::StepOptions> StepOptions(const memplan_engine& engine,
+                                                  const char* options_json) {
   nlohmann::json doc = nlohmann::json::object();
   if (options_json != nullptr) {
     MEMPLAN_ASSIGN_OR_RETURN(doc, memplan::ParseJson(options_json, "step options"));
   }
-  return memplan::integration::StepOptionsFromJson(doc, engine.optimizer);
+  return memplan::integration::EngineStepOptionsFromJson(doc, engine.optimizer);
 }
 
 }  // namespace
@@ -530,7 +544,7 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_step(memplan_engine* engine,
                                                     const char* options_json) {
   return Guard(__func__, [&]() -> Status {
     if (engine == nullptr) return NullArgument("engine");
-    MEMPLAN_ASSIGN_OR_RETURN(memplan::offload::SwapStepOptions options,
+    MEMPLAN_ASSIGN_OR_RETURN(memplan::offload::StepOptions options,
                              StepOptions(*engine, options_json));
     return engine->engine->Step(options);
   });
@@ -540,7 +554,7 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_prepare_step(memplan_engine* engi
                                                             const char* options_json) {
   return Guard(__func__, [&]() -> Status {
     if (engine == nullptr) return NullArgument("engine");
-    MEMPLAN_ASSIGN_OR_RETURN(memplan::offload::SwapStepOptions options,
+    MEMPLAN_ASSIGN_OR_RETURN(memplan::offload::StepOptions options,
                              StepOptions(*engine, options_json));
     return engine->engine->PrepareStep(options);
   });
@@ -559,6 +573,99 @@ MEMPLAN_C_EXPORT memplan_status memplan_engine_read_master(memplan_engine* engin
                                      p.spec.name + " has " + std::to_string(p.numel) + " elements");
     }
     return engine->engine->ReadMasterWeights(param_id, std::span<float>(out, count));
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_gradient_norm(memplan_engine* engine,
+                                                             double norm_type, double grad_scale,
+                                                             double* norm) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (norm == nullptr) return NullArgument("norm");
+    if (!engine->started) return Status::FailedPrecondition("the engine has not started");
+    MEMPLAN_ASSIGN_OR_RETURN(*norm, engine->engine->GradientNorm(norm_type, grad_scale));
+    return Status::Ok();
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_abandon_step(memplan_engine* engine) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (!engine->started) return Status::FailedPrecondition("the engine has not started");
+    return engine->engine->AbandonStep();
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_shard(memplan_engine* engine, uint32_t param_id,
+                                                     uint64_t* first, uint64_t* size) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (first == nullptr) return NullArgument("first");
+    if (size == nullptr) return NullArgument("size");
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckParam(param_id));
+    MEMPLAN_ASSIGN_OR_RETURN(const memplan::offload::ParamShard shard,
+                             engine->engine->Shard(param_id));
+    *first = shard.first;
+    *size = shard.size;
+    return Status::Ok();
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_optimizer_states(memplan_engine* engine,
+                                                                int32_t* states) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (states == nullptr) return NullArgument("states");
+    *states = engine->engine->OptimizerStates();
+    return Status::Ok();
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_read_state(memplan_engine* engine, uint32_t param_id,
+                                                          int32_t array, float* out,
+                                                          uint64_t count) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (out == nullptr) return NullArgument("out");
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckParam(param_id));
+    return engine->engine->ReadOptimizerState(param_id, array, std::span<float>(out, count));
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_param_step(memplan_engine* engine, uint32_t param_id,
+                                                          uint64_t* step) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (step == nullptr) return NullArgument("step");
+    MEMPLAN_RETURN_IF_ERROR(engine->CheckParam(param_id));
+    MEMPLAN_ASSIGN_OR_RETURN(*step, engine->engine->ParamStepCount(param_id));
+    return Status::Ok();
+  });
+}
+
+MEMPLAN_C_EXPORT memplan_status memplan_engine_load_state(memplan_engine* engine,
+                                                          memplan_state_filler fill, void* user,
+                                                          const uint8_t* arrays, int32_t narrays,
+                                                          const uint64_t* steps, uint64_t nsteps) {
+  return Guard(__func__, [&]() -> Status {
+    if (engine == nullptr) return NullArgument("engine");
+    if (fill == nullptr) return NullArgument("fill");
+    if (arrays == nullptr || narrays <= 0) return NullArgument("arrays");
+    if (steps == nullptr && nsteps != 0) return NullArgument("steps");
+    const auto n = static_cast<size_t>(narrays);
+    std::unique_ptr<bool[]> flags(new bool[n]);
+    for (size_t k = 0; k < n; ++k) flags[k] = arrays[k] != 0;
+    memplan::offload::StateFiller filler = [fill, user](uint32_t param, int array, uint64_t first,
+                                                        std::span<float> out) -> Status {
+      if (fill(user, param, array, first, out.data(), out.size()) != 0) {
+        return Status::InvalidArgument("the state filler failed for parameter " +
+                                       std::to_string(param) + ", array " + std::to_string(array));
+      }
+      return Status::Ok();
+    };
+    return engine->engine->LoadOptimizerState(
+        filler, std::span<const bool>(flags.get(), n),
+        std::span<const uint64_t>(steps, static_cast<size_t>(nsteps)));
   });
 }
 

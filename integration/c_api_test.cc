@@ -471,6 +471,121 @@ TEST_CASE("c api: a prepared step runs during backward and ends where the serial
   CHECK(std::memcmp(results[0].data(), results[1].data(), results[0].size() * 4) == 0);
 }
 
+// A C trainer's state filler: the saved shards of every parameter, by id and array.
+struct SavedState {
+  std::vector<std::vector<std::vector<float>>> arrays;  // [param][array] this rank's shard
+};
+
+int FillFromSaved(void* user, uint32_t param, int32_t array, uint64_t first, float* out,
+                  uint64_t count) {
+  const auto* saved = static_cast<const SavedState*>(user);
+  const std::vector<float>& src = saved->arrays[param][static_cast<size_t>(array)];
+  if (first + count > src.size()) return 1;
+  std::memcpy(out, src.data() + first, count * sizeof(float));
+  return 0;
+}
+
+TEST_CASE("c api: groups, clipping, the gradient norm, an abandoned step, state out and back") {
+  TempDir dir("memplan_capi_");
+  std::vector<TestParam> params = TestModel();
+  auto open = [&](const std::string& sub, memplan_engine** engine) {
+    Open("fp32", dir.PathOf(sub), engine);
+    for (TestParam& p : params) {
+      REQUIRE_MESSAGE(memplan_engine_register(*engine, p.name, p.module, p.shape.data(),
+                                              static_cast<int32_t>(p.shape.size()), p.init.data(),
+                                              &p.id) == MEMPLAN_OK,
+                      LastError());
+    }
+    // The bias in group 1: no weight decay, another learning rate.
+    REQUIRE(memplan_engine_set_group(*engine, params[1].id, 1) == MEMPLAN_OK);
+    CHECK(memplan_engine_set_group(*engine, params[1].id, 5000) == MEMPLAN_INVALID_ARGUMENT);
+    REQUIRE_MESSAGE(memplan_engine_start(*engine) == MEMPLAN_OK, LastError());
+  };
+  auto backward = [&](memplan_engine* engine, float scale) {
+    for (const char* module : {"m1", "m0"}) {
+      REQUIRE(memplan_engine_fetch(engine, module) == MEMPLAN_OK);
+      REQUIRE(memplan_engine_release(engine, module) == MEMPLAN_OK);
+    }
+    for (TestParam& p : params) {
+      for (float& g : p.grad) g *= scale;
+      REQUIRE_MESSAGE(
+          memplan_engine_grad_ready(engine, p.id, p.grad.data(), MEMPLAN_FLOAT32) == MEMPLAN_OK,
+          LastError());
+      for (float& g : p.grad) g /= scale;
+    }
+  };
+  const char* options =
+      R"({"lr": 0.1, "groups": [{}, {"lr": 0.05, "weight_decay": 0}], "max_grad_norm": 1.0})";
+  memplan_engine* engine = nullptr;
+  open("a", &engine);
+  backward(engine, 1.0f);
+  double norm = 0, squares = 0;
+  for (const TestParam& p : params) {
+    for (float g : p.grad) squares += static_cast<double>(g) * g;
+  }
+  REQUIRE_MESSAGE(memplan_engine_gradient_norm(engine, 2.0, 1.0, &norm) == MEMPLAN_OK, LastError());
+  CHECK(norm == doctest::Approx(std::sqrt(squares)).epsilon(1e-12));
+  CHECK(memplan_engine_gradient_norm(engine, 3.0, 1.0, &norm) == MEMPLAN_INVALID_ARGUMENT);
+  REQUIRE_MESSAGE(memplan_engine_step(engine, options) == MEMPLAN_OK, LastError());
+  CString stats;
+  REQUIRE(memplan_engine_stats_json(engine, &stats.text) == MEMPLAN_OK);
+  const json s = stats.Parse();
+  CHECK(s["groups"] == 2);
+  CHECK(s["last_clip_coefficient"].get<double>() < 1.0);  // the norm is above 1
+  // Half a step, abandoned: the next step as if it never was.
+  REQUIRE(memplan_engine_grad_ready(engine, params[0].id, params[0].grad.data(), MEMPLAN_FLOAT32) ==
+          MEMPLAN_OK);
+  REQUIRE_MESSAGE(memplan_engine_abandon_step(engine) == MEMPLAN_OK, LastError());
+  CHECK(memplan_engine_step(engine, options) == MEMPLAN_FAILED_PRECONDITION);
+  // The state out: each parameter's shard (all of it on one rank) of its three arrays.
+  int32_t states = 0;
+  REQUIRE(memplan_engine_optimizer_states(engine, &states) == MEMPLAN_OK);
+  REQUIRE(states == 2);
+  SavedState saved;
+  std::vector<uint64_t> steps;
+  for (const TestParam& p : params) {
+    uint64_t first = 1, size = 0, step = 0;
+    REQUIRE(memplan_engine_shard(engine, p.id, &first, &size) == MEMPLAN_OK);
+    CHECK(first == 0);
+    CHECK(size == p.init.size());
+    saved.arrays.emplace_back();
+    for (int32_t a = 0; a <= states; ++a) {
+      std::vector<float> out(size);
+      REQUIRE_MESSAGE(memplan_engine_read_state(engine, p.id, a, out.data(), size) == MEMPLAN_OK,
+                      LastError());
+      saved.arrays.back().push_back(out);
+    }
+    REQUIRE(memplan_engine_param_step(engine, p.id, &step) == MEMPLAN_OK);
+    steps.push_back(step);
+  }
+  CHECK(steps == std::vector<uint64_t>(params.size(), 1));
+  // A second step here, and in a fresh engine loaded with the state: the same weights.
+  backward(engine, 3.0f);
+  REQUIRE_MESSAGE(memplan_engine_step(engine, options) == MEMPLAN_OK, LastError());
+  memplan_engine* fresh = nullptr;
+  open("b", &fresh);
+  const uint8_t all[3] = {1, 1, 1};
+  REQUIRE_MESSAGE(memplan_engine_load_state(fresh, FillFromSaved, &saved, all, 3, steps.data(),
+                                            steps.size()) == MEMPLAN_OK,
+                  LastError());
+  backward(fresh, 3.0f);
+  REQUIRE_MESSAGE(memplan_engine_step(fresh, options) == MEMPLAN_OK, LastError());
+  for (const TestParam& p : params) {
+    std::vector<float> a(p.init.size()), b(p.init.size());
+    REQUIRE(memplan_engine_read_master(engine, p.id, a.data(), a.size()) == MEMPLAN_OK);
+    REQUIRE(memplan_engine_read_master(fresh, p.id, b.data(), b.size()) == MEMPLAN_OK);
+    CHECK(a == b);
+  }
+  // A filler that fails: the load is refused, nothing applied.
+  SavedState short_state = saved;
+  short_state.arrays[2][1].resize(3);
+  CHECK(memplan_engine_load_state(fresh, FillFromSaved, &short_state, all, 3, nullptr, 0) !=
+        MEMPLAN_OK);
+  CHECK(LastError().find("filler") != std::string::npos);
+  CHECK(memplan_engine_close(engine) == MEMPLAN_OK);
+  CHECK(memplan_engine_close(fresh) == MEMPLAN_OK);
+}
+
 TEST_CASE("c api: engine argument errors") {
   TempDir dir("memplan_capi_");
   memplan_engine* engine = reinterpret_cast<memplan_engine*>(&engine);  // garbage to overwrite

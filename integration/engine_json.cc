@@ -1,6 +1,9 @@
 #include "integration/engine_json.h"
 
+#include <algorithm>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include "common/json.h"
 
@@ -17,13 +20,15 @@ NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(ParamSwapperStats, fetch_calls, demand_fetche
                                    device_arena_bytes, device_arena_peak_bytes, arena_evictions)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EngineStepProfile, overlapped, backward_s, step_s, optimizer_s,
                                    read_s, write_s, sync_s, backward_wait_s, stall_s, sub_groups,
-                                   sub_groups_before_step, overlapped_fraction)
+                                   sub_groups_before_step, overlapped_fraction, clipping, norm_s)
 NLOHMANN_DEFINE_TYPE_NON_INTRUSIVE(EngineStats, runtime, steps, epoch, params, elements, rank,
                                    world_size, partition_elements, frozen_params, frozen_elements,
                                    optimizer_elements, param, d2h_bytes, reduce_scatter_bytes,
                                    optimizer_read_bytes, optimizer_write_bytes, grad_write_bytes,
-                                   nvme_read_bytes, nvme_write_bytes, last_step_s, step_profile,
-                                   peak_device_bytes, pinned_bytes, device_arena_bytes)
+                                   nvme_read_bytes, nvme_write_bytes, groups, skipped_steps,
+                                   last_step_skipped, last_grad_norm, last_clip_coefficient,
+                                   last_step_s, step_profile, peak_device_bytes, pinned_bytes,
+                                   device_arena_bytes)
 
 }  // namespace memplan::offload
 
@@ -83,6 +88,93 @@ Result<offload::SwapStepOptions> StepOptionsFromJson(const json& j,
     }
   }
   return Status::Internal("step options: unknown optimizer");
+}
+
+namespace {
+
+// The keys of one group's options (the optimizer's, but the step-wide grad_scale).
+std::vector<std::string> GroupKeys(offload::SwapOptimizer optimizer) {
+  switch (optimizer) {
+    case offload::SwapOptimizer::kAdam:
+    case offload::SwapOptimizer::kAdamAmsgrad:
+      return {"lr", "beta1", "beta2", "eps", "weight_decay", "decoupled", "bias_correction"};
+    case offload::SwapOptimizer::kSgd:
+      return {"lr", "momentum", "dampening", "weight_decay", "nesterov"};
+    case offload::SwapOptimizer::kLion: return {"lr", "beta1", "beta2", "weight_decay"};
+  }
+  return {};
+}
+
+}  // namespace
+
+Result<offload::StepOptions> EngineStepOptionsFromJson(const json& j,
+                                                       offload::SwapOptimizer optimizer) {
+  if (!j.is_null() && !j.is_object()) {
+    return Status::InvalidArgument("step options: must be a JSON object, got " +
+                                   JsonFieldReader::Got(j));
+  }
+  offload::StepOptions out;
+  json common = j.is_null() ? json::object() : j;
+  const JsonFieldReader r(common, "step options");
+  if (r.Has("max_grad_norm")) {
+    const json& v = common.at("max_grad_norm");
+    if (v.is_string() && v.get<std::string>() == "inf") {
+      out.max_grad_norm = std::numeric_limits<double>::infinity();
+    } else if (v.is_number() && v.get<double>() >= 0) {
+      out.max_grad_norm = v.get<double>();
+    } else {
+      return r.Error("max_grad_norm", "must be a number >= 0 (0: no clipping) or \"inf\", got " +
+                                          JsonFieldReader::Got(v));
+    }
+  }
+  if (r.Has("norm_type")) {
+    const json& v = common.at("norm_type");
+    if (v.is_string() && v.get<std::string>() == "inf") {
+      out.norm_type = std::numeric_limits<double>::infinity();
+    } else if (v.is_number() && (v.get<double>() == 1 || v.get<double>() == 2)) {
+      out.norm_type = v.get<double>();
+    } else {
+      return r.Error("norm_type", "must be 1, 2 or \"inf\", got " + JsonFieldReader::Got(v));
+    }
+  }
+  MEMPLAN_RETURN_IF_ERROR(r.Bool("skip_nonfinite", &out.skip_nonfinite));
+  json groups = json::array();
+  if (r.Has("groups")) {
+    groups = common.at("groups");
+    if (!groups.is_array() || groups.empty()) {
+      return r.Error("groups", "must be a non-empty array of objects, one per parameter group");
+    }
+  }
+  for (const char* key : {"max_grad_norm", "norm_type", "skip_nonfinite", "groups"}) {
+    common.erase(key);
+  }
+  if (groups.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(offload::SwapStepOptions one, StepOptionsFromJson(common, optimizer));
+    out.groups.push_back(one);
+    return out;
+  }
+  const std::vector<std::string> keys = GroupKeys(optimizer);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::string what = "step options: groups[" + std::to_string(g) + "]";
+    if (!groups[g].is_object()) {
+      return Status::InvalidArgument(what + ": must be an object, got " +
+                                     JsonFieldReader::Got(groups[g]));
+    }
+    json merged = common;
+    for (const auto& [key, value] : groups[g].items()) {
+      if (std::find(keys.begin(), keys.end(), key) == keys.end()) {
+        std::string allowed;
+        for (const std::string& k : keys) allowed += (allowed.empty() ? "" : ", ") + k;
+        return Status::InvalidArgument(what + ": unknown key '" + key + "' (a group takes " +
+                                       allowed + ")");
+      }
+      merged[key] = value;
+    }
+    Result<offload::SwapStepOptions> one = StepOptionsFromJson(merged, optimizer);
+    if (!one.ok()) return one.status().WithPrefix(what);
+    out.groups.push_back(*one);
+  }
+  return out;
 }
 
 json ToJson(const offload::EngineStats& s) { return s; }

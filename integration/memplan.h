@@ -105,7 +105,12 @@ memplan_status memplan_engine_add_use(memplan_engine* engine, uint32_t param_id,
  * Schedule's tier, but never given a gradient (grad_ready refuses it), never stepped, never
  * written after start, with no optimizer state (LoRA's base weights); read_master refuses it. */
 memplan_status memplan_engine_freeze(memplan_engine* engine, uint32_t param_id);
-/* Creates the stores and writes the initial values (or, with resume, recovers them). */
+/* Puts a registered parameter in parameter group `group` (before start; 0 .. 1023, default 0):
+ * the step options' "groups" entry of that index steps it (integration/engine_json.h; torch.optim's
+ * param_groups, e.g. no weight decay for biases and norms). */
+memplan_status memplan_engine_set_group(memplan_engine* engine, uint32_t param_id, uint32_t group);
+/* Creates the stores and writes the initial values (or, with resume, recovers them; a resume onto
+ * a store written for other parameters, in name, order, shape or frozen set, is refused). */
 memplan_status memplan_engine_start(memplan_engine* engine);
 memplan_status memplan_engine_fetch(memplan_engine* engine, const char* module);
 /* memplan_engine_release_on_stream with the legacy default stream (NULL). */
@@ -133,17 +138,52 @@ memplan_status memplan_engine_gradient_stream(memplan_engine* engine, void** str
  * its weights, optimizer states and step count unchanged, as torch's optimizers do. Instead of
  * grad_ready, before step; every rank must skip the same parameters. */
 memplan_status memplan_engine_no_gradient(memplan_engine* engine, uint32_t param_id);
-/* One optimizer step; `options_json` (NULL: defaults) as integration/engine_json.h. After
- * memplan_engine_prepare_step the options must be the prepared ones (FAILED_PRECONDITION
- * otherwise, and the step is abandoned: run its forward and backward again). */
+/* One optimizer step; `options_json` (NULL: defaults) as integration/engine_json.h: the
+ * optimizer's options, per parameter group ("groups"), gradient clipping by the global norm
+ * ("max_grad_norm", "norm_type") and skipping a step whose gradients overflowed ("skip_nonfinite",
+ * for loss scaling; the stats' last_step_skipped says so). After memplan_engine_prepare_step the
+ * options must be the prepared ones (FAILED_PRECONDITION otherwise, and the step is abandoned:
+ * run its forward and backward again). */
 memplan_status memplan_engine_step(memplan_engine* engine, const char* options_json);
 /* The options of the coming memplan_engine_step, given before the step's first gradient: the
  * engine then steps each optimizer sub-group during backward, as soon as its gradients are in
- * (the optimizer on nvme; results identical to the serial step). For options known only after
- * backward (clipping by the global norm, an fp16 overflow check), do not call it. A failure of the
- * prepared step is returned by memplan_engine_step, which abandons it (nothing committed, the
- * weights as before the step). */
+ * (the optimizer on nvme; results identical to the serial step), clipping included (the step is
+ * run again when the norm says it must clip). A failure of the prepared step is returned by
+ * memplan_engine_step, which abandons it (nothing committed, the weights as before the step). */
 memplan_status memplan_engine_prepare_step(memplan_engine* engine, const char* options_json);
+/* The global norm (`norm_type` 1, 2 or INFINITY) of this step's gradients divided by
+ * `grad_scale` (their loss scale; 1 without), over every rank (a collective): what
+ * torch.nn.utils.clip_grad_norm_ returns. Every gradient must have been given (or declared with
+ * no_gradient). NaN or inf when a gradient holds one. */
+memplan_status memplan_engine_gradient_norm(memplan_engine* engine, double norm_type,
+                                            double grad_scale, double* norm);
+/* Drops the step in progress (its gradients, a prepared step's work), so that the next step
+ * starts clean: after an error in the trainer's backward, or a step it decides to skip. */
+memplan_status memplan_engine_abandon_step(memplan_engine* engine);
+/* Checkpoints. This rank's shard of a parameter in the optimizer: elements [*first, *first +
+ * *size) of the flattened parameter (past its numel: padding). */
+memplan_status memplan_engine_shard(memplan_engine* engine, uint32_t param_id, uint64_t* first,
+                                    uint64_t* size);
+/* The number of optimizer state arrays besides the master weights (Adam: 2, exp_avg and
+ * exp_avg_sq; 3 with amsgrad; SGD and Lion 1). */
+memplan_status memplan_engine_optimizer_states(memplan_engine* engine, int32_t* states);
+/* Reads this rank's shard of array `array` (0: the fp32 master weights; 1..states: the optimizer's
+ * states) of a trainable parameter, between steps; `count` must be the shard's size. */
+memplan_status memplan_engine_read_state(memplan_engine* engine, uint32_t param_id, int32_t array,
+                                         float* out, uint64_t count);
+/* A trainable parameter's own step count (torch's state["step"]). */
+memplan_status memplan_engine_param_step(memplan_engine* engine, uint32_t param_id, uint64_t* step);
+/* Fills elements [first, first + count) of this rank's shard of `array` of `param_id` into `out`;
+ * returns 0, or non-zero to fail the load (with a message through memplan_last_error's caller). */
+typedef int (*memplan_state_filler)(void* user, uint32_t param_id, int32_t array, uint64_t first,
+                                    float* out, uint64_t count);
+/* Replaces, between steps, the arrays `arrays[k] != 0` says (1 + states flags) of every trainable
+ * parameter, and with arrays[0] the frozen ones' values, from `fill`; `steps` (NULL, or one count
+ * per registered parameter) replaces the step counts. All or nothing for the trainable ones (on
+ * NVMe one committed step). The working parameters are rewritten. */
+memplan_status memplan_engine_load_state(memplan_engine* engine, memplan_state_filler fill,
+                                         void* user, const uint8_t* arrays, int32_t narrays,
+                                         const uint64_t* steps, uint64_t nsteps);
 /* Copies a parameter's fp32 master weights into `out` (`count` must be its numel). */
 memplan_status memplan_engine_read_master(memplan_engine* engine, uint32_t param_id, float* out,
                                           uint64_t count);

@@ -281,6 +281,12 @@ struct SwapStore::Impl {
   Status ReadBlocks(const std::string& key, const Entry& e, uint64_t begin, uint64_t end,
                     std::byte* out) {
     Status status = engine->Read(file, e.offset + begin, out, end - begin);
+    if (status.code() == StatusCode::kOutOfRange) {
+      // The index places the value inside the data file: a file that ends before it was cut
+      // short behind the store's back, which is data lost, not a caller's range.
+      return Status::DataLoss(
+          KeyMsg(key, "the data file ends before the value (truncated?): " + status.message()));
+    }
     if (!status.ok()) return status.WithPrefix(KeyMsg(key, "read failed"));
     const uint64_t block = options.checksum_block_bytes;
     for (uint64_t at = begin; at < end; at += block) {
@@ -387,9 +393,9 @@ Status SwapStore::Impl::PrepareDirectory() {
   struct stat st;
   if (::lstat(dir.c_str(), &st) != 0) {
     if (errno == ENOENT && options.open_existing) {
-      return Status::NotFound(
-          Msg("the directory does not exist (open_existing reopens a store "
-              "an earlier run kept there)"));
+      return Status::FromErrno(ENOENT,
+                               Msg("the directory does not exist (open_existing reopens a store "
+                                   "an earlier run kept there)"));
     }
     return Status::FromErrno(errno, Msg("cannot stat"));
   }
@@ -527,9 +533,9 @@ Status SwapStore::Impl::OpenDataFile() {
   Result<int> fd = OpenFile(data_path, open_options, &direct_used);
   if (!fd.ok()) {
     if (fd.status().code() == StatusCode::kNotFound) {
-      return Status::NotFound(Msg("data file " + data_path +
-                                  " does not exist (open_existing reopens a store an earlier run "
-                                  "kept with keep_files)"));
+      return Status::FromErrno(ENOENT, Msg("data file " + data_path +
+                                           " does not exist (open_existing reopens a store an "
+                                           "earlier run kept with keep_files)"));
     }
     return fd.status().WithPrefix(Msg("cannot open the data file"));
   }
@@ -570,7 +576,8 @@ Status SwapStore::Impl::LoadIndex() {
   int fd = ::open(index_path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) {
-      return Status::NotFound(Msg("index file " + index_path + " does not exist" + never_synced));
+      return Status::FromErrno(ENOENT,
+                               Msg("index file " + index_path + " does not exist" + never_synced));
     }
     return Status::FromErrno(errno, Msg("cannot open the index file " + index_path));
   }

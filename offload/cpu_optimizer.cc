@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -52,6 +53,12 @@ Status CheckRange(const char* name, double value, double low, bool low_open, dou
 }
 
 constexpr double kInf = HUGE_VAL;
+
+// AdamOptions::grad_scale's range: > 0, +inf (gradients times 0) or NaN (gradients NaN).
+Status CheckGradScale(double value) {
+  if (value > 0 || std::isnan(value)) return Status::Ok();
+  return Status::InvalidArgument("grad_scale: must be > 0, got " + Describe(value));
+}
 
 #if MEMPLAN_OFFLOAD_X86
 // clang 14's __builtin_cpu_supports does not know "f16c"; CPUID leaf 1 says it in both compilers.
@@ -153,7 +160,7 @@ Status AdamOptions::Validate() const {
   MEMPLAN_RETURN_IF_ERROR(CheckRange("beta2", beta2, 0, false, 1, true));
   MEMPLAN_RETURN_IF_ERROR(CheckRange("eps", eps, 0, true, kInf, true));
   MEMPLAN_RETURN_IF_ERROR(CheckRange("weight_decay", weight_decay, 0, false, kInf, true));
-  return CheckRange("grad_scale", grad_scale, 0, true, kInf, true);
+  return CheckGradScale(grad_scale);
 }
 
 Status SgdOptions::Validate() const {
@@ -161,7 +168,7 @@ Status SgdOptions::Validate() const {
   MEMPLAN_RETURN_IF_ERROR(CheckRange("momentum", momentum, 0, false, kInf, true));
   MEMPLAN_RETURN_IF_ERROR(CheckRange("dampening", dampening, 0, false, 1, false));
   MEMPLAN_RETURN_IF_ERROR(CheckRange("weight_decay", weight_decay, 0, false, kInf, true));
-  MEMPLAN_RETURN_IF_ERROR(CheckRange("grad_scale", grad_scale, 0, true, kInf, true));
+  MEMPLAN_RETURN_IF_ERROR(CheckGradScale(grad_scale));
   if (nesterov && (momentum <= 0 || dampening != 0)) {
     return Status::InvalidArgument("nesterov: needs momentum > 0 and dampening 0");
   }
@@ -173,7 +180,7 @@ Status LionOptions::Validate() const {
   MEMPLAN_RETURN_IF_ERROR(CheckRange("beta1", beta1, 0, false, 1, true));
   MEMPLAN_RETURN_IF_ERROR(CheckRange("beta2", beta2, 0, false, 1, true));
   MEMPLAN_RETURN_IF_ERROR(CheckRange("weight_decay", weight_decay, 0, false, kInf, true));
-  return CheckRange("grad_scale", grad_scale, 0, true, kInf, true);
+  return CheckGradScale(grad_scale);
 }
 
 Status CpuOptimizerOptions::Validate() const {
@@ -452,6 +459,79 @@ Status CpuOptimizer::ConvertToHalf(std::span<const float> src, std::span<uint16_
   pool_->Run(src.size(), tile_elements_,
              [&](size_t begin, size_t end) { kernel(src.data(), dst.data(), dtype, begin, end); });
   return Status::Ok();
+}
+
+void GradientNormParts::Add(const GradientNormParts& other) {
+  sum_squares += other.sum_squares;
+  sum_abs += other.sum_abs;
+  max_abs = std::max(max_abs, other.max_abs);
+  nan += other.nan;
+  inf += other.inf;
+}
+
+Result<double> GradientNormParts::Norm(double p) const {
+  MEMPLAN_RETURN_IF_ERROR(ValidateNormType(p));
+  if (nan > 0) return std::numeric_limits<double>::quiet_NaN();
+  if (inf > 0) return kInf;
+  if (p == 1) return sum_abs;
+  if (p == 2) return std::sqrt(sum_squares);
+  return max_abs;
+}
+
+Status ValidateNormType(double norm_type) {
+  if (norm_type == 1 || norm_type == 2 || norm_type == kInf) return Status::Ok();
+  return Status::InvalidArgument("norm_type: must be 1, 2 or inf, got " + Describe(norm_type));
+}
+
+GradientNormParts MeasureGradients(std::span<const float> grads) {
+  // Eight independent partial sums: the additions of one do not wait for the previous one's, and
+  // the order of every addition is fixed, so the result does not depend on the compiler's
+  // vectorisation. A non-finite element is counted, and left out of the sums (whose NaN would
+  // otherwise hide whether it was a NaN or an inf).
+  constexpr size_t kLanes = 8;
+  double squares[kLanes] = {}, abs[kLanes] = {}, max[kLanes] = {};
+  GradientNormParts out;
+  const size_t n = grads.size();
+  const size_t whole = n / kLanes * kLanes;
+  const float* g = grads.data();
+  bool finite = true;
+  for (size_t i = 0; i < whole; i += kLanes) {
+    for (size_t k = 0; k < kLanes; ++k) {
+      const double x = g[i + k];
+      const double a = std::fabs(x);
+      squares[k] += x * x;
+      abs[k] += a;
+      max[k] = a > max[k] ? a : max[k];
+    }
+  }
+  for (size_t k = 0; k < kLanes; ++k) finite = finite && std::isfinite(squares[k]);
+  auto count = [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) {
+      const double x = g[i];
+      if (std::isnan(x)) {
+        ++out.nan;
+      } else if (std::isinf(x)) {
+        ++out.inf;
+      } else {
+        out.sum_squares += x * x;
+        out.sum_abs += std::fabs(x);
+        out.max_abs = std::max(out.max_abs, std::fabs(x));
+      }
+    }
+  };
+  if (!finite) {
+    // A NaN or an inf among the whole lanes (rare: an overflowed fp16 step): count element by
+    // element, in order. Finite fp32 squares cannot overflow a double, so this is the only cause.
+    count(0, n);
+    return out;
+  }
+  for (size_t k = 0; k < kLanes; ++k) {
+    out.sum_squares += squares[k];
+    out.sum_abs += abs[k];
+    out.max_abs = std::max(out.max_abs, max[k]);
+  }
+  count(whole, n);
+  return out;
 }
 
 }  // namespace memplan::offload

@@ -66,8 +66,10 @@ struct AdamOptions {
   // Use the running maximum of v (AMSGrad); the step then needs max_exp_avg_sq. Default false.
   bool amsgrad = false;
   // The gradients given are multiplied by 1 / grad_scale (rounded to float once per step) before
-  // anything else: pass the loss scale to unscale, or loss_scale / clip_coefficient to also clip. >
-  // 0 and finite. Default 1 (gradients used as given).
+  // anything else: pass the loss scale to unscale, or loss_scale / clip_coefficient to also clip.
+  // > 0; +inf multiplies the gradients by 0 and NaN makes them NaN, which is what torch's
+  // clip_grad_norm_ does to them when their norm is infinite or NaN (the engine clips that way).
+  // Default 1 (gradients used as given).
   double grad_scale = 1.0;
 
   Status Validate() const;
@@ -138,6 +140,30 @@ struct CpuOptimizerOptions {
 
   Status Validate() const;
 };
+
+// What a gradient norm is made of, over some gradient elements: the pieces add up over disjoint
+// sets of elements (sub-groups, ranks) in any grouping, and Norm() gives torch's norms of the whole
+// (Note [Clipping by the global norm] in engine.cc). Sums are in double, as torch accumulates an
+// fp32 norm on the CPU.
+struct GradientNormParts {
+  double sum_squares = 0;  // of the finite elements (non-finite ones are counted below)
+  double sum_abs = 0;      // of the finite elements
+  double max_abs = 0;      // of the finite elements
+  uint64_t nan = 0;        // NaN elements
+  uint64_t inf = 0;        // +-inf elements
+
+  void Add(const GradientNormParts& other);
+  // True when every element was finite (GradScaler's "no inf found").
+  bool finite() const { return nan == 0 && inf == 0; }
+  // The p-norm for p = 1, 2 or +inf: NaN when an element is NaN, +inf when one is infinite, as
+  // torch.linalg.vector_norm gives them. InvalidArgument for another p.
+  Result<double> Norm(double p) const;
+};
+// The pieces of `grads`' norm. Deterministic: the same elements give the same bits, whatever the
+// ISA (plain double arithmetic over eight interleaved partial sums, combined in a fixed order).
+GradientNormParts MeasureGradients(std::span<const float> grads);
+// Checks a norm type: 1, 2 or +inf.
+Status ValidateNormType(double norm_type);
 
 class TilePool;
 

@@ -97,17 +97,101 @@
 //   - Frozen parameters are outside the optimizer's sub-groups; parameters without a gradient
 //     complete theirs in Step(), stepped as segments.
 // Options: they must be known before backward. Step() compares its options with the prepared ones
-// and abandons the step when they differ. A trainer that clips by the global gradient norm (its
-// coefficient needs every gradient) or checks fp16 gradients for overflow before stepping (a
-// dynamic loss scaler skips the whole step) does not prepare: those steps run serially, as
-// before. Errors: an I/O error in a background sub-group, or the write-back's, fails Step() naming
+// and abandons the step when they differ. Clipping by the global gradient norm and skipping a step
+// whose gradients overflowed are options too; what they decide is known only once every gradient
+// is in, so a prepared step that may clip or skip is run as Note [Clipping by the global norm]
+// says. Errors: an I/O error in a background sub-group, or the write-back's, fails Step() naming
 // the step and the sub-group; the step is abandoned (Abandon()): nothing committed, its gradients
 // dropped, the working parameters already written rewritten from the committed master weights,
-// so the trainer can run the step again. With world size > 1 a failed step ends the job, as any
-// one rank's error does (the ranks would no longer make the same collectives).
-// Bounds: at most optimizer_buffer_count + 2 sub-groups' fp32 gradients wait for the optimizer;
-// beyond that the gradient thread waits, and so, through the staging slots, does backward
-// (stats().step_profile.stall_s). The cpu optimizer tier steps serially even when prepared.
+// so the trainer can run the step again.
+//
+// Note [Clipping by the global norm]
+// torch.nn.utils.clip_grad_norm_(parameters, max_norm, p) multiplies every gradient by
+// clamp(max_norm / (norm + 1e-6), max=1), norm the p-norm of all of them (1, 2 or inf), in fp32:
+// Tensor.__rtruediv__ makes it reciprocal(norm + 1e-6) * max_norm. An infinite norm gives 0 (the
+// finite gradients zeroed, an infinite one NaN), a NaN norm NaN. The engine does the same, at
+// Step(), with StepOptions::max_grad_norm:
+//   - The norm. Every optimizer sub-group's gradients are measured once, when the sub-group is
+//     complete (Accumulate(): MeasureGradients, in double, NaNs and infs counted apart, on the
+//     gradient thread, beside backward), into norm_parts. StepNorm() adds them in sub-group order
+//     and, with world size > 1, every rank's in rank order (an all-gather: the same bits on every
+//     rank, and the norm of the mean gradient the ranks step with). GradientNorm() is the same
+//     measurement, for a trainer that logs it (the Hugging Face Trainer's grad_norm) or clips by
+//     hand; the step reuses it. Divided by grad_scale, the loss scale the gradients carry.
+//   - The coefficient multiplies the gradients through grad_scale: the kernels multiply by
+//     1 / grad_scale rounded to float once, so grad_scale = loss_scale / coefficient gives back
+//     exactly the coefficient (for a power-of-two loss scale, coefficient / loss_scale); 0 and NaN
+//     become +inf and NaN, which the kernels take (cpu_optimizer.h).
+//   - skip_nonfinite (a dynamic loss scaler's overflow check): a gradient with an inf or NaN
+//     drops the step whole (DropStep(): nothing applied, no step count advances).
+// With the optimizer overlapped with backward (PrepareStep), a sub-group is stepped as soon as its
+// gradients are complete, before the norm of all of them is known, and Adam is not linear in the
+// gradient, nor can a sub-group whose states were written be rescaled afterwards. Three ways were
+// weighed: keep every gradient in memory until the norm is known (the step's whole fp32 gradient
+// partition in host memory, what NVMe offload exists to avoid); speculate, stepping unclipped and
+// undoing; or defer the step. The engine speculates when the last step did not clip and defers
+// when it did:
+//   - speculated: the prepared step runs beside backward unclipped, as without clipping, and each
+//     sub-group's gradients are also written to the store's gradient slot (keep_grads: 4 bytes an
+//     element, what the serial step writes anyway) by the optimizer's writer stage after the
+//     sub-group's states, off backward's path (OptimizerSwapper::StepSubGroup's
+//     store_gradients). When the norm says the coefficient is 1 the step finishes as any
+//     overlapped one (step_profile.clipping "speculated"), the gradients not written yet are not
+//     (StopStoringGradients); its only extra cost is the writes made before the norm was known.
+//   - redone: when the coefficient is below 1, the speculative step is run to its end and dropped
+//     uncommitted (FinishStep(false): its states went to the sub-groups' other slots, Note [Two
+//     slots per sub-group], and now every sub-group's gradients are stored), and the step runs
+//     again serially from the stored gradients, with the coefficient; the working parameters the
+//     speculative step wrote are written again by it. The cost is the serial step after backward,
+//     plus the speculative tail.
+//   - deferred: after a step that clipped, the next probably clips too (a training's norm moves
+//     slowly): the prepared step does not run beside backward at all, its gradients go to the
+//     store as for a serial step and Step() runs it, clipped: the serial step's cost, no waste.
+// So a training whose norm stays under max_grad_norm keeps the overlap; one that clips every step
+// runs at the serial step's speed, redoing only the first; bench/clip_bench measures both. The
+// results are the serial ones, bit for bit, whichever way a step ran. Without clipping declared
+// before backward a prepared step cannot clip (its gradients are not kept): Step() then refuses
+// other options as before.
+//
+// Note [Parameter groups]
+// torch.optim's param_groups give each group of parameters its own learning rate, weight decay,
+// betas (the Hugging Face Trainer: no weight decay for biases and norms; a scheduler per group).
+// Each parameter's group is fixed when it is registered (ParamSpec::group); a step's options come
+// per group (StepOptions::groups), validated against the Schedule's optimizer. A sub-group spans
+// parameters of several groups, so when the groups' options differ it is stepped in segments
+// (StepSegment::group, Segments()), each with its group's options, the kernels run in place on the
+// segment's part of each state array: the results are those of one kernel call per parameter,
+// bit for bit (the kernels are element-wise). Only the loss scale, grad_scale, is one per step.
+// With world size > 1 a failed step ends the job, as any one rank's error does (the ranks would no
+// longer make the same collectives). Bounds: at most optimizer_buffer_count + 2 sub-groups' fp32
+// gradients wait for the optimizer; beyond that the gradient thread waits, and so, through the
+// staging slots, does backward (stats().step_profile.stall_s). The cpu optimizer tier steps
+// serially even when prepared.
+//
+// Note [What a store holds]
+// The optimizer store outlives its process (resume), and its states are meaningful only for the
+// parameters that wrote them. Its element count alone cannot tell another registration with the
+// same count (two layers defined in the other order, a renamed or reshaped parameter): a resume
+// would put one parameter's weights and moments on another, silently (issue 30 H3). So the store
+// records the registration (Identity(): every parameter's name, shape, frozen flag and the
+// trainer's dtype, in order), written by OptimizerSwapper::Create() before its first commit, and a
+// resume compares it with this engine's, refusing the first difference by name. A store made by an
+// older memplan records none: it is accepted on its element count, with a note in the recovery
+// report. A live store, of another process or another engine of this one, is refused as in use
+// (LockHolder: the store's flock), never taken for a crashed run's.
+//
+// Note [Optimizer state in checkpoints]
+// ReadOptimizerState() reads this rank's shard of a trainable parameter's master weights or of one
+// of its states, between steps, only those bytes of each sub-group (no collective: each rank
+// writes its own file, as DeepSpeed's zero checkpoints); ParamStepCount() gives its own step count
+// (torch's state["step"], Note [Skipped parameters]). LoadOptimizerState() is the way back, with
+// any world size on either side (the trainer assembles this rank's shard from the checkpoint's):
+// one pass over the sub-groups through the home's Load(), which on NVMe is a committed step of the
+// store (begun marker, the other slots, one sync: a crash or a failed filler leaves the last
+// step), in memory all or nothing (made in copies). The store's epoch advances by one, so from then
+// on each parameter steps at its own count (segmented); the counts are saved as a step's, with how
+// much the load changed them, so a resume undoes a load the store did not commit. The working
+// parameters, and with the master weights the frozen ones', are rewritten.
 //
 // Note [Frozen parameters]
 // A frozen parameter is in the ParamSwapper like any other (fetched, gathered, on its tier) but not
@@ -122,11 +206,16 @@
 // them to the swapper's.
 #include "offload/engine.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
+#include <cmath>
+#include <optional>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -140,11 +229,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/json.h"
 #include "common/mutex.h"
 #include "offload/half.h"
 
 namespace memplan::offload {
 namespace {
+
+constexpr uint32_t kMaxGroups = 1024;  // ParamSpec::group's bound
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -172,27 +264,40 @@ class OptimizerHome {
   // Where sub-group sg's gradients can be written in place (then WriteGradients is given this
   // same span and copies nothing); empty when the home has no such buffer.
   virtual std::span<float> DirectGradients(uint64_t /*sg*/) { return {}; }
-  // `segments`: per-parameter step counts and skipped parameters (Note [Skipped parameters]);
-  // null: every element at the home's epoch + 1.
-  virtual Status Step(const SwapStepOptions& options, const UpdateCallback& on_update,
+  // `options`: per parameter group (Note [Parameter groups]); `segments`: per-parameter step
+  // counts, groups and skipped parameters (Note [Skipped parameters]); null: every element at the
+  // home's epoch + 1 with options[0].
+  virtual Status Step(std::span<const SwapStepOptions> options, const UpdateCallback& on_update,
                       const SegmentFn& segments) = 0;
-  virtual Status ReadParams(uint64_t sg, std::span<float> out) = 0;
+  // Elements [offset, offset + out.size()) of sub-group sg's array (0 the master weights, 1.. the
+  // states) at the last step.
+  virtual Status ReadRange(uint64_t sg, int array, uint64_t offset, std::span<float> out) = 0;
+  Status ReadParams(uint64_t sg, std::span<float> out) { return ReadRange(sg, 0, 0, out); }
+  // Replaces the arrays `arrays` says of every sub-group from `fill`, all or nothing, as one step
+  // of the home's epoch (Note [Optimizer state in checkpoints]).
+  virtual Status Load(const OptimizerSwapper::ArrayFiller& fill, std::span<const bool> arrays) = 0;
+  // Forgets the gradients of a step the trainer abandoned.
+  virtual void DiscardGradients() = 0;
+  // What the store holds (Note [What a store holds]); empty in memory.
+  virtual std::string identity() const { return {}; }
   // The overlapped step (Note [Optimizer overlapped with backward]), as the OptimizerSwapper's
   // calls of the same names; only a home that CanOverlap() has them.
   virtual bool CanOverlap() const { return false; }
-  virtual Status BeginStep(const SwapStepOptions& /*options*/,
+  virtual Status BeginStep(std::span<const SwapStepOptions> /*options*/,
                            const UpdateCallback& /*on_update*/) {
     return Status::Unimplemented("engine: this optimizer home steps serially");
   }
   virtual Status StepSubGroup(uint64_t /*sg*/, std::span<const float> /*grads*/,
-                              std::vector<StepSegment> /*segments*/,
-                              std::function<void()> /*done*/) {
+                              std::vector<StepSegment> /*segments*/, std::function<void()> /*done*/,
+                              bool /*store*/) {
     return Status::Unimplemented("engine: this optimizer home steps serially");
   }
   virtual uint64_t SubGroupsUpdated() const { return 0; }
   virtual Status WaitForUpdates() { return Status::Ok(); }
-  virtual Status FinishStep() { return Status::Ok(); }
+  // `commit` false: run to its end and dropped, the stored gradients kept (a redo).
+  virtual Status FinishStep(bool /*commit*/) { return Status::Ok(); }
   virtual void AbortStep() {}
+  virtual void StopStoringGradients() {}
   // The last step's stage times (the swapper's; the in-memory home fills compute only).
   virtual SwapStepStats last_step() const = 0;
   virtual uint64_t epoch() const = 0;
@@ -217,7 +322,7 @@ class NvmeHome final : public OptimizerHome {
     grad_write_.fetch_add(grads.size_bytes(), std::memory_order_relaxed);
     return Status::Ok();
   }
-  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update,
+  Status Step(std::span<const SwapStepOptions> options, const UpdateCallback& on_update,
               const SegmentFn& segments) override {
     Status status = s_->Step(options, on_update, segments);
     const SwapStepStats& last = s_->stats().last_step;
@@ -225,25 +330,34 @@ class NvmeHome final : public OptimizerHome {
     write_ += last.write_bytes;
     return status;
   }
-  Status ReadParams(uint64_t sg, std::span<float> out) override { return s_->ReadParams(sg, out); }
+  Status ReadRange(uint64_t sg, int array, uint64_t offset, std::span<float> out) override {
+    return s_->ReadRange(sg, array, offset, out);
+  }
+  Status Load(const OptimizerSwapper::ArrayFiller& fill, std::span<const bool> arrays) override {
+    return s_->Load(fill, arrays);
+  }
+  void DiscardGradients() override { s_->DiscardGradients(); }
+  std::string identity() const override { return s_->identity(); }
   bool CanOverlap() const override { return true; }
-  Status BeginStep(const SwapStepOptions& options, const UpdateCallback& on_update) override {
-    return s_->BeginStep(options, on_update);
+  Status BeginStep(std::span<const SwapStepOptions> options,
+                   const UpdateCallback& on_update) override {
+    return s_->BeginStep(options, on_update, nullptr);
   }
   Status StepSubGroup(uint64_t sg, std::span<const float> grads, std::vector<StepSegment> segments,
-                      std::function<void()> done) override {
-    return s_->StepSubGroup(sg, grads, std::move(segments), std::move(done));
+                      std::function<void()> done, bool store) override {
+    return s_->StepSubGroup(sg, grads, std::move(segments), std::move(done), store);
   }
   uint64_t SubGroupsUpdated() const override { return s_->SubGroupsUpdated(); }
   Status WaitForUpdates() override { return s_->WaitForUpdates(); }
-  Status FinishStep() override {
-    Status status = s_->FinishStep();
+  Status FinishStep(bool commit) override {
+    Status status = s_->FinishStep(commit);
     const SwapStepStats& last = s_->stats().last_step;
     read_ += last.read_bytes;
     write_ += last.write_bytes;
     return status;
   }
   void AbortStep() override { s_->AbortStep(); }
+  void StopStoringGradients() override { s_->StopStoringGradients(); }
   SwapStepStats last_step() const override { return s_->stats().last_step; }
   uint64_t epoch() const override { return s_->epoch(); }
   uint64_t pinned_bytes() const override { return s_->stats().pool.capacity_bytes; }
@@ -305,9 +419,12 @@ class MemoryHome final : public OptimizerHome {
   std::span<float> DirectGradients(uint64_t sg) override {
     return {grads_.data() + sg * sg_, static_cast<size_t>(SubGroupSize(sg))};
   }
-  Status Step(const SwapStepOptions& options, const UpdateCallback& on_update,
+  Status Step(std::span<const SwapStepOptions> options, const UpdateCallback& on_update,
               const SegmentFn& segments) override {
-    MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(optimizer_, options));
+    if (options.empty()) return Status::InvalidArgument("engine: step without options");
+    for (const SwapStepOptions& o : options) {
+      MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(optimizer_, o));
+    }
     for (uint64_t sg = 0; sg < sub_group_count(); ++sg) {
       if (!grads_written_[sg]) {
         return Status::FailedPrecondition("gradients of sub-group " + std::to_string(sg) +
@@ -326,7 +443,7 @@ class MemoryHome final : public OptimizerHome {
       const std::span<const float> grads(grads_.data() + first, size);
       const std::vector<StepSegment> parts = segments ? segments(sg) : std::vector<StepSegment>();
       if (parts.empty()) {
-        MEMPLAN_RETURN_IF_ERROR(RunSwapOptimizerStep(*cpu_, optimizer_, options, step, params,
+        MEMPLAN_RETURN_IF_ERROR(RunSwapOptimizerStep(*cpu_, optimizer_, options[0], step, params,
                                                      grads, state_[sg], half, half_));
       } else {
         MEMPLAN_RETURN_IF_ERROR(RunSegmentedSwapOptimizerStep(
@@ -342,12 +459,49 @@ class MemoryHome final : public OptimizerHome {
     return Status::Ok();
   }
   SwapStepStats last_step() const override { return last_; }
-  Status ReadParams(uint64_t sg, std::span<float> out) override {
-    if (sg >= sub_group_count() || out.size() != SubGroupSize(sg)) {
+  Status ReadRange(uint64_t sg, int array, uint64_t offset, std::span<float> out) override {
+    if (sg >= sub_group_count() || array < 0 || array > states_) {
       return Status::InvalidArgument("engine: bad sub-group read");
     }
-    std::copy_n(params_.begin() + static_cast<int64_t>(sg * sg_), out.size(), out.begin());
+    const uint64_t n = SubGroupSize(sg);
+    if (offset > n || out.size() > n - offset) {
+      return Status::InvalidArgument("engine: bad sub-group read");
+    }
+    const float* from = array == 0 ? params_.data() + sg * sg_
+                                   : state_[sg].data() + static_cast<uint64_t>(array - 1) * n;
+    std::copy_n(from + offset, out.size(), out.begin());
     return Status::Ok();
+  }
+  // All or nothing, as a torch optimizer's load_state_dict: the new values are made in copies and
+  // take the old ones' place only once every sub-group's are complete.
+  Status Load(const OptimizerSwapper::ArrayFiller& fill, std::span<const bool> arrays) override {
+    if (arrays.size() != static_cast<size_t>(1 + states_)) {
+      return Status::InvalidArgument("engine: load with the wrong number of arrays");
+    }
+    std::vector<float> params;
+    std::vector<std::vector<float>> state;
+    try {
+      if (arrays[0]) params = params_;
+      if (std::find(arrays.begin() + 1, arrays.end(), true) != arrays.end()) state = state_;
+    } catch (const std::bad_alloc&) {
+      return Status::ResourceExhausted("engine: no host memory for a copy of the optimizer");
+    }
+    for (uint64_t sg = 0; sg < sub_group_count(); ++sg) {
+      const uint64_t first = sg * sg_, size = SubGroupSize(sg);
+      if (arrays[0]) MEMPLAN_RETURN_IF_ERROR(fill(sg, 0, {params.data() + first, size}));
+      for (int a = 1; a <= states_; ++a) {
+        if (!arrays[static_cast<size_t>(a)]) continue;
+        MEMPLAN_RETURN_IF_ERROR(
+            fill(sg, a, {state[sg].data() + static_cast<uint64_t>(a - 1) * size, size}));
+      }
+    }
+    if (arrays[0]) params_.swap(params);
+    if (!state.empty()) state_.swap(state);
+    ++epoch_;
+    return Status::Ok();
+  }
+  void DiscardGradients() override {
+    std::fill(grads_written_.begin(), grads_written_.end(), false);
   }
   uint64_t epoch() const override { return epoch_; }
   uint64_t pinned_bytes() const override { return 0; }
@@ -369,9 +523,28 @@ class MemoryHome final : public OptimizerHome {
   SwapStepStats last_;
 };
 
-// Makes `dir` (mode 0700) unless it exists; it must then be a directory owned by us.
+// Makes the missing parents of `dir` as `mkdir -p` does (mode 0777 less the umask, as Python's
+// os.makedirs and DeepSpeed's nvme_path make them).
+Status MakeParents(const std::string& dir) {
+  std::string::size_type at = 0;
+  while ((at = dir.find('/', at + 1)) != std::string::npos) {
+    const std::string parent = dir.substr(0, at);
+    if (parent.empty() || parent.back() == '/') continue;
+    if (::mkdir(parent.c_str(), 0777) != 0 && errno != EEXIST) {
+      return Status::FromErrno(errno, "engine: cannot create " + parent);
+    }
+  }
+  return Status::Ok();
+}
+
+// Makes `dir` (mode 0700) unless it exists, with its missing parents; it must then be a directory
+// owned by us.
 Status EnsurePrivateDirectory(const std::string& dir) {
   if (::mkdir(dir.c_str(), 0700) == 0) return Status::Ok();
+  if (errno == ENOENT) {
+    MEMPLAN_RETURN_IF_ERROR(MakeParents(dir));
+    if (::mkdir(dir.c_str(), 0700) == 0) return Status::Ok();
+  }
   if (errno != EEXIST) return Status::FromErrno(errno, "engine: cannot create " + dir);
   struct stat st {};
   if (::lstat(dir.c_str(), &st) != 0) return Status::FromErrno(errno, "engine: cannot stat " + dir);
@@ -380,6 +553,26 @@ Status EnsurePrivateDirectory(const std::string& dir) {
                                       " is not a directory owned by this user (or is a symlink)");
   }
   return Status::Ok();
+}
+
+// The pid holding the flock on a swap store's lock file (SwapStore::TakeLock), -1 when it is held
+// by a process that wrote no pid, 0 when nobody holds it (or there is no such file).
+int LockHolder(const std::string& lock_path) {
+  const int fd = ::open(lock_path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return 0;
+  int holder = 0;
+  if (::flock(fd, LOCK_SH | LOCK_NB) != 0) {
+    holder = -1;
+    if (errno == EWOULDBLOCK) {
+      char buf[32] = {};
+      const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+      int pid = 0;
+      if (n > 0) std::from_chars(buf, buf + n, pid);
+      if (pid > 0) holder = pid;
+    }
+  }
+  ::close(fd);  // releases a lock we took
+  return holder;
 }
 
 }  // namespace
@@ -410,6 +603,15 @@ struct Engine::Impl {
   bool zeros_fed = false;
   bool segmented = false;
   std::string steps_path;  // optimizer on NVMe: where the counts are kept for a resume
+  // Note [Parameter groups]: the number of groups (the largest ParamSpec::group + 1).
+  uint32_t groups = 1;
+  // Note [Clipping by the global norm]: per optimizer sub-group, the pieces of its gradients' norm,
+  // measured by whoever completes the sub-group (the gradient thread; FeedZeros() on the trainer's
+  // thread while the gradient thread is idle), read by the trainer thread after DrainGradients().
+  std::vector<GradientNormParts> norm_parts;
+  std::optional<GradientNormParts> step_norm;  // this step's over every rank, once measured
+  double norm_s = 0;                           // the trainer thread's: time spent measuring it
+  bool last_clipped = false;  // the last step's clip coefficient was < 1 (or its norm not finite)
   struct GradBuffer {
     std::vector<float> data;
     uint64_t received = 0;
@@ -464,7 +666,10 @@ struct Engine::Impl {
   // after DrainGradients()); the gradient thread reads `overlap` for the jobs queued after.
   bool prepared = false;  // PrepareStep() was called for the coming step
   bool overlap = false;   // ... and the optimizer runs it beside backward
-  SwapStepOptions prepared_options;
+  // ... and may have to run it again (clipping): its gradients also go to the NVMe store.
+  bool keep_grads = false;
+  StepOptions prepared_options;
+  std::string clipping;  // step_profile.clipping of the step in progress
   std::chrono::steady_clock::time_point prepared_at;
   // Sub-groups' gradients handed to the optimizer and not yet read by it: at most overlap_limit
   // (the optimizer's buffers and two more); the gradient thread waits beyond that.
@@ -489,10 +694,12 @@ struct Engine::Impl {
     return cores > 0 ? static_cast<int>(std::min<long>(cores, 256)) : 1;
   }
 
-  // Fills partition elements [first, first + out.size()) from the parameters' init functions:
-  // this rank's shard of each parameter, zeros for the padding past a parameter's end (Note
-  // [ZeRO-3 partitions] in param_swapper.cc). With world size 1 the partition is the flat space.
-  Status Fill(uint64_t first, std::span<float> out) {
+  // Calls part(i, e, piece) for the pieces of partition elements [first, first + out.size()) that
+  // are elements [e, e + piece.size()) of parameter specs[i] (this rank's shard of it: Note [ZeRO-3
+  // partitions] in param_swapper.cc), and zeros the padding past each parameter's end. With world
+  // size 1 the partition is the flat space.
+  template <typename PartFn>
+  Status ForEachPiece(uint64_t first, std::span<float> out, PartFn&& part) {
     const uint64_t end = first + out.size();
     // The parameter holding `first`: the last with partition offset <= first.
     size_t lo = 0, hi = spec_of.size();
@@ -517,13 +724,28 @@ struct Engine::Impl {
       const uint64_t numel = params->Numel(id);
       std::span<float> dst = out.subspan(a - first, b - a);
       const uint64_t real = e >= numel ? 0 : std::min(b - a, numel - e);
-      if (real > 0) {
-        Status filled = specs[i].init(e, dst.first(real));
-        MEMPLAN_RETURN_IF_ERROR(filled.WithPrefix("initialising parameter " + specs[i].name));
-      }
+      if (real > 0) MEMPLAN_RETURN_IF_ERROR(part(i, e, dst.first(real)));
       std::fill(dst.begin() + static_cast<int64_t>(real), dst.end(), 0.0f);
     }
     return Status::Ok();
+  }
+
+  // Fills partition elements [first, first + out.size()) from the parameters' init functions.
+  Status Fill(uint64_t first, std::span<float> out) {
+    return ForEachPiece(first, out, [this](size_t i, uint64_t e, std::span<float> piece) {
+      return specs[i].init(e, piece).WithPrefix("initialising parameter " + specs[i].name);
+    });
+  }
+
+  // Fills partition elements [first, first + out.size()) of `array` from a StateFiller (Note
+  // [Optimizer state in checkpoints]): shard-relative offsets, as Shard() describes them.
+  Status FillFrom(const StateFiller& fill, int array, uint64_t first, std::span<float> out) {
+    const auto rank = static_cast<uint64_t>(params->rank());
+    return ForEachPiece(first, out, [&](size_t i, uint64_t e, std::span<float> piece) {
+      const uint64_t shard = params->ShardSize(swap_id[i]);
+      return fill(static_cast<ParamId>(i), array, e - rank * shard, piece)
+          .WithPrefix("loading parameter " + specs[i].name);
+    });
   }
 
   // Writes an updated sub-group's working copy back to the parameters' tier: the optimizer's
@@ -575,6 +797,8 @@ struct Engine::Impl {
       }
       buf.received += len;
       if (buf.received == size) {
+        // Note [Clipping by the global norm]: every sub-group's gradients are measured once, whole.
+        norm_parts[sg] = MeasureGradients(std::span<const float>(base, size));
         if (overlap) {
           MEMPLAN_RETURN_IF_ERROR(HandOver(sg, std::move(buf.data)));
         } else {
@@ -638,11 +862,14 @@ struct Engine::Impl {
     // Each trainable parameter's shard at its own next step: one segment at the optimizer's next
     // step is the unsegmented step, bit for bit, and cheaper.
     std::vector<StepSegment> parts = Segments(sg);
-    if (parts.size() == 1 && parts[0].step == static_cast<int64_t>(optimizer->epoch() + 1)) {
+    if (parts.size() == 1 && parts[0].step == static_cast<int64_t>(optimizer->epoch() + 1) &&
+        SameOptions(prepared_options, parts[0].group, 0)) {
       parts.clear();
     }
     const std::span<const float> view(held->data(), held->size());
-    Status handed = optimizer->StepSubGroup(sg, view, std::move(parts), done);
+    // keep_grads: the optimizer's writer stores them too, for a redo (Note [Clipping by the
+    // global norm]).
+    Status handed = optimizer->StepSubGroup(sg, view, std::move(parts), done, keep_grads);
     if (!handed.ok()) done();  // refused: the optimizer keeps nothing of it
     {
       MutexLock lock(&overlap_mu);
@@ -690,8 +917,27 @@ struct Engine::Impl {
   // working parameters, some of which the step had already written, are rewritten from the last
   // committed step. Returns `error` with what the clean-up found added.
   Status Abandon(Status error) {
-    StopHandOvers();
-    optimizer->AbortStep();
+    const bool was_overlapped = overlap;
+    DropStep();
+    Status restored = params->EndOfStep();
+    if (restored.ok() && was_overlapped) restored = WriteWorkingCopies();
+    if (!restored.ok()) {
+      return restored.WithPrefix(error.ToString() +
+                                 "; then rewriting the working parameters "
+                                 "from step " +
+                                 std::to_string(optimizer->epoch()));
+    }
+    return error;
+  }
+
+  // Drops everything of the step in progress (AbandonStep(), Abandon(), a skipped step): the
+  // optimizer's overlapped step, the gradients queued, summed or stored, an earlier gradient's
+  // failure. The caller rewrites the working parameters when an overlapped step had begun.
+  void DropStep() {
+    if (overlap) {
+      StopHandOvers();
+      optimizer->AbortStep();
+    }
     (void)DrainGradients();  // the step's gradients are dropped, a failed copy's included
     {
       MutexLock lock(&grad_mu);
@@ -705,21 +951,140 @@ struct Engine::Impl {
       if (!buf.data.empty()) grad_buffer_free.push_back(std::move(buf.data));
     }
     grad_buffers.clear();
+    optimizer->DiscardGradients();
+    ResetStep();
+  }
+
+  // The per-step state back to "no gradient given yet".
+  void ResetStep() {
     overlap = false;
     prepared = false;
+    keep_grads = false;
+    clipping.clear();
+    step_norm.reset();
     std::fill(grad_given.begin(), grad_given.end(), false);
     std::fill(no_gradient.begin(), no_gradient.end(), uint8_t{0});
     zeros_fed = false;
     grads_missing = trainable_params;
-    Status restored = params->EndOfStep();
-    if (restored.ok()) restored = WriteWorkingCopies();
-    if (!restored.ok()) {
-      return restored.WithPrefix(error.ToString() +
-                                 "; then rewriting the working parameters "
-                                 "from step " +
-                                 std::to_string(optimizer->epoch()));
+  }
+
+  // Whether group `a`'s options equal group `b`'s in `options` (one entry: every group's).
+  static bool SameOptions(const StepOptions& options, uint32_t a, uint32_t b) {
+    if (options.groups.size() <= 1 || a == b) return true;
+    return options.groups[a] == options.groups[b];
+  }
+  static bool GroupsDiffer(const StepOptions& options) {
+    for (size_t g = 1; g < options.groups.size(); ++g) {
+      if (!(options.groups[g] == options.groups[0])) return true;
     }
-    return error;
+    return false;
+  }
+
+  // Checks a step's options against the engine: the group count, each group's options for the
+  // Schedule's optimizer, one grad_scale, the clipping fields.
+  Status ValidateStepOptions(const StepOptions& o) const {
+    if (o.groups.empty()) return Status::InvalidArgument("engine: step options without a group");
+    if (o.groups.size() != 1 && o.groups.size() != groups) {
+      return Status::InvalidArgument("engine: step options for " + std::to_string(o.groups.size()) +
+                                     " parameter groups; the parameters are in " +
+                                     std::to_string(groups));
+    }
+    for (size_t g = 0; g < o.groups.size(); ++g) {
+      MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(options.schedule.optimizer, o.groups[g])
+                                  .WithPrefix(o.groups.size() == 1
+                                                  ? std::string("step options")
+                                                  : "step options of group " + std::to_string(g)));
+      if (GradScale(o.groups[g]) != GradScale(o.groups[0]) &&
+          !(std::isnan(GradScale(o.groups[g])) && std::isnan(GradScale(o.groups[0])))) {
+        return Status::InvalidArgument(
+            "engine: the groups' grad_scale differ; the loss scale is one per step");
+      }
+    }
+    if (!(o.max_grad_norm >= 0)) {
+      return Status::InvalidArgument("engine: max_grad_norm must be >= 0 (0: no clipping)");
+    }
+    return ValidateNormType(o.norm_type).WithPrefix("engine");
+  }
+
+  static double GradScale(const SwapStepOptions& o) {
+    return std::visit([](const auto& v) { return v.grad_scale; }, o);
+  }
+  static void SetGradScale(SwapStepOptions& o, double scale) {
+    std::visit([scale](auto& v) { v.grad_scale = scale; }, o);
+  }
+
+  // Completes the sub-groups of the parameters declared with NoGradient() with zeros, once a step
+  // (after DrainGradients(): the gradient thread is idle).
+  Status FeedMissingZeros() {
+    if (zeros_fed) return Status::Ok();
+    for (size_t i = 0; i < specs.size(); ++i) {
+      if (no_gradient[i]) MEMPLAN_RETURN_IF_ERROR(FeedZeros(i));
+    }
+    zeros_fed = true;  // once, should this step be retried
+    return Status::Ok();
+  }
+
+  // This step's norm pieces over every rank (Note [Clipping by the global norm]): every
+  // sub-group's, in order, then every rank's, in rank order (an all-gather: the same bits on every
+  // rank). Measured once a step.
+  Result<GradientNormParts> StepNorm() {
+    if (step_norm) return *step_norm;
+    const auto t0 = std::chrono::steady_clock::now();
+    MEMPLAN_RETURN_IF_ERROR(DrainGradients());
+    MEMPLAN_RETURN_IF_ERROR(FeedMissingZeros());
+    GradientNormParts mine;
+    for (const GradientNormParts& part : norm_parts) mine.Add(part);
+    GradientNormParts all = mine;
+    if (params->world_size() > 1) {
+      MEMPLAN_ASSIGN_OR_RETURN(all, GatherNormParts(mine));
+    }
+    step_norm = all;
+    norm_s += SecondsSince(t0);
+    return all;
+  }
+
+  // World size > 1: the sum of every rank's pieces, in rank order (an all-gather of five 8-byte
+  // words a rank, moved as fp32 elements, never computed on).
+  Result<GradientNormParts> GatherNormParts(const GradientNormParts& mine) {
+    constexpr uint64_t kWords = 5;
+    const auto world = static_cast<uint64_t>(params->world_size());
+    const auto rank = static_cast<uint64_t>(params->rank());
+    std::vector<uint64_t> all(world * kWords, 0);
+    const double doubles[3] = {mine.sum_squares, mine.sum_abs, mine.max_abs};
+    std::memcpy(&all[rank * kWords], doubles, sizeof(doubles));
+    all[rank * kWords + 3] = mine.nan;
+    all[rank * kWords + 4] = mine.inf;
+    const uint64_t bytes = kWords * 8;
+    MEMPLAN_ASSIGN_OR_RETURN(void* device, runtime->AllocateDevice(world * bytes));
+    Status status = [&]() -> Status {
+      auto* base = static_cast<std::byte*>(device);
+      MEMPLAN_ASSIGN_OR_RETURN(gpu::CopyTicket up,
+                               runtime->CopyAsync(gpu::CopyDirection::kHostToDevice,
+                                                  base + rank * bytes, &all[rank * kWords], bytes));
+      MEMPLAN_RETURN_IF_ERROR(runtime->Wait(up));
+      MEMPLAN_RETURN_IF_ERROR(options.collective->AllGather(base + rank * bytes, base, bytes / 4,
+                                                            ElementType::kFloat32));
+      MEMPLAN_ASSIGN_OR_RETURN(
+          gpu::CopyTicket down,
+          runtime->CopyAsync(gpu::CopyDirection::kDeviceToHost, all.data(), base, world * bytes));
+      return runtime->Wait(down);
+    }();
+    Status freed = runtime->FreeDevice(device);
+    MEMPLAN_RETURN_IF_ERROR(status.WithPrefix("engine: gathering the gradient norm"));
+    MEMPLAN_RETURN_IF_ERROR(freed);
+    GradientNormParts sum;
+    for (uint64_t r = 0; r < world; ++r) {
+      GradientNormParts part;
+      double d[3];
+      std::memcpy(d, &all[r * kWords], sizeof(d));
+      part.sum_squares = d[0];
+      part.sum_abs = d[1];
+      part.max_abs = d[2];
+      part.nan = all[r * kWords + 3];
+      part.inf = all[r * kWords + 4];
+      sum.Add(part);
+    }
+    return sum;
   }
 
   void RunGradients() {
@@ -803,30 +1168,27 @@ struct Engine::Impl {
   // Step()'s work once every gradient is given: the gradient thread drained, the zeros of the
   // parameters without a gradient fed, then the optimizer's step (serial) or the end of the step
   // it has been running beside backward (`overlapped`). On the trainer's thread.
-  Status RunStep(const SwapStepOptions& step_options, bool overlapped, bool skipping) {
+  Status RunStep(const StepOptions& step_options, bool overlapped, bool skipping) {
     MEMPLAN_RETURN_IF_ERROR(DrainGradients());
-    if (skipping && !zeros_fed) {
-      for (size_t i = 0; i < specs.size(); ++i) {
-        if (no_gradient[i]) MEMPLAN_RETURN_IF_ERROR(FeedZeros(i));
-      }
-      zeros_fed = true;  // once, should this step be retried
-    }
+    if (skipping) MEMPLAN_RETURN_IF_ERROR(FeedMissingZeros());
     MEMPLAN_RETURN_IF_ERROR(params->EndOfStep());
     segmented = segmented || skipping;
     if (segmented && !steps_path.empty()) {
-      MEMPLAN_RETURN_IF_ERROR(SaveStepCounts(optimizer->epoch() + 1));
+      MEMPLAN_RETURN_IF_ERROR(SaveStepCounts(optimizer->epoch() + 1, true));
     }
     if (!overlapped) {
       SegmentFn segments;
-      if (segmented) segments = [this](uint64_t sg) { return Segments(sg); };
+      if (segmented || GroupsDiffer(step_options)) {
+        segments = [this](uint64_t sg) { return Segments(sg); };
+      }
       return optimizer->Step(
-          step_options, [this](const SubGroupUpdate& u) { return WriteBack(u); }, segments);
+          step_options.groups, [this](const SubGroupUpdate& u) { return WriteBack(u); }, segments);
     }
     // Every working parameter is written: the next step's first parameters can be read while
     // the last states are written and the step commits.
     MEMPLAN_RETURN_IF_ERROR(optimizer->WaitForUpdates());
     MEMPLAN_RETURN_IF_ERROR(params->PrefetchNextStep());
-    return optimizer->FinishStep();
+    return optimizer->FinishStep(true);
   }
 
   // Note [Optimizer overlapped with backward]: where the step that began at `start` went, into
@@ -860,6 +1222,7 @@ struct Engine::Impl {
     uint64_t frozen_begin = 0;  // where the frozen parameters start, on a chunk boundary
     uint64_t partition = 0;     // what the parameter tier holds
   };
+  PartitionLayout partition_layout;  // Start()'s
 
   // Lays out the partition: trainable parameters first, then the frozen ones from a chunk boundary
   // (Note [Frozen parameters]); fills swap_id, spec_of, trainable_params and the frozen counts of
@@ -903,6 +1266,16 @@ struct Engine::Impl {
     const Schedule& sc = options.schedule;
     const std::string dir = nvme_dir + "/params";
     if (::access((dir + "/" + nvme::SwapStore::kDataFileName).c_str(), F_OK) == 0) {
+      // A live store (this process's or another's) says so, with or without resume.
+      const int holder = LockHolder(dir + "/" + nvme::SwapStore::kLockFileName);
+      if (holder != 0) {
+        return Status::FailedPrecondition(
+            "engine: the parameter store " + dir + " is in use by " +
+            (holder > 0 ? "pid " + std::to_string(holder) : std::string("another process")) +
+            (holder == ::getpid() ? " (this process: another engine on the same path; close it)"
+                                  : "") +
+            "; use another path");
+      }
       if (!options.resume) {
         return Status::FailedPrecondition(
             "engine: " + dir +
@@ -977,9 +1350,81 @@ struct Engine::Impl {
     return params->Finalize();
   }
 
+  // Note [What a store holds]: the registration, in order, as the optimizer store records it.
+  std::string Identity() const {
+    nlohmann::json list = nlohmann::json::array();
+    for (const ParamSpec& p : specs) list.push_back({p.name, p.shape, p.frozen, p.dtype});
+    return nlohmann::json{{"format", "memplan-registration"}, {"version", 1}, {"params", list}}
+        .dump();
+  }
+
+  // Refuses a resume onto a store written for another registration, naming the first difference
+  // (Note [What a store holds]). A store that records none (an older memplan's) is accepted on
+  // its element count alone, with a note in `report`.
+  Status CheckIdentity(const std::string& stored, const std::string& dir,
+                       RecoveryReport* report) const {
+    if (stored.empty()) {
+      if (report != nullptr) {
+        report->notes.push_back(dir +
+                                ": the store records no parameter names or shapes (written by an "
+                                "older memplan); only its element count was checked");
+      }
+      return Status::Ok();
+    }
+    auto parsed = ParseJson(stored, dir + " identity");
+    const nlohmann::json* list = nullptr;
+    if (parsed.ok() && parsed->is_object() && parsed->contains("params") &&
+        (*parsed)["params"].is_array()) {
+      list = &(*parsed)["params"];
+    }
+    if (list == nullptr) return Status::DataLoss("engine: " + dir + ": unreadable identity record");
+    auto describe = [](const nlohmann::json& p) {
+      if (!p.is_array() || p.size() != 4) return std::string("(unreadable)");
+      std::string text = "'" + p[0].get<std::string>() + "' (shape [";
+      for (size_t d = 0; d < p[1].size(); ++d) {
+        text += (d ? ", " : "") + std::to_string(p[1][d].get<int64_t>());
+      }
+      text += "], ";
+      text += p[2].get<bool>() ? "frozen" : "trainable";
+      const std::string dtype = p[3].get<std::string>();
+      if (!dtype.empty()) text += ", " + dtype;
+      return text + ")";
+    };
+    const std::string why =
+        "; resuming would train each parameter on another's weights and optimizer states. "
+        "Register the parameters as the run that wrote the store did (same names, order, shapes, "
+        "dtypes and frozen set), or start without resume";
+    const nlohmann::json mine = nlohmann::json::parse(Identity())["params"];
+    try {
+      for (size_t k = 0; k < std::max(list->size(), mine.size()); ++k) {
+        if (k >= list->size()) {
+          return Status::InvalidArgument(
+              "engine: resume refused: the store in " + dir + " holds " +
+              std::to_string(list->size()) + " parameters; this model registers " +
+              std::to_string(mine.size()) + ", the first extra one " + describe(mine[k]) + why);
+        }
+        if (k >= mine.size()) {
+          return Status::InvalidArgument(
+              "engine: resume refused: the store in " + dir + " holds " +
+              std::to_string(list->size()) + " parameters; this model registers " +
+              std::to_string(mine.size()) + ", none for the store's " + describe((*list)[k]) + why);
+        }
+        if ((*list)[k] != mine[k]) {
+          return Status::InvalidArgument("engine: resume refused: parameter #" + std::to_string(k) +
+                                         " is " + describe((*list)[k]) + " in the store in " + dir +
+                                         " and " + describe(mine[k]) + " in this model" + why);
+        }
+      }
+    } catch (const nlohmann::json::exception& e) {
+      return Status::DataLoss("engine: " + dir + ": unreadable identity record: " + e.what());
+    }
+    return Status::Ok();
+  }
+
   // Resume with the optimizer on NVMe: its store reopened at the last complete step (with world
   // size > 1, the oldest rank's: Note [Resuming ranks]). InvalidArgument when the store holds
-  // another number of elements than this rank's `total`.
+  // another registration (Note [What a store holds]) or another number of elements than this
+  // rank's `total`.
   Result<std::unique_ptr<OptimizerSwapper>> ReopenOptimizer(OptimizerSwapperOptions oo,
                                                             uint64_t total,
                                                             RecoveryReport* report) {
@@ -995,6 +1440,7 @@ struct Engine::Impl {
         MEMPLAN_ASSIGN_OR_RETURN(swapper, OptimizerSwapper::Open(oo, report));
       }
     }
+    MEMPLAN_RETURN_IF_ERROR(CheckIdentity(swapper->identity(), oo.store.directory, report));
     if (swapper->num_elements() != total) {
       return Status::InvalidArgument("engine: the optimizer store holds " +
                                      std::to_string(swapper->num_elements()) +
@@ -1024,6 +1470,7 @@ struct Engine::Impl {
     oo.cpu = cpu;
     oo.runtime = runtime;
     oo.make_backend = options.make_optimizer_backend;
+    oo.identity = Identity();
     const uint64_t optimizer_pinned = OptimizerSwapper::RequiredSlotBytes(oo) * oo.buffer_count;
     const uint64_t staging_pinned = staging ? staging->stats().capacity_bytes : 0;
     if (sc.pinned_budget_bytes > 0 && optimizer_pinned + staging_pinned > sc.pinned_budget_bytes) {
@@ -1034,6 +1481,24 @@ struct Engine::Impl {
           "; lower optimizer.sub_group_elements or the buffer counts");
     }
     std::unique_ptr<OptimizerSwapper> swapper;
+    const std::string data = oo.store.directory + "/" + nvme::SwapStore::kDataFileName;
+    if (::access(data.c_str(), F_OK) == 0) {
+      const int holder = LockHolder(oo.store.directory + "/" + nvme::SwapStore::kLockFileName);
+      if (holder != 0) {
+        return Status::FailedPrecondition(
+            "engine: the optimizer store " + oo.store.directory + " is in use by " +
+            (holder > 0 ? "pid " + std::to_string(holder) : std::string("another process")) +
+            (holder == ::getpid() ? " (this process: another engine on the same path; close it)"
+                                  : "") +
+            "; use another path");
+      }
+      if (!options.resume) {
+        return Status::FailedPrecondition(
+            "engine: " + oo.store.directory +
+            " holds the optimizer store of an earlier run (kept for a resume); start with "
+            "resume to continue from it, or remove it");
+      }
+    }
     if (options.resume) {
       MEMPLAN_ASSIGN_OR_RETURN(swapper, ReopenOptimizer(oo, total, report));
     } else {
@@ -1067,7 +1532,10 @@ struct Engine::Impl {
 
   // The frozen parameters' working copies, from their init, once (Note [Frozen parameters]): they
   // have no master weights for WriteWorkingCopies() to derive them from.
-  Status WriteFrozenWorkingCopies(const PartitionLayout& layout) {
+  // `fill` (partition coordinates): their values; null: their init.
+  Status WriteFrozenWorkingCopies(
+      const PartitionLayout& layout,
+      const std::function<Status(uint64_t, std::span<float>)>& fill = nullptr) {
     const Schedule& sc = options.schedule;
     const HalfDtype half_dtype = ToHalf(sc.param_dtype);
     std::vector<float> master;
@@ -1076,7 +1544,7 @@ struct Engine::Impl {
       const uint64_t n = std::min(sc.sub_group_elements, layout.partition - at);
       if (master.size() < n) master.resize(n);
       std::span<float> m(master.data(), n);
-      MEMPLAN_RETURN_IF_ERROR(Fill(at, m));
+      MEMPLAN_RETURN_IF_ERROR(fill ? fill(at, m) : Fill(at, m));
       if (half_dtype == HalfDtype::kNone) {
         MEMPLAN_RETURN_IF_ERROR(params->WriteFloat(at, m));
         continue;
@@ -1163,14 +1631,18 @@ struct Engine::Impl {
     return Status::Ok();
   }
 
-  // Writes the step counts after step `epoch` (and which parameters that step advances) to
-  // steps_path, atomically (Note [Skipped parameters]).
-  Status SaveStepCounts(uint64_t epoch) {
+  // Writes the step counts after the store's step `epoch` to steps_path, atomically, each with how
+  // much that step changes it (Note [Skipped parameters]): an optimizer step (`stepping`) advances
+  // those with a gradient by one; a load (LoadOptimizerState) sets them to `loaded`.
+  Status SaveStepCounts(uint64_t epoch, bool stepping, std::span<const uint64_t> loaded = {}) {
     nlohmann::json doc = {{"epoch", epoch}, {"params", nlohmann::json::object()}};
     for (size_t i = 0; i < specs.size(); ++i) {
       if (specs[i].frozen) continue;
-      const bool stepped = !no_gradient[i];
-      doc["params"][specs[i].name] = {param_steps[i] + (stepped ? 1 : 0), stepped ? 1 : 0};
+      uint64_t after = param_steps[i];
+      if (stepping && !no_gradient[i]) after += 1;
+      if (!stepping && !loaded.empty()) after = loaded[i];
+      const int64_t change = static_cast<int64_t>(after) - static_cast<int64_t>(param_steps[i]);
+      doc["params"][specs[i].name] = {after, change};
     }
     const std::string tmp = steps_path + ".tmp";
     {
@@ -1207,20 +1679,24 @@ struct Engine::Impl {
       if (specs[i].frozen) continue;
       const auto it = doc["params"].find(specs[i].name);
       if (it == doc["params"].end() || !it->is_array() || it->size() != 2 ||
-          !(*it)[0].is_number_unsigned() || !(*it)[1].is_number_unsigned()) {
+          !(*it)[0].is_number_unsigned() || !(*it)[1].is_number_integer()) {
         return Status::DataLoss("engine: " + steps_path + " has no step count for " +
                                 specs[i].name);
       }
-      // A file one step ahead was written for a step the store did not commit: undo it.
-      param_steps[i] = (*it)[0].get<uint64_t>() - (saved == epoch ? 0 : (*it)[1].get<uint64_t>());
+      // A file one step ahead was written for a step (or a load) the store did not commit: undo
+      // what it changed.
+      const auto after = (*it)[0].get<uint64_t>();
+      const auto change = (*it)[1].get<int64_t>();
+      param_steps[i] =
+          saved == epoch ? after : static_cast<uint64_t>(static_cast<int64_t>(after) - change);
     }
     segmented = true;
     return Status::Ok();
   }
 
-  // The segments of optimizer sub-group `sg` (Note [Skipped parameters]): each trainable
-  // parameter's shard at its own next step, or 0 when it has no gradient this step; neighbours at
-  // the same step merged.
+  // The segments of optimizer sub-group `sg` (Note [Skipped parameters], Note [Parameter groups]):
+  // each trainable parameter's shard at its own next step, or 0 when it has no gradient this step,
+  // with its group; neighbours at the same step in the same group merged.
   std::vector<StepSegment> Segments(uint64_t sg) {
     const uint64_t sg_elems = optimizer->sub_group_elements();
     const uint64_t begin = sg * sg_elems, end = begin + optimizer->SubGroupSize(sg);
@@ -1242,10 +1718,11 @@ struct Engine::Impl {
       if (a >= b) continue;
       const size_t i = spec_of[k];
       const int64_t step = no_gradient[i] ? 0 : static_cast<int64_t>(param_steps[i] + 1);
-      if (!out.empty() && out.back().step == step) {
+      const uint32_t group = specs[i].group;
+      if (!out.empty() && out.back().step == step && out.back().group == group) {
         out.back().count += b - a;
       } else {
-        out.push_back({a - begin, b - a, step});
+        out.push_back({a - begin, b - a, step, group});
       }
     }
     return out;
@@ -1279,19 +1756,18 @@ struct Engine::Impl {
   }
 
   // Reads the master weights of partition elements [first, first + out.size()).
-  Status ReadPartition(uint64_t first, std::span<float> out) {
+  // Reads partition elements [first, first + out.size()) of `array` (0 the master weights, 1.. the
+  // optimizer's states), only those bytes of each sub-group.
+  Status ReadPartition(uint64_t first, std::span<float> out, int array = 0) {
     const uint64_t sg_elems = optimizer->sub_group_elements();
-    std::vector<float> buffer;
     uint64_t done = 0;
     while (done < out.size()) {
       const uint64_t at = first + done;
       const uint64_t sg = at / sg_elems;
       const uint64_t in_sg = at - sg * sg_elems;
-      buffer.resize(optimizer->SubGroupSize(sg));
-      MEMPLAN_RETURN_IF_ERROR(optimizer->ReadParams(sg, buffer));
-      const uint64_t len = std::min<uint64_t>(out.size() - done, buffer.size() - in_sg);
-      std::copy_n(buffer.begin() + static_cast<int64_t>(in_sg), len,
-                  out.begin() + static_cast<int64_t>(done));
+      const uint64_t len =
+          std::min<uint64_t>(out.size() - done, optimizer->SubGroupSize(sg) - in_sg);
+      MEMPLAN_RETURN_IF_ERROR(optimizer->ReadRange(sg, array, in_sg, out.subspan(done, len)));
       done += len;
     }
     return Status::Ok();
@@ -1450,6 +1926,12 @@ Result<ParamId> Engine::AddParameter(const ParamSpec& spec) {
       return Status::InvalidArgument("engine: parameter " + spec.name + " registered twice");
     }
   }
+  if (spec.group >= kMaxGroups) {
+    return Status::InvalidArgument("engine: parameter " + spec.name + " is in group " +
+                                   std::to_string(spec.group) + "; groups are 0 .. " +
+                                   std::to_string(kMaxGroups - 1));
+  }
+  s.groups = std::max(s.groups, spec.group + 1);
   s.specs.push_back(spec);
   s.numels.push_back(numel);
   s.total_elements += numel;
@@ -1472,6 +1954,7 @@ Status Engine::Start(RecoveryReport* report) {
     if (world > 1) MEMPLAN_RETURN_IF_ERROR(EnsurePrivateDirectory(nvme_dir));
   }
   MEMPLAN_ASSIGN_OR_RETURN(const Impl::PartitionLayout layout, s.LayOutPartition());
+  s.partition_layout = layout;
   MEMPLAN_RETURN_IF_ERROR(s.CreateParamSwapper(nvme_dir, layout));
   CpuOptimizerOptions cpu;
   cpu.threads = s.threads();
@@ -1491,6 +1974,7 @@ Status Engine::Start(RecoveryReport* report) {
   s.grad_given.assign(s.specs.size(), false);
   s.no_gradient.assign(s.specs.size(), false);
   s.grads_missing = s.trainable_params;
+  s.norm_parts.assign(s.optimizer->sub_group_count(), GradientNormParts());
   if (s.options.resume && !s.steps_path.empty()) {
     MEMPLAN_RETURN_IF_ERROR(s.LoadStepCounts(s.optimizer->epoch()));
   } else {
@@ -1502,6 +1986,7 @@ Status Engine::Start(RecoveryReport* report) {
   s.stats.partition_elements = layout.partition;
   s.stats.optimizer_elements = layout.total;
   s.stats.epoch = s.optimizer->epoch();
+  s.stats.groups = s.groups;
   s.started = true;
   return Status::Ok();
 }
@@ -1600,6 +2085,10 @@ Status Engine::NoGradient(ParamId param) {
 }
 
 Status Engine::PrepareStep(const SwapStepOptions& options) {
+  return PrepareStep(StepOptions{{options}});
+}
+
+Status Engine::PrepareStep(const StepOptions& options) {
   Impl& s = *impl_;
   if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
   if (s.grads_missing != s.trainable_params) {
@@ -1607,8 +2096,7 @@ Status Engine::PrepareStep(const SwapStepOptions& options) {
         "engine: PrepareStep() after the step's first GradReady() or NoGradient(); give the "
         "options before backward, or at Step()");
   }
-  MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(s.options.schedule.optimizer, options)
-                              .WithPrefix("engine: PrepareStep()"));
+  MEMPLAN_RETURN_IF_ERROR(s.ValidateStepOptions(options).WithPrefix("engine: PrepareStep()"));
   if (s.overlap) {  // replaced: nothing was handed over yet
     s.optimizer->AbortStep();
     s.overlap = false;
@@ -1616,15 +2104,77 @@ Status Engine::PrepareStep(const SwapStepOptions& options) {
   s.prepared = true;
   s.prepared_options = options;
   s.prepared_at = std::chrono::steady_clock::now();
+  s.keep_grads = false;
+  s.clipping.clear();
   if (!s.optimizer->CanOverlap()) return Status::Ok();  // the cpu optimizer: serial
-  MEMPLAN_RETURN_IF_ERROR(
-      s.optimizer->BeginStep(options, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }));
+  // Note [Clipping by the global norm]: a step that may clip runs beside backward unclipped
+  // (keeping its gradients for a redo) unless the last step clipped: then it waits for the norm.
+  const bool clips = options.max_grad_norm > 0 && !std::isinf(options.max_grad_norm);
+  if (clips && s.last_clipped) {
+    s.clipping = "deferred";
+    return Status::Ok();
+  }
+  MEMPLAN_RETURN_IF_ERROR(s.optimizer->BeginStep(
+      options.groups, [&s](const SubGroupUpdate& u) { return s.WriteBack(u); }));
   s.overlap_limit = s.options.schedule.optimizer_buffer_count + 2;
+  s.keep_grads = clips;
+  s.clipping = clips ? "speculated" : "";
   s.overlap = true;
   return Status::Ok();
 }
 
-Status Engine::Step(const SwapStepOptions& options) {
+Status Engine::Step(const SwapStepOptions& options) { return Step(StepOptions{{options}}); }
+
+Result<double> Engine::GradientNorm(double norm_type, double grad_scale) {
+  Impl& s = *impl_;
+  if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
+  MEMPLAN_RETURN_IF_ERROR(ValidateNormType(norm_type).WithPrefix("engine"));
+  if (!(grad_scale > 0) || std::isinf(grad_scale)) {
+    return Status::InvalidArgument("engine: grad_scale must be > 0 and finite");
+  }
+  if (s.grads_missing > 0) {
+    for (size_t i = 0; i < s.specs.size(); ++i) {
+      if (!s.grad_given[i] && !s.specs[i].frozen) {
+        return Status::FailedPrecondition(
+            "engine: the gradient norm needs every gradient of the step; none yet for " +
+            s.specs[i].name + " (" + std::to_string(s.grads_missing) +
+            " missing; NoGradient() declares a parameter without one)");
+      }
+    }
+  }
+  Result<GradientNormParts> parts = s.StepNorm();
+  if (!parts.ok()) {
+    if (s.overlap) return s.Abandon(parts.status());
+    return parts.status();
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(const double norm, parts->Norm(norm_type));
+  return norm / grad_scale;
+}
+
+Status Engine::AbandonStep() {
+  Impl& s = *impl_;
+  if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
+  const bool overlapped = s.overlap;
+  s.DropStep();
+  MEMPLAN_RETURN_IF_ERROR(s.params->EndOfStep());
+  // An overlapped step may have written working parameters already.
+  if (overlapped) MEMPLAN_RETURN_IF_ERROR(s.WriteWorkingCopies());
+  return Status::Ok();
+}
+
+namespace {
+
+// torch.nn.utils.clip_grad_norm_'s coefficient, in its fp32 arithmetic: max_norm / (norm + 1e-6)
+// is reciprocal(norm + 1e-6) * max_norm (Tensor.__rtruediv__), clamped to at most 1 (NaN stays).
+float ClipCoefficient(double max_norm, double norm) {
+  const float denominator = static_cast<float>(norm) + 1e-6f;
+  const float coefficient = (1.0f / denominator) * static_cast<float>(max_norm);
+  return coefficient > 1.0f ? 1.0f : coefficient;
+}
+
+}  // namespace
+
+Status Engine::Step(const StepOptions& options) {
   Impl& s = *impl_;
   if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
   const auto start = std::chrono::steady_clock::now();
@@ -1633,9 +2183,10 @@ Status Engine::Step(const SwapStepOptions& options) {
         "engine: Step() was given other options than PrepareStep(); the step is abandoned "
         "(nothing of it applied): run its forward and backward again");
     if (s.overlap) return s.Abandon(refused);
-    s.prepared = false;
+    s.DropStep();
     return refused;
   }
+  if (!s.prepared) MEMPLAN_RETURN_IF_ERROR(s.ValidateStepOptions(options));
   if (s.grads_missing > 0) {
     for (size_t i = 0; i < s.specs.size(); ++i) {
       if (!s.grad_given[i] && !s.specs[i].frozen) {
@@ -1645,19 +2196,80 @@ Status Engine::Step(const SwapStepOptions& options) {
       }
     }
   }
-  const bool overlapped = s.overlap;
-  const uint64_t before_step = overlapped ? s.optimizer->SubGroupsUpdated() : 0;
   const bool skipping =
       std::find(s.no_gradient.begin(), s.no_gradient.end(), uint8_t{1}) != s.no_gradient.end();
-  Status status = s.RunStep(options, overlapped, skipping);
+  // Note [Clipping by the global norm]: the norm, when the step clips or may skip.
+  StepOptions effective = options;
+  double norm = -1;
+  float coefficient = 1.0f;
+  bool skip = false;
+  s.norm_s = 0;
+  if (options.max_grad_norm > 0 || options.skip_nonfinite || s.step_norm) {
+    Result<GradientNormParts> parts = s.StepNorm();
+    if (!parts.ok()) {
+      if (s.overlap) return s.Abandon(parts.status().WithPrefix("engine: step"));
+      return parts.status();
+    }
+    const double loss_scale = Impl::GradScale(options.groups[0]);
+    MEMPLAN_ASSIGN_OR_RETURN(const double raw, parts->Norm(options.norm_type));
+    norm = raw / loss_scale;
+    skip = options.skip_nonfinite && !parts->finite();
+    if (!skip && options.max_grad_norm > 0) {
+      coefficient = ClipCoefficient(options.max_grad_norm, norm);
+      if (coefficient != 1.0f) {
+        // The kernels multiply by 1 / grad_scale rounded to float: loss_scale / coefficient
+        // gives back exactly coefficient / loss_scale for a power-of-two loss scale (and exactly
+        // the coefficient without one); 0 and NaN give +inf and NaN (cpu_optimizer.h).
+        for (SwapStepOptions& g : effective.groups) {
+          Impl::SetGradScale(g, loss_scale / static_cast<double>(coefficient));
+        }
+      }
+    }
+  }
+  s.stats.last_grad_norm = norm;
+  s.stats.last_clip_coefficient = coefficient;
+  if (skip) {  // GradScaler's skipped step: nothing applied, no count advances
+    const bool overlapped = s.overlap;
+    s.DropStep();
+    MEMPLAN_RETURN_IF_ERROR(s.params->EndOfStep());
+    if (overlapped) MEMPLAN_RETURN_IF_ERROR(s.WriteWorkingCopies());
+    MEMPLAN_RETURN_IF_ERROR(s.params->GatherResident());
+    ++s.stats.skipped_steps;
+    s.stats.last_step_skipped = true;
+    s.stats.last_step_s = SecondsSince(start);
+    return Status::Ok();
+  }
+  s.stats.last_step_skipped = false;
+  bool overlapped = s.overlap;
+  const uint64_t before_step = overlapped ? s.optimizer->SubGroupsUpdated() : 0;
+  // A speculated step that stands: the gradients kept for a redo are not written any more.
+  if (overlapped && s.keep_grads && effective == options) s.optimizer->StopStoringGradients();
+  if (overlapped && !(effective == options)) {
+    // The step ran beside backward unclipped, and the norm says it must clip: drop it and run it
+    // again from the gradients kept on NVMe (its other slots are rewritten; nothing was committed).
+    // Run to its end, uncommitted, so that every sub-group's gradients are stored.
+    Status drained = s.DrainGradients();
+    if (drained.ok()) drained = s.FeedMissingZeros();
+    if (drained.ok()) drained = s.DrainGradients();
+    if (drained.ok()) drained = s.optimizer->FinishStep(false);
+    if (!drained.ok()) return s.Abandon(drained.WithPrefix("engine: step"));
+    s.overlap = false;
+    s.clipping = "redone";
+    overlapped = false;
+  }
+  Status status = s.RunStep(effective, overlapped, skipping);
   if (!status.ok()) {
     if (overlapped)
       return s.Abandon(
           status.WithPrefix("engine: overlapped step " + std::to_string(s.optimizer->epoch() + 1)));
     return status;
   }
+  s.last_clipped = coefficient != 1.0f;
+  const std::string clipping = s.clipping;
   s.overlap = false;
   s.prepared = false;
+  s.keep_grads = false;
+  s.step_norm.reset();
   for (size_t i = 0; i < s.specs.size(); ++i) {
     if (!s.specs[i].frozen && !s.no_gradient[i]) ++s.param_steps[i];
   }
@@ -1670,8 +2282,118 @@ Status Engine::Step(const SwapStepOptions& options) {
   ++s.stats.steps;
   s.stats.epoch = s.optimizer->epoch();
   s.RecordStepProfile(start, overlapped, before_step);
+  s.stats.step_profile.clipping = clipping;
+  s.stats.step_profile.norm_s = s.norm_s;
+  s.clipping.clear();
   s.stall_s = 0;
   return Status::Ok();
+}
+
+Result<ParamShard> Engine::Shard(ParamId param) const {
+  const Impl& s = *impl_;
+  if (!s.started) return Status::FailedPrecondition("engine: not started");
+  if (param >= s.specs.size()) return Status::InvalidArgument("engine: unknown parameter id");
+  const ParamId sid = s.swap_id[param];
+  ParamShard shard;
+  shard.size = s.params->ShardSize(sid);
+  shard.first = static_cast<uint64_t>(s.params->rank()) * shard.size;
+  shard.numel = s.params->Numel(sid);
+  return shard;
+}
+
+int Engine::OptimizerStates() const {
+  return SwapOptimizerStates(impl_->options.schedule.optimizer);
+}
+
+Status Engine::ReadOptimizerState(ParamId param, int array, std::span<float> out) {
+  Impl& s = *impl_;
+  if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
+  if (param >= s.specs.size()) return Status::InvalidArgument("engine: unknown parameter id");
+  if (s.specs[param].frozen) {
+    return Status::FailedPrecondition("engine: " + s.specs[param].name +
+                                      " is frozen: it has no optimizer state");
+  }
+  if (array < 0 || array > OptimizerStates()) {
+    return Status::InvalidArgument("engine: array " + std::to_string(array) + " of " +
+                                   std::to_string(OptimizerStates() + 1));
+  }
+  if (s.grads_missing != s.trainable_params || s.overlap) {
+    return Status::FailedPrecondition(
+        "engine: the optimizer state is read between steps (gradients of the next step were "
+        "given already)");
+  }
+  const ParamId sid = s.swap_id[param];
+  if (out.size() != s.params->ShardSize(sid)) {
+    return Status::InvalidArgument("engine: output size mismatch (the shard has " +
+                                   std::to_string(s.params->ShardSize(sid)) + " elements)");
+  }
+  return s.ReadPartition(s.params->PartitionOffset(sid), out, array);
+}
+
+Result<uint64_t> Engine::ParamStepCount(ParamId param) const {
+  const Impl& s = *impl_;
+  if (!s.started) return Status::FailedPrecondition("engine: not started");
+  if (param >= s.specs.size()) return Status::InvalidArgument("engine: unknown parameter id");
+  if (s.specs[param].frozen) {
+    return Status::FailedPrecondition("engine: " + s.specs[param].name + " is frozen");
+  }
+  return s.param_steps[param];
+}
+
+Status Engine::LoadOptimizerState(const StateFiller& fill, std::span<const bool> arrays,
+                                  std::span<const uint64_t> steps) {
+  Impl& s = *impl_;
+  if (!s.started || s.closed) return Status::FailedPrecondition("engine: not started");
+  if (!fill) return Status::InvalidArgument("engine: no state filler given");
+  if (arrays.size() != static_cast<size_t>(1 + OptimizerStates())) {
+    return Status::InvalidArgument("engine: " + std::to_string(arrays.size()) +
+                                   " array flags; the optimizer has " +
+                                   std::to_string(1 + OptimizerStates()) + " arrays");
+  }
+  if (!steps.empty() && steps.size() != s.specs.size()) {
+    return Status::InvalidArgument("engine: " + std::to_string(steps.size()) + " step counts for " +
+                                   std::to_string(s.specs.size()) + " parameters");
+  }
+  if (s.grads_missing != s.trainable_params || s.overlap || s.prepared) {
+    return Status::FailedPrecondition(
+        "engine: the optimizer state is loaded between steps (this step's gradients were given "
+        "already: finish or abandon it first)");
+  }
+  const uint64_t sg_elems = s.optimizer->sub_group_elements();
+  const bool any = std::find(arrays.begin(), arrays.end(), true) != arrays.end();
+  if (any) {
+    // The step counts first, as for a step: a crash before the store's commit leaves a file one
+    // step ahead, which a resume undoes (Note [Skipped parameters]).
+    if (!steps.empty() && !s.steps_path.empty()) {
+      MEMPLAN_RETURN_IF_ERROR(s.SaveStepCounts(s.optimizer->epoch() + 1, false, steps));
+    }
+    MEMPLAN_RETURN_IF_ERROR(s.optimizer->Load(
+        [&](uint64_t sg, int array, std::span<float> out) {
+          return s.FillFrom(fill, array, sg * sg_elems, out);
+        },
+        arrays));
+  }
+  if (!steps.empty()) {
+    for (size_t i = 0; i < s.specs.size(); ++i) {
+      if (!s.specs[i].frozen) s.param_steps[i] = steps[i];
+    }
+  }
+  // The store's epoch moved by one with the load: the counts are the parameters' own from now on.
+  s.segmented = true;
+  if (!s.steps_path.empty() && (steps.empty() || !any)) {
+    MEMPLAN_RETURN_IF_ERROR(s.SaveStepCounts(s.optimizer->epoch(), false));
+  }
+  s.stats.epoch = s.optimizer->epoch();
+  MEMPLAN_RETURN_IF_ERROR(s.params->EndOfStep());
+  if (arrays[0]) {
+    MEMPLAN_RETURN_IF_ERROR(s.WriteWorkingCopies());
+    if (s.partition_layout.partition > s.partition_layout.frozen_begin) {
+      MEMPLAN_RETURN_IF_ERROR(s.WriteFrozenWorkingCopies(
+          s.partition_layout,
+          [&](uint64_t at, std::span<float> out) { return s.FillFrom(fill, 0, at, out); }));
+    }
+  }
+  return s.params->GatherResident();
 }
 
 Status Engine::ReadMasterWeights(ParamId param, std::span<float> out) {

@@ -20,9 +20,25 @@
 // GradReady() lets the engine step each optimizer sub-group as soon as its last gradient is in,
 // during backward, and Step(adam_options) then only finishes what is left (Note [Optimizer
 // overlapped with backward] in engine.cc). The results are those of the serial order, bit for
-// bit. The step's options must be known before backward to do this: a trainer that clips by the
-// global gradient norm, or skips fp16 steps whose gradients overflowed, knows them only after
-// backward, so it does not call PrepareStep() and its steps stay serial.
+// bit. The step's options must be known before backward; clipping by the global gradient norm
+// and skipping steps whose gradients overflowed are options too (StepOptions), decided by the
+// engine once the last gradient is in (Note [Clipping by the global norm] in engine.cc).
+//
+// Parameter groups (ParamSpec::group, StepOptions::groups): each parameter belongs to one group,
+// and each group has optimizer options of its own at every step (torch.optim's param_groups: a
+// learning rate, weight decay, betas per group), as data: the optimizer's sub-groups are stepped
+// in segments of one group each (Note [Parameter groups] in engine.cc).
+//
+// Gradient clipping and overflow (StepOptions::max_grad_norm, norm_type, skip_nonfinite): the
+// engine measures every gradient as it arrives (GradientNorm(): the global norm over every rank,
+// as torch.nn.utils.clip_grad_norm_ computes it), then Step() multiplies the gradients by torch's
+// clip coefficient min(1, max_norm / (norm + 1e-6)), or, with skip_nonfinite, skips a step whose
+// gradients hold an inf or NaN (what torch's GradScaler does: nothing applied, step counts kept;
+// stats().last_step_skipped).
+//
+// Checkpoints: ReadOptimizerState() reads this rank's shard of a parameter's master weights and
+// optimizer states and ParamStepCount() its step count, without a collective; LoadOptimizerState()
+// replaces them (all parameters, in one committed step), from a checkpoint of any world size.
 //
 // Streams (the contract with a trainer's GPU work). The trainer queues its kernels on streams of
 // its own (PyTorch's current stream) and the engine copies on streams of the runtime's; nothing
@@ -82,9 +98,12 @@
 //
 // Restart: with `resume`, Start() reopens the NVMe optimizer store (the master weights are the
 // truth), reports what recovery found, and rewrites the working parameters from the master weights
-// of the last complete step. With world size > 1 that is the last step every rank completed: a
-// rank one step ahead of another (killed between their commits) goes back one step (a collective
-// in Start(); Note [Resuming ranks] in engine.cc).
+// of the last complete step. The store records what it holds (every parameter's name, shape,
+// frozen flag and dtype, in registration order): a resume whose registration differs in any of
+// them is refused, naming the first difference (Note [What a store holds] in engine.cc). With world
+// size > 1 that is the last step every rank completed: a rank one step ahead of another (killed
+// between their commits) goes back one step (a collective in Start(); Note [Resuming ranks] in
+// engine.cc).
 //
 // Statistics (stats()): bytes moved per tier and direction, stall time, peak GPU and pinned bytes;
 // the estimator's predictions are checked against them. step_profile says where the last Step()'s
@@ -128,7 +147,47 @@ struct ParamSpec {
   // others, on the Schedule's tier, but takes no gradient, has no optimizer state and is never
   // written after Start() (Note [Frozen parameters] in engine.cc).
   bool frozen = false;
+  // Its parameter group: which of StepOptions::groups steps it (0 .. 1023; default 0).
+  uint32_t group = 0;
+  // The trainer's element type of the parameter ("torch.float32", ...), recorded with the stores
+  // so that a resume onto another dtype is refused; empty: not said.
+  std::string dtype = {};
 };
+
+// The options of one optimizer step (Step(), PrepareStep()).
+struct StepOptions {
+  // The optimizer's options per parameter group: one entry for every group, or a single entry for
+  // them all. Every entry must have the same grad_scale (the loss scale: one per step).
+  std::vector<SwapStepOptions> groups;
+  // > 0: clip the gradients by their global norm, as torch.nn.utils.clip_grad_norm_(parameters,
+  // max_grad_norm, norm_type): multiplied by min(1, max_grad_norm / (norm + 1e-6)) in fp32, the
+  // norm of the gradients divided by grad_scale; +inf measures the norm and clips nothing. 0: off
+  // (the norm is not measured). Default 0.
+  double max_grad_norm = 0;
+  // The norm: 1, 2 or +inf. Default 2.
+  double norm_type = 2;
+  // Skip the step when a gradient holds an inf or NaN (a dynamic loss scaler's overflow): nothing
+  // is applied and no step count advances; stats().last_step_skipped says so. Default false: the
+  // step runs on them (as torch's optimizers do; with clipping, as clip_grad_norm_ scales them).
+  bool skip_nonfinite = false;
+
+  bool operator==(const StepOptions&) const = default;
+};
+
+// This rank's shard of a parameter in the optimizer (ReadOptimizerState, LoadOptimizerState):
+// elements [first, first + size) of the flattened parameter, those at numel and beyond padding.
+struct ParamShard {
+  uint64_t first = 0;
+  uint64_t size = 0;
+  uint64_t numel = 0;
+};
+
+// Fills elements [first, first + out.size()) of this rank's shard of `array` of `param` (array 0:
+// the fp32 master weights, or a frozen parameter's values; 1..: the optimizer's states in the order
+// of SwapOptimizer's comment, Adam: exp_avg, exp_avg_sq[, max_exp_avg_sq]). Only elements before
+// the parameter's numel are asked for.
+using StateFiller =
+    std::function<Status(ParamId param, int array, uint64_t first, std::span<float> out)>;
 
 struct EngineOptions {
   Schedule schedule;
@@ -159,6 +218,12 @@ struct EngineStepProfile {
   uint64_t sub_groups = 0;     // optimizer sub-groups stepped
   uint64_t sub_groups_before_step = 0;  // of those, updated before Step() was called
   double overlapped_fraction = 0;       // sub_groups_before_step / sub_groups
+  // Clipping in a prepared step (Note [Clipping by the global norm]): "" (none), "speculated" (the
+  // step ran during backward unclipped and the norm said no clipping was needed), "redone" (it
+  // did: the speculative step was dropped and the step ran again, serially, from the gradients
+  // kept on NVMe), "deferred" (the last step clipped: this one waited for the norm, serially).
+  std::string clipping;
+  double norm_s = 0;  // Step(): the global norm (draining, the measurement's collective)
 };
 
 struct EngineStats {
@@ -187,12 +252,19 @@ struct EngineStats {
   // (optimizer_write_bytes above leaves out the gradients). What planner/engine_model.h predicts.
   uint64_t nvme_read_bytes = 0;
   uint64_t nvme_write_bytes = 0;
-  double last_step_s = 0;           // the last Step()'s optimizer time
-  EngineStepProfile step_profile;   // the last Step(), stage by stage
-  uint64_t peak_device_bytes = 0;   // the runtime's device bytes in use, highest ever (counted
-                                    // at every allocation, like cudaMemGetInfo would see them)
-  uint64_t pinned_bytes = 0;        // pinned memory the engine holds
-  uint64_t device_arena_bytes = 0;  // device memory the engine reserved at Start() and keeps
+  uint32_t groups = 1;               // parameter groups (the largest ParamSpec::group + 1)
+  uint64_t skipped_steps = 0;        // steps skipped for non-finite gradients (skip_nonfinite)
+  bool last_step_skipped = false;    // the last Step() was one of them
+  double last_grad_norm = -1;        // its gradients' global norm (divided by grad_scale), when it
+                                     // was measured (clipping, skip_nonfinite, GradientNorm());
+                                     // -1 otherwise; NaN / inf as torch gives them
+  double last_clip_coefficient = 1;  // what the last step multiplied the gradients by (clipping)
+  double last_step_s = 0;            // the last Step()'s optimizer time
+  EngineStepProfile step_profile;    // the last Step(), stage by stage
+  uint64_t peak_device_bytes = 0;    // the runtime's device bytes in use, highest ever (counted
+                                     // at every allocation, like cudaMemGetInfo would see them)
+  uint64_t pinned_bytes = 0;         // pinned memory the engine holds
+  uint64_t device_arena_bytes = 0;   // device memory the engine reserved at Start() and keeps
 };
 
 class Engine {
@@ -235,7 +307,23 @@ class Engine {
   gpu::Stream GradientStream() const;
   // Runs the optimizer step over all parameters; every parameter's gradient must have been given.
   // After PrepareStep(): finishes the overlapped step; `options` must equal the prepared ones.
+  // InvalidArgument for options that do not fit (a group count other than 1 or the groups', a
+  // norm_type other than 1, 2, inf); nothing of the step is applied then.
+  Status Step(const StepOptions& options);
+  // Step() with one options for every group, without clipping.
   Status Step(const SwapStepOptions& options);
+  // The global norm (norm_type 1, 2 or inf) of this step's gradients divided by `grad_scale` (the
+  // loss scale they carry), over every rank: a collective, which every rank calls. Every
+  // gradient must have been given or declared missing (NoGradient(); it counts as zeros, as
+  // torch leaves a parameter without grad out). NaN or inf when a gradient holds one, as torch.
+  // Step() reuses what this measured. FailedPrecondition before every gradient is in.
+  Result<double> GradientNorm(double norm_type = 2, double grad_scale = 1);
+  // Abandons the step in progress: every gradient given since the last Step() is dropped (a
+  // prepared step's work too: nothing of it is applied, the working parameters rewritten from the
+  // last step), and an earlier gradient's failure is forgotten, so that the next step starts
+  // clean (after an exception in a trainer's backward, a bad batch, a step the trainer skips). No
+  // collective; with world size > 1 every rank must abandon the same step.
+  Status AbandonStep();
   // Gives the options of the coming Step() before its gradients, so that its optimizer runs
   // overlapped with backward (Note [Optimizer overlapped with backward] in engine.cc): each
   // sub-group is stepped (states read, updated, written back, working parameters written to
@@ -250,11 +338,34 @@ class Engine {
   // backward again. A parameter's updated working copy is written to its tier while backward
   // still runs: that backward does not read it again, since a parameter's gradient is complete
   // only after its last use.
+  Status PrepareStep(const StepOptions& options);
   Status PrepareStep(const SwapStepOptions& options);
   // Reads a parameter's fp32 master weights (for checkpoints and tests). With world size > 1 this
   // all-gathers the ranks' shards: a collective, which every rank calls for the same parameter.
   // FailedPrecondition for a frozen parameter (it has no master weights).
   Status ReadMasterWeights(ParamId param, std::span<float> out);
+
+  // Checkpoints (Note [Optimizer state in checkpoints] in engine.cc). Where this rank's shard of
+  // `param` lies in the flattened parameter.
+  Result<ParamShard> Shard(ParamId param) const;
+  // The number of state arrays the optimizer keeps besides the master weights (Adam 2).
+  int OptimizerStates() const;
+  // Reads this rank's shard of `array` (0: the master weights; 1..OptimizerStates(): the states) of
+  // a trainable parameter at the last completed step, padding included (out.size() is the shard's
+  // size); no collective. FailedPrecondition for a frozen parameter or in the middle of a step.
+  Status ReadOptimizerState(ParamId param, int array, std::span<float> out);
+  // The parameter's own step count (torch's state["step"]; Note [Skipped parameters]).
+  Result<uint64_t> ParamStepCount(ParamId param) const;
+  // Replaces, between steps, the arrays `arrays` says (arrays[k] for array k; 1 +
+  // OptimizerStates() entries) of every trainable parameter, and with arrays[0] the frozen
+  // parameters' values, from `fill` (this rank's shard of each); `steps` (empty, or one per
+  // registered parameter, frozen ones ignored) replaces the step counts. On NVMe the new values are
+  // one committed step of the store (a crash leaves the old ones). The working parameters are
+  // rewritten; with world size > 1 a collective (the resident parameters' gather), which every
+  // rank calls. FailedPrecondition in the middle of a step; on an error (the filler's included)
+  // nothing is replaced.
+  Status LoadOptimizerState(const StateFiller& fill, std::span<const bool> arrays,
+                            std::span<const uint64_t> steps = {});
 
   EngineStats stats() const;
   // Commits and closes the stores (the NVMe optimizer store is kept for a later resume).

@@ -40,8 +40,8 @@
 // In a training step the optimizer's sub-groups get their last gradient one after another as
 // backward runs (the last sub-group first), so the sub-groups' optimizer work need not wait for
 // the whole backward: BeginStep() starts the pipeline before backward, with the step's options
-// (which must therefore be known then: a trainer that clips by the global norm, or checks fp16
-// gradients for overflow, learns its options only after backward and uses Step()), and each
+// (which must therefore be known then: the engine decides clipping and overflow with them, Note
+// [Clipping by the global norm] in engine.cc), and each
 // StepSubGroup() feeds it one sub-group. The pipeline is Step()'s, stage for stage; only the order
 // of the sub-groups and the source of the gradients differ. Neither changes a result: every
 // sub-group is stepped by the same kernel over its own elements with the same options and step
@@ -55,6 +55,7 @@
 #include "offload/optimizer_swapper.h"
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <chrono>
 #include <cstring>
@@ -85,6 +86,9 @@ constexpr const char* kBegunKey = "swapper.begun";
 // step begun) may have written every sub-group's other slot in place (its keys exist from two
 // steps before), and must still not be resumed from (Note [Two slots per sub-group]).
 constexpr const char* kCommittedKey = "swapper.committed";
+// OptimizerSwapperOptions::identity, written by Create() before its commit.
+constexpr const char* kIdentityKey = "swapper.identity";
+constexpr uint64_t kMaxIdentityBytes = uint64_t{64} << 20;
 constexpr const char* kMetaFormat = "memplan-optimizer-swapper";
 constexpr int kMetaVersion = 1;
 
@@ -222,8 +226,45 @@ Status ValidateSwapStepOptions(SwapOptimizer optimizer, const SwapStepOptions& o
   return Status::Internal("unknown optimizer");
 }
 
+namespace {
+
+// RunSwapOptimizerStep on elements [a, a + len) of the arrays, in place: each state array's part
+// is a span of its own (the kernels take one span per array).
+Status StepPart(CpuOptimizer& cpu, SwapOptimizer optimizer, const SwapStepOptions& options,
+                int64_t step, std::span<float> params, std::span<const float> grads,
+                std::span<float> states, uint64_t a, uint64_t len, std::span<uint16_t> half,
+                HalfDtype half_dtype) {
+  const uint64_t n = params.size();
+  auto state = [&](int k) {
+    return states.subspan(static_cast<size_t>(k) * n + a, static_cast<size_t>(len));
+  };
+  std::span<float> p = params.subspan(a, len);
+  std::span<const float> g = grads.subspan(a, len);
+  switch (optimizer) {
+    case SwapOptimizer::kAdam:
+    case SwapOptimizer::kAdamAmsgrad: {
+      AdamTensors t;
+      t.params = p;
+      t.grads = g;
+      t.exp_avg = state(0);
+      t.exp_avg_sq = state(1);
+      if (optimizer == SwapOptimizer::kAdamAmsgrad) t.max_exp_avg_sq = state(2);
+      t.half_params = half;
+      t.half_dtype = half_dtype;
+      return cpu.AdamStep(std::get<AdamOptions>(options), step, t);
+    }
+    case SwapOptimizer::kSgd:
+      return cpu.SgdStep(std::get<SgdOptions>(options), step, p, g, state(0), half, half_dtype);
+    case SwapOptimizer::kLion:
+      return cpu.LionStep(std::get<LionOptions>(options), step, p, g, state(0), half, half_dtype);
+  }
+  return Status::Internal("unknown optimizer");
+}
+
+}  // namespace
+
 Status RunSegmentedSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
-                                     const SwapStepOptions& options,
+                                     std::span<const SwapStepOptions> group_options,
                                      std::span<const StepSegment> segments, std::span<float> params,
                                      std::span<const float> grads, std::span<float> states,
                                      std::span<uint16_t> half, HalfDtype half_dtype) {
@@ -240,13 +281,17 @@ Status RunSegmentedSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
           "segmented optimizer step: segments must cover the "
           "sub-group in order");
     }
+    if (seg.group >= group_options.size()) {
+      return Status::InvalidArgument("segmented optimizer step: group " +
+                                     std::to_string(seg.group) + " of " +
+                                     std::to_string(group_options.size()));
+    }
     at += seg.count;
   }
   if (at != n) {
     return Status::InvalidArgument("segmented optimizer step: segments cover " +
                                    std::to_string(at) + " of " + std::to_string(n) + " elements");
   }
-  std::vector<float> scratch;
   for (const StepSegment& seg : segments) {
     const size_t a = seg.offset, len = seg.count;
     std::span<uint16_t> seg_half =
@@ -257,18 +302,8 @@ Status RunSegmentedSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
       }
       continue;
     }
-    scratch.resize(len * count);
-    for (uint64_t k = 0; k < count; ++k) {
-      std::copy_n(states.begin() + static_cast<int64_t>(k * n + a), len,
-                  scratch.begin() + static_cast<int64_t>(k * len));
-    }
-    MEMPLAN_RETURN_IF_ERROR(RunSwapOptimizerStep(cpu, optimizer, options, seg.step,
-                                                 params.subspan(a, len), grads.subspan(a, len),
-                                                 scratch, seg_half, half_dtype));
-    for (uint64_t k = 0; k < count; ++k) {
-      std::copy_n(scratch.begin() + static_cast<int64_t>(k * len), len,
-                  states.begin() + static_cast<int64_t>(k * n + a));
-    }
+    MEMPLAN_RETURN_IF_ERROR(StepPart(cpu, optimizer, group_options[seg.group], seg.step, params,
+                                     grads, states, a, len, seg_half, half_dtype));
   }
   return Status::Ok();
 }
@@ -359,6 +394,10 @@ Status OptimizerSwapperOptions::Validate() const {
                                    std::to_string(buffer_count));
   }
   if (store.directory.empty()) return Status::InvalidArgument("the store directory is empty");
+  if (identity.size() > kMaxIdentityBytes) {
+    return Status::InvalidArgument("the store's identity is " + std::to_string(identity.size()) +
+                                   " bytes; at most 64 MiB");
+  }
   if (grad_dtype != HalfDtype::kNone && optimizer != SwapOptimizer::kAdam &&
       optimizer != SwapOptimizer::kAdamAmsgrad) {
     return Status::InvalidArgument("grad_dtype " + std::string(HalfDtypeName(grad_dtype)) +
@@ -531,19 +570,22 @@ struct OptimizerSwapper::Impl {
   }
 
   // `in_memory`: fp32 gradients handed over (StepSubGroup); empty: those read into buffer b.
-  Status RunKernel(const SwapStepOptions& step_options, int64_t step, size_t b, uint64_t n,
-                   const std::vector<StepSegment>& segments, std::span<const float> in_memory) {
+  // `group_options`: per parameter group; unsegmented, the sub-group takes the first.
+  Status RunKernel(std::span<const SwapStepOptions> group_options, int64_t step, size_t b,
+                   uint64_t n, const std::vector<StepSegment>& segments,
+                   std::span<const float> in_memory) {
     std::span<float> params = Array(b, 0, n);
     std::span<float> state_arrays(params.data() + n, static_cast<size_t>(states) * n);
     const std::span<const float> grads = in_memory.empty() ? Grads(b, n) : in_memory;
     if (!segments.empty()) {
       if (options.grad_dtype != HalfDtype::kNone) {
-        return Status::InvalidArgument("skipped parameters need fp32 gradients in the swapper");
+        return Status::InvalidArgument(
+            "skipped parameters and parameter groups need fp32 gradients in the swapper");
       }
-      return RunSegmentedSwapOptimizerStep(*cpu, options.optimizer, step_options, segments, params,
+      return RunSegmentedSwapOptimizerStep(*cpu, options.optimizer, group_options, segments, params,
                                            grads, state_arrays, Half(b, n), options.half_dtype);
     }
-    return RunSwapOptimizerStep(*cpu, options.optimizer, step_options, step, params, grads,
+    return RunSwapOptimizerStep(*cpu, options.optimizer, group_options[0], step, params, grads,
                                 state_arrays, Half(b, n), options.half_dtype, HalfGrads(b, n),
                                 options.grad_dtype);
   }
@@ -601,6 +643,12 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Create(
           fill(first, impl->Array(0, 0, n))
               .WithPrefix("filling parameters of sub-group " + std::to_string(i)));
       MEMPLAN_RETURN_IF_ERROR(impl->store->Put(StateKey(i, 0), value));
+    }
+    if (!options.identity.empty()) {
+      MEMPLAN_RETURN_IF_ERROR(impl->store->Put(
+          kIdentityKey,
+          std::span<const std::byte>(reinterpret_cast<const std::byte*>(options.identity.data()),
+                                     options.identity.size())));
     }
     const std::string meta = impl->MetaJson(num_elements);
     MEMPLAN_RETURN_IF_ERROR(impl->store->Put(
@@ -674,6 +722,17 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
   }
   if (num_elements == 0 || sub_group_elements == 0 || sub_group_elements % kElementAlign != 0) {
     return Status::DataLoss(where + ": metadata with an impossible geometry");
+  }
+  // What the store holds, as its owner described it (none in a store made without one).
+  impl->options.identity.clear();
+  if (auto size = impl->store->Size(kIdentityKey); size.ok()) {
+    if (*size > kMaxIdentityBytes) {
+      return Status::DataLoss(where + ": its identity record is implausibly large");
+    }
+    impl->options.identity.assign(*size, '\0');
+    MEMPLAN_RETURN_IF_ERROR(impl->store->Get(
+        kIdentityKey,
+        std::span<std::byte>(reinterpret_cast<std::byte*>(impl->options.identity.data()), *size)));
   }
 
   // Recovery: the epochs each sub-group holds whole (Note [Two slots per sub-group]).
@@ -809,10 +868,18 @@ Status OptimizerSwapper::PutGradients(uint64_t sub_group, std::span<const std::b
 
 Status OptimizerSwapper::Step(const SwapStepOptions& options, const UpdateCallback& on_update,
                               const SegmentFn& segments) {
+  return Step(std::span<const SwapStepOptions>(&options, 1), on_update, segments);
+}
+
+Status OptimizerSwapper::Step(std::span<const SwapStepOptions> options,
+                              const UpdateCallback& on_update, const SegmentFn& segments) {
   Impl& s = *impl_;
   if (s.closed) return Status::FailedPrecondition("the optimizer swapper is closed");
   if (s.run) return Status::FailedPrecondition("an overlapped step is begun; FinishStep() it");
-  MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(s.options.optimizer, options));
+  if (options.empty()) return Status::InvalidArgument("step: no options given");
+  for (const SwapStepOptions& o : options) {
+    MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(s.options.optimizer, o));
+  }
   for (uint64_t i = 0; i < sub_group_count_; ++i) {
     if (!s.grads_written[i]) {
       return Status::FailedPrecondition("gradients of sub-group " + std::to_string(i) +
@@ -847,8 +914,9 @@ struct OptimizerSwapper::StepRun {
     std::vector<StepSegment> segments;  // empty: the SegmentFn's
     std::function<void()> done;
     bool claimed = false;
+    bool store = false;  // the writer stores `grads` too; `done` is the writer's (or Join's)
   };
-  SwapStepOptions options;
+  std::vector<SwapStepOptions> options;  // per parameter group
   UpdateCallback on_update;
   SegmentFn segments;
   uint64_t from = 0, to = 0;
@@ -870,6 +938,8 @@ struct OptimizerSwapper::StepRun {
   // Written by one stage each, read after the join.
   double read_s = 0, write_s = 0, compute_s = 0, wait_s = 0, grad_wait_s = 0;
   uint64_t read_bytes = 0, write_bytes = 0, in_memory = 0, read_ahead = 0, evicted = 0;
+  uint64_t grad_write_bytes = 0;           // the writer's, for store_gradients jobs
+  std::atomic<bool> store_stopped{false};  // StopStoringGradients()
 
   // Stops the step: every stage returns at its next queue operation, and the gradients handed
   // over that the compute thread has not taken are released at once (the producer may be waiting
@@ -904,6 +974,16 @@ struct OptimizerSwapper::StepRun {
     if (reader.joinable()) reader.join();
     if (computer.joinable()) computer.join();
     if (writer.joinable()) writer.join();
+    // A stored job the writer never reached (the step failed) still gives its gradients back.
+    std::vector<std::function<void()>> release;
+    {
+      MutexLock lock(&mu);
+      for (Job& job : jobs) {
+        if (job.done) release.push_back(std::move(job.done));
+        job.done = nullptr;
+      }
+    }
+    for (auto& done : release) done();
   }
 };
 
@@ -917,12 +997,20 @@ uint64_t OptimizerSwapper::SubGroupsUpdated() const {
 
 Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateCallback& on_update,
                                    const SegmentFn& segments) {
+  return BeginStep(std::span<const SwapStepOptions>(&options, 1), on_update, segments);
+}
+
+Status OptimizerSwapper::BeginStep(std::span<const SwapStepOptions> options,
+                                   const UpdateCallback& on_update, const SegmentFn& segments) {
   Impl& s = *impl_;
   if (s.closed) return Status::FailedPrecondition("the optimizer swapper is closed");
   if (s.run) return Status::FailedPrecondition("a step is begun already");
-  MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(s.options.optimizer, options));
+  if (options.empty()) return Status::InvalidArgument("step: no options given");
+  for (const SwapStepOptions& o : options) {
+    MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(s.options.optimizer, o));
+  }
   auto run = std::make_unique<StepRun>();
-  run->options = options;
+  run->options.assign(options.begin(), options.end());
   run->on_update = on_update;
   run->segments = segments;
   run->from = epoch_;
@@ -1083,7 +1171,15 @@ Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateC
       if (parts.empty() && r.segments) parts = r.segments(i);
       Status st = s.RunKernel(r.options, static_cast<int64_t>(r.to), *b, n, parts, job.grads);
       if (!job.grads.empty()) ++r.in_memory;
-      if (job.done) job.done();  // the gradients are read
+      if (!job.store) {
+        std::function<void()> done;
+        {
+          MutexLock lock(&r.mu);
+          done = std::move(job.done);
+          job.done = nullptr;
+        }
+        if (done) done();  // the gradients are read
+      }
       if (st.ok()) {
         SlotHeader h = s.MakeHeader(r.to, i, SubGroupBegin(i), n);
         std::memcpy(s.Base(*b), &h, sizeof(h));
@@ -1115,6 +1211,27 @@ Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateC
       const uint64_t i = r.group_of[*b];
       std::span<std::byte> value = s.Value(*b, SubGroupSize(i));
       Status st = s.store->Put(StateKey(i, r.to % 2), value);
+      StepRun::Job& job = r.jobs[i];
+      uint64_t grad_bytes = 0;
+      if (st.ok() && job.store) {
+        // Kept for a step run again (FinishStep(false)): beside backward, off its path; not once
+        // the caller knows the step stands.
+        if (!r.store_stopped.load(std::memory_order_acquire)) {
+          const std::span<const std::byte> grads = std::as_bytes(job.grads);
+          st = s.store->Put(GradKey(i), grads);
+          if (st.ok()) {
+            s.grads_written[i] = true;  // the writer is the only one writing them in this step
+            grad_bytes = grads.size();
+          }
+        }
+        std::function<void()> done;
+        {
+          MutexLock lock(&r.mu);
+          done = std::move(job.done);
+          job.done = nullptr;
+        }
+        if (done) done();
+      }
       r.write_s += SecondsSince(t0);
       if (!st.ok()) {
         r.Abort(st.WithPrefix("step " + std::to_string(r.to) + ", writing sub-group " +
@@ -1122,6 +1239,7 @@ Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateC
         return;
       }
       r.write_bytes += value.size();
+      r.grad_write_bytes += grad_bytes;
       r.reader_q.Push(kFreed + *b);
     }
   });
@@ -1130,8 +1248,8 @@ Status OptimizerSwapper::BeginStep(const SwapStepOptions& options, const UpdateC
 }
 
 Status OptimizerSwapper::StepSubGroup(uint64_t sub_group, std::span<const float> grads,
-                                      std::vector<StepSegment> segments,
-                                      std::function<void()> done) {
+                                      std::vector<StepSegment> segments, std::function<void()> done,
+                                      bool store_gradients) {
   Impl& s = *impl_;
   if (!s.run) return Status::FailedPrecondition("no step is begun (BeginStep)");
   StepRun& r = *s.run;
@@ -1171,6 +1289,7 @@ Status OptimizerSwapper::StepSubGroup(uint64_t sub_group, std::span<const float>
       job.grads = grads;
       job.segments = std::move(segments);
       job.done = std::move(done);
+      job.store = store_gradients && !grads.empty();
     } else {
       job.claimed = true;  // the step has failed: nothing will read them
       refused = true;
@@ -1202,7 +1321,9 @@ Status OptimizerSwapper::WaitForUpdates() {
   return r.error.Get();
 }
 
-Status OptimizerSwapper::FinishStep() {
+Status OptimizerSwapper::FinishStep() { return FinishStep(true); }
+
+Status OptimizerSwapper::FinishStep(bool commit) {
   Impl& s = *impl_;
   if (!s.run) return Status::FailedPrecondition("no step is begun (BeginStep)");
   StepRun& r = *s.run;
@@ -1213,6 +1334,15 @@ Status OptimizerSwapper::FinishStep() {
   }
   r.Join();
   if (status.ok()) status = r.error.Get();
+  if (!commit) {
+    // Run to its end and dropped: nothing committed, the stored gradients kept for Step().
+    s.stats.last_step.grad_wait_s = r.grad_wait_s;
+    const bool serial = r.serial;
+    const std::vector<uint64_t> order = r.order;
+    s.run.reset();
+    if (!serial && order.size() == sub_group_count_) s.last_order = order;
+    return status;
+  }
   double sync_s = 0;
   if (status.ok()) {
     const uint64_t committed = r.to;
@@ -1257,6 +1387,10 @@ Status OptimizerSwapper::FinishStep() {
   return Status::Ok();
 }
 
+void OptimizerSwapper::StopStoringGradients() {
+  if (impl_->run) impl_->run->store_stopped.store(true, std::memory_order_release);
+}
+
 void OptimizerSwapper::AbortStep() {
   Impl& s = *impl_;
   if (!s.run) return;
@@ -1278,6 +1412,16 @@ Status OptimizerSwapper::ReadParams(uint64_t sub_group, std::span<float> out) {
 }
 
 Status OptimizerSwapper::ReadArray(uint64_t sub_group, int array, std::span<float> out) {
+  if (sub_group < sub_group_count_ && out.size() != SubGroupSize(sub_group)) {
+    return Status::InvalidArgument("sub-group " + std::to_string(sub_group) + " has " +
+                                   std::to_string(SubGroupSize(sub_group)) +
+                                   " elements; the output holds " + std::to_string(out.size()));
+  }
+  return ReadRange(sub_group, array, 0, out);
+}
+
+Status OptimizerSwapper::ReadRange(uint64_t sub_group, int array, uint64_t offset,
+                                   std::span<float> out) {
   Impl& s = *impl_;
   if (s.closed) return Status::FailedPrecondition("the optimizer swapper is closed");
   if (sub_group >= sub_group_count_) {
@@ -1285,10 +1429,14 @@ Status OptimizerSwapper::ReadArray(uint64_t sub_group, int array, std::span<floa
                                    std::to_string(sub_group_count_) + " sub-groups)");
   }
   const uint64_t n = SubGroupSize(sub_group);
-  if (out.size() != n) {
+  if (array < 0 || array > s.states) {
+    return Status::InvalidArgument("array " + std::to_string(array) + " out of range");
+  }
+  if (offset > n || out.size() > n - offset) {
     return Status::InvalidArgument("sub-group " + std::to_string(sub_group) + " has " +
-                                   std::to_string(n) + " elements; the output holds " +
-                                   std::to_string(out.size()));
+                                   std::to_string(n) + " elements; elements [" +
+                                   std::to_string(offset) + ", " +
+                                   std::to_string(offset + out.size()) + ") asked for");
   }
   const std::string key = StateKey(sub_group, epoch_ % 2);
   SlotHeader h{};
@@ -1300,10 +1448,62 @@ Status OptimizerSwapper::ReadArray(uint64_t sub_group, int array, std::span<floa
     return Status::DataLoss("state slot " + key + " holds epoch " + std::to_string(epoch) +
                             ", expected " + std::to_string(epoch_));
   }
-  const uint64_t offset = kHeaderBytes + static_cast<uint64_t>(array) * 4 * n;
+  const uint64_t at = kHeaderBytes + static_cast<uint64_t>(array) * 4 * n + offset * 4;
   return s.store->GetRange(
-      key, offset,
-      std::span<std::byte>(reinterpret_cast<std::byte*>(out.data()), out.size_bytes()));
+      key, at, std::span<std::byte>(reinterpret_cast<std::byte*>(out.data()), out.size_bytes()));
+}
+
+const std::string& OptimizerSwapper::identity() const { return impl_->options.identity; }
+
+void OptimizerSwapper::DiscardGradients() {
+  std::fill(impl_->grads_written.begin(), impl_->grads_written.end(), false);
+}
+
+Status OptimizerSwapper::Load(const ArrayFiller& fill, std::span<const bool> arrays) {
+  Impl& s = *impl_;
+  if (s.closed) return Status::FailedPrecondition("the optimizer swapper is closed");
+  if (s.run) return Status::FailedPrecondition("a step is begun; finish or abort it first");
+  if (arrays.size() != static_cast<size_t>(1 + s.states)) {
+    return Status::InvalidArgument("load: " + std::to_string(arrays.size()) + " array flags for " +
+                                   std::to_string(1 + s.states) + " arrays");
+  }
+  if (!fill) return Status::InvalidArgument("load: no filler given");
+  // As a step (Note [Two slots per sub-group]): the begun marker, every sub-group's new value in
+  // its other slot, then the commit; the slot of epoch() is never touched.
+  const uint64_t from = epoch_, to = epoch_ + 1;
+  MEMPLAN_RETURN_IF_ERROR(s.store->Put(
+      kBegunKey, std::span<const std::byte>(reinterpret_cast<const std::byte*>(&to), sizeof(to))));
+  MEMPLAN_RETURN_IF_ERROR(s.store->Sync().WithPrefix("beginning load " + std::to_string(to)));
+  const size_t b = 0;
+  for (uint64_t i = 0; i < sub_group_count_; ++i) {
+    const uint64_t n = SubGroupSize(i);
+    std::span<std::byte> value = s.Value(b, n);
+    const std::string where = "load " + std::to_string(to) + ", sub-group " + std::to_string(i);
+    MEMPLAN_RETURN_IF_ERROR(s.store->Get(StateKey(i, from % 2), value).WithPrefix(where));
+    SlotHeader h;
+    std::memcpy(&h, value.data(), sizeof(h));
+    MEMPLAN_ASSIGN_OR_RETURN(const uint64_t held,
+                             s.CheckHeader(h, i, from % 2, SubGroupBegin(i), n));
+    if (held != from) {
+      return Status::DataLoss(where + ": slot holds epoch " + std::to_string(held) + ", expected " +
+                              std::to_string(from));
+    }
+    for (int a = 0; a <= s.states; ++a) {
+      if (arrays[static_cast<size_t>(a)]) {
+        MEMPLAN_RETURN_IF_ERROR(fill(i, a, s.Array(b, a, n)).WithPrefix(where));
+      }
+    }
+    h = s.MakeHeader(to, i, SubGroupBegin(i), n);
+    std::memcpy(value.data(), &h, sizeof(h));
+    MEMPLAN_RETURN_IF_ERROR(s.store->Put(StateKey(i, to % 2), value).WithPrefix(where));
+  }
+  MEMPLAN_RETURN_IF_ERROR(s.store->Put(
+      kCommittedKey,
+      std::span<const std::byte>(reinterpret_cast<const std::byte*>(&to), sizeof(to))));
+  MEMPLAN_RETURN_IF_ERROR(s.store->Sync().WithPrefix("committing load " + std::to_string(to)));
+  epoch_ = to;
+  s.stats.epoch = to;
+  return Status::Ok();
 }
 
 Status OptimizerSwapper::Sync() {

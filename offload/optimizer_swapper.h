@@ -134,6 +134,10 @@ struct OptimizerSwapperOptions {
   // Test seam: when set, the store runs on the backend this returns (e.g. an nvme::FaultBackend)
   // instead of one made from store.backend.
   std::function<Result<std::unique_ptr<nvme::Backend>>()> make_backend;
+  // Create(): what the store holds, as its owner describes it (the engine: every parameter's name,
+  // shape, dtype and frozen flag), recorded with the store for the owner to compare at Open()
+  // (identity()). Opaque to the swapper; at most 64 MiB. Default empty.
+  std::string identity;
 
   Status Validate() const;
 };
@@ -188,21 +192,25 @@ using UpdateCallback = std::function<Status(const SubGroupUpdate&)>;
 // parameter step counts, as torch keeps them (a parameter without a gradient in a step is skipped
 // and its count does not advance). [offset, offset + count) within the sub-group; step 0: skipped
 // (its master weights and states unchanged; the 16-bit copy is still produced for the write-back).
+// `group` picks the segment's options among the step's per-group options (parameter groups, as
+// torch.optim's param_groups: Note [Parameter groups] in engine.cc); 0 without groups.
 struct StepSegment {
   uint64_t offset = 0;
   uint64_t count = 0;
   int64_t step = 0;
+  uint32_t group = 0;
 };
 // The segments of sub-group `sub_group` for this step, covering it in order with no gap. Empty:
 // the whole sub-group at the step the caller runs (the swapper's epoch + 1).
 using SegmentFn = std::function<std::vector<StepSegment>(uint64_t sub_group)>;
 
 // RunSwapOptimizerStep over `segments` of the arrays (params.size() elements; states as there):
-// each segment at its own step, step 0 skipped. A segment's states are copied out and back, so
-// the kernels see contiguous arrays. InvalidArgument for segments that do not cover the arrays in
-// order, and for 16-bit gradients (not supported here).
+// each segment at its own step, step 0 skipped, with the options group_options[segment.group].
+// The kernels run on the segment's part of each array in place. InvalidArgument for segments that
+// do not cover the arrays in order or name a group past group_options, and for 16-bit gradients
+// (not supported here).
 Status RunSegmentedSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
-                                     const SwapStepOptions& options,
+                                     std::span<const SwapStepOptions> group_options,
                                      std::span<const StepSegment> segments, std::span<float> params,
                                      std::span<const float> grads, std::span<float> states,
                                      std::span<uint16_t> half, HalfDtype half_dtype);
@@ -257,12 +265,19 @@ class OptimizerSwapper {
   // epoch still advances by one.
   Status Step(const SwapStepOptions& options, const UpdateCallback& on_update = nullptr,
               const SegmentFn& segments = nullptr);
+  // Step() with options per parameter group: `group_options` (non-empty) indexed by
+  // StepSegment::group; an unsegmented sub-group takes group_options[0].
+  Status Step(std::span<const SwapStepOptions> group_options, const UpdateCallback& on_update,
+              const SegmentFn& segments);
 
   // The overlapped step (see the header comment). BeginStep() validates `options`, commits the
   // begun marker of step epoch() + 1 and starts the pipeline, which then waits for sub-groups;
   // `on_update` and `segments` as for Step(). FailedPrecondition when a step is begun already.
   Status BeginStep(const SwapStepOptions& options, const UpdateCallback& on_update = nullptr,
                    const SegmentFn& segments = nullptr);
+  // BeginStep() with options per parameter group, as Step()'s.
+  Status BeginStep(std::span<const SwapStepOptions> group_options, const UpdateCallback& on_update,
+                   const SegmentFn& segments);
   // Hands sub-group i to the begun step. `grads`: its SubGroupSize(i) fp32 gradients in memory
   // (not for a 16-bit grad_dtype), which the compute thread reads: they must stay valid and
   // unchanged until `done` is called (once, from a pipeline thread when the kernel has read them,
@@ -273,8 +288,12 @@ class OptimizerSwapper {
   // empty `grads` with none written. A failure of the step itself is not returned here but by
   // WaitForUpdates() / FinishStep() (`done` is then called at once): the caller's producer, a
   // backward pass, is not interrupted by it.
+  // `store_gradients` (with `grads` in memory): the writer stage also writes them to the store's
+  // gradient slot after the sub-group's states, as WriteGradients() would (`done` is then called
+  // once they are written), so that the step can be run again by Step() (FinishStep(false)).
   Status StepSubGroup(uint64_t sub_group, std::span<const float> grads,
-                      std::vector<StepSegment> segments = {}, std::function<void()> done = nullptr);
+                      std::vector<StepSegment> segments = {}, std::function<void()> done = nullptr,
+                      bool store_gradients = false);
   // Waits until every sub-group's update callback has returned (all must have been handed over:
   // FailedPrecondition naming the first that was not). Returns the step's first error; the step
   // then still needs FinishStep() or AbortStep().
@@ -284,8 +303,16 @@ class OptimizerSwapper {
   // over and nothing of it is committed: epoch() and the committed states are unchanged, and the
   // error names the step and the sub-group.
   Status FinishStep();
+  // With `commit` false: the step is run to its end (every sub-group stepped and written to its
+  // other slot, the gradients given with store_gradients stored) and then dropped, uncommitted:
+  // epoch() stays, and Step() may run it again from the stored gradients (the engine's redo of a
+  // step that must be clipped, Note [Clipping by the global norm] in engine.cc).
+  Status FinishStep(bool commit);
   // Abandons the begun step (a no-op without one): the pipeline stops, nothing is committed.
   void AbortStep();
+  // The gradients given with store_gradients will not be needed (the step will be committed as it
+  // runs): those not written yet are not written (a no-op without a begun step).
+  void StopStoringGradients();
   bool step_begun() const;
   // Sub-groups of the begun step whose update callback has returned (0 without one).
   uint64_t SubGroupsUpdated() const;
@@ -294,8 +321,25 @@ class OptimizerSwapper {
   // Reads state array `state` (0 .. SwapOptimizerStates - 1, in the order of SwapOptimizer's
   // comment) of sub-group i at epoch().
   Status ReadState(uint64_t sub_group, int state, std::span<float> out);
+  // Reads elements [offset, offset + out.size()) of array `array` (0 the master weights, 1.. the
+  // states) of sub-group i at epoch(): only the bytes asked for (and their checksum blocks).
+  Status ReadRange(uint64_t sub_group, int array, uint64_t offset, std::span<float> out);
   // Commits now (only needed with sync_every_step off).
   Status Sync();
+
+  // The identity the store was created with (OptimizerSwapperOptions::identity); empty for a store
+  // made without one (or by a memplan that did not record it).
+  const std::string& identity() const;
+  // Fills sub-group i's `array` (0 the master weights, 1.. the states) for Load().
+  using ArrayFiller = std::function<Status(uint64_t sub_group, int array, std::span<float> out)>;
+  // Replaces the arrays `arrays` says (1 + states entries) of every sub-group, keeping the others,
+  // as step epoch() + 1 of the store, committed like a step (begun marker, the other slots, one
+  // sync): a crash or an error (the filler's included) leaves step epoch() as it was. Between
+  // steps only (FailedPrecondition with a step begun). The gradients written are kept.
+  Status Load(const ArrayFiller& fill, std::span<const bool> arrays);
+  // Forgets the gradients written since the last step (a step the trainer abandoned): Step() then
+  // needs them all again.
+  void DiscardGradients();
 
   OptimizerSwapperStats stats() const;
   // Commits and closes the store, keeping its files for a later Open(). Idempotent.

@@ -50,6 +50,16 @@
 // which the store would refuse). A parameter of the range fetched after that would get the new
 // values, as a fetch after Write() always did.
 //
+// Note [Re-gathering a kept parameter]
+// A parameter kept for reuse after its Release() (Ordering, below) is all-gathered again in place
+// by the next Fetch(), and the trainer's kernels of its last use, queued before that Release(),
+// may not have run yet. The bytes written are the ones already there (nothing changes a gathered
+// parameter within a step), but a write under a reader is still a race (the emulated GPU's
+// ThreadSanitizer run found it), and the collective is not ordered after the trainer's streams:
+// it runs on a stream of its own and returns when done. So the gather first waits on the host
+// for the parameter's fences. The trainer's thread would block in the collective anyway; the
+// cost is only the kernels queued on that module, as at the forward/backward turn.
+//
 // Note [ZeRO-3 partitions]
 // With world size W > 1 a parameter of n elements is cut into W shards of s = ceil(n / W)
 // elements, rank r owning elements [r * s, (r + 1) * s); past n they are padding, which the engine
@@ -66,17 +76,22 @@
 // order depends on timing (a demand fetch jumps the queue, EndOfStep() drops prefetches not yet
 // started), so it never calls the Collective: it only brings this rank's shard from the tier,
 // prefetched along the trace as for world size 1. The gathers run in Fetch(), on the trainer's
-// thread, in the module's parameter order, for the parameters not whole already (`gathered`: a
-// parameter still held by another module, or kept for reuse). Whether a parameter is whole changes
-// only in Fetch(), Release() and EndOfStep(), and what those decide (kept for reuse, prefetched)
-// depends on the trace and the budget counters, which change only in those calls too, never on
-// the transfer thread's progress: the same calls on every rank give the same gathers. The cost is
-// that a gather is not overlapped with compute as the tier read is; that would need a collective
-// thread fed in call order. Resident (small) parameters are kept whole on every rank; their shards
-// are written to a rank-major pack that GatherResident() all-gathers in one call and copies out.
-// A failure on one rank (an NVMe error in a load) is returned there and not seen by the others,
-// which then wait in their next collective (NCCL: until the communicator is aborted; the thread
-// collective: until its timeout breaks the group): as with any DDP job, one rank's error ends it.
+// thread, in the module's parameter order, for every parameter but those another fetched module
+// holds at that moment (whole since its Fetch(): `uses` counts the Fetch() calls not yet released,
+// which only the trainer's calls change) and the resident ones. A parameter kept for reuse after
+// its Release() is gathered again although it may still be whole: whether it is still there is
+// not the trainer's calls' to decide (the transfer thread evicts unused ready parameters when a
+// load finds no room, and when that happens depends on when the trainer's streams free memory),
+// and a gather decided by it would differ between ranks, which then pair mismatched collectives
+// (issue 31: a 2-rank Trainer with gradient checkpointing and evaluation aborted in gloo). Its
+// shard is still in place, so only the all-gather is repeated, not the tier read. So the same
+// calls on every rank give the same gathers. The cost is that a gather is not overlapped with
+// compute as the tier read is; that would need a collective thread fed in call order. Resident
+// (small) parameters are kept whole on every rank; their shards are written to a rank-major pack
+// that GatherResident() all-gathers in one call and copies out. A failure on one rank (an NVMe
+// error in a load) is returned there and not seen by the others, which then wait in their next
+// collective (NCCL: until the communicator is aborted; the thread collective: until its timeout
+// breaks the group): as with any DDP job, one rank's error ends it.
 #include "offload/param_swapper.h"
 
 #include <sys/mman.h>
@@ -595,17 +610,26 @@ struct ParamSwapper::Impl {
   }
 
   // World size > 1: every rank's shard of each of `ids` into its buffer, in the module's parameter
-  // order, which is the same on every rank (Note [ZeRO-3 partitions]). Those gathered already
-  // (resident, or by an earlier Fetch() still holding them) are skipped; the first error ends it.
+  // order, which is the same on every rank (Note [ZeRO-3 partitions]). Skipped: the resident ones
+  // and those an earlier Fetch() still holds (this Fetch() counted in `uses` already), which are
+  // whole; nothing else, whatever `gathered` says (Ordering, above). The first error ends it.
   Status GatherShards(const std::vector<ParamId>& ids) EXCLUDES(mu) {
     const auto eb = static_cast<uint64_t>(elem_bytes);
     for (ParamId id : ids) {
       Param& p = params[id];
       std::byte* device = nullptr;
+      std::vector<gpu::Fence> fences;
       {
         MutexLock lock(&mu);
-        if (p.gathered) continue;
+        if (p.resident || (p.gathered && p.uses > 1)) continue;
         device = static_cast<std::byte*>(p.device);
+        for (const auto& [stream, fence] : p.fences) fences.push_back(fence);
+      }
+      // A parameter kept for reuse is gathered again in place while the trainer's kernels of its
+      // last use may still be reading it (Note [Re-gathering a kept parameter]).
+      for (const gpu::Fence& fence : fences) {
+        Status waited = options.runtime->WaitFenceOnHost(fence);
+        if (!waited.ok()) return waited.WithPrefix("gathering parameter " + p.name);
       }
       Status gathered = options.collective->AllGather(
           device + static_cast<uint64_t>(rank) * p.shard * eb, device, p.shard, options.dtype);

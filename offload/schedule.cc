@@ -138,7 +138,10 @@ Result<Schedule> ScheduleFromJson(const nlohmann::json& j, const std::string& so
     MEMPLAN_RETURN_IF_ERROR(n.Bool("direct", &s.nvme_direct));
   }
   MEMPLAN_RETURN_IF_ERROR(r.Integer("pinned_budget_bytes", &s.pinned_budget_bytes));
-  MEMPLAN_RETURN_IF_ERROR(s.Validate().WithPrefix(where));
+  // Validate()'s messages say "schedule: ..." already: prefix only another source's name.
+  Status valid = s.Validate();
+  if (!valid.ok() && where != "schedule") valid = valid.WithPrefix(where);
+  MEMPLAN_RETURN_IF_ERROR(valid);
   return s;
 }
 

@@ -674,7 +674,7 @@ class Checker {
     s.seq_len = options_.seq_len;
     s.flash_attention = options_.flash_attention;
     const int64_t hidden = options_.model->arch ? options_.model->arch->hidden : 0;
-    Status applied = estimator::ApplyDeepSpeedConfig(c, "config", {}, hidden, &s);
+    Status applied = estimator::ApplyDeepSpeedConfig(c, "config", options_.supplied, hidden, &s);
     if (!applied.ok()) {
       report_.notes.push_back("memory not predicted: " + applied.message());
       return;

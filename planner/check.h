@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,9 @@ struct CheckOptions {
   // The rest of the setup the config does not say (the optimizer implementation, sequence
   // parallelism, ...): the fit starts from it, then seq_len, flash_attention and the config.
   estimator::TrainingSetup setup;
+  // Fields of `setup` given by the caller that fill the config's "auto" (the Hugging Face Trainer's
+  // values: "micro_batch", "grad_accum", "precision") or override it, for the fit.
+  std::set<std::string> supplied;
 };
 
 struct Finding {

@@ -526,9 +526,15 @@ Result<ordered_json> TrainerArguments(const Plan& plan, const Cluster& cluster,
   args["gradient_accumulation_steps"] = s.grad_accum;
   args["bf16"] = s.precision == Precision::kBf16Mixed || s.precision == Precision::kBf16Pure;
   args["fp16"] = s.precision == Precision::kFp16Mixed;
+  // The Trainer switches full recomputation on or off; a plan that needs selective recomputation
+  // (the attention core only) gets full, which fits in less memory but recomputes more than the
+  // plan's step time assumed: said in `differences` and the notes (issue 31, item 8).
   args["gradient_checkpointing"] = s.checkpointing != Checkpointing::kNone;
+  // Not part of the plan: the fine-tune's choice, written as memplan's defaults and said so.
   args["learning_rate"] = options.learning_rate;
   args["weight_decay"] = options.weight_decay;
+  args["lr_scheduler_type"] = "linear";
+  args["warmup_steps"] = 0;
   args["max_grad_norm"] = 1.0;
   if (s.optimizer == estimator::Optimizer::kAdam8bit) args["optim"] = "adamw_bnb_8bit";
   if (!options.deepspeed_config_path.empty()) args["deepspeed"] = options.deepspeed_config_path;
@@ -538,7 +544,27 @@ Result<ordered_json> TrainerArguments(const Plan& plan, const Cluster& cluster,
   j["training_arguments"] = args;
   j["model"] = model;
   j["world_size"] = cluster.WorldSize();
-  j["notes"] = TrainerSettings(plan, inventory, options.for_hf_trainer);
+  std::vector<std::string> notes = TrainerSettings(plan, inventory, options.for_hf_trainer);
+  ordered_json differences = ordered_json::array();
+  if (s.checkpointing == Checkpointing::kSelective) {
+    differences.push_back(
+        {{"field", "gradient_checkpointing"},
+         {"plan", "selective"},
+         {"written", "full"},
+         {"why",
+          "the Trainer has no flag for selective recomputation; full recomputation fits too "
+          "(it keeps less) but runs slower than the plan's step time, which assumed selective"}});
+    notes.push_back(
+        "gradient_checkpointing=True is full recomputation, not the plan's selective one (the "
+        "Trainer has no flag for it): the job fits, slower than planned; for the plan's speed "
+        "wrap each layer's attention in torch.utils.checkpoint instead");
+  }
+  notes.push_back(
+      "learning_rate, weight_decay, lr_scheduler_type and warmup_steps are not part of the plan: "
+      "memplan wrote its defaults (--lr, weight decay 0, the Trainer's linear schedule without "
+      "warm-up); set the fine-tune's own");
+  j["differences"] = differences;
+  j["notes"] = notes;
   return j;
 }
 

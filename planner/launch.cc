@@ -25,11 +25,15 @@ std::string Join(const std::vector<std::string>& words) {
   return out;
 }
 
-// The training script with the config argument, quoted.
+// The training script with the config argument, quoted. Under `accelerate launch` the DeepSpeed
+// config reaches the script through the Accelerate config (deepspeed_config_file): the script gets
+// no argument for it, which an HfArgumentParser script would refuse (issue 31, item 8).
 std::vector<std::string> ScriptWords(const LaunchOptions& o) {
   std::vector<std::string> out;
   for (const std::string& w : o.command) out.push_back(ShellQuote(w));
-  if (!o.deepspeed_config.empty()) {
+  const bool accelerate = o.launcher == Launcher::kAccelerate ||
+                          (o.launcher == Launcher::kSlurm && !o.accelerate_config.empty());
+  if (!o.deepspeed_config.empty() && !accelerate) {
     out.push_back(o.for_hf_trainer ? "--deepspeed" : "--deepspeed_config");
     out.push_back(ShellQuote(o.deepspeed_config));
   }

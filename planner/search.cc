@@ -505,6 +505,9 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
       static_cast<int64_t>(families.size() * checkpointings.size() * micro_batches.size());
 
   const double peak_flops = PeakFlops(cluster.gpu, job.setup.precision);
+  // The sequence the plans are for, said even when no configuration is evaluated (every family
+  // refused, e.g. NVMe asked for without a drive; issue 31 item 10 printed "x 0 tokens").
+  if (inventory.arch) result.seq_len = job.setup.SeqLenFor(&*inventory.arch);
   for (const Family& family : families) {
     const std::string name =
         FamilyName(family.stage, family.opt, family.param, family.sharding, family.eight_bit);

@@ -399,6 +399,62 @@ TEST_CASE("plan, check and estimate: one setup, one set of defaults, the same pe
             .exit_code == 0);
 }
 
+TEST_CASE("plan to run for the Hugging Face Trainer: what the plan assumed, said; check's flags") {
+  // Issue 31, item 8. The top one-GPU plan for llama-2-7b at seq 4096 recomputes selectively,
+  // which the Trainer cannot switch on: --emit-trainer writes full recomputation and says so,
+  // with what memplan chose that the plan does not decide.
+  TempDir dir("memplan-hf-");
+  const std::string trainer = dir.PathOf("trainer.json");
+  CommandResult r =
+      Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "1", "--global-batch",
+               "16", "--seq-len", "4096", "--format", "json", "--emit-trainer", trainer});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  REQUIRE(nlohmann::json::parse(r.out)["plans"][0]["activation_checkpointing"] == "selective");
+  std::ifstream in(trainer);
+  const nlohmann::json t = nlohmann::json::parse(in);
+  CHECK(t["training_arguments"]["gradient_checkpointing"] == true);
+  REQUIRE(t["differences"].size() == 1);
+  CHECK(t["differences"][0]["field"] == "gradient_checkpointing");
+  CHECK(t["differences"][0]["plan"] == "selective");
+  CHECK(t["differences"][0]["written"] == "full");
+  CHECK(t["training_arguments"]["lr_scheduler_type"] == "linear");
+  std::string notes = t["notes"].dump();
+  CHECK(notes.find("not part of the plan") != std::string::npos);
+  CHECK(notes.find("full recomputation, not the plan's selective") != std::string::npos);
+
+  // `check --for-hf-trainer` on the plan's "auto" config: the note names flags check has, and
+  // with them the fit is predicted.
+  const std::string ds = dir.PathOf("ds.json");
+  REQUIRE(Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8",
+                   "--global-batch", "64", "--for-hf-trainer", "--emit-deepspeed", ds})
+              .exit_code == 0);
+  const std::vector<std::string> check = {
+      "check", ds, "--for-hf-trainer", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8"};
+  CommandResult c = Memplan(check);
+  CHECK(c.exit_code == 0);
+  CHECK_MESSAGE(c.out.find("pass --micro-batch") != std::string::npos, c.out);
+  std::vector<std::string> filled = check;
+  filled.insert(filled.end(), {"--micro-batch", "1", "--grad-accum", "8", "--precision",
+                               "bf16-mixed", "--format", "json"});
+  c = Memplan(filled);
+  REQUIRE_MESSAGE(c.exit_code == 0, c.out << c.err);
+  CHECK(nlohmann::json::parse(c.out)["predicted"]["gpu_bytes"].get<uint64_t>() > 0);
+
+  // NVMe asked for without a drive: every family refused, and the report still says the
+  // sequence (issue 31 item 10: it printed "seq 0" and "16 x 0 tokens") and why.
+  CommandResult nvme = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "1",
+                                "--global-batch", "16", "--offload-optimizer", "nvme"});
+  CHECK_MESSAGE(nvme.out.find("seq 2048") != std::string::npos, nvme.out);
+  CHECK(nvme.out.find("Global batch 16 x 2048 tokens") != std::string::npos);
+  CHECK(nvme.out.find("no NVMe drive given (--nvme-path)") != std::string::npos);
+  // --gpus 16 is one node of 16 GPUs, and the report says so (item 10).
+  CommandResult sixteen = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus",
+                                   "16", "--global-batch", "64"});
+  CHECK_MESSAGE(sixteen.out.find("--gpus is GPUs per node: one node of 16 GPUs; for nodes of 8, "
+                                 "give --gpus 8 --nodes 2") != std::string::npos,
+                sixteen.out);
+}
+
 TEST_CASE("plan --svg: the top plans drawn, written atomically, with json or text") {
   TempDir dir("memplan-svg-");
   const std::string svg = dir.PathOf("plans.svg");

@@ -33,6 +33,9 @@ struct CheckFlags {
   std::string memlock;
   bool for_hf_trainer = false;
   int64_t seq_len = 0;
+  int64_t micro_batch = 0;  // 0: the config's (an "auto" one cannot be predicted without it)
+  int64_t grad_accum = 0;
+  std::string precision;    // empty: the config's
   SharedSetupFlags shared;  // --flash-attention/--no-flash-attention, --foreach, ...
   std::string format = "text";
 };
@@ -48,6 +51,21 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
   options.for_hf_trainer = f.for_hf_trainer;
   options.seq_len = f.seq_len;
   f.shared.Apply(&options.setup, /*only_given=*/false);
+  // The Trainer's values for the config's "auto" (issue 31: the note named a flag check lacked).
+  if (f.micro_batch > 0) {
+    options.setup.micro_batch = f.micro_batch;
+    options.supplied.insert("micro_batch");
+  }
+  if (f.grad_accum > 0) {
+    options.setup.grad_accum = f.grad_accum;
+    options.supplied.insert("grad_accum");
+  }
+  if (!f.precision.empty()) {
+    auto precision = estimator::ParsePrecision(f.precision);
+    if (!precision.ok()) return fail(precision.status());
+    options.setup.precision = *precision;
+    options.supplied.insert("precision");
+  }
   options.flash_attention = options.setup.flash_attention;
   const int64_t gpus = f.gpus > 0 ? f.gpus : 1;
   const int64_t nodes = f.nodes > 0 ? f.nodes : 1;
@@ -104,6 +122,17 @@ void RegisterCheck(CLI::App& app, Outcome* outcome) {
   cmd->add_option("--seq-len", f->seq_len,
                   "Tokens per sequence for the fit (default: min(positions, 2048))")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  cmd->add_option("--micro-batch", f->micro_batch,
+                  "Sequences per GPU per forward pass for the fit, in place of the config's "
+                  "(needed when it is \"auto\": the Trainer's per_device_train_batch_size)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  cmd->add_option("--precision", f->precision,
+                  "Precision for the fit, in place of the config's (needed when bf16 or fp16 "
+                  "\"enabled\" is \"auto\"): bf16-mixed, fp16-mixed, fp32, ...");
+  cmd->add_option("--grad-accum", f->grad_accum,
+                  "Gradient accumulation steps for the fit, in place of the config's (needed "
+                  "when it is \"auto\")")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   f->shared.Add(cmd, "Fit prediction");
   AddFormatOption(cmd, &f->format, "text or json");
   cmd->footer(

@@ -389,6 +389,12 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   auto result = planner::SearchPlans(*inventory, *cluster, job, options);
   if (!result.ok()) return fail(result.status());
   if (!note.empty()) result->assumptions.push_back("--detect: " + note);
+  if (f.cluster.gpus > 8 && cluster->nodes == 1) {
+    // Issue 31 item 10: "--gpus 16" read as 16 in all.
+    result->assumptions.push_back(
+        "--gpus is GPUs per node: one node of " + std::to_string(f.cluster.gpus) +
+        " GPUs; for nodes of 8, give --gpus 8 --nodes " + std::to_string((f.cluster.gpus + 7) / 8));
+  }
 
   std::string written;
   nlohmann::ordered_json schedule_prediction;  // --emit-schedule: the engine model's prediction

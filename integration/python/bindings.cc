@@ -27,6 +27,16 @@
 // (gil_scoped_acquire on the same thread: no other thread is involved, nothing can deadlock on
 // the GIL) and releases it again when it returns. A Python exception becomes an IoError naming the
 // call, raised to the caller of the engine call as OSError; the ranks then fail as with NCCL.
+//
+// Note [Python exceptions]
+// One mapping from Status to Python for every call (Raise()), so the package's errors mean one
+// thing: a Status made from an errno (Status::FromErrno, sys_errno()) is OSError(errno, message),
+// which Python turns into FileNotFoundError, PermissionError, ... by the errno (a store file
+// removed between steps, a full disk); other I/O failures and data loss are OSError; bad input and
+// ranges are ValueError; a name that is not found (a model, a module) is memplan.NotFoundError, a
+// ValueError (bad input, as the README promises for the requests) that is also a KeyError (as it
+// was), printed without KeyError's quotes; a budget is MemoryError; a call out of order (a closed
+// engine, a step before its backward) is RuntimeError.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -52,13 +62,28 @@ namespace py = pybind11;
 namespace memplan::python {
 namespace {
 
-// Raises the Python exception that matches `status`.
+// Raises the Python exception that matches `status` (Note [Python exceptions]): an OS error's
+// errno as OSError(errno, message), which Python turns into FileNotFoundError, PermissionError...;
+// other I/O failures and data loss as OSError; bad input, a name not found (memplan.NotFoundError,
+// both a ValueError and a KeyError) and ranges as ValueError; a budget as MemoryError; misuse
+// (a call out of order) as RuntimeError.
 [[noreturn]] void Raise(const Status& status) {
   const std::string message = status.message();
+  if (status.sys_errno() != 0) {
+    py::object error = py::reinterpret_steal<py::object>(
+        PyObject_CallFunction(PyExc_OSError, "is", status.sys_errno(), message.c_str()));
+    if (!error) throw py::error_already_set();
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+    throw py::error_already_set();
+  }
   switch (status.code()) {
     case StatusCode::kInvalidArgument:
     case StatusCode::kOutOfRange: throw py::value_error(message);
-    case StatusCode::kNotFound: throw py::key_error(message);
+    case StatusCode::kNotFound: {
+      py::object type = py::module_::import("memplan").attr("NotFoundError");
+      PyErr_SetObject(type.ptr(), py::str(message).ptr());
+      throw py::error_already_set();
+    }
     case StatusCode::kIoError:
     case StatusCode::kDataLoss:
       PyErr_SetString(PyExc_OSError, message.c_str());
@@ -276,10 +301,13 @@ class PyEngine {
 
   uint32_t AddParameter(const std::string& name, const std::string& module,
                         const std::vector<int64_t>& shape, const py::object& init,
-                        const std::vector<std::string>& also_used_by, bool frozen) {
+                        const std::vector<std::string>& also_used_by, bool frozen, uint32_t group,
+                        const std::string& dtype) {
     Require();
     offload::ParamSpec spec;
     spec.frozen = frozen;
+    spec.group = group;
+    spec.dtype = dtype;
     spec.name = name;
     spec.module = module;
     spec.shape = shape;
@@ -328,6 +356,8 @@ class PyEngine {
     Check(status);
     py::dict out;
     out["epoch"] = stats_epoch();
+    out["torn"] = report.torn;
+    out["notes"] = report.notes;
     return out;
   }
 
@@ -415,7 +445,7 @@ class PyEngine {
 
   void Step(const std::string& options_json) {
     Require();
-    offload::SwapStepOptions options = StepOptions(options_json);
+    offload::StepOptions options = StepOptions(options_json);
     Status status;
     {
       py::gil_scoped_release release;
@@ -427,7 +457,7 @@ class PyEngine {
 
   void PrepareStep(const std::string& options_json) {
     Require();
-    offload::SwapStepOptions options = StepOptions(options_json);
+    offload::StepOptions options = StepOptions(options_json);
     Status status;
     {
       py::gil_scoped_release release;
@@ -438,10 +468,98 @@ class PyEngine {
 
   // The options of a step or a prepared step: `options_json` ("" for the defaults) for the
   // schedule's optimizer.
-  offload::SwapStepOptions StepOptions(const std::string& options_json) const {
+  offload::StepOptions StepOptions(const std::string& options_json) const {
     nlohmann::json doc = options_json.empty() ? nlohmann::json::object()
                                               : ParseRequest(options_json, "step options");
-    return Value(integration::StepOptionsFromJson(doc, schedule_.optimizer));
+    return Value(integration::EngineStepOptionsFromJson(doc, schedule_.optimizer));
+  }
+
+  double GradientNorm(double norm_type, double grad_scale) {
+    Require();
+    Result<double> norm = Status::Internal("unset");
+    {
+      py::gil_scoped_release release;  // a collective with world size > 1
+      norm = engine_->GradientNorm(norm_type, grad_scale);
+    }
+    return Value(std::move(norm));
+  }
+
+  void AbandonStep() {
+    Require();
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = engine_->AbandonStep();
+    }
+    grads_.clear();
+    Check(status);
+  }
+
+  // (first, size, numel) of this rank's shard of `param` (Engine::Shard).
+  py::tuple Shard(uint32_t param) const {
+    Require();
+    const offload::ParamShard shard = Value(engine_->Shard(param));
+    return py::make_tuple(shard.first, shard.size, shard.numel);
+  }
+
+  int OptimizerStates() const {
+    Require();
+    return engine_->OptimizerStates();
+  }
+
+  void ReadState(uint32_t param, int array, const py::object& out) {
+    Require();
+    Memory m = MemoryOf(out);
+    if (m.device || m.dtype != "fp32") {
+      throw py::value_error("memplan: read_state needs a float32 host buffer");
+    }
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = engine_->ReadOptimizerState(
+          param, array,
+          std::span<float>(static_cast<float*>(const_cast<void*>(m.data)), m.bytes / 4));
+    }
+    Check(status);
+  }
+
+  uint64_t ParamStep(uint32_t param) const {
+    Require();
+    return Value(engine_->ParamStepCount(param));
+  }
+
+  // `fill(param, array, first, count)` returns `count` float32 values (a buffer-protocol object or
+  // a CPU tensor) of this rank's shard; called on this thread, with the GIL taken back for it.
+  void LoadState(const py::object& fill, const std::vector<bool>& arrays,
+                 const std::vector<uint64_t>& steps) {
+    Require();
+    offload::StateFiller filler = [&fill](offload::ParamId param, int array, uint64_t first,
+                                          std::span<float> out) -> Status {
+      py::gil_scoped_acquire acquire;
+      try {
+        py::object values = fill(param, array, first, out.size());
+        Memory m = MemoryOf(values);
+        if (m.device || m.dtype != "fp32" || m.bytes != out.size_bytes()) {
+          return Status::InvalidArgument("the state filler gave " + std::to_string(m.bytes) +
+                                         " bytes of " + m.dtype + " for " +
+                                         std::to_string(out.size()) + " float32 values");
+        }
+        std::memcpy(out.data(), m.data, out.size_bytes());
+        return Status::Ok();
+      } catch (py::error_already_set& e) {
+        // Kept for the caller: the engine's status names the parameter, Python's error the cause.
+        return Status::InvalidArgument(std::string("the state filler raised ") + e.what());
+      }
+    };
+    std::unique_ptr<bool[]> flags(new bool[arrays.size()]);
+    for (size_t k = 0; k < arrays.size(); ++k) flags[k] = arrays[k];
+    Status status;
+    {
+      py::gil_scoped_release release;
+      status = engine_->LoadOptimizerState(
+          filler, std::span<const bool>(flags.get(), arrays.size()), steps);
+    }
+    Check(status);
   }
 
   void ReadMaster(uint32_t param, const py::object& out) {
@@ -464,7 +582,7 @@ class PyEngine {
   }
 
   std::string StatsJson() const {
-    if (!engine_) throw py::value_error("memplan: engine is closed");
+    Require();
     return integration::ToJson(engine_->stats()).dump();
   }
 
@@ -499,7 +617,7 @@ class PyEngine {
   }
 
   void Require() const {
-    if (!engine_) throw py::value_error("memplan: engine is closed");
+    if (!engine_) throw std::runtime_error("memplan: the engine is closed");
   }
   uint64_t stats_epoch() const { return engine_->stats().epoch; }
 
@@ -749,7 +867,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("collective") = py::none())
       .def("add_parameter", &PyEngine::AddParameter, py::arg("name"), py::arg("module"),
            py::arg("shape"), py::arg("init") = py::none(),
-           py::arg("also_used_by") = std::vector<std::string>(), py::arg("frozen") = false)
+           py::arg("also_used_by") = std::vector<std::string>(), py::arg("frozen") = false,
+           py::arg("group") = 0, py::arg("dtype") = "")
       .def("start", &PyEngine::Start)
       .def("fetch", &PyEngine::Fetch, py::arg("module"))
       .def("release", &PyEngine::Release, py::arg("module"), py::arg("stream") = 0)
@@ -763,6 +882,15 @@ PYBIND11_MODULE(_native, m) {
       .def("step", &PyEngine::Step, py::arg("options_json") = "")
       .def("prepare_step", &PyEngine::PrepareStep, py::arg("options_json") = "")
       .def("read_master", &PyEngine::ReadMaster, py::arg("param"), py::arg("out"))
+      .def("gradient_norm", &PyEngine::GradientNorm, py::arg("norm_type") = 2.0,
+           py::arg("grad_scale") = 1.0)
+      .def("abandon_step", &PyEngine::AbandonStep)
+      .def("shard", &PyEngine::Shard, py::arg("param"))
+      .def_property_readonly("optimizer_states", &PyEngine::OptimizerStates)
+      .def("read_state", &PyEngine::ReadState, py::arg("param"), py::arg("array"), py::arg("out"))
+      .def("param_step", &PyEngine::ParamStep, py::arg("param"))
+      .def("load_state", &PyEngine::LoadState, py::arg("fill"), py::arg("arrays"),
+           py::arg("steps") = std::vector<uint64_t>())
       .def("stats_json", &PyEngine::StatsJson)
       .def_property_readonly("param_dtype", &PyEngine::ParamDtype)
       .def_property_readonly("runtime", &PyEngine::Runtime)

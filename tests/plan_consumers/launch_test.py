@@ -16,7 +16,8 @@ and with script arguments that need quoting. Each file must:
     config_from_args (torchrun), deepspeed.launcher.runner.parse_args (deepspeed), accelerate
     launch's launch_command_parser and _validate_launch_command with the emitted config
     (accelerate), with the node and GPU counts of the plan and the training script with its
-    arguments intact;
+    arguments intact (under accelerate launch without a --deepspeed_config of its own: the
+    Accelerate config names the DeepSpeed one, and an HfArgumentParser script would refuse it);
   - for slurm, carry #SBATCH --nodes, --ntasks, --gres=gpu:N of the plan.
 
 A DeepSpeed launch of a hybrid-sharded plan is not written (DeepSpeed 0.19 has no MiCS) and must
@@ -70,7 +71,9 @@ def recorded_args(path, env_extra, out):
 
 
 def check_script_args(user_args, ds_path):
-    want = SCRIPT_ARGS + ["--deepspeed_config", ds_path]
+    """ds_path None: the script gets no DeepSpeed config argument (under accelerate launch the
+    Accelerate config carries it; an HfArgumentParser script would refuse the flag)."""
+    want = SCRIPT_ARGS + (["--deepspeed_config", ds_path] if ds_path is not None else [])
     if list(user_args) != want:
         raise AssertionError(f"training script arguments {list(user_args)} != {want}")
 
@@ -110,7 +113,12 @@ def check_accelerate(argv, nodes, gpus, ds_path, yaml_path):
     assert args.num_machines == nodes, args.num_machines
     assert args.num_processes == nodes * gpus, args.num_processes
     assert args.training_script == "train.py", args.training_script
-    check_script_args(args.training_script_args, ds_path)
+    check_script_args(args.training_script_args, None)
+    import yaml
+    with open(yaml_path, encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    named = config.get("deepspeed_config", {}).get("deepspeed_config_file")
+    assert named == ds_path, (named, ds_path)
 
 
 def main():

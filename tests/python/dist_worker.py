@@ -57,6 +57,11 @@ def main(argv=None):
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--save", help="save() the trained model here; rank 0 also writes the "
                                   "trained model's logits on a fixed input to <out>/logits.pt")
+    p.add_argument("--clip", type=float, default=0.0,
+                   help="torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) every step; "
+                        "the norms are written with the losses")
+    p.add_argument("--checkpoint-at", type=int, default=-1,
+                   help="after this many steps, save_checkpoint(<out>/ckpt) (every rank)")
     args = p.parse_args(argv)
 
     import torch.distributed as dist
@@ -68,13 +73,15 @@ def main(argv=None):
                                     sub_group_elements=16 << 10, param_buffer_bytes=256 << 10,
                                     direct=False, resume=args.resume)
     local = args.batch // world
-    losses = []
+    losses, norms = [], []
     marker = os.path.join(args.out, "committed")
     for step, tokens in enumerate(global_batches(args.steps, args.batch)):
         if step < trainer.resumed_step:
             continue  # seen before the restart
         loss = loss_of(model, tokens[rank * local:(rank + 1) * local])
         loss.backward()
+        if args.clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)))
         if step == args.kill_step and rank == args.kill_rank:
             deadline = time.time() + 60
             while not os.path.exists(marker) and time.time() < deadline:
@@ -87,6 +94,8 @@ def main(argv=None):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
+        if step + 1 == args.checkpoint_at:
+            trainer.save_checkpoint(os.path.join(args.out, "ckpt"))
     stats = trainer.stats()
     weights = trainer.master_weights()
     if args.save:
@@ -102,7 +111,7 @@ def main(argv=None):
         torch.save(weights, os.path.join(args.out, "weights.pt"))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump({"rank": rank, "world_size": world, "losses": losses, "stats": stats,
-                   "checksum": checksum, "resumed_step": resumed_step}, f)
+                   "checksum": checksum, "resumed_step": resumed_step, "norms": norms}, f)
     dist.destroy_process_group()
     return 0
 

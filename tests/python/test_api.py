@@ -47,8 +47,14 @@ class EstimateTest(unittest.TestCase):
             memplan.estimate("llama-2-7b", bogus=1)
         with self.assertRaisesRegex(ValueError, "exactly one"):
             memplan.estimate()
-        with self.assertRaises(KeyError):
+        # A model not found: ValueError as the README promises, still a KeyError as before
+        # (memplan.NotFoundError), printed without KeyError's quotes (issue 31 item 10).
+        with self.assertRaises(ValueError) as caught:
             memplan.estimate("no-such-model-anywhere")
+        self.assertIsInstance(caught.exception, KeyError)
+        self.assertIsInstance(caught.exception, memplan.NotFoundError)
+        self.assertTrue(str(caught.exception).startswith("model 'no-such-model-anywhere'"),
+                        str(caught.exception))
         with self.assertRaisesRegex(ValueError, "gpus"):
             memplan.estimate("llama-2-7b", gpus=0)
 

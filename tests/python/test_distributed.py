@@ -155,6 +155,57 @@ class DistributedTest(unittest.TestCase):
             self.assertEqual(sorted(os.listdir(whole)).count("ckpt"), 1)
             self.assertFalse([n for n in os.listdir(whole) if n.startswith(".memplan-save")])
 
+    def test_clipping_over_two_ranks_and_a_checkpoint_resumed_by_one_process(self):
+        # Issue 31: clip_grad_norm_ over ZeRO-3 shards is torch's over the whole model (the
+        # global norm of the mean gradient), and the optimizer checkpoint two ranks wrote loads
+        # into one process, which carries on as the two would have.
+        steps, at, clip = 8, 4, 0.5
+        with tempfile.TemporaryDirectory() as tmp:
+            status, output = torchrun(2, ["--model", "gpt", "--nvme", os.path.join(tmp, "swap"),
+                                          "--out", tmp, "--steps", str(steps), "--batch",
+                                          str(BATCH), "--lr", str(LR), "--clip", str(clip),
+                                          "--checkpoint-at", str(at)])
+            self.assertEqual(status, 0, output[-4000:])
+            ranks = [read_json(os.path.join(tmp, f"rank{r}.json")) for r in range(2)]
+            ckpt = os.path.join(tmp, "ckpt")
+            self.assertEqual(sorted(os.listdir(ckpt)), ["memplan-checkpoint.json",
+                                                        "rank0-of-2.safetensors",
+                                                        "rank1-of-2.safetensors"])
+            whole = torch.load(os.path.join(tmp, "weights.pt"))
+            # The reference: one process, the global batch, torch's clip_grad_norm_ and AdamW.
+            model, loss_of = dist_worker.build("gpt")
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+            ref_losses, ref_norms = [], []
+            for tokens in dist_worker.global_batches(steps, BATCH):
+                loss = loss_of(model, tokens)
+                loss.backward()
+                ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+                opt.step()
+                opt.zero_grad()
+                ref_losses.append(loss.item())
+            self.assertEqual(ranks[0]["norms"], ranks[1]["norms"])
+            for a, b in zip(ranks[0]["norms"], ref_norms):
+                self.assertAlmostEqual(a, b, delta=1e-5 * b)
+            self.assertTrue(any(n > clip for n in ref_norms))
+            self.assertLess(max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref_losses)),
+                            1e-5)
+            # One process loads the 2-rank checkpoint and trains the rest.
+            import memplan.torch
+            fresh, loss_of = dist_worker.build("gpt")
+            trainer = memplan.torch.offload(fresh, lr=LR, weight_decay=0.01)
+            trainer.load_checkpoint(ckpt)
+            for tokens in dist_worker.global_batches(steps, BATCH)[at:]:
+                loss_of(fresh, tokens).backward()
+                torch.nn.utils.clip_grad_norm_(fresh.parameters(), clip)
+                trainer.step()
+            got = trainer.master_weights()
+            trainer.close()
+            for name, w in whole.items():
+                self.assertLess((got[name] - w).abs().max().item(), 1e-5, name)
+            # And the checkpoint consolidates to whole weights (zero_to_fp32's job).
+            state = memplan.torch.consolidate_checkpoint(ckpt)
+            self.assertEqual(sorted(state), sorted(got))
+
     def test_process_group_without_torch_distributed_is_refused(self):
         import memplan.torch
         model, _ = dist_worker.build("gpt")

@@ -426,7 +426,7 @@ class EngineBindingTest(unittest.TestCase):
         engine = memplan.Engine(memplan.schedule(param_tier="cpu", optimizer_tier="cpu"),
                                 runtime="host")
         engine.close()
-        with self.assertRaisesRegex(ValueError, "closed"):
+        with self.assertRaisesRegex(RuntimeError, "closed"):  # misuse, not bad input
             engine.fetch("x")
 
     def test_schedule_from_a_file(self):

@@ -7,8 +7,10 @@
     memplan.estimate_module(torch_model, gpus=4)               # a live or meta-device nn.Module
 
 Every function returns the same JSON document (as a dict) that the CLI prints with
-``--format json``; bad input raises ValueError (KeyError for a model that is not found) with the
-CLI's message. The offload engine is ``memplan.Engine`` (low level) and ``memplan.torch``
+``--format json``; bad input raises ValueError with the CLI's message (a model that is not found:
+``memplan.NotFoundError``, a ValueError that is also a KeyError). Errors of the operating system
+(a missing store file, a full disk, a permission) are OSError with their errno (FileNotFoundError,
+PermissionError, ...); a call out of order is RuntimeError. The offload engine is ``memplan.Engine`` (low level) and ``memplan.torch``
 (a PyTorch adapter that keeps a module's parameters and optimizer in the engine).
 """
 
@@ -46,7 +48,16 @@ else:
     # NCCL.
     nccl_unique_id = _native.nccl_unique_id
 __all__ = ["estimate", "plan", "estimate_module", "Engine", "schedule", "IoFile", "CpuAdam",
-           "nccl_unique_id"]
+           "nccl_unique_id", "NotFoundError"]
+
+
+class NotFoundError(KeyError, ValueError):
+    """A model, module or key that memplan cannot find: a ValueError (bad input, as the README
+    promises) that is also a KeyError (as memplan raised before), printed without KeyError's
+    quotes."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
 
 
 # Request keys of `estimate` that are not training-setup settings (integration/requests.h).
@@ -163,6 +174,17 @@ def schedule(*, path=None, param_tier="nvme", optimizer_tier="nvme", dtype="fp32
     return doc
 
 
+def _step_json(options):
+    """Step options as JSON, whose numbers have no infinity: "inf" for max_grad_norm and
+    norm_type."""
+    options = dict(options)
+    for key in ("max_grad_norm", "norm_type"):
+        value = options.get(key)
+        if isinstance(value, (int, float)) and value == float("inf"):
+            options[key] = "inf"
+    return _json.dumps(options)
+
+
 class Engine:
     """The offload engine (offload/engine.h) over a Schedule dict: register parameters, start,
     then per step fetch / release modules, hand gradients over, and step.
@@ -192,13 +214,20 @@ class Engine:
         self._native = _native.Engine(_json.dumps(schedule), _json.dumps(
             {"runtime": runtime, "resume": resume, "device": device}), collective)
 
-    def add_parameter(self, name, module, shape, init=None, also_used_by=(), frozen=False):
+    def add_parameter(self, name, module, shape, init=None, also_used_by=(), frozen=False,
+                      group=0, dtype=""):
         """frozen: held and fetched like the others, never given a gradient nor stepped nor
-        written after start() (LoRA's base weights); read_master refuses it."""
+        written after start() (LoRA's base weights); read_master refuses it.
+        group: its parameter group (0 .. 1023): step(groups=[...]) gives each group options of its
+        own (torch.optim's param_groups). dtype: the trainer's dtype of it ("torch.float32"),
+        recorded with the stores so that a resume onto another is refused."""
         return self._native.add_parameter(name, module, [int(d) for d in shape], init,
-                                          list(also_used_by), frozen)
+                                          list(also_used_by), frozen, int(group), str(dtype))
 
     def start(self):
+        """Creates the stores (or reopens them with resume): {"epoch": the step the optimizer is
+        at, "torn": whether a step after it was begun and not committed, "notes": what recovery
+        found}."""
         return self._native.start()
 
     def fetch(self, module):
@@ -222,13 +251,51 @@ class Engine:
         self._native.no_gradient(param)
 
     def step(self, **options):
-        self._native.step(_json.dumps(options))
+        """One optimizer step. Options: the optimizer's (lr, weight_decay, betas as beta1 /
+        beta2, eps, grad_scale, ...), groups=[{...}, ...] (per parameter group, overriding those),
+        max_grad_norm (clip by the global norm; float("inf"): measure only), norm_type (1, 2,
+        inf), skip_nonfinite (skip a step whose gradients overflowed)."""
+        self._native.step(_step_json(options))
 
     def prepare_step(self, **options):
         """The options of the coming step(), before its first gradient: the optimizer then runs
         during backward, each sub-group as soon as its gradients are in (the optimizer on NVMe).
         step() must then be given the same options."""
-        self._native.prepare_step(_json.dumps(options))
+        self._native.prepare_step(_step_json(options))
+
+    def gradient_norm(self, norm_type=2.0, grad_scale=1.0):
+        """The global norm of this step's gradients (every one given) divided by grad_scale, over
+        every rank (a collective), as torch.nn.utils.clip_grad_norm_ computes it."""
+        return self._native.gradient_norm(float(norm_type), float(grad_scale))
+
+    def abandon_step(self):
+        """Drops the step in progress (its gradients; a prepared step's work), so that the next
+        step starts clean."""
+        self._native.abandon_step()
+
+    def shard(self, param):
+        """(first, size, numel): this rank's shard of the parameter, elements [first, first +
+        size) of it flattened (past numel: padding)."""
+        return self._native.shard(param)
+
+    @property
+    def optimizer_states(self):
+        """State arrays besides the master weights (Adam 2: exp_avg, exp_avg_sq)."""
+        return self._native.optimizer_states
+
+    def read_state(self, param, array, out):
+        """This rank's shard of array `array` (0 master weights, 1.. states) into `out` (float32,
+        the shard's size), between steps."""
+        self._native.read_state(param, array, out)
+
+    def param_step(self, param):
+        return self._native.param_step(param)
+
+    def load_state(self, fill, arrays, steps=()):
+        """Replaces, between steps, the arrays flagged in `arrays` of every parameter from
+        ``fill(param, array, first, count)`` (float32 values of this rank's shard), and the step
+        counts when `steps` (one per parameter) is given."""
+        self._native.load_state(fill, [bool(a) for a in arrays], [int(t) for t in steps])
 
     def read_master(self, param, out):
         self._native.read_master(param, out)
