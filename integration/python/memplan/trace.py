@@ -219,7 +219,9 @@ def _make_tracker_class(base):
                     "peak_bytes": total,
                     "snapshot": _flatten_snapshot(self._curr_mem_snap),
                     "op": str(self._func) if self._func is not None else None,
-                    "module": max(parents, key=len) if parents else None,
+                    # The deepest module; parents is a set, so ties (two blocks' modules at
+                    # once, in backward) go to the first by name, not to hash order.
+                    "module": min(parents, key=lambda p: (-len(p), p)) if parents else None,
                 }
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):

@@ -219,7 +219,13 @@ def trace_point(point):
 
 def figures(record):
     """What must not change when the grid is re-traced (the CI check compares these)."""
-    return {"peak": record["peak"], "phases": record["phases"],
+    # Not the peaks' modules: where two blocks' modules are current at the peak, the data made
+    # before the tracer broke that tie by name picked one in hash order.
+    def located(d):
+        return {k: v for k, v in d.items() if k != "module"} if isinstance(d, dict) else d
+    peak = located(record["peak"])
+    phases = {name: located(phase) for name, phase in record["phases"].items()}
+    return {"peak": peak, "phases": phases,
             "step_start": record["step_start"], "workspaces": record["workspaces"],
             "sdpa_backends": record["sdpa_backends"]}
 
@@ -317,13 +323,23 @@ def generate(work, out, holdout_out, only=None, stop_on_error=False, timeout=600
 
 
 def check(path, ids=None, sample=False):
-    """Re-trace records of a grid file and compare their figures exactly; returns mismatches."""
+    """Re-trace records of a grid file and compare their figures exactly; returns the ids
+    missing, the mismatches and how many points were asked for."""
     with open(path, "r", encoding="utf-8") as f:
         grid = json.load(f)
     if grid.get("format") != GRID_FORMAT:
         raise ValueError("%s: format %r, expected %s" % (path, grid.get("format"), GRID_FORMAT))
     wanted = set(grid["ci_sample"]) if sample else set(ids or [])
     by_id = {r["id"]: r for r in grid["records"]}
+    if sample:
+        # Both files carry the same header: a sample point held out lives in the other file.
+        held = set(grid.get("holdout", {}).get("ids", []))
+        in_holdout = grid.get("part") == "holdout"
+        elsewhere = sorted(i for i in wanted if i not in by_id and (i in held) != in_holdout)
+        for pid in elsewhere:
+            sys.stderr.write("elsewhere %s (in the %s file)\n"
+                             % (pid, "development" if in_holdout else "held-out"))
+        wanted -= set(elsewhere)
     missing = sorted(i for i in wanted if i not in by_id)
     mismatches = []
     by_point = {p["id"]: p for p in points()}
@@ -341,7 +357,7 @@ def check(path, ids=None, sample=False):
         sys.stderr.write("%-8s %.1f s  %s\n" % (status, time.time() - t0, pid))
         if old != new:
             mismatches.append((pid, _first_difference(old, new)))
-    return missing, mismatches
+    return missing, mismatches, len(wanted)
 
 
 def _first_difference(old, new, prefix=""):
@@ -382,13 +398,11 @@ def main(argv=None):
             print(p["id"])
         return 0
     if args.check:
-        missing, mismatches = check(args.check, ids=args.id, sample=args.sample)
+        missing, mismatches, count = check(args.check, ids=args.id, sample=args.sample)
         for pid in missing:
             sys.stderr.write("missing from %s: %s\n" % (args.check, pid))
         for pid, why in mismatches:
             sys.stderr.write("mismatch %s: %s\n" % (pid, why))
-        with open(args.check, "r", encoding="utf-8") as f:
-            count = len(set(json.load(f)["ci_sample"])) if args.sample else len(set(args.id or []))
         failed = len(mismatches) + len(missing)
         print("%d passed, %d failed" % (count - failed, failed))
         return 1 if (missing or mismatches) else 0
