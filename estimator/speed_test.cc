@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <ctime>
 #include <random>
 #include <string>
@@ -66,6 +67,13 @@ bool HasExperts(const ModelInventory& inventory) {
 }
 
 TEST_CASE("speed: every built-in model, both expert layouts, estimates in well under 50 ms") {
+  // An absolute bound on CPU time holds only on a machine doing nothing else: on two cores, the
+  // tests CTest runs beside it made a 39 ms estimate take 72. So this case runs in the CTest test
+  // `estimator_speed` (RUN_SERIAL, which sets the variable), not inside `estimator_test`.
+  if (std::getenv("MEMPLAN_SPEED_ALONE") == nullptr) {
+    MESSAGE("run alone as the CTest test estimator_speed (MEMPLAN_SPEED_ALONE=1)");
+    return;
+  }
   // In-process, so the bound leaves room for the CLI's start-up (about 3 ms). A per-expert
   // DeepSeek-V3 (47,000 tensors) takes about 20 ms; before its module tree was walked from the
   // previous lookup it took 45.
