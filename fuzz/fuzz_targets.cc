@@ -418,7 +418,9 @@ Status LaunchScriptOne(std::string_view input) {
   }
   std::vector<std::string> tail = {o.script};
   tail.insert(tail.end(), o.script_args.begin(), o.script_args.end());
-  if (!o.deepspeed_config.empty()) {
+  // Under accelerate the Accelerate config names the DeepSpeed one; the script gets no config
+  // argument (planner/launch.cc, ScriptWords).
+  if (!o.deepspeed_config.empty() && std::string_view(launcher) != "accelerate") {
     tail.push_back(o.for_hf_trainer ? "--deepspeed" : "--deepspeed_config");
     tail.push_back(o.deepspeed_config);
   }

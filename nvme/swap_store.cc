@@ -447,8 +447,10 @@ Status SwapStore::Impl::PrepareDirectory() {
 Status SwapStore::Impl::DirectoryUnchanged() const {
   struct stat st;
   if (::lstat(options.directory.c_str(), &st) != 0) {
-    return Status::FailedPrecondition(
-        Msg("the directory was removed or renamed since the store was opened"));
+    // An I/O failure with its errno (ENOENT, ...), as any other file of the store that is gone:
+    // the caller's data is lost, not a precondition it broke.
+    return Status::FromErrno(
+        errno, Msg("the directory was removed or renamed since the store was opened"));
   }
   if (S_ISLNK(st.st_mode)) {
     return Status::FailedPrecondition(
