@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "common/checked_math.h"
 
@@ -46,6 +48,32 @@ constexpr Unit kUnits[] = {
 };
 
 }  // namespace
+
+std::optional<double> ParseDecimalNumber(std::string_view text) {
+  size_t i = 0;
+  auto digits = [&] {
+    const size_t start = i;
+    while (i < text.size() && text[i] >= '0' && text[i] <= '9') ++i;
+    return i - start;
+  };
+  if (i < text.size() && (text[i] == '+' || text[i] == '-')) ++i;
+  size_t mantissa = digits();
+  if (i < text.size() && text[i] == '.') {
+    ++i;
+    mantissa += digits();
+  }
+  if (mantissa == 0) return std::nullopt;
+  if (i < text.size() && (text[i] == 'e' || text[i] == 'E')) {
+    ++i;
+    if (i < text.size() && (text[i] == '+' || text[i] == '-')) ++i;
+    if (digits() == 0) return std::nullopt;
+  }
+  if (i != text.size()) return std::nullopt;
+  // The grammar above is a subset of strtod's in the C locale, which rounds to the nearest double
+  // (ERANGE on underflow or overflow is the caller's range check's to report).
+  const std::string copy(text);
+  return std::strtod(copy.c_str(), nullptr);
+}
 
 Result<uint64_t> ParseByteSize(std::string_view text, std::string_view what) {
   auto bad = [&](std::string_view why) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -24,6 +25,16 @@ namespace memplan {
 // silently) and below 2^63. On failure: InvalidArgument "<what>: '<text>' is not a size (...)"
 // or "<what>: ... must be at least 1 byte", naming `what` (a flag or a JSON field).
 Result<uint64_t> ParseByteSize(std::string_view text, std::string_view what);
+
+// A decimal number as people type one, for every flag and flag value memplan parses itself that
+// is not a size (`--price`, `--tokens`) and the check of CLI11's float options (tools/cli.cc,
+// Note [Number flags]): an optional sign, digits with an optional fraction (".5" and "5." too),
+// an optional exponent (e or E, an optional sign, digits). Nothing else: no hexadecimal ("0x10",
+// "0x1p4", which strtod and std::stod read as 16), no "inf" or "nan", no spaces. nullopt when
+// `text` is not such a number. A number too small for a double reads as its nearest double
+// (1e-400 as 0, 1e-320 as a subnormal), one too large as an infinity, so a caller's range check,
+// not the parser, refuses both, with one message.
+std::optional<double> ParseDecimalNumber(std::string_view text);
 
 // "512 B", "128 KiB", "1.5 GiB": powers of 1024, exact where the size is a whole number of the
 // unit, else one decimal.

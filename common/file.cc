@@ -1,6 +1,7 @@
 #include "common/file.h"
 
 #include "common/file_internal.h"
+#include "common/printable.h"
 
 #include <fcntl.h>
 #include <pthread.h>
@@ -10,6 +11,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <filesystem>
 #include <cerrno>
 #include <cstring>
 #include <set>
@@ -279,6 +281,77 @@ Status RequireDirectory(const std::string& path, std::string_view what) {
     return Status::FromErrno(errno, name);
   }
   if (!S_ISDIR(st.st_mode)) return Status::InvalidArgument(name + ": not a directory");
+  return Status::Ok();
+}
+
+Status CheckRelativePath(std::string_view relative, std::string_view what) {
+  auto refuse = [&](std::string_view why) {
+    return Status::InvalidArgument(std::string(what) + " '" + Printable(relative) + "' " +
+                                   std::string(why));
+  };
+  if (relative.empty()) return refuse("is empty");
+  if (relative.size() > 4096) return refuse("is longer than 4096 bytes");
+  if (relative.find('\0') != std::string_view::npos) return refuse("contains a NUL byte");
+  if (FindControlCharacter(relative) != std::string_view::npos) {
+    return refuse("contains a control character or bytes that are not UTF-8");
+  }
+  if (relative.find('\\') != std::string_view::npos) {
+    return refuse("contains a backslash (a path separator on Windows)");
+  }
+  if (relative.front() == '/') return refuse("is absolute");
+  size_t start = 0;
+  while (start <= relative.size()) {
+    size_t end = relative.find('/', start);
+    if (end == std::string_view::npos) end = relative.size();
+    const std::string_view part = relative.substr(start, end - start);
+    if (part == "..") return refuse("leaves its directory ('..')");
+    if (part.empty() || part == ".") return refuse("has an empty or '.' component");
+    start = end + 1;
+  }
+  return Status::Ok();
+}
+
+Result<std::string> PathUnder(std::string_view root, std::string_view relative,
+                              std::string_view what) {
+  MEMPLAN_RETURN_IF_ERROR(CheckRelativePath(relative, what));
+  std::string joined(root);
+  if (joined.empty() || joined.back() != '/') joined += '/';
+  joined += relative;
+  // The rule above already implies it; checked on the joined path as well, so that a change to
+  // one cannot silently open a way out through the other.
+  const std::filesystem::path base = std::filesystem::path(std::string(root)).lexically_normal();
+  const std::filesystem::path rel =
+      std::filesystem::path(joined).lexically_normal().lexically_relative(base);
+  if (rel.empty() || *rel.begin() == "..") {
+    return Status::InvalidArgument(std::string(what) + " '" + Printable(relative) +
+                                   "' is not under " + Printable(root));
+  }
+  return joined;
+}
+
+Status MakeDirectoriesUnder(const std::string& root, std::string_view relative) {
+  MEMPLAN_RETURN_IF_ERROR(CheckRelativePath(relative, "directory"));
+  std::string path = root;
+  size_t start = 0;
+  while (start <= relative.size()) {
+    size_t end = relative.find('/', start);
+    if (end == std::string_view::npos) end = relative.size();
+    if (path.empty() || path.back() != '/') path += '/';
+    path += relative.substr(start, end - start);
+    start = end + 1;
+    if (::mkdir(path.c_str(), 0777) != 0 && errno != EEXIST) {
+      return ErrnoStatus(path, "cannot create the directory", errno);
+    }
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0) return ErrnoStatus(path, "cannot stat", errno);
+    if (!S_ISDIR(st.st_mode)) {
+      return Status::FailedPrecondition(
+          path + ": is " +
+          (S_ISLNK(st.st_mode) ? std::string("a symbolic link") : KindName(st.st_mode)) +
+          ", not a directory; memplan does not write through links under " + root +
+          " (remove it, and the cache entry is fetched again)");
+    }
+  }
   return Status::Ok();
 }
 

@@ -35,6 +35,36 @@ Result<uint64_t> FileSize(const std::string& path);
 // "`nvme_path` /etc/passwd: not a directory".
 Status RequireDirectory(const std::string& path, std::string_view what);
 
+// Note [Paths from data]
+// A path memplan builds from data it was given (a shard name from a safetensors index, the Hub's
+// X-Repo-Commit and ETag, a revision) names a file under a root memplan chose or was given (the
+// index's directory, the Hugging Face cache). Every such path is built by PathUnder, which checks
+// the name before anything is opened or created with it: relative, no empty, "." or ".."
+// component, no NUL, no control character or line break, no backslash (a separator on Windows,
+// where the same cache may be read), at most 4096 bytes; the joined path must then lie lexically
+// under the root (checked again, so the rule and the join cannot disagree). The check is lexical
+// on purpose: in a Hugging Face cache every file is a symlink into ../../blobs, which must keep
+// working for readers. Writers go further: MakeDirectoriesUnder creates the directories between
+// the root and the file one at a time and refuses one that exists as a symbolic link or as
+// anything but a directory, and AtomicFileGroup never writes through a symlink at the file
+// itself, so a link planted under the root cannot carry a write outside it.
+
+// InvalidArgument "<what> '<relative>' <why>" unless `relative` passes Note [Paths from data]'s
+// rule.
+Status CheckRelativePath(std::string_view relative, std::string_view what);
+
+// `root` + "/" + `relative`, once CheckRelativePath accepts `relative` and the joined path lies
+// lexically under `root`; the errors name `what`.
+Result<std::string> PathUnder(std::string_view root, std::string_view relative,
+                              std::string_view what);
+
+// Creates the directory `relative` (CheckRelativePath's rule) under the existing directory `root`,
+// each missing component with mode 0777 less the umask. An existing component must be a real
+// directory: a symbolic link (to anywhere) or another kind of file is refused
+// (FailedPrecondition naming it), as is a component created concurrently as one. `root` itself
+// may be a link (a user's cache on another disk). Errors name the path.
+Status MakeDirectoriesUnder(const std::string& root, std::string_view relative);
+
 // A set of output files written all-or-nothing: Commit() first writes each to a temporary file
 // beside it ("<path>.tmp.XXXXXX": written and fsynced), and only when every one is written renames
 // them into place, then fsyncs their directories. If anything fails before or during the renames,

@@ -218,5 +218,71 @@ TEST_CASE("file: a signal handler's clean-up removes a staged file, and only whi
   CHECK(testing::ReadWholeFile(tmp.PathOf("out")) == "x");
 }
 
+// Note [Paths from data] (issue 30 H2's class): the one rule for every path built from data.
+TEST_CASE("file: PathUnder keeps a name from data under its root, or names why not") {
+  CHECK(*PathUnder("/cache", "models--a--b/snapshots/abc/x.json", "name") ==
+        "/cache/models--a--b/snapshots/abc/x.json");
+  CHECK(*PathUnder("/cache/", "x", "name") == "/cache/x");
+  CHECK(*PathUnder("rel/dir", "sub/é.safetensors", "name") == "rel/dir/sub/é.safetensors");
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"", "is empty"},
+      {"/etc/passwd", "is absolute"},
+      {"../x", "leaves its directory ('..')"},
+      {"a/../../x", "leaves its directory ('..')"},
+      {"a/..", "leaves its directory ('..')"},
+      {"..", "leaves its directory ('..')"},
+      {"a//b", "has an empty or '.' component"},
+      {"./a", "has an empty or '.' component"},
+      {"a/", "has an empty or '.' component"},
+      {"a\\..\\..\\x", "contains a backslash (a path separator on Windows)"},
+      {std::string("a\0b", 3), "contains a NUL byte"},
+      {"a\nb", "contains a control character or bytes that are not UTF-8"},
+      {"a\xe2\x80\xa8"
+       "b",
+       "contains a control character or bytes that are not UTF-8"},
+      {"a\xff"
+       "b",
+       "contains a control character or bytes that are not UTF-8"},
+      {std::string(4097, 'a'), "is longer than 4096 bytes"},
+  };
+  for (const auto& entry : refused) {
+    const std::string& name = entry.first;
+    const std::string& why = entry.second;
+    CAPTURE(name);
+    auto path = PathUnder("/cache", name, "shard");
+    REQUIRE_FALSE(path.ok());
+    CHECK(path.status().code() == StatusCode::kInvalidArgument);
+    CHECK(path.status().message().rfind("shard '", 0) == 0);
+    CHECK(path.status().message().find(why) != std::string::npos);
+    CHECK(path.status().message().find('\n') == std::string::npos);
+  }
+}
+
+TEST_CASE("file: MakeDirectoriesUnder never follows a link below its root") {
+  testing::TempDir tmp("memplan_file_");
+  const std::string root = tmp.PathOf("cache");
+  fs::create_directory(root);
+  REQUIRE_OK(MakeDirectoriesUnder(root, "repo/snapshots/abc"));
+  CHECK(fs::is_directory(root + "/repo/snapshots/abc"));
+  REQUIRE_OK(MakeDirectoriesUnder(root, "repo/snapshots/abc"));  // existing: fine
+  // A link planted below the root (to a directory outside, or dangling) is refused, and nothing
+  // is created through it.
+  fs::create_directory(tmp.PathOf("outside"));
+  fs::create_directory_symlink(tmp.PathOf("outside"), root + "/repo/refs");
+  Status through = MakeDirectoriesUnder(root, "repo/refs/pr");
+  CHECK(through.code() == StatusCode::kFailedPrecondition);
+  CHECK(through.message().find("is a symbolic link") != std::string::npos);
+  CHECK(fs::is_empty(tmp.PathOf("outside")));
+  fs::create_symlink(tmp.PathOf("nowhere"), root + "/repo/blobs");
+  CHECK_FALSE(MakeDirectoriesUnder(root, "repo/blobs").ok());
+  CHECK_FALSE(fs::exists(tmp.PathOf("nowhere")));
+  fs::create_directory(root + "/repo/x");
+  CHECK_FALSE(MakeDirectoriesUnder(root, "repo/../x").ok());
+  // The root itself may be a link (a cache on another disk).
+  fs::create_directory_symlink(root, tmp.PathOf("linked-cache"));
+  CHECK_OK(MakeDirectoriesUnder(tmp.PathOf("linked-cache"), "repo/snapshots/def"));
+  CHECK(fs::is_directory(root + "/repo/snapshots/def"));
+}
+
 }  // namespace
 }  // namespace memplan

@@ -1,6 +1,7 @@
 #include "common/json.h"
 
 #include "common/byte_size.h"
+#include "common/printable.h"
 #include "common/suggest.h"
 
 #include <cmath>
@@ -16,21 +17,19 @@
 namespace memplan {
 namespace {
 
-enum class Repeats { kRefuse, kLastWins };
-
 // Note [Linear ordered parse]: ordered_json's own parser inserts each key with a linear search
 // of its object (50k keys: 10 s optimised), so a big MoE checkpoint's header or index takes
 // minutes and a hostile one hours. This SAX handler appends to the object's underlying vector
-// instead and catches repeated keys itself, which nlohmann would otherwise resolve silently. The
-// same handler builds plain nlohmann::json documents (ParseJson, ParseJsonNoRepeatedKeys), so
-// every JSON reader applies the same limits (Note [JSON limits] in json.h) while it parses.
+// instead and catches repeated keys itself, which nlohmann would otherwise resolve silently (the
+// last value winning). The same handler builds plain nlohmann::json documents (ParseJson), so
+// every JSON reader applies the same limits (Note [JSON limits] in json.h), repeated keys
+// included, while it parses.
 template <typename Json>
 class JsonBuilder {
  public:
   static constexpr bool kOrdered = std::is_same_v<Json, nlohmann::ordered_json>;
 
-  JsonBuilder(Repeats repeats, size_t max_root_members)
-      : repeats_(repeats), max_root_members_(max_root_members) {}
+  explicit JsonBuilder(size_t max_root_members) : max_root_members_(max_root_members) {}
 
   Json& root() { return root_; }
   const std::string& error() const { return error_; }
@@ -56,8 +55,11 @@ class JsonBuilder {
       return Refuse("a key of " + std::to_string(k.size()) + " bytes (limit " +
                     std::to_string(kMaxJsonKeyBytes) + ")");
     }
-    if (repeats_ == Repeats::kRefuse && IsRepeated(k)) {
-      return Refuse("key '" + k + "' appears twice in one JSON object");
+    if (IsRepeated(k)) {
+      // Readers differ on what it means (Python and nlohmann keep the last value, DeepSpeed
+      // refuses it): memplan never guesses.
+      return Refuse("key '" + Printable(k) + "' appears twice in one JSON object" +
+                    (open_.size() <= 1 ? std::string() : " ('" + Printable(OpenPath()) + "')"));
     }
     key_ = std::move(k);
     return true;
@@ -65,11 +67,13 @@ class JsonBuilder {
   bool end_object() {
     open_keys_.pop_back();
     open_.pop_back();
+    names_.pop_back();
     return true;
   }
   bool start_array(std::size_t /*elements*/) { return Open(Json::array()); }
   bool end_array() {
     open_.pop_back();
+    names_.pop_back();
     return true;
   }
   bool parse_error(std::size_t /*position*/, const std::string& /*last_token*/,
@@ -105,7 +109,7 @@ class JsonBuilder {
       object.emplace_back(std::move(key_), std::move(v));
       return &object.back().second;
     } else {
-      Json& slot = object[std::move(key_)];  // a repeated key (kLastWins) takes the last value
+      Json& slot = object[std::move(key_)];  // new: key() refused a repeated one
       slot = std::move(v);
       return &slot;
     }
@@ -144,14 +148,28 @@ class JsonBuilder {
   }
   bool Open(Json v) {
     if (Full()) return false;
+    std::string name;
+    if (!open_.empty()) {
+      name = open_.back()->is_array() ? "[" + std::to_string(open_.back()->size()) + "]" : key_;
+    }
     open_.push_back(Place(std::move(v)));
+    names_.push_back(std::move(name));
     return true;
   }
+  // Where the innermost open container is: "params", "runs[2].cluster".
+  std::string OpenPath() const {
+    std::string path;
+    for (size_t i = 1; i < names_.size(); ++i) {
+      if (!path.empty() && (names_[i].empty() || names_[i][0] != '[')) path += '.';
+      path += names_[i];
+    }
+    return path;
+  }
 
-  Repeats repeats_;
   size_t max_root_members_;
   Json root_;
   std::vector<Json*> open_;
+  std::vector<std::string> names_;  // per open container: its key, or "[index]" in an array
   std::vector<std::unique_ptr<std::unordered_set<std::string>>> open_keys_;  // per open object
   std::string key_;
   std::string error_;
@@ -159,7 +177,7 @@ class JsonBuilder {
 };
 
 template <typename Json>
-Result<Json> Parse(std::string_view text, const std::string& source, int max_depth, Repeats repeats,
+Result<Json> Parse(std::string_view text, const std::string& source, int max_depth,
                    size_t max_root_members = SIZE_MAX) {
   MEMPLAN_RETURN_IF_ERROR(CheckNoNulByte(text, source));
   int depth = JsonNestingDepth(text);
@@ -168,7 +186,7 @@ Result<Json> Parse(std::string_view text, const std::string& source, int max_dep
                                    " levels deep (limit " + std::to_string(max_depth) + ")");
   }
   try {
-    JsonBuilder<Json> builder(repeats, max_root_members);
+    JsonBuilder<Json> builder(max_root_members);
     bool ok = Json::sax_parse(text, &builder);
     if (!builder.refusal().empty()) {
       return Status::InvalidArgument(source + ": " + builder.refusal());
@@ -189,18 +207,13 @@ Result<Json> Parse(std::string_view text, const std::string& source, int max_dep
 }  // namespace
 
 Result<nlohmann::json> ParseJson(std::string_view text, const std::string& source, int max_depth) {
-  return Parse<nlohmann::json>(text, source, max_depth, Repeats::kLastWins);
-}
-
-Result<nlohmann::json> ParseJsonNoRepeatedKeys(std::string_view text, const std::string& source,
-                                               int max_depth) {
-  return Parse<nlohmann::json>(text, source, max_depth, Repeats::kRefuse);
+  return Parse<nlohmann::json>(text, source, max_depth);
 }
 
 Result<nlohmann::ordered_json> ParseOrderedJsonText(std::string_view text,
                                                     const std::string& source, int max_depth,
                                                     size_t max_root_members) {
-  return Parse<nlohmann::ordered_json>(text, source, max_depth, Repeats::kRefuse, max_root_members);
+  return Parse<nlohmann::ordered_json>(text, source, max_depth, max_root_members);
 }
 
 Result<int64_t> JsonInteger(const nlohmann::json& value, const std::string& what, int64_t lo,
@@ -279,6 +292,24 @@ Status JsonFieldReader::Number(const char* key, double* out) const {
 
 Status JsonFieldReader::String(const char* key, std::string* out) const {
   return ReadScalar(*this, key, &nlohmann::json::is_string, "a string", out);
+}
+
+Status JsonFieldReader::Name(const char* key, std::string* out) const {
+  std::string text;
+  if (!Has(key)) return Status::Ok();
+  MEMPLAN_RETURN_IF_ERROR(String(key, &text));
+  const size_t bad = FindControlCharacter(text);
+  if (bad != std::string::npos) {
+    uint32_t code = 0;
+    const size_t length = DecodeUtf8(text, bad, &code);
+    const std::string what = Printable(text.substr(bad, length == 0 ? 1 : length));
+    return Error(key, "holds a control character (" + what + " at byte " + std::to_string(bad) +
+                          "): '" + Printable(text) +
+                          "'; a name ends up in reports, configs and launch scripts, so it may "
+                          "not hold line breaks, control characters or bytes that are not UTF-8");
+  }
+  *out = std::move(text);
+  return Status::Ok();
 }
 
 Status JsonFieldReader::ByteSize(const char* key, uint64_t* out) const {

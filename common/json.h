@@ -68,16 +68,13 @@ std::string JsonOutput(const Json& json) {
 // suggestions take 35 s), and a number that is not finite.
 constexpr size_t kMaxJsonKeyBytes = 4096;
 
-// Parses `text` as JSON (Note [JSON limits]). A key repeated in one object keeps its last value, as
-// Python's json module does (Hugging Face reads config.json that way). Key order is not kept: see
-// ParseOrderedJsonText.
+// Parses `text` as JSON (Note [JSON limits]). A key repeated in one object is an error naming the
+// key and the object's path: readers disagree on what it means (Python's json module and nlohmann
+// keep the last value, DeepSpeed's config loader refuses it), so memplan never guesses, in any
+// file (config.json, a DeepSpeed config, a cluster, runs, a calibration, a Schedule, a request).
+// Key order is not kept: see ParseOrderedJsonText.
 Result<nlohmann::json> ParseJson(std::string_view text, const std::string& source,
                                  int max_depth = 64);
-
-// ParseJson, but a key repeated in one object is an error, as DeepSpeed's config loader makes it
-// (its object_pairs_hook refuses duplicates): for DeepSpeed configs.
-Result<nlohmann::json> ParseJsonNoRepeatedKeys(std::string_view text, const std::string& source,
-                                               int max_depth = 64);
 
 // Parses a user's JSON document keeping key order, in time linear in its size (nlohmann's own
 // ordered_json parse is quadratic in the keys of one object; see Note [Linear ordered parse] in
@@ -133,6 +130,11 @@ class JsonFieldReader {
   // Any JSON number (integers included).
   Status Number(const char* key, double* out) const;
   Status String(const char* key, std::string* out) const;
+  // A String that names something (a GPU, a run, a model, a path): it ends up in reports, configs
+  // and launch scripts, so a control character, a line break of any reader or a byte that is not
+  // UTF-8 in it (FindControlCharacter, common/printable.h) is refused: "WHERE: 'PATH' holds a
+  // control character (\n at byte 4): ...".
+  Status Name(const char* key, std::string* out) const;
   // A byte count: a non-negative JSON number (a fraction is dropped) or a size string ("80GiB",
   // common/byte_size.h).
   Status ByteSize(const char* key, uint64_t* out) const;

@@ -58,6 +58,7 @@ const std::map<std::string_view, std::string_view>& HubIds() {
       {"gemma-2-27b", "google/gemma-2-27b"},
       {"gemma-3-1b", "google/gemma-3-1b-pt"},
       {"mistral-nemo", "mistralai/Mistral-Nemo-Base-2407"},
+      {"mpt-7b", "mosaicml/mpt-7b"},
       {"mixtral-8x22b", "mistralai/Mixtral-8x22B-v0.1"},
       {"phi-3-mini", "microsoft/Phi-3-mini-4k-instruct"},
       {"phi-3-medium", "microsoft/Phi-3-medium-4k-instruct"},

@@ -493,6 +493,25 @@ nlohmann::json ToJson(const Estimate& e) {
   }
   j["phases"] = phases;
   j["peak"] = PeakToJson(m.peak);
+  if (!m.step_error.empty()) {
+    j["step_model"] = {{"error", m.step_error}, {"unmodelled", m.step_unmodelled}};
+  }
+  if (m.step.has_value()) {
+    nlohmann::json sp = nlohmann::json::object();
+    for (int p = 0; p < kStepPhases; ++p) {
+      const StepPhasePeak& peak = m.step->phases[static_cast<size_t>(p)];
+      nlohmann::json cats = nlohmann::json::object();
+      for (int c = 0; c < kStepCategories; ++c) {
+        cats[std::string(StepCategoryName(static_cast<StepCategory>(c)))] =
+            peak.categories[static_cast<size_t>(c)];
+      }
+      sp[std::string(StepPhaseName(static_cast<StepPhase>(p)))] = {
+          {"peak_bytes", peak.bytes}, {"categories", cats}, {"where", peak.where}};
+    }
+    j["step_model"] = {{"phases", sp},
+                       {"peak_phase", std::string(StepPhaseName(m.step->peak_phase))},
+                       {"peak_bytes", m.step->peak_bytes}};
+  }
   nlohmann::json constants = nlohmann::json::array();
   for (const ModelConstant& c : m.constants) {
     constants.push_back(
@@ -618,6 +637,46 @@ Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
   };
   MEMPLAN_RETURN_IF_ERROR(ReadList(json, "", "constants", read_constants));
   MEMPLAN_RETURN_IF_ERROR(top.Required("notes", &mem.notes));
+  if (json.contains("step_model")) {
+    // The step model's run (or why it did not run), as ToJson writes it.
+    const nlohmann::json& sm = json["step_model"];
+    const JsonFieldReader step(sm, kWhere, "step_model.");
+    if (sm.is_object() && sm.contains("error")) {
+      MEMPLAN_RETURN_IF_ERROR(step.Required("error", &mem.step_error));
+      MEMPLAN_RETURN_IF_ERROR(step.Get("unmodelled", &mem.step_unmodelled));
+    } else {
+      StepModel run;
+      std::string peak_phase;
+      MEMPLAN_RETURN_IF_ERROR(step.RequireAll(F::Field("peak_phase", &peak_phase),
+                                              F::Field("peak_bytes", &run.peak_bytes)));
+      bool known = false;
+      for (int p = 0; p < kStepPhases; ++p) {
+        const auto phase = static_cast<StepPhase>(p);
+        if (StepPhaseName(phase) == peak_phase) {
+          run.peak_phase = phase;
+          known = true;
+        }
+        const std::string name(StepPhaseName(phase));
+        const nlohmann::json& one = Member(Member(sm, "phases"), name.c_str());
+        const JsonFieldReader fr(one, kWhere, "step_model.phases." + name + ".");
+        StepPhasePeak& out = run.phases[static_cast<size_t>(p)];
+        MEMPLAN_RETURN_IF_ERROR(
+            fr.RequireAll(F::Field("peak_bytes", &out.bytes), F::Field("where", &out.where)));
+        const nlohmann::json& cats = Member(one, "categories");
+        const JsonFieldReader cr(cats, kWhere, "step_model.phases." + name + ".categories.");
+        for (int k = 0; k < kStepCategories; ++k) {
+          const std::string cat(StepCategoryName(static_cast<StepCategory>(k)));
+          MEMPLAN_RETURN_IF_ERROR(
+              cr.Required(cat.c_str(), &out.categories[static_cast<size_t>(k)]));
+        }
+      }
+      if (!known) {
+        return Status::InvalidArgument(std::string(kWhere) + ": step_model.peak_phase: unknown " +
+                                       "phase \"" + peak_phase + "\"");
+      }
+      mem.step = std::move(run);
+    }
+  }
   auto read_comparison = [&](const JsonFieldReader& f) -> Status {
     ComparisonRow r;
     std::string opt, param;

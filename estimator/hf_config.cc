@@ -261,11 +261,8 @@ Status AttachArchitecture(const nlohmann::json& config, const std::string& sourc
     }
   }
   for (const TensorInfo& t : inventory->tensors) {
-    const std::string_view name = t.name;
-    if (name.find("position_embeddings.weight") != std::string_view::npos ||
-        name.find("wpe.weight") != std::string_view::npos) {
-      a.learned_positions = true;
-    }
+    if (t.role == TensorRole::kPositionEmbedding)
+      a.learned_positions = true;  // Note [Tensor roles]
   }
   // Decoder-only when the config names a causal-LM class or says it is a decoder.
   if (reader.Has("architectures") && config["architectures"].is_array()) {

@@ -1,6 +1,6 @@
 // The decoder-only families as tables for the one builder of hf_family.h: gpt2, gpt_neox, llama,
 // mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, gemma, gemma2, gemma3_text, olmo2,
-// starcoder2, phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon, bloom, gptj, opt.
+// starcoder2, phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon, bloom, gptj, opt, mpt.
 //
 // Note [Names and order]
 // Each table lists the parameters of the class Transformers (5.x) builds for the config, named and
@@ -46,11 +46,12 @@ constexpr DimField kLlamaCore[] = {
 // Self-attention of the Llama descendants: q, k, v, o, with the optional learned sinks (a Parameter
 // of the attention module itself, so listed before its Linears) and q/k norms.
 constexpr Part kLlamaAttention[] = {
-    Param("self_attn.sinks", W::kHeads, W::kNone, W::kNone, If(Flag::kAlways)),
-    Linear("self_attn.q_proj", W::kHidden, W::kQ, If(Flag::kQkvBias)),
-    Linear("self_attn.k_proj", W::kHidden, W::kKv, If(Flag::kQkvBias)),
-    Linear("self_attn.v_proj", W::kHidden, W::kKv, If(Flag::kQkvBias)),
-    Linear("self_attn.o_proj", W::kQ, W::kHidden, If(Flag::kOBias)),
+    Param("self_attn.sinks", W::kHeads, W::kNone, W::kNone, If(Flag::kAlways))
+        .As(R::kAttentionSinks),
+    Linear("self_attn.q_proj", W::kHidden, W::kQ, If(Flag::kQkvBias)).As(R::kAttentionQ),
+    Linear("self_attn.k_proj", W::kHidden, W::kKv, If(Flag::kQkvBias)).As(R::kAttentionK),
+    Linear("self_attn.v_proj", W::kHidden, W::kKv, If(Flag::kQkvBias)).As(R::kAttentionV),
+    Linear("self_attn.o_proj", W::kQ, W::kHidden, If(Flag::kOBias)).As(R::kAttentionOut),
     Norm("self_attn.q_norm", W::kHeadDim, kNo, If(Flag::kHeadQkNorm)),
     Norm("self_attn.k_norm", W::kHeadDim, kNo, If(Flag::kHeadQkNorm)),
     Norm("self_attn.q_norm", W::kQ, kNo, If(Flag::kFullQkNorm)),
@@ -60,9 +61,9 @@ constexpr Part kLlamaAttention[] = {
 constexpr std::span<const Part> kLlamaAttentionNoSinks = std::span(kLlamaAttention).subspan(1);
 
 constexpr Part kGatedMlp[] = {
-    Linear("mlp.gate_proj", W::kHidden, W::kFfn, If(Flag::kMlpBias)),
-    Linear("mlp.up_proj", W::kHidden, W::kFfn, If(Flag::kMlpBias)),
-    Linear("mlp.down_proj", W::kFfn, W::kHidden, If(Flag::kMlpBias)),
+    Linear("mlp.gate_proj", W::kHidden, W::kFfn, If(Flag::kMlpBias)).As(R::kMlpGate),
+    Linear("mlp.up_proj", W::kHidden, W::kFfn, If(Flag::kMlpBias)).As(R::kMlpUp),
+    Linear("mlp.down_proj", W::kFfn, W::kHidden, If(Flag::kMlpBias)).As(R::kMlpDown),
 };
 
 constexpr Part kLlamaNorms[] = {
@@ -97,10 +98,11 @@ constexpr Part kLlamaAfter[] = {
 
 // --- Task heads (Transformers' Generic* heads and their older per-family copies) ---
 
-constexpr Part kScore[] = {Linear("score", W::kHidden, W::kLabels)};
-constexpr Part kScoreBiased[] = {Linear("score", W::kHidden, W::kLabels, kYes)};
-constexpr Part kClassifierHead[] = {Linear("classifier", W::kHidden, W::kLabels, kYes)};
-constexpr Part kQaOutputs[] = {Linear("qa_outputs", W::kHidden, W::kTwo, kYes)};
+constexpr Part kScore[] = {Linear("score", W::kHidden, W::kLabels).As(R::kClassifier)};
+constexpr Part kScoreBiased[] = {Linear("score", W::kHidden, W::kLabels, kYes).As(R::kClassifier)};
+constexpr Part kClassifierHead[] = {
+    Linear("classifier", W::kHidden, W::kLabels, kYes).As(R::kClassifier)};
+constexpr Part kQaOutputs[] = {Linear("qa_outputs", W::kHidden, W::kTwo, kYes).As(R::kClassifier)};
 
 constexpr HeadSpec Seq(std::string_view prefix = "model") {
   return {HeadKind::kSequence, "ForSequenceClassification", prefix, kScore};
@@ -155,14 +157,17 @@ constexpr FlagField kUntiedAttentionBias[] = {
 // Mixtral's experts, fused (Transformers >= 5: `mlp`, router first) or per expert
 // (checkpoints: `block_sparse_moe`, w1 = gate, w2 = down, w3 = up).
 constexpr Part kMixtralMoe[] = {
-    Param("mlp.gate.weight", W::kExperts, W::kHidden, W::kNone, If(Flag::kFused)),
-    Param("mlp.experts.gate_up_proj", W::kExperts, W::kFfn2, W::kHidden, If(Flag::kFused)),
-    Param("mlp.experts.down_proj", W::kExperts, W::kHidden, W::kFfn, If(Flag::kFused)),
-    Linear("block_sparse_moe.gate", W::kHidden, W::kExperts, kNo, If(Flag::kPerExpert)),
+    Param("mlp.gate.weight", W::kExperts, W::kHidden, W::kNone, If(Flag::kFused)).As(R::kRouter),
+    Param("mlp.experts.gate_up_proj", W::kExperts, W::kFfn2, W::kHidden, If(Flag::kFused))
+        .As(R::kExpertGateUp),
+    Param("mlp.experts.down_proj", W::kExperts, W::kHidden, W::kFfn, If(Flag::kFused))
+        .As(R::kExpertDown),
+    Linear("block_sparse_moe.gate", W::kHidden, W::kExperts, kNo, If(Flag::kPerExpert))
+        .As(R::kRouter),
     PerExpert(3, If(Flag::kPerExpert)),
-    Linear("block_sparse_moe.experts.{e}.w1", W::kHidden, W::kFfn),
-    Linear("block_sparse_moe.experts.{e}.w2", W::kFfn, W::kHidden),
-    Linear("block_sparse_moe.experts.{e}.w3", W::kHidden, W::kFfn),
+    Linear("block_sparse_moe.experts.{e}.w1", W::kHidden, W::kFfn).As(R::kExpertGate),
+    Linear("block_sparse_moe.experts.{e}.w2", W::kFfn, W::kHidden).As(R::kExpertDown),
+    Linear("block_sparse_moe.experts.{e}.w3", W::kHidden, W::kFfn).As(R::kExpertUp),
 };
 constexpr Part kMixtralLayer[] = {
     Include(kLlamaAttentionNoSinks),
@@ -228,23 +233,25 @@ constexpr FlagField kQwen2MoeFlags[] = {
 // Routed experts of one width (moe_intermediate_size), fused or one MLP per expert, and their
 // router: a plain weight (a Linear without bias when per expert: the same tensor).
 constexpr Part kRoutedExperts[] = {
-    Param("mlp.experts.gate_up_proj", W::kExperts, W::kMoeFfn2, W::kHidden, If(Flag::kFused)),
-    Param("mlp.experts.down_proj", W::kExperts, W::kHidden, W::kMoeFfn, If(Flag::kFused)),
+    Param("mlp.experts.gate_up_proj", W::kExperts, W::kMoeFfn2, W::kHidden, If(Flag::kFused))
+        .As(R::kExpertGateUp),
+    Param("mlp.experts.down_proj", W::kExperts, W::kHidden, W::kMoeFfn, If(Flag::kFused))
+        .As(R::kExpertDown),
     PerExpert(3, If(Flag::kPerExpert)),
-    Linear("mlp.experts.{e}.gate_proj", W::kHidden, W::kMoeFfn),
-    Linear("mlp.experts.{e}.up_proj", W::kHidden, W::kMoeFfn),
-    Linear("mlp.experts.{e}.down_proj", W::kMoeFfn, W::kHidden),
+    Linear("mlp.experts.{e}.gate_proj", W::kHidden, W::kMoeFfn).As(R::kExpertGate),
+    Linear("mlp.experts.{e}.up_proj", W::kHidden, W::kMoeFfn).As(R::kExpertUp),
+    Linear("mlp.experts.{e}.down_proj", W::kMoeFfn, W::kHidden).As(R::kExpertDown),
 };
-constexpr Part kRouter[] = {Param("mlp.gate.weight", W::kExperts, W::kHidden)};
+constexpr Part kRouter[] = {Param("mlp.gate.weight", W::kExperts, W::kHidden).As(R::kRouter)};
 
 // Qwen2-MoE: router, experts, then the shared expert and its sigmoid gate.
 constexpr Part kQwen2Moe[] = {
     Include(kRouter),
     Include(kRoutedExperts),
-    Linear("mlp.shared_expert.gate_proj", W::kHidden, W::kSharedFfn),
-    Linear("mlp.shared_expert.up_proj", W::kHidden, W::kSharedFfn),
-    Linear("mlp.shared_expert.down_proj", W::kSharedFfn, W::kHidden),
-    Linear("mlp.shared_expert_gate", W::kHidden, W::kOne),
+    Linear("mlp.shared_expert.gate_proj", W::kHidden, W::kSharedFfn).As(R::kMlpGate),
+    Linear("mlp.shared_expert.up_proj", W::kHidden, W::kSharedFfn).As(R::kMlpUp),
+    Linear("mlp.shared_expert.down_proj", W::kSharedFfn, W::kHidden).As(R::kMlpDown),
+    Linear("mlp.shared_expert_gate", W::kHidden, W::kOne).As(R::kSharedExpertGate),
 };
 constexpr Part kQwen2MoeLayer[] = {
     Include(kLlamaAttentionNoSinks),
@@ -307,8 +314,8 @@ constexpr FlagField kStarcoder2Flags[] = {
 };
 constexpr Part kStarcoder2Layer[] = {
     Include(kLlamaAttentionNoSinks),
-    Linear("mlp.c_fc", W::kHidden, W::kFfn, If(Flag::kMlpBias)),
-    Linear("mlp.c_proj", W::kFfn, W::kHidden, If(Flag::kMlpBias)),
+    Linear("mlp.c_fc", W::kHidden, W::kFfn, If(Flag::kMlpBias)).As(R::kMlpUp),
+    Linear("mlp.c_proj", W::kFfn, W::kHidden, If(Flag::kMlpBias)).As(R::kMlpDown),
     Include(kLlamaNorms),
 };
 
@@ -324,14 +331,14 @@ constexpr FlagField kPhiFlags[] = {
 };
 // Phi's attention output is `dense`; its optional q/k LayerNorms span hidden / heads.
 constexpr Part kPhiLayer[] = {
-    Linear("self_attn.q_proj", W::kHidden, W::kQ, kYes),
-    Linear("self_attn.k_proj", W::kHidden, W::kKv, kYes),
-    Linear("self_attn.v_proj", W::kHidden, W::kKv, kYes),
-    Linear("self_attn.dense", W::kQ, W::kHidden, kYes),
+    Linear("self_attn.q_proj", W::kHidden, W::kQ, kYes).As(R::kAttentionQ),
+    Linear("self_attn.k_proj", W::kHidden, W::kKv, kYes).As(R::kAttentionK),
+    Linear("self_attn.v_proj", W::kHidden, W::kKv, kYes).As(R::kAttentionV),
+    Linear("self_attn.dense", W::kQ, W::kHidden, kYes).As(R::kAttentionOut),
     Norm("self_attn.q_layernorm", W::kHeadDim, kYes, If(Flag::kQkLayerNorm)),
     Norm("self_attn.k_layernorm", W::kHeadDim, kYes, If(Flag::kQkLayerNorm)),
-    Linear("mlp.fc1", W::kHidden, W::kFfn, kYes),
-    Linear("mlp.fc2", W::kFfn, W::kHidden, kYes),
+    Linear("mlp.fc1", W::kHidden, W::kFfn, kYes).As(R::kMlpUp),
+    Linear("mlp.fc2", W::kFfn, W::kHidden, kYes).As(R::kMlpDown),
     Norm("input_layernorm", W::kHidden, kYes),
 };
 constexpr Part kPhiAfter[] = {
@@ -346,10 +353,10 @@ constexpr DimField kPhi3Dims[] = {
 };
 // Phi-3 fuses q/k/v and gate/up, and registers o_proj before qkv_proj.
 constexpr Part kPhi3Layer[] = {
-    Linear("self_attn.o_proj", W::kQ, W::kHidden),
-    Linear("self_attn.qkv_proj", W::kHidden, W::kQkv),
-    Linear("mlp.gate_up_proj", W::kHidden, W::kFfn2),
-    Linear("mlp.down_proj", W::kFfn, W::kHidden),
+    Linear("self_attn.o_proj", W::kQ, W::kHidden).As(R::kAttentionOut),
+    Linear("self_attn.qkv_proj", W::kHidden, W::kQkv).As(R::kAttentionQkv),
+    Linear("mlp.gate_up_proj", W::kHidden, W::kFfn2).As(R::kMlpGateUp),
+    Linear("mlp.down_proj", W::kFfn, W::kHidden).As(R::kMlpDown),
     Include(kLlamaNorms),
 };
 
@@ -398,14 +405,16 @@ constexpr FlagField kDeepseekV3Flags[] = {
 // keys and values from one compressed latent plus a shared rotary key. attention_bias covers the
 // down-projections and o_proj.
 constexpr Part kMlaAttention[] = {
-    Linear("self_attn.q_proj", W::kHidden, W::kQHeads, kNo, IfNot(Flag::kQLora)),
-    Linear("self_attn.q_a_proj", W::kHidden, W::kQRank, If(Flag::kQkvBias), If(Flag::kQLora)),
+    Linear("self_attn.q_proj", W::kHidden, W::kQHeads, kNo, IfNot(Flag::kQLora)).As(R::kAttentionQ),
+    Linear("self_attn.q_a_proj", W::kHidden, W::kQRank, If(Flag::kQkvBias), If(Flag::kQLora))
+        .As(R::kAttentionQDown),
     Norm("self_attn.q_a_layernorm", W::kQRank, kNo, If(Flag::kQLora)),
-    Linear("self_attn.q_b_proj", W::kQRank, W::kQHeads, kNo, If(Flag::kQLora)),
-    Linear("self_attn.kv_a_proj_with_mqa", W::kHidden, W::kKvA, If(Flag::kQkvBias)),
+    Linear("self_attn.q_b_proj", W::kQRank, W::kQHeads, kNo, If(Flag::kQLora)).As(R::kAttentionQ),
+    Linear("self_attn.kv_a_proj_with_mqa", W::kHidden, W::kKvA, If(Flag::kQkvBias))
+        .As(R::kAttentionKvDown),
     Norm("self_attn.kv_a_layernorm", W::kKvRank),
-    Linear("self_attn.kv_b_proj", W::kKvRank, W::kKvB),
-    Linear("self_attn.o_proj", W::kVOut, W::kHidden, If(Flag::kQkvBias)),
+    Linear("self_attn.kv_b_proj", W::kKvRank, W::kKvB).As(R::kAttentionKvUp),
+    Linear("self_attn.o_proj", W::kVOut, W::kHidden, If(Flag::kQkvBias)).As(R::kAttentionOut),
 };
 // Routed experts, the router, then the shared experts (one MLP n_shared_experts wide). V3's
 // router keeps its e_score_correction_bias as a buffer.
@@ -413,9 +422,12 @@ constexpr Part kDeepseekMoe[] = {
     Include(kRoutedExperts),
     Include(kRouter),
     Buffer("mlp.gate.e_score_correction_bias", W::kExperts, W::kNone, If(Flag::kRouterBiasBuffer)),
-    Linear("mlp.shared_experts.gate_proj", W::kHidden, W::kSharedFfn, If(Flag::kMlpBias)),
-    Linear("mlp.shared_experts.up_proj", W::kHidden, W::kSharedFfn, If(Flag::kMlpBias)),
-    Linear("mlp.shared_experts.down_proj", W::kSharedFfn, W::kHidden, If(Flag::kMlpBias)),
+    Linear("mlp.shared_experts.gate_proj", W::kHidden, W::kSharedFfn, If(Flag::kMlpBias))
+        .As(R::kMlpGate),
+    Linear("mlp.shared_experts.up_proj", W::kHidden, W::kSharedFfn, If(Flag::kMlpBias))
+        .As(R::kMlpUp),
+    Linear("mlp.shared_experts.down_proj", W::kSharedFfn, W::kHidden, If(Flag::kMlpBias))
+        .As(R::kMlpDown),
 };
 constexpr Part kDeepseekLayer[] = {
     Include(kMlaAttention),
@@ -442,12 +454,12 @@ constexpr FlagField kGptOssFlags[] = {
 };
 // A biased router, and experts stored [E, in, out] with biases: published this way.
 constexpr Part kGptOssMoe[] = {
-    Param("mlp.router.weight", W::kExperts, W::kHidden),
-    Param("mlp.router.bias", W::kExperts),
-    Param("mlp.experts.gate_up_proj", W::kExperts, W::kHidden, W::kFfn2),
-    Param("mlp.experts.gate_up_proj_bias", W::kExperts, W::kFfn2),
-    Param("mlp.experts.down_proj", W::kExperts, W::kFfn, W::kHidden),
-    Param("mlp.experts.down_proj_bias", W::kExperts, W::kHidden),
+    Param("mlp.router.weight", W::kExperts, W::kHidden).As(R::kRouter),
+    BiasParam("mlp.router.bias", W::kExperts).As(R::kRouter),
+    Param("mlp.experts.gate_up_proj", W::kExperts, W::kHidden, W::kFfn2).As(R::kExpertGateUp),
+    BiasParam("mlp.experts.gate_up_proj_bias", W::kExperts, W::kFfn2).As(R::kExpertGateUp),
+    Param("mlp.experts.down_proj", W::kExperts, W::kFfn, W::kHidden).As(R::kExpertDown),
+    BiasParam("mlp.experts.down_proj_bias", W::kExperts, W::kHidden).As(R::kExpertDown),
 };
 constexpr Part kGptOssLayer[] = {
     Include(kLlamaAttention),
@@ -473,6 +485,7 @@ constexpr FlagField kFalconFlags[] = {
     {Flag::kNewDecoderArch, "new_decoder_architecture", false},
     {Flag::kMultiQuery, "multi_query", true},
     {Flag::kParallelAttn, "parallel_attn", true},
+    {Flag::kAlibi, "alibi", false},
 };
 
 // FalconAttention: the fused projection holds heads + 2 x kv_heads heads, where kv_heads is
@@ -495,10 +508,11 @@ Status AdjustFalcon(const ConfigReader& config, Values* v) {
 }
 
 constexpr Part kFalconLayer[] = {
-    Linear("self_attention.query_key_value", W::kHidden, W::kQkv, If(Flag::kQkvBias)),
-    Linear("self_attention.dense", W::kHidden, W::kHidden, If(Flag::kQkvBias)),
-    Linear("mlp.dense_h_to_4h", W::kHidden, W::kFfn, If(Flag::kQkvBias)),
-    Linear("mlp.dense_4h_to_h", W::kFfn, W::kHidden, If(Flag::kQkvBias)),
+    Linear("self_attention.query_key_value", W::kHidden, W::kQkv, If(Flag::kQkvBias))
+        .As(R::kAttentionQkv),
+    Linear("self_attention.dense", W::kHidden, W::kHidden, If(Flag::kQkvBias)).As(R::kAttentionOut),
+    Linear("mlp.dense_h_to_4h", W::kHidden, W::kFfn, If(Flag::kQkvBias)).As(R::kMlpUp),
+    Linear("mlp.dense_4h_to_h", W::kFfn, W::kHidden, If(Flag::kQkvBias)).As(R::kMlpDown),
     Norm("post_attention_layernorm", W::kHidden, kYes, IfNot(Flag::kParallelAttn)),
     Norm("input_layernorm", W::kHidden, kYes, IfNot(Flag::kParallelAttn)),
     Norm("ln_attn", W::kHidden, kYes, Both(Flag::kParallelAttn, Flag::kTwoNorms)),
@@ -535,11 +549,11 @@ constexpr Part kBloomBefore[] = {
 };
 constexpr Part kBloomLayer[] = {
     Norm("input_layernorm", W::kHidden, kYes),
-    Linear("self_attention.query_key_value", W::kHidden, W::kQkv, kYes),
-    Linear("self_attention.dense", W::kHidden, W::kHidden, kYes),
+    Linear("self_attention.query_key_value", W::kHidden, W::kQkv, kYes).As(R::kAttentionQkv),
+    Linear("self_attention.dense", W::kHidden, W::kHidden, kYes).As(R::kAttentionOut),
     Norm("post_attention_layernorm", W::kHidden, kYes),
-    Linear("mlp.dense_h_to_4h", W::kHidden, W::kFfn, kYes),
-    Linear("mlp.dense_4h_to_h", W::kFfn, W::kHidden, kYes),
+    Linear("mlp.dense_h_to_4h", W::kHidden, W::kFfn, kYes).As(R::kMlpUp),
+    Linear("mlp.dense_4h_to_h", W::kFfn, W::kHidden, kYes).As(R::kMlpDown),
 };
 
 // --- gptj ---
@@ -563,16 +577,16 @@ constexpr FlagField kGptjFlags[] = {{Flag::kTie, "tie_word_embeddings", false}};
 constexpr Part kGptjLayer[] = {
     Norm("ln_1", W::kHidden, kYes),
     Buffer("attn.embed_positions", W::kPositions, W::kRotaryDim),
-    Linear("attn.k_proj", W::kHidden, W::kHidden),
-    Linear("attn.v_proj", W::kHidden, W::kHidden),
-    Linear("attn.q_proj", W::kHidden, W::kHidden),
-    Linear("attn.out_proj", W::kHidden, W::kHidden),
-    Linear("mlp.fc_in", W::kHidden, W::kFfn, kYes),
-    Linear("mlp.fc_out", W::kFfn, W::kHidden, kYes),
+    Linear("attn.k_proj", W::kHidden, W::kHidden).As(R::kAttentionK),
+    Linear("attn.v_proj", W::kHidden, W::kHidden).As(R::kAttentionV),
+    Linear("attn.q_proj", W::kHidden, W::kHidden).As(R::kAttentionQ),
+    Linear("attn.out_proj", W::kHidden, W::kHidden).As(R::kAttentionOut),
+    Linear("mlp.fc_in", W::kHidden, W::kFfn, kYes).As(R::kMlpUp),
+    Linear("mlp.fc_out", W::kFfn, W::kHidden, kYes).As(R::kMlpDown),
 };
 constexpr Part kWte[] = {Embedding("wte", W::kVocab, W::kHidden)};
 // GPTJForQuestionAnswering sizes its output by num_labels, not 2.
-constexpr Part kGptjQa[] = {Linear("qa_outputs", W::kHidden, W::kLabels, kYes)};
+constexpr Part kGptjQa[] = {Linear("qa_outputs", W::kHidden, W::kLabels, kYes).As(R::kClassifier)};
 constexpr HeadSpec kGptjHeads[] = {
     {HeadKind::kSequence, "ForSequenceClassification", "transformer", kScore},
     {HeadKind::kQuestionAnswering, "ForQuestionAnswering", "transformer", kGptjQa},
@@ -605,23 +619,25 @@ Status AdjustOpt(const ConfigReader&, Values* v) {
 constexpr Part kOptBefore[] = {
     Embedding("decoder.embed_tokens", W::kVocab, W::kEmbedProj),
     Embedding("decoder.embed_positions", W::kPositionsOpt, W::kHidden),
-    Linear("decoder.project_out", W::kHidden, W::kEmbedProj, kNo, If(Flag::kProjectInOut)),
-    Linear("decoder.project_in", W::kEmbedProj, W::kHidden, kNo, If(Flag::kProjectInOut)),
+    Linear("decoder.project_out", W::kHidden, W::kEmbedProj, kNo, If(Flag::kProjectInOut))
+        .As(R::kProjector),
+    Linear("decoder.project_in", W::kEmbedProj, W::kHidden, kNo, If(Flag::kProjectInOut))
+        .As(R::kProjector),
     Norm("decoder.final_layer_norm", W::kHidden, kYes, Both(Flag::kFinalNorm, Flag::kNormAffine)),
 };
 constexpr Part kOptLayer[] = {
-    Linear("self_attn.k_proj", W::kHidden, W::kHidden, If(Flag::kQkvBias)),
-    Linear("self_attn.v_proj", W::kHidden, W::kHidden, If(Flag::kQkvBias)),
-    Linear("self_attn.q_proj", W::kHidden, W::kHidden, If(Flag::kQkvBias)),
-    Linear("self_attn.out_proj", W::kHidden, W::kHidden, If(Flag::kQkvBias)),
+    Linear("self_attn.k_proj", W::kHidden, W::kHidden, If(Flag::kQkvBias)).As(R::kAttentionK),
+    Linear("self_attn.v_proj", W::kHidden, W::kHidden, If(Flag::kQkvBias)).As(R::kAttentionV),
+    Linear("self_attn.q_proj", W::kHidden, W::kHidden, If(Flag::kQkvBias)).As(R::kAttentionQ),
+    Linear("self_attn.out_proj", W::kHidden, W::kHidden, If(Flag::kQkvBias)).As(R::kAttentionOut),
     Norm("self_attn_layer_norm", W::kHidden, kYes, If(Flag::kNormAffine)),
-    Linear("fc1", W::kHidden, W::kFfn, If(Flag::kQkvBias)),
-    Linear("fc2", W::kFfn, W::kHidden, If(Flag::kQkvBias)),
+    Linear("fc1", W::kHidden, W::kFfn, If(Flag::kQkvBias)).As(R::kMlpUp),
+    Linear("fc2", W::kFfn, W::kHidden, If(Flag::kQkvBias)).As(R::kMlpDown),
     Norm("final_layer_norm", W::kHidden, kYes, If(Flag::kNormAffine)),
 };
 // OPT's heads read the projected width.
-constexpr Part kOptScore[] = {Linear("score", W::kEmbedProj, W::kLabels)};
-constexpr Part kOptQa[] = {Linear("qa_outputs", W::kEmbedProj, W::kTwo, kYes)};
+constexpr Part kOptScore[] = {Linear("score", W::kEmbedProj, W::kLabels).As(R::kClassifier)};
+constexpr Part kOptQa[] = {Linear("qa_outputs", W::kEmbedProj, W::kTwo, kYes).As(R::kClassifier)};
 constexpr HeadSpec kOptHeads[] = {
     {HeadKind::kSequence, "ForSequenceClassification", "model", kOptScore},
     {HeadKind::kQuestionAnswering, "ForQuestionAnswering", "model", kOptQa},
@@ -653,15 +669,18 @@ constexpr Part kGpt2Before[] = {
 // (q_attn) separately.
 constexpr Part kGpt2Layer[] = {
     Norm("ln_1", W::kHidden, kYes),
-    Conv1D("attn.c_attn", W::kHidden, W::kQkv),
-    Conv1D("attn.c_proj", W::kHidden, W::kHidden),
+    Conv1D("attn.c_attn", W::kHidden, W::kQkv).As(R::kAttentionQkv),
+    Conv1D("attn.c_proj", W::kHidden, W::kHidden).As(R::kAttentionOut),
     Norm("ln_2", W::kHidden, kYes),
-    Conv1D("crossattention.c_attn", W::kHidden, W::kKvPair, If(Flag::kCrossAttention)),
-    Conv1D("crossattention.q_attn", W::kHidden, W::kHidden, If(Flag::kCrossAttention)),
-    Conv1D("crossattention.c_proj", W::kHidden, W::kHidden, If(Flag::kCrossAttention)),
+    Conv1D("crossattention.c_attn", W::kHidden, W::kKvPair, If(Flag::kCrossAttention))
+        .As(R::kAttentionKv),
+    Conv1D("crossattention.q_attn", W::kHidden, W::kHidden, If(Flag::kCrossAttention))
+        .As(R::kAttentionQ),
+    Conv1D("crossattention.c_proj", W::kHidden, W::kHidden, If(Flag::kCrossAttention))
+        .As(R::kAttentionOut),
     Norm("ln_cross_attn", W::kHidden, kYes, If(Flag::kCrossAttention)),
-    Conv1D("mlp.c_fc", W::kHidden, W::kFfn),
-    Conv1D("mlp.c_proj", W::kFfn, W::kHidden),
+    Conv1D("mlp.c_fc", W::kHidden, W::kFfn).As(R::kMlpUp),
+    Conv1D("mlp.c_proj", W::kFfn, W::kHidden).As(R::kMlpDown),
 };
 // --- gpt_neox ---
 
@@ -683,10 +702,11 @@ constexpr FlagField kGptNeoxFlags[] = {
 constexpr Part kGptNeoxLayer[] = {
     Norm("input_layernorm", W::kHidden, kYes),
     Norm("post_attention_layernorm", W::kHidden, kYes),
-    Linear("attention.query_key_value", W::kHidden, W::kQkv, If(Flag::kQkvBias)),
-    Linear("attention.dense", W::kHidden, W::kHidden, If(Flag::kQkvBias)),
-    Linear("mlp.dense_h_to_4h", W::kHidden, W::kFfn, kYes),
-    Linear("mlp.dense_4h_to_h", W::kFfn, W::kHidden, kYes),
+    Linear("attention.query_key_value", W::kHidden, W::kQkv, If(Flag::kQkvBias))
+        .As(R::kAttentionQkv),
+    Linear("attention.dense", W::kHidden, W::kHidden, If(Flag::kQkvBias)).As(R::kAttentionOut),
+    Linear("mlp.dense_h_to_4h", W::kHidden, W::kFfn, kYes).As(R::kMlpUp),
+    Linear("mlp.dense_4h_to_h", W::kFfn, W::kHidden, kYes).As(R::kMlpDown),
 };
 constexpr Part kGptNeoxBefore[] = {Embedding("embed_in", W::kVocab, W::kHidden)};
 constexpr Part kGptNeoxAfter[] = {Norm("final_layer_norm", W::kHidden, kYes), Include(kRotary)};
@@ -694,6 +714,111 @@ constexpr HeadSpec kGptNeoxHeads[] = {
     {HeadKind::kSequence, "ForSequenceClassification", "gpt_neox", kScore},
     {HeadKind::kToken, "ForTokenClassification", "gpt_neox", kClassifierHead},
     Qa("gpt_neox"),
+};
+
+// --- mpt ---
+
+// MosaicML's MPT as llm-foundry builds it (llmfoundry/models/mpt/modeling_mpt.py, layers/
+// attention.py, ffn.py), which honours every field of the config. Transformers' MptForCausalLM
+// (models/mpt/modeling_mpt.py) builds the same tensors for every published MPT (expansion_ratio 4,
+// no_bias true, multi-head attention, ALiBi), but ignores those fields otherwise: its MLP is
+// always 4 x d_model wide, it never has biases or a position table, and it reads attn_type only
+// to validate it. memplan follows the fields, as llm-foundry does; the oracle checks the
+// published configs against Transformers.
+constexpr DimField kMptDims[] = {
+    Required(Dim::kHidden, "d_model", "hidden_size"),
+    Required(Dim::kLayers, "n_layers", "num_hidden_layers"),
+    Required(Dim::kHeads, "n_heads", "num_attention_heads"),
+    SameAs(Dim::kKvHeads, "", Dim::kHeads),
+    Quotient(Dim::kHeadDim, "", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kIntermediate, "", 0),  // expansion_ratio x d_model, set by AdjustMpt
+    Required(Dim::kVocab, "vocab_size"),
+    Default(Dim::kPositions, "max_seq_len", 2048),
+};
+constexpr FlagField kMptFlags[] = {{Flag::kTie, "tie_word_embeddings", true}};
+
+// expansion_ratio (an int or a float: llm-foundry's resolve_ffn_hidden_size takes
+// int(d_model x expansion_ratio)), no_bias (true by default in Transformers' MptConfig; every
+// published config says so), attn_config (attn_type, kv_n_heads, qk_ln, alibi, rope, attn_pdrop)
+// and ffn_config.ffn_type.
+Status AdjustMpt(const ConfigReader& config, Values* v) {
+  MEMPLAN_ASSIGN_OR_RETURN(const double ratio, config.NumberOr("expansion_ratio", 4));
+  const double width = ratio * static_cast<double>(v->Get(Dim::kHidden));
+  if (!(ratio > 0) || width < 1 || width > static_cast<double>(ConfigReader::kMaxDim)) {
+    return config.FieldError("expansion_ratio", "must make a positive MLP width below 2^31");
+  }
+  v->Set(Dim::kIntermediate, static_cast<int64_t>(width));
+  MEMPLAN_ASSIGN_OR_RETURN(const bool no_bias, config.BoolOr("no_bias", true));
+  for (Flag f : {Flag::kQkvBias, Flag::kOBias, Flag::kMlpBias, Flag::kNormBias}) {
+    v->Set(f, !no_bias);
+  }
+  const nlohmann::json empty = nlohmann::json::object();
+  if (config.Has("attn_config") && !config.json()["attn_config"].is_object()) {
+    return config.FieldError("attn_config", "must be an object");
+  }
+  const nlohmann::json& attn_json =
+      config.Has("attn_config") ? config.json()["attn_config"] : empty;
+  ConfigReader attn(attn_json, config.source() + " (attn_config)");
+  MEMPLAN_ASSIGN_OR_RETURN(const std::string type,
+                           attn.StringOr("attn_type", "multihead_attention"));
+  if (type == "multiquery_attention") {
+    v->Set(Dim::kKvHeads, 1);
+  } else if (type == "grouped_query_attention") {
+    MEMPLAN_ASSIGN_OR_RETURN(const int64_t kv, attn.DimOr("kv_n_heads", 1));
+    v->Set(Dim::kKvHeads, kv);
+  } else if (type != "multihead_attention") {
+    return attn.FieldError("attn_type",
+                           "'" + type +
+                               "' is not one of multihead_attention, multiquery_attention, "
+                               "grouped_query_attention");
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(const bool qk_ln, attn.BoolOr("qk_ln", false));
+  v->Set(Flag::kFullQkNorm, qk_ln);
+  MEMPLAN_ASSIGN_OR_RETURN(const bool alibi, attn.BoolOr("alibi", true));
+  MEMPLAN_ASSIGN_OR_RETURN(const bool rope, attn.BoolOr("rope", false));
+  MEMPLAN_ASSIGN_OR_RETURN(const bool learned, config.BoolOr("learned_pos_emb", true));
+  // MPTConfig.__init__: "alibi or rope is turned on, setting `learned_pos_emb` to `False`".
+  v->Set(Flag::kLearnedPositions, learned && !alibi && !rope);
+  MEMPLAN_ASSIGN_OR_RETURN(v->attention_dropout, attn.ProbabilityOr("attn_pdrop", 0.0));
+  if (config.Has("ffn_config")) {
+    if (!config.json()["ffn_config"].is_object()) {
+      return config.FieldError("ffn_config", "must be an object");
+    }
+    ConfigReader ffn(config.json()["ffn_config"], config.source() + " (ffn_config)");
+    MEMPLAN_ASSIGN_OR_RETURN(const std::string ffn_type, ffn.StringOr("ffn_type", "mptmlp"));
+    if (ffn_type != "mptmlp" && ffn_type != "mptglu") {
+      return ffn.FieldError("ffn_type", "'" + ffn_type +
+                                            "' is not one memplan builds (mptmlp, mptglu; "
+                                            "te_ln_mlp and MoE FFNs are not supported)");
+    }
+    v->Set(Flag::kGatedMlp, ffn_type == "mptglu");
+  }
+  return Status::Ok();
+}
+
+constexpr Part kMptBefore[] = {
+    Embedding("wte", W::kVocab, W::kHidden),
+    Embedding("wpe", W::kPositions, W::kHidden, If(Flag::kLearnedPositions)),
+};
+// MPTBlock: norm_1, attn (Wqkv, the optional q/k LayerNorms, out_proj), norm_2, ffn (up, down,
+// then MPTGLU's gate).
+constexpr Part kMptLayer[] = {
+    Norm("norm_1", W::kHidden, If(Flag::kNormBias)),
+    Linear("attn.Wqkv", W::kHidden, W::kQkv, If(Flag::kQkvBias)).As(R::kAttentionQkv),
+    Norm("attn.q_ln", W::kQ, If(Flag::kNormBias), If(Flag::kFullQkNorm)),
+    Norm("attn.k_ln", W::kKv, If(Flag::kNormBias), If(Flag::kFullQkNorm)),
+    Linear("attn.out_proj", W::kQ, W::kHidden, If(Flag::kOBias)).As(R::kAttentionOut),
+    Norm("norm_2", W::kHidden, If(Flag::kNormBias)),
+    Linear("ffn.up_proj", W::kHidden, W::kFfn, If(Flag::kMlpBias)).As(R::kMlpUp),
+    Linear("ffn.down_proj", W::kFfn, W::kHidden, If(Flag::kMlpBias)).As(R::kMlpDown),
+    Linear("ffn.gate_proj", W::kHidden, W::kFfn, If(Flag::kMlpBias), If(Flag::kGatedMlp))
+        .As(R::kMlpGate),
+};
+constexpr Part kMptAfter[] = {Norm("norm_f", W::kHidden, If(Flag::kNormBias))};
+constexpr HeadSpec kMptHeads[] = {
+    {HeadKind::kSequence, "ForSequenceClassification", "transformer", kScore},
+    {HeadKind::kToken, "ForTokenClassification", "transformer", kClassifierHead},
+    Qa("transformer"),
 };
 
 // --- The table ---
@@ -719,11 +844,11 @@ constexpr FamilySpec kFamilies[] = {
      .learned_positions = true, .act_field = "activation_function", .act_default = "gelu_new",
      .attention_dropout_field = "attn_pdrop", .attention_dropout_default = 0.1,
      .hidden_dropout_field = "resid_pdrop", .hidden_dropout_default = 0.1,
-     .embedding_dropout_field = "embd_pdrop", .embedding_dropout_default = 0.1},
+     .embedding_dropout_field = "embd_pdrop", .embedding_dropout_default = 0.1, .rotary = false},
     {.model_type = "gpt_neox", .class_prefix = "GPTNeoX", .no_split_class = "GPTNeoXLayer",
      .prefix = "gpt_neox", .dims = kGptNeoxDims, .flags = kGptNeoxFlags, .before = kGptNeoxBefore,
      .layer = kGptNeoxLayer, .after = kGptNeoxAfter,
-     .lm_head = Linear("embed_out", W::kHidden, W::kVocab), .tied_embedding = "embed_in.weight",
+     .lm_head = Linear("embed_out", W::kHidden, W::kVocab).As(R::kHead), .tied_embedding = "embed_in.weight",
      .heads = kGptNeoxHeads, .gated_mlp = false, .partial_rotary = true,
      .partial_rotary_default = 0.25, .partial_rotary_field = "rotary_pct", .act_default = "gelu",
      .hidden_dropout_field = "hidden_dropout"},
@@ -754,13 +879,16 @@ constexpr FamilySpec kFamilies[] = {
                .flags = kGemmaFlags,
                .on = On(Flag::kScaledEmbedding, Flag::kSandwichNorms, Flag::kPostFfNorm),
                .heads = kHeadsSeqToken, .sliding = SlidingRule::kAlternate,
-               .act_field = "hidden_activation", .act_default = "gelu_pytorch_tanh"}),
+               .act_field = "hidden_activation", .act_default = "gelu_pytorch_tanh",
+               .softcapping = true, .attn_softcap_default = 50.0,
+               .final_softcap_default = 30.0}),
     LlamaLike({.model_type = "gemma3_text", .class_prefix = "Gemma3",
                .base_class = "Gemma3TextModel", .dims = kGemma3Dims, .flags = kGemmaFlags,
                .on = On(Flag::kScaledEmbedding, Flag::kSandwichNorms, Flag::kPostFfNorm,
                         Flag::kHeadQkNorm, Flag::kRotaryPerType),
                .heads = kGemma3Heads, .sliding = SlidingRule::kPattern,
-               .act_field = "hidden_activation", .act_default = "gelu_pytorch_tanh"}),
+               .act_field = "hidden_activation", .act_default = "gelu_pytorch_tanh",
+               .softcapping = true}),
     LlamaLike({.model_type = "olmo2", .class_prefix = "Olmo2", .dims = kOlmo2Dims,
                .flags = kUntiedAttentionBias,
                .on = On(Flag::kFullQkNorm, Flag::kNoInputNorm, Flag::kPostFfNorm),
@@ -772,7 +900,7 @@ constexpr FamilySpec kFamilies[] = {
                .embedding_dropout_field = "embedding_dropout"}),
     LlamaLike({.model_type = "phi", .class_prefix = "Phi", .dims = kPhiDims, .flags = kPhiFlags,
                .layer = kPhiLayer, .after = kPhiAfter,
-               .lm_head = Linear("lm_head", W::kHidden, W::kVocab, kYes), .heads = kHeadsSeqToken,
+               .lm_head = Linear("lm_head", W::kHidden, W::kVocab, kYes).As(R::kHead), .heads = kHeadsSeqToken,
                .gated_mlp = false, .parallel_attention = true, .partial_rotary = true,
                .partial_rotary_default = 0.5, .act_default = "gelu_new",
                .hidden_dropout_field = "resid_pdrop", .embedding_dropout_field = "embd_pdrop"}),
@@ -801,20 +929,28 @@ constexpr FamilySpec kFamilies[] = {
      .prefix = "transformer", .dims = kBloomDims, .flags = kBloomFlags, .before = kBloomBefore,
      .layers = "h", .layer = kBloomLayer, .after = kLnF, .tied_embedding = "word_embeddings.weight",
      .heads = kTransformerHeads, .gated_mlp = false, .act_field = {}, .act_default = "gelu",
-     .hidden_dropout_field = "hidden_dropout"},
+     .hidden_dropout_field = "hidden_dropout", .rotary = false, .alibi = true},
     {.model_type = "gptj", .class_prefix = "GPTJ", .no_split_class = "GPTJBlock",
      .prefix = "transformer", .dims = kGptjDims, .flags = kGptjFlags, .before = kWte, .layers = "h",
-     .layer = kGptjLayer, .after = kLnF, .lm_head = Linear("lm_head", W::kHidden, W::kVocab, kYes),
+     .layer = kGptjLayer, .after = kLnF, .lm_head = Linear("lm_head", W::kHidden, W::kVocab, kYes).As(R::kHead),
      .tied_embedding = "wte.weight", .heads = kGptjHeads, .gated_mlp = false,
      .parallel_attention = true, .act_field = "activation_function", .act_default = "gelu_new",
      .attention_dropout_field = "attn_pdrop", .hidden_dropout_field = "resid_pdrop",
      .embedding_dropout_field = "embd_pdrop"},
     {.model_type = "opt", .class_prefix = "OPT", .dims = kOptDims, .flags = kOptFlags,
      .adjust = &AdjustOpt, .before = kOptBefore, .layers = "decoder.layers", .layer = kOptLayer,
-     .lm_head = Linear("lm_head", W::kEmbedProj, W::kVocab),
+     .lm_head = Linear("lm_head", W::kEmbedProj, W::kVocab).As(R::kHead),
      .tied_embedding = "decoder.embed_tokens.weight", .heads = kOptHeads, .gated_mlp = false,
      .learned_positions = true, .act_field = "activation_function", .act_default = "relu",
-     .hidden_dropout_field = "dropout", .hidden_dropout_default = 0.1},
+     .hidden_dropout_field = "dropout", .hidden_dropout_default = 0.1, .rotary = false},
+    {.model_type = "mpt", .class_prefix = "Mpt", .remote_causal_class = "MPTForCausalLM",
+     .no_split_class = "MptBlock",
+     .prefix = "transformer", .dims = kMptDims, .flags = kMptFlags, .adjust = &AdjustMpt,
+     .before = kMptBefore, .layers = "blocks", .layer = kMptLayer, .after = kMptAfter,
+     .tied_embedding = "wte.weight", .heads = kMptHeads, .gated_mlp = false,
+     .use_cache_default = false, .layer_norm = true, .act_field = {}, .act_default = "gelu",
+     .attention_dropout_field = {}, .hidden_dropout_field = "resid_pdrop",
+     .embedding_dropout_field = "emb_pdrop", .rotary = false, .alibi = true},
 };
 // clang-format on
 
@@ -822,7 +958,7 @@ constexpr const FamilySpec* kFamilyList[] = {
     &kFamilies[0],  &kFamilies[1],  &kFamilies[2],  &kFamilies[3],  &kFamilies[4],  &kFamilies[5],
     &kFamilies[6],  &kFamilies[7],  &kFamilies[8],  &kFamilies[9],  &kFamilies[10], &kFamilies[11],
     &kFamilies[12], &kFamilies[13], &kFamilies[14], &kFamilies[15], &kFamilies[16], &kFamilies[17],
-    &kFamilies[18], &kFamilies[19], &kFamilies[20], &kFamilies[21], &kFamilies[22],
+    &kFamilies[18], &kFamilies[19], &kFamilies[20], &kFamilies[21], &kFamilies[22], &kFamilies[23],
 };
 static_assert(std::size(kFamilyList) == std::size(kFamilies));
 

@@ -514,6 +514,63 @@ TEST_CASE("decoder: errors name the field at fault") {
   }
 }
 
+TEST_CASE("decoder: mpt follows the config as llm-foundry does") {
+  // mosaicml/mpt-7b: 6,649,286,656 parameters (the Hub page's 6.7B), tied head, ALiBi, no
+  // biases, no position table.
+  ModelInventory mpt = Fixture("mpt-7b");
+  CHECK(mpt.architecture == "MptForCausalLM");  // config.json names the remote MPTForCausalLM
+  CHECK(Total(mpt) == 6'649'286'656ull);
+  CHECK(Tensor(mpt, "lm_head.weight").tied_to == "transformer.wte.weight");
+  CHECK(mpt.Find("transformer.wpe.weight") < 0);
+  CHECK(mpt.Find("transformer.blocks.0.norm_1.bias") < 0);
+  CHECK(Tensor(mpt, "transformer.blocks.31.ffn.up_proj.weight").shape == Shape{16384, 4096});
+  REQUIRE(mpt.arch.has_value());
+  CHECK(mpt.arch->hidden_act == "gelu");
+  CHECK_FALSE(mpt.arch->gated_mlp);
+  CHECK_FALSE(mpt.arch->learned_positions);  // ALiBi: max_seq_len is no hard limit
+  CHECK_FALSE(mpt.arch->norm_upcasts);       // LayerNorm without bias, not an RMS norm
+  CHECK(mpt.arch->no_split_class == "MptBlock");
+
+  nlohmann::json config = FixtureJson("mpt-7b");
+  SUBCASE("expansion_ratio, no_bias, grouped-query attention, q/k LayerNorms, GLU") {
+    config["expansion_ratio"] = 2.5;
+    config["no_bias"] = false;
+    config["attn_config"]["attn_type"] = "grouped_query_attention";
+    config["attn_config"]["kv_n_heads"] = 8;
+    config["attn_config"]["qk_ln"] = true;
+    config["ffn_config"] = {{"ffn_type", "mptglu"}};
+    ModelInventory m = MustBuild(config);
+    CHECK(Tensor(m, "transformer.blocks.0.ffn.up_proj.weight").shape == Shape{10240, 4096});
+    CHECK(Tensor(m, "transformer.blocks.0.ffn.gate_proj.weight").shape == Shape{10240, 4096});
+    CHECK(Tensor(m, "transformer.blocks.0.attn.Wqkv.weight").shape ==
+          Shape{4096 + 2 * 8 * 128, 4096});
+    CHECK(Tensor(m, "transformer.blocks.0.attn.Wqkv.bias").shape == Shape{4096 + 2 * 8 * 128});
+    CHECK(Tensor(m, "transformer.blocks.0.attn.k_ln.weight").shape == Shape{8 * 128});
+    CHECK(Tensor(m, "transformer.blocks.0.norm_1.bias").shape == Shape{4096});
+    REQUIRE(m.arch.has_value());
+    CHECK(m.arch->kv_heads == 8);
+    CHECK(m.arch->gated_mlp);
+    CHECK(m.arch->intermediate == 10240);
+  }
+  SUBCASE("learned positions only without ALiBi and RoPE") {
+    config["attn_config"]["alibi"] = false;
+    ModelInventory m = MustBuild(config);
+    CHECK(Tensor(m, "transformer.wpe.weight").shape == Shape{2048, 4096});
+    CHECK(m.arch->learned_positions);
+    config["attn_config"]["rope"] = true;
+    CHECK(MustBuild(config).Find("transformer.wpe.weight") < 0);
+  }
+  SUBCASE("errors name the nested field") {
+    config["attn_config"]["attn_type"] = "sliding";
+    CHECK(Contains(BuildError(config), "(attn_config): field 'attn_type'"));
+    config["attn_config"] = 3;
+    CHECK(Contains(BuildError(config), "'attn_config'"));
+    config.erase("attn_config");
+    config["expansion_ratio"] = -1;
+    CHECK(Contains(BuildError(config), "'expansion_ratio'"));
+  }
+}
+
 TEST_CASE("decoder: shapes that overflow are errors, not wrapped numbers") {
   // Every dim is within limits, but the expert matrices' element counts sum past 2^64.
   nlohmann::json config = FixtureJson("mixtral-8x7b");

@@ -38,21 +38,35 @@ class TensorSink {
  public:
   TensorSink(ModelInventory* out, DType dtype) : out_(out), dtype_(dtype) {}
 
-  Status Param(std::string name, std::vector<int64_t> shape, std::string tied_to = "") {
-    return out_->Add(std::move(name), std::move(shape), dtype_, std::move(tied_to));
+  // A tensor with its role (Note [Tensor roles] in inventory.h).
+  Status Param(std::string name, std::vector<int64_t> shape, TensorTraits traits,
+               std::string tied_to = "") {
+    return out_->Add(std::move(name), std::move(shape), dtype_, std::move(tied_to), traits);
+  }
+
+  // nn.Embedding(rows, width) `prefix`.weight.
+  Status Embedding(const std::string& prefix, int64_t rows, int64_t width, TensorRole role,
+                   std::string tied_to = "") {
+    return Param(prefix + ".weight", {rows, width}, {role, ModuleKind::kEmbedding, false},
+                 std::move(tied_to));
   }
 
   // nn.Linear(in, out): weight [out, in], then bias [out].
-  Status Linear(const std::string& prefix, int64_t in, int64_t out, bool bias) {
-    MEMPLAN_RETURN_IF_ERROR(Param(prefix + ".weight", {out, in}));
-    if (bias) MEMPLAN_RETURN_IF_ERROR(Param(prefix + ".bias", {out}));
+  Status Linear(const std::string& prefix, int64_t in, int64_t out, bool bias, TensorRole role) {
+    MEMPLAN_RETURN_IF_ERROR(
+        Param(prefix + ".weight", {out, in}, {role, ModuleKind::kLinear, false}));
+    if (bias) {
+      MEMPLAN_RETURN_IF_ERROR(Param(prefix + ".bias", {out}, {role, ModuleKind::kLinear, true}));
+    }
     return Status::Ok();
   }
 
-  // nn.LayerNorm(dim): weight and bias.
-  Status LayerNorm(const std::string& prefix, int64_t dim) {
-    MEMPLAN_RETURN_IF_ERROR(Param(prefix + ".weight", {dim}));
-    return Param(prefix + ".bias", {dim});
+  // nn.LayerNorm(dim): weight and bias; T5's RMS norm (bias false): weight only.
+  Status LayerNorm(const std::string& prefix, int64_t dim, bool bias = true) {
+    MEMPLAN_RETURN_IF_ERROR(
+        Param(prefix + ".weight", {dim}, {TensorRole::kNorm, ModuleKind::kNorm, false}));
+    if (!bias) return Status::Ok();
+    return Param(prefix + ".bias", {dim}, {TensorRole::kNorm, ModuleKind::kNorm, true});
   }
 
   // The position ids (and BERT's token type ids) embeddings register: int64 [1, positions].
@@ -208,14 +222,19 @@ Result<BertDims> ReadBertDims(const ConfigReader& config) {
 // BertAttention / RobertaAttention: self.{query,key,value}, then output.{dense,LayerNorm}.
 Status AddBertAttention(TensorSink& sink, const std::string& prefix, const BertDims& d,
                         bool distance_embedding) {
-  for (const char* proj : {"query", "key", "value"}) {
-    MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + ".self." + proj, d.hidden, d.hidden, true));
+  const std::pair<const char*, TensorRole> projections[] = {{"query", TensorRole::kAttentionQ},
+                                                            {"key", TensorRole::kAttentionK},
+                                                            {"value", TensorRole::kAttentionV}};
+  for (const auto& [proj, role] : projections) {
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + ".self." + proj, d.hidden, d.hidden, true, role));
   }
   if (distance_embedding) {
-    MEMPLAN_RETURN_IF_ERROR(sink.Param(prefix + ".self.distance_embedding.weight",
-                                       {2 * d.max_positions - 1, d.hidden / d.heads}));
+    MEMPLAN_RETURN_IF_ERROR(sink.Embedding(prefix + ".self.distance_embedding",
+                                           2 * d.max_positions - 1, d.hidden / d.heads,
+                                           TensorRole::kPositionEmbedding));
   }
-  MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + ".output.dense", d.hidden, d.hidden, true));
+  MEMPLAN_RETURN_IF_ERROR(
+      sink.Linear(prefix + ".output.dense", d.hidden, d.hidden, true, TensorRole::kAttentionOut));
   return sink.LayerNorm(prefix + ".output.LayerNorm", d.hidden);
 }
 
@@ -225,19 +244,19 @@ Status AddBertModel(TensorSink& sink, const std::string& prefix, const BertDims&
                     BertFlavor flavor, bool pooler, const std::string& word_embeddings_tied_to,
                     ModelInventory* out) {
   const std::string emb = prefix + "embeddings.";
-  MEMPLAN_RETURN_IF_ERROR(
-      sink.Param(emb + "word_embeddings.weight", {d.vocab, d.hidden}, word_embeddings_tied_to));
+  MEMPLAN_RETURN_IF_ERROR(sink.Embedding(emb + "word_embeddings", d.vocab, d.hidden,
+                                         TensorRole::kEmbedding, word_embeddings_tied_to));
   if (flavor == BertFlavor::kBert) {
-    MEMPLAN_RETURN_IF_ERROR(
-        sink.Param(emb + "position_embeddings.weight", {d.max_positions, d.hidden}));
+    MEMPLAN_RETURN_IF_ERROR(sink.Embedding(emb + "position_embeddings", d.max_positions, d.hidden,
+                                           TensorRole::kPositionEmbedding));
   }
-  MEMPLAN_RETURN_IF_ERROR(
-      sink.Param(emb + "token_type_embeddings.weight", {d.type_vocab, d.hidden}));
+  MEMPLAN_RETURN_IF_ERROR(sink.Embedding(emb + "token_type_embeddings", d.type_vocab, d.hidden,
+                                         TensorRole::kTokenTypeEmbedding));
   MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(emb + "LayerNorm", d.hidden));
   if (flavor != BertFlavor::kBert) {
     // RobertaEmbeddings registers its padding-aware position table last (see file comment).
-    MEMPLAN_RETURN_IF_ERROR(
-        sink.Param(emb + "position_embeddings.weight", {d.max_positions, d.hidden}));
+    MEMPLAN_RETURN_IF_ERROR(sink.Embedding(emb + "position_embeddings", d.max_positions, d.hidden,
+                                           TensorRole::kPositionEmbedding));
   }
   for (int64_t i = 0; i < d.layers; ++i) {
     const std::string layer = prefix + "encoder.layer." + std::to_string(i);
@@ -246,13 +265,15 @@ Status AddBertModel(TensorSink& sink, const std::string& prefix, const BertDims&
       // Cross-attention always uses absolute positions, so never a distance table.
       MEMPLAN_RETURN_IF_ERROR(AddBertAttention(sink, layer + ".crossattention", d, false));
     }
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(layer + ".intermediate.dense", d.hidden, d.intermediate,
+                                        true, TensorRole::kMlpUp));
     MEMPLAN_RETURN_IF_ERROR(
-        sink.Linear(layer + ".intermediate.dense", d.hidden, d.intermediate, true));
-    MEMPLAN_RETURN_IF_ERROR(sink.Linear(layer + ".output.dense", d.intermediate, d.hidden, true));
+        sink.Linear(layer + ".output.dense", d.intermediate, d.hidden, true, TensorRole::kMlpDown));
     MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(layer + ".output.LayerNorm", d.hidden));
   }
   if (pooler) {
-    MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + "pooler.dense", d.hidden, d.hidden, true));
+    MEMPLAN_RETURN_IF_ERROR(
+        sink.Linear(prefix + "pooler.dense", d.hidden, d.hidden, true, TensorRole::kPooler));
   }
   MEMPLAN_RETURN_IF_ERROR(sink.IdBuffer(emb + "position_ids", d.max_positions));
   MEMPLAN_RETURN_IF_ERROR(sink.IdBuffer(emb + "token_type_ids", d.max_positions));
@@ -272,17 +293,22 @@ Status AddLmHead(TensorSink& sink, const std::string& head, const std::string& w
                  const BertDims& d, BertFlavor flavor) {
   // Registered before the encoder (XLM-RoBERTa), the head's decoder holds the tied matrix and the
   // word embedding becomes its alias; `word_embeddings` is then empty.
-  MEMPLAN_RETURN_IF_ERROR(sink.Param(head + ".bias", {d.vocab}));
+  MEMPLAN_RETURN_IF_ERROR(
+      sink.Param(head + ".bias", {d.vocab}, {TensorRole::kHead, ModuleKind::kOther, true}));
   if (flavor == BertFlavor::kBert) {
-    MEMPLAN_RETURN_IF_ERROR(sink.Linear(head + ".transform.dense", d.hidden, d.hidden, true));
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(head + ".transform.dense", d.hidden, d.hidden, true,
+                                        TensorRole::kHeadTransform));
     MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(head + ".transform.LayerNorm", d.hidden));
   } else {
-    MEMPLAN_RETURN_IF_ERROR(sink.Linear(head + ".dense", d.hidden, d.hidden, true));
+    MEMPLAN_RETURN_IF_ERROR(
+        sink.Linear(head + ".dense", d.hidden, d.hidden, true, TensorRole::kHeadTransform));
     MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(head + ".layer_norm", d.hidden));
   }
   MEMPLAN_RETURN_IF_ERROR(sink.Param(head + ".decoder.weight", {d.vocab, d.hidden},
+                                     {TensorRole::kHead, ModuleKind::kLinear, false},
                                      d.tie_word_embeddings ? word_embeddings : ""));
-  return sink.Param(head + ".decoder.bias", {d.vocab}, head + ".bias");
+  return sink.Param(head + ".decoder.bias", {d.vocab},
+                    {TensorRole::kHead, ModuleKind::kLinear, true}, head + ".bias");
 }
 
 // The classes of a BERT-like family, base first. The LM classes and the token and QA heads build
@@ -312,6 +338,7 @@ std::vector<ClassSpec> BertClasses(BertFlavor flavor) {
 // The head of `spec` for a BERT-like model whose encoder sits under `prefix`.
 Status AddBertHead(TensorSink& sink, const ClassSpec& spec, const std::string& prefix,
                    const BertDims& d, BertFlavor flavor) {
+  constexpr TensorRole kC = TensorRole::kClassifier;
   const bool bert = flavor == BertFlavor::kBert;
   const bool head_first = flavor == BertFlavor::kXlmRoberta;
   const std::string word_embeddings =
@@ -323,16 +350,17 @@ Status AddBertHead(TensorSink& sink, const ClassSpec& spec, const std::string& p
       return AddLmHead(sink, bert ? "cls.predictions" : "lm_head", word_embeddings, d, flavor);
     case EncoderHead::kPreTraining:
       MEMPLAN_RETURN_IF_ERROR(AddLmHead(sink, "cls.predictions", word_embeddings, d, flavor));
-      return sink.Linear("cls.seq_relationship", d.hidden, 2, true);
-    case EncoderHead::kNextSentence: return sink.Linear("cls.seq_relationship", d.hidden, 2, true);
+      return sink.Linear("cls.seq_relationship", d.hidden, 2, true, kC);
+    case EncoderHead::kNextSentence:
+      return sink.Linear("cls.seq_relationship", d.hidden, 2, true, kC);
     case EncoderHead::kSequence:
-      if (bert) return sink.Linear("classifier", d.hidden, d.labels, true);
-      MEMPLAN_RETURN_IF_ERROR(sink.Linear("classifier.dense", d.hidden, d.hidden, true));
-      return sink.Linear("classifier.out_proj", d.hidden, d.labels, true);
-    case EncoderHead::kToken: return sink.Linear("classifier", d.hidden, d.labels, true);
+      if (bert) return sink.Linear("classifier", d.hidden, d.labels, true, kC);
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear("classifier.dense", d.hidden, d.hidden, true, kC));
+      return sink.Linear("classifier.out_proj", d.hidden, d.labels, true, kC);
+    case EncoderHead::kToken: return sink.Linear("classifier", d.hidden, d.labels, true, kC);
     case EncoderHead::kQuestionAnswering:
-      return sink.Linear("qa_outputs", d.hidden, d.labels, true);
-    case EncoderHead::kMultipleChoice: return sink.Linear("classifier", d.hidden, 1, true);
+      return sink.Linear("qa_outputs", d.hidden, d.labels, true, kC);
+    case EncoderHead::kMultipleChoice: return sink.Linear("classifier", d.hidden, 1, true, kC);
   }
   return Status::Ok();
 }
@@ -423,39 +451,54 @@ Status BuildDistilBertImpl(const FamilyRequest& request, ModelInventory* out) {
   const bool base = spec.head == EncoderHead::kNone;
   const std::string prefix = base ? "" : "distilbert.";
   const std::string emb = prefix + "embeddings.";
-  MEMPLAN_RETURN_IF_ERROR(sink.Param(emb + "word_embeddings.weight", {vocab, hidden}));
-  MEMPLAN_RETURN_IF_ERROR(sink.Param(emb + "position_embeddings.weight", {positions, hidden}));
+  MEMPLAN_RETURN_IF_ERROR(
+      sink.Embedding(emb + "word_embeddings", vocab, hidden, TensorRole::kEmbedding));
+  MEMPLAN_RETURN_IF_ERROR(sink.Embedding(emb + "position_embeddings", positions, hidden,
+                                         TensorRole::kPositionEmbedding));
   MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(emb + "LayerNorm", hidden));
   for (int64_t i = 0; i < layers; ++i) {
     const std::string layer = prefix + "transformer.layer." + std::to_string(i) + ".";
-    for (const char* proj : {"q_lin", "k_lin", "v_lin", "out_lin"}) {
-      MEMPLAN_RETURN_IF_ERROR(sink.Linear(layer + "attention." + proj, hidden, hidden, true));
+    const std::pair<const char*, TensorRole> projections[] = {
+        {"q_lin", TensorRole::kAttentionQ},
+        {"k_lin", TensorRole::kAttentionK},
+        {"v_lin", TensorRole::kAttentionV},
+        {"out_lin", TensorRole::kAttentionOut}};
+    for (const auto& [proj, role] : projections) {
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear(layer + "attention." + proj, hidden, hidden, true, role));
     }
     MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(layer + "sa_layer_norm", hidden));
-    MEMPLAN_RETURN_IF_ERROR(sink.Linear(layer + "ffn.lin1", hidden, ffn, true));
-    MEMPLAN_RETURN_IF_ERROR(sink.Linear(layer + "ffn.lin2", ffn, hidden, true));
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(layer + "ffn.lin1", hidden, ffn, true, TensorRole::kMlpUp));
+    MEMPLAN_RETURN_IF_ERROR(
+        sink.Linear(layer + "ffn.lin2", ffn, hidden, true, TensorRole::kMlpDown));
     MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(layer + "output_layer_norm", hidden));
   }
   MEMPLAN_RETURN_IF_ERROR(sink.IdBuffer(emb + "position_ids", positions));
   switch (spec.head) {
     case EncoderHead::kMaskedLm:
-      MEMPLAN_RETURN_IF_ERROR(sink.Linear("vocab_transform", hidden, hidden, true));
+      MEMPLAN_RETURN_IF_ERROR(
+          sink.Linear("vocab_transform", hidden, hidden, true, TensorRole::kHeadTransform));
       MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm("vocab_layer_norm", hidden));
       MEMPLAN_RETURN_IF_ERROR(sink.Param("vocab_projector.weight", {vocab, hidden},
+                                         {TensorRole::kHead, ModuleKind::kLinear, false},
                                          tie ? emb + "word_embeddings.weight" : ""));
-      MEMPLAN_RETURN_IF_ERROR(sink.Param("vocab_projector.bias", {vocab}));
+      MEMPLAN_RETURN_IF_ERROR(sink.Param("vocab_projector.bias", {vocab},
+                                         {TensorRole::kHead, ModuleKind::kLinear, true}));
       break;
     case EncoderHead::kSequence:
     case EncoderHead::kMultipleChoice:
-      MEMPLAN_RETURN_IF_ERROR(sink.Linear("pre_classifier", hidden, hidden, true));
+      MEMPLAN_RETURN_IF_ERROR(
+          sink.Linear("pre_classifier", hidden, hidden, true, TensorRole::kClassifier));
       MEMPLAN_RETURN_IF_ERROR(sink.Linear("classifier", hidden,
-                                          spec.head == EncoderHead::kSequence ? labels : 1, true));
+                                          spec.head == EncoderHead::kSequence ? labels : 1, true,
+                                          TensorRole::kClassifier));
       break;
     case EncoderHead::kToken:
-      MEMPLAN_RETURN_IF_ERROR(sink.Linear("classifier", hidden, labels, true));
+      MEMPLAN_RETURN_IF_ERROR(
+          sink.Linear("classifier", hidden, labels, true, TensorRole::kClassifier));
       break;
     case EncoderHead::kQuestionAnswering:
-      MEMPLAN_RETURN_IF_ERROR(sink.Linear("qa_outputs", hidden, labels, true));
+      MEMPLAN_RETURN_IF_ERROR(
+          sink.Linear("qa_outputs", hidden, labels, true, TensorRole::kClassifier));
       break;
     default: break;
   }
@@ -533,13 +576,17 @@ Result<T5Dims> ReadT5Dims(const ConfigReader& config) {
 Status AddT5Attention(TensorSink& sink, const std::string& prefix, const T5Dims& d,
                       bool relative_bias) {
   const int64_t inner = d.heads * d.kv;
-  for (const char* proj : {"q", "k", "v"}) {
-    MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + "." + proj, d.model, inner, false));
+  const std::pair<const char*, TensorRole> projections[] = {{"q", TensorRole::kAttentionQ},
+                                                            {"k", TensorRole::kAttentionK},
+                                                            {"v", TensorRole::kAttentionV}};
+  for (const auto& [proj, role] : projections) {
+    MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + "." + proj, d.model, inner, false, role));
   }
-  MEMPLAN_RETURN_IF_ERROR(sink.Linear(prefix + ".o", inner, d.model, false));
+  MEMPLAN_RETURN_IF_ERROR(
+      sink.Linear(prefix + ".o", inner, d.model, false, TensorRole::kAttentionOut));
   if (relative_bias) {
-    MEMPLAN_RETURN_IF_ERROR(
-        sink.Param(prefix + ".relative_attention_bias.weight", {d.buckets, d.heads}));
+    MEMPLAN_RETURN_IF_ERROR(sink.Embedding(prefix + ".relative_attention_bias", d.buckets, d.heads,
+                                           TensorRole::kRelativeAttentionBias));
   }
   return Status::Ok();
 }
@@ -549,29 +596,34 @@ Status AddT5Attention(TensorSink& sink, const std::string& prefix, const T5Dims&
 // `shared` names the shared embedding; blocks are recorded as Accelerate's no-split modules.
 Status AddT5Stack(TensorSink& sink, const std::string& stack, const std::string& shared,
                   const T5Dims& d, bool decoder, ModelInventory* out) {
-  MEMPLAN_RETURN_IF_ERROR(sink.Param(stack + ".embed_tokens.weight", {d.vocab, d.model}, shared));
+  MEMPLAN_RETURN_IF_ERROR(
+      sink.Embedding(stack + ".embed_tokens", d.vocab, d.model, TensorRole::kEmbedding, shared));
   const int64_t layers = decoder ? d.decoder_layers : d.encoder_layers;
   for (int64_t i = 0; i < layers; ++i) {
     // T5Block.layer: self-attention, cross-attention (decoder only), feed-forward.
     out->no_split_modules.push_back(stack + ".block." + std::to_string(i));
     const std::string block = stack + ".block." + std::to_string(i) + ".layer.";
     MEMPLAN_RETURN_IF_ERROR(AddT5Attention(sink, block + "0.SelfAttention", d, i == 0));
-    MEMPLAN_RETURN_IF_ERROR(sink.Param(block + "0.layer_norm.weight", {d.model}));
+    MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(block + "0.layer_norm", d.model, false));
     if (decoder) {
       MEMPLAN_RETURN_IF_ERROR(AddT5Attention(sink, block + "1.EncDecAttention", d, false));
-      MEMPLAN_RETURN_IF_ERROR(sink.Param(block + "1.layer_norm.weight", {d.model}));
+      MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(block + "1.layer_norm", d.model, false));
     }
     const std::string ff = block + (decoder ? "2" : "1");
     if (d.gated) {
-      MEMPLAN_RETURN_IF_ERROR(sink.Linear(ff + ".DenseReluDense.wi_0", d.model, d.ff, false));
-      MEMPLAN_RETURN_IF_ERROR(sink.Linear(ff + ".DenseReluDense.wi_1", d.model, d.ff, false));
+      MEMPLAN_RETURN_IF_ERROR(
+          sink.Linear(ff + ".DenseReluDense.wi_0", d.model, d.ff, false, TensorRole::kMlpGate));
+      MEMPLAN_RETURN_IF_ERROR(
+          sink.Linear(ff + ".DenseReluDense.wi_1", d.model, d.ff, false, TensorRole::kMlpUp));
     } else {
-      MEMPLAN_RETURN_IF_ERROR(sink.Linear(ff + ".DenseReluDense.wi", d.model, d.ff, false));
+      MEMPLAN_RETURN_IF_ERROR(
+          sink.Linear(ff + ".DenseReluDense.wi", d.model, d.ff, false, TensorRole::kMlpUp));
     }
-    MEMPLAN_RETURN_IF_ERROR(sink.Linear(ff + ".DenseReluDense.wo", d.ff, d.model, false));
-    MEMPLAN_RETURN_IF_ERROR(sink.Param(ff + ".layer_norm.weight", {d.model}));
+    MEMPLAN_RETURN_IF_ERROR(
+        sink.Linear(ff + ".DenseReluDense.wo", d.ff, d.model, false, TensorRole::kMlpDown));
+    MEMPLAN_RETURN_IF_ERROR(sink.LayerNorm(ff + ".layer_norm", d.model, false));
   }
-  return sink.Param(stack + ".final_layer_norm.weight", {d.model});
+  return sink.LayerNorm(stack + ".final_layer_norm", d.model, false);
 }
 
 }  // namespace
@@ -615,28 +667,32 @@ Status BuildT5(const FamilyRequest& request, ModelInventory* out) {
   // Both stacks hold the shared embedding module itself, so embed_tokens is tied whatever
   // tie_word_embeddings says; that flag only decides whether lm_head is a separate matrix.
   const std::string shared = prefix + "shared.weight";
-  MEMPLAN_RETURN_IF_ERROR(sink.Param(shared, {dims.vocab, dims.model}));
+  MEMPLAN_RETURN_IF_ERROR(sink.Param(shared, {dims.vocab, dims.model},
+                                     {TensorRole::kEmbedding, ModuleKind::kEmbedding, false}));
   MEMPLAN_RETURN_IF_ERROR(AddT5Stack(sink, prefix + "encoder", shared, dims, false, out));
   if (!encoder_only) {
     MEMPLAN_RETURN_IF_ERROR(AddT5Stack(sink, prefix + "decoder", shared, dims, true, out));
   }
   switch (spec.head) {
     case EncoderHead::kSequence:
-      MEMPLAN_RETURN_IF_ERROR(
-          sink.Linear("classification_head.dense", dims.model, dims.model, true));
-      MEMPLAN_RETURN_IF_ERROR(
-          sink.Linear("classification_head.out_proj", dims.model, labels, true));
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear("classification_head.dense", dims.model, dims.model, true,
+                                          TensorRole::kClassifier));
+      MEMPLAN_RETURN_IF_ERROR(sink.Linear("classification_head.out_proj", dims.model, labels, true,
+                                          TensorRole::kClassifier));
       break;
     case EncoderHead::kToken:
-      MEMPLAN_RETURN_IF_ERROR(sink.Linear("classifier", dims.model, labels, true));
+      MEMPLAN_RETURN_IF_ERROR(
+          sink.Linear("classifier", dims.model, labels, true, TensorRole::kClassifier));
       break;
     case EncoderHead::kQuestionAnswering:
-      MEMPLAN_RETURN_IF_ERROR(sink.Linear("qa_outputs", dims.model, labels, true));
+      MEMPLAN_RETURN_IF_ERROR(
+          sink.Linear("qa_outputs", dims.model, labels, true, TensorRole::kClassifier));
       break;
     default: break;
   }
   if (spec.model_class == "seq2seq_lm") {
     MEMPLAN_RETURN_IF_ERROR(sink.Param("lm_head.weight", {dims.vocab, dims.model},
+                                       {TensorRole::kHead, ModuleKind::kLinear, false},
                                        dims.tie_word_embeddings ? "shared.weight" : ""));
   }
   out->architecture = std::string(spec.name);

@@ -42,20 +42,20 @@ constexpr FlagField kSiglipVisionFlags[] = {{Flag::kVisionHead, "vision_use_head
 
 // The encoder layer's attention: k, v, q, out, all biased.
 constexpr Part kVisionAttention[] = {
-    Linear("self_attn.k_proj", W::kHidden, W::kHidden, kYes),
-    Linear("self_attn.v_proj", W::kHidden, W::kHidden, kYes),
-    Linear("self_attn.q_proj", W::kHidden, W::kHidden, kYes),
-    Linear("self_attn.out_proj", W::kHidden, W::kHidden, kYes),
+    Linear("self_attn.k_proj", W::kHidden, W::kHidden, kYes).As(R::kAttentionK),
+    Linear("self_attn.v_proj", W::kHidden, W::kHidden, kYes).As(R::kAttentionV),
+    Linear("self_attn.q_proj", W::kHidden, W::kHidden, kYes).As(R::kAttentionQ),
+    Linear("self_attn.out_proj", W::kHidden, W::kHidden, kYes).As(R::kAttentionOut),
 };
 constexpr Part kVisionMlp[] = {
-    Linear("mlp.fc1", W::kHidden, W::kFfn, kYes),
-    Linear("mlp.fc2", W::kFfn, W::kHidden, kYes),
+    Linear("mlp.fc1", W::kHidden, W::kFfn, kYes).As(R::kMlpUp),
+    Linear("mlp.fc2", W::kFfn, W::kHidden, kYes).As(R::kMlpDown),
 };
 
 // CLIP: a class token, a bias-free patch convolution, a position per patch and the class token,
 // and a pre-LayerNorm ("pre_layrnorm", as spelled); layers register attention before their norms.
 constexpr Part kClipVisionBefore[] = {
-    Param("embeddings.class_embedding", W::kHidden),
+    Param("embeddings.class_embedding", W::kHidden).As(R::kOther),
     PatchConv("embeddings.patch_embedding", W::kChannels, W::kHidden, kNo),
     Embedding("embeddings.position_embedding", W::kPatchesPlusOne, W::kHidden),
     IdsBuffer("embeddings.position_ids", W::kOne, W::kPatchesPlusOne),
@@ -84,13 +84,13 @@ constexpr Part kSiglipVisionLayer[] = {
     Include(kVisionMlp),
 };
 constexpr Part kSiglipHead[] = {
-    Param("head.probe", W::kOne, W::kOne, W::kHidden),
-    Param("head.attention.in_proj_weight", W::kQkv, W::kHidden),
-    Param("head.attention.in_proj_bias", W::kQkv),
-    Linear("head.attention.out_proj", W::kHidden, W::kHidden, kYes),
+    Param("head.probe", W::kOne, W::kOne, W::kHidden).As(R::kOther),
+    Param("head.attention.in_proj_weight", W::kQkv, W::kHidden).As(R::kAttentionQkv),
+    BiasParam("head.attention.in_proj_bias", W::kQkv).As(R::kAttentionQkv),
+    Linear("head.attention.out_proj", W::kHidden, W::kHidden, kYes).As(R::kAttentionOut),
     Norm("head.layernorm", W::kHidden, kYes),
-    Linear("head.mlp.fc1", W::kHidden, W::kFfn, kYes),
-    Linear("head.mlp.fc2", W::kFfn, W::kHidden, kYes),
+    Linear("head.mlp.fc1", W::kHidden, W::kFfn, kYes).As(R::kMlpUp),
+    Linear("head.mlp.fc2", W::kFfn, W::kHidden, kYes).As(R::kMlpDown),
 };
 constexpr Part kSiglipVisionAfter[] = {
     Norm("post_layernorm", W::kHidden, kYes),
@@ -163,8 +163,10 @@ constexpr SubConfigDefault kTextDefaults[] = {
 constexpr FlagField kLlavaFlags[] = {{Flag::kMlpBias, "multimodal_projector_bias", true}};
 // The projector: vision width (x the feature layers concatenated) -> text width -> text width.
 constexpr Part kLlavaProjector[] = {
-    Linear("multi_modal_projector.linear_1", W::kVisionFeatures, W::kHidden, If(Flag::kMlpBias)),
-    Linear("multi_modal_projector.linear_2", W::kHidden, W::kHidden, If(Flag::kMlpBias)),
+    Linear("multi_modal_projector.linear_1", W::kVisionFeatures, W::kHidden, If(Flag::kMlpBias))
+        .As(R::kProjector),
+    Linear("multi_modal_projector.linear_2", W::kHidden, W::kHidden, If(Flag::kMlpBias))
+        .As(R::kProjector),
 };
 
 // --- gemma3 ---
@@ -172,10 +174,11 @@ constexpr Part kLlavaProjector[] = {
 // Gemma3MultiModalProjector: a bare projection matrix [vision, text] and an RMSNorm of the
 // vision width (its average pool has no parameters).
 constexpr Part kGemma3Projector[] = {
-    Param("multi_modal_projector.mm_input_projection_weight", W::kVisionHidden, W::kHidden),
+    Param("multi_modal_projector.mm_input_projection_weight", W::kVisionHidden, W::kHidden)
+        .As(R::kProjector),
     Norm("multi_modal_projector.mm_soft_emb_norm", W::kVisionHidden),
 };
-constexpr Part kScore[] = {Linear("score", W::kHidden, W::kLabels)};
+constexpr Part kScore[] = {Linear("score", W::kHidden, W::kLabels).As(R::kClassifier)};
 constexpr HeadSpec kGemma3Heads[] = {
     {HeadKind::kSequence, "ForSequenceClassification", "model", kScore}};
 

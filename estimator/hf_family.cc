@@ -232,8 +232,9 @@ class Sink {
     base_.append(pattern.substr(at + 3));
   }
   // Adds `base + suffix` (suffix "" for a bare Parameter).
-  void Param(std::string_view suffix, std::vector<int64_t> shape, std::string tied_to = "") {
-    if (status_.ok()) status_ = out_->Add(Name(suffix), std::move(shape), dtype_, tied_to);
+  void Param(std::string_view suffix, std::vector<int64_t> shape, TensorTraits traits,
+             std::string tied_to = "") {
+    if (status_.ok()) status_ = out_->Add(Name(suffix), std::move(shape), dtype_, tied_to, traits);
   }
   void Buffer(std::string_view suffix, std::vector<int64_t> shape, DType dtype = DType::kF32) {
     if (status_.ok()) status_ = out_->AddBuffer(Name(suffix), std::move(shape), dtype);
@@ -259,30 +260,58 @@ struct LayerContext {
   std::set<std::string> attention_types;  // "full_attention", "sliding_attention"
 };
 
+// The role of a part (Note [Tensor roles]): its own, or what its kind says for the kinds whose
+// role the builder knows (embeddings by their rows, norms, patch convolutions).
+TensorRole RoleOf(const Part& p, TensorRole fallback) {
+  if (p.role != TensorRole::kUnknown) return p.role;
+  switch (p.kind) {
+    case Kind::kEmbedding:
+      return p.a == W::kVocab                                  ? TensorRole::kEmbedding
+             : p.a == W::kPositions || p.a == W::kPositionsOpt ? TensorRole::kPositionEmbedding
+             : p.a == W::kPatches || p.a == W::kPatchesPlusOne ? TensorRole::kPositionEmbedding
+                                                               : fallback;
+    case Kind::kNorm: return TensorRole::kNorm;
+    case Kind::kConv2d: return TensorRole::kPatchEmbedding;
+    default: return fallback;
+  }
+}
+
+// `fallback`: the role of parts that name none (a task head's Linears: kClassifier).
 void EmitPart(const Part& p, const std::string& prefix, int64_t expert, const Values& v,
-              const LayerContext& ctx, Sink* sink) {
+              const LayerContext& ctx, Sink* sink, TensorRole fallback = TensorRole::kUnknown) {
   sink->Begin(prefix, p.name, expert);
+  const TensorRole role = RoleOf(p, fallback);
+  auto traits = [role](ModuleKind kind, bool bias) { return TensorTraits{role, kind, bias}; };
   switch (p.kind) {
     case Kind::kLinear:
-      sink->Param(".weight", {Width(p.b, v), Width(p.a, v)});
-      if (Holds(p.bias, v)) sink->Param(".bias", {Width(p.b, v)});
+      sink->Param(".weight", {Width(p.b, v), Width(p.a, v)}, traits(ModuleKind::kLinear, false));
+      if (Holds(p.bias, v)) {
+        sink->Param(".bias", {Width(p.b, v)}, traits(ModuleKind::kLinear, true));
+      }
       break;
     case Kind::kConv1D:
-      sink->Param(".weight", {Width(p.a, v), Width(p.b, v)});
-      sink->Param(".bias", {Width(p.b, v)});
+      sink->Param(".weight", {Width(p.a, v), Width(p.b, v)}, traits(ModuleKind::kConv1D, false));
+      sink->Param(".bias", {Width(p.b, v)}, traits(ModuleKind::kConv1D, true));
       break;
-    case Kind::kEmbedding: sink->Param(".weight", {Width(p.a, v), Width(p.b, v)}); break;
+    case Kind::kEmbedding:
+      sink->Param(".weight", {Width(p.a, v), Width(p.b, v)}, traits(ModuleKind::kEmbedding, false));
+      break;
     case Kind::kNorm:
-      sink->Param(".weight", {Width(p.a, v)});
-      if (Holds(p.bias, v)) sink->Param(".bias", {Width(p.a, v)});
+      sink->Param(".weight", {Width(p.a, v)}, traits(ModuleKind::kNorm, false));
+      if (Holds(p.bias, v)) sink->Param(".bias", {Width(p.a, v)}, traits(ModuleKind::kNorm, true));
       break;
-    case Kind::kParam: sink->Param("", Shape(p, v)); break;
+    case Kind::kParam:
+      sink->Param("", Shape(p, v), traits(ModuleKind::kOther, Holds(p.bias, v)));
+      break;
     case Kind::kBuffer: sink->Buffer("", Shape(p, v)); break;
     case Kind::kIdsBuffer: sink->Buffer("", Shape(p, v), DType::kI64); break;
     case Kind::kConv2d: {
       const int64_t patch = v.Get(Dim::kPatchSize);
-      sink->Param(".weight", {Width(p.b, v), Width(p.a, v), patch, patch});
-      if (Holds(p.bias, v)) sink->Param(".bias", {Width(p.b, v)});
+      sink->Param(".weight", {Width(p.b, v), Width(p.a, v), patch, patch},
+                  traits(ModuleKind::kConv2d, false));
+      if (Holds(p.bias, v)) {
+        sink->Param(".bias", {Width(p.b, v)}, traits(ModuleKind::kConv2d, true));
+      }
       break;
     }
     case Kind::kRotaryPerLayerType:
@@ -297,7 +326,7 @@ void EmitPart(const Part& p, const std::string& prefix, int64_t expert, const Va
 }
 
 void EmitParts(std::span<const Part> parts, const std::string& prefix, const Values& v,
-               const LayerContext& ctx, Sink* sink) {
+               const LayerContext& ctx, Sink* sink, TensorRole fallback = TensorRole::kUnknown) {
   for (size_t i = 0; i < parts.size(); ++i) {
     const Part& p = parts[i];
     if (p.kind == Kind::kPerExpert) {
@@ -305,7 +334,9 @@ void EmitParts(std::span<const Part> parts, const std::string& prefix, const Val
       if (Holds(p.when, v)) {
         for (int64_t e = 0; e < v.Get(Dim::kExperts); ++e) {
           for (size_t j = 1; j <= n; ++j) {
-            if (Holds(parts[i + j].when, v)) EmitPart(parts[i + j], prefix, e, v, ctx, sink);
+            if (Holds(parts[i + j].when, v)) {
+              EmitPart(parts[i + j], prefix, e, v, ctx, sink, fallback);
+            }
           }
         }
       }
@@ -314,9 +345,9 @@ void EmitParts(std::span<const Part> parts, const std::string& prefix, const Val
     }
     if (!Holds(p.when, v)) continue;
     if (p.kind == Kind::kInclude) {
-      EmitParts(p.include, prefix, v, ctx, sink);
+      EmitParts(p.include, prefix, v, ctx, sink, fallback);
     } else {
-      EmitPart(p, prefix, -1, v, ctx, sink);
+      EmitPart(p, prefix, -1, v, ctx, sink, fallback);
     }
   }
 }
@@ -441,7 +472,10 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
                                        : std::string(spec.causal_class);
   const HeadSpec* head = nullptr;
   bool base = request.choice == ModelClassChoice::kBase || request.architecture == base_class;
-  if (!base && !request.architecture.empty() && request.architecture != causal_class) {
+  const bool remote_causal =
+      !spec.remote_causal_class.empty() && request.architecture == spec.remote_causal_class;
+  if (!base && !request.architecture.empty() && request.architecture != causal_class &&
+      !remote_causal) {
     for (const HeadSpec& h : spec.heads) {
       if (request.architecture == ClassName(spec.class_prefix, h.suffix)) head = &h;
     }
@@ -526,10 +560,13 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
     const Part& lm = spec.lm_head;
     sink.Begin(request.within, lm.name, -1);
     sink.Param(".weight", {Width(lm.b, v), Width(lm.a, v)},
+               {TensorRole::kHead, ModuleKind::kLinear, false},
                v.Is(Flag::kTie) ? prefix + std::string(spec.tied_embedding) : "");
-    if (Holds(lm.bias, v)) sink.Param(".bias", {Width(lm.b, v)});
+    if (Holds(lm.bias, v)) {
+      sink.Param(".bias", {Width(lm.b, v)}, {TensorRole::kHead, ModuleKind::kLinear, true});
+    }
   } else if (head != nullptr) {
-    EmitParts(head->parts, request.within, v, ctx, &sink);
+    EmitParts(head->parts, request.within, v, ctx, &sink, TensorRole::kClassifier);
   }
   MEMPLAN_RETURN_IF_ERROR(sink.status());
 
@@ -558,8 +595,8 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
   arch.head_dim = v.Get(Dim::kHeadDim);
   arch.vocab = v.Get(Dim::kVocab);
   arch.max_positions = v.Get(Dim::kPositions);
-  arch.learned_positions = spec.learned_positions;
-  arch.gated_mlp = spec.gated_mlp;
+  arch.learned_positions = spec.learned_positions || v.Is(Flag::kLearnedPositions);
+  arch.gated_mlp = spec.gated_mlp || v.Is(Flag::kGatedMlp);
   arch.intermediate = v.Get(Dim::kIntermediate);
   if (spec.moe != MoePlacement::kNone && moe_layers > 0) {
     arch.experts = v.Get(Dim::kExperts);
@@ -592,7 +629,26 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
   arch.mtp_layers = spec.mtp ? v.Get(Dim::kMtpLayers) : 0;
   arch.mtp_params = mtp_params;
   bool any_norm = false;
-  arch.norm_upcasts = RmsNorms(spec.layer, v, &any_norm) && any_norm;
+  arch.norm_upcasts = !spec.layer_norm && RmsNorms(spec.layer, v, &any_norm) && any_norm;
+  MEMPLAN_ASSIGN_OR_RETURN(arch.use_cache, config.BoolOr("use_cache", spec.use_cache_default));
+  arch.alibi = spec.alibi || v.Is(Flag::kAlibi);
+  if (spec.softcapping) {
+    // null means no capping (Gemma-3's default), an absent field the class's default.
+    auto cap = [&](const char* field, double fallback) -> Result<double> {
+      if (config.json().contains(field) && config.json()[field].is_null()) return 0.0;
+      MEMPLAN_ASSIGN_OR_RETURN(double c, config.NumberOr(field, fallback));
+      if (!(c >= 0) || c > 1e9) return config.FieldError(field, "must be a positive number");
+      return c;
+    };
+    MEMPLAN_ASSIGN_OR_RETURN(arch.attn_softcap,
+                             cap("attn_logit_softcapping", spec.attn_softcap_default));
+    MEMPLAN_ASSIGN_OR_RETURN(arch.final_softcap,
+                             cap("final_logit_softcapping", spec.final_softcap_default));
+  }
+  if (spec.rotary && !arch.alibi) {
+    arch.rotary_dims = v.Get(Dim::kRotaryDim) > 0 ? v.Get(Dim::kRotaryDim) : 2 * RotaryHalf(v);
+    if (spec.mla) arch.rotary_dims = v.Get(Dim::kQkRopeHeadDim);
+  }
   arch.no_split_class = spec.no_split_class.empty() ? ClassName(spec.class_prefix, "DecoderLayer")
                                                     : std::string(spec.no_split_class);
   MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act,
@@ -600,7 +656,9 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
   if (!spec.act_alias.empty() && config.Has(spec.act_alias)) {
     MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act, config.StringOr(spec.act_alias, ""));
   }
-  if (!spec.attention_dropout_field.empty()) {
+  if (v.attention_dropout >= 0) {
+    arch.attention_dropout = v.attention_dropout;
+  } else if (!spec.attention_dropout_field.empty()) {
     MEMPLAN_ASSIGN_OR_RETURN(
         arch.attention_dropout,
         config.ProbabilityOr(spec.attention_dropout_field, spec.attention_dropout_default));
@@ -775,7 +833,7 @@ Status BuildComposite(const CompositeSpec& spec, const FamilyRequest& request,
   } else if (head != nullptr) {
     out->architecture = ClassName(spec.class_prefix, head->suffix);
     out->model_class = "sequence_classification";
-    EmitParts(head->parts, request.within, v, ctx, &sink);
+    EmitParts(head->parts, request.within, v, ctx, &sink, TensorRole::kClassifier);
   } else {
     out->architecture = std::string(spec.causal_class);
     out->model_class = "causal_lm";
@@ -783,6 +841,7 @@ Status BuildComposite(const CompositeSpec& spec, const FamilyRequest& request,
     if (spec.tie_from_text && language.tie) tie = true;
     sink.Begin(request.within, "lm_head", -1);
     sink.Param(".weight", {v.Get(Dim::kVocab), language.hidden},
+               {TensorRole::kHead, ModuleKind::kLinear, false},
                tie ? prefix + "language_model." + std::string(language.spec->tied_embedding) : "");
   }
   MEMPLAN_RETURN_IF_ERROR(sink.status());

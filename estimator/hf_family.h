@@ -149,6 +149,9 @@ enum class Flag : uint8_t {
   kRouterBiasBuffer,  // DeepSeek-V3: the router's e_score_correction_bias buffer
   kCrossAttention,    // GPT-2's add_cross_attention
   kVisionHead,        // SigLIP's vision_use_head: the attention-pooling head
+  kLearnedPositions,  // MPT: a learned position table (learned_pos_emb without ALiBi or RoPE)
+  kGatedMlp,          // MPT: ffn_config.ffn_type mptglu, a gated MLP
+  kAlibi,             // Falcon's alibi: ALiBi biases instead of rotary embeddings
   // Set by the builder:
   kProjectInOut,  // OPT: word_embed_proj_dim != hidden_size
   kQLora,         // MLA: q_lora_rank is set
@@ -229,7 +232,8 @@ enum class Kind : uint8_t {
   kConv1D,     // transformers' Conv1D(a -> b), GPT-2's: weight stored [a, b], always a bias
   kEmbedding,  // nn.Embedding(a rows, b cols): weight [a, b]
   kNorm,       // weight [a], bias [a] when `bias` holds (RMSNorm: bias never)
-  kParam,      // a bare nn.Parameter named `name`, shape [a] / [a, b] / [a, b, c]
+  kParam,      // a bare nn.Parameter named `name`, shape [a] / [a, b] / [a, b, c]; a bias
+               // of its module when `bias` holds (BiasParam)
   kBuffer,     // a buffer (fp32), shape as kParam
   kIdsBuffer,  // an int64 buffer (position ids), shape as kParam
   kConv2d,     // nn.Conv2d(a channels -> b, kernel = stride = the patch): weight [b, a, p, p]
@@ -237,6 +241,12 @@ enum class Kind : uint8_t {
   kPerExpert,  // the next `group` parts repeat once per expert, "{e}" replaced by its index
   kInclude,    // the parts of `include`, in order (shared sub-lists: one attention, one MLP)
 };
+
+// Note [Tensor roles] (inventory.h): each Linear, Conv1D and bare Parameter part says what it is;
+// the builder gives embeddings (by their rows: vocabulary or positions), norms, patch
+// convolutions, the LM head and task heads theirs, and hf_family_test checks that no tensor of
+// any family is left without one.
+using R = TensorRole;
 
 struct Part {
   Kind kind;
@@ -248,6 +258,14 @@ struct Part {
   Cond when = kYes;
   int group = 0;  // kPerExpert: how many following parts form one expert
   std::span<const Part> include = {};
+  TensorRole role = TensorRole::kUnknown;
+
+  // This part with role `r`: Linear("self_attn.q_proj", ...).As(R::kAttentionQ).
+  constexpr Part As(TensorRole r) const {
+    Part p = *this;
+    p.role = r;
+    return p;
+  }
 };
 
 constexpr Part Linear(std::string_view n, W in, W out, Cond bias = kNo, Cond when = kYes) {
@@ -264,6 +282,10 @@ constexpr Part Norm(std::string_view n, W dim, Cond bias = kNo, Cond when = kYes
 }
 constexpr Part Param(std::string_view n, W a, W b = W::kNone, W c = W::kNone, Cond when = kYes) {
   return {Kind::kParam, n, a, b, c, kNo, when};
+}
+// A bare nn.Parameter that is a bias (gpt-oss's fused expert and router biases).
+constexpr Part BiasParam(std::string_view n, W a, W b = W::kNone) {
+  return {Kind::kParam, n, a, b, W::kNone, kYes, kYes};
 }
 constexpr Part Buffer(std::string_view n, W a, W b = W::kNone, Cond when = kYes) {
   return {Kind::kBuffer, n, a, b, W::kNone, kNo, when};
@@ -317,6 +339,9 @@ struct Values {
   bool flags[static_cast<int>(Flag::kCount)] = {};
   int64_t labels = 2;
   double partial_rotary = 1.0;
+  // Set by a family's `adjust` when its dropout lives in a nested config (MPT's attn_config);
+  // negative: read FamilySpec::attention_dropout_field.
+  double attention_dropout = -1;
   int64_t Get(Dim d) const { return dims[static_cast<int>(d)]; }
   void Set(Dim d, int64_t v) { dims[static_cast<int>(d)] = v; }
   std::string_view Field(Dim d) const { return fields[static_cast<int>(d)]; }
@@ -329,6 +354,9 @@ struct FamilySpec {
   std::string_view class_prefix;       // "Llama": LlamaModel, LlamaForCausalLM, Llama + head suffix
   std::string_view base_class = {};    // when not <prefix>Model: "Gemma3TextModel"
   std::string_view causal_class = {};  // when not <prefix>ForCausalLM: "Gemma3ForCausalLM"
+  // The causal-LM class of the model's own (trust_remote_code) modelling code, which published
+  // config.json files name: MPT's "MPTForCausalLM". Built as the causal-LM class.
+  std::string_view remote_causal_class = {};
   std::string_view no_split_class = {};        // when not <prefix>DecoderLayer
   std::string_view prefix = "model";           // the base model inside the causal-LM class
   std::span<const DimField> common_dims = {};  // read first: sizes shared with other families
@@ -345,13 +373,18 @@ struct FamilySpec {
   std::span<const std::string_view> no_split_parts = {};
   std::span<const Part> layer = {};  // relative to one layer
   std::span<const Part> after = {};
-  Part lm_head = Linear("lm_head", W::kHidden, W::kVocab);
+  Part lm_head = Linear("lm_head", W::kHidden, W::kVocab).As(R::kHead);
   std::string_view tied_embedding = "embed_tokens.weight";  // relative to the base model
   std::span<const HeadSpec> heads = {};
   MoePlacement moe = MoePlacement::kNone;
   SlidingRule sliding = SlidingRule::kNone;
   bool gated_mlp = true;
   bool learned_positions = false;
+  // use_cache when config.json does not say (the configuration class's default).
+  bool use_cache_default = true;
+  // The norms are LayerNorms even where they have no bias (MPT's no_bias), so they do not
+  // upcast as LlamaRMSNorm does (ArchitectureInfo::norm_upcasts).
+  bool layer_norm = false;
   bool parallel_attention = false;
   bool attention_sinks = false;
   bool mla = false;
@@ -371,6 +404,15 @@ struct FamilySpec {
   // The checkpoint adds this many multi-token-prediction modules beyond the layers Transformers
   // builds (DeepSeek-V3's num_nextn_predict_layers); reported, not built.
   bool mtp = false;
+  // Rotary position embeddings (partial_rotary and kRotaryDim say over how much of a head).
+  bool rotary = true;
+  // ALiBi biases (Bloom, MPT; Falcon when its `alibi` flag is set).
+  bool alibi = false;
+  // attn_logit_softcapping / final_logit_softcapping (Gemma-2, Gemma-3), with the configuration
+  // class's defaults (0: None).
+  bool softcapping = false;
+  double attn_softcap_default = 0;
+  double final_softcap_default = 0;
 };
 
 // num_labels as PretrainedConfig resolves it: the size of id2label when given, else num_labels,

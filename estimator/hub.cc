@@ -1,8 +1,13 @@
 #include "estimator/hub.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <system_error>
 #include <vector>
@@ -87,6 +92,24 @@ bool SafeName(std::string_view s) {
   });
 }
 
+// Percent-encodes all but RFC 3986's unreserved characters (and '/' when `keep_slash`).
+std::string UrlEscape(std::string_view text, bool keep_slash) {
+  static constexpr char kHex[] = "0123456789ABCDEF";
+  std::string out;
+  for (char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (std::isalnum(u) != 0 || c == '-' || c == '.' || c == '_' || c == '~' ||
+        (keep_slash && c == '/')) {
+      out += c;
+    } else {
+      out += '%';
+      out += kHex[u >> 4];
+      out += kHex[u & 15];
+    }
+  }
+  return out;
+}
+
 std::string RepoFolder(std::string_view repo_id) {
   std::string folder = "models--";
   for (char c : repo_id) folder += c == '/' ? std::string("--") : std::string(1, c);
@@ -126,9 +149,14 @@ Result<Fetched> Get(std::string_view repo_id, std::string_view file, const HubOp
         "(install libcurl4-openssl-dev and rebuild with -DMEMPLAN_WITH_CURL=ON), or download the "
         "model and pass its directory");
   }
+  // Names from data become URL path segments only escaped (as huggingface_hub's hf_hub_url
+  // quotes them): a '?', '#' or "%2e%2e" in a shard name stays part of the name.
+  MEMPLAN_RETURN_IF_ERROR(CheckRelativePath(file, what + ": the file name"));
+  MEMPLAN_RETURN_IF_ERROR(CheckRelativePath(options.revision, what + ": the revision"));
   HttpRequest request;
-  request.url = options.endpoint + "/" + std::string(repo_id) + "/resolve/" + options.revision +
-                "/" + std::string(file);
+  request.url = options.endpoint + "/" + std::string(repo_id) + "/resolve/" +
+                UrlEscape(options.revision, /*keep_slash=*/false) + "/" +
+                UrlEscape(file, /*keep_slash=*/true);
   request.timeout_s = options.timeout_s;
   request.range_first = range_first;
   request.range_last = range_last;
@@ -185,14 +213,34 @@ Result<Fetched> Get(std::string_view repo_id, std::string_view file, const HubOp
                              std::to_string(r.status));
 }
 
-// The directory of `repo_id` in the first cache root, created.
-Result<fs::path> RepoDir(std::string_view repo_id) {
+// Where fetched files go: the first cache root, and in it the repo's folder (relative), which is
+// created under the root (Note [Paths from data]: no directory below the root may be a link).
+struct CacheDir {
+  std::string root;
+  std::string repo;  // "models--org--name"
+
+  // `relative` (to the repo folder) as a path under the root; errors name `what`.
+  Result<std::string> Path(std::string_view relative, const std::string& what) const {
+    return PathUnder(root, repo + "/" + std::string(relative), what);
+  }
+  // The directory `relative` (to the repo folder), created.
+  Status MakeDirs(std::string_view relative) const {
+    return MakeDirectoriesUnder(root, repo + "/" + std::string(relative));
+  }
+};
+
+Result<CacheDir> RepoDir(std::string_view repo_id) {
+  MEMPLAN_RETURN_IF_ERROR(ValidateRepoId(repo_id));
   std::vector<std::string> roots = HfCacheRoots();
   if (roots.empty()) {
     return Status::FailedPrecondition(
         "no Hugging Face cache to fetch into: set HF_HUB_CACHE or HF_HOME (HOME is unset)");
   }
-  return fs::path(roots.front()) / RepoFolder(repo_id);
+  // The root is the user's (it may be a link to another disk): created as it is named.
+  std::error_code ec;
+  fs::create_directories(roots.front(), ec);
+  if (ec) return Status::IoError(roots.front() + ": cannot create: " + ec.message());
+  return CacheDir{roots.front(), RepoFolder(repo_id)};
 }
 
 Status CheckNames(const Fetched& f, std::string_view repo_id, std::string_view file) {
@@ -203,19 +251,14 @@ Status CheckNames(const Fetched& f, std::string_view repo_id, std::string_view f
   return Status::Ok();
 }
 
-Status MakeDirs(const fs::path& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return Status::IoError(dir.string() + ": cannot create: " + ec.message());
-  return Status::Ok();
-}
-
 // refs/<revision> -> commit, as huggingface_hub writes it (no newline), unless the revision is
-// the commit itself.
-Status WriteRef(const fs::path& repo_dir, const HubOptions& options, const std::string& commit) {
+// the commit itself. A revision with '/' ("refs/pr/1") is a file in a folder, as there.
+Status WriteRef(const CacheDir& cache, const HubOptions& options, const std::string& commit) {
   if (options.revision == commit) return Status::Ok();
-  MEMPLAN_RETURN_IF_ERROR(MakeDirs(repo_dir / "refs"));
-  return WriteFileAtomically((repo_dir / "refs" / options.revision).string(), commit);
+  const std::string ref = "refs/" + options.revision;
+  MEMPLAN_ASSIGN_OR_RETURN(std::string path, cache.Path(ref, "the revision"));
+  MEMPLAN_RETURN_IF_ERROR(cache.MakeDirs(ref.substr(0, ref.rfind('/'))));
+  return WriteFileAtomically(path, commit);
 }
 
 }  // namespace
@@ -264,36 +307,41 @@ Result<std::string> FetchHubFile(std::string_view repo_id, std::string_view file
                                  const HubOptions& options) {
   MEMPLAN_ASSIGN_OR_RETURN(Fetched f, Get(repo_id, file, options, -1, -1));
   MEMPLAN_RETURN_IF_ERROR(CheckNames(f, repo_id, file));
+  MEMPLAN_ASSIGN_OR_RETURN(CacheDir cache, RepoDir(repo_id));
   if (!SafeName(f.etag)) {
     return Status::Unavailable("fetching '" + std::string(repo_id) + "' file " + std::string(file) +
                                ": the Hub's answer has no usable ETag");
   }
-  MEMPLAN_ASSIGN_OR_RETURN(fs::path repo_dir, RepoDir(repo_id));
-  const fs::path blob = repo_dir / "blobs" / f.etag;
-  const fs::path snapshot = repo_dir / "snapshots" / f.commit;
-  const fs::path link = snapshot / std::string(file);
-  MEMPLAN_RETURN_IF_ERROR(MakeDirs(repo_dir / "blobs"));
-  MEMPLAN_RETURN_IF_ERROR(MakeDirs(link.parent_path()));
-  MEMPLAN_RETURN_IF_ERROR(WriteFileAtomically(blob.string(), f.response.body));
+  // Every path from the file's name and the server's headers, checked before anything is
+  // created (Note [Paths from data]).
+  const std::string snapshot_rel = "snapshots/" + f.commit;
+  const std::string link_rel = snapshot_rel + "/" + std::string(file);
+  MEMPLAN_ASSIGN_OR_RETURN(std::string blob, cache.Path("blobs/" + f.etag, "the ETag"));
+  MEMPLAN_ASSIGN_OR_RETURN(std::string snapshot, cache.Path(snapshot_rel, "the commit"));
+  MEMPLAN_ASSIGN_OR_RETURN(std::string link, cache.Path(link_rel, "the file name"));
+  MEMPLAN_RETURN_IF_ERROR(cache.MakeDirs("blobs"));
+  MEMPLAN_RETURN_IF_ERROR(cache.MakeDirs(link_rel.substr(0, link_rel.rfind('/'))));
+  MEMPLAN_RETURN_IF_ERROR(WriteFileAtomically(blob, f.response.body));
   // A relative link, as huggingface_hub makes them, so the cache survives being moved.
   std::string target = "../../blobs/" + f.etag;
   for (char c : file) {
     if (c == '/') target = "../" + target;
   }
-  std::error_code ec;
-  fs::remove(link, ec);
-  fs::create_symlink(target, link, ec);
-  if (ec) {
-    return Status::IoError(link.string() + ": cannot link to " + blob.string() + ": " +
-                           ec.message());
+  // Only a link (or nothing) is replaced: a directory or a file of that name stays, and the
+  // fetch fails naming it.
+  struct stat st;
+  if (::lstat(link.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) ::unlink(link.c_str());
+  if (::symlink(target.c_str(), link.c_str()) != 0) {
+    return Status::IoError(link + ": cannot link to " + blob + ": " + std::strerror(errno));
   }
-  MEMPLAN_RETURN_IF_ERROR(WriteRef(repo_dir, options, f.commit));
-  return snapshot.string();
+  MEMPLAN_RETURN_IF_ERROR(WriteRef(cache, options, f.commit));
+  return snapshot;
 }
 
 Result<std::string> FetchHubSafetensorsHeader(std::string_view repo_id, std::string_view file,
                                               const HubOptions& options) {
   const std::string what = "'" + std::string(repo_id) + "' file " + std::string(file);
+  MEMPLAN_RETURN_IF_ERROR(CheckRelativePath(file, what + ": the file name"));
   MEMPLAN_ASSIGN_OR_RETURN(Fetched prefix, Get(repo_id, file, options, 0, 7));
   MEMPLAN_RETURN_IF_ERROR(CheckNames(prefix, repo_id, file));
   const std::string& bytes = prefix.response.body;
@@ -317,13 +365,15 @@ Result<std::string> FetchHubSafetensorsHeader(std::string_view repo_id, std::str
                                "-byte header, got " + std::to_string(header.response.body.size()) +
                                " bytes");
   }
-  MEMPLAN_ASSIGN_OR_RETURN(fs::path repo_dir, RepoDir(repo_id));
-  const fs::path snapshot = repo_dir / "snapshots" / prefix.commit;
-  const fs::path path = snapshot / (std::string(file) + ".header");
-  MEMPLAN_RETURN_IF_ERROR(MakeDirs(path.parent_path()));
-  MEMPLAN_RETURN_IF_ERROR(WriteFileAtomically(path.string(), bytes + header.response.body));
-  MEMPLAN_RETURN_IF_ERROR(WriteRef(repo_dir, options, prefix.commit));
-  return snapshot.string();
+  MEMPLAN_ASSIGN_OR_RETURN(CacheDir cache, RepoDir(repo_id));
+  const std::string snapshot_rel = "snapshots/" + prefix.commit;
+  const std::string path_rel = snapshot_rel + "/" + std::string(file) + ".header";
+  MEMPLAN_ASSIGN_OR_RETURN(std::string snapshot, cache.Path(snapshot_rel, "the commit"));
+  MEMPLAN_ASSIGN_OR_RETURN(std::string path, cache.Path(path_rel, "the file name"));
+  MEMPLAN_RETURN_IF_ERROR(cache.MakeDirs(path_rel.substr(0, path_rel.rfind('/'))));
+  MEMPLAN_RETURN_IF_ERROR(WriteFileAtomically(path, bytes + header.response.body));
+  MEMPLAN_RETURN_IF_ERROR(WriteRef(cache, options, prefix.commit));
+  return snapshot;
 }
 
 }  // namespace memplan::estimator

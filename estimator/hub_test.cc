@@ -5,7 +5,9 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <functional>
 #include <filesystem>
 #include <optional>
 #include <string>
@@ -26,6 +28,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::FakeHub;
+using testing::LoopbackHttpServer;
 using testing::TempDir;
 
 // Sets environment variables for one test case and puts the old values back.
@@ -321,6 +324,204 @@ TEST_CASE("hub: HubOptionsFromEnvironment reads huggingface_hub's variables") {
   CHECK(HubOptionsFromEnvironment().allow_network);
   env.Set("TRANSFORMERS_OFFLINE", "1");
   CHECK_FALSE(HubOptionsFromEnvironment().allow_network);
+}
+
+// --- Issue 30 H2: a hostile Hub cannot make memplan write outside the cache --------------------
+
+// A Hub that answers every file of every repo itself: config.json with a model_type memplan does
+// not build (so the safetensors headers are fetched), an index whose one shard is `shard`, and a
+// valid 4x4 F32 safetensors file for anything else (ranges honoured); `commit` and `etag` are its
+// X-Repo-Commit and ETag, and `location`, when set, answers config.json with a 302 there.
+struct HostileHub {
+  std::string shard = "model-00001-of-00001.safetensors";
+  std::string commit = "abc123";
+  std::string etag = "e7a9";
+  std::string location;
+  LoopbackHttpServer server{[this](const testing::HttpTestRequest& r) { return Answer(r); }};
+
+  static std::string Shard() {
+    const std::string header = R"({"w":{"dtype":"F32","shape":[4,4],"data_offsets":[0,64]}})";
+    return LittleEndian64(header.size()) + header + std::string(64, '\0');
+  }
+  testing::HttpTestReply Answer(const testing::HttpTestRequest& r) {
+    testing::HttpTestReply reply;
+    const std::string path = r.path;
+    if (!location.empty() && path.size() >= 12 && path.substr(path.size() - 12) == "/config.json") {
+      reply.status = 302;
+      reply.headers = {{"Location", location}, {"X-Repo-Commit", commit}};
+      return reply;
+    }
+    std::string body = Shard();
+    if (path.size() >= 12 && path.substr(path.size() - 12) == "/config.json") {
+      body = R"({"model_type": "zzz_unknown"})";
+    } else if (path.find("model.safetensors.index.json") != std::string::npos) {
+      body = nlohmann::json({{"weight_map", {{"w", shard}}}}).dump();
+    }
+    reply = testing::ServeBytes(r, body);
+    reply.headers.emplace_back("X-Repo-Commit", commit);
+    reply.headers.emplace_back("ETag", "\"" + etag + "\"");
+    return reply;
+  }
+};
+
+// Every path under `root` (links not followed), relative, sorted.
+std::vector<std::string> Tree(const fs::path& root) {
+  std::vector<std::string> out;
+  for (auto it = fs::recursive_directory_iterator(root); it != fs::recursive_directory_iterator();
+       ++it) {
+    out.push_back(it->path().lexically_relative(root).string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST_CASE("hub: a hostile Hub or a planted link never makes memplan write outside the cache") {
+  struct Scenario {
+    std::string name;
+    std::function<void(HostileHub&, const fs::path& tmp, HubOptions&)> set;
+    bool loads = false;  // a legal name: it loads, its files in the cache
+  };
+  const std::vector<Scenario> scenarios = {
+      {"shard ../", [](HostileHub& h, const fs::path&,
+                       HubOptions&) { h.shard = "../../../../ESCAPED.safetensors"; }},
+      {"shard absolute",
+       [](HostileHub& h, const fs::path& tmp, HubOptions&) {
+         h.shard = (tmp / "absdir" / "sub" / "ABS.safetensors").string();
+       }},
+      {"shard a/../..", [](HostileHub& h, const fs::path&,
+                           HubOptions&) { h.shard = "a/../../../../x.safetensors"; }},
+      {"shard NUL",
+       [](HostileHub& h, const fs::path&, HubOptions&) {
+         h.shard = std::string("x.safetensors\0/../../../../y", 28);
+       }},
+      {"shard backslash", [](HostileHub& h, const fs::path&,
+                             HubOptions&) { h.shard = "..\\..\\..\\..\\x.safetensors"; }},
+      {"shard newline",
+       [](HostileHub& h, const fs::path&, HubOptions&) { h.shard = "x\n.safetensors"; }},
+      {"shard %2e%2e",
+       [](HostileHub& h, const fs::path&, HubOptions&) {
+         h.shard = "%2e%2e/%2e%2e/%2e%2e/%2e%2e/x.safetensors";  // a name, not '..' for us
+       },
+       true},
+      {"commit ../",
+       [](HostileHub& h, const fs::path&, HubOptions&) { h.commit = "../../../../evil"; }},
+      {"commit ..", [](HostileHub& h, const fs::path&, HubOptions&) { h.commit = ".."; }},
+      {"commit absolute", [](HostileHub& h, const fs::path& tmp,
+                             HubOptions&) { h.commit = (tmp / "absdir").string(); }},
+      {"etag ../",
+       [](HostileHub& h, const fs::path&, HubOptions&) { h.etag = "../../../../blob"; }},
+      {"etag absolute", [](HostileHub& h, const fs::path& tmp,
+                           HubOptions&) { h.etag = (tmp / "absdir" / "blob").string(); }},
+      {"revision ../", [](HostileHub&, const fs::path&,
+                          HubOptions& o) { o.revision = "../../../../../outside/ref"; }},
+      {"revision absolute", [](HostileHub&, const fs::path& tmp,
+                               HubOptions& o) { o.revision = (tmp / "outside" / "ref").string(); }},
+      {"redirect to a path with ..",
+       [](HostileHub& h, const fs::path&, HubOptions&) {
+         h.location = "/../../../../x/config.json";
+       }},
+      {"redirect to file://",
+       [](HostileHub& h, const fs::path&, HubOptions&) { h.location = "file:///etc/passwd"; }},
+      {"blobs linked outside",
+       [](HostileHub&, const fs::path& tmp, HubOptions&) {
+         fs::create_directories(tmp / "cache" / "models--evil--m");
+         fs::create_directory_symlink(tmp / "outside", tmp / "cache" / "models--evil--m" / "blobs");
+       }},
+      {"snapshots linked outside",
+       [](HostileHub&, const fs::path& tmp, HubOptions&) {
+         fs::create_directories(tmp / "cache" / "models--evil--m");
+         fs::create_directory_symlink(tmp / "outside",
+                                      tmp / "cache" / "models--evil--m" / "snapshots");
+       }},
+      {"snapshot dir linked outside",
+       [](HostileHub& h, const fs::path& tmp, HubOptions&) {
+         fs::create_directories(tmp / "cache" / "models--evil--m" / "snapshots");
+         fs::create_directory_symlink(tmp / "outside",
+                                      tmp / "cache" / "models--evil--m" / "snapshots" / h.commit);
+       }},
+      {"refs linked outside",
+       [](HostileHub&, const fs::path& tmp, HubOptions&) {
+         fs::create_directories(tmp / "cache" / "models--evil--m");
+         fs::create_directory_symlink(tmp / "outside", tmp / "cache" / "models--evil--m" / "refs");
+       }},
+      {"repo folder linked outside",
+       [](HostileHub&, const fs::path& tmp, HubOptions&) {
+         fs::create_directory_symlink(tmp / "outside", tmp / "cache" / "models--evil--m");
+       }},
+      {"refs/main a dangling link",
+       [](HostileHub&, const fs::path& tmp, HubOptions&) {
+         fs::create_directories(tmp / "cache" / "models--evil--m" / "refs");
+         fs::create_symlink(tmp / "outside" / "created",
+                            tmp / "cache" / "models--evil--m" / "refs" / "main");
+       }},
+  };
+  for (const Scenario& scenario : scenarios) {
+    CAPTURE(scenario.name);
+    ScopedEnv env;
+    TempDir tmp("memplan_hostile_hub_");
+    // tmp/a/b/c/cache: "../../../../x" from a snapshot lands in tmp, visible to the walk.
+    const fs::path root = tmp.path() / "a" / "b" / "c";
+    fs::create_directories(root / "cache");
+    fs::create_directories(root / "outside");
+    env.Set("HF_HUB_CACHE", (root / "cache").string());
+    HostileHub hub;
+    HubOptions options;
+    options.allow_network = true;
+    options.endpoint = hub.server.url();
+    options.timeout_s = 5;
+    scenario.set(hub, root, options);
+    const std::vector<std::string> before = Tree(tmp.path());
+
+    auto model = LoadModel("evil/m", Load(options));
+    CAPTURE(model.status().ToString());
+    CHECK(model.ok() == scenario.loads);
+    CHECK(model.status().message().find('\n') == std::string::npos);
+    // The whole temporary tree: nothing new but under cache/, and outside/ as it was (empty).
+    for (const std::string& path : Tree(tmp.path())) {
+      if (std::find(before.begin(), before.end(), path) != before.end()) continue;
+      CAPTURE(path);
+      CHECK(path.rfind("a/b/c/cache/", 0) == 0);
+    }
+    CHECK(fs::is_empty(root / "outside"));
+    // No request for a shard whose name the index refused.
+    for (const auto& r : hub.server.requests()) {
+      CAPTURE(r.path);
+      CHECK(r.path.find("ESCAPED") == std::string::npos);
+      CHECK(r.path.find("ABS.safetensors") == std::string::npos);
+    }
+  }
+}
+
+TEST_CASE("hub: the hostile Hub's harmless twin loads, and names from data are URL-escaped") {
+  ScopedEnv env;
+  TempDir tmp("memplan_hostile_hub_");
+  env.Set("HF_HUB_CACHE", tmp.PathOf("cache"));
+  HostileHub hub;
+  hub.shard = "sub dir/model #1?.safetensors";  // legal: a folder, a space, '#' and '?'
+  HubOptions options;
+  options.allow_network = true;
+  options.endpoint = hub.server.url();
+  options.timeout_s = 5;
+  options.revision = "refs/pr/1";
+  auto model = LoadModel("evil/m", Load(options));
+  REQUIRE_MESSAGE(model.ok(), model.status().ToString());
+  CHECK(testing::Total(*model) == 16);
+  const fs::path repo = tmp.path() / "cache" / "models--evil--m";
+  CHECK(fs::is_regular_file(repo / "snapshots" / "abc123" / "sub dir" /
+                            "model #1?.safetensors.header"));
+  CHECK(testing::ReadWholeFile(repo / "refs" / "refs" / "pr" / "1") == "abc123");
+  bool escaped = false;
+  for (const auto& r : hub.server.requests()) {
+    escaped |= r.path == "/evil/m/resolve/refs%2Fpr%2F1/sub/dir%20dir/model%20%231%3F.safetensors";
+    escaped |= r.path == "/evil/m/resolve/refs%2Fpr%2F1/sub%20dir/model%20%231%3F.safetensors";
+    CHECK(r.path.find('#') == std::string::npos);
+    CHECK(r.path.find('?') == std::string::npos);
+  }
+  CHECK(escaped);
+  for (const std::string& path : Tree(tmp.path())) {
+    CAPTURE(path);
+    CHECK(path.rfind("cache", 0) == 0);
+  }
 }
 
 }  // namespace

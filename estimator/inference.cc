@@ -48,29 +48,13 @@ Result<uint64_t> Product(std::initializer_list<uint64_t> factors) {
   return out;
 }
 
-std::string_view LastComponent(std::string_view module) {
-  const size_t dot = module.rfind('.');
-  return dot == std::string_view::npos ? module : module.substr(dot + 1);
-}
-
-bool EndsWith(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
 uint64_t CeilDiv(uint64_t a, uint64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
 
-// The weight of an nn.Linear (or GPT-2's Conv1D), as far as names and shapes tell: 2-D, not an
-// embedding table, not a router (in Transformers 5 a bare Parameter of E x h).
-bool LinearWeight(const TensorInfo& t, int64_t experts) {
-  if (t.shape.size() != 2 || !EndsWith(t.name, ".weight")) return false;
-  const std::string_view leaf = LastComponent(t.module);
-  if (leaf.find("embed") != std::string_view::npos ||
-      leaf.find("relative_attention_bias") != std::string_view::npos || leaf == "wte" ||
-      leaf == "wpe" || leaf == "shared") {
-    return false;
-  }
-  if ((leaf == "gate" || leaf == "router") && experts > 0 && t.shape[0] == experts) return false;
-  return true;
+// The weight of an nn.Linear (or GPT-2's Conv1D) that the quantizers replace (Note [Tensor roles]
+// in inventory.h): not a router, which Transformers 5 holds as a bare Parameter and the
+// quantizers leave in 16 bits.
+bool LinearWeight(const TensorInfo& t) {
+  return t.IsLinearWeight() && t.role != TensorRole::kRouter;
 }
 
 // What each 4-bit quantizer stores for `t`, in bytes (Note [Quantized weights]).
@@ -112,7 +96,6 @@ bool InModule(const std::string& name, const std::string& module) {
 Result<std::vector<WeightsRow>> QuantizedRows(const ModelInventory& inventory,
                                               const ModelCounts& counts) {
   const Status overflow = Status::OutOfRange("the quantized weights' size overflows 64 bits");
-  const int64_t experts = inventory.arch.has_value() ? inventory.arch->experts : 0;
   const std::string& largest = counts.accelerate_largest_layer;
   // bitsandbytes leaves the output head, tied weights and the last parameter's module alone
   // (Transformers' get_keys_to_not_convert).
@@ -130,23 +113,21 @@ Result<std::vector<WeightsRow>> QuantizedRows(const ModelInventory& inventory,
   WeightsRow rows[3] = {{"nf4", 4.5}, {"nf4-dq", 4.127}, {"gptq-int4", 4}};
   rows[0].method = rows[1].method = "bitsandbytes";
   rows[2].method = "gptq";
-  const bool conv1d = inventory.model_type == "gpt2";
   const bool falcon = inventory.model_type == "falcon";
   for (const TensorInfo& t : inventory.tensors) {
     if (!t.tied_to.empty()) continue;  // the same storage as its target
     const bool in_largest = !largest.empty() && InModule(t.name, largest);
     const uint64_t kept = 2 * t.numel;  // 16 bits
-    const bool linear = LinearWeight(t, experts);
-    const std::string_view leaf = LastComponent(t.module);
+    const bool linear = LinearWeight(t);
     const bool head =
-        leaf == "lm_head" || leaf == "embed_out" || t.module == last_module ||
+        t.role == TensorRole::kHead || t.module == last_module ||
         std::find(tied_targets.begin(), tied_targets.end(), t.name) != tied_targets.end();
     // replace_with_bnb_linear takes `type(module) is nn.Linear`: Falcon's projections are
     // FalconLinear, a subclass, and stay as they are.
     const bool bnb = linear && !head && !falcon;
     const bool gptq = linear && !t.block.empty();
-    const uint64_t out = static_cast<uint64_t>(t.shape.size() == 2 ? t.shape[conv1d ? 1 : 0] : 0);
-    const uint64_t in = static_cast<uint64_t>(t.shape.size() == 2 ? t.shape[conv1d ? 0 : 1] : 0);
+    const uint64_t out = static_cast<uint64_t>(t.OutFeatures());
+    const uint64_t in = static_cast<uint64_t>(t.InFeatures());
     const uint64_t bytes[3] = {bnb ? Nf4Bytes(t.numel) : kept,
                                bnb ? Nf4DoubleQuantBytes(t.numel) : kept,
                                gptq ? GptqBytes(out, in) : kept};

@@ -5,6 +5,7 @@
 #include <cctype>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <string_view>
 #include <unordered_map>
@@ -105,6 +106,242 @@ void DeriveModulePath(std::string_view name, std::string* module, std::string* b
   }
 }
 
+std::string_view TensorRoleName(TensorRole role) {
+  switch (role) {
+    case TensorRole::kUnknown: return "unknown";
+    case TensorRole::kEmbedding: return "embedding";
+    case TensorRole::kPositionEmbedding: return "position_embedding";
+    case TensorRole::kTokenTypeEmbedding: return "token_type_embedding";
+    case TensorRole::kRelativeAttentionBias: return "relative_attention_bias";
+    case TensorRole::kNorm: return "norm";
+    case TensorRole::kAttentionQ: return "attention_q";
+    case TensorRole::kAttentionK: return "attention_k";
+    case TensorRole::kAttentionV: return "attention_v";
+    case TensorRole::kAttentionQkv: return "attention_qkv";
+    case TensorRole::kAttentionKv: return "attention_kv";
+    case TensorRole::kAttentionOut: return "attention_out";
+    case TensorRole::kAttentionQDown: return "attention_q_down";
+    case TensorRole::kAttentionKvDown: return "attention_kv_down";
+    case TensorRole::kAttentionKvUp: return "attention_kv_up";
+    case TensorRole::kAttentionSinks: return "attention_sinks";
+    case TensorRole::kMlpUp: return "mlp_up";
+    case TensorRole::kMlpGate: return "mlp_gate";
+    case TensorRole::kMlpGateUp: return "mlp_gate_up";
+    case TensorRole::kMlpDown: return "mlp_down";
+    case TensorRole::kRouter: return "router";
+    case TensorRole::kExpertUp: return "expert_up";
+    case TensorRole::kExpertGate: return "expert_gate";
+    case TensorRole::kExpertGateUp: return "expert_gate_up";
+    case TensorRole::kExpertDown: return "expert_down";
+    case TensorRole::kSharedExpertGate: return "shared_expert_gate";
+    case TensorRole::kHead: return "head";
+    case TensorRole::kHeadTransform: return "head_transform";
+    case TensorRole::kClassifier: return "classifier";
+    case TensorRole::kPooler: return "pooler";
+    case TensorRole::kPatchEmbedding: return "patch_embedding";
+    case TensorRole::kProjector: return "projector";
+    case TensorRole::kAdapter: return "adapter";
+    case TensorRole::kOther: return "other";
+  }
+  return "?";
+}
+
+unsigned QkvParts(TensorRole role) {
+  switch (role) {
+    case TensorRole::kAttentionQ: return 1;
+    case TensorRole::kAttentionK: return 2;
+    case TensorRole::kAttentionV: return 4;
+    case TensorRole::kAttentionKv: return 6;
+    case TensorRole::kAttentionQkv: return 7;
+    default: return 0;
+  }
+}
+
+bool IsEmbeddingTable(TensorRole role) {
+  return role == TensorRole::kEmbedding || role == TensorRole::kPositionEmbedding ||
+         role == TensorRole::kTokenTypeEmbedding || role == TensorRole::kRelativeAttentionBias;
+}
+
+namespace {
+
+bool OneOf(std::string_view s, std::initializer_list<std::string_view> names) {
+  return std::find(names.begin(), names.end(), s) != names.end();
+}
+
+bool Contains(std::string_view s, std::string_view part) {
+  return s.find(part) != std::string_view::npos;
+}
+
+std::string Lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+// The role of module `leaf` whose parent module is `parent` (both "" when absent), as the
+// families' modelling code and their checkpoints name them.
+TensorRole RoleOfModule(std::string_view leaf, std::string_view parent, std::string_view path) {
+  using R = TensorRole;
+  const std::string low = Lower(leaf);
+  if (OneOf(leaf, {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"})) {
+    return R::kAdapter;
+  }
+  if (leaf == "relative_attention_bias") return R::kRelativeAttentionBias;
+  if (leaf == "token_type_embeddings") return R::kTokenTypeEmbedding;
+  if (OneOf(leaf, {"wpe", "embed_positions", "position_embeddings", "position_embedding",
+                   "distance_embedding"})) {
+    return R::kPositionEmbedding;
+  }
+  if (OneOf(leaf,
+            {"embed_tokens", "wte", "word_embeddings", "embed_in", "shared", "tok_embeddings"})) {
+    return R::kEmbedding;
+  }
+  if (leaf == "patch_embedding") return R::kPatchEmbedding;
+  if (Contains(low, "norm") || (low.size() >= 2 && low.compare(0, 2, "ln") == 0)) {
+    return R::kNorm;
+  }
+  if (Contains(path, "multi_modal_projector") || OneOf(leaf, {"project_in", "project_out"})) {
+    return R::kProjector;
+  }
+  // Output heads and task heads.
+  if (OneOf(leaf, {"lm_head", "embed_out", "vocab_projector", "predictions"}) ||
+      (leaf == "output" && parent.empty()) ||
+      (leaf == "decoder" && OneOf(parent, {"predictions", "lm_head"}))) {
+    return R::kHead;
+  }
+  if (OneOf(leaf, {"score", "classifier", "qa_outputs", "seq_relationship", "pre_classifier"}) ||
+      parent == "classification_head" || parent == "classifier") {
+    return R::kClassifier;
+  }
+  if (parent == "pooler") return R::kPooler;
+  if (leaf == "vocab_transform" || parent == "transform" ||
+      (leaf == "dense" && parent == "lm_head")) {
+    return R::kHeadTransform;
+  }
+  // Mixture of experts: routed experts, their router, the shared expert's gate.
+  if (leaf == "shared_expert_gate") return R::kSharedExpertGate;
+  const bool expert = Contains(path, ".experts.") || parent == "experts";
+  if (expert) {
+    // Fused experts hold their biases as Parameters of their own (gpt-oss: down_proj_bias).
+    std::string_view base = leaf;
+    if (base.size() > 5 && base.substr(base.size() - 5) == "_bias") {
+      base = base.substr(0, base.size() - 5);
+    }
+    if (OneOf(base, {"gate_proj", "w1"})) return R::kExpertGate;
+    if (OneOf(base, {"up_proj", "w3"})) return R::kExpertUp;
+    if (OneOf(base, {"down_proj", "w2"})) return R::kExpertDown;
+    if (base == "gate_up_proj") return R::kExpertGateUp;
+  }
+  if (leaf == "router" || (leaf == "gate" && OneOf(parent, {"mlp", "block_sparse_moe", "moe"}))) {
+    return R::kRouter;
+  }
+  // Attention.
+  // BERT's attention output is attention.output.dense; GPT-NeoX's attention.dense.
+  const bool in_attention =
+      Contains(Lower(parent), "att") || (parent == "output" && Contains(path, "attention.output"));
+  if (leaf == "sinks") return R::kAttentionSinks;
+  if (OneOf(leaf, {"q_proj", "query", "q", "wq", "q_b_proj", "q_attn", "q_lin"}))
+    return R::kAttentionQ;
+  if (OneOf(leaf, {"k_proj", "key", "k", "wk", "k_lin"})) return R::kAttentionK;
+  if (OneOf(leaf, {"v_proj", "value", "v", "wv", "v_lin"})) return R::kAttentionV;
+  if (leaf == "c_attn") {
+    return parent == "crossattention" ? R::kAttentionKv : R::kAttentionQkv;
+  }
+  if (OneOf(leaf, {"query_key_value", "qkv_proj", "Wqkv", "W_pack", "qkv", "attn", "in_proj_weight",
+                   "in_proj_bias"})) {
+    return R::kAttentionQkv;
+  }
+  if (leaf == "q_a_proj") return R::kAttentionQDown;
+  if (leaf == "kv_a_proj_with_mqa") return R::kAttentionKvDown;
+  if (leaf == "kv_b_proj") return R::kAttentionKvUp;
+  if (OneOf(leaf, {"o_proj", "out_proj", "out_lin"})) return R::kAttentionOut;
+  // MLPs (gated: gate and up; Meta's w1/w3, Lit-GPT's fc_1/fc_2; T5's wi_0/wi_1).
+  if (OneOf(leaf, {"gate_proj", "w1", "fc_1", "wi_0"})) return R::kMlpGate;
+  if (OneOf(leaf, {"up_proj", "w3", "fc_2", "wi_1", "fc1", "c_fc", "dense_h_to_4h", "lin1", "wi",
+                   "fc", "w_in", "fc_in"})) {
+    return R::kMlpUp;
+  }
+  if (leaf == "gate_up_proj") return R::kMlpGateUp;
+  if (OneOf(leaf, {"down_proj", "w2", "fc2", "dense_4h_to_h", "lin2", "w_out", "fc_out"})) {
+    return R::kMlpDown;
+  }
+  if (leaf == "wo") return parent == "DenseReluDense" ? R::kMlpDown : R::kAttentionOut;
+  if (leaf == "o") return R::kAttentionOut;
+  if (leaf == "c_proj" || leaf == "proj") {
+    return OneOf(parent, {"mlp", "ffn"}) ? R::kMlpDown : R::kAttentionOut;
+  }
+  if (leaf == "dense") {
+    if (parent == "intermediate") return R::kMlpUp;
+    if (in_attention) return R::kAttentionOut;
+    if (parent == "output") return R::kMlpDown;  // BERT's layer.N.output.dense
+  }
+  return R::kUnknown;
+}
+
+}  // namespace
+
+TensorTraits ClassifyTensor(std::string_view name, const std::vector<int64_t>& shape,
+                            std::string_view model_type) {
+  TensorTraits out;
+  // Split off the parameter's own name, then the module's last two components.
+  size_t dot = name.rfind('.');
+  const std::string_view own = dot == std::string_view::npos ? name : name.substr(dot + 1);
+  const std::string_view module = dot == std::string_view::npos ? "" : name.substr(0, dot);
+  const bool weight = own == "weight", bias = own == "bias";
+  // A bare Parameter (fused experts, sinks, class embeddings) is named after itself.
+  const std::string_view path = weight || bias ? module : name;
+  dot = path.rfind('.');
+  const std::string_view leaf = dot == std::string_view::npos ? path : path.substr(dot + 1);
+  std::string_view parent = dot == std::string_view::npos ? "" : path.substr(0, dot);
+  const size_t pdot = parent.rfind('.');
+  if (pdot != std::string_view::npos) parent = parent.substr(pdot + 1);
+  // Skip a ModuleList index between a module and its parent ("experts.3.w1": parent "experts").
+  if (!parent.empty() &&
+      std::all_of(parent.begin(), parent.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+    const std::string_view above = path.substr(0, dot);
+    const size_t adot = above.rfind('.');
+    const std::string_view up = adot == std::string_view::npos ? "" : above.substr(0, adot);
+    const size_t udot = up.rfind('.');
+    parent = udot == std::string_view::npos ? up : up.substr(udot + 1);
+  }
+  out.role = RoleOfModule(leaf, parent, name);
+  out.bias = bias || (!weight && leaf.size() > 5 && leaf.substr(leaf.size() - 5) == "_bias");
+  if (!weight && !bias) {
+    out.kind = ModuleKind::kOther;
+    if (out.role == TensorRole::kUnknown) out.role = TensorRole::kOther;
+    return out;
+  }
+  switch (out.role) {
+    case TensorRole::kEmbedding:
+    case TensorRole::kPositionEmbedding:
+    case TensorRole::kTokenTypeEmbedding:
+    case TensorRole::kRelativeAttentionBias: out.kind = ModuleKind::kEmbedding; break;
+    case TensorRole::kNorm: out.kind = ModuleKind::kNorm; break;
+    case TensorRole::kPatchEmbedding: out.kind = ModuleKind::kConv2d; break;
+    default: {
+      // A 2-D weight (and its bias) of anything else is a Linear: checkpoints store no other
+      // 2-D module weights. GPT-2's projections are Conv1D ([in, out]).
+      const bool conv1d =
+          model_type == "gpt2" && OneOf(leaf, {"c_attn", "c_proj", "c_fc", "q_attn"});
+      if (weight ? shape.size() == 2 : true) {
+        out.kind = conv1d ? ModuleKind::kConv1D : ModuleKind::kLinear;
+      }
+      if (weight && shape.size() != 2) out.kind = ModuleKind::kOther;
+      break;
+    }
+  }
+  return out;
+}
+
+void ClassifyTensors(ModelInventory* inventory) {
+  for (TensorInfo& t : inventory->tensors) {
+    const TensorTraits traits = ClassifyTensor(t.name, t.shape, inventory->model_type);
+    t.role = traits.role;
+    t.kind = traits.kind;
+    t.bias = traits.bias;
+  }
+}
+
 std::string ArchitectureInfo::MlpKind() const {
   if (!gated_mlp) return hidden_act;
   if (hidden_act == "silu" || hidden_act == "swish") return "swiglu";
@@ -164,7 +401,7 @@ Result<uint64_t> ValidNumel(std::string_view what, const std::string& name,
 }  // namespace
 
 Status ModelInventory::Add(std::string tensor_name, std::vector<int64_t> shape, DType dtype,
-                           std::string tied) {
+                           std::string tied, TensorTraits traits) {
   MEMPLAN_ASSIGN_OR_RETURN(uint64_t numel, ValidNumel("tensor", tensor_name, shape));
   if (!tied.empty()) {
     int64_t target = FindTieTarget(tied);
@@ -186,6 +423,9 @@ Status ModelInventory::Add(std::string tensor_name, std::vector<int64_t> shape, 
   info.dtype = dtype;
   info.numel = numel;
   info.tied_to = std::move(tied);
+  info.role = traits.role;
+  info.kind = traits.kind;
+  info.bias = traits.bias;
   DeriveModulePath(info.name, &info.module, &info.block, &info.layer);
   tensors.push_back(std::move(info));
   return Status::Ok();

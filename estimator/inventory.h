@@ -46,6 +46,68 @@ int DTypeBits(DType dtype);
 // numpy-like ("fp16", "bf16", "int8") spellings, case-insensitive.
 Result<DType> ParseDType(std::string_view text);
 
+// Note [Tensor roles]
+// What a parameter is in the model, decided in one place per source: the family builders set it
+// from the module they emit (hf_family.cc, hf_families_encoder.cc, hf_families_vision.cc), since
+// they know which module each tensor belongs to; tensor-shape lists and safetensors headers,
+// which carry names only, get it from ClassifyTensor (the one name classifier, inventory.cc).
+// Everything downstream (which Linears QLoRA quantises and LoRA adapts, which query/key/value a
+// projection computes, where the output head is, which GEMMs a step runs) reads the role, never
+// the name.
+enum class TensorRole : uint8_t {
+  kUnknown,                // a name the classifier could not place (shape lists, safetensors)
+  kEmbedding,              // token embedding table [V, h]
+  kPositionEmbedding,      // learned absolute position table
+  kTokenTypeEmbedding,     // BERT's segment table
+  kRelativeAttentionBias,  // T5's relative position bias table
+  kNorm,                   // LayerNorm / RMSNorm (block, final, q/k norms)
+  kAttentionQ,             // query projection (MLA: q_b_proj, or the full q_proj)
+  kAttentionK,
+  kAttentionV,
+  kAttentionQkv,     // fused query/key/value projection
+  kAttentionKv,      // fused key/value projection (GPT-2 cross-attention)
+  kAttentionOut,     // attention output projection
+  kAttentionQDown,   // MLA: q_a_proj, the query's low-rank down-projection
+  kAttentionKvDown,  // MLA: kv_a_proj_with_mqa, the compressed key/value latent
+  kAttentionKvUp,    // MLA: kv_b_proj, latent to per-head keys and values
+  kAttentionSinks,   // gpt-oss: learned per-head sink logits
+  kMlpUp,            // MLP input projection (the only one of an ungated MLP)
+  kMlpGate,          // gated MLP: the gate projection
+  kMlpGateUp,        // gated MLP: gate and up fused
+  kMlpDown,          // MLP output projection
+  kRouter,           // MoE router
+  kExpertUp,         // routed experts (fused 3-D tensors or one Linear per expert)
+  kExpertGate,
+  kExpertGateUp,
+  kExpertDown,
+  kSharedExpertGate,  // Qwen2-MoE: the sigmoid gate of the shared expert
+  kHead,              // the language-model output head (to the vocabulary)
+  kHeadTransform,     // BERT/DistilBERT MLM head: the dense transform before the decoder
+  kClassifier,        // a task head (sequence/token classification, QA, next sentence)
+  kPooler,            // BERT's pooler
+  kPatchEmbedding,    // a vision tower's patch convolution
+  kProjector,         // a multimodal projector (vision width to text width)
+  kAdapter,           // LoRA adapters (lora_A / lora_B) found in a checkpoint
+  kOther,             // a parameter of none of these kinds (CLIP's class embedding, ...)
+};
+// The module type a parameter belongs to (nn.Linear, Transformers' Conv1D, ...).
+enum class ModuleKind : uint8_t {
+  kOther,      // a bare nn.Parameter of the module (routers in Transformers 5, fused experts)
+  kLinear,     // nn.Linear: weight [out, in], bias [out]
+  kConv1D,     // transformers' Conv1D (GPT-2): weight [in, out], bias [out]
+  kEmbedding,  // nn.Embedding: weight [rows, width]
+  kNorm,       // LayerNorm / RMSNorm
+  kConv2d,     // nn.Conv2d (vision patches)
+};
+
+// "attention_q", "mlp_down", "head", ...: the role as JSON and reports spell it.
+std::string_view TensorRoleName(TensorRole role);
+// The query (1), key (2) and value (4) parts a projection computes; 7 for a fused QKV; 6 for
+// a fused key/value; 0 for anything else.
+unsigned QkvParts(TensorRole role);
+// Embedding-like tables: token, position, segment, relative bias.
+bool IsEmbeddingTable(TensorRole role);
+
 struct TensorInfo {
   std::string name;            // "model.layers.0.self_attn.q_proj.weight"
   std::vector<int64_t> shape;  // PyTorch order; [] is a scalar
@@ -55,7 +117,42 @@ struct TensorInfo {
   std::string block;    // enclosing repeated block, "model.layers.0" ("" = none)
   int layer = -1;       // index of that block within its stack, -1 when none
   std::string tied_to;  // non-empty: same Parameter as the tensor of that name
+  // Note [Tensor roles]: what the tensor is, the module type it belongs to, and whether it is
+  // that module's bias (a Linear's or a norm's) rather than its weight.
+  TensorRole role = TensorRole::kUnknown;
+  ModuleKind kind = ModuleKind::kOther;
+  bool bias = false;
+
+  // The weight of an nn.Linear or a Conv1D (not its bias).
+  bool IsLinearWeight() const {
+    return (kind == ModuleKind::kLinear || kind == ModuleKind::kConv1D) && !bias;
+  }
+  // A Linear weight's input and output widths, whichever way it is stored (Conv1D: [in, out]).
+  int64_t InFeatures() const {
+    return shape.size() == 2 ? shape[kind == ModuleKind::kConv1D ? 0 : 1] : 0;
+  }
+  int64_t OutFeatures() const {
+    return shape.size() == 2 ? shape[kind == ModuleKind::kConv1D ? 1 : 0] : 0;
+  }
 };
+
+// What the family builders say about a tensor they add (Note [Tensor roles]).
+struct TensorTraits {
+  TensorRole role = TensorRole::kUnknown;
+  ModuleKind kind = ModuleKind::kOther;
+  bool bias = false;
+};
+
+// The one name classifier (Note [Tensor roles]): the role, module kind and bias of a tensor
+// known by its name and shape only (tensor-shape lists, safetensors headers), from the module
+// names Transformers, PEFT and the checkpoints of the supported families use. `model_type` ("" when
+// unknown) tells GPT-2's Conv1D weights ([in, out]) from Linears.
+TensorTraits ClassifyTensor(std::string_view name, const std::vector<int64_t>& shape,
+                            std::string_view model_type);
+struct ModelInventory;
+// ClassifyTensor over every tensor of `inventory` (shape lists and safetensors headers, after
+// their last tensor is added).
+void ClassifyTensors(ModelInventory* inventory);
 
 // The architecture hyperparameters that activation memory depends on (Korthikanti et al.; see
 // memory_model.h). The config.json builders fill it with the same defaults they use for the
@@ -109,6 +206,16 @@ struct ArchitectureInfo {
   // The norms upcast their input to fp32 before normalising and multiply the weight in after
   // (LlamaRMSNorm and its copies, T5LayerNorm): they keep fp32 inputs under autocast.
   bool norm_upcasts = false;
+  // config.json's use_cache (the configuration class's default when absent): Transformers'
+  // decoders then fill a DynamicCache even in training, copying every layer's keys and values.
+  bool use_cache = false;
+  // Position information: the dimensions of each query/key head rotary embeddings rotate (0:
+  // none), or ALiBi biases (Bloom, Falcon with alibi, MPT).
+  int64_t rotary_dims = 0;
+  bool alibi = false;
+  // Gemma-2's tanh soft-capping of the attention scores and of the output logits (0: none).
+  double attn_softcap = 0;
+  double final_softcap = 0;
 
   // "swiglu", "geglu", "gelu", "relu", ...: the MLP kind for reports.
   std::string MlpKind() const;
@@ -145,7 +252,7 @@ struct ModelInventory {
   // `name`) on an empty or duplicate name, a negative dim, an overflowing product, or a `tied_to`
   // that names no earlier tensor or a tensor of another shape.
   Status Add(std::string name, std::vector<int64_t> shape, DType dtype = DType::kF32,
-             std::string tied_to = "");
+             std::string tied_to = "", TensorTraits traits = {});
 
   // Appends a buffer (validated as Add, without ties).
   Status AddBuffer(std::string name, std::vector<int64_t> shape, DType dtype = DType::kF32);

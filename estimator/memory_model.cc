@@ -88,11 +88,6 @@ std::string HalfName(Precision p) {
   return p == Precision::kFp16Mixed ? "fp16" : p == Precision::kFp32 ? "fp32" : "bf16";
 }
 
-std::string_view LastComponent(std::string_view module) {
-  size_t dot = module.rfind('.');
-  return dot == std::string_view::npos ? module : module.substr(dot + 1);
-}
-
 // What the inventory says about the parameters, for the setup's LoRA/QLoRA/ZeRO-3 choices.
 struct ParamFacts {
   Wide total = 0;        // unique parameters
@@ -115,19 +110,6 @@ struct ParamFacts {
   Wide head = 0;
 };
 
-// Which of query (1), key (2), value (4) a Linear computes, by its module name; 7 for a fused
-// QKV projection; 0 for any other Linear.
-unsigned QkvPart(std::string_view leaf) {
-  if (leaf == "q_proj" || leaf == "query" || leaf == "q") return 1;
-  if (leaf == "k_proj" || leaf == "key" || leaf == "k") return 2;
-  if (leaf == "v_proj" || leaf == "value" || leaf == "v") return 4;
-  if (leaf == "c_attn" || leaf == "query_key_value" || leaf == "qkv_proj" || leaf == "Wqkv" ||
-      leaf == "W_pack") {
-    return 7;
-  }
-  return 0;
-}
-
 Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& setup) {
   ParamFacts f;
   const Wide threshold = U(setup.stage3_param_persistence_threshold);
@@ -139,19 +121,12 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
     if (!t.tied_to.empty()) continue;
     f.total += t.numel;
     if (t.numel <= threshold) f.persistent += t.numel;
-    const bool linear =
-        !t.block.empty() && t.shape.size() == 2 && t.name.size() > 7 &&
-        t.name.substr(t.name.size() - 7) == ".weight" &&
-        LastComponent(t.module).find("embedding") == std::string_view::npos &&
-        LastComponent(t.module).find("relative_attention_bias") == std::string_view::npos;
-    if (linear) {
+    // QLoRA stores the Linear weights of the blocks in NF4 (Note [Tensor roles]).
+    if (!t.block.empty() && t.IsLinearWeight()) {
       f.quantizable += t.numel;
       f.largest_quantized = std::max<Wide>(f.largest_quantized, t.numel);
     }
-    const std::string_view leaf = LastComponent(t.module);
-    if (t.block.empty() && t.shape.size() == 2 && (leaf == "lm_head" || leaf == "embed_out")) {
-      f.head += t.numel;
-    }
+    if (t.role == TensorRole::kHead && t.IsLinearWeight()) f.head += t.numel;
     if (setup.lora_rank == 0) {
       f.factored += t.shape.size() >= 2
                         ? U(t.shape[0]) + U(t.numel / std::max<int64_t>(t.shape[0], 1))
@@ -172,10 +147,10 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
     const Wide a = r * U(t->shape[1]), b = r * U(t->shape[0]);
     f.lora += a + b;
     // The input width: Linear weights are [out, in], GPT-2's Conv1D weights [in, out].
-    const Wide in_width = U(inventory.model_type == "gpt2" ? t->shape[0] : t->shape[1]);
-    const Wide out_width = U(inventory.model_type == "gpt2" ? t->shape[1] : t->shape[0]);
+    const Wide in_width = U(t->InFeatures());
+    const Wide out_width = U(t->OutFeatures());
     f.lora_input_width += in_width;
-    const unsigned part = QkvPart(LastComponent(t->module));
+    const unsigned part = QkvParts(t->role);
     if (part == 0) {
       f.litgpt_lora_input_width += in_width;
     } else {
@@ -218,6 +193,8 @@ struct Activations {
   Wide workspace = 0;  // gradient temporaries of one layer
   Wide logits_forward = 0;
   Wide logits_backward = 0;
+  // Bytes per logit the loss keeps (for the constants table): 10 for the full loss.
+  double logits_forward_per_logit = 0;
 };
 
 // Note [Architecture facts for activations]
@@ -336,6 +313,15 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
   const Wide full = LayerActivationBytes(top, e, s.flash_attention, Checkpointing::kNone);
   if (s.checkpointing == Checkpointing::kFull) {
     out.recompute = full;
+    if (s.checkpoint_every > 1) {
+      // Every K-th block checkpointed (Transformers' `layer_index % every_n_layers == 0`,
+      // fms-fsdp's p = 1/K, torchtitan's selective K): ceil(L / K) blocks keep their input only,
+      // the others everything an unchecked block of the stack's top type keeps.
+      const int64_t total = a.encoder_decoder ? a.layers + a.decoder_layers : a.layers;
+      const int64_t kept = total - (total + s.checkpoint_every - 1) / s.checkpoint_every;
+      const Wide ckpt = LayerActivationBytes(top, e, s.flash_attention, Checkpointing::kFull);
+      if (kept > 0 && full > ckpt) out.saved += U(kept) * (full - ckpt);
+    }
   } else if (s.checkpointing == Checkpointing::kSelective) {
     out.recompute =
         full - LayerActivationBytes(top, e, s.flash_attention, Checkpointing::kSelective);
@@ -360,9 +346,37 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
       out.logits_forward = Scale(elems, kLogitsForwardFp32Bytes);
       const Wide chunk = CeilDiv(std::min<Wide>(U(seq), kLitGptLmHeadChunk) * b * U(a.vocab), t);
       out.logits_backward = Scale(chunk, kLogitsBackwardBytes);
+    } else if (s.loss == Loss::kChunked) {
+      // torchtune's CEWithChunkedOutputLoss (torchtune/modules/loss/ce_chunked_output_loss.py):
+      // the model returns the logits in N chunks (the head runs per chunk), all kept in the
+      // compute dtype; the loss upcasts one chunk at a time (a transient) and cross_entropy's
+      // log_softmax keeps each chunk's fp32 output for backward; backward then runs chunk by
+      // chunk through the head, so the fp32 gradients are one chunk's.
+      const Wide n = U(s.loss_chunks > 0 ? s.loss_chunks : 8);
+      const Wide chunk = CeilDiv(elems, n);
+      out.logits_forward = elems * (e == 2 ? 2 : 0) + elems * 4 + chunk * 4;
+      out.logits_backward = Scale(chunk, kLogitsBackwardBytes);
+      out.logits_forward_per_logit = (e == 2 ? 2 : 0) + 4;
+    } else if (s.loss == Loss::kFused) {
+      // Liger's fused linear cross-entropy (liger_kernel/ops/fused_linear_cross_entropy.py):
+      // the logits are never whole; the forward computes them in chunks of
+      // next_power_of_2(ceil(BT / ceil(V / H))) rows in the input dtype, writes the loss's
+      // gradient in place and keeps grad_input [BT, H] (and grad_weight [V, H] when the head
+      // trains) for backward, which only scales them.
+      const Wide h = U(a.hidden);
+      const Wide bt = U(seq) * b;
+      const Wide inc = CeilDiv(U(a.vocab), std::max<Wide>(h, 1));
+      Wide rows = 1;
+      while (rows < CeilDiv(bt, std::max<Wide>(inc, 1))) rows *= 2;
+      const bool head_trains = s.lora_rank == 0;
+      out.logits_forward = CeilDiv(std::min(rows, bt) * U(a.vocab), t) * e + bt * h * e +
+                           (head_trains ? U(a.vocab) * h * e / t : 0);
+      out.logits_backward = 0;
+      out.logits_forward_per_logit = 0;
     } else {
       out.logits_forward = elems * (e == 2 ? 2 : 0) + Scale(elems, kLogitsForwardFp32Bytes);
       out.logits_backward = Scale(elems, kLogitsBackwardBytes);
+      out.logits_forward_per_logit = kLogitsForwardFp32Bytes + (e == 2 ? 2 : 0);
     }
     // PyTorch before 1.11: log_softmax keeps its input (the fp32 logits copy) as well.
     if (s.TorchBefore(1, 11)) out.logits_forward += elems * 4;
@@ -924,8 +938,13 @@ Status ActivationItems(const ItemContext& c, Builder* out) {
            act.recompute, 0, 0, 0, kPhaseBackward, tr);
   out->Add("backward_workspace", "gradient temporaries of the layer in backward", act.workspace, 0,
            0, 0, kPhaseBackward | kPhaseBackwardEnd, tr);
+  const Loss loss = c.s.loss;
   out->Add("logits_and_loss",
-           "logits b*s*V (" + c.half + " and fp32) and the log-softmax kept by the loss",
+           loss == Loss::kFused
+               ? "fused linear cross-entropy: one chunk of logits and the gradients it keeps"
+           : loss == Loss::kChunked
+               ? "logits b*s*V (" + c.half + ", in chunks) and each chunk's fp32 log-softmax"
+               : "logits b*s*V (" + c.half + " and fp32) and the log-softmax kept by the loss",
            act.logits_forward, 0, 0, 0, kPhaseForward | kPhaseBackward, tr);
   out->Add("logits_grad", "fp32 gradients of the log-probabilities and logits", act.logits_backward,
            0, 0, 0, kPhaseBackward, tr);
@@ -1122,8 +1141,11 @@ std::vector<ModelConstant> Constants(const ItemContext& c, const TrainingSetup& 
        "ZeRO-1/2: the Hugging Face DeepSpeed guide's overlap_comm rule (about 4.5x the bucket "
        "sizes); ZeRO-3 allocates one flat reduce bucket (stage3.py IPG buffer)"},
       {"logits_forward_bytes",
-       act.logits_forward > 0 ? kLogitsForwardFp32Bytes + (fp32 ? 0 : 2) : 0.0, "bytes per logit",
-       "compute-dtype logits, fp32 upcast and log-softmax kept by the loss"},
+       act.logits_forward_per_logit > 0 ? act.logits_forward_per_logit
+                                        : (act.logits_forward > 0 && s.loss != Loss::kFused
+                                               ? kLogitsForwardFp32Bytes + (fp32 ? 0 : 2)
+                                               : 0.0),
+       "bytes per logit", "compute-dtype logits, fp32 upcast and log-softmax kept by the loss"},
       {"logits_backward_bytes", act.logits_backward > 0 ? kLogitsBackwardBytes : 0.0,
        "bytes per logit", "fp32 gradients of log-probabilities and logits at backward start"},
       {"cuda_context_bytes", static_cast<double>(s.cuda_context_bytes), "bytes",
@@ -1300,8 +1322,11 @@ Result<InventoryFacts> FactsFor(const ModelInventory& inventory, const TrainingS
   return out;
 }
 
+// `step`: also run the step model (the comparison rows, which report the itemised peak only,
+// skip it: eleven step simulations of a 47,000-tensor MoE would cost 300 ms).
 Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const TrainingSetup& input,
-                                    const InventoryFacts* known, const ModelCounts* counts) {
+                                    const InventoryFacts* known, const ModelCounts* counts,
+                                    bool step = true) {
   MEMPLAN_RETURN_IF_ERROR(input.ValidateFor(inventory));
   TrainingSetup s = input;
   s.seq_len = s.SeqLenFor(&*inventory.arch);
@@ -1351,6 +1376,36 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
   m.lora_params = static_cast<uint64_t>(f.lora);
   m.activation_bytes_per_layer = Saturate(c.act.per_layer);
   TotalPhases(c, &out, &m);
+  if (step) {
+    // The step model (Note [The step model]) over the model states the items above place.
+    StepStates st;
+    auto gpu_of = [&](std::string_view name) {
+      uint64_t b = 0;
+      for (const MemoryItem& item : out.items) {
+        if (item.name == name) b += item.gpu_bytes;
+      }
+      return b;
+    };
+    st.parameters = gpu_of("params_working") + gpu_of("params_quantized") + gpu_of("params_master");
+    for (const TensorInfo& b : inventory.buffers) {
+      st.buffers += AllocatorRound(b.numel * static_cast<uint64_t>(DTypeBits(b.dtype) / 8));
+    }
+    st.optimizer_states = gpu_of("optimizer_states");
+    const bool plain = s.zero_stage == 0 && !c.Fsdp() && s.DataParallel() == 1 && s.grad_accum == 1;
+    st.persistent_gradients = plain ? 0 : gpu_of("grads") + gpu_of("ddp_grad_buckets");
+    st.plain_gradients = plain;
+    st.torch_optimizer = s.zero_stage == 0 || c.Fsdp();
+    st.from_inventory = s.zero_stage == 0 && !c.Fsdp();
+    const uint64_t tokens = static_cast<uint64_t>(s.micro_batch) * static_cast<uint64_t>(s.seq_len);
+    st.other = CublasWorkspaceBytes(s.GpuSm()) + 2 * AllocatorRound(tokens * 8);
+    Result<StepModel> sim = SimulateStep(inventory, s, st);
+    if (sim.ok()) {
+      m.step = std::move(sim).value();
+    } else {
+      m.step_error = sim.status().message();
+      m.step_unmodelled = sim.status().code() == StatusCode::kUnimplemented;
+    }
+  }
   m.items = std::move(out.items);
   m.constants = Constants(c, input);
   m.notes = Notes(c);
@@ -1364,8 +1419,8 @@ Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const Tra
 }
 
 Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& input,
-                                      const ModelCounts& counts) {
-  return EstimateWith(inventory, input, nullptr, &counts);
+                                      const ModelCounts& counts, bool step_model) {
+  return EstimateWith(inventory, input, nullptr, &counts, step_model);
 }
 
 namespace {
@@ -1402,7 +1457,7 @@ Result<std::vector<ComparisonRow>> Compare(const ModelInventory& inventory,
       MEMPLAN_RETURN_IF_ERROR(s.ValidateFor(inventory));
       MEMPLAN_ASSIGN_OR_RETURN(facts, FactsFor(inventory, s, counts));
     }
-    Result<MemoryEstimate> m = EstimateWith(inventory, s, &*facts, nullptr);
+    Result<MemoryEstimate> m = EstimateWith(inventory, s, &*facts, nullptr, /*step=*/false);
     if (!m.ok()) return m.status();
     row.valid = true;
     row.peak = m->peak;

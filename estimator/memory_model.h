@@ -29,11 +29,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
 #include "estimator/inventory.h"
+#include "estimator/step_model.h"
 #include "estimator/training_setup.h"
 
 namespace memplan::estimator {
@@ -97,15 +99,24 @@ struct MemoryEstimate {
   PeakMemory peak;
   std::vector<ModelConstant> constants;
   std::vector<std::string> notes;  // assumptions in sentences
+  // The step model's run (Note [The step model] in step_model.h), when it knows the setup's
+  // training code.
+  std::optional<StepModel> step;
+  std::string step_error;  // why the step model did not run, when it did not
+  // The step model refused the setup as one it does not model yet (kUnimplemented), rather than
+  // failing on it (an overflow, a bad LoRA target).
+  bool step_unmodelled = false;
 };
 
 // The model for one setup. Errors: setup.ValidateFor(inventory) failures (bad combinations, an
 // inventory without architecture), overflow.
 Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& setup);
 // The same, for a caller that has counted the inventory already (`counts` must be
-// CountParams(inventory)): a per-expert DeepSeek-V3 has 45,000 tensors to count.
+// CountParams(inventory)): a per-expert DeepSeek-V3 has 45,000 tensors to count. `step_model`
+// false skips the step model (MemoryEstimate::step stays empty): the planner, which judges fit by
+// the itemised peak, evaluates hundreds of configurations.
 Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& setup,
-                                      const ModelCounts& counts);
+                                      const ModelCounts& counts, bool step_model = true);
 
 // One row of the stage x offload comparison: the same setup with another ZeRO stage and offload.
 struct ComparisonRow {

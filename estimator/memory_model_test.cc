@@ -127,6 +127,57 @@ TEST_CASE("memory model: Korthikanti's per-layer activation formulas, exact") {
         sbh * 34 + 4 * a * s * b);
 }
 
+TEST_CASE("memory model: checkpointing every K-th block keeps the others whole") {
+  ModelInventory llama = memplan::testing::Fixture("llama-2-7b");  // 32 blocks
+  TrainingSetup s;
+  s.seq_len = 1024;
+  s.micro_batch = 2;
+  s.checkpointing = Checkpointing::kNone;
+  const MemoryEstimate none = MustEstimate(llama, s);
+  s.checkpointing = Checkpointing::kFull;
+  const MemoryEstimate every1 = MustEstimate(llama, s);
+  s.checkpoint_every = 2;
+  const MemoryEstimate every2 = MustEstimate(llama, s);
+  s.checkpoint_every = 3;
+  const MemoryEstimate every3 = MustEstimate(llama, s);
+  const uint64_t whole = none.activation_bytes_per_layer;
+  const uint64_t input = every1.activation_bytes_per_layer;
+  REQUIRE(whole > input);
+  // Blocks 0, 2, ..., 30 checkpointed: 16 kept whole; every 3rd: 11 checkpointed, 21 whole.
+  CHECK(Gpu(every2, "activations") == Gpu(every1, "activations") + 16 * (whole - input));
+  CHECK(Gpu(every3, "activations") == Gpu(every1, "activations") + 21 * (whole - input));
+  CHECK(Gpu(every3, "activations") < Gpu(none, "activations"));
+  CHECK(PhaseOf(every2, "backward").gpu_bytes > PhaseOf(every1, "backward").gpu_bytes);
+}
+
+TEST_CASE("memory model: the loss decides what the logits keep") {
+  ModelInventory llama = memplan::testing::Fixture("llama-2-7b");  // vocabulary 32000
+  TrainingSetup s;
+  s.seq_len = 1024;
+  s.micro_batch = 2;
+  const uint64_t elems = 2 * 1024 * 32000;
+  const MemoryEstimate full = MustEstimate(llama, s);
+  // Full: bf16 logits, their fp32 copy and the fp32 log-softmax; fp32 gradients of both.
+  CHECK(Gpu(full, "logits_and_loss") == elems * 10);
+  CHECK(Gpu(full, "logits_grad") == elems * 8);
+  // torchtune's chunked loss (8 chunks): bf16 logits and each chunk's fp32 log-softmax kept,
+  // one chunk's fp32 copy and gradients at a time.
+  s.loss = Loss::kChunked;
+  const MemoryEstimate chunked = MustEstimate(llama, s);
+  CHECK(Gpu(chunked, "logits_and_loss") == elems * 6 + elems / 8 * 4);
+  CHECK(Gpu(chunked, "logits_grad") == elems / 8 * 8);
+  s.loss_chunks = 16;
+  CHECK(Gpu(MustEstimate(llama, s), "logits_grad") == elems / 16 * 8);
+  // Liger's fused linear cross-entropy: chunks of next_pow2(ceil(2048 / ceil(32000 / 4096)))
+  // = 256 rows of logits, grad_input [2048, 4096] and grad_weight [32000, 4096], in bf16.
+  s.loss = Loss::kFused;
+  s.loss_chunks = 0;
+  const MemoryEstimate fused = MustEstimate(llama, s);
+  CHECK(Gpu(fused, "logits_and_loss") ==
+        (uint64_t{256} * 32000 + uint64_t{2048} * 4096 + uint64_t{32000} * 4096) * 2);
+  CHECK(Gpu(fused, "logits_grad") == 0);
+}
+
 TEST_CASE("memory model: GQA, SwiGLU, no dropout and MoE change the constants") {
   LayerShape l = Gpt3Layer(1);
   const uint64_t s = 2048, h = 12288, a = 96;
@@ -697,6 +748,23 @@ TEST_CASE("memory model: the estimate's new JSON keys round-trip") {
   REQUIRE_MESSAGE(back.ok(), back.status().ToString());
   CHECK(ToJson(*back) == j);
   CHECK(back->memory->peak.gpu_bytes == e->memory->peak.gpu_bytes);
+  REQUIRE(back->memory->step.has_value());
+  CHECK(back->memory->step->peak_bytes == e->memory->step->peak_bytes);
+  {
+    // A setup the step model does not run: its reason and kind round-trip too.
+    TrainingSetup fused = s;
+    fused.loss = Loss::kFused;
+    Result<Estimate> f = EstimateTraining(llama, hw, fused);
+    REQUIRE_MESSAGE(f.ok(), f.status().ToString());
+    CHECK(f->memory->step_unmodelled);
+    const nlohmann::json fj = ToJson(*f);
+    CHECK(fj["step_model"]["unmodelled"] == true);
+    Result<Estimate> fb = EstimateFromJson(fj);
+    REQUIRE_MESSAGE(fb.ok(), fb.status().ToString());
+    CHECK(fb->memory->step_unmodelled);
+    CHECK(fb->memory->step_error == f->memory->step_error);
+    CHECK(ToJson(*fb) == fj);
+  }
   nlohmann::json broken = j;
   broken["breakdown"][0]["phases"] = {"lunch"};
   CHECK_FALSE(EstimateFromJson(broken).ok());

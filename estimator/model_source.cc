@@ -7,6 +7,7 @@
 
 #include "common/file.h"
 #include "common/json.h"
+#include "common/printable.h"
 #include "common/suggest.h"
 #include "estimator/builtin_models.h"
 #include "estimator/hf_cache.h"
@@ -56,13 +57,20 @@ Result<ModelInventory> LoadFile(const std::string& path, const BuildOptions& opt
   return LoadJsonFile(path, options);
 }
 
-// The shards a safetensors index names that are in `dir` neither whole nor as a header.
+// The shards a safetensors index names that are in `dir` neither whole nor as a header. Every
+// name is checked (Note [Paths from data], the rule InventoryFromSafetensorsIndex applies) before
+// any is looked for or fetched: a name from the Hub becomes a path in the cache.
 Result<std::vector<std::string>> MissingShards(const std::string& dir) {
-  MEMPLAN_ASSIGN_OR_RETURN(nlohmann::ordered_json index, ReadJson(dir + "/" + kIndex));
+  const std::string index_path = dir + "/" + kIndex;
+  MEMPLAN_ASSIGN_OR_RETURN(nlohmann::ordered_json index, ReadJson(index_path));
   std::set<std::string> shards;
   if (index.is_object() && index.contains("weight_map") && index["weight_map"].is_object()) {
     for (const auto& [tensor, shard] : index["weight_map"].items()) {
-      if (shard.is_string()) shards.insert(shard.get<std::string>());
+      if (!shard.is_string()) continue;  // the index reader says what is wrong with it
+      MEMPLAN_RETURN_IF_ERROR(CheckRelativePath(
+          shard.get<std::string>(),
+          index_path + ": weight_map: tensor '" + Printable(tensor) + "': shard path"));
+      shards.insert(shard.get<std::string>());
     }
   }
   std::vector<std::string> missing;

@@ -14,6 +14,7 @@
 #include "common/checked_math.h"
 #include "common/file.h"
 #include "common/json.h"
+#include "common/printable.h"
 #include "estimator/shape_list.h"
 
 namespace memplan::estimator {
@@ -207,27 +208,13 @@ Result<std::vector<HeaderTensor>> ReadHeader(const std::string& path) {
   return tensors;
 }
 
-// Index entries are resolved against the index's directory. The check is lexical on purpose:
-// in a Hugging Face cache every shard is a symlink into ../../blobs, which must keep working.
+// Index entries are resolved against the index's directory, by Note [Paths from data]'s rule
+// (common/file.h), the one every fetch and cache writer applies too (model_source.cc checks the
+// names of an index from the Hub before fetching a shard's header).
 Status CheckShardPath(const std::string& index_path, const std::string& tensor,
                       const std::string& shard) {
-  auto refuse = [&](std::string_view why) {
-    return Status::InvalidArgument(index_path + ": weight_map: tensor '" + tensor +
-                                   "': shard path '" + shard + "' " + std::string(why));
-  };
-  if (shard.empty()) return refuse("is empty");
-  if (shard.find('\0') != std::string::npos) return refuse("contains a NUL byte");
-  if (shard.front() == '/') return refuse("is absolute; shards must sit beside the index");
-  size_t start = 0;
-  while (start <= shard.size()) {
-    size_t end = shard.find('/', start);
-    if (end == std::string::npos) end = shard.size();
-    if (shard.compare(start, end - start, "..") == 0) {
-      return refuse("leaves the index's directory ('..')");
-    }
-    start = end + 1;
-  }
-  return Status::Ok();
+  return CheckRelativePath(
+      shard, index_path + ": weight_map: tensor '" + Printable(tensor) + "': shard path");
 }
 
 Result<ModelInventory> ReadIndex(const std::string& index_path) {
@@ -300,6 +287,7 @@ Result<ModelInventory> ReadIndex(const std::string& index_path) {
       if (!added.ok()) return added.WithPrefix(index_path + ": shard '" + shard + "'");
     }
   }
+  ClassifyTensors(&inventory);  // Note [Tensor roles]: names are all a header has
   return inventory;
 }
 
@@ -317,6 +305,7 @@ Result<ModelInventory> InventoryFromSafetensorsFile(const std::string& path) {
       MEMPLAN_RETURN_IF_ERROR(
           inventory.Add(std::move(t.name), std::move(t.shape), t.dtype).WithPrefix(path));
     }
+    ClassifyTensors(&inventory);  // Note [Tensor roles]: names are all a header has
     return inventory;
   } catch (const std::exception& e) {
     // Only allocation failure can reach here: every JSON access is type-checked first.

@@ -415,14 +415,19 @@ TEST_CASE("source: sharded safetensors refuses escaping paths and a map that lie
   };
   CHECK(error_for(R"({"weight_map": {"a": "../s1.safetensors"}})") ==
         index +
-            ": weight_map: tensor 'a': shard path '../s1.safetensors' leaves the index's "
-            "directory ('..')");
-  CHECK(error_for(R"({"weight_map": {"a": "sub/../../s1.safetensors"}})").find("leaves the") !=
+            ": weight_map: tensor 'a': shard path '../s1.safetensors' leaves its directory "
+            "('..')");
+  CHECK(error_for(R"({"weight_map": {"a": "sub/../../s1.safetensors"}})").find("leaves its") !=
         std::string::npos);
   CHECK(error_for(R"({"weight_map": {"a": "/etc/passwd"}})") ==
-        index +
-            ": weight_map: tensor 'a': shard path '/etc/passwd' is absolute; shards must "
-            "sit beside the index");
+        index + ": weight_map: tensor 'a': shard path '/etc/passwd' is absolute");
+  // Note [Paths from data]'s other refusals, the same for a local index as for the Hub's.
+  CHECK(error_for(R"({"weight_map": {"a": "sub\\s1.safetensors"}})").find("backslash") !=
+        std::string::npos);
+  CHECK(error_for(R"({"weight_map": {"a": "./s1.safetensors"}})").find("'.' component") !=
+        std::string::npos);
+  CHECK(error_for(R"({"weight_map": {"a": "s1.safetensors\n"}})").find("control character") !=
+        std::string::npos);
   CHECK(error_for(R"({"weight_map": {"a": ""}})").find("is empty") != std::string::npos);
   CHECK(error_for(R"({"weight_map": {"a": 5}})") ==
         index + ": weight_map: tensor 'a': shard must be a file name, got 5");

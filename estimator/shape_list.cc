@@ -334,6 +334,7 @@ Result<ModelInventory> InventoryFromShapeList(const nlohmann::ordered_json& doc,
     // Only allocation failure can reach here; the reader checks types before every get<>.
     return Status::ResourceExhausted(source + ": cannot read shape list: " + e.what());
   }
+  ClassifyTensors(&inventory);  // Note [Tensor roles]: names are all a shape list has
   return inventory;
 }
 

@@ -11,6 +11,8 @@
 #include <ctime>
 #include <random>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "estimator/builtin_models.h"
 #include "estimator/estimate.h"
@@ -62,6 +64,25 @@ double FastestMs(int runs, Work work) {
   return best;
 }
 
+// A reference workload of the kind an estimate does (names built, hashed, ordered, allocated), as
+// many as a per-expert DeepSeek-V3 has tensors: timed in the same run, it measures how fast this
+// machine is right now, so the bound below follows the machine, not a figure measured once.
+double ReferenceMs() {
+  return FastestMs(5, [] {
+    std::unordered_map<std::string, size_t> by_name;
+    std::vector<std::string> names;
+    for (size_t i = 0; i < 47000; ++i) {
+      names.push_back("model.layers." + std::to_string(i / 256) + ".mlp.experts." +
+                      std::to_string(i % 256) + ".down_proj.weight");
+      by_name.emplace(names.back(), i);
+    }
+    std::sort(names.begin(), names.end());
+    size_t sum = 0;
+    for (const std::string& name : names) sum += by_name.at(name);
+    CHECK(sum == size_t{47000} * 46999 / 2);
+  });
+}
+
 bool HasExperts(const ModelInventory& inventory) {
   return inventory.arch.has_value() && inventory.arch->experts > 0;
 }
@@ -74,10 +95,18 @@ TEST_CASE("speed: every built-in model, both expert layouts, estimates in well u
     MESSAGE("run alone as the CTest test estimator_speed (MEMPLAN_SPEED_ALONE=1)");
     return;
   }
-  // In-process, so the bound leaves room for the CLI's start-up (about 3 ms). A per-expert
-  // DeepSeek-V3 (47,000 tensors) takes about 20 ms; before its module tree was walked from the
-  // previous lookup it took 45.
-  const double bound_ms = 45 * kSlowdown;
+  // In-process, so the bound leaves room for the CLI's start-up (about 3 ms). Before its module
+  // tree was walked from the previous lookup, a per-expert DeepSeek-V3 (47,000 tensors) took
+  // twice as long. The bound is 45 ms, or 1.8 times the reference workload when that is more:
+  // the slowest estimate measured 0.5 to 1.1 times the reference, and the reference itself
+  // 77 to 130 ms on this VM (idle; 2 cores shared with other VMs) where it once took 40. So the
+  // bound follows the machine (the reference is timed before and after the estimates, the larger
+  // kept), and a quadratic regression, which costs many times the reference, still fails.
+  const double reference_before_ms = ReferenceMs();
+  double reference_ms = reference_before_ms;
+  const double bound_floor_ms = 45 * kSlowdown;
+  constexpr double kReferenceRatio = 1.8;
+
   TrainingSetup setup;
   setup.zero_stage = 3;
   setup.offload_optimizer = OffloadDevice::kNvme;
@@ -88,6 +117,12 @@ TEST_CASE("speed: every built-in model, both expert layouts, estimates in well u
   setup.gpus_per_node = 8;
   double slowest = 0;
   std::string slowest_name;
+  struct Timing {
+    std::string label;
+    double states_ms;
+    double training_ms;
+  };
+  std::vector<Timing> timings;
   for (const BuiltinModel& model : BuiltinModels()) {
     for (ExpertLayout layout : {ExpertLayout::kFused, ExpertLayout::kPerExpert}) {
       BuildOptions options;
@@ -118,8 +153,7 @@ TEST_CASE("speed: every built-in model, both expert layouts, estimates in well u
           REQUIRE_OK(estimate);
         });
       }
-      CHECK(states_ms < bound_ms);
-      CHECK(training_ms < bound_ms);
+      timings.push_back({label, states_ms, training_ms});
       for (double ms : {states_ms, training_ms}) {
         if (ms > slowest) {
           slowest = ms;
@@ -128,7 +162,16 @@ TEST_CASE("speed: every built-in model, both expert layouts, estimates in well u
       }
     }
   }
-  MESSAGE("slowest estimate: " << slowest_name << ", " << slowest << " ms of CPU");
+  reference_ms = std::max(reference_ms, ReferenceMs());
+  const double bound_ms = std::max(bound_floor_ms, kReferenceRatio * reference_ms);
+  MESSAGE("slowest estimate: " << slowest_name << ", " << slowest << " ms of CPU; reference "
+                               << reference_before_ms << " ms before, " << reference_ms
+                               << " ms at most; bound " << bound_ms << " ms");
+  for (const Timing& t : timings) {
+    CAPTURE(t.label);
+    CHECK(t.states_ms < bound_ms);
+    CHECK(t.training_ms < bound_ms);
+  }
 }
 
 // A DeepSeek-V3-shaped config with `layers` MoE layers of 64 experts, held per expert: about 200

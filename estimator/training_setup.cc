@@ -23,11 +23,17 @@ constexpr EnumName<Optimizer> kOptimizers[] = {{Optimizer::kAdamW, "adamw"},
                                                {Optimizer::kAdafactor, "adafactor"}};
 constexpr EnumName<Checkpointing> kCheckpointings[] = {{Checkpointing::kNone, "none"},
                                                        {Checkpointing::kSelective, "selective"},
-                                                       {Checkpointing::kFull, "full"}};
+                                                       {Checkpointing::kFull, "full"},
+                                                       {Checkpointing::kOp, "op"}};
+constexpr EnumName<Loss> kLosses[] = {
+    {Loss::kFull, "full"}, {Loss::kChunked, "chunked"}, {Loss::kFused, "fused"}};
 constexpr EnumName<OffloadDevice> kDevices[] = {
     {OffloadDevice::kNone, "none"}, {OffloadDevice::kCpu, "cpu"}, {OffloadDevice::kNvme, "nvme"}};
 constexpr EnumName<Framework> kFrameworks[] = {{Framework::kTransformers, "transformers"},
-                                               {Framework::kLitGpt, "litgpt"}};
+                                               {Framework::kLitGpt, "litgpt"},
+                                               {Framework::kTorchtune, "torchtune"},
+                                               {Framework::kTorchtitan, "torchtitan"},
+                                               {Framework::kLlmFoundry, "llm-foundry"}};
 constexpr EnumName<FsdpSharding> kFsdpShardings[] = {{FsdpSharding::kNone, "none"},
                                                      {FsdpSharding::kFullShard, "full_shard"},
                                                      {FsdpSharding::kShardGradOp, "shard_grad_op"},
@@ -65,34 +71,59 @@ std::string LastComponent(const std::string& module) {
   return dot == std::string::npos ? module : module.substr(dot + 1);
 }
 
-bool EndsWith(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
-// A Linear (or GPT-2 Conv1D) weight inside a repeated block; embedding-like tables excluded.
-bool IsBlockLinearWeight(const TensorInfo& t) {
-  if (t.block.empty() || t.shape.size() != 2 || !EndsWith(t.name, ".weight")) return false;
-  const std::string leaf = LastComponent(t.module);
-  return leaf.find("embedding") == std::string::npos &&
-         leaf.find("relative_attention_bias") == std::string::npos;
-}
+// A Linear (or GPT-2 Conv1D) weight inside a repeated block (Note [Tensor roles]).
+bool IsBlockLinearWeight(const TensorInfo& t) { return !t.block.empty() && t.IsLinearWeight(); }
 
 }  // namespace
 
 std::string_view PrecisionName(Precision p) { return NameOf(kPrecisions, p); }
 std::string_view OptimizerName(Optimizer o) { return NameOf(kOptimizers, o); }
 std::string_view CheckpointingName(Checkpointing c) { return NameOf(kCheckpointings, c); }
+std::string_view LossName(Loss l) { return NameOf(kLosses, l); }
+Result<Loss> ParseLoss(std::string_view text) { return ParseName(kLosses, text, "loss"); }
 std::string_view OffloadDeviceName(OffloadDevice d) { return NameOf(kDevices, d); }
 std::string_view FrameworkName(Framework f) { return NameOf(kFrameworks, f); }
 std::string_view FsdpShardingName(FsdpSharding f) { return NameOf(kFsdpShardings, f); }
 Result<Framework> ParseFramework(std::string_view text) {
   if (text == "lit-gpt") return Framework::kLitGpt;
+  if (text == "llm_foundry" || text == "llmfoundry") return Framework::kLlmFoundry;
   return ParseName(kFrameworks, text, "framework");
 }
 Result<FsdpSharding> ParseFsdpSharding(std::string_view text) {
   std::string lower(text);
   for (char& c : lower) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return ParseName(kFsdpShardings, lower, "FSDP sharding strategy");
+}
+
+// "sm80", "sm_90", "8.0", "9.0a" -> 80, 90; 0 when it is none of these.
+static int ParseGpuArch(std::string_view text) {
+  std::string t(text);
+  for (char& c : t) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (t.rfind("sm", 0) == 0) {
+    t = t.substr(t[2] == '_' ? 3 : 2);
+  } else {
+    const size_t dot = t.find('.');
+    if (dot == std::string::npos) return 0;
+    t = t.substr(0, dot) + t.substr(dot + 1);
+  }
+  while (!t.empty() && std::isalpha(static_cast<unsigned char>(t.back()))) t.pop_back();
+  if (t.empty() || t.size() > 3) return 0;
+  int v = 0;
+  for (char c : t) {
+    if (!std::isdigit(static_cast<unsigned char>(c))) return 0;
+    v = v * 10 + (c - '0');
+  }
+  return v >= 50 && v <= 200 ? v : 0;
+}
+
+double TrainingSetup::LoraDropout() const {
+  if (lora_dropout >= 0) return lora_dropout;
+  return framework == Framework::kLitGpt ? 0.05 : 0.0;
+}
+
+int TrainingSetup::GpuSm() const {
+  const int sm = ParseGpuArch(gpu_arch);
+  return sm == 0 ? 80 : sm;
 }
 
 bool TrainingSetup::TorchBefore(int major, int minor) const {
@@ -123,6 +154,25 @@ Status TrainingSetup::Validate() const {
   MEMPLAN_RETURN_IF_ERROR(Range("`tp`", tp, 1, kMaxCount));
   MEMPLAN_RETURN_IF_ERROR(Range("`zero_stage`", zero_stage, 0, 3));
   MEMPLAN_RETURN_IF_ERROR(Range("`lora_rank`", lora_rank, 0, 65536));
+  MEMPLAN_RETURN_IF_ERROR(Range("`checkpoint_every`", checkpoint_every, 1, kMaxCount));
+  MEMPLAN_RETURN_IF_ERROR(Range("`loss_chunks`", loss_chunks, 0, kMaxCount));
+  if (!(lora_dropout >= -1 && lora_dropout < 1)) {
+    return Status::InvalidArgument("`lora_dropout` must be in [0, 1), got " +
+                                   std::to_string(lora_dropout));
+  }
+  if (checkpoint_every > 1 && checkpointing != Checkpointing::kFull) {
+    return Status::InvalidArgument(
+        "`checkpoint_every` " + std::to_string(checkpoint_every) +
+        " picks which blocks full checkpointing wraps: use `checkpointing` full");
+  }
+  if (loss_chunks > 0 && loss != Loss::kChunked) {
+    return Status::InvalidArgument("`loss_chunks` needs `loss` chunked");
+  }
+  if (ParseGpuArch(gpu_arch) == 0) {
+    return Status::InvalidArgument("`gpu_arch` '" + gpu_arch +
+                                   "': expected a compute capability such as sm80 (A100), sm90 "
+                                   "(H100) or 8.9");
+  }
   MEMPLAN_RETURN_IF_ERROR(Range("`gpus_per_node`", gpus_per_node, 1, kMaxCount));
   MEMPLAN_RETURN_IF_ERROR(Range("`num_nodes`", num_nodes, 1, kMaxCount));
   MEMPLAN_RETURN_IF_ERROR(Range("cuda_context_bytes", cuda_context_bytes, 0, int64_t{1} << 40));
@@ -264,14 +314,61 @@ std::vector<std::string> DefaultLoraTargets(std::string_view model_type) {
       {"gptj", {"q_proj", "v_proj"}},
       {"opt", {"q_proj", "v_proj"}},
       {"xlm-roberta", {"query", "value"}},
+      // PEFT 0.21's further defaults (peft/utils/constants.py
+      // TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING).
+      {"phi3", {"qkv_proj"}},
+      {"olmo2", {"q_proj", "v_proj"}},
+      {"starcoder2", {"q_proj", "v_proj"}},
+      {"qwen2_moe", {"q_proj", "v_proj"}},
+      {"qwen3_moe", {"q_proj", "v_proj"}},
   };
   auto it = kDefaults->find(model_type);
   return it == kDefaults->end() ? std::vector<std::string>{} : it->second;
 }
 
+namespace {
+
+// The framework's own names for what its LoRA adapts, as roles (Note [Tensor roles]):
+// torchtune's lora_attn_modules / apply_lora_to_mlp / apply_lora_to_output, LitGPT's
+// lora_query ... lora_head. Empty when `name` is none of them (then it is a module name, as
+// PEFT's target_modules are).
+std::vector<TensorRole> FrameworkTargetRoles(Framework f, std::string_view name) {
+  using R = TensorRole;
+  const std::vector<TensorRole> mlp = {R::kMlpGate, R::kMlpUp, R::kMlpGateUp, R::kMlpDown};
+  if (f == Framework::kLitGpt) {
+    if (name == "query") return {R::kAttentionQ, R::kAttentionQkv};
+    if (name == "key") return {R::kAttentionK, R::kAttentionQkv};
+    if (name == "value") return {R::kAttentionV, R::kAttentionQkv};
+    if (name == "projection") return {R::kAttentionOut};
+    if (name == "mlp") return mlp;
+    if (name == "head") return {R::kHead};
+  }
+  if (f == Framework::kTorchtune) {
+    if (name == "q_proj") return {R::kAttentionQ};
+    if (name == "k_proj") return {R::kAttentionK};
+    if (name == "v_proj") return {R::kAttentionV};
+    if (name == "output_proj") return {R::kAttentionOut};
+    if (name == "mlp") return mlp;
+    if (name == "output") return {R::kHead};
+  }
+  return {};
+}
+
+}  // namespace
+
 Result<std::vector<const TensorInfo*>> LoraTargetTensors(const ModelInventory& inventory,
                                                          const TrainingSetup& setup) {
   std::vector<std::string> targets = setup.lora_targets;
+  if (targets.empty()) {
+    // LitGPT's finetune/lora.py adapts the query and value projections by default, as PEFT
+    // does for most model types.
+    if (setup.framework == Framework::kLitGpt) targets = {"query", "value"};
+    // torchtune's LoRA recipe configs (recipes/configs/*/*_lora*.yaml): lora_attn_modules
+    // [q_proj, v_proj, output_proj], apply_lora_to_mlp: True.
+    if (setup.framework == Framework::kTorchtune) {
+      targets = {"q_proj", "v_proj", "output_proj", "mlp"};
+    }
+  }
   if (targets.empty()) {
     targets = DefaultLoraTargets(inventory.model_type);
     if (targets.empty()) {
@@ -284,14 +381,23 @@ Result<std::vector<const TensorInfo*>> LoraTargetTensors(const ModelInventory& i
   const bool all = std::find(targets.begin(), targets.end(), "all-linear") != targets.end();
   std::vector<const TensorInfo*> out;
   std::set<std::string> matched, available;
+  std::set<const TensorInfo*> picked;
   for (const TensorInfo& t : inventory.tensors) {
-    if (!IsBlockLinearWeight(t)) continue;
+    const bool head = t.role == TensorRole::kHead && t.IsLinearWeight();
+    if (!IsBlockLinearWeight(t) && !head) continue;
     const std::string leaf = LastComponent(t.module);
-    available.insert(leaf);
-    if (all || std::find(targets.begin(), targets.end(), leaf) != targets.end()) {
-      out.push_back(&t);
-      matched.insert(leaf);
+    if (!head) available.insert(leaf);
+    bool take = false;
+    for (const std::string& target : targets) {
+      const std::vector<TensorRole> roles = FrameworkTargetRoles(setup.framework, target);
+      const bool by_role = std::find(roles.begin(), roles.end(), t.role) != roles.end();
+      if (by_role || (!head && (all || target == leaf))) {
+        take = true;
+        matched.insert(target);
+      }
     }
+    if (all && !head) matched.insert("all-linear");
+    if (take && picked.insert(&t).second) out.push_back(&t);
   }
   for (const std::string& target : targets) {
     if (target == "all-linear" || matched.count(target) > 0) continue;
@@ -346,12 +452,18 @@ nlohmann::json ToJson(const TrainingSetup& s) {
       {"optimizer", std::string(OptimizerName(s.optimizer))},
       {"lora_rank", s.lora_rank},
       {"lora_targets", s.lora_targets},
+      {"lora_dropout", s.lora_dropout},
       {"qlora", s.qlora},
       {"double_quant", s.double_quant},
       {"micro_batch", s.micro_batch},
       {"seq_len", s.seq_len},
       {"grad_accum", s.grad_accum},
       {"checkpointing", std::string(CheckpointingName(s.checkpointing))},
+      {"checkpoint_every", s.checkpoint_every},
+      {"loss", std::string(LossName(s.loss))},
+      {"loss_chunks", s.loss_chunks},
+      {"torch_compile", s.torch_compile},
+      {"gpu_arch", s.gpu_arch},
       {"flash_attention", s.flash_attention},
       {"tp", s.tp},
       {"sequence_parallel", s.sequence_parallel},
@@ -393,12 +505,18 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
                                                  "optimizer",
                                                  "lora_rank",
                                                  "lora_targets",
+                                                 "lora_dropout",
                                                  "qlora",
                                                  "double_quant",
                                                  "micro_batch",
                                                  "seq_len",
                                                  "grad_accum",
                                                  "checkpointing",
+                                                 "checkpoint_every",
+                                                 "loss",
+                                                 "loss_chunks",
+                                                 "torch_compile",
+                                                 "gpu_arch",
                                                  "flash_attention",
                                                  "tp",
                                                  "sequence_parallel",
@@ -439,10 +557,14 @@ Result<TrainingSetup> TrainingSetupFromJson(const nlohmann::json& j) {
   MEMPLAN_RETURN_IF_ERROR(r.Enum("optimizer", ParseOptimizer, &s.optimizer));
   MEMPLAN_RETURN_IF_ERROR(
       r.GetAll(F::Field("lora_rank", &s.lora_rank), F::Field("lora_targets", &s.lora_targets),
-               F::Field("qlora", &s.qlora), F::Field("double_quant", &s.double_quant),
-               F::Field("micro_batch", &s.micro_batch), F::Field("seq_len", &s.seq_len),
-               F::Field("grad_accum", &s.grad_accum)));
+               F::Field("lora_dropout", &s.lora_dropout), F::Field("qlora", &s.qlora),
+               F::Field("double_quant", &s.double_quant), F::Field("micro_batch", &s.micro_batch),
+               F::Field("seq_len", &s.seq_len), F::Field("grad_accum", &s.grad_accum)));
   MEMPLAN_RETURN_IF_ERROR(r.Enum("checkpointing", ParseCheckpointing, &s.checkpointing));
+  MEMPLAN_RETURN_IF_ERROR(r.Enum("loss", ParseLoss, &s.loss));
+  MEMPLAN_RETURN_IF_ERROR(r.GetAll(
+      F::Field("checkpoint_every", &s.checkpoint_every), F::Field("loss_chunks", &s.loss_chunks),
+      F::Field("torch_compile", &s.torch_compile), F::Field("gpu_arch", &s.gpu_arch)));
   MEMPLAN_RETURN_IF_ERROR(
       r.GetAll(F::Field("flash_attention", &s.flash_attention), F::Field("tp", &s.tp),
                F::Field("sequence_parallel", &s.sequence_parallel), F::Field("foreach", &s.foreach),

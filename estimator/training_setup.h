@@ -51,16 +51,32 @@ enum class Optimizer {
   kLion,       // one momentum buffer
   kAdafactor,  // factored second moment plus a first moment
 };
+// Activation checkpointing, as the frameworks name their policies (Note [Checkpointing
+// policies] in memory_model.h). `checkpoint_every` K > 1 with kFull checkpoints every K-th
+// block only (fms-fsdp's p = 1/K, torchtitan's selective "K", Transformers'
+// gradient_checkpointing_enable(every_n_layers=K)).
 enum class Checkpointing {
   kNone,       // every layer keeps all its activations
   kSelective,  // Megatron's selective recompute: the attention core (softmax, dropout) recomputed
   kFull,       // each layer keeps its input only and is recomputed in backward
+  kOp,         // torchtitan's op-level selective AC: the outputs of matmuls (every other one),
+               // attention and reduce-scatters saved, the rest recomputed ("selective op")
+};
+// How the loss meets the logits.
+enum class Loss {
+  kFull,     // one logits tensor for the whole micro-batch (Transformers' ForCausalLMLoss)
+  kChunked,  // the head and cross-entropy in chunks: torchtune's CEWithChunkedOutputLoss (8),
+             // LitGPT's chunked_cross_entropy (128-token chunks)
+  kFused,    // a fused linear cross-entropy kernel that never materialises the logits (Liger's
+             // LigerFusedLinearCrossEntropyLoss)
 };
 enum class OffloadDevice { kNone, kCpu, kNvme };
 // Which model code and training loop allocate the activations (the model states do not depend on
 // it): Hugging Face Transformers (with PEFT and bitsandbytes through Transformers, the Trainer or
-// Accelerate), or Lit-GPT / LitGPT (its own GPT, LoRA and chunked loss under Lightning Fabric).
-enum class Framework { kTransformers, kLitGpt };
+// Accelerate), Lit-GPT / LitGPT (its own GPT, LoRA and chunked loss under Lightning Fabric),
+// torchtune (its TransformerDecoder, LoRA/QLoRA on torchao NF4, chunked loss), torchtitan (its
+// Llama under FSDP2 with its AC modes), or llm-foundry (MPT under Composer).
+enum class Framework { kTransformers, kLitGpt, kTorchtune, kTorchtitan, kLlmFoundry };
 // PyTorch FSDP's sharding strategy, when FSDP rather than DeepSpeed shards the model states.
 enum class FsdpSharding {
   kNone,         // no FSDP (DeepSpeed ZeRO per zero_stage, or plain PyTorch / DDP)
@@ -71,14 +87,16 @@ enum class FsdpSharding {
 
 std::string_view PrecisionName(Precision p);  // "fp32", "fp16-mixed", "bf16-mixed", "bf16-pure"
 std::string_view OptimizerName(Optimizer o);  // "adamw", "adam8bit", "sgd", "lion", "adafactor"
-std::string_view CheckpointingName(Checkpointing c);  // "none", "selective", "full"
+std::string_view CheckpointingName(Checkpointing c);  // "none", "selective", "full", "op"
+std::string_view LossName(Loss l);                    // "full", "chunked", "fused"
 std::string_view OffloadDeviceName(OffloadDevice d);  // "none", "cpu", "nvme"
-std::string_view FrameworkName(Framework f);          // "transformers", "litgpt"
+std::string_view FrameworkName(Framework f);          // "transformers", "litgpt", "torchtune", ...
 std::string_view FsdpShardingName(FsdpSharding f);    // "none", "full_shard", ...
 // Inverses; errors list the accepted spellings.
 Result<Precision> ParsePrecision(std::string_view text);
 Result<Optimizer> ParseOptimizer(std::string_view text);
 Result<Checkpointing> ParseCheckpointing(std::string_view text);
+Result<Loss> ParseLoss(std::string_view text);
 Result<OffloadDevice> ParseOffloadDevice(std::string_view text);
 Result<Framework> ParseFramework(std::string_view text);
 Result<FsdpSharding> ParseFsdpSharding(std::string_view text);  // also FULL_SHARD, ...
@@ -102,6 +120,9 @@ struct TrainingSetup {
   // "all-linear" (every Linear inside the repeated blocks). Empty: PEFT's default for the
   // model_type (q/v projections).
   std::vector<std::string> lora_targets;
+  // Dropout on each adapter's input; negative: the framework's default (PEFT's and torchtune's
+  // 0, LitGPT's 0.05). Above 0 each adapted Linear keeps a mask and the dropped input.
+  double lora_dropout = -1;
   bool qlora = false;         // frozen base Linears in NF4 (4.5 bits per parameter)
   bool double_quant = false;  // QLoRA's double quantisation of the scales (4.127 bits)
 
@@ -109,6 +130,20 @@ struct TrainingSetup {
   int64_t seq_len = 0;      // tokens per sequence; 0 = min(model's positions, 2048), or 512
   int64_t grad_accum = 1;   // micro-batches per optimizer step (gradient_accumulation_steps)
   Checkpointing checkpointing = Checkpointing::kNone;
+  // With checkpointing full: only every K-th block is checkpointed (1: all of them).
+  int64_t checkpoint_every = 1;
+  // How the loss meets the logits, and into how many chunks kChunked splits them (0: the
+  // framework's own: torchtune's 8; LitGPT's 128-token chunks).
+  Loss loss = Loss::kFull;
+  int64_t loss_chunks = 0;
+  // torch.compile of the model (torchtitan's compile, torchtune's compile, the Trainer's
+  // torch_compile): Inductor's partitioner saves the matmul inputs, the attention outputs and
+  // the norms' statistics and recomputes the pointwise ops in backward.
+  bool torch_compile = false;
+  // The GPU architecture the kernels run on ("sm80": A100; sm70 V100, sm86/sm89 RTX 30/40,
+  // sm90 H100/H200, sm100 B200): decides which attention kernel SDPA picks (and what it keeps)
+  // and the cuBLAS workspace.
+  std::string gpu_arch = "sm80";
   // Memory-efficient attention (FlashAttention, SDPA): no s x s score matrices are kept. On by
   // default, as in Transformers since 4.36 (SDPA) and in every memplan command.
   bool flash_attention = true;
@@ -193,6 +228,10 @@ struct TrainingSetup {
   }
   // torch_version before MAJOR.MINOR (false when torch_version is empty: a current release).
   bool TorchBefore(int major, int minor) const;
+  // lora_dropout as the framework applies it.
+  double LoraDropout() const;
+  // gpu_arch's compute capability x 10 (sm80 -> 80).
+  int GpuSm() const;
 
   // Ranges and combinations that make no sense on their own: offload without the ZeRO stage that
   // supports it, QLoRA without LoRA, 8-bit Adam on LoRA adapters, an optimizer DeepSpeed cannot

@@ -148,6 +148,52 @@ TEST_CASE("training setup: JSON round trip") {
               "setup JSON: unknown key 'micro_bach' (did you mean micro_batch?)");
 }
 
+TEST_CASE("training setup: frameworks, checkpointing policies, losses, compile and GPU arch") {
+  TrainingSetup s;
+  s.framework = Framework::kTorchtitan;
+  s.checkpointing = Checkpointing::kOp;
+  s.loss = Loss::kChunked;
+  s.loss_chunks = 16;
+  s.torch_compile = true;
+  s.gpu_arch = "sm90";
+  CHECK_OK(s.Validate());
+  CHECK(s.GpuSm() == 90);
+  Result<TrainingSetup> back = TrainingSetupFromJson(ToJson(s));
+  REQUIRE_MESSAGE(back.ok(), back.status().ToString());
+  CHECK(ToJson(*back) == ToJson(s));
+  CHECK(ToJson(s)["framework"] == "torchtitan");
+  CHECK(ToJson(s)["checkpointing"] == "op");
+  CHECK(ToJson(s)["loss"] == "chunked");
+  for (const char* name : {"transformers", "litgpt", "torchtune", "torchtitan", "llm-foundry"}) {
+    Result<Framework> f = ParseFramework(name);
+    REQUIRE_MESSAGE(f.ok(), f.status().ToString());
+    CHECK(FrameworkName(*f) == name);
+  }
+  CHECK(*ParseFramework("lit-gpt") == Framework::kLitGpt);
+  for (const char* arch : {"sm80", "SM_90", "8.9", "9.0a", "sm100"}) {
+    s.gpu_arch = arch;
+    CHECK_OK(s.Validate());
+  }
+  s.gpu_arch = "8.9";
+  CHECK(s.GpuSm() == 89);
+
+  TrainingSetup bad;
+  bad.checkpoint_every = 2;  // without full checkpointing
+  ExpectError(bad.Validate(), "`checkpoint_every` 2");
+  bad.checkpointing = Checkpointing::kFull;
+  CHECK_OK(bad.Validate());
+  bad.checkpoint_every = 0;
+  ExpectError(bad.Validate(), "`checkpoint_every`");
+  TrainingSetup chunks;
+  chunks.loss_chunks = 8;
+  ExpectError(chunks.Validate(), "`loss_chunks` needs `loss` chunked");
+  TrainingSetup arch;
+  arch.gpu_arch = "a100";
+  ExpectError(arch.Validate(), "`gpu_arch` 'a100'");
+  ExpectError(TrainingSetupFromJson({{"loss", "focal"}}).status(), "unknown loss 'focal'");
+  ExpectError(TrainingSetupFromJson({{"checkpointing", "some"}}).status(), "checkpointing");
+}
+
 TEST_CASE("training setup: a DeepSpeed config's settings are read") {
   const nlohmann::json config = nlohmann::json::parse(R"({
     "train_micro_batch_size_per_gpu": 2,

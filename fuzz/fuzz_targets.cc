@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +27,7 @@
 #include "nvme/swap_index_internal.h"
 #include "planner/check.h"
 #include "planner/cluster.h"
+#include "planner/launch.h"
 #include "tools/cli.h"
 
 namespace memplan::fuzz {
@@ -251,6 +253,187 @@ Status CheckArithmeticOne(std::string_view input) {
   if (flagged != wrong) {
     return Status::Internal(std::string("check ") + (flagged ? "flags" : "accepts") + " " +
                             config.dump() + " on " + std::to_string(world) + " GPUs");
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+// The words of `line` as bash would split them, for the shell memplan writes: plain characters,
+// '...' (nothing special inside), \' and "..." holding only text and $NAME / ${NAME...}
+// expansions (kept as written, "$" included). Anything else a shell would act on outside quotes
+// (; | & < > ( ) ` $( a newline, a glob, a tilde, a backslash before anything but ') fails.
+Result<std::vector<std::string>> ShellWords(std::string_view line) {
+  std::vector<std::string> words;
+  std::string word;
+  bool in_word = false;
+  for (size_t i = 0; i < line.size();) {
+    const char c = line[i];
+    if (c == ' ') {
+      if (in_word) words.push_back(std::move(word));
+      word.clear();
+      in_word = false;
+      ++i;
+      continue;
+    }
+    in_word = true;
+    if (c == '\'') {
+      const size_t close = line.find('\'', i + 1);
+      if (close == std::string_view::npos) return Status::Internal("an unclosed '");
+      word.append(line.substr(i + 1, close - i - 1));
+      i = close + 1;
+    } else if (c == '\\') {
+      if (i + 1 >= line.size() || line[i + 1] != '\'') {
+        return Status::Internal("a backslash outside quotes not before '");
+      }
+      word += '\'';
+      i += 2;
+    } else if (c == '"') {
+      const size_t close = line.find('"', i + 1);
+      if (close == std::string_view::npos) return Status::Internal("an unclosed \"");
+      const std::string_view inner = line.substr(i + 1, close - i - 1);
+      for (size_t k = 0; k < inner.size(); ++k) {
+        if (inner[k] == '`' || inner[k] == '\\' ||
+            (inner[k] == '$' && k + 1 < inner.size() && inner[k + 1] == '(')) {
+          return Status::Internal("a command substitution in double quotes");
+        }
+      }
+      word.append(inner);
+      i = close + 1;
+    } else {
+      const bool plain = std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' ||
+                         c == '/' || c == ':' || c == '=' || c == '@' || c == '%' || c == '+' ||
+                         c == ',' || c == '-';
+      if (!plain) return Status::Internal(std::string("'") + c + "' outside quotes");
+      word += c;
+      ++i;
+    }
+  }
+  if (in_word) words.push_back(std::move(word));
+  return words;
+}
+
+}  // namespace
+
+Status LaunchScriptOne(std::string_view input) {
+  if (input.empty()) return Status::Ok();
+  const auto flags = static_cast<uint8_t>(input[0]);
+  std::vector<std::string> fields;
+  for (size_t start = 1; start <= input.size() && fields.size() < 16;) {
+    size_t end = input.find('\x1f', start);
+    if (end == std::string_view::npos) end = input.size();
+    fields.emplace_back(input.substr(start, end - start));
+    start = end + 1;
+  }
+  auto field = [&](size_t i, const char* fallback) {
+    return i < fields.size() ? fields[i] : std::string(fallback);
+  };
+  static constexpr planner::Launcher kLaunchers[] = {
+      planner::Launcher::kTorchrun, planner::Launcher::kSlurm, planner::Launcher::kDeepSpeed,
+      planner::Launcher::kAccelerate};
+  planner::Plan plan;
+  plan.family = field(0, "ZeRO-3");
+  plan.setup.zero_stage = 3;
+  plan.setup.micro_batch = 1;
+  plan.setup.grad_accum = 1;
+  planner::Cluster cluster;
+  cluster.gpu = *planner::FindGpuPreset("a100-80");
+  cluster.gpu.name = field(1, "a100-80");
+  cluster.gpus_per_node = 8;
+  cluster.nodes = (flags & 4) != 0 ? 2 : 1;
+  cluster.cpu_cores = (flags & 8) != 0 ? 64 : 0;
+  planner::LaunchOptions o;
+  o.launcher = kLaunchers[flags & 3];
+  o.script = field(2, "train.py");
+  const size_t args = (flags >> 4) & 3;
+  for (size_t i = 0; i < args; ++i) o.script_args.push_back(field(3 + i, "--x"));
+  o.deepspeed_config = field(6, "");
+  o.accelerate_config =
+      (flags & 64) != 0 || o.launcher == planner::Launcher::kAccelerate ? field(7, "acc.yaml") : "";
+  o.hostfile = field(8, "hostfile");
+  o.job_name = field(9, "memplan");
+  o.slurm_partition = field(10, "");
+  o.slurm_time = field(11, "");
+  o.for_hf_trainer = (flags & 128) != 0;
+  Result<std::string> script = planner::LaunchScript(plan, cluster, o);
+  if (!script.ok()) {
+    const std::string& m = script.status().message();
+    if (m.find('\n') != std::string::npos ||
+        (m.rfind("`", 0) != 0 && m.rfind("the DeepSpeed hostfile path", 0) != 0)) {
+      return Status::Internal("a refusal that does not name its field on one line: " + m);
+    }
+    return Status::Ok();
+  }
+  // Every line: the shebang, a comment, a directive, a fixed line, or the one launch line.
+  std::vector<std::string> launch_lines;
+  size_t start = 0;
+  bool first = true;
+  while (start < script->size()) {
+    size_t end = script->find('\n', start);
+    if (end == std::string::npos) return Status::Internal("the script does not end in a newline");
+    const std::string line = script->substr(start, end - start);
+    start = end + 1;
+    if (first) {
+      if (line != "#!/usr/bin/env bash") return Status::Internal("no shebang: " + line);
+      first = false;
+      continue;
+    }
+    if (line.find('\r') != std::string::npos || line.find('\0') != std::string::npos) {
+      return Status::Internal("a CR or NUL in a line: " + line);
+    }
+    if (line.rfind("#", 0) == 0) continue;  // a comment (or #SBATCH) to its end, whatever it holds
+    if (line == "set -euo pipefail" || line == "export MASTER_ADDR" ||
+        line.rfind("export MASTER_PORT=", 0) == 0 ||
+        line == "MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | sed -n 1p)") {
+      continue;
+    }
+    launch_lines.push_back(line);
+  }
+  if (launch_lines.size() != 1) {
+    return Status::Internal(std::to_string(launch_lines.size()) + " command lines:\n" + *script);
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(std::vector<std::string> words, ShellWords(launch_lines[0]));
+  if (!words.empty() && words[0] == "srun") {
+    // srun OPTIONS (torchrun ... | bash -c 'accelerate launch ...')
+    auto command = std::find_if(words.begin() + 1, words.end(),
+                                [](const std::string& w) { return w.rfind("--", 0) != 0; });
+    if (command == words.end()) return Status::Internal("srun runs nothing");
+    if (*command == "bash") {
+      auto bash = command;
+      if (bash + 3 != words.end() || *(bash + 1) != "-c") {
+        return Status::Internal("srun runs bash with more than -c STRING");
+      }
+      MEMPLAN_ASSIGN_OR_RETURN(words, ShellWords(*(bash + 2)));
+    } else {
+      words.erase(words.begin(), command);
+    }
+  }
+  const char* launcher = o.launcher == planner::Launcher::kTorchrun     ? "torchrun"
+                         : o.launcher == planner::Launcher::kDeepSpeed  ? "deepspeed"
+                         : o.launcher == planner::Launcher::kAccelerate ? "accelerate"
+                         : o.accelerate_config.empty()                  ? "torchrun"
+                                                                        : "accelerate";
+  if (words.empty() || words[0] != launcher) {
+    return Status::Internal(std::string("the command is not ") + launcher + ": " + launch_lines[0]);
+  }
+  std::vector<std::string> tail = {o.script};
+  tail.insert(tail.end(), o.script_args.begin(), o.script_args.end());
+  // Under accelerate the Accelerate config names the DeepSpeed one; the script gets no config
+  // argument (planner/launch.cc, ScriptWords).
+  if (!o.deepspeed_config.empty() && std::string_view(launcher) != "accelerate") {
+    tail.push_back(o.for_hf_trainer ? "--deepspeed" : "--deepspeed_config");
+    tail.push_back(o.deepspeed_config);
+  }
+  if (words.size() <= tail.size() ||
+      !std::equal(tail.begin(), tail.end(),
+                  words.end() - static_cast<std::ptrdiff_t>(tail.size()))) {
+    return Status::Internal("the launcher's arguments are not those given: " + launch_lines[0]);
+  }
+  if (!o.accelerate_config.empty() && words[0] == "accelerate") {
+    auto at = std::find(words.begin(), words.end(), "--config_file");
+    if (at == words.end() || at + 1 == words.end() || *(at + 1) != o.accelerate_config) {
+      return Status::Internal("--config_file is not the Accelerate config given");
+    }
   }
   return Status::Ok();
 }

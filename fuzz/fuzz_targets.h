@@ -39,5 +39,13 @@ Status CliOne(std::string_view input);
 // against the same rule computed in 128 bits. Broken when check's verdict on train_batch_size
 // differs from DeepSpeed's rule.
 Status CheckArithmeticOne(std::string_view input);
+// A launch script (planner::LaunchScript) from hostile strings in every field: the first byte picks
+// the launcher, the nodes and the options, the rest is split at 0x1f into the plan's description,
+// the GPU name, the training script, its arguments, the config paths, the hostfile, the job name,
+// the sbatch partition and time. Broken when a refusal does not name its field, or when the
+// script is not exactly its fixed lines, one-line comments and one launch line that a shell-word
+// reader (the subset of bash memplan writes: plain words, single quotes, '\'' and double-quoted
+// variables) splits into the launcher and exactly the arguments given (Note [Generated text]).
+Status LaunchScriptOne(std::string_view input);
 
 }  // namespace memplan::fuzz

@@ -53,7 +53,7 @@ Result<estimator::ModelInventory> RequestModel(const json& request, bool allow_s
   }
   MEMPLAN_ASSIGN_OR_RETURN(estimator::ModelClassChoice choice, ModelClass(request));
   std::string name = "request";
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("name", &name));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Name("name", &name));
   if (request.contains("model")) {
     MEMPLAN_RETURN_IF_ERROR(Fields(request).String("model", label));
     if (label->empty()) return Status::InvalidArgument("request: \"model\" is empty");
@@ -206,7 +206,7 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
   } else {
     MEMPLAN_RETURN_IF_ERROR(Fields(request).ByteSize("memlock", &cluster.memlock_bytes));
   }
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("nvme_path", &cluster.nvme_path));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Name("nvme_path", &cluster.nvme_path));
   MEMPLAN_RETURN_IF_ERROR(Fields(request).ByteSize("nvme_capacity", &cluster.nvme_capacity_bytes));
   double inter_node_gbps = 0;
   MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("inter_node_bw", &inter_node_gbps));

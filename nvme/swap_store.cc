@@ -327,6 +327,9 @@ struct SwapStore::Impl {
                         std::to_string(allocator->largest_free_bytes()) + " bytes)"));
   }
 
+  // OK while options.directory still names the directory Open() opened; FailedPrecondition naming
+  // what it is now (a symbolic link, another directory, nothing) otherwise.
+  Status DirectoryUnchanged() const;
   // Open() steps; each records what it created so Teardown removes exactly that.
   Status PrepareDirectory();
   Status TakeLock();
@@ -346,6 +349,10 @@ struct SwapStore::Impl {
   // operation is in flight and `closed` stops new ones).
   const SwapStoreOptions options;
   std::string data_path, lock_path, index_path;
+  // The directory as Open() found it (Note [Store directory by descriptor]).
+  int dir_fd = -1;
+  dev_t dir_dev = 0;
+  ino_t dir_ino = 0;
   bool created_dir = false;
   bool lock_created = false;
   bool lock_held = false;
@@ -417,9 +424,42 @@ Status SwapStore::Impl::PrepareDirectory() {
         Msg(std::string("is group- or world-writable (mode ") + mode +
             "); a store directory must not be writable by others (chmod go-w)"));
   }
+  // Note [Store directory by descriptor]: the files are created, checked and removed relative to
+  // this descriptor, not by name, so a directory renamed, removed or swapped for a symbolic link
+  // while the store is open (by anyone who can write its parent) cannot make Close() delete
+  // another store's files, or a live run's lock, through the new name. What must go by name (the
+  // index written atomically by Sync(), the final rmdir) first checks DirectoryUnchanged().
+  dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (dir_fd < 0) return Status::FromErrno(errno, Msg("cannot open the directory"));
+  struct stat opened;
+  if (::fstat(dir_fd, &opened) != 0) return Status::FromErrno(errno, Msg("cannot stat"));
+  if (opened.st_dev != st.st_dev || opened.st_ino != st.st_ino) {
+    return Status::FailedPrecondition(Msg("was replaced while the store was being opened"));
+  }
+  dir_dev = opened.st_dev;
+  dir_ino = opened.st_ino;
   data_path = dir + "/" + kDataFileName;
   lock_path = dir + "/" + kLockFileName;
   index_path = dir + "/" + kIndexFileName;
+  return Status::Ok();
+}
+
+Status SwapStore::Impl::DirectoryUnchanged() const {
+  struct stat st;
+  if (::lstat(options.directory.c_str(), &st) != 0) {
+    // An I/O failure with its errno (ENOENT, ...), as any other file of the store that is gone:
+    // the caller's data is lost, not a precondition it broke.
+    return Status::FromErrno(
+        errno, Msg("the directory was removed or renamed since the store was opened"));
+  }
+  if (S_ISLNK(st.st_mode)) {
+    return Status::FailedPrecondition(
+        Msg("the directory was replaced by a symbolic link since the store was opened"));
+  }
+  if (st.st_dev != dir_dev || st.st_ino != dir_ino) {
+    return Status::FailedPrecondition(
+        Msg("the directory was replaced by another since the store was opened"));
+  }
   return Status::Ok();
 }
 
@@ -428,10 +468,11 @@ Status SwapStore::Impl::PrepareDirectory() {
 // that the name still refers to the file we locked, and start over when it does not.
 Status SwapStore::Impl::TakeLock() {
   for (int attempt = 0; attempt < kLockAttempts; ++attempt) {
-    int fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    int fd =
+        ::openat(dir_fd, kLockFileName, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     const bool created = fd >= 0;
     if (fd < 0 && errno == EEXIST) {
-      fd = ::open(lock_path.c_str(), O_RDWR | O_NOFOLLOW | O_CLOEXEC);
+      fd = ::openat(dir_fd, kLockFileName, O_RDWR | O_NOFOLLOW | O_CLOEXEC);
       if (fd < 0 && errno == ENOENT) continue;  // removed since; create it afresh
     }
     if (fd < 0) return Status::FromErrno(errno, Msg("cannot open the lock file " + lock_path));
@@ -456,8 +497,8 @@ Status SwapStore::Impl::TakeLock() {
     }
     lock_held = true;
     struct stat by_name;
-    if (::lstat(lock_path.c_str(), &by_name) == 0 && by_name.st_dev == st.st_dev &&
-        by_name.st_ino == st.st_ino) {
+    if (::fstatat(dir_fd, kLockFileName, &by_name, AT_SYMLINK_NOFOLLOW) == 0 &&
+        by_name.st_dev == st.st_dev && by_name.st_ino == st.st_ino) {
       std::string pid = std::to_string(::getpid()) + "\n";
       if (::ftruncate(fd, 0) != 0 ||
           ::pwrite(fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
@@ -476,7 +517,7 @@ Status SwapStore::Impl::TakeLock() {
 
 Status SwapStore::Impl::CreateDataFile() {
   struct stat st;
-  if (::lstat(data_path.c_str(), &st) == 0) {
+  if (::fstatat(dir_fd, kDataFileName, &st, AT_SYMLINK_NOFOLLOW) == 0) {
     return Status::FailedPrecondition(
         Msg("data file " + data_path +
             " exists (kept by an earlier store?); remove it or use a new directory"));
@@ -506,7 +547,7 @@ Status SwapStore::Impl::CreateDataFile() {
   data_ours = true;
   // An index left by an earlier store described a data file that is gone; it must not be loaded
   // against this one if this store is reopened before its first Sync().
-  if (::unlink(index_path.c_str()) != 0 && errno != ENOENT) {
+  if (::unlinkat(dir_fd, kIndexFileName, 0) != 0 && errno != ENOENT) {
     return Status::FromErrno(errno, Msg("cannot remove the stale index " + index_path));
   }
   int err = ::posix_fallocate(data_fd, 0, static_cast<off_t>(file_bytes));
@@ -573,7 +614,7 @@ Status SwapStore::Impl::OpenDataFile() {
 Status SwapStore::Impl::LoadIndex() {
   const std::string never_synced =
       " (the store was never synced: Sync() and Close() with keep_files write it)";
-  int fd = ::open(index_path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  int fd = ::openat(dir_fd, kIndexFileName, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
   if (fd < 0) {
     if (errno == ENOENT) {
       return Status::FromErrno(ENOENT,
@@ -675,6 +716,8 @@ Status SwapStore::Impl::WriteIndex(const std::string& bytes) {
                                          std::to_string(internal::kMaxSwapIndexBytes) +
                                          "-byte limit; use a larger checksum_block_bytes"));
   }
+  // By name (a temporary file and a rename): only into the directory the store opened.
+  MEMPLAN_RETURN_IF_ERROR(DirectoryUnchanged().WithPrefix("cannot write the index"));
   return WriteFileAtomically(index_path, bytes, 0600).WithPrefix(Msg("cannot write the index"));
 }
 
@@ -731,14 +774,15 @@ Status SwapStore::Impl::Teardown(bool closing, const std::string* index_bytes) {
   }
   // The index first: an index left without its data file (by a crash in between) would be the
   // more confusing leftover.
+  // Relative to the directory Open() opened (Note [Store directory by descriptor]).
   if (remove && closing && index_ours) {
-    if (::unlink(index_path.c_str()) != 0 && errno != ENOENT) {
+    if (::unlinkat(dir_fd, kIndexFileName, 0) != 0 && errno != ENOENT) {
       note(Status::FromErrno(errno, Msg("cannot remove " + index_path)));
     }
     index_ours = false;
   }
   if (remove && (closing ? data_ours : data_created)) {
-    if (::unlink(data_path.c_str()) != 0 && errno != ENOENT) {
+    if (::unlinkat(dir_fd, kDataFileName, 0) != 0 && errno != ENOENT) {
       note(Status::FromErrno(errno, Msg("cannot remove " + data_path)));
     }
     data_created = false;
@@ -747,7 +791,7 @@ Status SwapStore::Impl::Teardown(bool closing, const std::string* index_bytes) {
   if (lock_fd >= 0) {
     // Unlink while still holding the lock, so no one can lock the name we are about to delete.
     if (remove && lock_held && (closing || lock_created)) {
-      if (::unlink(lock_path.c_str()) != 0 && errno != ENOENT) {
+      if (::unlinkat(dir_fd, kLockFileName, 0) != 0 && errno != ENOENT) {
         note(Status::FromErrno(errno, Msg("cannot remove " + lock_path)));
       }
     }
@@ -755,13 +799,29 @@ Status SwapStore::Impl::Teardown(bool closing, const std::string* index_bytes) {
     lock_fd = -1;
     lock_held = false;
   }
-  if (remove && created_dir) {
+  // rmdir goes by name: only when the name still is the directory this store made (a link or
+  // another directory there now is someone else's, and is left alone).
+  const Status unchanged = dir_fd >= 0 ? DirectoryUnchanged() : Status::Ok();
+  if (remove && created_dir && unchanged.ok()) {
     // Files someone else left there keep the directory; that is theirs to clean up.
     if (::rmdir(options.directory.c_str()) != 0 && errno != ENOTEMPTY && errno != EEXIST &&
         errno != ENOENT) {
       note(Status::FromErrno(errno, Msg("cannot remove the directory")));
     }
-    created_dir = false;
+  }
+  created_dir = false;
+  // A directory swapped under a closing store is worth knowing of: what the store made was removed
+  // where it was made, and nothing under the new name was touched.
+  if (closing && !unchanged.ok()) {
+    note(Status::FailedPrecondition(
+        unchanged.message() +
+        (remove ? "; the store's files were removed from the directory it opened, and nothing "
+                  "under the new name was touched"
+                : "; the store's files stay in the directory it opened")));
+  }
+  if (dir_fd >= 0) {
+    ::close(dir_fd);
+    dir_fd = -1;
   }
   return first;
 }

@@ -1,8 +1,9 @@
 // SwapStore against a full device and against symlinks planted on a shared mount: ENOSPC while
 // the store fills up names the key and leaves every other value readable; a symlink planted where
 // the store's data, lock or index file goes is refused, and the file it points to is untouched
-// (O_NOFOLLOW / O_EXCL). Mode 0600 files in a 0700 directory, and a directory that is a symlink,
-// shared or someone else's: swap_store_test.cc.
+// (O_NOFOLLOW / O_EXCL); a directory swapped for a symlink or another directory while the store
+// is open keeps everything at Close (Note [Store directory by descriptor]). Mode 0600 files in a
+// 0700 directory, and a directory that is a symlink, shared or someone else's: swap_store_test.cc.
 #include <doctest/doctest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -152,6 +153,56 @@ TEST_CASE("store hostile: reopening refuses a data or index file replaced by a s
   REQUIRE_OK((*store)->Get("k", back));
   CHECK(back == Bytes(5000, 1));
   CHECK_OK((*store)->Close());
+}
+
+// Issue 30 L1: the store directory swapped for a symlink while the store is open (the copy's
+// files stand for another store's, or a live run's lock). Close() must remove nothing through the
+// link; it says what happened. Its neighbours: the directory swapped for another real directory,
+// and a Sync() (which writes the index by name) after the swap.
+TEST_CASE("store hostile: a directory swapped for a symlink while open loses nothing at Close") {
+  testing::TempDir tmp("memplan_hostile_store_");
+  for (const bool as_link : {true, false}) {
+    CAPTURE(as_link);
+    const std::string dir = tmp.PathOf(as_link ? "params" : "params2");
+    const std::string copy = dir + ".copy";
+    SwapStoreOptions options = Options(dir);  // created by the store, removed by Close()
+    auto store = SwapStore::Open(options);
+    REQUIRE_MESSAGE(store.ok(), store.status().ToString());
+    REQUIRE_OK((*store)->Put("k", Bytes(5000, 2)));
+    REQUIRE_OK((*store)->Sync());
+    // cp -r params params.copy; rm -r params; ln -s params.copy params (or mv params.copy params)
+    fs::copy(dir, copy, fs::copy_options::recursive);
+    fs::remove_all(dir);
+    if (as_link) {
+      fs::create_symlink(copy, dir);
+    } else {
+      fs::rename(copy, dir);
+    }
+    const std::string seen = as_link ? copy : dir;
+    const std::vector<std::string> names = {SwapStore::kDataFileName, SwapStore::kLockFileName,
+                                            SwapStore::kIndexFileName};
+    std::vector<std::string> before;
+    for (const std::string& name : names)
+      before.push_back(testing::ReadWholeFile(seen + "/" + name));
+
+    // Sync writes the index by name: refused, not written into the new directory.
+    const Status sync = (*store)->Sync();
+    CHECK(sync.code() == StatusCode::kFailedPrecondition);
+    CHECK(sync.message().find(as_link ? "replaced by a symbolic link" : "replaced by another") !=
+          std::string::npos);
+    const Status closed = (*store)->Close();
+    CAPTURE(closed.ToString());
+    CHECK(closed.code() == StatusCode::kFailedPrecondition);
+    CHECK(closed.message().find("nothing under the new name was touched") != std::string::npos);
+    // Every file the link (or the new directory) holds is still there, byte for byte.
+    for (size_t i = 0; i < names.size(); ++i) {
+      CAPTURE(names[i]);
+      REQUIRE(fs::exists(seen + "/" + names[i]));
+      CHECK(testing::ReadWholeFile(seen + "/" + names[i]) == before[i]);
+    }
+    CHECK(fs::is_directory(seen));
+    if (as_link) CHECK(fs::is_symlink(dir));
+  }
 }
 
 }  // namespace

@@ -130,7 +130,7 @@ Result<Schedule> ScheduleFromJson(const nlohmann::json& j, const std::string& so
     const JsonFieldReader n = r.Child("nvme");
     MEMPLAN_RETURN_IF_ERROR(n.CheckKeys(
         {"path", "backend", "block_size", "queue_depth", "intra_op_parallelism", "direct"}));
-    MEMPLAN_RETURN_IF_ERROR(n.String("path", &s.nvme_path));
+    MEMPLAN_RETURN_IF_ERROR(n.Name("path", &s.nvme_path));
     MEMPLAN_RETURN_IF_ERROR(n.Enum("backend", nvme::ParseBackendKind, &s.nvme_backend));
     MEMPLAN_RETURN_IF_ERROR(n.Integer("block_size", &s.nvme_block_size));
     MEMPLAN_RETURN_IF_ERROR(n.Integer("queue_depth", &s.nvme_queue_depth));

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "common/json.h"
+#include "common/printable.h"
 
 namespace memplan::planner {
 namespace {
@@ -130,12 +131,13 @@ Result<MeasuredRun> RunFromJson(const nlohmann::json& r, const std::string& sour
   const JsonFieldReader at_index(r, source, "runs[" + std::to_string(index) + "].");
   MEMPLAN_RETURN_IF_ERROR(at_index.CheckKeys({"id", "environment", "model", "source", "cluster",
                                               "setup", "model_class", "sharding", "step_time_s"}));
-  MEMPLAN_RETURN_IF_ERROR(at_index.String("id", &run.id));
+  MEMPLAN_RETURN_IF_ERROR(at_index.Name("id", &run.id));
   if (run.id.empty()) return at_index.Error("id", "must be a non-empty string");
   // From here on errors name the run by its id, as a user finds it in the file.
   const JsonFieldReader f(r, source + ": run '" + run.id + "'");
   std::string model_class = "auto", sharding = "full";
-  MEMPLAN_RETURN_IF_ERROR(f.Required("model", &run.model));
+  MEMPLAN_RETURN_IF_ERROR(f.Require("model"));
+  MEMPLAN_RETURN_IF_ERROR(f.Name("model", &run.model));
   MEMPLAN_RETURN_IF_ERROR(f.GetAll(F::Field("source", &run.source),
                                    F::Field("model_class", &model_class),
                                    F::Field("sharding", &sharding)));
@@ -339,6 +341,7 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
   const double prior_cost = model.Residuals(v).squaredNorm();
   std::vector<Parameter> fit_params;
   Eigen::VectorXd x, x_prior, se;
+  std::vector<bool> pinned;  // at a bound that the objective pushes it past
   double cost = 0;
   const auto n = static_cast<double>(runs.size());
   while (true) {
@@ -453,6 +456,21 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
     for (Eigen::Index k = 0; k < x.size(); ++k) {
       se[k] = std::sqrt(std::max(0.0, cov(k, k))) * scales[k];
     }
+    // A constant at a bound is pinned there when the fit moved it there, or when it started
+    // there and the unbounded optimum lies past the bound by more than a standard error: either
+    // way the runs want a value the model does not allow (Note [Calibration bounds]).
+    const Eigen::VectorXd gradient = jf.transpose() * residuals(x, noise, true);
+    const Eigen::MatrixXd curvature = jf.transpose() * jf;
+    pinned.assign(static_cast<size_t>(x.size()), false);
+    for (Eigen::Index k = 0; k < x.size(); ++k) {
+      const Parameter& p = fit_params[static_cast<size_t>(k)];
+      const bool at_lo = x[k] <= p.lo + 1e-12, at_hi = x[k] >= p.hi - 1e-12;
+      if (!at_lo && !at_hi) continue;
+      const double step = -gradient[k] / std::max(curvature(k, k), 1e-12) * scales[k];
+      const bool outward = (at_lo && step < 0) || (at_hi && step > 0);
+      pinned[static_cast<size_t>(k)] =
+          x[k] != x_prior[k] || (outward && std::fabs(step) > std::max(se[k], 1e-3 * scales[k]));
+    }
     // The least certain constant not asked for by name, if any is too uncertain.
     constexpr double kMaxRelativeError = 0.25;
     Eigen::Index worst = -1;
@@ -490,7 +508,7 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
     f.prior = x_prior[e];
     f.value = x[e];
     f.standard_error = se[e];
-    f.at_bound = (x[e] <= p.lo + 1e-12 || x[e] >= p.hi - 1e-12) && x[e] != x_prior[e];
+    f.at_bound = pinned[k];
     result.fitted.push_back(f);
     if (p.base == "gemm_efficiency") {
       result.gemm_efficiency[p.gpu] = x[e];
@@ -516,7 +534,63 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
   }
   result.rms_error_prior = std::sqrt(prior_cost / n);
   result.rms_error_fitted = std::sqrt(cost / n);
+  result.max_rms_error = options.max_rms_error;
+
+  // Note [Calibration bounds]: a fit that does not explain its runs is refused; what it explains
+  // with a constant pinned at a bound, or with runs it still misses, is written with warnings.
+  const RunResidual* worst = nullptr;
+  for (const RunResidual& r : result.runs) {
+    if (worst == nullptr || std::fabs(r.fitted_s / r.measured_s - 1) >
+                                std::fabs(worst->fitted_s / worst->measured_s - 1)) {
+      worst = &r;
+    }
+  }
+  if (!(result.rms_error_fitted <= options.max_rms_error)) {
+    return Status::InvalidArgument(
+        "calibrate: the calibrated model still misses the runs by " +
+        Fmt("%.3g%%", result.rms_error_fitted * 100) + " RMS (" +
+        Fmt("%.3g%%", result.rms_error_prior * 100) + " with the priors), more than the " +
+        Fmt("%.3g%%", options.max_rms_error * 100) + " `max_rms_error` accepts; the worst, run '" +
+        Printable(worst->id) + "': measured " + Fmt("%.4g", worst->measured_s) +
+        " s, calibrated model " + Fmt("%.4g", worst->fitted_s) +
+        " s. The runs measure something the model does not describe: check that step_time_s is "
+        "seconds per optimizer step and that each run's model, cluster (GPU, nodes, network) and "
+        "setup are what ran. Nothing was written");
+  }
+  result.warnings = CalibrationWarnings(result);
   return result;
+}
+
+std::vector<std::string> CalibrationWarnings(const Calibration& c) {
+  std::vector<std::string> out;
+  const std::string bound = Fmt("%.3g%%", kDefaultMaxRmsError * 100);
+  if (c.rms_error_fitted > kDefaultMaxRmsError) {
+    out.push_back("the calibrated model misses its runs by " +
+                  Fmt("%.3g%%", c.rms_error_fitted * 100) + " RMS, more than the " + bound +
+                  " `memplan calibrate` accepts by default: its constants do not describe those "
+                  "runs, and plans made with them are doubtful");
+  }
+  for (const FittedConstant& f : c.fitted) {
+    if (!f.at_bound) continue;
+    out.push_back(Printable(f.name) + " = " + Fmt("%.4g", f.value) + " is pinned at its bound" +
+                  (f.prior > 0 || f.name == "offload_overlap" || f.name == "gemm_tokens_half"
+                       ? " (prior " + Fmt("%.4g", f.prior) + ")"
+                       : std::string()) +
+                  ": the runs ask for a value the model does not allow, which usually means a "
+                  "run's file says another cluster or setup than what ran (GPU, network, "
+                  "offload) or step times in another unit; predictions that lean on it are "
+                  "doubtful");
+  }
+  for (const RunResidual& r : c.runs) {
+    if (!(r.measured_s > 0) || !(r.fitted_s > 0)) continue;  // a file's report without figures
+    const double error = r.fitted_s / r.measured_s - 1;
+    if (std::fabs(error) > kDefaultMaxRmsError) {
+      out.push_back("run '" + Printable(r.id) + "': the calibrated model is still off by " +
+                    Fmt("%+.0f%%", error * 100) + " (measured " + Fmt("%.4g", r.measured_s) +
+                    " s, predicted " + Fmt("%.4g", r.fitted_s) + " s)");
+    }
+  }
+  return out;
 }
 
 nlohmann::json ToJson(const Calibration& c) {
@@ -551,6 +625,8 @@ nlohmann::json ToJson(const Calibration& c) {
           {"not_determined", c.not_determined},
           {"runs", runs},
           {"rms_error", {{"prior", c.rms_error_prior}, {"fitted", c.rms_error_fitted}}},
+          {"max_rms_error", c.max_rms_error},
+          {"warnings", c.warnings},
           {"iterations", c.iterations}};
 }
 
@@ -561,8 +637,9 @@ Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::s
     return Status::InvalidArgument(source + ": 'format' must be \"" + kCalibrationFormat +
                                    "\" (the file `memplan calibrate` writes)");
   }
-  static const std::set<std::string> kReport = {"format", "fitted",    "not_determined",
-                                                "runs",   "rms_error", "iterations"};
+  static const std::set<std::string> kReport = {"format",   "fitted",    "not_determined",
+                                                "runs",     "rms_error", "max_rms_error",
+                                                "warnings", "iterations"};
   Calibration c;
   c.source = source;
   for (const auto& [key, value] : json.items()) {
@@ -594,7 +671,10 @@ Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::s
     } else if (key == "gpus") {
       if (!value.is_object()) return Status::InvalidArgument(source + ": 'gpus' must be an object");
       for (const auto& [gpu, entry] : value.items()) {
-        const std::string what = source + ": gpus." + gpu;
+        const std::string what = source + ": gpus." + Printable(gpu);
+        if (FindControlCharacter(gpu) != std::string::npos) {
+          return Status::InvalidArgument(what + ": a GPU name may not hold control characters");
+        }
         if (!entry.is_object()) return Status::InvalidArgument(what + ": expected an object");
         for (const auto& [name, v] : entry.items()) {
           if (name != "gemm_efficiency" && name != "link_efficiency") {
@@ -615,16 +695,57 @@ Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::s
       return Status::InvalidArgument(source + ": unknown key '" + key + "'");
     }
   }
+  // The report, as far as it is well formed, for Note [Calibration bounds]'s warnings.
+  auto number = [](const nlohmann::json& o, const char* key) {
+    return o.is_object() && o.contains(key) && o[key].is_number() ? o[key].get<double>() : 0.0;
+  };
   if (auto runs = json.find("runs"); runs != json.end() && runs->is_array()) {
     for (const nlohmann::json& r : *runs) {
       if (r.is_object() && r.contains("id") && r["id"].is_string()) {
-        c.runs.push_back({r["id"].get<std::string>(), 0, 0, 0});
+        c.runs.push_back({r["id"].get<std::string>(), number(r, "measured_s"), number(r, "prior_s"),
+                          number(r, "fitted_s")});
       }
     }
+  }
+  if (auto rms = json.find("rms_error"); rms != json.end()) {
+    c.rms_error_prior = number(*rms, "prior");
+    c.rms_error_fitted = number(*rms, "fitted");
   }
   if (c.fitted.empty()) {
     return Status::InvalidArgument(source + ": no constants (neither 'constants' nor 'gpus')");
   }
+  const nlohmann::json* report = nullptr;
+  if (auto f = json.find("fitted"); f != json.end() && f->is_array()) report = &*f;
+  for (FittedConstant& f : c.fitted) {
+    const nlohmann::json* entry = nullptr;
+    if (report != nullptr) {
+      for (const nlohmann::json& e : *report) {
+        if (e.is_object() && e.contains("name") && e["name"] == f.name) entry = &e;
+      }
+    }
+    if (entry != nullptr) {
+      f.prior = number(*entry, "prior");
+      f.standard_error = number(*entry, "standard_error");
+      f.at_bound = entry->contains("at_bound") && (*entry)["at_bound"] == true;
+      continue;
+    }
+    // No report for it: at a bound and not the prior counts as pinned.
+    const std::string base = f.name.substr(0, f.name.find('['));
+    const TimeConstants k = DefaultTimeConstants();
+    const double lo = base == "gemm_tokens_half" || base == "offload_overlap" ? 0.0
+                      : base == "cpu_adam_factor"                             ? 0.05
+                                                                              : 0.01;
+    const double hi = base == "gemm_tokens_half" ? 1e6 : base == "cpu_adam_factor" ? 5.0 : 1.0;
+    const double prior = base == "gemm_tokens_half"     ? k.gemm_tokens_half
+                         : base == "offload_overlap"    ? k.offload_overlap
+                         : base == "cpu_adam_factor"    ? k.cpu_adam_factor
+                         : base == "network_efficiency" ? k.network_efficiency
+                         : base == "link_efficiency"    ? k.link_efficiency
+                                                        : -1;  // gemm: the GPU's preset
+    f.prior = std::max(prior, 0.0);
+    f.at_bound = (f.value <= lo || f.value >= hi) && f.value != prior;
+  }
+  c.warnings = CalibrationWarnings(c);
   return c;
 }
 
@@ -658,6 +779,12 @@ std::string FormatCalibrationText(const Calibration& c) {
   }
   out += "RMS error of the step times: " + Fmt("%.1f%%", c.rms_error_prior * 100) +
          " with the priors, " + Fmt("%.1f%%", c.rms_error_fitted * 100) + " calibrated.\n";
+  if (!c.warnings.empty()) {
+    out +=
+        "\nWarnings (Note [Calibration bounds]; written into the file, and repeated by plan and "
+        "capacity):\n";
+    for (const std::string& w : c.warnings) out += "  - warning: " + w + "\n";
+  }
   return out;
 }
 
@@ -693,6 +820,7 @@ void ApplyCalibration(const Calibration& c, GpuSpec* gpu, SearchOptions* options
                                                 : " (" + std::to_string(c.runs.size()) +
                                                       (c.runs.size() == 1 ? " run)" : " runs)")) +
                                 ": " + names;
+    for (const std::string& w : c.warnings) options->calibration_note += "; WARNING: " + w;
   }
 }
 

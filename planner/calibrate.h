@@ -39,6 +39,19 @@
 // (CalibrateOptions::constants) are kept whatever their standard error; one the runs do not touch
 // is an error.
 //
+// Note [Calibration bounds]
+// A fit can only move constants within the model; runs the model cannot describe (step times in
+// the wrong unit, a run whose file says a cluster or setup other than what ran) still get "best"
+// constants, and those would then mislead every plan. So a fit is judged by how well it explains
+// its runs, and never written silently when it does not:
+//   - the calibrated RMS error above CalibrateOptions::max_rms_error (50% by default; `calibrate
+//     --max-error`) is an error: nothing is written;
+//   - a constant pinned at a bound (moved there by the fit, or starting there with the runs'
+//     optimum past it by more than a standard error) and a run the calibrated model still
+//     misses by more than max_rms_error are warnings: `calibrate` prints them and writes them
+//     into the file, and `plan` and `capacity` repeat them (derived again from the file's
+//     constants and report by CalibrationFromJson, so an older file or an edited one warns too).
+//
 // Thread safety: pure functions over plain values.
 #pragma once
 
@@ -89,12 +102,16 @@ struct CalibrationRun {
   const estimator::ModelInventory* inventory = nullptr;  // not owned; outlives Calibrate
 };
 
+constexpr double kDefaultMaxRmsError = 0.5;
+
 struct CalibrateOptions {
   // The constants to fit, by name (Note [Calibration]; "gemm_efficiency" means every GPU's,
   // "gemm_efficiency[a100-80]" one GPU's);
   // empty: every constant the runs determine.
   std::vector<std::string> constants;
   int max_iterations = 200;
+  // Note [Calibration bounds]: the largest calibrated RMS of predicted / measured - 1 accepted.
+  double max_rms_error = kDefaultMaxRmsError;
   // The start and the priors of what is not fitted.
   TimeConstants start = DefaultTimeConstants();
 };
@@ -123,6 +140,9 @@ struct Calibration {
   std::vector<RunResidual> runs;
   double rms_error_prior = 0;  // root mean square of predicted / measured - 1, priors
   double rms_error_fitted = 0;
+  double max_rms_error = kDefaultMaxRmsError;  // the bound the fit was accepted under
+  // Note [Calibration bounds]: constants pinned at a bound, runs still missed (one line each).
+  std::vector<std::string> warnings;
   int iterations = 0;
   std::string source;  // the file it was read from (CalibrationFromJson), for notes
 };
@@ -136,22 +156,27 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
 // The calibration file, format "memplan.calibration/1": {"format", "constants": {name: value},
 // "gpus": {name: {"gemm_efficiency": v, "link_efficiency": v}}, "fitted": [{"name", "prior",
 // "value", "standard_error", "at_bound"}], "not_determined": [...], "runs": [{"id", "measured_s",
-// "prior_s", "fitted_s"}], "rms_error": {"prior", "fitted"}, "iterations"}. FromJson reads
-// "constants" (network_efficiency, offload_overlap, cpu_adam_factor, gemm_tokens_half, and a
-// link_efficiency for
-// every GPU) and "gpus" (gemm_efficiency, link_efficiency); the other keys
-// are a report and are accepted as they are; unknown keys, values outside the bounds and a wrong
-// format are errors naming `source` and the key.
+// "prior_s", "fitted_s"}], "rms_error": {"prior", "fitted"}, "max_rms_error", "warnings": [...],
+// "iterations"}. FromJson reads "constants" (network_efficiency, offload_overlap,
+// cpu_adam_factor, gemm_tokens_half, and a link_efficiency for every GPU) and "gpus"
+// (gemm_efficiency, link_efficiency); the report keys are accepted as they are, and "fitted",
+// "runs" and "rms_error" give the warnings of Note [Calibration bounds] again (a constant at a
+// bound that the file has no report for counts as pinned unless it is the prior); unknown keys,
+// values outside the bounds, GPU names with control characters and a wrong format are errors
+// naming `source` and the key.
 nlohmann::json ToJson(const Calibration& calibration);
 Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::string& source);
+// Note [Calibration bounds]'s warnings for `calibration`: its pinned constants and the runs it
+// misses by more than kDefaultMaxRmsError, and its RMS error when above that.
+std::vector<std::string> CalibrationWarnings(const Calibration& calibration);
 // What `memplan calibrate` prints: the constants with priors and standard errors, what was not
-// determined and why, each run measured / prior / fitted.
+// determined and why, each run measured / prior / fitted, and the warnings.
 std::string FormatCalibrationText(const Calibration& calibration);
 
 // Applies `calibration` to a search: its TimeConstants into `options` (with a note for the
-// assumptions; link_efficiency the one fitted for `gpu` when there is one), and `gpu`'s
-// gemm_efficiency when the calibration has one for its name. Either pointer may be null; with
-// several GPU types, call it once per GPU with its own options.
+// assumptions, its warnings included; link_efficiency the one fitted for `gpu` when there is
+// one), and `gpu`'s gemm_efficiency when the calibration has one for its name. Either pointer may
+// be null; with several GPU types, call it once per GPU with its own options.
 void ApplyCalibration(const Calibration& calibration, GpuSpec* gpu, SearchOptions* options);
 
 }  // namespace memplan::planner

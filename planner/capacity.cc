@@ -5,9 +5,11 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <set>
 #include <thread>
 
+#include "common/byte_size.h"
 #include "estimator/estimate.h"
 #include "estimator/training_setup.h"
 
@@ -170,21 +172,11 @@ Result<double> ParseTokenCount(const std::string& text, const std::string& flag)
     scale = last == 'K' ? 1e3 : last == 'M' ? 1e6 : (last == 'B' || last == 'G') ? 1e9 : 1e12;
     number = t.substr(0, t.size() - 1);
   }
-  if (number.empty() || !std::all_of(number.begin(), number.end(), [](char c) {
-        return std::isdigit(static_cast<unsigned char>(c)) || c == '.' || c == 'e' || c == 'E' ||
-               c == '+';
-      })) {
-    return bad();
-  }
-  double v = 0;
-  try {
-    size_t used = 0;
-    v = std::stod(number, &used);
-    if (used != number.size()) return bad();
-  } catch (...) {
-    return bad();
-  }
-  v *= scale;
+  // The one decimal grammar (common/byte_size.h): no hexadecimal, no inf or nan; a number out of
+  // a double's range reaches the range check below, like any other out of range.
+  const std::optional<double> parsed = ParseDecimalNumber(number);
+  if (!parsed) return bad();
+  double v = *parsed * scale;
   if (!std::isfinite(v) || v <= 0 || v >= 1e18) {
     return Status::InvalidArgument(flag + " '" + text + "': must be in (0, 1e18) tokens");
   }

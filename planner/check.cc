@@ -677,6 +677,7 @@ class Checker {
     Status applied = estimator::ApplyDeepSpeedConfig(c, "config", options_.supplied, hidden, &s);
     if (!applied.ok()) {
       report_.notes.push_back("memory not predicted: " + applied.message());
+      report_.fit_error = report_.notes.back();
       return;
     }
     auto m = estimator::EstimateMemory(*options_.model, s);
@@ -686,6 +687,7 @@ class Checker {
     }
     if (!m.ok()) {
       report_.notes.push_back("memory not predicted: " + m.status().message());
+      report_.fit_error = report_.notes.back();
       return;
     }
     const uint64_t usable = static_cast<uint64_t>(static_cast<double>(cluster.gpu.memory_bytes) *
@@ -780,6 +782,7 @@ nlohmann::json ToJson(const CheckReport& report) {
   nlohmann::json j = {
       {"ok", report.problems.empty()}, {"problems", problems}, {"notes", report.notes}};
   if (!report.setup_line.empty()) j["setup_line"] = report.setup_line;
+  if (!report.fit_error.empty()) j["fit_error"] = report.fit_error;
   if (report.predicted) {
     const estimator::PeakMemory& p = *report.predicted;
     j["predicted"] = {{"gpu_bytes", p.gpu_bytes},
@@ -799,10 +802,14 @@ std::string FormatCheckText(const CheckReport& report, const std::string& source
     out += Printable(f.path) + ": " + Printable(f.message) + "\n";
   }
   for (const std::string& n : report.notes) out += "note: " + Printable(n) + "\n";
-  out +=
-      report.problems.empty()
-          ? "OK: " + Printable(source) + " has no problems memplan knows of\n"
-          : std::to_string(report.problems.size()) + " problem(s) in " + Printable(source) + "\n";
+  if (!report.problems.empty()) {
+    out += std::to_string(report.problems.size()) + " problem(s) in " + Printable(source) + "\n";
+  } else if (!report.fit_error.empty()) {
+    out += "NOT OK: " + Printable(source) +
+           " has no other problems memplan knows of, but the fit asked for was not predicted\n";
+  } else {
+    out += "OK: " + Printable(source) + " has no problems memplan knows of\n";
+  }
   return out;
 }
 

@@ -61,6 +61,11 @@ struct CheckReport {
   std::optional<estimator::PeakMemory> predicted;  // the predicted peak, when computed
   std::vector<Finding> problems;
   std::vector<std::string> notes;  // what was checked, predicted memory when computed
+  // With a model and a cluster and no problem found: why the fit asked for could not be
+  // predicted (the setup the config and options give is one the estimator refuses: a sequence
+  // longer than the model's positions, ...); "" when it was predicted or not asked for. The CLI
+  // makes it an error (exit 2): "OK" would claim a fit no one checked.
+  std::string fit_error;
 };
 
 // Errors only for input that is not a DeepSpeed config at all (not a JSON object).

@@ -303,7 +303,8 @@ Result<NvmeBenchReading> NvmeBenchFromJson(const nlohmann::json& bench, const st
     }
   }
   if (auto p = bench.find("path"); p != bench.end() && p->is_string()) {
-    reading.path = p->get<std::string>();
+    // It becomes the plan's nvme_path (configs, scripts): a name, checked as one.
+    MEMPLAN_RETURN_IF_ERROR(JsonFieldReader(bench, source).Name("path", &reading.path));
   }
   return reading;
 }
@@ -391,11 +392,11 @@ Result<GpuSpec> GpuFromJson(const nlohmann::json& j, const std::string& source) 
   GpuSpec g;
   if (r.Has("preset")) {
     std::string preset;
-    MEMPLAN_RETURN_IF_ERROR(r.String("preset", &preset));
+    MEMPLAN_RETURN_IF_ERROR(r.Name("preset", &preset));
     MEMPLAN_ASSIGN_OR_RETURN(g, FindGpuPreset(preset));
   }
-  MEMPLAN_RETURN_IF_ERROR(r.String("name", &g.name));
-  MEMPLAN_RETURN_IF_ERROR(r.String("description", &g.description));
+  MEMPLAN_RETURN_IF_ERROR(r.Name("name", &g.name));
+  MEMPLAN_RETURN_IF_ERROR(r.Name("description", &g.description));
   MEMPLAN_RETURN_IF_ERROR(r.ByteSize("memory_bytes", &g.memory_bytes));
   MEMPLAN_RETURN_IF_ERROR(r.Integer("pcie_gen", &g.pcie_gen, 3, 6));
   MEMPLAN_RETURN_IF_ERROR(r.Integer("gpus_per_pcie_switch", &g.gpus_per_pcie_switch, 1, 64));
@@ -437,9 +438,9 @@ Result<Cluster> ClusterFromJson(const nlohmann::json& json, const std::string& s
   MEMPLAN_RETURN_IF_ERROR(r.ByteSize("cpu_memory_bytes", &c.cpu_memory_bytes));
   MEMPLAN_RETURN_IF_ERROR(r.ByteSize("memlock_bytes", &c.memlock_bytes));
   MEMPLAN_RETURN_IF_ERROR(r.ByteSize("nvme_capacity_bytes", &c.nvme_capacity_bytes));
-  MEMPLAN_RETURN_IF_ERROR(r.String("nvme_path", &c.nvme_path));
-  MEMPLAN_RETURN_IF_ERROR(r.String("nvme_bandwidth_source", &c.nvme_bandwidth_source));
-  MEMPLAN_RETURN_IF_ERROR(r.String("cpu_adam_source", &c.cpu_adam_source));
+  MEMPLAN_RETURN_IF_ERROR(r.Name("nvme_path", &c.nvme_path));
+  MEMPLAN_RETURN_IF_ERROR(r.Name("nvme_bandwidth_source", &c.nvme_bandwidth_source));
+  MEMPLAN_RETURN_IF_ERROR(r.Name("cpu_adam_source", &c.cpu_adam_source));
   MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "inter_node_bytes_per_s", &c.inter_node_bytes_per_s));
   MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "nvme_read_bytes_per_s", &c.nvme_read_bytes_per_s));
   MEMPLAN_RETURN_IF_ERROR(NonNegative(r, "nvme_write_bytes_per_s", &c.nvme_write_bytes_per_s));

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <map>
 
-#include "common/printable.h"
 #include "offload/schedule.h"
+#include "planner/generated_text.h"
 
 namespace memplan::planner {
 namespace {
@@ -25,40 +25,6 @@ const char* DeviceName(OffloadDevice d) {
 
 // Where swap files go: a folder under the NVMe path, as DeepSpeed creates per-rank folders itself.
 std::string NvmePath(const Cluster& c) { return c.nvme_path.empty() ? "/local_nvme" : c.nvme_path; }
-
-// A YAML scalar in single quotes: a path with " #", ": " or a leading "-" stays one string.
-// A YAML double-quoted scalar that reads back as exactly `v`: '"' and '\\' escaped, and every
-// control character as an escape, because a plain or single-quoted scalar folds a newline into a
-// space (and a plain one ends at " #" or ": "), silently pointing the swap files elsewhere.
-// YAML text is Unicode, so a value that is not UTF-8 has no form at all: refused, naming `what`.
-Result<std::string> YamlQuoted(const std::string& v, const std::string& what) {
-  static constexpr char kHex[] = "0123456789abcdef";
-  std::string out = "\"";
-  for (size_t i = 0; i < v.size();) {
-    uint32_t code = 0;
-    const size_t length = DecodeUtf8(v, i, &code);
-    if (length == 0) {
-      return Status::InvalidArgument(what + ": '" + Printable(v) +
-                                     "' is not UTF-8, which a YAML file cannot hold");
-    }
-    if (code == '"' || code == '\\') {
-      out += '\\';
-      out += static_cast<char>(code);
-    } else if (code == '\n') {
-      out += "\\n";
-    } else if (code == '\t') {
-      out += "\\t";
-    } else if (code < 0x20 || code == 0x7f || (code >= 0x80 && code <= 0x9f)) {
-      out += "\\x";
-      out += kHex[code >> 4];
-      out += kHex[code & 15];
-    } else {
-      out.append(v, i, length);
-    }
-    i += length;
-  }
-  return out + "\"";
-}
 
 // DeepSpeed 0.19 removed MiCS, its only ZeRO-3 sharding within a node group. Like every emitter
 // error, the message does not say which emitter refused: the caller does (the CLI's flag, the
@@ -179,7 +145,10 @@ Result<ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
   if (s.offload_optimizer != OffloadDevice::kNone) {
     ordered_json o;
     o["device"] = DeviceName(s.offload_optimizer);
-    if (s.offload_optimizer == OffloadDevice::kNvme) o["nvme_path"] = NvmePath(cluster);
+    if (s.offload_optimizer == OffloadDevice::kNvme) {
+      MEMPLAN_RETURN_IF_ERROR(RequireUtf8(NvmePath(cluster), "`nvme_path`"));
+      o["nvme_path"] = NvmePath(cluster);
+    }
     o["pin_memory"] = s.pin_memory;
     if (s.offload_optimizer == OffloadDevice::kNvme) {
       o["buffer_count"] = s.optimizer_buffer_count;
@@ -192,7 +161,10 @@ Result<ordered_json> DeepSpeedConfig(const Plan& plan, const Cluster& cluster,
   if (s.offload_param != OffloadDevice::kNone) {
     ordered_json p;
     p["device"] = DeviceName(s.offload_param);
-    if (s.offload_param == OffloadDevice::kNvme) p["nvme_path"] = NvmePath(cluster);
+    if (s.offload_param == OffloadDevice::kNvme) {
+      MEMPLAN_RETURN_IF_ERROR(RequireUtf8(NvmePath(cluster), "`nvme_path`"));
+      p["nvme_path"] = NvmePath(cluster);
+    }
     p["pin_memory"] = s.pin_memory;
     if (s.offload_param == OffloadDevice::kNvme) {
       p["buffer_count"] = s.param_buffer_count;
@@ -228,11 +200,10 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
   std::string mixed = s.precision == Precision::kFp16Mixed ? "fp16"
                       : s.precision == Precision::kFp32    ? "'no'"
                                                            : "bf16";
-  std::string y =
-      "# accelerate launch --config_file <this file> train.py\n"
-      "# Written by memplan plan: " +
-      plan.family + ", micro-batch " + std::to_string(s.micro_batch) + " x " +
-      std::to_string(s.grad_accum) + " accumulation.\n";
+  std::string y = "# accelerate launch --config_file <this file> train.py\n" +
+                  CommentLine("Written by memplan plan: " + plan.family + ", micro-batch " +
+                              std::to_string(s.micro_batch) + " x " + std::to_string(s.grad_accum) +
+                              " accumulation.");
   y += "compute_environment: LOCAL_MACHINE\ndebug: false\n";
   if (options.accelerate_plugin == "fsdp") {
     if (s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme) {
@@ -243,11 +214,15 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
     const std::string strategy = FsdpStrategy(plan);
     const std::string layer = DecoderLayerClass(inventory);
     y += "distributed_type: FSDP\ndowncast_bf16: 'no'\nfsdp_config:\n";
-    y += layer.empty()
-             ? "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 100000000\n"
-             : "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
-               "  fsdp_transformer_layer_cls_to_wrap: " +
-                   layer + "\n";
+    if (layer.empty()) {
+      y += "  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 100000000\n";
+    } else {
+      MEMPLAN_ASSIGN_OR_RETURN(std::string layer_class,
+                               YamlScalar(layer, "the model's decoder layer class"));
+      y += "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+           "  fsdp_transformer_layer_cls_to_wrap: " +
+           layer_class + "\n";
+    }
     y += "  fsdp_backward_prefetch: BACKWARD_PRE\n";
     y += "  fsdp_cpu_ram_efficient_loading: true\n";
     y += "  fsdp_forward_prefetch: false\n";
@@ -493,6 +468,7 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
   schedule.sub_group_elements = e.sub_group_elements;
   schedule.optimizer_buffer_count = e.optimizer_buffer_count;
   schedule.optimizer_threads = 0;  // the engine picks
+  if (nvme) MEMPLAN_RETURN_IF_ERROR(RequireUtf8(NvmePath(cluster), "`nvme_path`"));
   schedule.nvme_path = nvme ? NvmePath(cluster) + "/memplan" : "";
   schedule.nvme_backend = nvme::BackendKind::kAuto;
   // The setup allows aio block sizes up to 2^50; the Schedule holds 32 bits (and the engine

@@ -2,14 +2,13 @@
 
 #include <algorithm>
 #include <cctype>
+#include <utility>
+
+#include "common/printable.h"
+#include "planner/generated_text.h"
 
 namespace memplan::planner {
 namespace {
-
-bool Plain(char c) {
-  return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '/' ||
-         c == ':' || c == '=' || c == '@' || c == '%' || c == '+' || c == ',' || c == '-';
-}
 
 // A value an #SBATCH directive can hold: sbatch reads the line itself, no shell quoting there.
 bool DirectiveSafe(const std::string& s) {
@@ -25,17 +24,26 @@ std::string Join(const std::vector<std::string>& words) {
   return out;
 }
 
-// The training script with the config argument, quoted. Under `accelerate launch` the DeepSpeed
-// config reaches the script through the Accelerate config (deepspeed_config_file): the script gets
-// no argument for it, which an HfArgumentParser script would refuse (issue 31, item 8).
-std::vector<std::string> ScriptWords(const LaunchOptions& o) {
+// The training script, its arguments and the config argument, each one shell word (Note
+// [Generated text]); errors name the field.
+Result<std::vector<std::string>> ScriptWords(const LaunchOptions& o) {
   std::vector<std::string> out;
-  for (const std::string& w : o.command) out.push_back(ShellQuote(w));
+  MEMPLAN_ASSIGN_OR_RETURN(std::string script, ShellWord(o.script, "`script`"));
+  out.push_back(std::move(script));
+  for (size_t i = 0; i < o.script_args.size(); ++i) {
+    MEMPLAN_ASSIGN_OR_RETURN(
+        std::string arg,
+        ShellWord(o.script_args[i], "`script_args` " + std::to_string(i + 1) + " of " +
+                                        std::to_string(o.script_args.size())));
+    out.push_back(std::move(arg));
+  }
   const bool accelerate = o.launcher == Launcher::kAccelerate ||
                           (o.launcher == Launcher::kSlurm && !o.accelerate_config.empty());
   if (!o.deepspeed_config.empty() && !accelerate) {
     out.push_back(o.for_hf_trainer ? "--deepspeed" : "--deepspeed_config");
-    out.push_back(ShellQuote(o.deepspeed_config));
+    MEMPLAN_ASSIGN_OR_RETURN(std::string config,
+                             ShellWord(o.deepspeed_config, "`deepspeed_config_path`"));
+    out.push_back(std::move(config));
   }
   return out;
 }
@@ -55,47 +63,26 @@ Result<Launcher> ParseLauncher(const std::string& text) {
   if (text == "torchrun") return Launcher::kTorchrun;
   if (text == "deepspeed") return Launcher::kDeepSpeed;
   if (text == "accelerate") return Launcher::kAccelerate;
-  return Status::InvalidArgument("`launcher` '" + text +
+  return Status::InvalidArgument("`launcher` '" + Printable(text) +
                                  "': expected slurm, torchrun, deepspeed or accelerate");
 }
 
-std::string ShellQuote(const std::string& text) {
-  if (!text.empty() && std::all_of(text.begin(), text.end(), Plain)) return text;
-  std::string out = "'";
-  for (char c : text) {
-    if (c == '\'') {
-      out += "'\\''";
-    } else {
-      out += c;
-    }
-  }
-  return out + "'";
-}
-
 Result<std::string> LaunchScript(const Plan& plan, const Cluster& cluster, const LaunchOptions& o) {
-  if (o.command.empty() || o.command.front().empty()) {
-    return Status::InvalidArgument("`command`: no training script given");
-  }
-  for (const std::string& w : o.command) {
-    if (w.find('\0') != std::string::npos || w.find('\n') != std::string::npos) {
-      return Status::InvalidArgument("`command`: an argument holds a newline or NUL");
-    }
-  }
-  for (const std::string* path : {&o.deepspeed_config, &o.accelerate_config, &o.hostfile}) {
-    if (path->find('\n') != std::string::npos || path->find('\0') != std::string::npos) {
-      return Status::InvalidArgument(
-          "a config or hostfile path of the launch holds a newline or NUL");
-    }
-  }
+  if (o.script.empty()) return Status::InvalidArgument("`script`: no training script given");
+  MEMPLAN_ASSIGN_OR_RETURN(const std::vector<std::string> words, ScriptWords(o));
+  MEMPLAN_ASSIGN_OR_RETURN(const std::string accelerate_config,
+                           ShellWord(o.accelerate_config, "`accelerate_config`"));
+  MEMPLAN_ASSIGN_OR_RETURN(const std::string hostfile,
+                           ShellWord(o.hostfile, "the DeepSpeed hostfile path"));
   if (o.master_port < 1 || o.master_port > 65535) {
     return Status::InvalidArgument("`master_port` must be in [1, 65535]");
   }
   if (!o.slurm_partition.empty() && !DirectiveSafe(o.slurm_partition)) {
-    return Status::InvalidArgument("`slurm_partition` '" + o.slurm_partition +
+    return Status::InvalidArgument("`slurm_partition` '" + Printable(o.slurm_partition) +
                                    "': letters, digits, '_', '.', ':', '-' and ',' only");
   }
   if (!o.slurm_time.empty() && !DirectiveSafe(o.slurm_time)) {
-    return Status::InvalidArgument("`slurm_time` '" + o.slurm_time +
+    return Status::InvalidArgument("`slurm_time` '" + Printable(o.slurm_time) +
                                    "': expected minutes, HH:MM:SS or D-HH:MM:SS");
   }
   const bool hybrid = plan.sharding == Sharding::kHybrid && plan.setup.zero_stage == 3;
@@ -114,17 +101,16 @@ Result<std::string> LaunchScript(const Plan& plan, const Cluster& cluster, const
   const int64_t nodes = cluster.nodes;
   const int64_t per_node = cluster.gpus_per_node;
   const std::string port = std::to_string(o.master_port);
-  const std::string script = Join(ScriptWords(o));
+  const std::string script = Join(words);
 
   std::string out = "#!/usr/bin/env bash\n";
-  std::string about = "# memplan plan: " + plan.family + ", micro-batch " +
-                      std::to_string(plan.setup.micro_batch) + " x " +
-                      std::to_string(plan.setup.grad_accum) + " accumulation, on " +
-                      std::to_string(nodes) + (nodes == 1 ? " node" : " nodes") + " x " +
-                      std::to_string(per_node) + " " + cluster.gpu.name + ".\n";
-  for (char& c : about) {
-    if (c == '\r') c = ' ';
-  }
+  // The plan's description and the cluster's GPU name come from files others write: one comment
+  // line whatever they hold (Note [Generated text]).
+  const std::string about = CommentLine(
+      "memplan plan: " + plan.family + ", micro-batch " + std::to_string(plan.setup.micro_batch) +
+      " x " + std::to_string(plan.setup.grad_accum) + " accumulation, on " + std::to_string(nodes) +
+      (nodes == 1 ? " node" : " nodes") + " x " + std::to_string(per_node) + " " +
+      cluster.gpu.name + ".");
   if (o.launcher == Launcher::kSlurm) {
     out += "#SBATCH --job-name=" + SafeJobName(o.job_name) + "\n";
     out += "#SBATCH --nodes=" + std::to_string(nodes) + "\n";
@@ -141,11 +127,13 @@ Result<std::string> LaunchScript(const Plan& plan, const Cluster& cluster, const
     out += "# Submit with: sbatch THIS_FILE (one launcher per node starts its " +
            std::to_string(per_node) + " GPU processes).\n";
     out += "set -euo pipefail\n";
-    out += "MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\n";
+    // sed reads the whole list: `head -n 1` would exit first, and the SIGPIPE scontrol then gets
+    // on a long node list fails the job under pipefail.
+    out += "MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | sed -n 1p)\n";
     out += "export MASTER_ADDR\nexport MASTER_PORT=" + port + "\n";
     if (!o.accelerate_config.empty()) {
       out += "srun --kill-on-bad-exit=1 bash -c " +
-             ShellQuote("accelerate launch --config_file " + ShellQuote(o.accelerate_config) +
+             ShellQuote("accelerate launch --config_file " + accelerate_config +
                         " --num_machines " + std::to_string(nodes) + " --num_processes " +
                         std::to_string(nodes * per_node) +
                         " --machine_rank \"$SLURM_NODEID\" --main_process_ip \"$MASTER_ADDR\" "
@@ -195,20 +183,19 @@ Result<std::string> LaunchScript(const Plan& plan, const Cluster& cluster, const
         out += "deepspeed --num_gpus=" + std::to_string(per_node) + " --master_port=" + port + " " +
                script + "\n";
       } else {
-        out += "deepspeed --hostfile=" + ShellQuote(o.hostfile) +
-               " --num_nodes=" + std::to_string(nodes) + " --num_gpus=" + std::to_string(per_node) +
-               " --master_port=" + port + " " + script + "\n";
+        out += "deepspeed --hostfile=" + hostfile + " --num_nodes=" + std::to_string(nodes) +
+               " --num_gpus=" + std::to_string(per_node) + " --master_port=" + port + " " + script +
+               "\n";
       }
       break;
     case Launcher::kAccelerate:
       if (nodes == 1) {
-        out += "accelerate launch --config_file " + ShellQuote(o.accelerate_config) +
+        out += "accelerate launch --config_file " + accelerate_config +
                " --num_machines 1 --num_processes " + std::to_string(per_node) +
                " --main_process_port " + port + " " + script + "\n";
       } else {
-        out += "accelerate launch --config_file " + ShellQuote(o.accelerate_config) +
-               " --num_machines " + std::to_string(nodes) + " --num_processes " +
-               std::to_string(nodes * per_node) +
+        out += "accelerate launch --config_file " + accelerate_config + " --num_machines " +
+               std::to_string(nodes) + " --num_processes " + std::to_string(nodes * per_node) +
                " --machine_rank \"${NODE_RANK:?set NODE_RANK}\" "
                "--main_process_ip \"${MASTER_ADDR:?set MASTER_ADDR}\" --main_process_port " +
                port + " " + script + "\n";

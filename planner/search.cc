@@ -149,6 +149,27 @@ int64_t NvmeBuffersNeeded(const estimator::ModelInventory& inventory, int64_t wi
   return held + module_most;
 }
 
+std::vector<CheckpointPolicy> FrameworkCheckpointPolicies(estimator::Framework framework) {
+  using C = Checkpointing;
+  switch (framework) {
+    case estimator::Framework::kTransformers: return {{C::kNone}, {C::kSelective}, {C::kFull}};
+    case estimator::Framework::kTorchtune: return {{C::kNone}, {C::kFull, 2}, {C::kFull}};
+    case estimator::Framework::kLitGpt:
+    case estimator::Framework::kLlmFoundry: return {{C::kNone}, {C::kFull}};
+    case estimator::Framework::kTorchtitan:
+      return {{C::kNone}, {C::kOp}, {C::kFull, 2}, {C::kFull}};
+  }
+  return {{C::kNone}, {C::kFull}};
+}
+
+std::string CheckpointLabel(const TrainingSetup& setup) {
+  std::string label(CheckpointingName(setup.checkpointing));
+  if (setup.checkpointing == Checkpointing::kFull && setup.checkpoint_every > 1) {
+    label += "/" + std::to_string(setup.checkpoint_every);
+  }
+  return label;
+}
+
 namespace {
 
 int64_t RoundTo(double v, double unit) {
@@ -212,11 +233,15 @@ std::string ApplyBuffers(TrainingSetup* s, const BufferFacts& f, double partitio
   return tight ? "tight" : "tuned";
 }
 
-std::string CheckpointPhrase(Checkpointing c) {
-  switch (c) {
+std::string CheckpointPhrase(const TrainingSetup& s) {
+  switch (s.checkpointing) {
     case Checkpointing::kNone: return "no recomputation";
     case Checkpointing::kSelective: return "selective recomputation";
-    case Checkpointing::kFull: return "full activation checkpointing";
+    case Checkpointing::kFull:
+      return s.checkpoint_every > 1 ? "activation checkpointing of every " +
+                                          std::to_string(s.checkpoint_every) + "th block"
+                                    : "full activation checkpointing";
+    case Checkpointing::kOp: return "op-level selective checkpointing";
   }
   return "";
 }
@@ -249,7 +274,7 @@ std::string Explain(const Plan& plan, const std::vector<Plan>& plans, const Clus
                     " of " + GiB(plan.gpu_capacity_bytes) + " GiB usable per GPU) at micro-batch " +
                     std::to_string(plan.setup.micro_batch) + " x " +
                     std::to_string(plan.setup.grad_accum) + " accumulation with " +
-                    CheckpointPhrase(plan.setup.checkpointing) + "; the " + Fmt("%.2f", t.total_s) +
+                    CheckpointPhrase(plan.setup) + "; the " + Fmt("%.2f", t.total_s) +
                     " s step is " + Fmt("%.0f", 100 * t.compute_s / t.total_s) + "% compute";
   if (t.bound != "compute") why += ", bound by " + t.bound;
   why += ".";
@@ -498,9 +523,10 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
       }
     }
   }
-  std::vector<Checkpointing> checkpointings = {Checkpointing::kNone, Checkpointing::kSelective,
-                                               Checkpointing::kFull};
-  if (options.only_checkpointing) checkpointings = {*options.only_checkpointing};
+  std::vector<CheckpointPolicy> checkpointings = FrameworkCheckpointPolicies(job.setup.framework);
+  if (options.only_checkpointing) {
+    checkpointings = {{*options.only_checkpointing, job.setup.checkpoint_every}};
+  }
   result.grid_size =
       static_cast<int64_t>(families.size() * checkpointings.size() * micro_batches.size());
 
@@ -545,10 +571,11 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         static_cast<double>(family.sharding == Sharding::kHybrid ? cluster.gpus_per_node : world);
     std::vector<Plan> fitting;
     Misfit tightest;  // the smallest configuration: micro-batch 1, full checkpointing
-    for (Checkpointing ckpt : checkpointings) {
+    for (const CheckpointPolicy& ckpt : checkpointings) {
       for (int64_t mb : micro_batches) {
         TrainingSetup s = base;
-        s.checkpointing = ckpt;
+        s.checkpointing = ckpt.checkpointing;
+        s.checkpoint_every = ckpt.every;
         s.micro_batch = mb;
         s.grad_accum = per_gpu / mb;
         std::optional<estimator::MemoryEstimate> m;
@@ -561,8 +588,9 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
           TrainingSetup for_memory = tried;
           if (family.sharding == Sharding::kHybrid) for_memory.num_nodes = 1;
           ++result.configurations;
-          MEMPLAN_ASSIGN_OR_RETURN(estimator::MemoryEstimate e,
-                                   estimator::EstimateMemory(inventory, for_memory, counts));
+          MEMPLAN_ASSIGN_OR_RETURN(
+              estimator::MemoryEstimate e,
+              estimator::EstimateMemory(inventory, for_memory, counts, /*step_model=*/false));
           Misfit fit = CheckFit(e.peak, limits, cluster, tried);
           if (!fit.ok() && fit.pinned_only && tried.pin_memory) {
             // Try again without pinned host buffers (slower transfers).
@@ -571,7 +599,8 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
             TrainingSetup unpinned_memory = for_memory;
             unpinned_memory.pin_memory = false;
             MEMPLAN_ASSIGN_OR_RETURN(e,
-                                     estimator::EstimateMemory(inventory, unpinned_memory, counts));
+                                     estimator::EstimateMemory(inventory, unpinned_memory, counts,
+                                                               /*step_model=*/false));
             fit = CheckFit(e.peak, limits, cluster, unpinned);
             if (fit.ok()) tried = unpinned;
           }
@@ -586,7 +615,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
           if (fit.ok() || fit.tier == "nvme") break;
         }
         if (!misfit.ok()) {
-          if (ckpt == checkpointings.back() && mb == micro_batches.front()) tightest = misfit;
+          if (&ckpt == &checkpointings.back() && mb == micro_batches.front()) tightest = misfit;
           break;  // a larger micro-batch needs more memory still
         }
         Plan plan;
@@ -623,7 +652,8 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
       rejection.over_ratio = tightest.ratio;
       rejection.tier = tightest.tier;
       rejection.setup = base;
-      rejection.setup.checkpointing = checkpointings.back();
+      rejection.setup.checkpointing = checkpointings.back().checkpointing;
+      rejection.setup.checkpoint_every = checkpointings.back().every;
       rejection.setup.micro_batch = micro_batches.front();
       rejection.setup.grad_accum = per_gpu / micro_batches.front();
       result.rejected.push_back(rejection);
@@ -656,7 +686,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
         Limits l = limits;
         s.gpus_per_node = c2.gpus_per_node;
         s.num_nodes = r.sharding == Sharding::kHybrid ? 1 : c2.nodes;
-        auto e = estimator::EstimateMemory(inventory, s, counts);
+        auto e = estimator::EstimateMemory(inventory, s, counts, /*step_model=*/false);
         if (!e.ok()) return std::nullopt;
         if (!CheckFit(e->peak, l, c2, s).ok()) return std::nullopt;
         return e->peak;
@@ -981,7 +1011,7 @@ std::string FormatPlanText(const PlanResult& r, const Cluster& c, const Job& job
       const Plan& p = r.plans[i];
       std::snprintf(line, sizeof(line),
                     "%-3zu %-40s %-9s %4lld %4lld %8s %8s %8s %8.2f %10.0f %4.0f%%\n", i + 1,
-                    p.family.c_str(), std::string(CheckpointingName(p.setup.checkpointing)).c_str(),
+                    p.family.c_str(), CheckpointLabel(p.setup).c_str(),
                     static_cast<long long>(p.setup.micro_batch),
                     static_cast<long long>(p.setup.grad_accum), GiB(p.peak.gpu_bytes).c_str(),
                     GiB(p.peak.cpu_bytes).c_str(), GiB(p.peak.nvme_bytes).c_str(), p.time.total_s,

@@ -1,5 +1,5 @@
 // The planner's search: every ZeRO stage (0-3) x optimizer offload {none, cpu, nvme} x parameter
-// offload {none, cpu, nvme} x activation checkpointing {none, selective, full} x micro-batch (with
+// offload {none, cpu, nvme} x the framework's checkpointing policies x micro-batch (with
 // gradient accumulation making up the global batch), checked for fit with the estimator's full
 // memory model (estimator/memory_model.h) and timed with the step-time model below; the fastest
 // configuration of each family (stage + offload) that fits, ranked by tokens per second, and for
@@ -185,5 +185,23 @@ nlohmann::json PlanReportJson(const PlanResult& result, const Cluster& cluster, 
 // The table people read: top `top` plans, then rejected families, then assumptions.
 std::string FormatPlanText(const PlanResult& result, const Cluster& cluster, const Job& job,
                            size_t top);
+
+// A checkpointing policy the search tries: the policy and, for kFull, every how many blocks.
+struct CheckpointPolicy {
+  estimator::Checkpointing checkpointing = estimator::Checkpointing::kNone;
+  int64_t every = 1;
+};
+
+// The policies `plan` searches for a framework, the most memory-saving last (the tightest
+// configuration tried): Transformers: none, selective (Megatron-style attention recompute, as
+// plans always searched), full (gradient_checkpointing); torchtune: none, full every 2nd block
+// (the distributed recipe's ac_mode selective, ac_option 2), full
+// (enable_activation_checkpointing); LitGPT and llm-foundry: none, full
+// (activation_checkpointing); torchtitan: none, op (activation_checkpointing.mode selective,
+// selective_ac_option op), full every 2nd block (selective_ac_option 2), full.
+std::vector<CheckpointPolicy> FrameworkCheckpointPolicies(estimator::Framework framework);
+
+// The plan table's name of a setup's policy: "none", "selective", "op", "full", "full/2".
+std::string CheckpointLabel(const estimator::TrainingSetup& setup);
 
 }  // namespace memplan::planner

@@ -531,5 +531,24 @@ TEST_CASE("check: suggestions use edit distance") {
         "a DeepSpeed config must be a JSON object");
 }
 
+TEST_CASE("search: the checkpointing policies each framework offers, the tightest last") {
+  using estimator::Framework;
+  auto labels = [](Framework f) {
+    std::vector<std::string> out;
+    for (const CheckpointPolicy& p : FrameworkCheckpointPolicies(f)) {
+      estimator::TrainingSetup s;
+      s.checkpointing = p.checkpointing;
+      s.checkpoint_every = p.every;
+      out.push_back(CheckpointLabel(s));
+    }
+    return out;
+  };
+  CHECK(labels(Framework::kTransformers) == std::vector<std::string>{"none", "selective", "full"});
+  CHECK(labels(Framework::kTorchtitan) == std::vector<std::string>{"none", "op", "full/2", "full"});
+  CHECK(labels(Framework::kTorchtune) == std::vector<std::string>{"none", "full/2", "full"});
+  CHECK(labels(Framework::kLitGpt) == std::vector<std::string>{"none", "full"});
+  CHECK(labels(Framework::kLlmFoundry) == std::vector<std::string>{"none", "full"});
+}
+
 }  // namespace
 }  // namespace memplan::planner

@@ -16,16 +16,6 @@ using estimator::Optimizer;
 using estimator::Precision;
 using estimator::TrainingSetup;
 
-std::string LastComponent(const std::string& path) {
-  const size_t dot = path.rfind('.');
-  return dot == std::string::npos ? path : path.substr(dot + 1);
-}
-
-bool EndsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // Time of one M x K x N GEMM: the roofline of Note [Step-time model], the larger of its compute at
 // the tensor cores' sustained rate and its operands' bytes at HBM speed.
 double GemmSeconds(double m, double k, double n, double elem_bytes, double flops_per_s,
@@ -174,30 +164,30 @@ Result<ModelShape> ModelShapeFor(const estimator::ModelInventory& inventory,
   for (const estimator::TensorInfo& t : inventory.tensors) {
     ++m.param_tensors;
     if (!t.tied_to.empty()) {
-      // A tied LM head runs a GEMM with the embedding matrix.
-      if (LastComponent(t.module) == "lm_head" || t.name.find("lm_head") != std::string::npos) {
+      // A tied LM head runs a GEMM with the embedding matrix (Note [Tensor roles]).
+      if (t.role == estimator::TensorRole::kHead && t.IsLinearWeight()) {
         has_head = true;
         m.head_gemms.push_back(
             {static_cast<double>(arch.hidden), static_cast<double>(arch.vocab), 1, lora, false, 1});
       }
       continue;
     }
-    if (t.shape.size() != 2 || !EndsWith(t.name, ".weight")) continue;
-    const std::string leaf = LastComponent(t.module);
-    const bool embedding = leaf.find("embed") != std::string::npos || leaf == "wte" ||
-                           leaf == "wpe" || leaf == "shared" ||
-                           leaf.find("relative_attention_bias") != std::string::npos;
-    if (embedding) continue;
+    // Every Linear runs a GEMM, and so does a router held as a bare Parameter (Transformers 5);
+    // embedding tables are lookups (Note [Tensor roles]).
+    const bool router = t.role == estimator::TensorRole::kRouter && !t.bias;
+    if (t.shape.size() != 2 || !(t.IsLinearWeight() || router)) continue;
     Gemm g;
-    g.k = static_cast<double>(t.shape[1]);
-    g.n = static_cast<double>(t.shape[0]);
+    g.k = static_cast<double>(t.InFeatures());
+    g.n = static_cast<double>(t.OutFeatures());
     g.frozen = lora;
     const bool in_block = !t.block.empty();
-    g.quantized = setup.qlora && in_block;
+    g.quantized = setup.qlora && in_block && t.IsLinearWeight();
     if (g.quantized) m.quantized_params += static_cast<double>(t.numel);
-    if (arch.experts > 0 && t.name.find("experts.") != std::string::npos) {
-      g.token_fraction = top_k / experts;
-    }
+    const bool expert = t.role == estimator::TensorRole::kExpertUp ||
+                        t.role == estimator::TensorRole::kExpertGate ||
+                        t.role == estimator::TensorRole::kExpertGateUp ||
+                        t.role == estimator::TensorRole::kExpertDown;
+    if (arch.experts > 0 && expert) g.token_fraction = top_k / experts;
     if (targets.count(&t) > 0) {
       // The adapter: x A^T (K -> r) then B^T (r -> N), both trained.
       Gemm a{g.k, r, g.token_fraction, false, false, 1};
@@ -209,7 +199,7 @@ Result<ModelShape> ModelShapeFor(const estimator::ModelInventory& inventory,
     if (in_block) {
       m.layer_gemms.push_back(g);
     } else {
-      if (leaf == "lm_head") has_head = true;
+      if (t.role == estimator::TensorRole::kHead) has_head = true;
       m.head_gemms.push_back(g);
     }
   }
@@ -257,7 +247,8 @@ Result<ModelShape> ModelShapeFor(const estimator::ModelInventory& inventory,
   if (probe.optimizer == Optimizer::kAdam8bit && probe.lora_rank > 0)
     probe.optimizer = Optimizer::kAdamW;
   MEMPLAN_ASSIGN_OR_RETURN(estimator::MemoryEstimate e,
-                           estimator::EstimateMemory(inventory, probe));
+                           estimator::EstimateMemory(inventory, probe, counts,
+                                                     /*step_model=*/false));
   m.activation_bytes_per_token_layer =
       static_cast<double>(e.activation_bytes_per_layer) / std::max(m.seq_len, 1.0);
   return m;
@@ -277,8 +268,16 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   const double peak = PeakFlops(c.gpu, s.precision);
   const double gemm_rate = peak * c.gpu.gemm_efficiency;
   const double hbm = c.gpu.hbm_bytes_per_s * k.hbm_efficiency;
+  // What each policy recomputes in backward (Note [The step model]): full, the whole forward of
+  // the checkpointed blocks (every checkpoint_every-th: that fraction of the layers); selective,
+  // the attention core; op (torchtitan's op-level SAC, torchtitan/models/llama3/
+  // parallelize_llama.py _save_list), every other matmul and the elementwise ops, keeping the
+  // attention outputs.
   const bool full_ckpt = s.checkpointing == Checkpointing::kFull;
   const bool selective = s.checkpointing == Checkpointing::kSelective;
+  const bool op_ckpt = s.checkpointing == Checkpointing::kOp;
+  const double full_frac =
+      full_ckpt ? 1.0 / static_cast<double>(std::max<int64_t>(s.checkpoint_every, 1)) : 0.0;
   const bool zero3 = s.zero_stage == 3;
   const double layers = std::max(m.layers, 1.0);
 
@@ -314,11 +313,12 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
 
   const double gpu_fwd = layer_fwd_gemm + attn_fwd + elem_fwd + eager_scores / 3 + dequant;
   double gpu_bwd = layer_bwd_gemm + attn_bwd + elem_bwd + 2 * eager_scores / 3 + dequant;
-  if (full_ckpt) gpu_bwd += gpu_fwd;
+  if (full_ckpt) gpu_bwd += full_frac * gpu_fwd;
   if (selective) gpu_bwd += attn_fwd + eager_scores / 3;
+  if (op_ckpt) gpu_bwd += layer_fwd_gemm / 2 + elem_fwd;
   const double host_pass = k.launch_s_per_layer + (zero3 ? k.sharded_hook_s : 0);
   const double fwd_layer = std::max(gpu_fwd, host_pass);
-  const double bwd_layer = std::max(gpu_bwd, host_pass * (full_ckpt ? 2 : 1));
+  const double bwd_layer = std::max(gpu_bwd, host_pass * (1 + full_frac));
   t.host_wait_s = ga * layers * ((fwd_layer - gpu_fwd) + (bwd_layer - gpu_bwd));
 
   // Output layer and head: GEMMs plus the fp32 logits.
@@ -334,20 +334,25 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   const double fwd_mb = layers * fwd_layer + head_fwd + logits / 2;
   const double bwd_mb = layers * bwd_layer + head_bwd + logits / 2;
 
-  t.gemm_s = ga * (layers * (layer_fwd_gemm + layer_bwd_gemm + (full_ckpt ? layer_fwd_gemm : 0)) +
+  const double gemm_re = full_ckpt ? full_frac : op_ckpt ? 0.5 : 0.0;
+  const double attn_re = full_ckpt ? full_frac : selective ? 1.0 : 0.0;
+  const double elem_re = full_ckpt ? full_frac : op_ckpt ? 1.0 : 0.0;
+  t.gemm_s = ga * (layers * (layer_fwd_gemm + layer_bwd_gemm + gemm_re * layer_fwd_gemm) +
                    head_fwd + head_bwd);
-  t.attention_s = ga * layers *
-                  (attn_fwd + attn_bwd + ((full_ckpt || selective) ? attn_fwd : 0) + eager_scores);
+  t.attention_s = ga * layers * (attn_fwd + attn_bwd + attn_re * attn_fwd + eager_scores);
   t.elementwise_s =
-      ga * (layers * (elem + (full_ckpt ? elem_fwd : 0) + dequant * (full_ckpt ? 3 : 2)) + logits);
+      ga * (layers * (elem + elem_re * elem_fwd + dequant * (2 + full_frac)) + logits);
   // FLOPs per GPU per step.
   const double attn_model = 12 * m.seq_len * m.attention_width * layers;  // per token, non-causal
   t.model_flops = ga * (layers * layer_model_flops + head_model_flops + tokens * attn_model);
   {
     double recompute = 0;
-    if (full_ckpt) recompute = ga * (layers * layer_model_flops / 3 + tokens * attn_model / 3);
+    if (full_ckpt) {
+      recompute = full_frac * ga * (layers * layer_model_flops / 3 + tokens * attn_model / 3);
+    }
     // (frozen GEMMs do 4 of their 6 units; a third of 6 is their forward either way)
     if (selective) recompute = ga * tokens * attn_model / 3;
+    if (op_ckpt) recompute = ga * layers * layer_model_flops / 6;
     t.hardware_flops = t.model_flops + recompute;
   }
 

@@ -71,6 +71,20 @@ TEST_CASE("step time: GEMMs are timed by their roofline, forward 1x, backward 2x
   CHECK(full.gemm_s == doctest::Approx(32 * 4 * one));
   CHECK(full.model_flops == doctest::Approx(t.model_flops));
   CHECK(full.hardware_flops == doctest::Approx(8 * m.params * 8192));
+  // Every 2nd block checkpointed (fms-fsdp's p = 1/2, torchtitan's selective 2): half the layers
+  // recompute their forward.
+  s.checkpoint_every = 2;
+  StepTime half = PredictStepTime(m, c, s, 2, true, Sharding::kFull, k);
+  CHECK(half.gemm_s == doctest::Approx(32 * 3.5 * one));
+  CHECK(half.hardware_flops == doctest::Approx(7 * m.params * 8192));
+  s.checkpoint_every = 1;
+  // torchtitan's op-level SAC saves every other matmul's output: half the GEMMs run again.
+  s.checkpointing = Checkpointing::kOp;
+  StepTime op = PredictStepTime(m, c, s, 2, true, Sharding::kFull, k);
+  CHECK(op.gemm_s == doctest::Approx(32 * 3.5 * one));
+  CHECK(op.hardware_flops == doctest::Approx(7 * m.params * 8192));
+  CHECK(op.attention_s == doctest::Approx(t.attention_s));
+  s.checkpointing = Checkpointing::kFull;
   // Memory-bound when M is small: one token reads the whole weight.
   TrainingSetup tiny = s;
   tiny.checkpointing = Checkpointing::kNone;

@@ -10,7 +10,9 @@
 # The modern one (--modern: $MEMPLAN_MODERN_VENV, default <repo>/.venv-modern; about 5.6 GB and
 # 1-3 minutes) is PyPI's torch 2.x with today's Transformers, Accelerate, PEFT and DeepSpeed
 # (tests/oracle/requirements-modern.txt, pinned exactly): the oracle for model families that
-# Transformers 4.47 lacks and the real peer for DeepSpeed ZeRO-3 on its CPU accelerator. It does
+# Transformers 4.47 lacks and the real peer for DeepSpeed ZeRO-3 on its CPU accelerator; and the
+# training frameworks memplan.trace runs (tests/oracle/requirements-trace.txt: torchtune,
+# torchtitan, LitGPT, llm-foundry, Liger-Kernel, bitsandbytes; about 0.6 GB more). It does
 # not see Debian's packages (no --system-site-packages), so nothing of torch 1.13 leaks into it.
 #
 # Steps for the default environment, each skipped when already done (so running it again is cheap
@@ -33,9 +35,13 @@ case "${1:-}" in
   --modern) modern=1 ;;
   *) printf 'usage: %s [--modern]\n' "$0" >&2; exit 2 ;;
 esac
+extra_requirements=
 if ((modern)); then
   venv=${MEMPLAN_MODERN_VENV:-$root/.venv-modern}
   requirements=$root/tests/oracle/requirements-modern.txt
+  # The frameworks memplan.trace runs (torchtune, torchtitan, LitGPT, llm-foundry's MPT, Liger,
+  # bitsandbytes), pinned as one resolved set and installed with --no-deps (the file says why).
+  extra_requirements=$root/tests/oracle/requirements-trace.txt
 else
   venv=${MEMPLAN_VENV:-$root/.venv}
   requirements=$root/tests/oracle/requirements.txt
@@ -97,10 +103,14 @@ stamp=$venv/.memplan-oracle-requirements
 check='import torch, transformers, tokenizers, safetensors, deepspeed, scikit_build_core
 print(f"torch {torch.__version__}, transformers {transformers.__version__}, deepspeed {deepspeed.__version__}")'
 ((modern)) && check='import torch, transformers, accelerate, peft, safetensors, deepspeed
-print(f"torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, peft {peft.__version__}, deepspeed {deepspeed.__version__}")'
+import torchtune, torchtitan, litgpt, liger_kernel, bitsandbytes, torchao
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, peft {peft.__version__}, deepspeed {deepspeed.__version__}, torchtune {torchtune.__version__}, litgpt, torchtitan, liger-kernel, bitsandbytes {bitsandbytes.__version__}")'
 # DeepSpeed logs its accelerator choice to stdout on import: keep only the last line.
 versions_of() { "$python" -c "$check" 2>/dev/null | tail -n 1; }
-if [[ -f $stamp ]] && cmp -s "$requirements" "$stamp" && versions=$(versions_of) && [[ -n $versions ]]; then
+# The stamp holds the requirement files installed (both, for --modern), so a changed pin in
+# either reinstalls.
+wanted=$(cat "$requirements" ${extra_requirements:+"$extra_requirements"})
+if [[ -f $stamp ]] && [[ "$(cat "$stamp")" == "$wanted" ]] && versions=$(versions_of) && [[ -n $versions ]]; then
   log "requirements already installed ($(basename "$requirements"))"
 else
   log "installing $(basename "$requirements") into $venv"
@@ -113,9 +123,13 @@ else
     "${pip[@]}" "$torch_pin" >&2
   fi
   DS_BUILD_OPS=0 "${pip[@]}" --no-build-isolation -r "$requirements" >&2
+  if [[ -n $extra_requirements ]]; then
+    log "installing $(basename "$extra_requirements") into $venv (--no-deps)"
+    "${pip[@]}" --no-deps -r "$extra_requirements" >&2
+  fi
   "$python" -c "$check" >/dev/null || fail "a required package does not import in $venv after installing"
   versions=$(versions_of)
-  cp "$requirements" "$stamp"
+  printf '%s\n' "$wanted" > "$stamp"
 fi
 
 # ---- 4. the python to use ------------------------------------------------------------------------

@@ -69,7 +69,7 @@ cmake -S . -B build-san -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_C_FLAGS_DEBUG="-O1 -gline-tables-only" -DMEMPLAN_SANITIZE="address;undefined" \
   -DMEMPLAN_FUZZ=ON -DMEMPLAN_WITH_CUDA=OFF -DMEMPLAN_WERROR=ON >/dev/null
 fuzz_targets=(hf_config shape_list safetensors deepspeed_config deepspeed_check swap_index cli
-  check_arithmetic)
+  check_arithmetic launch_script)
 unit_tests=$(cd build-san && ctest -N -L unit | sed -n 's/^ *Test *#[0-9]*: //p')
 cmake --build build-san -j"$jobs" --target $unit_tests "${fuzz_targets[@]/%/_fuzz}"
 export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:abort_on_error=0"

@@ -476,6 +476,71 @@ TEST_CASE("calibrate: recovers the constants plan was given, and moves a held-ou
                "--calibration", one});
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("constants.link_efficiency: outside its bounds") != std::string::npos);
+
+  // Issue 30 M3 (Note [Calibration bounds]): every step time x 1e-6 (microseconds per step): no
+  // constants explain that; refused, nothing written.
+  nlohmann::json micro = runs;
+  for (nlohmann::json& run : micro) run["step_time_s"] = run["step_time_s"].get<double>() * 1e-6;
+  const std::string micro_file = dir.PathOf("micro.json");
+  Write(micro_file, nlohmann::json({{"format", "memplan.runs/1"}, {"runs", micro}}).dump());
+  r = Memplan({"calibrate", micro_file, "-o", out});
+  CAPTURE(r.err);
+  CHECK(r.exit_code == 2);
+  CHECK(Count(r.err, "\n") == 1);
+  CHECK(r.err.find("the calibrated model still misses the runs by") != std::string::npos);
+  CHECK(r.err.find("more than the 50% --max-error accepts") != std::string::npos);
+  CHECK(r.err.find("Nothing was written") != std::string::npos);
+  CHECK_FALSE(std::filesystem::exists(out));
+  // The multi-node runs' files say a slower network than they ran on (as a cluster file at 5 GB/s
+  // for runs measured at 12.5): network_efficiency is pinned at its bound. Written, with the
+  // warning, which plan and capacity repeat.
+  nlohmann::json slow = runs;
+  for (nlohmann::json& run : slow) {
+    if (run["cluster"]["nodes"] == 2) run["cluster"]["inter_node_bytes_per_s"] = 5e9;
+  }
+  const std::string slow_file = dir.PathOf("slow.json");
+  Write(slow_file, nlohmann::json({{"format", "memplan.runs/1"}, {"runs", slow}}).dump());
+  const std::string pinned = dir.PathOf("pinned.json");
+  r = Memplan({"calibrate", slow_file, "-o", pinned});
+  INFO(r.out);
+  CAPTURE(r.err);
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("warning: network_efficiency = 1 is pinned at its bound (prior 0.85)") !=
+        std::string::npos);
+  const nlohmann::json written = nlohmann::json::parse(ReadWholeFile(pinned));
+  REQUIRE(written["warnings"].is_array());
+  CHECK(written["warnings"][0].get<std::string>().find("network_efficiency = 1 is pinned") == 0);
+  for (const std::vector<std::string>& command :
+       {std::vector<std::string>{"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8",
+                                 "--nodes", "2", "--global-batch", "64"},
+        std::vector<std::string>{"capacity", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus",
+                                 "16", "--tokens", "1B", "--global-batch", "64"}}) {
+    CAPTURE(command[0]);
+    std::vector<std::string> args = command;
+    args.insert(args.end(), {"--calibration", pinned});
+    r = Memplan(args);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    CHECK(r.out.rfind("warning: --calibration " + pinned +
+                          ": network_efficiency = 1 is pinned at its bound",
+                      0) == 0);
+    args.insert(args.end(), {"--format", "json"});
+    r = Memplan(args);
+    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    REQUIRE(j["calibration_warnings"].size() >= 1);
+    CHECK(j.dump().find("WARNING: network_efficiency = 1 is pinned") != std::string::npos);
+  }
+  // A file with no report (hand-written, or its report removed) warns from its values alone; a
+  // well-fitted one does not warn.
+  Write(one, R"({"format": "memplan.calibration/1", "constants": {"network_efficiency": 1}})");
+  r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--global-batch", "8",
+               "--calibration", one});
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  CHECK(r.out.find("network_efficiency = 1 is pinned at its bound") != std::string::npos);
+  r = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--global-batch", "8",
+               "--calibration", fit});
+  CHECK(r.out.find("warning") == std::string::npos);
+  CHECK(nlohmann::json::parse(ReadWholeFile(fit))["warnings"].empty());
 }
 
 }  // namespace

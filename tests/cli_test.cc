@@ -420,7 +420,7 @@ TEST_CASE("cli: did you mean, for built-in names and flags") {
   ExpectBadInput(Memplan({"estimate", "--model", "lama-3.1-8b"}),
                  {"model 'lama-3.1-8b'", "(did you mean llama-3.1-8b?)"});
   ExpectBadInput(Memplan({"estimate", "--model", "gpt2", "--gpu", "4"}),
-                 {"--gpu", "(did you mean --gpus?)"});
+                 {"--gpu", "(did you mean --gpus or --gpu-arch?)"});
 }
 
 TEST_CASE("cli: estimate --inference prints accelerate's table and the KV cache") {

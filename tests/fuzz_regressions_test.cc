@@ -78,6 +78,10 @@ TEST_CASE("fuzz regressions: check's batch arithmetic") {
   CHECK(Replay("check_arithmetic", &CheckArithmeticOne) > 0);
 }
 
+TEST_CASE("fuzz regressions: launch scripts from hostile fields") {
+  CHECK(Replay("launch_script", &LaunchScriptOne) > 0);
+}
+
 // Found by checking that the size-limit test fails without the limit, not by a fuzzer: nlohmann
 // stops at a NUL byte as at the end of the input, so a file read the bytes after it as nothing.
 TEST_CASE("fuzz regressions: a NUL byte in JSON is an error, not the end of the document") {

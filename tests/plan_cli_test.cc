@@ -422,8 +422,10 @@ TEST_CASE("plan to run for the Hugging Face Trainer: what the plan assumed, said
   CHECK(notes.find("not part of the plan") != std::string::npos);
   CHECK(notes.find("full recomputation, not the plan's selective") != std::string::npos);
 
-  // `check --for-hf-trainer` on the plan's "auto" config: the note names flags check has, and
-  // with them the fit is predicted.
+  // `check --for-hf-trainer` on the plan's "auto" config: the fit asked for cannot be predicted
+  // without the values the Trainer fills in, so check says so (exit 2, issue 30 L7: never "OK"
+  // for a fit no one computed), and the note names flags check has; with them the fit is
+  // predicted.
   const std::string ds = dir.PathOf("ds.json");
   REQUIRE(Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8",
                    "--global-batch", "64", "--for-hf-trainer", "--emit-deepspeed", ds})
@@ -431,8 +433,9 @@ TEST_CASE("plan to run for the Hugging Face Trainer: what the plan assumed, said
   const std::vector<std::string> check = {
       "check", ds, "--for-hf-trainer", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8"};
   CommandResult c = Memplan(check);
-  CHECK(c.exit_code == 0);
+  CHECK(c.exit_code == 2);
   CHECK_MESSAGE(c.out.find("pass --micro-batch") != std::string::npos, c.out);
+  CHECK_MESSAGE(c.out.find("NOT OK") != std::string::npos, c.out);
   std::vector<std::string> filled = check;
   filled.insert(filled.end(), {"--micro-batch", "1", "--grad-accum", "8", "--precision",
                                "bf16-mixed", "--format", "json"});

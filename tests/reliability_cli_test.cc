@@ -756,3 +756,160 @@ TEST_CASE("reliability #18: integers past int range and non-directories are refu
   ExpectFailure(RunProbe(With(kPlan7b, {"--detect", "--nvme-path", "/etc/passwd"})), 2,
                 {"--nvme-path /etc/passwd: not a directory"});
 }
+
+// --- Issue 30, "reliability, round three": generated text, JSON readers, number flags, check ----
+
+TEST_CASE("reliability round 3 H1: a cluster file's names with control characters are refused") {
+  TempDir tmp("memplan-reliability.");
+  const std::string cluster = tmp.PathOf("c.json");
+  const std::string script = tmp.PathOf("run.sh");
+  // The reproduction, for every launcher, then the neighbours: other fields of the cluster file,
+  // other line breaks.
+  WriteFile(cluster,
+            R"({"gpu":{"preset":"a100-80","name":"a100\ntouch PWNED #"},"gpus_per_node":8})");
+  for (const char* launcher : {"torchrun", "slurm", "deepspeed", "accelerate"}) {
+    CAPTURE(launcher);
+    ExpectFailure(
+        RunProbe({"plan", "--model", "llama-2-7b", "--cluster", cluster, "--global-batch", "64",
+                  "--emit-launch", launcher, script, "--emit-accelerate", tmp.PathOf("a.yaml")}),
+        2, {"c.json: 'gpu.name' holds a control character (\\n at byte 4)"});
+    CHECK_FALSE(fs::exists(script));
+  }
+  const std::vector<std::pair<std::string, std::string>> neighbours = {
+      {R"({"gpu":{"preset":"a100-80","name":"a100\r#"}})", "'gpu.name'"},
+      {R"({"gpu":{"preset":"a100-80","name":"a100\u2028touch x"}})", "'gpu.name'"},
+      {R"({"gpu":{"preset":"a100-80","name":"a100\u0085x"}})", "'gpu.name'"},
+      {R"({"gpu":{"preset":"a100-80","description":"A100 \u001b[2J"}})", "'gpu.description'"},
+      {R"({"gpu":{"preset":"a100\nx"}})", "'gpu.preset'"},
+      {R"({"gpu":"a100-80","nvme_path":"/mnt/nvme\n#x"})", "'nvme_path'"},
+      {R"({"gpu":"a100-80","nvme_bandwidth_source":"bench\u2029"})", "'nvme_bandwidth_source'"},
+      {R"({"gpu":"a100-80","cpu_adam_source":"x\ty"})", "'cpu_adam_source'"},
+  };
+  for (const auto& [json, field] : neighbours) {
+    CAPTURE(json);
+    WriteFile(cluster, json);
+    ExpectFailure(RunProbe({"plan", "--model", "llama-2-7b", "--cluster", cluster, "--global-batch",
+                            "64", "--emit-launch", "torchrun", script}),
+                  2, {"c.json", field, "holds a control character"});
+  }
+  // A bench report's path becomes the plan's nvme_path: a name too.
+  const std::string bench = tmp.PathOf("n.json");
+  WriteFile(bench, R"({"best":{"read_bytes_per_s":3e9,"write_bytes_per_s":2e9},"path":"/mnt\nx"})");
+  ExpectFailure(RunProbe(With(kPlan7b, {"--nvme-bench", bench})), 2,
+                {"n.json", "'path' holds a control character"});
+  // A name that is odd but printable stays one comment line, and the script is valid bash.
+  WriteFile(cluster,
+            R"({"gpu":{"preset":"a100-80","name":"a100 'x' #1 $(id) `id` é"},"gpus_per_node":8})");
+  Probe ok = RunProbe({"plan", "--model", "llama-2-7b", "--cluster", cluster, "--global-batch",
+                       "64", "--emit-launch", "slurm", script});
+  ExpectSuccess(ok);
+  const std::string text = ReadWholeFile(script);
+  CHECK(text.find("\n# memplan plan: ZeRO-") != std::string::npos);
+  CHECK(text.find(" x 8 a100 'x' #1 $(id) `id` é.\n# Submit with") != std::string::npos);
+  CHECK(memplan::testing::RunCommand("/bin/bash", {"-n", script}).exit_code == 0);
+  CHECK(Entries(tmp.path()) == std::vector<std::string>{"c.json", "n.json", "run.sh"});
+}
+
+TEST_CASE("reliability round 3 L8: a bad --launch-arg is named as such, with its place") {
+  TempDir tmp("memplan-reliability.");
+  const std::string script = tmp.PathOf("j.sh");
+  ExpectFailure(RunProbe(With(kPlan7b, {"--emit-launch", "torchrun", script, "--launch-arg", "ok",
+                                        "--launch-arg", "a\nb"})),
+                2, {"--launch-arg 2 of 2 'a\\nb' holds a newline"});
+  ExpectFailure(
+      RunProbe(With(kPlan7b, {"--emit-launch", "torchrun", script, "--launch-script", "t\rx.py"})),
+      2, {"--launch-script 't\\rx.py' holds a carriage return"});
+  ExpectFailure(RunProbe(With(kPlan7b, {"--emit-launch", "slurm", script, "--emit-deepspeed",
+                                        tmp.PathOf("d\ns.json")})),
+                2, {"--emit-deepspeed", "holds a newline"});
+  CHECK(Entries(tmp.path()).empty());
+}
+
+TEST_CASE("reliability round 3 L5: every JSON reader refuses a repeated key") {
+  TempDir tmp("memplan-reliability.");
+  // The runs file: an empty list, then eight runs; last-one-wins calibrated from the second.
+  const std::string runs = tmp.PathOf("runs.json");
+  WriteFile(runs, R"({"format":"memplan.runs/1","runs":[],"runs":[{"id":"a"}]})");
+  ExpectFailure(RunProbe({"calibrate", runs}), 2,
+                {"runs.json: key 'runs' appears twice in one JSON object"});
+  WriteFile(runs, R"({"format":"memplan.runs/1","runs":[{"id":"a","id":"b"}]})");
+  ExpectFailure(RunProbe({"calibrate", runs}), 2, {"key 'id' appears twice", "('runs[0]')"});
+  // The Schedule: {"tier":"nvme","tier":"gpu"} predicted for gpu.
+  const std::string schedule = tmp.PathOf("s.json");
+  WriteFile(schedule, R"({"version":1,"params":{"tier":"nvme","tier":"gpu"}})");
+  ExpectFailure(RunProbe({"estimate", "--model", "gpt2", "--schedule", schedule}), 2,
+                {"s.json: key 'tier' appears twice in one JSON object ('params')"});
+  // Neighbours: a cluster, a calibration, a bench report, a config.json given as a file.
+  const std::string cluster = tmp.PathOf("c.json");
+  WriteFile(cluster, R"({"gpu":"a100-80","gpus_per_node":8,"gpus_per_node":1})");
+  ExpectFailure(
+      RunProbe({"plan", "--model", "llama-2-7b", "--cluster", cluster, "--global-batch", "64"}), 2,
+      {"c.json: key 'gpus_per_node' appears twice"});
+  const std::string fit = tmp.PathOf("fit.json");
+  WriteFile(fit, R"({"format":"memplan.calibration/1","constants":{"offload_overlap":0.5,)"
+                 R"("offload_overlap":0.9}})");
+  ExpectFailure(RunProbe(With(kPlan7b, {"--calibration", fit})), 2,
+                {"fit.json: key 'offload_overlap' appears twice"});
+  const std::string bench = tmp.PathOf("adam.json");
+  WriteFile(bench, R"({"params_per_s":1e9,"params_per_s":1e12})");
+  ExpectFailure(RunProbe(With(kPlan7b, {"--adam-bench", bench})), 2,
+                {"adam.json: key 'params_per_s' appears twice"});
+  const std::string config = tmp.PathOf("config.json");
+  WriteFile(config, R"({"model_type":"gpt2","n_layer":12,"n_layer":48})");
+  ExpectFailure(RunProbe({"estimate", "--model", config}), 2, {"key 'n_layer' appears twice"});
+}
+
+TEST_CASE("reliability round 3 L6: --price is a decimal number, each type priced once") {
+  const std::vector<std::string> capacity = {"capacity", "--model",        "llama-2-7b", "--tokens",
+                                             "1B",       "--global-batch", "64",         "--gpus",
+                                             "8",        "--gpu"};
+  for (const std::string price : {"0x10", "0x1p4", "inf", "nan", " 2", "2$", "1e999"}) {
+    CAPTURE(price);
+    ExpectFailure(RunProbe(With(capacity, {"a100-80", "--price", price})), 2, {"--price"});
+  }
+  for (const std::string price : {"1e-300", "1e-320", "0", "2.5", ".5"}) {
+    CAPTURE(price);
+    ExpectSuccess(RunProbe(With(capacity, {"a100-80", "--price", price})));
+  }
+  ExpectFailure(RunProbe(With(capacity, {"a100-80", "--price", "a100-80=1,a100-80=2"})), 2,
+                {"a100-80 is given a price twice"});
+  ExpectFailure(RunProbe(With(capacity, {"a100-80", "--price", "a100=1,a100-80=2"})), 2,
+                {"a100-80 is given a price twice"});
+  ExpectFailure(RunProbe(With(capacity, {"a100-80,h100-80", "--price", "1,2"})), 2,
+                {"a price for every GPU type is given twice"});
+  // A bare price is the other types', wherever it stands.
+  Probe mixed =
+      RunProbe(With(capacity, {"a100-80,h100-80", "--price", "h100-80=3,1.5", "--format", "json"}));
+  ExpectSuccess(mixed);
+  CHECK(mixed.out.find("\"price_per_gpu_hour\": 1.5") != std::string::npos);
+  CHECK(mixed.out.find("\"price_per_gpu_hour\": 3") != std::string::npos);
+  // The same grammar for every float flag (Note [Number flags]).
+  ExpectFailure(RunProbe(With(kPlan7b, {"--lr", "0x1p-4"})), 2,
+                {"--lr", "must be a decimal number"});
+  ExpectFailure(RunProbe(With(kPlan7b, {"--inter-node-bw", "0x10"})), 2, {"--inter-node-bw"});
+  ExpectFailure(RunProbe(With(capacity, {"a100-80", "--tokens", "0x10"})), 2, {"--tokens"});
+}
+
+TEST_CASE("reliability round 3 L7: check says it could not predict the fit it was asked for") {
+  TempDir tmp("memplan-reliability.");
+  const std::string config = tmp.PathOf("ds.json");
+  WriteFile(config, R"({"train_micro_batch_size_per_gpu":1,"gradient_accumulation_steps":1})");
+  Probe p = RunProbe({"check", config, "--model", "gpt2", "--gpu", "a100-80", "--gpus", "8",
+                      "--seq-len", "100000"});
+  CAPTURE(p.out);
+  CAPTURE(p.err);
+  CHECK(p.exit_code == 2);
+  CHECK(p.out.find("\nOK:") == std::string::npos);
+  CHECK(p.out.find("NOT OK: ") != std::string::npos);
+  CHECK(p.err ==
+        "memplan: error: --model gpt2: memory not predicted: --seq-len 100000 exceeds "
+        "the model's 1024 learned positions (max_position_embeddings)\n");
+  Probe json = RunProbe({"check", config, "--model", "gpt2", "--gpu", "a100-80", "--gpus", "8",
+                         "--seq-len", "100000", "--format", "json"});
+  CHECK(json.exit_code == 2);
+  CHECK(nlohmann::json::parse(json.out)["fit_error"].get<std::string>().find("100000") !=
+        std::string::npos);
+  // Predicted: OK, exit 0; without --model: no fit asked, OK.
+  ExpectSuccess(RunProbe({"check", config, "--model", "gpt2", "--gpu", "a100-80", "--gpus", "8"}));
+  ExpectSuccess(RunProbe({"check", config, "--gpus", "8", "--seq-len", "100000"}));
+}

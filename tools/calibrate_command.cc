@@ -8,6 +8,7 @@
 
 #include "common/file.h"
 #include "common/json.h"
+#include "common/printable.h"
 #include "estimator/model_source.h"
 #include "planner/calibrate.h"
 #include "tools/calibration_flags.h"
@@ -21,12 +22,22 @@ Result<planner::Calibration> ReadCalibrationFile(const std::string& path) {
   return planner::CalibrationFromJson(j, path);
 }
 
+std::string CalibrationWarningLines(const planner::Calibration& calibration,
+                                    const std::string& path) {
+  std::string out;
+  for (const std::string& w : calibration.warnings) {
+    out += "warning: --calibration " + Printable(path) + ": " + w + "\n";
+  }
+  return out;
+}
+
 namespace {
 
 struct CalibrateFlags {
   std::string runs_file;
   std::string output;
   std::vector<std::string> constants;
+  double max_error_percent = planner::kDefaultMaxRmsError * 100;
   std::string format = "text";
   ModelSourceFlags source;
 };
@@ -64,6 +75,7 @@ void RunCalibrate(const CalibrateFlags& f, Outcome* outcome) {
   }
   planner::CalibrateOptions options;
   options.constants = f.constants;
+  options.max_rms_error = f.max_error_percent / 100;
   auto calibration = planner::Calibrate(inputs, options);
   if (!calibration.ok()) return fail(calibration.status().WithPrefix(f.runs_file));
   const std::string file = JsonOutput(planner::ToJson(*calibration));
@@ -99,6 +111,13 @@ void RegisterCalibrate(CLI::App& app, Outcome* outcome) {
                   "link_efficiency, network_efficiency, offload_overlap, cpu_adam_factor; "
                   "default: every one the runs determine precisely")
       ->delimiter(',');
+  cmd->add_option("--max-error", f->max_error_percent,
+                  "Refuse the fit (exit 2, nothing written) when the calibrated model still misses "
+                  "the runs by more than this RMS error, in percent; constants pinned at a bound "
+                  "and runs missed by more than 50% are written with warnings that plan and "
+                  "capacity repeat")
+      ->check(CLI::Range(0.1, 1e6))
+      ->capture_default_str();
   AddFormatOption(cmd, &f->format, "text (a report) or json (the calibration file's contents)");
   f->source.Add(cmd);
   cmd->footer(
@@ -109,8 +128,10 @@ void RegisterCalibrate(CLI::App& app, Outcome* outcome) {
       "\nA run needs the model, the cluster, the setup it ran (stage, offload, checkpointing, "
       "micro-batch, accumulation, sequence) and its measured seconds per optimizer step. "
       "Constants the runs cannot determine (no multi-node run: network_efficiency) keep their "
-      "priors and the report says why. Exit status: 0 on success, 2 on bad input or data that "
-      "cannot determine the constants.");
+      "priors and the report says why. A fit that does not explain its runs (calibrated RMS "
+      "error above --max-error) is refused; a constant pinned at a bound is written with a "
+      "warning. Exit status: 0 on success, 2 on bad input or data that cannot determine the "
+      "constants or that the model cannot explain.");
   cmd->callback([f, outcome] { RunCalibrate(*f, outcome); });
 }
 

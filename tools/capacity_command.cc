@@ -2,6 +2,7 @@
 // (planner/capacity.h), as a table, JSON, and a cost-against-time picture (--svg).
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -10,6 +11,7 @@
 #include "common/byte_size.h"
 #include "common/file.h"
 #include "common/json.h"
+#include "common/printable.h"
 #include "estimator/model_source.h"
 #include "estimator/training_setup.h"
 #include "planner/capacity.h"
@@ -61,20 +63,19 @@ Result<nlohmann::json> ReadJsonFile(const std::string& path) {
   return ParseJson(text, path);
 }
 
+// A price per GPU-hour: a decimal number (common/byte_size.h's one grammar: "0x10" is not 16) in
+// [0, 1e6]; one too small for a double (1e-400) is 0, as any tiny price rounds.
 Result<double> ParsePrice(const std::string& text, const std::string& what) {
-  double v = 0;
-  try {
-    size_t used = 0;
-    v = std::stod(text, &used);
-    if (used != text.size()) throw std::invalid_argument(text);
-  } catch (...) {
-    return Status::InvalidArgument("--price " + what + ": '" + text +
-                                   "' is not a price per GPU-hour");
+  const std::optional<double> v = ParseDecimalNumber(text);
+  if (!v) {
+    return Status::InvalidArgument("--price " + what + ": '" + Printable(text) +
+                                   "' is not a price per GPU-hour (a decimal number: 2.5, 0.8)");
   }
-  if (!std::isfinite(v) || v < 0 || v > 1e6) {
-    return Status::InvalidArgument("--price " + what + ": must be in [0, 1e6] per GPU-hour");
+  if (!std::isfinite(*v) || *v < 0 || *v > 1e6) {
+    return Status::InvalidArgument("--price " + what + ": " + Printable(text) +
+                                   " is not in [0, 1e6] per GPU-hour");
   }
-  return v;
+  return *v;
 }
 
 // The offers from --cluster and --gpu, with --price and --gpus-per-node applied.
@@ -114,16 +115,24 @@ Result<std::vector<planner::GpuOffer>> BuildOffers(const CapacityFlags& f, plann
   if (f.gpus_per_node > 0) {
     for (planner::GpuOffer& o : offers) o.gpus_per_node = f.gpus_per_node;
   }
+  // Each type's price is given once: "a100-80=1,a100-80=2" (or "a100=1,a100-80=2", the same
+  // type) is refused like `--gpu a100-80,a100-80`, not resolved by order. A bare price is every
+  // other type's, wherever it stands in the list.
+  std::optional<double> every;
+  std::vector<const planner::GpuOffer*> priced;
   for (const std::string& price : f.prices) {
     const size_t eq = price.find('=');
     if (eq == std::string::npos) {
       if (offers.size() > 1 && f.prices.size() == 1) {
-        return Status::InvalidArgument("--price " + price +
+        return Status::InvalidArgument("--price " + Printable(price) +
                                        ": with several GPU types give "
                                        "TYPE=PRICE for each (--price a100-80=1.8,h100-80=2.9)");
       }
-      MEMPLAN_ASSIGN_OR_RETURN(double v, ParsePrice(price, "for every GPU type"));
-      for (planner::GpuOffer& o : offers) o.price_per_gpu_hour = v;
+      if (every) {
+        return Status::InvalidArgument("--price " + Printable(price) +
+                                       ": a price for every GPU type is given twice");
+      }
+      MEMPLAN_ASSIGN_OR_RETURN(every, ParsePrice(price, "for every GPU type"));
       continue;
     }
     const std::string name = price.substr(0, eq);
@@ -138,10 +147,23 @@ Result<std::vector<planner::GpuOffer>> BuildOffers(const CapacityFlags& f, plann
       }
     }
     if (it == offers.end()) {
-      return Status::InvalidArgument("--price " + price + ": '" + name +
+      return Status::InvalidArgument("--price " + Printable(price) + ": '" + Printable(name) +
                                      "' is not one of the GPU types searched");
     }
-    MEMPLAN_ASSIGN_OR_RETURN(it->price_per_gpu_hour, ParsePrice(price.substr(eq + 1), name));
+    if (std::find(priced.begin(), priced.end(), &*it) != priced.end()) {
+      return Status::InvalidArgument("--price " + Printable(price) + ": " + it->gpu.name +
+                                     " is given a price twice");
+    }
+    priced.push_back(&*it);
+    MEMPLAN_ASSIGN_OR_RETURN(it->price_per_gpu_hour,
+                             ParsePrice(price.substr(eq + 1), Printable(name)));
+  }
+  if (every) {
+    for (planner::GpuOffer& o : offers) {
+      if (std::find(priced.begin(), priced.end(), &o) == priced.end()) {
+        o.price_per_gpu_hour = *every;
+      }
+    }
   }
   return offers;
 }
@@ -217,9 +239,13 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
   request.search.gpu_safety_fraction = f.gpu_margin;
   request.search.allow_nvme = !f.no_nvme;
   request.search.consider_8bit = !f.job.OptimizerGiven();
+  std::string warnings;  // a calibration's, repeated (Note [Calibration bounds])
+  nlohmann::json warning_list = nlohmann::json::array();
   if (!f.calibration.empty()) {
     auto calibration = ReadCalibrationFile(f.calibration);
     if (!calibration.ok()) return fail(calibration.status());
+    warnings = CalibrationWarningLines(*calibration, f.calibration);
+    warning_list = calibration->warnings;
     for (planner::GpuOffer& offer : request.offers) {
       planner::SearchOptions own = request.search;
       planner::ApplyCalibration(*calibration, &offer.gpu, &own);
@@ -229,10 +255,15 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
   }
   auto result = planner::PlanCapacity(*inventory, job, request);
   if (!result.ok()) return fail(result.status());
-  std::string text =
-      f.format == "json"
-          ? JsonOutput(planner::ToJson(*result, request, job))
-          : FieldsToFlags(planner::FormatCapacityText(*result, request, job), kCapacityFlags);
+  std::string text;
+  if (f.format == "json") {
+    nlohmann::json report = planner::ToJson(*result, request, job);
+    if (!f.calibration.empty()) report["calibration_warnings"] = warning_list;
+    text = JsonOutput(report);
+  } else {
+    text = warnings +
+           FieldsToFlags(planner::FormatCapacityText(*result, request, job), kCapacityFlags);
+  }
   if (!f.svg.empty()) {
     outcome->files.push_back({f.svg, planner::CapacitySvg(*result, request, job)});
     if (f.format != "json") text += "\nwrote " + f.svg + " (cost against time to train)\n";

@@ -45,7 +45,7 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
   auto text = ReadFileToString(f.config, uint64_t{1} << 24);
   if (!text.ok()) return fail(text.status());
   // DeepSpeed refuses a config that repeats a key; so does check (bad input, exit 2).
-  auto config = ParseJsonNoRepeatedKeys(*text, f.config);
+  auto config = ParseJson(*text, f.config);
   if (!config.ok()) return fail(config.status());
   planner::CheckOptions options;
   options.for_hf_trainer = f.for_hf_trainer;
@@ -94,6 +94,14 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
                              ? JsonOutput(planner::ToJson(*report))
                              : FieldsToFlags(planner::FormatCheckText(*report, f.config));
   outcome->exit_code = report->problems.empty() ? kExitOk : kExitInternal;
+  if (report->problems.empty() && !report->fit_error.empty()) {
+    // The fit was asked for (--model with --gpu) and could not be predicted: the report says what
+    // was checked, then the error, exit 2; never "OK" for a fit no one computed.
+    const std::string report_text = outcome->stdout_text;
+    Fail(outcome, Status::InvalidArgument("--model " + f.model.spec + ": " + report->fit_error));
+    outcome->stdout_text = report_text;
+    outcome->report_with_error = true;
+  }
 }
 
 }  // namespace
@@ -140,7 +148,8 @@ void RegisterCheck(CLI::App& app, Outcome* outcome) {
       "  memplan check ds_config.json --gpus 8\n"
       "  memplan check ds_config.json --model llama-2-7b --gpu a100-80 --gpus 8 --cpu-mem 1TiB\n"
       "\nExit status: 0 no problems, 1 problems found (one line each, with the key path), 2 bad "
-      "input (unreadable file, invalid JSON, bad flags).");
+      "input (unreadable file, invalid JSON, bad flags), or --model and --gpu given and the fit "
+      "could not be predicted (the report, then why).");
   cmd->callback([f, outcome] { RunCheck(*f, outcome); });
 }
 

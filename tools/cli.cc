@@ -9,10 +9,12 @@
 #include <cstdlib>
 #include <exception>
 #include <new>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "common/byte_size.h"
 #include "common/file.h"
 #include "common/printable.h"
 #include "common/suggest.h"
@@ -27,17 +29,19 @@ namespace {
 // "010" is 8 and "-1" for an unsigned option is 2^64 - 1. Every numeric option of every
 // subcommand, whoever adds it, gets the checks below, keyed on CLI11's type name for it.
 
-// A float option: refuses NaN and infinities, whatever their spelling.
+// A float option: a decimal number (common/byte_size.h's ParseDecimalNumber: not "0x10", which
+// strtod reads as 16, nor NaN or an infinity, whatever their spelling).
 CLI::Validator FiniteNumber() {
   return CLI::Validator(
       [](std::string& value) -> std::string {
-        const char* begin = value.c_str();
+        const std::optional<double> v = ParseDecimalNumber(value);
+        if (v && std::isfinite(*v)) return std::string();
         char* end = nullptr;
-        errno = 0;
-        const double v = std::strtod(begin, &end);
-        if (end == begin) return std::string();  // not a number at all: CLI11 says so
-        if (!std::isfinite(v)) return "must be a finite number, got '" + value + "'";
-        return std::string();
+        const double spelled = std::strtod(value.c_str(), &end);  // "nan", "inf", "infinity"
+        if (!v && !(end != value.c_str() && *end == '\0' && !std::isfinite(spelled))) {
+          return "must be a decimal number, got '" + Printable(value) + "'";
+        }
+        return "must be a finite number, got '" + Printable(value) + "'";
       },
       "");
 }

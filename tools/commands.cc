@@ -242,8 +242,11 @@ struct SetupOptions {
             ->capture_default_str(),
         "offload_param");
     add(cmd->add_option("--checkpointing", checkpointing,
-                        "Activation checkpointing: none | selective | full")
-            ->check(CLI::IsMember({"none", "selective", "full"}))
+                        "Activation checkpointing: none | selective (Megatron's: the attention "
+                        "core recomputed) | full (each block keeps its input; with "
+                        "--checkpoint-every K every K-th block) | op (torchtitan's op-level "
+                        "selective AC)")
+            ->check(CLI::IsMember({"none", "selective", "full", "op"}))
             ->capture_default_str(),
         "checkpointing");
     shared.Add(cmd, "Training setup");
@@ -311,7 +314,7 @@ struct SetupOptions {
     }
     if (!deepspeed.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(deepspeed, uint64_t{1} << 24));
-      MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json config, ParseJsonNoRepeatedKeys(text, deepspeed));
+      MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json config, ParseJson(text, deepspeed));
       // Apply the flags first, so that "auto" keys take their values.
       MEMPLAN_RETURN_IF_ERROR(ApplyFlags(&s, /*only_given=*/true));
       const int64_t hidden = inventory.arch.has_value() ? inventory.arch->hidden : 0;

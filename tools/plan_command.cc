@@ -283,8 +283,8 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
                                planner::ParseLauncher(f.emit_launch[0]));
       planner::LaunchOptions launch;
       launch.launcher = launcher;
-      launch.command = {f.launch_script};
-      launch.command.insert(launch.command.end(), f.launch_args.begin(), f.launch_args.end());
+      launch.script = f.launch_script;
+      launch.script_args = f.launch_args;
       // The launch passes the DeepSpeed config it was emitted with; a DeepSpeed file that was
       // not written (a hybrid plan) is not passed.
       if (!f.emit_deepspeed.empty() &&
@@ -337,9 +337,11 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   auto cluster = f.cluster.Build(&note);
   if (!cluster.ok()) return fail(cluster.status());
   std::optional<planner::Calibration> calibration;
+  std::string warnings;  // a calibration's, repeated (Note [Calibration bounds])
   if (!f.calibration.empty()) {
     auto c = ReadCalibrationFile(f.calibration);
     if (!c.ok()) return fail(c.status());
+    warnings = CalibrationWarningLines(*c, f.calibration);
     calibration = std::move(*c);
     planner::ApplyCalibration(*calibration, &cluster->gpu, nullptr);
   }
@@ -408,9 +410,10 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
     nlohmann::json report = planner::PlanReportJson(*result, *cluster, job, *inventory, f.top,
                                                     f.plan_index, f.for_hf_trainer);
     if (!schedule_prediction.is_null()) report["schedule_prediction"] = schedule_prediction;
+    if (calibration) report["calibration_warnings"] = calibration->warnings;
     text = JsonOutput(report);
   } else {
-    text = FieldsToFlags(planner::FormatPlanText(*result, *cluster, job, f.top));
+    text = warnings + FieldsToFlags(planner::FormatPlanText(*result, *cluster, job, f.top));
     if (chosen != nullptr) {
       text += "\nThe trainer must also (plan " + std::to_string(f.plan_index + 1) + "):\n";
       for (const std::string& line :
@@ -474,7 +477,7 @@ void RegisterPlan(CLI::App& app, Outcome* outcome) {
       ->check(CLI::IsMember({"none", "cpu", "nvme"}))
       ->group(what_if);
   cmd->add_option("--checkpointing", f->checkpointing, "Only this activation checkpointing")
-      ->check(CLI::IsMember({"none", "selective", "full"}))
+      ->check(CLI::IsMember({"none", "selective", "full", "op"}))
       ->group(what_if);
   cmd->add_option("--micro-batch", f->micro_batch,
                   "Only this micro-batch (it must divide the sequences per GPU)")

@@ -34,11 +34,46 @@ void SharedSetupFlags::Add(CLI::App* cmd, const std::string& group) {
                     "Face Trainer without DeepSpeed): fp32 gradients, no master copy; ZeRO-0"),
       "autocast");
   add(cmd->add_option("--framework", framework,
-                      "The training code: transformers (Transformers + PEFT, Trainer or "
-                      "Accelerate) or litgpt (Lit-GPT / LitGPT under Lightning Fabric)")
-          ->check(CLI::IsMember({"transformers", "litgpt", "lit-gpt"}))
+                      "The training code, whose ops decide what a step keeps: transformers "
+                      "(Transformers + PEFT, Trainer or Accelerate), torchtune, torchtitan, "
+                      "litgpt (Lit-GPT / LitGPT under Lightning Fabric) or llm-foundry (MPT "
+                      "under Composer)")
+          ->check(CLI::IsMember(
+              {"transformers", "litgpt", "lit-gpt", "torchtune", "torchtitan", "llm-foundry"}))
           ->capture_default_str(),
       "framework");
+  add(cmd->add_option("--checkpoint-every", v.checkpoint_every,
+                      "With --checkpointing full: checkpoint every K-th block only (fms-fsdp's "
+                      "p = 1/K, torchtitan's selective K, Transformers' every_n_layers)")
+          ->check(CLI::Range(int64_t{1}, int64_t{1} << 24))
+          ->capture_default_str(),
+      "checkpoint_every");
+  add(cmd->add_option("--lora-dropout", v.lora_dropout,
+                      "Dropout on each LoRA adapter's input (default: the framework's: PEFT and "
+                      "torchtune 0, LitGPT 0.05); above 0 every adapted Linear keeps a mask")
+          ->check(CLI::Range(0.0, 0.999)),
+      "lora_dropout");
+  add(cmd->add_option("--loss", loss,
+                      "How the loss meets the logits: full (one logits tensor), chunked "
+                      "(torchtune's CEWithChunkedOutputLoss, LitGPT's chunked_cross_entropy) or "
+                      "fused (Liger's fused linear cross-entropy: no logits kept)")
+          ->check(CLI::IsMember({"full", "chunked", "fused"}))
+          ->capture_default_str(),
+      "loss");
+  add(cmd->add_option("--loss-chunks", v.loss_chunks,
+                      "With --loss chunked: the number of chunks (default: the framework's, "
+                      "torchtune 8, LitGPT 128-token chunks)")
+          ->check(CLI::Range(int64_t{1}, int64_t{1} << 24)),
+      "loss_chunks");
+  add(cmd->add_flag("--compile", v.torch_compile,
+                    "torch.compile of the model: Inductor recomputes the pointwise ops in backward "
+                    "and saves the matmul inputs, attention outputs and norm statistics"),
+      "torch_compile");
+  add(cmd->add_option("--gpu-arch", v.gpu_arch,
+                      "The GPU architecture (sm70 V100, sm80 A100, sm86/sm89 RTX, sm90 H100): "
+                      "which attention kernel SDPA picks and the cuBLAS workspace")
+          ->capture_default_str(),
+      "gpu_arch");
   add(cmd->add_option("--torch-version", v.torch_version,
                       "The PyTorch release (MAJOR.MINOR) where its memory behaviour changed: "
                       "before 1.11 softmax keeps its input too; default: a current release"),
@@ -69,6 +104,15 @@ void SharedSetupFlags::Apply(estimator::TrainingSetup* s, bool only_given) const
     if (parsed.ok()) s->framework = *parsed;
   }
   if (use("torch_version")) s->torch_version = values.torch_version;
+  if (use("checkpoint_every")) s->checkpoint_every = values.checkpoint_every;
+  if (use("lora_dropout")) s->lora_dropout = values.lora_dropout;
+  if (use("loss")) {
+    Result<estimator::Loss> parsed = estimator::ParseLoss(loss);  // checked by the option
+    if (parsed.ok()) s->loss = *parsed;
+  }
+  if (use("loss_chunks")) s->loss_chunks = values.loss_chunks;
+  if (use("torch_compile")) s->torch_compile = values.torch_compile;
+  if (use("gpu_arch")) s->gpu_arch = values.gpu_arch;
 }
 
 void JobSetupFlags::Add(CLI::App* cmd, const std::string& group, const std::string& precision_help,
@@ -127,6 +171,14 @@ constexpr std::pair<std::string_view, std::string_view> kFieldFlags[] = {
     {"num_nodes", "--nodes"},
     {"buffer_factor", "--buffer-factor"},
     {"torch_version", "--torch-version"},
+    {"checkpointing", "--checkpointing"},
+    {"checkpoint_every", "--checkpoint-every"},
+    {"lora_dropout", "--lora-dropout"},
+    {"loss", "--loss"},
+    {"loss_chunks", "--loss-chunks"},
+    {"torch_compile", "--compile"},
+    {"gpu_arch", "--gpu-arch"},
+    {"framework", "--framework"},
     {"fsdp", "--fsdp"},
     {"offload_param", "--offload-param"},
     {"offload_optimizer", "--offload-optimizer"},
@@ -168,7 +220,8 @@ constexpr std::pair<std::string_view, std::string_view> kFieldFlags[] = {
     {"deepspeed_config_path", "--emit-deepspeed"},
     {"accelerate_config", "--emit-accelerate"},
     {"launcher", "--emit-launch"},
-    {"command", "--launch-script"},
+    {"script", "--launch-script"},
+    {"script_args", "--launch-arg"},
     {"master_port", "--master-port"},
     {"slurm_partition", "--slurm-partition"},
     {"slurm_time", "--slurm-time"},
@@ -180,6 +233,7 @@ constexpr std::pair<std::string_view, std::string_view> kFieldFlags[] = {
     {"max_train_hours", "--max-days"},
     // CalibrateOptions (calibrate).
     {"constants", "--constants"},
+    {"max_rms_error", "--max-error"},
 };
 
 }  // namespace

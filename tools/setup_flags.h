@@ -20,6 +20,7 @@ namespace memplan::tools {
 struct SharedSetupFlags {
   estimator::TrainingSetup values;         // only the fields below are read
   std::string framework = "transformers";  // parsed into values.framework by Apply
+  std::string loss = "full";               // parsed into values.loss by Apply
   // Each registered option with the TrainingSetup field it sets.
   std::vector<std::pair<CLI::Option*, std::string>> options;
 

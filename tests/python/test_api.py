@@ -33,6 +33,24 @@ class EstimateTest(unittest.TestCase):
         self.assertEqual(ours, theirs)
         self.assertGreater(ours["peak"]["gpu_bytes"], 0)
 
+    def test_json_files_with_a_repeated_key_are_refused(self):
+        # Issue 30 L5's class: the package reads files as the library does.
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "config.json")
+            with open(path, "w") as f:
+                f.write('{"model_type": "gpt2", "n_layer": 12, "n_layer": 48}')
+            with self.assertRaisesRegex(ValueError, "key 'n_layer' appears twice"):
+                memplan.estimate(config=path)
+            with open(path, "w") as f:
+                f.write('{"version": 1, "params": {"tier": "nvme", "tier": "gpu"}}')
+            with self.assertRaisesRegex(ValueError, "key 'tier' appears twice"):
+                memplan.Engine(path, runtime="host")
+            # The request path, too: the library refuses it (a dict cannot repeat a key, but the
+            # native JSON reader is shared).
+            with self.assertRaisesRegex(Exception, "appears twice"):
+                memplan._native.estimate_json('{"model": "gpt2", "model": "gpt2"}')
+
     def test_config_dict_and_path_agree(self):
         path = os.path.join(SOURCE, "estimator/models/gpt2.json")
         with open(path) as f:

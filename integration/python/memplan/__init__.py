@@ -16,9 +16,37 @@ PermissionError, ...); a call out of order is RuntimeError. The offload engine i
 
 import json as _json
 
-from . import _native
+try:
+    from . import _native
+except ImportError as _native_error:  # a source tree without the built extension
+    # memplan.trace (pure Python over torch) runs from the sources without the extension; the
+    # rest of the package says what is missing when first used.
+    class _Missing:
+        def __init__(self, error):
+            self._error = error
 
-__version__ = _native.__version__
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            raise ImportError("memplan's extension (memplan._native) is not built: %s; build it "
+                              "(cmake, target memplan_python) or pip install ." % self._error)
+
+        def __call__(self, *args, **kwargs):
+            return self.__getattr__("extension")
+
+    _native = _Missing(_native_error)
+    __version__ = "0+unbuilt"
+    IoFile = CpuAdam = nccl_unique_id = _native
+else:
+    __version__ = _native.__version__
+    # Low-level pieces of the offload engine, for benchmarks and numeric checks: IoFile reads and
+    # writes one file through the NVMe I/O engine (backend, block size, queue depth, threads);
+    # CpuAdam runs the engine's Adam/AdamW kernel over caller arrays.
+    IoFile = _native.IoFile
+    CpuAdam = _native.CpuAdam
+    # A new ncclUniqueId (bytes) for an Engine's NCCL collective; NotImplementedError without
+    # NCCL.
+    nccl_unique_id = _native.nccl_unique_id
 __all__ = ["estimate", "plan", "estimate_module", "Engine", "schedule", "IoFile", "CpuAdam",
            "nccl_unique_id", "NotFoundError"]
 
@@ -31,13 +59,6 @@ class NotFoundError(KeyError, ValueError):
     def __str__(self):
         return str(self.args[0]) if self.args else ""
 
-# Low-level pieces of the offload engine, for benchmarks and numeric checks: IoFile reads and
-# writes one file through the NVMe I/O engine (backend, block size, queue depth, threads);
-# CpuAdam runs the engine's Adam/AdamW kernel over caller arrays.
-IoFile = _native.IoFile
-CpuAdam = _native.CpuAdam
-# A new ncclUniqueId (bytes) for an Engine's NCCL collective; NotImplementedError without NCCL.
-nccl_unique_id = _native.nccl_unique_id
 
 # Request keys of `estimate` that are not training-setup settings (integration/requests.h).
 _ESTIMATE_KEYS = ("model", "config", "shapes", "name", "model_class", "gpus", "nodes",
@@ -45,11 +66,22 @@ _ESTIMATE_KEYS = ("model", "config", "shapes", "name", "model_class", "gpus", "n
 
 
 def _load_json_arg(value):
-    """A dict, or a path to a JSON file."""
+    """A dict, or a path to a JSON file, read as the library reads JSON: a key repeated in one
+    object is a ValueError naming the file and the key (Python's json module would keep the last
+    value, and which one was meant is not clear)."""
     if value is None or isinstance(value, dict):
         return value
+
+    def refuse_repeats(pairs):
+        seen = {}
+        for key, item in pairs:
+            if key in seen:
+                raise ValueError(f"{value}: key {key!r} appears twice in one JSON object")
+            seen[key] = item
+        return seen
+
     with open(value, "r", encoding="utf-8") as f:
-        return _json.load(f)
+        return _json.load(f, object_pairs_hook=refuse_repeats)
 
 
 def estimate(model=None, *, config=None, shapes=None, name=None, gpus=1, nodes=1,

@@ -1,0 +1,163 @@
+// The frameworks' training code as the step model runs it (Note [The step model] in
+// step_model.h): the model's parameters from the inventory (with LoRA adapters and QLoRA's
+// storage), each block's forward as the framework writes it, the output head and the loss, the
+// checkpointing wrapper per policy. Internal to the estimator.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "estimator/inventory.h"
+#include "estimator/step_graph.h"
+#include "estimator/training_setup.h"
+
+namespace memplan::estimator::step {
+
+// One Linear of a block: its weight and bias, widths, and LoRA adapters when adapted.
+struct Lin {
+  T w, b;
+  Wide in = 0, out = 0;
+  T lora_a, lora_b;  // LoRA A [r, in], B [out, r]
+  bool ok() const { return w.ok(); }
+};
+
+// A norm: weight and bias (invalid when absent), width.
+struct Norm {
+  T w, b;
+  Wide width = 0;
+};
+
+// A block's parameters by role (Note [Tensor roles]).
+struct BlockParams {
+  std::map<TensorRole, Lin> lin;            // the block's Linears (experts and routers excluded)
+  std::vector<Norm> norms;                  // hidden-width norms in registration order
+  std::vector<Norm> qk_norms;               // narrower norms (query/key norms), in order
+  std::vector<T> experts;                   // fused expert tensors (3-D) and their biases
+  std::map<TensorRole, T> expert;           // the fused experts by role (weights)
+  std::map<TensorRole, Wide> expert_width;  // their output widths (2F for gate_up, h for down)
+  Lin router;
+  Wide expert_params = 0;  // routed expert parameters of the block (all experts)
+  bool has(TensorRole r) const { return lin.count(r) > 0; }
+  const Lin& at(TensorRole r) const { return lin.at(r); }
+};
+
+// One training step's model code over a Graph: parameters, forward, loss.
+class ModelRun {
+ public:
+  ModelRun(Graph& g, const ModelInventory& inventory, const TrainingSetup& setup);
+
+  // The parameters (as Graph params), the blocks' parameters, LoRA adapters; fails on an
+  // architecture the step model cannot run.
+  Status Prepare();
+  // The forward pass and the loss, as the framework runs them, phases set; returns the loss.
+  Result<T> ForwardAndLoss();
+  void AfterBackward() {}
+
+  // Bytes of each optimizer parameter group (rounded per tensor, in the states' dtype), and of
+  // the largest trainable tensor.
+  const std::vector<Wide>& OptimizerGroupBytes() const { return group_bytes_; }
+  Wide LargestTrainableBytes() const { return largest_trainable_; }
+  // The model states as this framework allocates them, each tensor rounded as the caching
+  // allocator rounds it: parameters (NF4 storage for QLoRA's base, adapters included),
+  // buffers, optimizer states (Adam's two per trainable tensor, in its dtype).
+  Wide ParameterBytes() const { return parameter_bytes_; }
+  Wide BufferBytes() const { return buffer_bytes_; }
+  Wide OptimizerStateBytes() const { return state_bytes_; }
+  uint64_t saved_bytes() const { return saved_bytes_; }
+  uint64_t block_saved_bytes() const { return block_saved_bytes_; }
+  const std::vector<std::string>& notes() const { return notes_; }
+
+ private:
+  // How a Transformers decoder family writes its block (Prepare fills it from the model_type;
+  // each field names the modelling code that decides it).
+  struct Family {
+    enum class NormKind { kRms, kRmsGemma, kRmsOlmo, kLayer };
+    enum class Layout { kSequential, kSandwich, kPostNorm, kParallel, kParallelTwoNorms };
+    enum class Act { kSilu, kGelu, kGeluTanh, kGeluNew, kRelu };
+    enum class QkNorm { kNone, kHeadRms, kFullRms, kHeadLayer };
+    NormKind norm = NormKind::kRms;
+    Layout layout = Layout::kSequential;
+    Act act = Act::kSilu;
+    QkNorm qk_norm = QkNorm::kNone;
+    bool gated = true;
+    bool rotary = true;
+    Wide rotary_dims = 0;  // per head; 0: the whole head
+    bool learned_positions = false;
+    bool query_scaled = false;    // OPT: q_proj(h) * scaling
+    bool probs_to_value = false;  // GPT-2's eager: softmax(x).type(value.dtype)
+    double resid_dropout = 0;     // after attention and after the MLP
+    double embedding_dropout = 0;
+    bool embedding_scale = false;  // Gemma: embeddings * sqrt(hidden)
+    bool embedding_norm = false;   // Bloom: word_embeddings_layernorm
+    // ALiBi attention: Bloom's baddbmm eager attention, or Falcon's ALiBi folded into a float
+    // mask for SDPA.
+    bool bloom_attention = false;
+    bool falcon_alibi = false;
+  };
+
+  // Transformers' decoder-only LMs (LlamaDecoderLayer and its relatives).
+  T TransformersDecoderBlock(int layer, T x);
+  T TransformersAttention(int layer, const BlockParams& bp, T h);
+  T TransformersMlp(const BlockParams& bp, T h);
+  T BloomAttention(const BlockParams& bp, T h);
+  T TransformersMoe(const BlockParams& bp, T h);
+  Result<T> TransformersForward();
+  // torchtune (torchtune/modules/transformer.py, attention.py, peft/lora.py).
+  Result<T> TorchtuneForward();
+  T TorchtuneBlock(int layer, T x);
+  T TorchtuneRmsNorm(const Norm& n, T x);
+  T TorchtuneRope(T x);
+  T TorchtuneLinear(const Lin& l, T x);
+  T BlockFor(int layer, T x);
+  // LitGPT (litgpt/model.py, lora.py, utils.py chunked_cross_entropy) under Lightning Fabric.
+  Result<T> LitGptForward();
+  T LitGptBlock(int layer, T x);
+  T LitGptRmsNorm(const Norm& n, T x);
+  T LitGptLinear(const Lin& l, T x, bool qkv);
+  T HfRmsNorm(const Norm& n, T x);
+  T GemmaRmsNorm(const Norm& n, T x);
+  T OlmoRmsNorm(const Norm& n, T x);
+  T NormAny(const Norm& n, T x);
+  T ApplyRotary(T x);
+  T Activation(T x);
+  T LoraLinear(const Lin& l, T x);
+  // The loss as Transformers' ForCausalLMLoss computes it from the last hidden states.
+  T CausalLmLoss(T hidden);
+  // Runs block `layer`, checkpointed or not per the setup.
+  T RunBlock(int layer, T x);
+  bool Checkpointed(int layer) const;
+  Status CheckFamily() const;
+
+  Family fam_;
+  Graph& g_;
+  const ModelInventory& inv_;
+  const TrainingSetup& s_;
+  const ArchitectureInfo& a_;
+  DT pdt_ = DT::kF32;   // parameter dtype
+  DT adt_ = DT::kBF16;  // autocast dtype
+  bool autocast_ = false;
+  Wide batch_ = 1, seq_ = 1, tokens_ = 1;
+  bool quantized_base_ = false;  // QLoRA: the frozen block Linears in NF4
+  // LitGPT's fused attention.qkv per block (its checkpoints' q/k/v in one Linear), and which of
+  // query, key, value its LoRA adapts (LoRAQKVLinear's enable_lora).
+  std::vector<Lin> litgpt_qkv_;
+  bool lora_q_ = false, lora_k_ = false, lora_v_ = false;
+  std::vector<T> params_;  // per inventory tensor (tied aliases: the target's)
+  std::vector<BlockParams> blocks_;
+  T embedding_, position_embedding_, head_, head_bias_;
+  std::vector<Norm> final_norms_;
+  T cos_, sin_;           // rotary tables of this forward
+  T mask_;                // an explicit attention mask of this forward
+  std::vector<T> cache_;  // DynamicCache copies held until the output is dropped
+  bool use_cache_ = false;
+  bool explicit_mask_ = false;
+  std::vector<Wide> group_bytes_;
+  Wide parameter_bytes_ = 0, buffer_bytes_ = 0, state_bytes_ = 0;
+  Wide largest_trainable_ = 0;
+  uint64_t saved_bytes_ = 0;
+  uint64_t block_saved_bytes_ = 0;
+  std::vector<std::string> notes_;
+};
+
+}  // namespace memplan::estimator::step

@@ -1,0 +1,352 @@
+#include "estimator/step_graph.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+
+namespace memplan::estimator::step {
+
+int Bytes(DT dt) {
+  switch (dt) {
+    case DT::kF32:
+    case DT::kI32: return 4;
+    case DT::kBF16:
+    case DT::kF16: return 2;
+    case DT::kI64:
+    case DT::kU64: return 8;
+    case DT::kBool:
+    case DT::kU8:
+    case DT::kI8: return 1;
+  }
+  return 4;
+}
+
+Graph::Graph() = default;
+
+namespace {
+
+constexpr Wide kMaxBytes = Wide{1} << 62;
+
+Wide Round(Wide bytes) {
+  if (bytes == 0) return 0;
+  return std::max<Wide>(512, (bytes + 511) / 512 * 512);
+}
+
+uint64_t Narrow(Wide v) {
+  return v > static_cast<Wide>(std::numeric_limits<uint64_t>::max())
+             ? std::numeric_limits<uint64_t>::max()
+             : static_cast<uint64_t>(v);
+}
+
+}  // namespace
+
+int Graph::Alloc(StepCategory c, Wide bytes) {
+  Buf b;
+  b.bytes = Round(bytes);
+  if (b.bytes > kMaxBytes) {
+    if (getenv("MEMPLAN_STEP_DEBUG")) {
+      fprintf(stderr, "overflow alloc at %s: %llu (high %llu)\n", where_.c_str(),
+              static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(bytes >> 64));
+    }
+    overflow_ = true;
+    b.bytes = 0;
+  }
+  b.cat = c;
+  b.refs = 1;
+  bufs_.push_back(b);
+  cur_[static_cast<int>(c)] += b.bytes;
+  total_ += b.bytes;
+  if (total_ > kMaxBytes) overflow_ = true;
+  Track();
+  return static_cast<int>(bufs_.size()) - 1;
+}
+
+void Graph::Ref(int buf) {
+  if (buf < 0) return;
+  Buf& b = bufs_[static_cast<size_t>(buf)];
+  if (b.refs == 0) {
+    // A reference to freed memory is a modelling error; count the memory again rather than
+    // let the totals wrap.
+    cur_[static_cast<int>(b.cat)] += b.bytes;
+    total_ += b.bytes;
+    stale_ = true;
+  }
+  ++b.refs;
+}
+
+void Graph::Unref(int buf) {
+  if (buf < 0) return;
+  Buf& b = bufs_[static_cast<size_t>(buf)];
+  if (b.refs <= 0) return;
+  if (--b.refs == 0) {
+    cur_[static_cast<int>(b.cat)] -= b.bytes;
+    total_ -= b.bytes;
+  }
+}
+
+void Graph::Recategorize(int buf, StepCategory c) {
+  if (buf < 0) return;
+  Buf& b = bufs_[static_cast<size_t>(buf)];
+  if (b.refs > 0) {
+    cur_[static_cast<int>(b.cat)] -= b.bytes;
+    cur_[static_cast<int>(c)] += b.bytes;
+  }
+  b.cat = c;
+}
+
+void Graph::Track() {
+  const int p = static_cast<int>(phase_);
+  if (total_ <= peak_wide_[static_cast<size_t>(p)] && peaks_[static_cast<size_t>(p)].bytes != 0) {
+    return;
+  }
+  peak_wide_[static_cast<size_t>(p)] = total_;
+  StepPhasePeak& peak = peaks_[static_cast<size_t>(p)];
+  peak.bytes = Narrow(total_);
+  for (int c = 0; c < kStepCategories; ++c) {
+    peak.categories[static_cast<size_t>(c)] = Narrow(cur_[static_cast<size_t>(c)]);
+  }
+  peak.where = where_;
+}
+
+T Graph::NewIn(StepCategory c, Wide numel, DT dt, bool requires_grad) {
+  Tensor t;
+  t.numel = numel;
+  t.dt = dt;
+  t.rg = requires_grad;
+  t.buf = Alloc(c, numel * static_cast<Wide>(Bytes(dt)));
+  tensors_.push_back(t);
+  return T{static_cast<int>(tensors_.size()) - 1};
+}
+
+T Graph::New(Wide numel, DT dt, bool requires_grad) {
+  return NewIn(in_backward_ ? StepCategory::kTemporaries : StepCategory::kActivations, numel, dt,
+               requires_grad);
+}
+
+T Graph::Param(Wide numel, DT dt, bool trainable) {
+  ParamState p;
+  p.trainable = trainable;
+  p.numel = numel;
+  p.dt = dt;
+  params_.push_back(p);
+  Tensor t;
+  t.numel = numel;
+  t.dt = dt;
+  t.rg = trainable;
+  t.param = static_cast<int>(params_.size()) - 1;
+  tensors_.push_back(t);
+  return T{static_cast<int>(tensors_.size()) - 1};
+}
+
+T Graph::External(Wide numel, DT dt) {
+  Tensor t;
+  t.numel = numel;
+  t.dt = dt;
+  tensors_.push_back(t);
+  return T{static_cast<int>(tensors_.size()) - 1};
+}
+
+T Graph::Alias(T t, Wide numel, bool view) {
+  Tensor a = tensors_[static_cast<size_t>(t.id)];
+  a.grad = -1;
+  if (numel != 0) a.numel = numel;
+  if (!view) {
+    a.same = Root(t.id);
+  } else {
+    a.param = -1;
+    a.same = -1;
+  }
+  Ref(a.buf);
+  tensors_.push_back(a);
+  return T{static_cast<int>(tensors_.size()) - 1};
+}
+
+void Graph::Drop(T t) {
+  if (!t.ok()) return;
+  Tensor& x = tensors_[static_cast<size_t>(t.id)];
+  if (x.buf >= 0 && x.param < 0) Unref(x.buf);
+}
+
+void Graph::Record(NodeSpec spec) {
+  if (!saving_) return;
+  Node node;
+  for (const T& s : spec.saved) {
+    if (!s.ok()) continue;
+    const Tensor& x = tensors_[static_cast<size_t>(s.id)];
+    if (x.buf >= 0 && x.param < 0) {
+      Ref(x.buf);
+      node.saved_bufs.push_back(x.buf);
+    }
+  }
+  for (const T& in : spec.inputs) {
+    if (!in.ok()) continue;
+    const Tensor& x = tensors_[static_cast<size_t>(in.id)];
+    if (x.param >= 0 && x.rg) ++params_[static_cast<size_t>(x.param)].uses;
+  }
+  spec.saved.clear();
+  node.spec = std::move(spec);
+  nodes_.push_back(std::move(node));
+}
+
+void Graph::RecordCheckpoint(T input, T output, std::function<T(T)> rerun,
+                             const std::vector<T>& held) {
+  Node node;
+  node.spec.name = "checkpoint";
+  node.spec.outputs = {output};
+  node.ck_input = input;
+  node.ck_output = output;
+  node.rerun = std::move(rerun);
+  for (T t : held) {
+    if (!t.ok()) continue;
+    const Tensor& h = tensors_[static_cast<size_t>(t.id)];
+    if (h.buf >= 0 && h.param < 0) {
+      Ref(h.buf);
+      node.saved_bufs.push_back(h.buf);
+    }
+  }
+  const Tensor& x = tensors_[static_cast<size_t>(input.id)];
+  if (x.buf >= 0) {
+    Ref(x.buf);
+    node.saved_bufs.push_back(x.buf);
+  }
+  nodes_.push_back(std::move(node));
+}
+
+void Graph::Accumulate(T input, int grad_buf) {
+  Tensor& x = tensors_[static_cast<size_t>(Root(input.id))];
+  if (x.param >= 0) {
+    ParamState& p = params_[static_cast<size_t>(x.param)];
+    ++p.arrived;
+    if (p.pending < 0) {
+      p.pending = grad_buf;
+    } else {
+      // The engine's InputBuffer adds a second gradient out of place.
+      const int sum = Alloc(StepCategory::kTemporaries, p.numel * static_cast<Wide>(Bytes(p.dt)));
+      Unref(p.pending);
+      Unref(grad_buf);
+      p.pending = sum;
+    }
+    if (p.arrived >= p.uses) {
+      // AccumulateGrad steals the incoming gradient as .grad.
+      Recategorize(p.pending, StepCategory::kGradients);
+      p.grad = p.pending;
+      p.pending = -1;
+    }
+    return;
+  }
+  if (x.grad < 0) {
+    x.grad = grad_buf;
+  } else {
+    Unref(grad_buf);  // added in place
+  }
+}
+
+void Graph::RunNode(Node& node) {
+  bool any = false;
+  for (const T& out : node.spec.outputs) {
+    if (out.ok() && tensors_[static_cast<size_t>(Root(out.id))].grad >= 0) any = true;
+  }
+  if (any && node.rerun) {
+    // Non-reentrant checkpoint: the block's forward again, saving, then its backward.
+    const size_t begin = nodes_.size();
+    const bool was = in_backward_;
+    in_backward_ = false;
+    SetWhere("recompute");
+    T out2 = node.rerun(node.ck_input);
+    ClearAutocastCache();
+    in_backward_ = was;
+    Tensor& o = tensors_[static_cast<size_t>(Root(node.ck_output.id))];
+    tensors_[static_cast<size_t>(Root(out2.id))].grad = o.grad;
+    o.grad = -1;
+    Drop(out2);
+    RunRange(begin, nodes_.size());
+    nodes_.resize(begin);
+  } else if (any) {
+    const NodeSpec& s = node.spec;
+    std::vector<int> extras;
+    auto alloc_extras = [&] {
+      for (const auto& [numel, dt] : s.extra) {
+        extras.push_back(Alloc(StepCategory::kTemporaries, numel * static_cast<Wide>(Bytes(dt))));
+      }
+    };
+    if (s.extra_before_grads) alloc_extras();
+    int first_out_grad = -1;
+    for (const T& out : s.outputs) {
+      if (out.ok() && tensors_[static_cast<size_t>(Root(out.id))].grad >= 0) {
+        first_out_grad = tensors_[static_cast<size_t>(Root(out.id))].grad;
+        break;
+      }
+    }
+    for (size_t i = 0; i < s.inputs.size(); ++i) {
+      const T in = s.inputs[i];
+      if (!RequiresGrad(in)) continue;
+      const Tensor& x = tensors_[static_cast<size_t>(in.id)];
+      int g;
+      if (i < s.passthrough.size() && s.passthrough[i] && first_out_grad >= 0 && x.param < 0) {
+        g = first_out_grad;
+        Ref(g);
+      } else {
+        g = Alloc(StepCategory::kTemporaries, x.numel * static_cast<Wide>(Bytes(x.dt)));
+      }
+      Accumulate(in, g);
+    }
+    if (!s.extra_before_grads) alloc_extras();
+    for (int e : extras) Unref(e);
+  }
+  for (const T& out : node.spec.outputs) {
+    if (!out.ok()) continue;
+    Tensor& o = tensors_[static_cast<size_t>(Root(out.id))];
+    if (o.grad >= 0) {
+      Unref(o.grad);
+      o.grad = -1;
+    }
+  }
+  for (int b : node.saved_bufs) Unref(b);
+  node.saved_bufs.clear();
+}
+
+void Graph::RunRange(size_t begin, size_t end) {
+  for (size_t i = end; i > begin; --i) {
+    // RunNode may append (a checkpoint's recompute) and reallocate nodes_: move it out first.
+    Node node = std::move(nodes_[i - 1]);
+    RunNode(node);
+  }
+}
+
+void Graph::Backward(T root) {
+  in_backward_ = true;
+  Tensor& r = tensors_[static_cast<size_t>(Root(root.id))];
+  r.grad = Alloc(StepCategory::kTemporaries, static_cast<Wide>(Bytes(r.dt)));
+  RunRange(0, nodes_.size());
+  nodes_.clear();
+  in_backward_ = false;
+}
+
+T Graph::CastWeight(T param, DT dt) {
+  const Tensor& p = tensors_[static_cast<size_t>(param.id)];
+  if (p.dt == dt) return param;
+  const bool cacheable = p.rg;  // cached_cast: leaves that require grad only
+  if (cacheable) {
+    auto it = cast_cache_.find(param.id);
+    if (it != cast_cache_.end()) {
+      // The same tensor again (its gradient slot shared): one more reference for the caller.
+      Ref(tensors_[static_cast<size_t>(it->second.id)].buf);
+      return it->second;
+    }
+  }
+  T c = New(p.numel, dt, p.rg);
+  Record(Graph::Spec("ToCopy(weight)", {param}, {c}));
+  if (cacheable) {
+    cast_cache_[param.id] = c;
+    Ref(tensors_[static_cast<size_t>(c.id)].buf);  // the caller's reference, beside the cache's
+  }
+  return c;
+}
+
+void Graph::ClearAutocastCache() {
+  for (auto& [param, cast] : cast_cache_) Drop(cast);
+  cast_cache_.clear();
+}
+
+}  // namespace memplan::estimator::step

@@ -1,0 +1,198 @@
+// The symbolic autograd the step model runs on (Note [The step model] in step_model.h): tensors
+// that are sizes and dtypes only, the caching allocator's live bytes per category and phase,
+// PyTorch's ops with what each saves for backward and allocates in it, autocast's casts, and
+// a backward that runs the recorded nodes in reverse. Internal to the estimator: step_model.cc
+// (the training loop, losses and optimizers) and step_blocks.cc (the frameworks' blocks) use it.
+//
+// Thread safety: one Graph per simulation; no shared state.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "estimator/step_model.h"
+
+namespace memplan::estimator::step {
+
+__extension__ typedef unsigned __int128 Wide;
+
+enum class DT : uint8_t { kF32, kBF16, kF16, kI64, kI32, kBool, kU8, kI8, kU64 };
+int Bytes(DT dt);
+inline bool Half(DT dt) { return dt == DT::kBF16 || dt == DT::kF16; }
+
+// A tensor: an index into Graph's tensors. -1 is "none".
+struct T {
+  int id = -1;
+  bool ok() const { return id >= 0; }
+};
+
+class Graph {
+ public:
+  Graph();
+  // Room for about `params` parameters and the tensors, buffers and nodes a step makes over them,
+  // so that a model of tens of thousands of tensors is not copied while it grows.
+  void Reserve(size_t params) {
+    params_.reserve(params);
+    tensors_.reserve(4 * params);
+    bufs_.reserve(2 * params);
+    nodes_.reserve(2 * params);
+  }
+
+  // --- Memory ---------------------------------------------------------------------------------
+  // A buffer of `bytes` (rounded as the caching allocator rounds) in category `c`, with one
+  // reference.
+  int Alloc(StepCategory c, Wide bytes);
+  void Ref(int buf);
+  void Unref(int buf);
+  void Recategorize(int buf, StepCategory c);
+  void SetPhase(StepPhase p) { phase_ = p; }
+  StepPhase phase() const { return phase_; }
+  void SetWhere(std::string where) { where_ = std::move(where); }
+  const std::array<StepPhasePeak, kStepPhases>& peaks() const { return peaks_; }
+  Wide live() const { return total_; }
+  Wide live(StepCategory c) const { return cur_[static_cast<int>(c)]; }
+  bool overflow() const { return overflow_; }
+
+  // --- Tensors --------------------------------------------------------------------------------
+  // A new tensor of `numel` elements made by an op (category: activations in forward,
+  // temporaries in backward, unless given).
+  T New(Wide numel, DT dt, bool requires_grad);
+  T NewIn(StepCategory c, Wide numel, DT dt, bool requires_grad);
+  // A leaf parameter that exists already (its bytes are the memory model's): no buffer here.
+  // `uses` is counted by the ops that read it.
+  T Param(Wide numel, DT dt, bool trainable);
+  // A tensor standing for memory outside the step (the batch): referenced, never freed.
+  T External(Wide numel, DT dt);
+  // Another reference to the same tensor (its gradient is the tensor's), or with `view` a view
+  // of its storage: a tensor of its own whose gradient a view node passes on.
+  T Alias(T t, Wide numel = 0, bool view = false);
+  void Drop(T t);  // the Python variable holding `t` goes
+  Wide Numel(T t) const { return tensors_[t.id].numel; }
+  DT Dtype(T t) const { return tensors_[t.id].dt; }
+  bool RequiresGrad(T t) const { return t.ok() && tensors_[t.id].rg; }
+  void SetRequiresGrad(T t, bool rg) { tensors_[t.id].rg = rg; }
+
+  // --- Autograd -------------------------------------------------------------------------------
+  // A node: consumes the gradients of `outputs`, produces gradients for the inputs that require
+  // them (allocated as the input's numel and dtype), keeps `saved` until it has run, and
+  // allocates `extra` temporaries (numel, dtype) while it runs. A param input's gradient goes to
+  // AccumulateGrad.
+  struct NodeSpec {
+    const char* name = "";
+    std::vector<T> inputs;
+    std::vector<T> outputs;
+    std::vector<T> saved;
+    std::vector<std::pair<Wide, DT>> extra;
+    // Gradients of these inputs are views of the output's gradient (no allocation): reshapes,
+    // transposes, additions.
+    std::vector<bool> passthrough;
+    // Extra temporaries that stay until the node's input gradients are produced, then go
+    // (flash attention's dQ accumulator); allocated before the input gradients.
+    bool extra_before_grads = true;
+  };
+  void Record(NodeSpec spec);
+  // Record(Spec(...)) without designated initialisers.
+  static NodeSpec Spec(const char* name, std::vector<T> inputs, std::vector<T> outputs,
+                       std::vector<T> saved = {}, std::vector<bool> passthrough = {}) {
+    NodeSpec n;
+    n.name = name;
+    n.inputs = std::move(inputs);
+    n.outputs = std::move(outputs);
+    n.saved = std::move(saved);
+    n.passthrough = std::move(passthrough);
+    return n;
+  }
+  // Saving on/off (a checkpointed forward saves nothing; its checkpoint node re-runs it).
+  void SetSaving(bool on) { saving_ = on; }
+  bool saving() const { return saving_; }
+  // A checkpointed region: `run` re-runs the region's forward from `input`, returning its output.
+  // `held` are the other tensors the checkpointed call was given (rotary tables, masks): the
+  // checkpoint keeps them until its backward.
+  void RecordCheckpoint(T input, T output, std::function<T(T)> rerun,
+                        const std::vector<T>& held = {});
+
+  // Starts backward from `root` (a scalar loss that requires grad): its gradient is a new
+  // 1-element tensor; nodes run in reverse order of recording.
+  void Backward(T root);
+
+  // --- Autocast -------------------------------------------------------------------------------
+  // The autocast weight-cast cache: a trainable leaf cast to `dt` once per autocast region.
+  void SetAutocast(bool on, DT dt) {
+    autocast_ = on;
+    autocast_dt_ = dt;
+  }
+  bool autocast() const { return autocast_; }
+  DT autocast_dtype() const { return autocast_dt_; }
+  T CastWeight(T param, DT dt);
+  void ClearAutocastCache();
+
+  // Gradients produced for trainable parameters so far (bytes in the gradients category).
+  int ParamGradBuffer(T param) const { return params_.at(tensors_[param.id].param).grad; }
+
+ private:
+  struct Buf {
+    Wide bytes = 0;
+    StepCategory cat = StepCategory::kActivations;
+    int refs = 0;
+  };
+  struct Tensor {
+    Wide numel = 0;
+    DT dt = DT::kF32;
+    int buf = -1;
+    bool rg = false;
+    int param = -1;  // index into params_
+    int grad = -1;   // the gradient in flight (a buffer), -1 none
+    int same = -1;   // another reference to this tensor: its gradient slot is that one's
+  };
+  // The tensor whose gradient slot `id` uses.
+  int Root(int id) const {
+    while (tensors_[static_cast<size_t>(id)].same >= 0) id = tensors_[static_cast<size_t>(id)].same;
+    return id;
+  }
+  struct ParamState {
+    int uses = 0;      // nodes that will produce a gradient for it
+    int arrived = 0;   // of those, already run
+    int pending = -1;  // the engine's input buffer: the gradient so far
+    int grad = -1;     // .grad once all arrived
+    bool trainable = false;
+    Wide numel = 0;
+    DT dt = DT::kF32;
+  };
+  struct Node {
+    NodeSpec spec;
+    std::vector<int> saved_bufs;
+    std::function<T(T)> rerun;  // a checkpoint
+    T ck_input, ck_output;
+  };
+
+  void Accumulate(T input, int grad_buf);
+  void RunNode(Node& node);
+  void RunRange(size_t begin, size_t end);
+  void Track();
+
+  std::vector<Buf> bufs_;
+  std::vector<Tensor> tensors_;
+  std::vector<ParamState> params_;
+  std::vector<Node> nodes_;
+  std::map<int, T> cast_cache_;  // param tensor id -> cast
+  std::array<Wide, kStepCategories> cur_{};
+  Wide total_ = 0;
+  StepPhase phase_ = StepPhase::kForward;
+  std::string where_;
+  std::array<StepPhasePeak, kStepPhases> peaks_{};
+  std::array<Wide, kStepPhases> peak_wide_{};
+  bool saving_ = true;
+  bool autocast_ = false;
+  DT autocast_dt_ = DT::kBF16;
+  bool in_backward_ = false;
+  bool overflow_ = false;
+  bool stale_ = false;  // a freed buffer was referenced again (a modelling error)
+ public:
+  bool stale() const { return stale_; }
+};
+
+}  // namespace memplan::estimator::step

@@ -1,0 +1,163 @@
+"""Unit tests of memplan.trace's pieces, with figures computed by hand (run in the modern
+environment: torch 2.15, Transformers 5; tests/trace/CMakeLists.txt)."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memplan import trace, trace_cuda, trace_grid
+
+
+def rounded(nbytes):
+    return -(-nbytes // 512) * 512 if nbytes else 0
+
+
+class AllocatorRounding(unittest.TestCase):
+    def test_known_sizes(self):
+        # CUDACachingAllocator round_size: kMinBlockSize 512, nothing for 0 bytes.
+        cases = {0: 0, 1: 512, 4: 512, 511: 512, 512: 512, 513: 1024, 1024: 1024,
+                 1000000: 1000448, 2**20: 2**20, 2**20 + 1: 2**20 + 512}
+        for nbytes, expected in cases.items():
+            self.assertEqual(trace_cuda.round_allocation(nbytes), expected, nbytes)
+
+
+class TwoLinearMLP(unittest.TestCase):
+    """A 2-Linear MLP whose parameters, gradients and saved activations are known to the byte:
+    x [4, 100] fp32 -> Linear(100, 300) -> ReLU -> Linear(300, 10) -> sum."""
+
+    def trace(self, optimizer):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = torch.nn.Sequential(torch.nn.Linear(100, 300), torch.nn.ReLU(),
+                                        torch.nn.Linear(300, 10))
+            x = torch.empty(4, 100)
+            opt = optimizer(model.parameters())
+
+            def forward_loss():
+                return model(x).sum()
+            target = trace.Target(model, opt, [model[0], model[2]], None, forward_loss,
+                                  inputs=(x,))
+            return trace.trace_target(target, (8, 0))
+
+    params = rounded(300 * 100 * 4) + rounded(300 * 4) + rounded(10 * 300 * 4) + rounded(10 * 4)
+    workspace = 4096 * 1024 * 2 + 16 * 1024 * 8   # cuBLAS on sm80
+    x = rounded(4 * 100 * 4)
+
+    def test_sgd_categories(self):
+        r = self.trace(lambda p: torch.optim.SGD(p, lr=0.1, foreach=True))
+        self.assertEqual(self.params, 134656)
+        start = r["step_start"]["categories"]
+        self.assertEqual(start["parameters"], self.params)
+        self.assertEqual(start["optimizer_states"], 0)
+        self.assertEqual(start["gradients"], 0)   # zero_grad(set_to_none=True)
+        self.assertEqual(start["other"], self.workspace + self.x)
+        self.assertEqual(start["activations"] + start["temporaries"], 0)
+        fwd = r["phases"]["forward"]["categories"]
+        # During ReLU: its input (addmm's output, 4 x 300 fp32) and its output (saved).
+        self.assertEqual(fwd["activations"], 2 * rounded(4 * 300 * 4))
+        step = r["phases"]["optimizer_step"]["categories"]
+        self.assertEqual(step["gradients"], self.params)
+        self.assertEqual(step["optimizer_transients"], 0)  # foreach SGD updates in place
+        self.assertEqual(r["peak"]["step"], 2)
+
+    def test_adamw_states(self):
+        r = self.trace(lambda p: torch.optim.AdamW(p, lr=0.1, foreach=True))
+        # exp_avg and exp_avg_sq per parameter; the step counters live on the CPU.
+        self.assertEqual(r["step_start"]["categories"]["optimizer_states"], 2 * self.params)
+        # foreach AdamW: sqrt(exp_avg_sq) for the whole group at once.
+        self.assertGreaterEqual(
+            r["phases"]["optimizer_step"]["categories"]["optimizer_transients"], self.params)
+
+
+class CudaSemantics(unittest.TestCase):
+    def test_autocast_policy_matches_cuda_kernels(self):
+        missing, extra, differ = trace_cuda.verify_autocast_policy()
+        self.assertEqual((missing, extra, differ), ([], [], []))
+
+    def test_sdpa_backend_choice(self):
+        with FakeTensorMode():
+            q = torch.empty(2, 32, 512, 128, dtype=torch.bfloat16, requires_grad=True)
+            k = torch.empty(2, 8, 512, 128, dtype=torch.bfloat16, requires_grad=True)
+            pick = trace_cuda.select_sdpa_backend
+            self.assertEqual(pick((8, 0), q, k, k, None, 0.0, True, True), "flash")
+            self.assertEqual(pick((9, 0), q, k, k, None, 0.0, True, True), "cudnn")
+            self.assertEqual(pick((7, 0), q, k, k, None, 0.0, True, True), "math")
+            mask = torch.empty(2, 1, 512, 512, dtype=torch.bool)
+            self.assertEqual(pick((8, 0), q, k, k, mask, 0.0, False, True), "efficient")
+            q32 = torch.empty(2, 32, 512, 128, requires_grad=True)
+            self.assertEqual(pick((8, 0), q32, q32, q32, None, 0.0, True, False), "efficient")
+
+    def test_flash_saves_what_cuda_saves(self):
+        with FakeTensorMode(), trace_cuda.CudaSemantics((8, 0)):
+            q = torch.empty(1, 4, 256, 64, dtype=torch.bfloat16, requires_grad=True)
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            node = out.grad_fn
+            while node is not None and "Flash" not in node.name():
+                node = node.next_functions[0][0]
+            self.assertIsNotNone(node)
+            self.assertEqual(tuple(node._saved_logsumexp.shape), (1, 4, 256))
+            self.assertEqual(node._saved_logsumexp.dtype, torch.float32)
+
+    def test_dropout_and_norms(self):
+        with FakeTensorMode(), trace_cuda.CudaSemantics((8, 0)):
+            x = torch.empty(16, 32, dtype=torch.bfloat16, requires_grad=True)
+            d = torch.nn.functional.dropout(x, 0.1)
+            self.assertEqual(d.grad_fn.name(), "NativeDropoutBackward0")
+            self.assertEqual(d.grad_fn._saved_result1.dtype, torch.bool)
+            n = torch.nn.functional.rms_norm(x, (32,))
+            self.assertEqual(n.grad_fn.name(), "FusedRmsNormBackward")
+            self.assertEqual(n.grad_fn.saved_tensors[1].dtype, torch.float32)
+            ln = torch.nn.functional.layer_norm(x, (32,))
+            self.assertEqual(ln.grad_fn._saved_result1.dtype, torch.float32)
+
+
+class Cli(unittest.TestCase):
+    def run_cli(self, *args):
+        env = dict(os.environ)
+        return subprocess.run([sys.executable, "-m", "memplan.trace"] + list(args),
+                              capture_output=True, text=True, env=env)
+
+    def test_bad_field_named(self):
+        r = self.run_cli("--model", "llama-3.2-1b", "--precision", "bf17")
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("precision", r.stderr)
+        self.assertEqual(r.stdout, "")
+        r = self.run_cli("--model", "no-such-model")
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("model", r.stderr)
+
+    def test_output_file_and_listing(self):
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "t.json")
+            r = self.run_cli("--model", "llama-3.2-1b", "--layers", "1", "--seq-len", "128",
+                             "--saved-tensors", "-o", out)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with open(out, encoding="utf-8") as f:
+                result = json.load(f)
+            self.assertEqual(result["format"], trace.FORMAT)
+            self.assertEqual(result["peak"]["bytes"] % 512, 0)
+            nodes = {row["node"] for row in result["saved_tensors"]["ops"]}
+            self.assertIn("ScaledDotProductFlashAttentionBackward0", nodes)
+            self.assertGreater(result["saved_tensors"]["block_saved_bytes"], 0)
+            self.assertEqual(sorted(os.listdir(d)), ["t.json"])
+
+
+class Grid(unittest.TestCase):
+    def test_points_and_holdout_are_deterministic(self):
+        ids = [p["id"] for p in trace_grid.points()]
+        self.assertEqual(len(ids), len(set(ids)))
+        self.assertGreaterEqual(len(ids), 300)
+        held = trace_grid.holdout_ids(ids)
+        self.assertEqual(held, trace_grid.holdout_ids(list(reversed(ids))))
+        self.assertEqual(len(held), -(-len(ids) // 5))
+        for pid in trace_grid.CI_SAMPLE:
+            self.assertIn(pid, ids)
+
+
+if __name__ == "__main__":
+    unittest.main()
