@@ -37,7 +37,7 @@
 #include "integration/requests.h"
 #include "offload/engine.h"
 #include "gpu/gpu_runtime.h"
-#include "offload/schedule.h"
+#include "schedule/schedule.h"
 
 #define MEMPLAN_C_EXPORT extern "C" __attribute__((visibility("default")))
 

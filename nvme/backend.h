@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "schedule/enums.h"
 
 namespace memplan::nvme {
 
@@ -64,9 +65,8 @@ struct Capabilities {
   std::string note;
 };
 
-enum class BackendKind { kAuto, kUring, kAio, kPosix, kMemory };
-std::string_view BackendKindName(BackendKind kind);  // "auto", "uring", "aio", "posix", "memory"
-Result<BackendKind> ParseBackendKind(std::string_view text);
+// BackendKind (auto, uring, aio, posix, memory) and its names are in schedule/enums.h: a Schedule
+// names one.
 
 struct BackendOptions {
   uint32_t queue_depth = 32;  // requests in flight; 1..4096

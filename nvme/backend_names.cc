@@ -1,4 +1,5 @@
-// Names and option validation for the Backend seam (shared by every backend and by the CLI).
+// Names and option validation for the Backend seam (shared by every backend and by the CLI). The
+// BackendKind names are schedule/enums.cc's: a Schedule names a backend.
 #include <string>
 
 #include "common/enum_names.h"
@@ -10,22 +11,10 @@ namespace {
 
 constexpr EnumName<OpType> kOpTypes[] = {
     {OpType::kRead, "read"}, {OpType::kWrite, "write"}, {OpType::kFsync, "fsync"}};
-constexpr EnumName<BackendKind> kBackendKinds[] = {{BackendKind::kAuto, "auto"},
-                                                   {BackendKind::kUring, "uring"},
-                                                   {BackendKind::kAio, "aio"},
-                                                   {BackendKind::kPosix, "posix"},
-                                                   {BackendKind::kMemory, "memory"}};
 
 }  // namespace
 
 std::string_view OpTypeName(OpType op) { return NameOf(kOpTypes, op); }
-std::string_view BackendKindName(BackendKind kind) { return NameOf(kBackendKinds, kind); }
-
-Result<BackendKind> ParseBackendKind(std::string_view text) {
-  if (text == "io_uring") return BackendKind::kUring;
-  if (text == "libaio") return BackendKind::kAio;
-  return ParseName(kBackendKinds, text, "backend");
-}
 
 Status BackendOptions::Validate() const {
   if (queue_depth < 1 || queue_depth > 4096) {

@@ -812,12 +812,14 @@ Status SwapStore::Impl::Teardown(bool closing, const std::string* index_bytes) {
   created_dir = false;
   // A directory swapped under a closing store is worth knowing of: what the store made was removed
   // where it was made, and nothing under the new name was touched.
+  // Its code and errno are kept: a directory that is gone is an I/O failure (ENOENT; Python's
+  // OSError, as Sync() reports it), one replaced by another or a link a precondition broken.
   if (closing && !unchanged.ok()) {
-    note(Status::FailedPrecondition(
-        unchanged.message() +
-        (remove ? "; the store's files were removed from the directory it opened, and nothing "
-                  "under the new name was touched"
-                : "; the store's files stay in the directory it opened")));
+    note(unchanged.WithPrefix(remove ? "closing: the store's files were removed from the "
+                                       "directory it opened, and nothing under the new name was "
+                                       "touched"
+                                     : "closing: the store's files stay in the directory it "
+                                       "opened"));
   }
   if (dir_fd >= 0) {
     ::close(dir_fd);

@@ -26,10 +26,11 @@
 
 #include "common/status.h"
 #include "gpu/gpu_runtime.h"
+#include "schedule/enums.h"
 
 namespace memplan::offload {
 
-enum class ElementType { kFloat32, kBFloat16, kFloat16 };
+// ElementType (fp32, bf16, fp16) and its names are in schedule/enums.h: a Schedule names one.
 int ElementBytes(ElementType type);  // 4, 2, 2; 0 for a value outside the enum
 
 class Collective {

@@ -1,9 +1,10 @@
 // offload::Engine: the one header a trainer includes to train with memplan's offload engine.
 //
-// The Engine runs a Schedule (schedule.h): it owns the parameter swapper (parameters resident on
-// the GPU, in pinned CPU memory or on NVMe, fetched per module with trace-driven prefetch), the CPU
-// optimizer over fp32 master weights and states (in memory, or on NVMe through the pipelined
-// OptimizerSwapper with crash-safe step epochs), the pinned buffers, and the gradient path.
+// The Engine runs a Schedule (schedule/schedule.h): it owns the parameter swapper (parameters
+// resident on the GPU, in pinned CPU memory or on NVMe, fetched per module with trace-driven
+// prefetch), the CPU optimizer over fp32 master weights and states (in memory, or on NVMe through
+// the pipelined OptimizerSwapper with crash-safe step epochs), the pinned buffers, and the
+// gradient path.
 //
 // Use:
 //   auto engine = Engine::Create({schedule});              // runtime: CUDA if usable, else host
@@ -130,7 +131,7 @@
 #include "gpu/gpu_runtime.h"
 #include "offload/optimizer_swapper.h"
 #include "offload/param_swapper.h"
-#include "offload/schedule.h"
+#include "schedule/schedule.h"
 
 namespace memplan::offload {
 

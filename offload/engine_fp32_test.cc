@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "offload/engine.h"
-#include "offload/schedule.h"
+#include "schedule/schedule.h"
 #include "tests/engine_testing.h"
 #include "tests/status_testing.h"
 

@@ -14,7 +14,7 @@
 
 #include "nvme/fault_backend.h"
 #include "offload/half.h"
-#include "offload/schedule.h"
+#include "schedule/schedule.h"
 #include "tests/engine_testing.h"
 #include "tests/status_testing.h"
 

@@ -18,7 +18,7 @@
 #include "offload/cpu_optimizer.h"
 #include "offload/engine.h"
 #include "offload/half.h"
-#include "offload/schedule.h"
+#include "schedule/schedule.h"
 #include "offload/thread_collective.h"
 #include "tests/engine_testing.h"
 #include "tests/status_testing.h"

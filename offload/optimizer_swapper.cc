@@ -351,35 +351,6 @@ Status RunSwapOptimizerStep(CpuOptimizer& cpu, SwapOptimizer optimizer,
   return Status::Internal("unknown optimizer");
 }
 
-std::string_view SwapOptimizerName(SwapOptimizer optimizer) {
-  switch (optimizer) {
-    case SwapOptimizer::kAdam: return "adam";
-    case SwapOptimizer::kAdamAmsgrad: return "adam-amsgrad";
-    case SwapOptimizer::kSgd: return "sgd";
-    case SwapOptimizer::kLion: return "lion";
-  }
-  return "unknown";
-}
-
-Result<SwapOptimizer> ParseSwapOptimizer(std::string_view name) {
-  for (SwapOptimizer o : {SwapOptimizer::kAdam, SwapOptimizer::kAdamAmsgrad, SwapOptimizer::kSgd,
-                          SwapOptimizer::kLion}) {
-    if (name == SwapOptimizerName(o)) return o;
-  }
-  return Status::InvalidArgument("unknown optimizer \"" + std::string(name) +
-                                 "\" (expected adam, adam-amsgrad, sgd or lion)");
-}
-
-int SwapOptimizerStates(SwapOptimizer optimizer) {
-  switch (optimizer) {
-    case SwapOptimizer::kAdam: return 2;
-    case SwapOptimizer::kAdamAmsgrad: return 3;
-    case SwapOptimizer::kSgd: return 1;
-    case SwapOptimizer::kLion: return 1;
-  }
-  return 0;
-}
-
 Status OptimizerSwapperOptions::Validate() const {
   if (sub_group_elements == 0 || sub_group_elements % kElementAlign != 0) {
     return Status::InvalidArgument("sub_group_elements must be a positive multiple of 1024, not " +

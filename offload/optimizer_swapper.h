@@ -56,21 +56,12 @@
 #include "nvme/swap_store.h"
 #include "offload/cpu_optimizer.h"
 #include "offload/pinned_pool.h"
+#include "schedule/enums.h"
 
 namespace memplan::offload {
 
-// Which optimizer the swapper runs; fixed when the store is created, because it decides how many
-// state arrays each sub-group has.
-enum class SwapOptimizer {
-  kAdam,         // Adam / AdamW: m, v
-  kAdamAmsgrad,  // Adam / AdamW with AMSGrad: m, v, max v
-  kSgd,          // SGD with momentum: momentum buffer
-  kLion,         // Lion: m
-};
-std::string_view SwapOptimizerName(SwapOptimizer optimizer);  // "adam", "adam-amsgrad", ...
-Result<SwapOptimizer> ParseSwapOptimizer(std::string_view name);
-// Number of fp32 state arrays the optimizer keeps besides the master weights.
-int SwapOptimizerStates(SwapOptimizer optimizer);
+// SwapOptimizer (which optimizer the swapper runs, fixed when the store is created), its names and
+// SwapOptimizerStates are in schedule/enums.h: a Schedule names one.
 
 // The hyperparameters of one step; the alternative must match the SwapOptimizer (AdamOptions for
 // kAdam and kAdamAmsgrad, with `amsgrad` set accordingly). They may change from step to step

@@ -62,7 +62,7 @@
 #include "offload/collective.h"
 #include "gpu/gpu_runtime.h"
 #include "offload/pinned_pool.h"
-#include "offload/schedule.h"
+#include "schedule/schedule.h"
 
 namespace memplan::offload {
 

@@ -692,6 +692,20 @@ class Checker {
     }
     const uint64_t usable = static_cast<uint64_t>(static_cast<double>(cluster.gpu.memory_bytes) *
                                                   (1 - options_.gpu_safety_fraction));
+    // What the prediction assumed that the config does not say (issue 31 item 10: DeepSpeed's
+    // ds_report shows what it assumed; a silent seq 2048 misleads a job that runs 4096).
+    if (options_.seq_len <= 0) {
+      report_.notes.push_back("assumed seq_len " + std::to_string(m->setup.seq_len) +
+                              " (the model's positions, at most 2048): a DeepSpeed config does "
+                              "not carry it; pass --seq-len as the job runs it");
+    }
+    if (m->setup.fused_optimizer && options_.supplied.count("fused_optimizer") == 0 &&
+        c.contains("optimizer")) {
+      report_.notes.push_back(
+          "assumed the optimizer runs as DeepSpeed builds it from optimizer.type (a fused kernel "
+          "updating in place; `memplan plan` counts torch's foreach temporaries instead, "
+          "so its peak can be higher by about one state-sized buffer)");
+    }
     report_.notes.push_back(
         "predicted peak per GPU " + Gib(m->peak.gpu_bytes) + " (" + m->peak.phase +
         "), CPU per node " + Gib(m->peak.cpu_bytes) + ", pinned " + Gib(m->peak.pinned_bytes) +

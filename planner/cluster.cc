@@ -169,6 +169,24 @@ Result<GpuSpec> FindGpuPreset(std::string_view name) {
                                  names + " (or give a cluster JSON file with the GPU's figures)");
 }
 
+std::string GpuAliasNote(std::string_view name) {
+  auto picked = FindGpuPreset(name);
+  if (!picked.ok() || Lower(name) == picked->name) return "";
+  const std::string family = picked->name.substr(0, picked->name.find('-'));
+  std::string others;
+  for (const GpuSpec& g : GpuPresets()) {
+    if (g.name != picked->name && g.name.substr(0, g.name.find('-')) == family) {
+      others += (others.empty() ? "" : ", ") + g.name;
+    }
+  }
+  if (others.empty()) return "";
+  const double gib = static_cast<double>(picked->memory_bytes) / static_cast<double>(kGiB);
+  char memory[32];
+  std::snprintf(memory, sizeof memory, "%.1f GiB", gib);
+  return "--gpu " + std::string(name) + " is the " + picked->name + " preset (" + memory +
+         "); for another card of this GPU give its preset: " + others;
+}
+
 double Cluster::PcieLineBytesPerS() const {
   const int gen = PcieGen();
   return gen <= 3 ? 16e9 : gen == 4 ? 32e9 : gen == 5 ? 63e9 : 121e9;

@@ -52,6 +52,11 @@ const std::vector<GpuSpec>& GpuPresets();
 // Case-insensitive; also accepts "a100" (-> a100-80), "h100", "v100" (-> v100-32), "4090".
 // Errors list the preset names.
 Result<GpuSpec> FindGpuPreset(std::string_view name);
+// When `name` is a short name that picks one of several presets of the same GPU ("a100" ->
+// a100-80 while a100-40 exists), a sentence saying which it picked, its memory, and the others;
+// empty for a full preset name, an unknown name, or a GPU with one preset. Issue 31 item 10: a
+// silent choice of the 80 GB card misleads the owner of a 40 GB one.
+std::string GpuAliasNote(std::string_view name);
 
 struct Cluster {
   GpuSpec gpu;

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <map>
 
-#include "offload/schedule.h"
 #include "planner/generated_text.h"
+#include "schedule/schedule.h"
 
 namespace memplan::planner {
 namespace {

@@ -10,8 +10,9 @@
 //   Schedule (schedule.json), format "memplan.schedule/1" (Note [Schedule format]).
 //
 // Note [Schedule format]
-// The Schedule is offload::Schedule's JSON form, version 1 (offload/schedule.h; README "Schedule
-// JSON"), written here as plain JSON so that the planner does not link the engine: "params" (tier,
+// The Schedule is offload::Schedule's JSON form, version 1 (schedule/schedule.h; README "Schedule
+// JSON"), written by its one writer in schedule/, which the planner links instead of the engine
+// (Note [Schedule contract] in schedule/schedule.h): "params" (tier,
 // dtype, persistence_threshold, prefetch_bytes, max_live_bytes, buffer_bytes, buffer_count) from
 // the ZeRO-3 settings and offload_param, "optimizer" (tier cpu|nvme, name, sub_group_elements,
 // buffer_count, threads) from offload_optimizer, "nvme" (path = <nvme_path>/memplan, block_size

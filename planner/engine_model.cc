@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "common/byte_size.h"
-#include "offload/schedule.h"
+#include "schedule/schedule.h"
 
 namespace memplan::planner {
 namespace {

@@ -8,7 +8,8 @@
 // 16-bit copy of a whole sub-group (about 18 bytes an element for Adam), its parameter reads follow
 // a recorded trace within byte budgets, and every optimizer step reads and writes whole sub-groups
 // with a page of header each. This file is that program's model, from the Schedule's plain fields
-// (the planner does not link the engine: offload/ sits beside it, not below).
+// (the planner does not link the engine: offload/ sits beside it, not below; both link the
+// Schedule, schedule/: Note [Schedule contract] in schedule/schedule.h).
 //
 // Note [Engine model]
 // Given the Schedule's fields and the parameters as the engine registers them (the inventory's
@@ -51,7 +52,7 @@ namespace memplan::planner {
 
 enum class EngineTier { kGpu, kCpu, kNvme };
 
-// The fields of an offload::Schedule (offload/schedule.h) that decide what the engine allocates
+// The fields of an offload::Schedule (schedule/schedule.h) that decide what the engine allocates
 // and moves, with the same defaults.
 struct EngineSchedule {
   EngineTier param_tier = EngineTier::kGpu;

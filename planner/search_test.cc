@@ -61,6 +61,15 @@ TEST_CASE("cluster: presets and bench inputs") {
   CHECK(FindGpuPreset("h200")->memory_bytes == uint64_t{143771} << 20);
   CHECK(FindGpuPreset("v100-16")->bf16_flops == 0);
   CHECK_FALSE(FindGpuPreset("tpu-v5").ok());
+  // A short name that picks one of several presets says so (issue 31 item 10).
+  CHECK(GpuAliasNote("A100") ==
+        "--gpu A100 is the a100-80 preset (80.0 GiB); for another card of this GPU give its "
+        "preset: a100-40");
+  CHECK(GpuAliasNote("v100").find("the v100-32 preset") != std::string::npos);
+  CHECK(GpuAliasNote("h100").find(": h100-96") != std::string::npos);
+  CHECK(GpuAliasNote("a100-80").empty());  // a full preset name
+  CHECK(GpuAliasNote("4090").empty());     // rtx4090: one preset
+  CHECK(GpuAliasNote("tpu-v5").empty());   // unknown: FindGpuPreset's error says it
 
   Cluster c = A100x8();
   CHECK(c.PcieBytesPerS() == doctest::Approx(32e9 * 0.8));

@@ -20,7 +20,7 @@
 #include "common/status.h"
 #include "offload/engine.h"
 #include "offload/half.h"
-#include "offload/schedule.h"
+#include "schedule/schedule.h"
 #include "tests/status_testing.h"
 #include "tests/testing.h"
 

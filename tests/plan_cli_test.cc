@@ -456,6 +456,41 @@ TEST_CASE("plan to run for the Hugging Face Trainer: what the plan assumed, said
   CHECK_MESSAGE(sixteen.out.find("--gpus is GPUs per node: one node of 16 GPUs; for nodes of 8, "
                                  "give --gpus 8 --nodes 2") != std::string::npos,
                 sixteen.out);
+
+  // --gpu a100 picks the 80 GB card, and plan and check say so, naming the 40 GB preset; a full
+  // preset name, or a GPU with one preset, adds nothing (item 10).
+  const std::string alias_note =
+      "--gpu a100 is the a100-80 preset (80.0 GiB); for another card of this GPU give its preset: "
+      "a100-40";
+  CommandResult a100 = Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100", "--gpus", "8",
+                                "--global-batch", "64", "--format", "json"});
+  REQUIRE_MESSAGE(a100.exit_code == 0, a100.err);
+  CHECK(nlohmann::json::parse(a100.out)["assumptions"].dump().find(alias_note) !=
+        std::string::npos);
+  CommandResult full = Memplan(
+      {"plan", "--model", "llama-2-7b", "--gpu", "A100-80", "--gpus", "8", "--global-batch", "64"});
+  CHECK(full.out.find("for another card of this GPU") == std::string::npos);
+
+  // check --model says what it assumed that a DeepSpeed config does not carry: the sequence
+  // length (plan was given 4096 here; check's default is min(positions, 2048)) and the
+  // optimizer's kernel; with --seq-len given, the sequence note goes.
+  const std::string ds4k = dir.PathOf("ds4k.json");
+  REQUIRE(Memplan({"plan", "--model", "llama-2-7b", "--gpu", "a100", "--gpus", "8",
+                   "--global-batch", "64", "--seq-len", "4096", "--emit-deepspeed", ds4k})
+              .exit_code == 0);
+  CommandResult silent =
+      Memplan({"check", ds4k, "--model", "llama-2-7b", "--gpu", "a100", "--gpus", "8"});
+  CHECK(silent.exit_code == 0);
+  CHECK_MESSAGE(silent.out.find("note: " + alias_note) != std::string::npos, silent.out);
+  CHECK(silent.out.find("assumed seq_len 2048 (the model's positions, at most 2048): a DeepSpeed "
+                        "config does not carry it; pass --seq-len") != std::string::npos);
+  CHECK(silent.out.find("assumed the optimizer runs as DeepSpeed builds it") != std::string::npos);
+  CommandResult told = Memplan({"check", ds4k, "--model", "llama-2-7b", "--gpu", "a100-80",
+                                "--gpus", "8", "--seq-len", "4096"});
+  CHECK(told.exit_code == 0);
+  CHECK(told.out.find("assumed seq_len") == std::string::npos);
+  CHECK(told.out.find("seq_len 4096") != std::string::npos);
+  CHECK(told.out.find("--gpu a100-80 is") == std::string::npos);
 }
 
 TEST_CASE("plan --svg: the top plans drawn, written atomically, with json or text") {

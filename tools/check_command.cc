@@ -90,6 +90,10 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
   }
   auto report = planner::CheckDeepSpeedConfig(*config, options);
   if (!report.ok()) return fail(report.status().WithPrefix(f.config));
+  if (options.cluster && !f.gpu.empty()) {
+    const std::string alias = planner::GpuAliasNote(f.gpu);
+    if (!alias.empty()) report->notes.insert(report->notes.begin(), alias);
+  }
   outcome->stdout_text = f.format == "json"
                              ? JsonOutput(planner::ToJson(*report))
                              : FieldsToFlags(planner::FormatCheckText(*report, f.config));

@@ -17,8 +17,8 @@
 #include "estimator/hf_config.h"
 #include "estimator/model_source.h"
 #include "estimator/training_setup.h"
-#include "offload/schedule.h"
 #include "planner/engine_model.h"
+#include "schedule/schedule.h"
 #include "common/json.h"
 #include "tools/setup_flags.h"
 

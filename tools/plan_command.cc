@@ -391,6 +391,9 @@ void RunPlan(const PlanFlags& f, Outcome* outcome) {
   auto result = planner::SearchPlans(*inventory, *cluster, job, options);
   if (!result.ok()) return fail(result.status());
   if (!note.empty()) result->assumptions.push_back("--detect: " + note);
+  if (const std::string alias = planner::GpuAliasNote(f.cluster.gpu); !alias.empty()) {
+    result->assumptions.push_back(alias);
+  }
   if (f.cluster.gpus > 8 && cluster->nodes == 1) {
     // Issue 31 item 10: "--gpus 16" read as 16 in all.
     result->assumptions.push_back(

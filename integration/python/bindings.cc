@@ -55,7 +55,7 @@
 #include "offload/cpu_optimizer.h"
 #include "offload/engine.h"
 #include "gpu/gpu_runtime.h"
-#include "offload/schedule.h"
+#include "schedule/schedule.h"
 
 namespace py = pybind11;
 

@@ -55,6 +55,15 @@ class MatrixTest(unittest.TestCase):
         stats = cell["memplan_stats"]
         self.assertEqual(stats["groups"], 2, name)  # decay and no-decay
         self.assertEqual(stats["steps"], 4, name)
+        # The optimizer is overlapped with backward by default (issue 33): without clipping the
+        # last step ran beside backward; with clipping, the engine speculated, redid or deferred
+        # it (Note [Clipping by the global norm]), which only a prepared step does.
+        profile = stats["step_profile"]
+        if clip:
+            self.assertIn(profile["clipping"], ("speculated", "redone", "deferred"),
+                          f"{name}: {profile}")
+        else:
+            self.assertTrue(profile["overlapped"], f"{name}: {profile}")
 
     def test_one_rank(self):
         for model, precision, clip in hf_cases.CELLS:

@@ -504,6 +504,7 @@ class RefusedTest(unittest.TestCase):
         m = nn.Linear(4, 4).double()
         cases.append((m, "weight is a float64 parameter"))
         cases.append((nn.Embedding(10, 4, sparse=True), "sparse=True"))
+        cases.append((nn.EmbeddingBag(10, 4, sparse=True), r"nn.EmbeddingBag\(sparse=True\)"))
         for module, message in cases:
             with self.subTest(message=message):
                 with self.assertRaisesRegex(ValueError, message):
@@ -526,6 +527,24 @@ class RefusedTest(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, r"0.weight.data was assigned.*load_state_dict"):
             model(torch.randn(2, 8))
         model[0].weight.data = torch.empty(0)
+        trainer.close()
+        # A whole submodule replaced, or one added, holds Parameters no hook of the engine sees:
+        # refused at the root's next forward, naming it; a frozen one added is let be.
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        trainer = memplan.torch.offload(model, lr=1e-2)
+        model[2] = nn.Linear(16, 4)
+        with self.assertRaisesRegex(RuntimeError, r"module 2 \(Linear\) was replaced or added "
+                                                  r"after offload\(\); 2.weight is not the engine"):
+            model(torch.randn(2, 8))
+        trainer.close()
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        trainer = memplan.torch.offload(model, lr=1e-2)
+        model[1].scale = nn.Parameter(torch.ones(16))
+        with self.assertRaisesRegex(RuntimeError, "parameter 1.scale was added or replaced"):
+            model(torch.randn(2, 8))
+        model[1].scale.requires_grad_(False)
+        model(torch.randn(2, 8)).sum().backward()  # frozen: nothing would have trained it
+        trainer.step()
         trainer.close()
 
     def test_misuse_messages_say_what_happened(self):
@@ -560,6 +579,15 @@ class RefusedTest(unittest.TestCase):
         trainer.close()
         with self.assertRaisesRegex(ValueError, "sgd, which has no betas"):
             memplan.torch.offload(mlp(), schedule=schedule, betas=(0.9, 0.99))
+        # A schedule file is read as the library reads JSON: a repeated key is refused, naming it
+        # (issue 30 L5: Python's json kept the last "name", and trained Adam).
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "s.json")
+            with open(path, "w") as f:
+                f.write('{"version":1,"params":{"tier":"cpu"},'
+                        '"optimizer":{"tier":"cpu","name":"sgd","name":"adam"}}')
+            with self.assertRaisesRegex(ValueError, "s.json: key 'name' appears twice"):
+                memplan.torch.offload(mlp(), schedule=path)
 
 
 class Net(nn.Module):
@@ -624,6 +652,19 @@ class StoresTest(unittest.TestCase):
                 trainer.step()
             self.assertNotIsInstance(caught.exception, (KeyError, ValueError))
             with self.assertRaises(OSError):  # the weights cannot be read back either
+                trainer.close()
+            self.assertTrue(trainer._closed)
+        with tempfile.TemporaryDirectory() as tmp:
+            # The parameter store's directory removed: its open files still serve the steps, and
+            # close() says the directory is gone with its errno (FileNotFoundError), not a
+            # RuntimeError.
+            path = os.path.join(tmp, "st")
+            model = Net(["enc", "dec"])
+            trainer = self.train(model, path, steps=1)
+            shutil.rmtree(os.path.join(path, "params"))
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            trainer.step()
+            with self.assertRaisesRegex(FileNotFoundError, "params: the directory was removed"):
                 trainer.close()
             self.assertTrue(trainer._closed)
         with tempfile.TemporaryDirectory() as tmp:

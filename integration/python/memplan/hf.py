@@ -145,7 +145,8 @@ class MemplanTrainer(_trainer_class()):
     memplan_path: the directory for the engine's NVMe stores (None: host memory); created with
     its parents.
     memplan_options: further keywords for memplan.torch.offload (pinned_budget_bytes,
-    sub_group_elements, fetch_units, dtype, overlap_optimizer, resume, ...). ``self.memplan`` is
+    sub_group_elements, fetch_units, dtype, overlap_optimizer (on by default here: the Trainer
+    gives every option before backward), resume, ...). ``self.memplan`` is
     the OffloadedModule (after train(); closed when it returns, its stats() kept). A second
     train() puts the model, with its trained weights, into a new engine, whose optimizer starts
     afresh (a Trainer checkpoint carries the optimizer's state across: resume_from_checkpoint).
@@ -185,6 +186,11 @@ class MemplanTrainer(_trainer_class()):
                   {"params": [p for n, p in trainable if n not in decay], "weight_decay": 0.0}]
         options = dict(self.memplan_options)
         options.setdefault("max_grad_norm", float(args.max_grad_norm or 0))
+        # Issue 33: overlapped by default. Under the Trainer every option of a step is known before
+        # its backward (the groups' options are read from param_groups, where the scheduler set
+        # them, and the clipping is declared above), which is what overlapping needs; the results
+        # are the serial step's, bit for bit. memplan_options overlap_optimizer=False turns it off.
+        options.setdefault("overlap_optimizer", True)
         rank, world = args.process_index, args.world_size
         if options.get("resume") and resume_from_checkpoint is not None:
             raise ValueError("MemplanTrainer: resume_from_checkpoint and memplan_options "

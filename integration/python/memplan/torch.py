@@ -69,7 +69,10 @@ offload() registers the Parameters the module holds then, under every name the m
 them (``owners``). A Parameter replaced afterwards (``m.w = nn.Parameter(...)``, a head
 re-initialised, resize_token_embeddings) would be used by forward and trained by nobody; a
 ``.data`` assigned would be overwritten at the next fetch. So each fetch checks both and raises,
-naming the parameter; new values go through load_state_dict.
+naming the parameter; new values go through load_state_dict. A submodule replaced or added
+(``model[2] = nn.Linear(...)``) brings Parameters no hook of the engine sees: the root's forward
+checks for modules not seen at offload() that hold trainable parameters the engine does not
+know, and raises, naming the module.
 
 Note [The module's state_dict]
 The parameters' storage is empty between uses, so module.state_dict() would hold empty tensors.
@@ -817,9 +820,10 @@ class OffloadedModule:
         holds]."""
         if p.layout != torch.strided or getattr(p, "is_sparse", False):
             return f"{name} is a sparse parameter ({p.layout}); not supported"
-        if isinstance(module, torch.nn.Embedding) and module.sparse and p.requires_grad:
-            return (f"{name} belongs to an nn.Embedding(sparse=True), whose gradients are "
-                    "sparse; not supported (use sparse=False)")
+        if (isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                and getattr(module, "sparse", False) and p.requires_grad):
+            return (f"{name} belongs to an nn.{type(module).__name__}(sparse=True), whose "
+                    "gradients are sparse; not supported (use sparse=False)")
         if getattr(p, "is_quantized", False) or not (p.is_floating_point() or p.is_complex()):
             return None if not p.requires_grad else f"{name} is a trainable {p.dtype} parameter"
         if p.is_complex():
@@ -981,6 +985,12 @@ class OffloadedModule:
         for entry in self.params:
             entry.param.data = torch.empty(0, dtype=self.dtype, device=self.device)
             entry.param.grad = None
+        # Note [A module fixed in structure]: the modules and kept parameters at offload(),
+        # held so their ids stay theirs (for the message of _check_modules).
+        self._modules_at_offload = list(self.module.modules())
+        self._module_ids = {id(m) for m in self._modules_at_offload}
+        self._kept_ids = {id(p) for _, p in self.kept}
+        self._owned = {(id(owner), name) for e in self.params for owner, name in e.owners}
         # Note [A step that raised]: the root's forward is counted, so that the next one knows
         # whether the last ended.
         self._hooks.append(self.module.register_forward_pre_hook(self._root_pre_hook))
@@ -1061,7 +1071,29 @@ class OffloadedModule:
         # Note [A step that raised]: a root forward still counted here never ended: it raised.
         if self._forward_depth > 0 and not self._callback_queued:
             self._end_raised_forward()
+        if self._forward_depth == 0:
+            self._check_modules()
         self._forward_depth += 1
+
+    def _check_modules(self):
+        """Note [A module fixed in structure]: a submodule replaced or added after offload()
+        (``model[2] = nn.Linear(...)``, a new head), or a Parameter added to a module, brings a
+        trainable Parameter the engine does not hold, which forward would use and nobody would
+        train; refused at the root's next forward (a dictionary lookup per parameter). A frozen
+        one is let be: nothing would have trained it."""
+        for name, sub in self.module.named_modules():
+            for param_name, p in sub._parameters.items():
+                if (p is None or not p.requires_grad or id(p) in self._by_param
+                        or id(p) in self._kept_ids or (id(sub), param_name) in self._owned):
+                    continue  # (a registered name holding another Parameter: _check_structure)
+                full = f"{name}.{param_name}" if name else param_name
+                what = (f"parameter {full} was added or replaced"
+                        if id(sub) in self._module_ids else
+                        f"module {name or '<root>'} ({type(sub).__name__}) was replaced or added")
+                raise RuntimeError(
+                    f"memplan.torch: {what} after offload(); {full} is not the engine's, so "
+                    "forward would use it and no step would train it. Change the module's "
+                    "structure before offload(), or close() and offload() again")
 
     def _root_post_hook(self, module, inputs, output):
         self._forward_depth = max(0, self._forward_depth - 1)
@@ -1918,8 +1950,7 @@ class _CheckpointFiles:
     def __init__(self, directory):
         path = os.path.join(directory, "memplan-checkpoint.json")
         try:
-            with open(path, encoding="utf-8") as f:
-                manifest = json.load(f)
+            manifest = memplan._load_json_arg(path)
         except FileNotFoundError:
             raise FileNotFoundError(
                 2, f"memplan.torch: {directory} holds no memplan optimizer checkpoint "
@@ -2094,8 +2125,8 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
                                     optimizer_tier=optimizer_tier or tier, dtype=dtype,
                                     optimizer="adam", **schedule_options)
     elif not isinstance(schedule, dict):  # a path: `memplan plan --emit-schedule s.json`
-        with open(schedule) as f:
-            schedule = json.load(f)
+        # Read as the library reads JSON: a repeated key is refused, naming it (issue 30 L5).
+        schedule = memplan._load_json_arg(schedule)
     # The step options follow the schedule's optimizer: a plan for Lion emits "lion".
     name = schedule.get("optimizer", {}).get("name", "adam")
     if name == "lion":

@@ -32,6 +32,16 @@
 //     with world size > 1, under rank<r>/ for each rank).
 //   - pinned_budget_bytes: cap on the engine's pinned memory (0: no cap beyond the buffers above).
 //
+// Note [Schedule contract]
+// The Schedule is the one document both sides link: the planner writes it (planner/emit.cc) and
+// models the engine running it (planner/engine_model.cc), the engine runs it (offload/engine.h).
+// So it lives in its own library, memplan::schedule, over common/ only, with the enums its fields
+// take (schedule/enums.h); the planner links it and not the engine, which sits beside the planner,
+// not below it (docs/architecture.md, "Layers"). The types keep the namespace of the module that
+// acts on them (offload::Schedule, offload::Tier, nvme::BackendKind). The top-level CMakeLists.txt
+// fails the configure when memplan_planner reaches memplan_offload or memplan_nvme, and the test
+// planner_layering fails when a planner/ file includes an offload/ or nvme/ header.
+//
 // Thread safety: a plain value.
 #pragma once
 
@@ -41,17 +51,9 @@
 #include <nlohmann/json.hpp>
 
 #include "common/status.h"
-#include "nvme/backend.h"
-#include "offload/collective.h"
-#include "offload/optimizer_swapper.h"
+#include "schedule/enums.h"
 
 namespace memplan::offload {
-
-enum class Tier { kGpu, kCpu, kNvme };
-std::string_view TierName(Tier tier);  // "gpu", "cpu", "nvme"
-Result<Tier> ParseTier(std::string_view text);
-std::string_view ElementTypeName(ElementType type);  // "fp32", "bf16", "fp16"
-Result<ElementType> ParseElementType(std::string_view text);
 
 struct Schedule {
   static constexpr int kVersion = 1;

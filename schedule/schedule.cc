@@ -1,26 +1,8 @@
-#include "offload/schedule.h"
+#include "schedule/schedule.h"
 
-#include "common/enum_names.h"
 #include "common/json.h"
 
 namespace memplan::offload {
-
-namespace {
-
-constexpr EnumName<Tier> kTiers[] = {
-    {Tier::kGpu, "gpu"}, {Tier::kCpu, "cpu"}, {Tier::kNvme, "nvme"}};
-constexpr EnumName<ElementType> kElementTypes[] = {{ElementType::kFloat32, "fp32"},
-                                                   {ElementType::kBFloat16, "bf16"},
-                                                   {ElementType::kFloat16, "fp16"}};
-
-}  // namespace
-
-std::string_view TierName(Tier tier) { return NameOf(kTiers, tier); }
-Result<Tier> ParseTier(std::string_view text) { return ParseName(kTiers, text, "tier"); }
-std::string_view ElementTypeName(ElementType type) { return NameOf(kElementTypes, type); }
-Result<ElementType> ParseElementType(std::string_view text) {
-  return ParseName(kElementTypes, text, "dtype");
-}
 
 Status Schedule::Validate() const {
   if ((param_tier == Tier::kNvme || optimizer_tier == Tier::kNvme) && nvme_path.empty()) {
