@@ -465,14 +465,11 @@ T ModelRun::RunBlock(int layer, T x) {
 
 // --- Transformers ----------------------------------------------------------------------------
 
-T ModelRun::HfRmsNorm(const Norm& n, T x) {
-  // LlamaRMSNorm.forward (transformers/models/llama/modeling_llama.py), and its copies:
-  //   input_dtype = hidden_states.dtype
+T ModelRun::RmsNormalizedF32(const Norm& n, T x) {
+  // The part the Transformers RMSNorms share: x in fp32, times rsqrt(mean(x^2) + eps).
   //   hidden_states = hidden_states.to(torch.float32)
   //   variance = hidden_states.pow(2).mean(-1, keepdim=True)
   //   hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-  //   return self.weight * hidden_states.to(input_dtype)
-  const DT in = g_.Dtype(x);
   T h = Cast(g_, x, DT::kF32);
   T p = Apply(g_, Unary::kPow, h);
   T var = MeanRows(g_, p, n.width);
@@ -484,6 +481,18 @@ T ModelRun::HfRmsNorm(const Norm& n, T x) {
   T hn = Mul(g_, h, r);
   g_.Drop(h);
   g_.Drop(r);
+  return hn;
+}
+
+T ModelRun::HfRmsNorm(const Norm& n, T x) {
+  // LlamaRMSNorm.forward (transformers/models/llama/modeling_llama.py), and its copies:
+  //   input_dtype = hidden_states.dtype
+  //   hidden_states = hidden_states.to(torch.float32)
+  //   variance = hidden_states.pow(2).mean(-1, keepdim=True)
+  //   hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+  //   return self.weight * hidden_states.to(input_dtype)
+  const DT in = g_.Dtype(x);
+  T hn = RmsNormalizedF32(n, x);
   T hc = Cast(g_, hn, in);
   g_.Drop(hn);
   T out = Mul(g_, n.w, hc);
@@ -497,17 +506,7 @@ T ModelRun::GemmaRmsNorm(const Norm& n, T x) {
   //   output = output * (1.0 + self.weight.float())
   //   return output.type_as(x)
   const DT in = g_.Dtype(x);
-  T h = Cast(g_, x, DT::kF32);
-  T p = Apply(g_, Unary::kPow, h);
-  T var = MeanRows(g_, p, n.width);
-  g_.Drop(p);
-  T eps = Scale(g_, var);
-  g_.Drop(var);
-  T r = Apply(g_, Unary::kRsqrt, eps);
-  g_.Drop(eps);
-  T hn = Mul(g_, h, r);
-  g_.Drop(h);
-  g_.Drop(r);
+  T hn = RmsNormalizedF32(n, x);
   T wf = Cast(g_, n.w, DT::kF32);
   T w1 = Scale(g_, wf);  // 1.0 + weight
   g_.Drop(wf);
@@ -523,17 +522,7 @@ T ModelRun::OlmoRmsNorm(const Norm& n, T x) {
   // Olmo2RMSNorm.forward (models/olmo2/modeling_olmo2.py): the weight multiplied in fp32, then
   //   return (self.weight * hidden_states).to(input_dtype)
   const DT in = g_.Dtype(x);
-  T h = Cast(g_, x, DT::kF32);
-  T p = Apply(g_, Unary::kPow, h);
-  T var = MeanRows(g_, p, n.width);
-  g_.Drop(p);
-  T eps = Scale(g_, var);
-  g_.Drop(var);
-  T r = Apply(g_, Unary::kRsqrt, eps);
-  g_.Drop(eps);
-  T hn = Mul(g_, h, r);
-  g_.Drop(h);
-  g_.Drop(r);
+  T hn = RmsNormalizedF32(n, x);
   T out = Mul(g_, n.w, hn);
   g_.Drop(hn);
   T oc = Cast(g_, out, in);

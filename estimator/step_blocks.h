@@ -115,6 +115,7 @@ class ModelRun {
   T LitGptBlock(int layer, T x);
   T LitGptRmsNorm(const Norm& n, T x);
   T LitGptLinear(const Lin& l, T x, bool qkv);
+  T RmsNormalizedF32(const Norm& n, T x);  // shared by the three below
   T HfRmsNorm(const Norm& n, T x);
   T GemmaRmsNorm(const Norm& n, T x);
   T OlmoRmsNorm(const Norm& n, T x);
