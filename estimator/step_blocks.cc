@@ -1269,6 +1269,38 @@ T ModelRun::TorchtuneLinear(const Lin& l, T x) {
   return sum;
 }
 
+// --- Shared by the torchtune and LitGPT blocks, which call SDPA at query width ----------------
+
+void ModelRun::ExpandKvToQueryHeads(Wide heads, Wide kv, T* k, T* v) {
+  // Grouped-query attention repeated in Python before SDPA (torchtune's expand + flatten, LitGPT's
+  // repeat_interleave): k and v copied at query width.
+  if (kv == heads) return;
+  for (T* t : {k, v}) {
+    T wide = Copy(g_, *t, g_.Numel(*t) * (heads / kv));
+    g_.Drop(*t);
+    *t = wide;
+  }
+}
+
+AttentionShape ModelRun::CausalShapeAtQueryWidth(Wide heads, Wide d) const {
+  AttentionShape as;
+  as.batch = batch_;
+  as.heads = as.kv_heads = heads;
+  as.seq = as.kv_seq = seq_;
+  as.head_dim = as.v_head_dim = d;
+  return as;
+}
+
+SdpaBackend ModelRun::CausalSdpaBackend(DT compute) const {
+  // What SDPA's dispatcher picks for a causal call without a mask: fp32 runs the
+  // memory-efficient kernel; half precision cuDNN on Hopper, flash from Ampere.
+  const int sm = s_.GpuSm();
+  return !Half(compute)         ? SdpaBackend::kEfficient
+         : sm >= 90 && sm < 110 ? SdpaBackend::kCudnn
+         : sm >= 80             ? SdpaBackend::kFlash
+                                : SdpaBackend::kEfficient;
+}
+
 T ModelRun::TorchtuneBlock(int layer, T x) {
   // TransformerSelfAttentionLayer.forward: h = attn(sa_norm(x)) + x; h + mlp(mlp_norm(h)).
   const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
@@ -1284,27 +1316,10 @@ T ModelRun::TorchtuneBlock(int layer, T x) {
   g_.Drop(h);
   T k = TorchtuneRope(k0);
   g_.Drop(k0);
-  if (kv != heads) {
-    // k.unsqueeze(2).expand(...).flatten(1, 2): copies at query width.
-    T k2 = Copy(g_, k, g_.Numel(k) * (heads / kv));
-    g_.Drop(k);
-    k = k2;
-    T v2 = Copy(g_, v, g_.Numel(v) * (heads / kv));
-    g_.Drop(v);
-    v = v2;
-  }
-  AttentionShape as;
-  as.batch = batch_;
-  as.heads = as.kv_heads = heads;
-  as.seq = as.kv_seq = seq_;
-  as.head_dim = as.v_head_dim = d;
-  const int sm = s_.GpuSm();
-  const bool half = Half(g_.Dtype(q));
-  const SdpaBackend backend = !half                  ? SdpaBackend::kEfficient
-                              : sm >= 90 && sm < 110 ? SdpaBackend::kCudnn
-                              : sm >= 80             ? SdpaBackend::kFlash
-                                                     : SdpaBackend::kEfficient;
-  T att = Sdpa(g_, backend, q, k, v, as, T{});
+  // k.unsqueeze(2).expand(...).flatten(1, 2): copies at query width.
+  ExpandKvToQueryHeads(heads, kv, &k, &v);
+  const AttentionShape as = CausalShapeAtQueryWidth(heads, d);
+  T att = Sdpa(g_, CausalSdpaBackend(g_.Dtype(q)), q, k, v, as, T{});
   g_.Drop(q);
   g_.Drop(k);
   g_.Drop(v);
@@ -1482,26 +1497,10 @@ T ModelRun::LitGptBlock(int layer, T x) {
   g_.Drop(q);
   T kr = rope(k);
   g_.Drop(k);
-  if (kv != heads) {
-    // k.repeat_interleave(q_per_kv, dim=1), v too.
-    T k2 = Copy(g_, kr, g_.Numel(kr) * (heads / kv));
-    g_.Drop(kr);
-    kr = k2;
-    T v2 = Copy(g_, v, g_.Numel(v) * (heads / kv));
-    g_.Drop(v);
-    v = v2;
-  }
-  AttentionShape as;
-  as.batch = batch_;
-  as.heads = as.kv_heads = heads;
-  as.seq = as.kv_seq = seq_;
-  as.head_dim = as.v_head_dim = d;
-  const DT cdt = autocast_ ? adt_ : g_.Dtype(qr);
-  const int sm = s_.GpuSm();
-  const SdpaBackend backend = !Half(cdt)             ? SdpaBackend::kEfficient
-                              : sm >= 90 && sm < 110 ? SdpaBackend::kCudnn
-                              : sm >= 80             ? SdpaBackend::kFlash
-                                                     : SdpaBackend::kEfficient;
+  // k.repeat_interleave(q_per_kv, dim=1), v too.
+  ExpandKvToQueryHeads(heads, kv, &kr, &v);
+  const AttentionShape as = CausalShapeAtQueryWidth(heads, d);
+  const SdpaBackend backend = CausalSdpaBackend(autocast_ ? adt_ : g_.Dtype(qr));
   T qc = AutocastIn(g_, qr), kc = AutocastIn(g_, kr), vc = AutocastIn(g_, v);
   g_.Drop(qr);
   g_.Drop(kr);

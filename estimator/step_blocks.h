@@ -10,6 +10,7 @@
 
 #include "estimator/inventory.h"
 #include "estimator/step_graph.h"
+#include "estimator/step_ops.h"
 #include "estimator/training_setup.h"
 
 namespace memplan::estimator::step {
@@ -115,6 +116,10 @@ class ModelRun {
   T LitGptBlock(int layer, T x);
   T LitGptRmsNorm(const Norm& n, T x);
   T LitGptLinear(const Lin& l, T x, bool qkv);
+  // Shared by the torchtune and LitGPT blocks, which repeat grouped k/v and call SDPA causal.
+  void ExpandKvToQueryHeads(Wide heads, Wide kv, T* k, T* v);
+  AttentionShape CausalShapeAtQueryWidth(Wide heads, Wide d) const;
+  SdpaBackend CausalSdpaBackend(DT compute) const;
   T RmsNormalizedF32(const Norm& n, T x);  // shared by the three below
   T HfRmsNorm(const Norm& n, T x);
   T GemmaRmsNorm(const Norm& n, T x);
