@@ -1,5 +1,6 @@
 #include "common/file.h"
 
+#include "common/strings.h"
 #include "common/file_internal.h"
 #include "common/printable.h"
 
@@ -144,13 +145,6 @@ std::string RandomSibling(const std::string& path, const char* infix) {
   std::string out = path + infix;
   for (unsigned char b : bytes) out += kChars[b % (sizeof(kChars) - 1)];
   return out;
-}
-
-std::string ParentDirectory(const std::string& path) {
-  const size_t slash = path.rfind('/');
-  return slash == std::string::npos ? std::string(".")
-         : slash == 0               ? std::string("/")
-                                    : path.substr(0, slash);
 }
 
 // Holds the signals that end a process (and would run tools/' clean-up) while alive.
@@ -380,10 +374,9 @@ Status AtomicFileGroup::Commit() {
       return ErrnoStatus(path, "cannot stat", errno);
     }
     struct stat dir;
-    const std::string parent = ParentDirectory(path);
+    const std::string parent = DirName(path);
     if (::stat(parent.c_str(), &dir) != 0) return ErrnoStatus(path, "cannot create", errno);
-    const std::string base =
-        path.substr(path.rfind('/') == std::string::npos ? 0 : path.rfind('/') + 1);
+    const std::string base(BaseName(path));
     if (!seen.insert({dir.st_dev, dir.st_ino, base}).second) {
       return Status::InvalidArgument(path + ": the same output file is given twice");
     }
@@ -449,7 +442,7 @@ Status AtomicFileGroup::Commit() {
   // 4. The new names live in their directories: without this a power loss may bring back the old
   // files.
   std::set<std::string> dirs;
-  for (const Staged& s : staged) dirs.insert(ParentDirectory(s.path));
+  for (const Staged& s : staged) dirs.insert(DirName(s.path));
   for (const std::string& dir : dirs) {
     int dir_raw = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dir_raw < 0) {

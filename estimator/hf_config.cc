@@ -4,6 +4,7 @@
 #include <map>
 #include <unordered_set>
 
+#include "common/strings.h"
 #include "common/json.h"
 #include "common/suggest.h"
 #include "estimator/hf_family.h"
@@ -182,8 +183,7 @@ Status AttachArchitecture(const nlohmann::json& config, const std::string& sourc
                              InventoryFromHfConfig(config, source, ModelClassChoice::kBase));
     std::unordered_set<std::string_view> blocks;
     for (const TensorInfo& t : inventory->tensors) {
-      for (std::string_view m = t.module; !m.empty();
-           m = m.substr(0, m.rfind('.') == std::string_view::npos ? 0 : m.rfind('.'))) {
+      for (std::string_view m = t.module; !m.empty(); m = BeforeLastComponent(m, '.')) {
         if (!blocks.insert(m).second) break;
       }
     }

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "common/strings.h"
 #include "common/checked_math.h"
 
 namespace memplan::estimator {
@@ -82,16 +83,16 @@ Result<DType> ParseDType(std::string_view text) {
 }
 
 void DeriveModulePath(std::string_view name, std::string* module, std::string* block, int* layer) {
-  size_t dot = name.rfind('.');
-  *module = dot == std::string_view::npos ? std::string() : std::string(name.substr(0, dot));
+  // Only module components count; the last component is the parameter's own name.
+  const std::string_view path = BeforeLastComponent(name, '.');
+  *module = std::string(path);
   block->clear();
   *layer = -1;
   size_t start = 0;
-  // Only module components count; the last component is the parameter's own name.
-  while (dot != std::string_view::npos && start < dot) {
-    size_t end = name.find('.', start);
-    if (end == std::string_view::npos || end > dot) end = dot;
-    std::string_view part = name.substr(start, end - start);
+  while (start < path.size()) {
+    size_t end = path.find('.', start);
+    if (end == std::string_view::npos) end = path.size();
+    std::string_view part = path.substr(start, end - start);
     bool digits =
         !part.empty() && part.size() <= 9 &&
         std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
@@ -284,25 +285,17 @@ TensorTraits ClassifyTensor(std::string_view name, const std::vector<int64_t>& s
                             std::string_view model_type) {
   TensorTraits out;
   // Split off the parameter's own name, then the module's last two components.
-  size_t dot = name.rfind('.');
-  const std::string_view own = dot == std::string_view::npos ? name : name.substr(dot + 1);
-  const std::string_view module = dot == std::string_view::npos ? "" : name.substr(0, dot);
+  const std::string_view own = LastComponent(name, '.');
+  const std::string_view module = BeforeLastComponent(name, '.');
   const bool weight = own == "weight", bias = own == "bias";
   // A bare Parameter (fused experts, sinks, class embeddings) is named after itself.
   const std::string_view path = weight || bias ? module : name;
-  dot = path.rfind('.');
-  const std::string_view leaf = dot == std::string_view::npos ? path : path.substr(dot + 1);
-  std::string_view parent = dot == std::string_view::npos ? "" : path.substr(0, dot);
-  const size_t pdot = parent.rfind('.');
-  if (pdot != std::string_view::npos) parent = parent.substr(pdot + 1);
+  const std::string_view leaf = LastComponent(path, '.');
+  std::string_view parent = LastComponent(BeforeLastComponent(path, '.'), '.');
   // Skip a ModuleList index between a module and its parent ("experts.3.w1": parent "experts").
   if (!parent.empty() &&
       std::all_of(parent.begin(), parent.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-    const std::string_view above = path.substr(0, dot);
-    const size_t adot = above.rfind('.');
-    const std::string_view up = adot == std::string_view::npos ? "" : above.substr(0, adot);
-    const size_t udot = up.rfind('.');
-    parent = udot == std::string_view::npos ? up : up.substr(udot + 1);
+    parent = LastComponent(BeforeLastComponent(BeforeLastComponent(path, '.'), '.'), '.');
   }
   out.role = RoleOfModule(leaf, parent, name);
   out.bias = bias || (!weight && leaf.size() > 5 && leaf.substr(leaf.size() - 5) == "_bias");

@@ -5,6 +5,7 @@
 #include <set>
 #include <vector>
 
+#include "common/strings.h"
 #include "common/file.h"
 #include "common/json.h"
 #include "common/printable.h"
@@ -24,10 +25,6 @@ constexpr int kMaxJsonDepth = 64;
 
 constexpr const char* kIndex = "model.safetensors.index.json";
 constexpr const char* kSingle = "model.safetensors";
-
-bool EndsWith(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
 
 enum class PathKind { kMissing, kFile, kDirectory };
 

@@ -6,6 +6,7 @@
 #include <map>
 #include <optional>
 
+#include "common/strings.h"
 #include "common/enum_names.h"
 #include "common/json.h"
 
@@ -64,11 +65,6 @@ Status Range(std::string_view flag, int64_t value, int64_t lo, int64_t hi) {
                                    std::to_string(hi) + "], got " + std::to_string(value));
   }
   return Status::Ok();
-}
-
-std::string LastComponent(const std::string& module) {
-  size_t dot = module.rfind('.');
-  return dot == std::string::npos ? module : module.substr(dot + 1);
 }
 
 // A Linear (or GPT-2 Conv1D) weight inside a repeated block (Note [Tensor roles]).
@@ -385,7 +381,7 @@ Result<std::vector<const TensorInfo*>> LoraTargetTensors(const ModelInventory& i
   for (const TensorInfo& t : inventory.tensors) {
     const bool head = t.role == TensorRole::kHead && t.IsLinearWeight();
     if (!IsBlockLinearWeight(t) && !head) continue;
-    const std::string leaf = LastComponent(t.module);
+    const std::string leaf(LastComponent(t.module, '.'));
     if (!head) available.insert(leaf);
     bool take = false;
     for (const std::string& target : targets) {

@@ -15,6 +15,7 @@
 #include <string>
 #include <utility>
 
+#include "common/strings.h"
 #include "nvme/backend_internal.h"
 
 namespace memplan::nvme {
@@ -130,9 +131,7 @@ bool OnMemoryFilesystem(const std::string& path) {
   struct statfs fs = {};
   int rc = ::statfs(path.c_str(), &fs);
   if (rc != 0 && errno == ENOENT) {
-    const size_t slash = path.find_last_of('/');
-    const std::string parent =
-        slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+    const std::string parent = DirName(path);
     rc = ::statfs(parent.c_str(), &fs);
   }
   const auto type = static_cast<uint64_t>(fs.f_type);
