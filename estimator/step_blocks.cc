@@ -2,439 +2,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <string_view>
-#include <unordered_map>
 
 #include "estimator/step_ops.h"
 
 namespace memplan::estimator::step {
-namespace {
-
-bool LinearRole(TensorRole r) {
-  switch (r) {
-    case TensorRole::kAttentionQ:
-    case TensorRole::kAttentionK:
-    case TensorRole::kAttentionV:
-    case TensorRole::kAttentionQkv:
-    case TensorRole::kAttentionKv:
-    case TensorRole::kAttentionOut:
-    case TensorRole::kAttentionQDown:
-    case TensorRole::kAttentionKvDown:
-    case TensorRole::kAttentionKvUp:
-    case TensorRole::kMlpUp:
-    case TensorRole::kMlpGate:
-    case TensorRole::kMlpGateUp:
-    case TensorRole::kMlpDown:
-    case TensorRole::kSharedExpertGate: return true;
-    default: return false;
-  }
-}
-
-Wide Rounded(Wide numel, DT dt) {
-  const Wide bytes = numel * static_cast<Wide>(Bytes(dt));
-  return bytes == 0 ? 0 : std::max<Wide>(512, (bytes + 511) / 512 * 512);
-}
-
-}  // namespace
-
-ModelRun::ModelRun(Graph& g, const ModelInventory& inventory, const TrainingSetup& setup)
-    : g_(g), inv_(inventory), s_(setup), a_(*inventory.arch) {}
-
-Status ModelRun::Prepare() {
-  // What the step model does not run yet is refused, never run as something else.
-  if (s_.checkpointing == Checkpointing::kSelective || s_.checkpointing == Checkpointing::kOp) {
-    return Status::Unimplemented("the step model does not run " +
-                                 std::string(CheckpointingName(s_.checkpointing)) +
-                                 " checkpointing yet (none and full only)");
-  }
-  if (s_.loss == Loss::kFused) {
-    return Status::Unimplemented("the step model does not run a fused linear cross-entropy yet");
-  }
-  if (s_.loss == Loss::kChunked && s_.framework == Framework::kTransformers) {
-    return Status::Unimplemented(
-        "the step model does not run a chunked loss under Transformers (its ForCausalLMLoss takes "
-        "the full logits)");
-  }
-  if (s_.torch_compile) {
-    return Status::Unimplemented("the step model does not run torch.compile's graphs yet");
-  }
-  // What TransformersForward refuses from the architecture alone, refused before the parameters
-  // of a large model (DeepSeek-V3's 47,000 tensors) are laid out for nothing.
-  if (s_.framework == Framework::kTransformers &&
-      (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || inv_.model_type == "gpt_oss")) {
-    return Status::Unimplemented("the step model runs Transformers' dense decoder LMs so far");
-  }
-  // One Linear per expert (checkpoints, Transformers 4): refused before thousands of expert
-  // parameters are laid out (a per-expert Qwen3-235B has 18,000 of them).
-  for (const TensorInfo& t : inv_.tensors) {
-    const bool expert = t.role == TensorRole::kExpertUp || t.role == TensorRole::kExpertGate ||
-                        t.role == TensorRole::kExpertGateUp || t.role == TensorRole::kExpertDown;
-    if (expert && !t.bias && t.shape.size() == 2) {
-      return Status::Unimplemented(
-          "the step model does not run one Linear per expert (Transformers 4's layout); it runs "
-          "experts fused as Transformers >= 5 builds them");
-    }
-  }
-  switch (s_.precision) {
-    case Precision::kFp32: pdt_ = DT::kF32; break;
-    case Precision::kBf16Pure: pdt_ = DT::kBF16; break;
-    case Precision::kFp16Mixed:
-    case Precision::kBf16Mixed:
-      adt_ = s_.precision == Precision::kFp16Mixed ? DT::kF16 : DT::kBF16;
-      if (s_.autocast) {
-        autocast_ = true;
-        pdt_ = DT::kF32;
-      } else {
-        // DeepSpeed and FSDP run the model in the 16-bit dtype (module.half() / bfloat16()).
-        pdt_ = adt_;
-      }
-      break;
-  }
-  g_.SetAutocast(autocast_, adt_);
-  batch_ = static_cast<Wide>(s_.micro_batch);
-  seq_ = static_cast<Wide>(s_.SeqLenFor(&a_));
-  tokens_ = batch_ * seq_;
-
-  const bool lora = s_.lora_rank > 0;
-  // Tied tensors name their target; only those names are looked up (a 47,000-tensor MoE would
-  // otherwise spend milliseconds building a map of every name).
-  std::unordered_map<std::string_view, size_t> index;
-  for (const TensorInfo& t : inv_.tensors) {
-    if (!t.tied_to.empty()) index.emplace(t.tied_to, SIZE_MAX);
-  }
-  params_.resize(inv_.tensors.size());
-  g_.Reserve(inv_.tensors.size() + 64);
-  for (size_t i = 0; i < inv_.tensors.size(); ++i) {
-    const TensorInfo& t = inv_.tensors[i];
-    if (!index.empty()) {
-      auto it = index.find(t.name);
-      if (it != index.end() && it->second == SIZE_MAX) it->second = i;
-    }
-    if (!t.tied_to.empty()) {
-      auto it = index.find(t.tied_to);
-      if (it == index.end() || it->second == SIZE_MAX) {
-        return Status::InvalidArgument(inv_.name + ": " + t.name + " is tied to " + t.tied_to +
-                                       ", which does not come before it");
-      }
-      params_[i] = params_[it->second];
-      continue;
-    }
-    params_[i] = g_.Param(t.numel, pdt_, !lora);
-  }
-  // LoRA adapters: PEFT builds lora_A / lora_B in fp32 (autocast_adapter_dtype) beside the base.
-  std::map<const TensorInfo*, std::pair<T, T>> adapters;
-  std::vector<Wide> adapter_bytes;
-  if (lora) {
-    MEMPLAN_ASSIGN_OR_RETURN(auto targets, LoraTargetTensors(inv_, s_));
-    const Wide r = static_cast<Wide>(s_.lora_rank);
-    // PEFT keeps adapters in fp32 (autocast_adapter_dtype); torchtune and LitGPT build them in
-    // the model's dtype.
-    const DT adapter_dt = s_.framework == Framework::kTransformers ? DT::kF32 : pdt_;
-    for (const TensorInfo* t : targets) {
-      T a = g_.Param(r * static_cast<Wide>(t->InFeatures()), adapter_dt, true);
-      T b = g_.Param(static_cast<Wide>(t->OutFeatures()) * r, adapter_dt, true);
-      adapters[t] = {a, b};
-      adapter_bytes.push_back(Rounded(r * static_cast<Wide>(t->InFeatures()), adapter_dt));
-      adapter_bytes.push_back(Rounded(static_cast<Wide>(t->OutFeatures()) * r, adapter_dt));
-    }
-  }
-  const int64_t layers = a_.layers;
-  blocks_.assign(static_cast<size_t>(std::max<int64_t>(layers, 0)), BlockParams{});
-  // Linear weights first, then their biases (a bias may precede no weight in the list).
-  for (size_t i = 0; i < inv_.tensors.size(); ++i) {
-    const TensorInfo& t = inv_.tensors[i];
-    const T p = params_[i];
-    if (t.layer >= 0 && t.layer < layers && !t.block.empty()) {
-      BlockParams& bp = blocks_[static_cast<size_t>(t.layer)];
-      if (LinearRole(t.role) && t.IsLinearWeight()) {
-        Lin& l = bp.lin[t.role];
-        l.w = p;
-        l.in = static_cast<Wide>(t.InFeatures());
-        l.out = static_cast<Wide>(t.OutFeatures());
-        auto it = adapters.find(&t);
-        if (it != adapters.end()) {
-          l.lora_a = it->second.first;
-          l.lora_b = it->second.second;
-        }
-      } else if (t.role == TensorRole::kRouter && !t.bias) {
-        bp.router.w = p;
-        bp.router.in = static_cast<Wide>(t.shape.size() == 2 ? t.shape[1] : 0);
-        bp.router.out = static_cast<Wide>(t.shape.empty() ? 0 : t.shape[0]);
-      } else if (t.role == TensorRole::kExpertUp || t.role == TensorRole::kExpertGate ||
-                 t.role == TensorRole::kExpertGateUp || t.role == TensorRole::kExpertDown) {
-        bp.experts.push_back(p);
-        bp.expert_params += t.numel;
-        if (!t.bias && t.shape.size() == 3) {
-          bp.expert[t.role] = p;
-          // Transformers >= 5: gate_up_proj [E, 2F, h] and down_proj [E, h, F] (gpt-oss stores
-          // them [E, in, out]).
-          bp.expert_width[t.role] =
-              static_cast<Wide>(inv_.model_type == "gpt_oss" ? t.shape[2] : t.shape[1]);
-        }
-      } else if (t.role == TensorRole::kNorm && !t.bias) {
-        Norm n{p, T{}, static_cast<Wide>(t.numel)};
-        (static_cast<int64_t>(t.numel) == a_.hidden ? bp.norms : bp.qk_norms).push_back(n);
-      }
-    } else if (t.block.empty()) {
-      if (t.role == TensorRole::kEmbedding && !embedding_.ok()) embedding_ = p;
-      if (t.role == TensorRole::kPositionEmbedding) position_embedding_ = p;
-      if (t.role == TensorRole::kNorm && !t.bias) {
-        final_norms_.push_back(Norm{p, T{}, static_cast<Wide>(t.numel)});
-      }
-      if (t.role == TensorRole::kHead && t.IsLinearWeight()) head_ = p;
-      if (t.role == TensorRole::kHead && t.bias && t.kind == ModuleKind::kLinear) head_bias_ = p;
-    }
-  }
-  // Biases, matched to their module's weight or norm.
-  for (size_t i = 0; i < inv_.tensors.size(); ++i) {
-    const TensorInfo& t = inv_.tensors[i];
-    if (!t.bias || t.layer < 0 || t.layer >= layers || t.block.empty()) continue;
-    BlockParams& bp = blocks_[static_cast<size_t>(t.layer)];
-    if (LinearRole(t.role) && bp.lin.count(t.role) > 0) bp.lin[t.role].b = params_[i];
-    if (t.role == TensorRole::kNorm) {
-      for (Norm& n : bp.norms) {
-        if (!n.b.ok()) {
-          n.b = params_[i];
-          break;
-        }
-      }
-    }
-  }
-  for (size_t i = 0; i < inv_.tensors.size(); ++i) {
-    const TensorInfo& t = inv_.tensors[i];
-    if (t.bias && t.block.empty() && t.role == TensorRole::kNorm) {
-      for (Norm& n : final_norms_) {
-        if (!n.b.ok()) {
-          n.b = params_[i];
-          break;
-        }
-      }
-    }
-  }
-  if (s_.framework == Framework::kLitGpt) {
-    // LitGPT holds query, key and value as one Linear (attn.qkv) in every model; its LoRA on it
-    // is one LoRAQKVLinear whose lora_A is [r x enabled parts, in] and lora_B [enabled out, r].
-    auto has = [&](const char* name) {
-      const auto& t = s_.lora_targets;
-      return std::find(t.begin(), t.end(), name) != t.end();
-    };
-    const bool defaults = s_.lora_targets.empty();
-    lora_q_ = lora && (defaults || has("query"));
-    lora_k_ = lora && has("key");
-    lora_v_ = lora && (defaults || has("value"));
-    const Wide q = static_cast<Wide>(a_.heads * a_.head_dim);
-    const Wide kvw = static_cast<Wide>(a_.kv_heads * a_.head_dim);
-    const Wide h = static_cast<Wide>(a_.hidden);
-    const Wide r = static_cast<Wide>(s_.lora_rank);
-    for (BlockParams& bp : blocks_) {
-      Lin l;
-      l.in = h;
-      l.out = q + 2 * kvw;
-      if (bp.has(TensorRole::kAttentionQkv)) {
-        l.w = bp.at(TensorRole::kAttentionQkv).w;
-        l.b = bp.at(TensorRole::kAttentionQkv).b;
-      } else {
-        l.w = g_.Param(l.in * l.out, pdt_, !lora);
-        const bool biased =
-            bp.has(TensorRole::kAttentionQ) && bp.at(TensorRole::kAttentionQ).b.ok();
-        if (biased) l.b = g_.Param(l.out, pdt_, !lora);
-      }
-      const int parts = (lora_q_ ? 1 : 0) + (lora_k_ ? 1 : 0) + (lora_v_ ? 1 : 0);
-      if (parts > 0) {
-        const Wide out = (lora_q_ ? q : 0) + (lora_k_ ? kvw : 0) + (lora_v_ ? kvw : 0);
-        l.lora_a = g_.Param(r * static_cast<Wide>(parts) * h, pdt_, true);
-        l.lora_b = g_.Param(out * r, pdt_, true);
-        adapter_bytes.push_back(Rounded(r * static_cast<Wide>(parts) * h, pdt_));
-        adapter_bytes.push_back(Rounded(out * r, pdt_));
-      }
-      // The separate query/key/value adapters LoraTargetTensors made are LitGPT's one adapter.
-      for (TensorRole role : {TensorRole::kAttentionQ, TensorRole::kAttentionK,
-                              TensorRole::kAttentionV, TensorRole::kAttentionQkv}) {
-        if (!bp.has(role)) continue;
-        Lin& sep = bp.lin[role];
-        if (sep.lora_a.ok()) {
-          sep.lora_a = T{};
-          sep.lora_b = T{};
-        }
-      }
-      litgpt_qkv_.push_back(l);
-    }
-    // Drop the bytes of the per-projection adapters replaced above: recount below from the
-    // blocks' remaining adapters and the fused ones.
-    adapter_bytes.clear();
-    const Wide rr = r;
-    for (const BlockParams& bp : blocks_) {
-      for (const auto& [role, l] : bp.lin) {
-        if (!l.lora_a.ok()) continue;
-        adapter_bytes.push_back(Rounded(rr * l.in, pdt_));
-        adapter_bytes.push_back(Rounded(l.out * rr, pdt_));
-      }
-    }
-    for (const Lin& l : litgpt_qkv_) {
-      if (!l.lora_a.ok()) continue;
-      const int parts = (lora_q_ ? 1 : 0) + (lora_k_ ? 1 : 0) + (lora_v_ ? 1 : 0);
-      const Wide out = (lora_q_ ? q : 0) + (lora_k_ ? kvw : 0) + (lora_v_ ? kvw : 0);
-      adapter_bytes.push_back(Rounded(rr * static_cast<Wide>(parts) * h, pdt_));
-      adapter_bytes.push_back(Rounded(out * rr, pdt_));
-    }
-  }
-
-  // The family's block as Transformers writes it (transformers/models/<model_type>/).
-  const std::string& type = inv_.model_type;
-  fam_ = Family{};
-  fam_.rotary = a_.rotary_dims > 0;
-  fam_.rotary_dims = static_cast<Wide>(a_.rotary_dims);
-  fam_.gated = a_.gated_mlp;
-  const std::string& act = a_.hidden_act;
-  fam_.act = act == "silu" || act == "swish" ? Family::Act::kSilu
-             : act == "gelu_pytorch_tanh"    ? Family::Act::kGeluTanh
-             : act == "gelu_new" || act == "gelu_fast" || act == "gelu_accurate"
-                 ? Family::Act::kGeluNew
-             : act == "relu" ? Family::Act::kRelu
-                             : Family::Act::kGelu;
-  fam_.norm = a_.norm_upcasts ? Family::NormKind::kRms : Family::NormKind::kLayer;
-  if (type == "gemma" || type == "gemma2" || type == "gemma3_text") {
-    fam_.norm = Family::NormKind::kRmsGemma;
-    fam_.embedding_scale = true;
-  }
-  if (type == "gemma2" || type == "gemma3_text") fam_.layout = Family::Layout::kSandwich;
-  if (type == "olmo2") {
-    fam_.norm = Family::NormKind::kRmsOlmo;
-    fam_.layout = Family::Layout::kPostNorm;
-    fam_.qk_norm = Family::QkNorm::kFullRms;
-  }
-  if (type == "qwen3" || type == "qwen3_moe" || type == "gemma3_text") {
-    fam_.qk_norm = Family::QkNorm::kHeadRms;
-  }
-  if (type == "phi") {
-    fam_.layout = Family::Layout::kParallel;
-    fam_.qk_norm = Family::QkNorm::kHeadLayer;
-  }
-  if (type == "gptj") fam_.layout = Family::Layout::kParallel;
-  if (type == "falcon") {
-    // FalconDecoderLayer: parallel attention reads one norm (two with the new decoder
-    // architecture); ALiBi goes into the mask (FalconModel.forward).
-    if (a_.parallel_attention) {
-      fam_.layout =
-          a_.cached_kv_heads > 0 ? Family::Layout::kParallelTwoNorms : Family::Layout::kParallel;
-    }
-    fam_.falcon_alibi = a_.alibi;
-  }
-  if (type == "bloom") {
-    fam_.bloom_attention = true;
-    fam_.embedding_norm = true;
-  }
-  if (type == "gpt_neox") fam_.layout = Family::Layout::kParallelTwoNorms;
-  fam_.query_scaled = type == "opt";
-  fam_.probs_to_value = type == "gpt2";
-  fam_.learned_positions = a_.learned_positions;
-  if (type == "gpt2" || type == "opt" || type == "starcoder2" || type == "phi" || type == "gptj") {
-    fam_.resid_dropout = a_.hidden_dropout;
-  }
-  if (type != "opt") fam_.embedding_dropout = a_.embedding_dropout;
-
-  if (!embedding_.ok()) {
-    return Status::Unimplemented(inv_.name + ": the step model found no token embedding");
-  }
-  if (!head_.ok() && (inv_.model_class == "causal_lm")) {
-    return Status::Unimplemented(inv_.name + ": the step model found no output head");
-  }
-
-  // Optimizer groups (Transformers' Trainer: weight decay for all but biases and norm weights,
-  // get_decay_parameter_names), each tensor rounded, states in the parameter's dtype.
-  Wide decay = 0, no_decay = 0;
-  if (lora) {
-    for (Wide b : adapter_bytes) {
-      decay += b;
-      largest_trainable_ = std::max(largest_trainable_, b);
-    }
-  } else {
-    for (const TensorInfo& t : inv_.tensors) {
-      if (!t.tied_to.empty()) continue;
-      const Wide b = Rounded(t.numel, pdt_);
-      largest_trainable_ = std::max(largest_trainable_, b);
-      if (t.bias || t.role == TensorRole::kNorm) {
-        no_decay += b;
-      } else {
-        decay += b;
-      }
-    }
-  }
-  if (s_.framework == Framework::kTransformers) {
-    group_bytes_ = {decay, no_decay};
-  } else {
-    group_bytes_ = {decay + no_decay};
-  }
-
-  // The model states, tensor by tensor.
-  quantized_base_ = lora && s_.qlora;
-  for (const TensorInfo& t : inv_.tensors) {
-    if (!t.tied_to.empty()) continue;
-    if (quantized_base_ && !t.block.empty() && t.IsLinearWeight()) {
-      const Wide n = t.numel;
-      if (s_.framework == Framework::kTorchtune) {
-        // torchao's NF4Tensor (torchao/dtypes/nf4tensor.py, to_nf4 with block 64, scaler block
-        // 256): 4-bit codes, int8 scalers per block, fp32 factors per scaler block, the scaler
-        // mean and the 16-entry NF4 table.
-        parameter_bytes_ += Rounded((n + 1) / 2, DT::kU8) + Rounded((n + 63) / 64, DT::kI8) +
-                            Rounded((n + 64 * 256 - 1) / (64 * 256), DT::kF32) +
-                            Rounded(1, DT::kF32) + Rounded(16, DT::kF32);
-      } else {
-        // bitsandbytes Params4bit: packed codes and an fp32 absmax per 64 (double quantisation:
-        // 8-bit absmax per 64 and an fp32 per 256 of those).
-        parameter_bytes_ += Rounded((n + 1) / 2, DT::kU8);
-        parameter_bytes_ += s_.double_quant ? Rounded((n + 63) / 64, DT::kU8) +
-                                                  Rounded((n + 64 * 256 - 1) / (64 * 256), DT::kF32)
-                                            : Rounded((n + 63) / 64, DT::kF32);
-      }
-      continue;
-    }
-    parameter_bytes_ += Rounded(t.numel, pdt_);
-  }
-  for (Wide b : adapter_bytes) parameter_bytes_ += b;
-  if (s_.framework == Framework::kTorchtune) {
-    // torchtune's RotaryPositionalEmbeddings cache: max_seq_len x head_dim fp32, and theta.
-    // Qwen2's (torchtune/models/qwen2/_positional_embeddings.py build_rope_cache) caches
-    // cat([cos, sin]) of the doubled frequencies: max_seq_len x 2 head_dim. The plain qwen2
-    // builder shares one rope among the layers; lora_qwen2_self_attention makes one per layer.
-    const bool qwen2 = inv_.model_type == "qwen2";
-    const Wide width = static_cast<Wide>(a_.head_dim) * (qwen2 ? 2 : 1);
-    const Wide ropes = qwen2 && lora ? static_cast<Wide>(std::max<int64_t>(a_.layers, 1)) : 1;
-    buffer_bytes_ =
-        ropes *
-        (Rounded(static_cast<Wide>(std::max<int64_t>(a_.max_positions, 1)) * width, DT::kF32) +
-         Rounded(static_cast<Wide>(a_.head_dim) / 2, DT::kF32));
-  } else if (s_.framework == Framework::kLitGpt) {
-    // LitGPT's GPT.rope_cache (litgpt/model.py): cos and sin buffers of max_seq_length x
-    // rope_n_elem in fp32, max_seq_length set to the training sequence length by the recipes.
-    buffer_bytes_ = 2 * Rounded(seq_ * static_cast<Wide>(a_.rotary_dims), DT::kF32);
-  } else {
-    for (const TensorInfo& b : inv_.buffers) {
-      const bool floating =
-          b.dtype == DType::kF32 || b.dtype == DType::kF16 || b.dtype == DType::kBF16;
-      buffer_bytes_ +=
-          Rounded(b.numel, floating ? pdt_ : (b.dtype == DType::kI64 ? DT::kI64 : DT::kF32));
-    }
-  }
-  // torch.optim keeps states in each parameter's dtype: AdamW's exp_avg and exp_avg_sq, SGD's
-  // momentum buffer, Lion's exp_avg.
-  int states = 0;
-  switch (s_.optimizer) {
-    case Optimizer::kAdamW: states = 2; break;
-    case Optimizer::kSgd: states = s_.sgd_momentum > 0 ? 1 : 0; break;
-    case Optimizer::kLion: states = 1; break;
-    case Optimizer::kAdafactor: states = 1; break;
-    case Optimizer::kAdam8bit: states = 0; break;
-  }
-  if (lora) {
-    for (Wide b : adapter_bytes) state_bytes_ += static_cast<Wide>(states) * b;
-  } else {
-    for (const TensorInfo& t : inv_.tensors) {
-      if (t.tied_to.empty()) state_bytes_ += static_cast<Wide>(states) * Rounded(t.numel, pdt_);
-    }
-  }
-  return Status::Ok();
-}
 
 bool ModelRun::Checkpointed(int layer) const {
   if (s_.checkpointing != Checkpointing::kFull) return false;
@@ -673,9 +244,9 @@ T ModelRun::BloomAttention(const BlockParams& bp, T h) {
   return out;
 }
 
-T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
-  (void)layer;
-  if (fam_.bloom_attention) return BloomAttention(bp, h);
+// The query, key and value as the attention module makes them: the projections (one fused or
+// three), OPT's query scaling, the query/key norms, rotary, and the DynamicCache copies.
+ModelRun::QkvViews ModelRun::TransformersQkv(const BlockParams& bp, T h) {
   const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
   const Wide d = static_cast<Wide>(a_.head_dim);
   T q, k, v;
@@ -731,6 +302,119 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
     cache_.push_back(g_.Alias(k));
     cache_.push_back(g_.Alias(v));
   }
+  return {q, k, v};
+}
+
+// sdpa_attention_forward: the backend SDPA picks, grouped k/v repeated when a mask is explicit
+// (replacing t->k and t->v with their copies), the mask made per call.
+T ModelRun::TransformersSdpa(AttentionShape as, DT cdt, QkvViews* t) {
+  const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
+  const T q = t->q;
+  T& k = t->k;
+  T& v = t->v;
+  T out;
+  SdpaBackend backend;
+  const int sm = s_.GpuSm();
+  const bool half = Half(cdt);
+  if (!half) {
+    backend = SdpaBackend::kEfficient;
+  } else if (explicit_mask_) {
+    backend = sm >= 80 || cdt == DT::kF16 ? SdpaBackend::kEfficient : SdpaBackend::kMath;
+  } else if (sm >= 90 && sm < 110) {
+    backend = SdpaBackend::kCudnn;
+  } else if (sm >= 80) {
+    backend = SdpaBackend::kFlash;
+  } else {
+    backend = cdt == DT::kF16 ? SdpaBackend::kEfficient : SdpaBackend::kMath;
+  }
+  // sdpa_attention_forward: grouped keys and values go to SDPA as they are (enable_gqa) when
+  // there is no mask (use_gqa_in_sdpa); otherwise repeat_kv copies them to every head.
+  if (kv != heads && explicit_mask_) {
+    T k2 = Copy(g_, k, g_.Numel(k) * (heads / kv));
+    g_.Drop(k);
+    k = k2;
+    T v2 = Copy(g_, v, g_.Numel(v) * (heads / kv));
+    g_.Drop(v);
+    v = v2;
+    as.kv_heads = heads;
+  }
+  T qc = AutocastIn(g_, q), kc = AutocastIn(g_, k), vc = AutocastIn(g_, v);
+  T mask;
+  if (fam_.falcon_alibi) {
+    // The float ALiBi mask, cast by SDPA's autocast kernel (a copy per call under autocast).
+    mask = AutocastIn(g_, mask_);
+  } else if (explicit_mask_ && backend != SdpaBackend::kFlash) {
+    // The boolean mask made additive in the query's dtype for the fused kernel, per call.
+    mask = g_.New(batch_ * seq_ * seq_, cdt, false);
+  }
+  out = Sdpa(g_, backend, qc, kc, vc, as, mask);
+  g_.Drop(mask);
+  g_.Drop(qc);
+  g_.Drop(kc);
+  g_.Drop(vc);
+  if (backend == SdpaBackend::kMath) {
+    T o2 = Copy(g_, out);  // transpose(1, 2).contiguous()
+    g_.Drop(out);
+    out = o2;
+  }
+  return out;
+}
+
+T ModelRun::TransformersEagerAttention(const QkvViews& t) {
+  const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
+  const Wide d = static_cast<Wide>(a_.head_dim);
+  const T q = t.q, k = t.k, v = t.v;
+  T out;
+  // eager_attention_forward: repeat_kv, q @ k^T * scaling, + mask, softmax (fp32), cast back,
+  // dropout, @ v, transpose(1, 2).contiguous().
+  const Wide groups = heads / std::max<Wide>(kv, 1);
+  T k2 = groups > 1 ? Copy(g_, k, g_.Numel(k) * groups) : g_.Alias(k);
+  T v2 = groups > 1 ? Copy(g_, v, g_.Numel(v) * groups) : g_.Alias(v);
+  T qc = AutocastIn(g_, q), kc = AutocastIn(g_, k2);
+  g_.Drop(k2);
+  T scores = g_.New(batch_ * heads * seq_ * seq_, g_.Dtype(qc), true);
+  g_.Record(Graph::Spec("Matmul(qk)", {qc, kc}, {scores}, {qc, kc}));
+  g_.Drop(qc);
+  g_.Drop(kc);
+  T scaled = Scale(g_, scores);
+  g_.Drop(scores);
+  if (a_.attn_softcap > 0) {
+    // Gemma-2: scores / softcap, tanh, * softcap.
+    T d1 = Scale(g_, scaled);
+    g_.Drop(scaled);
+    T th = Apply(g_, Unary::kTanh, d1);
+    g_.Drop(d1);
+    scaled = Scale(g_, th);
+    g_.Drop(th);
+  }
+  T masked = Add(g_, scaled, mask_);
+  g_.Drop(scaled);
+  // Llama's: softmax(..., dtype=torch.float32).to(query.dtype); GPT-2's: softmax(...) (an fp32
+  // op under autocast), .type(value.dtype).
+  T probs = Softmax(g_, masked, fam_.probs_to_value ? g_.Dtype(masked) : DT::kF32);
+  g_.Drop(masked);
+  T pc = Cast(g_, probs, fam_.probs_to_value ? g_.Dtype(v2) : g_.Dtype(q));
+  g_.Drop(probs);
+  T dropped = Dropout(g_, pc, a_.attention_dropout);
+  g_.Drop(pc);
+  T pa = AutocastIn(g_, dropped), va = AutocastIn(g_, v2);
+  g_.Drop(dropped);
+  g_.Drop(v2);
+  T o = g_.New(batch_ * heads * seq_ * d, g_.Dtype(pa), true);
+  g_.Record(Graph::Spec("Matmul(pv)", {pa, va}, {o}, {pa, va}));
+  g_.Drop(pa);
+  g_.Drop(va);
+  out = Copy(g_, o);
+  g_.Drop(o);
+  return out;
+}
+
+T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
+  (void)layer;
+  if (fam_.bloom_attention) return BloomAttention(bp, h);
+  const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
+  const Wide d = static_cast<Wide>(a_.head_dim);
+  QkvViews t = TransformersQkv(bp, h);
   AttentionShape as;
   as.batch = batch_;
   as.heads = heads;
@@ -739,99 +423,11 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
   as.head_dim = as.v_head_dim = d;
   as.dropout = a_.attention_dropout;
   as.mask = explicit_mask_;
-  const DT cdt = autocast_ ? adt_ : g_.Dtype(q);
-  T out;
-  if (s_.flash_attention) {
-    SdpaBackend backend;
-    const int sm = s_.GpuSm();
-    const bool half = Half(cdt);
-    if (!half) {
-      backend = SdpaBackend::kEfficient;
-    } else if (explicit_mask_) {
-      backend = sm >= 80 || cdt == DT::kF16 ? SdpaBackend::kEfficient : SdpaBackend::kMath;
-    } else if (sm >= 90 && sm < 110) {
-      backend = SdpaBackend::kCudnn;
-    } else if (sm >= 80) {
-      backend = SdpaBackend::kFlash;
-    } else {
-      backend = cdt == DT::kF16 ? SdpaBackend::kEfficient : SdpaBackend::kMath;
-    }
-    // sdpa_attention_forward: grouped keys and values go to SDPA as they are (enable_gqa) when
-    // there is no mask (use_gqa_in_sdpa); otherwise repeat_kv copies them to every head.
-    if (kv != heads && explicit_mask_) {
-      T k2 = Copy(g_, k, g_.Numel(k) * (heads / kv));
-      g_.Drop(k);
-      k = k2;
-      T v2 = Copy(g_, v, g_.Numel(v) * (heads / kv));
-      g_.Drop(v);
-      v = v2;
-      as.kv_heads = heads;
-    }
-    T qc = AutocastIn(g_, q), kc = AutocastIn(g_, k), vc = AutocastIn(g_, v);
-    T mask;
-    if (fam_.falcon_alibi) {
-      // The float ALiBi mask, cast by SDPA's autocast kernel (a copy per call under autocast).
-      mask = AutocastIn(g_, mask_);
-    } else if (explicit_mask_ && backend != SdpaBackend::kFlash) {
-      // The boolean mask made additive in the query's dtype for the fused kernel, per call.
-      mask = g_.New(batch_ * seq_ * seq_, cdt, false);
-    }
-    out = Sdpa(g_, backend, qc, kc, vc, as, mask);
-    g_.Drop(mask);
-    g_.Drop(qc);
-    g_.Drop(kc);
-    g_.Drop(vc);
-    if (backend == SdpaBackend::kMath) {
-      T o2 = Copy(g_, out);  // transpose(1, 2).contiguous()
-      g_.Drop(out);
-      out = o2;
-    }
-  } else {
-    // eager_attention_forward: repeat_kv, q @ k^T * scaling, + mask, softmax (fp32), cast back,
-    // dropout, @ v, transpose(1, 2).contiguous().
-    const Wide groups = heads / std::max<Wide>(kv, 1);
-    T k2 = groups > 1 ? Copy(g_, k, g_.Numel(k) * groups) : g_.Alias(k);
-    T v2 = groups > 1 ? Copy(g_, v, g_.Numel(v) * groups) : g_.Alias(v);
-    T qc = AutocastIn(g_, q), kc = AutocastIn(g_, k2);
-    g_.Drop(k2);
-    T scores = g_.New(batch_ * heads * seq_ * seq_, g_.Dtype(qc), true);
-    g_.Record(Graph::Spec("Matmul(qk)", {qc, kc}, {scores}, {qc, kc}));
-    g_.Drop(qc);
-    g_.Drop(kc);
-    T scaled = Scale(g_, scores);
-    g_.Drop(scores);
-    if (a_.attn_softcap > 0) {
-      // Gemma-2: scores / softcap, tanh, * softcap.
-      T d1 = Scale(g_, scaled);
-      g_.Drop(scaled);
-      T th = Apply(g_, Unary::kTanh, d1);
-      g_.Drop(d1);
-      scaled = Scale(g_, th);
-      g_.Drop(th);
-    }
-    T masked = Add(g_, scaled, mask_);
-    g_.Drop(scaled);
-    // Llama's: softmax(..., dtype=torch.float32).to(query.dtype); GPT-2's: softmax(...) (an fp32
-    // op under autocast), .type(value.dtype).
-    T probs = Softmax(g_, masked, fam_.probs_to_value ? g_.Dtype(masked) : DT::kF32);
-    g_.Drop(masked);
-    T pc = Cast(g_, probs, fam_.probs_to_value ? g_.Dtype(v2) : g_.Dtype(q));
-    g_.Drop(probs);
-    T dropped = Dropout(g_, pc, a_.attention_dropout);
-    g_.Drop(pc);
-    T pa = AutocastIn(g_, dropped), va = AutocastIn(g_, v2);
-    g_.Drop(dropped);
-    g_.Drop(v2);
-    T o = g_.New(batch_ * heads * seq_ * d, g_.Dtype(pa), true);
-    g_.Record(Graph::Spec("Matmul(pv)", {pa, va}, {o}, {pa, va}));
-    g_.Drop(pa);
-    g_.Drop(va);
-    out = Copy(g_, o);
-    g_.Drop(o);
-  }
-  g_.Drop(q);
-  g_.Drop(k);
-  g_.Drop(v);
+  const DT cdt = autocast_ ? adt_ : g_.Dtype(t.q);
+  T out = s_.flash_attention ? TransformersSdpa(as, cdt, &t) : TransformersEagerAttention(t);
+  g_.Drop(t.q);
+  g_.Drop(t.k);
+  g_.Drop(t.v);
   T o = LoraLinear(bp.at(TensorRole::kAttentionOut), out);
   g_.Drop(out);
   return o;
@@ -1210,432 +806,6 @@ Result<T> ModelRun::TransformersForward() {
   g_.ClearAutocastCache();
   for (T c : cache_) g_.Drop(c);
   cache_.clear();
-  return loss;
-}
-
-// --- torchtune ------------------------------------------------------------------------------
-
-T ModelRun::TorchtuneRmsNorm(const Norm& n, T x) {
-  // torchtune/modules/rms_norm.py: F.rms_norm(x.float(), weight=self.scale).to(x.dtype); the
-  // fused kernel keeps its (fp32) input and an fp32 rstd per row.
-  const DT in = g_.Dtype(x);
-  T xf = Cast(g_, x, DT::kF32);
-  T y = FusedRmsNorm(g_, xf, n.w, n.width);
-  g_.Drop(xf);
-  T out = Cast(g_, y, in);
-  g_.Drop(y);
-  return out;
-}
-
-T ModelRun::TorchtuneRope(T x) {
-  // RotaryPositionalEmbeddings.forward (torchtune/modules/position_embeddings.py): x.float()
-  // reshaped in pairs, multiplied with the cache (a buffer), stacked, flattened, type_as(x).
-  // Only the cache is saved.
-  T xf = Cast(g_, x, DT::kF32);
-  T st = g_.New(g_.Numel(x), DT::kF32, g_.RequiresGrad(xf));
-  g_.Record(Graph::Spec("Rope", {xf}, {st}));
-  g_.Drop(xf);
-  T out = Cast(g_, st, g_.Dtype(x));
-  g_.Drop(st);
-  return out;
-}
-
-T ModelRun::TorchtuneLinear(const Lin& l, T x) {
-  T out;
-  if (quantized_base_ && !g_.RequiresGrad(l.w)) {
-    // LoRALinear with quantize_base / FrozenNF4Linear: torchao's LinearNF4 keeps the NF4
-    // weight only; the weight is dequantized to the input's dtype for the matmul (and again in
-    // backward).
-    T wd = g_.New(l.in * l.out, g_.Dtype(x), false);
-    out = g_.New(g_.Numel(x) / std::max<Wide>(l.in, 1) * l.out, g_.Dtype(x), g_.RequiresGrad(x));
-    Graph::NodeSpec spec = Graph::Spec("LinearNF4", {x}, {out});
-    spec.extra = {{l.in * l.out, g_.Dtype(x)}};
-    g_.Record(std::move(spec));
-    g_.Drop(wd);
-  } else {
-    out = Linear(g_, x, l.w, l.b, l.in, l.out);
-  }
-  if (!l.lora_a.ok()) return out;
-  // LoRALinear.forward: out + (alpha / rank) * lora_b(lora_a(dropout(x))), dropout 0.
-  const Wide r = static_cast<Wide>(s_.lora_rank);
-  T ya = Linear(g_, x, l.lora_a, T{}, l.in, r);
-  T yb = Linear(g_, ya, l.lora_b, T{}, r, l.out);
-  g_.Drop(ya);
-  T ys = Scale(g_, yb);
-  g_.Drop(yb);
-  T sum = Add(g_, out, ys);
-  g_.Drop(out);
-  g_.Drop(ys);
-  return sum;
-}
-
-// --- Shared by the torchtune and LitGPT blocks, which call SDPA at query width ----------------
-
-void ModelRun::ExpandKvToQueryHeads(Wide heads, Wide kv, T* k, T* v) {
-  // Grouped-query attention repeated in Python before SDPA (torchtune's expand + flatten, LitGPT's
-  // repeat_interleave): k and v copied at query width.
-  if (kv == heads) return;
-  for (T* t : {k, v}) {
-    T wide = Copy(g_, *t, g_.Numel(*t) * (heads / kv));
-    g_.Drop(*t);
-    *t = wide;
-  }
-}
-
-AttentionShape ModelRun::CausalShapeAtQueryWidth(Wide heads, Wide d) const {
-  AttentionShape as;
-  as.batch = batch_;
-  as.heads = as.kv_heads = heads;
-  as.seq = as.kv_seq = seq_;
-  as.head_dim = as.v_head_dim = d;
-  return as;
-}
-
-SdpaBackend ModelRun::CausalSdpaBackend(DT compute) const {
-  // What SDPA's dispatcher picks for a causal call without a mask: fp32 runs the
-  // memory-efficient kernel; half precision cuDNN on Hopper, flash from Ampere.
-  const int sm = s_.GpuSm();
-  return !Half(compute)         ? SdpaBackend::kEfficient
-         : sm >= 90 && sm < 110 ? SdpaBackend::kCudnn
-         : sm >= 80             ? SdpaBackend::kFlash
-                                : SdpaBackend::kEfficient;
-}
-
-T ModelRun::TorchtuneBlock(int layer, T x) {
-  // TransformerSelfAttentionLayer.forward: h = attn(sa_norm(x)) + x; h + mlp(mlp_norm(h)).
-  const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
-  const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
-  const Wide d = static_cast<Wide>(a_.head_dim);
-  T h = TorchtuneRmsNorm(bp.norms[0], x);
-  // MultiHeadAttention.forward (torchtune/modules/attention.py).
-  T q0 = TorchtuneLinear(bp.at(TensorRole::kAttentionQ), h);
-  T q = TorchtuneRope(q0);
-  g_.Drop(q0);
-  T k0 = TorchtuneLinear(bp.at(TensorRole::kAttentionK), h);
-  T v = TorchtuneLinear(bp.at(TensorRole::kAttentionV), h);
-  g_.Drop(h);
-  T k = TorchtuneRope(k0);
-  g_.Drop(k0);
-  // k.unsqueeze(2).expand(...).flatten(1, 2): copies at query width.
-  ExpandKvToQueryHeads(heads, kv, &k, &v);
-  const AttentionShape as = CausalShapeAtQueryWidth(heads, d);
-  T att = Sdpa(g_, CausalSdpaBackend(g_.Dtype(q)), q, k, v, as, T{});
-  g_.Drop(q);
-  g_.Drop(k);
-  g_.Drop(v);
-  T o = TorchtuneLinear(bp.at(TensorRole::kAttentionOut), att);
-  g_.Drop(att);
-  T x2 = Add(g_, o, x);
-  g_.Drop(o);
-  // FeedForward.forward: w2(silu(w1(x)) * w3(x)).
-  T h2 = TorchtuneRmsNorm(bp.norms[1], x2);
-  T g1 = TorchtuneLinear(bp.at(TensorRole::kMlpGate), h2);
-  T a = Apply(g_, Unary::kSilu, g1);
-  g_.Drop(g1);
-  T u = TorchtuneLinear(bp.at(TensorRole::kMlpUp), h2);
-  g_.Drop(h2);
-  T m = Mul(g_, a, u);
-  g_.Drop(a);
-  g_.Drop(u);
-  T down = TorchtuneLinear(bp.at(TensorRole::kMlpDown), m);
-  g_.Drop(m);
-  T out = Add(g_, x2, down);
-  g_.Drop(down);
-  g_.Drop(x2);
-  return out;
-}
-
-Result<T> ModelRun::TorchtuneForward() {
-  if (!a_.causal || a_.encoder_decoder || a_.experts > 0 || !a_.gated_mlp || a_.rotary_dims == 0) {
-    return Status::Unimplemented(inv_.name +
-                                 ": the step model runs torchtune's dense decoders (Llama, Qwen2, "
-                                 "Mistral-shaped) only");
-  }
-  MEMPLAN_RETURN_IF_ERROR(CheckFamily());
-  const Wide h = static_cast<Wide>(a_.hidden);
-  const Wide vocab = static_cast<Wide>(a_.vocab);
-  g_.SetWhere("embedding");
-  T x = Embedding(g_, embedding_, tokens_, h, pdt_);
-  for (int64_t i = 0; i < a_.layers; ++i) {
-    g_.SetWhere("layer " + std::to_string(i));
-    T next = RunBlock(static_cast<int>(i), x);
-    g_.Drop(x);
-    x = next;
-  }
-  g_.SetWhere("final norm");
-  T hn = TorchtuneRmsNorm(final_norms_.back(), x);
-  g_.Drop(x);
-  g_.SetWhere("output");
-  const Lin head{head_, head_bias_, h, vocab, T{}, T{}};
-  // The recipe's _loss_step: labels shifted (hstack with the ignore cache), the loss, del
-  // logits.
-  T labels = g_.New(tokens_, DT::kI64, false);
-  T loss;
-  if (s_.loss == Loss::kChunked) {
-    // TransformerDecoder.chunked_output: the output projection per chunk of the sequence;
-    // CEWithChunkedOutputLoss: each chunk's logits.float() into cross_entropy (sum).
-    const Wide chunks = static_cast<Wide>(s_.loss_chunks > 0 ? s_.loss_chunks : 8);
-    std::vector<T> logits;
-    for (Wide c = 0; c < chunks; ++c) {
-      T part = Slice(g_, hn, g_.Numel(hn) / chunks);
-      logits.push_back(Linear(g_, part, head.w, head.b, h, vocab));
-      g_.Drop(part);
-    }
-    g_.SetPhase(StepPhase::kLoss);  // the model's forward returns
-    g_.Drop(hn);
-    for (T lc : logits) {
-      T up = Cast(g_, lc, DT::kF32);
-      T l = CrossEntropy(g_, up, tokens_ / chunks, vocab);
-      g_.Drop(up);
-      if (!loss.ok()) {
-        loss = l;
-      } else {
-        T sum = Add(g_, loss, l);
-        g_.Drop(loss);
-        g_.Drop(l);
-        loss = sum;
-      }
-    }
-    for (T lc : logits) g_.Drop(lc);
-  } else {
-    // TransformerDecoder.unembed: self.output(h).float().
-    T lg = Linear(g_, hn, head.w, head.b, h, vocab);
-    g_.Drop(hn);
-    g_.SetPhase(StepPhase::kLoss);
-    T up = Cast(g_, lg, DT::kF32);
-    g_.Drop(lg);
-    loss = CrossEntropy(g_, up, tokens_, vocab);
-    g_.Drop(up);
-  }
-  g_.Drop(labels);
-  return loss;
-}
-
-// --- LitGPT ---------------------------------------------------------------------------------
-
-T ModelRun::LitGptRmsNorm(const Norm& n, T x) {
-  // litgpt/model.py RMSNorm.forward:
-  //   x = x.float(); norm_x = torch.mean(x * x, dim=-1, keepdim=True)
-  //   x_normed = x * torch.rsqrt(norm_x + eps); return (x_normed * weight.float()).to(dtype)
-  const DT in = g_.Dtype(x);
-  T xf = Cast(g_, x, DT::kF32);
-  T sq = Mul(g_, xf, xf);
-  T mean = MeanRows(g_, sq, n.width);
-  g_.Drop(sq);
-  T eps = Scale(g_, mean);
-  g_.Drop(mean);
-  T r = Apply(g_, Unary::kRsqrt, eps);
-  g_.Drop(eps);
-  T xn = Mul(g_, xf, r);
-  g_.Drop(xf);
-  g_.Drop(r);
-  T wf = Cast(g_, n.w, DT::kF32);
-  T y = Mul(g_, xn, wf);
-  g_.Drop(xn);
-  g_.Drop(wf);
-  T out = Cast(g_, y, in);
-  g_.Drop(y);
-  return out;
-}
-
-T ModelRun::LitGptLinear(const Lin& l, T x, bool qkv) {
-  T out = Linear(g_, x, l.w, l.b, l.in, l.out);
-  if (!l.lora_a.ok()) return out;
-  // LoRALinear / LoRAQKVLinear.forward (litgpt/lora.py): lora_dropout(x), lora_A, lora_B (a
-  // grouped conv1d for the fused query/key/value), zero_pad's index_copy_ into a zeroed
-  // full-width tensor when only some of q/k/v are adapted, * scaling, + pretrained.
-  const Wide r = static_cast<Wide>(s_.lora_rank);
-  const int parts = qkv ? (lora_q_ ? 1 : 0) + (lora_k_ ? 1 : 0) + (lora_v_ ? 1 : 0) : 1;
-  const Wide q = static_cast<Wide>(a_.heads * a_.head_dim);
-  const Wide kvw = static_cast<Wide>(a_.kv_heads * a_.head_dim);
-  const Wide enabled_out =
-      qkv ? (lora_q_ ? q : 0) + (lora_k_ ? kvw : 0) + (lora_v_ ? kvw : 0) : l.out;
-  T xd = Dropout(g_, x, s_.LoraDropout());
-  T ya = Linear(g_, xd, l.lora_a, T{}, l.in, r * static_cast<Wide>(parts));
-  g_.Drop(xd);
-  T yb = Linear(g_, ya, l.lora_b, T{}, r * static_cast<Wide>(parts), enabled_out);
-  g_.Drop(ya);
-  if (qkv && enabled_out != l.out) {
-    T padded = g_.New(g_.Numel(yb) / std::max<Wide>(enabled_out, 1) * l.out, g_.Dtype(yb), true);
-    g_.Record(Graph::Spec("IndexCopy", {yb}, {padded}));
-    g_.Drop(yb);
-    yb = padded;
-  }
-  T ys = Scale(g_, yb);
-  g_.Drop(yb);
-  T sum = Add(g_, out, ys);
-  g_.Drop(out);
-  g_.Drop(ys);
-  return sum;
-}
-
-T ModelRun::LitGptBlock(int layer, T x) {
-  // litgpt/model.py Block.forward and CausalSelfAttention.forward.
-  const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
-  const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
-  const Wide d = static_cast<Wide>(a_.head_dim);
-  auto norm = [&](const Norm& n, T t) {
-    return a_.norm_upcasts ? LitGptRmsNorm(n, t) : LayerNorm(g_, t, n.w, n.b, n.width);
-  };
-  T xn = norm(bp.norms[0], x);
-  T qkv = LitGptLinear(litgpt_qkv_[static_cast<size_t>(layer)], xn, true);
-  T q = Slice(g_, qkv, tokens_ * heads * d);
-  T k = Slice(g_, qkv, tokens_ * kv * d);
-  T v = Slice(g_, qkv, tokens_ * kv * d);
-  g_.Drop(qkv);
-  // apply_rope over q[..., :rope_n_elem] (roped.to(dtype=x.dtype)), then
-  // torch.cat((q_roped, q[..., rope_n_elem:])): a copy even when the whole head is roped.
-  auto rope = [&](T t) {
-    T r = ApplyRotary(t);
-    T rc = Cast(g_, r, g_.Dtype(t));
-    g_.Drop(r);
-    T full = Copy(g_, rc);
-    g_.Drop(rc);
-    return full;
-  };
-  T qr = rope(q);
-  g_.Drop(q);
-  T kr = rope(k);
-  g_.Drop(k);
-  // k.repeat_interleave(q_per_kv, dim=1), v too.
-  ExpandKvToQueryHeads(heads, kv, &kr, &v);
-  const AttentionShape as = CausalShapeAtQueryWidth(heads, d);
-  const SdpaBackend backend = CausalSdpaBackend(autocast_ ? adt_ : g_.Dtype(qr));
-  T qc = AutocastIn(g_, qr), kc = AutocastIn(g_, kr), vc = AutocastIn(g_, v);
-  g_.Drop(qr);
-  g_.Drop(kr);
-  g_.Drop(v);
-  T y = Sdpa(g_, backend, qc, kc, vc, as, T{});
-  g_.Drop(qc);
-  g_.Drop(kc);
-  g_.Drop(vc);
-  T att = LitGptLinear(bp.at(TensorRole::kAttentionOut), y, false);
-  g_.Drop(y);
-  auto mlp = [&](T hin) {
-    if (bp.has(TensorRole::kMlpGate)) {
-      // LLaMAMLP: proj(silu(fc_1(x)) * fc_2(x)).
-      T f1 = LitGptLinear(bp.at(TensorRole::kMlpGate), hin, false);
-      T f2 = LitGptLinear(bp.at(TensorRole::kMlpUp), hin, false);
-      T a = Apply(g_, Unary::kSilu, f1);
-      g_.Drop(f1);
-      T m = Mul(g_, a, f2);
-      g_.Drop(a);
-      g_.Drop(f2);
-      T o = LitGptLinear(bp.at(TensorRole::kMlpDown), m, false);
-      g_.Drop(m);
-      return o;
-    }
-    // GptNeoxMLP: proj(gelu(fc(x))).
-    T f = LitGptLinear(bp.at(TensorRole::kMlpUp), hin, false);
-    T a = Apply(g_, Unary::kGelu, f);
-    g_.Drop(f);
-    T o = LitGptLinear(bp.at(TensorRole::kMlpDown), a, false);
-    g_.Drop(a);
-    return o;
-  };
-  T out;
-  if (fam_.layout == Family::Layout::kParallelTwoNorms) {
-    // parallel_residual: mlp(norm_2(x)) + attention_output + x.
-    g_.Drop(xn);
-    T h2 = norm(bp.norms[1], x);
-    T m = mlp(h2);
-    g_.Drop(h2);
-    T s1 = Add(g_, m, att);
-    g_.Drop(m);
-    g_.Drop(att);
-    out = Add(g_, s1, x);
-    g_.Drop(s1);
-  } else {
-    g_.Drop(xn);
-    T x2 = Add(g_, att, x);
-    g_.Drop(att);
-    T h2 = norm(bp.norms[1], x2);
-    T m = mlp(h2);
-    g_.Drop(h2);
-    out = Add(g_, m, x2);
-    g_.Drop(m);
-    g_.Drop(x2);
-  }
-  return out;
-}
-
-Result<T> ModelRun::LitGptForward() {
-  if (!a_.causal || a_.encoder_decoder || a_.experts > 0 || a_.rotary_dims == 0) {
-    return Status::Unimplemented(inv_.name +
-                                 ": the step model runs LitGPT's dense rotary GPTs (Llama, "
-                                 "Mistral, Pythia-shaped) only");
-  }
-  MEMPLAN_RETURN_IF_ERROR(CheckFamily());
-  const Wide h = static_cast<Wide>(a_.hidden);
-  const Wide vocab = static_cast<Wide>(a_.vocab);
-  g_.SetWhere("embedding");
-  T x = Embedding(g_, embedding_, tokens_, h, pdt_);
-  // cos and sin: slices of the model's fp32 buffers (no memory of their own).
-  const Wide rd = static_cast<Wide>(a_.rotary_dims);
-  cos_ = g_.External(seq_ * rd, DT::kF32);
-  sin_ = g_.External(seq_ * rd, DT::kF32);
-  for (int64_t i = 0; i < a_.layers; ++i) {
-    g_.SetWhere("layer " + std::to_string(i));
-    T next = RunBlock(static_cast<int>(i), x);
-    g_.Drop(x);
-    x = next;
-  }
-  g_.SetWhere("final norm");
-  const Norm& ln_f = final_norms_.back();
-  T hn = a_.norm_upcasts ? LitGptRmsNorm(ln_f, x) : LayerNorm(g_, x, ln_f.w, ln_f.b, ln_f.width);
-  g_.Drop(x);
-  g_.SetWhere("lm_head");
-  T loss;
-  std::vector<T> fp32;
-  if (s_.loss == Loss::kChunked) {
-    // GPT.forward(lm_head_chunk_size=128): the head per 128 positions; Fabric's precision plugin
-    // converts each output to fp32 (convert_output); chunked_cross_entropy per chunk (the last
-    // one sliced by one position, a copy).
-    // loss_chunks counts chunks (TrainingSetup); LitGPT's own is 128 positions a chunk.
-    const Wide chunk = s_.loss_chunks > 0
-                           ? std::max<Wide>(1, (seq_ + static_cast<Wide>(s_.loss_chunks) - 1) /
-                                                   static_cast<Wide>(s_.loss_chunks))
-                           : 128;
-    const Wide chunks = (seq_ + chunk - 1) / chunk;
-    std::vector<T> bf;
-    for (Wide c = 0; c < chunks; ++c) {
-      const Wide rows = batch_ * std::min(chunk, seq_ - c * chunk);
-      T part = Slice(g_, hn, rows * h);
-      bf.push_back(Linear(g_, part, head_, head_bias_, h, vocab));
-      g_.Drop(part);
-    }
-    g_.Drop(hn);
-    g_.SetPhase(StepPhase::kLoss);
-    for (T b : bf) {
-      fp32.push_back(Cast(g_, b, DT::kF32));
-      g_.Drop(b);
-    }
-    for (size_t c = 0; c < fp32.size(); ++c) {
-      T in = c + 1 == fp32.size() ? Copy(g_, fp32[c]) : g_.Alias(fp32[c]);
-      T l = CrossEntropy(g_, in, g_.Numel(in) / vocab, vocab);
-      g_.Drop(in);
-      if (!loss.ok()) {
-        loss = l;
-      } else {
-        T sum = Add(g_, loss, l);
-        g_.Drop(loss);
-        g_.Drop(l);
-        loss = sum;
-      }
-    }
-  } else {
-    T lg = Linear(g_, hn, head_, head_bias_, h, vocab);
-    g_.Drop(hn);
-    g_.SetPhase(StepPhase::kLoss);
-    fp32.push_back(Cast(g_, lg, DT::kF32));
-    g_.Drop(lg);
-    // logits[..., :-1, :].reshape(-1, V): a copy, then cross_entropy.
-    T in = Copy(g_, fp32[0], batch_ * (seq_ - 1) * vocab);
-    loss = CrossEntropy(g_, in, batch_ * (seq_ - 1), vocab);
-    g_.Drop(in);
-  }
-  for (T f : fp32) g_.Drop(f);
-  g_.ClearAutocastCache();
   return loss;
 }
 

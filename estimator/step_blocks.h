@@ -6,6 +6,7 @@
 
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "estimator/inventory.h"
@@ -97,9 +98,29 @@ class ModelRun {
     bool falcon_alibi = false;
   };
 
+  // Prepare's stages, in the order it runs them (step_prepare.cc): refusals, dtypes, the
+  // inventory's parameters (tied ones aliased), LoRA adapters, the blocks' parameters by role,
+  // LitGPT's fused qkv, the Transformers family, then the optimizer groups and model states.
+  using AdapterMap = std::map<const TensorInfo*, std::pair<T, T>>;  // LoRA A and B per target
+  Status CheckRunnable() const;
+  void ChooseDtypes();
+  Status LayOutParameters();
+  Status MakeAdapters(AdapterMap* adapters, std::vector<Wide>* adapter_bytes);
+  void AssignBlockParameters(const AdapterMap& adapters);
+  void FuseLitGptQkv(std::vector<Wide>* adapter_bytes);  // recounts adapter_bytes
+  void ChooseFamily();
+  void CountOptimizerGroups(const std::vector<Wide>& adapter_bytes);
+  void CountModelStates(const std::vector<Wide>& adapter_bytes);
+
   // Transformers' decoder-only LMs (LlamaDecoderLayer and its relatives).
   T TransformersDecoderBlock(int layer, T x);
   T TransformersAttention(int layer, const BlockParams& bp, T h);
+  struct QkvViews {
+    T q, k, v;
+  };
+  QkvViews TransformersQkv(const BlockParams& bp, T h);
+  T TransformersSdpa(AttentionShape as, DT cdt, QkvViews* t);
+  T TransformersEagerAttention(const QkvViews& t);
   T TransformersMlp(const BlockParams& bp, T h);
   T BloomAttention(const BlockParams& bp, T h);
   T TransformersMoe(const BlockParams& bp, T h);

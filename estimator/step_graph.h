@@ -2,7 +2,8 @@
 // that are sizes and dtypes only, the caching allocator's live bytes per category and phase,
 // PyTorch's ops with what each saves for backward and allocates in it, autocast's casts, and
 // a backward that runs the recorded nodes in reverse. Internal to the estimator: step_model.cc
-// (the training loop, losses and optimizers) and step_blocks.cc (the frameworks' blocks) use it.
+// (the training loop, losses and optimizers) and step_blocks.h's ModelRun (the frameworks' blocks)
+// use it.
 //
 // Thread safety: one Graph per simulation; no shared state.
 #pragma once

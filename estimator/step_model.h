@@ -9,11 +9,11 @@
 // it has run). The memory at any moment is therefore the parameters, buffers and optimizer
 // states, plus what autograd has saved so far, plus the few tensors in flight. The step model
 // runs the framework's own forward of each block, op by op as the framework's Python calls them
-// (step_blocks.cc: each block reads like its forward, naming the file and function), with
-// PyTorch's rules for what each op saves (tools/autograd/derivatives.yaml), for what autocast
-// casts (the CUDA autocast policy, with its weight-cast cache), and for what each backward
-// kernel allocates; then the loss as the framework computes it, the backward in reverse order,
-// releasing each node's saved tensors after it runs, accumulating gradients as
+// (step_blocks.cc, step_frameworks.cc: each block reads like its forward, naming the file and
+// function), with PyTorch's rules for what each op saves (tools/autograd/derivatives.yaml), for
+// what autocast casts (the CUDA autocast policy, with its weight-cast cache), and for what each
+// backward kernel allocates; then the loss as the framework computes it, the backward in reverse
+// order, releasing each node's saved tensors after it runs, accumulating gradients as
 // AccumulateGrad does (a tied weight's first gradient waits in the engine's input buffer until
 // the second arrives), and the optimizer step as torch.optim implements it (foreach AdamW's
 // sqrt(v) per parameter group; the for-loop's two temporaries of a tensor; fused: none).

@@ -7,7 +7,7 @@
 // Shapes are element counts: a tensor of `tokens` rows of `width` is tokens * width elements;
 // what an op needs of the shape beyond that is an argument.
 //
-// Internal to the estimator; used by step_model.cc and step_blocks.cc.
+// Internal to the estimator; used by step_model.cc and ModelRun (step_blocks.h).
 #pragma once
 
 #include "estimator/step_graph.h"

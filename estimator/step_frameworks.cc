@@ -1,0 +1,438 @@
+// The torchtune and LitGPT blocks of the step model (Note [The step model] in step_model.h): each
+// reads like the framework's forward, naming its file and function; the Transformers blocks are
+// in step_blocks.cc, the parameters' layout in step_prepare.cc.
+#include <algorithm>
+#include <cstdint>
+
+#include "estimator/step_blocks.h"
+#include "estimator/step_ops.h"
+
+namespace memplan::estimator::step {
+
+// --- torchtune ------------------------------------------------------------------------------
+
+T ModelRun::TorchtuneRmsNorm(const Norm& n, T x) {
+  // torchtune/modules/rms_norm.py: F.rms_norm(x.float(), weight=self.scale).to(x.dtype); the
+  // fused kernel keeps its (fp32) input and an fp32 rstd per row.
+  const DT in = g_.Dtype(x);
+  T xf = Cast(g_, x, DT::kF32);
+  T y = FusedRmsNorm(g_, xf, n.w, n.width);
+  g_.Drop(xf);
+  T out = Cast(g_, y, in);
+  g_.Drop(y);
+  return out;
+}
+
+T ModelRun::TorchtuneRope(T x) {
+  // RotaryPositionalEmbeddings.forward (torchtune/modules/position_embeddings.py): x.float()
+  // reshaped in pairs, multiplied with the cache (a buffer), stacked, flattened, type_as(x).
+  // Only the cache is saved.
+  T xf = Cast(g_, x, DT::kF32);
+  T st = g_.New(g_.Numel(x), DT::kF32, g_.RequiresGrad(xf));
+  g_.Record(Graph::Spec("Rope", {xf}, {st}));
+  g_.Drop(xf);
+  T out = Cast(g_, st, g_.Dtype(x));
+  g_.Drop(st);
+  return out;
+}
+
+T ModelRun::TorchtuneLinear(const Lin& l, T x) {
+  T out;
+  if (quantized_base_ && !g_.RequiresGrad(l.w)) {
+    // LoRALinear with quantize_base / FrozenNF4Linear: torchao's LinearNF4 keeps the NF4
+    // weight only; the weight is dequantized to the input's dtype for the matmul (and again in
+    // backward).
+    T wd = g_.New(l.in * l.out, g_.Dtype(x), false);
+    out = g_.New(g_.Numel(x) / std::max<Wide>(l.in, 1) * l.out, g_.Dtype(x), g_.RequiresGrad(x));
+    Graph::NodeSpec spec = Graph::Spec("LinearNF4", {x}, {out});
+    spec.extra = {{l.in * l.out, g_.Dtype(x)}};
+    g_.Record(std::move(spec));
+    g_.Drop(wd);
+  } else {
+    out = Linear(g_, x, l.w, l.b, l.in, l.out);
+  }
+  if (!l.lora_a.ok()) return out;
+  // LoRALinear.forward: out + (alpha / rank) * lora_b(lora_a(dropout(x))), dropout 0.
+  const Wide r = static_cast<Wide>(s_.lora_rank);
+  T ya = Linear(g_, x, l.lora_a, T{}, l.in, r);
+  T yb = Linear(g_, ya, l.lora_b, T{}, r, l.out);
+  g_.Drop(ya);
+  T ys = Scale(g_, yb);
+  g_.Drop(yb);
+  T sum = Add(g_, out, ys);
+  g_.Drop(out);
+  g_.Drop(ys);
+  return sum;
+}
+
+// --- Shared by the torchtune and LitGPT blocks, which call SDPA at query width ----------------
+
+void ModelRun::ExpandKvToQueryHeads(Wide heads, Wide kv, T* k, T* v) {
+  // Grouped-query attention repeated in Python before SDPA (torchtune's expand + flatten, LitGPT's
+  // repeat_interleave): k and v copied at query width.
+  if (kv == heads) return;
+  for (T* t : {k, v}) {
+    T wide = Copy(g_, *t, g_.Numel(*t) * (heads / kv));
+    g_.Drop(*t);
+    *t = wide;
+  }
+}
+
+AttentionShape ModelRun::CausalShapeAtQueryWidth(Wide heads, Wide d) const {
+  AttentionShape as;
+  as.batch = batch_;
+  as.heads = as.kv_heads = heads;
+  as.seq = as.kv_seq = seq_;
+  as.head_dim = as.v_head_dim = d;
+  return as;
+}
+
+SdpaBackend ModelRun::CausalSdpaBackend(DT compute) const {
+  // What SDPA's dispatcher picks for a causal call without a mask: fp32 runs the
+  // memory-efficient kernel; half precision cuDNN on Hopper, flash from Ampere.
+  const int sm = s_.GpuSm();
+  return !Half(compute)         ? SdpaBackend::kEfficient
+         : sm >= 90 && sm < 110 ? SdpaBackend::kCudnn
+         : sm >= 80             ? SdpaBackend::kFlash
+                                : SdpaBackend::kEfficient;
+}
+
+T ModelRun::TorchtuneBlock(int layer, T x) {
+  // TransformerSelfAttentionLayer.forward: h = attn(sa_norm(x)) + x; h + mlp(mlp_norm(h)).
+  const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
+  const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
+  const Wide d = static_cast<Wide>(a_.head_dim);
+  T h = TorchtuneRmsNorm(bp.norms[0], x);
+  // MultiHeadAttention.forward (torchtune/modules/attention.py).
+  T q0 = TorchtuneLinear(bp.at(TensorRole::kAttentionQ), h);
+  T q = TorchtuneRope(q0);
+  g_.Drop(q0);
+  T k0 = TorchtuneLinear(bp.at(TensorRole::kAttentionK), h);
+  T v = TorchtuneLinear(bp.at(TensorRole::kAttentionV), h);
+  g_.Drop(h);
+  T k = TorchtuneRope(k0);
+  g_.Drop(k0);
+  // k.unsqueeze(2).expand(...).flatten(1, 2): copies at query width.
+  ExpandKvToQueryHeads(heads, kv, &k, &v);
+  const AttentionShape as = CausalShapeAtQueryWidth(heads, d);
+  T att = Sdpa(g_, CausalSdpaBackend(g_.Dtype(q)), q, k, v, as, T{});
+  g_.Drop(q);
+  g_.Drop(k);
+  g_.Drop(v);
+  T o = TorchtuneLinear(bp.at(TensorRole::kAttentionOut), att);
+  g_.Drop(att);
+  T x2 = Add(g_, o, x);
+  g_.Drop(o);
+  // FeedForward.forward: w2(silu(w1(x)) * w3(x)).
+  T h2 = TorchtuneRmsNorm(bp.norms[1], x2);
+  T g1 = TorchtuneLinear(bp.at(TensorRole::kMlpGate), h2);
+  T a = Apply(g_, Unary::kSilu, g1);
+  g_.Drop(g1);
+  T u = TorchtuneLinear(bp.at(TensorRole::kMlpUp), h2);
+  g_.Drop(h2);
+  T m = Mul(g_, a, u);
+  g_.Drop(a);
+  g_.Drop(u);
+  T down = TorchtuneLinear(bp.at(TensorRole::kMlpDown), m);
+  g_.Drop(m);
+  T out = Add(g_, x2, down);
+  g_.Drop(down);
+  g_.Drop(x2);
+  return out;
+}
+
+Result<T> ModelRun::TorchtuneForward() {
+  if (!a_.causal || a_.encoder_decoder || a_.experts > 0 || !a_.gated_mlp || a_.rotary_dims == 0) {
+    return Status::Unimplemented(inv_.name +
+                                 ": the step model runs torchtune's dense decoders (Llama, Qwen2, "
+                                 "Mistral-shaped) only");
+  }
+  MEMPLAN_RETURN_IF_ERROR(CheckFamily());
+  const Wide h = static_cast<Wide>(a_.hidden);
+  const Wide vocab = static_cast<Wide>(a_.vocab);
+  g_.SetWhere("embedding");
+  T x = Embedding(g_, embedding_, tokens_, h, pdt_);
+  for (int64_t i = 0; i < a_.layers; ++i) {
+    g_.SetWhere("layer " + std::to_string(i));
+    T next = RunBlock(static_cast<int>(i), x);
+    g_.Drop(x);
+    x = next;
+  }
+  g_.SetWhere("final norm");
+  T hn = TorchtuneRmsNorm(final_norms_.back(), x);
+  g_.Drop(x);
+  g_.SetWhere("output");
+  const Lin head{head_, head_bias_, h, vocab, T{}, T{}};
+  // The recipe's _loss_step: labels shifted (hstack with the ignore cache), the loss, del
+  // logits.
+  T labels = g_.New(tokens_, DT::kI64, false);
+  T loss;
+  if (s_.loss == Loss::kChunked) {
+    // TransformerDecoder.chunked_output: the output projection per chunk of the sequence;
+    // CEWithChunkedOutputLoss: each chunk's logits.float() into cross_entropy (sum).
+    const Wide chunks = static_cast<Wide>(s_.loss_chunks > 0 ? s_.loss_chunks : 8);
+    std::vector<T> logits;
+    for (Wide c = 0; c < chunks; ++c) {
+      T part = Slice(g_, hn, g_.Numel(hn) / chunks);
+      logits.push_back(Linear(g_, part, head.w, head.b, h, vocab));
+      g_.Drop(part);
+    }
+    g_.SetPhase(StepPhase::kLoss);  // the model's forward returns
+    g_.Drop(hn);
+    for (T lc : logits) {
+      T up = Cast(g_, lc, DT::kF32);
+      T l = CrossEntropy(g_, up, tokens_ / chunks, vocab);
+      g_.Drop(up);
+      if (!loss.ok()) {
+        loss = l;
+      } else {
+        T sum = Add(g_, loss, l);
+        g_.Drop(loss);
+        g_.Drop(l);
+        loss = sum;
+      }
+    }
+    for (T lc : logits) g_.Drop(lc);
+  } else {
+    // TransformerDecoder.unembed: self.output(h).float().
+    T lg = Linear(g_, hn, head.w, head.b, h, vocab);
+    g_.Drop(hn);
+    g_.SetPhase(StepPhase::kLoss);
+    T up = Cast(g_, lg, DT::kF32);
+    g_.Drop(lg);
+    loss = CrossEntropy(g_, up, tokens_, vocab);
+    g_.Drop(up);
+  }
+  g_.Drop(labels);
+  return loss;
+}
+
+// --- LitGPT ---------------------------------------------------------------------------------
+
+T ModelRun::LitGptRmsNorm(const Norm& n, T x) {
+  // litgpt/model.py RMSNorm.forward:
+  //   x = x.float(); norm_x = torch.mean(x * x, dim=-1, keepdim=True)
+  //   x_normed = x * torch.rsqrt(norm_x + eps); return (x_normed * weight.float()).to(dtype)
+  const DT in = g_.Dtype(x);
+  T xf = Cast(g_, x, DT::kF32);
+  T sq = Mul(g_, xf, xf);
+  T mean = MeanRows(g_, sq, n.width);
+  g_.Drop(sq);
+  T eps = Scale(g_, mean);
+  g_.Drop(mean);
+  T r = Apply(g_, Unary::kRsqrt, eps);
+  g_.Drop(eps);
+  T xn = Mul(g_, xf, r);
+  g_.Drop(xf);
+  g_.Drop(r);
+  T wf = Cast(g_, n.w, DT::kF32);
+  T y = Mul(g_, xn, wf);
+  g_.Drop(xn);
+  g_.Drop(wf);
+  T out = Cast(g_, y, in);
+  g_.Drop(y);
+  return out;
+}
+
+T ModelRun::LitGptLinear(const Lin& l, T x, bool qkv) {
+  T out = Linear(g_, x, l.w, l.b, l.in, l.out);
+  if (!l.lora_a.ok()) return out;
+  // LoRALinear / LoRAQKVLinear.forward (litgpt/lora.py): lora_dropout(x), lora_A, lora_B (a
+  // grouped conv1d for the fused query/key/value), zero_pad's index_copy_ into a zeroed
+  // full-width tensor when only some of q/k/v are adapted, * scaling, + pretrained.
+  const Wide r = static_cast<Wide>(s_.lora_rank);
+  const int parts = qkv ? (lora_q_ ? 1 : 0) + (lora_k_ ? 1 : 0) + (lora_v_ ? 1 : 0) : 1;
+  const Wide q = static_cast<Wide>(a_.heads * a_.head_dim);
+  const Wide kvw = static_cast<Wide>(a_.kv_heads * a_.head_dim);
+  const Wide enabled_out =
+      qkv ? (lora_q_ ? q : 0) + (lora_k_ ? kvw : 0) + (lora_v_ ? kvw : 0) : l.out;
+  T xd = Dropout(g_, x, s_.LoraDropout());
+  T ya = Linear(g_, xd, l.lora_a, T{}, l.in, r * static_cast<Wide>(parts));
+  g_.Drop(xd);
+  T yb = Linear(g_, ya, l.lora_b, T{}, r * static_cast<Wide>(parts), enabled_out);
+  g_.Drop(ya);
+  if (qkv && enabled_out != l.out) {
+    T padded = g_.New(g_.Numel(yb) / std::max<Wide>(enabled_out, 1) * l.out, g_.Dtype(yb), true);
+    g_.Record(Graph::Spec("IndexCopy", {yb}, {padded}));
+    g_.Drop(yb);
+    yb = padded;
+  }
+  T ys = Scale(g_, yb);
+  g_.Drop(yb);
+  T sum = Add(g_, out, ys);
+  g_.Drop(out);
+  g_.Drop(ys);
+  return sum;
+}
+
+T ModelRun::LitGptBlock(int layer, T x) {
+  // litgpt/model.py Block.forward and CausalSelfAttention.forward.
+  const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
+  const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
+  const Wide d = static_cast<Wide>(a_.head_dim);
+  auto norm = [&](const Norm& n, T t) {
+    return a_.norm_upcasts ? LitGptRmsNorm(n, t) : LayerNorm(g_, t, n.w, n.b, n.width);
+  };
+  T xn = norm(bp.norms[0], x);
+  T qkv = LitGptLinear(litgpt_qkv_[static_cast<size_t>(layer)], xn, true);
+  T q = Slice(g_, qkv, tokens_ * heads * d);
+  T k = Slice(g_, qkv, tokens_ * kv * d);
+  T v = Slice(g_, qkv, tokens_ * kv * d);
+  g_.Drop(qkv);
+  // apply_rope over q[..., :rope_n_elem] (roped.to(dtype=x.dtype)), then
+  // torch.cat((q_roped, q[..., rope_n_elem:])): a copy even when the whole head is roped.
+  auto rope = [&](T t) {
+    T r = ApplyRotary(t);
+    T rc = Cast(g_, r, g_.Dtype(t));
+    g_.Drop(r);
+    T full = Copy(g_, rc);
+    g_.Drop(rc);
+    return full;
+  };
+  T qr = rope(q);
+  g_.Drop(q);
+  T kr = rope(k);
+  g_.Drop(k);
+  // k.repeat_interleave(q_per_kv, dim=1), v too.
+  ExpandKvToQueryHeads(heads, kv, &kr, &v);
+  const AttentionShape as = CausalShapeAtQueryWidth(heads, d);
+  const SdpaBackend backend = CausalSdpaBackend(autocast_ ? adt_ : g_.Dtype(qr));
+  T qc = AutocastIn(g_, qr), kc = AutocastIn(g_, kr), vc = AutocastIn(g_, v);
+  g_.Drop(qr);
+  g_.Drop(kr);
+  g_.Drop(v);
+  T y = Sdpa(g_, backend, qc, kc, vc, as, T{});
+  g_.Drop(qc);
+  g_.Drop(kc);
+  g_.Drop(vc);
+  T att = LitGptLinear(bp.at(TensorRole::kAttentionOut), y, false);
+  g_.Drop(y);
+  auto mlp = [&](T hin) {
+    if (bp.has(TensorRole::kMlpGate)) {
+      // LLaMAMLP: proj(silu(fc_1(x)) * fc_2(x)).
+      T f1 = LitGptLinear(bp.at(TensorRole::kMlpGate), hin, false);
+      T f2 = LitGptLinear(bp.at(TensorRole::kMlpUp), hin, false);
+      T a = Apply(g_, Unary::kSilu, f1);
+      g_.Drop(f1);
+      T m = Mul(g_, a, f2);
+      g_.Drop(a);
+      g_.Drop(f2);
+      T o = LitGptLinear(bp.at(TensorRole::kMlpDown), m, false);
+      g_.Drop(m);
+      return o;
+    }
+    // GptNeoxMLP: proj(gelu(fc(x))).
+    T f = LitGptLinear(bp.at(TensorRole::kMlpUp), hin, false);
+    T a = Apply(g_, Unary::kGelu, f);
+    g_.Drop(f);
+    T o = LitGptLinear(bp.at(TensorRole::kMlpDown), a, false);
+    g_.Drop(a);
+    return o;
+  };
+  T out;
+  if (fam_.layout == Family::Layout::kParallelTwoNorms) {
+    // parallel_residual: mlp(norm_2(x)) + attention_output + x.
+    g_.Drop(xn);
+    T h2 = norm(bp.norms[1], x);
+    T m = mlp(h2);
+    g_.Drop(h2);
+    T s1 = Add(g_, m, att);
+    g_.Drop(m);
+    g_.Drop(att);
+    out = Add(g_, s1, x);
+    g_.Drop(s1);
+  } else {
+    g_.Drop(xn);
+    T x2 = Add(g_, att, x);
+    g_.Drop(att);
+    T h2 = norm(bp.norms[1], x2);
+    T m = mlp(h2);
+    g_.Drop(h2);
+    out = Add(g_, m, x2);
+    g_.Drop(m);
+    g_.Drop(x2);
+  }
+  return out;
+}
+
+Result<T> ModelRun::LitGptForward() {
+  if (!a_.causal || a_.encoder_decoder || a_.experts > 0 || a_.rotary_dims == 0) {
+    return Status::Unimplemented(inv_.name +
+                                 ": the step model runs LitGPT's dense rotary GPTs (Llama, "
+                                 "Mistral, Pythia-shaped) only");
+  }
+  MEMPLAN_RETURN_IF_ERROR(CheckFamily());
+  const Wide h = static_cast<Wide>(a_.hidden);
+  const Wide vocab = static_cast<Wide>(a_.vocab);
+  g_.SetWhere("embedding");
+  T x = Embedding(g_, embedding_, tokens_, h, pdt_);
+  // cos and sin: slices of the model's fp32 buffers (no memory of their own).
+  const Wide rd = static_cast<Wide>(a_.rotary_dims);
+  cos_ = g_.External(seq_ * rd, DT::kF32);
+  sin_ = g_.External(seq_ * rd, DT::kF32);
+  for (int64_t i = 0; i < a_.layers; ++i) {
+    g_.SetWhere("layer " + std::to_string(i));
+    T next = RunBlock(static_cast<int>(i), x);
+    g_.Drop(x);
+    x = next;
+  }
+  g_.SetWhere("final norm");
+  const Norm& ln_f = final_norms_.back();
+  T hn = a_.norm_upcasts ? LitGptRmsNorm(ln_f, x) : LayerNorm(g_, x, ln_f.w, ln_f.b, ln_f.width);
+  g_.Drop(x);
+  g_.SetWhere("lm_head");
+  T loss;
+  std::vector<T> fp32;
+  if (s_.loss == Loss::kChunked) {
+    // GPT.forward(lm_head_chunk_size=128): the head per 128 positions; Fabric's precision plugin
+    // converts each output to fp32 (convert_output); chunked_cross_entropy per chunk (the last
+    // one sliced by one position, a copy).
+    // loss_chunks counts chunks (TrainingSetup); LitGPT's own is 128 positions a chunk.
+    const Wide chunk = s_.loss_chunks > 0
+                           ? std::max<Wide>(1, (seq_ + static_cast<Wide>(s_.loss_chunks) - 1) /
+                                                   static_cast<Wide>(s_.loss_chunks))
+                           : 128;
+    const Wide chunks = (seq_ + chunk - 1) / chunk;
+    std::vector<T> bf;
+    for (Wide c = 0; c < chunks; ++c) {
+      const Wide rows = batch_ * std::min(chunk, seq_ - c * chunk);
+      T part = Slice(g_, hn, rows * h);
+      bf.push_back(Linear(g_, part, head_, head_bias_, h, vocab));
+      g_.Drop(part);
+    }
+    g_.Drop(hn);
+    g_.SetPhase(StepPhase::kLoss);
+    for (T b : bf) {
+      fp32.push_back(Cast(g_, b, DT::kF32));
+      g_.Drop(b);
+    }
+    for (size_t c = 0; c < fp32.size(); ++c) {
+      T in = c + 1 == fp32.size() ? Copy(g_, fp32[c]) : g_.Alias(fp32[c]);
+      T l = CrossEntropy(g_, in, g_.Numel(in) / vocab, vocab);
+      g_.Drop(in);
+      if (!loss.ok()) {
+        loss = l;
+      } else {
+        T sum = Add(g_, loss, l);
+        g_.Drop(loss);
+        g_.Drop(l);
+        loss = sum;
+      }
+    }
+  } else {
+    T lg = Linear(g_, hn, head_, head_bias_, h, vocab);
+    g_.Drop(hn);
+    g_.SetPhase(StepPhase::kLoss);
+    fp32.push_back(Cast(g_, lg, DT::kF32));
+    g_.Drop(lg);
+    // logits[..., :-1, :].reshape(-1, V): a copy, then cross_entropy.
+    T in = Copy(g_, fp32[0], batch_ * (seq_ - 1) * vocab);
+    loss = CrossEntropy(g_, in, batch_ * (seq_ - 1), vocab);
+    g_.Drop(in);
+  }
+  for (T f : fp32) g_.Drop(f);
+  g_.ClearAutocastCache();
+  return loss;
+}
+
+}  // namespace memplan::estimator::step
