@@ -100,19 +100,14 @@ Status Device(const DsReader& r, const char* key, OffloadDevice* out) {
   return Status::Ok();
 }
 
-}  // namespace
+// Whether the caller gave a setup field itself (its value then wins over the config's).
+struct Supplied {
+  const std::set<std::string>& fields;
+  bool operator()(const char* field) const { return fields.count(field) > 0; }
+};
 
-Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& source,
-                            const std::set<std::string>& supplied, int64_t hidden,
-                            TrainingSetup* setup) {
-  if (!config.is_object()) {
-    return Status::InvalidArgument(source + ": expected a JSON object (a DeepSpeed config)");
-  }
-  TrainingSetup s = *setup;
-  auto given = [&](const char* field) { return supplied.count(field) > 0; };
-  DsReader top(config, source, "");
-
-  // Batch.
+Status ReadBatch(const DsReader& top, const Supplied& given, TrainingSetup* setup) {
+  TrainingSetup& s = *setup;
   if (top.IsAuto("train_micro_batch_size_per_gpu")) {
     if (!given("micro_batch"))
       return top.AutoError("train_micro_batch_size_per_gpu", "`micro_batch`");
@@ -125,8 +120,13 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
   } else if (!given("grad_accum")) {
     MEMPLAN_RETURN_IF_ERROR(top.Int("gradient_accumulation_steps", 1, kMaxCount, &s.grad_accum));
   }
+  return Status::Ok();
+}
 
-  // Precision: fp16.enabled / bf16.enabled (older configs: "bfloat16").
+// fp16.enabled / bf16.enabled (older configs: "bfloat16").
+Status ReadPrecision(const DsReader& top, const std::string& source, const Supplied& given,
+                     TrainingSetup* setup) {
+  TrainingSetup& s = *setup;
   MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json fp16, top.Object("fp16"));
   MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json bf16, top.Object(top.Has("bf16") ? "bf16" : "bfloat16"));
   DsReader fp16_r(fp16, source, "fp16.");
@@ -151,8 +151,12 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
       s.precision = Precision::kFp32;
     }
   }
+  return Status::Ok();
+}
 
-  // Optimizer.
+Status ReadOptimizer(const DsReader& top, const std::string& source, const Supplied& given,
+                     TrainingSetup* setup) {
+  TrainingSetup& s = *setup;
   MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json opt, top.Object("optimizer"));
   DsReader opt_r(opt, source, "optimizer.");
   if (opt_r.Has("type") && !given("optimizer")) {
@@ -180,8 +184,13 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
     MEMPLAN_RETURN_IF_ERROR(params_r.Bool("torch_adam", &torch_adam));
     if (!given("fused_optimizer")) s.fused_optimizer = !torch_adam;
   }
+  return Status::Ok();
+}
 
-  // ZeRO.
+// zero_optimization, its offload_optimizer and offload_param; `hidden` resolves "auto" sizes.
+Status ReadZero(const DsReader& top, const std::string& source, const Supplied& given,
+                int64_t hidden, TrainingSetup* setup) {
+  TrainingSetup& s = *setup;
   MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json zero, top.Object("zero_optimization"));
   DsReader z(zero, source, "zero_optimization.");
   int64_t stage = s.zero_stage;
@@ -240,7 +249,12 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
   MEMPLAN_RETURN_IF_ERROR(op.Int("buffer_count", 1, 1024, &s.param_buffer_count));
   MEMPLAN_RETURN_IF_ERROR(op.Int("buffer_size", 0, kMaxBufferElements, &s.param_buffer_size));
   MEMPLAN_RETURN_IF_ERROR(op.Int("max_in_cpu", 0, kMaxBufferElements, &s.param_max_in_cpu));
+  return Status::Ok();
+}
 
+Status ReadCheckpointingAndAio(const DsReader& top, const std::string& source,
+                               const Supplied& given, TrainingSetup* setup) {
+  TrainingSetup& s = *setup;
   // Activation checkpointing: DeepSpeed's block configures deepspeed.checkpointing, which
   // checkpoints whole layers; its presence says the job checkpoints.
   if (top.Has("activation_checkpointing") && !given("checkpointing")) {
@@ -254,7 +268,11 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
   MEMPLAN_RETURN_IF_ERROR(aio_r.Int("block_size", 1, kMaxBufferElements, &s.aio_block_size));
   MEMPLAN_RETURN_IF_ERROR(aio_r.Int("queue_depth", 1, 1 << 16, &s.aio_queue_depth));
   MEMPLAN_RETURN_IF_ERROR(aio_r.Int("intra_op_parallelism", 1, 64, &s.aio_intra_op_parallelism));
+  return Status::Ok();
+}
 
+Status ReadTrainBatchSize(const DsReader& top, const Supplied& given, TrainingSetup* setup) {
+  TrainingSetup& s = *setup;
   // train_batch_size = micro * accumulation * data-parallel world: DeepSpeed derives the micro
   // batch from it when train_micro_batch_size_per_gpu is absent, and checks it when both are set.
   if (top.Has("train_batch_size") && !top.IsAuto("train_batch_size") &&
@@ -281,6 +299,27 @@ Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& sou
                                                " data-parallel GPUs = " + want);
     }
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ApplyDeepSpeedConfig(const nlohmann::json& config, const std::string& source,
+                            const std::set<std::string>& supplied, int64_t hidden,
+                            TrainingSetup* setup) {
+  if (!config.is_object()) {
+    return Status::InvalidArgument(source + ": expected a JSON object (a DeepSpeed config)");
+  }
+  TrainingSetup s = *setup;
+  const Supplied given{supplied};
+  DsReader top(config, source, "");
+
+  MEMPLAN_RETURN_IF_ERROR(ReadBatch(top, given, &s));
+  MEMPLAN_RETURN_IF_ERROR(ReadPrecision(top, source, given, &s));
+  MEMPLAN_RETURN_IF_ERROR(ReadOptimizer(top, source, given, &s));
+  MEMPLAN_RETURN_IF_ERROR(ReadZero(top, source, given, hidden, &s));
+  MEMPLAN_RETURN_IF_ERROR(ReadCheckpointingAndAio(top, source, given, &s));
+  MEMPLAN_RETURN_IF_ERROR(ReadTrainBatchSize(top, given, &s));
   MEMPLAN_RETURN_IF_ERROR(s.Validate().WithPrefix(source));
   *setup = s;
   return Status::Ok();

@@ -539,6 +539,50 @@ nlohmann::json ToJson(const Estimate& e) {
   return j;
 }
 
+namespace {
+
+// The step model's run (or why it did not run), as ToJson writes it under "step_model".
+Status StepModelFromJson(const nlohmann::json& sm, MemoryEstimate* mem) {
+  const JsonFieldReader step(sm, kWhere, "step_model.");
+  if (sm.is_object() && sm.contains("error")) {
+    MEMPLAN_RETURN_IF_ERROR(step.Required("error", &mem->step_error));
+    MEMPLAN_RETURN_IF_ERROR(step.Get("unmodelled", &mem->step_unmodelled));
+  } else {
+    StepModel run;
+    std::string peak_phase;
+    MEMPLAN_RETURN_IF_ERROR(step.RequireAll(F::Field("peak_phase", &peak_phase),
+                                            F::Field("peak_bytes", &run.peak_bytes)));
+    bool known = false;
+    for (int p = 0; p < kStepPhases; ++p) {
+      const auto phase = static_cast<StepPhase>(p);
+      if (StepPhaseName(phase) == peak_phase) {
+        run.peak_phase = phase;
+        known = true;
+      }
+      const std::string name(StepPhaseName(phase));
+      const nlohmann::json& one = Member(Member(sm, "phases"), name.c_str());
+      const JsonFieldReader fr(one, kWhere, "step_model.phases." + name + ".");
+      StepPhasePeak& out = run.phases[static_cast<size_t>(p)];
+      MEMPLAN_RETURN_IF_ERROR(
+          fr.RequireAll(F::Field("peak_bytes", &out.bytes), F::Field("where", &out.where)));
+      const nlohmann::json& cats = Member(one, "categories");
+      const JsonFieldReader cr(cats, kWhere, "step_model.phases." + name + ".categories.");
+      for (int k = 0; k < kStepCategories; ++k) {
+        const std::string cat(StepCategoryName(static_cast<StepCategory>(k)));
+        MEMPLAN_RETURN_IF_ERROR(cr.Required(cat.c_str(), &out.categories[static_cast<size_t>(k)]));
+      }
+    }
+    if (!known) {
+      return Status::InvalidArgument(std::string(kWhere) + ": step_model.peak_phase: unknown " +
+                                     "phase \"" + peak_phase + "\"");
+    }
+    mem->step = std::move(run);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
   Estimate e;
   if (!json.is_object()) return Status::InvalidArgument("estimate JSON: expected an object");
@@ -638,44 +682,7 @@ Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
   MEMPLAN_RETURN_IF_ERROR(ReadList(json, "", "constants", read_constants));
   MEMPLAN_RETURN_IF_ERROR(top.Required("notes", &mem.notes));
   if (json.contains("step_model")) {
-    // The step model's run (or why it did not run), as ToJson writes it.
-    const nlohmann::json& sm = json["step_model"];
-    const JsonFieldReader step(sm, kWhere, "step_model.");
-    if (sm.is_object() && sm.contains("error")) {
-      MEMPLAN_RETURN_IF_ERROR(step.Required("error", &mem.step_error));
-      MEMPLAN_RETURN_IF_ERROR(step.Get("unmodelled", &mem.step_unmodelled));
-    } else {
-      StepModel run;
-      std::string peak_phase;
-      MEMPLAN_RETURN_IF_ERROR(step.RequireAll(F::Field("peak_phase", &peak_phase),
-                                              F::Field("peak_bytes", &run.peak_bytes)));
-      bool known = false;
-      for (int p = 0; p < kStepPhases; ++p) {
-        const auto phase = static_cast<StepPhase>(p);
-        if (StepPhaseName(phase) == peak_phase) {
-          run.peak_phase = phase;
-          known = true;
-        }
-        const std::string name(StepPhaseName(phase));
-        const nlohmann::json& one = Member(Member(sm, "phases"), name.c_str());
-        const JsonFieldReader fr(one, kWhere, "step_model.phases." + name + ".");
-        StepPhasePeak& out = run.phases[static_cast<size_t>(p)];
-        MEMPLAN_RETURN_IF_ERROR(
-            fr.RequireAll(F::Field("peak_bytes", &out.bytes), F::Field("where", &out.where)));
-        const nlohmann::json& cats = Member(one, "categories");
-        const JsonFieldReader cr(cats, kWhere, "step_model.phases." + name + ".categories.");
-        for (int k = 0; k < kStepCategories; ++k) {
-          const std::string cat(StepCategoryName(static_cast<StepCategory>(k)));
-          MEMPLAN_RETURN_IF_ERROR(
-              cr.Required(cat.c_str(), &out.categories[static_cast<size_t>(k)]));
-        }
-      }
-      if (!known) {
-        return Status::InvalidArgument(std::string(kWhere) + ": step_model.peak_phase: unknown " +
-                                       "phase \"" + peak_phase + "\"");
-      }
-      mem.step = std::move(run);
-    }
+    MEMPLAN_RETURN_IF_ERROR(StepModelFromJson(json["step_model"], &mem));
   }
   auto read_comparison = [&](const JsonFieldReader& f) -> Status {
     ComparisonRow r;

@@ -462,6 +462,123 @@ std::string ClassName(std::string_view prefix, std::string_view suffix) {
 
 }  // namespace
 
+namespace {
+
+// The multi-token-prediction modules a DeepSeek-V3 checkpoint carries beyond the built layers:
+// one more MoE decoder layer with its own embedding, two norms, a 2h -> h projection and a head.
+Result<uint64_t> MtpParams(const FamilySpec& spec, const Values& v, const LayerContext& ctx,
+                           DType dtype) {
+  if (!spec.mtp || v.Get(Dim::kMtpLayers) <= 0) return uint64_t{0};
+  ModelInventory scratch;
+  Sink mtp(&scratch, dtype);
+  Values layer = v;
+  layer.Set(Flag::kMoeLayer, spec.moe != MoePlacement::kNone);
+  layer.Set(Flag::kDenseLayer, spec.moe == MoePlacement::kNone);
+  EmitParts(spec.layer, "mtp.", layer, ctx, &mtp);
+  MEMPLAN_RETURN_IF_ERROR(mtp.status());
+  const uint64_t h = static_cast<uint64_t>(v.Get(Dim::kHidden));
+  uint64_t per = 2 * static_cast<uint64_t>(v.Get(Dim::kVocab)) * h + 3 * h + 2 * h * h;
+  for (const TensorInfo& t : scratch.tensors) per += t.numel;
+  return per * static_cast<uint64_t>(v.Get(Dim::kMtpLayers));
+}
+
+// The architecture facts of the built model (ArchitectureInfo), from the family's spec and the
+// config's values: what the activations, the step model and the planner read.
+Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigReader& config,
+                                        const Values& v, const std::vector<bool>& sliding,
+                                        int64_t moe_layers, uint64_t mtp_params) {
+  const int64_t layers = v.Get(Dim::kLayers);
+  ArchitectureInfo arch;
+  arch.hidden = v.Get(Dim::kHidden);
+  arch.layers = layers;
+  arch.heads = v.Get(Dim::kHeads);
+  arch.kv_heads = v.Get(Dim::kKvHeads);
+  arch.head_dim = v.Get(Dim::kHeadDim);
+  arch.vocab = v.Get(Dim::kVocab);
+  arch.max_positions = v.Get(Dim::kPositions);
+  arch.learned_positions = spec.learned_positions || v.Is(Flag::kLearnedPositions);
+  arch.gated_mlp = spec.gated_mlp || v.Is(Flag::kGatedMlp);
+  arch.intermediate = v.Get(Dim::kIntermediate);
+  if (spec.moe != MoePlacement::kNone && moe_layers > 0) {
+    arch.experts = v.Get(Dim::kExperts);
+    arch.experts_per_token = v.Get(Dim::kTopK);
+    arch.moe_layers = moe_layers;
+    if (v.Get(Dim::kMoeIntermediate) > 0) {
+      arch.intermediate = v.Get(Dim::kMoeIntermediate);
+      if (moe_layers < layers) arch.dense_intermediate = v.Get(Dim::kIntermediate);
+    }
+    arch.shared_intermediate = Width(W::kSharedFfn, v);
+  }
+  if (spec.mla) {
+    arch.q_lora_rank = v.Get(Dim::kQLoraRank);
+    arch.kv_lora_rank = v.Get(Dim::kKvLoraRank);
+    arch.qk_nope_head_dim = v.Get(Dim::kQkNopeHeadDim);
+    arch.qk_rope_head_dim = v.Get(Dim::kQkRopeHeadDim);
+    arch.v_head_dim = v.Get(Dim::kVHeadDim);
+    arch.head_dim = arch.qk_nope_head_dim + arch.qk_rope_head_dim;
+    arch.kv_heads = arch.heads;
+  }
+  if (std::find(sliding.begin(), sliding.end(), true) != sliding.end() &&
+      v.Get(Dim::kSlidingWindow) > 0) {
+    arch.sliding_window = v.Get(Dim::kSlidingWindow);
+    arch.sliding_layers = sliding;
+  }
+  arch.attention_sinks = spec.attention_sinks;
+  arch.causal = true;  // every family of this builder is a decoder-only model
+  if (v.Is(Flag::kNewDecoderArch)) arch.cached_kv_heads = arch.heads;
+  arch.parallel_attention = spec.parallel_attention || v.Is(Flag::kParallelAttn);
+  arch.mtp_layers = spec.mtp ? v.Get(Dim::kMtpLayers) : 0;
+  arch.mtp_params = mtp_params;
+  bool any_norm = false;
+  arch.norm_upcasts = !spec.layer_norm && RmsNorms(spec.layer, v, &any_norm) && any_norm;
+  MEMPLAN_ASSIGN_OR_RETURN(arch.use_cache, config.BoolOr("use_cache", spec.use_cache_default));
+  arch.alibi = spec.alibi || v.Is(Flag::kAlibi);
+  if (spec.softcapping) {
+    // null means no capping (Gemma-3's default), an absent field the class's default.
+    auto cap = [&](const char* field, double fallback) -> Result<double> {
+      if (config.json().contains(field) && config.json()[field].is_null()) return 0.0;
+      MEMPLAN_ASSIGN_OR_RETURN(double c, config.NumberOr(field, fallback));
+      if (!(c >= 0) || c > 1e9) return config.FieldError(field, "must be a positive number");
+      return c;
+    };
+    MEMPLAN_ASSIGN_OR_RETURN(arch.attn_softcap,
+                             cap("attn_logit_softcapping", spec.attn_softcap_default));
+    MEMPLAN_ASSIGN_OR_RETURN(arch.final_softcap,
+                             cap("final_logit_softcapping", spec.final_softcap_default));
+  }
+  if (spec.rotary && !arch.alibi) {
+    arch.rotary_dims = v.Get(Dim::kRotaryDim) > 0 ? v.Get(Dim::kRotaryDim) : 2 * RotaryHalf(v);
+    if (spec.mla) arch.rotary_dims = v.Get(Dim::kQkRopeHeadDim);
+  }
+  arch.no_split_class = spec.no_split_class.empty() ? ClassName(spec.class_prefix, "DecoderLayer")
+                                                    : std::string(spec.no_split_class);
+  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act,
+                           config.StringOr(spec.act_field, std::string(spec.act_default)));
+  if (!spec.act_alias.empty() && config.Has(spec.act_alias)) {
+    MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act, config.StringOr(spec.act_alias, ""));
+  }
+  if (v.attention_dropout >= 0) {
+    arch.attention_dropout = v.attention_dropout;
+  } else if (!spec.attention_dropout_field.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(
+        arch.attention_dropout,
+        config.ProbabilityOr(spec.attention_dropout_field, spec.attention_dropout_default));
+  }
+  if (!spec.hidden_dropout_field.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(
+        arch.hidden_dropout,
+        config.ProbabilityOr(spec.hidden_dropout_field, spec.hidden_dropout_default));
+  }
+  if (!spec.embedding_dropout_field.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(
+        arch.embedding_dropout,
+        config.ProbabilityOr(spec.embedding_dropout_field, spec.embedding_dropout_default));
+  }
+  return arch;
+}
+
+}  // namespace
+
 Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventory* out) {
   const ConfigReader& config = request.config;
   // The class: base, causal LM, or one of the task heads.
@@ -570,110 +687,9 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
   }
   MEMPLAN_RETURN_IF_ERROR(sink.status());
 
-  // The multi-token-prediction modules a DeepSeek-V3 checkpoint carries beyond the built layers:
-  // one more MoE decoder layer with its own embedding, two norms, a 2h -> h projection and a head.
-  uint64_t mtp_params = 0;
-  if (spec.mtp && v.Get(Dim::kMtpLayers) > 0) {
-    ModelInventory scratch;
-    Sink mtp(&scratch, dtype);
-    Values layer = v;
-    layer.Set(Flag::kMoeLayer, spec.moe != MoePlacement::kNone);
-    layer.Set(Flag::kDenseLayer, spec.moe == MoePlacement::kNone);
-    EmitParts(spec.layer, "mtp.", layer, ctx, &mtp);
-    MEMPLAN_RETURN_IF_ERROR(mtp.status());
-    const uint64_t h = static_cast<uint64_t>(v.Get(Dim::kHidden));
-    uint64_t per = 2 * static_cast<uint64_t>(v.Get(Dim::kVocab)) * h + 3 * h + 2 * h * h;
-    for (const TensorInfo& t : scratch.tensors) per += t.numel;
-    mtp_params = per * static_cast<uint64_t>(v.Get(Dim::kMtpLayers));
-  }
-
-  ArchitectureInfo arch;
-  arch.hidden = v.Get(Dim::kHidden);
-  arch.layers = layers;
-  arch.heads = v.Get(Dim::kHeads);
-  arch.kv_heads = v.Get(Dim::kKvHeads);
-  arch.head_dim = v.Get(Dim::kHeadDim);
-  arch.vocab = v.Get(Dim::kVocab);
-  arch.max_positions = v.Get(Dim::kPositions);
-  arch.learned_positions = spec.learned_positions || v.Is(Flag::kLearnedPositions);
-  arch.gated_mlp = spec.gated_mlp || v.Is(Flag::kGatedMlp);
-  arch.intermediate = v.Get(Dim::kIntermediate);
-  if (spec.moe != MoePlacement::kNone && moe_layers > 0) {
-    arch.experts = v.Get(Dim::kExperts);
-    arch.experts_per_token = v.Get(Dim::kTopK);
-    arch.moe_layers = moe_layers;
-    if (v.Get(Dim::kMoeIntermediate) > 0) {
-      arch.intermediate = v.Get(Dim::kMoeIntermediate);
-      if (moe_layers < layers) arch.dense_intermediate = v.Get(Dim::kIntermediate);
-    }
-    arch.shared_intermediate = Width(W::kSharedFfn, v);
-  }
-  if (spec.mla) {
-    arch.q_lora_rank = v.Get(Dim::kQLoraRank);
-    arch.kv_lora_rank = v.Get(Dim::kKvLoraRank);
-    arch.qk_nope_head_dim = v.Get(Dim::kQkNopeHeadDim);
-    arch.qk_rope_head_dim = v.Get(Dim::kQkRopeHeadDim);
-    arch.v_head_dim = v.Get(Dim::kVHeadDim);
-    arch.head_dim = arch.qk_nope_head_dim + arch.qk_rope_head_dim;
-    arch.kv_heads = arch.heads;
-  }
-  if (std::find(sliding.begin(), sliding.end(), true) != sliding.end() &&
-      v.Get(Dim::kSlidingWindow) > 0) {
-    arch.sliding_window = v.Get(Dim::kSlidingWindow);
-    arch.sliding_layers = sliding;
-  }
-  arch.attention_sinks = spec.attention_sinks;
-  arch.causal = true;  // every family of this builder is a decoder-only model
-  if (v.Is(Flag::kNewDecoderArch)) arch.cached_kv_heads = arch.heads;
-  arch.parallel_attention = spec.parallel_attention || v.Is(Flag::kParallelAttn);
-  arch.mtp_layers = spec.mtp ? v.Get(Dim::kMtpLayers) : 0;
-  arch.mtp_params = mtp_params;
-  bool any_norm = false;
-  arch.norm_upcasts = !spec.layer_norm && RmsNorms(spec.layer, v, &any_norm) && any_norm;
-  MEMPLAN_ASSIGN_OR_RETURN(arch.use_cache, config.BoolOr("use_cache", spec.use_cache_default));
-  arch.alibi = spec.alibi || v.Is(Flag::kAlibi);
-  if (spec.softcapping) {
-    // null means no capping (Gemma-3's default), an absent field the class's default.
-    auto cap = [&](const char* field, double fallback) -> Result<double> {
-      if (config.json().contains(field) && config.json()[field].is_null()) return 0.0;
-      MEMPLAN_ASSIGN_OR_RETURN(double c, config.NumberOr(field, fallback));
-      if (!(c >= 0) || c > 1e9) return config.FieldError(field, "must be a positive number");
-      return c;
-    };
-    MEMPLAN_ASSIGN_OR_RETURN(arch.attn_softcap,
-                             cap("attn_logit_softcapping", spec.attn_softcap_default));
-    MEMPLAN_ASSIGN_OR_RETURN(arch.final_softcap,
-                             cap("final_logit_softcapping", spec.final_softcap_default));
-  }
-  if (spec.rotary && !arch.alibi) {
-    arch.rotary_dims = v.Get(Dim::kRotaryDim) > 0 ? v.Get(Dim::kRotaryDim) : 2 * RotaryHalf(v);
-    if (spec.mla) arch.rotary_dims = v.Get(Dim::kQkRopeHeadDim);
-  }
-  arch.no_split_class = spec.no_split_class.empty() ? ClassName(spec.class_prefix, "DecoderLayer")
-                                                    : std::string(spec.no_split_class);
-  MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act,
-                           config.StringOr(spec.act_field, std::string(spec.act_default)));
-  if (!spec.act_alias.empty() && config.Has(spec.act_alias)) {
-    MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act, config.StringOr(spec.act_alias, ""));
-  }
-  if (v.attention_dropout >= 0) {
-    arch.attention_dropout = v.attention_dropout;
-  } else if (!spec.attention_dropout_field.empty()) {
-    MEMPLAN_ASSIGN_OR_RETURN(
-        arch.attention_dropout,
-        config.ProbabilityOr(spec.attention_dropout_field, spec.attention_dropout_default));
-  }
-  if (!spec.hidden_dropout_field.empty()) {
-    MEMPLAN_ASSIGN_OR_RETURN(
-        arch.hidden_dropout,
-        config.ProbabilityOr(spec.hidden_dropout_field, spec.hidden_dropout_default));
-  }
-  if (!spec.embedding_dropout_field.empty()) {
-    MEMPLAN_ASSIGN_OR_RETURN(
-        arch.embedding_dropout,
-        config.ProbabilityOr(spec.embedding_dropout_field, spec.embedding_dropout_default));
-  }
-  out->arch = arch;
+  MEMPLAN_ASSIGN_OR_RETURN(const uint64_t mtp_params, MtpParams(spec, v, ctx, dtype));
+  MEMPLAN_ASSIGN_OR_RETURN(out->arch,
+                           ArchitectureOf(spec, config, v, sliding, moe_layers, mtp_params));
   return Status::Ok();
 }
 
