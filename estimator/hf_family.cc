@@ -611,8 +611,8 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
   }
   MEMPLAN_ASSIGN_OR_RETURN(Values v, ReadValues(spec, request));
   MEMPLAN_ASSIGN_OR_RETURN(DType dtype, ConfigDType(config));
-  MEMPLAN_ASSIGN_OR_RETURN(std::set<int64_t> mlp_only, MlpOnlyLayers(config));
-  MEMPLAN_ASSIGN_OR_RETURN(std::vector<bool> sliding, SlidingLayers(spec, config, v));
+  // The limits first: nothing per layer or per expert is built (not even a flag per layer) for a
+  // config that asks for billions of them.
   const int64_t layers = v.Get(Dim::kLayers);
   if (v.Get(Dim::kExperts) > kMaxTensors / 8) {
     return config.FieldError(v.Field(Dim::kExperts),
@@ -628,6 +628,8 @@ Status Build(const FamilySpec& spec, const FamilyRequest& request, ModelInventor
             " tensors each would exceed memplan's limit of " + std::to_string(kMaxTensors) +
             " tensors per model (no published model comes close)");
   }
+  MEMPLAN_ASSIGN_OR_RETURN(std::set<int64_t> mlp_only, MlpOnlyLayers(config));
+  MEMPLAN_ASSIGN_OR_RETURN(std::vector<bool> sliding, SlidingLayers(spec, config, v));
 
   std::string prefix = request.within;
   if (base) {
