@@ -106,6 +106,32 @@ def estimate(model=None, *, config=None, shapes=None, name=None, gpus=1, nodes=1
     return _json.loads(_native.estimate_json(_json.dumps(request)))
 
 
+# The training-setup keys (the JSON "setup" object) that plan and capacity take as keywords; the
+# keys the plan search chooses (zero_stage, micro_batch, offload_*, checkpointing) stay at the top
+# level, where they restrict the search.
+_SETUP_KEYWORDS = frozenset((
+    "precision", "optimizer", "seq_len", "lora_rank", "lora_targets", "qlora", "lora_dropout",
+    "double_quant", "flash_attention", "foreach", "fused_optimizer", "sgd_momentum",
+    "sequence_parallel", "autocast", "gradient_as_bucket_view", "framework", "loss",
+    "loss_chunks", "checkpoint_every", "torch_compile", "gpu_arch", "torch_version",
+    "cuda_context_bytes"))
+
+
+def _nest_setup(request):
+    """The request with its setup keywords moved into "setup" (refusing one given twice)."""
+    moved = {k: v for k, v in request.items() if k in _SETUP_KEYWORDS}
+    if not moved:
+        return request
+    rest = {k: v for k, v in request.items() if k not in _SETUP_KEYWORDS}
+    setup = dict(rest.get("setup") or {})
+    for key, value in moved.items():
+        if key in setup:
+            raise ValueError(f"memplan: {key!r} is given both as a keyword and in setup")
+        setup[key] = value
+    rest["setup"] = setup
+    return rest
+
+
 def plan(model=None, *, config=None, **request):
     """The fastest plan that fits: ``memplan plan --format json`` as a dict.
 
@@ -116,9 +142,10 @@ def plan(model=None, *, config=None, **request):
     defaults] in planner/plan_request.h), the what-if keys zero_stage, offload_optimizer,
     offload_param, checkpointing, micro_batch, sharding, and top, and emit=["deepspeed",
     "accelerate", "fsdp", "schedule", "trainer"] to get the configurations of plans[plan_index]
-    under "emitted". The setup keys given at the top level (precision=..., seq_len=...) are
-    still read for one release; the answer's "deprecations" then says what to write instead.
+    under "emitted". Setup keywords may also be given as keywords (precision="fp32",
+    seq_len=4096, as ``estimate`` takes them): they go into ``setup``.
     """
+    request = _nest_setup(request)
     if model is not None:
         request["model"] = model
     if config is not None:
@@ -135,8 +162,9 @@ def capacity(model=None, *, config=None, **request):
     {"a100-80": 1.8, "h100-80": 2.9}, tokens="1T" (required), max_days, cluster={...} (a
     capacity cluster document), the node keys cpu_mem, cpu_cores, pcie_gen, inter_node_bw,
     memlock, nvme_path, nvme_capacity, global_batch (or global_batch_tokens), setup={...} (as
-    plan's), gpu_margin, allow_nvme and threads.
+    plan's; setup keywords such as seq_len=4096 go into it), gpu_margin, allow_nvme and threads.
     """
+    request = _nest_setup(request)
     if model is not None:
         request["model"] = model
     if config is not None:
