@@ -326,8 +326,9 @@ Result<nlohmann::json> Capacity(const nlohmann::json& request) {
     return Status::InvalidArgument(
         "request: give \"gpu\" (GPU types) or \"cluster\" (with a 'gpus' list)");
   }
-  int64_t gpus_per_node = 0;
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("gpus_per_node", &gpus_per_node));
+  int64_t gpus_per_node = 0;  // 0: each offer's own (8, or the cluster document's)
+  MEMPLAN_RETURN_IF_ERROR(
+      Fields(request).Integer("gpus_per_node", &gpus_per_node, int64_t{1}, int64_t{1024}));
   MEMPLAN_ASSIGN_OR_RETURN(std::vector<std::string> prices, Prices(request));
   MEMPLAN_ASSIGN_OR_RETURN(capacity.offers,
                            planner::ChooseOffers(std::move(listed), names, gpus_per_node, prices));
@@ -346,11 +347,14 @@ Result<nlohmann::json> Capacity(const nlohmann::json& request) {
   MEMPLAN_ASSIGN_OR_RETURN(
       capacity.tokens,
       planner::ParseTokenCount(CountText(request.at("tokens")), "request: \"tokens\""));
-  double max_days = 0;
+  double max_days = 0;  // as --max-days: none, or in [0.001, 1e7]
   MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("max_days", &max_days));
+  if (request.contains("max_days") && !(max_days >= 0.001 && max_days <= 1e7)) {
+    return Status::InvalidArgument("request: \"max_days\" must be in [0.001, 1e7] days");
+  }
   capacity.max_train_hours = max_days * 24;
-  int64_t threads = 0;
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("threads", &threads));
+  int64_t threads = 0;  // as --threads: 0 (the cores, at most 8) or 1-256
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("threads", &threads, int64_t{0}, int64_t{256}));
   capacity.threads = static_cast<int>(threads);
   plan.node.ApplyTo(&capacity.node);
   MEMPLAN_ASSIGN_OR_RETURN(estimator::ModelInventory inventory,

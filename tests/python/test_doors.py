@@ -164,5 +164,20 @@ class DoorsTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "chosen by the plan search"):
             memplan.plan(**base, setup={"zero_stage": 3})
 
+    def test_capacity_errors_name_the_request_keys(self):
+        base = {"model": "llama-2-7b", "gpu": "a100-80", "gpus": 8, "global_batch": 64}
+        for bad, key in (({}, "tokens"), ({"tokens": "lots"}, "tokens"),
+                         ({"tokens": "1T", "threads": 10 ** 12}, "threads"),
+                         ({"tokens": "1T", "price": "cheap"}, "price"),
+                         ({"tokens": "1T", "gpu": 7}, "gpu"),
+                         ({"tokens": "1T", "colour": 1}, "colour"),
+                         ({"tokens": "1T", "max_days": -1}, "max_days"),
+                         ({"tokens": "1T", "gpus_per_node": 0}, "gpus_per_node"),
+                         ({"tokens": "1T", "memlock": "lots"}, "memlock"),
+                         ({"tokens": "1T", "setup": {"zero_stage": 3}}, "zero_stage"),
+                         ({"tokens": "1T", "global_batch_tokens": 4096}, "global_batch")):
+            with self.subTest(key=key), self.assertRaisesRegex(ValueError, key):
+                memplan.capacity(**{**base, **bad})
+
 if __name__ == "__main__":
     unittest.main()
