@@ -123,10 +123,12 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
   if (f.tokens_text.empty()) {
     return fail(Status::InvalidArgument("--tokens is required: the training budget (1T, 300B)"));
   }
-  if ((f.global_batch > 0) == !f.global_batch_tokens.empty()) {
-    return fail(
-        Status::InvalidArgument("give exactly one of --global-batch (samples) and "
-                                "--global-batch-tokens"));
+  {
+    // Which of the two was given (the tokens are parsed below): planner::CheckBatch's rule.
+    planner::PlanRequest given;
+    given.global_batch = f.global_batch;
+    given.global_batch_tokens = f.global_batch_tokens.empty() ? 0 : 1;
+    if (Status s = planner::CheckBatch(given); !s.ok()) return fail(s);
   }
   planner::CapacityRequest request;
   auto offers = BuildOffers(f, &request.node);
