@@ -359,6 +359,17 @@ MEMPLAN_C_EXPORT memplan_status memplan_plan_json(const char* request_json, char
   });
 }
 
+MEMPLAN_C_EXPORT memplan_status memplan_capacity_json(const char* request_json,
+                                                      char** answer_json) {
+  return Guard(__func__, [&]() -> Status {
+    if (answer_json == nullptr) return NullArgument("answer_json");
+    *answer_json = nullptr;
+    if (request_json == nullptr) return NullArgument("request_json");
+    return JsonRequest(request_json, "capacity request", memplan::integration::Capacity,
+                       answer_json);
+  });
+}
+
 // ---- Offload engine -----------------------------------------------------------------------------
 
 MEMPLAN_C_EXPORT memplan_status memplan_engine_open(const char* schedule_json,

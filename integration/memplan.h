@@ -67,6 +67,9 @@ memplan_status memplan_estimate_path(const char* model, int64_t gpus_per_node, i
                                      char** answer_json);
 /* `request_json`: a plan request; *answer_json: `memplan plan --format json`'s document. */
 memplan_status memplan_plan_json(const char* request_json, char** answer_json);
+/* `request_json`: a capacity request (integration/requests.h); *answer_json: the document
+ * `memplan capacity --format json` prints. */
+memplan_status memplan_capacity_json(const char* request_json, char** answer_json);
 
 /* ---- Offload engine ---------------------------------------------------------------------------
  */

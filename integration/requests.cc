@@ -12,9 +12,11 @@
 #include "estimator/model_source.h"
 #include "estimator/shape_list.h"
 #include "estimator/training_setup.h"
+#include "planner/capacity.h"
 #include "planner/cluster.h"
 #include "planner/emit.h"
 #include "planner/job.h"
+#include "planner/plan_request.h"
 #include "planner/search.h"
 
 namespace memplan::integration {
@@ -121,231 +123,49 @@ Result<nlohmann::json> Estimate(const nlohmann::json& request) {
   return estimator::ToJson(e);
 }
 
-Result<nlohmann::json> Plan(const nlohmann::json& request) {
-  MEMPLAN_RETURN_IF_ERROR(CheckKeys(request,
-                                    {"model",
-                                     "config",
-                                     "name",
-                                     "model_class",
-                                     "cluster",
-                                     "gpu",
-                                     "gpus",
-                                     "nodes",
-                                     "cpu_mem",
-                                     "cpu_cores",
-                                     "pcie_gen",
-                                     "memlock",
-                                     "nvme_path",
-                                     "nvme_capacity",
-                                     "global_batch",
-                                     "global_batch_tokens",
-                                     "seq_len",
-                                     "precision",
-                                     "optimizer",
-                                     "lora_rank",
-                                     "lora_targets",
-                                     "qlora",
-                                     "flash_attention",
-                                     "foreach",
-                                     "fused_optimizer",
-                                     "sgd_momentum",
-                                     "sequence_parallel",
-                                     "autocast",
-                                     "gradient_as_bucket_view",
-                                     "cuda_context_mib",
-                                     "gpu_margin",
-                                     "allow_nvme",
-                                     "top",
-                                     "emit",
-                                     "plan_index",
-                                     "for_hf_trainer",
-                                     "lr",
-                                     "accelerate_plugin",
-                                     "inter_node_bw",
-                                     "zero_stage",
-                                     "offload_optimizer",
-                                     "offload_param",
-                                     "checkpointing",
-                                     "micro_batch",
-                                     "sharding",
-                                     "default_buffers"},
-                                    "plan"));
-  std::string label;
-  MEMPLAN_ASSIGN_OR_RETURN(estimator::ModelInventory inventory,
-                           RequestModel(request, /*allow_shapes=*/false, &label));
-  if (!inventory.arch) {
-    return Status::InvalidArgument(label +
-                                   ": planning needs the architecture (a config.json or "
-                                   "built-in model)");
-  }
+namespace {
 
-  // The cluster: "cluster" first, then the preset keys over it.
-  planner::Cluster cluster;
-  bool have_gpu = false;
-  if (request.contains("cluster")) {
-    MEMPLAN_ASSIGN_OR_RETURN(cluster,
-                             planner::ClusterFromJson(request.at("cluster"), "request.cluster"));
-    have_gpu = true;
-  }
-  std::string gpu;
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("gpu", &gpu));
-  if (!gpu.empty()) {
-    MEMPLAN_ASSIGN_OR_RETURN(cluster.gpu, planner::FindGpuPreset(gpu));
-    have_gpu = true;
-  }
-  if (!have_gpu) return Status::InvalidArgument("request: give \"gpu\" (a preset) or \"cluster\"");
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("gpus", &cluster.gpus_per_node));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("nodes", &cluster.nodes));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).ByteSize("cpu_mem", &cluster.cpu_memory_bytes));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("cpu_cores", &cluster.cpu_cores));
-  int64_t pcie_gen = cluster.pcie_gen;
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("pcie_gen", &pcie_gen));
-  cluster.pcie_gen = static_cast<int>(pcie_gen);
-  if (request.contains("memlock") && request.at("memlock") == "unlimited") {
-    cluster.memlock_bytes = 0;
-  } else {
-    MEMPLAN_RETURN_IF_ERROR(Fields(request).ByteSize("memlock", &cluster.memlock_bytes));
-  }
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Name("nvme_path", &cluster.nvme_path));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).ByteSize("nvme_capacity", &cluster.nvme_capacity_bytes));
-  double inter_node_gbps = 0;
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("inter_node_bw", &inter_node_gbps));
-  if (request.contains("inter_node_bw")) {
-    if (!(inter_node_gbps > 0 && inter_node_gbps <= 1e6)) {
-      return Status::InvalidArgument("request: \"inter_node_bw\" must be in (0, 1e6] GB/s");
-    }
-    cluster.inter_node_bytes_per_s = inter_node_gbps * 1e9;
-  }
-  MEMPLAN_RETURN_IF_ERROR(cluster.Validate());
-
-  // The job.
-  planner::Job job;
-  job.model = label;
-  estimator::TrainingSetup& s = job.setup;
-  std::string precision = cluster.gpu.bf16_flops > 0 ? "bf16-mixed" : "fp16-mixed";
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("precision", &precision));
-  MEMPLAN_ASSIGN_OR_RETURN(s.precision, estimator::ParsePrecision(precision));
-  std::string optimizer = "adamw";
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("optimizer", &optimizer));
-  MEMPLAN_ASSIGN_OR_RETURN(s.optimizer, estimator::ParseOptimizer(optimizer));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("lora_rank", &s.lora_rank));
-  if (request.contains("lora_targets")) {
-    const json& t = request.at("lora_targets");
-    if (!t.is_array()) return Status::InvalidArgument("request: \"lora_targets\" must be a list");
-    for (const json& name : t) {
-      if (!name.is_string()) {
-        return Status::InvalidArgument("request: \"lora_targets\" must hold strings");
-      }
-      s.lora_targets.push_back(name.get<std::string>());
-    }
-  }
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("qlora", &s.qlora));
-  // The same defaults as `memplan estimate` and `check` (TrainingSetup's own).
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("flash_attention", &s.flash_attention));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("foreach", &s.foreach));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("fused_optimizer", &s.fused_optimizer));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("sgd_momentum", &s.sgd_momentum));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("sequence_parallel", &s.sequence_parallel));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("autocast", &s.autocast));
-  MEMPLAN_RETURN_IF_ERROR(
-      Fields(request).Bool("gradient_as_bucket_view", &s.gradient_as_bucket_view));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("seq_len", &s.seq_len));
-  double cuda_context_mib = 1343;
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("cuda_context_mib", &cuda_context_mib));
-  if (!(cuda_context_mib >= 0 && cuda_context_mib <= 1048576)) {
-    return Status::InvalidArgument("request: \"cuda_context_mib\" must be in [0, 1048576]");
-  }
-  s.cuda_context_bytes = static_cast<int64_t>(cuda_context_mib * 1048576.0);
-  int64_t samples = 0, tokens = 0;
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("global_batch", &samples));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("global_batch_tokens", &tokens));
-  if ((samples > 0) == (tokens > 0)) {
-    return Status::InvalidArgument(
-        "request: give exactly one of \"global_batch\" (samples) and \"global_batch_tokens\", "
-        "positive");
-  }
-  if (tokens > 0) {
-    MEMPLAN_ASSIGN_OR_RETURN(job.global_batch,
-                             planner::SamplesFromTokens(tokens, s.SeqLenFor(&*inventory.arch)));
-  } else {
-    job.global_batch = samples;
-  }
-
-  // As `memplan plan`: 8-bit AdamW is a candidate unless the optimizer was chosen; the "what if"
-  // keys restrict the search.
-  planner::SearchOptions options;
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("gpu_margin", &options.gpu_safety_fraction));
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("allow_nvme", &options.allow_nvme));
-  options.consider_8bit = !request.contains("optimizer");
-  int64_t zero_stage = -1, micro_batch = 0;
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("zero_stage", &zero_stage));
-  if (zero_stage < -1 || zero_stage > 3) {
-    return Status::InvalidArgument("request: \"zero_stage\" must be 0-3");
-  }
-  options.only_stage = static_cast<int>(zero_stage);
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("micro_batch", &micro_batch));
-  if (micro_batch < 0) return Status::InvalidArgument("request: \"micro_batch\" must be >= 1");
-  options.only_micro_batch = micro_batch;
-  std::string text;
-  if (request.contains("offload_optimizer")) {
-    MEMPLAN_RETURN_IF_ERROR(Fields(request).String("offload_optimizer", &text));
-    MEMPLAN_ASSIGN_OR_RETURN(options.only_offload_optimizer, estimator::ParseOffloadDevice(text));
-  }
-  if (request.contains("offload_param")) {
-    MEMPLAN_RETURN_IF_ERROR(Fields(request).String("offload_param", &text));
-    MEMPLAN_ASSIGN_OR_RETURN(options.only_offload_param, estimator::ParseOffloadDevice(text));
-  }
-  if (request.contains("checkpointing")) {
-    MEMPLAN_RETURN_IF_ERROR(Fields(request).String("checkpointing", &text));
-    MEMPLAN_ASSIGN_OR_RETURN(options.only_checkpointing, estimator::ParseCheckpointing(text));
-  }
-  if (request.contains("sharding")) {
-    MEMPLAN_RETURN_IF_ERROR(Fields(request).String("sharding", &text));
-    if (text != "full" && text != "hybrid") {
-      return Status::InvalidArgument("request: \"sharding\" must be \"full\" or \"hybrid\"");
-    }
-    options.only_sharding =
-        text == "hybrid" ? planner::Sharding::kHybrid : planner::Sharding::kFull;
-  }
-  bool default_buffers = false;
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("default_buffers", &default_buffers));
-  options.tune_buffers = !default_buffers;
-  MEMPLAN_ASSIGN_OR_RETURN(planner::PlanResult result,
-                           planner::SearchPlans(inventory, cluster, job, options));
-
+// What a plan request asks of the answer: how many plans, and which configurations of which plan.
+struct PlanOutput {
   int64_t top = 5, index = 0;
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("top", &top));
-  if (top < 1) return Status::InvalidArgument("request: \"top\" must be at least 1");
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("plan_index", &index));
   bool for_hf_trainer = false;
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("for_hf_trainer", &for_hf_trainer));
-  json answer =
-      planner::PlanReportJson(result, cluster, job, inventory, static_cast<size_t>(top),
-                              index >= 0 ? static_cast<size_t>(index) : SIZE_MAX, for_hf_trainer);
+  planner::EmitOptions emit;
+  const json* kinds = nullptr;  // "emit", when given
+};
 
-  // Emitted configurations for one plan.
-  if (!request.contains("emit")) return answer;
-  const json& emit = request.at("emit");
-  if (!emit.is_array()) {
-    return Status::InvalidArgument(
-        "request: \"emit\" must be a list of \"deepspeed\", \"accelerate\", \"fsdp\", "
-        "\"schedule\", \"trainer\"");
+Result<PlanOutput> ReadPlanOutput(const json& request) {
+  PlanOutput out;
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("top", &out.top));
+  if (out.top < 1) return Status::InvalidArgument("request: \"top\" must be at least 1");
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("plan_index", &out.index));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Bool("for_hf_trainer", &out.for_hf_trainer));
+  out.emit.for_hf_trainer = out.for_hf_trainer;
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("lr", &out.emit.learning_rate));
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).String("accelerate_plugin", &out.emit.accelerate_plugin));
+  if (request.contains("emit")) {
+    out.kinds = &request.at("emit");
+    if (!out.kinds->is_array()) {
+      return Status::InvalidArgument(
+          "request: \"emit\" must be a list of \"deepspeed\", \"accelerate\", \"fsdp\", "
+          "\"schedule\", \"trainer\"");
+    }
   }
+  return out;
+}
+
+// The configurations "emit" names for plans[index], under "emitted" (and "not_emitted": why an
+// emitter that does not apply wrote nothing, as the CLI says), added to `*answer`.
+Status EmitConfigs(const PlanOutput& out, const planner::PlanResult& result,
+                   const planner::Cluster& cluster, const estimator::ModelInventory& inventory,
+                   json* answer) {
   if (result.plans.empty()) {
     return Status::InvalidArgument("no plan fits, so there is nothing to emit");
   }
-  if (index < 0 || static_cast<size_t>(index) >= result.plans.size()) {
-    return Status::InvalidArgument("request: \"plan_index\" " + std::to_string(index) + ": only " +
-                                   std::to_string(result.plans.size()) + " plans fit");
+  if (out.index < 0 || static_cast<size_t>(out.index) >= result.plans.size()) {
+    return Status::InvalidArgument("request: \"plan_index\" " + std::to_string(out.index) +
+                                   ": only " + std::to_string(result.plans.size()) + " plans fit");
   }
-  const planner::Plan& plan = result.plans[static_cast<size_t>(index)];
-  planner::EmitOptions emit_options;
-  emit_options.for_hf_trainer = for_hf_trainer;
-  MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("lr", &emit_options.learning_rate));
-  MEMPLAN_RETURN_IF_ERROR(
-      Fields(request).String("accelerate_plugin", &emit_options.accelerate_plugin));
-  // Each emitter that applies writes its document; one that does not (FSDP for an NVMe plan, a
-  // Schedule for a plan that offloads nothing) says why under "not_emitted", as the CLI does.
+  const planner::Plan& plan = result.plans[static_cast<size_t>(out.index)];
   json emitted = json::object(), not_emitted = json::object();
   auto keep = [&](const std::string& kind, Result<json> document) {
     if (document.ok()) {
@@ -358,12 +178,12 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
     if (!j.ok()) return j.status();
     return json::parse(j->dump());
   };
-  for (const json& what : emit) {
+  for (const json& what : *out.kinds) {
     const std::string kind = what.is_string() ? what.get<std::string>() : what.dump();
     if (kind == "deepspeed") {
-      keep(kind, plain(planner::DeepSpeedConfig(plan, cluster, inventory, emit_options)));
+      keep(kind, plain(planner::DeepSpeedConfig(plan, cluster, inventory, out.emit)));
     } else if (kind == "accelerate") {
-      auto yaml = planner::AccelerateConfig(plan, cluster, inventory, emit_options);
+      auto yaml = planner::AccelerateConfig(plan, cluster, inventory, out.emit);
       keep(kind, yaml.ok() ? Result<json>(json(*yaml)) : Result<json>(yaml.status()));
     } else if (kind == "fsdp") {
       keep(kind, plain(planner::FsdpConfig(plan, cluster, inventory)));
@@ -371,21 +191,185 @@ Result<nlohmann::json> Plan(const nlohmann::json& request) {
       // With the engine model's prediction for it (planner/engine_model.h), as the CLI's JSON.
       auto schedule = planner::EngineScheduleFor(plan, cluster, inventory);
       if (schedule.ok()) {
-        answer["schedule_prediction"] = json::parse(planner::ToJson(schedule->prediction).dump());
+        (*answer)["schedule_prediction"] =
+            json::parse(planner::ToJson(schedule->prediction).dump());
         keep(kind, plain(std::move(schedule->json)));
       } else {
         keep(kind, schedule.status());
       }
     } else if (kind == "trainer") {
-      keep(kind, plain(planner::TrainerArguments(plan, cluster, inventory, emit_options)));
+      keep(kind, plain(planner::TrainerArguments(plan, cluster, inventory, out.emit)));
     } else {
       return Status::InvalidArgument("request: \"emit\": unknown kind " + kind +
                                      " (deepspeed, accelerate, fsdp, schedule, trainer)");
     }
   }
-  if (!not_emitted.empty()) answer["not_emitted"] = not_emitted;
-  answer["emitted"] = emitted;
-  answer["emitted_plan_index"] = index;
+  if (!not_emitted.empty()) (*answer)["not_emitted"] = not_emitted;
+  (*answer)["emitted"] = emitted;
+  (*answer)["emitted_plan_index"] = out.index;
+  return Status::Ok();
+}
+
+}  // namespace
+
+// Parse (planner::PlanRequestFromJson), resolve (planner::Resolve: every default, Note [Plan
+// defaults]), search, emit.
+Result<nlohmann::json> Plan(const nlohmann::json& request) {
+  std::vector<std::string> deprecations;
+  MEMPLAN_ASSIGN_OR_RETURN(
+      planner::PlanRequest plan_request,
+      planner::PlanRequestFromJson(request,
+                                   {"model", "config", "name", "model_class", "top", "emit",
+                                    "plan_index", "for_hf_trainer", "lr", "accelerate_plugin"},
+                                   &deprecations));
+  MEMPLAN_ASSIGN_OR_RETURN(estimator::ModelInventory inventory,
+                           RequestModel(request, /*allow_shapes=*/false, &plan_request.model));
+  if (!inventory.arch) {
+    return Status::InvalidArgument(plan_request.model +
+                                   ": planning needs the architecture (a config.json or "
+                                   "built-in model)");
+  }
+  if (!plan_request.HasGpu()) {
+    return Status::InvalidArgument("request: give \"gpu\" (a preset) or \"cluster\"");
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(PlanOutput out, ReadPlanOutput(request));
+  MEMPLAN_ASSIGN_OR_RETURN(planner::ResolvedPlan resolved,
+                           planner::Resolve(plan_request, *inventory.arch));
+  MEMPLAN_ASSIGN_OR_RETURN(
+      planner::PlanResult result,
+      planner::SearchPlans(inventory, resolved.cluster, resolved.job, resolved.options));
+  for (std::string& note : resolved.notes) result.assumptions.push_back(std::move(note));
+  json answer = planner::PlanReportJson(
+      result, resolved.cluster, resolved.job, inventory, static_cast<size_t>(out.top),
+      out.index >= 0 ? static_cast<size_t>(out.index) : SIZE_MAX, out.for_hf_trainer);
+  if (!deprecations.empty()) answer["deprecations"] = deprecations;
+  if (out.kinds == nullptr) return answer;
+  MEMPLAN_RETURN_IF_ERROR(EmitConfigs(out, result, resolved.cluster, inventory, &answer));
+  return answer;
+}
+
+namespace {
+
+// "gpu": a list of GPU type names, or one comma-separated string as the CLI's --gpu.
+Result<std::vector<std::string>> GpuNames(const json& request) {
+  std::vector<std::string> names;
+  if (!request.contains("gpu")) return names;
+  const json& gpu = request.at("gpu");
+  if (gpu.is_string()) {
+    const std::string text = gpu.get<std::string>();
+    size_t start = 0;
+    while (start <= text.size()) {
+      size_t comma = text.find(',', start);
+      if (comma == std::string::npos) comma = text.size();
+      names.push_back(text.substr(start, comma - start));
+      start = comma + 1;
+    }
+    return names;
+  }
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Strings("gpu", &names));
+  return names;
+}
+
+// "price": one number (every type), or {"a100-80": 1.8, ...}; as --price's "TYPE=PRICE" texts.
+Result<std::vector<std::string>> Prices(const json& request) {
+  std::vector<std::string> prices;
+  if (!request.contains("price")) return prices;
+  const json& price = request.at("price");
+  auto text = [](const json& v) -> Result<std::string> {
+    if (!v.is_number()) {
+      return Status::InvalidArgument(
+          "request: \"price\" must be a number per GPU-hour or an "
+          "object of them by GPU type, got " +
+          std::string(v.type_name()));
+    }
+    return v.dump();
+  };
+  if (price.is_object()) {
+    for (const auto& [type, value] : price.items()) {
+      MEMPLAN_ASSIGN_OR_RETURN(std::string p, text(value));
+      prices.push_back(type + "=" + p);
+    }
+  } else {
+    MEMPLAN_ASSIGN_OR_RETURN(std::string p, text(price));
+    prices.push_back(p);
+  }
+  return prices;
+}
+
+// A count ("1T", "300B", "4M") or a number, as the CLI's text.
+std::string CountText(const json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+
+}  // namespace
+
+// As `memplan capacity --format json`: parse (the node, job and setup keys through planner's plan
+// request reader), resolve the job once (each GPU type's precision in PlanCapacity), search.
+Result<nlohmann::json> Capacity(const nlohmann::json& request) {
+  std::vector<std::string> deprecations;
+  MEMPLAN_ASSIGN_OR_RETURN(planner::PlanRequest plan,
+                           planner::CapacityJobFromJson(
+                               request,
+                               {"model", "config", "name", "model_class", "gpu", "cluster", "gpus",
+                                "gpus_per_node", "price", "tokens", "max_days", "threads"},
+                               &deprecations));
+  if (!request.contains("tokens")) {
+    return Status::InvalidArgument("request: \"tokens\" is required: the training budget");
+  }
+  MEMPLAN_RETURN_IF_ERROR(planner::CheckBatch(plan));
+  planner::CapacityRequest capacity;
+  std::vector<planner::GpuOffer> listed;
+  if (request.contains("cluster")) {
+    MEMPLAN_ASSIGN_OR_RETURN(
+        listed, planner::OffersFromJson(request.at("cluster"), "request.cluster", &capacity.node));
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(std::vector<std::string> names, GpuNames(request));
+  if (names.empty() && listed.empty()) {
+    return Status::InvalidArgument(
+        "request: give \"gpu\" (GPU types) or \"cluster\" (with a 'gpus' list)");
+  }
+  int64_t gpus_per_node = 0;  // 0: each offer's own (8, or the cluster document's)
+  MEMPLAN_RETURN_IF_ERROR(
+      Fields(request).Integer("gpus_per_node", &gpus_per_node, int64_t{1}, int64_t{1024}));
+  MEMPLAN_ASSIGN_OR_RETURN(std::vector<std::string> prices, Prices(request));
+  MEMPLAN_ASSIGN_OR_RETURN(capacity.offers,
+                           planner::ChooseOffers(std::move(listed), names, gpus_per_node, prices));
+  std::string counts = "1-64";  // as --gpus: "8-512", "8,16,64", or a list of counts
+  if (request.contains("gpus")) {
+    const json& g = request.at("gpus");
+    if (g.is_array()) {
+      counts.clear();
+      for (const json& c : g) counts += (counts.empty() ? "" : ",") + CountText(c);
+    } else {
+      counts = CountText(g);
+    }
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(capacity.gpu_counts,
+                           planner::ParseGpuCounts(counts, "request: \"gpus\""));
+  MEMPLAN_ASSIGN_OR_RETURN(
+      capacity.tokens,
+      planner::ParseTokenCount(CountText(request.at("tokens")), "request: \"tokens\""));
+  double max_days = 0;  // as --max-days: none, or in [0.001, 1e7]
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Number("max_days", &max_days));
+  if (request.contains("max_days") && !(max_days >= 0.001 && max_days <= 1e7)) {
+    return Status::InvalidArgument("request: \"max_days\" must be in [0.001, 1e7] days");
+  }
+  capacity.max_train_hours = max_days * 24;
+  int64_t threads = 0;  // as --threads: 0 (the cores, at most 8) or 1-256
+  MEMPLAN_RETURN_IF_ERROR(Fields(request).Integer("threads", &threads, int64_t{0}, int64_t{256}));
+  capacity.threads = static_cast<int>(threads);
+  plan.node.ApplyTo(&capacity.node);
+  MEMPLAN_ASSIGN_OR_RETURN(estimator::ModelInventory inventory,
+                           RequestModel(request, /*allow_shapes=*/false, &plan.model));
+  if (!inventory.arch) {
+    return Status::InvalidArgument(plan.model + ": capacity planning needs the architecture");
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(planner::Job job,
+                           planner::ResolveJob(plan, /*gpu=*/nullptr, *inventory.arch));
+  capacity.fp16_fallback = !plan.precision.has_value();
+  capacity.search = planner::ResolveSearch(plan);
+  MEMPLAN_ASSIGN_OR_RETURN(planner::CapacityResult result,
+                           planner::PlanCapacity(inventory, job, capacity));
+  json answer = planner::ToJson(result, capacity, job);
+  if (!deprecations.empty()) answer["deprecations"] = deprecations;
   return answer;
 }
 

@@ -10,8 +10,10 @@
 #include <thread>
 
 #include "common/byte_size.h"
+#include "common/printable.h"
 #include "estimator/estimate.h"
 #include "estimator/training_setup.h"
+#include "planner/plan_request.h"
 
 namespace memplan::planner {
 namespace {
@@ -183,6 +185,108 @@ Result<double> ParseTokenCount(const std::string& text, const std::string& flag)
   return v;
 }
 
+namespace {
+
+// A price per GPU-hour: a decimal number (common/byte_size.h's one grammar: "0x10" is not 16) in
+// [0, 1e6]; one too small for a double (1e-400) is 0, as any tiny price rounds.
+Result<double> ParsePrice(const std::string& text, const std::string& what) {
+  const std::optional<double> v = ParseDecimalNumber(text);
+  if (!v) {
+    return Status::InvalidArgument("`price_per_gpu_hour` " + what + ": '" + Printable(text) +
+                                   "' is not a price per GPU-hour (a decimal number: 2.5, 0.8)");
+  }
+  if (!std::isfinite(*v) || *v < 0 || *v > 1e6) {
+    return Status::InvalidArgument("`price_per_gpu_hour` " + what + ": " + Printable(text) +
+                                   " is not in [0, 1e6] per GPU-hour");
+  }
+  return *v;
+}
+
+}  // namespace
+
+Result<std::vector<GpuOffer>> ChooseOffers(std::vector<GpuOffer> offers,
+                                           const std::vector<std::string>& names,
+                                           int64_t gpus_per_node,
+                                           const std::vector<std::string>& prices) {
+  if (!names.empty()) {
+    // The names pick (and order) the types: a file's type keeps its figures and price.
+    std::vector<GpuOffer> chosen;
+    for (const std::string& name : names) {
+      auto same = std::find_if(offers.begin(), offers.end(),
+                               [&](const GpuOffer& o) { return o.gpu.name == name; });
+      if (same != offers.end()) {
+        chosen.push_back(*same);
+        continue;
+      }
+      MEMPLAN_ASSIGN_OR_RETURN(GpuSpec gpu, FindGpuPreset(name));
+      GpuOffer offer;
+      offer.gpu = gpu;
+      chosen.push_back(offer);
+    }
+    offers = std::move(chosen);
+  }
+  if (offers.empty()) {
+    return Status::InvalidArgument(
+        "no GPU type given: use `offers` a100-80,h100-80,... or `cluster` FILE with a 'gpus' "
+        "list");
+  }
+  if (gpus_per_node > 0) {
+    for (GpuOffer& o : offers) o.gpus_per_node = gpus_per_node;
+  }
+  // Each type's price is given once: "a100-80=1,a100-80=2" (or "a100=1,a100-80=2", the same
+  // type) is refused like `--gpu a100-80,a100-80`, not resolved by order. A bare price is every
+  // other type's, wherever it stands in the list.
+  std::optional<double> every;
+  std::vector<const GpuOffer*> priced;
+  for (const std::string& price : prices) {
+    const size_t eq = price.find('=');
+    if (eq == std::string::npos) {
+      if (offers.size() > 1 && prices.size() == 1) {
+        return Status::InvalidArgument(
+            "`price_per_gpu_hour` " + Printable(price) +
+            ": with several GPU types give "
+            "TYPE=PRICE for each (`price_per_gpu_hour` a100-80=1.8,h100-80=2.9)");
+      }
+      if (every) {
+        return Status::InvalidArgument("`price_per_gpu_hour` " + Printable(price) +
+                                       ": a price for every GPU type is given twice");
+      }
+      MEMPLAN_ASSIGN_OR_RETURN(every, ParsePrice(price, "for every GPU type"));
+      continue;
+    }
+    const std::string name = price.substr(0, eq);
+    auto it = std::find_if(offers.begin(), offers.end(),
+                           [&](const GpuOffer& o) { return o.gpu.name == name; });
+    if (it == offers.end()) {
+      // A preset alias ("h100") names the type its preset resolves to.
+      auto preset = FindGpuPreset(name);
+      if (preset.ok()) {
+        it = std::find_if(offers.begin(), offers.end(),
+                          [&](const GpuOffer& o) { return o.gpu.name == preset->name; });
+      }
+    }
+    if (it == offers.end()) {
+      return Status::InvalidArgument("`price_per_gpu_hour` " + Printable(price) + ": '" +
+                                     Printable(name) + "' is not one of the GPU types searched");
+    }
+    if (std::find(priced.begin(), priced.end(), &*it) != priced.end()) {
+      return Status::InvalidArgument("`price_per_gpu_hour` " + Printable(price) + ": " +
+                                     it->gpu.name + " is given a price twice");
+    }
+    priced.push_back(&*it);
+    MEMPLAN_ASSIGN_OR_RETURN(it->price_per_gpu_hour,
+                             ParsePrice(price.substr(eq + 1), Printable(name)));
+  }
+  if (every) {
+    for (GpuOffer& o : offers) {
+      if (std::find(priced.begin(), priced.end(), &o) == priced.end()) {
+        o.price_per_gpu_hour = *every;
+      }
+    }
+  }
+  return offers;
+}
+
 Result<std::vector<GpuOffer>> OffersFromJson(const nlohmann::json& json, const std::string& source,
                                              Cluster* node) {
   if (!json.is_object()) {
@@ -240,6 +344,86 @@ Result<std::vector<GpuOffer>> OffersFromJson(const nlohmann::json& json, const s
   return offers;
 }
 
+namespace {
+
+// The fewest GPUs, the fastest and the cheapest of the points that fit (Note [Capacity search]);
+// returns whether any point that fits has a price.
+bool ChooseAnswers(const CapacityRequest& request, CapacityResult* out) {
+  CapacityResult& result = *out;
+  const double tie = 0.01;
+  bool any_price = false;
+  for (const CapacityPoint& p : result.points) any_price = any_price || (p.fits && p.priced);
+  result.cheapest_by_gpu_hours = !any_price;
+  for (size_t i = 0; i < result.points.size(); ++i) {
+    const CapacityPoint& p = result.points[i];
+    if (!p.fits) continue;
+    if (!result.fastest) {
+      result.fastest = i;
+    } else {
+      const CapacityPoint& f = result.points[*result.fastest];
+      if (Better(p.train_hours, f.train_hours, tie) ||
+          (!Better(f.train_hours, p.train_hours, tie) && p.gpus < f.gpus)) {
+        result.fastest = i;
+      }
+    }
+    if (request.max_train_hours > 0 && p.train_hours > request.max_train_hours) continue;
+    if (!result.fewest || p.gpus < result.points[*result.fewest].gpus ||
+        (p.gpus == result.points[*result.fewest].gpus &&
+         p.train_hours < result.points[*result.fewest].train_hours)) {
+      result.fewest = i;
+    }
+    if (any_price && !p.priced) continue;
+    const double value = any_price ? p.cost : p.gpu_hours;
+    if (!result.cheapest) {
+      result.cheapest = i;
+    } else {
+      const CapacityPoint& c = result.points[*result.cheapest];
+      const double best = any_price ? c.cost : c.gpu_hours;
+      if (Better(value, best, tie) ||
+          (!Better(best, value, tie) && p.train_hours < c.train_hours)) {
+        result.cheapest = i;
+      }
+    }
+  }
+
+  return any_price;
+}
+
+// What the answer assumes, said with it.
+void AddAssumptions(const CapacityRequest& request, bool any_price, CapacityResult* out) {
+  CapacityResult& result = *out;
+  if (request.max_train_hours > 0) {
+    result.assumptions.push_back(
+        "Deadline " + Duration(request.max_train_hours) +
+        ": the fewest GPUs and the cheapest are chosen among the points that train within it.");
+  }
+  result.assumptions.insert(
+      result.assumptions.begin(),
+      {
+          "Each GPU type x count is one `memplan plan` search (the whole ZeRO x offload x "
+          "checkpointing x micro-batch grid) with the same job and node settings; counts above the "
+          "node size run on whole nodes.",
+          "Time to train = " + Tokens(request.tokens) +
+              " tokens / the best plan's tokens per second (the step-time model's prediction, not "
+              "a measurement; no restarts, evaluation or checkpoint saves).",
+          any_price ? std::string("Cost = time to train x GPUs x the price per GPU-hour given; GPU "
+                                  "types without a price are not candidates for the cheapest.")
+                    : std::string("No price given (`price_per_gpu_hour`): the cheapest is "
+                                  "the fewest GPU-hours."),
+      });
+  if (result.points.size() > static_cast<size_t>(result.searches)) {
+    result.assumptions.push_back(
+        "Points that cannot run (not whole nodes, a global batch the count does not divide, a "
+        "precision the GPU lacks) are listed with the reason and not searched.");
+  }
+  if (!request.search.calibration_note.empty()) {
+    result.assumptions.push_back("Step-time constants calibrated from measured runs: " +
+                                 request.search.calibration_note + ".");
+  }
+}
+
+}  // namespace
+
 Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, const Job& job,
                                     const CapacityRequest& request) {
   MEMPLAN_RETURN_IF_ERROR(request.Validate());
@@ -281,9 +465,9 @@ Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, 
         continue;
       }
       Job point_job = job;
-      if (request.fp16_fallback && offer.gpu.bf16_flops <= 0 &&
-          job.setup.precision == estimator::Precision::kBf16Mixed) {
-        point_job.setup.precision = estimator::Precision::kFp16Mixed;
+      // Note [Plan defaults] step 2, per GPU type.
+      if (request.fp16_fallback && job.setup.precision == estimator::Precision::kBf16Mixed) {
+        point_job.setup.precision = DefaultPrecision(offer.gpu);
       }
       if (PeakFlops(offer.gpu, point_job.setup.precision) <= 0) {
         p.reason = offer.gpu.name + " has no " +
@@ -337,70 +521,8 @@ Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, 
     p.cost = p.gpu_hours * price;
   }
 
-  const double tie = 0.01;
-  bool any_price = false;
-  for (const CapacityPoint& p : result.points) any_price = any_price || (p.fits && p.priced);
-  result.cheapest_by_gpu_hours = !any_price;
-  for (size_t i = 0; i < result.points.size(); ++i) {
-    const CapacityPoint& p = result.points[i];
-    if (!p.fits) continue;
-    if (!result.fastest) {
-      result.fastest = i;
-    } else {
-      const CapacityPoint& f = result.points[*result.fastest];
-      if (Better(p.train_hours, f.train_hours, tie) ||
-          (!Better(f.train_hours, p.train_hours, tie) && p.gpus < f.gpus)) {
-        result.fastest = i;
-      }
-    }
-    if (request.max_train_hours > 0 && p.train_hours > request.max_train_hours) continue;
-    if (!result.fewest || p.gpus < result.points[*result.fewest].gpus ||
-        (p.gpus == result.points[*result.fewest].gpus &&
-         p.train_hours < result.points[*result.fewest].train_hours)) {
-      result.fewest = i;
-    }
-    if (any_price && !p.priced) continue;
-    const double value = any_price ? p.cost : p.gpu_hours;
-    if (!result.cheapest) {
-      result.cheapest = i;
-    } else {
-      const CapacityPoint& c = result.points[*result.cheapest];
-      const double best = any_price ? c.cost : c.gpu_hours;
-      if (Better(value, best, tie) ||
-          (!Better(best, value, tie) && p.train_hours < c.train_hours)) {
-        result.cheapest = i;
-      }
-    }
-  }
-
-  if (request.max_train_hours > 0) {
-    result.assumptions.push_back(
-        "Deadline " + Duration(request.max_train_hours) +
-        ": the fewest GPUs and the cheapest are chosen among the points that train within it.");
-  }
-  result.assumptions.insert(
-      result.assumptions.begin(),
-      {
-          "Each GPU type x count is one `memplan plan` search (the whole ZeRO x offload x "
-          "checkpointing x micro-batch grid) with the same job and node settings; counts above the "
-          "node size run on whole nodes.",
-          "Time to train = " + Tokens(request.tokens) +
-              " tokens / the best plan's tokens per second (the step-time model's prediction, not "
-              "a measurement; no restarts, evaluation or checkpoint saves).",
-          any_price ? std::string("Cost = time to train x GPUs x the price per GPU-hour given; GPU "
-                                  "types without a price are not candidates for the cheapest.")
-                    : std::string("No price given (`price_per_gpu_hour`): the cheapest is "
-                                  "the fewest GPU-hours."),
-      });
-  if (result.points.size() > static_cast<size_t>(result.searches)) {
-    result.assumptions.push_back(
-        "Points that cannot run (not whole nodes, a global batch the count does not divide, a "
-        "precision the GPU lacks) are listed with the reason and not searched.");
-  }
-  if (!request.search.calibration_note.empty()) {
-    result.assumptions.push_back("Step-time constants calibrated from measured runs: " +
-                                 request.search.calibration_note + ".");
-  }
+  const bool any_price = ChooseAnswers(request, &result);
+  AddAssumptions(request, any_price, &result);
   return result;
 }
 

@@ -129,4 +129,14 @@ Result<double> ParseTokenCount(const std::string& text, const std::string& flag)
 Result<std::vector<GpuOffer>> OffersFromJson(const nlohmann::json& json, const std::string& source,
                                              Cluster* node);
 
+// The offers a request searches: `names` (GPU presets, or the names of `listed`'s types, which
+// keep their figures and price) pick and order them, else all of `listed`; `gpus_per_node` > 0
+// sets every node size; each of `prices` is a price for every type ("2.5") or for one
+// ("h100-80=2.9", a preset alias naming its preset's type), each type priced at most once.
+// Errors name the fields (`offers`, `price_per_gpu_hour`).
+Result<std::vector<GpuOffer>> ChooseOffers(std::vector<GpuOffer> listed,
+                                           const std::vector<std::string>& names,
+                                           int64_t gpus_per_node,
+                                           const std::vector<std::string>& prices);
+
 }  // namespace memplan::planner

@@ -313,19 +313,90 @@ TEST_CASE("capacity: bad input is one line, exit 2, and nothing written") {
 
 // `plan --calibration` with known constants gives the "measured" step times of a set of runs;
 // `memplan calibrate` must find those constants again, and a plan calibrated with its file must
-// predict a held-out run closer than the priors do.
-TEST_CASE("calibrate: recovers the constants plan was given, and moves a held-out plan") {
-  TempDir dir("memplan-calibrate-");
-  const std::string truth = dir.PathOf("truth.json");
+// predict a held-out run closer than the priors do. The runs and their fit are made once and
+// shared by the calibrate cases below (Runs()).
+struct Config {
+  int64_t nodes, micro_batch, seq, grad_accum;
+  int stage;
+  const char* offload;
+};
+
+double PlanStep(const Config& c, const std::string& calibration, nlohmann::json* setup) {
+  const int64_t world = 8 * c.nodes;
+  std::vector<std::string> args = {"plan",
+                                   "--model",
+                                   "llama-2-7b",
+                                   "--gpu",
+                                   "a100-80",
+                                   "--gpus",
+                                   "8",
+                                   "--nodes",
+                                   std::to_string(c.nodes),
+                                   "--inter-node-bw",
+                                   "12.5",
+                                   "--cpu-mem",
+                                   "2TiB",
+                                   "--cpu-cores",
+                                   "64",
+                                   "--optimizer",
+                                   "adamw",
+                                   "--global-batch",
+                                   std::to_string(c.micro_batch * c.grad_accum * world),
+                                   "--seq-len",
+                                   std::to_string(c.seq),
+                                   "--zero-stage",
+                                   std::to_string(c.stage),
+                                   "--offload-optimizer",
+                                   c.offload,
+                                   "--offload-param",
+                                   "none",
+                                   "--checkpointing",
+                                   "full",
+                                   "--micro-batch",
+                                   std::to_string(c.micro_batch),
+                                   "--sharding",
+                                   "full",
+                                   "--format",
+                                   "json",
+                                   "--top",
+                                   "1"};
+  if (!calibration.empty()) args.insert(args.end(), {"--calibration", calibration});
+  CommandResult r = Memplan(args);
+  REQUIRE_MESSAGE(r.exit_code == 0, r.err);
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  REQUIRE_MESSAGE(j["plans"].size() == 1, r.out);
+  const nlohmann::json& p = j["plans"][0];
+  if (setup != nullptr) {
+    *setup = {{"zero_stage", p["zero_stage"]},
+              {"offload_optimizer", p["offload_optimizer"]},
+              {"offload_param", p["offload_param"]},
+              {"checkpointing", p["activation_checkpointing"]},
+              {"micro_batch", p["micro_batch"]},
+              {"grad_accum", p["grad_accum"]},
+              {"pin_memory", p["pin_memory"]},
+              {"optimizer", "adamw"},
+              {"seq_len", c.seq}};
+  }
+  return p["step_time_s"].get<double>();
+}
+
+struct CalibrationRuns {
+  TempDir dir{"memplan-calibrate-"};
+  std::string truth, runs_file, fit;
+  nlohmann::json runs = nlohmann::json::array();
+  CommandResult calibrated;  // `memplan calibrate runs_file -o fit`
+};
+
+CalibrationRuns* MakeCalibrationRuns() {
+  auto* made = new CalibrationRuns;
+  TempDir& dir = made->dir;
+  nlohmann::json& runs = made->runs;
+  made->truth = dir.PathOf("truth.json");
+  const std::string& truth = made->truth;
   Write(truth, R"({"format": "memplan.calibration/1",
       "constants": {"gemm_tokens_half": 600, "link_efficiency": 0.62,
                     "network_efficiency": 0.5, "offload_overlap": 0.7},
       "gpus": {"a100-80": {"gemm_efficiency": 0.66}}})");
-  struct Config {
-    int64_t nodes, micro_batch, seq, grad_accum;
-    int stage;
-    const char* offload;
-  };
   std::vector<Config> configs;
   for (int64_t nodes : {1, 2}) {
     for (int64_t mb : {1, 2, 4}) {
@@ -337,70 +408,11 @@ TEST_CASE("calibrate: recovers the constants plan was given, and moves a held-ou
     configs.push_back({nodes, 1, 256, 16, 2, "cpu"});
     configs.push_back({nodes, 2, 2048, 1, 3, "cpu"});
   }
-  auto plan_step = [&](const Config& c, const std::string& calibration, nlohmann::json* setup) {
-    const int64_t world = 8 * c.nodes;
-    std::vector<std::string> args = {"plan",
-                                     "--model",
-                                     "llama-2-7b",
-                                     "--gpu",
-                                     "a100-80",
-                                     "--gpus",
-                                     "8",
-                                     "--nodes",
-                                     std::to_string(c.nodes),
-                                     "--inter-node-bw",
-                                     "12.5",
-                                     "--cpu-mem",
-                                     "2TiB",
-                                     "--cpu-cores",
-                                     "64",
-                                     "--optimizer",
-                                     "adamw",
-                                     "--global-batch",
-                                     std::to_string(c.micro_batch * c.grad_accum * world),
-                                     "--seq-len",
-                                     std::to_string(c.seq),
-                                     "--zero-stage",
-                                     std::to_string(c.stage),
-                                     "--offload-optimizer",
-                                     c.offload,
-                                     "--offload-param",
-                                     "none",
-                                     "--checkpointing",
-                                     "full",
-                                     "--micro-batch",
-                                     std::to_string(c.micro_batch),
-                                     "--sharding",
-                                     "full",
-                                     "--format",
-                                     "json",
-                                     "--top",
-                                     "1"};
-    if (!calibration.empty()) args.insert(args.end(), {"--calibration", calibration});
-    CommandResult r = Memplan(args);
-    REQUIRE_MESSAGE(r.exit_code == 0, r.err);
-    nlohmann::json j = nlohmann::json::parse(r.out);
-    REQUIRE_MESSAGE(j["plans"].size() == 1, r.out);
-    const nlohmann::json& p = j["plans"][0];
-    if (setup != nullptr) {
-      *setup = {{"zero_stage", p["zero_stage"]},
-                {"offload_optimizer", p["offload_optimizer"]},
-                {"offload_param", p["offload_param"]},
-                {"checkpointing", p["activation_checkpointing"]},
-                {"micro_batch", p["micro_batch"]},
-                {"grad_accum", p["grad_accum"]},
-                {"pin_memory", p["pin_memory"]},
-                {"optimizer", "adamw"},
-                {"seq_len", c.seq}};
-    }
-    return p["step_time_s"].get<double>();
-  };
-  nlohmann::json runs = nlohmann::json::array();
   for (size_t i = 0; i < configs.size(); ++i) {
     const Config& c = configs[i];
     nlohmann::json setup;
     // A deterministic +-0.3% "measurement noise".
-    const double measured = plan_step(c, truth, &setup) * (1 + 0.003 * std::sin(1.0 + 7.0 * i));
+    const double measured = PlanStep(c, truth, &setup) * (1 + 0.003 * std::sin(1.0 + 7.0 * i));
     runs.push_back({{"id", "run-" + std::to_string(i)},
                     {"model", "llama-2-7b"},
                     {"cluster",
@@ -412,10 +424,26 @@ TEST_CASE("calibrate: recovers the constants plan was given, and moves a held-ou
                     {"setup", setup},
                     {"step_time_s", measured}});
   }
-  const std::string runs_file = dir.PathOf("runs.json");
+  made->runs_file = dir.PathOf("runs.json");
+  const std::string& runs_file = made->runs_file;
   Write(runs_file, nlohmann::json({{"format", "memplan.runs/1"}, {"runs", runs}}).dump());
-  const std::string fit = dir.PathOf("fit.json");
-  CommandResult r = Memplan({"calibrate", runs_file, "-o", fit});
+  made->fit = dir.PathOf("fit.json");
+  const std::string& fit = made->fit;
+  made->calibrated = Memplan({"calibrate", runs_file, "-o", fit});
+  return made;
+}
+
+// Made on first use; kept (with its directory) to the end of the run.
+const CalibrationRuns& Runs() {
+  static const CalibrationRuns* runs = MakeCalibrationRuns();
+  return *runs;
+}
+
+TEST_CASE("calibrate: recovers the constants plan was given, and moves a held-out plan") {
+  const CalibrationRuns& shared = Runs();
+  const std::string& fit = shared.fit;
+  const std::string& truth = shared.truth;
+  CommandResult r = shared.calibrated;
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(r.out.find("RMS error of the step times: ") != std::string::npos);
   CHECK(r.out.find("wrote " + fit) != std::string::npos);
@@ -433,9 +461,9 @@ TEST_CASE("calibrate: recovers the constants plan was given, and moves a held-ou
 
   // Held out: a configuration no run measured.
   const Config held = {2, 2, 512, 4, 2, "none"};
-  const double measured = plan_step(held, truth, nullptr);
-  const double prior = plan_step(held, "", nullptr);
-  const double calibrated = plan_step(held, fit, nullptr);
+  const double measured = PlanStep(held, truth, nullptr);
+  const double prior = PlanStep(held, "", nullptr);
+  const double calibrated = PlanStep(held, fit, nullptr);
   INFO("held out: measured " << measured << ", prior " << prior << ", calibrated " << calibrated);
   CHECK(std::fabs(calibrated / measured - 1) < 0.02);
   CHECK(std::fabs(calibrated / measured - 1) < std::fabs(prior / measured - 1) / 4);
@@ -445,13 +473,20 @@ TEST_CASE("calibrate: recovers the constants plan was given, and moves a held-ou
   REQUIRE_MESSAGE(r.exit_code == 0, r.err);
   CHECK(r.out.find("Step-time constants calibrated from measured runs: " + fit) !=
         std::string::npos);
+}
 
-  // Too little data, and bad files: one line, exit 2, no calibration file.
+TEST_CASE("calibrate: too little data and bad files are one line, exit 2, nothing written") {
+  const CalibrationRuns& shared = Runs();
+  const std::string& runs_file = shared.runs_file;
+  const nlohmann::json& runs = shared.runs;
+  TempDir dir("memplan-calibrate-");
+  const std::string out = dir.PathOf("never.json");
   const std::string one = dir.PathOf("one.json");
+  CommandResult r;
+  // Too little data, and bad files: one line, exit 2, no calibration file.
   Write(one,
         nlohmann::json({{"format", "memplan.runs/1"}, {"runs", nlohmann::json::array({runs[0]})}})
             .dump());
-  const std::string out = dir.PathOf("never.json");
   r = Memplan({"calibrate", one, "-o", out});
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("1 run cannot determine") != std::string::npos);
@@ -476,7 +511,14 @@ TEST_CASE("calibrate: recovers the constants plan was given, and moves a held-ou
                "--calibration", one});
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("constants.link_efficiency: outside its bounds") != std::string::npos);
+}
 
+TEST_CASE("calibrate: step times no constants explain are refused, nothing written") {
+  const CalibrationRuns& shared = Runs();
+  const nlohmann::json& runs = shared.runs;
+  TempDir dir("memplan-calibrate-");
+  const std::string out = dir.PathOf("never.json");
+  CommandResult r;
   // Issue 30 M3 (Note [Calibration bounds]): every step time x 1e-6 (microseconds per step): no
   // constants explain that; refused, nothing written.
   nlohmann::json micro = runs;
@@ -491,6 +533,15 @@ TEST_CASE("calibrate: recovers the constants plan was given, and moves a held-ou
   CHECK(r.err.find("more than the 50% --max-error accepts") != std::string::npos);
   CHECK(r.err.find("Nothing was written") != std::string::npos);
   CHECK_FALSE(std::filesystem::exists(out));
+}
+
+TEST_CASE("calibrate: a constant pinned at its bound warns, and plan and capacity repeat it") {
+  const CalibrationRuns& shared = Runs();
+  const std::string& fit = shared.fit;
+  const nlohmann::json& runs = shared.runs;
+  TempDir dir("memplan-calibrate-");
+  const std::string one = dir.PathOf("one.json");
+  CommandResult r;
   // The multi-node runs' files say a slower network than they ran on (as a cluster file at 5 GB/s
   // for runs measured at 12.5): network_efficiency is pinned at its bound. Written, with the
   // warning, which plan and capacity repeat.

@@ -17,6 +17,7 @@
 #include "planner/capacity.h"
 #include "planner/cluster.h"
 #include "planner/job.h"
+#include "planner/plan_request.h"
 #include "planner/svg.h"
 #include "tools/calibration_flags.h"
 #include "tools/commands.h"
@@ -63,109 +64,58 @@ Result<nlohmann::json> ReadJsonFile(const std::string& path) {
   return ParseJson(text, path);
 }
 
-// A price per GPU-hour: a decimal number (common/byte_size.h's one grammar: "0x10" is not 16) in
-// [0, 1e6]; one too small for a double (1e-400) is 0, as any tiny price rounds.
-Result<double> ParsePrice(const std::string& text, const std::string& what) {
-  const std::optional<double> v = ParseDecimalNumber(text);
-  if (!v) {
-    return Status::InvalidArgument("--price " + what + ": '" + Printable(text) +
-                                   "' is not a price per GPU-hour (a decimal number: 2.5, 0.8)");
-  }
-  if (!std::isfinite(*v) || *v < 0 || *v > 1e6) {
-    return Status::InvalidArgument("--price " + what + ": " + Printable(text) +
-                                   " is not in [0, 1e6] per GPU-hour");
-  }
-  return *v;
-}
-
-// The offers from --cluster and --gpu, with --price and --gpus-per-node applied.
+// The offers from --cluster and --gpu, with --price and --gpus-per-node applied
+// (planner::ChooseOffers).
 Result<std::vector<planner::GpuOffer>> BuildOffers(const CapacityFlags& f, planner::Cluster* node) {
-  std::vector<planner::GpuOffer> offers;
+  std::vector<planner::GpuOffer> listed;
   if (!f.cluster_file.empty()) {
     MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json j, ReadJsonFile(f.cluster_file));
-    MEMPLAN_ASSIGN_OR_RETURN(offers, planner::OffersFromJson(j, f.cluster_file, node));
+    MEMPLAN_ASSIGN_OR_RETURN(listed, planner::OffersFromJson(j, f.cluster_file, node));
   }
-  if (!f.gpus_text.empty()) {
-    // --gpu picks (and orders) the types: a file's type keeps its figures and price.
-    std::vector<planner::GpuOffer> chosen;
-    size_t start = 0;
-    while (start <= f.gpus_text.size()) {
-      size_t comma = f.gpus_text.find(',', start);
-      if (comma == std::string::npos) comma = f.gpus_text.size();
-      const std::string name = f.gpus_text.substr(start, comma - start);
-      start = comma + 1;
-      auto same = std::find_if(offers.begin(), offers.end(),
-                               [&](const planner::GpuOffer& o) { return o.gpu.name == name; });
-      if (same != offers.end()) {
-        chosen.push_back(*same);
-        continue;
-      }
-      MEMPLAN_ASSIGN_OR_RETURN(planner::GpuSpec gpu, planner::FindGpuPreset(name));
-      planner::GpuOffer offer;
-      offer.gpu = gpu;
-      chosen.push_back(offer);
-    }
-    offers = std::move(chosen);
+  std::vector<std::string> names;
+  size_t start = 0;
+  while (!f.gpus_text.empty() && start <= f.gpus_text.size()) {
+    size_t comma = f.gpus_text.find(',', start);
+    if (comma == std::string::npos) comma = f.gpus_text.size();
+    names.push_back(f.gpus_text.substr(start, comma - start));
+    start = comma + 1;
   }
-  if (offers.empty()) {
-    return Status::InvalidArgument(
-        "no GPU type given: use --gpu a100-80,h100-80,... or --cluster "
-        "FILE with a 'gpus' list");
+  return planner::ChooseOffers(std::move(listed), names, f.gpus_per_node, f.prices);
+}
+
+// The node flags and the job flags as a PlanRequest (its cluster, GPU and counts are unused:
+// the offers and counts set them).
+Status FillPlanRequest(const CapacityFlags& f, planner::PlanRequest* r) {
+  planner::ClusterSettings& n = r->node;
+  if (!f.cpu_mem.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(n.cpu_memory_bytes, ParseByteSize(f.cpu_mem, "--cpu-mem"));
   }
-  if (f.gpus_per_node > 0) {
-    for (planner::GpuOffer& o : offers) o.gpus_per_node = f.gpus_per_node;
+  if (f.cpu_cores > 0) n.cpu_cores = f.cpu_cores;
+  if (f.pcie_gen > 0) n.pcie_gen = f.pcie_gen;
+  if (f.inter_node_gbps > 0) n.inter_node_bytes_per_s = f.inter_node_gbps * 1e9;
+  if (!f.memlock.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(n.memlock, planner::Memlock::Parse(f.memlock, "--memlock"));
   }
-  // Each type's price is given once: "a100-80=1,a100-80=2" (or "a100=1,a100-80=2", the same
-  // type) is refused like `--gpu a100-80,a100-80`, not resolved by order. A bare price is every
-  // other type's, wherever it stands in the list.
-  std::optional<double> every;
-  std::vector<const planner::GpuOffer*> priced;
-  for (const std::string& price : f.prices) {
-    const size_t eq = price.find('=');
-    if (eq == std::string::npos) {
-      if (offers.size() > 1 && f.prices.size() == 1) {
-        return Status::InvalidArgument("--price " + Printable(price) +
-                                       ": with several GPU types give "
-                                       "TYPE=PRICE for each (--price a100-80=1.8,h100-80=2.9)");
-      }
-      if (every) {
-        return Status::InvalidArgument("--price " + Printable(price) +
-                                       ": a price for every GPU type is given twice");
-      }
-      MEMPLAN_ASSIGN_OR_RETURN(every, ParsePrice(price, "for every GPU type"));
-      continue;
-    }
-    const std::string name = price.substr(0, eq);
-    auto it = std::find_if(offers.begin(), offers.end(),
-                           [&](const planner::GpuOffer& o) { return o.gpu.name == name; });
-    if (it == offers.end()) {
-      // A preset alias ("h100") names the type its preset resolves to.
-      auto preset = planner::FindGpuPreset(name);
-      if (preset.ok()) {
-        it = std::find_if(offers.begin(), offers.end(),
-                          [&](const planner::GpuOffer& o) { return o.gpu.name == preset->name; });
-      }
-    }
-    if (it == offers.end()) {
-      return Status::InvalidArgument("--price " + Printable(price) + ": '" + Printable(name) +
-                                     "' is not one of the GPU types searched");
-    }
-    if (std::find(priced.begin(), priced.end(), &*it) != priced.end()) {
-      return Status::InvalidArgument("--price " + Printable(price) + ": " + it->gpu.name +
-                                     " is given a price twice");
-    }
-    priced.push_back(&*it);
-    MEMPLAN_ASSIGN_OR_RETURN(it->price_per_gpu_hour,
-                             ParsePrice(price.substr(eq + 1), Printable(name)));
+  if (!f.nvme_path.empty()) n.nvme_path = f.nvme_path;
+  if (!f.nvme_capacity.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(n.nvme_capacity_bytes,
+                             ParseByteSize(f.nvme_capacity, "--nvme-capacity"));
   }
-  if (every) {
-    for (planner::GpuOffer& o : offers) {
-      if (std::find(priced.begin(), priced.end(), &o) == priced.end()) {
-        o.price_per_gpu_hour = *every;
-      }
+  r->model = f.model.spec;
+  r->global_batch = f.global_batch;
+  if (!f.global_batch_tokens.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(
+        double tokens, planner::ParseTokenCount(f.global_batch_tokens, "--global-batch-tokens"));
+    if (tokens > 1e15 || tokens != std::floor(tokens)) {
+      return Status::InvalidArgument(
+          "--global-batch-tokens must be a whole number of tokens below 1e15");
     }
+    r->global_batch_tokens = static_cast<int64_t>(tokens);
   }
-  return offers;
+  MEMPLAN_RETURN_IF_ERROR(f.job.Fill(r));
+  r->search.gpu_safety_fraction = f.gpu_margin;
+  r->search.allow_nvme = !f.no_nvme;
+  return Status::Ok();
 }
 
 void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
@@ -173,10 +123,12 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
   if (f.tokens_text.empty()) {
     return fail(Status::InvalidArgument("--tokens is required: the training budget (1T, 300B)"));
   }
-  if ((f.global_batch > 0) == !f.global_batch_tokens.empty()) {
-    return fail(
-        Status::InvalidArgument("give exactly one of --global-batch (samples) and "
-                                "--global-batch-tokens"));
+  {
+    // Which of the two was given (the tokens are parsed below): planner::CheckBatch's rule.
+    planner::PlanRequest given;
+    given.global_batch = f.global_batch;
+    given.global_batch_tokens = f.global_batch_tokens.empty() ? 0 : 1;
+    if (Status s = planner::CheckBatch(given); !s.ok()) return fail(s);
   }
   planner::CapacityRequest request;
   auto offers = BuildOffers(f, &request.node);
@@ -190,55 +142,17 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
   request.tokens = *tokens;
   request.threads = f.threads;
   request.max_train_hours = f.max_days * 24;
-  planner::Cluster& node = request.node;
-  if (!f.cpu_mem.empty()) {
-    auto v = ParseByteSize(f.cpu_mem, "--cpu-mem");
-    if (!v.ok()) return fail(v.status());
-    node.cpu_memory_bytes = *v;
-  }
-  if (f.cpu_cores > 0) node.cpu_cores = f.cpu_cores;
-  if (f.pcie_gen > 0) node.pcie_gen = f.pcie_gen;
-  if (f.inter_node_gbps > 0) node.inter_node_bytes_per_s = f.inter_node_gbps * 1e9;
-  if (!f.memlock.empty() && f.memlock != "unlimited") {
-    auto v = ParseByteSize(f.memlock, "--memlock");
-    if (!v.ok()) return fail(v.status());
-    node.memlock_bytes = *v;
-  } else if (f.memlock == "unlimited") {
-    node.memlock_bytes = 0;
-  }
-  if (!f.nvme_path.empty()) node.nvme_path = f.nvme_path;
-  if (!f.nvme_capacity.empty()) {
-    auto v = ParseByteSize(f.nvme_capacity, "--nvme-capacity");
-    if (!v.ok()) return fail(v.status());
-    node.nvme_capacity_bytes = *v;
-  }
+  planner::PlanRequest plan;  // the node settings and the job, resolved as `memplan plan`'s
+  if (Status s = FillPlanRequest(f, &plan); !s.ok()) return fail(s);
+  plan.node.ApplyTo(&request.node);
 
   auto inventory = f.model.LoadArchitecture("capacity planning");
   if (!inventory.ok()) return fail(inventory.status());
-  planner::Job job;
-  job.model = f.model.spec;
-  estimator::TrainingSetup& s = job.setup;
-  Status applied = f.job.Apply(f.job.precision.empty() ? "bf16-mixed" : f.job.precision, &s);
-  if (!applied.ok()) return fail(applied);
-  request.fp16_fallback = f.job.precision.empty();
-  if (!f.global_batch_tokens.empty()) {
-    auto batch_tokens = planner::ParseTokenCount(f.global_batch_tokens, "--global-batch-tokens");
-    if (!batch_tokens.ok()) return fail(batch_tokens.status());
-    if (*batch_tokens > 1e15 || *batch_tokens != std::floor(*batch_tokens)) {
-      return fail(
-          Status::InvalidArgument("--global-batch-tokens must be a whole number of tokens "
-                                  "below 1e15"));
-    }
-    auto samples = planner::SamplesFromTokens(static_cast<int64_t>(*batch_tokens),
-                                              s.SeqLenFor(&*inventory->arch));
-    if (!samples.ok()) return fail(samples.status());
-    job.global_batch = *samples;
-  } else {
-    job.global_batch = f.global_batch;
-  }
-  request.search.gpu_safety_fraction = f.gpu_margin;
-  request.search.allow_nvme = !f.no_nvme;
-  request.search.consider_8bit = !f.job.OptimizerGiven();
+  // Each GPU type's precision is DefaultPrecision's when none is given (fp16_fallback).
+  auto job = planner::ResolveJob(plan, /*gpu=*/nullptr, *inventory->arch);
+  if (!job.ok()) return fail(job.status());
+  request.fp16_fallback = !plan.precision.has_value();
+  request.search = planner::ResolveSearch(plan);
   std::string warnings;  // a calibration's, repeated (Note [Calibration bounds])
   nlohmann::json warning_list = nlohmann::json::array();
   if (!f.calibration.empty()) {
@@ -253,19 +167,19 @@ void RunCapacity(const CapacityFlags& f, Outcome* outcome) {
     }
     planner::ApplyCalibration(*calibration, nullptr, &request.search);
   }
-  auto result = planner::PlanCapacity(*inventory, job, request);
+  auto result = planner::PlanCapacity(*inventory, *job, request);
   if (!result.ok()) return fail(result.status());
   std::string text;
   if (f.format == "json") {
-    nlohmann::json report = planner::ToJson(*result, request, job);
+    nlohmann::json report = planner::ToJson(*result, request, *job);
     if (!f.calibration.empty()) report["calibration_warnings"] = warning_list;
     text = JsonOutput(report);
   } else {
     text = warnings +
-           FieldsToFlags(planner::FormatCapacityText(*result, request, job), kCapacityFlags);
+           FieldsToFlags(planner::FormatCapacityText(*result, request, *job), kCapacityFlags);
   }
   if (!f.svg.empty()) {
-    outcome->files.push_back({f.svg, planner::CapacitySvg(*result, request, job)});
+    outcome->files.push_back({f.svg, planner::CapacitySvg(*result, request, *job)});
     if (f.format != "json") text += "\nwrote " + f.svg + " (cost against time to train)\n";
   }
   EmitReport(f.output, std::move(text), outcome);

@@ -16,6 +16,7 @@
 #include "planner/emit.h"
 #include "planner/job.h"
 #include "planner/launch.h"
+#include "planner/plan_request.h"
 #include "planner/search.h"
 #include "planner/svg.h"
 #include "tools/calibration_flags.h"
@@ -97,21 +98,19 @@ struct ClusterFlags {
     return ParseJson(text, path);
   }
 
-  // Cluster from --cluster / --detect, then the flags. `need_gpu`: a GPU must be known.
-  Result<planner::Cluster> Build(std::string* note) const {
-    planner::Cluster c;
-    bool have_gpu = false;
+  // The cluster of a PlanRequest from --cluster / --detect (read here), the preset, the node
+  // flags and the measured benches; planner::ResolveCluster applies them (Note [Plan defaults]).
+  Status Fill(planner::PlanRequest* r, std::string* note) const {
     if (!cluster_file.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json j, ReadJson(cluster_file));
-      MEMPLAN_ASSIGN_OR_RETURN(c, planner::ClusterFromJson(j, cluster_file));
-      have_gpu = true;
+      MEMPLAN_ASSIGN_OR_RETURN(r->cluster, planner::ClusterFromJson(j, cluster_file));
     }
     if (detect) {
       MEMPLAN_ASSIGN_OR_RETURN(planner::Cluster d, planner::DetectCluster(nvme_path, note));
-      if (!have_gpu && d.gpu.memory_bytes > 0) {
+      planner::Cluster c = r->cluster.value_or(planner::Cluster{});
+      if (!r->cluster && d.gpu.memory_bytes > 0) {
         c.gpu = d.gpu;
         c.gpus_per_node = d.gpus_per_node;
-        have_gpu = true;
       }
       c.cpu_memory_bytes = d.cpu_memory_bytes;
       c.cpu_cores = d.cpu_cores;
@@ -120,45 +119,39 @@ struct ClusterFlags {
         c.nvme_path = d.nvme_path;
         c.nvme_capacity_bytes = d.nvme_capacity_bytes;
       }
+      r->cluster = c;
     }
-    if (!gpu.empty()) {
-      MEMPLAN_ASSIGN_OR_RETURN(c.gpu, planner::FindGpuPreset(gpu));
-      have_gpu = true;
-    }
-    if (!have_gpu) {
+    planner::ClusterSettings& n = r->node;
+    n.gpu = gpu;
+    if (!r->HasGpu()) {
       return Status::InvalidArgument(
           "no GPU given: use --gpu PRESET, --cluster FILE, or --detect on a machine with GPUs");
     }
-    if (gpus > 0) c.gpus_per_node = gpus;
-    if (nodes > 0) c.nodes = nodes;
+    if (gpus > 0) n.gpus_per_node = gpus;
+    if (nodes > 0) n.nodes = nodes;
     if (!cpu_mem.empty()) {
-      MEMPLAN_ASSIGN_OR_RETURN(c.cpu_memory_bytes, ParseByteSize(cpu_mem, "--cpu-mem"));
+      MEMPLAN_ASSIGN_OR_RETURN(n.cpu_memory_bytes, ParseByteSize(cpu_mem, "--cpu-mem"));
     }
-    if (cpu_cores > 0) c.cpu_cores = cpu_cores;
-    if (pcie_gen > 0) c.pcie_gen = pcie_gen;
-    if (inter_node_gbps > 0) c.inter_node_bytes_per_s = inter_node_gbps * 1e9;
+    if (cpu_cores > 0) n.cpu_cores = cpu_cores;
+    if (pcie_gen > 0) n.pcie_gen = pcie_gen;
+    if (inter_node_gbps > 0) n.inter_node_bytes_per_s = inter_node_gbps * 1e9;
     if (!memlock.empty()) {
-      if (memlock == "unlimited") {
-        c.memlock_bytes = 0;
-      } else {
-        MEMPLAN_ASSIGN_OR_RETURN(c.memlock_bytes, ParseByteSize(memlock, "--memlock"));
-      }
+      MEMPLAN_ASSIGN_OR_RETURN(n.memlock, planner::Memlock::Parse(memlock, "--memlock"));
     }
-    if (!nvme_path.empty()) c.nvme_path = nvme_path;
+    if (!nvme_path.empty()) n.nvme_path = nvme_path;
     if (!nvme_capacity.empty()) {
-      MEMPLAN_ASSIGN_OR_RETURN(c.nvme_capacity_bytes,
+      MEMPLAN_ASSIGN_OR_RETURN(n.nvme_capacity_bytes,
                                ParseByteSize(nvme_capacity, "--nvme-capacity"));
     }
     if (!nvme_bench.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json j, ReadJson(nvme_bench));
-      MEMPLAN_RETURN_IF_ERROR(planner::ApplyNvmeBench(j, nvme_bench, &c));
+      r->nvme_bench = planner::BenchInput{std::move(j), nvme_bench};
     }
     if (!adam_bench.empty()) {
       MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json j, ReadJson(adam_bench));
-      MEMPLAN_RETURN_IF_ERROR(planner::ApplyAdamBench(j, adam_bench, &c));
+      r->adam_bench = planner::BenchInput{std::move(j), adam_bench};
     }
-    MEMPLAN_RETURN_IF_ERROR(c.Validate());
-    return c;
+    return Status::Ok();
   }
 };
 
@@ -324,82 +317,62 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
   return Status::Ok();
 }
 
+// The PlanRequest of the flags (the model's label, the cluster, the job, the what-if
+// restrictions, a calibration); every default is planner::Resolve's (Note [Plan defaults]).
+Status FillRequest(const PlanFlags& f, planner::PlanRequest* r, std::string* note) {
+  r->model = f.model.spec;
+  r->global_batch = f.global_batch;
+  r->global_batch_tokens = f.global_batch_tokens;
+  MEMPLAN_RETURN_IF_ERROR(f.cluster.Fill(r, note));
+  if (!f.calibration.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(r->calibration, ReadCalibrationFile(f.calibration));
+  }
+  MEMPLAN_RETURN_IF_ERROR(f.job.Fill(r));
+  planner::SearchOptions& o = r->search;
+  o.gpu_safety_fraction = f.gpu_margin;
+  o.allow_nvme = !f.no_nvme;
+  o.only_stage = f.zero_stage;
+  o.only_micro_batch = f.micro_batch;
+  o.tune_buffers = !f.default_buffers;
+  if (!f.offload_optimizer.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(o.only_offload_optimizer,
+                             estimator::ParseOffloadDevice(f.offload_optimizer));
+  }
+  if (!f.offload_param.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(o.only_offload_param, estimator::ParseOffloadDevice(f.offload_param));
+  }
+  if (!f.checkpointing.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(o.only_checkpointing, estimator::ParseCheckpointing(f.checkpointing));
+  }
+  if (!f.sharding.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(o.only_sharding, planner::ParseSharding(f.sharding, "--sharding"));
+  }
+  return Status::Ok();
+}
+
 void RunPlan(const PlanFlags& f, Outcome* outcome) {
   auto fail = [&](const Status& s) { Fail(outcome, s); };
-  if ((f.global_batch > 0) == (f.global_batch_tokens > 0)) {
-    return fail(
-        Status::InvalidArgument("give exactly one of --global-batch (samples) and "
-                                "--global-batch-tokens"));
-  }
+  planner::PlanRequest request;
+  request.global_batch = f.global_batch;
+  request.global_batch_tokens = f.global_batch_tokens;
+  if (Status s = planner::CheckBatch(request); !s.ok()) return fail(s);
   auto inventory = f.model.LoadArchitecture("planning");
   if (!inventory.ok()) return fail(inventory.status());
   std::string note;
-  auto cluster = f.cluster.Build(&note);
-  if (!cluster.ok()) return fail(cluster.status());
-  std::optional<planner::Calibration> calibration;
-  std::string warnings;  // a calibration's, repeated (Note [Calibration bounds])
-  if (!f.calibration.empty()) {
-    auto c = ReadCalibrationFile(f.calibration);
-    if (!c.ok()) return fail(c.status());
-    warnings = CalibrationWarningLines(*c, f.calibration);
-    calibration = std::move(*c);
-    planner::ApplyCalibration(*calibration, &cluster->gpu, nullptr);
-  }
-
-  planner::Job job;
-  job.model = f.model.spec;
-  estimator::TrainingSetup& s = job.setup;
-  std::string precision = f.job.precision;
-  if (precision.empty()) precision = cluster->gpu.bf16_flops > 0 ? "bf16-mixed" : "fp16-mixed";
-  Status applied = f.job.Apply(precision, &s);
-  if (!applied.ok()) return fail(applied);
-  if (f.global_batch_tokens > 0) {
-    auto samples =
-        planner::SamplesFromTokens(f.global_batch_tokens, s.SeqLenFor(&*inventory->arch));
-    if (!samples.ok()) return fail(samples.status());
-    job.global_batch = *samples;
-  } else {
-    job.global_batch = f.global_batch;
-  }
-  planner::SearchOptions options;
-  options.gpu_safety_fraction = f.gpu_margin;
-  options.allow_nvme = !f.no_nvme;
-  options.only_stage = f.zero_stage;
-  options.only_micro_batch = f.micro_batch;
-  options.consider_8bit = !f.job.OptimizerGiven();
-  options.tune_buffers = !f.default_buffers;
-  if (calibration) planner::ApplyCalibration(*calibration, &cluster->gpu, &options);
-  if (!f.offload_optimizer.empty()) {
-    auto d = estimator::ParseOffloadDevice(f.offload_optimizer);
-    if (!d.ok()) return fail(d.status());
-    options.only_offload_optimizer = *d;
-  }
-  if (!f.offload_param.empty()) {
-    auto d = estimator::ParseOffloadDevice(f.offload_param);
-    if (!d.ok()) return fail(d.status());
-    options.only_offload_param = *d;
-  }
-  if (!f.checkpointing.empty()) {
-    auto c = estimator::ParseCheckpointing(f.checkpointing);
-    if (!c.ok()) return fail(c.status());
-    options.only_checkpointing = *c;
-  }
-  if (!f.sharding.empty()) {
-    options.only_sharding =
-        f.sharding == "hybrid" ? planner::Sharding::kHybrid : planner::Sharding::kFull;
-  }
+  if (Status s = FillRequest(f, &request, &note); !s.ok()) return fail(s);
+  auto resolved = planner::Resolve(request, *inventory->arch);
+  if (!resolved.ok()) return fail(resolved.status());
+  const planner::Cluster* cluster = &resolved->cluster;
+  const planner::Job& job = resolved->job;
+  const planner::SearchOptions& options = resolved->options;
+  const std::optional<planner::Calibration>& calibration = request.calibration;
+  // A calibration's warnings, repeated (Note [Calibration bounds]).
+  const std::string warnings =
+      calibration ? CalibrationWarningLines(*calibration, f.calibration) : "";
   auto result = planner::SearchPlans(*inventory, *cluster, job, options);
   if (!result.ok()) return fail(result.status());
   if (!note.empty()) result->assumptions.push_back("--detect: " + note);
-  if (const std::string alias = planner::GpuAliasNote(f.cluster.gpu); !alias.empty()) {
-    result->assumptions.push_back(alias);
-  }
-  if (f.cluster.gpus > 8 && cluster->nodes == 1) {
-    // Issue 31 item 10: "--gpus 16" read as 16 in all.
-    result->assumptions.push_back(
-        "--gpus is GPUs per node: one node of " + std::to_string(f.cluster.gpus) +
-        " GPUs; for nodes of 8, give --gpus 8 --nodes " + std::to_string((f.cluster.gpus + 7) / 8));
-  }
+  for (const std::string& n : resolved->notes) result->assumptions.push_back(FieldsToFlags(n));
 
   std::string written;
   nlohmann::ordered_json schedule_prediction;  // --emit-schedule: the engine model's prediction
@@ -603,7 +576,9 @@ Result<planner::Cluster> BuildClusterForCheck(const std::string& gpu, int64_t gp
   flags.memlock = memlock;
   flags.cluster_file = cluster_file;
   std::string note;
-  return flags.Build(&note);
+  planner::PlanRequest request;
+  MEMPLAN_RETURN_IF_ERROR(flags.Fill(&request, &note));
+  return planner::ResolveCluster(request);
 }
 
 }  // namespace memplan::tools

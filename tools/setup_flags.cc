@@ -140,15 +140,20 @@ void JobSetupFlags::Add(CLI::App* cmd, const std::string& group, const std::stri
       ->group(group);
 }
 
-Status JobSetupFlags::Apply(const std::string& precision_name, estimator::TrainingSetup* s) const {
-  MEMPLAN_ASSIGN_OR_RETURN(s->precision, estimator::ParsePrecision(precision_name));
-  MEMPLAN_ASSIGN_OR_RETURN(s->optimizer, estimator::ParseOptimizer(optimizer));
-  s->lora_rank = lora_rank;
-  s->lora_targets = lora_targets;
-  s->qlora = qlora;
-  shared.Apply(s, /*only_given=*/false);
-  s->seq_len = seq_len;
-  s->cuda_context_bytes = static_cast<int64_t>(cuda_context_mib * 1048576.0);
+Status JobSetupFlags::Fill(planner::PlanRequest* r) const {
+  estimator::TrainingSetup& s = r->setup;
+  if (!precision.empty()) {
+    MEMPLAN_ASSIGN_OR_RETURN(r->precision, estimator::ParsePrecision(precision));
+  }
+  if (OptimizerGiven()) {
+    MEMPLAN_ASSIGN_OR_RETURN(r->optimizer, estimator::ParseOptimizer(optimizer));
+  }
+  s.lora_rank = lora_rank;
+  s.lora_targets = lora_targets;
+  s.qlora = qlora;
+  shared.Apply(&s, /*only_given=*/false);
+  s.seq_len = seq_len;
+  s.cuda_context_bytes = static_cast<int64_t>(cuda_context_mib * 1048576.0);
   return Status::Ok();
 }
 

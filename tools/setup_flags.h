@@ -14,6 +14,7 @@
 #include <CLI/CLI.hpp>
 
 #include "estimator/training_setup.h"
+#include "planner/plan_request.h"
 
 namespace memplan::tools {
 
@@ -35,7 +36,7 @@ struct SharedSetupFlags {
 // LoRA flags, the SharedSetupFlags and --cuda-context-mib, in that order in the help.
 struct JobSetupFlags {
   int64_t seq_len = 0;
-  std::string precision;  // empty: the command's default (Apply's `precision`)
+  std::string precision;  // empty: the default (planner::DefaultPrecision)
   std::string optimizer = "adamw";
   int64_t lora_rank = 0;
   std::vector<std::string> lora_targets;
@@ -52,10 +53,10 @@ struct JobSetupFlags {
   bool OptimizerGiven() const {
     return optimizer_option != nullptr && optimizer_option->count() > 0;
   }
-  // Copies the flags into `setup`, with `precision` (--precision, or the command's default for
-  // it) parsed. Fails, leaving `setup` partly set, when `precision` or --optimizer is not a name
-  // the estimator knows.
-  Status Apply(const std::string& precision, estimator::TrainingSetup* setup) const;
+  // Puts the flags into a plan request: the setup, and --precision and --optimizer only when
+  // given (planner::Resolve applies their defaults, Note [Plan defaults]). Fails when either is
+  // not a name the estimator knows.
+  Status Fill(planner::PlanRequest* request) const;
 };
 
 // The library names a field in its messages as the JSON request, setup or cluster file spells it,

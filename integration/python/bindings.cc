@@ -851,6 +851,12 @@ PYBIND11_MODULE(_native, m) {
         return memplan::python::Answer(request, "plan request", memplan::integration::Plan);
       },
       py::arg("request"), "Plan request JSON -> `memplan plan --format json` JSON");
+  m.def(
+      "capacity_json",
+      [](const std::string& request) {
+        return memplan::python::Answer(request, "capacity request", memplan::integration::Capacity);
+      },
+      py::arg("request"), "Capacity request JSON -> `memplan capacity --format json` JSON");
 
   m.def(
       "nccl_unique_id",

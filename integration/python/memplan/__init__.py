@@ -47,8 +47,8 @@ else:
     # A new ncclUniqueId (bytes) for an Engine's NCCL collective; NotImplementedError without
     # NCCL.
     nccl_unique_id = _native.nccl_unique_id
-__all__ = ["estimate", "plan", "estimate_module", "Engine", "schedule", "IoFile", "CpuAdam",
-           "nccl_unique_id", "NotFoundError"]
+__all__ = ["estimate", "plan", "capacity", "estimate_module", "Engine", "schedule", "IoFile",
+           "CpuAdam", "nccl_unique_id", "NotFoundError"]
 
 
 class NotFoundError(KeyError, ValueError):
@@ -106,19 +106,70 @@ def estimate(model=None, *, config=None, shapes=None, name=None, gpus=1, nodes=1
     return _json.loads(_native.estimate_json(_json.dumps(request)))
 
 
+# The training-setup keys (the JSON "setup" object) that plan and capacity take as keywords; the
+# keys the plan search chooses (zero_stage, micro_batch, offload_*, checkpointing) stay at the top
+# level, where they restrict the search.
+_SETUP_KEYWORDS = frozenset((
+    "precision", "optimizer", "seq_len", "lora_rank", "lora_targets", "qlora", "lora_dropout",
+    "double_quant", "flash_attention", "foreach", "fused_optimizer", "sgd_momentum",
+    "sequence_parallel", "autocast", "gradient_as_bucket_view", "framework", "loss",
+    "loss_chunks", "checkpoint_every", "torch_compile", "gpu_arch", "torch_version",
+    "cuda_context_bytes"))
+
+
+def _nest_setup(request):
+    """The request with its setup keywords moved into "setup" (refusing one given twice)."""
+    moved = {k: v for k, v in request.items() if k in _SETUP_KEYWORDS}
+    if not moved:
+        return request
+    rest = {k: v for k, v in request.items() if k not in _SETUP_KEYWORDS}
+    setup = dict(rest.get("setup") or {})
+    for key, value in moved.items():
+        if key in setup:
+            raise ValueError(f"memplan: {key!r} is given both as a keyword and in setup")
+        setup[key] = value
+    rest["setup"] = setup
+    return rest
+
+
 def plan(model=None, *, config=None, **request):
     """The fastest plan that fits: ``memplan plan --format json`` as a dict.
 
-    Keywords as the plan request (integration/requests.h): gpu="a100-80", gpus, nodes,
-    cpu_mem="1TiB", nvme_path, nvme_capacity, global_batch (or global_batch_tokens), seq_len,
-    precision, optimizer, lora_rank, top, and emit=["deepspeed", "accelerate", "fsdp",
-    "schedule"] to get the configurations of plans[plan_index] under "emitted".
+    Keywords as the plan request (integration/requests.h): gpu="a100-80" (or cluster={...}),
+    gpus, nodes, cpu_mem="1TiB", memlock="unlimited", nvme_path, nvme_capacity, global_batch (or
+    global_batch_tokens), setup={...} (the training settings, the same object as estimate's:
+    precision, optimizer, seq_len, lora_rank, ...; absent keys take the defaults of Note [Plan
+    defaults] in planner/plan_request.h), the what-if keys zero_stage, offload_optimizer,
+    offload_param, checkpointing, micro_batch, sharding, and top, and emit=["deepspeed",
+    "accelerate", "fsdp", "schedule", "trainer"] to get the configurations of plans[plan_index]
+    under "emitted". Setup keywords may also be given as keywords (precision="fp32",
+    seq_len=4096, as ``estimate`` takes them): they go into ``setup``.
     """
+    request = _nest_setup(request)
     if model is not None:
         request["model"] = model
     if config is not None:
         request["config"] = _load_json_arg(config)
     return _json.loads(_native.plan_json(_json.dumps(request)))
+
+
+def capacity(model=None, *, config=None, **request):
+    """Which GPU type, how many, how long and at what cost: ``memplan capacity --format json`` as
+    a dict.
+
+    Keywords as the capacity request (integration/requests.h): gpu=["a100-80", "h100-80"] (or
+    "a100-80,h100-80"), gpus="8-512" (or a list of counts), gpus_per_node, price=2.5 or
+    {"a100-80": 1.8, "h100-80": 2.9}, tokens="1T" (required), max_days, cluster={...} (a
+    capacity cluster document), the node keys cpu_mem, cpu_cores, pcie_gen, inter_node_bw,
+    memlock, nvme_path, nvme_capacity, global_batch (or global_batch_tokens), setup={...} (as
+    plan's; setup keywords such as seq_len=4096 go into it), gpu_margin, allow_nvme and threads.
+    """
+    request = _nest_setup(request)
+    if model is not None:
+        request["model"] = model
+    if config is not None:
+        request["config"] = _load_json_arg(config)
+    return _json.loads(_native.capacity_json(_json.dumps(request)))
 
 
 def _shape_list(module):
