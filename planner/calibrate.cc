@@ -24,12 +24,64 @@ std::string Fmt(const char* format, double v) {
   return text;
 }
 
-// One fitted quantity: where it lives, its scale (the fit works in value / scale) and bounds.
+// Note [Calibration]'s constants: the one table every use reads (the candidates of a fit, where a
+// value lives in the model, its bounds and prior width, the file's keys, why runs leave it
+// undetermined, the lists users read). In priority order: the fit's, the file's "fitted" list's.
+struct ConstantSpec {
+  const char* name;
+  double TimeConstants::*constant;  // where it lives in TimeConstants; nullptr: in GpuSpec
+  double GpuSpec::*gpu_constant;    // where it lives in the GPU's spec; nullptr: above
+  // One per GPU type: the fitted values by GPU name ("gemm_efficiency[a100-80]", the file's
+  // "gpus" entries); nullptr: one for all (the file's "constants").
+  std::map<std::string, double> Calibration::*per_gpu;
+  double lo, hi;          // bounds
+  double scale;           // the fit works in value / scale
+  double prior_width;     // the prior's width; 0: 30% of the prior (at least of 0.05)
+  double error_floor;     // a standard error is relative to max(|value|, this)
+  int listed;             // position in the lists users read (--help, errors)
+  const char* untouched;  // why, when no run's time depends on it
+  const char* collinear;  // why, when the runs cannot tell it from those before it; null: generic
+};
+
+const ConstantSpec kConstants[] = {
+    {"gemm_efficiency", nullptr, &GpuSpec::gemm_efficiency, &Calibration::gemm_efficiency, 0.01,
+     1.0, 1, 0, 1e-9, 0, "no run's time depends on it", nullptr},
+    {"link_efficiency", &TimeConstants::link_efficiency, nullptr, &Calibration::link_efficiency,
+     0.01, 1.0, 1, 0, 1e-9, 2, "no run has more than one GPU", nullptr},
+    {"network_efficiency", &TimeConstants::network_efficiency, nullptr, nullptr, 0.01, 1.0, 1, 0,
+     1e-9, 3, "no run spans nodes", nullptr},
+    {"offload_overlap", &TimeConstants::offload_overlap, nullptr, nullptr, 0.0, 1.0, 1, 0.3, 1e-9,
+     4, "no run offloads (or its offload time has nothing to overlap)", nullptr},
+    {"cpu_adam_factor", &TimeConstants::cpu_adam_factor, nullptr, nullptr, 0.05, 5.0, 1, 0.5, 1e-9,
+     5, "no run offloads the optimizer", nullptr},
+    {"gemm_tokens_half", &TimeConstants::gemm_tokens_half, nullptr, nullptr, 0.0, 1e6, 1000, 1000,
+     1000, 1, "no run's GEMMs are compute-bound",
+     "every run has the same micro-batch x sequence per GPU, which cannot tell it from "
+     "gemm_efficiency (measure two or more sizes)"},
+};
+
+// The table's entry for `name`, a constant ("link_efficiency") or one GPU's ("...[a100-80]").
+const ConstantSpec* FindConstant(const std::string& name) {
+  const std::string base = name.substr(0, name.find('['));
+  for (const ConstantSpec& spec : kConstants) {
+    if (base == spec.name) return &spec;
+  }
+  return nullptr;
+}
+
+// Where `spec`'s value lives for a run on `gpu` with constants `k`.
+double& Slot(const ConstantSpec& spec, TimeConstants& k, GpuSpec& gpu) {
+  return spec.gpu_constant != nullptr ? gpu.*spec.gpu_constant : k.*spec.constant;
+}
+
+// One fitted quantity: a constant, for one GPU (per-GPU constants) or for all.
 struct Parameter {
   std::string name;  // "gemm_efficiency[a100-80]", "network_efficiency", ...
-  std::string base;  // the constant: "gemm_efficiency", "link_efficiency", ...
-  std::string gpu;   // per-GPU constants: the GPU it belongs to
-  double scale = 1, lo = 0, hi = 1;
+  const ConstantSpec* spec = nullptr;
+  std::string gpu;  // per-GPU constants: the GPU it belongs to
+  double scale() const { return spec->scale; }
+  double lo() const { return spec->lo; }
+  double hi() const { return spec->hi; }
 };
 
 // The constants of Note [Calibration], in priority order, for the runs' GPUs.
@@ -41,16 +93,13 @@ std::vector<Parameter> Candidates(const std::vector<CalibrationRun>& runs) {
       gpus.push_back(r.run.cluster.gpu.name);
     }
   }
-  for (const std::string& g : gpus) {
-    out.push_back({"gemm_efficiency[" + g + "]", "gemm_efficiency", g, 1, 0.01, 1.0});
+  for (const ConstantSpec& spec : kConstants) {
+    if (spec.per_gpu == nullptr) {
+      out.push_back({spec.name, &spec, ""});
+      continue;
+    }
+    for (const std::string& g : gpus) out.push_back({spec.name + ("[" + g + "]"), &spec, g});
   }
-  for (const std::string& g : gpus) {
-    out.push_back({"link_efficiency[" + g + "]", "link_efficiency", g, 1, 0.01, 1.0});
-  }
-  out.push_back({"network_efficiency", "network_efficiency", "", 1, 0.01, 1.0});
-  out.push_back({"offload_overlap", "offload_overlap", "", 1, 0.0, 1.0});
-  out.push_back({"cpu_adam_factor", "cpu_adam_factor", "", 1, 0.05, 5.0});
-  out.push_back({"gemm_tokens_half", "gemm_tokens_half", "", 1000, 0.0, 1e6});
   return out;
 }
 
@@ -61,15 +110,6 @@ struct Model {
   std::vector<Parameter> params;
   TimeConstants base;
 
-  double Get(const Parameter& p, const TimeConstants& k, const GpuSpec& gpu) const {
-    if (p.base == "gemm_efficiency") return gpu.gemm_efficiency;
-    if (p.base == "link_efficiency") return k.link_efficiency;
-    if (p.name == "network_efficiency") return k.network_efficiency;
-    if (p.name == "offload_overlap") return k.offload_overlap;
-    if (p.name == "cpu_adam_factor") return k.cpu_adam_factor;
-    return k.gemm_tokens_half;
-  }
-
   // Predicted step time of run `i` with parameter values `v`.
   double Predict(size_t i, const Eigen::VectorXd& v) const {
     const CalibrationRun& r = (*runs)[i];
@@ -77,19 +117,8 @@ struct Model {
     TimeConstants k = base;
     for (size_t j = 0; j < params.size(); ++j) {
       const Parameter& p = params[j];
-      if (!p.gpu.empty()) {
-        if (p.gpu != c.gpu.name) continue;
-        (p.base == "gemm_efficiency" ? c.gpu.gemm_efficiency : k.link_efficiency) =
-            v[static_cast<Eigen::Index>(j)];
-      } else if (p.name == "network_efficiency") {
-        k.network_efficiency = v[static_cast<Eigen::Index>(j)];
-      } else if (p.name == "offload_overlap") {
-        k.offload_overlap = v[static_cast<Eigen::Index>(j)];
-      } else if (p.name == "cpu_adam_factor") {
-        k.cpu_adam_factor = v[static_cast<Eigen::Index>(j)];
-      } else {
-        k.gemm_tokens_half = v[static_cast<Eigen::Index>(j)];
-      }
+      if (!p.gpu.empty() && p.gpu != c.gpu.name) continue;
+      Slot(*p.spec, k, c.gpu) = v[static_cast<Eigen::Index>(j)];
     }
     const TrainingSetup& s = r.run.setup;
     const int64_t batch = s.micro_batch * s.grad_accum * c.WorldSize();
@@ -111,11 +140,11 @@ struct Model {
     Eigen::MatrixXd j(n, m);
     for (Eigen::Index c = 0; c < m; ++c) {
       const Parameter& p = params[static_cast<size_t>(c)];
-      const double h = 1e-4 * p.scale;
+      const double h = 1e-4 * p.scale();
       Eigen::VectorXd up = v, down = v;
-      up[c] = std::min(p.hi, v[c] + h);
-      down[c] = std::max(p.lo, v[c] - h);
-      const double span = (up[c] - down[c]) / p.scale;
+      up[c] = std::min(p.hi(), v[c] + h);
+      down[c] = std::max(p.lo(), v[c] - h);
+      const double span = (up[c] - down[c]) / p.scale();
       const Eigen::VectorXd d = (Residuals(up) - Residuals(down)) / span;
       j.col(c) = d;
     }
@@ -212,87 +241,76 @@ nlohmann::json ToJson(const MeasuredRun& run) {
           {"source", run.source}};
 }
 
-Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
-                              const CalibrateOptions& options) {
-  if (runs.empty()) return Status::InvalidArgument("calibrate: no runs");
-  Model model;
-  model.runs = &runs;
-  model.base = options.start;
-  for (const CalibrationRun& r : runs) {
-    if (r.inventory == nullptr) return Status::Internal("calibrate: a run without its model");
-    auto shape = ModelShapeFor(*r.inventory, r.run.setup);
-    if (!shape.ok()) return shape.status().WithPrefix("run '" + r.run.id + "'");
-    model.shapes.push_back(*shape);
-  }
+namespace {
 
-  // The candidates, as asked for.
+bool AskedFor(const Parameter& p, const std::set<std::string>& asked) {
+  return asked.count(p.spec->name) > 0 || asked.count(p.name) > 0;
+}
+
+// The candidates, as `constants` asks for them (all when empty); an unknown name is an error.
+Result<std::vector<Parameter>> AskedCandidates(const std::vector<CalibrationRun>& runs,
+                                               const std::set<std::string>& asked) {
   std::vector<Parameter> candidates = Candidates(runs);
-  std::set<std::string> asked(options.constants.begin(), options.constants.end());
-  if (!asked.empty()) {
-    std::set<std::string> known = {"gemm_efficiency", "link_efficiency"};
-    for (const Parameter& p : candidates) {
-      known.insert(p.base);
-      known.insert(p.name);  // one GPU's: "gemm_efficiency[a100-80]"
+  if (asked.empty()) return candidates;
+  std::set<std::string> known;
+  for (const ConstantSpec& spec : kConstants) known.insert(spec.name);
+  for (const Parameter& p : candidates) known.insert(p.name);  // one GPU's: "...[a100-80]"
+  for (const std::string& name : asked) {
+    if (known.count(name) == 0) {
+      return Status::InvalidArgument("`constants` " + name + ": not a calibrated constant (" +
+                                     CalibratedConstantNames() + ")");
     }
-    for (const std::string& name : asked) {
-      if (known.count(name) == 0) {
-        return Status::InvalidArgument(
-            "`constants` " + name +
-            ": not a calibrated constant (gemm_efficiency, gemm_tokens_half, link_efficiency, "
-            "network_efficiency, offload_overlap, cpu_adam_factor)");
-      }
-    }
-    std::vector<Parameter> kept;
-    for (const Parameter& p : candidates) {
-      if (asked.count(p.base) > 0 || asked.count(p.name) > 0) kept.push_back(p);
-    }
-    candidates = kept;
   }
-  // Values at the prior.
-  auto prior_of = [&](const Parameter& p) {
-    for (const CalibrationRun& r : runs) {
-      if (p.base == "gemm_efficiency" && r.run.cluster.gpu.name == p.gpu) {
-        return r.run.cluster.gpu.gemm_efficiency;
-      }
-    }
-    return model.Get(p, options.start, GpuSpec{});
-  };
-  model.params = candidates;
+  std::vector<Parameter> kept;
+  for (const Parameter& p : candidates) {
+    if (AskedFor(p, asked)) kept.push_back(p);
+  }
+  return kept;
+}
+
+// The candidates' values at their priors: a GPU's own gemm_efficiency, else `start`'s.
+Eigen::VectorXd Priors(const std::vector<Parameter>& candidates,
+                       const std::vector<CalibrationRun>& runs, const TimeConstants& start) {
   Eigen::VectorXd v(static_cast<Eigen::Index>(candidates.size()));
   for (size_t j = 0; j < candidates.size(); ++j) {
-    v[static_cast<Eigen::Index>(j)] =
-        std::clamp(prior_of(candidates[j]), candidates[j].lo, candidates[j].hi);
-  }
-
-  // The Jacobian at the priors says which candidates the runs touch (Note [Calibration]).
-  Calibration result;
-  result.constants = options.start;
-  const Eigen::MatrixXd j0 = model.Jacobian(v);
-  std::vector<size_t> kept;
-  auto why_not = [&](const Parameter& p, bool touched) -> std::string {
-    if (!touched) {
-      if (p.base == "link_efficiency") return p.name + ": no run has more than one GPU";
-      if (p.name == "network_efficiency") return p.name + ": no run spans nodes";
-      if (p.name == "cpu_adam_factor") return p.name + ": no run offloads the optimizer";
-      if (p.name == "offload_overlap") {
-        return p.name + ": no run offloads (or its offload time has nothing to overlap)";
+    const Parameter& p = candidates[j];
+    TimeConstants k = start;
+    GpuSpec gpu;
+    for (const CalibrationRun& r : runs) {
+      if (p.spec->gpu_constant != nullptr && r.run.cluster.gpu.name == p.gpu) {
+        gpu = r.run.cluster.gpu;
+        break;
       }
-      if (p.name == "gemm_tokens_half") return p.name + ": no run's GEMMs are compute-bound";
-      return p.name + ": no run's time depends on it";
     }
-    if (p.name == "gemm_tokens_half") {
-      return p.name +
-             ": every run has the same micro-batch x sequence per GPU, which cannot tell it from "
-             "gemm_efficiency (measure two or more sizes)";
-    }
-    return p.name + ": the runs cannot tell it from the other constants";
-  };
-  // Which candidates the runs touch at all; of those, which ones the runs cannot tell from the
-  // candidates before them (the normalised columns, in priority order, do not raise the rank):
-  // these are fitted all the same, since the priors make the fit well posed, and when one of
-  // them turns out too uncertain, that is the reason given.
+    v[static_cast<Eigen::Index>(j)] = std::clamp(Slot(*p.spec, k, gpu), p.lo(), p.hi());
+  }
+  return v;
+}
+
+// Why the runs leave `p` undetermined: no run's time depends on it (`touched` false), or they
+// cannot tell it from the constants before it.
+std::string WhyNot(const Parameter& p, bool touched) {
+  if (!touched) return p.name + ": " + p.spec->untouched;
+  if (p.spec->collinear != nullptr) return p.name + ": " + p.spec->collinear;
+  return p.name + ": the runs cannot tell it from the other constants";
+}
+
+// Which candidates the runs touch at all (kept; the others are not determined, an error when
+// asked for by name); of those, which ones the runs cannot tell from the candidates before them
+// (the normalised Jacobian columns at the priors, in priority order, do not raise the rank):
+// these are fitted all the same, since the priors make the fit well posed, and when one of them
+// turns out too uncertain, that is the reason given.
+struct Screened {
+  std::vector<size_t> kept;
+  std::vector<bool> collinear;  // per candidate
+};
+Result<Screened> Screen(const Model& model, const std::vector<Parameter>& candidates,
+                        const Eigen::VectorXd& v, const std::set<std::string>& asked,
+                        std::vector<std::string>* not_determined) {
+  const Eigen::MatrixXd j0 = model.Jacobian(v);
   const double column_floor = 1e-6;
-  std::vector<bool> collinear(candidates.size(), false);
+  Screened out;
+  out.collinear.assign(candidates.size(), false);
   std::vector<size_t> independent;
   for (size_t c = 0; c < candidates.size(); ++c) {
     const Eigen::VectorXd col = j0.col(static_cast<Eigen::Index>(c));
@@ -306,18 +324,270 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
       sub.col(static_cast<Eigen::Index>(independent.size())) = col / col.norm();
       Eigen::JacobiSVD<Eigen::MatrixXd> svd(sub);
       const Eigen::VectorXd sv = svd.singularValues();
-      collinear[c] = !(sv[sv.size() - 1] > 1e-3 * sv[0]);
-      if (!collinear[c]) independent.push_back(c);
+      out.collinear[c] = !(sv[sv.size() - 1] > 1e-3 * sv[0]);
+      if (!out.collinear[c]) independent.push_back(c);
     }
     const Parameter& p = candidates[c];
     if (touched) {
-      kept.push_back(c);
-    } else if (asked.count(p.base) > 0 || asked.count(p.name) > 0) {
-      return Status::InvalidArgument("`constants`: cannot fit " + why_not(p, touched));
+      out.kept.push_back(c);
+    } else if (AskedFor(p, asked)) {
+      return Status::InvalidArgument("`constants`: cannot fit " + WhyNot(p, touched));
     } else {
-      result.not_determined.push_back(why_not(p, touched));
+      not_determined->push_back(WhyNot(p, touched));
     }
   }
+  return out;
+}
+
+// One maximum a posteriori fit of `params` (Note [Calibration]): the values, their standard
+// errors, which are pinned at a bound, the data's cost.
+struct Fitted {
+  std::vector<Parameter> params;
+  Eigen::VectorXd x, x_prior, se;
+  std::vector<bool> pinned;  // at a bound that the objective pushes it past
+  double cost = 0;
+};
+
+// Levenberg-Marquardt over `params`, in value / scale units, against the data residuals / noise
+// and, with the prior, (x - prior) / width.
+class MapFit {
+ public:
+  MapFit(const Model& model, const std::vector<Parameter>& params, const Eigen::VectorXd& prior)
+      : model_(model), params_(params), prior_(prior) {
+    scales_.resize(prior.size());
+    widths_.resize(prior.size());
+    for (Eigen::Index k = 0; k < prior.size(); ++k) {
+      const ConstantSpec& spec = *params[static_cast<size_t>(k)].spec;
+      scales_[k] = spec.scale;
+      widths_[k] = spec.prior_width > 0 ? spec.prior_width : 0.3 * std::max(prior[k], 0.05);
+    }
+  }
+  const Eigen::VectorXd& scales() const { return scales_; }
+
+  Eigen::VectorXd Residuals(const Eigen::VectorXd& y, double noise, bool with_prior) const {
+    const Eigen::VectorXd rd = model_.Residuals(y) / noise;
+    if (!with_prior) return rd;
+    Eigen::VectorXd out(rd.size() + y.size());
+    out << rd, (y - prior_).cwiseQuotient(widths_);
+    return out;
+  }
+  Eigen::MatrixXd Jacobian(const Eigen::VectorXd& y, double noise, bool with_prior) const {
+    const Eigen::MatrixXd jd = model_.Jacobian(y) / noise;
+    if (!with_prior) return jd;
+    Eigen::MatrixXd out(jd.rows() + y.size(), y.size());
+    out << jd, Eigen::MatrixXd(scales_.cwiseQuotient(widths_).asDiagonal());
+    return out;
+  }
+
+  // Minimises from `x` in place; returns the iterations taken.
+  int Minimise(Eigen::VectorXd* x, double noise, bool with_prior, int max_iterations) const {
+    Eigen::VectorXd r = Residuals(*x, noise, with_prior);
+    double c = r.squaredNorm();
+    double lambda = 1e-3;
+    int it = 0;
+    for (; it < max_iterations; ++it) {
+      const Eigen::MatrixXd j = Jacobian(*x, noise, with_prior);
+      Eigen::MatrixXd a = j.transpose() * j;
+      Eigen::VectorXd g = j.transpose() * r;
+      // A constant at a bound that the descent pushes further out stays there this step (an
+      // active set), so the others are not dragged along a clamped direction.
+      for (Eigen::Index k = 0; k < x->size(); ++k) {
+        const Parameter& p = params_[static_cast<size_t>(k)];
+        if (((*x)[k] <= p.lo() && g[k] > 0) || ((*x)[k] >= p.hi() && g[k] < 0)) {
+          a.row(k).setZero();
+          a.col(k).setZero();
+          a(k, k) = 1;
+          g[k] = 0;
+        }
+      }
+      bool improved = false;
+      double gain = 0, moved = 0;
+      for (int tries = 0; tries < 40 && !improved; ++tries) {
+        Eigen::MatrixXd damped = a;
+        for (Eigen::Index k = 0; k < a.rows(); ++k) {
+          damped(k, k) += lambda * std::max(a(k, k), 1e-12);
+        }
+        const Eigen::VectorXd step = damped.ldlt().solve(-g);
+        const Eigen::VectorXd candidate = Clamp(*x + step.cwiseProduct(scales_));
+        const Eigen::VectorXd rc = Residuals(candidate, noise, with_prior);
+        const double c2 = rc.squaredNorm();
+        if (std::isfinite(c2) && c2 < c) {
+          gain = c - c2;
+          moved = (candidate - *x).cwiseQuotient(scales_).norm();
+          *x = candidate;
+          r = rc;
+          c = c2;
+          lambda = std::max(lambda / 3, 1e-9);
+          improved = true;
+        } else {
+          lambda *= 4;
+        }
+      }
+      // Converged: no step lowers the cost, or the last one barely did or barely moved.
+      if (!improved || gain <= 1e-10 * std::max(c, 1e-20) || moved < 1e-9) break;
+    }
+    return it;
+  }
+
+ private:
+  Eigen::VectorXd Clamp(Eigen::VectorXd y) const {
+    for (Eigen::Index k = 0; k < y.size(); ++k) {
+      const Parameter& p = params_[static_cast<size_t>(k)];
+      y[k] = std::clamp(y[k], p.lo(), p.hi());
+    }
+    return y;
+  }
+
+  const Model& model_;
+  const std::vector<Parameter>& params_;
+  Eigen::VectorXd prior_, scales_, widths_;
+};
+
+// Fits the kept candidates from their priors `v`: first the data alone, whose scatter is the
+// measurement noise (at least kNoiseFloor); then the data against the priors, each residual
+// weighed by that noise. Then the standard errors and the constants pinned at a bound.
+Result<Fitted> FitKept(Model* model, const std::vector<Parameter>& candidates,
+                       const std::vector<size_t>& kept, const Eigen::VectorXd& v,
+                       int max_iterations, int* iterations) {
+  Fitted f;
+  for (size_t c : kept) f.params.push_back(candidates[c]);
+  model->params = f.params;
+  f.x.resize(static_cast<Eigen::Index>(kept.size()));
+  for (size_t k = 0; k < kept.size(); ++k) {
+    f.x[static_cast<Eigen::Index>(k)] = v[static_cast<Eigen::Index>(kept[k])];
+  }
+  f.x_prior = f.x;
+  const MapFit fit(*model, f.params, f.x_prior);
+  const Eigen::VectorXd& scales = fit.scales();
+  constexpr double kNoiseFloor = 0.002;
+  *iterations += fit.Minimise(&f.x, 1.0, false, max_iterations);
+  const auto n = static_cast<double>(model->runs->size());
+  const auto m = static_cast<double>(kept.size());
+  const double data_cost = model->Residuals(f.x).squaredNorm();
+  const double noise = std::max(kNoiseFloor, n > m ? std::sqrt(data_cost / (n - m)) : 0.02);
+  *iterations += fit.Minimise(&f.x, noise, true, max_iterations);
+  for (Eigen::Index k = 0; k < f.x.size(); ++k) {
+    if (!std::isfinite(f.x[k])) return Status::Internal("calibrate: the fit diverged");
+  }
+  f.cost = model->Residuals(f.x).squaredNorm();
+
+  // Standard errors from the curvature of the objective at the solution, in value units.
+  const Eigen::MatrixXd jf = fit.Jacobian(f.x, noise, true);
+  const Eigen::MatrixXd cov =
+      (jf.transpose() * jf).completeOrthogonalDecomposition().pseudoInverse();
+  f.se = Eigen::VectorXd::Zero(f.x.size());
+  for (Eigen::Index k = 0; k < f.x.size(); ++k) {
+    f.se[k] = std::sqrt(std::max(0.0, cov(k, k))) * scales[k];
+  }
+  // A constant at a bound is pinned there when the fit moved it there, or when it started there
+  // and the unbounded optimum lies past the bound by more than a standard error: either way the
+  // runs want a value the model does not allow (Note [Calibration bounds]).
+  const Eigen::VectorXd gradient = jf.transpose() * fit.Residuals(f.x, noise, true);
+  const Eigen::MatrixXd curvature = jf.transpose() * jf;
+  f.pinned.assign(static_cast<size_t>(f.x.size()), false);
+  for (Eigen::Index k = 0; k < f.x.size(); ++k) {
+    const Parameter& p = f.params[static_cast<size_t>(k)];
+    const bool at_lo = f.x[k] <= p.lo() + 1e-12, at_hi = f.x[k] >= p.hi() - 1e-12;
+    if (!at_lo && !at_hi) continue;
+    const double step = -gradient[k] / std::max(curvature(k, k), 1e-12) * scales[k];
+    const bool outward = (at_lo && step < 0) || (at_hi && step > 0);
+    f.pinned[static_cast<size_t>(k)] =
+        f.x[k] != f.x_prior[k] ||
+        (outward && std::fabs(step) > std::max(f.se[k], 1e-3 * scales[k]));
+  }
+  return f;
+}
+
+// The least certain constant not asked for by name whose standard error is above
+// kMaxRelativeError of its value (of its error floor near 0); -1 when none is.
+Eigen::Index MostUncertain(const Fitted& f, const std::set<std::string>& asked) {
+  constexpr double kMaxRelativeError = 0.25;
+  Eigen::Index worst = -1;
+  double worst_ratio = kMaxRelativeError;
+  for (Eigen::Index k = 0; k < f.x.size(); ++k) {
+    const Parameter& p = f.params[static_cast<size_t>(k)];
+    if (AskedFor(p, asked)) continue;
+    const double ratio = f.se[k] / std::max(std::fabs(f.x[k]), p.spec->error_floor);
+    if (ratio > worst_ratio) {
+      worst_ratio = ratio;
+      worst = k;
+    }
+  }
+  return worst;
+}
+
+// The fitted constants into `result`: the report's list and the values the plans use.
+void RecordFitted(const Fitted& f, Calibration* result) {
+  for (size_t k = 0; k < f.params.size(); ++k) {
+    const Parameter& p = f.params[k];
+    const auto e = static_cast<Eigen::Index>(k);
+    result->fitted.push_back({p.name, f.x_prior[e], f.x[e], f.se[e], f.pinned[k]});
+    if (p.spec->per_gpu != nullptr) {
+      ((*result).*(p.spec->per_gpu))[p.gpu] = f.x[e];
+    } else {
+      result->constants.*(p.spec->constant) = f.x[e];
+    }
+  }
+}
+
+// Note [Calibration bounds]: a fit that does not explain its runs is refused.
+Status CheckExplains(const Calibration& result, const CalibrateOptions& options) {
+  const RunResidual* worst = nullptr;
+  for (const RunResidual& r : result.runs) {
+    if (worst == nullptr || std::fabs(r.fitted_s / r.measured_s - 1) >
+                                std::fabs(worst->fitted_s / worst->measured_s - 1)) {
+      worst = &r;
+    }
+  }
+  if (result.rms_error_fitted <= options.max_rms_error) return Status::Ok();
+  return Status::InvalidArgument(
+      "calibrate: the calibrated model still misses the runs by " +
+      Fmt("%.3g%%", result.rms_error_fitted * 100) + " RMS (" +
+      Fmt("%.3g%%", result.rms_error_prior * 100) + " with the priors), more than the " +
+      Fmt("%.3g%%", options.max_rms_error * 100) + " `max_rms_error` accepts; the worst, run '" +
+      Printable(worst->id) + "': measured " + Fmt("%.4g", worst->measured_s) +
+      " s, calibrated model " + Fmt("%.4g", worst->fitted_s) +
+      " s. The runs measure something the model does not describe: check that step_time_s is "
+      "seconds per optimizer step and that each run's model, cluster (GPU, nodes, network) and "
+      "setup are what ran. Nothing was written");
+}
+
+}  // namespace
+
+std::string CalibratedConstantNames() {
+  std::vector<const ConstantSpec*> listed;
+  for (const ConstantSpec& spec : kConstants) listed.push_back(&spec);
+  std::sort(listed.begin(), listed.end(),
+            [](const ConstantSpec* a, const ConstantSpec* b) { return a->listed < b->listed; });
+  std::string names;
+  for (const ConstantSpec* spec : listed)
+    names += (names.empty() ? "" : ", ") + std::string(spec->name);
+  return names;
+}
+
+Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
+                              const CalibrateOptions& options) {
+  if (runs.empty()) return Status::InvalidArgument("calibrate: no runs");
+  Model model;
+  model.runs = &runs;
+  model.base = options.start;
+  for (const CalibrationRun& r : runs) {
+    if (r.inventory == nullptr) return Status::Internal("calibrate: a run without its model");
+    auto shape = ModelShapeFor(*r.inventory, r.run.setup);
+    if (!shape.ok()) return shape.status().WithPrefix("run '" + r.run.id + "'");
+    model.shapes.push_back(*shape);
+  }
+  const std::set<std::string> asked(options.constants.begin(), options.constants.end());
+  MEMPLAN_ASSIGN_OR_RETURN(const std::vector<Parameter> candidates, AskedCandidates(runs, asked));
+  model.params = candidates;
+  const Eigen::VectorXd v = Priors(candidates, runs, options.start);
+
+  // The Jacobian at the priors says which candidates the runs touch (Note [Calibration]).
+  Calibration result;
+  result.constants = options.start;
+  MEMPLAN_ASSIGN_OR_RETURN(Screened screened,
+                           Screen(model, candidates, v, asked, &result.not_determined));
+  std::vector<size_t>& kept = screened.kept;
   if (kept.empty()) {
     return Status::InvalidArgument(
         "calibrate: the runs determine none of the constants (" +
@@ -334,164 +604,21 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
                                    " runs, or fit fewer with `constants`");
   }
 
-  // Levenberg-Marquardt over the kept parameters, in value / scale units; then the standard
-  // errors. A constant the runs pin down too loosely (standard error above kMaxRelativeError of
-  // its value, or of its scale for gemm_tokens_half) is not determined after all: the least
+  // The fit; a constant the runs pin down too loosely is not determined after all: the least
   // certain one goes back to its prior and the rest are fitted again (unless asked for by name).
   const double prior_cost = model.Residuals(v).squaredNorm();
-  std::vector<Parameter> fit_params;
-  Eigen::VectorXd x, x_prior, se;
-  std::vector<bool> pinned;  // at a bound that the objective pushes it past
-  double cost = 0;
-  const auto n = static_cast<double>(runs.size());
+  Fitted fit;
   while (true) {
-    fit_params.clear();
-    for (size_t c : kept) fit_params.push_back(candidates[c]);
-    model.params = fit_params;
-    x.resize(static_cast<Eigen::Index>(kept.size()));
-    for (size_t k = 0; k < kept.size(); ++k) {
-      x[static_cast<Eigen::Index>(k)] = v[static_cast<Eigen::Index>(kept[k])];
-    }
-    x_prior = x;
-    auto clamp = [&](Eigen::VectorXd y) {
-      for (Eigen::Index k = 0; k < y.size(); ++k) {
-        y[k] = std::clamp(y[k], fit_params[static_cast<size_t>(k)].lo,
-                          fit_params[static_cast<size_t>(k)].hi);
-      }
-      return y;
-    };
-    Eigen::VectorXd scales(x.size());
-    for (Eigen::Index k = 0; k < x.size(); ++k)
-      scales[k] = fit_params[static_cast<size_t>(k)].scale;
-    // Prior widths (Note [Calibration]).
-    Eigen::VectorXd widths(x.size());
-    for (Eigen::Index k = 0; k < x.size(); ++k) {
-      const Parameter& p = fit_params[static_cast<size_t>(k)];
-      widths[k] = p.name == "gemm_tokens_half"  ? 1000.0
-                  : p.name == "offload_overlap" ? 0.3
-                  : p.name == "cpu_adam_factor" ? 0.5
-                                                : 0.3 * std::max(x_prior[k], 0.05);
-    }
-    // The objective: data residuals / `noise`, and, when `with_prior`, (x - prior) / width.
-    auto residuals = [&](const Eigen::VectorXd& y, double noise, bool with_prior) {
-      const Eigen::VectorXd rd = model.Residuals(y) / noise;
-      if (!with_prior) return rd;
-      Eigen::VectorXd out(rd.size() + y.size());
-      out << rd, (y - x_prior).cwiseQuotient(widths);
-      return out;
-    };
-    auto jacobian = [&](const Eigen::VectorXd& y, double noise, bool with_prior) {
-      const Eigen::MatrixXd jd = model.Jacobian(y) / noise;
-      if (!with_prior) return jd;
-      Eigen::MatrixXd out(jd.rows() + y.size(), y.size());
-      out << jd, Eigen::MatrixXd(scales.cwiseQuotient(widths).asDiagonal());
-      return out;
-    };
-    auto minimise = [&](double noise, bool with_prior) {
-      Eigen::VectorXd r = residuals(x, noise, with_prior);
-      double c = r.squaredNorm();
-      double lambda = 1e-3;
-      int it = 0;
-      for (; it < options.max_iterations; ++it) {
-        const Eigen::MatrixXd j = jacobian(x, noise, with_prior);
-        Eigen::MatrixXd a = j.transpose() * j;
-        Eigen::VectorXd g = j.transpose() * r;
-        // A constant at a bound that the descent pushes further out stays there this step (an
-        // active set), so the others are not dragged along a clamped direction.
-        for (Eigen::Index k = 0; k < x.size(); ++k) {
-          const Parameter& p = fit_params[static_cast<size_t>(k)];
-          if ((x[k] <= p.lo && g[k] > 0) || (x[k] >= p.hi && g[k] < 0)) {
-            a.row(k).setZero();
-            a.col(k).setZero();
-            a(k, k) = 1;
-            g[k] = 0;
-          }
-        }
-        bool improved = false;
-        double gain = 0, moved = 0;
-        for (int tries = 0; tries < 40 && !improved; ++tries) {
-          Eigen::MatrixXd damped = a;
-          for (Eigen::Index k = 0; k < a.rows(); ++k) {
-            damped(k, k) += lambda * std::max(a(k, k), 1e-12);
-          }
-          const Eigen::VectorXd step = damped.ldlt().solve(-g);
-          const Eigen::VectorXd candidate = clamp(x + step.cwiseProduct(scales));
-          const Eigen::VectorXd rc = residuals(candidate, noise, with_prior);
-          const double c2 = rc.squaredNorm();
-          if (std::isfinite(c2) && c2 < c) {
-            gain = c - c2;
-            moved = (candidate - x).cwiseQuotient(scales).norm();
-            x = candidate;
-            r = rc;
-            c = c2;
-            lambda = std::max(lambda / 3, 1e-9);
-            improved = true;
-          } else {
-            lambda *= 4;
-          }
-        }
-        // Converged: no step lowers the cost, or the last one barely did or barely moved.
-        if (!improved || gain <= 1e-10 * std::max(c, 1e-20) || moved < 1e-9) break;
-      }
-      result.iterations += it;
-    };
-    // First the data alone: its scatter is the measurement noise (at least kNoiseFloor); then the
-    // data against the priors, each residual weighed by that noise (a maximum a posteriori fit).
-    constexpr double kNoiseFloor = 0.002;
-    minimise(1.0, false);
-    const auto m = static_cast<double>(kept.size());
-    const double data_cost = model.Residuals(x).squaredNorm();
-    const double noise = std::max(kNoiseFloor, n > m ? std::sqrt(data_cost / (n - m)) : 0.02);
-    minimise(noise, true);
-    for (Eigen::Index k = 0; k < x.size(); ++k) {
-      if (!std::isfinite(x[k])) return Status::Internal("calibrate: the fit diverged");
-    }
-    cost = model.Residuals(x).squaredNorm();
-
-    // Standard errors from the curvature of the objective at the solution, in value units.
-    const Eigen::MatrixXd jf = jacobian(x, noise, true);
-    const Eigen::MatrixXd cov =
-        (jf.transpose() * jf).completeOrthogonalDecomposition().pseudoInverse();
-    se = Eigen::VectorXd::Zero(x.size());
-    for (Eigen::Index k = 0; k < x.size(); ++k) {
-      se[k] = std::sqrt(std::max(0.0, cov(k, k))) * scales[k];
-    }
-    // A constant at a bound is pinned there when the fit moved it there, or when it started
-    // there and the unbounded optimum lies past the bound by more than a standard error: either
-    // way the runs want a value the model does not allow (Note [Calibration bounds]).
-    const Eigen::VectorXd gradient = jf.transpose() * residuals(x, noise, true);
-    const Eigen::MatrixXd curvature = jf.transpose() * jf;
-    pinned.assign(static_cast<size_t>(x.size()), false);
-    for (Eigen::Index k = 0; k < x.size(); ++k) {
-      const Parameter& p = fit_params[static_cast<size_t>(k)];
-      const bool at_lo = x[k] <= p.lo + 1e-12, at_hi = x[k] >= p.hi - 1e-12;
-      if (!at_lo && !at_hi) continue;
-      const double step = -gradient[k] / std::max(curvature(k, k), 1e-12) * scales[k];
-      const bool outward = (at_lo && step < 0) || (at_hi && step > 0);
-      pinned[static_cast<size_t>(k)] =
-          x[k] != x_prior[k] || (outward && std::fabs(step) > std::max(se[k], 1e-3 * scales[k]));
-    }
-    // The least certain constant not asked for by name, if any is too uncertain.
-    constexpr double kMaxRelativeError = 0.25;
-    Eigen::Index worst = -1;
-    double worst_ratio = kMaxRelativeError;
-    for (Eigen::Index k = 0; k < x.size(); ++k) {
-      const Parameter& p = fit_params[static_cast<size_t>(k)];
-      if (asked.count(p.base) > 0 || asked.count(p.name) > 0) continue;
-      const double ratio =
-          se[k] / std::max(std::fabs(x[k]), p.base == "gemm_tokens_half" ? p.scale : 1e-9);
-      if (ratio > worst_ratio) {
-        worst_ratio = ratio;
-        worst = k;
-      }
-    }
+    MEMPLAN_ASSIGN_OR_RETURN(
+        fit, FitKept(&model, candidates, kept, v, options.max_iterations, &result.iterations));
+    const Eigen::Index worst = MostUncertain(fit, asked);
     if (worst < 0) break;
-    const Parameter& dropped = fit_params[static_cast<size_t>(worst)];
+    const Parameter& dropped = fit.params[static_cast<size_t>(worst)];
     result.not_determined.push_back(
-        (collinear[kept[static_cast<size_t>(worst)]] ? why_not(dropped, true) + "; "
-                                                     : dropped.name + ": ") +
-        "too uncertain from these runs (" + Fmt("%.3g", x[worst]) + " +- " +
-        Fmt("%.2g", se[worst]) + "); prior " + Fmt("%.4g", x_prior[worst]) + " kept");
+        (screened.collinear[kept[static_cast<size_t>(worst)]] ? WhyNot(dropped, true) + "; "
+                                                              : dropped.name + ": ") +
+        "too uncertain from these runs (" + Fmt("%.3g", fit.x[worst]) + " +- " +
+        Fmt("%.2g", fit.se[worst]) + "); prior " + Fmt("%.4g", fit.x_prior[worst]) + " kept");
     kept.erase(kept.begin() + worst);
     if (kept.empty()) {
       return Status::InvalidArgument(
@@ -500,63 +627,16 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
           result.not_determined.back() + ")");
     }
   }
-  for (size_t k = 0; k < kept.size(); ++k) {
-    const Parameter& p = fit_params[k];
-    const auto e = static_cast<Eigen::Index>(k);
-    FittedConstant f;
-    f.name = p.name;
-    f.prior = x_prior[e];
-    f.value = x[e];
-    f.standard_error = se[e];
-    f.at_bound = pinned[k];
-    result.fitted.push_back(f);
-    if (p.base == "gemm_efficiency") {
-      result.gemm_efficiency[p.gpu] = x[e];
-    } else if (p.base == "link_efficiency") {
-      result.link_efficiency[p.gpu] = x[e];
-    } else if (p.name == "network_efficiency") {
-      result.constants.network_efficiency = x[e];
-    } else if (p.name == "offload_overlap") {
-      result.constants.offload_overlap = x[e];
-    } else if (p.name == "cpu_adam_factor") {
-      result.constants.cpu_adam_factor = x[e];
-    } else {
-      result.constants.gemm_tokens_half = x[e];
-    }
-  }
+  RecordFitted(fit, &result);
   for (size_t i = 0; i < runs.size(); ++i) {
-    RunResidual rr;
-    rr.id = runs[i].run.id;
-    rr.measured_s = runs[i].run.step_time_s;
-    rr.prior_s = model.Predict(i, x_prior);
-    rr.fitted_s = model.Predict(i, x);
-    result.runs.push_back(rr);
+    result.runs.push_back({runs[i].run.id, runs[i].run.step_time_s, model.Predict(i, fit.x_prior),
+                           model.Predict(i, fit.x)});
   }
+  const auto n = static_cast<double>(runs.size());
   result.rms_error_prior = std::sqrt(prior_cost / n);
-  result.rms_error_fitted = std::sqrt(cost / n);
+  result.rms_error_fitted = std::sqrt(fit.cost / n);
   result.max_rms_error = options.max_rms_error;
-
-  // Note [Calibration bounds]: a fit that does not explain its runs is refused; what it explains
-  // with a constant pinned at a bound, or with runs it still misses, is written with warnings.
-  const RunResidual* worst = nullptr;
-  for (const RunResidual& r : result.runs) {
-    if (worst == nullptr || std::fabs(r.fitted_s / r.measured_s - 1) >
-                                std::fabs(worst->fitted_s / worst->measured_s - 1)) {
-      worst = &r;
-    }
-  }
-  if (!(result.rms_error_fitted <= options.max_rms_error)) {
-    return Status::InvalidArgument(
-        "calibrate: the calibrated model still misses the runs by " +
-        Fmt("%.3g%%", result.rms_error_fitted * 100) + " RMS (" +
-        Fmt("%.3g%%", result.rms_error_prior * 100) + " with the priors), more than the " +
-        Fmt("%.3g%%", options.max_rms_error * 100) + " `max_rms_error` accepts; the worst, run '" +
-        Printable(worst->id) + "': measured " + Fmt("%.4g", worst->measured_s) +
-        " s, calibrated model " + Fmt("%.4g", worst->fitted_s) +
-        " s. The runs measure something the model does not describe: check that step_time_s is "
-        "seconds per optimizer step and that each run's model, cluster (GPU, nodes, network) and "
-        "setup are what ran. Nothing was written");
-  }
+  MEMPLAN_RETURN_IF_ERROR(CheckExplains(result, options));
   result.warnings = CalibrationWarnings(result);
   return result;
 }
@@ -573,7 +653,8 @@ std::vector<std::string> CalibrationWarnings(const Calibration& c) {
   for (const FittedConstant& f : c.fitted) {
     if (!f.at_bound) continue;
     out.push_back(Printable(f.name) + " = " + Fmt("%.4g", f.value) + " is pinned at its bound" +
-                  (f.prior > 0 || f.name == "offload_overlap" || f.name == "gemm_tokens_half"
+                  // A prior of 0 is unknown (a file without a report) unless 0 is in bounds.
+                  (f.prior > 0 || (FindConstant(f.name) != nullptr && FindConstant(f.name)->lo <= 0)
                        ? " (prior " + Fmt("%.4g", f.prior) + ")"
                        : std::string()) +
                   ": the runs ask for a value the model does not allow, which usually means a "
@@ -603,14 +684,16 @@ nlohmann::json ToJson(const Calibration& c) {
                       {"value", f.value},
                       {"standard_error", f.standard_error},
                       {"at_bound", f.at_bound}});
-    if (f.name == "link_efficiency") constants[f.name] = c.constants.link_efficiency;
-    if (f.name == "network_efficiency") constants[f.name] = c.constants.network_efficiency;
-    if (f.name == "offload_overlap") constants[f.name] = c.constants.offload_overlap;
-    if (f.name == "cpu_adam_factor") constants[f.name] = c.constants.cpu_adam_factor;
-    if (f.name == "gemm_tokens_half") constants[f.name] = c.constants.gemm_tokens_half;
+    // One for all GPUs (a per-GPU one's name has its GPU in brackets).
+    const ConstantSpec* spec = FindConstant(f.name);
+    if (spec != nullptr && spec->constant != nullptr && f.name == spec->name) {
+      constants[f.name] = c.constants.*(spec->constant);
+    }
   }
-  for (const auto& [gpu, value] : c.gemm_efficiency) gpus[gpu]["gemm_efficiency"] = value;
-  for (const auto& [gpu, value] : c.link_efficiency) gpus[gpu]["link_efficiency"] = value;
+  for (const ConstantSpec& spec : kConstants) {
+    if (spec.per_gpu == nullptr) continue;
+    for (const auto& [gpu, value] : c.*(spec.per_gpu)) gpus[gpu][spec.name] = value;
+  }
   nlohmann::json runs = nlohmann::json::array();
   for (const RunResidual& r : c.runs) {
     runs.push_back({{"id", r.id},
@@ -653,19 +736,15 @@ Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::s
           return Status::InvalidArgument(what + ": expected a number");
         }
         const double x = v.get<double>();
-        double* target = name == "link_efficiency"      ? &c.constants.link_efficiency
-                         : name == "network_efficiency" ? &c.constants.network_efficiency
-                         : name == "offload_overlap"    ? &c.constants.offload_overlap
-                         : name == "cpu_adam_factor"    ? &c.constants.cpu_adam_factor
-                         : name == "gemm_tokens_half"   ? &c.constants.gemm_tokens_half
-                                                        : nullptr;
-        if (target == nullptr) return Status::InvalidArgument(what + ": unknown constant");
-        const bool ok = name == "gemm_tokens_half"  ? (x >= 0 && x <= 1e6)
-                        : name == "offload_overlap" ? (x >= 0 && x <= 1)
-                        : name == "cpu_adam_factor" ? (x >= 0.05 && x <= 5)
-                                                    : (x >= 0.01 && x <= 1);
-        if (!ok) return Status::InvalidArgument(what + ": outside its bounds");
-        *target = x;
+        // One for all GPUs: those in TimeConstants (not "gemm_efficiency[a100-80]").
+        const ConstantSpec* spec = FindConstant(name);
+        if (spec == nullptr || spec->constant == nullptr || name != spec->name) {
+          return Status::InvalidArgument(what + ": unknown constant");
+        }
+        if (!(x >= spec->lo && x <= spec->hi)) {
+          return Status::InvalidArgument(what + ": outside its bounds");
+        }
+        c.constants.*(spec->constant) = x;
         c.fitted.push_back({name, 0, x, 0, false});
       }
     } else if (key == "gpus") {
@@ -677,17 +756,16 @@ Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::s
         }
         if (!entry.is_object()) return Status::InvalidArgument(what + ": expected an object");
         for (const auto& [name, v] : entry.items()) {
-          if (name != "gemm_efficiency" && name != "link_efficiency") {
+          const ConstantSpec* spec = FindConstant(name);
+          if (spec == nullptr || spec->per_gpu == nullptr || name != spec->name) {
             return Status::InvalidArgument(what + "." + name + ": unknown constant");
           }
-          if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < 0.01 ||
-              v.get<double>() > 1) {
-            return Status::InvalidArgument(what + "." + name +
-                                           ": expected a number in "
-                                           "[0.01, 1]");
+          if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < spec->lo ||
+              v.get<double>() > spec->hi) {
+            return Status::InvalidArgument(what + "." + name + ": expected a number in [" +
+                                           Fmt("%g", spec->lo) + ", " + Fmt("%g", spec->hi) + "]");
           }
-          (name == "gemm_efficiency" ? c.gemm_efficiency : c.link_efficiency)[gpu] =
-              v.get<double>();
+          (c.*(spec->per_gpu))[gpu] = v.get<double>();
           c.fitted.push_back({name + "[" + gpu + "]", 0, v.get<double>(), 0, false});
         }
       }
@@ -730,20 +808,12 @@ Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::s
       continue;
     }
     // No report for it: at a bound and not the prior counts as pinned.
-    const std::string base = f.name.substr(0, f.name.find('['));
+    const ConstantSpec& spec = *FindConstant(f.name);  // read above from the table's names
     const TimeConstants k = DefaultTimeConstants();
-    const double lo = base == "gemm_tokens_half" || base == "offload_overlap" ? 0.0
-                      : base == "cpu_adam_factor"                             ? 0.05
-                                                                              : 0.01;
-    const double hi = base == "gemm_tokens_half" ? 1e6 : base == "cpu_adam_factor" ? 5.0 : 1.0;
-    const double prior = base == "gemm_tokens_half"     ? k.gemm_tokens_half
-                         : base == "offload_overlap"    ? k.offload_overlap
-                         : base == "cpu_adam_factor"    ? k.cpu_adam_factor
-                         : base == "network_efficiency" ? k.network_efficiency
-                         : base == "link_efficiency"    ? k.link_efficiency
-                                                        : -1;  // gemm: the GPU's preset
+    // The prior: TimeConstants' default; a GPU's own (gemm_efficiency) is unknown here.
+    const double prior = spec.constant != nullptr ? k.*(spec.constant) : -1;
     f.prior = std::max(prior, 0.0);
-    f.at_bound = (f.value <= lo || f.value >= hi) && f.value != prior;
+    f.at_bound = (f.value <= spec.lo || f.value >= spec.hi) && f.value != prior;
   }
   c.warnings = CalibrationWarnings(c);
   return c;
@@ -789,22 +859,23 @@ std::string FormatCalibrationText(const Calibration& c) {
 }
 
 void ApplyCalibration(const Calibration& c, GpuSpec* gpu, SearchOptions* options) {
-  if (gpu != nullptr) {
-    if (auto it = c.gemm_efficiency.find(gpu->name); it != c.gemm_efficiency.end()) {
-      gpu->gemm_efficiency = it->second;
+  // Every constant: the one for all GPUs, then the one fitted for `gpu`, where each lives.
+  for (const ConstantSpec& spec : kConstants) {
+    if (options != nullptr && spec.constant != nullptr) {
+      options->time_constants.*(spec.constant) = c.constants.*(spec.constant);
+    }
+  }
+  for (const ConstantSpec& spec : kConstants) {
+    if (gpu == nullptr || spec.per_gpu == nullptr) continue;
+    const auto it = (c.*(spec.per_gpu)).find(gpu->name);
+    if (it == (c.*(spec.per_gpu)).end()) continue;
+    if (spec.gpu_constant != nullptr) {
+      (*gpu).*(spec.gpu_constant) = it->second;
+    } else if (options != nullptr) {
+      options->time_constants.*(spec.constant) = it->second;
     }
   }
   if (options != nullptr) {
-    options->time_constants.link_efficiency = c.constants.link_efficiency;
-    if (gpu != nullptr) {
-      if (auto it = c.link_efficiency.find(gpu->name); it != c.link_efficiency.end()) {
-        options->time_constants.link_efficiency = it->second;
-      }
-    }
-    options->time_constants.network_efficiency = c.constants.network_efficiency;
-    options->time_constants.offload_overlap = c.constants.offload_overlap;
-    options->time_constants.cpu_adam_factor = c.constants.cpu_adam_factor;
-    options->time_constants.gemm_tokens_half = c.constants.gemm_tokens_half;
     std::string names;
     for (const FittedConstant& f : c.fitted) {
       // Another GPU's efficiencies do not apply to this search's GPU.

@@ -147,6 +147,10 @@ struct Calibration {
   std::string source;  // the file it was read from (CalibrationFromJson), for notes
 };
 
+// The names of Note [Calibration]'s constants, as `constants` takes them: "gemm_efficiency,
+// gemm_tokens_half, link_efficiency, ...".
+std::string CalibratedConstantNames();
+
 // Runs Note [Calibration]. Errors: no runs, fewer runs than constants to fit, a named constant
 // the runs do not determine or that does not exist, a run the time model cannot take (its model
 // lacks the architecture), a fit that does not converge to finite values.

@@ -371,21 +371,27 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
     return Status::InvalidArgument("the offload engine's CPU optimizers are Adam/AdamW and Lion");
   }
   auto engine_tier = [](OffloadDevice d) {
-    return d == OffloadDevice::kNone  ? EngineTier::kGpu
-           : d == OffloadDevice::kCpu ? EngineTier::kCpu
-                                      : EngineTier::kNvme;
+    return d == OffloadDevice::kNone  ? offload::Tier::kGpu
+           : d == OffloadDevice::kCpu ? offload::Tier::kCpu
+                                      : offload::Tier::kNvme;
   };
   const uint64_t w = s.precision == Precision::kFp32 ? 4 : 2;
   EmittedSchedule out;
-  EngineSchedule& e = out.schedule;
+  offload::Schedule& e = out.schedule;
   e.param_tier = engine_tier(s.offload_param);
-  e.param_dtype_bytes = static_cast<int>(w);
+  // 4 bytes an element for fp32, else 2 (w), as the engine model reads the dtype.
+  e.param_dtype = s.precision == Precision::kFp32        ? offload::ElementType::kFloat32
+                  : s.precision == Precision::kFp16Mixed ? offload::ElementType::kFloat16
+                                                         : offload::ElementType::kBFloat16;
   e.persistence_threshold = static_cast<uint64_t>(s.stage3_param_persistence_threshold);
   e.prefetch_bytes =
       std::max<uint64_t>(1, static_cast<uint64_t>(s.stage3_prefetch_bucket_size) * w);
   e.max_live_bytes = std::max<uint64_t>(1, static_cast<uint64_t>(s.stage3_max_live_parameters) * w);
   e.optimizer_tier = engine_tier(s.offload_optimizer);
-  e.optimizer_states = s.optimizer == estimator::Optimizer::kLion ? 1 : 2;
+  // Adam/AdamW (two states) or Lion (one): the only optimizers let through above.
+  e.optimizer = s.optimizer == estimator::Optimizer::kLion ? offload::SwapOptimizer::kLion
+                                                           : offload::SwapOptimizer::kAdam;
+  e.optimizer_threads = 0;  // the engine picks
   EngineRunOptions run;
   run.world_size = static_cast<int>(cluster.WorldSize());
   run.gpu = true;
@@ -447,43 +453,20 @@ Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& clust
 
   const bool nvme =
       s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme;
-  auto tier = [](EngineTier t) {
-    return t == EngineTier::kGpu   ? offload::Tier::kGpu
-           : t == EngineTier::kCpu ? offload::Tier::kCpu
-                                   : offload::Tier::kNvme;
-  };
-  offload::Schedule schedule;
-  schedule.param_tier = tier(e.param_tier);
-  schedule.param_dtype = s.precision == Precision::kFp32        ? offload::ElementType::kFloat32
-                         : s.precision == Precision::kFp16Mixed ? offload::ElementType::kFloat16
-                                                                : offload::ElementType::kBFloat16;
-  schedule.persistence_threshold = e.persistence_threshold;
-  schedule.prefetch_bytes = e.prefetch_bytes;
-  schedule.max_live_bytes = e.max_live_bytes;
-  schedule.param_buffer_bytes = e.param_buffer_bytes;
-  schedule.param_buffer_count = e.param_buffer_count;
-  schedule.optimizer_tier = tier(e.optimizer_tier);
-  schedule.optimizer = s.optimizer == estimator::Optimizer::kLion ? offload::SwapOptimizer::kLion
-                                                                  : offload::SwapOptimizer::kAdam;
-  schedule.sub_group_elements = e.sub_group_elements;
-  schedule.optimizer_buffer_count = e.optimizer_buffer_count;
-  schedule.optimizer_threads = 0;  // the engine picks
   if (nvme) MEMPLAN_RETURN_IF_ERROR(RequireUtf8(NvmePath(cluster), "`nvme_path`"));
-  schedule.nvme_path = nvme ? NvmePath(cluster) + "/memplan" : "";
-  schedule.nvme_backend = nvme::BackendKind::kAuto;
+  e.nvme_path = nvme ? NvmePath(cluster) + "/memplan" : "";
+  e.nvme_backend = nvme::BackendKind::kAuto;
   // The setup allows aio block sizes up to 2^50; the Schedule holds 32 bits (and the engine
   // refuses blocks over 64 MiB), so a larger one is refused here rather than cut.
   if (s.aio_block_size > int64_t{UINT32_MAX}) {
     return Status::InvalidArgument("aio.block_size " + std::to_string(s.aio_block_size) +
                                    " is larger than memplan's engine reads");
   }
-  schedule.nvme_block_size = static_cast<uint32_t>(s.aio_block_size);
-  schedule.nvme_queue_depth = static_cast<uint32_t>(s.aio_queue_depth);          // 1..2^16
-  schedule.nvme_io_threads = static_cast<uint32_t>(s.aio_intra_op_parallelism);  // 1..64
-  schedule.nvme_direct = true;
-  schedule.pinned_budget_bytes = e.pinned_budget_bytes;
-  ordered_json j = offload::ToOrderedJson(schedule);
-  out.json = std::move(j);
+  e.nvme_block_size = static_cast<uint32_t>(s.aio_block_size);
+  e.nvme_queue_depth = static_cast<uint32_t>(s.aio_queue_depth);          // 1..2^16
+  e.nvme_io_threads = static_cast<uint32_t>(s.aio_intra_op_parallelism);  // 1..64
+  e.nvme_direct = true;
+  out.json = offload::ToOrderedJson(e);
   return out;
 }
 

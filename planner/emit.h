@@ -76,11 +76,12 @@ Result<nlohmann::ordered_json> Schedule(const Plan& plan, const Cluster& cluster
                                         const estimator::ModelInventory& inventory);
 // The largest optimizer sub-group a Schedule gets (Note [Schedule for memplan's engine]).
 inline constexpr uint64_t kMaxEngineSubGroupElements = uint64_t{16} << 20;
-// The Schedule (its JSON, as Schedule() returns it), its fields as the engine model reads them, and
-// the model's prediction for it: with a GPU, world size the cluster's, the plan's accumulation.
+// The Schedule (its JSON, as Schedule() returns it: offload::ToOrderedJson of `schedule`), the
+// Schedule itself, and the engine model's prediction for it: with a GPU, world size the cluster's,
+// the plan's accumulation.
 struct EmittedSchedule {
   nlohmann::ordered_json json;
-  EngineSchedule schedule;
+  offload::Schedule schedule;
   EnginePrediction prediction;
 };
 Result<EmittedSchedule> EngineScheduleFor(const Plan& plan, const Cluster& cluster,

@@ -149,63 +149,35 @@ class SwapperBookkeeping {
   uint64_t live_ = 0, ahead_ = 0, peak_ = 0, read_ = 0;
 };
 
-}  // namespace
-
-Result<EngineSchedule> EngineScheduleFromJson(const nlohmann::json& j) {
-  // The engine's own reader (defaults, key checks, validation); then the fields the model needs.
-  MEMPLAN_ASSIGN_OR_RETURN(const offload::Schedule read, offload::ScheduleFromJson(j, "schedule"));
-  auto tier = [](offload::Tier t) {
-    switch (t) {
-      case offload::Tier::kGpu: return EngineTier::kGpu;
-      case offload::Tier::kCpu: return EngineTier::kCpu;
-      case offload::Tier::kNvme: return EngineTier::kNvme;
-    }
-    return EngineTier::kGpu;
-  };
-  EngineSchedule s;
-  s.param_tier = tier(read.param_tier);
-  s.param_dtype_bytes = read.param_dtype == offload::ElementType::kFloat32 ? 4 : 2;
-  s.persistence_threshold = read.persistence_threshold;
-  s.prefetch_bytes = read.prefetch_bytes;
-  s.max_live_bytes = read.max_live_bytes;
-  s.param_buffer_bytes = read.param_buffer_bytes;
-  s.param_buffer_count = read.param_buffer_count;
-  s.optimizer_tier = tier(read.optimizer_tier);
-  s.optimizer_states = offload::SwapOptimizerStates(read.optimizer);
-  s.sub_group_elements = read.sub_group_elements;
-  s.optimizer_buffer_count = read.optimizer_buffer_count;
-  s.pinned_budget_bytes = read.pinned_budget_bytes;
-  return s;
+uint64_t ParamElementBytes(const offload::Schedule& s) {
+  return s.param_dtype == offload::ElementType::kFloat32 ? 4 : 2;
 }
 
-Result<EnginePrediction> PredictEngine(const EngineSchedule& s,
-                                       const estimator::ModelInventory& inventory,
-                                       const EngineRunOptions& run) {
-  if (run.world_size < 1) return Status::InvalidArgument("engine model: world_size < 1");
-  if (run.micro_batches < 1) return Status::InvalidArgument("engine model: micro_batches < 1");
-  if (s.sub_group_elements == 0 || s.prefetch_bytes == 0 || s.max_live_bytes == 0 ||
-      s.param_buffer_bytes == 0 || s.param_buffer_count == 0 || s.optimizer_buffer_count == 0) {
-    return Status::InvalidArgument("engine model: a size or count of the schedule is 0");
-  }
-  const int world = run.world_size;
-  const auto eb = static_cast<uint64_t>(s.param_dtype_bytes);
-  EnginePrediction out;
-
-  // The parameters as the engine registers them (tied tensors once, used by each unit naming
-  // them) and the fetch units in order of first use: memplan.torch's grouping (Note [Engine
-  // model]).
+// The parameters as the engine registers them (tied tensors once, used by each unit naming them)
+// and the fetch units in order of first use: memplan.torch's grouping (Note [Engine model]).
+struct Registered {
   std::vector<SwapperBookkeeping::Param> params;
   std::vector<std::vector<size_t>> units;
+  uint64_t largest_shard = 0;  // elements
+};
+
+// Registers the inventory's parameters; fills the prediction's geometry (params, fetch units,
+// partition, resident bytes, the largest staged piece).
+Result<Registered> RegisterParams(const offload::Schedule& s,
+                                  const estimator::ModelInventory& inventory, int world,
+                                  EnginePrediction* out) {
+  const uint64_t eb = ParamElementBytes(s);
+  Registered r;
   std::map<std::string, size_t> param_of, unit_of;
-  uint64_t largest_shard = 0, largest_piece = 0;
+  uint64_t largest_piece = 0;
   const uint64_t chunk_bytes = s.sub_group_elements * eb;
   for (const estimator::TensorInfo& t : inventory.tensors) {
     if (t.numel == 0) continue;
     const std::string unit_name =
         !t.block.empty() ? t.block : (t.module.empty() ? std::string("<root>") : t.module);
-    auto [unit_it, new_unit] = unit_of.emplace(unit_name, units.size());
-    if (new_unit) units.emplace_back();
-    std::vector<size_t>& unit = units[unit_it->second];
+    auto [unit_it, new_unit] = unit_of.emplace(unit_name, r.units.size());
+    if (new_unit) r.units.emplace_back();
+    std::vector<size_t>& unit = r.units[unit_it->second];
     size_t id = 0;
     auto tied = t.tied_to.empty() ? param_of.end() : param_of.find(t.tied_to);
     if (tied != param_of.end()) {
@@ -214,19 +186,19 @@ Result<EnginePrediction> PredictEngine(const EngineSchedule& s,
       SwapperBookkeeping::Param p;
       const uint64_t shard = Shard(t.numel, world);
       p.bytes = (world == 1 ? t.numel : shard * static_cast<uint64_t>(world)) * eb;
-      p.load = s.param_tier == EngineTier::kNvme ? shard * eb : 0;
+      p.load = s.param_tier == offload::Tier::kNvme ? shard * eb : 0;
       p.resident =
-          (world == 1 && s.param_tier == EngineTier::kGpu) || t.numel <= s.persistence_threshold;
-      out.partition_elements += shard;
-      largest_shard = std::max(largest_shard, shard);
+          (world == 1 && s.param_tier == offload::Tier::kGpu) || t.numel <= s.persistence_threshold;
+      out->partition_elements += shard;
+      r.largest_shard = std::max(r.largest_shard, shard);
       if (p.resident) {
-        out.resident_param_bytes += p.bytes;
-      } else if (s.param_tier == EngineTier::kNvme) {
+        out->resident_param_bytes += p.bytes;
+      } else if (s.param_tier == offload::Tier::kNvme) {
         largest_piece = std::max(largest_piece,
                                  std::min({shard * eb, chunk_bytes, Pages(s.param_buffer_bytes)}));
       }
-      id = params.size();
-      params.push_back(p);
+      id = r.params.size();
+      r.params.push_back(p);
       param_of[t.name] = id;
     }
     // A new parameter is in no unit yet; a tied one may be in this one already.
@@ -234,17 +206,26 @@ Result<EnginePrediction> PredictEngine(const EngineSchedule& s,
       unit.push_back(id);
     }
   }
-  if (params.empty()) return Status::InvalidArgument("engine model: the model has no parameters");
-  out.params = params.size();
-  out.fetch_units = units.size();
-  out.largest_piece_bytes = largest_piece;
-  const uint64_t partition = out.partition_elements;
+  if (r.params.empty()) {
+    return Status::InvalidArgument("engine model: the model has no parameters");
+  }
+  out->params = r.params.size();
+  out->fetch_units = r.units.size();
+  out->largest_piece_bytes = largest_piece;
   const uint64_t sg = s.sub_group_elements;
-  out.sub_groups = (partition + sg - 1) / sg;
+  out->sub_groups = (out->partition_elements + sg - 1) / sg;
+  return r;
+}
 
-  // Pinned memory, as the engine allocates it.
-  if (s.param_tier == EngineTier::kNvme) {
-    out.param_staging_pinned_bytes = s.param_buffer_count * Pages(s.param_buffer_bytes);
+// Pinned memory, as the engine allocates it, and the engine's refusals of a pinned budget too
+// small for it.
+Status PredictPinned(const offload::Schedule& s, const EngineRunOptions& run,
+                     uint64_t largest_shard, EnginePrediction* out) {
+  const uint64_t eb = ParamElementBytes(s);
+  const uint64_t sg = s.sub_group_elements;
+  const auto states = static_cast<uint64_t>(offload::SwapOptimizerStates(s.optimizer));
+  if (s.param_tier == offload::Tier::kNvme) {
+    out->param_staging_pinned_bytes = s.param_buffer_count * Pages(s.param_buffer_bytes);
     if (s.pinned_budget_bytes > 0 &&
         s.param_buffer_bytes * s.param_buffer_count > s.pinned_budget_bytes) {
       return Status::ResourceExhausted(
@@ -253,25 +234,26 @@ Result<EnginePrediction> PredictEngine(const EngineSchedule& s,
           " pinned bytes; pinned_budget_bytes is " + std::to_string(s.pinned_budget_bytes));
     }
   }
-  if (s.param_tier == EngineTier::kCpu) out.param_arena_pinned_bytes = Pages(partition * eb);
-  if (s.optimizer_tier == EngineTier::kNvme) {
-    const uint64_t slot =
-        Pages(kSlotHeaderBytes + static_cast<uint64_t>(1 + s.optimizer_states) * 4 * sg) +
-        Pages(4 * sg) + (eb == 2 ? Pages(2 * sg) : 0);
-    out.optimizer_pinned_bytes = s.optimizer_buffer_count * slot;
+  if (s.param_tier == offload::Tier::kCpu) {
+    out->param_arena_pinned_bytes = Pages(out->partition_elements * eb);
+  }
+  if (s.optimizer_tier == offload::Tier::kNvme) {
+    const uint64_t slot = Pages(kSlotHeaderBytes + (1 + states) * 4 * sg) + Pages(4 * sg) +
+                          (eb == 2 ? Pages(2 * sg) : 0);
+    out->optimizer_pinned_bytes = s.optimizer_buffer_count * slot;
     if (s.pinned_budget_bytes > 0 &&
-        out.optimizer_pinned_bytes + out.param_staging_pinned_bytes > s.pinned_budget_bytes) {
+        out->optimizer_pinned_bytes + out->param_staging_pinned_bytes > s.pinned_budget_bytes) {
       return Status::ResourceExhausted(
           "the engine refuses this schedule: the optimizer's pinned buffers (" +
-          std::to_string(out.optimizer_pinned_bytes) + " bytes) and the parameter staging (" +
-          std::to_string(out.param_staging_pinned_bytes) + ") exceed pinned_budget_bytes " +
+          std::to_string(out->optimizer_pinned_bytes) + " bytes) and the parameter staging (" +
+          std::to_string(out->param_staging_pinned_bytes) + ") exceed pinned_budget_bytes " +
           std::to_string(s.pinned_budget_bytes));
     }
   }
   if (run.gpu) {
     uint64_t slot = std::min(kMaxGradSlotBytes, Pages(largest_shard * 4));
     if (s.pinned_budget_bytes > 0) {
-      const uint64_t used = out.param_staging_pinned_bytes + out.optimizer_pinned_bytes;
+      const uint64_t used = out->param_staging_pinned_bytes + out->optimizer_pinned_bytes;
       const uint64_t left = s.pinned_budget_bytes > used ? s.pinned_budget_bytes - used : 0;
       slot = std::min(slot, left / kGradSlots / kPage * kPage);
       if (slot < kPage) {
@@ -282,13 +264,18 @@ Result<EnginePrediction> PredictEngine(const EngineSchedule& s,
                                          std::to_string(kGradSlots * kPage));
       }
     }
-    out.gradient_staging_pinned_bytes = kGradSlots * slot;
+    out->gradient_staging_pinned_bytes = kGradSlots * slot;
   }
-  out.pinned_bytes = out.param_staging_pinned_bytes + out.param_arena_pinned_bytes +
-                     out.optimizer_pinned_bytes + out.gradient_staging_pinned_bytes;
+  out->pinned_bytes = out->param_staging_pinned_bytes + out->param_arena_pinned_bytes +
+                      out->optimizer_pinned_bytes + out->gradient_staging_pinned_bytes;
+  return Status::Ok();
+}
 
-  // Parameter fetches: the swapper's bookkeeping over three steps (the first records the trace).
-  SwapperBookkeeping book(std::move(params), units, s.prefetch_bytes, s.max_live_bytes);
+// Parameter fetches: the swapper's bookkeeping over three steps (the first records the trace).
+void PredictParamTraffic(const offload::Schedule& s, const EngineRunOptions& run,
+                         Registered registered, EnginePrediction* out) {
+  const std::vector<std::vector<size_t>>& units = registered.units;
+  SwapperBookkeeping book(std::move(registered.params), units, s.prefetch_bytes, s.max_live_bytes);
   for (int step = 0; step < 3; ++step) {
     book.reset_read_bytes();
     for (uint32_t m = 0; m < run.micro_batches; ++m) {
@@ -302,36 +289,66 @@ Result<EnginePrediction> PredictEngine(const EngineSchedule& s,
       }
     }
     book.EndOfStep();
-    if (step == 0) out.first_step_param_read_bytes = book.read_bytes();
+    if (step == 0) out->first_step_param_read_bytes = book.read_bytes();
   }
-  out.param_read_bytes_per_step = book.read_bytes();
-  out.peak_live_param_bytes = book.peak_live_bytes();
-  if (s.param_tier == EngineTier::kNvme) out.param_write_bytes_per_step = partition * eb;
-
-  if (s.optimizer_tier == EngineTier::kNvme) {
-    for (uint64_t first = 0; first < partition; first += sg) {
-      const uint64_t n = std::min(sg, partition - first);
-      const uint64_t value =
-          kSlotHeaderBytes + static_cast<uint64_t>(1 + s.optimizer_states) * 4 * n;
-      out.optimizer_read_bytes_per_step += value + 4 * n;   // state slot, fp32 gradients
-      out.optimizer_write_bytes_per_step += value + 4 * n;  // new state slot, gradients put
-    }
-    out.optimizer_write_bytes_per_step += kBegunMarkBytes;
+  out->param_read_bytes_per_step = book.read_bytes();
+  out->peak_live_param_bytes = book.peak_live_bytes();
+  if (s.param_tier == offload::Tier::kNvme) {
+    out->param_write_bytes_per_step = out->partition_elements * ParamElementBytes(s);
   }
-  out.nvme_read_bytes_per_step = out.param_read_bytes_per_step + out.optimizer_read_bytes_per_step;
-  out.nvme_write_bytes_per_step =
-      out.param_write_bytes_per_step + out.optimizer_write_bytes_per_step;
+}
 
-  out.assumptions = {
+// The optimizer's NVMe traffic: each sub-group's state slot and gradients read, the new slot and
+// the gradients written, and the step's begin mark.
+void PredictOptimizerTraffic(const offload::Schedule& s, EnginePrediction* out) {
+  if (s.optimizer_tier != offload::Tier::kNvme) return;
+  const uint64_t partition = out->partition_elements;
+  const uint64_t sg = s.sub_group_elements;
+  const auto states = static_cast<uint64_t>(offload::SwapOptimizerStates(s.optimizer));
+  for (uint64_t first = 0; first < partition; first += sg) {
+    const uint64_t n = std::min(sg, partition - first);
+    const uint64_t value = kSlotHeaderBytes + (1 + states) * 4 * n;
+    out->optimizer_read_bytes_per_step += value + 4 * n;   // state slot, fp32 gradients
+    out->optimizer_write_bytes_per_step += value + 4 * n;  // new state slot, gradients put
+  }
+  out->optimizer_write_bytes_per_step += kBegunMarkBytes;
+}
+
+std::vector<std::string> Assumptions(const EngineRunOptions& run) {
+  return {
       "memplan's offload engine (not DeepSpeed) running this schedule; Note [Engine model] in "
       "planner/engine_model.h",
       "every parameter trains (no frozen parameters, every parameter gets a gradient each step)",
       "fetch units as memplan.torch groups them (one per repeated block, one per other module), "
       "forward in the inventory's order and backward in reverse, " +
           std::to_string(run.micro_batches) + " micro-batch(es) per step",
-      std::string("world size ") + std::to_string(world) +
+      std::string("world size ") + std::to_string(run.world_size) +
           (run.gpu ? "; a GPU runtime (gradient staging pinned)"
                    : "; the host-only runtime (no gradient staging)")};
+}
+
+}  // namespace
+
+Result<EnginePrediction> PredictEngine(const offload::Schedule& s,
+                                       const estimator::ModelInventory& inventory,
+                                       const EngineRunOptions& run) {
+  if (run.world_size < 1) return Status::InvalidArgument("engine model: world_size < 1");
+  if (run.micro_batches < 1) return Status::InvalidArgument("engine model: micro_batches < 1");
+  if (s.sub_group_elements == 0 || s.prefetch_bytes == 0 || s.max_live_bytes == 0 ||
+      s.param_buffer_bytes == 0 || s.param_buffer_count == 0 || s.optimizer_buffer_count == 0) {
+    return Status::InvalidArgument("engine model: a size or count of the schedule is 0");
+  }
+  EnginePrediction out;
+  MEMPLAN_ASSIGN_OR_RETURN(Registered registered,
+                           RegisterParams(s, inventory, run.world_size, &out));
+  const uint64_t largest_shard = registered.largest_shard;
+  MEMPLAN_RETURN_IF_ERROR(PredictPinned(s, run, largest_shard, &out));
+  PredictParamTraffic(s, run, std::move(registered), &out);
+  PredictOptimizerTraffic(s, &out);
+  out.nvme_read_bytes_per_step = out.param_read_bytes_per_step + out.optimizer_read_bytes_per_step;
+  out.nvme_write_bytes_per_step =
+      out.param_write_bytes_per_step + out.optimizer_write_bytes_per_step;
+  out.assumptions = Assumptions(run);
   return out;
 }
 

@@ -7,9 +7,9 @@
 // optimizer buffers hold the fp32 master weights, every optimizer state, the fp32 gradients and the
 // 16-bit copy of a whole sub-group (about 18 bytes an element for Adam), its parameter reads follow
 // a recorded trace within byte budgets, and every optimizer step reads and writes whole sub-groups
-// with a page of header each. This file is that program's model, from the Schedule's plain fields
-// (the planner does not link the engine: offload/ sits beside it, not below; both link the
-// Schedule, schedule/: Note [Schedule contract] in schedule/schedule.h).
+// with a page of header each. This file is that program's model, from the Schedule itself
+// (offload::Schedule, a plain value; the planner does not link the engine: offload/ sits beside it,
+// not below; both link the Schedule, schedule/: Note [Schedule contract] in schedule/schedule.h).
 //
 // Note [Engine model]
 // Given the Schedule's fields and the parameters as the engine registers them (the inventory's
@@ -47,31 +47,9 @@
 
 #include "common/status.h"
 #include "estimator/inventory.h"
+#include "schedule/schedule.h"
 
 namespace memplan::planner {
-
-enum class EngineTier { kGpu, kCpu, kNvme };
-
-// The fields of an offload::Schedule (schedule/schedule.h) that decide what the engine allocates
-// and moves, with the same defaults.
-struct EngineSchedule {
-  EngineTier param_tier = EngineTier::kGpu;
-  int param_dtype_bytes = 2;                // bf16/fp16 2, fp32 4
-  uint64_t persistence_threshold = 100000;  // elements
-  uint64_t prefetch_bytes = uint64_t{256} << 20;
-  uint64_t max_live_bytes = uint64_t{1} << 30;
-  uint64_t param_buffer_bytes = uint64_t{64} << 20;
-  uint32_t param_buffer_count = 4;
-  EngineTier optimizer_tier = EngineTier::kCpu;  // cpu or nvme
-  int optimizer_states = 2;                      // fp32 arrays besides the master weights
-  uint64_t sub_group_elements = uint64_t{4} << 20;
-  uint32_t optimizer_buffer_count = 3;
-  uint64_t pinned_budget_bytes = 0;  // 0: no cap
-};
-
-// Reads the fields above from a Schedule's JSON form (README "Schedule JSON") through the engine's
-// own reader (offload::ScheduleFromJson): the same defaults, key checks and validation.
-Result<EngineSchedule> EngineScheduleFromJson(const nlohmann::json& schedule);
 
 struct EngineRunOptions {
   int world_size = 1;          // ranks; each holds a 1/world_size shard of every parameter
@@ -107,8 +85,14 @@ struct EnginePrediction {
   std::vector<std::string> assumptions;
 };
 
+// What the engine does with `schedule` (schedule/schedule.h; callers read a Schedule's JSON with
+// offload::ScheduleFromJson, the engine's own reader). Of its fields the model reads the tiers, the
+// parameters' dtype (4 bytes for fp32, else 2), the persistence threshold, prefetch and live
+// budgets, the staging and optimizer buffers, the optimizer (its state arrays:
+// offload::SwapOptimizerStates), the sub-group size and pinned_budget_bytes; the nvme section and
+// optimizer_threads change no byte it predicts.
 // Errors: an inventory without parameters, world_size or micro_batches < 1, zero sizes.
-Result<EnginePrediction> PredictEngine(const EngineSchedule& schedule,
+Result<EnginePrediction> PredictEngine(const offload::Schedule& schedule,
                                        const estimator::ModelInventory& inventory,
                                        const EngineRunOptions& run);
 

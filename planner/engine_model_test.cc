@@ -31,11 +31,11 @@ estimator::ModelInventory Toy() {
   return m;
 }
 
-EngineSchedule ToySchedule() {
-  EngineSchedule s;
-  s.param_tier = EngineTier::kNvme;
-  s.optimizer_tier = EngineTier::kNvme;
-  s.param_dtype_bytes = 2;
+offload::Schedule ToySchedule() {
+  offload::Schedule s;
+  s.param_tier = offload::Tier::kNvme;
+  s.optimizer_tier = offload::Tier::kNvme;
+  s.param_dtype = offload::ElementType::kBFloat16;
   s.persistence_threshold = 100;
   s.prefetch_bytes = 4000;  // one block's weight
   s.max_live_bytes = 10000;
@@ -82,7 +82,7 @@ TEST_CASE("engine model: pinned buffers, NVMe bytes and live bytes of a toy sche
   CHECK(gpu->pinned_bytes == 90112 + 32768);
 
   // A smaller prefetch budget: nothing goes ahead, nothing is kept, both passes read everything.
-  EngineSchedule tight = ToySchedule();
+  offload::Schedule tight = ToySchedule();
   tight.prefetch_bytes = 1;
   auto t = PredictEngine(tight, Toy(), host);
   REQUIRE_OK(t);
@@ -91,7 +91,7 @@ TEST_CASE("engine model: pinned buffers, NVMe bytes and live bytes of a toy sche
 }
 
 TEST_CASE("engine model: the engine's refusals, micro-batches, ranks") {
-  EngineSchedule s = ToySchedule();
+  offload::Schedule s = ToySchedule();
   s.pinned_budget_bytes = 60000;  // less than the optimizer's buffers
   auto refused = PredictEngine(s, Toy(), EngineRunOptions{});
   REQUIRE_FALSE(refused.ok());
@@ -122,29 +122,33 @@ TEST_CASE("engine model: the engine's refusals, micro-batches, ranks") {
 }
 
 TEST_CASE("engine model: the Schedule's JSON form") {
-  auto d = EngineScheduleFromJson(nlohmann::json::object());
+  auto d = offload::ScheduleFromJson(nlohmann::json::object(), "schedule");
   REQUIRE_OK(d);
-  CHECK(d->sub_group_elements == EngineSchedule{}.sub_group_elements);
-  CHECK(d->param_tier == EngineTier::kGpu);
-  auto s = EngineScheduleFromJson(nlohmann::json::parse(R"({
+  CHECK(d->sub_group_elements == offload::Schedule{}.sub_group_elements);
+  CHECK(d->param_tier == offload::Tier::kGpu);
+  auto s = offload::ScheduleFromJson(nlohmann::json::parse(R"({
       "version": 1,
       "params": {"tier": "nvme", "dtype": "fp32", "persistence_threshold": 7,
                  "prefetch_bytes": 1, "max_live_bytes": 2, "buffer_bytes": 8192,
                  "buffer_count": 3},
       "optimizer": {"tier": "nvme", "name": "adam-amsgrad", "sub_group_elements": 4096,
                     "buffer_count": 5, "threads": 0},
-      "nvme": {"path": "/x"}, "pinned_budget_bytes": 99})"));
+      "nvme": {"path": "/x"}, "pinned_budget_bytes": 99})"),
+                                     "schedule");
   REQUIRE_MESSAGE(s.ok(), s.status().message());
-  CHECK(s->param_tier == EngineTier::kNvme);
-  CHECK(s->param_dtype_bytes == 4);
-  CHECK(s->optimizer_states == 3);
+  CHECK(s->param_tier == offload::Tier::kNvme);
+  CHECK(s->param_dtype == offload::ElementType::kFloat32);
+  CHECK(offload::SwapOptimizerStates(s->optimizer) == 3);
   CHECK(s->param_buffer_count == 3);
   CHECK(s->optimizer_buffer_count == 5);
   CHECK(s->pinned_budget_bytes == 99);
-  auto bad = EngineScheduleFromJson(nlohmann::json::parse(R"({"params": {"dtype": "int8"}})"));
+  auto bad = offload::ScheduleFromJson(nlohmann::json::parse(R"({"params": {"dtype": "int8"}})"),
+                                       "schedule");
   REQUIRE_FALSE(bad.ok());
   CHECK(bad.status().message().find("params.dtype") != std::string::npos);
-  CHECK_FALSE(EngineScheduleFromJson(nlohmann::json::parse(R"({"params": {"tier": 3}})")).ok());
+  CHECK_FALSE(
+      offload::ScheduleFromJson(nlohmann::json::parse(R"({"params": {"tier": 3}})"), "schedule")
+          .ok());
 }
 
 TEST_CASE("emit: the Schedule is sized for memplan's engine and predicted by its model") {
@@ -175,8 +179,10 @@ TEST_CASE("emit: the Schedule is sized for memplan's engine and predicted by its
   CHECK(e->prediction.pinned_bytes <= c.cpu_memory_bytes / 2);
   CHECK(j["pinned_budget_bytes"].get<uint64_t>() == e->prediction.pinned_bytes);
   // The file and the fields the prediction used are the same schedule.
-  auto read = EngineScheduleFromJson(nlohmann::json::parse(j.dump()));
+  auto read = offload::ScheduleFromJson(nlohmann::json::parse(j.dump()), "schedule");
   REQUIRE_OK(read);
+  CHECK(offload::ToOrderedJson(e->schedule) == j);
+  CHECK(e->schedule.optimizer == offload::SwapOptimizer::kAdam);
   auto again = PredictEngine(
       *read, *model,
       EngineRunOptions{1, true, static_cast<uint32_t>(r->plans.front().setup.grad_accum)});

@@ -412,8 +412,37 @@ std::string FamilyName(int stage, OffloadDevice optimizer, OffloadDevice param, 
   return name;
 }
 
-Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const Cluster& cluster,
-                               const Job& job, const SearchOptions& options) {
+namespace {
+
+// Note [Search stages]
+// SearchPlans reads top to bottom as its stages: prepare (validate the request; the limits, the
+// micro-batches, the checkpointing policies and the buffer facts every stage reads: a
+// SearchContext), enumerate (the families: ZeRO stage x offload x sharding x 8-bit), and per
+// family evaluate fit (each checkpointing x micro-batch through the memory model, buffers tuned,
+// unpinned as a fallback) and score (the step-time model, tokens/s, MFU); then rank (Note
+// [Ranking]) and explain (each plan's why, the rejected families closest first, what would make
+// one fit, the gaps left unchecked and the assumptions in sentences).
+
+// What every stage reads: the request and what follows from it once.
+struct SearchContext {
+  const estimator::ModelInventory& inventory;
+  const Cluster& cluster;
+  const Job& job;
+  const SearchOptions& options;
+  estimator::ModelCounts counts{};
+  ModelShape shape{};
+  Limits limits{};
+  BufferFacts facts{};
+  int64_t world = 0;
+  int64_t per_gpu = 0;                             // sequences per GPU per step
+  std::vector<int64_t> micro_batches{};            // ascending
+  std::vector<CheckpointPolicy> checkpointings{};  // the most memory-saving last
+  double peak_flops = 0;
+};
+
+// The request's errors a search cannot start with.
+Status ValidateSearch(const estimator::ModelInventory& inventory, const Cluster& cluster,
+                      const Job& job, const SearchOptions& options) {
   MEMPLAN_RETURN_IF_ERROR(cluster.Validate());
   MEMPLAN_RETURN_IF_ERROR(options.Validate());
   MEMPLAN_RETURN_IF_ERROR(job.ValidateFor(inventory));
@@ -428,7 +457,12 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
                                    " is not a multiple of the " + std::to_string(world) +
                                    " GPUs (train_batch_size = micro-batch x accumulation x GPUs)");
   }
-  const int64_t per_gpu = job.global_batch / world;
+  return Status::Ok();
+}
+
+// The micro-batches tried: the divisors of the sequences per GPU (or the one asked for).
+Result<std::vector<int64_t>> MicroBatchesFor(const Job& job, int64_t per_gpu,
+                                             const SearchOptions& options) {
   std::vector<int64_t> micro_batches;
   for (int64_t b = 1; b <= per_gpu; ++b) {
     if (per_gpu % b != 0) continue;
@@ -441,11 +475,12 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
                                    " sequences per GPU of `global_batch` " +
                                    std::to_string(job.global_batch));
   }
+  return micro_batches;
+}
 
-  const estimator::ArchitectureInfo& arch = *inventory.arch;
-  MEMPLAN_ASSIGN_OR_RETURN(estimator::ModelCounts counts, estimator::CountParams(inventory));
-  MEMPLAN_ASSIGN_OR_RETURN(ModelShape shape, ModelShapeFor(inventory, job.setup));
-
+// What a plan may use: the GPU less its margin, the host RAM less the processes' own, the pinned
+// share of it, the NVMe capacity's usable part.
+Limits LimitsFor(const Cluster& cluster, const SearchOptions& options) {
   Limits limits;
   limits.gpu = static_cast<uint64_t>(static_cast<double>(cluster.gpu.memory_bytes) *
                                      (1 - options.gpu_safety_fraction));
@@ -462,9 +497,15 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
     limits.nvme = static_cast<uint64_t>(static_cast<double>(cluster.nvme_capacity_bytes) *
                                         options.nvme_usable_fraction);
   }
+  return limits;
+}
 
+// The model's and the machine's facts the tuned buffers are sized from (Note [Tuned buffers]).
+BufferFacts BufferFactsFor(const estimator::ModelInventory& inventory,
+                           const estimator::ModelCounts& counts, const ModelShape& shape,
+                           const Cluster& cluster, const Limits& limits) {
   BufferFacts facts;
-  facts.hidden = arch.hidden;
+  facts.hidden = inventory.arch->hidden;
   facts.largest_block = static_cast<int64_t>(counts.largest_block_params);
   for (const estimator::TensorInfo& t : inventory.tensors) {
     facts.largest_tensor = std::max<int64_t>(facts.largest_tensor, static_cast<int64_t>(t.numel));
@@ -474,27 +515,52 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
       std::ceil(static_cast<double>(std::max<int64_t>(facts.largest_block, 1)) / 1e6) * 1e6, 1e6);
   facts.nvme_buffers = NvmeBuffersNeeded(inventory, facts.nvme_reuse_window,
                                          std::max<int64_t>(10 * facts.hidden, 10000));
-  {
-    uint64_t budget =
-        limits.pinned > 0 ? limits.pinned / static_cast<uint64_t>(cluster.gpus_per_node) : 0;
-    if (cluster.memlock_bytes > 0)
-      budget = budget > 0 ? std::min(budget, cluster.memlock_bytes) : cluster.memlock_bytes;
-    facts.pinned_budget = budget;
+  uint64_t budget =
+      limits.pinned > 0 ? limits.pinned / static_cast<uint64_t>(cluster.gpus_per_node) : 0;
+  if (cluster.memlock_bytes > 0) {
+    budget = budget > 0 ? std::min(budget, cluster.memlock_bytes) : cluster.memlock_bytes;
   }
+  facts.pinned_budget = budget;
+  return facts;
+}
 
-  PlanResult result;
-  result.host_ram_checked = cluster.cpu_memory_bytes > 0;
+// Stage "prepare": the request validated and what every later stage reads.
+Result<SearchContext> PrepareSearch(const estimator::ModelInventory& inventory,
+                                    const Cluster& cluster, const Job& job,
+                                    const SearchOptions& options) {
+  MEMPLAN_RETURN_IF_ERROR(ValidateSearch(inventory, cluster, job, options));
+  SearchContext ctx{.inventory = inventory, .cluster = cluster, .job = job, .options = options};
+  ctx.world = cluster.WorldSize();
+  ctx.per_gpu = job.global_batch / ctx.world;
+  MEMPLAN_ASSIGN_OR_RETURN(ctx.micro_batches, MicroBatchesFor(job, ctx.per_gpu, options));
+  MEMPLAN_ASSIGN_OR_RETURN(ctx.counts, estimator::CountParams(inventory));
+  MEMPLAN_ASSIGN_OR_RETURN(ctx.shape, ModelShapeFor(inventory, job.setup));
+  ctx.limits = LimitsFor(cluster, options);
+  ctx.facts = BufferFactsFor(inventory, ctx.counts, ctx.shape, cluster, ctx.limits);
+  ctx.checkpointings = FrameworkCheckpointPolicies(job.setup.framework);
+  if (options.only_checkpointing) {
+    ctx.checkpointings = {{*options.only_checkpointing, job.setup.checkpoint_every}};
+  }
+  ctx.peak_flops = PeakFlops(cluster.gpu, job.setup.precision);
+  return ctx;
+}
 
-  struct Family {
-    int stage;
-    OffloadDevice opt, param;
-    Sharding sharding;
-    bool eight_bit;
-  };
+struct Family {
+  int stage;
+  OffloadDevice opt, param;
+  Sharding sharding;
+  bool eight_bit;
+};
+
+// Stage "enumerate": ZeRO stage x optimizer offload x parameter offload x sharding (x 8-bit
+// AdamW where nothing is offloaded), within the what-if restrictions.
+std::vector<Family> EnumerateFamilies(const SearchContext& ctx) {
+  const SearchOptions& options = ctx.options;
+  const TrainingSetup& setup = ctx.job.setup;
   std::vector<Family> families;
   const OffloadDevice devices[] = {OffloadDevice::kNone, OffloadDevice::kCpu, OffloadDevice::kNvme};
   const bool try_8bit =
-      options.consider_8bit && job.setup.optimizer == Optimizer::kAdamW && job.setup.lora_rank == 0;
+      options.consider_8bit && setup.optimizer == Optimizer::kAdamW && setup.lora_rank == 0;
   for (int stage = 0; stage <= 3; ++stage) {
     if (options.only_stage >= 0 && stage != options.only_stage) continue;
     for (OffloadDevice opt : devices) {
@@ -509,7 +575,7 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
           // Hybrid sharding only means something across nodes, and offloads nothing (FSDP's
           // HYBRID_SHARD offloads to CPU only as FULL_SHARD does; MiCS none).
           if (sharding == Sharding::kHybrid &&
-              (stage != 3 || cluster.nodes < 2 || opt != OffloadDevice::kNone ||
+              (stage != 3 || ctx.cluster.nodes < 2 || opt != OffloadDevice::kNone ||
                param != OffloadDevice::kNone)) {
             continue;
           }
@@ -523,274 +589,327 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
       }
     }
   }
-  std::vector<CheckpointPolicy> checkpointings = FrameworkCheckpointPolicies(job.setup.framework);
-  if (options.only_checkpointing) {
-    checkpointings = {{*options.only_checkpointing, job.setup.checkpoint_every}};
-  }
-  result.grid_size =
-      static_cast<int64_t>(families.size() * checkpointings.size() * micro_batches.size());
+  return families;
+}
 
-  const double peak_flops = PeakFlops(cluster.gpu, job.setup.precision);
-  // The sequence the plans are for, said even when no configuration is evaluated (every family
-  // refused, e.g. NVMe asked for without a drive; issue 31 item 10 printed "x 0 tokens").
-  if (inventory.arch) result.seq_len = job.setup.SeqLenFor(&*inventory.arch);
-  for (const Family& family : families) {
-    const std::string name =
-        FamilyName(family.stage, family.opt, family.param, family.sharding, family.eight_bit);
-    Rejection rejection;
-    rejection.plan = name;
-    rejection.sharding = family.sharding;
-    if (family.opt == OffloadDevice::kNvme || family.param == OffloadDevice::kNvme) {
-      if (cluster.nvme_path.empty() || !options.allow_nvme) {
-        rejection.reason = "no NVMe drive given (`nvme_path`)";
-        result.rejected.push_back(rejection);
-        continue;
-      }
+// A family's setup before checkpointing and micro-batch are chosen.
+TrainingSetup FamilySetup(const Family& family, const SearchContext& ctx) {
+  const Cluster& cluster = ctx.cluster;
+  TrainingSetup base = ctx.job.setup;
+  base.zero_stage = family.stage;
+  base.offload_optimizer = family.opt;
+  base.offload_param = family.param;
+  if (family.eight_bit) base.optimizer = Optimizer::kAdam8bit;
+  base.gpus_per_node = cluster.gpus_per_node;
+  base.num_nodes = cluster.nodes;
+  base.tp = 1;
+  base.pin_memory = family.opt != OffloadDevice::kNone || family.param != OffloadDevice::kNone;
+  if (cluster.aio_block_size > 0) base.aio_block_size = cluster.aio_block_size;
+  if (cluster.aio_queue_depth > 0) base.aio_queue_depth = cluster.aio_queue_depth;
+  if (cluster.aio_intra_op_parallelism > 0) {
+    base.aio_intra_op_parallelism = cluster.aio_intra_op_parallelism;
+  }
+  return base;
+}
+
+// One configuration's memory: the setup tried (buffers, pinning), its estimate and its misfit.
+struct Evaluated {
+  std::optional<estimator::MemoryEstimate> memory;  // memory->setup: the setup tried
+  Misfit misfit;
+  std::string buffers;  // ApplyBuffers' label
+};
+
+// Stage "evaluate fit": one configuration `s` of `family` through the memory model, DeepSpeed's
+// buffers tuned then tight (options.tune_buffers), without pinned buffers when only pinned memory
+// is short. Counts the configurations in `result` and records the sequence length.
+Result<Evaluated> EvaluateFit(const SearchContext& ctx, const Family& family,
+                              const TrainingSetup& s, PlanResult* result) {
+  // Hybrid sharding partitions over one node's GPUs: the memory of a one-node job.
+  const double partition_ranks = static_cast<double>(
+      family.sharding == Sharding::kHybrid ? ctx.cluster.gpus_per_node : ctx.world);
+  const bool tune = ctx.options.tune_buffers;
+  Evaluated out;
+  for (int level = tune ? 0 : -1; level <= (tune ? 1 : -1); ++level) {
+    TrainingSetup tried = s;
+    std::string label = ApplyBuffers(&tried, ctx.facts, partition_ranks, level);
+    TrainingSetup for_memory = tried;
+    if (family.sharding == Sharding::kHybrid) for_memory.num_nodes = 1;
+    ++result->configurations;
+    MEMPLAN_ASSIGN_OR_RETURN(
+        estimator::MemoryEstimate e,
+        estimator::EstimateMemory(ctx.inventory, for_memory, ctx.counts, /*step_model=*/false));
+    Misfit fit = CheckFit(e.peak, ctx.limits, ctx.cluster, tried);
+    if (!fit.ok() && fit.pinned_only && tried.pin_memory) {
+      // Try again without pinned host buffers (slower transfers).
+      TrainingSetup unpinned = tried;
+      unpinned.pin_memory = false;
+      TrainingSetup unpinned_memory = for_memory;
+      unpinned_memory.pin_memory = false;
+      MEMPLAN_ASSIGN_OR_RETURN(e, estimator::EstimateMemory(ctx.inventory, unpinned_memory,
+                                                            ctx.counts, /*step_model=*/false));
+      fit = CheckFit(e.peak, ctx.limits, ctx.cluster, unpinned);
+      if (fit.ok()) tried = unpinned;
     }
-    TrainingSetup base = job.setup;
-    base.zero_stage = family.stage;
-    base.offload_optimizer = family.opt;
-    base.offload_param = family.param;
-    if (family.eight_bit) base.optimizer = Optimizer::kAdam8bit;
-    base.gpus_per_node = cluster.gpus_per_node;
-    base.num_nodes = cluster.nodes;
-    base.tp = 1;
-    base.pin_memory = family.opt != OffloadDevice::kNone || family.param != OffloadDevice::kNone;
-    if (cluster.aio_block_size > 0) base.aio_block_size = cluster.aio_block_size;
-    if (cluster.aio_queue_depth > 0) base.aio_queue_depth = cluster.aio_queue_depth;
-    if (cluster.aio_intra_op_parallelism > 0) {
-      base.aio_intra_op_parallelism = cluster.aio_intra_op_parallelism;
-    }
-    if (Status valid = base.Validate(); !valid.ok()) {
-      rejection.reason = valid.message();
-      result.rejected.push_back(rejection);
-      continue;
-    }
-    // Hybrid sharding partitions over one node's GPUs: the memory of a one-node job.
-    const double partition_ranks =
-        static_cast<double>(family.sharding == Sharding::kHybrid ? cluster.gpus_per_node : world);
-    std::vector<Plan> fitting;
-    Misfit tightest;  // the smallest configuration: micro-batch 1, full checkpointing
-    for (const CheckpointPolicy& ckpt : checkpointings) {
-      for (int64_t mb : micro_batches) {
-        TrainingSetup s = base;
-        s.checkpointing = ckpt.checkpointing;
-        s.checkpoint_every = ckpt.every;
-        s.micro_batch = mb;
-        s.grad_accum = per_gpu / mb;
-        std::optional<estimator::MemoryEstimate> m;
-        Misfit misfit;
-        std::string buffers;
-        for (int level = options.tune_buffers ? 0 : -1; level <= (options.tune_buffers ? 1 : -1);
-             ++level) {
-          TrainingSetup tried = s;
-          std::string label = ApplyBuffers(&tried, facts, partition_ranks, level);
-          TrainingSetup for_memory = tried;
-          if (family.sharding == Sharding::kHybrid) for_memory.num_nodes = 1;
-          ++result.configurations;
-          MEMPLAN_ASSIGN_OR_RETURN(
-              estimator::MemoryEstimate e,
-              estimator::EstimateMemory(inventory, for_memory, counts, /*step_model=*/false));
-          Misfit fit = CheckFit(e.peak, limits, cluster, tried);
-          if (!fit.ok() && fit.pinned_only && tried.pin_memory) {
-            // Try again without pinned host buffers (slower transfers).
-            TrainingSetup unpinned = tried;
-            unpinned.pin_memory = false;
-            TrainingSetup unpinned_memory = for_memory;
-            unpinned_memory.pin_memory = false;
-            MEMPLAN_ASSIGN_OR_RETURN(e,
-                                     estimator::EstimateMemory(inventory, unpinned_memory, counts,
-                                                               /*step_model=*/false));
-            fit = CheckFit(e.peak, limits, cluster, unpinned);
-            if (fit.ok()) tried = unpinned;
-          }
-          if (result.seq_len == 0) result.seq_len = e.setup.seq_len;
-          m = e;
-          m->setup = tried;
-          m->setup.seq_len = e.setup.seq_len;
-          misfit = fit;
-          buffers = label;
-          // Tight buffers shrink GPU, host and pinned memory alike (with parameters on NVMe the
-          // swap buffers hold a sub-group each); only an NVMe shortfall is not theirs to fix.
-          if (fit.ok() || fit.tier == "nvme") break;
-        }
-        if (!misfit.ok()) {
-          if (&ckpt == &checkpointings.back() && mb == micro_batches.front()) tightest = misfit;
-          break;  // a larger micro-batch needs more memory still
-        }
-        Plan plan;
-        plan.setup = m->setup;
-        plan.sharding = family.sharding;
-        plan.buffers = buffers;
-        plan.peak = m->peak;
-        plan.gpu_capacity_bytes = limits.gpu;
-        plan.time = PredictStepTime(shape, cluster, plan.setup, job.global_batch,
-                                    plan.setup.pin_memory, family.sharding, options.time_constants);
-        if (!(std::isfinite(plan.time.total_s) && plan.time.total_s > 0)) {
-          // Cluster::Validate's rate floors (Note [Rate floors]) make this unreachable; a
-          // ranking of infinite steps would be meaningless, so it is a bug, not a plan.
-          return Status::Internal("the time model gave a step of " + Fmt("%g", plan.time.total_s) +
-                                  " s for " + name +
-                                  "; please report it with the cluster and model");
-        }
-        plan.tokens_per_s =
-            static_cast<double>(job.global_batch) * shape.seq_len / plan.time.total_s;
-        plan.mfu = plan.time.model_flops / (plan.time.total_s * peak_flops);
-        plan.hfu = plan.time.hardware_flops / (plan.time.total_s * peak_flops);
-        plan.family = name;
-        fitting.push_back(plan);
-      }
-    }
-    if (!fitting.empty()) {
-      // The family's representative: the first of Note [Ranking] among its configurations.
-      Rank(&fitting, options.tie_fraction, job.setup.optimizer);
-      result.plans.push_back(fitting.front());
-    } else {
-      rejection.reason = tightest.ok() ? "does not fit even at micro-batch 1 with full "
-                                         "checkpointing"
-                                       : tightest.reason;
-      rejection.over_ratio = tightest.ratio;
-      rejection.tier = tightest.tier;
-      rejection.setup = base;
-      rejection.setup.checkpointing = checkpointings.back().checkpointing;
-      rejection.setup.checkpoint_every = checkpointings.back().every;
-      rejection.setup.micro_batch = micro_batches.front();
-      rejection.setup.grad_accum = per_gpu / micro_batches.front();
-      result.rejected.push_back(rejection);
+    if (result->seq_len == 0) result->seq_len = e.setup.seq_len;
+    out.memory = e;
+    out.memory->setup = tried;
+    out.memory->setup.seq_len = e.setup.seq_len;
+    out.misfit = fit;
+    out.buffers = label;
+    // Tight buffers shrink GPU, host and pinned memory alike (with parameters on NVMe the swap
+    // buffers hold a sub-group each); only an NVMe shortfall is not theirs to fix.
+    if (fit.ok() || fit.tier == "nvme") break;
+  }
+  return out;
+}
+
+// Stage "score": a fitting configuration as a plan, with its step time, throughput and MFU.
+Result<Plan> ScorePlan(const SearchContext& ctx, const Family& family, const std::string& name,
+                       const Evaluated& fit) {
+  Plan plan;
+  plan.setup = fit.memory->setup;
+  plan.sharding = family.sharding;
+  plan.buffers = fit.buffers;
+  plan.peak = fit.memory->peak;
+  plan.gpu_capacity_bytes = ctx.limits.gpu;
+  plan.time = PredictStepTime(ctx.shape, ctx.cluster, plan.setup, ctx.job.global_batch,
+                              plan.setup.pin_memory, family.sharding, ctx.options.time_constants);
+  if (!(std::isfinite(plan.time.total_s) && plan.time.total_s > 0)) {
+    // Cluster::Validate's rate floors (Note [Rate floors]) make this unreachable; a ranking of
+    // infinite steps would be meaningless, so it is a bug, not a plan.
+    return Status::Internal("the time model gave a step of " + Fmt("%g", plan.time.total_s) +
+                            " s for " + name + "; please report it with the cluster and model");
+  }
+  plan.tokens_per_s =
+      static_cast<double>(ctx.job.global_batch) * ctx.shape.seq_len / plan.time.total_s;
+  plan.mfu = plan.time.model_flops / (plan.time.total_s * ctx.peak_flops);
+  plan.hfu = plan.time.hardware_flops / (plan.time.total_s * ctx.peak_flops);
+  plan.family = name;
+  return plan;
+}
+
+// One family: evaluated and scored over checkpointing x micro-batch; its representative (the first
+// of Note [Ranking] among its fitting configurations) joins result->plans, or it joins
+// result->rejected with its tightest configuration's misfit.
+Status SearchFamily(const SearchContext& ctx, const Family& family, PlanResult* result) {
+  const std::string name =
+      FamilyName(family.stage, family.opt, family.param, family.sharding, family.eight_bit);
+  Rejection rejection;
+  rejection.plan = name;
+  rejection.sharding = family.sharding;
+  if (family.opt == OffloadDevice::kNvme || family.param == OffloadDevice::kNvme) {
+    if (ctx.cluster.nvme_path.empty() || !ctx.options.allow_nvme) {
+      rejection.reason = "no NVMe drive given (`nvme_path`)";
+      result->rejected.push_back(rejection);
+      return Status::Ok();
     }
   }
-  Rank(&result.plans, options.tie_fraction, job.setup.optimizer);
-  for (Plan& plan : result.plans) {
-    plan.why = Explain(plan, result.plans, cluster, options.tie_fraction);
+  const TrainingSetup base = FamilySetup(family, ctx);
+  if (Status valid = base.Validate(); !valid.ok()) {
+    rejection.reason = valid.message();
+    result->rejected.push_back(rejection);
+    return Status::Ok();
   }
-  // Closest to fitting first; families that could not be tried at all last.
-  std::stable_sort(result.rejected.begin(), result.rejected.end(),
+  const std::vector<int64_t>& micro_batches = ctx.micro_batches;
+  std::vector<Plan> fitting;
+  Misfit tightest;  // the smallest configuration: micro-batch 1, full checkpointing
+  for (const CheckpointPolicy& ckpt : ctx.checkpointings) {
+    for (int64_t mb : micro_batches) {
+      TrainingSetup s = base;
+      s.checkpointing = ckpt.checkpointing;
+      s.checkpoint_every = ckpt.every;
+      s.micro_batch = mb;
+      s.grad_accum = ctx.per_gpu / mb;
+      MEMPLAN_ASSIGN_OR_RETURN(Evaluated fit, EvaluateFit(ctx, family, s, result));
+      if (!fit.misfit.ok()) {
+        if (&ckpt == &ctx.checkpointings.back() && mb == micro_batches.front()) {
+          tightest = fit.misfit;
+        }
+        break;  // a larger micro-batch needs more memory still
+      }
+      MEMPLAN_ASSIGN_OR_RETURN(Plan plan, ScorePlan(ctx, family, name, fit));
+      fitting.push_back(std::move(plan));
+    }
+  }
+  if (!fitting.empty()) {
+    Rank(&fitting, ctx.options.tie_fraction, ctx.job.setup.optimizer);
+    result->plans.push_back(fitting.front());
+    return Status::Ok();
+  }
+  rejection.reason = tightest.ok() ? "does not fit even at micro-batch 1 with full checkpointing"
+                                   : tightest.reason;
+  rejection.over_ratio = tightest.ratio;
+  rejection.tier = tightest.tier;
+  rejection.setup = base;
+  rejection.setup.checkpointing = ctx.checkpointings.back().checkpointing;
+  rejection.setup.checkpoint_every = ctx.checkpointings.back().every;
+  rejection.setup.micro_batch = micro_batches.front();
+  rejection.setup.grad_accum = ctx.per_gpu / micro_batches.front();
+  result->rejected.push_back(rejection);
+  return Status::Ok();
+}
+
+// Stage "rank": the families' representatives in Note [Ranking]'s order, each with its why; the
+// rejected families closest to fitting first, those that could not be tried at all last.
+void RankAndExplain(const SearchContext& ctx, PlanResult* result) {
+  Rank(&result->plans, ctx.options.tie_fraction, ctx.job.setup.optimizer);
+  for (Plan& plan : result->plans) {
+    plan.why = Explain(plan, result->plans, ctx.cluster, ctx.options.tie_fraction);
+  }
+  std::stable_sort(result->rejected.begin(), result->rejected.end(),
                    [](const Rejection& a, const Rejection& b) {
                      const bool a_tried = a.over_ratio > 0, b_tried = b.over_ratio > 0;
                      if (a_tried != b_tried) return a_tried;
                      return a.over_ratio < b.over_ratio;
                    });
+}
 
-  // What would make a family fit, each checked with the memory model: each kind of change once,
-  // for the closest family it makes fit (more nodes do nothing for ZeRO-1's replicated
-  // parameters, and NVMe applies to ZeRO-3 only, so the closest family alone can leave the
-  // changes that work for the next one unsaid).
-  if (result.plans.empty()) {
-    std::set<std::string> kinds;
-    auto suggest = [&](const std::string& kind, std::string text) {
-      if (kinds.insert(kind).second) result.suggestions.push_back(std::move(text));
-    };
-    for (const Rejection& r : result.rejected) {
-      if (r.over_ratio <= 0) continue;
-      auto fits = [&](TrainingSetup s, const Cluster& c2) -> std::optional<estimator::PeakMemory> {
-        Limits l = limits;
-        s.gpus_per_node = c2.gpus_per_node;
-        s.num_nodes = r.sharding == Sharding::kHybrid ? 1 : c2.nodes;
-        auto e = estimator::EstimateMemory(inventory, s, counts, /*step_model=*/false);
-        if (!e.ok()) return std::nullopt;
-        if (!CheckFit(e->peak, l, c2, s).ok()) return std::nullopt;
-        return e->peak;
-      };
-      const TrainingSetup& s0 = r.setup;
-      if (r.tier == "gpu" && s0.zero_stage == 3 && kinds.count("nodes") == 0) {
-        for (int64_t nodes = cluster.nodes * 2; nodes <= cluster.nodes * 64; nodes *= 2) {
-          Cluster more = cluster;
-          more.nodes = nodes;
-          if (auto p = fits(s0, more)) {
-            suggest("nodes", std::to_string(nodes) + " nodes of " +
-                                 std::to_string(cluster.gpus_per_node) + " x " + cluster.gpu.name +
-                                 ": " + r.plan + " needs " + GiB(p->gpu_bytes) +
-                                 " GiB per GPU (`nodes` " + std::to_string(nodes) +
-                                 ", `global_batch` a multiple of " +
-                                 std::to_string(nodes * cluster.gpus_per_node) + ")");
-            break;
-          }
-        }
+// The peak of rejected family `r`'s setup `s` on cluster `c`, when it fits there.
+std::optional<estimator::PeakMemory> FitsOn(const SearchContext& ctx, const Rejection& r,
+                                            TrainingSetup s, const Cluster& c) {
+  s.gpus_per_node = c.gpus_per_node;
+  s.num_nodes = r.sharding == Sharding::kHybrid ? 1 : c.nodes;
+  auto e = estimator::EstimateMemory(ctx.inventory, s, ctx.counts, /*step_model=*/false);
+  if (!e.ok()) return std::nullopt;
+  if (!CheckFit(e->peak, ctx.limits, c, s).ok()) return std::nullopt;
+  return e->peak;
+}
+
+// The changes said for no-fit: each kind once (`kinds`), for the first family it makes fit.
+struct Suggestions {
+  std::set<std::string> kinds;
+  std::vector<std::string>* out;
+  bool Wants(const std::string& kind) const { return kinds.count(kind) == 0; }
+  void Add(const std::string& kind, std::string text) {
+    if (kinds.insert(kind).second) out->push_back(std::move(text));
+  }
+};
+
+// What would make rejected family `r` fit, each change checked with the memory model.
+void SuggestFor(const SearchContext& ctx, const Rejection& r, int64_t seq_len,
+                Suggestions* suggest) {
+  const Cluster& cluster = ctx.cluster;
+  const TrainingSetup& s0 = r.setup;
+  if (r.tier == "gpu" && s0.zero_stage == 3 && suggest->Wants("nodes")) {
+    for (int64_t nodes = cluster.nodes * 2; nodes <= cluster.nodes * 64; nodes *= 2) {
+      Cluster more = cluster;
+      more.nodes = nodes;
+      if (auto p = FitsOn(ctx, r, s0, more)) {
+        suggest->Add("nodes", std::to_string(nodes) + " nodes of " +
+                                  std::to_string(cluster.gpus_per_node) + " x " + cluster.gpu.name +
+                                  ": " + r.plan + " needs " + GiB(p->gpu_bytes) +
+                                  " GiB per GPU (`nodes` " + std::to_string(nodes) +
+                                  ", `global_batch` a multiple of " +
+                                  std::to_string(nodes * cluster.gpus_per_node) + ")");
+        break;
       }
-      if (s0.optimizer == Optimizer::kAdamW && s0.lora_rank == 0 && !Offloads(s0) &&
-          kinds.count("8bit") == 0) {
-        TrainingSetup eight = s0;
-        eight.optimizer = Optimizer::kAdam8bit;
-        if (auto p = fits(eight, cluster)) {
-          suggest("8bit", "8-bit AdamW (`optimizer` adam8bit): " + r.plan + " needs " +
-                              GiB(p->gpu_bytes) + " GiB per GPU");
-        }
-      }
-      if (cluster.nvme_path.empty() && s0.zero_stage == 3 && kinds.count("nvme") == 0) {
-        TrainingSetup nvme = s0;
-        nvme.offload_optimizer = nvme.offload_param = OffloadDevice::kNvme;
-        nvme.pin_memory = true;
-        Cluster with = cluster;
-        with.nvme_path = "/nvme";
-        if (nvme.Validate().ok()) {
-          if (auto p = fits(nvme, with)) {
-            suggest("nvme",
-                    "an NVMe drive (`nvme_path`, `nvme_capacity`): ZeRO-3 with optimizer and "
-                    "parameters on NVMe needs " +
-                        GiB(p->gpu_bytes) + " GiB per GPU and " + GiB(p->nvme_bytes) +
-                        " GiB of NVMe per node");
-          }
-        }
-      }
-      if (r.tier == "cpu" && kinds.count("ram") == 0) {
-        const double need = r.over_ratio * static_cast<double>(limits.cpu);
-        suggest("ram", "more host RAM: " + r.plan + " needs " + GiB(static_cast<uint64_t>(need)) +
-                           " GiB of CPU memory per node (" +
-                           GiB(static_cast<uint64_t>(
-                               (need + static_cast<double>(options.cpu_per_process_bytes) *
-                                           static_cast<double>(cluster.gpus_per_node)) /
-                               options.cpu_usable_fraction)) +
-                           " GiB of RAM)");
-      }
-      if (s0.seq_len == 0 || s0.micro_batch == 1) {
-        TrainingSetup shorter = s0;
-        shorter.seq_len = std::max<int64_t>(result.seq_len / 2, 1);
-        if (result.seq_len > 256 && kinds.count("seq") == 0) {
-          if (auto p = fits(shorter, cluster)) {
-            suggest("seq", "a shorter sequence (`seq_len` " + std::to_string(shorter.seq_len) +
-                               "): " + r.plan + " needs " + GiB(p->gpu_bytes) + " GiB per GPU");
-          }
-        }
-      }
-    }
-    if (result.suggestions.empty() && !result.rejected.empty() &&
-        result.rejected.front().over_ratio > 0) {
-      result.suggestions.push_back("nothing simple: the closest, " + result.rejected.front().plan +
-                                   ", " + result.rejected.front().reason +
-                                   "; more GPUs or nodes are needed");
     }
   }
+  if (s0.optimizer == Optimizer::kAdamW && s0.lora_rank == 0 && !Offloads(s0) &&
+      suggest->Wants("8bit")) {
+    TrainingSetup eight = s0;
+    eight.optimizer = Optimizer::kAdam8bit;
+    if (auto p = FitsOn(ctx, r, eight, cluster)) {
+      suggest->Add("8bit", "8-bit AdamW (`optimizer` adam8bit): " + r.plan + " needs " +
+                               GiB(p->gpu_bytes) + " GiB per GPU");
+    }
+  }
+  if (cluster.nvme_path.empty() && s0.zero_stage == 3 && suggest->Wants("nvme")) {
+    TrainingSetup nvme = s0;
+    nvme.offload_optimizer = nvme.offload_param = OffloadDevice::kNvme;
+    nvme.pin_memory = true;
+    Cluster with = cluster;
+    with.nvme_path = "/nvme";
+    if (nvme.Validate().ok()) {
+      if (auto p = FitsOn(ctx, r, nvme, with)) {
+        suggest->Add("nvme",
+                     "an NVMe drive (`nvme_path`, `nvme_capacity`): ZeRO-3 with optimizer and "
+                     "parameters on NVMe needs " +
+                         GiB(p->gpu_bytes) + " GiB per GPU and " + GiB(p->nvme_bytes) +
+                         " GiB of NVMe per node");
+      }
+    }
+  }
+  if (r.tier == "cpu" && suggest->Wants("ram")) {
+    const SearchOptions& o = ctx.options;
+    const double need = r.over_ratio * static_cast<double>(ctx.limits.cpu);
+    suggest->Add(
+        "ram",
+        "more host RAM: " + r.plan + " needs " + GiB(static_cast<uint64_t>(need)) +
+            " GiB of CPU memory per node (" +
+            GiB(static_cast<uint64_t>((need + static_cast<double>(o.cpu_per_process_bytes) *
+                                                  static_cast<double>(cluster.gpus_per_node)) /
+                                      o.cpu_usable_fraction)) +
+            " GiB of RAM)");
+  }
+  if (s0.seq_len == 0 || s0.micro_batch == 1) {
+    TrainingSetup shorter = s0;
+    shorter.seq_len = std::max<int64_t>(seq_len / 2, 1);
+    if (seq_len > 256 && suggest->Wants("seq")) {
+      if (auto p = FitsOn(ctx, r, shorter, cluster)) {
+        suggest->Add("seq", "a shorter sequence (`seq_len` " + std::to_string(shorter.seq_len) +
+                                "): " + r.plan + " needs " + GiB(p->gpu_bytes) + " GiB per GPU");
+      }
+    }
+  }
+}
 
-  if (!result.host_ram_checked) {
-    result.gaps.push_back(
+// Stage "explain", when nothing fits: what would make a family fit, each kind of change once, for
+// the closest family it makes fit (more nodes do nothing for ZeRO-1's replicated parameters, and
+// NVMe applies to ZeRO-3 only, so the closest family alone can leave the changes that work for the
+// next one unsaid).
+void SuggestChanges(const SearchContext& ctx, PlanResult* result) {
+  Suggestions suggest{{}, &result->suggestions};
+  for (const Rejection& r : result->rejected) {
+    if (r.over_ratio <= 0) continue;
+    SuggestFor(ctx, r, result->seq_len, &suggest);
+  }
+  if (result->suggestions.empty() && !result->rejected.empty() &&
+      result->rejected.front().over_ratio > 0) {
+    result->suggestions.push_back("nothing simple: the closest, " + result->rejected.front().plan +
+                                  ", " + result->rejected.front().reason +
+                                  "; more GPUs or nodes are needed");
+  }
+}
+
+// Stage "explain": what the search could not check.
+void NoteGaps(const SearchContext& ctx, PlanResult* result) {
+  if (!result->host_ram_checked) {
+    result->gaps.push_back(
         "host RAM not checked: give `cpu_mem` (or cpu_memory_bytes in `cluster`); "
         "offload plans may need more RAM than the nodes have");
   }
-  if (cluster.memlock_bytes == 0) {
+  if (ctx.cluster.memlock_bytes == 0) {
     bool pinned = false;
-    for (const Plan& p : result.plans) pinned = pinned || (p.setup.pin_memory && UsesNvme(p.setup));
+    for (const Plan& p : result->plans) {
+      pinned = pinned || (p.setup.pin_memory && UsesNvme(p.setup));
+    }
     if (pinned) {
-      result.gaps.push_back(
+      result->gaps.push_back(
           "RLIMIT_MEMLOCK not checked (`memlock`): NVMe offload "
           "locks its swap buffers");
     }
   }
+}
 
+// Stage "explain": the limits and the models' constants the plans rest on, in sentences.
+std::vector<std::string> SearchAssumptions(const SearchContext& ctx, bool host_ram_checked) {
+  const Cluster& cluster = ctx.cluster;
+  const SearchOptions& options = ctx.options;
   const TimeConstants& k = options.time_constants;
-  result.assumptions = {
+  std::vector<std::string> assumptions = {
       "Fit: GPU peak (CUDA context and 10% allocator margin included) <= GPU memory less " +
           Fmt("%.0f", options.gpu_safety_fraction * 100) + "%; " +
-          (result.host_ram_checked
-               ? "CPU per node <= " + Fmt("%.0f", options.cpu_usable_fraction * 100) +
-                     "% of RAM less " + GiB(options.cpu_per_process_bytes) +
-                     " GiB per GPU process; pinned <= " +
-                     Fmt("%.0f", options.pinned_fraction * 100) + "% of RAM"
-               : std::string("host RAM not checked")) +
+          (host_ram_checked ? "CPU per node <= " + Fmt("%.0f", options.cpu_usable_fraction * 100) +
+                                  "% of RAM less " + GiB(options.cpu_per_process_bytes) +
+                                  " GiB per GPU process; pinned <= " +
+                                  Fmt("%.0f", options.pinned_fraction * 100) + "% of RAM"
+                            : std::string("host RAM not checked")) +
           "; NVMe <= " + Fmt("%.0f", options.nvme_usable_fraction * 100) + "% of capacity.",
       "Compute (Note [Step-time model]): each Linear as an M x K x N GEMM (M = micro-batch x "
       "sequence tokens) at " +
           Fmt("%.0f", cluster.gpu.gemm_efficiency * 100) + "% of " +
-          Fmt("%.0f", peak_flops / 1e12) + " TFLOPS plus its operands at " +
+          Fmt("%.0f", ctx.peak_flops / 1e12) + " TFLOPS plus its operands at " +
           Fmt("%.0f", k.hbm_efficiency * 100) + "% of " +
           Fmt("%.0f", cluster.gpu.hbm_bytes_per_s / 1e9) + " GB/s HBM; attention at " +
           Fmt("%.0f", cluster.gpu.attention_efficiency * 100) +
@@ -828,17 +947,42 @@ Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const
           "headroom.",
   };
   if (!options.calibration_note.empty()) {
-    result.assumptions.push_back(
+    assumptions.push_back(
         "Step-time constants calibrated from measured runs: " + options.calibration_note + ".");
   }
   if (options.tune_buffers) {
-    result.assumptions.push_back(
+    assumptions.push_back(
         "DeepSpeed buffers tuned from the model (Note [Tuned buffers]): buckets, prefetch and "
         "live-parameter limits from h = " +
-        std::to_string(arch.hidden) +
+        std::to_string(ctx.inventory.arch->hidden) +
         " and the largest layer, sub-groups and NVMe buffers from the pinned budget; a tighter set "
         "is tried when the first does not fit.");
   }
+  return assumptions;
+}
+
+}  // namespace
+
+// Note [Search stages].
+Result<PlanResult> SearchPlans(const estimator::ModelInventory& inventory, const Cluster& cluster,
+                               const Job& job, const SearchOptions& options) {
+  MEMPLAN_ASSIGN_OR_RETURN(const SearchContext ctx,
+                           PrepareSearch(inventory, cluster, job, options));
+  PlanResult result;
+  result.host_ram_checked = cluster.cpu_memory_bytes > 0;
+  const std::vector<Family> families = EnumerateFamilies(ctx);
+  result.grid_size =
+      static_cast<int64_t>(families.size() * ctx.checkpointings.size() * ctx.micro_batches.size());
+  // The sequence the plans are for, said even when no configuration is evaluated (every family
+  // refused, e.g. NVMe asked for without a drive; issue 31 item 10 printed "x 0 tokens").
+  if (inventory.arch) result.seq_len = job.setup.SeqLenFor(&*inventory.arch);
+  for (const Family& family : families) {
+    MEMPLAN_RETURN_IF_ERROR(SearchFamily(ctx, family, &result));
+  }
+  RankAndExplain(ctx, &result);
+  if (result.plans.empty()) SuggestChanges(ctx, &result);
+  NoteGaps(ctx, &result);
+  result.assumptions = SearchAssumptions(ctx, result.host_ram_checked);
   return result;
 }
 

@@ -254,34 +254,61 @@ Result<ModelShape> ModelShapeFor(const estimator::ModelInventory& inventory,
   return m;
 }
 
-StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSetup& s,
-                         int64_t global_batch, bool pinned, Sharding sharding,
-                         const TimeConstants& k) {
-  StepTime t;
-  const double d = static_cast<double>(c.WorldSize());
-  const double g = static_cast<double>(c.gpus_per_node);
-  const double nodes = static_cast<double>(c.nodes);
-  const double ga = static_cast<double>(s.grad_accum);
+namespace {
+
+// What every step of PredictStepTime reads: the run's sizes as doubles.
+struct StepFacts {
+  double d = 0;  // GPUs
+  double g = 0;  // GPUs per node
+  double nodes = 0;
+  double ga = 0;      // micro-batches per step
+  double w = 0;       // bytes of the working dtype
+  double tokens = 0;  // per micro-batch
+  double layers = 0;
+  bool zero3 = false;
+  // Checkpointing (Note [The step model]).
+  bool full_ckpt = false, selective = false, op_ckpt = false;
+  double full_frac = 0;  // the fraction of the layers full checkpointing recomputes
+};
+
+StepFacts FactsFor(const ModelShape& m, const Cluster& c, const TrainingSetup& s) {
+  StepFacts f;
+  f.d = static_cast<double>(c.WorldSize());
+  f.g = static_cast<double>(c.gpus_per_node);
+  f.nodes = static_cast<double>(c.nodes);
+  f.ga = static_cast<double>(s.grad_accum);
   const bool fp32 = s.precision == Precision::kFp32;
-  const double w = fp32 ? 4 : 2;
-  const double tokens = static_cast<double>(s.micro_batch) * m.seq_len;  // per micro-batch
-  const double peak = PeakFlops(c.gpu, s.precision);
-  const double gemm_rate = peak * c.gpu.gemm_efficiency;
-  const double hbm = c.gpu.hbm_bytes_per_s * k.hbm_efficiency;
+  f.w = fp32 ? 4 : 2;
+  f.tokens = static_cast<double>(s.micro_batch) * m.seq_len;
   // What each policy recomputes in backward (Note [The step model]): full, the whole forward of
   // the checkpointed blocks (every checkpoint_every-th: that fraction of the layers); selective,
   // the attention core; op (torchtitan's op-level SAC, torchtitan/models/llama3/
   // parallelize_llama.py _save_list), every other matmul and the elementwise ops, keeping the
   // attention outputs.
-  const bool full_ckpt = s.checkpointing == Checkpointing::kFull;
-  const bool selective = s.checkpointing == Checkpointing::kSelective;
-  const bool op_ckpt = s.checkpointing == Checkpointing::kOp;
-  const double full_frac =
-      full_ckpt ? 1.0 / static_cast<double>(std::max<int64_t>(s.checkpoint_every, 1)) : 0.0;
-  const bool zero3 = s.zero_stage == 3;
-  const double layers = std::max(m.layers, 1.0);
+  f.full_ckpt = s.checkpointing == Checkpointing::kFull;
+  f.selective = s.checkpointing == Checkpointing::kSelective;
+  f.op_ckpt = s.checkpointing == Checkpointing::kOp;
+  f.full_frac =
+      f.full_ckpt ? 1.0 / static_cast<double>(std::max<int64_t>(s.checkpoint_every, 1)) : 0.0;
+  f.zero3 = s.zero_stage == 3;
+  f.layers = std::max(m.layers, 1.0);
+  return f;
+}
 
-  // --- Compute, one micro-batch -------------------------------------------------------------
+// One micro-batch's forward and backward on the GPU (host waits included).
+struct MicroBatch {
+  double fwd = 0, bwd = 0;
+};
+
+// Step "compute": GEMMs, attention, elementwise kernels and the head, one micro-batch; fills the
+// step's gemm_s, attention_s, elementwise_s, host_wait_s and FLOP counts.
+MicroBatch PredictCompute(const ModelShape& m, const Cluster& c, const TrainingSetup& s,
+                          const TimeConstants& k, const StepFacts& f, StepTime* t) {
+  const double ga = f.ga, w = f.w, tokens = f.tokens, layers = f.layers, full_frac = f.full_frac;
+  const bool full_ckpt = f.full_ckpt, selective = f.selective, op_ckpt = f.op_ckpt;
+  const double peak = PeakFlops(c.gpu, s.precision);
+  const double gemm_rate = peak * c.gpu.gemm_efficiency;
+  const double hbm = c.gpu.hbm_bytes_per_s * k.hbm_efficiency;
   // GEMMs of one layer: forward, backward (input and, unless frozen, weight gradients), recompute.
   double layer_fwd_gemm = 0, layer_bwd_gemm = 0;
   double layer_model_flops = 0;  // per layer, forward + backward, for MFU (6N-style)
@@ -316,10 +343,10 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   if (full_ckpt) gpu_bwd += full_frac * gpu_fwd;
   if (selective) gpu_bwd += attn_fwd + eager_scores / 3;
   if (op_ckpt) gpu_bwd += layer_fwd_gemm / 2 + elem_fwd;
-  const double host_pass = k.launch_s_per_layer + (zero3 ? k.sharded_hook_s : 0);
+  const double host_pass = k.launch_s_per_layer + (f.zero3 ? k.sharded_hook_s : 0);
   const double fwd_layer = std::max(gpu_fwd, host_pass);
   const double bwd_layer = std::max(gpu_bwd, host_pass * (1 + full_frac));
-  t.host_wait_s = ga * layers * ((fwd_layer - gpu_fwd) + (bwd_layer - gpu_bwd));
+  t->host_wait_s = ga * layers * ((fwd_layer - gpu_fwd) + (bwd_layer - gpu_bwd));
 
   // Output layer and head: GEMMs plus the fp32 logits.
   double head_fwd = 0, head_bwd = 0, head_model_flops = 0;
@@ -331,144 +358,181 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
     head_model_flops += x.count * (x.frozen ? 4 : 6) * tokens * x.token_fraction * x.k * x.n;
   }
   const double logits = k.logits_passes * tokens * m.vocab * 4 / hbm;
-  const double fwd_mb = layers * fwd_layer + head_fwd + logits / 2;
-  const double bwd_mb = layers * bwd_layer + head_bwd + logits / 2;
+  MicroBatch mb;
+  mb.fwd = layers * fwd_layer + head_fwd + logits / 2;
+  mb.bwd = layers * bwd_layer + head_bwd + logits / 2;
 
   const double gemm_re = full_ckpt ? full_frac : op_ckpt ? 0.5 : 0.0;
   const double attn_re = full_ckpt ? full_frac : selective ? 1.0 : 0.0;
   const double elem_re = full_ckpt ? full_frac : op_ckpt ? 1.0 : 0.0;
-  t.gemm_s = ga * (layers * (layer_fwd_gemm + layer_bwd_gemm + gemm_re * layer_fwd_gemm) +
-                   head_fwd + head_bwd);
-  t.attention_s = ga * layers * (attn_fwd + attn_bwd + attn_re * attn_fwd + eager_scores);
-  t.elementwise_s =
+  t->gemm_s = ga * (layers * (layer_fwd_gemm + layer_bwd_gemm + gemm_re * layer_fwd_gemm) +
+                    head_fwd + head_bwd);
+  t->attention_s = ga * layers * (attn_fwd + attn_bwd + attn_re * attn_fwd + eager_scores);
+  t->elementwise_s =
       ga * (layers * (elem + elem_re * elem_fwd + dequant * (2 + full_frac)) + logits);
   // FLOPs per GPU per step.
   const double attn_model = 12 * m.seq_len * m.attention_width * layers;  // per token, non-causal
-  t.model_flops = ga * (layers * layer_model_flops + head_model_flops + tokens * attn_model);
-  {
-    double recompute = 0;
-    if (full_ckpt) {
-      recompute = full_frac * ga * (layers * layer_model_flops / 3 + tokens * attn_model / 3);
-    }
-    // (frozen GEMMs do 4 of their 6 units; a third of 6 is their forward either way)
-    if (selective) recompute = ga * tokens * attn_model / 3;
-    if (op_ckpt) recompute = ga * layers * layer_model_flops / 6;
-    t.hardware_flops = t.model_flops + recompute;
+  t->model_flops = ga * (layers * layer_model_flops + head_model_flops + tokens * attn_model);
+  double recompute = 0;
+  if (full_ckpt) {
+    recompute = full_frac * ga * (layers * layer_model_flops / 3 + tokens * attn_model / 3);
   }
+  // (frozen GEMMs do 4 of their 6 units; a third of 6 is their forward either way)
+  if (selective) recompute = ga * tokens * attn_model / 3;
+  if (op_ckpt) recompute = ga * layers * layer_model_flops / 6;
+  t->hardware_flops = t->model_flops + recompute;
+  return mb;
+}
 
-  // --- Collectives ---------------------------------------------------------------------------
-  const double grads = m.trainable * w;  // gradients reduced in the working dtype
-  const double params = m.params * w;
-  double fwd_window = fwd_mb, bwd_window = bwd_mb;
-  double comm_fwd = 0, comm_bwd = 0, comm_serial = 0, comm_tail = 0;
-  double comm_bwd_last = 0;  // only on the last micro-batch (ZeRO-0/1)
-  if (d > 1) {
-    switch (s.zero_stage) {
-      case 0:
-        comm_bwd_last = 2 * GatherSeconds(grads, d, nodes, layers, c, k);
-        comm_tail = comm_bwd_last / layers;
-        break;
-      case 1:
-        comm_bwd_last = GatherSeconds(grads, d, nodes, layers, c, k);
-        comm_tail = comm_bwd_last / layers;
-        comm_serial = GatherSeconds(params, d, nodes, 1, c, k);
-        break;
-      case 2:
-        comm_bwd = GatherSeconds(grads, d, nodes, layers, c, k);
-        comm_tail = ga * comm_bwd / layers;
-        comm_serial = GatherSeconds(params, d, nodes, 1, c, k);
-        break;
-      default: {
-        const bool hybrid = sharding == Sharding::kHybrid && nodes > 1;
-        const double shard_ranks = hybrid ? g : d;
-        const double shard_nodes = hybrid ? 1 : nodes;
-        const double gather = GatherSeconds(params, shard_ranks, shard_nodes, layers, c, k);
-        const double scatter = GatherSeconds(grads, shard_ranks, shard_nodes, layers, c, k);
-        double replicas = 0;
-        if (hybrid) {
-          // Each GPU's gradient shard, all-reduced with its peers of the other nodes; the node's
-          // GPUs share its network.
-          const double shard = grads / g;
-          replicas = 2 * shard * (nodes - 1) / nodes * g /
-                         (c.InterNodeBytesPerS() * k.network_efficiency) +
-                     layers * k.collective_latency_s;
-        }
-        comm_fwd = gather;
-        comm_bwd = gather + scatter + replicas;
-        // The first layer's gather cannot be prefetched, the last reduce-scatter waits for the
-        // last gradients.
-        comm_tail = ga * (gather + scatter + replicas) / layers;
-        break;
+// The collectives of one step, by where they can hide.
+struct Collectives {
+  double fwd = 0, bwd = 0;  // per micro-batch, behind forward / backward
+  double serial = 0;        // after the step (the post-step all-gather)
+  double tail = 0;          // pipeline fill and drain
+  double bwd_last = 0;      // only on the last micro-batch (ZeRO-0/1)
+};
+
+// Step "collectives": what each ZeRO stage gathers and reduces, and when.
+Collectives PredictCollectives(const ModelShape& m, const Cluster& c, const TrainingSetup& s,
+                               Sharding sharding, const TimeConstants& k, const StepFacts& f) {
+  const double d = f.d, g = f.g, nodes = f.nodes, ga = f.ga, layers = f.layers;
+  const double grads = m.trainable * f.w;  // gradients reduced in the working dtype
+  const double params = m.params * f.w;
+  Collectives out;
+  if (d <= 1) return out;
+  switch (s.zero_stage) {
+    case 0:
+      out.bwd_last = 2 * GatherSeconds(grads, d, nodes, layers, c, k);
+      out.tail = out.bwd_last / layers;
+      break;
+    case 1:
+      out.bwd_last = GatherSeconds(grads, d, nodes, layers, c, k);
+      out.tail = out.bwd_last / layers;
+      out.serial = GatherSeconds(params, d, nodes, 1, c, k);
+      break;
+    case 2:
+      out.bwd = GatherSeconds(grads, d, nodes, layers, c, k);
+      out.tail = ga * out.bwd / layers;
+      out.serial = GatherSeconds(params, d, nodes, 1, c, k);
+      break;
+    default: {
+      const bool hybrid = sharding == Sharding::kHybrid && nodes > 1;
+      const double shard_ranks = hybrid ? g : d;
+      const double shard_nodes = hybrid ? 1 : nodes;
+      const double gather = GatherSeconds(params, shard_ranks, shard_nodes, layers, c, k);
+      const double scatter = GatherSeconds(grads, shard_ranks, shard_nodes, layers, c, k);
+      double replicas = 0;
+      if (hybrid) {
+        // Each GPU's gradient shard, all-reduced with its peers of the other nodes; the node's
+        // GPUs share its network.
+        const double shard = grads / g;
+        replicas =
+            2 * shard * (nodes - 1) / nodes * g / (c.InterNodeBytesPerS() * k.network_efficiency) +
+            layers * k.collective_latency_s;
       }
+      out.fwd = gather;
+      out.bwd = gather + scatter + replicas;
+      // The first layer's gather cannot be prefetched, the last reduce-scatter waits for the
+      // last gradients.
+      out.tail = ga * (gather + scatter + replicas) / layers;
+      break;
     }
   }
+  return out;
+}
 
-  // --- Host transfers ------------------------------------------------------------------------
+// The host streams of one step (PCIe and NVMe), by where they can hide.
+struct HostStreams {
+  double partition = 0;           // trainable parameters of this GPU's optimizer partition
+  double per_node_trainable = 0;  // trainable parameters a node's CPU optimizer steps
+  double pcie_bwd = 0, pcie_fwd_param = 0, pcie_bwd_param = 0, pcie_serial = 0;
+  double nvme_fwd = 0, nvme_bwd = 0, nvme_serial_write = 0, nvme_optimizer_s = 0;
+};
+
+// Step "host transfers": gradients and parameters over PCIe, parameters and optimizer state to
+// and from NVMe; fills the step's pcie_s and nvme_s.
+HostStreams PredictHostStreams(const ModelShape& m, const Cluster& c, const TrainingSetup& s,
+                               bool pinned, Sharding sharding, const TimeConstants& k,
+                               const StepFacts& f, StepTime* t) {
+  const double d = f.d, g = f.g, nodes = f.nodes, ga = f.ga, w = f.w;
+  const bool zero3 = f.zero3;
+  HostStreams h;
+  // --- PCIe
   const double pcie_share =
       std::max(1.0, std::min(g, static_cast<double>(c.gpu.gpus_per_pcie_switch)));
   const double pcie =
       c.PcieLineBytesPerS() * k.pcie_efficiency / pcie_share * (pinned ? 1.0 : k.unpinned_factor);
   const double zero3_share = sharding == Sharding::kHybrid && zero3 && nodes > 1 ? g : d;
-  const double partition = m.trainable / (s.zero_stage >= 1 ? (zero3 ? zero3_share : d) : 1);
+  h.partition = m.trainable / (s.zero_stage >= 1 ? (zero3 ? zero3_share : d) : 1);
   const double param_partition = m.params / (zero3 ? zero3_share : 1);
-  double pcie_bwd = 0, pcie_fwd_param = 0, pcie_bwd_param = 0, pcie_serial = 0;
   const bool opt_off = s.offload_optimizer != OffloadDevice::kNone;
   const bool param_off = s.offload_param != OffloadDevice::kNone;
   if (opt_off) {
-    pcie_bwd += 4 * partition / pcie;     // fp32 gradients down, every micro-batch
-    pcie_serial += 2 * partition / pcie;  // 16-bit parameters up after the step
+    h.pcie_bwd += 4 * h.partition / pcie;     // fp32 gradients down, every micro-batch
+    h.pcie_serial += 2 * h.partition / pcie;  // 16-bit parameters up after the step
   }
   if (param_off) {
-    pcie_fwd_param = w * param_partition / pcie;
-    pcie_bwd_param = w * param_partition / pcie;
-    if (!opt_off) pcie_serial += w * param_partition / pcie;  // updated partition back down
+    h.pcie_fwd_param = w * param_partition / pcie;
+    h.pcie_bwd_param = w * param_partition / pcie;
+    if (!opt_off) h.pcie_serial += w * param_partition / pcie;  // updated partition back down
   }
-  t.pcie_s = ga * (pcie_bwd + pcie_fwd_param + pcie_bwd_param) + pcie_serial;
+  t->pcie_s = ga * (h.pcie_bwd + h.pcie_fwd_param + h.pcie_bwd_param) + h.pcie_serial;
 
-  // --- NVMe ----------------------------------------------------------------------------------
-  const double per_node_trainable =
-      m.trainable / (zero3 && sharding == Sharding::kHybrid ? 1 : nodes);
-  double nvme_fwd = 0, nvme_bwd = 0, nvme_serial_write = 0, nvme_optimizer_s = 0;
+  // --- NVMe
+  h.per_node_trainable = m.trainable / (zero3 && sharding == Sharding::kHybrid ? 1 : nodes);
   if (s.offload_optimizer == OffloadDevice::kNvme) {
     const bool mixed = s.precision == Precision::kFp16Mixed || s.precision == Precision::kBf16Mixed;
     const double state_bytes = (mixed ? 4 : 0) + (s.optimizer == Optimizer::kLion ? 4 : 8);
-    const double bytes = per_node_trainable * state_bytes;
-    nvme_optimizer_s = bytes / c.NvmeReadBytesPerS() + bytes / c.NvmeWriteBytesPerS();
+    const double bytes = h.per_node_trainable * state_bytes;
+    h.nvme_optimizer_s = bytes / c.NvmeReadBytesPerS() + bytes / c.NvmeWriteBytesPerS();
   }
   if (s.offload_param == OffloadDevice::kNvme) {
-    const double node_params = params / nodes;
-    nvme_fwd = node_params / c.NvmeReadBytesPerS();
-    nvme_bwd = node_params / c.NvmeReadBytesPerS();
-    nvme_serial_write = node_params / c.NvmeWriteBytesPerS();
+    const double node_params = m.params * w / nodes;
+    h.nvme_fwd = node_params / c.NvmeReadBytesPerS();
+    h.nvme_bwd = node_params / c.NvmeReadBytesPerS();
+    h.nvme_serial_write = node_params / c.NvmeWriteBytesPerS();
   }
-  t.nvme_s = nvme_optimizer_s + ga * (nvme_fwd + nvme_bwd) + nvme_serial_write;
+  t->nvme_s = h.nvme_optimizer_s + ga * (h.nvme_fwd + h.nvme_bwd) + h.nvme_serial_write;
+  return h;
+}
 
-  // --- Optimizer -----------------------------------------------------------------------------
+// Step "optimizer": the CPU optimizer (overlapped with its NVMe traffic as far as
+// offload_overlap says) or the GPU's memory-bound pass; fills optimizer_s and returns the serial
+// optimizer phase, the fixed host work per step included.
+double PredictOptimizerPhase(const ModelShape& m, const Cluster& c, const TrainingSetup& s,
+                             const TimeConstants& k, const HostStreams& h, StepTime* t) {
   double optimizer_phase = 0;
-  if (opt_off) {
+  if (s.offload_optimizer != OffloadDevice::kNone) {
     const double rate = c.CpuAdamParamsPerS() * k.cpu_adam_factor;
-    const double cpu_step = per_node_trainable / rate;
+    const double cpu_step = h.per_node_trainable / rate;
     const double host_bw = rate * k.cpu_adam_bytes_per_param;
-    const double extra = per_node_trainable * k.cpu_extra_bytes_per_param / host_bw;
-    t.optimizer_s = cpu_step + extra;
-    optimizer_phase = std::max(t.optimizer_s, nvme_optimizer_s) +
-                      (1 - k.offload_overlap) * std::min(t.optimizer_s, nvme_optimizer_s);
+    const double extra = h.per_node_trainable * k.cpu_extra_bytes_per_param / host_bw;
+    t->optimizer_s = cpu_step + extra;
+    optimizer_phase = std::max(t->optimizer_s, h.nvme_optimizer_s) +
+                      (1 - k.offload_overlap) * std::min(t->optimizer_s, h.nvme_optimizer_s);
   } else {
-    const double local = s.zero_stage >= 1 ? partition : m.trainable;
-    t.optimizer_s = local * (GpuOptimizerBytesPerParam(s) + k.gpu_clip_bytes_per_param) / hbm;
-    optimizer_phase = t.optimizer_s;
+    const double hbm = c.gpu.hbm_bytes_per_s * k.hbm_efficiency;
+    const double local = s.zero_stage >= 1 ? h.partition : m.trainable;
+    t->optimizer_s = local * (GpuOptimizerBytesPerParam(s) + k.gpu_clip_bytes_per_param) / hbm;
+    optimizer_phase = t->optimizer_s;
   }
-  optimizer_phase += k.step_fixed_s;
+  return optimizer_phase + k.step_fixed_s;
+}
 
-  // --- Overlap -------------------------------------------------------------------------------
-  // Per micro-batch: forward hides the parameter gathers and fetches, backward the gradient
-  // reductions, gradient copies to the host and backward fetches. Links run concurrently
-  // (network/NVLink, PCIe, NVMe), so each window is exceeded by its slowest stream.
+// Step "overlap": per micro-batch, forward hides the parameter gathers and fetches, backward the
+// gradient reductions, gradient copies to the host and backward fetches. Links run concurrently
+// (network/NVLink, PCIe, NVMe), so each window is exceeded by its slowest stream. Fills the
+// step's compute, communication and exposed times and its total.
+void PredictOverlap(const TrainingSetup& s, const TimeConstants& k, const StepFacts& f,
+                    const MicroBatch& mb, const Collectives& comm, const HostStreams& h,
+                    double optimizer_phase, StepTime* t) {
+  const double ga = f.ga;
+  const double fwd_window = mb.fwd, bwd_window = mb.bwd;
   auto exposed = [](double work, double window) { return std::max(0.0, work - window); };
-  const double fwd_stream_comm = comm_fwd;
-  const double fwd_stream_host = std::max(pcie_fwd_param, nvme_fwd);
-  const double bwd_stream_comm = comm_bwd;
-  const double bwd_stream_host = std::max(pcie_bwd + pcie_bwd_param, nvme_bwd);
+  const double fwd_stream_comm = comm.fwd;
+  const double fwd_stream_host = std::max(h.pcie_fwd_param, h.nvme_fwd);
+  const double bwd_stream_comm = comm.bwd;
+  const double bwd_stream_host = std::max(h.pcie_bwd + h.pcie_bwd_param, h.nvme_bwd);
   double exposed_comm = 0, exposed_host = 0, interference = 0;
   // Parameter fetches feed the gathers: the pipeline runs at the slower of the two.
   const double fwd_pipe = std::max(fwd_stream_comm, fwd_stream_host);
@@ -484,24 +548,29 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   exposed_host += (1 - k.offload_overlap) * ga *
                   (std::min(fwd_stream_host, fwd_window) + std::min(bwd_stream_host, bwd_window));
   // Only the last micro-batch reduces (ZeRO-0/1).
-  exposed_comm += exposed(comm_bwd_last, bwd_window);
+  exposed_comm += exposed(comm.bwd_last, bwd_window);
   interference +=
       ga * (std::min(fwd_stream_comm, fwd_window) + std::min(bwd_stream_comm, bwd_window)) +
-      std::min(comm_bwd_last, bwd_window);
+      std::min(comm.bwd_last, bwd_window);
   interference *= k.overlap_interference;
   // Pipeline fill and drain: the first fetch and the last reduction.
-  exposed_comm += comm_tail;
-  if (param_off) exposed_host += ga * (pcie_fwd_param + nvme_fwd) / layers;
-  exposed_comm += comm_serial;
-  exposed_host += pcie_serial + nvme_serial_write;
+  exposed_comm += comm.tail;
+  if (s.offload_param != OffloadDevice::kNone) {
+    exposed_host += ga * (h.pcie_fwd_param + h.nvme_fwd) / f.layers;
+  }
+  exposed_comm += comm.serial;
+  exposed_host += h.pcie_serial + h.nvme_serial_write;
 
-  t.compute_s = ga * (fwd_mb + bwd_mb) + interference;
-  t.comm_s = ga * (comm_fwd + comm_bwd) + comm_bwd_last + comm_serial;
-  t.exposed_comm_s = exposed_comm;
-  t.exposed_offload_s = exposed_host;
-  t.exposed_optimizer_s = optimizer_phase;
-  t.total_s = t.compute_s + t.exposed_comm_s + t.exposed_offload_s + t.exposed_optimizer_s;
+  t->compute_s = ga * (mb.fwd + mb.bwd) + interference;
+  t->comm_s = ga * (comm.fwd + comm.bwd) + comm.bwd_last + comm.serial;
+  t->exposed_comm_s = exposed_comm;
+  t->exposed_offload_s = exposed_host;
+  t->exposed_optimizer_s = optimizer_phase;
+  t->total_s = t->compute_s + t->exposed_comm_s + t->exposed_offload_s + t->exposed_optimizer_s;
+}
 
+// What bounds the step: the largest of its exposed parts.
+const char* BoundBy(const StepTime& t, bool opt_off, double nvme_optimizer_s) {
   struct Part {
     const char* name;
     double seconds;
@@ -516,8 +585,23 @@ StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSe
   for (const Part& p : parts) {
     if (p.seconds > top->seconds) top = &p;
   }
-  t.bound = top->name;
+  return top->name;
+}
+
+}  // namespace
+
+StepTime PredictStepTime(const ModelShape& m, const Cluster& c, const TrainingSetup& s,
+                         int64_t global_batch, bool pinned, Sharding sharding,
+                         const TimeConstants& k) {
   (void)global_batch;
+  const StepFacts f = FactsFor(m, c, s);
+  StepTime t;
+  const MicroBatch mb = PredictCompute(m, c, s, k, f, &t);
+  const Collectives comm = PredictCollectives(m, c, s, sharding, k, f);
+  const HostStreams host = PredictHostStreams(m, c, s, pinned, sharding, k, f, &t);
+  const double optimizer_phase = PredictOptimizerPhase(m, c, s, k, host, &t);
+  PredictOverlap(s, k, f, mb, comm, host, optimizer_phase, &t);
+  t.bound = BoundBy(t, s.offload_optimizer != OffloadDevice::kNone, host.nvme_optimizer_s);
   return t;
 }
 

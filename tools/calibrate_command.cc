@@ -107,9 +107,8 @@ void RegisterCalibrate(CLI::App& app, Outcome* outcome) {
                   "Write the calibration file here (atomically) for `plan --calibration` and "
                   "`capacity --calibration`");
   cmd->add_option("--constants", f->constants,
-                  "Fit only these (comma-separated): gemm_efficiency, gemm_tokens_half, "
-                  "link_efficiency, network_efficiency, offload_overlap, cpu_adam_factor; "
-                  "default: every one the runs determine precisely")
+                  "Fit only these (comma-separated): " + planner::CalibratedConstantNames() +
+                      "; default: every one the runs determine precisely")
       ->delimiter(',');
   cmd->add_option("--max-error", f->max_error_percent,
                   "Refuse the fit (exit 2, nothing written) when the calibrated model still misses "

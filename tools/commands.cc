@@ -439,12 +439,10 @@ void RegisterEstimate(CLI::App& app, Outcome* outcome) {
       if (!doc.ok()) return Fail(outcome, doc.status());
       auto read = offload::ScheduleFromJson(*doc, *schedule);
       if (!read.ok()) return Fail(outcome, read.status());
-      auto fields = planner::EngineScheduleFromJson(offload::ToJson(*read));
-      if (!fields.ok()) return Fail(outcome, fields.status().WithPrefix(*schedule));
       planner::EngineRunOptions run;
       run.world_size = static_cast<int>(hardware->gpus_per_node * hardware->nodes);
       run.micro_batches = static_cast<uint32_t>(std::max<int64_t>(1, setup->grad_accum));
-      auto predicted = planner::PredictEngine(*fields, *inventory, run);
+      auto predicted = planner::PredictEngine(*read, *inventory, run);
       if (!predicted.ok()) return Fail(outcome, predicted.status().WithPrefix(*schedule));
       prediction = std::move(*predicted);
     }
