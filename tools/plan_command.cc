@@ -10,6 +10,7 @@
 #include "common/file.h"
 #include "common/byte_size.h"
 #include "common/json.h"
+#include "common/strings.h"
 #include "estimator/model_source.h"
 #include "estimator/training_setup.h"
 #include "planner/cluster.h"
@@ -292,7 +293,7 @@ Status AddFiles(const PlanFlags& f, const planner::PlanResult& result,
       }
       launch.for_hf_trainer = f.for_hf_trainer;
       launch.master_port = f.master_port;
-      launch.job_name = "memplan-" + f.model.spec.substr(f.model.spec.find_last_of('/') + 1);
+      launch.job_name = "memplan-" + std::string(BaseName(f.model.spec));
       launch.slurm_partition = f.slurm_partition;
       launch.slurm_time = f.slurm_time;
       Result<std::string> script = planner::LaunchScript(plan, cluster, launch);
