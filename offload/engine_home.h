@@ -28,10 +28,9 @@ namespace memplan::offload::internal {
 double SecondsSince(std::chrono::steady_clock::time_point start);
 
 // The optimizer's 16-bit output for working parameters of `type`; kNone for fp32, whose working
-// copy is the master weights themselves (Note [fp32 working parameters] in engine.cc).
+// copy is the master weights themselves (Note [fp32 working parameters] in engine_params.cc).
 HalfDtype ToHalf(ElementType type);
 
-// The optimizer's home (Note [Two optimizer homes]).
 // The optimizer's home (Note [Two optimizer homes]).
 class OptimizerHome {
  public:

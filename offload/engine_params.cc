@@ -19,7 +19,7 @@
 // resume compares it with this engine's, refusing the first difference by name. A store made by an
 // older memplan records none: it is accepted on its element count, with a note in the recovery
 // report. A live store, of another process or another engine of this one, is refused as in use
-// (LockHolder: the store's flock), never taken for a crashed run's.
+// (RefuseLiveStore in engine_home.cc: the store's flock), never taken for a crashed run's.
 //
 // Note [Frozen parameters]
 // A frozen parameter is in the ParamSwapper like any other (fetched, gathered, on its tier) but not
