@@ -101,10 +101,10 @@
 // truth), reports what recovery found, and rewrites the working parameters from the master weights
 // of the last complete step. The store records what it holds (every parameter's name, shape,
 // frozen flag and dtype, in registration order): a resume whose registration differs in any of
-// them is refused, naming the first difference (Note [What a store holds] in engine.cc). With world
-// size > 1 that is the last step every rank completed: a rank one step ahead of another (killed
-// between their commits) goes back one step (a collective in Start(); Note [Resuming ranks] in
-// engine.cc).
+// them is refused, naming the first difference (Note [What a store holds] in engine_params.cc).
+// With world size > 1 that is the last step every rank completed: a rank one step ahead of another
+// (killed between their commits) goes back one step (a collective in Start(); Note [Resuming ranks]
+// in engine_optimizer.cc).
 //
 // Statistics (stats()): bytes moved per tier and direction, stall time, peak GPU and pinned bytes;
 // the estimator's predictions are checked against them. step_profile says where the last Step()'s
@@ -146,7 +146,7 @@ struct ParamSpec {
   std::vector<std::string> also_used_by;  // other modules that use the same parameter (tied)
   // A frozen parameter (requires_grad=False: LoRA's base weights) is held and fetched like the
   // others, on the Schedule's tier, but takes no gradient, has no optimizer state and is never
-  // written after Start() (Note [Frozen parameters] in engine.cc).
+  // written after Start() (Note [Frozen parameters] in engine_params.cc).
   bool frozen = false;
   // Its parameter group: which of StepOptions::groups steps it (0 .. 1023; default 0).
   uint32_t group = 0;
@@ -300,9 +300,9 @@ class Engine {
                    gpu::Stream stream = {});
   // `param` has no gradient this step (torch: its grad is None): Step() leaves its weights and
   // optimizer states unchanged and does not advance its own step count, as torch's optimizers
-  // skip it (Note [Skipped parameters] in engine.cc). Instead of GradReady(), before Step(); no
-  // collective: every rank must skip the same parameters. InvalidArgument for a frozen parameter,
-  // FailedPrecondition when its gradient was given.
+  // skip it (Note [Skipped parameters] in engine_optimizer.cc). Instead of GradReady(), before
+  // Step(); no collective: every rank must skip the same parameters. InvalidArgument for a frozen
+  // parameter, FailedPrecondition when its gradient was given.
   Status NoGradient(ParamId param);
   // The stream the engine's gradient copies read on ({} on the host-only runtime).
   gpu::Stream GradientStream() const;

@@ -14,6 +14,7 @@
 #include "common/byte_size.h"
 #include "common/json.h"
 #include "bench/nvme_bench.h"
+#include "nvme/backend_names.h"
 #include "tools/commands.h"
 #include "tools/signals.h"
 
@@ -153,10 +154,9 @@ void AddBenchNvmeFlags(CLI::App* cmd, BenchFlags* flags) {
       ->check(CLI::Range(1, 64))
       ->capture_default_str();
   cmd->add_option("--backend", flags->backend,
-                  "I/O backend: uring (io_uring), aio (libaio, what DeepSpeed uses), posix "
-                  "(threads) or auto (the first that works, in that order). Default: sweep every "
-                  "one available")
-      ->check(CLI::IsMember({"uring", "aio", "posix", "auto", "io_uring", "libaio"}));
+                  "I/O backend: " + nvme::BackendFlagChoices(/*described=*/true) +
+                      ". Default: sweep every one available")
+      ->check(CLI::IsMember(nvme::BackendFlagValues()));
   cmd->add_option("--rw", flags->rw, "Directions to measure: read, write or both")
       ->check(CLI::IsMember({"read", "write", "both"}))
       ->capture_default_str();

@@ -11,6 +11,7 @@
 #include "common/json.h"
 #include "bench/nvme_bench.h"
 #include "bench/swap_bench.h"
+#include "nvme/backend_names.h"
 #include "planner/cluster.h"
 #include "tools/commands.h"
 #include "tools/signals.h"
@@ -168,8 +169,9 @@ void RegisterBenchSwap(CLI::App* bench, Outcome* outcome) {
   cmd->add_option("--steps", flags->steps, "Timed steps, after one warm-up")
       ->check(CLI::Range(1, 1000))
       ->capture_default_str();
-  cmd->add_option("--backend", flags->backend, "I/O backend: uring, aio, posix or auto")
-      ->check(CLI::IsMember({"uring", "aio", "posix", "auto", "io_uring", "libaio"}))
+  cmd->add_option("--backend", flags->backend,
+                  "I/O backend: " + nvme::BackendFlagChoices(/*described=*/false))
+      ->check(CLI::IsMember(nvme::BackendFlagValues()))
       ->capture_default_str();
   cmd->add_option("-b,--block-size", flags->block_size, "Bytes per I/O request")
       ->capture_default_str();
