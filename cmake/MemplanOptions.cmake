@@ -102,8 +102,9 @@ function(memplan_module_tests module)
   if(NOT test_sources)
     return()
   endif()
-  add_executable(${module}_test ${test_sources} ${PROJECT_SOURCE_DIR}/tests/doctest_main.cc)
-  target_link_libraries(${module}_test PRIVATE memplan_${module} doctest::doctest memplan_warnings)
+  add_executable(${module}_test ${test_sources})
+  target_link_libraries(${module}_test PRIVATE memplan_${module} memplan_doctest_main
+    memplan_warnings)
   target_compile_definitions(${module}_test PRIVATE
     MEMPLAN_SOURCE_DIR="${PROJECT_SOURCE_DIR}")
   add_test(NAME ${module}_test COMMAND ${module}_test)
