@@ -17,7 +17,7 @@ constexpr uint64_t kPage = 4096;
 // step's begin mark (one uint64_t) put before anything of it is written.
 constexpr uint64_t kSlotHeaderBytes = 4096;
 constexpr uint64_t kBegunMarkBytes = 8;
-// offload/engine.cc: the gradient staging (Note [Asynchronous gradients]).
+// offload/engine_gradients.h: the gradient staging (Note [Asynchronous gradients]).
 constexpr uint64_t kGradSlots = 4;
 constexpr uint64_t kMaxGradSlotBytes = uint64_t{4} << 20;
 // offload/param_swapper.cc: a released parameter used again within this many modules is kept.
