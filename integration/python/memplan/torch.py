@@ -162,8 +162,8 @@ import torch
 
 import memplan
 
-from ._torch_autograd import _PostBackward, _PreBackward, _is_managed, _manage, _owner_of_param, \
-    _unmanage
+from ._torch_autograd import (_PostBackward, _PreBackward, _is_managed, _manage, _owner_of_param,
+                              _unmanage)
 from ._torch_checkpoint import _CheckpointMixin, consolidate_checkpoint  # noqa: F401 (public)
 from ._torch_common import (_DTYPES, _CudaArray, _ProcessGroupCollective, _engine_group_options,
                             _group_source, _optimizer_kind, _process_group)
