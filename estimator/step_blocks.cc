@@ -34,15 +34,34 @@ T ModelRun::RunBlock(int layer, T x) {
   return out;
 }
 
+T ModelRun::RunLayers(T x) {
+  for (int64_t i = 0; i < a_.layers; ++i) {
+    g_.SetWhere("layer " + std::to_string(i));
+    T next = RunBlock(static_cast<int>(i), x);
+    g_.Drop(x);
+    x = next;
+  }
+  return x;
+}
+
+T ModelRun::AddLoss(T loss, T l) {
+  if (!loss.ok()) return l;
+  T sum = Add(g_, loss, l);
+  g_.Drop(loss);
+  g_.Drop(l);
+  return sum;
+}
+
 // --- Transformers ----------------------------------------------------------------------------
 
-T ModelRun::RmsNormalizedF32(const Norm& n, T x) {
-  // The part the Transformers RMSNorms share: x in fp32, times rsqrt(mean(x^2) + eps).
+T ModelRun::RmsNormalizedF32(const Norm& n, T x, Square square) {
+  // The part the RMSNorms share: x in fp32, times rsqrt(mean(x^2) + eps). Transformers':
   //   hidden_states = hidden_states.to(torch.float32)
   //   variance = hidden_states.pow(2).mean(-1, keepdim=True)
   //   hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+  // LitGPT's squares with x * x (LitGptRmsNorm).
   T h = Cast(g_, x, DT::kF32);
-  T p = Apply(g_, Unary::kPow, h);
+  T p = square == Square::kPow ? Apply(g_, Unary::kPow, h) : Mul(g_, h, h);
   T var = MeanRows(g_, p, n.width);
   g_.Drop(p);
   T eps = Scale(g_, var);
@@ -788,12 +807,7 @@ Result<T> ModelRun::TransformersForward() {
     const bool boolean = s_.flash_attention && !fam_.bloom_attention;
     mask_ = g_.New(batch_ * seq_ * seq_, boolean ? DT::kBool : g_.Dtype(x), false);
   }
-  for (int64_t i = 0; i < a_.layers; ++i) {
-    g_.SetWhere("layer " + std::to_string(i));
-    T next = RunBlock(static_cast<int>(i), x);
-    g_.Drop(x);
-    x = next;
-  }
+  x = RunLayers(x);
   g_.SetWhere("final norm");
   T hn = final_norms_.empty() ? g_.Alias(x) : NormAny(final_norms_.back(), x);
   g_.Drop(x);

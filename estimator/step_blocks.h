@@ -141,7 +141,10 @@ class ModelRun {
   void ExpandKvToQueryHeads(Wide heads, Wide kv, T* k, T* v);
   AttentionShape CausalShapeAtQueryWidth(Wide heads, Wide d) const;
   SdpaBackend CausalSdpaBackend(DT compute) const;
-  T RmsNormalizedF32(const Norm& n, T x);  // shared by the three below
+  // x in fp32 times rsqrt(mean(x^2) + eps), the part every RMSNorm shares; x^2 as pow(2)
+  // (Transformers: saves x) or as x * x (LitGPT: a Mul, which saves its inputs).
+  enum class Square { kPow, kSelfMul };
+  T RmsNormalizedF32(const Norm& n, T x, Square square = Square::kPow);
   T HfRmsNorm(const Norm& n, T x);
   T GemmaRmsNorm(const Norm& n, T x);
   T OlmoRmsNorm(const Norm& n, T x);
@@ -153,6 +156,10 @@ class ModelRun {
   T CausalLmLoss(T hidden);
   // Runs block `layer`, checkpointed or not per the setup.
   T RunBlock(int layer, T x);
+  // Every block in order from x (dropped), each named "layer i": the output of the last.
+  T RunLayers(T x);
+  // The running sum of per-chunk losses: `l` when there is none yet, else loss + l (both dropped).
+  T AddLoss(T loss, T l);
   bool Checkpointed(int layer) const;
   Status CheckFamily() const;
 

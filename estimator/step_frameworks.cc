@@ -152,12 +152,7 @@ Result<T> ModelRun::TorchtuneForward() {
   const Wide vocab = static_cast<Wide>(a_.vocab);
   g_.SetWhere("embedding");
   T x = Embedding(g_, embedding_, tokens_, h, pdt_);
-  for (int64_t i = 0; i < a_.layers; ++i) {
-    g_.SetWhere("layer " + std::to_string(i));
-    T next = RunBlock(static_cast<int>(i), x);
-    g_.Drop(x);
-    x = next;
-  }
+  x = RunLayers(x);
   g_.SetWhere("final norm");
   T hn = TorchtuneRmsNorm(final_norms_.back(), x);
   g_.Drop(x);
@@ -183,14 +178,7 @@ Result<T> ModelRun::TorchtuneForward() {
       T up = Cast(g_, lc, DT::kF32);
       T l = CrossEntropy(g_, up, tokens_ / chunks, vocab);
       g_.Drop(up);
-      if (!loss.ok()) {
-        loss = l;
-      } else {
-        T sum = Add(g_, loss, l);
-        g_.Drop(loss);
-        g_.Drop(l);
-        loss = sum;
-      }
+      loss = AddLoss(loss, l);
     }
     for (T lc : logits) g_.Drop(lc);
   } else {
@@ -214,17 +202,7 @@ T ModelRun::LitGptRmsNorm(const Norm& n, T x) {
   //   x = x.float(); norm_x = torch.mean(x * x, dim=-1, keepdim=True)
   //   x_normed = x * torch.rsqrt(norm_x + eps); return (x_normed * weight.float()).to(dtype)
   const DT in = g_.Dtype(x);
-  T xf = Cast(g_, x, DT::kF32);
-  T sq = Mul(g_, xf, xf);
-  T mean = MeanRows(g_, sq, n.width);
-  g_.Drop(sq);
-  T eps = Scale(g_, mean);
-  g_.Drop(mean);
-  T r = Apply(g_, Unary::kRsqrt, eps);
-  g_.Drop(eps);
-  T xn = Mul(g_, xf, r);
-  g_.Drop(xf);
-  g_.Drop(r);
+  T xn = RmsNormalizedF32(n, x, Square::kSelfMul);
   T wf = Cast(g_, n.w, DT::kF32);
   T y = Mul(g_, xn, wf);
   g_.Drop(xn);
@@ -370,12 +348,7 @@ Result<T> ModelRun::LitGptForward() {
   const Wide rd = static_cast<Wide>(a_.rotary_dims);
   cos_ = g_.External(seq_ * rd, DT::kF32);
   sin_ = g_.External(seq_ * rd, DT::kF32);
-  for (int64_t i = 0; i < a_.layers; ++i) {
-    g_.SetWhere("layer " + std::to_string(i));
-    T next = RunBlock(static_cast<int>(i), x);
-    g_.Drop(x);
-    x = next;
-  }
+  x = RunLayers(x);
   g_.SetWhere("final norm");
   const Norm& ln_f = final_norms_.back();
   T hn = a_.norm_upcasts ? LitGptRmsNorm(ln_f, x) : LayerNorm(g_, x, ln_f.w, ln_f.b, ln_f.width);
@@ -410,14 +383,7 @@ Result<T> ModelRun::LitGptForward() {
       T in = c + 1 == fp32.size() ? Copy(g_, fp32[c]) : g_.Alias(fp32[c]);
       T l = CrossEntropy(g_, in, g_.Numel(in) / vocab, vocab);
       g_.Drop(in);
-      if (!loss.ok()) {
-        loss = l;
-      } else {
-        T sum = Add(g_, loss, l);
-        g_.Drop(loss);
-        g_.Drop(l);
-        loss = sum;
-      }
+      loss = AddLoss(loss, l);
     }
   } else {
     T lg = Linear(g_, hn, head_, head_bias_, h, vocab);
