@@ -19,11 +19,11 @@ using offload::HalfDtype;
 
 namespace {
 
-struct FreeDeleter {
+struct AlignedFree {
   void operator()(void* p) const { std::free(p); }
 };
 template <typename T>
-using Buffer = std::unique_ptr<T[], FreeDeleter>;
+using Buffer = std::unique_ptr<T[], AlignedFree>;
 
 // Cache-line aligned, uninitialised (the optimizer's threads touch it first).
 template <typename T>

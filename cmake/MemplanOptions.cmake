@@ -12,6 +12,16 @@ endif()
 if(MEMPLAN_WERROR)
   target_compile_options(memplan_warnings INTERFACE $<$<COMPILE_LANGUAGE:CXX>:-Werror>)
 endif()
+# Note [Unity builds]: scripts/setup.sh and scripts/test.sh build with CMAKE_UNITY_BUILD=ON (a
+# target's sources compiled eight to a translation unit: the headers, json.hpp above all, are
+# parsed once per eight files, which halves a cold build). Each .cc is then #included into the
+# unity file, and GCC takes a struct of a .cc that holds a type from that .cc's anonymous
+# namespace for a header's: -Wsubobject-linkage, meaningless here, is off for those builds. Names
+# in anonymous namespaces must differ between the .cc files of one target.
+if(CMAKE_UNITY_BUILD AND CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+  target_compile_options(memplan_warnings INTERFACE
+    $<$<COMPILE_LANGUAGE:CXX>:-Wno-subobject-linkage>)
+endif()
 
 if(MEMPLAN_SANITIZE)
   string(REPLACE ";" "," _san "${MEMPLAN_SANITIZE}")
@@ -103,6 +113,8 @@ function(memplan_module_tests module)
     return()
   endif()
   add_executable(${module}_test ${test_sources})
+  # Test files repeat their helpers' names: one file at a time, even in a unity build.
+  set_target_properties(${module}_test PROPERTIES UNITY_BUILD OFF)
   target_link_libraries(${module}_test PRIVATE memplan_${module} memplan_doctest_main
     memplan_warnings)
   target_compile_definitions(${module}_test PRIVATE

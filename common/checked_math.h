@@ -50,6 +50,12 @@ inline uint64_t ScaleDown(uint64_t value, uint64_t numerator, uint64_t denominat
   return value / denominator * numerator + value % denominator * numerator / denominator;
 }
 
+// `x` rounded down and up to a multiple of `a` (> 0; RoundUp: x + a - 1 must not overflow), and
+// whether `x` is a power of two (0 is not): the alignments of I/O sizes and offsets.
+inline uint64_t RoundDown(uint64_t x, uint64_t a) { return x - x % a; }
+inline uint64_t RoundUp(uint64_t x, uint64_t a) { return RoundDown(x + a - 1, a); }
+inline bool IsPowerOfTwo(uint64_t x) { return x != 0 && (x & (x - 1)) == 0; }
+
 // Product of dims; nullopt when a dim is negative or the product overflows. Empty span -> 1
 // (a scalar).
 inline std::optional<uint64_t> CheckedProduct(std::span<const int64_t> dims) {

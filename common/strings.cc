@@ -1,5 +1,10 @@
 #include "common/strings.h"
 
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <cstdlib>
+
 namespace memplan {
 
 std::string_view LastComponent(std::string_view s, char sep) {
@@ -14,6 +19,24 @@ std::string_view BeforeLastComponent(std::string_view s, char sep) {
 
 bool EndsWith(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
+           return std::tolower(static_cast<unsigned char>(x)) ==
+                  std::tolower(static_cast<unsigned char>(y));
+         });
+}
+
+std::string FormatDouble(const char* format, double v) {
+  char text[64];
+  std::snprintf(text, sizeof(text), format, v);
+  return text;
+}
+
+std::string EnvOrEmpty(const char* name) {
+  const char* value = std::getenv(name);
+  return value == nullptr ? std::string() : std::string(value);
 }
 
 std::string DirName(std::string_view path) {

@@ -19,6 +19,18 @@ std::string_view BeforeLastComponent(std::string_view s, char sep);
 // Whether `s` ends with `suffix` (every string ends with "").
 bool EndsWith(std::string_view s, std::string_view suffix);
 
+// Whether `a` and `b` are equal ignoring ASCII case ("Llama" and "llama"; the Hub's ids and
+// model names are compared so).
+bool EqualsIgnoreCase(std::string_view a, std::string_view b);
+
+// `v` formatted by the printf `format` (one double conversion, such as "%.1f"; at most 63
+// characters kept).
+std::string FormatDouble(const char* format, double v);
+
+// The environment variable `name`, or "" when it is unset: an unset and an empty variable mean
+// the same to huggingface_hub and to memplan.
+std::string EnvOrEmpty(const char* name);
+
 // A path's file name: what follows its last '/', all of it when it has none.
 inline std::string_view BaseName(std::string_view path) { return LastComponent(path, '/'); }
 

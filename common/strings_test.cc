@@ -2,6 +2,7 @@
 
 #include <doctest/doctest.h>
 
+#include <cstdlib>
 #include <string>
 
 namespace memplan {
@@ -58,6 +59,17 @@ TEST_CASE("strings: BaseName and DirName") {
   CHECK(DirName("ds_config.json") == ".");
   CHECK(DirName("/ds_config.json") == "/");
   CHECK(DirName("") == ".");
+}
+
+TEST_CASE("strings: EqualsIgnoreCase and EnvOrEmpty") {
+  CHECK(EqualsIgnoreCase("Meta-Llama", "meta-llama"));
+  CHECK(EqualsIgnoreCase("", ""));
+  CHECK_FALSE(EqualsIgnoreCase("llama", "llama2"));
+  CHECK_FALSE(EqualsIgnoreCase("llama", "llamb"));
+  ::setenv("MEMPLAN_STRINGS_TEST_VAR", "x", 1);
+  CHECK(EnvOrEmpty("MEMPLAN_STRINGS_TEST_VAR") == "x");
+  ::unsetenv("MEMPLAN_STRINGS_TEST_VAR");
+  CHECK(EnvOrEmpty("MEMPLAN_STRINGS_TEST_VAR").empty());
 }
 
 }  // namespace

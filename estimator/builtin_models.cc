@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "common/strings.h"
+
 namespace memplan::estimator {
 namespace {
 
@@ -78,13 +80,6 @@ std::vector<BuiltinModel> MakeTable() {
     out.push_back({e.name, it == HubIds().end() ? std::string_view() : it->second, e.json});
   }
   return out;
-}
-
-bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
-  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
-           return std::tolower(static_cast<unsigned char>(x)) ==
-                  std::tolower(static_cast<unsigned char>(y));
-         });
 }
 
 }  // namespace

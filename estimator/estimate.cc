@@ -37,7 +37,7 @@ nlohmann::json SummaryToJson(const ModelSummary& m) {
   };
 }
 
-const char* Device(bool offloaded) { return offloaded ? "cpu" : "none"; }
+const char* OffloadName(bool offloaded) { return offloaded ? "cpu" : "none"; }
 
 // EstimateFromJson reads what ToJson wrote: every field required (Note [JSON field reader]), except
 // those added after the first release, read when present so that older estimate JSON still loads.
@@ -437,14 +437,14 @@ Status AddInference(const ModelInventory& inventory, const InferenceSetup& setup
 nlohmann::json ToJson(const Estimate& e) {
   nlohmann::json zero2 = nlohmann::json::array();
   for (const Zero2Row& r : e.zero2) {
-    zero2.push_back({{"offload_optimizer", Device(r.offload_optimizer)},
+    zero2.push_back({{"offload_optimizer", OffloadName(r.offload_optimizer)},
                      {"cpu_bytes", r.cpu_bytes},
                      {"gpu_bytes", r.gpu_bytes}});
   }
   nlohmann::json zero3 = nlohmann::json::array();
   for (const Zero3Row& r : e.zero3) {
-    zero3.push_back({{"offload_param", Device(r.offload_param)},
-                     {"offload_optimizer", Device(r.offload_optimizer)},
+    zero3.push_back({{"offload_param", OffloadName(r.offload_param)},
+                     {"offload_optimizer", OffloadName(r.offload_optimizer)},
                      {"zero_init", r.zero_init ? 1 : 0},
                      {"cpu_bytes", r.cpu_bytes},
                      {"gpu_bytes", r.gpu_bytes}});

@@ -9,17 +9,12 @@
 #include <system_error>
 
 #include "common/file.h"
+#include "common/strings.h"
 
 namespace memplan::estimator {
 namespace {
 
 namespace fs = std::filesystem;
-
-// An unset and an empty variable mean the same to huggingface_hub.
-std::string Env(const char* name) {
-  const char* value = std::getenv(name);
-  return value == nullptr ? std::string() : std::string(value);
-}
 
 bool IsWordChar(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
@@ -118,13 +113,6 @@ std::optional<fs::path> NewestSnapshot(const fs::path& repo_dir) {
   return best;
 }
 
-bool EqualsIgnoreCase(std::string_view a, std::string_view b) {
-  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](char x, char y) {
-           return std::tolower(static_cast<unsigned char>(x)) ==
-                  std::tolower(static_cast<unsigned char>(y));
-         });
-}
-
 // `root`/`folder`, or the entry of `root` equal to it ignoring case (the Hub's ids are
 // case-insensitive, and users type them as they remember them).
 std::optional<fs::path> RepoFolderIn(const std::string& root, const std::string& folder) {
@@ -163,17 +151,18 @@ Result<std::string> SnapshotOfRepoFolder(const std::string& dir) {
 
 std::vector<std::string> HfCacheRoots() {
   std::vector<std::string> roots;
-  std::string root = Env("HF_HUB_CACHE");
-  if (root.empty()) root = Env("HUGGINGFACE_HUB_CACHE");  // huggingface_hub's older name
-  if (root.empty() && !Env("HF_HOME").empty()) root = Env("HF_HOME") + "/hub";
-  if (root.empty() && !Env("XDG_CACHE_HOME").empty()) {
-    root = Env("XDG_CACHE_HOME") + "/huggingface/hub";
+  std::string root = EnvOrEmpty("HF_HUB_CACHE");
+  if (root.empty()) root = EnvOrEmpty("HUGGINGFACE_HUB_CACHE");  // huggingface_hub's older name
+  if (root.empty() && !EnvOrEmpty("HF_HOME").empty()) root = EnvOrEmpty("HF_HOME") + "/hub";
+  if (root.empty() && !EnvOrEmpty("XDG_CACHE_HOME").empty()) {
+    root = EnvOrEmpty("XDG_CACHE_HOME") + "/huggingface/hub";
   }
-  if (root.empty() && !Env("HOME").empty()) root = Env("HOME") + "/.cache/huggingface/hub";
+  if (root.empty() && !EnvOrEmpty("HOME").empty())
+    root = EnvOrEmpty("HOME") + "/.cache/huggingface/hub";
   if (!root.empty()) roots.push_back(root);
   // Transformers still honours its deprecated variable; models downloaded under it are in the
   // same layout, so look there too.
-  std::string legacy = Env("TRANSFORMERS_CACHE");
+  std::string legacy = EnvOrEmpty("TRANSFORMERS_CACHE");
   if (!legacy.empty() && legacy != root) roots.push_back(legacy);
   return roots;
 }

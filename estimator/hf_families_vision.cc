@@ -178,9 +178,9 @@ constexpr Part kGemma3Projector[] = {
         .As(R::kProjector),
     Norm("multi_modal_projector.mm_soft_emb_norm", W::kVisionHidden),
 };
-constexpr Part kScore[] = {Linear("score", W::kHidden, W::kLabels).As(R::kClassifier)};
-constexpr HeadSpec kGemma3Heads[] = {
-    {HeadKind::kSequence, "ForSequenceClassification", "model", kScore}};
+constexpr Part kCompositeScore[] = {Linear("score", W::kHidden, W::kLabels).As(R::kClassifier)};
+constexpr HeadSpec kGemma3CompositeHeads[] = {
+    {HeadKind::kSequence, "ForSequenceClassification", "model", kCompositeScore}};
 
 constexpr CompositeSpec kComposites[] = {
     {.model_type = "llava",
@@ -198,7 +198,7 @@ constexpr CompositeSpec kComposites[] = {
      .vision = {"vision_config", "siglip_vision_model"},
      .text = {"text_config", "gemma3_text", kTextDefaults, kTextDefaults},
      .projector = kGemma3Projector,
-     .heads = kGemma3Heads,
+     .heads = kGemma3CompositeHeads,
      .tie_default = true},
 };
 constexpr const CompositeSpec* kCompositeList[] = {&kComposites[0], &kComposites[1]};

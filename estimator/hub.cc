@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "common/file.h"
+#include "common/strings.h"
 #include "estimator/hf_cache.h"
+#include "estimator/safetensors.h"
 
 namespace memplan::estimator {
 namespace {
@@ -24,12 +26,6 @@ constexpr int kMaxRedirects = 5;
 // A config.json or an index is a few KiB to a few MiB; a safetensors header at most 100 MiB
 // (safetensors.cc refuses more).
 constexpr uint64_t kMaxFileBytes = uint64_t{32} << 20;
-constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
-
-std::string Env(const char* name) {
-  const char* value = std::getenv(name);
-  return value == nullptr ? std::string() : std::string(value);
-}
 
 std::string Trim(std::string s) {
   auto space = [](unsigned char c) { return std::isspace(c) != 0; };
@@ -160,7 +156,7 @@ Result<Fetched> Get(std::string_view repo_id, std::string_view file, const HubOp
   request.timeout_s = options.timeout_s;
   request.range_first = range_first;
   request.range_last = range_last;
-  request.max_body_bytes = range_first >= 0 ? kMaxHeaderBytes : kMaxFileBytes;
+  request.max_body_bytes = range_first >= 0 ? kMaxSafetensorsHeaderBytes : kMaxFileBytes;
   const std::string hub_origin = SplitUrl(options.endpoint).origin;
   if (options.progress && range_first <= 0) {
     options.progress(HubProgress{std::string(repo_id),
@@ -265,18 +261,18 @@ Status WriteRef(const CacheDir& cache, const HubOptions& options, const std::str
 
 HubOptions HubOptionsFromEnvironment() {
   HubOptions o;
-  std::string endpoint = Env("HF_ENDPOINT");
+  std::string endpoint = EnvOrEmpty("HF_ENDPOINT");
   if (!endpoint.empty()) o.endpoint = endpoint;
   while (!o.endpoint.empty() && o.endpoint.back() == '/') o.endpoint.pop_back();
-  o.token = Trim(Env("HF_TOKEN"));
-  if (o.token.empty()) o.token = Trim(Env("HUGGING_FACE_HUB_TOKEN"));
+  o.token = Trim(EnvOrEmpty("HF_TOKEN"));
+  if (o.token.empty()) o.token = Trim(EnvOrEmpty("HUGGING_FACE_HUB_TOKEN"));
   if (o.token.empty()) {
-    std::string path = Env("HF_TOKEN_PATH");
+    std::string path = EnvOrEmpty("HF_TOKEN_PATH");
     if (path.empty()) {
-      std::string home = Env("HF_HOME");
+      std::string home = EnvOrEmpty("HF_HOME");
       if (home.empty()) {
-        std::string cache = Env("XDG_CACHE_HOME");
-        if (cache.empty() && !Env("HOME").empty()) cache = Env("HOME") + "/.cache";
+        std::string cache = EnvOrEmpty("XDG_CACHE_HOME");
+        if (cache.empty() && !EnvOrEmpty("HOME").empty()) cache = EnvOrEmpty("HOME") + "/.cache";
         if (!cache.empty()) home = cache + "/huggingface";
       }
       if (!home.empty()) path = home + "/token";
@@ -288,13 +284,13 @@ HubOptions HubOptionsFromEnvironment() {
   }
   o.allow_network = true;
   for (const char* name : {"HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"}) {
-    if (IsTrue(Env(name))) {
+    if (IsTrue(EnvOrEmpty(name))) {
       o.allow_network = false;
-      o.offline_reason = std::string(name) + "=" + Env(name);
+      o.offline_reason = std::string(name) + "=" + EnvOrEmpty(name);
       break;
     }
   }
-  std::string timeout = Env("HF_HUB_DOWNLOAD_TIMEOUT");
+  std::string timeout = EnvOrEmpty("HF_HUB_DOWNLOAD_TIMEOUT");
   if (!timeout.empty()) {
     char* end = nullptr;
     double seconds = std::strtod(timeout.c_str(), &end);
@@ -354,7 +350,7 @@ Result<std::string> FetchHubSafetensorsHeader(std::string_view repo_id, std::str
   for (int i = 7; i >= 0; --i) {
     length = (length << 8) | static_cast<unsigned char>(bytes[static_cast<size_t>(i)]);
   }
-  if (length == 0 || length > kMaxHeaderBytes) {
+  if (length == 0 || length > kMaxSafetensorsHeaderBytes) {
     return Status::InvalidArgument(what + ": header length " + std::to_string(length) +
                                    " is not a safetensors header's");
   }

@@ -21,7 +21,7 @@ namespace {
 // Configs are a few KiB and shape lists of the largest models a few MiB; anything bigger is not
 // one of them, and reading it whole would only waste memory.
 constexpr uint64_t kMaxJsonBytes = uint64_t{32} << 20;
-constexpr int kMaxJsonDepth = 64;
+constexpr int kMaxConfigJsonDepth = 64;
 
 constexpr const char* kIndex = "model.safetensors.index.json";
 constexpr const char* kSingle = "model.safetensors";
@@ -36,7 +36,7 @@ PathKind Stat(const std::string& path) {
 
 Result<nlohmann::ordered_json> ReadJson(const std::string& path) {
   MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path, kMaxJsonBytes));
-  return ParseOrderedJsonText(text, path, kMaxJsonDepth, kMaxShapeListTensors);
+  return ParseOrderedJsonText(text, path, kMaxConfigJsonDepth, kMaxShapeListTensors);
 }
 
 Result<ModelInventory> LoadJsonFile(const std::string& path, const BuildOptions& options) {

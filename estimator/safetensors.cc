@@ -22,12 +22,10 @@ namespace {
 
 using OrderedJson = nlohmann::ordered_json;
 
-// The safetensors library refuses headers above 100 MB; a real header is a few MB at most.
-constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 // An index lists one line per tensor; even a 1T-parameter checkpoint's is a few MB.
 constexpr uint64_t kMaxIndexBytes = uint64_t{64} << 20;
 // A header is {"name": {"shape": [..]}}, three levels; an index two. Deeper input is hostile.
-constexpr int kMaxJsonDepth = 16;
+constexpr int kMaxHeaderJsonDepth = 16;
 
 std::string Describe(const OrderedJson& v) {
   std::string s = v.dump(-1, ' ', false, OrderedJson::error_handler_t::replace);
@@ -170,13 +168,14 @@ Result<std::vector<HeaderTensor>> ReadHeader(const std::string& path) {
                                    " is larger than the file (" + std::to_string(file_bytes) +
                                    " bytes); not a safetensors file, or truncated");
   }
-  if (header_bytes > kMaxHeaderBytes) {
+  if (header_bytes > kMaxSafetensorsHeaderBytes) {
     return Status::InvalidArgument(path + ": header length " + std::to_string(header_bytes) +
-                                   " exceeds the " + std::to_string(kMaxHeaderBytes) +
+                                   " exceeds the " + std::to_string(kMaxSafetensorsHeaderBytes) +
                                    "-byte limit; not a safetensors file");
   }
   MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileRange(path, 8, header_bytes));
-  MEMPLAN_ASSIGN_OR_RETURN(OrderedJson header, ParseOrderedJsonText(text, path, kMaxJsonDepth));
+  MEMPLAN_ASSIGN_OR_RETURN(OrderedJson header,
+                           ParseOrderedJsonText(text, path, kMaxHeaderJsonDepth));
   if (!header.is_object()) {
     return Status::InvalidArgument(path + ": header must be a JSON object, got " +
                                    Describe(header));
@@ -220,7 +219,7 @@ Status CheckShardPath(const std::string& index_path, const std::string& tensor,
 Result<ModelInventory> ReadIndex(const std::string& index_path) {
   MEMPLAN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(index_path, kMaxIndexBytes));
   MEMPLAN_ASSIGN_OR_RETURN(OrderedJson index,
-                           ParseOrderedJsonText(text, index_path, kMaxJsonDepth));
+                           ParseOrderedJsonText(text, index_path, kMaxHeaderJsonDepth));
   if (!index.is_object()) {
     return Status::InvalidArgument(index_path + ": expected a JSON object with \"weight_map\"");
   }

@@ -17,12 +17,17 @@
 // stay empty (a header does not say them).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "common/status.h"
 #include "estimator/inventory.h"
 
 namespace memplan::estimator {
+
+// The largest safetensors header read (the safetensors library refuses headers above 100 MB; a
+// real header is a few MB at most), from a file or fetched from the Hub.
+constexpr uint64_t kMaxSafetensorsHeaderBytes = uint64_t{100} << 20;
 
 // One .safetensors file. Tensors are added in header order sorted by data offset. A file that
 // holds no tensors is refused (an estimate of nothing would only mislead).

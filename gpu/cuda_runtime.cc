@@ -20,9 +20,10 @@
 namespace memplan::gpu {
 namespace {
 
+using internal::DirectionName;
+using internal::kDirections;
 using internal::ScopedDevice;
-
-constexpr int kDirections = 3;
+using internal::ValidDirection;
 
 // Note [Event ring]: a ticket is (direction, sequence); the copy with sequence s recorded its
 // completion in the event of slot s % kRingSize of its direction's ring. Events are created the
@@ -96,7 +97,7 @@ struct Slot {
   uint64_t sequence = 0;  // the copy whose completion the event records; 0: none yet
 };
 
-struct Lane {
+struct StreamLane {
   Mutex mu;
   cudaStream_t stream = nullptr;  // created by Init, destroyed by the destructor; fixed between
   std::vector<Slot> ring GUARDED_BY(mu);  // kRingSize slots
@@ -104,20 +105,6 @@ struct Lane {
   uint64_t completed GUARDED_BY(mu) = 0;  // every sequence <= completed is done
   Status error GUARDED_BY(mu);            // the first error Wait has not reported yet
 };
-
-const char* DirectionName(CopyDirection direction) {
-  switch (direction) {
-    case CopyDirection::kHostToDevice: return "host-to-device";
-    case CopyDirection::kDeviceToHost: return "device-to-host";
-    case CopyDirection::kDeviceToDevice: return "device-to-device";
-  }
-  return "invalid direction";
-}
-
-bool ValidDirection(CopyDirection direction) {
-  const int d = static_cast<int>(direction);
-  return d >= 0 && d < kDirections;
-}
 
 cudaMemcpyKind KindOf(CopyDirection direction) {
   switch (direction) {
@@ -134,7 +121,9 @@ void KeepFirst(Status& first, const Status& next) {
 }
 
 // Hands out the lane's unreported error, if any, and forgets it.
-Status TakeError(Lane& lane) REQUIRES(lane.mu) { return std::exchange(lane.error, Status::Ok()); }
+Status TakeError(StreamLane& lane) REQUIRES(lane.mu) {
+  return std::exchange(lane.error, Status::Ok());
+}
 
 class CudaRuntime final : public Runtime {
  public:
@@ -149,10 +138,10 @@ class CudaRuntime final : public Runtime {
   ~CudaRuntime() override {
     ScopedDevice device(device_);
     (void)device.Enter();
-    for (Lane& lane : lanes_) {
+    for (StreamLane& lane : lanes_) {
       if (lane.stream != nullptr) (void)cudaStreamSynchronize(lane.stream);
     }
-    for (Lane& lane : lanes_) {
+    for (StreamLane& lane : lanes_) {
       for (Slot& slot : lane.ring) {
         if (slot.event != nullptr) (void)cudaEventDestroy(slot.event);
       }
@@ -258,7 +247,7 @@ class CudaRuntime final : public Runtime {
                                      std::to_string(bytes) + " bytes with a null buffer");
     }
     MEMPLAN_CUDA_ON_DEVICE(device_);
-    Lane& lane = lanes_[static_cast<int>(direction)];
+    StreamLane& lane = lanes_[static_cast<int>(direction)];
     // Held across the enqueue so that sequence order is stream order.
     MutexLock lock(&lane.mu);
     const uint64_t sequence = lane.submitted + 1;
@@ -286,7 +275,7 @@ class CudaRuntime final : public Runtime {
       return Status::InvalidArgument(name_ + ": a ticket with an invalid direction");
     }
     if (ticket.sequence == 0) return Status::Ok();
-    Lane& lane = lanes_[static_cast<int>(ticket.direction)];
+    StreamLane& lane = lanes_[static_cast<int>(ticket.direction)];
     cudaEvent_t event = nullptr;
     {
       MutexLock lock(&lane.mu);
@@ -308,7 +297,7 @@ class CudaRuntime final : public Runtime {
 
   bool Done(CopyTicket ticket) override {
     if (!ValidDirection(ticket.direction) || ticket.sequence == 0) return true;
-    Lane& lane = lanes_[static_cast<int>(ticket.direction)];
+    StreamLane& lane = lanes_[static_cast<int>(ticket.direction)];
     cudaEvent_t event = nullptr;
     {
       MutexLock lock(&lane.mu);
@@ -337,7 +326,7 @@ class CudaRuntime final : public Runtime {
   Status Synchronize() override {
     MEMPLAN_CUDA_ON_DEVICE(device_);
     Status first;
-    for (Lane& lane : lanes_) {
+    for (StreamLane& lane : lanes_) {
       uint64_t target;
       {
         MutexLock lock(&lane.mu);
@@ -382,7 +371,7 @@ class CudaRuntime final : public Runtime {
     if (fence.empty()) return Status::Ok();
     MEMPLAN_ASSIGN_OR_RETURN(cudaEvent_t event, EventOf(fence));
     MEMPLAN_CUDA_ON_DEVICE(device_);
-    Lane& lane = lanes_[static_cast<int>(direction)];
+    StreamLane& lane = lanes_[static_cast<int>(direction)];
     MutexLock lock(&lane.mu);  // ordered with CopyAsync's enqueues
     MEMPLAN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(lane.stream, event, 0));
     return Status::Ok();
@@ -419,7 +408,7 @@ class CudaRuntime final : public Runtime {
   // Creates the streams. On failure the destructor releases what was made.
   Status Init() {
     MEMPLAN_CUDA_ON_DEVICE(device_);
-    for (Lane& lane : lanes_) {
+    for (StreamLane& lane : lanes_) {
       {
         MutexLock lock(&lane.mu);  // no other thread has the runtime yet; for the analysis
         lane.ring.resize(kRingSize);
@@ -440,7 +429,7 @@ class CudaRuntime final : public Runtime {
   const int device_;
   const std::string name_;
   const std::string description_;
-  std::array<Lane, kDirections> lanes_;  // indexed by CopyDirection
+  std::array<StreamLane, kDirections> lanes_;  // indexed by CopyDirection
 
   mutable Mutex mem_mu_;
   std::map<void*, uint64_t> device_memory_ GUARDED_BY(mem_mu_);  // cudaMalloc'd pointer -> bytes

@@ -15,4 +15,22 @@ int CudaDeviceOf(const Runtime& runtime);
 // "NVIDIA H100 80GB HBM3, 79.1 GiB, compute capability 9.0" for the CUDA runtime; "" otherwise.
 std::string CudaDescription(const Runtime& runtime);
 
+// The copy directions both runtimes keep one lane (stream or thread) for, indexed by
+// CopyDirection, and their names in messages.
+constexpr int kDirections = 3;
+
+inline bool ValidDirection(CopyDirection direction) {
+  const int d = static_cast<int>(direction);
+  return d >= 0 && d < kDirections;
+}
+
+inline const char* DirectionName(CopyDirection direction) {
+  switch (direction) {
+    case CopyDirection::kHostToDevice: return "host-to-device";
+    case CopyDirection::kDeviceToHost: return "device-to-host";
+    case CopyDirection::kDeviceToDevice: return "device-to-device";
+  }
+  return "invalid direction";
+}
+
 }  // namespace memplan::gpu::internal

@@ -22,21 +22,9 @@ namespace memplan::gpu {
 namespace {
 
 constexpr std::align_val_t kDeviceAlignment{256};
-constexpr int kDirections = 3;
-
-bool ValidDirection(CopyDirection direction) {
-  const int d = static_cast<int>(direction);
-  return d >= 0 && d < kDirections;
-}
-
-const char* DirectionName(CopyDirection direction) {
-  switch (direction) {
-    case CopyDirection::kHostToDevice: return "host-to-device";
-    case CopyDirection::kDeviceToHost: return "device-to-host";
-    case CopyDirection::kDeviceToDevice: return "device-to-device";
-  }
-  return "invalid direction";
-}
+using internal::DirectionName;
+using internal::kDirections;
+using internal::ValidDirection;
 
 // The host's physical memory: the "device" of the host-only runtime can never hold more, so a
 // larger request is ResourceExhausted here instead of reaching the allocator (which, under a
@@ -61,7 +49,7 @@ struct Copy {
   uint64_t bytes;
 };
 
-struct Lane {
+struct ThreadLane {
   Mutex mu;
   CondVar work;  // signalled when `queue` grows or `stop` is set
   CondVar done;  // signalled when `completed` grows
@@ -79,7 +67,7 @@ class HostOnlyRuntime final : public Runtime {
   HostOnlyRuntime& operator=(const HostOnlyRuntime&) = delete;
 
   ~HostOnlyRuntime() override {
-    for (Lane& lane : lanes_) {
+    for (ThreadLane& lane : lanes_) {
       {
         MutexLock lock(&lane.mu);
         lane.stop = true;
@@ -182,7 +170,7 @@ class HostOnlyRuntime final : public Runtime {
                                      " copy of " + std::to_string(bytes) +
                                      " bytes with a null buffer");
     }
-    Lane& lane = lanes_[static_cast<int>(direction)];
+    ThreadLane& lane = lanes_[static_cast<int>(direction)];
     uint64_t sequence;
     {
       MutexLock lock(&lane.mu);
@@ -197,7 +185,7 @@ class HostOnlyRuntime final : public Runtime {
   Status Wait(CopyTicket ticket) override {
     MEMPLAN_RETURN_IF_ERROR(CheckTicket(ticket));
     if (ticket.sequence == 0) return Status::Ok();
-    Lane& lane = lanes_[static_cast<int>(ticket.direction)];
+    ThreadLane& lane = lanes_[static_cast<int>(ticket.direction)];
     MutexLock lock(&lane.mu);
     while (lane.completed < ticket.sequence) lane.done.Wait(&lane.mu);
     return Status::Ok();  // a memcpy cannot fail
@@ -206,13 +194,13 @@ class HostOnlyRuntime final : public Runtime {
   bool Done(CopyTicket ticket) override {
     if (!CheckTicket(ticket).ok()) return true;  // Wait answers at once, with the error
     if (ticket.sequence == 0) return true;
-    Lane& lane = lanes_[static_cast<int>(ticket.direction)];
+    ThreadLane& lane = lanes_[static_cast<int>(ticket.direction)];
     MutexLock lock(&lane.mu);
     return lane.completed >= ticket.sequence;
   }
 
   Status Synchronize() override {
-    for (Lane& lane : lanes_) {
+    for (ThreadLane& lane : lanes_) {
       MutexLock lock(&lane.mu);
       const uint64_t target = lane.submitted;
       while (lane.completed < target) lane.done.Wait(&lane.mu);
@@ -244,7 +232,7 @@ class HostOnlyRuntime final : public Runtime {
   int device() const override { return -1; }
 
  private:
-  static void RunLane(Lane& lane) {
+  static void RunLane(ThreadLane& lane) {
     MutexLock lock(&lane.mu);
     for (;;) {
       while (!lane.stop && lane.queue.empty()) lane.work.Wait(&lane.mu);
@@ -271,7 +259,7 @@ class HostOnlyRuntime final : public Runtime {
     if (!ValidDirection(ticket.direction)) {
       return Status::InvalidArgument("host-only runtime: a ticket with an invalid direction");
     }
-    Lane& lane = lanes_[static_cast<int>(ticket.direction)];
+    ThreadLane& lane = lanes_[static_cast<int>(ticket.direction)];
     MutexLock lock(&lane.mu);
     if (ticket.sequence > lane.submitted) {
       return Status::InvalidArgument(
@@ -281,7 +269,7 @@ class HostOnlyRuntime final : public Runtime {
     return Status::Ok();
   }
 
-  std::array<Lane, kDirections> lanes_;  // indexed by CopyDirection
+  std::array<ThreadLane, kDirections> lanes_;  // indexed by CopyDirection
 
   mutable Mutex mem_mu_;
   std::map<uintptr_t, uint64_t> device_ GUARDED_BY(mem_mu_);      // address -> bytes

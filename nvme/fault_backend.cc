@@ -11,14 +11,14 @@
 namespace memplan::nvme {
 namespace {
 
-// Bits of Slot::counted: which trigger counts a request advanced, so a request the inner backend
-// did not take can be un-counted and the Nth-request triggers stay exact.
+// Bits of FaultSlot::counted: which trigger counts a request advanced, so a request the inner
+// backend did not take can be un-counted and the Nth-request triggers stay exact.
 enum : uint8_t { kCountedFail = 1, kCountedShort = 2, kCountedFlip = 4 };
 
 // The private copy of one in-flight request. A slot belongs to the submitter from the moment it
 // leaves the free list until the inner Submit returns, then to whichever thread reaps it; the
 // inner backend's own synchronisation orders the hand-over, so the fields need no lock.
-struct Slot {
+struct FaultSlot {
   Request shadow;               // what the inner backend sees; user_data = this slot's index
   Request* original = nullptr;  // what the caller submitted, returned in the completion
   bool fail = false;
@@ -77,7 +77,7 @@ struct FaultBackend::Impl {
   ~Impl() { inner.reset(); }
 
   // Advances `count` when `r` matches the trigger and says whether `r` is hit.
-  bool Hit(const FaultTrigger& t, uint64_t& count, const Request& r, uint8_t bit, Slot* slot)
+  bool Hit(const FaultTrigger& t, uint64_t& count, const Request& r, uint8_t bit, FaultSlot* slot)
       REQUIRES(plan_mu) {
     if (!t.armed() || (t.op.has_value() && *t.op != r.op)) return false;
     ++count;
@@ -91,7 +91,7 @@ struct FaultBackend::Impl {
     return hit;
   }
 
-  void Uncount(const Slot& s) REQUIRES(plan_mu) {
+  void Uncount(const FaultSlot& s) REQUIRES(plan_mu) {
     if (s.counted & kCountedFail) --fail_count;
     if (s.counted & kCountedShort) --short_count;
     if (s.counted & kCountedFlip) --flip_count;
@@ -113,7 +113,7 @@ struct FaultBackend::Impl {
 
   // One slot per inner queue entry: a free slot means the inner backend has room, so the inner
   // Submit takes everything offered unless something else shares the inner backend.
-  std::vector<Slot> slots;  // fixed size; see Slot for who owns an entry
+  std::vector<FaultSlot> slots;  // fixed size; see FaultSlot for who owns an entry
   mutable Mutex slots_mu ACQUIRED_AFTER(plan_mu);
   std::vector<uint32_t> free_slots GUARDED_BY(slots_mu);
 
@@ -194,9 +194,9 @@ Result<size_t> FaultBackend::Submit(std::span<Request* const> requests) {
   }
 
   for (size_t i = 0; i < m.forward.size(); ++i) {
-    Slot& s = m.slots[m.forward[i]->user_data];
+    FaultSlot& s = m.slots[m.forward[i]->user_data];
     uint64_t index = s.shadow.user_data;
-    s = Slot{};
+    s = FaultSlot{};
     s.original = requests[i];
     s.shadow = *requests[i];
     s.shadow.user_data = index;
@@ -227,7 +227,7 @@ Result<size_t> FaultBackend::Submit(std::span<Request* const> requests) {
   // Whatever the inner backend did not take was never submitted: undo its write flip and counts.
   MutexLock slots_lock(&m.slots_mu);
   for (size_t i = k; i < m.forward.size(); ++i) {
-    Slot& s = m.slots[m.forward[i]->user_data];
+    FaultSlot& s = m.slots[m.forward[i]->user_data];
     if (s.write_flipped) FlipBit(s.shadow.buffer, s.flip_byte, s.flip_mask);
     m.Uncount(s);
     m.free_slots.push_back(static_cast<uint32_t>(s.shadow.user_data));
@@ -248,7 +248,7 @@ Result<size_t> FaultBackend::Reap(std::span<Completion> out, size_t min_complete
       return Status::Internal("fault backend: inner backend " + m.inner->capabilities().name +
                               " returned a request it was not given");
     }
-    Slot& s = m.slots[index];
+    FaultSlot& s = m.slots[index];
     if (s.write_flipped) {
       FlipBit(s.shadow.buffer, s.flip_byte, s.flip_mask);
       m.write_flips.fetch_add(1, std::memory_order_relaxed);

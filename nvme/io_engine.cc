@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/checked_math.h"
 #include "common/mutex.h"
 
 namespace memplan::nvme {
@@ -94,11 +95,6 @@ struct FreeDeleter {
   void operator()(std::byte* p) const { std::free(p); }
 };
 using AlignedBuffer = std::unique_ptr<std::byte, FreeDeleter>;
-
-uint64_t RoundDown(uint64_t x, uint64_t a) { return x - x % a; }
-uint64_t RoundUp(uint64_t x, uint64_t a) { return RoundDown(x + a - 1, a); }
-
-bool IsPowerOfTwo(uint64_t x) { return x != 0 && (x & (x - 1)) == 0; }
 
 // Sleeps before resubmitting a request that failed with -EINTR / -EAGAIN: 40 us doubling to 1 ms.
 void Backoff(uint32_t attempt) {

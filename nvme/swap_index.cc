@@ -8,6 +8,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "common/checked_math.h"
 #include "nvme/swap_index_internal.h"
 
 namespace memplan::nvme::internal {
@@ -31,8 +32,6 @@ uint64_t LoadLe(const char *p, int bytes) {
   for (int i = bytes - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(p[i]);
   return v;
 }
-
-bool IsPowerOfTwo(uint64_t v) { return v != 0 && (v & (v - 1)) == 0; }
 
 // Reads fixed-width fields from the bytes before the trailer; every read is
 // bounds-checked and a failed one says which field ran past the end and where.

@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "common/file.h"
+#include "common/checked_math.h"
 #include "common/mutex.h"
 #include "nvme/block_checksum.h"
 #include "nvme/swap_index_internal.h"
@@ -62,10 +63,6 @@ constexpr uint64_t kMaxCapacityBytes = uint64_t{1} << 62;
 constexpr uint32_t kMinBlockBytes = 4096;
 // Attempts at taking the lock file when it keeps being replaced under us (see TakeLock).
 constexpr int kLockAttempts = 8;
-
-uint64_t RoundUp(uint64_t value, uint64_t multiple) {
-  return (value + multiple - 1) / multiple * multiple;
-}
 
 std::string Quote(const std::string& key) { return "'" + key + "'"; }
 

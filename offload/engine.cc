@@ -174,7 +174,6 @@ namespace memplan::offload {
 namespace {
 
 using internal::OptimizerPath;
-using internal::SecondsSince;
 
 // Makes the missing parents of `dir` as `mkdir -p` does (mode 0777 less the umask, as Python's
 // os.makedirs and DeepSpeed's nvme_path make them).

@@ -257,10 +257,6 @@ int LockHolder(const std::string& lock_path) {
 
 }  // namespace
 
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
 HalfDtype ToHalf(ElementType type) {
   switch (type) {
     case ElementType::kFloat32: return HalfDtype::kNone;

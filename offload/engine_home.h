@@ -17,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/clock.h"
 #include "common/status.h"
 #include "offload/cpu_optimizer.h"
 #include "offload/engine.h"
@@ -24,8 +25,6 @@
 #include "offload/optimizer_swapper.h"
 
 namespace memplan::offload::internal {
-
-double SecondsSince(std::chrono::steady_clock::time_point start);
 
 // The optimizer's 16-bit output for working parameters of `type`; kNone for fp32, whose working
 // copy is the master weights themselves (Note [fp32 working parameters] in engine_params.cc).

@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/clock.h"
 #include "common/mutex.h"
 #include "offload/optimizer_swapper.h"
 
@@ -61,10 +62,6 @@ inline std::string StateKey(uint64_t sub_group, uint64_t slot) {
   return "state." + std::to_string(sub_group) + "." + std::to_string(slot);
 }
 inline std::string GradKey(uint64_t sub_group) { return "grad." + std::to_string(sub_group); }
-
-inline double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 // A closable queue of buffer indices for one pipeline edge. Abort() wakes every waiter; after it
 // Pop() returns nothing.

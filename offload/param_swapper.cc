@@ -96,6 +96,7 @@
 
 #include <sys/mman.h>
 
+#include "common/clock.h"
 #include "common/mutex.h"
 #include "offload/device_arena.h"
 
@@ -113,10 +114,6 @@ namespace {
 enum class State { kHome, kQueued, kLoading, kReady, kFailed };
 
 std::string ChunkKey(uint64_t chunk) { return "hp." + std::to_string(chunk); }
-
-double SecondsSince(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
 
 }  // namespace
 

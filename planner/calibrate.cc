@@ -8,6 +8,7 @@
 #include <set>
 
 #include "common/json.h"
+#include "common/strings.h"
 #include "common/printable.h"
 
 namespace memplan::planner {
@@ -17,12 +18,6 @@ using estimator::TrainingSetup;
 
 constexpr const char* kRunsFormat = "memplan.runs/1";
 constexpr const char* kCalibrationFormat = "memplan.calibration/1";
-
-std::string Fmt(const char* format, double v) {
-  char text[64];
-  std::snprintf(text, sizeof(text), format, v);
-  return text;
-}
 
 // Note [Calibration]'s constants: the one table every use reads (the candidates of a fit, where a
 // value lives in the model, its bounds and prior width, the file's keys, why runs leave it
@@ -542,11 +537,12 @@ Status CheckExplains(const Calibration& result, const CalibrateOptions& options)
   if (result.rms_error_fitted <= options.max_rms_error) return Status::Ok();
   return Status::InvalidArgument(
       "calibrate: the calibrated model still misses the runs by " +
-      Fmt("%.3g%%", result.rms_error_fitted * 100) + " RMS (" +
-      Fmt("%.3g%%", result.rms_error_prior * 100) + " with the priors), more than the " +
-      Fmt("%.3g%%", options.max_rms_error * 100) + " `max_rms_error` accepts; the worst, run '" +
-      Printable(worst->id) + "': measured " + Fmt("%.4g", worst->measured_s) +
-      " s, calibrated model " + Fmt("%.4g", worst->fitted_s) +
+      FormatDouble("%.3g%%", result.rms_error_fitted * 100) + " RMS (" +
+      FormatDouble("%.3g%%", result.rms_error_prior * 100) + " with the priors), more than the " +
+      FormatDouble("%.3g%%", options.max_rms_error * 100) +
+      " `max_rms_error` accepts; the worst, run '" + Printable(worst->id) + "': measured " +
+      FormatDouble("%.4g", worst->measured_s) + " s, calibrated model " +
+      FormatDouble("%.4g", worst->fitted_s) +
       " s. The runs measure something the model does not describe: check that step_time_s is "
       "seconds per optimizer step and that each run's model, cluster (GPU, nodes, network) and "
       "setup are what ran. Nothing was written");
@@ -617,8 +613,9 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
     result.not_determined.push_back(
         (screened.collinear[kept[static_cast<size_t>(worst)]] ? WhyNot(dropped, true) + "; "
                                                               : dropped.name + ": ") +
-        "too uncertain from these runs (" + Fmt("%.3g", fit.x[worst]) + " +- " +
-        Fmt("%.2g", fit.se[worst]) + "); prior " + Fmt("%.4g", fit.x_prior[worst]) + " kept");
+        "too uncertain from these runs (" + FormatDouble("%.3g", fit.x[worst]) + " +- " +
+        FormatDouble("%.2g", fit.se[worst]) + "); prior " +
+        FormatDouble("%.4g", fit.x_prior[worst]) + " kept");
     kept.erase(kept.begin() + worst);
     if (kept.empty()) {
       return Status::InvalidArgument(
@@ -643,19 +640,21 @@ Result<Calibration> Calibrate(const std::vector<CalibrationRun>& runs,
 
 std::vector<std::string> CalibrationWarnings(const Calibration& c) {
   std::vector<std::string> out;
-  const std::string bound = Fmt("%.3g%%", kDefaultMaxRmsError * 100);
+  const std::string bound = FormatDouble("%.3g%%", kDefaultMaxRmsError * 100);
   if (c.rms_error_fitted > kDefaultMaxRmsError) {
     out.push_back("the calibrated model misses its runs by " +
-                  Fmt("%.3g%%", c.rms_error_fitted * 100) + " RMS, more than the " + bound +
+                  FormatDouble("%.3g%%", c.rms_error_fitted * 100) + " RMS, more than the " +
+                  bound +
                   " `memplan calibrate` accepts by default: its constants do not describe those "
                   "runs, and plans made with them are doubtful");
   }
   for (const FittedConstant& f : c.fitted) {
     if (!f.at_bound) continue;
-    out.push_back(Printable(f.name) + " = " + Fmt("%.4g", f.value) + " is pinned at its bound" +
+    out.push_back(Printable(f.name) + " = " + FormatDouble("%.4g", f.value) +
+                  " is pinned at its bound" +
                   // A prior of 0 is unknown (a file without a report) unless 0 is in bounds.
                   (f.prior > 0 || (FindConstant(f.name) != nullptr && FindConstant(f.name)->lo <= 0)
-                       ? " (prior " + Fmt("%.4g", f.prior) + ")"
+                       ? " (prior " + FormatDouble("%.4g", f.prior) + ")"
                        : std::string()) +
                   ": the runs ask for a value the model does not allow, which usually means a "
                   "run's file says another cluster or setup than what ran (GPU, network, "
@@ -667,8 +666,9 @@ std::vector<std::string> CalibrationWarnings(const Calibration& c) {
     const double error = r.fitted_s / r.measured_s - 1;
     if (std::fabs(error) > kDefaultMaxRmsError) {
       out.push_back("run '" + Printable(r.id) + "': the calibrated model is still off by " +
-                    Fmt("%+.0f%%", error * 100) + " (measured " + Fmt("%.4g", r.measured_s) +
-                    " s, predicted " + Fmt("%.4g", r.fitted_s) + " s)");
+                    FormatDouble("%+.0f%%", error * 100) + " (measured " +
+                    FormatDouble("%.4g", r.measured_s) + " s, predicted " +
+                    FormatDouble("%.4g", r.fitted_s) + " s)");
     }
   }
   return out;
@@ -763,7 +763,8 @@ Result<Calibration> CalibrationFromJson(const nlohmann::json& json, const std::s
           if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() < spec->lo ||
               v.get<double>() > spec->hi) {
             return Status::InvalidArgument(what + "." + name + ": expected a number in [" +
-                                           Fmt("%g", spec->lo) + ", " + Fmt("%g", spec->hi) + "]");
+                                           FormatDouble("%g", spec->lo) + ", " +
+                                           FormatDouble("%g", spec->hi) + "]");
           }
           (c.*(spec->per_gpu))[gpu] = v.get<double>();
           c.fitted.push_back({name + "[" + gpu + "]", 0, v.get<double>(), 0, false});
@@ -828,7 +829,8 @@ std::string FormatCalibrationText(const Calibration& c) {
   out += line;
   for (const FittedConstant& f : c.fitted) {
     std::snprintf(line, sizeof(line), "  %-34s %10.4g %10.4g %12s%s\n", f.name.c_str(), f.prior,
-                  f.value, f.standard_error > 0 ? Fmt("%.2g", f.standard_error).c_str() : "-",
+                  f.value,
+                  f.standard_error > 0 ? FormatDouble("%.2g", f.standard_error).c_str() : "-",
                   f.at_bound ? "  (at its bound)" : "");
     out += line;
   }
@@ -847,8 +849,8 @@ std::string FormatCalibrationText(const Calibration& c) {
                   (r.fitted_s / r.measured_s - 1) * 100);
     out += line;
   }
-  out += "RMS error of the step times: " + Fmt("%.1f%%", c.rms_error_prior * 100) +
-         " with the priors, " + Fmt("%.1f%%", c.rms_error_fitted * 100) + " calibrated.\n";
+  out += "RMS error of the step times: " + FormatDouble("%.1f%%", c.rms_error_prior * 100) +
+         " with the priors, " + FormatDouble("%.1f%%", c.rms_error_fitted * 100) + " calibrated.\n";
   if (!c.warnings.empty()) {
     out +=
         "\nWarnings (Note [Calibration bounds]; written into the file, and repeated by plan and "
@@ -884,7 +886,7 @@ void ApplyCalibration(const Calibration& c, GpuSpec* gpu, SearchOptions* options
           f.name.substr(bracket) != "[" + gpu->name + "]") {
         continue;
       }
-      names += (names.empty() ? "" : ", ") + f.name + " = " + Fmt("%.4g", f.value);
+      names += (names.empty() ? "" : ", ") + f.name + " = " + FormatDouble("%.4g", f.value);
     }
     options->calibration_note = (c.source.empty() ? std::string("calibration") : c.source) +
                                 (c.runs.empty() ? std::string()

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "common/byte_size.h"
+#include "common/strings.h"
 #include "common/printable.h"
 #include "estimator/estimate.h"
 #include "estimator/training_setup.h"
@@ -18,32 +19,26 @@
 namespace memplan::planner {
 namespace {
 
-std::string Fmt(const char* format, double v) {
-  char text[64];
-  std::snprintf(text, sizeof(text), format, v);
-  return text;
-}
-
 // "6.2 days", "14.0 h", "35 min".
 std::string Duration(double hours) {
   if (!std::isfinite(hours)) return "-";
-  if (hours >= 48) return Fmt("%.1f days", hours / 24);
-  if (hours >= 1) return Fmt("%.1f h", hours);
-  return Fmt("%.0f min", hours * 60);
+  if (hours >= 48) return FormatDouble("%.1f days", hours / 24);
+  if (hours >= 1) return FormatDouble("%.1f h", hours);
+  return FormatDouble("%.0f min", hours * 60);
 }
 
 // "1T", "300B", "2.5M" tokens.
 std::string Tokens(double v) {
-  if (v >= 1e12) return Fmt("%.4g", v / 1e12) + "T";
-  if (v >= 1e9) return Fmt("%.4g", v / 1e9) + "B";
-  if (v >= 1e6) return Fmt("%.4g", v / 1e6) + "M";
-  return Fmt("%.0f", v);
+  if (v >= 1e12) return FormatDouble("%.4g", v / 1e12) + "T";
+  if (v >= 1e9) return FormatDouble("%.4g", v / 1e9) + "B";
+  if (v >= 1e6) return FormatDouble("%.4g", v / 1e6) + "M";
+  return FormatDouble("%.0f", v);
 }
 
 // "1,234,567" for money and GPU-hours.
 std::string Thousands(double v) {
   if (!std::isfinite(v)) return "-";
-  std::string digits = Fmt("%.0f", std::round(v));
+  std::string digits = FormatDouble("%.0f", std::round(v));
   std::string out;
   const size_t start = digits[0] == '-' ? 1 : 0;
   for (size_t i = 0; i < digits.size(); ++i) {
@@ -563,9 +558,9 @@ std::string PointLine(const CapacityPoint& p, bool with_plan) {
             std::string(estimator::CheckpointingName(p.plan->setup.checkpointing)) +
             " checkpointing, micro-batch " + std::to_string(p.plan->setup.micro_batch) + " x " +
             std::to_string(p.plan->setup.grad_accum) + " accumulation; step " +
-            Fmt("%.2f s", p.plan->time.total_s) + ", " +
-            Fmt("%.0f", p.plan->tokens_per_s / static_cast<double>(p.gpus)) +
-            " tokens/s/GPU, MFU " + Fmt("%.0f%%", p.plan->mfu * 100);
+            FormatDouble("%.2f s", p.plan->time.total_s) + ", " +
+            FormatDouble("%.0f", p.plan->tokens_per_s / static_cast<double>(p.gpus)) +
+            " tokens/s/GPU, MFU " + FormatDouble("%.0f%%", p.plan->mfu * 100);
   }
   return line;
 }

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "common/printable.h"
+#include "common/strings.h"
 #include "estimator/estimate.h"
 
 namespace memplan::planner {
@@ -18,13 +19,9 @@ using estimator::Optimizer;
 using estimator::Precision;
 using estimator::TrainingSetup;
 
-std::string Fmt(const char* format, double v) {
-  char text[64];
-  std::snprintf(text, sizeof(text), format, v);
-  return text;
+std::string GiB(uint64_t bytes) {
+  return FormatDouble("%.1f", static_cast<double>(bytes) / 0x1p30);
 }
-
-std::string GiB(uint64_t bytes) { return Fmt("%.1f", static_cast<double>(bytes) / 0x1p30); }
 
 bool Offloads(const TrainingSetup& s) {
   return s.offload_optimizer != OffloadDevice::kNone || s.offload_param != OffloadDevice::kNone;
@@ -274,8 +271,9 @@ std::string Explain(const Plan& plan, const std::vector<Plan>& plans, const Clus
                     " of " + GiB(plan.gpu_capacity_bytes) + " GiB usable per GPU) at micro-batch " +
                     std::to_string(plan.setup.micro_batch) + " x " +
                     std::to_string(plan.setup.grad_accum) + " accumulation with " +
-                    CheckpointPhrase(plan.setup) + "; the " + Fmt("%.2f", t.total_s) +
-                    " s step is " + Fmt("%.0f", 100 * t.compute_s / t.total_s) + "% compute";
+                    CheckpointPhrase(plan.setup) + "; the " + FormatDouble("%.2f", t.total_s) +
+                    " s step is " + FormatDouble("%.0f", 100 * t.compute_s / t.total_s) +
+                    "% compute";
   if (t.bound != "compute") why += ", bound by " + t.bound;
   why += ".";
   if (&plan == &best) {
@@ -283,7 +281,7 @@ std::string Explain(const Plan& plan, const std::vector<Plan>& plans, const Clus
     for (const Plan& p : plans) {
       if (p.setup.optimizer != best.setup.optimizer && p.tokens_per_s > best.tokens_per_s) {
         why += " with the job's optimizer (" + p.family + " would be " +
-               Fmt("%.0f", 100 * (p.tokens_per_s / best.tokens_per_s - 1)) +
+               FormatDouble("%.0f", 100 * (p.tokens_per_s / best.tokens_per_s - 1)) +
                "% faster with bitsandbytes' 8-bit states: `optimizer` adam8bit)";
         break;
       }
@@ -321,9 +319,10 @@ std::string Explain(const Plan& plan, const std::vector<Plan>& plans, const Clus
   for (const Delta& d : deltas) {
     if (d.seconds > top->seconds) top = &d;
   }
-  why += " " + Fmt("%.2f", t.total_s / b.total_s) + "x the best step time";
+  why += " " + FormatDouble("%.2f", t.total_s / b.total_s) + "x the best step time";
   if (top->seconds > 0) {
-    why += std::string(", mostly ") + top->what + " (+" + Fmt("%.2f", top->seconds) + " s)";
+    why +=
+        std::string(", mostly ") + top->what + " (+" + FormatDouble("%.2f", top->seconds) + " s)";
   }
   return why + ".";
 }
@@ -677,8 +676,9 @@ Result<Plan> ScorePlan(const SearchContext& ctx, const Family& family, const std
   if (!(std::isfinite(plan.time.total_s) && plan.time.total_s > 0)) {
     // Cluster::Validate's rate floors (Note [Rate floors]) make this unreachable; a ranking of
     // infinite steps would be meaningless, so it is a bug, not a plan.
-    return Status::Internal("the time model gave a step of " + Fmt("%g", plan.time.total_s) +
-                            " s for " + name + "; please report it with the cluster and model");
+    return Status::Internal("the time model gave a step of " +
+                            FormatDouble("%g", plan.time.total_s) + " s for " + name +
+                            "; please report it with the cluster and model");
   }
   plan.tokens_per_s =
       static_cast<double>(ctx.job.global_batch) * ctx.shape.seq_len / plan.time.total_s;
@@ -899,27 +899,29 @@ std::vector<std::string> SearchAssumptions(const SearchContext& ctx, bool host_r
   const TimeConstants& k = options.time_constants;
   std::vector<std::string> assumptions = {
       "Fit: GPU peak (CUDA context and 10% allocator margin included) <= GPU memory less " +
-          Fmt("%.0f", options.gpu_safety_fraction * 100) + "%; " +
-          (host_ram_checked ? "CPU per node <= " + Fmt("%.0f", options.cpu_usable_fraction * 100) +
-                                  "% of RAM less " + GiB(options.cpu_per_process_bytes) +
-                                  " GiB per GPU process; pinned <= " +
-                                  Fmt("%.0f", options.pinned_fraction * 100) + "% of RAM"
-                            : std::string("host RAM not checked")) +
-          "; NVMe <= " + Fmt("%.0f", options.nvme_usable_fraction * 100) + "% of capacity.",
+          FormatDouble("%.0f", options.gpu_safety_fraction * 100) + "%; " +
+          (host_ram_checked
+               ? "CPU per node <= " + FormatDouble("%.0f", options.cpu_usable_fraction * 100) +
+                     "% of RAM less " + GiB(options.cpu_per_process_bytes) +
+                     " GiB per GPU process; pinned <= " +
+                     FormatDouble("%.0f", options.pinned_fraction * 100) + "% of RAM"
+               : std::string("host RAM not checked")) +
+          "; NVMe <= " + FormatDouble("%.0f", options.nvme_usable_fraction * 100) +
+          "% of capacity.",
       "Compute (Note [Step-time model]): each Linear as an M x K x N GEMM (M = micro-batch x "
       "sequence tokens) at " +
-          Fmt("%.0f", cluster.gpu.gemm_efficiency * 100) + "% of " +
-          Fmt("%.0f", ctx.peak_flops / 1e12) + " TFLOPS plus its operands at " +
-          Fmt("%.0f", k.hbm_efficiency * 100) + "% of " +
-          Fmt("%.0f", cluster.gpu.hbm_bytes_per_s / 1e9) + " GB/s HBM; attention at " +
-          Fmt("%.0f", cluster.gpu.attention_efficiency * 100) +
+          FormatDouble("%.0f", cluster.gpu.gemm_efficiency * 100) + "% of " +
+          FormatDouble("%.0f", ctx.peak_flops / 1e12) + " TFLOPS plus its operands at " +
+          FormatDouble("%.0f", k.hbm_efficiency * 100) + "% of " +
+          FormatDouble("%.0f", cluster.gpu.hbm_bytes_per_s / 1e9) + " GB/s HBM; attention at " +
+          FormatDouble("%.0f", cluster.gpu.attention_efficiency * 100) +
           "% of peak; elementwise kernels memory-bound; MFU counts 6N + 12Lsd per token "
           "(LoRA 4N + 6N_adapters), HFU adds recomputation.",
-      "Collectives: NCCL ring at " + Fmt("%.0f", k.link_efficiency * 100) + "% of " +
-          Fmt("%.0f", cluster.gpu.link_bytes_per_s / 1e9) + " GB/s per GPU link" +
+      "Collectives: NCCL ring at " + FormatDouble("%.0f", k.link_efficiency * 100) + "% of " +
+          FormatDouble("%.0f", cluster.gpu.link_bytes_per_s / 1e9) + " GB/s per GPU link" +
           (cluster.nodes > 1
-               ? "; across nodes " + Fmt("%.0f", k.network_efficiency * 100) + "% of " +
-                     Fmt("%.0f", cluster.InterNodeBytesPerS() / 1e9) + " GB/s per node" +
+               ? "; across nodes " + FormatDouble("%.0f", k.network_efficiency * 100) + "% of " +
+                     FormatDouble("%.0f", cluster.InterNodeBytesPerS() / 1e9) + " GB/s per node" +
                      (cluster.inter_node_bytes_per_s > 0
                           ? std::string()
                           : " (the " + cluster.gpu.name +
@@ -929,20 +931,21 @@ std::vector<std::string> SearchAssumptions(const SearchContext& ctx, bool host_r
           "; ZeRO-3 gathers the 16-bit parameters twice and reduce-scatters the gradients every "
           "micro-batch.",
       "PCIe Gen" + std::to_string(cluster.PcieGen()) + ": " +
-          Fmt("%.1f", cluster.PcieLineBytesPerS() * k.pcie_efficiency / 1e9) +
+          FormatDouble("%.1f", cluster.PcieLineBytesPerS() * k.pcie_efficiency / 1e9) +
           " GB/s per host link pinned (" + std::to_string(cluster.gpu.gpus_per_pcie_switch) +
-          " GPU(s) per link), half unpinned; CPU Adam " + Fmt("%.2g", cluster.CpuAdamParamsPerS()) +
-          " params/s per node (" + cluster.cpu_adam_source + "); NVMe " +
-          Fmt("%.1f", cluster.NvmeReadBytesPerS() / 1e9) + " / " +
-          Fmt("%.1f", cluster.NvmeWriteBytesPerS() / 1e9) + " GB/s read / write (" +
+          " GPU(s) per link), half unpinned; CPU Adam " +
+          FormatDouble("%.2g", cluster.CpuAdamParamsPerS()) + " params/s per node (" +
+          cluster.cpu_adam_source + "); NVMe " +
+          FormatDouble("%.1f", cluster.NvmeReadBytesPerS() / 1e9) + " / " +
+          FormatDouble("%.1f", cluster.NvmeWriteBytesPerS() / 1e9) + " GB/s read / write (" +
           cluster.nvme_bandwidth_source + ").",
       "Overlap: gathers and parameter fetches hide behind forward, gradient reduction and copies "
       "behind backward (" +
-          Fmt("%.0f", k.overlap_interference * 100) +
+          FormatDouble("%.0f", k.overlap_interference * 100) +
           "% of the overlapped time still slows compute); the optimizer step, the post-step "
           "all-gather and parameter upload are serial; " +
-          Fmt("%.0f", k.step_fixed_s * 1000) + " ms fixed per step.",
-      "Ranking: plans within " + Fmt("%.0f", options.tie_fraction * 100) +
+          FormatDouble("%.0f", k.step_fixed_s * 1000) + " ms fixed per step.",
+      "Ranking: plans within " + FormatDouble("%.0f", options.tie_fraction * 100) +
           "% of each other tie; ties go to the job's own optimizer, less offload, then more GPU "
           "headroom.",
   };

@@ -39,7 +39,7 @@ constexpr const char* kMemoryColour = "#76b7b2";
 constexpr const char* kOverColour = "#e15759";
 constexpr const char* kGrey = "#666666";
 
-std::string Fmt(const char* format, double v) {
+std::string SvgNumber(const char* format, double v) {
   if (!std::isfinite(v)) v = 0;
   char text[64];
   std::snprintf(text, sizeof(text), format, v);
@@ -49,12 +49,12 @@ std::string Fmt(const char* format, double v) {
 // A coordinate or length: two decimals, never "-0.00" or "nan".
 std::string N(double v) {
   if (!std::isfinite(v) || std::fabs(v) < 0.005) v = 0;
-  return Fmt("%.2f", v);
+  return SvgNumber("%.2f", v);
 }
 
 std::string Size(uint64_t bytes) {
   const double gib = static_cast<double>(bytes) / 0x1p30;
-  return gib < 1024 ? Fmt("%.1f GiB", gib) : Fmt("%.2f TiB", gib / 1024);
+  return gib < 1024 ? SvgNumber("%.1f GiB", gib) : SvgNumber("%.2f TiB", gib / 1024);
 }
 
 // The code points of `s`; every byte that does not start a valid UTF-8 sequence (overlong forms,
@@ -432,9 +432,9 @@ void DrawPlan(std::string* out, const Plan& p, size_t rank, double x0, double se
                                p.setup.offload_param != estimator::OffloadDevice::kNone)
            ? " \u00b7 pin_memory off"
            : "");
-  const std::string speed = Fmt("%.0f tokens/s", p.tokens_per_s) + " \u00b7 " +
-                            Fmt("%.2f s/step", p.time.total_s) + " \u00b7 " +
-                            Fmt("MFU %.0f%%", p.mfu * 100);
+  const std::string speed = SvgNumber("%.0f tokens/s", p.tokens_per_s) + " \u00b7 " +
+                            SvgNumber("%.2f s/step", p.time.total_s) + " \u00b7 " +
+                            SvgNumber("MFU %.0f%%", p.mfu * 100);
   *out += "<g id=\"" + id + "\" class=\"plan\">\n<title>" +
           Escape("#" + std::to_string(rank) + " " + p.family + ": " + config + ", " +
                  checkpointing + "; " + speed) +
@@ -476,9 +476,9 @@ void DrawPlan(std::string* out, const Plan& p, size_t rank, double x0, double se
     Rect(out, bar_x, y, kTimeBarWidth, h,
          std::string("id=\"") + id + "-" + kParts[i].key + "\" class=\"segment\" fill=\"" +
              kParts[i].colour + "\"",
-         std::string(kParts[i].name) + ": " + Fmt("%.2f s", split[i]));
+         std::string(kParts[i].name) + ": " + SvgNumber("%.2f s", split[i]));
   }
-  Text(out, bar_x + kTimeBarWidth / 2, y - 6, 11.5, Fmt("%.2f s", p.time.total_s),
+  Text(out, bar_x + kTimeBarWidth / 2, y - 6, 11.5, SvgNumber("%.2f s", p.time.total_s),
        "text-anchor=\"middle\" font-weight=\"bold\"");
   const double list_x = x0 + 112;
   const double list_width = kColumnWidth - 112 - 8;
@@ -487,8 +487,8 @@ void DrawPlan(std::string* out, const Plan& p, size_t rank, double x0, double se
     Rect(out, list_x, ly - 9, 10, 10, std::string("fill=\"") + kParts[i].colour + "\"");
     const double share = p.time.total_s > 0 ? 100 * split[i] / p.time.total_s : 0;
     Text(out, list_x + 15, ly, 11,
-         Fit(std::string(kParts[i].label) + " " + Fmt("%.2f s", split[i]) + " (" +
-                 Fmt("%.0f%%", share) + ")",
+         Fit(std::string(kParts[i].label) + " " + SvgNumber("%.2f s", split[i]) + " (" +
+                 SvgNumber("%.0f%%", share) + ")",
              list_width - 15, 11));
   }
   Text(out, list_x, kTimeTop + 14 + 19.0 * 4 + 4, 10.5,
@@ -540,7 +540,7 @@ std::string PlansSvg(const PlanResult& r, const Cluster& c, const Job& job, size
   const double seconds_scale = max_total > 0 ? kTimeHeight / max_total : 0;
   Text(&out, kMargin, kTimeLegendY, 13,
        Fit("Predicted step time (one scale for all plans: the tallest bar is " +
-               Fmt("%.2f s", max_total) + ")",
+               SvgNumber("%.2f s", max_total) + ")",
            text_width, 13),
        bold);
   {
@@ -584,10 +584,10 @@ std::vector<double> LogTicks(double lo, double hi) {
 }
 
 std::string Compact(double v) {
-  if (v >= 1e9) return Fmt("%.3g", v / 1e9) + "G";
-  if (v >= 1e6) return Fmt("%.3g", v / 1e6) + "M";
-  if (v >= 1e3) return Fmt("%.3g", v / 1e3) + "k";
-  return Fmt("%.3g", v);
+  if (v >= 1e9) return SvgNumber("%.3g", v / 1e9) + "G";
+  if (v >= 1e6) return SvgNumber("%.3g", v / 1e6) + "M";
+  if (v >= 1e3) return SvgNumber("%.3g", v / 1e3) + "k";
+  return SvgNumber("%.3g", v);
 }
 
 }  // namespace
@@ -598,8 +598,8 @@ std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request,
   const double plot_w = kWidth - kLeft - kRight, plot_h = kHeightC - kTop - kBottom;
   const bool by_cost = !r.cheapest_by_gpu_hours;
   std::string out;
-  const std::string title =
-      "memplan capacity: " + job.model + ", " + Fmt("%.4g", request.tokens / 1e9) + "B tokens";
+  const std::string title = "memplan capacity: " + job.model + ", " +
+                            SvgNumber("%.4g", request.tokens / 1e9) + "B tokens";
   out += "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
   out += "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"" + N(kWidth) +
          "\" height=\"" + N(kHeightC) + "\" viewBox=\"0 0 " + N(kWidth) + " " + N(kHeightC) +
@@ -678,8 +678,8 @@ std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request,
     out += "<circle cx=\"" + N(x) + "\" cy=\"" + N(y) + "\" r=\"5\" fill=\"" + colour +
            "\"><title>" +
            Escape(std::to_string(p.gpus) + " x " + p.gpu + ": " +
-                  Fmt("%.1f days", p.train_hours / 24) +
-                  (p.priced ? ", cost " + Fmt("%.0f", p.cost) : std::string()) + ", " +
+                  SvgNumber("%.1f days", p.train_hours / 24) +
+                  (p.priced ? ", cost " + SvgNumber("%.0f", p.cost) : std::string()) + ", " +
                   (p.plan ? p.plan->family : std::string())) +
            "</title></circle>\n";
     Text(&out, x + 7, y - 5, 9, Escape(std::to_string(p.gpus)), grey);
@@ -704,7 +704,7 @@ std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request,
          Fit(std::string(a.name) + ": " + std::to_string(p.gpus) + " x " + p.gpu, kRight - 24, 11),
          "font-weight=\"bold\"");
     Text(&out, lx, label_y + 14, 10,
-         Fit(Fmt("%.1f days", p.train_hours / 24) +
+         Fit(SvgNumber("%.1f days", p.train_hours / 24) +
                  (p.priced ? ", " + Compact(p.cost) : ", " + Compact(p.gpu_hours) + " GPU-h"),
              kRight - 24, 10),
          grey);
@@ -720,7 +720,7 @@ std::string CapacitySvg(const CapacityResult& r, const CapacityRequest& request,
     const GpuOffer& offer = request.offers[o];
     Text(&out, lx + 16, ly, 10.5,
          Fit(offer.gpu.name + (offer.price_per_gpu_hour > 0
-                                   ? " @ " + Fmt("%.2f", offer.price_per_gpu_hour) + "/GPU-h"
+                                   ? " @ " + SvgNumber("%.2f", offer.price_per_gpu_hour) + "/GPU-h"
                                    : std::string(" (no price)")),
              kRight - 36, 10.5));
     ly += 18;

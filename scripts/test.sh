@@ -20,7 +20,7 @@ python=$(bash scripts/python-env.sh)
 modern_python=$(bash scripts/python-env.sh --modern)
 jobs=$(nproc 2>/dev/null || echo 2)
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
-  -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" -DMEMPLAN_WERROR=ON \
+  -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" -DMEMPLAN_WERROR=ON -DCMAKE_UNITY_BUILD=ON \
   -DMEMPLAN_PYTHON="$python" -DMEMPLAN_MODERN_PYTHON="$modern_python" >/dev/null
 cmake --build build -j"$jobs"
 # The wheel test (`pip install .`, tests/python/wheel_test.sh) compiles the libraries a second
@@ -53,7 +53,7 @@ else
   echo "test.sh: no CUDA/NCCL headers: the emulated GPU tests are skipped" >&2
 fi
 cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
-  -DCMAKE_C_FLAGS_DEBUG="-O1 -g1" -DMEMPLAN_SANITIZE=thread -DMEMPLAN_WERROR=ON \
+  -DCMAKE_C_FLAGS_DEBUG="-O1 -g1" -DMEMPLAN_SANITIZE=thread -DMEMPLAN_WERROR=ON -DCMAKE_UNITY_BUILD=ON \
   -DMEMPLAN_GPU_EMULATION="$gpu_emulation" >/dev/null
 cmake --build build-tsan -j"$jobs" --target nvme_test gpu_test bench_test offload_test \
   "${gpu_targets[@]}"
@@ -67,7 +67,7 @@ cmake --build build-tsan -j"$jobs" --target nvme_test gpu_test bench_test offloa
 cmake -S . -B build-san -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -gline-tables-only" \
   -DCMAKE_C_FLAGS_DEBUG="-O1 -gline-tables-only" -DMEMPLAN_SANITIZE="address;undefined" \
-  -DMEMPLAN_FUZZ=ON -DMEMPLAN_WITH_CUDA=OFF -DMEMPLAN_WERROR=ON >/dev/null
+  -DMEMPLAN_FUZZ=ON -DMEMPLAN_WITH_CUDA=OFF -DMEMPLAN_WERROR=ON -DCMAKE_UNITY_BUILD=ON >/dev/null
 fuzz_targets=(hf_config shape_list safetensors deepspeed_config deepspeed_check swap_index cli
   check_arithmetic launch_script)
 unit_tests=$(cd build-san && ctest -N -L unit | sed -n 's/^ *Test *#[0-9]*: //p')
