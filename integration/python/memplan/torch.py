@@ -24,6 +24,13 @@ How it works (the ZeRO-3 pattern, on memplan's Engine):
     it is complete; once all of a unit's gradients are in, the unit is released. Anything still
     fetched is released when the backward pass ends.
   - ``step()`` runs the engine's optimizer step (AdamW by default, matching torch.optim.AdamW).
+  - By default (``overlap_optimizer="auto"``) the optimizer runs during backward wherever that
+    gives the same step: the first step runs after backward, and from the second on the steps
+    overlap when the first showed every option known before its backward (a clip_grad_norm_
+    after backward is then declared); a loop that decides options after backward (step(lr=...),
+    clipping beside other parameters) keeps the step after backward, and the optimizer in host
+    memory always steps after backward (Note [The overlapped optimizer by default] in
+    _torch_step). ``explain()`` says which and why.
   - With ``overlap_optimizer=True`` the optimizer runs during backward instead: when a step's first
     gradient reaches the engine, the step's options are given to it (``Engine.prepare_step``), and
     each optimizer sub-group is stepped (states read, updated, written back, new weights written
@@ -973,7 +980,17 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     momentum (lr, momentum, weight_decay). Other keywords go to memplan.schedule
     (pinned_budget_bytes, sub_group_elements, prefetch_bytes, max_live_bytes, direct, ...); or
     pass a whole `schedule` (a dict, or the path of a Schedule JSON file such as ``memplan plan
-    --emit-schedule`` writes), which is run as it is.
+    --emit-schedule`` writes), which is run as it is. Sizes not given (pinned_budget_bytes,
+    sub_group_elements, param_buffer_bytes, prefetch_bytes) are chosen from the machine and the
+    model (choose_sizes; Note [Machine-sized defaults] in _torch_sizing): the pinned budget
+    within RLIMIT_MEMLOCK (where the kernel enforces it) and an eighth of the memory available,
+    about 16 optimizer sub-groups a step, staging buffers that hold the largest parameter, and a
+    prefetch of 50 ms of the drive's measured reading; given ones are kept and the rest fit them.
+    The result's ``chosen_schedule`` holds the values and one sentence each on why,
+    ``explain()`` prints them, and offload() logs them once (logger "memplan.torch", INFO).
+    nvme_bench: ``memplan bench nvme --format json`` output (a file path or its dict) whose
+    best.read_bytes_per_s sizes the prefetch; by default ``<path>/nvme_bench.json`` when it
+    exists.
     param_groups: parameter groups as torch.optim takes them, [{"params": [...], "lr": ...,
     "weight_decay": ..., "betas": ..., "eps": ...}, ...] (keys left out take the keywords above):
     every trainable parameter in exactly one group; each group's options reach every step
@@ -1004,9 +1021,19 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     skips the data already seen. With several ranks, the last step every rank completed. A store
     written for another model (parameter names, order, shapes, dtypes, frozen set) is refused,
     naming the first difference.
-    overlap_optimizer: run each step's optimizer during its backward (with the optimizer on NVMe;
-    see the module's description): the options of a step are those in effect when its backward
-    begins (``set_options``). Off by default: the step runs after backward, as before.
+    overlap_optimizer: "auto" (the default): run each step's optimizer during its backward
+    wherever that gives the results of the step after backward, bit for bit: with the optimizer
+    on NVMe, from the second step on, when the first showed that the loop decides no option after
+    backward (clip_grad_norm_(X, p) called after backward is declared as max_grad_norm=X,
+    norm_type=p, and later calls return the norm the overlapped step measured); otherwise the
+    step after backward. A change found only after a step was overlapped (other clip_grad_norm_
+    arguments, step() keywords that change an option, a step without the clipping of the
+    earlier ones whose norm it would clip) drops that step, raises ValueError naming the call
+    and saying to pass overlap_optimizer=False, and the coming steps run after backward. An I/O
+    error of an overlapped step surfaces from backward (where the step begins), as OSError.
+    True: always overlap (the options of a step are those in effect when its backward begins:
+    ``set_options``; a step() that changes them raises and drops the step). False: the step
+    runs after backward.
     """
     if optimizer not in ("adamw", "adam"):
         raise ValueError(f"optimizer must be 'adamw' or 'adam', not {optimizer!r}")
