@@ -152,6 +152,33 @@ class AutoOverlapTest(unittest.TestCase):
         _, auto = self.compare(data(6), before=schedule)
         self.assertEqual(auto[3], [False] + [True] * 5)
 
+    def test_an_offload_optimizer_under_a_torch_lr_scheduler(self):
+        # The Trainer's pattern by hand: the scheduler sets param_groups' lr after each step,
+        # before the next backward, where the overlapped step reads it.
+        import memplan.hf
+        runs = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for overlap in (False, "auto"):
+                model = mlp()
+                trainer = memplan.torch.offload(model, os.path.join(tmp, str(overlap)), lr=1e-2,
+                                                direct=False, overlap_optimizer=overlap,
+                                                sub_group_elements=1024)
+                optimizer = memplan.hf.OffloadOptimizer(trainer)
+                scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (1 + s))
+                losses, overlapped = [], []
+                for batch in data(6):
+                    loss = loss_of(model, batch)
+                    loss.backward()
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad()
+                    losses.append(loss.item())
+                    overlapped.append(trainer.stats()["step_profile"]["overlapped"])
+                runs.append((losses, [], trainer.master_weights(), overlapped))
+                trainer.close()
+        self.assertSameRuns(*runs)
+        self.assertEqual(runs[1][3], [False] + [True] * 5)
+
     def test_resume_from_the_stores(self):
         batches = data(8)
         runs = []
@@ -363,6 +390,11 @@ class ChooseSizesTest(unittest.TestCase):
         self.assertEqual(got["sub_group_elements"], 4 * MiB)
         self.assertEqual(got["param_buffer_bytes"], 64 * MiB)
         self.assertEqual(got["prefetch_bytes"], 128 * MiB)
+
+    def test_the_prefetch_stays_within_half_of_max_live_bytes(self):
+        got = memplan.torch.choose_sizes(**self.GPT, read_bytes_per_s=2e9,
+                                         max_live_bytes=64 * MiB)
+        self.assertEqual(got["prefetch_bytes"], 32 * MiB)
 
     def test_a_tiny_model_is_one_sub_group_of_its_own_size(self):
         got = memplan.torch.choose_sizes(elements=1796, trainable=1796, largest_param_elements=1024)

@@ -80,7 +80,9 @@ def optimizer_slot_bytes(sub_group_elements, states=2, half=False):
 def choose_sizes(*, elements, trainable, largest_param_elements, param_dtype_bytes=4,
                  optimizer_states=2, params_on_nvme=True, optimizer_on_nvme=True,
                  memlock_bytes=None, memlock_note="", available_bytes=None, resident_bytes=0,
-                 read_bytes_per_s=None, bench_source="", world_size=1, given=None):
+                 read_bytes_per_s=None, bench_source="", world_size=1, given=None,
+                 param_buffer_count=_PARAM_BUFFERS, optimizer_buffer_count=_OPTIMIZER_BUFFERS,
+                 max_live_bytes=256 * MiB):
     """The schedule sizes for a model on a machine (Note [Machine-sized defaults]): a dict with
     the four SIZED_KEYS and "reasons", {key: one sentence saying why}. A pure function.
 
@@ -91,7 +93,9 @@ def choose_sizes(*, elements, trainable, largest_param_elements, param_dtype_byt
     unknown); resident_bytes: what the engine and the model keep in host memory besides pinned
     buffers; read_bytes_per_s: the drive's measured read bandwidth (None: no bench result) from
     bench_source; world_size: ranks (each holds 1/world of the states); given: the caller's
-    values of SIZED_KEYS, kept."""
+    values of SIZED_KEYS, kept; param_buffer_count, optimizer_buffer_count, max_live_bytes: the
+    schedule's (memplan.schedule's defaults unless given)."""
+    n_param, n_optimizer = int(param_buffer_count), int(optimizer_buffer_count)
     given = {k: v for k, v in (given or {}).items() if k in SIZED_KEYS and v is not None}
     out, reasons = dict(given), {k: "given" for k in given}
     world = max(1, int(world_size))
@@ -100,8 +104,8 @@ def choose_sizes(*, elements, trainable, largest_param_elements, param_dtype_byt
     # The budget every buffer below must fit. A limit below what the smallest working buffers
     # need is not honoured (offload() must not fail where it ran before): said so.
     half = param_dtype_bytes == 2
-    smallest = (_OPTIMIZER_BUFFERS * optimizer_slot_bytes(1024, optimizer_states, half)
-                if optimizer_on_nvme else 0) + (_PARAM_BUFFERS * 64 * KiB
+    smallest = (n_optimizer * optimizer_slot_bytes(1024, optimizer_states, half)
+                if optimizer_on_nvme else 0) + (n_param * 64 * KiB
                                                  if params_on_nvme else 0) + 4 * _PAGE
     caps, notes = [], []
     if memlock_bytes is not None:
@@ -141,13 +145,13 @@ def choose_sizes(*, elements, trainable, largest_param_elements, param_dtype_byt
                    f"{_MIN_SUB_GROUP >> 10} Ki..{_MAX_SUB_GROUP >> 20} Mi elements")
             if cap is not None:
                 halved = False
-                while sub > 1024 and _OPTIMIZER_BUFFERS * optimizer_slot_bytes(
+                while sub > 1024 and n_optimizer * optimizer_slot_bytes(
                         sub, optimizer_states, half) > cap // 2:
                     sub //= 2
                     halved = True
                 if halved:
-                    pinned = _OPTIMIZER_BUFFERS * optimizer_slot_bytes(sub, optimizer_states, half)
-                    why = (f"halved until the optimizer's {_OPTIMIZER_BUFFERS} buffers "
+                    pinned = n_optimizer * optimizer_slot_bytes(sub, optimizer_states, half)
+                    why = (f"halved until the optimizer's {n_optimizer} buffers "
                            f"({_mib(pinned)}) take at most half the {_mib(cap)} pinned budget")
             count = -(-partition // sub)
             reasons["sub_group_elements"] = f"{count} sub-groups: {why}"
@@ -163,14 +167,14 @@ def choose_sizes(*, elements, trainable, largest_param_elements, param_dtype_byt
             largest = int(largest_param_elements) * int(param_dtype_bytes)
             buf = min(max(_ceil_pow2(largest), MiB), 64 * MiB)
             why = (f"the largest parameter ({_mib(largest)}) in one read, within 1..64 MiB, "
-                   f"{_PARAM_BUFFERS} buffers")
+                   f"{n_param} buffers")
             if cap is not None:
                 halved = False
-                while buf > 64 * KiB and _PARAM_BUFFERS * buf > cap // 4:
+                while buf > 64 * KiB and n_param * buf > cap // 4:
                     buf //= 2
                     halved = True
                 if halved:
-                    why = (f"halved until the {_PARAM_BUFFERS} staging buffers take at most a "
+                    why = (f"halved until the {n_param} staging buffers take at most a "
                            f"quarter of the {_mib(cap)} pinned budget (a larger parameter is "
                            "read in pieces)")
             reasons["param_buffer_bytes"] = why
@@ -183,13 +187,15 @@ def choose_sizes(*, elements, trainable, largest_param_elements, param_dtype_byt
     # The prefetch.
     if "prefetch_bytes" not in given:
         if params_on_nvme and read_bytes_per_s:
-            floor = _PARAM_BUFFERS * int(out["param_buffer_bytes"])
+            floor = n_param * int(out["param_buffer_bytes"])
+            ceiling = max(min(_MAX_PREFETCH, int(max_live_bytes) // 2), 1)
             ahead = _round_up(int(read_bytes_per_s * _PREFETCH_SECONDS), MiB)
-            prefetch = min(max(ahead, floor), _MAX_PREFETCH)
+            prefetch = min(max(ahead, floor), ceiling)
             reasons["prefetch_bytes"] = (
                 f"what the drive reads in {_PREFETCH_SECONDS * 1e3:.0f} ms at "
                 f"{read_bytes_per_s / 1e6:.0f} MB/s ({bench_source or 'bench result'}), within "
-                f"{_mib(floor)} (two staging buffers)..{_mib(_MAX_PREFETCH)}")
+                f"{_mib(floor)} (the staging buffers)..{_mib(ceiling)} (at most 128 MiB and "
+                "half of max_live_bytes)")
         else:
             prefetch = _DEFAULT_PREFETCH
             reasons["prefetch_bytes"] = (

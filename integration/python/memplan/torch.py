@@ -1107,11 +1107,12 @@ def _machine_sizes(module, path, param_tier, optimizer_tier, dtype, process_grou
         elements += n
         trainable += n if p.requires_grad else 0
         largest = max(largest, n)
-        held += n * p.element_size()
+        if p.device.type == "cpu":
+            held += n * p.element_size()
     world = _process_group(process_group)[2]
     param_bytes = 4 if dtype == "fp32" else 2
-    # What stays in host memory besides the pinned buffers: the module's tensors as given (until
-    # the engine holds them), and tiers in memory (a working copy per parameter; master weights,
+    # What stays in host memory besides the pinned buffers: the module's CPU tensors as given
+    # (until the engine holds them), and tiers in memory (a working copy per parameter; master weights,
     # two states and a gradient per trainable element).
     resident = held
     if param_tier == "cpu":
@@ -1132,7 +1133,10 @@ def _machine_sizes(module, path, param_tier, optimizer_tier, dtype, process_grou
         optimizer_on_nvme=optimizer_tier == "nvme", memlock_bytes=facts["memlock_bytes"],
         memlock_note=facts["memlock_note"], available_bytes=facts["available_bytes"],
         resident_bytes=resident, read_bytes_per_s=rate, bench_source=source, world_size=world,
-        given={k: given[k] for k in SIZED_KEYS if k in given})
+        given={k: given[k] for k in SIZED_KEYS if k in given},
+        param_buffer_count=given.get("param_buffer_count", 2),
+        optimizer_buffer_count=given.get("optimizer_buffer_count", 3),
+        max_live_bytes=given.get("max_live_bytes", 256 << 20))
     chosen["facts"] = dict(facts, elements=elements, trainable=trainable,
                            largest_param_elements=largest, resident_bytes=resident,
                            read_bytes_per_s=rate, world_size=world)
