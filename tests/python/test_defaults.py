@@ -334,6 +334,20 @@ class AutoOverlapTest(unittest.TestCase):
             self.assertNotIn("max_grad_norm", trainer.optimizer_options)
             trainer.close()
 
+    def test_a_clip_that_appears_later_without_biting_is_taken_and_declared(self):
+        # Overlapping began without clipping; a clip_grad_norm_ from step 3 on (and its max_norm
+        # changed at step 5), never biting: the same steps as the serial run's, nothing refused.
+        batches = data(6)
+
+        def clip(trainer, model, step):
+            if step < 2:
+                return 0.0
+            return float(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                        1e6 if step < 4 else 1e7))
+        _, auto = self.compare(batches, after=clip)
+        self.assertEqual(auto[3], [False] + [True] * 5)
+        self.assertEqual(auto[4]._auto_clip, (1e7, 2.0))
+
     def test_a_step_without_the_declared_clip_is_refused_only_when_it_would_clip(self):
         batches = data(6)
         with tempfile.TemporaryDirectory() as tmp:

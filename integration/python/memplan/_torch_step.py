@@ -24,13 +24,24 @@ _log = logging.getLogger("memplan.torch")
 # clipping (max_grad_norm=X, norm_type=p: the speculated step of the engine's Note [Clipping by the
 # global norm]), so that later calls with (X, p) return the norm the overlapped step measured and
 # clip as declared. Anything else (keywords to step(), other options, clipping beside parameters
-# the engine does not hold) turns it "off": the step after backward, as before. What overlapping
-# cannot take, discovered after a step was prepared (step() keywords that change an option, other
-# clip_grad_norm_ arguments, a step without the declared clipping whose norm would clip), drops
+# the engine does not hold) turns it "off": the step after backward, as before. A clip_grad_norm_
+# that appears, or changes its arguments, once overlapping began is the same step when neither
+# its clipping nor the prepared one changes it (both coefficients 1): the step runs and the new
+# clipping is declared from the next (_auto_adapt_clip). What overlapping cannot take, discovered
+# after a step was prepared (step() keywords that change an option, other clip_grad_norm_
+# arguments where either clipping bites, a step without the declared clipping whose norm would
+# clip), drops
 # that step (weights, states and step counts as before it), raises ValueError saying to pass
 # overlap_optimizer=False, and turns "auto" off. A GradScaler's loss scale is given before
 # backward once its first unscale_ named the scaler, so it does not count as a change. The
 # optimizer in host memory steps after backward anyway: "auto" is off there from the start.
+
+
+def _clip_coefficient(max_norm, norm):
+    """The engine's ClipCoefficient (torch's clip_grad_norm_ in fp32: reciprocal(norm + 1e-6) *
+    max_norm, at most 1; NaN stays NaN)."""
+    denominator = torch.tensor(norm, dtype=torch.float32) + 1e-6
+    return float(torch.clamp((1.0 / denominator) * float(max_norm), max=1.0))
 
 
 class _StepMixin:
@@ -136,17 +147,22 @@ class _StepMixin:
             self._auto_off(verdict[1])
             return
         clip = verdict[1]
-        if clip is not None and self.optimizer_options.get("max_grad_norm") is None:
-            self.optimizer_options["max_grad_norm"], self.optimizer_options["norm_type"] = clip
-            self._auto_clip = clip
         self._auto = "overlapping"
         self.overlap_optimizer = True
-        self.overlap_reason = (
-            "on: every option of a step was known before its backward" +
-            (f"; clip_grad_norm_({clip[0]:g}, norm_type={clip[1]:g}) after backward is declared "
-             "(max_grad_norm)" if self._auto_clip is not None else ""))
+        if clip is not None and self.optimizer_options.get("max_grad_norm") is None:
+            self._auto_declare(clip)
+        else:
+            self.overlap_reason = "on: every option of a step was known before its backward"
         _log.info("memplan.torch: overlap_optimizer='auto': the optimizer runs beside backward "
                   "from the next step (%s)", self.overlap_reason)
+
+    def _auto_declare(self, clip):
+        """"auto": clip_grad_norm_(*clip) after backward declared as the steps' clipping."""
+        self.optimizer_options["max_grad_norm"], self.optimizer_options["norm_type"] = clip
+        self._auto_clip = clip
+        self.overlap_reason = (f"on: every option of a step was known before its backward; "
+                               f"clip_grad_norm_({clip[0]:g}, norm_type={clip[1]:g}) after "
+                               "backward is declared (max_grad_norm)")
 
     def _auto_off(self, why):
         """"auto": the coming steps run after backward (the clipping it declared undone)."""
@@ -243,6 +259,8 @@ class _StepMixin:
             if self._prepared is not None:
                 declared = (self._prepared.get("max_grad_norm"), self._prepared.get("norm_type", 2))
                 if declared[0] is None or (float(declared[0]), float(declared[1])) != self._clip:
+                    if self._auto == "overlapping" and self._auto_adapt_clip(norm, declared):
+                        return torch.tensor(norm, dtype=torch.float32)
                     if self._auto == "overlapping":
                         self._auto_refuse(f"clip_grad_norm_({float(max_norm):g}, norm_type="
                                           f"{float(norm_type):g}) other than the clipping "
@@ -347,11 +365,14 @@ class _StepMixin:
                 f"memplan.torch: step() changed {', '.join(changed)} after the step's backward "
                 "had begun with the old values (overlap_optimizer=True); the step was dropped. "
                 "Give new options before the backward: trainer.set_options(...)")
+        next_clip = self._auto_next_clip
         try:
             self.engine.step(**step_options)
         finally:
             if self._prepared is not None:
                 self._end_step()  # done, or failed and dropped by the engine
+        if next_clip is not None and self._auto == "overlapping":
+            self._auto_declare(next_clip)
         if self._auto == "overlapping" and options:
             # Equal to the prepared ones this time; a loop that gives step() options may change
             # them at any step, which only the step after backward takes.
@@ -365,6 +386,25 @@ class _StepMixin:
                 self._view_checks.pop().__exit__(None, None, None)
         self._end_step()
 
+    def _auto_adapt_clip(self, norm, declared):
+        """"auto" overlapping, a clip_grad_norm_(X, p) other than the clipping the step was
+        prepared with (`declared`, (None, ...) for none): when neither changes this step (both
+        coefficients 1, so the step is the same bit for bit), the step runs as prepared and (X, p)
+        is declared from the next step on; returns whether so. Not over the caller's own
+        max_grad_norm, by which steps without a call clip."""
+        if self._auto_clip is None and self.optimizer_options.get("max_grad_norm") is not None:
+            return False
+        if _clip_coefficient(self._clip[0], norm) != 1.0:
+            return False
+        if declared[0] is not None:
+            scale = float(self._step_options().get("grad_scale", 1.0))
+            before = self.engine.gradient_norm(float(declared[1]), scale)
+            if _clip_coefficient(float(declared[0]), before) != 1.0:
+                return False
+        self._auto_next_clip = self._clip
+        self._clip = None if declared[0] is None else (float(declared[0]), float(declared[1]))
+        return True
+
     def _auto_check_clipping(self):
         """"auto" overlapping, a step without the clip_grad_norm_ call whose clipping "auto"
         declared: the serial step would not clip, so the prepared one may finish only when its
@@ -374,16 +414,14 @@ class _StepMixin:
         max_norm, norm_type = self._auto_clip
         scale = float(self._step_options().get("grad_scale", 1.0))
         norm = self.engine.gradient_norm(norm_type, scale)
-        # The engine's ClipCoefficient: torch's fp32 reciprocal(norm + 1e-6) * max_norm.
-        denominator = torch.tensor(norm, dtype=torch.float32) + 1e-6
-        coefficient = float(torch.clamp((1.0 / denominator) * max_norm, max=1.0))
-        if coefficient != 1.0:
+        if _clip_coefficient(max_norm, norm) != 1.0:
             self._auto_refuse(f"step() without the clip_grad_norm_({max_norm:g}, norm_type="
                               f"{norm_type:g}) of the earlier steps, whose norm ({norm:g}) that "
                               "clipping would have changed")
 
     def _end_step(self):
         self._watched = None
+        self._auto_next_clip = None
         self._grads_given.clear()
         self._grad_sums.clear()
         self._micro = 0

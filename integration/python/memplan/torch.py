@@ -341,7 +341,7 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
         self.overlap_optimizer = bool(overlap_optimizer)
         self._watched = None        # "auto" watching: the options a prepared step would have had
         self._auto_clip = None      # "auto": the clipping it declared, (max_norm, norm_type)
-        self._auto_clip_called = False
+        self._auto_next_clip = None  # "auto": a clipping to declare once this step is done
         # The sizes offload() chose from the machine (Note [Machine-sized defaults]), or None.
         self.chosen_schedule = sizing
         self._prepared = None       # the options given to the engine for the step in progress
@@ -1027,8 +1027,9 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     backward (clip_grad_norm_(X, p) called after backward is declared as max_grad_norm=X,
     norm_type=p, and later calls return the norm the overlapped step measured); otherwise the
     step after backward. A change found only after a step was overlapped (other clip_grad_norm_
-    arguments, step() keywords that change an option, a step without the clipping of the
-    earlier ones whose norm it would clip) drops that step, raises ValueError naming the call
+    arguments where either clipping would change the step, step() keywords that change an
+    option, a step without the clipping of the earlier ones whose norm it would clip) drops that
+    step, raises ValueError naming the call
     and saying to pass overlap_optimizer=False, and the coming steps run after backward. An I/O
     error of an overlapped step surfaces from backward (where the step begins), as OSError.
     True: always overlap (the options of a step are those in effect when its backward begins:
