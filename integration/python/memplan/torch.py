@@ -1113,8 +1113,8 @@ def _machine_sizes(module, path, param_tier, optimizer_tier, dtype, process_grou
     world = _process_group(process_group)[2]
     param_bytes = 4 if dtype == "fp32" else 2
     # What stays in host memory besides the pinned buffers: the module's CPU tensors as given
-    # (until the engine holds them), and tiers in memory (a working copy per parameter; master weights,
-    # two states and a gradient per trainable element).
+    # (until the engine holds them), and tiers in memory (a working copy per parameter; master
+    # weights, two states and a gradient per trainable element).
     resident = held
     if param_tier == "cpu":
         resident += -(-elements // world) * param_bytes
