@@ -9,7 +9,12 @@ The model is examples/train_gpt.py's GPT (tied embedding and head, GPT-2 initial
 on CPU in fp32 with AdamW (lr 1e-3, weight decay 0.01) on the same batches (batch 8, sequence 64,
 vocabulary 512) by three arms, each in a fresh process:
   torch      torch.optim.AdamW with everything in memory: the loss reference and the compute floor
-  memplan    memplan.torch.offload: parameters and AdamW states on NVMe under --path (O_DIRECT)
+  memplan    memplan.torch.offload: parameters and AdamW states on NVMe under --path (O_DIRECT),
+             the optimizer overlapped, 16 MiB staging buffers, --memplan-options
+  memplan_defaults
+             memplan.torch.offload(model, path, lr=..., weight_decay=..., threads=...) as a user
+             calls it: overlap_optimizer "auto", sizes chosen from the machine (issue 33), its
+             choice printed with the round (not in the default --arms)
   deepspeed  DeepSpeed ZeRO-3 with offload_param and offload_optimizer on NVMe under --path, on
              its CPU accelerator (gloo, world size 1); aio block 1 MiB, queue depth 16, one
              thread; offload_param.buffer_size holds the largest parameter (DeepSpeed asserts
@@ -95,12 +100,17 @@ def run_arm(args):
             optimizer_phase(optimizer.step)
             return loss
         finish = None
-    elif args.arm == "memplan":
+    elif args.arm.startswith("memplan"):
         import memplan.torch
-        trainer = memplan.torch.offload(
-            model, nvme, lr=LR, weight_decay=WD, direct=True,
-            param_buffer_bytes=max(16 << 20, 4 * largest), threads=args.optimizer_threads,
-            overlap_optimizer=not args.no_overlap, **json.loads(args.memplan_options))
+        if args.arm == "memplan_defaults":
+            # offload()'s own defaults; threads is the bench's control (every arm's optimizer
+            # runs on --optimizer-threads), not a size.
+            options = {"threads": args.optimizer_threads}
+        else:
+            options = dict(direct=True, param_buffer_bytes=max(16 << 20, 4 * largest),
+                           threads=args.optimizer_threads, overlap_optimizer=not args.no_overlap)
+            options.update(json.loads(args.memplan_options))
+        trainer = memplan.torch.offload(model, nvme, lr=LR, weight_decay=WD, **options)
         out["profiles"] = []
 
         def step(tokens):
@@ -111,6 +121,7 @@ def run_arm(args):
             return loss
 
         def finish():
+            out["chosen"] = trainer.explain()  # after the steps: what "auto" decided too
             out["stats"] = trainer.stats()
             trainer.close()
     else:
@@ -149,7 +160,7 @@ def run_arm(args):
             out["losses"].append(float(loss.detach()))
             if i >= args.warmup:
                 out["step_s"].append(elapsed)
-            if args.arm == "memplan" and i == args.warmup - 1:
+            if args.arm.startswith("memplan") and i == args.warmup - 1:
                 out["stats_after_warmup"] = trainer.stats()
         if finish is not None:
             finish()
@@ -263,7 +274,10 @@ def main(argv=None):
                     run.update(model=model, round=r, load=load, drive_read_bytes_per_s=read_bw,
                                drive_write_bytes_per_s=write_bw,
                                step_median_s=peer.median(run["step_s"]))
-                    if arm == "memplan":
+                    if arm == "memplan_defaults" and r == 0:
+                        print(f"memplan_defaults chose ({model}):\n  " +
+                              run["chosen"].replace("\n", "\n  "), flush=True)
+                    if arm.startswith("memplan"):
                         before = io_bytes(run["stats_after_warmup"])
                         after = io_bytes(run["stats"])
                         steps = len(run["step_s"])
@@ -301,6 +315,11 @@ def summarize(runs, args):
             entry["memplan_over_deepspeed"] = peer.median(
                 [by["memplan"][k]["step_median_s"] / by["deepspeed"][k]["step_median_s"]
                  for k in rounds])
+        if "memplan" in by and "memplan_defaults" in by:
+            # The same model and rounds: the defaults' step over the tuned (or small) one's.
+            entry["defaults_over_memplan"] = peer.median(
+                [by["memplan_defaults"][k]["step_median_s"] / by["memplan"][k]["step_median_s"]
+                 for k in rounds])
         if "memplan" in by:
             entry["io_s"] = peer.median([by["memplan"][k]["io_s"] for k in rounds])
             if "torch" in by:
@@ -331,6 +350,11 @@ PROFILE_KEYS = ("backward_s", "step_s", "optimizer_s", "read_s", "write_s", "syn
 
 
 def print_summary(summary):
+    for e in summary:
+        if "defaults_over_memplan" in e:
+            print(f"{e['model']}: memplan_defaults {e['memplan_defaults_s']:.3f} s/step, memplan "
+                  f"{e['memplan_s']:.3f} s/step: defaults / memplan = "
+                  f"{e['defaults_over_memplan']:.3f} (median of the rounds' ratios)")
     print(f"\n{'model':<7} {'params':>11} {'torch s':>8} {'memplan s':>10} {'DeepSpeed s':>12} "
           f"{'I/O s':>6} {'mp/DS':>6} {'mp/max(torch,I/O)':>18} {'mp dloss':>9} {'DS dloss':>9}")
     for e in summary:

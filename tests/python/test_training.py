@@ -646,9 +646,12 @@ class StoresTest(unittest.TestCase):
             path = os.path.join(tmp, "st")
             model = Net(["enc", "dec"])
             trainer = self.train(model, path, steps=1)
+            self.assertTrue(trainer.overlap_optimizer)  # "auto" overlaps from the second step
             shutil.rmtree(os.path.join(path, "optimizer"))
-            model(torch.randn(4, 8)).pow(2).mean().backward()
             with self.assertRaises(OSError) as caught:
+                # The overlapped step begins at backward's first gradient: its I/O error surfaces
+                # there (with overlap_optimizer=False, at step()).
+                model(torch.randn(4, 8)).pow(2).mean().backward()
                 trainer.step()
             self.assertNotIsInstance(caught.exception, (KeyError, ValueError))
             with self.assertRaises(OSError):  # the weights cannot be read back either

@@ -24,6 +24,13 @@ How it works (the ZeRO-3 pattern, on memplan's Engine):
     it is complete; once all of a unit's gradients are in, the unit is released. Anything still
     fetched is released when the backward pass ends.
   - ``step()`` runs the engine's optimizer step (AdamW by default, matching torch.optim.AdamW).
+  - By default (``overlap_optimizer="auto"``) the optimizer runs during backward wherever that
+    gives the same step: the first step runs after backward, and from the second on the steps
+    overlap when the first showed every option known before its backward (a clip_grad_norm_
+    after backward is then declared); a loop that decides options after backward (step(lr=...),
+    clipping beside other parameters) keeps the step after backward, and the optimizer in host
+    memory always steps after backward (Note [The overlapped optimizer by default] in
+    _torch_step). ``explain()`` says which and why.
   - With ``overlap_optimizer=True`` the optimizer runs during backward instead: when a step's first
     gradient reaches the engine, the step's options are given to it (``Engine.prepare_step``), and
     each optimizer sub-group is stepped (states read, updated, written back, new weights written
@@ -153,6 +160,7 @@ optimizer step, a mixin OffloadedModule inherits), _torch_checkpoint (state dict
 files, consolidate_checkpoint; a mixin too) and _torch_common (what they share).
 """
 
+import logging
 import os
 import types
 import warnings
@@ -167,9 +175,15 @@ from ._torch_autograd import (_PostBackward, _PreBackward, _is_managed, _manage,
 from ._torch_checkpoint import _CheckpointMixin, consolidate_checkpoint  # noqa: F401 (public)
 from ._torch_common import (_DTYPES, _CudaArray, _ProcessGroupCollective, _engine_group_options,
                             _group_source, _optimizer_kind, _process_group)
+from ._torch_sizing import BENCH_FILE, SIZED_KEYS, choose_sizes, machine_facts, read_bandwidth
+from ._torch_sizing import explain as _explain_sizes
 from ._torch_step import _StepMixin
 
-__all__ = ["offload", "OffloadedModule"]
+__all__ = ["offload", "OffloadedModule", "choose_sizes"]
+
+# offload()'s choices (machine-sized defaults, the overlapped optimizer) are logged here, at INFO:
+# logging.basicConfig(level=logging.INFO) or logging.getLogger("memplan.torch") shows them.
+_log = logging.getLogger("memplan.torch")
 
 
 def _storage_address(tensor):
@@ -246,7 +260,7 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
     def __init__(self, module, schedule, *, runtime="auto", optimizer_options=None,
                  gradient_accumulation_steps=1, device=None, process_group=None,
                  fetch_units="auto", resume=False, overlap_optimizer=False, param_groups=None,
-                 path=None):
+                 path=None, sizing=None):
         if gradient_accumulation_steps < 1:
             raise ValueError("gradient_accumulation_steps must be >= 1")
         for p in module.parameters():
@@ -266,6 +280,27 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
         self._groups_given = param_groups
         self.group_options = [{}]   # per parameter group: the engine options overriding the above
         self._options_source = None  # or a callable giving them (an OffloadOptimizer's groups)
+        # Note [The overlapped optimizer by default]: overlap_optimizer "auto" starts serial
+        # ("watching") and overlaps once a step shows every option known before backward.
+        # self.overlap_optimizer is whether the coming steps are prepared before backward.
+        if overlap_optimizer == "auto":
+            optimizer_tier = schedule.get("optimizer", {}).get("tier", "cpu")
+            if optimizer_tier != "nvme":
+                self._auto = "off"
+                self.overlap_reason = (f"off: the optimizer is in host memory (optimizer tier "
+                                       f"{optimizer_tier!r}), where the engine steps after "
+                                       "backward")
+            else:
+                self._auto = "watching"
+                self.overlap_reason = ("watching: the first step runs after backward; what the "
+                                       "loop does between backward and step() decides")
+            overlap_optimizer = False
+        elif not isinstance(overlap_optimizer, str) and overlap_optimizer in (0, 1):
+            self._auto = None
+            self.overlap_reason = "given" if overlap_optimizer else "off: given"
+        else:
+            raise ValueError(f"memplan.torch: overlap_optimizer must be 'auto', True or False, "
+                             f"not {overlap_optimizer!r}")
         if device is None:
             first = next(module.parameters(), None)
             if first is not None and first.device.type == "cuda":
@@ -304,6 +339,11 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
         self._grad_sums = {}        # param id -> summed gradient (accumulation)
         self._grads_given = set()
         self.overlap_optimizer = bool(overlap_optimizer)
+        self._watched = None        # "auto" watching: the options a prepared step would have had
+        self._auto_clip = None      # "auto": the clipping it declared, (max_norm, norm_type)
+        self._auto_next_clip = None  # "auto": a clipping to declare once this step is done
+        # The sizes offload() chose from the machine (Note [Machine-sized defaults]), or None.
+        self.chosen_schedule = sizing
         self._prepared = None       # the options given to the engine for the step in progress
         # Note [Clipping and loss scaling in memplan.torch]: this step's clipping (from
         # clip_grad_norm_), loss scale (from a GradScaler's unscale_) and a coefficient computed
@@ -753,6 +793,12 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
         return output, False
 
     def _fetch_for_backward(self, unit):
+        given = [e for e in unit.params if e.id in self._grads_given]
+        if given:
+            # A second backward over this step's graph (retain_graph): Note [A step that raised].
+            # Refused before the fetch: an overlapped step may be writing the unit's new values.
+            self._abandon()
+            raise RuntimeError(self._twice_message(given[0].name))
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
@@ -807,6 +853,17 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
         return [{"name": u.name, "type": type(u.module).__name__, "params": len(u.params),
                  "elements": sum(e.numel for e in u.params),
                  "frozen_params": sum(1 for e in u.params if e.frozen)} for u in self.units]
+
+    def explain(self):
+        """What offload() chose and why, one line each: the schedule sizes it chose from the
+        machine (chosen_schedule; Note [Machine-sized defaults]) and the overlapped optimizer's
+        state (overlap_reason; Note [The overlapped optimizer by default])."""
+        if self.chosen_schedule is not None:
+            lines = [_explain_sizes(self.chosen_schedule)]
+        else:
+            lines = ["schedule: given whole (offload(..., schedule=...)), run as it is"]
+        lines.append(f"overlap_optimizer = {self.overlap_optimizer}: {self.overlap_reason}")
+        return "\n".join(lines)
 
     def master_weights(self):
         """{name: fp32 CPU tensor} of the engine's master weights (a checkpoint's content)."""
@@ -908,9 +965,9 @@ def _close_holder(path):
 def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
             betas=None, eps=1e-8, weight_decay=0.01, optimizer="adamw", runtime="auto",
             dtype="fp32", gradient_accumulation_steps=1, schedule=None, device=None,
-            process_group=None, fetch_units="auto", resume=False, overlap_optimizer=False,
+            process_group=None, fetch_units="auto", resume=False, overlap_optimizer="auto",
             param_groups=None, max_grad_norm=0.0, norm_type=2.0, momentum=0.9,
-            **schedule_options):
+            nvme_bench=None, **schedule_options):
     """Puts `module`'s parameters and its optimizer into memplan's engine.
 
     path: a directory the engine may create and own, its missing parents included (parameters
@@ -923,7 +980,17 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     momentum (lr, momentum, weight_decay). Other keywords go to memplan.schedule
     (pinned_budget_bytes, sub_group_elements, prefetch_bytes, max_live_bytes, direct, ...); or
     pass a whole `schedule` (a dict, or the path of a Schedule JSON file such as ``memplan plan
-    --emit-schedule`` writes), which is run as it is.
+    --emit-schedule`` writes), which is run as it is. Sizes not given (pinned_budget_bytes,
+    sub_group_elements, param_buffer_bytes, prefetch_bytes) are chosen from the machine and the
+    model (choose_sizes; Note [Machine-sized defaults] in _torch_sizing): the pinned budget
+    within RLIMIT_MEMLOCK (where the kernel enforces it) and an eighth of the memory available,
+    about 16 optimizer sub-groups a step, staging buffers that hold the largest parameter, and a
+    prefetch of 50 ms of the drive's measured reading; given ones are kept and the rest fit them.
+    The result's ``chosen_schedule`` holds the values and one sentence each on why,
+    ``explain()`` prints them, and offload() logs them once (logger "memplan.torch", INFO).
+    nvme_bench: ``memplan bench nvme --format json`` output (a file path or its dict) whose
+    best.read_bytes_per_s sizes the prefetch; by default ``<path>/nvme_bench.json`` when it
+    exists.
     param_groups: parameter groups as torch.optim takes them, [{"params": [...], "lr": ...,
     "weight_decay": ..., "betas": ..., "eps": ...}, ...] (keys left out take the keywords above):
     every trainable parameter in exactly one group; each group's options reach every step
@@ -954,9 +1021,20 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     skips the data already seen. With several ranks, the last step every rank completed. A store
     written for another model (parameter names, order, shapes, dtypes, frozen set) is refused,
     naming the first difference.
-    overlap_optimizer: run each step's optimizer during its backward (with the optimizer on NVMe;
-    see the module's description): the options of a step are those in effect when its backward
-    begins (``set_options``). Off by default: the step runs after backward, as before.
+    overlap_optimizer: "auto" (the default): run each step's optimizer during its backward
+    wherever that gives the results of the step after backward, bit for bit: with the optimizer
+    on NVMe, from the second step on, when the first showed that the loop decides no option after
+    backward (clip_grad_norm_(X, p) called after backward is declared as max_grad_norm=X,
+    norm_type=p, and later calls return the norm the overlapped step measured); otherwise the
+    step after backward. A change found only after a step was overlapped (other clip_grad_norm_
+    arguments where either clipping would change the step, step() keywords that change an
+    option, a step without the clipping of the earlier ones whose norm it would clip) drops that
+    step, raises ValueError naming the call
+    and saying to pass overlap_optimizer=False, and the coming steps run after backward. An I/O
+    error of an overlapped step surfaces from backward (where the step begins), as OSError.
+    True: always overlap (the options of a step are those in effect when its backward begins:
+    ``set_options``; a step() that changes them raises and drops the step). False: the step
+    runs after backward.
     """
     if optimizer not in ("adamw", "adam"):
         raise ValueError(f"optimizer must be 'adamw' or 'adam', not {optimizer!r}")
@@ -968,11 +1046,23 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
                          f"not {max_grad_norm!r}")
     if float(norm_type) not in (1.0, 2.0, float("inf")):
         raise ValueError(f"memplan.torch: norm_type must be 1, 2 or inf, not {norm_type!r}")
+    if not (overlap_optimizer == "auto" or (not isinstance(overlap_optimizer, str) and
+                                            overlap_optimizer in (0, 1))):
+        raise ValueError(f"memplan.torch: overlap_optimizer must be 'auto', True or False, not "
+                         f"{overlap_optimizer!r}")
+    sizing = None
     if schedule is None:
         tier = "nvme" if path is not None else "cpu"
-        schedule = memplan.schedule(path=path, param_tier=param_tier or tier,
-                                    optimizer_tier=optimizer_tier or tier, dtype=dtype,
-                                    optimizer="adam", **schedule_options)
+        param_tier, optimizer_tier = param_tier or tier, optimizer_tier or tier
+        sizing = _machine_sizes(module, path, param_tier, optimizer_tier, dtype, process_group,
+                                nvme_bench, schedule_options)
+        sized = {k: sizing[k] for k in SIZED_KEYS}
+        schedule = memplan.schedule(path=path, param_tier=param_tier,
+                                    optimizer_tier=optimizer_tier, dtype=dtype,
+                                    optimizer="adam", **dict(schedule_options, **sized))
+    elif nvme_bench is not None:
+        raise ValueError("memplan.torch: nvme_bench sizes offload()'s own schedule; a whole "
+                         "schedule given is run as it is")
     elif not isinstance(schedule, dict):  # a path: `memplan plan --emit-schedule s.json`
         # Read as the library reads JSON: a repeated key is refused, naming it (issue 30 L5).
         schedule = memplan._load_json_arg(schedule)
@@ -996,7 +1086,59 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     if max_grad_norm:
         options["max_grad_norm"] = float(max_grad_norm)
         options["norm_type"] = float(norm_type)
-    return OffloadedModule(module, schedule, runtime=runtime, optimizer_options=options,
-                           gradient_accumulation_steps=gradient_accumulation_steps, device=device,
-                           process_group=process_group, fetch_units=fetch_units, resume=resume,
-                           overlap_optimizer=overlap_optimizer, param_groups=param_groups)
+    trainer = OffloadedModule(module, schedule, runtime=runtime, optimizer_options=options,
+                              gradient_accumulation_steps=gradient_accumulation_steps,
+                              device=device, process_group=process_group, fetch_units=fetch_units,
+                              resume=resume, overlap_optimizer=overlap_optimizer,
+                              param_groups=param_groups, sizing=sizing)
+    _log.info("memplan.torch: offload() chose:\n%s", trainer.explain())
+    return trainer
+
+
+def _machine_sizes(module, path, param_tier, optimizer_tier, dtype, process_group, nvme_bench,
+                   given):
+    """choose_sizes() for `module` on this machine (Note [Machine-sized defaults] in
+    _torch_sizing): the sizes the caller did not give, and why."""
+    seen, elements, trainable, largest, held = set(), 0, 0, 1, 0
+    for p in module.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel()
+        elements += n
+        trainable += n if p.requires_grad else 0
+        largest = max(largest, n)
+        if p.device.type == "cpu":
+            held += n * p.element_size()
+    world = _process_group(process_group)[2]
+    param_bytes = 4 if dtype == "fp32" else 2
+    # What stays in host memory besides the pinned buffers: the module's CPU tensors as given
+    # (until the engine holds them), and tiers in memory (a working copy per parameter; master
+    # weights, two states and a gradient per trainable element).
+    resident = held
+    if param_tier == "cpu":
+        resident += -(-elements // world) * param_bytes
+    if optimizer_tier == "cpu":
+        resident += -(-trainable // world) * 16
+    rate, source = None, ""
+    if nvme_bench is None and path is not None:
+        found = os.path.join(str(path), BENCH_FILE)
+        if os.path.isfile(found):
+            nvme_bench = found
+    if nvme_bench is not None:
+        rate, source = read_bandwidth(nvme_bench)
+    facts = machine_facts()
+    chosen = choose_sizes(
+        elements=elements, trainable=trainable, largest_param_elements=largest,
+        param_dtype_bytes=param_bytes, params_on_nvme=param_tier == "nvme",
+        optimizer_on_nvme=optimizer_tier == "nvme", memlock_bytes=facts["memlock_bytes"],
+        memlock_note=facts["memlock_note"], available_bytes=facts["available_bytes"],
+        resident_bytes=resident, read_bytes_per_s=rate, bench_source=source, world_size=world,
+        given={k: given[k] for k in SIZED_KEYS if k in given},
+        param_buffer_count=given.get("param_buffer_count", 2),
+        optimizer_buffer_count=given.get("optimizer_buffer_count", 3),
+        max_live_bytes=given.get("max_live_bytes", 256 << 20))
+    chosen["facts"] = dict(facts, elements=elements, trainable=trainable,
+                           largest_param_elements=largest, resident_bytes=resident,
+                           read_bytes_per_s=rate, world_size=world)
+    return chosen
