@@ -230,8 +230,13 @@ T ModelRun::LitGptLinear(const Lin& l, T x, bool qkv) {
   T yb = Linear(g_, ya, l.lora_b, T{}, r * static_cast<Wide>(parts), enabled_out);
   g_.Drop(ya);
   if (qkv && enabled_out != l.out) {
+    // zero_pad: x.new_zeros(..., out_features).index_copy_(-1, self.lora_ind, x), where
+    // lora_ind returns a clone of the _lora_ind buffer; index_copy_'s backward keeps the index
+    // and the source (derivatives.yaml: index_copy saves both).
+    T index = g_.New(enabled_out, DT::kI64, false);
     T padded = g_.New(g_.Numel(yb) / std::max<Wide>(enabled_out, 1) * l.out, g_.Dtype(yb), true);
-    g_.Record(Graph::Spec("IndexCopy", {yb}, {padded}));
+    g_.Record(Graph::Spec("IndexCopy", {yb}, {padded}, {yb, index}));
+    g_.Drop(index);
     g_.Drop(yb);
     yb = padded;
   }
@@ -379,8 +384,10 @@ Result<T> ModelRun::LitGptForward() {
       fp32.push_back(Cast(g_, b, DT::kF32));
       g_.Drop(b);
     }
+    // The last chunk loses its last position (logits[-1][..., :-1, :]); reshape(-1, V) copies
+    // that slice unless the batch is one row, where the slice is contiguous and stays a view.
     for (size_t c = 0; c < fp32.size(); ++c) {
-      T in = c + 1 == fp32.size() ? Copy(g_, fp32[c]) : g_.Alias(fp32[c]);
+      T in = c + 1 == fp32.size() && batch_ > 1 ? Copy(g_, fp32[c]) : g_.Alias(fp32[c]);
       T l = CrossEntropy(g_, in, g_.Numel(in) / vocab, vocab);
       g_.Drop(in);
       loss = AddLoss(loss, l);
@@ -391,8 +398,10 @@ Result<T> ModelRun::LitGptForward() {
     g_.SetPhase(StepPhase::kLoss);
     fp32.push_back(Cast(g_, lg, DT::kF32));
     g_.Drop(lg);
-    // logits[..., :-1, :].reshape(-1, V): a copy, then cross_entropy.
-    T in = Copy(g_, fp32[0], batch_ * (seq_ - 1) * vocab);
+    // logits[..., :-1, :].reshape(-1, V): a copy (a view when the batch is one row), then
+    // cross_entropy.
+    T in = batch_ > 1 ? Copy(g_, fp32[0], batch_ * (seq_ - 1) * vocab)
+                      : View(g_, fp32[0], (seq_ - 1) * vocab);
     loss = CrossEntropy(g_, in, batch_ * (seq_ - 1), vocab);
     g_.Drop(in);
   }

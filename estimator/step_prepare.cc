@@ -447,6 +447,16 @@ void ModelRun::CountModelStates(const std::vector<Wide>& adapter_bytes) {
     // LitGPT's GPT.rope_cache (litgpt/model.py): cos and sin buffers of max_seq_length x
     // rope_n_elem in fp32, max_seq_length set to the training sequence length by the recipes.
     buffer_bytes_ = 2 * Rounded(seq_ * static_cast<Wide>(a_.rotary_dims), DT::kF32);
+    // LoRAQKVLinear.lora_ind (litgpt/lora.py): when only some of query, key and value are
+    // adapted, the first forward registers _lora_ind, the int64 positions of the adapted
+    // outputs, as a buffer of each fused qkv.
+    for (const Lin& l : litgpt_qkv_) {
+      if (!l.lora_a.ok() || (lora_q_ && lora_k_ && lora_v_)) continue;
+      const Wide q = static_cast<Wide>(a_.heads * a_.head_dim);
+      const Wide kvw = static_cast<Wide>(a_.kv_heads * a_.head_dim);
+      buffer_bytes_ +=
+          Rounded((lora_q_ ? q : 0) + (lora_k_ ? kvw : 0) + (lora_v_ ? kvw : 0), DT::kI64);
+    }
   } else {
     for (const TensorInfo& b : inv_.buffers) {
       const bool floating =
