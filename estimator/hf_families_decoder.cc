@@ -779,6 +779,7 @@ Status AdjustMpt(const ConfigReader& config, Values* v) {
   MEMPLAN_ASSIGN_OR_RETURN(const bool learned, config.BoolOr("learned_pos_emb", true));
   // MPTConfig.__init__: "alibi or rope is turned on, setting `learned_pos_emb` to `False`".
   v->Set(Flag::kLearnedPositions, learned && !alibi && !rope);
+  v->Set(Flag::kAlibi, alibi);
   MEMPLAN_ASSIGN_OR_RETURN(v->attention_dropout, attn.ProbabilityOr("attn_pdrop", 0.0));
   if (config.Has("ffn_config")) {
     if (!config.json()["ffn_config"].is_object()) {
@@ -950,7 +951,7 @@ constexpr FamilySpec kFamilies[] = {
      .tied_embedding = "wte.weight", .heads = kMptHeads, .gated_mlp = false,
      .use_cache_default = false, .layer_norm = true, .act_field = {}, .act_default = "gelu",
      .attention_dropout_field = {}, .hidden_dropout_field = "resid_pdrop",
-     .embedding_dropout_field = "emb_pdrop", .rotary = false, .alibi = true},
+     .embedding_dropout_field = "emb_pdrop", .rotary = false},
 };
 // clang-format on
 
