@@ -772,6 +772,8 @@ Status AdjustMpt(const ConfigReader& config, Values* v) {
                                "' is not one of multihead_attention, multiquery_attention, "
                                "grouped_query_attention");
   }
+  MEMPLAN_ASSIGN_OR_RETURN(v->attention_impl, attn.StringOr("attn_impl", ""));
+  MEMPLAN_ASSIGN_OR_RETURN(v->norm_type, config.StringOr("norm_type", ""));
   MEMPLAN_ASSIGN_OR_RETURN(const bool qk_ln, attn.BoolOr("qk_ln", false));
   v->Set(Flag::kFullQkNorm, qk_ln);
   MEMPLAN_ASSIGN_OR_RETURN(const bool alibi, attn.BoolOr("alibi", true));

@@ -529,6 +529,8 @@ TEST_CASE("decoder: mpt follows the config as llm-foundry does") {
   CHECK_FALSE(mpt.arch->gated_mlp);
   CHECK_FALSE(mpt.arch->learned_positions);  // ALiBi: max_seq_len is no hard limit
   CHECK(mpt.arch->alibi);
+  CHECK(mpt.arch->attention_impl == "torch");  // the Hub config's attn_config.attn_impl
+  CHECK(mpt.arch->norm_type == "low_precision_layernorm");
   CHECK_FALSE(mpt.arch->norm_upcasts);  // LayerNorm without bias, not an RMS norm
   CHECK(mpt.arch->no_split_class == "MptBlock");
 

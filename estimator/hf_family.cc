@@ -557,6 +557,8 @@ Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigRead
   if (!spec.act_alias.empty() && config.Has(spec.act_alias)) {
     MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act, config.StringOr(spec.act_alias, ""));
   }
+  arch.attention_impl = v.attention_impl;
+  arch.norm_type = v.norm_type;
   if (v.attention_dropout >= 0) {
     arch.attention_dropout = v.attention_dropout;
   } else if (!spec.attention_dropout_field.empty()) {

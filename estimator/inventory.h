@@ -213,6 +213,11 @@ struct ArchitectureInfo {
   // none), or ALiBi biases (Bloom, Falcon with alibi, MPT).
   int64_t rotary_dims = 0;
   bool alibi = false;
+  // Implementation choices a config pins, as it names them (MPT's attn_config.attn_impl:
+  // "torch", "flash"; its norm_type: "low_precision_layernorm", "layernorm", ...); empty when
+  // the family has no such field or the config leaves it to the framework's default.
+  std::string attention_impl;
+  std::string norm_type;
   // Gemma-2's tanh soft-capping of the attention scores and of the output logits (0: none).
   double attn_softcap = 0;
   double final_softcap = 0;

@@ -564,6 +564,22 @@ Result<T> ModelRun::FoundryForward() {
   if (s_.lora_rank > 0) {
     return Status::Unimplemented("the step model runs llm-foundry's MPT for full training only");
   }
+  // What the model below runs: MPTModel with attn_impl 'torch' and LPLayerNorm (plain
+  // F.layer_norm, the same without autocast). llm-foundry's default attn_impl is 'flash'
+  // (flash_attn's kernels), so a config that does not name 'torch' is not this model.
+  if (a_.attention_impl != "torch") {
+    return Status::Unimplemented(
+        inv_.name + ": the step model runs llm-foundry's MPT with attn_config.attn_impl 'torch' " +
+        "only (this config: '" +
+        (a_.attention_impl.empty() ? "flash', the default" : a_.attention_impl + "'") +
+        "; flash_attn's kernels are not modelled)");
+  }
+  const std::string& norm = a_.norm_type;
+  if (!(norm.empty() || norm == "low_precision_layernorm" || (norm == "layernorm" && !autocast_))) {
+    return Status::Unimplemented(inv_.name +
+                                 ": the step model runs MPT's low_precision_layernorm, " +
+                                 "not norm_type '" + norm + "'");
+  }
   if (!a_.alibi && !a_.learned_positions) {
     return Status::Unimplemented(inv_.name +
                                  ": the step model runs llm-foundry's MPT with ALiBi or learned "

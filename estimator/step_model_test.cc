@@ -171,11 +171,26 @@ TEST_CASE("step model: what it does not run is refused as unmodelled, not run as
   CHECK(other->step_error.find("MPT") != std::string::npos);
   nlohmann::json rope = nlohmann::json::parse(R"({"architectures": ["MPTForCausalLM"],
       "model_type": "mpt", "d_model": 256, "n_heads": 4, "n_layers": 2, "vocab_size": 1000,
-      "attn_config": {"alibi": false, "rope": true}})");
+      "attn_config": {"alibi": false, "rope": true, "attn_impl": "torch"}})");
   Result<MemoryEstimate> roped = EstimateMemory(memplan::testing::MustBuild(rope), f);
   REQUIRE(roped.ok());
   CHECK(roped->step_unmodelled);
   CHECK(roped->step_error.find("rope") != std::string::npos);
+  // llm-foundry's default attention is flash_attn's, and a plain LayerNorm under autocast is
+  // another norm: neither is run as the torch attention with LPLayerNorm.
+  rope["attn_config"] = {{"alibi", true}};
+  Result<MemoryEstimate> flash = EstimateMemory(memplan::testing::MustBuild(rope), f);
+  REQUIRE(flash.ok());
+  CHECK(flash->step_unmodelled);
+  CHECK(flash->step_error.find("'flash', the default") != std::string::npos);
+  rope["attn_config"]["attn_impl"] = "torch";
+  rope["norm_type"] = "layernorm";
+  f.precision = Precision::kBf16Mixed;
+  f.autocast = true;
+  Result<MemoryEstimate> plain = EstimateMemory(memplan::testing::MustBuild(rope), f);
+  REQUIRE(plain.ok());
+  CHECK(plain->step_unmodelled);
+  CHECK(plain->step_error.find("norm_type 'layernorm'") != std::string::npos);
 }
 
 }  // namespace
