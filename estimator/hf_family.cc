@@ -559,6 +559,7 @@ Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigRead
   }
   arch.attention_impl = v.attention_impl;
   arch.norm_type = v.norm_type;
+  arch.block_options = v.block_options;
   if (v.attention_dropout >= 0) {
     arch.attention_dropout = v.attention_dropout;
   } else if (!spec.attention_dropout_field.empty()) {

@@ -580,6 +580,12 @@ Result<T> ModelRun::FoundryForward() {
                                  ": the step model runs MPT's low_precision_layernorm, " +
                                  "not norm_type '" + norm + "'");
   }
+  if (!a_.block_options.empty()) {
+    std::string names;
+    for (const std::string& o : a_.block_options) names += (names.empty() ? "" : ", ") + o;
+    return Status::Unimplemented(inv_.name + ": the step model does not run MPT's " + names +
+                                 " yet");
+  }
   if (!a_.alibi && !a_.learned_positions) {
     return Status::Unimplemented(inv_.name +
                                  ": the step model runs llm-foundry's MPT with ALiBi or learned "

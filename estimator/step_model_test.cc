@@ -191,6 +191,14 @@ TEST_CASE("step model: what it does not run is refused as unmodelled, not run as
   REQUIRE(plain.ok());
   CHECK(plain->step_unmodelled);
   CHECK(plain->step_error.find("norm_type 'layernorm'") != std::string::npos);
+  // Options that add ops without tensors are named, not dropped.
+  rope["norm_type"] = "low_precision_layernorm";
+  rope["attn_config"]["clip_qkv"] = 8;
+  rope["final_logit_softcapping"] = 30.0;
+  Result<MemoryEstimate> clipped = EstimateMemory(memplan::testing::MustBuild(rope), f);
+  REQUIRE(clipped.ok());
+  CHECK(clipped->step_unmodelled);
+  CHECK(clipped->step_error.find("clip_qkv, final_logit_softcapping") != std::string::npos);
 }
 
 }  // namespace
