@@ -199,6 +199,12 @@ TEST_CASE("step model: what it does not run is refused as unmodelled, not run as
   REQUIRE(clipped.ok());
   CHECK(clipped->step_unmodelled);
   CHECK(clipped->step_error.find("clip_qkv, final_logit_softcapping") != std::string::npos);
+  // Under Transformers an MPT is refused, with or without ALiBi.
+  rope.erase("final_logit_softcapping");
+  rope["attn_config"] = {{"alibi", false}, {"attn_impl", "torch"}};
+  Result<MemoryEstimate> hf = EstimateMemory(memplan::testing::MustBuild(rope), b);
+  REQUIRE(hf.ok());
+  CHECK(hf->step_unmodelled);
 }
 
 }  // namespace

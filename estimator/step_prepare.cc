@@ -88,8 +88,11 @@ Status ModelRun::CheckRunnable() const {
   }
   // What TransformersForward refuses from the architecture alone, refused before the parameters
   // of a large model (DeepSeek-V3's 47,000 tensors) are laid out for nothing.
+  // Transformers' MptForCausalLM (always ALiBi, whatever attn_config says) is not modelled: an
+  // MPT without ALiBi must not run as a generic decoder.
   if (s_.framework == Framework::kTransformers &&
-      (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || inv_.model_type == "gpt_oss")) {
+      (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || inv_.model_type == "gpt_oss" ||
+       inv_.model_type == "mpt")) {
     return Status::Unimplemented("the step model runs Transformers' dense decoder LMs so far");
   }
   // One Linear per expert (checkpoints, Transformers 4): refused before thousands of expert
