@@ -772,6 +772,8 @@ Status AdjustMpt(const ConfigReader& config, Values* v) {
                                "' is not one of multihead_attention, multiquery_attention, "
                                "grouped_query_attention");
   }
+  MEMPLAN_ASSIGN_OR_RETURN(v->attention_impl, attn.StringOr("attn_impl", ""));
+  MEMPLAN_ASSIGN_OR_RETURN(v->norm_type, config.StringOr("norm_type", ""));
   MEMPLAN_ASSIGN_OR_RETURN(const bool qk_ln, attn.BoolOr("qk_ln", false));
   v->Set(Flag::kFullQkNorm, qk_ln);
   MEMPLAN_ASSIGN_OR_RETURN(const bool alibi, attn.BoolOr("alibi", true));
@@ -779,7 +781,27 @@ Status AdjustMpt(const ConfigReader& config, Values* v) {
   MEMPLAN_ASSIGN_OR_RETURN(const bool learned, config.BoolOr("learned_pos_emb", true));
   // MPTConfig.__init__: "alibi or rope is turned on, setting `learned_pos_emb` to `False`".
   v->Set(Flag::kLearnedPositions, learned && !alibi && !rope);
+  v->Set(Flag::kAlibi, alibi);
   MEMPLAN_ASSIGN_OR_RETURN(v->attention_dropout, attn.ProbabilityOr("attn_pdrop", 0.0));
+  // Options that add ops to MPT's block or loss without adding tensors (modeling_mpt.py,
+  // attention.py, ffn.py), recorded so that what models the ops can tell them apart.
+  auto set = [](const nlohmann::json& j, const char* field) {
+    return j.contains(field) && !j[field].is_null() && j[field] != false;
+  };
+  for (const char* field : {"clip_qkv", "attn_logit_softcapping", "attn_uses_sequence_id", "qk_gn",
+                            "attn_temperature_tuning"}) {
+    if (set(attn_json, field)) v->block_options.emplace_back(field);
+  }
+  if (set(attn_json, "sliding_window_size") && attn_json["sliding_window_size"] != -1) {
+    v->block_options.emplace_back("sliding_window_size");
+  }
+  if (set(config.json(), "final_logit_softcapping")) {
+    v->block_options.emplace_back("final_logit_softcapping");
+  }
+  if (set(config.json(), "embedding_fraction") && config.json()["embedding_fraction"] != 1 &&
+      config.json()["embedding_fraction"] != 1.0) {
+    v->block_options.emplace_back("embedding_fraction");
+  }
   if (config.Has("ffn_config")) {
     if (!config.json()["ffn_config"].is_object()) {
       return config.FieldError("ffn_config", "must be an object");
@@ -792,6 +814,12 @@ Status AdjustMpt(const ConfigReader& config, Values* v) {
                                             "te_ln_mlp and MoE FFNs are not supported)");
     }
     v->Set(Flag::kGatedMlp, ffn_type == "mptglu");
+    // ffn_act_fn: GELU (approximate 'none') unless the config names another.
+    const nlohmann::json& ffn_json = config.json()["ffn_config"];
+    if (ffn_json.contains("ffn_act_fn") && !ffn_json["ffn_act_fn"].is_null() &&
+        ffn_json["ffn_act_fn"] != nlohmann::json{{"name", "gelu"}, {"approximate", "none"}}) {
+      v->block_options.emplace_back("ffn_act_fn");
+    }
   }
   return Status::Ok();
 }
@@ -950,7 +978,7 @@ constexpr FamilySpec kFamilies[] = {
      .tied_embedding = "wte.weight", .heads = kMptHeads, .gated_mlp = false,
      .use_cache_default = false, .layer_norm = true, .act_field = {}, .act_default = "gelu",
      .attention_dropout_field = {}, .hidden_dropout_field = "resid_pdrop",
-     .embedding_dropout_field = "emb_pdrop", .rotary = false, .alibi = true},
+     .embedding_dropout_field = "emb_pdrop", .rotary = false},
 };
 // clang-format on
 

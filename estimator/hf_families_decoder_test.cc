@@ -528,7 +528,10 @@ TEST_CASE("decoder: mpt follows the config as llm-foundry does") {
   CHECK(mpt.arch->hidden_act == "gelu");
   CHECK_FALSE(mpt.arch->gated_mlp);
   CHECK_FALSE(mpt.arch->learned_positions);  // ALiBi: max_seq_len is no hard limit
-  CHECK_FALSE(mpt.arch->norm_upcasts);       // LayerNorm without bias, not an RMS norm
+  CHECK(mpt.arch->alibi);
+  CHECK(mpt.arch->attention_impl == "torch");  // the Hub config's attn_config.attn_impl
+  CHECK(mpt.arch->norm_type == "low_precision_layernorm");
+  CHECK_FALSE(mpt.arch->norm_upcasts);  // LayerNorm without bias, not an RMS norm
   CHECK(mpt.arch->no_split_class == "MptBlock");
 
   nlohmann::json config = FixtureJson("mpt-7b");
@@ -557,6 +560,7 @@ TEST_CASE("decoder: mpt follows the config as llm-foundry does") {
     ModelInventory m = MustBuild(config);
     CHECK(Tensor(m, "transformer.wpe.weight").shape == Shape{2048, 4096});
     CHECK(m.arch->learned_positions);
+    CHECK_FALSE(m.arch->alibi);  // attn_config.alibi, not a family constant
     config["attn_config"]["rope"] = true;
     CHECK(MustBuild(config).Find("transformer.wpe.weight") < 0);
   }

@@ -557,6 +557,9 @@ Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigRead
   if (!spec.act_alias.empty() && config.Has(spec.act_alias)) {
     MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_act, config.StringOr(spec.act_alias, ""));
   }
+  arch.attention_impl = v.attention_impl;
+  arch.norm_type = v.norm_type;
+  arch.block_options = v.block_options;
   if (v.attention_dropout >= 0) {
     arch.attention_dropout = v.attention_dropout;
   } else if (!spec.attention_dropout_field.empty()) {

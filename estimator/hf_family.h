@@ -342,6 +342,9 @@ struct Values {
   // Set by a family's `adjust` when its dropout lives in a nested config (MPT's attn_config);
   // negative: read FamilySpec::attention_dropout_field.
   double attention_dropout = -1;
+  // Set by a family's `adjust`: ArchitectureInfo's attention_impl and norm_type.
+  std::string attention_impl, norm_type;
+  std::vector<std::string> block_options;  // ArchitectureInfo's
   int64_t Get(Dim d) const { return dims[static_cast<int>(d)]; }
   void Set(Dim d, int64_t v) { dims[static_cast<int>(d)] = v; }
   std::string_view Field(Dim d) const { return fields[static_cast<int>(d)]; }

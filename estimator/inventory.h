@@ -213,6 +213,15 @@ struct ArchitectureInfo {
   // none), or ALiBi biases (Bloom, Falcon with alibi, MPT).
   int64_t rotary_dims = 0;
   bool alibi = false;
+  // Implementation choices a config pins, as it names them (MPT's attn_config.attn_impl:
+  // "torch", "flash"; its norm_type: "low_precision_layernorm", "layernorm", ...); empty when
+  // the family has no such field or the config leaves it to the framework's default.
+  std::string attention_impl;
+  std::string norm_type;
+  // Options a config sets that change the block's computation but not its tensors, by the
+  // config's names, where the family reader knows them (MPT: clip_qkv, softcapping, sliding
+  // windows, sequence ids, qk_gn, embedding_fraction, a non-default ffn_act_fn); empty: none.
+  std::vector<std::string> block_options;
   // Gemma-2's tanh soft-capping of the attention scores and of the output logits (0: none).
   double attn_softcap = 0;
   double final_softcap = 0;

@@ -18,6 +18,7 @@ T ModelRun::BlockFor(int layer, T x) {
   switch (s_.framework) {
     case Framework::kTorchtune: return TorchtuneBlock(layer, x);
     case Framework::kLitGpt: return LitGptBlock(layer, x);
+    case Framework::kLlmFoundry: return FoundryBlock(layer, x);
     default: return TransformersDecoderBlock(layer, x);
   }
 }
@@ -736,6 +737,7 @@ Result<T> ModelRun::ForwardAndLoss() {
     case Framework::kTransformers: return TransformersForward();
     case Framework::kTorchtune: return TorchtuneForward();
     case Framework::kLitGpt: return LitGptForward();
+    case Framework::kLlmFoundry: return FoundryForward();
     default: break;
   }
   return Status::Unimplemented("the step model does not run " +

@@ -137,6 +137,12 @@ class ModelRun {
   T LitGptBlock(int layer, T x);
   T LitGptRmsNorm(const Norm& n, T x);
   T LitGptLinear(const Lin& l, T x, bool qkv);
+  // llm-foundry's MPT (llmfoundry/models/mpt/modeling_mpt.py, layers/blocks.py, attention.py,
+  // ffn.py, norm.py) with attn_impl 'torch', as ComposerMPTCausalLM trains it.
+  Result<T> FoundryForward();
+  T FoundryBlock(int layer, T x);
+  T FoundryAttention(const BlockParams& bp, T a);
+  T FoundryNorm(const Norm& n, T x);
   // Shared by the torchtune and LitGPT blocks, which repeat grouped k/v and call SDPA causal.
   void ExpandKvToQueryHeads(Wide heads, Wide kv, T* k, T* v);
   AttentionShape CausalShapeAtQueryWidth(Wide heads, Wide d) const;
@@ -183,6 +189,7 @@ class ModelRun {
   std::vector<Norm> final_norms_;
   T cos_, sin_;           // rotary tables of this forward
   T mask_;                // an explicit attention mask of this forward
+  T attn_bias_;           // llm-foundry's ALiBi bias (MPTModel.attn_bias), kept across steps
   std::vector<T> cache_;  // DynamicCache copies held until the output is dropped
   bool use_cache_ = false;
   bool explicit_mask_ = false;

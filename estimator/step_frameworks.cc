@@ -1,6 +1,6 @@
-// The torchtune and LitGPT blocks of the step model (Note [The step model] in step_model.h): each
-// reads like the framework's forward, naming its file and function; the Transformers blocks are
-// in step_blocks.cc, the parameters' layout in step_prepare.cc.
+// The torchtune, LitGPT and llm-foundry blocks of the step model (Note [The step model] in
+// step_model.h): each reads like the framework's forward, naming its file and function; the
+// Transformers blocks are in step_blocks.cc, the parameters' layout in step_prepare.cc.
 #include <algorithm>
 #include <cstdint>
 
@@ -230,8 +230,13 @@ T ModelRun::LitGptLinear(const Lin& l, T x, bool qkv) {
   T yb = Linear(g_, ya, l.lora_b, T{}, r * static_cast<Wide>(parts), enabled_out);
   g_.Drop(ya);
   if (qkv && enabled_out != l.out) {
+    // zero_pad: x.new_zeros(..., out_features).index_copy_(-1, self.lora_ind, x), where
+    // lora_ind returns a clone of the _lora_ind buffer; index_copy_'s backward keeps the index
+    // and the source (derivatives.yaml: index_copy saves both).
+    T index = g_.New(enabled_out, DT::kI64, false);
     T padded = g_.New(g_.Numel(yb) / std::max<Wide>(enabled_out, 1) * l.out, g_.Dtype(yb), true);
-    g_.Record(Graph::Spec("IndexCopy", {yb}, {padded}));
+    g_.Record(Graph::Spec("IndexCopy", {yb}, {padded}, {yb, index}));
+    g_.Drop(index);
     g_.Drop(yb);
     yb = padded;
   }
@@ -379,8 +384,10 @@ Result<T> ModelRun::LitGptForward() {
       fp32.push_back(Cast(g_, b, DT::kF32));
       g_.Drop(b);
     }
+    // The last chunk loses its last position (logits[-1][..., :-1, :]); reshape(-1, V) copies
+    // that slice unless the batch is one row, where the slice is contiguous and stays a view.
     for (size_t c = 0; c < fp32.size(); ++c) {
-      T in = c + 1 == fp32.size() ? Copy(g_, fp32[c]) : g_.Alias(fp32[c]);
+      T in = c + 1 == fp32.size() && batch_ > 1 ? Copy(g_, fp32[c]) : g_.Alias(fp32[c]);
       T l = CrossEntropy(g_, in, g_.Numel(in) / vocab, vocab);
       g_.Drop(in);
       loss = AddLoss(loss, l);
@@ -391,12 +398,261 @@ Result<T> ModelRun::LitGptForward() {
     g_.SetPhase(StepPhase::kLoss);
     fp32.push_back(Cast(g_, lg, DT::kF32));
     g_.Drop(lg);
-    // logits[..., :-1, :].reshape(-1, V): a copy, then cross_entropy.
-    T in = Copy(g_, fp32[0], batch_ * (seq_ - 1) * vocab);
+    // logits[..., :-1, :].reshape(-1, V): a copy (a view when the batch is one row), then
+    // cross_entropy.
+    T in = batch_ > 1 ? Copy(g_, fp32[0], batch_ * (seq_ - 1) * vocab)
+                      : View(g_, fp32[0], (seq_ - 1) * vocab);
     loss = CrossEntropy(g_, in, batch_ * (seq_ - 1), vocab);
     g_.Drop(in);
   }
   for (T f : fp32) g_.Drop(f);
+  g_.ClearAutocastCache();
+  return loss;
+}
+
+// --- llm-foundry ------------------------------------------------------------------------------
+
+T ModelRun::FoundryNorm(const Norm& n, T x) {
+  // LPLayerNorm.forward (llmfoundry/models/layers/norm.py), MPT's low_precision_layernorm: under
+  // autocast _cast_if_autocast_enabled casts the input, weight and bias to the autocast dtype by
+  // hand (plain .to: new copies each call, no weight cache) and F.layer_norm runs with autocast
+  // off, so the output, the saved input and the saved weight copy are 16-bit. Without autocast
+  // it is F.layer_norm.
+  if (!autocast_) return LayerNorm(g_, x, n.w, n.b, n.width);
+  T xc = Cast(g_, x, adt_);
+  T wc = Cast(g_, n.w, adt_);
+  T bc = n.b.ok() ? Cast(g_, n.b, adt_) : T{};
+  g_.SetAutocast(false, adt_);
+  T y = LayerNorm(g_, xc, wc, bc, n.width);
+  g_.SetAutocast(true, adt_);
+  g_.Drop(xc);
+  g_.Drop(wc);
+  if (bc.ok()) g_.Drop(bc);
+  return y;
+}
+
+T ModelRun::FoundryAttention(const BlockParams& bp, T a) {
+  // GroupedQueryAttention.forward (llmfoundry/models/layers/attention.py): qkv = Wqkv(x) split
+  // into query, key and value (views), then scaled_multihead_dot_product_attention, out_proj.
+  const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
+  const Wide d = static_cast<Wide>(a_.head_dim);
+  T qkv = Linear(g_, a, bp.at(TensorRole::kAttentionQkv).w, bp.at(TensorRole::kAttentionQkv).b,
+                 bp.at(TensorRole::kAttentionQkv).in, bp.at(TensorRole::kAttentionQkv).out);
+  T q = Slice(g_, qkv, tokens_ * heads * d);
+  T k = Slice(g_, qkv, tokens_ * kv * d);
+  T v = Slice(g_, qkv, tokens_ * kv * d);
+  g_.Drop(qkv);
+  // scaled_multihead_dot_product_attention: q, k, v rearranged (views: b h s d, b h d s,
+  // b h s d); grouped keys and values repeated by repeat_kv_for_gqa (expand + reshape of the
+  // transposed view: a copy at query width), then q.matmul(k): matmul reshapes the permuted
+  // operands into contiguous bmm inputs (copies; multi-query keys and values are expanded to
+  // every head there), which bmm saves.
+  if (kv > 1 && kv < heads) {
+    for (T* t : {&k, &v}) {
+      T wide = Copy(g_, *t, g_.Numel(*t) * (heads / kv));
+      g_.Drop(*t);
+      *t = wide;
+    }
+  }
+  T qc = Copy(g_, q);
+  g_.Drop(q);
+  T kc = Copy(g_, k, tokens_ * heads * d);
+  g_.Drop(k);
+  T qa = AutocastIn(g_, qc), ka = AutocastIn(g_, kc);
+  g_.Drop(qc);
+  g_.Drop(kc);
+  T scores = g_.New(batch_ * heads * seq_ * seq_, g_.Dtype(qa), true);
+  g_.Record(Graph::Spec("Bmm(qk)", {qa, ka}, {scores}, {qa, ka}));
+  g_.Drop(qa);
+  g_.Drop(ka);
+  // attn_weight * softmax_scale, + attn_bias (the fp32 ALiBi bias: the scores become fp32).
+  T w = Scale(g_, scores);
+  g_.Drop(scores);
+  if (attn_bias_.ok()) {
+    T biased = Add(g_, w, attn_bias_);
+    g_.Drop(w);
+    w = biased;
+  }
+  // The causal mask, built per call under no grad: new_ones(s, s) in fp32, tril, to(bool), ~;
+  // masked_fill keeps the boolean mask.
+  T ones = g_.New(seq_ * seq_, DT::kF32, false);
+  T tril = g_.New(seq_ * seq_, DT::kF32, false);
+  g_.Drop(ones);
+  T bools = g_.New(seq_ * seq_, DT::kBool, false);
+  g_.Drop(tril);
+  T mask = g_.New(seq_ * seq_, DT::kBool, false);
+  g_.Drop(bools);
+  T masked = g_.New(g_.Numel(w), g_.Dtype(w), g_.RequiresGrad(w));
+  g_.Record(Graph::Spec("MaskedFill", {w}, {masked}, {mask}));
+  g_.Drop(mask);
+  g_.Drop(w);
+  // torch.softmax(attn_weight, dim=-1): an fp32 op under autocast; dropout (attn_pdrop);
+  // attn_weight.to(v.dtype).matmul(v): v's permuted view copied for bmm, as the keys were.
+  T probs = Softmax(g_, masked, autocast_ ? DT::kF32 : g_.Dtype(masked));
+  g_.Drop(masked);
+  T dropped = Dropout(g_, probs, a_.attention_dropout);
+  g_.Drop(probs);
+  T pc = Cast(g_, dropped, g_.Dtype(v));
+  g_.Drop(dropped);
+  T vc = Copy(g_, v, tokens_ * heads * d);
+  g_.Drop(v);
+  T pa = AutocastIn(g_, pc), va = AutocastIn(g_, vc);
+  g_.Drop(pc);
+  g_.Drop(vc);
+  T o = g_.New(tokens_ * heads * d, g_.Dtype(pa), true);
+  g_.Record(Graph::Spec("Bmm(pv)", {pa, va}, {o}, {pa, va}));
+  g_.Drop(pa);
+  g_.Drop(va);
+  // rearrange(out, 'b h s d -> b s (h d)'): a copy; then out_proj.
+  T merged = Copy(g_, o);
+  g_.Drop(o);
+  const Lin& out_proj = bp.at(TensorRole::kAttentionOut);
+  T out = Linear(g_, merged, out_proj.w, out_proj.b, out_proj.in, out_proj.out);
+  g_.Drop(merged);
+  return out;
+}
+
+T ModelRun::FoundryBlock(int layer, T x) {
+  // MPTBlock.forward (llmfoundry/models/layers/blocks.py):
+  //   a = norm_1(x); b = attn(a); x = x + resid_attn_dropout(b); m = norm_2(x)
+  //   n = ffn(m); x = x + resid_ffn_dropout(n)
+  const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
+  T a = FoundryNorm(bp.norms.front(), x);
+  T b = FoundryAttention(bp, a);
+  g_.Drop(a);
+  T bd = Dropout(g_, b, a_.hidden_dropout);
+  g_.Drop(b);
+  T x2 = Add(g_, x, bd);
+  g_.Drop(bd);
+  T m = FoundryNorm(bp.norms.back(), x2);
+  // MPTMLP.forward: down_proj(act(up_proj(x))); MPTGLU.forward: down_proj(act(gate_proj(x)) *
+  // up_proj(x)). The act is ffn_act_fn, GELU (approximate 'none') by default.
+  const Lin& up = bp.at(TensorRole::kMlpUp);
+  const Lin& down = bp.at(TensorRole::kMlpDown);
+  T hidden;
+  if (bp.has(TensorRole::kMlpGate)) {
+    const Lin& gate = bp.at(TensorRole::kMlpGate);
+    T gl = Linear(g_, m, gate.w, gate.b, gate.in, gate.out);
+    T act = Activation(gl);
+    g_.Drop(gl);
+    T ul = Linear(g_, m, up.w, up.b, up.in, up.out);
+    hidden = Mul(g_, act, ul);
+    g_.Drop(act);
+    g_.Drop(ul);
+  } else {
+    T ul = Linear(g_, m, up.w, up.b, up.in, up.out);
+    hidden = Activation(ul);
+    g_.Drop(ul);
+  }
+  g_.Drop(m);
+  T n = Linear(g_, hidden, down.w, down.b, down.in, down.out);
+  g_.Drop(hidden);
+  T nd = Dropout(g_, n, a_.hidden_dropout);
+  g_.Drop(n);
+  T out = Add(g_, x2, nd);
+  g_.Drop(nd);
+  g_.Drop(x2);
+  return out;
+}
+
+Result<T> ModelRun::FoundryForward() {
+  // What the adapter runs as llm-foundry runs it; anything else is refused, not approximated.
+  if (inv_.model_type != "mpt") {
+    return Status::Unimplemented(inv_.name + ": the step model runs llm-foundry's MPT only (" +
+                                 "model_type mpt), not " + inv_.model_type);
+  }
+  if (s_.lora_rank > 0) {
+    return Status::Unimplemented("the step model runs llm-foundry's MPT for full training only");
+  }
+  // What the model below runs: MPTModel with attn_impl 'torch' and LPLayerNorm (plain
+  // F.layer_norm, the same without autocast). llm-foundry's default attn_impl is 'flash'
+  // (flash_attn's kernels), so a config that does not name 'torch' is not this model.
+  if (a_.attention_impl != "torch") {
+    return Status::Unimplemented(
+        inv_.name + ": the step model runs llm-foundry's MPT with attn_config.attn_impl 'torch' " +
+        "only (this config: '" +
+        (a_.attention_impl.empty() ? "flash', the default" : a_.attention_impl + "'") +
+        "; flash_attn's kernels are not modelled)");
+  }
+  const std::string& norm = a_.norm_type;
+  if (!(norm.empty() || norm == "low_precision_layernorm" || (norm == "layernorm" && !autocast_))) {
+    return Status::Unimplemented(inv_.name +
+                                 ": the step model runs MPT's low_precision_layernorm, " +
+                                 "not norm_type '" + norm + "'");
+  }
+  if (!a_.block_options.empty()) {
+    std::string names;
+    for (const std::string& o : a_.block_options) names += (names.empty() ? "" : ", ") + o;
+    return Status::Unimplemented(inv_.name + ": the step model does not run MPT's " + names +
+                                 " yet");
+  }
+  if (!a_.alibi && !a_.learned_positions) {
+    return Status::Unimplemented(inv_.name +
+                                 ": the step model runs llm-foundry's MPT with ALiBi or learned "
+                                 "positions (not rope)");
+  }
+  for (const BlockParams& bp : blocks_) {
+    if (!bp.has(TensorRole::kAttentionQkv) || !bp.has(TensorRole::kAttentionOut) ||
+        !bp.has(TensorRole::kMlpUp) || !bp.has(TensorRole::kMlpDown) || bp.norms.size() != 2 ||
+        !bp.qk_norms.empty()) {
+      return Status::Unimplemented(inv_.name +
+                                   ": the step model runs MPT blocks of norm_1, a fused Wqkv, "
+                                   "out_proj, norm_2 and an MLP (no qk_ln)");
+    }
+  }
+  if (final_norms_.empty()) {
+    return Status::Unimplemented(inv_.name + ": the step model found no norm_f");
+  }
+  notes_.push_back(
+      "llm-foundry's MPT run with attn_impl 'torch' (scaled_multihead_dot_product_attention), "
+      "low_precision_layernorm and torch's cross-entropy, as memplan.trace traces it");
+  const Wide h = static_cast<Wide>(a_.hidden);
+  const Wide vocab = static_cast<Wide>(a_.vocab);
+  if (a_.alibi) {
+    // MPTModel._attn_bias: the ALiBi bias (1 x heads x 1 x max_seq_len, fp32), made by the first
+    // step and kept on the module (not a registered buffer: the tracker counts it as an
+    // activation present at the start of every later step).
+    attn_bias_ = g_.New(
+        static_cast<Wide>(a_.heads) * static_cast<Wide>(std::max<int64_t>(a_.max_positions, 1)),
+        DT::kF32, false);
+  }
+  // MPTModel.forward: x = wte(input_ids) (+ wpe(pos) with learned positions), emb_drop.
+  g_.SetWhere("embedding");
+  T x = Embedding(g_, embedding_, tokens_, h, pdt_);
+  if (a_.learned_positions && position_embedding_.ok()) {
+    T pos = Embedding(g_, position_embedding_, seq_, h, pdt_);
+    T xs = Add(g_, x, pos);
+    g_.Drop(pos);
+    g_.Drop(x);
+    x = xs;
+  }
+  T xd = Dropout(g_, x, a_.embedding_dropout);
+  g_.Drop(x);
+  x = RunLayers(xd);
+  g_.SetWhere("norm_f");
+  T hn = FoundryNorm(final_norms_.back(), x);
+  g_.Drop(x);
+  // MPTForCausalLM.forward: lm_head, or the tied wte.unembed (F.linear with wte's weight).
+  g_.SetWhere("lm_head");
+  T logits =
+      Linear(g_, hn, head_.ok() ? head_ : embedding_, head_.ok() ? head_bias_ : T{}, h, vocab);
+  g_.Drop(hn);
+  // ComposerMPTCausalLM.loss: targets = get_targets(labels) (torch.roll, then the last position
+  // set to -100), nn.CrossEntropyLoss(reduction='none') over the flattened logits as they are
+  // (CrossEntropyLoss: 16-bit log-probabilities under autocast, cast for nll_loss),
+  // losses.sum() / (targets != -100).sum().
+  g_.SetPhase(StepPhase::kLoss);
+  g_.SetWhere("loss");
+  T targets = g_.New(tokens_, DT::kI64, false);
+  T per_token = CrossEntropyLoss(g_, logits, tokens_, vocab);
+  T counted = g_.New(tokens_, DT::kBool, false);
+  T count = g_.New(1, DT::kI64, false);
+  g_.Drop(counted);
+  T loss = Div(g_, per_token, count);
+  g_.Drop(per_token);
+  g_.Drop(count);
+  g_.Drop(targets);
+  g_.Drop(logits);
   g_.ClearAutocastCache();
   return loss;
 }

@@ -278,6 +278,7 @@ void Graph::RunNode(Node& node) {
         break;
       }
     }
+    std::vector<std::pair<T, int>> grads;
     for (size_t i = 0; i < s.inputs.size(); ++i) {
       const T in = s.inputs[i];
       if (!RequiresGrad(in)) continue;
@@ -289,11 +290,22 @@ void Graph::RunNode(Node& node) {
       } else {
         g = Alloc(StepCategory::kTemporaries, x.numel * static_cast<Wide>(Bytes(x.dt)));
       }
-      Accumulate(in, g);
+      grads.emplace_back(in, g);
     }
     if (!s.extra_before_grads) alloc_extras();
     for (int e : extras) Unref(e);
+    // The engine (torch/csrc/autograd/engine.cpp evaluate_function) calls the node with its
+    // input buffer moved in and releases the saved variables after it runs, so the incoming
+    // gradient and the saved tensors are gone before the results are added into the next
+    // nodes' input buffers, where a second gradient of the same tensor is summed.
+    ReleaseNode(node);
+    for (const auto& [in, g] : grads) Accumulate(in, g);
+    return;
   }
+  ReleaseNode(node);
+}
+
+void Graph::ReleaseNode(Node& node) {
   for (const T& out : node.spec.outputs) {
     if (!out.ok()) continue;
     Tensor& o = tensors_[static_cast<size_t>(Root(out.id))];

@@ -172,6 +172,7 @@ class Graph {
 
   void Accumulate(T input, int grad_buf);
   void RunNode(Node& node);
+  void ReleaseNode(Node& node);  // drops its output gradients and saved tensors
   void RunRange(size_t begin, size_t end);
   void Track();
 

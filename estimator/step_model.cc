@@ -63,7 +63,12 @@ Wide OptimizerTransient(const TrainingSetup& s, const std::vector<Wide>& group_b
   switch (s.optimizer) {
     case Optimizer::kAdamW:
     case Optimizer::kLion: {
-      if (!s.foreach) return 2 * largest_tensor_bytes;
+      // llm-foundry trains with Composer's DecoupledAdamW, which steps one tensor at a time
+      // (composer/optim/decoupled_weight_decay.py, DecoupledAdamW.adamw): the for-loop's
+      // temporaries whatever `foreach` says.
+      const bool per_tensor =
+          !s.foreach || (s.framework == Framework::kLlmFoundry && s.optimizer == Optimizer::kAdamW);
+      if (per_tensor) return 2 * largest_tensor_bytes;
       Wide most = 0;
       for (Wide b : group_bytes) most = std::max(most, b);
       return most;

@@ -13,7 +13,8 @@
 // function), with PyTorch's rules for what each op saves (tools/autograd/derivatives.yaml), for
 // what autocast casts (the CUDA autocast policy, with its weight-cast cache), and for what each
 // backward kernel allocates; then the loss as the framework computes it, the backward in reverse
-// order, releasing each node's saved tensors after it runs, accumulating gradients as
+// order, releasing each node's saved tensors and incoming gradient after it runs (before its
+// results are added into the next nodes' input buffers), accumulating gradients as
 // AccumulateGrad does (a tied weight's first gradient waits in the engine's input buffer until
 // the second arrives), and the optimizer step as torch.optim implements it (foreach AdamW's
 // sqrt(v) per parameter group; the for-loop's two temporaries of a tensor; fused: none).

@@ -89,6 +89,53 @@ TEST_CASE("step model: LitGPT LoRA under Fabric's bf16-mixed, against its trace"
   CHECK(std::abs(Error(m.peak_bytes, 4'402'769'920)) < 0.01);
 }
 
+// llm-foundry's MPT-1B shape (scripts/train/yamls/pretrain/mpt-1b.yaml; the grid's
+// tests/accuracy/trace_models/mpt-1b.json) with `layers` blocks.
+ModelInventory Mpt1b(int64_t layers) {
+  nlohmann::json config = {
+      {"architectures", {"MPTForCausalLM"}},
+      {"model_type", "mpt"},
+      {"d_model", 2048},
+      {"n_heads", 16},
+      {"n_layers", layers},
+      {"expansion_ratio", 4},
+      {"max_seq_len", 2048},
+      {"vocab_size", 50368},
+      {"no_bias", true},
+      {"norm_type", "low_precision_layernorm"},
+      {"attn_config", {{"alibi", true}, {"attn_impl", "torch"}, {"attn_pdrop", 0}}},
+  };
+  return memplan::testing::MustBuild(config);
+}
+
+TEST_CASE("step model: llm-foundry's MPT (ALiBi, LPLayerNorm, Composer's AdamW), against traces") {
+  // llm-foundry/mpt-1b/L2/b2s1024/{bf16-mixed,bf16}/sdpa/ckpt-none/loss-full/adamw/a100 and
+  // .../b1s2048/bf16-mixed/sdpa/ckpt-full/...: the traced peaks, copied from the grid.
+  const ModelInventory mpt = Mpt1b(2);
+  TrainingSetup s;
+  s.framework = Framework::kLlmFoundry;
+  s.precision = Precision::kBf16Mixed;
+  s.autocast = true;
+  s.micro_batch = 2;
+  s.seq_len = 1024;
+  const StepModel mixed = MustStep(mpt, s);
+  CHECK(mixed.peak_phase == StepPhase::kBackward);
+  CHECK(std::abs(Error(mixed.peak_bytes, 4'583'864'320)) < 0.001);
+  // Composer's DecoupledAdamW steps tensor by tensor: two temporaries of the embedding.
+  const auto step = static_cast<size_t>(StepPhase::kOptimizerStep);
+  const auto transients = static_cast<size_t>(StepCategory::kOptimizerTransients);
+  CHECK(mixed.phases[step].categories[transients] == 2 * uint64_t{50368} * 2048 * 4);
+  s.precision = Precision::kBf16Pure;
+  s.autocast = false;
+  CHECK(std::abs(Error(MustStep(mpt, s).peak_bytes, 2'540'614'656)) < 0.001);
+  s.precision = Precision::kBf16Mixed;
+  s.autocast = true;
+  s.micro_batch = 1;
+  s.seq_len = 2048;
+  s.checkpointing = Checkpointing::kFull;
+  CHECK(std::abs(Error(MustStep(mpt, s).peak_bytes, 4'138'169'344)) < 0.005);
+}
+
 TEST_CASE("step model: what it does not run is refused as unmodelled, not run as another setup") {
   const ModelInventory llama = WithLayers("llama-3.2-1b", 2);
   TrainingSetup s;
@@ -113,6 +160,51 @@ TEST_CASE("step model: what it does not run is refused as unmodelled, not run as
   Result<MemoryEstimate> enc = EstimateMemory(bert, b);
   REQUIRE(enc.ok());
   CHECK(enc->step_unmodelled);
+  // llm-foundry runs MPT only; an MPT with rotary embeddings instead of ALiBi is not run as
+  // ALiBi; Llama under llm-foundry is refused.
+  TrainingSetup f;
+  f.framework = Framework::kLlmFoundry;
+  f.seq_len = 512;
+  Result<MemoryEstimate> other = EstimateMemory(llama, f);
+  REQUIRE(other.ok());
+  CHECK(other->step_unmodelled);
+  CHECK(other->step_error.find("MPT") != std::string::npos);
+  nlohmann::json rope = nlohmann::json::parse(R"({"architectures": ["MPTForCausalLM"],
+      "model_type": "mpt", "d_model": 256, "n_heads": 4, "n_layers": 2, "vocab_size": 1000,
+      "attn_config": {"alibi": false, "rope": true, "attn_impl": "torch"}})");
+  Result<MemoryEstimate> roped = EstimateMemory(memplan::testing::MustBuild(rope), f);
+  REQUIRE(roped.ok());
+  CHECK(roped->step_unmodelled);
+  CHECK(roped->step_error.find("rope") != std::string::npos);
+  // llm-foundry's default attention is flash_attn's, and a plain LayerNorm under autocast is
+  // another norm: neither is run as the torch attention with LPLayerNorm.
+  rope["attn_config"] = {{"alibi", true}};
+  Result<MemoryEstimate> flash = EstimateMemory(memplan::testing::MustBuild(rope), f);
+  REQUIRE(flash.ok());
+  CHECK(flash->step_unmodelled);
+  CHECK(flash->step_error.find("'flash', the default") != std::string::npos);
+  rope["attn_config"]["attn_impl"] = "torch";
+  rope["norm_type"] = "layernorm";
+  f.precision = Precision::kBf16Mixed;
+  f.autocast = true;
+  Result<MemoryEstimate> plain = EstimateMemory(memplan::testing::MustBuild(rope), f);
+  REQUIRE(plain.ok());
+  CHECK(plain->step_unmodelled);
+  CHECK(plain->step_error.find("norm_type 'layernorm'") != std::string::npos);
+  // Options that add ops without tensors are named, not dropped.
+  rope["norm_type"] = "low_precision_layernorm";
+  rope["attn_config"]["clip_qkv"] = 8;
+  rope["final_logit_softcapping"] = 30.0;
+  Result<MemoryEstimate> clipped = EstimateMemory(memplan::testing::MustBuild(rope), f);
+  REQUIRE(clipped.ok());
+  CHECK(clipped->step_unmodelled);
+  CHECK(clipped->step_error.find("clip_qkv, final_logit_softcapping") != std::string::npos);
+  // Under Transformers an MPT is refused, with or without ALiBi.
+  rope.erase("final_logit_softcapping");
+  rope["attn_config"] = {{"alibi", false}, {"attn_impl", "torch"}};
+  Result<MemoryEstimate> hf = EstimateMemory(memplan::testing::MustBuild(rope), b);
+  REQUIRE(hf.ok());
+  CHECK(hf->step_unmodelled);
 }
 
 }  // namespace

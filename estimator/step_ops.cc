@@ -214,7 +214,9 @@ T LayerNorm(Graph& g, T x, T w, T b, Wide width) {
   T mean = g.New(rows, DT::kF32, false);
   T rstd = g.New(rows, DT::kF32, false);
   Graph::NodeSpec spec = Graph::Spec("LayerNorm", {in, w, b}, {y});
-  if (rg) spec.saved = {in, mean, rstd};
+  // The weight and bias are saved too: no memory of their own when they are the parameters,
+  // a copy kept until the backward when the caller cast them (llm-foundry's LPLayerNorm).
+  if (rg) spec.saved = {in, mean, rstd, w, b};
   g.Record(std::move(spec));
   g.Drop(mean);
   g.Drop(rstd);
@@ -326,6 +328,21 @@ T CrossEntropy(Graph& g, T x, Wide rows, Wide vocab) {
   g.Record(Graph::Spec("NllLoss", {logp}, {loss}, {logp, total_weight}));
   g.Drop(total_weight);
   g.Drop(logp);
+  return loss;
+}
+
+T CrossEntropyLoss(Graph& g, T x, Wide rows, Wide vocab) {
+  if (!g.autocast() || !Half(g.Dtype(x))) return CrossEntropy(g, x, rows, vocab);
+  const bool rg = g.RequiresGrad(x);
+  T logp = g.New(rows * vocab, g.Dtype(x), rg);
+  g.Record(Graph::Spec("LogSoftmax", {x}, {logp}, {logp}));
+  T logp32 = Cast(g, logp, DT::kF32);
+  g.Drop(logp);
+  T total_weight = g.New(1, DT::kF32, false);
+  T loss = g.New(1, DT::kF32, rg);
+  g.Record(Graph::Spec("NllLoss", {logp32}, {loss}, {logp32, total_weight}));
+  g.Drop(total_weight);
+  g.Drop(logp32);
   return loss;
 }
 

@@ -94,5 +94,10 @@ T Sdpa(Graph& g, SdpaBackend backend, T q, T k, T v, const AttentionShape& a, T 
 // target, part of the batch); returns the scalar loss. `x` must be fp32 already (the caller
 // casts as the framework does).
 T CrossEntropy(Graph& g, T x, Wide rows, Wide vocab);
+// F.cross_entropy called on `x` as it is (at::cross_entropy_loss, which autocast does not cast):
+// nll_loss_nd(log_softmax(x, dim, x.dtype)), so under autocast a 16-bit x gets 16-bit
+// log-probabilities (saved) and nll_loss, an fp32 op, an fp32 copy of them (saved too);
+// otherwise CrossEntropy.
+T CrossEntropyLoss(Graph& g, T x, Wide rows, Wide vocab);
 
 }  // namespace memplan::estimator::step

@@ -88,8 +88,11 @@ Status ModelRun::CheckRunnable() const {
   }
   // What TransformersForward refuses from the architecture alone, refused before the parameters
   // of a large model (DeepSeek-V3's 47,000 tensors) are laid out for nothing.
+  // Transformers' MptForCausalLM (always ALiBi, whatever attn_config says) is not modelled: an
+  // MPT without ALiBi must not run as a generic decoder.
   if (s_.framework == Framework::kTransformers &&
-      (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || inv_.model_type == "gpt_oss")) {
+      (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || inv_.model_type == "gpt_oss" ||
+       inv_.model_type == "mpt")) {
     return Status::Unimplemented("the step model runs Transformers' dense decoder LMs so far");
   }
   // One Linear per expert (checkpoints, Transformers 4): refused before thousands of expert
@@ -447,6 +450,16 @@ void ModelRun::CountModelStates(const std::vector<Wide>& adapter_bytes) {
     // LitGPT's GPT.rope_cache (litgpt/model.py): cos and sin buffers of max_seq_length x
     // rope_n_elem in fp32, max_seq_length set to the training sequence length by the recipes.
     buffer_bytes_ = 2 * Rounded(seq_ * static_cast<Wide>(a_.rotary_dims), DT::kF32);
+    // LoRAQKVLinear.lora_ind (litgpt/lora.py): when only some of query, key and value are
+    // adapted, the first forward registers _lora_ind, the int64 positions of the adapted
+    // outputs, as a buffer of each fused qkv.
+    for (const Lin& l : litgpt_qkv_) {
+      if (!l.lora_a.ok() || (lora_q_ && lora_k_ && lora_v_)) continue;
+      const Wide q = static_cast<Wide>(a_.heads * a_.head_dim);
+      const Wide kvw = static_cast<Wide>(a_.kv_heads * a_.head_dim);
+      buffer_bytes_ +=
+          Rounded((lora_q_ ? q : 0) + (lora_k_ ? kvw : 0) + (lora_v_ ? kvw : 0), DT::kI64);
+    }
   } else {
     for (const TensorInfo& b : inv_.buffers) {
       const bool floating =

@@ -79,6 +79,26 @@ class CudaSemantics(unittest.TestCase):
         missing, extra, differ = trace_cuda.verify_autocast_policy()
         self.assertEqual((missing, extra, differ), ([], [], []))
 
+    def test_no_device_autocast_query_sees_the_emulated_cuda_autocast(self):
+        # torch.is_autocast_enabled() asks about CUDA; code that casts by hand under autocast
+        # (llm-foundry's LPLayerNorm) must see the emulated CUDA autocast, and nothing after.
+        self.assertFalse(torch.is_autocast_enabled())
+        with trace_cuda.CudaAutocastPolicy():
+            self.assertFalse(torch.is_autocast_enabled())
+            with trace_cuda.CudaAutocast(torch.bfloat16):
+                self.assertTrue(torch.is_autocast_enabled())
+                self.assertTrue(torch.is_autocast_enabled("cpu"))
+                self.assertFalse(torch.is_autocast_enabled("cuda"))
+                with FakeTensorMode():
+                    ln = torch.nn.LayerNorm(64, bias=False)
+                    x = torch.empty(8, 64, requires_grad=True)
+                    # LPLayerNorm.forward, as llmfoundry/models/layers/norm.py writes it.
+                    xc = x.to(torch.bfloat16) if torch.is_autocast_enabled() else x
+                    with torch.autocast(enabled=False, device_type="cpu"):
+                        y = torch.nn.functional.layer_norm(xc, (64,), ln.weight.to(xc.dtype))
+                    self.assertEqual(y.dtype, torch.bfloat16)
+        self.assertFalse(torch.is_autocast_enabled())
+
     def test_sdpa_backend_choice(self):
         with FakeTensorMode():
             q = torch.empty(2, 32, 512, 128, dtype=torch.bfloat16, requires_grad=True)

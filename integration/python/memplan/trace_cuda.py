@@ -588,11 +588,22 @@ class CudaAutocastPolicy:
             for name in autocast_cpu_ops():
                 if name not in cuda_ops:
                     self._lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+        # torch.is_autocast_enabled() without a device asks about CUDA (autocast_mode.py); code
+        # that casts by hand when autocast is on (llm-foundry's LPLayerNorm and LPRMSNorm:
+        # _cast_if_autocast_enabled) must see the emulated CUDA autocast, which is CPU autocast.
+        self._is_enabled = torch.is_autocast_enabled
+
+        def is_autocast_enabled(*args, **kwargs):
+            if not args and not kwargs:
+                return self._is_enabled("cpu")
+            return self._is_enabled(*args, **kwargs)
+        torch.is_autocast_enabled = is_autocast_enabled
         CudaAutocastPolicy.active = self
         return self
 
     def __exit__(self, *exc):
         CudaAutocastPolicy.active = None
+        torch.is_autocast_enabled = self._is_enabled
         self._cache.clear()
         self._lib._destroy()
         self._lib = None
