@@ -1,8 +1,6 @@
 #include "estimator/step_graph.h"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
 
 namespace memplan::estimator::step {
@@ -45,10 +43,6 @@ int Graph::Alloc(StepCategory c, Wide bytes) {
   Buf b;
   b.bytes = Round(bytes);
   if (b.bytes > kMaxBytes) {
-    if (getenv("MEMPLAN_STEP_DEBUG")) {
-      fprintf(stderr, "overflow alloc at %s: %llu (high %llu)\n", where_.c_str(),
-              static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(bytes >> 64));
-    }
     overflow_ = true;
     b.bytes = 0;
   }
