@@ -14,7 +14,9 @@ if(MEMPLAN_WERROR)
 endif()
 # Note [Unity builds]: scripts/setup.sh and scripts/test.sh build with CMAKE_UNITY_BUILD=ON (a
 # target's sources compiled eight to a translation unit: the headers, json.hpp above all, are
-# parsed once per eight files, which halves a cold build). Each .cc is then #included into the
+# parsed once per eight files; at -O2 a third less compile CPU for the libraries, measured on a
+# cold build: the planner's 173 -> 126 CPU-seconds, the estimator's 205 -> 138; test executables
+# compile file by file). Each .cc is then #included into the
 # unity file, and GCC takes a struct of a .cc that holds a type from that .cc's anonymous
 # namespace for a header's: -Wsubobject-linkage, meaningless here, is off for those builds. Names
 # in anonymous namespaces must differ between the .cc files of one target.
