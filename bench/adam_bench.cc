@@ -85,14 +85,13 @@ Result<AdamBenchResult> RunAdamBench(const AdamBenchOptions& options) {
 
   int64_t step = 1;
   MEMPLAN_RETURN_IF_ERROR(optimizer->AdamStep(adam, step++, tensors));  // warm-up: page faults
-  using Clock = std::chrono::steady_clock;
-  auto start = Clock::now();
+  auto start = std::chrono::steady_clock::now();
   int steps = 0;
   double elapsed = 0;
   while (steps < options.min_steps || elapsed < options.seconds) {
     MEMPLAN_RETURN_IF_ERROR(optimizer->AdamStep(adam, step++, tensors));
     ++steps;
-    elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
 
   AdamBenchResult result;
@@ -164,7 +163,6 @@ Result<TriadBenchResult> RunTriadBench(const TriadBenchOptions& options) {
   const double scalar = 3.0;
   Parallel(options.threads, n,
            [=](uint64_t x, uint64_t y) { TriadRange(pa, pb, pc, scalar, x, y); });
-  using Clock = std::chrono::steady_clock;
   TriadBenchResult result;
   result.threads = options.threads;
   result.elements = n;
@@ -172,10 +170,11 @@ Result<TriadBenchResult> RunTriadBench(const TriadBenchOptions& options) {
   result.bytes_per_pass = 24 * n;
   double total = 0;
   for (int r = 0; r < options.repeats; ++r) {
-    const auto start = Clock::now();
+    const auto start = std::chrono::steady_clock::now();
     Parallel(options.threads, n,
              [=](uint64_t x, uint64_t y) { TriadRange(pa, pb, pc, scalar, x, y); });
-    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     total += elapsed;
     result.best_bytes_per_s = std::max(result.best_bytes_per_s, result.bytes_per_pass / elapsed);
   }

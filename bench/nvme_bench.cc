@@ -298,10 +298,11 @@ Result<Phase> RunPhase(IoEngine& engine, int file, const BenchFile& bench_file, 
                        uint64_t size, const ChunkLimits& chunks, unsigned char* buffer,
                        double limit_seconds, const std::atomic<bool>* stop, uint64_t pattern_bytes,
                        uint64_t* largest_chunk) {
-  using Clock = std::chrono::steady_clock;
   Phase phase;
-  const auto start = Clock::now();
-  auto elapsed = [&] { return std::chrono::duration<double>(Clock::now() - start).count(); };
+  const auto start = std::chrono::steady_clock::now();
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
   auto clamp_chunk = [&](uint64_t bytes) {
     bytes -= bytes % chunks.block_size;
     return std::clamp(bytes, chunks.min_bytes, chunks.max_bytes);
