@@ -458,13 +458,7 @@ T ModelRun::FoundryAttention(const BlockParams& bp, T a) {
   g_.Drop(q);
   T kc = Copy(g_, k, tokens_ * heads * d);
   g_.Drop(k);
-  T qa = AutocastIn(g_, qc), ka = AutocastIn(g_, kc);
-  g_.Drop(qc);
-  g_.Drop(kc);
-  T scores = g_.New(batch_ * heads * seq_ * seq_, g_.Dtype(qa), true);
-  g_.Record(Graph::Spec("Bmm(qk)", {qa, ka}, {scores}, {qa, ka}));
-  g_.Drop(qa);
-  g_.Drop(ka);
+  T scores = AutocastBmm(g_, "Bmm(qk)", qc, kc, batch_ * heads * seq_ * seq_);
   // attn_weight * softmax_scale, + attn_bias (the fp32 ALiBi bias: the scores become fp32).
   T w = Scale(g_, scores);
   g_.Drop(scores);
@@ -496,13 +490,7 @@ T ModelRun::FoundryAttention(const BlockParams& bp, T a) {
   g_.Drop(dropped);
   T vc = Copy(g_, v, tokens_ * heads * d);
   g_.Drop(v);
-  T pa = AutocastIn(g_, pc), va = AutocastIn(g_, vc);
-  g_.Drop(pc);
-  g_.Drop(vc);
-  T o = g_.New(tokens_ * heads * d, g_.Dtype(pa), true);
-  g_.Record(Graph::Spec("Bmm(pv)", {pa, va}, {o}, {pa, va}));
-  g_.Drop(pa);
-  g_.Drop(va);
+  T o = AutocastBmm(g_, "Bmm(pv)", pc, vc, tokens_ * heads * d);
   // rearrange(out, 'b h s d -> b s (h d)'): a copy; then out_proj.
   T merged = Copy(g_, o);
   g_.Drop(o);

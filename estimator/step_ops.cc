@@ -33,6 +33,17 @@ T Fp32In(Graph& g, T x) {
   return Cast(g, x, DT::kF32);
 }
 
+T AutocastBmm(Graph& g, const char* op, T a, T b, Wide out_numel) {
+  T ac = AutocastIn(g, a), bc = AutocastIn(g, b);
+  g.Drop(a);
+  g.Drop(b);
+  T out = g.New(out_numel, g.Dtype(ac), true);
+  g.Record(Graph::Spec(op, {ac, bc}, {out}, {ac, bc}));
+  g.Drop(ac);
+  g.Drop(bc);
+  return out;
+}
+
 T View(Graph& g, T x, Wide numel) {
   T v = g.Alias(x, numel, /*view=*/true);
   g.Record(Graph::Spec("View", {x}, {v}, {}, {true}));

@@ -23,6 +23,10 @@ T Cast(Graph& g, T x, DT dt);
 T AutocastIn(Graph& g, T x);
 // An fp32-policy input under autocast (pow, softmax, layer_norm, losses): x cast to fp32.
 T Fp32In(Graph& g, T x);
+// bmm (or baddbmm) of `a` and `b` as eager attention runs it under autocast: both cast to the
+// autocast dtype (references without autocast), the product of `out_numel` elements saving the
+// two operands it multiplied. Takes `a` and `b`: they are dropped.
+T AutocastBmm(Graph& g, const char* op, T a, T b, Wide out_numel);
 
 // A view or reshape (no memory; its gradient is the output's).
 T View(Graph& g, T x, Wide numel = 0);

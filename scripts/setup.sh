@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(build-essential cmake pkg-config git nlohmann-json3-dev libcli11-dev doctest-dev
+packages=(build-essential cmake ninja-build pkg-config git nlohmann-json3-dev libcli11-dev doctest-dev
   liburing-dev libaio-dev libxxhash-dev libboost-dev fio
   # libcurl: `--model org/name` fetches config.json (and safetensors headers) from the Hub.
   libcurl4-openssl-dev
@@ -38,7 +38,13 @@ jobs=$(nproc 2>/dev/null || echo 2)
 # time; GCC 12's -O3 raises false -Wrestrict errors in libstdc++'s string code). A unity build:
 # the libraries' files compiled eight to a translation unit, a third less compile time for them
 # (Note [Unity builds] in cmake/MemplanOptions.cmake).
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
-  -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" -DMEMPLAN_WERROR=ON -DCMAKE_UNITY_BUILD=ON "$@" >/dev/null
+# Ninja, not Make: Make starts no file of a target before the libraries it links are linked,
+# and with two cores a cold build then waits on one long file (docs/testing.md, "Build time").
+# A build directory configured before keeps its generator (CMake cannot change it).
+generator=(-G Ninja)
+[[ -f build/CMakeCache.txt ]] || ! command -v ninja >/dev/null && generator=()
+cmake -S . -B build "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" \
+  -DMEMPLAN_WERROR=ON -DCMAKE_UNITY_BUILD=ON "$@" >/dev/null
 cmake --build build -j"$jobs"
 echo "memplan setup: built build/tools/memplan" >&2

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Checks the C and C++ files' format, builds memplan with warnings as errors and runs the whole
-# test suite, including the oracle test against Hugging Face Transformers (its Python environments
-# are created in ./.venv and ./.venv-modern by scripts/python-env.sh), then runs the concurrent NVMe engine and CPU optimizer
-# tests again under ThreadSanitizer together with the GPU path on the emulated GPU
-# (tests/gpu_emulation), the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, and
-# every fuzz target for a few seconds (fuzz/).
+# Checks the C and C++ files' format; runs the concurrent NVMe engine and CPU optimizer tests
+# under ThreadSanitizer together with the GPU path on the emulated GPU (tests/gpu_emulation) while
+# the Python environments are made (./.venv and ./.venv-modern, scripts/python-env.sh); builds
+# memplan with warnings as errors and runs the whole test suite, including the oracle tests
+# against Hugging Face Transformers and DeepSpeed; then the unit tests under AddressSanitizer +
+# UndefinedBehaviorSanitizer, and every fuzz target for a few seconds (fuzz/).
 # Run scripts/setup.sh first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,25 +16,30 @@ export HF_HUB_OFFLINE=1
 # The house format (.clang-format), checked first: it takes two seconds.
 bash scripts/format.sh --check
 
-python=$(bash scripts/python-env.sh)
-modern_python=$(bash scripts/python-env.sh --modern)
 jobs=$(nproc 2>/dev/null || echo 2)
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
-  -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" -DMEMPLAN_WERROR=ON -DCMAKE_UNITY_BUILD=ON \
-  -DMEMPLAN_PYTHON="$python" -DMEMPLAN_MODERN_PYTHON="$modern_python" >/dev/null
-cmake --build build -j"$jobs"
-# The wheel test (`pip install .`, tests/python/wheel_test.sh) compiles the libraries a second
-# time, so it runs only when asked: MEMPLAN_TEST_WHEEL=1 bash scripts/test.sh.
-skip_wheel=(-LE wheel)
-[[ ${MEMPLAN_TEST_WHEEL:-0} == 1 ]] && skip_wheel=()
-(cd build && ctest --output-on-failure -j"$jobs" --timeout 600 "${skip_wheel[@]}")
+# Ninja for a new build directory (as scripts/setup.sh); one configured before keeps its generator.
+generator() { [[ -f $1/CMakeCache.txt ]] || ! command -v ninja >/dev/null || echo "-GNinja"; }
+scratch=$(mktemp -d)
+python_envs=""
+trap '[[ -n $python_envs ]] && { kill -- -"$python_envs" || kill "$python_envs"; } 2>/dev/null
+  rm -rf "$scratch"' EXIT
+
+# The Python environments are made while the ThreadSanitizer build below compiles: on a new
+# machine they download and unpack about 6 GB (the network's and the disk's time more than the
+# CPU's), which would otherwise hold up everything else. The Release tests, which use them, come
+# after it; where the environments exist already, this takes seconds. In a session of its own, so
+# that a failure before it is done stops pip too (the EXIT trap).
+setsid bash -c 'bash scripts/python-env.sh > "$1/python" &&
+  bash scripts/python-env.sh --modern > "$1/modern-python"' _ "$scratch" \
+  2> "$scratch/python-env.log" &
+python_envs=$!
 
 # The nvme backends, IoEngine and SwapStore, the host-only GPU runtime's copy threads (gpu/), the
 # NVMe bench's sweep (bench/), and the CPU optimizer's thread pool, are used from many threads at
 # once. The same build is the GPU emulation build (tests/gpu_emulation/README.md): the real CUDA
 # runtime, NCCL collective, engine and C API run on an emulated CUDA and NCCL, whose streams are
-# threads, so ThreadSanitizer also sees the GPU path's ordering. It needs the CUDA and NCCL headers (not a GPU); without them those tests are
-# left out, and said so.
+# threads, so ThreadSanitizer also sees the GPU path's ordering. It needs the CUDA and NCCL
+# headers (not a GPU); without them those tests are left out, and said so.
 gpu_emulation=OFF
 gpu_targets=()
 gpu_tests=""
@@ -52,7 +57,7 @@ if have_header cuda_runtime_api.h && have_header nccl.h; then
 else
   echo "test.sh: no CUDA/NCCL headers: the emulated GPU tests are skipped" >&2
 fi
-cmake -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
+cmake -S . -B build-tsan $(generator build-tsan) -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
   -DCMAKE_C_FLAGS_DEBUG="-O1 -g1" -DMEMPLAN_SANITIZE=thread -DMEMPLAN_WERROR=ON -DCMAKE_UNITY_BUILD=ON \
   -DMEMPLAN_GPU_EMULATION="$gpu_emulation" >/dev/null
 cmake --build build-tsan -j"$jobs" --target nvme_test gpu_test bench_test offload_test \
@@ -60,11 +65,32 @@ cmake --build build-tsan -j"$jobs" --target nvme_test gpu_test bench_test offloa
 (cd build-tsan && TSAN_OPTIONS="halt_on_error=1" ctest --output-on-failure -j"$jobs" \
   -R "^(nvme_test|gpu_test|bench_test|offload_test$gpu_tests)\$")
 
+# The Release build (scripts/setup.sh built it; this configures the Python tests) and the whole
+# suite but the wheel.
+if ! wait "$python_envs"; then
+  cat "$scratch/python-env.log" >&2
+  echo "test.sh: the Python environments could not be made (scripts/python-env.sh, above)" >&2
+  exit 1
+fi
+python_envs=""
+cat "$scratch/python-env.log" >&2
+python=$(<"$scratch/python")
+modern_python=$(<"$scratch/modern-python")
+cmake -S . -B build $(generator build) -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
+  -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" -DMEMPLAN_WERROR=ON -DCMAKE_UNITY_BUILD=ON \
+  -DMEMPLAN_PYTHON="$python" -DMEMPLAN_MODERN_PYTHON="$modern_python" >/dev/null
+cmake --build build -j"$jobs"
+# The wheel test (`pip install .`, tests/python/wheel_test.sh) compiles the libraries a second
+# time, so it runs only when asked: MEMPLAN_TEST_WHEEL=1 bash scripts/test.sh.
+skip_wheel=(-LE wheel)
+[[ ${MEMPLAN_TEST_WHEEL:-0} == 1 ]] && skip_wheel=()
+(cd build && ctest --output-on-failure -j"$jobs" --timeout 600 "${skip_wheel[@]}")
+
 # AddressSanitizer + UndefinedBehaviorSanitizer on the unit tests (which include every fuzz seed
 # and regression input, tests/fuzz_regressions_test.cc). Built with clang at -O1 so the libFuzzer
 # targets share the build; MEMPLAN_SANITIZE compiles with -fno-sanitize-recover=all, so any report
 # fails the test that triggered it.
-cmake -S . -B build-san -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+cmake -S . -B build-san $(generator build-san) -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -gline-tables-only" \
   -DCMAKE_C_FLAGS_DEBUG="-O1 -gline-tables-only" -DMEMPLAN_SANITIZE="address;undefined" \
   -DMEMPLAN_FUZZ=ON -DMEMPLAN_WITH_CUDA=OFF -DMEMPLAN_WERROR=ON -DCMAKE_UNITY_BUILD=ON >/dev/null
@@ -79,17 +105,32 @@ export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
 # Fuzz smoke: each target for a few seconds from its seed corpus (new inputs go to a scratch
 # directory, never into the checked-in corpus). Long runs: fuzz/README.md.
 fuzz_seconds=${MEMPLAN_FUZZ_SECONDS:-10}
-scratch=$(mktemp -d)
-trap 'rm -rf "$scratch"' EXIT
-for t in "${fuzz_targets[@]}"; do
+fuzz_one() {  # fuzz_one TARGET: runs it, says how many inputs it ran; fails on a crash
+  local t=$1 runs
   mkdir -p "$scratch/$t"
   if ! build-san/fuzz/"${t}_fuzz" -max_total_time="$fuzz_seconds" -rss_limit_mb=2048 \
     -timeout=10 -artifact_prefix="build-san/fuzz-$t-" -print_final_stats=1 "$scratch/$t" \
     "fuzz/corpus/$t" 2>"$scratch/$t.log"; then
     tail -n 50 "$scratch/$t.log"
     echo "fuzz smoke: $t failed; the input is build-san/fuzz-$t-*" >&2
-    exit 1
+    return 1
   fi
   runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$scratch/$t.log")
   echo "fuzz smoke: $t: $runs runs in ${fuzz_seconds} s, no crash"
+}
+# One target per core at a time (each fuzzes on one thread).
+running=0
+failed=0
+for t in "${fuzz_targets[@]}"; do
+  if ((running >= jobs)); then
+    wait -n || failed=1
+    running=$((running - 1))
+  fi
+  fuzz_one "$t" &
+  running=$((running + 1))
 done
+while ((running > 0)); do
+  wait -n || failed=1
+  running=$((running - 1))
+done
+((failed == 0)) || exit 1

@@ -16,25 +16,14 @@ from torch import nn
 import memplan
 import memplan.torch
 from memplan._torch_sizing import machine_facts, optimizer_slot_bytes
+from training_fixtures import data as fixture_data, loss_of, mlp
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
-def mlp(seed=1):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32),
-                         nn.Linear(32, 4))
-
-
 def data(steps, batch=8, scale=3.0, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 16, generator=g), scale * torch.randn(batch, 4, generator=g))
-            for _ in range(steps)]
-
-
-def loss_of(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
+    """training_fixtures.data with targets three times larger: clipping at 0.5-2 bites."""
+    return fixture_data(steps, batch=batch, scale=scale, seed=seed)
 
 
 def unclipped_norms(batches):

@@ -17,23 +17,7 @@ from torch import nn
 
 import memplan
 import memplan.torch
-
-
-def mlp(seed=1):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32),
-                         nn.Linear(32, 4))
-
-
-def data(steps, batch=8, scale=1.0, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 16, generator=g), scale * torch.randn(batch, 4, generator=g))
-            for _ in range(steps)]
-
-
-def loss_of(model, batch):
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
+from training_fixtures import data, loss_of, mlp
 
 
 def reference(model, batches, groups=None, max_norm=None, norm_type=2.0, lr=1e-2,
