@@ -400,15 +400,23 @@ def part_deepspeed(args):
         "aio": {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": 1,
                 "single_submit": False, "overlap_events": True},
         "steps_per_print": 1 << 30}
+    config["zero_optimization"].update(json.loads(args.deepspeed_options))
     out = {"config": config, "steps": []}
+
+    def phase(what):
+        print(f"deepspeed phase: {what} (RSS {proc_status()['VmRSS'] / 2**30:.2f} GiB)",
+              file=sys.stderr, flush=True)
     try:
         deepspeed.init_distributed(dist_backend="gloo")
         start = time.perf_counter()
+        phase("building the model under zero.Init")
         with deepspeed.zero.Init(config_dict_or_path=config, remote_device="nvme",
                                  pin_memory=True):
             model = Llama(args.hidden, args.layers, args.vocab)
+        phase("deepspeed.initialize")
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=config)
+        phase("training")
         out["init_s"] = time.perf_counter() - start
         out["rss_after_init"] = proc_status()["VmRSS"]
         for i, tokens in enumerate(data):
@@ -441,6 +449,7 @@ def run_part(name, args, shape, limit_bytes):
     command = [sys.executable, os.path.abspath(__file__), "--part", name, "--out", out_file,
                "--path", args.path, "--steps", str(args.steps), "--seq", str(args.seq),
                "--threads", str(args.threads), "--loss-tolerance", str(args.loss_tolerance),
+               "--deepspeed-options", args.deepspeed_options,
                "--hidden", str(shape[0]), "--layers", str(shape[1]), "--vocab", str(shape[2])]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.torch_threads))
     start = time.perf_counter()
@@ -473,8 +482,10 @@ def run_part(name, args, shape, limit_bytes):
     stderr_lines = []
     for line in child.stderr:
         stderr_lines.append(line)
-        if line.startswith(("memplan step", "deepspeed step")):
+        if line.startswith(("memplan step", "deepspeed step", "deepspeed phase")):
             print("  " + line.rstrip(), flush=True)
+            if line.startswith("deepspeed phase"):
+                watch["phase"] = line.strip()
     child.wait()
     child.stderr.close()
     thread.join()
@@ -492,6 +503,8 @@ def run_part(name, args, shape, limit_bytes):
             result["ok"] = False
             tail = "".join(stderr_lines)[-4000:]
             result["error"] = watch["killed"] or _last_error(tail)
+            if watch.get("phase"):
+                result["error"] += f" (during {watch['phase'][len('deepspeed phase: '):]})"
             result["stderr_tail"] = tail
     finally:
         os.unlink(out_file)
@@ -596,6 +609,9 @@ def main(argv=None):
                    help="a part is killed past this fraction of MemTotal of RSS")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per part at most")
     p.add_argument("--loss-tolerance", type=float, default=1e-5)
+    p.add_argument("--deepspeed-options", default="{}",
+                   help="JSON merged into DeepSpeed's zero_optimization block, e.g. "
+                        "'{\"sub_group_size\": 100000000}' (default: DeepSpeed's own)")
     p.add_argument("--ram-bytes", type=int, help=argparse.SUPPRESS)  # tests: another "RAM"
     p.add_argument("--json", help="write the whole report here")
     p.add_argument("--part", help=argparse.SUPPRESS)
