@@ -671,6 +671,10 @@ def main(argv=None):
             print(f"{arm}: FAILED ({got['error']})", flush=True)
         else:
             print(f"{arm}: done in {got['wall_s']:.1f} s", flush=True)
+        if args.json:  # what is done so far, in case a later part takes longer than one waits
+            report["summary"] = summarize(report, ram)
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=1)
     report["uptime_end"] = uptime_line()
     report["summary"] = summarize(report, ram)
     print_summary(report)
