@@ -319,6 +319,13 @@ class PyEngine {
         std::fill(out.begin(), out.end(), 0.0f);
         return Status::Ok();
       };
+    } else if (PyCallable_Check(init.ptr()) != 0) {
+      // Note [Initial values made on demand].
+      const size_t index = makers_.size();
+      makers_.push_back(init);
+      spec.init = [this, index, name, numel](uint64_t first, std::span<float> out) {
+        return FillFromMaker(index, name, numel, first, out);
+      };
     } else {
       Memory m = MemoryOf(init);
       if (m.device) throw py::value_error("memplan: init values must be in host memory");
@@ -353,6 +360,8 @@ class PyEngine {
       status = engine_->Start(&report);
     }
     keep_.clear();
+    makers_.clear();
+    made_ = Made();
     Check(status);
     py::dict out;
     out["epoch"] = stats_epoch();
@@ -602,6 +611,8 @@ class PyEngine {
     engine_.reset();
     grads_.clear();
     keep_.clear();
+    makers_.clear();
+    made_ = Made();
     gradient_stream_ = py::object();
     Check(status);
   }
@@ -619,6 +630,53 @@ class PyEngine {
   void Require() const {
     if (!engine_) throw std::runtime_error("memplan: the engine is closed");
   }
+
+  // Note [Initial values made on demand]
+  // add_parameter(init=callable): the callable makes the parameter's initial values (a float32
+  // host tensor or buffer of its element count) when the engine first asks for them in start(),
+  // and they are dropped once the engine has read the parameter's last element, or when it moves
+  // on to another parameter. start() fills the stores in registration order, one sub-group at a
+  // time, so at most one parameter's values exist at once: a model built on torch's meta device
+  // (memplan.torch, Note [A model never materialised]) goes to the drive without ever being
+  // whole in host memory. Called on start()'s thread with the GIL taken back; what the callable
+  // raises fails start() with InvalidArgument naming the parameter.
+  Status FillFromMaker(size_t index, const std::string& name, uint64_t numel, uint64_t first,
+                       std::span<float> out) {
+    py::gil_scoped_acquire gil;
+    try {
+      if (made_.index != index || !made_.keep) {
+        made_ = Made();  // the previous parameter's values go before these are made
+        py::object values = makers_.at(index)();
+        Memory m = MemoryOf(values);
+        if (m.device) return Status::InvalidArgument("the init of " + name + " gave device memory");
+        if (m.dtype != "fp32" || m.bytes != numel * 4) {
+          return Status::InvalidArgument(
+              "the init of " + name + " gave " + m.dtype + " values of " + std::to_string(m.bytes) +
+              " bytes; it must give " + std::to_string(numel) + " float32 values (" +
+              std::to_string(numel * 4) + " bytes)");
+        }
+        made_.index = index;
+        made_.data = static_cast<const float*>(m.data);
+        made_.keep = m.keep;
+      }
+      if (first + out.size() > numel) {
+        return Status::Internal("init of " + name + " asked past its end");
+      }
+      std::memcpy(out.data(), made_.data + first, out.size() * sizeof(float));
+      if (first + out.size() == numel) made_ = Made();
+      return Status::Ok();
+    } catch (py::error_already_set& e) {
+      return Status::InvalidArgument("the init of " + name + " raised " + e.what());
+    } catch (const std::exception& e) {
+      return Status::InvalidArgument("the init of " + name + " raised " + e.what());
+    }
+  }
+
+  struct Made {  // the values a maker gave, until the engine has read them
+    size_t index = 0;
+    const float* data = nullptr;
+    py::object keep;
+  };
   uint64_t stats_epoch() const { return engine_->stats().epoch; }
 
   offload::Schedule schedule_;
@@ -627,8 +685,10 @@ class PyEngine {
   std::unique_ptr<offload::Engine> engine_;          // destroyed before collective_ and runtime_
   std::vector<uint64_t> numels_;                     // by parameter id
   std::vector<py::object> keep_;                     // init buffers until start()
-  std::vector<py::object> grads_;  // gradients without record_stream, until step()
-  py::object gradient_stream_;     // GradientStreamObject's
+  std::vector<py::object> makers_;  // init callables until start() (Note [Initial values ...])
+  Made made_;                       // the values of the parameter being initialised
+  std::vector<py::object> grads_;   // gradients without record_stream, until step()
+  py::object gradient_stream_;      // GradientStreamObject's
 };
 
 // memplan.IoFile: one file read and written through the NVMe IoEngine, for benchmarks that put

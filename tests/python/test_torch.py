@@ -272,6 +272,153 @@ class AdapterTest(unittest.TestCase):
         trainer.close()
 
 
+def seeded(name, shape):
+    """Initial values that depend on the parameter's name alone."""
+    import zlib
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=g) * 0.1
+
+
+class TiedModel(nn.Module):
+    def __init__(self, device=None):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16, device=device)
+        self.body = nn.Sequential(nn.Linear(16, 16, device=device), nn.GELU(),
+                                  nn.LayerNorm(16, device=device))
+        self.head = nn.Linear(16, 32, bias=False, device=device)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        logits = self.head(self.body(self.embed(tokens[:, :-1])))
+        return nn.functional.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
+
+
+class MetaModelTest(unittest.TestCase):
+    """Note [A model never materialised]: a model built on the meta device goes to the engine
+    without ever being whole in host memory."""
+
+    def tokens(self, steps):
+        g = torch.Generator().manual_seed(3)
+        return [torch.randint(0, 32, (2, 9), generator=g) for _ in range(steps)]
+
+    def test_param_init_trains_as_the_model_built_in_memory_one_parameter_at_a_time(self):
+        import array
+        import weakref
+        model = TiedModel(device="meta")
+        metas = dict(model.named_parameters())
+        made, calls = [], []
+
+        def param_init(name, param):
+            self.assertTrue(param.is_meta)
+            # The values made for earlier parameters are gone once the engine has them.
+            self.assertEqual([n for n, r in made if r() is not None], [], name)
+            # Values over a buffer that lives exactly as long as the tensor's storage.
+            buffer = array.array("f", seeded(name, param.shape).reshape(-1).tolist())
+            values = torch.frombuffer(buffer, dtype=torch.float32).view(param.shape)
+            made.append((name, weakref.ref(buffer)))
+            calls.append(name)
+            return values
+
+        ref = TiedModel()
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                p.copy_(seeded(name, p.shape))
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+        ref_losses = []
+        for t in self.tokens(4):
+            opt.zero_grad()
+            loss = ref(t)
+            loss.backward()
+            opt.step()
+            ref_losses.append(loss.item())
+        with tempfile.TemporaryDirectory() as tmp:
+            # param_groups may name the meta parameters.
+            trainer = memplan.torch.offload(
+                model, os.path.join(tmp, "s"), lr=1e-2, param_init=param_init, direct=False,
+                param_groups=[{"params": list(metas.values())}])
+            # Once per parameter, the tied one once, under its first name; none kept.
+            self.assertEqual(calls, ["embed.weight", "body.0.weight", "body.0.bias",
+                                     "body.2.weight", "body.2.bias"])
+            self.assertEqual([n for n, r in made if r() is not None], [])
+            losses = []
+            for t in self.tokens(4):
+                loss = model(t)
+                loss.backward()
+                trainer.step()
+                losses.append(loss.item())
+            # The same initial values, so the same first loss to the bit; then the engine's AdamW
+            # (torch 1.13's to the bit; torch 2's rounds a little differently).
+            self.assertEqual(losses[0], ref_losses[0])
+            self.assertLess(max(abs(a - b) for a, b in zip(losses, ref_losses)), 1e-6)
+            master = trainer.master_weights()
+            trainer.close()
+        # close() gives the module its meta parameters back, the same objects, ties kept.
+        self.assertTrue(all(p is metas[n] for n, p in model.named_parameters()))
+        self.assertIs(model.head.weight, model.embed.weight)
+        for name, p in ref.named_parameters():
+            self.assertLess((master[name] - p.detach()).abs().max().item(), 1e-6, name)
+
+    def test_reset_parameters_by_default_and_materialise_on_close(self):
+        # Without param_init each module's reset_parameters() makes its values, module by module
+        # in registration order: for this model the order its constructor draws them in, so the
+        # values are those of the model built on CPU under the same seed.
+        meta = "meta"
+        model = nn.Sequential(nn.Linear(16, 32, device=meta), nn.GELU(),
+                              nn.Linear(32, 32, device=meta), nn.LayerNorm(32, device=meta),
+                              nn.Linear(32, 4, device=meta))
+        ref = mlp()  # torch.manual_seed(1), then built on CPU
+        batches = data(5)
+        torch.manual_seed(1)
+        trainer = memplan.torch.offload(model, lr=1e-2, weight_decay=0.01)
+        losses = []
+        for x, y in batches:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            trainer.step()
+            losses.append(loss.item())
+        ref_losses = AdapterTest().reference(ref, batches)
+        self.assertEqual(losses[0], ref_losses[0])  # the same initial values
+        self.assertLess(max(abs(a - b) for a, b in zip(losses, ref_losses)), 1e-6)
+        trainer.close(materialise=True)
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            self.assertFalse(p.is_meta, name)
+            self.assertLess((p.detach() - q.detach()).abs().max().item(), 1e-6, name)
+
+    def test_what_cannot_be_made_is_refused_and_the_module_left_as_it_was(self):
+        class NoReset(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = nn.Parameter(torch.empty(4, device="meta"))
+
+            def forward(self, x):
+                return x * self.w
+
+        model = NoReset()
+        with self.assertRaisesRegex(ValueError, "w is on the meta device.*reset_parameters"):
+            memplan.torch.offload(model)
+        model = nn.Sequential(nn.Linear(4, 4, device="meta"), nn.BatchNorm1d(4, device="meta"))
+        with self.assertRaisesRegex(ValueError, "buffer 1.running_mean is on the meta device"):
+            memplan.torch.offload(model)
+        model = TiedModel(device="meta")
+        before = dict(model.named_parameters())
+        with tempfile.TemporaryDirectory() as tmp:
+            store = os.path.join(tmp, "s")
+            with self.assertRaisesRegex(ValueError, "param_init.'body.0.weight'. must give a "
+                                                    "tensor of shape .16, 16."):
+                memplan.torch.offload(model, store, direct=False,
+                                      param_init=lambda n, p: torch.zeros(
+                                          3 if n == "body.0.weight" else p.shape))
+            with self.assertRaisesRegex(ValueError, "body.0.bias.*ZeroDivisionError"):
+                memplan.torch.offload(model, store, direct=False,
+                                      param_init=lambda n, p: 1 / 0 if n == "body.0.bias"
+                                      else torch.zeros(p.shape))
+            # Nothing half-made: the meta parameters are back, the store can be made afresh.
+            self.assertTrue(all(p is before[n] for n, p in model.named_parameters()))
+            trainer = memplan.torch.offload(model, store, direct=False,
+                                            param_init=lambda n, p: seeded(n, p.shape))
+            trainer.close()
+
+
 class StreamContractTest(unittest.TestCase):
     """Issue 17: on CUDA every release and every gradient names torch's stream (the engine orders
     its copies after it instead of anyone waiting), gradients are not kept alive until step(), and

@@ -278,7 +278,12 @@ class Engine:
 
     def add_parameter(self, name, module, shape, init=None, also_used_by=(), frozen=False,
                       group=0, dtype=""):
-        """frozen: held and fetched like the others, never given a gradient nor stepped nor
+        """init: the initial values, a float32 host tensor or buffer of the shape's element
+        count (read during start()); None: zeros; or a callable returning such values, called
+        when start() first needs them and dropped once read, so that only one parameter's values
+        exist at a time (Note [Initial values made on demand] in bindings.cc: a model larger
+        than host memory); what it raises fails start() with ValueError naming the parameter.
+        frozen: held and fetched like the others, never given a gradient nor stepped nor
         written after start() (LoRA's base weights); read_master refuses it.
         group: its parameter group (0 .. 1023): step(groups=[...]) gives each group options of its
         own (torch.optim's param_groups). dtype: the trainer's dtype of it ("torch.float32"),

@@ -88,6 +88,26 @@ several ranks it raises, since only a collective over the ranks can gather them:
 trainer.state_dict() on every rank), and the module's load_state_dict is the OffloadedModule's
 while the engine holds the module: the values go into the engine (the optimizer's states kept).
 
+Note [A model never materialised]
+A model larger than host memory cannot be built in it: build it on torch's meta device (``with
+torch.device("meta"): model = GPT(...)``, or ``device="meta"`` per layer) and offload() it. Each
+meta parameter is replaced in its module by a CPU placeholder of its shape that holds no memory
+(a zero-stride view), under every name that held it (ties kept), and its initial values are made
+when the engine's start() asks for them, one parameter at a time, and dropped once written to
+the stores (the binding's Note [Initial values made on demand]): the model is never whole in host
+memory, only its largest module is. The values come from ``param_init(name, param)`` when given
+(a float tensor of param's shape; `param` is the meta parameter, `name` its first name), else from
+the owning module's ``reset_parameters()`` run on CPU memory for that module alone (FSDP's
+default for meta modules): the global RNG is then drawn in registration order, not the order the
+module's constructor would have drawn it, so the values are not those of the same model built on
+CPU under the same seed (a param_init that seeds per name gives the same values either way). With
+several ranks the values are not broadcast: param_init (or the seeded RNG) must give every rank
+the same ones. A meta buffer is refused, naming it (the engine holds parameters only: build
+buffers on CPU). close() leaves these parameters on the meta device (their trained values stay in
+the stores under `path`; ``close(materialise=True)`` reads them into memory instead), and
+param_groups may name the meta parameters. A meta parameter without param_init whose module has
+no reset_parameters() is refused at offload().
+
 Note [Views of parameters]
 A view of a parameter saved for backward would keep pointing at the engine memory the parameter
 had in forward, which the engine has reused by then: backward would compute with other values,
@@ -260,7 +280,7 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
     def __init__(self, module, schedule, *, runtime="auto", optimizer_options=None,
                  gradient_accumulation_steps=1, device=None, process_group=None,
                  fetch_units="auto", resume=False, overlap_optimizer=False, param_groups=None,
-                 path=None, sizing=None):
+                 path=None, sizing=None, param_init=None):
         if gradient_accumulation_steps < 1:
             raise ValueError("gradient_accumulation_steps must be >= 1")
         for p in module.parameters():
@@ -278,6 +298,11 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
         self.optimizer_options = dict(optimizer_options or {})
         self.accumulation = int(gradient_accumulation_steps)
         self._groups_given = param_groups
+        # Note [A model never materialised]: placeholder id -> (meta parameter, module, name).
+        self._param_init = param_init
+        self._lazy = {}
+        self._replaced = {}         # id of a meta parameter -> its placeholder
+        self._made = {}             # parameter name -> values a module's reset made, not yet read
         self.group_options = [{}]   # per parameter group: the engine options overriding the above
         self._options_source = None  # or a callable giving them (an OffloadOptimizer's groups)
         # Note [The overlapped optimizer by default]: overlap_optimizer "auto" starts serial
@@ -367,6 +392,7 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
         except BaseException:
             self._release_path()
             self.engine.close()
+            self._restore_meta()
             raise
         self._closed = False
 
@@ -460,6 +486,7 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
             params = group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
             for p in params:
+                p = self._replaced.get(id(p), p)  # a meta parameter: its placeholder
                 entry = self._by_param.get(id(p))
                 if entry is None:
                     if any(p is q for _, q in self.kept) or not p.requires_grad:
@@ -482,7 +509,82 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
                              "(requires_grad=False) before offload()")
         self.group_options = options
 
+    def _replace_meta(self):
+        """Note [A model never materialised]: every meta parameter replaced, wherever the module
+        holds it, by a placeholder of its shape on CPU without memory; meta buffers refused."""
+        for module_name, sub in self.module.named_modules():
+            for buffer_name, b in sub._buffers.items():
+                if b is not None and b.is_meta:
+                    full = f"{module_name}.{buffer_name}" if module_name else buffer_name
+                    raise ValueError(
+                        f"memplan.torch: buffer {full} is on the meta device; offload() makes "
+                        "the initial values of meta parameters only (the engine holds "
+                        "parameters): build the module's buffers on CPU")
+        for module_name, sub in self.module.named_modules():
+            for param_name, p in list(sub._parameters.items()):
+                if p is None or not p.is_meta:
+                    continue
+                full = f"{module_name}.{param_name}" if module_name else param_name
+                placeholder = self._replaced.get(id(p))
+                if placeholder is None:
+                    if self._param_init is None and not callable(
+                            getattr(sub, "reset_parameters", None)):
+                        raise ValueError(
+                            f"memplan.torch: parameter {full} is on the meta device and its "
+                            f"module ({type(sub).__name__}) has no reset_parameters(); pass "
+                            "param_init=fn(name, param) giving its initial values")
+                    placeholder = torch.nn.Parameter(
+                        torch.zeros((), dtype=p.dtype).expand(p.shape),
+                        requires_grad=p.requires_grad)
+                    self._replaced[id(p)] = placeholder
+                    self._lazy[id(placeholder)] = (p, sub, param_name, full)
+                sub._parameters[param_name] = placeholder
+
+    def _restore_meta(self):
+        """The module's meta parameters back in the places of their placeholders (an offload()
+        that failed, close())."""
+        for sub in self.module.modules():
+            for name, p in list(sub._parameters.items()):
+                if p is not None and id(p) in self._lazy:
+                    sub._parameters[name] = self._lazy[id(p)][0]
+
+    def _initial_values(self, entry):
+        """The initial values of a parameter given on the meta device, made now (Note [A model
+        never materialised]): flat float32 CPU values."""
+        meta, owner, param_name, full = self._lazy[id(entry.param)]
+        values = self._made.pop(full, None)
+        if values is None and self._param_init is not None:
+            values = self._param_init(full, meta)
+            if not isinstance(values, torch.Tensor) or tuple(values.shape) != entry.shape:
+                raise ValueError(f"memplan.torch: param_init({full!r}) must give a tensor of "
+                                 f"shape {entry.shape}, not "
+                                 f"{getattr(values, 'shape', type(values).__name__)}")
+        elif values is None:
+            values = self._reset_owner(owner, full)
+        return values.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+
+    def _reset_owner(self, owner, wanted):
+        """`owner.reset_parameters()` on CPU memory for its own meta-given parameters, which get
+        their placeholders back after; the values of those not asked for yet are kept for their
+        turn (self._made). The values of parameter `wanted`."""
+        own = [(n, p) for n, p in owner._parameters.items()
+               if p is not None and id(p) in self._lazy]
+        saved = [(p, p.data) for _, p in own]
+        try:
+            for _, p in own:
+                p.data = torch.empty(p.shape, dtype=p.dtype)
+            with torch.no_grad():
+                owner.reset_parameters()
+            made = {self._lazy[id(p)][3]: p.data for _, p in own}
+        finally:
+            for p, data in saved:
+                p.data = data
+        values = made.pop(wanted)
+        self._made.update(made)
+        return values
+
     def _register(self):
+        self._replace_meta()
         # First every unit and which units use each parameter (a tied parameter is registered
         # once, with the other units as further users), then the engine.
         for module_name, sub in self.module.named_modules():
@@ -551,14 +653,21 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
                              "nothing to train")
         self._assign_groups()
         for entry in self.params:
-            init = entry.param.detach().to("cpu", torch.float32).contiguous().reshape(-1)
-            init = self._broadcast(init)
+            if id(entry.param) in self._lazy:
+                # Made when start() reads it (Note [A model never materialised]).
+                init = (lambda e: lambda: self._initial_values(e))(entry)
+            else:
+                init = entry.param.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+                init = self._broadcast(init)
             entry.id = self.engine.add_parameter(
                 entry.name, entry.units[0].name, list(entry.shape) or [1], init,
                 [u.name for u in entry.units[1:]], frozen=entry.frozen, group=entry.group,
                 dtype=str(entry.dtype))
         # Reads the initial values (with resume, the frozen ones only: the others are the stores').
-        started = self.engine.start()
+        try:
+            started = self.engine.start()
+        finally:
+            self._made.clear()
         self.resumed_step = started["epoch"]
         self.recovery = {"torn": started.get("torn", False), "notes": started.get("notes", [])}
         for note in self.recovery["notes"]:
@@ -867,9 +976,12 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
 
     def master_weights(self):
         """{name: fp32 CPU tensor} of the engine's master weights (a checkpoint's content)."""
+        return self._master_weights(self.params)
+
+    def _master_weights(self, entries):
         self._check_open()
         out = {}
-        for entry in self.params:
+        for entry in entries:
             if entry.frozen:
                 t = self._frozen_values(entry)
             else:
@@ -880,17 +992,22 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
 
     # ---- the end ---------------------------------------------------------------------------------
 
-    def close(self):
+    def close(self, materialise=False):
         """Removes the hooks, gives the parameters their trained values (fp32 master weights in
         the parameters' dtype, on the engine's device) and closes the engine. With world size > 1
-        every rank calls it (the weights are gathered). A step in progress is dropped."""
+        every rank calls it (the weights are gathered). A step in progress is dropped.
+        Parameters offload() was given on the meta device go back to the module as those meta
+        parameters, their values left in the stores (Note [A model never materialised]); with
+        materialise=True they are read into memory too (the module then holds CPU parameters in
+        their place)."""
         if self._closed:
             return
         if self._micro > 0 or self._grads_given or self._prepared is not None:
             self._abandon()
         self._final_stats = self.engine.stats()
+        restored = [e for e in self.params if materialise or id(e.param) not in self._lazy]
         try:
-            weights, error = self.master_weights(), None
+            weights, error = self._master_weights(restored), None
         except OSError as e:  # the stores failed: the hooks and the engine go anyway
             weights, error = None, e
         for h in self._hooks:
@@ -898,9 +1015,11 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
         self._hooks.clear()
         _unmanage(e.param for e in self.params)
         for entry in self.params:
-            if weights is not None:
+            if weights is not None and entry.name in weights:
                 entry.param.data = weights[entry.name].to(self.device, entry.dtype)
             entry.accumulator = None
+        if not materialise:
+            self._restore_meta()
         if self.module.__dict__.get("load_state_dict") == self._module_load_state_dict:
             del self.module.__dict__["load_state_dict"]
         try:
@@ -967,7 +1086,7 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
             dtype="fp32", gradient_accumulation_steps=1, schedule=None, device=None,
             process_group=None, fetch_units="auto", resume=False, overlap_optimizer="auto",
             param_groups=None, max_grad_norm=0.0, norm_type=2.0, momentum=0.9,
-            nvme_bench=None, **schedule_options):
+            nvme_bench=None, param_init=None, **schedule_options):
     """Puts `module`'s parameters and its optimizer into memplan's engine.
 
     path: a directory the engine may create and own, its missing parents included (parameters
@@ -1035,6 +1154,12 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     True: always overlap (the options of a step are those in effect when its backward begins:
     ``set_options``; a step() that changes them raises and drops the step). False: the step
     runs after backward.
+    param_init: for a module built on the meta device (larger than host memory), a callable
+    fn(name, param) giving the initial values of meta parameter `name` (a tensor of its shape),
+    called one parameter at a time as the engine writes its stores; without it, each meta
+    parameter's module runs reset_parameters() on CPU memory for that module alone. The model is
+    never whole in host memory (Note [A model never materialised]); close() leaves those
+    parameters on the meta device unless close(materialise=True).
     """
     if optimizer not in ("adamw", "adam"):
         raise ValueError(f"optimizer must be 'adamw' or 'adam', not {optimizer!r}")
@@ -1090,7 +1215,7 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
                               gradient_accumulation_steps=gradient_accumulation_steps,
                               device=device, process_group=process_group, fetch_units=fetch_units,
                               resume=resume, overlap_optimizer=overlap_optimizer,
-                              param_groups=param_groups, sizing=sizing)
+                              param_groups=param_groups, sizing=sizing, param_init=param_init)
     _log.info("memplan.torch: offload() chose:\n%s", trainer.explain())
     return trainer
 
