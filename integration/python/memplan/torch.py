@@ -88,26 +88,6 @@ several ranks it raises, since only a collective over the ranks can gather them:
 trainer.state_dict() on every rank), and the module's load_state_dict is the OffloadedModule's
 while the engine holds the module: the values go into the engine (the optimizer's states kept).
 
-Note [A model never materialised]
-A model larger than host memory cannot be built in it: build it on torch's meta device (``with
-torch.device("meta"): model = GPT(...)``, or ``device="meta"`` per layer) and offload() it. Each
-meta parameter is replaced in its module by a CPU placeholder of its shape that holds no memory
-(a zero-stride view), under every name that held it (ties kept), and its initial values are made
-when the engine's start() asks for them, one parameter at a time, and dropped once written to
-the stores (the binding's Note [Initial values made on demand]): the model is never whole in host
-memory, only its largest module is. The values come from ``param_init(name, param)`` when given
-(a float tensor of param's shape; `param` is the meta parameter, `name` its first name), else from
-the owning module's ``reset_parameters()`` run on CPU memory for that module alone (FSDP's
-default for meta modules): the global RNG is then drawn in registration order, not the order the
-module's constructor would have drawn it, so the values are not those of the same model built on
-CPU under the same seed (a param_init that seeds per name gives the same values either way). With
-several ranks the values are not broadcast: param_init (or the seeded RNG) must give every rank
-the same ones. A meta buffer is refused, naming it (the engine holds parameters only: build
-buffers on CPU). close() leaves these parameters on the meta device (their trained values stay in
-the stores under `path`; ``close(materialise=True)`` reads them into memory instead), and
-param_groups may name the meta parameters. A meta parameter without param_init whose module has
-no reset_parameters() is refused at offload().
-
 Note [Views of parameters]
 A view of a parameter saved for backward would keep pointing at the engine memory the parameter
 had in forward, which the engine has reused by then: backward would compute with other values,
@@ -197,6 +177,7 @@ from ._torch_common import (_DTYPES, _CudaArray, _ProcessGroupCollective, _engin
                             _group_source, _optimizer_kind, _process_group)
 from ._torch_sizing import BENCH_FILE, SIZED_KEYS, choose_sizes, machine_facts, read_bandwidth
 from ._torch_sizing import explain as _explain_sizes
+from ._torch_meta import _MetaMixin
 from ._torch_step import _StepMixin
 
 __all__ = ["offload", "OffloadedModule", "choose_sizes"]
@@ -269,7 +250,7 @@ class _Param:
 _live_paths = {}  # realpath of an engine's nvme.path -> weakref to the OffloadedModule holding it
 
 
-class OffloadedModule(_StepMixin, _CheckpointMixin):
+class OffloadedModule(_StepMixin, _CheckpointMixin, _MetaMixin):
     """A torch module whose parameters and optimizer live in memplan's engine.
 
     Create it with ``memplan.torch.offload(module, ...)``. The module is modified in place (hooks,
@@ -496,8 +477,9 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
                 if entry.frozen:
                     continue
                 if id(p) in seen:
-                    raise ValueError(f"memplan.torch: {entry.name} is in param_groups[{seen[id(p)]}]"
-                                     f" and param_groups[{g}]; a parameter is in one group")
+                    raise ValueError(f"memplan.torch: {entry.name} is in "
+                                     f"param_groups[{seen[id(p)]}] and param_groups[{g}]; a "
+                                     "parameter is in one group")
                 seen[id(p)] = g
                 entry.group = g
             options.append(_engine_group_options(group, self.optimizer_kind,
@@ -508,80 +490,6 @@ class OffloadedModule(_StepMixin, _CheckpointMixin):
                              f"({len(missing)} such); add it to one, or freeze it "
                              "(requires_grad=False) before offload()")
         self.group_options = options
-
-    def _replace_meta(self):
-        """Note [A model never materialised]: every meta parameter replaced, wherever the module
-        holds it, by a placeholder of its shape on CPU without memory; meta buffers refused."""
-        for module_name, sub in self.module.named_modules():
-            for buffer_name, b in sub._buffers.items():
-                if b is not None and b.is_meta:
-                    full = f"{module_name}.{buffer_name}" if module_name else buffer_name
-                    raise ValueError(
-                        f"memplan.torch: buffer {full} is on the meta device; offload() makes "
-                        "the initial values of meta parameters only (the engine holds "
-                        "parameters): build the module's buffers on CPU")
-        for module_name, sub in self.module.named_modules():
-            for param_name, p in list(sub._parameters.items()):
-                if p is None or not p.is_meta:
-                    continue
-                full = f"{module_name}.{param_name}" if module_name else param_name
-                placeholder = self._replaced.get(id(p))
-                if placeholder is None:
-                    if self._param_init is None and not callable(
-                            getattr(sub, "reset_parameters", None)):
-                        raise ValueError(
-                            f"memplan.torch: parameter {full} is on the meta device and its "
-                            f"module ({type(sub).__name__}) has no reset_parameters(); pass "
-                            "param_init=fn(name, param) giving its initial values")
-                    placeholder = torch.nn.Parameter(
-                        torch.zeros((), dtype=p.dtype).expand(p.shape),
-                        requires_grad=p.requires_grad)
-                    self._replaced[id(p)] = placeholder
-                    self._lazy[id(placeholder)] = (p, sub, param_name, full)
-                sub._parameters[param_name] = placeholder
-
-    def _restore_meta(self):
-        """The module's meta parameters back in the places of their placeholders (an offload()
-        that failed, close())."""
-        for sub in self.module.modules():
-            for name, p in list(sub._parameters.items()):
-                if p is not None and id(p) in self._lazy:
-                    sub._parameters[name] = self._lazy[id(p)][0]
-
-    def _initial_values(self, entry):
-        """The initial values of a parameter given on the meta device, made now (Note [A model
-        never materialised]): flat float32 CPU values."""
-        meta, owner, param_name, full = self._lazy[id(entry.param)]
-        values = self._made.pop(full, None)
-        if values is None and self._param_init is not None:
-            values = self._param_init(full, meta)
-            if not isinstance(values, torch.Tensor) or tuple(values.shape) != entry.shape:
-                raise ValueError(f"memplan.torch: param_init({full!r}) must give a tensor of "
-                                 f"shape {entry.shape}, not "
-                                 f"{getattr(values, 'shape', type(values).__name__)}")
-        elif values is None:
-            values = self._reset_owner(owner, full)
-        return values.detach().to("cpu", torch.float32).contiguous().reshape(-1)
-
-    def _reset_owner(self, owner, wanted):
-        """`owner.reset_parameters()` on CPU memory for its own meta-given parameters, which get
-        their placeholders back after; the values of those not asked for yet are kept for their
-        turn (self._made). The values of parameter `wanted`."""
-        own = [(n, p) for n, p in owner._parameters.items()
-               if p is not None and id(p) in self._lazy]
-        saved = [(p, p.data) for _, p in own]
-        try:
-            for _, p in own:
-                p.data = torch.empty(p.shape, dtype=p.dtype)
-            with torch.no_grad():
-                owner.reset_parameters()
-            made = {self._lazy[id(p)][3]: p.data for _, p in own}
-        finally:
-            for p, data in saved:
-                p.data = data
-        values = made.pop(wanted)
-        self._made.update(made)
-        return values
 
     def _register(self):
         self._replace_meta()
