@@ -32,6 +32,40 @@ def load_op(name):
     return op
 
 
+def zero_infinity_config(nvme_path, largest, micro_batch, lr, weight_decay, overrides=None,
+                         defaults=False):
+    """DeepSpeed's ZeRO-Infinity configuration of the benches: ZeRO-3 with parameters and AdamW
+    on NVMe under `nvme_path`, for a model whose largest parameter has `largest` elements.
+
+    With `defaults`, only what a user must write (stage, devices, path; pinned buffers as
+    DeepSpeed's own examples set them) and whatever DeepSpeed would refuse otherwise (a parameter
+    buffer that holds the largest parameter); everything else is DeepSpeed's default. Without, the
+    benches' settings: aio queue depth 16 (DeepSpeed's default is 8), the rest spelt out at
+    DeepSpeed's default values. `overrides` (a dict) is merged into zero_optimization."""
+    param = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True}
+    if not defaults or largest > int(1e8):
+        param.update(buffer_count=5, buffer_size=max(int(1e8), largest))
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": weight_decay,
+                                                  "betas": [0.9, 0.999], "eps": 1e-8}},
+        "zero_optimization": {
+            "stage": 3, "offload_param": param,
+            "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True}},
+        "steps_per_print": 1 << 30}
+    if not defaults:
+        config["aio"] = {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": 1,
+                         "single_submit": False, "overlap_events": True}
+    config["zero_optimization"].update(overrides or {})
+    return config
+
+
+def single_rank_environment():
+    """The environment of a one-process DeepSpeed job (gloo, world size 1), on a port of its own."""
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(29500 + os.getpid() % 1000))
+
+
 def load_average():
     """The 1-minute load average, the number the report quotes next to each figure."""
     try:

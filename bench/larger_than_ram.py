@@ -385,22 +385,9 @@ def part_deepspeed(args):
     data = batches(args.steps, args.seq, args.vocab)
     store = os.path.join(args.path, f"ltram-deepspeed-{os.getpid()}")
     os.makedirs(store, mode=0o700)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(29500 + os.getpid() % 1000))
-    largest = args.vocab * args.hidden
-    config = {
-        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD,
-                                                  "betas": [0.9, 0.999], "eps": 1e-8}},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "nvme", "nvme_path": store, "pin_memory": True,
-                              "buffer_count": 5, "buffer_size": max(int(1e8), largest)},
-            "offload_optimizer": {"device": "nvme", "nvme_path": store, "pin_memory": True}},
-        "aio": {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": 1,
-                "single_submit": False, "overlap_events": True},
-        "steps_per_print": 1 << 30}
-    config["zero_optimization"].update(json.loads(args.deepspeed_options))
+    deepspeed_peer.single_rank_environment()
+    config = deepspeed_peer.zero_infinity_config(store, args.vocab * args.hidden, 1, LR, WD,
+                                                 json.loads(args.deepspeed_options))
     out = {"config": config, "steps": []}
 
     def phase(what):

@@ -55,7 +55,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import deepspeed_peer as peer  # noqa: E402  (sets DS_ACCELERATOR, TORCH_EXTENSIONS_DIR)
 
-PRESETS = {"4.9M": (256, 6), "25M": (512, 8), "100M": (1024, 8)}
+PRESETS = {"4.9M": (256, 6), "25M": (512, 8), "100M": (1024, 8), "400M": (2048, 8)}
 BATCH, SEQ, VOCAB, LR, WD = 8, 64, 512, 1e-3, 0.01
 
 
@@ -126,22 +126,12 @@ def run_arm(args):
             trainer.close()
     else:
         import deepspeed
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(29500 + os.getpid() % 1000))
+        peer.single_rank_environment()
         os.makedirs(nvme, mode=0o700)
-        config = {
-            "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD,
-                                                      "betas": [0.9, 0.999], "eps": 1e-8}},
-            "zero_optimization": {
-                "stage": 3,
-                "offload_param": {"device": "nvme", "nvme_path": nvme, "pin_memory": True,
-                                  "buffer_count": 5, "buffer_size": max(int(1e8), largest)},
-                "offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": True}},
-            "aio": {"block_size": 1 << 20, "queue_depth": 16, "intra_op_parallelism": 1,
-                    "single_submit": False, "overlap_events": True},
-            "steps_per_print": 1 << 30}
-        config["zero_optimization"].update(json.loads(args.deepspeed_options))
+        config = peer.zero_infinity_config(nvme, largest, BATCH, LR, WD,
+                                           json.loads(args.deepspeed_options),
+                                           defaults=args.arm == "deepspeed_defaults")
+        out["config"] = config
         deepspeed.init_distributed(dist_backend="gloo")
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=config)
@@ -230,6 +220,11 @@ def main(argv=None):
     p.add_argument("--no-overlap", action="store_true",
                    help="memplan's optimizer after backward (serial), not overlapped with it")
     p.add_argument("--json", help="write every run and the summary here")
+    p.add_argument("--svg", help="draw each arm's step time against the bytes memplan moves per "
+                                 "step (the scaling curve of docs/bench.md) into this file")
+    p.add_argument("--larger-than-ram", metavar="JSON",
+                   help="with --svg: add the run of bench/larger_than_ram.py --json JSON as "
+                        "memplan's largest point")
     # A child process running one arm.
     p.add_argument("--arm", help=argparse.SUPPRESS)
     p.add_argument("--hidden", type=int, help=argparse.SUPPRESS)
@@ -274,9 +269,11 @@ def main(argv=None):
                     run.update(model=model, round=r, load=load, drive_read_bytes_per_s=read_bw,
                                drive_write_bytes_per_s=write_bw,
                                step_median_s=peer.median(run["step_s"]))
-                    if arm == "memplan_defaults" and r == 0:
-                        print(f"memplan_defaults chose ({model}):\n  " +
+                    if r == 0 and "chosen" in run:
+                        print(f"{arm} ran with ({model}):\n  " +
                               run["chosen"].replace("\n", "\n  "), flush=True)
+                    if r == 0 and "config" in run:
+                        print(f"{arm} ran with ({model}): {json.dumps(run['config'])}", flush=True)
                     if arm.startswith("memplan"):
                         before = io_bytes(run["stats_after_warmup"])
                         after = io_bytes(run["stats"])
@@ -297,6 +294,13 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
+    if args.svg:
+        extra = None
+        if args.larger_than_ram:
+            with open(args.larger_than_ram, encoding="utf-8") as f:
+                extra = json.load(f)["summary"]
+        write_svg(args.svg, report["summary"], extra)
+        print(f"scaling curve: {args.svg}")
     return 0
 
 
@@ -311,15 +315,20 @@ def summarize(runs, args):
         for arm, rounds in by.items():
             entry[f"{arm}_s"] = peer.median([r["step_median_s"] for r in rounds.values()])
         rounds = range(args.rounds)
-        if "memplan" in by and "deepspeed" in by:
-            entry["memplan_over_deepspeed"] = peer.median(
-                [by["memplan"][k]["step_median_s"] / by["deepspeed"][k]["step_median_s"]
-                 for k in rounds])
+        for num, den in RATIOS:
+            if num in by and den in by:
+                entry[f"{num}_over_{den}"] = peer.median(
+                    [by[num][k]["step_median_s"] / by[den][k]["step_median_s"] for k in rounds])
         if "memplan" in by and "memplan_defaults" in by:
             # The same model and rounds: the defaults' step over the tuned (or small) one's.
-            entry["defaults_over_memplan"] = peer.median(
-                [by["memplan_defaults"][k]["step_median_s"] / by["memplan"][k]["step_median_s"]
-                 for k in rounds])
+            entry["defaults_over_memplan"] = entry["memplan_defaults_over_memplan"]
+        moving = [arm for arm in ("memplan", "memplan_defaults") if arm in by]
+        if moving:
+            # What the model's step must move through the drive, as memplan moves it: the x of
+            # the scaling curve, the same for every arm.
+            entry["io_bytes_per_step"] = peer.median(
+                [by[moving[0]][k]["io_read_bytes_per_step"] +
+                 by[moving[0]][k]["io_write_bytes_per_step"] for k in rounds])
         if "memplan" in by:
             entry["io_s"] = peer.median([by["memplan"][k]["io_s"] for k in rounds])
             if "torch" in by:
@@ -334,8 +343,8 @@ def summarize(runs, args):
                 key: peer.median([p[key] for p in profiles]) for key in PROFILE_KEYS}
             entry["memplan_profile"]["overlapped"] = all(p["overlapped"] for p in profiles)
         if "torch" in by:
-            for arm in ("memplan", "deepspeed"):
-                if arm in by:
+            for arm in by:
+                if arm != "torch":
                     entry[f"{arm}_max_loss_diff"] = max(
                         max(abs(a - b) for a, b in zip(by[arm][k]["losses"],
                                                        by["torch"][k]["losses"]))
@@ -344,9 +353,85 @@ def summarize(runs, args):
     return out
 
 
+# The ratios of step times the summary gives, each the median of the rounds' ratios: the tuned
+# runs, then defaults against defaults, then each memplan arm against the in-memory step.
+RATIOS = (("memplan", "deepspeed"), ("memplan_defaults", "deepspeed_defaults"),
+          ("memplan_defaults", "memplan"), ("memplan", "torch"), ("memplan_defaults", "torch"),
+          ("deepspeed", "torch"), ("deepspeed_defaults", "torch"))
+
 PROFILE_KEYS = ("backward_s", "step_s", "optimizer_s", "read_s", "write_s", "sync_s",
                 "backward_wait_s", "stall_s", "sub_groups", "sub_groups_before_step",
                 "overlapped_fraction")
+
+
+ARM_COLOURS = {"torch": "#444444", "memplan": "#1f77b4", "memplan_defaults": "#17becf",
+               "deepspeed": "#d62728", "deepspeed_defaults": "#ff7f0e"}
+
+
+def write_svg(path, summary, larger_than_ram=None):
+    """Step time against NVMe bytes per step, log-log, one polyline per arm; `larger_than_ram`
+    (bench/larger_than_ram.py's summary) adds memplan's point there."""
+    import math
+    series = {}
+    for e in summary:
+        if "io_bytes_per_step" not in e:
+            continue
+        for arm in ARM_COLOURS:
+            if f"{arm}_s" in e:
+                series.setdefault(arm, []).append((e["io_bytes_per_step"], e[f"{arm}_s"],
+                                                   e["model"]))
+    if larger_than_ram:
+        moved = (larger_than_ram["engine_read_bytes_per_step"] +
+                 larger_than_ram["engine_write_bytes_per_step"])
+        series.setdefault("memplan_defaults", []).append(
+            (moved, larger_than_ram["step_s"], "larger than RAM"))
+    points = [p for pts in series.values() for p in pts]
+    if not points:
+        raise SystemExit("--svg: no run with memplan's bytes per step to draw")
+    width, height, left, bottom, top, right = 640, 420, 70, 50, 20, 160
+    xs = [math.log10(p[0]) for p in points]
+    ys = [math.log10(p[1]) for p in points]
+    x0, x1 = math.floor(min(xs)), math.ceil(max(xs))
+    y0, y1 = math.floor(min(ys)), math.ceil(max(ys))
+
+    def at(x, y):
+        px = left + (math.log10(x) - x0) / max(x1 - x0, 1) * (width - left - right)
+        py = height - bottom - (math.log10(y) - y0) / max(y1 - y0, 1) * (height - bottom - top)
+        return px, py
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'font-family="sans-serif" font-size="11">',
+           f'<rect width="{width}" height="{height}" fill="white"/>']
+    for d in range(x0, x1 + 1):
+        px, _ = at(10 ** d, 10 ** y0)
+        out.append(f'<line x1="{px:.1f}" y1="{top}" x2="{px:.1f}" y2="{height - bottom}" '
+                   f'stroke="#ddd"/><text x="{px:.1f}" y="{height - bottom + 14}" '
+                   f'text-anchor="middle">{10 ** d / 1e9:g} GB</text>')
+    for d in range(y0, y1 + 1):
+        _, py = at(10 ** x0, 10 ** d)
+        out.append(f'<line x1="{left}" y1="{py:.1f}" x2="{width - right}" y2="{py:.1f}" '
+                   f'stroke="#ddd"/><text x="{left - 6}" y="{py + 4:.1f}" '
+                   f'text-anchor="end">{10 ** d:g} s</text>')
+    out.append(f'<text x="{(left + width - right) / 2}" y="{height - 12}" text-anchor="middle">'
+               f'NVMe bytes memplan moves per step (read + written)</text>')
+    out.append(f'<text x="16" y="{(top + height - bottom) / 2}" text-anchor="middle" '
+               f'transform="rotate(-90 16 {(top + height - bottom) / 2})">seconds per step</text>')
+    for i, (arm, pts) in enumerate(series.items()):
+        pts.sort()
+        colour = ARM_COLOURS[arm]
+        coords = " ".join(f"{at(x, y)[0]:.1f},{at(x, y)[1]:.1f}" for x, y, _ in pts)
+        out.append(f'<polyline points="{coords}" fill="none" stroke="{colour}" '
+                   f'stroke-width="2"/>')
+        for x, y, model in pts:
+            px, py = at(x, y)
+            out.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="3" fill="{colour}">'
+                       f'<title>{arm} {model}: {y:.2f} s</title></circle>')
+        ly = top + 14 + 18 * i
+        out.append(f'<line x1="{width - right + 12}" y1="{ly - 4}" x2="{width - right + 32}" '
+                   f'y2="{ly - 4}" stroke="{colour}" stroke-width="2"/>'
+                   f'<text x="{width - right + 38}" y="{ly}">{arm}</text>')
+    out.append("</svg>")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(out) + "\n")
 
 
 def print_summary(summary):
@@ -365,6 +450,11 @@ def print_summary(summary):
               f"{f('io_s', '6.3f'):>6} {f('memplan_over_deepspeed', '6.3f'):>6} "
               f"{f('memplan_over_floor', '18.3f'):>18} {f('memplan_max_loss_diff', '9.2g'):>9} "
               f"{f('deepspeed_max_loss_diff', '9.2g'):>9}")
+    print(f"\nratios of step times (median over rounds of each round's ratio): ")
+    for e in summary:
+        ratios = [f"{num}/{den} {e[f'{num}_over_{den}']:.3f}" for num, den in RATIOS
+                  if f"{num}_over_{den}" in e]
+        print(f"  {e['model']:<7} " + ", ".join(ratios))
     profiled = [e for e in summary if "memplan_profile" in e]
     if profiled:
         print(f"\nmemplan's step (medians, s): {'model':<7} {'overlap':>7} {'backward':>8} "
