@@ -4,10 +4,11 @@
     PY=$(bash scripts/python-env.sh --modern)       # PyPI torch 2 + DeepSpeed 0.19 (the peer)
     PYTHONPATH=build/python $PY bench/train_vs_deepspeed.py --path /var/tmp [--models 25M,100M]
         [--steps 8] [--warmup 3] [--rounds 3] [--arms torch,memplan,deepspeed] [--json out.json]
+        [--batch 8] [--seq 64] [--svg curve.svg [--larger-than-ram larger_than_ram.json]]
 
 The model is examples/train_gpt.py's GPT (tied embedding and head, GPT-2 initialisation), trained
-on CPU in fp32 with AdamW (lr 1e-3, weight decay 0.01) on the same batches (batch 8, sequence 64,
-vocabulary 512) by three arms, each in a fresh process:
+on CPU in fp32 with AdamW (lr 1e-3, weight decay 0.01) on the same batches (--batch 8 sequences of
+--seq 64 tokens by default, vocabulary 512) by these arms, each in a fresh process:
   torch      torch.optim.AdamW with everything in memory: the loss reference and the compute floor
   memplan    memplan.torch.offload: parameters and AdamW states on NVMe under --path (O_DIRECT),
              the optimizer overlapped, 16 MiB staging buffers, --memplan-options
@@ -19,8 +20,12 @@ vocabulary 512) by three arms, each in a fresh process:
              its CPU accelerator (gloo, world size 1); aio block 1 MiB, queue depth 16, one
              thread; offload_param.buffer_size holds the largest parameter (DeepSpeed asserts
              otherwise), buffer_count 5, pin_memory
-Model sizes: 25M (hidden 512, 8 layers: 25.5 M parameters) and 100M (hidden 1024, 8 layers:
-101 M), or any hidden x layers given as e.g. 768x12.
+  deepspeed_defaults
+             the same with only what a user must write (stage, devices, nvme_path, pin_memory;
+             a parameter buffer for a parameter over 1e8 elements): DeepSpeed's defaults
+             otherwise (bench/deepspeed_peer.zero_infinity_config)
+Model sizes: 25M (hidden 512, 8 layers: 25.5 M parameters), 100M (hidden 1024, 8 layers:
+101 M) and 400M (hidden 2048, 8 layers: 404 M), or any hidden x layers given as e.g. 768x12.
 
 memplan runs with the optimizer overlapped with backward (overlap_optimizer: each sub-group of the
 AdamW step read, updated and written back during backward as soon as its gradients are in);
@@ -56,7 +61,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import deepspeed_peer as peer  # noqa: E402  (sets DS_ACCELERATOR, TORCH_EXTENSIONS_DIR)
 
 PRESETS = {"4.9M": (256, 6), "25M": (512, 8), "100M": (1024, 8), "400M": (2048, 8)}
-BATCH, SEQ, VOCAB, LR, WD = 8, 64, 512, 1e-3, 0.01
+VOCAB, LR, WD = 512, 1e-3, 0.01
 
 
 def model_shape(name):
@@ -74,10 +79,10 @@ def run_arm(args):
 
     torch.manual_seed(0)
     torch.set_num_threads(args.torch_threads)
-    model = GPT(vocab=VOCAB, hidden=args.hidden, layers=args.layers, seq=SEQ)
+    model = GPT(vocab=VOCAB, hidden=args.hidden, layers=args.layers, seq=args.seq)
     n_params = sum(p.numel() for p in model.parameters())
     largest = max(p.numel() for p in model.parameters())
-    data = list(batches(args.warmup + args.steps, BATCH, SEQ + 1, VOCAB))
+    data = list(batches(args.warmup + args.steps, args.batch, args.seq + 1, VOCAB))
     out = {"arm": args.arm, "params": n_params, "losses": [], "step_s": []}
     nvme = os.path.join(args.path, f"{args.arm}-{os.getpid()}")
 
@@ -128,7 +133,7 @@ def run_arm(args):
         import deepspeed
         peer.single_rank_environment()
         os.makedirs(nvme, mode=0o700)
-        config = peer.zero_infinity_config(nvme, largest, BATCH, LR, WD,
+        config = peer.zero_infinity_config(nvme, largest, args.batch, LR, WD,
                                            json.loads(args.deepspeed_options),
                                            defaults=args.arm == "deepspeed_defaults")
         out["config"] = config
@@ -207,6 +212,10 @@ def main(argv=None):
     p.add_argument("--arms", default="torch,memplan,deepspeed")
     p.add_argument("--steps", type=int, default=8, help="measured steps per run")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq", type=int, default=64,
+                   help="tokens per sequence (default 64): with --batch, the compute each step "
+                        "has to hide the drive's time behind")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch's threads for forward and backward, in every arm (default 1: on a "
@@ -220,6 +229,8 @@ def main(argv=None):
     p.add_argument("--no-overlap", action="store_true",
                    help="memplan's optimizer after backward (serial), not overlapped with it")
     p.add_argument("--json", help="write every run and the summary here")
+    p.add_argument("--from-json", metavar="JSON",
+                   help="run nothing: print the summary (and draw --svg) of an earlier --json")
     p.add_argument("--svg", help="draw each arm's step time against the bytes memplan moves per "
                                  "step (the scaling curve of docs/bench.md) into this file")
     p.add_argument("--larger-than-ram", metavar="JSON",
@@ -233,6 +244,19 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.arm:
         run_arm(args)
+        return 0
+
+    if args.from_json:
+        with open(args.from_json, encoding="utf-8") as f:
+            report = json.load(f)
+        for key in ("models", "rounds", "warmup"):
+            setattr(args, key, report["args"][key])
+        report["summary"] = summarize(report["runs"], args)
+        print(report["uptime_start"])
+        print_summary(report["summary"])
+        print(report["uptime_end"])
+        if args.svg:
+            write_summary_svg(args, report)
         return 0
 
     import torch
@@ -253,7 +277,8 @@ def main(argv=None):
                     command = [sys.executable, os.path.abspath(__file__), "--arm", arm,
                                "--hidden", str(hidden), "--layers", str(layers), "--out", out,
                                "--path", args.path, "--steps", str(args.steps),
-                               "--warmup", str(args.warmup),
+                               "--warmup", str(args.warmup), "--batch", str(args.batch),
+                               "--seq", str(args.seq),
                                "--torch-threads", str(args.torch_threads),
                                "--optimizer-threads", str(args.optimizer_threads),
                                "--memplan-options", args.memplan_options,
@@ -295,13 +320,17 @@ def main(argv=None):
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
     if args.svg:
-        extra = None
-        if args.larger_than_ram:
-            with open(args.larger_than_ram, encoding="utf-8") as f:
-                extra = json.load(f)["summary"]
-        write_svg(args.svg, report["summary"], extra)
-        print(f"scaling curve: {args.svg}")
+        write_summary_svg(args, report)
     return 0
+
+
+def write_summary_svg(args, report):
+    extra = None
+    if args.larger_than_ram:
+        with open(args.larger_than_ram, encoding="utf-8") as f:
+            extra = json.load(f)["summary"]
+    write_svg(args.svg, report["summary"], extra)
+    print(f"scaling curve: {args.svg}")
 
 
 def summarize(runs, args):
@@ -329,19 +358,22 @@ def summarize(runs, args):
             entry["io_bytes_per_step"] = peer.median(
                 [by[moving[0]][k]["io_read_bytes_per_step"] +
                  by[moving[0]][k]["io_write_bytes_per_step"] for k in rounds])
-        if "memplan" in by:
-            entry["io_s"] = peer.median([by["memplan"][k]["io_s"] for k in rounds])
+        for arm in moving:
+            # The I/O time of the arm's own bytes at the round's measured bandwidth, and its step
+            # over the floor max(in-memory step, I/O time).
+            prefix = "" if arm == "memplan" else f"{arm}_"
+            entry[f"{prefix}io_s"] = peer.median([by[arm][k]["io_s"] for k in rounds])
             if "torch" in by:
-                entry["memplan_over_floor"] = peer.median(
-                    [by["memplan"][k]["step_median_s"] /
-                     max(by["torch"][k]["step_median_s"], by["memplan"][k]["io_s"])
-                     for k in rounds])
-        if "memplan" in by:
-            # The step profile after warm-up, every round's steps together.
-            profiles = [p for k in rounds for p in by["memplan"][k]["profiles"][args.warmup:]]
-            entry["memplan_profile"] = {
-                key: peer.median([p[key] for p in profiles]) for key in PROFILE_KEYS}
-            entry["memplan_profile"]["overlapped"] = all(p["overlapped"] for p in profiles)
+                entry[f"{arm}_over_floor"] = peer.median(
+                    [by[arm][k]["step_median_s"] /
+                     max(by["torch"][k]["step_median_s"], by[arm][k]["io_s"]) for k in rounds])
+        for arm in ("memplan", "memplan_defaults"):
+            if arm in by:
+                # The step profile after warm-up, every round's steps together.
+                profiles = [p for k in rounds for p in by[arm][k]["profiles"][args.warmup:]]
+                profile = {key: peer.median([p[key] for p in profiles]) for key in PROFILE_KEYS}
+                profile["overlapped"] = all(p["overlapped"] for p in profiles)
+                entry[f"{arm}_profile"] = profile
         if "torch" in by:
             for arm in by:
                 if arm != "torch":
@@ -454,20 +486,22 @@ def print_summary(summary):
     for e in summary:
         ratios = [f"{num}/{den} {e[f'{num}_over_{den}']:.3f}" for num, den in RATIOS
                   if f"{num}_over_{den}" in e]
+        ratios += [f"{arm}/max(torch, its I/O) {e[f'{arm}_over_floor']:.3f}"
+                   for arm in ("memplan", "memplan_defaults") if f"{arm}_over_floor" in e]
         print(f"  {e['model']:<7} " + ", ".join(ratios))
-    profiled = [e for e in summary if "memplan_profile" in e]
+    profiled = [(e, arm) for e in summary for arm in ("memplan", "memplan_defaults")
+                if f"{arm}_profile" in e]
     if profiled:
-        print(f"\nmemplan's step (medians, s): {'model':<7} {'overlap':>7} {'backward':>8} "
-              f"{'step()':>7} {'optim':>6} {'read':>6} {'write':>6} {'sync':>6} {'opt wait':>8} "
-              f"{'bw stall':>8} {'before step()':>13}")
-        for e in profiled:
-            p = e["memplan_profile"]
-            print(f"{'':28} {e['model']:<7} {'yes' if p['overlapped'] else 'no':>7} "
+        print(f"\nmemplan's step (medians, s): {'model':<7} {'arm':<16} {'overlap':>7} "
+              f"{'backward':>8} {'step()':>7} {'optim':>6} {'read':>6} {'write':>6} {'sync':>6} "
+              f"{'opt wait':>8} {'bw stall':>8} {'before step()':>13}")
+        for e, arm in profiled:
+            p = e[f"{arm}_profile"]
+            print(f"{'':28} {e['model']:<7} {arm:<16} {'yes' if p['overlapped'] else 'no':>7} "
                   f"{p['backward_s']:8.3f} {p['step_s']:7.3f} {p['optimizer_s']:6.3f} "
                   f"{p['read_s']:6.3f} {p['write_s']:6.3f} {p['sync_s']:6.3f} "
                   f"{p['backward_wait_s']:8.3f} {p['stall_s']:8.3f} "
                   f"{p['sub_groups_before_step']:>6.0f}/{p['sub_groups']:<6.0f}")
-
 
 if __name__ == "__main__":
     sys.exit(main())
