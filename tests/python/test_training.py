@@ -707,5 +707,19 @@ class StoresTest(unittest.TestCase):
             trainer.close()
 
 
+class ImportOrderTest(unittest.TestCase):
+    def test_memplan_imported_before_torch(self):
+        # A trainer's script may import memplan first. The extension links the system's CUDA
+        # runtime and NCCL by soname, and a PyPI torch that loaded after it got the system's NCCL
+        # and failed ("undefined symbol: ncclCommResume"; Note [torch before the extension] in
+        # memplan/__init__.py). In a fresh interpreter, as a script would run.
+        script = ("import memplan, memplan.torch, torch\n"
+                  "print(float(torch.ones(3).sum()), memplan.__version__)")
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                              env=dict(os.environ), timeout=300)
+        self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+        self.assertEqual(done.stdout.split()[0], "3.0")
+
+
 if __name__ == "__main__":
     unittest.main()

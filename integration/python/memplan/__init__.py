@@ -14,7 +14,25 @@ PermissionError, ...); a call out of order is RuntimeError. The offload engine i
 (a PyTorch adapter that keeps a module's parameters and optimizer in the engine).
 """
 
+import importlib.util as _importlib_util
 import json as _json
+import sys as _sys
+
+# Note [torch before the extension]
+# The extension links the CUDA runtime and NCCL of the machine it was built on, by soname
+# (libcudart.so.13, libnccl.so.2). PyPI's torch brings its own copies, often newer, and loads
+# them from its wheel; but the dynamic linker hands a soname already in the process to every
+# library loaded after it that needs it. So after `import memplan`, torch got the system's NCCL
+# and failed to load (torch 2.15 over the CUDA 13 toolkit's NCCL: "libtorch_cuda.so: undefined
+# symbol: ncclCommResume"), while `import torch` first worked. Where torch is installed, it is
+# therefore imported before the extension: its copies are the ones in the process, and memplan's
+# calls go to them (the same major versions, whose ABI is stable). Where torch is missing there
+# is nothing to clash with; a torch that fails to import is left for the caller to meet.
+if "torch" not in _sys.modules and _importlib_util.find_spec("torch") is not None:
+    try:
+        import torch as _torch  # noqa: F401
+    except Exception:  # noqa: BLE001 - the caller's own `import torch` reports it
+        pass
 
 try:
     from . import _native
