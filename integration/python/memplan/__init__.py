@@ -14,6 +14,7 @@ PermissionError, ...); a call out of order is RuntimeError. The offload engine i
 (a PyTorch adapter that keeps a module's parameters and optimizer in the engine).
 """
 
+import importlib
 import importlib.util as _importlib_util
 import json as _json
 import sys as _sys
@@ -22,49 +23,83 @@ import sys as _sys
 # The extension links the CUDA runtime and NCCL of the machine it was built on, by soname
 # (libcudart.so.13, libnccl.so.2). PyPI's torch brings its own copies, often newer, and loads
 # them from its wheel; but the dynamic linker hands a soname already in the process to every
-# library loaded after it that needs it. So after `import memplan`, torch got the system's NCCL
-# and failed to load (torch 2.15 over the CUDA 13 toolkit's NCCL: "libtorch_cuda.so: undefined
-# symbol: ncclCommResume"), while `import torch` first worked. Where torch is installed, it is
-# therefore imported before the extension: its copies are the ones in the process, and memplan's
-# calls go to them (the same major versions, whose ABI is stable). Where torch is missing there
-# is nothing to clash with; a torch that fails to import is left for the caller to meet.
-if "torch" not in _sys.modules and _importlib_util.find_spec("torch") is not None:
-    try:
-        import torch as _torch  # noqa: F401
-    except Exception:  # noqa: BLE001 - the caller's own `import torch` reports it
-        pass
+# library loaded after it that needs it. So once the extension was loaded, torch got the system's
+# NCCL and failed to load (torch 2.15 over the CUDA 13 toolkit's NCCL: "libtorch_cuda.so:
+# undefined symbol: ncclCommResume"), while `import torch` first worked. Hence:
+#   - the extension is loaded when first used (an entry point below, memplan.IoFile, ...), not
+#     by `import memplan`: the wheel's `memplan` command (_cli.py) and memplan.trace never load
+#     it, and pay for nothing;
+#   - where torch is installed, it is imported just before the extension is loaded, so that its
+#     copies are the ones in the process and memplan's calls go to them (the same major versions,
+#     whose ABI is stable). Where torch is missing there is nothing to clash with; a torch that
+#     fails to import is left for the caller's own `import torch` to report.
 
-try:
-    from . import _native
-except ImportError as _native_error:  # a source tree without the built extension
-    # memplan.trace (pure Python over torch) runs from the sources without the extension; the
-    # rest of the package says what is missing when first used.
-    class _Missing:
-        def __init__(self, error):
-            self._error = error
 
-        def __getattr__(self, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            raise ImportError("memplan's extension (memplan._native) is not built: %s; build it "
-                              "(cmake, target memplan_python) or pip install ." % self._error)
+class _Missing:
+    """Stands for the extension in a source tree where it is not built: memplan.trace (pure
+    Python over torch) runs without it, and the rest of the package says what is missing when
+    first used."""
 
-        def __call__(self, *args, **kwargs):
-            return self.__getattr__("extension")
+    def __init__(self, error):
+        self._error = error
 
-    _native = _Missing(_native_error)
-    __version__ = "0+unbuilt"
-    IoFile = CpuAdam = nccl_unique_id = _native
-else:
-    __version__ = _native.__version__
-    # Low-level pieces of the offload engine, for benchmarks and numeric checks: IoFile reads and
-    # writes one file through the NVMe I/O engine (backend, block size, queue depth, threads);
-    # CpuAdam runs the engine's Adam/AdamW kernel over caller arrays.
-    IoFile = _native.IoFile
-    CpuAdam = _native.CpuAdam
-    # A new ncclUniqueId (bytes) for an Engine's NCCL collective; NotImplementedError without
-    # NCCL.
-    nccl_unique_id = _native.nccl_unique_id
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise ImportError("memplan's extension (memplan._native) is not built: %s; build it "
+                          "(cmake, target memplan_python) or pip install ." % self._error)
+
+    def __call__(self, *args, **kwargs):
+        return self.__getattr__("extension")
+
+
+_extension = None
+
+
+def _load_extension():
+    """The extension module (or a _Missing), loaded once (Note [torch before the extension])."""
+    global _extension, _native
+    if _extension is None:
+        if "torch" not in _sys.modules and _importlib_util.find_spec("torch") is not None:
+            try:
+                import torch  # noqa: F401
+            except Exception:  # noqa: BLE001 - the caller's own `import torch` reports it
+                pass
+        try:
+            _extension = importlib.import_module(__name__ + "._native")
+        except ImportError as error:  # a source tree without the built extension
+            _extension = _Missing(error)
+        _native = _extension
+    return _extension
+
+
+class _Lazy:
+    """`_native` until the extension is loaded: the first attribute read loads it."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(_load_extension(), name)
+
+
+_native = _Lazy()
+
+# Low-level pieces of the offload engine, for benchmarks and numeric checks: IoFile reads and
+# writes one file through the NVMe I/O engine (backend, block size, queue depth, threads); CpuAdam
+# runs the engine's Adam/AdamW kernel over caller arrays; nccl_unique_id() gives a new
+# ncclUniqueId (bytes) for an Engine's NCCL collective (NotImplementedError without NCCL).
+_FROM_EXTENSION = ("IoFile", "CpuAdam", "nccl_unique_id")
+
+
+def __getattr__(name):
+    if name in _FROM_EXTENSION:
+        return getattr(_load_extension(), name)
+    if name == "__version__":
+        extension = _load_extension()
+        return "0+unbuilt" if isinstance(extension, _Missing) else extension.__version__
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["estimate", "plan", "capacity", "estimate_module", "Engine", "schedule", "IoFile",
            "CpuAdam", "nccl_unique_id", "NotFoundError"]
 
