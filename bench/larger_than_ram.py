@@ -3,7 +3,7 @@
 
     PY=$(bash scripts/python-env.sh --modern)       # PyPI torch 2 + DeepSpeed 0.19 (the peer)
     PYTHONPATH=build/python $PY bench/larger_than_ram.py --path /var/tmp [--size auto]
-        [--steps 4] [--arms memplan,deepspeed] [--json out.json]
+        [--state-slots 1] [--steps 4] [--arms memplan,deepspeed] [--json out.json]
 
 The model is Llama-shaped (untied token embedding and head, RMSNorm, attention with q/k/v/o
 projections without biases, a SwiGLU MLP of 8/3 the hidden size rounded up to 256, vocabulary
@@ -15,9 +15,16 @@ or under DeepSpeed's zero.Init, whatever the order.
 
 --size auto (the default) picks the hidden size 2560 and the fewest layers whose AdamW training
 states (16 bytes per parameter: fp32 weights, gradients and two moments) are at least --ratio
-(1.55) x MemTotal, and refuses to start when the drive would be left with less than --min-free
-(15 GiB) free (memplan keeps 20 bytes per parameter on the drive: its fp32 working copy beside the
-optimizer's master weights, moments and gradient slots); HIDDENxLAYERS gives a size.
+(1.55) x MemTotal, fewer where memplan's stores would leave the drive less than --min-free (8 GiB)
+free, and refuses to start when even the size given does not leave it; HIDDENxLAYERS gives a size.
+memplan keeps on the drive its fp32 working copy of the parameters (4 bytes per parameter), a
+gradient slot (4) and the optimizer's master weights and two moments (12) in --state-slots slots:
+2 (memplan's default: a step writes the other slot, so a crash mid-step resumes from the last
+step; about 33 bytes per parameter with extent rounding) or 1 (rewritten in place: about 21 bytes
+per parameter, and a step interrupted after its first write cannot be resumed: training restarts
+from a checkpoint; Note [One slot per sub-group] in offload/optimizer_swapper.cc). The run of
+record uses --state-slots 1: this machine's drive cannot hold two copies of the states of a model
+whose states are 1.5 x its RAM.
 
 Each part runs in a process of its own, watched by this one (its RSS sampled every 0.2 s and the
 process killed at --rss-limit (0.8) x MemTotal; --timeout seconds at most):
@@ -71,12 +78,21 @@ sys.path.insert(0, HERE)
 
 VOCAB, LR, WD, HIDDEN = 32000, 1e-4, 0.01, 2560
 SLICE_VOCAB = 512  # the reference's vocabulary (--slice gives its hidden size and layers)
-# memplan's stores per fp32 parameter on the drive: the optimizer's master weights and two
-# moments in two slots (Note [Two slots per sub-group] in offload/optimizer_swapper.cc: a step
-# writes the other slot, so that a crash never leaves a half-written step), a gradient slot, the
-# parameters' working copy: 2 x 12 + 4 + 4 = 32 bytes, and extent rounding (34 measured at 3.7 M
-# parameters, less for larger ones).
-DRIVE_BYTES_PER_PARAM = 33
+# memplan's stores per fp32 parameter on the drive, by the optimizer's state slots: the master
+# weights and two moments in one or two slots (Note [Two slots per sub-group] and Note [One slot
+# per sub-group] in offload/optimizer_swapper.cc), a gradient slot, the parameters' working copy:
+# 2 x 12 + 4 + 4 = 32 bytes or 12 + 4 + 4 = 20, and extent rounding (34 measured at 3.7 M
+# parameters with two slots, less for larger ones).
+DRIVE_BYTES_PER_PARAM = {2: 33, 1: 21}
+
+
+SLOTS_WHY = {
+    2: "2 (memplan's default: a step writes the other slot, so a crash mid-step resumes from the "
+       "last step)",
+    1: "1 (--state-slots 1: each step rewrites the optimizer's states in place, in half the drive "
+       "space, giving up the torn-step safety: a step interrupted after its first write cannot be "
+       "resumed and training restarts from a checkpoint; this run uses it because the drive "
+       "cannot hold two copies of the states)"}
 
 
 def mem_total():
@@ -274,7 +290,7 @@ def part_reference(args):
     store = os.path.join(args.path, f"ltram-reference-{os.getpid()}")
     try:
         trainer = memplan.torch.offload(model, store, lr=LR, weight_decay=WD,
-                                        threads=args.threads)
+                                        threads=args.threads, state_slots=args.state_slots)
         offloaded = []
         for tokens in data:
             loss = model(tokens)
@@ -341,8 +357,11 @@ def part_memplan(args):
     try:
         start = time.perf_counter()
         trainer = memplan.torch.offload(model, store, lr=LR, weight_decay=WD,
-                                        threads=args.threads)
+                                        threads=args.threads, state_slots=args.state_slots)
         out["offload_s"] = time.perf_counter() - start
+        out["state_slots"] = args.state_slots
+        out["drive_need"] = {k: trainer.drive[k] for k in ("params", "optimizer", "total",
+                                                           "states_copy", "free_bytes")}
         out["chosen"] = trainer.explain()
         out["rss_after_offload"] = proc_status()["VmRSS"]
         out["drive_bytes"] = du(store)
@@ -436,6 +455,7 @@ def run_part(name, args, shape, limit_bytes):
     command = [sys.executable, os.path.abspath(__file__), "--part", name, "--out", out_file,
                "--path", args.path, "--steps", str(args.steps), "--seq", str(args.seq),
                "--threads", str(args.threads), "--loss-tolerance", str(args.loss_tolerance),
+               "--state-slots", str(args.state_slots),
                "--deepspeed-options", args.deepspeed_options,
                "--hidden", str(shape[0]), "--layers", str(shape[1]), "--vocab", str(shape[2])]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.torch_threads))
@@ -443,16 +463,23 @@ def run_part(name, args, shape, limit_bytes):
     child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True, env=env, start_new_session=True)
     watch = {"peak_rss": 0, "killed": None}
+    # The drive is shared: a part that would leave it less than half of --min-free is stopped
+    # (memplan's stores are preallocated within --min-free; a peer's grow as it runs).
+    floor_bytes = args.min_free * 2**30 / 2
 
     def watcher():
         while child.poll() is None:
             rss = proc_status(child.pid).get("VmRSS", 0)
             watch["peak_rss"] = max(watch["peak_rss"], rss)
             elapsed = time.perf_counter() - start
+            free = shutil.disk_usage(args.path).free
             why = None
             if rss > limit_bytes:
                 why = (f"killed by the bench at {rss / 2**30:.2f} GiB RSS (limit "
                        f"{limit_bytes / 2**30:.2f} GiB, {args.rss_limit:.0%} of MemTotal)")
+            elif free < floor_bytes:
+                why = (f"killed by the bench with {free / 2**30:.2f} GiB left free on "
+                       f"{args.path} (less than half of --min-free {args.min_free} GiB)")
             elif elapsed > args.timeout:
                 why = f"killed by the bench after {elapsed:.0f} s (--timeout {args.timeout})"
             if why:
@@ -556,15 +583,17 @@ def choose_shape(args, ram, free):
     while 16 * n_params(HIDDEN, layers, args.vocab) < want:
         layers += 1
     room = free - args.min_free * 2**30
+    per_param = DRIVE_BYTES_PER_PARAM[args.state_slots]
     fits = layers
-    while fits > 1 and DRIVE_BYTES_PER_PARAM * n_params(HIDDEN, fits, args.vocab) > room:
+    while fits > 1 and per_param * n_params(HIDDEN, fits, args.vocab) > room:
         fits -= 1
     if fits == layers:
         return (HIDDEN, layers, args.vocab), f"the fewest layers for {args.ratio} x RAM of states"
-    need = DRIVE_BYTES_PER_PARAM * n_params(HIDDEN, layers, args.vocab)
+    need = per_param * n_params(HIDDEN, layers, args.vocab)
     return (HIDDEN, fits, args.vocab), (
         f"{layers} layers would give {args.ratio} x RAM of AdamW states, but memplan's stores "
-        f"({DRIVE_BYTES_PER_PARAM} B/parameter, {need / 2**30:.1f} GiB) "
+        f"({per_param} B/parameter with --state-slots {args.state_slots}, "
+        f"{need / 2**30:.1f} GiB) "
         f"would leave the drive less than --min-free {args.min_free} GiB of its "
         f"{free / 2**30:.1f} GiB free: the most layers that fit, {fits}")
 
@@ -590,8 +619,14 @@ def main(argv=None):
                    help="OMP_NUM_THREADS of every part (default 1: a shared 2-core machine)")
     p.add_argument("--bw-bytes", type=int, default=1 << 30,
                    help="bytes written and read to measure the drive (default 1 GiB)")
-    p.add_argument("--min-free", type=float, default=15.0,
-                   help="GiB the drive must keep free with memplan's stores on it")
+    p.add_argument("--min-free", type=float, default=8.0,
+                   help="GiB the drive must keep free with memplan's stores on it (default 8); "
+                        "a part that leaves less than half of it is stopped")
+    p.add_argument("--state-slots", type=int, choices=(1, 2), default=2,
+                   help="memplan's optimizer state slots (offload(..., state_slots=)): 2, its "
+                        "default, crash-safe; 1 rewrites the states in place in half the drive "
+                        "space and gives up resuming after a crash mid-step (the run of record "
+                        "uses 1: the drive cannot hold two copies)")
     p.add_argument("--rss-limit", type=float, default=0.8,
                    help="a part is killed past this fraction of MemTotal of RSS")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per part at most")
@@ -618,7 +653,7 @@ def main(argv=None):
     hidden, layers, vocab = shape
     params = n_params(hidden, layers, vocab)
     states = 16 * params
-    drive_need = DRIVE_BYTES_PER_PARAM * params
+    drive_need = DRIVE_BYTES_PER_PARAM[args.state_slots] * params
     arms = [a for a in args.arms.split(",") if a]
     for arm in arms:
         if arm not in PARTS:
@@ -633,11 +668,13 @@ def main(argv=None):
                         "intermediate": intermediate(hidden), "params": params,
                         "seq": args.seq, "batch": 1},
               "size_why": why, "states_bytes": states, "states_over_ram": states / ram,
-              "drive_free_before": usage.free, "args": vars(args), "parts": {}}
+              "drive_free_before": usage.free, "state_slots": args.state_slots,
+              "args": vars(args), "parts": {}}
     print(f"larger than RAM: {report['uptime_start']}", flush=True)
     print(f"model: hidden {hidden}, {layers} layers, MLP {intermediate(hidden)}, vocabulary "
           f"{vocab}: {params:,} parameters; AdamW states {states / 2**30:.1f} GiB = "
           f"{states / ram:.2f} x MemTotal ({ram / 2**30:.1f} GiB); size: {why}", flush=True)
+    print(f"memplan's optimizer state slots: {SLOTS_WHY[args.state_slots]}", flush=True)
     limit = args.rss_limit * mem_total()  # the machine's, whatever --ram-bytes says
     if "memplan" in arms:
         read_bw, write_bw = drive_bandwidth(args.path, args.bw_bytes)
@@ -673,7 +710,8 @@ def main(argv=None):
 
 def summarize(report, ram):
     parts = report["parts"]
-    s = {"states_bytes": report["states_bytes"], "states_over_ram": report["states_over_ram"]}
+    s = {"states_bytes": report["states_bytes"], "states_over_ram": report["states_over_ram"],
+         "state_slots": report.get("state_slots", 2)}
     ref = parts.get("reference")
     if ref:
         s["losses"] = ("PASS" if ref["ok"] and ref["result"]["pass"] else "FAIL")
@@ -754,7 +792,8 @@ def print_summary(report):
     if "compute_s" in s:
         print(f"  compute (scaled from 1 and 2 layers in memory): {s['compute_s']:.2f} s/step")
     if "step_s" in s:
-        print(f"  memplan: offload() {s['memplan_offload_s']:.1f} s (stores written: "
+        print(f"  memplan (state_slots {s['state_slots']}): offload() "
+              f"{s['memplan_offload_s']:.1f} s (stores written: "
               f"{s['drive_bytes'] / G:.1f} GiB on the drive = {s['drive_bytes_over_ram']:.2f} x "
               f"MemTotal; weights, gradients, moments and working copy once: "
               f"{s['training_bytes_once_over_ram']:.2f} x); step {s['step_s']:.2f} s "

@@ -114,6 +114,9 @@
 //   - deferred: after a step that clipped, the next probably clips too (a training's norm moves
 //     slowly): the prepared step does not run beside backward at all, its gradients go to the
 //     store as for a serial step and Step() runs it, clipped: the serial step's cost, no waste.
+//     Always, with one state slot (optimizer.state_slots 1): a redone step would have rewritten
+//     the only copy of the states (Note [One slot per sub-group] in optimizer_swapper.cc); so is
+//     a prepared step that may be skipped (skip_nonfinite).
 // So a training whose norm stays under max_grad_norm keeps the overlap; one that clips every step
 // runs at the serial step's speed, redoing only the first; bench/clip_bench measures both. The
 // results are the serial ones, bit for bit, whichever way a step ran. Without clipping declared
@@ -546,6 +549,13 @@ Status Engine::PrepareStep(const StepOptions& options) {
   const bool clips = options.max_grad_norm > 0 && !std::isinf(options.max_grad_norm);
   if (clips && s.optimizer_path.last_clipped) {
     s.optimizer_path.clipping = "deferred";
+    return Status::Ok();
+  }
+  // One state slot: a step dropped after its first sub-group was written would leave the store
+  // torn (Note [One slot per sub-group] in optimizer_swapper.cc), so a step that the norm may
+  // clip (redone) or skip waits for the norm, serially.
+  if ((clips || options.skip_nonfinite) && s.options.schedule.optimizer_state_slots == 1) {
+    s.optimizer_path.clipping = clips ? "deferred" : "";
     return Status::Ok();
   }
   MEMPLAN_RETURN_IF_ERROR(s.home().BeginStep(

@@ -222,7 +222,8 @@ struct EngineStepProfile {
   // Clipping in a prepared step (Note [Clipping by the global norm]): "" (none), "speculated" (the
   // step ran during backward unclipped and the norm said no clipping was needed), "redone" (it
   // did: the speculative step was dropped and the step ran again, serially, from the gradients
-  // kept on NVMe), "deferred" (the last step clipped: this one waited for the norm, serially).
+  // kept on NVMe), "deferred" (the last step clipped, or the optimizer store keeps one state
+  // slot: this one waited for the norm, serially).
   std::string clipping;
   double norm_s = 0;  // Step(): the global norm (draining, the measurement's collective)
 };

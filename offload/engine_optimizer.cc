@@ -22,7 +22,9 @@
 // all-gathers the ranks' last complete steps and every rank resumes at the oldest: a rank ahead
 // reopens its store at that step (OptimizerSwapperOptions::max_epoch), which each sub-group still
 // holds in its other slot. Two steps apart cannot happen (no rank starts step E + 1 before every
-// rank's gradients of step E were reduced, which needs them all alive past their backward).
+// rank's gradients of step E were reduced, which needs them all alive past their backward). A
+// store with one state slot (optimizer.state_slots 1) cannot go back: such a resume fails with
+// DataLoss (Note [One slot per sub-group] in optimizer_swapper.cc).
 #include "offload/engine_optimizer.h"
 
 #include <unistd.h>
@@ -71,6 +73,7 @@ Status OptimizerPath::OpenNvmeOptimizer(const std::string& nvme_dir, const CpuOp
   oo.store.engine_options.threads = sc.nvme_io_threads;
   oo.sub_group_elements = sc.sub_group_elements;
   oo.buffer_count = sc.optimizer_buffer_count;
+  oo.state_slots = sc.optimizer_state_slots;
   oo.optimizer = sc.optimizer;
   oo.half_dtype = ToHalf(sc.param_dtype);
   oo.cpu = cpu;

@@ -567,6 +567,21 @@ TEST_CASE("Schedule JSON round-trips and rejects what it does not know") {
             .message()
             .find("nvme.intra_op_parallelism") != std::string::npos);
   CHECK(parse(R"({"nvme": {"intra_op_parallelism": 65}})").code() == StatusCode::kInvalidArgument);
+  // optimizer.state_slots: absent is 2 (the crash-safe store), 1 is kept, anything else refused
+  // naming the key.
+  CHECK(ScheduleFromJson(nlohmann::json::parse("{}"), "s.json")->optimizer_state_slots == 2);
+  auto one = ScheduleFromJson(nlohmann::json::parse(R"({"optimizer": {"state_slots": 1}})"), "s");
+  REQUIRE_OK(one);
+  CHECK(one->optimizer_state_slots == 1);
+  CHECK(ToJson(*one)["optimizer"]["state_slots"] == 1);
+  for (const char* bad :
+       {R"({"optimizer": {"state_slots": 0}})", R"({"optimizer": {"state_slots": 3}})",
+        R"({"optimizer": {"state_slots": -1}})", R"({"optimizer": {"state_slots": "1"}})"}) {
+    CAPTURE(bad);
+    Status refused = parse(bad);
+    CHECK(refused.code() == StatusCode::kInvalidArgument);
+    CHECK(refused.message().find("optimizer.state_slots") != std::string::npos);
+  }
 }
 
 }  // namespace

@@ -189,6 +189,57 @@ TEST_CASE("Engine clips by the global norm as torch's clip_grad_norm_, to the bi
   }
 }
 
+TEST_CASE("Engine with one state slot: the same bits; a step that may clip waits for the norm") {
+  // optimizer.state_slots 1 (Note [One slot per sub-group] in optimizer_swapper.cc): a prepared
+  // step that may clip or skip is never run beside backward, since a redone or dropped step would
+  // have rewritten the only copy of the states; one that cannot runs beside backward as with two
+  // slots. The results are the serial step's, bit for bit, and a clean close resumes.
+  const ToyModel model = Model();
+  const uint64_t steps = 5;
+  const Reference unclipped =
+      ReferenceRun(model, steps, 0, [](uint64_t t, uint64_t) { return Options(t); });
+  const double max_norm = (unclipped.norms[1] + unclipped.norms[2]) / 2;
+  const Reference clipped =
+      ReferenceRun(model, steps, max_norm, [](uint64_t t, uint64_t) { return Options(t); });
+  for (bool clip : {false, true}) {
+    CAPTURE(clip);
+    TempDir dir("engine-oneslot-");
+    Schedule sc = TestSchedule(Tier::kCpu, Tier::kNvme, dir.PathOf("nvme"), ElementType::kFloat32);
+    sc.optimizer_state_slots = 1;
+    const uint64_t first = clip ? steps : 3;
+    {
+      Run run = StartEngine(model, sc);
+      for (uint64_t t = 1; t <= first; ++t) {
+        TrainStep(run, model, t, StepOptions{{Options(t)}, clip ? max_norm : 0.0}, true);
+        const EngineStepProfile profile = run.engine->stats().step_profile;
+        CHECK(profile.overlapped == !clip);
+        CHECK(profile.clipping == (clip ? "deferred" : ""));
+      }
+      if (clip) {
+        const std::vector<float> got = EngineWeights(run, model);
+        CHECK(std::memcmp(got.data(), clipped.weights.data(), got.size() * 4) == 0);
+        continue;
+      }
+      REQUIRE_OK(run.engine->Close());
+    }
+    // Resumed after a clean close: the rest of the run, as if never interrupted.
+    RecoveryReport report;
+    Run run = StartEngine(model, sc, /*resume=*/true, &report);
+    CHECK(report.epoch == first);
+    CHECK_FALSE(report.torn);
+    for (uint64_t t = first + 1; t <= steps; ++t) {
+      TrainStep(run, model, t, StepOptions{{Options(t)}}, true);
+    }
+    const std::vector<float> got = EngineWeights(run, model);
+    CHECK(std::memcmp(got.data(), unclipped.weights.data(), got.size() * 4) == 0);
+  }
+  Schedule bad = TestSchedule(Tier::kCpu, Tier::kNvme, "/x", ElementType::kFloat32);
+  bad.optimizer_state_slots = 3;
+  Status refused = bad.Validate();
+  CHECK(refused.code() == StatusCode::kInvalidArgument);
+  CHECK(refused.message().find("schedule: optimizer.state_slots must be 1") == 0);
+}
+
 TEST_CASE("Engine measures the global norm over ZeRO-3 ranks and clips them alike") {
   const ToyModel model = Model();
   const int world = 2;

@@ -14,6 +14,44 @@
 // largest epoch that every sub-group holds. A slot that is unreadable or ahead of it is the torn
 // step; the next step overwrites it. The cost is twice the NVMe space for states, not twice the
 // I/O: each step still reads and writes every state once.
+//
+// Note [One slot per sub-group]
+// For a drive too small for two copies of the states (OptimizerSwapperOptions::state_slots 1),
+// each sub-group has one state value, "state.<i>.0", and every step rewrites it in place: same
+// key, same size, so SwapStore::Put rewrites the same extent, and the store needs half the space
+// for states. Reads and writes per step are unchanged, and so is every result, bit for bit: a
+// sub-group's states are read (ahead or not) before that sub-group is stepped and written, and
+// each sub-group is read and written once a step. What is given up is the torn-step safety of
+// Note [Two slots per sub-group]; the crash semantics are instead:
+//   - The begun marker (kBegunKey) of step E + 1 is committed (put and synced) before the step's
+//     first write, whatever sync_every_step says, and the commit marker (kCommittedKey) at the end
+//     says E + 1 once every sub-group is written (synced with the step when sync_every_step, else
+//     by the next step's begun marker or Sync() or Close()).
+//   - A process killed between them leaves each sub-group holding step E, step E + 1, or torn
+//     bytes, and no way back to either whole step. Open() refuses such a store with DataLoss: the
+//     begun marker ahead of the commit (the first thing it reads), a sub-group whose header holds
+//     another step than the commit, an unreadable marker or header (checksum failures) each fail
+//     it, naming the store, saying it keeps one slot, which step was interrupted, and that
+//     training must restart from a checkpoint. It never resumes from a mix. A crash after the
+//     begun marker and before the first write is refused too: the marker cannot say whether a
+//     write began (the conservative side).
+//   - In the process, a step that ends uncommitted after its writer began rewriting a sub-group
+//     (an I/O error, the update callback's error, AbortStep(), FinishStep(false), a failed Load())
+//     marks the swapper torn (Impl::torn_step): every later Step(), BeginStep(), Load() and read
+//     fails with DataLoss saying the same, so that a retry can never step from a mix, and the
+//     begun marker stays ahead of the commit, so Open() refuses the store too. One that ends
+//     before any write (its sub-groups only read, or never handed over) puts the begun marker back
+//     and leaves the store as it was.
+//   - A store whose last step committed (FinishStep()) and closed cleanly resumes exactly as
+//     with two slots.
+//   - Going back a step is impossible: OptimizerSwapperOptions::max_epoch below the committed
+//     step is DataLoss (the ranks of a job killed between two ranks' commits cannot agree: Note
+//     [Resuming ranks] in engine_optimizer.cc), and the engine does not run beside backward a step
+//     that the norm may make it redo or skip (it waits for the norm: Note [Clipping by the global
+//     norm]); a prepared step abandoned for another reason after its first write (an I/O error,
+//     other options at Step(), AbandonStep()) leaves the store torn as above.
+// The store's metadata says "state_slots": 1 (format version 2, which memplans reading version 1
+// only refuse), and Open() needs the same value in its options.
 #include "offload/optimizer_swapper.h"
 
 #include <algorithm>
@@ -214,6 +252,10 @@ Status OptimizerSwapperOptions::Validate() const {
     return Status::InvalidArgument("buffer_count must be at least 2, not " +
                                    std::to_string(buffer_count));
   }
+  if (state_slots != 1 && state_slots != 2) {
+    return Status::InvalidArgument("state_slots must be 1 or 2, not " +
+                                   std::to_string(state_slots));
+  }
   if (store.directory.empty()) return Status::InvalidArgument("the store directory is empty");
   if (identity.size() > kMaxIdentityBytes) {
     return Status::InvalidArgument("the store's identity is " + std::to_string(identity.size()) +
@@ -242,7 +284,7 @@ uint64_t OptimizerSwapper::RequiredStoreBytes(const OptimizerSwapperOptions& opt
   const uint64_t full = num_elements / sg;
   const uint64_t tail = num_elements % sg;
   auto per_group = [&](uint64_t n) {
-    return 2 * RoundUp(kHeaderBytes + (1 + states) * 4 * n, kExtentAlign) +
+    return options.state_slots * RoundUp(kHeaderBytes + (1 + states) * 4 * n, kExtentAlign) +
            RoundUp(BufferLayout::GradBytes(options.grad_dtype) * n, kExtentAlign);
   };
   return full * per_group(sg) + (tail ? per_group(tail) : 0) + (uint64_t{1} << 20);
@@ -274,6 +316,7 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Create(
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->states = SwapOptimizerStates(options.optimizer);
+  impl->slots = options.state_slots;
   impl->store_id = std::random_device{}() * uint64_t{0x100000000} + std::random_device{}();
 
   nvme::SwapStoreOptions so = options.store;
@@ -310,6 +353,13 @@ Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Create(
     MEMPLAN_RETURN_IF_ERROR(impl->store->Put(
         kMetaKey,
         std::span<const std::byte>(reinterpret_cast<const std::byte*>(meta.data()), meta.size())));
+    if (impl->slots == 1) {
+      // A one-slot store says which step it holds (Note [One slot per sub-group]).
+      const uint64_t zero = 0;
+      MEMPLAN_RETURN_IF_ERROR(impl->store->Put(
+          kCommittedKey,
+          std::span<const std::byte>(reinterpret_cast<const std::byte*>(&zero), sizeof(zero))));
+    }
     return impl->store->Sync();
   };
   if (Status status = initialise(); !status.ok()) {
@@ -347,8 +397,14 @@ Status OptimizerSwapper::Impl::ReadMeta(const std::string& where, uint64_t& num_
   if (!meta.ok()) return Status::DataLoss(meta.status().message());
   try {
     const nlohmann::json& m = *meta;
-    if (m.at("format") != kMetaFormat || m.at("version") != kMetaVersion) {
+    if (m.at("format") != kMetaFormat ||
+        (m.at("version") != kMetaVersion && m.at("version") != kMetaVersionSlots)) {
       return Status::DataLoss(where + ": metadata of an unknown format or version");
+    }
+    slots = m.at("version") == kMetaVersion ? 2 : m.at("state_slots").get<uint32_t>();
+    if (slots != 1 && slots != 2) {
+      return Status::DataLoss(where + ": metadata with " + std::to_string(slots) +
+                              " state slots per sub-group");
     }
     store_id = m.at("store_id").get<uint64_t>();
     num_elements = m.at("num_elements").get<uint64_t>();
@@ -360,6 +416,13 @@ Status OptimizerSwapper::Impl::ReadMeta(const std::string& where, uint64_t& num_
     }
   } catch (const nlohmann::json::exception& e) {
     return Status::DataLoss(where + ": bad metadata: " + e.what());
+  }
+  if (slots != options.state_slots) {
+    return Status::InvalidArgument(where + " keeps " + std::to_string(slots) + " state slot" +
+                                   (slots == 1 ? "" : "s") + " per sub-group (state_slots " +
+                                   std::to_string(slots) + "), not " +
+                                   std::to_string(options.state_slots) +
+                                   ": open it with state_slots " + std::to_string(slots));
   }
   if (sub_group_elements != options.sub_group_elements) {
     return Status::InvalidArgument(where + " has sub-groups of " +
@@ -389,6 +452,7 @@ Status OptimizerSwapper::Impl::ReadMeta(const std::string& where, uint64_t& num_
 Result<RecoveryReport> OptimizerSwapper::Impl::Recover(const std::string& where,
                                                        uint64_t num_elements,
                                                        uint64_t sub_group_elements) {
+  if (slots == 1) return RecoverOneSlot(where, num_elements, sub_group_elements);
   // Recovery: the epochs each sub-group holds whole (Note [Two slots per sub-group]).
   const uint64_t groups = (num_elements + sub_group_elements - 1) / sub_group_elements;
   std::vector<std::array<std::optional<uint64_t>, 2>> held(groups);
@@ -433,8 +497,8 @@ Result<RecoveryReport> OptimizerSwapper::Impl::Recover(const std::string& where,
   std::optional<uint64_t> committed;
   for (const auto& candidate : held[0]) {
     if (!candidate || *candidate > options.max_epoch || *candidate > marker) continue;
-    bool everywhere = std::all_of(held.begin(), held.end(), [&](const auto& slots) {
-      return slots[0] == candidate || slots[1] == candidate;
+    bool everywhere = std::all_of(held.begin(), held.end(), [&](const auto& held_slots) {
+      return held_slots[0] == candidate || held_slots[1] == candidate;
     });
     if (everywhere && (!committed || *candidate > *committed)) committed = candidate;
   }
@@ -479,6 +543,101 @@ Result<RecoveryReport> OptimizerSwapper::Impl::Recover(const std::string& where,
   found.torn = found.torn_sub_groups > 0 || begun > found.epoch;
   if (found.torn) found.torn_epoch = found.epoch + 1;
   return found;
+}
+
+// Open()'s second step for a one-slot store (Note [One slot per sub-group]): the committed step,
+// which every sub-group must hold, or DataLoss.
+Result<RecoveryReport> OptimizerSwapper::Impl::RecoverOneSlot(const std::string& where,
+                                                              uint64_t num_elements,
+                                                              uint64_t sub_group_elements) {
+  const std::string restart = "; restart training from a checkpoint";
+  auto read_marker = [&](const char* key, uint64_t* value) -> Status {
+    MEMPLAN_ASSIGN_OR_RETURN(const uint64_t size, store->Size(key));
+    if (size != sizeof(uint64_t)) {
+      return Status::DataLoss(std::string(key) + " holds " + std::to_string(size) + " bytes");
+    }
+    return store->Get(key, std::span<std::byte>(reinterpret_cast<std::byte*>(value), size));
+  };
+  uint64_t committed = 0, begun = 0;
+  if (Status read = read_marker(kCommittedKey, &committed); !read.ok()) {
+    return Status::DataLoss(where +
+                            ": keeps one state slot per sub-group (state_slots 1) and its commit "
+                            "marker is unreadable (" +
+                            read.message() + "), so which step it holds is unknown" + restart);
+  }
+  if (Status read = read_marker(kBegunKey, &begun);
+      !read.ok() && read.code() != StatusCode::kNotFound) {
+    return Status::DataLoss(where +
+                            ": keeps one state slot per sub-group (state_slots 1) and its begun "
+                            "marker is unreadable (" +
+                            read.message() + "), so whether a step was interrupted is unknown" +
+                            restart);
+  }
+  if (begun > committed) {
+    return Status::DataLoss(
+        where + ": step " + std::to_string(begun) +
+        " was begun and never committed, and the store keeps one state slot per sub-group "
+        "(state_slots 1): that step rewrote the sub-groups' states in place, so the store holds "
+        "a mix of steps " +
+        std::to_string(committed) + " and " + std::to_string(begun) + " that cannot be resumed" +
+        restart);
+  }
+  if (committed > options.max_epoch) {
+    return Status::DataLoss(where + ": step " + std::to_string(options.max_epoch) +
+                            " asked for, but the store keeps one state slot per sub-group "
+                            "(state_slots 1) and holds its last step, " +
+                            std::to_string(committed) + ", only" + restart);
+  }
+  const uint64_t groups = (num_elements + sub_group_elements - 1) / sub_group_elements;
+  for (uint64_t i = 0; i < groups; ++i) {
+    const uint64_t first = i * sub_group_elements;
+    const uint64_t n = std::min(sub_group_elements, num_elements - first);
+    const std::string key = StateKey(i, 0);
+    const std::string mix =
+        " (a one-slot store, state_slots 1, holding a mix of steps cannot be "
+        "resumed" +
+        restart + ")";
+    auto size = store->Size(key);
+    if (!size.ok() || *size != kHeaderBytes + (1 + states) * 4 * n) {
+      return Status::DataLoss(where + ": " + key +
+                              (size.ok() ? " has the wrong size " + std::to_string(*size)
+                                         : std::string(" is missing")) +
+                              mix);
+    }
+    SlotHeader h{};
+    Status read =
+        store->GetRange(key, 0, std::span<std::byte>(reinterpret_cast<std::byte*>(&h), sizeof(h)));
+    if (read.code() == StatusCode::kDataLoss) {
+      return Status::DataLoss(where + ": " + read.message() + mix);
+    }
+    MEMPLAN_RETURN_IF_ERROR(read.WithPrefix(where));
+    Result<uint64_t> epoch = CheckHeader(h, i, 0, first, n);
+    if (!epoch.ok()) return Status::DataLoss(where + ": " + epoch.status().message() + mix);
+    if (*epoch != committed) {
+      return Status::DataLoss(where + ": sub-group " + std::to_string(i) + " holds step " +
+                              std::to_string(*epoch) + " but the last commit is step " +
+                              std::to_string(committed) + mix);
+    }
+  }
+  RecoveryReport found;
+  found.epoch = committed;
+  return found;
+}
+
+void OptimizerSwapper::Impl::EndUncommitted(uint64_t to, bool wrote) {
+  if (slots != 1) return;
+  if (!wrote) {
+    // Nothing rewritten: the committed step is whole; say so on disk too.
+    const uint64_t back = to - 1;
+    Status restored = store->Put(
+        kBegunKey,
+        std::span<const std::byte>(reinterpret_cast<const std::byte*>(&back), sizeof(back)));
+    if (restored.ok()) restored = store->Sync();
+    if (restored.ok()) return;
+    // The marker on disk still says `to` was begun: Open() will refuse the store, and so does
+    // this swapper, rather than the two disagree.
+  }
+  torn_step = to;
 }
 
 Result<std::unique_ptr<OptimizerSwapper>> OptimizerSwapper::Open(
@@ -578,12 +737,16 @@ Status OptimizerSwapper::ReadRange(uint64_t sub_group, int array, uint64_t offse
                                    std::to_string(offset) + ", " +
                                    std::to_string(offset + out.size()) + ") asked for");
   }
-  const std::string key = StateKey(sub_group, epoch_ % 2);
+  if (s.torn_step != 0) {
+    return s.TornError("reading sub-group " + std::to_string(sub_group) + " of the optimizer");
+  }
+  const uint64_t slot = s.SlotOf(epoch_);
+  const std::string key = StateKey(sub_group, slot);
   SlotHeader h{};
   MEMPLAN_RETURN_IF_ERROR(
       s.store->GetRange(key, 0, std::span<std::byte>(reinterpret_cast<std::byte*>(&h), sizeof(h))));
   MEMPLAN_ASSIGN_OR_RETURN(uint64_t epoch,
-                           s.CheckHeader(h, sub_group, epoch_ % 2, SubGroupBegin(sub_group), n));
+                           s.CheckHeader(h, sub_group, slot, SubGroupBegin(sub_group), n));
   if (epoch != epoch_) {
     return Status::DataLoss("state slot " + key + " holds epoch " + std::to_string(epoch) +
                             ", expected " + std::to_string(epoch_));
@@ -603,48 +766,63 @@ Status OptimizerSwapper::Load(const ArrayFiller& fill, std::span<const bool> arr
   Impl& s = *impl_;
   if (s.closed) return Status::FailedPrecondition("the optimizer swapper is closed");
   if (s.run) return Status::FailedPrecondition("a step is begun; finish or abort it first");
+  if (s.torn_step != 0) return s.TornError("load");
   if (arrays.size() != static_cast<size_t>(1 + s.states)) {
     return Status::InvalidArgument("load: " + std::to_string(arrays.size()) + " array flags for " +
                                    std::to_string(1 + s.states) + " arrays");
   }
   if (!fill) return Status::InvalidArgument("load: no filler given");
   // As a step (Note [Two slots per sub-group]): the begun marker, every sub-group's new value in
-  // its other slot, then the commit; the slot of epoch() is never touched.
+  // its other slot, then the commit; the slot of epoch() is never touched. With one slot the
+  // values are rewritten in place (Note [One slot per sub-group]).
   const uint64_t from = epoch_, to = epoch_ + 1;
-  MEMPLAN_RETURN_IF_ERROR(s.store->Put(
-      kBegunKey, std::span<const std::byte>(reinterpret_cast<const std::byte*>(&to), sizeof(to))));
-  MEMPLAN_RETURN_IF_ERROR(s.store->Sync().WithPrefix("beginning load " + std::to_string(to)));
-  const size_t b = 0;
-  for (uint64_t i = 0; i < sub_group_count_; ++i) {
-    const uint64_t n = SubGroupSize(i);
-    std::span<std::byte> value = s.Value(b, n);
-    const std::string where = "load " + std::to_string(to) + ", sub-group " + std::to_string(i);
-    MEMPLAN_RETURN_IF_ERROR(s.store->Get(StateKey(i, from % 2), value).WithPrefix(where));
-    SlotHeader h;
-    std::memcpy(&h, value.data(), sizeof(h));
-    MEMPLAN_ASSIGN_OR_RETURN(const uint64_t held,
-                             s.CheckHeader(h, i, from % 2, SubGroupBegin(i), n));
-    if (held != from) {
-      return Status::DataLoss(where + ": slot holds epoch " + std::to_string(held) + ", expected " +
-                              std::to_string(from));
-    }
-    for (int a = 0; a <= s.states; ++a) {
-      if (arrays[static_cast<size_t>(a)]) {
-        MEMPLAN_RETURN_IF_ERROR(fill(i, a, s.Array(b, a, n)).WithPrefix(where));
+  bool wrote = false;
+  Status status = [&]() -> Status {
+    MEMPLAN_RETURN_IF_ERROR(s.store->Put(
+        kBegunKey,
+        std::span<const std::byte>(reinterpret_cast<const std::byte*>(&to), sizeof(to))));
+    MEMPLAN_RETURN_IF_ERROR(s.store->Sync().WithPrefix("beginning load " + std::to_string(to)));
+    const size_t b = 0;
+    for (uint64_t i = 0; i < sub_group_count_; ++i) {
+      const uint64_t n = SubGroupSize(i);
+      std::span<std::byte> value = s.Value(b, n);
+      const std::string where = "load " + std::to_string(to) + ", sub-group " + std::to_string(i);
+      MEMPLAN_RETURN_IF_ERROR(s.store->Get(StateKey(i, s.SlotOf(from)), value).WithPrefix(where));
+      SlotHeader h;
+      std::memcpy(&h, value.data(), sizeof(h));
+      MEMPLAN_ASSIGN_OR_RETURN(const uint64_t held,
+                               s.CheckHeader(h, i, s.SlotOf(from), SubGroupBegin(i), n));
+      if (held != from) {
+        return Status::DataLoss(where + ": slot holds epoch " + std::to_string(held) +
+                                ", expected " + std::to_string(from));
       }
+      for (int a = 0; a <= s.states; ++a) {
+        if (arrays[static_cast<size_t>(a)]) {
+          MEMPLAN_RETURN_IF_ERROR(fill(i, a, s.Array(b, a, n)).WithPrefix(where));
+        }
+      }
+      h = s.MakeHeader(to, i, SubGroupBegin(i), n);
+      std::memcpy(value.data(), &h, sizeof(h));
+      wrote = true;
+      MEMPLAN_RETURN_IF_ERROR(s.store->Put(StateKey(i, s.SlotOf(to)), value).WithPrefix(where));
     }
-    h = s.MakeHeader(to, i, SubGroupBegin(i), n);
-    std::memcpy(value.data(), &h, sizeof(h));
-    MEMPLAN_RETURN_IF_ERROR(s.store->Put(StateKey(i, to % 2), value).WithPrefix(where));
+    MEMPLAN_RETURN_IF_ERROR(s.store->Put(
+        kCommittedKey,
+        std::span<const std::byte>(reinterpret_cast<const std::byte*>(&to), sizeof(to))));
+    return s.store->Sync().WithPrefix("committing load " + std::to_string(to));
+  }();
+  if (!status.ok()) {
+    s.EndUncommitted(to, wrote);
+    return status;
   }
-  MEMPLAN_RETURN_IF_ERROR(s.store->Put(
-      kCommittedKey,
-      std::span<const std::byte>(reinterpret_cast<const std::byte*>(&to), sizeof(to))));
-  MEMPLAN_RETURN_IF_ERROR(s.store->Sync().WithPrefix("committing load " + std::to_string(to)));
   epoch_ = to;
   s.stats.epoch = to;
   return Status::Ok();
 }
+
+uint32_t OptimizerSwapper::state_slots() const { return impl_->slots; }
+
+uint64_t OptimizerSwapper::torn_step() const { return impl_->torn_step; }
 
 Status OptimizerSwapper::Sync() {
   if (impl_->closed) return Status::FailedPrecondition("the optimizer swapper is closed");

@@ -21,6 +21,15 @@
 // resumes from there. A Step() that fails (an I/O error, a callback's error) likewise leaves the
 // last committed step intact, and may simply be retried once gradients are written again.
 //
+// One slot (state_slots 1, Note [One slot per sub-group] in optimizer_swapper.cc): for a drive too
+// small for two copies of the states, every step rewrites each sub-group's states in place, and
+// the store needs half the space for them. The price is the torn-step safety above: a process
+// killed after a step's first write, or a step that fails or is abandoned after it, leaves a mix
+// of two steps that cannot be resumed. Open() then fails with DataLoss naming the step, and the
+// swapper that saw the failure refuses every further step and read (DataLoss): training restarts
+// from a checkpoint. A step that ends before its first write (an abandoned step whose sub-groups
+// were only read) leaves the store as it was. A clean commit resumes exactly as with two slots.
+//
 // Gradients are written per sub-group with WriteGradients() (fp32) or, when the swapper was made
 // with a 16-bit grad_dtype, WriteHalfGradients() (bf16 / fp16, as a mixed-precision backward
 // leaves them: half the bytes to store and read, and the Adam kernel widens them as it loads them)
@@ -122,6 +131,11 @@ struct OptimizerSwapperOptions {
   // which then go back one step. Each sub-group keeps the step before its newest in its other
   // slot, so one step back is possible; DataLoss beyond that. Default: the newest complete step.
   uint64_t max_epoch = UINT64_MAX;
+  // State slots per sub-group, 2 (the default) or 1. 2: each step writes the slot the last step
+  // did not, so a crash or a failed step leaves the last committed step whole. 1: each step
+  // rewrites the states in place, in half the store space, and gives that safety up (Note [One
+  // slot per sub-group]). Fixed when the store is created; Open() needs the store's value.
+  uint32_t state_slots = 2;
   // Test seam: when set, the store runs on the backend this returns (e.g. an nvme::FaultBackend)
   // instead of one made from store.backend.
   std::function<Result<std::unique_ptr<nvme::Backend>>()> make_backend;
@@ -213,8 +227,8 @@ class OptimizerSwapper {
  public:
   // Bytes of one pinned buffer for these options (page-rounded by the pool).
   static uint64_t RequiredSlotBytes(const OptimizerSwapperOptions& options);
-  // Store capacity a partition of `num_elements` needs (two state slots and one gradient per
-  // sub-group, alignment and metadata included).
+  // Store capacity a partition of `num_elements` needs (options.state_slots state slots and one
+  // gradient per sub-group, alignment and metadata included).
   static uint64_t RequiredStoreBytes(const OptimizerSwapperOptions& options, uint64_t num_elements);
 
   // Creates a new store for a partition of `num_elements` (> 0), filling the initial parameters
@@ -225,8 +239,10 @@ class OptimizerSwapper {
                                                           uint64_t num_elements,
                                                           const ParamFiller& fill);
   // Reopens a store left by Create() (by this process or one that died). The geometry and the
-  // optimizer come from the store; options.sub_group_elements and options.optimizer must match
-  // them. `report` (optional) receives what recovery found.
+  // optimizer come from the store; options.sub_group_elements, options.optimizer and
+  // options.state_slots must match them. `report` (optional) receives what recovery found.
+  // DataLoss for a one-slot store whose last step began and never committed (Note [One slot per
+  // sub-group]): it holds a mix of two steps.
   static Result<std::unique_ptr<OptimizerSwapper>> Open(const OptimizerSwapperOptions& options,
                                                         RecoveryReport* report = nullptr);
   ~OptimizerSwapper();
@@ -251,7 +267,9 @@ class OptimizerSwapper {
   // sub-group's new parameters in order. Needs every sub-group's gradients written since the last
   // step (FailedPrecondition naming the first missing one). On success epoch() advances and, with
   // sync_every_step, the step is committed; on failure epoch() is unchanged and the committed
-  // states are intact, the gradients still written.
+  // states are intact, the gradients still written. With one state slot a failure after the
+  // step's first write leaves the store torn instead: torn_step() says which step, and every
+  // later step and read fails with DataLoss.
   // `segments` (optional): per-parameter step counts and skipped parameters (StepSegment); the
   // epoch still advances by one.
   Status Step(const SwapStepOptions& options, const UpdateCallback& on_update = nullptr,
@@ -292,14 +310,16 @@ class OptimizerSwapper {
   // Ends the begun step: waits for the pipeline, commits (sync_every_step) and advances epoch().
   // On failure (an I/O error, the callback's error, a sub-group never handed over) the step is
   // over and nothing of it is committed: epoch() and the committed states are unchanged, and the
-  // error names the step and the sub-group.
+  // error names the step and the sub-group (one state slot: torn once a sub-group was written).
   Status FinishStep();
   // With `commit` false: the step is run to its end (every sub-group stepped and written to its
   // other slot, the gradients given with store_gradients stored) and then dropped, uncommitted:
   // epoch() stays, and Step() may run it again from the stored gradients (the engine's redo of a
-  // step that must be clipped, Note [Clipping by the global norm] in engine.cc).
+  // step that must be clipped, Note [Clipping by the global norm] in engine.cc). Not with one
+  // state slot: the states were rewritten in place, so the store is then torn (torn_step()).
   Status FinishStep(bool commit);
-  // Abandons the begun step (a no-op without one): the pipeline stops, nothing is committed.
+  // Abandons the begun step (a no-op without one): the pipeline stops, nothing is committed. With
+  // one state slot, a step that wrote any sub-group leaves the store torn (torn_step()).
   void AbortStep();
   // The gradients given with store_gradients will not be needed (the step will be committed as it
   // runs): those not written yet are not written (a no-op without a begun step).
@@ -317,6 +337,13 @@ class OptimizerSwapper {
   Status ReadRange(uint64_t sub_group, int array, uint64_t offset, std::span<float> out);
   // Commits now (only needed with sync_every_step off).
   Status Sync();
+  // The store's state slots per sub-group (OptimizerSwapperOptions::state_slots).
+  uint32_t state_slots() const;
+  // One state slot: the step that failed or was abandoned after rewriting sub-groups in place
+  // (Note [One slot per sub-group]); 0 when none. While it is set the store holds a mix of that
+  // step and the one before: Step(), BeginStep(), Load() and the reads fail with DataLoss, and a
+  // later Open() refuses the store.
+  uint64_t torn_step() const;
 
   // The identity the store was created with (OptimizerSwapperOptions::identity); empty for a store
   // made without one (or by a memplan that did not record it).

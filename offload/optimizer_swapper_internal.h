@@ -40,7 +40,10 @@ constexpr const char* kCommittedKey = "swapper.committed";
 constexpr const char* kIdentityKey = "swapper.identity";
 constexpr uint64_t kMaxIdentityBytes = uint64_t{64} << 20;
 constexpr const char* kMetaFormat = "memplan-optimizer-swapper";
+// Version 1: two state slots per sub-group. Version 2 adds "state_slots" (1): a memplan that
+// reads version 1 only refuses such a store rather than misreading its one slot as a torn step.
 constexpr int kMetaVersion = 1;
+constexpr int kMetaVersionSlots = 2;
 
 // The first bytes of every state value. Fixed-width fields, little-endian as the host (a store
 // is not meant to move between machines of different byte order).
@@ -156,9 +159,26 @@ struct OptimizerSwapper::Impl {
   std::vector<bool> grads_written;
   OptimizerSwapperStats stats;
   bool closed = false;
+  uint32_t slots = 2;  // state slots per sub-group (options', or the store's)
+  // One slot: the step that failed or was abandoned after rewriting a sub-group in place (Note
+  // [One slot per sub-group]); 0 when none.
+  uint64_t torn_step = 0;
   std::unique_ptr<StepRun> run;      // the begun step, if any
   std::vector<uint64_t> last_order;  // the hand-over order of the last overlapped step
   bool serial = false;               // Step() is beginning its step
+
+  // The slot that holds (or receives) epoch E's states.
+  uint64_t SlotOf(uint64_t epoch) const { return slots == 1 ? 0 : epoch % 2; }
+
+  // The refusal of a torn one-slot store (Note [One slot per sub-group]); `what` is refused.
+  Status TornError(const std::string& what) const {
+    return Status::DataLoss(
+        what + ": step " + std::to_string(torn_step) +
+        " stopped after rewriting sub-groups in place, and the optimizer store keeps one state "
+        "slot per sub-group (state_slots 1), so it now holds a mix of steps " +
+        std::to_string(torn_step - 1) + " and " + std::to_string(torn_step) +
+        " that cannot be resumed; restart training from a checkpoint");
+  }
 
   // Views into buffer b holding a sub-group of n elements.
   std::byte* Base(size_t b) const { return buffers[b].data().data(); }
@@ -213,7 +233,7 @@ struct OptimizerSwapper::Impl {
         h.elements != n || h.state_count != static_cast<uint32_t>(states)) {
       return Status::DataLoss(where + ": header belongs to another store or sub-group");
     }
-    if (h.epoch % 2 != slot) {
+    if (h.epoch % 2 != slot && slots == 2) {
       return Status::DataLoss(where + ": holds epoch " + std::to_string(h.epoch) +
                               ", which belongs in the other slot");
     }
@@ -265,13 +285,21 @@ struct OptimizerSwapper::Impl {
 
   std::string MetaJson(uint64_t num_elements) const {
     nlohmann::json meta = {{"format", kMetaFormat},
-                           {"version", kMetaVersion},
+                           {"version", slots == 2 ? kMetaVersion : kMetaVersionSlots},
                            {"store_id", store_id},
                            {"num_elements", num_elements},
                            {"sub_group_elements", options.sub_group_elements},
                            {"optimizer", std::string(SwapOptimizerName(options.optimizer))}};
+    if (slots != 2) meta["state_slots"] = slots;
     return meta.dump();
   }
+  // One slot: a step (or load) `to` ended uncommitted. `wrote`: it rewrote a sub-group, and the
+  // store is torn; otherwise its begun marker is put back to the committed step, so that the
+  // store reopens as it was (Note [One slot per sub-group]).
+  void EndUncommitted(uint64_t to, bool wrote);
+  // One slot: Open()'s recovery (Note [One slot per sub-group]).
+  Result<RecoveryReport> RecoverOneSlot(const std::string& where, uint64_t num_elements,
+                                        uint64_t sub_group_elements);
 
   // `in_memory`: fp32 gradients handed over (StepSubGroup); empty: those read into buffer b.
   // `group_options`: per parameter group; unsegmented, the sub-group takes the first.
@@ -332,6 +360,9 @@ struct OptimizerSwapper::StepRun {
   uint64_t read_bytes = 0, write_bytes = 0, in_memory = 0, read_ahead = 0, evicted = 0;
   uint64_t grad_write_bytes = 0;           // the writer's, for store_gradients jobs
   std::atomic<bool> store_stopped{false};  // StopStoringGradients()
+  // The writer began writing a sub-group's states (set before its first Put): with one slot the
+  // store's committed step is no longer whole from then on (Note [One slot per sub-group]).
+  std::atomic<bool> wrote{false};
 
   // Stops the step: every stage returns at its next queue operation, and the gradients handed
   // over that the compute thread has not taken are released at once (the producer may be waiting

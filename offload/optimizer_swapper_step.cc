@@ -102,6 +102,7 @@ Status OptimizerSwapper::BeginStep(std::span<const SwapStepOptions> options,
   Impl& s = *impl_;
   if (s.closed) return Status::FailedPrecondition("the optimizer swapper is closed");
   if (s.run) return Status::FailedPrecondition("a step is begun already");
+  if (s.torn_step != 0) return s.TornError("step " + std::to_string(epoch_ + 1));
   if (options.empty()) return Status::InvalidArgument("step: no options given");
   for (const SwapStepOptions& o : options) {
     MEMPLAN_RETURN_IF_ERROR(ValidateSwapStepOptions(s.options.optimizer, o));
@@ -115,16 +116,20 @@ Status OptimizerSwapper::BeginStep(std::span<const SwapStepOptions> options,
   run->start = std::chrono::steady_clock::now();
   run->jobs.resize(sub_group_count_);
   run->group_of.assign(s.buffers.size(), 0);
-  if (s.options.sync_every_step) {
+  if (s.options.sync_every_step || s.slots == 1) {
     // Record that step `to` has begun before anything of it is written, so that a crash before its
     // commit is reported as a torn step even where no slot shows it (the first step's slots are
-    // new keys, which a crash simply loses).
+    // new keys, which a crash simply loses). With one slot, always: it is what tells Open() that
+    // the store holds a mix (Note [One slot per sub-group] in optimizer_swapper.cc).
     const uint64_t begun = run->to;
-    MEMPLAN_RETURN_IF_ERROR(s.store->Put(
+    Status marked = s.store->Put(
         kBegunKey,
-        std::span<const std::byte>(reinterpret_cast<const std::byte*>(&begun), sizeof(begun))));
-    MEMPLAN_RETURN_IF_ERROR(
-        s.store->Sync().WithPrefix("beginning step " + std::to_string(run->to)));
+        std::span<const std::byte>(reinterpret_cast<const std::byte*>(&begun), sizeof(begun)));
+    if (marked.ok()) marked = s.store->Sync();
+    if (!marked.ok()) {
+      s.EndUncommitted(begun, /*wrote=*/false);  // one slot: the marker back, nothing written
+      return marked.WithPrefix("beginning step " + std::to_string(begun));
+    }
   }
   for (size_t b = 0; b < s.buffers.size(); ++b) run->reader_q.Push(kFreed + b);
   run->serial = s.serial;
@@ -171,15 +176,15 @@ void OptimizerSwapper::StepRun::RunReader(const OptimizerSwapper& sw, Impl& s) {
     std::span<std::byte> value = s.Value(b, n);
     Status st;
     if (states) {
-      st = s.store->Get(StateKey(i, from % 2), value);
+      st = s.store->Get(StateKey(i, s.SlotOf(from)), value);
       if (st.ok()) {
         SlotHeader h;
         std::memcpy(&h, value.data(), sizeof(h));
-        auto epoch = s.CheckHeader(h, i, from % 2, sw.SubGroupBegin(i), n);
+        auto epoch = s.CheckHeader(h, i, s.SlotOf(from), sw.SubGroupBegin(i), n);
         if (!epoch.ok()) {
           st = epoch.status();
         } else if (*epoch != from) {
-          st = Status::DataLoss("state slot " + StateKey(i, from % 2) + " holds epoch " +
+          st = Status::DataLoss("state slot " + StateKey(i, s.SlotOf(from)) + " holds epoch " +
                                 std::to_string(*epoch) + ", expected " + std::to_string(from));
         }
       }
@@ -322,7 +327,8 @@ void OptimizerSwapper::StepRun::RunWriter(const OptimizerSwapper& sw, Impl& s) {
     const auto t0 = std::chrono::steady_clock::now();
     const uint64_t i = group_of[*b];
     std::span<std::byte> value = s.Value(*b, sw.SubGroupSize(i));
-    Status st = s.store->Put(StateKey(i, to % 2), value);
+    wrote.store(true, std::memory_order_release);  // from here a one-slot store is torn
+    Status st = s.store->Put(StateKey(i, s.SlotOf(to)), value);
     Job& job = jobs[i];
     uint64_t grad_bytes = 0;
     if (st.ok() && job.store) {
@@ -444,12 +450,16 @@ Status OptimizerSwapper::FinishStep(bool commit) {
   r.Join();
   if (status.ok()) status = r.error.Get();
   if (!commit) {
-    // Run to its end and dropped: nothing committed, the stored gradients kept for Step().
+    // Run to its end and dropped: nothing committed, the stored gradients kept for Step() (with
+    // two slots; one slot's states were rewritten: torn).
     s.stats.last_step.grad_wait_s = r.grad_wait_s;
     const bool serial = r.serial;
     const std::vector<uint64_t> order = r.order;
+    const uint64_t to = r.to;
+    const bool wrote = r.wrote.load(std::memory_order_acquire);
     s.run.reset();
     if (!serial && order.size() == sub_group_count_) s.last_order = order;
+    s.EndUncommitted(to, wrote);
     return status;
   }
   double sync_s = 0;
@@ -483,10 +493,12 @@ Status OptimizerSwapper::FinishStep(bool commit) {
   }
   last.sub_groups_read_ahead = r.read_ahead;
   const uint64_t to = r.to;
+  const bool wrote = r.wrote.load(std::memory_order_acquire);
   if (!r.serial && r.order.size() == sub_group_count_) s.last_order = r.order;
   s.run.reset();
   if (!status.ok()) {
     ++s.stats.failed_steps;
+    s.EndUncommitted(to, wrote);
     return status;
   }
   epoch_ = to;
@@ -505,6 +517,9 @@ void OptimizerSwapper::AbortStep() {
   if (!s.run) return;
   s.run->Abort(Status::FailedPrecondition("step " + std::to_string(s.run->to) + " abandoned"));
   s.run->Join();
+  const uint64_t to = s.run->to;
+  const bool wrote = s.run->wrote.load(std::memory_order_acquire);
   s.run.reset();
+  s.EndUncommitted(to, wrote);
 }
 }  // namespace memplan::offload

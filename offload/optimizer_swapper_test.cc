@@ -4,6 +4,7 @@
 #include "offload/optimizer_swapper.h"
 
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -723,6 +724,274 @@ TEST_CASE("A process SIGKILLed mid-step leaves a store that reports the torn ste
     CHECK_FALSE(clean.torn);
     CHECK(clean.epoch == 5);
   }
+}
+
+// ---- One state slot (Note [One slot per sub-group]) -------------------------------------------
+
+OptimizerSwapperOptions OneSlot(const std::string& dir) {
+  OptimizerSwapperOptions o = MakeOptions(dir, SwapOptimizer::kAdam);
+  o.state_slots = 1;
+  return o;
+}
+
+// Steps 1..3 serially and step 4 overlapped (sub-groups in reverse, from memory).
+void RunFourSteps(OptimizerSwapper& s) {
+  for (uint64_t t = 1; t <= 3; ++t) {
+    REQUIRE_OK(WriteAllGradients(s, t));
+    REQUIRE_OK(s.Step(Adam(t)));
+  }
+  REQUIRE_OK(s.BeginStep(Adam(4)));
+  std::vector<std::vector<float>> grads(s.sub_group_count());
+  for (uint64_t i = s.sub_group_count(); i-- > 0;) {
+    grads[i] = GradientsOf(s, 4, i);
+    REQUIRE_OK(s.StepSubGroup(i, grads[i]));
+  }
+  REQUIRE_OK(s.FinishStep());
+}
+
+uint64_t FileBytes(const std::string& path) {
+  struct stat st {};
+  REQUIRE(::stat(path.c_str(), &st) == 0);
+  return static_cast<uint64_t>(st.st_size);
+}
+
+TEST_CASE("One state slot: the bits of two slots in half the state space, and a clean reopen") {
+  TempDir dir("swapper-");
+  const uint64_t n = 7 * kSubGroup + 300;  // 8 sub-groups, the last one short
+  const OptimizerSwapperOptions two = MakeOptions(dir.PathOf("two"), SwapOptimizer::kAdam);
+  const OptimizerSwapperOptions one = OneSlot(dir.PathOf("one"));
+  // Exact capacities: per sub-group, each state value (4 KiB header + 12 B/element) and the
+  // gradient value rounded to 64 KiB, plus 1 MiB of metadata room.
+  CHECK(OptimizerSwapper::RequiredStoreBytes(two, n) == 8 * (2 * 65536 + 65536) + (1 << 20));
+  CHECK(OptimizerSwapper::RequiredStoreBytes(one, n) == 8 * (65536 + 65536) + (1 << 20));
+  auto a = OptimizerSwapper::Create(two, n, Filler());
+  auto b = OptimizerSwapper::Create(one, n, Filler());
+  REQUIRE_OK(a);
+  REQUIRE_OK(b);
+  CHECK((*a)->state_slots() == 2);
+  CHECK((*b)->state_slots() == 1);
+  // The preallocated data files differ by one copy of the states.
+  CHECK(FileBytes(dir.PathOf("two/memplan-swap.data")) -
+            FileBytes(dir.PathOf("one/memplan-swap.data")) ==
+        8 * 65536);
+  RunFourSteps(**a);
+  RunFourSteps(**b);
+  Reference ref(n);
+  ref.AdamSteps(0, 4);
+  for (int array = -1; array < 2; ++array) {
+    CAPTURE(array);
+    const std::vector<float> got = ReadAll(**b, array);
+    RequireEqualBits(got, ReadAll(**a, array));
+    RequireEqualBits(got, array < 0 ? ref.p : array == 0 ? ref.m : ref.v);
+  }
+  // The same bytes moved per step; the store holds one copy of the states instead of two: the
+  // allocated extents differ by exactly the 8 state values (7 of 16 KiB, one of 8 KiB: 4 KiB
+  // header + 3600 bytes, rounded to the store's 4 KiB blocks).
+  CHECK((*a)->stats().last_step.write_bytes == (*b)->stats().last_step.write_bytes);
+  CHECK((*a)->stats().last_step.read_bytes == (*b)->stats().last_step.read_bytes);
+  CHECK((*a)->stats().store.used_bytes - (*b)->stats().store.used_bytes == 7 * 16384 + 8192);
+  REQUIRE_OK((*b)->Close());
+
+  auto wrong = one;
+  wrong.state_slots = 2;
+  Status refused = OptimizerSwapper::Open(wrong).status();
+  CHECK(refused.code() == StatusCode::kInvalidArgument);
+  CHECK(refused.message().find("keeps 1 state slot per sub-group (state_slots 1), not 2") !=
+        std::string::npos);
+  RecoveryReport report;
+  auto reopened = OptimizerSwapper::Open(one, &report);
+  REQUIRE_MESSAGE(reopened.ok(), reopened.status().ToString());
+  CHECK(report.epoch == 4);
+  CHECK_FALSE(report.torn);
+  REQUIRE_OK(WriteAllGradients(**a, 5));
+  REQUIRE_OK((*a)->Step(Adam(5)));
+  REQUIRE_OK(WriteAllGradients(**reopened, 5));
+  REQUIRE_OK((*reopened)->Step(Adam(5)));
+  RequireEqualBits(ReadAll(**reopened, -1), ReadAll(**a, -1));
+  RequireEqualBits(ReadAll(**reopened, 1), ReadAll(**a, 1));
+  // One slot keeps no step before its last.
+  REQUIRE_OK((*reopened)->Close());
+  auto back = one;
+  back.max_epoch = 4;
+  Status no_back = OptimizerSwapper::Open(back).status();
+  CHECK(no_back.code() == StatusCode::kDataLoss);
+  CHECK(no_back.message().find("holds its last step, 5, only") != std::string::npos);
+
+  for (uint32_t slots : {0u, 3u}) {
+    auto bad = OneSlot(dir.PathOf("bad"));
+    bad.state_slots = slots;
+    Status invalid = OptimizerSwapper::Create(bad, n, Filler()).status();
+    CHECK(invalid.code() == StatusCode::kInvalidArgument);
+    CHECK(invalid.message() == "state_slots must be 1 or 2, not " + std::to_string(slots));
+  }
+}
+
+// What a torn one-slot store says at Open(): DataLoss, naming the slot count, the interrupted
+// step and the way out.
+void CheckRefusedAsTorn(const OptimizerSwapperOptions& options, uint64_t step) {
+  auto refused = OptimizerSwapper::Open(options);
+  REQUIRE_FALSE(refused.ok());
+  const Status& st = refused.status();
+  CAPTURE(st.ToString());
+  CHECK(st.code() == StatusCode::kDataLoss);
+  CHECK(st.message().find("step " + std::to_string(step) + " was begun and never committed") !=
+        std::string::npos);
+  CHECK(st.message().find("one state slot per sub-group (state_slots 1)") != std::string::npos);
+  CHECK(st.message().find("restart training from a checkpoint") != std::string::npos);
+}
+
+TEST_CASE("One state slot: a process killed mid-step is refused with DataLoss, never resumed") {
+  TempDir dir("swapper-");
+  const uint64_t n = 8 * kSubGroup;
+  const OptimizerSwapperOptions options = OneSlot(dir.PathOf("store"));
+  {
+    auto swapper = OptimizerSwapper::Create(options, n, Filler());
+    REQUIRE_OK(swapper);
+    REQUIRE_OK((*swapper)->Close());
+  }
+  SUBCASE("killed in the fourth step, after sub-groups were rewritten in place") {
+    RunKilledChild(options, 3, 6);
+    CheckRefusedAsTorn(options, 4);
+  }
+  SUBCASE("killed in an overlapped step, sub-groups stepped in reverse") {
+    RunKilledChild(options, 2, 1, /*overlapped=*/true);
+    CheckRefusedAsTorn(options, 3);
+  }
+  SUBCASE("killed in the first step") {
+    RunKilledChild(options, 0, 5);
+    CheckRefusedAsTorn(options, 1);
+  }
+  SUBCASE("markers that disagree with the sub-groups (a hostile or damaged store)") {
+    {
+      auto swapper = OptimizerSwapper::Open(options);
+      REQUIRE_OK(swapper);
+      REQUIRE_OK(WriteAllGradients(**swapper, 1));
+      REQUIRE_OK((*swapper)->Step(Adam(1)));
+      REQUIRE_OK((*swapper)->Close());
+    }
+    // Both markers rolled back to step 0: every sub-group holds step 1.
+    nvme::SwapStoreOptions so = options.store;
+    so.open_existing = true;
+    so.keep_files = true;
+    {
+      auto store = nvme::SwapStore::Open(so);
+      REQUIRE_OK(store);
+      const uint64_t zero = 0;
+      const auto bytes = std::as_bytes(std::span<const uint64_t>(&zero, 1));
+      REQUIRE_OK((*store)->Put("swapper.begun", bytes));
+      REQUIRE_OK((*store)->Put("swapper.committed", bytes));
+      REQUIRE_OK((*store)->Close());
+    }
+    Status st = OptimizerSwapper::Open(options).status();
+    CAPTURE(st.ToString());
+    CHECK(st.code() == StatusCode::kDataLoss);
+    CHECK(st.message().find("sub-group 0 holds step 1 but the last commit is step 0") !=
+          std::string::npos);
+    {
+      auto store = nvme::SwapStore::Open(so);
+      REQUIRE_OK(store);
+      REQUIRE_OK((*store)->Erase("swapper.committed"));
+      REQUIRE_OK((*store)->Close());
+    }
+    st = OptimizerSwapper::Open(options).status();
+    CHECK(st.code() == StatusCode::kDataLoss);
+    CHECK(st.message().find("commit marker is unreadable") != std::string::npos);
+  }
+}
+
+TEST_CASE("One state slot: a step that fails after writing refuses every later step and read") {
+  TempDir dir("swapper-");
+  const uint64_t n = 6 * kSubGroup;
+  auto options = OneSlot(dir.PathOf("store"));
+  nvme::FaultBackend* faults = nullptr;
+  options.make_backend = [&]() -> Result<std::unique_ptr<nvme::Backend>> {
+    MEMPLAN_ASSIGN_OR_RETURN(auto inner, nvme::CreatePosixBackend({}));
+    MEMPLAN_ASSIGN_OR_RETURN(auto wrapped, nvme::FaultBackend::Create(std::move(inner)));
+    faults = wrapped.get();
+    return std::unique_ptr<nvme::Backend>(std::move(wrapped));
+  };
+  {
+    auto swapper = OptimizerSwapper::Create(options, n, Filler());
+    REQUIRE_OK(swapper);
+    OptimizerSwapper& s = **swapper;
+    REQUIRE_OK(WriteAllGradients(s, 1));
+    REQUIRE_OK(s.Step(Adam(1)));
+    REQUIRE_OK(WriteAllGradients(s, 2));
+    // The 4th write of step 2 fails: sub-groups before it were rewritten in place.
+    nvme::FaultPlan plan;
+    plan.fail.op = nvme::OpType::kWrite;
+    plan.fail.nth = 4;
+    REQUIRE_OK(faults->SetPlan(plan));
+    Status st = s.Step(Adam(2));
+    CHECK(st.code() == StatusCode::kIoError);
+    CHECK(s.epoch() == 1);
+    CHECK(s.torn_step() == 2);
+    REQUIRE_OK(faults->SetPlan({}));
+    // A retry would step from a mix of steps 1 and 2: refused, as are reads and loads.
+    Status retry = s.Step(Adam(2));
+    CAPTURE(retry.ToString());
+    CHECK(retry.code() == StatusCode::kDataLoss);
+    CHECK(retry.message().find("step 2 stopped after rewriting sub-groups in place") !=
+          std::string::npos);
+    CHECK(retry.message().find("restart training from a checkpoint") != std::string::npos);
+    CHECK(s.BeginStep(Adam(2)).code() == StatusCode::kDataLoss);
+    std::vector<float> out(s.SubGroupSize(0));
+    CHECK(s.ReadParams(0, out).code() == StatusCode::kDataLoss);
+    const bool all[3] = {true, false, false};
+    CHECK(s.Load([](uint64_t, int, std::span<float>) { return Status::Ok(); }, all).code() ==
+          StatusCode::kDataLoss);
+    REQUIRE_OK(s.Close());
+  }
+  CheckRefusedAsTorn(options, 2);
+}
+
+TEST_CASE("One state slot: an abandoned step is torn once written, and harmless before") {
+  TempDir dir("swapper-");
+  const uint64_t n = 4 * kSubGroup;
+  const OptimizerSwapperOptions options = OneSlot(dir.PathOf("store"));
+  auto swapper = OptimizerSwapper::Create(options, n, Filler());
+  REQUIRE_OK(swapper);
+  OptimizerSwapper& s = **swapper;
+  REQUIRE_OK(WriteAllGradients(s, 1));
+  REQUIRE_OK(s.Step(Adam(1)));
+  // Begun and abandoned before any sub-group was handed over (the reader only read ahead): the
+  // store is as it was, on disk too.
+  REQUIRE_OK(s.BeginStep(Adam(2)));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  s.AbortStep();
+  CHECK(s.torn_step() == 0);
+  REQUIRE_OK(s.Close());
+  auto reopened = OptimizerSwapper::Open(options);
+  REQUIRE_MESSAGE(reopened.ok(), reopened.status().ToString());
+  OptimizerSwapper& r = **reopened;
+  CHECK(r.epoch() == 1);
+  Reference ref(n);
+  ref.AdamSteps(0, 1);
+  RequireEqualBits(ReadAll(r, -1), ref.p);
+  SUBCASE("abandoned after every sub-group was written") {
+    REQUIRE_OK(r.BeginStep(Adam(2)));
+    std::vector<std::vector<float>> grads(r.sub_group_count());
+    for (uint64_t i = 0; i < r.sub_group_count(); ++i) {
+      grads[i] = GradientsOf(r, 2, i);
+      REQUIRE_OK(r.StepSubGroup(i, grads[i]));
+    }
+    REQUIRE_OK(r.WaitForUpdates());
+    r.AbortStep();
+    CHECK(r.torn_step() == 2);
+  }
+  SUBCASE("run to its end and dropped (a redo of a clipped step)") {
+    REQUIRE_OK(r.BeginStep(Adam(2)));
+    std::vector<std::vector<float>> grads(r.sub_group_count());
+    for (uint64_t i = 0; i < r.sub_group_count(); ++i) {
+      grads[i] = GradientsOf(r, 2, i);
+      REQUIRE_OK(r.StepSubGroup(i, grads[i], {}, nullptr, /*store_gradients=*/true));
+    }
+    REQUIRE_OK(r.FinishStep(false));
+    CHECK(r.torn_step() == 2);
+    CHECK(r.Step(Adam(2)).code() == StatusCode::kDataLoss);
+  }
+  REQUIRE_OK(r.Close());
+  CheckRefusedAsTorn(options, 2);
 }
 
 TEST_CASE("SGD and Lion run through the swapper like their in-memory kernels") {

@@ -314,6 +314,32 @@ void PredictOptimizerTraffic(const offload::Schedule& s, EnginePrediction* out) 
   out->optimizer_write_bytes_per_step += kBegunMarkBytes;
 }
 
+// What the NVMe stores take on the drive, as the engine preallocates them: the parameter store
+// (engine_params.cc: the partition in the working dtype, 64 KiB per sub-group-sized chunk, 1 MiB)
+// and the optimizer's (OptimizerSwapper::RequiredStoreBytes: per sub-group, state_slots state
+// values and the fp32 gradients, each rounded to 64 KiB, and 1 MiB).
+void PredictStores(const offload::Schedule& s, EnginePrediction* out) {
+  constexpr uint64_t kExtent = uint64_t{64} << 10, kMeta = uint64_t{1} << 20;
+  auto round = [](uint64_t n, uint64_t to) { return (n + to - 1) / to * to; };
+  const uint64_t partition = out->partition_elements;
+  const uint64_t sg = s.sub_group_elements;
+  const uint64_t chunks = (partition + sg - 1) / sg;
+  if (s.param_tier == offload::Tier::kNvme) {
+    out->param_store_bytes = partition * ParamElementBytes(s) + chunks * kExtent + kMeta;
+  }
+  if (s.optimizer_tier == offload::Tier::kNvme) {
+    const auto states = static_cast<uint64_t>(offload::SwapOptimizerStates(s.optimizer));
+    for (uint64_t first = 0; first < partition; first += sg) {
+      const uint64_t n = std::min(sg, partition - first);
+      out->optimizer_store_bytes +=
+          s.optimizer_state_slots * round(kSlotHeaderBytes + (1 + states) * 4 * n, kExtent) +
+          round(4 * n, kExtent);
+    }
+    out->optimizer_store_bytes += kMeta;
+  }
+  out->nvme_store_bytes = out->param_store_bytes + out->optimizer_store_bytes;
+}
+
 std::vector<std::string> Assumptions(const EngineRunOptions& run) {
   return {
       "memplan's offload engine (not DeepSpeed) running this schedule; Note [Engine model] in "
@@ -345,6 +371,7 @@ Result<EnginePrediction> PredictEngine(const offload::Schedule& s,
   MEMPLAN_RETURN_IF_ERROR(PredictPinned(s, run, largest_shard, &out));
   PredictParamTraffic(s, run, std::move(registered), &out);
   PredictOptimizerTraffic(s, &out);
+  PredictStores(s, &out);
   out.nvme_read_bytes_per_step = out.param_read_bytes_per_step + out.optimizer_read_bytes_per_step;
   out.nvme_write_bytes_per_step =
       out.param_write_bytes_per_step + out.optimizer_write_bytes_per_step;
@@ -365,7 +392,10 @@ nlohmann::ordered_json ToJson(const EnginePrediction& p) {
                {"param_write_bytes_per_step", p.param_write_bytes_per_step},
                {"optimizer_read_bytes_per_step", p.optimizer_read_bytes_per_step},
                {"optimizer_write_bytes_per_step", p.optimizer_write_bytes_per_step},
-               {"first_step_param_read_bytes", p.first_step_param_read_bytes}};
+               {"first_step_param_read_bytes", p.first_step_param_read_bytes},
+               {"param_store_bytes", p.param_store_bytes},
+               {"optimizer_store_bytes", p.optimizer_store_bytes}};
+  j["nvme_store_bytes"] = p.nvme_store_bytes;
   j["peak_live_param_bytes"] = p.peak_live_param_bytes;
   j["resident_param_bytes"] = p.resident_param_bytes;
   j["params"] = p.params;
@@ -381,7 +411,8 @@ std::string FormatEnginePrediction(const EnginePrediction& p, const std::string&
   return "memplan's engine on " + schedule +
          " (predicted, per GPU process): " + FormatByteSize(p.pinned_bytes) + " pinned, NVMe " +
          FormatByteSize(p.nvme_read_bytes_per_step) + " read and " +
-         FormatByteSize(p.nvme_write_bytes_per_step) + " written per step, at most " +
+         FormatByteSize(p.nvme_write_bytes_per_step) + " written per step, " +
+         FormatByteSize(p.nvme_store_bytes) + " of NVMe stores, at most " +
          FormatByteSize(p.peak_live_param_bytes) + " of fetched parameters on the GPU (" +
          FormatByteSize(p.resident_param_bytes) + " resident)\n";
 }

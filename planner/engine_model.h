@@ -30,6 +30,8 @@
 //     write-back of the updated working copies (the trainable partition in the working dtype);
 //     and the optimizer's read of each sub-group's state slot and gradients, its write of the new
 //     state slot, the gradients written as the backward produces them, and the step's begin mark;
+//   - the NVMe stores' size on the drive, as the engine preallocates them (the optimizer's with
+//     optimizer.state_slots copies of the master weights and states);
 //   - the peak of live parameter bytes (fetched parameters on the GPU, persistent ones excluded:
 //     ParamSwapperStats::peak_live_bytes) from the same run of the bookkeeping.
 // It leaves out what depends on timing (a prefetch the transfer thread drops for want of room) and
@@ -72,6 +74,12 @@ struct EnginePrediction {
   uint64_t nvme_read_bytes_per_step = 0;
   uint64_t nvme_write_bytes_per_step = 0;
   uint64_t first_step_param_read_bytes = 0;  // the first step records the trace: no prefetch
+  // What the NVMe stores take on the drive (preallocated at Start()): the parameters' working
+  // copies and the optimizer's master weights, states (optimizer.state_slots copies) and
+  // gradients, with the engine's extent rounding.
+  uint64_t param_store_bytes = 0;
+  uint64_t optimizer_store_bytes = 0;
+  uint64_t nvme_store_bytes = 0;
   // Fetched parameters on the GPU at once, the most (ParamSwapperStats::peak_live_bytes), and the
   // parameters kept there for good.
   uint64_t peak_live_param_bytes = 0;
@@ -89,8 +97,8 @@ struct EnginePrediction {
 // offload::ScheduleFromJson, the engine's own reader). Of its fields the model reads the tiers, the
 // parameters' dtype (4 bytes for fp32, else 2), the persistence threshold, prefetch and live
 // budgets, the staging and optimizer buffers, the optimizer (its state arrays:
-// offload::SwapOptimizerStates), the sub-group size and pinned_budget_bytes; the nvme section and
-// optimizer_threads change no byte it predicts.
+// offload::SwapOptimizerStates), the sub-group size, state_slots and pinned_budget_bytes; the nvme
+// section and optimizer_threads change no byte it predicts.
 // Errors: an inventory without parameters, world_size or micro_batches < 1, zero sizes.
 Result<EnginePrediction> PredictEngine(const offload::Schedule& schedule,
                                        const estimator::ModelInventory& inventory,
@@ -99,8 +107,8 @@ Result<EnginePrediction> PredictEngine(const offload::Schedule& schedule,
 // JSON form (plan's "schedule_prediction"): the fields above by their names.
 nlohmann::ordered_json ToJson(const EnginePrediction& prediction);
 // One line for people: "memplan's engine on <schedule> (predicted, per GPU process): 1.3 GiB
-// pinned, NVMe ... read and ... written per step, at most ... of fetched parameters on the GPU
-// (... resident)\n".
+// pinned, NVMe ... read and ... written per step, ... of NVMe stores, at most ... of fetched
+// parameters on the GPU (... resident)\n".
 std::string FormatEnginePrediction(const EnginePrediction& prediction, const std::string& schedule);
 
 }  // namespace memplan::planner

@@ -74,6 +74,18 @@ TEST_CASE("engine model: pinned buffers, NVMe bytes and live bytes of a toy sche
   CHECK(p->resident_param_bytes == 20);
   CHECK(p->nvme_read_bytes_per_step == 22000 + 108448);
   CHECK(p->nvme_write_bytes_per_step == 12020 + 108456);
+  // The stores on the drive: parameters 12,020 B + 3 x 64 KiB + 1 MiB; the optimizer, per
+  // sub-group, two state values (4 KiB + 12 B x n, at most 28,672 B) and the gradients, each in
+  // 64 KiB, + 1 MiB; with optimizer.state_slots 1, one state value less per sub-group.
+  CHECK(p->param_store_bytes == 12020 + 3 * 65536 + 1048576);
+  CHECK(p->optimizer_store_bytes == 3 * 3 * 65536 + 1048576);
+  CHECK(p->nvme_store_bytes == p->param_store_bytes + p->optimizer_store_bytes);
+  offload::Schedule one_slot = ToySchedule();
+  one_slot.optimizer_state_slots = 1;
+  auto one = PredictEngine(one_slot, Toy(), host);
+  REQUIRE_OK(one);
+  CHECK(one->optimizer_store_bytes == 3 * 2 * 65536 + 1048576);
+  CHECK(one->nvme_write_bytes_per_step == p->nvme_write_bytes_per_step);  // the same traffic
 
   // With a GPU, four gradient staging slots of the largest shard in fp32 (8,000 B -> 2 pages).
   auto gpu = PredictEngine(ToySchedule(), Toy(), EngineRunOptions{});

@@ -30,6 +30,12 @@ Status Schedule::Validate() const {
   if (optimizer_buffer_count < 2) {
     return Status::InvalidArgument("schedule: optimizer.buffer_count must be at least 2");
   }
+  if (optimizer_state_slots != 1 && optimizer_state_slots != 2) {
+    return Status::InvalidArgument(
+        "schedule: optimizer.state_slots must be 1 (states rewritten in place: half the drive "
+        "space, no resume after a crash mid-step) or 2 (crash-safe), not " +
+        std::to_string(optimizer_state_slots));
+  }
   if (optimizer_threads < 0 || optimizer_threads > 4096) {
     return Status::InvalidArgument("schedule: optimizer.threads must be in 0..4096");
   }
@@ -61,7 +67,8 @@ nlohmann::ordered_json ToOrderedJson(const Schedule& s) {
                     {"name", std::string(SwapOptimizerName(s.optimizer))},
                     {"sub_group_elements", s.sub_group_elements},
                     {"buffer_count", s.optimizer_buffer_count},
-                    {"threads", s.optimizer_threads}};
+                    {"threads", s.optimizer_threads},
+                    {"state_slots", s.optimizer_state_slots}};
   j["nvme"] = {{"path", s.nvme_path},
                {"backend", std::string(nvme::BackendKindName(s.nvme_backend))},
                {"block_size", s.nvme_block_size},
@@ -100,13 +107,14 @@ Result<Schedule> ScheduleFromJson(const nlohmann::json& j, const std::string& so
   }
   if (r.Has("optimizer")) {
     const JsonFieldReader o = r.Child("optimizer");
-    MEMPLAN_RETURN_IF_ERROR(
-        o.CheckKeys({"tier", "name", "sub_group_elements", "buffer_count", "threads"}));
+    MEMPLAN_RETURN_IF_ERROR(o.CheckKeys(
+        {"tier", "name", "sub_group_elements", "buffer_count", "threads", "state_slots"}));
     MEMPLAN_RETURN_IF_ERROR(o.Enum("tier", ParseTier, &s.optimizer_tier));
     MEMPLAN_RETURN_IF_ERROR(o.Enum("name", ParseSwapOptimizer, &s.optimizer));
     MEMPLAN_RETURN_IF_ERROR(o.Integer("sub_group_elements", &s.sub_group_elements));
     MEMPLAN_RETURN_IF_ERROR(o.Integer("buffer_count", &s.optimizer_buffer_count));
     MEMPLAN_RETURN_IF_ERROR(o.Integer("threads", &s.optimizer_threads));
+    MEMPLAN_RETURN_IF_ERROR(o.Integer("state_slots", &s.optimizer_state_slots));
   }
   if (r.Has("nvme")) {
     const JsonFieldReader n = r.Child("nvme");

@@ -8,7 +8,8 @@
 //                   "persistence_threshold": 100000, "prefetch_bytes": 268435456,
 //                   "max_live_bytes": 1073741824, "buffer_bytes": 67108864, "buffer_count": 4},
 //     "optimizer": {"tier": "cpu" | "nvme", "name": "adam" | "adam-amsgrad" | "sgd" | "lion",
-//                   "sub_group_elements": 4194304, "buffer_count": 3, "threads": 0},
+//                   "sub_group_elements": 4194304, "buffer_count": 3, "threads": 0,
+//                   "state_slots": 2},
 //     "nvme":      {"path": "/mnt/nvme/memplan", "backend": "auto", "block_size": 1048576,
 //                   "queue_depth": 32, "intra_op_parallelism": 1, "direct": true},
 //     "pinned_budget_bytes": 0
@@ -27,7 +28,11 @@
 //   - buffer_bytes x buffer_count: the pinned staging buffers NVMe parameter reads go through.
 //   - optimizer: the CPU optimizer and where its fp32 master weights, states and gradients live:
 //     "cpu" (a SwapStore in memory) or "nvme" (the NVMe store, pipelined in sub-groups). threads 0:
-//     every core.
+//     every core. state_slots (nvme): 2 keeps each sub-group's states twice on the drive, so a
+//     crash mid-step resumes from the last step; 1 rewrites them in place in half the space, and
+//     a step interrupted after its first write leaves a store that cannot be resumed (training
+//     restarts from a checkpoint: Note [One slot per sub-group] in offload/optimizer_swapper.cc).
+//     Absent: 2.
 //   - nvme.path: a directory the engine may create and own (two stores: params/ and optimizer/;
 //     with world size > 1, under rank<r>/ for each rank).
 //   - pinned_budget_bytes: cap on the engine's pinned memory (0: no cap beyond the buffers above).
@@ -71,6 +76,7 @@ struct Schedule {
   uint64_t sub_group_elements = uint64_t{4} << 20;
   uint32_t optimizer_buffer_count = 3;
   int optimizer_threads = 0;
+  uint32_t optimizer_state_slots = 2;  // 1 or 2
 
   std::string nvme_path;
   nvme::BackendKind nvme_backend = nvme::BackendKind::kAuto;

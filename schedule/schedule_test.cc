@@ -13,12 +13,13 @@ namespace memplan::offload {
 namespace {
 
 TEST_CASE("A default Schedule writes the documented JSON, keys in order") {
-  CHECK(ToOrderedJson(Schedule{}).dump() ==
-        R"({"version":1,"params":{"tier":"gpu","dtype":"bf16","persistence_threshold":100000,)"
-        R"("prefetch_bytes":268435456,"max_live_bytes":1073741824,"buffer_bytes":67108864,)"
-        R"("buffer_count":4},"optimizer":{"tier":"cpu","name":"adam","sub_group_elements":4194304,)"
-        R"("buffer_count":3,"threads":0},"nvme":{"path":"","backend":"auto","block_size":1048576,)"
-        R"("queue_depth":32,"intra_op_parallelism":1,"direct":true},"pinned_budget_bytes":0})");
+  CHECK(
+      ToOrderedJson(Schedule{}).dump() ==
+      R"({"version":1,"params":{"tier":"gpu","dtype":"bf16","persistence_threshold":100000,)"
+      R"("prefetch_bytes":268435456,"max_live_bytes":1073741824,"buffer_bytes":67108864,)"
+      R"("buffer_count":4},"optimizer":{"tier":"cpu","name":"adam","sub_group_elements":4194304,)"
+      R"("buffer_count":3,"threads":0,"state_slots":2},"nvme":{"path":"","backend":"auto","block_size":1048576,)"
+      R"("queue_depth":32,"intra_op_parallelism":1,"direct":true},"pinned_budget_bytes":0})");
 }
 
 TEST_CASE("Every enum of the Schedule parses the name it prints") {

@@ -27,6 +27,7 @@ class LargerThanRamSmokeTest(unittest.TestCase):
                                      "--slice", "64x2", "--steps", "3",
                                      "--arms", "reference,compute,memplan",
                                      "--bw-bytes", str(8 << 20), "--min-free", "0",
+                                     "--state-slots", "1",
                                      "--ram-bytes", str(16 * params // 3), "--json", out])
             self.assertEqual(status, 0)
             with open(out, encoding="utf-8") as f:
@@ -35,6 +36,17 @@ class LargerThanRamSmokeTest(unittest.TestCase):
         text = printed.getvalue()
         s = report["summary"]
         self.assertEqual(report["model"]["params"], params)
+        # The run of record's one state slot, said and used (the drive's bytes: one copy of the
+        # states, Note [One slot per sub-group]).
+        self.assertEqual(report["state_slots"], 1)
+        self.assertIn("giving up the torn-step safety", text)
+        mp = report["parts"]["memplan"]["result"]
+        self.assertEqual(mp["state_slots"], 1)
+        self.assertIn("state_slots = 1: each step rewrites", mp["chosen"])
+        self.assertGreater(mp["drive_need"]["states_copy"], 12 * params)
+        # What the stores took on the drive is what offload() said they would (preallocated),
+        # within the index and lock files.
+        self.assertLess(abs(mp["drive_bytes"] - mp["drive_need"]["total"]), 1 << 20)
         self.assertEqual(s["states_bytes"], 16 * params)
         self.assertAlmostEqual(s["states_over_ram"], 3.0, places=3)
         # Losses: the slice on the drive against torch in memory, fp32 on the same batches.

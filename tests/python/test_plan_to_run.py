@@ -90,6 +90,13 @@ class PlanToRunTest(unittest.TestCase):
             trainer = memplan.torch.offload(model, schedule=schedule, lr=1e-3, runtime="host",
                                             overlap_optimizer=False)
             self.assertEqual(trainer.dtype, torch.bfloat16)
+            # The stores on the drive are what plan predicted, and what offload() checked for.
+            nvme = emitted["nvme"]["path"]
+            on_drive = sum(os.path.getsize(os.path.join(nvme, store, "memplan-swap.data"))
+                           for store in ("params", "optimizer"))
+            self.assertNear(on_drive, predicted["nvme_store_bytes"], "NVMe store bytes")
+            self.assertNear(trainer.drive["total"], predicted["nvme_store_bytes"],
+                            "offload()'s drive check")
             started = trainer.stats()
             tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
             stats, losses = measure(trainer, model, tokens, STEPS)

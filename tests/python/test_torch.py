@@ -1,5 +1,6 @@
 """The PyTorch adapter (memplan.torch): training through the engine, with parameters and AdamW
 states on NVMe, matches torch.optim.AdamW step for step."""
+import errno
 import json
 import os
 import sys
@@ -277,6 +278,99 @@ def seeded(name, shape):
     import zlib
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     return torch.randn(shape, generator=g) * 0.1
+
+
+class OneSlotTest(unittest.TestCase):
+    """state_slots=1 (Note [One slot per sub-group] in offload/optimizer_swapper.cc): the optimizer
+    states rewritten in place, in half the drive space, with the results of two slots."""
+
+    def train(self, path, steps, slots, resume=False):
+        model = mlp()
+        trainer = memplan.torch.offload(model, path, lr=1e-2, weight_decay=0.01, direct=False,
+                                        sub_group_elements=1024, state_slots=slots,
+                                        resume=resume)
+        losses = []
+        for x, y in data(steps)[trainer.resumed_step if resume else 0:]:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            trainer.step()
+            losses.append(loss.item())
+        return trainer, losses
+
+    def test_one_slot_trains_as_two_to_the_bit_in_less_space_and_resumes(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = {}
+            for slots in (2, 1):
+                path = os.path.join(tmp, f"slots{slots}")
+                trainer, losses = self.train(path, 6, slots)
+                # Overlap "auto": the first step after backward, the others beside it.
+                self.assertTrue(trainer.stats()["step_profile"]["overlapped"])
+                data_file = os.path.join(path, "optimizer", "memplan-swap.data")
+                runs[slots] = (trainer, losses, trainer.master_weights(),
+                               os.path.getsize(data_file))
+            (two, two_losses, two_w, two_size), (one, one_losses, one_w, one_size) = \
+                runs[2], runs[1]
+            self.assertEqual(one_losses, two_losses)
+            for name, w in two_w.items():
+                self.assertTrue(torch.equal(one_w[name], w), name)
+            # 1796 trainable elements in sub-groups of 1024: two state values (4 KiB header + 12
+            # B/element) rounded to 64 KiB each, which one slot keeps once.
+            self.assertEqual(two.drive["states_copy"], 2 * 65536)
+            self.assertEqual(two_size - one_size, 2 * 65536)
+            self.assertEqual(two.drive["optimizer"] - one.drive["optimizer"], 2 * 65536)
+            self.assertEqual(one.drive["optimizer"], 4 * 65536 + (1 << 20))
+            self.assertIn("state_slots = 1: each step rewrites the optimizer's states in place",
+                          one.explain())
+            self.assertIn("state_slots = 2", two.explain())
+            two.close()
+            one.close()
+            path = os.path.join(tmp, "slots1")
+            # A resume must say how many slots the store keeps.
+            with self.assertRaisesRegex(ValueError, r"keeps 1 state slot per sub-group "
+                                                    r"\(state_slots 1\), not 2"):
+                memplan.torch.offload(mlp(), path, lr=1e-2, direct=False,
+                                      sub_group_elements=1024, resume=True)
+            # After a clean close the run goes on as if never stopped.
+            resumed, later = self.train(path, 9, 1, resume=True)
+            self.assertEqual(resumed.resumed_step, 6)
+            whole, whole_losses = self.train(os.path.join(tmp, "whole"), 9, 2)
+            self.assertEqual(later, whole_losses[6:])
+            for name, w in whole.master_weights().items():
+                self.assertTrue(torch.equal(resumed.master_weights()[name], w), name)
+            resumed.close()
+            whole.close()
+
+    def test_state_slots_validated_and_the_drive_checked_first(self):
+        for bad in (0, 3, "1", True):
+            with self.assertRaisesRegex(ValueError, "state_slots must be 1 .* or 2"):
+                memplan.schedule(state_slots=bad)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "store")
+            with self.assertRaisesRegex(ValueError, "state_slots"):
+                memplan.torch.offload(mlp(), path, state_slots=3, direct=False)
+            # A drive without room is refused before anything is made, saying what one slot
+            # would need.
+            real = memplan.torch._free_bytes
+            # The stores of 1796 fp32 parameters in sub-groups of 1024: parameters 7184 B + 2 x
+            # 64 KiB + 1 MiB; optimizer 2 x (2 x 64 KiB + 64 KiB) + 1 MiB (one slot: 128 KiB
+            # less). Room for one slot only:
+            need_two = 7184 + 2 * 65536 + (1 << 20) + 2 * 3 * 65536 + (1 << 20)
+            free = need_two - 65536
+            memplan.torch._free_bytes = lambda p: free
+            try:
+                with self.assertRaises(OSError) as caught:
+                    memplan.torch.offload(mlp(), path, direct=False, sub_group_elements=1024)
+            finally:
+                memplan.torch._free_bytes = real
+            self.assertEqual(caught.exception.errno, errno.ENOSPC)
+            message = str(caught.exception)
+            self.assertIn(f"need {need_two:,} bytes on {path}", message)
+            self.assertIn(f"has {free:,} bytes free", message)
+            self.assertIn("2 slots per sub-group", message)
+            self.assertIn(f"with state_slots=1 (", message)
+            self.assertIn(f"they would need {need_two - 2 * 65536:,} bytes", message)
+            self.assertNotIn("does not fit either", message)
+            self.assertFalse(os.path.exists(path))
 
 
 class TiedModel(nn.Module):

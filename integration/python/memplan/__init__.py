@@ -267,10 +267,19 @@ def schedule(*, path=None, param_tier="nvme", optimizer_tier="nvme", dtype="fp32
              max_live_bytes=256 << 20, param_buffer_bytes=16 << 20, param_buffer_count=2,
              sub_group_elements=1 << 20, optimizer_buffer_count=3, threads=0,
              pinned_budget_bytes=0, direct=True, backend="auto", block_size=1 << 20,
-             queue_depth=32, io_threads=1):
+             queue_depth=32, io_threads=1, state_slots=2):
     """A Schedule document (README "Schedule JSON") for the offload engine.
 
-    io_threads: threads each NVMe transfer is split across (nvme.intra_op_parallelism)."""
+    io_threads: threads each NVMe transfer is split across (nvme.intra_op_parallelism).
+    state_slots (optimizer.state_slots): 2 (the default) keeps the optimizer's states twice on
+    the drive, so that a crash or a failed step mid-step resumes from the last step; 1 rewrites
+    them in place, in half the space, for a drive too small for two copies: a step interrupted
+    after its first write then leaves a store that cannot be resumed (training restarts from a
+    checkpoint). ValueError for anything else."""
+    if isinstance(state_slots, bool) or state_slots not in (1, 2):
+        raise ValueError(f"memplan.schedule: state_slots must be 1 (the optimizer states "
+                         f"rewritten in place: half the drive space, no resume after a crash "
+                         f"mid-step) or 2 (crash-safe), not {state_slots!r}")
     doc = {
         "version": 1,
         "params": {"tier": param_tier, "dtype": dtype,
@@ -279,7 +288,8 @@ def schedule(*, path=None, param_tier="nvme", optimizer_tier="nvme", dtype="fp32
                    "buffer_bytes": param_buffer_bytes, "buffer_count": param_buffer_count},
         "optimizer": {"tier": optimizer_tier, "name": optimizer,
                       "sub_group_elements": sub_group_elements,
-                      "buffer_count": optimizer_buffer_count, "threads": threads},
+                      "buffer_count": optimizer_buffer_count, "threads": threads,
+                      "state_slots": int(state_slots)},
         "pinned_budget_bytes": pinned_budget_bytes,
     }
     if path is not None:

@@ -288,6 +288,42 @@ def read_bandwidth(bench):
     return float(rate), source
 
 
+# The optimizer's states per element, by the schedule's optimizer name (offload::SwapOptimizer).
+OPTIMIZER_STATES = {"adam": 2, "adam-amsgrad": 3, "sgd": 1, "lion": 1}
+_EXTENT = 64 * KiB  # the engine rounds every store value to this (RequiredStoreBytes)
+
+
+def drive_bytes(*, elements, trainable, sub_group_elements, param_dtype_bytes=4,
+                optimizer_states=2, params_on_nvme=True, optimizer_on_nvme=True, state_slots=2,
+                world_size=1):
+    """Bytes one rank's NVMe stores take on the drive, as the engine sizes (fallocates) them: a
+    dict of "params" (the parameters' working copies: engine_params.cc), "optimizer" (the master
+    weights and `optimizer_states` states in `state_slots` slots and the fp32 gradient, per
+    sub-group: OptimizerSwapper::RequiredStoreBytes), "states_copy" (one copy of the master weights
+    and states: what a second slot adds) and "total". A pure function."""
+    world = max(1, int(world_size))
+    sub = int(sub_group_elements)
+    out = {"params": 0, "optimizer": 0, "states_copy": 0}
+    if params_on_nvme:
+        partition = -(-int(elements) // world)
+        chunks = -(-partition // sub)
+        out["params"] = partition * int(param_dtype_bytes) + chunks * _EXTENT + MiB
+    if optimizer_on_nvme:
+        partition = -(-int(trainable) // world)
+        full, tail = divmod(partition, sub)
+
+        def group(n, slots):
+            return (slots * _round_up(_PAGE + (1 + optimizer_states) * 4 * n, _EXTENT) +
+                    _round_up(4 * n, _EXTENT))
+
+        def store(slots):
+            return full * group(sub, slots) + (group(tail, slots) if tail else 0) + MiB
+        out["optimizer"] = store(int(state_slots))
+        out["states_copy"] = store(2) - store(1)
+    out["total"] = out["params"] + out["optimizer"]
+    return out
+
+
 def explain(chosen):
     """The choice as lines: "key = value (in words): why"."""
     lines = []

@@ -329,9 +329,11 @@ class _StepMixin:
             unit.pending = 0
             self._release_backward(unit)
         self._callback_queued = False
-        if not self._closed:
-            self.engine.abandon_step()
-        self._end_step()
+        try:
+            if not self._closed:
+                self.engine.abandon_step()
+        finally:  # the bookkeeping is reset even when the engine's clean-up fails
+            self._end_step()
 
     def step(self, **options):
         """One optimizer step with the schedule's optimizer; keywords override the options given
