@@ -28,6 +28,7 @@ Keywords the caller gives are kept as they are; the others are chosen around the
 pinned_budget_bytes is the budget the rest must fit).
 """
 
+import errno
 import json
 import os
 import resource
@@ -322,6 +323,95 @@ def drive_bytes(*, elements, trainable, sub_group_elements, param_dtype_bytes=4,
         out["states_copy"] = store(2) - store(1)
     out["total"] = out["params"] + out["optimizer"]
     return out
+
+
+def _drive_facts(module, schedule, world):
+    """What the schedule's NVMe stores take on the drive for `module` (drive_bytes, per rank),
+    with the path, its state_slots and the ranks of this node (of `world` ranks in all); None
+    without an NVMe tier."""
+    params, optimizer = schedule.get("params", {}), schedule.get("optimizer", {})
+    nvme = schedule.get("nvme") or {}
+    on = (params.get("tier") == "nvme", optimizer.get("tier") == "nvme")
+    if not any(on) or not nvme.get("path"):
+        return None
+    seen, elements, trainable = set(), 0, 0
+    for p in module.parameters():
+        if id(p) in seen or not p.is_floating_point():
+            continue  # the engine holds floating-point parameters only
+        seen.add(id(p))
+        elements += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    slots = int(optimizer.get("state_slots", 2))
+    need = drive_bytes(
+        elements=elements, trainable=trainable,
+        sub_group_elements=int(optimizer.get("sub_group_elements", 4 << 20)),
+        param_dtype_bytes=4 if params.get("dtype", "bf16") == "fp32" else 2,
+        optimizer_states=OPTIMIZER_STATES.get(optimizer.get("name", "adam"), 2),
+        params_on_nvme=on[0], optimizer_on_nvme=on[1], state_slots=slots, world_size=world)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
+    return dict(need, path=str(nvme["path"]), state_slots=slots, local_ranks=max(1, local))
+
+
+def _free_bytes(path):
+    """Free bytes (for this user) of the file system that holds `path` or would: its nearest
+    existing ancestor's."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _bytes_words(n):
+    """`n` bytes exactly, and in GiB where that says more."""
+    return f"{n:,} bytes" + (f" ({n / (1 << 30):.2f} GiB)" if n >= 1 << 30 else "")
+
+
+def check_drive(module, schedule, world):
+    """The drive facts, with the free bytes under the store path; OSError(ENOSPC) when the
+    stores (of every rank of this node) would not fit, saying what each needs and what one
+    state slot would."""
+    drive = _drive_facts(module, schedule, world)
+    if drive is None:
+        return None
+    free = drive["free_bytes"] = _free_bytes(drive["path"])
+    need = drive["total"] * drive["local_ranks"]
+    if need <= free:
+        return drive
+    ranks = f" for {drive['local_ranks']} ranks" if drive["local_ranks"] > 1 else ""
+    slots = drive["state_slots"]
+    msg = (f"memplan.torch: the engine's stores need {_bytes_words(need)} on {drive['path']}"
+           f"{ranks} (parameters {_bytes_words(drive['params'])}, optimizer "
+           f"{_bytes_words(drive['optimizer'])}: master weights and states in {slots} "
+           f"slot{'s' if slots > 1 else ''} per sub-group, gradients), and the drive has "
+           f"{_bytes_words(free)} free")
+    if slots == 2 and drive["states_copy"]:
+        one = need - drive["states_copy"] * drive["local_ranks"]
+        msg += (f"; with state_slots=1 (the optimizer states rewritten in place: a step "
+                f"interrupted after its first write cannot be resumed) they would need "
+                f"{_bytes_words(one)}" + ("" if one <= free else ", which does not fit either"))
+    raise OSError(errno.ENOSPC, msg)
+
+
+def explain_drive(drive):
+    """explain()'s lines on the drive: what the stores take, and what state_slots gives."""
+    line = (f"drive: the stores take {_bytes_words(drive['total'])} at {drive['path']} "
+            f"(parameters {_bytes_words(drive['params'])}, optimizer "
+            f"{_bytes_words(drive['optimizer'])}); {_bytes_words(drive['free_bytes'])} were "
+            "free before offload()")
+    if drive["state_slots"] == 1:
+        line += ("\nstate_slots = 1: each step rewrites the optimizer's states in place, in half "
+                 f"their drive space ({_bytes_words(drive['states_copy'])} less); a step "
+                 "interrupted after its first write (a crash, an I/O error, an abandoned step) "
+                 "leaves the store unusable, and training restarts from a checkpoint")
+    else:
+        line += ("\nstate_slots = 2: the optimizer's states are kept twice (a step writes the "
+                 "other copy), so a crash mid-step resumes from the last step; state_slots=1 "
+                 f"would take {_bytes_words(drive['states_copy'])} less and give that up")
+    return line
 
 
 def explain(chosen):

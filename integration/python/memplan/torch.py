@@ -160,7 +160,6 @@ optimizer step, a mixin OffloadedModule inherits), _torch_checkpoint (state dict
 files, consolidate_checkpoint; a mixin too) and _torch_common (what they share).
 """
 
-import errno
 import logging
 import os
 import types
@@ -176,7 +175,7 @@ from ._torch_autograd import (_PostBackward, _PreBackward, _is_managed, _manage,
 from ._torch_checkpoint import _CheckpointMixin, consolidate_checkpoint  # noqa: F401 (public)
 from ._torch_common import (_DTYPES, _CudaArray, _ProcessGroupCollective, _engine_group_options,
                             _group_source, _optimizer_kind, _process_group)
-from ._torch_sizing import (BENCH_FILE, OPTIMIZER_STATES, SIZED_KEYS, choose_sizes, drive_bytes,
+from ._torch_sizing import (BENCH_FILE, SIZED_KEYS, check_drive, choose_sizes, explain_drive,
                             machine_facts, read_bandwidth)
 from ._torch_sizing import explain as _explain_sizes
 from ._torch_meta import _MetaMixin
@@ -884,7 +883,7 @@ class OffloadedModule(_StepMixin, _CheckpointMixin, _MetaMixin):
         lines.append(f"overlap_optimizer = {self.overlap_optimizer}: {self.overlap_reason}")
         drive = getattr(self, "drive", None)
         if drive is not None:
-            lines.append(_explain_drive(drive))
+            lines.append(explain_drive(drive))
         return "\n".join(lines)
 
     def master_weights(self):
@@ -1027,16 +1026,14 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     The result's ``chosen_schedule`` holds the values and one sentence each on why,
     ``explain()`` prints them, and offload() logs them once (logger "memplan.torch", INFO).
     state_slots: 2 (the default) keeps the optimizer's master weights and states twice on the
-    drive, so that a crash, an I/O error or an abandoned step leaves the last step whole and
-    ``resume`` continues from it; 1 rewrites them in place, in half the space (the stores then
-    take about 20 bytes per fp32 parameter instead of 32), for a drive too small for two copies.
-    With 1, a step interrupted after its first sub-group was written (a crash, an I/O error, an
-    exception in backward once the overlapped optimizer began writing, a step dropped by
-    overlap_optimizer "auto") leaves a store that cannot be resumed: later steps and resume raise
-    OSError (DataLoss) and training restarts from a checkpoint; a clipped step (max_grad_norm)
-    runs after backward, never beside it. offload() checks that the drive under `path` has room
-    for the stores before making them (OSError ENOSPC saying what each needs, and what
-    state_slots=1 would need); ``explain()`` says what they take.
+    drive, so that a crash, an I/O error or an abandoned step leaves the last step whole for
+    ``resume``; 1 rewrites them in place, in half the space (about 20 bytes per fp32 parameter
+    instead of 32), for a drive too small for two copies: a step interrupted after its first
+    write (a crash, an I/O error, an exception in backward once the overlapped optimizer began
+    writing, a step dropped by overlap_optimizer "auto") then leaves a store that later steps and
+    resume refuse (OSError, DataLoss): restart from a checkpoint; a clipped step runs after
+    backward. offload() first checks that the drive under `path` has room for the stores (OSError
+    ENOSPC saying what each needs, and what state_slots=1 would); ``explain()`` says what they take.
     nvme_bench: ``memplan bench nvme --format json`` output (a file path or its dict) whose
     best.read_bytes_per_s sizes the prefetch; by default ``<path>/nvme_bench.json`` when it
     exists.
@@ -1141,7 +1138,8 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     if max_grad_norm:
         options["max_grad_norm"] = float(max_grad_norm)
         options["norm_type"] = float(norm_type)
-    drive = None if resume else _check_drive(module, schedule, process_group)
+    drive = None if resume else check_drive(module, schedule,
+                                            _process_group(process_group)[2])
     trainer = OffloadedModule(module, schedule, runtime=runtime, optimizer_options=options,
                               gradient_accumulation_steps=gradient_accumulation_steps,
                               device=device, process_group=process_group, fetch_units=fetch_units,
@@ -1150,94 +1148,6 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     trainer.drive = drive
     _log.info("memplan.torch: offload() chose:\n%s", trainer.explain())
     return trainer
-
-
-def _drive_facts(module, schedule, process_group):
-    """What the schedule's NVMe stores take on the drive for `module` (drive_bytes, per rank),
-    with the path, its state_slots and the ranks of this node; None without an NVMe tier."""
-    params, optimizer = schedule.get("params", {}), schedule.get("optimizer", {})
-    nvme = schedule.get("nvme") or {}
-    on = (params.get("tier") == "nvme", optimizer.get("tier") == "nvme")
-    if not any(on) or not nvme.get("path"):
-        return None
-    seen, elements, trainable = set(), 0, 0
-    for p in module.parameters():
-        if id(p) in seen or not p.is_floating_point():
-            continue  # the engine holds floating-point parameters only
-        seen.add(id(p))
-        elements += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
-    world = _process_group(process_group)[2]
-    slots = int(optimizer.get("state_slots", 2))
-    need = drive_bytes(
-        elements=elements, trainable=trainable,
-        sub_group_elements=int(optimizer.get("sub_group_elements", 4 << 20)),
-        param_dtype_bytes=4 if params.get("dtype", "bf16") == "fp32" else 2,
-        optimizer_states=OPTIMIZER_STATES.get(optimizer.get("name", "adam"), 2),
-        params_on_nvme=on[0], optimizer_on_nvme=on[1], state_slots=slots, world_size=world)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
-    return dict(need, path=str(nvme["path"]), state_slots=slots, local_ranks=max(1, local))
-
-
-def _free_bytes(path):
-    """Free bytes (for this user) of the file system that holds `path` or would: its nearest
-    existing ancestor's."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def _bytes_words(n):
-    """`n` bytes exactly, and in GiB where that says more."""
-    return f"{n:,} bytes" + (f" ({n / (1 << 30):.2f} GiB)" if n >= 1 << 30 else "")
-
-
-def _check_drive(module, schedule, process_group):
-    """The drive facts, with the free bytes under the store path; OSError(ENOSPC) when the
-    stores (of every rank of this node) would not fit, saying what each needs and what one
-    state slot would."""
-    drive = _drive_facts(module, schedule, process_group)
-    if drive is None:
-        return None
-    free = drive["free_bytes"] = _free_bytes(drive["path"])
-    need = drive["total"] * drive["local_ranks"]
-    if need <= free:
-        return drive
-    ranks = f" for {drive['local_ranks']} ranks" if drive["local_ranks"] > 1 else ""
-    slots = drive["state_slots"]
-    msg = (f"memplan.torch: the engine's stores need {_bytes_words(need)} on {drive['path']}"
-           f"{ranks} (parameters {_bytes_words(drive['params'])}, optimizer "
-           f"{_bytes_words(drive['optimizer'])}: master weights and states in {slots} "
-           f"slot{'s' if slots > 1 else ''} per sub-group, gradients), and the drive has "
-           f"{_bytes_words(free)} free")
-    if slots == 2 and drive["states_copy"]:
-        one = need - drive["states_copy"] * drive["local_ranks"]
-        msg += (f"; with state_slots=1 (the optimizer states rewritten in place: a step "
-                f"interrupted after its first write cannot be resumed) they would need "
-                f"{_bytes_words(one)}" + ("" if one <= free else ", which does not fit either"))
-    raise OSError(errno.ENOSPC, msg)
-
-
-def _explain_drive(drive):
-    line = (f"drive: the stores take {_bytes_words(drive['total'])} at {drive['path']} "
-            f"(parameters {_bytes_words(drive['params'])}, optimizer "
-            f"{_bytes_words(drive['optimizer'])}); {_bytes_words(drive['free_bytes'])} were "
-            "free before offload()")
-    if drive["state_slots"] == 1:
-        line += ("\nstate_slots = 1: each step rewrites the optimizer's states in place, in half "
-                 f"their drive space ({_bytes_words(drive['states_copy'])} less); a step "
-                 "interrupted after its first write (a crash, an I/O error, an abandoned step) "
-                 "leaves the store unusable, and training restarts from a checkpoint")
-    else:
-        line += ("\nstate_slots = 2: the optimizer's states are kept twice (a step writes the "
-                 "other copy), so a crash mid-step resumes from the last step; state_slots=1 "
-                 f"would take {_bytes_words(drive['states_copy'])} less and give that up")
-    return line
 
 
 def _machine_sizes(module, path, param_tier, optimizer_tier, dtype, process_group, nvme_bench,
