@@ -19,7 +19,7 @@ T ModelRun::BlockFor(int layer, T x) {
     case Framework::kTorchtune: return TorchtuneBlock(layer, x);
     case Framework::kLitGpt: return LitGptBlock(layer, x);
     case Framework::kLlmFoundry: return FoundryBlock(layer, x);
-    default: return TransformersDecoderBlock(layer, x);
+    default: return enc_.on ? EncoderBlock(layer, x) : TransformersDecoderBlock(layer, x);
   }
 }
 
@@ -733,10 +733,13 @@ Result<T> ModelRun::ForwardAndLoss() {
 }
 
 Result<T> ModelRun::TransformersForward() {
+  if (enc_.on) return EncoderForward();
   auto type_is = [&](const char* t) { return inv_.model_type == t; };
   if (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || type_is("gpt_oss") ||
       (a_.alibi && !fam_.bloom_attention && !fam_.falcon_alibi)) {
-    return Status::Unimplemented("the step model runs Transformers' dense decoder LMs so far");
+    return Status::Unimplemented(
+        "the step model runs Transformers' dense decoder LMs and encoder masked LMs (BERT, "
+        "RoBERTa, XLM-RoBERTa, DistilBERT) so far");
   }
   MEMPLAN_RETURN_IF_ERROR(CheckFamily());
   const bool ckpt = s_.checkpointing == Checkpointing::kFull;

@@ -112,6 +112,28 @@ class ModelRun {
   void CountOptimizerGroups(const std::vector<Wide>& adapter_bytes);
   void CountModelStates(const std::vector<Wide>& adapter_bytes);
 
+  // Transformers' encoder masked LMs (step_encoders.cc): BertForMaskedLM,
+  // RobertaForMaskedLM, XLMRobertaForMaskedLM, DistilBertForMaskedLM. What the blocks' roles
+  // leave open, filled by PrepareEncoder from the top-level tensors' roles.
+  struct Encoder {
+    bool on = false;                 // the model is one of them (Prepare: EncoderMaskedLm)
+    bool distil = false;             // DistilBERT's TransformerBlock: no attention-output dropout
+    bool roberta_positions = false;  // position ids made from the input ids (RoBERTa, XLM-R)
+    bool head_gelu = false;          // RobertaLMHead: gelu whatever hidden_act says
+    T token_type;                    // the segment table (BERT, RoBERTa), none for DistilBERT
+    Lin transform;                   // the MLM head's dense transform
+    Norm embedding_norm, head_norm;
+  };
+  bool EncoderMaskedLm() const;
+  Status PrepareEncoder(const AdapterMap& adapters);
+  Result<T> EncoderForward();
+  T EncoderEmbeddings();
+  T EncoderLookup(T table, Wide rows, T ids);
+  T EncoderBlock(int layer, T x);
+  T EncoderAttention(const BlockParams& bp, T h);
+  T EncoderEagerAttention(T q, T k, T v);
+  T MaskedLmLoss(T hidden);
+
   // Transformers' decoder-only LMs (LlamaDecoderLayer and its relatives).
   T TransformersDecoderBlock(int layer, T x);
   T TransformersAttention(int layer, const BlockParams& bp, T h);
@@ -170,6 +192,7 @@ class ModelRun {
   Status CheckFamily() const;
 
   Family fam_;
+  Encoder enc_;
   Graph& g_;
   const ModelInventory& inv_;
   const TrainingSetup& s_;

@@ -6,11 +6,13 @@
 
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cmath>
 #include <string>
 
 #include <nlohmann/json.hpp>
 
+#include "common/file.h"
 #include "estimator/memory_model.h"
 #include "tests/estimator_testing.h"
 
@@ -136,6 +138,68 @@ TEST_CASE("step model: llm-foundry's MPT (ALiBi, LPLayerNorm, Composer's AdamW),
   CHECK(std::abs(Error(MustStep(mpt, s).peak_bytes, 4'138'169'344)) < 0.005);
 }
 
+// The four phases' peaks of a step: forward, loss, backward, optimizer step.
+std::array<uint64_t, kStepPhases> PhasePeaks(const StepModel& m) {
+  std::array<uint64_t, kStepPhases> out{};
+  for (size_t p = 0; p < out.size(); ++p) out[p] = m.phases[p].bytes;
+  return out;
+}
+
+TEST_CASE("step model: Transformers' encoder masked LMs, against their traces") {
+  // transformers/<model>/L2/.../a100 of the grid: each phase's traced peak allocated bytes,
+  // copied from the grid. The forward and loss phases are exact for every encoder point; the
+  // backward of fp32, fp16-mixed and eager points is 512 bytes short (a 1-element tensor the
+  // tracer counts as an activation; the step model's training loop does not make it).
+  const ModelInventory bert = WithLayers("bert-base-uncased", 2);
+  TrainingSetup s;
+  s.precision = Precision::kBf16Mixed;
+  s.autocast = true;
+  s.micro_batch = 4;
+  s.seq_len = 512;
+  // bert-base-uncased/L2/b4s512/bf16-mixed/sdpa/ckpt-none: the loss's backward is the peak.
+  const StepModel none = MustStep(bert, s);
+  CHECK(none.peak_phase == StepPhase::kBackward);
+  CHECK(PhasePeaks(none) ==
+        std::array<uint64_t, kStepPhases>{842'267'648, 1'211'031'552, 1'329'668'096, 781'056'000});
+  // ckpt-full: each BertLayer keeps its input only.
+  s.checkpointing = Checkpointing::kFull;
+  CHECK(PhasePeaks(MustStep(bert, s)) ==
+        std::array<uint64_t, kStepPhases>{722'465'792, 1'091'229'696, 1'181'554'688, 781'056'000});
+  // b2s128/bf16-mixed/eager: BERT's eager_attention_forward (the matmuls' reshape copies,
+  // fp32 softmax and dropout); the peak is the tied word embedding's two gradients summed.
+  s.checkpointing = Checkpointing::kNone;
+  s.flash_attention = false;
+  s.micro_batch = 2;
+  s.seq_len = 128;
+  const StepModel eager = MustStep(bert, s);
+  CHECK(eager.phases[0].bytes == 590'806'016);
+  CHECK(eager.phases[1].bytes == 636'902'400);
+  CHECK(eager.phases[2].bytes == 814'230'528 - 512);
+  // roberta-base/L2/b2s512/fp32/sdpa (memory-efficient attention; position ids from the
+  // input ids, the token types gathered at them).
+  TrainingSetup f;
+  f.precision = Precision::kFp32;
+  f.micro_batch = 2;
+  f.seq_len = 512;
+  const StepModel roberta = MustStep(WithLayers("roberta-base", 2), f);
+  CHECK(roberta.phases[0].bytes == 980'745'728);
+  CHECK(roberta.phases[1].bytes == 1'186'632'192);
+  CHECK(roberta.phases[2].bytes == 1'392'517'632 - 512);
+  // distilbert-base-uncased/L2/b4s512/bf16-mixed/sdpa/ckpt-none: no token types, no dropout
+  // on the attention output.
+  Result<std::string> text =
+      memplan::ReadFileToString(std::string(MEMPLAN_SOURCE_DIR) +
+                                "/tests/oracle/modern_configs/distilbert-base-uncased.json");
+  REQUIRE(text.ok());
+  nlohmann::json distil = nlohmann::json::parse(*text);
+  distil["n_layers"] = 2;
+  s.flash_attention = true;
+  s.micro_batch = 4;
+  s.seq_len = 512;
+  CHECK(PhasePeaks(MustStep(memplan::testing::MustBuild(distil), s)) ==
+        std::array<uint64_t, kStepPhases>{839'095'296, 1'207'859'200, 1'326'495'744, 781'021'184});
+}
+
 TEST_CASE("step model: what it does not run is refused as unmodelled, not run as another setup") {
   const ModelInventory llama = WithLayers("llama-3.2-1b", 2);
   TrainingSetup s;
@@ -153,13 +217,22 @@ TEST_CASE("step model: what it does not run is refused as unmodelled, not run as
   REQUIRE(compiled.ok());
   CHECK(compiled->step_unmodelled);
   CHECK(compiled->step_error.find("torch.compile") != std::string::npos);
-  // An encoder: not a Transformers decoder LM.
-  const ModelInventory bert = memplan::testing::Fixture("bert-base-uncased");
+  // An encoder with another head than the masked-LM one: neither a decoder LM nor a masked LM
+  // (sequence classification), or the masked LM with BERT's next-sentence head and pooler.
+  nlohmann::json bert_config =
+      nlohmann::json::parse(memplan::testing::ReadFixture("bert-base-uncased"));
+  bert_config["num_hidden_layers"] = 2;
   TrainingSetup b;
   b.seq_len = 128;
-  Result<MemoryEstimate> enc = EstimateMemory(bert, b);
+  bert_config["architectures"] = {"BertForSequenceClassification"};
+  Result<MemoryEstimate> enc = EstimateMemory(memplan::testing::MustBuild(bert_config), b);
   REQUIRE(enc.ok());
   CHECK(enc->step_unmodelled);
+  bert_config["architectures"] = {"BertForPreTraining"};
+  Result<MemoryEstimate> nsp = EstimateMemory(memplan::testing::MustBuild(bert_config), b);
+  REQUIRE(nsp.ok());
+  CHECK(nsp->step_unmodelled);
+  CHECK(nsp->step_error.find("pooler or a classifier") != std::string::npos);
   // llm-foundry runs MPT only; an MPT with rotary embeddings instead of ALiBi is not run as
   // ALiBi; Llama under llm-foundry is refused.
   TrainingSetup f;

@@ -57,6 +57,7 @@ Status ModelRun::Prepare() {
   AssignBlockParameters(adapters);
   if (s_.framework == Framework::kLitGpt) FuseLitGptQkv(&adapter_bytes);
   ChooseFamily();
+  if (EncoderMaskedLm()) MEMPLAN_RETURN_IF_ERROR(PrepareEncoder(adapters));
   if (!embedding_.ok()) {
     return Status::Unimplemented(inv_.name + ": the step model found no token embedding");
   }
@@ -90,10 +91,12 @@ Status ModelRun::CheckRunnable() const {
   // of a large model (DeepSeek-V3's 47,000 tensors) are laid out for nothing.
   // Transformers' MptForCausalLM (always ALiBi, whatever attn_config says) is not modelled: an
   // MPT without ALiBi must not run as a generic decoder.
-  if (s_.framework == Framework::kTransformers &&
+  if (s_.framework == Framework::kTransformers && !EncoderMaskedLm() &&
       (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || inv_.model_type == "gpt_oss" ||
        inv_.model_type == "mpt")) {
-    return Status::Unimplemented("the step model runs Transformers' dense decoder LMs so far");
+    return Status::Unimplemented(
+        "the step model runs Transformers' dense decoder LMs and encoder masked LMs (BERT, "
+        "RoBERTa, XLM-RoBERTa, DistilBERT) so far");
   }
   // One Linear per expert (checkpoints, Transformers 4): refused before thousands of expert
   // parameters are laid out (a per-expert Qwen3-235B has 18,000 of them).

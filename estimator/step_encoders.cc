@@ -1,0 +1,311 @@
+// Transformers' encoder masked LMs in the step model (Note [The step model] in step_model.h):
+// BertForMaskedLM, RobertaForMaskedLM, XLMRobertaForMaskedLM and DistilBertForMaskedLM as
+// Transformers 5 runs them (models/bert/modeling_bert.py, roberta/modeling_roberta.py,
+// xlm_roberta/modeling_xlm_roberta.py, distilbert/modeling_distilbert.py), trained on input_ids
+// and labels only, as the tracer and most fine-tuning scripts feed them: no attention mask, so
+// create_bidirectional_mask returns None (no padding to mask) for SDPA and eager alike, and the
+// masked-LM loss runs over every token.
+//
+// What is not modelled, and refused: the pre-training heads (next-sentence prediction and the
+// pooler), BERT as a decoder (is_decoder, cross-attention), relative position embeddings, and the
+// other task heads (sequence or token classification, question answering).
+#include <string>
+
+#include "estimator/step_blocks.h"
+#include "estimator/step_ops.h"
+
+namespace memplan::estimator::step {
+
+bool ModelRun::EncoderMaskedLm() const {
+  const std::string& type = inv_.model_type;
+  return s_.framework == Framework::kTransformers && inv_.model_class == "masked_lm" &&
+         !a_.causal && !a_.encoder_decoder &&
+         (type == "bert" || type == "roberta" || type == "xlm-roberta" || type == "distilbert");
+}
+
+// The parameters the blocks' roles leave open: the segment table, the MLM head's transform and
+// its norm, and the embeddings' norm. Both norms are top-level LayerNorms of the hidden width;
+// the family builders emit the head's right after its dense transform (Note [Tensor roles]), so
+// a norm that follows a head_transform tensor is the head's.
+Status ModelRun::PrepareEncoder(const AdapterMap& adapters) {
+  enc_ = Encoder{};
+  enc_.on = true;
+  const std::string& type = inv_.model_type;
+  enc_.distil = type == "distilbert";
+  enc_.roberta_positions = type == "roberta" || type == "xlm-roberta";
+  enc_.head_gelu = enc_.roberta_positions;
+  auto refuse = [&](const std::string& what) {
+    return Status::Unimplemented(inv_.name + ": the step model runs " + inv_.model_type +
+                                 "'s masked-LM head on the plain encoder; it does not run " + what);
+  };
+  bool after_transform = false;
+  for (size_t i = 0; i < inv_.tensors.size(); ++i) {
+    const TensorInfo& t = inv_.tensors[i];
+    const T p = params_[i];
+    if (t.role == TensorRole::kPooler || t.role == TensorRole::kClassifier) {
+      return refuse("a pooler or a classifier (BertForPreTraining's next-sentence head)");
+    }
+    if (!t.block.empty()) {
+      if (t.role == TensorRole::kPositionEmbedding) {
+        return refuse("relative position embeddings (distance_embedding)");
+      }
+      continue;
+    }
+    switch (t.role) {
+      case TensorRole::kTokenTypeEmbedding: enc_.token_type = p; break;
+      case TensorRole::kHeadTransform:
+        if (t.IsLinearWeight()) {
+          enc_.transform.w = p;
+          enc_.transform.in = static_cast<Wide>(t.InFeatures());
+          enc_.transform.out = static_cast<Wide>(t.OutFeatures());
+          auto it = adapters.find(&t);
+          if (it != adapters.end()) {
+            enc_.transform.lora_a = it->second.first;
+            enc_.transform.lora_b = it->second.second;
+          }
+        } else if (t.bias) {
+          enc_.transform.b = p;
+        }
+        break;
+      case TensorRole::kNorm: {
+        Norm& n = after_transform ? enc_.head_norm : enc_.embedding_norm;
+        if (t.bias) {
+          n.b = p;
+        } else {
+          n.w = p;
+          n.width = static_cast<Wide>(t.numel);
+        }
+        break;
+      }
+      default: break;
+    }
+    if (t.role != TensorRole::kNorm) after_transform = t.role == TensorRole::kHeadTransform;
+  }
+  if (!enc_.transform.ok() || !enc_.head_norm.w.ok() || !enc_.embedding_norm.w.ok() ||
+      !head_.ok() || !position_embedding_.ok()) {
+    return refuse("a model without the embeddings' norm, position table or the MLM head");
+  }
+  for (const BlockParams& bp : blocks_) {
+    for (TensorRole r : {TensorRole::kAttentionQ, TensorRole::kAttentionK, TensorRole::kAttentionV,
+                         TensorRole::kAttentionOut, TensorRole::kMlpUp, TensorRole::kMlpDown}) {
+      if (!bp.has(r)) return refuse("a block without " + std::string(TensorRoleName(r)));
+    }
+    // A decoder's cross-attention adds a third LayerNorm (and repeats the projections).
+    if (bp.norms.size() != 2) return refuse("cross-attention, or a block without two LayerNorms");
+  }
+  return Status::Ok();
+}
+
+// nn.Embedding over `rows` indices: F.embedding saves the indices (`ids`, when the model made
+// them; the batch's input_ids are the step's, already counted).
+T ModelRun::EncoderLookup(T table, Wide rows, T ids) {
+  T y = g_.New(rows * static_cast<Wide>(a_.hidden), pdt_, g_.RequiresGrad(table));
+  Graph::NodeSpec spec = Graph::Spec("Embedding", {table}, {y});
+  if (ids.ok() && g_.RequiresGrad(table)) spec.saved = {ids};
+  g_.Record(std::move(spec));
+  return y;
+}
+
+T ModelRun::EncoderEmbeddings() {
+  // BertEmbeddings.forward: position ids a slice of the position_ids buffer (1 x seq); token
+  // type ids gathered from the token_type_ids buffer at those positions (a 1 x seq int64
+  // tensor) and expanded to the batch; word + token type, + position (broadcast over the
+  // batch), LayerNorm, dropout.
+  // RobertaEmbeddings.forward: position ids from the input ids (create_position_ids_from_input_ids:
+  //   mask = input_ids.ne(padding_idx).int()
+  //   incremental_indices = (torch.cumsum(mask, dim=1).type_as(mask) + past) * mask
+  //   return incremental_indices.long() + padding_idx
+  // a batch x seq int64 tensor), the token type ids gathered at them (batch x seq), so the
+  // position embedding is batch x seq too.
+  // DistilBERT's Embeddings.forward: word + position (the buffer's slice), LayerNorm, dropout.
+  T positions, types;
+  if (enc_.roberta_positions) {
+    T ne = g_.New(tokens_, DT::kBool, false);
+    T mask = g_.New(tokens_, DT::kI32, false);
+    g_.Drop(ne);
+    T cumsum = g_.New(tokens_, DT::kI64, false);  // cumsum of an int tensor is int64
+    T typed = g_.New(tokens_, DT::kI32, false);
+    g_.Drop(cumsum);
+    T shifted = g_.New(tokens_, DT::kI32, false);
+    g_.Drop(typed);
+    T masked = g_.New(tokens_, DT::kI32, false);
+    g_.Drop(shifted);
+    g_.Drop(mask);
+    T wide = g_.New(tokens_, DT::kI64, false);
+    g_.Drop(masked);
+    positions = g_.New(tokens_, DT::kI64, false);
+    g_.Drop(wide);
+  }
+  if (enc_.token_type.ok()) {
+    types = g_.New(enc_.roberta_positions ? tokens_ : seq_, DT::kI64, false);  // torch.gather
+  }
+  T x = Embedding(g_, embedding_, tokens_, static_cast<Wide>(a_.hidden), pdt_);
+  if (enc_.token_type.ok()) {
+    T tt = EncoderLookup(enc_.token_type, tokens_, types);
+    g_.Drop(types);
+    T sum = Add(g_, x, tt);
+    g_.Drop(x);
+    g_.Drop(tt);
+    x = sum;
+  }
+  T pos = EncoderLookup(position_embedding_, enc_.roberta_positions ? tokens_ : seq_, positions);
+  g_.Drop(positions);
+  T sum = Add(g_, x, pos);
+  g_.Drop(x);
+  g_.Drop(pos);
+  const Norm& n = enc_.embedding_norm;
+  T normed = LayerNorm(g_, sum, n.w, n.b, n.width);
+  g_.Drop(sum);
+  T out = Dropout(g_, normed, a_.embedding_dropout);
+  g_.Drop(normed);
+  return out;
+}
+
+T ModelRun::EncoderEagerAttention(T q, T k, T v) {
+  // eager_attention_forward (modeling_bert.py, modeling_distilbert.py):
+  //   attn_weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+  //   attn_weights = nn.functional.softmax(attn_weights, dim=-1)
+  //   attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+  //   attn_output = torch.matmul(attn_weights, value)
+  //   attn_output = attn_output.transpose(1, 2).contiguous()
+  // The query, key and value are transposed views of the projections (batch x seq x heads x d
+  // in memory): matmul folds batch and heads with a reshape, which copies each, and bmm saves
+  // the copies. softmax is an fp32 op under autocast (fp32 probabilities, dropped out in fp32),
+  // cast back to the autocast dtype by the second matmul.
+  const Wide heads = static_cast<Wide>(a_.heads), d = static_cast<Wide>(a_.head_dim);
+  auto folded = [&](T t) {
+    T a = AutocastIn(g_, t);
+    T c = Copy(g_, a);
+    g_.Drop(a);
+    return c;
+  };
+  T qc = folded(q), kc = folded(k);
+  T scores = g_.New(batch_ * heads * seq_ * seq_, g_.Dtype(qc), true);
+  g_.Record(Graph::Spec("Matmul(qk)", {qc, kc}, {scores}, {qc, kc}));
+  g_.Drop(qc);
+  g_.Drop(kc);
+  T scaled = Scale(g_, scores);
+  g_.Drop(scores);
+  T probs = Softmax(g_, scaled, autocast_ ? DT::kF32 : g_.Dtype(scaled));
+  g_.Drop(scaled);
+  T dropped = Dropout(g_, probs, a_.attention_dropout);
+  g_.Drop(probs);
+  T pa = AutocastIn(g_, dropped);
+  g_.Drop(dropped);
+  T vc = folded(v);
+  T o = g_.New(batch_ * heads * seq_ * d, g_.Dtype(pa), true);
+  g_.Record(Graph::Spec("Matmul(pv)", {pa, vc}, {o}, {pa, vc}));
+  g_.Drop(pa);
+  g_.Drop(vc);
+  T out = Copy(g_, o);
+  g_.Drop(o);
+  return out;
+}
+
+T ModelRun::EncoderAttention(const BlockParams& bp, T h) {
+  // BertSelfAttention.forward / DistilBertSelfAttention.forward: query, key and value
+  // projections viewed as batch x heads x seq x d, the attention interface, the heads merged
+  // back (reshape + contiguous: no copy of the interface's contiguous output).
+  QkvViews t;
+  t.q = LoraLinear(bp.at(TensorRole::kAttentionQ), h);
+  t.k = LoraLinear(bp.at(TensorRole::kAttentionK), h);
+  t.v = LoraLinear(bp.at(TensorRole::kAttentionV), h);
+  T out;
+  if (s_.flash_attention) {
+    AttentionShape as;
+    as.batch = batch_;
+    as.heads = as.kv_heads = static_cast<Wide>(a_.heads);
+    as.seq = as.kv_seq = seq_;
+    as.head_dim = as.v_head_dim = static_cast<Wide>(a_.head_dim);
+    as.dropout = a_.attention_dropout;
+    as.mask = false;
+    out = TransformersSdpa(as, autocast_ ? adt_ : g_.Dtype(t.q), &t);
+  } else {
+    out = EncoderEagerAttention(t.q, t.k, t.v);
+  }
+  g_.Drop(t.q);
+  g_.Drop(t.k);
+  g_.Drop(t.v);
+  return out;
+}
+
+T ModelRun::EncoderBlock(int layer, T x) {
+  // BertLayer.forward (RobertaLayer, XLMRobertaLayer: the same code):
+  //   BertAttention: self-attention, then BertSelfOutput: LayerNorm(dropout(dense(a)) + x)
+  //   feed_forward_chunk: BertIntermediate act(dense(a)), then BertOutput:
+  //     LayerNorm(dropout(dense(i)) + a)
+  // DistilBERT's TransformerBlock.forward: sa_layer_norm(out_lin(attn) + x) (no dropout on the
+  // attention output), then output_layer_norm(dropout(lin2(act(lin1(a)))) + a).
+  const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
+  const double p = a_.hidden_dropout;
+  T ctx = EncoderAttention(bp, x);
+  T o = LoraLinear(bp.at(TensorRole::kAttentionOut), ctx);
+  g_.Drop(ctx);
+  if (!enc_.distil) {
+    T od = Dropout(g_, o, p);
+    g_.Drop(o);
+    o = od;
+  }
+  T s1 = Add(g_, o, x);
+  g_.Drop(o);
+  T a = LayerNorm(g_, s1, bp.norms[0].w, bp.norms[0].b, bp.norms[0].width);
+  g_.Drop(s1);
+  T up = LoraLinear(bp.at(TensorRole::kMlpUp), a);
+  T act = Activation(up);
+  g_.Drop(up);
+  T down = LoraLinear(bp.at(TensorRole::kMlpDown), act);
+  g_.Drop(act);
+  T dd = Dropout(g_, down, p);
+  g_.Drop(down);
+  T s2 = Add(g_, dd, a);
+  g_.Drop(dd);
+  g_.Drop(a);
+  T out = LayerNorm(g_, s2, bp.norms[1].w, bp.norms[1].b, bp.norms[1].width);
+  g_.Drop(s2);
+  return out;
+}
+
+T ModelRun::MaskedLmLoss(T hidden) {
+  // BertLMPredictionHead: transform (dense, hidden_act, LayerNorm), then the decoder (the word
+  // embedding, tied, with the head's bias). RobertaLMHead: dense, gelu, layer_norm, decoder.
+  // DistilBertForMaskedLM: vocab_transform, activation, vocab_layer_norm, vocab_projector.
+  // The loss: CrossEntropyLoss()(prediction_scores.view(-1, vocab_size), labels.view(-1)) on the
+  // logits as they are (under autocast, in the autocast dtype: CrossEntropyLoss in step_ops.h).
+  const Wide vocab = static_cast<Wide>(a_.vocab), h = static_cast<Wide>(a_.hidden);
+  g_.SetWhere("mlm head");
+  T t = LoraLinear(enc_.transform, hidden);
+  T act = enc_.head_gelu ? Apply(g_, Unary::kGelu, t) : Activation(t);
+  g_.Drop(t);
+  const Norm& n = enc_.head_norm;
+  T normed = LayerNorm(g_, act, n.w, n.b, n.width);
+  g_.Drop(act);
+  g_.SetWhere("mlm decoder");
+  T logits = Linear(g_, normed, head_, head_bias_, h, vocab);
+  g_.Drop(normed);
+  g_.SetPhase(StepPhase::kLoss);
+  g_.SetWhere("loss");
+  T loss = CrossEntropyLoss(g_, logits, tokens_, vocab);
+  // The training loop keeps `.loss` only.
+  g_.Drop(logits);
+  return loss;
+}
+
+Result<T> ModelRun::EncoderForward() {
+  // BertModel.forward / DistilBertModel.forward: embeddings, the bidirectional mask (None here),
+  // the layers (GradientCheckpointingLayer: each checkpointed per the setup), the head.
+  explicit_mask_ = false;
+  use_cache_ = false;
+  g_.SetWhere("embedding");
+  T x = EncoderEmbeddings();
+  if (s_.checkpointing == Checkpointing::kFull) {
+    // activation_checkpointing_enable -> enable_input_require_grads (a frozen embedding, LoRA).
+    g_.SetRequiresGrad(x, true);
+  }
+  x = RunLayers(x);
+  T loss = MaskedLmLoss(x);
+  g_.Drop(x);
+  g_.ClearAutocastCache();
+  return loss;
+}
+
+}  // namespace memplan::estimator::step
