@@ -323,8 +323,14 @@ void Graph::RunRange(size_t begin, size_t end) {
 void Graph::Backward(T root) {
   in_backward_ = true;
   Tensor& r = tensors_[static_cast<size_t>(Root(root.id))];
-  r.grad = Alloc(StepCategory::kTemporaries, static_cast<Wide>(Bytes(r.dt)));
+  // torch.autograd.backward's grad_tensors_ (_make_grads: ones_like(loss)) is made before the
+  // engine runs, so the memory tracker counts it as an activation, and the Python frame holds it
+  // until the engine returns.
+  const int seed = Alloc(StepCategory::kActivations, static_cast<Wide>(Bytes(r.dt)));
+  Ref(seed);
+  r.grad = seed;
   RunRange(0, nodes_.size());
+  Unref(seed);
   nodes_.clear();
   in_backward_ = false;
 }

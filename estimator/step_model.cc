@@ -106,6 +106,16 @@ Result<StepModel> SimulateStep(const ModelInventory& inventory, const TrainingSe
   }
   g.SetPhase(StepPhase::kForward);
   MEMPLAN_ASSIGN_OR_RETURN(T loss, run.ForwardAndLoss());
+  // fp16 autocast trains with torch.amp.GradScaler: scaler.scale(loss) is loss * scale (a
+  // 0-dim tensor the scaler keeps), whose backward makes the loss's gradient; unscale_ makes
+  // the reciprocal scale and the found-inf flag, alive through the optimizer step.
+  const bool grad_scaler = setup.precision == Precision::kFp16Mixed && setup.autocast;
+  if (grad_scaler && g.RequiresGrad(loss)) {
+    T scale = g.External(1, DT::kF32);
+    T scaled = step::Mul(g, loss, scale);
+    g.Drop(loss);
+    loss = scaled;
+  }
   g.SetPhase(StepPhase::kBackward);
   g.SetWhere("backward");
   if (g.RequiresGrad(loss)) g.Backward(loss);
@@ -115,6 +125,10 @@ Result<StepModel> SimulateStep(const ModelInventory& inventory, const TrainingSe
   // The optimizer step: every gradient exists; what the step adds on top of the states.
   g.SetPhase(StepPhase::kOptimizerStep);
   g.SetWhere("optimizer step");
+  int unscale = -1;
+  if (grad_scaler && states.torch_optimizer) {
+    unscale = g.Alloc(StepCategory::kActivations, 2 * AllocatorRound(4));
+  }
   if (states.torch_optimizer) {
     const Wide transient =
         OptimizerTransient(setup, run.OptimizerGroupBytes(), run.LargestTrainableBytes());
@@ -124,6 +138,7 @@ Result<StepModel> SimulateStep(const ModelInventory& inventory, const TrainingSe
     const int t = g.Alloc(StepCategory::kOptimizerTransients, 0);
     g.Unref(t);
   }
+  if (unscale >= 0) g.Unref(unscale);
   if (g.overflow()) {
     return Status::OutOfRange(inventory.name +
                               ": the memory a step needs overflows 2^62 bytes; check "

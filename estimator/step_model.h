@@ -17,7 +17,9 @@
 // results are added into the next nodes' input buffers), accumulating gradients as
 // AccumulateGrad does (a tied weight's first gradient waits in the engine's input buffer until
 // the second arrives), and the optimizer step as torch.optim implements it (foreach AdamW's
-// sqrt(v) per parameter group; the for-loop's two temporaries of a tensor; fused: none).
+// sqrt(v) per parameter group; the for-loop's two temporaries of a tensor; fused: none). The
+// backward's seed (ones_like(loss), made before the engine runs) lives until backward returns;
+// fp16 autocast scales the loss and unscales the gradients as torch.amp.GradScaler does.
 // Activation checkpointing keeps each wrapped block's input only and re-runs its forward when
 // the block's backward begins (torch.utils.checkpoint, non-reentrant); torchtitan's op-level
 // policy keeps the outputs of the ops it lists.
