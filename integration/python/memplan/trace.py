@@ -521,6 +521,50 @@ def run(setup, saved_tensors=False, listing_block=0):
     return result
 
 
+# Note [The tracker's hooks keep a leaf alive]
+# The tracker's module tracker (torch/distributed/_tools/mod_tracker.py) hooks each module's
+# forward inputs with register_multi_grad_hook (torch/autograd/graph.py). In its "all" mode the
+# hook's closure holds the inputs' grad_fns; for a leaf input that is the leaf's AccumulateGrad,
+# which holds the leaf. Hooked on that same leaf, the closure and the leaf keep each other alive
+# through C++ (the autograd node), where Python's collector cannot see the cycle. A non-parameter
+# leaf that requires grad is what PEFT and Transformers' gradient checkpointing make of the
+# embeddings' output (enable_input_require_grads: `output.requires_grad_(True)` on a frozen
+# embedding's output): under the tracker that tensor (tokens x hidden) and its .grad outlived
+# every step, which the same code without the tracker does not (the grid's LoRA + checkpointing
+# points carried both into the next step). The hooks serve one backward pass: they are removed
+# when it ends, which frees such a leaf as training without the tracker does.
+class _ModuleHooksPerPass:
+    """While entered, the multi-grad hooks the module tracker registers are collected, and
+    end_pass() removes those of the pass that ended."""
+
+    def __init__(self):
+        self._handles = []
+        self._module = None
+        self._original = None
+
+    def __enter__(self):
+        from torch.distributed._tools import mod_tracker
+        self._module = mod_tracker
+        self._original = original = mod_tracker.register_multi_grad_hook
+        handles = self._handles
+
+        def register(tensors, fn, *args, **kwargs):
+            handle = original(tensors, fn, *args, **kwargs)
+            handles.append(handle)
+            return handle
+        mod_tracker.register_multi_grad_hook = register
+        return self
+
+    def end_pass(self):
+        while self._handles:
+            self._handles.pop().remove()
+
+    def __exit__(self, *exc):
+        self._module.register_multi_grad_hook = self._original
+        self.end_pass()
+        return False
+
+
 def trace_target(target, arch=(8, 0)):
     """Two training steps of ``target`` (built inside an active FakeTensorMode) under the
     tracker, with the CUDA corrections of memplan.trace_cuda for a GPU of compute capability
@@ -551,6 +595,7 @@ def trace_target(target, arch=(8, 0)):
     try:
         with contextlib.ExitStack() as stack:
             stack.callback(rounding.__exit__, None, None, None)
+            hooks = stack.enter_context(_ModuleHooksPerPass())
             stack.enter_context(tracker)
             stack.enter_context(semantics)
             for step in (1, 2):
@@ -564,6 +609,7 @@ def trace_target(target, arch=(8, 0)):
                 else:
                     loss.backward()
                 del loss
+                hooks.end_pass()  # Note [The tracker's hooks keep a leaf alive]
                 tracker.phase = "optimizer_step"
                 if target.step is not None:
                     target.step()
