@@ -246,7 +246,10 @@ TEST_CASE("speed: a module with 100,000 submodules counts in linear time") {
     REQUIRE_OK(added);
     return m;
   };
-  const ModelInventory small = build(12'500), large = build(100'000);
+  // 16 times the tensors: linear is 16 times the time, a scan per tensor 256 times. The bound
+  // sits between with room for the cache misses of a larger table on a loaded machine (a CI
+  // run measured 37 times for 8 times the tensors against a bound of 32).
+  const ModelInventory small = build(6'250), large = build(100'000);
   auto counts = CountParams(large);
   REQUIRE_OK(counts);
   CHECK(counts->params_total == 400'000);
@@ -277,7 +280,7 @@ TEST_CASE("speed: a module holding 100,000 tensors directly counts in linear tim
   CHECK_FALSE(CountParams(twice).ok());
   const double small_ms = FastestMs(5, [&] { (void)CountParams(small); });
   const double large_ms = FastestMs(5, [&] { (void)CountParams(large); });
-  CHECK(large_ms < 32 * std::max(small_ms, 0.02));
+  CHECK(large_ms < 64 * std::max(small_ms, 0.02));
 }
 
 TEST_CASE("speed: tying tensors costs the same per tie, however many there are") {

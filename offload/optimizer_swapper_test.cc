@@ -108,6 +108,17 @@ void RequireEqualBits(const std::vector<float>& a, const std::vector<float>& b) 
   REQUIRE(mismatches == 0);
 }
 
+// Makes the swapper's backend a FaultBackend over the POSIX one; *faults points at it once the
+// swapper has made it (Create or Open), for the test to arm with SetPlan.
+void InstallFaults(OptimizerSwapperOptions& options, nvme::FaultBackend** faults) {
+  options.make_backend = [faults]() -> Result<std::unique_ptr<nvme::Backend>> {
+    MEMPLAN_ASSIGN_OR_RETURN(auto inner, nvme::CreatePosixBackend({}));
+    MEMPLAN_ASSIGN_OR_RETURN(auto wrapped, nvme::FaultBackend::Create(std::move(inner)));
+    *faults = wrapped.get();
+    return std::unique_ptr<nvme::Backend>(std::move(wrapped));
+  };
+}
+
 TEST_CASE("OptimizerSwapper steps bit-identically to the in-memory AdamW, for any buffer count") {
   for (uint32_t buffers : {2u, 3u, 5u}) {
     CAPTURE(buffers);
@@ -549,12 +560,7 @@ TEST_CASE("A step that fails on an I/O error keeps the committed step, and can b
   const uint64_t n = 6 * kSubGroup;
   auto options = MakeOptions(dir.PathOf("store"), SwapOptimizer::kAdam);
   nvme::FaultBackend* faults = nullptr;
-  options.make_backend = [&]() -> Result<std::unique_ptr<nvme::Backend>> {
-    MEMPLAN_ASSIGN_OR_RETURN(auto inner, nvme::CreatePosixBackend({}));
-    MEMPLAN_ASSIGN_OR_RETURN(auto wrapped, nvme::FaultBackend::Create(std::move(inner)));
-    faults = wrapped.get();
-    return std::unique_ptr<nvme::Backend>(std::move(wrapped));
-  };
+  InstallFaults(options, &faults);
   auto swapper = OptimizerSwapper::Create(options, n, Filler());
   REQUIRE_MESSAGE(swapper.ok(), swapper.status().ToString());
   OptimizerSwapper& s = **swapper;
@@ -904,12 +910,7 @@ TEST_CASE("One state slot: a step that fails after writing refuses every later s
   const uint64_t n = 6 * kSubGroup;
   auto options = OneSlot(dir.PathOf("store"));
   nvme::FaultBackend* faults = nullptr;
-  options.make_backend = [&]() -> Result<std::unique_ptr<nvme::Backend>> {
-    MEMPLAN_ASSIGN_OR_RETURN(auto inner, nvme::CreatePosixBackend({}));
-    MEMPLAN_ASSIGN_OR_RETURN(auto wrapped, nvme::FaultBackend::Create(std::move(inner)));
-    faults = wrapped.get();
-    return std::unique_ptr<nvme::Backend>(std::move(wrapped));
-  };
+  InstallFaults(options, &faults);
   {
     auto swapper = OptimizerSwapper::Create(options, n, Filler());
     REQUIRE_OK(swapper);

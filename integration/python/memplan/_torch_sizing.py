@@ -325,22 +325,36 @@ def drive_bytes(*, elements, trainable, sub_group_elements, param_dtype_bytes=4,
     return out
 
 
-def _drive_facts(module, schedule, world):
-    """What the schedule's NVMe stores take on the drive for `module` (drive_bytes, per rank),
-    with the path, its state_slots and the ranks of this node (of `world` ranks in all); None
-    without an NVMe tier."""
+def count_parameters(module):
+    """One pass over `module`'s parameters, each counted once however often it is shared: a dict
+    of "elements" and "trainable" (floating-point parameters: the only ones the engine holds),
+    "largest" (the largest of them, in elements; 1 when none) and "held" (bytes of every
+    parameter now in host memory, floating-point or not, until the engine holds them)."""
+    seen, counts = set(), {"elements": 0, "trainable": 0, "largest": 1, "held": 0}
+    for p in module.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.device.type == "cpu":
+            counts["held"] += p.numel() * p.element_size()
+        if not p.is_floating_point():
+            continue
+        counts["elements"] += p.numel()
+        counts["trainable"] += p.numel() if p.requires_grad else 0
+        counts["largest"] = max(counts["largest"], p.numel())
+    return counts
+
+
+def _drive_facts(counts, schedule, world):
+    """What the schedule's NVMe stores take on the drive for a module of `counts`
+    (count_parameters; drive_bytes, per rank), with the path, its state_slots and the ranks of
+    this node (of `world` ranks in all); None without an NVMe tier."""
     params, optimizer = schedule.get("params", {}), schedule.get("optimizer", {})
     nvme = schedule.get("nvme") or {}
     on = (params.get("tier") == "nvme", optimizer.get("tier") == "nvme")
     if not any(on) or not nvme.get("path"):
         return None
-    seen, elements, trainable = set(), 0, 0
-    for p in module.parameters():
-        if id(p) in seen or not p.is_floating_point():
-            continue  # the engine holds floating-point parameters only
-        seen.add(id(p))
-        elements += p.numel()
-        trainable += p.numel() if p.requires_grad else 0
+    elements, trainable = counts["elements"], counts["trainable"]
     slots = int(optimizer.get("state_slots", 2))
     need = drive_bytes(
         elements=elements, trainable=trainable,
@@ -370,11 +384,11 @@ def _bytes_words(n):
     return f"{n:,} bytes" + (f" ({n / (1 << 30):.2f} GiB)" if n >= 1 << 30 else "")
 
 
-def check_drive(module, schedule, world):
-    """The drive facts, with the free bytes under the store path; OSError(ENOSPC) when the
+def check_drive(counts, schedule, world):
+    """The drive facts (for a module of `counts`: count_parameters), with the free bytes under the store path; OSError(ENOSPC) when the
     stores (of every rank of this node) would not fit, saying what each needs and what one
     state slot would."""
-    drive = _drive_facts(module, schedule, world)
+    drive = _drive_facts(counts, schedule, world)
     if drive is None:
         return None
     free = drive["free_bytes"] = _free_bytes(drive["path"])

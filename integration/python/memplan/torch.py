@@ -175,8 +175,8 @@ from ._torch_autograd import (_PostBackward, _PreBackward, _is_managed, _manage,
 from ._torch_checkpoint import _CheckpointMixin, consolidate_checkpoint  # noqa: F401 (public)
 from ._torch_common import (_DTYPES, _CudaArray, _ProcessGroupCollective, _engine_group_options,
                             _group_source, _optimizer_kind, _process_group)
-from ._torch_sizing import (BENCH_FILE, SIZED_KEYS, check_drive, choose_sizes, explain_drive,
-                            machine_facts, read_bandwidth)
+from ._torch_sizing import (BENCH_FILE, SIZED_KEYS, check_drive, choose_sizes, count_parameters,
+                            explain_drive, machine_facts, read_bandwidth)
 from ._torch_sizing import explain as _explain_sizes
 from ._torch_meta import _MetaMixin
 from ._torch_step import _StepMixin
@@ -1102,11 +1102,11 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
                                             overlap_optimizer in (0, 1))):
         raise ValueError(f"memplan.torch: overlap_optimizer must be 'auto', True or False, not "
                          f"{overlap_optimizer!r}")
-    sizing = None
+    sizing, counts = None, count_parameters(module)
     if schedule is None:
         tier = "nvme" if path is not None else "cpu"
         param_tier, optimizer_tier = param_tier or tier, optimizer_tier or tier
-        sizing = _machine_sizes(module, path, param_tier, optimizer_tier, dtype, process_group,
+        sizing = _machine_sizes(counts, path, param_tier, optimizer_tier, dtype, process_group,
                                 nvme_bench, schedule_options)
         sized = {k: sizing[k] for k in SIZED_KEYS}
         schedule = memplan.schedule(path=path, param_tier=param_tier,
@@ -1138,7 +1138,7 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     if max_grad_norm:
         options["max_grad_norm"] = float(max_grad_norm)
         options["norm_type"] = float(norm_type)
-    drive = None if resume else check_drive(module, schedule,
+    drive = None if resume else check_drive(counts, schedule,
                                             _process_group(process_group)[2])
     trainer = OffloadedModule(module, schedule, runtime=runtime, optimizer_options=options,
                               gradient_accumulation_steps=gradient_accumulation_steps,
@@ -1150,21 +1150,12 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     return trainer
 
 
-def _machine_sizes(module, path, param_tier, optimizer_tier, dtype, process_group, nvme_bench,
+def _machine_sizes(counts, path, param_tier, optimizer_tier, dtype, process_group, nvme_bench,
                    given):
-    """choose_sizes() for `module` on this machine (Note [Machine-sized defaults] in
-    _torch_sizing): the sizes the caller did not give, and why."""
-    seen, elements, trainable, largest, held = set(), 0, 0, 1, 0
-    for p in module.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        n = p.numel()
-        elements += n
-        trainable += n if p.requires_grad else 0
-        largest = max(largest, n)
-        if p.device.type == "cpu":
-            held += n * p.element_size()
+    """choose_sizes() for a module of `counts` (count_parameters) on this machine (Note
+    [Machine-sized defaults] in _torch_sizing): the sizes the caller did not give, and why."""
+    elements, trainable = counts["elements"], counts["trainable"]
+    largest, held = counts["largest"], counts["held"]
     world = _process_group(process_group)[2]
     param_bytes = 4 if dtype == "fp32" else 2
     # What stays in host memory besides the pinned buffers: the module's CPU tensors as given
