@@ -167,6 +167,28 @@ class Cli(unittest.TestCase):
             self.assertEqual(sorted(os.listdir(d)), ["t.json"])
 
 
+class Adapters(unittest.TestCase):
+    def run_setup(self, **fields):
+        setup = dict(framework="transformers", layers=1, micro_batch=1, seq_len=128,
+                     precision="bf16-mixed", lora_rank=8, **fields)
+        return trace.run(setup)
+
+    def test_lora_on_a_masked_lm(self):
+        # PEFT's causal-LM wrapper asks a masked LM for prepare_inputs_for_generation: the
+        # encoders take the plain PeftModel. LoRA on query and value of one layer, r = 8.
+        result = self.run_setup(model="bert-base-uncased")
+        self.assertEqual(result["model"]["trainable_params"], 2 * (768 * 8 + 8 * 768))
+        self.assertGreater(result["peak"]["categories"]["activations"], 0)
+
+    def test_lora_with_checkpointing_starts_each_step_clean(self):
+        # Note [The tracker's hooks keep a leaf alive]: the embeddings' output, a leaf that
+        # requires grad under PEFT + checkpointing, and its gradient do not outlive a step.
+        result = self.run_setup(model="llama-3.2-1b", checkpointing="full")
+        start = result["step_start"]["categories"]
+        self.assertEqual(start["activations"], 0)
+        self.assertEqual(start["temporaries"], 0)
+
+
 class Grid(unittest.TestCase):
     def test_points_and_holdout_are_deterministic(self):
         ids = [p["id"] for p in trace_grid.points()]

@@ -61,6 +61,9 @@ def _config(setup):
     return name, model_type, architectures, config, layers_full
 
 
+_ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert")  # traced as masked LMs
+
+
 def _model_class(architectures, model_type):
     import transformers
     for arch in architectures:
@@ -69,9 +72,20 @@ def _model_class(architectures, model_type):
             return cls
     if model_type == "t5":
         return transformers.T5ForConditionalGeneration
-    if model_type in ("bert", "roberta", "xlm-roberta", "distilbert"):
+    if model_type in _ENCODERS:
         return transformers.AutoModelForMaskedLM
     return transformers.AutoModelForCausalLM
+
+
+def _peft_task(model_type):
+    """PEFT's task_type for the model _model_class builds: its wrapper's forward is that task's
+    (PeftModelForCausalLM asks the model for prepare_inputs_for_generation, which a masked LM
+    lacks); None wraps in the plain PeftModel, whose forward is the model's."""
+    if model_type == "t5":
+        return "SEQ_2_SEQ_LM"
+    if model_type in _ENCODERS:
+        return None
+    return "CAUSAL_LM"
 
 
 def find_blocks(model):
@@ -191,8 +205,7 @@ def _apply_lora(model, setup, model_type, info):
                     break
     config = peft.LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha or 2 * setup.lora_rank,
                              target_modules=targets, lora_dropout=0.0, bias="none",
-                             task_type="CAUSAL_LM" if model_type not in ("t5",) else
-                             "SEQ_2_SEQ_LM")
+                             task_type=_peft_task(model_type))
     # PEFT 0.21 refuses torchao < 0.16 wherever torchao is importable, even for plain Linear
     # layers; the pinned torchao is 0.15 (torchtune 0.6 needs it) and no layer here is torchao-
     # quantized, so PEFT's torchao dispatcher is told torchao is absent.
