@@ -191,6 +191,7 @@ void Graph::RecordCheckpoint(T input, T output, std::function<T(T)> rerun,
   node.ck_input = input;
   node.ck_output = output;
   node.rerun = std::move(rerun);
+  node.ck_where = where_;
   for (T t : held) {
     if (!t.ok()) continue;
     const Tensor& h = tensors_[static_cast<size_t>(t.id)];
@@ -246,7 +247,7 @@ void Graph::RunNode(Node& node) {
     const size_t begin = nodes_.size();
     const bool was = in_backward_;
     in_backward_ = false;
-    SetWhere("recompute");
+    SetWhere(node.ck_where + " recompute");
     T out2 = node.rerun(node.ck_input);
     ClearAutocastCache();
     in_backward_ = was;

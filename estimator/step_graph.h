@@ -168,6 +168,7 @@ class Graph {
     std::vector<int> saved_bufs;
     std::function<T(T)> rerun;  // a checkpoint
     T ck_input, ck_output;
+    std::string ck_where;  // where the checkpointed block ran ("layer 3"): its recompute's peak
   };
 
   void Accumulate(T input, int grad_buf);

@@ -188,6 +188,13 @@ PointResult Check(const std::filesystem::path& root, const nlohmann::json& rec) 
     r.error = "unknown phase " + phase;
     return r;
   }
+  // Where each peak is: a category off by much while the peak is close is often the two peaks
+  // falling at different moments of the phase.
+  r.detail += "      traced peak at " + peak.value("op", std::string("?")) + " in " +
+              (peak.contains("module") && peak.at("module").is_string()
+                   ? peak.at("module").get<std::string>()
+                   : std::string("?")) +
+              "; predicted at " + at->where + "\n";
   for (int c = 0; c < kStepCategories; ++c) {
     const std::string name(StepCategoryName(static_cast<StepCategory>(c)));
     const double want = peak.at("categories").value(name, 0.0);
