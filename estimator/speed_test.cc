@@ -256,7 +256,7 @@ TEST_CASE("speed: a module with 100,000 submodules counts in linear time") {
   CHECK(counts->num_blocks == 100'000);
   const double small_ms = FastestMs(5, [&] { (void)CountParams(small); });
   const double large_ms = FastestMs(5, [&] { (void)CountParams(large); });
-  CHECK(large_ms < 32 * std::max(small_ms, 0.02));
+  CHECK(large_ms < 64 * std::max(small_ms, 0.02));
 }
 
 TEST_CASE("speed: a module holding 100,000 tensors directly counts in linear time") {
@@ -271,7 +271,8 @@ TEST_CASE("speed: a module holding 100,000 tensors directly counts in linear tim
     REQUIRE_OK(added);
     return m;
   };
-  const ModelInventory small = build(12'500), large = build(100'000);
+  // As above: 16 times the tensors, linear 16 times the time, a scan per tensor 256 times.
+  const ModelInventory small = build(6'250), large = build(100'000);
   auto counts = CountParams(large);
   REQUIRE_OK(counts);
   CHECK(counts->params_total == 400'000);
