@@ -246,9 +246,10 @@ TEST_CASE("speed: a module with 100,000 submodules counts in linear time") {
     REQUIRE_OK(added);
     return m;
   };
-  // 16 times the tensors: linear is 16 times the time, a scan per tensor 256 times. The bound
-  // sits between with room for the cache misses of a larger table on a loaded machine (a CI
-  // run measured 37 times for 8 times the tensors against a bound of 32).
+  // 16 times the tensors: linear is 16 times the time, a scan per tensor 256 times. Cache misses
+  // make the larger table's time superlinear here: 35 and 80 times were measured on a loaded
+  // machine (6,250 tensors fit in L2, 100,000 do not), so the bound is 128 times, and 2 s for
+  // the large one alone (a scan per tensor took minutes at 2^18 tensors, issue 21 #15).
   const ModelInventory small = build(6'250), large = build(100'000);
   auto counts = CountParams(large);
   REQUIRE_OK(counts);
@@ -256,7 +257,8 @@ TEST_CASE("speed: a module with 100,000 submodules counts in linear time") {
   CHECK(counts->num_blocks == 100'000);
   const double small_ms = FastestMs(5, [&] { (void)CountParams(small); });
   const double large_ms = FastestMs(5, [&] { (void)CountParams(large); });
-  CHECK(large_ms < 64 * std::max(small_ms, 0.02));
+  CHECK(large_ms < 128 * std::max(small_ms, 0.02));
+  CHECK(large_ms < 2000);
 }
 
 TEST_CASE("speed: a module holding 100,000 tensors directly counts in linear time") {
@@ -281,7 +283,8 @@ TEST_CASE("speed: a module holding 100,000 tensors directly counts in linear tim
   CHECK_FALSE(CountParams(twice).ok());
   const double small_ms = FastestMs(5, [&] { (void)CountParams(small); });
   const double large_ms = FastestMs(5, [&] { (void)CountParams(large); });
-  CHECK(large_ms < 64 * std::max(small_ms, 0.02));
+  CHECK(large_ms < 128 * std::max(small_ms, 0.02));
+  CHECK(large_ms < 2000);
 }
 
 TEST_CASE("speed: tying tensors costs the same per tie, however many there are") {
