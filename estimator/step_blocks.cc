@@ -378,12 +378,7 @@ T ModelRun::TransformersEagerAttention(const QkvViews& t) {
   const Wide groups = heads / std::max<Wide>(kv, 1);
   T k2 = groups > 1 ? Copy(g_, k, g_.Numel(k) * groups) : g_.Alias(k);
   T v2 = groups > 1 ? Copy(g_, v, g_.Numel(v) * groups) : g_.Alias(v);
-  T qc = AutocastIn(g_, q), kc = AutocastIn(g_, k2);
-  g_.Drop(k2);
-  T scores = g_.New(batch_ * heads * seq_ * seq_, g_.Dtype(qc), true);
-  g_.Record(Graph::Spec("Matmul(qk)", {qc, kc}, {scores}, {qc, kc}));
-  g_.Drop(qc);
-  g_.Drop(kc);
+  T scores = AutocastBmm(g_, "Matmul(qk)", g_.Alias(q), k2, batch_ * heads * seq_ * seq_);
   T scaled = Scale(g_, scores);
   g_.Drop(scores);
   if (a_.attn_softcap > 0) {
@@ -405,13 +400,7 @@ T ModelRun::TransformersEagerAttention(const QkvViews& t) {
   g_.Drop(probs);
   T dropped = Dropout(g_, pc, a_.attention_dropout);
   g_.Drop(pc);
-  T pa = AutocastIn(g_, dropped), va = AutocastIn(g_, v2);
-  g_.Drop(dropped);
-  g_.Drop(v2);
-  T o = g_.New(batch_ * heads * seq_ * d, g_.Dtype(pa), true);
-  g_.Record(Graph::Spec("Matmul(pv)", {pa, va}, {o}, {pa, va}));
-  g_.Drop(pa);
-  g_.Drop(va);
+  T o = AutocastBmm(g_, "Matmul(pv)", dropped, v2, batch_ * heads * seq_ * d);
   out = Copy(g_, o);
   g_.Drop(o);
   return out;

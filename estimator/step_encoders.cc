@@ -180,10 +180,7 @@ T ModelRun::EncoderEagerAttention(T q, T k, T v) {
     return c;
   };
   T qc = folded(q), kc = folded(k);
-  T scores = g_.New(batch_ * heads * seq_ * seq_, g_.Dtype(qc), true);
-  g_.Record(Graph::Spec("Matmul(qk)", {qc, kc}, {scores}, {qc, kc}));
-  g_.Drop(qc);
-  g_.Drop(kc);
+  T scores = AutocastBmm(g_, "Matmul(qk)", qc, kc, batch_ * heads * seq_ * seq_);
   T scaled = Scale(g_, scores);
   g_.Drop(scores);
   T probs = Softmax(g_, scaled, autocast_ ? DT::kF32 : g_.Dtype(scaled));
@@ -193,10 +190,7 @@ T ModelRun::EncoderEagerAttention(T q, T k, T v) {
   T pa = AutocastIn(g_, dropped);
   g_.Drop(dropped);
   T vc = folded(v);
-  T o = g_.New(batch_ * heads * seq_ * d, g_.Dtype(pa), true);
-  g_.Record(Graph::Spec("Matmul(pv)", {pa, vc}, {o}, {pa, vc}));
-  g_.Drop(pa);
-  g_.Drop(vc);
+  T o = AutocastBmm(g_, "Matmul(pv)", pa, vc, batch_ * heads * seq_ * d);
   T out = Copy(g_, o);
   g_.Drop(o);
   return out;
