@@ -48,17 +48,7 @@ Timed Load(const std::string& path) {
 // the test files at -O0, whose copies of the JSON library's templates the linker keeps for the
 // library too (the top-level CMakeLists.txt): the 10 MB config below took 24 s of CPU there, under
 // 10 at -O1. The bounds scale; super-linear parsing of 10 MB would still take far longer.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr double kSlowdown = 5;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-constexpr double kSlowdown = 5;
-#else
-constexpr double kSlowdown = 1;
-#endif
-#else
-constexpr double kSlowdown = 1;
-#endif
+constexpr double kSlowdown = memplan::testing::kSanitizerBuild ? 5 : 1;
 
 // The error's message, which must start with `path`; the load must have failed within 5 s.
 std::string ErrorOf(const std::string& path) {

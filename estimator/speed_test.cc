@@ -29,21 +29,10 @@ using memplan::testing::Tensor;
 
 // Sanitizers and unoptimised builds are many times slower; the bounds are for the release build
 // and scale with them.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr double kSlowdown = 20;
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || \
-    __has_feature(memory_sanitizer)
-constexpr double kSlowdown = 20;
-#elif !defined(NDEBUG)
-constexpr double kSlowdown = 10;
+#ifdef NDEBUG
+constexpr double kSlowdown = memplan::testing::kSanitizerBuild ? 20 : 1;
 #else
-constexpr double kSlowdown = 1;
-#endif
-#elif !defined(NDEBUG)
-constexpr double kSlowdown = 10;
-#else
-constexpr double kSlowdown = 1;
+constexpr double kSlowdown = memplan::testing::kSanitizerBuild ? 20 : 10;
 #endif
 
 double CpuMs() {

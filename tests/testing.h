@@ -25,6 +25,20 @@
 
 namespace memplan::testing {
 
+// Built with a sanitizer (GCC's -fsanitize defines, Clang's __has_feature): time bounds scale.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kSanitizerBuild = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || \
+    __has_feature(memory_sanitizer)
+inline constexpr bool kSanitizerBuild = true;
+#else
+inline constexpr bool kSanitizerBuild = false;
+#endif
+#else
+inline constexpr bool kSanitizerBuild = false;
+#endif
+
 // --- Scratch directory ------------------------------------------------------------------------
 
 // A fresh directory $TMPDIR/<prefix>XXXXXX (or under /tmp), removed with everything in it when
