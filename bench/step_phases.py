@@ -27,13 +27,11 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+from deepspeed_peer import load_average, median  # noqa: E402  (the benches' shared helpers)
+
 PROFILE_KEYS = ("sync_s", "optimizer_s", "read_s", "write_s", "overlapped_fraction")
-
-
-def median(xs):
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
 
 
 def renice_others(nice):
@@ -123,7 +121,7 @@ def main():
         run_arm(args)
         return 0
     arms = args.arms.split(",")
-    print(f"step phases: {args.hidden}x{args.layers}, load {os.getloadavg()[0]:.2f}")
+    print(f"step phases: {args.hidden}x{args.layers}, load {load_average():.2f}")
     for r in range(args.rounds):
         for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
             command = [sys.executable, os.path.abspath(__file__), "--arm", arm] + \
@@ -135,7 +133,7 @@ def main():
             figures = json.loads(done.stdout.strip().splitlines()[-1])
             print(f"round {r + 1} {arm:<8} " +
                   " ".join(f"{k} {v:.3f}" for k, v in figures.items()), flush=True)
-    print(f"load {os.getloadavg()[0]:.2f}")
+    print(f"load {load_average():.2f}")
     return 0
 
 
