@@ -554,6 +554,14 @@ T ModelRun::TransformersMlp(const BlockParams& bp, T h) {
   return down;
 }
 
+T ModelRun::BodyAdd(T a, T b) {
+  // The layer's own residual sums (Note [The recompute's own ops] in step_graph.cc).
+  g_.SetBlockBody(true);
+  T sum = Add(g_, a, b);
+  g_.SetBlockBody(false);
+  return sum;
+}
+
 T ModelRun::TransformersDecoderBlock(int layer, T x) {
   const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
   const double p = fam_.resid_dropout;
@@ -569,12 +577,12 @@ T ModelRun::TransformersDecoderBlock(int layer, T x) {
       T h = NormAny(bp.norms[0], x);
       T attn = dropped(TransformersAttention(layer, bp, h));
       g_.Drop(h);
-      T x2 = Add(g_, x, attn);
+      T x2 = BodyAdd(x, attn);
       g_.Drop(attn);
       T h2 = NormAny(bp.norms[1], x2);
       T m = dropped(bp.expert.empty() ? TransformersMlp(bp, h2) : TransformersMoe(bp, h2));
       g_.Drop(h2);
-      T out = Add(g_, x2, m);
+      T out = BodyAdd(x2, m);
       g_.Drop(m);
       g_.Drop(x2);
       return out;
@@ -586,14 +594,14 @@ T ModelRun::TransformersDecoderBlock(int layer, T x) {
       g_.Drop(h);
       T an = NormAny(bp.norms[1], attn);
       g_.Drop(attn);
-      T x2 = Add(g_, x, an);
+      T x2 = BodyAdd(x, an);
       g_.Drop(an);
       T h2 = NormAny(bp.norms[2], x2);
       T m = TransformersMlp(bp, h2);
       g_.Drop(h2);
       T mn = NormAny(bp.norms[3], m);
       g_.Drop(m);
-      T out = Add(g_, x2, mn);
+      T out = BodyAdd(x2, mn);
       g_.Drop(mn);
       g_.Drop(x2);
       return out;
@@ -604,12 +612,12 @@ T ModelRun::TransformersDecoderBlock(int layer, T x) {
       T attn = TransformersAttention(layer, bp, x);
       T an = NormAny(bp.norms[0], attn);
       g_.Drop(attn);
-      T x2 = Add(g_, x, an);
+      T x2 = BodyAdd(x, an);
       g_.Drop(an);
       T m = TransformersMlp(bp, x2);
       T mn = NormAny(bp.norms[1], m);
       g_.Drop(m);
-      T out = Add(g_, x2, mn);
+      T out = BodyAdd(x2, mn);
       g_.Drop(mn);
       g_.Drop(x2);
       return out;
@@ -621,10 +629,10 @@ T ModelRun::TransformersDecoderBlock(int layer, T x) {
       T attn = dropped(TransformersAttention(layer, bp, h));
       T m = dropped(TransformersMlp(bp, h));
       g_.Drop(h);
-      T s1 = Add(g_, attn, m);
+      T s1 = BodyAdd(attn, m);
       g_.Drop(attn);
       g_.Drop(m);
-      T out = Add(g_, s1, x);
+      T out = BodyAdd(s1, x);
       g_.Drop(s1);
       return out;
     }
@@ -636,10 +644,10 @@ T ModelRun::TransformersDecoderBlock(int layer, T x) {
       T h2 = NormAny(bp.norms[1], x);
       T m = dropped(TransformersMlp(bp, h2));
       g_.Drop(h2);
-      T s1 = Add(g_, m, attn);
+      T s1 = BodyAdd(m, attn);
       g_.Drop(attn);
       g_.Drop(m);
-      T out = Add(g_, s1, x);
+      T out = BodyAdd(s1, x);
       g_.Drop(s1);
       return out;
     }

@@ -136,6 +136,7 @@ class ModelRun {
 
   // Transformers' decoder-only LMs (LlamaDecoderLayer and its relatives).
   T TransformersDecoderBlock(int layer, T x);
+  T BodyAdd(T a, T b);  // Add as the block's own op, outside its submodules
   T TransformersAttention(int layer, const BlockParams& bp, T h);
   struct QkvViews {
     T q, k, v;

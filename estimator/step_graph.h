@@ -107,14 +107,22 @@ class Graph {
     n.passthrough = std::move(passthrough);
     return n;
   }
-  // Saving on/off (a checkpointed forward saves nothing; its checkpoint node re-runs it).
-  void SetSaving(bool on) { saving_ = on; }
+  // Saving on/off (a checkpointed forward saves nothing; its checkpoint node re-runs it). Off
+  // starts a checkpointed region: the nodes it records are kept only while they form a tail that
+  // saves nothing (Note [What runs before the recompute] in step_graph.cc).
+  void SetSaving(bool on) {
+    saving_ = on;
+    if (!on) ck_tail_.clear();
+  }
   bool saving() const { return saving_; }
   // A checkpointed region: `run` re-runs the region's forward from `input`, returning its output.
   // `held` are the other tensors the checkpointed call was given (rotary tables, masks): the
   // checkpoint keeps them until its backward.
   void RecordCheckpoint(T input, T output, std::function<T(T)> rerun,
                         const std::vector<T>& held = {});
+  // Ops of a checkpointed block's own forward, outside its submodules: what they make in the
+  // recompute is a temporary (Note [The recompute's own ops] in step_graph.cc).
+  void SetBlockBody(bool on) { block_body_ = on; }
 
   // Starts backward from `root` (a scalar loss that requires grad): its gradient is a new
   // 1-element tensor; nodes run in reverse order of recording.
@@ -169,6 +177,9 @@ class Graph {
     std::function<T(T)> rerun;  // a checkpoint
     T ck_input, ck_output;
     std::string ck_where;  // where the checkpointed block ran ("layer 3"): its recompute's peak
+    // A checkpoint's last nodes, as its forward recorded them, that save no tensor: backward runs
+    // them before the recompute (Note [What runs before the recompute]).
+    std::vector<Node> tail;
   };
 
   void Accumulate(T input, int grad_buf);
@@ -181,6 +192,7 @@ class Graph {
   std::vector<Tensor> tensors_;
   std::vector<ParamState> params_;
   std::vector<Node> nodes_;
+  std::vector<Node> ck_tail_;    // the checkpointed region's nodes since its last saving one
   std::map<int, T> cast_cache_;  // param tensor id -> cast
   std::array<Wide, kStepCategories> cur_{};
   Wide total_ = 0;
@@ -192,6 +204,8 @@ class Graph {
   bool autocast_ = false;
   DT autocast_dt_ = DT::kBF16;
   bool in_backward_ = false;
+  bool recomputing_ = false;
+  bool block_body_ = false;
   bool overflow_ = false;
   bool stale_ = false;  // a freed buffer was referenced again (a modelling error)
  public:

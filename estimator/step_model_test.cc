@@ -14,6 +14,8 @@
 
 #include "common/file.h"
 #include "estimator/memory_model.h"
+#include "estimator/step_graph.h"
+#include "estimator/step_ops.h"
 #include "tests/estimator_testing.h"
 
 namespace memplan::estimator {
@@ -196,6 +198,64 @@ TEST_CASE("step model: Transformers' encoder masked LMs, against their traces") 
   s.seq_len = 512;
   CHECK(PhasePeaks(MustStep(memplan::testing::MustBuild(distil), s)) ==
         std::array<uint64_t, kStepPhases>{839'095'296, 1'207'859'200, 1'326'495'744, 781'021'184});
+}
+
+TEST_CASE("step graph: a checkpoint's last ops that save nothing run before its recompute") {
+  // Note [What runs before the recompute] and Note [The recompute's own ops] (step_graph.cc), on
+  // a block shaped as a decoder layer's LoRA'd Linear: z = x + x, the block's own op; then
+  // y = silu(z) + scale(silu(z)), the base path and the adapter's, each silu saving z; the scale
+  // and the last sum save nothing. Tensors of 4 MiB.
+  using step::DT;
+  using step::Graph;
+  using step::T;
+  constexpr step::Wide kN = 1 << 20;
+  constexpr uint64_t kMiB = 1 << 20;
+  const auto backward = static_cast<size_t>(StepPhase::kBackward);
+  const auto activations = static_cast<size_t>(StepCategory::kActivations);
+  const auto temporaries = static_cast<size_t>(StepCategory::kTemporaries);
+  auto run = [&](bool body) {
+    Graph g;
+    auto block = [&g, body](T in) {
+      g.SetBlockBody(body);
+      T z = step::Add(g, in, in);
+      g.SetBlockBody(false);
+      T u = step::Apply(g, step::Unary::kSilu, z);
+      T v = step::Apply(g, step::Unary::kSilu, z);
+      g.Drop(z);
+      T s = step::Scale(g, v);
+      g.Drop(v);
+      T y = step::Add(g, u, s);
+      g.Drop(u);
+      g.Drop(s);
+      return y;
+    };
+    T x = g.New(kN, DT::kF32, true);
+    g.SetSaving(false);
+    T y = block(x);
+    g.SetSaving(true);
+    g.RecordCheckpoint(x, y, block);
+    T loss = step::MeanRows(g, y, kN);
+    g.Drop(y);
+    g.SetPhase(StepPhase::kBackward);
+    g.Backward(loss);
+    REQUIRE_FALSE(g.stale());
+    return g.peaks()[backward];
+  };
+  // The peak is in the recompute, with z, u, v and s made: activations x, z, u, v and s (20 MiB),
+  // the loss and its seed (512 bytes each); temporaries the last sum's gradient, kept for the
+  // base path's silu, and the scale's, for the adapter's (8 MiB). Were the scale's backward run
+  // after the recompute, its 4 MiB would not be there.
+  const StepPhasePeak peak = run(false);
+  CHECK(peak.bytes == 28 * kMiB + 1024);
+  CHECK(peak.categories[temporaries] == 8 * kMiB);
+  CHECK(peak.categories[activations] == 20 * kMiB + 1024);
+  CHECK(peak.where == " recompute");
+  // z made by the block's own code in the recompute is a temporary, as torch's tracker counts it
+  // when the checkpointed function is not a module call; the bytes are the same.
+  const StepPhasePeak body = run(true);
+  CHECK(body.bytes == peak.bytes);
+  CHECK(body.categories[temporaries] == 12 * kMiB);
+  CHECK(body.categories[activations] == 16 * kMiB + 1024);
 }
 
 TEST_CASE("step model: what it does not run is refused as unmodelled, not run as another setup") {
