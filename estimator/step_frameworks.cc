@@ -166,10 +166,14 @@ Result<T> ModelRun::TorchtuneForward() {
     // TransformerDecoder.chunked_output: the output projection per chunk of the sequence;
     // CEWithChunkedOutputLoss: each chunk's logits.float() into cross_entropy (sum).
     const Wide chunks = static_cast<Wide>(s_.loss_chunks > 0 ? s_.loss_chunks : 8);
+    // h.chunk(n, dim=1) is one SplitBackward for every chunk. A chunk of more than one sequence
+    // is not contiguous, and F.linear's matmul folds it to rows with a copy, which mm saves: the
+    // trace's clone per chunk, freed by that chunk's backward; one sequence's chunk is a view.
     std::vector<T> logits;
-    for (Wide c = 0; c < chunks; ++c) {
-      T part = Slice(g_, hn, g_.Numel(hn) / chunks);
-      logits.push_back(Linear(g_, part, head.w, head.b, h, vocab));
+    for (T part : Split(g_, hn, chunks)) {
+      T rows = batch_ > 1 ? Copy(g_, part) : part;
+      logits.push_back(Linear(g_, rows, head.w, head.b, h, vocab));
+      if (rows.id != part.id) g_.Drop(rows);
       g_.Drop(part);
     }
     g_.SetPhase(StepPhase::kLoss);  // the model's forward returns

@@ -63,6 +63,13 @@ T Slice(Graph& g, T x, Wide numel) {
   return v;
 }
 
+std::vector<T> Split(Graph& g, T x, Wide parts) {
+  std::vector<T> views;
+  for (Wide i = 0; i < parts; ++i) views.push_back(g.Alias(x, g.Numel(x) / parts, /*view=*/true));
+  g.Record(Graph::Spec("Split", {x}, views));
+  return views;
+}
+
 T Cat(Graph& g, const std::vector<T>& parts) {
   Wide n = 0;
   bool rg = false;

@@ -36,6 +36,9 @@ T Copy(Graph& g, T x, Wide numel = 0);
 // One slice of `x` (narrow/chunk/split/indexing) as a view; its backward allocates the whole
 // of `x` (slice_backward zeros + copy).
 T Slice(Graph& g, T x, Wide numel);
+// x.chunk(parts) (torch.split): `parts` views of x, one autograd node (SplitBackward) that waits
+// for every part's gradient and then allocates the whole of x's.
+std::vector<T> Split(Graph& g, T x, Wide parts);
 // torch.cat of `parts` (a new tensor).
 T Cat(Graph& g, const std::vector<T>& parts);
 

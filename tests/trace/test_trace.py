@@ -189,6 +189,57 @@ class Adapters(unittest.TestCase):
         self.assertEqual(start["temporaries"], 0)
 
 
+class ModuleHooks(unittest.TestCase):
+    def chunk_gradients_alive(self, tracer_hooks):
+        # torchtune's chunked output in small: a head run per chunk of the sequence, and a loss
+        # module whose inputs are the chunks' logits. Returns, after each chunk's projection has
+        # run its backward, which chunks' logits gradients are still alive.
+        import contextlib
+        from torch.distributed._tools.mod_tracker import ModTracker
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        class Loss(torch.nn.Module):
+            def forward(self, chunks):
+                return sum((c.float() ** 2).sum() for c in chunks)
+
+        class Head(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.output = torch.nn.Linear(8, 64, bias=False)
+
+            def forward(self, h):
+                return [self.output(c) for c in h.chunk(4, dim=1)]
+
+        head, loss_fn = Head(), Loss()
+        h = torch.randn(2, 16, 8, requires_grad=True)
+        grads, alive = {}, []
+        hooks = trace._ModuleHooksPerPass() if tracer_hooks else contextlib.nullcontext()
+        with hooks, ModTracker():
+            logits = head(h)
+            for i, chunk in enumerate(logits):
+                chunk.register_hook(
+                    lambda g, i=i: grads.__setitem__(i, StorageWeakRef(g.untyped_storage())))
+                node = chunk.grad_fn
+                while "Mm" not in type(node).__name__:
+                    node = node.next_functions[0][0]
+                node.register_hook(lambda gi, go, i=i: alive.append(
+                    (i, sorted(k for k, r in grads.items() if k != i and not r.expired()))))
+            loss = loss_fn(logits)
+            del logits
+            loss.backward()
+        return alive
+
+    def test_module_input_hooks_hold_no_gradients(self):
+        # Note [The tracker's hooks hold gradients]: torch's "all" multi-grad hook on the loss
+        # module's inputs keeps every chunk's logits gradient until the last chunk's arrives; the
+        # tracer's keeps none, as training without the tracker.
+        held = self.chunk_gradients_alive(tracer_hooks=False)
+        self.assertEqual(held[:3], [(3, []), (2, [3]), (1, [2, 3])])
+        freed = self.chunk_gradients_alive(tracer_hooks=True)
+        self.assertEqual([i for i, _ in freed], [3, 2, 1, 0])
+        self.assertEqual([others for _, others in freed], [[], [], [], []])
+
+
 class Grid(unittest.TestCase):
     def test_points_and_holdout_are_deterministic(self):
         ids = [p["id"] for p in trace_grid.points()]

@@ -533,9 +533,46 @@ def run(setup, saved_tensors=False, listing_block=0):
 # every step, which the same code without the tracker does not (the grid's LoRA + checkpointing
 # points carried both into the next step). The hooks serve one backward pass: they are removed
 # when it ends, which frees such a leaf as training without the tracker does.
+#
+# Note [The tracker's hooks hold gradients]
+# In its "all" mode, register_multi_grad_hook also keeps each input's gradient (in the hook's
+# buffer) until the last of the module's inputs has its gradient, so that it can hand them all to
+# the hook. The module tracker's hook uses none of them. For a module of one input that is
+# nothing; for torchtune's CEWithChunkedOutputLoss, whose inputs are the logits' chunks, it kept
+# every chunk's logits gradient (bf16, tokens / chunks x vocabulary) alive until the output
+# projection's last chunk had run its backward, where the same code without the tracker frees
+# each after its chunk's projection (checked with weak references to the gradients' storages).
+# The tracer registers the module tracker's "all" hooks without the buffer: each input's hook
+# counts, and the last one calls the tracker's hook with no gradients.
+def _multi_grad_hook_counting(tensors, fn):
+    import threading
+    import torch
+    from torch.autograd.graph import _MultiHandle, _get_grad_fn_or_grad_acc
+    grad_fns = [_get_grad_fn_or_grad_acc(t) for t in tensors]
+    n = len(tensors)  # the closure must not hold the tensors: they would outlive their use
+    lock = threading.Lock()
+    counts = {}
+
+    def hook(_grad):
+        task = torch._C._current_graph_task_id()
+        with lock:
+            if task not in counts:
+                # As torch does: the inputs whose gradient this backward computes.
+                counts[task] = [0, sum(map(torch._C._will_engine_execute_node, grad_fns))]
+            entry = counts[task]
+            entry[0] += 1
+            last = entry[0] == entry[1]
+            if last:
+                del counts[task]
+        if last:
+            fn([None] * n)
+
+    return _MultiHandle(tuple(t.register_hook(hook) for t in tensors))
+
+
 class _ModuleHooksPerPass:
-    """While entered, the multi-grad hooks the module tracker registers are collected, and
-    end_pass() removes those of the pass that ended."""
+    """While entered, the multi-grad hooks the module tracker registers are collected (Note [The
+    tracker's hooks hold gradients]), and end_pass() removes those of the pass that ended."""
 
     def __init__(self):
         self._handles = []
@@ -549,7 +586,11 @@ class _ModuleHooksPerPass:
         handles = self._handles
 
         def register(tensors, fn, *args, **kwargs):
-            handle = original(tensors, fn, *args, **kwargs)
+            mode = kwargs.get("mode", args[0] if args else "all")
+            if mode == "all":
+                handle = _multi_grad_hook_counting(tensors, fn)
+            else:
+                handle = original(tensors, fn, *args, **kwargs)
             handles.append(handle)
             return handle
         mod_tracker.register_multi_grad_hook = register
