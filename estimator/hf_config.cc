@@ -111,6 +111,7 @@ Result<ModelInventory> InventoryFromHfConfig(const nlohmann::json& config,
   inventory.model_type = model_type;
   inventory.source = "config";
   FamilyRequest request{reader, options.choice, architecture, options.experts};
+  request.from_config = options.from_config;
   if (spec != nullptr) {
     MEMPLAN_RETURN_IF_ERROR(family::Build(*spec, request, &inventory));
   } else if (composite != nullptr) {

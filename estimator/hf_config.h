@@ -30,6 +30,12 @@ struct BuildOptions {
   // MoE weights as Transformers >= 5 builds them (fused, the default) or as checkpoints and
   // Transformers 4 hold them (one Linear per expert); see Note [Expert layout] in hf_family.h.
   ExpertLayout experts = ExpertLayout::kFused;
+  // The model as Transformers >= 5 builds it from the config alone (from_config, as memplan.trace
+  // does) rather than as from_pretrained loads a checkpoint. They differ for T5 v1.1 only: its
+  // T5Config forces tie_word_embeddings (models/t5/configuration_t5.py __post_init__), so the
+  // lm_head built from a config is the shared embedding, while loading a checkpoint whose lm_head
+  // differs unties it again.
+  bool from_config = false;
 };
 
 // Parses `text` (the contents of a config.json; `source` names it in errors) and builds the
@@ -70,6 +76,7 @@ struct FamilyRequest {
   ExpertLayout experts = ExpertLayout::kFused;
   // Where the model sits inside a larger one ("model.language_model."): prefixed to every name.
   std::string within = {};
+  bool from_config = false;  // BuildOptions::from_config
 };
 
 // A builder fills `out->tensors` (via out->Add), `out->architecture` (the class actually built,

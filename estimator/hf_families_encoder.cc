@@ -12,7 +12,8 @@
 //   - BERT's `relative_key` position embeddings add `distance_embedding` (4.x; 5.x dropped the
 //     option but checkpoints still carry the tensor);
 //   - T5 v1.1 (`tie_word_embeddings: false`) keeps a separate lm_head (5.x's T5Config forces the
-//     tie when building from a config, and unties again when a checkpoint's lm_head differs).
+//     tie when building from a config, and unties again when a checkpoint's lm_head differs;
+//     BuildOptions::from_config asks for the model built from the config: tied).
 // Where releases differ only in order, the current one (5.x) wins: RoBERTa registers
 // position_embeddings after LayerNorm there (4.x: second), and XLM-RoBERTa's head classes
 // register their head before the encoder (so the head's decoder holds the tied embedding first).
@@ -535,6 +536,7 @@ struct T5Dims {
   int64_t buckets = 0;
   bool gated = false;
   bool tie_word_embeddings = true;
+  bool use_cache = true;
   std::string act;     // "relu", "gelu", ... without the "gated-" prefix
   double dropout = 0;  // dropout_rate: everywhere T5 drops out
 };
@@ -566,6 +568,7 @@ Result<T5Dims> ReadT5Dims(const ConfigReader& config) {
                                  "'gated-gelu')");
   }
   MEMPLAN_ASSIGN_OR_RETURN(d.tie_word_embeddings, config.BoolOr("tie_word_embeddings", true));
+  MEMPLAN_ASSIGN_OR_RETURN(d.use_cache, config.BoolOr("use_cache", true));
   d.act = std::string(act);
   MEMPLAN_ASSIGN_OR_RETURN(d.dropout, config.ProbabilityOr("dropout_rate", 0.1));
   return d;
@@ -691,9 +694,9 @@ Status BuildT5(const FamilyRequest& request, ModelInventory* out) {
     default: break;
   }
   if (spec.model_class == "seq2seq_lm") {
-    MEMPLAN_RETURN_IF_ERROR(sink.Param("lm_head.weight", {dims.vocab, dims.model},
-                                       {TensorRole::kHead, ModuleKind::kLinear, false},
-                                       dims.tie_word_embeddings ? "shared.weight" : ""));
+    MEMPLAN_RETURN_IF_ERROR(sink.Param(
+        "lm_head.weight", {dims.vocab, dims.model}, {TensorRole::kHead, ModuleKind::kLinear, false},
+        dims.tie_word_embeddings || request.from_config ? "shared.weight" : ""));
   }
   out->architecture = std::string(spec.name);
   out->model_class = std::string(spec.model_class);
@@ -711,6 +714,8 @@ Status BuildT5(const FamilyRequest& request, ModelInventory* out) {
   arch.hidden_dropout = arch.attention_dropout = arch.embedding_dropout = dims.dropout;
   arch.no_split_class = "T5Block";
   arch.norm_upcasts = true;  // T5LayerNorm computes its variance in fp32
+  arch.use_cache = dims.use_cache;
+  arch.scale_decoder_output = dims.tie_word_embeddings;
   out->arch = arch;
   return Status::Ok();
 }

@@ -225,6 +225,9 @@ struct ArchitectureInfo {
   // Gemma-2's tanh soft-capping of the attention scores and of the output logits (0: none).
   double attn_softcap = 0;
   double final_softcap = 0;
+  // T5: the decoder's output scaled by d_model**-0.5 before lm_head (T5Config's
+  // scale_decoder_outputs: true unless the config says tie_word_embeddings false, as T5 v1.1's do).
+  bool scale_decoder_output = false;
 
   // "swiglu", "geglu", "gelu", "relu", ...: the MLP kind for reports.
   std::string MlpKind() const;

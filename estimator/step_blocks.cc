@@ -731,12 +731,13 @@ Result<T> ModelRun::ForwardAndLoss() {
 
 Result<T> ModelRun::TransformersForward() {
   if (enc_.on) return EncoderForward();
+  if (t5_.on) return T5Forward();
   auto type_is = [&](const char* t) { return inv_.model_type == t; };
   if (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || type_is("gpt_oss") ||
       (a_.alibi && !fam_.bloom_attention && !fam_.falcon_alibi)) {
     return Status::Unimplemented(
-        "the step model runs Transformers' dense decoder LMs and encoder masked LMs (BERT, "
-        "RoBERTa, XLM-RoBERTa, DistilBERT) so far");
+        "the step model runs Transformers' dense decoder LMs, encoder masked LMs (BERT, "
+        "RoBERTa, XLM-RoBERTa, DistilBERT) and T5ForConditionalGeneration so far");
   }
   MEMPLAN_RETURN_IF_ERROR(CheckFamily());
   const bool ckpt = s_.checkpointing == Checkpointing::kFull;

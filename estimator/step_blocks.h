@@ -134,6 +134,44 @@ class ModelRun {
   T EncoderEagerAttention(T q, T k, T v);
   T MaskedLmLoss(T hidden);
 
+  // Transformers' T5ForConditionalGeneration (step_t5.cc): the encoder and decoder stacks'
+  // parameters, which the blocks' roles share one layer index between, laid out by PrepareT5
+  // from the inventory's order (Note [T5's parameters] there).
+  struct T5Attention {
+    Lin q, k, v, o;
+    Norm norm;  // the sublayer's T5LayerNorm
+  };
+  struct T5Block {
+    T5Attention self, cross;  // cross: the decoder's only
+    Lin wi, wi_1, wo;         // wi: wi_0 when gated
+    Norm ff_norm;
+  };
+  struct T5Stack {
+    std::vector<T5Block> blocks;
+    T relative_bias;  // block 0's relative_attention_bias table
+    Norm final_norm;
+    bool decoder = false;
+    // This forward's tensors: the position bias (1 x heads x seq x seq, shared by the blocks),
+    // the cross-attention's zero bias, the eager causal mask.
+    T bias, cross_bias, mask;
+  };
+  struct T5 {
+    bool on = false;
+    T5Stack encoder, decoder;
+    T encoder_out;  // the encoder's last hidden state, the decoder's key_value_states
+  };
+  bool T5ConditionalGeneration() const;
+  Status PrepareT5(const AdapterMap& adapters);
+  Result<T> T5Forward();
+  T T5RunStack(T5Stack& st, T x);
+  T T5RunBlock(T5Stack& st, int layer, T x);
+  T T5BlockForward(T5Stack& st, int layer, T x);
+  T T5LayerNorm(const Norm& n, T x);
+  T T5PositionBias(const T5Stack& st);
+  T T5AttentionForward(T5Stack& st, const T5Attention& at, T h, bool cross);
+  T T5EagerAttention(T q, T k, T v, T bias, T mask, bool folded_kv);
+  T T5FeedForward(const T5Block& b, T h);
+
   // Transformers' decoder-only LMs (LlamaDecoderLayer and its relatives).
   T TransformersDecoderBlock(int layer, T x);
   T BodyAdd(T a, T b);  // Add as the block's own op, outside its submodules
@@ -194,6 +232,7 @@ class ModelRun {
 
   Family fam_;
   Encoder enc_;
+  T5 t5_;
   Graph& g_;
   const ModelInventory& inv_;
   const TrainingSetup& s_;

@@ -258,6 +258,57 @@ TEST_CASE("step graph: a checkpoint's last ops that save nothing run before its 
   CHECK(body.categories[activations] == 16 * kMiB + 1024);
 }
 
+// estimator/models/<name>.json with `layers` blocks in each stack, built as memplan.trace builds
+// it (from_config: T5 v1.1's lm_head tied to the shared embedding).
+ModelInventory T5WithLayers(const std::string& name, int64_t layers) {
+  Result<std::string> text = memplan::ReadFileToString(std::string(MEMPLAN_SOURCE_DIR) +
+                                                       "/estimator/models/" + name + ".json");
+  REQUIRE(text.ok());
+  nlohmann::json config = nlohmann::json::parse(*text);
+  config["num_layers"] = layers;
+  config["num_decoder_layers"] = layers;
+  BuildOptions options;
+  options.from_config = true;
+  Result<ModelInventory> inv = InventoryFromHfConfig(config, name, options);
+  REQUIRE_MESSAGE(inv.ok(), inv.status().ToString());
+  return std::move(inv).value();
+}
+
+TEST_CASE("step model: Transformers' T5ForConditionalGeneration, against its traces") {
+  // transformers/<model>/L2/.../a100 of the grid: each phase's traced peak allocated bytes,
+  // copied from the grid.
+  TrainingSetup s;
+  s.precision = Precision::kBf16Mixed;
+  s.autocast = true;
+  s.micro_batch = 4;
+  s.seq_len = 512;
+  // t5-v1_1-base/L2/b4s512/bf16-mixed/sdpa/ckpt-none: gated gelu_new, no output scaling, the
+  // decoder's EncoderDecoderCache; the loss's backward is the peak.
+  const ModelInventory v11 = T5WithLayers("t5-v1_1-base", 2);
+  const StepModel none = MustStep(v11, s);
+  CHECK(none.peak_phase == StepPhase::kBackward);
+  // The peak phase and the optimizer step are exact; the forward's and the loss's own peaks
+  // are not yet (the loss's is 6 MiB low).
+  CHECK(none.peak_bytes == 2'230'727'168);
+  CHECK(none.phases[3].bytes == 1'162'801'152);
+  // b16s512, ckpt-full: every T5Block of both stacks checkpointed.
+  s.checkpointing = Checkpointing::kFull;
+  s.micro_batch = 16;
+  CHECK(MustStep(v11, s).peak_bytes == 3'678'329'344);
+  // b2s128/bf16-mixed/eager: the position bias added to the scores; the optimizer step peaks.
+  s.checkpointing = Checkpointing::kNone;
+  s.flash_attention = false;
+  s.micro_batch = 2;
+  s.seq_len = 128;
+  CHECK(MustStep(v11, s).peak_bytes == 1'162'772'480);
+  // t5-large/L2/b2s512/fp32/sdpa: ReLU, the decoder's output scaled by d_model**-0.5.
+  TrainingSetup f;
+  f.precision = Precision::kFp32;
+  f.micro_batch = 2;
+  f.seq_len = 512;
+  CHECK(MustStep(T5WithLayers("t5-large", 2), f).peak_bytes == 2'009'312'256);
+}
+
 TEST_CASE("step model: what it does not run is refused as unmodelled, not run as another setup") {
   const ModelInventory llama = WithLayers("llama-3.2-1b", 2);
   TrainingSetup s;

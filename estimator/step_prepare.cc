@@ -58,6 +58,7 @@ Status ModelRun::Prepare() {
   if (s_.framework == Framework::kLitGpt) FuseLitGptQkv(&adapter_bytes);
   ChooseFamily();
   if (EncoderMaskedLm()) MEMPLAN_RETURN_IF_ERROR(PrepareEncoder(adapters));
+  if (T5ConditionalGeneration()) MEMPLAN_RETURN_IF_ERROR(PrepareT5(adapters));
   if (!embedding_.ok()) {
     return Status::Unimplemented(inv_.name + ": the step model found no token embedding");
   }
@@ -92,11 +93,12 @@ Status ModelRun::CheckRunnable() const {
   // Transformers' MptForCausalLM (always ALiBi, whatever attn_config says) is not modelled: an
   // MPT without ALiBi must not run as a generic decoder.
   if (s_.framework == Framework::kTransformers && !EncoderMaskedLm() &&
+      !T5ConditionalGeneration() &&
       (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || inv_.model_type == "gpt_oss" ||
        inv_.model_type == "mpt")) {
     return Status::Unimplemented(
-        "the step model runs Transformers' dense decoder LMs and encoder masked LMs (BERT, "
-        "RoBERTa, XLM-RoBERTa, DistilBERT) so far");
+        "the step model runs Transformers' dense decoder LMs, encoder masked LMs (BERT, "
+        "RoBERTa, XLM-RoBERTa, DistilBERT) and T5ForConditionalGeneration so far");
   }
   // One Linear per expert (checkpoints, Transformers 4): refused before thousands of expert
   // parameters are laid out (a per-expert Qwen3-235B has 18,000 of them).
@@ -395,7 +397,9 @@ void ModelRun::CountOptimizerGroups(const std::vector<Wide>& adapter_bytes) {
       if (!t.tied_to.empty()) continue;
       const Wide b = Rounded(t.numel, pdt_);
       largest_trainable_ = std::max(largest_trainable_, b);
-      if (t.bias || t.role == TensorRole::kNorm) {
+      // get_decay_parameter_names also forbids names containing "bias": T5's
+      // relative_attention_bias tables.
+      if (t.bias || t.role == TensorRole::kNorm || t.role == TensorRole::kRelativeAttentionBias) {
         no_decay += b;
       } else {
         decay += b;

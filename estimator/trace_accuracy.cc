@@ -9,7 +9,7 @@
 //            GRID.json...
 // (--bound: other bounds for one framework's points; --max-beyond: how many points may be
 // beyond their bounds (default 0); --detail: the categories of each point
-// shown beyond the bounds). A point whose setup the step model does not run (it says so: T5,
+// shown beyond the bounds). A point whose setup the step model does not run (it says so:
 // multi-head latent attention, gpt-oss so far) is counted and listed as refused but does not
 // fail the run; any other refusal does.
 // Exit: 0 within the bounds, 1 beyond them, 2 a usage or input error, 77 when no grid file exists
@@ -86,7 +86,9 @@ Result<ModelInventory> Inventory(const std::filesystem::path& root, const nlohma
       config["num_decoder_layers"] = layers;
     }
   }
+  // memplan.trace builds the model from the config (from_config), not from a checkpoint.
   BuildOptions options;
+  options.from_config = true;
   MEMPLAN_ASSIGN_OR_RETURN(ModelInventory inv, InventoryFromHfConfig(config, rel, options));
   return inv;
 }
