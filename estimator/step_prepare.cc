@@ -92,7 +92,8 @@ Status ModelRun::CheckRunnable() const {
   // Transformers' MptForCausalLM (always ALiBi, whatever attn_config says) is not modelled: an
   // MPT without ALiBi must not run as a generic decoder.
   if (s_.framework == Framework::kTransformers && !EncoderMaskedLm() &&
-      (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || inv_.model_type == "gpt_oss" ||
+      (!a_.causal || a_.encoder_decoder ||
+       (a_.kv_lora_rank > 0 && inv_.model_type != "deepseek_v2") || inv_.model_type == "gpt_oss" ||
        inv_.model_type == "mpt")) {
     return Status::Unimplemented(
         "the step model runs Transformers' dense decoder LMs and encoder masked LMs (BERT, "
@@ -371,6 +372,8 @@ void ModelRun::ChooseFamily() {
     fam_.embedding_norm = true;
   }
   if (type == "gpt_neox") fam_.layout = Family::Layout::kParallelTwoNorms;
+  // DeepseekV2Attention (multi-head latent attention) and DeepseekV2TopkRouter: step_mla.cc.
+  fam_.mla = type == "deepseek_v2" && a_.kv_lora_rank > 0;
   fam_.query_scaled = type == "opt";
   fam_.probs_to_value = type == "gpt2";
   fam_.learned_positions = a_.learned_positions;
