@@ -330,8 +330,11 @@ T ModelRun::TransformersSdpa(AttentionShape as, DT cdt, QkvViews* t) {
     backend = sm >= 80 || cdt == DT::kF16 ? SdpaBackend::kEfficient : SdpaBackend::kMath;
   } else if (sm >= 90 && sm < 110) {
     backend = SdpaBackend::kCudnn;
-  } else if (sm >= 80) {
+  } else if (sm >= 80 && as.head_dim == as.v_head_dim) {
+    // sdp_utils.cpp check_head_dim_size_flash: query, key and value heads of one width.
     backend = SdpaBackend::kFlash;
+  } else if (sm >= 80) {
+    backend = SdpaBackend::kEfficient;
   } else {
     backend = cdt == DT::kF16 ? SdpaBackend::kEfficient : SdpaBackend::kMath;
   }
@@ -409,6 +412,7 @@ T ModelRun::TransformersEagerAttention(const QkvViews& t) {
 T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
   (void)layer;
   if (fam_.bloom_attention) return BloomAttention(bp, h);
+  if (fam_.mla) return MlaAttention(bp, h);
   const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
   const Wide d = static_cast<Wide>(a_.head_dim);
   QkvViews t = TransformersQkv(bp, h);
@@ -439,14 +443,7 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
   const Wide k = static_cast<Wide>(std::max<int64_t>(a_.experts_per_token, 1));
   const Wide hw = static_cast<Wide>(a_.hidden);
   const Wide experts = static_cast<Wide>(a_.experts);
-  T logits = Linear(g_, h, bp.router.w, T{}, hw, experts);
-  T probs = Softmax(g_, logits, DT::kF32);
-  g_.Drop(logits);
-  T top = g_.New(tokens_ * k, DT::kF32, g_.RequiresGrad(probs));
-  T top_idx = g_.New(tokens_ * k, DT::kI64, false);
-  g_.Record(Graph::Spec("TopK", {probs}, {top}, {top_idx}));
-  g_.Drop(probs);
-  g_.Drop(top_idx);
+  T top = fam_.mla ? DeepseekV2Router(bp, h) : TransformersRouter(bp, h);
   const Wide S = tokens_ * k;
   // expert_ids sort, perm // k, inv_perm: indices the gathers keep.
   T perm = g_.New(S, DT::kI64, false);
@@ -490,9 +487,12 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
   T back = g_.New(S * hw, g_.Dtype(weighted), true);
   g_.Record(Graph::Spec("Index", {weighted}, {back}, {inv}));
   g_.Drop(weighted);
-  T out = g_.New(tokens_ * hw, g_.Dtype(back), true);
-  g_.Record(Graph::Spec("Sum", {back}, {out}));
+  T summed = g_.New(tokens_ * hw, g_.Dtype(back), true);
+  g_.Record(Graph::Spec("Sum", {back}, {summed}));
   g_.Drop(back);
+  // final_hidden_states.to(hidden_states.dtype): fp32 routing weights (DeepSeek's) promote.
+  T out = Cast(g_, summed, g_.Dtype(h));
+  g_.Drop(summed);
   g_.Drop(perm);
   g_.Drop(src);
   g_.Drop(inv);
@@ -514,6 +514,21 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
     out = sum;
   }
   return out;
+}
+
+// The router of Mixtral, Qwen2-MoE and Qwen3-MoE: a Linear, softmax in fp32, top-k.
+T ModelRun::TransformersRouter(const BlockParams& bp, T h) {
+  const Wide k = static_cast<Wide>(std::max<int64_t>(a_.experts_per_token, 1));
+  T logits =
+      Linear(g_, h, bp.router.w, T{}, static_cast<Wide>(a_.hidden), static_cast<Wide>(a_.experts));
+  T probs = Softmax(g_, logits, DT::kF32);
+  g_.Drop(logits);
+  T top = g_.New(tokens_ * k, DT::kF32, g_.RequiresGrad(probs));
+  T top_idx = g_.New(tokens_ * k, DT::kI64, false);
+  g_.Record(Graph::Spec("TopK", {probs}, {top}, {top_idx}));
+  g_.Drop(probs);
+  g_.Drop(top_idx);
+  return top;
 }
 
 T ModelRun::TransformersMlp(const BlockParams& bp, T h) {
@@ -689,8 +704,16 @@ Status ModelRun::CheckFamily() const {
   };
   for (const BlockParams& bp : blocks_) {
     const bool fused = bp.has(TensorRole::kAttentionQkv);
-    if (!fused && !(bp.has(TensorRole::kAttentionQ) && bp.has(TensorRole::kAttentionK) &&
-                    bp.has(TensorRole::kAttentionV))) {
+    if (fam_.mla) {
+      // MLA: the query (full or through q_a_proj), the latent's down and up projections, and
+      // their narrow norms (q_a_layernorm with q_a_proj, kv_a_layernorm).
+      const size_t narrow = bp.has(TensorRole::kAttentionQDown) ? 2 : 1;
+      if (!bp.has(TensorRole::kAttentionQ) || !bp.has(TensorRole::kAttentionKvDown) ||
+          !bp.has(TensorRole::kAttentionKvUp) || bp.qk_norms.size() < narrow) {
+        return missing("multi-head latent attention's projections and norms");
+      }
+    } else if (!fused && !(bp.has(TensorRole::kAttentionQ) && bp.has(TensorRole::kAttentionK) &&
+                           bp.has(TensorRole::kAttentionV))) {
       return missing("query, key and value projections");
     }
     if (!bp.has(TensorRole::kAttentionOut)) return missing("an attention output projection");
@@ -733,8 +756,8 @@ Result<T> ModelRun::TransformersForward() {
   if (enc_.on) return EncoderForward();
   if (t5_.on) return T5Forward();
   auto type_is = [&](const char* t) { return inv_.model_type == t; };
-  if (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || type_is("gpt_oss") ||
-      (a_.alibi && !fam_.bloom_attention && !fam_.falcon_alibi)) {
+  if (!a_.causal || a_.encoder_decoder || (a_.kv_lora_rank > 0 && !fam_.mla) ||
+      type_is("gpt_oss") || (a_.alibi && !fam_.bloom_attention && !fam_.falcon_alibi)) {
     return Status::Unimplemented(
         "the step model runs Transformers' dense decoder LMs, encoder masked LMs (BERT, "
         "RoBERTa, XLM-RoBERTa, DistilBERT) and T5ForConditionalGeneration so far");
@@ -778,7 +801,9 @@ Result<T> ModelRun::TransformersForward() {
     // requires grad (matters when the embedding is frozen, as with LoRA).
     g_.SetRequiresGrad(x, true);
   }
-  if (fam_.rotary) {
+  if (fam_.mla) {
+    MlaRotaryTable();
+  } else if (fam_.rotary) {
     // The rotary embedding's forward: cos and sin (seq x rotary dims) in fp32, cast to x's dtype.
     const Wide d = fam_.rotary_dims > 0 ? fam_.rotary_dims : static_cast<Wide>(a_.head_dim);
     T c32 = g_.New(seq_ * d, DT::kF32, false);

@@ -96,6 +96,7 @@ class ModelRun {
     // mask for SDPA.
     bool bloom_attention = false;
     bool falcon_alibi = false;
+    bool mla = false;  // DeepSeek-V2: multi-head latent attention and its router (step_mla.cc)
   };
 
   // Prepare's stages, in the order it runs them (step_prepare.cc): refusals, dtypes, the
@@ -185,6 +186,14 @@ class ModelRun {
   T TransformersMlp(const BlockParams& bp, T h);
   T BloomAttention(const BlockParams& bp, T h);
   T TransformersMoe(const BlockParams& bp, T h);
+  T TransformersRouter(const BlockParams& bp, T h);
+  // DeepSeek-V2 (step_mla.cc, Note [DeepSeek-V2 in the step model]).
+  void MlaRotaryTable();
+  T MlaRotary(T x);
+  std::vector<T> MlaSplit(T x, const std::vector<Wide>& parts);
+  T MlaAttention(const BlockParams& bp, T h);
+  T MlaEagerAttention(const QkvViews& t, const AttentionShape& as);
+  T DeepseekV2Router(const BlockParams& bp, T h);
   Result<T> TransformersForward();
   // torchtune (torchtune/modules/transformer.py, attention.py, peft/lora.py).
   Result<T> TorchtuneForward();

@@ -309,6 +309,37 @@ TEST_CASE("step model: Transformers' T5ForConditionalGeneration, against its tra
   CHECK(MustStep(T5WithLayers("t5-large", 2), f).peak_bytes == 2'009'312'256);
 }
 
+TEST_CASE("step model: Transformers DeepSeek-V2 (MLA, MoE with shared experts), against traces") {
+  // transformers/deepseek-v2-lite/L2/.../sdpa/.../adamw/a100 of the grid: each phase's traced
+  // peak allocated bytes, copied from the grid. Layer 0 is dense (first_k_dense_replace), layer
+  // 1 a MoE; the attention's query/key heads (192) are wider than its value heads (128), so
+  // SDPA runs the memory-efficient kernel.
+  const ModelInventory deepseek = WithLayers("deepseek-v2-lite", 2);
+  TrainingSetup s;
+  s.precision = Precision::kBf16Mixed;
+  s.autocast = true;
+  s.micro_batch = 1;
+  s.seq_len = 1024;
+  s.checkpointing = Checkpointing::kFull;
+  // b1s1024/bf16-mixed/ckpt-full: the optimizer step is the peak.
+  const StepModel full = MustStep(deepseek, s);
+  CHECK(full.peak_phase == StepPhase::kOptimizerStep);
+  CHECK(PhasePeaks(full) == std::array<uint64_t, kStepPhases>{13'932'987'392, 14'771'857'920,
+                                                              17'381'525'504, 21'714'240'512});
+  // b2s512/bf16/ckpt-none: DynamicCache keeps the latent and the rotary key of each layer; the
+  // router's fp32 copies of its input and weight are saved by its Linear. The backward and the
+  // optimizer step are exact; the forward and the loss are 512 KiB short (docs/accuracy.md).
+  TrainingSetup b;
+  b.precision = Precision::kBf16Pure;
+  b.micro_batch = 2;
+  b.seq_len = 512;
+  const StepModel none = MustStep(deepseek, b);
+  CHECK(none.peak_bytes == 10'861'388'800);
+  CHECK(none.phases[2].bytes == 8'695'031'808);
+  CHECK(std::abs(Error(none.phases[0].bytes, 7'114'794'496)) < 0.0001);
+  CHECK(std::abs(Error(none.phases[1].bytes, 7'953'673'216)) < 0.0001);
+}
+
 TEST_CASE("step model: what it does not run is refused as unmodelled, not run as another setup") {
   const ModelInventory llama = WithLayers("llama-3.2-1b", 2);
   TrainingSetup s;

@@ -94,11 +94,13 @@ Status ModelRun::CheckRunnable() const {
   // MPT without ALiBi must not run as a generic decoder.
   if (s_.framework == Framework::kTransformers && !EncoderMaskedLm() &&
       !T5ConditionalGeneration() &&
-      (!a_.causal || a_.encoder_decoder || a_.kv_lora_rank > 0 || inv_.model_type == "gpt_oss" ||
+      (!a_.causal || a_.encoder_decoder ||
+       (a_.kv_lora_rank > 0 && inv_.model_type != "deepseek_v2") || inv_.model_type == "gpt_oss" ||
        inv_.model_type == "mpt")) {
     return Status::Unimplemented(
-        "the step model runs Transformers' dense decoder LMs, encoder masked LMs (BERT, "
-        "RoBERTa, XLM-RoBERTa, DistilBERT) and T5ForConditionalGeneration so far");
+        "the step model runs Transformers' decoder LMs (DeepSeek-V2's latent attention "
+        "included), encoder masked LMs (BERT, RoBERTa, XLM-RoBERTa, DistilBERT) and "
+        "T5ForConditionalGeneration so far");
   }
   // One Linear per expert (checkpoints, Transformers 4): refused before thousands of expert
   // parameters are laid out (a per-expert Qwen3-235B has 18,000 of them).
@@ -373,6 +375,8 @@ void ModelRun::ChooseFamily() {
     fam_.embedding_norm = true;
   }
   if (type == "gpt_neox") fam_.layout = Family::Layout::kParallelTwoNorms;
+  // DeepseekV2Attention (multi-head latent attention) and DeepseekV2TopkRouter: step_mla.cc.
+  fam_.mla = type == "deepseek_v2" && a_.kv_lora_rank > 0;
   fam_.query_scaled = type == "opt";
   fam_.probs_to_value = type == "gpt2";
   fam_.learned_positions = a_.learned_positions;
