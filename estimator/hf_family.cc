@@ -560,6 +560,12 @@ Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigRead
   arch.attention_impl = v.attention_impl;
   arch.norm_type = v.norm_type;
   arch.block_options = v.block_options;
+  if (spec.mla && spec.model_type == "deepseek_v2") {
+    // DeepseekV2Moe's routing: "greedy" (V2-Lite) or "group_limited_greedy" (V2), whose group
+    // mask the step model does not run (it refuses a block option it does not know).
+    MEMPLAN_ASSIGN_OR_RETURN(std::string topk, config.StringOr("topk_method", "greedy"));
+    if (topk != "greedy") arch.block_options.push_back("topk_method " + topk);
+  }
   if (v.attention_dropout >= 0) {
     arch.attention_dropout = v.attention_dropout;
   } else if (!spec.attention_dropout_field.empty()) {

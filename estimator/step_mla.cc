@@ -33,8 +33,9 @@
 // they stay fp32, so the experts' weighted outputs promote to fp32 and the experts' sum is cast
 // back to the hidden states' dtype (grouped_mm_experts_forward's .to(hidden_states.dtype)).
 //
-// Not modelled: topk_method "group_limited_greedy" (DeepSeek-V2's full model: its group mask
-// adds a few [tokens, experts] tensors per MoE layer) runs as "greedy".
+// Not modelled, and refused (the family reader makes it a block option): topk_method
+// "group_limited_greedy" (DeepSeek-V2's full model: its group mask adds a few [tokens, experts]
+// tensors per MoE layer).
 #include <algorithm>
 
 #include "estimator/step_blocks.h"

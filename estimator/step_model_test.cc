@@ -373,6 +373,17 @@ TEST_CASE("step model: what it does not run is refused as unmodelled, not run as
   REQUIRE(nsp.ok());
   CHECK(nsp->step_unmodelled);
   CHECK(nsp->step_error.find("pooler or a classifier") != std::string::npos);
+  // DeepSeek-V2's group-limited routing (the full model's) is not run as V2-Lite's greedy one.
+  nlohmann::json deepseek_config =
+      nlohmann::json::parse(memplan::testing::ReadFixture("deepseek-v2-lite"));
+  deepseek_config["num_hidden_layers"] = 2;
+  Result<MemoryEstimate> greedy = EstimateMemory(memplan::testing::MustBuild(deepseek_config), b);
+  REQUIRE(greedy.ok());
+  CHECK_FALSE(greedy->step_unmodelled);
+  deepseek_config["topk_method"] = "group_limited_greedy";
+  Result<MemoryEstimate> grouped = EstimateMemory(memplan::testing::MustBuild(deepseek_config), b);
+  REQUIRE(grouped.ok());
+  CHECK(grouped->step_unmodelled);
   // llm-foundry runs MPT only; an MPT with rotary embeddings instead of ALiBi is not run as
   // ALiBi; Llama under llm-foundry is refused.
   TrainingSetup f;

@@ -95,8 +95,8 @@ Status ModelRun::CheckRunnable() const {
   if (s_.framework == Framework::kTransformers && !EncoderMaskedLm() &&
       !T5ConditionalGeneration() &&
       (!a_.causal || a_.encoder_decoder ||
-       (a_.kv_lora_rank > 0 && inv_.model_type != "deepseek_v2") || inv_.model_type == "gpt_oss" ||
-       inv_.model_type == "mpt")) {
+       (a_.kv_lora_rank > 0 && (inv_.model_type != "deepseek_v2" || !a_.block_options.empty())) ||
+       inv_.model_type == "gpt_oss" || inv_.model_type == "mpt")) {
     return Status::Unimplemented(
         "the step model runs Transformers' decoder LMs (DeepSeek-V2's latent attention "
         "included), encoder masked LMs (BERT, RoBERTa, XLM-RoBERTa, DistilBERT) and "
