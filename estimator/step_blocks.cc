@@ -31,7 +31,7 @@ T ModelRun::RunBlock(int layer, T x) {
   T out = BlockFor(layer, x);
   g_.SetSaving(true);
   g_.RecordCheckpoint(x, out, [this, layer](T in) { return BlockFor(layer, in); },
-                      {cos_, sin_, mask_});
+                      {cos_, sin_, LayerMask(layer)});
   return out;
 }
 
@@ -410,7 +410,7 @@ T ModelRun::TransformersEagerAttention(const QkvViews& t) {
 }
 
 T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
-  (void)layer;
+  if (fam_.gpt_oss) return GptOssAttention(layer, bp, h);
   if (fam_.bloom_attention) return BloomAttention(bp, h);
   if (fam_.mla) return MlaAttention(bp, h);
   const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
@@ -440,6 +440,7 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
   // through integrations/moe.py grouped_mm_experts_forward: the tokens gathered k times in
   // expert order, one grouped matmul into gate and up, act(gate) * up, one into down, weighted,
   // gathered back and summed over k; Qwen2-MoE adds its shared expert behind a sigmoid gate.
+  if (fam_.gpt_oss) return GptOssMlp(bp, h);
   const Wide k = static_cast<Wide>(std::max<int64_t>(a_.experts_per_token, 1));
   const Wide hw = static_cast<Wide>(a_.hidden);
   const Wide experts = static_cast<Wide>(a_.experts);
@@ -755,14 +756,14 @@ Result<T> ModelRun::ForwardAndLoss() {
 Result<T> ModelRun::TransformersForward() {
   if (enc_.on) return EncoderForward();
   if (t5_.on) return T5Forward();
-  auto type_is = [&](const char* t) { return inv_.model_type == t; };
   if (!a_.causal || a_.encoder_decoder || (a_.kv_lora_rank > 0 && !fam_.mla) ||
-      type_is("gpt_oss") || (a_.alibi && !fam_.bloom_attention && !fam_.falcon_alibi)) {
+      (a_.alibi && !fam_.bloom_attention && !fam_.falcon_alibi)) {
     return Status::Unimplemented(
         "the step model runs Transformers' dense decoder LMs, encoder masked LMs (BERT, "
         "RoBERTa, XLM-RoBERTa, DistilBERT) and T5ForConditionalGeneration so far");
   }
   MEMPLAN_RETURN_IF_ERROR(CheckFamily());
+  if (fam_.gpt_oss) MEMPLAN_RETURN_IF_ERROR(CheckGptOss());
   const bool ckpt = s_.checkpointing == Checkpointing::kFull;
   use_cache_ = a_.use_cache && !ckpt;
   explicit_mask_ = ckpt && s_.flash_attention;
@@ -801,7 +802,9 @@ Result<T> ModelRun::TransformersForward() {
     // requires grad (matters when the embedding is frozen, as with LoRA).
     g_.SetRequiresGrad(x, true);
   }
-  if (fam_.mla) {
+  if (fam_.gpt_oss) {
+    GptOssTables(g_.Dtype(x));
+  } else if (fam_.mla) {
     MlaRotaryTable();
   } else if (fam_.rotary) {
     // The rotary embedding's forward: cos and sin (seq x rotary dims) in fp32, cast to x's dtype.
@@ -813,7 +816,9 @@ Result<T> ModelRun::TransformersForward() {
     g_.Drop(c32);
     g_.Drop(s32);
   }
-  if (fam_.falcon_alibi) {
+  if (fam_.gpt_oss) {
+    // GptOssTables made the masks.
+  } else if (fam_.falcon_alibi) {
     // FalconModel.forward: ALiBi slopes x positions / sqrt(head_dim), masked, as one float mask
     // (batch x heads x seq x seq) in the embeddings' dtype for every layer.
     explicit_mask_ = true;
@@ -830,6 +835,8 @@ Result<T> ModelRun::TransformersForward() {
   g_.Drop(cos_);
   g_.Drop(sin_);
   g_.Drop(mask_);
+  g_.Drop(sliding_mask_);
+  g_.Drop(positions_);
   g_.SetWhere("lm_head");
   T loss = CausalLmLoss(hn);
   g_.Drop(hn);

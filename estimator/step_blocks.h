@@ -38,6 +38,8 @@ struct BlockParams {
   std::vector<T> experts;                   // fused expert tensors (3-D) and their biases
   std::map<TensorRole, T> expert;           // the fused experts by role (weights)
   std::map<TensorRole, Wide> expert_width;  // their output widths (2F for gate_up, h for down)
+  std::map<TensorRole, T> expert_bias;      // their biases by role (gpt-oss)
+  T sinks;                                  // the attention's learned sink logits (gpt-oss)
   Lin router;
   Wide expert_params = 0;  // routed expert parameters of the block (all experts)
   bool has(TensorRole r) const { return lin.count(r) > 0; }
@@ -96,7 +98,8 @@ class ModelRun {
     // mask for SDPA.
     bool bloom_attention = false;
     bool falcon_alibi = false;
-    bool mla = false;  // DeepSeek-V2: multi-head latent attention and its router (step_mla.cc)
+    bool mla = false;      // DeepSeek-V2: multi-head latent attention and its router (step_mla.cc)
+    bool gpt_oss = false;  // gpt-oss: sinks, alternating masks, biased experts (step_oss.cc)
   };
 
   // Prepare's stages, in the order it runs them (step_prepare.cc): refusals, dtypes, the
@@ -194,6 +197,14 @@ class ModelRun {
   T MlaAttention(const BlockParams& bp, T h);
   T MlaEagerAttention(const QkvViews& t, const AttentionShape& as);
   T DeepseekV2Router(const BlockParams& bp, T h);
+  // gpt-oss (step_oss.cc, Note [gpt-oss in the step model]).
+  Status CheckGptOss() const;
+  void GptOssTables(DT dt);
+  T GptOssRotary(T x);
+  T GptOssAttention(int layer, const BlockParams& bp, T h);
+  T GptOssMlp(const BlockParams& bp, T h);
+  T GptOssGroupedLinear(T x, T w, T bias, T offs, Wide out);
+  T LayerMask(int layer) const;  // the mask block `layer` is called with
   Result<T> TransformersForward();
   // torchtune (torchtune/modules/transformer.py, attention.py, peft/lora.py).
   Result<T> TorchtuneForward();
@@ -261,6 +272,8 @@ class ModelRun {
   std::vector<Norm> final_norms_;
   T cos_, sin_;           // rotary tables of this forward
   T mask_;                // an explicit attention mask of this forward
+  T sliding_mask_;        // gpt-oss: the sliding-window layers' mask of this forward
+  T positions_;           // gpt-oss: position_ids of this forward
   T attn_bias_;           // llm-foundry's ALiBi bias (MPTModel.attn_bias), kept across steps
   std::vector<T> cache_;  // DynamicCache copies held until the output is dropped
   bool use_cache_ = false;

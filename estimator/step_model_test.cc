@@ -340,6 +340,27 @@ TEST_CASE("step model: Transformers DeepSeek-V2 (MLA, MoE with shared experts), 
   CHECK(std::abs(Error(none.phases[1].bytes, 7'953'673'216)) < 0.0001);
 }
 
+TEST_CASE(
+    "step model: Transformers gpt-oss (sinks, alternating masks, biased MoE), against traces") {
+  // transformers/gpt-oss-20b/L2/b1s512/fp32/eager/ckpt-none/loss-full/adamw/a100 of the grid:
+  // each phase's traced peak allocated bytes, copied from the grid, all four exact. Layer 0 is a
+  // sliding-window layer, layer 1 a full one (layer_types cut to the two layers as the tracer
+  // does); the foreach AdamW's sqrt(v) of the decayed group peaks.
+  nlohmann::json config = nlohmann::json::parse(memplan::testing::ReadFixture("gpt-oss-20b"));
+  config["num_hidden_layers"] = 2;
+  config["layer_types"] = {"sliding_attention", "full_attention"};
+  const ModelInventory oss = memplan::testing::MustBuild(config);
+  TrainingSetup s;
+  s.precision = Precision::kFp32;
+  s.micro_batch = 1;
+  s.seq_len = 512;
+  s.flash_attention = false;
+  const StepModel m = MustStep(oss, s);
+  CHECK(m.peak_phase == StepPhase::kOptimizerStep);
+  CHECK(PhasePeaks(m) == std::array<uint64_t, kStepPhases>{34'795'884'544, 35'207'718'400,
+                                                           44'888'739'840, 56'099'082'240});
+}
+
 TEST_CASE("step model: what it does not run is refused as unmodelled, not run as another setup") {
   const ModelInventory llama = WithLayers("llama-3.2-1b", 2);
   TrainingSetup s;

@@ -96,10 +96,10 @@ Status ModelRun::CheckRunnable() const {
       !T5ConditionalGeneration() &&
       (!a_.causal || a_.encoder_decoder ||
        (a_.kv_lora_rank > 0 && (inv_.model_type != "deepseek_v2" || !a_.block_options.empty())) ||
-       inv_.model_type == "gpt_oss" || inv_.model_type == "mpt")) {
+       inv_.model_type == "mpt")) {
     return Status::Unimplemented(
-        "the step model runs Transformers' decoder LMs (DeepSeek-V2's latent attention "
-        "included), encoder masked LMs (BERT, RoBERTa, XLM-RoBERTa, DistilBERT) and "
+        "the step model runs Transformers' decoder LMs (DeepSeek-V2's latent attention and "
+        "gpt-oss included), encoder masked LMs (BERT, RoBERTa, XLM-RoBERTa, DistilBERT) and "
         "T5ForConditionalGeneration so far");
   }
   // One Linear per expert (checkpoints, Transformers 4): refused before thousands of expert
@@ -207,10 +207,15 @@ void ModelRun::AssignBlockParameters(const AdapterMap& adapters) {
         bp.router.w = p;
         bp.router.in = static_cast<Wide>(t.shape.size() == 2 ? t.shape[1] : 0);
         bp.router.out = static_cast<Wide>(t.shape.empty() ? 0 : t.shape[0]);
+      } else if (t.role == TensorRole::kRouter) {
+        bp.router.b = p;  // gpt-oss's GptOssTopKRouter.bias
+      } else if (t.role == TensorRole::kAttentionSinks) {
+        bp.sinks = p;
       } else if (t.role == TensorRole::kExpertUp || t.role == TensorRole::kExpertGate ||
                  t.role == TensorRole::kExpertGateUp || t.role == TensorRole::kExpertDown) {
         bp.experts.push_back(p);
         bp.expert_params += t.numel;
+        if (t.bias) bp.expert_bias[t.role] = p;
         if (!t.bias && t.shape.size() == 3) {
           bp.expert[t.role] = p;
           // Transformers >= 5: gate_up_proj [E, 2F, h] and down_proj [E, h, F] (gpt-oss stores
@@ -377,6 +382,11 @@ void ModelRun::ChooseFamily() {
   if (type == "gpt_neox") fam_.layout = Family::Layout::kParallelTwoNorms;
   // DeepseekV2Attention (multi-head latent attention) and DeepseekV2TopkRouter: step_mla.cc.
   fam_.mla = type == "deepseek_v2" && a_.kv_lora_rank > 0;
+  // GptOssAttention, GptOssMLP and GptOssRMSNorm (weight * x in fp32, then cast): step_oss.cc.
+  if (type == "gpt_oss") {
+    fam_.gpt_oss = true;
+    fam_.norm = Family::NormKind::kRmsOlmo;
+  }
   fam_.query_scaled = type == "opt";
   fam_.probs_to_value = type == "gpt2";
   fam_.learned_positions = a_.learned_positions;

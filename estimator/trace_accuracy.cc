@@ -10,7 +10,7 @@
 // (--bound: other bounds for one framework's points; --max-beyond: how many points may be
 // beyond their bounds (default 0); --detail: the categories of each point
 // shown beyond the bounds). A point whose setup the step model does not run (it says so:
-// gpt-oss so far) is counted and listed as refused but does not
+// DeepSeek-V3's router, say) is counted and listed as refused but does not
 // fail the run; any other refusal does.
 // Exit: 0 within the bounds, 1 beyond them, 2 a usage or input error, 77 when no grid file exists
 // (the grid is data checked in by the trace work; CTest counts 77 as skipped).
