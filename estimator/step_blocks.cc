@@ -220,15 +220,7 @@ T ModelRun::BloomAttention(const BlockParams& bp, T h) {
   const Wide n = tokens_ * heads * d;
   T q = Slice(g_, qkv, n), k = Slice(g_, qkv, n), v = Slice(g_, qkv, n);
   g_.Drop(qkv);
-  if (use_cache_) {
-    T kc = Copy(g_, k), vc = Copy(g_, v);
-    g_.Drop(k);
-    g_.Drop(v);
-    k = kc;
-    v = vc;
-    cache_.push_back(g_.Alias(k));
-    cache_.push_back(g_.Alias(v));
-  }
+  if (use_cache_) CacheUpdate(&k, &v);
   T qr = Copy(g_, q);  // reshape of the strided view
   g_.Drop(q);
   T kr = use_cache_ ? g_.Alias(k) : Copy(g_, k);
@@ -297,19 +289,9 @@ ModelRun::QkvViews ModelRun::TransformersQkv(const BlockParams& bp, T h) {
     g_.Drop(k);
     k = kr;
   }
-  if (use_cache_) {
-    // DynamicCache.update in training (use_cache from the config): the first update cats onto
-    // an empty tensor of the key's dtype, copying key and value (the value promoted to it);
-    // the cache holds them until the model's output is dropped.
-    T kc = Copy(g_, k);
-    g_.Drop(k);
-    k = kc;
-    T vc = g_.Dtype(v) == g_.Dtype(kc) ? Copy(g_, v) : Cast(g_, v, g_.Dtype(kc));
-    g_.Drop(v);
-    v = vc;
-    cache_.push_back(g_.Alias(k));
-    cache_.push_back(g_.Alias(v));
-  }
+  // DynamicCache.update in training (use_cache from the config): the first update cats onto an
+  // empty tensor of the key's dtype, copying key and value (the value promoted to it).
+  if (use_cache_) CacheUpdate(&k, &v);
   return {q, k, v};
 }
 
@@ -519,9 +501,12 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
 
 // The router of Mixtral, Qwen2-MoE and Qwen3-MoE: a Linear, softmax in fp32, top-k.
 T ModelRun::TransformersRouter(const BlockParams& bp, T h) {
+  return TopKRouting(
+      Linear(g_, h, bp.router.w, T{}, static_cast<Wide>(a_.hidden), static_cast<Wide>(a_.experts)));
+}
+
+T ModelRun::TopKRouting(T logits) {
   const Wide k = static_cast<Wide>(std::max<int64_t>(a_.experts_per_token, 1));
-  T logits =
-      Linear(g_, h, bp.router.w, T{}, static_cast<Wide>(a_.hidden), static_cast<Wide>(a_.experts));
   T probs = Softmax(g_, logits, DT::kF32);
   g_.Drop(logits);
   T top = g_.New(tokens_ * k, DT::kF32, g_.RequiresGrad(probs));
@@ -530,6 +515,17 @@ T ModelRun::TransformersRouter(const BlockParams& bp, T h) {
   g_.Drop(probs);
   g_.Drop(top_idx);
   return top;
+}
+
+void ModelRun::CacheUpdate(T* key, T* value) {
+  T kc = Copy(g_, *key);
+  g_.Drop(*key);
+  *key = kc;
+  T vc = g_.Dtype(*value) == g_.Dtype(kc) ? Copy(g_, *value) : Cast(g_, *value, g_.Dtype(kc));
+  g_.Drop(*value);
+  *value = vc;
+  cache_.push_back(g_.Alias(*key));
+  cache_.push_back(g_.Alias(*value));
 }
 
 T ModelRun::TransformersMlp(const BlockParams& bp, T h) {

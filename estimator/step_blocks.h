@@ -190,6 +190,11 @@ class ModelRun {
   T BloomAttention(const BlockParams& bp, T h);
   T TransformersMoe(const BlockParams& bp, T h);
   T TransformersRouter(const BlockParams& bp, T h);
+  // softmax(logits) in fp32, then topk: the top-k routing weights (fp32) the experts take.
+  T TopKRouting(T logits);
+  // DynamicCache.update in training: *key copied, *value copied (or cast) to the key's dtype, the
+  // cache holding both until the output is dropped; the layer goes on with the copies.
+  void CacheUpdate(T* key, T* value);
   // DeepSeek-V2 (step_mla.cc, Note [DeepSeek-V2 in the step model]).
   void MlaRotaryTable();
   T MlaRotary(T x);

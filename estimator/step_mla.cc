@@ -120,14 +120,7 @@ T ModelRun::MlaAttention(const BlockParams& bp, T h) {
     // DynamicCache.update: the first update cats onto an empty tensor of k_nope's dtype, copying
     // k_nope and k_pe (promoted to it); the cache holds them until the output is dropped, and
     // the layer goes on with the copies.
-    T kc = Copy(g_, k_nope);
-    g_.Drop(k_nope);
-    k_nope = kc;
-    T pc = g_.Dtype(k_pe) == g_.Dtype(kc) ? Copy(g_, k_pe) : Cast(g_, k_pe, g_.Dtype(kc));
-    g_.Drop(k_pe);
-    k_pe = pc;
-    cache_.push_back(g_.Alias(k_nope));
-    cache_.push_back(g_.Alias(k_pe));
+    CacheUpdate(&k_nope, &k_pe);
   }
   QkvViews t;
   t.q = Cat(g_, {qs[0], q_pe});
@@ -189,7 +182,6 @@ T ModelRun::MlaEagerAttention(const QkvViews& t, const AttentionShape& as) {
 // DeepseekV2TopkRouter.forward ("greedy"): the routing weights of each token's top-k experts,
 // fp32, as the experts take them.
 T ModelRun::DeepseekV2Router(const BlockParams& bp, T h) {
-  const Wide k = static_cast<Wide>(std::max<int64_t>(a_.experts_per_token, 1));
   const Wide hw = static_cast<Wide>(a_.hidden);
   const Wide experts = static_cast<Wide>(a_.experts);
   T hf = Cast(g_, h, DT::kF32);
@@ -197,13 +189,7 @@ T ModelRun::DeepseekV2Router(const BlockParams& bp, T h) {
   T logits = Linear(g_, hf, wf, T{}, hw, experts);
   g_.Drop(hf);
   g_.Drop(wf);
-  T probs = Softmax(g_, logits, DT::kF32);
-  g_.Drop(logits);
-  T top = g_.New(tokens_ * k, DT::kF32, g_.RequiresGrad(probs));
-  T top_idx = g_.New(tokens_ * k, DT::kI64, false);
-  g_.Record(Graph::Spec("TopK", {probs}, {top}, {top_idx}));
-  g_.Drop(probs);
-  g_.Drop(top_idx);
+  T top = TopKRouting(logits);
   T scaled = Scale(g_, top);  // topk_weights * routed_scaling_factor
   g_.Drop(top);
   return scaled;

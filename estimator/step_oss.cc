@@ -146,16 +146,7 @@ T ModelRun::GptOssAttention(int layer, const BlockParams& bp, T h) {
   T ke = GptOssRotary(k);
   g_.Drop(q);
   g_.Drop(k);
-  if (use_cache_) {
-    T kc = Copy(g_, ke);
-    g_.Drop(ke);
-    ke = kc;
-    T vc = g_.Dtype(v) == g_.Dtype(kc) ? Copy(g_, v) : Cast(g_, v, g_.Dtype(kc));
-    g_.Drop(v);
-    v = vc;
-    cache_.push_back(g_.Alias(ke));
-    cache_.push_back(g_.Alias(v));
-  }
+  if (use_cache_) CacheUpdate(&ke, &v);
   // eager_attention_forward with the sinks.
   const Wide groups = heads / std::max<Wide>(kv, 1);
   T k2 = groups > 1 ? Copy(g_, ke, g_.Numel(ke) * groups) : g_.Alias(ke);

@@ -284,16 +284,7 @@ T ModelRun::T5AttentionForward(T5Stack& st, const T5Attention& at, T h, bool cro
   T k = LoraLinear(at.k, src);
   T v = LoraLinear(at.v, src);
   const bool cached = st.decoder && use_cache_;
-  if (cached) {
-    T kc = Copy(g_, k);
-    g_.Drop(k);
-    k = kc;
-    T vc = Copy(g_, v);
-    g_.Drop(v);
-    v = vc;
-    cache_.push_back(g_.Alias(k));
-    cache_.push_back(g_.Alias(v));
-  }
+  if (cached) CacheUpdate(&k, &v);
   T bias = cross ? st.cross_bias : st.bias;
   if (cross && !bias.ok()) {
     st.cross_bias = g_.New(heads * seq_ * seq_, g_.Dtype(q), false);

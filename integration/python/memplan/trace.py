@@ -586,7 +586,7 @@ class _ModuleHooksPerPass:
         handles = self._handles
 
         def register(tensors, fn, *args, **kwargs):
-            mode = kwargs.get("mode", args[0] if args else "all")
+            mode = kwargs.get("mode", "all")  # keyword-only in torch
             if mode == "all":
                 handle = _multi_grad_hook_counting(tensors, fn)
             else:
