@@ -185,9 +185,9 @@ void RemoveStaged(std::vector<Staged>& staged) {
   }
 }
 
-// Creates, fills and fsyncs the temporary file of `path`.
+// Creates, fills and (`flush`) fsyncs the temporary file of `path`.
 Status Stage(const std::string& path, const std::string& contents, std::optional<uint32_t> mode,
-             const struct stat* old, Staged* out) {
+             const struct stat* old, bool flush, Staged* out) {
   int raw = -1;
   std::string tmp;
   for (int attempt = 0; attempt < 100 && raw < 0; ++attempt) {
@@ -213,7 +213,7 @@ Status Stage(const std::string& path, const std::string& contents, std::optional
     }
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd.get()) != 0) return ErrnoStatus(path, "fsync failed", errno);
+  if (flush && ::fsync(fd.get()) != 0) return ErrnoStatus(path, "fsync failed", errno);
   if (fd.Close() != 0) return ErrnoStatus(path, "close failed", errno);
   return Status::Ok();
 }
@@ -353,7 +353,17 @@ void AtomicFileGroup::Add(std::string path, std::string contents, std::optional<
   files_.push_back({std::move(path), std::move(contents), mode});
 }
 
+// Note [Durability levels]
+// A rename is atomic for every process at once: once it returns, the file holds the new contents
+// for anyone who opens it, and a process killed at any point leaves the old or the new contents
+// (the kernel's page cache holds the written bytes, whoever dies). What the fsyncs add is that the
+// rename and the bytes behind it survive a power loss or a kernel crash, which costs a flush of the
+// drive's write cache: on a virtio disk whose host cache holds the data file's recent writes, that
+// flush is hundreds of milliseconds. kProcessCrash is for writers that commit often and already
+// detect what a power loss could leave (a checksummed index over checksummed data: the swap
+// store), and give the stronger level at the points that must outlive the machine (Close).
 Status AtomicFileGroup::Commit() {
+  const bool flush = durability_ == Durability::kPowerLoss;
   std::vector<File> files = std::move(files_);
   files_.clear();
   // 1. Every target is a new path or a regular file, and none is given twice.
@@ -387,7 +397,7 @@ Status AtomicFileGroup::Commit() {
     staged[i].path = files[i].path;
     staged[i].existed = old[i].has_value();
     Status st = Stage(files[i].path, files[i].contents, files[i].mode, old[i] ? &*old[i] : nullptr,
-                      &staged[i]);
+                      flush, &staged[i]);
     if (!st.ok()) {
       RemoveStaged(staged);
       return st;
@@ -441,6 +451,7 @@ Status AtomicFileGroup::Commit() {
   }
   // 4. The new names live in their directories: without this a power loss may bring back the old
   // files.
+  if (!flush) return Status::Ok();
   std::set<std::string> dirs;
   for (const Staged& s : staged) dirs.insert(DirName(s.path));
   for (const std::string& dir : dirs) {
@@ -457,8 +468,8 @@ Status AtomicFileGroup::Commit() {
 }
 
 Status WriteFileAtomically(const std::string& path, const std::string& contents,
-                           std::optional<uint32_t> mode) {
-  AtomicFileGroup group;
+                           std::optional<uint32_t> mode, Durability durability) {
+  AtomicFileGroup group(durability);
   group.Add(path, contents, mode);
   return group.Commit();
 }

@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/durability.h"
 #include "common/status.h"
 
 namespace memplan {
@@ -79,6 +80,7 @@ Status MakeDirectoriesUnder(const std::string& root, std::string_view relative);
 class AtomicFileGroup {
  public:
   AtomicFileGroup() = default;
+  explicit AtomicFileGroup(Durability durability) : durability_(durability) {}
   AtomicFileGroup(const AtomicFileGroup&) = delete;
   AtomicFileGroup& operator=(const AtomicFileGroup&) = delete;
 
@@ -94,14 +96,18 @@ class AtomicFileGroup {
     std::optional<uint32_t> mode;
   };
   std::vector<File> files_;
+  Durability durability_ = Durability::kPowerLoss;
 };
 
 // One file, as an AtomicFileGroup of one: after a crash `path` holds either the old or the new
 // contents and, once this returns OK, the new ones. When only the directory fsync fails, the new
 // file is in place but its name may not survive a power loss (filesystems that cannot fsync a
 // directory, EINVAL, count as success).
-Status WriteFileAtomically(const std::string& path, const std::string& contents,
-                           std::optional<uint32_t> mode = std::nullopt);
+// `durability` kProcessCrash skips the fsyncs.
+Status WriteFileAtomically(
+    const std::string& path, const std::string& contents,
+    std::optional<uint32_t> mode = std::nullopt,
+    Durability durability = Durability::kPowerLoss);
 
 // Removes the temporary files that AtomicFileGroup::Commit has created and not yet renamed (up to
 // 32 at a time). Async-signal-safe: for the SIGINT / SIGTERM handler of a program (tools/) that

@@ -335,7 +335,7 @@ struct SwapStore::Impl {
   Status LoadIndex() REQUIRES(mu);  // open_existing: the index the last Sync() wrote
   // The index file's bytes for every entry Sync() records (Note [What Sync() records]).
   std::string EncodeIndex() const REQUIRES(mu);
-  Status WriteIndex(const std::string& bytes);
+  Status WriteIndex(const std::string& bytes, Durability durability = Durability::kPowerLoss);
   Status StartEngine(std::unique_ptr<Backend> given);  // null: CreateBackend() picks
   // Releases everything. `closing`: a normal Close (the files are ours to remove unless
   // keep_files; with keep_files, `index_bytes` is written once the data file is fsynced);
@@ -706,7 +706,7 @@ std::string SwapStore::Impl::EncodeIndex() const {
   return encoder.Finish();
 }
 
-Status SwapStore::Impl::WriteIndex(const std::string& bytes) {
+Status SwapStore::Impl::WriteIndex(const std::string& bytes, Durability durability) {
   if (bytes.size() > internal::kMaxSwapIndexBytes) {
     return Status::ResourceExhausted(Msg("the index would be " + std::to_string(bytes.size()) +
                                          " bytes, more than the " +
@@ -715,7 +715,8 @@ Status SwapStore::Impl::WriteIndex(const std::string& bytes) {
   }
   // By name (a temporary file and a rename): only into the directory the store opened.
   MEMPLAN_RETURN_IF_ERROR(DirectoryUnchanged().WithPrefix("cannot write the index"));
-  return WriteFileAtomically(index_path, bytes, 0600).WithPrefix(Msg("cannot write the index"));
+  return WriteFileAtomically(index_path, bytes, 0600, durability)
+      .WithPrefix(Msg("cannot write the index"));
 }
 
 Status SwapStore::Impl::StartEngine(std::unique_ptr<Backend> given) {
@@ -1048,7 +1049,7 @@ std::vector<std::string> SwapStore::Keys() const {
   return keys;
 }
 
-Status SwapStore::Sync() {
+Status SwapStore::Sync(Durability durability) {
   Impl& s = *impl_;
   MutexLock one_at_a_time(&s.sync_mu);
   std::string bytes;
@@ -1058,8 +1059,11 @@ Status SwapStore::Sync() {
     bytes = s.EncodeIndex();
     ++s.active_ops;  // so Close() cannot release the engine under us
   }
-  Status status = s.engine->Sync(s.file).WithPrefix(s.Msg("fdatasync of " + s.data_path));
-  if (status.ok()) status = s.WriteIndex(bytes);
+  Status status;
+  if (durability == Durability::kPowerLoss) {
+    status = s.engine->Sync(s.file).WithPrefix(s.Msg("fdatasync of " + s.data_path));
+  }
+  if (status.ok()) status = s.WriteIndex(bytes, durability);
 
   MutexLock lock(&s.mu);
   --s.active_ops;

@@ -35,6 +35,13 @@
 // another, sizes and checksum counts consistent): a bad index is DataLoss naming the file. The
 // memory backend keeps the bytes in the process only, so a store reopened on it reads no values
 // back (I/O errors); reopening is for the kernel-backed backends.
+// Sync(Durability::kProcessCrash) commits for a process that may be killed but a machine that
+// stays up: the index is written and renamed, with no fdatasync of the data file and no fsync of
+// the index (Note [Durability levels] in common/file.cc). The values it describes have finished
+// writing, so the kernel holds them whoever dies; a power loss or kernel crash before a later
+// kPowerLoss Sync() may lose any of them, or the rename, and a reopened store then reads each
+// value as one it held at some commit or as DataLoss (every block is checksummed), never as a mix
+// that passes its checksums.
 #pragma once
 
 #include <cstddef>
@@ -44,6 +51,7 @@
 #include <string>
 #include <vector>
 
+#include "common/durability.h"
 #include "common/status.h"
 #include "nvme/backend.h"
 #include "nvme/io_engine.h"
@@ -172,7 +180,8 @@ class SwapStore {
   // rename fails, the previous index file is still in place; when only the fsync of the directory
   // after the rename fails, the new index is in place but may not survive a power loss);
   // ResourceExhausted when the index would exceed 1 GiB (use larger checksum blocks).
-  Status Sync();
+  // kProcessCrash: the same ordering without the flushes (see "Durability" above).
+  Status Sync(Durability durability = Durability::kPowerLoss);
 
   // Registers long-lived buffers (a pinned pool's memory) with the store's backends, so that
   // Get/Put from and into them skip per-request page pinning (io_uring fixed buffers); replaces an

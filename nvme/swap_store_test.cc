@@ -811,6 +811,56 @@ TEST_CASE("store: after a crash the keys are as of the last Sync()") {
   CHECK(testing::ReadWholeFile(LockPath(dir)) == std::to_string(::getpid()) + "\n");
 }
 
+TEST_CASE("store: Sync(kProcessCrash) flushes nothing and still survives the process's death") {
+  ScratchDir tmp;
+  const std::string dir = tmp.Sub("s");
+  SwapStoreOptions options = Options(dir, kMiB);
+  options.keep_files = true;
+  {
+    // Every fsync the backend sees fails: the flushed Sync() reports it, the other never asks.
+    FaultyStore f = OpenFaulty(options);
+    REQUIRE_OK(f.store->Put("k", Pattern(3 * kBlock, 41)));
+    FaultPlan plan;
+    plan.fail.op = OpType::kFsync;
+    plan.fail.nth = 1;
+    plan.fail.times = 0;
+    REQUIRE_OK(f.faults->SetPlan(plan));
+    const uint64_t before = f.faults->counters().requests;
+    REQUIRE_OK(f.store->Sync(Durability::kProcessCrash));
+    CHECK(f.faults->counters().requests == before);
+    CHECK(f.faults->counters().errors == 0);
+    Status flushed = f.store->Sync();
+    CHECK(flushed.code() == StatusCode::kIoError);
+    CHECK(Contains(flushed, "fdatasync of"));
+    CHECK(f.faults->counters().errors == 1);
+    REQUIRE_OK(f.faults->SetPlan(FaultPlan{}));
+    REQUIRE_OK(f.store->Close());
+  }
+  // A child commits without a flush, writes more, and is killed: what it committed is there.
+  options.open_existing = true;
+  pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    auto r = SwapStore::Open(options);
+    if (!r.ok()) ::_exit(10);
+    SwapStore& store = **r;
+    if (!store.Put("a", Pattern(kBlock, 42)).ok()) ::_exit(11);
+    if (!store.Sync(Durability::kProcessCrash).ok()) ::_exit(12);
+    if (!store.Put("k", Pattern(3 * kBlock, 43)).ok()) ::_exit(13);  // in place, uncommitted
+    if (!store.Put("b", Pattern(kBlock, 44)).ok()) ::_exit(14);      // new, uncommitted
+    ::raise(SIGKILL);
+    ::_exit(20);
+  }
+  int wstatus = 0;
+  REQUIRE(::waitpid(child, &wstatus, 0) == child);
+  REQUIRE_MESSAGE(WIFSIGNALED(wstatus), "child exited with " << WEXITSTATUS(wstatus));
+  auto store = MustOpen(Reopen(dir, kMiB));
+  CHECK(store->Keys() == std::vector<std::string>{"a", "k"});
+  RequireRoundTrip(*store, "a", Pattern(kBlock, 42));
+  std::vector<std::byte> out(3 * kBlock);
+  CHECK(store->Get("k", out).code() == StatusCode::kDataLoss);  // rewritten after the commit
+}
+
 TEST_CASE("store: a corrupt or truncated index is DataLoss, and the files are left alone") {
   ScratchDir tmp;
   const std::string dir = tmp.Sub("s");

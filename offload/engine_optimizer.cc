@@ -74,6 +74,7 @@ Status OptimizerPath::OpenNvmeOptimizer(const std::string& nvme_dir, const CpuOp
   oo.sub_group_elements = sc.sub_group_elements;
   oo.buffer_count = sc.optimizer_buffer_count;
   oo.state_slots = sc.optimizer_state_slots;
+  oo.durability = sc.optimizer_durability;
   oo.optimizer = sc.optimizer;
   oo.half_dtype = ToHalf(sc.param_dtype);
   oo.cpu = cpu;

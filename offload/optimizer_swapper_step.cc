@@ -125,7 +125,7 @@ Status OptimizerSwapper::BeginStep(std::span<const SwapStepOptions> options,
     Status marked = s.store->Put(
         kBegunKey,
         std::span<const std::byte>(reinterpret_cast<const std::byte*>(&begun), sizeof(begun)));
-    if (marked.ok()) marked = s.store->Sync();
+    if (marked.ok()) marked = s.store->Sync(s.options.durability);
     if (!marked.ok()) {
       s.EndUncommitted(begun, /*wrote=*/false);  // one slot: the marker back, nothing written
       return marked.WithPrefix("beginning step " + std::to_string(begun));
@@ -473,7 +473,8 @@ Status OptimizerSwapper::FinishStep(bool commit) {
   }
   if (status.ok() && s.options.sync_every_step) {
     const auto t0 = std::chrono::steady_clock::now();
-    status = s.store->Sync().WithPrefix("committing step " + std::to_string(r.to));
+    status = s.store->Sync(s.options.durability)
+                 .WithPrefix("committing step " + std::to_string(r.to));
     sync_s = SecondsSince(t0);
   }
   SwapStepStats& last = s.stats.last_step;

@@ -28,8 +28,10 @@ struct Faulty {
 };
 
 // A swapper of 4 sub-groups of AdamW states whose store's backend is a FaultBackend.
-void Make(const std::string& dir, Faulty* out) {
+void Make(const std::string& dir, Faulty* out,
+          Durability durability = Durability::kProcessCrash) {
   OptimizerSwapperOptions o;
+  o.durability = durability;
   o.store.directory = dir;
   o.store.direct = false;  // test directories may sit on tmpfs
   o.store.backend = nvme::BackendKind::kPosix;
@@ -135,6 +137,39 @@ TEST_CASE("swapper faults: ENOSPC on a write fails the step as out of space, nam
   CHECK(Params(s) == after_step1);
   REQUIRE_OK(s.Step(Adam()));
   CHECK(s.epoch() == 2);
+}
+
+TEST_CASE("swapper faults: a step's commit flushes the drive only with durability kPowerLoss") {
+  // Every fsync fails. The default commit (kProcessCrash: Note [Commits without a flush]) issues
+  // none, so steps commit; kPowerLoss flushes at the commit, so its step fails there, uncommitted.
+  nvme::FaultPlan plan;
+  plan.fail.op = nvme::OpType::kFsync;
+  plan.fail.nth = 1;
+  plan.fail.times = 0;
+  for (Durability d : {Durability::kProcessCrash, Durability::kPowerLoss}) {
+    CAPTURE(static_cast<int>(d));
+    testing::TempDir dir("memplan_swapfault_");
+    Faulty f;
+    Make(dir.PathOf("store"), &f, d);
+    OptimizerSwapper& s = *f.swapper;
+    REQUIRE_OK(f.faults->SetPlan(plan));
+    REQUIRE_OK(WriteAllGradients(s, 1));
+    Status st = s.Step(Adam());
+    if (d == Durability::kProcessCrash) {
+      REQUIRE_OK(st);
+      CHECK(s.epoch() == 1);
+      CHECK(f.faults->counters().errors == 0);
+      CHECK(s.stats().last_step.sync_s < 0.5);
+      // An explicit Sync() flushes whatever the option says.
+      CHECK(s.Sync().code() == StatusCode::kIoError);
+    } else {
+      CHECK(st.code() == StatusCode::kIoError);
+      CHECK(st.message().find("fdatasync") != std::string::npos);
+      CHECK(s.epoch() == 0);
+      CHECK(f.faults->counters().errors >= 1);
+    }
+    REQUIRE_OK(f.faults->SetPlan({}));
+  }
 }
 
 }  // namespace

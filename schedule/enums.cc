@@ -17,6 +17,15 @@ constexpr EnumName<ElementType> kElementTypes[] = {{ElementType::kFloat32, "fp32
 
 }  // namespace
 
+constexpr EnumName<Durability> kDurabilities[] = {{Durability::kProcessCrash, "process"},
+                                                   {Durability::kPowerLoss, "power"}};
+std::string_view DurabilityName(Durability durability) {
+  return NameOf(kDurabilities, durability);
+}
+Result<Durability> ParseDurability(std::string_view text) {
+  return ParseName(kDurabilities, text, "durability");
+}
+
 std::string_view TierName(Tier tier) { return NameOf(kTiers, tier); }
 Result<Tier> ParseTier(std::string_view text) { return ParseName(kTiers, text, "tier"); }
 std::string_view ElementTypeName(ElementType type) { return NameOf(kElementTypes, type); }

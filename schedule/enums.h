@@ -11,6 +11,7 @@
 
 #include <string_view>
 
+#include "common/durability.h"
 #include "common/status.h"
 
 namespace memplan::offload {
@@ -40,6 +41,11 @@ Result<SwapOptimizer> ParseSwapOptimizer(std::string_view name);
 // offload/optimizer_swapper.h because the planner's engine model (planner/engine_model.cc) sizes
 // the optimizer's buffers with it, and the two must not drift apart.
 int SwapOptimizerStates(SwapOptimizer optimizer);
+
+// What the NVMe optimizer's per-step commit survives (optimizer.durability; memplan::Durability in
+// common/durability.h): "process" (a killed process; the default) or "power" (a power loss too).
+std::string_view DurabilityName(Durability durability);
+Result<Durability> ParseDurability(std::string_view text);
 
 }  // namespace memplan::offload
 

@@ -68,7 +68,8 @@ nlohmann::ordered_json ToOrderedJson(const Schedule& s) {
                     {"sub_group_elements", s.sub_group_elements},
                     {"buffer_count", s.optimizer_buffer_count},
                     {"threads", s.optimizer_threads},
-                    {"state_slots", s.optimizer_state_slots}};
+                    {"state_slots", s.optimizer_state_slots},
+                    {"durability", std::string(DurabilityName(s.optimizer_durability))}};
   j["nvme"] = {{"path", s.nvme_path},
                {"backend", std::string(nvme::BackendKindName(s.nvme_backend))},
                {"block_size", s.nvme_block_size},
@@ -108,13 +109,15 @@ Result<Schedule> ScheduleFromJson(const nlohmann::json& j, const std::string& so
   if (r.Has("optimizer")) {
     const JsonFieldReader o = r.Child("optimizer");
     MEMPLAN_RETURN_IF_ERROR(o.CheckKeys(
-        {"tier", "name", "sub_group_elements", "buffer_count", "threads", "state_slots"}));
+        {"tier", "name", "sub_group_elements", "buffer_count", "threads", "state_slots",
+         "durability"}));
     MEMPLAN_RETURN_IF_ERROR(o.Enum("tier", ParseTier, &s.optimizer_tier));
     MEMPLAN_RETURN_IF_ERROR(o.Enum("name", ParseSwapOptimizer, &s.optimizer));
     MEMPLAN_RETURN_IF_ERROR(o.Integer("sub_group_elements", &s.sub_group_elements));
     MEMPLAN_RETURN_IF_ERROR(o.Integer("buffer_count", &s.optimizer_buffer_count));
     MEMPLAN_RETURN_IF_ERROR(o.Integer("threads", &s.optimizer_threads));
     MEMPLAN_RETURN_IF_ERROR(o.Integer("state_slots", &s.optimizer_state_slots));
+    MEMPLAN_RETURN_IF_ERROR(o.Enum("durability", ParseDurability, &s.optimizer_durability));
   }
   if (r.Has("nvme")) {
     const JsonFieldReader n = r.Child("nvme");

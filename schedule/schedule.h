@@ -32,7 +32,10 @@
 //     crash mid-step resumes from the last step; 1 rewrites them in place in half the space, and
 //     a step interrupted after its first write leaves a store that cannot be resumed (training
 //     restarts from a checkpoint: Note [One slot per sub-group] in offload/optimizer_swapper.cc).
-//     Absent: 2.
+//     Absent: 2. durability (nvme): what each step's commit survives: "process" (the default: a
+//     process killed anywhere resumes from its last step; no flush of the drive per step) or
+//     "power" (a power loss or kernel crash too: the drive flushed at every commit; Note [Commits
+//     without a flush] in offload/optimizer_swapper.cc).
 //   - nvme.path: a directory the engine may create and own (two stores: params/ and optimizer/;
 //     with world size > 1, under rank<r>/ for each rank).
 //   - pinned_budget_bytes: cap on the engine's pinned memory (0: no cap beyond the buffers above).
@@ -77,6 +80,7 @@ struct Schedule {
   uint32_t optimizer_buffer_count = 3;
   int optimizer_threads = 0;
   uint32_t optimizer_state_slots = 2;  // 1 or 2
+  Durability optimizer_durability = Durability::kProcessCrash;
 
   std::string nvme_path;
   nvme::BackendKind nvme_backend = nvme::BackendKind::kAuto;

@@ -18,7 +18,7 @@ TEST_CASE("A default Schedule writes the documented JSON, keys in order") {
       R"({"version":1,"params":{"tier":"gpu","dtype":"bf16","persistence_threshold":100000,)"
       R"("prefetch_bytes":268435456,"max_live_bytes":1073741824,"buffer_bytes":67108864,)"
       R"("buffer_count":4},"optimizer":{"tier":"cpu","name":"adam","sub_group_elements":4194304,)"
-      R"("buffer_count":3,"threads":0,"state_slots":2},"nvme":{"path":"","backend":"auto","block_size":1048576,)"
+      R"("buffer_count":3,"threads":0,"state_slots":2,"durability":"process"},"nvme":{"path":"","backend":"auto","block_size":1048576,)"
       R"("queue_depth":32,"intra_op_parallelism":1,"direct":true},"pinned_budget_bytes":0})");
 }
 
@@ -47,6 +47,19 @@ TEST_CASE("Every enum of the Schedule parses the name it prints") {
     REQUIRE(back.ok());
     CHECK(*back == k);
   }
+  for (Durability d : {Durability::kProcessCrash, Durability::kPowerLoss}) {
+    auto back = ParseDurability(DurabilityName(d));
+    REQUIRE(back.ok());
+    CHECK(*back == d);
+  }
+  CHECK(DurabilityName(Durability::kProcessCrash) == "process");
+  auto flush = ScheduleFromJson(nlohmann::json::parse(R"({"optimizer":{"durability":"power"}})"), "");
+  REQUIRE(flush.ok());
+  CHECK(flush->optimizer_durability == Durability::kPowerLoss);
+  auto unknown = ScheduleFromJson(nlohmann::json::parse(R"({"optimizer":{"durability":"disk"}})"), "");
+  REQUIRE_FALSE(unknown.ok());
+  CHECK(unknown.status().message().find("unknown durability 'disk' (expected process or power)") !=
+        std::string::npos);
   // The spellings accepted and never printed.
   CHECK(*nvme::ParseBackendKind("io_uring") == nvme::BackendKind::kUring);
   CHECK(*nvme::ParseBackendKind("libaio") == nvme::BackendKind::kAio);

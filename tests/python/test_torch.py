@@ -340,6 +340,33 @@ class OneSlotTest(unittest.TestCase):
             resumed.close()
             whole.close()
 
+    def test_durability_power_trains_as_process_and_is_validated(self):
+        """durability (Note [Commits without a flush]): "power" flushes each commit, "process"
+        (the default) does not; both train to the same bits, and both resume after close."""
+        for bad in ("disk", None, 1):
+            with self.assertRaisesRegex(ValueError, "durability must be \"process\""):
+                memplan.schedule(durability=bad)
+        self.assertEqual(memplan.schedule()["optimizer"]["durability"], "process")
+        with tempfile.TemporaryDirectory() as tmp:
+            runs = {}
+            for durability in ("process", "power"):
+                model = mlp()
+                trainer = memplan.torch.offload(model, os.path.join(tmp, durability), lr=1e-2,
+                                                direct=False, sub_group_elements=1024,
+                                                durability=durability)
+                self.assertEqual(trainer.schedule["optimizer"]["durability"], durability)
+                losses = []
+                for x, y in data(4):
+                    loss = nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    trainer.step()
+                    losses.append(loss.item())
+                runs[durability] = (losses, trainer.master_weights())
+                trainer.close()
+            self.assertEqual(runs["process"][0], runs["power"][0])
+            for name, w in runs["power"][1].items():
+                self.assertTrue(torch.equal(runs["process"][1][name], w), name)
+
     def test_state_slots_validated_and_the_drive_checked_first(self):
         for bad in (0, 3, "1", True):
             with self.assertRaisesRegex(ValueError, "state_slots must be 1 .* or 2"):

@@ -1034,6 +1034,11 @@ def offload(module, path=None, *, param_tier=None, optimizer_tier=None, lr=1e-3,
     resume refuse (OSError, DataLoss): restart from a checkpoint; a clipped step runs after
     backward. offload() first checks that the drive under `path` has room for the stores (OSError
     ENOSPC saying what each needs, and what state_slots=1 would); ``explain()`` says what they take.
+    durability: "process" (the default) commits each step on the drive without flushing it: a
+    process killed anywhere resumes from its last step; after a power loss or a kernel crash,
+    ``resume`` gets an older whole step or an OSError (DataLoss), never a mix. "power" flushes the
+    drive at every step's commit (fdatasync) so the last step survives those too, at the flush's
+    cost per step (memplan.schedule).
     nvme_bench: ``memplan bench nvme --format json`` output (a file path or its dict) whose
     best.read_bytes_per_s sizes the prefetch; by default ``<path>/nvme_bench.json`` when it
     exists.
