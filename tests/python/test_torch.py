@@ -355,6 +355,7 @@ class OneSlotTest(unittest.TestCase):
                                                 direct=False, sub_group_elements=1024,
                                                 durability=durability)
                 self.assertEqual(trainer.schedule["optimizer"]["durability"], durability)
+                self.assertIn(f"durability = {durability}: ", trainer.explain())
                 losses = []
                 for x, y in data(4):
                     loss = nn.functional.mse_loss(model(x), y)

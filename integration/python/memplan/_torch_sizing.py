@@ -363,7 +363,8 @@ def _drive_facts(counts, schedule, world):
         optimizer_states=OPTIMIZER_STATES.get(optimizer.get("name", "adam"), 2),
         params_on_nvme=on[0], optimizer_on_nvme=on[1], state_slots=slots, world_size=world)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if world > 1 else 1
-    return dict(need, path=str(nvme["path"]), state_slots=slots, local_ranks=max(1, local))
+    return dict(need, path=str(nvme["path"]), state_slots=slots, local_ranks=max(1, local),
+                durability=optimizer.get("durability", "process") if on[1] else None)
 
 
 def _free_bytes(path):
@@ -425,6 +426,14 @@ def explain_drive(drive):
         line += ("\nstate_slots = 2: the optimizer's states are kept twice (a step writes the "
                  "other copy), so a crash mid-step resumes from the last step; state_slots=1 "
                  f"would take {_bytes_words(drive['states_copy'])} less and give that up")
+    if drive.get("durability") == "power":
+        line += ("\ndurability = power: every step's commit flushes the drive (fdatasync), so "
+                 "the last step survives a power loss or a kernel crash too, at the flush's cost "
+                 "per step")
+    elif drive.get("durability") == "process":
+        line += ("\ndurability = process: each step commits without flushing the drive: a "
+                 "process killed anywhere resumes from its last step; after a power loss resume "
+                 "gets an older whole step or an error (durability=\"power\" flushes every step)")
     return line
 
 
