@@ -104,10 +104,9 @@ class AtomicFileGroup {
 // file is in place but its name may not survive a power loss (filesystems that cannot fsync a
 // directory, EINVAL, count as success).
 // `durability` kProcessCrash skips the fsyncs.
-Status WriteFileAtomically(
-    const std::string& path, const std::string& contents,
-    std::optional<uint32_t> mode = std::nullopt,
-    Durability durability = Durability::kPowerLoss);
+Status WriteFileAtomically(const std::string& path, const std::string& contents,
+                           std::optional<uint32_t> mode = std::nullopt,
+                           Durability durability = Durability::kPowerLoss);
 
 // Removes the temporary files that AtomicFileGroup::Commit has created and not yet renamed (up to
 // 32 at a time). Async-signal-safe: for the SIGINT / SIGTERM handler of a program (tools/) that

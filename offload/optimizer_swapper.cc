@@ -828,8 +828,7 @@ Status OptimizerSwapper::Load(const ArrayFiller& fill, std::span<const bool> arr
     MEMPLAN_RETURN_IF_ERROR(s.store->Put(
         kCommittedKey,
         std::span<const std::byte>(reinterpret_cast<const std::byte*>(&to), sizeof(to))));
-    return s.store->Sync(s.options.durability)
-        .WithPrefix("committing load " + std::to_string(to));
+    return s.store->Sync(s.options.durability).WithPrefix("committing load " + std::to_string(to));
   }();
   if (!status.ok()) {
     s.EndUncommitted(to, wrote);

@@ -473,8 +473,8 @@ Status OptimizerSwapper::FinishStep(bool commit) {
   }
   if (status.ok() && s.options.sync_every_step) {
     const auto t0 = std::chrono::steady_clock::now();
-    status = s.store->Sync(s.options.durability)
-                 .WithPrefix("committing step " + std::to_string(r.to));
+    status =
+        s.store->Sync(s.options.durability).WithPrefix("committing step " + std::to_string(r.to));
     sync_s = SecondsSince(t0);
   }
   SwapStepStats& last = s.stats.last_step;

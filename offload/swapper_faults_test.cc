@@ -28,8 +28,7 @@ struct Faulty {
 };
 
 // A swapper of 4 sub-groups of AdamW states whose store's backend is a FaultBackend.
-void Make(const std::string& dir, Faulty* out,
-          Durability durability = Durability::kProcessCrash) {
+void Make(const std::string& dir, Faulty* out, Durability durability = Durability::kProcessCrash) {
   OptimizerSwapperOptions o;
   o.durability = durability;
   o.store.directory = dir;

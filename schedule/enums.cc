@@ -18,10 +18,8 @@ constexpr EnumName<ElementType> kElementTypes[] = {{ElementType::kFloat32, "fp32
 }  // namespace
 
 constexpr EnumName<Durability> kDurabilities[] = {{Durability::kProcessCrash, "process"},
-                                                   {Durability::kPowerLoss, "power"}};
-std::string_view DurabilityName(Durability durability) {
-  return NameOf(kDurabilities, durability);
-}
+                                                  {Durability::kPowerLoss, "power"}};
+std::string_view DurabilityName(Durability durability) { return NameOf(kDurabilities, durability); }
 Result<Durability> ParseDurability(std::string_view text) {
   return ParseName(kDurabilities, text, "durability");
 }

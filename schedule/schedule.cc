@@ -108,9 +108,8 @@ Result<Schedule> ScheduleFromJson(const nlohmann::json& j, const std::string& so
   }
   if (r.Has("optimizer")) {
     const JsonFieldReader o = r.Child("optimizer");
-    MEMPLAN_RETURN_IF_ERROR(o.CheckKeys(
-        {"tier", "name", "sub_group_elements", "buffer_count", "threads", "state_slots",
-         "durability"}));
+    MEMPLAN_RETURN_IF_ERROR(o.CheckKeys({"tier", "name", "sub_group_elements", "buffer_count",
+                                         "threads", "state_slots", "durability"}));
     MEMPLAN_RETURN_IF_ERROR(o.Enum("tier", ParseTier, &s.optimizer_tier));
     MEMPLAN_RETURN_IF_ERROR(o.Enum("name", ParseSwapOptimizer, &s.optimizer));
     MEMPLAN_RETURN_IF_ERROR(o.Integer("sub_group_elements", &s.sub_group_elements));

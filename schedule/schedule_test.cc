@@ -53,10 +53,12 @@ TEST_CASE("Every enum of the Schedule parses the name it prints") {
     CHECK(*back == d);
   }
   CHECK(DurabilityName(Durability::kProcessCrash) == "process");
-  auto flush = ScheduleFromJson(nlohmann::json::parse(R"({"optimizer":{"durability":"power"}})"), "");
+  auto flush =
+      ScheduleFromJson(nlohmann::json::parse(R"({"optimizer":{"durability":"power"}})"), "");
   REQUIRE(flush.ok());
   CHECK(flush->optimizer_durability == Durability::kPowerLoss);
-  auto unknown = ScheduleFromJson(nlohmann::json::parse(R"({"optimizer":{"durability":"disk"}})"), "");
+  auto unknown =
+      ScheduleFromJson(nlohmann::json::parse(R"({"optimizer":{"durability":"disk"}})"), "");
   REQUIRE_FALSE(unknown.ok());
   CHECK(unknown.status().message().find("unknown durability 'disk' (expected process or power)") !=
         std::string::npos);
