@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -750,6 +751,26 @@ TEST_CASE("store: a closed store with keep_files reopens with every key byte for
   }
 }
 
+// Opens `options`' store in a forked child, runs `body` on it, then SIGKILLs the child with the
+// store still open: what a crash leaves. `body` returns 0 to go on to the kill, else an exit code
+// naming the step that failed (10: the open), which the parent's REQUIRE reports.
+void RunInKilledChild(const SwapStoreOptions& options, const std::function<int(SwapStore&)>& body) {
+  pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    auto store = SwapStore::Open(options);
+    if (!store.ok()) ::_exit(10);
+    const int failed = body(**store);
+    if (failed != 0) ::_exit(failed);
+    ::raise(SIGKILL);
+    ::_exit(20);
+  }
+  int wstatus = 0;
+  REQUIRE(::waitpid(child, &wstatus, 0) == child);
+  REQUIRE_MESSAGE(WIFSIGNALED(wstatus), "child exited with " << WEXITSTATUS(wstatus));
+  REQUIRE(WTERMSIG(wstatus) == SIGKILL);
+}
+
 TEST_CASE("store: after a crash the keys are as of the last Sync()") {
   ScratchDir tmp;
   const std::string dir = tmp.Sub("s");
@@ -760,28 +781,18 @@ TEST_CASE("store: after a crash the keys are as of the last Sync()") {
   // The child stores, syncs, changes things, and is killed without closing the store: what a
   // crash leaves. Buffered writes survive SIGKILL in the page cache, so the rewritten bytes are
   // deterministically in the file. The child reports a failed step through its exit code.
-  pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    auto r = SwapStore::Open(options);
-    if (!r.ok()) ::_exit(10);
-    SwapStore& store = **r;
-    if (store.stats().alignment_bytes != 4096) ::_exit(11);
-    if (!store.Put("a", Pattern(piece, 1)).ok()) ::_exit(12);  // [0, 1p)
-    if (!store.Put("b", Pattern(piece, 2)).ok()) ::_exit(13);  // [1p, 2p)
-    if (!store.Put("x", Pattern(piece, 3)).ok()) ::_exit(14);  // [2p, 3p)
-    if (!store.Sync().ok()) ::_exit(15);
-    if (!store.Put("b", Pattern(piece, 4)).ok()) ::_exit(16);  // in place
-    if (!store.Erase("x").ok()) ::_exit(17);
-    if (!store.Put("c", Pattern(2 * piece, 5)).ok()) ::_exit(18);  // [2p, 4p): over x
-    if (*store.DebugFileOffset("c") != 2 * piece) ::_exit(19);
-    ::raise(SIGKILL);
-    ::_exit(20);
-  }
-  int wstatus = 0;
-  REQUIRE(::waitpid(child, &wstatus, 0) == child);
-  REQUIRE_MESSAGE(WIFSIGNALED(wstatus), "child exited with " << WEXITSTATUS(wstatus));
-  REQUIRE(WTERMSIG(wstatus) == SIGKILL);
+  RunInKilledChild(options, [&](SwapStore& store) {
+    if (store.stats().alignment_bytes != 4096) return 11;
+    if (!store.Put("a", Pattern(piece, 1)).ok()) return 12;  // [0, 1p)
+    if (!store.Put("b", Pattern(piece, 2)).ok()) return 13;  // [1p, 2p)
+    if (!store.Put("x", Pattern(piece, 3)).ok()) return 14;  // [2p, 3p)
+    if (!store.Sync().ok()) return 15;
+    if (!store.Put("b", Pattern(piece, 4)).ok()) return 16;  // in place
+    if (!store.Erase("x").ok()) return 17;
+    if (!store.Put("c", Pattern(2 * piece, 5)).ok()) return 18;  // [2p, 4p): over x
+    if (*store.DebugFileOffset("c") != 2 * piece) return 19;
+    return 0;
+  });
   // The dead child's lock file is still there; its flock died with it.
   REQUIRE(fs::exists(LockPath(dir)));
 
@@ -838,22 +849,13 @@ TEST_CASE("store: Sync(kProcessCrash) flushes nothing and still survives the pro
   }
   // A child commits without a flush, writes more, and is killed: what it committed is there.
   options.open_existing = true;
-  pid_t child = ::fork();
-  REQUIRE(child >= 0);
-  if (child == 0) {
-    auto r = SwapStore::Open(options);
-    if (!r.ok()) ::_exit(10);
-    SwapStore& store = **r;
-    if (!store.Put("a", Pattern(kBlock, 42)).ok()) ::_exit(11);
-    if (!store.Sync(Durability::kProcessCrash).ok()) ::_exit(12);
-    if (!store.Put("k", Pattern(3 * kBlock, 43)).ok()) ::_exit(13);  // in place, uncommitted
-    if (!store.Put("b", Pattern(kBlock, 44)).ok()) ::_exit(14);      // new, uncommitted
-    ::raise(SIGKILL);
-    ::_exit(20);
-  }
-  int wstatus = 0;
-  REQUIRE(::waitpid(child, &wstatus, 0) == child);
-  REQUIRE_MESSAGE(WIFSIGNALED(wstatus), "child exited with " << WEXITSTATUS(wstatus));
+  RunInKilledChild(options, [&](SwapStore& store) {
+    if (!store.Put("a", Pattern(kBlock, 42)).ok()) return 11;
+    if (!store.Sync(Durability::kProcessCrash).ok()) return 12;
+    if (!store.Put("k", Pattern(3 * kBlock, 43)).ok()) return 13;  // in place, uncommitted
+    if (!store.Put("b", Pattern(kBlock, 44)).ok()) return 14;      // new, uncommitted
+    return 0;
+  });
   auto store = MustOpen(Reopen(dir, kMiB));
   CHECK(store->Keys() == std::vector<std::string>{"a", "k"});
   RequireRoundTrip(*store, "a", Pattern(kBlock, 42));

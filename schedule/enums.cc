@@ -14,11 +14,11 @@ constexpr EnumName<Tier> kTiers[] = {
 constexpr EnumName<ElementType> kElementTypes[] = {{ElementType::kFloat32, "fp32"},
                                                    {ElementType::kBFloat16, "bf16"},
                                                    {ElementType::kFloat16, "fp16"}};
+constexpr EnumName<Durability> kDurabilities[] = {{Durability::kProcessCrash, "process"},
+                                                  {Durability::kPowerLoss, "power"}};
 
 }  // namespace
 
-constexpr EnumName<Durability> kDurabilities[] = {{Durability::kProcessCrash, "process"},
-                                                  {Durability::kPowerLoss, "power"}};
 std::string_view DurabilityName(Durability durability) { return NameOf(kDurabilities, durability); }
 Result<Durability> ParseDurability(std::string_view text) {
   return ParseName(kDurabilities, text, "durability");
