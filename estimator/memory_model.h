@@ -191,6 +191,9 @@ struct LayerShape {
   // kept by the attention, beside the roped query and key copies; with grouped keys and values it
   // keeps query-wide copies of all three instead.
   bool fused_qkv_kept = false;
+  // One matmul computes query, key and value (torchtitan 0.3's wqkv): what a per-op checkpoint
+  // policy counting matmuls sees.
+  bool fused_qkv_matmul = false;
   // The MLP activation's own saved tensors beyond its input, each f wide: Transformers' Python
   // formulas (NewGELUActivation, "gelu_new", keeps 0.5x, tanh(...) and 1 + tanh(...): 3);
   // fused kernels (F.gelu, F.silu) keep none.

@@ -3,6 +3,7 @@
 // the whole model, the logits and the loss included.
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "estimator/memory_model.h"
 #include "estimator/memory_model_internal.h"
@@ -75,6 +76,7 @@ LayerShape ShapeFor(const ModelInventory& inventory, const TrainingSetup& s, int
   l.adapter_padded_width =
       litgpt ? static_cast<int64_t>(CeilDiv(f.litgpt_lora_padded_width, layers)) : 0;
   l.fused_qkv_kept = litgpt;
+  l.fused_qkv_matmul = s.framework == Framework::kTorchtitan;
   // Lit-GPT's MLPs call the fused torch.nn.functional.gelu / silu.
   l.mlp_activation_extra = litgpt ? 0 : ActivationExtraTensors(a.hidden_act);
   l.softmax_keeps_input = s.TorchBefore(1, 11);
@@ -138,9 +140,10 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
       const Wide ckpt = LayerActivationBytes(top, e, s.flash_attention, Checkpointing::kFull);
       if (kept > 0 && full > ckpt) out.saved += U(kept) * (full - ckpt);
     }
-  } else if (s.checkpointing == Checkpointing::kSelective) {
-    out.recompute =
-        full - LayerActivationBytes(top, e, s.flash_attention, Checkpointing::kSelective);
+  } else if (s.checkpointing == Checkpointing::kSelective ||
+             s.checkpointing == Checkpointing::kOp) {
+    const Wide kept = LayerActivationBytes(top, e, s.flash_attention, s.checkpointing);
+    out.recompute = full > kept ? full - kept : 0;
   }
   const Wide t = U(s.tp);
   const Wide b = U(s.micro_batch);
@@ -218,6 +221,32 @@ uint64_t LayerActivationBytes(const LayerShape& l, int elem_bytes, bool flash,
   if (checkpointing == Checkpointing::kFull) return Saturate(e * sbh);  // the layer input
   const Wide mask = l.hidden_dropout ? 1 : 0;
   const Wide q_width = U(l.heads) * U(l.head_dim), kv_width = U(l.kv_heads) * U(l.head_dim);
+  if (checkpointing == Checkpointing::kOp) {
+    // torchtitan's per-op SelectiveAC (torchtitan/distributed/activation_checkpoint.py): the
+    // block keeps its input, what the attention op returns (flash: the output, an fp32
+    // log-sum-exp per head and token and the RNG seed and offset; the math kernel: the output
+    // and the probabilities) and the outputs of the 1st, 3rd, 5th, ... matmul in the block's call
+    // order (the policy recomputes every second one); everything else is recomputed.
+    // tests/trace/test_trace.py holds the traced block to this.
+    const Wide v_w = l.v_width > 0 ? U(l.v_width) : kv_width;
+    std::vector<Wide> widths;
+    if (l.fused_qkv_matmul) {
+      widths.push_back(q_width + kv_width + v_w);
+    } else {
+      widths.insert(widths.end(), {q_width, kv_width, v_w});
+    }
+    widths.push_back(h);  // output projection
+    const Wide f = U(l.ffn) * U(std::max<int64_t>(l.top_k, 1));
+    if (l.gated) widths.push_back(f);  // gate (w1), then up (w3)
+    widths.insert(widths.end(), {f, h});
+    Wide mm = 0;
+    for (size_t i = 0; i < widths.size(); i += 2) mm += widths[i];
+    const Wide o_w = l.v_width > 0 ? v_w : q_width;
+    const Wide attention =
+        flash ? e * s * b * o_w + static_cast<Wide>(kFlashLseBytes) * U(l.heads) * s * b + 2 * 512
+              : e * s * b * o_w + e * U(l.heads) * s * U(l.kv_seq) * b;
+    return Saturate(e * sbh + (e * s * b * mm + attention) / t);
+  }
   // Attention core: softmax output, plus dropout mask and dropout output when dropout is on;
   // flash attention keeps only the per-head log-sum-exp.
   auto core = [&](Wide kv_seq) -> Wide {

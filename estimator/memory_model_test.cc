@@ -127,6 +127,37 @@ TEST_CASE("memory model: Korthikanti's per-layer activation formulas, exact") {
         sbh * 34 + 4 * a * s * b);
 }
 
+TEST_CASE("memory model: torchtitan's per-op selective checkpointing keeps every second matmul") {
+  // The small Llama of tests/trace/test_trace.py's Torchtitan case, whose traced block keeps
+  // 1,844,224 bytes: 2 x 256 tokens, hidden 256, 4 heads of 64, 2 KV heads, SwiGLU MLP 512.
+  LayerShape l;
+  l.seq = l.kv_seq = 256;
+  l.batch = 2;
+  l.hidden = 256;
+  l.heads = 4;
+  l.kv_heads = 2;
+  l.head_dim = 64;
+  l.ffn = 512;
+  l.gated = true;
+  l.fused_qkv_matmul = true;  // torchtitan 0.3's wqkv
+  const uint64_t tokens = 512;
+  // The input, wqkv's output (1st matmul), w1's (3rd) and w2's (5th), the attention's output,
+  // its fp32 log-sum-exp and its RNG seed and offset.
+  const uint64_t want = tokens * 2 * (256 + 512 + 512 + 256 + 256) + 4 * 4 * tokens + 2 * 512;
+  CHECK(want == 1'844'224);
+  CHECK(LayerActivationBytes(l, 2, true, Checkpointing::kOp) == want);
+  // With separate projections (torchtitan before 0.3) the count shifts: the input, wq, wv, w1,
+  // w2 and the attention's output kept (wk, wo and w3 recomputed).
+  l.fused_qkv_matmul = false;
+  CHECK(LayerActivationBytes(l, 2, true, Checkpointing::kOp) ==
+        tokens * 2 * (256 + 256 + 128 + 512 + 256 + 256) + 4 * 4 * tokens + 2 * 512);
+  // Never more than no checkpointing keeps, never less than the input alone.
+  CHECK(LayerActivationBytes(l, 2, true, Checkpointing::kOp) <
+        LayerActivationBytes(l, 2, true, Checkpointing::kNone));
+  CHECK(LayerActivationBytes(l, 2, true, Checkpointing::kOp) >
+        LayerActivationBytes(l, 2, true, Checkpointing::kFull));
+}
+
 TEST_CASE("memory model: checkpointing every K-th block keeps the others whole") {
   ModelInventory llama = memplan::testing::Fixture("llama-2-7b");  // 32 blocks
   TrainingSetup s;

@@ -74,6 +74,90 @@ class TwoLinearMLP(unittest.TestCase):
             r["phases"]["optimizer_step"]["categories"]["optimizer_transients"], self.params)
 
 
+class Torchtitan(unittest.TestCase):
+    """torchtitan 0.3 under FSDP2 on a fake process group: a small Llama (hidden 256, 4 heads,
+    2 KV heads, MLP 512, vocabulary 1024), 2 x 256 tokens, figures counted by hand."""
+
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
+              "vocab_size": 1024, "num_hidden_layers": 2, "rms_norm_eps": 1e-5,
+              "rope_theta": 500000.0, "max_position_embeddings": 4096,
+              "tie_word_embeddings": False}
+    b, s, d, kv, ffn, vocab = 2, 256, 256, 128, 512, 1024
+
+    def trace(self, **kw):
+        setup = dict(framework="torchtitan", model=self.config, micro_batch=self.b,
+                     seq_len=self.s, precision="bf16-mixed", optimizer="adamw-fused",
+                     checkpointing="none", loss="chunked", loss_chunks=4)
+        setup.update(kw)
+        return trace.run(setup)
+
+    def fp32_params(self, ranks):
+        # FSDP2 shards every parameter on dim 0 (padded to a multiple of the ranks); each rank
+        # holds one fp32 shard, allocated on its own.
+        d, kv, ffn, v = self.d, self.kv, self.ffn, self.vocab
+        shapes = [(v, d), (d,), (v, d)] + 2 * [(d + 2 * kv, d), (d, d), (ffn, d), (d, ffn),
+                                               (ffn, d), (d,), (d,)]
+        total = 0
+        for shape in shapes:
+            rows = -(-shape[0] // ranks)
+            rest = shape[1] if len(shape) > 1 else 1
+            total += rounded(rows * rest * 4)
+        return total
+
+    def test_parameters_and_states_shard_over_ranks(self):
+        for ranks in (1, 4):
+            r = self.trace(ranks=ranks)
+            start = r["step_start"]["categories"]
+            self.assertEqual(start["parameters"], self.fp32_params(ranks), ranks)
+            # fused AdamW: exp_avg, exp_avg_sq per shard, and a step counter (one fp32 on the
+            # GPU, rounded to 512 bytes) per parameter.
+            self.assertEqual(start["optimizer_states"],
+                             2 * self.fp32_params(ranks) + 17 * 512, ranks)
+            # Two RoPE caches (complex64, seq x head_dim / 2), one per block.
+            self.assertEqual(start["buffers"], 2 * rounded(self.s * 32 * 8))
+            self.assertEqual(r["model"]["ranks"], ranks)
+
+    def per_layer_forward(self, checkpointing):
+        one = self.trace(checkpointing=checkpointing, layers=1)
+        two = self.trace(checkpointing=checkpointing, layers=2)
+        return (two["phases"]["forward"]["categories"]["activations"] -
+                one["phases"]["forward"]["categories"]["activations"])
+
+    def test_checkpointing_policies_keep_what_torchtitan_saves(self):
+        tokens = self.b * self.s
+        bf16 = lambda width: rounded(tokens * width * 2)
+        lse = rounded(self.b * 4 * self.s * 4)   # flash's fp32 log-sum-exp per head and token
+        rng = 2 * 512                             # and its RNG seed and offset
+        # FullAC: each block keeps its input.
+        self.assertEqual(self.per_layer_forward("full"), bf16(self.d))
+        # SelectiveAC (op): the input, the outputs of the 1st, 3rd and 5th matmuls (wqkv, w1,
+        # w2; wo and w3 are recomputed) and all the attention op returns.
+        self.assertEqual(self.per_layer_forward("op"),
+                         bf16(self.d) + bf16(self.d + 2 * self.kv) + bf16(self.ffn) +
+                         bf16(self.d) + bf16(self.d) + lse + rng)
+
+    def test_chunked_loss_keeps_one_chunk_of_logits(self):
+        chunked = self.trace()["phases"]["loss"]["categories"]
+        full = self.trace(loss="full")["phases"]["loss"]["categories"]
+        # The full loss holds the bf16 logits, their fp32 copy and log_softmax's fp32 output at
+        # once; the chunked loss a quarter of that at a time, plus an fp32 gradient of the
+        # hidden states.
+        logits = self.b * self.s * self.vocab
+        self.assertGreaterEqual(full["activations"] - chunked["activations"],
+                                rounded(logits * 10) - rounded(logits * 10 // 4) -
+                                rounded(self.b * self.s * self.d * 4))
+
+    def test_refusals_name_the_field(self):
+        for kw, field in ((dict(checkpointing="selective"), "checkpointing"),
+                          (dict(precision="bf16"), "precision"),
+                          (dict(loss_chunks=3), "loss_chunks"),
+                          (dict(checkpoint_every=2), "checkpoint_every")):
+            with self.assertRaises(trace.TraceError) as caught:
+                self.trace(**kw)
+            self.assertTrue(str(caught.exception).startswith(field + ":"), caught.exception)
+
+
 class CudaSemantics(unittest.TestCase):
     def test_autocast_policy_matches_cuda_kernels(self):
         missing, extra, differ = trace_cuda.verify_autocast_policy()

@@ -35,7 +35,7 @@ import weakref
 
 FORMAT = "memplan-trace/1"
 CATEGORIES = ("parameters", "buffers", "gradients", "activations", "temporaries",
-              "optimizer_states", "optimizer_transients", "other")
+              "optimizer_states", "optimizer_transients", "communication", "other")
 PHASES = ("forward", "loss", "backward", "optimizer_step")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16", "fp16")
 FRAMEWORKS = ("transformers", "torchtune", "torchtitan", "litgpt", "llm-foundry")
@@ -73,7 +73,8 @@ class Setup:
         "lora_targets": (None, "the modules LoRA adapts (the framework's names; default the "
                                "framework's default)"),
         "qlora": (False, "base weights in NF4 (torchtune: torchao's NF4Tensor)"),
-        "ranks": (1, "FSDP2 ranks simulated (torchtitan, not traced yet); 1: one GPU"),
+        "ranks": (1, "FSDP2 ranks of a fake process group (torchtitan; it shards on one GPU "
+                     "too)"),
         "attention": ("sdpa", "sdpa | eager (Transformers' attn_implementation)"),
         "gpu": ("a100", "the GPU whose kernels decide attention backend and workspaces"),
         "dropout": (None, "override the config's dropout probabilities (None: as configured)"),
@@ -189,7 +190,14 @@ def load_config(model):
 
 _CATEGORY_OF = {"Parameter": "parameters", "Buffer": "buffers", "Gradient": "gradients",
                 "Activation": "activations", "Temp": "temporaries", "Optstate": "optimizer",
-                "Other": "other"}
+                "Other": "other",
+                # FSDPMemTracker's (torchtitan): a rank's shard and the gathered copies are its
+                # parameters, both kinds of gradient its gradients; the all-gather output and
+                # the reduce-scatter input are communication buffers.
+                "Sharded Param": "parameters", "Unsharded Param": "parameters",
+                "Sharded Grad": "gradients", "Unsharded Grad": "gradients",
+                "All Gather": "communication", "Reduce Scatter": "communication",
+                "OptState": "optimizer", "Inputs": "other"}
 
 
 def _make_tracker_class(base):
@@ -458,6 +466,8 @@ class Target:
         self.backward = backward
         # The batch on the GPU (token ids, labels): tracked as "other".
         self.inputs = list(inputs)
+        # Called with the tracker once it exists (an adapter whose code needs it).
+        self.on_tracker = None
 
 
 @contextlib.contextmanager
@@ -618,10 +628,17 @@ def trace_target(target, arch=(8, 0)):
     tracker_class = _make_tracker_class(target.tracker_class or MemTracker)
     tracker = tracker_class() if target.tracker_class is None else \
         tracker_class(model, target.optimizer)
+    if target.on_tracker is not None:
+        target.on_tracker(tracker)
     workspace = torch.empty(trace_cuda.cublas_workspace_bytes(arch), dtype=torch.uint8)
     rounding = _cuda_rounding()
     rounding.__enter__()
-    tracker.track_external(model, target.optimizer, workspace, *target.inputs)
+    if hasattr(tracker, "track_inputs"):
+        # FSDPMemTracker tracks the model and optimizer itself (its track_external does
+        # nothing); the workspace and the batch are its "Inputs", here "other".
+        tracker.track_inputs((workspace, *target.inputs))
+    else:
+        tracker.track_external(model, target.optimizer, workspace, *target.inputs)
     # The loss phase starts when the output head's forward ends (Transformers computes its loss
     # inside the model's forward) or else when the model's forward returns.
     handles = []
@@ -721,8 +738,9 @@ def _optimizer_state_bytes(optimizer):
     return sum(seen.values())
 
 
-def _categories(snapshot, state_bytes):
-    out = {name: 0 for name in CATEGORIES}
+def _categories(snapshot, state_bytes, sharded=False):
+    # "communication" exists only where FSDP2 runs (torchtitan); other traces keep their shape.
+    out = {name: 0 for name in CATEGORIES if sharded or name != "communication"}
     for name, value in snapshot.items():
         if name == "optimizer":
             states = min(value, state_bytes)
@@ -737,12 +755,14 @@ def _report(target, tracker, state_bytes, start, start_total, sdpa, kernels, arc
     from . import trace_cuda
     phases = {}
     peak = None
+    sharded = target.tracker_class is not None
     for (step, phase), record in sorted(tracker.records.items(), key=lambda kv: kv[0]):
         if phase not in PHASES:
             continue
         entry = {
             "peak_bytes": record["peak_bytes"],
-            "categories": _categories(record["snapshot"], state_bytes if step == 2 else 0),
+            "categories": _categories(record["snapshot"], state_bytes if step == 2 else 0,
+                                      sharded),
             "op": record["op"], "module": record["module"],
         }
         if step != 2:
@@ -764,7 +784,8 @@ def _report(target, tracker, state_bytes, start, start_total, sdpa, kernels, arc
         "sdpa_backends": dict(sorted(sdpa.backends.items())),
         "peak": peak,
         "phases": phases,
-        "step_start": {"bytes": start_total, "categories": _categories(start, state_bytes)},
+        "step_start": {"bytes": start_total,
+                       "categories": _categories(start, state_bytes, sharded)},
         "workspaces": workspaces,
     }
     return result
@@ -905,7 +926,7 @@ def format_text(result):
         peak["module"]))
     header = "  %-22s" % "category" + "".join("%16s" % p for p in PHASES)
     lines.append(header)
-    for cat in CATEGORIES:
+    for cat in [c for c in CATEGORIES if c in peak["categories"]]:
         row = "  %-22s" % cat
         for phase in PHASES:
             value = result["phases"].get(phase, {}).get("categories", {}).get(cat, 0)

@@ -95,6 +95,19 @@ def _count(model, info):
     info["trainable_params"] = trainable
 
 
+def _accepted(builder, kwargs, dims):
+    """The keyword arguments ``builder`` takes: torchtune's lora_llama2 has no rope_base (Llama
+    2's base is fixed at 10,000 there); a config asking for another base is refused rather than
+    built wrong."""
+    import inspect
+    names = inspect.signature(builder).parameters
+    dropped = {k: v for k, v in kwargs.items() if k not in names}
+    if dropped.get("rope_base", 10000) != 10000:
+        raise TraceError("model: %s.%s builds RoPE with base 10000, the config asks for %s" % (
+            builder.__module__, builder.__name__, dropped["rope_base"]))
+    return {k: v for k, v in kwargs.items() if k in names}
+
+
 # ---- torchtune 0.6 -------------------------------------------------------------------------------
 
 class Torchtune:
@@ -143,11 +156,11 @@ class Torchtune:
                     lora_attn_modules=attn, apply_lora_to_mlp="mlp" in targets,
                     apply_lora_to_output="output" in targets, lora_rank=setup.lora_rank,
                     lora_alpha=setup.lora_alpha or 2 * setup.lora_rank, lora_dropout=0.0,
-                    quantize_base=bool(setup.qlora), **common)
+                    quantize_base=bool(setup.qlora), **_accepted(lora_builder, common, d))
                 set_trainable_params(model, get_adapter_params(model))
                 info["lora_targets"] = sorted(targets)
             else:
-                model = builder(**common)
+                model = builder(**_accepted(builder, common, d))
         if setup.checkpointing == "full" and not listing:
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
@@ -187,6 +200,9 @@ class Torchtune:
         # model.output runs once per chunk with chunked logits: the loss phase starts when the
         # model's forward returns.
         head = model.output if setup.loss == "full" else None
+        # A tied head (Llama 3.2, Qwen2 0.5B) is a TiedLinear, a plain callable around the
+        # nn.Module that runs F.linear with the embedding's weight: that module takes the hook.
+        head = getattr(head, "linear", head)
         return Target(model, optimizer, blocks, head, forward_loss, info=info,
                       inputs=(tokens, labels_in, ignore_labels_cache))
 
@@ -211,15 +227,235 @@ class Torchtune:
         return l2.llama2, l2.lora_llama2, {}
 
 
-# ---- placeholders filled below -------------------------------------------------------------------
+# ---- torchtitan 0.3 ------------------------------------------------------------------------------
 
 class Torchtitan:
+    """torchtitan 0.3's trainer (trainer.py ``_forward_backward_body``, llama3/parallelize.py
+    ``parallelize_llama``): the Llama 3 model of torchtitan.models.llama3 (fused wqkv, complex
+    RoPE with a cache per layer sized to the sequence length, depth-scaled inits skipped: fake
+    tensors have no values) built on the meta device, its activation checkpointing
+    (``FullAC`` or the per-op ``SelectiveAC``, whose policy saves every compute-intensive op's
+    output but recomputes every second matmul), then FSDP2 on every block and on the embeddings,
+    the final norm and the head (``apply_fsdp_to_decoder``: always, on one rank too, for its
+    mixed-precision policy: bf16 parameters in forward and backward, fp32 gradient reduction),
+    over ``ranks`` ranks of a fake process group, traced by FSDPMemTracker. The loss is the
+    config registry's: ``ChunkedLossWrapper`` (the head and cross-entropy run on ``loss_chunks``
+    sequence chunks, each chunk's backward inside the loss, the hidden states' gradient gathered
+    in fp32) or, with ``loss=full``, one logits tensor into ``cross_entropy_loss`` (fp32,
+    sum-reduced); gradient clipping at norm 1.0 and AdamW (fused by default, torchtitan's
+    ``implementation``) over all parameters.
+
+    Attention: the language models attend through FlexAttention or varlen FlashAttention with
+    per-document masks built from token positions, which fake tensors cannot compute. The trace
+    runs one document per sequence through SDPA's causal FlashAttention, which keeps what varlen
+    flash keeps (q, k, v, the output and an fp32 log-sum-exp per head and token) and allocates
+    the same backward buffers (trace_cuda); the masks' own metadata (cu_seqlens, a few KiB) is
+    not counted."""
+
     def build(self, setup, fake_mode, listing=False):
-        raise TraceError(
-            "framework: torchtitan 0.3 is not traced yet: its language models attend through "
-            "FlexAttention or varlen flash attention with per-document masks built from the "
-            "token positions (data-dependent, which fake tensors cannot compute), and its "
-            "ChunkedLossWrapper runs the backward inside the loss; see docs/trace.md")
+        import torch
+        d = _llama_dims(setup)
+        if setup.checkpointing == "selective":
+            raise TraceError("checkpointing: torchtitan 0.3 has full and per-op selective "
+                             "(op) checkpointing; its per-layer selective option is gone")
+        if setup.checkpoint_every != 1:
+            raise TraceError("checkpoint_every: torchtitan 0.3 checkpoints every block")
+        if setup.precision not in ("bf16-mixed", "fp32"):
+            raise TraceError("precision: torchtitan trains fp32 weights with FSDP2's "
+                             "mixed-precision policy (bf16-mixed) or in fp32")
+        if setup.lora_rank:
+            raise TraceError("lora_rank: torchtitan's Llama 3 is traced for full training")
+        if setup.loss == "fused":
+            raise TraceError("loss: torchtitan's losses are chunked (its default) or full")
+        if setup.loss == "chunked" and setup.seq_len % setup.loss_chunks:
+            raise TraceError("loss_chunks: ChunkedLossWrapper needs the sequence length (%d) "
+                             "divisible by the chunks (%d)" % (setup.seq_len, setup.loss_chunks))
+        if d["attention_bias"] or d["model_type"] != "llama":
+            raise TraceError("model: torchtitan's llama3 builds Llama models without biases")
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+        from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss, \
+            cross_entropy_loss
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+        from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        with unset_fake_temporarily():  # the mesh's rank table is real
+            _fake_process_group(setup.ranks)
+            mesh = init_device_mesh("cpu", (setup.ranks,), mesh_dim_names=("fsdp",))
+        config = self._model_config(d, setup.seq_len)
+        with torch.device("meta"):
+            model = config.build()
+        for block in model.layers.values():
+            block.attention.inner_attention = _causal_flash()
+        info = {"name": d["name"], "model_type": d["model_type"], "layers": d["num_layers"],
+                "layers_in_config": d["layers_in_config"],
+                "builder": "torchtitan.models.llama3.Llama3Model", "ranks": setup.ranks}
+        _count(model, info)
+        if not listing:
+            if setup.checkpointing == "full":
+                FullAC(FullAC.Config()).apply(model)
+            elif setup.checkpointing == "op":
+                SelectiveAC(SelectiveAC.Config()).apply(model)
+        param_dtype = torch.bfloat16 if setup.precision == "bf16-mixed" else torch.float32
+        apply_fsdp_to_decoder(model, mesh, param_dtype=param_dtype, reduce_dtype=torch.float32,
+                              pp_enabled=False)
+        model.to_empty(device="cpu")
+        _init_buffers(model)
+        model.train()
+        b, s = setup.micro_batch, setup.seq_len
+        tokens = torch.zeros((b, s), dtype=torch.long)
+        labels = torch.zeros((b, s), dtype=torch.long)
+        valid = torch.full((), float(b * s))
+        state = {"tracker": None}
+        if setup.loss == "chunked":
+            chunked = ChunkedLossWrapper(ChunkedLossWrapper.Config(
+                num_chunks=setup.loss_chunks, loss_fn=CrossEntropyLoss.Config()))
+            chunked.set_lm_head(model.lm_head)
+            model._skip_lm_head = True
+
+            def loss_fn(pred):
+                with _nested_backward(state["tracker"]):
+                    return _loss_module(chunked)(pred, labels, valid)
+        else:
+            def loss_fn(pred):
+                return cross_entropy_loss(pred, labels) / valid
+
+        def forward_loss():
+            pred = model(tokens)
+            loss = loss_fn(pred)
+            del pred
+            return loss
+
+        optimizer = None
+        step = None
+        if not listing:
+            from .trace_transformers import make_optimizer
+            optimizer = make_optimizer([{"params": list(model.parameters()),
+                                         "weight_decay": 0.1}], setup.optimizer)
+
+            def step():
+                from torchtitan.distributed import utils as dist_utils
+                dist_utils.clip_grad_norm_(list(model.parameters()), max_norm=1.0,
+                                           foreach=True)
+                optimizer.step()
+
+        blocks = list(model.layers.values())
+        target = Target(model, optimizer, blocks, None, forward_loss, info=info,
+                        tracker_class=FSDPMemTracker, step=step, inputs=(tokens, labels))
+        target.on_tracker = lambda tracker: state.__setitem__("tracker", tracker)
+        return target
+
+    @staticmethod
+    def _model_config(d, seq_len):
+        from torchtitan.models import llama3
+        from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+        dim, vocab = d["embed_dim"], d["vocab_size"]
+        if d["head_dim"] != dim // d["num_heads"]:
+            raise TraceError("model: torchtitan's llama3 has head_dim = hidden_size / heads")
+        scaling = d.get("rope_scaling") or {}
+        llama_scaling = scaling.get("rope_type", scaling.get("type")) == "llama3"
+        rope = ComplexRoPE.Config(dim=d["head_dim"], max_seq_len=seq_len,
+                                  theta=d["rope_base"],
+                                  scaling="llama" if llama_scaling else "none")
+        layers = llama3._build_llama3_layers(
+            fuse_qkv=True, n_layers=d["num_layers"], dim=dim, n_heads=d["num_heads"],
+            n_kv_heads=d["num_kv_heads"], hidden_dim=d["intermediate_dim"], rope=rope,
+            attn_backend="varlen")
+        for layer in layers:
+            layer.attention_norm.eps = layer.ffn_norm.eps = d["norm_eps"]
+        return llama3.Llama3Model.Config(
+            dim=dim, vocab_size=vocab, enable_weight_tying=d["tie"],
+            tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
+            norm=RMSNorm.Config(normalized_shape=dim, eps=d["norm_eps"]),
+            lm_head=Linear.Config(in_features=dim, out_features=vocab), layers=layers)
+
+
+def _causal_flash():
+    """torchtitan's inner attention (B, L, N, H in and out) as SDPA's causal attention over the
+    heads-first views, which trace_cuda runs as the GPU's FlashAttention."""
+    import torch
+
+    class CausalFlash(torch.nn.Module):
+        def forward(self, q, k, v, attention_masks=None, scale=None, enable_gqa=False,
+                    **kwargs):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                scale=scale, enable_gqa=enable_gqa)
+            return out.transpose(1, 2)
+
+    return CausalFlash()
+
+
+def _fake_process_group(ranks):
+    """A fake process group of ``ranks`` ranks (collectives do nothing; torch's own fake
+    backend, as FSDPMemTracker's tests use), this process rank 0."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        if dist.get_world_size() == ranks and dist.get_backend() == "fake":
+            return
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+
+
+def _init_buffers(model):
+    """torchtitan's ``init_states`` for the buffers (each block's RoPE cache), its parameter
+    inits skipped: truncated-normal draws read values, which fake tensors do not have, and
+    change no byte of memory."""
+    import torch
+    from torchtitan.protocols import module as titan_module
+    original = titan_module.Module._init_self_parameters
+    titan_module.Module._init_self_parameters = lambda self: None
+    try:
+        model.init_states(buffer_device=torch.device("cpu"))
+    finally:
+        titan_module.Module._init_self_parameters = original
+
+
+def _loss_module(loss):
+    import torch
+
+    class Loss(torch.nn.Module):
+        """The chunked loss as a module, so that the tracker sees its repeated head calls
+        inside one parent (FSDPMemTracker refuses a second top-level forward of a module)."""
+
+        def forward(self, pred, labels, valid):
+            return loss(pred, labels, valid)[0]
+
+    return Loss()
+
+
+@contextlib.contextmanager
+def _nested_backward(tracker):
+    """ChunkedLossWrapper runs a backward per chunk inside the forward. The module tracker
+    inside FSDPMemTracker assumes one backward after the forward: at a backward's end it forgets
+    every module still running and fires the pops it queued for modules whose inputs need no
+    gradient. Around each nested backward its state is kept and put back, so the step's own
+    backward sees the forward as it was."""
+    import torch
+    if tracker is None:
+        yield
+        return
+    mt = tracker._mod_tracker
+    original = torch.Tensor.backward
+
+    def backward(tensor, *args, **kwargs):
+        saved = (set(mt.parents), dict(mt._active_module_cnt),
+                 list(mt._post_bw_callbacks_to_enqueue), mt._has_callback)
+        mt._post_bw_callbacks_to_enqueue.clear()
+        try:
+            return original(tensor, *args, **kwargs)
+        finally:
+            mt.parents, mt._active_module_cnt = saved[0], saved[1]
+            mt._post_bw_callbacks_to_enqueue[:] = saved[2]
+            mt._has_callback = saved[3]
+
+    torch.Tensor.backward = backward
+    try:
+        yield
+    finally:
+        torch.Tensor.backward = original
 
 
 class LitGPT:
