@@ -549,6 +549,17 @@ Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigRead
   if (spec.rotary && !arch.alibi) {
     arch.rotary_dims = v.Get(Dim::kRotaryDim) > 0 ? v.Get(Dim::kRotaryDim) : 2 * RotaryHalf(v);
     if (spec.mla) arch.rotary_dims = v.Get(Dim::kQkRopeHeadDim);
+    for (const char* nested : {"rope_scaling", "rope_parameters"}) {
+      if (!config.Has(nested) || !config.json()[nested].is_object()) continue;
+      const nlohmann::json& rope = config.json()[nested];
+      for (const char* key : {"rope_type", "type"}) {
+        auto it = rope.find(key);
+        if (it != rope.end() && it->is_string() && arch.rope_type.empty()) {
+          arch.rope_type = it->get<std::string>().substr(0, 64);
+        }
+      }
+    }
+    if (arch.rope_type == "default") arch.rope_type.clear();
   }
   arch.no_split_class = spec.no_split_class.empty() ? ClassName(spec.class_prefix, "DecoderLayer")
                                                     : std::string(spec.no_split_class);

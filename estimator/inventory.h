@@ -213,6 +213,10 @@ struct ArchitectureInfo {
   // none), or ALiBi biases (Bloom, Falcon with alibi, MPT).
   int64_t rotary_dims = 0;
   bool alibi = false;
+  // The rotary scaling a config names (rope_scaling / rope_parameters' rope_type, or type in
+  // older configs: "llama3", "yarn", "linear", ...); empty when it names none. Frameworks pick
+  // their builders by it (torchtune's llama3_1 for "llama3").
+  std::string rope_type;
   // Implementation choices a config pins, as it names them (MPT's attn_config.attn_impl:
   // "torch", "flash"; its norm_type: "low_precision_layernorm", "layernorm", ...); empty when
   // the family has no such field or the config leaves it to the framework's default.

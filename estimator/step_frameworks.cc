@@ -41,11 +41,25 @@ T ModelRun::TorchtuneLinear(const Lin& l, T x) {
   if (quantized_base_ && !g_.RequiresGrad(l.w)) {
     // LoRALinear with quantize_base / FrozenNF4Linear: torchao's LinearNF4 keeps the NF4
     // weight only; the weight is dequantized to the input's dtype for the matmul (and again in
-    // backward).
-    T wd = g_.New(l.in * l.out, g_.Dtype(x), false);
+    // backward) by NF4Tensor.get_original_weight (torchao/dtypes/nf4tensor.py), whose locals
+    // all live until it returns: the high and low nibbles as int64 (n/2 each), their NF4 values
+    // and their scaled values (n/2 each in the weight's dtype), the scalers (one per 64-block),
+    // and the stacked weight (n). Its smaller transients (the uint8 shifts, each flattened
+    // repeat of the scalers) come and go below that peak.
+    const Wide n = l.in * l.out, half = n / 2;
+    const DT wdt = g_.Dtype(x);
+    const std::vector<std::pair<Wide, DT>> locals = {
+        {half, DT::kI64}, {half, DT::kI64}, {half, wdt}, {half, wdt},
+        {n / 64, wdt},    {half, wdt},      {half, wdt}};
+    std::vector<T> held;
+    for (const auto& [numel, dt] : locals) held.push_back(g_.New(numel, dt, false));
+    T wd = g_.New(n, wdt, false);
+    for (T t : held) g_.Drop(t);
     out = g_.New(g_.Numel(x) / std::max<Wide>(l.in, 1) * l.out, g_.Dtype(x), g_.RequiresGrad(x));
     Graph::NodeSpec spec = Graph::Spec("LinearNF4", {x}, {out});
-    spec.extra = {{l.in * l.out, g_.Dtype(x)}};
+    spec.scratch = locals;
+    spec.scratch.emplace_back(n, wdt);
+    spec.extra = {{n, wdt}};
     g_.Record(std::move(spec));
     g_.Drop(wd);
   } else {
@@ -121,8 +135,9 @@ T ModelRun::TorchtuneBlock(int layer, T x) {
   g_.Drop(v);
   T o = TorchtuneLinear(bp.at(TensorRole::kAttentionOut), att);
   g_.Drop(att);
+  // h = self.sa_scale(attn_out) + x: the local attn_out (sa_scale is an Identity) holds the
+  // attention's output until the layer returns, through the whole MLP.
   T x2 = Add(g_, o, x);
-  g_.Drop(o);
   // FeedForward.forward: w2(silu(w1(x)) * w3(x)).
   T h2 = TorchtuneRmsNorm(bp.norms[1], x2);
   T g1 = TorchtuneLinear(bp.at(TensorRole::kMlpGate), h2);
@@ -138,6 +153,7 @@ T ModelRun::TorchtuneBlock(int layer, T x) {
   T out = Add(g_, x2, down);
   g_.Drop(down);
   g_.Drop(x2);
+  g_.Drop(o);
   return out;
 }
 

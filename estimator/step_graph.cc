@@ -53,6 +53,14 @@ int Graph::Alloc(StepCategory c, Wide bytes) {
   cur_[static_cast<int>(c)] += b.bytes;
   total_ += b.bytes;
   if (total_ > kMaxBytes) overflow_ = true;
+  if (deferring_) {
+    AllocEvent e;
+    e.buf = static_cast<int>(bufs_.size()) - 1;
+    e.total = total_;
+    e.cur = cur_;
+    deferred_.push_back(e);
+    return e.buf;
+  }
   Track();
   return static_cast<int>(bufs_.size()) - 1;
 }
@@ -90,18 +98,47 @@ void Graph::Recategorize(int buf, StepCategory c) {
   b.cat = c;
 }
 
-void Graph::Track() {
+void Graph::Track() { TrackAt(total_, cur_); }
+
+void Graph::TrackAt(Wide total, const std::array<Wide, kStepCategories>& cur) {
   const int p = static_cast<int>(phase_);
-  if (total_ <= peak_wide_[static_cast<size_t>(p)] && peaks_[static_cast<size_t>(p)].bytes != 0) {
+  if (total <= peak_wide_[static_cast<size_t>(p)] && peaks_[static_cast<size_t>(p)].bytes != 0) {
     return;
   }
-  peak_wide_[static_cast<size_t>(p)] = total_;
+  peak_wide_[static_cast<size_t>(p)] = total;
   StepPhasePeak& peak = peaks_[static_cast<size_t>(p)];
-  peak.bytes = Narrow(total_);
+  peak.bytes = Narrow(total);
   for (int c = 0; c < kStepCategories; ++c) {
-    peak.categories[static_cast<size_t>(c)] = Narrow(cur_[static_cast<size_t>(c)]);
+    peak.categories[static_cast<size_t>(c)] = Narrow(cur[static_cast<size_t>(c)]);
   }
   peak.where = where_;
+}
+
+// Note [The recompute stops at the last saved tensor]
+// torch.utils.checkpoint (use_reentrant=False) stops the recompute as soon as the last tensor the
+// block's forward saved has been saved again (early stop, on by default: it raises out of the
+// re-run forward). An op saves its inputs before it runs (the generated autograd kernels make
+// the SavedVariables, then call the op) and its outputs after, so when the last saving op
+// saves only inputs (the last Linear's, LoRA's lora_B's input) its output is never made, and
+// nothing after it runs: the down projection's output, LoRA's scaling and sum, the residual
+// add. The graph runs the whole block (its Python shape is simpler so), holding back the
+// peaks of what the re-run allocates, and counts them only up to that point.
+void Graph::ReplayRecompute() {
+  size_t cut = deferred_.size();
+  std::vector<int> skip;
+  for (size_t i = marks_.size(); i > 0; --i) {
+    const SaveMark& m = marks_[i - 1];
+    cut = m.events;
+    if (!m.saves_output) skip = m.output_bufs;
+    break;
+  }
+  for (size_t i = 0; i < cut; ++i) {
+    const AllocEvent& e = deferred_[i];
+    if (std::find(skip.begin(), skip.end(), e.buf) != skip.end()) continue;
+    TrackAt(e.total, e.cur);
+  }
+  deferred_.clear();
+  marks_.clear();
 }
 
 T Graph::NewIn(StepCategory c, Wide numel, DT dt, bool requires_grad) {
@@ -185,6 +222,21 @@ void Graph::Record(NodeSpec spec) {
     return;
   }
   Node node;
+  if (deferring_ && std::any_of(spec.saved.begin(), spec.saved.end(), [](T t) { return t.ok(); })) {
+    SaveMark m;
+    m.events = deferred_.size();
+    for (const T& o : spec.outputs) {
+      if (!o.ok()) continue;
+      const int buf = tensors_[static_cast<size_t>(o.id)].buf;
+      m.output_bufs.push_back(buf);
+      for (const T& sv : spec.saved) {
+        if (sv.ok() && tensors_[static_cast<size_t>(sv.id)].buf == buf && buf >= 0) {
+          m.saves_output = true;
+        }
+      }
+    }
+    marks_.push_back(std::move(m));
+  }
   for (const T& s : spec.saved) {
     if (!s.ok()) continue;
     const Tensor& x = tensors_[static_cast<size_t>(s.id)];
@@ -303,7 +355,11 @@ void Graph::RunNode(Node& node) {
     const bool was = in_backward_, was_recomputing = recomputing_;
     in_backward_ = false;
     recomputing_ = true;
+    const bool was_deferring = deferring_;
+    deferring_ = true;
     T out2 = node.rerun(node.ck_input);
+    deferring_ = was_deferring;
+    if (!deferring_) ReplayRecompute();  // Note [The recompute stops at the last saved tensor]
     ClearAutocastCache();
     in_backward_ = was;
     recomputing_ = was_recomputing;
@@ -352,6 +408,13 @@ void Graph::RunNode(Node& node) {
         extras.push_back(Alloc(StepCategory::kTemporaries, numel * static_cast<Wide>(Bytes(dt))));
       }
     };
+    {
+      std::vector<int> scratch;
+      for (const auto& [numel, dt] : s.scratch) {
+        scratch.push_back(Alloc(StepCategory::kTemporaries, numel * static_cast<Wide>(Bytes(dt))));
+      }
+      for (int b : scratch) Unref(b);
+    }
     if (s.extra_before_grads) alloc_extras();
     int first_out_grad = -1;
     for (const T& out : s.outputs) {

@@ -94,6 +94,10 @@ class Graph {
     // Extra temporaries that stay until the node's input gradients are produced, then go
     // (flash attention's dQ accumulator); allocated before the input gradients.
     bool extra_before_grads = true;
+    // Scratch the node's backward makes and frees before anything else it allocates: all of it
+    // live at once at its peak (torchao's NF4 dequantization, whose locals live until it
+    // returns the weight).
+    std::vector<std::pair<Wide, DT>> scratch;
   };
   void Record(NodeSpec spec);
   // Record(Spec(...)) without designated initialisers.
@@ -181,6 +185,25 @@ class Graph {
     // them before the recompute (Note [What runs before the recompute]).
     std::vector<Node> tail;
   };
+
+  // Note [The recompute stops at the last saved tensor]: while a checkpoint re-runs a block,
+  // the allocations wait here, with the Records that save, until the run ends and the point
+  // where torch stopped it is known; those up to it count toward the peaks.
+  struct AllocEvent {
+    int buf = -1;
+    Wide total = 0;
+    std::array<Wide, kStepCategories> cur{};
+  };
+  struct SaveMark {
+    size_t events = 0;          // allocations made before the Record
+    bool saves_output = false;  // it saves one of its own outputs (packed after the op runs)
+    std::vector<int> output_bufs;
+  };
+  void TrackAt(Wide total, const std::array<Wide, kStepCategories>& cur);
+  void ReplayRecompute();
+  bool deferring_ = false;
+  std::vector<AllocEvent> deferred_;
+  std::vector<SaveMark> marks_;
 
   void Accumulate(T input, int grad_buf);
   void RunNode(Node& node);

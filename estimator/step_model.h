@@ -21,8 +21,9 @@
 // backward's seed (ones_like(loss), made before the engine runs) lives until backward returns;
 // fp16 autocast scales the loss and unscales the gradients as torch.amp.GradScaler does.
 // Activation checkpointing keeps each wrapped block's input only and re-runs its forward when
-// the block's backward begins (torch.utils.checkpoint, non-reentrant); torchtitan's op-level
-// policy keeps the outputs of the ops it lists.
+// the block's backward begins (torch.utils.checkpoint, non-reentrant), up to the last tensor the
+// forward saved (its early stop); torchtitan's op-level policy keeps the outputs of the ops it
+// lists.
 //
 // Every allocation is rounded as the CUDA caching allocator rounds a request (512 bytes,
 // c10/cuda/CUDACachingAllocator.cpp round_size). The categories are PyTorch's memory tracker's

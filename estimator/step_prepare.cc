@@ -459,10 +459,14 @@ void ModelRun::CountModelStates(const std::vector<Wide>& adapter_bytes) {
     // torchtune's RotaryPositionalEmbeddings cache: max_seq_len x head_dim fp32, and theta.
     // Qwen2's (torchtune/models/qwen2/_positional_embeddings.py build_rope_cache) caches
     // cat([cos, sin]) of the doubled frequencies: max_seq_len x 2 head_dim. The plain qwen2
-    // builder shares one rope among the layers; lora_qwen2_self_attention makes one per layer.
+    // builder shares one rope among the layers; lora_qwen2_self_attention makes one per layer,
+    // and so do lora_llama2_self_attention and lora_llama3_self_attention (the builders memplan
+    // .trace picks without llama3 rope scaling), while lora_llama3_1 and lora_llama3_2 build one
+    // Llama3ScaledRoPE for all layers.
     const bool qwen2 = inv_.model_type == "qwen2";
+    const bool per_layer = qwen2 || a_.rope_type != "llama3";
     const Wide width = static_cast<Wide>(a_.head_dim) * (qwen2 ? 2 : 1);
-    const Wide ropes = qwen2 && lora ? static_cast<Wide>(std::max<int64_t>(a_.layers, 1)) : 1;
+    const Wide ropes = per_layer && lora ? static_cast<Wide>(std::max<int64_t>(a_.layers, 1)) : 1;
     buffer_bytes_ =
         ropes *
         (Rounded(static_cast<Wide>(std::max<int64_t>(a_.max_positions, 1)) * width, DT::kF32) +

@@ -197,6 +197,21 @@ PointResult Check(const std::filesystem::path& root, const nlohmann::json& rec) 
                    ? peak.at("module").get<std::string>()
                    : std::string("?")) +
               "; predicted at " + at->where + "\n";
+  // Each phase's peak, traced and predicted: where the peaks of a close total fall apart.
+  if (rec.contains("phases") && rec["phases"].is_object()) {
+    for (int p = 0; p < kStepPhases; ++p) {
+      const std::string name(StepPhaseName(static_cast<StepPhase>(p)));
+      if (!rec["phases"].contains(name)) continue;
+      const double want = rec["phases"][name].value("peak_bytes", 0.0);
+      const double got = static_cast<double>(m->step->phases[static_cast<size_t>(p)].bytes);
+      char line[200];
+      std::snprintf(line, sizeof line,
+                    "      phase %-15s traced %14.0f predicted %14.0f (%+.2f%%) at %s\n",
+                    name.c_str(), want, got, 100 * (got - want) / std::max(want, 1.0),
+                    m->step->phases[static_cast<size_t>(p)].where.c_str());
+      r.detail += line;
+    }
+  }
   for (int c = 0; c < kStepCategories; ++c) {
     const std::string name(StepCategoryName(static_cast<StepCategory>(c)));
     const double want = peak.at("categories").value(name, 0.0);
