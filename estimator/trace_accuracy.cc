@@ -149,6 +149,14 @@ Result<TrainingSetup> Setup(const nlohmann::json& rec) {
     s.gpu_arch = kArch.at(gpu);
   }
   s.torch_compile = j.value("compile", false);
+  // torchtitan shards with FSDP2 over its ranks (on one rank too); its mixed precision is
+  // FSDP's policy (bf16 parameters gathered for compute), not autocast.
+  if (s.framework == Framework::kTorchtitan) {
+    s.autocast = false;
+    s.fsdp = FsdpSharding::kFullShard;
+    s.zero_stage = 3;
+    s.gpus_per_node = std::max<int64_t>(j.value("ranks", 1), 1);
+  }
   return s;
 }
 

@@ -9,16 +9,16 @@ estimator's test to be held to.
 
 The list of points is code (``points()``), in a fixed order; each point's trace is written to
 the work directory as it finishes (``--work``, default build/trace-grid-work), so an interrupted
-run continues where it stopped. The held-out fifth is chosen by ``holdout_ids``: the ids sorted,
-shuffled by random.Random(HOLDOUT_SEED), the first fifth (rounded up). Both files carry the same
-header (format, versions, the hold-out rule and the held-out ids, the CI sample).
+run continues where it stopped. The held-out fifth is chosen per point by ``held_out``: the
+first 8 bytes of sha256("29:" + id) below a fifth of 2^64, so adding points never moves others.
+Both files carry the same header (format, versions, the hold-out rule and the held-out ids, the
+CI sample).
 """
 
 import argparse
+import hashlib
 import json
-import math
 import os
-import random
 import sys
 import time
 
@@ -164,6 +164,28 @@ def points():
                                   saved=(ck == "none" and precision == "bf16-mixed")))
         for b, s in ((1, 2048), (4, 512), (8, 2048)):
             out.append(_point(lf, m, 2, b, s, checkpointing="full"))
+    # torchtitan's trainer: FSDP2 (on one rank too), its checkpointing policies and losses. The
+    # step model does not run torchtitan yet: these points are counted as refused.
+    ttn = "torchtitan"
+    for m in ("llama-3.2-1b", "llama-3.1-8b"):
+        for ck in ("none", "full", "op"):
+            out.append(_point(ttn, m, 2, 1, 2048, checkpointing=ck, loss="chunked",
+                              optimizer="adamw-fused"))
+        out.append(_point(ttn, m, 2, 1, 2048, checkpointing="op", loss="full",
+                          optimizer="adamw-fused"))
+        for ranks in (2, 8):
+            out.append(_point(ttn, m, 2, 2, 2048, checkpointing="op", loss="chunked",
+                              optimizer="adamw-fused", ranks=ranks))
+    out.append(_point(ttn, "llama-3.1-8b", 4, 2, 4096, checkpointing="full", loss="chunked",
+                      optimizer="adamw-fused", ranks=8))
+    out.append(_point(ttn, "llama-3.1-8b", 2, 1, 8192, checkpointing="op", loss="chunked",
+                      optimizer="adamw-fused", ranks=8, gpu="h100"))
+    out.append(_point(ttn, "llama-3.2-1b", 2, 4, 1024, precision="fp32", checkpointing="op",
+                      loss="chunked", optimizer="adamw-fused", ranks=4))
+    out.append(_point(ttn, "llama-2-7b", 2, 2, 2048, checkpointing="op", loss="chunked",
+                      optimizer="adamw-fused", ranks=8))
+    out.append(_point(ttn, "llama-2-7b", 2, 2, 2048, checkpointing="none", loss="full",
+                      ranks=2))
     seen = set()
     unique = []
     for p in out:
@@ -186,15 +208,22 @@ CI_SAMPLE = [
     "lora8",
     "litgpt/pythia-160m/L2/b1s1024/bf16/sdpa/ckpt-none/loss-chunked8/adamw/a100/lora8",
     "llm-foundry/mpt-1b/L2/b2s1024/bf16-mixed/sdpa/ckpt-full/loss-full/adamw/a100",
+    "torchtitan/llama-3.2-1b/L2/b2s2048/bf16-mixed/sdpa/ckpt-op/loss-chunked8/adamw-fused/a100/"
+    "fsdp2",
 ]
 
 
+def held_out(point_id):
+    """Whether a point is in the held-out fifth: the first 8 bytes of sha256("29:" + id), as a
+    big-endian integer, are below a fifth of 2^64. Each point's lot is its own, so points added
+    to the grid later never move the others between the two files."""
+    digest = hashlib.sha256(("%d:%s" % (HOLDOUT_SEED, point_id)).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") < int(HOLDOUT_FRACTION * 2**64)
+
+
 def holdout_ids(ids):
-    """The held-out fifth: ids sorted, shuffled with random.Random(HOLDOUT_SEED), the first
-    ceil(n * HOLDOUT_FRACTION)."""
-    ordered = sorted(ids)
-    random.Random(HOLDOUT_SEED).shuffle(ordered)
-    return set(ordered[:int(math.ceil(len(ordered) * HOLDOUT_FRACTION))])
+    """The held-out points of ``ids`` (held_out)."""
+    return {i for i in ids if held_out(i)}
 
 
 def trace_point(point):
@@ -299,7 +328,8 @@ def generate(work, out, holdout_out, only=None, stop_on_error=False, timeout=600
         "versions": dict(sorted(versions.items())),
         "points": len(records),
         "holdout": {"seed": HOLDOUT_SEED, "fraction": HOLDOUT_FRACTION,
-                    "rule": "ids sorted, random.Random(seed).shuffle, first ceil(n * fraction)",
+                    "rule": "sha256(\"<seed>:<id>\")[:8] as a big-endian integer < "
+                            "fraction * 2^64",
                     "file": os.path.basename(holdout_out), "count": len(held),
                     "ids": sorted(held)},
         "ci_sample": CI_SAMPLE,
