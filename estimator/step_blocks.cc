@@ -443,9 +443,13 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
       gated ? bp.expert.at(TensorRole::kExpertGateUp) : bp.expert.at(TensorRole::kExpertUp);
   const Wide in_width = gated ? bp.expert_width.at(TensorRole::kExpertGateUp)
                               : bp.expert_width.at(TensorRole::kExpertUp);
+  // torch._grouped_mm saves its input for the weight's gradient only when the weight trains
+  // (LoRA freezes the experts); the input, selected_hidden_states_g, stays a local of
+  // grouped_mm_experts_forward until it returns either way.
+  const bool experts_train = g_.RequiresGrad(w_in);
   T proj = g_.New(S * in_width, g_.Dtype(sel), true);
-  g_.Record(Graph::Spec("GroupedMm", {sel, w_in}, {proj}, {sel, offs}));
-  g_.Drop(sel);
+  g_.Record(Graph::Spec("GroupedMm", {sel, w_in}, {proj},
+                        experts_train ? std::vector<T>{sel, offs} : std::vector<T>{offs}));
   T act;
   if (gated) {
     T gate = Slice(g_, proj, g_.Numel(proj) / 2);
@@ -461,7 +465,8 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
   g_.Drop(proj);
   const T w_out = bp.expert.at(TensorRole::kExpertDown);
   T down = g_.New(S * hw, g_.Dtype(act), true);
-  g_.Record(Graph::Spec("GroupedMm", {act, w_out}, {down}, {act, offs}));
+  g_.Record(Graph::Spec("GroupedMm", {act, w_out}, {down},
+                        g_.RequiresGrad(w_out) ? std::vector<T>{act, offs} : std::vector<T>{offs}));
   g_.Drop(act);
   g_.Drop(offs);
   T weighted = Mul(g_, down, weights);
@@ -472,10 +477,13 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
   g_.Drop(weighted);
   T summed = g_.New(tokens_ * hw, g_.Dtype(back), true);
   g_.Record(Graph::Spec("Sum", {back}, {summed}));
-  g_.Drop(back);
   // final_hidden_states.to(hidden_states.dtype): fp32 routing weights (DeepSeek's) promote.
   T out = Cast(g_, summed, g_.Dtype(h));
   g_.Drop(summed);
+  // The function's locals go when it returns: the gathered-back rows (weighted_out) and the
+  // selected rows.
+  g_.Drop(back);
+  g_.Drop(sel);
   g_.Drop(perm);
   g_.Drop(src);
   g_.Drop(inv);

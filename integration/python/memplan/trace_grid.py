@@ -66,7 +66,11 @@ HF_DECODERS = ["llama-3.2-1b", "llama-3.1-8b", "mistral-7b", "qwen2.5-0.5b", "qw
                "pythia-160m", "smollm2-135m", "opt-125m", "falcon-rw-1b", "phi-2",
                "starcoder2-3b", "olmo-2-1124-7b", "bloom-560m", "gpt-j-6b", "mixtral-8x7b",
                "qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b", "qwen1.5-moe-a2.7b"]
-EAGER_ONLY = ("gemma-2-2b", "bloom-560m", "gpt-j-6b")
+EAGER_ONLY = ("gemma-2-2b", "bloom-560m", "gpt-j-6b", "gpt-oss-20b")
+# LoRA targets named where PEFT's defaults do not reach these models (fused experts, MLA, gpt-oss):
+# the attention's query and value (MLA's decompressed keys and values).
+LORA_TARGETS = {"mixtral-8x7b": ["q_proj", "v_proj"], "deepseek-v2-lite": ["q_proj", "kv_b_proj"],
+                "gpt-oss-20b": ["q_proj", "v_proj"]}
 HF_ENCODERS = ["bert-base-uncased", "bert-large-uncased", "roberta-base", "xlm-roberta-base",
                "distilbert-base-uncased", "t5-v1_1-base", "t5-large"]
 
@@ -76,13 +80,15 @@ def points():
     out = []
     tf = "transformers"
     for m in HF_DECODERS:
-        # Gemma-2, BLOOM and GPT-J have no SDPA path in Transformers 5: eager is what they run.
+        # Gemma-2, BLOOM, GPT-J and gpt-oss have no SDPA path in Transformers 5: eager is what
+        # they run.
         attn = "eager" if m in EAGER_ONLY else "sdpa"
         out.append(_point(tf, m, 2, 1, 1024, saved=True, attention=attn))
         out.append(_point(tf, m, 2, 1, 1024, checkpointing="full", attention=attn))
         out.append(_point(tf, m, 2, 2, 512, precision="bf16", attention=attn))
         out.append(_point(tf, m, 2, 1, 512, precision="fp32", attention="eager"))
-        out.append(_point(tf, m, 2, 2, 1024, checkpointing="full", lora=16, attention=attn))
+        out.append(_point(tf, m, 2, 2, 1024, checkpointing="full", lora=16, attention=attn,
+                          targets=LORA_TARGETS.get(m)))
     for m in HF_ENCODERS:
         out.append(_point(tf, m, 2, 4, 512, saved=True))
         out.append(_point(tf, m, 2, 4, 512, checkpointing="full"))
