@@ -67,12 +67,19 @@ def estimate(memplan, flags, micro_batch=None):
     j = json.loads(run.stdout)
     peak = j["peak"]
     allocated = next(p["gpu_allocated_bytes"] for p in j["phases"] if p["phase"] == peak["phase"])
+    context = sum(i["gpu_bytes"] for i in j["breakdown"] if i["item"] == "cuda_context")
     return {"gpu_bytes": peak["gpu_bytes"], "allocated_bytes": allocated, "phase": peak["phase"],
-            "cpu_bytes": peak["cpu_bytes"]}
+            "cpu_bytes": peak["cpu_bytes"], "context_bytes": context}
 
 
 def predicted_for(kind, p):
-    return p["allocated_bytes"] if kind == "max_memory_allocated" else p["gpu_bytes"]
+    # max_memory_reserved (what torchtitan logs): the allocator's segments, so the GPU peak
+    # without the CUDA context; nvidia-smi: all of it.
+    if kind == "max_memory_allocated":
+        return p["allocated_bytes"]
+    if kind == "max_memory_reserved":
+        return p["gpu_bytes"] - p["context_bytes"]
+    return p["gpu_bytes"]
 
 
 def evaluate(memplan, doc):
@@ -83,7 +90,7 @@ def evaluate(memplan, doc):
         capacity = r["hardware"].get("gpu_memory_bytes", 0)
         row = {"id": r["id"], "kind": kind, "fully_specified": bool(r.get("fully_specified")),
                "tolerance": r.get("tolerance", DEFAULT_TOLERANCE), "record": r}
-        if kind in ("nvidia-smi", "max_memory_allocated"):
+        if kind in ("nvidia-smi", "max_memory_allocated", "max_memory_reserved"):
             p = estimate(memplan, r["memplan"])
             row["predicted"] = predicted_for(kind, p)
             row["measured"] = measured_bytes(m)

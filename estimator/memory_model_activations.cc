@@ -196,6 +196,11 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
       out.logits_forward = elems * (e == 2 ? 2 : 0) + Scale(elems, kLogitsForwardFp32Bytes);
       out.logits_backward = Scale(elems, kLogitsBackwardBytes);
       out.logits_forward_per_logit = kLogitsForwardFp32Bytes + (e == 2 ? 2 : 0);
+      // torchtitan (trainer.py _forward_backward_body, components/loss.py cross_entropy_loss):
+      // cross_entropy(pred.flatten(0, 1).float(), ...), then `del pred` before backward: the
+      // 16-bit logits and their fp32 copy are gone when backward starts; log_softmax's fp32
+      // output stays for its backward.
+      if (s.framework == Framework::kTorchtitan) out.logits_kept = elems * 4;
     }
     // PyTorch before 1.11: log_softmax keeps its input (the fp32 logits copy) as well.
     if (s.TorchBefore(1, 11)) out.logits_forward += elems * 4;

@@ -125,6 +125,9 @@ struct Activations {
   Wide workspace = 0;  // gradient temporaries of one layer
   Wide logits_forward = 0;
   Wide logits_backward = 0;
+  // What of logits_forward is still alive when backward starts, where the training code frees
+  // the rest first (torchtitan: `del pred`, the fp32 copy never saved); -1: all of it.
+  Wide logits_kept = static_cast<Wide>(-1);
   // Bytes per logit the loss keeps (for the constants table): 10 for the full loss.
   double logits_forward_per_logit = 0;
 };

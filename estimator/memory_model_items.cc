@@ -418,13 +418,22 @@ Status ActivationItems(const ItemContext& c, Builder* out) {
   out->Add("backward_workspace", "gradient temporaries of the layer in backward", act.workspace, 0,
            0, 0, kPhaseBackward | kPhaseBackwardEnd, tr);
   const Loss loss = c.s.loss;
+  const bool split =
+      act.logits_kept != static_cast<Wide>(-1) && act.logits_kept < act.logits_forward;
   out->Add("logits_and_loss",
            loss == Loss::kFused
                ? "fused linear cross-entropy: one chunk of logits and the gradients it keeps"
            : loss == Loss::kChunked
                ? "logits b*s*V (" + c.half + ", in chunks) and each chunk's fp32 log-softmax"
-               : "logits b*s*V (" + c.half + " and fp32) and the log-softmax kept by the loss",
-           act.logits_forward, 0, 0, 0, kPhaseForward | kPhaseBackward, tr);
+           : split ? "logits b*s*V (" + c.half +
+                         " and fp32) and the loss's fp32 log-softmax, "
+                         "until the loss is computed"
+                   : "logits b*s*V (" + c.half + " and fp32) and the log-softmax kept by the loss",
+           act.logits_forward, 0, 0, 0, split ? kPhaseForward : kPhaseForward | kPhaseBackward, tr);
+  if (split) {
+    out->Add("loss_log_softmax", "the loss's fp32 log-softmax b*s*V, kept for its backward",
+             act.logits_kept, 0, 0, 0, kPhaseBackward, tr);
+  }
   out->Add("logits_grad", "fp32 gradients of the log-probabilities and logits", act.logits_backward,
            0, 0, 0, kPhaseBackward, tr);
   return Status::Ok();

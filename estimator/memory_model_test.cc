@@ -207,6 +207,20 @@ TEST_CASE("memory model: the loss decides what the logits keep") {
   CHECK(Gpu(fused, "logits_and_loss") ==
         (uint64_t{256} * 32000 + uint64_t{2048} * 4096 + uint64_t{32000} * 4096) * 2);
   CHECK(Gpu(fused, "logits_grad") == 0);
+  // torchtitan's whole-logits loss: the same three tensors while the loss runs, then `del pred`
+  // before backward leaves only the fp32 log-softmax.
+  s.loss = Loss::kFull;
+  s.framework = Framework::kTorchtitan;
+  const MemoryEstimate titan = MustEstimate(llama, s);
+  const MemoryItem* forward_only = Item(titan, "logits_and_loss");
+  REQUIRE(forward_only != nullptr);
+  CHECK(forward_only->gpu_bytes == elems * 10);
+  CHECK((forward_only->phases & kPhaseBackward) == 0);
+  CHECK(Gpu(titan, "loss_log_softmax") == elems * 4);
+  CHECK(Gpu(titan, "logits_grad") == elems * 8);
+  // Backward: 6 bytes a logit fewer, and the allocator margin's 10% of them.
+  CHECK(PhaseOf(full, "backward").gpu_bytes - PhaseOf(titan, "backward").gpu_bytes ==
+        elems * 6 + elems * 6 / 10);
 }
 
 TEST_CASE("memory model: GQA, SwiGLU, no dropout and MoE change the constants") {
