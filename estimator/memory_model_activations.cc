@@ -165,6 +165,22 @@ Activations CountActivations(const ModelInventory& inventory, const TrainingSetu
       out.logits_forward = Scale(elems, kLogitsForwardFp32Bytes);
       const Wide chunk = CeilDiv(std::min<Wide>(U(seq), kLitGptLmHeadChunk) * b * U(a.vocab), t);
       out.logits_backward = Scale(chunk, kLogitsBackwardBytes);
+    } else if (s.loss == Loss::kChunked && s.framework == Framework::kTorchtitan) {
+      // torchtitan's ChunkedLossWrapper (components/loss.py): the hidden states are cut into N
+      // sequence chunks; each chunk runs the head, cross_entropy(logits.float()) and its own
+      // backward before the next, inside the forward. At a chunk's backward its 16-bit logits
+      // (the loop's local), the log-softmax's fp32 output and the fp32 gradients of the loss and
+      // of the log-softmax are alive at once (the fp32 copy went when the loss returned); the
+      // hidden states' gradients gather in an fp32 accumulator. Backward then starts from that
+      // gradient, cast to the hidden dtype and saved by _DecoderOutputGradientBackProp: no
+      // logits and no logit gradients live in it.
+      const Wide n = U(s.loss_chunks > 0 ? s.loss_chunks : 8);
+      const Wide chunk = CeilDiv(elems, n);
+      const Wide hidden = U(seq) * b * U(a.hidden);
+      out.logits_forward = chunk * (e + 4 + 4 + 4) + hidden * 4;
+      out.logits_kept = hidden * e;
+      out.logits_backward = 0;
+      out.logits_forward_per_logit = static_cast<double>(e + 12) / static_cast<double>(n);
     } else if (s.loss == Loss::kChunked) {
       // torchtune's CEWithChunkedOutputLoss (torchtune/modules/loss/ce_chunked_output_loss.py):
       // the model returns the logits in N chunks (the head runs per chunk), all kept in the

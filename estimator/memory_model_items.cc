@@ -423,6 +423,9 @@ Status ActivationItems(const ItemContext& c, Builder* out) {
   out->Add("logits_and_loss",
            loss == Loss::kFused
                ? "fused linear cross-entropy: one chunk of logits and the gradients it keeps"
+           : loss == Loss::kChunked && split
+               ? "one sequence chunk's logits, log-softmax and gradients, and the hidden "
+                 "states' fp32 gradient (torchtitan's ChunkedLossWrapper, backward per chunk)"
            : loss == Loss::kChunked
                ? "logits b*s*V (" + c.half + ", in chunks) and each chunk's fp32 log-softmax"
            : split ? "logits b*s*V (" + c.half +
@@ -431,7 +434,10 @@ Status ActivationItems(const ItemContext& c, Builder* out) {
                    : "logits b*s*V (" + c.half + " and fp32) and the log-softmax kept by the loss",
            act.logits_forward, 0, 0, 0, split ? kPhaseForward : kPhaseForward | kPhaseBackward, tr);
   if (split) {
-    out->Add("loss_log_softmax", "the loss's fp32 log-softmax b*s*V, kept for its backward",
+    out->Add("loss_log_softmax",
+             loss == Loss::kChunked
+                 ? "the hidden states' gradient the chunked loss hands to backward"
+                 : "the loss's fp32 log-softmax b*s*V, kept for its backward",
              act.logits_kept, 0, 0, 0, kPhaseBackward, tr);
   }
   out->Add("logits_grad", "fp32 gradients of the log-probabilities and logits", act.logits_backward,

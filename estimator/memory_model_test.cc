@@ -221,6 +221,16 @@ TEST_CASE("memory model: the loss decides what the logits keep") {
   // Backward: 6 bytes a logit fewer, and the allocator margin's 10% of them.
   CHECK(PhaseOf(full, "backward").gpu_bytes - PhaseOf(titan, "backward").gpu_bytes ==
         elems * 6 + elems * 6 / 10);
+  // torchtitan's ChunkedLossWrapper: one chunk's bf16 logits, fp32 log-softmax and two fp32
+  // gradients, and the hidden states' fp32 gradient, in the forward; backward starts from that
+  // gradient in bf16, with no logits left.
+  s.loss = Loss::kChunked;
+  s.loss_chunks = 8;
+  const MemoryEstimate titan_chunked = MustEstimate(llama, s);
+  const uint64_t hidden = uint64_t{2} * 1024 * 4096;
+  CHECK(Gpu(titan_chunked, "logits_and_loss") == elems / 8 * 14 + hidden * 4);
+  CHECK(Gpu(titan_chunked, "loss_log_softmax") == hidden * 2);
+  CHECK(Gpu(titan_chunked, "logits_grad") == 0);
 }
 
 TEST_CASE("memory model: GQA, SwiGLU, no dropout and MoE change the constants") {
