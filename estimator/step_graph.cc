@@ -124,13 +124,13 @@ void Graph::TrackAt(Wide total, const std::array<Wide, kStepCategories>& cur) {
 // add. The graph runs the whole block (its Python shape is simpler so), holding back the
 // peaks of what the re-run allocates, and counts them only up to that point.
 void Graph::ReplayRecompute() {
+  // The last Record that saved: everything the re-run allocated before it counts, but its own
+  // outputs only when it saves one of them.
   size_t cut = deferred_.size();
   std::vector<int> skip;
-  for (size_t i = marks_.size(); i > 0; --i) {
-    const SaveMark& m = marks_[i - 1];
-    cut = m.events;
-    if (!m.saves_output) skip = m.output_bufs;
-    break;
+  if (!marks_.empty()) {
+    cut = marks_.back().events;
+    if (!marks_.back().saves_output) skip = marks_.back().output_bufs;
   }
   for (size_t i = 0; i < cut; ++i) {
     const AllocEvent& e = deferred_[i];

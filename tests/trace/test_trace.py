@@ -152,7 +152,8 @@ class Torchtitan(unittest.TestCase):
         for kw, field in ((dict(checkpointing="selective"), "checkpointing"),
                           (dict(precision="bf16"), "precision"),
                           (dict(loss_chunks=3), "loss_chunks"),
-                          (dict(checkpoint_every=2), "checkpoint_every")):
+                          (dict(checkpoint_every=2), "checkpoint_every"),
+                          (dict(attention="eager"), "attention")):
             with self.assertRaises(trace.TraceError) as caught:
                 self.trace(**kw)
             self.assertTrue(str(caught.exception).startswith(field + ":"), caught.exception)

@@ -95,7 +95,7 @@ def _count(model, info):
     info["trainable_params"] = trainable
 
 
-def _accepted(builder, kwargs, dims):
+def _accepted(builder, kwargs):
     """The keyword arguments ``builder`` takes: torchtune's lora_llama2 has no rope_base (Llama
     2's base is fixed at 10,000 there); a config asking for another base is refused rather than
     built wrong."""
@@ -156,11 +156,11 @@ class Torchtune:
                     lora_attn_modules=attn, apply_lora_to_mlp="mlp" in targets,
                     apply_lora_to_output="output" in targets, lora_rank=setup.lora_rank,
                     lora_alpha=setup.lora_alpha or 2 * setup.lora_rank, lora_dropout=0.0,
-                    quantize_base=bool(setup.qlora), **_accepted(lora_builder, common, d))
+                    quantize_base=bool(setup.qlora), **_accepted(lora_builder, common))
                 set_trainable_params(model, get_adapter_params(model))
                 info["lora_targets"] = sorted(targets)
             else:
-                model = builder(**_accepted(builder, common, d))
+                model = builder(**_accepted(builder, common))
         if setup.checkpointing == "full" and not listing:
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
@@ -265,6 +265,9 @@ class Torchtitan:
                              "mixed-precision policy (bf16-mixed) or in fp32")
         if setup.lora_rank:
             raise TraceError("lora_rank: torchtitan's Llama 3 is traced for full training")
+        if setup.attention != "sdpa":
+            raise TraceError("attention: torchtitan's models attend through flash kernels "
+                             "(traced as SDPA's); there is no eager path")
         if setup.loss == "fused":
             raise TraceError("loss: torchtitan's losses are chunked (its default) or full")
         if setup.loss == "chunked" and setup.seq_len % setup.loss_chunks:
@@ -272,7 +275,6 @@ class Torchtitan:
                              "divisible by the chunks (%d)" % (setup.seq_len, setup.loss_chunks))
         if d["attention_bias"] or d["model_type"] != "llama":
             raise TraceError("model: torchtitan's llama3 builds Llama models without biases")
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
         from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss, \
