@@ -230,6 +230,7 @@ namespace memplan::estimator {
 
 using mm::kDropoutMaskBytes;
 using mm::kFlashLseBytes;
+using mm::kFlashRngStateBytes;
 using mm::Saturate;
 using mm::U;
 using mm::Wide;
@@ -263,9 +264,10 @@ uint64_t LayerActivationBytes(const LayerShape& l, int elem_bytes, bool flash,
     Wide mm = 0;
     for (size_t i = 0; i < widths.size(); i += 2) mm += widths[i];
     const Wide o_w = l.v_width > 0 ? v_w : q_width;
-    const Wide attention =
-        flash ? e * s * b * o_w + static_cast<Wide>(kFlashLseBytes) * U(l.heads) * s * b + 2 * 512
-              : e * s * b * o_w + e * U(l.heads) * s * U(l.kv_seq) * b;
+    const Wide attention = flash ? e * s * b * o_w +
+                                       static_cast<Wide>(kFlashLseBytes) * U(l.heads) * s * b +
+                                       kFlashRngStateBytes
+                                 : e * s * b * o_w + e * U(l.heads) * s * U(l.kv_seq) * b;
     return Saturate(e * sbh + (e * s * b * mm + attention) / t);
   }
   // Attention core: softmax output, plus dropout mask and dropout output when dropout is on;

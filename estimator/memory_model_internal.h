@@ -38,16 +38,17 @@ inline Wide Scale(Wide bytes, double factor) {
 
 // --- Constants (each reported in MemoryEstimate::constants) -----------------------------------
 
-constexpr double kDropoutMaskBytes = 1;        // torch.nn.functional.dropout keeps a bool mask
-constexpr double kFlashLseBytes = 4;           // fp32 log-sum-exp per head per token
-constexpr double kNf4Bits = 4.5;               // 4-bit codes + fp32 absmax per 64 weights
-constexpr double kNf4DoubleQuantBits = 4.127;  // absmax quantised to 8 bits per 256 blocks
-constexpr double kAdam8bitBlock = 256;         // bitsandbytes block-wise quantisation block
-constexpr double kOverlapCommFactor = 4.5;     // DeepSpeed docs: overlap_comm ~4.5x buckets
-constexpr double kAllocatorMargin = 0.10;      // reserved over allocated, transients only
-constexpr double kLogitsForwardFp32Bytes = 8;  // fp32 logits + log-softmax output, per element
-constexpr double kLogitsBackwardBytes = 8;     // fp32 grads of log-probs and of the logits
-constexpr uint64_t kLitGptLmHeadChunk = 128;   // Lit-GPT's lm_head_chunk_size in finetune/*.py
+constexpr double kDropoutMaskBytes = 1;         // torch.nn.functional.dropout keeps a bool mask
+constexpr double kFlashLseBytes = 4;            // fp32 log-sum-exp per head per token
+constexpr uint64_t kFlashRngStateBytes = 1024;  // its philox seed and offset, 512 bytes each
+constexpr double kNf4Bits = 4.5;                // 4-bit codes + fp32 absmax per 64 weights
+constexpr double kNf4DoubleQuantBits = 4.127;   // absmax quantised to 8 bits per 256 blocks
+constexpr double kAdam8bitBlock = 256;          // bitsandbytes block-wise quantisation block
+constexpr double kOverlapCommFactor = 4.5;      // DeepSpeed docs: overlap_comm ~4.5x buckets
+constexpr double kAllocatorMargin = 0.10;       // reserved over allocated, transients only
+constexpr double kLogitsForwardFp32Bytes = 8;   // fp32 logits + log-softmax output, per element
+constexpr double kLogitsBackwardBytes = 8;      // fp32 grads of log-probs and of the logits
+constexpr uint64_t kLitGptLmHeadChunk = 128;    // Lit-GPT's lm_head_chunk_size in finetune/*.py
 
 // Note [Allocator margin]
 // PyTorch's caching allocator reserves more than it hands out where blocks of changing sizes are

@@ -288,8 +288,9 @@ class Torchtitan:
         config = self._model_config(d, setup.seq_len)
         with torch.device("meta"):
             model = config.build()
+        causal_flash = _causal_flash_class()
         for block in model.layers.values():
-            block.attention.inner_attention = _causal_flash()
+            block.attention.inner_attention = causal_flash()
         info = {"name": d["name"], "model_type": d["model_type"], "layers": d["num_layers"],
                 "layers_in_config": d["layers_in_config"],
                 "builder": "torchtitan.models.llama3.Llama3Model", "ranks": setup.ranks}
@@ -315,10 +316,11 @@ class Torchtitan:
                 num_chunks=setup.loss_chunks, loss_fn=CrossEntropyLoss.Config()))
             chunked.set_lm_head(model.lm_head)
             model._skip_lm_head = True
+            loss_module = _loss_module(chunked)
 
             def loss_fn(pred):
                 with _nested_backward(state["tracker"]):
-                    return _loss_module(chunked)(pred, labels, valid)
+                    return loss_module(pred, labels, valid)
         else:
             def loss_fn(pred):
                 return cross_entropy_loss(pred, labels) / valid
@@ -373,7 +375,7 @@ class Torchtitan:
             lm_head=Linear.Config(in_features=dim, out_features=vocab), layers=layers)
 
 
-def _causal_flash():
+def _causal_flash_class():
     """torchtitan's inner attention (B, L, N, H in and out) as SDPA's causal attention over the
     heads-first views, which trace_cuda runs as the GPU's FlashAttention."""
     import torch
@@ -386,7 +388,7 @@ def _causal_flash():
                 scale=scale, enable_gqa=enable_gqa)
             return out.transpose(1, 2)
 
-    return CausalFlash()
+    return CausalFlash
 
 
 def _fake_process_group(ranks):

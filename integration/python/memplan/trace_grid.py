@@ -266,7 +266,6 @@ def figures(record):
 
 
 def _work_file(work, point_id):
-    import hashlib
     return os.path.join(work, hashlib.sha1(point_id.encode()).hexdigest()[:16] + ".json")
 
 
