@@ -19,6 +19,7 @@ T ModelRun::BlockFor(int layer, T x) {
     case Framework::kTorchtune: return TorchtuneBlock(layer, x);
     case Framework::kLitGpt: return LitGptBlock(layer, x);
     case Framework::kLlmFoundry: return FoundryBlock(layer, x);
+    case Framework::kTorchtitan: return TorchtitanBlock(layer, x);
     default: return enc_.on ? EncoderBlock(layer, x) : TransformersDecoderBlock(layer, x);
   }
 }
@@ -751,6 +752,7 @@ Result<T> ModelRun::ForwardAndLoss() {
     case Framework::kTorchtune: return TorchtuneForward();
     case Framework::kLitGpt: return LitGptForward();
     case Framework::kLlmFoundry: return FoundryForward();
+    case Framework::kTorchtitan: return TorchtitanForward();
     default: break;
   }
   return Status::Unimplemented("the step model does not run " +

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <map>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -56,7 +57,8 @@ class ModelRun {
   Status Prepare();
   // The forward pass and the loss, as the framework runs them, phases set; returns the loss.
   Result<T> ForwardAndLoss();
-  void AfterBackward() {}
+  // What runs when backward returns: torchtitan's FSDP2 root callback (the last reductions).
+  void AfterBackward();
 
   // Bytes of each optimizer parameter group (rounded per tensor, in the states' dtype), and of
   // the largest trainable tensor.
@@ -229,6 +231,26 @@ class ModelRun {
   T FoundryBlock(int layer, T x);
   T FoundryAttention(const BlockParams& bp, T a);
   T FoundryNorm(const Norm& n, T x);
+  // torchtitan's Llama 3 under FSDP2 (step_torchtitan.cc, Note [FSDP2 in the step model]).
+  struct FsdpUnit {
+    std::string name;
+    std::vector<T> params;            // as the step's ops use them (the compute dtype)
+    std::vector<Wide> numel, padded;  // elements; padded: dim 0 to a multiple of the ranks
+    bool reshard_after_forward = true;
+    std::vector<int> unsharded;  // the unsharded parameters' buffers while unsharded
+    int gathered = -1;           // an all-gather's output waiting for its copy-out
+  };
+  void PrepareTorchtitan();
+  Result<T> TorchtitanForward();
+  T TorchtitanBlock(int layer, T x);
+  StepCategory FsdpTransient() const;
+  void FsdpUnshard(FsdpUnit& u);
+  void FsdpWait(FsdpUnit& u, bool forward);
+  void FsdpReshard(FsdpUnit& u);
+  void FsdpReduce(const std::vector<int>& grads, Wide elems, bool accumulate, bool tied);
+  void FsdpPostBackward(FsdpUnit& u);
+  // Unshards `unit` and prefetches unit `prefetch` (-1: none).
+  void FsdpPreBackward(size_t unit, int prefetch);
   // Shared by the torchtune and LitGPT blocks, which repeat grouped k/v and call SDPA causal.
   void ExpandKvToQueryHeads(Wide heads, Wide kv, T* k, T* v);
   AttentionShape CausalShapeAtQueryWidth(Wide heads, Wide d) const;
@@ -289,6 +311,19 @@ class ModelRun {
   uint64_t saved_bytes_ = 0;
   uint64_t block_saved_bytes_ = 0;
   std::vector<std::string> notes_;
+  // FSDP2 (torchtitan): the units in forward order, the ranks a parameter is sharded over, the
+  // forward's all_gather_state, the reduce-scatter inputs in flight, the sharded gradients, and
+  // whether backward prefetches (off once a chunked loss's backwards cleared the order).
+  std::vector<FsdpUnit> units_;
+  size_t final_unit_ = 0;  // the unit of the final norm (and the head)
+  Wide head_padded_ = 0;   // the head's elements, padded
+  std::set<int> reduced_;  // parameters (tensor ids) whose sharded gradient exists
+  T held_grad_;            // what the chunked loss's autograd function holds until backward ends
+  Wide ranks_ = 1;
+  int ag_state_ = -1;
+  std::vector<int> rs_states_;
+  std::vector<int> sharded_grads_;
+  bool prefetch_ = true;
 };
 
 }  // namespace memplan::estimator::step

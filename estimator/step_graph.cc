@@ -340,6 +340,10 @@ void Graph::Accumulate(T input, int grad_buf) {
 // places. A tail node that takes a trainable parameter ends the tail instead, so that its
 // gradient counts in the parameter's uses once (the recompute's Record counts them).
 void Graph::RunNode(Node& node) {
+  if (node.hook) {
+    node.hook();
+    return;
+  }
   bool any = false;
   for (const T& out : node.spec.outputs) {
     if (out.ok() && tensors_[static_cast<size_t>(Root(out.id))].grad >= 0) any = true;
@@ -484,6 +488,53 @@ void Graph::Backward(T root) {
   Unref(seed);
   nodes_.clear();
   in_backward_ = false;
+}
+
+void Graph::BackwardTail(T root, size_t first) {
+  const bool was = in_backward_;
+  in_backward_ = true;
+  Tensor& r = tensors_[static_cast<size_t>(Root(root.id))];
+  const int seed = Alloc(StepCategory::kTemporaries, static_cast<Wide>(Bytes(r.dt)));
+  Ref(seed);
+  r.grad = seed;
+  RunRange(first, nodes_.size());
+  Unref(seed);
+  nodes_.resize(first);
+  in_backward_ = was;
+}
+
+void Graph::RecordHook(std::function<void()> hook) {
+  Node node;
+  node.spec.name = "hook";
+  node.hook = std::move(hook);
+  nodes_.push_back(std::move(node));
+}
+
+int Graph::TakeGrad(T t, bool graph_local) {
+  Tensor& x = tensors_[static_cast<size_t>(Root(t.id))];
+  if (x.param >= 0) {
+    // Only a complete .grad: a tied weight's first gradient waits in the engine's input buffer.
+    ParamState& p = params_[static_cast<size_t>(x.param)];
+    int g = p.grad;
+    p.grad = -1;
+    if (g < 0 && graph_local) {
+      g = p.pending;
+      p.pending = -1;
+      if (g >= 0) Recategorize(g, StepCategory::kGradients);
+    }
+    return g;
+  }
+  const int g = x.grad;
+  x.grad = -1;
+  return g;
+}
+
+void Graph::SetGrad(T t, T grad) {
+  Tensor& x = tensors_[static_cast<size_t>(Root(t.id))];
+  const int buf = tensors_[static_cast<size_t>(grad.id)].buf;
+  Ref(buf);
+  if (x.grad >= 0) Unref(x.grad);
+  x.grad = buf;
 }
 
 T Graph::CastWeight(T param, DT dt) {

@@ -131,6 +131,23 @@ class Graph {
   // Starts backward from `root` (a scalar loss that requires grad): its gradient is a new
   // 1-element tensor; nodes run in reverse order of recording.
   void Backward(T root);
+  // A backward inside the forward (torchtitan's chunked loss): runs the nodes recorded since
+  // `first` (NodeCount() then) from `root`, and forgets them; earlier nodes stay.
+  size_t NodeCount() const { return nodes_.size(); }
+  void BackwardTail(T root, size_t first);
+  bool in_backward() const { return in_backward_; }
+  // A hook that backward runs when it reaches this point of the recording (FSDP2's pre- and
+  // post-backward hooks: recorded after a module's forward, it runs before the module's
+  // backward; recorded before, after it).
+  void RecordHook(std::function<void()> hook);
+  // The gradient `t` has received (a trainable parameter's .grad once every use has given its
+  // part), handed to the caller with its reference: the tensor no longer holds it. -1 when
+  // there is none. `graph_local`: the uses recorded in other graphs (a weight tied across a
+  // detach, as torchtitan's chunked loss detaches the hidden states) do not hold it back.
+  int TakeGrad(T t, bool graph_local = false);
+  // Gives `t` the storage of `grad` as its gradient (one more reference), as a custom autograd
+  // function returns a gradient it holds.
+  void SetGrad(T t, T grad);
 
   // --- Autocast -------------------------------------------------------------------------------
   // The autocast weight-cast cache: a trainable leaf cast to `dt` once per autocast region.
@@ -178,7 +195,8 @@ class Graph {
   struct Node {
     NodeSpec spec;
     std::vector<int> saved_bufs;
-    std::function<T(T)> rerun;  // a checkpoint
+    std::function<T(T)> rerun;   // a checkpoint
+    std::function<void()> hook;  // RecordHook's
     T ck_input, ck_output;
     std::string ck_where;  // where the checkpointed block ran ("layer 3"): its recompute's peak
     // A checkpoint's last nodes, as its forward recorded them, that save no tensor: backward runs

@@ -21,6 +21,7 @@ std::string_view StepCategoryName(StepCategory c) {
     case StepCategory::kOptimizerStates: return "optimizer_states";
     case StepCategory::kOptimizerTransients: return "optimizer_transients";
     case StepCategory::kOther: return "other";
+    case StepCategory::kCommunication: return "communication";
   }
   return "?";
 }
@@ -90,8 +91,10 @@ Result<StepModel> SimulateStep(const ModelInventory& inventory, const TrainingSe
   Graph g;
   step::ModelRun run(g, inventory, setup);
   MEMPLAN_RETURN_IF_ERROR(run.Prepare());
-  // What lives from one step to the next.
-  if (states.from_inventory) {
+  // What lives from one step to the next. torchtitan's states are FSDP2's shards, which the
+  // step model lays out itself (step_torchtitan.cc); its gradients are set to None each step.
+  const bool titan = setup.framework == Framework::kTorchtitan;
+  if (states.from_inventory || titan) {
     g.Alloc(StepCategory::kParameters, run.ParameterBytes());
     g.Alloc(StepCategory::kBuffers, run.BufferBytes());
     g.Alloc(StepCategory::kOptimizerStates, run.OptimizerStateBytes());
@@ -101,7 +104,7 @@ Result<StepModel> SimulateStep(const ModelInventory& inventory, const TrainingSe
     g.Alloc(StepCategory::kOptimizerStates, states.optimizer_states);
   }
   g.Alloc(StepCategory::kOther, states.other);
-  if (states.persistent_gradients > 0) {
+  if (states.persistent_gradients > 0 && !titan) {
     g.Alloc(StepCategory::kGradients, states.persistent_gradients);
   }
   g.SetPhase(StepPhase::kForward);

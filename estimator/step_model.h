@@ -29,7 +29,8 @@
 // c10/cuda/CUDACachingAllocator.cpp round_size). The categories are PyTorch's memory tracker's
 // (torch.distributed._tools.mem_tracker): parameters, buffers, gradients, activations (made in
 // forward or recomputation, the loss included), temporaries (made in backward), optimizer
-// states, optimizer transients, other (the cuBLAS workspace and the batch). The model is held to
+// states, optimizer transients, other (the cuBLAS workspace and the batch), communication
+// (FSDP2's collective buffers between modules). The model is held to
 // traces of the real code on fake tensors (memplan.trace; tests/accuracy/trace_grid.json).
 //
 // Thread safety: pure functions over plain values.
@@ -56,8 +57,11 @@ enum class StepCategory {
   kOptimizerStates,
   kOptimizerTransients,
   kOther,
+  // FSDP2's all-gather outputs and reduce-scatter inputs while they wait between modules
+  // (FSDPMemTracker's all-gather and reduce-scatter buffers); zero without FSDP2.
+  kCommunication,
 };
-constexpr int kStepCategories = 8;
+constexpr int kStepCategories = 9;
 std::string_view StepCategoryName(StepCategory c);  // "parameters", ...
 
 // The phases of a step, as the memory tracker splits them.

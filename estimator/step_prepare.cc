@@ -55,7 +55,10 @@ Status ModelRun::Prepare() {
   std::vector<Wide> adapter_bytes;
   if (lora) MEMPLAN_RETURN_IF_ERROR(MakeAdapters(&adapters, &adapter_bytes));
   AssignBlockParameters(adapters);
-  if (s_.framework == Framework::kLitGpt) FuseLitGptQkv(&adapter_bytes);
+  // torchtitan's Llama 3 holds query, key and value as one Linear (wqkv) too.
+  if (s_.framework == Framework::kLitGpt || s_.framework == Framework::kTorchtitan) {
+    FuseLitGptQkv(&adapter_bytes);
+  }
   ChooseFamily();
   if (EncoderMaskedLm()) MEMPLAN_RETURN_IF_ERROR(PrepareEncoder(adapters));
   if (T5ConditionalGeneration()) MEMPLAN_RETURN_IF_ERROR(PrepareT5(adapters));
@@ -67,6 +70,7 @@ Status ModelRun::Prepare() {
   }
   CountOptimizerGroups(adapter_bytes);
   CountModelStates(adapter_bytes);
+  if (s_.framework == Framework::kTorchtitan) PrepareTorchtitan();
   return Status::Ok();
 }
 

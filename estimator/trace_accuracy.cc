@@ -218,6 +218,20 @@ PointResult Check(const std::filesystem::path& root, const nlohmann::json& rec) 
                     name.c_str(), want, got, 100 * (got - want) / std::max(want, 1.0),
                     m->step->phases[static_cast<size_t>(p)].where.c_str());
       r.detail += line;
+      // The categories at that phase's peak, where they differ.
+      const nlohmann::json& cats = rec["phases"][name].contains("categories")
+                                       ? rec["phases"][name]["categories"]
+                                       : nlohmann::json::object();
+      for (int c = 0; c < kStepCategories; ++c) {
+        const std::string cname(StepCategoryName(static_cast<StepCategory>(c)));
+        const double cw = cats.value(cname, 0.0);
+        const double cg = static_cast<double>(
+            m->step->phases[static_cast<size_t>(p)].categories[static_cast<size_t>(c)]);
+        if (cw == cg) continue;
+        std::snprintf(line, sizeof line, "        %-21s traced %14.0f predicted %14.0f\n",
+                      cname.c_str(), cw, cg);
+        r.detail += line;
+      }
     }
   }
   for (int c = 0; c < kStepCategories; ++c) {
