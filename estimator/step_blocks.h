@@ -243,6 +243,7 @@ class ModelRun {
   void PrepareTorchtitan();
   Result<T> TorchtitanForward();
   T TorchtitanBlock(int layer, T x);
+  T TorchtitanRunBlock(int layer, T x);  // checkpointed per the policy
   StepCategory FsdpTransient() const;
   void FsdpUnshard(FsdpUnit& u);
   void FsdpWait(FsdpUnit& u, bool forward);
@@ -319,6 +320,8 @@ class ModelRun {
   Wide head_padded_ = 0;   // the head's elements, padded
   std::set<int> reduced_;  // parameters (tensor ids) whose sharded gradient exists
   T held_grad_;            // what the chunked loss's autograd function holds until backward ends
+  std::map<int, std::vector<T>> sac_cache_;  // per block: what the per-op policy saved
+  bool sac_recompute_ = false;               // TorchtitanBlock runs as the recompute
   Wide ranks_ = 1;
   int ag_state_ = -1;
   std::vector<int> rs_states_;

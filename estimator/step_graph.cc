@@ -146,6 +146,18 @@ T Graph::NewIn(StepCategory c, Wide numel, DT dt, bool requires_grad) {
   t.numel = numel;
   t.dt = dt;
   t.rg = requires_grad;
+  if (!reuse_.empty()) {
+    const Tensor& from = tensors_[static_cast<size_t>(reuse_.front().id)];
+    reuse_.erase(reuse_.begin());
+    if (from.buf >= 0 && Round(numel * static_cast<Wide>(Bytes(dt))) == bufs_[from.buf].bytes) {
+      // The cache lets the entry go as it hands it over: its reference is the new tensor's.
+      t.buf = from.buf;
+      reuse_taken_.push_back(t.buf);
+      tensors_.push_back(t);
+      return T{static_cast<int>(tensors_.size()) - 1};
+    }
+    stale_ = true;  // the cache holds another tensor than the op makes: a modelling error
+  }
   t.buf = Alloc(c, numel * static_cast<Wide>(Bytes(dt)));
   tensors_.push_back(t);
   return T{static_cast<int>(tensors_.size()) - 1};
@@ -256,8 +268,16 @@ void Graph::Record(NodeSpec spec) {
 }
 
 void Graph::RecordCheckpoint(T input, T output, std::function<T(T)> rerun,
-                             const std::vector<T>& held) {
+                             const std::vector<T>& held, const std::vector<T>& cached,
+                             bool early_stop) {
   Node node;
+  node.ck_early_stop = early_stop;
+  for (T t : cached) {
+    const int b = tensors_[static_cast<size_t>(t.id)].buf;
+    if (b < 0) continue;
+    Ref(b);
+    node.cached_bufs.push_back(b);
+  }
   node.spec.name = "checkpoint";
   node.spec.outputs = {output};
   node.ck_input = input;
@@ -304,7 +324,7 @@ void Graph::Accumulate(T input, int grad_buf) {
     }
     if (p.arrived >= p.uses) {
       // AccumulateGrad steals the incoming gradient as .grad.
-      Recategorize(p.pending, StepCategory::kGradients);
+      if (!grads_as_temporaries_) Recategorize(p.pending, StepCategory::kGradients);
       p.grad = p.pending;
       p.pending = -1;
     }
@@ -363,7 +383,19 @@ void Graph::RunNode(Node& node) {
     deferring_ = true;
     T out2 = node.rerun(node.ck_input);
     deferring_ = was_deferring;
-    if (!deferring_) ReplayRecompute();  // Note [The recompute stops at the last saved tensor]
+    if (!node.ck_early_stop) marks_.clear();  // the whole region re-ran
+    if (!deferring_) ReplayRecompute();       // Note [The recompute stops at the last saved tensor]
+    // The selective cache's entries were taken by the recompute: the nodes that save them hold
+    // them now.
+    for (int b : node.cached_bufs) {
+      auto taken = std::find(reuse_taken_.begin(), reuse_taken_.end(), b);
+      if (taken != reuse_taken_.end()) {
+        reuse_taken_.erase(taken);
+      } else {
+        Unref(b);
+      }
+    }
+    node.cached_bufs.clear();
     ClearAutocastCache();
     in_backward_ = was;
     recomputing_ = was_recomputing;
@@ -465,6 +497,8 @@ void Graph::ReleaseNode(Node& node) {
   }
   for (int b : node.saved_bufs) Unref(b);
   node.saved_bufs.clear();
+  for (int b : node.cached_bufs) Unref(b);
+  node.cached_bufs.clear();
 }
 
 void Graph::RunRange(size_t begin, size_t end) {

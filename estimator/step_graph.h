@@ -122,8 +122,15 @@ class Graph {
   // A checkpointed region: `run` re-runs the region's forward from `input`, returning its output.
   // `held` are the other tensors the checkpointed call was given (rotary tables, masks): the
   // checkpoint keeps them until its backward.
+  // Selective checkpointing (torchtitan's per-op policy): `cached` are the outputs the policy
+  // saved in the forward, kept until the recompute has taken them (ReuseNext); `early_stop`
+  // off re-runs the whole region (its allocations all count).
   void RecordCheckpoint(T input, T output, std::function<T(T)> rerun,
-                        const std::vector<T>& held = {});
+                        const std::vector<T>& held = {}, const std::vector<T>& cached = {},
+                        bool early_stop = true);
+  // The next tensors made (New, NewIn), in order, are these, not new allocations: what a
+  // selective checkpoint's recompute takes from its cache instead of running the op.
+  void ReuseNext(std::vector<T> cached) { reuse_ = std::move(cached); }
   // Ops of a checkpointed block's own forward, outside its submodules: what they make in the
   // recompute is a temporary (Note [The recompute's own ops] in step_graph.cc).
   void SetBlockBody(bool on) { block_body_ = on; }
@@ -160,6 +167,10 @@ class Graph {
   T CastWeight(T param, DT dt);
   void ClearAutocastCache();
 
+  // FSDPMemTracker counts a parameter's unsharded gradient as a temporary until its unit's
+  // post-backward names it (the caller recategorizes it then).
+  void SetGradsAsTemporaries(bool on) { grads_as_temporaries_ = on; }
+
   // Gradients produced for trainable parameters so far (bytes in the gradients category).
   int ParamGradBuffer(T param) const { return params_.at(tensors_[param.id].param).grad; }
 
@@ -195,8 +206,10 @@ class Graph {
   struct Node {
     NodeSpec spec;
     std::vector<int> saved_bufs;
-    std::function<T(T)> rerun;   // a checkpoint
-    std::function<void()> hook;  // RecordHook's
+    std::function<T(T)> rerun;     // a checkpoint
+    std::function<void()> hook;    // RecordHook's
+    std::vector<int> cached_bufs;  // a selective checkpoint's saved outputs
+    bool ck_early_stop = true;
     T ck_input, ck_output;
     std::string ck_where;  // where the checkpointed block ran ("layer 3"): its recompute's peak
     // A checkpoint's last nodes, as its forward recorded them, that save no tensor: backward runs
@@ -220,6 +233,8 @@ class Graph {
   void TrackAt(Wide total, const std::array<Wide, kStepCategories>& cur);
   void ReplayRecompute();
   bool deferring_ = false;
+  std::vector<T> reuse_;          // ReuseNext's
+  std::vector<int> reuse_taken_;  // cache entries handed to the recompute (their references)
   std::vector<AllocEvent> deferred_;
   std::vector<SaveMark> marks_;
 
@@ -242,6 +257,7 @@ class Graph {
   std::array<StepPhasePeak, kStepPhases> peaks_{};
   std::array<Wide, kStepPhases> peak_wide_{};
   bool saving_ = true;
+  bool grads_as_temporaries_ = false;
   bool autocast_ = false;
   DT autocast_dt_ = DT::kBF16;
   bool in_backward_ = false;

@@ -200,6 +200,99 @@ TEST_CASE("step model: Transformers' encoder masked LMs, against their traces") 
         std::array<uint64_t, kStepPhases>{839'095'296, 1'207'859'200, 1'326'495'744, 781'021'184});
 }
 
+TEST_CASE("step model: torchtitan's Llama 3 under FSDP2, against its traces") {
+  // Three points of the grid, each phase's traced peak allocated bytes copied from it
+  // (Note [FSDP2 in the step model], Note [torchtitan's per-op checkpointing]):
+  //   llama-3.1-8b/L2/b2s2048/bf16-mixed/sdpa/ckpt-op/loss-chunked8/adamw-fused/a100/fsdp8:
+  //     op checkpointing, eight ranks, the chunked loss (each chunk's backward in the loss);
+  //   llama-2-7b/L2/b2s2048/bf16-mixed/sdpa/ckpt-none/loss-full/adamw/a100/fsdp2: whole
+  //     logits, backward prefetch, foreach AdamW;
+  //   llama-3.2-1b/L2/b1s2048/bf16-mixed/sdpa/ckpt-full/loss-chunked8/adamw-fused/a100: a tied
+  //     head in one unit with the embedding and the norm, one rank, full checkpointing.
+  // The optimizer step lacks clip_grad_norm_'s per-tensor norms (512 bytes each).
+  auto setup = [](int64_t ranks, int64_t batch, Checkpointing c, Loss loss, bool fused) {
+    TrainingSetup s;
+    s.framework = Framework::kTorchtitan;
+    s.precision = Precision::kBf16Mixed;
+    s.autocast = false;
+    s.fsdp = FsdpSharding::kFullShard;
+    s.zero_stage = 3;
+    s.gpus_per_node = ranks;
+    s.micro_batch = batch;
+    s.seq_len = 2048;
+    s.checkpointing = c;
+    s.loss = loss;
+    if (loss == Loss::kChunked) s.loss_chunks = 8;
+    s.fused_optimizer = fused;
+    return s;
+  };
+  // To the kilobyte (the loss's scalars aside); the optimizer step to 10 KiB (the norms).
+  auto check = [](const StepModel& m, const std::array<uint64_t, kStepPhases>& traced) {
+    for (size_t p = 0; p < kStepPhases; ++p) {
+      const double bound = p + 1 == kStepPhases ? 1e-5 : 2e-6;
+      CHECK_MESSAGE(std::abs(Error(m.phases[p].bytes, traced[p])) < bound,
+                    StepPhaseName(static_cast<StepPhase>(p)));
+    }
+  };
+  const StepModel op = MustStep(WithLayers("llama-3.1-8b", 2),
+                                setup(8, 2, Checkpointing::kOp, Loss::kChunked, true));
+  check(op, {4'947'452'416, 8'598'358'016, 6'170'068'480, 2'984'504'320});
+  CHECK(op.peak_phase == StepPhase::kLoss);
+  const StepModel full_loss =
+      MustStep(WithLayers("llama-2-7b", 2), setup(2, 2, Checkpointing::kNone, Loss::kFull, false));
+  check(full_loss, {6'148'220'928, 6'911'577'088, 7'173'721'088, 6'679'830'528});
+  // The all-gather outputs between units are communication: in forward, the previous unit's
+  // until the next copy-out.
+  CHECK(full_loss.phases[0].categories[static_cast<size_t>(StepCategory::kCommunication)] > 0);
+  const StepModel tied = MustStep(WithLayers("llama-3.2-1b", 2),
+                                  setup(1, 1, Checkpointing::kFull, Loss::kChunked, true));
+  check(tied, {5'697'212'416, 7'365'113'344, 8'268'358'656, 6'158'631'936});
+  // One rank: no collective buffers at all.
+  for (const StepPhasePeak& p : tied.phases) {
+    CHECK(p.categories[static_cast<size_t>(StepCategory::kCommunication)] == 0);
+  }
+}
+
+TEST_CASE("step graph: hooks, a backward inside the forward, a selective checkpoint's cache") {
+  using step::DT;
+  using step::Graph;
+  using step::T;
+  constexpr step::Wide kN = 1 << 20;  // 4 MiB in fp32
+  Graph g;
+  // A hook recorded after an op runs before that op's backward; one recorded before, after it.
+  std::vector<std::string> order;
+  T x = g.New(kN, DT::kF32, true);
+  g.RecordHook([&] { order.push_back("after the op's backward"); });
+  T y = step::Apply(g, step::Unary::kSilu, x);
+  g.RecordHook([&] { order.push_back("before the op's backward"); });
+  // A backward of its own from a second loss: only its nodes run, and the gradient it gives a
+  // detached leaf is taken from there.
+  T leaf = g.New(kN, DT::kF32, true);
+  const size_t mark = g.NodeCount();
+  T inner = step::MeanRows(g, step::Apply(g, step::Unary::kSilu, leaf), kN);
+  g.BackwardTail(inner, mark);
+  CHECK(g.NodeCount() == mark);
+  CHECK(order.empty());
+  const int leaf_grad = g.TakeGrad(leaf);
+  REQUIRE(leaf_grad >= 0);
+  CHECK(g.TakeGrad(leaf) == -1);
+  g.Unref(leaf_grad);
+  // A cached tensor (the cache's own reference) handed to the next op made: no allocation, and
+  // the cache's reference goes with it.
+  T cached = g.Alias(y);
+  const step::Wide before = g.live();
+  g.ReuseNext({cached});
+  T again = g.New(kN, DT::kF32, false);
+  CHECK(g.live() == before);
+  g.Drop(again);
+  CHECK(g.live() == before);  // y's own reference remains
+  T loss = step::MeanRows(g, y, kN);
+  g.Drop(y);
+  g.Backward(loss);
+  REQUIRE_FALSE(g.stale());
+  CHECK(order == std::vector<std::string>{"before the op's backward", "after the op's backward"});
+}
+
 TEST_CASE("step graph: a checkpoint's last ops that save nothing run before its recompute") {
   // Note [What runs before the recompute] and Note [The recompute's own ops] (step_graph.cc), on
   // a block shaped as a decoder layer's LoRA'd Linear: z = x + x, the block's own op; then

@@ -254,7 +254,8 @@ T FusedRmsNorm(Graph& g, T x, T w, Wide width) {
   return y;
 }
 
-T Sdpa(Graph& g, SdpaBackend backend, T q, T k, T v, const AttentionShape& a, T mask) {
+T Sdpa(Graph& g, SdpaBackend backend, T q, T k, T v, const AttentionShape& a, T mask,
+       std::vector<T>* stats_out) {
   const bool rg = g.RequiresGrad(q) || g.RequiresGrad(k) || g.RequiresGrad(v);
   const DT dt = g.Dtype(q);
   const Wide rows = a.batch * a.heads * a.seq;
@@ -333,7 +334,10 @@ T Sdpa(Graph& g, SdpaBackend backend, T q, T k, T v, const AttentionShape& a, T 
     if (mask.ok() && backend != SdpaBackend::kFlash) spec.saved.push_back(mask);
   }
   g.Record(std::move(spec));
-  for (T s : stats) g.Drop(s);
+  for (T s : stats) {
+    if (stats_out != nullptr) stats_out->push_back(g.Alias(s));
+    g.Drop(s);
+  }
   return out;
 }
 

@@ -95,7 +95,10 @@ struct AttentionShape {
   double dropout = 0;
   bool mask = false;  // an explicit additive mask (batch x 1 x seq x kv_seq) is passed
 };
-T Sdpa(Graph& g, SdpaBackend backend, T q, T k, T v, const AttentionShape& a, T mask);
+// `stats`: when given, the kernel's other outputs (log-sum-exp, RNG state) are returned there,
+// each with a reference of the caller's (a selective checkpoint keeps them).
+T Sdpa(Graph& g, SdpaBackend backend, T q, T k, T v, const AttentionShape& a, T mask,
+       std::vector<T>* stats_out = nullptr);
 
 // log_softmax over rows of `vocab` then nll_loss: saves the fp32 log-probabilities (and the
 // target, part of the batch); returns the scalar loss. `x` must be fp32 already (the caller

@@ -76,7 +76,8 @@ Status ModelRun::Prepare() {
 
 Status ModelRun::CheckRunnable() const {
   // What the step model does not run yet is refused, never run as something else.
-  if (s_.checkpointing == Checkpointing::kSelective || s_.checkpointing == Checkpointing::kOp) {
+  if (s_.checkpointing == Checkpointing::kSelective ||
+      (s_.checkpointing == Checkpointing::kOp && s_.framework != Framework::kTorchtitan)) {
     return Status::Unimplemented("the step model does not run " +
                                  std::string(CheckpointingName(s_.checkpointing)) +
                                  " checkpointing yet (none and full only)");

@@ -1,6 +1,6 @@
 // torchtitan's Llama 3 under FSDP2 in the step model (Note [The step model] in step_model.h):
-// the model of torchtitan/models/llama3 (fused wqkv, complex RoPE over a per-block cache, F.rms_norm,
-// SDPA), each block checkpointed whole or not, sharded by apply_fsdp_to_decoder
+// the model of torchtitan/models/llama3 (fused wqkv, complex RoPE over a per-block cache,
+// F.rms_norm, SDPA), each block checkpointed whole or not, sharded by apply_fsdp_to_decoder
 // (torchtitan/distributed/fsdp.py), with its whole-logits loss or its ChunkedLossWrapper
 // (torchtitan/components/loss.py).
 //
@@ -38,9 +38,7 @@ namespace {
 
 constexpr int kReduceBytes = 4;  // torchtitan's mixed_precision_reduce: float32
 
-Wide ShardElems(Wide dim0, Wide rest, Wide ranks) {
-  return (dim0 + ranks - 1) / ranks * rest;
-}
+Wide ShardElems(Wide dim0, Wide rest, Wide ranks) { return (dim0 + ranks - 1) / ranks * rest; }
 
 }  // namespace
 
@@ -55,6 +53,7 @@ void ModelRun::PrepareTorchtitan() {
     u.numel.push_back(dim0 * rest);
     u.padded.push_back(ShardElems(dim0, rest, ranks_) * ranks_);
   };
+  g_.SetGradsAsTemporaries(true);
   units_.clear();
   // apply_fsdp_to_decoder: a tied embedding and head are one unit with the final norm, first in
   // forward order; otherwise the embedding, and the final norm with the head last. Neither
@@ -104,8 +103,9 @@ void ModelRun::PrepareTorchtitan() {
       if (s_.fused_optimizer) state_bytes_ += AllocatorRound(4);
     }
   }
-  buffer_bytes_ = static_cast<Wide>(a_.layers) *
-                  AllocatorRound(static_cast<uint64_t>(seq_ * static_cast<Wide>(a_.head_dim) / 2 * 8));
+  buffer_bytes_ =
+      static_cast<Wide>(a_.layers) *
+      AllocatorRound(static_cast<uint64_t>(seq_ * static_cast<Wide>(a_.head_dim) / 2 * 8));
 }
 
 StepCategory ModelRun::FsdpTransient() const {
@@ -157,8 +157,7 @@ void ModelRun::FsdpReshard(FsdpUnit& u) {
   u.unsharded.clear();
 }
 
-void ModelRun::FsdpReduce(const std::vector<int>& grads, Wide elems, bool accumulate,
-                          bool tied) {
+void ModelRun::FsdpReduce(const std::vector<int>& grads, Wide elems, bool accumulate, bool tied) {
   // post_backward: at most one reduce-scatter input in flight (reduce_scatter_max_input_buffers
   // 1), then foreach_reduce: the input in the reduce dtype, the gradients copied in and dropped,
   // the output. As traced: several gradients (copied in by chunk_cat, temporaries to the tracker
@@ -195,6 +194,7 @@ void ModelRun::FsdpPostBackward(FsdpUnit& u) {
   for (size_t i = 0; i < u.params.size(); ++i) {
     const int gb = g_.TakeGrad(u.params[i]);
     if (gb < 0) continue;
+    g_.Recategorize(gb, StepCategory::kGradients);  // the tracker's UNSHARDED_GRAD from here
     grads.push_back(gb);
     elems += u.padded[i];
     accumulate = accumulate && reduced_.count(u.params[i].id) > 0;
@@ -235,9 +235,25 @@ T ModelRun::TorchtitanBlock(int layer, T x) {
   T xn = FusedRmsNorm(g_, x, bp.norms[0].w, bp.norms[0].width);
   // Attention.forward: the fused projection split into q, k and v, each viewed per head and
   // made contiguous (a copy each); split's backward concatenates their gradients.
+  // Under the per-op policy (Note [torchtitan's per-op checkpointing]) the forward keeps what
+  // the policy saves, and the recompute takes it back instead of running the op again.
+  const bool sac = s_.checkpointing == Checkpointing::kOp;
+  std::vector<T>& cache = sac_cache_[layer];
+  size_t next = 0;
+  auto reuse = [&](size_t n) {
+    if (!sac || !sac_recompute_) return;
+    g_.ReuseNext(std::vector<T>(cache.begin() + static_cast<std::ptrdiff_t>(next),
+                                cache.begin() + static_cast<std::ptrdiff_t>(next + n)));
+    next += n;
+  };
+  auto keep = [&](T t) {
+    if (sac && !sac_recompute_) cache.push_back(g_.Alias(t));
+  };
+  if (sac && !sac_recompute_) cache.clear();
   const Lin& wqkv = litgpt_qkv_[static_cast<size_t>(layer)];
-  T qkv = Linear(g_, xn, wqkv.w, wqkv.b, h, wqkv.out);
-  g_.Drop(xn);
+  reuse(1);
+  T qkv = Linear(g_, xn, wqkv.w, wqkv.b, h, wqkv.out);  // mm 1: saved
+  keep(qkv);
   std::vector<T> parts = {g_.Alias(qkv, tokens_ * heads * d, /*view=*/true),
                           g_.Alias(qkv, tokens_ * kv * d, /*view=*/true),
                           g_.Alias(qkv, tokens_ * kv * d, /*view=*/true)};
@@ -272,12 +288,20 @@ T ModelRun::TorchtitanBlock(int layer, T x) {
   as.kv_heads = kv;
   as.seq = as.kv_seq = seq_;
   as.head_dim = as.v_head_dim = d;
-  T att = Sdpa(g_, CausalSdpaBackend(cdt), q, k, v, as, T{});
-  g_.Drop(q);
-  g_.Drop(k);
-  g_.Drop(v);
-  T o = Linear(g_, att, bp.at(TensorRole::kAttentionOut).w, T{}, heads * d, h);
-  g_.Drop(att);
+  std::vector<T> stats;
+  reuse(4);
+  T att = Sdpa(g_, CausalSdpaBackend(cdt), q, k, v, as, T{}, sac ? &stats : nullptr);
+  keep(att);
+  for (T st : stats) {
+    if (!sac_recompute_)
+      cache.push_back(st);
+    else
+      g_.Drop(st);
+  }
+  T o = Linear(g_, att, bp.at(TensorRole::kAttentionOut).w, T{}, heads * d, h);  // mm 2
+  // Attention.forward's argument and locals (the normed input, the roped q and k, v, the
+  // attention's output) live until it returns wo's result.
+  for (T t : {xn, q, k, v, att}) g_.Drop(t);
   T x2 = Add(g_, x, o);
   g_.Drop(o);
   // FeedForward.forward: w2(F.silu(w1(x)) * w3(x)).
@@ -285,19 +309,55 @@ T ModelRun::TorchtitanBlock(int layer, T x) {
   const Lin& w1 = bp.at(TensorRole::kMlpGate);
   const Lin& w3 = bp.at(TensorRole::kMlpUp);
   const Lin& w2 = bp.at(TensorRole::kMlpDown);
-  T g1 = Linear(g_, hn, w1.w, T{}, h, w1.out);
+  reuse(1);
+  T g1 = Linear(g_, hn, w1.w, T{}, h, w1.out);  // mm 3: saved
+  keep(g1);
   T a = Apply(g_, Unary::kSilu, g1);
   g_.Drop(g1);
-  T u = Linear(g_, hn, w3.w, T{}, h, w3.out);
-  g_.Drop(hn);
+  T u = Linear(g_, hn, w3.w, T{}, h, w3.out);  // mm 4
   T m = Mul(g_, a, u);
   g_.Drop(a);
   g_.Drop(u);
-  T down = Linear(g_, m, w2.w, T{}, w2.in, h);
+  reuse(1);
+  T down = Linear(g_, m, w2.w, T{}, w2.in, h);  // mm 5: saved
+  keep(down);
   g_.Drop(m);
+  g_.Drop(hn);  // FeedForward.forward's argument, until it returns
   T out = Add(g_, x2, down);
   g_.Drop(x2);
   g_.Drop(down);
+  return out;
+}
+
+// Note [torchtitan's per-op checkpointing]
+// SelectiveAC with mode "op" (torchtitan/distributed/activation_checkpoint.py) wraps each block
+// in a non-reentrant checkpoint whose policy (create_selective_checkpoint_contexts) saves the
+// outputs of the compute-intensive ops: every second mm/linear in call order (the first, third
+// and fifth of a block: wqkv, w1, w2) and the attention kernel (its output, log-sum-exp and RNG
+// state). The forward keeps those and the block's input; the recompute, whole (early_stop off),
+// takes the saved outputs from the cache instead of running those ops, and the cache lets them
+// go as it does.
+T ModelRun::TorchtitanRunBlock(int layer, T x) {
+  if (s_.checkpointing == Checkpointing::kNone) return TorchtitanBlock(layer, x);
+  g_.SetSaving(false);
+  T out = TorchtitanBlock(layer, x);
+  g_.SetSaving(true);
+  const bool sac = s_.checkpointing == Checkpointing::kOp;
+  std::vector<T>& cache = sac_cache_[layer];
+  g_.RecordCheckpoint(
+      x, out,
+      [this, layer](T in) {
+        // The recompute runs the wrapped block without its submodules' hooks, so the tracker
+        // counts everything it makes as temporaries (as a block's own ops, SetBlockBody).
+        sac_recompute_ = true;
+        g_.SetBlockBody(true);
+        T o = TorchtitanBlock(layer, in);
+        g_.SetBlockBody(false);
+        sac_recompute_ = false;
+        return o;
+      },
+      {}, sac ? cache : std::vector<T>{}, /*early_stop=*/!sac);
+  for (T c : cache) g_.Drop(c);  // the checkpoint holds them now
   return out;
 }
 
@@ -312,6 +372,9 @@ Result<T> ModelRun::TorchtitanForward() {
   }
   if (!s_.flash_attention) {
     return Status::Unimplemented("torchtitan attends through flash kernels; it has no eager path");
+  }
+  if (s_.checkpointing == Checkpointing::kSelective) {
+    return Status::Unimplemented("torchtitan 0.3 has full and per-op (op) checkpointing");
   }
   if (s_.checkpointing == Checkpointing::kFull && s_.checkpoint_every > 1) {
     return Status::Unimplemented("torchtitan 0.3 checkpoints every block");
@@ -343,7 +406,7 @@ Result<T> ModelRun::TorchtitanForward() {
       g_.SetWhere(units_[unit].name + " backward");
       FsdpPostBackward(units_[unit]);
     });
-    T next = RunBlock(static_cast<int>(i), x);
+    T next = TorchtitanRunBlock(static_cast<int>(i), x);
     g_.Drop(x);
     x = next;
     FsdpReshard(units_[unit]);
@@ -402,7 +465,8 @@ Result<T> ModelRun::TorchtitanForward() {
   // too.
   std::vector<T> h_chunks, label_chunks;
   for (Wide c = 0; c < chunks; ++c) {
-    h_chunks.push_back(batch_ > 1 ? g_.New(ct * h, g_.Dtype(hn), true) : g_.Alias(hn, ct * h, true));
+    h_chunks.push_back(batch_ > 1 ? g_.New(ct * h, g_.Dtype(hn), true)
+                                  : g_.Alias(hn, ct * h, true));
     g_.SetRequiresGrad(h_chunks.back(), true);
   }
   if (batch_ > 1) {
@@ -438,6 +502,7 @@ Result<T> ModelRun::TorchtitanForward() {
         g_.Recategorize(head_grad, StepCategory::kGradients);
       } else if (head_grad < 0) {
         head_grad = gb;
+        g_.Recategorize(head_grad, StepCategory::kGradients);
       } else {
         g_.Unref(gb);  // added in place
       }
