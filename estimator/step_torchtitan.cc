@@ -387,8 +387,7 @@ Result<T> ModelRun::TorchtitanForward() {
   }
   const bool chunked = s_.loss == Loss::kChunked;
   const Wide h = static_cast<Wide>(a_.hidden), vocab = static_cast<Wide>(a_.vocab);
-  const size_t last = final_unit_;
-  const bool tied = last == 0;
+  const size_t last = final_unit_;  // 0: the head is tied into the embedding's unit
   // The root unit holds no parameters; every FSDP unit's forward runs its hooks around it. A
   // tied unit stays unsharded after the embedding when its whole group runs in the forward
   // (the whole-logits loss); the chunked loss runs the head later, and the group's partial
@@ -396,7 +395,7 @@ Result<T> ModelRun::TorchtitanForward() {
   g_.SetWhere("embedding");
   FsdpWait(units_[0], /*forward=*/true);
   T x = Embedding(g_, embedding_, tokens_, h, pdt_);
-  if (!tied || chunked) FsdpReshard(units_[0]);
+  if (units_[0].reshard_after_forward || chunked) FsdpReshard(units_[0]);
   g_.RecordHook([this] { FsdpPreBackward(0, -1); });
   for (int64_t i = 0; i < a_.layers; ++i) {
     const size_t unit = static_cast<size_t>(i) + 1;
@@ -409,7 +408,7 @@ Result<T> ModelRun::TorchtitanForward() {
     T next = TorchtitanRunBlock(static_cast<int>(i), x);
     g_.Drop(x);
     x = next;
-    FsdpReshard(units_[unit]);
+    if (units_[unit].reshard_after_forward) FsdpReshard(units_[unit]);
     g_.RecordHook([this, unit] {
       g_.SetWhere(units_[unit].name + " backward");
       FsdpPreBackward(unit, static_cast<int>(unit) - 1);
