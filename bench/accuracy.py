@@ -69,7 +69,8 @@ def estimate(memplan, flags, micro_batch=None):
     allocated = next(p["gpu_allocated_bytes"] for p in j["phases"] if p["phase"] == peak["phase"])
     context = sum(i["gpu_bytes"] for i in j["breakdown"] if i["item"] == "cuda_context")
     return {"gpu_bytes": peak["gpu_bytes"], "allocated_bytes": allocated, "phase": peak["phase"],
-            "cpu_bytes": peak["cpu_bytes"], "context_bytes": context}
+            "cpu_bytes": peak["cpu_bytes"], "context_bytes": context,
+            "step_bytes": j.get("step_model", {}).get("peak_bytes")}
 
 
 def predicted_for(kind, p):
@@ -96,6 +97,9 @@ def evaluate(memplan, doc):
             row["measured"] = measured_bytes(m)
             row["error"] = row["predicted"] / row["measured"] - 1
             row["phase"] = p["phase"]
+            if kind == "max_memory_allocated" and p["step_bytes"]:
+                row["step_predicted"] = p["step_bytes"]
+                row["step_error"] = p["step_bytes"] / row["measured"] - 1
         elif kind in ("oom", "fits"):
             p = estimate(memplan, r["memplan"])
             row["predicted"] = p["gpu_bytes"]
@@ -186,6 +190,16 @@ def print_table(rows, problems):
             print(f"{r['id']:38} {fmt(r['measured'], kind)} {fmt(r['predicted'], kind)} "
                   f"{r['predicted'] - r['measured']:+7d}  max micro-batch "
                   f"({r['record'].get('order_group')} #{r['record'].get('order')})")
+    stepped = [r for r in rows if "step_error" in r]
+    if stepped:
+        # The step model (op by op, held to the traced grid) beside the itemised peak, where it
+        # runs and the record reports max_memory_allocated: a check of the step model against
+        # real runs, not part of the acceptance.
+        print(f"\nstep model beside it ({len(stepped)} max_memory_allocated rows it runs):")
+        for r in stepped:
+            print(f"  {r['id']:36} {fmt(r['measured'], r['kind'])} {fmt(r['step_predicted'], r['kind'])} "
+                  f"{r['step_error']:+7.1%}")
+        print(f"  median |error| {statistics.median(abs(r['step_error']) for r in stepped):.1%}")
     exact = [r for r in rows if "error" in r and r["fully_specified"]]
     if exact:
         errors = [abs(r["error"]) for r in exact]

@@ -35,6 +35,12 @@ StepModel MustStep(const ModelInventory& inventory, const TrainingSetup& s) {
   return *m->step;
 }
 
+std::array<uint64_t, kStepPhases> PhasePeaks(const StepModel& m) {
+  std::array<uint64_t, kStepPhases> out{};
+  for (size_t p = 0; p < out.size(); ++p) out[p] = m.phases[p].bytes;
+  return out;
+}
+
 double Error(uint64_t predicted, uint64_t traced) {
   return (static_cast<double>(predicted) - static_cast<double>(traced)) /
          static_cast<double>(traced);
@@ -91,6 +97,15 @@ TEST_CASE("step model: LitGPT LoRA under Fabric's bf16-mixed, against its trace"
   s.lora_rank = 8;
   const StepModel m = MustStep(llama, s);
   CHECK(std::abs(Error(m.peak_bytes, 4'402'769'920)) < 0.01);
+  // The adapted projections are the ones LoraTargetTensors resolves, whatever they are called:
+  // Hugging Face's names give LitGPT's default (query and value) to the byte; adapting key too
+  // changes it (all three parts adapted: zero_pad's index_copy is not needed, so it is less).
+  s.lora_targets = {"q_proj", "v_proj"};
+  CHECK(PhasePeaks(MustStep(llama, s)) == PhasePeaks(m));
+  s.lora_targets = {"query", "value"};
+  CHECK(PhasePeaks(MustStep(llama, s)) == PhasePeaks(m));
+  s.lora_targets = {"query", "key", "value"};
+  CHECK(MustStep(llama, s).peak_bytes < m.peak_bytes);
 }
 
 // llm-foundry's MPT-1B shape (scripts/train/yamls/pretrain/mpt-1b.yaml; the grid's
@@ -141,12 +156,6 @@ TEST_CASE("step model: llm-foundry's MPT (ALiBi, LPLayerNorm, Composer's AdamW),
 }
 
 // The four phases' peaks of a step: forward, loss, backward, optimizer step.
-std::array<uint64_t, kStepPhases> PhasePeaks(const StepModel& m) {
-  std::array<uint64_t, kStepPhases> out{};
-  for (size_t p = 0; p < out.size(); ++p) out[p] = m.phases[p].bytes;
-  return out;
-}
-
 TEST_CASE("step model: Transformers' encoder masked LMs, against their traces") {
   // transformers/<model>/L2/.../a100 of the grid: each phase's traced peak allocated bytes,
   // copied from the grid: every phase exact.
@@ -467,7 +476,16 @@ TEST_CASE("step model: what it does not run is refused as unmodelled, not run as
     CHECK_FALSE(m->step.has_value());
     CHECK(m->step_unmodelled);
   }
+  // bitsandbytes' QLoRA (Transformers + PEFT, LitGPT) is not run as a frozen bf16 Linear.
   s.checkpointing = Checkpointing::kNone;
+  s.lora_rank = 8;
+  s.qlora = true;
+  Result<MemoryEstimate> bnb = EstimateMemory(llama, s);
+  REQUIRE(bnb.ok());
+  CHECK(bnb->step_unmodelled);
+  CHECK(bnb->step_error.find("bitsandbytes") != std::string::npos);
+  s.lora_rank = 0;
+  s.qlora = false;
   s.torch_compile = true;
   Result<MemoryEstimate> compiled = EstimateMemory(llama, s);
   REQUIRE(compiled.ok());

@@ -93,6 +93,13 @@ Status ModelRun::CheckRunnable() const {
   if (s_.torch_compile) {
     return Status::Unimplemented("the step model does not run torch.compile's graphs yet");
   }
+  // QLoRA's base is torchao's NF4 under torchtune only; bitsandbytes' Linear4bit (PEFT, LitGPT's
+  // bnb.nf4) dequantizes into copies of its own (MatMul4Bit) that a frozen Linear would miss.
+  if (s_.qlora && s_.lora_rank > 0 && s_.framework != Framework::kTorchtune) {
+    return Status::Unimplemented(
+        "the step model runs QLoRA as torchtune's torchao NF4 only; it does not run "
+        "bitsandbytes' 4-bit Linear (PEFT, LitGPT's bnb.nf4) yet");
+  }
   // What TransformersForward refuses from the architecture alone, refused before the parameters
   // of a large model (DeepSeek-V3's 47,000 tensors) are laid out for nothing.
   // Transformers' MptForCausalLM (always ALiBi, whatever attn_config says) is not modelled: an
@@ -274,14 +281,17 @@ void ModelRun::FuseLitGptQkv(std::vector<Wide>* adapter_bytes) {
   const bool lora = s_.lora_rank > 0;
   // LitGPT holds query, key and value as one Linear (attn.qkv) in every model; its LoRA on it
   // is one LoRAQKVLinear whose lora_A is [r x enabled parts, in] and lora_B [enabled out, r].
-  auto has = [&](const char* name) {
-    const auto& t = s_.lora_targets;
-    return std::find(t.begin(), t.end(), name) != t.end();
-  };
-  const bool defaults = s_.lora_targets.empty();
-  lora_q_ = lora && (defaults || has("query"));
-  lora_k_ = lora && has("key");
-  lora_v_ = lora && (defaults || has("value"));
+  // Which of query, key and value it adapts is what LoraTargetTensors resolved (its adapters on
+  // the separate projections, by role, whatever the targets were called: LitGPT's query/value or
+  // Hugging Face's q_proj/v_proj), one place deciding.
+  lora_q_ = lora_k_ = lora_v_ = false;
+  for (const BlockParams& bp : blocks_) {
+    auto adapted = [&](TensorRole role) { return bp.has(role) && bp.at(role).lora_a.ok(); };
+    const bool fused = adapted(TensorRole::kAttentionQkv);
+    lora_q_ = lora_q_ || fused || adapted(TensorRole::kAttentionQ);
+    lora_k_ = lora_k_ || fused || adapted(TensorRole::kAttentionK);
+    lora_v_ = lora_v_ || fused || adapted(TensorRole::kAttentionV);
+  }
   const Wide q = static_cast<Wide>(a_.heads * a_.head_dim);
   const Wide kvw = static_cast<Wide>(a_.kv_heads * a_.head_dim);
   const Wide h = static_cast<Wide>(a_.hidden);
