@@ -140,11 +140,32 @@ Status ParamsWorking(const ItemContext& c, Builder* out) {
              gpu, cpu, nvme, pinned, kAllPhases);
   }
   if (s.autocast) {
-    // torch.autocast casts each weight to 16-bit when an op uses it and keeps the copy in its
-    // cast cache for the rest of the forward pass; backward keeps it for the input gradient
-    // (torch/csrc/autograd/autocast: cached_cast).
-    out->Add("autocast_weight_copies", "16-bit copies of the weights made by torch.autocast",
-             c.TpShare(c.f.total) * 2, 0, 0, 0, kPhaseForward | kPhaseBackward, Alloc::kTransient);
+    // torch.autocast casts each weight to 16-bit when an op uses it (aten/src/ATen/
+    // autocast_mode.cpp cached_cast); the matmul saves the copy for the input gradient, so it
+    // lives to its layer's backward. The cast cache keeps the copies of weights that require
+    // grad (leaves only) until the forward ends; a frozen weight's copy (LoRA's base) is not
+    // cached. With every block checkpointed nothing in a block is saved: the forward holds the
+    // cached copies of the trainable weights, and each block's backward the copies its recompute
+    // casts again (the largest block's).
+    const bool every_block =
+        s.checkpointing == Checkpointing::kFull && std::max<int64_t>(s.checkpoint_every, 1) == 1;
+    if (!every_block) {
+      out->Add("autocast_weight_copies",
+               "16-bit copies of the weights made by torch.autocast, saved for backward",
+               c.TpShare(c.f.total) * 2, 0, 0, 0, kPhaseForward | kPhaseBackward,
+               Alloc::kTransient);
+    } else {
+      const Wide cached = c.lora ? c.f.lora : c.trainable;
+      out->Add("autocast_weight_copies",
+               "16-bit copies of the trainable weights in torch.autocast's cache (forward; every "
+               "block checkpointed saves none)",
+               c.TpShare(cached) * 2, 0, 0, 0, kPhaseForward, Alloc::kTransient);
+      out->Add("autocast_recompute_copies",
+               "16-bit copies of the largest block's weights, cast again by its recompute and "
+               "saved for its backward",
+               c.TpShare(static_cast<Wide>(c.counts.largest_block_params)) * 2, 0, 0, 0,
+               kPhaseBackward, Alloc::kTransient);
+    }
   }
   if (c.frozen_quantized > 0) {
     // bitsandbytes Params4bit: 4-bit codes plus the quantisation state (absmax per 64 weights).
@@ -549,7 +570,8 @@ struct ItemRule {
 // Every item of the model, in report order (cuda_context and allocator_margin are added with the
 // phase totals).
 constexpr ItemRule kItemRules[] = {
-    {"params_working, autocast_weight_copies, params_quantized, qlora_dequant_workspace",
+    {"params_working, autocast_weight_copies, autocast_recompute_copies, params_quantized, "
+     "qlora_dequant_workspace",
      ParamsWorking},
     {"params_master", ParamsMaster},
     {"grads, grads_fp32", Grads},

@@ -671,6 +671,23 @@ TEST_CASE("memory model: torch.autocast keeps fp32 weights and gradients, no mas
   CHECK(Item(amp, "params_master") == nullptr);
   CHECK(Item(amp, "grads_fp32") == nullptr);
   CHECK(Gpu(amp, "autocast_weight_copies") == 2 * p);
+  CHECK(Item(amp, "autocast_recompute_copies") == nullptr);
+  // Every block checkpointed: no block saves its weights' copies. The forward holds the cached
+  // copies of the trainable weights (cached_cast caches leaves that require grad: with LoRA the
+  // adapters only, never the frozen base), and a block's backward the copies its recompute
+  // casts again. The step model agrees (grid: LoRA with full checkpointing, exact).
+  s.checkpointing = Checkpointing::kFull;
+  const MemoryEstimate ckpt = MustEstimate(gpt2, s);
+  CHECK(Gpu(ckpt, "autocast_weight_copies") == 2 * p);
+  CHECK(Gpu(ckpt, "autocast_recompute_copies") == 2 * uint64_t{7'087'872});
+  s.lora_rank = 8;
+  s.lora_targets = {"c_attn"};
+  const MemoryEstimate lora = MustEstimate(gpt2, s);
+  CHECK(Gpu(lora, "autocast_weight_copies") == 2 * lora.lora_params);
+  CHECK(Gpu(lora, "autocast_recompute_copies") == 2 * uint64_t{7'087'872});
+  s.lora_rank = 0;
+  s.lora_targets.clear();
+  s.checkpointing = Checkpointing::kNone;
   s.zero_stage = 2;
   CHECK_FALSE(s.Validate().ok());
 }
