@@ -21,6 +21,7 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
     MEMPLAN_ASSIGN_OR_RETURN(targets, LoraTargetTensors(inventory, setup));
   }
   for (const TensorInfo& t : inventory.tensors) {
+    if (t.role == TensorRole::kHead && t.IsLinearWeight()) f.head_grad += t.numel;
     if (!t.tied_to.empty()) continue;
     f.total += t.numel;
     if (t.numel <= threshold) f.persistent += t.numel;
@@ -394,7 +395,10 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
       st.buffers += AllocatorRound(b.numel * static_cast<uint64_t>(DTypeBits(b.dtype) / 8));
     }
     st.optimizer_states = gpu_of("optimizer_states");
-    const bool plain = s.zero_stage == 0 && !c.Fsdp() && s.DataParallel() == 1 && s.grad_accum == 1;
+    // Gradients set to None each step (zero_grad's default from PyTorch 2.0), as the items count
+    // them (Note [Gradient storage]).
+    const bool plain = s.zero_stage == 0 && !c.Fsdp() && s.DataParallel() == 1 &&
+                       s.grad_accum == 1 && !s.TorchBefore(2, 0);
     st.persistent_gradients = plain ? 0 : gpu_of("grads") + gpu_of("ddp_grad_buckets");
     st.plain_gradients = plain;
     st.torch_optimizer = s.zero_stage == 0 || c.Fsdp();

@@ -18,10 +18,13 @@
 // total, never a sum of per-item maxima, and the report says which phase sets it.
 //
 // Note [Gradient storage]
-// Gradients count in every phase: DeepSpeed keeps its gradient partitions (and DDP its buckets)
-// allocated across steps, and gradient accumulation carries them through the forward pass. A loop
-// with zero_grad(set_to_none=True), one micro-batch per step and no DDP needs one gradient set
-// less in its forward and early backward.
+// Gradients count in every phase where they persist: DeepSpeed keeps its gradient partitions (and
+// DDP its buckets) allocated across steps, gradient accumulation carries them through the forward
+// pass, and before PyTorch 2.0 zero_grad() zeroed them in place. A plain loop with
+// zero_grad(set_to_none=True) (the default since 2.0), one micro-batch per step, one GPU and no
+// DeepSpeed or FSDP has none in its forward; the first layer of backward holds the head's and
+// its block's (`grads_first_layer`), the end of backward all of them (`grads`), as the step model
+// runs it.
 //
 // Every constant used is returned in `constants`, with its value and where it comes from.
 //

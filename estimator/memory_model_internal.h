@@ -114,6 +114,9 @@ struct ParamFacts {
   // The output head (lm_head): Lightning's bitsandbytes plugin replaces every torch.nn.Linear,
   // the head included.
   Wide head = 0;
+  // The head's weight as its gradient arrives first in backward: a tied head's too (its
+  // gradient waits in the engine's input buffer for the embedding's).
+  Wide head_grad = 0;
 };
 
 // Optimizer state bytes for `trainable` elements (plus Adafactor's factored statistics).

@@ -234,10 +234,27 @@ Status Grads(const ItemContext& c, Builder* out) {
     return Status::Ok();
   }
   if (!c.Offloaded()) {
-    out->Add("grads",
-             std::string(s.autocast ? "fp32" : c.half) + " gradients of the trainable parameters" +
-                 std::string(s.zero_stage >= 2 ? ", ZeRO-partitioned" : ""),
-             c.Part(c.trainable, 2) * c.grad_bytes, 0, 0, 0, kAllPhases);
+    // A plain loop (zero_grad(set_to_none=True), one micro-batch per step, one GPU, no
+    // DeepSpeed or FSDP) has no gradients until backward makes them (Note [Gradient storage]):
+    // the first layer's backward holds the head's and that block's, backward's end all of them.
+    // Before PyTorch 2.0 zero_grad() zeroed the gradients in place (set_to_none=False): they
+    // stayed allocated from one step to the next.
+    const bool plain =
+        s.zero_stage == 0 && s.DataParallel() == 1 && s.grad_accum == 1 && !s.TorchBefore(2, 0);
+    const std::string what = std::string(s.autocast ? "fp32" : c.half) +
+                             " gradients of the trainable parameters" +
+                             std::string(s.zero_stage >= 2 ? ", ZeRO-partitioned" : "");
+    out->Add("grads", what, c.Part(c.trainable, 2) * c.grad_bytes, 0, 0, 0,
+             plain ? kPhaseBackwardEnd | kPhaseOptimizerStep : kAllPhases);
+    if (plain) {
+      const Wide layers = std::max<Wide>(U(c.arch.layers), 1);
+      const Wide early =
+          c.lora ? c.f.lora / layers
+                 : std::min(c.trainable, c.f.head_grad + U(c.counts.largest_block_params));
+      out->Add("grads_first_layer",
+               "gradients the first layer of backward has made: the head's and its block's",
+               early * c.grad_bytes, 0, 0, 0, kPhaseBackward);
+    }
     if (!c.master) return Status::Ok();
     if (s.zero_stage == 3) {
       const Wide sub_group = std::min(U(s.sub_group_size), c.Part(c.trainable, 1));

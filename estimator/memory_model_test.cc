@@ -342,15 +342,20 @@ TEST_CASE("memory model: bert-large fp32 AdamW batch 4 x 512 lands within 10% of
   s.flash_attention = false;  // the page's run used eager attention
   s.foreach = false;          // and the Trainer's AdamW of the time, a per-tensor loop
   s.cuda_context_bytes = kContextMiB * kMiB;
+  // January 2022: PyTorch 1.10, whose zero_grad() zeroed the gradients in place (they stay
+  // allocated from step to step) and whose softmax kept its input too (pytorch#64000).
+  s.torch_version = "1.10";
   MemoryEstimate m = MustEstimate(*bert, s);
   CHECK(m.params_total == 335141888);  // + 2,050 classifier parameters in the measured model
   CHECK(Gpu(m, "params_working") == 4 * m.params_total);
   CHECK(Gpu(m, "grads") == 4 * m.params_total);
   CHECK(Gpu(m, "optimizer_states") == 8 * m.params_total);
   CHECK(Gpu(m, "cuda_context") == kContextMiB * kMiB);
-  // Per layer in fp32: 66 bytes x sbh + 9 bytes x as^2b (softmax 4, dropout mask 1, output 4).
+  // Per layer in fp32: 66 bytes x sbh + 13 bytes x as^2b (the softmax's input 4 and output 4,
+  // dropout mask 1, dropout output 4).
   const uint64_t sbh = 512 * 4 * 1024, as2b = uint64_t{16} * 512 * 512 * 4;
-  CHECK(m.activation_bytes_per_layer == 66 * sbh + 9 * as2b);
+  CHECK(m.activation_bytes_per_layer == 66 * sbh + 13 * as2b);
+  CHECK(Item(m, "grads_first_layer") == nullptr);  // zeroed in place: all of them all along
   CHECK(m.peak.phase == "backward");
   const double predicted_mib = static_cast<double>(m.peak.gpu_bytes) / kMiB;
   const double ratio = predicted_mib / kMeasuredMiB;
@@ -690,6 +695,29 @@ TEST_CASE("memory model: torch.autocast keeps fp32 weights and gradients, no mas
   s.checkpointing = Checkpointing::kNone;
   s.zero_stage = 2;
   CHECK_FALSE(s.Validate().ok());
+}
+
+TEST_CASE("memory model: a plain loop's gradients appear during backward") {
+  // Note [Gradient storage]: zero_grad(set_to_none=True) frees them each step (PyTorch >= 2.0);
+  // the first layer of backward holds the head's (GPT-2's is tied: its gradient waits in the
+  // engine's input buffer) and the last block's, backward's end all of them.
+  ModelInventory gpt2 = MustBuild({{"model_type", "gpt2"}});
+  TrainingSetup s;
+  s.precision = Precision::kFp32;
+  s.seq_len = 256;
+  const MemoryEstimate plain = MustEstimate(gpt2, s);
+  REQUIRE(Item(plain, "grads") != nullptr);
+  CHECK(Item(plain, "grads")->phases == (kPhaseBackwardEnd | kPhaseOptimizerStep));
+  CHECK(Gpu(plain, "grads_first_layer") == (uint64_t{50257} * 768 + 7'087'872) * 4);
+  // Gradient accumulation carries them across micro-batches; PyTorch 1.x zeroed them in place.
+  for (int variant = 0; variant < 2; ++variant) {
+    TrainingSetup t = s;
+    if (variant == 0) t.grad_accum = 2;
+    if (variant == 1) t.torch_version = "1.13";
+    const MemoryEstimate kept = MustEstimate(gpt2, t);
+    CHECK(Item(kept, "grads")->phases == kAllPhases);
+    CHECK(Item(kept, "grads_first_layer") == nullptr);
+  }
 }
 
 TEST_CASE("memory model: DDP keeps a second copy of the gradients in its buckets") {
