@@ -4,6 +4,7 @@
 // Each stage below is one step of Prepare, in the order it runs them: the order of the graph's
 // parameters is part of the result.
 #include <algorithm>
+#include <initializer_list>
 #include <cstdint>
 #include <string_view>
 #include <unordered_map>
@@ -284,13 +285,29 @@ void ModelRun::FuseLitGptQkv(std::vector<Wide>* adapter_bytes) {
   // Which of query, key and value it adapts is what LoraTargetTensors resolved (its adapters on
   // the separate projections, by role, whatever the targets were called: LitGPT's query/value or
   // Hugging Face's q_proj/v_proj), one place deciding.
+  // A checkpoint whose query, key and value are one tensor already (GPT-NeoX's
+  // query_key_value) has one adapter there whatever the parts: which parts LitGPT's LoRAQKVLinear
+  // enables is then the targets' (LitGPT's default: query and value).
+  auto named = [&](std::initializer_list<const char*> names) {
+    for (const std::string& t : s_.lora_targets) {
+      for (const char* n : names) {
+        if (t == n) return true;
+      }
+    }
+    return false;
+  };
+  const bool defaults = s_.lora_targets.empty();
+  const bool all = named({"all-linear", "query_key_value", "qkv"});
   lora_q_ = lora_k_ = lora_v_ = false;
   for (const BlockParams& bp : blocks_) {
     auto adapted = [&](TensorRole role) { return bp.has(role) && bp.at(role).lora_a.ok(); };
     const bool fused = adapted(TensorRole::kAttentionQkv);
-    lora_q_ = lora_q_ || fused || adapted(TensorRole::kAttentionQ);
-    lora_k_ = lora_k_ || fused || adapted(TensorRole::kAttentionK);
-    lora_v_ = lora_v_ || fused || adapted(TensorRole::kAttentionV);
+    lora_q_ = lora_q_ || adapted(TensorRole::kAttentionQ) ||
+              (fused && (defaults || all || named({"query", "q_proj"})));
+    lora_k_ =
+        lora_k_ || adapted(TensorRole::kAttentionK) || (fused && (all || named({"key", "k_proj"})));
+    lora_v_ = lora_v_ || adapted(TensorRole::kAttentionV) ||
+              (fused && (defaults || all || named({"value", "v_proj"})));
   }
   const Wide q = static_cast<Wide>(a_.heads * a_.head_dim);
   const Wide kvw = static_cast<Wide>(a_.kv_heads * a_.head_dim);
