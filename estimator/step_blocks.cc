@@ -399,12 +399,7 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
   const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
   const Wide d = static_cast<Wide>(a_.head_dim);
   QkvViews t = TransformersQkv(bp, h);
-  AttentionShape as;
-  as.batch = batch_;
-  as.heads = heads;
-  as.kv_heads = kv;
-  as.seq = as.kv_seq = seq_;
-  as.head_dim = as.v_head_dim = d;
+  AttentionShape as = SelfAttentionShape(heads, kv, d);
   as.dropout = a_.attention_dropout;
   as.mask = explicit_mask_;
   const DT cdt = autocast_ ? adt_ : g_.Dtype(t.q);

@@ -254,7 +254,9 @@ class ModelRun {
   void FsdpPreBackward(size_t unit, int prefetch);
   // Shared by the torchtune and LitGPT blocks, which repeat grouped k/v and call SDPA causal.
   void ExpandKvToQueryHeads(Wide heads, Wide kv, T* k, T* v);
-  AttentionShape CausalShapeAtQueryWidth(Wide heads, Wide d) const;
+  // Self-attention over the batch's sequences: `heads` query heads over `kv` key/value heads,
+  // each d wide (kv = heads once repeated to query width); no dropout, no explicit mask.
+  AttentionShape SelfAttentionShape(Wide heads, Wide kv, Wide d) const;
   SdpaBackend CausalSdpaBackend(DT compute) const;
   // x in fp32 times rsqrt(mean(x^2) + eps), the part every RMSNorm shares; x^2 as pow(2)
   // (Transformers: saves x) or as x * x (LitGPT: a Mul, which saves its inputs).
@@ -313,7 +315,7 @@ class ModelRun {
   uint64_t block_saved_bytes_ = 0;
   std::vector<std::string> notes_;
   // FSDP2 (torchtitan): the units in forward order, the ranks a parameter is sharded over, the
-  // forward's all_gather_state, the reduce-scatter inputs in flight, the sharded gradients, and
+  // forward's all_gather_state, the reduce-scatter inputs in flight, and
   // whether backward prefetches (off once a chunked loss's backwards cleared the order).
   std::vector<FsdpUnit> units_;
   size_t final_unit_ = 0;  // the unit of the final norm (and the head)
@@ -325,7 +327,6 @@ class ModelRun {
   Wide ranks_ = 1;
   int ag_state_ = -1;
   std::vector<int> rs_states_;
-  std::vector<int> sharded_grads_;
   bool prefetch_ = true;
 };
 

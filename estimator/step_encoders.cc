@@ -206,11 +206,8 @@ T ModelRun::EncoderAttention(const BlockParams& bp, T h) {
   t.v = LoraLinear(bp.at(TensorRole::kAttentionV), h);
   T out;
   if (s_.flash_attention) {
-    AttentionShape as;
-    as.batch = batch_;
-    as.heads = as.kv_heads = static_cast<Wide>(a_.heads);
-    as.seq = as.kv_seq = seq_;
-    as.head_dim = as.v_head_dim = static_cast<Wide>(a_.head_dim);
+    AttentionShape as = SelfAttentionShape(static_cast<Wide>(a_.heads), static_cast<Wide>(a_.heads),
+                                           static_cast<Wide>(a_.head_dim));
     as.dropout = a_.attention_dropout;
     as.mask = false;
     out = TransformersSdpa(as, autocast_ ? adt_ : g_.Dtype(t.q), &t);

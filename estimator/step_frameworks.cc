@@ -92,10 +92,11 @@ void ModelRun::ExpandKvToQueryHeads(Wide heads, Wide kv, T* k, T* v) {
   }
 }
 
-AttentionShape ModelRun::CausalShapeAtQueryWidth(Wide heads, Wide d) const {
+AttentionShape ModelRun::SelfAttentionShape(Wide heads, Wide kv, Wide d) const {
   AttentionShape as;
   as.batch = batch_;
-  as.heads = as.kv_heads = heads;
+  as.heads = heads;
+  as.kv_heads = kv;
   as.seq = as.kv_seq = seq_;
   as.head_dim = as.v_head_dim = d;
   return as;
@@ -128,7 +129,7 @@ T ModelRun::TorchtuneBlock(int layer, T x) {
   g_.Drop(k0);
   // k.unsqueeze(2).expand(...).flatten(1, 2): copies at query width.
   ExpandKvToQueryHeads(heads, kv, &k, &v);
-  const AttentionShape as = CausalShapeAtQueryWidth(heads, d);
+  const AttentionShape as = SelfAttentionShape(heads, heads, d);
   T att = Sdpa(g_, CausalSdpaBackend(g_.Dtype(q)), q, k, v, as, T{});
   g_.Drop(q);
   g_.Drop(k);
@@ -298,7 +299,7 @@ T ModelRun::LitGptBlock(int layer, T x) {
   g_.Drop(k);
   // k.repeat_interleave(q_per_kv, dim=1), v too.
   ExpandKvToQueryHeads(heads, kv, &kr, &v);
-  const AttentionShape as = CausalShapeAtQueryWidth(heads, d);
+  const AttentionShape as = SelfAttentionShape(heads, heads, d);
   const SdpaBackend backend = CausalSdpaBackend(autocast_ ? adt_ : g_.Dtype(qr));
   T qc = AutocastIn(g_, qr), kc = AutocastIn(g_, kr), vc = AutocastIn(g_, v);
   g_.Drop(qr);

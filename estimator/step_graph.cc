@@ -149,7 +149,8 @@ T Graph::NewIn(StepCategory c, Wide numel, DT dt, bool requires_grad) {
   if (!reuse_.empty()) {
     const Tensor& from = tensors_[static_cast<size_t>(reuse_.front().id)];
     reuse_.erase(reuse_.begin());
-    if (from.buf >= 0 && Round(numel * static_cast<Wide>(Bytes(dt))) == bufs_[from.buf].bytes) {
+    if (from.buf >= 0 &&
+        Round(numel * static_cast<Wide>(Bytes(dt))) == bufs_[static_cast<size_t>(from.buf)].bytes) {
       // The cache lets the entry go as it hands it over: its reference is the new tensor's.
       t.buf = from.buf;
       reuse_taken_.push_back(t.buf);

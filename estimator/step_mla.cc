@@ -140,11 +140,7 @@ T ModelRun::MlaAttention(const BlockParams& bp, T h) {
   g_.Drop(kvp[0]);
   g_.Drop(k_pe);
   t.v = kvp[1];
-  AttentionShape as;
-  as.batch = batch_;
-  as.heads = as.kv_heads = heads;
-  as.seq = as.kv_seq = seq_;
-  as.head_dim = nope + rope;
+  AttentionShape as = SelfAttentionShape(heads, heads, nope + rope);
   as.v_head_dim = vd;
   as.dropout = a_.attention_dropout;
   as.mask = explicit_mask_;

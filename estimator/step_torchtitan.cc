@@ -180,8 +180,7 @@ void ModelRun::FsdpReduce(const std::vector<int>& grads, Wide elems, bool accumu
   if (accumulate) {
     g_.Unref(output);  // added into the sharded gradient the head's reduction made
   } else {
-    g_.Recategorize(output, StepCategory::kGradients);
-    sharded_grads_.push_back(output);
+    g_.Recategorize(output, StepCategory::kGradients);  // the sharded gradients, kept
   }
   if (ranks_ > 1) g_.Recategorize(input, StepCategory::kCommunication);
   rs_states_.push_back(input);
@@ -282,12 +281,7 @@ T ModelRun::TorchtitanBlock(int layer, T x) {
   T k = Cast(g_, km, cdt);
   for (T t : {q0, k0, qf, kf, qm, km}) g_.Drop(t);
   // inner_attention: SDPA over (B, heads, L, d) views, causal, enable_gqa (no repeated k, v).
-  AttentionShape as;
-  as.batch = batch_;
-  as.heads = heads;
-  as.kv_heads = kv;
-  as.seq = as.kv_seq = seq_;
-  as.head_dim = as.v_head_dim = d;
+  const AttentionShape as = SelfAttentionShape(heads, kv, d);
   std::vector<T> stats;
   reuse(4);
   T att = Sdpa(g_, CausalSdpaBackend(cdt), q, k, v, as, T{}, sac ? &stats : nullptr);
