@@ -8,8 +8,9 @@ Reads the records (one published run each: source, hardware, setup, the measured
 what it is, and the memplan flags that express it), asks `memplan estimate --format json` for
 each, and prints predicted vs measured with the signed error, then the median and the worst
 |error| over the fully specified rows. Peak rows compare like with like: an nvidia-smi figure
-(CUDA context included) with memplan's peak gpu_bytes, a max_memory_allocated figure with the
-gpu_allocated_bytes of memplan's peak phase. Verdict rows (oom / fits) compare the predicted peak
+(CUDA context included) and a max_memory_reserved figure (without it) with memplan's
+gpu_reserved_bytes (what the caching allocator reserves on a GPU with room to spare), a
+max_memory_allocated figure with the gpu_allocated_bytes of memplan's peak phase. Verdict rows (oom / fits) compare the predicted peak
 with the GPU's memory; max_micro_batch rows find the largest micro-batch memplan fits there and
 must land within +-1 of the published one and keep the published order within their order_group;
 ratio_group rows are judged on the ratio between the runs of the group.
@@ -69,18 +70,20 @@ def estimate(memplan, flags, micro_batch=None):
     allocated = next(p["gpu_allocated_bytes"] for p in j["phases"] if p["phase"] == peak["phase"])
     context = sum(i["gpu_bytes"] for i in j["breakdown"] if i["item"] == "cuda_context")
     return {"gpu_bytes": peak["gpu_bytes"], "allocated_bytes": allocated, "phase": peak["phase"],
+            "reserved_bytes": peak.get("gpu_reserved_bytes", peak["gpu_bytes"] - context),
             "cpu_bytes": peak["cpu_bytes"], "context_bytes": context,
             "step_bytes": j.get("step_model", {}).get("peak_bytes")}
 
 
 def predicted_for(kind, p):
-    # max_memory_reserved (what torchtitan logs): the allocator's segments, so the GPU peak
-    # without the CUDA context; nvidia-smi: all of it.
+    # The runs were measured on GPUs with room to spare, where the caching allocator keeps what
+    # it frees: max_memory_reserved (what torchtitan logs) is its segments, nvidia-smi those and
+    # the CUDA context.
     if kind == "max_memory_allocated":
         return p["allocated_bytes"]
     if kind == "max_memory_reserved":
-        return p["gpu_bytes"] - p["context_bytes"]
-    return p["gpu_bytes"]
+        return p["reserved_bytes"]
+    return p["reserved_bytes"] + p["context_bytes"]
 
 
 def evaluate(memplan, doc):

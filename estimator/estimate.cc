@@ -97,15 +97,16 @@ Result<unsigned> PhaseBits(const std::vector<std::string>& names) {
 }
 
 nlohmann::json PeakToJson(const PeakMemory& p) {
-  return {{"gpu_bytes", p.gpu_bytes},
-          {"cpu_bytes", p.cpu_bytes},
-          {"nvme_bytes", p.nvme_bytes},
-          {"pinned_bytes", p.pinned_bytes},
-          {"phase", p.phase}};
+  return {{"gpu_bytes", p.gpu_bytes},       {"gpu_reserved_bytes", p.gpu_reserved_bytes},
+          {"cpu_bytes", p.cpu_bytes},       {"nvme_bytes", p.nvme_bytes},
+          {"pinned_bytes", p.pinned_bytes}, {"phase", p.phase}};
 }
 
 Status PeakFromJson(const nlohmann::json& json, const std::string& path, PeakMemory* p) {
   const JsonFieldReader f(Member(json, "peak"), kWhere, path + "peak.");
+  if (f.Has("gpu_reserved_bytes")) {
+    MEMPLAN_RETURN_IF_ERROR(f.Get("gpu_reserved_bytes", &p->gpu_reserved_bytes));
+  }
   return f.RequireAll(F::Field("gpu_bytes", &p->gpu_bytes), F::Field("cpu_bytes", &p->cpu_bytes),
                       F::Field("nvme_bytes", &p->nvme_bytes),
                       F::Field("pinned_bytes", &p->pinned_bytes), F::Field("phase", &p->phase));
@@ -139,7 +140,16 @@ std::string FormatMemoryText(const Estimate& e) {
   out += line;
   for (const MemoryItem& item : m.items) {
     std::string phases;
-    if (item.phases == kAllPhases) {
+    bool varies = false;
+    for (uint64_t b : item.gpu_phase_bytes) varies = varies || (b != 0 && b != item.gpu_bytes);
+    if (varies) {
+      // The step model's items: their GPU bytes in each phase (the column holds the most).
+      for (size_t p = 0; p < std::size(kPhases) && p < item.gpu_phase_bytes.size(); ++p) {
+        if ((item.phases & kPhases[p]) == 0) continue;
+        phases += (phases.empty() ? "" : ", ") + PhaseName(kPhases[p]) + " " +
+                  GiB(item.gpu_phase_bytes[p], 0);
+      }
+    } else if (item.phases == kAllPhases) {
       phases = "all";
     } else {
       for (const std::string& p : PhaseList(item.phases)) phases += (phases.empty() ? "" : ",") + p;
@@ -179,9 +189,20 @@ std::string FormatMemoryText(const Estimate& e) {
     }
     out += line;
   }
-  out += "GPU includes activations, buffers, the CUDA context (" + GiB(s.cuda_context_bytes, 0) +
-         " GiB) and a 10% allocator margin on activations and temporaries. Assumptions and "
-         "constants: --format json.\n";
+  if (m.step.has_value()) {
+    out += "GPU includes activations, buffers, the CUDA context (" + GiB(s.cuda_context_bytes, 0) +
+           " GiB) and what the caching allocator holds beyond its live blocks, from the step "
+           "model's run of the training code; with room to spare it reserves " +
+           GiB(m.peak.gpu_reserved_bytes, 0) +
+           " GiB (max_memory_reserved). Assumptions and constants: --format json.\n";
+  } else {
+    out += "GPU includes activations, buffers, the CUDA context (" + GiB(s.cuda_context_bytes, 0) +
+           " GiB) and a 10% allocator margin on activations and temporaries (the step model does "
+           "not run this setup: " +
+           m.step_error +
+           "). Assumptions and constants: --format "
+           "json.\n";
+  }
   return out;
 }
 
@@ -480,6 +501,16 @@ nlohmann::json ToJson(const Estimate& e) {
                      {"nvme_bytes", item.nvme_bytes},
                      {"pinned_bytes", item.pinned_bytes},
                      {"phases", PhaseList(item.phases)}});
+    if (!item.gpu_phase_bytes.empty()) {
+      // Note [Items from the step model]: the bytes in each phase; gpu_bytes is their maximum.
+      nlohmann::json by_phase = nlohmann::json::object();
+      for (size_t p = 0; p < item.gpu_phase_bytes.size() && p < std::size(kPhases); ++p) {
+        if ((item.phases & kPhases[p]) != 0) {
+          by_phase[PhaseName(kPhases[p])] = item.gpu_phase_bytes[p];
+        }
+      }
+      items.back()["gpu_bytes_by_phase"] = by_phase;
+    }
   }
   j["breakdown"] = items;
   nlohmann::json phases = nlohmann::json::array();
@@ -510,7 +541,12 @@ nlohmann::json ToJson(const Estimate& e) {
     }
     j["step_model"] = {{"phases", sp},
                        {"peak_phase", std::string(StepPhaseName(m.step->peak_phase))},
-                       {"peak_bytes", m.step->peak_bytes}};
+                       {"peak_bytes", m.step->peak_bytes},
+                       // Note [The caching allocator's reserve]
+                       {"allocator",
+                        {{"allocated_bytes", m.step->allocator_allocated_bytes},
+                         {"reserved_bytes", m.step->reserved_bytes},
+                         {"held_bytes", m.step->held_bytes}}}};
   }
   nlohmann::json constants = nlohmann::json::array();
   for (const ModelConstant& c : m.constants) {
@@ -571,6 +607,13 @@ Status StepModelFromJson(const nlohmann::json& sm, MemoryEstimate* mem) {
         const std::string cat(StepCategoryName(static_cast<StepCategory>(k)));
         MEMPLAN_RETURN_IF_ERROR(cr.Required(cat.c_str(), &out.categories[static_cast<size_t>(k)]));
       }
+    }
+    if (sm.contains("allocator")) {
+      const JsonFieldReader ar(Member(sm, "allocator"), kWhere, "step_model.allocator.");
+      MEMPLAN_RETURN_IF_ERROR(
+          ar.RequireAll(F::Field("allocated_bytes", &run.allocator_allocated_bytes),
+                        F::Field("reserved_bytes", &run.reserved_bytes),
+                        F::Field("held_bytes", &run.held_bytes)));
     }
     if (!known) {
       return Status::InvalidArgument(std::string(kWhere) + ": step_model.peak_phase: unknown " +
@@ -656,6 +699,15 @@ Result<Estimate> EstimateFromJson(const nlohmann::json& json) {
                      F::Field("nvme_bytes", &item.nvme_bytes),
                      F::Field("pinned_bytes", &item.pinned_bytes), F::Field("phases", &phases)));
     MEMPLAN_ASSIGN_OR_RETURN(item.phases, PhaseBits(phases));
+    if (f.Has("gpu_bytes_by_phase")) {
+      const JsonFieldReader by_phase = f.Child("gpu_bytes_by_phase");
+      item.gpu_phase_bytes.assign(std::size(kPhases), 0);
+      for (size_t p = 0; p < std::size(kPhases); ++p) {
+        const std::string name = PhaseName(kPhases[p]);
+        if (!by_phase.Has(name.c_str())) continue;
+        MEMPLAN_RETURN_IF_ERROR(by_phase.ByteSize(name.c_str(), &item.gpu_phase_bytes[p]));
+      }
+    }
     mem.items.push_back(item);
     return Status::Ok();
   };

@@ -1,6 +1,7 @@
 #include "estimator/memory_model.h"
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cmath>
 #include <limits>
@@ -76,10 +77,260 @@ Result<ParamFacts> Facts(const ModelInventory& inventory, const TrainingSetup& s
   return f;
 }
 
+// Note [Items from the step model]
+// Where the step model runs the setup's code (Note [The step model]), what the step allocates
+// around the model states is its, not the per-layer formulas': the items activations,
+// activation_recompute, backward_workspace, logits_and_loss, loss_log_softmax, logits_grad, the
+// autocast weight copies, QLoRA's dequantization workspace and the first layer's gradients give
+// way to the step model's categories, each with its bytes per phase (the moment of each phase's
+// peak, so that a phase's items add up to the step model's peak of that phase):
+//   forward         the higher of the step model's forward and loss peaks
+//   backward        its backward peak
+//   backward_end    its optimizer-step peak without the optimizer's temporaries (every gradient
+//                   made, nothing else in flight)
+//   optimizer_step  its optimizer-step peak
+// The model states stay the items' (DeepSpeed's partitions, FSDP's shards, offload), as do the
+// buffers the step model does not run: DeepSpeed's buckets and gathered parameters, FSDP's
+// unsharded units, NVMe swap buffers, the fp32 gradient copies of a DeepSpeed step. Where the
+// step model lays the states out itself (a plain PyTorch loop; torchtitan's FSDP2 shards, its
+// collective buffers and its gradients), its layout replaces the items' for the gradients and
+// the optimizer's temporaries too, and whatever its per-tensor layout adds over the items'
+// states is one item, state_layout. Every setup the step model refuses keeps the formulas.
+
+struct StepUse {
+  bool plain_grads = false;  // the step makes the .grad tensors (no persistent gradients)
+  bool own_states = false;   // the step laid out the parameters and optimizer states itself
+  bool titan = false;
+  uint64_t given_gradients = 0;
+};
+
+// The step model's categories at each of the memory model's phases (kPhases order).
+std::array<StepBytes, 4> StepCategoriesByPhase(const StepModel& step) {
+  auto at = [&](StepPhase p) { return step.phases[static_cast<size_t>(p)]; };
+  const StepPhasePeak fwd = at(StepPhase::kForward), loss = at(StepPhase::kLoss);
+  std::array<StepBytes, 4> out{};
+  out[0] = (loss.bytes > fwd.bytes ? loss : fwd).categories;
+  out[1] = at(StepPhase::kBackward).categories;
+  out[3] = at(StepPhase::kOptimizerStep).categories;
+  out[2] = out[3];
+  out[2][static_cast<size_t>(StepCategory::kOptimizerTransients)] = 0;
+  return out;
+}
+
+void UseStepModel(const StepModel& step, const StepUse& use, Builder* out) {
+  std::vector<std::string> drop = {"activations",
+                                   "activation_recompute",
+                                   "backward_workspace",
+                                   "logits_and_loss",
+                                   "loss_log_softmax",
+                                   "logits_grad",
+                                   "autocast_weight_copies",
+                                   "autocast_recompute_copies",
+                                   "qlora_dequant_workspace",
+                                   "grads_first_layer"};
+  if (use.plain_grads) drop.push_back("grads");
+  if (use.own_states) drop.push_back("optimizer_step_transient");
+  if (use.titan) {
+    for (const char* n : {"grads", "fsdp_unsharded_params", "fsdp_unit_grads"}) drop.push_back(n);
+  }
+  Wide item_states = 0;
+  Builder kept;
+  kept.overflow = out->overflow;
+  for (size_t i = 0; i < out->items.size(); ++i) {
+    const MemoryItem& item = out->items[i];
+    if (item.name == "params_working" || item.name == "params_quantized" ||
+        item.name == "params_master" || item.name == "optimizer_states") {
+      item_states += item.gpu_bytes;
+    }
+    if (std::find(drop.begin(), drop.end(), item.name) != drop.end()) {
+      // What the item held off the GPU stays (none of these has any today).
+      if (item.cpu_bytes == 0 && item.nvme_bytes == 0 && item.pinned_bytes == 0) continue;
+      MemoryItem off = item;
+      off.gpu_bytes = 0;
+      kept.items.push_back(off);
+      kept.allocs.push_back(out->allocs[i]);
+      continue;
+    }
+    kept.items.push_back(item);
+    kept.allocs.push_back(out->allocs[i]);
+  }
+  const std::array<StepBytes, 4> by_phase = StepCategoriesByPhase(step);
+  auto cat = [&](size_t p, StepCategory c) { return Wide{by_phase[p][static_cast<size_t>(c)]}; };
+  // An item of `bytes(p)` in each phase p (kPhases order), live where it is not zero.
+  auto add_by_phase = [&](std::string name, std::string description, Alloc alloc, auto bytes_at) {
+    std::vector<uint64_t> bytes(4, 0);
+    unsigned phases = 0;
+    uint64_t most = 0;
+    for (size_t p = 0; p < 4; ++p) {
+      bytes[p] = static_cast<uint64_t>(bytes_at(p));
+      if (bytes[p] > 0) phases |= kPhases[p];
+      most = std::max(most, bytes[p]);
+    }
+    if (most == 0) return;
+    kept.Add(std::move(name), std::move(description), most, 0, 0, 0, phases, alloc);
+    kept.items.back().gpu_phase_bytes = std::move(bytes);
+  };
+  auto add = [&](std::string name, std::string description, StepCategory c, Wide minus,
+                 Alloc alloc) {
+    add_by_phase(std::move(name), std::move(description), alloc, [&](size_t p) {
+      const Wide v = cat(p, c);
+      return v > minus ? v - minus : Wide{0};
+    });
+  };
+  const Alloc tr = Alloc::kTransient;
+  add("activations",
+      "what the forward keeps for backward and the tensors in flight, recomputation included "
+      "(the step model: the framework's ops, per phase)",
+      StepCategory::kActivations, 0, tr);
+  add("temporaries", "what backward makes besides the gradients it keeps (the step model)",
+      StepCategory::kTemporaries, 0, tr);
+  if (use.plain_grads || use.titan) {
+    add("grads", "gradients as backward makes them, set to None after each step (the step model)",
+        StepCategory::kGradients, 0, Alloc::kOnce);
+  } else {
+    add("grads_in_flight", "gradients made but not yet added into the kept ones (the step model)",
+        StepCategory::kGradients, use.given_gradients, tr);
+  }
+  if (use.own_states) {
+    add("optimizer_step_transient", "temporaries of the optimizer step (the step model)",
+        StepCategory::kOptimizerTransients, 0, tr);
+  }
+  add("communication", "FSDP2's all-gather and reduce-scatter buffers between modules",
+      StepCategory::kCommunication, 0, tr);
+  add("cublas_workspace_and_batch", "the cuBLAS workspace, the input ids and the labels",
+      StepCategory::kOther, 0, Alloc::kOnce);
+  add("buffers", "the model's registered buffers (rotary frequencies, position ids)",
+      StepCategory::kBuffers, 0, Alloc::kOnce);
+  if (use.own_states) {
+    // The step model's states over the items': per-tensor rounding and, under FSDP2, the shards'
+    // padding and the units all-gathered at the moment of each phase's peak.
+    add_by_phase(use.titan ? "fsdp_unsharded_params" : "state_layout",
+                 use.titan ? "FSDP2's unsharded parameters of the units in flight, and the shards' "
+                             "padding (the step model)"
+                           : "the model states' per-tensor allocation rounding beyond the items "
+                             "above (the step model's layout)",
+                 use.titan ? Alloc::kTransient : Alloc::kOnce, [&](size_t p) {
+                   const Wide v =
+                       cat(p, StepCategory::kParameters) + cat(p, StepCategory::kOptimizerStates);
+                   return v > item_states ? v - item_states : Wide{0};
+                 });
+  }
+  *out = std::move(kept);
+}
+
+// The setup as far as the step model reads it (Note [Reusing a step]): what sizes DeepSpeed's
+// and FSDP's buffers, offload, accumulation and (but for torchtitan's FSDP2) the cluster reach
+// it only through StepStates, whose flags join the key.
+std::string StepKey(const TrainingSetup& s, const StepStates& st) {
+  TrainingSetup k = s;
+  const TrainingSetup d;
+  k.zero_stage = d.zero_stage;
+  k.fsdp = d.fsdp;
+  k.grad_accum = d.grad_accum;
+  k.gradient_as_bucket_view = d.gradient_as_bucket_view;
+  k.offload_optimizer = d.offload_optimizer;
+  k.offload_param = d.offload_param;
+  k.reduce_bucket_size = d.reduce_bucket_size;
+  k.allgather_bucket_size = d.allgather_bucket_size;
+  k.overlap_comm = d.overlap_comm;
+  k.stage3_prefetch_bucket_size = d.stage3_prefetch_bucket_size;
+  k.stage3_param_persistence_threshold = d.stage3_param_persistence_threshold;
+  k.stage3_max_live_parameters = d.stage3_max_live_parameters;
+  k.sub_group_size = d.sub_group_size;
+  k.pin_memory = d.pin_memory;
+  k.param_buffer_count = d.param_buffer_count;
+  k.param_buffer_size = d.param_buffer_size;
+  k.param_max_in_cpu = d.param_max_in_cpu;
+  k.optimizer_buffer_count = d.optimizer_buffer_count;
+  k.aio_block_size = d.aio_block_size;
+  k.aio_queue_depth = d.aio_queue_depth;
+  k.aio_intra_op_parallelism = d.aio_intra_op_parallelism;
+  k.cuda_context_bytes = d.cuda_context_bytes;
+  if (s.framework != Framework::kTorchtitan) {
+    k.gpus_per_node = d.gpus_per_node;
+    k.num_nodes = d.num_nodes;
+  }
+  std::string key = ToJson(k).dump();
+  key += st.plain_gradients ? " kept" : " consumed";
+  key += st.torch_optimizer ? " torch-optimizer" : " other-optimizer";
+  key += st.from_inventory ? " own-states" : " given-states";
+  return key;
+}
+
+}  // namespace
+}  // namespace memplan::estimator::mm
+
+namespace memplan::estimator {
+
+struct StepCacheAccess {
+  static Result<StepModel> Run(const ModelInventory& inventory, const TrainingSetup& s,
+                               const StepStates& st, StepModelCache* cache) {
+    const bool own = st.from_inventory || s.framework == Framework::kTorchtitan;
+    const std::string key = mm::StepKey(s, st);
+    StepModelCache::Run run;
+    bool found = false;
+    {
+      std::lock_guard<std::mutex> lock(cache->mu_);
+      auto it = cache->runs_.find(key);
+      if (it != cache->runs_.end()) {
+        run = it->second;
+        found = true;
+        ++cache->hits_;
+      }
+    }
+    if (!found) {
+      // Run outside the lock: another search may run the same setup meanwhile; the first kept
+      // wins, and both are the same.
+      run.states = st;
+      Result<StepModel> sim = SimulateStep(inventory, s, st);
+      if (sim.ok()) {
+        run.step = std::move(sim).value();
+      } else {
+        run.error = sim.status();
+      }
+      std::lock_guard<std::mutex> lock(cache->mu_);
+      cache->runs_.emplace(key, run);
+    }
+    if (!run.step.has_value()) return run.error;
+    return MoveToStates(*std::move(run.step), run.states, st, own);
+  }
+};
+
+size_t StepModelCache::runs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return runs_.size();
+}
+
+size_t StepModelCache::hits() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return hits_;
+}
+
+}  // namespace memplan::estimator
+
+namespace memplan::estimator::mm {
+namespace {
+
+Result<StepModel> RunStep(const ModelInventory& inventory, const TrainingSetup& s,
+                          const StepStates& st, StepModelCache* cache) {
+  if (cache == nullptr) return SimulateStep(inventory, s, st);
+  return StepCacheAccess::Run(inventory, s, st, cache);
+}
+
 // Phase totals and the peak (Note [Phases]); the CUDA context and the allocator margin are added
 // to each phase's GPU total and reported as items.
 void TotalPhases(const ItemContext& c, Builder* out, MemoryEstimate* m) {
   const Wide context = U(c.s.cuda_context_bytes);
+  // The step model's replay of the caching allocator (Note [The caching allocator's reserve]),
+  // where it ran: what its segments hold beyond the live blocks (the margin a step needs), and
+  // what it reserves with room to spare; the 10% rule for both otherwise.
+  std::optional<Wide> held, reserved;
+  if (m->step.has_value()) {
+    const StepModel& st = *m->step;
+    const Wide live = st.allocator_allocated_bytes;
+    held = st.held_bytes > live ? Wide{st.held_bytes} - live : Wide{0};
+    reserved = st.reserved_bytes > live ? Wide{st.reserved_bytes} - live : Wide{0};
+  }
   Wide peak_margin = 0;
   for (Phase phase : kPhases) {
     PhaseTotals totals;
@@ -88,13 +339,14 @@ void TotalPhases(const ItemContext& c, Builder* out, MemoryEstimate* m) {
     for (size_t i = 0; i < out->items.size(); ++i) {
       const MemoryItem& item = out->items[i];
       if ((item.phases & phase) == 0) continue;
-      if (out->allocs[i] == Alloc::kTransient) transient += item.gpu_bytes;
-      gpu += item.gpu_bytes;
+      const Wide item_gpu = item.GpuBytesIn(phase);
+      if (out->allocs[i] == Alloc::kTransient) transient += item_gpu;
+      gpu += item_gpu;
       cpu += item.cpu_bytes;
       nvme += item.nvme_bytes;
       pinned += item.pinned_bytes;
     }
-    const Wide margin = Scale(transient, kAllocatorMargin);
+    const Wide margin = held.has_value() ? *held : Scale(transient, kAllocatorMargin);
     totals.gpu_allocated_bytes = Saturate(gpu);
     totals.gpu_bytes = Saturate(gpu + margin + context);
     totals.cpu_bytes = Saturate(cpu);
@@ -105,6 +357,8 @@ void TotalPhases(const ItemContext& c, Builder* out, MemoryEstimate* m) {
       m->peak.phase = totals.phase;
       peak_margin = margin;
     }
+    m->peak.gpu_reserved_bytes = std::max(
+        m->peak.gpu_reserved_bytes, Saturate(gpu + (reserved.has_value() ? *reserved : margin)));
     m->peak.cpu_bytes = std::max(m->peak.cpu_bytes, totals.cpu_bytes);
     m->peak.nvme_bytes = std::max(m->peak.nvme_bytes, totals.nvme_bytes);
     m->peak.pinned_bytes = std::max(m->peak.pinned_bytes, totals.pinned_bytes);
@@ -113,8 +367,12 @@ void TotalPhases(const ItemContext& c, Builder* out, MemoryEstimate* m) {
   out->Add("cuda_context", "CUDA context, runtime and kernels (per GPU process)", context, 0, 0, 0,
            kAllPhases);
   out->Add("allocator_margin",
-           "caching-allocator rounding and fragmentation: 10% of the activations and "
-           "temporaries at the peak phase",
+           held.has_value()
+               ? "what the caching allocator's segments hold beyond its live blocks, the step's "
+                 "allocations replayed through its rules (more is reserved where the GPU has "
+                 "room: peak.gpu_reserved_bytes)"
+               : "caching-allocator rounding and fragmentation: 10% of the activations and "
+                 "temporaries at the peak phase",
            peak_margin, 0, 0, 0, kAllPhases);
 }
 
@@ -326,11 +584,12 @@ Result<InventoryFacts> FactsFor(const ModelInventory& inventory, const TrainingS
   return out;
 }
 
-// `step`: also run the step model (the comparison rows, which report the itemised peak only,
-// skip it: eleven step simulations of a 47,000-tensor MoE would cost 300 ms).
+// `step`: also run the step model and take what the step allocates from it (Note [Items from the
+// step model]); `cache`, when given, keeps its runs for the next call (Note [Reusing a step]):
+// the comparison's eleven rows and the planner's hundreds of configurations need only a few.
 Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const TrainingSetup& input,
                                     const InventoryFacts* known, const ModelCounts* counts,
-                                    bool step = true) {
+                                    bool step = true, StepModelCache* cache = nullptr) {
   MEMPLAN_RETURN_IF_ERROR(input.ValidateFor(inventory));
   TrainingSetup s = input;
   s.seq_len = s.SeqLenFor(&*inventory.arch);
@@ -379,7 +638,6 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
   m.trainable_params = static_cast<uint64_t>(c.trainable);
   m.lora_params = static_cast<uint64_t>(f.lora);
   m.activation_bytes_per_layer = Saturate(c.act.per_layer);
-  TotalPhases(c, &out, &m);
   if (step) {
     // The step model (Note [The step model]) over the model states the items above place.
     StepStates st;
@@ -401,18 +659,27 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
                        s.grad_accum == 1 && !s.TorchBefore(2, 0);
     st.persistent_gradients = plain ? 0 : gpu_of("grads") + gpu_of("ddp_grad_buckets");
     st.plain_gradients = plain;
-    st.torch_optimizer = s.zero_stage == 0 || c.Fsdp();
+    // FSDP's flat parameters (FSDP1) step as the items count them (optimizer_step_transient);
+    // torchtitan's FSDP2 shards as the step model lays them out.
+    st.torch_optimizer = (s.zero_stage == 0 && !c.Fsdp()) || s.framework == Framework::kTorchtitan;
     st.from_inventory = s.zero_stage == 0 && !c.Fsdp();
     const uint64_t tokens = static_cast<uint64_t>(s.micro_batch) * static_cast<uint64_t>(s.seq_len);
     st.other = CublasWorkspaceBytes(s.GpuSm()) + 2 * AllocatorRound(tokens * 8);
-    Result<StepModel> sim = SimulateStep(inventory, s, st);
+    Result<StepModel> sim = RunStep(inventory, s, st, cache);
     if (sim.ok()) {
       m.step = std::move(sim).value();
+      StepUse use;
+      use.titan = s.framework == Framework::kTorchtitan;
+      use.plain_grads = plain;
+      use.own_states = st.from_inventory || use.titan;
+      use.given_gradients = st.persistent_gradients;
+      UseStepModel(*m.step, use, &out);
     } else {
       m.step_error = sim.status().message();
       m.step_unmodelled = sim.status().code() == StatusCode::kUnimplemented;
     }
   }
+  TotalPhases(c, &out, &m);
   m.items = std::move(out.items);
   m.constants = Constants(c, input);
   m.notes = Notes(c);
@@ -432,6 +699,8 @@ Result<std::vector<ComparisonRow>> Compare(const ModelInventory& inventory,
                           {3, D::kNvme, D::kCpu},  {3, D::kNvme, D::kNvme}};
   std::vector<ComparisonRow> rows;
   std::optional<InventoryFacts> facts;  // the same for every row: computed at the first
+  // The step model runs once per kind of gradient handling, not per row (Note [Reusing a step]).
+  StepModelCache cache;
   for (const Combo& c : combos) {
     TrainingSetup s = setup;
     s.zero_stage = c.stage;
@@ -451,7 +720,7 @@ Result<std::vector<ComparisonRow>> Compare(const ModelInventory& inventory,
       MEMPLAN_RETURN_IF_ERROR(s.ValidateFor(inventory));
       MEMPLAN_ASSIGN_OR_RETURN(facts, FactsFor(inventory, s, counts));
     }
-    Result<MemoryEstimate> m = EstimateWith(inventory, s, &*facts, nullptr, /*step=*/false);
+    Result<MemoryEstimate> m = EstimateWith(inventory, s, &*facts, nullptr, /*step=*/true, &cache);
     if (!m.ok()) return m.status();
     row.valid = true;
     row.peak = m->peak;
@@ -459,11 +728,12 @@ Result<std::vector<ComparisonRow>> Compare(const ModelInventory& inventory,
     for (Phase p : kPhases) {
       if (PhaseName(p) == m->peak.phase) peak_phase = p;
     }
+    // What the step keeps and makes around the states at the peak: the step model's
+    // activations and temporaries, or the formulas' activation, recompute and logits items.
     for (const MemoryItem& item : m->items) {
-      if ((item.phases & peak_phase) != 0 &&
-          (item.name == "activations" || item.name == "activation_recompute" ||
-           item.name.rfind("logits", 0) == 0)) {
-        row.activations_gpu_bytes += item.gpu_bytes;
+      if (item.name == "activations" || item.name == "activation_recompute" ||
+          item.name == "temporaries" || item.name.rfind("logits", 0) == 0) {
+        row.activations_gpu_bytes += item.GpuBytesIn(peak_phase);
       }
     }
     rows.push_back(row);
@@ -478,6 +748,15 @@ namespace memplan::estimator {
 
 using mm::Saturate;
 using mm::Wide;
+
+uint64_t MemoryItem::GpuBytesIn(Phase phase) const {
+  if ((phases & phase) == 0) return 0;
+  if (gpu_phase_bytes.empty()) return gpu_bytes;
+  for (size_t p = 0; p < gpu_phase_bytes.size() && p < std::size(kPhases); ++p) {
+    if (kPhases[p] == phase) return gpu_phase_bytes[p];
+  }
+  return gpu_bytes;
+}
 
 std::string PhaseName(Phase phase) {
   switch (phase) {
@@ -504,6 +783,11 @@ uint64_t ZeroPaperBytesPerGpu(uint64_t params, uint64_t gpus, int stage, uint64_
 
 Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& input) {
   return mm::EstimateWith(inventory, input, nullptr, nullptr);
+}
+
+Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& input,
+                                      const ModelCounts& counts, StepModelCache* cache) {
+  return mm::EstimateWith(inventory, input, nullptr, &counts, /*step=*/true, cache);
 }
 
 Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& input,

@@ -32,6 +32,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -62,6 +64,13 @@ struct MemoryItem {
   uint64_t nvme_bytes = 0;       // per node
   uint64_t pinned_bytes = 0;     // per node, a part of cpu_bytes
   unsigned phases = kAllPhases;  // Phase bits where the item is live
+  // The GPU bytes in each phase (kPhases order) for an item whose size changes from phase to
+  // phase (the step model's, Note [Items from the step model]); gpu_bytes is then their
+  // maximum. Empty: gpu_bytes in every phase of `phases`.
+  std::vector<uint64_t> gpu_phase_bytes;
+
+  // The item's GPU bytes in `phase` (a single Phase bit): 0 where it is not live.
+  uint64_t GpuBytesIn(Phase phase) const;
 };
 
 // Tier totals of one phase. gpu_bytes includes the allocator margin and the CUDA context.
@@ -77,6 +86,11 @@ struct PhaseTotals {
 // Each tier's maximum over the phases; `phase` is the phase that sets the GPU peak.
 struct PeakMemory {
   uint64_t gpu_bytes = 0;
+  // What torch.cuda.max_memory_reserved would show on a GPU with room to spare (no CUDA
+  // context): the caching allocator keeps what it freed instead of giving it back (Note [The
+  // caching allocator's reserve]). gpu_bytes is what the step needs: on a full GPU the allocator
+  // gives back its wholly free segments and tries again.
+  uint64_t gpu_reserved_bytes = 0;
   uint64_t cpu_bytes = 0;
   uint64_t nvme_bytes = 0;
   uint64_t pinned_bytes = 0;
@@ -120,6 +134,32 @@ Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const Tra
 // the itemised peak, evaluates hundreds of configurations.
 Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& setup,
                                       const ModelCounts& counts, bool step_model = true);
+
+// Step-model runs kept from one EstimateMemory call to the next on the same inventory (Note
+// [Reusing a step]): the planner tries one setup under many ZeRO stages, offloads, buffer sizes
+// and cluster sizes, and the step model tells only a few of them apart. Thread-safe: capacity's
+// searches share one.
+class StepModelCache {
+ public:
+  size_t runs() const;  // step-model runs made (and kept)
+  size_t hits() const;  // estimates that reused one
+
+ private:
+  friend struct StepCacheAccess;
+  struct Run {
+    StepStates states;
+    std::optional<StepModel> step;
+    Status error;
+  };
+  mutable std::mutex mu_;
+  std::map<std::string, Run> runs_;
+  size_t hits_ = 0;
+};
+
+// The same as EstimateMemory(inventory, setup, counts), reusing `cache`'s step-model runs (made
+// on this inventory) where the step model cannot tell the setups apart.
+Result<MemoryEstimate> EstimateMemory(const ModelInventory& inventory, const TrainingSetup& setup,
+                                      const ModelCounts& counts, StepModelCache* cache);
 
 // One row of the stage x offload comparison: the same setup with another ZeRO stage and offload.
 struct ComparisonRow {

@@ -26,6 +26,16 @@ MemoryEstimate MustEstimate(const ModelInventory& inventory, const TrainingSetup
   return std::move(m).value();
 }
 
+// The per-layer formulas alone, as for a setup the step model refuses (Note [Items from the step
+// model]): the tests below pin them.
+MemoryEstimate MustEstimateFormulas(const ModelInventory& inventory, const TrainingSetup& setup) {
+  Result<ModelCounts> counts = CountParams(inventory);
+  REQUIRE_MESSAGE(counts.ok(), counts.status().ToString());
+  Result<MemoryEstimate> m = EstimateMemory(inventory, setup, *counts, /*step_model=*/false);
+  REQUIRE_MESSAGE(m.ok(), m.status().ToString());
+  return std::move(m).value();
+}
+
 const MemoryItem* Item(const MemoryEstimate& m, const std::string& name) {
   for (const MemoryItem& item : m.items) {
     if (item.name == name) return &item;
@@ -164,13 +174,13 @@ TEST_CASE("memory model: checkpointing every K-th block keeps the others whole")
   s.seq_len = 1024;
   s.micro_batch = 2;
   s.checkpointing = Checkpointing::kNone;
-  const MemoryEstimate none = MustEstimate(llama, s);
+  const MemoryEstimate none = MustEstimateFormulas(llama, s);
   s.checkpointing = Checkpointing::kFull;
-  const MemoryEstimate every1 = MustEstimate(llama, s);
+  const MemoryEstimate every1 = MustEstimateFormulas(llama, s);
   s.checkpoint_every = 2;
-  const MemoryEstimate every2 = MustEstimate(llama, s);
+  const MemoryEstimate every2 = MustEstimateFormulas(llama, s);
   s.checkpoint_every = 3;
-  const MemoryEstimate every3 = MustEstimate(llama, s);
+  const MemoryEstimate every3 = MustEstimateFormulas(llama, s);
   const uint64_t whole = none.activation_bytes_per_layer;
   const uint64_t input = every1.activation_bytes_per_layer;
   REQUIRE(whole > input);
@@ -187,23 +197,23 @@ TEST_CASE("memory model: the loss decides what the logits keep") {
   s.seq_len = 1024;
   s.micro_batch = 2;
   const uint64_t elems = 2 * 1024 * 32000;
-  const MemoryEstimate full = MustEstimate(llama, s);
+  const MemoryEstimate full = MustEstimateFormulas(llama, s);
   // Full: bf16 logits, their fp32 copy and the fp32 log-softmax; fp32 gradients of both.
   CHECK(Gpu(full, "logits_and_loss") == elems * 10);
   CHECK(Gpu(full, "logits_grad") == elems * 8);
   // torchtune's chunked loss (8 chunks): bf16 logits and each chunk's fp32 log-softmax kept,
   // one chunk's fp32 copy and gradients at a time.
   s.loss = Loss::kChunked;
-  const MemoryEstimate chunked = MustEstimate(llama, s);
+  const MemoryEstimate chunked = MustEstimateFormulas(llama, s);
   CHECK(Gpu(chunked, "logits_and_loss") == elems * 6 + elems / 8 * 4);
   CHECK(Gpu(chunked, "logits_grad") == elems / 8 * 8);
   s.loss_chunks = 16;
-  CHECK(Gpu(MustEstimate(llama, s), "logits_grad") == elems / 16 * 8);
+  CHECK(Gpu(MustEstimateFormulas(llama, s), "logits_grad") == elems / 16 * 8);
   // Liger's fused linear cross-entropy: chunks of next_pow2(ceil(2048 / ceil(32000 / 4096)))
   // = 256 rows of logits, grad_input [2048, 4096] and grad_weight [32000, 4096], in bf16.
   s.loss = Loss::kFused;
   s.loss_chunks = 0;
-  const MemoryEstimate fused = MustEstimate(llama, s);
+  const MemoryEstimate fused = MustEstimateFormulas(llama, s);
   CHECK(Gpu(fused, "logits_and_loss") ==
         (uint64_t{256} * 32000 + uint64_t{2048} * 4096 + uint64_t{32000} * 4096) * 2);
   CHECK(Gpu(fused, "logits_grad") == 0);
@@ -211,7 +221,7 @@ TEST_CASE("memory model: the loss decides what the logits keep") {
   // before backward leaves only the fp32 log-softmax.
   s.loss = Loss::kFull;
   s.framework = Framework::kTorchtitan;
-  const MemoryEstimate titan = MustEstimate(llama, s);
+  const MemoryEstimate titan = MustEstimateFormulas(llama, s);
   const MemoryItem* forward_only = Item(titan, "logits_and_loss");
   REQUIRE(forward_only != nullptr);
   CHECK(forward_only->gpu_bytes == elems * 10);
@@ -226,7 +236,7 @@ TEST_CASE("memory model: the loss decides what the logits keep") {
   // gradient in bf16, with no logits left.
   s.loss = Loss::kChunked;
   s.loss_chunks = 8;
-  const MemoryEstimate titan_chunked = MustEstimate(llama, s);
+  const MemoryEstimate titan_chunked = MustEstimateFormulas(llama, s);
   const uint64_t hidden = uint64_t{2} * 1024 * 4096;
   CHECK(Gpu(titan_chunked, "logits_and_loss") == elems / 8 * 14 + hidden * 4);
   CHECK(Gpu(titan_chunked, "loss_log_softmax") == hidden * 2);
@@ -285,7 +295,7 @@ TEST_CASE("memory model: MLA's narrower values and latents, shared experts, dens
   TrainingSetup setup;
   setup.seq_len = 1024;
   setup.flash_attention = true;
-  MemoryEstimate m = MustEstimate(lite, setup);
+  MemoryEstimate m = MustEstimateFormulas(lite, setup);
   LayerShape moe;
   moe.seq = moe.kv_seq = 1024;
   moe.batch = 1;
@@ -408,7 +418,7 @@ TEST_CASE("memory model: the peak is one phase's total, not a sum of maxima") {
   s.precision = Precision::kFp32;
   s.micro_batch = 8;
   s.seq_len = 1024;
-  MemoryEstimate m = MustEstimate(gpt2, s);
+  MemoryEstimate m = MustEstimateFormulas(gpt2, s);
   uint64_t sum_of_items = 0;
   for (const MemoryItem& item : m.items) sum_of_items += item.gpu_bytes;
   CHECK(m.peak.gpu_bytes < sum_of_items);
@@ -418,7 +428,7 @@ TEST_CASE("memory model: the peak is one phase's total, not a sum of maxima") {
   CHECK(m.peak.phase == "backward");
   // Checkpointing moves it: activations shrink to one input per layer.
   s.checkpointing = Checkpointing::kFull;
-  MemoryEstimate ckpt = MustEstimate(gpt2, s);
+  MemoryEstimate ckpt = MustEstimateFormulas(gpt2, s);
   CHECK(Gpu(ckpt, "activations") < Gpu(m, "activations") / 10);
   CHECK(Gpu(ckpt, "activation_recompute") == m.activation_bytes_per_layer);
   CHECK(ckpt.peak.gpu_bytes < m.peak.gpu_bytes);
@@ -614,7 +624,7 @@ TEST_CASE(
   s.precision = Precision::kFp32;
   s.micro_batch = 4;
   s.seq_len = 512;
-  MemoryEstimate m = MustEstimate(gpt2, s);
+  MemoryEstimate m = MustEstimateFormulas(gpt2, s);
   const PhaseTotals& peak = PhaseOf(m, m.peak.phase);
   uint64_t transient = 0;
   Phase phase = kPhaseForward;
@@ -643,18 +653,18 @@ TEST_CASE(
   s.seq_len = 128;
   const uint64_t p = 124439808;
   const uint64_t wte = uint64_t{50257} * 768;
-  CHECK(Gpu(MustEstimate(gpt2, s), "optimizer_step_transient") == 4 * p);
+  CHECK(Gpu(MustEstimateFormulas(gpt2, s), "optimizer_step_transient") == 4 * p);
   s.foreach = false;
-  CHECK(Gpu(MustEstimate(gpt2, s), "optimizer_step_transient") == 2 * wte * 4);
+  CHECK(Gpu(MustEstimateFormulas(gpt2, s), "optimizer_step_transient") == 2 * wte * 4);
   s.fused_optimizer = true;
-  CHECK(Item(MustEstimate(gpt2, s), "optimizer_step_transient") == nullptr);
+  CHECK(Item(MustEstimateFormulas(gpt2, s), "optimizer_step_transient") == nullptr);
   s.fused_optimizer = false;
   s.optimizer = Optimizer::kSgd;
-  MemoryEstimate sgd = MustEstimate(gpt2, s);
+  MemoryEstimate sgd = MustEstimateFormulas(gpt2, s);
   CHECK(Item(sgd, "optimizer_states") == nullptr);
   CHECK(Item(sgd, "optimizer_step_transient") == nullptr);
   s.sgd_momentum = 0.9;
-  CHECK(Gpu(MustEstimate(gpt2, s), "optimizer_states") == 4 * p);
+  CHECK(Gpu(MustEstimateFormulas(gpt2, s), "optimizer_states") == 4 * p);
 }
 
 TEST_CASE("memory model: torch.autocast keeps fp32 weights and gradients, no master or fp32 copy") {
@@ -666,11 +676,11 @@ TEST_CASE("memory model: torch.autocast keeps fp32 weights and gradients, no mas
   s.precision = Precision::kBf16Mixed;
   s.seq_len = 128;
   const uint64_t p = 124439808;
-  MemoryEstimate ds = MustEstimate(gpt2, s);
+  MemoryEstimate ds = MustEstimateFormulas(gpt2, s);
   CHECK(Gpu(ds, "params_master") == 4 * p);
   CHECK(Gpu(ds, "grads_fp32") == 4 * p);
   s.autocast = true;
-  MemoryEstimate amp = MustEstimate(gpt2, s);
+  MemoryEstimate amp = MustEstimateFormulas(gpt2, s);
   CHECK(Gpu(amp, "params_working") == 4 * p);
   CHECK(Gpu(amp, "grads") == 4 * p);
   CHECK(Item(amp, "params_master") == nullptr);
@@ -682,12 +692,12 @@ TEST_CASE("memory model: torch.autocast keeps fp32 weights and gradients, no mas
   // adapters only, never the frozen base), and a block's backward the copies its recompute
   // casts again. The step model agrees (grid: LoRA with full checkpointing, exact).
   s.checkpointing = Checkpointing::kFull;
-  const MemoryEstimate ckpt = MustEstimate(gpt2, s);
+  const MemoryEstimate ckpt = MustEstimateFormulas(gpt2, s);
   CHECK(Gpu(ckpt, "autocast_weight_copies") == 2 * p);
   CHECK(Gpu(ckpt, "autocast_recompute_copies") == 2 * uint64_t{7'087'872});
   s.lora_rank = 8;
   s.lora_targets = {"c_attn"};
-  const MemoryEstimate lora = MustEstimate(gpt2, s);
+  const MemoryEstimate lora = MustEstimateFormulas(gpt2, s);
   CHECK(Gpu(lora, "autocast_weight_copies") == 2 * lora.lora_params);
   CHECK(Gpu(lora, "autocast_recompute_copies") == 2 * uint64_t{7'087'872});
   s.lora_rank = 0;
@@ -705,7 +715,7 @@ TEST_CASE("memory model: a plain loop's gradients appear during backward") {
   TrainingSetup s;
   s.precision = Precision::kFp32;
   s.seq_len = 256;
-  const MemoryEstimate plain = MustEstimate(gpt2, s);
+  const MemoryEstimate plain = MustEstimateFormulas(gpt2, s);
   REQUIRE(Item(plain, "grads") != nullptr);
   CHECK(Item(plain, "grads")->phases == (kPhaseBackwardEnd | kPhaseOptimizerStep));
   CHECK(Gpu(plain, "grads_first_layer") == (uint64_t{50257} * 768 + 7'087'872) * 4);
@@ -714,7 +724,7 @@ TEST_CASE("memory model: a plain loop's gradients appear during backward") {
     TrainingSetup t = s;
     if (variant == 0) t.grad_accum = 2;
     if (variant == 1) t.torch_version = "1.13";
-    const MemoryEstimate kept = MustEstimate(gpt2, t);
+    const MemoryEstimate kept = MustEstimateFormulas(gpt2, t);
     CHECK(Item(kept, "grads")->phases == kAllPhases);
     CHECK(Item(kept, "grads_first_layer") == nullptr);
   }
@@ -722,19 +732,20 @@ TEST_CASE("memory model: a plain loop's gradients appear during backward") {
 
 TEST_CASE("memory model: DDP keeps a second copy of the gradients in its buckets") {
   // torch/nn/parallel/distributed.py: the reducer's buckets cover every gradient; with
-  // gradient_as_bucket_view=False (the default) .grad is a separate tensor.
+  // gradient_as_bucket_view=False (the default) .grad is a separate tensor. The formulas here;
+  // the step model's in "gradients that persist".
   ModelInventory gpt2 = MustBuild({{"model_type", "gpt2"}});
   TrainingSetup s;
   s.precision = Precision::kFp32;
   s.seq_len = 256;
-  const uint64_t one_gpu = MustEstimate(gpt2, s).peak.gpu_bytes;
-  CHECK(Item(MustEstimate(gpt2, s), "ddp_grad_buckets") == nullptr);
+  const uint64_t one_gpu = MustEstimateFormulas(gpt2, s).peak.gpu_bytes;
+  CHECK(Item(MustEstimateFormulas(gpt2, s), "ddp_grad_buckets") == nullptr);
   s.gpus_per_node = 2;
-  MemoryEstimate ddp = MustEstimate(gpt2, s);
+  MemoryEstimate ddp = MustEstimateFormulas(gpt2, s);
   CHECK(Gpu(ddp, "ddp_grad_buckets") == uint64_t{124439808} * 4);
   CHECK(ddp.peak.gpu_bytes == one_gpu + uint64_t{124439808} * 4);
   s.gradient_as_bucket_view = true;
-  CHECK(MustEstimate(gpt2, s).peak.gpu_bytes == one_gpu);
+  CHECK(MustEstimateFormulas(gpt2, s).peak.gpu_bytes == one_gpu);
 }
 
 TEST_CASE("memory model: LoRA keeps no frozen Linear inputs; QLoRA's bitsandbytes matmul does") {
@@ -939,7 +950,7 @@ TEST_CASE("memory model: Lit-GPT's LoRA, fused QKV, fp32 logits and QLoRA of eve
   s.seq_len = 1304;
   s.framework = Framework::kLitGpt;
   const uint64_t sbh = uint64_t{1304} * 4096, sbf = uint64_t{1304} * 11008;
-  MemoryEstimate lora = MustEstimate(llama, s);
+  MemoryEstimate lora = MustEstimateFormulas(llama, s);
   // Bytes per token x width: norms 2 x 4 (fp32), fused qkv 6, roped q and k 4, SDPA output 2,
   // lora_dropout mask and output 3, zero-padded update 2 x 2 (q and v) = 27; MLP 3 x 2 = 6;
   // plus SDPA's fp32 log-sum-exp.
@@ -949,17 +960,17 @@ TEST_CASE("memory model: Lit-GPT's LoRA, fused QKV, fp32 logits and QLoRA of eve
   // The same model under Transformers + PEFT: two dropouts (q_proj, v_proj), no padded update,
   // q/k/v as the attention keeps them (3 x 2).
   s.framework = Framework::kTransformers;
-  CHECK(MustEstimate(llama, s).activation_bytes_per_layer ==
+  CHECK(MustEstimateFormulas(llama, s).activation_bytes_per_layer ==
         8 * sbh + 6 * sbh + 2 * sbh + 2 * 3 * sbh + 6 * sbf + 4 * 32 * 1304);
   // QLoRA: Lightning's BitsandbytesPrecision quantises lm_head too, from fp16 copies, so the
   // dequantised head exists in fp16 and bf16 at once; MatMul4Bit keeps every Linear's input.
   s.framework = Framework::kLitGpt;
   s.qlora = true;
-  MemoryEstimate qlora = MustEstimate(llama, s);
+  MemoryEstimate qlora = MustEstimateFormulas(llama, s);
   CHECK(Gpu(qlora, "qlora_dequant_workspace") == 2 * 2 * uint64_t{32000} * 4096);
   CHECK(qlora.activation_bytes_per_layer == lora.activation_bytes_per_layer + 4 * sbh + 2 * sbf);
   s.framework = Framework::kTransformers;
-  MemoryEstimate peft = MustEstimate(llama, s);
+  MemoryEstimate peft = MustEstimateFormulas(llama, s);
   CHECK(Gpu(peft, "params_working") - Gpu(qlora, "params_working") == 2 * uint64_t{32000} * 4096);
   CHECK(Gpu(peft, "qlora_dequant_workspace") == 2 * uint64_t{4096} * 11008);
 }
@@ -982,7 +993,7 @@ TEST_CASE("memory model: FSDP shards flat parameters, gradients and states; unit
   s.seq_len = 128;
   s.flash_attention = false;
   s.fsdp = FsdpSharding::kFullShard;
-  MemoryEstimate full = MustEstimate(xl, s);
+  MemoryEstimate full = MustEstimateFormulas(xl, s);
   CHECK(Gpu(full, "params_working") == 4 * ((p + 1) / 2));
   CHECK(Gpu(full, "grads") == 4 * ((p + 1) / 2));
   CHECK(Gpu(full, "optimizer_states") == 8 * ((p + 1) / 2));
@@ -996,11 +1007,11 @@ TEST_CASE("memory model: FSDP shards flat parameters, gradients and states; unit
   CHECK(Gpu(full, "optimizer_step_transient") == 2 * ((block + 1) / 2) * 4);
   // SHARD_GRAD_OP keeps every unit gathered from its forward to its backward.
   s.fsdp = FsdpSharding::kShardGradOp;
-  CHECK(Gpu(MustEstimate(xl, s), "fsdp_unsharded_params") == p * 4);
+  CHECK(Gpu(MustEstimateFormulas(xl, s), "fsdp_unsharded_params") == p * 4);
   // CPU offload: shards of parameters and gradients and the states in (pinned) host memory.
   s.fsdp = FsdpSharding::kFullShard;
   s.offload_param = OffloadDevice::kCpu;
-  MemoryEstimate offload = MustEstimate(xl, s);
+  MemoryEstimate offload = MustEstimateFormulas(xl, s);
   CHECK(Gpu(offload, "params_working") == 0);
   CHECK(Item(offload, "params_working")->cpu_bytes == 2 * 4 * ((p + 1) / 2));
   CHECK(Item(offload, "params_working")->pinned_bytes == 2 * 4 * ((p + 1) / 2));
@@ -1011,7 +1022,7 @@ TEST_CASE("memory model: FSDP shards flat parameters, gradients and states; unit
   // offload copies every unit to the GPU and frees none before backward.
   s.gpus_per_node = 1;
   CHECK(s.EffectiveFsdp() == FsdpSharding::kNoShard);
-  MemoryEstimate one = MustEstimate(xl, s);
+  MemoryEstimate one = MustEstimateFormulas(xl, s);
   CHECK(Gpu(one, "fsdp_unsharded_params") == p * 4);
   CHECK(PhaseOf(one, "backward").gpu_allocated_bytes >
         PhaseOf(offload, "backward").gpu_allocated_bytes + (p - 2 * block) * 4 - kGiB);
@@ -1041,6 +1052,126 @@ TEST_CASE("memory model: framework, torch_version and fsdp round-trip through JS
   CHECK(ToJson(*back) == j);
   CHECK_OK(ParseFsdpSharding("FULL_SHARD"));
   CHECK_FALSE(ParseFramework("megatron").ok());
+}
+
+}  // namespace
+}  // namespace memplan::estimator
+
+namespace memplan::estimator {
+namespace {
+
+uint64_t StepAt(const MemoryEstimate& m, StepPhase p) {
+  return m.step->phases[static_cast<size_t>(p)].bytes;
+}
+
+TEST_CASE("memory model: where the step model runs, its categories are each phase's items") {
+  // Note [Items from the step model].
+  ModelInventory gpt2 = MustBuild({{"model_type", "gpt2"}});
+  TrainingSetup s;
+  s.precision = Precision::kBf16Mixed;
+  s.autocast = true;
+  s.seq_len = 512;
+  s.micro_batch = 4;
+  const MemoryEstimate m = MustEstimate(gpt2, s);
+  REQUIRE(m.step.has_value());
+  for (const char* formula :
+       {"logits_and_loss", "logits_grad", "activation_recompute", "backward_workspace",
+        "grads_first_layer", "autocast_weight_copies"}) {
+    CAPTURE(formula);
+    CHECK(Item(m, formula) == nullptr);
+  }
+  const MemoryItem* act = Item(m, "activations");
+  REQUIRE(act != nullptr);
+  REQUIRE(act->gpu_phase_bytes.size() == 4);
+  CHECK(act->GpuBytesIn(kPhaseOptimizerStep) == 0);
+  CHECK(act->gpu_bytes == std::max(act->gpu_phase_bytes[0], act->gpu_phase_bytes[1]));
+  // A plain loop: the step model lays out the states too, so each phase is its peak.
+  CHECK(PhaseOf(m, "forward").gpu_allocated_bytes ==
+        std::max(StepAt(m, StepPhase::kForward), StepAt(m, StepPhase::kLoss)));
+  CHECK(PhaseOf(m, "backward").gpu_allocated_bytes == StepAt(m, StepPhase::kBackward));
+  CHECK(PhaseOf(m, "optimizer_step").gpu_allocated_bytes == StepAt(m, StepPhase::kOptimizerStep));
+  // The gradients appear as backward makes them.
+  CHECK(Item(m, "grads")->GpuBytesIn(kPhaseForward) == 0);
+  CHECK(Item(m, "grads")->GpuBytesIn(kPhaseOptimizerStep) > 0);
+  // The allocator's margin is its replay's (Note [The caching allocator's reserve]).
+  CHECK(Gpu(m, "allocator_margin") == m.step->held_bytes - m.step->allocator_allocated_bytes);
+  CHECK(m.peak.gpu_bytes == PhaseOf(m, m.peak.phase).gpu_allocated_bytes +
+                                Gpu(m, "allocator_margin") + Gpu(m, "cuda_context"));
+  CHECK(m.peak.gpu_reserved_bytes == PhaseOf(m, m.peak.phase).gpu_allocated_bytes +
+                                         m.step->reserved_bytes -
+                                         m.step->allocator_allocated_bytes);
+  CHECK(m.step->reserved_bytes >= m.step->held_bytes);
+  CHECK(m.step->held_bytes >= m.step->allocator_allocated_bytes);
+  // The formulas, for comparison, count more for the logits of a model this small.
+  const MemoryEstimate f = MustEstimateFormulas(gpt2, s);
+  CHECK(f.peak.gpu_bytes > m.peak.gpu_bytes);
+}
+
+TEST_CASE("memory model: gradients that persist are added into, not made again") {
+  // Note [Gradients that persist]: with accumulation the step's gradients stay the kept ones.
+  ModelInventory gpt2 = MustBuild({{"model_type", "gpt2"}});
+  TrainingSetup s;
+  s.precision = Precision::kFp32;
+  s.seq_len = 256;
+  s.grad_accum = 2;
+  const MemoryEstimate m = MustEstimate(gpt2, s);
+  REQUIRE(m.step.has_value());
+  const auto grads = [&](StepPhase p) {
+    return m.step->phases[static_cast<size_t>(p)]
+        .categories[static_cast<size_t>(StepCategory::kGradients)];
+  };
+  CHECK(grads(StepPhase::kForward) == Gpu(m, "grads"));
+  CHECK(grads(StepPhase::kOptimizerStep) == Gpu(m, "grads"));
+  CHECK(Item(m, "grads")->phases == kAllPhases);
+  // DDP: the buckets beside them, through the step.
+  s.grad_accum = 1;
+  s.gpus_per_node = 2;
+  const MemoryEstimate ddp = MustEstimate(gpt2, s);
+  REQUIRE(ddp.step.has_value());
+  CHECK(PhaseOf(ddp, "optimizer_step").gpu_allocated_bytes ==
+        PhaseOf(m, "optimizer_step").gpu_allocated_bytes + uint64_t{124439808} * 4);
+}
+
+TEST_CASE("memory model: a step-model run is reused across what it cannot tell apart") {
+  // Note [Reusing a step]: ZeRO stages, offload and buckets change the states, not the step.
+  ModelInventory llama = memplan::testing::Fixture("llama-2-7b");
+  const ModelCounts counts = *CountParams(llama);
+  StepModelCache cache;
+  TrainingSetup s;
+  s.seq_len = 512;
+  s.gpus_per_node = 4;
+  s.checkpointing = Checkpointing::kFull;
+  int tried = 0;
+  for (int stage : {1, 2, 3}) {
+    for (OffloadDevice opt : {OffloadDevice::kNone, OffloadDevice::kCpu}) {
+      TrainingSetup t = s;
+      t.zero_stage = stage;
+      t.offload_optimizer = opt;
+      t.reduce_bucket_size = 100'000'000 * stage;
+      CAPTURE(stage);
+      const MemoryEstimate direct = MustEstimate(llama, t);
+      Result<MemoryEstimate> cached = EstimateMemory(llama, t, counts, &cache);
+      REQUIRE(cached.ok());
+      ++tried;
+      REQUIRE(direct.step.has_value());
+      REQUIRE(cached->step.has_value());
+      CHECK(cached->step->peak_bytes == direct.step->peak_bytes);
+      CHECK(cached->step->reserved_bytes == direct.step->reserved_bytes);
+      CHECK(cached->peak.gpu_bytes == direct.peak.gpu_bytes);
+      CHECK(cached->peak.gpu_reserved_bytes == direct.peak.gpu_reserved_bytes);
+      REQUIRE(cached->phases.size() == direct.phases.size());
+      for (size_t p = 0; p < direct.phases.size(); ++p) {
+        CHECK(cached->phases[p].gpu_allocated_bytes == direct.phases[p].gpu_allocated_bytes);
+      }
+    }
+  }
+  CHECK(cache.runs() == 1);
+  CHECK(cache.hits() == static_cast<size_t>(tried - 1));
+  // Another micro-batch is another run.
+  s.zero_stage = 2;
+  s.micro_batch = 2;
+  REQUIRE(EstimateMemory(llama, s, counts, &cache).ok());
+  CHECK(cache.runs() == 2);
 }
 
 }  // namespace

@@ -50,6 +50,7 @@ int Graph::Alloc(StepCategory c, Wide bytes) {
   b.cat = c;
   b.refs = 1;
   bufs_.push_back(b);
+  alloc_log_.push_back({static_cast<int>(bufs_.size()) - 1, true, Narrow(b.bytes), stream_});
   cur_[static_cast<int>(c)] += b.bytes;
   total_ += b.bytes;
   if (total_ > kMaxBytes) overflow_ = true;
@@ -74,6 +75,7 @@ void Graph::Ref(int buf) {
     cur_[static_cast<int>(b.cat)] += b.bytes;
     total_ += b.bytes;
     stale_ = true;
+    alloc_log_.push_back({buf, true, Narrow(b.bytes), 0});
   }
   ++b.refs;
 }
@@ -85,6 +87,7 @@ void Graph::Unref(int buf) {
   if (--b.refs == 0) {
     cur_[static_cast<int>(b.cat)] -= b.bytes;
     total_ -= b.bytes;
+    if (!b.phantom) alloc_log_.push_back({buf, false, 0, 0});
   }
 }
 
@@ -132,10 +135,21 @@ void Graph::ReplayRecompute() {
     cut = marks_.back().events;
     if (!marks_.back().saves_output) skip = marks_.back().output_bufs;
   }
-  for (size_t i = 0; i < cut; ++i) {
+  bool any_phantom = false;
+  for (size_t i = 0; i < deferred_.size(); ++i) {
     const AllocEvent& e = deferred_[i];
-    if (std::find(skip.begin(), skip.end(), e.buf) != skip.end()) continue;
+    if (i >= cut || std::find(skip.begin(), skip.end(), e.buf) != skip.end()) {
+      if (e.buf >= 0) bufs_[static_cast<size_t>(e.buf)].phantom = true;
+      any_phantom = true;
+      continue;
+    }
     TrackAt(e.total, e.cur);
+  }
+  if (any_phantom) {
+    for (size_t i = recompute_log_start_; i < alloc_log_.size(); ++i) {
+      AllocatorEvent& e = alloc_log_[i];
+      if (e.id >= 0 && bufs_[static_cast<size_t>(e.id)].phantom) e.id = -1;
+    }
   }
   deferred_.clear();
   marks_.clear();
@@ -323,7 +337,11 @@ void Graph::Accumulate(T input, int grad_buf) {
       Unref(grad_buf);
       p.pending = sum;
     }
-    if (p.arrived >= p.uses) {
+    if (p.arrived >= p.uses && grads_in_place_) {
+      // Note [Gradients that persist]: added into the existing storage, the buffer freed.
+      Unref(p.pending);
+      p.pending = -1;
+    } else if (p.arrived >= p.uses) {
       // AccumulateGrad steals the incoming gradient as .grad.
       if (!grads_as_temporaries_) Recategorize(p.pending, StepCategory::kGradients);
       p.grad = p.pending;
@@ -381,6 +399,7 @@ void Graph::RunNode(Node& node) {
     in_backward_ = false;
     recomputing_ = true;
     const bool was_deferring = deferring_;
+    if (!was_deferring) recompute_log_start_ = alloc_log_.size();
     deferring_ = true;
     T out2 = node.rerun(node.ck_input);
     deferring_ = was_deferring;

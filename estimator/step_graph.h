@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "estimator/step_allocator.h"
 #include "estimator/step_model.h"
 
 namespace memplan::estimator::step {
@@ -41,6 +42,7 @@ class Graph {
     tensors_.reserve(4 * params);
     bufs_.reserve(2 * params);
     nodes_.reserve(2 * params);
+    alloc_log_.reserve(16 * params);
   }
 
   // --- Memory ---------------------------------------------------------------------------------
@@ -170,6 +172,16 @@ class Graph {
   // FSDPMemTracker counts a parameter's unsharded gradient as a temporary until its unit's
   // post-backward names it (the caller recategorizes it then).
   void SetGradsAsTemporaries(bool on) { grads_as_temporaries_ = on; }
+  // The gradients exist before backward (Note [Gradients that persist]): a parameter's complete
+  // gradient is added into them in place and its buffer freed.
+  void SetGradsInPlace(bool on) { grads_in_place_ = on; }
+
+  // Every allocation and free so far, in order, as the caching allocator would see them (Note
+  // [The caching allocator's reserve]); what a recompute makes past its early stop has id -1.
+  const std::vector<AllocatorEvent>& AllocatorLog() const { return alloc_log_; }
+  // The CUDA stream the allocations from here on are made on (0: the default stream); FSDP2's
+  // collectives allocate on their own.
+  void SetStream(int stream) { stream_ = stream; }
 
   // Gradients produced for trainable parameters so far (bytes in the gradients category).
   int ParamGradBuffer(T param) const { return params_.at(tensors_[param.id].param).grad; }
@@ -179,6 +191,9 @@ class Graph {
     Wide bytes = 0;
     StepCategory cat = StepCategory::kActivations;
     int refs = 0;
+    // Made by a recompute past the point where torch stops it: never allocated on the GPU
+    // (Note [The recompute stops at the last saved tensor]).
+    bool phantom = false;
   };
   struct Tensor {
     Wide numel = 0;
@@ -258,6 +273,10 @@ class Graph {
   std::array<Wide, kStepPhases> peak_wide_{};
   bool saving_ = true;
   bool grads_as_temporaries_ = false;
+  bool grads_in_place_ = false;
+  std::vector<AllocatorEvent> alloc_log_;
+  size_t recompute_log_start_ = 0;  // alloc_log_'s size when the recompute being deferred began
+  int stream_ = 0;
   bool autocast_ = false;
   DT autocast_dt_ = DT::kBF16;
   bool in_backward_ = false;

@@ -83,6 +83,18 @@ Wide OptimizerTransient(const TrainingSetup& s, const std::vector<Wide>& group_b
 
 }  // namespace
 
+// The allocator-replay streams of the states, one each (Note [Reusing a step]).
+constexpr int kFirstStateStream = -1;
+
+// Note [Gradients that persist]
+// Where gradients outlive the step (accumulation over micro-batches, PyTorch before 2.0 zeroing
+// them in place, DDP's buckets, DeepSpeed's partitions and FSDP's shards), the memory model
+// places that storage and the step model counts it from the start. A parameter's gradient,
+// once complete, is then not a new tensor: AccumulateGrad adds it into the existing .grad in
+// place (torch/csrc/autograd/functions/accumulate_grad.h, `variable_grad += new_grad`), and
+// DeepSpeed's and FSDP's hooks copy it into their buckets (the memory model's bucket items) and
+// drop it. Either way its buffer is freed as soon as it is complete; counting it as a second
+// .grad would hold every gradient twice by the optimizer step.
 Result<StepModel> SimulateStep(const ModelInventory& inventory, const TrainingSetup& setup,
                                const StepStates& states) {
   if (!inventory.arch.has_value()) {
@@ -93,19 +105,28 @@ Result<StepModel> SimulateStep(const ModelInventory& inventory, const TrainingSe
   MEMPLAN_RETURN_IF_ERROR(run.Prepare());
   // What lives from one step to the next. torchtitan's states are FSDP2's shards, which the
   // step model lays out itself (step_torchtitan.cc); its gradients are set to None each step.
+  // Each is one allocation on a stream of its own in the allocator's replay (Note [Reusing a
+  // step]).
   const bool titan = setup.framework == Framework::kTorchtitan;
+  int lump = 0;
+  auto state = [&](StepCategory c, Wide bytes) {
+    g.SetStream(kFirstStateStream - lump++);
+    g.Alloc(c, bytes);
+    g.SetStream(0);
+  };
   if (states.from_inventory || titan) {
-    g.Alloc(StepCategory::kParameters, run.ParameterBytes());
-    g.Alloc(StepCategory::kBuffers, run.BufferBytes());
-    g.Alloc(StepCategory::kOptimizerStates, run.OptimizerStateBytes());
+    state(StepCategory::kParameters, run.ParameterBytes());
+    state(StepCategory::kBuffers, run.BufferBytes());
+    state(StepCategory::kOptimizerStates, run.OptimizerStateBytes());
   } else {
-    g.Alloc(StepCategory::kParameters, states.parameters);
-    g.Alloc(StepCategory::kBuffers, states.buffers);
-    g.Alloc(StepCategory::kOptimizerStates, states.optimizer_states);
+    state(StepCategory::kParameters, states.parameters);
+    state(StepCategory::kBuffers, states.buffers);
+    state(StepCategory::kOptimizerStates, states.optimizer_states);
   }
-  g.Alloc(StepCategory::kOther, states.other);
-  if (states.persistent_gradients > 0 && !titan) {
-    g.Alloc(StepCategory::kGradients, states.persistent_gradients);
+  state(StepCategory::kOther, states.other);
+  if (!titan) {
+    state(StepCategory::kGradients, states.persistent_gradients);
+    g.SetGradsInPlace(!states.plain_gradients);
   }
   g.SetPhase(StepPhase::kForward);
   MEMPLAN_ASSIGN_OR_RETURN(T loss, run.ForwardAndLoss());
@@ -155,10 +176,65 @@ Result<StepModel> SimulateStep(const ModelInventory& inventory, const TrainingSe
       m.peak_phase = static_cast<StepPhase>(p);
     }
   }
+  const step::AllocatorPeaks allocator = step::ReplayCachingAllocator(g.AllocatorLog());
+  m.reserved_bytes = allocator.reserved;
+  m.allocator_allocated_bytes = allocator.allocated;
+  m.held_bytes = allocator.held;
   m.saved_bytes = run.saved_bytes();
   m.block_saved_bytes = run.block_saved_bytes();
   m.notes = run.notes();
   return m;
+}
+
+// Note [Reusing a step]
+// The states the memory model hands the step model (StepStates) are allocated before the step
+// and never freed, so they add the same bytes to every moment of it: each phase's peak is at
+// the same moment over any states, only higher by their difference. The planner, which tries
+// one setup under many ZeRO stages, offloads and bucket sizes, runs the step once per setup the
+// step model can tell apart and moves it onto each configuration's states.
+StepModel MoveToStates(StepModel run, const StepStates& from, const StepStates& to,
+                       bool own_states) {
+  if (own_states) return run;
+  // Each state was one allocation, alone on its stream in the allocator's replay.
+  for (auto [a, b] :
+       {std::pair{from.parameters, to.parameters}, std::pair{from.buffers, to.buffers},
+        std::pair{from.optimizer_states, to.optimizer_states}, std::pair{from.other, to.other},
+        std::pair{from.persistent_gradients, to.persistent_gradients}}) {
+    const step::AllocatorPeaks was =
+        step::ReplayCachingAllocator({{0, true, AllocatorRound(a), 0}});
+    const step::AllocatorPeaks now =
+        step::ReplayCachingAllocator({{0, true, AllocatorRound(b), 0}});
+    run.reserved_bytes = run.reserved_bytes - was.reserved + now.reserved;
+    run.held_bytes = run.held_bytes - was.held + now.held;
+    run.allocator_allocated_bytes = run.allocator_allocated_bytes - was.allocated + now.allocated;
+  }
+  struct Field {
+    StepCategory cat;
+    uint64_t from, to;
+  };
+  const Field fields[] = {
+      {StepCategory::kParameters, AllocatorRound(from.parameters), AllocatorRound(to.parameters)},
+      {StepCategory::kBuffers, AllocatorRound(from.buffers), AllocatorRound(to.buffers)},
+      {StepCategory::kOptimizerStates, AllocatorRound(from.optimizer_states),
+       AllocatorRound(to.optimizer_states)},
+      {StepCategory::kGradients, AllocatorRound(from.persistent_gradients),
+       AllocatorRound(to.persistent_gradients)},
+      {StepCategory::kOther, AllocatorRound(from.other), AllocatorRound(to.other)},
+  };
+  run.peak_bytes = 0;
+  for (size_t p = 0; p < run.phases.size(); ++p) {
+    StepPhasePeak& peak = run.phases[p];
+    for (const Field& f : fields) {
+      uint64_t& c = peak.categories[static_cast<size_t>(f.cat)];
+      c = c - f.from + f.to;
+      peak.bytes = peak.bytes - f.from + f.to;
+    }
+    if (peak.bytes > run.peak_bytes) {
+      run.peak_bytes = peak.bytes;
+      run.peak_phase = static_cast<StepPhase>(p);
+    }
+  }
+  return run;
 }
 
 }  // namespace memplan::estimator

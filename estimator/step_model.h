@@ -88,7 +88,11 @@ struct StepStates {
   // Gradients that persist across steps (DeepSpeed's partitions, DDP buckets, accumulation):
   // counted from the start of the step. Zero for a loop that sets them to None after each step.
   uint64_t persistent_gradients = 0;
-  bool plain_gradients = true;  // the step makes .grad tensors of the trainable parameters
+  // The step makes .grad tensors of the trainable parameters and keeps them. false: a
+  // parameter's gradient, once complete, goes into storage that outlives the step (the
+  // persistent gradients, DeepSpeed's buckets, FSDP's reduce-scatter, an offloaded optimizer's
+  // host copy) and its buffer is freed (Note [Gradients that persist]).
+  bool plain_gradients = true;
   // The optimizer step runs on the GPU with torch.optim (foreach / for-loop / fused per the
   // setup); false: DeepSpeed's or an offloaded optimizer, modelled by the memory model.
   bool torch_optimizer = true;
@@ -103,6 +107,14 @@ struct StepModel {
   std::array<StepPhasePeak, kStepPhases> phases{};
   StepPhase peak_phase = StepPhase::kForward;
   uint64_t peak_bytes = 0;
+  // The caching allocator's replay of the step's allocations (Note [The caching allocator's
+  // reserve] in step_allocator.cc): the most it reserves (max_memory_reserved) and the most its
+  // blocks hold at once; their difference is what its caching adds.
+  uint64_t reserved_bytes = 0;
+  uint64_t allocator_allocated_bytes = 0;
+  // The most its segments that hold a live block reach at once: what it cannot give back when a
+  // cudaMalloc fails, the reserve a step needs on a full GPU.
+  uint64_t held_bytes = 0;
   // Saved activations at the end of the forward pass, all blocks, and one block's.
   uint64_t saved_bytes = 0;
   uint64_t block_saved_bytes = 0;
@@ -114,6 +126,12 @@ struct StepModel {
 // know how to run (the message says which), overflow.
 Result<StepModel> SimulateStep(const ModelInventory& inventory, const TrainingSetup& setup,
                                const StepStates& states);
+
+// `run`, made over `from`, as it would be over `to` (Note [Reusing a step]): the same fields of
+// StepStates but parameters, buffers, optimizer_states, persistent_gradients and other. For a plain
+// loop (from_inventory) and torchtitan, whose states the step model lays out itself, nothing moves.
+StepModel MoveToStates(StepModel run, const StepStates& from, const StepStates& to,
+                       bool own_states);
 
 // The cuBLAS workspace PyTorch keeps from the first matmul: 4 MiB x 2 + 16 KiB x 8 (the default
 // CUBLAS_WORKSPACE_CONFIG) before Hopper, 32 MiB from sm90 on

@@ -431,7 +431,11 @@ void ModelRun::ChooseFamily() {
 void ModelRun::CountOptimizerGroups(const std::vector<Wide>& adapter_bytes) {
   const bool lora = s_.lora_rank > 0;
   // Optimizer groups (Transformers' Trainer: weight decay for all but biases and norm weights,
-  // get_decay_parameter_names), each tensor rounded, states in the parameter's dtype.
+  // get_decay_parameter_names), each tensor rounded, states in the dtype of what the optimizer
+  // steps: the parameter, or its fp32 master copy in mixed precision without autocast.
+  const DT odt = (s_.precision == Precision::kBf16Mixed || s_.precision == Precision::kFp16Mixed)
+                     ? DT::kF32
+                     : pdt_;
   Wide decay = 0, no_decay = 0;
   if (lora) {
     for (Wide b : adapter_bytes) {
@@ -441,7 +445,7 @@ void ModelRun::CountOptimizerGroups(const std::vector<Wide>& adapter_bytes) {
   } else {
     for (const TensorInfo& t : inv_.tensors) {
       if (!t.tied_to.empty()) continue;
-      const Wide b = Rounded(t.numel, pdt_);
+      const Wide b = Rounded(t.numel, odt);
       largest_trainable_ = std::max(largest_trainable_, b);
       // get_decay_parameter_names also forbids names containing "bias": T5's
       // relative_attention_bias tables.

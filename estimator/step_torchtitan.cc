@@ -37,6 +37,11 @@ namespace memplan::estimator::step {
 namespace {
 
 constexpr int kReduceBytes = 4;  // torchtitan's mixed_precision_reduce: float32
+// FSDP2's streams (FSDPCommContext): the all-gather's copy-in, the all-gather, the
+// reduce-scatter. Stream 0 is the default stream.
+constexpr int kAllGatherCopyInStream = 1;
+constexpr int kAllGatherStream = 2;
+constexpr int kReduceScatterStream = 3;
 
 Wide ShardElems(Wide dim0, Wide rest, Wide ranks) { return (dim0 + ranks - 1) / ranks * rest; }
 
@@ -95,14 +100,20 @@ void ModelRun::PrepareTorchtitan() {
   // shards; Adam's two states per shard, and fused AdamW's step per parameter on the GPU
   // (torch/optim/adamw.py _init_group: a device tensor when fused or capturable); the RoPE cache
   // of each block (ComplexRoPE: seq x head_dim / 2 complex64).
+  // The optimizer steps on those fp32 shards: foreach AdamW's sqrt(v) is a shard-sized set, and
+  // the per-tensor loop's temporaries are the largest shard's.
   parameter_bytes_ = state_bytes_ = 0;
+  largest_trainable_ = 0;
   for (const FsdpUnit& u : units_) {
     for (Wide p : u.padded) {
-      parameter_bytes_ += AllocatorRound(static_cast<uint64_t>(p / ranks_ * 4));
-      state_bytes_ += 2 * AllocatorRound(static_cast<uint64_t>(p / ranks_ * 4));
+      const Wide shard = AllocatorRound(static_cast<uint64_t>(p / ranks_ * 4));
+      parameter_bytes_ += shard;
+      state_bytes_ += 2 * shard;
+      largest_trainable_ = std::max(largest_trainable_, shard);
       if (s_.fused_optimizer) state_bytes_ += AllocatorRound(4);
     }
   }
+  group_bytes_ = {parameter_bytes_};
   buffer_bytes_ =
       static_cast<Wide>(a_.layers) *
       AllocatorRound(static_cast<uint64_t>(seq_ * static_cast<Wide>(a_.head_dim) / 2 * 8));
@@ -118,8 +129,13 @@ void ModelRun::FsdpUnshard(FsdpUnit& u) {
   Wide in = 0;
   for (Wide p : u.padded) in += p / ranks_;
   const StepCategory c = FsdpTransient();
+  // foreach_all_gather: the copy-in on its stream, the output on the all-gather stream (Note
+  // [The caching allocator's reserve]: each stream caches its own blocks).
+  g_.SetStream(kAllGatherCopyInStream);
   const int input = g_.Alloc(c, in * eb);
+  g_.SetStream(kAllGatherStream);
   const int output = g_.Alloc(c, in * eb * ranks_);
+  g_.SetStream(0);
   g_.Unref(input);
   g_.Recategorize(output, StepCategory::kCommunication);
   u.gathered = output;
@@ -165,6 +181,8 @@ void ModelRun::FsdpReduce(const std::vector<int>& grads, Wide elems, bool accumu
   // lives beside it.
   for (int b : rs_states_) g_.Unref(b);
   rs_states_.clear();
+  // foreach_reduce runs on the reduce-scatter stream: its input and output are that stream's.
+  g_.SetStream(ranks_ > 1 ? kReduceScatterStream : 0);
   const int input = g_.Alloc(StepCategory::kTemporaries, elems * kReduceBytes);
   const bool several = grads.size() > 1;
   if (several) {
@@ -174,6 +192,7 @@ void ModelRun::FsdpReduce(const std::vector<int>& grads, Wide elems, bool accumu
     for (int gb : grads) g_.Unref(gb);
   }
   const int output = g_.Alloc(StepCategory::kTemporaries, elems / ranks_ * kReduceBytes);
+  g_.SetStream(0);
   if (!several && !tied) {
     for (int gb : grads) g_.Unref(gb);
   }

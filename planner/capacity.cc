@@ -5,6 +5,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <set>
 #include <thread>
@@ -445,6 +446,8 @@ Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, 
   std::vector<Status> errors(result.points.size(), Status::Ok());
   std::vector<std::optional<PlanResult>> found(result.points.size());
   std::atomic<size_t> next{0};
+  // One model: the step model's runs serve every point (Note [Reusing a step]).
+  const auto step_cache = std::make_shared<estimator::StepModelCache>();
   auto work = [&] {
     for (size_t i = next++; i < result.points.size(); i = next++) {
       CapacityPoint& p = result.points[i];
@@ -472,6 +475,7 @@ Result<CapacityResult> PlanCapacity(const estimator::ModelInventory& inventory, 
       const Cluster c = PointCluster(request, offer, p.gpus);
       SearchOptions options = request.search;
       if (offer.time_constants) options.time_constants = *offer.time_constants;
+      options.step_cache = step_cache;
       auto r = SearchPlans(inventory, c, point_job, options);
       if (!r.ok()) {
         errors[i] = r.status().WithPrefix(p.gpu + " x " + std::to_string(p.gpus));

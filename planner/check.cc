@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "estimator/deepspeed_config.h"
@@ -608,6 +609,8 @@ class Checker {
           "zero_optimization.offload_param.buffer_size"}},
         {"nvme_param_flat_buffer", {"zero_optimization.sub_group_size"}},
         {"activations", {"train_micro_batch_size_per_gpu"}},
+        {"temporaries", {"train_micro_batch_size_per_gpu"}},
+        {"grads_in_flight", {"train_micro_batch_size_per_gpu"}},
         {"activation_recompute", {"train_micro_batch_size_per_gpu"}},
         {"backward_workspace", {"train_micro_batch_size_per_gpu"}},
         {"logits_and_loss", {"train_micro_batch_size_per_gpu"}},
@@ -630,17 +633,25 @@ class Checker {
     // GPU items at the GPU's peak phase; pinned buffers live through the step (per node).
     const bool gpu = bytes == &MemoryItem::gpu_bytes;
     unsigned phase = estimator::kAllPhases;
+    std::optional<estimator::Phase> peak;
     for (estimator::Phase p : estimator::kPhases) {
-      if (gpu && estimator::PhaseName(p) == m.peak.phase) phase = p;
+      if (gpu && estimator::PhaseName(p) == m.peak.phase) {
+        phase = p;
+        peak = p;
+      }
     }
+    // An item's bytes at the peak phase (the step model's items change from phase to phase).
+    auto at_peak = [&](const MemoryItem& item) {
+      return peak.has_value() ? item.GpuBytesIn(*peak) : item.*bytes;
+    };
     std::vector<const MemoryItem*> items;
     for (const MemoryItem& item : m.items) {
-      if ((item.phases & phase) != 0 && item.*bytes > 0 && !KeysOf(item.name).empty()) {
+      if ((item.phases & phase) != 0 && at_peak(item) > 0 && !KeysOf(item.name).empty()) {
         items.push_back(&item);
       }
     }
     std::stable_sort(items.begin(), items.end(), [&](const MemoryItem* a, const MemoryItem* b) {
-      return a->*bytes > b->*bytes;
+      return at_peak(*a) > at_peak(*b);
     });
     if (items.size() > 4) items.resize(4);
     std::string out;
@@ -650,7 +661,8 @@ class Checker {
         names += (names.empty() ? "" : ", ") + key;
         if (std::find(keys->begin(), keys->end(), key) == keys->end()) keys->push_back(key);
       }
-      out += (out.empty() ? "" : "; ") + item->name + " " + Gib(item->*bytes) + " (" + names + ")";
+      out +=
+          (out.empty() ? "" : "; ") + item->name + " " + Gib(at_peak(*item)) + " (" + names + ")";
     }
     if (out.empty()) return out;
     return (gpu ? ", the most at " + m.peak.phase + ": " : std::string(", per node the most: ")) +

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <memory>
 #include <set>
 
 #include "common/printable.h"
@@ -437,6 +438,10 @@ struct SearchContext {
   std::vector<int64_t> micro_batches{};            // ascending
   std::vector<CheckpointPolicy> checkpointings{};  // the most memory-saving last
   double peak_flops = 0;
+  // The step model's runs, shared by every configuration tried (Note [Reusing a step]), and by
+  // other searches over the model when SearchOptions::step_cache is given.
+  std::shared_ptr<estimator::StepModelCache> step_cache =
+      std::make_shared<estimator::StepModelCache>();
 };
 
 // The request's errors a search cannot start with.
@@ -529,6 +534,7 @@ Result<SearchContext> PrepareSearch(const estimator::ModelInventory& inventory,
                                     const SearchOptions& options) {
   MEMPLAN_RETURN_IF_ERROR(ValidateSearch(inventory, cluster, job, options));
   SearchContext ctx{.inventory = inventory, .cluster = cluster, .job = job, .options = options};
+  if (options.step_cache != nullptr) ctx.step_cache = options.step_cache;
   ctx.world = cluster.WorldSize();
   ctx.per_gpu = job.global_batch / ctx.world;
   MEMPLAN_ASSIGN_OR_RETURN(ctx.micro_batches, MicroBatchesFor(job, ctx.per_gpu, options));
@@ -636,7 +642,7 @@ Result<Evaluated> EvaluateFit(const SearchContext& ctx, const Family& family,
     ++result->configurations;
     MEMPLAN_ASSIGN_OR_RETURN(
         estimator::MemoryEstimate e,
-        estimator::EstimateMemory(ctx.inventory, for_memory, ctx.counts, /*step_model=*/false));
+        estimator::EstimateMemory(ctx.inventory, for_memory, ctx.counts, ctx.step_cache.get()));
     Misfit fit = CheckFit(e.peak, ctx.limits, ctx.cluster, tried);
     if (!fit.ok() && fit.pinned_only && tried.pin_memory) {
       // Try again without pinned host buffers (slower transfers).
@@ -645,7 +651,7 @@ Result<Evaluated> EvaluateFit(const SearchContext& ctx, const Family& family,
       TrainingSetup unpinned_memory = for_memory;
       unpinned_memory.pin_memory = false;
       MEMPLAN_ASSIGN_OR_RETURN(e, estimator::EstimateMemory(ctx.inventory, unpinned_memory,
-                                                            ctx.counts, /*step_model=*/false));
+                                                            ctx.counts, ctx.step_cache.get()));
       fit = CheckFit(e.peak, ctx.limits, ctx.cluster, unpinned);
       if (fit.ok()) tried = unpinned;
     }
@@ -769,7 +775,7 @@ std::optional<estimator::PeakMemory> FitsOn(const SearchContext& ctx, const Reje
                                             TrainingSetup s, const Cluster& c) {
   s.gpus_per_node = c.gpus_per_node;
   s.num_nodes = r.sharding == Sharding::kHybrid ? 1 : c.nodes;
-  auto e = estimator::EstimateMemory(ctx.inventory, s, ctx.counts, /*step_model=*/false);
+  auto e = estimator::EstimateMemory(ctx.inventory, s, ctx.counts, ctx.step_cache.get());
   if (!e.ok()) return std::nullopt;
   if (!CheckFit(e->peak, ctx.limits, c, s).ok()) return std::nullopt;
   return e->peak;

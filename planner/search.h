@@ -50,6 +50,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -92,6 +93,10 @@ struct SearchOptions {
   // Where calibrated constants came from ("calibration.json: 12 runs, ..."), stated in the
   // assumptions; empty: the defaults.
   std::string calibration_note;
+  // The step model's runs for this model, shared by several searches over it (capacity's, on
+  // several threads: the cache is thread-safe; Note [Reusing a step]); null: each search keeps
+  // its own. Only for searches over the same inventory.
+  std::shared_ptr<estimator::StepModelCache> step_cache;
   Status Validate() const;
 };
 
