@@ -420,16 +420,22 @@ std::vector<ModelConstant> Constants(const ItemContext& c, const TrainingSetup& 
   };
 }
 
-std::vector<std::string> Notes(const ItemContext& c) {
+// `step`: the step model ran the setup, and its categories are the items' (Note [Items from the
+// step model]).
+std::vector<std::string> Notes(const ItemContext& c, bool step) {
   std::vector<std::string> notes = {
       "Peak is the largest of four phases (end of forward; first layer of backward with its "
       "recompute; end of backward; optimizer step), per tier; the GPU peak's phase is reported.",
-      "Activations per layer follow Korthikanti et al. 2022 (sbh(34 + 5as/h) for a GPT-3 layer), "
-      "with each term derived from the model: GQA key/value width, gated MLP (4 f-wide tensors), "
-      "MoE top-k, dropout masks only where dropout is on, flash attention, tensor and sequence "
-      "parallelism.",
-      "Gradients are counted in every phase (DeepSpeed keeps its gradient partitions allocated; "
-      "accumulation carries them through the forward pass).",
+      step ? "What the step allocates around the model states (activations, backward's "
+             "temporaries, gradients as backward makes them, the optimizer's temporaries) is the "
+             "step model's: the framework's training code run op by op, with what autograd saves "
+             "and frees (Note [The step model]), per phase."
+           : "Activations per layer follow Korthikanti et al. 2022 (sbh(34 + 5as/h) for a GPT-3 "
+             "layer), with each term derived from the model: GQA key/value width, gated MLP (4 "
+             "f-wide tensors), MoE top-k, dropout masks only where dropout is on, flash "
+             "attention, tensor and sequence parallelism.",
+      "Gradients that outlive the step (DeepSpeed's partitions, FSDP's shards, DDP's buckets, "
+      "accumulation) are counted in every phase; a plain loop's appear as backward makes them.",
       "Tensor parallelism divides all parameters by tp (norms and biases are in fact replicated).",
       "Encoder-decoder models: the decoder sequence is as long as the encoder's (`seq_len`).",
       "CPU, NVMe and pinned bytes are per node (all local ranks); GPU bytes are per GPU. Model "
@@ -443,8 +449,13 @@ std::vector<std::string> Notes(const ItemContext& c) {
   }
   const TrainingSetup& s = c.s;
   notes.push_back(
-      "The allocator margin (10%) applies to activations and per-step temporaries only; model "
-      "states allocated once at start-up are counted as allocated (Note [Allocator margin]).");
+      step ? "The allocator margin is what the CUDA caching allocator's segments that hold a live "
+             "block keep beyond it, from replaying the step's allocations through its rules "
+             "(Note [The caching allocator's reserve]); on a GPU with room to spare it reserves "
+             "more (peak.gpu_reserved_bytes)."
+           : "The allocator margin (10%) applies to activations and per-step temporaries only; "
+             "model states allocated once at start-up are counted as allocated (Note [Allocator "
+             "margin]).");
   if (UpcastingNorm(c.arch) && s.precision != Precision::kFp32) {
     notes.push_back(
         "The norms keep their input in fp32 (Transformers' LlamaRMSNorm and its copies upcast "
@@ -682,7 +693,9 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
   TotalPhases(c, &out, &m);
   m.items = std::move(out.items);
   m.constants = Constants(c, input);
-  m.notes = Notes(c);
+  m.notes = Notes(c, m.step.has_value());
+  // What the step model assumed, where its figures are the estimate's.
+  if (m.step.has_value()) m.notes.insert(m.notes.end(), m.step->notes.begin(), m.step->notes.end());
   return m;
 }
 

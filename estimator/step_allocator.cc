@@ -63,9 +63,10 @@ class Allocator {
       b = std::get<2>(*it);
       pool.erase(it);
     } else {
-      const uint64_t seg = small                    ? kSmallBuffer
-                           : bytes < kMinLargeAlloc ? kLargeBuffer
-                                                    : (bytes + kRoundLarge - 1) / kRoundLarge * kRoundLarge;
+      const uint64_t seg = small ? kSmallBuffer
+                           : bytes < kMinLargeAlloc
+                               ? kLargeBuffer
+                               : (bytes + kRoundLarge - 1) / kRoundLarge * kRoundLarge;
       b = NewBlock(next_addr_, seg, small);
       blocks_[static_cast<size_t>(b)].segment = static_cast<int>(segments_.size());
       segments_.push_back({seg, 0});
@@ -121,8 +122,8 @@ class Allocator {
       const int n = side == 0 ? blk->prev : blk->next;
       if (n < 0 || !blocks_[static_cast<size_t>(n)].free) continue;
       Block& other = blocks_[static_cast<size_t>(n)];
-      pool.erase(std::lower_bound(pool.begin(), pool.end(),
-                                  std::make_tuple(other.size, other.addr, 0)));
+      pool.erase(
+          std::lower_bound(pool.begin(), pool.end(), std::make_tuple(other.size, other.addr, 0)));
       if (side == 0) {
         // The previous block absorbs this one.
         other.size += blk->size;

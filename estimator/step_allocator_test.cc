@@ -56,17 +56,17 @@ TEST_CASE("allocator replay: a freed block too small for the next request stays 
 
 TEST_CASE("allocator replay: freed neighbours merge, and the smallest block that fits is taken") {
   // Three blocks carved from one 60 MiB segment, freed in an order that merges them back.
-  AllocatorPeaks p = ReplayCachingAllocator({A(0, 60 * kMiB), F(0), A(1, 20 * kMiB),
-                                             A(2, 20 * kMiB), A(3, 20 * kMiB), F(1), F(3), F(2),
-                                             A(4, 60 * kMiB)});
+  AllocatorPeaks p =
+      ReplayCachingAllocator({A(0, 60 * kMiB), F(0), A(1, 20 * kMiB), A(2, 20 * kMiB),
+                              A(3, 20 * kMiB), F(1), F(3), F(2), A(4, 60 * kMiB)});
   CHECK(p.reserved == 60 * kMiB);
   // Without the merge the last request needs a new segment.
   p = ReplayCachingAllocator({A(0, 60 * kMiB), F(0), A(1, 20 * kMiB), A(2, 20 * kMiB),
                               A(3, 20 * kMiB), F(1), F(3), A(4, 40 * kMiB)});
   CHECK(p.reserved == 100 * kMiB);
   // Best fit: the 30 MiB request takes the 30 MiB block, not the 50 MiB one.
-  p = ReplayCachingAllocator({A(0, 50 * kMiB), A(1, 30 * kMiB), F(0), F(1), A(2, 30 * kMiB),
-                              A(3, 50 * kMiB)});
+  p = ReplayCachingAllocator(
+      {A(0, 50 * kMiB), A(1, 30 * kMiB), F(0), F(1), A(2, 30 * kMiB), A(3, 50 * kMiB)});
   CHECK(p.reserved == 80 * kMiB);
 }
 

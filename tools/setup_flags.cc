@@ -66,8 +66,9 @@ void SharedSetupFlags::Add(CLI::App* cmd, const std::string& group) {
           ->check(CLI::Range(int64_t{1}, int64_t{1} << 24)),
       "loss_chunks");
   add(cmd->add_flag("--compile", v.torch_compile,
-                    "torch.compile of the model: Inductor recomputes the pointwise ops in backward "
-                    "and saves the matmul inputs, attention outputs and norm statistics"),
+                    "torch.compile of the model: estimated as the eager code, an upper bound "
+                    "(Inductor saves at most about what eager autograd saves and fuses "
+                    "temporaries away)"),
       "torch_compile");
   add(cmd->add_option("--gpu-arch", v.gpu_arch,
                       "The GPU architecture (sm70 V100, sm80 A100, sm86/sm89 RTX, sm90 H100): "
