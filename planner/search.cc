@@ -634,12 +634,13 @@ Result<Evaluated> EvaluateFit(const SearchContext& ctx, const Family& family,
       family.sharding == Sharding::kHybrid ? ctx.cluster.gpus_per_node : ctx.world);
   const bool tune = ctx.options.tune_buffers;
   Evaluated out;
+  // One grid point, however many buffer sizes it takes (the report said "41 evaluated" of 36).
+  ++result->configurations;
   for (int level = tune ? 0 : -1; level <= (tune ? 1 : -1); ++level) {
     TrainingSetup tried = s;
     std::string label = ApplyBuffers(&tried, ctx.facts, partition_ranks, level);
     TrainingSetup for_memory = tried;
     if (family.sharding == Sharding::kHybrid) for_memory.num_nodes = 1;
-    ++result->configurations;
     MEMPLAN_ASSIGN_OR_RETURN(
         estimator::MemoryEstimate e,
         estimator::EstimateMemory(ctx.inventory, for_memory, ctx.counts, ctx.step_cache.get()));
