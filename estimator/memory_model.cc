@@ -265,8 +265,9 @@ namespace memplan::estimator {
 struct StepCacheAccess {
   static Result<StepModel> Run(const ModelInventory& inventory, const TrainingSetup& s,
                                const StepStates& st, StepModelCache* cache) {
-    const bool own = st.from_inventory || s.framework == Framework::kTorchtitan;
-    const std::string key = mm::StepKey(s, st);
+    // The inventory too, though a cache serves one: a misuse costs a run, not a wrong answer.
+    const std::string key = inventory.name + " " + std::to_string(inventory.tensors.size()) + " " +
+                            std::to_string(inventory.buffers.size()) + " " + mm::StepKey(s, st);
     StepModelCache::Run run;
     bool found = false;
     {
@@ -292,7 +293,7 @@ struct StepCacheAccess {
       cache->runs_.emplace(key, run);
     }
     if (!run.step.has_value()) return run.error;
-    return MoveToStates(*std::move(run.step), run.states, st, own);
+    return MoveToStates(*std::move(run.step), run.states, st, s.framework);
   }
 };
 

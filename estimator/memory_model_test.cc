@@ -1172,6 +1172,27 @@ TEST_CASE("memory model: a step-model run is reused across what it cannot tell a
   s.micro_batch = 2;
   REQUIRE(EstimateMemory(llama, s, counts, &cache).ok());
   CHECK(cache.runs() == 2);
+  // A plain loop lays out its own states; its kept gradients still move: accumulation on one
+  // GPU and DDP's buckets on four are one run.
+  ModelInventory gpt2 = MustBuild({{"model_type", "gpt2"}});
+  const ModelCounts gpt2_counts = *CountParams(gpt2);
+  TrainingSetup p;
+  p.precision = Precision::kBf16Mixed;
+  p.autocast = true;
+  p.seq_len = 512;
+  p.grad_accum = 2;
+  const size_t runs = cache.runs();
+  for (int64_t gpus : {1, 4}) {
+    p.gpus_per_node = gpus;
+    const MemoryEstimate direct = MustEstimate(gpt2, p);
+    Result<MemoryEstimate> cached = EstimateMemory(gpt2, p, gpt2_counts, &cache);
+    REQUIRE(cached.ok());
+    CAPTURE(gpus);
+    CHECK(cached->step->peak_bytes == direct.step->peak_bytes);
+    CHECK(cached->step->reserved_bytes == direct.step->reserved_bytes);
+    CHECK(cached->peak.gpu_bytes == direct.peak.gpu_bytes);
+  }
+  CHECK(cache.runs() == runs + 1);
 }
 
 }  // namespace

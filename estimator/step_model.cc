@@ -193,34 +193,35 @@ Result<StepModel> SimulateStep(const ModelInventory& inventory, const TrainingSe
 // one setup under many ZeRO stages, offloads and bucket sizes, runs the step once per setup the
 // step model can tell apart and moves it onto each configuration's states.
 StepModel MoveToStates(StepModel run, const StepStates& from, const StepStates& to,
-                       bool own_states) {
-  if (own_states) return run;
-  // Each state was one allocation, alone on its stream in the allocator's replay.
-  for (auto [a, b] :
-       {std::pair{from.parameters, to.parameters}, std::pair{from.buffers, to.buffers},
-        std::pair{from.optimizer_states, to.optimizer_states}, std::pair{from.other, to.other},
-        std::pair{from.persistent_gradients, to.persistent_gradients}}) {
-    const step::AllocatorPeaks was =
-        step::ReplayCachingAllocator({{0, true, AllocatorRound(a), 0}});
-    const step::AllocatorPeaks now =
-        step::ReplayCachingAllocator({{0, true, AllocatorRound(b), 0}});
-    run.reserved_bytes = run.reserved_bytes - was.reserved + now.reserved;
-    run.held_bytes = run.held_bytes - was.held + now.held;
-    run.allocator_allocated_bytes = run.allocator_allocated_bytes - was.allocated + now.allocated;
-  }
+                       Framework framework) {
+  // What SimulateStep allocated from the states it was given, each once, alone on its stream in
+  // the allocator's replay: a plain loop and torchtitan lay out the parameters, buffers and
+  // optimizer states themselves, and torchtitan keeps no gradients from one step to the next.
+  const bool titan = framework == Framework::kTorchtitan;
+  const bool own = from.from_inventory || titan;
   struct Field {
     StepCategory cat;
     uint64_t from, to;
   };
-  const Field fields[] = {
-      {StepCategory::kParameters, AllocatorRound(from.parameters), AllocatorRound(to.parameters)},
-      {StepCategory::kBuffers, AllocatorRound(from.buffers), AllocatorRound(to.buffers)},
-      {StepCategory::kOptimizerStates, AllocatorRound(from.optimizer_states),
-       AllocatorRound(to.optimizer_states)},
-      {StepCategory::kGradients, AllocatorRound(from.persistent_gradients),
-       AllocatorRound(to.persistent_gradients)},
-      {StepCategory::kOther, AllocatorRound(from.other), AllocatorRound(to.other)},
-  };
+  std::vector<Field> fields = {{StepCategory::kOther, from.other, to.other}};
+  if (!own) {
+    fields.push_back({StepCategory::kParameters, from.parameters, to.parameters});
+    fields.push_back({StepCategory::kBuffers, from.buffers, to.buffers});
+    fields.push_back({StepCategory::kOptimizerStates, from.optimizer_states, to.optimizer_states});
+  }
+  if (!titan) {
+    fields.push_back(
+        {StepCategory::kGradients, from.persistent_gradients, to.persistent_gradients});
+  }
+  for (Field& f : fields) {
+    f.from = AllocatorRound(f.from);
+    f.to = AllocatorRound(f.to);
+    const step::AllocatorPeaks was = step::ReplayCachingAllocator({{0, true, f.from, 0}});
+    const step::AllocatorPeaks now = step::ReplayCachingAllocator({{0, true, f.to, 0}});
+    run.reserved_bytes = run.reserved_bytes - was.reserved + now.reserved;
+    run.held_bytes = run.held_bytes - was.held + now.held;
+    run.allocator_allocated_bytes = run.allocator_allocated_bytes - was.allocated + now.allocated;
+  }
   run.peak_bytes = 0;
   for (size_t p = 0; p < run.phases.size(); ++p) {
     StepPhasePeak& peak = run.phases[p];

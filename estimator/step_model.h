@@ -127,11 +127,12 @@ struct StepModel {
 Result<StepModel> SimulateStep(const ModelInventory& inventory, const TrainingSetup& setup,
                                const StepStates& states);
 
-// `run`, made over `from`, as it would be over `to` (Note [Reusing a step]): the same fields of
-// StepStates but parameters, buffers, optimizer_states, persistent_gradients and other. For a plain
-// loop (from_inventory) and torchtitan, whose states the step model lays out itself, nothing moves.
+// `run`, made over `from` for a setup of `framework`, as it would be over `to` (Note [Reusing a
+// step]): the same StepStates but for the bytes of parameters, buffers, optimizer_states,
+// persistent_gradients and other, each as SimulateStep allocates them (a plain loop and
+// torchtitan lay out the first three themselves; torchtitan keeps no gradients).
 StepModel MoveToStates(StepModel run, const StepStates& from, const StepStates& to,
-                       bool own_states);
+                       Framework framework);
 
 // The cuBLAS workspace PyTorch keeps from the first matmul: 4 MiB x 2 + 16 KiB x 8 (the default
 // CUBLAS_WORKSPACE_CONFIG) before Hopper, 32 MiB from sm90 on
