@@ -28,6 +28,10 @@ namespace memplan::estimator::step {
 // a step settles into, which max_memory_reserved reports.
 namespace {
 
+// A hostile setup's segments could add up past 2^64: beyond 2^62 reserved (the most bytes the
+// step model counts) the replay stops and reports every total as UINT64_MAX.
+constexpr uint64_t kMostReserved = uint64_t{1} << 62;
+
 constexpr uint64_t kSmallSize = uint64_t{1} << 20;
 constexpr uint64_t kSmallBuffer = uint64_t{2} << 20;
 constexpr uint64_t kLargeBuffer = uint64_t{20} << 20;
@@ -46,14 +50,15 @@ struct Block {
 // The device's totals, shared by the streams' allocators.
 struct Counters {
   uint64_t reserved = 0, allocated = 0, held = 0;
-  AllocatorPeaks peaks;
+  uint64_t peak_reserved = 0, peak_allocated = 0, peak_held = 0;
+  bool saturated = false;  // past kMostReserved: the replay stopped
 };
 
 class Allocator {
  public:
   explicit Allocator(Counters* counters) : c_(counters) {}
 
-  // The block for a request of `bytes`.
+  // The block for a request of `bytes`; -1 once the reserve would pass kMostReserved.
   int Malloc(uint64_t bytes) {
     const bool small = bytes <= kSmallSize;
     auto& pool = small ? small_ : large_;
@@ -63,6 +68,10 @@ class Allocator {
       b = std::get<2>(*it);
       pool.erase(it);
     } else {
+      if (bytes > kMostReserved || c_->reserved > kMostReserved - bytes - kLargeBuffer) {
+        c_->saturated = true;
+        return -1;
+      }
       const uint64_t seg = small ? kSmallBuffer
                            : bytes < kMinLargeAlloc
                                ? kLargeBuffer
@@ -72,7 +81,7 @@ class Allocator {
       segments_.push_back({seg, 0});
       next_addr_ += seg + kRoundLarge;  // segments are never neighbours
       c_->reserved += seg;
-      c_->peaks.reserved = std::max(c_->peaks.reserved, c_->reserved);
+      c_->peak_reserved = std::max(c_->peak_reserved, c_->reserved);
     }
     Block& blk = blocks_[static_cast<size_t>(b)];
     blk.free = false;
@@ -90,10 +99,10 @@ class Allocator {
       Release(r);
     }
     c_->allocated += blocks_[static_cast<size_t>(b)].size;
-    c_->peaks.allocated = std::max(c_->peaks.allocated, c_->allocated);
+    c_->peak_allocated = std::max(c_->peak_allocated, c_->allocated);
     Segment& seg = segments_[static_cast<size_t>(blocks_[static_cast<size_t>(b)].segment)];
     if (seg.live++ == 0) c_->held += seg.size;
-    c_->peaks.held = std::max(c_->peaks.held, c_->held);
+    c_->peak_held = std::max(c_->peak_held, c_->held);
     return b;
   }
 
@@ -173,13 +182,15 @@ AllocatorPeaks ReplayCachingAllocator(const std::vector<AllocatorEvent>& events)
     if (e.alloc) {
       if (e.bytes == 0 || slot.first != nullptr) continue;
       Allocator& a = streams.try_emplace(e.stream, &counters).first->second;
-      slot = {&a, a.Malloc(e.bytes)};
+      const int block = a.Malloc(e.bytes);
+      if (counters.saturated) return {UINT64_MAX, UINT64_MAX, UINT64_MAX};
+      slot = {&a, block};
     } else if (slot.first != nullptr) {
       slot.first->Free(slot.second);
       slot = {nullptr, -1};
     }
   }
-  return counters.peaks;
+  return {counters.peak_allocated, counters.peak_reserved, counters.peak_held};
 }
 
 }  // namespace memplan::estimator::step

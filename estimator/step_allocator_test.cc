@@ -78,6 +78,22 @@ TEST_CASE("allocator replay: each stream caches its own blocks") {
   CHECK(p.reserved == 100 * kMiB);
 }
 
+TEST_CASE("allocator replay: a reserve past 2^62 is reported as UINT64_MAX, never wrapped") {
+  const uint64_t big = uint64_t{1} << 61;
+  // Requests that grow, each freed before the next: every one needs a segment of its own.
+  AllocatorPeaks p = ReplayCachingAllocator({A(0, big), F(0), A(1, big + 2 * kMiB), F(1),
+                                             A(2, big + 4 * kMiB), F(2), A(3, big + 6 * kMiB)});
+  CHECK(p.reserved == UINT64_MAX);
+  CHECK(p.allocated == UINT64_MAX);
+  CHECK(p.held == UINT64_MAX);
+  CHECK(ReplayCachingAllocator({A(0, UINT64_MAX)}).reserved == UINT64_MAX);
+  // Under the bound the figures are exact.
+  const uint64_t half = big / 2;
+  p = ReplayCachingAllocator({A(0, half), F(0), A(1, half + 2 * kMiB)});
+  CHECK(p.allocated == half + 2 * kMiB);
+  CHECK(p.reserved == 2 * half + 2 * kMiB);
+}
+
 TEST_CASE("allocator replay: frees of unknown ids and zero-byte requests are ignored") {
   AllocatorPeaks p = ReplayCachingAllocator({F(7), A(0, 0), A(1, 4 * kMiB), F(1), F(1)});
   CHECK(p.reserved == 20 * kMiB);

@@ -213,9 +213,12 @@ StepModel MoveToStates(StepModel run, const StepStates& from, const StepStates& 
     fields.push_back(
         {StepCategory::kGradients, from.persistent_gradients, to.persistent_gradients});
   }
+  // A replay that passed its bound stays saturated (UINT64_MAX), not shifted into a wrap.
+  const bool saturated = run.reserved_bytes == UINT64_MAX;
   for (Field& f : fields) {
     f.from = AllocatorRound(f.from);
     f.to = AllocatorRound(f.to);
+    if (saturated) continue;
     const step::AllocatorPeaks was = step::ReplayCachingAllocator({{0, true, f.from, 0}});
     const step::AllocatorPeaks now = step::ReplayCachingAllocator({{0, true, f.to, 0}});
     run.reserved_bytes = run.reserved_bytes - was.reserved + now.reserved;
