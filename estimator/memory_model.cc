@@ -102,6 +102,7 @@ struct StepUse {
   bool own_states = false;   // the step laid out the parameters and optimizer states itself
   bool titan = false;
   uint64_t given_gradients = 0;
+  uint64_t given_states = 0;  // the items' parameters and optimizer states (StepStates')
 };
 
 // The step model's categories at each of the memory model's phases (kPhases order).
@@ -133,15 +134,11 @@ void UseStepModel(const StepModel& step, const StepUse& use, Builder* out) {
   if (use.titan) {
     for (const char* n : {"grads", "fsdp_unsharded_params", "fsdp_unit_grads"}) drop.push_back(n);
   }
-  Wide item_states = 0;
+  const Wide item_states = use.given_states;
   Builder kept;
   kept.overflow = out->overflow;
   for (size_t i = 0; i < out->items.size(); ++i) {
     const MemoryItem& item = out->items[i];
-    if (item.name == "params_working" || item.name == "params_quantized" ||
-        item.name == "params_master" || item.name == "optimizer_states") {
-      item_states += item.gpu_bytes;
-    }
     if (std::find(drop.begin(), drop.end(), item.name) != drop.end()) {
       // What the item held off the GPU stays (none of these has any today).
       if (item.cpu_bytes == 0 && item.nvme_bytes == 0 && item.pinned_bytes == 0) continue;
@@ -667,8 +664,7 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
     st.optimizer_states = gpu_of("optimizer_states");
     // Gradients set to None each step (zero_grad's default from PyTorch 2.0), as the items count
     // them (Note [Gradient storage]).
-    const bool plain = s.zero_stage == 0 && !c.Fsdp() && s.DataParallel() == 1 &&
-                       s.grad_accum == 1 && !s.TorchBefore(2, 0);
+    const bool plain = c.PlainGradients();
     st.persistent_gradients = plain ? 0 : gpu_of("grads") + gpu_of("ddp_grad_buckets");
     st.plain_gradients = plain;
     // FSDP's flat parameters (FSDP1) step as the items count them (optimizer_step_transient);
@@ -685,6 +681,7 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
       use.plain_grads = plain;
       use.own_states = st.from_inventory || use.titan;
       use.given_gradients = st.persistent_gradients;
+      use.given_states = st.parameters + st.optimizer_states;
       UseStepModel(*m.step, use, &out);
     } else {
       m.step_error = sim.status().message();

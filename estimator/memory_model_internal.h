@@ -196,6 +196,13 @@ struct ItemContext {
   }
   bool Offloaded() const { return s.offload_optimizer != OffloadDevice::kNone; }
   bool Fsdp() const { return fsdp != FsdpSharding::kNone; }
+  // A plain loop's gradients (Note [Gradient storage]): zero_grad(set_to_none=True) since
+  // PyTorch 2.0, one micro-batch per step, one GPU, no DeepSpeed or FSDP. None exist until
+  // backward makes them; every other setup keeps them from one step to the next.
+  bool PlainGradients() const {
+    return s.zero_stage == 0 && !Fsdp() && s.DataParallel() == 1 && s.grad_accum == 1 &&
+           !s.TorchBefore(2, 0);
+  }
   // FSDP's share of `x` elements on a rank: all of them with NO_SHARD.
   Wide FsdpShard(Wide x) const {
     return fsdp == FsdpSharding::kNoShard ? TpShare(x) : CeilDiv(TpShare(x), d);

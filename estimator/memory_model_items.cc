@@ -239,8 +239,7 @@ Status Grads(const ItemContext& c, Builder* out) {
     // the first layer's backward holds the head's and that block's, backward's end all of them.
     // Before PyTorch 2.0 zero_grad() zeroed the gradients in place (set_to_none=False): they
     // stayed allocated from one step to the next.
-    const bool plain =
-        s.zero_stage == 0 && s.DataParallel() == 1 && s.grad_accum == 1 && !s.TorchBefore(2, 0);
+    const bool plain = c.PlainGradients();
     const std::string what = std::string(s.autocast ? "fp32" : c.half) +
                              " gradients of the trainable parameters" +
                              std::string(s.zero_stage >= 2 ? ", ZeRO-partitioned" : "");

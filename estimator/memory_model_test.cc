@@ -1054,12 +1054,6 @@ TEST_CASE("memory model: framework, torch_version and fsdp round-trip through JS
   CHECK_FALSE(ParseFramework("megatron").ok());
 }
 
-}  // namespace
-}  // namespace memplan::estimator
-
-namespace memplan::estimator {
-namespace {
-
 uint64_t StepAt(const MemoryEstimate& m, StepPhase p) {
   return m.step->phases[static_cast<size_t>(p)].bytes;
 }
