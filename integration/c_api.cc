@@ -1,5 +1,6 @@
-// The C API (memplan.h) over the C++ library: estimate / plan through integration::requests, the
-// offload Engine through a handle that owns it (and, for "runtime": "host" or "cuda", its runtime).
+// The C API (memplan.h) over the C++ library: the offload Engine through a handle that owns it
+// (and, for "runtime": "host" or "cuda", its runtime); estimate / plan / capacity are
+// c_api_requests.cc's, through integration::requests.
 //
 // Every exported function runs its body inside Guard(), which turns a non-OK Status into a
 // memplan_status plus this thread's last-error message, and catches every C++ exception so that
@@ -33,13 +34,11 @@
 
 #include "common/json.h"
 #include "common/status.h"
+#include "integration/c_api_internal.h"
 #include "integration/engine_json.h"
-#include "integration/requests.h"
 #include "offload/engine.h"
 #include "gpu/gpu_runtime.h"
 #include "schedule/schedule.h"
-
-#define MEMPLAN_C_EXPORT extern "C" __attribute__((visibility("default")))
 
 #ifndef MEMPLAN_VERSION
 #define MEMPLAN_VERSION "unknown"
@@ -57,6 +56,10 @@ constexpr int32_t kMaxDims = 64;
 // This thread's last error. `fallback` is used when the message itself cannot be allocated.
 thread_local std::string last_error;
 thread_local const char* last_error_fallback = nullptr;
+
+}  // namespace
+
+namespace memplan::capi {
 
 void SetLastError(const char* function, const std::string& message) noexcept {
   try {
@@ -86,32 +89,10 @@ memplan_status ToC(StatusCode code) {
   return MEMPLAN_INTERNAL;
 }
 
-// Runs `body` (returning Status) as the C function `function`: the status code, the message
-// recorded on failure, and no exception escaping.
-template <typename Body>
-memplan_status Guard(const char* function, Body&& body) noexcept {
-  try {
-    Status status = body();
-    if (status.ok()) return MEMPLAN_OK;
-    SetLastError(function, status.message());
-    return ToC(status.code());
-  } catch (const std::bad_alloc&) {
-    SetLastError(function, "out of memory");
-    return MEMPLAN_RESOURCE_EXHAUSTED;
-  } catch (const std::exception& e) {
-    SetLastError(function, std::string("internal error: ") + e.what());
-    return MEMPLAN_INTERNAL;
-  } catch (...) {
-    SetLastError(function, "internal error: unknown exception");
-    return MEMPLAN_INTERNAL;
-  }
-}
-
 Status NullArgument(const char* name) {
   return Status::InvalidArgument(std::string(name) + " is NULL");
 }
 
-// Copies `text` into memory the caller frees with memplan_string_free (free()).
 Status GiveString(const std::string& text, char** out) {
   char* copy = static_cast<char*>(std::malloc(text.size() + 1));
   if (copy == nullptr) {
@@ -123,20 +104,16 @@ Status GiveString(const std::string& text, char** out) {
   return Status::Ok();
 }
 
-// Dumps a JSON answer as the CLI prints it (two-space indent); invalid UTF-8 in a string is
-// replaced rather than thrown about.
 std::string Dump(const nlohmann::json& json) {
   return json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace);
 }
 
-Status JsonRequest(const char* text, const char* what,
-                   Result<nlohmann::json> (*answer)(const nlohmann::json&), char** out) {
-  MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json request, memplan::ParseJson(text, what));
-  MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json result, answer(request));
-  return GiveString(Dump(result), out);
-}
+}  // namespace memplan::capi
 
-}  // namespace
+using memplan::capi::Dump;
+using memplan::capi::GiveString;
+using memplan::capi::Guard;
+using memplan::capi::NullArgument;
 
 // The handle behind memplan_engine*. Members are destroyed in reverse order: the engine before the
 // runtime it uses.
@@ -324,51 +301,6 @@ MEMPLAN_C_EXPORT const char* memplan_last_error(void) {
 }
 
 MEMPLAN_C_EXPORT void memplan_string_free(char* text) { std::free(text); }
-
-// ---- Estimate and plan --------------------------------------------------------------------------
-
-MEMPLAN_C_EXPORT memplan_status memplan_estimate_json(const char* request_json,
-                                                      char** answer_json) {
-  return Guard(__func__, [&]() -> Status {
-    if (answer_json == nullptr) return NullArgument("answer_json");
-    *answer_json = nullptr;
-    if (request_json == nullptr) return NullArgument("request_json");
-    return JsonRequest(request_json, "estimate request", memplan::integration::Estimate,
-                       answer_json);
-  });
-}
-
-MEMPLAN_C_EXPORT memplan_status memplan_estimate_path(const char* model, int64_t gpus_per_node,
-                                                      int64_t nodes, char** answer_json) {
-  return Guard(__func__, [&]() -> Status {
-    if (answer_json == nullptr) return NullArgument("answer_json");
-    *answer_json = nullptr;
-    if (model == nullptr) return NullArgument("model");
-    const nlohmann::json request = {{"model", model}, {"gpus", gpus_per_node}, {"nodes", nodes}};
-    MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json answer, memplan::integration::Estimate(request));
-    return GiveString(Dump(answer), answer_json);
-  });
-}
-
-MEMPLAN_C_EXPORT memplan_status memplan_plan_json(const char* request_json, char** answer_json) {
-  return Guard(__func__, [&]() -> Status {
-    if (answer_json == nullptr) return NullArgument("answer_json");
-    *answer_json = nullptr;
-    if (request_json == nullptr) return NullArgument("request_json");
-    return JsonRequest(request_json, "plan request", memplan::integration::Plan, answer_json);
-  });
-}
-
-MEMPLAN_C_EXPORT memplan_status memplan_capacity_json(const char* request_json,
-                                                      char** answer_json) {
-  return Guard(__func__, [&]() -> Status {
-    if (answer_json == nullptr) return NullArgument("answer_json");
-    *answer_json = nullptr;
-    if (request_json == nullptr) return NullArgument("request_json");
-    return JsonRequest(request_json, "capacity request", memplan::integration::Capacity,
-                       answer_json);
-  });
-}
 
 // ---- Offload engine -----------------------------------------------------------------------------
 
