@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Checks the C and C++ files' format; runs the concurrent NVMe engine and CPU optimizer tests
-# under ThreadSanitizer together with the GPU path on the emulated GPU (tests/gpu_emulation) while
-# the Python environments are made (./.venv and ./.venv-modern, scripts/python-env.sh); builds
-# memplan with warnings as errors and runs the whole test suite, including the oracle tests
-# against Hugging Face Transformers and DeepSpeed; then the unit tests under AddressSanitizer +
-# UndefinedBehaviorSanitizer, and every fuzz target for a few seconds (fuzz/).
+# under ThreadSanitizer together with the GPU path on the emulated GPU (tests/gpu_emulation), then
+# the unit tests under AddressSanitizer + UndefinedBehaviorSanitizer and every fuzz target for a
+# few seconds (fuzz/), all while the Python environments are made (./.venv and ./.venv-modern,
+# scripts/python-env.sh); then builds memplan with warnings as errors and runs the whole test
+# suite, including the oracle tests against Hugging Face Transformers and DeepSpeed.
 # Run scripts/setup.sh first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,10 +24,10 @@ python_envs=""
 trap '[[ -n $python_envs ]] && { kill -- -"$python_envs" || kill "$python_envs"; } 2>/dev/null
   rm -rf "$scratch"' EXIT
 
-# The Python environments are made while the ThreadSanitizer build below compiles: on a new
-# machine they download and unpack about 6 GB (the network's and the disk's time more than the
-# CPU's), which would otherwise hold up everything else. The Release tests, which use them, come
-# after it; where the environments exist already, this takes seconds. In a session of its own, so
+# The Python environments are made while the two sanitizer builds below compile and test: on a
+# new machine they download and unpack about 6 GB (the network's and the disk's time more than
+# the CPU's), which would otherwise hold up everything else. The Release tests, which use them,
+# come last; where the environments exist already, this takes seconds. In a session of its own, so
 # that a failure before it is done stops pip too (the EXIT trap).
 setsid bash -c 'bash scripts/python-env.sh > "$1/python" &&
   bash scripts/python-env.sh --modern > "$1/modern-python"' _ "$scratch" \
@@ -65,38 +65,26 @@ cmake --build build-tsan -j"$jobs" --target nvme_test gpu_test bench_test offloa
 (cd build-tsan && TSAN_OPTIONS="halt_on_error=1" ctest --output-on-failure -j"$jobs" \
   -R "^(nvme_test|gpu_test|bench_test|offload_test$gpu_tests)\$")
 
-# The Release build (scripts/setup.sh built it; this configures the Python tests) and the whole
-# suite but the wheel.
-if ! wait "$python_envs"; then
-  cat "$scratch/python-env.log" >&2
-  echo "test.sh: the Python environments could not be made (scripts/python-env.sh, above)" >&2
-  exit 1
-fi
-python_envs=""
-cat "$scratch/python-env.log" >&2
-python=$(<"$scratch/python")
-modern_python=$(<"$scratch/modern-python")
-cmake -S . -B build $(generator build) -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
-  -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" -DMEMPLAN_WERROR=ON -DCMAKE_UNITY_BUILD=ON \
-  -DMEMPLAN_PYTHON="$python" -DMEMPLAN_MODERN_PYTHON="$modern_python" >/dev/null
-cmake --build build -j"$jobs"
-# The wheel test (`pip install .`, tests/python/wheel_test.sh) compiles the libraries a second
-# time, so it runs only when asked: MEMPLAN_TEST_WHEEL=1 bash scripts/test.sh.
-skip_wheel=(-LE wheel)
-[[ ${MEMPLAN_TEST_WHEEL:-0} == 1 ]] && skip_wheel=()
-(cd build && ctest --output-on-failure -j"$jobs" --timeout 600 "${skip_wheel[@]}")
-
 # AddressSanitizer + UndefinedBehaviorSanitizer on the unit tests (which include every fuzz seed
 # and regression input, tests/fuzz_regressions_test.cc). Built with clang at -O1 so the libFuzzer
 # targets share the build; MEMPLAN_SANITIZE compiles with -fno-sanitize-recover=all, so any report
 # fails the test that triggered it.
-# Note [CI time]: a cold run of this script took about 50 minutes on two cores, the clang build
-# below a fifth of it; its test files (fifty-odd, against a dozen library units) compile at -O0,
-# in half the CPU of -O1, and its unit tests then run in about twice their minute
-# (MEMPLAN_TEST_COMPILE_OPTIONS, the top-level CMakeLists.txt). The unit tests' scale cases (a
-# 10 MB config, a 50k-tensor header, the estimator's linear-time checks) run a tenth of their
-# size, or fewer timed repeats, under a sanitizer (testing::kSanitizerBuild): they check memory
-# there, and the Release suite checks their time. estimator_test went from 101 s to 38 s here.
+# Note [CI time]: a cold `.ci/run` (scripts/setup.sh, then this script) took 40 minutes on two
+# cores at the end of November 2026: the Release build 11, the ThreadSanitizer build 8 and its
+# tests 1.5, the clang build below 11.5 and its tests 1.3, the fuzz smoke 0.6 and the Release
+# tests 6. The Python environments' download took 6 of the ThreadSanitizer build's 8 minutes
+# there; on a slower network it also overlaps the clang build, which comes before the Release
+# tests for that reason. What has been cut:
+# - the clang build's test files (fifty-odd, against a dozen library units) compile at -O0, in
+#   half the CPU of -O1, and its unit tests then run in about twice their minute
+#   (MEMPLAN_TEST_COMPILE_OPTIONS, the top-level CMakeLists.txt);
+# - the unit tests' scale cases (a 10 MB config, a 50k-tensor header, the estimator's linear-time
+#   checks) run a tenth of their size, or fewer timed repeats, under a sanitizer
+#   (testing::kSanitizerBuild): they check memory there, and the Release suite checks their time.
+#   estimator_test went from 101 s to 38 s here;
+# - the ThreadSanitizer build compiles neither the estimator nor the planner: the C API's emulated
+#   test links the API's engine half alone (tests/gpu_emulation/CMakeLists.txt). Cold, on a quiet
+#   machine, that build went from 5.2 to 3.3 minutes (9.7 to 6.1 minutes of CPU).
 cmake -S . -B build-san $(generator build-san) -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -gline-tables-only" \
   -DCMAKE_C_FLAGS_DEBUG="-O1 -gline-tables-only" -DMEMPLAN_SANITIZE="address;undefined" \
@@ -142,3 +130,24 @@ while ((running > 0)); do
   running=$((running - 1))
 done
 ((failed == 0)) || exit 1
+
+# The Release build (scripts/setup.sh built it; this configures the Python tests) and the whole
+# suite but the wheel.
+if ! wait "$python_envs"; then
+  cat "$scratch/python-env.log" >&2
+  echo "test.sh: the Python environments could not be made (scripts/python-env.sh, above)" >&2
+  exit 1
+fi
+python_envs=""
+cat "$scratch/python-env.log" >&2
+python=$(<"$scratch/python")
+modern_python=$(<"$scratch/modern-python")
+cmake -S . -B build $(generator build) -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS_RELEASE="-O2 -DNDEBUG" \
+  -DCMAKE_C_FLAGS_RELEASE="-O2 -DNDEBUG" -DMEMPLAN_WERROR=ON -DCMAKE_UNITY_BUILD=ON \
+  -DMEMPLAN_PYTHON="$python" -DMEMPLAN_MODERN_PYTHON="$modern_python" >/dev/null
+cmake --build build -j"$jobs"
+# The wheel test (`pip install .`, tests/python/wheel_test.sh) compiles the libraries a second
+# time, so it runs only when asked: MEMPLAN_TEST_WHEEL=1 bash scripts/test.sh.
+skip_wheel=(-LE wheel)
+[[ ${MEMPLAN_TEST_WHEEL:-0} == 1 ]] && skip_wheel=()
+(cd build && ctest --output-on-failure -j"$jobs" --timeout 600 "${skip_wheel[@]}")
