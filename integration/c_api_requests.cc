@@ -18,8 +18,13 @@ using memplan::capi::NullArgument;
 
 namespace {
 
+// A request function's body: the arguments checked (`*out` cleared before the request is read),
+// `text` parsed as the `what`, answered, and the answer handed over as JSON text.
 Status JsonRequest(const char* text, const char* what,
                    Result<nlohmann::json> (*answer)(const nlohmann::json&), char** out) {
+  if (out == nullptr) return NullArgument("answer_json");
+  *out = nullptr;
+  if (text == nullptr) return NullArgument("request_json");
   MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json request, memplan::ParseJson(text, what));
   MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json result, answer(request));
   return GiveString(Dump(result), out);
@@ -31,10 +36,7 @@ Status JsonRequest(const char* text, const char* what,
 
 MEMPLAN_C_EXPORT memplan_status memplan_estimate_json(const char* request_json,
                                                       char** answer_json) {
-  return Guard(__func__, [&]() -> Status {
-    if (answer_json == nullptr) return NullArgument("answer_json");
-    *answer_json = nullptr;
-    if (request_json == nullptr) return NullArgument("request_json");
+  return Guard(__func__, [&] {
     return JsonRequest(request_json, "estimate request", memplan::integration::Estimate,
                        answer_json);
   });
@@ -53,20 +55,14 @@ MEMPLAN_C_EXPORT memplan_status memplan_estimate_path(const char* model, int64_t
 }
 
 MEMPLAN_C_EXPORT memplan_status memplan_plan_json(const char* request_json, char** answer_json) {
-  return Guard(__func__, [&]() -> Status {
-    if (answer_json == nullptr) return NullArgument("answer_json");
-    *answer_json = nullptr;
-    if (request_json == nullptr) return NullArgument("request_json");
+  return Guard(__func__, [&] {
     return JsonRequest(request_json, "plan request", memplan::integration::Plan, answer_json);
   });
 }
 
 MEMPLAN_C_EXPORT memplan_status memplan_capacity_json(const char* request_json,
                                                       char** answer_json) {
-  return Guard(__func__, [&]() -> Status {
-    if (answer_json == nullptr) return NullArgument("answer_json");
-    *answer_json = nullptr;
-    if (request_json == nullptr) return NullArgument("request_json");
+  return Guard(__func__, [&] {
     return JsonRequest(request_json, "capacity request", memplan::integration::Capacity,
                        answer_json);
   });
