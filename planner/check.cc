@@ -23,8 +23,16 @@ namespace {
 using Keys = std::set<std::string>;
 using estimator::MemoryItem;
 
-// The keys DeepSpeed (0.16) reads in each section this checker knows. Sections not listed here
+// Note [DeepSpeed's keys]
+// The keys DeepSpeed reads in each section this checker knows: 0.16's and 0.19's (each name read
+// by either version, less what 0.19 refuses: Removed()). Sections not listed here
 // (optimizer/scheduler params, monitors, profilers) are free-form or checked by DeepSpeed itself.
+// An unknown key is refused by DeepSpeed in the sections its pydantic classes read
+// (RefusesUnknown) and ignored elsewhere: both are problems (a misspelling DeepSpeed ignores is a
+// setting silently lost), and the message says which. At the top level and in the sections
+// DeepSpeed ignores, a key that starts with "_" is a comment ("_comment" in LLaMA-Factory's
+// configs) and is let be. tests/plan_consumers/check_verdicts_test.py puts the same keys through
+// DeepSpeed 0.19's own classes.
 // Laid out by hand, several keys a line, as DeepSpeed's config reference lists them.
 // clang-format off
 const std::map<std::string, Keys>& Sections() {
@@ -32,18 +40,18 @@ const std::map<std::string, Keys>& Sections() {
       {"",
        {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
         "steps_per_print", "wall_clock_breakdown", "dump_state", "gradient_clipping",
-        "prescale_gradients", "gradient_predivide_factor", "sparse_gradients", "fp16", "bf16",
-        "amp", "optimizer", "scheduler", "zero_optimization", "zero_allow_untested_optimizer",
+        "prescale_gradients", "gradient_predivide_factor", "fp16", "bf16", "optimizer",
+        "scheduler", "zero_optimization", "zero_allow_untested_optimizer",
         "zero_force_ds_cpu_optimizer", "activation_checkpointing", "aio", "flops_profiler",
-        "tensorboard", "wandb", "csv_monitor", "comet", "communication_data_type",
-        "seq_parallel_communication_data_type", "elasticity", "autotuning", "data_efficiency",
-        "curriculum_learning", "compression_training", "checkpoint", "data_types", "pipeline",
-        "memory_breakdown", "sparse_attention", "eigenvalue", "progressive_layer_drop",
-        "quantize_training", "nebula", "disable_allgather", "torch_autocast", "compile",
-        "hybrid_engine", "weight_quantization", "timers", "graph_harvesting",
-        "use_data_before_expert_parallelism", "dataloader_drop_last",
-        "zero_allow_comm_data_type_fp32",
-        "mics_shard_size", "load_universal_checkpoint", "monitor_config"}},
+        "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "communication_data_type",
+        "seq_parallel_communication_data_type", "autotuning", "data_efficiency", "checkpoint",
+        "data_types", "pipeline", "memory_breakdown", "disable_allgather", "torch_autocast",
+        "compile", "hybrid_engine", "weight_quantization", "timers",
+        "use_data_before_expert_parallelism", "dataloader_drop_last", "vocabulary_size",
+        "sequence_parallel_size", "data_parallel_size",
+        // DeepSpeed 0.19's (0.16 ignores them)
+        "tensor_parallel", "expert_parallel", "gradient_allreduce_op", "log_level",
+        "managed_gradient_accumulation", "datastates_ckpt", "disable_python_gc"}},
       {"zero_optimization",
        {"stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size",
         "use_multi_rank_bucket_allreduce", "allgather_partitions", "allgather_bucket_size",
@@ -59,21 +67,27 @@ const std::map<std::string, Keys>& Sections() {
         "use_all_reduce_for_fetch_params", "stage3_use_all_reduce_for_fetch_params",
         "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients",
         "zero_hpz_partition_size", "zero_quantized_weights",
-        "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
-        "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear",
-        "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings"}},
+        "zero_quantized_nontrainable_weights", "zero_quantized_gradients",
+        "memory_efficient_linear", "pipeline_loading_checkpoint", "override_module_apply",
+        "log_trace_cache_warnings",
+        // DeepSpeed 0.19's (0.16 refuses them)
+        "allgather_sequential", "stage3_allgather_sequential", "compute_grad_norm",
+        "enable_sanity_checks", "leaf_module", "parameter_alignment",
+        "save_muon_momentum_buffer_in_memory", "zenflow"}},
       {"zero_optimization.offload_param",
        {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"}},
       {"zero_optimization.offload_optimizer",
        {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
-        "fast_init", "ratio"}},
+        "fast_init", "ratio", "cpuadam_cores_perc", "super_offload"}},
       {"aio",
        {"block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events",
         "use_gds"}},
       {"fp16",
        {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
         "hysteresis", "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"}},
-      {"bf16", {"enabled", "immediate_grad_update", "check_grad_overflow"}},
+      {"bf16",
+       {"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+        "bf16_optimizer_states"}},
       {"activation_checkpointing",
        {"partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
         "number_checkpoints", "synchronize_checkpoint_boundary", "profile"}},
@@ -98,6 +112,40 @@ const std::map<std::string, std::string>& Renamed() {
       {"bfloat16", "renamed bf16"},
   };
   return *kRenamed;
+}
+
+// What DeepSpeed 0.19 took out, and refuses a config that still has (its runtime/config.py lists
+// them with the issue that explains): key path -> what it was. 0.16 read every one.
+const std::map<std::string, std::string>& Removed() {
+  static const auto* kRemoved = new std::map<std::string, std::string>{
+      {"amp", "NVIDIA Apex AMP (use bf16, fp16 or torch_autocast)"},
+      {"compression_training", "the compression library"},
+      {"curriculum_learning",
+       "the top-level curriculum_learning (use "
+       "data_efficiency.data_sampling.curriculum_learning)"},
+      {"eigenvalue", "eigenvalue-based Mixture-of-Quantization"},
+      {"elasticity", "elastic training (set the batch keys directly)"},
+      {"graph_harvesting", "graph harvesting"},
+      {"nebula", "Nebula checkpointing"},
+      {"progressive_layer_drop", "Progressive Layer Dropping"},
+      {"quantize_training", "Mixture-of-Quantization"},
+      {"sparse_attention", "Sparse Attention"},
+      {"sparse_gradients",
+       "sparse compression of dense embedding gradients (an embedding built "
+       "with sparse=True still reduces sparsely, with no key)"},
+      {"zero_optimization.mics_shard_size", "MiCS sharding"},
+      {"zero_optimization.mics_hierarchical_params_gather", "MiCS sharding"},
+      {"zero_optimization.zeropp_loco_param",
+       "LoCo-ZeRO++ (without the key, ZeRO++'s quantized gradients run without LoCo)"},
+  };
+  return *kRemoved;
+}
+
+// The sections DeepSpeed reads with pydantic classes that forbid other keys: an unknown key there
+// fails DeepSpeedConfig (fp16 and bf16 since 0.19; 0.16 ignored theirs).
+bool RefusesUnknown(const std::string& section) {
+  return section == "zero_optimization" || section == "zero_optimization.offload_param" ||
+         section == "zero_optimization.offload_optimizer" || section == "fp16" || section == "bf16";
 }
 
 // Where the Hugging Face Trainer fills "auto".
@@ -143,6 +191,12 @@ class Checker {
         Problem(path, r->second);
         continue;
       }
+      if (auto r = Removed().find(path); r != Removed().end()) {
+        Problem(path, "removed in DeepSpeed 0.19, which refuses a config that has it: " +
+                          r->second + "; delete it (0.16 read it)");
+        continue;
+      }
+      if (!key.empty() && key[0] == '_' && !RefusesUnknown(section)) continue;  // a comment
       if (known->second.count(key) > 0) {
         if (value.is_object() && sections.count(path) > 0) CheckKeys(value, path);
         continue;
@@ -176,8 +230,10 @@ class Checker {
           nearest = candidate;
         }
       }
-      Problem(path,
-              "unknown key" + (best <= limit ? "; did you mean " + nearest + "?" : std::string()));
+      Problem(path, "unknown key" +
+                        (best <= limit ? "; did you mean " + nearest + "?" : std::string()) +
+                        (RefusesUnknown(section) ? " (DeepSpeed refuses the config)"
+                                                 : " (DeepSpeed ignores it)"));
     }
   }
 
@@ -265,9 +321,37 @@ class Checker {
     return s.contains("enabled") && s["enabled"].is_boolean() && s["enabled"].get<bool>();
   }
 
+  // A boolean `key` of section `section` that is true.
+  static bool True(const nlohmann::json& c, const char* section, const char* key) {
+    if (!c.contains(section) || !c[section].is_object()) return false;
+    const nlohmann::json& s = c[section];
+    return s.contains(key) && s[key].is_boolean() && s[key].get<bool>();
+  }
+
+  static int64_t ZeroStage(const nlohmann::json& c) {
+    if (!c.contains("zero_optimization") || !c["zero_optimization"].is_object()) return 0;
+    const nlohmann::json& z = c["zero_optimization"];
+    return z.contains("stage") && z["stage"].is_number_integer() ? z["stage"].get<int64_t>() : 0;
+  }
+
   void Precision(const nlohmann::json& c) {
     if (Enabled(c, "fp16") && Enabled(c, "bf16")) {
       Problem("bf16.enabled", "fp16 and bf16 are both enabled; DeepSpeed refuses this");
+    }
+    // 16-bit master weights (DeepSpeed 0.19's runtime/config.py asserts these at start-up).
+    const int64_t stage = ZeroStage(c);
+    for (const auto& [section, key] : {std::pair{"bf16", "bf16_master_weights_and_grads"},
+                                       std::pair{"bf16", "bf16_optimizer_states"},
+                                       std::pair{"fp16", "fp16_master_weights_and_grads"}}) {
+      if (True(c, section, key) && (stage < 1 || stage > 3)) {
+        Problem(Join(section, key), "needs ZeRO stage 1, 2 or 3 (stage is " +
+                                        std::to_string(stage) + "); DeepSpeed asserts at start-up");
+      }
+    }
+    if (True(c, "bf16", "bf16_optimizer_states") &&
+        !True(c, "bf16", "bf16_master_weights_and_grads")) {
+      Problem("bf16.bf16_optimizer_states",
+              "needs bf16.bf16_master_weights_and_grads true; DeepSpeed 0.19 asserts at start-up");
     }
   }
 
@@ -717,6 +801,25 @@ class Checker {
           "assumed the optimizer runs as DeepSpeed builds it from optimizer.type (a fused kernel "
           "updating in place; `memplan plan` counts torch's foreach temporaries instead, "
           "so its peak can be higher by about one state-sized buffer)");
+    }
+    // Settings the estimator does not model, said next to the prediction they change.
+    if (True(c, "bf16", "bf16_master_weights_and_grads") ||
+        True(c, "fp16", "fp16_master_weights_and_grads")) {
+      report_.notes.push_back(
+          "the prediction counts fp32 master weights, gradients and optimizer states; with "
+          "16-bit master weights and gradients (bf16_optimizer_states: states too) DeepSpeed "
+          "keeps less, so the optimizer's share is an upper bound");
+    }
+    for (const char* key : {"tensor_parallel", "sequence_parallel_size"}) {
+      if (!c.contains(key)) continue;
+      const nlohmann::json& v = c[key];
+      const nlohmann::json size =
+          v.is_object() ? v.value("autotp_size", nlohmann::json(1)) : nlohmann::json(v);
+      if (size.is_number() && size.get<double>() > 1) {
+        report_.notes.push_back(std::string("the prediction is for data parallelism over every "
+                                            "GPU: memplan does not model ") +
+                                key + " " + size.dump() + " (its sharding lowers the peak)");
+      }
     }
     report_.notes.push_back(
         "predicted peak per GPU " + Gib(m->peak.gpu_bytes) + " (" + m->peak.phase +

@@ -147,8 +147,36 @@ const std::vector<GpuSpec>& GpuPresets() {
   return *kPresets;
 }
 
+// Note [GPU names]
+// A GPU as people write it and as nvidia-smi prints it ("NVIDIA H100 80GB HBM3",
+// "NVIDIA A100-SXM4-80GB", "Tesla V100-SXM2-32GB", "h100-80gb"), in the presets' spelling: lower
+// case, words joined by '-', the vendor's and series' words dropped, "80GB" read as "80", and the
+// SXM form factor and the memory type dropped (every preset of a name is the SXM part unless its
+// name says otherwise). A PCIe or NVL card ("NVIDIA H100 PCIe", "H100 NVL") keeps its word, so it
+// matches no preset and the error lists them: its memory, rates and links are another GPU's.
+std::string PresetSpelling(std::string_view name) {
+  static const std::set<std::string> kDropped = {"nvidia", "tesla", "geforce", "amd",  "instinct",
+                                                 "sxm",    "sxm2",  "sxm4",    "sxm5", "hbm2",
+                                                 "hbm2e",  "hbm3",  "hbm3e",   "oam"};
+  std::string text = Lower(name);
+  for (char& c : text) {
+    if (c == ' ' || c == '_' || c == '\t') c = '-';
+  }
+  std::string out;
+  std::istringstream words(text);
+  for (std::string word; std::getline(words, word, '-');) {
+    if (word.empty() || kDropped.count(word) > 0) continue;
+    const size_t digits = word.find_first_not_of("0123456789");
+    if (digits != std::string::npos && digits > 0 && word.substr(digits) == "gb") {
+      word.resize(digits);
+    }
+    out += (out.empty() ? "" : "-") + word;
+  }
+  return out;
+}
+
 Result<GpuSpec> FindGpuPreset(std::string_view name) {
-  std::string key = Lower(name);
+  std::string key = PresetSpelling(name);
   static const std::pair<const char*, const char*> kAliases[] = {
       {"a100", "a100-80"},     {"a800", "a800-80"},      {"h100", "h100-80"},
       {"v100", "v100-32"},     {"4090", "rtx4090"},      {"3090", "rtx3090"},
@@ -171,7 +199,7 @@ Result<GpuSpec> FindGpuPreset(std::string_view name) {
 
 std::string GpuAliasNote(std::string_view name) {
   auto picked = FindGpuPreset(name);
-  if (!picked.ok() || Lower(name) == picked->name) return "";
+  if (!picked.ok() || PresetSpelling(name) == picked->name) return "";
   const std::string family = picked->name.substr(0, picked->name.find('-'));
   std::string others;
   for (const GpuSpec& g : GpuPresets()) {

@@ -49,8 +49,9 @@ struct GpuSpec {
 // rtx3090, rtx4090, a10g, l4, t4, b200, h200-nvl, mi300x (public datasheet figures, dense, no
 // sparsity; each with its source beside it in cluster.cc).
 const std::vector<GpuSpec>& GpuPresets();
-// Case-insensitive; also accepts "a100" (-> a100-80), "h100", "v100" (-> v100-32), "4090".
-// Errors list the preset names.
+// Case-insensitive; also accepts "a100" (-> a100-80), "h100", "v100" (-> v100-32), "4090", and
+// the names nvidia-smi prints ("NVIDIA A100-SXM4-40GB" -> a100-40; Note [GPU names] in
+// cluster.cc). Errors list the preset names.
 Result<GpuSpec> FindGpuPreset(std::string_view name);
 // When `name` is a short name that picks one of several presets of the same GPU ("a100" ->
 // a100-80 while a100-40 exists), a sentence saying which it picked, its memory, and the others;

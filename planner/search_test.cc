@@ -61,6 +61,29 @@ TEST_CASE("cluster: presets and bench inputs") {
   CHECK(FindGpuPreset("h200")->memory_bytes == uint64_t{143771} << 20);
   CHECK(FindGpuPreset("v100-16")->bf16_flops == 0);
   CHECK_FALSE(FindGpuPreset("tpu-v5").ok());
+  // As people write them and nvidia-smi prints them (Note [GPU names]).
+  for (const auto& [written, preset] :
+       std::vector<std::pair<std::string, std::string>>{{"h100-80gb", "h100-80"},
+                                                        {"NVIDIA H100 80GB HBM3", "h100-80"},
+                                                        {"H100-SXM", "h100-80"},
+                                                        {"NVIDIA A100-SXM4-40GB", "a100-40"},
+                                                        {"NVIDIA A100-SXM4-80GB", "a100-80"},
+                                                        {"Tesla V100-SXM2-16GB", "v100-16"},
+                                                        {"NVIDIA GeForce RTX 4090", "rtx4090"},
+                                                        {"NVIDIA H200 NVL", "h200-nvl"},
+                                                        {"AMD Instinct MI300X", "mi300x"},
+                                                        {"Tesla T4", "t4"},
+                                                        {"h200_141gb", "h200"}}) {
+    auto gpu = FindGpuPreset(written);
+    REQUIRE_MESSAGE(gpu.ok(), written);
+    CHECK_MESSAGE(gpu->name == preset, written);
+  }
+  // A PCIe or NVL part is another GPU: no preset, not the SXM one.
+  CHECK_FALSE(FindGpuPreset("NVIDIA A100 80GB PCIe").ok());
+  CHECK_FALSE(FindGpuPreset("NVIDIA H100 NVL").ok());
+  CHECK_FALSE(FindGpuPreset("").ok());
+  CHECK_FALSE(FindGpuPreset("gb").ok());
+  CHECK(GpuAliasNote("H100-80GB").empty());  // the full preset, however written
   // A short name that picks one of several presets says so (issue 31 item 10).
   CHECK(GpuAliasNote("A100") ==
         "--gpu A100 is the a100-80 preset (80.0 GiB); for another card of this GPU give its "
@@ -534,11 +557,67 @@ TEST_CASE("check: suggestions use edit distance") {
     }
     return std::string();
   };
-  CHECK(suggestion("overlap_com") == "unknown key; did you mean overlap_comm?");
-  CHECK(suggestion("contigous_gradients") == "unknown key; did you mean contiguous_gradients?");
-  CHECK(suggestion("overlpa_comm") == "unknown key; did you mean overlap_comm?");
+  CHECK(suggestion("overlap_com") ==
+        "unknown key; did you mean overlap_comm? (DeepSpeed refuses the config)");
+  CHECK(suggestion("contigous_gradients") ==
+        "unknown key; did you mean contiguous_gradients? (DeepSpeed refuses the config)");
+  CHECK(suggestion("overlpa_comm") ==
+        "unknown key; did you mean overlap_comm? (DeepSpeed refuses the config)");
   CHECK(CheckDeepSpeedConfig(nlohmann::json::array(), {}).status().message() ==
         "a DeepSpeed config must be a JSON object");
+}
+
+TEST_CASE("check: DeepSpeed 0.19's keys, the keys it removed, and comments") {
+  // Note [DeepSpeed's keys]: each case is a config as it is found in the wild (LLaMA-Factory's
+  // examples/deepspeed, axolotl's deepspeed_configs), cut to the key in question.
+  auto findings = [](const nlohmann::json& extra) {
+    nlohmann::json ds = {{"train_micro_batch_size_per_gpu", 1},
+                         {"bf16", {{"enabled", true}}},
+                         {"zero_optimization", {{"stage", 3}}}};
+    ds.merge_patch(extra);
+    auto report = CheckDeepSpeedConfig(ds, {});
+    REQUIRE_OK(report);
+    std::vector<std::string> out;
+    for (const Finding& f : report->problems) out.push_back(f.path + ": " + f.message);
+    return out;
+  };
+  using Lines = std::vector<std::string>;
+  // Keys DeepSpeed 0.19 reads (AutoTP, the comms logger, ZenFlow, SuperOffload, 16-bit masters).
+  CHECK(findings(
+            {{"tensor_parallel", {{"autotp_size", 2}}},
+             {"comms_logger", {{"enabled", false}}},
+             {"gradient_allreduce_op", "mean"},
+             {"zero_optimization",
+              {{"zenflow", nlohmann::json::object()},
+               {"offload_optimizer", {{"device", "cpu"}, {"super_offload", true}}}}},
+             {"bf16", {{"bf16_master_weights_and_grads", true}, {"bf16_optimizer_states", true}}}})
+            .empty());
+  // A top-level comment is let be; in a section whose pydantic class forbids other keys it is not.
+  CHECK(findings({{"_comment", "supported models: ..."}}).empty());
+  CHECK(findings({{"zero_optimization", {{"_comment", "x"}}}}) ==
+        Lines{"zero_optimization._comment: unknown key (DeepSpeed refuses the config)"});
+  CHECK(findings({{"comms_config", {{"verbose", false}}}}) ==
+        Lines{"comms_config: unknown key (DeepSpeed ignores it)"});
+  // monitor_config is DeepSpeed's attribute, not a key it reads (its monitors are top-level keys).
+  CHECK(findings({{"monitor_config", {{"enabled", true}}}}) ==
+        Lines{"monitor_config: unknown key (DeepSpeed ignores it)"});
+  // Removed in 0.19, which refuses them.
+  const Lines removed = findings({{"elasticity", {{"enabled", false}}},
+                                  {"amp", {{"enabled", false}}},
+                                  {"zero_optimization", {{"mics_shard_size", 8}}}});
+  REQUIRE(removed.size() == 3);
+  CHECK(removed[0].find("amp: removed in DeepSpeed 0.19, which refuses a config that has it: "
+                        "NVIDIA Apex AMP") == 0);
+  CHECK(removed[1].find("elasticity: removed in DeepSpeed 0.19") == 0);
+  CHECK(removed[2].find("zero_optimization.mics_shard_size: removed in DeepSpeed 0.19") == 0);
+  // 16-bit master weights: ZeRO 1-3 only, and bf16 states only with bf16 masters.
+  CHECK(findings({{"zero_optimization", {{"stage", 0}}},
+                  {"bf16", {{"bf16_master_weights_and_grads", true}}}}) ==
+        Lines{"bf16.bf16_master_weights_and_grads: needs ZeRO stage 1, 2 or 3 (stage is 0); "
+              "DeepSpeed asserts at start-up"});
+  CHECK(findings({{"bf16", {{"bf16_optimizer_states", true}}}}) ==
+        Lines{"bf16.bf16_optimizer_states: needs bf16.bf16_master_weights_and_grads true; "
+              "DeepSpeed 0.19 asserts at start-up"});
 }
 
 TEST_CASE("search: the checkpointing policies each framework offers, the tightest last") {

@@ -7,7 +7,8 @@ Runs in the modern environment (MEMPLAN_MODERN_PYTHON, DeepSpeed 0.19). A ZeRO-3
 parameters and optimizer on NVMe for Llama-2-7B on 8 GPUs, which both accept, is changed one value
 at a time (negative buckets and thresholds, reduce_bucket_size 0, non-integers, aio queue_depth 0,
 blocks not a multiple of 4096, too few or too small swap buffers, a sub_group_size too large for
-the swap buffers, an offload ratio outside [0, 1], and values both accept). DeepSpeed's verdict is
+the swap buffers, an offload ratio outside [0, 1], keys DeepSpeed 0.19 removed or added, comments,
+and values both accept). DeepSpeed's verdict is
 its own: deepspeed.runtime.config.DeepSpeedConfig (the pydantic models) and the start-up asserts
 that need no GPU, restated from its source in consumers_test.startup_problems with the model's
 real tensor shapes. memplan's verdict is `memplan check --format json`'s "ok". They must agree on
@@ -64,6 +65,16 @@ CASES = [
     ("aio.queue_depth", 0), ("aio.queue_depth", -1), ("aio.queue_depth", 32),
     ("aio.block_size", 1000), ("aio.block_size", 0), ("aio.block_size", 6144),
     ("aio.block_size", 8192), ("aio.intra_op_parallelism", 0), ("aio.intra_op_parallelism", 2),
+    # Keys (Note [DeepSpeed's keys] in planner/check.cc): a top-level comment, which DeepSpeed
+    # ignores, and one in a pydantic section, which it refuses; keys only 0.19 reads; keys 0.19
+    # removed and refuses; 16-bit master weights.
+    ("_comment", "supported models: ..."), (f"{Z}._comment", "x"), ("bf16.junk", 1),
+    ("tensor_parallel", {"autotp_size": 2}), ("comms_logger", {"enabled": False}),
+    ("gradient_allreduce_op", "mean"), (f"{OO}.super_offload", False),
+    ("elasticity", {"enabled": False}), ("amp", {"enabled": False}), ("sparse_gradients", False),
+    ("curriculum_learning", {"enabled": False}), (f"{Z}.mics_shard_size", 8),
+    (f"{Z}.zeropp_loco_param", {"err_beta": 0.8, "reset_T": 1024}),
+    ("bf16.bf16_master_weights_and_grads", True), ("bf16.bf16_optimizer_states", True),
 ]
 
 
