@@ -1,6 +1,7 @@
 // The decoder-only families as tables for the one builder of hf_family.h: gpt2, gpt_neox, llama,
 // mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, gemma, gemma2, gemma3_text, olmo2,
-// starcoder2, phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon, bloom, gptj, opt, mpt.
+// olmo3, ministral, starcoder2, phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon, bloom, gptj,
+// opt, mpt.
 //
 // Note [Names and order]
 // Each table lists the parameters of the class Transformers (5.x) builds for the config, named and
@@ -299,6 +300,14 @@ constexpr HeadSpec kGemma3Heads[] = {
 constexpr DimField kOlmo2Dims[] = {
     Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
     Default(Dim::kPositions, "max_position_embeddings", 2048),
+};
+
+// OLMo 3: OLMo 2 with sliding-window attention on three layers of four (Olmo3Config's
+// layer_types, which saved configs carry) and a rotary embedding per attention type.
+constexpr DimField kOlmo3Dims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 2048),
+    Optional(Dim::kSlidingWindow, "sliding_window", 4096),
 };
 
 constexpr DimField kStarcoder2Dims[] = {
@@ -921,6 +930,15 @@ constexpr FamilySpec kFamilies[] = {
                .flags = kUntiedAttentionBias,
                .on = On(Flag::kFullQkNorm, Flag::kNoInputNorm, Flag::kPostFfNorm),
                .heads = kHeadsSeq}),
+    LlamaLike({.model_type = "olmo3", .class_prefix = "Olmo3", .dims = kOlmo3Dims,
+               .flags = kUntiedAttentionBias,
+               .on = On(Flag::kFullQkNorm, Flag::kNoInputNorm, Flag::kPostFfNorm,
+                        Flag::kRotaryPerType),
+               .heads = kHeadsSeq, .sliding = SlidingRule::kOlmo3}),
+    // Ministral: Mistral's config, Qwen2's modules without their q/k/v biases.
+    LlamaLike({.model_type = "ministral", .class_prefix = "Ministral", .dims = kMistralDims,
+               .flags = kUntied, .heads = kHeadsQaTransformer,
+               .sliding = SlidingRule::kEveryLayer}),
     LlamaLike({.model_type = "starcoder2", .class_prefix = "Starcoder2", .dims = kStarcoder2Dims,
                .flags = kStarcoder2Flags, .on = On(Flag::kNormBias), .layer = kStarcoder2Layer,
                .heads = kHeadsSeqToken, .sliding = SlidingRule::kEveryLayer, .gated_mlp = false,
@@ -987,6 +1005,7 @@ constexpr const FamilySpec* kFamilyList[] = {
     &kFamilies[6],  &kFamilies[7],  &kFamilies[8],  &kFamilies[9],  &kFamilies[10], &kFamilies[11],
     &kFamilies[12], &kFamilies[13], &kFamilies[14], &kFamilies[15], &kFamilies[16], &kFamilies[17],
     &kFamilies[18], &kFamilies[19], &kFamilies[20], &kFamilies[21], &kFamilies[22], &kFamilies[23],
+    &kFamilies[24], &kFamilies[25],
 };
 static_assert(std::size(kFamilyList) == std::size(kFamilies));
 

@@ -450,6 +450,7 @@ Result<std::vector<bool>> SlidingLayers(const FamilySpec& spec, const ConfigRead
       case SlidingRule::kQwen2Moe:
         s = use && (i + 1) % 2 != 0 && i < v.Get(Dim::kMaxWindowLayers);
         break;
+      case SlidingRule::kOlmo3: s = (i + 1) % 4 != 0; break;
     }
     sliding[static_cast<size_t>(i)] = s;
   }

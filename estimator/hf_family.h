@@ -320,6 +320,7 @@ enum class SlidingRule : uint8_t {
   kPattern,           // Gemma-3: all but every sliding_window_pattern-th layer
   kQwen,              // Qwen2/3: use_sliding_window and i >= max_window_layers
   kQwen2Moe,          // Qwen2-MoE: use_sliding_window, (i + 1) % 2 != 0 and i < max_window_layers
+  kOlmo3,             // OLMo 3: (i + 1) % 4 != 0
 };
 
 enum class HeadKind : uint8_t { kSequence, kToken, kQuestionAnswering };
