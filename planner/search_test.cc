@@ -62,7 +62,8 @@ TEST_CASE("cluster: presets and bench inputs") {
   CHECK(FindGpuPreset("v100-16")->bf16_flops == 0);
   CHECK_FALSE(FindGpuPreset("tpu-v5").ok());
   // As people write them and nvidia-smi prints them (Note [GPU names]).
-  for (const auto& [written, preset] :
+  // (A pair, not a structured binding: clang 14 cannot capture one in doctest's lambdas.)
+  for (const std::pair<std::string, std::string>& name :
        std::vector<std::pair<std::string, std::string>>{{"h100-80gb", "h100-80"},
                                                         {"NVIDIA H100 80GB HBM3", "h100-80"},
                                                         {"H100-SXM", "h100-80"},
@@ -74,9 +75,9 @@ TEST_CASE("cluster: presets and bench inputs") {
                                                         {"AMD Instinct MI300X", "mi300x"},
                                                         {"Tesla T4", "t4"},
                                                         {"h200_141gb", "h200"}}) {
-    auto gpu = FindGpuPreset(written);
-    REQUIRE_MESSAGE(gpu.ok(), written);
-    CHECK_MESSAGE(gpu->name == preset, written);
+    auto gpu = FindGpuPreset(name.first);
+    REQUIRE_MESSAGE(gpu.ok(), name.first);
+    CHECK_MESSAGE(gpu->name == name.second, name.first);
   }
   // A PCIe or NVL part is another GPU: no preset, not the SXM one.
   CHECK_FALSE(FindGpuPreset("NVIDIA A100 80GB PCIe").ok());
