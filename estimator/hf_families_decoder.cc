@@ -1,7 +1,7 @@
 // The decoder-only families as tables for the one builder of hf_family.h: gpt2, gpt_neox, llama,
 // mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, gemma, gemma2, gemma3_text, olmo2,
-// olmo3, ministral, starcoder2, phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon, bloom, gptj,
-// opt, mpt.
+// olmo3, ministral, smollm3, starcoder2, phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon,
+// bloom, gptj, opt, mpt.
 //
 // Note [Names and order]
 // Each table lists the parameters of the class Transformers (5.x) builds for the config, named and
@@ -308,6 +308,21 @@ constexpr DimField kOlmo3Dims[] = {
     Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
     Default(Dim::kPositions, "max_position_embeddings", 2048),
     Optional(Dim::kSlidingWindow, "sliding_window", 4096),
+};
+
+// --- smollm3 ---
+
+constexpr DimField kSmolLm3Dims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 32768),
+    Optional(Dim::kSlidingWindow, "sliding_window", 0),
+};
+constexpr FlagField kSmolLm3Flags[] = {
+    {Flag::kTie, "tie_word_embeddings", true},
+    {Flag::kQkvBias, "attention_bias", false},
+    {Flag::kOBias, "attention_bias", false},
+    {Flag::kMlpBias, "mlp_bias", false},
+    {Flag::kUseSlidingWindow, "use_sliding_window", false},
 };
 
 constexpr DimField kStarcoder2Dims[] = {
@@ -939,6 +954,11 @@ constexpr FamilySpec kFamilies[] = {
     LlamaLike({.model_type = "ministral", .class_prefix = "Ministral", .dims = kMistralDims,
                .flags = kUntied, .heads = kHeadsQaTransformer,
                .sliding = SlidingRule::kEveryLayer}),
+    // SmolLM3: Llama's modules (Qwen2's rotary embedding, the same buffers), with no rotary
+    // embedding on every fourth layer (no_rope_layers) and tied embeddings by default.
+    LlamaLike({.model_type = "smollm3", .class_prefix = "SmolLM3", .dims = kSmolLm3Dims,
+               .flags = kSmolLm3Flags, .heads = kHeadsQaTransformer,
+               .sliding = SlidingRule::kNopeIfUsed, .nope_layers = true}),
     LlamaLike({.model_type = "starcoder2", .class_prefix = "Starcoder2", .dims = kStarcoder2Dims,
                .flags = kStarcoder2Flags, .on = On(Flag::kNormBias), .layer = kStarcoder2Layer,
                .heads = kHeadsSeqToken, .sliding = SlidingRule::kEveryLayer, .gated_mlp = false,
@@ -1005,7 +1025,7 @@ constexpr const FamilySpec* kFamilyList[] = {
     &kFamilies[6],  &kFamilies[7],  &kFamilies[8],  &kFamilies[9],  &kFamilies[10], &kFamilies[11],
     &kFamilies[12], &kFamilies[13], &kFamilies[14], &kFamilies[15], &kFamilies[16], &kFamilies[17],
     &kFamilies[18], &kFamilies[19], &kFamilies[20], &kFamilies[21], &kFamilies[22], &kFamilies[23],
-    &kFamilies[24], &kFamilies[25],
+    &kFamilies[24], &kFamilies[25], &kFamilies[26],
 };
 static_assert(std::size(kFamilyList) == std::size(kFamilies));
 

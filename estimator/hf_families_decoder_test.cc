@@ -431,6 +431,41 @@ TEST_CASE("decoder: llama-like defaults and switches") {
   CHECK(Contains(BuildError(config), "'dtype'"));
 }
 
+TEST_CASE("decoder: SmolLM3's NoPE layers and its sliding windows, as SmolLM3Config fills them") {
+  nlohmann::json smol = {{"model_type", "smollm3"},  {"hidden_size", 256},
+                         {"intermediate_size", 512}, {"num_hidden_layers", 8},
+                         {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+                         {"vocab_size", 1000},       {"architectures", {"SmolLM3ForCausalLM"}}};
+  auto nope = [](const nlohmann::json& config) {
+    ModelInventory m = MustBuild(config);
+    REQUIRE(m.arch.has_value());
+    return std::make_pair(m.arch->nope_layers, m.arch->sliding_layers);
+  };
+  using Layers = std::vector<bool>;
+  // Every fourth layer by default (no_rope_layer_interval 4); no sliding window unless asked.
+  CHECK(nope(smol).first == Layers{false, false, false, true, false, false, false, true});
+  CHECK(nope(smol).second.empty());
+  smol["no_rope_layer_interval"] = 2;
+  CHECK(nope(smol).first == Layers{false, true, false, true, false, true, false, true});
+  // An explicit list (1 = RoPE), at least one entry per layer; all RoPE is no NoPE layer at all.
+  smol["no_rope_layers"] = {1, 0, 1, 1, 1, 1, 1, 0, 1};
+  CHECK(nope(smol).first == Layers{false, true, false, false, false, false, false, true});
+  smol["no_rope_layers"] = {1, 1, 1, 1, 1, 1, 1, 1};
+  CHECK(nope(smol).first.empty());
+  // Sliding windows on the NoPE layers, with use_sliding_window and a window.
+  smol["no_rope_layers"] = {1, 1, 1, 0, 1, 1, 1, 0};
+  smol["use_sliding_window"] = true;
+  smol["sliding_window"] = 128;
+  CHECK(nope(smol).second == Layers{false, false, false, true, false, false, false, true});
+  smol["no_rope_layers"] = {1, 0, 1};
+  CHECK(Contains(BuildError(smol), "'no_rope_layers'"));
+  smol["no_rope_layers"] = {1, 0, 1, 1, "x", 1, 1, 1};
+  CHECK(Contains(BuildError(smol), "'no_rope_layers'"));
+  smol.erase("no_rope_layers");
+  smol["no_rope_layer_interval"] = 0;
+  CHECK(Contains(BuildError(smol), "'no_rope_layer_interval'"));
+}
+
 TEST_CASE("decoder: errors name the field at fault") {
   nlohmann::json llama = FixtureJson("llama-2-7b");
 

@@ -411,6 +411,34 @@ bool MoeLayer(const FamilySpec& spec, const Values& v, const std::set<int64_t>& 
   return false;
 }
 
+// Which layers apply no rotary embedding (FamilySpec::nope_layers; empty when all do), as
+// SmolLM3Config fills no_rope_layers.
+Result<std::vector<bool>> NopeLayers(const FamilySpec& spec, const ConfigReader& config,
+                                     const Values& v) {
+  const int64_t layers = v.Get(Dim::kLayers);
+  if (!spec.nope_layers) return std::vector<bool>{};
+  std::vector<bool> nope(static_cast<size_t>(layers), false);
+  if (config.Has("no_rope_layers") && !config.json()["no_rope_layers"].is_null()) {
+    const nlohmann::json& list = config.json()["no_rope_layers"];
+    // "at least the same length as the number of layers" (SmolLM3Config's docstring).
+    if (!list.is_array() || static_cast<int64_t>(list.size()) < layers) {
+      return config.FieldError("no_rope_layers", "must list 1 (RoPE) or 0 (NoPE) for each of the " +
+                                                     std::to_string(layers) + " layers");
+    }
+    for (size_t i = 0; i < nope.size(); ++i) {
+      const nlohmann::json& x = list[i];
+      if (!x.is_number_integer() && !x.is_boolean()) {
+        return config.FieldError("no_rope_layers", "must be a list of 1 (RoPE) or 0 (NoPE)");
+      }
+      nope[i] = x.is_boolean() ? !x.get<bool>() : x.get<int64_t>() == 0;
+    }
+    return nope;
+  }
+  MEMPLAN_ASSIGN_OR_RETURN(int64_t interval, config.DimOr("no_rope_layer_interval", 4));
+  for (int64_t i = 0; i < layers; ++i) nope[static_cast<size_t>(i)] = (i + 1) % interval == 0;
+  return nope;
+}
+
 // Which layers attend within the sliding window: config.json's `layer_types` when present, else
 // the family's rule (the one its configuration class applies).
 Result<std::vector<bool>> SlidingLayers(const FamilySpec& spec, const ConfigReader& config,
@@ -432,6 +460,7 @@ Result<std::vector<bool>> SlidingLayers(const FamilySpec& spec, const ConfigRead
     return sliding;
   }
   const bool use = v.Is(Flag::kUseSlidingWindow);
+  MEMPLAN_ASSIGN_OR_RETURN(std::vector<bool> nope, NopeLayers(spec, config, v));
   for (int64_t i = 0; i < layers; ++i) {
     bool s = false;
     switch (spec.sliding) {
@@ -451,6 +480,9 @@ Result<std::vector<bool>> SlidingLayers(const FamilySpec& spec, const ConfigRead
         s = use && (i + 1) % 2 != 0 && i < v.Get(Dim::kMaxWindowLayers);
         break;
       case SlidingRule::kOlmo3: s = (i + 1) % 4 != 0; break;
+      case SlidingRule::kNopeIfUsed:
+        s = use && v.Get(Dim::kSlidingWindow) > 0 && !nope.empty() && nope[static_cast<size_t>(i)];
+        break;
     }
     sliding[static_cast<size_t>(i)] = s;
   }
@@ -524,6 +556,8 @@ Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigRead
     arch.sliding_window = v.Get(Dim::kSlidingWindow);
     arch.sliding_layers = sliding;
   }
+  MEMPLAN_ASSIGN_OR_RETURN(std::vector<bool> nope, NopeLayers(spec, config, v));
+  if (std::find(nope.begin(), nope.end(), true) != nope.end()) arch.nope_layers = nope;
   arch.attention_sinks = spec.attention_sinks;
   arch.causal = true;  // every family of this builder is a decoder-only model
   if (v.Is(Flag::kNewDecoderArch)) arch.cached_kv_heads = arch.heads;

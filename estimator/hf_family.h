@@ -321,6 +321,7 @@ enum class SlidingRule : uint8_t {
   kQwen,              // Qwen2/3: use_sliding_window and i >= max_window_layers
   kQwen2Moe,          // Qwen2-MoE: use_sliding_window, (i + 1) % 2 != 0 and i < max_window_layers
   kOlmo3,             // OLMo 3: (i + 1) % 4 != 0
+  kNopeIfUsed,        // SmolLM3: use_sliding_window, sliding_window set, and a NoPE layer
 };
 
 enum class HeadKind : uint8_t { kSequence, kToken, kQuestionAnswering };
@@ -410,6 +411,9 @@ struct FamilySpec {
   bool mtp = false;
   // Rotary position embeddings (partial_rotary and kRotaryDim say over how much of a head).
   bool rotary = true;
+  // Some layers skip them (SmolLM3): `no_rope_layers` (1 = RoPE, 0 = NoPE per layer), else every
+  // `no_rope_layer_interval`-th layer (default 4) is a NoPE layer.
+  bool nope_layers = false;
   // ALiBi biases (Bloom, MPT; Falcon when its `alibi` flag is set).
   bool alibi = false;
   // attn_logit_softcapping / final_logit_softcapping (Gemma-2, Gemma-3), with the configuration

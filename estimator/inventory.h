@@ -198,6 +198,9 @@ struct ArchitectureInfo {
   // Per layer (size `layers`, or empty when every layer is full attention): true where the layer
   // attends within `sliding_window` only.
   std::vector<bool> sliding_layers;
+  // Per layer (size `layers`, or empty when every layer has one): true where the layer applies
+  // no rotary embedding to its queries and keys (SmolLM3's NoPE layers, `no_rope_layers` 0).
+  std::vector<bool> nope_layers;
   bool attention_sinks = false;     // a learned per-head sink logit (gpt-oss)
   bool parallel_attention = false;  // attention and MLP read the same input (GPT-J, Falcon, Phi)
   int64_t mtp_layers = 0;           // multi-token-prediction modules the checkpoint adds (DeepSeek)

@@ -247,7 +247,7 @@ T ModelRun::BloomAttention(const BlockParams& bp, T h) {
 
 // The query, key and value as the attention module makes them: the projections (one fused or
 // three), OPT's query scaling, the query/key norms, rotary, and the DynamicCache copies.
-ModelRun::QkvViews ModelRun::TransformersQkv(const BlockParams& bp, T h) {
+ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T h) {
   const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
   const Wide d = static_cast<Wide>(a_.head_dim);
   T q, k, v;
@@ -282,7 +282,10 @@ ModelRun::QkvViews ModelRun::TransformersQkv(const BlockParams& bp, T h) {
     g_.Drop(k);
     k = kn;
   }
-  if (fam_.rotary) {
+  // SmolLM3Attention: `if self.use_rope` (its NoPE layers rotate nothing).
+  const auto& nope = a_.nope_layers;
+  const bool nope_layer = static_cast<size_t>(layer) < nope.size() && nope[layer];
+  if (fam_.rotary && !nope_layer) {
     T qr = ApplyRotary(q);
     g_.Drop(q);
     q = qr;
@@ -398,7 +401,7 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
   if (fam_.mla) return MlaAttention(bp, h);
   const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
   const Wide d = static_cast<Wide>(a_.head_dim);
-  QkvViews t = TransformersQkv(bp, h);
+  QkvViews t = TransformersQkv(layer, bp, h);
   AttentionShape as = SelfAttentionShape(heads, kv, d);
   as.dropout = a_.attention_dropout;
   as.mask = explicit_mask_;

@@ -185,7 +185,7 @@ class ModelRun {
   struct QkvViews {
     T q, k, v;
   };
-  QkvViews TransformersQkv(const BlockParams& bp, T h);
+  QkvViews TransformersQkv(int layer, const BlockParams& bp, T h);
   T TransformersSdpa(AttentionShape as, DT cdt, QkvViews* t);
   T TransformersEagerAttention(const QkvViews& t);
   T TransformersMlp(const BlockParams& bp, T h);

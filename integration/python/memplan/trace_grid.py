@@ -66,14 +66,14 @@ HF_DECODERS = ["llama-3.2-1b", "llama-3.1-8b", "mistral-7b", "qwen2.5-0.5b", "qw
                "pythia-160m", "smollm2-135m", "opt-125m", "falcon-rw-1b", "phi-2",
                "starcoder2-3b", "olmo-2-1124-7b", "bloom-560m", "gpt-j-6b", "mixtral-8x7b",
                "qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b", "qwen1.5-moe-a2.7b",
-               "olmo3-7b-like", "ministral-8b-like"]
+               "olmo3-7b-like", "ministral-8b-like", "smollm3-3b-like"]
 EAGER_ONLY = ("gemma-2-2b", "bloom-560m", "gpt-j-6b", "gpt-oss-20b")
 # LoRA targets named where PEFT's defaults do not reach these models (fused experts, MLA, gpt-oss,
 # families PEFT has no defaults for): the attention's query and value (MLA's decompressed keys and
 # values).
 LORA_TARGETS = {"mixtral-8x7b": ["q_proj", "v_proj"], "deepseek-v2-lite": ["q_proj", "kv_b_proj"],
                 "gpt-oss-20b": ["q_proj", "v_proj"], "olmo3-7b-like": ["q_proj", "v_proj"],
-                "ministral-8b-like": ["q_proj", "v_proj"]}
+                "ministral-8b-like": ["q_proj", "v_proj"], "smollm3-3b-like": ["q_proj", "v_proj"]}
 HF_ENCODERS = ["bert-base-uncased", "bert-large-uncased", "roberta-base", "xlm-roberta-base",
                "distilbert-base-uncased", "t5-v1_1-base", "t5-large"]
 
@@ -110,6 +110,9 @@ def points():
     for gpu in ("h100", "v100", "rtx4090"):
         out.append(_point(tf, "llama-3.1-8b", 2, 1, 2048, gpu=gpu))
         out.append(_point(tf, "gpt2", 2, 4, 1024, gpu=gpu, precision="fp16-mixed"))
+    # SmolLM3's fourth layer applies no rotary embedding (its NoPE layers).
+    out.append(_point(tf, "smollm3-3b-like", 4, 1, 1024))
+    out.append(_point(tf, "smollm3-3b-like", 4, 2, 1024, checkpointing="full"))
     out.append(_point(tf, "smollm2-135m", 30, 4, 1024))
     out.append(_point(tf, "smollm2-135m", 30, 4, 1024, checkpointing="full"))
     out.append(_point(tf, "llama-3.2-1b", 16, 1, 2048, checkpointing="full"))
