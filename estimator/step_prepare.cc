@@ -433,7 +433,8 @@ void ModelRun::ChooseFamily() {
   fam_.query_scaled = type == "opt";
   fam_.probs_to_value = type == "gpt2";
   fam_.learned_positions = a_.learned_positions;
-  if (type == "gpt2" || type == "opt" || type == "starcoder2" || type == "phi" || type == "gptj") {
+  if (type == "gpt2" || type == "opt" || type == "starcoder2" || type == "phi" || type == "gptj" ||
+      type == "seed_oss") {
     fam_.resid_dropout = a_.hidden_dropout;
   }
   if (type != "opt") fam_.embedding_dropout = a_.embedding_dropout;
