@@ -1,7 +1,7 @@
 // The decoder-only families as tables for the one builder of hf_family.h: gpt2, gpt_neox, llama,
 // mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, gemma, gemma2, gemma3_text, olmo2,
-// olmo3, ministral, smollm3, seed_oss, starcoder2, phi, phi3, deepseek_v2, deepseek_v3, gpt_oss,
-// falcon, bloom, gptj, opt, mpt.
+// olmo3, ministral, smollm3, granite, seed_oss, starcoder2, phi, phi3, deepseek_v2, deepseek_v3,
+// gpt_oss, falcon, bloom, gptj, opt, mpt.
 //
 // Note [Names and order]
 // Each table lists the parameters of the class Transformers (5.x) builds for the config, named and
@@ -308,6 +308,13 @@ constexpr DimField kOlmo3Dims[] = {
     Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
     Default(Dim::kPositions, "max_position_embeddings", 2048),
     Optional(Dim::kSlidingWindow, "sliding_window", 4096),
+};
+
+// --- granite ---
+
+constexpr DimField kGraniteDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 2048),
 };
 
 // --- seed_oss ---
@@ -973,6 +980,10 @@ constexpr FamilySpec kFamilies[] = {
     LlamaLike({.model_type = "smollm3", .class_prefix = "SmolLM3", .dims = kSmolLm3Dims,
                .flags = kSmolLm3Flags, .heads = kHeadsQaTransformer,
                .sliding = SlidingRule::kNopeIfUsed, .nope_layers = true}),
+    // Granite: Llama's tensors; its multipliers (embedding, residual, attention, logits) are
+    // computation only (the step model's Family::granite_multipliers). No task heads.
+    LlamaLike({.model_type = "granite", .class_prefix = "Granite", .dims = kGraniteDims,
+               .flags = kLlamaFlags}),
     // Seed-OSS: Llama's block with q/k/v biases and dropout (0.1 by default) on the attention's
     // and the MLP's outputs.
     LlamaLike({.model_type = "seed_oss", .class_prefix = "SeedOss", .dims = kSeedOssDims,
@@ -1045,7 +1056,7 @@ constexpr const FamilySpec* kFamilyList[] = {
     &kFamilies[6],  &kFamilies[7],  &kFamilies[8],  &kFamilies[9],  &kFamilies[10], &kFamilies[11],
     &kFamilies[12], &kFamilies[13], &kFamilies[14], &kFamilies[15], &kFamilies[16], &kFamilies[17],
     &kFamilies[18], &kFamilies[19], &kFamilies[20], &kFamilies[21], &kFamilies[22], &kFamilies[23],
-    &kFamilies[24], &kFamilies[25], &kFamilies[26], &kFamilies[27],
+    &kFamilies[24], &kFamilies[25], &kFamilies[26], &kFamilies[27], &kFamilies[28],
 };
 static_assert(std::size(kFamilyList) == std::size(kFamilies));
 

@@ -581,6 +581,18 @@ T ModelRun::BodyAdd(T a, T b) {
   return sum;
 }
 
+T ModelRun::ResidualAdd(T residual, T branch) {
+  if (!fam_.granite_multipliers) return BodyAdd(residual, branch);
+  // GraniteDecoderLayer: `residual + hidden_states * self.residual_multiplier`, both the layer's
+  // own ops.
+  g_.SetBlockBody(true);
+  T scaled = Scale(g_, branch);
+  T sum = Add(g_, residual, scaled);
+  g_.Drop(scaled);
+  g_.SetBlockBody(false);
+  return sum;
+}
+
 T ModelRun::TransformersDecoderBlock(int layer, T x) {
   const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
   const double p = fam_.resid_dropout;
@@ -596,12 +608,12 @@ T ModelRun::TransformersDecoderBlock(int layer, T x) {
       T h = NormAny(bp.norms[0], x);
       T attn = dropped(TransformersAttention(layer, bp, h));
       g_.Drop(h);
-      T x2 = BodyAdd(x, attn);
+      T x2 = ResidualAdd(x, attn);
       g_.Drop(attn);
       T h2 = NormAny(bp.norms[1], x2);
       T m = dropped(bp.expert.empty() ? TransformersMlp(bp, h2) : TransformersMoe(bp, h2));
       g_.Drop(h2);
-      T out = BodyAdd(x2, m);
+      T out = ResidualAdd(x2, m);
       g_.Drop(m);
       g_.Drop(x2);
       return out;
@@ -679,6 +691,12 @@ T ModelRun::CausalLmLoss(T hidden) {
   const Wide h = static_cast<Wide>(a_.hidden);
   T logits = Linear(g_, hidden, head_, head_bias_, h, vocab);
   g_.SetPhase(StepPhase::kLoss);
+  if (fam_.granite_multipliers) {
+    // GraniteForCausalLM: `logits = logits / self.config.logits_scaling`.
+    T scaled = Scale(g_, logits);
+    g_.Drop(logits);
+    logits = scaled;
+  }
   if (a_.final_softcap > 0) {
     // Gemma-2: logits / final_logit_softcapping, tanh, * final_logit_softcapping.
     T d1 = Scale(g_, logits);
@@ -774,11 +792,37 @@ Result<T> ModelRun::TransformersForward() {
   const Wide h = static_cast<Wide>(a_.hidden);
   g_.SetWhere("embedding");
   T x = Embedding(g_, embedding_, tokens_, h, pdt_);
+  // Note [The frozen embedding's leaf]
+  // With checkpointing, enable_input_require_grads hooks the input embedding module: its output
+  // requires grad. When the embedding is frozen (LoRA) that output has no grad_fn: it is a leaf,
+  // and the AccumulateGrad node of whatever consumes it holds it until backward reaches that
+  // node, at its very end. Where the model works on the embeddings outside the embedding module
+  // (GPT-2's and OPT's positions, Bloom's layer norm, Granite's multiplier, Starcoder2's dropout)
+  // the module's output thus outlives its last use by the whole step: the traces of those
+  // models' LoRA steps have it alive through forward and backward (32 MiB in fp32 for Granite
+  // 8B's batch of 2 x 1024). Gemma scales inside its embedding module, so its output is the
+  // scaled one; where the output goes straight into the first layer, the layer's checkpoint
+  // keeps it anyway.
+  auto hold_leaf = [&](T t) {
+    if (!ckpt || g_.RequiresGrad(t)) return;
+    g_.SetRequiresGrad(t, true);
+    T held = g_.Alias(t);
+    g_.RecordHook([this, held] { g_.Drop(held); });
+  };
+  if (!fam_.embedding_scale) hold_leaf(x);
   if (fam_.embedding_scale) {
-    // GemmaModel: hidden_states * normalizer (a 0-dim tensor of the hidden states' dtype).
+    // GemmaTextScaledWordEmbedding: the lookup times embed_scale (a 0-dim tensor of the
+    // weight's dtype), inside the module.
     T normalizer = g_.New(1, g_.Dtype(x), false);
     T xs = Mul(g_, x, normalizer);
     g_.Drop(normalizer);
+    g_.Drop(x);
+    x = xs;
+    hold_leaf(x);
+  }
+  if (fam_.granite_multipliers) {
+    // GraniteModel: inputs_embeds * self.embedding_multiplier.
+    T xs = Scale(g_, x);
     g_.Drop(x);
     x = xs;
   }

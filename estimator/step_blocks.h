@@ -95,7 +95,11 @@ class ModelRun {
     double resid_dropout = 0;     // after attention and after the MLP
     double embedding_dropout = 0;
     bool embedding_scale = false;  // Gemma: embeddings * sqrt(hidden)
-    bool embedding_norm = false;   // Bloom: word_embeddings_layernorm
+    // Granite's multipliers, each a multiplication by a Python float (1.0 included): the
+    // embeddings by embedding_multiplier, each branch by residual_multiplier before its residual
+    // add, the logits divided by logits_scaling.
+    bool granite_multipliers = false;
+    bool embedding_norm = false;  // Bloom: word_embeddings_layernorm
     // ALiBi attention: Bloom's baddbmm eager attention, or Falcon's ALiBi folded into a float
     // mask for SDPA.
     bool bloom_attention = false;
@@ -181,6 +185,8 @@ class ModelRun {
   // Transformers' decoder-only LMs (LlamaDecoderLayer and its relatives).
   T TransformersDecoderBlock(int layer, T x);
   T BodyAdd(T a, T b);  // Add as the block's own op, outside its submodules
+  // residual + branch, the branch scaled first where the family says (Granite).
+  T ResidualAdd(T residual, T branch);
   T TransformersAttention(int layer, const BlockParams& bp, T h);
   struct QkvViews {
     T q, k, v;

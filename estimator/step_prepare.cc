@@ -396,6 +396,7 @@ void ModelRun::ChooseFamily() {
     fam_.embedding_scale = true;
   }
   if (type == "gemma2" || type == "gemma3_text") fam_.layout = Family::Layout::kSandwich;
+  fam_.granite_multipliers = type == "granite";
   if (type == "olmo2" || type == "olmo3") {
     fam_.norm = Family::NormKind::kRmsOlmo;
     fam_.layout = Family::Layout::kPostNorm;

@@ -66,7 +66,8 @@ HF_DECODERS = ["llama-3.2-1b", "llama-3.1-8b", "mistral-7b", "qwen2.5-0.5b", "qw
                "pythia-160m", "smollm2-135m", "opt-125m", "falcon-rw-1b", "phi-2",
                "starcoder2-3b", "olmo-2-1124-7b", "bloom-560m", "gpt-j-6b", "mixtral-8x7b",
                "qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b", "qwen1.5-moe-a2.7b",
-               "olmo3-7b-like", "ministral-8b-like", "smollm3-3b-like", "seed-oss-36b-like"]
+               "olmo3-7b-like", "ministral-8b-like", "smollm3-3b-like", "seed-oss-36b-like",
+               "granite-3-8b-like"]
 EAGER_ONLY = ("gemma-2-2b", "bloom-560m", "gpt-j-6b", "gpt-oss-20b")
 # LoRA targets named where PEFT's defaults do not reach these models (fused experts, MLA, gpt-oss,
 # families PEFT has no defaults for): the attention's query and value (MLA's decompressed keys and
@@ -74,7 +75,7 @@ EAGER_ONLY = ("gemma-2-2b", "bloom-560m", "gpt-j-6b", "gpt-oss-20b")
 LORA_TARGETS = {"mixtral-8x7b": ["q_proj", "v_proj"], "deepseek-v2-lite": ["q_proj", "kv_b_proj"],
                 "gpt-oss-20b": ["q_proj", "v_proj"], "olmo3-7b-like": ["q_proj", "v_proj"],
                 "ministral-8b-like": ["q_proj", "v_proj"], "smollm3-3b-like": ["q_proj", "v_proj"],
-                "seed-oss-36b-like": ["q_proj", "v_proj"]}
+                "seed-oss-36b-like": ["q_proj", "v_proj"], "granite-3-8b-like": ["q_proj", "v_proj"]}
 HF_ENCODERS = ["bert-base-uncased", "bert-large-uncased", "roberta-base", "xlm-roberta-base",
                "distilbert-base-uncased", "t5-v1_1-base", "t5-large"]
 
