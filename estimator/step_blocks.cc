@@ -581,6 +581,14 @@ T ModelRun::BodyAdd(T a, T b) {
   return sum;
 }
 
+void ModelRun::HoldEmbeddingLeaf(T t) {
+  // Note [The frozen embedding's leaf] (TransformersForward).
+  if (s_.checkpointing != Checkpointing::kFull || g_.RequiresGrad(t)) return;
+  g_.SetRequiresGrad(t, true);
+  T held = g_.Alias(t);
+  g_.RecordHook([this, held] { g_.Drop(held); });
+}
+
 T ModelRun::ResidualAdd(T residual, T branch) {
   if (!fam_.granite_multipliers) return BodyAdd(residual, branch);
   // GraniteDecoderLayer: `residual + hidden_states * self.residual_multiplier`, both the layer's
@@ -803,13 +811,7 @@ Result<T> ModelRun::TransformersForward() {
   // 8B's batch of 2 x 1024). Gemma scales inside its embedding module, so its output is the
   // scaled one; where the output goes straight into the first layer, the layer's checkpoint
   // keeps it anyway.
-  auto hold_leaf = [&](T t) {
-    if (!ckpt || g_.RequiresGrad(t)) return;
-    g_.SetRequiresGrad(t, true);
-    T held = g_.Alias(t);
-    g_.RecordHook([this, held] { g_.Drop(held); });
-  };
-  if (!fam_.embedding_scale) hold_leaf(x);
+  if (!fam_.embedding_scale) HoldEmbeddingLeaf(x);
   if (fam_.embedding_scale) {
     // GemmaTextScaledWordEmbedding: the lookup times embed_scale (a 0-dim tensor of the
     // weight's dtype), inside the module.
@@ -818,7 +820,7 @@ Result<T> ModelRun::TransformersForward() {
     g_.Drop(normalizer);
     g_.Drop(x);
     x = xs;
-    hold_leaf(x);
+    HoldEmbeddingLeaf(x);
   }
   if (fam_.granite_multipliers) {
     // GraniteModel: inputs_embeds * self.embedding_multiplier.

@@ -185,6 +185,9 @@ class ModelRun {
   // Transformers' decoder-only LMs (LlamaDecoderLayer and its relatives).
   T TransformersDecoderBlock(int layer, T x);
   T BodyAdd(T a, T b);  // Add as the block's own op, outside its submodules
+  // With checkpointing, the input embedding's output made to require grad, and held until the
+  // end of backward when that makes it a leaf (Note [The frozen embedding's leaf]).
+  void HoldEmbeddingLeaf(T t);
   // residual + branch, the branch scaled first where the family says (Granite).
   T ResidualAdd(T residual, T branch);
   T TransformersAttention(int layer, const BlockParams& bp, T h);

@@ -140,6 +140,8 @@ T ModelRun::EncoderEmbeddings() {
     types = g_.New(enc_.roberta_positions ? tokens_ : seq_, DT::kI64, false);  // torch.gather
   }
   T x = Embedding(g_, embedding_, tokens_, static_cast<Wide>(a_.hidden), pdt_);
+  // enable_input_require_grads hooks word_embeddings, inside the embeddings module.
+  HoldEmbeddingLeaf(x);
   if (enc_.token_type.ok()) {
     T tt = EncoderLookup(enc_.token_type, tokens_, types);
     g_.Drop(types);

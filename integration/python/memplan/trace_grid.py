@@ -103,6 +103,11 @@ def points():
         for b, s in ((1, 512), (2, 2048), (4, 1024), (1, 4096), (8, 256)):
             for ck in ("none", "full"):
                 out.append(_point(tf, m, 2, b, s, checkpointing=ck))
+    # LoRA with checkpointing on the encoders: the frozen word embedding's output outlives the
+    # embeddings module (Note [The frozen embedding's leaf] in estimator/step_blocks.cc).
+    for m, t in (("bert-base-uncased", None), ("roberta-base", None),
+                 ("distilbert-base-uncased", ["q_lin", "v_lin"])):
+        out.append(_point(tf, m, 2, 4, 512, checkpointing="full", lora=16, targets=t))
     for m in ("llama-3.2-1b", "gpt2", "qwen3-0.6b"):
         out.append(_point(tf, m, 4, 2, 1024, checkpointing="full", every=2))
         out.append(_point(tf, m, 6, 1, 1024, checkpointing="full", every=3))
