@@ -114,14 +114,16 @@ void RegisterCheck(CLI::App& app, Outcome* outcome) {
   auto f = std::make_shared<CheckFlags>();
   CLI::App* cmd = app.add_subcommand(
       "check",
-      "Find the mistakes in a DeepSpeed config: batch arithmetic, unknown, misspelled, misplaced "
-      "and renamed keys, offload without its ZeRO stage, NVMe without nvme_path, \"auto\" outside "
+      "Find the mistakes in a DeepSpeed config: batch arithmetic, unknown, misspelled, misplaced, "
+      "renamed and removed keys, offload without its ZeRO stage, NVMe without nvme_path, \"auto\" "
+      "outside "
       "the Hugging Face Trainer, values DeepSpeed refuses or breaks on at start-up (buckets, aio, "
       "swap buffers), bf16 on a GPU without it, pinned memory, and (with --model and --gpu) the "
       "predicted fit with the keys that fill it");
   cmd->add_option("config", f->config, "The ds_config.json to check")->required();
   f->model.Add(cmd, "Model (as in `memplan estimate`) to predict the fit", false);
-  cmd->add_option("--gpu", f->gpu, "GPU preset (a100-80, h100-80, ...)");
+  cmd->add_option("--gpu", f->gpu,
+                  "GPU preset (a100-80, h100-80, ...), or its name as nvidia-smi prints it");
   cmd->add_option("--cluster", f->cluster_file, "A cluster JSON file");
   cmd->add_option("-g,--gpus", f->gpus, "GPUs per node (for the batch arithmetic)")
       ->check(CLI::Range(int64_t{1}, int64_t{1024}));
