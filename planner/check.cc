@@ -677,7 +677,11 @@ class Checker {
   // An out-of-memory finding names what to change, not only the stage: the largest items of the
   // predicted breakdown at the peak phase (per GPU, or pinned per node for memlock), each with the
   // config keys that size it, and those keys in Finding::keys.
-  static std::vector<std::string> KeysOf(const std::string& item) {
+  static std::vector<std::string> KeysOf(const std::string& item, int64_t stage) {
+    // sub_group_size is ZeRO-3's (DeepSpeedZeroOptimizer_Stage3 steps its partition in
+    // sub-groups); below stage 3 a rank steps its whole partition at once, which a higher stage
+    // shards.
+    if (item == "optimizer_step_transient" && stage < 3) return {"zero_optimization.stage"};
     static const auto* kKeys = new std::map<std::string, std::vector<std::string>>{
         {"params_working", {"zero_optimization.stage", "zero_optimization.offload_param"}},
         {"params_master", {"zero_optimization.stage", "zero_optimization.offload_optimizer"}},
@@ -716,6 +720,7 @@ class Checker {
                               std::vector<std::string>* keys) {
     // GPU items at the GPU's peak phase; pinned buffers live through the step (per node).
     const bool gpu = bytes == &MemoryItem::gpu_bytes;
+    const int64_t stage = m.setup.zero_stage;
     unsigned phase = estimator::kAllPhases;
     std::optional<estimator::Phase> peak;
     for (estimator::Phase p : estimator::kPhases) {
@@ -730,7 +735,7 @@ class Checker {
     };
     std::vector<const MemoryItem*> items;
     for (const MemoryItem& item : m.items) {
-      if ((item.phases & phase) != 0 && at_peak(item) > 0 && !KeysOf(item.name).empty()) {
+      if ((item.phases & phase) != 0 && at_peak(item) > 0 && !KeysOf(item.name, stage).empty()) {
         items.push_back(&item);
       }
     }
@@ -741,7 +746,7 @@ class Checker {
     std::string out;
     for (const MemoryItem* item : items) {
       std::string names;
-      for (const std::string& key : KeysOf(item->name)) {
+      for (const std::string& key : KeysOf(item->name, stage)) {
         names += (names.empty() ? "" : ", ") + key;
         if (std::find(keys->begin(), keys->end(), key) == keys->end()) keys->push_back(key);
       }

@@ -472,6 +472,18 @@ TEST_CASE("check: out-of-memory and memlock findings name the keys that cause th
   CHECK(has("zero_optimization.reduce_bucket_size"));  // a 4e9-element bucket is 7.5 GiB x 4.5
   CHECK(oom.message.find("comm_reduce_bucket") != std::string::npos);
   CHECK(ToJson(*report)["problems"][0]["keys"].size() == keys.size());
+  // ZeRO-0 (LLaMA-Factory's ds_z0_config.json): the optimizer step's transient is the whole
+  // model's, which a higher stage shards; sub_group_size is ZeRO-3's and does not size it.
+  ds["zero_optimization"] = {{"stage", 0}};
+  ds["train_micro_batch_size_per_gpu"] = 1;
+  ds["train_batch_size"] = 8;
+  report = CheckDeepSpeedConfig(ds, options);
+  REQUIRE_OK(report);
+  REQUIRE(report->problems.size() == 1);
+  CHECK(report->problems[0].message.find("optimizer_step_transient 25.1 GiB "
+                                         "(zero_optimization.stage)") != std::string::npos);
+  CHECK(std::find(report->problems[0].keys.begin(), report->problems[0].keys.end(),
+                  "zero_optimization.sub_group_size") == report->problems[0].keys.end());
 
   // NVMe swap buffers beyond RLIMIT_MEMLOCK: the buffer keys are named.
   options.cluster->gpu = *FindGpuPreset("a100-80");
