@@ -273,30 +273,49 @@ Status ReadCheckpointingAndAio(const DsReader& top, const std::string& source,
 
 Status ReadTrainBatchSize(const DsReader& top, const Supplied& given, TrainingSetup* setup) {
   TrainingSetup& s = *setup;
+  if (s.tp < 1 || s.WorldSize() % s.tp != 0) return Status::Ok();
   // train_batch_size = micro * accumulation * data-parallel world: DeepSpeed derives the micro
   // batch from it when train_micro_batch_size_per_gpu is absent, and checks it when both are set.
+  // Its world is the GPUs / Ulysses' sequence_parallel_size, or data_parallel_size when both are
+  // given (Note [The data-parallel world of the batch] in planner/check.cc).
+  int64_t world = s.DataParallel();
+  std::string ranks = " data-parallel GPUs";
+  if (top.Has("sequence_parallel_size")) {
+    int64_t sp = 1;
+    MEMPLAN_RETURN_IF_ERROR(top.Int("sequence_parallel_size", 1, int64_t{1} << 40, &sp));
+    int64_t dp = 0;
+    if (top.Has("data_parallel_size")) {
+      MEMPLAN_RETURN_IF_ERROR(top.Int("data_parallel_size", 1, int64_t{1} << 40, &dp));
+      world = dp;
+    } else if (world % sp != 0) {
+      return top.Error("sequence_parallel_size", "is " + std::to_string(sp) +
+                                                     ", which does not divide the " +
+                                                     std::to_string(world) + " GPUs");
+    } else {
+      world /= sp;
+    }
+    ranks = " data-parallel ranks (sequence_parallel_size " + std::to_string(sp) + ")";
+  }
   if (top.Has("train_batch_size") && !top.IsAuto("train_batch_size") &&
-      !top.Has("train_micro_batch_size_per_gpu") && !given("micro_batch") && s.tp >= 1 &&
-      s.WorldSize() % s.tp == 0) {
+      !top.Has("train_micro_batch_size_per_gpu") && !given("micro_batch")) {
     int64_t total = 0;
     MEMPLAN_RETURN_IF_ERROR(top.Int("train_batch_size", 1, int64_t{1} << 50, &total));
     // --gpus x --nodes reach 2^40, the accumulation 2^24: the product is checked. Past 2^63 no
     // total can fill a micro-batch; the check below then reports the mismatch.
-    const std::optional<int64_t> per_micro = CheckedMulInt64(s.grad_accum, s.DataParallel());
+    const std::optional<int64_t> per_micro = CheckedMulInt64(s.grad_accum, world);
     s.micro_batch = per_micro ? std::max<int64_t>(1, total / *per_micro) : 1;
   }
   if (top.Has("train_batch_size") && !top.IsAuto("train_batch_size")) {
     int64_t total = 0;
     MEMPLAN_RETURN_IF_ERROR(top.Int("train_batch_size", 1, int64_t{1} << 50, &total));
     const std::optional<int64_t> product =
-        CheckedProductInt64({s.micro_batch, s.grad_accum, s.DataParallel()});
+        CheckedProductInt64({s.micro_batch, s.grad_accum, world});
     const std::string want = product ? std::to_string(*product) : "more than 2^63";
-    if (s.tp >= 1 && s.WorldSize() % s.tp == 0 && product != total) {
+    if (product != total) {
       return top.Error("train_batch_size", "is " + std::to_string(total) + " but micro batch " +
                                                std::to_string(s.micro_batch) + " x accumulation " +
                                                std::to_string(s.grad_accum) + " x " +
-                                               std::to_string(s.DataParallel()) +
-                                               " data-parallel GPUs = " + want);
+                                               std::to_string(world) + ranks + " = " + want);
     }
   }
   return Status::Ok();

@@ -289,5 +289,34 @@ TEST_CASE("training setup: DeepSpeed config errors name the key") {
       "'zero_optimization.offload_optimizer.device'");
 }
 
+TEST_CASE("training setup: Ulysses' sequence_parallel_size divides the batch's world") {
+  // DeepSpeedConfig's world_size is the GPUs / sequence_parallel_size, or data_parallel_size
+  // (Note [The data-parallel world of the batch] in planner/check.cc): 8 GPUs, SP 2, 4 ranks.
+  TrainingSetup s;
+  s.gpus_per_node = 8;
+  REQUIRE_OK(ApplyDeepSpeedConfig(
+      {{"train_batch_size", 16}, {"gradient_accumulation_steps", 2}, {"sequence_parallel_size", 2}},
+      "ds.json", {}, 0, &s));
+  CHECK(s.micro_batch == 2);  // 16 / (2 x 4), not 16 / (2 x 8)
+  s = TrainingSetup{};
+  s.gpus_per_node = 8;
+  REQUIRE_OK(ApplyDeepSpeedConfig({{"train_batch_size", 8},
+                                   {"train_micro_batch_size_per_gpu", 1},
+                                   {"gradient_accumulation_steps", 4},
+                                   {"sequence_parallel_size", 4},
+                                   {"data_parallel_size", 2}},
+                                  "ds.json", {}, 0, &s));
+  CHECK(s.micro_batch == 1);
+  ExpectError(ApplyDeepSpeedConfig({{"train_batch_size", 8},
+                                    {"train_micro_batch_size_per_gpu", 1},
+                                    {"gradient_accumulation_steps", 1},
+                                    {"sequence_parallel_size", 2}},
+                                   "ds.json", {}, 0, &s),
+              "x 4 data-parallel ranks (sequence_parallel_size 2) = 4");
+  ExpectError(ApplyDeepSpeedConfig({{"train_batch_size", 8}, {"sequence_parallel_size", 3}},
+                                   "ds.json", {}, 0, &s),
+              "'sequence_parallel_size' is 3, which does not divide the 8 GPUs");
+}
+
 }  // namespace
 }  // namespace memplan::estimator

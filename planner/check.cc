@@ -276,37 +276,86 @@ class Checker {
     return step && total % *step == 0;
   }
 
+  // Note [The data-parallel world of the batch]
+  // DeepSpeedConfig checks train_batch_size = micro x accumulation x its world_size, which is the
+  // data-parallel world, not the GPUs: with Ulysses' `sequence_parallel_size` (DeepSpeed 0.19)
+  // it is the GPUs / sequence_parallel_size (runtime/config.py), and with `data_parallel_size`
+  // beside it deepspeed.initialize builds a (data, sequence) device mesh that must cover every
+  // GPU, whose data dimension is the world. AutoTP's `tensor_parallel.autotp_size` does not
+  // change it: deepspeed.initialize builds the config without an mpu, over every GPU.
+  // `world` (0 = unknown) becomes the data-parallel world, `gpus` its wording and `keys` the keys
+  // that size it; false when they cannot (a problem is reported).
+  bool DataParallelWorld(const nlohmann::json& c, int64_t* world, std::string* gpus,
+                         std::vector<std::string>* keys) {
+    if (!c.contains("sequence_parallel_size")) return true;
+    const std::optional<int64_t> sp = PositiveInt(c, "", "sequence_parallel_size");
+    if (!sp) return false;
+    keys->push_back("sequence_parallel_size");
+    if (c.contains("data_parallel_size")) {
+      const std::optional<int64_t> given = PositiveInt(c, "", "data_parallel_size");
+      if (!given) return false;
+      const int64_t dp = *given;
+      keys->push_back("data_parallel_size");
+      if (*world > 0 && CheckedProductInt64({dp, *sp}) != *world) {
+        Problem(
+            "data_parallel_size",
+            "is " + std::to_string(dp) + " but data_parallel_size x sequence_parallel_size (" +
+                Product(CheckedProductInt64({dp, *sp})) + ") must be the " +
+                std::to_string(*world) +
+                " GPUs: deepspeed.initialize builds its (data, sequence) device mesh from them");
+        return false;
+      }
+      *world = dp;
+      *gpus = std::to_string(dp) + " data-parallel ranks (data_parallel_size)";
+      return true;
+    }
+    if (*world == 0) return true;
+    if (*world % *sp != 0) {
+      Problem("sequence_parallel_size",
+              "is " + std::to_string(*sp) + ", which does not divide the " +
+                  std::to_string(*world) +
+                  " GPUs: DeepSpeed's data-parallel world (GPUs / sequence_parallel_size) is not "
+                  "whole and no train_batch_size matches it");
+      return false;
+    }
+    *gpus = std::to_string(*world / *sp) + " data-parallel ranks (" + std::to_string(*world) +
+            " GPUs / sequence_parallel_size " + std::to_string(*sp) + ")";
+    *world /= *sp;
+    return true;
+  }
+
   void Batch(const nlohmann::json& c) {
     auto total = PositiveInt(c, "", "train_batch_size");
     auto micro = PositiveInt(c, "", "train_micro_batch_size_per_gpu");
     auto accum = PositiveInt(c, "", "gradient_accumulation_steps");
     int64_t world = options_.world_size;
     if (world == 0 && options_.cluster) world = options_.cluster->WorldSize();
+    std::vector<std::string> keys;  // what besides the batch keys sizes `world`
+    std::string gpus = std::to_string(world) + " GPUs";
+    if (!DataParallelWorld(c, &world, &gpus, &keys)) return;
+    auto problem = [&](std::string message) {
+      report_.problems.push_back({"train_batch_size", std::move(message), keys});
+    };
     if (total && micro && accum) {
       const std::optional<int64_t> want = CheckedProductInt64({*micro, *accum, world});
       const std::optional<int64_t> step = CheckedProductInt64({*micro, *accum});
       if (world > 0 && want != total) {
-        Problem("train_batch_size", "is " + std::to_string(*total) +
-                                        " but train_micro_batch_size_per_gpu " +
-                                        std::to_string(*micro) + " x gradient_accumulation_steps " +
-                                        std::to_string(*accum) + " x " + std::to_string(world) +
-                                        " GPUs = " + Product(want));
+        problem("is " + std::to_string(*total) + " but train_micro_batch_size_per_gpu " +
+                std::to_string(*micro) + " x gradient_accumulation_steps " +
+                std::to_string(*accum) + " x " + gpus + " = " + Product(want));
       } else if (world == 0 && !MultipleOf(*total, step)) {
-        Problem("train_batch_size",
-                "is " + std::to_string(*total) +
-                    ", not a multiple of micro-batch x accumulation = " + Product(step));
+        problem("is " + std::to_string(*total) +
+                ", not a multiple of micro-batch x accumulation = " + Product(step));
       }
     } else if (total && micro && world > 0 &&
                !MultipleOf(*total, CheckedProductInt64({*micro, world}))) {
-      Problem("train_batch_size", "is " + std::to_string(*total) +
-                                      ", not a multiple of train_micro_batch_size_per_gpu x " +
-                                      std::to_string(world) + " GPUs");
+      problem("is " + std::to_string(*total) +
+              ", not a multiple of train_micro_batch_size_per_gpu x " + gpus);
     } else if (total && accum && !micro && world > 0 &&
                !MultipleOf(*total, CheckedProductInt64({*accum, world}))) {
       // DeepSpeed derives the micro-batch as train_batch_size / (accumulation x GPUs).
-      Problem("train_batch_size", "is " + std::to_string(*total) +
-                                      ", not a multiple of gradient_accumulation_steps x " +
-                                      std::to_string(world) + " GPUs");
+      problem("is " + std::to_string(*total) +
+              ", not a multiple of gradient_accumulation_steps x " + gpus);
     } else if (!c.contains("train_batch_size") && !c.contains("train_micro_batch_size_per_gpu")) {
       Problem("train_batch_size",
               "neither train_batch_size nor train_micro_batch_size_per_gpu is given; DeepSpeed "

@@ -75,16 +75,26 @@ CASES = [
     ("curriculum_learning", {"enabled": False}), (f"{Z}.mics_shard_size", 8),
     (f"{Z}.zeropp_loco_param", {"err_beta": 0.8, "reset_T": 1024}),
     ("bf16.bf16_master_weights_and_grads", True), ("bf16.bf16_optimizer_states", True),
+    # The batch's data-parallel world (Note [The data-parallel world of the batch]): Ulysses'
+    # sequence_parallel_size divides it, AutoTP does not; a change of several keys is
+    # "a+b" = [value of a, value of b].
+    ("sequence_parallel_size", 2), ("sequence_parallel_size", 3),
+    ("sequence_parallel_size+train_batch_size", [2, 4]),
+    ("sequence_parallel_size+train_batch_size", [8, 1]),
+    ("tensor_parallel+train_batch_size", [{"autotp_size": 2}, 4]),
 ]
 
 
-def changed(path, value):
+def changed(paths, values):
     config = copy.deepcopy(BASE)
-    node = config
-    *parents, key = path.split(".")
-    for p in parents:
-        node = node[p]
-    node[key] = value
+    if "+" not in paths:
+        values = [values]
+    for path, value in zip(paths.split("+"), values):
+        node = config
+        *parents, key = path.split(".")
+        for p in parents:
+            node = node[p]
+        node[key] = value
     return config
 
 
@@ -134,7 +144,7 @@ def main():
             paths = [p["path"] for p in mp["problems"]]
             keys = paths + [k for p in mp["problems"] for k in p.get("keys", [])]
             name = f"{path or 'base'} = {json.dumps(value)}"
-            ok = (not ds) == mp["ok"] and (not ds or path in keys)
+            ok = (not ds) == mp["ok"] and (not ds or any(p in keys for p in path.split("+")))
             refused += bool(ds)
             if not path and ds:
                 ok = False  # the base config must be one DeepSpeed accepts
