@@ -231,9 +231,12 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
               ? "true"
               : "false") +
          "\n";
-    // Accelerate 1.x reads the strategy from reshard_after_forward (sharding_strategy is
-    // deprecated there).
-    y += "  fsdp_reshard_after_forward: " + strategy + "\n";
+    // Note [FSDP1's strategy in Accelerate]: under fsdp_version 1 Accelerate 1.15 takes the
+    // strategy from sharding_strategy, which `accelerate launch` always exports (FULL_SHARD when
+    // the file is silent), and reads reshard_after_forward only when it is unset: a strategy
+    // written as fsdp_reshard_after_forward alone is silently FULL_SHARD. sharding_strategy is
+    // "deprecated" there, a warning; it is the key FSDP1 obeys.
+    y += "  fsdp_sharding_strategy: " + strategy + "\n";
     y += "  fsdp_state_dict_type: SHARDED_STATE_DICT\n";
     y += "  fsdp_sync_module_states: true\n";
     y += "  fsdp_use_orig_params: true\n";
@@ -322,7 +325,7 @@ Result<ordered_json> FsdpConfig(const Plan& plan, const Cluster& cluster,
   // names of Accelerate 1.x) ...
   ordered_json acc;
   acc["fsdp_version"] = 1;
-  acc["reshard_after_forward"] = strategy;
+  acc["sharding_strategy"] = strategy;  // Note [FSDP1's strategy in Accelerate]
   acc["cpu_offload"] = offload;
   acc["backward_prefetch"] = "BACKWARD_PRE";
   acc["mixed_precision_policy"] = short_dtype;

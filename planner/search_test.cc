@@ -398,7 +398,8 @@ TEST_CASE("emit: what the consumers refuse (tests/plan_consumers runs them for r
   auto fsdp = FsdpConfig(hybrid, c, llama);
   REQUIRE_OK(fsdp);
   CHECK((*fsdp)["sharding_strategy"] == "HYBRID_SHARD");
-  CHECK((*fsdp)["accelerate"]["reshard_after_forward"] == "HYBRID_SHARD");
+  CHECK((*fsdp)["accelerate"]["sharding_strategy"] == "HYBRID_SHARD");
+  CHECK_FALSE((*fsdp)["accelerate"].contains("reshard_after_forward"));
   CHECK((*fsdp)["fully_shard"]["mesh"]["shape"] == nlohmann::ordered_json::array({2, 8}));
   CHECK((*fsdp)["fully_shard"]["reshard_after_forward"] == true);
   auto ds = DeepSpeedConfig(hybrid, c, llama, {});
@@ -412,7 +413,9 @@ TEST_CASE("emit: what the consumers refuse (tests/plan_consumers runs them for r
   options.accelerate_plugin = "fsdp";
   yaml = AccelerateConfig(hybrid, c, llama, options);
   REQUIRE_OK(yaml);
-  CHECK(yaml->find("  fsdp_reshard_after_forward: HYBRID_SHARD\n") != std::string::npos);
+  // Under FSDP1 Accelerate obeys sharding_strategy (Note [FSDP1's strategy in Accelerate]).
+  CHECK(yaml->find("  fsdp_sharding_strategy: HYBRID_SHARD\n") != std::string::npos);
+  CHECK(yaml->find("fsdp_reshard_after_forward") == std::string::npos);
 }
 
 TEST_CASE("emit: parameters on NVMe get the swap buffers DeepSpeed asserts on") {

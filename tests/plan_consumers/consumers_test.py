@@ -350,6 +350,15 @@ def gpu_rank():
         dataclasses.is_cuda_available, torch.cuda.current_device = saved
 
 
+def plan_strategy(e):
+    """The FSDP sharding strategy of `e`'s plan, from its fsdp.json; None without one."""
+    path = e.path("fsdp.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["sharding_strategy"]
+
+
 def check_accelerate(emitted):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
@@ -397,7 +406,13 @@ def check_accelerate(emitted):
                     DeepSpeedPlugin()
                 elif args.use_fsdp:
                     with gpu_rank():
-                        FullyShardedDataParallelPlugin()
+                        plugin = FullyShardedDataParallelPlugin()
+                    # The strategy the plan's FSDP arguments name is the one Accelerate runs
+                    # (a strategy written as fsdp_reshard_after_forward alone ran FULL_SHARD).
+                    got = plugin.sharding_strategy or plugin.reshard_after_forward
+                    want = plan_strategy(e)
+                    if want and getattr(got, "name", got) != want:
+                        problems.append(f"accelerate launch runs {got}, the plan {want}")
                 else:
                     problems.append(f"distributed_type is neither DEEPSPEED nor FSDP")
             except Exception as ex:  # noqa: BLE001
@@ -435,7 +450,12 @@ def check_fsdp(emitted):
             j = json.load(f)
         try:
             with gpu_rank():
-                FullyShardedDataParallelPlugin(**j["accelerate"])
+                plugin = FullyShardedDataParallelPlugin(**j["accelerate"])
+            # The strategy FSDP1 gets (the Accelerator passes sharding_strategy or
+            # reshard_after_forward) must be the plan's.
+            got = plugin.sharding_strategy or plugin.reshard_after_forward
+            if getattr(got, "name", got) != j["sharding_strategy"]:
+                problems.append(f"Accelerate runs {got}, the plan {j['sharding_strategy']}")
         except Exception as ex:  # noqa: BLE001
             problems.append(f"FullyShardedDataParallelPlugin: {type(ex).__name__}: {ex}")
         try:
@@ -452,7 +472,7 @@ def check_fsdp(emitted):
                     problems.append(f"mesh {shape} does not cover the {world_size(e.scenario)} GPUs")
             if "hybrid" in e.family:
                 nodes, gpus = int(flag(e.scenario, "--nodes", 1)), int(flag(e.scenario, "--gpus", 1))
-                if j["accelerate"]["reshard_after_forward"] != "HYBRID_SHARD" or \
+                if j["accelerate"]["sharding_strategy"] != "HYBRID_SHARD" or \
                         j["fully_shard"]["mesh"]["shape"] != [nodes, gpus]:
                     problems.append("a hybrid plan is not HYBRID_SHARD over (nodes, GPUs per node)")
             signature.bind(torch.nn.Linear(2, 2), **kwargs)
