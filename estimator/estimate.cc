@@ -221,9 +221,11 @@ std::string SetupLine(const TrainingSetup& s, bool searched) {
   if (searched) {
     out += ", seq " + std::to_string(s.seq_len);
   } else {
-    out += ", ZeRO-" + std::to_string(s.zero_stage) + " (offload optimizer " +
-           std::string(OffloadDeviceName(s.offload_optimizer)) + ", param " +
-           std::string(OffloadDeviceName(s.offload_param)) + "), micro-batch " +
+    // FSDP shards instead of ZeRO (zero_stage then 0 or the matching stage): said as FSDP.
+    out += (s.fsdp != FsdpSharding::kNone ? ", FSDP " + std::string(FsdpShardingName(s.fsdp))
+                                          : ", ZeRO-" + std::to_string(s.zero_stage)) +
+           " (offload optimizer " + std::string(OffloadDeviceName(s.offload_optimizer)) +
+           ", param " + std::string(OffloadDeviceName(s.offload_param)) + "), micro-batch " +
            std::to_string(s.micro_batch) + " x seq " + std::to_string(s.seq_len) + ", grad-accum " +
            std::to_string(s.grad_accum) + ", checkpointing " +
            std::string(CheckpointingName(s.checkpointing));

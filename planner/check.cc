@@ -163,6 +163,18 @@ bool TrainerFills(const std::string& path) {
          path.rfind("scheduler.params.", 0) == 0;
 }
 
+// What Accelerate's DeepSpeedPlugin fills in a deepspeed_config_file besides what the Trainer
+// (or its Accelerator, the same keys) fills: its __post_init__ sets these from its own settings.
+bool AccelerateFills(const std::string& path) {
+  static const Keys kFilled = {"zero_optimization.stage",
+                               "zero_optimization.offload_optimizer.device",
+                               "zero_optimization.offload_optimizer.nvme_path",
+                               "zero_optimization.offload_param.device",
+                               "zero_optimization.offload_param.nvme_path",
+                               "zero_optimization.stage3_gather_16bit_weights_on_model_save"};
+  return kFilled.count(path) > 0;
+}
+
 std::string Join(const std::string& section, const std::string& key) {
   return section.empty() ? key : section + "." + key;
 }
@@ -248,7 +260,7 @@ class Checker {
         Problem(path,
                 "\"auto\" is filled only by the Hugging Face Trainer (`for_hf_trainer`); "
                 "DeepSpeed alone refuses it: give a value");
-      } else if (!TrainerFills(path)) {
+      } else if (!TrainerFills(path) && !(options_.filled_by_accelerate && AccelerateFills(path))) {
         Problem(path, "\"auto\" here is not filled by the Hugging Face Trainer: give a value");
       }
     }

@@ -32,6 +32,10 @@ namespace memplan::planner {
 
 struct CheckOptions {
   bool for_hf_trainer = false;  // "auto" allowed where the Trainer fills it
+  // With for_hf_trainer: the config is an Accelerate config's deepspeed_config_file, whose
+  // DeepSpeedPlugin also fills the ZeRO stage, the offload devices and NVMe paths and
+  // stage3_gather_16bit_weights_on_model_save.
+  bool filled_by_accelerate = false;
   int64_t world_size = 0;  // GPUs in all; 0 = unknown (batch arithmetic checked for whole-ness)
   // With a model and a cluster: the predicted fit (GPU, CPU, pinned, memlock).
   const estimator::ModelInventory* model = nullptr;

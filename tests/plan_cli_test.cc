@@ -667,7 +667,8 @@ TEST_CASE("check: every planted mistake in tests/check_fixtures is found, nothin
       std::filesystem::path(MEMPLAN_SOURCE_DIR) / "tests/check_fixtures";
   int fixtures = 0;
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
-    if (entry.path().extension() != ".json") continue;
+    // DeepSpeed configs (.json) and Accelerate config files (.yaml).
+    if (entry.path().extension() != ".json" && entry.path().extension() != ".yaml") continue;
     ++fixtures;
     const std::string name = entry.path().stem().string();
     CAPTURE(name);
@@ -712,7 +713,7 @@ TEST_CASE("check: every planted mistake in tests/check_fixtures is found, nothin
     }
     CHECK(problems.size() == count);
   }
-  CHECK(fixtures >= 8);
+  CHECK(fixtures >= 12);
 }
 
 TEST_CASE("check: bad input exits 2") {
@@ -724,6 +725,39 @@ TEST_CASE("check: bad input exits 2") {
                              "--model", "llama-2-7b"});
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("--model needs --gpu") != std::string::npos);
+  // Neither JSON nor YAML, and YAML that is not a mapping: bad input, each naming the file.
+  r = Memplan({"check", dir.Write("bad.yaml", "a: [1, 2\n").string()});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("bad.yaml:") != std::string::npos);
+  CHECK(Memplan({"check", dir.Write("list.yaml", "- a\n- b\n").string()}).exit_code == 2);
+  r = Memplan({"check",
+               dir.Write("twice.yaml", "distributed_type: FSDP\ndistributed_type: NO\n").string()});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("repeats the key 'distributed_type'") != std::string::npos);
+}
+
+TEST_CASE("check: an Accelerate config's fit needs the micro-batch, and its JSON names the keys") {
+  const std::string good =
+      (std::filesystem::path(MEMPLAN_SOURCE_DIR) / "tests/check_fixtures/good_accelerate_fsdp.yaml")
+          .string();
+  CommandResult r = Memplan({"check", good, "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus",
+                             "8", "--seq-len", "4096"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("pass --micro-batch") != std::string::npos);
+  // Four sequences of 4096 on 40 GB cards: SHARD_GRAD_OP does not fit, and the finding names the
+  // strategy, offload and checkpointing keys.
+  r = Memplan({"check", good, "--model", "llama-2-7b", "--gpu", "a100-40", "--gpus", "8",
+               "--seq-len", "4096", "--micro-batch", "4", "--format", "json"});
+  CHECK(r.exit_code == 1);
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  CHECK(j["ok"] == false);
+  REQUIRE(j["problems"].size() == 1);
+  CHECK(j["problems"][0]["path"] == "fsdp_config");
+  CHECK(j["problems"][0]["keys"] ==
+        nlohmann::json::array({"fsdp_config.fsdp_sharding_strategy",
+                               "fsdp_config.fsdp_offload_params",
+                               "fsdp_config.fsdp_activation_checkpointing"}));
+  CHECK(j["setup_line"].get<std::string>().find("FSDP shard_grad_op") != std::string::npos);
 }
 
 TEST_CASE("plan, capacity and check refuse a model without an architecture, each naming why") {

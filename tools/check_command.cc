@@ -1,5 +1,7 @@
-// `memplan check ds_config.json`: the mistakes in an existing DeepSpeed config, each on a line
-// with its key path; with --model and --gpu, the predicted fit.
+// `memplan check ds_config.json` (or an Accelerate config file): the mistakes in an existing
+// DeepSpeed or Accelerate config, each on a line with its key path; with --model and --gpu, the
+// predicted fit.
+#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -7,10 +9,12 @@
 #include "common/file.h"
 #include "common/json.h"
 #include "estimator/model_source.h"
+#include "planner/accelerate_check.h"
 #include "planner/check.h"
 #include "planner/cluster.h"
 #include "tools/commands.h"
 #include "tools/setup_flags.h"
+#include "tools/yaml_json.h"
 
 namespace memplan::tools {
 
@@ -40,12 +44,92 @@ struct CheckFlags {
   std::string format = "text";
 };
 
+// The config as JSON, and whether it is an Accelerate config. A DeepSpeed config is JSON;
+// an Accelerate config is YAML (or JSON, which Accelerate also reads). A file that is neither JSON
+// nor an Accelerate config in YAML is reported with its JSON error.
+Result<nlohmann::json> ReadConfig(const std::string& path, bool* accelerate) {
+  auto text = ReadFileToString(path, uint64_t{1} << 24);
+  if (!text.ok()) return text.status();
+  // DeepSpeed refuses a config that repeats a key; so does check (bad input, exit 2).
+  auto config = ParseJson(*text, path);
+  if (config.ok()) {
+    *accelerate = planner::IsAccelerateConfig(*config);
+    return config;
+  }
+  // Not JSON: a DeepSpeed config it is not, whatever it holds; a YAML mapping is taken as an
+  // Accelerate config (whose checker says what it lacks).
+  auto yaml = ParseYamlAsJson(*text, path);
+  if (yaml.ok() && yaml->is_object()) {
+    *accelerate = true;
+    return yaml;
+  }
+  // A YAML error is the one to show when the file was meant as YAML.
+  const std::string extension = std::filesystem::path(path).extension().string();
+  if (!yaml.ok() && (extension == ".yaml" || extension == ".yml")) return yaml.status();
+  return config.status();
+}
+
+// The DeepSpeed config an Accelerate config names (deepspeed_config_file), checked as one the
+// Accelerator fills (its "auto" values, as the Trainer's), its findings named under that key.
+void CheckNamedDeepSpeedConfig(const nlohmann::json& accelerate, planner::CheckOptions options,
+                               planner::CheckReport* report) {
+  const nlohmann::json& d = accelerate["deepspeed_config"];
+  const std::string file = d["deepspeed_config_file"].get<std::string>();
+  const std::string key = "deepspeed_config.deepspeed_config_file";
+  std::error_code error;
+  if (!std::filesystem::exists(file, error)) {
+    if (std::filesystem::path(file).is_absolute()) {
+      report->problems.push_back({key,
+                                  "is " + file +
+                                      ", which does not exist (Accelerate stops: "
+                                      "\"Expected a string path to an existing deepspeed config\")",
+                                  {}});
+    } else {
+      report->notes.push_back(key + " " + file +
+                              " was not found from here (Accelerate reads it from the directory "
+                              "the job starts in): not checked");
+    }
+    return;
+  }
+  bool nested_accelerate = false;
+  auto config = ReadConfig(file, &nested_accelerate);
+  if (!config.ok()) {
+    report->problems.push_back({key, config.status().message(), {}});
+    return;
+  }
+  options.for_hf_trainer = true;
+  options.filled_by_accelerate = true;
+  auto named = planner::CheckDeepSpeedConfig(*config, options);
+  if (!named.ok()) {
+    report->problems.push_back({key, file + ": " + named.status().message(), {}});
+    return;
+  }
+  if (!config->contains("zero_optimization")) {
+    report->problems.push_back(
+        {key,
+         file + " has no zero_optimization: Accelerate refuses it (\"Please specify the ZeRO "
+                "optimization config in the DeepSpeed config\")",
+         {}});
+  }
+  auto under = [&](const std::string& path) { return file + ":" + path; };
+  for (planner::Finding finding : named->problems) {
+    finding.path = under(finding.path);
+    for (std::string& k : finding.keys) k = under(k);
+    report->problems.push_back(std::move(finding));
+  }
+  report->notes.push_back(file +
+                          " checked as the DeepSpeed config Accelerate fills (\"auto\" "
+                          "where the Accelerator or the Trainer fills it)");
+  for (const std::string& note : named->notes) report->notes.push_back(file + ": " + note);
+  report->setup_line = named->setup_line;
+  report->predicted = named->predicted;
+  report->fit_error = named->fit_error;
+}
+
 void RunCheck(const CheckFlags& f, Outcome* outcome) {
   auto fail = [&](const Status& s) { Fail(outcome, s); };
-  auto text = ReadFileToString(f.config, uint64_t{1} << 24);
-  if (!text.ok()) return fail(text.status());
-  // DeepSpeed refuses a config that repeats a key; so does check (bad input, exit 2).
-  auto config = ParseJson(*text, f.config);
+  bool accelerate = false;
+  auto config = ReadConfig(f.config, &accelerate);
   if (!config.ok()) return fail(config.status());
   planner::CheckOptions options;
   options.for_hf_trainer = f.for_hf_trainer;
@@ -88,8 +172,16 @@ void RunCheck(const CheckFlags& f, Outcome* outcome) {
     if (!inventory.ok()) return fail(inventory.status());
     options.model = &*inventory;
   }
-  auto report = planner::CheckDeepSpeedConfig(*config, options);
+  auto report = accelerate ? planner::CheckAccelerateConfig(*config, options)
+                           : planner::CheckDeepSpeedConfig(*config, options);
   if (!report.ok()) return fail(report.status().WithPrefix(f.config));
+  if (accelerate && (*config)["distributed_type"] == "DEEPSPEED" &&
+      (*config).contains("deepspeed_config") && (*config)["deepspeed_config"].is_object() &&
+      (*config)["deepspeed_config"].contains("deepspeed_config_file") &&
+      (*config)["deepspeed_config"]["deepspeed_config_file"].is_string() &&
+      !(*config)["deepspeed_config"]["deepspeed_config_file"].get<std::string>().empty()) {
+    CheckNamedDeepSpeedConfig(*config, options, &*report);
+  }
   if (options.cluster && !f.gpu.empty()) {
     const std::string alias = planner::GpuAliasNote(f.gpu);
     if (!alias.empty()) report->notes.insert(report->notes.begin(), alias);
@@ -119,8 +211,14 @@ void RegisterCheck(CLI::App& app, Outcome* outcome) {
       "outside "
       "the Hugging Face Trainer, values DeepSpeed refuses or breaks on at start-up (buckets, aio, "
       "swap buffers), bf16 on a GPU without it, pinned memory, and (with --model and --gpu) the "
-      "predicted fit with the keys that fill it");
-  cmd->add_option("config", f->config, "The ds_config.json to check")->required();
+      "predicted fit with the keys that fill it. An Accelerate config file (YAML or JSON, with "
+      "distributed_type) is checked as Accelerate reads it: unknown keys, enums, process counts, "
+      "FSDP1/FSDP2 settings Accelerate ignores or refuses, the layer class to wrap against the "
+      "model, the DeepSpeed config it names, and the fit (with --micro-batch)");
+  cmd->add_option("config", f->config,
+                  "The ds_config.json, or the Accelerate config file (accelerate launch "
+                  "--config_file), to check")
+      ->required();
   f->model.Add(cmd, "Model (as in `memplan estimate`) to predict the fit", false);
   cmd->add_option("--gpu", f->gpu,
                   "GPU preset (a100-80, h100-80, ...), or its name as nvidia-smi prints it");
@@ -153,8 +251,10 @@ void RegisterCheck(CLI::App& app, Outcome* outcome) {
       "\nExamples:\n"
       "  memplan check ds_config.json --gpus 8\n"
       "  memplan check ds_config.json --model llama-2-7b --gpu a100-80 --gpus 8 --cpu-mem 1TiB\n"
+      "  memplan check fsdp.yaml --model llama-2-7b --gpu h100-80 --gpus 8 --micro-batch 4\n"
       "\nExit status: 0 no problems, 1 problems found (one line each, with the key path), 2 bad "
-      "input (unreadable file, invalid JSON, bad flags), or --model and --gpu given and the fit "
+      "input (unreadable file, invalid JSON or YAML, bad flags), or --model and --gpu given and "
+      "the fit "
       "could not be predicted (the report, then why).");
   cmd->callback([f, outcome] { RunCheck(*f, outcome); });
 }
