@@ -48,10 +48,10 @@ const std::set<std::string>& TopLevelKeys() {
       "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug",
       "num_processes", "machine_rank", "num_machines", "gpu_ids", "main_process_ip",
       "main_process_port", "rdzv_backend", "same_network", "main_training_function",
-      "enable_cpu_affinity", "fp8_config", "deepspeed_config", "fsdp_config",
-      "parallelism_config", "megatron_lm_config", "mpirun_config", "downcast_bf16", "tpu_name",
-      "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm",
-      "tpu_env", "dynamo_config",
+      "enable_cpu_affinity", "fp8_config", "deepspeed_config", "fsdp_config", "parallelism_config",
+      "megatron_lm_config", "mpirun_config", "downcast_bf16", "tpu_name", "tpu_zone",
+      "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env",
+      "dynamo_config",
       // Older spellings process_config converts before the key check.
       "fp16", "dynamo_backend"};
   return *keys;
@@ -59,29 +59,48 @@ const std::set<std::string>& TopLevelKeys() {
 
 const std::vector<std::string>& DistributedTypes() {
   static const auto* types = new std::vector<std::string>{
-      "NO",        "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU",   "MULTI_SDAA", "MULTI_MUSA",
-      "MULTI_XPU", "DEEPSPEED", "FSDP",      "XLA",       "MEGATRON_LM", "MULTI_HPU",  "MULTI_NEURON"};
+      "NO",         "MULTI_CPU",   "MULTI_GPU", "MULTI_NPU",   "MULTI_MLU",
+      "MULTI_SDAA", "MULTI_MUSA",  "MULTI_XPU", "DEEPSPEED",   "FSDP",
+      "XLA",        "MEGATRON_LM", "MULTI_HPU", "MULTI_NEURON"};
   return *types;
 }
 
 const std::set<std::string>& FsdpKeys() {
-  static const auto* keys = new std::set<std::string>{
-      "fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward",
-      "fsdp_offload_params", "fsdp_min_num_params", "fsdp_auto_wrap_policy",
-      "fsdp_transformer_layer_cls_to_wrap", "fsdp_backward_prefetch", "fsdp_state_dict_type",
-      "fsdp_forward_prefetch", "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading",
-      "fsdp_sync_module_states", "fsdp_activation_checkpointing",
-      "fsdp_activation_checkpointing_offload", "fsdp_ignored_modules"};
+  static const auto* keys = new std::set<std::string>{"fsdp_version",
+                                                      "fsdp_sharding_strategy",
+                                                      "fsdp_reshard_after_forward",
+                                                      "fsdp_offload_params",
+                                                      "fsdp_min_num_params",
+                                                      "fsdp_auto_wrap_policy",
+                                                      "fsdp_transformer_layer_cls_to_wrap",
+                                                      "fsdp_backward_prefetch",
+                                                      "fsdp_state_dict_type",
+                                                      "fsdp_forward_prefetch",
+                                                      "fsdp_use_orig_params",
+                                                      "fsdp_cpu_ram_efficient_loading",
+                                                      "fsdp_sync_module_states",
+                                                      "fsdp_activation_checkpointing",
+                                                      "fsdp_activation_checkpointing_offload",
+                                                      "fsdp_ignored_modules"};
   return *keys;
 }
 
 const std::set<std::string>& DeepSpeedKeys() {
-  static const auto* keys = new std::set<std::string>{
-      "gradient_accumulation_steps", "gradient_clipping", "zero_stage",
-      "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
-      "offload_param_nvme_path", "zero3_init_flag", "zero3_save_16bit_model",
-      "deepspeed_config_file", "deepspeed_hostfile", "deepspeed_multinode_launcher",
-      "deepspeed_inclusion_filter", "deepspeed_exclusion_filter", "deepspeed_moe_layer_cls_names"};
+  static const auto* keys = new std::set<std::string>{"gradient_accumulation_steps",
+                                                      "gradient_clipping",
+                                                      "zero_stage",
+                                                      "offload_optimizer_device",
+                                                      "offload_param_device",
+                                                      "offload_optimizer_nvme_path",
+                                                      "offload_param_nvme_path",
+                                                      "zero3_init_flag",
+                                                      "zero3_save_16bit_model",
+                                                      "deepspeed_config_file",
+                                                      "deepspeed_hostfile",
+                                                      "deepspeed_multinode_launcher",
+                                                      "deepspeed_inclusion_filter",
+                                                      "deepspeed_exclusion_filter",
+                                                      "deepspeed_moe_layer_cls_names"};
   return *keys;
 }
 
@@ -89,8 +108,8 @@ const std::set<std::string>& DeepSpeedKeys() {
 // _deepspeed_config_checks), the accelerate config's own mixed_precision being the last.
 const std::vector<std::string>& KeysAFileReplaces() {
   static const auto* keys = new std::vector<std::string>{
-      "gradient_accumulation_steps", "gradient_clipping",        "zero_stage",
-      "offload_optimizer_device",    "offload_param_device",     "offload_param_nvme_path",
+      "gradient_accumulation_steps", "gradient_clipping",     "zero_stage",
+      "offload_optimizer_device",    "offload_param_device",  "offload_param_nvme_path",
       "offload_optimizer_nvme_path", "zero3_save_16bit_model"};
   return *keys;
 }
@@ -185,8 +204,8 @@ class AccelerateChecker {
     }
     if (c.contains("compute_environment")) {
       const nlohmann::json& env = c["compute_environment"];
-      if (!env.is_string() ||
-          (env.get<std::string>() != "LOCAL_MACHINE" && env.get<std::string>() != "AMAZON_SAGEMAKER")) {
+      if (!env.is_string() || (env.get<std::string>() != "LOCAL_MACHINE" &&
+                               env.get<std::string>() != "AMAZON_SAGEMAKER")) {
         Problem("compute_environment",
                 "is " + Printable(AsText(env)) +
                     ", neither LOCAL_MACHINE nor AMAZON_SAGEMAKER (Accelerate then reads the file "
@@ -201,8 +220,10 @@ class AccelerateChecker {
     for (const auto& [key, value] : c.items()) {
       (void)value;
       if (sagemaker_ || TopLevelKeys().count(key) != 0) continue;
-      Problem(key, "is not an Accelerate config key: Accelerate refuses the file (\"had unknown "
-                   "keys\")" + DidYouMean(ClosestMatches(key, known)));
+      Problem(key,
+              "is not an Accelerate config key: Accelerate refuses the file (\"had unknown "
+              "keys\")" +
+                  DidYouMean(ClosestMatches(key, known)));
     }
   }
 
@@ -247,13 +268,26 @@ class AccelerateChecker {
       path = "dynamo_backend";
     }
     if (backend == nullptr) return;
-    static const std::vector<std::string> kBackends = {
-        "NO",       "EAGER",    "AOT_EAGER", "INDUCTOR", "AOT_TS_NVFUSER", "NVPRIMS_NVFUSER",
-        "CUDAGRAPHS", "OFI",    "FX2TRT",    "ONNXRT",   "TENSORRT",       "AOT_TORCHXLA_TRACE_ONCE",
-        "TORCHXLA_TRACE_ONCE", "TVM", "HPU_BACKEND", "NEURON"};
+    static const std::vector<std::string> kBackends = {"NO",
+                                                       "EAGER",
+                                                       "AOT_EAGER",
+                                                       "INDUCTOR",
+                                                       "AOT_TS_NVFUSER",
+                                                       "NVPRIMS_NVFUSER",
+                                                       "CUDAGRAPHS",
+                                                       "OFI",
+                                                       "FX2TRT",
+                                                       "ONNXRT",
+                                                       "TENSORRT",
+                                                       "AOT_TORCHXLA_TRACE_ONCE",
+                                                       "TORCHXLA_TRACE_ONCE",
+                                                       "TVM",
+                                                       "HPU_BACKEND",
+                                                       "NEURON"};
     if (backend->is_boolean()) {
-      Problem(path, "is a boolean (YAML reads an unquoted no as one) and accelerate launch fails "
-                    "on it; write 'no' in quotes");
+      Problem(path,
+              "is a boolean (YAML reads an unquoted no as one) and accelerate launch fails "
+              "on it; write 'no' in quotes");
     } else if (!backend->is_string() ||
                std::find(kBackends.begin(), kBackends.end(),
                          AccUpper(backend->get<std::string>())) == kBackends.end()) {
@@ -277,7 +311,7 @@ class AccelerateChecker {
         if (!(std::string(key) == "num_processes" && v && *v == -1)) {
           Problem(key, "must be a " +
                            std::string(std::string(key) == "machine_rank" ? "non-negative"
-                                                                           : "positive") +
+                                                                          : "positive") +
                            " integer, got " + Printable(c[key].dump()));
         }
         return std::nullopt;
@@ -294,11 +328,12 @@ class AccelerateChecker {
       }
       return;
     }
-    const bool on_gpus = type_ == "MULTI_GPU" || type_ == "FSDP" || type_ == "DEEPSPEED" ||
-                         type_ == "MEGATRON_LM";
+    const bool on_gpus =
+        type_ == "MULTI_GPU" || type_ == "FSDP" || type_ == "DEEPSPEED" || type_ == "MEGATRON_LM";
     if (!processes && (!c.contains("num_processes") || IntLike(c["num_processes"]) == -1)) {
-      Problem("num_processes", "is not set: accelerate launch stops (\"You need to manually pass "
-                               "in --num_processes\") unless the command line gives it");
+      Problem("num_processes",
+              "is not set: accelerate launch stops (\"You need to manually pass "
+              "in --num_processes\") unless the command line gives it");
     }
     if (processes && on_gpus && world > 0 && *processes != world) {
       Problem("num_processes",
@@ -337,9 +372,10 @@ class AccelerateChecker {
         const int64_t count = static_cast<int64_t>(std::count(ids.begin(), ids.end(), ',')) + 1;
         const int64_t per_machine = *processes / m;
         if (count < per_machine) {
-          Problem("gpu_ids", "names " + std::to_string(count) + " GPU(s) (" + Printable(ids) +
-                                 ") for " + std::to_string(per_machine) +
-                                 " processes per machine: ranks would share a GPU",
+          Problem("gpu_ids",
+                  "names " + std::to_string(count) + " GPU(s) (" + Printable(ids) + ") for " +
+                      std::to_string(per_machine) +
+                      " processes per machine: ranks would share a GPU",
                   {"num_processes"});
         }
       }
@@ -360,12 +396,12 @@ class AccelerateChecker {
     }
     std::vector<std::string> candidates(known.begin(), known.end());
     for (const auto& [key, value] : s.items()) {
-      const std::string name =
-          prefix.empty() || key.rfind(prefix, 0) == 0 ? key : prefix + key;
+      const std::string name = prefix.empty() || key.rfind(prefix, 0) == 0 ? key : prefix + key;
       if (known.count(name) == 0) {
         Problem(std::string(section) + "." + key,
                 "is not a setting accelerate launch reads: Accelerate ignores it without a "
-                "word" + DidYouMean(ClosestMatches(name, candidates)));
+                "word" +
+                    DidYouMean(ClosestMatches(name, candidates)));
         continue;
       }
       (*out)[name] = value;
@@ -443,21 +479,24 @@ class AccelerateChecker {
       } else if (fsdp_version_ == 1) {
         const std::string name = StrategyName(r);
         if (!name.empty() && name != strategy_) {
-          Problem(path("fsdp_reshard_after_forward"),
-                  "is " + name + " but under fsdp_version 1 Accelerate takes the strategy from "
-                  "fsdp_sharding_strategy (" + strategy_ +
-                  (f.contains("fsdp_sharding_strategy") ? "" : ", its default") +
+          Problem(
+              path("fsdp_reshard_after_forward"),
+              "is " + name +
+                  " but under fsdp_version 1 Accelerate takes the strategy from "
+                  "fsdp_sharding_strategy (" +
+                  strategy_ + (f.contains("fsdp_sharding_strategy") ? "" : ", its default") +
                   ", which accelerate launch always passes) and never reads this: the job runs " +
                   strategy_ + "; write fsdp_sharding_strategy: " + name,
-                  {path("fsdp_sharding_strategy")});
+              {path("fsdp_sharding_strategy")});
         }
       }
     }
     if (v2) {
       for (const char* key : {"fsdp_forward_prefetch"}) {
         if (flag(key, false)) {
-          Problem(path(key), "is true but FSDP2 has no forward prefetch: under fsdp_version 2 "
-                             "Accelerate does not read it");
+          Problem(path(key),
+                  "is true but FSDP2 has no forward prefetch: under fsdp_version 2 "
+                  "Accelerate does not read it");
         }
       }
     }
@@ -494,11 +533,12 @@ class AccelerateChecker {
                      {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"}, "wrap")
             : "NO_WRAP";
     if (policy == "NO_WRAP") {
-      Problem(path("fsdp_auto_wrap_policy"),
-              std::string(f.contains("fsdp_auto_wrap_policy") ? "is NO_WRAP"
-                                                              : "is not set (Accelerate: NO_WRAP)") +
-                  ": the whole model is one FSDP unit, gathered whole on every GPU for forward "
-                  "and backward; set TRANSFORMER_BASED_WRAP to shard block by block");
+      Problem(
+          path("fsdp_auto_wrap_policy"),
+          std::string(f.contains("fsdp_auto_wrap_policy") ? "is NO_WRAP"
+                                                          : "is not set (Accelerate: NO_WRAP)") +
+              ": the whole model is one FSDP unit, gathered whole on every GPU for forward "
+              "and backward; set TRANSFORMER_BASED_WRAP to shard block by block");
     }
     if (policy == "SIZE_BASED_WRAP" && f.contains("fsdp_min_num_params") &&
         !IntLike(f["fsdp_min_num_params"])) {
@@ -627,9 +667,8 @@ class AccelerateChecker {
         zero_stage_ = static_cast<int>(*stage);
       }
     }
-    for (const auto& [key, field] :
-         {std::pair{"offload_optimizer_device", &offload_optimizer_},
-          std::pair{"offload_param_device", &offload_param_}}) {
+    for (const auto& [key, field] : {std::pair{"offload_optimizer_device", &offload_optimizer_},
+                                     std::pair{"offload_param_device", &offload_param_}}) {
       if (!d.contains(key)) continue;
       const std::string device = AccLower(AsText(d[key]));
       if (device != "none" && device != "cpu" && device != "nvme") {
@@ -653,8 +692,10 @@ class AccelerateChecker {
     if (zero_stage_ >= 0 && zero_stage_ != 3) {
       if (offload_param_ != "none") {
         Problem(path("offload_param_device"),
-                "is " + offload_param_ + " but DeepSpeed offloads parameters only in ZeRO stage 3 "
-                "(zero_stage is " + std::to_string(zero_stage_) + ")",
+                "is " + offload_param_ +
+                    " but DeepSpeed offloads parameters only in ZeRO stage 3 "
+                    "(zero_stage is " +
+                    std::to_string(zero_stage_) + ")",
                 {path("zero_stage")});
       }
       if (offload_optimizer_ == "nvme") {
@@ -701,8 +742,9 @@ class AccelerateChecker {
       return cannot("distributed_type " + type_ + " is not modelled");
     }
     if (options_.supplied.count("micro_batch") == 0) {
-      return cannot("an Accelerate config does not say the micro-batch; pass --micro-batch (the "
-                    "training script's per-GPU batch)");
+      return cannot(
+          "an Accelerate config does not say the micro-batch; pass --micro-batch (the "
+          "training script's per-GPU batch)");
     }
     const Cluster& cluster = *options_.cluster;
     estimator::TrainingSetup s = options_.setup;
@@ -774,15 +816,15 @@ class AccelerateChecker {
     const uint64_t usable = static_cast<uint64_t>(static_cast<double>(cluster.gpu.memory_bytes) *
                                                   (1 - options_.gpu_safety_fraction));
     if (m->peak.gpu_bytes > usable) {
-      Problem(type_ == "FSDP" ? "fsdp_config" : type_ == "DEEPSPEED" ? "deepspeed_config"
-                                                                     : "distributed_type",
+      Problem(type_ == "FSDP"        ? "fsdp_config"
+              : type_ == "DEEPSPEED" ? "deepspeed_config"
+                                     : "distributed_type",
               "predicted peak " + AccGib(m->peak.gpu_bytes) + " per GPU (" + m->peak.phase +
                   ") does not fit " + cluster.gpu.name + " (" + AccGib(usable) + " usable of " +
                   AccGib(cluster.gpu.memory_bytes) + "); try `memplan plan`",
               keys);
     }
-    if (cluster.cpu_memory_bytes > 0 &&
-        m->peak.cpu_bytes > cluster.cpu_memory_bytes / 100 * 85) {
+    if (cluster.cpu_memory_bytes > 0 && m->peak.cpu_bytes > cluster.cpu_memory_bytes / 100 * 85) {
       Problem(type_ == "FSDP" ? "fsdp_config.fsdp_offload_params"
                               : "deepspeed_config.offload_optimizer_device",
               "predicted CPU memory " + AccGib(m->peak.cpu_bytes) + " per node exceeds 85% of " +
@@ -796,7 +838,7 @@ class AccelerateChecker {
   const CheckOptions& options_;
   CheckReport report_;
   bool sagemaker_ = false;
-  std::string type_;            // distributed_type, when valid
+  std::string type_;  // distributed_type, when valid
   std::string precision_ = "no";
   // FSDP, as Accelerate would run it.
   int fsdp_version_ = 1;

@@ -29,7 +29,8 @@ namespace {
 // `_` inside digits is ignored. Quoted scalars are strings. Timestamps stay strings here (no
 // Accelerate key takes one).
 const std::regex& BoolRe() {
-  static const std::regex re("yes|Yes|YES|no|No|NO|true|True|TRUE|false|False|FALSE|on|On|ON|off|Off|OFF");
+  static const std::regex re(
+      "yes|Yes|YES|no|No|NO|true|True|TRUE|false|False|FALSE|on|On|ON|off|Off|OFF");
   return re;
 }
 const std::regex& IntRe() {
@@ -68,10 +69,8 @@ class Converter {
     const std::string& tag = node.Tag();
     switch (node.Type()) {
       case YAML::NodeType::Undefined:
-      case YAML::NodeType::Null:
-        return nlohmann::json(nullptr);
-      case YAML::NodeType::Scalar:
-        return Scalar(node, tag);
+      case YAML::NodeType::Null: return nlohmann::json(nullptr);
+      case YAML::NodeType::Scalar: return Scalar(node, tag);
       case YAML::NodeType::Sequence: {
         if (tag != "?" && tag != "!" && tag != "tag:yaml.org,2002:seq") return BadTag(node, tag);
         nlohmann::json out = nlohmann::json::array();
@@ -89,7 +88,7 @@ class Converter {
           MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json key_value, Scalar(kv.first, kv.first.Tag()));
           // PyYAML makes `true:` a bool key and `1:` an int key; the JSON form writes them as
           // Python's str() would.
-          std::string key = key_value.is_string() ? key_value.get<std::string>()
+          std::string key = key_value.is_string()    ? key_value.get<std::string>()
                             : key_value.is_boolean() ? (key_value.get<bool>() ? "True" : "False")
                             : key_value.is_null()    ? "None"
                                                      : key_value.dump();
@@ -123,9 +122,9 @@ class Converter {
     if (plain || tag == "tag:yaml.org,2002:bool") {
       if (std::regex_match(v, BoolRe())) {
         const char c = v[0];
-        return nlohmann::json(c == 'y' || c == 'Y' || c == 't' || c == 'T' ||
-                              ((c == 'o' || c == 'O') && v.size() == 2 &&
-                               (v[1] == 'n' || v[1] == 'N')));
+        return nlohmann::json(
+            c == 'y' || c == 'Y' || c == 't' || c == 'T' ||
+            ((c == 'o' || c == 'O') && v.size() == 2 && (v[1] == 'n' || v[1] == 'N')));
       }
       if (!plain) return Error(node, "'" + Printable(v) + "' is not a YAML boolean");
     }
