@@ -25,10 +25,12 @@
 #include "estimator/shape_list.h"
 #include "estimator/training_setup.h"
 #include "nvme/swap_index_internal.h"
+#include "planner/accelerate_check.h"
 #include "planner/check.h"
 #include "planner/cluster.h"
 #include "planner/launch.h"
 #include "tools/cli.h"
+#include "tools/yaml_json.h"
 
 namespace memplan::fuzz {
 namespace {
@@ -155,6 +157,36 @@ Status DeepSpeedCheckOne(std::string_view input) {
     if (!report.ok()) continue;
     (void)planner::ToJson(*report).dump();
     (void)planner::FormatCheckText(*report, "ds_config.json");
+  }
+  return Status::Ok();
+}
+
+Status AccelerateCheckOne(std::string_view input) {
+  auto config = tools::ParseYamlAsJson(input, "accelerate.yaml");
+  if (!config.ok()) return Status::Ok();
+  // What the reader returns is plain JSON: it must print and read back to the same value.
+  auto again = ParseJson(config->dump(), "dump");
+  if (!again.ok() || *again != *config) {
+    return Status::Internal("the YAML reader returned a value that does not survive JSON: " +
+                            config->dump().substr(0, 200));
+  }
+  planner::CheckOptions alone;
+  alone.world_size = 8;
+  planner::CheckOptions fit;
+  fit.model = &Gpt2();
+  planner::Cluster cluster;
+  cluster.gpu = planner::GpuPresets().front();
+  cluster.gpus_per_node = 4;
+  cluster.nodes = 2;
+  cluster.cpu_memory_bytes = uint64_t{256} << 30;
+  fit.cluster = cluster;
+  fit.setup.micro_batch = 2;
+  fit.supplied.insert("micro_batch");
+  for (const planner::CheckOptions* options : {&alone, &fit}) {
+    auto report = planner::CheckAccelerateConfig(*config, *options);
+    if (!report.ok()) continue;
+    (void)planner::ToJson(*report).dump();
+    (void)planner::FormatCheckText(*report, "accelerate.yaml");
   }
   return Status::Ok();
 }

@@ -27,6 +27,11 @@ Status SafetensorsOne(std::string_view input);
 Status DeepSpeedConfigOne(std::string_view input);
 // A DeepSpeed config, as `memplan check ds_config.json` checks it (planner::CheckDeepSpeedConfig).
 Status DeepSpeedCheckOne(std::string_view input);
+// An Accelerate config file as `memplan check accelerate.yaml` reads it: YAML with PyYAML's
+// scalars (tools::ParseYamlAsJson), then planner::CheckAccelerateConfig alone and with a model
+// and a cluster. Broken when the reader accepts a document that is not JSON-serialisable back to
+// an equal value (every value it returns must survive dump and parse).
+Status AccelerateCheckOne(std::string_view input);
 // A SwapStore index file, decoded as it is and again with its trailer checksum made valid.
 Status SwapIndexOne(std::string_view input);
 // A memplan command line, one argument per line of `input`, after the subcommand its first byte

@@ -228,7 +228,8 @@ class AccelerateChecker {
   }
 
   void MixedPrecision(const nlohmann::json& c) {
-    if (!c.contains("mixed_precision")) {
+    // null is not given: launch then passes its default, no.
+    if (!c.contains("mixed_precision") || c["mixed_precision"].is_null()) {
       // The older spelling, which Accelerate's process_config turns into mixed_precision fp16.
       if (c.contains("fp16") && TruthValue(c["fp16"]).value_or(false)) precision_ = "fp16";
       return;
@@ -641,7 +642,9 @@ class AccelerateChecker {
       for (const std::string& key : KeysAFileReplaces()) {
         if (d.contains(key)) beside.push_back(path(key));
       }
-      if (c.contains("mixed_precision")) beside.push_back("mixed_precision");
+      if (c.contains("mixed_precision") && !c["mixed_precision"].is_null()) {
+        beside.push_back("mixed_precision");
+      }
       if (!beside.empty()) {
         std::string list;
         for (const std::string& k : beside) list += (list.empty() ? "" : ", ") + k;

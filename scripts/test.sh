@@ -91,7 +91,7 @@ cmake -S . -B build-san $(generator build-san) -DCMAKE_C_COMPILER=clang -DCMAKE_
   -DMEMPLAN_FUZZ=ON -DMEMPLAN_WITH_CUDA=OFF -DMEMPLAN_WERROR=ON -DCMAKE_UNITY_BUILD=ON \
   -DMEMPLAN_TEST_COMPILE_OPTIONS=-O0 >/dev/null
 fuzz_targets=(hf_config shape_list safetensors deepspeed_config deepspeed_check swap_index cli
-  check_arithmetic launch_script)
+  check_arithmetic launch_script accelerate_check)
 unit_tests=$(cd build-san && ctest -N -L unit | sed -n 's/^ *Test *#[0-9]*: //p')
 cmake --build build-san -j"$jobs" --target $unit_tests "${fuzz_targets[@]/%/_fuzz}"
 export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:abort_on_error=0"

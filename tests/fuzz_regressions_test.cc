@@ -70,6 +70,10 @@ TEST_CASE("fuzz regressions: DeepSpeed config checker inputs") {
   CHECK(Replay("deepspeed_check", &DeepSpeedCheckOne) > 0);
 }
 
+TEST_CASE("fuzz regressions: Accelerate config checker inputs") {
+  CHECK(Replay("accelerate_check", &AccelerateCheckOne) > 0);
+}
+
 TEST_CASE("fuzz regressions: swap index inputs") { CHECK(Replay("swap_index", &SwapIndexOne) > 0); }
 
 TEST_CASE("fuzz regressions: command lines") { CHECK(Replay("cli", &CliOne) > 0); }

@@ -251,7 +251,7 @@ void RegisterCheck(CLI::App& app, Outcome* outcome) {
       "\nExamples:\n"
       "  memplan check ds_config.json --gpus 8\n"
       "  memplan check ds_config.json --model llama-2-7b --gpu a100-80 --gpus 8 --cpu-mem 1TiB\n"
-      "  memplan check fsdp.yaml --model llama-2-7b --gpu h100-80 --gpus 8 --micro-batch 4\n"
+      "  memplan check fsdp.yaml --model llama-2-7b --gpu h100-80 --gpus 8 --micro-batch 2\n"
       "\nExit status: 0 no problems, 1 problems found (one line each, with the key path), 2 bad "
       "input (unreadable file, invalid JSON or YAML, bad flags), or --model and --gpu given and "
       "the fit "

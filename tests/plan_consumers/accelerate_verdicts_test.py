@@ -60,7 +60,8 @@ V2 = {"fsdp_config.fsdp_version": 2, "fsdp_config.fsdp_sharding_strategy": None,
       "fsdp_config.fsdp_sync_module_states": None}
 F = "fsdp_config."
 D = "deepspeed_config."
-# (base, {dotted key: value, None deletes}, expected: "refuse" | "accept" | "silent")
+# (base, {dotted key: value, None deletes, "@null" is null}, expected: "refuse" | "accept" |
+# "silent")
 CASES = [
     (FSDP, {"learning_rate": 1e-4}, "refuse"),
     (FSDP, {"ipex_config": {"ipex": True}}, "refuse"),
@@ -68,6 +69,7 @@ CASES = [
     (FSDP, {"mixed_precision": False}, "refuse"),  # an unquoted `no`
     (FSDP, {"mixed_precision": "bfloat16"}, "refuse"),
     (FSDP, {"mixed_precision": "BF16"}, "accept"),
+    (FSDP, {"mixed_precision": "@null", "dynamo_config": {"dynamo_backend": "NO"}}, "accept"),
     (FSDP, {"num_processes": None}, "refuse"),
     (FSDP, {"dynamo_config": {"dynamo_backend": "INDUCTR"}}, "refuse"),
     (FSDP, {"dynamo_config": {"dynamo_backend": False}}, "refuse"),
@@ -129,8 +131,8 @@ def changed(base, changes, ds_file):
             node = node.setdefault(p, {})
         if value is None:
             node.pop(key, None)
-        else:
-            node[key] = ds_file if value == "@ds" else value
+        else:  # "@ds": the DeepSpeed config file's path; "@null": YAML's null
+            node[key] = ds_file if value == "@ds" else None if value == "@null" else value
     return config
 
 

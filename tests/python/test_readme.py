@@ -104,6 +104,10 @@ class ReadmeCommands(unittest.TestCase):
         subprocess.run([MEMPLAN, "plan", "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus",
                         "8", "--global-batch", "64", "--emit-deepspeed", "ds_config.json"],
                        cwd=cls.tmp, env=cls.env, check=True, capture_output=True)
+        subprocess.run([MEMPLAN, "plan", "--model", "llama-2-7b", "--gpu", "h100-80", "--gpus",
+                        "8", "--global-batch", "64", "--accelerate-plugin", "fsdp",
+                        "--emit-accelerate", "fsdp.yaml"],
+                       cwd=cls.tmp, env=cls.env, check=True, capture_output=True)
         subprocess.run([MEMPLAN, "plan", "--model", "llama-2-7b", "--gpu", "rtx4090", "--cpu-mem",
                         "64GiB", "--nvme-path", "/mnt/nvme", "--nvme-capacity", "1TiB",
                         "--global-batch", "16", "--emit-schedule", "schedule.json"],
@@ -138,7 +142,7 @@ class ReadmeCommands(unittest.TestCase):
         key = " ".join(args)
         self.cwd = tempfile.mkdtemp(dir=self.tmp)
         for name in ("ds_config.json", "config.json", "nvme.json", "offers.json", "runs.json",
-                     "calibration.json", "schedule.json"):
+                     "calibration.json", "schedule.json", "fsdp.yaml"):
             shutil.copy(os.path.join(self.tmp, name), self.cwd)
         with self.subTest(command=key):
             run = subprocess.run([MEMPLAN] + args, cwd=self.cwd, env=self.env,
