@@ -252,18 +252,19 @@ Result<std::string> AccelerateConfig(const Plan& plan, const Cluster& cluster,
       y += "  deepspeed_config_file: " + config_file + "\n";
       y += std::string("  zero3_init_flag: ") + (s.zero_stage == 3 ? "true" : "false") + "\n";
     } else {
+      // Accelerate 1.15's launcher passes no offload_*_nvme_path on: DeepSpeed would get
+      // nvme_path "none" (Note [What Accelerate refuses and ignores], accelerate_check.cc). The
+      // NVMe path has to travel in a DeepSpeed config file.
+      if (s.offload_optimizer == OffloadDevice::kNvme || s.offload_param == OffloadDevice::kNvme) {
+        return Status::InvalidArgument(
+            "the plan offloads to NVMe and accelerate launch does not pass an NVMe path on "
+            "(DeepSpeed would get nvme_path \"none\"): write the DeepSpeed config too "
+            "(`deepspeed_config_path`), which the Accelerate config then names");
+      }
       y += "  gradient_accumulation_steps: " + std::to_string(s.grad_accum) + "\n";
       y += "  gradient_clipping: 1.0\n";
       y += std::string("  offload_optimizer_device: ") + DeviceName(s.offload_optimizer) + "\n";
-      if (s.offload_optimizer == OffloadDevice::kNvme) {
-        MEMPLAN_ASSIGN_OR_RETURN(std::string path, YamlQuoted(NvmePath(cluster), "`nvme_path`"));
-        y += "  offload_optimizer_nvme_path: " + path + "\n";
-      }
       y += std::string("  offload_param_device: ") + DeviceName(s.offload_param) + "\n";
-      if (s.offload_param == OffloadDevice::kNvme) {
-        MEMPLAN_ASSIGN_OR_RETURN(std::string path, YamlQuoted(NvmePath(cluster), "`nvme_path`"));
-        y += "  offload_param_nvme_path: " + path + "\n";
-      }
       y += std::string("  zero3_init_flag: ") + (s.zero_stage == 3 ? "true" : "false") + "\n";
       if (s.zero_stage == 3) y += "  zero3_save_16bit_model: true\n";
       y += "  zero_stage: " + std::to_string(s.zero_stage) + "\n";

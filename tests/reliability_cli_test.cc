@@ -622,24 +622,43 @@ TEST_CASE("reliability #1: check's batch products of any int64 are a finding, ne
 TEST_CASE("reliability #7: Accelerate YAML values survive ' #', ': ', quotes and newlines") {
   TempDir tmp("memplan-reliability.");
   const std::string yaml = tmp.PathOf("a.yaml");
-  const std::string nvme = "/mnt/nvme #2\nx: y'z\"\\";
-  const std::vector<std::string> plan = {
-      "plan",    "--model",         "mixtral-8x7b", "--gpu",
-      "rtx4090", "--cpu-mem",       "128GiB",       "--nvme-path",
-      nvme,      "--nvme-capacity", "4TiB",         "--global-batch",
-      "8",       "--seq-len",       "1024",         "--emit-accelerate",
-      yaml};
+  // The DeepSpeed config's path, which the Accelerate config names, holds what YAML must quote.
+  const std::string ds = tmp.PathOf("ds #2: y'z\"\\.json");
+  const std::vector<std::string> plan = {"plan",
+                                         "--model",
+                                         "mixtral-8x7b",
+                                         "--gpu",
+                                         "rtx4090",
+                                         "--cpu-mem",
+                                         "128GiB",
+                                         "--nvme-path",
+                                         "/mnt/nvme",
+                                         "--nvme-capacity",
+                                         "4TiB",
+                                         "--global-batch",
+                                         "8",
+                                         "--seq-len",
+                                         "1024",
+                                         "--emit-accelerate",
+                                         yaml,
+                                         "--emit-deepspeed",
+                                         ds};
   ExpectSuccess(RunProbe(plan));
   const std::string text = ReadWholeFile(yaml);
-  CHECK(text.find("offload_param_nvme_path: \"/mnt/nvme #2\\nx: y'z\\\"\\\\\"\n") !=
+  CHECK(text.find("deepspeed_config_file: \"" + tmp.PathOf("ds #2: y'z\\\"\\\\.json") + "\"\n") !=
         std::string::npos);
-  // A path that is not UTF-8 has no YAML form: reported, the file not written.
+  // And memplan check reads the path back, to the file it names.
+  Probe checked = RunProbe({"check", yaml});
+  CHECK(checked.out.find("checked as the DeepSpeed config Accelerate fills") != std::string::npos);
+  // An NVMe plan without the DeepSpeed config: Accelerate's launcher would drop the NVMe path,
+  // so the Accelerate config is not written, and the report says why.
   fs::remove(yaml);
-  Probe bad = RunProbe(With({"plan", "--model", "mixtral-8x7b", "--gpu", "rtx4090", "--cpu-mem",
-                             "128GiB", "--nvme-capacity", "4TiB", "--global-batch", "8",
-                             "--seq-len", "1024", "--emit-accelerate", yaml},
-                            {"--nvme-path", "/mnt/\xff"}));
-  CHECK(bad.out.find("not UTF-8") != std::string::npos);
+  Probe alone = RunProbe(With({"plan", "--model", "mixtral-8x7b", "--gpu", "rtx4090", "--cpu-mem",
+                               "128GiB", "--nvme-capacity", "4TiB", "--global-batch", "8",
+                               "--seq-len", "1024", "--emit-accelerate", yaml},
+                              {"--nvme-path", "/mnt/nvme"}));
+  CHECK(alone.out.find("not written " + yaml) != std::string::npos);
+  CHECK(alone.out.find("--emit-deepspeed") != std::string::npos);
   CHECK_FALSE(fs::exists(yaml));
 }
 

@@ -1,5 +1,6 @@
 #include "tools/yaml_json.h"
 
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <cmath>
@@ -238,9 +239,21 @@ Result<nlohmann::json> ParseYamlAsJson(std::string_view text, const std::string&
   if (text.find('\0') != std::string_view::npos) {
     return Status::InvalidArgument(source + ": not YAML (a NUL byte)");
   }
+  // yaml-cpp's time grows faster than the size (16 s for 200,000 keys); a config file is a few
+  // kilobytes, so a hostile one is refused before parsing.
+  if (text.size() > kMaxYamlBytes) {
+    return Status::InvalidArgument(source + ": " + std::to_string(text.size()) +
+                                   " bytes, more than the " + std::to_string(kMaxYamlBytes) +
+                                   " a YAML config may have (an Accelerate config is a few "
+                                   "kilobytes)");
+  }
   std::vector<YAML::Node> documents;
   try {
     documents = YAML::LoadAll(std::string(text));
+  } catch (const YAML::DeepRecursion& e) {
+    return Status::InvalidArgument(source + ":" + std::to_string(e.mark.line + 1) +
+                                   ": nested deeper than yaml-cpp reads (" +
+                                   std::to_string(e.depth()) + " levels)");
   } catch (const YAML::Exception& e) {
     std::string where = source;
     if (e.mark.line >= 0) where += ":" + std::to_string(e.mark.line + 1);

@@ -7,7 +7,8 @@
 // scalars as PyYAML reads them] in yaml_json.cc), so a value checked here is the value Accelerate
 // would see. Lives in tools/ (Note [YAML at the edge] in yaml_json.cc).
 //
-// Refused (InvalidArgument naming `source`, with the line): text that is not YAML, a tag safe_load
+// Refused (InvalidArgument naming `source`, with the line): more than kMaxYamlBytes, text that
+// is not YAML, a tag safe_load
 // refuses (`!!python/...`), a key that is not a scalar, a mapping that repeats a key (PyYAML keeps
 // the last value silently; memplan never guesses, as for JSON: Note [JSON limits] in
 // common/json.h), nesting deeper than `max_depth`, a float that is not finite.
@@ -23,6 +24,9 @@
 #include "common/status.h"
 
 namespace memplan::tools {
+
+// The largest YAML document read: 256 KiB (an Accelerate config is a few kilobytes).
+constexpr size_t kMaxYamlBytes = size_t{256} << 10;
 
 Result<nlohmann::json> ParseYamlAsJson(std::string_view text, const std::string& source,
                                        int max_depth = 64);

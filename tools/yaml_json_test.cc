@@ -97,6 +97,12 @@ TEST_CASE("yaml: what safe_load refuses, or memplan will not guess, is an error 
   CHECK(YamlError("a: 99999999999999999999:30\n").find("outside 64 bits") != std::string::npos);
   CHECK(YamlError("a: 9223372036854775808\n").find("outside 64 bits") != std::string::npos);
   CHECK(Yaml("").is_null());
+  std::string nested = "a: ";
+  for (int i = 0; i < 5000; ++i) nested += "[";
+  CHECK(YamlError(nested).find("nested deeper than yaml-cpp reads") != std::string::npos);
+  std::string keys;
+  for (int i = 0; keys.size() <= kMaxYamlBytes; ++i) keys += "k" + std::to_string(i) + ": 1\n";
+  CHECK(YamlError(keys).find("a YAML config may have") != std::string::npos);
 }
 
 }  // namespace
