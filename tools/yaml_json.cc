@@ -239,6 +239,16 @@ Result<nlohmann::json> ParseYamlAsJson(std::string_view text, const std::string&
   if (text.find('\0') != std::string_view::npos) {
     return Status::InvalidArgument(source + ": not YAML (a NUL byte)");
   }
+  // PyYAML reads UTF-8 only; yaml-cpp passes any bytes through, which no JSON can then hold.
+  for (size_t i = 0; i < text.size();) {
+    uint32_t code = 0;
+    const size_t length = DecodeUtf8(text, i, &code);
+    if (length == 0) {
+      return Status::InvalidArgument(source + ": not YAML: a byte that is not UTF-8 at offset " +
+                                     std::to_string(i));
+    }
+    i += length;
+  }
   // yaml-cpp's time grows faster than the size (16 s for 200,000 keys); a config file is a few
   // kilobytes, so a hostile one is refused before parsing.
   if (text.size() > kMaxYamlBytes) {

@@ -7,8 +7,8 @@
 // scalars as PyYAML reads them] in yaml_json.cc), so a value checked here is the value Accelerate
 // would see. Lives in tools/ (Note [YAML at the edge] in yaml_json.cc).
 //
-// Refused (InvalidArgument naming `source`, with the line): more than kMaxYamlBytes, text that
-// is not YAML, a tag safe_load
+// Refused (InvalidArgument naming `source`, with the line): more than kMaxYamlBytes, bytes that
+// are not UTF-8, text that is not YAML, a tag safe_load
 // refuses (`!!python/...`), a key that is not a scalar, a mapping that repeats a key (PyYAML keeps
 // the last value silently; memplan never guesses, as for JSON: Note [JSON limits] in
 // common/json.h), nesting deeper than `max_depth`, a float that is not finite.

@@ -81,6 +81,10 @@ TEST_CASE("yaml: what safe_load refuses, or memplan will not guess, is an error 
   CHECK(YamlError("a: .inf\n").find("not finite") != std::string::npos);
   CHECK(YamlError("a: 1\n---\nb: 2\n").find("2 YAML documents") != std::string::npos);
   CHECK(YamlError(std::string("a: 1\n\0", 6)).find("NUL") != std::string::npos);
+  // Bytes that are not UTF-8 (a fuzz find: they reached a JSON dump, which threw).
+  CHECK(YamlError("distributed_type: \"DEE\xedPSPEED\"\n").find("not UTF-8 at offset 22") !=
+        std::string::npos);
+  CHECK(Yaml("a: \"\xc3\xa9\"")["a"] == "\xc3\xa9");
   // Nested aliases expand exponentially ("a billion laughs"): bounded.
   std::string laughs = "a: &a [x, x, x, x, x, x, x, x, x, x]\n";
   for (char c = 'b'; c <= 'j'; ++c) {
