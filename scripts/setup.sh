@@ -10,8 +10,8 @@ packages=(build-essential cmake ninja-build pkg-config git nlohmann-json3-dev li
   libcurl4-openssl-dev
   # Eigen: the least-squares fit of `memplan calibrate` (planner/calibrate.cc).
   libeigen3-dev
-  # yaml-cpp: `memplan check` reads Accelerate's YAML config files (tools/yaml_json.cc).
-  libyaml-cpp-dev
+  # libyaml: `memplan check` reads Accelerate's YAML config files (tools/yaml_json.cc).
+  libyaml-dev
   # The Python extension (memplan._native): pybind11 and Python's headers.
   pybind11-dev python3-dev
   # clang with its sanitizer and libFuzzer runtimes: scripts/test.sh's sanitizer job and fuzz smoke.

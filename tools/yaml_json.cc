@@ -1,14 +1,15 @@
 #include "tools/yaml_json.h"
 
-#include <yaml-cpp/depthguard.h>
-#include <yaml-cpp/yaml.h>
+#include <yaml.h>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <regex>
-#include <set>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/printable.h"
 
@@ -19,8 +20,9 @@ namespace {
 // The checker (planner/accelerate_check.cc) works on JSON, the form every memplan reader takes;
 // Accelerate itself reads a config file that is JSON as well as YAML. Turning YAML into JSON is
 // file input, so it lives with the CLI: the libraries memplan installs keep their dependencies
-// (yaml-cpp is the CLI's alone), and `pip install .`'s consumers of memplan::planner see no
-// change.
+// (libyaml is the CLI's alone), and `pip install .`'s consumers of memplan::planner see no
+// change. libyaml is the parser PyYAML's own C loader uses, fuzzed upstream; yaml-cpp, tried
+// first, took minutes and gigabytes on a 482-byte broken flow mapping the fuzzer wrote.
 
 // Note [Plain scalars as PyYAML reads them]
 // PyYAML's safe_load resolves an unquoted scalar by YAML 1.1's implicit types (its resolver.py),
@@ -49,74 +51,182 @@ const std::regex& FloatRe() {
 
 class Converter {
  public:
-  Converter(const std::string& source, int max_depth) : source_(source), max_depth_(max_depth) {}
-
-  Status Error(const YAML::Node& node, const std::string& what) const {
-    const YAML::Mark mark = node.Mark();
-    std::string where = source_;
-    if (mark.line >= 0) where += ":" + std::to_string(mark.line + 1);
-    return Status::InvalidArgument(where + ": " + what);
+  Converter(std::string_view text, const std::string& source, int max_depth)
+      : source_(source), max_depth_(max_depth) {
+    yaml_parser_initialize(&parser_);
+    yaml_parser_set_input_string(&parser_, reinterpret_cast<const unsigned char*>(text.data()),
+                                 text.size());
+    yaml_parser_set_encoding(&parser_, YAML_UTF8_ENCODING);
   }
+  ~Converter() {
+    if (has_event_) yaml_event_delete(&event_);
+    yaml_parser_delete(&parser_);
+  }
+  Converter(const Converter&) = delete;
+  Converter& operator=(const Converter&) = delete;
 
-  Result<nlohmann::json> Convert(const YAML::Node& node, int depth) {
-    if (depth > max_depth_) {
-      return Error(node, "nested deeper than " + std::to_string(max_depth_) + " levels");
+  // The one document of the stream (null when there is none).
+  Result<nlohmann::json> Document() {
+    MEMPLAN_RETURN_IF_ERROR(Next());  // stream start
+    MEMPLAN_RETURN_IF_ERROR(Next());
+    if (event_.type == YAML_STREAM_END_EVENT) return nlohmann::json(nullptr);
+    MEMPLAN_RETURN_IF_ERROR(Next());  // past the document start
+    MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json value, Node(0));
+    MEMPLAN_RETURN_IF_ERROR(Next());  // document end
+    MEMPLAN_RETURN_IF_ERROR(Next());
+    if (event_.type != YAML_STREAM_END_EVENT) {
+      return Error(Line(), "holds more than one YAML document; a config file is one");
     }
-    // Aliases share nodes: without a bound, nested aliases expand exponentially.
-    if (++nodes_ > kMaxNodes) {
-      return Error(node, "holds more than " + std::to_string(kMaxNodes) +
-                             " values once its aliases are expanded");
-    }
-    const std::string& tag = node.Tag();
-    switch (node.Type()) {
-      case YAML::NodeType::Undefined:
-      case YAML::NodeType::Null: return nlohmann::json(nullptr);
-      case YAML::NodeType::Scalar: return Scalar(node, tag);
-      case YAML::NodeType::Sequence: {
-        if (tag != "?" && tag != "!" && tag != "tag:yaml.org,2002:seq") return BadTag(node, tag);
-        nlohmann::json out = nlohmann::json::array();
-        for (const YAML::Node& item : node) {
-          MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json value, Convert(item, depth + 1));
-          out.push_back(std::move(value));
-        }
-        return out;
-      }
-      case YAML::NodeType::Map: {
-        if (tag != "?" && tag != "!" && tag != "tag:yaml.org,2002:map") return BadTag(node, tag);
-        nlohmann::json out = nlohmann::json::object();
-        for (const auto& kv : node) {
-          if (!kv.first.IsScalar()) return Error(kv.first, "a key that is not a plain value");
-          MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json key_value, Scalar(kv.first, kv.first.Tag()));
-          // PyYAML makes `true:` a bool key and `1:` an int key; the JSON form writes them as
-          // Python's str() would.
-          std::string key = key_value.is_string()    ? key_value.get<std::string>()
-                            : key_value.is_boolean() ? (key_value.get<bool>() ? "True" : "False")
-                            : key_value.is_null()    ? "None"
-                                                     : key_value.dump();
-          if (out.contains(key)) {
-            return Error(kv.first, "repeats the key '" + Printable(key) +
-                                       "' (PyYAML, which Accelerate reads it with, keeps the last "
-                                       "value silently); remove one");
-          }
-          MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json value, Convert(kv.second, depth + 1));
-          out[key] = std::move(value);
-        }
-        return out;
-      }
-    }
-    return Error(node, "a YAML node of an unknown kind");
+    return value;
   }
 
  private:
+  Status Error(size_t line, const std::string& what) const {
+    return Status::InvalidArgument(source_ + ":" + std::to_string(line) + ": " + what);
+  }
+  size_t Line() const { return event_.start_mark.line + 1; }
+
+  Status Next() {
+    if (has_event_) yaml_event_delete(&event_);
+    has_event_ = yaml_parser_parse(&parser_, &event_) != 0;
+    if (!has_event_) {
+      std::string what = parser_.problem != nullptr ? parser_.problem : "unreadable";
+      if (parser_.context != nullptr) what = std::string(parser_.context) + ": " + what;
+      return Error(parser_.problem_mark.line + 1, "not YAML: " + Printable(what));
+    }
+    return Status::Ok();
+  }
+
+  static std::string Text(const yaml_char_t* s) {
+    return s == nullptr ? std::string() : std::string(reinterpret_cast<const char*>(s));
+  }
+
+  Status Count(int64_t nodes, size_t line) {
+    // Aliases repeat what an anchor holds: without a bound, nested aliases expand exponentially.
+    nodes_ += nodes;
+    if (nodes_ > kMaxNodes) {
+      return Error(line, "holds more than " + std::to_string(kMaxNodes) +
+                             " values once its aliases are expanded");
+    }
+    return Status::Ok();
+  }
+
+  // The node whose first event is event_; event_ is then its last event.
+  Result<nlohmann::json> Node(int depth) {
+    const size_t line = Line();
+    if (depth > max_depth_) {
+      return Error(line, "nested deeper than " + std::to_string(max_depth_) + " levels");
+    }
+    const int64_t before = nodes_;
+    MEMPLAN_RETURN_IF_ERROR(Count(1, line));
+    std::string anchor;
+    nlohmann::json value;
+    switch (event_.type) {
+      case YAML_ALIAS_EVENT: {
+        auto it = anchors_.find(Text(event_.data.alias.anchor));
+        if (it == anchors_.end()) {
+          return Error(line, "the alias *" + Printable(Text(event_.data.alias.anchor)) +
+                                 " names no anchor before it");
+        }
+        MEMPLAN_RETURN_IF_ERROR(Count(it->second.second, line));
+        return it->second.first;
+      }
+      case YAML_SCALAR_EVENT: {
+        anchor = Text(event_.data.scalar.anchor);
+        const std::string v(reinterpret_cast<const char*>(event_.data.scalar.value),
+                            event_.data.scalar.length);
+        const bool plain = event_.data.scalar.style == YAML_PLAIN_SCALAR_STYLE;
+        const std::string tag = Text(event_.data.scalar.tag);
+        MEMPLAN_ASSIGN_OR_RETURN(value, Scalar(line, v, tag.empty() ? (plain ? "?" : "!") : tag));
+        break;
+      }
+      case YAML_SEQUENCE_START_EVENT: {
+        anchor = Text(event_.data.sequence_start.anchor);
+        const std::string tag = Text(event_.data.sequence_start.tag);
+        if (!tag.empty() && tag != "tag:yaml.org,2002:seq") return BadTag(line, tag);
+        value = nlohmann::json::array();
+        MEMPLAN_RETURN_IF_ERROR(Next());
+        while (event_.type != YAML_SEQUENCE_END_EVENT) {
+          MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json item, Node(depth + 1));
+          value.push_back(std::move(item));
+          MEMPLAN_RETURN_IF_ERROR(Next());
+        }
+        break;
+      }
+      case YAML_MAPPING_START_EVENT: {
+        anchor = Text(event_.data.mapping_start.anchor);
+        const std::string tag = Text(event_.data.mapping_start.tag);
+        if (!tag.empty() && tag != "tag:yaml.org,2002:map") return BadTag(line, tag);
+        MEMPLAN_ASSIGN_OR_RETURN(value, Mapping(depth));
+        break;
+      }
+      default: return Error(line, "not YAML: an unexpected event");
+    }
+    if (!anchor.empty()) anchors_[anchor] = {value, nodes_ - before};
+    return value;
+  }
+
+  // A mapping's pairs up to its end event. PyYAML's merge key `<<` (a mapping or a list of
+  // them) adds the keys the mapping does not set itself.
+  Result<nlohmann::json> Mapping(int depth) {
+    nlohmann::json out = nlohmann::json::object();
+    std::vector<nlohmann::json> merges;
+    for (;;) {
+      MEMPLAN_RETURN_IF_ERROR(Next());
+      if (event_.type == YAML_MAPPING_END_EVENT) break;
+      const size_t key_line = Line();
+      if (event_.type != YAML_SCALAR_EVENT && event_.type != YAML_ALIAS_EVENT) {
+        return Error(key_line, "a key that is not a plain value");
+      }
+      const bool merge =
+          event_.type == YAML_SCALAR_EVENT && event_.data.scalar.style == YAML_PLAIN_SCALAR_STYLE &&
+          event_.data.scalar.tag == nullptr && Text(event_.data.scalar.value) == "<<";
+      MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json key_value, Node(depth + 1));
+      if (!key_value.is_primitive()) return Error(key_line, "a key that is not a plain value");
+      MEMPLAN_RETURN_IF_ERROR(Next());
+      MEMPLAN_ASSIGN_OR_RETURN(nlohmann::json value, Node(depth + 1));
+      if (merge) {
+        if (value.is_object()) {
+          merges.push_back(std::move(value));
+          continue;
+        }
+        if (value.is_array() &&
+            std::all_of(value.begin(), value.end(), [](const auto& m) { return m.is_object(); })) {
+          for (auto& m : value) merges.push_back(std::move(m));
+          continue;
+        }
+        return Error(key_line, "a merge key (<<) takes a mapping or a list of mappings");
+      }
+      // PyYAML makes `true:` a bool key and `1:` an int key; the JSON form writes them as
+      // Python's str() would.
+      const std::string key = key_value.is_string()    ? key_value.get<std::string>()
+                              : key_value.is_boolean() ? (key_value.get<bool>() ? "True" : "False")
+                              : key_value.is_null()    ? "None"
+                                                       : key_value.dump();
+      if (out.contains(key)) {
+        return Error(key_line, "repeats the key '" + Printable(key) +
+                                   "' (PyYAML, which Accelerate reads it with, keeps the last "
+                                   "value silently); remove one");
+      }
+      out[key] = std::move(value);
+    }
+    // The first merged mapping that has a key gives it (PyYAML's flatten_mapping).
+    for (const nlohmann::json& m : merges) {
+      for (const auto& [k, v] : m.items()) {
+        if (!out.contains(k)) out[k] = v;
+      }
+    }
+    return out;
+  }
+
   static constexpr int64_t kMaxNodes = 1000000;
 
-  Status BadTag(const YAML::Node& node, const std::string& tag) const {
-    return Error(node, "the tag " + Printable(tag) +
+  Status BadTag(size_t line, const std::string& tag) const {
+    return Error(line, "the tag " + Printable(tag) +
                            ", which PyYAML's safe_load (Accelerate's reader) refuses");
   }
 
-  Result<nlohmann::json> Scalar(const YAML::Node& node, const std::string& tag) const {
-    const std::string& v = node.Scalar();
+  Result<nlohmann::json> Scalar(size_t line, const std::string& v, const std::string& tag) const {
     if (tag == "!" || tag == "tag:yaml.org,2002:str") return nlohmann::json(v);
     if (tag == "tag:yaml.org,2002:null") return nlohmann::json(nullptr);
     const bool plain = tag == "?";
@@ -127,15 +237,15 @@ class Converter {
             c == 'y' || c == 'Y' || c == 't' || c == 'T' ||
             ((c == 'o' || c == 'O') && v.size() == 2 && (v[1] == 'n' || v[1] == 'N')));
       }
-      if (!plain) return Error(node, "'" + Printable(v) + "' is not a YAML boolean");
+      if (!plain) return Error(line, "'" + Printable(v) + "' is not a YAML boolean");
     }
     if (plain || tag == "tag:yaml.org,2002:int") {
-      if (std::regex_match(v, IntRe())) return Int(node, v);
-      if (!plain) return Error(node, "'" + Printable(v) + "' is not a YAML integer");
+      if (std::regex_match(v, IntRe())) return Int(line, v);
+      if (!plain) return Error(line, "'" + Printable(v) + "' is not a YAML integer");
     }
     if (plain || tag == "tag:yaml.org,2002:float") {
-      if (std::regex_match(v, FloatRe())) return Float(node, v);
-      if (!plain) return Error(node, "'" + Printable(v) + "' is not a YAML float");
+      if (std::regex_match(v, FloatRe())) return Float(line, v);
+      if (!plain) return Error(line, "'" + Printable(v) + "' is not a YAML float");
     }
     if (plain) {
       if (v.empty() || v == "~" || v == "null" || v == "Null" || v == "NULL") {
@@ -143,7 +253,7 @@ class Converter {
       }
       return nlohmann::json(v);
     }
-    return BadTag(node, tag);
+    return BadTag(line, tag);
   }
 
   static std::string Digits(const std::string& v) {
@@ -154,7 +264,7 @@ class Converter {
     return out;
   }
 
-  Result<nlohmann::json> Int(const YAML::Node& node, const std::string& text) const {
+  Result<nlohmann::json> Int(size_t line, const std::string& text) const {
     std::string v = Digits(text);
     bool negative = false;
     if (!v.empty() && (v[0] == '-' || v[0] == '+')) {
@@ -192,18 +302,18 @@ class Converter {
       for (size_t i = 0; ok && i < v.size(); ++i) ok = push(base, digit_of(v[i]));
     }
     if (!ok || (!negative && value == kLimit)) {
-      return Error(node, "the integer " + Printable(text) + " is outside 64 bits");
+      return Error(line, "the integer " + Printable(text) + " is outside 64 bits");
     }
     if (value == kLimit) return nlohmann::json(std::numeric_limits<int64_t>::min());
     const int64_t magnitude = static_cast<int64_t>(value);
     return nlohmann::json(negative ? -magnitude : magnitude);
   }
 
-  Result<nlohmann::json> Float(const YAML::Node& node, const std::string& text) const {
+  Result<nlohmann::json> Float(size_t line, const std::string& text) const {
     std::string v = Digits(text);
     for (char& c : v) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
     if (v.find("inf") != std::string::npos || v.find("nan") != std::string::npos) {
-      return Error(node, "the float " + Printable(text) +
+      return Error(line, "the float " + Printable(text) +
                              " is not finite (no Accelerate setting takes one)");
     }
     double value = 0;
@@ -222,14 +332,18 @@ class Converter {
       value = std::stod(v);
     }
     if (!std::isfinite(value)) {
-      return Error(node, "the float " + Printable(text) + " overflows a double");
+      return Error(line, "the float " + Printable(text) + " overflows a double");
     }
     return nlohmann::json(value);
   }
 
   const std::string& source_;
   int max_depth_;
+  yaml_parser_t parser_;
+  yaml_event_t event_;
+  bool has_event_ = false;
   int64_t nodes_ = 0;
+  std::map<std::string, std::pair<nlohmann::json, int64_t>> anchors_;  // value, its node count
 };
 
 }  // namespace
@@ -239,7 +353,7 @@ Result<nlohmann::json> ParseYamlAsJson(std::string_view text, const std::string&
   if (text.find('\0') != std::string_view::npos) {
     return Status::InvalidArgument(source + ": not YAML (a NUL byte)");
   }
-  // PyYAML reads UTF-8 only; yaml-cpp passes any bytes through, which no JSON can then hold.
+  // PyYAML reads UTF-8 only (and no JSON holds other bytes): said here with the offset.
   for (size_t i = 0; i < text.size();) {
     uint32_t code = 0;
     const size_t length = DecodeUtf8(text, i, &code);
@@ -249,37 +363,17 @@ Result<nlohmann::json> ParseYamlAsJson(std::string_view text, const std::string&
     }
     i += length;
   }
-  // yaml-cpp's time grows faster than the size (16 s for 200,000 keys); a config file is a few
-  // kilobytes, so a hostile one is refused before parsing.
+  // A config file is a few kilobytes: a hostile one is refused before parsing.
   if (text.size() > kMaxYamlBytes) {
     return Status::InvalidArgument(source + ": " + std::to_string(text.size()) +
                                    " bytes, more than the " + std::to_string(kMaxYamlBytes) +
                                    " a YAML config may have (an Accelerate config is a few "
                                    "kilobytes)");
   }
-  std::vector<YAML::Node> documents;
+  Converter converter(text, source, max_depth);
   try {
-    documents = YAML::LoadAll(std::string(text));
-  } catch (const YAML::DeepRecursion& e) {
-    return Status::InvalidArgument(source + ":" + std::to_string(e.mark.line + 1) +
-                                   ": nested deeper than yaml-cpp reads (" +
-                                   std::to_string(e.depth()) + " levels)");
-  } catch (const YAML::Exception& e) {
-    std::string where = source;
-    if (e.mark.line >= 0) where += ":" + std::to_string(e.mark.line + 1);
-    return Status::InvalidArgument(where + ": not YAML: " + Printable(e.msg));
-  } catch (const std::exception& e) {
-    return Status::InvalidArgument(source + ": not YAML: " + Printable(e.what()));
-  }
-  if (documents.size() > 1) {
-    return Status::InvalidArgument(source + ": holds " + std::to_string(documents.size()) +
-                                   " YAML documents; a config file is one");
-  }
-  if (documents.empty()) return nlohmann::json(nullptr);
-  Converter converter(source, max_depth);
-  try {
-    return converter.Convert(documents[0], 0);
-  } catch (const std::exception& e) {  // yaml-cpp's lazy accessors, std::stod
+    return converter.Document();
+  } catch (const std::exception& e) {  // std::stod, allocation
     return Status::InvalidArgument(source + ": not YAML: " + Printable(e.what()));
   }
 }

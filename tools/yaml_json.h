@@ -3,15 +3,17 @@
 //
 // Accelerate loads its config with PyYAML's safe_load, which resolves plain scalars by YAML 1.1's
 // rules: `yes`, `on` and `True` are booleans, `0x10` is an int, `1.0` a float, but `1e5` (no dot)
-// a string. yaml-cpp parses; the scalars are resolved here as PyYAML resolves them (Note [Plain
-// scalars as PyYAML reads them] in yaml_json.cc), so a value checked here is the value Accelerate
-// would see. Lives in tools/ (Note [YAML at the edge] in yaml_json.cc).
+// a string. libyaml (PyYAML's own C parser) parses; the scalars are resolved here as PyYAML
+// resolves them (Note [Plain scalars as PyYAML reads them] in yaml_json.cc), anchors, aliases and
+// merge keys (`<<`) included, so a value checked here is the value Accelerate would see. Lives in
+// tools/ (Note [YAML at the edge] in yaml_json.cc).
 //
 // Refused (InvalidArgument naming `source`, with the line): more than kMaxYamlBytes, bytes that
-// are not UTF-8, text that is not YAML, a tag safe_load
-// refuses (`!!python/...`), a key that is not a scalar, a mapping that repeats a key (PyYAML keeps
-// the last value silently; memplan never guesses, as for JSON: Note [JSON limits] in
-// common/json.h), nesting deeper than `max_depth`, a float that is not finite.
+// are not UTF-8, text that is not YAML, more than one document, a tag safe_load refuses
+// (`!!python/...`), a key that is not a scalar, a mapping that repeats a key (PyYAML keeps the
+// last value silently; memplan never guesses, as for JSON: Note [JSON limits] in common/json.h),
+// nesting deeper than `max_depth`, aliases that expand past a million values, an integer past
+// 64 bits, a float that is not finite.
 //
 // Thread safety: pure function.
 #pragma once
