@@ -85,6 +85,23 @@ const std::set<std::string>& FsdpKeys() {
   return *keys;
 }
 
+// parallelism_config's keys are launch's argument names whole (launch adds no prefix there).
+const std::set<std::string>& ParallelismKeys() {
+  static const auto* keys =
+      new std::set<std::string>{"parallelism_config_dp_replicate_size",
+                                "parallelism_config_dp_shard_size",
+                                "parallelism_config_tp_size",
+                                "parallelism_config_cp_size",
+                                "parallelism_config_cp_backend",
+                                "parallelism_config_cp_comm_strategy",
+                                "parallelism_config_sp_size",
+                                "parallelism_config_sp_backend",
+                                "parallelism_config_sp_seq_length",
+                                "parallelism_config_sp_seq_length_is_variable",
+                                "parallelism_config_sp_attn_implementation"};
+  return *keys;
+}
+
 const std::set<std::string>& DeepSpeedKeys() {
   static const auto* keys = new std::set<std::string>{"gradient_accumulation_steps",
                                                       "gradient_clipping",
@@ -621,6 +638,57 @@ class AccelerateChecker {
     }
   }
 
+  // parallelism_config: keys without their parallelism_config_ prefix are read by nothing (a
+  // dp_shard_size of 2 leaves PARALLELISM_CONFIG_DP_SHARD_SIZE at 1); the sizes' product must be
+  // the processes (ParallelismConfig raises in prepare(), DeepSpeed's sequence parallelism aside).
+  void Parallelism(const nlohmann::json& c) {
+    if (!c.contains("parallelism_config") || c["parallelism_config"].is_null()) return;
+    const nlohmann::json& p = c["parallelism_config"];
+    if (!p.is_object()) {
+      Problem("parallelism_config", "must be a mapping of settings, got " + Printable(p.dump()));
+      return;
+    }
+    const std::string prefix = "parallelism_config_";
+    std::vector<std::string> known(ParallelismKeys().begin(), ParallelismKeys().end());
+    int64_t total = 1;
+    bool sizes_known = true;
+    for (const auto& [key, value] : p.items()) {
+      const std::string path = "parallelism_config." + key;
+      if (ParallelismKeys().count(key) == 0) {
+        const bool unprefixed = ParallelismKeys().count(prefix + key) != 0;
+        Problem(
+            path,
+            "is not a setting accelerate launch reads: Accelerate ignores it without a "
+            "word" +
+                (unprefixed ? " (keys here keep their prefix: did you mean " + prefix + key + "?)"
+                            : DidYouMean(ClosestMatches(key, known))));
+        continue;
+      }
+      if (key.size() > 5 && key.compare(key.size() - 5, 5, "_size") == 0) {
+        const std::optional<int64_t> size = IntLike(value);
+        if (!size || *size < 1) {
+          Problem(path, "must be a positive integer, got " + Printable(AsText(value)));
+          sizes_known = false;
+        } else {
+          total = CheckedMulInt64(total, *size).value_or(0);
+        }
+      }
+    }
+    const bool deepspeed_sp =
+        p.contains(prefix + "sp_backend") && AsText(p[prefix + "sp_backend"]) == "deepspeed" &&
+        IntLike(p.value(prefix + "sp_size", nlohmann::json(1))).value_or(1) > 1;
+    const std::optional<int64_t> processes =
+        c.contains("num_processes") ? IntLike(c["num_processes"]) : std::nullopt;
+    if (sizes_known && !deepspeed_sp && processes && *processes >= 1 && total != *processes) {
+      Problem("parallelism_config",
+              "multiplies to " + std::to_string(total) +
+                  " processes (dp_replicate x dp_shard x tp x cp x sp) but num_processes is " +
+                  std::to_string(*processes) +
+                  ": ParallelismConfig raises \"total_size does not match num_processes\"",
+              {"num_processes"});
+    }
+  }
+
   void DeepSpeed(const nlohmann::json& c) {
     nlohmann::json d;
     SectionKeys(c, "deepspeed_config", "", DeepSpeedKeys(), &d);
@@ -875,6 +943,7 @@ Result<CheckReport> CheckAccelerateConfig(const nlohmann::json& config,
   checker.Processes(config);
   checker.Fsdp(config);
   checker.DeepSpeed(config);
+  checker.Parallelism(config);
   checker.Fit();
   return checker.Take();
 }

@@ -109,6 +109,18 @@ TEST_CASE("accelerate check: processes, top-level keys and the DeepSpeed section
   c.erase("ipex_config");
   c["distributed_type"] = "MULTIGPU";
   CHECK(At(Check(c, 16), "distributed_type").find("did you mean MULTI_GPU") != std::string::npos);
+  // parallelism_config keeps its prefix; its sizes multiply to the processes.
+  c = {{"distributed_type", "FSDP"},
+       {"num_processes", 4},
+       {"fsdp_config", {{"fsdp_version", 2}, {"fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"}}},
+       {"parallelism_config",
+        {{"parallelism_config_dp_shard_size", 2}, {"parallelism_config_cp_size", 2}}}};
+  CHECK(Check(c, 4).problems.empty());
+  c["parallelism_config"]["parallelism_config_cp_size"] = 4;
+  CHECK(At(Check(c, 4), "parallelism_config").find("multiplies to 8") != std::string::npos);
+  c["parallelism_config"] = {{"dp_shard_size", 4}};
+  CHECK(At(Check(c, 4), "parallelism_config.dp_shard_size")
+            .find("did you mean parallelism_config_dp_shard_size") != std::string::npos);
   auto report = CheckAccelerateConfig(nlohmann::json::array(), CheckOptions{});
   CHECK_FALSE(report.ok());
 }

@@ -102,6 +102,7 @@ CASES = [
     (FSDP, {**V2, F + "fsdp_sharding_strategy": "SHARD_GRAD_OP"}, "silent"),
     (FSDP, {F + "fsdp_activaton_checkpointing": True}, "silent"),
     (FSDP, {F + "fsdp_auto_wrap_policy": None}, "silent"),
+    (FSDP, {**V2, "num_processes": 2, "parallelism_config": {"dp_shard_size": 2}}, "silent"),
     (DEEPSPEED, {}, "accept"),
     (DEEPSPEED, {"mixed_precision": None, D + "deepspeed_config_file": "@ds",
                  D + "zero_stage": None, D + "offload_optimizer_device": None,
@@ -197,6 +198,9 @@ def silence_shown(changes, plugin, env):
             return plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
         if dotted == F + "fsdp_auto_wrap_policy" and value is None:
             return plugin.auto_wrap_policy is None or "NO_WRAP" in str(plugin.auto_wrap_policy)
+        if dotted == "parallelism_config":  # unprefixed keys: their variables keep defaults
+            return all(env.get("PARALLELISM_CONFIG_" + k.upper()) != str(v)
+                       for k, v in value.items())
     # A key no environment variable carries.
     keys = [d.split(".")[-1] for d, v in changes.items() if v is not None]
     wanted = [k.upper().replace("FSDP_", "") for k in keys]
