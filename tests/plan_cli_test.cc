@@ -758,6 +758,19 @@ TEST_CASE("check: an Accelerate config's fit needs the micro-batch, and its JSON
                                "fsdp_config.fsdp_offload_params",
                                "fsdp_config.fsdp_activation_checkpointing"}));
   CHECK(j["setup_line"].get<std::string>().find("FSDP shard_grad_op") != std::string::npos);
+  // A DeepSpeed config named by a relative path that is not here: no fit, so never "OK".
+  TempDir dir("memplan-accelerate-");
+  const std::string yaml =
+      dir.Write("ds.yaml",
+                "distributed_type: DEEPSPEED\nnum_processes: 8\n"
+                "deepspeed_config:\n  deepspeed_config_file: missing/ds.json\n")
+          .string();
+  r = Memplan({"check", yaml, "--gpus", "8"});
+  CHECK(r.exit_code == 0);  // no fit asked for: the rest is checked
+  r = Memplan({"check", yaml, "--model", "llama-2-7b", "--gpu", "a100-80", "--gpus", "8",
+               "--micro-batch", "1"});
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("was not found from here") != std::string::npos);
 }
 
 TEST_CASE("plan, capacity and check refuse a model without an architecture, each naming why") {

@@ -88,10 +88,15 @@ void CheckNamedDeepSpeedConfig(const nlohmann::json& accelerate, planner::CheckO
       report->notes.push_back(key + " " + file +
                               " was not found from here (Accelerate reads it from the directory "
                               "the job starts in): not checked");
+      // A fit asked for (--model with --gpu) and not predicted is never "OK".
+      if (options.model != nullptr && options.cluster) {
+        report->fit_error = "memory not predicted: the DeepSpeed config " + file +
+                            " was not found from here; run check where the job starts";
+      }
     }
     return;
   }
-  bool nested_accelerate = false;
+  bool nested_accelerate = false;  // read as JSON; a DeepSpeed config is never YAML
   auto config = ReadConfig(file, &nested_accelerate);
   if (!config.ok()) {
     report->problems.push_back({key, config.status().message(), {}});
