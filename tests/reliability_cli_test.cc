@@ -195,6 +195,10 @@ ProbeOptions WithAddressSpace(rlim_t bytes) {
 ProbeOptions SignalWhen(std::function<int()> when) {
   ProbeOptions o;
   o.signal_when = std::move(when);
+  // The work stops at its next poll of the flag. Twice in this VM's CI rehearsals, with other
+  // test binaries writing beside it, a bench swap run took more than 5 s to end after SIGINT
+  // (alone, 24 of 24 runs ended at once); 20 s still tells a stop from a run that ignores it.
+  o.limit_seconds = 20;
   return o;
 }
 
