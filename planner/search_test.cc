@@ -11,6 +11,7 @@
 #include "planner/cluster.h"
 #include "planner/emit.h"
 #include "tests/status_testing.h"
+#include "tests/testing.h"
 
 namespace memplan::planner {
 namespace {
@@ -277,7 +278,9 @@ TEST_CASE("search: llama-2-70b over the whole grid within the latency budget") {
   CHECK(r->grid_size == 14 * 3 * 4);
   CHECK(r->configurations > 14);
   CHECK(r->configurations <= r->grid_size);  // a grid point counts once, whatever its buffers
-  CHECK(ms < 2000);  // the target is 200 ms; generous for sanitizer and debug builds
+  // The target is 200 ms in a release build; ten times that, and five times more under the
+  // sanitizers (ASan/UBSan's debug build once took 2195 ms on this shared 2-vCPU VM).
+  CHECK(ms < 2000 * (memplan::testing::kSanitizerBuild ? 5 : 1));
   REQUIRE(!r->plans.empty());
   // 70B needs 16 bytes x 69e9 / 8 = 128 GiB of model states per GPU without offload or ZeRO-3.
   const Rejection* z2 = FindRejected(*r, "ZeRO-2");
