@@ -133,6 +133,22 @@ Status DeepSpeedConfigOne(std::string_view input) {
   return Status::Ok();
 }
 
+namespace {
+
+// The cluster `memplan check`'s fit is fuzzed against: 2 nodes x 4 GPUs, RAM, memlock and NVMe.
+planner::Cluster CheckCluster() {
+  planner::Cluster cluster;
+  cluster.gpu = planner::GpuPresets().front();
+  cluster.gpus_per_node = 4;
+  cluster.nodes = 2;
+  cluster.cpu_memory_bytes = uint64_t{256} << 30;
+  cluster.memlock_bytes = uint64_t{64} << 30;
+  cluster.nvme_path = "/local_nvme";
+  return cluster;
+}
+
+}  // namespace
+
 Status DeepSpeedCheckOne(std::string_view input) {
   auto config = ParseJson(input, "ds_config.json");
   if (!config.ok()) return Status::Ok();
@@ -144,14 +160,7 @@ Status DeepSpeedCheckOne(std::string_view input) {
   trainer.world_size = 8;
   planner::CheckOptions fit;
   fit.model = &Gpt2();
-  planner::Cluster cluster;
-  cluster.gpu = planner::GpuPresets().front();
-  cluster.gpus_per_node = 4;
-  cluster.nodes = 2;
-  cluster.cpu_memory_bytes = uint64_t{256} << 30;
-  cluster.memlock_bytes = uint64_t{64} << 30;
-  cluster.nvme_path = "/local_nvme";
-  fit.cluster = cluster;
+  fit.cluster = CheckCluster();
   for (const planner::CheckOptions* options : {&alone, &trainer, &fit}) {
     auto report = planner::CheckDeepSpeedConfig(*config, *options);
     if (!report.ok()) continue;
@@ -174,12 +183,7 @@ Status AccelerateCheckOne(std::string_view input) {
   alone.world_size = 8;
   planner::CheckOptions fit;
   fit.model = &Gpt2();
-  planner::Cluster cluster;
-  cluster.gpu = planner::GpuPresets().front();
-  cluster.gpus_per_node = 4;
-  cluster.nodes = 2;
-  cluster.cpu_memory_bytes = uint64_t{256} << 30;
-  fit.cluster = cluster;
+  fit.cluster = CheckCluster();
   fit.setup.micro_batch = 2;
   fit.supplied.insert("micro_batch");
   for (const planner::CheckOptions* options : {&alone, &fit}) {

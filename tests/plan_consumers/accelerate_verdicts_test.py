@@ -30,6 +30,7 @@ import tempfile
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from consumers_test import gpu_rank  # noqa: E402  (a CUDA device 0 for the FSDP plugin)
 
 GPUS = 8
 
@@ -135,20 +136,6 @@ def changed(base, changes, ds_file):
         else:  # "@ds": the DeepSpeed config file's path; "@null": YAML's null
             node[key] = ds_file if value == "@ds" else None if value == "@null" else value
     return config
-
-
-@contextlib.contextmanager
-def gpu_rank():
-    """CUDA device 0 for the plugin code that asks for it (no GPU here; every rank has one)."""
-    import torch
-    import accelerate.utils.dataclasses as dataclasses
-    saved = dataclasses.is_cuda_available, torch.cuda.current_device
-    dataclasses.is_cuda_available = lambda: True
-    torch.cuda.current_device = lambda: 0
-    try:
-        yield
-    finally:
-        dataclasses.is_cuda_available, torch.cuda.current_device = saved
 
 
 def accelerate_verdict(path):
