@@ -1,7 +1,7 @@
 // The decoder-only families as tables for the one builder of hf_family.h: gpt2, gpt_neox, llama,
 // mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, gemma, gemma2, gemma3_text, olmo2,
-// olmo3, ministral, smollm3, granite, seed_oss, starcoder2, phi, phi3, deepseek_v2, deepseek_v3,
-// gpt_oss, falcon, bloom, gptj, opt, mpt.
+// olmo3, olmoe, hunyuan_v1_dense, glm, glm4, ministral, smollm3, granite, seed_oss, starcoder2,
+// phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon, bloom, gptj, opt, mpt.
 //
 // Note [Names and order]
 // Each table lists the parameters of the class Transformers (5.x) builds for the config, named and
@@ -308,6 +308,70 @@ constexpr DimField kOlmo3Dims[] = {
     Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
     Default(Dim::kPositions, "max_position_embeddings", 2048),
     Optional(Dim::kSlidingWindow, "sliding_window", 4096),
+};
+
+// OLMoE: Llama's pre-norm block with OLMo 2's full-width q/k norms and Mixtral's fused experts
+// (intermediate_size wide) behind Qwen2-MoE's router (OlmoeTopKRouter), in every layer.
+constexpr DimField kOlmoeDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 4096),
+    Default(Dim::kExperts, "num_experts", 64),
+    Default(Dim::kTopK, "num_experts_per_tok", 8),
+};
+// OlmoeAttention's clip_qkv clamps the query, key and value in place: ops without tensors, which
+// the step model does not run (a block option it refuses).
+Status AdjustOlmoe(const ConfigReader& config, Values* v) {
+  if (config.Has("clip_qkv")) v->block_options.emplace_back("clip_qkv");
+  return Status::Ok();
+}
+
+// HunYuan dense (Hunyuan-0.5B to 7B): Llama's block whose attention also has per-head
+// query_layernorm and key_layernorm, applied after the rotation (the step model's
+// Family::qk_norm_after_rotary), and whose MLP never has biases.
+constexpr DimField kHunyuanDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 2048),
+};
+constexpr Part kHunyuanLayer[] = {
+    Linear("self_attn.q_proj", W::kHidden, W::kQ, If(Flag::kQkvBias)).As(R::kAttentionQ),
+    Linear("self_attn.k_proj", W::kHidden, W::kKv, If(Flag::kQkvBias)).As(R::kAttentionK),
+    Linear("self_attn.v_proj", W::kHidden, W::kKv, If(Flag::kQkvBias)).As(R::kAttentionV),
+    Linear("self_attn.o_proj", W::kQ, W::kHidden, If(Flag::kOBias)).As(R::kAttentionOut),
+    Norm("self_attn.query_layernorm", W::kHeadDim, kNo),
+    Norm("self_attn.key_layernorm", W::kHeadDim, kNo),
+    Include(kGatedMlp),
+    Include(kLlamaNorms),
+};
+
+// --- glm, glm4 ---
+
+// GLM-4 (glm: GLM-4-9B; glm4: the 0414 models): Llama's attention with q/k/v biases
+// (attention_bias, on by default) and rotary over half of each head, Phi-3's fused gate_up_proj;
+// Glm4DecoderLayer adds a norm after each branch (post_self_attn_layernorm, post_mlp_layernorm,
+// registered after the other two), which the step model runs as Gemma 2's sandwich.
+constexpr DimField kGlmDims[] = {
+    Default(Dim::kHeadDim, "head_dim", 128),
+    Default(Dim::kPositions, "max_position_embeddings", 131072),
+};
+constexpr FlagField kGlmFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kQkvBias, "attention_bias", true},
+};
+constexpr Part kGlmMlp[] = {
+    Linear("mlp.gate_up_proj", W::kHidden, W::kFfn2).As(R::kMlpGateUp),
+    Linear("mlp.down_proj", W::kFfn, W::kHidden).As(R::kMlpDown),
+};
+constexpr Part kGlmLayer[] = {
+    Include(kLlamaAttentionNoSinks),
+    Include(kGlmMlp),
+    Include(kLlamaNorms),
+};
+constexpr Part kGlm4Layer[] = {
+    Include(kLlamaAttentionNoSinks),
+    Include(kGlmMlp),
+    Include(kLlamaNorms),
+    Norm("post_self_attn_layernorm", W::kHidden, kNo),
+    Norm("post_mlp_layernorm", W::kHidden, kNo),
 };
 
 // --- granite ---
@@ -971,6 +1035,18 @@ constexpr FamilySpec kFamilies[] = {
                .on = On(Flag::kFullQkNorm, Flag::kNoInputNorm, Flag::kPostFfNorm,
                         Flag::kRotaryPerType),
                .heads = kHeadsSeq, .sliding = SlidingRule::kOlmo3}),
+    LlamaLike({.model_type = "olmoe", .class_prefix = "Olmoe", .dims = kOlmoeDims,
+               .flags = kUntiedAttentionBias, .on = On(Flag::kFullQkNorm),
+               .adjust = &AdjustOlmoe, .layer = kMixtralLayer, .moe = MoePlacement::kEveryLayer}),
+    LlamaLike({.model_type = "hunyuan_v1_dense", .class_prefix = "HunYuanDenseV1",
+               .dims = kHunyuanDims, .flags = kUntiedAttentionBias, .layer = kHunyuanLayer,
+               .heads = kHeadsSeq}),
+    LlamaLike({.model_type = "glm", .class_prefix = "Glm", .dims = kGlmDims, .flags = kGlmFlags,
+               .layer = kGlmLayer, .heads = kHeadsSeqToken, .partial_rotary = true,
+               .partial_rotary_default = 0.5}),
+    LlamaLike({.model_type = "glm4", .class_prefix = "Glm4", .dims = kGlmDims, .flags = kGlmFlags,
+               .layer = kGlm4Layer, .heads = kHeadsSeqToken, .partial_rotary = true,
+               .partial_rotary_default = 0.5}),
     // Ministral: Mistral's config, Qwen2's modules without their q/k/v biases.
     LlamaLike({.model_type = "ministral", .class_prefix = "Ministral", .dims = kMistralDims,
                .flags = kUntied, .heads = kHeadsQaTransformer,
@@ -1056,7 +1132,8 @@ constexpr const FamilySpec* kFamilyList[] = {
     &kFamilies[6],  &kFamilies[7],  &kFamilies[8],  &kFamilies[9],  &kFamilies[10], &kFamilies[11],
     &kFamilies[12], &kFamilies[13], &kFamilies[14], &kFamilies[15], &kFamilies[16], &kFamilies[17],
     &kFamilies[18], &kFamilies[19], &kFamilies[20], &kFamilies[21], &kFamilies[22], &kFamilies[23],
-    &kFamilies[24], &kFamilies[25], &kFamilies[26], &kFamilies[27], &kFamilies[28],
+    &kFamilies[24], &kFamilies[25], &kFamilies[26], &kFamilies[27], &kFamilies[28], &kFamilies[29],
+    &kFamilies[30], &kFamilies[31], &kFamilies[32],
 };
 static_assert(std::size(kFamilyList) == std::size(kFamilies));
 

@@ -612,6 +612,12 @@ Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigRead
     MEMPLAN_ASSIGN_OR_RETURN(std::string topk, config.StringOr("topk_method", "greedy"));
     if (topk != "greedy") arch.block_options.push_back("topk_method " + topk);
   }
+  if (spec.mla && spec.model_type == "deepseek_v3") {
+    // DeepseekV3TopkRouter (Transformers 5) scores with a sigmoid whatever scoring_func and
+    // topk_method say; what changes its ops is norm_topk_prob, and the rotation's layout.
+    MEMPLAN_ASSIGN_OR_RETURN(arch.norm_topk_prob, config.BoolOr("norm_topk_prob", true));
+    MEMPLAN_ASSIGN_OR_RETURN(arch.rope_interleave, config.BoolOr("rope_interleave", true));
+  }
   if (v.attention_dropout >= 0) {
     arch.attention_dropout = v.attention_dropout;
   } else if (!spec.attention_dropout_field.empty()) {

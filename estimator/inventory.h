@@ -229,6 +229,10 @@ struct ArchitectureInfo {
   // config's names, where the family reader knows them (MPT: clip_qkv, softcapping, sliding
   // windows, sequence ids, qk_gn, embedding_fraction, a non-default ffn_act_fn); empty: none.
   std::vector<std::string> block_options;
+  // DeepSeek-V3's router and rotation (DeepseekV3Config): top-k weights normalised to sum 1
+  // (norm_topk_prob), and the rotary pairs interleaved (rope_interleave); both on by default.
+  bool norm_topk_prob = true;
+  bool rope_interleave = true;
   // Gemma-2's tanh soft-capping of the attention scores and of the output logits (0: none).
   double attn_softcap = 0;
   double final_softcap = 0;

@@ -270,7 +270,8 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
     g_.Drop(q);
     q = qs;
   }
-  if (fam_.qk_norm != Family::QkNorm::kNone && bp.qk_norms.size() >= 2) {
+  auto qk_norms = [&] {
+    if (fam_.qk_norm == Family::QkNorm::kNone || bp.qk_norms.size() < 2) return;
     auto norm = [&](const Norm& n, T t) {
       return fam_.qk_norm == Family::QkNorm::kHeadLayer ? LayerNorm(g_, t, n.w, n.b, n.width)
                                                         : HfRmsNorm(n, t);
@@ -281,7 +282,8 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
     T kn = norm(bp.qk_norms[1], k);
     g_.Drop(k);
     k = kn;
-  }
+  };
+  if (!fam_.qk_norm_after_rotary) qk_norms();
   // SmolLM3Attention: `if self.use_rope` (its NoPE layers rotate nothing).
   const auto& nope = a_.nope_layers;
   const bool nope_layer = static_cast<size_t>(layer) < nope.size() && nope[layer];
@@ -293,6 +295,7 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
     g_.Drop(k);
     k = kr;
   }
+  if (fam_.qk_norm_after_rotary) qk_norms();
   // DynamicCache.update in training (use_cache from the config): the first update cats onto an
   // empty tensor of the key's dtype, copying key and value (the value promoted to it).
   if (use_cache_) CacheUpdate(&k, &v);
@@ -425,7 +428,9 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
   const Wide k = static_cast<Wide>(std::max<int64_t>(a_.experts_per_token, 1));
   const Wide hw = static_cast<Wide>(a_.hidden);
   const Wide experts = static_cast<Wide>(a_.experts);
-  T top = fam_.mla ? DeepseekV2Router(bp, h) : TransformersRouter(bp, h);
+  T top = fam_.mla_v3 ? DeepseekV3Router(bp, h)
+          : fam_.mla  ? DeepseekV2Router(bp, h)
+                      : TransformersRouter(bp, h);
   const Wide S = tokens_ * k;
   // expert_ids sort, perm // k, inv_perm: indices the gathers keep.
   T perm = g_.New(S, DT::kI64, false);
@@ -855,7 +860,7 @@ Result<T> ModelRun::TransformersForward() {
   if (fam_.gpt_oss) {
     GptOssTables(g_.Dtype(x));
   } else if (fam_.mla) {
-    MlaRotaryTable();
+    MlaRotaryTable(g_.Dtype(x));
   } else if (fam_.rotary) {
     // The rotary embedding's forward: cos and sin (seq x rotary dims) in fp32, cast to x's dtype.
     const Wide d = fam_.rotary_dims > 0 ? fam_.rotary_dims : static_cast<Wide>(a_.head_dim);

@@ -86,6 +86,7 @@ class ModelRun {
     Layout layout = Layout::kSequential;
     Act act = Act::kSilu;
     QkNorm qk_norm = QkNorm::kNone;
+    bool qk_norm_after_rotary = false;  // HunYuan: the rotation first, then query/key_layernorm
     bool gated = true;
     bool rotary = true;
     Wide rotary_dims = 0;  // per head; 0: the whole head
@@ -105,6 +106,7 @@ class ModelRun {
     bool bloom_attention = false;
     bool falcon_alibi = false;
     bool mla = false;      // DeepSeek-V2: multi-head latent attention and its router (step_mla.cc)
+    bool mla_v3 = false;   // DeepSeek-V3's: its rotation and its sigmoid router (step_mla.cc)
     bool gpt_oss = false;  // gpt-oss: sinks, alternating masks, biased experts (step_oss.cc)
   };
 
@@ -207,12 +209,14 @@ class ModelRun {
   // cache holding both until the output is dropped; the layer goes on with the copies.
   void CacheUpdate(T* key, T* value);
   // DeepSeek-V2 (step_mla.cc, Note [DeepSeek-V2 in the step model]).
-  void MlaRotaryTable();
+  void MlaRotaryTable(DT dt);  // dt: the hidden states' (V3's tables are cast to it)
   T MlaRotary(T x);
   std::vector<T> MlaSplit(T x, const std::vector<Wide>& parts);
   T MlaAttention(const BlockParams& bp, T h);
   T MlaEagerAttention(const QkvViews& t, const AttentionShape& as);
   T DeepseekV2Router(const BlockParams& bp, T h);
+  T MlaV3Rotary(T x);
+  T DeepseekV3Router(const BlockParams& bp, T h);
   // gpt-oss (step_oss.cc, Note [gpt-oss in the step model]).
   Status CheckGptOss() const;
   void GptOssTables(DT dt);

@@ -33,6 +33,26 @@
 // they stay fp32, so the experts' weighted outputs promote to fp32 and the experts' sum is cast
 // back to the hidden states' dtype (grouped_mm_experts_forward's .to(hidden_states.dtype)).
 //
+// Note [DeepSeek-V3 in the step model]
+// DeepseekV3Attention (models/deepseek_v3/modeling_deepseek_v3.py) is V2's with a real rotation:
+// DeepseekV3RotaryEmbedding makes Llama's cos and sin tables (seq x qk_rope, fp32, cast to the
+// hidden states' dtype) once for every layer, and each layer rotates q_rot and k_rot with them,
+// by default pairwise (rope_interleave: apply_rotary_pos_emb_interleave, which multiplies the
+// even and odd elements by views of the tables' first halves and cats the two results), else as
+// Llama does. The products promote to the tables' dtype: under autocast the rotated parts are
+// fp32, so the query's cat is fp32 and SDPA's autocast copy of it is what the attention keeps.
+// The multiplies save the tables only (no gradient), which every layer shares.
+//
+// DeepseekV3TopkRouter.forward: the router Linear as V2's (fp32 casts, autocast's 16 bits
+// still), then scores = sigmoid(logits), which sigmoid's backward keeps; the group selection
+// (scores + e_score_correction_bias, a group top-2 sum, a group top-k, a zeros-and-scatter
+// group mask expanded to experts, masked_fill) and the top-k that only yields indices; the
+// weights gathered from the scores (gather keeps the indices); when norm_topk_prob, an in-place
+// division by their sum + 1e-20 (an fp32 sum under autocast), which keeps the divisor and a clone
+// of the weights; then a multiply by routed_scaling_factor. The weights keep the scores' dtype
+// (16 bits under autocast, where V2's are fp32). The group tensors of tokens x n_group elements
+// are not laid out: they live inside the router's forward, where the step never peaks.
+//
 // Not modelled, and refused (the family reader makes it a block option): topk_method
 // "group_limited_greedy" (DeepSeek-V2's full model: its group mask adds a few [tokens, experts]
 // tensors per MoE layer).
@@ -48,7 +68,19 @@ namespace memplan::estimator::step {
 // DeepseekV2RotaryEmbedding.forward (under no_grad): position_ids.float() * inv_freq, and
 // torch.polar(ones_like(freqs), freqs) * attention_scaling: a complex64 table of seq x
 // qk_rope / 2, kept for every layer (held in cos_).
-void ModelRun::MlaRotaryTable() {
+void ModelRun::MlaRotaryTable(DT dt) {
+  if (fam_.mla_v3) {
+    // DeepseekV3RotaryEmbedding.forward: cos and sin of seq x qk_rope in fp32 (times
+    // attention_scaling), cast to the hidden states' dtype (the embeddings' here).
+    const Wide d = static_cast<Wide>(a_.qk_rope_head_dim);
+    T c32 = g_.New(seq_ * d, DT::kF32, false);
+    T s32 = g_.New(seq_ * d, DT::kF32, false);
+    cos_ = Cast(g_, c32, dt);
+    sin_ = Cast(g_, s32, dt);
+    g_.Drop(c32);
+    g_.Drop(s32);
+    return;
+  }
   const Wide half = static_cast<Wide>(a_.qk_rope_head_dim) / 2;
   T arange = g_.New(seq_, DT::kI64, false);
   sin_ = g_.New(seq_, DT::kI64, false);
@@ -73,6 +105,50 @@ T ModelRun::MlaRotary(T x) {
   g_.Drop(xf);
   T out = Cast(g_, prod, dt);
   g_.Drop(prod);
+  return out;
+}
+
+// DeepSeek-V3's rotation of q_rot or k_rot (Note [DeepSeek-V3 in the step model]): pairwise,
+// cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin]) over the even and odd elements x1, x2 and the
+// tables' first halves; or Llama's x * cos + rotate_half(x) * sin.
+T ModelRun::MlaV3Rotary(T x) {
+  const Wide n = g_.Numel(x);
+  T x1 = Slice(g_, x, n / 2);
+  T x2 = Slice(g_, x, n / 2);
+  if (!a_.rope_interleave) {
+    T m1 = Mul(g_, x, cos_);
+    T neg = Apply(g_, Unary::kNeg, x2);
+    g_.Drop(x2);
+    T rot = Cat(g_, {neg, x1});
+    g_.Drop(neg);
+    g_.Drop(x1);
+    T m2 = Mul(g_, rot, sin_);
+    g_.Drop(rot);
+    T out = Add(g_, m1, m2);
+    g_.Drop(m1);
+    g_.Drop(m2);
+    return out;
+  }
+  const Wide rows = seq_ * static_cast<Wide>(a_.qk_rope_head_dim) / 2;
+  T cos_half = g_.Alias(cos_, rows, /*view=*/true);
+  T sin_half = g_.Alias(sin_, rows, /*view=*/true);
+  T a1 = Mul(g_, x1, cos_half);
+  T a2 = Mul(g_, x2, sin_half);
+  T first = Add(g_, a1, a2);  // a subtraction: the same tensors
+  g_.Drop(a1);
+  g_.Drop(a2);
+  T b1 = Mul(g_, x2, cos_half);
+  T b2 = Mul(g_, x1, sin_half);
+  T second = Add(g_, b1, b2);
+  g_.Drop(b1);
+  g_.Drop(b2);
+  g_.Drop(x1);
+  g_.Drop(x2);
+  g_.Drop(cos_half);
+  g_.Drop(sin_half);
+  T out = Cat(g_, {first, second});
+  g_.Drop(first);
+  g_.Drop(second);
   return out;
 }
 
@@ -112,9 +188,9 @@ T ModelRun::MlaAttention(const BlockParams& bp, T h) {
   g_.Drop(compressed);
   T k_nope = HfRmsNorm(bp.qk_norms[kv_norm], kvs[0]);
   g_.Drop(kvs[0]);
-  T q_pe = MlaRotary(qs[1]);
+  T q_pe = fam_.mla_v3 ? MlaV3Rotary(qs[1]) : MlaRotary(qs[1]);
   g_.Drop(qs[1]);
-  T k_pe = MlaRotary(kvs[1]);
+  T k_pe = fam_.mla_v3 ? MlaV3Rotary(kvs[1]) : MlaRotary(kvs[1]);
   g_.Drop(kvs[1]);
   if (use_cache_) {
     // DynamicCache.update: the first update cats onto an empty tensor of k_nope's dtype, copying
@@ -188,6 +264,59 @@ T ModelRun::DeepseekV2Router(const BlockParams& bp, T h) {
   T top = TopKRouting(logits);
   T scaled = Scale(g_, top);  // topk_weights * routed_scaling_factor
   g_.Drop(top);
+  return scaled;
+}
+
+// DeepseekV3TopkRouter.forward (Note [DeepSeek-V3 in the step model]): the routing weights of
+// each token's top-k experts, in the scores' dtype.
+T ModelRun::DeepseekV3Router(const BlockParams& bp, T h) {
+  const Wide hw = static_cast<Wide>(a_.hidden);
+  const Wide experts = static_cast<Wide>(a_.experts);
+  const Wide k = static_cast<Wide>(std::max<int64_t>(a_.experts_per_token, 1));
+  T hf = Cast(g_, h, DT::kF32);
+  T wf = g_.Dtype(bp.router.w) == DT::kF32 ? bp.router.w : Cast(g_, bp.router.w, DT::kF32);
+  T logits = Linear(g_, hf, wf, T{}, hw, experts);
+  g_.Drop(hf);
+  g_.Drop(wf);
+  T scores = Apply(g_, Unary::kSigmoid, logits);
+  g_.Drop(logits);
+  // The selection: scores + the fp32 bias, the experts' group mask (an fp32 copy and its
+  // negated bool), masked_fill; then a top-k whose indices alone are used.
+  T choice = g_.New(tokens_ * experts, Promote(g_.Dtype(scores), DT::kF32), false);
+  T mask = g_.New(tokens_ * experts, DT::kF32, false);
+  T bool_mask = g_.New(tokens_ * experts, DT::kBool, false);
+  g_.Drop(mask);
+  T filled = g_.New(tokens_ * experts, g_.Dtype(choice), false);
+  g_.Drop(choice);
+  g_.Drop(bool_mask);
+  T top_values = g_.New(tokens_ * k, g_.Dtype(filled), false);
+  T top_idx = g_.New(tokens_ * k, DT::kI64, false);
+  g_.Drop(filled);
+  g_.Drop(top_values);
+  // scores.gather(1, topk_indices): keeps the indices.
+  T weights = g_.New(tokens_ * k, g_.Dtype(scores), g_.RequiresGrad(scores));
+  g_.Record(Graph::Spec("Gather", {scores}, {weights}, {top_idx}));
+  g_.Drop(scores);
+  g_.Drop(top_idx);
+  if (a_.norm_topk_prob) {
+    // denominator = topk_weights.sum(-1, keepdim=True) + 1e-20 (sum is an fp32 op under
+    // autocast); topk_weights /= denominator, in place: DivBackward keeps the divisor and a clone
+    // of the weights before the division.
+    T in = Fp32In(g_, weights);
+    T sum = MeanRows(g_, in, k);
+    g_.Drop(in);
+    T den = Scale(g_, sum);
+    g_.Drop(sum);
+    T before = Copy(g_, weights);
+    T divided = g_.New(tokens_ * k, g_.Dtype(weights), g_.RequiresGrad(weights));
+    g_.Record(Graph::Spec("Div", {weights, den}, {divided}, {den, before}));
+    g_.Drop(weights);
+    g_.Drop(den);
+    g_.Drop(before);
+    weights = divided;
+  }
+  T scaled = Scale(g_, weights);  // topk_weights * routed_scaling_factor
+  g_.Drop(weights);
   return scaled;
 }
 

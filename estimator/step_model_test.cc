@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <array>
+#include <fstream>
 #include <cmath>
 #include <string>
 
@@ -445,6 +446,42 @@ TEST_CASE("step model: Transformers DeepSeek-V2 (MLA, MoE with shared experts), 
 }
 
 TEST_CASE(
+    "step model: Transformers DeepSeek-V3 (its rotation and sigmoid router), against traces") {
+  // transformers/deepseek-v3/L4/...: three dense layers (first_k_dense_replace) and one MoE layer
+  // of 256 experts in 8 groups, the query through q_lora_rank (Note [DeepSeek-V3 in the step
+  // model]). Each phase's traced peak allocated bytes, copied from the grid.
+  const ModelInventory v3 = WithLayers("deepseek-v3", 4);
+  TrainingSetup s;
+  s.precision = Precision::kBf16Mixed;
+  s.autocast = true;
+  s.micro_batch = 1;
+  s.seq_len = 512;
+  const StepModel full = MustStep(v3, s);
+  CHECK(full.peak_phase == StepPhase::kOptimizerStep);
+  CHECK(full.peak_bytes == 302'230'267'904);
+  // LoRA on q_b_proj and kv_b_proj with checkpointing: the activations decide the peak, in
+  // backward; each phase within 0.01% (a few KiB of the router's selection).
+  s.checkpointing = Checkpointing::kFull;
+  s.lora_rank = 16;
+  s.lora_targets = {"q_b_proj", "kv_b_proj"};
+  const StepModel lora = MustStep(v3, s);
+  CHECK(lora.peak_phase == StepPhase::kBackward);
+  const std::array<uint64_t, kStepPhases> traced{62'587'842'560, 63'110'039'040, 63'220'134'912,
+                                                 60'528'957'440};
+  for (size_t p = 0; p < traced.size(); ++p) {
+    CHECK(std::abs(Error(lora.phases[p].bytes, traced[p])) < 0.0001);
+  }
+  // Without norm_topk_prob the in-place division and what it keeps (the divisor and the clone of
+  // the weights: 512 tokens x 8 experts in bf16, 512 fp32 sums) are gone from the MoE layer.
+  ModelInventory unnormed = v3;
+  unnormed.arch->norm_topk_prob = false;
+  s.checkpointing = Checkpointing::kNone;
+  const StepModel a = MustStep(v3, s);
+  const StepModel b = MustStep(unnormed, s);
+  CHECK(a.phases[0].bytes - b.phases[0].bytes == 512 * 8 * 2 + 512 * 4);
+}
+
+TEST_CASE(
     "step model: Transformers gpt-oss (sinks, alternating masks, biased MoE), against traces") {
   // transformers/gpt-oss-20b/L2/b1s512/fp32/eager/ckpt-none/loss-full/adamw/a100 of the grid:
   // each phase's traced peak allocated bytes, copied from the grid, all four exact. Layer 0 is a
@@ -530,6 +567,21 @@ TEST_CASE("step model: what it does not run is refused as unmodelled, not run as
   Result<MemoryEstimate> grouped = EstimateMemory(memplan::testing::MustBuild(deepseek_config), b);
   REQUIRE(grouped.ok());
   CHECK(grouped->step_unmodelled);
+  // OLMoE's clip_qkv clamps the query, key and value in place: refused, not run as unclamped.
+  std::ifstream olmoe_file(std::string(MEMPLAN_SOURCE_DIR) +
+                           "/tests/oracle/modern_configs/olmoe-1b-7b.json");
+  REQUIRE(olmoe_file.good());
+  nlohmann::json olmoe_config = nlohmann::json::parse(olmoe_file);
+  olmoe_config["num_hidden_layers"] = 2;
+  Result<MemoryEstimate> unclipped = EstimateMemory(memplan::testing::MustBuild(olmoe_config), b);
+  REQUIRE(unclipped.ok());
+  CHECK(unclipped->step.has_value());
+  olmoe_config["clip_qkv"] = 8.0;
+  Result<MemoryEstimate> clipped_olmoe =
+      EstimateMemory(memplan::testing::MustBuild(olmoe_config), b);
+  REQUIRE(clipped_olmoe.ok());
+  CHECK(clipped_olmoe->step_unmodelled);
+  CHECK(clipped_olmoe->step_error.find("olmoe's clip_qkv") != std::string::npos);
   // llm-foundry runs MPT only; an MPT with rotary embeddings instead of ALiBi is not run as
   // ALiBi; Llama under llm-foundry is refused.
   TrainingSetup f;

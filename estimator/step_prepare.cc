@@ -119,12 +119,22 @@ Status ModelRun::CheckRunnable() const {
   if (s_.framework == Framework::kTransformers && !EncoderMaskedLm() &&
       !T5ConditionalGeneration() &&
       (!a_.causal || a_.encoder_decoder ||
-       (a_.kv_lora_rank > 0 && (inv_.model_type != "deepseek_v2" || !a_.block_options.empty())) ||
+       (a_.kv_lora_rank > 0 &&
+        ((inv_.model_type != "deepseek_v2" && inv_.model_type != "deepseek_v3") ||
+         !a_.block_options.empty())) ||
        inv_.model_type == "mpt")) {
     return Status::Unimplemented(
-        "the step model runs Transformers' decoder LMs (DeepSeek-V2's latent attention and "
-        "gpt-oss included), encoder masked LMs (BERT, RoBERTa, XLM-RoBERTa, DistilBERT) and "
+        "the step model runs Transformers' decoder LMs (DeepSeek-V2's and V3's latent attention "
+        "and gpt-oss included), encoder masked LMs (BERT, RoBERTa, XLM-RoBERTa, DistilBERT) and "
         "T5ForConditionalGeneration so far");
+  }
+  // Options of a block that add ops without adding tensors (OLMoE's clip_qkv), which the family
+  // reader records (ArchitectureInfo::block_options) and no Transformers block here runs.
+  if (s_.framework == Framework::kTransformers && !a_.block_options.empty()) {
+    std::string names;
+    for (const std::string& o : a_.block_options) names += (names.empty() ? "" : ", ") + o;
+    return Status::Unimplemented(inv_.name + ": the step model does not run " + inv_.model_type +
+                                 "'s " + names + " yet");
   }
   // One Linear per expert (checkpoints, Transformers 4): refused before thousands of expert
   // parameters are laid out (a per-expert Qwen3-235B has 18,000 of them).
@@ -395,15 +405,29 @@ void ModelRun::ChooseFamily() {
     fam_.norm = Family::NormKind::kRmsGemma;
     fam_.embedding_scale = true;
   }
-  if (type == "gemma2" || type == "gemma3_text") fam_.layout = Family::Layout::kSandwich;
+  // Glm4DecoderLayer: post_self_attn_layernorm after the attention and post_mlp_layernorm after
+  // the MLP, each before its residual add, as Gemma 2's (all four norms are the hidden width, so
+  // which of them the step model reads where does not change a byte).
+  if (type == "gemma2" || type == "gemma3_text" || type == "glm4") {
+    fam_.layout = Family::Layout::kSandwich;
+  }
   fam_.granite_multipliers = type == "granite";
   if (type == "olmo2" || type == "olmo3") {
     fam_.norm = Family::NormKind::kRmsOlmo;
     fam_.layout = Family::Layout::kPostNorm;
     fam_.qk_norm = Family::QkNorm::kFullRms;
   }
+  // OlmoeAttention: q_norm(q_proj(x)) and k_norm(k_proj(x)) over the whole projection, as OLMo
+  // 2's, in Llama's pre-norm block with LlamaRMSNorm's cast.
+  if (type == "olmoe") fam_.qk_norm = Family::QkNorm::kFullRms;
   if (type == "qwen3" || type == "qwen3_moe" || type == "gemma3_text") {
     fam_.qk_norm = Family::QkNorm::kHeadRms;
+  }
+  // HunYuanDenseV1Attention: apply_rotary_pos_emb, then query_layernorm and key_layernorm (the
+  // order its code has; neither order changes a byte at the grid's points, as SmolLM3's NoPE).
+  if (type == "hunyuan_v1_dense") {
+    fam_.qk_norm = Family::QkNorm::kHeadRms;
+    fam_.qk_norm_after_rotary = true;
   }
   if (type == "phi") {
     fam_.layout = Family::Layout::kParallel;
@@ -425,7 +449,8 @@ void ModelRun::ChooseFamily() {
   }
   if (type == "gpt_neox") fam_.layout = Family::Layout::kParallelTwoNorms;
   // DeepseekV2Attention (multi-head latent attention) and DeepseekV2TopkRouter: step_mla.cc.
-  fam_.mla = type == "deepseek_v2" && a_.kv_lora_rank > 0;
+  fam_.mla = (type == "deepseek_v2" || type == "deepseek_v3") && a_.kv_lora_rank > 0;
+  fam_.mla_v3 = fam_.mla && type == "deepseek_v3";
   // GptOssAttention, GptOssMLP and GptOssRMSNorm (weight * x in fp32, then cast): step_oss.cc.
   if (type == "gpt_oss") {
     fam_.gpt_oss = true;

@@ -67,7 +67,8 @@ HF_DECODERS = ["llama-3.2-1b", "llama-3.1-8b", "mistral-7b", "qwen2.5-0.5b", "qw
                "starcoder2-3b", "olmo-2-1124-7b", "bloom-560m", "gpt-j-6b", "mixtral-8x7b",
                "qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b", "qwen1.5-moe-a2.7b",
                "olmo3-7b-like", "ministral-8b-like", "smollm3-3b-like", "seed-oss-36b-like",
-               "granite-3-8b-like"]
+               "granite-3-8b-like", "olmoe-1b-7b", "hunyuan-7b-like", "glm-4-9b", "glm-4-32b-0414",
+               "moonlight-16b-a3b"]
 EAGER_ONLY = ("gemma-2-2b", "bloom-560m", "gpt-j-6b", "gpt-oss-20b")
 # LoRA targets named where PEFT's defaults do not reach these models (fused experts, MLA, gpt-oss,
 # families PEFT has no defaults for): the attention's query and value (MLA's decompressed keys and
@@ -75,7 +76,10 @@ EAGER_ONLY = ("gemma-2-2b", "bloom-560m", "gpt-j-6b", "gpt-oss-20b")
 LORA_TARGETS = {"mixtral-8x7b": ["q_proj", "v_proj"], "deepseek-v2-lite": ["q_proj", "kv_b_proj"],
                 "gpt-oss-20b": ["q_proj", "v_proj"], "olmo3-7b-like": ["q_proj", "v_proj"],
                 "ministral-8b-like": ["q_proj", "v_proj"], "smollm3-3b-like": ["q_proj", "v_proj"],
-                "seed-oss-36b-like": ["q_proj", "v_proj"], "granite-3-8b-like": ["q_proj", "v_proj"]}
+                "seed-oss-36b-like": ["q_proj", "v_proj"], "granite-3-8b-like": ["q_proj", "v_proj"],
+                "olmoe-1b-7b": ["q_proj", "v_proj"], "hunyuan-7b-like": ["q_proj", "v_proj"],
+                "glm-4-9b": ["q_proj", "v_proj"], "glm-4-32b-0414": ["q_proj", "v_proj"],
+                "moonlight-16b-a3b": ["q_proj", "kv_b_proj"]}
 HF_ENCODERS = ["bert-base-uncased", "bert-large-uncased", "roberta-base", "xlm-roberta-base",
                "distilbert-base-uncased", "t5-v1_1-base", "t5-large"]
 
@@ -120,6 +124,12 @@ def points():
     # SmolLM3's fourth layer applies no rotary embedding (its NoPE layers).
     out.append(_point(tf, "smollm3-3b-like", 4, 1, 1024))
     out.append(_point(tf, "smollm3-3b-like", 4, 2, 1024, checkpointing="full"))
+    # DeepSeek-V3's first three layers are dense: four reach its router (256 experts in 8
+    # groups) and the query's q_lora_rank bottleneck, which Moonlight does not have.
+    out.append(_point(tf, "deepseek-v3", 4, 1, 512))
+    out.append(_point(tf, "deepseek-v3", 4, 2, 256, precision="bf16", checkpointing="full"))
+    out.append(_point(tf, "deepseek-v3", 4, 1, 512, checkpointing="full", lora=16,
+                      targets=["q_b_proj", "kv_b_proj"]))
     out.append(_point(tf, "smollm2-135m", 30, 4, 1024))
     out.append(_point(tf, "smollm2-135m", 30, 4, 1024, checkpointing="full"))
     out.append(_point(tf, "llama-3.2-1b", 16, 1, 2048, checkpointing="full"))
