@@ -402,6 +402,11 @@ Status BuildBertFamily(const FamilyRequest& request, ModelInventory* out, BertFl
   arch.hidden_dropout = dims.hidden_dropout;
   arch.attention_dropout = dims.attention_dropout;
   arch.embedding_dropout = dims.hidden_dropout;
+  arch.classifier_dropout = dims.hidden_dropout;
+  if (request.config.Has("classifier_dropout")) {
+    MEMPLAN_ASSIGN_OR_RETURN(arch.classifier_dropout,
+                             request.config.ProbabilityOr("classifier_dropout", 0.1));
+  }
   arch.no_split_class = bert                             ? "BertLayer"
                         : flavor == BertFlavor::kRoberta ? "RobertaLayer"
                                                          : "XLMRobertaLayer";
@@ -518,6 +523,11 @@ Status BuildDistilBertImpl(const FamilyRequest& request, ModelInventory* out) {
   MEMPLAN_ASSIGN_OR_RETURN(arch.hidden_dropout, config.ProbabilityOr("dropout", 0.1));
   MEMPLAN_ASSIGN_OR_RETURN(arch.attention_dropout, config.ProbabilityOr("attention_dropout", 0.1));
   arch.embedding_dropout = arch.hidden_dropout;
+  arch.classifier_dropout = arch.hidden_dropout;
+  if (spec.head == EncoderHead::kSequence) {
+    MEMPLAN_ASSIGN_OR_RETURN(arch.classifier_dropout,
+                             config.ProbabilityOr("seq_classif_dropout", 0.2));
+  }
   arch.no_split_class = "TransformerBlock";
   out->arch = arch;
   return Status::Ok();

@@ -177,6 +177,9 @@ struct ArchitectureInfo {
   double hidden_dropout = 0;       // after attention output and MLP (residual dropout)
   double attention_dropout = 0;    // on the softmax probabilities
   double embedding_dropout = 0;    // on the embedding output
+  // An encoder's classification head's dropout (BERT's and RoBERTa's classifier_dropout, else
+  // hidden_dropout_prob; DistilBERT's seq_classif_dropout for sequences, dropout for tokens).
+  double classifier_dropout = 0;
   bool encoder_decoder = false;
   // Decoder-only: each token attends to those before it, so generation keeps a KV cache.
   bool causal = false;

@@ -672,7 +672,13 @@ Result<MemoryEstimate> EstimateWith(const ModelInventory& inventory, const Train
     st.torch_optimizer = (s.zero_stage == 0 && !c.Fsdp()) || s.framework == Framework::kTorchtitan;
     st.from_inventory = s.zero_stage == 0 && !c.Fsdp();
     const uint64_t tokens = static_cast<uint64_t>(s.micro_batch) * static_cast<uint64_t>(s.seq_len);
-    st.other = CublasWorkspaceBytes(s.GpuSm()) + 2 * AllocatorRound(tokens * 8);
+    // The batch: input_ids and labels, int64; a sequence classifier's labels are one per
+    // sequence (Note [Encoder classifiers in the step model]).
+    const uint64_t labels = inventory.model_class == "sequence_classification"
+                                ? static_cast<uint64_t>(s.micro_batch)
+                                : tokens;
+    st.other =
+        CublasWorkspaceBytes(s.GpuSm()) + AllocatorRound(tokens * 8) + AllocatorRound(labels * 8);
     Result<StepModel> sim = RunStep(inventory, s, st, cache);
     if (sim.ok()) {
       m.step = std::move(sim).value();

@@ -794,8 +794,9 @@ Result<T> ModelRun::TransformersForward() {
   if (!a_.causal || a_.encoder_decoder || (a_.kv_lora_rank > 0 && !fam_.mla) ||
       (a_.alibi && !fam_.bloom_attention && !fam_.falcon_alibi)) {
     return Status::Unimplemented(
-        "the step model runs Transformers' dense decoder LMs, encoder masked LMs (BERT, "
-        "RoBERTa, XLM-RoBERTa, DistilBERT) and T5ForConditionalGeneration so far");
+        "the step model runs Transformers' dense decoder LMs, encoder masked LMs and "
+        "classifiers (BERT, RoBERTa, XLM-RoBERTa, DistilBERT) and T5ForConditionalGeneration "
+        "so far");
   }
   MEMPLAN_RETURN_IF_ERROR(CheckFamily());
   if (fam_.gpt_oss) MEMPLAN_RETURN_IF_ERROR(CheckGptOss());

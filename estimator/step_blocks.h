@@ -135,6 +135,12 @@ class ModelRun {
     T token_type;                    // the segment table (BERT, RoBERTa), none for DistilBERT
     Lin transform;                   // the MLM head's dense transform
     Norm embedding_norm, head_norm;
+    // The head: the masked LM's, or a classifier over the first token (sequence) or every token.
+    enum class Task { kMaskedLm, kSequence, kToken };
+    Task task = Task::kMaskedLm;
+    Lin pooler;                    // BertPooler's dense (BERT's sequence classifier)
+    std::vector<Lin> classifiers;  // in order: RoBERTa's dense and out_proj, DistilBERT's
+                                   // pre_classifier and classifier, else the one classifier
   };
   bool EncoderMaskedLm() const;
   Status PrepareEncoder(const AdapterMap& adapters);
@@ -145,6 +151,8 @@ class ModelRun {
   T EncoderAttention(const BlockParams& bp, T h);
   T EncoderEagerAttention(T q, T k, T v);
   T MaskedLmLoss(T hidden);
+  T ClassifierLoss(T hidden);
+  T embedding_output_;  // the encoder model's local embedding_output (EncoderForward)
 
   // Transformers' T5ForConditionalGeneration (step_t5.cc): the encoder and decoder stacks'
   // parameters, which the blocks' roles share one layer index between, laid out by PrepareT5

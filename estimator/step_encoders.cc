@@ -1,14 +1,27 @@
-// Transformers' encoder masked LMs in the step model (Note [The step model] in step_model.h):
-// BertForMaskedLM, RobertaForMaskedLM, XLMRobertaForMaskedLM and DistilBertForMaskedLM as
+// Transformers' encoder masked LMs and classifiers in the step model (Note [The step model] in
+// step_model.h): BertForMaskedLM, RobertaForMaskedLM, XLMRobertaForMaskedLM and
+// DistilBertForMaskedLM, and their ForSequenceClassification and ForTokenClassification, as
 // Transformers 5 runs them (models/bert/modeling_bert.py, roberta/modeling_roberta.py,
 // xlm_roberta/modeling_xlm_roberta.py, distilbert/modeling_distilbert.py), trained on input_ids
 // and labels only, as the tracer and most fine-tuning scripts feed them: no attention mask, so
 // create_bidirectional_mask returns None (no padding to mask) for SDPA and eager alike, and the
 // masked-LM loss runs over every token.
 //
-// What is not modelled, and refused: the pre-training heads (next-sentence prediction and the
-// pooler), BERT as a decoder (is_decoder, cross-attention), relative position embeddings, and the
-// other task heads (sequence or token classification, question answering).
+// What is not modelled, and refused: the pre-training heads (next-sentence prediction), BERT as a
+// decoder (is_decoder, cross-attention), relative position embeddings, the other task heads
+// (question answering, multiple choice) and a one-label sequence classifier (a regression, whose
+// MSELoss takes float labels).
+//
+// Note [Encoder classifiers in the step model]
+// The sequence classifiers read the first token's hidden state, a select view of the last layer's
+// output (its backward makes a gradient of the whole output): BertForSequenceClassification
+// through BertPooler (dense, tanh), then dropout and the classifier; RobertaClassificationHead
+// (XLM-RoBERTa's too): dropout, dense, tanh, dropout, out_proj;
+// DistilBertForSequenceClassification: pre_classifier, ReLU, dropout (seq_classif_dropout),
+// classifier. The token classifiers run dropout and the classifier on every token. The loss is
+// CrossEntropyLoss over batch or token rows of num_labels (single_label_classification: integer
+// labels, more than one label), and the labels the batch holds are batch x 1 for sequences
+// (memory_model.cc counts them).
 #include <string>
 
 #include "estimator/step_blocks.h"
@@ -16,10 +29,19 @@
 
 namespace memplan::estimator::step {
 
+namespace {
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+}  // namespace
+
 bool ModelRun::EncoderMaskedLm() const {
   const std::string& type = inv_.model_type;
-  return s_.framework == Framework::kTransformers && inv_.model_class == "masked_lm" &&
-         !a_.causal && !a_.encoder_decoder &&
+  const bool head = inv_.model_class == "masked_lm" ||
+                    EndsWith(inv_.architecture, "ForSequenceClassification") ||
+                    EndsWith(inv_.architecture, "ForTokenClassification");
+  return s_.framework == Framework::kTransformers && head && !a_.causal && !a_.encoder_decoder &&
          (type == "bert" || type == "roberta" || type == "xlm-roberta" || type == "distilbert");
 }
 
@@ -34,16 +56,47 @@ Status ModelRun::PrepareEncoder(const AdapterMap& adapters) {
   enc_.distil = type == "distilbert";
   enc_.roberta_positions = type == "roberta" || type == "xlm-roberta";
   enc_.head_gelu = enc_.roberta_positions;
+  enc_.task = EndsWith(inv_.architecture, "ForSequenceClassification") ? Encoder::Task::kSequence
+              : EndsWith(inv_.architecture, "ForTokenClassification")  ? Encoder::Task::kToken
+                                                                       : Encoder::Task::kMaskedLm;
+  const bool mlm = enc_.task == Encoder::Task::kMaskedLm;
   auto refuse = [&](const std::string& what) {
     return Status::Unimplemented(inv_.name + ": the step model runs " + inv_.model_type +
-                                 "'s masked-LM head on the plain encoder; it does not run " + what);
+                                 "'s masked-LM head and its sequence and token classifiers on the "
+                                 "plain encoder; it does not run " +
+                                 what);
+  };
+  // A Linear of the head (weight, then its bias), with its LoRA adapters.
+  auto head_linear = [&](Lin* l, const TensorInfo& t, T p) {
+    if (t.IsLinearWeight()) {
+      l->w = p;
+      l->in = static_cast<Wide>(t.InFeatures());
+      l->out = static_cast<Wide>(t.OutFeatures());
+      auto it = adapters.find(&t);
+      if (it != adapters.end()) {
+        l->lora_a = it->second.first;
+        l->lora_b = it->second.second;
+      }
+    } else if (t.bias) {
+      l->b = p;
+    }
   };
   bool after_transform = false;
   for (size_t i = 0; i < inv_.tensors.size(); ++i) {
     const TensorInfo& t = inv_.tensors[i];
     const T p = params_[i];
-    if (t.role == TensorRole::kPooler || t.role == TensorRole::kClassifier) {
+    if ((t.role == TensorRole::kPooler || t.role == TensorRole::kClassifier) && mlm) {
       return refuse("a pooler or a classifier (BertForPreTraining's next-sentence head)");
+    }
+    if (t.role == TensorRole::kPooler) {
+      head_linear(&enc_.pooler, t, p);
+      continue;
+    }
+    if (t.role == TensorRole::kClassifier) {
+      if (t.IsLinearWeight()) enc_.classifiers.emplace_back();
+      if (enc_.classifiers.empty()) return refuse("a classifier bias without its weight");
+      head_linear(&enc_.classifiers.back(), t, p);
+      continue;
     }
     if (!t.block.empty()) {
       if (t.role == TensorRole::kPositionEmbedding) {
@@ -53,20 +106,7 @@ Status ModelRun::PrepareEncoder(const AdapterMap& adapters) {
     }
     switch (t.role) {
       case TensorRole::kTokenTypeEmbedding: enc_.token_type = p; break;
-      case TensorRole::kHeadTransform:
-        if (t.IsLinearWeight()) {
-          enc_.transform.w = p;
-          enc_.transform.in = static_cast<Wide>(t.InFeatures());
-          enc_.transform.out = static_cast<Wide>(t.OutFeatures());
-          auto it = adapters.find(&t);
-          if (it != adapters.end()) {
-            enc_.transform.lora_a = it->second.first;
-            enc_.transform.lora_b = it->second.second;
-          }
-        } else if (t.bias) {
-          enc_.transform.b = p;
-        }
-        break;
+      case TensorRole::kHeadTransform: head_linear(&enc_.transform, t, p); break;
       case TensorRole::kNorm: {
         Norm& n = after_transform ? enc_.head_norm : enc_.embedding_norm;
         if (t.bias) {
@@ -81,9 +121,23 @@ Status ModelRun::PrepareEncoder(const AdapterMap& adapters) {
     }
     if (t.role != TensorRole::kNorm) after_transform = t.role == TensorRole::kHeadTransform;
   }
-  if (!enc_.transform.ok() || !enc_.head_norm.w.ok() || !enc_.embedding_norm.w.ok() ||
-      !head_.ok() || !position_embedding_.ok()) {
-    return refuse("a model without the embeddings' norm, position table or the MLM head");
+  if (mlm && (!enc_.transform.ok() || !enc_.head_norm.w.ok() || !head_.ok())) {
+    return refuse("a masked LM without its head's transform, norm or decoder");
+  }
+  if (!enc_.embedding_norm.w.ok() || !position_embedding_.ok()) {
+    return refuse("a model without the embeddings' norm or position table");
+  }
+  if (!mlm) {
+    const bool bert = inv_.model_type == "bert";
+    const size_t want = enc_.task == Encoder::Task::kToken || bert ? 1 : 2;
+    if (enc_.classifiers.size() != want ||
+        (enc_.task == Encoder::Task::kSequence && bert) != enc_.pooler.ok()) {
+      return refuse("this head's layout (" + std::to_string(enc_.classifiers.size()) +
+                    " classifier Linears" + (enc_.pooler.ok() ? ", a pooler" : "") + ")");
+    }
+    if (enc_.classifiers.back().out < 2) {
+      return refuse("a one-label classifier (a regression: MSELoss on float labels)");
+    }
   }
   for (const BlockParams& bp : blocks_) {
     for (TensorRole r : {TensorRole::kAttentionQ, TensorRole::kAttentionK, TensorRole::kAttentionV,
@@ -229,32 +283,41 @@ T ModelRun::EncoderBlock(int layer, T x) {
   //     LayerNorm(dropout(dense(i)) + a)
   // DistilBERT's TransformerBlock.forward: sa_layer_norm(out_lin(attn) + x) (no dropout on the
   // attention output), then output_layer_norm(dropout(lin2(act(lin1(a)))) + a).
+  // Locals that outlive what saves them (what a frozen LoRA base does not save): BertAttention's
+  // self_outputs (the attention's context) through BertSelfOutput and its norm, and
+  // feed_forward_chunk's intermediate_output through BertOutput and its norm. DistilBERT's
+  // attention and FFN modules return before their norms run, freeing theirs.
   const BlockParams& bp = blocks_[static_cast<size_t>(layer)];
   const double p = a_.hidden_dropout;
   T ctx = EncoderAttention(bp, x);
   T o = LoraLinear(bp.at(TensorRole::kAttentionOut), ctx);
-  g_.Drop(ctx);
+  if (enc_.distil) g_.Drop(ctx);
   if (!enc_.distil) {
     T od = Dropout(g_, o, p);
     g_.Drop(o);
     o = od;
   }
+  // LayerNorm(hidden_states + input_tensor): the branch's output stays a local of the output
+  // module's forward until it returns, through the norm.
   T s1 = Add(g_, o, x);
-  g_.Drop(o);
   T a = LayerNorm(g_, s1, bp.norms[0].w, bp.norms[0].b, bp.norms[0].width);
   g_.Drop(s1);
+  g_.Drop(o);
+  if (!enc_.distil) g_.Drop(ctx);
   T up = LoraLinear(bp.at(TensorRole::kMlpUp), a);
   T act = Activation(up);
   g_.Drop(up);
   T down = LoraLinear(bp.at(TensorRole::kMlpDown), act);
-  g_.Drop(act);
+  if (enc_.distil) g_.Drop(act);
   T dd = Dropout(g_, down, p);
   g_.Drop(down);
+  // The attention's output (`attention_output`, BertLayer's local) too.
   T s2 = Add(g_, dd, a);
-  g_.Drop(dd);
-  g_.Drop(a);
   T out = LayerNorm(g_, s2, bp.norms[1].w, bp.norms[1].b, bp.norms[1].width);
   g_.Drop(s2);
+  g_.Drop(dd);
+  g_.Drop(a);
+  if (!enc_.distil) g_.Drop(act);
   return out;
 }
 
@@ -283,6 +346,59 @@ T ModelRun::MaskedLmLoss(T hidden) {
   return loss;
 }
 
+T ModelRun::ClassifierLoss(T hidden) {
+  // Note [Encoder classifiers in the step model].
+  const Wide h = static_cast<Wide>(a_.hidden);
+  const double p = a_.classifier_dropout;
+  auto dropout = [&](T x) {
+    T d = Dropout(g_, x, p);
+    g_.Drop(x);
+    return d;
+  };
+  T x;
+  Wide rows = tokens_;
+  if (enc_.task == Encoder::Task::kSequence) {
+    rows = batch_;
+    g_.SetWhere("classifier");
+    x = Slice(g_, hidden, batch_ * h);  // hidden_states[:, 0]
+    if (enc_.pooler.ok()) {
+      // BertPooler: tanh(dense(first token)); BertForSequenceClassification: dropout, classifier.
+      T d = LoraLinear(enc_.pooler, x);
+      g_.Drop(x);
+      x = Apply(g_, Unary::kTanh, d);
+      g_.Drop(d);
+      g_.Drop(embedding_output_);  // BertModel.forward returns
+      x = dropout(x);
+    } else if (inv_.model_type == "distilbert") {
+      // pre_classifier, nn.ReLU, dropout (seq_classif_dropout).
+      T d = LoraLinear(enc_.classifiers[0], x);
+      g_.Drop(x);
+      x = Apply(g_, Unary::kRelu, d);
+      g_.Drop(d);
+      x = dropout(x);
+    } else {
+      // RobertaClassificationHead: dropout, dense, tanh, dropout.
+      x = dropout(x);
+      T d = LoraLinear(enc_.classifiers[0], x);
+      g_.Drop(x);
+      x = Apply(g_, Unary::kTanh, d);
+      g_.Drop(d);
+      x = dropout(x);
+    }
+  } else {
+    g_.SetWhere("classifier");
+    x = Dropout(g_, hidden, a_.classifier_dropout);
+  }
+  const Lin& out = enc_.classifiers.back();
+  T logits = LoraLinear(out, x);
+  g_.Drop(x);
+  g_.SetPhase(StepPhase::kLoss);
+  g_.SetWhere("loss");
+  T loss = CrossEntropyLoss(g_, logits, rows, out.out);
+  g_.Drop(logits);
+  return loss;
+}
+
 Result<T> ModelRun::EncoderForward() {
   // BertModel.forward / DistilBertModel.forward: embeddings, the bidirectional mask (None here),
   // the layers (GradientCheckpointingLayer: each checkpointed per the setup), the head.
@@ -294,8 +410,12 @@ Result<T> ModelRun::EncoderForward() {
     // activation_checkpointing_enable -> enable_input_require_grads (a frozen embedding, LoRA).
     g_.SetRequiresGrad(x, true);
   }
+  // BertModel.forward's embedding_output (DistilBertModel's embeddings) is a local until it
+  // returns: through the layers, and BertPooler.
+  embedding_output_ = g_.Alias(x);
   x = RunLayers(x);
-  T loss = MaskedLmLoss(x);
+  if (!enc_.pooler.ok()) g_.Drop(embedding_output_);
+  T loss = enc_.task == Encoder::Task::kMaskedLm ? MaskedLmLoss(x) : ClassifierLoss(x);
   g_.Drop(x);
   g_.ClearAutocastCache();
   return loss;

@@ -263,6 +263,43 @@ TEST_CASE("step model: torchtitan's Llama 3 under FSDP2, against its traces") {
   }
 }
 
+TEST_CASE("step model: the encoders' sequence and token classifiers, against their traces") {
+  // Note [Encoder classifiers in the step model]; each figure the traced peak of the grid's point
+  // (transformers/<model>/L2/b8s512/...), exact to the byte.
+  auto modern = [](const std::string& name) {
+    std::ifstream in(std::string(MEMPLAN_SOURCE_DIR) + "/tests/oracle/modern_configs/" + name +
+                     ".json");
+    REQUIRE(in.good());
+    nlohmann::json config = nlohmann::json::parse(in);
+    config["num_hidden_layers"] = 2;
+    return memplan::testing::MustBuild(config);
+  };
+  TrainingSetup s;
+  s.precision = Precision::kBf16Mixed;
+  s.autocast = true;
+  s.micro_batch = 8;
+  s.seq_len = 512;
+  // BertForTokenClassification: the forward peaks at the last layer's output norm, with
+  // BertModel's embedding_output and BertOutput's locals alive.
+  const StepModel token = MustStep(modern("bert-base-ner"), s);
+  CHECK(token.peak_phase == StepPhase::kForward);
+  CHECK(token.peak_bytes == 816'264'704);
+  // DistilBertForSequenceClassification under LoRA (q_lin, v_lin), fp16: the frozen embeddings'
+  // dropout keeps no mask.
+  TrainingSetup lora = s;
+  lora.precision = Precision::kFp16Mixed;
+  lora.lora_rank = 16;
+  lora.lora_targets = {"q_lin", "v_lin"};
+  const StepModel sequence = MustStep(modern("distilbert-sst2"), lora);
+  CHECK(sequence.peak_phase == StepPhase::kForward);
+  CHECK(sequence.peak_bytes == 429'246'464);
+  // The masked LM under LoRA without checkpointing: 3 MiB over (that mask) before.
+  TrainingSetup mlm = s;
+  mlm.lora_rank = 16;
+  const StepModel masked = MustStep(WithLayers("bert-base-uncased", 2), mlm);
+  CHECK(masked.peak_bytes == 1'696'181'248);
+}
+
 TEST_CASE("step graph: hooks, a backward inside the forward, a selective checkpoint's cache") {
   using step::DT;
   using step::Graph;
@@ -540,14 +577,26 @@ TEST_CASE("step model: what it does not run is refused as unmodelled, not run as
   }
   CHECK(said);
   s.torch_compile = false;
-  // An encoder with another head than the masked-LM one: neither a decoder LM nor a masked LM
-  // (sequence classification), or the masked LM with BERT's next-sentence head and pooler.
+  // An encoder with a head the step model does not run: question answering, a one-label
+  // sequence classifier (a regression), or the masked LM with BERT's next-sentence head and
+  // pooler. A classifier of two labels runs.
   nlohmann::json bert_config =
       nlohmann::json::parse(memplan::testing::ReadFixture("bert-base-uncased"));
   bert_config["num_hidden_layers"] = 2;
   TrainingSetup b;
   b.seq_len = 128;
   bert_config["architectures"] = {"BertForSequenceClassification"};
+  bert_config["id2label"] = {{"0", "NEGATIVE"}, {"1", "POSITIVE"}};
+  Result<MemoryEstimate> two = EstimateMemory(memplan::testing::MustBuild(bert_config), b);
+  REQUIRE(two.ok());
+  CHECK(two->step.has_value());
+  bert_config["id2label"] = {{"0", "SCORE"}};
+  Result<MemoryEstimate> one = EstimateMemory(memplan::testing::MustBuild(bert_config), b);
+  REQUIRE(one.ok());
+  CHECK(one->step_unmodelled);
+  CHECK(one->step_error.find("one-label classifier") != std::string::npos);
+  bert_config.erase("id2label");
+  bert_config["architectures"] = {"BertForQuestionAnswering"};
   Result<MemoryEstimate> enc = EstimateMemory(memplan::testing::MustBuild(bert_config), b);
   REQUIRE(enc.ok());
   CHECK(enc->step_unmodelled);

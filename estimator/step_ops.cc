@@ -206,8 +206,11 @@ T Dropout(Graph& g, T x, double p) {
   // at::dropout: `if (p == 0 || !train || input.numel() == 0) return input;`
   if (p <= 0) return View(g, x);
   T y = g.New(g.Numel(x), g.Dtype(x), g.RequiresGrad(x));
+  // The mask is kept for backward only when the input needs a gradient (a frozen embedding's
+  // dropout under LoRA without checkpointing keeps none).
   T mask = g.New(g.Numel(x), DT::kBool, false);
-  g.Record(Graph::Spec("NativeDropout", {x}, {y}, {mask}));
+  g.Record(Graph::Spec("NativeDropout", {x}, {y},
+                       g.RequiresGrad(x) ? std::vector<T>{mask} : std::vector<T>{}));
   g.Drop(mask);
   return y;
 }

@@ -125,8 +125,8 @@ Status ModelRun::CheckRunnable() const {
        inv_.model_type == "mpt")) {
     return Status::Unimplemented(
         "the step model runs Transformers' decoder LMs (DeepSeek-V2's and V3's latent attention "
-        "and gpt-oss included), encoder masked LMs (BERT, RoBERTa, XLM-RoBERTa, DistilBERT) and "
-        "T5ForConditionalGeneration so far");
+        "and gpt-oss included), encoder masked LMs and sequence and token classifiers (BERT, "
+        "RoBERTa, XLM-RoBERTa, DistilBERT) and T5ForConditionalGeneration so far");
   }
   // Options of a block that add ops without adding tensors (OLMoE's clip_qkv), which the family
   // reader records (ArchitectureInfo::block_options) and no Transformers block here runs.

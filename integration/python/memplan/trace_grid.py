@@ -107,6 +107,16 @@ def points():
         for b, s in ((1, 512), (2, 2048), (4, 1024), (1, 4096), (8, 256)):
             for ck in ("none", "full"):
                 out.append(_point(tf, m, 2, b, s, checkpointing=ck))
+    # The encoders' classifiers (Note [Encoder classifiers in the step model]): BERT's token
+    # classifier, DistilBERT's and RoBERTa's sequence classifiers; and LoRA without checkpointing,
+    # where the frozen embeddings' dropout keeps no mask.
+    for m in ("bert-base-ner", "distilbert-sst2", "roberta-large-mnli"):
+        out.append(_point(tf, m, 2, 8, 512))
+        out.append(_point(tf, m, 2, 8, 512, checkpointing="full"))
+        out.append(_point(tf, m, 2, 16, 256, precision="fp32"))
+        out.append(_point(tf, m, 2, 8, 512, precision="fp16-mixed", lora=16,
+                          targets=["q_lin", "v_lin"] if m == "distilbert-sst2" else None))
+    out.append(_point(tf, "bert-base-uncased", 2, 8, 512, lora=16))
     # LoRA with checkpointing on the encoders: the frozen word embedding's output outlives the
     # embeddings module (Note [The frozen embedding's leaf] in estimator/step_blocks.cc).
     for m, t in (("bert-base-uncased", None), ("roberta-base", None),
