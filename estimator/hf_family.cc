@@ -635,6 +635,15 @@ Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigRead
         arch.embedding_dropout,
         config.ProbabilityOr(spec.embedding_dropout_field, spec.embedding_dropout_default));
   }
+  // The token classifiers' dropout (GenericForTokenClassification and the families' own):
+  // classifier_dropout, else hidden_dropout, else 0.1.
+  arch.classifier_dropout = 0.1;
+  for (const char* field : {"classifier_dropout", "hidden_dropout"}) {
+    if (config.Has(field)) {
+      MEMPLAN_ASSIGN_OR_RETURN(arch.classifier_dropout, config.ProbabilityOr(field, 0.1));
+      break;
+    }
+  }
   return arch;
 }
 

@@ -732,6 +732,57 @@ T ModelRun::CausalLmLoss(T hidden) {
   return loss;
 }
 
+// Note [Decoder classifiers in the step model]
+// Transformers' decoder classifiers (GenericForSequenceClassification,
+// GenericForTokenClassification and the families' own, which run the same ops): the score Linear
+// over every token's final hidden state, in place of the LM head. A sequence classifier (a reward
+// model) pools each sequence's last non-padding token's logits (int32 masks over the batch, an
+// argmax, an index that keeps its indices) and ForSequenceClassificationLoss runs cross_entropy on
+// them as they are; a token classifier drops out the hidden states first (classifier_dropout, else
+// hidden_dropout, else 0.1) and ForTokenClassification casts the logits to fp32 first. A one-label
+// sequence classifier (a reward model's score) is a regression: MSELoss, an fp32 op under
+// autocast, on the squeezed pooled logits. Question answering is refused (CheckRunnable).
+T ModelRun::DecoderClassifierLoss(T hidden) {
+  const Wide labels = classifier_.out;
+  const bool sequence = inv_.model_class == "sequence_classification";
+  T x = sequence ? g_.Alias(hidden) : Dropout(g_, hidden, a_.classifier_dropout);
+  T logits = LoraLinear(classifier_, x);
+  g_.Drop(x);
+  g_.SetPhase(StepPhase::kLoss);
+  g_.SetWhere("loss");
+  T loss;
+  if (sequence) {
+    // (input_ids != pad_token_id).int() * arange(seq).int(), argmax: the last token's position.
+    T ne = g_.New(tokens_, DT::kI32, false);
+    T positions = g_.New(seq_, DT::kI32, false);
+    T product = g_.New(tokens_, DT::kI32, false);
+    g_.Drop(ne);
+    g_.Drop(positions);
+    T last = g_.New(batch_, DT::kI64, false);
+    g_.Drop(product);
+    T rows = g_.New(batch_, DT::kI64, false);  // torch.arange(batch_size)
+    T pooled = g_.New(batch_ * labels, g_.Dtype(logits), g_.RequiresGrad(logits));
+    g_.Record(Graph::Spec("Index", {logits}, {pooled}, {rows, last}));
+    g_.Drop(rows);
+    g_.Drop(last);
+    if (labels > 1) {
+      loss = CrossEntropyLoss(g_, pooled, batch_, labels);
+    } else {
+      T in = Fp32In(g_, pooled);
+      loss = g_.New(1, DT::kF32, g_.RequiresGrad(in));
+      g_.Record(Graph::Spec("MseLoss", {in}, {loss}, {in}));
+      g_.Drop(in);
+    }
+    g_.Drop(pooled);
+  } else {
+    T up = Cast(g_, logits, DT::kF32);
+    loss = CrossEntropy(g_, up, tokens_, labels);
+    g_.Drop(up);
+  }
+  g_.Drop(logits);
+  return loss;
+}
+
 Status ModelRun::CheckFamily() const {
   auto missing = [&](const std::string& what) {
     return Status::Unimplemented(inv_.name + ": the step model expects " + what + " in every " +
@@ -894,7 +945,7 @@ Result<T> ModelRun::TransformersForward() {
   g_.Drop(sliding_mask_);
   g_.Drop(positions_);
   g_.SetWhere("lm_head");
-  T loss = CausalLmLoss(hn);
+  T loss = classifier_.ok() ? DecoderClassifierLoss(hn) : CausalLmLoss(hn);
   g_.Drop(hn);
   g_.ClearAutocastCache();
   for (T c : cache_) g_.Drop(c);

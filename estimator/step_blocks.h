@@ -292,6 +292,7 @@ class ModelRun {
   T LoraLinear(const Lin& l, T x);
   // The loss as Transformers' ForCausalLMLoss computes it from the last hidden states.
   T CausalLmLoss(T hidden);
+  T DecoderClassifierLoss(T hidden);
   // Runs block `layer`, checkpointed or not per the setup.
   T RunBlock(int layer, T x);
   // Every block in order from x (dropped), each named "layer i": the output of the last.
@@ -320,6 +321,7 @@ class ModelRun {
   std::vector<T> params_;  // per inventory tensor (tied aliases: the target's)
   std::vector<BlockParams> blocks_;
   T embedding_, position_embedding_, head_, head_bias_;
+  Lin classifier_;  // a decoder's sequence or token classifier (score, classifier), with LoRA
   std::vector<Norm> final_norms_;
   T cos_, sin_;           // rotary tables of this forward
   T mask_;                // an explicit attention mask of this forward

@@ -300,6 +300,38 @@ TEST_CASE("step model: the encoders' sequence and token classifiers, against the
   CHECK(masked.peak_bytes == 1'696'181'248);
 }
 
+TEST_CASE("step model: decoder sequence and token classifiers, against their traces") {
+  // Note [Decoder classifiers in the step model]: the score Linear in place of the LM head (it
+  // used to run as a vocabulary-wide head of no weight: +54% to +233%, or an overflow). Each
+  // figure is the traced peak of the grid's point (transformers/<model>/L2/b8s512/bf16-mixed/
+  // sdpa/ckpt-none/.../lora16-q_proj+v_proj), exact to the byte.
+  auto config = [](const std::string& path) {
+    std::ifstream in(std::string(MEMPLAN_SOURCE_DIR) + "/" + path);
+    REQUIRE(in.good());
+    nlohmann::json c = nlohmann::json::parse(in);
+    c["num_hidden_layers"] = 2;
+    return memplan::testing::MustBuild(c);
+  };
+  TrainingSetup s;
+  s.precision = Precision::kBf16Mixed;
+  s.autocast = true;
+  s.micro_batch = 8;
+  s.seq_len = 512;
+  s.lora_rank = 16;
+  s.lora_targets = {"q_proj", "v_proj"};
+  // A reward model: one label, MSELoss on the last token's score.
+  const StepModel reward =
+      MustStep(config("tests/oracle/modern_configs/llama-3.1-8b-reward.json"), s);
+  CHECK(reward.peak_phase == StepPhase::kBackward);
+  CHECK(reward.peak_bytes == 6'295'376'384);
+  // Two labels: cross_entropy on the pooled logits.
+  const StepModel sst2 = MustStep(config("tests/accuracy/trace_models/qwen2.5-0.5b-sst2.json"), s);
+  CHECK(sst2.peak_bytes == 1'204'008'960);
+  // A token classifier: dropout, score, fp32 logits.
+  const StepModel ner = MustStep(config("tests/accuracy/trace_models/llama-3.2-1b-ner.json"), s);
+  CHECK(ner.peak_bytes == 2'636'976'640);
+}
+
 TEST_CASE("step graph: hooks, a backward inside the forward, a selective checkpoint's cache") {
   using step::DT;
   using step::Graph;

@@ -136,6 +136,17 @@ Status ModelRun::CheckRunnable() const {
     return Status::Unimplemented(inv_.name + ": the step model does not run " + inv_.model_type +
                                  "'s " + names + " yet");
   }
+  // A decoder's task head other than the LM's (Note [Decoder classifiers in the step model]):
+  // sequence and token classifiers run; the rest is refused, not run as an LM head.
+  if (s_.framework == Framework::kTransformers && !EncoderMaskedLm() &&
+      !T5ConditionalGeneration() && a_.causal) {
+    const std::string& c = inv_.model_class;
+    if (c != "causal_lm" && c != "base" && c != "sequence_classification" &&
+        c != "token_classification") {
+      return Status::Unimplemented(inv_.name + ": the step model does not run a decoder's " + c +
+                                   " head yet (its LM, sequence and token classifier heads run)");
+    }
+  }
   // One Linear per expert (checkpoints, Transformers 4): refused before thousands of expert
   // parameters are laid out (a per-expert Qwen3-235B has 18,000 of them).
   for (const TensorInfo& t : inv_.tensors) {
@@ -269,6 +280,17 @@ void ModelRun::AssignBlockParameters(const AdapterMap& adapters) {
       }
       if (t.role == TensorRole::kHead && t.IsLinearWeight()) head_ = p;
       if (t.role == TensorRole::kHead && t.bias && t.kind == ModuleKind::kLinear) head_bias_ = p;
+      if (t.role == TensorRole::kClassifier && t.IsLinearWeight()) {
+        classifier_.w = p;
+        classifier_.in = static_cast<Wide>(t.InFeatures());
+        classifier_.out = static_cast<Wide>(t.OutFeatures());
+        auto it = adapters.find(&t);
+        if (it != adapters.end()) {
+          classifier_.lora_a = it->second.first;
+          classifier_.lora_b = it->second.second;
+        }
+      }
+      if (t.role == TensorRole::kClassifier && t.bias) classifier_.b = p;
     }
   }
   // Biases, matched to their module's weight or norm.

@@ -107,6 +107,15 @@ def points():
         for b, s in ((1, 512), (2, 2048), (4, 1024), (1, 4096), (8, 256)):
             for ck in ("none", "full"):
                 out.append(_point(tf, m, 2, b, s, checkpointing=ck))
+    # Decoder classifiers (Note [Decoder classifiers in the step model]): a reward model (one
+    # label, a regression), a two-label sequence classifier and a token classifier.
+    for m in ("llama-3.1-8b-reward", "qwen2.5-0.5b-sst2", "llama-3.2-1b-ner"):
+        out.append(_point(tf, m, 2, 2, 1024))
+        out.append(_point(tf, m, 2, 2, 1024, checkpointing="full"))
+        out.append(_point(tf, m, 2, 4, 512, precision="bf16"))
+        out.append(_point(tf, m, 2, 4, 1024, checkpointing="full", lora=16,
+                          targets=["q_proj", "v_proj"]))
+        out.append(_point(tf, m, 2, 8, 512, lora=16, targets=["q_proj", "v_proj"]))
     # The encoders' classifiers (Note [Encoder classifiers in the step model]): BERT's token
     # classifier, DistilBERT's and RoBERTa's sequence classifiers; and LoRA without checkpointing,
     # where the frozen embeddings' dropout keeps no mask.

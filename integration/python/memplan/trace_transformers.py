@@ -77,10 +77,14 @@ def _model_class(architectures, model_type):
     return transformers.AutoModelForCausalLM
 
 
-def _peft_task(model_type):
+def _peft_task(model_type, model=None):
     """PEFT's task_type for the model _model_class builds: its wrapper's forward is that task's
     (PeftModelForCausalLM asks the model for prepare_inputs_for_generation, which a masked LM
-    lacks); None wraps in the plain PeftModel, whose forward is the model's."""
+    or a classifier lacks); None wraps in the plain PeftModel, whose forward is the model's (and
+    leaves a classifier's head frozen, as the step model assumes)."""
+    name = type(model).__name__ if model is not None else ""
+    if name.endswith("ForSequenceClassification") or name.endswith("ForTokenClassification"):
+        return None
     if model_type == "t5":
         return "SEQ_2_SEQ_LM"
     if model_type in _ENCODERS:
@@ -152,6 +156,10 @@ def build(setup, fake_mode, listing=False):
         cls.__name__.endswith("ForSequenceClassification")
     labels = torch.zeros((b,), dtype=torch.long) if is_seq_cls else \
         torch.zeros((b, s), dtype=torch.long)
+    if is_seq_cls and getattr(model.config, "pad_token_id", None) is None:
+        # A decoder's sequence classifier pools each sequence's last non-padding token and
+        # refuses more than one sequence without a pad token (a trainer's tokenizer has one).
+        model.config.pad_token_id = 0
     del vocab
 
     optimizer = None if listing else _optimizer(model, setup)
@@ -205,7 +213,7 @@ def _apply_lora(model, setup, model_type, info):
                     break
     config = peft.LoraConfig(r=setup.lora_rank, lora_alpha=setup.lora_alpha or 2 * setup.lora_rank,
                              target_modules=targets, lora_dropout=0.0, bias="none",
-                             task_type=_peft_task(model_type))
+                             task_type=_peft_task(model_type, model))
     # PEFT 0.21 refuses torchao < 0.16 wherever torchao is importable, even for plain Linear
     # layers; the pinned torchao is 0.15 (torchtune 0.6 needs it) and no layer here is torchao-
     # quantized, so PEFT's torchao dispatcher is told torchao is absent.
