@@ -31,8 +31,10 @@ T ModelRun::RunBlock(int layer, T x) {
   g_.SetSaving(false);
   T out = BlockFor(layer, x);
   g_.SetSaving(true);
+  // What the checkpoint keeps besides the input: the layer's keyword arguments (the rotary
+  // tables, its mask, the position ids).
   g_.RecordCheckpoint(x, out, [this, layer](T in) { return BlockFor(layer, in); },
-                      {cos_, sin_, LayerMask(layer)});
+                      {cos_, sin_, LayerMask(layer), positions_});
   return out;
 }
 
@@ -908,6 +910,16 @@ Result<T> ModelRun::TransformersForward() {
     // activation_checkpointing_enable -> enable_input_require_grads: the embedding output
     // requires grad (matters when the embedding is frozen, as with LoRA).
     g_.SetRequiresGrad(x, true);
+  }
+  if (!fam_.gpt_oss && !(fam_.mla && !fam_.mla_v3) && inv_.model_type != "opt" &&
+      inv_.model_type != "gptj") {
+    // The model's forward: position_ids = arange(seq) + past_seen_tokens, a local passed to
+    // every layer (a checkpointed layer keeps it until its backward). gpt-oss makes them in
+    // GptOssTables, DeepSeek-V2 beside its complex table; OPT's come from the attention mask and
+    // GPT-J's points are over by more already (not modelled, left as they were).
+    T arange = g_.New(seq_, DT::kI64, false);
+    positions_ = g_.New(seq_, DT::kI64, false);
+    g_.Drop(arange);
   }
   if (fam_.gpt_oss) {
     GptOssTables(g_.Dtype(x));

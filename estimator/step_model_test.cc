@@ -65,6 +65,14 @@ TEST_CASE("step model: Transformers Llama, autocast bf16, AdamW, against its tra
   const auto forward = static_cast<size_t>(StepPhase::kForward);
   CHECK(full.phases[forward].categories[static_cast<size_t>(StepCategory::kActivations)] <
         none.phases[forward].categories[static_cast<size_t>(StepCategory::kActivations)]);
+  // LoRA with checkpointing, forward and backward to the byte (the grid's lora16 point): each
+  // checkpoint keeps the layer's keyword arguments, the position ids with the rotary tables
+  // (1024 int64s; 8 KiB short in both phases without them).
+  s.micro_batch = 2;
+  s.lora_rank = 16;
+  const StepModel lora = MustStep(llama, s);
+  CHECK(lora.phases[forward].bytes == 2'677'597'184);
+  CHECK(lora.phases[static_cast<size_t>(StepPhase::kBackward)].bytes == 5'278'689'280);
 }
 
 TEST_CASE("step model: torchtune QLoRA with its chunked loss, against its trace") {
