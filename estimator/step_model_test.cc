@@ -340,6 +340,40 @@ TEST_CASE("step model: decoder sequence and token classifiers, against their tra
   CHECK(ner.peak_bytes == 2'636'976'640);
 }
 
+TEST_CASE("step model: full-width q/k norms are the attention's, whatever their width") {
+  // OLMo 2's and OLMoE's q_norm and k_norm are as wide as the hidden states. Told apart from the
+  // block's norms by width, they were taken for block norms and never run: the norms' weight
+  // gradients were missing (32 KiB per layer at the optimizer step) and the forward short by
+  // what they save. Now told apart by their module (self_attn). The backward and optimizer-step
+  // peaks of the grid's points, to the byte (their forward phases are still tens of MiB off,
+  // docs/accuracy.md).
+  auto modern = [](const std::string& name) {
+    std::ifstream in(std::string(MEMPLAN_SOURCE_DIR) + "/tests/oracle/modern_configs/" + name +
+                     ".json");
+    REQUIRE(in.good());
+    nlohmann::json c = nlohmann::json::parse(in);
+    c["num_hidden_layers"] = 2;
+    return memplan::testing::MustBuild(c);
+  };
+  const auto backward = static_cast<size_t>(StepPhase::kBackward);
+  const auto step = static_cast<size_t>(StepPhase::kOptimizerStep);
+  TrainingSetup s;
+  s.precision = Precision::kBf16Pure;
+  s.micro_batch = 2;
+  s.seq_len = 512;
+  const StepModel olmo2 = MustStep(modern("olmo-2-1124-7b"), s);
+  CHECK(olmo2.phases[backward].bytes == 9'831'892'992);
+  CHECK(olmo2.phases[step].bytes == 12'277'171'200);
+  TrainingSetup m;
+  m.precision = Precision::kBf16Mixed;
+  m.autocast = true;
+  m.micro_batch = 1;
+  m.seq_len = 1024;
+  const StepModel olmoe = MustStep(modern("olmoe-1b-7b"), m);
+  CHECK(olmoe.phases[backward].bytes == 16'739'911'680);
+  CHECK(olmoe.phases[step].bytes == 20'912'194'560);
+}
+
 TEST_CASE("step graph: hooks, a backward inside the forward, a selective checkpoint's cache") {
   using step::DT;
   using step::Graph;

@@ -269,8 +269,13 @@ void ModelRun::AssignBlockParameters(const AdapterMap& adapters) {
               static_cast<Wide>(inv_.model_type == "gpt_oss" ? t.shape[2] : t.shape[1]);
         }
       } else if (t.role == TensorRole::kNorm && !t.bias) {
+        // A norm inside the attention module normalises the query or key (q_norm, k_norm,
+        // query_layernorm, MLA's q_a_layernorm and kv_a_layernorm, MPT's q_ln): by its module,
+        // not its width, which is the hidden width for OLMo 2's and OLMoE's full-width norms.
         Norm n{p, T{}, static_cast<Wide>(t.numel)};
-        (static_cast<int64_t>(t.numel) == a_.hidden ? bp.norms : bp.qk_norms).push_back(n);
+        const bool in_attention = t.name.find(".self_attn.") != std::string::npos ||
+                                  t.name.find(".attn.") != std::string::npos;
+        (in_attention ? bp.qk_norms : bp.norms).push_back(n);
       }
     } else if (t.block.empty()) {
       if (t.role == TensorRole::kEmbedding && !embedding_.ok()) embedding_ = p;
