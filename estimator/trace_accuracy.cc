@@ -432,8 +432,10 @@ int main(int argc, char** argv) {
     if (!r.error.empty()) {
       std::printf("  %s: refused: %s\n", r.id.c_str(), r.error.c_str());
     } else {
-      std::printf("  %s: peak %+.2f%%, worst category %s %.2f%%\n", r.id.c_str(),
-                  100 * r.peak_error, r.worst_category.c_str(), 100 * r.category_error);
+      std::printf("  %s: peak %+.2f%%, worst category %s %.2f%%", r.id.c_str(), 100 * r.peak_error,
+                  r.worst_category.c_str(), 100 * r.category_error);
+      if (phases) std::printf(", worst phase %.2f%%", 100 * r.phase_error);
+      std::printf("\n");
       if (detail) std::printf("%s", r.detail.c_str());
     }
   }
