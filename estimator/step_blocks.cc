@@ -134,16 +134,12 @@ T ModelRun::NormAny(const Norm& n, T x) {
   return g_.Alias(x);
 }
 
-T ModelRun::ApplyRotary(T x) {
-  // apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half = cat(-x2, x1); over the
-  // first rotary_dims of each head only when partial (Phi, GPT-NeoX: rotated part cat with the
-  // rest).
-  const Wide d = static_cast<Wide>(a_.head_dim);
-  const Wide rd = fam_.rotary_dims == 0 || fam_.rotary_dims >= d ? d : fam_.rotary_dims;
-  T rot = rd == d ? g_.Alias(x) : Slice(g_, x, g_.Numel(x) / d * rd);
-  T m1 = Mul(g_, rot, cos_);
-  T x1 = Slice(g_, rot, g_.Numel(rot) / 2);
-  T x2 = Slice(g_, rot, g_.Numel(rot) / 2);
+T ModelRun::RotateHalf(T x) {
+  // x * cos + rotate_half(x) * sin with the tables of this forward, rotate_half = cat(-x2, x1)
+  // over the halves of x (all of it rotated).
+  T m1 = Mul(g_, x, cos_);
+  T x1 = Slice(g_, x, g_.Numel(x) / 2);
+  T x2 = Slice(g_, x, g_.Numel(x) / 2);
   T n = Apply(g_, Unary::kNeg, x2);
   g_.Drop(x2);
   T c = Cat(g_, {n, x1});
@@ -154,6 +150,17 @@ T ModelRun::ApplyRotary(T x) {
   T out = Add(g_, m1, m2);
   g_.Drop(m1);
   g_.Drop(m2);
+  return out;
+}
+
+T ModelRun::ApplyRotary(T x) {
+  // apply_rotary_pos_emb: x * cos + rotate_half(x) * sin, rotate_half = cat(-x2, x1); over the
+  // first rotary_dims of each head only when partial (Phi, GPT-NeoX: rotated part cat with the
+  // rest).
+  const Wide d = static_cast<Wide>(a_.head_dim);
+  const Wide rd = fam_.rotary_dims == 0 || fam_.rotary_dims >= d ? d : fam_.rotary_dims;
+  T rot = rd == d ? g_.Alias(x) : Slice(g_, x, g_.Numel(x) / d * rd);
+  T out = RotateHalf(rot);
   g_.Drop(rot);
   if (rd == d) return out;
   T pass = Slice(g_, x, g_.Numel(x) / d * (d - rd));

@@ -114,6 +114,8 @@ class ModelRun {
   // inventory's parameters (tied ones aliased), LoRA adapters, the blocks' parameters by role,
   // LitGPT's fused qkv, the Transformers family, then the optimizer groups and model states.
   using AdapterMap = std::map<const TensorInfo*, std::pair<T, T>>;  // LoRA A and B per target
+  // `l` takes the Linear weight `t` (parameter `p`): its widths and its LoRA adapters, if any.
+  static void AssignLinearWeight(Lin* l, const TensorInfo& t, T p, const AdapterMap& adapters);
   Status CheckRunnable() const;
   void ChooseDtypes();
   Status LayOutParameters();
@@ -288,6 +290,7 @@ class ModelRun {
   T OlmoRmsNorm(const Norm& n, T x);
   T NormAny(const Norm& n, T x);
   T ApplyRotary(T x);
+  T RotateHalf(T x);  // Llama's rotation of all of x (ApplyRotary's core)
   T Activation(T x);
   T LoraLinear(const Lin& l, T x);
   // The loss as Transformers' ForCausalLMLoss computes it from the last hidden states.

@@ -69,14 +69,7 @@ Status ModelRun::PrepareEncoder(const AdapterMap& adapters) {
   // A Linear of the head (weight, then its bias), with its LoRA adapters.
   auto head_linear = [&](Lin* l, const TensorInfo& t, T p) {
     if (t.IsLinearWeight()) {
-      l->w = p;
-      l->in = static_cast<Wide>(t.InFeatures());
-      l->out = static_cast<Wide>(t.OutFeatures());
-      auto it = adapters.find(&t);
-      if (it != adapters.end()) {
-        l->lora_a = it->second.first;
-        l->lora_b = it->second.second;
-      }
+      AssignLinearWeight(l, t, p, adapters);
     } else if (t.bias) {
       l->b = p;
     }
@@ -350,44 +343,39 @@ T ModelRun::ClassifierLoss(T hidden) {
   // Note [Encoder classifiers in the step model].
   const Wide h = static_cast<Wide>(a_.hidden);
   const double p = a_.classifier_dropout;
+  // Each takes `x` (the Python variable is rebound): dropout, and a dense layer's activation.
   auto dropout = [&](T x) {
     T d = Dropout(g_, x, p);
     g_.Drop(x);
     return d;
   };
+  auto dense = [&](const Lin& l, Unary act, T x) {
+    T d = LoraLinear(l, x);
+    g_.Drop(x);
+    T y = Apply(g_, act, d);
+    g_.Drop(d);
+    return y;
+  };
+  g_.SetWhere("classifier");
   T x;
   Wide rows = tokens_;
   if (enc_.task == Encoder::Task::kSequence) {
     rows = batch_;
-    g_.SetWhere("classifier");
     x = Slice(g_, hidden, batch_ * h);  // hidden_states[:, 0]
     if (enc_.pooler.ok()) {
       // BertPooler: tanh(dense(first token)); BertForSequenceClassification: dropout, classifier.
-      T d = LoraLinear(enc_.pooler, x);
-      g_.Drop(x);
-      x = Apply(g_, Unary::kTanh, d);
-      g_.Drop(d);
+      x = dense(enc_.pooler, Unary::kTanh, x);
       g_.Drop(embedding_output_);  // BertModel.forward returns
       x = dropout(x);
     } else if (inv_.model_type == "distilbert") {
       // pre_classifier, nn.ReLU, dropout (seq_classif_dropout).
-      T d = LoraLinear(enc_.classifiers[0], x);
-      g_.Drop(x);
-      x = Apply(g_, Unary::kRelu, d);
-      g_.Drop(d);
-      x = dropout(x);
+      x = dropout(dense(enc_.classifiers[0], Unary::kRelu, x));
     } else {
       // RobertaClassificationHead: dropout, dense, tanh, dropout.
-      x = dropout(x);
-      T d = LoraLinear(enc_.classifiers[0], x);
-      g_.Drop(x);
-      x = Apply(g_, Unary::kTanh, d);
-      g_.Drop(d);
-      x = dropout(x);
+      x = dropout(dense(enc_.classifiers[0], Unary::kTanh, dropout(x)));
     }
   } else {
-    g_.SetWhere("classifier");
-    x = Dropout(g_, hidden, a_.classifier_dropout);
+    x = Dropout(g_, hidden, p);
   }
   const Lin& out = enc_.classifiers.back();
   T logits = LoraLinear(out, x);

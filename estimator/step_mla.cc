@@ -112,23 +112,10 @@ T ModelRun::MlaRotary(T x) {
 // cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin]) over the even and odd elements x1, x2 and the
 // tables' first halves; or Llama's x * cos + rotate_half(x) * sin.
 T ModelRun::MlaV3Rotary(T x) {
+  if (!a_.rope_interleave) return RotateHalf(x);
   const Wide n = g_.Numel(x);
   T x1 = Slice(g_, x, n / 2);
   T x2 = Slice(g_, x, n / 2);
-  if (!a_.rope_interleave) {
-    T m1 = Mul(g_, x, cos_);
-    T neg = Apply(g_, Unary::kNeg, x2);
-    g_.Drop(x2);
-    T rot = Cat(g_, {neg, x1});
-    g_.Drop(neg);
-    g_.Drop(x1);
-    T m2 = Mul(g_, rot, sin_);
-    g_.Drop(rot);
-    T out = Add(g_, m1, m2);
-    g_.Drop(m1);
-    g_.Drop(m2);
-    return out;
-  }
   const Wide rows = seq_ * static_cast<Wide>(a_.qk_rope_head_dim) / 2;
   T cos_half = g_.Alias(cos_, rows, /*view=*/true);
   T sin_half = g_.Alias(sin_, rows, /*view=*/true);

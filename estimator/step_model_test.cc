@@ -29,6 +29,21 @@ ModelInventory WithLayers(const std::string& name, int64_t layers) {
   return memplan::testing::MustBuild(config);
 }
 
+// A config.json of the source tree (`path` relative to it) with `layers` blocks.
+nlohmann::json SourceConfig(const std::string& path, int64_t layers) {
+  std::ifstream in(std::string(MEMPLAN_SOURCE_DIR) + "/" + path);
+  REQUIRE_MESSAGE(in.good(), "missing " << path);
+  nlohmann::json config = nlohmann::json::parse(in);
+  config["num_hidden_layers"] = layers;
+  return config;
+}
+
+// A real-shaped config of tests/oracle/modern_configs with two blocks.
+ModelInventory Modern(const std::string& name) {
+  return memplan::testing::MustBuild(
+      SourceConfig("tests/oracle/modern_configs/" + name + ".json", 2));
+}
+
 StepModel MustStep(const ModelInventory& inventory, const TrainingSetup& s) {
   Result<MemoryEstimate> m = EstimateMemory(inventory, s);
   REQUIRE_MESSAGE(m.ok(), m.status().ToString());
@@ -274,14 +289,6 @@ TEST_CASE("step model: torchtitan's Llama 3 under FSDP2, against its traces") {
 TEST_CASE("step model: the encoders' sequence and token classifiers, against their traces") {
   // Note [Encoder classifiers in the step model]; each figure the traced peak of the grid's point
   // (transformers/<model>/L2/b8s512/...), exact to the byte.
-  auto modern = [](const std::string& name) {
-    std::ifstream in(std::string(MEMPLAN_SOURCE_DIR) + "/tests/oracle/modern_configs/" + name +
-                     ".json");
-    REQUIRE(in.good());
-    nlohmann::json config = nlohmann::json::parse(in);
-    config["num_hidden_layers"] = 2;
-    return memplan::testing::MustBuild(config);
-  };
   TrainingSetup s;
   s.precision = Precision::kBf16Mixed;
   s.autocast = true;
@@ -289,7 +296,7 @@ TEST_CASE("step model: the encoders' sequence and token classifiers, against the
   s.seq_len = 512;
   // BertForTokenClassification: the forward peaks at the last layer's output norm, with
   // BertModel's embedding_output and BertOutput's locals alive.
-  const StepModel token = MustStep(modern("bert-base-ner"), s);
+  const StepModel token = MustStep(Modern("bert-base-ner"), s);
   CHECK(token.peak_phase == StepPhase::kForward);
   CHECK(token.peak_bytes == 816'264'704);
   // DistilBertForSequenceClassification under LoRA (q_lin, v_lin), fp16: the frozen embeddings'
@@ -298,7 +305,7 @@ TEST_CASE("step model: the encoders' sequence and token classifiers, against the
   lora.precision = Precision::kFp16Mixed;
   lora.lora_rank = 16;
   lora.lora_targets = {"q_lin", "v_lin"};
-  const StepModel sequence = MustStep(modern("distilbert-sst2"), lora);
+  const StepModel sequence = MustStep(Modern("distilbert-sst2"), lora);
   CHECK(sequence.peak_phase == StepPhase::kForward);
   CHECK(sequence.peak_bytes == 429'246'464);
   // The masked LM under LoRA without checkpointing: 3 MiB over (that mask) before.
@@ -314,11 +321,7 @@ TEST_CASE("step model: decoder sequence and token classifiers, against their tra
   // figure is the traced peak of the grid's point (transformers/<model>/L2/b8s512/bf16-mixed/
   // sdpa/ckpt-none/.../lora16-q_proj+v_proj), exact to the byte.
   auto config = [](const std::string& path) {
-    std::ifstream in(std::string(MEMPLAN_SOURCE_DIR) + "/" + path);
-    REQUIRE(in.good());
-    nlohmann::json c = nlohmann::json::parse(in);
-    c["num_hidden_layers"] = 2;
-    return memplan::testing::MustBuild(c);
+    return memplan::testing::MustBuild(SourceConfig(path, 2));
   };
   TrainingSetup s;
   s.precision = Precision::kBf16Mixed;
@@ -347,21 +350,13 @@ TEST_CASE("step model: full-width q/k norms are the attention's, whatever their 
   // what they save. Now told apart by their module (self_attn). The backward and optimizer-step
   // peaks of the grid's points, to the byte (their forward phases are still tens of MiB off,
   // docs/accuracy.md).
-  auto modern = [](const std::string& name) {
-    std::ifstream in(std::string(MEMPLAN_SOURCE_DIR) + "/tests/oracle/modern_configs/" + name +
-                     ".json");
-    REQUIRE(in.good());
-    nlohmann::json c = nlohmann::json::parse(in);
-    c["num_hidden_layers"] = 2;
-    return memplan::testing::MustBuild(c);
-  };
   const auto backward = static_cast<size_t>(StepPhase::kBackward);
   const auto step = static_cast<size_t>(StepPhase::kOptimizerStep);
   TrainingSetup s;
   s.precision = Precision::kBf16Pure;
   s.micro_batch = 2;
   s.seq_len = 512;
-  const StepModel olmo2 = MustStep(modern("olmo-2-1124-7b"), s);
+  const StepModel olmo2 = MustStep(Modern("olmo-2-1124-7b"), s);
   CHECK(olmo2.phases[backward].bytes == 9'831'892'992);
   CHECK(olmo2.phases[step].bytes == 12'277'171'200);
   TrainingSetup m;
@@ -369,7 +364,7 @@ TEST_CASE("step model: full-width q/k norms are the attention's, whatever their 
   m.autocast = true;
   m.micro_batch = 1;
   m.seq_len = 1024;
-  const StepModel olmoe = MustStep(modern("olmoe-1b-7b"), m);
+  const StepModel olmoe = MustStep(Modern("olmoe-1b-7b"), m);
   CHECK(olmoe.phases[backward].bytes == 16'739'911'680);
   CHECK(olmoe.phases[step].bytes == 20'912'194'560);
 }
@@ -691,11 +686,7 @@ TEST_CASE("step model: what it does not run is refused as unmodelled, not run as
   REQUIRE(grouped.ok());
   CHECK(grouped->step_unmodelled);
   // OLMoE's clip_qkv clamps the query, key and value in place: refused, not run as unclamped.
-  std::ifstream olmoe_file(std::string(MEMPLAN_SOURCE_DIR) +
-                           "/tests/oracle/modern_configs/olmoe-1b-7b.json");
-  REQUIRE(olmoe_file.good());
-  nlohmann::json olmoe_config = nlohmann::json::parse(olmoe_file);
-  olmoe_config["num_hidden_layers"] = 2;
+  nlohmann::json olmoe_config = SourceConfig("tests/oracle/modern_configs/olmoe-1b-7b.json", 2);
   Result<MemoryEstimate> unclipped = EstimateMemory(memplan::testing::MustBuild(olmoe_config), b);
   REQUIRE(unclipped.ok());
   CHECK(unclipped->step.has_value());

@@ -229,6 +229,17 @@ Status ModelRun::MakeAdapters(AdapterMap* adapters, std::vector<Wide>* adapter_b
   return Status::Ok();
 }
 
+void ModelRun::AssignLinearWeight(Lin* l, const TensorInfo& t, T p, const AdapterMap& adapters) {
+  l->w = p;
+  l->in = static_cast<Wide>(t.InFeatures());
+  l->out = static_cast<Wide>(t.OutFeatures());
+  auto it = adapters.find(&t);
+  if (it != adapters.end()) {
+    l->lora_a = it->second.first;
+    l->lora_b = it->second.second;
+  }
+}
+
 void ModelRun::AssignBlockParameters(const AdapterMap& adapters) {
   const int64_t layers = a_.layers;
   blocks_.assign(static_cast<size_t>(std::max<int64_t>(layers, 0)), BlockParams{});
@@ -239,15 +250,7 @@ void ModelRun::AssignBlockParameters(const AdapterMap& adapters) {
     if (t.layer >= 0 && t.layer < layers && !t.block.empty()) {
       BlockParams& bp = blocks_[static_cast<size_t>(t.layer)];
       if (LinearRole(t.role) && t.IsLinearWeight()) {
-        Lin& l = bp.lin[t.role];
-        l.w = p;
-        l.in = static_cast<Wide>(t.InFeatures());
-        l.out = static_cast<Wide>(t.OutFeatures());
-        auto it = adapters.find(&t);
-        if (it != adapters.end()) {
-          l.lora_a = it->second.first;
-          l.lora_b = it->second.second;
-        }
+        AssignLinearWeight(&bp.lin[t.role], t, p, adapters);
       } else if (t.role == TensorRole::kRouter && !t.bias) {
         bp.router.w = p;
         bp.router.in = static_cast<Wide>(t.shape.size() == 2 ? t.shape[1] : 0);
@@ -286,14 +289,7 @@ void ModelRun::AssignBlockParameters(const AdapterMap& adapters) {
       if (t.role == TensorRole::kHead && t.IsLinearWeight()) head_ = p;
       if (t.role == TensorRole::kHead && t.bias && t.kind == ModuleKind::kLinear) head_bias_ = p;
       if (t.role == TensorRole::kClassifier && t.IsLinearWeight()) {
-        classifier_.w = p;
-        classifier_.in = static_cast<Wide>(t.InFeatures());
-        classifier_.out = static_cast<Wide>(t.OutFeatures());
-        auto it = adapters.find(&t);
-        if (it != adapters.end()) {
-          classifier_.lora_a = it->second.first;
-          classifier_.lora_b = it->second.second;
-        }
+        AssignLinearWeight(&classifier_, t, p, adapters);
       }
       if (t.role == TensorRole::kClassifier && t.bias) classifier_.b = p;
     }

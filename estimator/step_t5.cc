@@ -95,16 +95,7 @@ Status ModelRun::PrepareT5(const AdapterMap& adapters) {
       }
       default: return refuse("a " + std::string(TensorRoleName(t.role)) + " tensor in a block");
     }
-    if (lin != nullptr && t.IsLinearWeight()) {
-      lin->w = p;
-      lin->in = static_cast<Wide>(t.InFeatures());
-      lin->out = static_cast<Wide>(t.OutFeatures());
-      auto it = adapters.find(&t);
-      if (it != adapters.end()) {
-        lin->lora_a = it->second.first;
-        lin->lora_b = it->second.second;
-      }
-    }
+    if (lin != nullptr && t.IsLinearWeight()) AssignLinearWeight(lin, t, p, adapters);
   }
   for (T5Stack* st : {&t5_.encoder, &t5_.decoder}) {
     if (!st->relative_bias.ok() || !st->final_norm.w.ok()) {
