@@ -32,9 +32,9 @@ T ModelRun::RunBlock(int layer, T x) {
   T out = BlockFor(layer, x);
   g_.SetSaving(true);
   // What the checkpoint keeps besides the input: the layer's keyword arguments (the rotary
-  // tables, its mask, the position ids).
+  // tables, its mask, the position ids, Falcon's ALiBi tensor).
   g_.RecordCheckpoint(x, out, [this, layer](T in) { return BlockFor(layer, in); },
-                      {cos_, sin_, LayerMask(layer), positions_});
+                      {cos_, sin_, LayerMask(layer), positions_, alibi_});
   return out;
 }
 
@@ -201,7 +201,8 @@ T ModelRun::Activation(T x) {
 }
 
 T ModelRun::LoraLinear(const Lin& l, T x) {
-  T y = Linear(g_, x, l.w, l.b, l.in, l.out);
+  T y = l.matmul ? MatmulThenBias(g_, x, l.w, l.b, l.in, l.out)
+                 : Linear(g_, x, l.w, l.b, l.in, l.out);
   if (!l.lora_a.ok()) return y;
   // PEFT's lora.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling.
   const Wide r = static_cast<Wide>(s_.lora_rank);
@@ -932,8 +933,9 @@ Result<T> ModelRun::TransformersForward() {
     GptOssTables(g_.Dtype(x));
   } else if (fam_.mla) {
     MlaRotaryTable(g_.Dtype(x));
-  } else if (fam_.rotary) {
+  } else if (fam_.rotary || fam_.falcon_alibi) {
     // The rotary embedding's forward: cos and sin (seq x rotary dims) in fp32, cast to x's dtype.
+    // FalconModel makes them with ALiBi too, and passes them to every layer unused.
     const Wide d = fam_.rotary_dims > 0 ? fam_.rotary_dims : static_cast<Wide>(a_.head_dim);
     T c32 = g_.New(seq_ * d, DT::kF32, false);
     T s32 = g_.New(seq_ * d, DT::kF32, false);
@@ -945,8 +947,10 @@ Result<T> ModelRun::TransformersForward() {
   if (fam_.gpt_oss) {
     // GptOssTables made the masks.
   } else if (fam_.falcon_alibi) {
-    // FalconModel.forward: ALiBi slopes x positions / sqrt(head_dim), masked, as one float mask
-    // (batch x heads x seq x seq) in the embeddings' dtype for every layer.
+    // FalconModel.forward: build_alibi_tensor (slopes x positions, batch x heads x seq, in the
+    // embeddings' dtype), a local passed to every layer; then ALiBi / sqrt(head_dim), masked, as
+    // one float mask (batch x heads x seq x seq) in the embeddings' dtype for every layer.
+    alibi_ = g_.New(batch_ * static_cast<Wide>(a_.heads) * seq_, g_.Dtype(x), false);
     explicit_mask_ = true;
     mask_ = g_.New(batch_ * static_cast<Wide>(a_.heads) * seq_ * seq_, g_.Dtype(x), false);
   } else if (!s_.flash_attention || explicit_mask_ || fam_.bloom_attention) {
@@ -961,6 +965,7 @@ Result<T> ModelRun::TransformersForward() {
   g_.Drop(cos_);
   g_.Drop(sin_);
   g_.Drop(mask_);
+  g_.Drop(alibi_);
   g_.Drop(sliding_mask_);
   g_.Drop(positions_);
   g_.SetWhere("lm_head");

@@ -21,7 +21,8 @@ namespace memplan::estimator::step {
 struct Lin {
   T w, b;
   Wide in = 0, out = 0;
-  T lora_a, lora_b;  // LoRA A [r, in], B [out, r]
+  T lora_a, lora_b;     // LoRA A [r, in], B [out, r]
+  bool matmul = false;  // FalconLinear: MatmulThenBias (step_ops.h), not F.linear
   bool ok() const { return w.ok(); }
 };
 
@@ -328,6 +329,7 @@ class ModelRun {
   std::vector<Norm> final_norms_;
   T cos_, sin_;           // rotary tables of this forward
   T mask_;                // an explicit attention mask of this forward
+  T alibi_;               // Falcon: build_alibi_tensor's, passed to every layer
   T sliding_mask_;        // gpt-oss: the sliding-window layers' mask of this forward
   T positions_;           // gpt-oss: position_ids of this forward
   T attn_bias_;           // llm-foundry's ALiBi bias (MPTModel.attn_bias), kept across steps

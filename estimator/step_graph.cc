@@ -591,10 +591,10 @@ void Graph::SetGrad(T t, T grad) {
   x.grad = buf;
 }
 
-T Graph::CastWeight(T param, DT dt) {
+T Graph::CastWeight(T param, DT dt, bool view) {
   const Tensor& p = tensors_[static_cast<size_t>(param.id)];
   if (p.dt == dt) return param;
-  const bool cacheable = p.rg;  // cached_cast: leaves that require grad only
+  const bool cacheable = p.rg && !view;  // cached_cast: leaves that require grad only
   if (cacheable) {
     auto it = cast_cache_.find(param.id);
     if (it != cast_cache_.end()) {

@@ -159,14 +159,15 @@ class Graph {
   void SetGrad(T t, T grad);
 
   // --- Autocast -------------------------------------------------------------------------------
-  // The autocast weight-cast cache: a trainable leaf cast to `dt` once per autocast region.
+  // The autocast weight-cast cache: a trainable leaf cast to `dt` once per autocast region. A
+  // view of the parameter (`view`: FalconLinear's weight.T) is no leaf, and is cast anew each time.
   void SetAutocast(bool on, DT dt) {
     autocast_ = on;
     autocast_dt_ = dt;
   }
   bool autocast() const { return autocast_; }
   DT autocast_dtype() const { return autocast_dt_; }
-  T CastWeight(T param, DT dt);
+  T CastWeight(T param, DT dt, bool view = false);
   void ClearAutocastCache();
 
   // FSDPMemTracker counts a parameter's unsharded gradient as a temporary until its unit's

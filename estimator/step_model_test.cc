@@ -369,6 +369,29 @@ TEST_CASE("step model: full-width q/k norms are the attention's, whatever their 
   CHECK(olmoe.phases[step].bytes == 20'912'194'560);
 }
 
+TEST_CASE("step model: Falcon's FalconLinear and ALiBi locals, against its traces") {
+  // FalconLinear is `input @ weight.T` then `+ bias`: autocast casts the transposed view anew at
+  // every call (it caches leaves only) and the fp32 bias promotes the sum to fp32. Run as
+  // F.linear, the checkpointed forward kept every layer's cached weight casts (+6.84% over its
+  // trace) and the plain forward had 16-bit projections (-1.51%). A checkpoint also keeps the
+  // layer's ALiBi tensor and the rotary tables FalconModel makes without using them. The grid's
+  // falcon-rw-1b points (b1s1024, bf16-mixed): forward, loss and backward to the byte (the
+  // optimizer step was and is 8 KiB under its trace).
+  TrainingSetup s;
+  s.precision = Precision::kBf16Mixed;
+  s.autocast = true;
+  s.micro_batch = 1;
+  s.seq_len = 1024;
+  const ModelInventory falcon = Modern("falcon-rw-1b");
+  const StepModel plain = MustStep(falcon, s);
+  CHECK(PhasePeaks(plain) == std::array<uint64_t, kStepPhases>{3'337'448'448, 3'749'548'544,
+                                                               4'092'610'560, 4'083'172'352});
+  s.checkpointing = Checkpointing::kFull;
+  const StepModel full = MustStep(falcon, s);
+  CHECK(PhasePeaks(full) == std::array<uint64_t, kStepPhases>{2'935'161'856, 3'347'261'952,
+                                                              4'092'610'560, 4'083'172'352});
+}
+
 TEST_CASE("step graph: hooks, a backward inside the forward, a selective checkpoint's cache") {
   using step::DT;
   using step::Graph;

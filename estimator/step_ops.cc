@@ -104,6 +104,29 @@ T Linear(Graph& g, T x, T w, T bias, Wide in, Wide out) {
   return y;
 }
 
+T MatmulThenBias(Graph& g, T x, T w, T bias, Wide in, Wide out) {
+  const Wide tokens = g.Numel(x) / std::max<Wide>(in, 1);
+  T xin = AutocastIn(g, x);
+  T wc = g.autocast() ? g.CastWeight(w, g.autocast_dtype(), /*view=*/true) : w;
+  T y = g.New(tokens * out, g.Dtype(xin), g.RequiresGrad(xin) || g.RequiresGrad(wc));
+  Graph::NodeSpec spec = Graph::Spec("Matmul", {xin, wc}, {y});
+  if (g.RequiresGrad(wc)) spec.saved.push_back(xin);
+  if (g.RequiresGrad(xin)) spec.saved.push_back(wc);
+  g.Record(std::move(spec));
+  g.Drop(xin);
+  g.Drop(wc);
+  if (!bias.ok()) return y;
+  // AddBackward0 passes the gradient on; the engine casts the product's to 16 bits and reduces
+  // the bias's (sum_to_size) to its own size, with nothing full-size besides.
+  const DT dt = Promote(g.Dtype(y), g.Dtype(bias));
+  T sum = g.New(g.Numel(y), dt, g.RequiresGrad(y) || g.RequiresGrad(bias));
+  Graph::NodeSpec add = Graph::Spec("Add(bias)", {y, bias}, {sum});
+  add.passthrough = {g.Dtype(y) == dt, false};
+  g.Record(std::move(add));
+  g.Drop(y);
+  return sum;
+}
+
 T Embedding(Graph& g, T w, Wide tokens, Wide width, DT out_dt) {
   T y = g.New(tokens * width, out_dt, g.RequiresGrad(w));
   g.Record(Graph::Spec("Embedding", {w}, {y}));

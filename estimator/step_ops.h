@@ -46,6 +46,11 @@ T Cat(Graph& g, const std::vector<T>& parts);
 // cache) cast to the autocast dtype. mm saves its input when the weight trains and the weight
 // when the input needs a gradient.
 T Linear(Graph& g, T x, T w, T bias, Wide in, Wide out);
+// FalconLinear.forward: `x @ w.T`, then `+ bias` as an op of its own. The transpose is a view,
+// which autocast casts anew at every call (it caches leaves only), so only what the product
+// saves keeps the cast. The 16-bit product plus an fp32 bias is promoted to fp32: the sum is
+// the bias's dtype, and the product is freed once added.
+T MatmulThenBias(Graph& g, T x, T w, T bias, Wide in, Wide out);
 // F.embedding(ids, w): saves the indices (the batch).
 T Embedding(Graph& g, T w, Wide tokens, Wide width, DT out_dt);
 

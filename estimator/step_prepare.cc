@@ -465,6 +465,11 @@ void ModelRun::ChooseFamily() {
           a_.cached_kv_heads > 0 ? Family::Layout::kParallelTwoNorms : Family::Layout::kParallel;
     }
     fam_.falcon_alibi = a_.alibi;
+    // The blocks' four projections are FalconLinear; the head (and a classifier's score) are
+    // nn.Linear.
+    for (BlockParams& bp : blocks_) {
+      for (auto& [role, l] : bp.lin) l.matmul = true;
+    }
   }
   if (type == "bloom") {
     fam_.bloom_attention = true;
