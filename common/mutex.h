@@ -109,6 +109,16 @@ class SCOPED_CAPABILITY ReaderMutexLock {
 };
 
 // A condition variable waited on with a Mutex held. Wakes may be spurious: wait in a loop.
+//
+// Note [Signal wakes every waiter]
+// glibc's pthread_cond_signal can lose a wake-up: a waiter stays asleep although it was signalled
+// and its condition holds (sourceware bug 25847, in every glibc from 2.25 until the condition
+// variable fixes of early 2025; Debian 12's 2.36 has no backport of them). pthread_cond_broadcast
+// does not lose one. A single hang in offload_test had that shape: the POSIX backend's reaper
+// waited for a completion, and every I/O worker was asleep on its work condition (seen once in
+// many runs, not reproduced on purpose, so not proven to be this bug). Every waiter in
+// this code base re-checks its predicate under the mutex, so Signal() broadcasts: a wake-up too
+// many costs a context switch, one lost hangs the process.
 class CondVar {
  public:
   CondVar() = default;
@@ -132,7 +142,8 @@ class CondVar {
     return signalled;
   }
 
-  void Signal() { cv_.notify_one(); }
+  // Wakes at least one waiter: all of them (Note [Signal wakes every waiter]).
+  void Signal() { cv_.notify_all(); }
   void SignalAll() { cv_.notify_all(); }
 
  private:
