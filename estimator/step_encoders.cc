@@ -259,6 +259,7 @@ T ModelRun::EncoderAttention(const BlockParams& bp, T h) {
                                            static_cast<Wide>(a_.head_dim));
     as.dropout = a_.attention_dropout;
     as.mask = false;
+    as.causal = false;
     out = TransformersSdpa(as, autocast_ ? adt_ : g_.Dtype(t.q), &t);
   } else {
     out = EncoderEagerAttention(t.q, t.k, t.v);

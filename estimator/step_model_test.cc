@@ -392,6 +392,23 @@ TEST_CASE("step model: Falcon's FalconLinear and ALiBi locals, against its trace
                                                               4'092'610'560, 4'083'172'352});
 }
 
+TEST_CASE("step model: SDPA's math backend computes 16-bit attention in fp32") {
+  // A V100 (sm70) has no bf16 kernel in flash or memory-efficient attention: SDPA runs its math
+  // composite, which upcasts q, k and v and keeps the fp32 score matrix for softmax's backward
+  // (512 MiB a layer here). The grid's Llama-3.1-8B V100 point (L2, b1s2048, bf16-mixed),
+  // forward, loss and backward to the byte.
+  TrainingSetup s;
+  s.precision = Precision::kBf16Mixed;
+  s.autocast = true;
+  s.micro_batch = 1;
+  s.seq_len = 2048;
+  s.gpu_arch = "sm70";
+  const StepModel v100 = MustStep(WithLayers("llama-3.1-8b", 2), s);
+  CHECK(v100.phases[static_cast<size_t>(StepPhase::kForward)].bytes == 22'667'518'976);
+  CHECK(v100.phases[static_cast<size_t>(StepPhase::kLoss)].bytes == 24'768'883'200);
+  CHECK(v100.phases[static_cast<size_t>(StepPhase::kBackward)].bytes == 25'227'094'016);
+}
+
 TEST_CASE("step graph: hooks, a backward inside the forward, a selective checkpoint's cache") {
   using step::DT;
   using step::Graph;

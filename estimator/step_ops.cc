@@ -286,37 +286,56 @@ T Sdpa(Graph& g, SdpaBackend backend, T q, T k, T v, const AttentionShape& a, T 
   const DT dt = g.Dtype(q);
   const Wide rows = a.batch * a.heads * a.seq;
   if (backend == SdpaBackend::kMath) {
-    // The math composite (attention.cpp _scaled_dot_product_attention_math): q and k each
-    // scaled by sqrt(scale), grouped keys and values repeated, q @ k^T, the mask added,
-    // softmax, dropout, @ v.
-    T qs = Scale(g, q);
-    T ks = Scale(g, k);
-    T vr = g.Alias(v);
-    if (a.kv_heads != a.heads) {
-      T kr = Copy(g, ks, g.Numel(ks) * (a.heads / std::max<Wide>(a.kv_heads, 1)));
-      g.Drop(ks);
-      ks = kr;
-      T v2 = Copy(g, vr, g.Numel(vr) * (a.heads / std::max<Wide>(a.kv_heads, 1)));
-      g.Drop(vr);
-      vr = v2;
+    // The math composite (attention.cpp _scaled_dot_product_attention_math), with autocast off
+    // below SDPA's autocast kernel. 16-bit inputs are computed in fp32 (torch.backends.cuda's
+    // allow_fp16_bf16_reduction_math_sdp is off by default): q, k and v upcast; q scaled by
+    // sqrt(scale); a causal call without a mask makes one (ones and tril in bool, `where` to the
+    // accumulation dtype) that lives until the call returns; grouped keys and values repeated
+    // (clones); k^T scaled; q @ k^T; the mask added in place; softmax; dropout; the
+    // probabilities cast back (the tuple's second output, freed when the caller takes the
+    // first); @ v; the output cast back.
+    const DT acc = Half(dt) ? DT::kF32 : dt;
+    T qa = Cast(g, q, acc);
+    T ka = Cast(g, k, acc);
+    T va = Cast(g, v, acc);
+    T qs = Scale(g, qa);
+    g.Drop(qa);
+    T causal;
+    if (a.causal && !mask.ok()) {
+      T ones = g.New(a.seq * a.kv_seq, DT::kBool, false);
+      T tril = g.New(a.seq * a.kv_seq, DT::kBool, false);
+      g.Drop(ones);
+      causal = g.New(a.seq * a.kv_seq, acc, false);
+      g.Drop(tril);
     }
-    T scores = g.New(rows * a.kv_seq, dt, rg);
+    if (a.kv_heads != a.heads) {
+      const Wide groups = a.heads / std::max<Wide>(a.kv_heads, 1);
+      T kr = Copy(g, ka, g.Numel(ka) * groups);
+      g.Drop(ka);
+      ka = kr;
+      T vr = Copy(g, va, g.Numel(va) * groups);
+      g.Drop(va);
+      va = vr;
+    }
+    T ks = Scale(g, ka);
+    g.Drop(ka);
+    T scores = g.New(rows * a.kv_seq, acc, rg);
     g.Record(Graph::Spec("Bmm(qk)", {qs, ks}, {scores}, {qs, ks}));
     g.Drop(qs);
     g.Drop(ks);
-    if (mask.ok()) {
-      T masked = Add(g, scores, mask);
-      g.Drop(scores);
-      scores = masked;
-    }
-    T probs = Softmax(g, scores, dt);
+    T probs = Softmax(g, scores, acc);
     g.Drop(scores);
     T dropped = Dropout(g, probs, a.dropout);
     g.Drop(probs);
-    T out = g.New(rows * a.v_head_dim, dt, rg);
-    g.Record(Graph::Spec("Bmm(pv)", {dropped, vr}, {out}, {dropped, vr}));
+    T second = Cast(g, dropped, dt);
+    T out32 = g.New(rows * a.v_head_dim, acc, rg);
+    g.Record(Graph::Spec("Bmm(pv)", {dropped, va}, {out32}, {dropped, va}));
     g.Drop(dropped);
-    g.Drop(vr);
+    g.Drop(va);
+    T out = Cast(g, out32, dt);
+    g.Drop(out32);
+    g.Drop(second);
+    g.Drop(causal);
     return out;
   }
   T out = g.New(rows * a.v_head_dim, dt, rg);

@@ -98,7 +98,8 @@ enum class SdpaBackend { kFlash, kEfficient, kCudnn, kMath };
 struct AttentionShape {
   Wide batch = 1, heads = 1, kv_heads = 1, seq = 1, kv_seq = 1, head_dim = 1, v_head_dim = 1;
   double dropout = 0;
-  bool mask = false;  // an explicit additive mask (batch x 1 x seq x kv_seq) is passed
+  bool mask = false;   // an explicit additive mask (batch x 1 x seq x kv_seq) is passed
+  bool causal = true;  // is_causal when no mask is passed (an encoder's attention is not)
 };
 // `stats`: when given, the kernel's other outputs (log-sum-exp, RNG state) are returned there,
 // each with a reference of the caller's (a selective checkpoint keeps them).

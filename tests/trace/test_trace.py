@@ -208,6 +208,35 @@ class CudaSemantics(unittest.TestCase):
             self.assertEqual(tuple(node._saved_logsumexp.shape), (1, 4, 256))
             self.assertEqual(node._saved_logsumexp.dtype, torch.float32)
 
+    def test_math_backend_runs_the_composite_in_fp32(self):
+        # sm70 with bf16: the math backend. CUDA runs _scaled_dot_product_attention_math (16-bit
+        # inputs computed in fp32, the score matrix kept for softmax's backward), with autocast
+        # excluded below SDPA's autocast kernel: not the CPU's fused flash kernel, nor matmuls
+        # cast back to bf16 by the autocast policy.
+        with FakeTensorMode(), trace_cuda.CudaSemantics((7, 0)), \
+                trace_cuda.CudaAutocast(torch.bfloat16):
+            q = torch.empty(1, 4, 256, 64, requires_grad=True)
+            k = torch.empty(1, 2, 256, 64, requires_grad=True)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True,
+                                                                   enable_gqa=True)
+            self.assertEqual(out.dtype, torch.bfloat16)
+            names, node, seen = set(), out.grad_fn, []
+            stack = [out.grad_fn]
+            while stack:
+                node = stack.pop()
+                if node is None or node in seen:
+                    continue
+                seen.append(node)
+                names.add(node.name())
+                if node.name() == "SafeSoftmaxBackward0":
+                    self.assertEqual(tuple(node._saved_result.shape), (1, 4, 256, 256))
+                    self.assertEqual(node._saved_result.dtype, torch.float32)
+                if node.name() == "BmmBackward0":
+                    self.assertEqual(node._saved_self.dtype, torch.float32)
+                stack.extend(n for n, _ in node.next_functions)
+            self.assertIn("SafeSoftmaxBackward0", names)
+            self.assertFalse(any("Flash" in n for n in names), names)
+
     def test_dropout_and_norms(self):
         with FakeTensorMode(), trace_cuda.CudaSemantics((8, 0)):
             x = torch.empty(16, 32, dtype=torch.bfloat16, requires_grad=True)

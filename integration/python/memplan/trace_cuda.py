@@ -264,10 +264,18 @@ class ScaledDotProductAttention(TorchFunctionMode):
         autocast = CudaAutocastPolicy.active
         if autocast is not None and torch.is_autocast_enabled("cpu"):
             # scaled_dot_product_attention has a lower-precision CUDA autocast kernel: the
-            # backend is chosen, and the fused op run, on the cast inputs.
+            # backend is chosen, and the op run, on the cast inputs, with autocast excluded
+            # below it (what the math composite calls is not cast again).
             query, key, value = (autocast.cast(t, autocast.dtype) for t in (query, key, value))
             if attn_mask is not None and attn_mask.is_floating_point():
                 attn_mask = autocast.cast(attn_mask, autocast.dtype)
+            exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+            with torch._C._ExcludeDispatchKeyGuard(exclude):
+                return self._run(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                 enable_gqa)
+        return self._run(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+    def _run(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
         backend = select_sdpa_backend(self.arch, query, key, value, attn_mask, dropout_p,
                                       is_causal, enable_gqa)
         self.backends[backend] = self.backends.get(backend, 0) + 1
@@ -293,9 +301,13 @@ class ScaledDotProductAttention(TorchFunctionMode):
                 mask = _preprocess_mask_efficient(mask, query, key)
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, mask, requires_grad, dropout_p, is_causal, scale=scale)[0]
-        return torch._C._nn.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-            scale=scale, enable_gqa=enable_gqa)
+        # The math backend is the composite _scaled_dot_product_attention_math (a bool mask made
+        # additive first), not this call on CPU tensors, which would run the CPU's fused flash
+        # kernel: the math composite keeps the whole score matrix, in fp32 for 16-bit inputs
+        # unless allow_fp16_bf16_reduction_math_sdp is set.
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            query, key, value, _convert_bool_mask(attn_mask, query.dtype), dropout_p, is_causal,
+            None, scale=scale, enable_gqa=enable_gqa)[0]
 
 
 # ---- 4/5. dropout and RMSNorm take their CUDA kernels --------------------------------------------
