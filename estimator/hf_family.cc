@@ -618,6 +618,12 @@ Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigRead
     MEMPLAN_ASSIGN_OR_RETURN(arch.norm_topk_prob, config.BoolOr("norm_topk_prob", true));
     MEMPLAN_ASSIGN_OR_RETURN(arch.rope_interleave, config.BoolOr("rope_interleave", true));
   }
+  if (spec.model_type == "qwen2_moe" || spec.model_type == "qwen3_moe" ||
+      spec.model_type == "olmoe") {
+    // Their TopKRouter divides the top-k weights by their sum only when norm_topk_prob (off by
+    // default); Mixtral's always does.
+    MEMPLAN_ASSIGN_OR_RETURN(arch.norm_topk_prob, config.BoolOr("norm_topk_prob", false));
+  }
   if (v.attention_dropout >= 0) {
     arch.attention_dropout = v.attention_dropout;
   } else if (!spec.attention_dropout_field.empty()) {

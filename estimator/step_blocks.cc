@@ -438,20 +438,27 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
   const Wide k = static_cast<Wide>(std::max<int64_t>(a_.experts_per_token, 1));
   const Wide hw = static_cast<Wide>(a_.hidden);
   const Wide experts = static_cast<Wide>(a_.experts);
-  T top = fam_.mla_v3 ? DeepseekV3Router(bp, h)
-          : fam_.mla  ? DeepseekV2Router(bp, h)
-                      : TransformersRouter(bp, h);
+  // Qwen2MoeSparseMoeBlock runs its shared expert first, before the router.
+  const bool shared_first = bp.has(TensorRole::kSharedExpertGate);
+  T shared = shared_first ? TransformersMlp(bp, h) : T{};
+  Routing r = fam_.mla_v3 ? DeepseekV3Router(bp, h)
+              : fam_.mla  ? DeepseekV2Router(bp, h)
+                          : TransformersRouter(bp, h);
   const Wide S = tokens_ * k;
-  // expert_ids sort, perm // k, inv_perm: indices the gathers keep.
+  // expert_ids_g, perm = sort(expert_ids); selected_hidden_states_g = hidden_states[perm // k]
+  // (the quotient a temporary that IndexBackward keeps); sample_weights_g = weights[perm].
+  T ids_sorted = g_.New(S, DT::kI64, false);
   T perm = g_.New(S, DT::kI64, false);
   T src = g_.New(S, DT::kI64, false);
-  T inv = g_.New(S, DT::kI64, false);
-  T offs = g_.New(experts, DT::kI32, false);
   T sel = g_.New(S * hw, g_.Dtype(h), g_.RequiresGrad(h));
   g_.Record(Graph::Spec("Index", {h}, {sel}, {src}));
-  T weights = g_.New(S, g_.Dtype(top), g_.RequiresGrad(top));
-  g_.Record(Graph::Spec("Index", {top}, {weights}, {perm}));
-  g_.Drop(top);
+  g_.Drop(src);
+  T weights = g_.New(S, g_.Dtype(r.weights), g_.RequiresGrad(r.weights));
+  g_.Record(Graph::Spec("Index", {r.weights}, {weights}, {perm}));
+  // histc over the sorted ids (as int32 on CUDA), its counts and their cumsum: the offsets.
+  T histc_in = g_.New(S, DT::kI32, false);
+  T per_expert = g_.New(experts, DT::kI32, false);
+  T offs = g_.New(experts, DT::kI32, false);
   const bool gated = bp.expert.count(TensorRole::kExpertGateUp) > 0;
   const T w_in =
       gated ? bp.expert.at(TensorRole::kExpertGateUp) : bp.expert.at(TensorRole::kExpertUp);
@@ -482,10 +489,11 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
   g_.Record(Graph::Spec("GroupedMm", {act, w_out}, {down},
                         g_.RequiresGrad(w_out) ? std::vector<T>{act, offs} : std::vector<T>{offs}));
   g_.Drop(act);
-  g_.Drop(offs);
   T weighted = Mul(g_, down, weights);
-  g_.Drop(down);
-  g_.Drop(weights);
+  // inv_perm = empty_like(perm); inv_perm[perm] = arange(S); weighted_out[inv_perm].
+  T inv = g_.New(S, DT::kI64, false);
+  T arange = g_.New(S, DT::kI64, false);
+  g_.Drop(arange);
   T back = g_.New(S * hw, g_.Dtype(weighted), true);
   g_.Record(Graph::Spec("Index", {weighted}, {back}, {inv}));
   g_.Drop(weighted);
@@ -494,16 +502,15 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
   // final_hidden_states.to(hidden_states.dtype): fp32 routing weights (DeepSeek's) promote.
   T out = Cast(g_, summed, g_.Dtype(h));
   g_.Drop(summed);
-  // The function's locals go when it returns: the gathered-back rows (weighted_out) and the
-  // selected rows.
-  g_.Drop(back);
-  g_.Drop(sel);
-  g_.Drop(perm);
-  g_.Drop(src);
-  g_.Drop(inv);
+  // grouped_mm_experts_forward's locals go when it returns: the gathered-back rows
+  // (weighted_out), the down projection's output (proj_out, never reassigned after it), the
+  // selected rows and weights, and the indices and counts.
+  for (T local : {back, down, sel, weights, ids_sorted, perm, histc_in, per_expert, offs, inv}) {
+    g_.Drop(local);
+  }
   if (bp.has(TensorRole::kMlpDown)) {
     // The shared expert: a dense MLP every token passes, Qwen2-MoE's behind sigmoid(gate(x)).
-    T shared = TransformersMlp(bp, h);
+    if (!shared_first) shared = TransformersMlp(bp, h);
     if (bp.has(TensorRole::kSharedExpertGate)) {
       T gl = LoraLinear(bp.at(TensorRole::kSharedExpertGate), h);
       T sg = Apply(g_, Unary::kSigmoid, gl);
@@ -518,25 +525,59 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
     g_.Drop(shared);
     out = sum;
   }
+  g_.Drop(r.logits);
+  g_.Drop(r.weights);
+  g_.Drop(r.indices);
   return out;
 }
 
-// The router of Mixtral, Qwen2-MoE and Qwen3-MoE: a Linear, softmax in fp32, top-k.
-T ModelRun::TransformersRouter(const BlockParams& bp, T h) {
-  return TopKRouting(
+// The router of Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE: a Linear, softmax in fp32, top-k;
+// Mixtral's always normalizes the top-k weights and keeps them in fp32, the others normalize
+// when norm_topk_prob and cast them to the logits' dtype.
+ModelRun::Routing ModelRun::TransformersRouter(const BlockParams& bp, T h) {
+  Routing r = TopKRouting(
       Linear(g_, h, bp.router.w, T{}, static_cast<Wide>(a_.hidden), static_cast<Wide>(a_.experts)));
+  const bool mixtral = inv_.model_type == "mixtral";
+  if (mixtral || a_.norm_topk_prob) r.weights = NormalizeTopK(r.weights, /*epsilon=*/false);
+  if (!mixtral && g_.Dtype(r.weights) != g_.Dtype(r.logits)) {
+    T cast = Cast(g_, r.weights, g_.Dtype(r.logits));
+    g_.Drop(r.weights);
+    r.weights = cast;
+  }
+  return r;
 }
 
-T ModelRun::TopKRouting(T logits) {
+ModelRun::Routing ModelRun::TopKRouting(T logits) {
   const Wide k = static_cast<Wide>(std::max<int64_t>(a_.experts_per_token, 1));
+  Routing r;
+  r.logits = logits;
   T probs = Softmax(g_, logits, DT::kF32);
-  g_.Drop(logits);
-  T top = g_.New(tokens_ * k, DT::kF32, g_.RequiresGrad(probs));
-  T top_idx = g_.New(tokens_ * k, DT::kI64, false);
-  g_.Record(Graph::Spec("TopK", {probs}, {top}, {top_idx}));
+  r.weights = g_.New(tokens_ * k, DT::kF32, g_.RequiresGrad(probs));
+  r.indices = g_.New(tokens_ * k, DT::kI64, false);
+  g_.Record(Graph::Spec("TopK", {probs}, {r.weights}, {r.indices}));
   g_.Drop(probs);
-  g_.Drop(top_idx);
-  return top;
+  return r;
+}
+
+T ModelRun::NormalizeTopK(T weights, bool epsilon) {
+  // The sum is an fp32 op under autocast. The division is in place: DivBackward keeps the
+  // divisor and a clone of the weights before it.
+  const Wide k = static_cast<Wide>(std::max<int64_t>(a_.experts_per_token, 1));
+  T in = Fp32In(g_, weights);
+  T den = MeanRows(g_, in, k);
+  g_.Drop(in);
+  if (epsilon) {
+    T plus = Scale(g_, den);
+    g_.Drop(den);
+    den = plus;
+  }
+  T before = Copy(g_, weights);
+  T divided = g_.New(g_.Numel(weights), g_.Dtype(weights), g_.RequiresGrad(weights));
+  g_.Record(Graph::Spec("Div", {weights, den}, {divided}, {den, before}));
+  g_.Drop(weights);
+  g_.Drop(den);
+  g_.Drop(before);
+  return divided;
 }
 
 void ModelRun::CacheUpdate(T* key, T* value) {

@@ -213,9 +213,17 @@ class ModelRun {
   T TransformersMlp(const BlockParams& bp, T h);
   T BloomAttention(const BlockParams& bp, T h);
   T TransformersMoe(const BlockParams& bp, T h);
-  T TransformersRouter(const BlockParams& bp, T h);
-  // softmax(logits) in fp32, then topk: the top-k routing weights (fp32) the experts take.
-  T TopKRouting(T logits);
+  // What a router returns: its logits, the top-k routing weights and their experts' indices,
+  // each a local of the MoE block's forward until it returns (`_, weights, indices = gate(x)`:
+  // `_` is a variable like any other).
+  struct Routing {
+    T logits, weights, indices;
+  };
+  Routing TransformersRouter(const BlockParams& bp, T h);
+  // softmax(logits) in fp32, then topk: the top-k routing weights (fp32) and their indices.
+  Routing TopKRouting(T logits);
+  // topk_weights /= topk_weights.sum(-1, keepdim=True) (+ 1e-20 with `epsilon`), in place.
+  T NormalizeTopK(T weights, bool epsilon);
   // DynamicCache.update in training: *key copied, *value copied (or cast) to the key's dtype, the
   // cache holding both until the output is dropped; the layer goes on with the copies.
   void CacheUpdate(T* key, T* value);
@@ -225,9 +233,9 @@ class ModelRun {
   std::vector<T> MlaSplit(T x, const std::vector<Wide>& parts);
   T MlaAttention(const BlockParams& bp, T h);
   T MlaEagerAttention(const QkvViews& t, const AttentionShape& as);
-  T DeepseekV2Router(const BlockParams& bp, T h);
+  Routing DeepseekV2Router(const BlockParams& bp, T h);
   T MlaV3Rotary(T x);
-  T DeepseekV3Router(const BlockParams& bp, T h);
+  Routing DeepseekV3Router(const BlockParams& bp, T h);
   // gpt-oss (step_oss.cc, Note [gpt-oss in the step model]).
   Status CheckGptOss() const;
   void GptOssTables(DT dt);

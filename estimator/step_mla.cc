@@ -240,7 +240,7 @@ T ModelRun::MlaEagerAttention(const QkvViews& t, const AttentionShape& as) {
 
 // DeepseekV2TopkRouter.forward ("greedy"): the routing weights of each token's top-k experts,
 // fp32, as the experts take them.
-T ModelRun::DeepseekV2Router(const BlockParams& bp, T h) {
+ModelRun::Routing ModelRun::DeepseekV2Router(const BlockParams& bp, T h) {
   const Wide hw = static_cast<Wide>(a_.hidden);
   const Wide experts = static_cast<Wide>(a_.experts);
   T hf = Cast(g_, h, DT::kF32);
@@ -248,15 +248,16 @@ T ModelRun::DeepseekV2Router(const BlockParams& bp, T h) {
   T logits = Linear(g_, hf, wf, T{}, hw, experts);
   g_.Drop(hf);
   g_.Drop(wf);
-  T top = TopKRouting(logits);
-  T scaled = Scale(g_, top);  // topk_weights * routed_scaling_factor
-  g_.Drop(top);
-  return scaled;
+  Routing r = TopKRouting(logits);
+  T scaled = Scale(g_, r.weights);  // topk_weights * routed_scaling_factor
+  g_.Drop(r.weights);
+  r.weights = scaled;
+  return r;
 }
 
 // DeepseekV3TopkRouter.forward (Note [DeepSeek-V3 in the step model]): the routing weights of
 // each token's top-k experts, in the scores' dtype.
-T ModelRun::DeepseekV3Router(const BlockParams& bp, T h) {
+ModelRun::Routing ModelRun::DeepseekV3Router(const BlockParams& bp, T h) {
   const Wide hw = static_cast<Wide>(a_.hidden);
   const Wide experts = static_cast<Wide>(a_.experts);
   const Wide k = static_cast<Wide>(std::max<int64_t>(a_.experts_per_token, 1));
@@ -266,7 +267,6 @@ T ModelRun::DeepseekV3Router(const BlockParams& bp, T h) {
   g_.Drop(hf);
   g_.Drop(wf);
   T scores = Apply(g_, Unary::kSigmoid, logits);
-  g_.Drop(logits);
   // The selection: scores + the fp32 bias, the experts' group mask (an fp32 copy and its
   // negated bool), masked_fill; then a top-k whose indices alone are used.
   T choice = g_.New(tokens_ * experts, Promote(g_.Dtype(scores), DT::kF32), false);
@@ -284,27 +284,11 @@ T ModelRun::DeepseekV3Router(const BlockParams& bp, T h) {
   T weights = g_.New(tokens_ * k, g_.Dtype(scores), g_.RequiresGrad(scores));
   g_.Record(Graph::Spec("Gather", {scores}, {weights}, {top_idx}));
   g_.Drop(scores);
-  g_.Drop(top_idx);
-  if (a_.norm_topk_prob) {
-    // denominator = topk_weights.sum(-1, keepdim=True) + 1e-20 (sum is an fp32 op under
-    // autocast); topk_weights /= denominator, in place: DivBackward keeps the divisor and a clone
-    // of the weights before the division.
-    T in = Fp32In(g_, weights);
-    T sum = MeanRows(g_, in, k);
-    g_.Drop(in);
-    T den = Scale(g_, sum);
-    g_.Drop(sum);
-    T before = Copy(g_, weights);
-    T divided = g_.New(tokens_ * k, g_.Dtype(weights), g_.RequiresGrad(weights));
-    g_.Record(Graph::Spec("Div", {weights, den}, {divided}, {den, before}));
-    g_.Drop(weights);
-    g_.Drop(den);
-    g_.Drop(before);
-    weights = divided;
-  }
+  // denominator = topk_weights.sum(-1, keepdim=True) + 1e-20; topk_weights /= denominator.
+  if (a_.norm_topk_prob) weights = NormalizeTopK(weights, /*epsilon=*/true);
   T scaled = Scale(g_, weights);  // topk_weights * routed_scaling_factor
   g_.Drop(weights);
-  return scaled;
+  return Routing{logits, scaled, top_idx};
 }
 
 }  // namespace memplan::estimator::step
