@@ -796,26 +796,30 @@ T ModelRun::CausalLmLoss(T hidden) {
 T ModelRun::DecoderClassifierLoss(T hidden) {
   const Wide labels = classifier_.out;
   const bool sequence = inv_.model_class == "sequence_classification";
+  // A token classifier's sequence_output (its dropout's output) is a local of the model's
+  // forward, which computes the loss.
   T x = sequence ? g_.Alias(hidden) : Dropout(g_, hidden, a_.classifier_dropout);
   T logits = LoraLinear(classifier_, x);
-  g_.Drop(x);
   g_.SetPhase(StepPhase::kLoss);
   g_.SetWhere("loss");
   T loss;
+  std::vector<T> locals;
   if (sequence) {
-    // (input_ids != pad_token_id).int() * arange(seq).int(), argmax: the last token's position.
+    // non_pad_mask = (input_ids != pad_token_id).to(int32), token_indices = arange(seq) in int32,
+    // last_non_pad_token = (token_indices * non_pad_mask).argmax(-1): locals of the forward (the
+    // product a temporary).
+    T ne_bool = g_.New(tokens_, DT::kBool, false);
     T ne = g_.New(tokens_, DT::kI32, false);
+    g_.Drop(ne_bool);
     T positions = g_.New(seq_, DT::kI32, false);
     T product = g_.New(tokens_, DT::kI32, false);
-    g_.Drop(ne);
-    g_.Drop(positions);
     T last = g_.New(batch_, DT::kI64, false);
     g_.Drop(product);
     T rows = g_.New(batch_, DT::kI64, false);  // torch.arange(batch_size)
     T pooled = g_.New(batch_ * labels, g_.Dtype(logits), g_.RequiresGrad(logits));
     g_.Record(Graph::Spec("Index", {logits}, {pooled}, {rows, last}));
     g_.Drop(rows);
-    g_.Drop(last);
+    locals = {ne, positions, last};
     if (labels > 1) {
       loss = CrossEntropyLoss(g_, pooled, batch_, labels);
     } else {
@@ -831,6 +835,8 @@ T ModelRun::DecoderClassifierLoss(T hidden) {
     g_.Drop(up);
   }
   g_.Drop(logits);
+  g_.Drop(x);
+  for (T t : locals) g_.Drop(t);
   return loss;
 }
 

@@ -380,11 +380,16 @@ T ModelRun::ClassifierLoss(T hidden) {
   }
   const Lin& out = enc_.classifiers.back();
   T logits = LoraLinear(out, x);
-  g_.Drop(x);
+  // RobertaClassificationHead's `x` is its own local, gone when the head returns. The others'
+  // (pooled_output, sequence_output) are locals of the model's forward, which computes the loss.
+  const bool head_local =
+      enc_.task == Encoder::Task::kSequence && !enc_.pooler.ok() && inv_.model_type != "distilbert";
+  if (head_local) g_.Drop(x);
   g_.SetPhase(StepPhase::kLoss);
   g_.SetWhere("loss");
   T loss = CrossEntropyLoss(g_, logits, rows, out.out);
   g_.Drop(logits);
+  if (!head_local) g_.Drop(x);
   return loss;
 }
 

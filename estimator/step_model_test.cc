@@ -308,6 +308,13 @@ TEST_CASE("step model: the encoders' sequence and token classifiers, against the
   const StepModel sequence = MustStep(Modern("distilbert-sst2"), lora);
   CHECK(sequence.peak_phase == StepPhase::kForward);
   CHECK(sequence.peak_bytes == 429'246'464);
+  // The loss phase starts when the classifier's forward ends, and the model's forward computes
+  // the loss with its pooled_output / sequence_output (the dropout's output) still a local: the
+  // tracer took the whole forward for the forward phase until the head was the classifier.
+  const auto loss = static_cast<size_t>(StepPhase::kLoss);
+  CHECK(sequence.phases[loss].bytes == 386'422'272);
+  lora.lora_targets = {};
+  CHECK(MustStep(Modern("bert-base-ner"), lora).phases[loss].bytes == 400'549'888);
   // The masked LM under LoRA without checkpointing: 3 MiB over (that mask) before.
   TrainingSetup mlm = s;
   mlm.lora_rank = 16;
@@ -335,12 +342,18 @@ TEST_CASE("step model: decoder sequence and token classifiers, against their tra
       MustStep(config("tests/oracle/modern_configs/llama-3.1-8b-reward.json"), s);
   CHECK(reward.peak_phase == StepPhase::kBackward);
   CHECK(reward.peak_bytes == 6'295'376'384);
+  // The loss phase peaks at the argmax over the non-padding positions: non_pad_mask and
+  // token_indices are the forward's locals, their product a temporary.
+  const auto loss = static_cast<size_t>(StepPhase::kLoss);
+  CHECK(reward.phases[loss].bytes == 6'094'379'008);
   // Two labels: cross_entropy on the pooled logits.
   const StepModel sst2 = MustStep(config("tests/accuracy/trace_models/qwen2.5-0.5b-sst2.json"), s);
   CHECK(sst2.peak_bytes == 1'204'008'960);
+  CHECK(sst2.phases[loss].bytes == 1'116'384'256);
   // A token classifier: dropout, score, fp32 logits.
   const StepModel ner = MustStep(config("tests/accuracy/trace_models/llama-3.2-1b-ner.json"), s);
   CHECK(ner.peak_bytes == 2'636'976'640);
+  CHECK(ner.phases[loss].bytes == 2'578'809'344);
 }
 
 TEST_CASE("step model: full-width q/k norms are the attention's, whatever their width") {

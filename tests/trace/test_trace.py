@@ -303,6 +303,16 @@ class Adapters(unittest.TestCase):
         self.assertEqual(start["temporaries"], 0)
 
 
+    def test_a_classifiers_loss_phase_starts_at_its_head(self):
+        # The loss phase starts when the output head's forward ends: for a token classifier its
+        # classifier Linear, so the cross entropy the model's forward computes is in the loss
+        # phase, as a language model's is (it was in the forward phase).
+        config = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "oracle",
+                              "modern_configs", "bert-base-ner.json")
+        result = self.run_setup(model=config)
+        self.assertEqual(result["phases"]["loss"]["op"], "aten.nll_loss_forward.default")
+
+
 class ModuleHooks(unittest.TestCase):
     def chunk_gradients_alive(self, tracer_hooks):
         # torchtune's chunked output in small: a head run per chunk of the sequence, and a loss

@@ -168,6 +168,17 @@ def build(setup, fake_mode, listing=False):
         head = model.get_output_embeddings()
     except (AttributeError, NotImplementedError):
         head = None
+    if head is None:
+        # A classifier's output head (BERT's and DistilBERT's classifier, RoBERTa's
+        # classification head, a decoder's score): the loss phase starts when its forward ends,
+        # as at a language model's head, not when the model's forward (which computes the loss)
+        # returns.
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for name in ("classifier", "score"):
+            module = getattr(base, name, None)
+            if isinstance(module, torch.nn.Module):
+                head = module
+                break
     def forward_loss():
         return model(input_ids=input_ids, labels=labels).loss
 
