@@ -58,7 +58,7 @@ T ModelRun::AddLoss(T loss, T l) {
 
 // --- Transformers ----------------------------------------------------------------------------
 
-T ModelRun::RmsNormalizedF32(const Norm& n, T x, Square square) {
+T ModelRun::RmsNormalizedF32(const Norm& n, T x, Square square, T* variance) {
   // The part the RMSNorms share: x in fp32, times rsqrt(mean(x^2) + eps). Transformers':
   //   hidden_states = hidden_states.to(torch.float32)
   //   variance = hidden_states.pow(2).mean(-1, keepdim=True)
@@ -69,7 +69,11 @@ T ModelRun::RmsNormalizedF32(const Norm& n, T x, Square square) {
   T var = MeanRows(g_, p, n.width);
   g_.Drop(p);
   T eps = Scale(g_, var);
-  g_.Drop(var);
+  if (variance != nullptr) {
+    *variance = var;  // a local of the caller's forward: the caller drops it when that returns
+  } else {
+    g_.Drop(var);
+  }
   T r = Apply(g_, Unary::kRsqrt, eps);
   g_.Drop(eps);
   T hn = Mul(g_, h, r);
@@ -85,12 +89,15 @@ T ModelRun::HfRmsNorm(const Norm& n, T x) {
   //   variance = hidden_states.pow(2).mean(-1, keepdim=True)
   //   hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
   //   return self.weight * hidden_states.to(input_dtype)
+  // hidden_states (the fp32 normalized x) and variance are locals until it returns.
   const DT in = g_.Dtype(x);
-  T hn = RmsNormalizedF32(n, x);
+  T var;
+  T hn = RmsNormalizedF32(n, x, Square::kPow, &var);
   T hc = Cast(g_, hn, in);
-  g_.Drop(hn);
   T out = Mul(g_, n.w, hc);
   g_.Drop(hc);
+  g_.Drop(hn);
+  g_.Drop(var);
   return out;
 }
 
@@ -115,12 +122,15 @@ T ModelRun::GemmaRmsNorm(const Norm& n, T x) {
 T ModelRun::OlmoRmsNorm(const Norm& n, T x) {
   // Olmo2RMSNorm.forward (models/olmo2/modeling_olmo2.py): the weight multiplied in fp32, then
   //   return (self.weight * hidden_states).to(input_dtype)
+  // hidden_states and variance are locals until it returns.
   const DT in = g_.Dtype(x);
-  T hn = RmsNormalizedF32(n, x);
+  T var;
+  T hn = RmsNormalizedF32(n, x, Square::kPow, &var);
   T out = Mul(g_, n.w, hn);
-  g_.Drop(hn);
   T oc = Cast(g_, out, in);
   g_.Drop(out);
+  g_.Drop(hn);
+  g_.Drop(var);
   return oc;
 }
 
@@ -942,11 +952,15 @@ Result<T> ModelRun::TransformersForward() {
     g_.Drop(x);
     x = xs;
   }
+  // The model's forward keeps inputs_embeds (and GPT-2's and OPT's position embeddings) as
+  // locals until it returns, after the final norm: where nothing saves them (a 16-bit model's
+  // RMSNorm saves its fp32 copy), they still hold memory through every layer.
+  T inputs_embeds = g_.Alias(x);
+  T position_embeds;
   if (fam_.learned_positions && position_embedding_.ok()) {
     // GPT-2 / OPT: inputs_embeds + position embeddings.
-    T pos = Embedding(g_, position_embedding_, tokens_, h, pdt_);
-    T xs = Add(g_, x, pos);
-    g_.Drop(pos);
+    position_embeds = Embedding(g_, position_embedding_, tokens_, h, pdt_);
+    T xs = Add(g_, x, position_embeds);
     g_.Drop(x);
     x = xs;
   }
@@ -1009,6 +1023,8 @@ Result<T> ModelRun::TransformersForward() {
   g_.SetWhere("final norm");
   T hn = final_norms_.empty() ? g_.Alias(x) : NormAny(final_norms_.back(), x);
   g_.Drop(x);
+  g_.Drop(inputs_embeds);
+  g_.Drop(position_embeds);
   g_.Drop(cos_);
   g_.Drop(sin_);
   g_.Drop(mask_);

@@ -293,7 +293,9 @@ class ModelRun {
   // x in fp32 times rsqrt(mean(x^2) + eps), the part every RMSNorm shares; x^2 as pow(2)
   // (Transformers: saves x) or as x * x (LitGPT: a Mul, which saves its inputs).
   enum class Square { kPow, kSelfMul };
-  T RmsNormalizedF32(const Norm& n, T x, Square square = Square::kPow);
+  // With `variance`, the mean of squares is returned there (a local the caller keeps) instead of
+  // dropped.
+  T RmsNormalizedF32(const Norm& n, T x, Square square = Square::kPow, T* variance = nullptr);
   T HfRmsNorm(const Norm& n, T x);
   T GemmaRmsNorm(const Norm& n, T x);
   T OlmoRmsNorm(const Norm& n, T x);

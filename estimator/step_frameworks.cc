@@ -222,14 +222,17 @@ T ModelRun::LitGptRmsNorm(const Norm& n, T x) {
   // litgpt/model.py RMSNorm.forward:
   //   x = x.float(); norm_x = torch.mean(x * x, dim=-1, keepdim=True)
   //   x_normed = x * torch.rsqrt(norm_x + eps); return (x_normed * weight.float()).to(dtype)
+  // norm_x and x_normed are locals until it returns.
   const DT in = g_.Dtype(x);
-  T xn = RmsNormalizedF32(n, x, Square::kSelfMul);
+  T var;
+  T xn = RmsNormalizedF32(n, x, Square::kSelfMul, &var);
   T wf = Cast(g_, n.w, DT::kF32);
   T y = Mul(g_, xn, wf);
-  g_.Drop(xn);
   g_.Drop(wf);
   T out = Cast(g_, y, in);
   g_.Drop(y);
+  g_.Drop(xn);
+  g_.Drop(var);
   return out;
 }
 

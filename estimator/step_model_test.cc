@@ -354,6 +354,20 @@ TEST_CASE("step model: decoder sequence and token classifiers, against their tra
   const StepModel ner = MustStep(config("tests/accuracy/trace_models/llama-3.2-1b-ner.json"), s);
   CHECK(ner.peak_bytes == 2'636'976'640);
   CHECK(ner.phases[loss].bytes == 2'578'809'344);
+  // In pure bf16 their forward peaks in the final norm's weight multiplication, with the norm's
+  // fp32 hidden_states and variance, and the model's inputs_embeds, still locals (the LM head
+  // peaks later, when they are gone).
+  TrainingSetup pure;
+  pure.precision = Precision::kBf16Pure;
+  pure.micro_batch = 4;
+  pure.seq_len = 512;
+  const auto forward = static_cast<size_t>(StepPhase::kForward);
+  CHECK(MustStep(config("tests/accuracy/trace_models/llama-3.2-1b-ner.json"), pure)
+            .phases[forward]
+            .bytes == 2'826'961'408);
+  CHECK(MustStep(config("tests/oracle/modern_configs/llama-3.1-8b-reward.json"), pure)
+            .phases[forward]
+            .bytes == 6'735'093'248);
 }
 
 TEST_CASE("step model: full-width q/k norms are the attention's, whatever their width") {
