@@ -171,8 +171,9 @@ Result<T> ModelRun::TorchtuneForward() {
   T x = Embedding(g_, embedding_, tokens_, h, pdt_);
   x = RunLayers(x);
   g_.SetWhere("final norm");
+  // forward's `h` (the last layer's output) stays alive while unembed normalizes it and runs
+  // the output projection: unembed rebinds its own `h`, and forward's goes when it returns.
   T hn = TorchtuneRmsNorm(final_norms_.back(), x);
-  g_.Drop(x);
   g_.SetWhere("output");
   const Lin head{head_, head_bias_, h, vocab, T{}, T{}};
   // The recipe's _loss_step: labels shifted (hstack with the ignore cache), the loss, del
@@ -195,6 +196,7 @@ Result<T> ModelRun::TorchtuneForward() {
     }
     g_.SetPhase(StepPhase::kLoss);  // the model's forward returns
     g_.Drop(hn);
+    g_.Drop(x);
     for (T lc : logits) {
       T up = Cast(g_, lc, DT::kF32);
       T l = CrossEntropy(g_, up, tokens_ / chunks, vocab);
@@ -205,10 +207,11 @@ Result<T> ModelRun::TorchtuneForward() {
   } else {
     // TransformerDecoder.unembed: self.output(h).float().
     T lg = Linear(g_, hn, head.w, head.b, h, vocab);
-    g_.Drop(hn);
     g_.SetPhase(StepPhase::kLoss);
     T up = Cast(g_, lg, DT::kF32);
     g_.Drop(lg);
+    g_.Drop(hn);
+    g_.Drop(x);
     loss = CrossEntropy(g_, up, tokens_, vocab);
     g_.Drop(up);
   }
