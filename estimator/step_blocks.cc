@@ -390,7 +390,15 @@ T ModelRun::TransformersEagerAttention(const QkvViews& t) {
   const Wide groups = heads / std::max<Wide>(kv, 1);
   T k2 = groups > 1 ? Copy(g_, k, g_.Numel(k) * groups) : g_.Alias(k);
   T v2 = groups > 1 ? Copy(g_, v, g_.Numel(v) * groups) : g_.Alias(v);
-  T scores = AutocastBmm(g_, "Matmul(qk)", g_.Alias(q), k2, batch_ * heads * seq_ * seq_);
+  T q32, k32;  // GPT-J's: under autocast the matmul casts them back to 16 bits
+  if (fam_.qk_fp32) {
+    q32 = Cast(g_, q, DT::kF32);
+    k32 = Cast(g_, k2, DT::kF32);
+    g_.Drop(k2);
+    k2 = g_.Alias(k32);
+  }
+  T scores = AutocastBmm(g_, "Matmul(qk)", q32.ok() ? g_.Alias(q32) : g_.Alias(q), k2,
+                         batch_ * heads * seq_ * seq_);
   T scaled = Scale(g_, scores);
   g_.Drop(scores);
   if (a_.attn_softcap > 0) {
@@ -415,6 +423,8 @@ T ModelRun::TransformersEagerAttention(const QkvViews& t) {
   T o = AutocastBmm(g_, "Matmul(pv)", dropped, v2, batch_ * heads * seq_ * d);
   out = Copy(g_, o);
   g_.Drop(o);
+  g_.Drop(q32);
+  g_.Drop(k32);
   return out;
 }
 

@@ -94,7 +94,10 @@ class ModelRun {
     bool learned_positions = false;
     bool query_scaled = false;    // OPT: q_proj(h) * scaling
     bool probs_to_value = false;  // GPT-2's eager: softmax(x).type(value.dtype)
-    double resid_dropout = 0;     // after attention and after the MLP
+    // GPT-J's _attn: query and key cast to fp32 (locals until it returns) before q @ k^T, the
+    // probabilities then cast to the value's dtype.
+    bool qk_fp32 = false;
+    double resid_dropout = 0;  // after attention and after the MLP
     double embedding_dropout = 0;
     bool embedding_scale = false;  // Gemma: embeddings * sqrt(hidden)
     // Granite's multipliers, each a multiplication by a Python float (1.0 included): the

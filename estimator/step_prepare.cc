@@ -485,7 +485,8 @@ void ModelRun::ChooseFamily() {
     fam_.norm = Family::NormKind::kRmsOlmo;
   }
   fam_.query_scaled = type == "opt";
-  fam_.probs_to_value = type == "gpt2";
+  fam_.probs_to_value = type == "gpt2" || type == "gptj";
+  fam_.qk_fp32 = type == "gptj";
   fam_.learned_positions = a_.learned_positions;
   if (type == "gpt2" || type == "opt" || type == "starcoder2" || type == "phi" || type == "gptj" ||
       type == "seed_oss") {
