@@ -185,6 +185,9 @@ class ModelRun {
     bool on = false;
     T5Stack encoder, decoder;
     T encoder_out;  // the encoder's last hidden state, the decoder's key_value_states
+    // The cross-attention's zero bias when it requires grad (checkpointing): a leaf, whose
+    // .grad lives as long as it does.
+    T cross_leaf;
   };
   bool T5ConditionalGeneration() const;
   Status PrepareT5(const AdapterMap& adapters);

@@ -279,7 +279,10 @@ T ModelRun::T5AttentionForward(T5Stack& st, const T5Attention& at, T h, bool cro
   T bias = cross ? st.cross_bias : st.bias;
   if (cross && !bias.ok()) {
     st.cross_bias = g_.New(heads * seq_ * seq_, g_.Dtype(q), false);
-    if (s_.checkpointing == Checkpointing::kFull) g_.SetRequiresGrad(st.cross_bias, true);
+    if (s_.checkpointing == Checkpointing::kFull) {
+      g_.SetRequiresGrad(st.cross_bias, true);
+      t5_.cross_leaf = st.cross_bias;
+    }
     bias = st.cross_bias;
   }
   const bool causal = st.decoder && !cross;
@@ -512,20 +515,28 @@ Result<T> ModelRun::T5Forward() {
   g_.Record(std::move(spec));
   g_.Drop(shifted);
   if (ckpt) g_.SetRequiresGrad(y, true);
-  T seq_out = T5RunStack(t5_.decoder, y);
-  if (a_.scale_decoder_output) {
-    T scaled = Scale(g_, seq_out);
-    g_.Drop(seq_out);
-    seq_out = scaled;
-  }
+  // Recorded before the decoder's ops, this hook runs after all their backward: the
+  // cross-attention bias (a leaf, made in decoder block 0) and its .grad are gone by then, not
+  // kept into the optimizer step.
+  t5_.cross_leaf = T{};
+  g_.RecordHook([this] {
+    if (!t5_.cross_leaf.ok()) return;
+    const int grad = g_.TakeGrad(t5_.cross_leaf);
+    if (grad >= 0) g_.Unref(grad);
+  });
+  // decoder_outputs (its last_hidden_state) and sequence_output (scaled when the embeddings are
+  // tied) are locals of the forward, which computes the loss.
+  T decoder_out = T5RunStack(t5_.decoder, y);
+  T seq_out = a_.scale_decoder_output ? Scale(g_, decoder_out) : g_.Alias(decoder_out);
   g_.SetWhere("lm_head");
   T logits = Linear(g_, seq_out, head_, head_bias_, h, vocab);
-  g_.Drop(seq_out);
   g_.SetPhase(StepPhase::kLoss);
   g_.SetWhere("loss");
   T loss = CrossEntropyLoss(g_, logits, tokens_, vocab);
   // The training loop keeps `.loss` only: the logits, the cache and the encoder's output go.
   g_.Drop(logits);
+  g_.Drop(seq_out);
+  g_.Drop(decoder_out);
   g_.Drop(t5_.encoder_out);
   t5_.encoder_out = T{};
   for (T c : cache_) g_.Drop(c);
