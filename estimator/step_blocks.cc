@@ -372,8 +372,13 @@ T ModelRun::TransformersSdpa(AttentionShape as, DT cdt, QkvViews* t) {
   g_.Drop(qc);
   g_.Drop(kc);
   g_.Drop(vc);
-  if (backend == SdpaBackend::kMath) {
-    T o2 = Copy(g_, out);  // transpose(1, 2).contiguous()
+  // transpose(1, 2).contiguous() copies unless the output is laid out batch x seq x heads x d:
+  // the math composite's never is; flash's follows the query's layout, which a partial rotation
+  // (torch.cat of the rotated and passed parts) makes heads-major.
+  const bool partial_rotary =
+      fam_.rotary && fam_.rotary_dims > 0 && fam_.rotary_dims < static_cast<Wide>(a_.head_dim);
+  if (backend == SdpaBackend::kMath || (backend == SdpaBackend::kFlash && partial_rotary)) {
+    T o2 = Copy(g_, out);
     g_.Drop(out);
     out = o2;
   }

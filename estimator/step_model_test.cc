@@ -429,6 +429,19 @@ TEST_CASE("step model: Falcon's FalconLinear and ALiBi locals, against its trace
                                                               4'092'610'560, 4'083'172'352});
 }
 
+TEST_CASE("step model: flash attention's output follows the query's layout") {
+  // A partial rotation cats the rotated and passed parts of each head, so the query is laid out
+  // heads-major, flash attention's output too, and sdpa_attention_forward's
+  // transpose(1, 2).contiguous() copies it (a no-op after a full rotation). Pythia and Phi-2
+  // were one such copy a layer short in every phase.
+  TrainingSetup s;
+  s.precision = Precision::kBf16Pure;
+  s.micro_batch = 2;
+  s.seq_len = 512;
+  CHECK(PhasePeaks(MustStep(WithLayers("pythia-160m", 2), s))[0] == 713'876'480);
+  CHECK(PhasePeaks(MustStep(Modern("phi-2"), s))[0] == 2'935'094'272);
+}
+
 TEST_CASE("step model: GPT-J's eager attention computes its scores in fp32") {
   // GPTJAttention._attn casts query and key to fp32 (locals until it returns) before q @ k^T.
   // The grid's pure-bf16 point (L2, b2s512): the forward was 0.91% short without them, 0.02%
