@@ -140,6 +140,17 @@ TEST_CASE("step model: LitGPT LoRA under Fabric's bf16-mixed, against its trace"
   CHECK(PhasePeaks(MustStep(llama, s)) == PhasePeaks(m));
   s.lora_targets = {"query", "key", "value"};
   CHECK(MustStep(llama, s).peak_bytes < m.peak_bytes);
+  // The full fine-tune in pure bf16, every phase to the byte: LitGPT's query is a torch.cat, so
+  // flash attention's output is laid out heads-major and y.transpose(1, 2).reshape copies it
+  // (16 MiB short in the forward without that copy).
+  TrainingSetup pure;
+  pure.framework = Framework::kLitGpt;
+  pure.precision = Precision::kBf16Pure;
+  pure.micro_batch = 1;
+  pure.seq_len = 1024;
+  CHECK(PhasePeaks(MustStep(llama, pure)) ==
+        std::array<uint64_t, kStepPhases>{4'584'486'912, 4'780'967'936, 5'353'292'800,
+                                          6'678'732'800});
 }
 
 // llm-foundry's MPT-1B shape (scripts/train/yamls/pretrain/mpt-1b.yaml; the grid's
