@@ -433,6 +433,22 @@ T ModelRun::TransformersEagerAttention(const QkvViews& t) {
   return out;
 }
 
+// create_sliding_window_causal_mask: with no padding SDPA may still skip the mask while the keys
+// fit in the window (_ignore_causal_mask_sdpa), not once they reach it.
+bool ModelRun::SlidingMasked(int layer) const {
+  const auto& sliding = a_.sliding_layers;
+  const auto i = static_cast<size_t>(layer);
+  return a_.sliding_window > 0 && i < sliding.size() && sliding[i] &&
+         seq_ >= static_cast<Wide>(a_.sliding_window);
+}
+
+bool ModelRun::AnySlidingMasked() const {
+  for (int64_t i = 0; i < a_.layers; ++i) {
+    if (SlidingMasked(static_cast<int>(i))) return true;
+  }
+  return false;
+}
+
 T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
   if (fam_.gpt_oss) return GptOssAttention(layer, bp, h);
   if (fam_.bloom_attention) return BloomAttention(bp, h);
@@ -442,9 +458,13 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
   QkvViews t = TransformersQkv(layer, bp, h);
   AttentionShape as = SelfAttentionShape(heads, kv, d);
   as.dropout = a_.attention_dropout;
+  // A sliding-window layer's SDPA takes the mask (the model's other layers may run causal).
+  const bool model_mask = explicit_mask_;
+  explicit_mask_ = explicit_mask_ || SlidingMasked(layer);
   as.mask = explicit_mask_;
   const DT cdt = autocast_ ? adt_ : g_.Dtype(t.q);
   T out = s_.flash_attention ? TransformersSdpa(as, cdt, &t) : TransformersEagerAttention(t);
+  explicit_mask_ = model_mask;
   g_.Drop(t.q);
   g_.Drop(t.k);
   g_.Drop(t.v);
@@ -935,7 +955,10 @@ Result<T> ModelRun::TransformersForward() {
   if (fam_.gpt_oss) MEMPLAN_RETURN_IF_ERROR(CheckGptOss());
   const bool ckpt = s_.checkpointing == Checkpointing::kFull;
   use_cache_ = a_.use_cache && !ckpt;
-  explicit_mask_ = ckpt && s_.flash_attention;
+  // No padding, so create_causal_mask lets SDPA run causal with no mask, checkpointed or not
+  // (memplan.trace's _unpacked_position_ids: traced on fake tensors, Transformers took every
+  // cacheless step for packed sequences and made one).
+  explicit_mask_ = false;
   const Wide h = static_cast<Wide>(a_.hidden);
   g_.SetWhere("embedding");
   T x = Embedding(g_, embedding_, tokens_, h, pdt_);
@@ -1029,7 +1052,7 @@ Result<T> ModelRun::TransformersForward() {
     alibi_ = g_.New(batch_ * static_cast<Wide>(a_.heads) * seq_, g_.Dtype(x), false);
     explicit_mask_ = true;
     mask_ = g_.New(batch_ * static_cast<Wide>(a_.heads) * seq_ * seq_, g_.Dtype(x), false);
-  } else if (!s_.flash_attention || explicit_mask_ || fam_.bloom_attention) {
+  } else if (!s_.flash_attention || explicit_mask_ || fam_.bloom_attention || AnySlidingMasked()) {
     // The causal mask: boolean for SDPA, additive in the hidden states' dtype for eager.
     const bool boolean = s_.flash_attention && !fam_.bloom_attention;
     mask_ = g_.New(batch_ * seq_ * seq_, boolean ? DT::kBool : g_.Dtype(x), false);

@@ -210,6 +210,8 @@ class ModelRun {
   // residual + branch, the branch scaled first where the family says (Granite).
   T ResidualAdd(T residual, T branch);
   T TransformersAttention(int layer, const BlockParams& bp, T h);
+  bool SlidingMasked(int layer) const;  // the layer's SDPA gets a sliding-window mask
+  bool AnySlidingMasked() const;
   struct QkvViews {
     T q, k, v;
   };

@@ -303,6 +303,14 @@ class Adapters(unittest.TestCase):
         self.assertEqual(start["temporaries"], 0)
 
 
+    def test_a_checkpointed_step_has_no_packed_sequence_mask(self):
+        # With gradient checkpointing there is no cache, and Transformers looks for packed
+        # sequences in the position ids; on fake tensors its is_tracing() answered "packed" and
+        # made a mask (the memory-efficient kernel, repeated keys and values). Real arange
+        # positions give none, and SDPA runs causal: flash on an A100.
+        result = self.run_setup(model="llama-3.2-1b", checkpointing="full")
+        self.assertEqual(set(result["sdpa_backends"]), {"flash"})
+
     def test_a_classifiers_loss_phase_starts_at_its_head(self):
         # The loss phase starts when the output head's forward ends: for a token classifier its
         # classifier Linear, so the cross entropy the model's forward computes is in the loss

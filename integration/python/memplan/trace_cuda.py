@@ -711,11 +711,37 @@ class CudaSemantics:
             cp._checkpoint_without_reentrant_generator_impl = original_impl
             cp.CheckpointFunction.backward = staticmethod(original_backward)
         self._stack.callback(restore)
+        self._stack.enter_context(_unpacked_position_ids())
         return self
 
     def __exit__(self, *exc):
         stack, self._stack = self._stack, None
         return stack.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _unpacked_position_ids():
+    """Transformers' masks look for packed sequences in the position ids when there is no
+    attention mask and no cache (gradient checkpointing, or use_cache false):
+    masking_utils.find_packed_sequence_indices. On real tensors the traced batches' positions (an
+    arange per sequence) give None, and SDPA runs causal with no mask. On fake tensors the values
+    cannot be read, and its is_tracing() check (which counts a FakeTensor as tracing) answers
+    "packed": a materialized mask, the memory-efficient kernel and repeated keys and values that
+    the GPU run does not have. The traced batches are never packed, so the answer is None."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 @contextlib.contextmanager
