@@ -323,7 +323,7 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
 }
 
 // sdpa_attention_forward: the backend SDPA picks, grouped k/v repeated when a mask is explicit
-// (replacing t->k and t->v with their copies), the mask made per call.
+// (as.mask; replacing t->k and t->v with their copies), the mask made per call.
 T ModelRun::TransformersSdpa(AttentionShape as, DT cdt, QkvViews* t) {
   const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
   const T q = t->q;
@@ -335,7 +335,7 @@ T ModelRun::TransformersSdpa(AttentionShape as, DT cdt, QkvViews* t) {
   const bool half = Half(cdt);
   if (!half) {
     backend = SdpaBackend::kEfficient;
-  } else if (explicit_mask_) {
+  } else if (as.mask) {
     backend = sm >= 80 || cdt == DT::kF16 ? SdpaBackend::kEfficient : SdpaBackend::kMath;
   } else if (sm >= 90 && sm < 110) {
     backend = SdpaBackend::kCudnn;
@@ -349,7 +349,7 @@ T ModelRun::TransformersSdpa(AttentionShape as, DT cdt, QkvViews* t) {
   }
   // sdpa_attention_forward: grouped keys and values go to SDPA as they are (enable_gqa) when
   // there is no mask (use_gqa_in_sdpa); otherwise repeat_kv copies them to every head.
-  if (kv != heads && explicit_mask_) {
+  if (kv != heads && as.mask) {
     T k2 = Copy(g_, k, g_.Numel(k) * (heads / kv));
     g_.Drop(k);
     k = k2;
@@ -363,7 +363,7 @@ T ModelRun::TransformersSdpa(AttentionShape as, DT cdt, QkvViews* t) {
   if (fam_.falcon_alibi) {
     // The float ALiBi mask, cast by SDPA's autocast kernel (a copy per call under autocast).
     mask = AutocastIn(g_, mask_);
-  } else if (explicit_mask_ && backend != SdpaBackend::kFlash) {
+  } else if (as.mask && backend != SdpaBackend::kFlash) {
     // The boolean mask made additive in the query's dtype for the fused kernel, per call.
     mask = g_.New(batch_ * seq_ * seq_, cdt, false);
   }
@@ -372,17 +372,23 @@ T ModelRun::TransformersSdpa(AttentionShape as, DT cdt, QkvViews* t) {
   g_.Drop(qc);
   g_.Drop(kc);
   g_.Drop(vc);
-  // transpose(1, 2).contiguous() copies unless the output is laid out batch x seq x heads x d:
-  // the math composite's never is; flash's follows the query's layout, which a partial rotation
-  // (torch.cat of the rotated and passed parts) makes heads-major.
+  // A partial rotation cats the rotated and passed parts of each head: the query is
+  // heads-major.
   const bool partial_rotary =
       fam_.rotary && fam_.rotary_dims > 0 && fam_.rotary_dims < static_cast<Wide>(a_.head_dim);
-  if (backend == SdpaBackend::kMath || (backend == SdpaBackend::kFlash && partial_rotary)) {
-    T o2 = Copy(g_, out);
-    g_.Drop(out);
-    out = o2;
+  return SeqMajor(out, backend, partial_rotary);
+}
+
+T ModelRun::SeqMajor(T out, SdpaBackend backend, bool heads_major_query) {
+  // transpose(1, 2) then contiguous() or reshape() copies unless the output is laid out
+  // batch x seq x heads x d: the math composite's never is; flash attention's follows the
+  // query's layout.
+  if (backend != SdpaBackend::kMath && !(backend == SdpaBackend::kFlash && heads_major_query)) {
+    return out;
   }
-  return out;
+  T copy = Copy(g_, out);
+  g_.Drop(out);
+  return copy;
 }
 
 T ModelRun::TransformersEagerAttention(const QkvViews& t) {
@@ -459,12 +465,9 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
   AttentionShape as = SelfAttentionShape(heads, kv, d);
   as.dropout = a_.attention_dropout;
   // A sliding-window layer's SDPA takes the mask (the model's other layers may run causal).
-  const bool model_mask = explicit_mask_;
-  explicit_mask_ = explicit_mask_ || SlidingMasked(layer);
-  as.mask = explicit_mask_;
+  as.mask = explicit_mask_ || SlidingMasked(layer);
   const DT cdt = autocast_ ? adt_ : g_.Dtype(t.q);
   T out = s_.flash_attention ? TransformersSdpa(as, cdt, &t) : TransformersEagerAttention(t);
-  explicit_mask_ = model_mask;
   g_.Drop(t.q);
   g_.Drop(t.k);
   g_.Drop(t.v);

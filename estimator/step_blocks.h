@@ -217,6 +217,9 @@ class ModelRun {
   };
   QkvViews TransformersQkv(int layer, const BlockParams& bp, T h);
   T TransformersSdpa(AttentionShape as, DT cdt, QkvViews* t);
+  // The attention output as transpose(1, 2) leaves it, made batch x seq x heads x d (a copy
+  // where its layout is heads-major).
+  T SeqMajor(T out, SdpaBackend backend, bool heads_major_query);
   T TransformersEagerAttention(const QkvViews& t);
   T TransformersMlp(const BlockParams& bp, T h);
   T BloomAttention(const BlockParams& bp, T h);

@@ -315,13 +315,8 @@ T ModelRun::LitGptBlock(int layer, T x) {
   g_.Drop(qc);
   g_.Drop(kc);
   g_.Drop(vc);
-  if (backend == SdpaBackend::kFlash || backend == SdpaBackend::kMath) {
-    // y.transpose(1, 2).reshape(B, T, -1) copies: the query (a torch.cat) is laid out
-    // heads-major, and flash attention's output follows it (the math composite's always is).
-    T y2 = Copy(g_, y);
-    g_.Drop(y);
-    y = y2;
-  }
+  // y.transpose(1, 2).reshape(B, T, -1): the query, a torch.cat, is heads-major.
+  y = SeqMajor(y, backend, /*heads_major_query=*/true);
   T att = LitGptLinear(bp.at(TensorRole::kAttentionOut), y, false);
   g_.Drop(y);
   auto mlp = [&](T hin) {
