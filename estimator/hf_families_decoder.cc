@@ -1,7 +1,7 @@
 // The decoder-only families as tables for the one builder of hf_family.h: gpt2, gpt_neox, llama,
 // mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, gemma, gemma2, gemma3_text, olmo2,
 // olmo3, olmoe, hunyuan_v1_dense, glm, glm4, ministral, smollm3, granite, seed_oss, starcoder2,
-// phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon, bloom, gptj, opt, mpt.
+// phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon, bloom, gptj, opt, mpt, gpt_bigcode.
 //
 // Note [Names and order]
 // Each table lists the parameters of the class Transformers (5.x) builds for the config, named and
@@ -791,6 +791,58 @@ constexpr Part kGpt2Layer[] = {
     Conv1D("mlp.c_fc", W::kHidden, W::kFfn).As(R::kMlpUp),
     Conv1D("mlp.c_proj", W::kFfn, W::kHidden).As(R::kMlpDown),
 };
+// --- gpt_bigcode (StarCoder, SantaCoder) ---
+
+// GPTBigCodeConfig's attribute_map spells the sizes as GPT-2 does; its defaults describe no
+// published model, so the sizes are required (Note [Required size fields]).
+constexpr DimField kGptBigcodeDims[] = {
+    Required(Dim::kHidden, "n_embd", "hidden_size"),
+    Required(Dim::kLayers, "n_layer", "num_hidden_layers"),
+    Required(Dim::kHeads, "n_head", "num_attention_heads"),
+    SameAs(Dim::kKvHeads, "", Dim::kHeads),
+    Quotient(Dim::kHeadDim, "", Dim::kHidden, Dim::kHeads),
+    Multiple(Dim::kIntermediate, "n_inner", 4, Dim::kHidden),
+    Required(Dim::kVocab, "vocab_size"),
+    Default(Dim::kPositions, "n_positions", 1024, "max_position_embeddings"),
+};
+constexpr FlagField kGptBigcodeFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", true},
+    {Flag::kMultiQuery, "multi_query", true},
+    {Flag::kCrossAttention, "add_cross_attention", false},
+};
+// GPTBigCodeAttention: one key/value head with multi_query (the default), else one per head;
+// hidden_size must split into whole heads. Cross-attention (an encoder-decoder use) is refused.
+Status AdjustGptBigcode(const ConfigReader& config, Values* v) {
+  if (v->Get(Dim::kHidden) % v->Get(Dim::kHeads) != 0) {
+    return config.FieldError("n_head", std::to_string(v->Get(Dim::kHeads)) +
+                                           " does not divide n_embd " +
+                                           std::to_string(v->Get(Dim::kHidden)));
+  }
+  if (v->Is(Flag::kCrossAttention)) {
+    return config.FieldError("add_cross_attention",
+                             "cross-attention layers are not supported for gpt_bigcode");
+  }
+  v->Set(Dim::kKvHeads, v->Is(Flag::kMultiQuery) ? 1 : v->Get(Dim::kHeads));
+  return Status::Ok();
+}
+constexpr HeadSpec kGptBigcodeHeads[] = {
+    {HeadKind::kSequence, "ForSequenceClassification", "transformer", kScore},
+    {HeadKind::kToken, "ForTokenClassification", "transformer", kClassifierHead},
+};
+constexpr Part kGptBigcodeLayer[] = {
+    Norm("ln_1", W::kHidden, kYes),
+    Linear("attn.c_attn", W::kHidden, W::kQkv, kYes).As(R::kAttentionQkv),
+    Linear("attn.c_proj", W::kHidden, W::kHidden, kYes).As(R::kAttentionOut),
+    Norm("ln_2", W::kHidden, kYes),
+    Linear("mlp.c_fc", W::kHidden, W::kFfn, kYes).As(R::kMlpUp),
+    Linear("mlp.c_proj", W::kFfn, W::kHidden, kYes).As(R::kMlpDown),
+};
+// ln_f, then GPTBigCodeModel's non-persistent causal `bias`: a bool max_positions^2 table.
+constexpr Part kGptBigcodeAfter[] = {
+    Norm("ln_f", W::kHidden, kYes),
+    MaskBuffer("bias", W::kPositions, W::kPositions),
+};
+
 // --- gpt_neox ---
 
 constexpr DimField kGptNeoxDims[] = {
@@ -982,6 +1034,15 @@ constexpr FamilySpec kFamilies[] = {
      .attention_dropout_field = "attn_pdrop", .attention_dropout_default = 0.1,
      .hidden_dropout_field = "resid_pdrop", .hidden_dropout_default = 0.1,
      .embedding_dropout_field = "embd_pdrop", .embedding_dropout_default = 0.1, .rotary = false},
+    {.model_type = "gpt_bigcode", .class_prefix = "GPTBigCode", .no_split_class = "GPTBigCodeBlock",
+     .prefix = "transformer", .dims = kGptBigcodeDims, .flags = kGptBigcodeFlags,
+     .adjust = &AdjustGptBigcode, .before = kGpt2Before, .layers = "h", .layer = kGptBigcodeLayer,
+     .after = kGptBigcodeAfter, .tied_embedding = "wte.weight", .heads = kGptBigcodeHeads,
+     .gated_mlp = false, .learned_positions = true, .act_field = "activation_function",
+     .act_default = "gelu_pytorch_tanh", .attention_dropout_field = "attn_pdrop",
+     .attention_dropout_default = 0.1, .hidden_dropout_field = "resid_pdrop",
+     .hidden_dropout_default = 0.1, .embedding_dropout_field = "embd_pdrop",
+     .embedding_dropout_default = 0.1, .rotary = false},
     {.model_type = "gpt_neox", .class_prefix = "GPTNeoX", .no_split_class = "GPTNeoXLayer",
      .prefix = "gpt_neox", .dims = kGptNeoxDims, .flags = kGptNeoxFlags, .before = kGptNeoxBefore,
      .layer = kGptNeoxLayer, .after = kGptNeoxAfter,
@@ -1133,7 +1194,7 @@ constexpr const FamilySpec* kFamilyList[] = {
     &kFamilies[12], &kFamilies[13], &kFamilies[14], &kFamilies[15], &kFamilies[16], &kFamilies[17],
     &kFamilies[18], &kFamilies[19], &kFamilies[20], &kFamilies[21], &kFamilies[22], &kFamilies[23],
     &kFamilies[24], &kFamilies[25], &kFamilies[26], &kFamilies[27], &kFamilies[28], &kFamilies[29],
-    &kFamilies[30], &kFamilies[31], &kFamilies[32],
+    &kFamilies[30], &kFamilies[31], &kFamilies[32], &kFamilies[33],
 };
 static_assert(std::size(kFamilyList) == std::size(kFamilies));
 

@@ -466,6 +466,48 @@ TEST_CASE("decoder: SmolLM3's NoPE layers and its sliding windows, as SmolLM3Con
   CHECK(Contains(BuildError(smol), "'no_rope_layer_interval'"));
 }
 
+TEST_CASE("decoder: gpt_bigcode (StarCoder) as GPTBigCodeConfig builds it") {
+  // bigcode/starcoderbase-1b's sizes; 1,137,207,296 is what Transformers 5 builds from its
+  // config.json (tests/oracle/modern_configs/starcoderbase-1b.json, checked by oracle_modern).
+  nlohmann::json config = {{"model_type", "gpt_bigcode"},
+                           {"architectures", {"GPTBigCodeForCausalLM"}},
+                           {"n_embd", 2048},
+                           {"n_head", 16},
+                           {"n_inner", 8192},
+                           {"n_layer", 24},
+                           {"n_positions", 8192},
+                           {"vocab_size", 49152}};
+  const ModelInventory mq = MustBuild(config);
+  CHECK(Total(mq) == 1'137'207'296);
+  // multi_query (the default): one key/value head, so c_attn is 2048 + 2 x 128 wide.
+  CHECK(Tensor(mq, "transformer.h.0.attn.c_attn.weight").shape == Shape{2304, 2048});
+  CHECK(Tensor(mq, "transformer.h.0.attn.c_attn.bias").shape == Shape{2304});
+  CHECK(mq.tensors.back().tied_to == "transformer.wte.weight");  // the head is tied by default
+  // The non-persistent causal table: n_positions^2 bools, a byte each (Accelerate counts a bit).
+  REQUIRE(mq.buffers.size() == 1);
+  CHECK(mq.buffers[0].name == "transformer.bias");
+  CHECK(mq.buffers[0].dtype == DType::kBool);
+  CHECK(mq.buffers[0].numel == 8192 * 8192);
+  CHECK(Counts(mq).accelerate_total_bytes == 1'137'207'296ull * 4 + 8192ull * 8192 / 8);
+
+  config["multi_query"] = false;
+  config["tie_word_embeddings"] = false;
+  const ModelInventory mha = MustBuild(config);
+  CHECK(Tensor(mha, "transformer.h.0.attn.c_attn.weight").shape == Shape{6144, 2048});
+  CHECK(Tensor(mha, "lm_head.weight").shape == Shape{49152, 2048});
+  CHECK(Total(mha) == 1'137'207'296 + 24ull * (6144 - 2304) * 2049 + 49152ull * 2048);
+
+  config.erase("n_inner");  // None: 4 x n_embd
+  CHECK(Tensor(MustBuild(config), "transformer.h.0.mlp.c_fc.weight").shape == Shape{8192, 2048});
+  config["add_cross_attention"] = true;
+  CHECK(Contains(BuildError(config), "'add_cross_attention'"));
+  config.erase("add_cross_attention");
+  config["n_head"] = 15;
+  CHECK(Contains(BuildError(config), "'n_head'"));
+  config.erase("n_embd");
+  CHECK(Contains(BuildError(config), "'n_embd'"));
+}
+
 TEST_CASE("decoder: errors name the field at fault") {
   nlohmann::json llama = FixtureJson("llama-2-7b");
 

@@ -305,6 +305,7 @@ void EmitPart(const Part& p, const std::string& prefix, int64_t expert, const Va
       break;
     case Kind::kBuffer: sink->Buffer("", Shape(p, v)); break;
     case Kind::kIdsBuffer: sink->Buffer("", Shape(p, v), DType::kI64); break;
+    case Kind::kMaskBuffer: sink->Buffer("", Shape(p, v), DType::kBool); break;
     case Kind::kConv2d: {
       const int64_t patch = v.Get(Dim::kPatchSize);
       sink->Param(".weight", {Width(p.b, v), Width(p.a, v), patch, patch},

@@ -228,15 +228,16 @@ enum class W : uint8_t {
 };
 
 enum class Kind : uint8_t {
-  kLinear,     // nn.Linear(a -> b): weight [b, a], bias [b] when `bias` holds
-  kConv1D,     // transformers' Conv1D(a -> b), GPT-2's: weight stored [a, b], always a bias
-  kEmbedding,  // nn.Embedding(a rows, b cols): weight [a, b]
-  kNorm,       // weight [a], bias [a] when `bias` holds (RMSNorm: bias never)
-  kParam,      // a bare nn.Parameter named `name`, shape [a] / [a, b] / [a, b, c]; a bias
-               // of its module when `bias` holds (BiasParam)
-  kBuffer,     // a buffer (fp32), shape as kParam
-  kIdsBuffer,  // an int64 buffer (position ids), shape as kParam
-  kConv2d,     // nn.Conv2d(a channels -> b, kernel = stride = the patch): weight [b, a, p, p]
+  kLinear,      // nn.Linear(a -> b): weight [b, a], bias [b] when `bias` holds
+  kConv1D,      // transformers' Conv1D(a -> b), GPT-2's: weight stored [a, b], always a bias
+  kEmbedding,   // nn.Embedding(a rows, b cols): weight [a, b]
+  kNorm,        // weight [a], bias [a] when `bias` holds (RMSNorm: bias never)
+  kParam,       // a bare nn.Parameter named `name`, shape [a] / [a, b] / [a, b, c]; a bias
+                // of its module when `bias` holds (BiasParam)
+  kBuffer,      // a buffer (fp32), shape as kParam
+  kIdsBuffer,   // an int64 buffer (position ids), shape as kParam
+  kMaskBuffer,  // a bool buffer (GPT-BigCode's causal `bias`), shape as kParam
+  kConv2d,      // nn.Conv2d(a channels -> b, kernel = stride = the patch): weight [b, a, p, p]
   kRotaryPerLayerType,  // Gemma-3: inv_freq and original_inv_freq per attention type present
   kPerExpert,  // the next `group` parts repeat once per expert, "{e}" replaced by its index
   kInclude,    // the parts of `include`, in order (shared sub-lists: one attention, one MLP)
@@ -292,6 +293,9 @@ constexpr Part Buffer(std::string_view n, W a, W b = W::kNone, Cond when = kYes)
 }
 constexpr Part IdsBuffer(std::string_view n, W a, W b = W::kNone) {
   return {Kind::kIdsBuffer, n, a, b, W::kNone, kNo, kYes};
+}
+constexpr Part MaskBuffer(std::string_view n, W a, W b = W::kNone) {
+  return {Kind::kMaskBuffer, n, a, b, W::kNone, kNo, kYes};
 }
 constexpr Part PatchConv(std::string_view n, W in, W out, Cond bias) {
   return {Kind::kConv2d, n, in, out, W::kNone, bias, kYes};

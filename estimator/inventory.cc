@@ -448,14 +448,15 @@ namespace {
 // directly by a module that also has submodules, like BERT's cls.predictions.bias, is never
 // compared). A tensor of the root itself is its own layer. Ties go to the layer visited first.
 uint64_t AccelerateBytes(const TensorInfo& t) {
-  // create_empty_model builds in fp32; integer tensors keep their own type.
+  // create_empty_model builds in fp32; integer tensors keep their own type. Accelerate's
+  // dtype_byte_size counts a bool as one bit (GPT-BigCode's causal table), though it takes a byte.
   switch (t.dtype) {
+    case DType::kBool: return (t.numel + 7) / 8;
     case DType::kI64:
     case DType::kI32:
     case DType::kI16:
     case DType::kI8:
-    case DType::kU8:
-    case DType::kBool: return t.numel * static_cast<uint64_t>(DTypeBits(t.dtype) / 8);
+    case DType::kU8: return t.numel * static_cast<uint64_t>(DTypeBits(t.dtype) / 8);
     default: return t.numel * 4;
   }
 }

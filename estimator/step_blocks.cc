@@ -349,6 +349,9 @@ T ModelRun::TransformersSdpa(AttentionShape as, DT cdt, QkvViews* t) {
   }
   // sdpa_attention_forward: grouped keys and values go to SDPA as they are (enable_gqa) when
   // there is no mask (use_gqa_in_sdpa); otherwise repeat_kv copies them to every head.
+  // With one key/value head repeat_kv's result is a view (RepeatKv); SDPA's kernels then take
+  // every head's keys and values as memory of their own, so the copy is made either way (the
+  // traced Gemma-3 points say so).
   if (kv != heads && as.mask) {
     T k2 = Copy(g_, k, g_.Numel(k) * (heads / kv));
     g_.Drop(k);
@@ -391,16 +394,26 @@ T ModelRun::SeqMajor(T out, SdpaBackend backend, bool heads_major_query) {
   return copy;
 }
 
-T ModelRun::TransformersEagerAttention(const QkvViews& t) {
+T ModelRun::RepeatKv(T x) {
+  // repeat_kv: x[:, :, None].expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d). The
+  // reshape copies unless there is one key/value head (multi-query: GPT-BigCode, Falcon-7B),
+  // whose size-1 dimension merges with the expanded one into a view.
   const Wide heads = static_cast<Wide>(a_.heads), kv = static_cast<Wide>(a_.kv_heads);
+  if (kv == heads || kv <= 1) return x;
+  T copy = Copy(g_, x, g_.Numel(x) * (heads / kv));
+  g_.Drop(x);
+  return copy;
+}
+
+T ModelRun::TransformersEagerAttention(const QkvViews& t) {
+  const Wide heads = static_cast<Wide>(a_.heads);
   const Wide d = static_cast<Wide>(a_.head_dim);
   const T q = t.q, k = t.k, v = t.v;
   T out;
   // eager_attention_forward: repeat_kv, q @ k^T * scaling, + mask, softmax (fp32), cast back,
   // dropout, @ v, transpose(1, 2).contiguous().
-  const Wide groups = heads / std::max<Wide>(kv, 1);
-  T k2 = groups > 1 ? Copy(g_, k, g_.Numel(k) * groups) : g_.Alias(k);
-  T v2 = groups > 1 ? Copy(g_, v, g_.Numel(v) * groups) : g_.Alias(v);
+  T k2 = RepeatKv(g_.Alias(k));
+  T v2 = RepeatKv(g_.Alias(v));
   T q32, k32;  // GPT-J's: under autocast the matmul casts them back to 16 bits
   if (fam_.qk_fp32) {
     q32 = Cast(g_, q, DT::kF32);

@@ -220,6 +220,8 @@ class ModelRun {
   // The attention output as transpose(1, 2) leaves it, made batch x seq x heads x d (a copy
   // where its layout is heads-major).
   T SeqMajor(T out, SdpaBackend backend, bool heads_major_query);
+  // repeat_kv's result from `x` (dropped): x itself where the reshape is a view, else a copy.
+  T RepeatKv(T x);
   T TransformersEagerAttention(const QkvViews& t);
   T TransformersMlp(const BlockParams& bp, T h);
   T BloomAttention(const BlockParams& bp, T h);

@@ -489,7 +489,7 @@ void ModelRun::ChooseFamily() {
   fam_.qk_fp32 = type == "gptj";
   fam_.learned_positions = a_.learned_positions;
   if (type == "gpt2" || type == "opt" || type == "starcoder2" || type == "phi" || type == "gptj" ||
-      type == "seed_oss") {
+      type == "seed_oss" || type == "gpt_bigcode") {
     fam_.resid_dropout = a_.hidden_dropout;
   }
   if (type != "opt") fam_.embedding_dropout = a_.embedding_dropout;
@@ -592,8 +592,13 @@ void ModelRun::CountModelStates(const std::vector<Wide>& adapter_bytes) {
     for (const TensorInfo& b : inv_.buffers) {
       const bool floating =
           b.dtype == DType::kF32 || b.dtype == DType::kF16 || b.dtype == DType::kBF16;
-      buffer_bytes_ +=
-          Rounded(b.numel, floating ? pdt_ : (b.dtype == DType::kI64 ? DT::kI64 : DT::kF32));
+      // model.to(dtype) casts floating buffers only: position ids stay int64, GPT-BigCode's
+      // causal table bool.
+      const DT dt = floating                  ? pdt_
+                    : b.dtype == DType::kI64  ? DT::kI64
+                    : b.dtype == DType::kBool ? DT::kBool
+                                              : DT::kF32;
+      buffer_bytes_ += Rounded(b.numel, dt);
     }
   }
   // torch.optim keeps states in each parameter's dtype: AdamW's exp_avg and exp_avg_sq, SGD's

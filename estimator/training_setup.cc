@@ -317,6 +317,7 @@ std::vector<std::string> DefaultLoraTargets(std::string_view model_type) {
       {"starcoder2", {"q_proj", "v_proj"}},
       {"qwen2_moe", {"q_proj", "v_proj"}},
       {"qwen3_moe", {"q_proj", "v_proj"}},
+      {"gpt_bigcode", {"c_attn"}},
   };
   auto it = kDefaults->find(model_type);
   return it == kDefaults->end() ? std::vector<std::string>{} : it->second;
