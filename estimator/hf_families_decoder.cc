@@ -1,7 +1,8 @@
 // The decoder-only families as tables for the one builder of hf_family.h: gpt2, gpt_neox, llama,
 // mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, gemma, gemma2, gemma3_text, olmo2,
 // olmo3, olmoe, hunyuan_v1_dense, glm, glm4, ministral, smollm3, granite, seed_oss, starcoder2,
-// phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon, bloom, gptj, opt, mpt, gpt_bigcode.
+// phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon, bloom, gptj, opt, mpt, stablelm,
+// gpt_bigcode.
 //
 // Note [Names and order]
 // Each table lists the parameters of the class Transformers (5.x) builds for the config, named and
@@ -791,6 +792,44 @@ constexpr Part kGpt2Layer[] = {
     Conv1D("mlp.c_fc", W::kHidden, W::kFfn).As(R::kMlpUp),
     Conv1D("mlp.c_proj", W::kFfn, W::kHidden).As(R::kMlpDown),
 };
+// --- stablelm ---
+
+// StableLmConfig: num_key_value_heads defaults to 32 whatever the heads (the class's default).
+constexpr DimField kStableLmCore[] = {
+    Required(Dim::kHidden, "hidden_size"),
+    Required(Dim::kLayers, "num_hidden_layers"),
+    Required(Dim::kHeads, "num_attention_heads"),
+    Default(Dim::kKvHeads, "num_key_value_heads", 32),
+    Required(Dim::kIntermediate, "intermediate_size"),
+    Required(Dim::kVocab, "vocab_size"),
+};
+constexpr DimField kStableLmDims[] = {
+    Quotient(Dim::kHeadDim, "", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 4096),
+};
+constexpr FlagField kStableLmFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kQkvBias, "use_qkv_bias", false},
+    {Flag::kPerHeadQkNorm, "qk_layernorm", false},
+    {Flag::kParallelAttn, "use_parallel_residual", false},
+};
+// StableLmDecoderLayer: the attention (q/k/v with use_qkv_bias, o without; with qk_layernorm
+// a StableLmLayerNormPerHead of one bias-free LayerNorm per query head, then per key/value
+// head), the MLP, input_layernorm, and post_attention_layernorm unless the residual is parallel.
+constexpr Part kStableLmLayer[] = {
+    Linear("self_attn.q_proj", W::kHidden, W::kQ, If(Flag::kQkvBias)).As(R::kAttentionQ),
+    Linear("self_attn.k_proj", W::kHidden, W::kKv, If(Flag::kQkvBias)).As(R::kAttentionK),
+    Linear("self_attn.v_proj", W::kHidden, W::kKv, If(Flag::kQkvBias)).As(R::kAttentionV),
+    Linear("self_attn.o_proj", W::kQ, W::kHidden).As(R::kAttentionOut),
+    Repeat(1, W::kHeads, If(Flag::kPerHeadQkNorm)),
+    Norm("self_attn.q_layernorm.norms.{e}", W::kHeadDim),
+    Repeat(1, W::kKvHeads, If(Flag::kPerHeadQkNorm)),
+    Norm("self_attn.k_layernorm.norms.{e}", W::kHeadDim),
+    Include(kGatedMlp),
+    Norm("input_layernorm", W::kHidden, kYes),
+    Norm("post_attention_layernorm", W::kHidden, kYes, IfNot(Flag::kParallelAttn)),
+};
+
 // --- gpt_bigcode (StarCoder, SantaCoder) ---
 
 // GPTBigCodeConfig's attribute_map spells the sizes as GPT-2 does; its defaults describe no
@@ -1034,6 +1073,11 @@ constexpr FamilySpec kFamilies[] = {
      .attention_dropout_field = "attn_pdrop", .attention_dropout_default = 0.1,
      .hidden_dropout_field = "resid_pdrop", .hidden_dropout_default = 0.1,
      .embedding_dropout_field = "embd_pdrop", .embedding_dropout_default = 0.1, .rotary = false},
+    LlamaLike({.model_type = "stablelm", .class_prefix = "StableLm", .common_dims = kStableLmCore,
+               .dims = kStableLmDims, .flags = kStableLmFlags, .on = On(Flag::kNormBias),
+               .layer = kStableLmLayer, .heads = kHeadsSeqToken, .layer_norm = true,
+               .partial_rotary = true, .partial_rotary_default = 0.25,
+               .hidden_dropout_field = "hidden_dropout"}),
     {.model_type = "gpt_bigcode", .class_prefix = "GPTBigCode", .no_split_class = "GPTBigCodeBlock",
      .prefix = "transformer", .dims = kGptBigcodeDims, .flags = kGptBigcodeFlags,
      .adjust = &AdjustGptBigcode, .before = kGpt2Before, .layers = "h", .layer = kGptBigcodeLayer,
@@ -1194,7 +1238,7 @@ constexpr const FamilySpec* kFamilyList[] = {
     &kFamilies[12], &kFamilies[13], &kFamilies[14], &kFamilies[15], &kFamilies[16], &kFamilies[17],
     &kFamilies[18], &kFamilies[19], &kFamilies[20], &kFamilies[21], &kFamilies[22], &kFamilies[23],
     &kFamilies[24], &kFamilies[25], &kFamilies[26], &kFamilies[27], &kFamilies[28], &kFamilies[29],
-    &kFamilies[30], &kFamilies[31], &kFamilies[32], &kFamilies[33],
+    &kFamilies[30], &kFamilies[31], &kFamilies[32], &kFamilies[33], &kFamilies[34],
 };
 static_assert(std::size(kFamilyList) == std::size(kFamilies));
 

@@ -508,6 +508,45 @@ TEST_CASE("decoder: gpt_bigcode (StarCoder) as GPTBigCodeConfig builds it") {
   CHECK(Contains(BuildError(config), "'n_embd'"));
 }
 
+TEST_CASE("decoder: stablelm's qkv bias, per-head norms and parallel residual") {
+  // stabilityai/stablelm-2-1_6b: 1,644,515,328 parameters (its model card's 1.6 B; Transformers
+  // 5 builds the same count, oracle_modern).
+  nlohmann::json config = {{"model_type", "stablelm"},  {"architectures", {"StableLmForCausalLM"}},
+                           {"hidden_size", 2048},       {"intermediate_size", 5632},
+                           {"num_attention_heads", 32}, {"num_hidden_layers", 24},
+                           {"num_key_value_heads", 32}, {"use_qkv_bias", true},
+                           {"vocab_size", 100352}};
+  const ModelInventory small = MustBuild(config);
+  CHECK(Total(small) == 1'644'515'328);
+  CHECK(Tensor(small, "model.layers.0.self_attn.q_proj.bias").shape == Shape{2048});
+  CHECK(Tensor(small, "model.layers.0.input_layernorm.bias").shape == Shape{2048});
+  CHECK(Tensor(small, "model.layers.0.post_attention_layernorm.weight").shape == Shape{2048});
+  // partial_rotary_factor 0.25 by default: inv_freq covers 16 of each head's 64 dimensions.
+  CHECK(small.buffers[0].name == "model.rotary_emb.inv_freq");
+  CHECK(small.buffers[0].numel == 8);
+
+  // stablelm-2-12b's switches: one bias-free LayerNorm per query head, then per key/value head,
+  // and no post_attention_layernorm with the parallel residual.
+  config["use_qkv_bias"] = false;
+  config["qk_layernorm"] = true;
+  config["use_parallel_residual"] = true;
+  config["num_key_value_heads"] = 8;
+  const ModelInventory big = MustBuild(config);
+  const std::vector<std::string> names = BlockNames(big, "model.layers.0");
+  CHECK(small.Find("model.layers.0.self_attn.q_layernorm.norms.0.weight") < 0);
+  CHECK(Tensor(big, "model.layers.0.self_attn.q_layernorm.norms.31.weight").shape == Shape{64});
+  CHECK(Tensor(big, "model.layers.0.self_attn.k_layernorm.norms.7.weight").shape == Shape{64});
+  CHECK(big.Find("model.layers.0.self_attn.k_layernorm.norms.8.weight") < 0);
+  CHECK(big.Find("model.layers.0.post_attention_layernorm.weight") < 0);
+  CHECK(big.Find("model.layers.0.self_attn.q_proj.bias") < 0);
+  CHECK(names.size() == 4 + 32 + 8 + 3 + 2);
+  CHECK(Total(big) == Total(small) - 24ull * (3 * 2048 + 2 * 2048) -
+                          24ull * 2 * 2048 * (2048 - 512) + 24ull * (32 + 8) * 64);
+  config.erase("num_key_value_heads");  // StableLmConfig's default: 32 whatever the heads
+  config["num_attention_heads"] = 16;
+  CHECK(Contains(BuildError(config), "'num_key_value_heads'"));
+}
+
 TEST_CASE("decoder: errors name the field at fault") {
   nlohmann::json llama = FixtureJson("llama-2-7b");
 

@@ -177,6 +177,7 @@ int64_t Width(W w, const Values& v) {
                  : v.Get(Dim::kSharedIntermediate);
     case W::kHeadDim: return d;
     case W::kHeads: return a;
+    case W::kKvHeads: return kv;
     case W::kQRank: return v.Get(Dim::kQLoraRank);
     case W::kQHeads: return a * (v.Get(Dim::kQkNopeHeadDim) + v.Get(Dim::kQkRopeHeadDim));
     case W::kKvA: return v.Get(Dim::kKvLoraRank) + v.Get(Dim::kQkRopeHeadDim);
@@ -333,7 +334,7 @@ void EmitParts(std::span<const Part> parts, const std::string& prefix, const Val
     if (p.kind == Kind::kPerExpert) {
       const size_t n = std::min(static_cast<size_t>(p.group), parts.size() - i - 1);
       if (Holds(p.when, v)) {
-        for (int64_t e = 0; e < v.Get(Dim::kExperts); ++e) {
+        for (int64_t e = 0; e < Width(p.a, v); ++e) {
           for (size_t j = 1; j <= n; ++j) {
             if (Holds(parts[i + j].when, v)) {
               EmitPart(parts[i + j], prefix, e, v, ctx, sink, fallback);
@@ -358,7 +359,7 @@ int64_t TensorsPerLayer(std::span<const Part> parts, const Values& v) {
   int64_t n = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     if (parts[i].kind == Kind::kPerExpert) {
-      n += 2 * parts[i].group * std::max<int64_t>(v.Get(Dim::kExperts), 1);
+      n += 2 * parts[i].group * std::max<int64_t>(Width(parts[i].a, v), 1);
       i += static_cast<size_t>(parts[i].group);
     } else if (parts[i].kind == Kind::kInclude) {
       n += TensorsPerLayer(parts[i].include, v);

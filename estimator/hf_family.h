@@ -134,6 +134,7 @@ enum class Flag : uint8_t {
   kHeadQkNorm,       // RMSNorm over each head's queries and keys (Qwen3, Gemma-3)
   kFullQkNorm,       // RMSNorm over all queries and all keys (OLMo-2)
   kQkLayerNorm,      // Phi's qk_layernorm: LayerNorm over each head
+  kPerHeadQkNorm,    // StableLM's qk_layernorm: one LayerNorm module per head
   kNoInputNorm,      // OLMo-2: no norm before attention
   kSandwichNorms,    // Gemma-2/3: pre- and post-feedforward norms as well
   kPostFfNorm,       // a norm after the MLP (Gemma-2/3, OLMo-2)
@@ -208,6 +209,7 @@ enum class W : uint8_t {
   kSharedFfn,  // the shared-expert MLP's width
   kHeadDim,
   kHeads,
+  kKvHeads,         // key/value heads (a count: StableLM's per-head norms)
   kQRank,           // MLA q_lora_rank
   kQHeads,          // MLA heads x (qk_nope + qk_rope)
   kKvA,             // MLA kv_lora_rank + qk_rope
@@ -239,8 +241,9 @@ enum class Kind : uint8_t {
   kMaskBuffer,  // a bool buffer (GPT-BigCode's causal `bias`), shape as kParam
   kConv2d,      // nn.Conv2d(a channels -> b, kernel = stride = the patch): weight [b, a, p, p]
   kRotaryPerLayerType,  // Gemma-3: inv_freq and original_inv_freq per attention type present
-  kPerExpert,  // the next `group` parts repeat once per expert, "{e}" replaced by its index
-  kInclude,    // the parts of `include`, in order (shared sub-lists: one attention, one MLP)
+  kPerExpert,           // the next `group` parts repeat once per expert (or per `a`: Repeat), "{e}"
+                        // replaced by the index
+  kInclude,  // the parts of `include`, in order (shared sub-lists: one attention, one MLP)
 };
 
 // Note [Tensor roles] (inventory.h): each Linear, Conv1D and bare Parameter part says what it is;
@@ -301,7 +304,11 @@ constexpr Part PatchConv(std::string_view n, W in, W out, Cond bias) {
   return {Kind::kConv2d, n, in, out, W::kNone, bias, kYes};
 }
 constexpr Part PerExpert(int parts, Cond when) {
-  return {Kind::kPerExpert, "", W::kNone, W::kNone, W::kNone, kNo, when, parts};
+  return {Kind::kPerExpert, "", W::kExperts, W::kNone, W::kNone, kNo, when, parts};
+}
+// The next `parts` parts once per `count` (W::kHeads: StableLM's per-head query norms).
+constexpr Part Repeat(int parts, W count, Cond when) {
+  return {Kind::kPerExpert, "", count, W::kNone, W::kNone, kNo, when, parts};
 }
 constexpr Part Include(std::span<const Part> parts, Cond when = kYes) {
   return {Kind::kInclude, "", W::kNone, W::kNone, W::kNone, kNo, when, 0, parts};

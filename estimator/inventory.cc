@@ -289,12 +289,20 @@ TensorTraits ClassifyTensor(std::string_view name, const std::vector<int64_t>& s
   const std::string_view module = BeforeLastComponent(name, '.');
   const bool weight = own == "weight", bias = own == "bias";
   // A bare Parameter (fused experts, sinks, class embeddings) is named after itself.
-  const std::string_view path = weight || bias ? module : name;
+  std::string_view path = weight || bias ? module : name;
+  auto numeric = [](std::string_view s) {
+    return !s.empty() &&
+           std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+  };
+  // A module that is an element of a ModuleList is named by the list (StableLM's
+  // "q_layernorm.norms.3").
+  if (numeric(LastComponent(path, '.')) && path.find('.') != std::string_view::npos) {
+    path = BeforeLastComponent(path, '.');
+  }
   const std::string_view leaf = LastComponent(path, '.');
   std::string_view parent = LastComponent(BeforeLastComponent(path, '.'), '.');
   // Skip a ModuleList index between a module and its parent ("experts.3.w1": parent "experts").
-  if (!parent.empty() &&
-      std::all_of(parent.begin(), parent.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+  if (numeric(parent)) {
     parent = LastComponent(BeforeLastComponent(BeforeLastComponent(path, '.'), '.'), '.');
   }
   out.role = RoleOfModule(leaf, parent, name);

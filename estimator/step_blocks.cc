@@ -291,6 +291,30 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
     q = qs;
   }
   auto qk_norms = [&] {
+    if (fam_.qk_norm == Family::QkNorm::kPerHeadLayer) {
+      if (bp.qk_norms.size() < static_cast<size_t>(heads + kv)) return;
+      // StableLmLayerNormPerHead: torch.split(x, 1, dim=1) into per-head views, each through
+      // its own LayerNorm, then torch.cat of the outputs.
+      auto per_head = [&](T x, size_t first, Wide n) {
+        std::vector<T> parts = Split(g_, x, n);
+        std::vector<T> outs;
+        for (Wide i = 0; i < n; ++i) {
+          const Norm& nm = bp.qk_norms[first + static_cast<size_t>(i)];
+          outs.push_back(LayerNorm(g_, parts[static_cast<size_t>(i)], nm.w, nm.b, d));
+          g_.Drop(parts[static_cast<size_t>(i)]);
+        }
+        T cat = Cat(g_, outs);
+        for (T o : outs) g_.Drop(o);
+        return cat;
+      };
+      T qn = per_head(q, 0, heads);
+      g_.Drop(q);
+      q = qn;
+      T kn = per_head(k, static_cast<size_t>(heads), kv);
+      g_.Drop(k);
+      k = kn;
+      return;
+    }
     if (fam_.qk_norm == Family::QkNorm::kNone || bp.qk_norms.size() < 2) return;
     auto norm = [&](const Norm& n, T t) {
       return fam_.qk_norm == Family::QkNorm::kHeadLayer ? LayerNorm(g_, t, n.w, n.b, n.width)
@@ -726,12 +750,14 @@ T ModelRun::TransformersDecoderBlock(int layer, T x) {
     g_.Drop(t);
     return d;
   };
+  // The attention branch's dropout (none where the family drops out the MLP's output alone).
+  auto attn_dropped = [&](T t) { return fam_.mlp_dropout_only ? t : dropped(t); };
   switch (fam_.layout) {
     case Family::Layout::kSequential: {
       // LlamaDecoderLayer.forward: x + attn(norm(x)), then + mlp(norm(.)); GPT-2, OPT and
       // Starcoder2 drop out each branch's output first.
       T h = NormAny(bp.norms[0], x);
-      T attn = dropped(TransformersAttention(layer, bp, h));
+      T attn = attn_dropped(TransformersAttention(layer, bp, h));
       g_.Drop(h);
       T x2 = ResidualAdd(x, attn);
       g_.Drop(attn);
@@ -780,16 +806,17 @@ T ModelRun::TransformersDecoderBlock(int layer, T x) {
     }
     case Family::Layout::kParallel: {
       // PhiDecoderLayer, GPTJBlock: attention and MLP read the same norm of x;
-      // attn + mlp + residual.
+      // attn + mlp + residual (StableLmDecoderLayer: residual + attn + mlp).
       T h = NormAny(bp.norms[0], x);
-      T attn = dropped(TransformersAttention(layer, bp, h));
+      T attn = attn_dropped(TransformersAttention(layer, bp, h));
       T m = dropped(TransformersMlp(bp, h));
       g_.Drop(h);
-      T s1 = BodyAdd(attn, m);
+      T s1 = fam_.residual_first ? BodyAdd(x, attn) : BodyAdd(attn, m);
       g_.Drop(attn);
-      g_.Drop(m);
-      T out = BodyAdd(s1, x);
+      if (!fam_.residual_first) g_.Drop(m);
+      T out = BodyAdd(s1, fam_.residual_first ? m : x);
       g_.Drop(s1);
+      if (fam_.residual_first) g_.Drop(m);
       return out;
     }
     case Family::Layout::kParallelTwoNorms: {

@@ -82,7 +82,8 @@ class ModelRun {
     enum class NormKind { kRms, kRmsGemma, kRmsOlmo, kLayer };
     enum class Layout { kSequential, kSandwich, kPostNorm, kParallel, kParallelTwoNorms };
     enum class Act { kSilu, kGelu, kGeluTanh, kGeluNew, kRelu };
-    enum class QkNorm { kNone, kHeadRms, kFullRms, kHeadLayer };
+    // kPerHeadLayer: StableLmLayerNormPerHead, one LayerNorm module per head over its split.
+    enum class QkNorm { kNone, kHeadRms, kFullRms, kHeadLayer, kPerHeadLayer };
     NormKind norm = NormKind::kRms;
     Layout layout = Layout::kSequential;
     Act act = Act::kSilu;
@@ -97,7 +98,11 @@ class ModelRun {
     // GPT-J's _attn: query and key cast to fp32 (locals until it returns) before q @ k^T, the
     // probabilities then cast to the value's dtype.
     bool qk_fp32 = false;
-    double resid_dropout = 0;  // after attention and after the MLP
+    double resid_dropout = 0;       // after attention and after the MLP
+    bool mlp_dropout_only = false;  // StableLM: its hidden dropout follows the MLP alone
+    // StableLM's parallel block: residual + attn + mlp (the residual's dtype first), where
+    // Phi's and GPT-J's add attn + mlp before the residual.
+    bool residual_first = false;
     double embedding_dropout = 0;
     bool embedding_scale = false;  // Gemma: embeddings * sqrt(hidden)
     // Granite's multipliers, each a multiplication by a Python float (1.0 included): the

@@ -457,6 +457,17 @@ void ModelRun::ChooseFamily() {
     fam_.qk_norm = Family::QkNorm::kHeadLayer;
   }
   if (type == "gptj") fam_.layout = Family::Layout::kParallel;
+  // StableLmDecoderLayer: input_layernorm feeds both branches with use_parallel_residual;
+  // qk_layernorm is one LayerNorm per head; hidden_dropout follows the MLP only.
+  if (type == "stablelm") {
+    if (a_.parallel_attention) {
+      fam_.layout = Family::Layout::kParallel;
+      fam_.residual_first = true;
+    }
+    fam_.qk_norm = Family::QkNorm::kPerHeadLayer;
+    fam_.mlp_dropout_only = true;
+    fam_.resid_dropout = a_.hidden_dropout;
+  }
   if (type == "falcon") {
     // FalconDecoderLayer: parallel attention reads one norm (two with the new decoder
     // architecture); ALiBi goes into the mask (FalconModel.forward).
