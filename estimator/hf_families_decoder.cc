@@ -1,8 +1,8 @@
 // The decoder-only families as tables for the one builder of hf_family.h: gpt2, gpt_neox, llama,
 // mistral, mixtral, qwen2, qwen3, qwen2_moe, qwen3_moe, gemma, gemma2, gemma3_text, olmo2,
-// olmo3, olmoe, hunyuan_v1_dense, glm, glm4, ministral, smollm3, granite, seed_oss, starcoder2,
-// phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon, bloom, gptj, opt, mpt, stablelm,
-// gpt_bigcode.
+// olmo, olmo3, olmoe, hunyuan_v1_dense, glm, glm4, ministral, smollm3, granite, seed_oss,
+// starcoder2, phi, phi3, deepseek_v2, deepseek_v3, gpt_oss, falcon, bloom, gptj, opt, mpt,
+// stablelm, gpt_bigcode.
 //
 // Note [Names and order]
 // Each table lists the parameters of the class Transformers (5.x) builds for the config, named and
@@ -319,12 +319,25 @@ constexpr DimField kOlmoeDims[] = {
     Default(Dim::kExperts, "num_experts", 64),
     Default(Dim::kTopK, "num_experts_per_tok", 8),
 };
-// OlmoeAttention's clip_qkv clamps the query, key and value in place: ops without tensors, which
-// the step model does not run (a block option it refuses).
-Status AdjustOlmoe(const ConfigReader& config, Values* v) {
-  if (config.Has("clip_qkv")) v->block_options.emplace_back("clip_qkv");
+// OlmoAttention's and OlmoeAttention's clip_qkv (a number, or null for none) clamps the query,
+// key and value in place: ops without tensors of their own (ArchitectureInfo::clip_qkv).
+Status AdjustClipQkv(const ConfigReader& config, Values* v) {
+  if (!config.Has("clip_qkv") || config.json()["clip_qkv"].is_null()) return Status::Ok();
+  if (!config.json()["clip_qkv"].is_number() || config.json()["clip_qkv"].get<double>() <= 0) {
+    return config.FieldError("clip_qkv", "must be a positive number or null");
+  }
+  v->clip_qkv = true;
   return Status::Ok();
 }
+
+// --- olmo (OLMo 1, OLMo 1.7) ---
+
+// OlmoLayerNorm has no parameters: the layers hold their attention and MLP only, and the model
+// no final norm tensor. Llama's layout otherwise (head_dim from the config when given).
+constexpr Part kOlmoLayer[] = {
+    Include(kLlamaAttentionNoSinks),
+    Include(kGatedMlp),
+};
 
 // HunYuan dense (Hunyuan-0.5B to 7B): Llama's block whose attention also has per-head
 // query_layernorm and key_layernorm, applied after the rotation (the step model's
@@ -1140,9 +1153,12 @@ constexpr FamilySpec kFamilies[] = {
                .on = On(Flag::kFullQkNorm, Flag::kNoInputNorm, Flag::kPostFfNorm,
                         Flag::kRotaryPerType),
                .heads = kHeadsSeq, .sliding = SlidingRule::kOlmo3}),
+    LlamaLike({.model_type = "olmo", .class_prefix = "Olmo", .dims = kLlamaDims,
+               .flags = kUntiedAttentionBias, .adjust = &AdjustClipQkv, .layer = kOlmoLayer,
+               .after = kRotary, .heads = kHeadsSeq, .layer_norm = true}),
     LlamaLike({.model_type = "olmoe", .class_prefix = "Olmoe", .dims = kOlmoeDims,
                .flags = kUntiedAttentionBias, .on = On(Flag::kFullQkNorm),
-               .adjust = &AdjustOlmoe, .layer = kMixtralLayer, .moe = MoePlacement::kEveryLayer}),
+               .adjust = &AdjustClipQkv, .layer = kMixtralLayer, .moe = MoePlacement::kEveryLayer}),
     LlamaLike({.model_type = "hunyuan_v1_dense", .class_prefix = "HunYuanDenseV1",
                .dims = kHunyuanDims, .flags = kUntiedAttentionBias, .layer = kHunyuanLayer,
                .heads = kHeadsSeq}),
@@ -1238,7 +1254,7 @@ constexpr const FamilySpec* kFamilyList[] = {
     &kFamilies[12], &kFamilies[13], &kFamilies[14], &kFamilies[15], &kFamilies[16], &kFamilies[17],
     &kFamilies[18], &kFamilies[19], &kFamilies[20], &kFamilies[21], &kFamilies[22], &kFamilies[23],
     &kFamilies[24], &kFamilies[25], &kFamilies[26], &kFamilies[27], &kFamilies[28], &kFamilies[29],
-    &kFamilies[30], &kFamilies[31], &kFamilies[32], &kFamilies[33], &kFamilies[34],
+    &kFamilies[30], &kFamilies[31], &kFamilies[32], &kFamilies[33], &kFamilies[34], &kFamilies[35],
 };
 static_assert(std::size(kFamilyList) == std::size(kFamilies));
 

@@ -547,6 +547,28 @@ TEST_CASE("decoder: stablelm's qkv bias, per-head norms and parallel residual") 
   CHECK(Contains(BuildError(config), "'num_key_value_heads'"));
 }
 
+TEST_CASE("decoder: olmo has no norm tensors, and clip_qkv is read") {
+  // allenai/OLMo-1B-hf: 1,176,764,416 parameters (its model card's 1.18 B), tied; OlmoLayerNorm
+  // has neither weight nor bias, so a block is its attention and MLP.
+  nlohmann::json config = {{"model_type", "olmo"},        {"architectures", {"OlmoForCausalLM"}},
+                           {"hidden_size", 2048},         {"intermediate_size", 8192},
+                           {"num_attention_heads", 16},   {"num_hidden_layers", 16},
+                           {"tie_word_embeddings", true}, {"clip_qkv", nullptr},
+                           {"vocab_size", 50304}};
+  const ModelInventory olmo = MustBuild(config);
+  CHECK(Total(olmo) == 1'176'764'416);
+  CHECK(BlockNames(olmo, "model.layers.0").size() == 7);
+  for (const TensorInfo& t : olmo.tensors) CHECK(t.role != TensorRole::kNorm);
+  REQUIRE(olmo.arch.has_value());
+  CHECK_FALSE(olmo.arch->clip_qkv);
+  config["clip_qkv"] = 8.0;  // OLMo-7B-0424
+  CHECK(MustBuild(config).arch->clip_qkv);
+  config["clip_qkv"] = "8";
+  CHECK(Contains(BuildError(config), "'clip_qkv'"));
+  config["clip_qkv"] = -1;
+  CHECK(Contains(BuildError(config), "'clip_qkv'"));
+}
+
 TEST_CASE("decoder: errors name the field at fault") {
   nlohmann::json llama = FixtureJson("llama-2-7b");
 

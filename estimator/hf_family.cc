@@ -608,6 +608,7 @@ Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigRead
   arch.attention_impl = v.attention_impl;
   arch.norm_type = v.norm_type;
   arch.block_options = v.block_options;
+  arch.clip_qkv = v.clip_qkv;
   if (spec.mla && spec.model_type == "deepseek_v2") {
     // DeepseekV2Moe's routing: "greedy" (V2-Lite) or "group_limited_greedy" (V2), whose group
     // mask the step model does not run (it refuses a block option it does not know).

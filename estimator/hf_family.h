@@ -358,6 +358,7 @@ struct Values {
   // Set by a family's `adjust`: ArchitectureInfo's attention_impl and norm_type.
   std::string attention_impl, norm_type;
   std::vector<std::string> block_options;  // ArchitectureInfo's
+  bool clip_qkv = false;                   // ArchitectureInfo's
   int64_t Get(Dim d) const { return dims[static_cast<int>(d)]; }
   void Set(Dim d, int64_t v) { dims[static_cast<int>(d)] = v; }
   std::string_view Field(Dim d) const { return fields[static_cast<int>(d)]; }

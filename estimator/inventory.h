@@ -206,8 +206,9 @@ struct ArchitectureInfo {
   std::vector<bool> nope_layers;
   bool attention_sinks = false;     // a learned per-head sink logit (gpt-oss)
   bool parallel_attention = false;  // attention and MLP read the same input (GPT-J, Falcon, Phi)
-  int64_t mtp_layers = 0;           // multi-token-prediction modules the checkpoint adds (DeepSeek)
-  uint64_t mtp_params = 0;          // their parameters: in the checkpoint, not in the model built
+  bool clip_qkv = false;       // OLMo, OLMoE: queries, keys and values clamped in place (clip_qkv)
+  int64_t mtp_layers = 0;      // multi-token-prediction modules the checkpoint adds (DeepSeek)
+  uint64_t mtp_params = 0;     // their parameters: in the checkpoint, not in the model built
   std::string no_split_class;  // the block class Accelerate/FSDP keep whole: "LlamaDecoderLayer"
   // The norms upcast their input to fp32 before normalising and multiply the weight in after
   // (LlamaRMSNorm and its copies, T5LayerNorm): they keep fp32 inputs under autocast.

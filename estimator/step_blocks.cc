@@ -140,6 +140,14 @@ T ModelRun::NormAny(const Norm& n, T x) {
     case Family::NormKind::kRmsGemma: return GemmaRmsNorm(n, x);
     case Family::NormKind::kRmsOlmo: return OlmoRmsNorm(n, x);
     case Family::NormKind::kLayer: return LayerNorm(g_, x, n.w, n.b, n.width);
+    case Family::NormKind::kLayerNoParams: {
+      T x32 = Cast(g_, x, DT::kF32);
+      T y = LayerNorm(g_, x32, T{}, T{}, n.width);
+      g_.Drop(x32);
+      T out = Cast(g_, y, g_.Dtype(x));
+      g_.Drop(y);
+      return out;
+    }
   }
   return g_.Alias(x);
 }
@@ -285,6 +293,12 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
     k = LoraLinear(bp.at(TensorRole::kAttentionK), h);
     v = LoraLinear(bp.at(TensorRole::kAttentionV), h);
   }
+  if (a_.clip_qkv) {
+    // OlmoAttention: query_states.clamp_(...), key and value likewise, before the views.
+    q = ClampInPlace(q);
+    k = ClampInPlace(k);
+    v = ClampInPlace(v);
+  }
   if (fam_.query_scaled) {
     T qs = Scale(g_, q);  // OPTAttention: q_proj(hidden_states) * self.scaling
     g_.Drop(q);
@@ -316,9 +330,11 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
       return;
     }
     if (fam_.qk_norm == Family::QkNorm::kNone || bp.qk_norms.size() < 2) return;
+    // Olmo2RMSNorm for OLMo 2's and 3's q_norm and k_norm too (the product cast to the input's
+    // dtype), LlamaRMSNorm's otherwise.
     auto norm = [&](const Norm& n, T t) {
-      return fam_.qk_norm == Family::QkNorm::kHeadLayer ? LayerNorm(g_, t, n.w, n.b, n.width)
-                                                        : HfRmsNorm(n, t);
+      if (fam_.qk_norm == Family::QkNorm::kHeadLayer) return LayerNorm(g_, t, n.w, n.b, n.width);
+      return fam_.norm == Family::NormKind::kRmsOlmo ? OlmoRmsNorm(n, t) : HfRmsNorm(n, t);
     };
     T qn = norm(bp.qk_norms[0], q);
     g_.Drop(q);
@@ -332,10 +348,19 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
   const auto& nope = a_.nope_layers;
   const bool nope_layer = static_cast<size_t>(layer) < nope.size() && nope[layer];
   if (fam_.rotary && !nope_layer) {
-    T qr = ApplyRotary(q);
+    // OLMo's apply_rotary_pos_emb returns q_embed.to(q.dtype): under autocast the fp32 tables
+    // promote the rotation to fp32, cast back here rather than kept to the cache and SDPA.
+    auto rotated = [&](T x) {
+      T r = ApplyRotary(x);
+      if (!fam_.rotary_cast_back) return r;
+      T back = Cast(g_, r, g_.Dtype(x));
+      g_.Drop(r);
+      return back;
+    };
+    T qr = rotated(q);
     g_.Drop(q);
     q = qr;
-    T kr = ApplyRotary(k);
+    T kr = rotated(k);
     g_.Drop(k);
     k = kr;
   }
@@ -416,6 +441,16 @@ T ModelRun::SeqMajor(T out, SdpaBackend backend, bool heads_major_query) {
   T copy = Copy(g_, out);
   g_.Drop(out);
   return copy;
+}
+
+T ModelRun::ClampInPlace(T x) {
+  if (!g_.RequiresGrad(x)) return x;
+  T before = Copy(g_, x);
+  T out = g_.New(g_.Numel(x), g_.Dtype(x), true);
+  g_.Record(Graph::Spec("Clamp", {x}, {out}, {before}));
+  g_.Drop(x);
+  g_.Drop(before);
+  return out;
 }
 
 T ModelRun::RepeatKv(T x) {
@@ -1076,13 +1111,15 @@ Result<T> ModelRun::TransformersForward() {
   } else if (fam_.mla) {
     MlaRotaryTable(g_.Dtype(x));
   } else if (fam_.rotary || fam_.falcon_alibi) {
-    // The rotary embedding's forward: cos and sin (seq x rotary dims) in fp32, cast to x's dtype.
-    // FalconModel makes them with ALiBi too, and passes them to every layer unused.
+    // The rotary embedding's forward: cos and sin (seq x rotary dims) in fp32, cast to x's dtype
+    // (OLMo's stay fp32: its rotation casts its result back instead). FalconModel makes them
+    // with ALiBi too, and passes them to every layer unused.
     const Wide d = fam_.rotary_dims > 0 ? fam_.rotary_dims : static_cast<Wide>(a_.head_dim);
     T c32 = g_.New(seq_ * d, DT::kF32, false);
     T s32 = g_.New(seq_ * d, DT::kF32, false);
-    cos_ = Cast(g_, c32, g_.Dtype(x));
-    sin_ = Cast(g_, s32, g_.Dtype(x));
+    const DT table = fam_.rotary_cast_back ? DT::kF32 : g_.Dtype(x);
+    cos_ = Cast(g_, c32, table);
+    sin_ = Cast(g_, s32, table);
     g_.Drop(c32);
     g_.Drop(s32);
   }

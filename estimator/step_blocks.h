@@ -79,7 +79,9 @@ class ModelRun {
   // How a Transformers decoder family writes its block (Prepare fills it from the model_type;
   // each field names the modelling code that decides it).
   struct Family {
-    enum class NormKind { kRms, kRmsGemma, kRmsOlmo, kLayer };
+    // kLayerNoParams: OlmoLayerNorm, F.layer_norm of an fp32 copy without weight or bias, cast
+    // back to the input's dtype.
+    enum class NormKind { kRms, kRmsGemma, kRmsOlmo, kLayer, kLayerNoParams };
     enum class Layout { kSequential, kSandwich, kPostNorm, kParallel, kParallelTwoNorms };
     enum class Act { kSilu, kGelu, kGeluTanh, kGeluNew, kRelu };
     // kPerHeadLayer: StableLmLayerNormPerHead, one LayerNorm module per head over its split.
@@ -89,6 +91,9 @@ class ModelRun {
     Act act = Act::kSilu;
     QkNorm qk_norm = QkNorm::kNone;
     bool qk_norm_after_rotary = false;  // HunYuan: the rotation first, then query/key_layernorm
+    // OLMo 1-3: the cos and sin tables stay fp32, and the rotated q and k are cast back to
+    // their dtype.
+    bool rotary_cast_back = false;
     bool gated = true;
     bool rotary = true;
     Wide rotary_dims = 0;  // per head; 0: the whole head
@@ -225,6 +230,9 @@ class ModelRun {
   // The attention output as transpose(1, 2) leaves it, made batch x seq x heads x d (a copy
   // where its layout is heads-major).
   T SeqMajor(T out, SdpaBackend backend, bool heads_major_query);
+  // Tensor.clamp_ of `x` (dropped) where it needs a gradient: ClampBackward1 keeps a clone of x
+  // from before the clamp. OLMo's clip_qkv.
+  T ClampInPlace(T x);
   // repeat_kv's result from `x` (dropped): x itself where the reshape is a view, else a copy.
   T RepeatKv(T x);
   T TransformersEagerAttention(const QkvViews& t);

@@ -833,7 +833,8 @@ TEST_CASE("step model: what it does not run is refused as unmodelled, not run as
   Result<MemoryEstimate> grouped = EstimateMemory(memplan::testing::MustBuild(deepseek_config), b);
   REQUIRE(grouped.ok());
   CHECK(grouped->step_unmodelled);
-  // OLMoE's clip_qkv clamps the query, key and value in place: refused, not run as unclamped.
+  // OLMoE's clip_qkv clamps the query, key and value in place, and each ClampBackward keeps a
+  // clone of what it clamped: 3 x 128 tokens x 2048 bf16 values more saved per layer.
   nlohmann::json olmoe_config = SourceConfig("tests/oracle/modern_configs/olmoe-1b-7b.json", 2);
   Result<MemoryEstimate> unclipped = EstimateMemory(memplan::testing::MustBuild(olmoe_config), b);
   REQUIRE(unclipped.ok());
@@ -842,8 +843,10 @@ TEST_CASE("step model: what it does not run is refused as unmodelled, not run as
   Result<MemoryEstimate> clipped_olmoe =
       EstimateMemory(memplan::testing::MustBuild(olmoe_config), b);
   REQUIRE(clipped_olmoe.ok());
-  CHECK(clipped_olmoe->step_unmodelled);
-  CHECK(clipped_olmoe->step_error.find("olmoe's clip_qkv") != std::string::npos);
+  REQUIRE(clipped_olmoe->step.has_value());
+  const auto forward = static_cast<size_t>(StepPhase::kForward);
+  CHECK(clipped_olmoe->step->phases[forward].bytes ==
+        unclipped->step->phases[forward].bytes + 2 * 3 * 128 * 2048 * 2);
   // llm-foundry runs MPT only; an MPT with rotary embeddings instead of ALiBi is not run as
   // ALiBi; Llama under llm-foundry is refused.
   TrainingSetup f;

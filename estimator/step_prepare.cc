@@ -435,6 +435,7 @@ void ModelRun::ChooseFamily() {
     fam_.layout = Family::Layout::kSandwich;
   }
   fam_.granite_multipliers = type == "granite";
+  fam_.rotary_cast_back = type == "olmo" || type == "olmo2" || type == "olmo3";
   if (type == "olmo2" || type == "olmo3") {
     fam_.norm = Family::NormKind::kRmsOlmo;
     fam_.layout = Family::Layout::kPostNorm;
@@ -457,6 +458,14 @@ void ModelRun::ChooseFamily() {
     fam_.qk_norm = Family::QkNorm::kHeadLayer;
   }
   if (type == "gptj") fam_.layout = Family::Layout::kParallel;
+  // OlmoDecoderLayer: Llama's block with OlmoLayerNorm, which has no parameters: the blocks'
+  // two norms and the final one are placeholders of the hidden width.
+  if (type == "olmo") {
+    fam_.norm = Family::NormKind::kLayerNoParams;
+    const Norm none{T{}, T{}, static_cast<Wide>(a_.hidden)};
+    for (BlockParams& bp : blocks_) bp.norms = {none, none};
+    final_norms_ = {none};
+  }
   // StableLmDecoderLayer: input_layernorm feeds both branches with use_parallel_residual;
   // qk_layernorm is one LayerNorm per head; hidden_dropout follows the MLP only.
   if (type == "stablelm") {

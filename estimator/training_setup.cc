@@ -319,6 +319,7 @@ std::vector<std::string> DefaultLoraTargets(std::string_view model_type) {
       {"qwen3_moe", {"q_proj", "v_proj"}},
       {"gpt_bigcode", {"c_attn"}},
       {"stablelm", {"q_proj", "v_proj"}},
+      {"olmo", {"q_proj", "v_proj"}},
   };
   auto it = kDefaults->find(model_type);
   return it == kDefaults->end() ? std::vector<std::string>{} : it->second;

@@ -68,7 +68,8 @@ HF_DECODERS = ["llama-3.2-1b", "llama-3.1-8b", "mistral-7b", "qwen2.5-0.5b", "qw
                "qwen3-30b-a3b", "deepseek-v2-lite", "gpt-oss-20b", "qwen1.5-moe-a2.7b",
                "olmo3-7b-like", "ministral-8b-like", "smollm3-3b-like", "seed-oss-36b-like",
                "granite-3-8b-like", "olmoe-1b-7b", "hunyuan-7b-like", "glm-4-9b", "glm-4-32b-0414",
-               "moonlight-16b-a3b", "starcoderbase-1b", "stablelm-2-1_6b", "stablelm-2-12b"]
+               "moonlight-16b-a3b", "starcoderbase-1b", "stablelm-2-1_6b", "stablelm-2-12b",
+               "olmo-1b-hf", "olmo-7b-0424-hf"]
 EAGER_ONLY = ("gemma-2-2b", "bloom-560m", "gpt-j-6b", "gpt-oss-20b")
 # LoRA targets named where PEFT's defaults do not reach these models (fused experts, MLA, gpt-oss,
 # families PEFT has no defaults for): the attention's query and value (MLA's decompressed keys and
