@@ -23,7 +23,9 @@
 // particular model, so a truncated or hand-written config would silently come out as that model.
 // Every config Transformers saves carries them. GPT-2 is the exception: GPT2Config's defaults are
 // exactly the published gpt2 checkpoint, and early GPT-2-family configs rely on them.
+#include <array>
 #include <iterator>
+#include <utility>
 #include <span>
 #include <string_view>
 
@@ -805,6 +807,30 @@ constexpr Part kGpt2Layer[] = {
     Conv1D("mlp.c_fc", W::kHidden, W::kFfn).As(R::kMlpUp),
     Conv1D("mlp.c_proj", W::kFfn, W::kHidden).As(R::kMlpDown),
 };
+// --- cohere (Command R, Aya) ---
+
+constexpr DimField kCohereDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 8192),
+};
+constexpr FlagField kCohereFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", true},
+    {Flag::kQkvBias, "attention_bias", false},
+    {Flag::kOBias, "attention_bias", false},
+    {Flag::kHeadQkNorm, "use_qk_norm", false},
+};
+// CohereDecoderLayer: the attention (with use_qk_norm a CohereLayerNorm over [heads, head_dim]
+// for the queries and over [kv_heads, head_dim] for the keys), the MLP, and one
+// input_layernorm that both branches read (the residual is parallel).
+constexpr Part kCohereLayer[] = {
+    Include(kLlamaAttentionNoSinks.first(4)),
+    {Kind::kNorm, "self_attn.q_norm", W::kHeads, W::kHeadDim, W::kNone, kNo, If(Flag::kHeadQkNorm)},
+    {Kind::kNorm, "self_attn.k_norm", W::kKvHeads, W::kHeadDim, W::kNone, kNo,
+     If(Flag::kHeadQkNorm)},
+    Include(kGatedMlp),
+    Norm("input_layernorm", W::kHidden),
+};
+
 // --- stablelm ---
 
 // StableLmConfig: num_key_value_heads defaults to 32 whatever the heads (the class's default).
@@ -1086,6 +1112,11 @@ constexpr FamilySpec kFamilies[] = {
      .attention_dropout_field = "attn_pdrop", .attention_dropout_default = 0.1,
      .hidden_dropout_field = "resid_pdrop", .hidden_dropout_default = 0.1,
      .embedding_dropout_field = "embd_pdrop", .embedding_dropout_default = 0.1, .rotary = false},
+    // Cohere: CohereLayerNorm (mean-centred, weight only), interleaved rotary, the logits
+    // scaled by logit_scale; no task heads.
+    LlamaLike({.model_type = "cohere", .class_prefix = "Cohere", .dims = kCohereDims,
+               .flags = kCohereFlags, .layer = kCohereLayer, .layer_norm = true,
+               .parallel_attention = true}),
     LlamaLike({.model_type = "stablelm", .class_prefix = "StableLm", .common_dims = kStableLmCore,
                .dims = kStableLmDims, .flags = kStableLmFlags, .on = On(Flag::kNormBias),
                .layer = kStableLmLayer, .heads = kHeadsSeqToken, .layer_norm = true,
@@ -1248,15 +1279,12 @@ constexpr FamilySpec kFamilies[] = {
 };
 // clang-format on
 
-constexpr const FamilySpec* kFamilyList[] = {
-    &kFamilies[0],  &kFamilies[1],  &kFamilies[2],  &kFamilies[3],  &kFamilies[4],  &kFamilies[5],
-    &kFamilies[6],  &kFamilies[7],  &kFamilies[8],  &kFamilies[9],  &kFamilies[10], &kFamilies[11],
-    &kFamilies[12], &kFamilies[13], &kFamilies[14], &kFamilies[15], &kFamilies[16], &kFamilies[17],
-    &kFamilies[18], &kFamilies[19], &kFamilies[20], &kFamilies[21], &kFamilies[22], &kFamilies[23],
-    &kFamilies[24], &kFamilies[25], &kFamilies[26], &kFamilies[27], &kFamilies[28], &kFamilies[29],
-    &kFamilies[30], &kFamilies[31], &kFamilies[32], &kFamilies[33], &kFamilies[34], &kFamilies[35],
-};
-static_assert(std::size(kFamilyList) == std::size(kFamilies));
+// Pointers to every entry of kFamilies, in order.
+template <size_t... I>
+constexpr std::array<const FamilySpec*, sizeof...(I)> PointersTo(std::index_sequence<I...>) {
+  return {&kFamilies[I]...};
+}
+constexpr auto kFamilyList = PointersTo(std::make_index_sequence<std::size(kFamilies)>());
 
 }  // namespace
 

@@ -569,6 +569,29 @@ TEST_CASE("decoder: olmo has no norm tensors, and clip_qkv is read") {
   CHECK(Contains(BuildError(config), "'clip_qkv'"));
 }
 
+TEST_CASE("decoder: cohere's tied head, one norm per block and [heads, head_dim] q/k norms") {
+  // CohereForAI/aya-23-8B: 8,028,033,024 parameters (its model card's 8 B; Transformers 5 builds
+  // the same, oracle_modern).
+  nlohmann::json config = {{"model_type", "cohere"},    {"architectures", {"CohereForCausalLM"}},
+                           {"hidden_size", 4096},       {"intermediate_size", 14336},
+                           {"num_attention_heads", 32}, {"num_key_value_heads", 8},
+                           {"num_hidden_layers", 32},   {"logit_scale", 0.125},
+                           {"vocab_size", 256000}};
+  const ModelInventory aya = MustBuild(config);
+  CHECK(Total(aya) == 8'028'033'024);
+  CHECK(aya.tensors.back().tied_to == "model.embed_tokens.weight");
+  CHECK(BlockNames(aya, "model.layers.0").size() == 4 + 3 + 1);
+  CHECK(aya.Find("model.layers.0.input_layernorm.bias") < 0);
+  REQUIRE(aya.arch.has_value());
+  CHECK(aya.arch->parallel_attention);
+  config["use_qk_norm"] = true;  // Command R+
+  const ModelInventory plus = MustBuild(config);
+  CHECK(Tensor(plus, "model.layers.0.self_attn.q_norm.weight").shape == Shape{32, 128});
+  CHECK(Tensor(plus, "model.layers.0.self_attn.k_norm.weight").shape == Shape{8, 128});
+  CHECK(Tensor(plus, "model.layers.0.self_attn.k_norm.weight").role == TensorRole::kNorm);
+  CHECK(Total(plus) == Total(aya) + 32ull * (32 + 8) * 128);
+}
+
 TEST_CASE("decoder: errors name the field at fault") {
   nlohmann::json llama = FixtureJson("llama-2-7b");
 

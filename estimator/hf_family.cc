@@ -298,7 +298,11 @@ void EmitPart(const Part& p, const std::string& prefix, int64_t expert, const Va
       sink->Param(".weight", {Width(p.a, v), Width(p.b, v)}, traits(ModuleKind::kEmbedding, false));
       break;
     case Kind::kNorm:
-      sink->Param(".weight", {Width(p.a, v)}, traits(ModuleKind::kNorm, false));
+      // A norm over [heads, head_dim] has a 2-D weight (Cohere's q_norm and k_norm).
+      sink->Param(".weight",
+                  p.b == W::kNone ? std::vector<int64_t>{Width(p.a, v)}
+                                  : std::vector<int64_t>{Width(p.a, v), Width(p.b, v)},
+                  traits(ModuleKind::kNorm, false));
       if (Holds(p.bias, v)) sink->Param(".bias", {Width(p.a, v)}, traits(ModuleKind::kNorm, true));
       break;
     case Kind::kParam:

@@ -140,6 +140,7 @@ T ModelRun::NormAny(const Norm& n, T x) {
     case Family::NormKind::kRmsGemma: return GemmaRmsNorm(n, x);
     case Family::NormKind::kRmsOlmo: return OlmoRmsNorm(n, x);
     case Family::NormKind::kLayer: return LayerNorm(g_, x, n.w, n.b, n.width);
+    case Family::NormKind::kCohere: return CohereLayerNorm(n, x, n.width);
     case Family::NormKind::kLayerNoParams: {
       T x32 = Cast(g_, x, DT::kF32);
       T y = LayerNorm(g_, x32, T{}, T{}, n.width);
@@ -150,6 +151,33 @@ T ModelRun::NormAny(const Norm& n, T x) {
     }
   }
   return g_.Alias(x);
+}
+
+T ModelRun::CohereLayerNorm(const Norm& n, T x, Wide width) {
+  T x32 = Cast(g_, x, DT::kF32);
+  T mean = MeanRows(g_, x32, width);
+  T centred = Add(g_, x32, mean);  // for the variance
+  T sq = Apply(g_, Unary::kPow, centred);
+  g_.Drop(centred);
+  T var = MeanRows(g_, sq, width);
+  g_.Drop(sq);
+  T eps = Scale(g_, var);
+  g_.Drop(var);
+  T r = Apply(g_, Unary::kRsqrt, eps);
+  g_.Drop(eps);
+  T centred2 = Add(g_, x32, mean);  // computed again for the product
+  g_.Drop(x32);
+  g_.Drop(mean);
+  T normed = Mul(g_, centred2, r);
+  g_.Drop(centred2);
+  g_.Drop(r);
+  T w32 = Cast(g_, n.w, DT::kF32);
+  T y = Mul(g_, w32, normed);
+  g_.Drop(w32);
+  g_.Drop(normed);
+  T out = Cast(g_, y, g_.Dtype(x));
+  g_.Drop(y);
+  return out;
 }
 
 T ModelRun::RotateHalf(T x) {
@@ -305,6 +333,16 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
     q = qs;
   }
   auto qk_norms = [&] {
+    if (fam_.qk_norm == Family::QkNorm::kCohere) {
+      if (bp.qk_norms.size() < 2) return;
+      T qn = CohereLayerNorm(bp.qk_norms[0], q, d);
+      g_.Drop(q);
+      q = qn;
+      T kn = CohereLayerNorm(bp.qk_norms[1], k, d);
+      g_.Drop(k);
+      k = kn;
+      return;
+    }
     if (fam_.qk_norm == Family::QkNorm::kPerHeadLayer) {
       if (bp.qk_norms.size() < static_cast<size_t>(heads + kv)) return;
       // StableLmLayerNormPerHead: torch.split(x, 1, dim=1) into per-head views, each through
@@ -351,7 +389,9 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
     // OLMo's apply_rotary_pos_emb returns q_embed.to(q.dtype): under autocast the fp32 tables
     // promote the rotation to fp32, cast back here rather than kept to the cache and SDPA.
     auto rotated = [&](T x) {
-      T r = ApplyRotary(x);
+      T up = fam_.rotary_upcast_first ? Cast(g_, x, DT::kF32) : g_.Alias(x);
+      T r = ApplyRotary(up);
+      g_.Drop(up);
       if (!fam_.rotary_cast_back) return r;
       T back = Cast(g_, r, g_.Dtype(x));
       g_.Drop(r);
@@ -878,8 +918,9 @@ T ModelRun::CausalLmLoss(T hidden) {
   const Wide h = static_cast<Wide>(a_.hidden);
   T logits = Linear(g_, hidden, head_, head_bias_, h, vocab);
   g_.SetPhase(StepPhase::kLoss);
-  if (fam_.granite_multipliers) {
-    // GraniteForCausalLM: `logits = logits / self.config.logits_scaling`.
+  if (fam_.granite_multipliers || fam_.logit_scale) {
+    // GraniteForCausalLM: `logits = logits / self.config.logits_scaling`; CohereForCausalLM:
+    // `logits = logits * self.logit_scale`.
     T scaled = Scale(g_, logits);
     g_.Drop(logits);
     logits = scaled;
@@ -1117,7 +1158,7 @@ Result<T> ModelRun::TransformersForward() {
     const Wide d = fam_.rotary_dims > 0 ? fam_.rotary_dims : static_cast<Wide>(a_.head_dim);
     T c32 = g_.New(seq_ * d, DT::kF32, false);
     T s32 = g_.New(seq_ * d, DT::kF32, false);
-    const DT table = fam_.rotary_cast_back ? DT::kF32 : g_.Dtype(x);
+    const DT table = fam_.rotary_fp32_tables ? DT::kF32 : g_.Dtype(x);
     cos_ = Cast(g_, c32, table);
     sin_ = Cast(g_, s32, table);
     g_.Drop(c32);

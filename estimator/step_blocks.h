@@ -81,19 +81,24 @@ class ModelRun {
   struct Family {
     // kLayerNoParams: OlmoLayerNorm, F.layer_norm of an fp32 copy without weight or bias, cast
     // back to the input's dtype.
-    enum class NormKind { kRms, kRmsGemma, kRmsOlmo, kLayer, kLayerNoParams };
+    // kCohere: CohereLayerNorm, LayerNorm written in Python ops over an fp32 copy, weight only.
+    enum class NormKind { kRms, kRmsGemma, kRmsOlmo, kLayer, kLayerNoParams, kCohere };
     enum class Layout { kSequential, kSandwich, kPostNorm, kParallel, kParallelTwoNorms };
     enum class Act { kSilu, kGelu, kGeluTanh, kGeluNew, kRelu };
     // kPerHeadLayer: StableLmLayerNormPerHead, one LayerNorm module per head over its split.
-    enum class QkNorm { kNone, kHeadRms, kFullRms, kHeadLayer, kPerHeadLayer };
+    // kCohere: CohereLayerNorm over each head (a [heads, head_dim] weight).
+    enum class QkNorm { kNone, kHeadRms, kFullRms, kHeadLayer, kPerHeadLayer, kCohere };
     NormKind norm = NormKind::kRms;
     Layout layout = Layout::kSequential;
     Act act = Act::kSilu;
     QkNorm qk_norm = QkNorm::kNone;
     bool qk_norm_after_rotary = false;  // HunYuan: the rotation first, then query/key_layernorm
-    // OLMo 1-3: the cos and sin tables stay fp32, and the rotated q and k are cast back to
-    // their dtype.
+    // OLMo 1-3, Cohere: the rotated q and k are cast back to their dtype; OLMo's cos and sin
+    // tables stay fp32, Cohere's rotation runs on fp32 copies (q.float()).
     bool rotary_cast_back = false;
+    bool rotary_fp32_tables = false;
+    bool rotary_upcast_first = false;
+    bool logit_scale = false;  // Cohere: logits * logit_scale
     bool gated = true;
     bool rotary = true;
     Wide rotary_dims = 0;  // per head; 0: the whole head
@@ -325,6 +330,9 @@ class ModelRun {
   T HfRmsNorm(const Norm& n, T x);
   T GemmaRmsNorm(const Norm& n, T x);
   T OlmoRmsNorm(const Norm& n, T x);
+  // CohereLayerNorm over rows of `width`: x.to(fp32), (x - mean) twice, pow(2).mean, rsqrt,
+  // weight.to(fp32) * ..., .to(x's dtype).
+  T CohereLayerNorm(const Norm& n, T x, Wide width);
   T NormAny(const Norm& n, T x);
   T ApplyRotary(T x);
   T RotateHalf(T x);  // Llama's rotation of all of x (ApplyRotary's core)

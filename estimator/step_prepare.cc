@@ -436,6 +436,20 @@ void ModelRun::ChooseFamily() {
   }
   fam_.granite_multipliers = type == "granite";
   fam_.rotary_cast_back = type == "olmo" || type == "olmo2" || type == "olmo3";
+  fam_.rotary_fp32_tables = fam_.rotary_cast_back;
+  // CohereDecoderLayer: one CohereLayerNorm read by the attention and the MLP, residual + attn
+  // + mlp; CohereAttention's optional q_norm and k_norm before the rotation, which runs on fp32
+  // copies (its rotate_half interleaves: a stack where Llama cats, the same bytes) and is cast
+  // back; the logits scaled.
+  if (type == "cohere") {
+    fam_.norm = Family::NormKind::kCohere;
+    fam_.qk_norm = Family::QkNorm::kCohere;
+    fam_.layout = Family::Layout::kParallel;
+    fam_.residual_first = true;
+    fam_.rotary_cast_back = true;
+    fam_.rotary_upcast_first = true;
+    fam_.logit_scale = true;
+  }
   if (type == "olmo2" || type == "olmo3") {
     fam_.norm = Family::NormKind::kRmsOlmo;
     fam_.layout = Family::Layout::kPostNorm;
