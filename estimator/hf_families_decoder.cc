@@ -831,6 +831,20 @@ constexpr Part kCohereLayer[] = {
     Norm("input_layernorm", W::kHidden),
 };
 
+// Cohere2 (Command R7B, Command A): Cohere's block without q/k norms; three sliding-window layers
+// with rotary embeddings, then one full-attention layer without (sliding_window_pattern 4).
+constexpr DimField kCohere2Dims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 8192),
+    Optional(Dim::kSlidingWindow, "sliding_window", 4096),
+    Default(Dim::kSlidingPattern, "sliding_window_pattern", 4),
+};
+constexpr FlagField kCohere2Flags[] = {
+    {Flag::kTie, "tie_word_embeddings", true},
+    {Flag::kQkvBias, "attention_bias", false},
+    {Flag::kOBias, "attention_bias", false},
+};
+
 // --- stablelm ---
 
 // StableLmConfig: num_key_value_heads defaults to 32 whatever the heads (the class's default).
@@ -1117,6 +1131,9 @@ constexpr FamilySpec kFamilies[] = {
     LlamaLike({.model_type = "cohere", .class_prefix = "Cohere", .dims = kCohereDims,
                .flags = kCohereFlags, .layer = kCohereLayer, .layer_norm = true,
                .parallel_attention = true}),
+    LlamaLike({.model_type = "cohere2", .class_prefix = "Cohere2", .dims = kCohere2Dims,
+               .flags = kCohere2Flags, .layer = kCohereLayer, .sliding = SlidingRule::kPattern,
+               .layer_norm = true, .parallel_attention = true, .nope_full_layers = true}),
     LlamaLike({.model_type = "stablelm", .class_prefix = "StableLm", .common_dims = kStableLmCore,
                .dims = kStableLmDims, .flags = kStableLmFlags, .on = On(Flag::kNormBias),
                .layer = kStableLmLayer, .heads = kHeadsSeqToken, .layer_norm = true,

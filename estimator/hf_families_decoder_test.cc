@@ -592,6 +592,26 @@ TEST_CASE("decoder: cohere's tied head, one norm per block and [heads, head_dim]
   CHECK(Total(plus) == Total(aya) + 32ull * (32 + 8) * 128);
 }
 
+TEST_CASE("decoder: cohere2 rotates only on its sliding layers") {
+  nlohmann::json config = {{"model_type", "cohere2"},   {"architectures", {"Cohere2ForCausalLM"}},
+                           {"hidden_size", 4096},       {"intermediate_size", 14336},
+                           {"num_attention_heads", 32}, {"num_key_value_heads", 8},
+                           {"num_hidden_layers", 8},    {"vocab_size", 256000}};
+  // Cohere2Config: sliding_window 4096 and sliding_window_pattern 4 by default.
+  const ModelInventory r7b = MustBuild(config);
+  REQUIRE(r7b.arch.has_value());
+  const std::vector<bool> sliding = {true, true, true, false, true, true, true, false};
+  CHECK(r7b.arch->sliding_window == 4096);
+  CHECK(r7b.arch->sliding_layers == sliding);
+  CHECK(r7b.arch->nope_layers ==
+        std::vector<bool>{false, false, false, true, false, false, false, true});
+  config["layer_types"] = {"sliding_attention", "full_attention",   "sliding_attention",
+                           "full_attention",    "full_attention",   "full_attention",
+                           "full_attention",    "sliding_attention"};
+  CHECK(MustBuild(config).arch->nope_layers ==
+        std::vector<bool>{false, true, false, true, true, true, true, false});
+}
+
 TEST_CASE("decoder: errors name the field at fault") {
   nlohmann::json llama = FixtureJson("llama-2-7b");
 

@@ -563,6 +563,14 @@ Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigRead
     arch.sliding_layers = sliding;
   }
   MEMPLAN_ASSIGN_OR_RETURN(std::vector<bool> nope, NopeLayers(spec, config, v));
+  if (spec.nope_full_layers) {
+    // Cohere2Attention rotates where its sliding_window is set: a sliding layer of a config
+    // with a window.
+    nope.assign(sliding.size(), false);
+    for (size_t i = 0; i < sliding.size(); ++i) {
+      nope[i] = !(sliding[i] && v.Get(Dim::kSlidingWindow) > 0);
+    }
+  }
   if (std::find(nope.begin(), nope.end(), true) != nope.end()) arch.nope_layers = nope;
   arch.attention_sinks = spec.attention_sinks;
   arch.causal = true;  // every family of this builder is a decoder-only model

@@ -426,6 +426,8 @@ struct FamilySpec {
   // Some layers skip them (SmolLM3): `no_rope_layers` (1 = RoPE, 0 = NoPE per layer), else every
   // `no_rope_layer_interval`-th layer (default 4) is a NoPE layer.
   bool nope_layers = false;
+  // Only the sliding-window layers rotate (Cohere2: its full-attention layers are NoPE).
+  bool nope_full_layers = false;
   // ALiBi biases (Bloom, MPT; Falcon when its `alibi` flag is set).
   bool alibi = false;
   // attn_logit_softcapping / final_logit_softcapping (Gemma-2, Gemma-3), with the configuration

@@ -441,7 +441,7 @@ void ModelRun::ChooseFamily() {
   // + mlp; CohereAttention's optional q_norm and k_norm before the rotation, which runs on fp32
   // copies (its rotate_half interleaves: a stack where Llama cats, the same bytes) and is cast
   // back; the logits scaled.
-  if (type == "cohere") {
+  if (type == "cohere" || type == "cohere2") {
     fam_.norm = Family::NormKind::kCohere;
     fam_.qk_norm = Family::QkNorm::kCohere;
     fam_.layout = Family::Layout::kParallel;
