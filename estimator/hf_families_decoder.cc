@@ -845,6 +845,21 @@ constexpr FlagField kCohere2Flags[] = {
     {Flag::kOBias, "attention_bias", false},
 };
 
+// --- nemotron (Nemotron-4, Minitron) ---
+
+constexpr DimField kNemotronDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 4096),
+};
+// NemotronDecoderLayer: Llama's attention (a partial rotation, half of each head by default), an
+// ungated MLP (up, relu2, down) and LayerNorm1P norms with biases.
+constexpr Part kNemotronLayer[] = {
+    Include(kLlamaAttentionNoSinks.first(4)),
+    Linear("mlp.up_proj", W::kHidden, W::kFfn, If(Flag::kMlpBias)).As(R::kMlpUp),
+    Linear("mlp.down_proj", W::kFfn, W::kHidden, If(Flag::kMlpBias)).As(R::kMlpDown),
+    Include(kLlamaNorms),
+};
+
 // --- stablelm ---
 
 // StableLmConfig: num_key_value_heads defaults to 32 whatever the heads (the class's default).
@@ -1134,6 +1149,10 @@ constexpr FamilySpec kFamilies[] = {
     LlamaLike({.model_type = "cohere2", .class_prefix = "Cohere2", .dims = kCohere2Dims,
                .flags = kCohere2Flags, .layer = kCohereLayer, .sliding = SlidingRule::kPattern,
                .layer_norm = true, .parallel_attention = true, .nope_full_layers = true}),
+    LlamaLike({.model_type = "nemotron", .class_prefix = "Nemotron", .dims = kNemotronDims,
+               .flags = kLlamaFlags, .on = On(Flag::kNormBias), .layer = kNemotronLayer,
+               .heads = kHeadsQaTransformer, .gated_mlp = false, .layer_norm = true,
+               .partial_rotary = true, .partial_rotary_default = 0.5, .act_default = "relu2"}),
     LlamaLike({.model_type = "stablelm", .class_prefix = "StableLm", .common_dims = kStableLmCore,
                .dims = kStableLmDims, .flags = kStableLmFlags, .on = On(Flag::kNormBias),
                .layer = kStableLmLayer, .heads = kHeadsSeqToken, .layer_norm = true,

@@ -612,6 +612,28 @@ TEST_CASE("decoder: cohere2 rotates only on its sliding layers") {
         std::vector<bool>{false, true, false, true, true, true, true, false});
 }
 
+TEST_CASE("decoder: nemotron's ungated MLP, biased norms and half-rotated heads") {
+  // nvidia/Mistral-NeMo-Minitron-8B-Base: 8,120,836,096 parameters (Transformers 5's count,
+  // oracle_modern; the model card's 8 B).
+  nlohmann::json config = {{"model_type", "nemotron"},
+                           {"architectures", {"NemotronForCausalLM"}},
+                           {"head_dim", 128},
+                           {"hidden_size", 4096},
+                           {"intermediate_size", 16384},
+                           {"num_attention_heads", 32},
+                           {"num_key_value_heads", 8},
+                           {"num_hidden_layers", 40},
+                           {"vocab_size", 131072}};
+  const ModelInventory m = MustBuild(config);
+  CHECK(Total(m) == 8'120'836'096);
+  CHECK(m.Find("model.layers.0.mlp.gate_proj.weight") < 0);
+  CHECK(Tensor(m, "model.layers.0.post_attention_layernorm.bias").shape == Shape{4096});
+  REQUIRE(m.arch.has_value());
+  CHECK(m.arch->hidden_act == "relu2");
+  CHECK_FALSE(m.arch->gated_mlp);
+  CHECK(m.buffers[0].numel == 32);  // partial_rotary_factor 0.5 of 128: 32 frequencies
+}
+
 TEST_CASE("decoder: errors name the field at fault") {
   nlohmann::json llama = FixtureJson("llama-2-7b");
 

@@ -141,6 +141,24 @@ T ModelRun::NormAny(const Norm& n, T x) {
     case Family::NormKind::kRmsOlmo: return OlmoRmsNorm(n, x);
     case Family::NormKind::kLayer: return LayerNorm(g_, x, n.w, n.b, n.width);
     case Family::NormKind::kCohere: return CohereLayerNorm(n, x, n.width);
+    case Family::NormKind::kLayer1P: {
+      // _cast_if_autocast_enabled: input, weight + 1 and bias to the autocast dtype (plain
+      // copies: no weight cache), then F.layer_norm with autocast disabled.
+      const bool ac = g_.autocast();
+      auto cast = [&](T t) { return ac ? Cast(g_, t, g_.autocast_dtype()) : g_.Alias(t); };
+      T w1 = Scale(g_, n.w);
+      T xc = cast(x);
+      T wc = cast(w1);
+      g_.Drop(w1);
+      T bc = n.b.ok() ? cast(n.b) : T{};
+      g_.SetAutocast(false, g_.autocast_dtype());
+      T y = LayerNorm(g_, xc, wc, bc, n.width);
+      g_.SetAutocast(ac, g_.autocast_dtype());
+      g_.Drop(xc);
+      g_.Drop(wc);
+      g_.Drop(bc);
+      return y;
+    }
     case Family::NormKind::kLayerNoParams: {
       T x32 = Cast(g_, x, DT::kF32);
       T y = LayerNorm(g_, x32, T{}, T{}, n.width);
@@ -222,6 +240,12 @@ T ModelRun::Activation(T x) {
     case Family::Act::kGelu: return Apply(g_, Unary::kGelu, x);
     case Family::Act::kGeluTanh: return Apply(g_, Unary::kGeluTanh, x);
     case Family::Act::kRelu: return Apply(g_, Unary::kRelu, x);
+    case Family::Act::kRelu2: {
+      T r = Apply(g_, Unary::kRelu, x);
+      T sq = Apply(g_, Unary::kPow, r);
+      g_.Drop(r);
+      return sq;
+    }
     case Family::Act::kGeluNew: {
       // NewGELUActivation (transformers/activations.py), a Python formula:
       //   0.5 * input * (1.0 + torch.tanh(sqrt(2 / pi) * (input + 0.044715 * input ** 3)))

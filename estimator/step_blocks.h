@@ -82,9 +82,12 @@ class ModelRun {
     // kLayerNoParams: OlmoLayerNorm, F.layer_norm of an fp32 copy without weight or bias, cast
     // back to the input's dtype.
     // kCohere: CohereLayerNorm, LayerNorm written in Python ops over an fp32 copy, weight only.
-    enum class NormKind { kRms, kRmsGemma, kRmsOlmo, kLayer, kLayerNoParams, kCohere };
+    // kLayer1P: NemotronLayerNorm1P, F.layer_norm with weight + 1, its arguments cast to the
+    // autocast dtype and autocast off.
+    enum class NormKind { kRms, kRmsGemma, kRmsOlmo, kLayer, kLayerNoParams, kCohere, kLayer1P };
     enum class Layout { kSequential, kSandwich, kPostNorm, kParallel, kParallelTwoNorms };
-    enum class Act { kSilu, kGelu, kGeluTanh, kGeluNew, kRelu };
+    // kRelu2: ReLUSquaredActivation, relu then torch.square (a pow: fp32 under autocast).
+    enum class Act { kSilu, kGelu, kGeluTanh, kGeluNew, kRelu, kRelu2 };
     // kPerHeadLayer: StableLmLayerNormPerHead, one LayerNorm module per head over its split.
     // kCohere: CohereLayerNorm over each head (a [heads, head_dim] weight).
     enum class QkNorm { kNone, kHeadRms, kFullRms, kHeadLayer, kPerHeadLayer, kCohere };

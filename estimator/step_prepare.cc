@@ -421,8 +421,9 @@ void ModelRun::ChooseFamily() {
              : act == "gelu_pytorch_tanh"    ? Family::Act::kGeluTanh
              : act == "gelu_new" || act == "gelu_fast" || act == "gelu_accurate"
                  ? Family::Act::kGeluNew
-             : act == "relu" ? Family::Act::kRelu
-                             : Family::Act::kGelu;
+             : act == "relu"  ? Family::Act::kRelu
+             : act == "relu2" ? Family::Act::kRelu2
+                              : Family::Act::kGelu;
   fam_.norm = a_.norm_upcasts ? Family::NormKind::kRms : Family::NormKind::kLayer;
   if (type == "gemma" || type == "gemma2" || type == "gemma3_text") {
     fam_.norm = Family::NormKind::kRmsGemma;
@@ -441,6 +442,7 @@ void ModelRun::ChooseFamily() {
   // + mlp; CohereAttention's optional q_norm and k_norm before the rotation, which runs on fp32
   // copies (its rotate_half interleaves: a stack where Llama cats, the same bytes) and is cast
   // back; the logits scaled.
+  if (type == "nemotron") fam_.norm = Family::NormKind::kLayer1P;
   if (type == "cohere" || type == "cohere2") {
     fam_.norm = Family::NormKind::kCohere;
     fam_.qk_norm = Family::QkNorm::kCohere;
