@@ -27,6 +27,7 @@
 #include <iterator>
 #include <utility>
 #include <span>
+#include <string>
 #include <string_view>
 
 #include "estimator/hf_family.h"
@@ -860,6 +861,39 @@ constexpr Part kNemotronLayer[] = {
     Include(kLlamaNorms),
 };
 
+// --- exaone4 (EXAONE 4.0) ---
+
+constexpr DimField kExaone4Dims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 2048),
+    Optional(Dim::kSlidingWindow, "sliding_window", 4096),
+};
+// Exaone4Config: sliding_window_pattern is a number (every n-th layer global) or, in published
+// configs, a string such as "LLLG" beside an explicit layer_types; null without a window.
+Status AdjustExaone4(const ConfigReader& config, Values* v) {
+  int64_t pattern = v->Get(Dim::kSlidingWindow) > 0 ? 4 : 0;
+  if (config.Has("sliding_window_pattern")) {
+    const nlohmann::json& p = config.json()["sliding_window_pattern"];
+    if (p.is_string()) {
+      const std::string text = p.get<std::string>();
+      if (text.empty() || text.find_first_not_of("LG") != std::string::npos ||
+          text.find('G') != text.size() - 1 || text.back() != 'G') {
+        return config.FieldError("sliding_window_pattern",
+                                 "'" + text + "' is not local layers then one global ('LLLG')");
+      }
+      pattern = static_cast<int64_t>(text.size());
+    } else if (!p.is_null()) {
+      MEMPLAN_ASSIGN_OR_RETURN(pattern, config.DimOr("sliding_window_pattern", pattern));
+    }
+  }
+  if (v->Get(Dim::kSlidingWindow) <= 0) pattern = 0;
+  v->Set(Dim::kSlidingPattern, pattern);
+  return Status::Ok();
+}
+// Exaone4DecoderLayer: the attention with per-head q_norm and k_norm, the MLP, then the norms
+// after each branch (post_attention_layernorm, post_feedforward_layernorm), none before.
+constexpr FlagField kExaone4Flags[] = {{Flag::kTie, "tie_word_embeddings", false}};
+
 // --- stablelm ---
 
 // StableLmConfig: num_key_value_heads defaults to 32 whatever the heads (the class's default).
@@ -1153,6 +1187,12 @@ constexpr FamilySpec kFamilies[] = {
                .flags = kLlamaFlags, .on = On(Flag::kNormBias), .layer = kNemotronLayer,
                .heads = kHeadsQaTransformer, .gated_mlp = false, .layer_norm = true,
                .partial_rotary = true, .partial_rotary_default = 0.5, .act_default = "relu2"}),
+    LlamaLike({.model_type = "exaone4", .class_prefix = "Exaone4", .dims = kExaone4Dims,
+               .flags = kExaone4Flags,
+               .on = On(Flag::kHeadQkNorm, Flag::kNoInputNorm, Flag::kPostFfNorm),
+               .adjust = &AdjustExaone4, .heads = kHeadsQaTransformer,
+               .sliding = SlidingRule::kPattern, .nope_full_layers = true,
+               .rope_without_window = true}),
     LlamaLike({.model_type = "stablelm", .class_prefix = "StableLm", .common_dims = kStableLmCore,
                .dims = kStableLmDims, .flags = kStableLmFlags, .on = On(Flag::kNormBias),
                .layer = kStableLmLayer, .heads = kHeadsSeqToken, .layer_norm = true,

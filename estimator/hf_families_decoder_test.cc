@@ -634,6 +634,41 @@ TEST_CASE("decoder: nemotron's ungated MLP, biased norms and half-rotated heads"
   CHECK(m.buffers[0].numel == 32);  // partial_rotary_factor 0.5 of 128: 32 frequencies
 }
 
+TEST_CASE("decoder: exaone4's window pattern, as a number, a string or none") {
+  nlohmann::json config = {{"model_type", "exaone4"},
+                           {"architectures", {"Exaone4ForCausalLM"}},
+                           {"head_dim", 128},
+                           {"hidden_size", 5120},
+                           {"intermediate_size", 27392},
+                           {"num_attention_heads", 40},
+                           {"num_key_value_heads", 8},
+                           {"num_hidden_layers", 8},
+                           {"vocab_size", 102400}};
+  const std::vector<bool> lllg = {true, true, true, false, true, true, true, false};
+  const std::vector<bool> global = {false, false, false, true, false, false, false, true};
+  // Exaone4Config's defaults: a 4096 window, every fourth layer global and without rotation.
+  const ModelInventory m = MustBuild(config);
+  REQUIRE(m.arch.has_value());
+  CHECK(m.arch->sliding_layers == lllg);
+  CHECK(m.arch->nope_layers == global);
+  CHECK(m.Find("model.layers.0.input_layernorm.weight") < 0);
+  CHECK(Tensor(m, "model.layers.0.post_feedforward_layernorm.weight").shape == Shape{5120});
+  CHECK(Tensor(m, "model.layers.0.self_attn.k_norm.weight").shape == Shape{128});
+  config["sliding_window_pattern"] = "LLLG";  // as published, with or without layer_types
+  CHECK(MustBuild(config).arch->nope_layers == global);
+  config["sliding_window_pattern"] = "LGLL";
+  CHECK(Contains(BuildError(config), "'sliding_window_pattern'"));
+  config["sliding_window_pattern"] = 2;
+  CHECK(MustBuild(config).arch->nope_layers ==
+        std::vector<bool>{false, true, false, true, false, true, false, true});
+  // No window (EXAONE 4.0 1.2B): every layer global, every layer rotated.
+  config["sliding_window"] = nullptr;
+  config["sliding_window_pattern"] = nullptr;
+  const ModelInventory full = MustBuild(config);
+  CHECK(full.arch->sliding_layers.empty());
+  CHECK(full.arch->nope_layers.empty());
+}
+
 TEST_CASE("decoder: errors name the field at fault") {
   nlohmann::json llama = FixtureJson("llama-2-7b");
 

@@ -565,10 +565,11 @@ Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigRead
   MEMPLAN_ASSIGN_OR_RETURN(std::vector<bool> nope, NopeLayers(spec, config, v));
   if (spec.nope_full_layers) {
     // Cohere2Attention rotates where its sliding_window is set: a sliding layer of a config
-    // with a window.
+    // with a window; Exaone4Attention also where the config has no window at all.
+    const bool window = v.Get(Dim::kSlidingWindow) > 0;
     nope.assign(sliding.size(), false);
     for (size_t i = 0; i < sliding.size(); ++i) {
-      nope[i] = !(sliding[i] && v.Get(Dim::kSlidingWindow) > 0);
+      nope[i] = window ? !sliding[i] : !spec.rope_without_window;
     }
   }
   if (std::find(nope.begin(), nope.end(), true) != nope.end()) arch.nope_layers = nope;

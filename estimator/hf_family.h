@@ -426,8 +426,11 @@ struct FamilySpec {
   // Some layers skip them (SmolLM3): `no_rope_layers` (1 = RoPE, 0 = NoPE per layer), else every
   // `no_rope_layer_interval`-th layer (default 4) is a NoPE layer.
   bool nope_layers = false;
-  // Only the sliding-window layers rotate (Cohere2: its full-attention layers are NoPE).
+  // Only the sliding-window layers rotate (Cohere2: its full-attention layers are NoPE). With
+  // `rope_without_window` every layer rotates when the config has no window (EXAONE 4);
+  // without it no layer does (Cohere2).
   bool nope_full_layers = false;
+  bool rope_without_window = false;
   // ALiBi biases (Bloom, MPT; Falcon when its `alibi` flag is set).
   bool alibi = false;
   // attn_logit_softcapping / final_logit_softcapping (Gemma-2, Gemma-3), with the configuration

@@ -825,6 +825,9 @@ void ModelRun::HoldEmbeddingLeaf(T t) {
   // Note [The frozen embedding's leaf] (TransformersForward).
   if (s_.checkpointing != Checkpointing::kFull || g_.RequiresGrad(t)) return;
   g_.SetRequiresGrad(t, true);
+  // A leaf now: where the first op casts it to the autocast dtype (a post-norm block's
+  // projections), the cast stays in autocast's cache until the forward's region ends.
+  g_.MarkLeaf(t);
   T held = g_.Alias(t);
   g_.RecordHook([this, held] { g_.Drop(held); });
 }

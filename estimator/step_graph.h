@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -168,6 +169,11 @@ class Graph {
   bool autocast() const { return autocast_; }
   DT autocast_dtype() const { return autocast_dt_; }
   T CastWeight(T param, DT dt, bool view = false);
+  // A non-parameter leaf that requires grad (the frozen embedding's output made to require it):
+  // autocast's cached_cast caches its casts as it does a weight's. AutocastCast casts x (to the
+  // autocast dtype) through that cache when x is such a leaf, else anew.
+  void MarkLeaf(T t) { leaves_.insert(Root(t.id)); }
+  T AutocastCast(T x, DT dt);
   void ClearAutocastCache();
 
   // FSDPMemTracker counts a parameter's unsharded gradient as a temporary until its unit's
@@ -265,7 +271,8 @@ class Graph {
   std::vector<ParamState> params_;
   std::vector<Node> nodes_;
   std::vector<Node> ck_tail_;    // the checkpointed region's nodes since its last saving one
-  std::map<int, T> cast_cache_;  // param tensor id -> cast
+  std::map<int, T> cast_cache_;  // param (or leaf root) tensor id -> cast
+  std::set<int> leaves_;         // MarkLeaf's, by root tensor id
   std::array<Wide, kStepCategories> cur_{};
   Wide total_ = 0;
   StepPhase phase_ = StepPhase::kForward;

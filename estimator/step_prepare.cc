@@ -443,6 +443,12 @@ void ModelRun::ChooseFamily() {
   // copies (its rotate_half interleaves: a stack where Llama cats, the same bytes) and is cast
   // back; the logits scaled.
   if (type == "nemotron") fam_.norm = Family::NormKind::kLayer1P;
+  // Exaone4DecoderLayer: OLMo 2's order (each branch's norm after it) with LlamaRMSNorm, and
+  // Qwen3's per-head q_norm and k_norm before the rotation (none on its NoPE layers).
+  if (type == "exaone4") {
+    fam_.layout = Family::Layout::kPostNorm;
+    fam_.qk_norm = Family::QkNorm::kHeadRms;
+  }
   if (type == "cohere" || type == "cohere2") {
     fam_.norm = Family::NormKind::kCohere;
     fam_.qk_norm = Family::QkNorm::kCohere;

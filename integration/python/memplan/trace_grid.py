@@ -70,7 +70,7 @@ HF_DECODERS = ["llama-3.2-1b", "llama-3.1-8b", "mistral-7b", "qwen2.5-0.5b", "qw
                "granite-3-8b-like", "olmoe-1b-7b", "hunyuan-7b-like", "glm-4-9b", "glm-4-32b-0414",
                "moonlight-16b-a3b", "starcoderbase-1b", "stablelm-2-1_6b", "stablelm-2-12b",
                "olmo-1b-hf", "olmo-7b-0424-hf", "aya-23-8b", "command-r-plus",
-               "command-r7b", "minitron-8b"]
+               "command-r7b", "minitron-8b", "exaone-4.0-32b-like"]
 EAGER_ONLY = ("gemma-2-2b", "bloom-560m", "gpt-j-6b", "gpt-oss-20b")
 # LoRA targets named where PEFT's defaults do not reach these models (fused experts, MLA, gpt-oss,
 # families PEFT has no defaults for): the attention's query and value (MLA's decompressed keys and
@@ -83,7 +83,7 @@ LORA_TARGETS = {"mixtral-8x7b": ["q_proj", "v_proj"], "deepseek-v2-lite": ["q_pr
                 "glm-4-9b": ["q_proj", "v_proj"], "glm-4-32b-0414": ["q_proj", "v_proj"],
                 "moonlight-16b-a3b": ["q_proj", "kv_b_proj"], "aya-23-8b": ["q_proj", "v_proj"],
                 "command-r-plus": ["q_proj", "v_proj"], "command-r7b": ["q_proj", "v_proj"],
-                "minitron-8b": ["q_proj", "v_proj"]}
+                "minitron-8b": ["q_proj", "v_proj"], "exaone-4.0-32b-like": ["q_proj", "v_proj"]}
 HF_ENCODERS = ["bert-base-uncased", "bert-large-uncased", "roberta-base", "xlm-roberta-base",
                "distilbert-base-uncased", "t5-v1_1-base", "t5-large"]
 
@@ -151,6 +151,9 @@ def points():
     # three sliding layers take a window mask.
     out.append(_point(tf, "command-r7b", 4, 1, 1024))
     out.append(_point(tf, "command-r7b", 4, 1, 4608, checkpointing="full"))
+    # EXAONE 4.0 likewise: its global fourth layer has no rotary embedding.
+    out.append(_point(tf, "exaone-4.0-32b-like", 4, 1, 1024))
+    out.append(_point(tf, "exaone-4.0-32b-like", 4, 1, 4608, checkpointing="full", precision="bf16"))
     # DeepSeek-V3's first three layers are dense: four reach its router (256 experts in 8
     # groups) and the query's q_lora_rank bottleneck, which Moonlight does not have.
     out.append(_point(tf, "deepseek-v3", 4, 1, 512))
