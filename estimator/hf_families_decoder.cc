@@ -718,6 +718,69 @@ constexpr HeadSpec kGptjHeads[] = {
     {HeadKind::kQuestionAnswering, "ForQuestionAnswering", "transformer", kGptjQa},
 };
 
+// --- gpt_neo ---
+
+constexpr DimField kGptNeoDims[] = {
+    Required(Dim::kHidden, "hidden_size"),
+    Required(Dim::kLayers, "num_layers", "num_hidden_layers"),
+    Required(Dim::kHeads, "num_heads", "num_attention_heads"),
+    SameAs(Dim::kKvHeads, "", Dim::kHeads),
+    Quotient(Dim::kHeadDim, "", Dim::kHidden, Dim::kHeads),
+    Multiple(Dim::kIntermediate, "intermediate_size", 4, Dim::kHidden),
+    Required(Dim::kVocab, "vocab_size"),
+    Default(Dim::kPositions, "max_position_embeddings", 2048),
+};
+constexpr FlagField kGptNeoFlags[] = {{Flag::kTie, "tie_word_embeddings", true}};
+// GPTNeoConfig: attention_types ([[["global", "local"], 12]]) must expand to one type per
+// layer, or the class refuses the config.
+Status AdjustGptNeo(const ConfigReader& config, Values* v) {
+  if (v->Get(Dim::kHidden) % v->Get(Dim::kHeads) != 0) {
+    return config.FieldError("num_heads", std::to_string(v->Get(Dim::kHeads)) +
+                                              " does not divide hidden_size " +
+                                              std::to_string(v->Get(Dim::kHidden)));
+  }
+  if (!config.Has("attention_types") || config.json()["attention_types"].is_null()) {
+    return Status::Ok();
+  }
+  const nlohmann::json& types = config.json()["attention_types"];
+  int64_t layers = 0;
+  bool ok = types.is_array();
+  for (const nlohmann::json& item : ok ? types : nlohmann::json::array()) {
+    if (!item.is_array() || item.size() != 2 || !item[0].is_array() ||
+        !item[1].is_number_integer() || item[1].get<int64_t>() < 0) {
+      ok = false;
+      break;
+    }
+    for (const nlohmann::json& t : item[0]) {
+      if (t != "global" && t != "local") ok = false;
+    }
+    layers += static_cast<int64_t>(item[0].size()) * item[1].get<int64_t>();
+  }
+  if (!ok) {
+    return config.FieldError("attention_types",
+                             "must list [[\"global\" or \"local\", ...], repeats] pairs");
+  }
+  if (layers != v->Get(Dim::kLayers)) {
+    return config.FieldError("attention_types", "expands to " + std::to_string(layers) +
+                                                    " layers, not num_layers " +
+                                                    std::to_string(v->Get(Dim::kLayers)));
+  }
+  return Status::Ok();
+}
+// GPTNeoBlock: ln_1, the attention (k, v, q without biases, out_proj with one; a bool
+// max_positions^2 causal table per layer, banded on the local layers), ln_2, the MLP.
+constexpr Part kGptNeoLayer[] = {
+    Norm("ln_1", W::kHidden, kYes),
+    MaskBuffer("attn.attention.bias", W::kOne, W::kOne, W::kPositions, W::kPositions),
+    Linear("attn.attention.k_proj", W::kHidden, W::kHidden).As(R::kAttentionK),
+    Linear("attn.attention.v_proj", W::kHidden, W::kHidden).As(R::kAttentionV),
+    Linear("attn.attention.q_proj", W::kHidden, W::kHidden).As(R::kAttentionQ),
+    Linear("attn.attention.out_proj", W::kHidden, W::kHidden, kYes).As(R::kAttentionOut),
+    Norm("ln_2", W::kHidden, kYes),
+    Linear("mlp.c_fc", W::kHidden, W::kFfn, kYes).As(R::kMlpUp),
+    Linear("mlp.c_proj", W::kFfn, W::kHidden, kYes).As(R::kMlpDown),
+};
+
 // --- opt ---
 
 constexpr DimField kOptDims[] = {
@@ -1338,6 +1401,13 @@ constexpr FamilySpec kFamilies[] = {
      .parallel_attention = true, .act_field = "activation_function", .act_default = "gelu_new",
      .attention_dropout_field = "attn_pdrop", .hidden_dropout_field = "resid_pdrop",
      .embedding_dropout_field = "embd_pdrop"},
+    {.model_type = "gpt_neo", .class_prefix = "GPTNeo", .no_split_class = "GPTNeoBlock",
+     .prefix = "transformer", .dims = kGptNeoDims, .flags = kGptNeoFlags, .adjust = &AdjustGptNeo,
+     .before = kGpt2Before, .layers = "h", .layer = kGptNeoLayer, .after = kLnF,
+     .tied_embedding = "wte.weight", .heads = kTransformerHeads, .gated_mlp = false,
+     .learned_positions = true, .act_field = "activation_function", .act_default = "gelu_new",
+     .hidden_dropout_field = "resid_dropout", .embedding_dropout_field = "embed_dropout",
+     .rotary = false},
     {.model_type = "opt", .class_prefix = "OPT", .dims = kOptDims, .flags = kOptFlags,
      .adjust = &AdjustOpt, .before = kOptBefore, .layers = "decoder.layers", .layer = kOptLayer,
      .lm_head = Linear("lm_head", W::kEmbedProj, W::kVocab).As(R::kHead),

@@ -669,6 +669,32 @@ TEST_CASE("decoder: exaone4's window pattern, as a number, a string or none") {
   CHECK(full.arch->nope_layers.empty());
 }
 
+TEST_CASE("decoder: gpt_neo's causal tables, and attention_types checked against num_layers") {
+  // EleutherAI/gpt-neo-1.3B: 1,315,575,808 parameters (its model card's 1.3 B), tied.
+  nlohmann::json config = {{"model_type", "gpt_neo"},
+                           {"architectures", {"GPTNeoForCausalLM"}},
+                           {"attention_types", {{{"global", "local"}, 12}}},
+                           {"hidden_size", 2048},
+                           {"num_heads", 16},
+                           {"num_layers", 24},
+                           {"vocab_size", 50257}};
+  const ModelInventory neo = MustBuild(config);
+  CHECK(Total(neo) == 1'315'575'808);
+  CHECK(Tensor(neo, "transformer.h.0.attn.attention.out_proj.bias").shape == Shape{2048});
+  CHECK(neo.Find("transformer.h.0.attn.attention.q_proj.bias") < 0);
+  // One bool [1, 1, 2048, 2048] causal table per layer (banded on the local ones).
+  REQUIRE(neo.buffers.size() == 24);
+  CHECK(neo.buffers[5].name == "transformer.h.5.attn.attention.bias");
+  CHECK(neo.buffers[5].shape == Shape{1, 1, 2048, 2048});
+  CHECK(neo.buffers[5].dtype == DType::kBool);
+  config["num_layers"] = 12;
+  CHECK(Contains(BuildError(config), "'attention_types'"));
+  config["attention_types"] = {{{"global", "sparse"}, 6}};
+  CHECK(Contains(BuildError(config), "'attention_types'"));
+  config["attention_types"] = {{{"global"}, 12}};
+  CHECK(Total(MustBuild(config)) < Total(neo));
+}
+
 TEST_CASE("decoder: errors name the field at fault") {
   nlohmann::json llama = FixtureJson("llama-2-7b");
 

@@ -206,7 +206,7 @@ int64_t Width(W w, const Values& v) {
 
 std::vector<int64_t> Shape(const Part& p, const Values& v) {
   std::vector<int64_t> shape;
-  for (W w : {p.a, p.b, p.c}) {
+  for (W w : {p.a, p.b, p.c, p.d}) {
     if (w != W::kNone) shape.push_back(Width(w, v));
   }
   return shape;

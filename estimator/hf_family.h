@@ -263,6 +263,7 @@ struct Part {
   int group = 0;  // kPerExpert: how many following parts form one expert
   std::span<const Part> include = {};
   TensorRole role = TensorRole::kUnknown;
+  W d = W::kNone;  // a fourth dimension (GPT-Neo's [1, 1, P, P] causal tables)
 
   // This part with role `r`: Linear("self_attn.q_proj", ...).As(R::kAttentionQ).
   constexpr Part As(TensorRole r) const {
@@ -297,8 +298,8 @@ constexpr Part Buffer(std::string_view n, W a, W b = W::kNone, Cond when = kYes)
 constexpr Part IdsBuffer(std::string_view n, W a, W b = W::kNone) {
   return {Kind::kIdsBuffer, n, a, b, W::kNone, kNo, kYes};
 }
-constexpr Part MaskBuffer(std::string_view n, W a, W b = W::kNone) {
-  return {Kind::kMaskBuffer, n, a, b, W::kNone, kNo, kYes};
+constexpr Part MaskBuffer(std::string_view n, W a, W b = W::kNone, W c = W::kNone, W d = W::kNone) {
+  return {Kind::kMaskBuffer, n, a, b, c, kNo, kYes, 0, {}, TensorRole::kUnknown, d};
 }
 constexpr Part PatchConv(std::string_view n, W in, W out, Cond bias) {
   return {Kind::kConv2d, n, in, out, W::kNone, bias, kYes};

@@ -603,7 +603,7 @@ T ModelRun::TransformersAttention(int layer, const BlockParams& bp, T h) {
   // A sliding-window layer's SDPA takes the mask (the model's other layers may run causal).
   as.mask = explicit_mask_ || SlidingMasked(layer);
   const DT cdt = autocast_ ? adt_ : g_.Dtype(t.q);
-  T out = s_.flash_attention ? TransformersSdpa(as, cdt, &t) : TransformersEagerAttention(t);
+  T out = sdpa_ ? TransformersSdpa(as, cdt, &t) : TransformersEagerAttention(t);
   g_.Drop(t.q);
   g_.Drop(t.k);
   g_.Drop(t.v);
@@ -1200,9 +1200,9 @@ Result<T> ModelRun::TransformersForward() {
     alibi_ = g_.New(batch_ * static_cast<Wide>(a_.heads) * seq_, g_.Dtype(x), false);
     explicit_mask_ = true;
     mask_ = g_.New(batch_ * static_cast<Wide>(a_.heads) * seq_ * seq_, g_.Dtype(x), false);
-  } else if (!s_.flash_attention || explicit_mask_ || fam_.bloom_attention || AnySlidingMasked()) {
+  } else if (!sdpa_ || explicit_mask_ || fam_.bloom_attention || AnySlidingMasked()) {
     // The causal mask: boolean for SDPA, additive in the hidden states' dtype for eager.
-    const bool boolean = s_.flash_attention && !fam_.bloom_attention;
+    const bool boolean = sdpa_ && !fam_.bloom_attention;
     mask_ = g_.New(batch_ * seq_ * seq_, boolean ? DT::kBool : g_.Dtype(x), false);
   }
   x = RunLayers(x);

@@ -383,6 +383,9 @@ class ModelRun {
   std::vector<T> cache_;  // DynamicCache copies held until the output is dropped
   bool use_cache_ = false;
   bool explicit_mask_ = false;
+  // The attention runs through SDPA: flash_attention, and for Transformers a family with an
+  // SDPA path (TransformersRunsSdpa); else eager.
+  bool sdpa_ = true;
   std::vector<Wide> group_bytes_;
   Wide parameter_bytes_ = 0, buffer_bytes_ = 0, state_bytes_ = 0;
   Wide largest_trainable_ = 0;

@@ -208,7 +208,7 @@ T ModelRun::MlaAttention(const BlockParams& bp, T h) {
   as.dropout = a_.attention_dropout;
   as.mask = explicit_mask_;
   const DT cdt = autocast_ ? adt_ : g_.Dtype(t.q);
-  T out = s_.flash_attention ? TransformersSdpa(as, cdt, &t) : MlaEagerAttention(t, as);
+  T out = sdpa_ ? TransformersSdpa(as, cdt, &t) : MlaEagerAttention(t, as);
   g_.Drop(t.q);
   g_.Drop(t.k);
   g_.Drop(t.v);

@@ -756,6 +756,44 @@ TEST_CASE(
                                                            44'888'739'840, 56'099'082'240});
 }
 
+TEST_CASE("step model: a family without SDPA in Transformers runs eager attention") {
+  // Gemma-2 refuses SDPA (_supports_sdpa = False) and GPT-J has no SDPA path: what Transformers
+  // runs by default is eager, score matrices included, whatever --flash-attention says.
+  TrainingSetup s;
+  s.seq_len = 1024;
+  const ModelInventory models[] = {
+      WithLayers("gemma-2-2b", 2),
+      memplan::testing::MustBuild(SourceConfig("tests/oracle/modern_configs/gpt-j-6b.json", 2))};
+  for (const ModelInventory& m : models) {
+    INFO(m.model_type);
+    s.flash_attention = true;
+    Result<MemoryEstimate> flash = EstimateMemory(m, s);
+    s.flash_attention = false;
+    Result<MemoryEstimate> eager = EstimateMemory(m, s);
+    REQUIRE(flash.ok());
+    REQUIRE(eager.ok());
+    REQUIRE(flash->step.has_value());
+    for (size_t p = 0; p < kStepPhases; ++p) {
+      CHECK(flash->step->phases[p].bytes == eager->step->phases[p].bytes);
+    }
+    bool said = false;
+    for (const std::string& note : flash->step->notes) {
+      said = said || note.find("has no SDPA path in Transformers") != std::string::npos;
+    }
+    CHECK(said);
+  }
+  // Llama's SDPA keeps no score matrices: less than its eager attention.
+  const ModelInventory llama = WithLayers("llama-3.2-1b", 2);
+  s.flash_attention = true;
+  Result<MemoryEstimate> sdpa = EstimateMemory(llama, s);
+  s.flash_attention = false;
+  Result<MemoryEstimate> eager = EstimateMemory(llama, s);
+  REQUIRE(sdpa.ok());
+  REQUIRE(eager.ok());
+  const auto forward = static_cast<size_t>(StepPhase::kForward);
+  CHECK(sdpa->step->phases[forward].bytes < eager->step->phases[forward].bytes);
+}
+
 TEST_CASE("step model: what it does not run is refused as unmodelled, not run as another setup") {
   const ModelInventory llama = WithLayers("llama-3.2-1b", 2);
   TrainingSetup s;

@@ -436,6 +436,14 @@ void ModelRun::ChooseFamily() {
     fam_.layout = Family::Layout::kSandwich;
   }
   fam_.granite_multipliers = type == "granite";
+  sdpa_ = s_.flash_attention &&
+          (s_.framework != Framework::kTransformers || TransformersRunsSdpa(type));
+  if (s_.flash_attention && !sdpa_ && type != "gpt_oss" && type != "bloom") {
+    notes_.push_back(type +
+                     " has no SDPA path in Transformers: its attention runs eager, every layer's "
+                     "score matrices kept (attn_implementation=\"flash_attention_2\" would not; "
+                     "not modelled)");
+  }
   fam_.rotary_cast_back = type == "olmo" || type == "olmo2" || type == "olmo3";
   fam_.rotary_fp32_tables = fam_.rotary_cast_back;
   // CohereDecoderLayer: one CohereLayerNorm read by the attention and the MLP, residual + attn
@@ -527,11 +535,12 @@ void ModelRun::ChooseFamily() {
     fam_.norm = Family::NormKind::kRmsOlmo;
   }
   fam_.query_scaled = type == "opt";
-  fam_.probs_to_value = type == "gpt2" || type == "gptj";
-  fam_.qk_fp32 = type == "gptj";
+  // GPTNeoSelfAttention._attn is GPT-J's without the scaling (torch.where takes its place).
+  fam_.probs_to_value = type == "gpt2" || type == "gptj" || type == "gpt_neo";
+  fam_.qk_fp32 = type == "gptj" || type == "gpt_neo";
   fam_.learned_positions = a_.learned_positions;
   if (type == "gpt2" || type == "opt" || type == "starcoder2" || type == "phi" || type == "gptj" ||
-      type == "seed_oss" || type == "gpt_bigcode") {
+      type == "seed_oss" || type == "gpt_bigcode" || type == "gpt_neo") {
     fam_.resid_dropout = a_.hidden_dropout;
   }
   if (type != "opt") fam_.embedding_dropout = a_.embedding_dropout;

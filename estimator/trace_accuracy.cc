@@ -80,13 +80,27 @@ Result<ModelInventory> Inventory(const std::filesystem::path& root, const nlohma
       }
     }
     if (!set) config["num_hidden_layers"] = layers;
-    for (const char* field : {"layer_types", "sliding_window_pattern_list"}) {
+    for (const char* field : {"layer_types", "sliding_window_pattern_list", "attention_layers"}) {
       if (config.contains(field) && config[field].is_array() &&
           static_cast<int64_t>(config[field].size()) > layers) {
         nlohmann::json cut = nlohmann::json::array();
         for (int64_t i = 0; i < layers; ++i) cut.push_back(config[field][static_cast<size_t>(i)]);
         config[field] = cut;
       }
+    }
+    // GPT-Neo's attention_types ([[["global", "local"], 12]]) must expand to the layer count:
+    // the first `layers` types, one pair each.
+    if (config.contains("attention_types") && config["attention_types"].is_array()) {
+      nlohmann::json cut = nlohmann::json::array();
+      for (const nlohmann::json& item : config["attention_types"]) {
+        if (!item.is_array() || item.size() != 2 || !item[1].is_number_integer()) break;
+        for (int64_t r = 0; r < item[1].get<int64_t>(); ++r) {
+          for (const nlohmann::json& t : item[0]) {
+            if (static_cast<int64_t>(cut.size()) < layers) cut.push_back({{t}, 1});
+          }
+        }
+      }
+      config["attention_types"] = cut;
     }
     if (config.value("model_type", "") == "t5") {
       config["num_layers"] = layers;

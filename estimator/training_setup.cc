@@ -320,9 +320,17 @@ std::vector<std::string> DefaultLoraTargets(std::string_view model_type) {
       {"gpt_bigcode", {"c_attn"}},
       {"stablelm", {"q_proj", "v_proj"}},
       {"olmo", {"q_proj", "v_proj"}},
+      {"gpt_neo", {"q_proj", "v_proj"}},
   };
   auto it = kDefaults->find(model_type);
   return it == kDefaults->end() ? std::vector<std::string>{} : it->second;
+}
+
+bool TransformersRunsSdpa(std::string_view model_type) {
+  for (std::string_view eager : {"gemma2", "gpt_oss", "bloom", "gptj", "gpt_neo", "mpt"}) {
+    if (model_type == eager) return false;
+  }
+  return true;
 }
 
 namespace {

@@ -254,6 +254,12 @@ Result<std::vector<const TensorInfo*>> LoraTargetTensors(const ModelInventory& i
 // PEFT's default target modules for `model_type` ("llama" -> q_proj, v_proj); empty if unknown.
 std::vector<std::string> DefaultLoraTargets(std::string_view model_type);
 
+// Whether Transformers (5.x) runs `model_type` through torch's scaled_dot_product_attention.
+// Gemma-2 and gpt-oss refuse it (_supports_sdpa = False), and BLOOM, GPT-J, GPT-Neo and MPT
+// have no SDPA path: their default attention is eager, whatever flash_attention says (only
+// attn_implementation="flash_attention_2", not modelled, would spare their score matrices).
+bool TransformersRunsSdpa(std::string_view model_type);
+
 // JSON form (README "JSON output", key "setup"); FromJson accepts any subset of the keys (absent
 // keys keep the defaults) and refuses unknown keys and wrong types, naming them.
 nlohmann::json ToJson(const TrainingSetup& setup);

@@ -502,7 +502,7 @@ Result<ordered_json> TrainerArguments(const Plan& plan, const Cluster& cluster,
   if (s.optimizer == estimator::Optimizer::kAdam8bit) args["optim"] = "adamw_bnb_8bit";
   if (!options.deepspeed_config_path.empty()) args["deepspeed"] = options.deepspeed_config_path;
   ordered_json model;
-  model["attn_implementation"] = s.flash_attention ? "sdpa" : "eager";
+  model["attn_implementation"] = AttnImplementation(s, inventory);
   ordered_json j;
   j["training_arguments"] = args;
   j["model"] = model;

@@ -1014,11 +1014,18 @@ std::vector<std::string> TrainerSettings(const Plan& plan,
   } else {
     out.push_back("leave gradient checkpointing off (the plan keeps every activation)");
   }
-  out.push_back(s.flash_attention
-                    ? "use memory-efficient attention: attn_implementation=\"sdpa\" (or "
-                      "\"flash_attention_2\") when loading the model"
-                    : "eager attention was assumed (memory-efficient attention off): "
-                      "attn_implementation=\"eager\"");
+  if (s.flash_attention && !estimator::TransformersRunsSdpa(inventory.model_type)) {
+    out.push_back(inventory.model_type +
+                  " has no SDPA path in Transformers: eager attention was assumed, "
+                  "attn_implementation=\"eager\" (\"flash_attention_2\" needs less memory than "
+                  "planned)");
+  } else {
+    out.push_back(s.flash_attention
+                      ? "use memory-efficient attention: attn_implementation=\"sdpa\" (or "
+                        "\"flash_attention_2\") when loading the model"
+                      : "eager attention was assumed (memory-efficient attention off): "
+                        "attn_implementation=\"eager\"");
+  }
   const std::string precision = s.precision == Precision::kFp16Mixed ? "fp16=True"
                                 : s.precision == Precision::kFp32    ? "neither bf16 nor fp16"
                                                                      : "bf16=True";
@@ -1042,11 +1049,16 @@ std::vector<std::string> TrainerSettings(const Plan& plan,
   return out;
 }
 
+std::string AttnImplementation(const TrainingSetup& s, const estimator::ModelInventory& inventory) {
+  return s.flash_attention && estimator::TransformersRunsSdpa(inventory.model_type) ? "sdpa"
+                                                                                    : "eager";
+}
+
 nlohmann::json TrainerSettingsJson(const Plan& plan, const estimator::ModelInventory& inventory) {
   const TrainingSetup& s = plan.setup;
   nlohmann::json j = {
       {"gradient_checkpointing", s.checkpointing != Checkpointing::kNone},
-      {"attn_implementation", s.flash_attention ? "sdpa" : "eager"},
+      {"attn_implementation", AttnImplementation(s, inventory)},
       {"per_device_train_batch_size", s.micro_batch},
       {"gradient_accumulation_steps", s.grad_accum},
       {"bf16", s.precision == Precision::kBf16Mixed || s.precision == Precision::kBf16Pure},

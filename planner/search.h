@@ -176,6 +176,11 @@ std::vector<std::string> TrainerSettings(const Plan& plan,
                                          const estimator::ModelInventory& inventory,
                                          bool for_hf_trainer);
 nlohmann::json TrainerSettingsJson(const Plan& plan, const estimator::ModelInventory& inventory);
+// The attn_implementation a Transformers model is loaded with for the plan: "sdpa" with
+// memory-efficient attention where the family has an SDPA path, else "eager"
+// (estimator::TransformersRunsSdpa).
+std::string AttnImplementation(const estimator::TrainingSetup& s,
+                               const estimator::ModelInventory& inventory);
 
 // `memplan plan --format json`: {"cluster", "job", "plans": [...], "rejected": [...],
 // "assumptions", "configurations"}.

@@ -59,9 +59,14 @@ def cut(data, max_layers):
     for field in ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers"):
         if field in data and data[field] > max_layers:
             data[field] = max_layers
-            for per_layer in ("layer_types",):
+            for per_layer in ("layer_types", "attention_layers"):
                 if isinstance(data.get(per_layer), list):
                     data[per_layer] = data[per_layer][:max_layers]
+            if isinstance(data.get("attention_types"), list):
+                # GPT-Neo's [[["global", "local"], 12]] expands to one type per layer.
+                kinds = [k for kinds, repeat in data["attention_types"] for _ in range(repeat)
+                         for k in kinds]
+                data["attention_types"] = [[[k], 1] for k in kinds[:max_layers]]
     return data
 
 

@@ -37,10 +37,15 @@ def _config(setup):
                 break
         else:
             raw["num_hidden_layers"] = setup.layers
-        for field in ("layer_types", "sliding_window_pattern_list"):
+        for field in ("layer_types", "sliding_window_pattern_list", "attention_layers"):
             # Per-layer lists (gpt-oss, gemma3, qwen3 attention types) follow the new count.
             if isinstance(raw.get(field), list) and len(raw[field]) > setup.layers:
                 raw[field] = raw[field][:setup.layers]
+        if isinstance(raw.get("attention_types"), list):
+            # GPT-Neo's [[["global", "local"], 12]] must expand to the new layer count.
+            kinds = [k for kinds, repeat in raw["attention_types"] for _ in range(repeat)
+                     for k in kinds]
+            raw["attention_types"] = [[[k], 1] for k in kinds[:setup.layers]]
         if model_type == "t5":
             layers_full = raw.get("num_layers", layers_full)
             raw["num_layers"] = setup.layers
