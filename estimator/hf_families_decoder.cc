@@ -957,6 +957,38 @@ Status AdjustExaone4(const ConfigReader& config, Values* v) {
 // after each branch (post_attention_layernorm, post_feedforward_layernorm), none before.
 constexpr FlagField kExaone4Flags[] = {{Flag::kTie, "tie_word_embeddings", false}};
 
+// --- granitemoe (Granite 3.0/3.1 MoE) ---
+
+constexpr DimField kGraniteMoeDims[] = {
+    Quotient(Dim::kHeadDim, "", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 2048),
+    Default(Dim::kExperts, "num_local_experts", 8),
+    Default(Dim::kTopK, "num_experts_per_tok", 2),
+};
+// GraniteMoeDecoderLayer: the attention, both norms, then block_sparse_moe: its router's weight
+// and the experts fused, gate and up together (Transformers 5); the checkpoints' (and
+// Transformers 4's) router.layer, input_linear and output_linear are the same tensors.
+constexpr Part kGraniteMoeLayer[] = {
+    Include(kLlamaAttentionNoSinks.first(4)),
+    Norm("input_layernorm", W::kHidden),
+    Norm("post_attention_layernorm", W::kHidden),
+    Param("block_sparse_moe.router.weight", W::kExperts, W::kHidden, W::kNone, If(Flag::kFused))
+        .As(R::kRouter),
+    Param("block_sparse_moe.experts.gate_up_proj", W::kExperts, W::kFfn2, W::kHidden,
+          If(Flag::kFused))
+        .As(R::kExpertGateUp),
+    Param("block_sparse_moe.experts.down_proj", W::kExperts, W::kHidden, W::kFfn, If(Flag::kFused))
+        .As(R::kExpertDown),
+    Param("block_sparse_moe.input_linear.weight", W::kExperts, W::kFfn2, W::kHidden,
+          If(Flag::kPerExpert))
+        .As(R::kExpertGateUp),
+    Param("block_sparse_moe.output_linear.weight", W::kExperts, W::kHidden, W::kFfn,
+          If(Flag::kPerExpert))
+        .As(R::kExpertDown),
+    Linear("block_sparse_moe.router.layer", W::kHidden, W::kExperts, kNo, If(Flag::kPerExpert))
+        .As(R::kRouter),
+};
+
 // --- stablelm ---
 
 // StableLmConfig: num_key_value_heads defaults to 32 whatever the heads (the class's default).
@@ -1256,6 +1288,10 @@ constexpr FamilySpec kFamilies[] = {
                .adjust = &AdjustExaone4, .heads = kHeadsQaTransformer,
                .sliding = SlidingRule::kPattern, .nope_full_layers = true,
                .rope_without_window = true}),
+    // GraniteMoE: Granite's multipliers around Mixtral-like routed experts (no task heads).
+    LlamaLike({.model_type = "granitemoe", .class_prefix = "GraniteMoe", .dims = kGraniteMoeDims,
+               .flags = kUntiedAttentionBias, .layer = kGraniteMoeLayer,
+               .moe = MoePlacement::kEveryLayer}),
     LlamaLike({.model_type = "stablelm", .class_prefix = "StableLm", .common_dims = kStableLmCore,
                .dims = kStableLmDims, .flags = kStableLmFlags, .on = On(Flag::kNormBias),
                .layer = kStableLmLayer, .heads = kHeadsSeqToken, .layer_norm = true,

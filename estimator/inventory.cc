@@ -233,7 +233,12 @@ TensorRole RoleOfModule(std::string_view leaf, std::string_view parent, std::str
     if (OneOf(base, {"down_proj", "w2"})) return R::kExpertDown;
     if (base == "gate_up_proj") return R::kExpertGateUp;
   }
-  if (leaf == "router" || (leaf == "gate" && OneOf(parent, {"mlp", "block_sparse_moe", "moe"}))) {
+  // GraniteMoE's checkpoints: block_sparse_moe.input_linear / output_linear hold every expert
+  // ([E, 2F, h] and [E, h, F]), and router.layer is its router's Linear.
+  if (parent == "block_sparse_moe" && leaf == "input_linear") return R::kExpertGateUp;
+  if (parent == "block_sparse_moe" && leaf == "output_linear") return R::kExpertDown;
+  if (leaf == "router" || (leaf == "layer" && parent == "router") ||
+      (leaf == "gate" && OneOf(parent, {"mlp", "block_sparse_moe", "moe"}))) {
     return R::kRouter;
   }
   // Attention.

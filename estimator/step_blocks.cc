@@ -719,8 +719,25 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
 // Mixtral's always normalizes the top-k weights and keeps them in fp32, the others normalize
 // when norm_topk_prob and cast them to the logits' dtype.
 ModelRun::Routing ModelRun::TransformersRouter(const BlockParams& bp, T h) {
-  Routing r = TopKRouting(
-      Linear(g_, h, bp.router.w, T{}, static_cast<Wide>(a_.hidden), static_cast<Wide>(a_.experts)));
+  T logits =
+      Linear(g_, h, bp.router.w, T{}, static_cast<Wide>(a_.hidden), static_cast<Wide>(a_.experts));
+  if (inv_.model_type == "granitemoe") {
+    // GraniteMoeTopKRouter: F.linear(...).float(), topk of the logits, softmax over the top k
+    // (which saves its result), type_as the hidden states.
+    const Wide k = static_cast<Wide>(std::max<int64_t>(a_.experts_per_token, 1));
+    Routing r;
+    r.logits = Cast(g_, logits, DT::kF32);
+    g_.Drop(logits);
+    T top = g_.New(tokens_ * k, DT::kF32, g_.RequiresGrad(r.logits));
+    r.indices = g_.New(tokens_ * k, DT::kI64, false);
+    g_.Record(Graph::Spec("TopK", {r.logits}, {top}, {r.indices}));
+    T probs = Softmax(g_, top, DT::kF32);
+    g_.Drop(top);
+    r.weights = Cast(g_, probs, g_.Dtype(h));
+    g_.Drop(probs);
+    return r;
+  }
+  Routing r = TopKRouting(logits);
   const bool mixtral = inv_.model_type == "mixtral";
   if (mixtral || a_.norm_topk_prob) r.weights = NormalizeTopK(r.weights, /*epsilon=*/false);
   if (!mixtral && g_.Dtype(r.weights) != g_.Dtype(r.logits)) {

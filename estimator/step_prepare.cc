@@ -435,7 +435,7 @@ void ModelRun::ChooseFamily() {
   if (type == "gemma2" || type == "gemma3_text" || type == "glm4") {
     fam_.layout = Family::Layout::kSandwich;
   }
-  fam_.granite_multipliers = type == "granite";
+  fam_.granite_multipliers = type == "granite" || type == "granitemoe";
   sdpa_ = s_.flash_attention &&
           (s_.framework != Framework::kTransformers || TransformersRunsSdpa(type));
   if (s_.flash_attention && !sdpa_ && type != "gpt_oss" && type != "bloom") {
