@@ -916,8 +916,9 @@ constexpr DimField kNemotronDims[] = {
     Default(Dim::kPositions, "max_position_embeddings", 4096),
 };
 // NemotronDecoderLayer: Llama's attention (a partial rotation, half of each head by default), an
-// ungated MLP (up, relu2, down) and LayerNorm1P norms with biases.
-constexpr Part kNemotronLayer[] = {
+// ungated MLP (up, relu2, down) and LayerNorm1P norms with biases. ArceeDecoderLayer is the same
+// with RMSNorms and the whole head rotated.
+constexpr Part kUngatedLlamaLayer[] = {
     Include(kLlamaAttentionNoSinks.first(4)),
     Linear("mlp.up_proj", W::kHidden, W::kFfn, If(Flag::kMlpBias)).As(R::kMlpUp),
     Linear("mlp.down_proj", W::kFfn, W::kHidden, If(Flag::kMlpBias)).As(R::kMlpDown),
@@ -987,6 +988,13 @@ constexpr Part kGraniteMoeLayer[] = {
         .As(R::kExpertDown),
     Linear("block_sparse_moe.router.layer", W::kHidden, W::kExperts, kNo, If(Flag::kPerExpert))
         .As(R::kRouter),
+};
+
+// --- arcee (AFM) ---
+
+constexpr DimField kArceeDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 4096),
 };
 
 // --- stablelm ---
@@ -1279,7 +1287,7 @@ constexpr FamilySpec kFamilies[] = {
                .flags = kCohere2Flags, .layer = kCohereLayer, .sliding = SlidingRule::kPattern,
                .layer_norm = true, .parallel_attention = true, .nope_full_layers = true}),
     LlamaLike({.model_type = "nemotron", .class_prefix = "Nemotron", .dims = kNemotronDims,
-               .flags = kLlamaFlags, .on = On(Flag::kNormBias), .layer = kNemotronLayer,
+               .flags = kLlamaFlags, .on = On(Flag::kNormBias), .layer = kUngatedLlamaLayer,
                .heads = kHeadsQaTransformer, .gated_mlp = false, .layer_norm = true,
                .partial_rotary = true, .partial_rotary_default = 0.5, .act_default = "relu2"}),
     LlamaLike({.model_type = "exaone4", .class_prefix = "Exaone4", .dims = kExaone4Dims,
@@ -1292,6 +1300,9 @@ constexpr FamilySpec kFamilies[] = {
     LlamaLike({.model_type = "granitemoe", .class_prefix = "GraniteMoe", .dims = kGraniteMoeDims,
                .flags = kUntiedAttentionBias, .layer = kGraniteMoeLayer,
                .moe = MoePlacement::kEveryLayer}),
+    LlamaLike({.model_type = "arcee", .class_prefix = "Arcee", .dims = kArceeDims,
+               .flags = kLlamaFlags, .layer = kUngatedLlamaLayer, .heads = kHeadsQaTransformer,
+               .gated_mlp = false, .act_default = "relu2"}),
     LlamaLike({.model_type = "stablelm", .class_prefix = "StableLm", .common_dims = kStableLmCore,
                .dims = kStableLmDims, .flags = kStableLmFlags, .on = On(Flag::kNormBias),
                .layer = kStableLmLayer, .heads = kHeadsSeqToken, .layer_norm = true,
