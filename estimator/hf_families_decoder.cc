@@ -997,6 +997,20 @@ constexpr DimField kArceeDims[] = {
     Default(Dim::kPositions, "max_position_embeddings", 4096),
 };
 
+// --- ernie4_5 (ERNIE 4.5 dense) ---
+
+constexpr DimField kErnieDims[] = {
+    Default(Dim::kHeadDim, "head_dim", 128),
+    Default(Dim::kPositions, "max_position_embeddings", 131072),
+};
+// use_bias: every Linear of the block has a bias (the attention's four and the MLP's three).
+constexpr FlagField kErnieFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", true},
+    {Flag::kQkvBias, "use_bias", false},
+    {Flag::kOBias, "use_bias", false},
+    {Flag::kMlpBias, "use_bias", false},
+};
+
 // --- stablelm ---
 
 // StableLmConfig: num_key_value_heads defaults to 32 whatever the heads (the class's default).
@@ -1303,6 +1317,8 @@ constexpr FamilySpec kFamilies[] = {
     LlamaLike({.model_type = "arcee", .class_prefix = "Arcee", .dims = kArceeDims,
                .flags = kLlamaFlags, .layer = kUngatedLlamaLayer, .heads = kHeadsQaTransformer,
                .gated_mlp = false, .act_default = "relu2"}),
+    LlamaLike({.model_type = "ernie4_5", .class_prefix = "Ernie4_5", .dims = kErnieDims,
+               .flags = kErnieFlags}),
     LlamaLike({.model_type = "stablelm", .class_prefix = "StableLm", .common_dims = kStableLmCore,
                .dims = kStableLmDims, .flags = kStableLmFlags, .on = On(Flag::kNormBias),
                .layer = kStableLmLayer, .heads = kHeadsSeqToken, .layer_norm = true,

@@ -412,7 +412,36 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
   if (fam_.rotary && !nope_layer) {
     // OLMo's apply_rotary_pos_emb returns q_embed.to(q.dtype): under autocast the fp32 tables
     // promote the rotation to fp32, cast back here rather than kept to the cache and SDPA.
+    // ERNIE 4.5's apply_rotary_pos_emb: its interleaved tables, made for q and k together.
+    T icos, isin;
+    if (fam_.ernie_rotary) {
+      icos = g_.New(g_.Numel(cos_), DT::kF32, false);
+      isin = g_.New(g_.Numel(sin_), DT::kF32, false);
+    }
+    auto ernie = [&](T x) {
+      T x32 = Cast(g_, x, DT::kF32);
+      T m1 = Mul(g_, x32, icos);
+      g_.Drop(x32);
+      T x1 = Slice(g_, x, g_.Numel(x) / 2);
+      T x2 = Slice(g_, x, g_.Numel(x) / 2);
+      T n = Apply(g_, Unary::kNeg, x2);
+      g_.Drop(x2);
+      T c = Cat(g_, {n, x1});  // stack + flatten: the same bytes
+      g_.Drop(n);
+      g_.Drop(x1);
+      T c32 = Cast(g_, c, DT::kF32);
+      g_.Drop(c);
+      T m2 = Mul(g_, c32, isin);
+      g_.Drop(c32);
+      T out = Add(g_, m1, m2);
+      g_.Drop(m1);
+      g_.Drop(m2);
+      T back = Cast(g_, out, g_.Dtype(x));
+      g_.Drop(out);
+      return back;
+    };
     auto rotated = [&](T x) {
+      if (fam_.ernie_rotary) return ernie(x);
       T up = fam_.rotary_upcast_first ? Cast(g_, x, DT::kF32) : g_.Alias(x);
       T r = ApplyRotary(up);
       g_.Drop(up);
@@ -427,6 +456,8 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
     T kr = rotated(k);
     g_.Drop(k);
     k = kr;
+    g_.Drop(icos);
+    g_.Drop(isin);
   }
   if (fam_.qk_norm_after_rotary) qk_norms();
   // DynamicCache.update in training (use_cache from the config): the first update cats onto an

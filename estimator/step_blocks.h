@@ -102,6 +102,9 @@ class ModelRun {
     bool rotary_fp32_tables = false;
     bool rotary_upcast_first = false;
     bool logit_scale = false;  // Cohere: logits * logit_scale
+    // ERNIE 4.5: per call, the fp32 tables' halves repeat_interleave'd anew; q.float() * cos
+    // plus rotate_half(q) (in q's dtype), .float(), * sin; cast back.
+    bool ernie_rotary = false;
     bool gated = true;
     bool rotary = true;
     Wide rotary_dims = 0;  // per head; 0: the whole head

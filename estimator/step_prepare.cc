@@ -446,6 +446,10 @@ void ModelRun::ChooseFamily() {
   }
   fam_.rotary_cast_back = type == "olmo" || type == "olmo2" || type == "olmo3";
   fam_.rotary_fp32_tables = fam_.rotary_cast_back;
+  if (type == "ernie4_5") {
+    fam_.ernie_rotary = true;
+    fam_.rotary_fp32_tables = true;
+  }
   // CohereDecoderLayer: one CohereLayerNorm read by the attention and the MLP, residual + attn
   // + mlp; CohereAttention's optional q_norm and k_norm before the rotation, which runs on fp32
   // copies (its rotate_half interleaves: a stack where Llama cats, the same bytes) and is cast
