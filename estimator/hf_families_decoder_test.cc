@@ -695,6 +695,34 @@ TEST_CASE("decoder: gpt_neo's causal tables, and attention_types checked against
   CHECK(Total(MustBuild(config)) < Total(neo));
 }
 
+TEST_CASE("decoder: ernie4_5's biases and arcee's ungated MLP") {
+  // baidu/ERNIE-4.5-0.3B-PT: 360,748,032 parameters (its model card's 0.36 B), tied, head_dim
+  // 128 by default.
+  nlohmann::json ernie = {{"model_type", "ernie4_5"},  {"architectures", {"Ernie4_5ForCausalLM"}},
+                          {"hidden_size", 1024},       {"intermediate_size", 3072},
+                          {"num_attention_heads", 16}, {"num_key_value_heads", 2},
+                          {"num_hidden_layers", 18},   {"vocab_size", 103424}};
+  CHECK(Total(MustBuild(ernie)) == 360'748'032);
+  ernie["use_bias"] = true;
+  const ModelInventory biased = MustBuild(ernie);
+  CHECK(Tensor(biased, "model.layers.0.self_attn.o_proj.bias").shape == Shape{1024});
+  CHECK(Tensor(biased, "model.layers.0.mlp.down_proj.bias").shape == Shape{1024});
+  CHECK(Total(biased) == 360'748'032 + 18ull * (2048 + 2 * 256 + 1024 + 2 * 3072 + 1024));
+  // Arcee: up and down only, relu2 by default.
+  nlohmann::json arcee = {{"model_type", "arcee"},     {"architectures", {"ArceeForCausalLM"}},
+                          {"hidden_size", 2560},       {"intermediate_size", 18432},
+                          {"num_attention_heads", 20}, {"num_key_value_heads", 4},
+                          {"head_dim", 128},           {"num_hidden_layers", 2},
+                          {"vocab_size", 128004}};
+  const ModelInventory afm = MustBuild(arcee);
+  CHECK(afm.Find("model.layers.0.mlp.gate_proj.weight") < 0);
+  REQUIRE(afm.arch.has_value());
+  CHECK(afm.arch->hidden_act == "relu2");
+  CHECK(Total(afm) ==
+        2 * 128004ull * 2560 + 2560 +
+            2ull * (2560 * 2560 + 2 * 2560 * 512 + 2560 * 2560 + 2 * 2560 * 18432 + 2 * 2560));
+}
+
 TEST_CASE("decoder: errors name the field at fault") {
   nlohmann::json llama = FixtureJson("llama-2-7b");
 
