@@ -563,6 +563,36 @@ constexpr Part kDeepseekLayer[] = {
 };
 constexpr Part kDeepseekBefore[] = {Embedding("embed_tokens", W::kVocab, W::kHidden)};
 
+// --- glm4_moe (GLM-4.5, GLM-4.6) ---
+
+constexpr DimField kGlm4MoeDims[] = {
+    Quotient(Dim::kHeadDim, "head_dim", Dim::kHidden, Dim::kHeads),
+    Default(Dim::kPositions, "max_position_embeddings", 131072),
+    {Dim::kExperts, "n_routed_experts", DimField::kDefault, 128, Dim::kHidden, Dim::kHeads,
+     "num_local_experts"},
+    Default(Dim::kTopK, "num_experts_per_tok", 8),
+    Default(Dim::kMoeIntermediate, "moe_intermediate_size", 1408),
+    Default(Dim::kSharedExperts, "n_shared_experts", 1),
+    Optional(Dim::kFirstDense, "first_k_dense_replace", 1),
+    {Dim::kMtpLayers, "num_nextn_predict_layers", DimField::kDefault, 1, Dim::kHidden, Dim::kHeads,
+     "num_mtp_layers", true},
+};
+// attention_bias covers q, k and v (o_proj has none); use_qk_norm adds per-head q and k norms.
+constexpr FlagField kGlm4MoeFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kQkvBias, "attention_bias", false},
+    {Flag::kHeadQkNorm, "use_qk_norm", false},
+};
+// Glm4MoeDecoderLayer: Llama's attention, a dense MLP for the first first_k_dense_replace layers
+// and DeepSeek-V3's experts, router (with its e_score_correction_bias buffer) and shared
+// experts after.
+constexpr Part kGlm4MoeLayer[] = {
+    Include(kLlamaAttentionNoSinks),
+    Include(kGatedMlp, If(Flag::kDenseLayer)),
+    Include(kDeepseekMoe, If(Flag::kMoeLayer)),
+    Include(kLlamaNorms),
+};
+
 // --- gpt_oss ---
 
 constexpr DimField kGptOssDims[] = {
@@ -1319,6 +1349,10 @@ constexpr FamilySpec kFamilies[] = {
                .gated_mlp = false, .act_default = "relu2"}),
     LlamaLike({.model_type = "ernie4_5", .class_prefix = "Ernie4_5", .dims = kErnieDims,
                .flags = kErnieFlags}),
+    LlamaLike({.model_type = "glm4_moe", .class_prefix = "Glm4Moe", .dims = kGlm4MoeDims,
+               .flags = kGlm4MoeFlags, .on = On(Flag::kRouterBiasBuffer), .layer = kGlm4MoeLayer,
+               .moe = MoePlacement::kAfterDense, .partial_rotary = true,
+               .partial_rotary_default = 0.5, .mtp = true}),
     LlamaLike({.model_type = "stablelm", .class_prefix = "StableLm", .common_dims = kStableLmCore,
                .dims = kStableLmDims, .flags = kStableLmFlags, .on = On(Flag::kNormBias),
                .layer = kStableLmLayer, .heads = kHeadsSeqToken, .layer_norm = true,

@@ -628,6 +628,10 @@ Result<ArchitectureInfo> ArchitectureOf(const FamilySpec& spec, const ConfigRead
     MEMPLAN_ASSIGN_OR_RETURN(std::string topk, config.StringOr("topk_method", "greedy"));
     if (topk != "greedy") arch.block_options.push_back("topk_method " + topk);
   }
+  if (spec.model_type == "glm4_moe") {
+    // Glm4MoeTopkRouter is DeepSeek-V3's: norm_topk_prob on by default.
+    MEMPLAN_ASSIGN_OR_RETURN(arch.norm_topk_prob, config.BoolOr("norm_topk_prob", true));
+  }
   if (spec.mla && spec.model_type == "deepseek_v3") {
     // DeepseekV3TopkRouter (Transformers 5) scores with a sigmoid whatever scoring_func and
     // topk_method say; what changes its ops is norm_topk_prob, and the rotation's layout.

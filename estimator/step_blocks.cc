@@ -656,9 +656,9 @@ T ModelRun::TransformersMoe(const BlockParams& bp, T h) {
   // Qwen2MoeSparseMoeBlock runs its shared expert first, before the router.
   const bool shared_first = bp.has(TensorRole::kSharedExpertGate);
   T shared = shared_first ? TransformersMlp(bp, h) : T{};
-  Routing r = fam_.mla_v3 ? DeepseekV3Router(bp, h)
-              : fam_.mla  ? DeepseekV2Router(bp, h)
-                          : TransformersRouter(bp, h);
+  Routing r = fam_.v3_router ? DeepseekV3Router(bp, h)
+              : fam_.mla     ? DeepseekV2Router(bp, h)
+                             : TransformersRouter(bp, h);
   const Wide S = tokens_ * k;
   // expert_ids_g, perm = sort(expert_ids); selected_hidden_states_g = hidden_states[perm // k]
   // (the quotient a temporary that IndexBackward keeps); sample_weights_g = weights[perm].

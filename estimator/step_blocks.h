@@ -130,9 +130,10 @@ class ModelRun {
     // mask for SDPA.
     bool bloom_attention = false;
     bool falcon_alibi = false;
-    bool mla = false;      // DeepSeek-V2: multi-head latent attention and its router (step_mla.cc)
-    bool mla_v3 = false;   // DeepSeek-V3's: its rotation and its sigmoid router (step_mla.cc)
-    bool gpt_oss = false;  // gpt-oss: sinks, alternating masks, biased experts (step_oss.cc)
+    bool mla = false;     // DeepSeek-V2: multi-head latent attention and its router (step_mla.cc)
+    bool mla_v3 = false;  // DeepSeek-V3's: its rotation and its sigmoid router (step_mla.cc)
+    bool v3_router = false;  // DeepSeek-V3's sigmoid router (DeepSeek-V3, GLM-4.5's MoE)
+    bool gpt_oss = false;    // gpt-oss: sinks, alternating masks, biased experts (step_oss.cc)
   };
 
   // Prepare's stages, in the order it runs them (step_prepare.cc): refusals, dtypes, the

@@ -100,8 +100,12 @@ T Linear(Graph& g, T x, T w, T bias, Wide in, Wide out) {
   if (g.RequiresGrad(xin)) spec.saved.push_back(wc);
   g.Record(std::move(spec));
   g.Drop(xin);
-  g.Drop(wc);
-  g.Drop(bc);
+  // Autocast's casts are this call's references; otherwise wc and bc are the caller's tensors
+  // (a weight the caller cast itself, as DeepSeek-V3's router does, stays the caller's to drop).
+  if (g.autocast()) {
+    g.Drop(wc);
+    g.Drop(bc);
+  }
   return y;
 }
 
@@ -115,7 +119,7 @@ T MatmulThenBias(Graph& g, T x, T w, T bias, Wide in, Wide out) {
   if (g.RequiresGrad(xin)) spec.saved.push_back(wc);
   g.Record(std::move(spec));
   g.Drop(xin);
-  g.Drop(wc);
+  if (g.autocast()) g.Drop(wc);  // as Linear: only autocast's cast is this call's
   if (!bias.ok()) return y;
   // AddBackward0 passes the gradient on; the engine casts the product's to 16 bits and reduces
   // the bias's (sum_to_size) to its own size, with nothing full-size besides.

@@ -533,6 +533,8 @@ void ModelRun::ChooseFamily() {
   // DeepseekV2Attention (multi-head latent attention) and DeepseekV2TopkRouter: step_mla.cc.
   fam_.mla = (type == "deepseek_v2" || type == "deepseek_v3") && a_.kv_lora_rank > 0;
   fam_.mla_v3 = fam_.mla && type == "deepseek_v3";
+  // Glm4MoeTopkRouter is DeepseekV3TopkRouter's code; the rest of the block is Llama's.
+  fam_.v3_router = fam_.mla_v3 || type == "glm4_moe";
   // GptOssAttention, GptOssMLP and GptOssRMSNorm (weight * x in fp32, then cast): step_oss.cc.
   if (type == "gpt_oss") {
     fam_.gpt_oss = true;
