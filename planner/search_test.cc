@@ -181,6 +181,26 @@ TEST_CASE("search: llama-2-7b on 8 x A100-80 keeps everything on the GPUs") {
   CHECK(nvme->reason == "no NVMe drive given (`nvme_path`)");
 }
 
+TEST_CASE("search: the Trainer's attention is what Transformers runs for the family") {
+  // Llama loads with SDPA; Gemma-2 refuses it (_supports_sdpa = False), so its plan assumes and
+  // writes eager attention, and says why.
+  for (const char* name : {"llama-2-7b", "gemma-2-2b"}) {
+    INFO(name);
+    estimator::ModelInventory m = Model(name);
+    auto r = SearchPlans(m, A100x8(), MakeJob(name, 64, 2048));
+    REQUIRE_MESSAGE(r.ok(), r.status().message());
+    REQUIRE(!r->plans.empty());
+    const Plan& best = r->plans.front();
+    const bool gemma = std::string(name) == "gemma-2-2b";
+    CHECK(TrainerSettingsJson(best, m)["attn_implementation"] == (gemma ? "eager" : "sdpa"));
+    bool said = false;
+    for (const std::string& line : TrainerSettings(best, m, false)) {
+      said = said || line.find("has no SDPA path in Transformers") != std::string::npos;
+    }
+    CHECK(said == gemma);
+  }
+}
+
 TEST_CASE("search: feasibility follows the limits (GPU, CPU, NVMe)") {
   estimator::ModelInventory llama = Model("llama-2-7b");
   Cluster c;
