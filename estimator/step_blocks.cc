@@ -410,8 +410,6 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
   const auto& nope = a_.nope_layers;
   const bool nope_layer = static_cast<size_t>(layer) < nope.size() && nope[layer];
   if (fam_.rotary && !nope_layer) {
-    // OLMo's apply_rotary_pos_emb returns q_embed.to(q.dtype): under autocast the fp32 tables
-    // promote the rotation to fp32, cast back here rather than kept to the cache and SDPA.
     // ERNIE 4.5's apply_rotary_pos_emb: its interleaved tables, made for q and k together.
     T icos, isin;
     if (fam_.ernie_rotary) {
@@ -440,6 +438,9 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
       g_.Drop(out);
       return back;
     };
+    // OLMo's apply_rotary_pos_emb returns q_embed.to(q.dtype): the fp32 tables promote the
+    // rotation to fp32, cast back here rather than kept for the cache and SDPA (Cohere's too,
+    // which rotates fp32 copies of q and k).
     auto rotated = [&](T x) {
       if (fam_.ernie_rotary) return ernie(x);
       T up = fam_.rotary_upcast_first ? Cast(g_, x, DT::kF32) : g_.Alias(x);

@@ -450,10 +450,7 @@ void ModelRun::ChooseFamily() {
     fam_.ernie_rotary = true;
     fam_.rotary_fp32_tables = true;
   }
-  // CohereDecoderLayer: one CohereLayerNorm read by the attention and the MLP, residual + attn
-  // + mlp; CohereAttention's optional q_norm and k_norm before the rotation, which runs on fp32
-  // copies (its rotate_half interleaves: a stack where Llama cats, the same bytes) and is cast
-  // back; the logits scaled.
+  // NemotronDecoderLayer: Llama's order with NemotronLayerNorm1P (and relu2, from hidden_act).
   if (type == "nemotron") fam_.norm = Family::NormKind::kLayer1P;
   // Exaone4DecoderLayer: OLMo 2's order (each branch's norm after it) with LlamaRMSNorm, and
   // Qwen3's per-head q_norm and k_norm before the rotation (none on its NoPE layers).
@@ -461,6 +458,10 @@ void ModelRun::ChooseFamily() {
     fam_.layout = Family::Layout::kPostNorm;
     fam_.qk_norm = Family::QkNorm::kHeadRms;
   }
+  // CohereDecoderLayer: one CohereLayerNorm read by the attention and the MLP, residual + attn
+  // + mlp; CohereAttention's optional q_norm and k_norm before the rotation, which runs on fp32
+  // copies (its rotate_half interleaves: a stack where Llama cats, the same bytes) and is cast
+  // back; the logits scaled.
   if (type == "cohere" || type == "cohere2") {
     fam_.norm = Family::NormKind::kCohere;
     fam_.qk_norm = Family::QkNorm::kCohere;
