@@ -756,6 +756,27 @@ TEST_CASE(
                                                            44'888'739'840, 56'099'082'240});
 }
 
+TEST_CASE("step model: an activation it does not run is said, not hidden") {
+  nlohmann::json config = nlohmann::json::parse(memplan::testing::ReadFixture("llama-3.2-1b"));
+  config["num_hidden_layers"] = 2;
+  TrainingSetup s;
+  s.seq_len = 512;
+  auto said = [&](const char* act) {
+    config["hidden_act"] = act;
+    Result<MemoryEstimate> m = EstimateMemory(memplan::testing::MustBuild(config), s);
+    REQUIRE(m.ok());
+    REQUIRE(m->step.has_value());
+    for (const std::string& note : m->step->notes) {
+      if (note.find("is run as GELU") != std::string::npos) return true;
+    }
+    return false;
+  };
+  CHECK(said("mish"));
+  CHECK_FALSE(said("silu"));
+  CHECK_FALSE(said("relu2"));
+  CHECK_FALSE(said("gelu"));
+}
+
 TEST_CASE("step model: a family without SDPA in Transformers runs eager attention") {
   // Gemma-2 refuses SDPA (_supports_sdpa = False) and GPT-J has no SDPA path: what Transformers
   // runs by default is eager, score matrices included, whatever --flash-attention says.

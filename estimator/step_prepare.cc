@@ -424,6 +424,11 @@ void ModelRun::ChooseFamily() {
              : act == "relu"  ? Family::Act::kRelu
              : act == "relu2" ? Family::Act::kRelu2
                               : Family::Act::kGelu;
+  if (!act.empty() && act != "gelu" && fam_.act == Family::Act::kGelu) {
+    notes_.push_back("hidden_act '" + act +
+                     "' is run as GELU (one saved input per activation); its own ops may keep "
+                     "more");
+  }
   fam_.norm = a_.norm_upcasts ? Family::NormKind::kRms : Family::NormKind::kLayer;
   if (type == "gemma" || type == "gemma2" || type == "gemma3_text") {
     fam_.norm = Family::NormKind::kRmsGemma;
