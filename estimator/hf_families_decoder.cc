@@ -1041,6 +1041,19 @@ constexpr FlagField kErnieFlags[] = {
     {Flag::kMlpBias, "use_bias", false},
 };
 
+// --- helium (Kyutai) ---
+
+constexpr DimField kHeliumDims[] = {
+    Default(Dim::kHeadDim, "head_dim", 128),
+    Default(Dim::kPositions, "max_position_embeddings", 4096),
+};
+// attention_bias covers q, k and v; o_proj has none.
+constexpr FlagField kHeliumFlags[] = {
+    {Flag::kTie, "tie_word_embeddings", false},
+    {Flag::kQkvBias, "attention_bias", false},
+    {Flag::kMlpBias, "mlp_bias", false},
+};
+
 // --- stablelm ---
 
 // StableLmConfig: num_key_value_heads defaults to 32 whatever the heads (the class's default).
@@ -1353,6 +1366,8 @@ constexpr FamilySpec kFamilies[] = {
                .flags = kGlm4MoeFlags, .on = On(Flag::kRouterBiasBuffer), .layer = kGlm4MoeLayer,
                .moe = MoePlacement::kAfterDense, .partial_rotary = true,
                .partial_rotary_default = 0.5, .mtp = true}),
+    LlamaLike({.model_type = "helium", .class_prefix = "Helium", .dims = kHeliumDims,
+               .flags = kHeliumFlags, .heads = kHeadsSeqToken}),
     LlamaLike({.model_type = "stablelm", .class_prefix = "StableLm", .common_dims = kStableLmCore,
                .dims = kStableLmDims, .flags = kStableLmFlags, .on = On(Flag::kNormBias),
                .layer = kStableLmLayer, .heads = kHeadsSeqToken, .layer_norm = true,

@@ -198,10 +198,12 @@ T ModelRun::CohereLayerNorm(const Norm& n, T x, Wide width) {
   return out;
 }
 
-T ModelRun::RotateHalf(T x) {
-  // x * cos + rotate_half(x) * sin with the tables of this forward, rotate_half = cat(-x2, x1)
-  // over the halves of x (all of it rotated).
-  T m1 = Mul(g_, x, cos_);
+T ModelRun::RotateHalf(T x) { return RotateHalf(x, cos_, sin_); }
+
+T ModelRun::RotateHalf(T x, T cos, T sin) {
+  // x * cos + rotate_half(x) * sin with the tables of this forward (or the caller's),
+  // rotate_half = cat(-x2, x1) over the halves of x (all of it rotated).
+  T m1 = Mul(g_, x, cos);
   T x1 = Slice(g_, x, g_.Numel(x) / 2);
   T x2 = Slice(g_, x, g_.Numel(x) / 2);
   T n = Apply(g_, Unary::kNeg, x2);
@@ -209,7 +211,7 @@ T ModelRun::RotateHalf(T x) {
   T c = Cat(g_, {n, x1});
   g_.Drop(n);
   g_.Drop(x1);
-  T m2 = Mul(g_, c, sin_);
+  T m2 = Mul(g_, c, sin);
   g_.Drop(c);
   T out = Add(g_, m1, m2);
   g_.Drop(m1);
@@ -412,9 +414,9 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
   if (fam_.rotary && !nope_layer) {
     // ERNIE 4.5's apply_rotary_pos_emb: its interleaved tables, made for q and k together.
     T icos, isin;
-    if (fam_.ernie_rotary) {
-      icos = g_.New(g_.Numel(cos_), DT::kF32, false);
-      isin = g_.New(g_.Numel(sin_), DT::kF32, false);
+    if (fam_.ernie_rotary || fam_.interleaved_tables) {
+      icos = g_.New(g_.Numel(cos_), g_.Dtype(cos_), false);
+      isin = g_.New(g_.Numel(sin_), g_.Dtype(sin_), false);
     }
     auto ernie = [&](T x) {
       T x32 = Cast(g_, x, DT::kF32);
@@ -443,6 +445,7 @@ ModelRun::QkvViews ModelRun::TransformersQkv(int layer, const BlockParams& bp, T
     // which rotates fp32 copies of q and k).
     auto rotated = [&](T x) {
       if (fam_.ernie_rotary) return ernie(x);
+      if (fam_.interleaved_tables) return RotateHalf(x, icos, isin);
       T up = fam_.rotary_upcast_first ? Cast(g_, x, DT::kF32) : g_.Alias(x);
       T r = ApplyRotary(up);
       g_.Drop(up);

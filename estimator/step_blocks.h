@@ -105,6 +105,9 @@ class ModelRun {
     // ERNIE 4.5: per call, the fp32 tables' halves repeat_interleave'd anew; q.float() * cos
     // plus rotate_half(q) (in q's dtype), .float(), * sin; cast back.
     bool ernie_rotary = false;
+    // Helium: the same interleaved per-call tables (in the hidden states' dtype), then Llama's
+    // products in q's dtype.
+    bool interleaved_tables = false;
     bool gated = true;
     bool rotary = true;
     Wide rotary_dims = 0;  // per head; 0: the whole head
@@ -342,7 +345,8 @@ class ModelRun {
   T CohereLayerNorm(const Norm& n, T x, Wide width);
   T NormAny(const Norm& n, T x);
   T ApplyRotary(T x);
-  T RotateHalf(T x);  // Llama's rotation of all of x (ApplyRotary's core)
+  T RotateHalf(T x);                // Llama's rotation of all of x (ApplyRotary's core)
+  T RotateHalf(T x, T cos, T sin);  // the same with tables of the caller's
   T Activation(T x);
   T LoraLinear(const Lin& l, T x);
   // The loss as Transformers' ForCausalLMLoss computes it from the last hidden states.

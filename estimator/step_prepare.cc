@@ -455,6 +455,12 @@ void ModelRun::ChooseFamily() {
     fam_.ernie_rotary = true;
     fam_.rotary_fp32_tables = true;
   }
+  // HeliumRMSNorm multiplies in fp32 and casts back (Olmo2RMSNorm's); its rotation interleaves
+  // per call as ERNIE's does, in the tables' dtype.
+  if (type == "helium") {
+    fam_.interleaved_tables = true;
+    fam_.norm = Family::NormKind::kRmsOlmo;
+  }
   // NemotronDecoderLayer: Llama's order with NemotronLayerNorm1P (and relu2, from hidden_act).
   if (type == "nemotron") fam_.norm = Family::NormKind::kLayer1P;
   // Exaone4DecoderLayer: OLMo 2's order (each branch's norm after it) with LlamaRMSNorm, and

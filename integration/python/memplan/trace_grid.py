@@ -72,7 +72,7 @@ HF_DECODERS = ["llama-3.2-1b", "llama-3.1-8b", "mistral-7b", "qwen2.5-0.5b", "qw
                "olmo-1b-hf", "olmo-7b-0424-hf", "aya-23-8b", "command-r-plus",
                "command-r7b", "minitron-8b", "exaone-4.0-32b-like", "gpt-neo-1.3b",
                "granite-3.0-1b-a400m", "afm-4.5b-like", "ernie-4.5-0.3b",
-               "glm-4.5-air-like"]
+               "glm-4.5-air-like", "helium-2b-like"]
 EAGER_ONLY = ("gemma-2-2b", "bloom-560m", "gpt-j-6b", "gpt-oss-20b", "gpt-neo-1.3b")
 # LoRA targets named where PEFT's defaults do not reach these models (fused experts, MLA, gpt-oss,
 # families PEFT has no defaults for): the attention's query and value (MLA's decompressed keys and
@@ -87,7 +87,8 @@ LORA_TARGETS = {"mixtral-8x7b": ["q_proj", "v_proj"], "deepseek-v2-lite": ["q_pr
                 "command-r-plus": ["q_proj", "v_proj"], "command-r7b": ["q_proj", "v_proj"],
                 "minitron-8b": ["q_proj", "v_proj"], "exaone-4.0-32b-like": ["q_proj", "v_proj"],
                 "granite-3.0-1b-a400m": ["q_proj", "v_proj"], "afm-4.5b-like": ["q_proj", "v_proj"],
-                "ernie-4.5-0.3b": ["q_proj", "v_proj"], "glm-4.5-air-like": ["q_proj", "v_proj"]}
+                "ernie-4.5-0.3b": ["q_proj", "v_proj"], "glm-4.5-air-like": ["q_proj", "v_proj"],
+                "helium-2b-like": ["q_proj", "v_proj"]}
 HF_ENCODERS = ["bert-base-uncased", "bert-large-uncased", "roberta-base", "xlm-roberta-base",
                "distilbert-base-uncased", "t5-v1_1-base", "t5-large"]
 
