@@ -612,25 +612,6 @@ T Graph::CastWeight(T param, DT dt, bool view) {
   return c;
 }
 
-T Graph::AutocastCast(T x, DT dt) {
-  const int root = Root(x.id);
-  if (leaves_.count(root) == 0 || !tensors_[static_cast<size_t>(x.id)].rg) {
-    T c = New(Numel(x), dt, RequiresGrad(x));
-    Record(Graph::Spec("ToCopy", {x}, {c}));
-    return c;
-  }
-  auto it = cast_cache_.find(root);
-  if (it != cast_cache_.end()) {
-    Ref(tensors_[static_cast<size_t>(it->second.id)].buf);
-    return it->second;
-  }
-  T c = New(Numel(x), dt, true);
-  Record(Graph::Spec("ToCopy(leaf)", {x}, {c}));
-  cast_cache_[root] = c;
-  Ref(tensors_[static_cast<size_t>(c.id)].buf);  // the caller's reference, beside the cache's
-  return c;
-}
-
 void Graph::ClearAutocastCache() {
   for (auto& [param, cast] : cast_cache_) Drop(cast);
   cast_cache_.clear();

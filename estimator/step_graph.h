@@ -170,10 +170,13 @@ class Graph {
   DT autocast_dtype() const { return autocast_dt_; }
   T CastWeight(T param, DT dt, bool view = false);
   // A non-parameter leaf that requires grad (the frozen embedding's output made to require it):
-  // autocast's cached_cast caches its casts as it does a weight's. AutocastCast casts x (to the
-  // autocast dtype) through that cache when x is such a leaf, else anew.
+  // autocast's cached_cast caches its casts as it does a weight's. Leaf(x) is the marked leaf x
+  // refers to, for CastWeight, or none.
   void MarkLeaf(T t) { leaves_.insert(Root(t.id)); }
-  T AutocastCast(T x, DT dt);
+  T Leaf(T x) const {
+    const int root = Root(x.id);
+    return leaves_.count(root) > 0 && tensors_[static_cast<size_t>(x.id)].rg ? T{root} : T{};
+  }
   void ClearAutocastCache();
 
   // FSDPMemTracker counts a parameter's unsharded gradient as a temporary until its unit's

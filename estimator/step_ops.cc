@@ -26,7 +26,8 @@ T Cast(Graph& g, T x, DT dt) {
 T AutocastIn(Graph& g, T x) {
   if (!g.autocast() || !(g.Dtype(x) == DT::kF32 || Half(g.Dtype(x)))) return g.Alias(x);
   if (g.Dtype(x) == g.autocast_dtype()) return g.Alias(x);
-  return g.AutocastCast(x, g.autocast_dtype());
+  const T leaf = g.Leaf(x);
+  return leaf.ok() ? g.CastWeight(leaf, g.autocast_dtype()) : Cast(g, x, g.autocast_dtype());
 }
 
 T Fp32In(Graph& g, T x) {

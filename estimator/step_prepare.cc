@@ -505,7 +505,7 @@ void ModelRun::ChooseFamily() {
   }
   if (type == "gptj") fam_.layout = Family::Layout::kParallel;
   // OlmoDecoderLayer: Llama's block with OlmoLayerNorm, which has no parameters: the blocks'
-  // two norms and the final one are placeholders of the hidden width.
+  // two norms and the final one are norms of the hidden width with neither weight nor bias.
   if (type == "olmo") {
     fam_.norm = Family::NormKind::kLayerNoParams;
     const Norm none{T{}, T{}, static_cast<Wide>(a_.hidden)};
